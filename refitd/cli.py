@@ -1,0 +1,52 @@
+"""The ``refitd`` command line.
+
+Each subcommand lives in its own module, which exposes ``add_arguments(parser)``
+and ``run(args) -> int``. Command modules keep heavy imports (torch, ucxx) inside
+``run`` so that building the parser, and so ``refitd --help``, stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# name -> (module, one-line help). Add a line here to add a subcommand.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("refitd.demo", "run the main job end to end on loopback and verify it"),
+}
+
+# `refitd bench NAME`: name -> (module, one-line help).
+BENCHES: dict[str, tuple[str, str]] = {
+    "plan": ("refitd.bench.plan", "plan a DeepSeek-V3-shaped refit for two trainer layouts"),
+}
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="refitd",
+        description="refitd: planned, validated, zero-copy weight transfer.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    bench = sub.add_parser("bench", help="run a benchmark (prints ratios measured in one run)")
+    bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    for name, (module, help_text) in BENCHES.items():
+        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _build_parser().parse_args(argv)
+    code: int = importlib.import_module(args._module).run(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

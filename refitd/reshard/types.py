@@ -1,0 +1,103 @@
+"""Value types shared by every stage of the reshard planner.
+
+A *source* is one full trainer tensor (by name, in its global shape). Capture
+records, for every destination parameter, which view of which source the engine's
+loader copied and where the copy landed; the later stages turn those records into
+byte segments. Everything here is plain data: no I/O, no torch storage.
+
+Op chains use ModelExpress's encoding so plans port between the two projects: a
+chain is a tuple of ``(method_name, args, frozen_kwargs)`` applied left to right to
+the full source tensor, where ``frozen_kwargs`` is ``tuple(sorted(kwargs.items()))``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from refitd.errors import PlanError
+
+__all__ = [
+    "CaptureResult",
+    "OpChain",
+    "OpSpec",
+    "RecordedCopy",
+    "UnsupportedReshard",
+    "summarize_unsupported",
+]
+
+OpSpec = tuple[str, tuple[Any, ...], tuple[tuple[str, Any], ...]]
+"""One recorded op: ``(method name, positional args, sorted kwargs items)``."""
+
+OpChain = tuple[OpSpec, ...]
+"""Ops applied, in order, to the full source tensor to obtain what was copied."""
+
+
+class UnsupportedReshard(PlanError):
+    """A source's geometry cannot be planned exactly, so it must not be pulled.
+
+    Raised while capturing (an op outside the allow-list touched a placeholder, a
+    conversion synthesized a tensor) and by receivers that refuse a plan carrying
+    any unsupported or unattributed source. The message names the source and the
+    cause; never is a partial or approximate plan produced instead.
+    """
+
+
+@dataclass(frozen=True)
+class RecordedCopy:
+    """One ``dest.copy_(view_of_source)`` observed during capture.
+
+    ``dest_offset``, ``dest_shape`` and ``dest_stride`` are in *elements* of the
+    destination parameter's storage, exactly as ``Tensor.storage_offset()``,
+    ``.shape`` and ``.stride()`` reported them on the meta twin.
+    """
+
+    src_name: str
+    op_chain: OpChain
+    param_name: str
+    dest_offset: int
+    dest_shape: tuple[int, ...]
+    dest_stride: tuple[int, ...]
+    dest_dtype: torch.dtype
+
+
+@dataclass
+class CaptureResult:
+    """Everything a capture learned about a model's loaders.
+
+    ``unsupported`` lists source names (in manifest order) whose loader path could
+    not be recorded exactly; ``unsupported_reasons`` maps each to its cause.
+    ``unattributed`` counts ``copy_`` sinks that fired outside any stamped loader,
+    i.e. writes refitd could not tie to a parameter.
+    """
+
+    copies: list[RecordedCopy] = field(default_factory=list)
+    unsupported: list[str] = field(default_factory=list)
+    unattributed: int = 0
+    unsupported_reasons: dict[str, str] = field(default_factory=dict)
+
+
+# A cause message ends with the source it was raised for (" on lazy 'name' ...");
+# dropping that tail lets thousands of sources failing for one reason group as one.
+_SOURCE_TAIL = re.compile(r"\s+on lazy\s+'.*$", re.DOTALL)
+
+
+def _cause_of(reason: str) -> str:
+    return _SOURCE_TAIL.sub("", reason).strip()
+
+
+def summarize_unsupported(
+    reasons: dict[str, str], limit: int | None = 5
+) -> list[tuple[str, int]]:
+    """Group unsupported-source messages into ``(cause, count)``, most common first.
+
+    Ties keep the order in which a cause was first seen. ``limit`` caps the number
+    of causes returned; ``None`` returns all of them.
+    """
+    counts = Counter(_cause_of(reason) for reason in reasons.values())
+    ordered = sorted(counts.items(), key=lambda item: -item[1])  # stable: first-seen ties
+    return ordered if limit is None else ordered[:limit]
