@@ -1,0 +1,335 @@
+"""The daemon's pure state about sources: manifests, versions and leases.
+
+No I/O and no awaiting here: the HTTP layer calls these methods and turns the
+exceptions into status codes. Time comes from an injectable ``clock`` (seconds,
+monotonic) so lease expiry is tested without sleeping.
+
+Rules this class enforces:
+
+- a version is READY when every slot in ``range(expected_slots)`` has published;
+  when a version becomes READY, older versions of the same model are RETIRED;
+- a lease may be acquired only on a READY version; renewing or checking an expired
+  or unknown lease is a :class:`ConflictError` (the reader's view is stale);
+- publishing over a version that holds live leases is refused (:class:`ConflictError`):
+  readers may be mid-pull, and a rewrite would tear what they read;
+- the merged manifest of a READY version lists each distinct block of a tensor once,
+  however many slots hold a replica of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import msgspec
+
+from refitd.daemon.schemas import (
+    LeaseGrant,
+    ManifestIn,
+    MergedManifest,
+    ShardEntry,
+    TensorEntry,
+    VersionInfo,
+    VersionState,
+)
+from refitd.errors import ConflictError, NotFoundError, ProtocolError
+
+__all__ = ["DTYPE_SIZES", "Lease", "Registry", "check_manifest_bounds"]
+
+Clock = Callable[[], float]
+
+# Byte size per element of every dtype a manifest may name (torch spelling).
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
+
+
+def _prod(xs: tuple[int, ...]) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def check_manifest_bounds(m: ManifestIn, region_sizes: Mapping[str, int]) -> None:
+    """Refuse a manifest whose shards fall outside their tensor or their region.
+
+    ``region_sizes`` maps region id to its size in bytes. Raises
+    :class:`ProtocolError` (unknown dtype, shard outside the global shape) or
+    :class:`NotFoundError` (unknown region) naming the tensor and shard.
+    """
+    for t in m.tensors:
+        size = DTYPE_SIZES.get(t.dtype)
+        if size is None:
+            raise ProtocolError(f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
+        for i, s in enumerate(t.shards):
+            if len(s.offset) != len(t.shape) or len(s.shape) != len(t.shape):
+                raise ProtocolError(
+                    f"tensor {t.name!r} shard {i}: offset {s.offset} / shape {s.shape} do not "
+                    f"match the tensor's rank {len(t.shape)}"
+                )
+            for d, (o, n, g) in enumerate(zip(s.offset, s.shape, t.shape, strict=True)):
+                if o < 0 or n < 0 or o + n > g:
+                    raise ProtocolError(
+                        f"tensor {t.name!r} shard {i}: dim {d} covers [{o}, {o + n}) outside "
+                        f"the global extent {g}"
+                    )
+            rsize = region_sizes.get(s.region)
+            if rsize is None:
+                raise NotFoundError(f"tensor {t.name!r} shard {i}: unknown region {s.region!r}")
+            end = s.byte_offset + _prod(s.shape) * size
+            if end > rsize:
+                raise ProtocolError(
+                    f"tensor {t.name!r} shard {i}: bytes [{s.byte_offset}, {end}) overrun region "
+                    f"{s.region!r} of {rsize} bytes"
+                )
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    model: str
+    version: int
+    expires_at: float
+    holder: str = ""
+
+
+@dataclass
+class _Version:
+    model: str
+    version: int
+    expected_slots: int
+    slots: dict[int, ManifestIn] = field(default_factory=dict)
+    state: VersionState = VersionState.PENDING
+    merged: MergedManifest | None = None
+    merged_bytes: bytes | None = None
+
+
+class Registry:
+    """Manifests, versions and leases for every model this daemon serves.
+
+    ``node_id``/``epoch`` are stamped into merged manifests so readers know which
+    daemon (and which incarnation of it) holds the regions.
+    """
+
+    def __init__(self, node_id: str, epoch: int, clock: Clock = time.monotonic) -> None:
+        self.node_id = node_id
+        self.epoch = epoch
+        self._clock = clock
+        self._versions: dict[tuple[str, int], _Version] = {}
+        self._leases: dict[str, Lease] = {}
+        self._seq = itertools.count(1)
+
+    # ------------------------------------------------------------ publishing
+
+    def publish(self, m: ManifestIn) -> VersionInfo:
+        """Record one slot's manifest; returns the version's state after it.
+
+        Refused with :class:`ConflictError` if the version holds live leases, or the
+        slot disagrees with slots already published on ``expected_slots``, or on a
+        tensor's shape or dtype; :class:`ProtocolError` if ``slot`` is out of range.
+        """
+        key = (m.model, m.version)
+        if m.slot >= m.expected_slots:
+            raise ProtocolError(
+                f"slot {m.slot} is outside range({m.expected_slots}) of expected slots"
+            )
+        live = self.active_leases(m.model, m.version)
+        if live:
+            raise ConflictError(
+                f"publishing over {m.model!r} version {m.version} refused: {len(live)} live "
+                "lease(s); wait for them to drain"
+            )
+        v = self._versions.get(key)
+        if v is None or v.state is VersionState.RETIRED:
+            v = _Version(m.model, m.version, m.expected_slots)
+            self._versions[key] = v
+        elif v.expected_slots != m.expected_slots:
+            raise ConflictError(
+                f"{m.model!r} version {m.version}: slot {m.slot} expects {m.expected_slots} "
+                f"slots, earlier slots said {v.expected_slots}"
+            )
+        self._check_agreement(v, m)
+        v.slots[m.slot] = m
+        v.merged = v.merged_bytes = None
+        if len(v.slots) == v.expected_slots:
+            v.state = VersionState.READY
+            for (model, version), other in self._versions.items():
+                if model == m.model and version < m.version:
+                    other.state = VersionState.RETIRED
+        else:
+            v.state = VersionState.PENDING
+        return self._info(v)
+
+    @staticmethod
+    def _check_agreement(v: _Version, m: ManifestIn) -> None:
+        known: dict[str, tuple[tuple[int, ...], str]] = {}
+        for slot, other in v.slots.items():
+            if slot == m.slot:
+                continue
+            for t in other.tensors:
+                known.setdefault(t.name, (t.shape, t.dtype))
+        for t in m.tensors:
+            seen = known.get(t.name)
+            if seen is not None and seen != (t.shape, t.dtype):
+                raise ConflictError(
+                    f"tensor {t.name!r}: slot {m.slot} publishes shape {t.shape} {t.dtype}, "
+                    f"other slots published {seen[0]} {seen[1]}"
+                )
+
+    # ------------------------------------------------------------ reading
+
+    def _get(self, model: str, version: int) -> _Version:
+        v = self._versions.get((model, version))
+        if v is None:
+            raise NotFoundError(f"no version {version} of model {model!r}")
+        return v
+
+    def _info(self, v: _Version) -> VersionInfo:
+        return VersionInfo(
+            model=v.model,
+            version=v.version,
+            state=v.state,
+            published_slots=sorted(v.slots),
+            expected_slots=v.expected_slots,
+            leases=len(self.active_leases(v.model, v.version)),
+        )
+
+    def versions(self, model: str | None = None) -> list[VersionInfo]:
+        """Every known version (of ``model``, if given), oldest first."""
+        return [
+            self._info(v)
+            for (mdl, _), v in sorted(self._versions.items())
+            if model is None or mdl == model
+        ]
+
+    def version(self, model: str, version: int) -> VersionInfo:
+        return self._info(self._get(model, version))
+
+    def latest_ready(self, model: str) -> int:
+        """The newest READY version of ``model``; :class:`NotFoundError` if none."""
+        ready = [
+            ver
+            for (mdl, ver), v in self._versions.items()
+            if mdl == model and v.state is VersionState.READY
+        ]
+        if not ready:
+            raise NotFoundError(f"model {model!r} has no READY version")
+        return max(ready)
+
+    def _require_ready(self, model: str, version: int) -> _Version:
+        v = self._get(model, version)
+        if v.state is not VersionState.READY:
+            raise ConflictError(
+                f"{model!r} version {version} is {v.state.value}, not ready: "
+                + (
+                    f"published slots {sorted(v.slots)} of {v.expected_slots}"
+                    if v.state is VersionState.PENDING
+                    else "a newer version replaced it"
+                )
+            )
+        return v
+
+    def merged(self, model: str, version: int) -> MergedManifest:
+        """The READY version's tensors with replicated blocks listed once (cached)."""
+        v = self._require_ready(model, version)
+        if v.merged is None:
+            v.merged = self._merge(v)
+        return v.merged
+
+    def merged_bytes(self, model: str, version: int) -> bytes:
+        """:meth:`merged` encoded as msgpack once, so repeated fetches cost no encoding."""
+        v = self._require_ready(model, version)
+        if v.merged_bytes is None:
+            v.merged_bytes = msgspec.msgpack.encode(self.merged(model, version))
+        return v.merged_bytes
+
+    def _merge(self, v: _Version) -> MergedManifest:
+        order: dict[str, tuple[tuple[int, ...], str]] = {}
+        shards: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], ShardEntry]] = {}
+        for slot in sorted(v.slots):
+            for t in v.slots[slot].tensors:
+                order.setdefault(t.name, (t.shape, t.dtype))
+                blocks = shards.setdefault(t.name, {})
+                for s in t.shards:
+                    # A replica is the same block at the same global offset; keep the
+                    # lowest slot's copy so the merge is deterministic.
+                    blocks.setdefault((s.offset, s.shape), s)
+        tensors = [
+            TensorEntry(name, shape, dtype, list(shards[name].values()))
+            for name, (shape, dtype) in order.items()
+        ]
+        return MergedManifest(v.model, v.version, self.node_id, self.epoch, tensors)
+
+    # ------------------------------------------------------------ leases
+
+    def active_leases(self, model: str, version: int) -> list[Lease]:
+        now = self._clock()
+        return [
+            lease
+            for lease in self._leases.values()
+            if lease.model == model and lease.version == version and lease.expires_at > now
+        ]
+
+    def next_expiry(self, model: str, version: int) -> float | None:
+        """Seconds from now until the next live lease on the version expires, or ``None``."""
+        live = self.active_leases(model, version)
+        if not live:
+            return None
+        return max(0.0, min(lease.expires_at for lease in live) - self._clock())
+
+    def acquire(self, model: str, version: int, ttl_s: float, holder: str = "") -> LeaseGrant:
+        """Lease a READY version for ``ttl_s`` seconds."""
+        self._require_ready(model, version)
+        self._drop_expired()
+        lease_id = f"l{next(self._seq)}-{secrets.token_hex(6)}"
+        lease = Lease(lease_id, model, version, self._clock() + ttl_s, holder)
+        self._leases[lease_id] = lease
+        return LeaseGrant(lease_id, model, version, ttl_s)
+
+    def renew(self, lease_id: str, ttl_s: float) -> LeaseGrant:
+        """Extend a live lease to ``ttl_s`` from now; an expired one cannot be revived."""
+        lease = self._live(lease_id)
+        lease.expires_at = self._clock() + ttl_s
+        return LeaseGrant(lease_id, lease.model, lease.version, ttl_s)
+
+    def release(self, lease_id: str) -> None:
+        """Drop a lease (idempotent: releasing an expired or unknown lease is no error)."""
+        self._leases.pop(lease_id, None)
+
+    def check(self, lease_id: str, model: str, version: int) -> Lease:
+        """The live lease ``lease_id`` on exactly ``(model, version)``, else ConflictError."""
+        lease = self._live(lease_id)
+        if (lease.model, lease.version) != (model, version):
+            raise ConflictError(
+                f"lease {lease_id!r} is on {lease.model!r} version {lease.version}, not "
+                f"{model!r} version {version}"
+            )
+        return lease
+
+    def _live(self, lease_id: str) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise ConflictError(f"lease {lease_id!r} is unknown or was released")
+        if lease.expires_at <= self._clock():
+            raise ConflictError(f"lease {lease_id!r} on {lease.model!r} v{lease.version} expired")
+        return lease
+
+    def _drop_expired(self) -> None:
+        now = self._clock()
+        for lease_id in [k for k, v in self._leases.items() if v.expires_at <= now]:
+            del self._leases[lease_id]

@@ -1,0 +1,311 @@
+"""Wire schemas of HTTP API v1, declared once.
+
+Every request and response body the daemon accepts or returns is a msgspec Struct
+here. Handlers decode with these types (so validation is the decode), the client
+encodes with them, and the OpenAPI document is generated from them.
+
+Units: every ``*_offset``, ``nbytes`` and ``byte_offset`` is in **bytes**; every
+``shape`` and tensor ``offset`` is in **elements** of the tensor's global shape.
+
+Bulk descriptor payloads are not JSON lists of dicts: a :class:`DescriptorTable`
+carries one little-endian int64 matrix of shape ``(n, 5)`` as raw bytes, sent inside
+a msgpack body (``application/msgpack``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Literal
+
+import msgspec
+import numpy as np
+
+from refitd.errors import ProtocolError
+
+__all__ = [
+    "API_PREFIX",
+    "MSGPACK",
+    "DescriptorTable",
+    "ErrorBody",
+    "LeaseGrant",
+    "LeaseRequest",
+    "ManifestIn",
+    "MergedManifest",
+    "NodeInfo",
+    "PackSpec",
+    "PeerRecord",
+    "PullProgress",
+    "PullRequest",
+    "PullState",
+    "RegionAttach",
+    "RegionCreate",
+    "RegionInfo",
+    "RegionKind",
+    "ShardEntry",
+    "TensorEntry",
+    "VersionInfo",
+    "VersionState",
+]
+
+API_PREFIX = "/v1"
+MSGPACK = "application/msgpack"
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+
+class ErrorBody(msgspec.Struct, frozen=True):
+    """Every refusal: ``error`` is the RefitError class name, ``detail`` says what and why."""
+
+    error: str
+    detail: str
+
+
+class NodeInfo(msgspec.Struct, frozen=True):
+    """Identity of one daemon. ``epoch`` changes on every start, so a peer can tell a
+    restarted daemon (whose regions and keys are gone) from the one it knew."""
+
+    node_id: str
+    epoch: int
+    transport: str
+    worker_info: dict[str, str] = {}
+    version: str = "1"
+
+
+# ---------------------------------------------------------------- regions
+
+
+class RegionKind(enum.StrEnum):
+    SHM = "shm"
+    CUDA_IPC = "cuda_ipc"
+
+
+class RegionCreate(msgspec.Struct, frozen=True):
+    """Ask the daemon to create (own) a region of ``nbytes`` for a client."""
+
+    nbytes: NonNeg
+    kind: RegionKind = RegionKind.SHM
+    owner: str = ""
+    label: str = ""
+
+
+class RegionAttach(msgspec.Struct, frozen=True):
+    """Ask the daemon to attach a region a client created: for ``shm`` ``handle`` is the
+    segment name; for ``cuda_ipc`` it is the hex IPC handle (refused without a GPU)."""
+
+    handle: Name
+    nbytes: NonNeg
+    kind: RegionKind = RegionKind.SHM
+    owner: str = ""
+    label: str = ""
+
+
+class RegionInfo(msgspec.Struct, frozen=True):
+    """The daemon's record of a region: what every descriptor is checked against."""
+
+    region_id: str
+    kind: RegionKind
+    handle: str
+    nbytes: int
+    epoch: int
+    owner: str = ""
+    label: str = ""
+    daemon_owned: bool = False
+
+
+# ---------------------------------------------------------------- sources
+
+
+class ShardEntry(msgspec.Struct, frozen=True, array_like=True):
+    """One block of a full tensor held in a region: ``offset``/``shape`` in elements of the
+    global tensor, the block stored C-contiguous at ``byte_offset`` of ``region``."""
+
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    region: str
+    byte_offset: NonNeg
+
+
+class TensorEntry(msgspec.Struct, frozen=True, array_like=True):
+    """A full tensor by name: global shape, dtype (torch name, e.g. ``"bfloat16"``), shards."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    shards: list[ShardEntry]
+
+
+class ManifestIn(msgspec.Struct, frozen=True):
+    """What one publisher slot publishes for ``(model, version)``.
+
+    A version becomes READY once every slot in ``range(expected_slots)`` has published;
+    every slot of one version must agree on ``expected_slots`` and on each tensor's
+    global shape and dtype.
+    """
+
+    model: Name
+    version: NonNeg
+    slot: NonNeg
+    expected_slots: Positive
+    tensors: list[TensorEntry]
+
+
+class VersionState(enum.StrEnum):
+    PENDING = "pending"
+    READY = "ready"
+    RETIRED = "retired"
+
+
+class VersionInfo(msgspec.Struct, frozen=True):
+    model: str
+    version: int
+    state: VersionState
+    published_slots: list[int]
+    expected_slots: int
+    leases: int
+
+
+class MergedManifest(msgspec.Struct, frozen=True):
+    """A READY version's tensors, replicas removed (one shard per distinct block).
+
+    ``node_id``/``epoch`` name the daemon holding every listed region, so a receiver's
+    daemon knows whom to read from and can detect that daemon restarting.
+    """
+
+    model: str
+    version: int
+    node_id: str
+    epoch: int
+    tensors: list[TensorEntry]
+
+
+# ---------------------------------------------------------------- leases
+
+
+class LeaseRequest(msgspec.Struct, frozen=True):
+    model: Name
+    version: NonNeg
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+    holder: str = ""
+
+
+class LeaseGrant(msgspec.Struct, frozen=True):
+    """A lease on one version; ``expires_in_s`` is relative to when the daemon answered."""
+
+    lease_id: str
+    model: str
+    version: int
+    expires_in_s: float
+
+
+# ---------------------------------------------------------------- pulls
+
+
+class DescriptorTable(msgspec.Struct, frozen=True):
+    """``n`` region-relative reads, packed.
+
+    ``table`` is ``n * 5`` little-endian int64 values, row-major: ``(src_region_index,
+    src_offset, dst_region_index, dst_offset, nbytes)``, the indices into
+    ``src_regions`` / ``dst_regions``. Offsets and sizes are bytes.
+    """
+
+    src_regions: list[str]
+    dst_regions: list[str]
+    table: bytes
+
+    @staticmethod
+    def pack(src_regions: list[str], dst_regions: list[str], rows: np.ndarray) -> DescriptorTable:
+        arr = np.ascontiguousarray(rows, dtype="<i8").reshape(-1, 5)
+        return DescriptorTable(list(src_regions), list(dst_regions), arr.tobytes())
+
+    def rows(self) -> np.ndarray:
+        """The ``(n, 5)`` int64 matrix; refuses a payload that is not whole rows."""
+        if len(self.table) % 40:
+            raise ProtocolError(
+                f"descriptor table of {len(self.table)} bytes is not a whole number of "
+                "40-byte rows (5 little-endian int64 each)"
+            )
+        return np.frombuffer(self.table, dtype="<i8").reshape(-1, 5)
+
+    def __len__(self) -> int:
+        return len(self.table) // 40
+
+
+class PackSpec(msgspec.Struct, frozen=True, array_like=True):
+    """A strided block the *source* daemon packs contiguous into staging, then the
+    destination reads in one descriptor landing at ``dst_offset`` of ``dst_region``.
+
+    ``src_offset`` is the byte offset of the first element; ``shape`` in elements,
+    ``strides`` in **elements**; ``itemsize`` in bytes.
+    """
+
+    src_region: str
+    src_offset: NonNeg
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: Positive
+    dst_region: str
+    dst_offset: NonNeg
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+class PullRequest(msgspec.Struct, frozen=True):
+    """Move bytes into this daemon's regions from ``source`` (a peer daemon's base URL,
+    or ``""`` for this daemon itself), reading version ``version`` of ``model`` under
+    ``lease_id`` (held at the source). Nothing moves until every descriptor and pack
+    spec has been checked against both daemons' region records."""
+
+    model: Name
+    version: NonNeg
+    lease_id: Name
+    descriptors: DescriptorTable
+    pack_specs: list[PackSpec] = []
+    source: str = ""
+
+
+class PullState(enum.StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class PullProgress(msgspec.Struct, frozen=True):
+    """Progress or result of a pull. ``suspect`` lists ``(dst_region, dst_offset, nbytes)``
+    ranges that may hold partial bytes after a failure or cancel."""
+
+    pull_id: str
+    state: PullState
+    bytes_total: int
+    bytes_done: int
+    descriptors_total: int
+    descriptors_done: int
+    seconds: float
+    rate_gbps: float
+    error: ErrorBody | None = None
+    suspect: list[tuple[str, int, int]] = []
+
+
+# ---------------------------------------------------------------- peers
+
+
+class PeerRecord(msgspec.Struct, frozen=True):
+    """What one daemon tells another about a region it may read: only ever exchanged
+    daemon to daemon. ``transport_key`` is the transport's advertised (packed) record,
+    opaque here; for the shared-memory path it is the segment name."""
+
+    node_id: str
+    epoch: int
+    region: RegionInfo
+    transport_key: bytes = b""
+
+
+Health = Literal["ok"]

@@ -1,0 +1,169 @@
+"""The daemon's pure state: versions, merged manifests, leases, bounds checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from refitd.daemon.regions import validate_descriptors, validate_pack_specs
+from refitd.daemon.registry import Registry, check_manifest_bounds
+from refitd.daemon.schemas import (
+    DescriptorTable,
+    ManifestIn,
+    PackSpec,
+    ShardEntry,
+    TensorEntry,
+    VersionState,
+)
+from refitd.errors import ConflictError, NotFoundError, ProtocolError
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def manifest(version: int, slot: int, slots: int = 2, rows: int = 4) -> ManifestIn:
+    # Each slot holds rows [slot*2, slot*2+2) of w, and a full replica of b.
+    w = TensorEntry("w", (rows, 3), "float32", [ShardEntry((slot * 2, 0), (2, 3), "r", 0)])
+    b = TensorEntry("b", (3,), "float32", [ShardEntry((0,), (3,), f"r{slot}", 0)])
+    return ManifestIn("toy", version, slot, slots, [w, b])
+
+
+@pytest.fixture
+def reg() -> tuple[Registry, FakeClock]:
+    clock = FakeClock()
+    return Registry("node", 1, clock), clock
+
+
+def test_a_version_is_pending_until_every_slot_published(reg):
+    r, _ = reg
+    assert r.publish(manifest(1, 0)).state is VersionState.PENDING
+    with pytest.raises(ConflictError, match="pending"):
+        r.merged("toy", 1)
+    assert r.publish(manifest(1, 1)).state is VersionState.READY
+
+
+def test_merged_manifest_lists_each_replicated_block_once(reg):
+    r, _ = reg
+    r.publish(manifest(1, 0))
+    r.publish(manifest(1, 1))
+    merged = {t.name: t for t in r.merged("toy", 1).tensors}
+    assert [s.offset for s in merged["w"].shards] == [(0, 0), (2, 0)]
+    assert [s.region for s in merged["b"].shards] == ["r0"]  # lowest slot's replica kept
+
+
+def test_a_newer_ready_version_retires_older_ones(reg):
+    r, _ = reg
+    for v in (1, 2):
+        r.publish(manifest(v, 0))
+        r.publish(manifest(v, 1))
+    assert r.version("toy", 1).state is VersionState.RETIRED
+    assert r.latest_ready("toy") == 2
+    with pytest.raises(ConflictError, match="newer version"):
+        r.acquire("toy", 1, 10.0)
+
+
+def test_slots_that_disagree_on_a_tensor_shape_are_refused(reg):
+    r, _ = reg
+    r.publish(manifest(1, 0, rows=4))
+    with pytest.raises(ConflictError, match="'w'"):
+        r.publish(manifest(1, 1, rows=6))
+
+
+def test_publishing_over_a_leased_version_is_refused_until_the_lease_expires(reg):
+    r, clock = reg
+    r.publish(manifest(1, 0))
+    r.publish(manifest(1, 1))
+    grant = r.acquire("toy", 1, 5.0)
+    with pytest.raises(ConflictError, match="live lease"):
+        r.publish(manifest(1, 0))
+    assert r.next_expiry("toy", 1) == pytest.approx(5.0)
+    clock.now += 5.0
+    assert r.active_leases("toy", 1) == []
+    with pytest.raises(ConflictError, match="expired"):
+        r.check(grant.lease_id, "toy", 1)
+    r.publish(manifest(1, 0))
+
+
+def test_a_renewed_lease_outlives_its_first_ttl_and_a_released_one_is_gone(reg):
+    r, clock = reg
+    r.publish(manifest(1, 0, slots=1))
+    g = r.acquire("toy", 1, 5.0)
+    clock.now += 4.0
+    r.renew(g.lease_id, 5.0)
+    clock.now += 4.0
+    assert r.check(g.lease_id, "toy", 1).lease_id == g.lease_id
+    r.release(g.lease_id)
+    with pytest.raises(ConflictError, match="unknown or was released"):
+        r.check(g.lease_id, "toy", 1)
+
+
+def test_a_lease_on_one_version_does_not_authorise_another(reg):
+    r, _ = reg
+    r.publish(manifest(1, 0, slots=1))
+    g = r.acquire("toy", 1, 5.0)
+    with pytest.raises(ConflictError, match="not 'toy' version 2"):
+        r.check(g.lease_id, "toy", 2)
+
+
+def test_leasing_an_unknown_version_is_not_found(reg):
+    r, _ = reg
+    with pytest.raises(NotFoundError):
+        r.acquire("toy", 9, 5.0)
+
+
+def test_a_shard_overrunning_its_region_is_refused_naming_it():
+    m = manifest(1, 0)
+    with pytest.raises(ProtocolError, match="'w' shard 0"):
+        check_manifest_bounds(m, {"r": 20, "r0": 12})
+    check_manifest_bounds(m, {"r": 24, "r0": 12})
+    with pytest.raises(NotFoundError, match="'r0'"):
+        check_manifest_bounds(m, {"r": 24})
+
+
+def table(rows: list[list[int]]) -> DescriptorTable:
+    return DescriptorTable.pack(["s"], ["d"], np.array(rows, dtype=np.int64).reshape(-1, 5))
+
+
+def test_descriptors_inside_both_regions_pass_including_zero_length_at_the_end():
+    rows = validate_descriptors(table([[0, 0, 0, 0, 8], [0, 16, 0, 8, 0]]), {"s": 16}, {"d": 8})
+    assert rows.shape == (2, 5)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [0, 12, 0, 0, 8],  # source overrun
+        [0, 0, 0, 4, 8],  # destination overrun
+        [0, -1, 0, 0, 1],  # negative offset
+        [0, 0, 0, 0, -1],  # negative size
+        [1, 0, 0, 0, 1],  # region index out of range
+        [0, 2**62, 0, 0, 2**62],  # offset + size past int64 range
+    ],
+)
+def test_the_first_bad_descriptor_is_refused_by_index(bad):
+    with pytest.raises(ProtocolError, match="descriptor 1 refused"):
+        validate_descriptors(table([[0, 0, 0, 0, 4], bad]), {"s": 16}, {"d": 8})
+
+
+def test_a_descriptor_naming_an_unknown_region_is_not_found():
+    with pytest.raises(NotFoundError, match="'s'"):
+        validate_descriptors(table([[0, 0, 0, 0, 1]]), {}, {"d": 8})
+
+
+def test_a_truncated_descriptor_payload_is_refused():
+    with pytest.raises(ProtocolError, match="40-byte rows"):
+        DescriptorTable(["s"], ["d"], b"\0" * 41).rows()
+
+
+def test_a_pack_spec_whose_strided_span_leaves_the_source_is_refused():
+    ok = PackSpec("s", 0, (2, 2), (4, 1), 4, "d", 0)  # rows 0..1, cols 0..1 of a 2x4 f32
+    validate_pack_specs([ok], {"s": 32}, {"d": 16})
+    with pytest.raises(ProtocolError, match="pack spec 0"):
+        validate_pack_specs([PackSpec("s", 8, (2, 2), (4, 1), 4, "d", 0)], {"s": 24}, {"d": 16})
+    with pytest.raises(ProtocolError, match="destination"):
+        validate_pack_specs([ok], {"s": 32}, {"d": 15})
