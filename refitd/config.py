@@ -1,0 +1,381 @@
+"""The daemon's configuration: one schema, declared once, loaded strictly.
+
+A :class:`Config` is built from four layers, each overriding the one before it:
+
+    1. the defaults declared below (and documented in ``config/refitd.toml``);
+    2. the TOML file (``--config FILE``, else ``$REFITD_CONFIG``, else none);
+    3. environment variables ``REFITD_<SECTION>_<KEY>``, e.g. ``REFITD_SERVER_PORT=7071``;
+    4. command-line overrides, ``--set section.key=value`` (and the few dedicated flags
+       such as ``refitd serve --port``), which win over everything.
+
+Unknown sections and keys are refused, in the file, in ``REFITD_<SECTION>_...``
+variables and in ``--set``: a typo never silently falls back to a default. Every
+refusal is a :class:`~refitd.errors.ConfigError` whose message names the key
+(``server.port``), where the value came from, and the form that was expected.
+
+Units are in the key names: ``*_bytes`` are bytes, ``*_s`` are seconds.
+
+Integration: the daemon calls ``load_config(path, os.environ, overrides)`` once at
+start-up and passes the frozen :class:`Config` around; nothing re-reads the file.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from refitd.errors import ConfigError
+
+__all__ = [
+    "ENV_CONFIG_PATH",
+    "ENV_PREFIX",
+    "Config",
+    "DataPlaneConfig",
+    "LeasesConfig",
+    "LoggingConfig",
+    "MetricsConfig",
+    "PullsConfig",
+    "ServerConfig",
+    "env_name",
+    "is_loopback_host",
+    "load_config",
+    "parse_overrides",
+]
+
+ENV_PREFIX = "REFITD_"
+#: Names the config file when no path is passed to :func:`load_config`.
+ENV_CONFIG_PATH = "REFITD_CONFIG"
+
+_MiB = 1 << 20
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535, description="a TCP port, 0..65535")]
+Bytes = Annotated[int, msgspec.Meta(ge=0, description="a byte count (integer >= 0)")]
+PositiveBytes = Annotated[int, msgspec.Meta(ge=1, description="a byte count (integer >= 1)")]
+Seconds = Annotated[float, msgspec.Meta(gt=0, description="seconds (number > 0)")]
+GraceSeconds = Annotated[float, msgspec.Meta(ge=0, description="seconds (number >= 0)")]
+Count = Annotated[int, msgspec.Meta(ge=1, description="a count (integer >= 1)")]
+Uid = Annotated[int, msgspec.Meta(ge=0, description="a numeric user id")]
+
+
+# Every section is frozen, keyword-only and refuses unknown keys. (Spelled out on each
+# class rather than inherited: mypy reads inherited Struct options as non-frozen.)
+_Section = msgspec.Struct
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The HTTP control plane: where it listens and who may talk to it."""
+
+    #: Address of the TCP listener. Anything but loopback needs ``token_file``.
+    host: str = "127.0.0.1"
+    #: TCP port; 0 asks the kernel for a free one (tests).
+    port: Port = 7070
+    #: Also listen on this Unix socket path; peers are checked by uid (SO_PEERCRED).
+    unix_socket: str | None = None
+    #: Uids allowed on the Unix socket besides root and the daemon's own uid.
+    allowed_uids: tuple[Uid, ...] = ()
+    #: File of bearer tokens, one per line (``NAME TOKEN`` or ``TOKEN``); mode 0600.
+    token_file: str | None = None
+    #: Requests with a larger body are refused with 413 before they are read.
+    max_request_bytes: PositiveBytes = 64 * _MiB
+
+
+class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How bytes move between regions."""
+
+    #: ``ucx`` (one-sided GET), ``local`` (same-process copy) or ``reference`` (memmove).
+    transport: Literal["ucx", "local", "reference"] = "ucx"
+    #: Directory for shared-memory region segments.
+    shm_dir: str = "/dev/shm"
+    #: Bytes of staging memory the daemon allocates for pulls that need a safe point.
+    staging_bytes: Bytes = 256 * _MiB
+
+
+class LeasesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Leases receivers hold on the versions they read."""
+
+    #: TTL of a lease whose request names none.
+    default_ttl_s: Seconds = 30.0
+    #: Longest TTL a lease may ask for; longer requests are refused.
+    max_ttl_s: Seconds = 600.0
+
+
+class PullsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Pull execution and shutdown."""
+
+    #: Pulls executed at once; more wait their turn.
+    max_concurrent: Count = 4
+    #: On shutdown, how long in-flight pulls may finish before they are cancelled.
+    shutdown_grace_s: GraceSeconds = 10.0
+
+
+class LoggingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Log output (stderr; journald picks it up under systemd)."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    #: One JSON object per line instead of human-readable text.
+    json: bool = False
+
+
+class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Prometheus metrics."""
+
+    #: Serve ``GET /metrics``.
+    enabled: bool = True
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The whole configuration. Build it with :func:`load_config`."""
+
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    data_plane: DataPlaneConfig = msgspec.field(default_factory=DataPlaneConfig)
+    leases: LeasesConfig = msgspec.field(default_factory=LeasesConfig)
+    pulls: PullsConfig = msgspec.field(default_factory=PullsConfig)
+    logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+
+    def __post_init__(self) -> None:
+        # Cross-field rules; each names the keys involved.
+        if self.leases.default_ttl_s > self.leases.max_ttl_s:
+            raise ConfigError(
+                f"leases.default_ttl_s ({self.leases.default_ttl_s}) exceeds "
+                f"leases.max_ttl_s ({self.leases.max_ttl_s}); expected default <= max"
+            )
+        if not is_loopback_host(self.server.host) and self.server.token_file is None:
+            raise ConfigError(
+                f"server.host is {self.server.host!r}, which is not loopback, and "
+                "server.token_file is unset; expected a bearer-token file path "
+                "(refusing to serve a non-loopback address unauthenticated)"
+            )
+
+
+def is_loopback_host(host: str) -> bool:
+    """True when ``host`` names only this machine (``localhost``, 127/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _sections() -> dict[str, type[_Section]]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in msgspec.structs.fields(Config)}
+
+
+def _field_types(section: type[_Section]) -> dict[str, Any]:
+    hints = typing.get_type_hints(section, include_extras=True)
+    return {f.name: hints[f.name] for f in msgspec.structs.fields(section)}
+
+
+def env_name(section: str, key: str) -> str:
+    """The environment variable that overrides ``section.key``."""
+    return f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
+
+
+def _describe(tp: Any) -> str:
+    """The expected form of a value of type ``tp``, for error messages."""
+    if typing.get_origin(tp) is Annotated:
+        base, *extras = typing.get_args(tp)
+        for meta in extras:
+            if isinstance(meta, msgspec.Meta) and meta.description:
+                return str(meta.description)
+        return _describe(base)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (types.UnionType, typing.Union):
+        parts = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_describe(a) for a in parts) + " (or unset)"
+    if origin in (list, tuple):
+        item = _describe(typing.get_args(tp)[0]).removeprefix("a ").removeprefix("an ")
+        return f"a list of {item}s"
+    return {str: "a string", bool: "true or false", int: "an integer", float: "a number"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _is_list(tp: Any) -> bool:
+    if typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    return typing.get_origin(tp) in (list, tuple)
+
+
+def _is_optional(tp: Any) -> bool:
+    return typing.get_origin(tp) in (types.UnionType, typing.Union) and type(
+        None
+    ) in typing.get_args(tp)
+
+
+def _coerce_text(key: str, text: str, tp: Any, source: str) -> Any:
+    """Convert an override given as text (env, command line) to the field's type."""
+    if text == "" and _is_optional(tp):
+        return None
+    raw: Any = [p.strip() for p in text.split(",") if p.strip()] if _is_list(tp) else text
+    try:
+        return msgspec.convert(raw, tp, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(
+            f"{key} = {text!r} (from {source}) is invalid: expected {_describe(tp)}"
+            f" ({_strip_path(str(exc))})"
+        ) from None
+
+
+def _strip_path(message: str) -> str:
+    return message.split(" - at `", 1)[0]
+
+
+_AT = re.compile(r" - at `\$((?:\.\w+|\[\d+\])*)`$")
+
+
+def _explain(exc: msgspec.ValidationError, origins: Mapping[str, str]) -> ConfigError:
+    """Turn msgspec's ``... - at `$.a.b``` into a message that leads with the key."""
+    message = str(exc)
+    match = _AT.search(message)
+    path = match.group(1).lstrip(".") if match else ""
+    reason = message[: match.start()] if match else message
+    unknown = re.match(r"Object contains unknown field `(\w+)`", reason)
+    sections = _sections()
+    if unknown:
+        key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        if path in sections:
+            known = ", ".join(_field_types(sections[path]))
+            expected = f"one of the keys of [{path}]: {known}"
+        else:
+            expected = "one of the sections " + ", ".join(f"[{s}]" for s in sections)
+        return ConfigError(
+            f"{key}: unknown key (from {origins.get(key, 'file')}); expected {expected}"
+        )
+    key = re.sub(r"\[\d+\]$", "", path)
+    section, _, name = key.partition(".")
+    expected = ""
+    if section in sections and name in _field_types(sections[section]):
+        expected = f"; expected {_describe(_field_types(sections[section])[name])}"
+    elif key in sections:
+        expected = f"; expected a table [{key}]"
+    return ConfigError(f"{key or 'config'}: {reason} (from {origins.get(key, 'file')}){expected}")
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, str]:
+    """Parse ``--set section.key=value`` items into ``{"section.key": "value"}``."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise ConfigError(f"--set {item!r}: expected the form section.key=value")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _apply(
+    merged: dict[str, Any],
+    origins: dict[str, str],
+    key: str,
+    value: Any,
+    source: str,
+) -> None:
+    sections = _sections()
+    section, _, name = key.partition(".")
+    if section not in sections:
+        raise ConfigError(
+            f"{key}: unknown section (from {source}); expected one of " + ", ".join(sections)
+        )
+    fields = _field_types(sections[section])
+    if name not in fields:
+        raise ConfigError(
+            f"{key}: unknown key (from {source}); expected one of the keys of "
+            f"[{section}]: " + ", ".join(fields)
+        )
+    if isinstance(value, str):
+        value = _coerce_text(key, value, fields[name], source)
+    table = merged.setdefault(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{section}: expected a table [{section}], got {type(table).__name__}")
+    table[name] = value
+    origins[key] = source
+
+
+def _env_overrides(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
+    """``REFITD_<SECTION>_<KEY>`` variables as ``(dotted key, value, variable)``.
+
+    Variables that start with a section's prefix but match no key are refused as
+    typos; other ``REFITD_*`` variables (``REFITD_CONFIG`` and any tool's own) are
+    not configuration and are left alone.
+    """
+    sections = _sections()
+    known = {
+        env_name(section, key): f"{section}.{key}"
+        for section, tp in sections.items()
+        for key in _field_types(tp)
+    }
+    # Longest prefix first so that e.g. DATA_PLANE_ is not read as a DATA section.
+    prefixes = sorted((f"{ENV_PREFIX}{s.upper()}_" for s in sections), key=len, reverse=True)
+    found: list[tuple[str, str, str]] = []
+    for var in sorted(env):
+        if var in known:
+            found.append((known[var], env[var], var))
+        elif any(var.startswith(p) for p in prefixes):
+            raise ConfigError(
+                f"environment variable {var} names no configuration key; expected one of "
+                + ", ".join(sorted(v for v in known if v.startswith(_longest(prefixes, var))))
+            )
+    return found
+
+
+def _longest(prefixes: list[str], var: str) -> str:
+    return next(p for p in prefixes if var.startswith(p))
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the configuration: defaults < file < environment < ``overrides``.
+
+    ``path`` is the TOML file; when None, ``env["REFITD_CONFIG"]`` names it, and
+    without that only defaults apply. ``env`` defaults to ``os.environ``; pass ``{}``
+    to ignore the environment. ``overrides`` maps dotted keys (``"server.port"``) to
+    values: typed values are used as they are, strings are converted like
+    environment values (so ``parse_overrides(args.set)`` can be passed directly).
+    Raises :class:`ConfigError` naming the key for any unknown key or invalid value.
+    """
+    env = os.environ if env is None else env
+    if path is None and env.get(ENV_CONFIG_PATH):
+        path = env[ENV_CONFIG_PATH]
+    merged: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+    if path is not None:
+        merged = _read_toml(Path(path))
+    for key, value, var in _env_overrides(env):
+        _apply(merged, origins, key, value, f"environment {var}")
+    for key, value in (overrides or {}).items():
+        _apply(merged, origins, key, value, "command line")
+    try:
+        return msgspec.convert(merged, Config)
+    except msgspec.ValidationError as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, ConfigError):  # raised by Config.__post_init__
+            raise ConfigError(str(cause)) from None
+        raise _explain(exc, origins) from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except PermissionError:
+        raise ConfigError(f"config file {path} is not readable by this user") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
