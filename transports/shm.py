@@ -1,0 +1,237 @@
+"""Shared-memory regions: POSIX segments under /dev/shm with owner-controlled lifetime.
+
+A segment is created by its *owner* and attached by name from any process of the
+same user. Names carry the owner's pid and process start time
+(``refitd.<pid>.<start>.<label>``), so `cleanup_stale` can tell a segment whose
+owner crashed from one whose owner is alive (a reused pid has another start time).
+
+- Exact size: the segment is exactly ``size`` bytes (no page rounding visible).
+- Permissions: created 0600; `attach` refuses a segment owned by another user or
+  readable by group/others.
+- Lifetime: only the owner unlinks; attachers just unmap. Closing while numpy or
+  torch views are alive unlinks but leaves the mapping to the garbage collector, so
+  a live view never points at unmapped memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import stat
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+import numpy as np
+import numpy.typing as npt
+
+from refitd.errors import ConflictError, NotFoundError, ProtocolError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SHM_DIR", "SharedSegment", "cleanup_stale", "owner_tag"]
+
+SHM_DIR = Path("/dev/shm")
+PREFIX = "refitd."
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot, or None if it is gone."""
+    try:
+        data = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22; the command name (field 2) may hold spaces, so split after its ')'.
+    return data.rsplit(")", 1)[1].split()[19]
+
+
+def owner_tag(pid: int | None = None) -> str:
+    """``<pid>.<start time>`` identifying a live process across pid reuse."""
+    pid = os.getpid() if pid is None else pid
+    return f"{pid}.{_start_time(pid)}"
+
+
+class SharedSegment:
+    """A mapped shared-memory segment. Use `create` or `attach`, not the constructor."""
+
+    def __init__(self, name: str, size: int, fd: int, owner: bool) -> None:
+        self._name = name
+        self._size = size
+        self.owner = owner
+        try:
+            self._mmap: mmap.mmap | None = mmap.mmap(
+                fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
+            )
+        finally:
+            os.close(fd)
+        self._base: npt.NDArray[np.uint8] | None = np.frombuffer(self._mmap, dtype=np.uint8)
+        self._address = int(self._base.ctypes.data)
+
+    # -- construction
+
+    @classmethod
+    def create(cls, size: int, label: str = "", *, name: str | None = None) -> SharedSegment:
+        """Create a new segment of exactly ``size`` bytes (≥ 1), zero-filled, mode 0600."""
+        if size < 1:
+            raise ProtocolError(f"shared segment refused: size {size} bytes; need at least 1")
+        if name is None:
+            safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in label)[:40]
+            name = f"{PREFIX}{owner_tag()}.{safe or 'seg'}-{secrets.token_hex(4)}"
+        _check_name(name)
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError as exc:
+            raise ConflictError(
+                f"shared segment {name!r} refused: a segment of that name exists"
+            ) from exc
+        try:
+            os.fchmod(fd, 0o600)  # the umask may only narrow it, but say it explicitly
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(SHM_DIR / name)
+            raise
+        return cls(name, size, fd, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, size: int | None = None) -> SharedSegment:
+        """Map an existing segment by name; ``size`` (bytes), when given, must match."""
+        _check_name(name)
+        try:
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError as exc:
+            raise NotFoundError(f"shared segment {name!r} not found") from exc
+        st = os.fstat(fd)
+        why = None
+        if st.st_uid != os.getuid():
+            why = f"it belongs to uid {st.st_uid}, not ours ({os.getuid()})"
+        elif st.st_mode & 0o077:
+            why = f"its mode {stat.filemode(st.st_mode)} lets other users in"
+        elif size is not None and st.st_size != size:
+            why = f"it holds {st.st_size} bytes, expected {size}"
+        elif st.st_size < 1:
+            why = "it is empty"
+        if why:
+            os.close(fd)
+            raise ProtocolError(f"attaching shared segment {name!r} refused: {why}")
+        return cls(name, st.st_size, fd, owner=False)
+
+    # -- properties
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def size(self) -> int:
+        """Exact size in bytes."""
+        return self._size
+
+    @property
+    def address(self) -> int:
+        """Base virtual address of the mapping in this process."""
+        if self._base is None:
+            raise ConflictError(f"shared segment {self._name!r} is closed")
+        return self._address
+
+    @property
+    def closed(self) -> bool:
+        return self._base is None
+
+    # -- views
+
+    def numpy(
+        self, dtype: npt.DTypeLike = np.uint8, offset: int = 0, count: int = -1
+    ) -> npt.NDArray[Any]:
+        """A writable view of ``count`` elements (all that fit if -1) at byte ``offset``."""
+        if self._base is None:
+            raise ConflictError(f"shared segment {self._name!r} is closed")
+        dt = np.dtype(dtype)
+        if offset < 0 or offset > self._size:
+            raise ProtocolError(
+                f"view of {self._name!r} refused: byte offset {offset} outside [0, {self._size}]"
+            )
+        if count < 0:
+            count = (self._size - offset) // dt.itemsize
+        if offset + count * dt.itemsize > self._size:
+            raise ProtocolError(
+                f"view of {self._name!r} refused: {count} x {dt.itemsize} bytes at offset {offset} "
+                f"end past its {self._size} bytes"
+            )
+        return self._base[offset : offset + count * dt.itemsize].view(dt)
+
+    def torch(self, dtype: torch.dtype, offset: int = 0, count: int = -1) -> torch.Tensor:
+        """A writable torch tensor of ``count`` elements at byte ``offset`` (shares memory)."""
+        import torch
+
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        arr = self.numpy(np.uint8, offset, count * itemsize if count >= 0 else -1)
+        usable = len(arr) - len(arr) % itemsize
+        return torch.frombuffer(memoryview(arr[:usable]), dtype=dtype)  # type: ignore[arg-type]
+
+    # -- lifetime
+
+    def close(self) -> None:
+        """Unmap (and, for the owner, unlink). Idempotent."""
+        if self._base is None:
+            return
+        self._base = None
+        if self.owner:
+            self.unlink()
+        assert self._mmap is not None
+        # Views still alive keep the mapping; it goes when the last one does.
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
+        self._mmap = None
+
+    def unlink(self) -> None:
+        """Remove the name (owner only); mappings stay valid until closed."""
+        if not self.owner:
+            raise ConflictError(f"unlinking {self._name!r} refused: only its owner may")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(SHM_DIR / self._name)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._base is None else f"{self._size} bytes"
+        return f"SharedSegment({self._name!r}, {state}, owner={self.owner})"
+
+
+def _check_name(name: str) -> None:
+    if not name or "/" in name or name in (".", "..") or len(name) > 200:
+        raise ProtocolError(f"shared segment name {name!r} refused: must be a plain file name")
+
+
+def cleanup_stale(prefix: str = PREFIX) -> list[str]:
+    """Unlink our user's segments whose owner process is gone; return their names.
+
+    A segment is stale when its name's ``<pid>.<start>`` no longer matches a live
+    process (the pid is gone, or was reused by a process started later).
+    """
+    removed = []
+    for path in SHM_DIR.glob(prefix + "*"):
+        parts = path.name[len(prefix) :].split(".")
+        if len(parts) < 3 or not parts[0].isdigit():
+            continue
+        try:
+            if path.lstat().st_uid != os.getuid():
+                continue
+        except FileNotFoundError:
+            continue
+        if _start_time(int(parts[0])) != parts[1]:
+            try:
+                path.unlink()
+                removed.append(path.name)
+            except FileNotFoundError:
+                pass
+    return removed
