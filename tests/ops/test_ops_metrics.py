@@ -1,0 +1,113 @@
+"""Prometheus metrics served by a real aiohttp app on loopback."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+from ops_helpers import error_middleware, serving
+from prometheus_client.parser import text_string_to_metric_families
+
+from refitd.daemon.metrics import METRICS_KEY, Metrics, PoolStats, StateSnapshot, setup_metrics
+from refitd.errors import ConflictError
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def ok(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
+async def stale(request: web.Request) -> web.Response:
+    raise ConflictError("version 3 of m was retired while you read it")
+
+
+def make_app() -> web.Application:
+    app = web.Application(middlewares=[error_middleware])
+    app.router.add_get("/v1/regions/{region_id}", ok)
+    app.router.add_post("/v1/stale", stale)
+    setup_metrics(app)
+    return app
+
+
+async def scrape(session: aiohttp.ClientSession, base: str) -> dict:  # type: ignore[type-arg]
+    async with session.get(f"{base}/metrics") as resp:
+        assert resp.status == 200
+        assert resp.content_type == "text/plain"
+        return samples(await resp.text())
+
+
+async def test_pulls_are_counted_by_transport_outcome_and_latency() -> None:
+    app = make_app()
+    app[METRICS_KEY].pull_finished(transport="ucx", outcome="done", nbytes=4096, seconds=0.003)
+    app[METRICS_KEY].pull_finished(transport="ucx", outcome="done", nbytes=1024, seconds=0.2)
+    app[METRICS_KEY].pull_finished(transport="ucx", outcome="failed", nbytes=0, seconds=1.5)
+    async with serving(app) as base, aiohttp.ClientSession() as session:
+        got = await scrape(session, base)
+    assert got[("refitd_pulled_bytes_total", (("transport", "ucx"),))] == 5120
+    assert got[("refitd_pulls_total", (("outcome", "done"),))] == 2
+    assert got[("refitd_pulls_total", (("outcome", "failed"),))] == 1
+    assert got[("refitd_pull_duration_seconds_count", (("outcome", "done"),))] == 2
+    bucket = ("refitd_pull_duration_seconds_bucket", (("le", "0.005"), ("outcome", "done")))
+    assert got[bucket] == 1
+
+
+async def test_error_responses_count_as_refusals_by_error_class() -> None:
+    app = make_app()
+    async with serving(app) as base, aiohttp.ClientSession() as session:
+        async with session.post(f"{base}/v1/stale") as resp:
+            assert resp.status == 409
+        async with session.get(f"{base}/v1/regions/r7") as resp:
+            assert resp.status == 200
+        async with session.get(f"{base}/nope") as resp:
+            assert resp.status == 404
+        got = await scrape(session, base)
+    assert got[("refitd_refusals_total", (("reason", "ConflictError"),))] == 1
+    assert got[("refitd_refusals_total", (("reason", "http_404"),))] == 1
+    # Route templates, not concrete ids, label requests.
+    key = (("method", "GET"), ("route", "/v1/regions/{region_id}"), ("status", "200"))
+    assert got[("refitd_http_requests_total", key)] == 1
+
+
+async def test_state_gauges_are_read_from_the_bound_snapshot_at_scrape_time() -> None:
+    app = make_app()
+    state = {"leases": 1}
+    app[METRICS_KEY].bind_state(
+        lambda: StateSnapshot(
+            regions={"shm": 3},
+            registered_bytes={"shm": 3 << 20},
+            versions={"ready": 1, "pending": 2},
+            leases=state["leases"],
+            pools=[PoolStats(pool="moe", layers=2, slots=8, occupied_slots=5, hits=10, misses=4)],
+        )
+    )
+    async with serving(app) as base, aiohttp.ClientSession() as session:
+        first = await scrape(session, base)
+        state["leases"] = 4
+        second = await scrape(session, base)
+    assert first[("refitd_regions", (("kind", "shm"),))] == 3
+    assert first[("refitd_registered_bytes", (("kind", "shm"),))] == 3 << 20
+    assert first[("refitd_versions", (("state", "pending"),))] == 2
+    assert first[("refitd_leases", ())] == 1
+    assert second[("refitd_leases", ())] == 4
+    assert first[("refitd_expert_pool_occupied_slots", (("pool", "moe"),))] == 5
+    assert first[("refitd_expert_pool_misses_total", (("pool", "moe"),))] == 4
+
+
+async def test_pool_metrics_appear_only_when_pools_exist() -> None:
+    metrics = Metrics()
+    metrics.bind_state(lambda: StateSnapshot())
+    assert b"refitd_expert_pool" not in metrics.render()
+    assert b"refitd_leases 0.0" in metrics.render()
+
+
+def test_two_daemons_in_one_process_keep_separate_numbers() -> None:
+    a, b = Metrics(), Metrics()
+    a.refused("ConflictError")
+    assert b'refitd_refusals_total{reason="ConflictError"} 1.0' in a.render()
+    assert b"ConflictError" not in b.render()
