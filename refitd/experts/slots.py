@@ -1,0 +1,540 @@
+"""The slot executor: apply the cache's plans to a bounded pool of expert slots.
+
+``ExpertCache`` decides residency and returns plans; ``ExpertSlots`` validates a plan
+against the pool geometry it owns, performs exactly the copies it names through a
+``SlotDevice``, and counts what crossed the host link.
+
+A plan is applied whole or not at all. The cache has already recorded the residency a
+plan describes, so a half-applied plan would leave it naming an expert for a slot that
+holds another's bytes — a wrong answer, not an error. Every check therefore runs
+before the first byte moves, and a refused plan leaves the device untouched.
+
+Only the device can fail mid-plan. What that costs is marked unknown here and named
+in the fault, so the caller can pass the same slots to ``ExpertCache.forget_slot``:
+a refused write costs its own slot, a failed flush every slot the plan wrote (a
+backend that batches copies cannot say which landed).
+
+Row sizes are checked exactly: a short row would leave the slot's tail holding the
+previous occupant, an expert spliced from two that yields plausible tokens.
+
+The pool keeps its own record of each slot's occupant, separate from the cache's
+map on purpose: two records can disagree, and that is how a failed copy shows.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from refitd.errors import ConfigError, PlanError, TransportError
+from refitd.experts.cache import CopyPlan, ExpertId, GatherPlan
+from refitd.experts.residency import BankResidency, CopyRoute, ResidencyError
+
+__all__ = [
+    "Applied",
+    "DegenerateGeometry",
+    "DeviceFault",
+    "DeviceFlushFault",
+    "ExpertRows",
+    "ExpertSlots",
+    "HostExpertRows",
+    "HostSlotMemory",
+    "LayerOutOfRange",
+    "PlanHalvesDisagree",
+    "ResidencyRefused",
+    "RowMissing",
+    "RowSizeMismatch",
+    "SlotDevice",
+    "SlotDeviceError",
+    "SlotFault",
+    "SlotGeometry",
+    "SlotOutOfRange",
+    "SlotStats",
+    "SlotWrittenTwice",
+    "UnknownGatherSource",
+]
+
+Bytes = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class SlotGeometry:
+    """One pool's shape. ``row_bytes`` is per bank (gate, up, down by convention),
+    in bytes, because banks differ in shape and may be quantized differently.
+    ``slots`` must equal the planner's ``cache_size``."""
+
+    num_layers: int
+    slots: int
+    row_bytes: tuple[int, ...]
+
+    @property
+    def banks(self) -> int:
+        return len(self.row_bytes)
+
+    @property
+    def bytes(self) -> int:
+        """Device bytes the whole pool occupies: what a VRAM budget is checked against."""
+        return sum(self.row_bytes) * self.slots
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert across all banks."""
+        return sum(self.row_bytes)
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What one applied plan moved. ``rows`` are summed over banks; ``warm`` is True
+    when the plan asked for nothing."""
+
+    rows: int = 0
+    bytes: int = 0
+    warm: bool = False
+
+
+@dataclass(frozen=True)
+class SlotStats:
+    """Running totals. Host traffic crossed the link; device traffic stayed in the pool."""
+
+    plans: int = 0
+    warm_plans: int = 0
+    host_rows: int = 0
+    host_bytes: int = 0
+    device_rows: int = 0
+    device_bytes: int = 0
+
+    @property
+    def warm_plan_rate(self) -> float:
+        """Fraction of plans that moved nothing; 0.0 before any plan."""
+        return self.warm_plans / self.plans if self.plans else 0.0
+
+    @property
+    def host_bytes_per_plan(self) -> float:
+        """Link bytes per applied plan; 0.0 before any plan."""
+        return self.host_bytes / self.plans if self.plans else 0.0
+
+
+# -- faults ----------------------------------------------------------------------
+
+
+class SlotFault(PlanError):
+    """Root of every refusal and failure of the slot executor."""
+
+
+class DegenerateGeometry(SlotFault, ConfigError):
+    """A geometry no plan could be valid against."""
+
+
+class PlanHalvesDisagree(SlotFault):
+    def __init__(self, dst_slots: int, src_rows: int) -> None:
+        self.dst_slots, self.src_rows = dst_slots, src_rows
+        super().__init__(
+            f"plan has {dst_slots} destination slots and {src_rows} sources: the pairs do "
+            "not line up, so applying it would load experts into each other's slots"
+        )
+
+
+class SlotOutOfRange(SlotFault):
+    def __init__(self, slot: int, slots: int) -> None:
+        self.slot, self.slots = slot, slots
+        super().__init__(
+            f"plan names slot {slot} but the pool has {slots}: the planner and the pool "
+            "were built with different cache sizes"
+        )
+
+
+class SlotWrittenTwice(SlotFault):
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        super().__init__(
+            f"plan writes slot {slot} twice: one of its two experts would be missing from "
+            "the slot the plan promised it"
+        )
+
+
+class LayerOutOfRange(SlotFault):
+    def __init__(self, layer: int, num_layers: int) -> None:
+        self.layer, self.num_layers = layer, num_layers
+        super().__init__(f"plan names layer {layer} but the pool was built for {num_layers}")
+
+
+class RowMissing(SlotFault):
+    def __init__(self, bank: int, layer: int, row: int) -> None:
+        self.bank, self.layer, self.row = bank, layer, row
+        super().__init__(f"bank {bank} has no row {row} for layer {layer}")
+
+
+class RowSizeMismatch(SlotFault):
+    def __init__(self, bank: int, layer: int, row: int, expected: int, got: int) -> None:
+        self.bank, self.layer, self.row = bank, layer, row
+        self.expected, self.got = expected, got
+        super().__init__(
+            f"bank {bank} row {row} of layer {layer} is {got} bytes, not {expected}: a "
+            "short row would leave the slot's tail holding the previous occupant"
+        )
+
+
+class ResidencyRefused(SlotFault):
+    """The layer's host residency does not permit this copy; ``error`` says why."""
+
+    def __init__(self, error: ResidencyError) -> None:
+        self.error = error
+        super().__init__(str(error))
+
+
+class UnknownGatherSource(SlotFault):
+    def __init__(self, slot: int) -> None:
+        self.slot = slot
+        super().__init__(
+            f"gather source slot {slot} holds no known expert: its last copy failed or "
+            "never happened, and gathering would copy that garbage into a second slot"
+        )
+
+
+class DeviceFault(SlotFault, TransportError):
+    """The device refused one copy into ``slot``.
+
+    ``suspect`` is every slot of the plan (``slot`` among them): none was confirmed by
+    a flush, and those after ``slot`` were never written although the cache already
+    records them as filled. All are marked unknown here; forget all of them.
+    """
+
+    def __init__(self, bank: int, slot: int, detail: str, suspect: Sequence[int] = ()) -> None:
+        self.bank, self.slot, self.detail = bank, slot, detail
+        self.suspect = tuple(suspect) if suspect else (slot,)
+        super().__init__(
+            f"device refused the copy into bank {bank} slot {slot}: {detail}; slots "
+            f"{list(self.suspect)} hold no confirmed expert and must be forgotten"
+        )
+
+
+class DeviceFlushFault(SlotFault, TransportError):
+    """The device could not confirm a plan's copies; every slot in ``slots`` is unknown."""
+
+    def __init__(self, slots: Sequence[int], detail: str) -> None:
+        self.slots, self.detail = tuple(slots), detail
+        n = len(self.slots)
+        super().__init__(
+            f"device failed to complete {n} deferred cop{'y' if n == 1 else 'ies'}: "
+            f"{detail}; slots {list(self.slots)} are all suspect, since the backend "
+            "cannot say which landed"
+        )
+
+
+class SlotDeviceError(TransportError):
+    """Raised by a ``SlotDevice`` to report a copy or flush it could not perform."""
+
+
+# -- the device and the host rows -------------------------------------------------
+
+
+class SlotDevice(ABC):
+    """Where slot bytes live. One implementation per backend.
+
+    Banks and slots are indices; turning them into addresses is the backend's job.
+    A backend may defer copies until ``flush``, but must then fail the flush for any
+    copy that did not land. Failures are reported by raising ``SlotDeviceError``.
+    """
+
+    def begin_plan(self, route: CopyRoute) -> None:  # noqa: B027 - optional hook
+        """Called once per non-empty plan before its first copy. A backend that
+        captures work into a graph must refuse ``WHOLE_LAYER_PAGEABLE``: its source
+        has no device address, so a replayed capture would read nothing valid."""
+
+    @abstractmethod
+    def write_slot(self, bank: int, dst_slot: int, src: Bytes) -> None:
+        """Copy one host row (exactly ``row_bytes[bank]`` long) into ``dst_slot``."""
+
+    @abstractmethod
+    def copy_slot(self, bank: int, dst_slot: int, src_slot: int) -> None:
+        """Copy one slot onto another inside the pool, without touching the host."""
+
+    def flush(self) -> None:  # noqa: B027 - optional hook
+        """Complete deferred copies. Called once per non-empty plan, after the last."""
+
+
+class ExpertRows(Protocol):
+    """Host expert rows, layer-local: row ``r`` of layer ``L`` in bank ``b``."""
+
+    def row(self, bank: int, layer: int, row: int) -> Bytes | None:
+        """The row's bytes, or ``None`` if the bank has no such row."""
+        ...
+
+
+class HostExpertRows:
+    """Expert rows in host memory, one contiguous buffer per (bank, layer).
+
+    A real implementation: ``row`` returns a zero-copy view. ``buffer(bank, layer)``
+    exposes the contiguous layer, which is what a whole-layer copy reads.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, row_bytes: Sequence[int]) -> None:
+        self.num_layers, self.num_experts = num_layers, num_experts
+        self.row_bytes = tuple(row_bytes)
+        self._buf = [[bytearray(w * num_experts) for _ in range(num_layers)] for w in row_bytes]
+
+    def buffer(self, bank: int, layer: int) -> memoryview:
+        return memoryview(self._buf[bank][layer])
+
+    def row(self, bank: int, layer: int, row: int) -> Bytes | None:
+        if not (0 <= bank < len(self._buf) and 0 <= layer < self.num_layers):
+            return None
+        if not 0 <= row < self.num_experts:
+            return None
+        w = self.row_bytes[bank]
+        return memoryview(self._buf[bank][layer])[row * w : (row + 1) * w]
+
+
+class HostSlotMemory(SlotDevice):
+    """A pool whose device is host memory, and whose link is a memcpy.
+
+    The backend a CPU-only build uses, not a stand-in; ``slot`` reads a slot back so
+    a caller can check *which* expert it holds, not only that a copy was counted.
+    """
+
+    def __init__(self, geometry: SlotGeometry) -> None:
+        self._row_bytes = geometry.row_bytes
+        self._banks = [bytearray(w * geometry.slots) for w in geometry.row_bytes]
+
+    def slot(self, bank: int, slot: int) -> bytes:
+        w = self._row_bytes[bank]
+        return bytes(self._banks[bank][slot * w : (slot + 1) * w])
+
+    def write_slot(self, bank: int, dst_slot: int, src: Bytes) -> None:
+        w = self._row_bytes[bank]
+        self._banks[bank][dst_slot * w : (dst_slot + 1) * w] = src
+
+    def copy_slot(self, bank: int, dst_slot: int, src_slot: int) -> None:
+        w = self._row_bytes[bank]
+        b = self._banks[bank]
+        b[dst_slot * w : (dst_slot + 1) * w] = b[src_slot * w : (src_slot + 1) * w]
+
+
+# -- the executor -------------------------------------------------------------------
+
+
+class ExpertSlots:
+    """A bounded pool of expert slots and the executor for the plans that fill it.
+
+    Without a ``residency`` every layer is treated as pinned (device-addressable).
+    """
+
+    def __init__(self, geometry: SlotGeometry, residency: BankResidency | None = None) -> None:
+        if geometry.slots <= 0:
+            raise DegenerateGeometry(f"a pool of {geometry.slots} slots could hold no expert")
+        if geometry.num_layers <= 0:
+            raise DegenerateGeometry(f"a pool for {geometry.num_layers} layers serves nothing")
+        if not geometry.row_bytes:
+            raise DegenerateGeometry("a pool with no banks would copy nothing")
+        zero = [b for b, w in enumerate(geometry.row_bytes) if w <= 0]
+        if zero:
+            raise DegenerateGeometry(
+                f"banks {zero} have zero-width rows: every size check would pass and every "
+                "copy would move nothing, so the pool would report warm plans while empty"
+            )
+        self._geometry = geometry
+        self._occupant: list[ExpertId | None] = [None] * geometry.slots
+        self._residency = BankResidency.all_pinned(geometry.num_layers)
+        self._plans = self._warm = 0
+        self._host_rows = self._host_bytes = self._dev_rows = self._dev_bytes = 0
+        if residency is not None:
+            self.set_residency(residency)
+
+    def set_residency(self, residency: BankResidency) -> None:
+        """Attach the per-layer host residency this pool copies from."""
+        if residency.num_layers != self._geometry.num_layers:
+            raise DegenerateGeometry(
+                f"residency covers {residency.num_layers} layers but the pool has "
+                f"{self._geometry.num_layers}"
+            )
+        self._residency = residency
+
+    @property
+    def geometry(self) -> SlotGeometry:
+        return self._geometry
+
+    @property
+    def residency(self) -> BankResidency:
+        return self._residency
+
+    def stats(self) -> SlotStats:
+        return SlotStats(
+            self._plans,
+            self._warm,
+            self._host_rows,
+            self._host_bytes,
+            self._dev_rows,
+            self._dev_bytes,
+        )
+
+    def reset_stats(self) -> None:
+        self._plans = self._warm = 0
+        self._host_rows = self._host_bytes = self._dev_rows = self._dev_bytes = 0
+
+    def occupant(self, slot: int) -> ExpertId | None:
+        """The expert the device holds in ``slot`` as far as the pool knows; ``None``
+        for an empty slot, one whose last copy failed, and one out of range."""
+        return self._occupant[slot] if 0 <= slot < len(self._occupant) else None
+
+    def occupied(self) -> int:
+        return sum(o is not None for o in self._occupant)
+
+    def invalidate_slot(self, slot: int) -> None:
+        """Mark ``slot`` as holding nothing known. Idempotent; unknown slots ignored."""
+        if 0 <= slot < len(self._occupant):
+            self._occupant[slot] = None
+
+    def invalidate_all(self) -> None:
+        self._occupant = [None] * self._geometry.slots
+
+    def resize(self, slots: int) -> None:
+        """Resize the pool, dropping all residency; counters survive (the traffic they
+        count happened). Resize the cache with ``rebuild`` to the same size."""
+        if slots <= 0:
+            raise DegenerateGeometry(f"a pool of {slots} slots could hold no expert")
+        g = self._geometry
+        self._geometry = SlotGeometry(g.num_layers, slots, g.row_bytes)
+        self._occupant = [None] * slots
+
+    def apply_copy_plan(
+        self, layer: int, plan: CopyPlan, rows: ExpertRows, device: SlotDevice
+    ) -> Applied:
+        """Apply an ``ensure`` plan: per-slot copies, so the layer must be pinned."""
+        return self._apply(layer, plan, False, rows, device)
+
+    def apply_materialize(
+        self, layer: int, plan: CopyPlan, rows: ExpertRows, device: SlotDevice
+    ) -> Applied:
+        """Apply a ``materialize_layer`` plan: the whole layer, any residency."""
+        return self._apply(layer, plan, True, rows, device)
+
+    def _apply(
+        self,
+        layer: int,
+        plan: CopyPlan,
+        whole_layer: bool,
+        rows: ExpertRows,
+        device: SlotDevice,
+    ) -> Applied:
+        dst, src = plan.dst_slots, plan.src_rows
+        if len(dst) != len(src):
+            raise PlanHalvesDisagree(len(dst), len(src))
+        g = self._geometry
+        if not 0 <= layer < g.num_layers:
+            raise LayerOutOfRange(layer, g.num_layers)
+        # Resolved even for an empty plan: a step that hit every expert is no
+        # evidence that the layer's residency allows the route.
+        try:
+            route = self._residency.copy_route(layer, whole_layer)
+        except ResidencyError as e:
+            raise ResidencyRefused(e) from e
+        self._check_slots(dst)
+        data = self._collect_rows(layer, src, rows)
+
+        self._plans += 1
+        if not dst:
+            self._warm += 1
+            return Applied(0, 0, True)
+
+        try:
+            device.begin_plan(route)
+        except SlotDeviceError as e:
+            self._forget(dst)
+            raise DeviceFlushFault(dst, str(e)) from e
+        n_rows = n_bytes = 0
+        for i, slot in enumerate(dst):
+            # Cleared before the write, so a fault in any bank leaves the slot
+            # unknown rather than labelled with a half-copied expert.
+            self._occupant[slot] = None
+            for bank, buf in enumerate(data[i]):
+                try:
+                    device.write_slot(bank, slot, buf)
+                except SlotDeviceError as e:
+                    self._forget(dst)
+                    raise DeviceFault(bank, slot, str(e), dst) from e
+                n_rows += 1
+                n_bytes += len(buf)
+        self._flush(device, dst)
+        # Occupants are set only once every bank of every slot has landed.
+        for slot, row in zip(dst, src):
+            self._occupant[slot] = ExpertId(layer, row)
+        self._host_rows += n_rows
+        self._host_bytes += n_bytes
+        return Applied(n_rows, n_bytes, False)
+
+    def apply_gather_plan(self, plan: GatherPlan, device: SlotDevice) -> Applied:
+        """Copy slots onto slots inside the pool (a prefill gather). Counted as device
+        traffic, never as host-link traffic. A source with no known occupant is
+        refused: gathering it would launder a failed copy into a second slot."""
+        dst, src = plan.dst_slots, plan.src_slots
+        if len(dst) != len(src):
+            raise PlanHalvesDisagree(len(dst), len(src))
+        self._check_slots(dst)
+        n = self._geometry.slots
+        for s in src:
+            if not 0 <= s < n:
+                raise SlotOutOfRange(s, n)
+            if self._occupant[s] is None:
+                raise UnknownGatherSource(s)
+        self._plans += 1
+        if not dst:
+            self._warm += 1
+            return Applied(0, 0, True)
+        carried = [self._occupant[s] for s in src]
+        n_rows = n_bytes = 0
+        for slot, source in zip(dst, src):
+            self._occupant[slot] = None
+            for bank, width in enumerate(self._geometry.row_bytes):
+                try:
+                    device.copy_slot(bank, slot, source)
+                except SlotDeviceError as e:
+                    self._forget(dst)
+                    raise DeviceFault(bank, slot, str(e), dst) from e
+                n_rows += 1
+                n_bytes += width
+        self._flush(device, dst)
+        for slot, who in zip(dst, carried):
+            self._occupant[slot] = who
+        self._dev_rows += n_rows
+        self._dev_bytes += n_bytes
+        return Applied(n_rows, n_bytes, False)
+
+    def _flush(self, device: SlotDevice, written: Sequence[int]) -> None:
+        try:
+            device.flush()
+        except SlotDeviceError as e:
+            self._forget(written)
+            raise DeviceFlushFault(written, str(e)) from e
+
+    def _forget(self, slots: Sequence[int]) -> None:
+        for s in slots:
+            self._occupant[s] = None
+
+    def _check_slots(self, slots: Sequence[int]) -> None:
+        n = self._geometry.slots
+        seen: set[int] = set()
+        for s in slots:
+            if not 0 <= s < n:
+                raise SlotOutOfRange(s, n)
+            if s in seen:
+                raise SlotWrittenTwice(s)
+            seen.add(s)
+
+    def _collect_rows(self, layer: int, src: Sequence[int], rows: ExpertRows) -> list[list[Bytes]]:
+        """Every row of every bank, size-checked, before anything is written."""
+        widths = self._geometry.row_bytes
+        out: list[list[Bytes]] = []
+        for row in src:
+            banks: list[Bytes] = []
+            for bank, expected in enumerate(widths):
+                buf = rows.row(bank, layer, row)
+                if buf is None:
+                    raise RowMissing(bank, layer, row)
+                got = len(buf) if not isinstance(buf, memoryview) else buf.nbytes
+                if got != expected:
+                    raise RowSizeMismatch(bank, layer, row, expected, got)
+                banks.append(buf)
+            out.append(banks)
+        return out
