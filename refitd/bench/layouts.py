@@ -32,14 +32,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refitd.bench.engines import ModelConfig, param_roles
+from refitd.bench.engines import ModelConfig, default_weight_loader, param_roles
 from refitd.errors import ConfigError
+from refitd.reshard.geometry import capture_geometry, capture_weights, convert_source_weights
 from refitd.reshard.slice_plan import Shard
 from refitd.reshard.transfer_plan import SourceInfo
+from refitd.reshard.types import CaptureResult
 
 __all__ = [
     "Published",
     "TrainerTensor",
+    "capture_published",
     "fsdp_dim0",
     "full_state",
     "megatron_tp_ep",
@@ -86,6 +89,15 @@ class Published:
         return sum(
             _numel(s.shape) * info.elsize for info in self.sources.values() for s in info.shards
         )
+
+
+def capture_published(model: torch.nn.Module, published: Published) -> CaptureResult:
+    """Capture ``model`` (a meta twin of an engine rank from :mod:`refitd.bench.engines`)
+    against what ``published`` holds, through its ``convert`` when it has one."""
+    if published.convert is None:
+        return capture_geometry(model, published.manifest, default_weight_loader)
+    weights = convert_source_weights(published.convert, published.manifest)
+    return capture_weights(model, weights, default_weight_loader)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
