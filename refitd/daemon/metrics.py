@@ -277,7 +277,7 @@ def _middleware(metrics: Metrics) -> Middleware:
 def _count(metrics: Metrics, request: web.Request, response: web.StreamResponse) -> None:
     route = _route_label(request)
     metrics.http_requests.labels(request.method, route, str(response.status)).inc()
-    if response.status >= 400 and route != "/metrics":
+    if response.status >= 400:
         metrics.refusals.labels(_reason(response)).inc()
 
 

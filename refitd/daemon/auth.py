@@ -1,0 +1,317 @@
+"""Who may talk to the daemon, and how much they may send.
+
+Policy (``[server]`` in the config):
+
+- **Loopback by default.** With no ``token_file`` the TCP listener must be on a
+  loopback address; :func:`check_startup` refuses anything else, so the daemon
+  never starts exposed. Every local client is then one principal, ``"loopback"``:
+  they could read each other's shared memory anyway, so ownership is not enforced
+  between them.
+- **Bearer tokens.** With ``token_file`` every TCP request must carry
+  ``Authorization: Bearer TOKEN``; the principal is the token's name. The file is
+  refused if it is missing, empty, or readable by group or others.
+- **Unix socket.** The peer's uid comes from the kernel (``SO_PEERCRED``); root, the
+  daemon's own uid and ``allowed_uids`` are admitted, as principal ``uid:<n>``.
+  A token, if sent, is not needed there: the kernel's word is stronger.
+- **Ownership.** With an authenticated principal (token or uid) a region belongs to
+  whoever created it; :func:`check_owner` refuses reading, writing or deleting
+  another principal's region (403). Root on the Unix socket may act on any.
+- **Size.** A request body over ``max_request_bytes`` is refused with 413 and a
+  JSON body naming the limit, before the body is read.
+
+Refusals are JSON ``{"error": ..., "detail": ...}`` like every other error, with
+``error`` one of ``Unauthenticated`` (401), ``AccessDenied`` (403) or
+``RequestTooLarge`` (413).
+
+Integration: ``policy = check_startup(config.server)`` before binding, then
+``setup_auth(app, policy)`` in the app factory; handlers that create a region record
+``owner_for(request, body.owner)`` and handlers that touch one call
+``check_owner(request, region.owner, "delete", region.region_id)``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import socket
+import stat
+import struct
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from refitd.config import ServerConfig, is_loopback_host
+from refitd.errors import ConfigError
+
+__all__ = [
+    "POLICY_KEY",
+    "PRINCIPAL_KEY",
+    "AccessPolicy",
+    "Principal",
+    "TokenBook",
+    "check_owner",
+    "check_startup",
+    "owner_for",
+    "peer_uid",
+    "principal_of",
+    "setup_auth",
+]
+
+#: Paths served without credentials: liveness and the API description reveal nothing.
+PUBLIC_PATHS = frozenset({"/v1/health", "/v1/openapi.json"})
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who sent a request. ``name`` is what region ownership is recorded against."""
+
+    name: str
+    via: Literal["loopback", "token", "unix"]
+    uid: int | None = None
+
+    @property
+    def authenticated(self) -> bool:
+        """True when the identity was proven (token or kernel), not assumed."""
+        return self.via != "loopback"
+
+    @property
+    def admin(self) -> bool:
+        """Root on the Unix socket may act on any region."""
+        return self.via == "unix" and self.uid == 0
+
+
+LOOPBACK = Principal("loopback", "loopback")
+
+
+class TokenBook:
+    """Bearer tokens by name, read once from ``token_file``.
+
+    Format: one token per line, ``NAME TOKEN`` or just ``TOKEN`` (named
+    ``token<line>``); blank lines and ``#`` comments are ignored.
+    """
+
+    def __init__(self, tokens: dict[str, str]) -> None:
+        if not tokens:
+            raise ConfigError("server.token_file holds no tokens; expected at least one line")
+        self._tokens = dict(tokens)  # name -> token
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> TokenBook:
+        """Read and check the file; refuses missing, unreadable or over-shared files."""
+        path = Path(path)
+        try:
+            st = path.stat()
+            text = path.read_text()
+        except OSError as exc:
+            raise ConfigError(
+                f"server.token_file {path} cannot be read ({exc.strerror}); "
+                "expected a readable file of bearer tokens"
+            ) from None
+        if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(
+                f"server.token_file {path} has mode {stat.S_IMODE(st.st_mode):04o}; "
+                "expected no access for group or others (chmod 600): anyone who can "
+                "read it can act as any client"
+            )
+        tokens: dict[str, str] = {}
+        for number, raw in enumerate(text.splitlines(), start=1):
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) > 2:
+                raise ConfigError(
+                    f"server.token_file {path} line {number}: expected 'NAME TOKEN' or 'TOKEN'"
+                )
+            name, token = (parts[0], parts[1]) if len(parts) == 2 else (f"token{number}", parts[0])
+            if name in tokens:
+                raise ConfigError(f"server.token_file {path} line {number}: name {name!r} repeats")
+            tokens[name] = token
+        return cls(tokens)
+
+    def lookup(self, presented: str) -> str | None:
+        """The name of the token ``presented``, or None; constant time per token."""
+        found = None
+        for name, token in self._tokens.items():
+            if hmac.compare_digest(presented.encode(), token.encode()):
+                found = name
+        return found
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """The checks :func:`setup_auth` applies; build it with :func:`check_startup`."""
+
+    tokens: TokenBook | None
+    allowed_uids: frozenset[int]
+    max_request_bytes: int
+
+    def admits_uid(self, uid: int) -> bool:
+        return uid in self.allowed_uids or uid in (0, os.getuid())
+
+
+def check_startup(server: ServerConfig) -> AccessPolicy:
+    """Refuse to start unsafely; otherwise return the policy to serve with.
+
+    A non-loopback ``host`` needs ``token_file``, and the token file (when set)
+    must be valid now, not at the first request.
+    """
+    if not is_loopback_host(server.host) and server.token_file is None:
+        raise ConfigError(
+            f"server.host {server.host!r} is not a loopback address and server.token_file "
+            "is unset; refusing to start: set a bearer-token file or bind 127.0.0.1"
+        )
+    tokens = TokenBook.load(server.token_file) if server.token_file else None
+    return AccessPolicy(
+        tokens=tokens,
+        allowed_uids=frozenset(server.allowed_uids),
+        max_request_bytes=server.max_request_bytes,
+    )
+
+
+POLICY_KEY = web.AppKey("refitd_access_policy", AccessPolicy)
+PRINCIPAL_KEY = web.RequestKey("refitd_principal", Principal)
+
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_uid(request: web.BaseRequest) -> int | None:
+    """The peer's uid on a Unix socket (kernel-attested), None on TCP."""
+    transport = request.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    _pid, uid, _gid = _PEERCRED.unpack(raw)
+    return int(uid)
+
+
+def _refusal(status: int, error: str, detail: str, **headers: str) -> web.Response:
+    return web.Response(
+        status=status,
+        body=msgspec.json.encode({"error": error, "detail": detail}),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def _identify(request: web.Request, policy: AccessPolicy) -> Principal | web.Response:
+    uid = peer_uid(request)
+    if uid is not None:
+        if not policy.admits_uid(uid):
+            return _refusal(
+                403,
+                "AccessDenied",
+                f"uid {uid} may not use this daemon's Unix socket; expected root, the "
+                "daemon's own user or one of server.allowed_uids",
+            )
+        return Principal(f"uid:{uid}", "unix", uid)
+    if policy.tokens is None:
+        # check_startup guaranteed a loopback bind; the peer check guards a proxy.
+        if request.remote is None or not is_loopback_host(request.remote):
+            return _refusal(403, "AccessDenied", f"peer {request.remote} is not on loopback")
+        return LOOPBACK
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    name = policy.tokens.lookup(presented.strip()) if scheme.lower() == "bearer" else None
+    if name is None:
+        return _refusal(
+            401,
+            "Unauthenticated",
+            f"{request.method} {request.path} needs 'Authorization: Bearer TOKEN' with a "
+            "token from the daemon's server.token_file",
+            **{"WWW-Authenticate": 'Bearer realm="refitd"'},
+        )
+    return Principal(name, "token")
+
+
+def _too_large(request: web.Request, limit: int, size: int | None) -> web.Response:
+    what = f"a body of {size} bytes" if size is not None else "a larger body"
+    return _refusal(
+        413,
+        "RequestTooLarge",
+        f"{request.method} {request.path} sent {what}; this daemon accepts at most "
+        f"{limit} bytes (server.max_request_bytes)",
+    )
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _middleware(policy: AccessPolicy) -> Middleware:
+    @web.middleware
+    async def access(request: web.Request, handler: Handler) -> web.StreamResponse:
+        limit = policy.max_request_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return _too_large(request, limit, request.content_length)
+        if request.path not in PUBLIC_PATHS:
+            who = _identify(request, policy)
+            if isinstance(who, web.Response):
+                return who
+            request[PRINCIPAL_KEY] = who
+        # A chunked body has no Content-Length: the limit then applies as it is read.
+        limited = request.clone(client_max_size=limit)
+        if PRINCIPAL_KEY in request:
+            limited[PRINCIPAL_KEY] = request[PRINCIPAL_KEY]
+        try:
+            return await handler(limited)
+        except web.HTTPRequestEntityTooLarge:
+            return _too_large(request, limit, None)
+
+    return access
+
+
+def setup_auth(app: web.Application, policy: AccessPolicy) -> None:
+    """Install the access middleware (after metrics, before the error middleware).
+
+    It goes at the front of ``app.middlewares``, or right after the metrics
+    middleware if :func:`refitd.daemon.metrics.setup_metrics` ran first, so refusals
+    here are counted and never reach a handler.
+    """
+    app[POLICY_KEY] = policy
+    from refitd.daemon.metrics import METRICS_KEY
+
+    app.middlewares.insert(1 if METRICS_KEY in app else 0, _middleware(policy))
+
+
+def principal_of(request: web.Request) -> Principal:
+    """Who sent ``request`` (``loopback`` when auth is not installed or path is public)."""
+    who: Principal = request.get(PRINCIPAL_KEY, LOOPBACK)
+    return who
+
+
+def owner_for(request: web.Request, requested: str = "") -> str:
+    """The owner to record for a region ``request`` creates.
+
+    Authenticated principals own what they create, whatever they ask; asking for
+    someone else is refused. Unauthenticated loopback clients name themselves.
+    """
+    who = principal_of(request)
+    if not who.authenticated:
+        return requested
+    if requested and requested != who.name and not who.admin:
+        raise _forbidden(f"{who.name} may not create a region owned by {requested!r}")
+    return requested if requested and who.admin else who.name
+
+
+def check_owner(request: web.Request, owner: str, action: str, what: str) -> None:
+    """Refuse (403) when an authenticated principal acts on another's object.
+
+    ``action`` is the verb ("read", "write", "delete"), ``what`` names the object
+    (e.g. the region id); both go into the refusal.
+    """
+    who = principal_of(request)
+    if not who.authenticated or who.admin or owner in ("", who.name):
+        return
+    raise _forbidden(f"{who.name} may not {action} {what}: it belongs to {owner}")
+
+
+def _forbidden(detail: str) -> web.HTTPForbidden:
+    return web.HTTPForbidden(
+        text=msgspec.json.encode({"error": "AccessDenied", "detail": detail}).decode(),
+        content_type="application/json",
+    )
