@@ -1,0 +1,253 @@
+"""The OpenAPI 3.1 document of the HTTP API, generated from the live router.
+
+Nothing here is written by hand twice. Paths and methods come from the app's
+router, so a route cannot exist undocumented nor a documented route be missing;
+request and response bodies come from the msgspec Structs in
+:mod:`refitd.daemon.schemas` that the handlers decode and encode with, rendered by
+``msgspec.json.schema_components``.
+
+A handler says which Structs it reads and writes in one of two ways:
+
+- the :func:`operation` decorator on the handler, or
+- an entry in the ``operations`` mapping given to :func:`setup_openapi`,
+  keyed by ``(METHOD, path template)`` — useful when the handlers live in a module
+  that should not import this one.
+
+Routes with neither are still listed (summary from the handler's docstring), with
+no body schema; the ops tests insist every ``/v1`` route has one.
+
+Integration: ``setup_openapi(app, operations)`` after all routes are added; the
+document is built on the first ``GET /v1/openapi.json`` and cached.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from refitd.daemon.schemas import MSGPACK, ErrorBody
+
+__all__ = [
+    "OPENAPI_PATH",
+    "Operation",
+    "build_openapi",
+    "documented_paths",
+    "operation",
+    "route_table",
+    "setup_openapi",
+]
+
+OPENAPI_PATH = "/v1/openapi.json"
+JSON = "application/json"
+_ATTR = "__refitd_operation__"
+
+#: HTTP status of each refusal class, as the error middleware maps them.
+ERROR_STATUSES: dict[str, str] = {
+    "400": "ProtocolError or PlanError: the request is malformed or cannot be served",
+    "401": "Unauthenticated: a bearer token is required",
+    "403": "AccessDenied: the principal may not act on this object",
+    "404": "NotFoundError: the named object does not exist",
+    "409": "ConflictError: the state moved on (version, lease, epoch)",
+    "413": "RequestTooLarge: the body exceeds server.max_request_bytes",
+}
+
+
+@dataclass(frozen=True)
+class Operation:
+    """What one route reads and writes.
+
+    ``request``/``response`` are msgspec types (a Struct, or e.g. ``list[Struct]``);
+    None means no body. ``media`` lists the accepted request content types
+    (bulk descriptor bodies also come as msgpack); ``response_media`` is the content
+    type answered, e.g. ``text/plain`` for metrics.
+    """
+
+    summary: str = ""
+    request: Any = None
+    response: Any = None
+    status: int = 200
+    media: tuple[str, ...] = (JSON,)
+    response_media: str = JSON
+    tags: tuple[str, ...] = ()
+    query: Mapping[str, Any] = field(default_factory=dict)
+
+
+H = TypeVar("H", bound=Callable[..., Any])
+
+
+def operation(
+    *,
+    summary: str = "",
+    request: Any = None,
+    response: Any = None,
+    status: int = 200,
+    media: tuple[str, ...] = (JSON,),
+    response_media: str = JSON,
+    tags: tuple[str, ...] = (),
+) -> Callable[[H], H]:
+    """Declare the schemas of a handler; see :class:`Operation`."""
+
+    def mark(handler: H) -> H:
+        op = Operation(summary, request, response, status, media, response_media, tags)
+        setattr(handler, _ATTR, op)
+        return handler
+
+    return mark
+
+
+_PARAM = re.compile(r"\{([^}:]+)(?::[^}]*)?\}")
+
+
+def route_table(app: web.Application) -> list[tuple[str, str]]:
+    """Every ``(METHOD, path template)`` the router serves, minus implicit HEADs."""
+    routes: set[tuple[str, str]] = set()
+    for route in app.router.routes():
+        resource = route.resource
+        if resource is None or route.method in ("HEAD", "*"):
+            continue
+        routes.add((route.method, _PARAM.sub(r"{\1}", resource.canonical)))
+    return sorted(routes, key=lambda r: (r[1], r[0]))
+
+
+def _find_operation(
+    app: web.Application, method: str, path: str, operations: Mapping[tuple[str, str], Operation]
+) -> Operation | None:
+    if (method, path) in operations:
+        return operations[(method, path)]
+    for route in app.router.routes():
+        resource = route.resource
+        if (
+            route.method == method
+            and resource is not None
+            and _PARAM.sub(r"{\1}", resource.canonical) == path
+        ):
+            op = getattr(route.handler, _ATTR, None)
+            if isinstance(op, Operation):
+                return op
+            doc = (route.handler.__doc__ or "").strip().splitlines()
+            return Operation(summary=doc[0] if doc else "")
+    return None
+
+
+def build_openapi(
+    app: web.Application,
+    operations: Mapping[tuple[str, str], Operation] | None = None,
+    *,
+    title: str = "refitd",
+    version: str = "1",
+) -> dict[str, Any]:
+    """The OpenAPI 3.1 document for every route of ``app``."""
+    operations = operations or {}
+    table = route_table(app)
+    ops = {key: _find_operation(app, *key, operations) or Operation() for key in table}
+    types: list[Any] = [ErrorBody]
+    for op in ops.values():
+        types.extend(t for t in (op.request, op.response) if t is not None)
+    unique = list(dict.fromkeys(types))
+    schemas, components = msgspec.json.schema_components(
+        unique, ref_template="#/components/schemas/{name}"
+    )
+    schema_of = dict(zip(unique, schemas, strict=True))
+    error_ref = schema_of[ErrorBody]
+
+    paths: dict[str, dict[str, Any]] = {}
+    for (method, path), op in ops.items():
+        entry: dict[str, Any] = {
+            "operationId": _operation_id(method, path),
+            "summary": op.summary,
+            "responses": {},
+        }
+        if op.tags:
+            entry["tags"] = list(op.tags)
+        params = [
+            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            for name in _PARAM.findall(path)
+        ]
+        params += [
+            {"name": name, "in": "query", "required": False, "schema": msgspec.json.schema(tp)}
+            for name, tp in op.query.items()
+        ]
+        if params:
+            entry["parameters"] = params
+        if op.request is not None:
+            body = schema_of[op.request]
+            entry["requestBody"] = {
+                "required": True,
+                "content": {media: {"schema": body} for media in op.media},
+            }
+        ok: dict[str, Any] = {"description": op.summary or "OK"}
+        if op.response is not None:
+            ok["content"] = {op.response_media: {"schema": schema_of[op.response]}}
+        elif op.response_media != JSON:
+            ok["content"] = {op.response_media: {"schema": {"type": "string"}}}
+        entry["responses"][str(op.status)] = ok
+        for status, text in ERROR_STATUSES.items():
+            entry["responses"][status] = {
+                "description": text,
+                "content": {JSON: {"schema": error_ref}},
+            }
+        paths.setdefault(path, {})[method.lower()] = entry
+
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": title,
+            "version": version,
+            "description": (
+                "refitd HTTP API. Byte offsets and sizes are bytes; tensor offsets and "
+                f"shapes are elements. Bulk bodies may be sent as {MSGPACK}. Every "
+                "refusal is {error, detail}."
+            ),
+        },
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        # Tokens are required only when the daemon has a token file; loopback
+        # deployments take requests without one (the empty requirement).
+        "security": [{}, {"bearer": []}],
+    }
+
+
+def _operation_id(method: str, path: str) -> str:
+    words = [w for w in re.split(r"[/{}_.-]+", path) if w and w != "v1"]
+    return method.lower() + "".join(w[:1].upper() + w[1:] for w in words)
+
+
+OPENAPI_KEY = web.AppKey("refitd_openapi", dict)
+
+
+def setup_openapi(
+    app: web.Application,
+    operations: Mapping[tuple[str, str], Operation] | None = None,
+    *,
+    version: str = "1",
+) -> None:
+    """Serve ``GET /v1/openapi.json``: built on the first request (when every route
+    exists) and cached for the app's life."""
+    known = dict(operations or {})
+    known.setdefault(
+        ("GET", OPENAPI_PATH), Operation(summary="This OpenAPI 3.1 document", tags=("meta",))
+    )
+
+    async def serve(request: web.Request) -> web.Response:
+        cache: dict[str, Any] = request.app[OPENAPI_KEY]
+        if "doc" not in cache:
+            cache["doc"] = msgspec.json.encode(build_openapi(request.app, known, version=version))
+        return web.Response(body=cache["doc"], content_type=JSON)
+
+    app[OPENAPI_KEY] = {}
+    app.router.add_get(OPENAPI_PATH, serve, name="openapi")
+
+
+def documented_paths(doc: Mapping[str, Any]) -> Iterable[tuple[str, str]]:
+    """``(METHOD, path)`` pairs a document lists (for tests and tools)."""
+    for path, methods in doc["paths"].items():
+        for method in methods:
+            yield method.upper(), path
