@@ -15,6 +15,7 @@ from collections.abc import Sequence
 # name -> (module, one-line help). Add a line here to add a subcommand.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("refitd.demo", "run the main job end to end on loopback and verify it"),
+    "serve": ("refitd.daemon.serve", "run the refitd daemon: HTTP API v1 and the data plane"),
 }
 
 # `refitd bench NAME`: name -> (module, one-line help).

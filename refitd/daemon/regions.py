@@ -9,7 +9,6 @@ milliseconds; the refusal names the *first* offending descriptor by index.
 from __future__ import annotations
 
 import itertools
-import secrets
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -19,19 +18,17 @@ from refitd.errors import NotFoundError, ProtocolError
 
 __all__ = ["RegionTable", "validate_descriptors", "validate_pack_specs"]
 
-_I64_MAX = np.iinfo(np.int64).max
-
 
 class RegionTable:
     """Region records by id. Ids are never reused within one daemon epoch."""
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
-        self._records: dict[str, RegionInfo] = {}
+        self._records: dict[int, RegionInfo] = {}
         self._seq = itertools.count(1)
 
-    def new_id(self) -> str:
-        return f"r{next(self._seq)}-{secrets.token_hex(4)}"
+    def new_id(self) -> int:
+        return next(self._seq)
 
     def add(self, info: RegionInfo) -> RegionInfo:
         if info.region_id in self._records:
@@ -39,18 +36,18 @@ class RegionTable:
         self._records[info.region_id] = info
         return info
 
-    def get(self, region_id: str) -> RegionInfo:
+    def get(self, region_id: int) -> RegionInfo:
         info = self._records.get(region_id)
         if info is None:
             raise NotFoundError(f"region {region_id!r} is not recorded on this daemon")
         return info
 
-    def remove(self, region_id: str) -> RegionInfo:
+    def remove(self, region_id: int) -> RegionInfo:
         info = self.get(region_id)
         del self._records[region_id]
         return info
 
-    def sizes(self) -> dict[str, int]:
+    def sizes(self) -> dict[int, int]:
         return {k: v.nbytes for k, v in self._records.items()}
 
     def __iter__(self) -> Iterator[RegionInfo]:
@@ -63,58 +60,59 @@ class RegionTable:
         return region_id in self._records
 
 
-def _sizes_of(names: list[str], sizes: Mapping[str, int], side: str) -> np.ndarray:
-    out = np.empty(len(names), dtype=np.int64)
-    for i, name in enumerate(names):
-        size = sizes.get(name)
-        if size is None:
-            raise NotFoundError(f"{side} region {name!r} is not recorded")
-        out[i] = size
-    return out
+def _limits(ids: np.ndarray, sizes: Mapping[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row region size and a mask of rows whose region is recorded."""
+    lim = np.zeros(len(ids), dtype=np.int64)
+    known = np.zeros(len(ids), dtype=bool)
+    for rid in np.unique(ids).tolist():
+        size = sizes.get(int(rid))
+        if size is not None:
+            hit = ids == rid
+            lim[hit] = size
+            known |= hit
+    return lim, known
 
 
 def validate_descriptors(
-    d: DescriptorTable, src_sizes: Mapping[str, int], dst_sizes: Mapping[str, int]
+    d: DescriptorTable, src_sizes: Mapping[int, int], dst_sizes: Mapping[int, int]
 ) -> np.ndarray:
     """Check every descriptor of ``d``; return its ``(n, 5)`` rows if all are in bounds.
 
-    A descriptor is refused (:class:`ProtocolError` naming its index and values) when
-    a region index is out of range, an offset or size is negative, ``offset + nbytes``
-    overflows, or the byte range leaves its region. Zero-length reads inside a region
-    (including at its very end) are allowed. Unknown region names are
-    :class:`NotFoundError`. Nothing is read or written by this function.
+    ``src_sizes``/``dst_sizes`` map region id to size in bytes, from the daemons' own
+    records. A descriptor is refused (:class:`ProtocolError` naming its index and
+    values) when a region is not recorded, an offset or size is negative, or the byte
+    range leaves its region (checked as ``offset <= size - nbytes`` so nothing
+    overflows). Zero-length reads inside a region, including at its very end, pass.
+    Nothing is read or written by this function.
     """
     rows = d.rows()
     if rows.shape[0] == 0:
         return rows
-    src_size = _sizes_of(d.src_regions, src_sizes, "source")
-    dst_size = _sizes_of(d.dst_regions, dst_sizes, "destination")
     si, so, di, do, nb = (rows[:, k] for k in range(5))
-    bad = (si < 0) | (si >= len(src_size)) | (di < 0) | (di >= len(dst_size))
-    bad |= (so < 0) | (do < 0) | (nb < 0)
-    # Overflow guard: offsets and sizes are each < 2**63, compare without adding.
-    ok_idx = ~bad
-    s_lim = np.zeros_like(so)
-    d_lim = np.zeros_like(do)
-    s_lim[ok_idx] = src_size[si[ok_idx]]
-    d_lim[ok_idx] = dst_size[di[ok_idx]]
-    bad |= ok_idx & ((so > s_lim) | (nb > s_lim - so) | (do > d_lim) | (nb > d_lim - do))
-    if bad.any():
-        i = int(np.argmax(bad))
-        r = [int(x) for x in rows[i]]
-        sname = d.src_regions[r[0]] if 0 <= r[0] < len(d.src_regions) else f"#{r[0]}"
-        dname = d.dst_regions[r[2]] if 0 <= r[2] < len(d.dst_regions) else f"#{r[2]}"
-        raise ProtocolError(
-            f"descriptor {i} refused: read {r[4]} bytes from {sname!r}+{r[1]} into "
-            f"{dname!r}+{r[3]} leaves a region or has a negative field "
-            f"(source {src_sizes.get(sname, '?')} bytes, destination "
-            f"{dst_sizes.get(dname, '?')} bytes); nothing was transferred"
-        )
+    s_lim, s_known = _limits(si, src_sizes)
+    d_lim, d_known = _limits(di, dst_sizes)
+    checks: list[tuple[np.ndarray, str]] = [
+        (~s_known, "its source region is not recorded"),
+        (~d_known, "its destination region is not recorded"),
+        ((so < 0) | (do < 0) | (nb < 0), "it has a negative offset or size"),
+        (so > s_lim - nb, "its source range ends past the source region"),
+        (do > d_lim - nb, "its destination range ends past the destination region"),
+    ]
+    for bad, why in checks:
+        hits = np.flatnonzero(bad)
+        if len(hits):
+            i = int(hits[0])
+            r = [int(x) for x in rows[i]]
+            raise ProtocolError(
+                f"descriptor {i} refused: read {r[4]} bytes from region {r[0]}+{r[1]} "
+                f"(of {src_sizes.get(r[0], '?')} bytes) into region {r[2]}+{r[3]} "
+                f"(of {dst_sizes.get(r[2], '?')} bytes): {why}; nothing was transferred"
+            )
     return rows
 
 
 def validate_pack_specs(
-    specs: list[PackSpec], src_sizes: Mapping[str, int], dst_sizes: Mapping[str, int]
+    specs: list[PackSpec], src_sizes: Mapping[int, int], dst_sizes: Mapping[int, int]
 ) -> None:
     """Check each pack spec's strided footprint lies in its source region and its packed
     bytes in its destination region; refuse the first that does not."""

@@ -65,7 +65,7 @@ def _prod(xs: tuple[int, ...]) -> int:
     return n
 
 
-def check_manifest_bounds(m: ManifestIn, region_sizes: Mapping[str, int]) -> None:
+def check_manifest_bounds(m: ManifestIn, region_sizes: Mapping[int, int]) -> None:
     """Refuse a manifest whose shards fall outside their tensor or their region.
 
     ``region_sizes`` maps region id to its size in bytes. Raises
@@ -90,12 +90,12 @@ def check_manifest_bounds(m: ManifestIn, region_sizes: Mapping[str, int]) -> Non
                     )
             rsize = region_sizes.get(s.region)
             if rsize is None:
-                raise NotFoundError(f"tensor {t.name!r} shard {i}: unknown region {s.region!r}")
+                raise NotFoundError(f"tensor {t.name!r} shard {i}: unknown region {s.region}")
             end = s.byte_offset + _prod(s.shape) * size
             if end > rsize:
                 raise ProtocolError(
                     f"tensor {t.name!r} shard {i}: bytes [{s.byte_offset}, {end}) overrun region "
-                    f"{s.region!r} of {rsize} bytes"
+                    f"{s.region} of {rsize} bytes"
                 )
 
 
@@ -219,6 +219,11 @@ class Registry:
 
     def version(self, model: str, version: int) -> VersionInfo:
         return self._info(self._get(model, version))
+
+    def regions_of(self, model: str, version: int) -> set[int]:
+        """Every region id any slot of the version lists a shard in."""
+        v = self._get(model, version)
+        return {s.region for m in v.slots.values() for t in m.tensors for s in t.shards}
 
     def latest_ready(self, model: str) -> int:
         """The newest READY version of ``model``; :class:`NotFoundError` if none."""

@@ -102,9 +102,12 @@ class RegionAttach(msgspec.Struct, frozen=True):
 
 
 class RegionInfo(msgspec.Struct, frozen=True):
-    """The daemon's record of a region: what every descriptor is checked against."""
+    """The daemon's record of a region: what every descriptor is checked against.
 
-    region_id: str
+    ``region_id`` is unique within one daemon epoch and is also the id the region is
+    registered under with the daemon's transport."""
+
+    region_id: int
     kind: RegionKind
     handle: str
     nbytes: int
@@ -123,7 +126,7 @@ class ShardEntry(msgspec.Struct, frozen=True, array_like=True):
 
     offset: tuple[int, ...]
     shape: tuple[int, ...]
-    region: str
+    region: int
     byte_offset: NonNeg
 
 
@@ -205,19 +208,17 @@ class LeaseGrant(msgspec.Struct, frozen=True):
 class DescriptorTable(msgspec.Struct, frozen=True):
     """``n`` region-relative reads, packed.
 
-    ``table`` is ``n * 5`` little-endian int64 values, row-major: ``(src_region_index,
-    src_offset, dst_region_index, dst_offset, nbytes)``, the indices into
-    ``src_regions`` / ``dst_regions``. Offsets and sizes are bytes.
+    ``table`` is ``n * 5`` little-endian int64 values, row-major: ``(src_region,
+    src_offset, dst_region, dst_offset, nbytes)``; region ids as the daemons recorded
+    them, offsets and sizes in bytes.
     """
 
-    src_regions: list[str]
-    dst_regions: list[str]
     table: bytes
 
     @staticmethod
-    def pack(src_regions: list[str], dst_regions: list[str], rows: np.ndarray) -> DescriptorTable:
+    def pack(rows: np.ndarray) -> DescriptorTable:
         arr = np.ascontiguousarray(rows, dtype="<i8").reshape(-1, 5)
-        return DescriptorTable(list(src_regions), list(dst_regions), arr.tobytes())
+        return DescriptorTable(arr.tobytes())
 
     def rows(self) -> np.ndarray:
         """The ``(n, 5)`` int64 matrix; refuses a payload that is not whole rows."""
@@ -240,12 +241,12 @@ class PackSpec(msgspec.Struct, frozen=True, array_like=True):
     ``strides`` in **elements**; ``itemsize`` in bytes.
     """
 
-    src_region: str
+    src_region: int
     src_offset: NonNeg
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     itemsize: Positive
-    dst_region: str
+    dst_region: int
     dst_offset: NonNeg
 
     @property
@@ -291,7 +292,7 @@ class PullProgress(msgspec.Struct, frozen=True):
     seconds: float
     rate_gbps: float
     error: ErrorBody | None = None
-    suspect: list[tuple[str, int, int]] = []
+    suspect: list[tuple[int, int, int]] = []
 
 
 # ---------------------------------------------------------------- peers

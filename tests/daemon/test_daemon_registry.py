@@ -28,8 +28,8 @@ class FakeClock:
 
 def manifest(version: int, slot: int, slots: int = 2, rows: int = 4) -> ManifestIn:
     # Each slot holds rows [slot*2, slot*2+2) of w, and a full replica of b.
-    w = TensorEntry("w", (rows, 3), "float32", [ShardEntry((slot * 2, 0), (2, 3), "r", 0)])
-    b = TensorEntry("b", (3,), "float32", [ShardEntry((0,), (3,), f"r{slot}", 0)])
+    w = TensorEntry("w", (rows, 3), "float32", [ShardEntry((slot * 2, 0), (2, 3), 1, 0)])
+    b = TensorEntry("b", (3,), "float32", [ShardEntry((0,), (3,), 10 + slot, 0)])
     return ManifestIn("toy", version, slot, slots, [w, b])
 
 
@@ -53,7 +53,7 @@ def test_merged_manifest_lists_each_replicated_block_once(reg):
     r.publish(manifest(1, 1))
     merged = {t.name: t for t in r.merged("toy", 1).tensors}
     assert [s.offset for s in merged["w"].shards] == [(0, 0), (2, 0)]
-    assert [s.region for s in merged["b"].shards] == ["r0"]  # lowest slot's replica kept
+    assert [s.region for s in merged["b"].shards] == [10]  # lowest slot's replica kept
 
 
 def test_a_newer_ready_version_retires_older_ones(reg):
@@ -119,51 +119,47 @@ def test_leasing_an_unknown_version_is_not_found(reg):
 def test_a_shard_overrunning_its_region_is_refused_naming_it():
     m = manifest(1, 0)
     with pytest.raises(ProtocolError, match="'w' shard 0"):
-        check_manifest_bounds(m, {"r": 20, "r0": 12})
-    check_manifest_bounds(m, {"r": 24, "r0": 12})
-    with pytest.raises(NotFoundError, match="'r0'"):
-        check_manifest_bounds(m, {"r": 24})
+        check_manifest_bounds(m, {1: 20, 10: 12})
+    check_manifest_bounds(m, {1: 24, 10: 12})
+    with pytest.raises(NotFoundError, match="unknown region 10"):
+        check_manifest_bounds(m, {1: 24})
 
 
 def table(rows: list[list[int]]) -> DescriptorTable:
-    return DescriptorTable.pack(["s"], ["d"], np.array(rows, dtype=np.int64).reshape(-1, 5))
+    return DescriptorTable.pack(np.array(rows, dtype=np.int64).reshape(-1, 5))
 
 
 def test_descriptors_inside_both_regions_pass_including_zero_length_at_the_end():
-    rows = validate_descriptors(table([[0, 0, 0, 0, 8], [0, 16, 0, 8, 0]]), {"s": 16}, {"d": 8})
+    rows = validate_descriptors(table([[1, 0, 2, 0, 8], [1, 16, 2, 8, 0]]), {1: 16}, {2: 8})
     assert rows.shape == (2, 5)
 
 
 @pytest.mark.parametrize(
     "bad",
     [
-        [0, 12, 0, 0, 8],  # source overrun
-        [0, 0, 0, 4, 8],  # destination overrun
-        [0, -1, 0, 0, 1],  # negative offset
-        [0, 0, 0, 0, -1],  # negative size
-        [1, 0, 0, 0, 1],  # region index out of range
-        [0, 2**62, 0, 0, 2**62],  # offset + size past int64 range
+        [1, 12, 2, 0, 8],  # source overrun
+        [1, 0, 2, 4, 8],  # destination overrun
+        [1, -1, 2, 0, 1],  # negative offset
+        [1, 0, 2, 0, -1],  # negative size
+        [3, 0, 2, 0, 1],  # unknown source region
+        [1, 0, 3, 0, 1],  # unknown destination region
+        [1, 2**62, 2, 0, 2**62],  # offset + size past int64 range
     ],
 )
 def test_the_first_bad_descriptor_is_refused_by_index(bad):
     with pytest.raises(ProtocolError, match="descriptor 1 refused"):
-        validate_descriptors(table([[0, 0, 0, 0, 4], bad]), {"s": 16}, {"d": 8})
-
-
-def test_a_descriptor_naming_an_unknown_region_is_not_found():
-    with pytest.raises(NotFoundError, match="'s'"):
-        validate_descriptors(table([[0, 0, 0, 0, 1]]), {}, {"d": 8})
+        validate_descriptors(table([[1, 0, 2, 0, 4], bad]), {1: 16}, {2: 8})
 
 
 def test_a_truncated_descriptor_payload_is_refused():
     with pytest.raises(ProtocolError, match="40-byte rows"):
-        DescriptorTable(["s"], ["d"], b"\0" * 41).rows()
+        DescriptorTable(b"\0" * 41).rows()
 
 
 def test_a_pack_spec_whose_strided_span_leaves_the_source_is_refused():
-    ok = PackSpec("s", 0, (2, 2), (4, 1), 4, "d", 0)  # rows 0..1, cols 0..1 of a 2x4 f32
-    validate_pack_specs([ok], {"s": 32}, {"d": 16})
+    ok = PackSpec(1, 0, (2, 2), (4, 1), 4, 2, 0)  # rows 0..1, cols 0..1 of a 2x4 f32
+    validate_pack_specs([ok], {1: 32}, {2: 16})
     with pytest.raises(ProtocolError, match="pack spec 0"):
-        validate_pack_specs([PackSpec("s", 8, (2, 2), (4, 1), 4, "d", 0)], {"s": 24}, {"d": 16})
+        validate_pack_specs([PackSpec(1, 8, (2, 2), (4, 1), 4, 2, 0)], {1: 24}, {2: 16})
     with pytest.raises(ProtocolError, match="destination"):
-        validate_pack_specs([ok], {"s": 32}, {"d": 15})
+        validate_pack_specs([ok], {1: 32}, {2: 15})

@@ -1,0 +1,303 @@
+"""The async HTTP client of refitd's API v1: :class:`RefitClient`.
+
+One method per endpoint, typed with the daemon's own schemas. Bodies travel as
+msgpack. A refusal comes back as the same :class:`refitd.errors.RefitError`
+subclass the daemon raised, carrying its ``detail`` message, so a caller catches
+the same exception in-process or over HTTP. Transport failures (connection refused,
+reset) become :class:`TransportError` raised ``from`` aiohttp's exception.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import aiohttp
+import msgspec
+
+from refitd import errors
+from refitd.daemon.node import PeerRegions, StagedPack
+from refitd.daemon.schemas import (
+    MSGPACK,
+    ErrorBody,
+    LeaseGrant,
+    LeaseRequest,
+    ManifestIn,
+    MergedManifest,
+    NodeInfo,
+    PackSpec,
+    PullProgress,
+    PullRequest,
+    PullState,
+    RegionAttach,
+    RegionCreate,
+    RegionInfo,
+    RegionKind,
+    VersionInfo,
+)
+
+__all__ = ["RefitClient", "error_from_body"]
+
+T = TypeVar("T")
+
+_ERRORS: dict[str, type[errors.RefitError]] = {
+    name: getattr(errors, name) for name in errors.__all__
+}
+_BY_STATUS: dict[int, type[errors.RefitError]] = {
+    400: errors.ProtocolError,
+    404: errors.NotFoundError,
+    409: errors.ConflictError,
+    413: errors.ProtocolError,
+    422: errors.PlanError,
+    500: errors.RefitError,
+    502: errors.TransportError,
+    503: errors.TransportError,
+}
+_TERMINAL = {PullState.DONE, PullState.FAILED, PullState.CANCELLED}
+
+
+def error_from_body(status: int, body: ErrorBody | None, fallback: str) -> errors.RefitError:
+    """The RefitError a response stands for: by the class name the daemon sent, else
+    by status code."""
+    if body is not None and body.error in _ERRORS:
+        return _ERRORS[body.error](body.detail)
+    cls = _BY_STATUS.get(status, errors.RefitError)
+    return cls(body.detail if body is not None else fallback)
+
+
+class RefitClient:
+    """Talks to one daemon: ``base_url`` over TCP, or ``unix_path`` (then ``base_url``
+    only supplies the host header). Use as ``async with RefitClient(url) as c``."""
+
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:7450",
+        *,
+        unix_path: str | None = None,
+        token: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._unix_path = unix_path
+        self._headers = {"Accept": MSGPACK}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Self:
+        self._open()
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = (
+                aiohttp.UnixConnector(path=self._unix_path)
+                if self._unix_path
+                else aiohttp.TCPConnector(limit=64)
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self._timeout, headers=self._headers
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        type_: type[T],
+        body: Any = None,
+        params: dict[str, str] | None = None,
+    ) -> T:
+        session = self._open()
+        data = None if body is None else msgspec.msgpack.encode(body)
+        headers = {"Content-Type": MSGPACK} if data is not None else None
+        url = f"{self.base_url}/v1{path}"
+        try:
+            async with session.request(
+                method, url, data=data, headers=headers, params=params
+            ) as resp:
+                raw = await resp.read()
+                if resp.status >= 400:
+                    try:
+                        err = msgspec.msgpack.decode(raw, type=ErrorBody)
+                    except msgspec.DecodeError:
+                        err = None
+                    raise error_from_body(
+                        resp.status, err, f"{method} {path}: HTTP {resp.status} {raw[:200]!r}"
+                    )
+        except aiohttp.ClientError as exc:
+            raise errors.TransportError(f"{method} {url} failed: {exc}") from exc
+        if type_ is type(None):
+            return None
+        try:
+            return msgspec.msgpack.decode(raw, type=type_)
+        except msgspec.DecodeError as exc:
+            raise errors.ProtocolError(f"{method} {path}: malformed response ({exc})") from exc
+
+    # ------------------------------------------------------------ node
+
+    async def node(self) -> NodeInfo:
+        return await self._call("GET", "/node", NodeInfo)
+
+    async def health(self) -> dict[str, str]:
+        return await self._call("GET", "/health", dict[str, str])
+
+    async def ready(self) -> dict[str, str]:
+        """Raises :class:`TransportError` (503) until the data plane is up."""
+        return await self._call("GET", "/ready", dict[str, str])
+
+    # ------------------------------------------------------------ regions
+
+    async def create_region(
+        self, nbytes: int, *, label: str = "", owner: str = "", kind: RegionKind = RegionKind.SHM
+    ) -> RegionInfo:
+        return await self._call(
+            "POST", "/regions", RegionInfo, RegionCreate(nbytes, kind, owner, label)
+        )
+
+    async def attach_region(
+        self,
+        handle: str,
+        nbytes: int,
+        *,
+        label: str = "",
+        owner: str = "",
+        kind: RegionKind = RegionKind.SHM,
+    ) -> RegionInfo:
+        return await self._call(
+            "POST", "/regions/attach", RegionInfo, RegionAttach(handle, nbytes, kind, owner, label)
+        )
+
+    async def regions(self) -> list[RegionInfo]:
+        return await self._call("GET", "/regions", list[RegionInfo])
+
+    async def delete_region(self, region_id: int) -> RegionInfo:
+        return await self._call("DELETE", f"/regions/{region_id}", RegionInfo)
+
+    # ------------------------------------------------------------ sources
+
+    async def publish(self, manifest: ManifestIn) -> VersionInfo:
+        return await self._call("POST", "/sources", VersionInfo, manifest)
+
+    async def versions(self, model: str) -> list[VersionInfo]:
+        return await self._call("GET", f"/sources/{model}/versions", list[VersionInfo])
+
+    async def version(self, model: str, version: int | str = "latest") -> VersionInfo:
+        return await self._call("GET", f"/sources/{model}/versions/{version}", VersionInfo)
+
+    async def manifest(self, model: str, version: int) -> MergedManifest:
+        return await self._call(
+            "GET", f"/sources/{model}/versions/{version}/manifest", MergedManifest
+        )
+
+    async def wait_drain(self, model: str, version: int, timeout_s: float = 60.0) -> VersionInfo:
+        """Return once no lease remains on the version; ConflictError after the timeout."""
+        return await self._call(
+            "POST",
+            f"/sources/{model}/versions/{version}/drain",
+            VersionInfo,
+            params={"timeout": str(timeout_s)},
+        )
+
+    # ------------------------------------------------------------ leases
+
+    async def acquire_lease(
+        self, model: str, version: int, ttl_s: float = 30.0, holder: str = ""
+    ) -> LeaseGrant:
+        return await self._call(
+            "POST", "/leases", LeaseGrant, LeaseRequest(model, version, ttl_s, holder)
+        )
+
+    async def renew_lease(self, lease_id: str, ttl_s: float = 30.0) -> LeaseGrant:
+        return await self._call(
+            "POST", f"/leases/{lease_id}/renew", LeaseGrant, params={"ttl": str(ttl_s)}
+        )
+
+    async def release_lease(self, lease_id: str) -> None:
+        await self._call("DELETE", f"/leases/{lease_id}", type(None))
+
+    async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
+        """ConflictError unless ``lease_id`` is live on exactly ``(model, version)``."""
+        return await self._call(
+            "GET",
+            f"/leases/{lease_id}",
+            LeaseGrant,
+            params={"model": model, "version": str(version)},
+        )
+
+    # ------------------------------------------------------------ pulls
+
+    async def submit_pull(self, req: PullRequest) -> PullProgress:
+        """Validate and start a pull; refusals (400/404/409) raise before any byte moves."""
+        return await self._call("POST", "/pulls", PullProgress, req)
+
+    async def pull_status(self, pull_id: str) -> PullProgress:
+        return await self._call("GET", f"/pulls/{pull_id}", PullProgress)
+
+    async def pulls(self) -> list[PullProgress]:
+        return await self._call("GET", "/pulls", list[PullProgress])
+
+    async def cancel_pull(self, pull_id: str) -> PullProgress:
+        return await self._call("DELETE", f"/pulls/{pull_id}", PullProgress)
+
+    async def wait_pull(
+        self,
+        pull_id: str,
+        *,
+        on_progress: Callable[[PullProgress], None] | None = None,
+        interval_s: float = 0.25,
+    ) -> PullProgress:
+        """Wait for a pull to end; ``on_progress`` sees a snapshot at least every
+        ``interval_s`` (the daemon answers early when the pull ends). Raises the
+        pull's error if it failed or was cancelled."""
+        while True:
+            p = await self._call(
+                "GET", f"/pulls/{pull_id}/wait", PullProgress, params={"timeout": str(interval_s)}
+            )
+            if on_progress is not None:
+                on_progress(p)
+            if p.state in _TERMINAL:
+                break
+        if p.state is not PullState.DONE:
+            err = error_from_body(500, p.error, f"pull {pull_id} {p.state.value}")
+            err.progress = p  # type: ignore[attr-defined]
+            raise err
+        return p
+
+    async def pull(
+        self, req: PullRequest, *, on_progress: Callable[[PullProgress], None] | None = None
+    ) -> PullProgress:
+        """Submit and wait; returns the result or raises what refused or failed it."""
+        started = await self.submit_pull(req)
+        return await self.wait_pull(started.pull_id, on_progress=on_progress)
+
+    # ------------------------------------------------------------ daemon to daemon
+
+    async def peer_regions(self, ids: list[int] | None = None) -> PeerRegions:
+        params = None if ids is None else {"ids": ",".join(str(i) for i in ids)}
+        return await self._call("GET", "/peer/regions", PeerRegions, params=params)
+
+    async def peer_pack(
+        self, model: str, version: int, lease_id: str, specs: list[PackSpec]
+    ) -> StagedPack:
+        return await self._call(
+            "POST",
+            "/peer/pack",
+            StagedPack,
+            {"model": model, "version": version, "lease_id": lease_id, "specs": specs},
+        )
+
+    async def peer_drop(self, region_id: int) -> None:
+        await self._call("DELETE", f"/peer/staging/{region_id}", type(None))

@@ -1,0 +1,87 @@
+"""Start a ``refitd serve`` child process and learn its address (tests, demo, bench).
+
+The child prints one JSON ready line once its listener and data plane are up;
+:func:`spawn_daemon` reads that line (no polling) and, on exit, sends SIGTERM and
+waits for the child's orderly shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from refitd.errors import TransportError
+
+__all__ = ["SpawnedDaemon", "spawn_daemon"]
+
+
+@dataclass(frozen=True)
+class SpawnedDaemon:
+    url: str
+    node_id: str
+    pid: int
+
+
+@contextlib.asynccontextmanager
+async def spawn_daemon(
+    *,
+    secret_file: str,
+    transport: str = "shm",
+    node_id: str = "",
+    unix_path: str | None = None,
+    start_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+) -> AsyncIterator[SpawnedDaemon]:
+    """Run a daemon on ``127.0.0.1:0`` in a child process for the ``with`` block."""
+    argv = [
+        sys.executable,
+        "-m",
+        "refitd.cli",
+        "serve",
+        "--port",
+        "0",
+        "--transport",
+        transport,
+        "--secret-file",
+        secret_file,
+        "--grace",
+        "2",
+    ]
+    if node_id:
+        argv += ["--node-id", node_id]
+    if unix_path:
+        argv += ["--unix", unix_path]
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.stdout is not None
+    try:
+        try:
+            async with asyncio.timeout(start_timeout_s):
+                line = await proc.stdout.readline()
+        except TimeoutError:
+            raise TransportError(
+                f"daemon {node_id!r} did not report ready in {start_timeout_s}s"
+            ) from None
+        if not line:
+            code = await proc.wait()
+            raise TransportError(f"daemon {node_id!r} exited with status {code} before ready")
+        record = json.loads(line)
+        yield SpawnedDaemon(record["url"], record["node_id"], record["pid"])
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(15):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()

@@ -1,0 +1,400 @@
+"""The aiohttp application of API v1.
+
+:func:`create_app` builds the app around one :class:`~refitd.daemon.node.Daemon`.
+Operators' pieces (auth, metrics, size limits, OpenAPI) plug in through
+``middlewares``, ``cleanup_ctx`` and ``setup`` callbacks, so the app is assembled
+in one place. Every RefitError maps to one status code in :func:`error_middleware`
+and comes back as ``{"error": <class name>, "detail": <message>}``.
+
+Bodies are msgpack (``application/msgpack``) or JSON, chosen by ``Content-Type``;
+responses follow ``Accept`` (msgpack when asked for, JSON otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.pulls import PullManager, RemoteSource, Source
+from refitd.daemon.registry import check_manifest_bounds
+from refitd.daemon.schemas import (
+    MSGPACK,
+    ErrorBody,
+    LeaseGrant,
+    LeaseRequest,
+    ManifestIn,
+    PackSpec,
+    PullRequest,
+    RegionAttach,
+    RegionCreate,
+)
+from refitd.errors import (
+    ConfigError,
+    ConflictError,
+    NotFoundError,
+    PlanError,
+    ProtocolError,
+    RefitError,
+    TransportError,
+)
+
+__all__ = [
+    "DAEMON",
+    "PULLS",
+    "STATUS_OF",
+    "create_app",
+    "error_middleware",
+    "routes",
+]
+
+T = TypeVar("T")
+
+DAEMON: web.AppKey[Daemon] = web.AppKey("daemon", Daemon)
+PULLS: web.AppKey[PullManager] = web.AppKey("pulls", PullManager)
+
+# Most specific first: the first isinstance match wins.
+STATUS_OF: list[tuple[type[RefitError], int]] = [
+    (ProtocolError, 400),
+    (NotFoundError, 404),
+    (ConflictError, 409),
+    (PlanError, 422),
+    (TransportError, 502),
+    (ConfigError, 500),
+    (RefitError, 500),
+]
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _status(exc: RefitError) -> int:
+    for cls, code in STATUS_OF:
+        if isinstance(exc, cls):
+            return code
+    return 500
+
+
+def _wants_msgpack(request: web.Request) -> bool:
+    return MSGPACK in request.headers.get("Accept", "")
+
+
+def reply(request: web.Request, value: Any, status: int = 200) -> web.Response:
+    """Encode ``value`` (a Struct, list, dict or None) as the client asked."""
+    if _wants_msgpack(request):
+        return web.Response(body=msgspec.msgpack.encode(value), status=status, content_type=MSGPACK)
+    return web.Response(
+        body=msgspec.json.encode(value), status=status, content_type="application/json"
+    )
+
+
+async def body(request: web.Request, type_: type[T]) -> T:
+    """Decode and validate the request body as ``type_`` (msgpack or JSON)."""
+    raw = await request.read()
+    try:
+        if request.content_type == MSGPACK:
+            return msgspec.msgpack.decode(raw, type=type_)
+        return msgspec.json.decode(raw, type=type_)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"{request.method} {request.path}: body refused: {exc}") from exc
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The one place refusals become HTTP: RefitError tree -> status + ErrorBody."""
+    try:
+        return await handler(request)
+    except RefitError as exc:
+        return reply(request, ErrorBody(type(exc).__name__, str(exc)), _status(exc))
+    except web.HTTPRequestEntityTooLarge as exc:
+        return reply(
+            request, ErrorBody("ProtocolError", f"request body too large: {exc.text}"), 413
+        )
+
+
+def _int(request: web.Request, name: str) -> int:
+    raw = request.match_info.get(name) or request.query.get(name, "")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ProtocolError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _float(request: web.Request, name: str, default: float) -> float:
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ProtocolError(f"query parameter {name} must be a number, got {raw!r}") from None
+
+
+routes = web.RouteTableDef()
+P = "/v1"
+
+
+@routes.get(P + "/health")
+async def health(request: web.Request) -> web.Response:
+    return reply(request, {"status": "ok"})
+
+
+@routes.get(P + "/ready")
+async def ready(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    if not d.ready:
+        raise TransportError("not ready: the data plane is not up")
+    return reply(request, {"status": "ready", "transport": d.options.transport})
+
+
+@routes.get(P + "/node")
+async def node(request: web.Request) -> web.Response:
+    return reply(request, request.app[DAEMON].info())
+
+
+# ---------------------------------------------------------------- regions
+
+
+@routes.post(P + "/regions")
+async def create_region(request: web.Request) -> web.Response:
+    req = await body(request, RegionCreate)
+    return reply(request, await request.app[DAEMON].create_region(req), 201)
+
+
+@routes.post(P + "/regions/attach")
+async def attach_region(request: web.Request) -> web.Response:
+    req = await body(request, RegionAttach)
+    return reply(request, await request.app[DAEMON].attach_region(req), 201)
+
+
+@routes.get(P + "/regions")
+async def list_regions(request: web.Request) -> web.Response:
+    return reply(request, list(request.app[DAEMON].regions))
+
+
+@routes.get(P + "/regions/{region_id}")
+async def get_region(request: web.Request) -> web.Response:
+    return reply(request, request.app[DAEMON].regions.get(_int(request, "region_id")))
+
+
+@routes.delete(P + "/regions/{region_id}")
+async def delete_region(request: web.Request) -> web.Response:
+    return reply(request, await request.app[DAEMON].delete_region(_int(request, "region_id")))
+
+
+# ---------------------------------------------------------------- sources
+
+
+@routes.post(P + "/sources")
+async def publish(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    m = await body(request, ManifestIn)
+    check_manifest_bounds(m, d.regions.sizes())
+    info = d.registry.publish(m)
+    d.lease_changed()
+    return reply(request, info, 201)
+
+
+@routes.get(P + "/sources")
+async def list_sources(request: web.Request) -> web.Response:
+    return reply(request, request.app[DAEMON].registry.versions())
+
+
+@routes.get(P + "/sources/{model}/versions")
+async def list_versions(request: web.Request) -> web.Response:
+    return reply(request, request.app[DAEMON].registry.versions(request.match_info["model"]))
+
+
+def _version(request: web.Request) -> tuple[str, int]:
+    model = request.match_info["model"]
+    if request.match_info["version"] == "latest":
+        return model, request.app[DAEMON].registry.latest_ready(model)
+    return model, _int(request, "version")
+
+
+@routes.get(P + "/sources/{model}/versions/{version}")
+async def get_version(request: web.Request) -> web.Response:
+    return reply(request, request.app[DAEMON].registry.version(*_version(request)))
+
+
+@routes.get(P + "/sources/{model}/versions/{version}/manifest")
+async def get_manifest(request: web.Request) -> web.Response:
+    reg = request.app[DAEMON].registry
+    model, version = _version(request)
+    if _wants_msgpack(request):
+        # Encoded once per version and cached: a 100k-tensor manifest is served as is.
+        return web.Response(body=reg.merged_bytes(model, version), content_type=MSGPACK)
+    return reply(request, reg.merged(model, version))
+
+
+@routes.post(P + "/sources/{model}/versions/{version}/drain")
+async def drain(request: web.Request) -> web.Response:
+    model, version = _version(request)
+    info = await request.app[DAEMON].wait_drain(model, version, _float(request, "timeout", 60.0))
+    return reply(request, info)
+
+
+# ---------------------------------------------------------------- leases
+
+
+@routes.post(P + "/leases")
+async def acquire(request: web.Request) -> web.Response:
+    req = await body(request, LeaseRequest)
+    grant = request.app[DAEMON].registry.acquire(req.model, req.version, req.ttl_s, req.holder)
+    return reply(request, grant, 201)
+
+
+@routes.get(P + "/leases/{lease_id}")
+async def check_lease(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    lease_id = request.match_info["lease_id"]
+    lease = d.registry.check(lease_id, request.query.get("model", ""), _int(request, "version"))
+    left = lease.expires_at - d.clock()
+    return reply(request, LeaseGrant(lease.lease_id, lease.model, lease.version, left))
+
+
+@routes.post(P + "/leases/{lease_id}/renew")
+async def renew(request: web.Request) -> web.Response:
+    reg = request.app[DAEMON].registry
+    return reply(request, reg.renew(request.match_info["lease_id"], _float(request, "ttl", 30.0)))
+
+
+@routes.delete(P + "/leases/{lease_id}")
+async def release(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    d.registry.release(request.match_info["lease_id"])
+    d.lease_changed()
+    return reply(request, None)
+
+
+# ---------------------------------------------------------------- pulls
+
+
+@routes.post(P + "/pulls")
+async def submit_pull(request: web.Request) -> web.Response:
+    req = await body(request, PullRequest)
+    job = await request.app[PULLS].submit(req)
+    return reply(request, job.snapshot(), 202)
+
+
+@routes.get(P + "/pulls")
+async def list_pulls(request: web.Request) -> web.Response:
+    return reply(request, [j.snapshot() for j in request.app[PULLS].jobs.values()])
+
+
+@routes.get(P + "/pulls/{pull_id}")
+async def pull_status(request: web.Request) -> web.Response:
+    return reply(request, request.app[PULLS].get(request.match_info["pull_id"]).snapshot())
+
+
+@routes.get(P + "/pulls/{pull_id}/wait")
+async def pull_wait(request: web.Request) -> web.Response:
+    """Answer when the pull ends, or after ``timeout`` seconds with its progress."""
+    job = request.app[PULLS].get(request.match_info["pull_id"])
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(_float(request, "timeout", 30.0)):
+            await job.finished.wait()
+    return reply(request, job.snapshot())
+
+
+@routes.delete(P + "/pulls/{pull_id}")
+async def cancel_pull(request: web.Request) -> web.Response:
+    job = await request.app[PULLS].cancel(request.match_info["pull_id"])
+    return reply(request, job.snapshot())
+
+
+# ---------------------------------------------------------------- daemon to daemon
+
+
+@routes.get(P + "/peer/regions")
+async def peer_regions(request: web.Request) -> web.Response:
+    raw = request.query.get("ids")
+    ids = None if raw is None else [int(x) for x in raw.split(",") if x]
+    return reply(request, request.app[DAEMON].peer_regions(ids))
+
+
+class PackRequest(msgspec.Struct, frozen=True):
+    model: str
+    version: int
+    lease_id: str
+    specs: list[PackSpec]
+
+
+@routes.post(P + "/peer/pack")
+async def peer_pack(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    req = await body(request, PackRequest)
+    d.registry.check(req.lease_id, req.model, req.version)
+    return reply(request, await d.pack(req.specs), 201)
+
+
+@routes.delete(P + "/peer/staging/{region_id}")
+async def peer_drop(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    rid = _int(request, "region_id")
+    if d.regions.get(rid).label != "staging":
+        raise ConflictError(f"region {rid} refused deletion as staging: it is not a staging region")
+    await d.delete_region(rid)
+    return reply(request, None)
+
+
+# ---------------------------------------------------------------- assembly
+
+CleanupCtx = Callable[[web.Application], AsyncIterator[None]]
+
+
+def create_app(
+    options: DaemonOptions | None = None,
+    *,
+    daemon: Daemon | None = None,
+    middlewares: Iterable[Any] = (),
+    cleanup_ctx: Iterable[CleanupCtx] = (),
+    setup: Iterable[Callable[[web.Application], None]] = (),
+    token: str | None = None,
+) -> web.Application:
+    """The daemon's app. ``daemon`` may be given (tests inject a clock or copier).
+
+    Order: the error middleware wraps every other middleware so their refusals map
+    too; the daemon's data plane starts (cleanup_ctx) before the site accepts, and
+    running pulls are cancelled before the data plane closes.
+    """
+    opts = options or (daemon.options if daemon else DaemonOptions())
+    d = daemon or Daemon(opts)
+    app = web.Application(
+        middlewares=[error_middleware, *middlewares], client_max_size=opts.client_max_size
+    )
+    app[DAEMON] = d
+
+    from refitd.client.http import RefitClient
+
+    clients: dict[str, RefitClient] = {}
+
+    def connect(url: str) -> Source:
+        c = clients.get(url)
+        if c is None:
+            c = clients[url] = RefitClient(url, token=token)
+        return RemoteSource(c, opts.secret)
+
+    pulls = PullManager(d, connect)
+    app[PULLS] = pulls
+
+    async def daemon_ctx(app: web.Application) -> AsyncIterator[None]:
+        await d.start()
+        try:
+            yield
+        finally:
+            await pulls.close()
+            for c in clients.values():
+                await c.close()
+            await d.close()
+
+    app.cleanup_ctx.append(daemon_ctx)
+    app.cleanup_ctx.extend(cleanup_ctx)
+    app.add_routes(routes)
+    for fn in setup:
+        fn(app)
+    return app

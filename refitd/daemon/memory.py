@@ -1,0 +1,33 @@
+"""The daemon's handle on region memory: shared-memory segments from ``transports.shm``.
+
+The transports layer owns naming, permissions (0600, same user) and crash cleanup;
+the daemon only creates, attaches and views. CUDA IPC regions are part of the
+schema; :func:`refuse_cuda_ipc` says why this host cannot serve them.
+"""
+
+from __future__ import annotations
+
+from refitd.errors import PlanError
+from transports.shm import SharedSegment
+
+__all__ = ["SharedSegment", "byte_view", "refuse_cuda_ipc"]
+
+
+def byte_view(seg: SharedSegment) -> memoryview:
+    """A writable ``memoryview`` of the segment's exact ``size`` bytes."""
+    return seg.numpy().data
+
+
+def refuse_cuda_ipc() -> None:
+    """Always raises: CUDA IPC regions need a GPU and a CUDA build of this daemon."""
+    try:
+        import torch
+
+        has_gpu = bool(torch.cuda.is_available())
+    except ImportError:
+        has_gpu = False
+    if not has_gpu:
+        raise PlanError(
+            "cuda_ipc region refused: this daemon's host has no CUDA device; use kind='shm'"
+        )
+    raise PlanError("cuda_ipc region refused: this daemon build does not map CUDA IPC handles yet")

@@ -1,0 +1,270 @@
+"""One daemon's live state: identity, regions and their memory, registry, data plane.
+
+:class:`Daemon` is what the HTTP handlers call. It owns every shared-memory segment
+it created or attached, registers each with its transport once (whole segment), and
+answers peers' requests for region records. The pure rules live in
+:mod:`refitd.daemon.registry` and :mod:`refitd.daemon.regions`; this class adds the
+memory, the clock and the waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from refitd.daemon.copier import Copier, ThreadCopier, pack_strided
+from refitd.daemon.memory import SharedSegment, byte_view, refuse_cuda_ipc
+from refitd.daemon.regions import RegionTable, validate_pack_specs
+from refitd.daemon.registry import Registry
+from refitd.daemon.schemas import (
+    NodeInfo,
+    PackSpec,
+    RegionAttach,
+    RegionCreate,
+    RegionInfo,
+    RegionKind,
+    VersionInfo,
+)
+from refitd.errors import ConflictError, ProtocolError
+
+__all__ = ["Daemon", "DaemonOptions", "PeerRegions", "StagedPack"]
+
+SHM_SCHEME = "shm"
+"""The built-in same-host data plane: map the peer daemon's segments by name."""
+
+
+@dataclass(frozen=True)
+class DaemonOptions:
+    """How one daemon runs. ``port`` 0 binds any free port (reported once bound).
+
+    ``transport`` is ``"shm"`` (same-host reads of the peer's segments, mapped by
+    name) or a scheme of ``transports.core`` (e.g. ``"ucx"``). ``secret`` (≥ 16
+    bytes) authenticates peer records between the daemons of one deployment.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    unix_path: str | None = None
+    transport: str = SHM_SCHEME
+    secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+    node_id: str = ""
+    client_max_size: int = 1 << 30
+    grace_s: float = 10.0
+
+
+class PeerRegions(msgspec.Struct, frozen=True):
+    """Region records one daemon sends another, MAC'd with the deployment secret.
+
+    ``transport`` is the sender's data plane scheme and ``advert`` that transport's
+    own signed advertisement (empty for ``shm``)."""
+
+    node_id: str
+    epoch: int
+    transport: str
+    regions: list[RegionInfo]
+    advert: bytes = b""
+    mac: bytes = b""
+
+    def body(self) -> bytes:
+        return msgspec.msgpack.encode(msgspec.structs.replace(self, mac=b""))
+
+    def signed(self, secret: bytes) -> PeerRegions:
+        return msgspec.structs.replace(
+            self, mac=hmac.new(secret, self.body(), hashlib.sha256).digest()
+        )
+
+    def verify(self, secret: bytes) -> None:
+        want = hmac.new(secret, self.body(), hashlib.sha256).digest()
+        if not hmac.compare_digest(want, self.mac):
+            raise ProtocolError(
+                f"region records from {self.node_id!r} refused: MAC does not verify (tampered, "
+                "or a daemon outside this deployment)"
+            )
+
+
+class StagedPack(msgspec.Struct, frozen=True):
+    """Pack specs executed by a source daemon: the staging region and, per spec, the
+    byte offset of its packed bytes inside it."""
+
+    region: RegionInfo
+    offsets: list[int]
+
+
+class Daemon:
+    def __init__(
+        self,
+        options: DaemonOptions,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        copier: Copier | None = None,
+    ) -> None:
+        self.options = options
+        self.node_id = options.node_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.epoch = time.time_ns()
+        self.clock = clock
+        self.registry = Registry(self.node_id, self.epoch, clock)
+        self.regions = RegionTable(self.epoch)
+        self.segments: dict[int, SharedSegment] = {}
+        self.copier: Copier = copier or ThreadCopier()
+        self.transport: object | None = None  # transports.core.Transport when not shm
+        self.ready = False
+        self._lease_changed = asyncio.Event()
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Bring up the data plane; the daemon reports ready only after this."""
+        if self.options.transport != SHM_SCHEME:
+            from transports.core import create_transport
+
+            t = create_transport(
+                self.options.transport, secret=self.options.secret, peer_id=self.node_id
+            )
+            await t.start()
+            self.transport = t
+        self.ready = True
+
+    async def close(self) -> None:
+        self.ready = False
+        if self.transport is not None:
+            await self.transport.close()  # type: ignore[attr-defined]
+            self.transport = None
+        for seg in self.segments.values():
+            seg.close()
+        self.segments.clear()
+
+    def info(self) -> NodeInfo:
+        worker: dict[str, str] = {}
+        if self.transport is not None:
+            advert = self.transport.advertise()  # type: ignore[attr-defined]
+            worker = {"scheme": advert.scheme, "peer_id": advert.peer_id}
+        return NodeInfo(self.node_id, self.epoch, self.options.transport, worker)
+
+    # ------------------------------------------------------------ regions
+
+    async def _record(
+        self, seg: SharedSegment, kind: RegionKind, owner: str, label: str, daemon_owned: bool
+    ) -> RegionInfo:
+        rid = self.regions.new_id()
+        info = RegionInfo(rid, kind, seg.name, seg.size, self.epoch, owner, label, daemon_owned)
+        if self.transport is not None:
+            await self.transport.register(rid, seg)  # type: ignore[attr-defined]
+        self.segments[rid] = seg
+        return self.regions.add(info)
+
+    async def create_region(self, req: RegionCreate) -> RegionInfo:
+        """A new daemon-owned segment of exactly ``req.nbytes`` bytes (≥ 1)."""
+        if req.kind is RegionKind.CUDA_IPC:
+            refuse_cuda_ipc()
+        seg = SharedSegment.create(req.nbytes, req.label or "region")
+        return await self._record(seg, req.kind, req.owner, req.label, daemon_owned=True)
+
+    async def attach_region(self, req: RegionAttach) -> RegionInfo:
+        """Map a segment a client created; its size must equal ``req.nbytes``."""
+        if req.kind is RegionKind.CUDA_IPC:
+            refuse_cuda_ipc()
+        seg = SharedSegment.attach(req.handle, req.nbytes)
+        return await self._record(seg, req.kind, req.owner, req.label, daemon_owned=False)
+
+    async def delete_region(self, region_id: int) -> RegionInfo:
+        """Forget a region; refused while a READY or pending version still lists it."""
+        info = self.regions.get(region_id)
+        for v in self.registry.versions():
+            if v.state.value == "retired":
+                continue
+            used = self.registry.regions_of(v.model, v.version)
+            if region_id in used:
+                raise ConflictError(
+                    f"region {region_id} refused deletion: {v.model!r} version {v.version} "
+                    "still publishes tensors in it"
+                )
+        self.regions.remove(region_id)
+        if self.transport is not None:
+            await self.transport.deregister(region_id)  # type: ignore[attr-defined]
+        self.segments.pop(region_id).close()
+        return info
+
+    def view(self, region_id: int) -> memoryview:
+        self.regions.get(region_id)
+        return byte_view(self.segments[region_id])
+
+    def peer_regions(self, ids: list[int] | None = None) -> PeerRegions:
+        """Signed records of ``ids`` (all regions if ``None``) for a peer daemon."""
+        infos = list(self.regions) if ids is None else [self.regions.get(i) for i in ids]
+        advert = b""
+        if self.transport is not None:
+            advert = self.transport.advertise().encode()  # type: ignore[attr-defined]
+        rec = PeerRegions(self.node_id, self.epoch, self.options.transport, infos, advert)
+        return rec.signed(self.options.secret)
+
+    # ------------------------------------------------------------ packing
+
+    async def pack(self, specs: list[PackSpec]) -> StagedPack:
+        """Gather each spec's strided block into one new daemon-owned staging region.
+
+        Only the source fields of each spec are used here; the destination fields are
+        the reader's. Refused (nothing packed) if any spec leaves its source region.
+        """
+        sizes = self.regions.sizes()
+        offsets: list[int] = []
+        total = 0
+        for p in specs:
+            offsets.append(total)
+            total += p.nbytes
+        staging_sizes = {p.dst_region: total for p in specs}
+        validate_pack_specs(
+            [msgspec.structs.replace(p, dst_offset=o) for p, o in zip(specs, offsets, strict=True)],
+            sizes,
+            staging_sizes,
+        )
+        region = await self.create_region(RegionCreate(max(total, 1), label="staging"))
+        dst = self.view(region.region_id)
+        srcs = {p.src_region: self.view(p.src_region) for p in specs}
+
+        def work() -> None:
+            for p, o in zip(specs, offsets, strict=True):
+                pack_strided(
+                    srcs[p.src_region], p.src_offset, p.shape, p.strides, p.itemsize, dst, o
+                )
+
+        await asyncio.to_thread(work)
+        return StagedPack(region, offsets)
+
+    # ------------------------------------------------------------ leases
+
+    def lease_changed(self) -> None:
+        """Wake every drain waiter (a lease was released or a version changed)."""
+        self._lease_changed.set()
+        self._lease_changed = asyncio.Event()
+
+    async def wait_drain(self, model: str, version: int, timeout_s: float) -> VersionInfo:
+        """Return once no live lease remains on the version (released or expired).
+
+        Waits on release events and on the next expiry deadline, never by polling.
+        :class:`ConflictError` if leases remain after ``timeout_s`` seconds.
+        """
+        self.registry.version(model, version)  # NotFound for an unknown version
+        deadline = self.clock() + timeout_s
+        while (nxt := self.registry.next_expiry(model, version)) is not None:
+            left = deadline - self.clock()
+            if left <= 0:
+                n = len(self.registry.active_leases(model, version))
+                raise ConflictError(
+                    f"{model!r} version {version} still holds {n} lease(s) after {timeout_s}s"
+                )
+            event = self._lease_changed
+            try:
+                async with asyncio.timeout(min(nxt, left) + 1e-3):
+                    await event.wait()
+            except TimeoutError:
+                pass  # an expiry deadline passed: re-read the lease set
+        return self.registry.version(model, version)

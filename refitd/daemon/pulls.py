@@ -1,0 +1,344 @@
+"""Pulls: validate a whole plan, then move its bytes, reporting progress.
+
+Order of a pull, and why:
+
+1. the lease is checked at the source (a stale or unleased read is a 409, before
+   anything else);
+2. the source's region records are fetched (from this daemon, or from the peer
+   daemon over HTTP, MAC-verified) and every descriptor and pack spec is checked
+   against them and against this daemon's own records: the first bad one is named
+   in a 400 and nothing moves;
+3. pack specs are executed by the source daemon into a staging region it owns, and
+   each is read back with one descriptor;
+4. the bytes move: a local copy when the source is this daemon, the configured data
+   plane otherwise;
+5. the lease is checked again: if it expired while bytes moved, the pull FAILS and
+   every destination range it wrote is reported suspect, so the receiver installs
+   nothing from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from refitd.daemon.node import SHM_SCHEME, Daemon, PeerRegions, StagedPack
+from refitd.daemon.regions import validate_descriptors, validate_pack_specs
+from refitd.daemon.schemas import (
+    DescriptorTable,
+    ErrorBody,
+    PackSpec,
+    PullProgress,
+    PullRequest,
+    PullState,
+)
+from refitd.errors import NotFoundError, RefitError, TransportError
+
+__all__ = ["PullJob", "PullManager", "Source"]
+
+
+class Source(Protocol):
+    """The daemon a pull reads from, seen from the daemon that pulls."""
+
+    async def check_lease(self, lease_id: str, model: str, version: int) -> None: ...
+    async def regions(self, ids: list[int]) -> PeerRegions: ...
+    async def pack(
+        self, model: str, version: int, lease_id: str, specs: list[PackSpec]
+    ) -> StagedPack: ...
+    async def drop(self, region_id: int) -> None: ...
+
+
+class LocalSource:
+    """This daemon as the source of its own pulls."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.d = daemon
+
+    async def check_lease(self, lease_id: str, model: str, version: int) -> None:
+        self.d.registry.check(lease_id, model, version)
+
+    async def regions(self, ids: list[int]) -> PeerRegions:
+        return self.d.peer_regions(ids)
+
+    async def pack(
+        self, model: str, version: int, lease_id: str, specs: list[PackSpec]
+    ) -> StagedPack:
+        return await self.d.pack(specs)
+
+    async def drop(self, region_id: int) -> None:
+        await self.d.delete_region(region_id)
+
+
+class RemoteSource:
+    """A peer daemon reached through :class:`refitd.client.RefitClient`."""
+
+    def __init__(self, client: object, secret: bytes) -> None:
+        from refitd.client.http import RefitClient
+
+        assert isinstance(client, RefitClient)
+        self.c = client
+        self.secret = secret
+
+    async def check_lease(self, lease_id: str, model: str, version: int) -> None:
+        await self.c.check_lease(lease_id, model, version)
+
+    async def regions(self, ids: list[int]) -> PeerRegions:
+        rec = await self.c.peer_regions(ids)
+        rec.verify(self.secret)
+        return rec
+
+    async def pack(
+        self, model: str, version: int, lease_id: str, specs: list[PackSpec]
+    ) -> StagedPack:
+        return await self.c.peer_pack(model, version, lease_id, specs)
+
+    async def drop(self, region_id: int) -> None:
+        await self.c.peer_drop(region_id)
+
+
+@dataclass
+class PullJob:
+    pull_id: str
+    req: PullRequest
+    bytes_total: int
+    descriptors_total: int
+    state: PullState = PullState.PENDING
+    bytes_done: int = 0
+    descriptors_done: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    ended: float | None = None
+    error: ErrorBody | None = None
+    suspect: list[tuple[int, int, int]] = field(default_factory=list)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+    def progress(self, n_desc: int, n_bytes: int) -> None:
+        self.descriptors_done += n_desc
+        self.bytes_done += n_bytes
+
+    def snapshot(self) -> PullProgress:
+        end = self.ended if self.ended is not None else time.perf_counter()
+        secs = end - self.started
+        rate = self.bytes_done / secs / 1e9 if secs > 0 else 0.0
+        return PullProgress(
+            self.pull_id,
+            self.state,
+            self.bytes_total,
+            self.bytes_done,
+            self.descriptors_total,
+            self.descriptors_done,
+            secs,
+            rate,
+            self.error,
+            self.suspect,
+        )
+
+
+def _coalesced_dst(rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """Destination ``(region, offset, nbytes)`` ranges of ``rows``, sorted and merged."""
+    live = rows[rows[:, 4] > 0]
+    if live.shape[0] == 0:
+        return []
+    live = live[np.lexsort((live[:, 3], live[:, 2]))]
+    out: list[list[int]] = []
+    for _, _, r, o, n in live.tolist():
+        if out and out[-1][0] == r and o <= out[-1][1] + out[-1][2]:
+            last = out[-1]
+            last[2] = max(last[1] + last[2], o + n) - last[1]
+        else:
+            out.append([r, o, n])
+    return [(r, o, n) for r, o, n in out]
+
+
+class PullManager:
+    """Every pull of one daemon. Tasks are tracked and cancelled on :meth:`close`."""
+
+    def __init__(self, daemon: Daemon, connect: Callable[[str], Source]) -> None:
+        self.d = daemon
+        self._connect = connect
+        self.jobs: dict[str, PullJob] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._seq = itertools.count(1)
+        self._peers: dict[tuple[str, int], object] = {}
+
+    def source_for(self, url: str) -> Source:
+        return LocalSource(self.d) if not url else self._connect(url)
+
+    async def submit(self, req: PullRequest) -> PullJob:
+        """Check lease and every descriptor, then start moving bytes in a task.
+
+        Raises (nothing moved) :class:`ConflictError` for a stale/unleased version,
+        :class:`ProtocolError` naming the first out-of-bounds descriptor or pack spec.
+        """
+        src = self.source_for(req.source)
+        await src.check_lease(req.lease_id, req.model, req.version)
+        rows = req.descriptors.rows()
+        src_ids = sorted(
+            {int(x) for x in np.unique(rows[:, 0])} | {p.src_region for p in req.pack_specs}
+        )
+        peer = await src.regions(src_ids) if src_ids else None
+        src_sizes = {r.region_id: r.nbytes for r in peer.regions} if peer else {}
+        dst_sizes = self.d.regions.sizes()
+        validate_descriptors(req.descriptors, src_sizes, dst_sizes)
+        validate_pack_specs(req.pack_specs, src_sizes, dst_sizes)
+        total = int(rows[:, 4].sum()) + sum(p.nbytes for p in req.pack_specs)
+        job = PullJob(f"p{next(self._seq)}", req, total, rows.shape[0] + len(req.pack_specs))
+        self.jobs[job.pull_id] = job
+        task = asyncio.create_task(self._run(job, src, rows, peer))
+        job.task = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return job
+
+    def get(self, pull_id: str) -> PullJob:
+        job = self.jobs.get(pull_id)
+        if job is None:
+            raise NotFoundError(f"pull {pull_id!r} is unknown on this daemon")
+        return job
+
+    async def cancel(self, pull_id: str) -> PullJob:
+        job = self.get(pull_id)
+        if job.task is not None and not job.task.done():
+            job.task.cancel("cancelled by request")
+            with contextlib.suppress(asyncio.CancelledError):
+                await job.finished.wait()
+        return job
+
+    async def close(self) -> None:
+        """Cancel every running pull (the daemon is stopping) and wait for them."""
+        for t in list(self._tasks):
+            t.cancel("daemon shutting down")
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _run(
+        self, job: PullJob, src: Source, rows: np.ndarray, peer: PeerRegions | None
+    ) -> None:
+        req = job.req
+        job.state = PullState.RUNNING
+        staged: StagedPack | None = None
+        all_rows = rows
+        try:
+            if req.pack_specs:
+                staged = await src.pack(req.model, req.version, req.lease_id, req.pack_specs)
+                extra = np.array(
+                    [
+                        (staged.region.region_id, o, p.dst_region, p.dst_offset, p.nbytes)
+                        for p, o in zip(req.pack_specs, staged.offsets, strict=True)
+                    ],
+                    dtype=np.int64,
+                ).reshape(-1, 5)
+                # The staging record must come authenticated like any other region.
+                sp = await src.regions([staged.region.region_id])
+                peer = sp if peer is None else _merge_peer(peer, sp)
+                all_rows = np.concatenate([rows, extra])
+            await self._move(job, src, all_rows, peer)
+            await src.check_lease(req.lease_id, req.model, req.version)
+            job.state = PullState.DONE
+        except asyncio.CancelledError:
+            job.state = PullState.CANCELLED
+            job.error = ErrorBody("ConflictError", "pull cancelled before it completed")
+            job.suspect = _coalesced_dst(all_rows) if job.bytes_done or req.pack_specs else []
+        except RefitError as exc:
+            job.state = PullState.FAILED
+            job.error = ErrorBody(type(exc).__name__, f"pull {job.pull_id} failed: {exc}")
+            job.suspect = _coalesced_dst(all_rows) if job.bytes_done else []
+        finally:
+            job.ended = time.perf_counter()
+            if staged is not None:
+                with contextlib.suppress(RefitError):
+                    await asyncio.shield(src.drop(staged.region.region_id))
+            job.finished.set()
+
+    async def _move(
+        self, job: PullJob, src: Source, rows: np.ndarray, peer: PeerRegions | None
+    ) -> None:
+        if rows.shape[0] == 0 or peer is None:
+            return
+        if isinstance(src, LocalSource):
+            await self._copy(job, rows, lambda rid: _noop(self.d.view(rid)))
+        elif peer.transport == SHM_SCHEME:
+            await self._copy_shm(job, rows, peer)
+        else:
+            await self._get_transport(job, rows, peer)
+
+    async def _copy(
+        self, job: PullJob, rows: np.ndarray, src_view: Callable[[int], Awaitable[memoryview]]
+    ) -> None:
+        s_ids, s_idx = np.unique(rows[:, 0], return_inverse=True)
+        d_ids, d_idx = np.unique(rows[:, 2], return_inverse=True)
+        srcs = [await src_view(int(i)) for i in s_ids]
+        dsts = [self.d.view(int(i)) for i in d_ids]
+        local = rows.copy()
+        local[:, 0] = s_idx.reshape(-1)
+        local[:, 2] = d_idx.reshape(-1)
+        await self.d.copier.copy(srcs, dsts, local, job.progress)
+
+    async def _copy_shm(self, job: PullJob, rows: np.ndarray, peer: PeerRegions) -> None:
+        from transports.shm import SharedSegment
+
+        records = {r.region_id: r for r in peer.regions}
+        segs: list[SharedSegment] = []
+
+        async def view(rid: int) -> memoryview:
+            rec = records[rid]
+            seg = SharedSegment.attach(rec.handle, rec.nbytes)
+            segs.append(seg)
+            return seg.numpy().data
+
+        try:
+            await self._copy(job, rows, view)
+        finally:
+            for seg in segs:
+                seg.close()
+
+    async def _get_transport(self, job: PullJob, rows: np.ndarray, peer: PeerRegions) -> None:
+        from transports.core import PeerInfo
+
+        transport = self.d.transport
+        if transport is None:
+            raise TransportError(
+                f"source daemon {peer.node_id!r} serves {peer.transport!r}; this daemon runs "
+                f"{self.d.options.transport!r}"
+            )
+        info = PeerInfo.decode(peer.advert)
+        key = (peer.node_id, peer.epoch)
+        conn = self._peers.get(key)
+        if conn is None:
+            conn = await transport.connect(info)  # type: ignore[attr-defined]
+            self._peers[key] = conn
+        else:
+            await conn.update(info)  # type: ignore[attr-defined]
+        # Transport reads are (local=dst, local_off, remote=src, remote_off, nbytes).
+        reads = rows[:, [2, 3, 0, 1, 4]].copy()
+        step = 4096
+        for lo in range(0, reads.shape[0], step):
+            chunk = reads[lo : lo + step]
+            await conn.get(chunk)  # type: ignore[attr-defined]
+            job.progress(chunk.shape[0], int(chunk[:, 4].sum()))
+
+
+async def _noop(v: memoryview) -> memoryview:
+    return v
+
+
+def _merge_peer(a: PeerRegions, b: PeerRegions) -> PeerRegions:
+    seen = {r.region_id for r in a.regions}
+    return PeerRegions(
+        a.node_id,
+        a.epoch,
+        a.transport,
+        a.regions + [r for r in b.regions if r.region_id not in seen],
+        b.advert or a.advert,
+    )
+
+
+def descriptor_table(rows: np.ndarray) -> DescriptorTable:
+    return DescriptorTable.pack(rows)
