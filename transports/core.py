@@ -72,6 +72,7 @@ __all__ = [
     "UnauthenticatedPeer",
     "UnknownScheme",
     "as_read_batch",
+    "coalesce",
     "create_transport",
     "register_transport",
     "schemes",
@@ -334,6 +335,30 @@ def validate_batch(
                 tuple(int(v) for v in batch[i].tolist()),  # type: ignore[arg-type]
                 f"its destination overlaps read #{min(a, b)}'s; overlapping writes would race",
             )
+
+
+def coalesce(batch: ReadBatch) -> ReadBatch:
+    """Drop zero-byte reads and merge reads contiguous on both sides into one.
+
+    Reads are sorted by destination first (a validated batch has no overlapping
+    destinations, so order does not change the result). A contiguous layout of n
+    pieces becomes one read; a shuffled one stays n reads.
+    """
+    live = batch[batch["nbytes"] > 0]
+    if len(live) < 2:
+        return live.copy()
+    live = live[np.lexsort((live["local_offset"], live["local_region"]))]
+    lr, lo, rr, ro, n = (live[f] for f in READ_DTYPE.names or ())
+    joins = (
+        (lr[1:] == lr[:-1])
+        & (rr[1:] == rr[:-1])
+        & (lo[1:] == lo[:-1] + n[:-1])
+        & (ro[1:] == ro[:-1] + n[:-1])
+    )
+    starts = np.concatenate(([0], np.flatnonzero(~joins) + 1))
+    out = live[starts].copy()
+    out["nbytes"] = np.add.reduceat(n, starts)
+    return out
 
 
 def suspect_ranges(batch: ReadBatch) -> list[ByteRange]:
