@@ -63,6 +63,13 @@ PositiveBytes = Annotated[int, msgspec.Meta(ge=1, description="a byte count (int
 Seconds = Annotated[float, msgspec.Meta(gt=0, description="seconds (number > 0)")]
 GraceSeconds = Annotated[float, msgspec.Meta(ge=0, description="seconds (number >= 0)")]
 Count = Annotated[int, msgspec.Meta(ge=1, description="a count (integer >= 1)")]
+Scheme = Annotated[
+    str,
+    msgspec.Meta(
+        pattern="^[a-z][a-z0-9_-]*$",
+        description="a transport scheme: 'shm' or one registered in transports, e.g. 'ucx'",
+    ),
+]
 Uid = Annotated[int, msgspec.Meta(ge=0, description="a numeric user id")]
 
 
@@ -77,13 +84,18 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: Address of the TCP listener. Anything but loopback needs ``token_file``.
     host: str = "127.0.0.1"
     #: TCP port; 0 asks the kernel for a free one (tests).
-    port: Port = 7070
+    port: Port = 7450
     #: Also listen on this Unix socket path; peers are checked by uid (SO_PEERCRED).
     unix_socket: str | None = None
     #: Uids allowed on the Unix socket besides root and the daemon's own uid.
     allowed_uids: tuple[Uid, ...] = ()
     #: File of bearer tokens, one per line (``NAME TOKEN`` or ``TOKEN``); mode 0600.
     token_file: str | None = None
+    #: File holding the deployment's peer-record secret (>= 16 bytes), the same on
+    #: every daemon that reads from another; unset: a random per-process secret.
+    secret_file: str | None = None
+    #: Name of this daemon in peer records and logs; empty: ``<hostname>-<pid>``.
+    node_id: str = ""
     #: Requests with a larger body are refused with 413 before they are read.
     max_request_bytes: PositiveBytes = 64 * _MiB
 
@@ -91,8 +103,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How bytes move between regions."""
 
-    #: ``ucx`` (one-sided GET), ``local`` (same-process copy) or ``reference`` (memmove).
-    transport: Literal["ucx", "local", "reference"] = "ucx"
+    #: ``shm`` (built in: same-host reads of peers' segments) or a scheme registered
+    #: in ``transports`` (e.g. ``ucx``); the daemon refuses an unknown scheme at start.
+    transport: Scheme = "shm"
     #: Directory for shared-memory region segments.
     shm_dir: str = "/dev/shm"
     #: Bytes of staging memory the daemon allocates for pulls that need a safe point.

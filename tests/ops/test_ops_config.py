@@ -46,7 +46,7 @@ def test_every_key_is_documented_in_the_shipped_file_with_its_default() -> None:
 def test_no_file_and_no_environment_gives_loopback_defaults() -> None:
     config = load_config(env={})
     assert config.server.host == "127.0.0.1"
-    assert config.server.port == 7070
+    assert config.server.port == 7450
     assert config.server.token_file is None
 
 
@@ -95,7 +95,7 @@ def test_an_unknown_section_is_refused_naming_the_sections(tmp_path: Path) -> No
     [
         ("[server]\nport = 'x'\n", r"server\.port: .*expected a TCP port, 0\.\.65535"),
         ("[server]\nport = 70000\n", r"server\.port: .*<= 65535"),
-        ("[data_plane]\ntransport = 'tcp'\n", r"data_plane\.transport: .*one of 'ucx'"),
+        ("[data_plane]\ntransport = 'UCX!'\n", r"data_plane\.transport: .*transport scheme"),
         ("[server]\nallowed_uids = [1, -2]\n", r"server\.allowed_uids: .*numeric user ids"),
         ("[pulls]\nshutdown_grace_s = -1\n", r"pulls\.shutdown_grace_s: .*>= 0"),
         ("server = 3\n", r"server: .*expected a table \[server\]"),
