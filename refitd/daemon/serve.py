@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_arguments", "read_secret", "run", "serve"]
+from aiohttp import web
+
+__all__ = ["add_arguments", "listening", "read_secret", "run", "serve"]
 
 SECRET_ENV = "REFITD_SECRET_FILE"
 
@@ -59,21 +62,16 @@ def read_secret(path: str | None) -> bytes | None:
     return data
 
 
-async def serve(
-    options: Any,
-    *,
-    stop: asyncio.Event | None = None,
-    on_ready: Callable[[dict[str, Any]], None] | None = None,
-    app_kwargs: dict[str, Any] | None = None,
-    on_stopping: Callable[[], None] | None = None,
-) -> None:
-    """Serve until ``stop`` is set. ``on_ready`` receives the ready record once the
-    listener and the data plane are both up (issue 6 hooks sd_notify here)."""
-    from aiohttp import web
+@contextlib.asynccontextmanager
+async def listening(options: Any, **app_kwargs: Any) -> AsyncIterator[tuple[web.Application, str]]:
+    """Run the app in the current loop for the ``with`` block; yields ``(app, url)``.
 
-    from refitd.daemon.app import DAEMON, PULLS, create_app
+    On exit: stop accepting, let running pulls finish for up to ``options.grace_s``
+    seconds, then clean up (cancelling what is left, closing the data plane).
+    """
+    from refitd.daemon.app import PULLS, create_app
 
-    app = create_app(options, **(app_kwargs or {}))
+    app = create_app(options, **app_kwargs)
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=options.grace_s)
     await runner.setup()  # runs cleanup_ctx startup: the data plane is up after this
     sites: list[web.BaseSite] = [web.TCPSite(runner, options.host, options.port)]
@@ -86,30 +84,46 @@ async def serve(
         server = getattr(sites[0], "_server", None)
         if server is not None and server.sockets:
             port = server.sockets[0].getsockname()[1]
+        yield app, f"http://{options.host}:{port}"
+        for site in sites:
+            await site.stop()  # stop accepting; running pulls continue
+        pending = [j.finished.wait() for j in app[PULLS].jobs.values() if not j.finished.is_set()]
+        if pending:
+            try:
+                async with asyncio.timeout(options.grace_s):
+                    await asyncio.gather(*pending)
+            except TimeoutError:
+                pass  # the rest are cancelled, with a reason, by the app's cleanup
+    finally:
+        await runner.cleanup()
+
+
+async def serve(
+    options: Any,
+    *,
+    stop: asyncio.Event | None = None,
+    on_ready: Callable[[dict[str, Any]], None] | None = None,
+    on_stopping: Callable[[], None] | None = None,
+    app_kwargs: dict[str, Any] | None = None,
+) -> None:
+    """Serve until ``stop`` is set. ``on_ready`` receives the ready record once the
+    listener and the data plane are both up (sd_notify READY=1 hooks in here);
+    ``on_stopping`` runs when shutdown begins (STOPPING=1)."""
+    from refitd.daemon.app import DAEMON
+
+    async with listening(options, **(app_kwargs or {})) as (app, url):
         record = {
             "event": "ready",
-            "url": f"http://{options.host}:{port}",
+            "url": url,
             "unix": options.unix_path,
             "node_id": app[DAEMON].node_id,
             "pid": os.getpid(),
         }
         if on_ready is not None:
             on_ready(record)
-        stop = stop or asyncio.Event()
-        await stop.wait()
+        await (stop or asyncio.Event()).wait()
         if on_stopping is not None:
             on_stopping()
-        for site in sites:
-            await site.stop()  # stop accepting; running pulls continue
-        pulls = [j.finished.wait() for j in app[PULLS].jobs.values() if not j.finished.is_set()]
-        if pulls:
-            try:
-                async with asyncio.timeout(options.grace_s):
-                    await asyncio.gather(*pulls)
-            except TimeoutError:
-                pass  # the rest are cancelled, with a reason, by the app's cleanup
-    finally:
-        await runner.cleanup()
 
 
 def _print_ready(record: dict[str, Any]) -> None:

@@ -1,0 +1,322 @@
+"""HTTP API v1 against a real daemon app on 127.0.0.1:0, with real shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+import pytest
+
+from refitd.client.http import RefitClient
+from refitd.daemon.copier import Progress, ThreadCopier
+from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.schemas import (
+    DescriptorTable,
+    ManifestIn,
+    PackSpec,
+    PullRequest,
+    PullState,
+    RegionKind,
+    ShardEntry,
+    TensorEntry,
+    VersionState,
+)
+from refitd.daemon.serve import listening
+from refitd.errors import ConflictError, NotFoundError, PlanError, ProtocolError
+from transports.shm import SharedSegment
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class GatedCopier:
+    """A real copy that first waits for the test to open the gate: the only way to
+    hold a pull "mid-flight" deterministically (a fault no real part produces)."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.inner = ThreadCopier()
+
+    async def copy(
+        self,
+        srcs: Sequence[memoryview],
+        dsts: Sequence[memoryview],
+        rows: np.ndarray,
+        progress: Progress,
+    ) -> None:
+        self.entered.set()
+        await self.gate.wait()
+        await self.inner.copy(srcs, dsts, rows, progress)
+
+
+@dataclass
+class Env:
+    client: RefitClient
+    url: str
+    daemon: Daemon
+    clock: FakeClock
+    copier: GatedCopier | None
+
+
+async def _env(gated: bool) -> AsyncIterator[Env]:
+    clock = FakeClock()
+    copier = GatedCopier() if gated else None
+    daemon = Daemon(DaemonOptions(port=0, node_id="t"), clock=clock, copier=copier)
+    async with listening(daemon.options, daemon=daemon) as (_, url), RefitClient(url) as c:
+        yield Env(c, url, daemon, clock, copier)
+
+
+@pytest.fixture
+async def env() -> AsyncIterator[Env]:
+    async for e in _env(gated=False):
+        yield e
+
+
+@pytest.fixture
+async def gated() -> AsyncIterator[Env]:
+    async for e in _env(gated=True):
+        yield e
+
+
+async def publish_toy(
+    c: RefitClient, version: int = 1, fill: float = 1.0
+) -> tuple[int, SharedSegment]:
+    """A 4x8 float32 tensor 'w' in one daemon-owned region, values fill + arange."""
+    info = await c.create_region(4 * 8 * 4, label="w")
+    seg = SharedSegment.attach(info.handle, info.nbytes)
+    seg.numpy(np.float32)[:] = fill + np.arange(32, dtype=np.float32)
+    m = ManifestIn(
+        "toy",
+        version,
+        0,
+        1,
+        [TensorEntry("w", (4, 8), "float32", [ShardEntry((0, 0), (4, 8), info.region_id, 0)])],
+    )
+    await c.publish(m)
+    return info.region_id, seg
+
+
+async def dest_region(c: RefitClient, nbytes: int) -> tuple[int, SharedSegment]:
+    seg = SharedSegment.create(nbytes, "dst")
+    info = await c.attach_region(seg.name, nbytes, label="dst")
+    return info.region_id, seg
+
+
+def table(rows: list[list[int]]) -> DescriptorTable:
+    return DescriptorTable.pack(np.array(rows, dtype=np.int64).reshape(-1, 5))
+
+
+async def test_health_ready_and_node_identity_answer(env: Env) -> None:
+    assert (await env.client.health())["status"] == "ok"
+    assert (await env.client.ready())["transport"] == "shm"
+    node = await env.client.node()
+    assert node.node_id == "t" and node.epoch == env.daemon.epoch
+
+
+async def test_a_region_is_created_listed_and_deleted(env: Env) -> None:
+    info = await env.client.create_region(1000, label="x")
+    assert info.nbytes == 1000 and info.daemon_owned
+    assert [r.region_id for r in await env.client.regions()] == [info.region_id]
+    await env.client.delete_region(info.region_id)
+    assert await env.client.regions() == []
+    with pytest.raises(NotFoundError, match=str(info.region_id)):
+        await env.client.delete_region(info.region_id)
+
+
+async def test_a_cuda_ipc_region_is_refused_on_a_host_without_a_gpu(env: Env) -> None:
+    with pytest.raises(PlanError, match="no CUDA device"):
+        await env.client.create_region(64, kind=RegionKind.CUDA_IPC)
+
+
+async def test_attaching_a_segment_of_the_wrong_size_is_refused(env: Env) -> None:
+    with SharedSegment.create(100, "odd") as seg, pytest.raises(ProtocolError, match="expected 64"):
+        await env.client.attach_region(seg.name, 64)
+
+
+async def test_a_manifest_whose_shard_overruns_its_region_is_refused(env: Env) -> None:
+    info = await env.client.create_region(64)
+    bad = ManifestIn(
+        "toy",
+        1,
+        0,
+        1,
+        [TensorEntry("w", (4, 8), "float32", [ShardEntry((0, 0), (4, 8), info.region_id, 0)])],
+    )
+    with pytest.raises(ProtocolError, match="overrun region"):
+        await env.client.publish(bad)
+    assert await env.client.versions("toy") == []
+
+
+async def test_refusals_come_back_as_json_error_and_detail(env: Env) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{env.url}/v1/sources/none/versions/3") as r:
+            assert r.status == 404
+            body = await r.json()
+        async with s.post(
+            f"{env.url}/v1/leases", data=b"{not json", headers={"Content-Type": "application/json"}
+        ) as r2:
+            assert r2.status == 400
+            body2 = await r2.json()
+    assert body["error"] == "NotFoundError" and "version 3" in body["detail"]
+    assert body2["error"] == "ProtocolError" and "body refused" in body2["detail"]
+
+
+async def test_the_merged_manifest_is_served_only_for_a_ready_version(env: Env) -> None:
+    info = await env.client.create_region(128)
+    for slot in (0, 1):
+        m = ManifestIn(
+            "two",
+            1,
+            slot,
+            2,
+            [
+                TensorEntry(
+                    "w",
+                    (4, 8),
+                    "float32",
+                    [ShardEntry((slot * 2, 0), (2, 8), info.region_id, slot * 64)],
+                )
+            ],
+        )
+        if slot == 1:
+            with pytest.raises(ConflictError, match=r"published slots \[0\] of 2"):
+                await env.client.manifest("two", 1)
+        assert (await env.client.publish(m)).state is (
+            VersionState.READY if slot else VersionState.PENDING
+        )
+    merged = await env.client.manifest("two", 1)
+    assert merged.node_id == "t" and [s.offset for s in merged.tensors[0].shards] == [
+        (0, 0),
+        (2, 0),
+    ]
+
+
+async def test_a_local_pull_copies_exactly_the_described_bytes(env: Env) -> None:
+    src, _ = await publish_toy(env.client)
+    dst, dseg = await dest_region(env.client, 64)
+    lease = await env.client.acquire_lease("toy", 1)
+    res = await env.client.pull(
+        PullRequest(
+            "toy", 1, lease.lease_id, table([[src, 32, dst, 0, 32], [src, 96, dst, 32, 32]])
+        )
+    )
+    assert res.state is PullState.DONE and res.bytes_done == 64 and res.descriptors_done == 2
+    got = dseg.numpy(np.float32)
+    assert got.tolist() == [1.0 + i for i in [*range(8, 16), *range(24, 32)]]
+
+
+async def test_an_out_of_bounds_descriptor_is_refused_by_index_and_nothing_is_written(
+    env: Env,
+) -> None:
+    src, _ = await publish_toy(env.client)
+    dst, dseg = await dest_region(env.client, 64)
+    lease = await env.client.acquire_lease("toy", 1)
+    rows = [[src, 0, dst, 0, 32], [src, 120, dst, 32, 16]]
+    with pytest.raises(ProtocolError, match=r"descriptor 1 refused.*source range ends past"):
+        await env.client.submit_pull(PullRequest("toy", 1, lease.lease_id, table(rows)))
+    assert not dseg.numpy().any()
+    assert await env.client.pulls() == []
+
+
+async def test_a_pull_without_a_live_lease_is_refused_with_conflict(env: Env) -> None:
+    src, _ = await publish_toy(env.client)
+    dst, dseg = await dest_region(env.client, 64)
+    with pytest.raises(ConflictError, match="unknown or was released"):
+        await env.client.submit_pull(PullRequest("toy", 1, "l-nope", table([[src, 0, dst, 0, 8]])))
+    lease = await env.client.acquire_lease("toy", 1, ttl_s=5)
+    env.clock.now += 6
+    with pytest.raises(ConflictError, match="expired"):
+        await env.client.submit_pull(
+            PullRequest("toy", 1, lease.lease_id, table([[src, 0, dst, 0, 8]]))
+        )
+    assert not dseg.numpy().any()
+
+
+async def test_a_lease_on_a_retired_version_cannot_be_taken(env: Env) -> None:
+    await publish_toy(env.client, 1)
+    await publish_toy(env.client, 2)
+    with pytest.raises(ConflictError, match="retired"):
+        await env.client.acquire_lease("toy", 1)
+
+
+async def test_publishing_over_a_leased_version_is_refused_and_drain_returns_on_release(
+    env: Env,
+) -> None:
+    await publish_toy(env.client)
+    lease = await env.client.acquire_lease("toy", 1, ttl_s=60)
+    with pytest.raises(ConflictError, match="live lease"):
+        await publish_toy(env.client)
+    drain = asyncio.create_task(env.client.wait_drain("toy", 1, timeout_s=30))
+    assert not drain.done()
+    await env.client.release_lease(lease.lease_id)
+    info = await drain
+    assert info.leases == 0
+    await publish_toy(env.client)
+
+
+async def test_a_pack_spec_gathers_a_strided_column_block_into_one_read(env: Env) -> None:
+    src, _ = await publish_toy(env.client)
+    dst, dseg = await dest_region(env.client, 64)
+    lease = await env.client.acquire_lease("toy", 1)
+    # Columns 2..3 of all four rows of the 4x8 tensor, packed contiguous.
+    spec = PackSpec(src, 2 * 4, (4, 2), (8, 1), 4, dst, 16)
+    res = await env.client.pull(PullRequest("toy", 1, lease.lease_id, table([]), [spec]))
+    assert res.state is PullState.DONE and res.bytes_done == 32
+    got = dseg.numpy(np.float32)[4:12].tolist()
+    assert got == [1.0 + r * 8 + c for r in range(4) for c in (2, 3)]
+    assert all(r.label != "staging" for r in await env.client.regions())
+
+
+async def test_a_pack_spec_reaching_outside_its_source_is_refused(env: Env) -> None:
+    src, _ = await publish_toy(env.client)
+    dst, dseg = await dest_region(env.client, 64)
+    lease = await env.client.acquire_lease("toy", 1)
+    spec = PackSpec(src, 2 * 4, (5, 2), (8, 1), 4, dst, 0)
+    with pytest.raises(ProtocolError, match=r"pack spec 0 .*outside"):
+        await env.client.submit_pull(PullRequest("toy", 1, lease.lease_id, table([]), [spec]))
+    assert not dseg.numpy().any()
+
+
+async def test_a_lease_expiring_mid_pull_fails_it_and_names_the_suspect_ranges(gated: Env) -> None:
+    c = gated.client
+    src, _ = await publish_toy(c)
+    dst, _ = await dest_region(c, 64)
+    lease = await c.acquire_lease("toy", 1, ttl_s=10)
+    started = await c.submit_pull(
+        PullRequest("toy", 1, lease.lease_id, table([[src, 0, dst, 0, 64]]))
+    )
+    assert gated.copier is not None
+    await gated.copier.entered.wait()
+    gated.clock.now += 11
+    gated.copier.gate.set()
+    with pytest.raises(ConflictError, match="expired") as info:
+        await c.wait_pull(started.pull_id)
+    result = info.value.progress  # type: ignore[attr-defined]
+    assert result.state is PullState.FAILED
+    assert result.suspect == [(dst, 0, 64)]
+
+
+async def test_a_cancelled_pull_reports_cancelled(gated: Env) -> None:
+    c = gated.client
+    src, _ = await publish_toy(c)
+    dst, dseg = await dest_region(c, 64)
+    lease = await c.acquire_lease("toy", 1)
+    started = await c.submit_pull(
+        PullRequest("toy", 1, lease.lease_id, table([[src, 0, dst, 0, 64]]))
+    )
+    assert gated.copier is not None
+    await gated.copier.entered.wait()
+    res = await c.cancel_pull(started.pull_id)
+    assert res.state is PullState.CANCELLED
+    assert not dseg.numpy().any()
