@@ -1,0 +1,343 @@
+"""Zero-storage placeholders that record how a loader carves up a source tensor.
+
+A :class:`LazyWeight` stands in for one full trainer tensor while an engine's own
+``load_weights`` runs on a meta twin. It carries shape, strides and dtype (so the
+loader's shape arithmetic works) but no bytes. Every allow-listed movement op
+returns a new placeholder whose op chain grows by one entry, encoded exactly as
+:mod:`refitd.reshard.replay` replays it; ``copy_`` (and ``dest[idx] = lazy``) is a
+record-only sink that notes which view of which source landed where. Anything
+else reaches ``__torch_dispatch__`` and raises :class:`UnsupportedReshard` naming
+the aten op, the source and its chain, so an unplannable loader is refused, never
+approximated.
+
+``torch.cat``/``torch.stack`` of placeholders build a :class:`LazyConcat`
+(``refitd.reshard.lazy_concat``) whose sink records one copy per piece.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from refitd.reshard.replay import MULTI_OUTPUT_OPS, REPLAYABLE_OPS, validate_op
+from refitd.reshard.types import OpChain, OpSpec, RecordedCopy, UnsupportedReshard
+
+__all__ = ["CaptureRecorder", "LazyBase", "LazyWeight", "freeze_args", "freeze_kwargs"]
+
+_ALLOWED_HINT = "allowed: " + ", ".join(sorted(REPLAYABLE_OPS)) + ", cat, stack and the copy_ sink"
+
+
+class CaptureRecorder:
+    """Mutable state one capture shares between every placeholder it built.
+
+    ``current`` is the full name of the parameter whose stamped loader is running
+    (``None`` outside any loader); ``copies`` and ``unattributed`` accumulate what
+    the ``copy_`` sinks saw.
+    """
+
+    __slots__ = ("copies", "current", "unattributed")
+
+    def __init__(self) -> None:
+        self.copies: list[RecordedCopy] = []
+        self.unattributed = 0
+        self.current: str | None = None
+
+
+def _method_names() -> dict[Callable[..., Any], str]:
+    """Map every callable a loader may use for a movement op to its method name.
+
+    Functional forms (``torch.narrow(x, ...)``) record under the method name, so
+    every chain replays uniformly as ``value.name(*args)``.
+    """
+    names: dict[Callable[..., Any], str] = {}
+    aliases = {"moveaxis": "movedim"}
+    for name in [*REPLAYABLE_OPS, *aliases]:
+        canonical = aliases.get(name, name)
+        method = getattr(torch.Tensor, name, None)
+        if method is not None:
+            names[method] = canonical
+        function = getattr(torch, name, None)
+        if function is not None and name != "__getitem__":
+            names[function] = canonical
+    return names
+
+
+_OP_NAMES = _method_names()
+_META = torch.device("meta")
+_COPY = torch.Tensor.copy_
+_SETITEM = torch.Tensor.__setitem__
+_T_GET = torch.Tensor.T.__get__  # type: ignore[attr-defined]
+_MT_GET = torch.Tensor.mT.__get__  # type: ignore[attr-defined]
+_CAT_FUNCS: frozenset[Callable[..., Any]] = frozenset({torch.cat, torch.concat, torch.concatenate})
+
+
+def freeze_args(value: Any) -> Any:
+    """Turn lists (and ``torch.Size``) into tuples so a recorded op is immutable."""
+    if isinstance(value, list | tuple):
+        return tuple(freeze_args(v) for v in value)
+    return value
+
+
+def freeze_kwargs(kwargs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The op-chain encoding of keyword arguments: sorted ``(key, value)`` items."""
+    return tuple(sorted((k, freeze_args(v)) for k, v in kwargs.items()))
+
+
+class LazyBase(torch.Tensor):
+    """Behaviour shared by every placeholder: op interception, sinks and refusals.
+
+    Subclasses implement :meth:`_apply` (an allow-listed op), :meth:`_record_into`
+    (what a sink records), :meth:`source_names` and :meth:`describe`.
+    """
+
+    _recorder: CaptureRecorder
+    _meta: torch.Tensor
+
+    # Concatenation is implemented in lazy_concat; it registers itself here so this
+    # module does not import it (the two would import each other).
+    concat_factory: ClassVar[Callable[[list[Any], int, bool], LazyBase] | None] = None
+
+    @staticmethod
+    def _wrap(cls: type[LazyBase], meta: torch.Tensor) -> Any:
+        return torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=meta.stride(),
+            storage_offset=meta.storage_offset(),
+            dtype=meta.dtype,
+            device=_META,
+            requires_grad=False,
+        )
+
+    def source_names(self) -> list[str]:
+        """Names of the sources this placeholder reads, in first-use order."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """A short human name for messages, e.g. ``'w1'`` or ``cat(dim=0)['a', 'b']``."""
+        raise NotImplementedError
+
+    def _apply(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def _record_into(self, dest: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def refuse(self, cause: str, hint: str = "") -> UnsupportedReshard:
+        """An :class:`UnsupportedReshard` whose message ends with this placeholder.
+
+        The ``on lazy '<name>'`` tail is what ``summarize_unsupported`` strips to
+        group thousands of sources failing for one cause.
+        """
+        tail = f" on lazy {self.describe()!r} ({self._detail()})"
+        return UnsupportedReshard(f"{cause}{tail}{'; ' + hint if hint else ''}")
+
+    def _detail(self) -> str:
+        return ""
+
+    def _check_result(self, name: str, meta: torch.Tensor) -> None:
+        if meta.dtype != self.dtype:
+            raise self.refuse(f"{name} reinterprets dtype {self.dtype} as {meta.dtype}")
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = _OP_NAMES.get(func)
+        if name is not None and args and isinstance(args[0], LazyBase):
+            return args[0]._apply(name, tuple(args[1:]), kwargs)
+        if func is _COPY:
+            return _copy_sink(args, kwargs)
+        if func is _SETITEM and len(args) == 3 and isinstance(args[2], LazyBase):
+            _setitem_sink(args[0], args[1], args[2])
+            return None
+        if func in _CAT_FUNCS or func is torch.stack:
+            return _concat(func is torch.stack, args, kwargs)
+        if func is _T_GET and isinstance(args[0], LazyBase):
+            return args[0]._apply("permute", tuple(range(args[0].dim() - 1, -1, -1)), {})
+        if func is _MT_GET and isinstance(args[0], LazyBase):
+            return args[0]._apply("transpose", (-2, -1), {})
+        # Metadata reads (.shape, .dtype, .size(), .dim(), .stride()) resolve from the
+        # wrapper; anything that needs data falls through to __torch_dispatch__.
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        lazies = [a for a in tree_leaves((args, kwargs or {})) if isinstance(a, LazyBase)]
+        lazy = lazies[0] if lazies else None
+        if lazy is None:  # pragma: no cover - dispatch only reaches us with a lazy
+            raise UnsupportedReshard(f"unsupported op {func} on a placeholder")
+        raise lazy.refuse(f"unsupported op {func}", _ALLOWED_HINT)
+
+
+def _copy_sink(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    dest = args[0]
+    src = args[1] if len(args) > 1 else kwargs.get("src")
+    if not isinstance(src, LazyBase):
+        if isinstance(dest, LazyBase):
+            raise dest.refuse("copy_ into a placeholder overwrites a source")
+        # Neither side is ours (a lazy sat in an unrelated kwarg): behave as torch.
+        with torch._C.DisableTorchFunctionSubclass():
+            return _COPY(*args, **kwargs)
+    _sink(dest, src)
+    # Record-only: hand back the destination so the loader carries on unchanged.
+    return dest
+
+
+def _setitem_sink(dest: Any, index: Any, src: LazyBase) -> None:
+    """``dest[index] = src``: a copy into the view ``dest[index]``, if it is a view."""
+    if isinstance(dest, LazyBase):
+        raise src.refuse(f"assignment into placeholder {dest.describe()!r}")
+    try:
+        # Only basic indexing yields a view; a tensor/list index would record into
+        # a temporary copy, i.e. a write that never reaches the parameter.
+        validate_op(("__getitem__", (index,), ()))
+    except UnsupportedReshard as exc:
+        raise src.refuse(f"assignment target: {exc}") from None
+    _sink(dest[index], src)
+
+
+def _sink(dest: Any, src: LazyBase) -> None:
+    if isinstance(dest, LazyBase):
+        raise src.refuse(f"copy_ of a placeholder into placeholder {dest.describe()!r}")
+    if not isinstance(dest, torch.Tensor):
+        raise src.refuse(f"copy_ into a {type(dest).__name__}")
+    if tuple(dest.shape) != tuple(src.shape):
+        # A broadcast copy writes one source element to many destination elements;
+        # refused rather than expressed as stride-0 records the planner would have
+        # to special-case.
+        raise src.refuse(
+            f"copy_ broadcasts shape {tuple(src.shape)} into {tuple(dest.shape)}; "
+            "broadcasting copies are refused"
+        )
+    if dest.dtype != src.dtype:
+        raise src.refuse(
+            f"copy_ casts {src.dtype} into a {dest.dtype} destination; "
+            "the pulled bytes would be misread"
+        )
+    recorder = src._recorder
+    if recorder.current is None:
+        recorder.unattributed += 1
+        return
+    src._record_into(dest)
+
+
+def _concat(stack: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    tensors = args[0] if args else kwargs.get("tensors", ())
+    dim = args[1] if len(args) > 1 else kwargs.get("dim", kwargs.get("axis", 0))
+    extra = set(kwargs) - {"tensors", "dim", "axis"}
+    pieces = list(tensors)
+    lazies = [p for p in pieces if isinstance(p, LazyBase)]
+    op = "stack" if stack else "cat"
+    if extra:
+        raise lazies[0].refuse(f"{op} with {sorted(extra)} is not a movement op")
+    if len(lazies) != len(pieces):
+        raise lazies[0].refuse(
+            f"{op} mixes placeholders with {len(pieces) - len(lazies)} real tensor(s): the "
+            "result is partly synthesized, not derived from a source"
+        )
+    factory = LazyBase.concat_factory
+    if factory is None:  # pragma: no cover - lazy_concat registers at import
+        raise lazies[0].refuse(f"{op} support is not loaded")
+    return factory(pieces, int(dim), stack)
+
+
+class LazyWeight(LazyBase):
+    """Placeholder for one full source tensor, or an allow-listed view of one.
+
+    ``_name`` is the source's name (kept through any rename in a conversion);
+    ``_ops`` the chain from the full source to this view; ``_recorder`` the capture
+    state shared by all placeholders of one capture.
+    """
+
+    _name: str
+    _ops: OpChain
+
+    @staticmethod
+    def __new__(
+        cls,
+        name: str,
+        shape: torch.Size | tuple[int, ...] | list[int],
+        dtype: torch.dtype,
+        device: str | torch.device = "meta",
+        ops: OpChain = (),
+        recorder: CaptureRecorder | None = None,
+        meta: torch.Tensor | None = None,
+    ) -> LazyWeight:
+        if meta is None:
+            meta = torch.empty(tuple(shape), dtype=dtype, device="meta")
+        t: LazyWeight = LazyBase._wrap(cls, meta)
+        t._name = name
+        t._ops = tuple(ops)
+        t._recorder = recorder if recorder is not None else CaptureRecorder()
+        t._meta = meta
+        return t
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"LazyWeight({self._name!r}, shape={tuple(self.shape)}, ops={self._ops!r})"
+
+    def source_names(self) -> list[str]:
+        return [self._name]
+
+    def describe(self) -> str:
+        return self._name
+
+    def _detail(self) -> str:
+        return f"chain={self._ops!r}"
+
+    def _child(self, meta: torch.Tensor, ops: OpChain) -> LazyWeight:
+        return LazyWeight(self._name, meta.shape, meta.dtype, "meta", ops, self._recorder, meta)
+
+    def _apply(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if name == "__getitem__":
+            # Validated raw: freezing would turn an advanced list index into a
+            # basic tuple index and record the wrong elements.
+            op: OpSpec = (name, tuple(args), ())
+            try:
+                validate_op(op)
+            except UnsupportedReshard as exc:
+                raise self.refuse(str(exc)) from None
+        else:
+            op = (name, freeze_args(args), freeze_kwargs(kwargs))
+        result = getattr(self._meta, name)(*args, **kwargs)
+        ops = (*self._ops, op)
+        if isinstance(result, torch.Tensor):
+            self._check_result(name, result)
+            return self._child(result, ops)
+        if name in MULTI_OUTPUT_OPS:
+            # One child per piece; the trailing __getitem__ lets replay pick it again.
+            return tuple(
+                self._child(piece, (*ops, ("__getitem__", (i,), ())))
+                for i, piece in enumerate(result)
+            )
+        raise self.refuse(f"{name} returned a {type(result).__name__}, not a view")
+
+    def _record_into(self, dest: torch.Tensor) -> None:
+        recorder = self._recorder
+        assert recorder.current is not None  # _sink checked attribution
+        recorder.copies.append(
+            RecordedCopy(
+                src_name=self._name,
+                op_chain=self._ops,
+                param_name=recorder.current,
+                dest_offset=int(dest.storage_offset()),
+                dest_shape=tuple(dest.shape),
+                dest_stride=tuple(dest.stride()),
+                dest_dtype=dest.dtype,
+            )
+        )
