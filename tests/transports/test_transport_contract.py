@@ -1,0 +1,46 @@
+"""Every transport passes the same contract checks over real loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from transports import checks
+from transports.checks import Pair, open_pair
+
+SCHEMES = ["reference", "local", "ucx"]
+
+
+@pytest.fixture(params=SCHEMES)
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
+    async with open_pair(request.param, 65 << 20, 65 << 20) as p:
+        yield p
+
+
+@pytest.fixture(params=SCHEMES)
+async def small_pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
+    async with open_pair(request.param, 4 << 20, 4 << 20) as p:
+        yield p
+
+
+async def test_reads_of_0_b_1_b_4_kib_1_mib_and_64_mib_land_byte_exact(pair: Pair) -> None:
+    await checks.check_sizes(pair)
+
+
+async def test_a_shuffled_batch_of_4_kib_pieces_lands_each_piece_in_its_slot(
+    small_pair: Pair,
+) -> None:
+    await checks.check_scattered_batch(small_pair)
+
+
+async def test_a_contiguous_batch_lands_like_one_copy_in_any_read_order(small_pair: Pair) -> None:
+    await checks.check_contiguous_batch(small_pair)
+
+
+async def test_concurrent_batches_into_disjoint_ranges_all_complete(small_pair: Pair) -> None:
+    await checks.check_concurrent_batches(small_pair)
+
+
+async def test_structured_int64_and_tuple_batches_mean_the_same_reads(small_pair: Pair) -> None:
+    await checks.check_input_forms(small_pair)
