@@ -16,6 +16,12 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("refitd.demo", "run the main job end to end on loopback and verify it"),
     "serve": ("refitd.daemon.serve", "run the refitd daemon: HTTP API v1 and the data plane"),
+    "status": ("refitd.ops.status", "show whether the daemon is up and ready, and what it holds"),
+    "regions": ("refitd.ops.regions", "list the daemon's memory regions"),
+    "sources": ("refitd.ops.sources", "list published model versions, their state and leases"),
+    "pulls": ("refitd.ops.pulls", "list pulls, or follow one with a progress bar"),
+    "experts": ("refitd.ops.experts", "list the daemon's MoE expert slot pools"),
+    "config": ("refitd.ops.config_cmd", "check a configuration file (refitd config check FILE)"),
 }
 
 # `refitd bench NAME`: name -> (module, one-line help).

@@ -1,0 +1,45 @@
+"""``refitd sources``: published model versions, their state and leases."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from refitd.ops.console import add_client_arguments, fetch, print_json, print_table, run_command
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_client_arguments(
+        parser,
+        "refitd sources                 # every model",
+        "refitd sources --model qwen3   # one model's versions",
+        "refitd sources --json",
+    )
+    parser.add_argument("--model", help="only this model's versions")
+
+
+def run(args: argparse.Namespace) -> int:
+    async def body(client: Any) -> int:
+        from refitd.daemon.schemas import VersionInfo
+
+        path = f"/sources/{args.model}/versions" if args.model else "/sources"
+        versions: list[VersionInfo] = await fetch(client, path, list[VersionInfo])
+        if args.json:
+            print_json(versions)
+            return 0
+        print_table(
+            "sources",
+            [
+                ("model", lambda v: v.model),
+                ("version", lambda v: v.version),
+                ("state", lambda v: v.state),
+                ("slots", lambda v: f"{len(v.published_slots)}/{v.expected_slots}"),
+                ("leases", lambda v: v.leases),
+            ],
+            versions,
+        )
+        return 0
+
+    return run_command(args, body)

@@ -1,0 +1,84 @@
+"""``refitd status``: is the daemon up, ready, and what does it hold."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from refitd.ops.console import add_client_arguments, fetch, human_bytes, print_json, run_command
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_client_arguments(
+        parser,
+        "refitd status                          # the daemon in the default config",
+        "refitd status --url http://10.0.0.7:7450 --token-file ~/.refitd-token",
+        "refitd status --json | jq .ready",
+    )
+
+
+async def gather(client: Any) -> dict[str, Any]:
+    """One dict of everything ``status`` shows (also its ``--json`` output)."""
+    from refitd.daemon.schemas import PullProgress, RegionInfo, VersionInfo
+    from refitd.errors import RefitError
+
+    node = await client.node()
+    try:
+        await client.ready()
+        ready, why = True, ""
+    except RefitError as exc:
+        ready, why = False, str(exc)
+    regions: list[RegionInfo] = await fetch(client, "/regions", list[RegionInfo])
+    versions: list[VersionInfo] = await fetch(client, "/sources", list[VersionInfo])
+    pulls: list[PullProgress] = await fetch(client, "/pulls", list[PullProgress])
+    by_state: dict[str, int] = {}
+    for v in versions:
+        by_state[str(v.state)] = by_state.get(str(v.state), 0) + 1
+    pull_states: dict[str, int] = {}
+    for p in pulls:
+        pull_states[str(p.state)] = pull_states.get(str(p.state), 0) + 1
+    return {
+        "url": client.base_url,
+        "node_id": node.node_id,
+        "epoch": node.epoch,
+        "transport": node.transport,
+        "ready": ready,
+        "not_ready_reason": why,
+        "regions": len(regions),
+        "region_bytes": sum(r.nbytes for r in regions),
+        "versions": by_state,
+        "leases": sum(v.leases for v in versions),
+        "pulls": pull_states,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    async def body(client: Any) -> int:
+        info = await gather(client)
+        if args.json:
+            print_json(info)
+            return 0 if info["ready"] else 1
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"refitd at {info['url']}", title_justify="left", show_header=False)
+        table.add_column("what", style="bold")
+        table.add_column("value")
+        ready = (
+            "[green]ready[/]" if info["ready"] else f"[red]not ready[/]: {info['not_ready_reason']}"
+        )
+        table.add_row("node", f"{info['node_id']} (epoch {info['epoch']})")
+        table.add_row("state", ready)
+        table.add_row("transport", info["transport"])
+        table.add_row("regions", f"{info['regions']} ({human_bytes(info['region_bytes'])})")
+        versions = ", ".join(f"{n} {s}" for s, n in sorted(info["versions"].items())) or "none"
+        table.add_row("versions", versions)
+        table.add_row("leases", str(info["leases"]))
+        pulls = ", ".join(f"{n} {s}" for s, n in sorted(info["pulls"].items())) or "none"
+        table.add_row("pulls", pulls)
+        Console().print(table)
+        return 0 if info["ready"] else 1
+
+    return run_command(args, body)
