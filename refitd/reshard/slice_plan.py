@@ -1,0 +1,407 @@
+"""Resolve one recorded copy to the exact source bytes it reads, as byte segments.
+
+A :class:`~refitd.reshard.types.RecordedCopy` says: the engine's loader applied an
+op chain to a full source tensor and copied the result into a (possibly strided)
+view of a parameter. This module turns that into *runs*: maximal stretches where
+both the source element and the destination element advance by one, then cuts the
+runs at shard boundaries and merges neighbours that are contiguous on both sides.
+
+Resolution order, cheapest first, all exact:
+
+1. **Pure views.** The chain is replayed on a zero-storage meta tensor laid out as
+   the contiguous global tensor; ``contiguous()`` is skipped (it never changes which
+   source element lands where) and ``view`` is replayed as ``reshape``. If the result
+   is still a view of the base, its ``storage_offset``/``stride`` *are* the map from
+   result index to global element.
+2. **Materializing tails.** A chain ending in order-preserving reshapes of a
+   non-viewable layout (``t().reshape(-1)``, MLA's split heads flattened) is resolved
+   by its viewable prefix; the destination is reshaped instead (row-major order is
+   what a reshape preserves), through the intermediate contiguous index space.
+3. **Element maps.** Anything else (still one source element per destination
+   element) is replayed on a tensor of element indices, bounded by
+   :data:`ELEMENT_MAP_LIMIT`.
+
+Units: ``*_elem`` and run arrays are in elements; ``addr``, ``*_byte`` and
+``nbytes`` are bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from refitd.errors import PlanError
+from refitd.reshard.regions import ChunkTable, chunk_table
+from refitd.reshard.replay import replay_ops, validate_op
+from refitd.reshard.types import OpChain, RecordedCopy, UnsupportedReshard
+
+__all__ = [
+    "ELEMENT_MAP_LIMIT",
+    "Pieces",
+    "Runs",
+    "Segment",
+    "Shard",
+    "coalesce",
+    "contiguous_strides",
+    "copy_runs",
+    "plan_pull",
+    "split_runs",
+]
+
+IntArray = npt.NDArray[np.int64]
+
+ELEMENT_MAP_LIMIT = 1 << 24
+"""Largest source (in elements) whose non-strided chain is resolved element by element."""
+
+RUN_LIMIT = 1 << 24
+"""Most runs one copy may resolve to before the plan is refused as unreasonable."""
+
+_ORDER_PRESERVING = frozenset({"contiguous", "view", "reshape", "flatten", "unflatten"})
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A box of a full tensor published by one peer.
+
+    ``shard_offset`` and ``shape`` are in elements of the global tensor. The box's
+    elements sit contiguous and row-major (in the box's own shape) starting at byte
+    address ``addr`` of the buffer named by ``session``; ``elsize`` is bytes per
+    element.
+    """
+
+    shard_offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    session: str
+    addr: int
+    elsize: int
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One contiguous read: ``nbytes`` from ``src_addr`` of ``session`` to byte
+    ``dst_byte`` of parameter ``param_name``'s storage (or of a staging buffer)."""
+
+    session: str
+    src_addr: int
+    dst_byte: int
+    nbytes: int
+    param_name: str
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Element runs of one copy in destination order.
+
+    ``src`` is the first global (row-major) element of each run, ``dst`` the first
+    element of the destination storage, ``length`` the run length in elements.
+    """
+
+    src: IntArray
+    dst: IntArray
+    length: IntArray
+
+    def __len__(self) -> int:
+        return int(self.src.shape[0])
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """Byte reads cut to shard boundaries, in destination order.
+
+    ``shard`` indexes the source's shard list, ``session`` a caller-chosen session
+    code, ``addr`` is the absolute source byte address, ``dst`` the destination byte
+    offset and ``nbytes`` the length.
+    """
+
+    shard: IntArray
+    session: IntArray
+    addr: IntArray
+    dst: IntArray
+    nbytes: IntArray
+
+    def __len__(self) -> int:
+        return int(self.addr.shape[0])
+
+    def total(self) -> int:
+        return int(self.nbytes.sum())
+
+    def take(self, index: IntArray | npt.NDArray[np.bool_]) -> Pieces:
+        return Pieces(
+            self.shard[index],
+            self.session[index],
+            self.addr[index],
+            self.dst[index],
+            self.nbytes[index],
+        )
+
+    @staticmethod
+    def concat(parts: list[Pieces]) -> Pieces:
+        if not parts:
+            return Pieces(*(np.zeros(0, dtype=np.int64) for _ in range(5)))
+        return Pieces(*(np.concatenate([getattr(p, f) for p in parts]) for f in _PIECE_FIELDS))
+
+
+_PIECE_FIELDS = ("shard", "session", "addr", "dst", "nbytes")
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides, in elements, of a contiguous tensor of ``shape``."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * max(shape[d + 1], 1)
+    return tuple(strides)
+
+
+def _meta_base(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.empty_strided(shape, contiguous_strides(shape), dtype=torch.uint8, device="meta")
+
+
+def _viewable_chain(chain: OpChain) -> OpChain:
+    """The chain with ``contiguous()`` dropped and ``view`` replayed as ``reshape``."""
+    out = []
+    for op in chain:
+        validate_op(op)
+        name, args, kwargs = op
+        if name == "contiguous":
+            continue
+        if name == "view":
+            if any(isinstance(a, torch.dtype) for a in args) or kwargs:
+                raise UnsupportedReshard(
+                    f"view as another dtype reinterprets bytes; refused {op!r}"
+                )
+            name = "reshape"
+        out.append((name, args, kwargs))
+    return tuple(out)
+
+
+def _is_view_of(t: torch.Tensor, base: torch.Tensor) -> bool:
+    return t is base or t._base is base
+
+
+Strided = tuple[int, tuple[int, ...], tuple[int, ...]]
+"""``(offset, shape, strides)`` in elements: result index -> global element."""
+
+
+def _strided_map(chain: OpChain, global_shape: tuple[int, ...]) -> Strided | None:
+    base = _meta_base(global_shape)
+    try:
+        out = replay_ops(base, _viewable_chain(chain))
+    except (RuntimeError, IndexError, TypeError, ValueError) as exc:
+        raise UnsupportedReshard(
+            f"op chain {chain!r} fails on shape {global_shape}: {exc}"
+        ) from exc
+    if not _is_view_of(out, base):
+        return None
+    return int(out.storage_offset()), tuple(out.shape), tuple(out.stride())
+
+
+def _joint_strided(
+    src: Strided, dest_offset: int, dest_shape: tuple[int, ...], dest_stride: tuple[int, ...]
+) -> Runs:
+    s_off, shape, s_str = src
+    dims = [(n, s, d) for n, s, d in zip(shape, s_str, dest_stride, strict=True) if n != 1]
+    if any(n == 0 for n, _, _ in dims) or 0 in shape:
+        empty = np.zeros(0, dtype=np.int64)
+        return Runs(empty, empty, empty)
+    # Walk in destination order so runs come out sorted by destination.
+    dims.sort(key=lambda x: -x[2])
+    merged: list[tuple[int, int, int]] = []
+    for n, s, d in dims:
+        if merged and merged[-1][1] == s * n and merged[-1][2] == d * n:
+            merged[-1] = (merged[-1][0] * n, s, d)
+        else:
+            merged.append((n, s, d))
+    run = 1
+    if merged and merged[-1][1] == 1 and merged[-1][2] == 1:
+        run = merged.pop()[0]
+    count = math.prod(n for n, _, _ in merged)
+    if count > RUN_LIMIT:
+        raise UnsupportedReshard(f"copy resolves to {count} runs, above the {RUN_LIMIT} limit")
+    src_start = np.array([s_off], dtype=np.int64)
+    dst_start = np.array([dest_offset], dtype=np.int64)
+    for n, s, d in merged:
+        steps = np.arange(n, dtype=np.int64)
+        src_start = (src_start[:, None] + steps * s).ravel()
+        dst_start = (dst_start[:, None] + steps * d).ravel()
+    return Runs(src_start, dst_start, np.full(src_start.shape[0], run, dtype=np.int64))
+
+
+def _broadcast(src: Strided, dest_shape: tuple[int, ...]) -> Strided:
+    off, shape, stride = src
+    meta = torch.empty(0, dtype=torch.uint8, device="meta").as_strided(shape, stride, off)
+    try:
+        out = torch.broadcast_to(meta, dest_shape)
+    except RuntimeError as exc:
+        raise UnsupportedReshard(
+            f"copy_ of a {tuple(shape)} view into a {dest_shape} destination does not broadcast"
+        ) from exc
+    return off, tuple(out.shape), tuple(out.stride())
+
+
+def _order_preserving_split(chain: OpChain) -> int:
+    """Index where the chain's trailing run of order-preserving ops begins."""
+    p = len(chain)
+    while p > 0 and chain[p - 1][0] in _ORDER_PRESERVING:
+        p -= 1
+    return p
+
+
+def _element_runs(copy: RecordedCopy, global_shape: tuple[int, ...]) -> Runs:
+    numel = math.prod(global_shape)
+    if numel > ELEMENT_MAP_LIMIT:
+        raise UnsupportedReshard(
+            f"op chain {copy.op_chain!r} is not a strided view and the source has {numel} "
+            f"elements, above the element-map limit {ELEMENT_MAP_LIMIT}"
+        )
+    index = torch.arange(numel, dtype=torch.int64).reshape(global_shape)
+    try:
+        picked = torch.broadcast_to(replay_ops(index, copy.op_chain), copy.dest_shape)
+    except RuntimeError as exc:
+        raise UnsupportedReshard(
+            f"op chain {copy.op_chain!r} cannot fill {copy.dest_shape}"
+        ) from exc
+    src = picked.reshape(-1).numpy().astype(np.int64)
+    dst = np.full(copy.dest_shape, copy.dest_offset, dtype=np.int64)
+    for k, (n, d) in enumerate(zip(copy.dest_shape, copy.dest_stride, strict=True)):
+        shape = [1] * len(copy.dest_shape)
+        shape[k] = n
+        dst = dst + (np.arange(n, dtype=np.int64) * d).reshape(shape)
+    dst = dst.reshape(-1)
+    order = np.argsort(dst, kind="stable")
+    src, dst = src[order], dst[order]
+    if src.size == 0:
+        return Runs(src, dst, src)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate([[0], breaks]).astype(np.int64)
+    lengths = np.diff(np.concatenate([starts, [src.size]])).astype(np.int64)
+    return Runs(src[starts], dst[starts], lengths)
+
+
+def copy_runs(copy: RecordedCopy, global_shape: tuple[int, ...]) -> Runs:
+    """Resolve ``copy`` to element runs of the global tensor, in destination order.
+
+    Raises :class:`UnsupportedReshard` when the chain is malformed, does not fit the
+    destination, or is neither a strided view nor small enough for an element map.
+    """
+    global_shape = tuple(int(n) for n in global_shape)
+    dest = (copy.dest_offset, tuple(copy.dest_shape), tuple(copy.dest_stride))
+    view = _strided_map(copy.op_chain, global_shape)
+    if view is not None:
+        return _joint_strided(_broadcast(view, dest[1]), *dest)
+    p = _order_preserving_split(copy.op_chain)
+    prefix = _strided_map(copy.op_chain[:p], global_shape)
+    if prefix is not None and math.prod(prefix[1]) == math.prod(dest[1]):
+        # A reshape keeps row-major order, so reshaping the destination to the
+        # prefix's shape pairs the same elements; it is a view for any
+        # destination a loader writes (a contiguous parameter block).
+        meta = torch.empty(0, dtype=torch.uint8, device="meta").as_strided(
+            dest[1], dest[2], dest[0]
+        )
+        try:
+            dest_view = meta.view(prefix[1])
+        except RuntimeError:
+            dest_view = None
+        if dest_view is not None:
+            return _joint_strided(
+                prefix,
+                int(dest_view.storage_offset()),
+                tuple(dest_view.shape),
+                tuple(dest_view.stride()),
+            )
+    return _element_runs(copy, global_shape)
+
+
+def split_runs(
+    runs: Runs, table: ChunkTable, elsize: int
+) -> tuple[IntArray, IntArray, IntArray, IntArray]:
+    """Cut ``runs`` at chunk boundaries.
+
+    Returns ``(chunk, storage_byte, dst_byte, nbytes)`` per piece in destination
+    order, where ``storage_byte`` is relative to the owning shard's ``addr``.
+    Raises :class:`PlanError` if any needed element is in no shard.
+    """
+    a = runs.src
+    e = a + runs.length
+    k0 = np.searchsorted(table.end, a, side="right")
+    k1 = np.searchsorted(table.start, e, side="left")
+    cnt = np.maximum(k1 - k0, 0)
+    total = int(cnt.sum())
+    rep = np.repeat(np.arange(len(runs), dtype=np.int64), cnt)
+    first = np.repeat(np.cumsum(cnt) - cnt, cnt)
+    k = np.repeat(k0, cnt) + (np.arange(total, dtype=np.int64) - first)
+    ps = np.maximum(a[rep], table.start[k])
+    pe = np.minimum(e[rep], table.end[k])
+    covered = np.zeros(len(runs), dtype=np.int64)
+    np.add.at(covered, rep, pe - ps)
+    if not np.array_equal(covered, runs.length):
+        bad = int(np.flatnonzero(covered != runs.length)[0])
+        raise PlanError(
+            f"no published shard holds global elements [{int(a[bad])}, {int(e[bad])}) "
+            f"that a copy reads; the shards do not cover the tensor"
+        )
+    storage = (table.storage[k] + (ps - table.start[k])) * elsize
+    dst = (runs.dst[rep] + (ps - a[rep])) * elsize
+    return table.chunk_shard[k], storage, dst, (pe - ps) * elsize
+
+
+def coalesce(p: Pieces) -> Pieces:
+    """Merge each piece into its predecessor when both sides continue it exactly:
+    same session, the next source byte and the next destination byte."""
+    if len(p) < 2:
+        return p
+    end_src = p.addr[:-1] + p.nbytes[:-1]
+    end_dst = p.dst[:-1] + p.nbytes[:-1]
+    joins = (p.session[1:] == p.session[:-1]) & (end_src == p.addr[1:]) & (end_dst == p.dst[1:])
+    starts = np.flatnonzero(np.concatenate([[True], ~joins]))
+    if starts.size == len(p):
+        return p
+    merged = p.take(starts)
+    return Pieces(
+        merged.shard, merged.session, merged.addr, merged.dst, np.add.reduceat(p.nbytes, starts)
+    )
+
+
+def pieces_for(
+    runs: Runs, table: ChunkTable, shards: list[Shard], session_codes: IntArray, elsize: int
+) -> Pieces:
+    """Runs cut to shards, as absolute source addresses, coalesced."""
+    shard, storage, dst, nbytes = split_runs(runs, table, elsize)
+    addrs = np.array([s.addr for s in shards], dtype=np.int64)
+    return coalesce(Pieces(shard, session_codes[shard], addrs[shard] + storage, dst, nbytes))
+
+
+def check_dtype(copy: RecordedCopy, src_dtype: torch.dtype) -> None:
+    if copy.dest_dtype != src_dtype:
+        raise UnsupportedReshard(
+            f"copy of {copy.src_name!r} ({src_dtype}) into {copy.param_name!r} "
+            f"({copy.dest_dtype}) converts dtype; a byte copy cannot do that"
+        )
+
+
+def plan_pull(
+    copy: RecordedCopy,
+    global_shape: tuple[int, ...],
+    src_dtype: torch.dtype,
+    elsize: int,
+    shards: list[Shard],
+) -> list[Segment]:
+    """Exact, coalesced byte segments that reproduce ``copy`` from ``shards``.
+
+    Each segment reads only bytes the copy needs; where replicas overlap, each
+    region is read from exactly one of them. Destination offsets are bytes into the
+    parameter's storage.
+    """
+    check_dtype(copy, src_dtype)
+    shape = tuple(int(n) for n in global_shape)
+    table = chunk_table(shape, shards)
+    names = sorted({s.session for s in shards})
+    codes = np.array([names.index(s.session) for s in shards], dtype=np.int64)
+    p = pieces_for(copy_runs(copy, shape), table, shards, codes, elsize)
+    return [
+        Segment(names[int(c)], int(a), int(d), int(n), copy.param_name)
+        for c, a, d, n in zip(p.session, p.addr, p.dst, p.nbytes, strict=True)
+    ]

@@ -1,0 +1,568 @@
+"""Plan every recorded copy of a capture against published sources, and execute it.
+
+:func:`plan_transfer` resolves each copy to exact, coalesced segments
+(:mod:`refitd.reshard.slice_plan`), then applies the cost model
+(:mod:`refitd.reshard.cost`) under a per-copy descriptor budget:
+
+- exact segments when they fit the budget;
+- otherwise the cheapest of a *pack spec* per session (a strided source region the
+  source packs contiguous: one descriptor, no extra bytes) and a *full pull* of the
+  bounding row range of every touched shard into a staging buffer, followed by
+  local replay of the op chain (only for sources published as dim-0 blocks;
+  others are reported in ``unbounded_sources``).
+
+With ``pack_specs=False`` the planner behaves like ModelExpress: over-budget copies
+of dim-0-blocked sources are full-pulled, others keep their exact descriptors.
+
+Sources unsupported at capture, missing from ``sources`` or unplannable land in
+``fallback``: nothing is planned or fetched for them, and a receiver must refuse
+the whole plan (:mod:`refitd.reshard.receiver`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from refitd.errors import PlanError, TransportError
+from refitd.reshard.cost import DESCRIPTOR_COST_BYTES, PACK_COST_BYTES, fit_pack
+from refitd.reshard.regions import chunk_table, is_dim0_block
+from refitd.reshard.replay import replay_ops
+from refitd.reshard.slice_plan import (
+    Pieces,
+    Segment,
+    Shard,
+    check_dtype,
+    coalesce,
+    copy_runs,
+    split_runs,
+)
+from refitd.reshard.transport import PackedRead, ReadDescriptor, Transport
+from refitd.reshard.types import CaptureResult, RecordedCopy, UnsupportedReshard
+
+__all__ = [
+    "FullPull",
+    "PackSpec",
+    "SourceInfo",
+    "TransferPlan",
+    "exact_descriptors",
+    "execute_transfer",
+    "plan_transfer",
+]
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class SourceInfo:
+    """A full source tensor as published: its global shape (elements), dtype,
+    bytes per element, and the shards that hold it (replicas allowed).
+
+    The structural digest and shard addresses are cached on first use; treat a
+    ``SourceInfo`` as immutable once planned against.
+    """
+
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    elsize: int
+    shards: list[Shard]
+
+    @cached_property
+    def structure_digest(self) -> bytes:
+        """Digest of everything but the shards' addresses."""
+        text = repr(
+            (
+                tuple(self.global_shape),
+                str(self.dtype),
+                self.elsize,
+                tuple((s.shard_offset, s.shape, s.session, s.elsize) for s in self.shards),
+            )
+        )
+        return hashlib.blake2b(text.encode(), digest_size=16).digest()
+
+    @cached_property
+    def shard_addrs(self) -> IntArray:
+        return np.array([s.addr for s in self.shards], dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class FullPull:
+    """Pull the bounding rows of a source's shards into staging, then replay.
+
+    The staging buffer is laid out as the full tensor (``staging_nbytes`` bytes,
+    row-major ``global_shape`` of ``dtype``); each segment's ``dst_byte`` is a byte
+    offset into it and its ``param_name`` is the source's name. ``copies`` are
+    replayed on the staging tensor with ``replay_ops`` into their parameters.
+    """
+
+    src_name: str
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    elsize: int
+    segments: list[Segment]
+    copies: list[RecordedCopy]
+
+    @property
+    def staging_nbytes(self) -> int:
+        return math.prod(self.global_shape) * self.elsize
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+
+@dataclass(frozen=True)
+class PackSpec:
+    """A strided region of one session that the source packs contiguous.
+
+    ``shape`` is in elements; ``src_strides``/``dst_strides`` in bytes. The packed
+    payload lands at byte ``dst_byte`` of ``param_name``'s storage, contiguous when
+    ``dst_strides`` is ``None``, else scattered with those strides.
+    """
+
+    src_name: str
+    param_name: str
+    session: str
+    src_addr: int
+    shape: tuple[int, ...]
+    src_strides: tuple[int, ...]
+    elsize: int
+    dst_byte: int
+    dst_strides: tuple[int, ...] | None
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.elsize
+
+
+@dataclass
+class TransferPlan:
+    """What to read for one capture: exact segments, pack specs and full pulls.
+
+    ``exact_bytes``/``exact_descriptor_count`` describe the all-exact plan (every
+    copy as exact coalesced segments); the accessors compare the chosen plan to it.
+    ``max_descriptors_per_copy`` is the largest descriptor count any one copy got.
+    """
+
+    segments: list[Segment] = field(default_factory=list)
+    full_pulls: list[FullPull] = field(default_factory=list)
+    packs: list[PackSpec] = field(default_factory=list)
+    unbounded_sources: list[str] = field(default_factory=list)
+    fallback: list[str] = field(default_factory=list)
+    fallback_reasons: dict[str, str] = field(default_factory=dict)
+    exact_bytes: int = 0
+    exact_descriptor_count: int = 0
+    max_descriptors_per_copy: int = 0
+    choices: dict[str, int] = field(default_factory=lambda: {"exact": 0, "pack": 0, "full": 0})
+
+    def bytes_planned(self) -> int:
+        """Bytes that cross the wire."""
+        return (
+            sum(s.nbytes for s in self.segments)
+            + sum(fp.nbytes() for fp in self.full_pulls)
+            + sum(p.nbytes for p in self.packs)
+        )
+
+    def descriptor_count(self) -> int:
+        """Reads posted: segments, full-pull segments and pack specs (one each)."""
+        return (
+            len(self.segments) + sum(len(fp.segments) for fp in self.full_pulls) + len(self.packs)
+        )
+
+    def descriptor_savings(self) -> int:
+        return self.exact_descriptor_count - self.descriptor_count()
+
+    def extra_wire_bytes(self) -> int:
+        return self.bytes_planned() - self.exact_bytes
+
+
+@dataclass
+class _Choice:
+    copy: RecordedCopy
+    kind: str
+    exact: Pieces
+    raw: Pieces
+    packs: list[tuple[Any, int]] = field(default_factory=list)  # (PackFit, session code)
+
+
+def _groups(codes: IntArray) -> list[IntArray]:
+    """Indices of each distinct code, groups in first-seen order."""
+    _, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    return [np.flatnonzero(inverse == g) for g in order]
+
+
+def _full_pull_rows(raw: Pieces, info: SourceInfo) -> dict[int, tuple[int, int]]:
+    """Bounding shard-local row range ``[r0, r1)`` per touched shard."""
+    rows: dict[int, tuple[int, int]] = {}
+    for k in np.unique(raw.shard).tolist():
+        shard = info.shards[k]
+        row_bytes = math.prod(shard.shape[1:]) * info.elsize
+        sel = raw.shard == k
+        rel = raw.addr[sel] - shard.addr
+        r0 = int(rel.min()) // row_bytes
+        r1 = -(-int((rel + raw.nbytes[sel]).max()) // row_bytes)
+        rows[k] = (r0, r1)
+    return rows
+
+
+def _full_cost(raw: Pieces, info: SourceInfo) -> tuple[int, int]:
+    rows = _full_pull_rows(raw, info)
+    wire = sum(
+        (r1 - r0) * math.prod(info.shards[k].shape[1:]) * info.elsize
+        for k, (r0, r1) in rows.items()
+    )
+    return wire, len(rows)
+
+
+def _choose(
+    copy: RecordedCopy,
+    raw: Pieces,
+    exact: Pieces,
+    info: SourceInfo,
+    bounded: bool,
+    budget: int,
+    pack_specs: bool,
+    descriptor_cost: int,
+) -> _Choice:
+    n_exact = len(exact)
+    if n_exact <= budget:
+        return _Choice(copy, "exact", exact, raw)
+    total = exact.total()
+    options: list[tuple[bool, int, int, _Choice]] = [
+        (False, total + descriptor_cost * n_exact, 0, _Choice(copy, "exact", exact, raw))
+    ]
+    if pack_specs:
+        keep: list[IntArray] = []
+        packs: list[tuple[Any, int]] = []
+        for g in _groups(exact.session):
+            fit = fit_pack(exact.addr[g], exact.dst[g], exact.nbytes[g], info.elsize)
+            if fit is None:
+                keep.append(g)
+            else:
+                packs.append((fit, int(exact.session[g[0]])))
+        n = sum(len(g) for g in keep) + len(packs)
+        cost = total + descriptor_cost * n + PACK_COST_BYTES * len(packs)
+        rest = (
+            exact.take(np.sort(np.concatenate(keep))) if keep else exact.take(np.zeros(0, np.int64))
+        )
+        options.append((n <= budget, cost, 1, _Choice(copy, "pack", rest, raw, packs)))
+    if bounded:
+        wire, n = _full_cost(raw, info)
+        options.append(
+            (n <= budget, wire + descriptor_cost * n, 2, _Choice(copy, "full", exact, raw))
+        )
+    if not pack_specs and bounded:
+        return options[-1][3]
+    within = [o for o in options if o[0]]
+    return min(within or options, key=lambda o: (o[1], o[2]))[3]
+
+
+def _param_keyed(p: Pieces, param: IntArray, n_sessions: int) -> Pieces:
+    # Coalescing must never join reads into different parameters.
+    return Pieces(p.shard, param * n_sessions + p.session, p.addr, p.dst, p.nbytes)
+
+
+def _merge_exact(parts: list[tuple[int, Pieces]], n_sessions: int) -> tuple[Pieces, IntArray]:
+    if not parts:
+        z = np.zeros(0, dtype=np.int64)
+        return Pieces(z, z, z, z, z), z
+    param = np.concatenate([np.full(len(p), c, dtype=np.int64) for c, p in parts])
+    allp = Pieces.concat([p for _, p in parts])
+    order = np.lexsort((allp.dst, param))
+    keyed = coalesce(_param_keyed(allp.take(order), param[order], n_sessions))
+    return (
+        Pieces(keyed.shard, keyed.session % n_sessions, keyed.addr, keyed.dst, keyed.nbytes),
+        keyed.session // n_sessions,
+    )
+
+
+def plan_transfer(
+    capture: CaptureResult,
+    sources: Mapping[str, SourceInfo],
+    max_segments_per_copy: int = 64,
+    *,
+    pack_specs: bool = True,
+    descriptor_cost_bytes: int = DESCRIPTOR_COST_BYTES,
+) -> TransferPlan:
+    """Plan every copy of ``capture`` against ``sources`` (see the module docstring).
+
+    ``max_segments_per_copy`` is the descriptor budget per recorded copy. Replicas
+    are assigned so no byte is read twice and reads spread across sessions.
+    """
+    plan = TransferPlan(
+        fallback=list(capture.unsupported), fallback_reasons=dict(capture.unsupported_reasons)
+    )
+    by_source: dict[str, list[RecordedCopy]] = {}
+    for copy in capture.copies:
+        by_source.setdefault(copy.src_name, []).append(copy)
+    sessions: dict[str, int] = {}
+    params: dict[str, int] = {}
+    loads: dict[str, int] = {}
+    chosen: list[tuple[str, SourceInfo, list[_Choice]]] = []
+    for name, copies in by_source.items():
+        if name in plan.fallback_reasons or name in plan.fallback:
+            continue
+        info = sources.get(name)
+        if info is None:
+            plan.fallback.append(name)
+            plan.fallback_reasons[name] = f"source {name!r} is not in the published manifest"
+            continue
+        try:
+            chosen.append(
+                (
+                    name,
+                    info,
+                    _plan_source(
+                        name,
+                        info,
+                        copies,
+                        sessions,
+                        loads,
+                        max_segments_per_copy,
+                        pack_specs,
+                        descriptor_cost_bytes,
+                        plan,
+                    ),
+                )
+            )
+        except (UnsupportedReshard, PlanError) as exc:
+            plan.fallback.append(name)
+            plan.fallback_reasons[name] = f"{exc} on lazy {name!r}"
+    _assemble(plan, chosen, sessions, params)
+    return plan
+
+
+def _plan_source(
+    name: str,
+    info: SourceInfo,
+    copies: list[RecordedCopy],
+    sessions: dict[str, int],
+    loads: dict[str, int],
+    budget: int,
+    pack_specs: bool,
+    descriptor_cost: int,
+    plan: TransferPlan,
+) -> list[_Choice]:
+    shape = tuple(int(n) for n in info.global_shape)
+    table = chunk_table(shape, info.shards, info.elsize, loads)
+    codes = np.array(
+        [sessions.setdefault(s.session, len(sessions)) for s in info.shards], dtype=np.int64
+    )
+    bounded = all(is_dim0_block(shape, s) for s in info.shards)
+    out = []
+    for copy in copies:
+        check_dtype(copy, info.dtype)
+        shard, storage, dst, nbytes = split_runs(copy_runs(copy, shape), table, info.elsize)
+        raw = Pieces(shard, codes[shard], info.shard_addrs[shard] + storage, dst, nbytes)
+        exact = coalesce(raw)
+        choice = _choose(copy, raw, exact, info, bounded, budget, pack_specs, descriptor_cost)
+        if len(exact) > budget and not bounded and name not in plan.unbounded_sources:
+            plan.unbounded_sources.append(name)
+        out.append(choice)
+    return out
+
+
+def _assemble(
+    plan: TransferPlan,
+    chosen: list[tuple[str, SourceInfo, list[_Choice]]],
+    sessions: dict[str, int],
+    params: dict[str, int],
+) -> None:
+    names = sorted(sessions, key=sessions.__getitem__)
+    n_sessions = max(len(sessions), 1)
+    exact_parts: list[tuple[int, Pieces]] = []
+    all_parts: list[tuple[int, Pieces]] = []
+    for src_name, info, choices in chosen:
+        full_raw: list[Pieces] = []
+        full_copies: list[RecordedCopy] = []
+        for c in choices:
+            code = params.setdefault(c.copy.param_name, len(params))
+            all_parts.append((code, c.exact if c.kind != "pack" else coalesce(c.raw)))
+            plan.exact_bytes += c.raw.total()
+            plan.choices[c.kind] += 1
+            if c.kind == "full":
+                full_raw.append(c.raw)
+                full_copies.append(c.copy)
+                n_desc = _full_cost(c.raw, info)[1]
+            else:
+                exact_parts.append((code, c.exact))
+                n_desc = len(c.exact) + len(c.packs)
+            for fit, session in c.packs:
+                plan.packs.append(
+                    PackSpec(
+                        src_name,
+                        c.copy.param_name,
+                        names[session],
+                        fit.src0,
+                        fit.shape,
+                        fit.src_strides,
+                        info.elsize,
+                        fit.dst0,
+                        fit.dst_strides,
+                    )
+                )
+            plan.max_descriptors_per_copy = max(plan.max_descriptors_per_copy, n_desc)
+        if full_copies:
+            plan.full_pulls.append(
+                _full_pull(src_name, info, Pieces.concat(full_raw), full_copies, names, sessions)
+            )
+    param_names = sorted(params, key=params.__getitem__)
+    merged, param_of = _merge_exact(exact_parts, n_sessions)
+    plan.segments = [
+        Segment(names[s], a, d, n, param_names[p])
+        for s, a, d, n, p in zip(
+            merged.session.tolist(),
+            merged.addr.tolist(),
+            merged.dst.tolist(),
+            merged.nbytes.tolist(),
+            param_of.tolist(),
+            strict=True,
+        )
+    ]
+    plan.exact_descriptor_count = len(_merge_exact(all_parts, n_sessions)[0])
+
+
+def _full_pull(
+    src_name: str,
+    info: SourceInfo,
+    raw: Pieces,
+    copies: list[RecordedCopy],
+    names: list[str],
+    sessions: dict[str, int],
+) -> FullPull:
+    rows = _full_pull_rows(raw, info)
+    ks = sorted(
+        rows, key=lambda k: info.shards[k].shard_offset[0] + rows[k][0] if info.global_shape else 0
+    )
+    parts = []
+    for k in ks:
+        shard = info.shards[k]
+        r0, r1 = rows[k]
+        row_bytes = math.prod(shard.shape[1:]) * info.elsize
+        g0 = shard.shard_offset[0] if shard.shard_offset else 0
+        parts.append(
+            (
+                sessions[shard.session],
+                shard.addr + r0 * row_bytes,
+                (g0 + r0) * row_bytes,
+                (r1 - r0) * row_bytes,
+                k,
+            )
+        )
+    arr = np.array(parts, dtype=np.int64).reshape(-1, 5)
+    p = coalesce(Pieces(arr[:, 4], arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]))
+    segments = [
+        Segment(names[s], a, d, n, src_name)
+        for s, a, d, n in zip(
+            p.session.tolist(), p.addr.tolist(), p.dst.tolist(), p.nbytes.tolist(), strict=True
+        )
+    ]
+    return FullPull(src_name, tuple(info.global_shape), info.dtype, info.elsize, segments, copies)
+
+
+def exact_descriptors(
+    plan: TransferPlan, resolve_param_ptr: Callable[[str], int]
+) -> list[ReadDescriptor]:
+    """The plan's exact segments as absolute reads into the parameters, in plan order."""
+    ptrs: dict[str, int] = {}
+    out = []
+    for s in plan.segments:
+        base = ptrs.get(s.param_name)
+        if base is None:
+            base = ptrs[s.param_name] = resolve_param_ptr(s.param_name)
+        out.append(ReadDescriptor(s.session, s.src_addr, base + s.dst_byte, s.nbytes))
+    return out
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def write_through_pointer(ptr: int, copy: RecordedCopy, value: torch.Tensor, elsize: int) -> None:
+    """Copy ``value`` (broadcast to ``copy.dest_shape``) into the strided destination
+    of ``copy`` inside the storage that starts at ``ptr`` (bytes)."""
+    value = torch.broadcast_to(value, copy.dest_shape)
+    if value.numel() == 0:
+        return
+    flat = value.contiguous().reshape(-1).view(_INT_OF_SIZE[elsize]).view(torch.uint8)
+    src = flat.reshape(*copy.dest_shape, elsize).numpy()
+    span = (
+        copy.dest_offset
+        + sum((n - 1) * s for n, s in zip(copy.dest_shape, copy.dest_stride, strict=True))
+    ) * elsize + elsize
+    mem = np.ctypeslib.as_array((ctypes.c_ubyte * span).from_address(ptr))
+    dst = np.lib.stride_tricks.as_strided(
+        mem[copy.dest_offset * elsize :],
+        (*copy.dest_shape, elsize),
+        (*(s * elsize for s in copy.dest_stride), 1),
+    )
+    dst[...] = src
+
+
+def run_full_pull(
+    fp: FullPull, resolve_param_ptr: Callable[[str], int], transport: Transport
+) -> None:
+    """Fetch ``fp`` into a fresh staging buffer and replay its copies locally."""
+    staging = torch.zeros(fp.staging_nbytes, dtype=torch.uint8)
+    base = staging.data_ptr()
+    transport.read(
+        [ReadDescriptor(s.session, s.src_addr, base + s.dst_byte, s.nbytes) for s in fp.segments]
+    )
+    full = staging.view(fp.dtype).reshape(fp.global_shape)
+    for copy in fp.copies:
+        write_through_pointer(
+            resolve_param_ptr(copy.param_name), copy, replay_ops(full, copy.op_chain), fp.elsize
+        )
+
+
+def execute_transfer(
+    plan: TransferPlan, resolve_param_ptr: Callable[[str], int], transport: Transport
+) -> dict[str, Any]:
+    """Move every planned byte through ``transport``; return what moved.
+
+    Exact segments go in one ``read`` call (exactly :func:`exact_descriptors`);
+    pack specs need a transport with ``read_packed``; full pulls land in staging
+    and are replayed. ``fallback`` is reported, never acted on: refusing a plan
+    with unsupported sources is the receiver's policy.
+    """
+    descriptors = exact_descriptors(plan, resolve_param_ptr)
+    transport.read(descriptors)
+    if plan.packs:
+        read_packed = getattr(transport, "read_packed", None)
+        if read_packed is None:
+            raise TransportError(
+                f"the plan has {len(plan.packs)} pack specs but {type(transport).__name__} "
+                f"cannot pack strided source regions; re-plan with pack_specs=False"
+            )
+        read_packed(
+            [
+                PackedRead(
+                    p.session,
+                    p.src_addr,
+                    p.shape,
+                    p.src_strides,
+                    p.elsize,
+                    resolve_param_ptr(p.param_name) + p.dst_byte,
+                    p.dst_strides,
+                )
+                for p in plan.packs
+            ]
+        )
+    for fp in plan.full_pulls:
+        run_full_pull(fp, resolve_param_ptr, transport)
+    return {
+        "bytes": plan.bytes_planned(),
+        "segments": len(descriptors),
+        "packs": len(plan.packs),
+        "full_pulls": len(plan.full_pulls),
+        "descriptors": plan.descriptor_count(),
+        "fallback": list(plan.fallback),
+    }
