@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from refitd.reshard.transfer_plan import execute_transfer, plan_transfer
     from refitd.reshard.transport import InMemoryReferenceTransport
 
-    console = Console()
+    console = Console(width=max(Console().width, 100))
     small = args.size == "small"
     cfg = ModelConfig(
         vocab_size=1000,
@@ -104,13 +104,17 @@ def run(args: argparse.Namespace) -> int:
 
         engine = ToyEngine(cfg, par)
         params = dict(engine.named_parameters())
-        started = time.perf_counter()
-        stats = execute_transfer(
-            plan,
-            resolve_param_ptr=lambda name, params=params: params[name].data_ptr(),
-            transport=InMemoryReferenceTransport(),
-        )
-        pull_s = time.perf_counter() - started
+        pointers = {name: p.data_ptr() for name, p in params.items()}
+        # A refit repeats every step into the same parameters: the first pull also
+        # faults in their pages, so the second one is timed (and then verified).
+        for _attempt in range(2):
+            started = time.perf_counter()
+            stats = execute_transfer(
+                plan,
+                resolve_param_ptr=pointers.__getitem__,
+                transport=InMemoryReferenceTransport(),
+            )
+            pull_s = time.perf_counter() - started
 
         truth = ToyEngine(cfg, par)
         truth.load_weights(state.items())
@@ -139,13 +143,12 @@ def run(args: argparse.Namespace) -> int:
     memcpy_s = time.perf_counter() - started
 
     table = Table(title="per engine rank")
-    for col in ("rank", "params", "exact MiB", "wire MiB", "wire÷exact", "descriptors",
-                "capture+plan s", "pull s", "pull GB/s", "verified"):  # fmt: skip
+    for col in ("rank", "exact MiB", "wire MiB", "wire÷exact", "reads", "plan s",
+                "pull s", "GB/s", "bit-exact"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
             str(r.rank),
-            str(r.params),
             f"{r.exact_bytes / 2**20:.2f}",
             f"{r.wire_bytes / 2**20:.2f}",
             f"{r.wire_bytes / max(r.exact_bytes, 1):.3f}",
@@ -163,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
     memcpy_gbs = total_wire / max(memcpy_s, 1e-9) / 1e9
     ok = all(not r.mismatched for r in results)
     console.print(
+        f"{sum(r.params for r in results)} parameters over {len(results)} ranks: "
         f"pulled {total_wire / 2**20:.1f} MiB for {exact / 2**20:.1f} MiB needed "
         f"(wire÷exact {total_wire / max(exact, 1):.3f}) in "
         f"{sum(r.descriptors for r in results)} descriptors: {pull_gbs:.2f} GB/s vs numpy "

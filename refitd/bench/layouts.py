@@ -51,7 +51,7 @@ __all__ = [
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 """``(offset, shape)`` of a block of a tensor, in elements per dim."""
 
-Convert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+Convert = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 SYNTHETIC_RANK_SPAN = 1 << 40
 """Synthetic address space per rank (bytes): rank r's buffer starts at (r + 1) * span."""
@@ -225,7 +225,7 @@ def megatron_tp_ep(
         raise ConfigError(f"Megatron layout needs tp ({tp}) and ep ({ep}) to divide each other")
     mapped = _megatron_tensors(cfg, tp, ep, world)
 
-    def convert(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def convert(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for m in mapped:
             out.update(m.unpack(sd))
@@ -267,7 +267,7 @@ def _megatron_tensors(cfg: ModelConfig, tp: int, ep: int, world: int) -> list[_M
         def pack(sd: Mapping[str, torch.Tensor]) -> torch.Tensor:
             return torch.cat([sd[hf], sd[hf].new_zeros(padded - vocab, h)])
 
-        def unpack(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        def unpack(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return {hf: sd[mname].narrow(0, 0, vocab)}
 
         return _Mapped(TrainerTensor(mname, (padded, h), split((padded, h), 0, tp)), pack, unpack)
@@ -327,7 +327,7 @@ def _fused_qkv(cfg: ModelConfig, tp: int, hp: str, mname: str, split: Splitter) 
         parts = [sd[q].view(groups, per * d, h), sd[k].view(groups, d, h), sd[v].view(groups, d, h)]
         return torch.cat(parts, dim=1).reshape(shape)
 
-    def unpack(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def unpack(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         grouped = sd[mname].view(groups, per + 2, d, h)
         return {
             q: grouped.narrow(1, 0, per).reshape(groups * per * d, h),
@@ -349,7 +349,7 @@ def _fused_fc1(inter: int, h: int, tp: int, hp: str, mp: str, split: Splitter) -
         both = [sd[gate].view(tp, rows, h), sd[up].view(tp, rows, h)]
         return torch.cat(both, dim=1).reshape(shape)
 
-    def unpack(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def unpack(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         per_rank = sd[mname].view(tp, 2, rows, h)
         return {
             gate: per_rank.select(1, 0).reshape(inter, h),
@@ -373,7 +373,7 @@ def _stacked_experts(cfg: ModelConfig, ep: int, hp: str, mp: str, split: Splitte
             [torch.cat([sd[name.format(x, "gate")], sd[name.format(x, "up")]]) for x in range(e)]
         )
 
-    def unpack1(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def unpack1(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for x in range(e):
             one = sd[fc1].select(0, x)
@@ -384,7 +384,7 @@ def _stacked_experts(cfg: ModelConfig, ep: int, hp: str, mp: str, split: Splitte
     def pack2(sd: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return torch.stack([sd[name.format(x, "down")] for x in range(e)])
 
-    def unpack2(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def unpack2(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {name.format(x, "down"): sd[fc2].select(0, x) for x in range(e)}
 
     s1, s2 = (e, 2 * inter, h), (e, h, inter)

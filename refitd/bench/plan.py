@@ -119,7 +119,7 @@ def _measure(layout: str, cfg: Any, engine_rank: int) -> LayoutResult:
         exact_bytes=plan.exact_bytes,
         wire_bytes=plan.bytes_planned(),
         descriptors=plan.descriptor_count(),
-        max_desc_per_copy=plan.max_descriptors_per_copy(),
+        max_desc_per_copy=plan.max_descriptors_per_copy,
         full_pulls=len(plan.full_pulls),
         packs=len(plan.packs),
         fallback=len(plan.fallback) + len(capture.unsupported),

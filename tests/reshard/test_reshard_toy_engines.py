@@ -1,0 +1,201 @@
+"""The toy-engine suite: real trainer layouts refitted into vLLM-shaped engine ranks.
+
+For every engine rank: capture on a meta twin of the engine, plan against the trainer's
+published shards, pull through the reference transport into a zeroed engine, and
+compare every parameter bit for bit with the engine's own loader run on the full
+checkpoint. Every element of the checkpoint holds a distinct value, so a misplaced,
+missing or doubled element fails the comparison.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from refitd.bench.engines import (
+    EngineParallel,
+    ModelConfig,
+    ToyEngine,
+    dense_toy_config,
+    hf_manifest,
+    moe_toy_config,
+)
+from refitd.bench.layouts import Published, capture_published, fsdp_dim0, full_state, megatron_tp_ep
+from refitd.reshard.transfer_plan import execute_transfer, plan_transfer
+from refitd.reshard.transport import InMemoryReferenceTransport
+
+DENSE = dense_toy_config()
+MOE = moe_toy_config()
+
+
+def _truth(cfg: ModelConfig, par: EngineParallel, state: dict[str, torch.Tensor]) -> ToyEngine:
+    engine = ToyEngine(cfg, par)
+    engine.load_weights(state.items())
+    return engine
+
+
+# ---------------------------------------------------------------- engine behaviour
+
+
+def test_meta_twin_has_the_real_engines_parameter_names_and_shapes() -> None:
+    par = EngineParallel(tp_size=4, tp_rank=1, ep_size=2)
+    real = ToyEngine(MOE, par)
+    with torch.device("meta"):
+        twin = ToyEngine(MOE, par)
+    assert {n: p.shape for n, p in real.named_parameters()} == {
+        n: p.shape for n, p in twin.named_parameters()
+    }
+    assert all(p.is_meta for p in twin.parameters())
+
+
+def test_loader_writes_every_parameter_element_except_vocabulary_padding() -> None:
+    state = full_state(DENSE)
+    for rank in range(8):
+        engine = _truth(DENSE, EngineParallel(8, rank), state)
+        for name, param in engine.named_parameters():
+            if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                continue
+            assert bool((param != 0).all()), f"rank {rank} left zeros in {name}"
+
+
+def test_vocabulary_padding_rows_stay_zero_and_a_fully_padded_rank_holds_only_zeros() -> None:
+    # 200 rows pad to 256; over 8 ranks of 32 rows, rank 6 holds 8 real rows, rank 7 none.
+    state = full_state(DENSE)
+    six = _truth(DENSE, EngineParallel(8, 6), state).model.embed_tokens.weight
+    seven = _truth(DENSE, EngineParallel(8, 7), state).lm_head.weight
+    assert torch.equal(six[:8], state["model.embed_tokens.weight"][192:200])
+    assert bool((six[8:] == 0).all())
+    assert bool((seven == 0).all())
+
+
+def test_ranks_sharing_a_kv_head_hold_the_same_key_and_value_rows() -> None:
+    # 2 KV heads over 8 ranks: ranks 0-3 share head 0, ranks 4-7 head 1.
+    state = full_state(DENSE)
+    qkv = [
+        _truth(DENSE, EngineParallel(8, r), state).model.layers[0].self_attn.qkv_proj.weight
+        for r in range(8)
+    ]
+    d = DENSE.head_dim
+    k_full = state["model.layers.0.self_attn.k_proj.weight"]
+    for r in range(8):
+        assert torch.equal(qkv[r][d : 2 * d], k_full[(r // 4) * d : (r // 4 + 1) * d])
+    assert not torch.equal(qkv[3][d:], qkv[4][d:])
+
+
+def test_expert_parallel_rank_holds_only_its_contiguous_experts() -> None:
+    state = full_state(MOE)
+    engine = _truth(MOE, EngineParallel(4, 2, ep_size=4), state)  # experts 4 and 5
+    w13 = engine.model.layers[1].mlp.experts.w13_weight
+    inter = MOE.moe_intermediate_size
+    for local, expert in enumerate((4, 5)):
+        up = state[f"model.layers.1.mlp.experts.{expert}.up_proj.weight"]
+        assert torch.equal(w13[local, inter:], up)
+
+
+def test_moe_tensor_parallel_narrows_each_expert_and_keeps_all_experts() -> None:
+    state = full_state(MOE)
+    engine = _truth(MOE, EngineParallel(2, 1, ep_size=1), state)
+    w2 = engine.model.layers[2].mlp.experts.w2_weight
+    half = MOE.moe_intermediate_size // 2
+    down = state["model.layers.2.mlp.experts.7.down_proj.weight"]
+    assert w2.shape[0] == MOE.num_experts
+    assert torch.equal(w2[7], down[:, half:])
+
+
+def test_mla_kv_b_is_stored_with_all_key_parts_before_all_value_parts() -> None:
+    state = full_state(MOE)
+    engine = _truth(MOE, EngineParallel(2, 1), state)
+    kv_b = engine.model.layers[0].self_attn.kv_b_proj.weight
+    nope, v, lora, heads = MOE.qk_nope_head_dim, MOE.v_head_dim, MOE.kv_lora_rank, 4
+    full = state["model.layers.0.self_attn.kv_b_proj.weight"].view(-1, nope + v, lora)
+    mine = full[heads : 2 * heads]
+    assert torch.equal(kv_b[: heads * nope].view(heads, nope, lora), mine[:, :nope])
+    assert torch.equal(kv_b[heads * nope :].view(heads, v, lora), mine[:, nope:])
+
+
+def test_unknown_checkpoint_name_is_refused_with_its_name() -> None:
+    from refitd.errors import PlanError
+
+    with pytest.raises(PlanError, match=re.escape("model.layers.0.bogus.weight")):
+        ToyEngine(DENSE).load_weights([("model.layers.0.bogus.weight", torch.zeros(1))])
+
+
+# ---------------------------------------------------------------- refit through the planner
+
+
+def _layouts(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """name -> (kind, size, ep): FSDP over 3 ranks (uneven blocks), Megatron TP 2 (+EP 4)."""
+    return {
+        "fsdp3": ("fsdp", 3, 1),
+        "megatron_tp2": ("megatron", 2, 4 if cfg.num_experts else 1),
+    }
+
+
+def _publish(cfg: ModelConfig, layout: str, state: dict[str, torch.Tensor]) -> Published:
+    kind, size, ep = _layouts(cfg)[layout]
+    if kind == "fsdp":
+        return fsdp_dim0(cfg, size, state)
+    return megatron_tp_ep(cfg, size, ep, state)
+
+
+_STATE: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def _state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    key = cfg.attention
+    if key not in _STATE:
+        _STATE[key] = full_state(cfg)
+    return _STATE[key]
+
+
+def _cases() -> list[tuple[str, str, int, int]]:
+    out = []
+    for model, cfg in (("dense", DENSE), ("moe", MOE)):
+        for layout in _layouts(cfg):
+            for tp in (1, 2, 4, 8):
+                for ep in sorted({1, tp}) if cfg.num_experts else [1]:
+                    out.append((model, layout, tp, ep))
+    return out
+
+
+@pytest.mark.parametrize(("model", "layout", "tp", "ep"), _cases())
+def test_every_engine_rank_equals_its_loader_on_the_full_checkpoint(
+    model: str, layout: str, tp: int, ep: int
+) -> None:
+    cfg = DENSE if model == "dense" else MOE
+    state = _state(cfg)
+    published = _publish(cfg, layout, state)
+    for rank in range(tp):
+        par = EngineParallel(tp, rank, ep)
+        with torch.device("meta"):
+            twin = ToyEngine(cfg, par)
+        capture = capture_published(twin, published)
+        assert capture.unsupported == [], capture.unsupported_reasons
+        assert capture.unattributed == 0
+
+        plan = plan_transfer(capture, published.sources)
+        assert plan.fallback == []
+        assert plan.bytes_planned() >= plan.exact_bytes
+        assert plan.bytes_planned() <= 1.02 * plan.exact_bytes
+
+        engine = ToyEngine(cfg, par)
+        params = dict(engine.named_parameters())
+        execute_transfer(
+            plan,
+            resolve_param_ptr=lambda name, params=params: params[name].data_ptr(),
+            transport=InMemoryReferenceTransport(),
+        )
+        truth = dict(_truth(cfg, par, state).named_parameters())
+        for name, param in params.items():
+            assert torch.equal(param, truth[name]), f"{layout} tp{tp} ep{ep} rank {rank}: {name}"
+
+
+def test_the_checkpoint_manifest_names_every_tensor_the_engine_loads() -> None:
+    names = [name for name, _dtype, _shape in hf_manifest(MOE)]
+    seen = ToyEngine(MOE, EngineParallel(2, 0, 2)).load_weights(
+        (name, tensor) for name, tensor in _state(MOE).items()
+    )
+    assert len(names) == len(set(names)) == len(_state(MOE))
+    assert seen == {name for name, _ in ToyEngine(MOE, EngineParallel(2, 0, 2)).named_parameters()}

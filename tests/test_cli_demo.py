@@ -1,0 +1,32 @@
+"""``refitd demo`` runs a whole in-process refit and reports it verified."""
+
+from __future__ import annotations
+
+import pytest
+
+from refitd.cli import main
+
+
+def _last_line_pairs(text: str) -> dict[str, str]:
+    last = text.strip().splitlines()[-1]
+    return dict(pair.split("=", 1) for pair in last.split())
+
+
+def test_demo_refits_every_engine_rank_bit_exact_and_exits_zero(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["demo", "--size", "small"])
+    out = capsys.readouterr().out
+    pairs = _last_line_pairs(out)
+    assert code == 0, out
+    assert pairs["verified"] == "1"
+    assert pairs["ranks"] == "4"
+    assert int(pairs["wire_bytes"]) >= int(pairs["exact_bytes"]) > 0
+    assert "bit-exact" in out
+
+
+def test_demo_accepts_another_engine_layout(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["demo", "--size", "small", "--engine-tp", "2", "--engine-ep", "1"])
+    pairs = _last_line_pairs(capsys.readouterr().out)
+    assert code == 0
+    assert pairs["ranks"] == "2" and pairs["verified"] == "1"
