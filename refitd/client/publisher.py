@@ -1,0 +1,168 @@
+"""The trainer side: place tensors in daemon regions and publish versions.
+
+A :class:`Publisher` is one publisher *slot* of a model (typically one trainer
+rank). It asks its daemon for shared-memory regions, maps them, and records which
+block of which full tensor sits where. Tensors can be placed zero-copy (the trainer
+writes into :meth:`Publisher.tensor` views directly) or copied in
+(:meth:`Publisher.put`). :meth:`Publisher.publish` sends the manifest for a version;
+before rewriting tensors for a new version on the same memory, call
+:meth:`Publisher.wait_drain` so no reader is mid-pull.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Self
+
+import torch
+
+from refitd.client.http import RefitClient
+from refitd.daemon.schemas import ManifestIn, RegionInfo, ShardEntry, TensorEntry, VersionInfo
+from refitd.errors import PlanError
+from transports.shm import SharedSegment
+
+__all__ = ["Publisher", "dtype_name", "torch_dtype"]
+
+ALIGN = 64
+"""Byte alignment of every placed block (cache line; also satisfies every dtype)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the manifest spelling."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise PlanError(f"manifest dtype {name!r} is not a torch dtype")
+    return dt
+
+
+@dataclass
+class _Region:
+    info: RegionInfo
+    seg: SharedSegment
+    used: int = 0
+
+
+@dataclass
+class _Tensor:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    shards: list[ShardEntry] = field(default_factory=list)
+
+
+class Publisher:
+    """Publisher slot ``slot`` of ``expected_slots`` for ``model`` on one daemon."""
+
+    def __init__(
+        self, client: RefitClient, model: str, slot: int = 0, expected_slots: int = 1
+    ) -> None:
+        self.client = client
+        self.model = model
+        self.slot = slot
+        self.expected_slots = expected_slots
+        self._regions: list[_Region] = []
+        self._tensors: dict[str, _Tensor] = {}
+        self._views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def reserve(self, nbytes: int, label: str = "") -> RegionInfo:
+        """Ask the daemon for a region of ``nbytes`` bytes that later placements fill."""
+        info = await self.client.create_region(
+            nbytes,
+            label=label or f"{self.model}.slot{self.slot}",
+            owner=f"{self.model}/{self.slot}",
+        )
+        self._regions.append(_Region(info, SharedSegment.attach(info.handle, info.nbytes)))
+        return info
+
+    def tensor(
+        self,
+        name: str,
+        global_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        offset: tuple[int, ...] | None = None,
+        shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        """A zero-copy view, inside a reserved region, for block ``offset``/``shape``
+        (elements; the whole tensor by default) of tensor ``name``. Write into it."""
+        offset = offset or (0,) * len(global_shape)
+        shape = shape or global_shape
+        key = (name, offset)
+        view = self._views.get(key)
+        if view is not None:
+            return view
+        t = self._tensors.setdefault(name, _Tensor(global_shape, dtype))
+        if (t.shape, t.dtype) != (global_shape, dtype):
+            raise PlanError(
+                f"tensor {name!r} placed as {global_shape} {dtype}, earlier as {t.shape} {t.dtype}"
+            )
+        nbytes = math.prod(shape) * dtype.itemsize
+        region = self._fit(nbytes, name)
+        at = region.used
+        region.used = -(-(at + nbytes) // ALIGN) * ALIGN
+        t.shards.append(ShardEntry(offset, shape, region.info.region_id, at))
+        count = math.prod(shape)
+        view = (
+            region.seg.torch(dtype, at, count).view(shape)
+            if count
+            else torch.empty(shape, dtype=dtype)
+        )
+        self._views[key] = view
+        return view
+
+    def put(
+        self,
+        name: str,
+        value: torch.Tensor,
+        global_shape: tuple[int, ...] | None = None,
+        offset: tuple[int, ...] | None = None,
+    ) -> None:
+        """Copy ``value`` in as block ``offset`` of tensor ``name`` (whole tensor by default)."""
+        view = self.tensor(
+            name, global_shape or tuple(value.shape), value.dtype, offset, tuple(value.shape)
+        )
+        view.copy_(value)
+
+    def _fit(self, nbytes: int, name: str) -> _Region:
+        for r in self._regions:
+            if r.info.nbytes - r.used >= nbytes:
+                return r
+        raise PlanError(
+            f"tensor {name!r}: no reserved region has {nbytes} free bytes; call reserve() with "
+            "enough room first"
+        )
+
+    def manifest(self, version: int) -> ManifestIn:
+        tensors = [
+            TensorEntry(name, t.shape, dtype_name(t.dtype), list(t.shards))
+            for name, t in self._tensors.items()
+        ]
+        return ManifestIn(self.model, version, self.slot, self.expected_slots, tensors)
+
+    async def publish(self, version: int) -> VersionInfo:
+        """Publish this slot's manifest for ``version``. Refused (ConflictError) while
+        the version is leased."""
+        return await self.client.publish(self.manifest(version))
+
+    async def wait_drain(self, version: int, timeout_s: float = 60.0) -> VersionInfo:
+        """Wait until no reader holds a lease on ``version`` (released or expired)."""
+        return await self.client.wait_drain(self.model, version, timeout_s)
+
+    async def close(self) -> None:
+        """Unmap our views of the regions (the daemon keeps and later frees them)."""
+        self._views.clear()
+        for r in self._regions:
+            r.seg.close()
+        self._regions.clear()

@@ -1,0 +1,459 @@
+"""The engine side: refit a live model from a published version through two daemons.
+
+:class:`DaemonReceiver` wires :mod:`refitd.reshard` to the daemons:
+
+1. lease the version at the source daemon and fetch its merged manifest;
+2. if the manifest's structure and region placement match the last refit, replay
+   the compiled pull (no capture, no planning); otherwise capture the engine's own
+   loaders on a meta twin, plan, and compile the plan to region-relative rows;
+3. refuse the whole refit — before any transfer — if any source is unsupported or
+   any copy could not be attributed;
+4. submit one pull to the local daemon (descriptors + pack specs, the lease) and
+   wait, reporting progress;
+5. install: in ``"staging"`` mode the pull lands in a scratch mirror of the
+   parameters and is copied into them only after the pull succeeded (a failed pull
+   installs nothing); in ``"direct"`` mode it lands in the parameters (zero-copy)
+   and a failure names the suspect parameters. Full pulls are replayed locally
+   from scratch into the parameters either way;
+6. release the lease.
+
+The engine's parameters are moved once into a shared-memory segment registered
+with the local daemon, so pulls can land in them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+import numpy as np
+import torch
+
+from refitd.client.http import RefitClient
+from refitd.client.publisher import ALIGN, torch_dtype
+from refitd.daemon.schemas import (
+    DescriptorTable,
+    MergedManifest,
+    PackSpec,
+    PullProgress,
+    PullRequest,
+    RegionInfo,
+)
+from refitd.errors import ConflictError, TransportError
+from transports.shm import SharedSegment
+
+__all__ = ["Capture", "DaemonReceiver", "RefitStats"]
+
+SPAN = 1 << 40
+"""Synthetic address space per source region: the planner sees region r's byte b as
+``r * SPAN + b``, so every planned address splits back into (region, offset)."""
+
+Capture = Callable[[torch.nn.Module, list[tuple[str, torch.dtype, tuple[int, ...]]]], object]
+"""``capture(meta_twin, manifest) -> CaptureResult``: runs the engine's loaders."""
+
+
+@dataclass(frozen=True)
+class RefitStats:
+    """One refit: ``replayed`` when the compiled plan was reused (no planning)."""
+
+    version: int
+    replayed: bool
+    bytes: int
+    descriptors: int
+    pack_specs: int
+    full_pulls: int
+    manifest_s: float
+    plan_s: float
+    pull_s: float
+    install_s: float
+    total_s: float
+    pull: PullProgress
+
+
+@dataclass
+class _Compiled:
+    signature: bytes
+    rows: np.ndarray  # (n, 5): src_region, src_off, dst_region, dst_off, nbytes
+    packs: list[PackSpec]
+    scatter: list[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str, int]]
+    full_pulls: list[tuple[int, object]]  # (scratch offset, reshard FullPull)
+    install: list[tuple[int, int]] = field(default_factory=list)  # coalesced (offset, nbytes)
+    bytes: int = 0
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+class DaemonReceiver:
+    """Refits ``engine`` (a real model) from ``model`` published at ``source_url``.
+
+    ``twin`` builds the engine's meta twin (same class, same parallel layout, on
+    ``torch.device("meta")``); ``capture`` runs its loaders against a manifest.
+    ``local`` is the client of this host's daemon; ``source`` the client of the
+    daemon holding the published version (the same one on a single host is fine).
+    """
+
+    def __init__(
+        self,
+        *,
+        local: RefitClient,
+        source: RefitClient,
+        model: str,
+        engine: torch.nn.Module,
+        twin: Callable[[], torch.nn.Module],
+        capture: Capture,
+        mode: Literal["staging", "direct"] = "staging",
+        lease_ttl_s: float = 60.0,
+        strict: bool = False,
+        max_segments_per_copy: int = 64,
+    ) -> None:
+        self.local = local
+        self.source = source
+        self.model = model
+        self.engine = engine
+        self.twin = twin
+        self.capture = capture
+        self.mode = mode
+        self.lease_ttl_s = lease_ttl_s
+        self.strict = strict
+        self.max_segments_per_copy = max_segments_per_copy
+        self._compiled: _Compiled | None = None
+        self._params: dict[str, torch.nn.Parameter] = dict(engine.named_parameters())
+        self._param_off: dict[str, int] = {}
+        self._engine_seg: SharedSegment | None = None
+        self._engine_region: RegionInfo | None = None
+        self._scratch_seg: SharedSegment | None = None
+        self._scratch_region: RegionInfo | None = None
+        self.plans = 0
+
+    # ------------------------------------------------------------ memory
+
+    async def _place_engine(self) -> None:
+        """Move every parameter into one shared segment the local daemon writes."""
+        if self._engine_seg is not None:
+            return
+        at = 0
+        for name, p in self._params.items():
+            self._param_off[name] = at
+            at = _align(at + p.numel() * p.element_size())
+        seg = SharedSegment.create(max(at, 1), "engine")
+        for name, p in self._params.items():
+            n = p.numel()
+            view = seg.torch(p.dtype, self._param_off[name], n).view(p.shape) if n else p.data
+            view.copy_(p.data)
+            p.data = view
+        self._engine_seg = seg
+        self._engine_region = await self.local.attach_region(seg.name, seg.size, label="engine")
+
+    async def _scratch(self, nbytes: int) -> RegionInfo:
+        if self._scratch_region is not None and self._scratch_region.nbytes >= nbytes:
+            return self._scratch_region
+        if self._scratch_region is not None and self._scratch_seg is not None:
+            await self.local.delete_region(self._scratch_region.region_id)
+            self._scratch_seg.close()
+        self._scratch_seg = SharedSegment.create(max(nbytes, 1), "scratch")
+        self._scratch_region = await self.local.attach_region(
+            self._scratch_seg.name, self._scratch_seg.size, label="scratch"
+        )
+        return self._scratch_region
+
+    async def close(self) -> None:
+        for region, seg in (
+            (self._scratch_region, self._scratch_seg),
+            (self._engine_region, self._engine_seg),
+        ):
+            if region is not None:
+                # A daemon already gone took its record with it.
+                with contextlib.suppress(TransportError):
+                    await self.local.delete_region(region.region_id)
+            if seg is not None:
+                # Parameters keep views of the engine segment: unlink the name, leave
+                # the mapping to them.
+                seg.unlink()
+        self._scratch_region = self._engine_region = None
+
+    # ------------------------------------------------------------ planning
+
+    @staticmethod
+    def signature(m: MergedManifest, engine_layout: bytes) -> bytes:
+        """What a compiled plan is bound to: the source daemon incarnation, every
+        tensor's shape/dtype/shards (regions and byte offsets), and the engine layout."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(f"{m.node_id}/{m.epoch}".encode())
+        h.update(msgspec.msgpack.encode(m.tensors))
+        h.update(engine_layout)
+        return h.digest()
+
+    def _engine_layout(self) -> bytes:
+        return repr([(n, tuple(p.shape), str(p.dtype)) for n, p in self._params.items()]).encode()
+
+    def _plan(self, m: MergedManifest, signature: bytes) -> _Compiled:
+        from refitd.reshard.slice_plan import Shard
+        from refitd.reshard.transfer_plan import SourceInfo, plan_transfer
+        from refitd.reshard.types import UnsupportedReshard
+
+        manifest: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        sources: dict[str, SourceInfo] = {}
+        for t in m.tensors:
+            dt = torch_dtype(t.dtype)
+            manifest.append((t.name, dt, tuple(t.shape)))
+            shards = [
+                Shard(
+                    tuple(s.offset),
+                    tuple(s.shape),
+                    f"r{s.region}",
+                    s.region * SPAN + s.byte_offset,
+                    dt.itemsize,
+                )
+                for s in t.shards
+            ]
+            sources[t.name] = SourceInfo(tuple(t.shape), dt, dt.itemsize, shards)
+        with torch.device("meta"):
+            twin = self.twin()
+        capture = self.capture(twin, manifest)
+        unsupported = list(getattr(capture, "unsupported", []))
+        unattributed = int(getattr(capture, "unattributed", 0))
+        if unsupported or unattributed:
+            reasons = getattr(capture, "unsupported_reasons", {})
+            first = (
+                f": {unsupported[0]!r} ({reasons.get(unsupported[0], '?')})" if unsupported else ""
+            )
+            raise UnsupportedReshard(
+                f"refit of {m.model!r} v{m.version} refused before any transfer: "
+                f"{len(unsupported)} unsupported source(s){first}, {unattributed} unattributed copies"
+            )
+        plan = plan_transfer(capture, sources, max_segments_per_copy=self.max_segments_per_copy)  # type: ignore[arg-type]
+        if plan.fallback:
+            name = plan.fallback[0]
+            raise UnsupportedReshard(
+                f"refit of {m.model!r} v{m.version} refused before any transfer: source {name!r} "
+                f"cannot be planned ({plan.fallback_reasons.get(name, 'unsupported')}); "
+                f"{len(plan.fallback)} such source(s)"
+            )
+        self.plans += 1
+        return self._compile(plan, signature)
+
+    def _compile(self, plan: object, signature: bytes) -> _Compiled:
+        """Bind the plan to regions: every read becomes one int64 row."""
+        from refitd.reshard.transfer_plan import TransferPlan
+
+        assert isinstance(plan, TransferPlan) and self._engine_region is not None
+        engine = self._engine_region.region_id
+        staging = self.mode == "staging"
+        # Scratch layout: [mirror of the engine segment, staging mode only][packed
+        # blocks that scatter][full-pull buffers].
+        cursor = self._engine_region.nbytes if staging else 0
+        rows: list[tuple[int, int, int, int, int]] = []
+        SCRATCH = -1  # patched to the scratch region id once its size is known
+        dst_main = SCRATCH if staging else engine
+        for s in plan.segments:
+            rows.append(
+                (
+                    s.src_addr // SPAN,
+                    s.src_addr % SPAN,
+                    dst_main,
+                    self._param_off[s.param_name] + s.dst_byte,
+                    s.nbytes,
+                )
+            )
+        packs: list[tuple[int, int, tuple[int, ...], tuple[int, ...], int, int, int]] = []
+        scatter: list[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str, int]] = []
+        for p in plan.packs:
+            strides = tuple(st // p.elsize for st in p.src_strides)
+            if p.dst_strides is None:
+                dst_region, dst_off = dst_main, self._param_off[p.param_name] + p.dst_byte
+            else:
+                dst_region, dst_off = SCRATCH, cursor
+                dt = self._params[p.param_name].dtype
+                scatter.append(
+                    (
+                        cursor,
+                        dt,
+                        p.shape,
+                        tuple(st // p.elsize for st in p.dst_strides),
+                        p.param_name,
+                        p.dst_byte,
+                    )
+                )
+                cursor = _align(cursor + p.nbytes)
+            packs.append(
+                (
+                    p.src_addr // SPAN,
+                    p.src_addr % SPAN,
+                    p.shape,
+                    strides,
+                    p.elsize,
+                    dst_region,
+                    dst_off,
+                )
+            )
+        full: list[tuple[int, object]] = []
+        for fp in plan.full_pulls:
+            base = cursor
+            for s in fp.segments:
+                rows.append(
+                    (s.src_addr // SPAN, s.src_addr % SPAN, SCRATCH, base + s.dst_byte, s.nbytes)
+                )
+            full.append((base, fp))
+            cursor = _align(cursor + fp.staging_nbytes)
+        arr = np.array(rows, dtype=np.int64).reshape(-1, 5)
+        install: list[tuple[int, int]] = []
+        if staging:
+            mirror = np.array(
+                [
+                    (r[3], r[4])
+                    for r in rows
+                    if r[2] == SCRATCH and r[3] < self._engine_region.nbytes
+                ]
+                + [
+                    (pk[6], math.prod(pk[2]) * pk[4])
+                    for pk in packs
+                    if pk[5] == SCRATCH and pk[6] < self._engine_region.nbytes
+                ],
+                dtype=np.int64,
+            ).reshape(-1, 2)
+            install = _coalesce(mirror)
+        comp = _Compiled(signature, arr, [], scatter, full, install)
+        comp.bytes = plan.bytes_planned()
+        comp._pack_rows = packs  # type: ignore[attr-defined]
+        comp._scratch_bytes = cursor  # type: ignore[attr-defined]
+        return comp
+
+    async def _bind_scratch(self, comp: _Compiled) -> None:
+        scratch = await self._scratch(comp._scratch_bytes)  # type: ignore[attr-defined]
+        sid = scratch.region_id
+        rows = comp.rows.copy()
+        rows[rows[:, 2] == -1, 2] = sid
+        comp.rows = rows
+        comp.packs = [
+            PackSpec(sr, so, shape, strides, elsize, sid if dr == -1 else dr, do)
+            for sr, so, shape, strides, elsize, dr, do in comp._pack_rows  # type: ignore[attr-defined]
+        ]
+
+    # ------------------------------------------------------------ refit
+
+    async def refit(
+        self,
+        version: int | None = None,
+        *,
+        on_progress: Callable[[PullProgress], None] | None = None,
+    ) -> RefitStats:
+        """Refit the engine to ``version`` (the newest READY one by default)."""
+        t0 = time.perf_counter()
+        await self._place_engine()
+        if version is None:
+            version = (await self.source.version(self.model, "latest")).version
+        lease = await self.source.acquire_lease(
+            self.model, version, self.lease_ttl_s, holder="receiver"
+        )
+        try:
+            m = await self.source.manifest(self.model, version)
+            t1 = time.perf_counter()
+            sig = self.signature(m, self._engine_layout())
+            replayed = self._compiled is not None and self._compiled.signature == sig
+            if not replayed:
+                if self.strict and self._compiled is not None:
+                    raise ConflictError(
+                        f"{self.model!r} v{version}: the published layout or placement changed and "
+                        "strict mode forbids re-planning; warm the exact signature first"
+                    )
+                fresh = self._plan(m, sig)
+                await self._bind_scratch(fresh)
+                self._compiled = fresh
+            comp = self._compiled
+            assert comp is not None
+            t2 = time.perf_counter()
+            req = PullRequest(
+                self.model,
+                version,
+                lease.lease_id,
+                DescriptorTable.pack(comp.rows),
+                comp.packs,
+                self.source.base_url if self.source.base_url != self.local.base_url else "",
+            )
+            result = await self.local.pull(req, on_progress=on_progress)
+            t3 = time.perf_counter()
+            self._install(comp)
+            t4 = time.perf_counter()
+        finally:
+            # A source daemon already gone took the lease with it.
+            with contextlib.suppress(TransportError):
+                await self.source.release_lease(lease.lease_id)
+        return RefitStats(
+            version,
+            replayed,
+            comp.bytes,
+            comp.rows.shape[0] + len(comp.packs),
+            len(comp.packs),
+            len(comp.full_pulls),
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+            t4 - t3,
+            t4 - t0,
+            result,
+        )
+
+    def _install(self, comp: _Compiled) -> None:
+        """Land what the pull wrote in scratch into the parameters."""
+        from refitd.reshard.replay import replay_ops
+        from refitd.reshard.transfer_plan import write_through_pointer
+
+        assert self._engine_seg is not None
+        engine = self._engine_seg.numpy()
+        scratch = self._scratch_seg.numpy() if self._scratch_seg is not None else engine[:0]
+        for off, n in comp.install:
+            engine[off : off + n] = scratch[off : off + n]
+        for at, dt, shape, dst_strides, name, dst_byte in comp.scatter:
+            n = math.prod(shape)
+            packed = torch.frombuffer(scratch[at : at + n * dt.itemsize].data, dtype=dt).view(shape)
+            p = self._params[name]
+            dst = p.data.as_strided(
+                shape, dst_strides, p.data.storage_offset() + dst_byte // dt.itemsize
+            )
+            dst.copy_(packed)
+        for at, fp in comp.full_pulls:
+            size = fp.staging_nbytes  # type: ignore[attr-defined]
+            full = torch.frombuffer(scratch[at : at + size].data, dtype=torch.uint8)
+            full = full.view(fp.dtype).reshape(fp.global_shape)  # type: ignore[attr-defined]
+            for copy in fp.copies:  # type: ignore[attr-defined]
+                write_through_pointer(
+                    self._params[copy.param_name].data_ptr(),
+                    copy,
+                    replay_ops(full, copy.op_chain),
+                    fp.elsize,  # type: ignore[attr-defined]
+                )
+
+
+def _coalesce(ranges: np.ndarray) -> list[tuple[int, int]]:
+    if ranges.shape[0] == 0:
+        return []
+    ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
+    out: list[list[int]] = []
+    for o, n in ranges.tolist():
+        if n <= 0:
+            continue
+        if out and o <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][0] + out[-1][1], o + n) - out[-1][0]
+        else:
+            out.append([o, n])
+    return [(o, n) for o, n in out]
+
+
+def param_ranges(
+    params: Sequence[tuple[str, int, int]], suspect: Sequence[tuple[int, int, int]]
+) -> list[str]:
+    """Names of parameters (``(name, offset, nbytes)`` in the engine segment) that
+    overlap any suspect ``(region, offset, nbytes)`` range."""
+    hits = []
+    for name, off, n in params:
+        if any(o < off + n and off < o + m for _, o, m in suspect):
+            hits.append(name)
+    return hits
