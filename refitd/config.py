@@ -40,7 +40,6 @@ __all__ = [
     "ENV_PREFIX",
     "Config",
     "DataPlaneConfig",
-    "LeasesConfig",
     "LoggingConfig",
     "MetricsConfig",
     "PullsConfig",
@@ -58,11 +57,8 @@ ENV_CONFIG_PATH = "REFITD_CONFIG"
 _MiB = 1 << 20
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535, description="a TCP port, 0..65535")]
-Bytes = Annotated[int, msgspec.Meta(ge=0, description="a byte count (integer >= 0)")]
 PositiveBytes = Annotated[int, msgspec.Meta(ge=1, description="a byte count (integer >= 1)")]
-Seconds = Annotated[float, msgspec.Meta(gt=0, description="seconds (number > 0)")]
 GraceSeconds = Annotated[float, msgspec.Meta(ge=0, description="seconds (number >= 0)")]
-Count = Annotated[int, msgspec.Meta(ge=1, description="a count (integer >= 1)")]
 Scheme = Annotated[
     str,
     msgspec.Meta(
@@ -101,31 +97,16 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How bytes move between regions."""
+    """How bytes move between daemons."""
 
     #: ``shm`` (built in: same-host reads of peers' segments) or a scheme registered
     #: in ``transports`` (e.g. ``ucx``); the daemon refuses an unknown scheme at start.
     transport: Scheme = "shm"
-    #: Directory for shared-memory region segments.
-    shm_dir: str = "/dev/shm"
-    #: Bytes of staging memory the daemon allocates for pulls that need a safe point.
-    staging_bytes: Bytes = 256 * _MiB
-
-
-class LeasesConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Leases receivers hold on the versions they read."""
-
-    #: TTL of a lease whose request names none.
-    default_ttl_s: Seconds = 30.0
-    #: Longest TTL a lease may ask for; longer requests are refused.
-    max_ttl_s: Seconds = 600.0
 
 
 class PullsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Pull execution and shutdown."""
 
-    #: Pulls executed at once; more wait their turn.
-    max_concurrent: Count = 4
     #: On shutdown, how long in-flight pulls may finish before they are cancelled.
     shutdown_grace_s: GraceSeconds = 10.0
 
@@ -150,18 +131,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
 
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     data_plane: DataPlaneConfig = msgspec.field(default_factory=DataPlaneConfig)
-    leases: LeasesConfig = msgspec.field(default_factory=LeasesConfig)
     pulls: PullsConfig = msgspec.field(default_factory=PullsConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
 
     def __post_init__(self) -> None:
         # Cross-field rules; each names the keys involved.
-        if self.leases.default_ttl_s > self.leases.max_ttl_s:
-            raise ConfigError(
-                f"leases.default_ttl_s ({self.leases.default_ttl_s}) exceeds "
-                f"leases.max_ttl_s ({self.leases.max_ttl_s}); expected default <= max"
-            )
         if not is_loopback_host(self.server.host) and self.server.token_file is None:
             raise ConfigError(
                 f"server.host is {self.server.host!r}, which is not loopback, and "

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from refitd.daemon.metrics import observe_pull
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.pulls import PullManager, RemoteSource, Source
 from refitd.daemon.registry import check_manifest_bounds
@@ -278,6 +279,7 @@ async def release(request: web.Request) -> web.Response:
 async def submit_pull(request: web.Request) -> web.Response:
     req = await body(request, PullRequest)
     job = await request.app[PULLS].submit(req)
+    observe_pull(request.app, job, request.app[DAEMON].options.transport)  # metrics, if any
     return reply(request, job.snapshot(), 202)
 
 

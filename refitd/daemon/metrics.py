@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 import msgspec
 from aiohttp import web
@@ -40,6 +41,7 @@ __all__ = [
     "Metrics",
     "PoolStats",
     "StateSnapshot",
+    "observe_pull",
     "setup_metrics",
 ]
 
@@ -238,6 +240,30 @@ class Metrics:
 
 
 METRICS_KEY = web.AppKey("refitd_metrics", Metrics)
+
+
+def observe_pull(app: web.Application, job: Any, transport: str) -> None:
+    """Record ``job`` (a :class:`refitd.daemon.pulls.PullJob`) when its task ends.
+
+    A no-op when ``app`` has no metrics. The record is taken in the task's done
+    callback, after the job's own bookkeeping (state, ``bytes_done``, ``ended``).
+    """
+    metrics = app.get(METRICS_KEY)
+    task = getattr(job, "task", None)
+    if metrics is None or task is None:
+        return
+
+    def done(_: object) -> None:
+        ended = job.ended if job.ended is not None else job.started
+        metrics.pull_finished(
+            transport=transport,
+            outcome=str(job.state),
+            nbytes=int(job.bytes_done),
+            seconds=max(0.0, ended - job.started),
+        )
+
+    task.add_done_callback(done)
+
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

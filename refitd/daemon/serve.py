@@ -33,21 +33,57 @@ SECRET_ENV = "REFITD_SECRET_FILE"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="TCP address (default loopback)")
-    parser.add_argument("--port", type=int, default=7450, help="TCP port; 0 picks a free one")
-    parser.add_argument("--unix", default=None, help="also listen on this Unix socket path")
+    # Flags default to None so that, unless given, the configuration decides
+    # (defaults < --config FILE < REFITD_<SECTION>_<KEY> < --set < these flags).
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = (
+        "examples:\n"
+        "  refitd serve                                   # loopback, port 7450, shm\n"
+        "  refitd serve --config /etc/refitd/refitd.toml  # as the systemd unit runs it\n"
+        "  refitd serve --port 0 --set logging.json=true  # any free port, JSON logs\n"
+        "  REFITD_SERVER_PORT=7451 refitd serve"
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="TOML configuration (default $REFITD_CONFIG, else built-in defaults)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one configuration key (repeatable)",
+    )
+    parser.add_argument("--host", default=None, help="TCP address (server.host; default loopback)")
+    parser.add_argument(
+        "--port", type=int, default=None, help="TCP port (server.port); 0 picks a free one"
+    )
+    parser.add_argument(
+        "--unix", default=None, help="also listen on this Unix socket path (server.unix_socket)"
+    )
     parser.add_argument(
         "--transport",
-        default="shm",
-        help="data plane: 'shm' (same host, default) or a transports scheme such as 'ucx'",
+        default=None,
+        help="data plane (data_plane.transport): 'shm' (same host, default) or a "
+        "transports scheme such as 'ucx'",
     )
     parser.add_argument(
         "--secret-file",
         default=os.environ.get(SECRET_ENV),
-        help=f"file holding the deployment's peer-record secret (or ${SECRET_ENV})",
+        help=f"file holding the deployment's peer-record secret (server.secret_file, "
+        f"or ${SECRET_ENV})",
     )
-    parser.add_argument("--node-id", default="", help="name of this daemon (default host-pid)")
-    parser.add_argument("--grace", type=float, default=10.0, help="seconds to drain pulls")
+    parser.add_argument(
+        "--node-id", default=None, help="name of this daemon (server.node_id; default host-pid)"
+    )
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        help="seconds to drain pulls on shutdown (pulls.shutdown_grace_s)",
+    )
 
 
 def read_secret(path: str | None) -> bytes | None:
@@ -134,21 +170,38 @@ def _print_ready(record: dict[str, Any]) -> None:
 def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
     import uvloop
 
-    from refitd.daemon.node import DaemonOptions
+    from refitd.config import load_config, parse_overrides
+    from refitd.daemon.auth import check_startup
+    from refitd.daemon.service import Service, configure_logging, options_from_config
+    from refitd.errors import ConfigError
 
-    secret = read_secret(args.secret_file)
-    kw: dict[str, Any] = {}
-    if secret is not None:
-        kw["secret"] = secret
-    options = DaemonOptions(
-        host=args.host,
-        port=args.port,
-        unix_path=args.unix,
-        transport=args.transport,
-        node_id=args.node_id,
-        grace_s=args.grace,
-        **kw,
-    )
+    flags = {
+        "host": "server.host",
+        "port": "server.port",
+        "unix": "server.unix_socket",
+        "transport": "data_plane.transport",
+        "secret_file": "server.secret_file",
+        "node_id": "server.node_id",
+        "grace": "pulls.shutdown_grace_s",
+    }
+    try:
+        overrides: dict[str, Any] = dict(parse_overrides(args.set))
+        overrides.update(
+            {key: getattr(args, f) for f, key in flags.items() if getattr(args, f) is not None}
+        )
+        config = load_config(args.config, os.environ, overrides)
+        policy = check_startup(config.server)  # refuses an unsafe bind before binding
+        secret = read_secret(config.server.secret_file)
+    except ConfigError as exc:
+        sys.stderr.write(f"refitd serve: refusing to start: {exc}\n")
+        return 2
+    configure_logging(config.logging)
+    options = options_from_config(config, secret)
+    service = Service(config, policy)
+
+    def on_ready(record: dict[str, Any]) -> None:
+        _print_ready(record)
+        service.on_ready(record)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -156,7 +209,13 @@ def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         try:
-            await serve(options, stop=stop, on_ready=_print_ready)
+            await serve(
+                options,
+                stop=stop,
+                on_ready=on_ready,
+                on_stopping=service.on_stopping,
+                app_kwargs={"setup": [service.setup]},
+            )
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)

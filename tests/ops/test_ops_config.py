@@ -51,11 +51,11 @@ def test_no_file_and_no_environment_gives_loopback_defaults() -> None:
 
 
 def test_the_environment_beats_the_file_and_the_command_line_beats_both(tmp_path: Path) -> None:
-    path = write(tmp_path, "[server]\nport = 1001\n[pulls]\nmax_concurrent = 2\n")
-    env = {"REFITD_SERVER_PORT": "1002", "REFITD_PULLS_MAX_CONCURRENT": "3"}
+    path = write(tmp_path, "[server]\nport = 1001\n[pulls]\nshutdown_grace_s = 2\n")
+    env = {"REFITD_SERVER_PORT": "1002", "REFITD_PULLS_SHUTDOWN_GRACE_S": "3"}
     config = load_config(path, env=env, overrides={"server.port": "1003"})
     assert config.server.port == 1003
-    assert config.pulls.max_concurrent == 3
+    assert config.pulls.shutdown_grace_s == 3.0
     assert load_config(path, env={}).server.port == 1001
 
 
@@ -68,13 +68,13 @@ def test_text_overrides_are_converted_to_each_keys_type() -> None:
     env = {
         "REFITD_SERVER_ALLOWED_UIDS": "1000, 1001",
         "REFITD_LOGGING_JSON": "true",
-        "REFITD_LEASES_DEFAULT_TTL_S": "2.5",
+        "REFITD_PULLS_SHUTDOWN_GRACE_S": "2.5",
         "REFITD_SERVER_UNIX_SOCKET": "",
     }
     config = load_config(env=env)
     assert config.server.allowed_uids == (1000, 1001)
     assert config.logging.json is True
-    assert config.leases.default_ttl_s == 2.5
+    assert config.pulls.shutdown_grace_s == 2.5
     assert config.server.unix_socket is None
 
 
@@ -125,8 +125,8 @@ def test_other_refitd_variables_are_not_configuration() -> None:
 
 
 def test_a_command_line_override_of_an_unknown_key_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"leases\.ttl: unknown key \(from command line\)"):
-        load_config(env={}, overrides=parse_overrides(["leases.ttl=3"]))
+    with pytest.raises(ConfigError, match=r"pulls\.grace: unknown key \(from command line\)"):
+        load_config(env={}, overrides=parse_overrides(["pulls.grace=3"]))
 
 
 def test_a_malformed_set_item_is_refused_with_the_expected_form() -> None:
@@ -139,11 +139,6 @@ def test_a_non_loopback_host_without_a_token_file_is_refused() -> None:
         load_config(env={}, overrides={"server.host": "0.0.0.0"})
     config = load_config(env={}, overrides={"server.host": "0.0.0.0", "server.token_file": "t"})
     assert config.server.host == "0.0.0.0"
-
-
-def test_a_default_ttl_above_the_maximum_is_refused_naming_both_keys() -> None:
-    with pytest.raises(ConfigError, match=r"leases\.default_ttl_s .* leases\.max_ttl_s"):
-        load_config(env={}, overrides={"leases.default_ttl_s": 700.0})
 
 
 def test_a_missing_or_malformed_file_is_refused_naming_the_file(tmp_path: Path) -> None:
@@ -159,7 +154,7 @@ def test_every_key_has_an_environment_variable_name() -> None:
         for s in msgspec.structs.fields(Config)
         for f in msgspec.structs.fields(typing.get_type_hints(Config)[s.name])
     }
-    assert "REFITD_DATA_PLANE_SHM_DIR" in names
+    assert "REFITD_DATA_PLANE_TRANSPORT" in names
     assert len(names) == sum(
         len(msgspec.structs.fields(typing.get_type_hints(Config)[s.name]))
         for s in msgspec.structs.fields(Config)

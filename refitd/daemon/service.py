@@ -1,0 +1,274 @@
+"""The daemon as an operated service: configuration, access control, metrics, the API
+document, systemd notifications and logs, assembled around the app in one place.
+
+``refitd serve`` builds one :class:`Service` from the loaded :class:`~refitd.config.Config`
+and hands its hooks to :func:`refitd.daemon.serve.serve`:
+
+- ``setup(app)`` (a ``create_app`` setup hook) installs the metrics middleware and
+  ``/metrics``, the access middleware, ``/v1/openapi.json``, and a task that pings
+  the systemd watchdog from READY until the app is cleaned up;
+- ``on_ready(record)`` sends READY=1 — serve calls it only once the listener and the
+  data plane are both up;
+- ``on_stopping()`` sends STOPPING=1 before the drain starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+from collections.abc import AsyncIterator
+from typing import IO, Any
+
+from aiohttp import web
+
+from refitd.config import Config, LoggingConfig
+from refitd.daemon.auth import AccessPolicy, setup_auth
+from refitd.daemon.metrics import PoolStats, StateSnapshot, setup_metrics
+from refitd.daemon.openapi import OPENAPI_PATH, Operation, setup_openapi
+from refitd.daemon.sdnotify import Notifier
+
+__all__ = ["Service", "configure_logging", "daemon_operations", "options_from_config"]
+
+log = logging.getLogger("refitd")
+
+
+def options_from_config(config: Config, secret: bytes | None) -> Any:
+    """The daemon's :class:`~refitd.daemon.node.DaemonOptions` for ``config``."""
+    from refitd.daemon.node import DaemonOptions
+
+    extra: dict[str, Any] = {"secret": secret} if secret is not None else {}
+    return DaemonOptions(
+        host=config.server.host,
+        port=config.server.port,
+        unix_path=config.server.unix_socket,
+        transport=config.data_plane.transport,
+        node_id=config.server.node_id,
+        client_max_size=config.server.max_request_bytes,
+        grace_s=config.pulls.shutdown_grace_s,
+        **extra,
+    )
+
+
+class _JsonFormatter(logging.Formatter):
+    """One JSON object per record: ts (UNIX seconds), level, logger, msg, and exc."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def configure_logging(cfg: LoggingConfig, stream: IO[str] | None = None) -> None:
+    """Send refitd's (and aiohttp's) logs to ``stream`` (stderr), as text or JSON lines."""
+    handler = logging.StreamHandler(stream or sys.stderr)
+    if cfg.json:
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(cfg.level.upper())
+
+
+def daemon_operations() -> dict[tuple[str, str], Operation]:
+    """The body schemas of every route of :mod:`refitd.daemon.app`, for the API document.
+
+    The ops tests check this table against the router both ways, so a new route
+    without an entry here (or an entry for a route that went away) fails CI.
+    """
+    from refitd.daemon.app import PackRequest
+    from refitd.daemon.node import PeerRegions, StagedPack
+    from refitd.daemon.schemas import (
+        LeaseGrant,
+        LeaseRequest,
+        ManifestIn,
+        MergedManifest,
+        NodeInfo,
+        PullProgress,
+        PullRequest,
+        RegionAttach,
+        RegionCreate,
+        RegionInfo,
+        VersionInfo,
+    )
+
+    both = ("application/json", "application/msgpack")
+    v = "/v1/sources/{model}/versions/{version}"
+    timeout = {"timeout": float}
+    return {
+        ("GET", "/v1/health"): Operation("Liveness", response=dict[str, str], tags=("node",)),
+        ("GET", "/v1/ready"): Operation(
+            "Readiness: the data plane is up", response=dict[str, str], tags=("node",)
+        ),
+        ("GET", "/v1/node"): Operation("This daemon's identity", response=NodeInfo, tags=("node",)),
+        ("POST", "/v1/regions"): Operation(
+            "Create a daemon-owned region", RegionCreate, RegionInfo, 201, both, tags=("regions",)
+        ),
+        ("POST", "/v1/regions/attach"): Operation(
+            "Attach a client's region", RegionAttach, RegionInfo, 201, both, tags=("regions",)
+        ),
+        ("GET", "/v1/regions"): Operation(
+            "List regions", response=list[RegionInfo], tags=("regions",)
+        ),
+        ("GET", "/v1/regions/{region_id}"): Operation(
+            "One region", response=RegionInfo, tags=("regions",)
+        ),
+        ("DELETE", "/v1/regions/{region_id}"): Operation(
+            "Delete a region", response=RegionInfo, tags=("regions",)
+        ),
+        ("POST", "/v1/sources"): Operation(
+            "Publish one slot's manifest", ManifestIn, VersionInfo, 201, both, tags=("sources",)
+        ),
+        ("GET", "/v1/sources"): Operation(
+            "Every version", response=list[VersionInfo], tags=("sources",)
+        ),
+        ("GET", "/v1/sources/{model}/versions"): Operation(
+            "A model's versions", response=list[VersionInfo], tags=("sources",)
+        ),
+        ("GET", v): Operation(
+            "One version ('latest' = newest READY)", response=VersionInfo, tags=("sources",)
+        ),
+        ("GET", v + "/manifest"): Operation(
+            "A READY version's merged manifest", response=MergedManifest, tags=("sources",)
+        ),
+        ("POST", v + "/drain"): Operation(
+            "Wait until no lease holds the version",
+            response=VersionInfo,
+            tags=("sources",),
+            query=timeout,
+        ),
+        ("POST", "/v1/leases"): Operation(
+            "Lease a READY version", LeaseRequest, LeaseGrant, 201, both, tags=("leases",)
+        ),
+        ("GET", "/v1/leases/{lease_id}"): Operation(
+            "Check a lease",
+            response=LeaseGrant,
+            tags=("leases",),
+            query={"model": str, "version": int},
+        ),
+        ("POST", "/v1/leases/{lease_id}/renew"): Operation(
+            "Renew a lease", response=LeaseGrant, tags=("leases",), query={"ttl": float}
+        ),
+        ("DELETE", "/v1/leases/{lease_id}"): Operation("Release a lease", tags=("leases",)),
+        ("POST", "/v1/pulls"): Operation(
+            "Validate and start a pull", PullRequest, PullProgress, 202, both, tags=("pulls",)
+        ),
+        ("GET", "/v1/pulls"): Operation("Every pull", response=list[PullProgress], tags=("pulls",)),
+        ("GET", "/v1/pulls/{pull_id}"): Operation(
+            "One pull's progress", response=PullProgress, tags=("pulls",)
+        ),
+        ("GET", "/v1/pulls/{pull_id}/wait"): Operation(
+            "Wait for a pull to end (or timeout)",
+            response=PullProgress,
+            tags=("pulls",),
+            query=timeout,
+        ),
+        ("DELETE", "/v1/pulls/{pull_id}"): Operation(
+            "Cancel a pull", response=PullProgress, tags=("pulls",)
+        ),
+        ("GET", "/v1/peer/regions"): Operation(
+            "Signed region records for a peer daemon",
+            response=PeerRegions,
+            tags=("peer",),
+            query={"ids": str},
+        ),
+        ("POST", "/v1/peer/pack"): Operation(
+            "Pack strided blocks into staging", PackRequest, StagedPack, 201, both, tags=("peer",)
+        ),
+        ("DELETE", "/v1/peer/staging/{region_id}"): Operation(
+            "Drop a staging region", tags=("peer",)
+        ),
+        ("GET", "/metrics"): Operation(
+            "Prometheus metrics", response_media="text/plain", tags=("meta",)
+        ),
+        ("GET", OPENAPI_PATH): Operation("This OpenAPI 3.1 document", tags=("meta",)),
+    }
+
+
+def _snapshot(app: web.Application) -> StateSnapshot:
+    from refitd.daemon.app import DAEMON, PULLS
+    from refitd.daemon.schemas import PullState
+
+    daemon = app[DAEMON]
+    regions: dict[str, int] = {}
+    registered: dict[str, int] = {}
+    for region in daemon.regions:
+        kind = str(region.kind)
+        regions[kind] = regions.get(kind, 0) + 1
+        # Regions are registered with the data plane whole, once.
+        registered[kind] = registered.get(kind, 0) + region.nbytes
+    versions: dict[str, int] = {}
+    leases = 0
+    for info in daemon.registry.versions():
+        versions[str(info.state)] = versions.get(str(info.state), 0) + 1
+        leases += info.leases
+    running = (PullState.PENDING, PullState.RUNNING)
+    in_flight = sum(1 for job in app[PULLS].jobs.values() if job.state in running)
+    pools: list[PoolStats] = []
+    return StateSnapshot(
+        regions=regions,
+        registered_bytes=registered,
+        versions=versions,
+        leases=leases,
+        pulls_in_flight=in_flight,
+        pools=pools,
+    )
+
+
+class Service:
+    """The operator-facing hooks of one daemon process."""
+
+    def __init__(
+        self, config: Config, policy: AccessPolicy, notifier: Notifier | None = None
+    ) -> None:
+        self.config = config
+        self.policy = policy
+        self.notifier = notifier or Notifier()
+        self._ready = asyncio.Event()
+
+    def setup(self, app: web.Application) -> None:
+        """``create_app`` setup hook: metrics, access control, the API document."""
+        if self.config.metrics.enabled:
+            metrics = setup_metrics(app)
+            metrics.bind_state(lambda: _snapshot(app))
+        setup_auth(app, self.policy)
+        setup_openapi(app, daemon_operations())
+        app.cleanup_ctx.append(self._watchdog)
+
+    async def _watchdog(self, app: web.Application) -> AsyncIterator[None]:
+        async def ping_after_ready() -> None:
+            await self._ready.wait()
+            await self.notifier.watchdog_loop()
+
+        task = asyncio.create_task(ping_after_ready(), name="refitd-watchdog")
+        try:
+            yield
+        finally:
+            task.cancel("daemon shutting down")
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            self.notifier.close()
+
+    def on_ready(self, record: dict[str, Any]) -> None:
+        """READY=1, once serve has the listener and the data plane both up."""
+        where = record.get("url", "")
+        if record.get("unix"):
+            where += f" and {record['unix']}"
+        self.notifier.ready(f"serving {where}")
+        self._ready.set()
+        log.info("ready: serving %s (node %s)", where, record.get("node_id", ""))
+
+    def on_stopping(self) -> None:
+        """STOPPING=1, before serve stops accepting and drains pulls."""
+        grace = self.config.pulls.shutdown_grace_s
+        self.notifier.stopping(f"draining pulls for up to {grace:g} s")
+        log.info("stopping: draining in-flight pulls for up to %g s", grace)

@@ -1,0 +1,190 @@
+"""``refitd serve`` as systemd runs it: a real child process, a real NOTIFY_SOCKET,
+a real SIGTERM; plus the operator pieces wired into the real daemon app."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+from ops_helpers import serving
+
+from refitd.config import load_config
+from refitd.daemon.app import create_app
+from refitd.daemon.auth import check_startup
+from refitd.daemon.node import DaemonOptions
+from refitd.daemon.openapi import OPENAPI_PATH, documented_paths, route_table
+from refitd.daemon.schemas import ManifestIn, ShardEntry, TensorEntry
+from refitd.daemon.sdnotify import Notifier
+from refitd.daemon.service import Service, daemon_operations
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def start_serve(*argv: str, env: dict[str, str]) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "refitd.cli",
+        "serve",
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, **env},
+        cwd=ROOT,
+    )
+
+
+async def test_serve_notifies_ready_then_watchdog_then_stopping(tmp_path: Path) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify.sock"))
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    env = {"NOTIFY_SOCKET": str(tmp_path / "notify.sock"), "WATCHDOG_USEC": "200000"}
+    proc = await start_serve("--port", "0", "--grace", "1", env=env)
+    assert proc.stdout is not None
+    messages: list[str] = []
+    try:
+        async with asyncio.timeout(60):
+            ready_line = json.loads(await proc.stdout.readline())
+            assert ready_line["event"] == "ready"
+            # READY first, then watchdog pings (every 0.1 s here).
+            while sum(m == "WATCHDOG=1" for m in messages) < 2:
+                messages.append((await loop.sock_recv(sock, 4096)).decode())
+            proc.send_signal(signal.SIGTERM)
+            while not any(m.startswith("STOPPING=1") for m in messages):
+                messages.append((await loop.sock_recv(sock, 4096)).decode())
+            assert await proc.wait() == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        sock.close()
+    assert messages[0].startswith("READY=1\nSTATUS=serving http://127.0.0.1:")
+    first_ping = messages.index("WATCHDOG=1")
+    stopping = next(i for i, m in enumerate(messages) if m.startswith("STOPPING=1"))
+    assert 0 < first_ping < stopping
+    assert "draining pulls" in messages[stopping]
+
+
+async def test_serve_refuses_a_non_loopback_bind_without_a_token_file() -> None:
+    proc = await start_serve("--host", "0.0.0.0", "--port", "0", env={})
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert out == b""
+    assert b"refusing to start" in err and b"server.token_file" in err
+
+
+async def test_serve_refuses_an_unknown_config_key_naming_it(tmp_path: Path) -> None:
+    config = tmp_path / "refitd.toml"
+    config.write_text("[server]\nport = 0\nhots = '127.0.0.1'\n")
+    proc = await start_serve("--config", str(config), env={})
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2
+    assert b"server.hots: unknown key" in err
+
+
+async def test_serve_logs_json_lines_when_asked(tmp_path: Path) -> None:
+    proc = await start_serve("--port", "0", "--set", "logging.json=true", env={})
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        async with asyncio.timeout(60):
+            await proc.stdout.readline()
+            line = await proc.stderr.readline()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.communicate(), 60)
+    record = json.loads(line)
+    assert record["level"] == "info" and record["msg"].startswith("ready: serving")
+
+
+def wired_app(**server: Any) -> Any:
+    config = load_config(env={}, overrides={f"server.{k}": v for k, v in server.items()})
+    service = Service(config, check_startup(config.server), Notifier({}))
+    return create_app(DaemonOptions(port=0), setup=[service.setup])
+
+
+async def test_every_daemon_route_is_documented_and_every_documented_route_exists() -> None:
+    app = wired_app()
+    async with serving(app) as base, aiohttp.ClientSession() as s:
+        async with s.get(base + OPENAPI_PATH) as resp:
+            assert resp.status == 200
+            doc = await resp.json()
+        listed = set(documented_paths(doc))
+        assert listed == set(route_table(app))
+        # The schema table names exactly the routes the daemon has.
+        assert set(daemon_operations()) == set(route_table(app))
+        for method, path in sorted(listed):
+            url = base + path.format(
+                region_id="999", model="m", version="1", lease_id="nope", pull_id="nope"
+            )
+            async with s.request(method, url, params={"timeout": "0.01"}) as resp:
+                # Reaching a handler: never the router's 405, and a 404 only as our JSON.
+                assert resp.status != 405, (method, path)
+                if resp.status == 404:
+                    assert "error" in await resp.json(), (method, path)
+
+
+async def test_the_wired_daemon_reports_its_state_in_metrics() -> None:
+    app = wired_app()
+    async with serving(app) as base, aiohttp.ClientSession() as s:
+        async with s.post(f"{base}/v1/regions", json={"nbytes": 4096}) as resp:
+            region = await resp.json()
+        shard = ShardEntry((0,), (1024,), region["region_id"], 0)
+        manifest = ManifestIn("m", 1, 0, 1, [TensorEntry("w", (1024,), "float32", [shard])])
+        async with s.post(f"{base}/v1/sources", data=msgspec.json.encode(manifest)) as resp:
+            assert resp.status == 201
+        async with s.post(f"{base}/v1/leases", json={"model": "m", "version": 1}) as resp:
+            assert resp.status == 201
+        async with s.get(f"{base}/v1/regions/12345") as resp:
+            assert resp.status == 404
+        async with s.get(f"{base}/metrics") as resp:
+            text = await resp.text()
+    assert 'refitd_regions{kind="shm"} 1.0' in text
+    assert 'refitd_registered_bytes{kind="shm"} 4096.0' in text
+    assert 'refitd_versions{state="ready"} 1.0' in text
+    assert "refitd_leases 1.0" in text
+    assert 'refitd_refusals_total{reason="NotFoundError"} 1.0' in text
+
+
+async def test_the_wired_daemon_refuses_an_oversized_body_with_413() -> None:
+    app = wired_app(max_request_bytes=1024)
+    async with (
+        serving(app) as base,
+        aiohttp.ClientSession() as s,
+        s.post(f"{base}/v1/regions", data=b"{" + b" " * 2048 + b"}") as resp,
+    ):
+        assert resp.status == 413
+        body = await resp.json()
+    assert body["error"] == "RequestTooLarge"
+    assert "server.max_request_bytes" in body["detail"]
+
+
+async def test_a_completed_pull_is_counted_with_its_bytes_and_latency() -> None:
+    import numpy as np
+
+    from refitd.client.http import RefitClient
+    from refitd.daemon.schemas import DescriptorTable, PullRequest
+
+    app = wired_app()
+    async with serving(app) as base, RefitClient(base) as c:
+        src = await c.create_region(4096, label="src")
+        dst = await c.create_region(4096, label="dst")
+        shard = ShardEntry((0,), (1024,), src.region_id, 0)
+        await c.publish(ManifestIn("m", 1, 0, 1, [TensorEntry("w", (1024,), "float32", [shard])]))
+        lease = await c.acquire_lease("m", 1)
+        rows = np.array([[src.region_id, 0, dst.region_id, 0, 3000]], dtype=np.int64)
+        done = await c.pull(PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows)))
+        assert done.bytes_done == 3000
+        async with aiohttp.ClientSession() as s, s.get(f"{base}/metrics") as resp:
+            text = await resp.text()
+    assert 'refitd_pulled_bytes_total{transport="shm"} 3000.0' in text
+    assert 'refitd_pulls_total{outcome="done"} 1.0' in text
+    assert 'refitd_pull_duration_seconds_count{outcome="done"} 1.0' in text
