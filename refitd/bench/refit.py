@@ -25,20 +25,27 @@ __all__ = ["add_arguments", "capture_for", "publish_layout", "run"]
 
 
 async def publish_layout(
-    client: RefitClient, model: str, published: Published, version: int
+    client: RefitClient,
+    model: str,
+    published: Published,
+    version: int,
+    publishers: list[Any] | None = None,
 ) -> list[Any]:
     """Publish every rank of ``published`` as one slot of ``version``; returns the
-    publishers (keep them alive while the version is served)."""
-    import torch
-
+    publishers. Pass the publishers of an earlier version (same layout) to rewrite
+    their memory in place, so the manifest's placement is unchanged and a receiver
+    replays its compiled plan; wait for that version's leases to drain first."""
     from refitd.client.publisher import Publisher
 
     sessions = sorted(published.buffers, key=lambda s: int(s[len(published.layout) :]))
-    pubs = []
+    pubs = list(publishers or [])
     for slot, session in enumerate(sessions):
         buf = published.buffers[session]
-        pub = Publisher(client, model, slot, len(sessions))
-        await pub.reserve(buf.numel() + 64 * (len(published.sources) + 1), label=session)
+        if slot >= len(pubs):
+            pub = Publisher(client, model, slot, len(sessions))
+            await pub.reserve(buf.numel() + 64 * (len(published.sources) + 1), label=session)
+            pubs.append(pub)
+        pub = pubs[slot]
         base = buf.data_ptr()
         for name, info in published.sources.items():
             for sh in info.shards:
@@ -49,8 +56,6 @@ async def publish_layout(
                 block = buf[at : at + n].view(info.dtype).view(sh.shape)
                 pub.put(name, block, tuple(info.global_shape), tuple(sh.shard_offset))
         await pub.publish(version)
-        pubs.append(pub)
-    del torch
     return pubs
 
 
