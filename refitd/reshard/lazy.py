@@ -69,6 +69,7 @@ _OP_NAMES = _method_names()
 _META = torch.device("meta")
 _COPY = torch.Tensor.copy_
 _SETITEM = torch.Tensor.__setitem__
+# Property getters arrive as fresh method-wrappers: compare with ==, not `is`.
 _T_GET = torch.Tensor.T.__get__  # type: ignore[attr-defined]
 _MT_GET = torch.Tensor.mT.__get__  # type: ignore[attr-defined]
 _CAT_FUNCS: frozenset[Callable[..., Any]] = frozenset({torch.cat, torch.concat, torch.concatenate})
@@ -161,9 +162,9 @@ class LazyBase(torch.Tensor):
             return None
         if func in _CAT_FUNCS or func is torch.stack:
             return _concat(func is torch.stack, args, kwargs)
-        if func is _T_GET and isinstance(args[0], LazyBase):
+        if func == _T_GET and isinstance(args[0], LazyBase):
             return args[0]._apply("permute", tuple(range(args[0].dim() - 1, -1, -1)), {})
-        if func is _MT_GET and isinstance(args[0], LazyBase):
+        if func == _MT_GET and isinstance(args[0], LazyBase):
             return args[0]._apply("transpose", (-2, -1), {})
         # Metadata reads (.shape, .dtype, .size(), .dim(), .stride()) resolve from the
         # wrapper; anything that needs data falls through to __torch_dispatch__.

@@ -269,12 +269,17 @@ class LazyConcat(LazyBase):
                 value = value.select(dim, item)
                 continue
             start, stop, step = item.indices(value.shape[dim])
-            if step == 1:
+            if step == 1 and start == 0 and stop >= value.shape[dim]:
+                pass  # the whole dim: no op to record
+            elif step == 1:
                 value = value.narrow(dim, start, max(0, stop - start))
-            elif isinstance(value, LazyConcat) and dim == value._dim:
+            elif not isinstance(value, LazyConcat):
+                value = value[(slice(None),) * dim + (slice(start, stop, step),)]
+            elif dim == value._dim:
                 value = value._take(start, stop, step)
             else:
-                value = value[(slice(None),) * dim + (slice(start, stop, step),)]
+                strided = (slice(None),) * dim + (slice(start, stop, step),)
+                value = value._map(lambda p, index=strided: p[index], value._dim)
             dim += 1
         return value
 
