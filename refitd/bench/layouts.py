@@ -27,6 +27,7 @@ order, each aligned to its element size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -101,10 +102,7 @@ def capture_published(model: torch.nn.Module, published: Published) -> CaptureRe
 
 
 def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return math.prod(shape)
 
 
 def full_state(cfg: ModelConfig, *, seed: int | None = None) -> dict[str, torch.Tensor]:
@@ -130,13 +128,13 @@ def _blocks(shape: tuple[int, ...], dim: int, parts: int) -> list[Box]:
     trailing ranks may get an empty block (returned with a zero-size dim)."""
     size = shape[dim]
     step = -(-size // parts)
+    before, after = shape[:dim], shape[dim + 1 :]
+    zeros = (0,) * len(shape)
     out: list[Box] = []
     for r in range(parts):
         start = min(r * step, size)
         length = min(step, size - start)
-        off = tuple(start if d == dim else 0 for d in range(len(shape)))
-        box = tuple(length if d == dim else shape[d] for d in range(len(shape)))
-        out.append((off, box))
+        out.append(((*zeros[:dim], start, *zeros[dim + 1 :]), (*before, length, *after)))
     return out
 
 
@@ -212,8 +210,16 @@ def megatron_tp_ep(
     tp: int,
     ep: int = 1,
     state: Mapping[str, torch.Tensor] | None = None,
+    *,
+    unfuse: str = "cat",
 ) -> Published:
     """Megatron-Core TP ``tp`` × EP ``ep`` under Megatron names, with ``convert``.
+
+    ``unfuse`` is how ``convert`` takes fused ``linear_qkv``/``linear_fc1`` apart:
+    ``"cat"`` concatenates the per-group / per-rank row blocks of each part
+    (``torch.cat`` of ``narrow`` s), ``"view"`` reshapes the fused tensor to expose
+    the blocks, ``select``/``narrow`` s the part and ``reshape`` s it back (a copy,
+    since the part is not contiguous). Both give the same tensors.
 
     The job has ``max(tp, ep)`` ranks (one must divide the other): rank r holds TP
     shard ``r % tp`` of dense weights and the experts of EP rank ``r % ep``; ranks
@@ -223,7 +229,9 @@ def megatron_tp_ep(
     world = max(tp, ep)
     if world % tp or world % ep:
         raise ConfigError(f"Megatron layout needs tp ({tp}) and ep ({ep}) to divide each other")
-    mapped = _megatron_tensors(cfg, tp, ep, world)
+    if unfuse not in ("cat", "view"):
+        raise ConfigError(f"unfuse must be 'cat' or 'view', not {unfuse!r}")
+    mapped = _megatron_tensors(cfg, tp, ep, world, unfuse == "view")
 
     def convert(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -237,7 +245,9 @@ def megatron_tp_ep(
     return _publish("megatron", [m.tensor for m in mapped], cfg.dtype, built, convert)
 
 
-def _megatron_tensors(cfg: ModelConfig, tp: int, ep: int, world: int) -> list[_Mapped]:
+def _megatron_tensors(
+    cfg: ModelConfig, tp: int, ep: int, world: int, by_view: bool
+) -> list[_Mapped]:
     h = cfg.hidden_size
     out: list[_Mapped] = []
 
@@ -299,14 +309,18 @@ def _megatron_tensors(cfg: ModelConfig, tp: int, ep: int, world: int) -> list[_M
                 shape, role = roles[hp + hname]
                 rename(mp + mname, hp + hname, shape, dim_of[role])
         if cfg.attention == "gqa":
-            out.append(_fused_qkv(cfg, tp, hp, mp + "self_attention.linear_qkv.weight", split))
+            out.append(
+                _fused_qkv(cfg, tp, hp, mp + "self_attention.linear_qkv.weight", split, by_view)
+            )
         if not cfg.is_moe_layer(i):
-            out.append(_fused_fc1(cfg.intermediate_size, h, tp, hp + "mlp.", mp + "mlp.", split))
+            out.append(
+                _fused_fc1(cfg.intermediate_size, h, tp, hp + "mlp.", mp + "mlp.", split, by_view)
+            )
             continue
         if cfg.num_shared_experts:
             inter = cfg.moe_intermediate_size * cfg.num_shared_experts
             hs, ms = hp + "mlp.shared_experts.", mp + "mlp.shared_experts."
-            out.append(_fused_fc1(inter, h, tp, hs, ms, split))
+            out.append(_fused_fc1(inter, h, tp, hs, ms, split, by_view))
         out += _stacked_experts(cfg, ep, hp + "mlp.experts.", mp + "mlp.experts.", split)
     return out
 
@@ -314,7 +328,9 @@ def _megatron_tensors(cfg: ModelConfig, tp: int, ep: int, world: int) -> list[_M
 Splitter = Callable[[tuple[int, ...], int | None, int], tuple[tuple[int, Box], ...]]
 
 
-def _fused_qkv(cfg: ModelConfig, tp: int, hp: str, mname: str, split: Splitter) -> _Mapped:
+def _fused_qkv(
+    cfg: ModelConfig, tp: int, hp: str, mname: str, split: Splitter, by_view: bool
+) -> _Mapped:
     """Megatron's ``linear_qkv``: per query group, its q heads then its k then its v."""
     h, d, groups = cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads
     per = cfg.num_heads // groups
@@ -328,6 +344,12 @@ def _fused_qkv(cfg: ModelConfig, tp: int, hp: str, mname: str, split: Splitter) 
         return torch.cat(parts, dim=1).reshape(shape)
 
     def unpack(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not by_view:
+            fused, g = sd[mname], (per + 2) * d
+            return {
+                name: torch.cat([fused.narrow(0, i * g + at, rows) for i in range(groups)])
+                for name, at, rows in ((q, 0, per * d), (k, per * d, d), (v, (per + 1) * d, d))
+            }
         grouped = sd[mname].view(groups, per + 2, d, h)
         return {
             q: grouped.narrow(1, 0, per).reshape(groups * per * d, h),
@@ -338,7 +360,9 @@ def _fused_qkv(cfg: ModelConfig, tp: int, hp: str, mname: str, split: Splitter) 
     return _Mapped(TrainerTensor(mname, shape, split(shape, 0, tp)), pack, unpack)
 
 
-def _fused_fc1(inter: int, h: int, tp: int, hp: str, mp: str, split: Splitter) -> _Mapped:
+def _fused_fc1(
+    inter: int, h: int, tp: int, hp: str, mp: str, split: Splitter, by_view: bool
+) -> _Mapped:
     """Megatron's ``linear_fc1``: rank r holds its gate rows then its up rows."""
     if inter % tp:
         raise ConfigError(f"intermediate size {inter} does not split over tp {tp}")
@@ -350,6 +374,12 @@ def _fused_fc1(inter: int, h: int, tp: int, hp: str, mp: str, split: Splitter) -
         return torch.cat(both, dim=1).reshape(shape)
 
     def unpack(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not by_view:
+            fused = sd[mname]
+            return {
+                name: torch.cat([fused.narrow(0, (2 * r + half) * rows, rows) for r in range(tp)])
+                for name, half in ((gate, 0), (up, 1))
+            }
         per_rank = sd[mname].view(tp, 2, rows, h)
         return {
             gate: per_rank.select(1, 0).reshape(inter, h),

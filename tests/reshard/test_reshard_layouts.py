@@ -60,8 +60,9 @@ def _rebuild(published: Published) -> dict[str, torch.Tensor]:
         lambda c, s: fsdp_dim0(c, 16, s),
         lambda c, s: megatron_tp_ep(c, 2, 1, s),
         lambda c, s: megatron_tp_ep(c, 2, 4 if c.num_experts else 2, s),
+        lambda c, s: megatron_tp_ep(c, 2, 4 if c.num_experts else 2, s, unfuse="view"),
     ],
-    ids=["fsdp3", "fsdp16", "megatron_tp2", "megatron_tp2_ep"],
+    ids=["fsdp3", "fsdp16", "megatron_tp2", "megatron_tp2_ep", "megatron_by_view"],
 )
 def test_published_bytes_reassemble_and_convert_back_to_the_checkpoint(cfg, make) -> None:  # type: ignore[no-untyped-def]
     state = full_state(cfg)
@@ -148,6 +149,11 @@ def test_megatron_pads_the_vocabulary_to_128_rows_per_tp_rank() -> None:
 def test_megatron_refuses_more_tp_ranks_than_kv_heads_with_the_reason() -> None:
     with pytest.raises(ConfigError, match="2 KV heads"):
         megatron_tp_ep(DENSE, 4)
+
+
+def test_megatron_refuses_an_unknown_way_to_unfuse() -> None:
+    with pytest.raises(ConfigError, match="unfuse"):
+        megatron_tp_ep(DENSE, 2, unfuse="guess")
 
 
 def test_megatron_refuses_tp_and_ep_that_do_not_divide_each_other() -> None:

@@ -126,10 +126,14 @@ def test_unknown_checkpoint_name_is_refused_with_its_name() -> None:
 
 
 def _layouts(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """name -> (kind, size, ep): FSDP over 3 ranks (uneven blocks), Megatron TP 2 (+EP 4)."""
+    """name -> (kind, size, ep): FSDP over 3 ranks (uneven blocks); Megatron TP 2
+    (with EP 4 for MoE) whose fused tensors convert back by ``torch.cat`` of blocks or
+    by view/select/reshape."""
+    ep = 4 if cfg.num_experts else 1
     return {
         "fsdp3": ("fsdp", 3, 1),
-        "megatron_tp2": ("megatron", 2, 4 if cfg.num_experts else 1),
+        "megatron_tp2": ("cat", 2, ep),
+        "megatron_tp2_by_view": ("view", 2, ep),
     }
 
 
@@ -137,7 +141,7 @@ def _publish(cfg: ModelConfig, layout: str, state: dict[str, torch.Tensor]) -> P
     kind, size, ep = _layouts(cfg)[layout]
     if kind == "fsdp":
         return fsdp_dim0(cfg, size, state)
-    return megatron_tp_ep(cfg, size, ep, state)
+    return megatron_tp_ep(cfg, size, ep, state, unfuse=kind)
 
 
 _STATE: dict[str, dict[str, torch.Tensor]] = {}
