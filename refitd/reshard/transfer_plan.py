@@ -149,7 +149,8 @@ class TransferPlan:
 
     ``exact_bytes``/``exact_descriptor_count`` describe the all-exact plan (every
     copy as exact coalesced segments); the accessors compare the chosen plan to it.
-    ``max_descriptors_per_copy`` is the largest descriptor count any one copy got.
+    ``max_descriptors_per_copy`` is the largest descriptor count any one copy got;
+    ``choices`` counts copies per option; ``planned_sources`` names the sources read.
     """
 
     segments: list[Segment] = field(default_factory=list)
@@ -162,6 +163,7 @@ class TransferPlan:
     exact_descriptor_count: int = 0
     max_descriptors_per_copy: int = 0
     choices: dict[str, int] = field(default_factory=lambda: {"exact": 0, "pack": 0, "full": 0})
+    planned_sources: list[str] = field(default_factory=list)
 
     def bytes_planned(self) -> int:
         """Bytes that cross the wire."""
@@ -231,8 +233,9 @@ def _choose(
     bounded: bool,
     budget: int,
     pack_specs: bool,
-    descriptor_cost: int,
+    costs: tuple[int, int],
 ) -> _Choice:
+    descriptor_cost, pack_cost = costs
     n_exact = len(exact)
     if n_exact <= budget:
         return _Choice(copy, "exact", exact, raw)
@@ -250,7 +253,7 @@ def _choose(
             else:
                 packs.append((fit, int(exact.session[g[0]])))
         n = sum(len(g) for g in keep) + len(packs)
-        cost = total + descriptor_cost * n + PACK_COST_BYTES * len(packs)
+        cost = total + descriptor_cost * n + pack_cost * len(packs)
         rest = (
             exact.take(np.sort(np.concatenate(keep))) if keep else exact.take(np.zeros(0, np.int64))
         )
@@ -292,10 +295,13 @@ def plan_transfer(
     *,
     pack_specs: bool = True,
     descriptor_cost_bytes: int = DESCRIPTOR_COST_BYTES,
+    pack_cost_bytes: int = PACK_COST_BYTES,
 ) -> TransferPlan:
     """Plan every copy of ``capture`` against ``sources`` (see the module docstring).
 
-    ``max_segments_per_copy`` is the descriptor budget per recorded copy. Replicas
+    ``max_segments_per_copy`` is the descriptor budget per recorded copy;
+    ``descriptor_cost_bytes``/``pack_cost_bytes`` price a descriptor and a pack spec
+    in wire bytes (:mod:`refitd.reshard.cost`). Replicas
     are assigned so no byte is read twice and reads spread across sessions.
     """
     plan = TransferPlan(
@@ -329,7 +335,7 @@ def plan_transfer(
                         loads,
                         max_segments_per_copy,
                         pack_specs,
-                        descriptor_cost_bytes,
+                        (descriptor_cost_bytes, pack_cost_bytes),
                         plan,
                     ),
                 )
@@ -349,7 +355,7 @@ def _plan_source(
     loads: dict[str, int],
     budget: int,
     pack_specs: bool,
-    descriptor_cost: int,
+    costs: tuple[int, int],
     plan: TransferPlan,
 ) -> list[_Choice]:
     shape = tuple(int(n) for n in info.global_shape)
@@ -364,7 +370,7 @@ def _plan_source(
         shard, storage, dst, nbytes = split_runs(copy_runs(copy, shape), table, info.elsize)
         raw = Pieces(shard, codes[shard], info.shard_addrs[shard] + storage, dst, nbytes)
         exact = coalesce(raw)
-        choice = _choose(copy, raw, exact, info, bounded, budget, pack_specs, descriptor_cost)
+        choice = _choose(copy, raw, exact, info, bounded, budget, pack_specs, costs)
         if len(exact) > budget and not bounded and name not in plan.unbounded_sources:
             plan.unbounded_sources.append(name)
         out.append(choice)
@@ -382,6 +388,7 @@ def _assemble(
     exact_parts: list[tuple[int, Pieces]] = []
     all_parts: list[tuple[int, Pieces]] = []
     for src_name, info, choices in chosen:
+        plan.planned_sources.append(src_name)
         full_raw: list[Pieces] = []
         full_copies: list[RecordedCopy] = []
         for c in choices:

@@ -1,0 +1,152 @@
+"""The receiving side of a refit, as pure policy over the planner and a transport.
+
+:class:`ReshardReceiver` holds one capture of the engine. Each refit it plans (or
+replays a compiled plan) against the published sources and executes it through a
+transport. It fails closed *before any byte moves*: a capture with unattributed
+``copy_`` writes, or a plan with any ``fallback`` source, is refused with
+:class:`~refitd.reshard.types.UnsupportedReshard` naming the grouped causes, so a
+live parameter is never written from a partial plan.
+
+``strict=True`` follows the compiled-plan contract: the receiver replays only the
+signature it was warmed on (:meth:`ReshardReceiver.warm`); a refit for anything else
+is refused with an error telling the caller to re-plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from refitd.errors import TransportError
+from refitd.reshard.compile import (
+    BoundPlan,
+    CompiledPlan,
+    DestLayout,
+    SignatureMismatch,
+    compile_plan,
+)
+from refitd.reshard.replay import replay_ops
+from refitd.reshard.transfer_plan import SourceInfo, TransferPlan, plan_transfer, run_full_pull
+from refitd.reshard.transport import Transport
+from refitd.reshard.types import CaptureResult, UnsupportedReshard, summarize_unsupported
+
+__all__ = ["ReshardReceiver", "_replay_ops", "execute_bound", "refuse_unsafe"]
+
+_replay_ops = replay_ops
+"""Local replay of an op chain (ModelExpress's receiver exposes it under this name)."""
+
+
+def refuse_unsafe(capture: CaptureResult, plan: TransferPlan | None = None) -> None:
+    """Raise :class:`UnsupportedReshard` if ``capture``/``plan`` cannot be served whole."""
+    if capture.unattributed:
+        raise UnsupportedReshard(
+            f"refit refused before any transfer: {capture.unattributed} copy_ write(s) fired "
+            f"outside every parameter loader, so refitd cannot tell which parameter they fill "
+            f"(pass the engine's default_weight_loader to capture)"
+        )
+    if plan is not None and plan.fallback:
+        causes = "; ".join(
+            f"{cause} ({count} source{'s' if count != 1 else ''})"
+            for cause, count in summarize_unsupported(plan.fallback_reasons)
+        )
+        raise UnsupportedReshard(
+            f"refit refused before any transfer: {len(plan.fallback)} source(s) cannot be "
+            f"planned exactly ({plan.fallback[:5]}...); causes: {causes or 'unknown'}"
+        )
+
+
+def execute_bound(
+    bound: BoundPlan, resolve_param_ptr: Callable[[str], int], transport: Transport
+) -> dict[str, Any]:
+    """Post a bound plan's reads; full pulls are fetched to staging and replayed."""
+    transport.read(bound.descriptors())
+    if bound.packs:
+        read_packed = getattr(transport, "read_packed", None)
+        if read_packed is None:
+            raise TransportError(
+                f"{len(bound.packs)} pack specs planned but {type(transport).__name__} "
+                f"cannot pack; plan with pack_specs=False for this transport"
+            )
+        read_packed(bound.packed_reads())
+    for fp in bound.full_pulls:
+        run_full_pull(fp, resolve_param_ptr, transport)
+    return {
+        "bytes": int(bound.nbytes.sum())
+        + sum(p.nbytes for p in bound.packs)
+        + sum(fp.nbytes() for fp in bound.full_pulls),
+        "segments": int(bound.nbytes.size),
+        "packs": len(bound.packs),
+        "full_pulls": len(bound.full_pulls),
+        "fallback": [],
+    }
+
+
+@dataclass
+class ReshardReceiver:
+    """Plan, compile and execute refits of one captured engine.
+
+    ``max_segments_per_copy`` and ``pack_specs`` are passed to
+    :func:`~refitd.reshard.transfer_plan.plan_transfer`. ``replans`` counts plans
+    made (a warm refit with an unchanged signature makes none).
+    """
+
+    capture: CaptureResult
+    max_segments_per_copy: int = 64
+    pack_specs: bool = True
+    strict: bool = False
+    compiled: CompiledPlan | None = None
+    replans: int = 0
+    _options: tuple[object, ...] = field(default=(), init=False)
+
+    def __post_init__(self) -> None:
+        self._options = (self.max_segments_per_copy, self.pack_specs)
+
+    def prepare(self, sources: Mapping[str, SourceInfo]) -> TransferPlan:
+        """Plan against ``sources``; refuse (before any transfer) if unsafe."""
+        refuse_unsafe(self.capture)
+        plan = plan_transfer(
+            self.capture, sources, self.max_segments_per_copy, pack_specs=self.pack_specs
+        )
+        refuse_unsafe(self.capture, plan)
+        return plan
+
+    def warm(self, sources: Mapping[str, SourceInfo], dest_layout: DestLayout) -> CompiledPlan:
+        """Plan and compile for exactly this signature."""
+        plan = self.prepare(sources)
+        self.replans += 1
+        self.compiled = compile_plan(plan, sources, dest_layout, self._options)
+        return self.compiled
+
+    def refit(
+        self,
+        sources: Mapping[str, SourceInfo],
+        resolve_param_ptr: Callable[[str], int],
+        transport: Transport,
+        dest_layout: DestLayout,
+    ) -> dict[str, Any]:
+        """Move one version's bytes into the parameters.
+
+        Replays the compiled plan when the signature is unchanged; otherwise
+        re-plans, or in strict mode raises :class:`SignatureMismatch`.
+        """
+        why = (
+            "no plan has been warmed"
+            if self.compiled is None
+            else self.compiled.mismatch(sources, dest_layout)
+        )
+        if why is not None:
+            if self.strict:
+                raise SignatureMismatch(
+                    f"strict receiver refused the refit: {why}. Re-plan: call warm() with "
+                    f"this exact signature first."
+                )
+            self.warm(sources, dest_layout)
+        assert self.compiled is not None
+        try:
+            bound = self.compiled.bind(sources, resolve_param_ptr, dest_layout)
+        except SignatureMismatch:
+            if self.strict:
+                raise
+            bound = self.warm(sources, dest_layout).bind(sources, resolve_param_ptr, dest_layout)
+        return execute_bound(bound, resolve_param_ptr, transport)

@@ -1,0 +1,276 @@
+"""plan_transfer / execute_transfer / exact_descriptors end to end.
+
+A small engine (column-, row-parallel, fused qkv, a norm, optionally a loader doing
+arithmetic) is captured on a meta twin; its sources are published from real
+buffers; the plan is executed through the reference transport into zeroed real
+parameters, which must equal the same engine's loader run on the full tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from refitd.errors import TransportError
+from refitd.reshard.geometry import capture_geometry
+from refitd.reshard.receiver import _replay_ops
+from refitd.reshard.slice_plan import Shard
+from refitd.reshard.transfer_plan import (
+    SourceInfo,
+    exact_descriptors,
+    execute_transfer,
+    plan_transfer,
+)
+from refitd.reshard.transport import InMemoryReferenceTransport, ReadDescriptor
+from refitd.reshard.types import CaptureResult, RecordedCopy
+
+F32 = torch.float32
+EL = 4
+FUSED = {"q": (0, 4), "k": (4, 2), "v": (6, 2)}  # source -> (first row in qkv, rows)
+
+
+class Engine(torch.nn.Module):
+    """Parameters at one rank's shapes; loaders carve the full source down to them."""
+
+    def __init__(self, with_bad: bool = False) -> None:
+        super().__init__()
+        self.col = torch.nn.Parameter(torch.zeros(4, 4))  # rows [0, 4) of an 8x4
+        self.col.weight_loader = lambda p, w: p.data.copy_(w.narrow(0, 0, 4))  # type: ignore[attr-defined]
+        self.row = torch.nn.Parameter(torch.zeros(4, 4))  # columns [0, 4) of a 4x8
+        self.row.weight_loader = lambda p, w: p.data.copy_(w.narrow(1, 0, 4))  # type: ignore[attr-defined]
+        self.qkv = torch.nn.Parameter(torch.zeros(8, 4))
+        self.qkv.weight_loader = self._fused  # type: ignore[attr-defined]
+        self.norm = torch.nn.Parameter(torch.zeros(4))
+        self.norm.weight_loader = lambda p, w: p.data.copy_(w)  # type: ignore[attr-defined]
+        if with_bad:
+            self.bad = torch.nn.Parameter(torch.zeros(4, 4))
+            self.bad.weight_loader = lambda p, w: p.data.copy_(w + 1)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _fused(param: torch.Tensor, loaded: torch.Tensor, shard_id: str) -> None:
+        first, rows = FUSED[shard_id]
+        param.data.narrow(0, first, rows).copy_(loaded)
+
+    def load_weights(self, weights: Any) -> None:
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            if name in FUSED:
+                self.qkv.weight_loader(self.qkv, w, name)  # type: ignore[operator]
+            else:
+                params[name].weight_loader(params[name], w)  # type: ignore[attr-defined]
+
+
+def manifest(with_bad: bool = False) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    m = [
+        ("col", F32, (8, 4)),
+        ("row", F32, (4, 8)),
+        ("q", F32, (4, 4)),
+        ("k", F32, (2, 4)),
+        ("v", F32, (2, 4)),
+        ("norm", F32, (4,)),
+    ]
+    return [*m, ("bad", F32, (4, 4))] if with_bad else m
+
+
+def full_sources(with_bad: bool = False) -> dict[str, torch.Tensor]:
+    out, base = {}, 1
+    for name, _, shape in manifest(with_bad):
+        n = 1
+        for s in shape:
+            n *= s
+        out[name] = (torch.arange(n, dtype=F32) + base).reshape(shape)
+        base += n  # disjoint values across sources
+    return out
+
+
+def publish_whole(srcs: dict[str, torch.Tensor]) -> dict[str, SourceInfo]:
+    return {
+        name: SourceInfo(
+            tuple(t.shape), F32, EL, [Shard((0,) * t.dim(), tuple(t.shape), name, t.data_ptr(), EL)]
+        )
+        for name, t in srcs.items()
+    }
+
+
+def truth(srcs: dict[str, torch.Tensor], with_bad: bool = False) -> dict[str, torch.Tensor]:
+    engine = Engine(with_bad)
+    engine.load_weights(list(srcs.items()))
+    return {n: p.detach().clone() for n, p in engine.named_parameters()}
+
+
+def capture(with_bad: bool = False, only: set[str] | None = None) -> CaptureResult:
+    with torch.device("meta"):
+        twin = Engine(with_bad)
+    m = [e for e in manifest(with_bad) if only is None or e[0] in only]
+    return capture_geometry(twin, m)
+
+
+class RecordingTransport(InMemoryReferenceTransport):
+    """The reference transport, remembering which sessions it read from."""
+
+    def __init__(self) -> None:
+        self.sessions: set[str] = set()
+
+    def read(self, descriptors: list[ReadDescriptor]) -> None:
+        self.sessions.update(d.session for d in descriptors if d.nbytes)
+        super().read(descriptors)
+
+
+def test_every_parameter_is_rebuilt_from_shards_alone() -> None:
+    srcs = full_sources()
+    want = truth(srcs)
+    plan = plan_transfer(capture(), publish_whole(srcs))
+    assert plan.fallback == [] and plan.bytes_planned() > 0
+    got = dict(Engine().named_parameters())
+    stats = execute_transfer(plan, lambda n: got[n].data_ptr(), InMemoryReferenceTransport())
+    assert stats["bytes"] == plan.bytes_planned()
+    for name in want:
+        assert torch.equal(got[name].detach(), want[name]), name
+
+
+def test_a_strided_column_slice_lands_row_by_row() -> None:
+    srcs = full_sources()
+    plan = plan_transfer(capture(only={"row"}), publish_whole({"row": srcs["row"]}))
+    assert plan.fallback == []
+    # Four rows, each a 16-byte run, none adjacent in the source: four segments.
+    assert [(s.dst_byte, s.nbytes) for s in plan.segments] == [
+        (0, 16),
+        (16, 16),
+        (32, 16),
+        (48, 16),
+    ]
+    got = dict(Engine().named_parameters())
+    execute_transfer(plan, lambda n: got[n].data_ptr(), InMemoryReferenceTransport())
+    assert torch.equal(got["row"].detach(), truth(srcs)["row"])
+
+
+def test_over_budget_copy_is_full_pulled_and_replayed_in_modelexpress_mode() -> None:
+    srcs = full_sources()
+    cap = capture(only={"row"})
+    row = srcs["row"]
+    plan = plan_transfer(
+        cap, publish_whole({"row": row}), max_segments_per_copy=1, pack_specs=False
+    )
+    assert plan.segments == [] and len(plan.full_pulls) == 1
+    assert plan.exact_descriptor_count == 4
+    assert plan.descriptor_count() == 1
+    assert plan.descriptor_savings() == 3
+    assert plan.exact_bytes == 16 * EL
+    assert plan.extra_wire_bytes() == row.numel() * EL - plan.exact_bytes
+
+    # Replay by hand, as a receiver would: fetch into staging, replay, copy.
+    full_pull = plan.full_pulls[0]
+    staging = torch.zeros_like(row)
+    InMemoryReferenceTransport().read(
+        [
+            ReadDescriptor(s.session, s.src_addr, staging.data_ptr() + s.dst_byte, s.nbytes)
+            for s in full_pull.segments
+        ]
+    )
+    (copy,) = full_pull.copies
+    out = torch.zeros(4, 4)
+    out.as_strided(copy.dest_shape, copy.dest_stride, copy.dest_offset).copy_(
+        _replay_ops(staging, copy.op_chain)
+    )
+    assert torch.equal(out, truth(srcs)["row"])
+
+
+def test_a_source_not_in_dim0_blocks_keeps_exact_descriptors() -> None:
+    full = torch.arange(32, dtype=F32).reshape(4, 8)
+    left, right = full[:, :4].contiguous(), full[:, 4:].contiguous()
+    copy = RecordedCopy("w", (("narrow", (1, 1, 2), ()),), "w", 0, (4, 2), (2, 1), F32)
+    source = SourceInfo(
+        (4, 8),
+        F32,
+        EL,
+        [
+            Shard((0, 0), (4, 4), "left", left.data_ptr(), EL),
+            Shard((0, 4), (4, 4), "right", right.data_ptr(), EL),
+        ],
+    )
+    plan = plan_transfer(
+        CaptureResult(copies=[copy]), {"w": source}, max_segments_per_copy=1, pack_specs=False
+    )
+    assert plan.full_pulls == []
+    assert plan.unbounded_sources == ["w"]
+    assert len(plan.segments) == 4
+    assert plan.descriptor_savings() == 0 and plan.extra_wire_bytes() == 0
+
+
+def test_an_unsupported_source_is_never_planned_nor_fetched() -> None:
+    srcs = full_sources(with_bad=True)
+    plan = plan_transfer(capture(with_bad=True), publish_whole(srcs))
+    assert "bad" in plan.fallback
+    planned = {s.param_name for s in plan.segments}
+    assert {"col", "row", "qkv", "norm"} <= planned  # the good ones still are
+    assert "bad" not in planned
+    got = dict(Engine(with_bad=True).named_parameters())
+    reads = RecordingTransport()
+    stats = execute_transfer(plan, lambda n: got[n].data_ptr(), reads)
+    assert "bad" not in reads.sessions and reads.sessions
+    # The stats carry fallback through, so the receiver can refuse the plan.
+    assert stats["fallback"] == plan.fallback and "bad" in stats["fallback"]
+
+
+def test_a_copy_of_a_source_missing_from_the_manifest_is_fallback() -> None:
+    srcs = full_sources()
+    published = publish_whole(srcs)
+    del published["k"]
+    plan = plan_transfer(capture(), published)
+    assert plan.fallback == ["k"]
+    assert "not in the published manifest" in plan.fallback_reasons["k"]
+    assert all(s.session != "k" for s in plan.segments)
+
+
+def test_exact_descriptors_are_exactly_what_execute_transfer_reads() -> None:
+    srcs = full_sources()
+    plan = plan_transfer(capture(), publish_whole(srcs))
+    params = dict(Engine().named_parameters())
+    built = exact_descriptors(plan, lambda n: params[n].data_ptr())
+    recorded: list[ReadDescriptor] = []
+
+    class Recorder:
+        def read(self, descriptors: list[ReadDescriptor]) -> None:
+            recorded.extend(descriptors)
+
+    stats = execute_transfer(plan, lambda n: params[n].data_ptr(), Recorder())
+    assert built == recorded
+    assert stats["segments"] == len(built)
+    assert stats["bytes"] == sum(d.nbytes for d in built)
+
+
+def test_a_plan_with_pack_specs_is_refused_by_a_transport_that_cannot_pack() -> None:
+    srcs = full_sources()
+    plan = plan_transfer(
+        capture(only={"row"}),
+        publish_whole({"row": srcs["row"]}),
+        1,
+        descriptor_cost_bytes=0,
+        pack_cost_bytes=0,
+    )
+    assert len(plan.packs) == 1
+
+    class PlainReads:
+        def read(self, descriptors: list[ReadDescriptor]) -> None:
+            pass
+
+    params = dict(Engine().named_parameters())
+    with pytest.raises(TransportError, match="pack"):
+        execute_transfer(plan, lambda n: params[n].data_ptr(), PlainReads())
+
+
+def test_segments_from_replicas_never_read_a_byte_twice_and_spread_sessions(kit: Any) -> None:
+    full = kit.distinct((8, 4))
+    pub = kit.Published()
+    blocks = kit.dim_blocks((8, 4), 0, 4)
+    pub.add("w", full, blocks + blocks, sessions=["a", "a", "a", "a", "b", "b", "b", "b"])
+    param = torch.zeros(8, 4)
+    copy = kit.copy_record("w", (), "w", param)
+    plan = plan_transfer(CaptureResult(copies=[copy]), pub.sources)
+    assert plan.bytes_planned() == plan.exact_bytes == 8 * 4 * EL
+    per_session = {s: sum(g.nbytes for g in plan.segments if g.session == s) for s in "ab"}
+    assert per_session == {"a": 64, "b": 64}
+    kit.reconstruct(plan, {"w": param})
+    assert torch.equal(param, full)
