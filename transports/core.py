@@ -468,6 +468,10 @@ class Transport(ABC):
     async def connect(self, info: PeerInfo) -> Peer:
         """Connect to a peer from its record; `UnauthenticatedPeer` if the MAC fails."""
 
+    async def wait_ready(self) -> None:
+        """Return once the data plane can serve (a restarting one finishes restarting)."""
+        return None  # in-process transports never restart
+
     def local_sizes(self) -> dict[int, int]:
         return {rid: r.size for rid, r in self.regions.items()}
 

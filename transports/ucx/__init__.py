@@ -334,9 +334,15 @@ class UcxTransport(Transport):
     def regions(self) -> dict[int, LocalRegion]:
         return dict(self._regions)
 
+    async def wait_ready(self) -> None:
+        """Return once a data-plane process is up (after a restart, its regions too)."""
+        await self._ready()
+
     def advertise(self) -> PeerInfo:
         if self._child is None:
-            raise TransportClosed("advertise refused: ucx transport has no data-plane process")
+            raise TransportError(
+                "advertise refused: the ucx data-plane process is restarting or closed; await wait_ready()"
+            )
         return PeerInfo(
             scheme=self.scheme,
             peer_id=self.peer_id,
