@@ -87,6 +87,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     allowed_uids: tuple[Uid, ...] = ()
     #: File of bearer tokens, one per line (``NAME TOKEN`` or ``TOKEN``); mode 0600.
     token_file: str | None = None
+    #: Bearer token this daemon presents to peer daemons it pulls from (a file whose
+    #: first token is used; one of the peers' ``token_file`` lines). Unset: none.
+    peer_token_file: str | None = None
     #: File holding the deployment's peer-record secret (>= 16 bytes), the same on
     #: every daemon that reads from another; unset: a random per-process secret.
     secret_file: str | None = None

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from refitd.daemon.auth import check_owner, owner_for
 from refitd.daemon.metrics import observe_pull
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.pulls import PullManager, RemoteSource, Source
@@ -163,12 +164,14 @@ async def node(request: web.Request) -> web.Response:
 @routes.post(P + "/regions")
 async def create_region(request: web.Request) -> web.Response:
     req = await body(request, RegionCreate)
+    req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
     return reply(request, await request.app[DAEMON].create_region(req), 201)
 
 
 @routes.post(P + "/regions/attach")
 async def attach_region(request: web.Request) -> web.Response:
     req = await body(request, RegionAttach)
+    req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
     return reply(request, await request.app[DAEMON].attach_region(req), 201)
 
 
@@ -184,7 +187,9 @@ async def get_region(request: web.Request) -> web.Response:
 
 @routes.delete(P + "/regions/{region_id}")
 async def delete_region(request: web.Request) -> web.Response:
-    return reply(request, await request.app[DAEMON].delete_region(_int(request, "region_id")))
+    rid = _int(request, "region_id")
+    check_owner(request, request.app[DAEMON].regions.get(rid).owner, "delete", f"region {rid}")
+    return reply(request, await request.app[DAEMON].delete_region(rid))
 
 
 # ---------------------------------------------------------------- sources
@@ -275,9 +280,19 @@ async def release(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- pulls
 
 
+def check_pull_writes(request: web.Request, req: PullRequest) -> None:
+    """Refuse (403) a pull whose destinations include another principal's region."""
+    d = request.app[DAEMON]
+    known = d.regions.sizes()
+    dst = {int(x) for x in req.descriptors.rows()[:, 2]} | {p.dst_region for p in req.pack_specs}
+    for rid in sorted(dst & known.keys()):  # unknown ids are refused by validation
+        check_owner(request, d.regions.get(rid).owner, "write", f"region {rid}")
+
+
 @routes.post(P + "/pulls")
 async def submit_pull(request: web.Request) -> web.Response:
     req = await body(request, PullRequest)
+    check_pull_writes(request, req)  # auth: a pull writes only into the caller's regions
     job = await request.app[PULLS].submit(req)
     observe_pull(request.app, job, request.app[DAEMON].options.transport)  # metrics, if any
     return reply(request, job.snapshot(), 202)

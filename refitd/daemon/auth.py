@@ -59,6 +59,7 @@ __all__ = [
     "owner_for",
     "peer_uid",
     "principal_of",
+    "read_token",
     "setup_auth",
 ]
 
@@ -174,6 +175,20 @@ def check_startup(server: ServerConfig) -> AccessPolicy:
     )
 
 
+def read_token(path: str | os.PathLike[str]) -> str:
+    """The first token in a token file (``NAME TOKEN`` or ``TOKEN`` lines), for clients
+    and for a daemon reading from a peer; refuses an unreadable or empty file."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"token file {path} cannot be read ({exc.strerror})") from None
+    for raw in text.splitlines():
+        parts = raw.split("#", 1)[0].split()
+        if parts:
+            return parts[-1]
+    raise ConfigError(f"token file {path} holds no token; expected a line 'NAME TOKEN' or 'TOKEN'")
+
+
 POLICY_KEY = web.AppKey("refitd_access_policy", AccessPolicy)
 PRINCIPAL_KEY = web.RequestKey("refitd_principal", Principal)
 
@@ -191,13 +206,22 @@ def peer_uid(request: web.BaseRequest) -> int | None:
     return int(uid)
 
 
-def _refusal(status: int, error: str, detail: str, **headers: str) -> web.Response:
-    return web.Response(
-        status=status,
-        body=msgspec.json.encode({"error": error, "detail": detail}),
-        content_type="application/json",
-        headers=headers,
-    )
+MSGPACK = "application/msgpack"
+
+
+def _encode(request: web.BaseRequest, error: str, detail: str) -> tuple[bytes, str]:
+    """The ``{error, detail}`` body, in msgpack when the client asks for it (as the
+    daemon's own replies do), JSON otherwise."""
+    if MSGPACK in request.headers.get("Accept", ""):
+        return msgspec.msgpack.encode({"error": error, "detail": detail}), MSGPACK
+    return msgspec.json.encode({"error": error, "detail": detail}), "application/json"
+
+
+def _refusal(
+    request: web.BaseRequest, status: int, error: str, detail: str, **headers: str
+) -> web.Response:
+    body, content_type = _encode(request, error, detail)
+    return web.Response(status=status, body=body, content_type=content_type, headers=headers)
 
 
 def _identify(request: web.Request, policy: AccessPolicy) -> Principal | web.Response:
@@ -205,6 +229,7 @@ def _identify(request: web.Request, policy: AccessPolicy) -> Principal | web.Res
     if uid is not None:
         if not policy.admits_uid(uid):
             return _refusal(
+                request,
                 403,
                 "AccessDenied",
                 f"uid {uid} may not use this daemon's Unix socket; expected root, the "
@@ -214,12 +239,15 @@ def _identify(request: web.Request, policy: AccessPolicy) -> Principal | web.Res
     if policy.tokens is None:
         # check_startup guaranteed a loopback bind; the peer check guards a proxy.
         if request.remote is None or not is_loopback_host(request.remote):
-            return _refusal(403, "AccessDenied", f"peer {request.remote} is not on loopback")
+            return _refusal(
+                request, 403, "AccessDenied", f"peer {request.remote} is not on loopback"
+            )
         return LOOPBACK
     scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
     name = policy.tokens.lookup(presented.strip()) if scheme.lower() == "bearer" else None
     if name is None:
         return _refusal(
+            request,
             401,
             "Unauthenticated",
             f"{request.method} {request.path} needs 'Authorization: Bearer TOKEN' with a "
@@ -232,6 +260,7 @@ def _identify(request: web.Request, policy: AccessPolicy) -> Principal | web.Res
 def _too_large(request: web.Request, limit: int, size: int | None) -> web.Response:
     what = f"a body of {size} bytes" if size is not None else "a larger body"
     return _refusal(
+        request,
         413,
         "RequestTooLarge",
         f"{request.method} {request.path} sent {what}; this daemon accepts at most "
@@ -294,7 +323,7 @@ def owner_for(request: web.Request, requested: str = "") -> str:
     if not who.authenticated:
         return requested
     if requested and requested != who.name and not who.admin:
-        raise _forbidden(f"{who.name} may not create a region owned by {requested!r}")
+        raise _forbidden(request, f"{who.name} may not create a region owned by {requested!r}")
     return requested if requested and who.admin else who.name
 
 
@@ -307,11 +336,13 @@ def check_owner(request: web.Request, owner: str, action: str, what: str) -> Non
     who = principal_of(request)
     if not who.authenticated or who.admin or owner in ("", who.name):
         return
-    raise _forbidden(f"{who.name} may not {action} {what}: it belongs to {owner}")
+    raise _forbidden(request, f"{who.name} may not {action} {what}: it belongs to {owner}")
 
 
-def _forbidden(detail: str) -> web.HTTPForbidden:
-    return web.HTTPForbidden(
-        text=msgspec.json.encode({"error": "AccessDenied", "detail": detail}).decode(),
-        content_type="application/json",
-    )
+def _forbidden(request: web.Request, detail: str) -> web.HTTPForbidden:
+    body, content_type = _encode(request, "AccessDenied", detail)
+    refusal = web.HTTPForbidden()
+    # Set after construction: aiohttp deprecates body= on its HTTP exceptions.
+    refusal.body = body
+    refusal.content_type = content_type
+    return refusal

@@ -171,7 +171,7 @@ def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
     import uvloop
 
     from refitd.config import load_config, parse_overrides
-    from refitd.daemon.auth import check_startup
+    from refitd.daemon.auth import check_startup, read_token
     from refitd.daemon.service import Service, configure_logging, options_from_config
     from refitd.errors import ConfigError
 
@@ -192,6 +192,9 @@ def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
         config = load_config(args.config, os.environ, overrides)
         policy = check_startup(config.server)  # refuses an unsafe bind before binding
         secret = read_secret(config.server.secret_file)
+        peer_token = (
+            read_token(config.server.peer_token_file) if config.server.peer_token_file else None
+        )
     except ConfigError as exc:
         sys.stderr.write(f"refitd serve: refusing to start: {exc}\n")
         return 2
@@ -214,7 +217,7 @@ def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
                 stop=stop,
                 on_ready=on_ready,
                 on_stopping=service.on_stopping,
-                app_kwargs={"setup": [service.setup]},
+                app_kwargs={"setup": [service.setup], "token": peer_token},
             )
         finally:
             for sig in (signal.SIGTERM, signal.SIGINT):

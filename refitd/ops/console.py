@@ -68,25 +68,14 @@ def add_client_arguments(parser: argparse.ArgumentParser, *examples: str) -> Non
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _read_token(path: str) -> str:
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"token file {path} cannot be read ({exc.strerror})") from None
-    for raw in text.splitlines():
-        parts = raw.split("#", 1)[0].split()
-        if parts:
-            return parts[-1]
-    raise ConfigError(f"token file {path} holds no token")
-
-
 def connect(args: argparse.Namespace, env: dict[str, str] | None = None) -> Any:
     """A :class:`refitd.client.http.RefitClient` for the daemon ``args`` name."""
     from refitd.client.http import RefitClient
+    from refitd.daemon.auth import read_token
 
     env = dict(os.environ) if env is None else env
     token_file = args.token_file or env.get(TOKEN_FILE_ENV)
-    token = _read_token(token_file) if token_file else None
+    token = read_token(token_file) if token_file else None
     if args.unix:
         return RefitClient(unix_path=args.unix, token=token)
     if args.url or env.get(URL_ENV):

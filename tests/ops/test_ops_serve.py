@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import pytest
 from ops_helpers import serving
 
 from refitd.config import load_config
@@ -188,3 +189,46 @@ async def test_a_completed_pull_is_counted_with_its_bytes_and_latency() -> None:
     assert 'refitd_pulled_bytes_total{transport="shm"} 3000.0' in text
     assert 'refitd_pulls_total{outcome="done"} 1.0' in text
     assert 'refitd_pull_duration_seconds_count{outcome="done"} 1.0' in text
+
+
+async def test_on_the_daemon_a_token_holder_touches_only_its_own_regions(tmp_path: Path) -> None:
+    import numpy as np
+
+    from refitd.client.http import RefitClient
+    from refitd.daemon.schemas import DescriptorTable, PullRequest
+    from refitd.errors import RefitError
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("trainer t-secret\nengine e-secret\n")
+    tokens.chmod(0o600)
+    app = wired_app(token_file=str(tokens))
+    async with (
+        serving(app) as base,
+        RefitClient(base, token="t-secret") as trainer,
+        RefitClient(base, token="e-secret") as engine,
+        RefitClient(base) as anonymous,
+    ):
+        src = await trainer.create_region(4096)
+        assert src.owner == "trainer"
+        dst = await engine.create_region(4096)
+        assert dst.owner == "engine"
+        shard = ShardEntry((0,), (1024,), src.region_id, 0)
+        await trainer.publish(
+            ManifestIn("m", 1, 0, 1, [TensorEntry("w", (1024,), "float32", [shard])])
+        )
+        lease = await engine.acquire_lease("m", 1)
+        # The trainer may not pull into the engine's region, nor delete it.
+        rows = np.array([[src.region_id, 0, dst.region_id, 0, 64]], dtype=np.int64)
+        into_engine = PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows))
+        with pytest.raises(RefitError, match=f"trainer may not write region {dst.region_id}"):
+            await trainer.submit_pull(into_engine)
+        with pytest.raises(RefitError, match=f"trainer may not delete region {dst.region_id}"):
+            await trainer.delete_region(dst.region_id)
+        # The engine may: its region, the trainer's published version under its lease.
+        done = await engine.pull(into_engine)
+        assert done.bytes_done == 64
+        with pytest.raises(
+            RefitError, match=r"GET /v1/regions needs 'Authorization: Bearer TOKEN'"
+        ):
+            await anonymous.regions()
+        assert (await engine.delete_region(dst.region_id)).region_id == dst.region_id
