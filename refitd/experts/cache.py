@@ -280,6 +280,7 @@ class ExpertCache:
                 "and the cache disagree on the expert count"
             )
         self._step = step = self._step + 1
+        self._policy.begin_step(step, layer)
         base = layer * experts
         slot_of = self._slot_of
         touched = self._touched
@@ -401,6 +402,7 @@ class ExpertCache:
         experts = self._experts
         base = layer * experts
         self._step = step = self._step + 1
+        self._policy.begin_step(step, layer)
         for e in range(experts):
             other = self._slot_of[base + e]
             if other >= 0 and other != e:

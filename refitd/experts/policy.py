@@ -74,6 +74,9 @@ class EvictionPolicy(ABC):
     def reset(self, pool: PoolView, slots: int) -> None:
         """Forget everything: the pool now has ``slots`` empty slots."""
 
+    def begin_step(self, step: int, layer: int) -> None:  # noqa: B027 - optional hook
+        """A step for ``layer`` starts; victims for it may be asked for next."""
+
     @abstractmethod
     def on_step(self, step: int, slots: Sequence[int]) -> None:
         """Record a step. ``slots`` are ascending and each holds its routed key now."""
