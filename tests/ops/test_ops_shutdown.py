@@ -1,0 +1,103 @@
+"""Graceful shutdown of ``serve``: stop accepting, drain in-flight pulls up to the
+grace period, cancel the rest. A pull is held at a gate so that "slower than the
+grace period" is deterministic: the gate is a Copier (the daemon's own interface)
+wrapping the real ThreadCopier, the one fake here, for a delay real memory copies
+cannot be made to take on demand."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from refitd.client.http import RefitClient
+from refitd.daemon.app import PULLS
+from refitd.daemon.copier import ThreadCopier
+from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.schemas import (
+    DescriptorTable,
+    ManifestIn,
+    PullRequest,
+    PullState,
+    ShardEntry,
+    TensorEntry,
+)
+from refitd.daemon.serve import serve
+
+
+class GatedCopier:
+    """Copies with the real ThreadCopier once ``gate`` opens; ``entered`` says a copy
+    is waiting at the gate."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+        self.inner = ThreadCopier()
+
+    async def copy(
+        self,
+        srcs: Sequence[memoryview],
+        dsts: Sequence[memoryview],
+        rows: np.ndarray,
+        progress: Any,
+    ) -> None:
+        self.entered.set()
+        await self.gate.wait()
+        await self.inner.copy(srcs, dsts, rows, progress)
+
+
+async def start_held_pull(grace_s: float) -> tuple[Any, ...]:
+    """serve() with one pull of 4096 bytes held at the gate; returns what tests need."""
+    options = DaemonOptions(port=0, grace_s=grace_s)
+    copier = GatedCopier()
+    stop = asyncio.Event()
+    ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+    stopping = asyncio.Event()
+    apps: list[web.Application] = []
+    task = asyncio.create_task(
+        serve(
+            options,
+            stop=stop,
+            on_ready=ready.set_result,
+            on_stopping=stopping.set,
+            app_kwargs={"daemon": Daemon(options, copier=copier), "setup": [apps.append]},
+        )
+    )
+    record = await asyncio.wait_for(ready, 60)
+    async with RefitClient(record["url"]) as c:
+        src = await c.create_region(4096)
+        dst = await c.create_region(4096)
+        shard = ShardEntry((0,), (1024,), src.region_id, 0)
+        await c.publish(ManifestIn("m", 1, 0, 1, [TensorEntry("w", (1024,), "float32", [shard])]))
+        lease = await c.acquire_lease("m", 1)
+        rows = np.array([[src.region_id, 0, dst.region_id, 0, 4096]], dtype=np.int64)
+        started = await c.submit_pull(
+            PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows))
+        )
+    await asyncio.wait_for(copier.entered.wait(), 60)
+    return task, stop, stopping, copier, apps[0], started.pull_id
+
+
+async def test_a_pull_in_flight_at_shutdown_finishes_within_the_grace_period() -> None:
+    task, stop, stopping, copier, app, pull_id = await start_held_pull(grace_s=60)
+    stop.set()
+    await asyncio.wait_for(stopping.wait(), 60)
+    assert not task.done()  # draining: serve waits for the pull
+    copier.gate.set()
+    await asyncio.wait_for(task, 60)
+    job = app[PULLS].jobs[pull_id]
+    assert job.state is PullState.DONE
+    assert job.bytes_done == 4096
+
+
+async def test_a_pull_still_running_after_the_grace_period_is_cancelled_with_a_reason() -> None:
+    task, stop, _stopping, _copier, app, pull_id = await start_held_pull(grace_s=0.2)
+    stop.set()
+    await asyncio.wait_for(task, 60)  # returns after the grace period, gate still shut
+    job = app[PULLS].jobs[pull_id]
+    assert job.state is PullState.CANCELLED
+    assert job.bytes_done == 0
+    assert job.error is not None and "cancelled" in job.error.detail
