@@ -140,8 +140,10 @@ class LazyBase(torch.Tensor):
         return ""
 
     def _check_result(self, name: str, meta: torch.Tensor) -> None:
-        if meta.dtype != self.dtype:
-            raise self.refuse(f"{name} reinterprets dtype {self.dtype} as {meta.dtype}")
+        # Read dtypes off the plain meta tensors: a read on the placeholder itself
+        # would go through __torch_function__ on every recorded op.
+        if meta.dtype != self._meta.dtype:
+            raise self.refuse(f"{name} reinterprets dtype {self._meta.dtype} as {meta.dtype}")
 
     @classmethod
     def __torch_function__(

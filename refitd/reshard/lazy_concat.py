@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from refitd.reshard.lazy import LazyBase
-from refitd.reshard.types import UnsupportedReshard
 
 __all__ = ["LazyConcat", "make_concat"]
 
@@ -333,7 +332,7 @@ def make_concat(pieces: list[Any], dim: int, stack: bool) -> LazyBase:
         pieces = [p.unsqueeze(dim) for p in pieces]
     else:
         dim = _norm(dim, first.dim())
-    expected = torch.cat([p._meta for p in pieces], dim)  # torch's own shape checks
+    expected = _cat_shape(pieces, dim, first, op)
     flat: list[LazyBase] = []
     for piece in pieces:
         if piece.numel() == 0:
@@ -343,18 +342,32 @@ def make_concat(pieces: list[Any], dim: int, stack: bool) -> LazyBase:
         else:
             flat.append(piece)
     if not flat:
-        if pieces[0].shape != expected.shape:
-            raise first.refuse(f"{op} of empty pieces into shape {tuple(expected.shape)}")
+        if tuple(pieces[0].shape) != expected:
+            raise first.refuse(f"{op} of empty pieces into shape {expected}")
         empty: LazyBase = pieces[0]
         return empty
     if len(flat) == 1:
         return flat[0]
-    result = LazyConcat(flat, dim, torch.empty(expected.shape, dtype=expected.dtype, device="meta"))
-    if result.shape != expected.shape:  # pragma: no cover - torch.cat checked the pieces
-        raise UnsupportedReshard(
-            f"{op} resolved to {tuple(result.shape)}, expected {expected.shape}"
-        )
-    return result
+    return LazyConcat(flat, dim, torch.empty(expected, dtype=first.dtype, device="meta"))
+
+
+def _cat_shape(pieces: list[LazyBase], dim: int, first: LazyBase, op: str) -> tuple[int, ...]:
+    """The shape ``torch.cat`` would produce, with its checks.
+
+    Computed here because ``torch.cat`` on meta tensors pulls in torch's symbolic
+    shape machinery on first use (seconds of imports inside a timed capture).
+    """
+    shaped = [p for p in pieces if not (p.dim() == 1 and p.numel() == 0)] or pieces[:1]
+    ref = tuple(shaped[0].shape)
+    total = 0
+    for piece in shaped:
+        shape = tuple(piece.shape)
+        if len(shape) != len(ref) or any(
+            a != b for k, (a, b) in enumerate(zip(shape, ref, strict=True)) if k != dim
+        ):
+            raise first.refuse(f"{op} of shapes {ref} and {shape} along dim {dim}")
+        total += shape[dim]
+    return (*ref[:dim], total, *ref[dim + 1 :])
 
 
 LazyBase.concat_factory = make_concat
