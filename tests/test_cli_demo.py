@@ -30,3 +30,20 @@ def test_demo_accepts_another_engine_layout(capsys: pytest.CaptureFixture[str]) 
     pairs = _last_line_pairs(capsys.readouterr().out)
     assert code == 0
     assert pairs["ranks"] == "2" and pairs["verified"] == "1"
+
+
+def test_bench_plan_smoke_run_prints_every_key_for_both_layouts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Four layers: three dense, one MoE with DeepSeek-V3's real expert shapes, on meta.
+    code = main(["bench", "plan", "--layers", "4"])
+    pairs = _last_line_pairs(capsys.readouterr().out)
+    assert code == 0
+    for layout in ("fsdp", "megatron"):
+        for key in ("capture_s", "plan_s", "replay_s", "exact_bytes", "wire_bytes",
+                    "wire_exact", "descriptors", "max_desc_per_copy"):  # fmt: skip
+            assert f"{layout}.{key}" in pairs
+        assert int(pairs[f"{layout}.wire_bytes"]) >= int(pairs[f"{layout}.exact_bytes"]) > 0
+        assert pairs[f"{layout}.unsupported"] == "0"
+    # Both trainers publish the same model to the same engine rank: same useful bytes.
+    assert pairs["fsdp.exact_bytes"] == pairs["megatron.exact_bytes"]

@@ -8,8 +8,10 @@ TP 8 / EP 8 engine. Everything runs on ``meta`` with synthetic shard addresses: 
 weight memory is allocated.
 
 Measured per layout: capture (the engine's loaders on a meta twin), cold plan
-(``plan_transfer``), compiled replay (a compiled plan re-bound for the next refit,
-no planning), exact and wire bytes, descriptors and the most descriptors any one
+(``plan_transfer``), compiled replay (the compiled plan bound to the next version's
+freshly published manifest and the parameters' addresses: a signature check and
+address rebasing, no planning; also shown against the manifest objects it was
+compiled from, whose digests are cached), exact and wire bytes, descriptors and the most descriptors any one
 recorded copy needs. Targets from the issue: wire ÷ exact ≤ 1.02, ≤ 64 descriptors
 per copy, cold plan ≤ 30 s and compiled replay ≤ 50 ms.
 
@@ -58,6 +60,7 @@ class LayoutResult:
     plan_s: float
     compile_s: float
     replay_s: float
+    replay_cached_s: float
     exact_bytes: int
     wire_bytes: int
     descriptors: int
@@ -80,15 +83,23 @@ def _synthetic_params(model: Any) -> dict[str, int]:
     return out
 
 
+def _republish(layout: str, cfg: Any) -> Any:
+    """The trainer's published sources on synthetic addresses (no memory)."""
+    from refitd.bench.layouts import fsdp_dim0, megatron_tp_ep
+
+    return fsdp_dim0(cfg, 16) if layout == "fsdp" else megatron_tp_ep(cfg, 8, 8)
+
+
 def _measure(layout: str, cfg: Any, engine_rank: int) -> LayoutResult:
     import torch
 
     from refitd.bench.engines import EngineParallel, ToyEngine
-    from refitd.bench.layouts import capture_published, fsdp_dim0, megatron_tp_ep
-    from refitd.reshard.compile import compile_plan
+    from refitd.bench.layouts import capture_published
+    from refitd.errors import PlanError
+    from refitd.reshard.compile import compile_plan, dest_layout_of
     from refitd.reshard.transfer_plan import plan_transfer
 
-    published = fsdp_dim0(cfg, 16) if layout == "fsdp" else megatron_tp_ep(cfg, 8, 8)
+    published = _republish(layout, cfg)
     with torch.device("meta"):
         twin = ToyEngine(cfg, EngineParallel(8, engine_rank, 8))
 
@@ -100,13 +111,24 @@ def _measure(layout: str, cfg: Any, engine_rank: int) -> LayoutResult:
     plan = plan_transfer(capture, published.sources)
     plan_s = time.perf_counter() - started
 
+    # The next version republishes the same structure: fresh SourceInfo objects (as
+    # a new manifest would give), so replay pays for its signature check in full.
     params = _synthetic_params(twin)
+    dest = dest_layout_of(dict(twin.named_parameters()))
     started = time.perf_counter()
-    compiled = compile_plan(plan, params.__getitem__)
+    compiled = compile_plan(plan, published.sources, dest)
     compile_s = time.perf_counter() - started
+    next_version = _republish(layout, cfg)
     started = time.perf_counter()
-    compiled.replay(params.__getitem__)
+    bound = compiled.bind(next_version.sources, params.__getitem__, dest)
     replay_s = time.perf_counter() - started
+    # The same replay against the manifest objects the plan was compiled from, whose
+    # per-source digests are already cached: what replay costs without re-digesting.
+    started = time.perf_counter()
+    compiled.bind(published.sources, params.__getitem__, dest)
+    replay_cached_s = time.perf_counter() - started
+    if len(bound.src) != len(plan.segments):
+        raise PlanError("compiled replay lost segments")
 
     return LayoutResult(
         layout=layout,
@@ -116,6 +138,7 @@ def _measure(layout: str, cfg: Any, engine_rank: int) -> LayoutResult:
         plan_s=plan_s,
         compile_s=compile_s,
         replay_s=replay_s,
+        replay_cached_s=replay_cached_s,
         exact_bytes=plan.exact_bytes,
         wire_bytes=plan.bytes_planned(),
         descriptors=plan.descriptor_count(),
@@ -145,36 +168,39 @@ def run(args: argparse.Namespace) -> int:
         with console.status(f"planning against the {layout} layout"):
             results.append(_measure(layout, cfg, args.engine_rank))
 
-    table = Table(title="plan for one engine rank")
-    columns = ("layout", "sources", "copies", "capture s", "plan s", "compile s",
-               "replay s", "exact GiB", "wire GiB", "wire÷exact", "descriptors",
-               "max desc/copy", "full pulls", "packs", "unsupported")  # fmt: skip
-    for col in columns:
-        table.add_column(col, justify="right")
+    table = Table(title=f"plan for engine rank {args.engine_rank} (TP8/EP8)")
+    table.add_column("measure")
     for r in results:
-        table.add_row(
-            r.layout,
-            str(r.sources),
-            str(r.copies),
-            f"{r.capture_s:.2f}",
-            _flag(r.plan_s <= TARGET_PLAN_S, f"{r.plan_s:.2f}"),
-            f"{r.compile_s:.3f}",
-            _flag(r.replay_s <= TARGET_REPLAY_S, f"{r.replay_s:.4f}"),
-            f"{r.exact_bytes / 2**30:.3f}",
-            f"{r.wire_bytes / 2**30:.3f}",
-            _flag(r.wire_exact <= TARGET_WIRE_EXACT, f"{r.wire_exact:.4f}"),
-            str(r.descriptors),
-            _flag(r.max_desc_per_copy <= TARGET_DESC_PER_COPY, str(r.max_desc_per_copy)),
-            str(r.full_pulls),
-            str(r.packs),
-            _flag(r.fallback == 0, str(r.fallback)),
-        )
+        table.add_column(r.layout, justify="right")
+    table.add_column("target", justify="right")
+    rows: list[tuple[str, list[str], str]] = [
+        ("trainer tensors", [str(r.sources) for r in results], ""),
+        ("recorded copies", [str(r.copies) for r in results], ""),
+        ("capture s", [f"{r.capture_s:.2f}" for r in results], ""),
+        ("cold plan s", [_flag(r.plan_s <= TARGET_PLAN_S, f"{r.plan_s:.2f}") for r in results],
+         f"≤ {TARGET_PLAN_S:.0f}"),
+        ("compile s", [f"{r.compile_s:.3f}" for r in results], ""),
+        ("compiled replay s",
+         [_flag(r.replay_s <= TARGET_REPLAY_S, f"{r.replay_s:.4f}") for r in results],
+         f"≤ {TARGET_REPLAY_S:.3f}"),
+        ("  same manifest objects s", [f"{r.replay_cached_s:.4f}" for r in results], ""),
+        ("exact GiB", [f"{r.exact_bytes / 2**30:.3f}" for r in results], ""),
+        ("wire GiB", [f"{r.wire_bytes / 2**30:.3f}" for r in results], ""),
+        ("wire ÷ exact",
+         [_flag(r.wire_exact <= TARGET_WIRE_EXACT, f"{r.wire_exact:.4f}") for r in results],
+         f"≤ {TARGET_WIRE_EXACT}"),
+        ("descriptors", [str(r.descriptors) for r in results], ""),
+        ("max descriptors per copy",
+         [_flag(r.max_desc_per_copy <= TARGET_DESC_PER_COPY, str(r.max_desc_per_copy))
+          for r in results],
+         f"≤ {TARGET_DESC_PER_COPY}"),
+        ("full pulls / pack specs", [f"{r.full_pulls} / {r.packs}" for r in results], ""),
+        ("unsupported sources", [_flag(r.fallback == 0, str(r.fallback)) for r in results], "0"),
+    ]  # fmt: skip
+    for label, values, target in rows:
+        table.add_row(label, *values, target)
     console.print(table)
-    console.print(
-        f"targets: wire÷exact ≤ {TARGET_WIRE_EXACT}, ≤ {TARGET_DESC_PER_COPY} descriptors "
-        f"per copy, cold plan ≤ {TARGET_PLAN_S:.0f} s, compiled replay ≤ "
-        f"{TARGET_REPLAY_S * 1000:.0f} ms (ModelExpress publishes 2.04× wire÷exact)"
-    )
+    console.print("ModelExpress publishes 2.04× wire ÷ exact for the same trade-off.")
     pairs = [f"layers={cfg.num_layers}", f"engine_rank={args.engine_rank}"]
     for r in results:
         p = r.layout
@@ -182,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
             f"{p}.capture_s={r.capture_s:.3f}",
             f"{p}.plan_s={r.plan_s:.3f}",
             f"{p}.replay_s={r.replay_s:.5f}",
+            f"{p}.replay_cached_s={r.replay_cached_s:.5f}",
             f"{p}.exact_bytes={r.exact_bytes}",
             f"{p}.wire_bytes={r.wire_bytes}",
             f"{p}.wire_exact={r.wire_exact:.4f}",
