@@ -72,6 +72,11 @@ _SETITEM = torch.Tensor.__setitem__
 # Property getters arrive as fresh method-wrappers: compare with ==, not `is`.
 _T_GET = torch.Tensor.T.__get__  # type: ignore[attr-defined]
 _MT_GET = torch.Tensor.mT.__get__  # type: ignore[attr-defined]
+_ITER = torch.Tensor.__iter__
+_AS_SHAPE_OF: dict[Callable[..., Any], str] = {
+    torch.Tensor.view_as: "view",
+    torch.Tensor.reshape_as: "reshape",
+}
 _CAT_FUNCS: frozenset[Callable[..., Any]] = frozenset({torch.cat, torch.concat, torch.concatenate})
 
 
@@ -164,6 +169,11 @@ class LazyBase(torch.Tensor):
             return None
         if func in _CAT_FUNCS or func is torch.stack:
             return _concat(func is torch.stack, args, kwargs)
+        if func in _AS_SHAPE_OF and len(args) == 2 and isinstance(args[0], LazyBase):
+            # x.view_as(y) is x.view(y.shape): record the replayable spelling.
+            return args[0]._apply(_AS_SHAPE_OF[func], (tuple(args[1].shape),), {})
+        if func is _ITER and isinstance(args[0], LazyBase):
+            return iter(args[0]._apply("unbind", (0,), {}))
         if func == _T_GET and isinstance(args[0], LazyBase):
             return args[0]._apply("permute", tuple(range(args[0].dim() - 1, -1, -1)), {})
         if func == _MT_GET and isinstance(args[0], LazyBase):

@@ -371,3 +371,33 @@ def test_random_cat_and_stack_chains_record_exact_copies_or_are_refused(
         event("refused")
         # the only refusals expected here are rank changes the pieces cannot follow
         assert "piece" in str(exc) or "interleave" in str(exc) or "empty" in str(exc), str(exc)
+
+
+@st.composite
+def single_source_chains(draw: st.DrawFn) -> tuple[dict[str, tuple[int, ...]], Build, bool]:
+    shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
+    probe = sources_for({"w": shape})["w"]
+    ops: list[Callable[[Any], Any]] = []
+    for _ in range(draw(st.integers(1, 5))):
+        op = _post_op(draw, probe)
+        if op is not None:
+            ops.append(op)
+            probe = op(probe)
+
+    def build(sd: dict[str, Any]) -> Any:
+        out = sd["w"]
+        for op in ops:
+            out = op(out)
+        return out
+
+    return {"w": shape}, build, draw(st.booleans())
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(single_source_chains())
+def test_random_view_chains_of_one_source_record_exact_copies(
+    case: tuple[dict[str, tuple[int, ...]], Build, bool],
+) -> None:
+    shapes, build, transposed = case
+    (copy,) = capture_and_check(shapes, build, transposed=transposed)
+    assert copy.src_name == "w"

@@ -138,6 +138,22 @@ def test_materializing_views_are_recorded_not_refused(view: View) -> None:
     assert _recorded((3, 4), view)[-1][0] in {"contiguous", "reshape", "view"}
 
 
+def test_iterating_a_placeholder_records_unbind_and_the_pick() -> None:
+    rows = list(_lazy((3, 2)))
+    assert [r._ops for r in rows] == [
+        (("unbind", (0,), ()), ("__getitem__", (i,), ())) for i in range(3)
+    ]
+
+
+def test_view_as_and_reshape_as_record_the_target_shape() -> None:
+    like = torch.empty(6, 2)
+    assert _recorded((3, 4), lambda x: x.view_as(like)) == (("view", ((6, 2),), ()),)
+    assert _recorded((3, 4), lambda x: x.t().reshape_as(like)) == (
+        ("t", (), ()),
+        ("reshape", ((6, 2),), ()),
+    )
+
+
 def test_a_placeholder_view_reports_the_strides_a_real_view_would_have() -> None:
     lazy, real = _lazy((3, 4)).t().narrow(0, 1, 2), _real((3, 4)).t().narrow(0, 1, 2)
     assert lazy.stride() == real.stride() and lazy.is_contiguous() == real.is_contiguous()
