@@ -21,7 +21,7 @@ import uvloop
 from transports.checks import LOCAL, Pair, open_pair, shuffled_batch
 from transports.core import PeerInfo, PeerLost, TransportClosed
 from transports.servepeer import REGION_ID, SECRET_ENV, pattern
-from transports.shm import SharedSegment
+from transports.shm import SHM_DIR, SharedSegment, cleanup_stale
 from transports.ucx import UcxTransport
 
 SECRET = b"fault-test-secret-0123456789"
@@ -48,8 +48,19 @@ async def peer_process(seed: int) -> AsyncIterator[tuple[asyncio.subprocess.Proc
         yield proc, PeerInfo.decode(bytes.fromhex(line.decode()))
     finally:
         if proc.returncode is None:
-            proc.kill()
+            assert proc.stdin is not None
+            proc.stdin.close()  # asks the peer to shut down cleanly
+            try:
+                async with asyncio.timeout(30):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
         await proc.wait()
+        # A killed peer leaves its segment behind; the crash cleanup must find it.
+        await asyncio.to_thread(cleanup_stale)
+        assert not list(SHM_DIR.glob(f"refitd.{proc.pid}.*")), (
+            "a dead peer's segment survived cleanup"
+        )
 
 
 def full_batch() -> np.ndarray:
