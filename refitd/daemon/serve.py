@@ -203,8 +203,8 @@ def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
     service = Service(config, policy)
 
     def on_ready(record: dict[str, Any]) -> None:
+        service.on_ready(record)  # first: the socket's mode is set before anyone is told
         _print_ready(record)
-        service.on_ready(record)
 
     async def main() -> None:
         stop = asyncio.Event()

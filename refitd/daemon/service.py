@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sys
 from collections.abc import AsyncIterator
 from typing import IO, Any
@@ -263,6 +264,9 @@ class Service:
         where = record.get("url", "")
         if record.get("unix"):
             where += f" and {record['unix']}"
+            # Anyone may connect; the peer's uid (SO_PEERCRED) decides who is served.
+            # Under the unit's UMask the socket would otherwise admit only our own user.
+            os.chmod(record["unix"], 0o666)
         self.notifier.ready(f"serving {where}")
         self._ready.set()
         log.info("ready: serving %s (node %s)", where, record.get("node_id", ""))

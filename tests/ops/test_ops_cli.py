@@ -146,3 +146,34 @@ async def test_config_check_applies_set_and_the_environment(tmp_path: Path) -> N
         "config", "check", "config/refitd.toml", "--json", env={"REFITD_SERVER_PORT": "7451"}
     )
     assert code == 0 and json.loads(out)["server"]["port"] == 7451
+
+
+async def test_status_over_the_unix_socket_of_a_served_daemon(tmp_path: Path) -> None:
+    import signal
+    import stat
+
+    sock = str(tmp_path / "refitd.sock")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "refitd.cli",
+        "serve",
+        "--port",
+        "0",
+        "--unix",
+        sock,
+        stdout=asyncio.subprocess.PIPE,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    try:
+        record = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
+        assert record["unix"] == sock
+        # Connecting is open to all; the uid check is what admits or refuses.
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o666
+        code, out, err = await refitd("status", "--unix", sock, "--json")
+        assert code == 0, err
+        assert json.loads(out)["ready"] is True
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 60)
