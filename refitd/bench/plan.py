@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--engine-rank", type=int, default=0, help="which TP8/EP8 rank to plan")
     parser.add_argument(
+        "--unfuse",
+        choices=("cat", "view"),
+        default="cat",
+        help="how the Megatron convert takes fused qkv/fc1 apart (see bench.layouts)",
+    )
+    parser.add_argument(
         "--layout",
         choices=("fsdp", "megatron", "both"),
         default="both",
@@ -83,23 +89,48 @@ def _synthetic_params(model: Any) -> dict[str, int]:
     return out
 
 
-def _republish(layout: str, cfg: Any) -> Any:
+def _republish(layout: str, cfg: Any, unfuse: str) -> Any:
     """The trainer's published sources on synthetic addresses (no memory)."""
     from refitd.bench.layouts import fsdp_dim0, megatron_tp_ep
 
-    return fsdp_dim0(cfg, 16) if layout == "fsdp" else megatron_tp_ep(cfg, 8, 8)
+    return fsdp_dim0(cfg, 16) if layout == "fsdp" else megatron_tp_ep(cfg, 8, 8, unfuse=unfuse)
 
 
-def _measure(layout: str, cfg: Any, engine_rank: int) -> LayoutResult:
+def _compile_and_replay(
+    plan: Any, published: Any, twin: Any, layout: str, cfg: Any, unfuse: str
+) -> tuple[float, float, float]:
+    """Seconds to compile ``plan``, to bind it to the next version's fresh manifest,
+    and to bind it to the manifest objects it was compiled from."""
+    from refitd.errors import PlanError
+    from refitd.reshard.compile import compile_plan, dest_layout_of
+
+    params = _synthetic_params(twin)
+    dest = dest_layout_of(dict(twin.named_parameters()))
+    started = time.perf_counter()
+    compiled = compile_plan(plan, published.sources, dest)
+    compile_s = time.perf_counter() - started
+    next_version = _republish(layout, cfg, unfuse)
+    started = time.perf_counter()
+    bound = compiled.bind(next_version.sources, params.__getitem__, dest)
+    replay_s = time.perf_counter() - started
+    # The same replay against the manifest objects the plan was compiled from, whose
+    # per-source digests are already cached: what replay costs without re-digesting.
+    started = time.perf_counter()
+    compiled.bind(published.sources, params.__getitem__, dest)
+    replay_cached_s = time.perf_counter() - started
+    if len(bound.src) != len(plan.segments):
+        raise PlanError("compiled replay lost segments")
+    return compile_s, replay_s, replay_cached_s
+
+
+def _measure(layout: str, cfg: Any, engine_rank: int, unfuse: str) -> LayoutResult:
     import torch
 
     from refitd.bench.engines import EngineParallel, ToyEngine
     from refitd.bench.layouts import capture_published
-    from refitd.errors import PlanError
-    from refitd.reshard.compile import compile_plan, dest_layout_of
     from refitd.reshard.transfer_plan import plan_transfer
 
-    published = _republish(layout, cfg)
+    published = _republish(layout, cfg, unfuse)
     with torch.device("meta"):
         twin = ToyEngine(cfg, EngineParallel(8, engine_rank, 8))
 
@@ -113,22 +144,13 @@ def _measure(layout: str, cfg: Any, engine_rank: int) -> LayoutResult:
 
     # The next version republishes the same structure: fresh SourceInfo objects (as
     # a new manifest would give), so replay pays for its signature check in full.
-    params = _synthetic_params(twin)
-    dest = dest_layout_of(dict(twin.named_parameters()))
-    started = time.perf_counter()
-    compiled = compile_plan(plan, published.sources, dest)
-    compile_s = time.perf_counter() - started
-    next_version = _republish(layout, cfg)
-    started = time.perf_counter()
-    bound = compiled.bind(next_version.sources, params.__getitem__, dest)
-    replay_s = time.perf_counter() - started
-    # The same replay against the manifest objects the plan was compiled from, whose
-    # per-source digests are already cached: what replay costs without re-digesting.
-    started = time.perf_counter()
-    compiled.bind(published.sources, params.__getitem__, dest)
-    replay_cached_s = time.perf_counter() - started
-    if len(bound.src) != len(plan.segments):
-        raise PlanError("compiled replay lost segments")
+    if plan.fallback:
+        # A plan with unsupported sources must never run, so it is not compiled.
+        compile_s = replay_s = replay_cached_s = float("nan")
+    else:
+        compile_s, replay_s, replay_cached_s = _compile_and_replay(
+            plan, published, twin, layout, cfg, unfuse
+        )
 
     return LayoutResult(
         layout=layout,
@@ -166,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     results = []
     for layout in layouts:
         with console.status(f"planning against the {layout} layout"):
-            results.append(_measure(layout, cfg, args.engine_rank))
+            results.append(_measure(layout, cfg, args.engine_rank, args.unfuse))
 
     table = Table(title=f"plan for engine rank {args.engine_rank} (TP8/EP8)")
     table.add_column("measure")

@@ -9,7 +9,9 @@ missing or doubled element fails the comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from collections.abc import Mapping
 
 import pytest
 import torch
@@ -203,3 +205,44 @@ def test_the_checkpoint_manifest_names_every_tensor_the_engine_loads() -> None:
     )
     assert len(names) == len(set(names)) == len(_state(MOE))
     assert seen == {name for name, _ in ToyEngine(MOE, EngineParallel(2, 0, 2)).named_parameters()}
+
+
+def test_stacked_expert_sources_reach_each_local_expert_through_unbind() -> None:
+    # A convert may hand the engine one stacked tensor per projection (vLLM's fused
+    # checkpoint path, expert_id=None): the loader unbinds it and keeps its own experts.
+    cfg, state = MOE, _state(MOE)
+    published = megatron_tp_ep(cfg, 2, 4, state)
+    per_expert = published.convert
+    assert per_expert is not None
+    inter = cfg.moe_intermediate_size
+
+    def stacked(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {k: v for k, v in per_expert(sd).items() if ".mlp.experts." not in k}
+        for i in range(cfg.first_k_dense, cfg.num_layers):
+            fc1 = sd[f"decoder.layers.{i}.mlp.experts.linear_fc1.weight"]
+            hp = f"model.layers.{i}.mlp.experts."
+            out[hp + "gate_proj.weight"] = fc1.narrow(1, 0, inter)
+            out[hp + "up_proj.weight"] = fc1.narrow(1, inter, inter)
+            out[hp + "down_proj.weight"] = sd[f"decoder.layers.{i}.mlp.experts.linear_fc2.weight"]
+        return out
+
+    published = dataclasses.replace(published, convert=stacked)
+    for par in (EngineParallel(4, 1, ep_size=4), EngineParallel(4, 3, ep_size=2)):
+        with torch.device("meta"):
+            twin = ToyEngine(cfg, par)
+        capture = capture_published(twin, published)
+        assert capture.unsupported == [], capture.unsupported_reasons
+        ops = {op[0] for c in capture.copies for op in c.op_chain}
+        assert "unbind" in ops and "unsqueeze" not in ops  # the stacked path, not per expert
+        plan = plan_transfer(capture, published.sources)
+        assert plan.fallback == []
+        engine = ToyEngine(cfg, par)
+        params = dict(engine.named_parameters())
+        execute_transfer(
+            plan,
+            resolve_param_ptr=lambda name, params=params: params[name].data_ptr(),
+            transport=InMemoryReferenceTransport(),
+        )
+        truth = dict(_truth(cfg, par, state).named_parameters())
+        for name, param in params.items():
+            assert torch.equal(param, truth[name]), f"{par}: {name}"
