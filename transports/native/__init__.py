@@ -100,9 +100,13 @@ def ucx_lib() -> ctypes.CDLL:
     helper's dependency with that same instance (matched by soname).
     """
     root = libucx_root()
+    # The wheel's version joins the cache key: new headers must mean a new build.
+    stamp = root / "VERSION.txt"
+    version = stamp.read_text().strip() if stamp.exists() else "unknown"
     path = build(
         "ucx.c",
         [
+            f'-DRFX_LIBUCX_VERSION="{version}"',
             f"-I{root / 'include'}",
             f"-L{root / 'lib'}",
             f"-Wl,-rpath,{root / 'lib'}",
