@@ -45,5 +45,8 @@ def test_bench_plan_smoke_run_prints_every_key_for_both_layouts(
             assert f"{layout}.{key}" in pairs
         assert int(pairs[f"{layout}.wire_bytes"]) >= int(pairs[f"{layout}.exact_bytes"]) > 0
         assert pairs[f"{layout}.unsupported"] == "0"
+        # Plan quality (not speed): the wire and descriptor targets.
+        assert float(pairs[f"{layout}.wire_exact"]) <= 1.02
+        assert int(pairs[f"{layout}.max_desc_per_copy"]) <= 64
     # Both trainers publish the same model to the same engine rank: same useful bytes.
     assert pairs["fsdp.exact_bytes"] == pairs["megatron.exact_bytes"]

@@ -128,12 +128,14 @@ def test_unknown_checkpoint_name_is_refused_with_its_name() -> None:
 
 
 def _layouts(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """name -> (kind, size, ep): FSDP over 3 ranks (uneven blocks); Megatron TP 2
+    """name -> (kind, size, ep): FSDP over 3 ranks (uneven blocks) and over 16 (ranks
+    past the last row of small tensors hold nothing); Megatron TP 2
     (with EP 4 for MoE) whose fused tensors convert back by ``torch.cat`` of blocks or
     by view/select/reshape."""
     ep = 4 if cfg.num_experts else 1
     return {
         "fsdp3": ("fsdp", 3, 1),
+        "fsdp16": ("fsdp", 16, 1),
         "megatron_tp2": ("cat", 2, ep),
         "megatron_tp2_by_view": ("view", 2, ep),
     }
