@@ -133,10 +133,10 @@ class LazyBase(torch.Tensor):
         raise NotImplementedError
 
     def refuse(self, cause: str, hint: str = "") -> UnsupportedReshard:
-        """An :class:`UnsupportedReshard` whose message ends with this placeholder.
+        """An :class:`UnsupportedReshard`: ``cause``, then this placeholder, then ``hint``.
 
-        The ``on lazy '<name>'`` tail is what ``summarize_unsupported`` strips to
-        group thousands of sources failing for one cause.
+        Everything from ``on lazy '<name>'`` on is what ``summarize_unsupported``
+        strips to group thousands of sources failing for one cause.
         """
         tail = f" on lazy {self.describe()!r} ({self._detail()})"
         return UnsupportedReshard(f"{cause}{tail}{'; ' + hint if hint else ''}")

@@ -175,10 +175,8 @@ class LazyConcat(LazyBase):
             # the concatenated dim has >= 2 elements, so it never squeezes away
             return self._map(lambda p: p.squeeze(gone), d - sum(g < d for g in gone))
         if name in ("chunk", "split"):
-            sizes = [
-                piece.shape[_norm(self._split_dim(name, args, kwargs), nd)] for piece in expected
-            ]
-            dim = _norm(self._split_dim(name, args, kwargs), nd)
+            dim = _norm(self._split_dim(args, kwargs), nd)
+            sizes = [piece.shape[dim] for piece in expected]  # eager torch's split
             starts = [sum(sizes[:i]) for i in range(len(sizes))]
             return tuple(
                 self._resolve("narrow", (dim, s, n), {}, None)
@@ -195,7 +193,7 @@ class LazyConcat(LazyBase):
         raise self.refuse(f"{name} of a concatenation is not supported")
 
     @staticmethod
-    def _split_dim(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    def _split_dim(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         if "dim" in kwargs:
             return int(kwargs["dim"])
         return int(args[1]) if len(args) > 1 else 0
