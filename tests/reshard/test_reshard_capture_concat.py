@@ -401,3 +401,49 @@ def test_random_view_chains_of_one_source_record_exact_copies(
     shapes, build, transposed = case
     (copy,) = capture_and_check(shapes, build, transposed=transposed)
     assert copy.src_name == "w"
+
+
+# -- composition with the slice planner ---------------------------------------------
+
+
+def _rebuild_through_plan_pull(
+    copies: list[RecordedCopy], sources: dict[str, torch.Tensor], like: torch.Tensor
+) -> torch.Tensor:
+    """Rebuild from byte segments planned against one full shard per source."""
+    from refitd.reshard.slice_plan import Shard, plan_pull
+
+    out = torch.zeros(like.numel(), dtype=like.dtype)
+    for c in copies:
+        src = sources[c.src_name]
+        shard = Shard((0,) * src.dim(), tuple(src.shape), "trainer", 0, 4)
+        flat = src.reshape(-1)
+        for seg in plan_pull(c, tuple(src.shape), F32, 4, [shard]):
+            d, s, n = seg.dst_byte // 4, seg.src_addr // 4, seg.nbytes // 4
+            out[d : d + n] = flat[s : s + n]
+    return out.view(like.shape)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(composites(), single_source_chains()))
+def test_captured_chains_plan_into_segments_that_rebuild_the_loader_result(
+    case: tuple[dict[str, tuple[int, ...]], Build, bool],
+) -> None:
+    shapes, build, transposed = case
+    sources = sources_for(shapes)
+    want = build(dict(sources))
+    real = SinkEngine(tuple(want.shape), transposed, None)
+    with torch.no_grad():
+        real.load_weights([("x", want)])
+    try:
+        weights = convert_source_weights(
+            lambda sd: {"x": build(sd)}, [(n, F32, s) for n, s in shapes.items()]
+        )
+    except UnsupportedReshard:
+        return  # refusals are covered above
+    with torch.device("meta"):
+        model = SinkEngine(tuple(want.shape), transposed, None)
+    result = capture_weights(model, weights)
+    if result.unsupported:
+        return
+    rebuilt = _rebuild_through_plan_pull(result.copies, sources, real.p.detach())
+    assert torch.equal(rebuilt, real.p.detach())
