@@ -19,9 +19,9 @@ from refitd.experts.cache import (
 from refitd.experts.policy import (
     BeladyPolicy,
     EvictionPolicy,
+    ExpectedReusePolicy,
     LruPolicy,
     PoolView,
-    ReuseFrequencyPolicy,
 )
 from refitd.experts.residency import (
     BankResidency,
@@ -67,6 +67,7 @@ __all__ = [
     "DeviceFlushFault",
     "EnsurePlan",
     "EvictionPolicy",
+    "ExpectedReusePolicy",
     "ExpertCache",
     "ExpertId",
     "ExpertRows",
@@ -82,7 +83,6 @@ __all__ = [
     "PoolView",
     "ResidencyError",
     "ResidencyRefused",
-    "ReuseFrequencyPolicy",
     "RowMissing",
     "RowSizeMismatch",
     "SlotDevice",

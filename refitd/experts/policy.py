@@ -18,12 +18,13 @@ Policies here:
 - ``LruPolicy`` — least recent use, ties to the lowest slot (the ferrox behaviour).
 - ``BeladyPolicy`` — Belady's MIN, an offline oracle over a known trace: evict the
   resident expert whose next use lies furthest ahead. The ceiling for any policy.
-- ``ReuseFrequencyPolicy`` — ours, see its docstring.
+- ``ExpectedReusePolicy`` — ours: frequency-weighted expected reuse distance.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -34,9 +35,9 @@ from refitd.errors import PlanError
 __all__ = [
     "BeladyPolicy",
     "EvictionPolicy",
+    "ExpectedReusePolicy",
     "LruPolicy",
     "PoolView",
-    "ReuseFrequencyPolicy",
 ]
 
 NO_KEY = -1
@@ -57,6 +58,9 @@ class PoolView(Protocol):
 
     @property
     def num_experts(self) -> int: ...
+
+    @property
+    def num_layers(self) -> int: ...
 
 
 class EvictionPolicy(ABC):
@@ -237,22 +241,203 @@ class BeladyPolicy(EvictionPolicy):
         self._heap.drop(slot)
 
 
-class ReuseFrequencyPolicy(EvictionPolicy):
-    """Placeholder; replaced below once the trace study picks the design."""
+class ExpectedReusePolicy(EvictionPolicy):
+    """Evict the expert whose next use is expected furthest ahead. Ours.
 
-    name = "ours"
+    Decode visits the MoE layers round-robin, so an expert of layer ``m`` can next be
+    used at that layer's next visit, ``L`` steps after its last one; an expert that
+    its layer routes with probability ``q`` per visit is expected back after
+    ``L * (1/q - 1)`` further steps (a geometric wait). The policy evicts the expert
+    maximising
 
-    def __init__(self) -> None:
-        self._lru = LruPolicy()
+        last visit of its layer + L + L * (1/q - 1)
+
+    which is Belady's rule with the unknown future replaced by that expectation.
+    ``q`` is an exponential moving average, per expert, of "routed at this visit of
+    my layer" with weight ``alpha``; it is kept for evicted experts too, so a popular
+    expert that returns is valued at once. Recency enters through the layer term:
+    an expert its layer just passed over waits a whole round, one of the layer about
+    to run waits one step — which is why plain LRU is hard to beat here and why a
+    frequency policy that ignores the round-robin (LFU, LRFU) does worse than LRU.
+
+    Cost: a warm step updates two list cells per routed expert and pushes one layer
+    entry; a victim is O(log slots). ``q`` is stored as (value, visit) and decayed on
+    read with a power table, so visits that skip an expert cost nothing. Each layer
+    keeps a min-heap of its resident experts by ``q``; a hit only raises ``q``, so a
+    stale entry is a lower bound and is refreshed when it reaches the top. A heap
+    over layers holds upper bounds of each layer's furthest expected use, refreshed
+    the same way when popped.
+    """
+
+    name = "expected-reuse"
+
+    def __init__(self, alpha: float = 0.2) -> None:
+        if not 0.0 < alpha < 1.0:
+            raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+        self.alpha = alpha
+        self._log_r = math.log1p(-alpha)
+        # r**j for the visits an expert can sit unrouted before q is negligible.
+        self._pow: list[float] = []
+        r, x = 1.0 - alpha, 1.0
+        while x > 1e-12:
+            self._pow.append(x)
+            x *= r
+        self._layers = 0
+        self._experts = 1
+        self._q: list[float] = []
+        self._qvisit: list[int] = []
+        self._visits: list[int] = []
+        self._last_visit: list[int] = []
+        self._heaps: list[list[tuple[float, int, int, int]]] = []
+        self._entry_key: list[int] = []
+        self._top: list[tuple[float, int]] = []
+        self._current = 0
+        self._announced = True
+        self._resident: Sequence[int] = ()
+        self._touched: Sequence[int] = ()
 
     def reset(self, pool: PoolView, slots: int) -> None:
-        self._lru.reset(pool, slots)
+        self._layers = pool.num_layers
+        self._experts = pool.num_experts
+        keys = self._layers * self._experts
+        if len(self._q) != keys:
+            # Estimates outlive a rebuild: they describe routing, not slots.
+            self._q = [0.0] * keys
+            self._qvisit = [0] * keys
+            self._visits = [0] * self._layers
+        self._last_visit = [0] * self._layers
+        self._heaps = [[] for _ in range(self._layers)]
+        self._entry_key = [-1] * slots
+        self._top = []
+        self._resident = pool.resident
+        self._touched = pool.touched
+
+    def q(self, layer: int, expert: int) -> float:
+        """Current estimate that ``layer`` routes ``expert`` at a visit."""
+        key = layer * self._experts + expert
+        return self._q_now(key, self._visits[layer])
+
+    def _q_now(self, key: int, visit: int) -> float:
+        age = visit - self._qvisit[key]
+        return self._q[key] * self._pow[age] if age < len(self._pow) else 0.0
+
+    def _heap_key(self, key: int) -> float:
+        """log q minus visit * log(1 - alpha): constant while visits skip the expert,
+        so entries of one layer compare without decaying them all."""
+        q = self._q[key]
+        return (math.log(q) if q > 0.0 else -1e300) - self._qvisit[key] * self._log_r
+
+    def begin_step(self, step: int, layer: int) -> None:
+        self._visits[layer] += 1
+        self._last_visit[layer] = step
+        self._current = layer
+        self._announced = False
 
     def on_step(self, step: int, slots: Sequence[int]) -> None:
-        self._lru.on_step(step, slots)
+        if not len(slots):
+            return
+        resident = self._resident
+        layer = resident[slots[0]] // self._experts
+        v = self._visits[layer]
+        qs, qvisit, pw, alpha = self._q, self._qvisit, self._pow, self.alpha
+        n_pow = len(pw)
+        heap = self._heaps[layer]
+        entry_key = self._entry_key
+        for s in slots:
+            key = resident[s]
+            age = v - qvisit[key]
+            q = (qs[key] * pw[age] if age < n_pow else 0.0) + alpha
+            qs[key] = q if q < 1.0 else 1.0
+            qvisit[key] = v
+            if entry_key[s] != key:
+                # A fill needs an entry; a hit's old entry is a valid lower bound.
+                entry_key[s] = key
+                heapq.heappush(heap, (self._heap_key(key), s, key, v))
+        if len(heap) > 4 * self._experts + 64:
+            self._compact(layer)
+        # The visit moved this layer's experts a round further out: announce it.
+        self._push_layer(layer)
+        self._announced = True
+
+    def _compact(self, layer: int) -> None:
+        resident = self._resident
+        live = {s for _, s, k, _ in self._heaps[layer] if resident[s] == k}
+        heap = [
+            (self._heap_key(resident[s]), s, resident[s], self._qvisit[resident[s]]) for s in live
+        ]
+        heapq.heapify(heap)
+        self._heaps[layer] = heap
+
+    def _layer_min(
+        self, layer: int, step: int, take: bool = False
+    ) -> tuple[float, int, int, int] | None:
+        """The live, current, not-touched-this-step entry with the least ``q``;
+        removed from the heap when ``take``."""
+        heap = self._heaps[layer]
+        resident, qvisit, touched = self._resident, self._qvisit, self._touched
+        kept: list[tuple[float, int, int, int]] = []
+        found = None
+        while heap:
+            entry = heap[0]
+            _, s, key, v = entry
+            if resident[s] != key:
+                heapq.heappop(heap)
+            elif qvisit[key] != v:
+                heapq.heapreplace(heap, (self._heap_key(key), s, key, qvisit[key]))
+            elif touched[s] == step:
+                kept.append(heapq.heappop(heap))
+            else:
+                found = entry
+                if take:
+                    heapq.heappop(heap)
+                break
+        for e in kept:
+            heapq.heappush(heap, e)
+        return found
+
+    def _expected(self, layer: int, key: int) -> float:
+        """Step at which ``key`` is expected to be routed next."""
+        q = self._q_now(key, self._visits[layer])
+        n = self._layers
+        return self._last_visit[layer] + n / q if q > 0.0 else math.inf
+
+    def _push_layer(self, layer: int) -> None:
+        found = self._layer_min(layer, -1)
+        if found is not None:
+            heapq.heappush(self._top, (-self._expected(layer, found[2]), layer))
+        if len(self._top) > 4 * self._layers + 64:
+            best: dict[int, float] = {}
+            for neg, m in self._top:
+                best[m] = min(best.get(m, 0.0), neg)
+            self._top = [(neg, m) for m, neg in best.items()]
+            heapq.heapify(self._top)
 
     def choose_victim(self, step: int) -> int:
-        return self._lru.choose_victim(step)
+        if not self._announced:
+            self._push_layer(self._current)
+            self._announced = True
+        top = self._top
+        dropped: list[int] = []
+        while top:
+            layer = heapq.heappop(top)[1]
+            found = self._layer_min(layer, step)
+            if found is None:
+                dropped.append(layer)
+                continue
+            true = -self._expected(layer, found[2])
+            if top and true > top[0][0] + 1e-9:
+                # The stored value was stale and another layer may now lead.
+                heapq.heappush(top, (true, layer))
+                continue
+            self._layer_min(layer, step, take=True)
+            self._entry_key[found[1]] = -1
+            self._push_layer(layer)
+            for m in dropped:
+                self._push_layer(m)
+            return found[1]
+        raise PlanError("eviction asked for a victim but no occupied slot is evictable")
 
     def on_remove(self, slot: int) -> None:
-        self._lru.on_remove(slot)
+        # The heap entry dies lazily (the cache clears ``resident[slot]``); forgetting
+        # which key it was for makes a refill of the same key push a fresh one.
+        self._entry_key[slot] = -1

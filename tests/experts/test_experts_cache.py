@@ -10,10 +10,10 @@ from refitd.errors import ConfigError, PlanError
 from refitd.experts import (
     CopyPlan,
     EvictionPolicy,
+    ExpectedReusePolicy,
     ExpertCache,
     ExpertId,
     LruPolicy,
-    ReuseFrequencyPolicy,
 )
 
 
@@ -288,7 +288,7 @@ def test_lru_matches_the_reference_model_on_any_sequence(
         check_invariants(cache)
 
 
-@pytest.mark.parametrize("make_policy", [LruPolicy, ReuseFrequencyPolicy])
+@pytest.mark.parametrize("make_policy", [LruPolicy, ExpectedReusePolicy])
 @settings(max_examples=60, deadline=None)
 @given(ops=ops, size=st.integers(EXPERTS, 3 * EXPERTS), cap=st.none() | st.integers(0, 3))
 def test_every_policy_places_every_route_and_keeps_the_map_consistent(
