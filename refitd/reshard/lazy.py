@@ -73,6 +73,13 @@ _SETITEM = torch.Tensor.__setitem__
 _T_GET = torch.Tensor.T.__get__  # type: ignore[attr-defined]
 _MT_GET = torch.Tensor.mT.__get__  # type: ignore[attr-defined]
 _ITER = torch.Tensor.__iter__
+_ITEM = torch.Tensor.item
+_DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
+_IDENTITY: frozenset[Callable[..., Any]] = frozenset({torch.Tensor.detach, torch.detach})
+# Device moves keep every element and its position; only a dtype change is a cast.
+_MOVES: frozenset[Callable[..., Any]] = frozenset(
+    {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
+)
 _AS_SHAPE_OF: dict[Callable[..., Any], str] = {
     torch.Tensor.view_as: "view",
     torch.Tensor.reshape_as: "reshape",
@@ -169,6 +176,15 @@ class LazyBase(torch.Tensor):
             return None
         if func in _CAT_FUNCS or func is torch.stack:
             return _concat(func is torch.stack, args, kwargs)
+        if (func in _IDENTITY or func == _DATA_GET) and args and isinstance(args[0], LazyBase):
+            return args[0]  # same elements, same placement: nothing to record
+        if func in _MOVES and args and isinstance(args[0], LazyBase):
+            return _device_move(args[0], func, args[1:], kwargs)
+        if func is _ITEM and args and isinstance(args[0], LazyBase):
+            raise args[0].refuse(
+                "item() turns the weight into a Python number (e.g. fill_(w.item()) for a "
+                "scalar parameter); a value that leaves the tensor cannot be planned as a pull"
+            )
         if func in _AS_SHAPE_OF and len(args) == 2 and isinstance(args[0], LazyBase):
             # x.view_as(y) is x.view(y.shape): record the replayable spelling.
             return args[0]._apply(_AS_SHAPE_OF[func], (tuple(args[1].shape),), {})
@@ -196,6 +212,15 @@ class LazyBase(torch.Tensor):
         if lazy is None:  # pragma: no cover - dispatch only reaches us with a lazy
             raise UnsupportedReshard(f"unsupported op {func} on a placeholder")
         raise lazy.refuse(f"unsupported op {func}", _ALLOWED_HINT)
+
+
+def _device_move(lazy: LazyBase, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``.to(...)``/``.cpu()``/``.cuda()``: the placeholder itself unless the dtype changes."""
+    dtypes = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.dtype)]
+    dtypes += [a.dtype for a in args if isinstance(a, torch.Tensor)]
+    if func is torch.Tensor.to and any(d != lazy.dtype for d in dtypes):
+        raise lazy.refuse(f"to() casts {lazy.dtype} to {dtypes[0]}")
+    return lazy
 
 
 def _copy_sink(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

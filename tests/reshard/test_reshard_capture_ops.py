@@ -166,7 +166,7 @@ def test_a_placeholder_view_reports_the_strides_a_real_view_would_have() -> None
     ("view", "cause"),
     [
         (lambda x: x * 2, "aten.mul"),
-        (lambda x: x.to(torch.bfloat16), "aten._to_copy"),
+        (lambda x: x.to(torch.bfloat16), "casts"),
         (lambda x: x.view(torch.int32), "reinterprets dtype"),
         (lambda x: x[torch.tensor([0, 2])], "advanced indexing"),
         (lambda x: x[[0, 2]], "advanced indexing"),
@@ -202,6 +202,33 @@ def test_a_list_index_is_never_mistaken_for_a_tuple_index() -> None:
     # other would pull the wrong bytes, so the list form must be refused.
     with pytest.raises(UnsupportedReshard):
         _lazy((3, 4))[[0, 2]]
+
+
+@pytest.mark.parametrize(
+    "same",
+    [
+        lambda x: x.detach(),
+        lambda x: x.data,
+        lambda x: x.to("cpu"),
+        lambda x: x.to(device="meta", dtype=F32),
+        lambda x: x.cpu(),
+        lambda x: x.to(torch.empty(1)),
+    ],
+    ids=["detach", "data", "to_device", "to_same_dtype", "cpu", "to_like"],
+)
+def test_device_moves_and_detach_are_the_placeholder_itself(same: View) -> None:
+    x = _lazy((3, 4)).narrow(0, 1, 2)
+    assert same(x) is x
+
+
+def test_a_cast_spelled_as_to_is_refused_even_with_a_device() -> None:
+    with pytest.raises(UnsupportedReshard, match=r"casts torch\.float32 to torch\.float16"):
+        _lazy((3, 4)).to("cpu", torch.float16)
+
+
+def test_item_is_refused_with_the_reason() -> None:
+    with pytest.raises(UnsupportedReshard, match=r"item\(\) turns the weight into a Python number"):
+        _lazy((1,)).item()
 
 
 def test_a_placeholder_cannot_be_written_into() -> None:
