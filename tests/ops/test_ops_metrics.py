@@ -111,3 +111,24 @@ def test_two_daemons_in_one_process_keep_separate_numbers() -> None:
     a.refused("ConflictError")
     assert b'refitd_refusals_total{reason="ConflictError"} 1.0' in a.render()
     assert b"ConflictError" not in b.render()
+
+
+def test_pool_stats_are_built_from_the_expert_planner_and_executor_counters() -> None:
+    from refitd.experts.cache import CacheStats
+    from refitd.experts.slots import SlotStats
+
+    stats = PoolStats.from_pool(
+        "moe",
+        layers=4,
+        slots=16,
+        occupied_slots=9,
+        cache=CacheStats(steps=3, routes=12, hits=7, misses=5, evictions=2),
+        executor=SlotStats(plans=3, host_rows=5, host_bytes=5 << 20, device_bytes=1 << 20),
+    )
+    metrics = Metrics()
+    metrics.bind_state(lambda: StateSnapshot(pools=[stats]))
+    text = metrics.render().decode()
+    assert 'refitd_expert_pool_hits_total{pool="moe"} 7.0' in text
+    assert 'refitd_expert_pool_evictions_total{pool="moe"} 2.0' in text
+    assert 'refitd_expert_pool_copied_bytes_total{pool="moe"} 6.291456e+06' in text
+    assert 'refitd_expert_pool_occupied_slots{pool="moe"} 9.0' in text
