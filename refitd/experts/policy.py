@@ -343,6 +343,7 @@ class ExpectedReusePolicy(EvictionPolicy):
         n_pow = len(pw)
         heap = self._heaps[layer]
         entry_key = self._entry_key
+        filled = False
         for s in slots:
             key = resident[s]
             age = v - qvisit[key]
@@ -352,8 +353,9 @@ class ExpectedReusePolicy(EvictionPolicy):
             if entry_key[s] != key:
                 # A fill needs an entry; a hit's old entry is a valid lower bound.
                 entry_key[s] = key
+                filled = True
                 heapq.heappush(heap, (self._heap_key(key), s, key, v))
-        if len(heap) > 4 * self._experts + 64:
+        if filled and len(heap) > 4 * self._experts + 64:
             self._compact(layer)
         # The visit moved this layer's experts a round further out: announce it.
         self._push_layer(layer)
@@ -402,12 +404,22 @@ class ExpectedReusePolicy(EvictionPolicy):
         return self._last_visit[layer] + n / q if q > 0.0 else math.inf
 
     def _push_layer(self, layer: int) -> None:
-        found = self._layer_min(layer, -1)
-        if found is not None:
-            heapq.heappush(self._top, (-self._expected(layer, found[2]), layer))
-        if len(self._top) > 4 * self._layers + 64:
+        """Announce an upper bound of the layer's furthest expected use.
+
+        The heap top's key is a lower bound of the layer's least ``q`` (stale entries
+        only underestimate), so the value pushed never understates the layer; the
+        victim search recomputes the exact value before acting on it.
+        """
+        heap = self._heaps[layer]
+        if not heap:
+            return
+        q = math.exp(heap[0][0] + self._visits[layer] * self._log_r)
+        e = self._last_visit[layer] + self._layers / q if q > 0.0 else math.inf
+        top = self._top
+        heapq.heappush(top, (-e, layer))
+        if len(top) > 4 * self._layers + 64:
             best: dict[int, float] = {}
-            for neg, m in self._top:
+            for neg, m in top:
                 best[m] = min(best.get(m, 0.0), neg)
             self._top = [(neg, m) for m, neg in best.items()]
             heapq.heapify(self._top)
