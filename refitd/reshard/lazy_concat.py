@@ -128,6 +128,9 @@ class LazyConcat(LazyBase):
             tuple(g.shape) != tuple(w.shape) for g, w in zip(got, want, strict=False)
         ):
             raise self.refuse(f"{name} of a concatenation did not resolve to its pieces")
+        if isinstance(resolved, LazyConcat) and isinstance(expected, torch.Tensor):
+            # Report the strides eager torch would (a loader may test is_contiguous()).
+            return LazyConcat(list(resolved._pieces), resolved._dim, expected)
         return resolved
 
     def _map(self, fn: Any, dim: int) -> LazyBase:

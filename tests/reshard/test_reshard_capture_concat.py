@@ -176,6 +176,15 @@ def test_ops_after_a_cat_resolve_to_the_pieces_they_touch() -> None:
         capture_and_check(shapes, build, transposed=True)
 
 
+def test_a_view_of_a_cat_reports_the_layout_eager_torch_would() -> None:
+    weights = convert_source_weights(
+        lambda sd: {"x": torch.cat([sd["a"], sd["b"]]).t()},
+        [("a", F32, (2, 3)), ("b", F32, (4, 3))],
+    )
+    real = torch.cat([torch.zeros(2, 3), torch.zeros(4, 3)]).t()
+    assert weights["x"].stride() == real.stride() and not weights["x"].is_contiguous()
+
+
 def test_a_select_inside_one_piece_records_only_that_source() -> None:
     copies = capture_and_check(
         {"a": (2, 3), "b": (4, 3)}, lambda sd: torch.cat([sd["a"], sd["b"]])[3]
