@@ -544,3 +544,14 @@ def test_a_captured_row_parallel_copy_plans_as_one_exact_run_per_row() -> None:
     assert sum(s.nbytes for s in segments) == 16 * 4  # the needed half of each row only
     assert sorted(s.src_addr for s in segments) == [16, 48, 80, 112]  # columns 4..7 of rank 1
     assert sorted(s.dst_byte for s in segments) == [0, 16, 32, 48]
+
+
+def test_the_capture_modules_export_exactly_names_they_define() -> None:
+    import refitd.reshard.geometry as geometry
+    import refitd.reshard.lazy as lazy
+    import refitd.reshard.lazy_concat as lazy_concat
+    import refitd.reshard.replay as replay
+
+    for module in (geometry, lazy, lazy_concat, replay):
+        assert sorted(module.__all__) == sorted(set(module.__all__))
+        assert all(hasattr(module, name) for name in module.__all__), module.__name__
