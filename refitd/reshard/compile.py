@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from operator import attrgetter
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +36,7 @@ __all__ = [
     "BoundPlan",
     "CompiledPlan",
     "DestLayout",
+    "ManifestLayout",
     "PlanSignature",
     "SignatureMismatch",
     "compile_plan",
@@ -57,18 +59,15 @@ class SignatureMismatch(PlanError):
 class PlanSignature:
     """Digests of what a compiled plan depends on (see the module docstring)."""
 
-    manifest: bytes
+    manifest: int
     destination: bytes
     options: tuple[object, ...]
 
 
-def manifest_signature(sources: Mapping[str, SourceInfo]) -> bytes:
-    """Digest of the manifest's structure, in the mapping's order; O(sources) once
-    each ``SourceInfo`` has cached its own digest."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(repr(tuple(sources)).encode())
-    h.update(b"".join([info.structure_digest for info in sources.values()]))
-    return h.digest()
+def manifest_signature(sources: Mapping[str, SourceInfo]) -> int:
+    """A process-local hash of a whole manifest's structure, in the mapping's order:
+    names plus each source's ``layout_key`` (everything but addresses)."""
+    return hash((tuple(sources), tuple(map(_KEY, sources.values()))))
 
 
 def dest_layout_of(
@@ -124,11 +123,38 @@ class BoundPlan:
         ]
 
 
+_KEY = attrgetter("layout_key")
+_ADDRS = attrgetter("shard_addrs")
+_SESSION = attrgetter("session")
+
+
+@dataclass(frozen=True)
+class ManifestLayout:
+    """The manifest structure a compiled plan depends on.
+
+    ``names`` are all source names in manifest order; ``ref_sources`` the ones the
+    plan reads and ``keys`` their ``SourceInfo.layout_key``. Unread sources only
+    need to keep their names: the plan never touches their bytes.
+    """
+
+    names: tuple[str, ...]
+    ref_sources: tuple[str, ...]
+    keys: list[int]
+
+
 @dataclass(frozen=True)
 class CompiledPlan:
-    """A :class:`TransferPlan` lowered to arrays and bound to its signature."""
+    """A :class:`TransferPlan` lowered to arrays and bound to its signature.
+
+    ``seg_*`` hold one row per exact segment (session and parameter as codes into
+    ``sessions``/``params``, byte addresses and offsets), ``pack_*`` one row per pack
+    spec, ``fp_session`` the session codes of each full pull's segments;
+    ``ref_session``/``ref_addr`` every read shard's session code and compile-time
+    address, in :class:`ManifestLayout` order.
+    """
 
     signature: PlanSignature
+    layout: ManifestLayout
     plan: TransferPlan
     sessions: tuple[str, ...]
     params: tuple[str, ...]
@@ -142,8 +168,6 @@ class CompiledPlan:
     pack_param: IntArray
     pack_dst: IntArray
     fp_session: tuple[IntArray, ...]
-    ref_sources: tuple[str, ...]
-    ref_counts: IntArray
     ref_session: IntArray
     ref_addr: IntArray
 
@@ -151,18 +175,46 @@ class CompiledPlan:
         self, sources: Mapping[str, SourceInfo], dest_layout: DestLayout | None = None
     ) -> str | None:
         """Why this plan cannot replay for ``sources``/``dest_layout``, or ``None``."""
-        if manifest_signature(sources) != self.signature.manifest:
-            return "the manifest structure changed (sources, shapes, dtypes or shard layouts)"
+        why, addrs = self._scan(sources, dest_layout)
+        if why is None:
+            try:
+                self._session_shift(addrs)
+            except SignatureMismatch as exc:
+                return str(exc)
+        return why
+
+    def _scan(
+        self, sources: Mapping[str, SourceInfo], dest_layout: DestLayout | None
+    ) -> tuple[str | None, IntArray]:
+        """Check the signature and gather the read shards' addresses.
+
+        Cost: O(sources) name comparisons plus O(sources read) key comparisons and
+        array concatenation; never a walk over shards (each ``SourceInfo`` keyed
+        its own layout when it was built).
+        """
+        none = np.zeros(0, dtype=np.int64)
+        lay = self.layout
+        if tuple(sources) != lay.names:
+            return "the manifest's sources changed (added, removed or reordered)", none
+        infos = [sources[n] for n in lay.ref_sources]
+        if list(map(_KEY, infos)) != lay.keys:
+            return (
+                "a source the plan reads changed its shape, dtype, shard boxes or sessions",
+                none,
+            )
         if (
             dest_layout is not None
             and destination_signature(dest_layout) != self.signature.destination
         ):
-            return "the destination layout changed (parameter names, shapes, strides or dtypes)"
-        return None
+            return (
+                "the destination layout changed (parameter names, shapes, strides or dtypes)",
+                none,
+            )
+        addrs = list(map(_ADDRS, infos))
+        return None, np.concatenate(addrs) if addrs else none
 
-    def _session_shift(self, sources: Mapping[str, SourceInfo]) -> IntArray:
-        parts = [sources[n].shard_addrs for n in self.ref_sources]
-        new = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    def _session_shift(self, new: IntArray) -> IntArray:
+        """Per-session address shift; every shard of one session must move alike."""
         delta = new - self.ref_addr
         n = len(self.sessions)
         lo = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)
@@ -174,9 +226,10 @@ class CompiledPlan:
             moved = [self.sessions[i] for i in np.flatnonzero(used & (lo != hi)).tolist()]
             raise SignatureMismatch(
                 f"shards of sessions {moved[:5]} moved relative to each other since the plan "
-                f"was compiled; reads merged across them would be wrong. Re-plan."
+                f"was compiled, so reads merged across them would be wrong; re-plan"
             )
-        return np.where(used, lo, 0)
+        shift: IntArray = np.where(used, lo, 0)
+        return shift
 
     def bind(
         self,
@@ -186,17 +239,20 @@ class CompiledPlan:
     ) -> BoundPlan:
         """Rebase this plan onto ``sources`` and the parameters' current addresses.
 
-        Raises :class:`SignatureMismatch` when the signature differs: re-plan, and
-        warm the exact signature first if replays must never plan.
+        Does no planning. Raises :class:`SignatureMismatch` when the signature
+        differs: re-plan, and warm the exact signature first where replays must
+        never plan.
         """
-        why = self.mismatch(sources, dest_layout)
+        why, addrs = self._scan(sources, dest_layout)
         if why is not None:
             raise SignatureMismatch(
                 f"compiled plan refused: {why}. A compiled plan replays only for the exact "
                 f"signature it was warmed on; re-plan (warm the exact signature first)."
             )
-        shift = self._session_shift(sources)
+        shift = self._session_shift(addrs)
         ptrs = np.array([resolve_param_ptr(p) for p in self.params], dtype=np.int64)
+        if not ptrs.size:
+            ptrs = np.zeros(1, dtype=np.int64)
         fps = tuple(
             replace(
                 fp,
@@ -211,11 +267,11 @@ class CompiledPlan:
             self.sessions,
             self.seg_session,
             self.seg_src + shift[self.seg_session],
-            ptrs[self.seg_param] + self.seg_dst if ptrs.size else self.seg_dst.copy(),
+            ptrs[self.seg_param] + self.seg_dst,
             self.seg_nbytes,
             tuple(self.plan.packs),
             self.pack_src + shift[self.pack_session],
-            ptrs[self.pack_param] + self.pack_dst if ptrs.size else self.pack_dst.copy(),
+            ptrs[self.pack_param] + self.pack_dst,
             fps,
         )
 
@@ -230,7 +286,10 @@ def compile_plan(
     dest_layout: DestLayout,
     options: tuple[object, ...] = (),
 ) -> CompiledPlan:
-    """Lower ``plan`` (made from ``sources`` for ``dest_layout``) to a compiled plan."""
+    """Lower ``plan`` (made from ``sources`` for ``dest_layout``) to a compiled plan.
+
+    Refuses a plan with any ``fallback`` source: it must never run.
+    """
     if plan.fallback:
         raise PlanError(
             f"refusing to compile a plan with {len(plan.fallback)} fallback sources "
@@ -240,13 +299,16 @@ def compile_plan(
     params: dict[str, int] = {}
     segs: list[Segment] = plan.segments
     planned = set(plan.planned_sources)
-    ref = [n for n in sources if n in planned]
-    ref_session = [s.session for n in ref for s in sources[n].shards]
-    ref_codes = _codes(ref_session, sessions)
+    ref = tuple(n for n in sources if n in planned)
+    infos = [sources[n] for n in ref]
+    shards = [s for info in infos for s in info.shards]
+    layout = ManifestLayout(names=tuple(sources), ref_sources=ref, keys=list(map(_KEY, infos)))
+    ref_session = _codes([s.session for s in shards], sessions)
     compiled = CompiledPlan(
         signature=PlanSignature(
             manifest_signature(sources), destination_signature(dest_layout), options
         ),
+        layout=layout,
         plan=plan,
         sessions=(),
         params=(),
@@ -262,12 +324,8 @@ def compile_plan(
         fp_session=tuple(
             _codes([s.session for s in fp.segments], sessions) for fp in plan.full_pulls
         ),
-        ref_sources=tuple(ref),
-        ref_counts=np.array([len(sources[n].shards) for n in ref], dtype=np.int64),
-        ref_session=ref_codes,
-        ref_addr=np.concatenate([sources[n].shard_addrs for n in ref])
-        if ref
-        else np.zeros(0, dtype=np.int64),
+        ref_session=ref_session,
+        ref_addr=np.array([s.addr for s in shards], dtype=np.int64),
     )
     return replace(
         compiled,

@@ -22,11 +22,10 @@ the whole plan (:mod:`refitd.reshard.receiver`).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from functools import cached_property
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -62,36 +61,43 @@ __all__ = [
 IntArray = npt.NDArray[np.int64]
 
 
+_LAYOUT = attrgetter("shard_offset", "shape", "session", "elsize")
+_ADDR = attrgetter("addr")
+
+
 @dataclass(frozen=True)
 class SourceInfo:
     """A full source tensor as published: its global shape (elements), dtype,
     bytes per element, and the shards that hold it (replicas allowed).
 
-    The structural digest and shard addresses are cached on first use; treat a
-    ``SourceInfo`` as immutable once planned against.
+    On construction it records ``layout_key`` (a process-local hash of everything
+    but the shards' addresses: shape, dtype, elsize, every shard's box, session and
+    elsize) and ``shard_addrs`` (bytes, one per shard). That is O(shards), paid once
+    per manifest entry, and is what lets a compiled plan replay against a fresh
+    manifest without walking its shards. Treat a ``SourceInfo`` as immutable.
     """
 
     global_shape: tuple[int, ...]
     dtype: torch.dtype
     elsize: int
     shards: list[Shard]
+    layout_key: int = field(init=False, repr=False, compare=False)
+    shard_addrs: IntArray = field(init=False, repr=False, compare=False)
 
-    @cached_property
-    def structure_digest(self) -> bytes:
-        """Digest of everything but the shards' addresses."""
-        text = repr(
-            (
-                tuple(self.global_shape),
-                str(self.dtype),
-                self.elsize,
-                tuple((s.shard_offset, s.shape, s.session, s.elsize) for s in self.shards),
-            )
+    def __post_init__(self) -> None:
+        layout = (
+            tuple(self.global_shape),
+            self.dtype,
+            self.elsize,
+            tuple(map(_LAYOUT, self.shards)),
         )
-        return hashlib.blake2b(text.encode(), digest_size=16).digest()
-
-    @cached_property
-    def shard_addrs(self) -> IntArray:
-        return np.array([s.addr for s in self.shards], dtype=np.int64)
+        try:
+            key = hash(layout)
+        except TypeError:  # lists where tuples were meant: same content, same key
+            key = hash(repr(layout))
+        object.__setattr__(self, "layout_key", key)
+        addrs = np.fromiter(map(_ADDR, self.shards), dtype=np.int64, count=len(self.shards))
+        object.__setattr__(self, "shard_addrs", addrs)
 
 
 @dataclass(frozen=True)
