@@ -42,6 +42,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import importlib
+import itertools
 import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -76,6 +77,7 @@ __all__ = [
     "create_transport",
     "register_transport",
     "schemes",
+    "split_shares",
     "suspect_ranges",
     "transport_class",
     "validate_batch",
@@ -358,6 +360,42 @@ def coalesce(batch: ReadBatch) -> ReadBatch:
     starts = np.concatenate(([0], np.flatnonzero(~joins) + 1))
     out = live[starts].copy()
     out["nbytes"] = np.add.reduceat(n, starts)
+    return out
+
+
+def split_shares(
+    dst: npt.NDArray[np.int64],
+    src: npt.NDArray[np.int64],
+    nbytes: npt.NDArray[np.int64],
+    shares: int,
+    tag: npt.NDArray[np.int64] | None = None,
+) -> list[
+    tuple[
+        npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]
+    ]
+]:
+    """Cut copies (``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]``) into
+    ``shares`` groups of about equal bytes, splitting a copy where a cut falls in it.
+
+    Returns ``(dst, src, nbytes, tag)`` per non-empty share; ``tag`` (one int per
+    copy, e.g. a region index) follows its copy's pieces. Order within a share is kept.
+    """
+    tag = np.zeros(len(nbytes), np.int64) if tag is None else tag
+    total = int(nbytes.sum())
+    if shares <= 1 or total == 0:
+        return [(dst, src, nbytes, tag)]
+    ends = np.cumsum(nbytes)
+    starts = ends - nbytes
+    cuts = [total * k // shares for k in range(shares + 1)]
+    out = []
+    for a, b in itertools.pairwise(cuts):
+        lo = np.maximum(starts, a)
+        hi = np.minimum(ends, b)
+        take = hi > lo
+        if not take.any():
+            continue
+        skip = (lo - starts)[take]
+        out.append((dst[take] + skip, src[take] + skip, (hi - lo)[take], tag[take]))
     return out
 
 

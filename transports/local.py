@@ -10,40 +10,17 @@ thread would cost more than the copy.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import numpy.typing as npt
 
+from .core import split_shares
 from .inproc import InProcessTransport
 from .native import copy_lib
 
 __all__ = ["LocalTransport"]
-
-
-def split_shares(
-    dst: npt.NDArray[np.int64],
-    src: npt.NDArray[np.int64],
-    nbytes: npt.NDArray[np.int64],
-    shares: int,
-) -> list[tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]]:
-    """Cut reads into ``shares`` groups of about equal bytes, splitting reads at the cuts."""
-    total = int(nbytes.sum())
-    if shares <= 1 or total == 0:
-        return [(dst, src, nbytes)]
-    ends = np.cumsum(nbytes)
-    starts = ends - nbytes
-    cuts = [total * k // shares for k in range(shares + 1)]
-    out = []
-    for a, b in itertools.pairwise(cuts):
-        lo = np.maximum(starts, a)
-        hi = np.minimum(ends, b)
-        take = hi > lo
-        skip = (lo - starts)[take]
-        out.append((dst[take] + skip, src[take] + skip, (hi - lo)[take]))
-    return out
 
 
 class LocalTransport(InProcessTransport):
@@ -90,6 +67,6 @@ class LocalTransport(InProcessTransport):
         await asyncio.gather(
             *(
                 loop.run_in_executor(pool, self._copy_share, d, s, n)
-                for d, s, n in split_shares(dst, src, nbytes, self.threads)
+                for d, s, n, _ in split_shares(dst, src, nbytes, self.threads)
             )
         )

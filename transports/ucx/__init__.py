@@ -121,7 +121,9 @@ class UcxPeer(Peer):
 
 
 class UcxTransport(Transport):
-    """UCX GETs through a supervised child. ``pull_timeout`` bounds one batch (s)."""
+    """UCX GETs through a supervised child. ``pull_timeout`` bounds one batch (s);
+    ``lanes`` UCX workers in the child post a large batch's shares in parallel
+    (default: up to 2, one per core)."""
 
     scheme = "ucx"
 
@@ -133,11 +135,13 @@ class UcxTransport(Transport):
         pull_timeout: float = 120.0,
         max_restarts: int = 5,
         on_restart: Callable[[int], None] | None = None,
+        lanes: int | None = None,
     ) -> None:
         super().__init__(secret=secret, peer_id=peer_id)
         self.pull_timeout = pull_timeout
         self.max_restarts = max_restarts
         self.on_restart = on_restart
+        self.lanes = lanes or min(2, os.cpu_count() or 1)
         self.generation = 0
         self.restarts = 0
         self._child: _Child | None = None
@@ -165,6 +169,7 @@ class UcxTransport(Transport):
                 "-m",
                 "transports.ucx.worker",
                 str(child.fileno()),
+                str(self.lanes),
                 pass_fds=(child.fileno(),),
                 env=env,
                 stdin=asyncio.subprocess.DEVNULL,

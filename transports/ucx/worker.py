@@ -23,12 +23,14 @@ import os
 import signal
 import socket
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
-from ..core import READ_DTYPE, ReadRefused, coalesce, validate_batch
+from ..core import READ_DTYPE, ReadRefused, coalesce, split_shares, validate_batch
 from ..shm import SharedSegment
 from .protocol import (
     Connect,
@@ -44,26 +46,41 @@ from .protocol import (
 )
 
 PR_SET_PDEATHSIG = 1
+LANE_MIN_BYTES = 1 << 20  # smaller batches stay on one lane: a thread hop costs more
 
 
 @dataclass
 class _Local:
     segment: SharedSegment
-    memh: int
+    memhs: list[int]  # one registration per lane's context
 
 
 @dataclass
 class _Remote:
     address: int
     size: int
-    rkey: int
+    rkeys: list[int]  # one unpacked key per lane (a key belongs to one endpoint)
 
 
 @dataclass
 class _Peer:
-    ep: object  # ucxx UCXEndpoint, kept alive here
-    handle: int
+    eps: list[object]  # ucxx UCXEndpoint per lane, kept alive here
+    handles: list[int]
     regions: dict[int, _Remote]
+
+
+@dataclass
+class _Lane:
+    """One UCX context and worker, driven by one thread during a batch.
+
+    Each lane has its own context: contexts are not safe to share between threads
+    posting at once (their registration caches are not locked for that)."""
+
+    context: object
+    ctx_h: ctypes.c_void_p
+    worker: object
+    handle: ctypes.c_void_p
+    efd: int
 
 
 class UcxError(Exception):
@@ -72,21 +89,30 @@ class UcxError(Exception):
 
 
 class DataPlane:
-    def __init__(self) -> None:
+    """UCX state of the process. ``lanes`` UCX workers share one context; a large
+    batch is cut into one share per lane, posted from that many threads (ctypes
+    releases the GIL), so both cores issue reads. Peers connect to lane 0's address."""
+
+    def __init__(self, lanes: int = 1) -> None:
         from ucxx._lib import libucxx as ucx_api
 
         from ..native import ucx_lib
 
         self.api = ucx_api
-        self.context = ucx_api.UCXContext({})
-        self.worker = ucx_api.UCXWorker(self.context)
         self.lib = ucx_lib()
-        self.ctx_h = ctypes.c_void_p(self.context.handle)
-        self.worker_h = ctypes.c_void_p(self.worker.handle)
-        efd = ctypes.c_int(-1)
-        self._check("ucp_worker_get_efd", self.lib.rfx_worker_efd(self.worker_h, ctypes.byref(efd)))
-        self.efd = efd.value
-        self.address = bytes(self.worker.address.tobytes())
+        self.lanes: list[_Lane] = []
+        for _ in range(max(1, lanes)):
+            context = ucx_api.UCXContext({})
+            worker = ucx_api.UCXWorker(context)
+            handle = ctypes.c_void_p(worker.handle)
+            efd = ctypes.c_int(-1)
+            self._check("ucp_worker_get_efd", self.lib.rfx_worker_efd(handle, ctypes.byref(efd)))
+            self.lanes.append(
+                _Lane(context, ctypes.c_void_p(context.handle), worker, handle, efd.value)
+            )
+        self.worker_h, self.efd = self.lanes[0].handle, self.lanes[0].efd
+        self.address = bytes(self.lanes[0].worker.address.tobytes())  # type: ignore[attr-defined]
+        self.pool = ThreadPoolExecutor(len(self.lanes)) if len(self.lanes) > 1 else None
         self.locals: dict[int, _Local] = {}
         self.peers: dict[int, _Peer] = {}
 
@@ -98,50 +124,65 @@ class DataPlane:
     def register(self, msg: Register) -> Reply:
         self.deregister(Deregister(msg.region_id))
         seg = SharedSegment.attach(msg.name, msg.size)
-        memh = ctypes.c_void_p()
-        self._check(
-            "ucp_mem_map",
-            self.lib.rfx_mem_map(self.ctx_h, seg.address, seg.size, ctypes.byref(memh)),
-        )
+        local = _Local(seg, [])
+        self.locals[msg.region_id] = local
+        for lane in self.lanes:
+            memh = ctypes.c_void_p()
+            self._check(
+                "ucp_mem_map",
+                self.lib.rfx_mem_map(lane.ctx_h, seg.address, seg.size, ctypes.byref(memh)),
+            )
+            assert memh.value is not None
+            local.memhs.append(memh.value)
+        # Peers read through lane 0 (its worker address is the one advertised).
         buf = ctypes.create_string_buffer(4096)
         size = ctypes.c_size_t()
         self._check(
-            "ucp_rkey_pack", self.lib.rfx_rkey_pack(self.ctx_h, memh, buf, 4096, ctypes.byref(size))
+            "ucp_rkey_pack",
+            self.lib.rfx_rkey_pack(
+                self.lanes[0].ctx_h, ctypes.c_void_p(local.memhs[0]), buf, 4096, ctypes.byref(size)
+            ),
         )
-        assert memh.value is not None
-        self.locals[msg.region_id] = _Local(seg, memh.value)
         return Reply(0, address=seg.address, rkey=buf.raw[: size.value])
 
     def deregister(self, msg: Deregister) -> Reply:
         local = self.locals.pop(msg.region_id, None)
         if local is not None:
-            self.lib.rfx_mem_unmap(self.ctx_h, ctypes.c_void_p(local.memh))
+            for lane, memh in zip(self.lanes, local.memhs, strict=False):
+                self.lib.rfx_mem_unmap(lane.ctx_h, ctypes.c_void_p(memh))
             local.segment.close()
         return Reply(0)
 
     def connect(self, msg: Connect) -> Reply:
         self.disconnect(Disconnect(msg.peer))
-        addr = self.api.UCXAddress.create_from_buffer(msg.address)
-        # Error handling off: the only mode in which same-host GETs take cma.
-        ep = self.api.UCXEndpoint.create_from_worker_address(self.worker, addr, False)
-        peer = _Peer(ep, ep.handle, {})
+        peer = _Peer([], [], {})
         self.peers[msg.peer] = peer
+        for lane in self.lanes:
+            addr = self.api.UCXAddress.create_from_buffer(msg.address)
+            # Error handling off: the only mode in which same-host GETs take cma.
+            ep = self.api.UCXEndpoint.create_from_worker_address(lane.worker, addr, False)
+            peer.eps.append(ep)
+            peer.handles.append(ep.handle)
         for r in msg.regions:
-            rkey = ctypes.c_void_p()
-            self._check(
-                f"ucp_ep_rkey_unpack of region {r.region_id}",
-                self.lib.rfx_rkey_unpack(ctypes.c_void_p(peer.handle), r.rkey, ctypes.byref(rkey)),
-            )
-            assert rkey.value is not None
-            peer.regions[r.region_id] = _Remote(r.address, r.size, rkey.value)
+            keys = []
+            for handle in peer.handles:
+                rkey = ctypes.c_void_p()
+                self._check(
+                    f"ucp_ep_rkey_unpack of region {r.region_id}",
+                    self.lib.rfx_rkey_unpack(ctypes.c_void_p(handle), r.rkey, ctypes.byref(rkey)),
+                )
+                assert rkey.value is not None
+                keys.append(rkey.value)
+            peer.regions[r.region_id] = _Remote(r.address, r.size, keys)
         return Reply(0)
 
     def disconnect(self, msg: Disconnect) -> Reply:
         peer = self.peers.pop(msg.peer, None)
         if peer is not None:
             for r in peer.regions.values():
-                self.lib.rfx_rkey_destroy(ctypes.c_void_p(r.rkey))
-            # The endpoint is closed by ucxx when the object goes.
+                for key in r.rkeys:
+                    self.lib.rfx_rkey_destroy(ctypes.c_void_p(key))
+            # The endpoints are closed by ucxx when the objects go.
         return Reply(0)
 
     def get(self, msg: Get) -> Reply:
@@ -159,29 +200,23 @@ class DataPlane:
         n = len(reads)
         if n == 0:
             return Reply(0)
-        l_ids = sorted(self.locals)
-        l_base = np.array([self.locals[i].segment.address for i in l_ids], np.uint64)
-        r_ids = sorted(peer.regions)
-        r_base = np.array([peer.regions[i].address for i in r_ids], np.uint64)
-        r_key = np.array([peer.regions[i].rkey for i in r_ids], np.uint64)
-        li = np.searchsorted(np.array(l_ids, np.int64), reads["local_region"])
-        ri = np.searchsorted(np.array(r_ids, np.int64), reads["remote_region"])
-        dst = l_base[li] + reads["local_offset"].astype(np.uint64)
-        src = r_base[ri] + reads["remote_offset"].astype(np.uint64)
-        length = reads["nbytes"].astype(np.uint64)
-        rkeys = r_key[ri]
-        posted = ctypes.c_int64()
-        status = self.lib.rfx_get_batch(
-            self.worker_h,
-            self.efd,
-            ctypes.c_void_p(peer.handle),
-            n,
-            dst.ctypes.data,
-            src.ctypes.data,
-            length.ctypes.data,
-            rkeys.ctypes.data,
-            ctypes.byref(posted),
-        )
+        l_ids = np.array(sorted(self.locals), np.int64)
+        l_base = np.array([self.locals[int(i)].segment.address for i in l_ids], np.int64)
+        r_ids = np.array(sorted(peer.regions), np.int64)
+        r_base = np.array([peer.regions[int(i)].address for i in r_ids], np.int64)
+        li = np.searchsorted(l_ids, reads["local_region"])
+        ri = np.searchsorted(r_ids, reads["remote_region"])
+        dst = l_base[li] + reads["local_offset"]
+        src = r_base[ri] + reads["remote_offset"]
+        lanes = len(self.lanes) if int(reads["nbytes"].sum()) >= LANE_MIN_BYTES else 1
+        shares = split_shares(dst, src, reads["nbytes"], lanes, ri)
+        if self.pool is None or len(shares) == 1:
+            status = self._post(peer, r_ids, 0, *shares[0])
+        else:
+            jobs = [
+                self.pool.submit(self._post, peer, r_ids, k, *sh) for k, sh in enumerate(shares)
+            ]
+            status = next((st for st in (j.result() for j in jobs) if st != 0), 0)
         if status != 0:
             return Reply(
                 0,
@@ -190,6 +225,33 @@ class DataPlane:
                 reads=n,
             )
         return Reply(0, reads=n)
+
+    def _post(
+        self,
+        peer: _Peer,
+        r_ids: npt.NDArray[np.int64],
+        lane: int,
+        dst: npt.NDArray[np.int64],
+        src: npt.NDArray[np.int64],
+        length: npt.NDArray[np.int64],
+        region_index: npt.NDArray[np.int64],
+    ) -> int:
+        """Post one share on one lane and wait for it; returns a ucs_status_t."""
+        keys = np.array([peer.regions[int(i)].rkeys[lane] for i in r_ids], np.uint64)[region_index]
+        d, s, n = (np.ascontiguousarray(x, dtype=np.int64) for x in (dst, src, length))
+        posted = ctypes.c_int64()
+        status: int = self.lib.rfx_get_batch(
+            self.lanes[lane].handle,
+            self.lanes[lane].efd,
+            ctypes.c_void_p(peer.handles[lane]),
+            len(n),
+            d.ctypes.data,
+            s.ctypes.data,
+            n.ctypes.data,
+            keys.ctypes.data,
+            ctypes.byref(posted),
+        )
+        return status
 
     def handle(self, env: Envelope) -> Reply:
         body = env.body
@@ -227,13 +289,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
-def main(fd: int) -> int:
+def main(fd: int, lanes: int) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() == 1:
         return 1  # the owner died before we could ask to follow it
     sock = socket.socket(fileno=fd)
-    plane = DataPlane()
+    plane = DataPlane(lanes)
     enc = msgspec.msgpack.Encoder()
     dec = msgspec.msgpack.Decoder(Envelope)
     sock.sendall(frame(enc.encode(Reply(0, worker_address=plane.address))))
@@ -256,4 +318,4 @@ def main(fd: int) -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    sys.exit(main(int(sys.argv[1])))
+    sys.exit(main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 1))
