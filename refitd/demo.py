@@ -3,13 +3,17 @@
 Until the daemon exists this is refitd's main job in miniature. A toy trainer holds a
 DeepSeek-shaped MoE model (MLA attention, routed and shared experts, bf16) as
 Megatron TP 2 × EP 4 shards in real per-rank buffers. An engine in a different layout
-(vLLM-style TP 4 with EP 2) refits every one of its ranks: capture on a meta twin →
-plan against the published shards → pull through the reference transport into zeroed
-parameters → compare each parameter with the engine's own loader run on the full
-checkpoint. The exit code is 0 only if every rank matched exactly.
+(vLLM-style TP 4 with EP 2) refits every one of its ranks through a strict
+:class:`~refitd.reshard.receiver.ReshardReceiver`: capture on a meta twin → plan and
+compile against version 1's shards → pull through the reference transport into
+zeroed parameters; then version 2 (new weights, published into new buffers) is pulled
+by replaying the compiled plan, with no planning. After each version every parameter
+is compared with the engine's own loader run on that version's full checkpoint. The
+exit code is 0 only if both versions matched exactly on every rank and each rank
+planned once.
 
-The report prints the plan's bytes and descriptors, and the pull's throughput next to
-a plain numpy copy of the same number of bytes measured in the same run.
+The report prints the plan's bytes and descriptors, and version 2's pull throughput
+next to a plain numpy copy of the same number of bytes measured in the same run.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class RankResult:
     descriptors: int
     plan_s: float
     pull_s: float
+    replans: int
     mismatched: tuple[str, ...]
 
 
@@ -56,8 +61,10 @@ def run(args: argparse.Namespace) -> int:
 
     from refitd.bench.engines import EngineParallel, ModelConfig, ToyEngine
     from refitd.bench.layouts import capture_published, full_state, megatron_tp_ep
-    from refitd.reshard.transfer_plan import execute_transfer, plan_transfer
+    from refitd.reshard.compile import dest_layout_of
+    from refitd.reshard.receiver import ReshardReceiver
     from refitd.reshard.transport import InMemoryReferenceTransport
+    from refitd.reshard.types import UnsupportedReshard
 
     console = Console(width=max(Console().width, 100))
     small = args.size == "small"
@@ -79,47 +86,48 @@ def run(args: argparse.Namespace) -> int:
         first_k_dense=1,
         dtype=torch.bfloat16,
     )
-    state = full_state(cfg, seed=0)
-    checkpoint_bytes = sum(t.numel() * t.element_size() for t in state.values())
-    published = megatron_tp_ep(cfg, args.trainer_tp, args.trainer_ep, state)
+    # Two versions of the weights; the trainer publishes each into fresh buffers.
+    states = [full_state(cfg, seed=0), full_state(cfg, seed=1)]
+    versions = [megatron_tp_ep(cfg, args.trainer_tp, args.trainer_ep, st) for st in states]
+    checkpoint_bytes = sum(t.numel() * t.element_size() for t in states[0].values())
     console.print(
         f"[bold]refitd demo[/bold]: trainer Megatron TP{args.trainer_tp}×EP{args.trainer_ep} "
-        f"({len(published.buffers)} ranks, {len(published.sources)} tensors, "
+        f"({len(versions[0].buffers)} ranks, {len(versions[0].sources)} tensors, "
         f"{checkpoint_bytes / 2**20:.1f} MiB checkpoint) → engine TP{args.engine_tp}"
-        f"×EP{args.engine_ep}"
+        f"×EP{args.engine_ep}; version 1 planned cold, version 2 replays the compiled plan"
     )
 
     results: list[RankResult] = []
     for rank in range(args.engine_tp):
         par = EngineParallel(args.engine_tp, rank, args.engine_ep)
-        started = time.perf_counter()
-        with torch.device("meta"):
-            twin = ToyEngine(cfg, par)
-        capture = capture_published(twin, published)
-        plan = plan_transfer(capture, published.sources)
-        plan_s = time.perf_counter() - started
-        if capture.unsupported or plan.fallback:
-            console.print(f"[red]rank {rank}: unsupported sources {plan.fallback}[/red]")
-            return 1
-
         engine = ToyEngine(cfg, par)
         params = dict(engine.named_parameters())
         pointers = {name: p.data_ptr() for name, p in params.items()}
-        # A refit repeats every step into the same parameters: the first pull also
-        # faults in their pages, so the second one is timed (and then verified).
-        for _attempt in range(2):
-            started = time.perf_counter()
-            stats = execute_transfer(
-                plan,
-                resolve_param_ptr=pointers.__getitem__,
-                transport=InMemoryReferenceTransport(),
-            )
-            pull_s = time.perf_counter() - started
+        dest = dest_layout_of(params)
 
-        truth = ToyEngine(cfg, par)
-        truth.load_weights(state.items())
-        expected = dict(truth.named_parameters())
-        bad = tuple(n for n, p in params.items() if not torch.equal(p, expected[n]))
+        started = time.perf_counter()
+        with torch.device("meta"):
+            twin = ToyEngine(cfg, par)
+        receiver = ReshardReceiver(capture_published(twin, versions[0]), strict=True)
+        try:
+            plan = receiver.warm(versions[0].sources, dest).plan
+        except UnsupportedReshard as exc:
+            console.print(f"[red]rank {rank}: {exc}[/red]")
+            return 1
+        plan_s = time.perf_counter() - started
+
+        bad: list[str] = []
+        pull_times: list[float] = []
+        for version, (published, state) in enumerate(zip(versions, states), start=1):
+            started = time.perf_counter()
+            stats = receiver.refit(
+                published.sources, pointers.__getitem__, InMemoryReferenceTransport(), dest
+            )
+            pull_times.append(time.perf_counter() - started)
+            truth = ToyEngine(cfg, par)
+            truth.load_weights(state.items())
+            expected = dict(truth.named_parameters())
+            bad += [f"v{version} {n}" for n, p in params.items() if not torch.equal(p, expected[n])]
         results.append(
             RankResult(
                 rank=rank,
@@ -128,8 +136,9 @@ def run(args: argparse.Namespace) -> int:
                 wire_bytes=int(stats["bytes"]),
                 descriptors=plan.descriptor_count(),
                 plan_s=plan_s,
-                pull_s=pull_s,
-                mismatched=bad,
+                pull_s=pull_times[-1],
+                replans=receiver.replans,
+                mismatched=tuple(bad),
             )
         )
 
@@ -144,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
 
     table = Table(title="per engine rank")
     for col in ("rank", "exact MiB", "wire MiB", "wire÷exact", "reads", "plan s",
-                "pull s", "GB/s", "bit-exact"):  # fmt: skip
+                "v2 replay s", "GB/s", "plans", "bit-exact"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
@@ -156,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
             f"{r.plan_s:.3f}",
             f"{r.pull_s:.4f}",
             f"{r.wire_bytes / max(r.pull_s, 1e-9) / 1e9:.2f}",
+            str(r.replans),
             "[green]yes[/green]" if not r.mismatched else f"[red]{len(r.mismatched)} differ[/red]",
         )
     console.print(table)
@@ -164,25 +174,28 @@ def run(args: argparse.Namespace) -> int:
     exact = sum(r.exact_bytes for r in results)
     pull_gbs = total_wire / max(pull_s, 1e-9) / 1e9
     memcpy_gbs = total_wire / max(memcpy_s, 1e-9) / 1e9
-    ok = all(not r.mismatched for r in results)
+    # One plan per rank: version 2 must have replayed the compiled plan.
+    ok = all(not r.mismatched and r.replans == 1 for r in results)
     console.print(
         f"{sum(r.params for r in results)} parameters over {len(results)} ranks: "
         f"pulled {total_wire / 2**20:.1f} MiB for {exact / 2**20:.1f} MiB needed "
         f"(wire÷exact {total_wire / max(exact, 1):.3f}) in "
         f"{sum(r.descriptors for r in results)} descriptors: {pull_gbs:.2f} GB/s vs numpy "
-        f"memcpy {memcpy_gbs:.2f} GB/s ({pull_gbs / memcpy_gbs:.2f}× memcpy)"
+        f"memcpy {memcpy_gbs:.2f} GB/s ({pull_gbs / memcpy_gbs:.2f}× memcpy; version 2, "
+        f"compiled plan rebased onto the new buffers, no planning)"
     )
     for r in results:
         for name in r.mismatched[:5]:
             console.print(f"[red]rank {r.rank}: {name} differs from the loader's result[/red]")
     console.print(
-        "[bold green]verified: every parameter of every rank is bit-exact[/bold green]"
+        "[bold green]verified: both versions, every parameter of every rank bit-exact[/bold green]"
         if ok
         else "[bold red]NOT verified[/bold red]"
     )
     print(
         f"verified={int(ok)} ranks={len(results)} exact_bytes={exact} wire_bytes={total_wire} "
-        f"descriptors={sum(r.descriptors for r in results)} pull_gbs={pull_gbs:.3f} "
+        f"descriptors={sum(r.descriptors for r in results)} "
+        f"plans={sum(r.replans for r in results)} pull_gbs={pull_gbs:.3f} "
         f"memcpy_gbs={memcpy_gbs:.3f}"
     )
     return 0 if ok else 1

@@ -23,6 +23,7 @@ def test_demo_refits_every_engine_rank_bit_exact_and_exits_zero(
     assert pairs["ranks"] == "4"
     assert int(pairs["wire_bytes"]) >= int(pairs["exact_bytes"]) > 0
     assert "bit-exact" in out
+    assert pairs["plans"] == "4"  # one cold plan per rank; version 2 replayed it
 
 
 def test_demo_accepts_another_engine_layout(capsys: pytest.CaptureFixture[str]) -> None:
