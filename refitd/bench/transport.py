@@ -124,7 +124,8 @@ async def _main(args: argparse.Namespace) -> int:
 
         for scheme in schemes:
             peer_proc = None
-            async with create_transport(scheme, secret=secret, peer_id="bench") as t:
+            extra = {"lanes": args.lanes} if scheme == "ucx" and args.lanes else {}
+            async with create_transport(scheme, secret=secret, peer_id="bench", **extra) as t:
                 await t.register(1, dst)
                 if scheme == "ucx":
                     peer_proc = await asyncio.create_subprocess_exec(
