@@ -254,7 +254,8 @@ class UcxTransport(Transport):
         for peer in list(self._peers.values()):
             peer._closed = True
         self._peers.clear()
-        c, self._child = self._child, None
+        async with self._lock:  # let a restart in progress finish, then stop its child
+            c, self._child = self._child, None
         if c is None:
             return
         with contextlib.suppress(TransportError, OSError, TimeoutError):
