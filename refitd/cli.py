@@ -26,10 +26,19 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # `refitd bench NAME`: name -> (module, one-line help).
 BENCHES: dict[str, tuple[str, str]] = {
-    "experts": ("refitd.bench.experts", "expert-cache policies vs Belady's optimum on MoE routing traces"),
+    "experts": (
+        "refitd.bench.experts",
+        "expert-cache policies vs Belady's optimum on MoE routing traces",
+    ),
     "plan": ("refitd.bench.plan", "plan a DeepSeek-V3-shaped refit for two trainer layouts"),
-    "refit": ("refitd.bench.refit", "refit a ≥ 2 GiB model TP2 → TP4 through two daemons, vs memcpy"),
-    "transport": ("refitd.bench.transport", "pull 256 MiB through each transport (4 KiB…256 MiB pieces) vs memcpy"),
+    "refit": (
+        "refitd.bench.refit",
+        "refit a ≥ 2 GiB model TP2 → TP4 through two daemons, vs memcpy",
+    ),
+    "transport": (
+        "refitd.bench.transport",
+        "pull 256 MiB through each transport (4 KiB…256 MiB pieces) vs memcpy",
+    ),
 }
 
 

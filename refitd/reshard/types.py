@@ -90,9 +90,7 @@ def _cause_of(reason: str) -> str:
     return _SOURCE_TAIL.sub("", reason).strip()
 
 
-def summarize_unsupported(
-    reasons: dict[str, str], limit: int | None = 5
-) -> list[tuple[str, int]]:
+def summarize_unsupported(reasons: dict[str, str], limit: int | None = 5) -> list[tuple[str, int]]:
     """Group unsupported-source messages into ``(cause, count)``, most common first.
 
     Ties keep the order in which a cause was first seen. ``limit`` caps the number
