@@ -196,3 +196,21 @@ async def test_the_data_plane_uses_the_libucp_that_ucxx_loaded() -> None:
         maps = await asyncio.to_thread(Path(f"/proc/{t.pid}/maps").read_text)
         paths = {line.split()[-1] for line in maps.splitlines() if "libucp.so" in line}
         assert len(paths) == 1, paths
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+
+
+async def test_an_idle_data_plane_sleeps_instead_of_spinning() -> None:
+    async with open_pair("ucx", 1 << 20, 1 << 20) as pair:
+        await pair.peer.get(shuffled_batch(256, 4096))
+        pids = [t.pid for t in (pair.puller, pair.source) if isinstance(t, UcxTransport)]
+        assert all(pids)
+        before = [_cpu_ticks(p) for p in pids if p]
+        await asyncio.sleep(1.0)  # an observation window, not synchronisation
+        after = [_cpu_ticks(p) for p in pids if p]
+        spent = [a - b for a, b in zip(after, before, strict=True)]
+        # A spinning thread would burn ~100 ticks per second; a sleeping one ~0.
+        assert max(spent) < 20, f"idle data-plane processes used {spent} CPU ticks in 1 s"
