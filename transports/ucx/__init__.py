@@ -210,7 +210,10 @@ class UcxTransport(Transport):
         await self._child_died(c, code)
 
     async def _child_died(self, c: _Child, code: int) -> None:
-        why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        try:
+            why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+        except ValueError:
+            why = f"signal {-code}"
         c.writer.close()
         for p in c.pending.values():
             if p.future.done():
