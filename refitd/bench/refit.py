@@ -11,8 +11,13 @@ Shared pieces used by the end-to-end tests too:
 from __future__ import annotations
 
 import argparse
+import functools
 import math
+import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -76,10 +81,449 @@ def capture_for(published: Published) -> Callable[[torch.nn.Module, list[Any]], 
     return capture
 
 
+# ---------------------------------------------------------------- the synthetic model
+
+
+def synthetic_config(gib: float) -> Any:
+    """A Llama-shaped bf16 model (hidden 4096, GQA 32/8, MLP 11008, vocab 32000) with
+    as many layers as it takes to reach ``gib`` GiB (at least one)."""
+    import torch
+
+    from refitd.bench.engines import ModelConfig
+
+    def cfg(layers: int) -> ModelConfig:
+        return ModelConfig(
+            vocab_size=32000,
+            hidden_size=4096,
+            num_layers=layers,
+            intermediate_size=11008,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            dtype=torch.bfloat16,
+        )
+
+    layers = 1
+    while model_bytes(cfg(layers)) < gib * 2**30:
+        layers += 1
+    return cfg(layers)
+
+
+def model_bytes(cfg: Any) -> int:
+    from refitd.bench.engines import param_roles
+
+    return sum(math.prod(shape) * cfg.dtype.itemsize for _, shape, _ in param_roles(cfg))
+
+
+class SyntheticState(dict):  # type: ignore[type-arg]
+    """A checkpoint whose tensors are made on first access from (name, version): a
+    cheap position-dependent bf16 pattern, finite (no NaN), different per version.
+    Accessed tensors are not kept, so a layout can walk it with bounded memory."""
+
+    def __init__(self, cfg: Any, version: int) -> None:
+        from refitd.bench.engines import param_roles
+
+        super().__init__()
+        self.cfg = cfg
+        self.version = version
+        self.shapes = {name: shape for name, shape, _ in param_roles(cfg)}
+
+    def __getitem__(self, name: str) -> Any:
+        import zlib
+
+        import torch
+
+        shape = self.shapes[name]
+        seed = (zlib.crc32(name.encode()) + 7919 * self.version) & 0x7FFF
+        bits = torch.arange(math.prod(shape), dtype=torch.int32)
+        bits.mul_(40503).add_(seed).bitwise_and_(0xBFFF)  # bit 14 clear: finite bf16
+        return bits.to(torch.int16).view(torch.bfloat16).view(shape)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.shapes
+
+    def __iter__(self) -> Any:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def keys(self) -> Any:
+        return self.shapes.keys()
+
+    def items(self) -> Any:
+        return ((n, self[n]) for n in self.shapes)
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    import torch
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.element_size() == 2:
+        return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
+    return bool(torch.equal(a, b))
+
+
+# ---------------------------------------------------------------- the trainer process
+
+
+def _trainer_main(argv: list[str]) -> int:
+    """Child process: publish versions of the synthetic model on command.
+
+    Reads ``publish V`` lines on stdin, answers ``published V BYTES`` on stdout once
+    version V is READY at the daemon; ``quit`` ends it.
+    """
+    import asyncio
+    import gc
+
+    import uvloop
+
+    from refitd.bench.layouts import megatron_tp_ep
+    from refitd.client.http import RefitClient
+
+    url, model, gib, tp = argv[0], argv[1], float(argv[2]), int(argv[3])
+    cfg = synthetic_config(gib)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        pubs: list[Any] = []
+        async with RefitClient(url) as client:
+            while line := (await reader.readline()).decode().split():
+                if line[0] == "quit":
+                    break
+                version = int(line[1])
+                if pubs:
+                    # Readers of the previous version must be done before we overwrite.
+                    await pubs[0].wait_drain(version - 1)
+                published = megatron_tp_ep(cfg, tp, 1, SyntheticState(cfg, version))
+                pubs = await publish_layout(client, model, published, version, pubs)
+                nbytes = published.published_bytes
+                del published
+                gc.collect()
+                sys.stdout.write(f"published {version} {nbytes}\n")
+                sys.stdout.flush()
+            for p in pubs:
+                await p.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
+    return 0
+
+
+# ---------------------------------------------------------------- the engine side
+
+
+@dataclass
+class VersionResult:
+    version: int
+    bytes: int
+    seconds: float
+    control_s: float
+    replayed: bool
+    verified: bool
+
+
+@dataclass
+class FlowResult:
+    cfg: Any
+    model_bytes: int
+    versions: list[VersionResult] = field(default_factory=list)
+    memcpy_gbps: float = 0.0
+    manifest_100k_s: float = float("nan")
+    transport: str = ""
+
+
+def memcpy_gbps(nbytes: int, chunk: int = 256 << 20) -> float:
+    """Single-thread numpy copy bandwidth over ``nbytes`` (GB/s), in ``chunk`` pieces."""
+    import numpy as np
+
+    src = np.random.default_rng(0).integers(0, 255, size=chunk, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # fault the pages in first
+    reps = max(1, nbytes // chunk)
+    t = time.perf_counter()
+    for _ in range(reps):
+        np.copyto(dst, src)
+    return reps * chunk / (time.perf_counter() - t) / 1e9
+
+
+async def manifest_100k_seconds(client: RefitClient, n: int = 100_000) -> float:
+    """Publish a 2-slot model of ``n`` small tensors (each split over both slots, plus
+    one replicated tensor per slot) and time fetching its merged manifest once (the
+    daemon merges on that first fetch)."""
+    from refitd.daemon.schemas import ManifestIn, ShardEntry, TensorEntry
+
+    region = await client.create_region(64, label="manifest-bench")
+    for slot in (0, 1):
+        tensors = [
+            TensorEntry(
+                f"layers.{i}.w",
+                (2, 2),
+                "bfloat16",
+                [ShardEntry((slot, 0), (1, 2), region.region_id, 0)],
+            )
+            for i in range(n)
+        ]
+        tensors.append(
+            TensorEntry(
+                "replicated", (2,), "bfloat16", [ShardEntry((0,), (2,), region.region_id, 0)]
+            )
+        )
+        await client.publish(ManifestIn("manifest-100k", 1, slot, 2, tensors))
+    t = time.perf_counter()
+    merged = await client.manifest("manifest-100k", 1)
+    seconds = time.perf_counter() - t
+    assert len(merged.tensors) == n + 1
+    assert all(len(tt.shards) == 2 for tt in merged.tensors[:n])
+    return seconds
+
+
+async def refit_flow(
+    *,
+    gib: float,
+    versions: int,
+    transport: str,
+    trainer_tp: int = 2,
+    engine_tp: int = 4,
+    measure_manifest: bool = True,
+    progress: bool = False,
+    log: Callable[[str], None] = print,
+) -> FlowResult:
+    """Two daemons, a trainer process, ``engine_tp`` engine ranks in this process.
+
+    Every version is refit by all ranks at once; the pull lands directly in the
+    parameters (``direct`` mode: the layout is fixed so no install copy is needed),
+    then every parameter is checked bit for bit against the engine's own loader.
+    """
+    import asyncio
+    import os
+    import tempfile
+
+    import torch
+
+    from refitd.bench.engines import EngineParallel, ToyEngine
+    from refitd.bench.layouts import megatron_tp_ep
+    from refitd.client.http import RefitClient
+    from refitd.client.receiver import DaemonReceiver
+    from refitd.client.spawn import spawn_daemon
+
+    cfg = synthetic_config(gib)
+    result = FlowResult(cfg, model_bytes(cfg), transport=transport)
+    model = "synthetic"
+    with tempfile.TemporaryDirectory() as tmp:
+        secret_path = Path(tmp) / "secret"
+        secret_path.write_text(os.urandom(32).hex())
+        secret_path.chmod(0o600)
+        secret = str(secret_path)
+        async with (
+            spawn_daemon(secret_file=secret, transport=transport, node_id="trainer-host") as a,
+            spawn_daemon(secret_file=secret, transport=transport, node_id="engine-host") as b,
+            RefitClient(a.url) as ca,
+            RefitClient(b.url) as cb,
+        ):
+            trainer = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "refitd.bench.refit",
+                "--trainer",
+                a.url,
+                model,
+                str(gib),
+                str(trainer_tp),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            assert trainer.stdin is not None and trainer.stdout is not None
+            capture = capture_for(megatron_tp_ep(cfg, trainer_tp, 1, None))
+            ranks = []
+            for rank in range(engine_tp):
+                par = EngineParallel(engine_tp, rank)
+                engine = ToyEngine(cfg, par)
+                r = DaemonReceiver(
+                    local=cb,
+                    source=ca,
+                    model=model,
+                    engine=engine,
+                    twin=functools.partial(ToyEngine, cfg, par),
+                    capture=capture,
+                    mode="direct",
+                )
+                ranks.append((par, engine, r))
+            try:
+                for v in range(1, versions + 1):
+                    trainer.stdin.write(f"publish {v}\n".encode())
+                    await trainer.stdin.drain()
+                    line = (await trainer.stdout.readline()).decode().split()
+                    if not line or line[0] != "published":
+                        raise RuntimeError(f"trainer process failed publishing version {v}")
+                    result.versions.append(await _refit_version(v, ranks, progress, log))
+                    result.versions[-1].verified = _verify(cfg, v, ranks)
+                    vr = result.versions[-1]
+                    log(
+                        f"version {v}: {vr.bytes / 2**30:.2f} GiB in {vr.seconds:.3f} s = "
+                        f"{vr.bytes / vr.seconds / 1e9:.2f} GB/s, control plane {vr.control_s * 1e3:.1f} ms, "
+                        f"{'replayed' if vr.replayed else 'planned'}, "
+                        f"{'verified bit-exact' if vr.verified else 'MISMATCH'}"
+                    )
+                if measure_manifest:
+                    result.manifest_100k_s = await manifest_100k_seconds(ca)
+            finally:
+                trainer.stdin.write(b"quit\n")
+                await trainer.stdin.drain()
+                await trainer.wait()
+                for _, _, r in ranks:
+                    await r.close()
+    total = sum(vr.bytes for vr in result.versions)
+    result.memcpy_gbps = memcpy_gbps(max(total // max(len(result.versions), 1), 256 << 20))
+    del torch
+    return result
+
+
+async def _refit_version(
+    version: int, ranks: list[Any], progress: bool, log: Callable[[str], None]
+) -> VersionResult:
+    import asyncio
+
+    bar = None
+    done: dict[int, int] = {}
+    if progress:
+        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+        bar = Progress(
+            f"[bold]refit v{version}", BarColumn(), DownloadColumn(), TransferSpeedColumn()
+        )
+        task = bar.add_task("pull", total=None)
+        bar.start()
+
+    def on_progress(i: int) -> Callable[[Any], None]:
+        def report(p: Any) -> None:
+            done[i] = p.bytes_done
+            if bar is not None:
+                bar.update(task, completed=sum(done.values()), total=p.bytes_total * len(ranks))
+
+        return report
+
+    t = time.perf_counter()
+    try:
+        stats = await asyncio.gather(
+            *(r.refit(version, on_progress=on_progress(i)) for i, (_, _, r) in enumerate(ranks))
+        )
+    finally:
+        if bar is not None:
+            bar.stop()
+    seconds = time.perf_counter() - t
+    return VersionResult(
+        version,
+        sum(s.bytes for s in stats),
+        seconds,
+        max(s.manifest_s + s.plan_s for s in stats),
+        all(s.replayed for s in stats),
+        False,
+    )
+
+
+def _verify(cfg: Any, version: int, ranks: list[Any]) -> bool:
+    """Every parameter equals the engine's own loader run on the full checkpoint."""
+    from refitd.bench.engines import ToyEngine
+
+    state = SyntheticState(cfg, version)
+    for par, engine, _ in ranks:
+        truth = ToyEngine(cfg, par)
+        truth.load_weights(state.items())
+        want = dict(truth.named_parameters())
+        if not all(same_bits(p, want[n]) for n, p in engine.named_parameters()):
+            return False
+        del truth, want
+    return True
+
+
+# ---------------------------------------------------------------- CLI
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gib", type=float, default=2.0, help="model size in GiB")
-    parser.add_argument("--versions", type=int, default=3, help="versions to refit")
+    parser.add_argument("--gib", type=float, default=2.0, help="model size in GiB (default 2)")
+    parser.add_argument("--versions", type=int, default=3, help="versions to refit (default 3)")
+    parser.add_argument(
+        "--transport", default="ucx", help="daemons' data plane: ucx (default) or shm"
+    )
+
+
+def report(res: FlowResult, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Print the summary table; return the key=value fields."""
+    later = res.versions[1:] or res.versions
+    gbps = sum(v.bytes for v in later) / sum(v.seconds for v in later) / 1e9
+    control = max(v.control_s for v in later)
+    verified = all(v.verified for v in res.versions)
+    fields = {
+        "transport": res.transport,
+        "model_gib": round(res.model_bytes / 2**30, 3),
+        "versions": len(res.versions),
+        "refit_gbps": round(gbps, 3),
+        "memcpy_gbps": round(res.memcpy_gbps, 3),
+        "refit_ratio": round(gbps / res.memcpy_gbps, 3),
+        "first_refit_s": round(res.versions[0].seconds, 3),
+        "control_plane_s": round(control, 4),
+        "manifest_100k_s": round(res.manifest_100k_s, 3),
+        "verified": int(verified),
+    }
+    return fields
 
 
 def run(args: argparse.Namespace) -> int:
-    raise SystemExit("refitd bench refit: not implemented yet")
+    import asyncio
+
+    import uvloop
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(
+        f"[bold]refitd bench refit[/bold]: Megatron TP2 trainer → engine TP4, "
+        f"{args.gib:g} GiB bf16, {args.versions} versions, two daemons ({args.transport})"
+    )
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        res = runner.run(
+            refit_flow(
+                gib=args.gib, versions=args.versions, transport=args.transport, log=console.print
+            )
+        )
+    table = Table(title="per version (all 4 engine ranks at once)")
+    for col in (
+        "version",
+        "GiB pulled",
+        "seconds",
+        "GB/s",
+        "× memcpy",
+        "control plane ms",
+        "plan",
+        "verified",
+    ):
+        table.add_column(col, justify="right")
+    for v in res.versions:
+        g = v.bytes / v.seconds / 1e9
+        table.add_row(
+            str(v.version),
+            f"{v.bytes / 2**30:.2f}",
+            f"{v.seconds:.3f}",
+            f"{g:.2f}",
+            f"{g / res.memcpy_gbps:.2f}",
+            f"{v.control_s * 1e3:.1f}",
+            "replayed" if v.replayed else "planned",
+            "yes" if v.verified else "NO",
+        )
+    console.print(table)
+    fields = report(res)
+    console.print(
+        f"memcpy (numpy, 1 thread, same run): {res.memcpy_gbps:.2f} GB/s; "
+        f"100k-tensor manifest fetched and merged in {res.manifest_100k_s:.3f} s"
+    )
+    print(" ".join(f"{k}={v}" for k, v in fields.items()))
+    return 0 if fields["verified"] else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--trainer":
+        sys.exit(_trainer_main(sys.argv[2:]))

@@ -35,6 +35,7 @@ from refitd.daemon.schemas import (
     RegionInfo,
     RegionKind,
     VersionInfo,
+    gc_paused,
 )
 
 __all__ = ["RefitClient", "error_from_body"]
@@ -142,7 +143,8 @@ class RefitClient:
         if type_ is type(None):
             return None
         try:
-            return msgspec.msgpack.decode(raw, type=type_)
+            with gc_paused():
+                return msgspec.msgpack.decode(raw, type=type_)
         except msgspec.DecodeError as exc:
             raise errors.ProtocolError(f"{method} {path}: malformed response ({exc})") from exc
 

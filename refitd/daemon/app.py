@@ -35,6 +35,7 @@ from refitd.daemon.schemas import (
     PullRequest,
     RegionAttach,
     RegionCreate,
+    gc_paused,
 )
 from refitd.errors import (
     ConfigError,
@@ -98,9 +99,10 @@ async def body(request: web.Request, type_: type[T]) -> T:
     """Decode and validate the request body as ``type_`` (msgpack or JSON)."""
     raw = await request.read()
     try:
-        if request.content_type == MSGPACK:
-            return msgspec.msgpack.decode(raw, type=type_)
-        return msgspec.json.decode(raw, type=type_)
+        with gc_paused():
+            if request.content_type == MSGPACK:
+                return msgspec.msgpack.decode(raw, type=type_)
+            return msgspec.json.decode(raw, type=type_)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(f"{request.method} {request.path}: body refused: {exc}") from exc
 
@@ -352,10 +354,7 @@ async def peer_pack(request: web.Request) -> web.Response:
 @routes.delete(P + "/peer/staging/{region_id}")
 async def peer_drop(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    rid = _int(request, "region_id")
-    if d.regions.get(rid).label != "staging":
-        raise ConflictError(f"region {rid} refused deletion as staging: it is not a staging region")
-    await d.delete_region(rid)
+    await d.release_staging(_int(request, "region_id"))
     return reply(request, None)
 
 

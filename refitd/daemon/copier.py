@@ -111,15 +111,17 @@ def pack_strided(
     Returns the bytes written. Bounds must have been checked by
     :func:`refitd.daemon.regions.validate_pack_specs`.
     """
-    dtype = np.dtype((np.void, itemsize))
-    view = np.ndarray(
-        shape,
-        dtype=dtype,
-        buffer=src,
-        offset=src_offset,
-        strides=tuple(st * itemsize for st in strides),
-    )
+    # An integer dtype of the element's size lets numpy copy whole rows with memcpy;
+    # an opaque void dtype would be copied element by element (~40x slower).
+    if itemsize in (1, 2, 4, 8):
+        dtype = np.dtype(f"<u{itemsize}")
+        eshape, estrides = shape, tuple(st * itemsize for st in strides)
+    else:
+        dtype = np.dtype(np.uint8)
+        eshape = (*shape, itemsize)
+        estrides = (*(st * itemsize for st in strides), 1)
+    view = np.ndarray(eshape, dtype=dtype, buffer=src, offset=src_offset, strides=estrides)
     n = view.nbytes
-    out = np.ndarray(shape, dtype=dtype, buffer=dst, offset=dst_offset)
+    out = np.ndarray(eshape, dtype=dtype, buffer=dst, offset=dst_offset)
     np.copyto(out, view)
     return n

@@ -38,6 +38,9 @@ from refitd.errors import ConflictError, ProtocolError
 
 __all__ = ["Daemon", "DaemonOptions", "PeerRegions", "StagedPack"]
 
+STAGING_POOL = 4
+"""Free staging regions kept for reuse by later pack specs."""
+
 SHM_SCHEME = "shm"
 """The built-in same-host data plane: map the peer daemon's segments by name."""
 
@@ -118,6 +121,7 @@ class Daemon:
         self.transport: object | None = None  # transports.core.Transport when not shm
         self.ready = False
         self._lease_changed = asyncio.Event()
+        self._staging_free: list[int] = []
 
     # ------------------------------------------------------------ lifecycle
 
@@ -226,7 +230,7 @@ class Daemon:
             sizes,
             staging_sizes,
         )
-        region = await self.create_region(RegionCreate(max(total, 1), label="staging"))
+        region = await self._take_staging(max(total, 1))
         dst = self.view(region.region_id)
         srcs = {p.src_region: self.view(p.src_region) for p in specs}
 
@@ -238,6 +242,31 @@ class Daemon:
 
         await asyncio.to_thread(work)
         return StagedPack(region, offsets)
+
+    async def _take_staging(self, nbytes: int) -> RegionInfo:
+        """A staging region of at least ``nbytes`` bytes: a free one from the pool
+        (its pages are already faulted in, here and in readers that mapped it), else
+        a new one."""
+        fits = [r for r in self._staging_free if self.regions.get(r).nbytes >= nbytes]
+        if fits:
+            best = min(fits, key=lambda r: self.regions.get(r).nbytes)
+            self._staging_free.remove(best)
+            return self.regions.get(best)
+        return await self.create_region(RegionCreate(nbytes, label="staging"))
+
+    async def release_staging(self, region_id: int) -> None:
+        """Return a staging region to the pool once its reader is done; the pool keeps
+        at most ``STAGING_POOL`` regions and deletes the rest."""
+        info = self.regions.get(region_id)
+        if info.label != "staging" or not info.daemon_owned:
+            raise ConflictError(
+                f"region {region_id} refused as staging: it is not a staging region of this daemon"
+            )
+        if region_id in self._staging_free:
+            return
+        self._staging_free.append(region_id)
+        while len(self._staging_free) > STAGING_POOL:
+            await self.delete_region(self._staging_free.pop(0))
 
     # ------------------------------------------------------------ leases
 

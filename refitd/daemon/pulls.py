@@ -38,10 +38,15 @@ from refitd.daemon.schemas import (
     PullProgress,
     PullRequest,
     PullState,
+    RegionInfo,
 )
 from refitd.errors import NotFoundError, RefitError, TransportError
+from transports.shm import SharedSegment
 
 __all__ = ["PullJob", "PullManager", "Source"]
+
+PEER_MAPPINGS = 256
+"""Peer segments kept mapped between pulls (least recently used dropped first)."""
 
 
 class Source(Protocol):
@@ -73,7 +78,7 @@ class LocalSource:
         return await self.d.pack(specs)
 
     async def drop(self, region_id: int) -> None:
-        await self.d.delete_region(region_id)
+        await self.d.release_staging(region_id)
 
 
 class RemoteSource:
@@ -167,6 +172,7 @@ class PullManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._seq = itertools.count(1)
         self._peers: dict[tuple[str, int], object] = {}
+        self._mapped: dict[tuple[str, int, int], SharedSegment] = {}
 
     def source_for(self, url: str) -> Source:
         return LocalSource(self.d) if not url else self._connect(url)
@@ -217,6 +223,9 @@ class PullManager:
             t.cancel("daemon shutting down")
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+        for seg in self._mapped.values():
+            seg.close()
+        self._mapped.clear()
 
     async def _run(
         self, job: PullJob, src: Source, rows: np.ndarray, peer: PeerRegions | None
@@ -282,22 +291,28 @@ class PullManager:
         await self.d.copier.copy(srcs, dsts, local, job.progress)
 
     async def _copy_shm(self, job: PullJob, rows: np.ndarray, peer: PeerRegions) -> None:
-        from transports.shm import SharedSegment
-
         records = {r.region_id: r for r in peer.regions}
-        segs: list[SharedSegment] = []
 
         async def view(rid: int) -> memoryview:
-            rec = records[rid]
-            seg = SharedSegment.attach(rec.handle, rec.nbytes)
-            segs.append(seg)
-            return seg.numpy().data
+            return self._peer_segment(peer.node_id, peer.epoch, records[rid]).numpy().data
 
-        try:
-            await self._copy(job, rows, view)
-        finally:
-            for seg in segs:
-                seg.close()
+        await self._copy(job, rows, view)
+
+    def _peer_segment(self, node_id: str, epoch: int, rec: RegionInfo) -> SharedSegment:
+        """The peer's segment, mapped once and kept: a fresh mapping of a large
+        region costs a page fault per 4 KiB on first touch, every pull."""
+        key = (node_id, epoch, rec.region_id)
+        seg = self._mapped.pop(key, None)
+        if seg is not None and (seg.name != rec.handle or seg.size != rec.nbytes):
+            seg.close()
+            seg = None
+        if seg is None:
+            seg = SharedSegment.attach(rec.handle, rec.nbytes)
+        self._mapped[key] = seg  # most recently used last
+        while len(self._mapped) > PEER_MAPPINGS:
+            oldest = next(iter(self._mapped))
+            self._mapped.pop(oldest).close()
+        return seg
 
     async def _get_transport(self, job: PullJob, rows: np.ndarray, peer: PeerRegions) -> None:
         from transports.core import PeerInfo

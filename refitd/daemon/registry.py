@@ -34,6 +34,7 @@ from refitd.daemon.schemas import (
     TensorEntry,
     VersionInfo,
     VersionState,
+    gc_paused,
 )
 from refitd.errors import ConflictError, NotFoundError, ProtocolError
 
@@ -264,20 +265,35 @@ class Registry:
         return v.merged_bytes
 
     def _merge(self, v: _Version) -> MergedManifest:
-        order: dict[str, tuple[tuple[int, ...], str]] = {}
-        shards: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], ShardEntry]] = {}
-        for slot in sorted(v.slots):
-            for t in v.slots[slot].tensors:
-                order.setdefault(t.name, (t.shape, t.dtype))
-                blocks = shards.setdefault(t.name, {})
+        # Slots are visited lowest first and the first copy of a block wins, so the
+        # merge is deterministic; a tensor one slot publishes with distinct blocks is
+        # reused as is (no new objects for the common case).
+        first: dict[str, TensorEntry] = {}
+        extra: dict[str, list[ShardEntry]] = {}
+        with gc_paused():
+            for slot in sorted(v.slots):
+                for t in v.slots[slot].tensors:
+                    seen = first.get(t.name)
+                    if seen is None:
+                        first[t.name] = t
+                    else:
+                        extra.setdefault(t.name, []).extend(t.shards)
+            tensors: list[TensorEntry] = []
+            for name, t in first.items():
+                more = extra.get(name)
+                if more is None and len(t.shards) <= 1:
+                    tensors.append(t)
+                    continue
+                blocks: dict[tuple[tuple[int, ...], tuple[int, ...]], ShardEntry] = {}
                 for s in t.shards:
-                    # A replica is the same block at the same global offset; keep the
-                    # lowest slot's copy so the merge is deterministic.
                     blocks.setdefault((s.offset, s.shape), s)
-        tensors = [
-            TensorEntry(name, shape, dtype, list(shards[name].values()))
-            for name, (shape, dtype) in order.items()
-        ]
+                for s in more or ():
+                    # A replica is the same block at the same global offset.
+                    blocks.setdefault((s.offset, s.shape), s)
+                if more is None and len(blocks) == len(t.shards):
+                    tensors.append(t)
+                else:
+                    tensors.append(TensorEntry(name, t.shape, t.dtype, list(blocks.values())))
         return MergedManifest(v.model, v.version, self.node_id, self.epoch, tensors)
 
     # ------------------------------------------------------------ leases
