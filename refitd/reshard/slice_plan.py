@@ -339,13 +339,24 @@ def split_runs(
     np.add.at(covered, rep, pe - ps)
     if not np.array_equal(covered, runs.length):
         bad = int(np.flatnonzero(covered != runs.length)[0])
+        lo, hi = _first_gap(int(a[bad]), int(e[bad]), ps[rep == bad], pe[rep == bad])
         raise PlanError(
-            f"no published shard holds global elements [{int(a[bad])}, {int(e[bad])}) "
-            f"that a copy reads; the shards do not cover the tensor"
+            f"no published shard holds global elements [{lo}, {hi}) (row-major) that a "
+            f"copy reads; the shards do not cover the tensor"
         )
     storage = (table.storage[k] + (ps - table.start[k])) * elsize
     dst = (runs.dst[rep] + (ps - a[rep])) * elsize
     return table.chunk_shard[k], storage, dst, (pe - ps) * elsize
+
+
+def _first_gap(a: int, e: int, starts: IntArray, ends: IntArray) -> tuple[int, int]:
+    """The first stretch of ``[a, e)`` not covered by the ``[starts, ends)`` pieces."""
+    pos = a
+    for s0, s1 in sorted(zip(starts.tolist(), ends.tolist(), strict=True)):
+        if s0 > pos:
+            return pos, s0
+        pos = max(pos, s1)
+    return pos, e
 
 
 def coalesce(p: Pieces) -> Pieces:

@@ -274,3 +274,127 @@ def test_segments_from_replicas_never_read_a_byte_twice_and_spread_sessions(kit:
     assert per_session == {"a": 64, "b": 64}
     kit.reconstruct(plan, {"w": param})
     assert torch.equal(param, full)
+
+
+# --- the cost model ---------------------------------------------------------------
+
+
+def _plan_one(
+    kit: Any, full: torch.Tensor, boxes: Any, chain: Any, dest: torch.Tensor, budget: int, **kw: Any
+) -> Any:
+    pub = kit.Published()
+    pub.add("w", full, boxes)
+    copy = kit.copy_record("w", chain, "p", dest)
+    plan = plan_transfer(CaptureResult(copies=[copy]), pub.sources, budget, **kw)
+    return plan, copy, pub
+
+
+def test_a_copy_within_budget_is_pulled_exactly(kit: Any) -> None:
+    full = kit.distinct((64, 64))
+    param = torch.zeros(64, 8)
+    plan, _, _ = _plan_one(
+        kit, full, kit.dim_blocks((64, 64), 0, 4), [("narrow", (1, 8, 8), ())], param, 64
+    )
+    assert plan.choices == {"exact": 1, "pack": 0, "full": 0}
+    assert len(plan.segments) == 64 and plan.extra_wire_bytes() == 0
+
+
+def test_an_over_budget_strided_slice_of_a_large_tensor_becomes_one_pack_per_session(
+    kit: Any,
+) -> None:
+    full = kit.distinct((512, 512))
+    param = torch.zeros(512, 256)
+    plan, copy, pub = _plan_one(
+        kit, full, kit.dim_blocks((512, 512), 0, 4), [("narrow", (1, 0, 256), ())], param, 8
+    )
+    assert plan.choices["pack"] == 1 and plan.segments == [] and plan.full_pulls == []
+    assert len(plan.packs) == 4 and all(p.dst_strides is None for p in plan.packs)
+    assert [p.shape for p in plan.packs] == [(128, 256)] * 4
+    assert plan.bytes_planned() == plan.exact_bytes == 512 * 256 * EL
+    assert plan.exact_descriptor_count == 512
+    assert plan.descriptor_count() == 4 and plan.descriptor_savings() == 508
+    assert plan.max_descriptors_per_copy == 4
+    kit.reconstruct(plan, {"p": param})
+    assert torch.equal(param, full[:, :256])
+
+
+def test_a_pack_into_a_strided_destination_scatters_after_the_single_read(kit: Any) -> None:
+    full = kit.distinct((512, 512))
+    param = torch.zeros(512, 512)
+    dest = param[:, 1::2]  # every other column
+    plan, copy, _ = _plan_one(
+        kit, full, [((0, 0), (512, 512))], [("narrow", (1, 0, 256), ())], dest, 8
+    )
+    (pack,) = plan.packs
+    assert pack.dst_strides == (512 * EL, 2 * EL, EL)
+    want = torch.zeros_like(param)
+    kit.eager(full, copy, want)
+    kit.reconstruct(plan, {"p": param})
+    assert torch.equal(param, want)
+
+
+def test_a_pack_can_transpose_on_the_source_so_the_destination_lands_contiguous(kit: Any) -> None:
+    full = kit.distinct((512, 512))
+    param = torch.zeros(256, 512)
+    plan, copy, _ = _plan_one(
+        kit, full, [((0, 0), (512, 512))], [("narrow", (1, 0, 256), ())], param.t(), 8
+    )
+    (pack,) = plan.packs
+    assert pack.dst_strides is None and pack.src_strides[:2] == (EL, 512 * EL)
+    want = torch.zeros_like(param)
+    kit.eager(full, copy, want)
+    kit.reconstruct(plan, {"p": param})
+    assert torch.equal(param, want)
+
+
+def test_an_irregular_over_budget_copy_pulls_only_its_bounding_rows(kit: Any) -> None:
+    full = kit.distinct((64, 64))
+    param = torch.zeros(13)
+    chain = [
+        ("narrow", (0, 20, 8), ()),
+        ("t", (), ()),
+        ("reshape", (-1,), ()),
+        ("narrow", (0, 3, 13), ()),
+    ]
+    plan, copy, _ = _plan_one(kit, full, kit.dim_blocks((64, 64), 0, 4), chain, param, 4)
+    assert plan.choices["full"] == 1 and plan.packs == []
+    (fp,) = plan.full_pulls
+    row = 64 * EL
+    # Rows 20..27 of the shard holding rows 16..31: half the shard, not all of it.
+    assert [(s.dst_byte, s.nbytes) for s in fp.segments] == [(20 * row, 8 * row)]
+    assert plan.exact_bytes == 13 * EL
+    assert plan.extra_wire_bytes() == 8 * row - 13 * EL
+    kit.reconstruct(plan, {"p": param})
+    want = torch.zeros_like(param)
+    kit.eager(full, copy, want)
+    assert torch.equal(param, want)
+
+
+def test_a_small_over_budget_copy_prefers_the_full_pull_when_packing_costs_more(kit: Any) -> None:
+    full = kit.distinct((64, 64))
+    param = torch.zeros(64, 32)
+    plan, _, _ = _plan_one(
+        kit, full, kit.dim_blocks((64, 64), 0, 4), [("narrow", (1, 0, 32), ())], param, 8
+    )
+    # 8 KiB of extra rows is cheaper than four pack set-ups at 16 KiB each.
+    assert plan.choices["full"] == 1
+    assert plan.extra_wire_bytes() == 64 * 32 * EL
+    assert plan.descriptor_count() == 4  # one bounding-row read per shard
+    kit.reconstruct(plan, {"p": param})
+    assert torch.equal(param, full[:, :32])
+
+
+def test_without_pack_specs_an_unbounded_over_budget_copy_stays_exact(kit: Any) -> None:
+    full = kit.distinct((16, 16))
+    param = torch.zeros(16, 4)
+    plan, _, _ = _plan_one(
+        kit,
+        full,
+        kit.dim_blocks((16, 16), 1, 2),
+        [("narrow", (1, 2, 4), ())],
+        param,
+        2,
+        pack_specs=False,
+    )
+    assert plan.unbounded_sources == ["w"] and plan.choices["exact"] == 1
+    assert len(plan.segments) == 16
