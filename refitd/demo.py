@@ -54,6 +54,18 @@ class RankResult:
 
 
 def run(args: argparse.Namespace) -> int:
+    from refitd.errors import ConfigError
+
+    try:
+        return _run(args)
+    except ConfigError as exc:
+        # A layout that cannot exist (ranks that do not divide the model) is the
+        # caller's to fix; say which setting, without a traceback.
+        print(f"refitd demo: refused: {exc}")
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
     from rich.console import Console

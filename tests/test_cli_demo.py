@@ -51,3 +51,12 @@ def test_bench_plan_smoke_run_prints_every_key_for_both_layouts(
         assert int(pairs[f"{layout}.max_desc_per_copy"]) <= 64
     # Both trainers publish the same model to the same engine rank: same useful bytes.
     assert pairs["fsdp.exact_bytes"] == pairs["megatron.exact_bytes"]
+
+
+def test_demo_refuses_a_layout_that_cannot_exist_and_names_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(["demo", "--size", "small", "--engine-tp", "4", "--engine-ep", "3"])
+    out = capsys.readouterr().out
+    assert code == 2
+    assert "ep_size 3 does not divide tp_size 4" in out
