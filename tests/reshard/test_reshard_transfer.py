@@ -279,6 +279,9 @@ def test_segments_from_replicas_never_read_a_byte_twice_and_spread_sessions(kit:
 # --- the cost model ---------------------------------------------------------------
 
 
+_ALIVE: list[Any] = []
+
+
 def _plan_one(
     kit: Any, full: torch.Tensor, boxes: Any, chain: Any, dest: torch.Tensor, budget: int, **kw: Any
 ) -> Any:
@@ -286,6 +289,7 @@ def _plan_one(
     pub.add("w", full, boxes)
     copy = kit.copy_record("w", chain, "p", dest)
     plan = plan_transfer(CaptureResult(copies=[copy]), pub.sources, budget, **kw)
+    _ALIVE.append(pub)  # the published buffers must outlive every read of them
     return plan, copy, pub
 
 
@@ -304,7 +308,7 @@ def test_an_over_budget_strided_slice_of_a_large_tensor_becomes_one_pack_per_ses
 ) -> None:
     full = kit.distinct((512, 512))
     param = torch.zeros(512, 256)
-    plan, copy, pub = _plan_one(
+    plan, _, _ = _plan_one(
         kit, full, kit.dim_blocks((512, 512), 0, 4), [("narrow", (1, 0, 256), ())], param, 8
     )
     assert plan.choices["pack"] == 1 and plan.segments == [] and plan.full_pulls == []
