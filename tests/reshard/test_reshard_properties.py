@@ -17,6 +17,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from refitd.reshard.geometry import capture_geometry
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.transfer_plan import plan_transfer
 from refitd.reshard.types import CaptureResult, OpSpec
@@ -165,60 +166,116 @@ def layouts(
     return boxes
 
 
-@SETTINGS
-@given(data=st.data())
-def test_any_allow_listed_chain_reconstructs_bit_for_bit(kit: Any, data: st.DataObject) -> None:
-    shape = tuple(data.draw(st.lists(st.integers(1, 5), min_size=1, max_size=4), label="shape"))
-    dtype = data.draw(st.sampled_from([torch.float32, torch.int16, torch.bfloat16]), label="dtype")
+def _dest_view(
+    param: torch.Tensor, shape: tuple[int, ...], perm: list[int], pads: list[int], lead: int
+) -> torch.Tensor:
+    """A strided view of ``shape`` inside the flat ``param``: dims permuted by
+    ``perm``, each padded by ``pads``, starting ``lead`` elements in."""
+    nd = len(shape)
+    container = [shape[p] + pads[i] for i, p in enumerate(perm)]
+    holder = param[lead:].view(container) if container else param[lead : lead + 1].view(())
+    view = holder
+    for i, p in enumerate(perm):
+        view = view.narrow(i, 0, shape[p])
+    return view.permute(*[perm.index(d) for d in range(nd)]) if nd else view
+
+
+@st.composite
+def worlds(draw: st.DrawFn, kit: Any) -> dict[str, Any]:
+    """A distinct-valued source, a valid chain, a shard layout and a destination."""
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=4), label="shape"))
+    dtype = draw(st.sampled_from([torch.float32, torch.int16, torch.bfloat16]), label="dtype")
     full = (
-        kit.distinct(shape, torch.int16 if dtype == torch.bfloat16 else dtype).view(dtype)
+        kit.distinct(shape, torch.int16).view(torch.bfloat16)
         if dtype == torch.bfloat16
         else kit.distinct(shape, dtype)
     )
-    chain = data.draw(chains(full), label="chain")
-    result = replay_ops(full, chain)
-    boxes = data.draw(layouts(shape), label="boxes")
-    packed = data.draw(st.booleans(), label="packed")
-    budget = data.draw(st.sampled_from([1, 2, 64]), label="budget")
-    pack_specs = data.draw(st.booleans(), label="pack_specs")
+    chain = draw(chains(full), label="chain")
+    result = tuple(replay_ops(full, chain).shape)
+    nd = len(result)
+    perm = draw(st.permutations(range(nd)), label="perm")
+    pads = draw(st.lists(st.integers(0, 2), min_size=nd, max_size=nd), label="pads")
+    lead = draw(st.integers(0, 3), label="lead")
+    numel = math.prod(result[p] + pads[i] for i, p in enumerate(perm)) + lead
+    return {
+        "full": full,
+        "chain": chain,
+        "dest": (result, list(perm), pads, lead),
+        "numel": numel,
+        "boxes": draw(layouts(shape), label="boxes"),
+        "packed": draw(st.booleans(), label="packed"),
+        "budget": draw(st.sampled_from([1, 2, 64]), label="budget"),
+        "pack_specs": draw(st.booleans(), label="pack_specs"),
+        # Cheap descriptors and packs steer small cases into every option.
+        "costs": draw(st.sampled_from([(16384, 16384), (1, 0), (0, 0)]), label="costs"),
+    }
 
-    # A strided destination: the result's dims permuted and padded inside a bigger param.
-    nd = result.dim()
-    perm = data.draw(st.permutations(range(nd)), label="perm")
-    pads = data.draw(st.lists(st.integers(0, 2), min_size=nd, max_size=nd), label="pads")
-    lead = data.draw(st.integers(0, 3), label="lead")
-    container_shape = [result.shape[p] + pads[i] for i, p in enumerate(perm)]
-    numel = math.prod(container_shape) + lead
-    param = torch.zeros(numel, dtype=dtype)
-    holder = (
-        param[lead:].view(container_shape) if container_shape else param[lead : lead + 1].view(())
-    )
-    view = holder
-    for i, p in enumerate(perm):
-        view = view.narrow(i, 0, result.shape[p])
-    inverse = [perm.index(d) for d in range(nd)]
-    dest = view.permute(*inverse) if nd else view
-    copy = kit.copy_record("src", chain, "p", dest, dtype)
 
+def _plan_and_check(kit: Any, w: dict[str, Any], cap: CaptureResult, truth: torch.Tensor) -> None:
     pub = kit.Published()
-    pub.add(
-        "src",
-        full,
-        boxes,
-        packed=packed,
-        sessions=[f"s{i % 3}" for i in range(len(boxes))] if packed else None,
+    sessions = [f"s{i % 3}" for i in range(len(w["boxes"]))] if w["packed"] else None
+    pub.add("src", w["full"], w["boxes"], packed=w["packed"], sessions=sessions)
+    plan = plan_transfer(
+        cap,
+        pub.sources,
+        w["budget"],
+        pack_specs=w["pack_specs"],
+        descriptor_cost_bytes=w["costs"][0],
+        pack_cost_bytes=w["costs"][1],
     )
-    plan = plan_transfer(CaptureResult(copies=[copy]), pub.sources, budget, pack_specs=pack_specs)
     assert plan.fallback == []
     for kind, n in plan.choices.items():
         if n:
             event(f"copy planned as {kind}")
-    event(f"chain of {len(chain)} ops")
-
-    truth = torch.zeros_like(param)
-    kit.eager(full, copy, truth)
+    param = torch.zeros(w["numel"], dtype=w["full"].dtype)
     kit.reconstruct(plan, {"p": param})
     assert param.view(torch.uint8).numpy().tobytes() == truth.view(torch.uint8).numpy().tobytes()
     # Accounting: the chosen plan never reads fewer bytes than the exact plan needs.
     assert plan.bytes_planned() >= plan.exact_bytes
-    assert plan.exact_bytes == math.prod(dest.shape) * full.element_size()
+    assert plan.exact_bytes == math.prod(w["dest"][0]) * w["full"].element_size()
+
+
+@SETTINGS
+@given(data=st.data())
+def test_any_allow_listed_chain_reconstructs_bit_for_bit(kit: Any, data: st.DataObject) -> None:
+    w = data.draw(worlds(kit))
+    truth = torch.zeros(w["numel"], dtype=w["full"].dtype)
+    dest = _dest_view(truth, *w["dest"])
+    copy = kit.copy_record("src", w["chain"], "p", dest, w["full"].dtype)
+    kit.eager(w["full"], copy, truth)
+    event(f"chain of {len(w['chain'])} ops")
+    _plan_and_check(kit, w, CaptureResult(copies=[copy]), truth)
+
+
+class _Loader(torch.nn.Module):
+    """One flat parameter whose loader applies a chain and copies into a strided view."""
+
+    def __init__(self, w: dict[str, Any]) -> None:
+        super().__init__()
+        self.w = w
+        self.p = torch.nn.Parameter(
+            torch.zeros(w["numel"], dtype=w["full"].dtype), requires_grad=False
+        )
+        self.p.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
+        _dest_view(param.data, *self.w["dest"]).copy_(replay_ops(loaded, self.w["chain"]))
+
+    def load_weights(self, weights: Any) -> None:
+        for _, loaded in weights:
+            self.p.weight_loader(self.p, loaded)  # type: ignore[operator]
+
+
+@settings(SETTINGS, max_examples=60)
+@given(data=st.data())
+def test_chains_captured_through_lazy_weights_reconstruct_bit_for_bit(
+    kit: Any, data: st.DataObject
+) -> None:
+    w = data.draw(worlds(kit))
+    engine = _Loader(w)
+    engine.load_weights([("src", w["full"])])  # the engine's loader on the full tensor
+    with torch.device("meta"):
+        twin = _Loader(w)
+    cap = capture_geometry(twin, [("src", w["full"].dtype, tuple(w["full"].shape))])
+    assert cap.unsupported == [] and cap.unattributed == 0 and len(cap.copies) == 1
+    _plan_and_check(kit, w, cap, engine.p.detach())
