@@ -54,7 +54,7 @@ __all__ = [
 
 IntArray = npt.NDArray[np.int64]
 
-ELEMENT_MAP_LIMIT = 1 << 24
+ELEMENT_MAP_LIMIT = 1 << 22
 """Largest source (in elements) whose non-strided chain is resolved element by element."""
 
 RUN_LIMIT = 1 << 24

@@ -524,7 +524,9 @@ def run_full_pull(
     fp: FullPull, resolve_param_ptr: Callable[[str], int], transport: Transport
 ) -> None:
     """Fetch ``fp`` into a fresh staging buffer and replay its copies locally."""
-    staging = torch.zeros(fp.staging_nbytes, dtype=torch.uint8)
+    # empty, not zeros: pages of rows outside the bounding ranges are never touched,
+    # so a large tensor costs memory only for the rows actually pulled.
+    staging = torch.empty(fp.staging_nbytes, dtype=torch.uint8)
     base = staging.data_ptr()
     transport.read(
         [ReadDescriptor(s.session, s.src_addr, base + s.dst_byte, s.nbytes) for s in fp.segments]
