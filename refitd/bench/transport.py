@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import secrets
 import sys
@@ -44,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--repeat", type=int, default=3, help="timed runs per case; the best is reported"
     )
+    parser.add_argument(
+        "--lanes", type=int, default=0, help="ucx lanes (threads posting GETs); 0: the default"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +67,8 @@ async def _main(args: argparse.Namespace) -> int:
     from transports.shm import SharedSegment
 
     total = args.total_mib << 20
-    pieces = [(name, SIZES[name]) for name in args.pieces.split(",") if SIZES[name] <= total]
+    pieces = [(name, _size(name)) for name in args.pieces.split(",")]
+    pieces = [(name, p) for name, p in pieces if p <= total and total % p == 0]
     schemes = [s for s in args.schemes.split(",") if s]
     secret = secrets.token_bytes(32)
     copy = copy_lib()
@@ -89,24 +94,56 @@ async def _main(args: argparse.Namespace) -> int:
         for lay in (("contiguous",) if p >= total else ("contiguous", "shuffled"))
     ]
     print(
-        f"refitd bench transport: {total >> 20} MiB per run, best of {args.repeat}, host cores: {os.cpu_count()}"
+        f"refitd bench transport: {total >> 20} MiB per run, best of {args.repeat}, "
+        f"host cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}"
     )
     print(
         f"{'transport':<10} {'piece':>7} {'layout':<10} {'reads':>7} {'posted':>7} {'GB/s':>7} {'x memcpy':>9}"
     )
 
-    with (
-        SharedSegment.create(total, "bench-dst") as dst,
-        SharedSegment.create(total, "bench-src") as src,
-    ):
-        src.numpy()[:] = src_bytes
-        d_base, s_base = dst.address, src.address
+    def row(
+        name: str, piece: str, lay: str, reads: int, posted: int, gbps: float, ok: bool
+    ) -> None:
+        ratio = gbps / results[("memcpy", piece, lay)]
+        flag = "" if ok else "  VERIFY FAILED"
+        print(
+            f"{name:<10} {piece:>7} {lay:<10} {reads:>7} {posted:>7} {gbps:>7.2f} {ratio:>9.2f}{flag}"
+        )
 
-        # memcpy: the same pieces in the same layout, one thread, C loop.
+    async with contextlib.AsyncExitStack() as stack:
+        dst = stack.enter_context(SharedSegment.create(total, "bench-dst"))
+        src = stack.enter_context(SharedSegment.create(total, "bench-src"))
+        src.numpy()[:] = src_bytes
+        peers = {}
+        for scheme in schemes:
+            extra = {"lanes": args.lanes} if scheme == "ucx" and args.lanes else {}
+            t = await stack.enter_async_context(
+                create_transport(scheme, secret=secret, peer_id=f"bench-{scheme}", **extra)
+            )
+            await t.register(1, dst)
+            if scheme == "ucx":  # the source is another process
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "transports.servepeer", "--scheme", "ucx", "--size", str(total), "--seed", "7",
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+                    env=dict(os.environ, **{SECRET_ENV: secret.hex()}),
+                )  # fmt: skip
+                stack.push_async_callback(_stop, proc)
+                assert proc.stdout is not None
+                info = PeerInfo.decode(bytes.fromhex((await proc.stdout.readline()).decode()))
+            else:  # same-process transports read a region of this process
+                source = await stack.enter_async_context(
+                    create_transport(scheme, secret=secret, peer_id=f"bench-{scheme}-source")
+                )
+                await source.register(REGION_ID, src)
+                info = source.advertise()
+            peers[scheme] = await stack.enter_async_context(await t.connect(info))
+
+        # Per case, memcpy and then every transport back to back, so each ratio
+        # compares runs made under the same load.
         for name, piece, lay in cases:
             b = layout(piece, lay == "shuffled")
-            d = (d_base + b["local_offset"]).astype(np.int64)
-            s = (s_base + b["remote_offset"]).astype(np.int64)
+            d = (dst.address + b["local_offset"]).astype(np.int64)
+            s = (src.address + b["remote_offset"]).astype(np.int64)
             n = b["nbytes"].astype(np.int64)
             dst.numpy()[:] = 0
             best = 0.0
@@ -117,59 +154,27 @@ async def _main(args: argparse.Namespace) -> int:
             ok = check(dst, b, piece)
             verified &= ok
             results[("memcpy", name, lay)] = best
-            print(
-                f"{'memcpy':<10} {name:>7} {lay:<10} {len(b):>7} {len(b):>7} {best:>7.2f} {1.0:>9.2f}"
-                + ("" if ok else "  VERIFY FAILED")
-            )
-
-        for scheme in schemes:
-            peer_proc = None
-            extra = {"lanes": args.lanes} if scheme == "ucx" and args.lanes else {}
-            async with create_transport(scheme, secret=secret, peer_id="bench", **extra) as t:
-                await t.register(1, dst)
-                if scheme == "ucx":
-                    peer_proc = await asyncio.create_subprocess_exec(
-                        sys.executable, "-m", "transports.servepeer", "--scheme", "ucx", "--size", str(total), "--seed", "7",
-                        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                        env=dict(os.environ, **{SECRET_ENV: secret.hex()}),
-                    )  # fmt: skip
-                    assert peer_proc.stdout is not None
-                    info = PeerInfo.decode(
-                        bytes.fromhex((await peer_proc.stdout.readline()).decode())
-                    )
-                    source = None
-                else:
-                    source = create_transport(scheme, secret=secret, peer_id="bench-source")
-                    await source.start()
-                    await source.register(REGION_ID, src)
-                    info = source.advertise()
-                try:
-                    async with await t.connect(info) as peer:
-                        for name, piece, lay in cases:
-                            b = layout(piece, lay == "shuffled")
-                            dst.numpy()[:] = 0
-                            await peer.get(b)  # warm: first touch of pages in the data plane
-                            best = 0.0
-                            for _ in range(args.repeat):
-                                t0 = time.perf_counter()
-                                await peer.get(b)
-                                best = max(best, total / (time.perf_counter() - t0) / 1e9)
-                            ok = check(dst, b, piece)
-                            verified &= ok
-                            results[(scheme, name, lay)] = best
-                            ratio = best / results[("memcpy", name, lay)]
-                            posted = len(coalesce(b)) if scheme == "ucx" else len(b)
-                            print(
-                                f"{scheme:<10} {name:>7} {lay:<10} {len(b):>7} {posted:>7} {best:>7.2f} {ratio:>9.2f}"
-                                + ("" if ok else "  VERIFY FAILED")
-                            )
-                finally:
-                    if source is not None:
-                        await source.close()
-                    if peer_proc is not None:
-                        assert peer_proc.stdin is not None
-                        peer_proc.stdin.close()
-                        await peer_proc.wait()
+            row("memcpy", name, lay, len(b), len(b), best, ok)
+            for scheme, peer in peers.items():
+                dst.numpy()[:] = 0
+                await peer.get(b)  # warm: first touch of the pages in the data plane
+                best = 0.0
+                for _ in range(args.repeat):
+                    t0 = time.perf_counter()
+                    await peer.get(b)
+                    best = max(best, total / (time.perf_counter() - t0) / 1e9)
+                ok = check(dst, b, piece)
+                verified &= ok
+                results[(scheme, name, lay)] = best
+                row(
+                    scheme,
+                    name,
+                    lay,
+                    len(b),
+                    len(coalesce(b)) if scheme == "ucx" else len(b),
+                    best,
+                    ok,
+                )
 
     # memcpy_gbps: one 256 MiB memcpy (the contiguous, single-piece case when run).
     whole = next(
@@ -189,3 +194,18 @@ async def _main(args: argparse.Namespace) -> int:
     kv["verified"] = "1" if verified else "0"
     print(" ".join(f"{k}={v}" for k, v in kv.items()))
     return 0 if verified else 1
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    """Ask a servepeer process to exit (stdin EOF) and wait for it."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+    await proc.wait()
+
+
+def _size(text: str) -> int:
+    """``4KiB`` / ``1MiB`` / ``4096`` -> bytes."""
+    for unit, mult in (("KiB", 1 << 10), ("MiB", 1 << 20), ("GiB", 1 << 30), ("", 1)):
+        if text.endswith(unit) and text[: len(text) - len(unit)].isdigit():
+            return int(text[: len(text) - len(unit)]) * mult
+    raise SystemExit(f"piece size {text!r} refused: write it as 4096, 4KiB, 1MiB or 1GiB")
