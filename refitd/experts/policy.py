@@ -431,22 +431,27 @@ class ExpectedReusePolicy(EvictionPolicy):
         top = self._top
         dropped: list[int] = []
         while top:
-            layer = heapq.heappop(top)[1]
-            found = self._layer_min(layer, step)
+            layer = top[0][1]
+            found = self._layer_min(layer, step, take=True)
             if found is None:
+                heapq.heappop(top)
                 dropped.append(layer)
                 continue
             true = -self._expected(layer, found[2])
-            if top and true > top[0][0] + 1e-9:
+            # In a binary heap the runner-up is one of the top's two children.
+            runner_up = min(top[1:3], default=None)
+            # Re-filed at its exact value either way; after the victim leaves, the
+            # layer's furthest expected use can only shrink, so it stays an upper bound.
+            heapq.heapreplace(top, (true, layer))
+            if runner_up is not None and true > runner_up[0] + 1e-9:
                 # The stored value was stale and another layer may now lead.
-                heapq.heappush(top, (true, layer))
+                heapq.heappush(self._heaps[layer], found)
                 continue
-            self._layer_min(layer, step, take=True)
-            self._entry_key[found[1]] = -1
-            self._push_layer(layer)
+            slot = found[1]
+            self._entry_key[slot] = -1
             for m in dropped:
                 self._push_layer(m)
-            return found[1]
+            return slot
         raise PlanError("eviction asked for a victim but no occupied slot is evictable")
 
     def on_remove(self, slot: int) -> None:
