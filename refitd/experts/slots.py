@@ -441,8 +441,10 @@ class ExpertSlots:
         try:
             device.begin_plan(route)
         except SlotDeviceError as e:
+            # Nothing was written, but the cache already records these slots as
+            # filled: all of them must be forgotten, exactly as after a failed flush.
             self._forget(dst)
-            raise DeviceFlushFault(dst, str(e)) from e
+            raise DeviceFlushFault(dst, f"device refused a {route.value} plan: {e}") from e
         n_rows = n_bytes = 0
         for i, slot in enumerate(dst):
             # Cleared before the write, so a fault in any bank leaves the slot

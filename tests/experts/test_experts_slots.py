@@ -381,3 +381,47 @@ def test_a_device_fault_recovered_through_the_cache_refetches_every_suspect_slot
     slots.apply_copy_plan(0, again.copy, rows, host)
     for expert, slot in zip([1, 2, 3], again.slots):
         assert slot is not None and slots.occupant(slot) == ExpertId(0, expert)
+
+
+def test_a_device_that_refuses_the_route_fails_the_plan_before_any_write() -> None:
+    class GraphCapturing(HostSlotMemory):
+        def begin_plan(self, route: CopyRoute) -> None:
+            if route is CopyRoute.WHOLE_LAYER_PAGEABLE:
+                raise SlotDeviceError("a captured graph cannot replay a pageable copy")
+
+    residency = BankResidency.build([HostResidency.PINNED, HostResidency.PAGEABLE], 2, {1})
+    slots = ExpertSlots(SlotGeometry(2, EXPERTS, WIDTHS), residency)
+    device = GraphCapturing(slots.geometry)
+    whole = CopyPlan(tuple(range(EXPERTS)), tuple(range(EXPERTS)))
+    with pytest.raises(DeviceFlushFault) as info:
+        slots.apply_materialize(1, whole, named_rows(layers=2), device)
+    assert info.value.slots == tuple(range(EXPERTS))
+    assert "whole_layer_pageable" in str(info.value)
+    assert device.slot(0, 0) == bytes(WIDTHS[0])
+    assert slots.occupied() == 0
+
+
+def test_the_package_exports_exactly_its_public_names() -> None:
+    import refitd.experts as pkg
+
+    submodules = {"cache", "policy", "residency", "slots", "traces"}
+    public = {n for n in dir(pkg) if not n.startswith("_") and n not in submodules}
+    public.discard("annotations")
+    assert set(pkg.__all__) == public
+    for name in (
+        "ExpertId",
+        "CopyPlan",
+        "GatherPlan",
+        "ExpertCache",
+        "HostResidency",
+        "BankResidency",
+        "CopyRoute",
+        "ExpertSlots",
+        "SlotGeometry",
+        "SlotDevice",
+        "HostSlotMemory",
+        "SlotStats",
+        "Applied",
+        "SlotFault",
+    ):
+        assert name in pkg.__all__, f"{name} is part of the design's public API"
