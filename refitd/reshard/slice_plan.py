@@ -6,20 +6,20 @@ view of a parameter. This module turns that into *runs*: maximal stretches where
 both the source element and the destination element advance by one, then cuts the
 runs at shard boundaries and merges neighbours that are contiguous on both sides.
 
-Resolution order, cheapest first, all exact:
+Resolution, all exact and never per element:
 
-1. **Pure views.** The chain is replayed on a zero-storage meta tensor laid out as
-   the contiguous global tensor; ``contiguous()`` is skipped (it never changes which
-   source element lands where) and ``view`` is replayed as ``reshape``. If the result
-   is still a view of the base, its ``storage_offset``/``stride`` *are* the map from
-   result index to global element.
-2. **Materializing tails.** A chain ending in order-preserving reshapes of a
-   non-viewable layout (``t().reshape(-1)``, MLA's split heads flattened) is resolved
-   by its viewable prefix; the destination is reshaped instead (row-major order is
-   what a reshape preserves), through the intermediate contiguous index space.
-3. **Element maps.** Anything else (still one source element per destination
-   element) is replayed on a tensor of element indices, bounded by
-   :data:`ELEMENT_MAP_LIMIT`.
+1. **Views.** The chain is replayed on a zero-storage meta tensor laid out as the
+   contiguous global tensor; ``contiguous()`` is skipped (it never changes which
+   source element lands where) and ``view`` is replayed as ``reshape``. While the
+   result is a view of the base, its ``storage_offset``/``stride`` *are* the map
+   from result index to global element.
+2. **Materializing steps.** A ``reshape``/``flatten`` that torch cannot express as a
+   view (``t().reshape(-1)``, MLA's split heads flattened, a fused weight unfused by
+   ``view``/``select``/``reshape``) starts an intermediate contiguous index space:
+   the map so far becomes a table of runs over that space, later ops are replayed
+   on a fresh contiguous base, and the runs are composed back through the tables
+   (the same interval intersection that cuts runs at shards). Only the rows of an
+   intermediate space that are actually read are tabulated.
 
 Units: ``*_elem`` and run arrays are in elements; ``addr``, ``*_byte`` and
 ``nbytes`` are bytes.
@@ -36,11 +36,10 @@ import torch
 
 from refitd.errors import PlanError
 from refitd.reshard.regions import ChunkTable, chunk_table
-from refitd.reshard.replay import replay_ops, validate_op
+from refitd.reshard.replay import MULTI_OUTPUT_OPS, replay_ops, validate_op
 from refitd.reshard.types import OpChain, RecordedCopy, UnsupportedReshard
 
 __all__ = [
-    "ELEMENT_MAP_LIMIT",
     "Pieces",
     "Runs",
     "Segment",
@@ -54,13 +53,8 @@ __all__ = [
 
 IntArray = npt.NDArray[np.int64]
 
-ELEMENT_MAP_LIMIT = 1 << 22
-"""Largest source (in elements) whose non-strided chain is resolved element by element."""
-
 RUN_LIMIT = 1 << 24
 """Most runs one copy may resolve to before the plan is refused as unreasonable."""
-
-_ORDER_PRESERVING = frozenset({"contiguous", "view", "reshape", "flatten", "unflatten"})
 
 
 @dataclass(frozen=True)
@@ -186,17 +180,59 @@ Strided = tuple[int, tuple[int, ...], tuple[int, ...]]
 """``(offset, shape, strides)`` in elements: result index -> global element."""
 
 
-def _strided_map(chain: OpChain, global_shape: tuple[int, ...]) -> Strided | None:
+def _steps(chain: OpChain) -> list[OpChain]:
+    """The chain cut into replayable steps: a multi-output op travels with its pick."""
+    steps: list[OpChain] = []
+    i = 0
+    while i < len(chain):
+        width = 2 if chain[i][0] in MULTI_OUTPUT_OPS else 1
+        steps.append(chain[i : i + width])
+        i += width
+    return steps
+
+
+def _strided_maps(chain: OpChain, global_shape: tuple[int, ...]) -> list[Strided]:
+    """Resolve ``chain`` to a composition of strided maps, innermost last.
+
+    ``maps[0]`` maps its index space to global elements; each later map takes its
+    index to an element of the previous map's index space laid out contiguous.
+    A single map means the whole chain is a view of the source.
+    """
     base = _meta_base(global_shape)
+    t = base
+    maps: list[Strided] = []
     try:
-        out = replay_ops(base, _viewable_chain(chain))
+        for step in _steps(_viewable_chain(chain)):
+            out = replay_ops(t, step)
+            if not _is_view_of(out, base):
+                # torch had to copy: the map so far ends here, and the step is
+                # replayed on a contiguous stand-in for the copy.
+                maps.append((int(t.storage_offset()), tuple(t.shape), tuple(t.stride())))
+                base = _meta_base(tuple(t.shape))
+                out = replay_ops(base, step)
+            t = out
     except (RuntimeError, IndexError, TypeError, ValueError) as exc:
         raise UnsupportedReshard(
             f"op chain {chain!r} fails on shape {global_shape}: {exc}"
         ) from exc
-    if not _is_view_of(out, base):
-        return None
-    return int(out.storage_offset()), tuple(out.shape), tuple(out.stride())
+    maps.append((int(t.storage_offset()), tuple(t.shape), tuple(t.stride())))
+    return maps
+
+
+def _table(m: Strided, lo: int, hi: int) -> ChunkTable:
+    """Runs of map ``m`` over its contiguous index space, as a chunk table keyed by
+    index-space position, restricted to the dim-0 rows covering ``[lo, hi)``."""
+    off, shape, strides = m
+    if shape and hi > lo:
+        row = math.prod(shape[1:])
+        r0, r1 = lo // max(row, 1), -(-hi // max(row, 1))
+        off, shape = off + r0 * strides[0], (r1 - r0, *shape[1:])
+        start = r0 * row
+    else:
+        start = 0
+    runs = _joint_strided((off, shape, strides), start, shape, contiguous_strides(shape))
+    zero = np.zeros(len(runs), dtype=np.int64)
+    return ChunkTable(runs.dst, runs.dst + runs.length, runs.src, zero)
 
 
 def _joint_strided(
@@ -242,77 +278,23 @@ def _broadcast(src: Strided, dest_shape: tuple[int, ...]) -> Strided:
     return off, tuple(out.shape), tuple(out.stride())
 
 
-def _order_preserving_split(chain: OpChain) -> int:
-    """Index where the chain's trailing run of order-preserving ops begins."""
-    p = len(chain)
-    while p > 0 and chain[p - 1][0] in _ORDER_PRESERVING:
-        p -= 1
-    return p
-
-
-def _element_runs(copy: RecordedCopy, global_shape: tuple[int, ...]) -> Runs:
-    numel = math.prod(global_shape)
-    if numel > ELEMENT_MAP_LIMIT:
-        raise UnsupportedReshard(
-            f"op chain {copy.op_chain!r} is not a strided view and the source has {numel} "
-            f"elements, above the element-map limit {ELEMENT_MAP_LIMIT}"
-        )
-    index = torch.arange(numel, dtype=torch.int64).reshape(global_shape)
-    try:
-        picked = torch.broadcast_to(replay_ops(index, copy.op_chain), copy.dest_shape)
-    except RuntimeError as exc:
-        raise UnsupportedReshard(
-            f"op chain {copy.op_chain!r} cannot fill {copy.dest_shape}"
-        ) from exc
-    src = picked.reshape(-1).numpy().astype(np.int64)
-    dst = np.full(copy.dest_shape, copy.dest_offset, dtype=np.int64)
-    for k, (n, d) in enumerate(zip(copy.dest_shape, copy.dest_stride, strict=True)):
-        shape = [1] * len(copy.dest_shape)
-        shape[k] = n
-        dst = dst + (np.arange(n, dtype=np.int64) * d).reshape(shape)
-    dst = dst.reshape(-1)
-    order = np.argsort(dst, kind="stable")
-    src, dst = src[order], dst[order]
-    if src.size == 0:
-        return Runs(src, dst, src)
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate([[0], breaks]).astype(np.int64)
-    lengths = np.diff(np.concatenate([starts, [src.size]])).astype(np.int64)
-    return Runs(src[starts], dst[starts], lengths)
-
-
 def copy_runs(copy: RecordedCopy, global_shape: tuple[int, ...]) -> Runs:
     """Resolve ``copy`` to element runs of the global tensor, in destination order.
 
     Raises :class:`UnsupportedReshard` when the chain is malformed, does not fit the
-    destination, or is neither a strided view nor small enough for an element map.
+    destination, or resolves to more than :data:`RUN_LIMIT` runs.
     """
     global_shape = tuple(int(n) for n in global_shape)
+    maps = _strided_maps(copy.op_chain, global_shape)
     dest = (copy.dest_offset, tuple(copy.dest_shape), tuple(copy.dest_stride))
-    view = _strided_map(copy.op_chain, global_shape)
-    if view is not None:
-        return _joint_strided(_broadcast(view, dest[1]), *dest)
-    p = _order_preserving_split(copy.op_chain)
-    prefix = _strided_map(copy.op_chain[:p], global_shape)
-    if prefix is not None and math.prod(prefix[1]) == math.prod(dest[1]):
-        # A reshape keeps row-major order, so reshaping the destination to the
-        # prefix's shape pairs the same elements; it is a view for any
-        # destination a loader writes (a contiguous parameter block).
-        meta = torch.empty(0, dtype=torch.uint8, device="meta").as_strided(
-            dest[1], dest[2], dest[0]
-        )
-        try:
-            dest_view = meta.view(prefix[1])
-        except RuntimeError:
-            dest_view = None
-        if dest_view is not None:
-            return _joint_strided(
-                prefix,
-                int(dest_view.storage_offset()),
-                tuple(dest_view.shape),
-                tuple(dest_view.stride()),
-            )
-    return _element_runs(copy, global_shape)
+    runs = _joint_strided(_broadcast(maps[-1], dest[1]), *dest)
+    for m in reversed(maps[:-1]):
+        if not len(runs):
+            break
+        lo, hi = int(runs.src.min()), int((runs.src + runs.length).max())
+        _, src, dst, length = split_runs(runs, _table(m, lo, hi), 1)
+        runs = Runs(src, dst, length)
+    return runs
 
 
 def split_runs(
