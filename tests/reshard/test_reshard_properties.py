@@ -17,9 +17,12 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from refitd.reshard.compile import compile_plan, dest_layout_of
 from refitd.reshard.geometry import capture_geometry
+from refitd.reshard.receiver import execute_bound
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.transfer_plan import plan_transfer
+from refitd.reshard.transport import InMemoryReferenceTransport
 from refitd.reshard.types import CaptureResult, OpSpec
 
 SETTINGS = settings(
@@ -230,6 +233,14 @@ def _plan_and_check(kit: Any, w: dict[str, Any], cap: CaptureResult, truth: torc
     param = torch.zeros(w["numel"], dtype=w["full"].dtype)
     kit.reconstruct(plan, {"p": param})
     assert param.view(torch.uint8).numpy().tobytes() == truth.view(torch.uint8).numpy().tobytes()
+    # The compiled form of the same plan moves the same bytes.
+    replayed = torch.zeros_like(param)
+    dest = dest_layout_of({"p": replayed})
+    bound = compile_plan(plan, pub.sources, dest).bind(
+        pub.sources, lambda _: replayed.data_ptr(), dest
+    )
+    execute_bound(bound, lambda _: replayed.data_ptr(), InMemoryReferenceTransport())
+    assert replayed.view(torch.uint8).numpy().tobytes() == truth.view(torch.uint8).numpy().tobytes()
     # Accounting: the chosen plan never reads fewer bytes than the exact plan needs.
     assert plan.bytes_planned() >= plan.exact_bytes
     assert plan.exact_bytes == math.prod(w["dest"][0]) * w["full"].element_size()
