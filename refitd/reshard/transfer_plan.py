@@ -33,7 +33,7 @@ import numpy.typing as npt
 import torch
 
 from refitd.errors import PlanError, TransportError
-from refitd.reshard.cost import DESCRIPTOR_COST_BYTES, PACK_COST_BYTES, fit_pack
+from refitd.reshard.cost import DESCRIPTOR_COST_BYTES, PACK_COST_BYTES, PackFit, fit_pack
 from refitd.reshard.regions import chunk_table, is_dim0_block
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.slice_plan import (
@@ -198,7 +198,7 @@ class _Choice:
     kind: str
     exact: Pieces
     raw: Pieces
-    packs: list[tuple[Any, int]] = field(default_factory=list)  # (PackFit, session code)
+    packs: list[tuple[PackFit, int]] = field(default_factory=list)  # (fit, session code)
 
 
 def _groups(codes: IntArray) -> list[IntArray]:
@@ -251,7 +251,7 @@ def _choose(
     ]
     if pack_specs:
         keep: list[IntArray] = []
-        packs: list[tuple[Any, int]] = []
+        packs: list[tuple[PackFit, int]] = []
         for g in _groups(exact.session):
             fit = fit_pack(exact.addr[g], exact.dst[g], exact.nbytes[g], info.elsize)
             if fit is None:

@@ -26,7 +26,7 @@ from refitd.reshard.transport import InMemoryReferenceTransport
 from refitd.reshard.types import CaptureResult, OpSpec
 
 SETTINGS = settings(
-    max_examples=150,
+    max_examples=400,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
@@ -277,7 +277,7 @@ class _Loader(torch.nn.Module):
             self.p.weight_loader(self.p, loaded)  # type: ignore[operator]
 
 
-@settings(SETTINGS, max_examples=60)
+@settings(SETTINGS, max_examples=100)
 @given(data=st.data())
 def test_chains_captured_through_lazy_weights_reconstruct_bit_for_bit(
     kit: Any, data: st.DataObject
