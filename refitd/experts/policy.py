@@ -40,8 +40,6 @@ __all__ = [
     "PoolView",
 ]
 
-NO_KEY = -1
-
 
 class PoolView(Protocol):
     """What a policy may read of the cache's state. Read-only by contract.
@@ -66,9 +64,9 @@ class PoolView(Protocol):
 class EvictionPolicy(ABC):
     """Chooses victims among occupied slots. One instance serves one cache.
 
-    Call order within a step: zero or more ``choose_victim`` calls (only when no free
-    slot is left), then exactly one ``on_step`` naming every slot the step hit or
-    filled. ``on_remove`` is called when the cache empties a slot outside a step's
+    Call order within a step: ``begin_step``, zero or more ``choose_victim`` calls
+    (only when no free slot is left), then exactly one ``on_step`` naming every slot
+    the step hit or filled. ``on_remove`` is called when the cache empties a slot outside a step's
     fills (``forget_slot``, a displaced occupant in ``materialize_layer``).
     """
 
