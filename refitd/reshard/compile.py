@@ -22,15 +22,16 @@ import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from operator import attrgetter
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from refitd.errors import PlanError
+from refitd.errors import PlanError, TransportError
 from refitd.reshard.slice_plan import Segment
-from refitd.reshard.transfer_plan import FullPull, PackSpec, SourceInfo, TransferPlan
-from refitd.reshard.transport import PackedRead, ReadDescriptor
+from refitd.reshard.transfer_plan import FullPull, PackSpec, SourceInfo, TransferPlan, run_full_pull
+from refitd.reshard.transport import PackedRead, ReadDescriptor, Transport
 
 __all__ = [
     "BoundPlan",
@@ -42,6 +43,7 @@ __all__ = [
     "compile_plan",
     "dest_layout_of",
     "destination_signature",
+    "execute_bound",
     "manifest_signature",
 ]
 
@@ -275,6 +277,18 @@ class CompiledPlan:
             fps,
         )
 
+    def replay(
+        self,
+        sources: Mapping[str, SourceInfo],
+        resolve_param_ptr: Callable[[str], int],
+        transport: Transport,
+        dest_layout: DestLayout | None = None,
+    ) -> dict[str, Any]:
+        """:meth:`bind`, then move the bytes through ``transport``; no planning."""
+        return execute_bound(
+            self.bind(sources, resolve_param_ptr, dest_layout), resolve_param_ptr, transport
+        )
+
 
 def _codes(values: list[str], table: dict[str, int]) -> IntArray:
     return np.array([table.setdefault(v, len(table)) for v in values], dtype=np.int64)
@@ -332,3 +346,29 @@ def compile_plan(
         sessions=tuple(sorted(sessions, key=sessions.__getitem__)),
         params=tuple(sorted(params, key=params.__getitem__)),
     )
+
+
+def execute_bound(
+    bound: BoundPlan, resolve_param_ptr: Callable[[str], int], transport: Transport
+) -> dict[str, Any]:
+    """Post a bound plan's reads; full pulls are fetched to staging and replayed."""
+    transport.read(bound.descriptors())
+    if bound.packs:
+        read_packed = getattr(transport, "read_packed", None)
+        if read_packed is None:
+            raise TransportError(
+                f"{len(bound.packs)} pack specs planned but {type(transport).__name__} "
+                f"cannot pack; plan with pack_specs=False for this transport"
+            )
+        read_packed(bound.packed_reads())
+    for fp in bound.full_pulls:
+        run_full_pull(fp, resolve_param_ptr, transport)
+    return {
+        "bytes": int(bound.nbytes.sum())
+        + sum(p.nbytes for p in bound.packs)
+        + sum(fp.nbytes() for fp in bound.full_pulls),
+        "segments": int(bound.nbytes.size),
+        "packs": len(bound.packs),
+        "full_pulls": len(bound.full_pulls),
+        "fallback": [],
+    }

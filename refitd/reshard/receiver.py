@@ -18,16 +18,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from refitd.errors import TransportError
 from refitd.reshard.compile import (
-    BoundPlan,
     CompiledPlan,
     DestLayout,
     SignatureMismatch,
     compile_plan,
+    execute_bound,
 )
 from refitd.reshard.replay import replay_ops
-from refitd.reshard.transfer_plan import SourceInfo, TransferPlan, plan_transfer, run_full_pull
+from refitd.reshard.transfer_plan import SourceInfo, TransferPlan, plan_transfer
 from refitd.reshard.transport import Transport
 from refitd.reshard.types import CaptureResult, UnsupportedReshard, summarize_unsupported
 
@@ -54,32 +53,6 @@ def refuse_unsafe(capture: CaptureResult, plan: TransferPlan | None = None) -> N
             f"refit refused before any transfer: {len(plan.fallback)} source(s) cannot be "
             f"planned exactly ({plan.fallback[:5]}...); causes: {causes or 'unknown'}"
         )
-
-
-def execute_bound(
-    bound: BoundPlan, resolve_param_ptr: Callable[[str], int], transport: Transport
-) -> dict[str, Any]:
-    """Post a bound plan's reads; full pulls are fetched to staging and replayed."""
-    transport.read(bound.descriptors())
-    if bound.packs:
-        read_packed = getattr(transport, "read_packed", None)
-        if read_packed is None:
-            raise TransportError(
-                f"{len(bound.packs)} pack specs planned but {type(transport).__name__} "
-                f"cannot pack; plan with pack_specs=False for this transport"
-            )
-        read_packed(bound.packed_reads())
-    for fp in bound.full_pulls:
-        run_full_pull(fp, resolve_param_ptr, transport)
-    return {
-        "bytes": int(bound.nbytes.sum())
-        + sum(p.nbytes for p in bound.packs)
-        + sum(fp.nbytes() for fp in bound.full_pulls),
-        "segments": int(bound.nbytes.size),
-        "packs": len(bound.packs),
-        "full_pulls": len(bound.full_pulls),
-        "fallback": [],
-    }
 
 
 @dataclass

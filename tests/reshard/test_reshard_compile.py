@@ -13,7 +13,6 @@ import torch
 
 from refitd.errors import PlanError
 from refitd.reshard.compile import SignatureMismatch, compile_plan, dest_layout_of
-from refitd.reshard.receiver import execute_bound
 from refitd.reshard.transfer_plan import exact_descriptors, plan_transfer
 from refitd.reshard.transport import InMemoryReferenceTransport
 from refitd.reshard.types import CaptureResult
@@ -71,8 +70,10 @@ def test_a_republished_version_replays_rebased_and_bit_exact(kit: Any) -> None:
     compiled = compile_plan(plan, pub1.sources, dest)
     # Next version: same structure, new buffers elsewhere, new values.
     pub2, full2 = _setup(kit, base=500_000)
-    bound = compiled.bind(pub2.sources, lambda n: params[n].data_ptr(), dest)
-    execute_bound(bound, lambda n: params[n].data_ptr(), InMemoryReferenceTransport())
+    stats = compiled.replay(
+        pub2.sources, lambda n: params[n].data_ptr(), InMemoryReferenceTransport(), dest
+    )
+    assert stats["bytes"] == plan.bytes_planned()
     assert torch.equal(params["pa"], full2["a"][:, :32])
     assert torch.equal(params["pb"], full2["b"].t())
 

@@ -17,9 +17,8 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from refitd.reshard.compile import compile_plan, dest_layout_of
+from refitd.reshard.compile import compile_plan, dest_layout_of, execute_bound
 from refitd.reshard.geometry import capture_geometry
-from refitd.reshard.receiver import execute_bound
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.transfer_plan import plan_transfer
 from refitd.reshard.transport import InMemoryReferenceTransport
