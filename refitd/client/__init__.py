@@ -1,0 +1,13 @@
+"""refitd's Python client: the async :class:`RefitClient` (one method per API v1
+endpoint), :class:`SyncRefitClient`, the trainer's :class:`Publisher` and the
+engine's :class:`DaemonReceiver`. Refusals raise the same
+:mod:`refitd.errors` classes the daemon raised."""
+
+from __future__ import annotations
+
+from refitd.client.http import RefitClient
+from refitd.client.publisher import Publisher
+from refitd.client.receiver import DaemonReceiver, RefitStats
+from refitd.client.sync import SyncRefitClient
+
+__all__ = ["DaemonReceiver", "Publisher", "RefitClient", "RefitStats", "SyncRefitClient"]

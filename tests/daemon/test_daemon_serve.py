@@ -1,0 +1,68 @@
+"""`refitd serve` as a process: ready line, TCP and Unix socket, orderly SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import refitd.client
+from refitd.client import SyncRefitClient
+from refitd.errors import NotFoundError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_the_client_package_exports_exactly_its_public_names() -> None:
+    public = {n for n in vars(refitd.client) if not n.startswith("_") and n[0].isupper()}
+    assert set(refitd.client.__all__) == public
+
+
+def test_serve_reports_its_bound_port_serves_tcp_and_unix_and_exits_cleanly_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    sock = tmp_path / "refitd.sock"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "refitd.cli",
+            "serve",
+            "--port",
+            "0",
+            "--unix",
+            str(sock),
+            "--secret-file",
+            str(secret),
+            "--node-id",
+            "proc",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stdout is not None
+        ready = json.loads(proc.stdout.readline())
+        assert ready["event"] == "ready" and ready["node_id"] == "proc"
+        assert not ready["url"].endswith(":0")
+        with SyncRefitClient(ready["url"]) as c:
+            region = c.create_region(4096, label="sync")
+            assert c.node().node_id == "proc"
+            with pytest.raises(NotFoundError):
+                c.manifest("absent", 1)
+        with SyncRefitClient("http://localhost", unix_path=str(sock)) as u:
+            assert [r.region_id for r in u.regions()] == [region.region_id]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
