@@ -390,10 +390,10 @@ async def _refit_version(
     bar = None
     done: dict[int, int] = {}
     if progress:
-        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+        from rich.progress import BarColumn, DownloadColumn, Progress, TimeElapsedColumn
 
         bar = Progress(
-            f"[bold]refit v{version}", BarColumn(), DownloadColumn(), TransferSpeedColumn()
+            f"[bold]refit v{version}", BarColumn(), DownloadColumn(), TimeElapsedColumn()
         )
         task = bar.add_task("pull", total=None)
         bar.start()
@@ -447,7 +447,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gib", type=float, default=2.0, help="model size in GiB (default 2)")
     parser.add_argument("--versions", type=int, default=3, help="versions to refit (default 3)")
     parser.add_argument(
-        "--transport", default="ucx", help="daemons' data plane: ucx (default) or shm"
+        "--transport",
+        default="shm",
+        help="daemons' data plane: shm (same host, default) or ucx",
     )
 
 
