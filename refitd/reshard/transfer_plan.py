@@ -254,10 +254,17 @@ def _choose(
         packs: list[tuple[PackFit, int]] = []
         for g in _groups(exact.session):
             fit = fit_pack(exact.addr[g], exact.dst[g], exact.nbytes[g], info.elsize)
-            if fit is None:
-                keep.append(g)
-            else:
+            if fit is not None:
                 packs.append((fit, int(exact.session[g[0]])))
+                continue
+            # One session may hold several unrelated buffers: try each shard alone.
+            for sub in _groups(exact.shard[g]):
+                h = g[sub]
+                fit = fit_pack(exact.addr[h], exact.dst[h], exact.nbytes[h], info.elsize)
+                if fit is None:
+                    keep.append(h)
+                else:
+                    packs.append((fit, int(exact.session[h[0]])))
         n = sum(len(g) for g in keep) + len(packs)
         cost = total + descriptor_cost * n + pack_cost * len(packs)
         rest = (

@@ -402,3 +402,19 @@ def test_without_pack_specs_an_unbounded_over_budget_copy_stays_exact(kit: Any) 
     )
     assert plan.unbounded_sources == ["w"] and plan.choices["exact"] == 1
     assert len(plan.segments) == 16
+
+
+def test_shards_of_one_session_in_separate_buffers_pack_one_by_one(kit: Any) -> None:
+    full = kit.distinct((512, 512))
+    param = torch.zeros(512, 256)
+    pub = kit.Published()
+    # Uneven blocks, so no single progression can span both buffers.
+    pub.add("w", full, [((0, 0), (200, 512)), ((200, 0), (312, 512))], sessions=["a", "a"])
+    _ALIVE.append(pub)
+    copy = kit.copy_record("w", [("narrow", (1, 0, 256), ())], "p", param)
+    plan = plan_transfer(CaptureResult(copies=[copy]), pub.sources, 4)
+    shapes = sorted(p.shape for p in plan.packs)
+    assert shapes in ([(200, 256), (312, 256)], [(512, 256)])  # [(512, 256)]: buffers adjacent
+    assert plan.bytes_planned() == plan.exact_bytes
+    kit.reconstruct(plan, {"p": param})
+    assert torch.equal(param, full[:, :256])
