@@ -60,3 +60,16 @@ def test_demo_refuses_a_layout_that_cannot_exist_and_names_it(
     out = capsys.readouterr().out
     assert code == 2
     assert "ep_size 3 does not divide tp_size 4" in out
+
+
+def test_bench_plan_unfuses_megatron_fc1_by_view_at_deepseek_size(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # view → select → reshape → narrow on a 264M-element fc1: too big for an element
+    # map, so this plans only if the chain resolves to strided regions.
+    argv = ["bench", "plan", "--layers", "4", "--layout", "megatron", "--unfuse", "view"]
+    code = main(argv)
+    pairs = _last_line_pairs(capsys.readouterr().out)
+    assert code == 0
+    assert pairs["megatron.unsupported"] == "0"
+    assert float(pairs["megatron.wire_exact"]) <= 1.02
