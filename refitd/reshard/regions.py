@@ -102,12 +102,15 @@ def chunk_table(
     ``loads`` (bytes already assigned per session, updated in place) steers replica
     choice toward the least-loaded session; ties go to the earlier shard.
     """
+    loads = {} if loads is None else loads
+    for shard in shards:
+        _check_shard(global_shape, shard, elsize)
     starts: list[IntArray] = []
     lens: list[IntArray] = []
     owner: list[IntArray] = []
     storage: list[IntArray] = []
-    for i, shard in enumerate(shards):
-        _check_shard(global_shape, shard, elsize)
+    for i in _one_per_box(shards, loads):
+        shard = shards[i]
         if math.prod(shard.shape) == 0:
             continue
         s, n = _shard_chunks(global_shape, shard)
@@ -129,16 +132,37 @@ def chunk_table(
     return ChunkTable(start, end, stor, shard_of)
 
 
+def _one_per_box(shards: list[Shard], loads: dict[str, int]) -> list[int]:
+    """Indices of the shards to read, one per distinct box, in shard order.
+
+    Replicas usually repeat whole boxes (data-parallel copies of one layout), so a
+    whole box is given to one replica: reads stay coalescable inside its storage,
+    and boxes alternate between sessions by bytes assigned so far. Partial overlaps
+    are left to the chunk-level resolution.
+    """
+    by_box: dict[tuple[tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    for i, shard in enumerate(shards):
+        by_box.setdefault((tuple(shard.shard_offset), tuple(shard.shape)), []).append(i)
+    if len(by_box) == len(shards):
+        return list(range(len(shards)))
+    keep = []
+    for (_, shape), group in by_box.items():
+        pick = min(group, key=lambda i: (loads.get(shards[i].session, 0), i))
+        nbytes = math.prod(shape) * shards[pick].elsize
+        loads[shards[pick].session] = loads.get(shards[pick].session, 0) + nbytes
+        keep.append(pick)
+    return sorted(keep)
+
+
 def _resolve_replicas(
     start: IntArray,
     end: IntArray,
     shard_of: IntArray,
     stor: IntArray,
     shards: list[Shard],
-    loads: dict[str, int] | None,
+    loads: dict[str, int],
 ) -> tuple[IntArray, IntArray, IntArray, IntArray]:
     """Split overlapping chunks at every boundary and give each piece one owner."""
-    loads = {} if loads is None else loads
     bounds = np.unique(np.concatenate([start, end]))
     covering: list[list[int]] = [[] for _ in range(bounds.size - 1)]
     lo = np.searchsorted(bounds, start)

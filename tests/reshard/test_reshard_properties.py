@@ -138,7 +138,8 @@ def layouts(
     draw: st.DrawFn, shape: tuple[int, ...]
 ) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Boxes covering ``shape``: one shard, blocks along a dim, or a 2-D grid,
-    with uneven cuts, and optionally every box duplicated as a replica."""
+    with uneven cuts, optionally every box duplicated as a replica, and optionally
+    one more box overlapping the others in part."""
     nd = len(shape)
     dims = draw(st.sampled_from(["one", "blocks", "grid"])) if nd else "one"
     chosen = (
@@ -165,6 +166,14 @@ def layouts(
         boxes = new
     if draw(st.booleans()):
         boxes = boxes + draw(st.permutations(boxes))
+    if draw(st.booleans()):
+        # A partial replica: any sub-box, overlapping others only in part.
+        lo = [draw(st.integers(0, n - 1)) for n in shape]
+        hi = [draw(st.integers(a + 1, n)) for a, n in zip(lo, shape, strict=True)]
+        boxes.insert(
+            draw(st.integers(0, len(boxes))),
+            (tuple(lo), tuple(b - a for a, b in zip(lo, hi, strict=True))),
+        )
     return boxes
 
 

@@ -281,3 +281,21 @@ def test_stacked_experts_reach_their_fused_slots_through_select_and_unbind(kit: 
         run_segments(plan_pull(copy, info.global_shape, F32, 4, info.shards), w13)
     assert torch.equal(w13[:, 0], w1)
     assert not w13[:, 1].any()
+
+
+def test_replicated_dim1_blocks_are_read_whole_from_one_replica_each(kit: Any) -> None:
+    # Data-parallel copies of a TP layout: each block comes from one replica, so
+    # its rows still coalesce, and the two blocks go to different sessions.
+    boxes = kit.dim_blocks((6, 8), 1, 2)
+    param = torch.zeros(6, 8)
+    segs = pull(
+        kit,
+        kit.distinct((6, 8)),
+        boxes + boxes,
+        [],
+        param,
+        param,
+        sessions=["a0", "a1", "b0", "b1"],
+    )
+    assert len({s.session for s in segs}) == 2
+    assert sum(s.nbytes for s in segs) == 6 * 8 * 4
