@@ -29,7 +29,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -67,6 +67,7 @@ class RefitStats:
     bytes: int
     descriptors: int
     pack_specs: int
+    scattered: int  # pack specs whose bytes land strided, scattered at install
     full_pulls: int
     manifest_s: float
     plan_s: float
@@ -125,6 +126,7 @@ class DaemonReceiver:
         self.strict = strict
         self.max_segments_per_copy = max_segments_per_copy
         self._compiled: _Compiled | None = None
+        self._plan_cache: Any = None  # refitd.reshard.compile.CompiledPlan
         self._params: dict[str, torch.nn.Parameter] = dict(engine.named_parameters())
         self._param_off: dict[str, int] = {}
         self._engine_seg: SharedSegment | None = None
@@ -194,16 +196,16 @@ class DaemonReceiver:
     def _engine_layout(self) -> bytes:
         return repr([(n, tuple(p.shape), str(p.dtype)) for n, p in self._params.items()]).encode()
 
-    def _plan(self, m: MergedManifest, signature: bytes) -> _Compiled:
+    @staticmethod
+    def sources_of(m: MergedManifest) -> dict[str, Any]:
+        """The manifest as the planner's sources: one session per source region, and
+        region ``r``'s byte ``b`` at synthetic address ``r * SPAN + b``."""
         from refitd.reshard.slice_plan import Shard
-        from refitd.reshard.transfer_plan import SourceInfo, plan_transfer
-        from refitd.reshard.types import UnsupportedReshard
+        from refitd.reshard.transfer_plan import SourceInfo
 
-        manifest: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
         sources: dict[str, SourceInfo] = {}
         for t in m.tensors:
             dt = torch_dtype(t.dtype)
-            manifest.append((t.name, dt, tuple(t.shape)))
             shards = [
                 Shard(
                     tuple(s.offset),
@@ -215,6 +217,16 @@ class DaemonReceiver:
                 for s in t.shards
             ]
             sources[t.name] = SourceInfo(tuple(t.shape), dt, dt.itemsize, shards)
+        return sources
+
+    def _plan(self, m: MergedManifest, sources: dict[str, Any]) -> Any:
+        """Capture on a meta twin, plan and compile; refuses (before any transfer) a
+        plan with any unsupported, unattributed or unplannable source."""
+        from refitd.reshard.compile import compile_plan, dest_layout_of
+        from refitd.reshard.transfer_plan import plan_transfer
+        from refitd.reshard.types import UnsupportedReshard
+
+        manifest = [(n, info.dtype, tuple(info.global_shape)) for n, info in sources.items()]
         with torch.device("meta"):
             twin = self.twin()
         capture = self.capture(twin, manifest)
@@ -238,104 +250,76 @@ class DaemonReceiver:
                 f"{len(plan.fallback)} such source(s)"
             )
         self.plans += 1
-        return self._compile(plan, signature)
+        return compile_plan(plan, sources, dest_layout_of(self._params))
 
-    def _compile(self, plan: object, signature: bytes) -> _Compiled:
-        """Bind the plan to regions: every read becomes one int64 row."""
-        from refitd.reshard.transfer_plan import TransferPlan
-
-        assert isinstance(plan, TransferPlan) and self._engine_region is not None
-        engine = self._engine_region.region_id
+    async def _lower(self, bound: Any, plan: Any, signature: bytes) -> _Compiled:
+        """Turn a bound plan into daemon rows: every read one int64 row of
+        ``(src region, src offset, dst region, dst offset, nbytes)``."""
+        assert self._engine_region is not None
         staging = self.mode == "staging"
         # Scratch layout: [mirror of the engine segment, staging mode only][packed
-        # blocks that scatter][full-pull buffers].
+        # blocks that land strided][full-pull buffers].
         cursor = self._engine_region.nbytes if staging else 0
-        rows: list[tuple[int, int, int, int, int]] = []
-        SCRATCH = -1  # patched to the scratch region id once its size is known
-        dst_main = SCRATCH if staging else engine
-        for s in plan.segments:
-            rows.append(
-                (
-                    s.src_addr // SPAN,
-                    s.src_addr % SPAN,
-                    dst_main,
-                    self._param_off[s.param_name] + s.dst_byte,
-                    s.nbytes,
-                )
-            )
-        packs: list[tuple[int, int, tuple[int, ...], tuple[int, ...], int, int, int]] = []
         scatter: list[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str, int]] = []
-        for p in plan.packs:
-            strides = tuple(st // p.elsize for st in p.src_strides)
+        pack_dst: list[int] = []
+        for p, d in zip(bound.packs, bound.pack_dst.tolist(), strict=True):
             if p.dst_strides is None:
-                dst_region, dst_off = dst_main, self._param_off[p.param_name] + p.dst_byte
-            else:
-                dst_region, dst_off = SCRATCH, cursor
-                dt = self._params[p.param_name].dtype
-                scatter.append(
-                    (
-                        cursor,
-                        dt,
-                        p.shape,
-                        tuple(st // p.elsize for st in p.dst_strides),
-                        p.param_name,
-                        p.dst_byte,
-                    )
-                )
-                cursor = _align(cursor + p.nbytes)
-            packs.append(
-                (
-                    p.src_addr // SPAN,
-                    p.src_addr % SPAN,
-                    p.shape,
-                    strides,
-                    p.elsize,
-                    dst_region,
-                    dst_off,
-                )
-            )
-        full: list[tuple[int, object]] = []
-        for fp in plan.full_pulls:
-            base = cursor
-            for s in fp.segments:
-                rows.append(
-                    (s.src_addr // SPAN, s.src_addr % SPAN, SCRATCH, base + s.dst_byte, s.nbytes)
-                )
-            full.append((base, fp))
+                pack_dst.append(d)
+                continue
+            dt = self._params[p.param_name].dtype
+            strides = tuple(st // p.elsize for st in p.dst_strides)
+            scatter.append((cursor, dt, p.shape, strides, p.param_name, p.dst_byte))
+            pack_dst.append(-SPAN + cursor)
+            cursor = _align(cursor + p.nbytes)
+        full: list[tuple[int, Any]] = []
+        fp_rows: list[tuple[int, int, int]] = []
+        for fp in bound.full_pulls:
+            full.append((cursor, fp))
+            fp_rows += [(s.src_addr, -SPAN + cursor + s.dst_byte, s.nbytes) for s in fp.segments]
             cursor = _align(cursor + fp.staging_nbytes)
-        arr = np.array(rows, dtype=np.int64).reshape(-1, 5)
+        scratch = await self._scratch(cursor)
+        src = np.concatenate([bound.src, np.array([r[0] for r in fp_rows], dtype=np.int64)])
+        dst = np.concatenate([bound.dst, np.array([r[1] for r in fp_rows], dtype=np.int64)])
+        nb = np.concatenate([bound.nbytes, np.array([r[2] for r in fp_rows], dtype=np.int64)])
+        rows = np.stack([src // SPAN, src % SPAN, dst // SPAN, dst % SPAN, nb], axis=1)
+        # Destination region -1 stands for the scratch region (see _param_addr).
+        rows[rows[:, 2] == -1, 2] = scratch.region_id
+        pdst = np.array(pack_dst, dtype=np.int64)
+        packs = [
+            PackSpec(
+                int(a // SPAN),
+                int(a % SPAN),
+                p.shape,
+                tuple(st // p.elsize for st in p.src_strides),
+                p.elsize,
+                scratch.region_id if d // SPAN == -1 else int(d // SPAN),
+                int(d % SPAN),
+            )
+            for p, a, d in zip(bound.packs, bound.pack_src.tolist(), pdst.tolist(), strict=True)
+        ]
         install: list[tuple[int, int]] = []
         if staging:
-            mirror = np.array(
-                [
-                    (r[3], r[4])
-                    for r in rows
-                    if r[2] == SCRATCH and r[3] < self._engine_region.nbytes
-                ]
-                + [
-                    (pk[6], math.prod(pk[2]) * pk[4])
-                    for pk in packs
-                    if pk[5] == SCRATCH and pk[6] < self._engine_region.nbytes
-                ],
-                dtype=np.int64,
-            ).reshape(-1, 2)
-            install = _coalesce(mirror)
-        comp = _Compiled(signature, arr, [], scatter, full, install)
-        comp.bytes = plan.bytes_planned()
-        comp._pack_rows = packs  # type: ignore[attr-defined]
-        comp._scratch_bytes = cursor  # type: ignore[attr-defined]
+            limit = self._engine_region.nbytes
+            mirror = [
+                (int(r[3]), int(r[4])) for r in rows if r[2] == scratch.region_id and r[3] < limit
+            ]
+            mirror += [
+                (p.dst_offset, p.nbytes)
+                for p in packs
+                if p.dst_region == scratch.region_id and p.dst_offset < limit
+            ]
+            install = _coalesce(np.array(mirror, dtype=np.int64).reshape(-1, 2))
+        comp = _Compiled(signature, rows, packs, scatter, full, install)
+        comp.bytes = plan.plan.bytes_planned()
         return comp
 
-    async def _bind_scratch(self, comp: _Compiled) -> None:
-        scratch = await self._scratch(comp._scratch_bytes)  # type: ignore[attr-defined]
-        sid = scratch.region_id
-        rows = comp.rows.copy()
-        rows[rows[:, 2] == -1, 2] = sid
-        comp.rows = rows
-        comp.packs = [
-            PackSpec(sr, so, shape, strides, elsize, sid if dr == -1 else dr, do)
-            for sr, so, shape, strides, elsize, dr, do in comp._pack_rows  # type: ignore[attr-defined]
-        ]
+    def _param_addr(self, name: str) -> int:
+        """Where a parameter's bytes land, as a synthetic address: in the engine
+        region (direct mode) or in scratch, written ``-SPAN + offset`` (staging)."""
+        assert self._engine_region is not None
+        if self.mode == "staging":
+            return -SPAN + self._param_off[name]
+        return self._engine_region.region_id * SPAN + self._param_off[name]
 
     # ------------------------------------------------------------ refit
 
@@ -359,14 +343,25 @@ class DaemonReceiver:
             sig = self.signature(m, self._engine_layout())
             replayed = self._compiled is not None and self._compiled.signature == sig
             if not replayed:
-                if self.strict and self._compiled is not None:
-                    raise ConflictError(
-                        f"{self.model!r} v{version}: the published layout or placement changed and "
-                        "strict mode forbids re-planning; warm the exact signature first"
-                    )
-                fresh = self._plan(m, sig)
-                await self._bind_scratch(fresh)
-                self._compiled = fresh
+                # Not the exact placement of last time: rebind the compiled plan if
+                # only addresses moved (no planning), else re-plan (or refuse: strict).
+                from refitd.reshard.compile import SignatureMismatch
+
+                sources = self.sources_of(m)
+                plan = self._plan_cache
+                why = "no plan yet" if plan is None else plan.mismatch(sources)
+                if why is not None:
+                    if self.strict and plan is not None:
+                        raise ConflictError(
+                            f"{self.model!r} v{version}: {why}; strict mode forbids re-planning "
+                            "(warm the exact signature first)"
+                        )
+                    plan = self._plan_cache = self._plan(m, sources)
+                try:
+                    bound = plan.bind(sources, self._param_addr)
+                except SignatureMismatch as exc:
+                    raise ConflictError(f"{self.model!r} v{version}: {exc}") from exc
+                self._compiled = await self._lower(bound, plan, sig)
             comp = self._compiled
             assert comp is not None
             t2 = time.perf_counter()
@@ -392,6 +387,7 @@ class DaemonReceiver:
             comp.bytes,
             comp.rows.shape[0] + len(comp.packs),
             len(comp.packs),
+            len(comp.scatter),
             len(comp.full_pulls),
             t1 - t0,
             t2 - t1,

@@ -283,3 +283,66 @@ async def test_an_unleased_or_stale_version_is_refused_with_409(
         await pair.trainer.acquire_lease(model, 1)
     assert not seg.numpy().any()
     await pub.close()
+
+
+class ColumnSwap(torch.nn.Module):
+    """An engine that loads columns 4..7 of the checkpoint tensor into columns 0..3 of
+    its parameter: strided on both sides, so a pack spec lands scattered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(16, 8), requires_grad=False)
+        self.w.weight_loader = self._columns  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _columns(param: torch.Tensor, loaded: torch.Tensor) -> None:
+        param[:, 0:4].copy_(loaded[:, 4:8])
+
+    def load_weights(self, weights: Any) -> None:
+        for _, loaded in weights:
+            self.w.weight_loader(self.w, loaded)  # type: ignore[attr-defined]
+
+
+def column_capture(twin: torch.nn.Module, manifest: list[Any]) -> Any:
+    from refitd.bench.engines import default_weight_loader
+    from refitd.reshard.geometry import capture_geometry
+
+    return capture_geometry(twin, manifest, default_weight_loader)
+
+
+@pytest.mark.parametrize("mode", ["staging", "direct"])
+async def test_a_packed_block_for_a_strided_destination_is_scattered_on_arrival(
+    pair: Pair, mode: str
+) -> None:
+    from refitd.client.publisher import Publisher
+
+    model = f"columns-{mode}"
+    full = torch.arange(128, dtype=torch.float32).view(16, 8)
+    pubs = []
+    for slot in (0, 1):
+        pub = Publisher(pair.trainer, model, slot, 2)
+        await pub.reserve(1024)
+        # Column blocks (not dim-0 rows), so a full pull of bounding rows is no option.
+        pub.put("w", full[:, slot * 4 : slot * 4 + 4].clone(), (16, 8), (0, slot * 4))
+        await pub.publish(1)
+        pubs.append(pub)
+    eng = ColumnSwap()
+    r = DaemonReceiver(
+        local=pair.engine,
+        source=pair.trainer,
+        model=model,
+        engine=eng,
+        twin=ColumnSwap,
+        capture=column_capture,
+        mode=mode,  # type: ignore[arg-type]
+        max_segments_per_copy=1,
+    )
+    stats = await r.refit()
+    assert stats.pack_specs >= 1
+    assert stats.scattered >= 1  # the packed bytes landed strided
+    want = torch.zeros(16, 8)
+    want[:, 0:4] = full[:, 4:8]
+    assert torch.equal(eng.w, want)
+    await r.close()
+    for p in pubs:
+        await p.close()
