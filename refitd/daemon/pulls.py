@@ -234,6 +234,9 @@ class PullManager:
         job.state = PullState.RUNNING
         staged: StagedPack | None = None
         all_rows = rows
+        # Once bytes may have moved, every destination range of the pull is suspect:
+        # a data plane that failed mid-batch cannot say which reads landed.
+        moving = False
         try:
             if req.pack_specs:
                 staged = await src.pack(req.model, req.version, req.lease_id, req.pack_specs)
@@ -248,17 +251,18 @@ class PullManager:
                 sp = await src.regions([staged.region.region_id])
                 peer = sp if peer is None else _merge_peer(peer, sp)
                 all_rows = np.concatenate([rows, extra])
+            moving = True
             await self._move(job, src, all_rows, peer)
             await src.check_lease(req.lease_id, req.model, req.version)
             job.state = PullState.DONE
         except asyncio.CancelledError:
             job.state = PullState.CANCELLED
             job.error = ErrorBody("ConflictError", "pull cancelled before it completed")
-            job.suspect = _coalesced_dst(all_rows) if job.bytes_done or req.pack_specs else []
+            job.suspect = _coalesced_dst(all_rows) if moving else []
         except RefitError as exc:
             job.state = PullState.FAILED
             job.error = ErrorBody(type(exc).__name__, f"pull {job.pull_id} failed: {exc}")
-            job.suspect = _coalesced_dst(all_rows) if job.bytes_done else []
+            job.suspect = _coalesced_dst(all_rows) if moving else []
         finally:
             job.ended = time.perf_counter()
             if staged is not None:
