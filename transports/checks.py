@@ -15,6 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -52,9 +53,14 @@ class Pair:
 
 @asynccontextmanager
 async def open_pair(
-    scheme: str, local_bytes: int, remote_bytes: int, secret: bytes = b"contract-secret-0123456789"
+    scheme: str,
+    local_bytes: int,
+    remote_bytes: int,
+    secret: bytes = b"contract-secret-0123456789",
+    **options: Any,
 ) -> AsyncIterator[Pair]:
-    """Two started transports of ``scheme``; the remote region holds random bytes."""
+    """Two started transports of ``scheme`` (the puller built with ``options``);
+    the remote region holds random bytes."""
     rng = np.random.default_rng(remote_bytes)
     with (
         SharedSegment.create(local_bytes, "dst") as local,
@@ -62,7 +68,7 @@ async def open_pair(
     ):
         remote.numpy()[:] = rng.integers(0, 256, remote_bytes, dtype=np.uint8)
         async with (
-            create_transport(scheme, secret=secret) as puller,
+            create_transport(scheme, secret=secret, **options) as puller,
             create_transport(scheme, secret=secret) as source,
         ):
             await puller.register(LOCAL, local)

@@ -9,18 +9,23 @@ import pytest
 from transports import checks
 from transports.checks import Pair, open_pair
 
-SCHEMES = ["reference", "local", "ucx"]
+# (scheme, options for the pulling transport); ucx also with two lanes, so the
+# split-and-post-in-parallel path meets the same contract.
+SCHEMES = [("reference", {}), ("local", {}), ("ucx", {}), ("ucx", {"lanes": 2})]
+IDS = ["reference", "local", "ucx", "ucx-2-lanes"]
 
 
-@pytest.fixture(params=SCHEMES)
+@pytest.fixture(params=SCHEMES, ids=IDS)
 async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
-    async with open_pair(request.param, 65 << 20, 65 << 20) as p:
+    scheme, options = request.param
+    async with open_pair(scheme, 65 << 20, 65 << 20, **options) as p:
         yield p
 
 
-@pytest.fixture(params=SCHEMES)
+@pytest.fixture(params=SCHEMES, ids=IDS)
 async def small_pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
-    async with open_pair(request.param, 4 << 20, 4 << 20) as p:
+    scheme, options = request.param
+    async with open_pair(scheme, 4 << 20, 4 << 20, **options) as p:
         yield p
 
 
