@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pieces", default=",".join(SIZES), help=f"piece sizes (default {','.join(SIZES)})"
     )
     parser.add_argument(
-        "--schemes", default="local,ucx", help="transports to run (default local,ucx)"
+        "--schemes",
+        default="reference,local,ucx",
+        help="transports to run (default reference,local,ucx)",
     )
     parser.add_argument(
         "--repeat", type=int, default=3, help="timed runs per case; the best is reported"

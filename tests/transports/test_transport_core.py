@@ -24,6 +24,7 @@ from transports.core import (
     coalesce,
     create_transport,
     register_transport,
+    split_shares,
     suspect_ranges,
     validate_batch,
 )
@@ -179,3 +180,24 @@ def test_all_names_the_public_interface() -> None:
     }
     assert public - {"ReadBatch", "ENTRY_POINT_GROUP"} <= set(core.__all__)
     assert all(hasattr(core, n) for n in core.__all__)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.integers(1, 4))
+def test_shares_cover_every_byte_once_and_are_about_equal(lengths: list[int], shares: int) -> None:
+    n = np.array(lengths, np.int64)
+    dst = np.cumsum(np.concatenate(([0], n[:-1]))) + 1000
+    src = dst + 5000
+    tag = np.arange(len(n), dtype=np.int64)
+    covered: list[tuple[int, int, int]] = []
+    parts = split_shares(dst, src, n, shares, tag)
+    for d, s, ln, tg in parts:
+        assert (s - d == 5000).all(), "a split moved a destination away from its source"
+        covered += [(int(a), int(b), int(t)) for a, b, t in zip(d, ln, tg, strict=True)]
+    covered.sort()
+    spans = [(a, a + b) for a, b, _ in covered if b > 0]
+    assert all(x[1] == y[0] for x, y in itertools.pairwise(spans)) or not spans
+    assert sum(b for _, b, _ in covered) == int(n.sum())
+    total = int(n.sum())
+    if total and len(parts) > 1:
+        assert max(int(p[2].sum()) for p in parts) <= total // shares + 1
