@@ -118,6 +118,13 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return reply(
             request, ErrorBody("ProtocolError", f"request body too large: {exc.text}"), 413
         )
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type in (MSGPACK, "application/json"):
+            raise  # a redirect, or a refusal already in our error shape
+        # aiohttp's own refusals (no such route, method not allowed) in our error shape.
+        name = "NotFoundError" if exc.status == 404 else "ProtocolError"
+        detail = f"{request.method} {request.path}: {exc.reason}"
+        return reply(request, ErrorBody(name, detail), exc.status)
 
 
 def _int(request: web.Request, name: str) -> int:

@@ -45,6 +45,9 @@ from transports.shm import SharedSegment
 
 __all__ = ["PullJob", "PullManager", "Source"]
 
+KEEP_FINISHED = 1024
+"""Ended pulls whose results stay queryable (the oldest are forgotten first)."""
+
 PEER_MAPPINGS = 256
 """Peer segments kept mapped between pulls (least recently used dropped first)."""
 
@@ -197,11 +200,18 @@ class PullManager:
         total = int(rows[:, 4].sum()) + sum(p.nbytes for p in req.pack_specs)
         job = PullJob(f"p{next(self._seq)}", req, total, rows.shape[0] + len(req.pack_specs))
         self.jobs[job.pull_id] = job
+        self._forget_old()
         task = asyncio.create_task(self._run(job, src, rows, peer))
         job.task = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return job
+
+    def _forget_old(self) -> None:
+        """Keep the records of at most ``KEEP_FINISHED`` ended pulls (oldest go first)."""
+        ended = [k for k, j in self.jobs.items() if j.finished.is_set()]
+        for k in ended[: max(0, len(ended) - KEEP_FINISHED)]:
+            del self.jobs[k]
 
     def get(self, pull_id: str) -> PullJob:
         job = self.jobs.get(pull_id)

@@ -322,3 +322,10 @@ async def test_a_cancelled_pull_reports_cancelled(gated: Env) -> None:
     res = await c.cancel_pull(started.pull_id)
     assert res.state is PullState.CANCELLED
     assert not dseg.numpy().any()
+
+
+async def test_an_unknown_route_is_answered_in_the_error_shape(env: Env) -> None:
+    async with aiohttp.ClientSession() as s, s.get(f"{env.url}/v1/nope") as r:
+        assert r.status == 404
+        body = await r.json()
+    assert body["error"] == "NotFoundError" and "/v1/nope" in body["detail"]
