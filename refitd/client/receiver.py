@@ -27,7 +27,7 @@ import contextlib
 import hashlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -45,7 +45,7 @@ from refitd.daemon.schemas import (
     PullRequest,
     RegionInfo,
 )
-from refitd.errors import ConflictError, TransportError
+from refitd.errors import ConflictError, RefitError, TransportError
 from transports.shm import SharedSegment
 
 __all__ = ["Capture", "DaemonReceiver", "RefitStats"]
@@ -373,7 +373,13 @@ class DaemonReceiver:
                 comp.packs,
                 self.source.base_url if self.source.base_url != self.local.base_url else "",
             )
-            result = await self.local.pull(req, on_progress=on_progress)
+            try:
+                result = await self.local.pull(req, on_progress=on_progress)
+            except RefitError as exc:
+                named = self._name_suspects(exc)
+                if named is exc:
+                    raise
+                raise named from exc
             t3 = time.perf_counter()
             self._install(comp)
             t4 = time.perf_counter()
@@ -396,6 +402,32 @@ class DaemonReceiver:
             t4 - t0,
             result,
         )
+
+    def _name_suspects(self, exc: RefitError) -> RefitError:
+        """In direct mode a failed pull may have written parameters: say which."""
+        progress = getattr(exc, "progress", None)
+        if self.mode != "direct" or progress is None or self._engine_region is None:
+            return exc
+        engine = self._engine_region.region_id
+        ranges = [(o, n) for r, o, n in progress.suspect if r == engine]
+        names = [
+            name
+            for name, off in self._param_off.items()
+            if any(
+                o < off + self._params[name].numel() * self._params[name].element_size()
+                and off < o + n
+                for o, n in ranges
+            )
+        ]
+        if not names:
+            return exc
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        err = type(exc)(
+            f"{exc}; engine parameters now suspect (serve none of them until a refit "
+            f"succeeds): {shown}"
+        )
+        err.progress = progress  # type: ignore[attr-defined]
+        return err
 
     def _install(self, comp: _Compiled) -> None:
         """Land what the pull wrote in scratch into the parameters."""
@@ -441,15 +473,3 @@ def _coalesce(ranges: np.ndarray) -> list[tuple[int, int]]:
         else:
             out.append([o, n])
     return [(o, n) for o, n in out]
-
-
-def param_ranges(
-    params: Sequence[tuple[str, int, int]], suspect: Sequence[tuple[int, int, int]]
-) -> list[str]:
-    """Names of parameters (``(name, offset, nbytes)`` in the engine segment) that
-    overlap any suspect ``(region, offset, nbytes)`` range."""
-    hits = []
-    for name, off, n in params:
-        if any(o < off + n and off < o + m for _, o, m in suspect):
-            hits.append(name)
-    return hits

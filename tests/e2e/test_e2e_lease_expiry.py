@@ -104,3 +104,41 @@ async def test_a_lease_expiring_mid_pull_fails_the_refit_and_installs_nothing() 
         await r.close()
         for p in pubs:
             await p.close()
+
+
+async def test_in_direct_mode_a_failed_pull_names_the_suspect_parameters() -> None:
+    clock, gated = Clock(), GatedCopier()
+    a = Daemon(DaemonOptions(port=0, node_id="a", secret=SECRET), clock=clock)
+    b = Daemon(DaemonOptions(port=0, node_id="b", secret=SECRET), copier=gated)
+    async with (
+        listening(a.options, daemon=a) as (_, url_a),
+        listening(b.options, daemon=b) as (_, url_b),
+        RefitClient(url_a) as ca,
+        RefitClient(url_b) as cb,
+    ):
+        cfg = dense_toy_config()
+        published = fsdp_dim0(cfg, 2, full_state(cfg))
+        pubs = await publish_layout(ca, "m", published, 1)
+        par = EngineParallel(2, 1)
+        engine = ToyEngine(cfg, par)
+        r = DaemonReceiver(
+            local=cb,
+            source=ca,
+            model="m",
+            engine=engine,
+            twin=lambda: ToyEngine(cfg, par),
+            capture=capture_for(published),
+            lease_ttl_s=30.0,
+            mode="direct",
+        )
+        refit = asyncio.create_task(r.refit())
+        await gated.entered.wait()
+        clock.now += 31.0
+        gated.gate.set()
+        with pytest.raises(
+            ConflictError, match=r"parameters now suspect.*model\.embed_tokens\.weight"
+        ):
+            await refit
+        await r.close()
+        for p in pubs:
+            await p.close()
