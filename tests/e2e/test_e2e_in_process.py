@@ -1,4 +1,4 @@
-"""A lease that expires while the bytes move fails the refit, and nothing is installed.
+"""Refits through daemons running in this process: lease expiry mid-pull, one daemon.
 
 Two daemons with real HTTP between them and real shared memory, in this process so
 the test can hold the pull mid-flight (a gated copier, the one fake: a real copy
@@ -139,6 +139,35 @@ async def test_in_direct_mode_a_failed_pull_names_the_suspect_parameters() -> No
             ConflictError, match=r"parameters now suspect.*model\.embed_tokens\.weight"
         ):
             await refit
+        await r.close()
+        for p in pubs:
+            await p.close()
+
+
+async def test_one_daemon_can_serve_both_the_trainer_and_the_engine() -> None:
+    d = Daemon(DaemonOptions(port=0, node_id="solo", secret=SECRET))
+    async with listening(d.options, daemon=d) as (_, url), RefitClient(url) as c:
+        cfg = dense_toy_config()
+        state = full_state(cfg)
+        published = fsdp_dim0(cfg, 4, state)
+        pubs = await publish_layout(c, "solo", published, 1)
+        par = EngineParallel(2, 1)
+        engine = ToyEngine(cfg, par)
+        r = DaemonReceiver(
+            local=c,
+            source=c,
+            model="solo",
+            engine=engine,
+            twin=lambda: ToyEngine(cfg, par),
+            capture=capture_for(published),
+            max_segments_per_copy=2,
+        )
+        stats = await r.refit()
+        assert stats.full_pulls + stats.pack_specs > 0
+        truth = ToyEngine(cfg, par)
+        truth.load_weights(state.items())
+        want = dict(truth.named_parameters())
+        assert all(torch.equal(p, want[n]) for n, p in engine.named_parameters())
         await r.close()
         for p in pubs:
             await p.close()
