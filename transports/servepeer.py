@@ -2,7 +2,8 @@
 
     REFITD_TRANSPORT_SECRET=<hex> python -m transports.servepeer --scheme ucx --size BYTES
 
-Prints one line, the hex of its signed `PeerInfo`, then serves until its stdin
+Prints the hex of its signed `PeerInfo`, then the pid that holds the served memory,
+then serves until its stdin
 closes (or it is killed: the fault tests kill it mid-pull). Used by the transport
 fault tests and `refitd bench transport` as the far side of a loopback pull. The
 secret travels in the environment, never on the command line.
@@ -38,7 +39,10 @@ async def serve(scheme: str, size: int, seed: int, secret: bytes) -> None:
         seg.numpy()[:] = pattern(size, seed)
         async with create_transport(scheme, secret=secret, peer_id=f"peer-{os.getpid()}") as t:
             await t.register(REGION_ID, seg)
+            # Line 1: the signed record. Line 2: the pid whose memory a cma read
+            # touches (the data-plane child for ucx), for the benchmark's ceiling row.
             sys.stdout.write(t.advertise().encode().hex() + "\n")
+            sys.stdout.write(f"{getattr(t, 'pid', None) or os.getpid()}\n")
             sys.stdout.flush()
             await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
 

@@ -7,6 +7,8 @@ piece i of the destination reads piece i of the source; ``shuffled``: a random
 permutation, so no two adjacent reads can merge), the best of ``--repeat`` runs is
 reported in GB/s (10^9 bytes/s) and as a ratio to memcpy of the same pieces in the
 same layout, measured in the same run (one thread, C loop, no Python per piece).
+With ``ucx``, a ``cma`` row shows the kernel's ceiling for the same-host path: the
+same (merged) reads as plain ``process_vm_readv`` calls from the peer's process.
 After the timed runs, every byte of the destination is verified against the source.
 
 Last line: ``key=value`` pairs for scripts (``memcpy_gbps`` is one 256 MiB memcpy).
@@ -117,6 +119,8 @@ async def _main(args: argparse.Namespace) -> int:
         src = stack.enter_context(SharedSegment.create(total, "bench-src"))
         src.numpy()[:] = src_bytes
         peers = {}
+        cma_pid = 0  # the ucx peer's data-plane pid: the "cma" row reads it directly
+        cma_base = 0
         for scheme in schemes:
             extra = {"lanes": args.lanes} if scheme == "ucx" and args.lanes else {}
             t = await stack.enter_async_context(
@@ -132,6 +136,8 @@ async def _main(args: argparse.Namespace) -> int:
                 stack.push_async_callback(_stop, proc)
                 assert proc.stdout is not None
                 info = PeerInfo.decode(bytes.fromhex((await proc.stdout.readline()).decode()))
+                cma_pid = int((await proc.stdout.readline()).decode())
+                cma_base = info.regions[0].address
             else:  # same-process transports read a region of this process
                 source = await stack.enter_async_context(
                     create_transport(scheme, secret=secret, peer_id=f"bench-{scheme}-source")
@@ -177,13 +183,33 @@ async def _main(args: argparse.Namespace) -> int:
                     best,
                     ok,
                 )
+            if cma_pid:
+                # The kernel's ceiling for any cma transport: one process_vm_readv per
+                # (merged) read from the same process, no UCX in between.
+                m = coalesce(b)
+                d = (dst.address + m["local_offset"]).astype(np.int64)
+                s = (cma_base + m["remote_offset"]).astype(np.int64)
+                n = m["nbytes"].astype(np.int64)
+                dst.numpy()[:] = 0
+                best = 0.0
+                for _ in range(args.repeat):
+                    t0 = time.perf_counter()
+                    if copy.rfx_pvr_batch(
+                        cma_pid, len(n), d.ctypes.data, s.ctypes.data, n.ctypes.data
+                    ):
+                        raise SystemExit(f"process_vm_readv from pid {cma_pid} failed")
+                    best = max(best, total / (time.perf_counter() - t0) / 1e9)
+                ok = check(dst, b, piece)
+                verified &= ok
+                results[("cma", name, lay)] = best
+                row("cma", name, lay, len(b), len(m), best, ok)
 
     # memcpy_gbps: one 256 MiB memcpy (the contiguous, single-piece case when run).
     whole = next(
         (results[("memcpy", n, "contiguous")] for n, p in reversed(pieces) if p >= total), None
     )
     kv = {"memcpy_gbps": f"{(whole or max(v for k, v in results.items() if k[0] == 'memcpy')):.2f}"}
-    for scheme in schemes:
+    for scheme in [*schemes, "cma"]:
         for name, _ in pieces:
             for lay in ("contiguous", "shuffled"):
                 if (scheme, name, lay) in results:
@@ -193,6 +219,8 @@ async def _main(args: argparse.Namespace) -> int:
                     kv[f"{scheme}_{name}{suffix}_ratio"] = (
                         f"{g / results[('memcpy', name, lay)]:.2f}"
                     )
+                    if scheme == "ucx" and ("cma", name, lay) in results:
+                        kv[f"ucx_{name}{suffix}_of_cma"] = f"{g / results[('cma', name, lay)]:.2f}"
     kv["verified"] = "1" if verified else "0"
     print(" ".join(f"{k}={v}" for k, v in kv.items()))
     return 0 if verified else 1

@@ -82,6 +82,8 @@ def copy_lib() -> ctypes.CDLL:
     p = ctypes.c_void_p
     lib.rfx_copy_batch.argtypes = [ctypes.c_int64, p, p, p]
     lib.rfx_copy_batch.restype = None
+    lib.rfx_pvr_batch.argtypes = [ctypes.c_int64, ctypes.c_int64, p, p, p]
+    lib.rfx_pvr_batch.restype = ctypes.c_int
     return lib
 
 
