@@ -48,6 +48,10 @@ __all__ = ["PullJob", "PullManager", "Source"]
 KEEP_FINISHED = 1024
 """Ended pulls whose results stay queryable (the oldest are forgotten first)."""
 
+TRANSPORT_PIECE = 32 << 20
+"""Largest single read handed to a transport (bytes); longer reads are cut up so
+several can be in flight."""
+
 PEER_MAPPINGS = 256
 """Peer segments kept mapped between pulls (least recently used dropped first)."""
 
@@ -346,12 +350,32 @@ class PullManager:
         else:
             await conn.update(info)  # type: ignore[attr-defined]
         # Transport reads are (local=dst, local_off, remote=src, remote_off, nbytes).
-        reads = rows[:, [2, 3, 0, 1, 4]].copy()
+        reads = _split_large(rows[:, [2, 3, 0, 1, 4]], TRANSPORT_PIECE)
         step = 4096
         for lo in range(0, reads.shape[0], step):
             chunk = reads[lo : lo + step]
-            await conn.get(chunk)  # type: ignore[attr-defined]
+            # Two batches in flight keep both directions of the data plane busy.
+            half = int(np.searchsorted(np.cumsum(chunk[:, 4]), chunk[:, 4].sum() // 2))
+            parts = [p for p in (chunk[: half + 1], chunk[half + 1 :]) if p.shape[0]]
+            async with asyncio.TaskGroup() as tg:
+                for part in parts:
+                    tg.create_task(conn.get(part))  # type: ignore[attr-defined]
             job.progress(chunk.shape[0], int(chunk[:, 4].sum()))
+
+
+def _split_large(reads: np.ndarray, piece: int) -> np.ndarray:
+    """Cut reads longer than ``piece`` bytes into ``piece``-sized reads (same bytes)."""
+    n = reads[:, 4]
+    counts = np.maximum(1, -(-n // piece))
+    if int(counts.max(initial=1)) == 1:
+        return np.ascontiguousarray(reads)
+    out = np.repeat(reads, counts, axis=0)
+    k = np.arange(len(out)) - np.repeat(np.cumsum(counts) - counts, counts)
+    step = k * piece
+    out[:, 1] += step
+    out[:, 3] += step
+    out[:, 4] = np.minimum(piece, np.repeat(n, counts) - step)
+    return out
 
 
 async def _noop(v: memoryview) -> memoryview:

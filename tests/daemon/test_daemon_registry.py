@@ -163,3 +163,16 @@ def test_a_pack_spec_whose_strided_span_leaves_the_source_is_refused():
         validate_pack_specs([PackSpec(1, 8, (2, 2), (4, 1), 4, 2, 0)], {1: 24}, {2: 16})
     with pytest.raises(ProtocolError, match="destination"):
         validate_pack_specs([ok], {1: 32}, {2: 15})
+
+
+def test_a_long_transport_read_is_cut_into_pieces_covering_exactly_the_same_bytes():
+    from refitd.daemon.pulls import _split_large
+
+    reads = np.array([[1, 0, 2, 100, 70], [3, 5, 4, 7, 10]], dtype=np.int64)
+    out = _split_large(reads, 32)
+    assert out.tolist() == [
+        [1, 0, 2, 100, 32],
+        [1, 32, 2, 132, 32],
+        [1, 64, 2, 164, 6],
+        [3, 5, 4, 7, 10],
+    ]
