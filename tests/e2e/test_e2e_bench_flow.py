@@ -1,0 +1,20 @@
+"""The demo/bench flow itself at toy size: a trainer *process* publishes, four engine
+ranks refit through two `refitd serve` processes, every version verified."""
+
+from __future__ import annotations
+
+import pytest
+
+from refitd.bench.refit import refit_flow, report
+
+pytestmark = pytest.mark.timeout(180)
+
+
+async def test_the_refit_flow_verifies_every_version_and_replays_after_the_first() -> None:
+    res = await refit_flow(
+        gib=0.001, versions=2, transport="shm", measure_manifest=False, log=lambda _: None
+    )
+    assert [v.verified for v in res.versions] == [True, True]
+    assert [v.replayed for v in res.versions] == [False, True]
+    fields = report(res)
+    assert fields["verified"] == 1 and fields["refit_gbps"] > 0 and fields["memcpy_gbps"] > 0
