@@ -37,8 +37,12 @@ async def spawn_daemon(
     unix_path: str | None = None,
     start_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
+    log_level: str = "warning",
 ) -> AsyncIterator[SpawnedDaemon]:
-    """Run a daemon on ``127.0.0.1:0`` in a child process for the ``with`` block."""
+    """Run a daemon on ``127.0.0.1:0`` in a child process for the ``with`` block.
+
+    Its logs (stderr, inherited) are kept to ``log_level`` and above, so a demo's
+    console is not flooded with access lines."""
     argv = [
         sys.executable,
         "-m",
@@ -52,6 +56,8 @@ async def spawn_daemon(
         secret_file,
         "--grace",
         "2",
+        "--set",
+        f"logging.level={log_level}",
     ]
     if node_id:
         argv += ["--node-id", node_id]
