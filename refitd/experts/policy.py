@@ -240,7 +240,7 @@ class BeladyPolicy(EvictionPolicy):
 
 
 class ExpectedReusePolicy(EvictionPolicy):
-    """Evict the expert whose next use is expected furthest ahead. Ours.
+    """Evict the expert whose next use is expected furthest ahead. Ours, the default.
 
     Decode visits the MoE layers round-robin, so an expert of layer ``m`` can next be
     used at that layer's next visit, ``L`` steps after its last one; an expert that
@@ -248,33 +248,46 @@ class ExpectedReusePolicy(EvictionPolicy):
     ``L * (1/q - 1)`` further steps (a geometric wait). The policy evicts the expert
     maximising
 
-        last visit of its layer + L + L * (1/q - 1)
+        last visit of its layer + L / q
 
     which is Belady's rule with the unknown future replaced by that expectation.
-    ``q`` is an exponential moving average, per expert, of "routed at this visit of
-    my layer" with weight ``alpha``; it is kept for evicted experts too, so a popular
-    expert that returns is valued at once. Recency enters through the layer term:
-    an expert its layer just passed over waits a whole round, one of the layer about
-    to run waits one step — which is why plain LRU is hard to beat here and why a
-    frequency policy that ignores the round-robin (LFU, LRFU) does worse than LRU.
+    ``q`` has two parts, both learned from the routing the cache sees:
 
-    Cost: a warm step updates two list cells per routed expert and pushes one layer
-    entry; a victim is O(log slots). ``q`` is stored as (value, visit) and decayed on
-    read with a power table, so visits that skip an expert cost nothing. Each layer
-    keeps a min-heap of its resident experts by ``q``; a hit only raises ``q``, so a
-    stale entry is a lower bound and is refreshed when it reaches the top. A heap
-    over layers holds upper bounds of each layer's furthest expected use, refreshed
-    the same way when popped.
+    - a routing frequency ``f``: an exponential moving average, per expert, of
+      "routed at this visit of my layer" with weight ``alpha`` (kept for evicted
+      experts too, so a popular expert that returns is valued at once);
+    - stickiness: an expert routed at its layer's latest visit is likelier than its
+      frequency says to be routed at the next one (consecutive tokens share experts),
+      so ``q = (1 - stickiness) * f + stickiness`` for those and
+      ``(1 - stickiness) * f`` for the rest.
+
+    Frequency alone confuses "popular" with "just used" (a fast average) or forgets
+    stickiness (a slow one); splitting them is what lets a slow, accurate average
+    keep a layer's steady experts while a one-off expert, fetched for a miss, is the
+    first to leave again.
+
+    Cost: a warm step updates two list cells per routed expert, re-files the experts
+    its layer routed last visit and did not route now (at most top-k heap pushes),
+    and pushes one layer entry; a victim is O(log slots). ``f`` is stored as (value,
+    visit) and decayed on read with a power table, so visits that skip an expert
+    cost nothing. Each layer keeps a min-heap of its resident experts by ``q``; an
+    entry whose expert was routed since is a lower bound and is refreshed when it
+    reaches the top. A heap over layers holds upper bounds of each layer's furthest
+    expected use, refreshed the same way when popped.
     """
 
     name = "expected-reuse"
 
-    def __init__(self, alpha: float = 0.2) -> None:
+    def __init__(self, alpha: float = 0.06, stickiness: float = 0.3) -> None:
         if not 0.0 < alpha < 1.0:
             raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+        if not 0.0 <= stickiness < 1.0:
+            raise ValueError(f"stickiness must be in [0, 1), got {stickiness}")
         self.alpha = alpha
+        self.stickiness = stickiness
         self._log_r = math.log1p(-alpha)
-        # r**j for the visits an expert can sit unrouted before q is negligible.
+        self._log_keep = math.log1p(-stickiness)
+        # r**j for the visits an expert can sit unrouted before f is negligible.
         self._pow: list[float] = []
         r, x = 1.0 - alpha, 1.0
         while x > 1e-12:
@@ -282,15 +295,18 @@ class ExpectedReusePolicy(EvictionPolicy):
             x *= r
         self._layers = 0
         self._experts = 1
-        self._q: list[float] = []
-        self._qvisit: list[int] = []
+        self._f: list[float] = []
+        self._fvisit: list[int] = []
         self._visits: list[int] = []
         self._last_visit: list[int] = []
+        self._prev: list[list[tuple[int, int]]] = []
+        # Entries: (heap key, slot, key, stamp); see ``_stamp``.
         self._heaps: list[list[tuple[float, int, int, int]]] = []
         self._entry_key: list[int] = []
         self._top: list[tuple[float, int]] = []
         self._current = 0
-        self._announced = True
+        self._settled = True
+        self._step = 0
         self._resident: Sequence[int] = ()
         self._touched: Sequence[int] = ()
 
@@ -298,72 +314,120 @@ class ExpectedReusePolicy(EvictionPolicy):
         self._layers = pool.num_layers
         self._experts = pool.num_experts
         keys = self._layers * self._experts
-        if len(self._q) != keys:
+        if len(self._f) != keys:
             # Estimates outlive a rebuild: they describe routing, not slots.
-            self._q = [0.0] * keys
-            self._qvisit = [0] * keys
+            self._f = [0.0] * keys
+            self._fvisit = [0] * keys
             self._visits = [0] * self._layers
         self._last_visit = [0] * self._layers
+        self._prev = [[] for _ in range(self._layers)]
         self._heaps = [[] for _ in range(self._layers)]
         self._entry_key = [-1] * slots
         self._top = []
+        self._settled = True
         self._resident = pool.resident
         self._touched = pool.touched
 
     def q(self, layer: int, expert: int) -> float:
-        """Current estimate that ``layer`` routes ``expert`` at a visit."""
+        """Current routing-frequency estimate ``f`` of ``(layer, expert)`` per visit
+        of its layer, in [0, 1] (stickiness not included)."""
         key = layer * self._experts + expert
-        return self._q_now(key, self._visits[layer])
+        age = self._visits[layer] - self._fvisit[key]
+        return self._f[key] * self._pow[age] if age < len(self._pow) else 0.0
 
-    def _q_now(self, key: int, visit: int) -> float:
-        age = visit - self._qvisit[key]
-        return self._q[key] * self._pow[age] if age < len(self._pow) else 0.0
+    # -- the ordering -----------------------------------------------------------
 
-    def _heap_key(self, key: int) -> float:
-        """log q minus visit * log(1 - alpha): constant while visits skip the expert,
-        so entries of one layer compare without decaying them all."""
-        q = self._q[key]
-        return (math.log(q) if q > 0.0 else -1e300) - self._qvisit[key] * self._log_r
+    def _stamp(self, key: int, layer: int) -> int:
+        """Identifies the state an entry was keyed in: the visit that last routed
+        ``key`` and whether that is still its layer's latest visit (sticky)."""
+        fv = self._fvisit[key]
+        return 2 * fv + (fv == self._visits[layer])
+
+    def _heap_key(self, key: int, layer: int) -> float:
+        """``log q - visit * log(1 - alpha)``: constant while visits skip the expert,
+        so entries of one layer compare without decaying them all. A sticky entry
+        is exact only during the visit that routed it, and is re-filed after."""
+        f = self._f[key]
+        fv = self._fvisit[key]
+        if fv == self._visits[layer]:
+            q = (1.0 - self.stickiness) * f + self.stickiness
+            base = math.log(q)
+        else:
+            base = (math.log(f) if f > 0.0 else -1e300) + self._log_keep
+        return base - fv * self._log_r
+
+    def _file(self, layer: int, slot: int, key: int) -> None:
+        heapq.heappush(
+            self._heaps[layer], (self._heap_key(key, layer), slot, key, self._stamp(key, layer))
+        )
 
     def begin_step(self, step: int, layer: int) -> None:
         self._visits[layer] += 1
         self._last_visit[layer] = step
         self._current = layer
-        self._announced = False
+        self._step = step
+        self._settled = False
+
+    def _settle(self, announce: bool) -> None:
+        """Re-file last visit's experts that this step did not route (no longer
+        sticky), and announce the layer if a victim is about to be chosen."""
+        self._settled = True
+        layer = self._current
+        resident, touched, entry_key = self._resident, self._touched, self._entry_key
+        step = self._step
+        fs, fvisit, heap = self._f, self._fvisit, self._heaps[layer]
+        keep, log_r = self._log_keep, self._log_r
+        for s, key in self._prev[layer]:
+            if resident[s] == key and entry_key[s] == key and touched[s] != step:
+                # Not routed since the last visit, so ``f`` is positive and unchanged.
+                fv = fvisit[key]
+                heapq.heappush(heap, (math.log(fs[key]) + keep - fv * log_r, s, key, 2 * fv))
+        if announce:
+            self._push_layer(layer)
 
     def on_step(self, step: int, slots: Sequence[int]) -> None:
+        if not self._settled:
+            self._settle(announce=False)
         if not len(slots):
             return
         resident = self._resident
         layer = resident[slots[0]] // self._experts
         v = self._visits[layer]
-        qs, qvisit, pw, alpha = self._q, self._qvisit, self._pow, self.alpha
+        fs, fvisit, pw, alpha = self._f, self._fvisit, self._pow, self.alpha
         n_pow = len(pw)
-        heap = self._heaps[layer]
         entry_key = self._entry_key
+        routed: list[tuple[int, int]] = []
+        heap = self._heaps[layer]
+        stick, log_r = self.stickiness, self._log_r
         filled = False
         for s in slots:
             key = resident[s]
-            age = v - qvisit[key]
-            q = (qs[key] * pw[age] if age < n_pow else 0.0) + alpha
-            qs[key] = q if q < 1.0 else 1.0
-            qvisit[key] = v
+            routed.append((s, key))
+            age = v - fvisit[key]
+            f = (fs[key] * pw[age] if age < n_pow else 0.0) + alpha
+            if f > 1.0:
+                f = 1.0
+            fs[key] = f
+            fvisit[key] = v
             if entry_key[s] != key:
-                # A fill needs an entry; a hit's old entry is a valid lower bound.
+                # A fill needs an entry (sticky: routed at the latest visit); a hit's
+                # old entry is a valid lower bound, since routing again only raises q.
                 entry_key[s] = key
                 filled = True
-                heapq.heappush(heap, (self._heap_key(key), s, key, v))
+                key_now = math.log((1.0 - stick) * f + stick) - v * log_r
+                heapq.heappush(heap, (key_now, s, key, 2 * v + 1))
+        self._prev[layer] = routed
         if filled and len(heap) > 4 * self._experts + 64:
             self._compact(layer)
         # The visit moved this layer's experts a round further out: announce it.
         self._push_layer(layer)
-        self._announced = True
 
     def _compact(self, layer: int) -> None:
         resident = self._resident
         live = {s for _, s, k, _ in self._heaps[layer] if resident[s] == k}
         heap = [
-            (self._heap_key(resident[s]), s, resident[s], self._qvisit[resident[s]]) for s in live
+            (self._heap_key(resident[s], layer), s, resident[s], self._stamp(resident[s], layer))
+            for s in live
         ]
         heapq.heapify(heap)
         self._heaps[layer] = heap
@@ -374,16 +438,18 @@ class ExpectedReusePolicy(EvictionPolicy):
         """The live, current, not-touched-this-step entry with the least ``q``;
         removed from the heap when ``take``."""
         heap = self._heaps[layer]
-        resident, qvisit, touched = self._resident, self._qvisit, self._touched
+        resident, touched = self._resident, self._touched
         kept: list[tuple[float, int, int, int]] = []
         found = None
         while heap:
             entry = heap[0]
-            _, s, key, v = entry
+            _, s, key, stamp = entry
             if resident[s] != key:
                 heapq.heappop(heap)
-            elif qvisit[key] != v:
-                heapq.heapreplace(heap, (self._heap_key(key), s, key, qvisit[key]))
+                continue
+            now = self._stamp(key, layer)
+            if stamp != now:
+                heapq.heapreplace(heap, (self._heap_key(key, layer), s, key, now))
             elif touched[s] == step:
                 kept.append(heapq.heappop(heap))
             else:
@@ -395,26 +461,34 @@ class ExpectedReusePolicy(EvictionPolicy):
             heapq.heappush(heap, e)
         return found
 
-    def _expected(self, layer: int, key: int) -> float:
-        """Step at which ``key`` is expected to be routed next."""
-        q = self._q_now(key, self._visits[layer])
-        n = self._layers
-        return self._last_visit[layer] + n / q if q > 0.0 else math.inf
+    def _expected(self, layer: int, hkey: float) -> float:
+        """Step at which an expert of ``layer`` with heap key ``hkey`` is expected
+        to be routed next."""
+        log_q = hkey + self._visits[layer] * self._log_r
+        if log_q < -700.0:
+            return math.inf
+        return self._last_visit[layer] + self._layers / math.exp(log_q)
 
     def _push_layer(self, layer: int) -> None:
         """Announce an upper bound of the layer's furthest expected use.
 
-        The heap top's key is a lower bound of the layer's least ``q`` (stale entries
-        only underestimate), so the value pushed never understates the layer; the
-        victim search recomputes the exact value before acting on it.
+        Every resident expert has an entry at or below its true key, so the top
+        entry's key is at most the layer's least ``q`` and the value pushed never
+        understates the layer; it stays an upper bound until the layer's next visit
+        (removals only shrink it). The victim search recomputes the exact value
+        before acting on it.
         """
         heap = self._heaps[layer]
+        resident = self._resident
+        # Dead entries off the top first (they are gone for good); a stale entry is
+        # left, since re-keying every hit of a warm step would cost more than the
+        # victim search's re-check of a loose bound.
+        while heap and resident[heap[0][1]] != heap[0][2]:
+            heapq.heappop(heap)
         if not heap:
             return
-        q = math.exp(heap[0][0] + self._visits[layer] * self._log_r)
-        e = self._last_visit[layer] + self._layers / q if q > 0.0 else math.inf
         top = self._top
-        heapq.heappush(top, (-e, layer))
+        heapq.heappush(top, (-self._expected(layer, heap[0][0]), layer))
         if len(top) > 4 * self._layers + 64:
             best: dict[int, float] = {}
             for neg, m in top:
@@ -423,9 +497,8 @@ class ExpectedReusePolicy(EvictionPolicy):
             heapq.heapify(self._top)
 
     def choose_victim(self, step: int) -> int:
-        if not self._announced:
-            self._push_layer(self._current)
-            self._announced = True
+        if not self._settled:
+            self._settle(announce=True)
         top = self._top
         dropped: list[int] = []
         while top:
@@ -435,7 +508,7 @@ class ExpectedReusePolicy(EvictionPolicy):
                 heapq.heappop(top)
                 dropped.append(layer)
                 continue
-            true = -self._expected(layer, found[2])
+            true = -self._expected(layer, found[0])
             # In a binary heap the runner-up is one of the top's two children.
             runner_up = min(top[1:3], default=None)
             # Re-filed at its exact value either way; after the victim leaves, the
