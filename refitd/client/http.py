@@ -204,13 +204,16 @@ class RefitClient:
             "GET", f"/sources/{model}/versions/{version}/manifest", MergedManifest
         )
 
-    async def wait_drain(self, model: str, version: int, timeout_s: float = 60.0) -> VersionInfo:
-        """Return once no lease remains on the version; ConflictError after the timeout."""
+    async def wait_drain(
+        self, model: str, version: int, timeout_s: float = 60.0, *, retire: bool = False
+    ) -> VersionInfo:
+        """Return once no lease remains on the version; ConflictError after the timeout.
+        ``retire`` first stops the version accepting new leases (before a rewrite)."""
         return await self._call(
             "POST",
             f"/sources/{model}/versions/{version}/drain",
             VersionInfo,
-            params={"timeout": str(timeout_s)},
+            params={"timeout": str(timeout_s), "retire": "1" if retire else "0"},
         )
 
     # ------------------------------------------------------------ leases

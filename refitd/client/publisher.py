@@ -157,8 +157,9 @@ class Publisher:
         return await self.client.publish(self.manifest(version))
 
     async def wait_drain(self, version: int, timeout_s: float = 60.0) -> VersionInfo:
-        """Wait until no reader holds a lease on ``version`` (released or expired)."""
-        return await self.client.wait_drain(self.model, version, timeout_s)
+        """Retire ``version`` (no new leases) and wait until no reader holds one
+        (released or expired): after this the memory behind it may be rewritten."""
+        return await self.client.wait_drain(self.model, version, timeout_s, retire=True)
 
     async def close(self) -> None:
         """Unmap our views of the regions (the daemon keeps and later frees them)."""

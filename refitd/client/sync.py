@@ -81,8 +81,10 @@ class SyncRefitClient:
     def manifest(self, model: str, version: int) -> MergedManifest:
         return self._run(self._client.manifest, model, version)
 
-    def wait_drain(self, model: str, version: int, timeout_s: float = 60.0) -> VersionInfo:
-        return self._run(self._client.wait_drain, model, version, timeout_s)
+    def wait_drain(
+        self, model: str, version: int, timeout_s: float = 60.0, *, retire: bool = False
+    ) -> VersionInfo:
+        return self._run(self._client.wait_drain, model, version, timeout_s, retire=retire)
 
     def acquire_lease(self, model: str, version: int, ttl_s: float = 30.0) -> LeaseGrant:
         return self._run(self._client.acquire_lease, model, version, ttl_s)

@@ -248,8 +248,11 @@ async def get_manifest(request: web.Request) -> web.Response:
 
 @routes.post(P + "/sources/{model}/versions/{version}/drain")
 async def drain(request: web.Request) -> web.Response:
+    """Wait for the version's leases to drain; ``retire=1`` first refuses new ones."""
     model, version = _version(request)
-    info = await request.app[DAEMON].wait_drain(model, version, _float(request, "timeout", 60.0))
+    retire = request.query.get("retire", "0") in ("1", "true")
+    timeout = _float(request, "timeout", 60.0)
+    info = await request.app[DAEMON].wait_drain(model, version, timeout, retire)
     return reply(request, info)
 
 

@@ -275,13 +275,19 @@ class Daemon:
         self._lease_changed.set()
         self._lease_changed = asyncio.Event()
 
-    async def wait_drain(self, model: str, version: int, timeout_s: float) -> VersionInfo:
+    async def wait_drain(
+        self, model: str, version: int, timeout_s: float, retire: bool = False
+    ) -> VersionInfo:
         """Return once no live lease remains on the version (released or expired).
 
-        Waits on release events and on the next expiry deadline, never by polling.
-        :class:`ConflictError` if leases remain after ``timeout_s`` seconds.
+        With ``retire`` the version first stops accepting new leases (a publisher
+        about to rewrite its memory must ask for that). Waits on release events and
+        on the next expiry deadline, never by polling. :class:`ConflictError` if
+        leases remain after ``timeout_s`` seconds.
         """
         self.registry.version(model, version)  # NotFound for an unknown version
+        if retire:
+            self.registry.retire(model, version)
         deadline = self.clock() + timeout_s
         while (nxt := self.registry.next_expiry(model, version)) is not None:
             left = deadline - self.clock()

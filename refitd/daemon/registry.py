@@ -192,6 +192,19 @@ class Registry:
                     f"other slots published {seen[0]} {seen[1]}"
                 )
 
+    def retire(self, model: str, version: int) -> VersionInfo:
+        """Stop serving a version before its publisher mutates the memory behind it.
+
+        New leases (and so new reads) are refused from now on; leases already held
+        stay valid until released or expired, which is what a drain waits for.
+        Without this a reader could lease the version between the drain and the
+        rewrite and read torn bytes.
+        """
+        v = self._get(model, version)
+        v.state = VersionState.RETIRED
+        v.merged = v.merged_bytes = None
+        return self._info(v)
+
     # ------------------------------------------------------------ reading
 
     def _get(self, model: str, version: int) -> _Version:

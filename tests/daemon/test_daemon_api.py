@@ -329,3 +329,17 @@ async def test_an_unknown_route_is_answered_in_the_error_shape(env: Env) -> None
         assert r.status == 404
         body = await r.json()
     assert body["error"] == "NotFoundError" and "/v1/nope" in body["detail"]
+
+
+async def test_a_publisher_drain_retires_the_version_so_no_reader_can_lease_it_meanwhile(
+    env: Env,
+) -> None:
+    await publish_toy(env.client)
+    held = await env.client.acquire_lease("toy", 1, ttl_s=60)
+    with pytest.raises(ConflictError, match="still holds 1 lease"):
+        await env.client.wait_drain("toy", 1, timeout_s=0, retire=True)
+    with pytest.raises(ConflictError, match="retired"):
+        await env.client.acquire_lease("toy", 1)
+    assert (await env.client.check_lease(held.lease_id, "toy", 1)).lease_id == held.lease_id
+    await env.client.release_lease(held.lease_id)
+    assert (await env.client.wait_drain("toy", 1, timeout_s=0)).leases == 0

@@ -176,3 +176,14 @@ def test_a_long_transport_read_is_cut_into_pieces_covering_exactly_the_same_byte
         [1, 64, 2, 164, 6],
         [3, 5, 4, 7, 10],
     ]
+
+
+def test_a_retired_version_refuses_new_leases_while_held_ones_stay_valid(reg):
+    r, _ = reg
+    r.publish(manifest(1, 0, slots=1))
+    held = r.acquire("toy", 1, 10.0)
+    assert r.retire("toy", 1).state is VersionState.RETIRED
+    with pytest.raises(ConflictError, match="retired"):
+        r.acquire("toy", 1, 10.0)
+    assert r.check(held.lease_id, "toy", 1).lease_id == held.lease_id
+    assert r.next_expiry("toy", 1) == pytest.approx(10.0)
