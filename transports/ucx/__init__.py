@@ -83,6 +83,7 @@ class _Child:
     generation: int
     pending: dict[int, _Pending] = field(default_factory=dict)
     reader_task: asyncio.Task[None] | None = None
+    dead: bool = False  # set once its death was handled: nothing may wait on it after
 
 
 class UcxPeer(Peer):
@@ -215,6 +216,7 @@ class UcxTransport(Transport):
             why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
         except ValueError:
             why = f"signal {-code}"
+        c.dead = True
         c.writer.close()
         for p in c.pending.values():
             if p.future.done():
@@ -298,6 +300,8 @@ class UcxTransport(Transport):
         return self._child
 
     async def _call_in(self, c: _Child, body: Request, batch: ReadBatch | None = None) -> Reply:
+        if c.dead:
+            raise TransportError("the ucx data-plane process died before the request was sent")
         seq = next(self._seq)
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         c.pending[seq] = _Pending(fut, batch)
