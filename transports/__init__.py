@@ -1,0 +1,5 @@
+"""refitd's data plane: the transport interface (`transports.core`), shared-memory
+regions (`transports.shm`) and the ``reference``, ``local`` and ``ucx`` transports.
+
+Import what you use from its module; this package imports nothing heavy itself.
+"""
