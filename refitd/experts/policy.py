@@ -335,6 +335,15 @@ class ExpectedReusePolicy(EvictionPolicy):
         age = self._visits[layer] - self._fvisit[key]
         return self._f[key] * self._pow[age] if age < len(self._pow) else 0.0
 
+    def expected_next_use(self, layer: int, expert: int) -> float:
+        """The step at which ``(layer, expert)`` is expected to be routed next: the
+        value the policy evicts the largest of (``inf`` for an expert never seen)."""
+        key = layer * self._experts + expert
+        q = (1.0 - self.stickiness) * self.q(layer, expert)
+        if self._fvisit[key] == self._visits[layer] and self._f[key] > 0.0:
+            q += self.stickiness
+        return self._last_visit[layer] + self._layers / q if q > 0.0 else math.inf
+
     # -- the ordering -----------------------------------------------------------
 
     def _stamp(self, key: int, layer: int) -> int:

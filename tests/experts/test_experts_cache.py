@@ -38,8 +38,13 @@ def test_duplicate_routes_are_served_once_and_reported_in_caller_order() -> None
     assert plan.active == 2
 
 
+def test_the_default_policy_is_ours_and_lru_is_one_argument_away() -> None:
+    assert isinstance(ExpertCache(1, 2, 2).policy, ExpectedReusePolicy)
+    assert isinstance(ExpertCache(1, 2, 2, policy=LruPolicy()).policy, LruPolicy)
+
+
 def test_the_least_recently_used_slot_is_evicted_first() -> None:
-    cache = ExpertCache(2, 2, 2)
+    cache = ExpertCache(2, 2, 2, policy=LruPolicy())
     cache.ensure(0, [0])  # slot 0
     cache.ensure(0, [1])  # slot 1
     cache.ensure(0, [0])  # refresh slot 0, so slot 1 is now oldest
@@ -50,7 +55,7 @@ def test_the_least_recently_used_slot_is_evicted_first() -> None:
 
 
 def test_slots_last_used_in_the_same_step_are_evicted_lowest_slot_first() -> None:
-    cache = ExpertCache(3, 2, 4)
+    cache = ExpertCache(3, 2, 4, policy=LruPolicy())
     cache.ensure(0, [1, 0])  # slots 0, 1 in one step
     cache.ensure(1, [1, 0])  # slots 2, 3 in the next
     plan = cache.ensure(2, [0])
@@ -59,13 +64,15 @@ def test_slots_last_used_in_the_same_step_are_evicted_lowest_slot_first() -> Non
     assert plan.copy.dst_slots == (1,)
 
 
-def test_a_step_never_evicts_a_slot_it_uses_itself() -> None:
-    cache = ExpertCache(2, 4, 4)
+@pytest.mark.parametrize("make_policy", [LruPolicy, ExpectedReusePolicy])
+def test_a_step_never_evicts_a_slot_it_uses_itself(make_policy: type[EvictionPolicy]) -> None:
+    cache = ExpertCache(2, 4, 4, policy=make_policy())
     cache.ensure(0, [0, 1, 2, 3])
-    cache.ensure(1, [0, 1])  # evicts layer 0's experts 0 and 1
-    plan = cache.ensure(0, [2, 3, 0, 1])  # 2 and 3 hit and are the oldest
-    touched = {cache.slot_of(0, 2), cache.slot_of(0, 3)}
-    assert not touched & set(plan.copy.dst_slots)
+    cache.ensure(1, [0, 1])  # evicts two of layer 0's experts
+    hits = {s for e in range(4) if (s := cache.slot_of(0, e)) is not None}
+    assert len(hits) == 2
+    plan = cache.ensure(0, [2, 3, 0, 1])  # the two left hit; two misses need victims
+    assert not hits & set(plan.copy.dst_slots)
     assert all(s is not None for s in plan.slots)
     assert len(set(plan.slots)) == 4
 
@@ -273,7 +280,7 @@ def check_invariants(cache: ExpertCache) -> None:
 def test_lru_matches_the_reference_model_on_any_sequence(
     ops: list[tuple[str, int, list[int]]], size: int
 ) -> None:
-    cache = ExpertCache(LAYERS, EXPERTS, size)
+    cache = ExpertCache(LAYERS, EXPERTS, size, policy=LruPolicy())
     model = ReferenceLru(size)
     for op, arg, routed in ops:
         if op == "ensure":

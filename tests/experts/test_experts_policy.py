@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,6 +15,7 @@ from refitd.experts import (
     ExpectedReusePolicy,
     ExpertCache,
     LruPolicy,
+    PoolView,
 )
 from refitd.experts.traces import generate_trace, preset_config
 
@@ -126,3 +129,124 @@ def test_our_policy_beats_lru_on_a_generated_trace_with_room_for_two_tokens() ->
             cache.ensure(layer, routed)
         hits[policy.name] = cache.stats().hit_rate
     assert hits["expected-reuse"] > hits["lru"]
+
+
+def test_our_policy_rejects_a_stickiness_outside_zero_and_one() -> None:
+    with pytest.raises(ValueError, match="stickiness"):
+        ExpectedReusePolicy(stickiness=1.0)
+    with pytest.raises(ValueError, match="stickiness"):
+        ExpectedReusePolicy(stickiness=-0.1)
+
+
+class CheckedExpectedReuse(ExpectedReusePolicy):
+    """Ours, checking each victim against a scan of every evictable slot."""
+
+    def reset(self, pool: PoolView, slots: int) -> None:
+        super().reset(pool, slots)
+        self.pool = pool
+        self.victims = 0
+
+    def choose_victim(self, step: int) -> int:
+        slot = super().choose_victim(step)
+        pool, experts = self.pool, self.pool.num_experts
+        candidates = [
+            s for s, key in enumerate(pool.resident) if key >= 0 and pool.touched[s] != step
+        ]
+        assert slot in candidates
+
+        def value(s: int) -> float:
+            key = pool.resident[s]
+            return self.expected_next_use(key // experts, key % experts)
+
+        best = max(value(s) for s in candidates)
+        chosen = value(slot)
+        assert chosen == best or math.isclose(chosen, best, rel_tol=1e-9)
+        self.victims += 1
+        return slot
+
+
+@settings(max_examples=120, deadline=None)
+@given(steps=traces, size=st.integers(EXPERTS, 2 * EXPERTS))
+def test_our_victim_is_always_the_expert_expected_back_last(
+    steps: list[tuple[int, list[int]]], size: int
+) -> None:
+    # The lazy heaps must agree with a scan of the pool at every eviction.
+    policy = CheckedExpectedReuse()
+    cache = ExpertCache(LAYERS, EXPERTS, size, policy=policy)
+    for layer, routed in steps:
+        cache.ensure(layer, routed)
+        if layer == 1 and routed[0] == 0:
+            # Forgotten slots and whole-layer loads leave stale entries behind.
+            cache.forget_slot(len(routed) % size)
+        if layer == 2 and routed[0] == 5:
+            cache.materialize_layer(0)
+    assert policy.victims <= cache.stats().evictions
+
+
+def test_our_victims_match_a_scan_of_the_pool_on_a_generated_trace() -> None:
+    trace = generate_trace(
+        preset_config("mixtral-8x7b", requests=2, decode_tokens=48, prefill_tokens=16)
+    )
+    shape = trace.shape
+    policy = CheckedExpectedReuse()
+    cache = ExpertCache(shape.num_layers, shape.num_experts, shape.active, policy=policy)
+    for layer, routed in trace.steps():
+        cache.ensure(layer, routed)
+    assert policy.victims == cache.stats().evictions > 500
+
+
+def test_a_one_off_expert_fetched_for_a_miss_is_the_first_to_leave_again() -> None:
+    # Layer 0 routes experts 0 and 1 at every visit, then once routes 0 and 2. When
+    # layer 1 needs a slot, LRU evicts expert 1 (the oldest); ours evicts the one-off
+    # expert 2, whose routing frequency is low, and keeps the steady expert 1.
+    steps: list[tuple[int, list[int]]] = []
+    for _ in range(30):
+        steps += [(0, [0, 1]), (1, [])]
+    steps += [(0, [0, 2]), (1, [0]), (0, [0, 1])]
+    results = {}
+    for policy in (LruPolicy(), ExpectedReusePolicy()):
+        cache = ExpertCache(2, 3, 3, policy=policy)
+        for layer, routed in steps[:-1]:
+            cache.ensure(layer, routed)
+        results[policy.name] = (cache.slot_of(0, 1), cache.slot_of(0, 2))
+        last = cache.ensure(*steps[-1])
+        results[policy.name + " misses"] = last.missing  # type: ignore[assignment]
+    assert results["lru"][0] is None and results["lru"][1] is not None
+    assert results["expected-reuse"][0] is not None and results["expected-reuse"][1] is None
+    assert results["lru misses"] == 1 and results["expected-reuse misses"] == 0
+
+
+def test_an_expert_routed_at_the_latest_visit_is_expected_back_sooner() -> None:
+    policy = ExpectedReusePolicy(alpha=0.1, stickiness=0.3)
+    cache = ExpertCache(1, 4, 4, policy=policy)
+    for _ in range(10):
+        cache.ensure(0, [0, 1])
+    cache.ensure(0, [0])
+    # Same history until the last visit; only expert 0 was routed at it.
+    assert policy.expected_next_use(0, 0) < policy.expected_next_use(0, 1)
+    assert policy.expected_next_use(0, 3) == math.inf
+
+
+def test_the_default_policy_beats_lru_in_every_pool_on_a_seeded_qwen3_trace() -> None:
+    # A fixed generated trace (2 requests of 32 prompt + 64 decode tokens, seed 0) at
+    # pools of 1x, 2x and 4x the experts a token activates: the cache's default
+    # policy must hit more often than LRU at every size and close at least 15% of
+    # the LRU-to-Belady gap on average (the bench measures about 21% on longer
+    # traces; this trace measures 0.07 / 0.30 / 0.22).
+    trace = generate_trace(
+        preset_config("qwen3-30b-a3b", requests=2, decode_tokens=64, prefill_tokens=32, seed=0)
+    )
+    shape, steps = trace.shape, trace.steps()
+    gaps = []
+    for m in (1, 2, 4):
+        size = m * shape.active
+        rates = []
+        for policy in (LruPolicy(), None, BeladyPolicy(steps, shape.num_experts)):
+            cache = ExpertCache(shape.num_layers, shape.num_experts, size, policy=policy)
+            for layer, routed in steps:
+                cache.ensure(layer, routed)
+            rates.append(cache.stats().hit_rate)
+        lru, ours, best = rates
+        assert ours > lru, f"{m}x pool: default {ours:.3f} <= LRU {lru:.3f}"
+        gaps.append((ours - lru) / (best - lru))
+    assert sum(gaps) / len(gaps) >= 0.15, gaps
