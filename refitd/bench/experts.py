@@ -5,7 +5,8 @@ is generated (``refitd.experts.traces``; its measured next-token and 8-token reu
 printed), or a recorded trace is read with ``--trace``. For pools of 1×, 2× and 4×
 the experts one token activates across all layers (layers × top-k, never below one
 layer's experts), the same trace is replayed through ``ExpertCache`` with LRU (the
-ferrox behaviour), our default policy (``ExpectedReusePolicy``) and Belady's MIN:
+ferrox behaviour), the cache's default policy ("ours", ``ExpectedReusePolicy``) and
+Belady's MIN:
 
 - hit rate: routed experts already resident, over the whole trace;
 - gap closed: (ours − LRU) / (Belady − LRU); a pool where Belady and LRU tie (the
@@ -92,6 +93,7 @@ class Replay:
 
 
 def _replay(trace: object, size: int, policy: object, execute: bool = False) -> Replay:
+    """Replay ``trace`` through a cache of ``size`` slots; ``policy`` None is the default."""
     from refitd.experts import (
         ExpertCache,
         ExpertSlots,
@@ -135,7 +137,7 @@ def _pool_sizes(active: int, experts: int) -> list[tuple[str, int]]:
 
 
 def _evaluate(name: str, trace: object, expert_bytes: int) -> list[float]:
-    from refitd.experts import BeladyPolicy, ExpectedReusePolicy, LruPolicy
+    from refitd.experts import BeladyPolicy, LruPolicy
     from refitd.experts.traces import RoutingTrace
 
     assert isinstance(trace, RoutingTrace)
@@ -153,7 +155,7 @@ def _evaluate(name: str, trace: object, expert_bytes: int) -> list[float]:
     gaps: list[float] = []
     for label, size in _pool_sizes(shape.active, shape.num_experts):
         lru = _replay(trace, size, LruPolicy())
-        ours = _replay(trace, size, ExpectedReusePolicy(), execute=True)
+        ours = _replay(trace, size, None, execute=True)  # the cache's default
         best = _replay(trace, size, BeladyPolicy(steps, shape.num_experts))
         span = best.hit_rate - lru.hit_rate
         if span > 0.005:

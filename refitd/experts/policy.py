@@ -255,7 +255,11 @@ class ExpectedReusePolicy(EvictionPolicy):
 
     - a routing frequency ``f``: an exponential moving average, per expert, of
       "routed at this visit of my layer" with weight ``alpha`` (kept for evicted
-      experts too, so a popular expert that returns is valued at once);
+      experts too, so a popular expert that returns is valued at once). When the
+      routing shifts — the share of routed experts the averages call rare
+      (``f < 0.05``) jumps, over about a token, above 1.5x its long-run level plus
+      0.03 — every layer averages with ``shift_alpha`` for the next 10 tokens, so
+      the new content's experts are learned in a few tokens instead of tens;
     - stickiness: an expert routed at its layer's latest visit is likelier than its
       frequency says to be routed at the next one (consecutive tokens share experts),
       so ``q = (1 - stickiness) * f + stickiness`` for those and
@@ -266,11 +270,12 @@ class ExpectedReusePolicy(EvictionPolicy):
     keep a layer's steady experts while a one-off expert, fetched for a miss, is the
     first to leave again.
 
-    Cost: a warm step updates two list cells per routed expert, re-files the experts
-    its layer routed last visit and did not route now (at most top-k heap pushes),
-    and pushes one layer entry; a victim is O(log slots). ``f`` is stored as (value,
-    visit) and decayed on read with a power table, so visits that skip an expert
-    cost nothing. Each layer keeps a min-heap of its resident experts by ``q``; an
+    Cost: a warm step updates three list cells per routed expert, re-files the
+    experts its layer routed last visit and did not route now (at most top-k heap
+    pushes), and pushes one layer entry; a victim is O(log slots). ``f`` is stored
+    with its layer's accumulated decay (the sum of ``log(1 - alpha)`` over the
+    layer's visits) at its last update and decayed on read, so visits that skip an
+    expert cost nothing. Each layer keeps a min-heap of its resident experts by ``q``; an
     entry whose expert was routed since is a lower bound and is refreshed when it
     reaches the top. A heap over layers holds upper bounds of each layer's furthest
     expected use, refreshed the same way when popped.
@@ -278,26 +283,37 @@ class ExpectedReusePolicy(EvictionPolicy):
 
     name = "expected-reuse"
 
-    def __init__(self, alpha: float = 0.06, stickiness: float = 0.3) -> None:
-        if not 0.0 < alpha < 1.0:
-            raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    RARE = 0.05  # f below which a routed expert counts as a surprise
+    SHIFT_TOKENS = 10  # tokens of fast averaging after a detected shift
+
+    def __init__(
+        self, alpha: float = 0.06, stickiness: float = 0.3, shift_alpha: float = 0.2
+    ) -> None:
+        for label, a in (("alpha", alpha), ("shift_alpha", shift_alpha)):
+            if not 0.0 < a < 1.0:
+                raise ValueError(f"{label} must be in (0, 1), got {a}")
+        if shift_alpha < alpha:
+            raise ValueError(
+                f"shift_alpha {shift_alpha} is below alpha {alpha}: a shift would slow learning"
+            )
         if not 0.0 <= stickiness < 1.0:
             raise ValueError(f"stickiness must be in [0, 1), got {stickiness}")
         self.alpha = alpha
         self.stickiness = stickiness
-        self._log_r = math.log1p(-alpha)
+        self.shift_alpha = shift_alpha
         self._log_keep = math.log1p(-stickiness)
-        # r**j for the visits an expert can sit unrouted before f is negligible.
-        self._pow: list[float] = []
-        r, x = 1.0 - alpha, 1.0
-        while x > 1e-12:
-            self._pow.append(x)
-            x *= r
         self._layers = 0
         self._experts = 1
         self._f: list[float] = []
+        self._fdecay: list[float] = []
         self._fvisit: list[int] = []
         self._visits: list[int] = []
+        self._decay: list[float] = []
+        self._step_alpha = alpha
+        # Shift detector: fast and slow averages of the surprise share per step.
+        self._fast = self._slow = 0.0
+        self._seen = 0
+        self._shift_left = 0
         self._last_visit: list[int] = []
         self._prev: list[list[tuple[int, int]]] = []
         # Entries: (heap key, slot, key, stamp); see ``_stamp``.
@@ -306,6 +322,7 @@ class ExpectedReusePolicy(EvictionPolicy):
         self._top: list[tuple[float, int]] = []
         self._current = 0
         self._settled = True
+        self._bound_key = -math.inf
         self._step = 0
         self._resident: Sequence[int] = ()
         self._touched: Sequence[int] = ()
@@ -317,8 +334,12 @@ class ExpectedReusePolicy(EvictionPolicy):
         if len(self._f) != keys:
             # Estimates outlive a rebuild: they describe routing, not slots.
             self._f = [0.0] * keys
+            self._fdecay = [0.0] * keys
             self._fvisit = [0] * keys
             self._visits = [0] * self._layers
+            self._decay = [0.0] * self._layers
+            self._fast = self._slow = 0.0
+            self._seen = self._shift_left = 0
         self._last_visit = [0] * self._layers
         self._prev = [[] for _ in range(self._layers)]
         self._heaps = [[] for _ in range(self._layers)]
@@ -332,8 +353,12 @@ class ExpectedReusePolicy(EvictionPolicy):
         """Current routing-frequency estimate ``f`` of ``(layer, expert)`` per visit
         of its layer, in [0, 1] (stickiness not included)."""
         key = layer * self._experts + expert
-        age = self._visits[layer] - self._fvisit[key]
-        return self._f[key] * self._pow[age] if age < len(self._pow) else 0.0
+        return self._f[key] * math.exp(self._decay[layer] - self._fdecay[key])
+
+    @property
+    def shifting(self) -> bool:
+        """Whether a routing shift was detected within the last ``SHIFT_TOKENS``."""
+        return self._shift_left > 0
 
     def expected_next_use(self, layer: int, expert: int) -> float:
         """The step at which ``(layer, expert)`` is expected to be routed next: the
@@ -353,17 +378,16 @@ class ExpectedReusePolicy(EvictionPolicy):
         return 2 * fv + (fv == self._visits[layer])
 
     def _heap_key(self, key: int, layer: int) -> float:
-        """``log q - visit * log(1 - alpha)``: constant while visits skip the expert,
-        so entries of one layer compare without decaying them all. A sticky entry
-        is exact only during the visit that routed it, and is re-filed after."""
+        """``log q`` minus the layer's accumulated decay: constant while visits skip
+        the expert, so entries of one layer compare without decaying them all. A
+        sticky entry is exact only during the visit that routed it, and is re-filed
+        after."""
         f = self._f[key]
-        fv = self._fvisit[key]
-        if fv == self._visits[layer]:
-            q = (1.0 - self.stickiness) * f + self.stickiness
-            base = math.log(q)
+        if self._fvisit[key] == self._visits[layer]:
+            base = math.log((1.0 - self.stickiness) * f + self.stickiness)
         else:
             base = (math.log(f) if f > 0.0 else -1e300) + self._log_keep
-        return base - fv * self._log_r
+        return base - self._fdecay[key]
 
     def _file(self, layer: int, slot: int, key: int) -> None:
         heapq.heappush(
@@ -371,6 +395,9 @@ class ExpectedReusePolicy(EvictionPolicy):
         )
 
     def begin_step(self, step: int, layer: int) -> None:
+        a = self.shift_alpha if self._shift_left > 0 else self.alpha
+        self._step_alpha = a
+        self._decay[layer] += math.log1p(-a)
         self._visits[layer] += 1
         self._last_visit[layer] = step
         self._current = layer
@@ -381,18 +408,19 @@ class ExpectedReusePolicy(EvictionPolicy):
         """Re-file last visit's experts that this step did not route (no longer
         sticky), and announce the layer if a victim is about to be chosen."""
         self._settled = True
+        self._bound_key = -math.inf  # nothing announced for this visit yet
         layer = self._current
         resident, touched, entry_key = self._resident, self._touched, self._entry_key
         step = self._step
-        fs, fvisit, heap = self._f, self._fvisit, self._heaps[layer]
-        keep, log_r = self._log_keep, self._log_r
+        fs, fdecay, fvisit = self._f, self._fdecay, self._fvisit
+        heap, keep = self._heaps[layer], self._log_keep
         for s, key in self._prev[layer]:
             if resident[s] == key and entry_key[s] == key and touched[s] != step:
                 # Not routed since the last visit, so ``f`` is positive and unchanged.
-                fv = fvisit[key]
-                heapq.heappush(heap, (math.log(fs[key]) + keep - fv * log_r, s, key, 2 * fv))
+                entry = (math.log(fs[key]) + keep - fdecay[key], s, key, 2 * fvisit[key])
+                heapq.heappush(heap, entry)
         if announce:
-            self._push_layer(layer)
+            self._bound_key = self._push_layer(layer)
 
     def on_step(self, step: int, slots: Sequence[int]) -> None:
         if not self._settled:
@@ -402,34 +430,62 @@ class ExpectedReusePolicy(EvictionPolicy):
         resident = self._resident
         layer = resident[slots[0]] // self._experts
         v = self._visits[layer]
-        fs, fvisit, pw, alpha = self._f, self._fvisit, self._pow, self.alpha
-        n_pow = len(pw)
+        d = self._decay[layer]
+        fs, fdecay, fvisit = self._f, self._fdecay, self._fvisit
+        alpha, rare, exp = self._step_alpha, self.RARE, math.exp
         entry_key = self._entry_key
         routed: list[tuple[int, int]] = []
         heap = self._heaps[layer]
-        stick, log_r = self.stickiness, self._log_r
+        stick = self.stickiness
         filled = False
+        lowest = math.inf
+        surprised = 0
         for s in slots:
             key = resident[s]
             routed.append((s, key))
-            age = v - fvisit[key]
-            f = (fs[key] * pw[age] if age < n_pow else 0.0) + alpha
+            f = fs[key] * exp(d - fdecay[key])
+            if f < rare:
+                surprised += 1
+            f += alpha
             if f > 1.0:
                 f = 1.0
             fs[key] = f
+            fdecay[key] = d
             fvisit[key] = v
             if entry_key[s] != key:
                 # A fill needs an entry (sticky: routed at the latest visit); a hit's
                 # old entry is a valid lower bound, since routing again only raises q.
                 entry_key[s] = key
                 filled = True
-                key_now = math.log((1.0 - stick) * f + stick) - v * log_r
-                heapq.heappush(heap, (key_now, s, key, 2 * v + 1))
+                hkey = math.log((1.0 - stick) * f + stick) - d
+                if hkey < lowest:
+                    lowest = hkey
+                heapq.heappush(heap, (hkey, s, key, 2 * v + 1))
         self._prev[layer] = routed
         if filled and len(heap) > 4 * self._experts + 64:
             self._compact(layer)
-        # The visit moved this layer's experts a round further out: announce it.
-        self._push_layer(layer)
+        # The visit moved this layer's experts a round further out: announce it,
+        # unless a victim search already did and no fill fell below that bound.
+        if self._bound_key == -math.inf or lowest < self._bound_key:
+            self._push_layer(layer)
+        self._watch(surprised / len(slots))
+
+    def _watch(self, surprise: float) -> None:
+        """Feed one step's surprise share to the shift detector.
+
+        The fast average spans about a token (``1/L`` per step), the slow one about
+        20 tokens; a shift is declared when the fast one exceeds 1.5x the slow one
+        plus 0.03, at most once per ``SHIFT_TOKENS`` (and not in the first 4 tokens,
+        while both averages are still filling).
+        """
+        n = self._layers
+        self._fast += (surprise - self._fast) / n
+        self._slow += (surprise - self._slow) / (20 * n)
+        self._seen += 1
+        if self._shift_left > 0:
+            self._shift_left -= 1
+        elif self._seen > 4 * n and self._fast > 1.5 * self._slow + 0.03:
+            self._shift_left = self.SHIFT_TOKENS * n
 
     def _compact(self, layer: int) -> None:
         resident = self._resident
@@ -447,7 +503,8 @@ class ExpectedReusePolicy(EvictionPolicy):
         """The live, current, not-touched-this-step entry with the least ``q``;
         removed from the heap when ``take``."""
         heap = self._heaps[layer]
-        resident, touched = self._resident, self._touched
+        resident, touched, fvisit = self._resident, self._touched, self._fvisit
+        visits = self._visits[layer]
         kept: list[tuple[float, int, int, int]] = []
         found = None
         while heap:
@@ -456,7 +513,8 @@ class ExpectedReusePolicy(EvictionPolicy):
             if resident[s] != key:
                 heapq.heappop(heap)
                 continue
-            now = self._stamp(key, layer)
+            fv = fvisit[key]
+            now = 2 * fv + (fv == visits)  # ``_stamp``, inlined on the hot path
             if stamp != now:
                 heapq.heapreplace(heap, (self._heap_key(key, layer), s, key, now))
             elif touched[s] == step:
@@ -473,12 +531,12 @@ class ExpectedReusePolicy(EvictionPolicy):
     def _expected(self, layer: int, hkey: float) -> float:
         """Step at which an expert of ``layer`` with heap key ``hkey`` is expected
         to be routed next."""
-        log_q = hkey + self._visits[layer] * self._log_r
+        log_q = hkey + self._decay[layer]
         if log_q < -700.0:
             return math.inf
         return self._last_visit[layer] + self._layers / math.exp(log_q)
 
-    def _push_layer(self, layer: int) -> None:
+    def _push_layer(self, layer: int) -> float:
         """Announce an upper bound of the layer's furthest expected use.
 
         Every resident expert has an entry at or below its true key, so the top
@@ -495,15 +553,16 @@ class ExpectedReusePolicy(EvictionPolicy):
         while heap and resident[heap[0][1]] != heap[0][2]:
             heapq.heappop(heap)
         if not heap:
-            return
+            return math.inf
         top = self._top
         heapq.heappush(top, (-self._expected(layer, heap[0][0]), layer))
-        if len(top) > 4 * self._layers + 64:
+        if len(top) > 8 * self._layers + 64:
             best: dict[int, float] = {}
             for neg, m in top:
                 best[m] = min(best.get(m, 0.0), neg)
             self._top = [(neg, m) for m, neg in best.items()]
             heapq.heapify(self._top)
+        return heap[0][0]
 
     def choose_victim(self, step: int) -> int:
         if not self._settled:
@@ -519,11 +578,18 @@ class ExpectedReusePolicy(EvictionPolicy):
                 continue
             true = -self._expected(layer, found[0])
             # In a binary heap the runner-up is one of the top's two children.
-            runner_up = min(top[1:3], default=None)
+            n = len(top)
+            runner_up = top[1][0] if n > 1 else math.inf
+            if n > 2 and top[2][0] < runner_up:
+                runner_up = top[2][0]
             # Re-filed at its exact value either way; after the victim leaves, the
             # layer's furthest expected use can only shrink, so it stays an upper bound.
+            # Not so for the stepping layer: ``true`` leaves out the experts this step
+            # routes, so its ``on_step`` must announce the layer afresh.
             heapq.heapreplace(top, (true, layer))
-            if runner_up is not None and true > runner_up[0] + 1e-9:
+            if layer == self._current:
+                self._bound_key = -math.inf
+            if true > runner_up + 1e-9:
                 # The stored value was stale and another layer may now lead.
                 heapq.heappush(self._heaps[layer], found)
                 continue
