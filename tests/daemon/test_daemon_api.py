@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -107,8 +107,20 @@ async def publish_toy(
     return info.region_id, seg
 
 
+_OWNED: list[SharedSegment] = []
+
+
+@pytest.fixture(autouse=True)
+def _unlink_destinations() -> Iterator[None]:
+    """Destination segments are the test's own: unlink them when it ends."""
+    yield
+    while _OWNED:
+        _OWNED.pop().close()
+
+
 async def dest_region(c: RefitClient, nbytes: int) -> tuple[int, SharedSegment]:
     seg = SharedSegment.create(nbytes, "dst")
+    _OWNED.append(seg)
     info = await c.attach_region(seg.name, nbytes, label="dst")
     return info.region_id, seg
 
