@@ -1,6 +1,12 @@
-"""``refitd demo``: one refit end to end, in process, verified bit for bit.
+"""``refitd demo``: refitd's main job end to end, verified bit for bit.
 
-Until the daemon exists this is refitd's main job in miniature. A toy trainer holds a
+By default (what ``make demo`` runs) this is the real thing, through daemons: see
+:func:`refitd.bench.refit.run_demo` — two ``refitd serve`` processes on loopback, a
+trainer process publishing a synthetic model of ``--gib`` GiB as Megatron TP2, four
+engine ranks (TP4) refitting it with a progress bar, every parameter verified, and the
+effective bandwidth against memcpy measured in the same run.
+
+``--in-process`` runs the planner's own demo with no daemon, described next. A toy trainer holds a
 DeepSeek-shaped MoE model (MLA attention, routed and shared experts, bf16) as
 Megatron TP 2 × EP 4 shards in real per-rank buffers. An engine in a different layout
 (vLLM-style TP 4 with EP 2) refits every one of its ranks through a strict
@@ -26,6 +32,29 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "examples:\n"
+        "  refitd demo                      # two daemons, 1 GiB model, 2 versions, verified\n"
+        "  refitd demo --gib 4 --versions 3 # a bigger model, one more version\n"
+        "  refitd demo --in-process         # the planner alone, reference transport, no daemon"
+    )
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run the planner-only demo in this process (no daemons, reference transport)",
+    )
+    parser.add_argument(
+        "--gib", type=float, default=1.0, help="daemon demo: model size in GiB (default 1)"
+    )
+    parser.add_argument(
+        "--versions", type=int, default=2, help="daemon demo: versions to refit (default 2)"
+    )
+    parser.add_argument(
+        "--transport",
+        default=None,
+        help="daemon demo: force the daemons' data plane (default: the daemon's own default)",
+    )
     parser.add_argument(
         "--size",
         choices=("small", "medium"),
@@ -56,6 +85,12 @@ class RankResult:
 def run(args: argparse.Namespace) -> int:
     from refitd.errors import ConfigError
 
+    if not args.in_process:
+        from refitd.bench.refit import run_demo
+
+        if args.transport is None:
+            return run_demo(gib=args.gib, versions=args.versions)
+        return run_demo(gib=args.gib, versions=args.versions, transport=args.transport)
     try:
         return _run(args)
     except ConfigError as exc:

@@ -15,7 +15,7 @@ def _last_line_pairs(text: str) -> dict[str, str]:
 def test_demo_refits_every_engine_rank_bit_exact_and_exits_zero(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code = main(["demo", "--size", "small"])
+    code = main(["demo", "--in-process", "--size", "small"])
     out = capsys.readouterr().out
     pairs = _last_line_pairs(out)
     assert code == 0, out
@@ -27,7 +27,7 @@ def test_demo_refits_every_engine_rank_bit_exact_and_exits_zero(
 
 
 def test_demo_accepts_another_engine_layout(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["demo", "--size", "small", "--engine-tp", "2", "--engine-ep", "1"])
+    code = main(["demo", "--in-process", "--size", "small", "--engine-tp", "2", "--engine-ep", "1"])
     pairs = _last_line_pairs(capsys.readouterr().out)
     assert code == 0
     assert pairs["ranks"] == "2" and pairs["verified"] == "1"
@@ -56,7 +56,7 @@ def test_bench_plan_smoke_run_prints_every_key_for_both_layouts(
 def test_demo_refuses_a_layout_that_cannot_exist_and_names_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code = main(["demo", "--size", "small", "--engine-tp", "4", "--engine-ep", "3"])
+    code = main(["demo", "--in-process", "--size", "small", "--engine-tp", "4", "--engine-ep", "3"])
     out = capsys.readouterr().out
     assert code == 2
     assert "ep_size 3 does not divide tp_size 4" in out
