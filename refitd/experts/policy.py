@@ -287,7 +287,7 @@ class ExpectedReusePolicy(EvictionPolicy):
     SHIFT_TOKENS = 10  # tokens of fast averaging after a detected shift
 
     def __init__(
-        self, alpha: float = 0.06, stickiness: float = 0.3, shift_alpha: float = 0.2
+        self, alpha: float = 0.04, stickiness: float = 0.3, shift_alpha: float = 0.2
     ) -> None:
         for label, a in (("alpha", alpha), ("shift_alpha", shift_alpha)):
             if not 0.0 < a < 1.0:
