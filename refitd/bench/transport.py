@@ -7,8 +7,9 @@ piece i of the destination reads piece i of the source; ``shuffled``: a random
 permutation, so no two adjacent reads can merge), the best of ``--repeat`` runs is
 reported in GB/s (10^9 bytes/s) and as a ratio to memcpy of the same pieces in the
 same layout, measured in the same run (one thread, C loop, no Python per piece).
-With ``ucx``, a ``cma`` row shows the kernel's ceiling for the same-host path: the
-same (merged) reads as plain ``process_vm_readv`` calls from the peer's process.
+With ``ucx``, a ``cma`` row shows what the kernel call under UCX's same-host path does
+on its own: the same (merged) reads as plain ``process_vm_readv`` calls from the peer's
+process, one thread (UCX may beat it with ``--lanes`` > 1).
 After the timed runs, every byte of the destination is verified against the source.
 
 Last line: ``key=value`` pairs for scripts (``memcpy_gbps`` is one 256 MiB memcpy).
@@ -184,8 +185,8 @@ async def _main(args: argparse.Namespace) -> int:
                     ok,
                 )
             if cma_pid:
-                # The kernel's ceiling for any cma transport: one process_vm_readv per
-                # (merged) read from the same process, no UCX in between.
+                # The kernel call under the cma path on its own: one process_vm_readv
+                # per (merged) read from the same process, one thread, no UCX.
                 m = coalesce(b)
                 d = (dst.address + m["local_offset"]).astype(np.int64)
                 s = (cma_base + m["remote_offset"]).astype(np.int64)
