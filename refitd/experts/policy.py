@@ -18,7 +18,8 @@ Policies here:
 - ``LruPolicy`` — least recent use, ties to the lowest slot (the ferrox behaviour).
 - ``BeladyPolicy`` — Belady's MIN, an offline oracle over a known trace: evict the
   resident expert whose next use lies furthest ahead. The ceiling for any policy.
-- ``ExpectedReusePolicy`` — ours: frequency-weighted expected reuse distance.
+- ``ExpectedReusePolicy`` — ours, the cache's default: evict the expert whose next
+  use is expected furthest ahead, from learned routing frequency and stickiness.
 """
 
 from __future__ import annotations
@@ -275,9 +276,9 @@ class ExpectedReusePolicy(EvictionPolicy):
     pushes), and pushes one layer entry; a victim is O(log slots). ``f`` is stored
     with its layer's accumulated decay (the sum of ``log(1 - alpha)`` over the
     layer's visits) at its last update and decayed on read, so visits that skip an
-    expert cost nothing. Each layer keeps a min-heap of its resident experts by ``q``; an
-    entry whose expert was routed since is a lower bound and is refreshed when it
-    reaches the top. A heap over layers holds upper bounds of each layer's furthest
+    expert cost nothing. Each layer keeps a min-heap of its resident experts by
+    ``q``; an entry whose expert was routed since is a lower bound and is refreshed
+    when it reaches the top. A heap over layers holds upper bounds of each layer's furthest
     expected use, refreshed the same way when popped.
     """
 
@@ -388,11 +389,6 @@ class ExpectedReusePolicy(EvictionPolicy):
         else:
             base = (math.log(f) if f > 0.0 else -1e300) + self._log_keep
         return base - self._fdecay[key]
-
-    def _file(self, layer: int, slot: int, key: int) -> None:
-        heapq.heappush(
-            self._heaps[layer], (self._heap_key(key, layer), slot, key, self._stamp(key, layer))
-        )
 
     def begin_step(self, step: int, layer: int) -> None:
         a = self.shift_alpha if self._shift_left > 0 else self.alpha
