@@ -63,7 +63,8 @@ Scheme = Annotated[
     str,
     msgspec.Meta(
         pattern="^[a-z][a-z0-9_-]*$",
-        description="a transport scheme: 'shm' or one registered in transports, e.g. 'ucx'",
+        description="a data-plane mode: 'auto', 'shm' or a transport scheme registered in "
+        "transports, e.g. 'ucx'",
     ),
 ]
 Uid = Annotated[int, msgspec.Meta(ge=0, description="a numeric user id")]
@@ -102,9 +103,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How bytes move between daemons."""
 
-    #: ``shm`` (built in: same-host reads of peers' segments) or a scheme registered
-    #: in ``transports`` (e.g. ``ucx``); the daemon refuses an unknown scheme at start.
-    transport: Scheme = "shm"
+    #: ``auto`` (UCX always up; a peer proven on this host is read through its
+    #: shared-memory segments, any other through UCX), ``shm`` (same-host reads only)
+    #: or a scheme registered in ``transports`` (e.g. ``ucx``: every peer through it);
+    #: the daemon refuses an unknown scheme at start.
+    transport: Scheme = "auto"
 
 
 class PullsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -32,7 +32,7 @@ class SpawnedDaemon:
 async def spawn_daemon(
     *,
     secret_file: str,
-    transport: str = "shm",
+    transport: str = "auto",
     node_id: str = "",
     unix_path: str | None = None,
     start_timeout_s: float = 60.0,

@@ -306,7 +306,7 @@ async def submit_pull(request: web.Request) -> web.Response:
     req = await body(request, PullRequest)
     check_pull_writes(request, req)  # auth: a pull writes only into the caller's regions
     job = await request.app[PULLS].submit(req)
-    observe_pull(request.app, job, request.app[DAEMON].options.transport)  # metrics, if any
+    observe_pull(request.app, job, job.path)  # metrics by the path this pull takes
     return reply(request, job.snapshot(), 202)
 
 

@@ -10,6 +10,7 @@ memory, the clock and the waiting.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import os
@@ -18,6 +19,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
@@ -34,9 +36,19 @@ from refitd.daemon.schemas import (
     RegionKind,
     VersionInfo,
 )
-from refitd.errors import ConflictError, ProtocolError
+from refitd.errors import ConflictError, ProtocolError, RefitError, TransportError
+from transports.shm import SHM_DIR
 
-__all__ = ["Daemon", "DaemonOptions", "PeerRegions", "StagedPack"]
+__all__ = [
+    "AUTO",
+    "SHM_SCHEME",
+    "Daemon",
+    "DaemonOptions",
+    "PeerRegions",
+    "StagedPack",
+    "boot_id",
+    "file_id",
+]
 
 STAGING_POOL = 4
 """Free staging regions kept for reuse by later pack specs."""
@@ -44,37 +56,74 @@ STAGING_POOL = 4
 SHM_SCHEME = "shm"
 """The built-in same-host data plane: map the peer daemon's segments by name."""
 
+AUTO = "auto"
+"""The default data-plane mode: UCX always up, and per source peer the same-host
+shared-memory path whenever that peer is proven to share this host's memory."""
+
+UCX_SCHEME = "ucx"
+"""The transports scheme ``auto`` starts."""
+
+BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def boot_id() -> str:
+    """This kernel's boot id: equal for two daemons only if they run on one host
+    (under one kernel boot). Empty where the kernel does not expose it."""
+    try:
+        return BOOT_ID.read_text().strip()
+    except OSError:
+        return ""
+
+
+def file_id(name: str) -> tuple[int, int]:
+    """``(st_dev, st_ino)`` of shared segment ``name``: under one kernel boot it names
+    exactly one file, so a peer's record of it proves which memory a name maps
+    (two containers may each have a different file of the same name)."""
+    st = os.stat(SHM_DIR / name)
+    return st.st_dev, st.st_ino
+
 
 @dataclass(frozen=True)
 class DaemonOptions:
     """How one daemon runs. ``port`` 0 binds any free port (reported once bound).
 
-    ``transport`` is ``"shm"`` (same-host reads of the peer's segments, mapped by
-    name) or a scheme of ``transports.core`` (e.g. ``"ucx"``). ``secret`` (≥ 16
-    bytes) authenticates peer records between the daemons of one deployment.
+    ``transport`` is the data-plane mode: ``"auto"`` (default: UCX always started,
+    and per source peer the same-host shared-memory path when the peer is proven to
+    be on this host with attachable segments, UCX otherwise), ``"shm"`` (only the
+    shared-memory path; a peer on another host is refused) or a scheme of
+    ``transports.core`` (e.g. ``"ucx"``: every peer through that transport).
+    ``secret`` (≥ 16 bytes) authenticates peer records between the daemons of one
+    deployment. ``boot_id`` empty means this kernel's; another value makes the
+    daemon claim another host (tests of the cross-host choice on one machine).
     """
 
     host: str = "127.0.0.1"
     port: int = 0
     unix_path: str | None = None
-    transport: str = SHM_SCHEME
+    transport: str = AUTO
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
     node_id: str = ""
     client_max_size: int = 1 << 30
     grace_s: float = 10.0
+    boot_id: str = ""
 
 
 class PeerRegions(msgspec.Struct, frozen=True):
     """Region records one daemon sends another, MAC'd with the deployment secret.
 
-    ``transport`` is the sender's data plane scheme and ``advert`` that transport's
-    own signed advertisement (empty for ``shm``)."""
+    ``transport`` is the sender's data-plane mode and ``advert`` its transport's own
+    signed advertisement (empty when it runs no transport, i.e. ``shm``).
+    ``boot_id`` is the sender's kernel boot id and ``files`` maps each listed region
+    to ``(st_dev, st_ino)`` of its segment: a reader uses the shared-memory path only
+    when its own boot id matches and the file it maps by name is that very file."""
 
     node_id: str
     epoch: int
     transport: str
     regions: list[RegionInfo]
     advert: bytes = b""
+    boot_id: str = ""
+    files: dict[int, tuple[int, int]] = {}
     mac: bytes = b""
 
     def body(self) -> bytes:
@@ -119,6 +168,8 @@ class Daemon:
         self.segments: dict[int, SharedSegment] = {}
         self.copier: Copier = copier or ThreadCopier()
         self.transport: object | None = None  # transports.core.Transport when not shm
+        self.boot_id = options.boot_id or boot_id()
+        self._files: dict[int, tuple[int, int]] = {}
         self.ready = False
         self._lease_changed = asyncio.Event()
         self._staging_free: list[int] = []
@@ -126,14 +177,24 @@ class Daemon:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Bring up the data plane; the daemon reports ready only after this."""
-        if self.options.transport != SHM_SCHEME:
+        """Bring up the data plane; the daemon reports ready only after this.
+
+        Every mode but ``shm`` starts a transport (``auto`` starts UCX); a transport
+        that cannot start stops the daemon's start with :class:`TransportError`."""
+        mode = self.options.transport
+        if mode != SHM_SCHEME:
             from transports.core import create_transport
 
-            t = create_transport(
-                self.options.transport, secret=self.options.secret, peer_id=self.node_id
-            )
-            await t.start()
+            scheme = UCX_SCHEME if mode == AUTO else mode
+            t = create_transport(scheme, secret=self.options.secret, peer_id=self.node_id)
+            try:
+                await t.start()
+            except RefitError as exc:
+                hint = " (--transport shm runs without it, same host only)" if mode == AUTO else ""
+                raise TransportError(
+                    f"data plane {scheme!r} did not start, so the daemon will not report "
+                    f"ready: {exc}{hint}"
+                ) from exc
             self.transport = t
         self.ready = True
 
@@ -163,6 +224,8 @@ class Daemon:
         if self.transport is not None:
             await self.transport.register(rid, seg)  # type: ignore[attr-defined]
         self.segments[rid] = seg
+        with contextlib.suppress(OSError):  # a name already unlinked: no shm path to it
+            self._files[rid] = file_id(seg.name)
         return self.regions.add(info)
 
     async def create_region(self, req: RegionCreate) -> RegionInfo:
@@ -195,6 +258,7 @@ class Daemon:
         if self.transport is not None:
             await self.transport.deregister(region_id)  # type: ignore[attr-defined]
         self.segments.pop(region_id).close()
+        self._files.pop(region_id, None)
         return info
 
     def view(self, region_id: int) -> memoryview:
@@ -207,7 +271,10 @@ class Daemon:
         advert = b""
         if self.transport is not None:
             advert = self.transport.advertise().encode()  # type: ignore[attr-defined]
-        rec = PeerRegions(self.node_id, self.epoch, self.options.transport, infos, advert)
+        files = {r.region_id: self._files[r.region_id] for r in infos if r.region_id in self._files}
+        rec = PeerRegions(
+            self.node_id, self.epoch, self.options.transport, infos, advert, self.boot_id, files
+        )
         return rec.signed(self.options.secret)
 
     # ------------------------------------------------------------ packing

@@ -10,8 +10,11 @@ Order of a pull, and why:
    in a 400 and nothing moves;
 3. pack specs are executed by the source daemon into a staging region it owns, and
    each is read back with one descriptor;
-4. the bytes move: a local copy when the source is this daemon, the configured data
-   plane otherwise;
+4. the bytes move along the path chosen at submit (see :meth:`PullManager.choose_path`):
+   ``shm`` when the source is this daemon or a daemon proven
+   to be on this host (same kernel boot id, and every segment it names maps to the
+   very file its signed record states, at the exact size it states); the transport
+   (``ucx``) otherwise. ``--transport shm`` or ``ucx`` forces one path;
 5. the lease is checked again: if it expired while bytes moved, the pull FAILS and
    every destination range it wrote is reported suspect, so the receiver installs
    nothing from it.
@@ -22,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -29,7 +34,7 @@ from typing import Protocol
 
 import numpy as np
 
-from refitd.daemon.node import SHM_SCHEME, Daemon, PeerRegions, StagedPack
+from refitd.daemon.node import AUTO, SHM_SCHEME, Daemon, PeerRegions, StagedPack
 from refitd.daemon.regions import validate_descriptors, validate_pack_specs
 from refitd.daemon.schemas import (
     DescriptorTable,
@@ -41,7 +46,7 @@ from refitd.daemon.schemas import (
     RegionInfo,
 )
 from refitd.errors import NotFoundError, RefitError, TransportError
-from transports.shm import SharedSegment
+from transports.shm import SHM_DIR, SharedSegment
 
 __all__ = ["PullJob", "PullManager", "Source"]
 
@@ -54,6 +59,11 @@ several can be in flight."""
 
 PEER_MAPPINGS = 256
 """Peer segments kept mapped between pulls (least recently used dropped first)."""
+
+SHUTTING_DOWN = "daemon shutting down"
+"""The reason a pull still running when the daemon stops is cancelled with."""
+
+log = logging.getLogger("refitd.pulls")
 
 
 class Source(Protocol):
@@ -130,6 +140,8 @@ class PullJob:
     suspect: list[tuple[int, int, int]] = field(default_factory=list)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    path: str = ""  # "local", "shm" or the transport's scheme: decided at submit
+    cancel_reason: str = ""
 
     def progress(self, n_desc: int, n_bytes: int) -> None:
         self.descriptors_done += n_desc
@@ -150,6 +162,7 @@ class PullJob:
             rate,
             self.error,
             self.suspect,
+            self.path,
         )
 
 
@@ -201,8 +214,10 @@ class PullManager:
         dst_sizes = self.d.regions.sizes()
         validate_descriptors(req.descriptors, src_sizes, dst_sizes)
         validate_pack_specs(req.pack_specs, src_sizes, dst_sizes)
+        path = self.choose_path(src, peer)
         total = int(rows[:, 4].sum()) + sum(p.nbytes for p in req.pack_specs)
         job = PullJob(f"p{next(self._seq)}", req, total, rows.shape[0] + len(req.pack_specs))
+        job.path = path
         self.jobs[job.pull_id] = job
         self._forget_old()
         task = asyncio.create_task(self._run(job, src, rows, peer))
@@ -223,20 +238,29 @@ class PullManager:
             raise NotFoundError(f"pull {pull_id!r} is unknown on this daemon")
         return job
 
-    async def cancel(self, pull_id: str) -> PullJob:
+    async def cancel(self, pull_id: str, reason: str = "cancelled by request") -> PullJob:
+        """Cancel a running pull; its result names ``reason``. Returns once it ended."""
         job = self.get(pull_id)
         if job.task is not None and not job.task.done():
-            job.task.cancel("cancelled by request")
+            job.cancel_reason = reason
+            job.task.cancel(reason)
             with contextlib.suppress(asyncio.CancelledError):
                 await job.finished.wait()
         return job
 
-    async def close(self) -> None:
-        """Cancel every running pull (the daemon is stopping) and wait for them."""
-        for t in list(self._tasks):
-            t.cancel("daemon shutting down")
+    async def cancel_all(self, reason: str = SHUTTING_DOWN) -> None:
+        """Cancel every running pull with ``reason`` and wait until each has ended."""
+        running = [j for j in self.jobs.values() if j.task is not None and not j.task.done()]
+        for job in running:
+            job.cancel_reason = reason
+            assert job.task is not None
+            job.task.cancel(reason)
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Cancel every running pull (the daemon is stopping) and wait for them."""
+        await self.cancel_all(SHUTTING_DOWN)
         for seg in self._mapped.values():
             seg.close()
         self._mapped.clear()
@@ -269,9 +293,14 @@ class PullManager:
             await self._move(job, src, all_rows, peer)
             await src.check_lease(req.lease_id, req.model, req.version)
             job.state = PullState.DONE
-        except asyncio.CancelledError:
+        except asyncio.CancelledError as exc:
+            # The reason travels on the job (set by whoever cancelled) and, where the
+            # cancel reached us directly, in the CancelledError's message.
+            reason = job.cancel_reason or (str(exc.args[0]) if exc.args else "") or "cancelled"
             job.state = PullState.CANCELLED
-            job.error = ErrorBody("ConflictError", "pull cancelled before it completed")
+            job.error = ErrorBody(
+                "ConflictError", f"pull {job.pull_id} cancelled before it completed: {reason}"
+            )
             job.suspect = _coalesced_dst(all_rows) if moving else []
         except RefitError as exc:
             job.state = PullState.FAILED
@@ -291,10 +320,79 @@ class PullManager:
             return
         if isinstance(src, LocalSource):
             await self._copy(job, rows, lambda rid: _noop(self.d.view(rid)))
-        elif peer.transport == SHM_SCHEME:
+        elif job.path == SHM_SCHEME:
             await self._copy_shm(job, rows, peer)
         else:
             await self._get_transport(job, rows, peer)
+
+    # ------------------------------------------------------------ path choice
+
+    def choose_path(self, src: Source, peer: PeerRegions | None) -> str:
+        """The path a pull from ``src`` takes, decided before any byte moves.
+
+        ``shm`` for this daemon (a copy between its own segments, in any mode); in
+        mode ``auto`` or ``shm``, ``shm`` when :meth:`shm_refusal` finds nothing
+        against the peer; else (mode ``auto`` or a scheme) the transport's scheme,
+        when the peer advertises that transport.
+        Raises :class:`TransportError` (nothing moved) when no path fits.
+        """
+        if isinstance(src, LocalSource):
+            return SHM_SCHEME
+        if peer is None:
+            return "none"  # nothing to read
+        mode = self.d.options.transport
+        why_not_shm = f"this daemon is forced to its transport (--transport {mode})"
+        if mode in (AUTO, SHM_SCHEME):
+            refusal = self.shm_refusal(peer)
+            if refusal is None:
+                return SHM_SCHEME
+            if mode == SHM_SCHEME:
+                raise TransportError(
+                    f"pull from {peer.node_id!r} refused before any byte moved: this daemon "
+                    f"runs the shared-memory path only (--transport shm) and {refusal}"
+                )
+            why_not_shm = refusal
+        return self._transport_scheme(peer, why_not_shm)
+
+    def _transport_scheme(self, peer: PeerRegions, why_not_shm: str) -> str:
+        from transports.core import PeerInfo
+
+        transport = self.d.transport
+        if transport is None:
+            raise TransportError(
+                f"pull from {peer.node_id!r} refused: this daemon runs no transport"
+            )
+        scheme = str(transport.scheme)  # type: ignore[attr-defined]
+        if not peer.advert:
+            raise TransportError(
+                f"pull from {peer.node_id!r} refused before any byte moved: it advertises no "
+                f"data plane (it runs {peer.transport!r}), and not the shared-memory path "
+                f"because {why_not_shm}"
+            )
+        theirs = PeerInfo.decode(peer.advert).scheme
+        if theirs != scheme:
+            raise TransportError(
+                f"pull from {peer.node_id!r} refused before any byte moved: it serves "
+                f"{theirs!r}, this daemon {scheme!r}"
+            )
+        log.info("pull from %s over %s: not shm because %s", peer.node_id, scheme, why_not_shm)
+        return scheme
+
+    def shm_refusal(self, peer: PeerRegions) -> str | None:
+        """Why the shared-memory path to ``peer`` is not proven, or None when it is:
+        the peer's boot id equals ours and every region it listed maps (by name) to
+        the very file its signed record names, at exactly the size it states. Every
+        region is mapped here, so a verified pull starts without mapping anything."""
+        if not peer.boot_id or peer.boot_id != self.d.boot_id:
+            return f"{peer.node_id!r} runs under another kernel (boot id differs: another host)"
+        for rec in peer.regions:
+            try:
+                self._peer_segment(peer, rec)
+            except (RefitError, OSError) as exc:
+                return f"region {rec.region_id} of {peer.node_id!r} does not map here: {exc}"
+        return None
+
+    # ------------------------------------------------------------ moving bytes
 
     async def _copy(
         self, job: PullJob, rows: np.ndarray, src_view: Callable[[int], Awaitable[memoryview]]
@@ -312,20 +410,33 @@ class PullManager:
         records = {r.region_id: r for r in peer.regions}
 
         async def view(rid: int) -> memoryview:
-            return self._peer_segment(peer.node_id, peer.epoch, records[rid]).numpy().data
+            return self._peer_segment(peer, records[rid]).numpy().data
 
         await self._copy(job, rows, view)
 
-    def _peer_segment(self, node_id: str, epoch: int, rec: RegionInfo) -> SharedSegment:
-        """The peer's segment, mapped once and kept: a fresh mapping of a large
-        region costs a page fault per 4 KiB on first touch, every pull."""
-        key = (node_id, epoch, rec.region_id)
+    def _peer_segment(self, peer: PeerRegions, rec: RegionInfo) -> SharedSegment:
+        """The peer's segment for ``rec``, mapped once and kept (a fresh mapping of a
+        large region costs a page fault per 4 KiB on first touch, every pull).
+
+        A new mapping is made only after checking that the name maps the file the
+        peer's signed record names (``files``), before and after mapping it, and
+        that its size is exactly the recorded one; else :class:`TransportError`."""
+        key = (peer.node_id, peer.epoch, rec.region_id)
+        want = peer.files.get(rec.region_id)
         seg = self._mapped.pop(key, None)
         if seg is not None and (seg.name != rec.handle or seg.size != rec.nbytes):
             seg.close()
             seg = None
         if seg is None:
+            if want is None:
+                raise TransportError(f"the record names no file for segment {rec.handle!r}")
+            _same_file(rec.handle, tuple(want))
             seg = SharedSegment.attach(rec.handle, rec.nbytes)
+            try:
+                _same_file(rec.handle, tuple(want))
+            except BaseException:
+                seg.close()
+                raise
         self._mapped[key] = seg  # most recently used last
         while len(self._mapped) > PEER_MAPPINGS:
             oldest = next(iter(self._mapped))
@@ -336,11 +447,7 @@ class PullManager:
         from transports.core import PeerInfo
 
         transport = self.d.transport
-        if transport is None:
-            raise TransportError(
-                f"source daemon {peer.node_id!r} serves {peer.transport!r}; this daemon runs "
-                f"{self.d.options.transport!r}"
-            )
+        assert transport is not None  # choose_path picked a transport path
         info = PeerInfo.decode(peer.advert)
         key = (peer.node_id, peer.epoch)
         conn = self._peers.get(key)
@@ -361,6 +468,18 @@ class PullManager:
                 for part in parts:
                     tg.create_task(conn.get(part))  # type: ignore[attr-defined]
             job.progress(chunk.shape[0], int(chunk[:, 4].sum()))
+
+
+def _same_file(name: str, want: tuple[int, ...]) -> None:
+    """Refuse unless segment ``name`` here is the file ``(st_dev, st_ino)`` = ``want``."""
+    try:
+        st = os.stat(SHM_DIR / name)
+    except FileNotFoundError:
+        raise TransportError(f"segment {name!r} does not exist here") from None
+    if (st.st_dev, st.st_ino) != want:
+        raise TransportError(
+            f"segment {name!r} here is another file than the peer's (a separate /dev/shm)"
+        )
 
 
 def _split_large(reads: np.ndarray, piece: int) -> np.ndarray:
@@ -390,6 +509,8 @@ def _merge_peer(a: PeerRegions, b: PeerRegions) -> PeerRegions:
         a.transport,
         a.regions + [r for r in b.regions if r.region_id not in seen],
         b.advert or a.advert,
+        a.boot_id,
+        {**a.files, **b.files},
     )
 
 

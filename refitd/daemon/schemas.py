@@ -302,7 +302,9 @@ class PullState(enum.StrEnum):
 
 class PullProgress(msgspec.Struct, frozen=True):
     """Progress or result of a pull. ``suspect`` lists ``(dst_region, dst_offset, nbytes)``
-    ranges that may hold partial bytes after a failure or cancel."""
+    ranges that may hold partial bytes after a failure or cancel. ``path`` is how the
+    bytes move: ``shm`` (copied through shared memory: the source is this daemon, or
+    a daemon proven to be on this host) or the transport's scheme (``ucx``)."""
 
     pull_id: str
     state: PullState
@@ -314,6 +316,7 @@ class PullProgress(msgspec.Struct, frozen=True):
     rate_gbps: float
     error: ErrorBody | None = None
     suspect: list[tuple[int, int, int]] = []
+    path: str = ""
 
 
 # ---------------------------------------------------------------- peers

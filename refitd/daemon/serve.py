@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = (
         "examples:\n"
-        "  refitd serve                                   # loopback, port 7450, shm\n"
+        "  refitd serve                                   # loopback, port 7450, auto\n"
         "  refitd serve --config /etc/refitd/refitd.toml  # as the systemd unit runs it\n"
         "  refitd serve --port 0 --set logging.json=true  # any free port, JSON logs\n"
         "  REFITD_SERVER_PORT=7451 refitd serve"
@@ -66,8 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--transport",
         default=None,
-        help="data plane (data_plane.transport): 'shm' (same host, default) or a "
-        "transports scheme such as 'ucx'",
+        help="data plane (data_plane.transport): 'auto' (default: UCX always up, same-host "
+        "peers read through shared memory), 'shm' (same host only) or a transports scheme "
+        "such as 'ucx' (every peer through it)",
     )
     parser.add_argument(
         "--secret-file",
@@ -106,6 +107,7 @@ async def listening(options: Any, **app_kwargs: Any) -> AsyncIterator[tuple[web.
     seconds, then clean up (cancelling what is left, closing the data plane).
     """
     from refitd.daemon.app import PULLS, create_app
+    from refitd.daemon.pulls import SHUTTING_DOWN
 
     app = create_app(options, **app_kwargs)
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=options.grace_s)
@@ -129,7 +131,9 @@ async def listening(options: Any, **app_kwargs: Any) -> AsyncIterator[tuple[web.
                 async with asyncio.timeout(options.grace_s):
                     await asyncio.gather(*pending)
             except TimeoutError:
-                pass  # the rest are cancelled, with a reason, by the app's cleanup
+                # Cancelled here, while the server still answers the requests in
+                # flight, so a client waiting on a pull reads why it ended.
+                await app[PULLS].cancel_all(SHUTTING_DOWN)
     finally:
         await runner.cleanup()
 

@@ -72,7 +72,9 @@ class Env:
 async def _env(gated: bool) -> AsyncIterator[Env]:
     clock = FakeClock()
     copier = GatedCopier() if gated else None
-    daemon = Daemon(DaemonOptions(port=0, node_id="t"), clock=clock, copier=copier)
+    # The API alone needs no UCX: the shared-memory mode keeps these daemons light.
+    opts = DaemonOptions(port=0, node_id="t", transport="shm")
+    daemon = Daemon(opts, clock=clock, copier=copier)
     async with listening(daemon.options, daemon=daemon) as (_, url), RefitClient(url) as c:
         yield Env(c, url, daemon, clock, copier)
 
