@@ -6,6 +6,10 @@
     │   └── (refitd.reshard.types.UnsupportedReshard subclasses this)
     ├── TransportError              bytes could not be moved; the data plane says why
     ├── ProtocolError               a request or peer record is malformed or forged
+    │   └── RequestTooLarge         the body exceeds the daemon's size limit (413)
+    ├── AccessError                 the caller lacks rights: it must present better ones
+    │   ├── Unauthenticated         no valid credential was presented (401)
+    │   └── AccessDenied            the principal may not act on this object (403)
     ├── ConflictError               the state moved on: stale version, lease, epoch
     └── NotFoundError               a named region, version, lease or pull is unknown
 
@@ -17,13 +21,17 @@ whether it called in-process or over HTTP.
 from __future__ import annotations
 
 __all__ = [
+    "AccessDenied",
+    "AccessError",
     "ConfigError",
     "ConflictError",
     "NotFoundError",
     "PlanError",
     "ProtocolError",
     "RefitError",
+    "RequestTooLarge",
     "TransportError",
+    "Unauthenticated",
 ]
 
 
@@ -45,6 +53,23 @@ class TransportError(RefitError):
 
 class ProtocolError(RefitError):
     """A request, descriptor or peer record is malformed, out of bounds or forged."""
+
+
+class RequestTooLarge(ProtocolError):
+    """A request body is larger than the daemon accepts (``server.max_request_bytes``)."""
+
+
+class AccessError(RefitError):
+    """The caller lacks the rights for the request; the message says which it needs."""
+
+
+class Unauthenticated(AccessError):
+    """No valid credential: a bearer token is missing or unknown."""
+
+
+class AccessDenied(AccessError):
+    """The caller is known but may not act on this object (another principal's region,
+    or a uid the Unix socket does not admit)."""
 
 
 class ConflictError(RefitError):

@@ -17,16 +17,25 @@ import aiohttp
 import msgspec
 
 from refitd import errors
+from refitd.daemon.metrics import PoolStats
 from refitd.daemon.node import PeerRegions, StagedPack
 from refitd.daemon.schemas import (
     MSGPACK,
+    EnsureRequest,
+    EnsureResult,
     ErrorBody,
+    ExpertRef,
+    HostResidencyName,
+    InvalidateRequest,
+    InvalidateResult,
     LeaseGrant,
     LeaseRequest,
     ManifestIn,
     MergedManifest,
     NodeInfo,
     PackSpec,
+    PoolCreate,
+    PoolInfo,
     PullProgress,
     PullRequest,
     PullState,
@@ -47,9 +56,11 @@ _ERRORS: dict[str, type[errors.RefitError]] = {
 }
 _BY_STATUS: dict[int, type[errors.RefitError]] = {
     400: errors.ProtocolError,
+    401: errors.Unauthenticated,
+    403: errors.AccessDenied,
     404: errors.NotFoundError,
     409: errors.ConflictError,
-    413: errors.ProtocolError,
+    413: errors.RequestTooLarge,
     422: errors.PlanError,
     500: errors.RefitError,
     502: errors.TransportError,
@@ -287,6 +298,71 @@ class RefitClient:
         """Submit and wait; returns the result or raises what refused or failed it."""
         started = await self.submit_pull(req)
         return await self.wait_pull(started.pull_id, on_progress=on_progress)
+
+    # ------------------------------------------------------------ expert pools
+
+    async def create_pool(
+        self,
+        name: str,
+        *,
+        layers: int,
+        experts: int,
+        slots: int,
+        row_bytes: list[int],
+        residency: list[HostResidencyName] | None = None,
+        cpu_layers: list[int] | None = None,
+        owner: str = "",
+    ) -> PoolInfo:
+        """Create an expert slot pool; the answer names its host and slot regions and
+        their byte layouts. ``row_bytes`` is one expert's row per bank, in bytes."""
+        spec = PoolCreate(
+            name=name,
+            layers=layers,
+            experts=experts,
+            slots=slots,
+            row_bytes=row_bytes,
+            residency=residency or [],
+            cpu_layers=cpu_layers or [],
+            owner=owner,
+        )
+        return await self._call("POST", "/experts", PoolInfo, spec)
+
+    async def pools(self) -> list[PoolInfo]:
+        return await self._call("GET", "/experts", list[PoolInfo])
+
+    async def pool(self, name: str) -> PoolInfo:
+        return await self._call("GET", f"/experts/{name}", PoolInfo)
+
+    async def pool_stats(self, name: str) -> PoolStats:
+        return await self._call("GET", f"/experts/{name}/stats", PoolStats)
+
+    async def delete_pool(self, name: str) -> PoolInfo:
+        """Delete the pool and both of its regions."""
+        return await self._call("DELETE", f"/experts/{name}", PoolInfo)
+
+    async def ensure(self, name: str, layer: int, routed: list[int]) -> EnsureResult:
+        """Make ``routed`` experts of ``layer`` resident in the pool's slots; a plan
+        the executor refuses raises :class:`PlanError` and leaves the pool consistent."""
+        return await self._call(
+            "POST", f"/experts/{name}/ensure", EnsureResult, EnsureRequest(layer, routed)
+        )
+
+    async def invalidate(
+        self,
+        name: str,
+        experts: list[tuple[int, int]] | None = None,
+        *,
+        layers: list[int] | None = None,
+    ) -> InvalidateResult:
+        """Drop the slots holding ``experts`` (``(layer, expert)`` pairs) or every expert
+        of ``layers``, after their host rows were rewritten."""
+        refs = [ExpertRef(layer, e) for layer, e in experts or []]
+        return await self._call(
+            "POST",
+            f"/experts/{name}/invalidate",
+            InvalidateResult,
+            InvalidateRequest(refs, layers or []),
+        )
 
     # ------------------------------------------------------------ daemon to daemon
 

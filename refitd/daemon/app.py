@@ -38,13 +38,16 @@ from refitd.daemon.schemas import (
     gc_paused,
 )
 from refitd.errors import (
+    AccessError,
     ConfigError,
     ConflictError,
     NotFoundError,
     PlanError,
     ProtocolError,
     RefitError,
+    RequestTooLarge,
     TransportError,
+    Unauthenticated,
 )
 
 __all__ = [
@@ -63,7 +66,10 @@ PULLS: web.AppKey[PullManager] = web.AppKey("pulls", PullManager)
 
 # Most specific first: the first isinstance match wins.
 STATUS_OF: list[tuple[type[RefitError], int]] = [
+    (RequestTooLarge, 413),
     (ProtocolError, 400),
+    (Unauthenticated, 401),
+    (AccessError, 403),
     (NotFoundError, 404),
     (ConflictError, 409),
     (PlanError, 422),
@@ -116,7 +122,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return reply(request, ErrorBody(type(exc).__name__, str(exc)), _status(exc))
     except web.HTTPRequestEntityTooLarge as exc:
         return reply(
-            request, ErrorBody("ProtocolError", f"request body too large: {exc.text}"), 413
+            request, ErrorBody("RequestTooLarge", f"request body too large: {exc.text}"), 413
         )
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type in (MSGPACK, "application/json"):
@@ -198,6 +204,9 @@ async def get_region(request: web.Request) -> web.Response:
 async def delete_region(request: web.Request) -> web.Response:
     rid = _int(request, "region_id")
     check_owner(request, request.app[DAEMON].regions.get(rid).owner, "delete", f"region {rid}")
+    from refitd.daemon.experts import POOLS
+
+    request.app[POOLS].check_deletable(rid)  # an expert pool's region goes with its pool
     return reply(request, await request.app[DAEMON].delete_region(rid))
 
 
@@ -307,6 +316,9 @@ async def submit_pull(request: web.Request) -> web.Response:
     check_pull_writes(request, req)  # auth: a pull writes only into the caller's regions
     job = await request.app[PULLS].submit(req)
     observe_pull(request.app, job, job.path)  # metrics by the path this pull takes
+    from refitd.daemon.experts import note_pull
+
+    note_pull(request.app, req, job)  # expert rows it rewrites leave their slots
     return reply(request, job.snapshot(), 202)
 
 
@@ -421,6 +433,10 @@ def create_app(
     app.cleanup_ctx.append(daemon_ctx)
     app.cleanup_ctx.extend(cleanup_ctx)
     app.add_routes(routes)
+    from refitd.daemon import experts  # imports this module: bound here, not at the top
+
+    app[experts.POOLS] = experts.ExpertPools(d)
+    app.add_routes(experts.routes)
     for fn in setup:
         fn(app)
     return app

@@ -29,7 +29,12 @@ __all__ = [
     "API_PREFIX",
     "MSGPACK",
     "DescriptorTable",
+    "EnsureRequest",
+    "EnsureResult",
     "ErrorBody",
+    "ExpertRef",
+    "InvalidateRequest",
+    "InvalidateResult",
     "LeaseGrant",
     "LeaseRequest",
     "ManifestIn",
@@ -37,6 +42,8 @@ __all__ = [
     "NodeInfo",
     "PackSpec",
     "PeerRecord",
+    "PoolCreate",
+    "PoolInfo",
     "PullProgress",
     "PullRequest",
     "PullState",
@@ -334,3 +341,111 @@ class PeerRecord(msgspec.Struct, frozen=True):
 
 
 Health = Literal["ok"]
+
+
+# ---------------------------------------------------------------- expert pools
+
+PoolName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_.-]{1,64}$")]
+HostResidencyName = Literal["pinned", "locked", "pageable"]
+
+
+class PoolCreate(msgspec.Struct, frozen=True, kw_only=True):
+    """Create an MoE expert slot pool hosted by the daemon.
+
+    ``row_bytes`` is one expert's row per bank (gate, up, down by convention), in
+    bytes. ``residency`` gives each layer's host residency (empty: every layer
+    pinned); a layer that is not pinned must be listed in ``cpu_layers``, since its
+    experts can only be computed on the CPU. ``slots`` must be at least ``experts``.
+    """
+
+    name: PoolName
+    layers: Positive
+    experts: Positive
+    slots: Positive
+    row_bytes: list[Positive]
+    residency: list[HostResidencyName] = []
+    cpu_layers: list[NonNeg] = []
+    owner: str = ""
+
+
+class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A pool and where its bytes live (all offsets and sizes in bytes).
+
+    Host rows, region ``host_region``: bank ``b``'s rows start at
+    ``host_bank_offsets[b]``, layer-major, so row ``(layer, expert)`` of bank ``b``
+    is at ``host_bank_offsets[b] + (layer * experts + expert) * row_bytes[b]``.
+    Slot memory, region ``slot_region``: slot ``s`` of bank ``b`` is at
+    ``slot_bank_offsets[b] + s * row_bytes[b]``. A refit writes new expert rows into
+    the host region (a pull, or the trainer's own mapping followed by ``invalidate``).
+    """
+
+    name: str
+    layers: int
+    experts: int
+    slots: int
+    row_bytes: list[int]
+    residency: list[HostResidencyName]
+    cpu_layers: list[int]
+    host_region: int
+    slot_region: int
+    host_bank_offsets: list[int]
+    slot_bank_offsets: list[int]
+    owner: str = ""
+    occupied_slots: int = 0
+    #: ensure calls applied, and those that moved nothing
+    plans: int = 0
+    warm_plans: int = 0
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    #: bytes copied from host rows into slots since creation
+    copied_bytes: int = 0
+    #: slots dropped because a refit rewrote (or a caller invalidated) their expert
+    stale_invalidations: int = 0
+
+
+class EnsureRequest(msgspec.Struct, frozen=True):
+    """Make ``routed`` experts (layer-local ids, duplicates allowed) of ``layer`` resident."""
+
+    layer: NonNeg
+    routed: list[NonNeg]
+
+
+class EnsureResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Where each routed expert lives now (``slots[i]`` for ``routed[i]``), and what moved.
+
+    ``copied_slots[i]`` received expert ``copied_experts[i]`` of the layer in this
+    call; ``copied_bytes`` is the bytes copied from host rows (0 on a warm step).
+    """
+
+    layer: int
+    slots: list[int]
+    active: int
+    missing: int
+    fetched: int
+    copied_slots: list[int] = []
+    copied_experts: list[int] = []
+    copied_bytes: int = 0
+    warm: bool = False
+
+
+class ExpertRef(msgspec.Struct, frozen=True, array_like=True):
+    """One expert of one layer, both zero-based; on the wire ``[layer, expert]``."""
+
+    layer: NonNeg
+    expert: NonNeg
+
+
+class InvalidateRequest(msgspec.Struct, frozen=True):
+    """Drop the slots holding these experts (a refit rewrote their rows); ``layers``
+    drops every expert of the listed layers. The next ``ensure`` fetches them again."""
+
+    experts: list[ExpertRef] = []
+    layers: list[NonNeg] = []
+
+
+class InvalidateResult(msgspec.Struct, frozen=True):
+    """Slots dropped, and the experts they held."""
+
+    slots: list[int]
+    experts: list[ExpertRef]

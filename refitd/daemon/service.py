@@ -87,6 +87,7 @@ def daemon_operations() -> dict[tuple[str, str], Operation]:
     without an entry here (or an entry for a route that went away) fails CI.
     """
     from refitd.daemon.app import PackRequest
+    from refitd.daemon.experts import pool_operations
     from refitd.daemon.node import PeerRegions, StagedPack
     from refitd.daemon.schemas import (
         LeaseGrant,
@@ -105,7 +106,7 @@ def daemon_operations() -> dict[tuple[str, str], Operation]:
     both = ("application/json", "application/msgpack")
     v = "/v1/sources/{model}/versions/{version}"
     timeout = {"timeout": float}
-    return {
+    return pool_operations() | {
         ("GET", "/v1/health"): Operation("Liveness", response=dict[str, str], tags=("node",)),
         ("GET", "/v1/ready"): Operation(
             "Readiness: the data plane is up", response=dict[str, str], tags=("node",)
@@ -214,7 +215,9 @@ def _snapshot(app: web.Application) -> StateSnapshot:
         leases += info.leases
     running = (PullState.PENDING, PullState.RUNNING)
     in_flight = sum(1 for job in app[PULLS].jobs.values() if job.state in running)
-    pools: list[PoolStats] = []
+    from refitd.daemon.experts import POOLS
+
+    pools: list[PoolStats] = app[POOLS].stats() if POOLS in app else []
     return StateSnapshot(
         regions=regions,
         registered_bytes=registered,

@@ -124,7 +124,12 @@ async def test_every_daemon_route_is_documented_and_every_documented_route_exist
         assert set(daemon_operations()) == set(route_table(app))
         for method, path in sorted(listed):
             url = base + path.format(
-                region_id="999", model="m", version="1", lease_id="nope", pull_id="nope"
+                region_id="999",
+                model="m",
+                version="1",
+                lease_id="nope",
+                pull_id="nope",
+                pool="nope",
             )
             async with s.request(method, url, params={"timeout": "0.01"}) as resp:
                 # Reaching a handler: never the router's 405, and a 404 only as our JSON.

@@ -1,0 +1,538 @@
+"""MoE expert slot pools hosted by the daemon: ``/v1/experts``.
+
+A pool is the daemon-side home of :mod:`refitd.experts`: the planner
+(:class:`~refitd.experts.ExpertCache`) and the executor
+(:class:`~refitd.experts.ExpertSlots`) over two daemon-owned shared-memory regions,
+one holding every expert's host rows and one holding the slots. The regions are
+ordinary regions: a trainer pulls new expert rows into the host region like any
+other refit destination, and an engine maps the slot region by its handle.
+
+Layouts (bytes), banks one after another so each bank's rows stay contiguous:
+
+- host region: bank ``b`` at ``host_bank_offsets[b]``, then ``layers * experts``
+  rows of ``row_bytes[b]``, row ``layer * experts + expert``;
+- slot region: bank ``b`` at ``slot_bank_offsets[b]``, then ``slots`` rows of
+  ``row_bytes[b]``.
+
+Staleness: the cache believes a slot holds an expert until told otherwise, so
+every write into a host region marks the experts whose rows it touches, and their
+slots are dropped before the next operation on the pool. A pull is marked twice —
+when accepted (so no step copies rows while they are being rewritten and keeps
+them) and when it ends (whatever copy a step made meanwhile is dropped too).
+``POST .../invalidate`` does the same for writes the daemon cannot see (a trainer
+writing through its own mapping of the host region).
+
+A plan the executor refuses changes nothing it has not already given up: the
+slots the cache had promised are forgotten, so the cache never names an expert
+for a slot that holds another's bytes, and the refusal is answered as 422.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+from aiohttp import web
+
+from refitd.daemon.app import body, reply
+from refitd.daemon.auth import check_owner, owner_for
+from refitd.daemon.metrics import PoolStats
+from refitd.daemon.node import Daemon
+from refitd.daemon.openapi import Operation
+from refitd.daemon.schemas import (
+    EnsureRequest,
+    EnsureResult,
+    ExpertRef,
+    InvalidateRequest,
+    InvalidateResult,
+    PoolCreate,
+    PoolInfo,
+    PullRequest,
+    RegionCreate,
+    RegionInfo,
+)
+from refitd.errors import ConfigError, ConflictError, NotFoundError, PlanError, ProtocolError
+from refitd.experts import (
+    BankResidency,
+    ExpertCache,
+    ExpertSlots,
+    HostResidency,
+    SlotDevice,
+    SlotFault,
+    SlotGeometry,
+)
+
+__all__ = [
+    "POOLS",
+    "ExpertPool",
+    "ExpertPools",
+    "RegionExpertRows",
+    "RegionSlotMemory",
+    "pool_operations",
+    "routes",
+]
+
+#: A plan copying more than this many bytes runs in a worker thread, so a large
+#: miss does not stall every other request of the daemon.
+THREAD_COPY_BYTES = 1 << 20
+
+
+class RegionExpertRows:
+    """Host expert rows inside one region (see the module's layout); zero-copy views."""
+
+    def __init__(
+        self, view: memoryview, experts: int, layers: int, row_bytes: Sequence[int]
+    ) -> None:
+        self._view = view
+        self._experts, self._layers = experts, layers
+        self._row_bytes = tuple(row_bytes)
+        self.bank_offsets = _bank_offsets(row_bytes, layers * experts)
+
+    def row(self, bank: int, layer: int, row: int) -> memoryview | None:
+        if not (0 <= bank < len(self._row_bytes) and 0 <= layer < self._layers):
+            return None
+        if not 0 <= row < self._experts:
+            return None
+        w = self._row_bytes[bank]
+        at = self.bank_offsets[bank] + (layer * self._experts + row) * w
+        return self._view[at : at + w]
+
+
+class RegionSlotMemory(SlotDevice):
+    """Slot memory inside one shared-memory region: a host-memory device whose copies
+    are memcpys, read back by whoever maps the region."""
+
+    def __init__(self, view: memoryview, slots: int, row_bytes: Sequence[int]) -> None:
+        self._view = view
+        self._row_bytes = tuple(row_bytes)
+        self.bank_offsets = _bank_offsets(row_bytes, slots)
+
+    def _at(self, bank: int, slot: int) -> int:
+        return self.bank_offsets[bank] + slot * self._row_bytes[bank]
+
+    def write_slot(self, bank: int, dst_slot: int, src: bytes | bytearray | memoryview) -> None:
+        at = self._at(bank, dst_slot)
+        self._view[at : at + self._row_bytes[bank]] = src
+
+    def copy_slot(self, bank: int, dst_slot: int, src_slot: int) -> None:
+        w = self._row_bytes[bank]
+        dst, src = self._at(bank, dst_slot), self._at(bank, src_slot)
+        self._view[dst : dst + w] = self._view[src : src + w]
+
+
+def _bank_offsets(row_bytes: Sequence[int], rows: int) -> list[int]:
+    out, at = [], 0
+    for w in row_bytes:
+        out.append(at)
+        at += w * rows
+    return out
+
+
+class ExpertPool:
+    """One hosted pool: planner, executor, its two regions, and rewrites not yet applied.
+
+    Every operation that reads or changes residency runs under ``lock``; writes
+    noted by :meth:`note_rewrite` (from outside the lock) are applied first.
+    """
+
+    def __init__(
+        self, spec: PoolCreate, owner: str, host: RegionInfo, slots: RegionInfo, daemon: Daemon
+    ) -> None:
+        self.spec, self.owner = spec, owner
+        self.host, self.slot_region = host, slots
+        residency = _residency(spec)
+        self.cache = ExpertCache(spec.layers, spec.experts, spec.slots)
+        self.executor = ExpertSlots(
+            SlotGeometry(spec.layers, spec.slots, tuple(spec.row_bytes)), residency
+        )
+        self.rows = RegionExpertRows(
+            daemon.view(host.region_id), spec.experts, spec.layers, spec.row_bytes
+        )
+        self.device = RegionSlotMemory(daemon.view(slots.region_id), spec.slots, spec.row_bytes)
+        self.lock = asyncio.Lock()
+        self.stale = 0
+        self._rewrites: list[np.ndarray] = []
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    # -- rewrites of host rows ------------------------------------------------------
+
+    def note_rewrite(self, ranges: np.ndarray) -> None:
+        """Record host-region writes, ``(n, 2)`` rows of ``(byte offset, nbytes)``;
+        the experts they touch are invalidated before the pool's next operation."""
+        if len(ranges):
+            self._rewrites.append(ranges)
+
+    def _apply_rewrites(self) -> None:
+        while self._rewrites:
+            ranges = self._rewrites.pop()
+            self._invalidate_keys(self._touched_keys(ranges))
+
+    def _touched_keys(self, ranges: np.ndarray) -> np.ndarray:
+        """Global keys ``layer * experts + expert`` whose row in any bank overlaps ``ranges``."""
+        n = self.spec.layers * self.spec.experts
+        lo = ranges[:, 0].astype(np.int64)
+        hi = lo + ranges[:, 1].astype(np.int64)  # exclusive
+        diff = np.zeros(n + 1, dtype=np.int64)
+        for base, w in zip(self.rows.bank_offsets, self.spec.row_bytes, strict=True):
+            end = base + n * w
+            hit = (hi > base) & (lo < end) & (hi > lo)
+            if not hit.any():
+                continue
+            first = (np.maximum(lo[hit], base) - base) // w
+            last = (np.minimum(hi[hit], end) - 1 - base) // w
+            np.add.at(diff, first, 1)
+            np.add.at(diff, last + 1, -1)
+        return np.flatnonzero(np.cumsum(diff[:n]) > 0)
+
+    def _invalidate_keys(self, keys: Iterable[int]) -> InvalidateResult:
+        e = self.spec.experts
+        slots: list[int] = []
+        experts: list[ExpertRef] = []
+        for key in keys:
+            layer, expert = divmod(int(key), e)
+            slot = self.cache.slot_of(layer, expert)
+            if slot is None:
+                continue
+            self.cache.forget_slot(slot)
+            self.executor.invalidate_slot(slot)
+            slots.append(slot)
+            experts.append(ExpertRef(layer, expert))
+        self.stale += len(slots)
+        return InvalidateResult(slots, experts)
+
+    # -- the operations -------------------------------------------------------------
+
+    def invalidate(self, req: InvalidateRequest) -> InvalidateResult:
+        """Drop the named experts' slots; refused whole (nothing dropped) if any id is
+        outside the pool."""
+        L, E = self.spec.layers, self.spec.experts
+        for ref in req.experts:
+            if ref.layer >= L or ref.expert >= E:
+                raise ProtocolError(
+                    f"invalidate refused for pool {self.name!r}: expert {ref.expert} of layer "
+                    f"{ref.layer} is outside its {L} layers of {E} experts; nothing was dropped"
+                )
+        bad = [layer for layer in req.layers if layer >= L]
+        if bad:
+            raise ProtocolError(
+                f"invalidate refused for pool {self.name!r}: layers {bad} are outside its "
+                f"{L} layers; nothing was dropped"
+            )
+        self._apply_rewrites()
+        keys = [r.layer * E + r.expert for r in req.experts]
+        keys += [layer * E + e for layer in req.layers for e in range(E)]
+        return self._invalidate_keys(dict.fromkeys(keys))
+
+    def plan(self, req: EnsureRequest) -> tuple[EnsureResult, int]:
+        """Plan one step with the cache; returns the result (before copying) and the
+        bytes the copy will move."""
+        self._apply_rewrites()
+        if req.layer >= self.spec.layers:
+            raise PlanError(
+                f"ensure refused for pool {self.name!r}: layer {req.layer} is outside its "
+                f"{self.spec.layers} layers"
+            )
+        plan = self.cache.ensure(req.layer, req.routed)
+        copy = plan.copy
+        nbytes = len(copy.dst_slots) * sum(self.spec.row_bytes)
+        result = EnsureResult(
+            layer=req.layer,
+            slots=[s for s in plan.slots if s is not None],
+            active=plan.active,
+            missing=plan.missing,
+            fetched=plan.fetched,
+            copied_slots=list(copy.dst_slots),
+            copied_experts=list(copy.src_rows),
+            copied_bytes=nbytes,
+            warm=not copy.dst_slots,
+        )
+        return result, nbytes
+
+    def execute(self, result: EnsureResult) -> None:
+        """Apply the planned copies into the slot region. On a refusal or a device
+        fault the slots the cache was promised are forgotten before re-raising."""
+        from refitd.experts import CopyPlan
+
+        copy = CopyPlan(tuple(result.copied_slots), tuple(result.copied_experts))
+        try:
+            self.executor.apply_copy_plan(result.layer, copy, self.rows, self.device)
+        except SlotFault:
+            for slot in copy.dst_slots:
+                self.cache.forget_slot(slot)
+                self.executor.invalidate_slot(slot)
+            raise
+
+    def info(self) -> PoolInfo:
+        s, c = self.spec, self.cache.stats()
+        x = self.executor.stats()
+        return PoolInfo(
+            name=s.name,
+            layers=s.layers,
+            experts=s.experts,
+            slots=s.slots,
+            row_bytes=list(s.row_bytes),
+            residency=[r.value for r in self.executor.residency.layers],
+            cpu_layers=sorted(self.executor.residency.cpu_layers),
+            host_region=self.host.region_id,
+            slot_region=self.slot_region.region_id,
+            host_bank_offsets=list(self.rows.bank_offsets),
+            slot_bank_offsets=list(self.device.bank_offsets),
+            owner=self.owner,
+            occupied_slots=self.cache.occupied(),
+            plans=x.plans,
+            warm_plans=x.warm_plans,
+            hits=c.hits,
+            misses=c.misses,
+            evictions=c.evictions,
+            copied_bytes=x.host_bytes + x.device_bytes,
+            stale_invalidations=self.stale,
+        )
+
+    def stats(self) -> PoolStats:
+        return PoolStats.from_pool(
+            self.name,
+            layers=self.spec.layers,
+            slots=self.spec.slots,
+            occupied_slots=self.cache.occupied(),
+            cache=self.cache.stats(),
+            executor=self.executor.stats(),
+            stale_invalidations=self.stale,
+        )
+
+
+def _residency(spec: PoolCreate) -> BankResidency:
+    if not spec.residency:
+        if spec.cpu_layers:
+            return BankResidency.build(
+                [HostResidency.PINNED] * spec.layers, spec.layers, spec.cpu_layers
+            )
+        return BankResidency.all_pinned(spec.layers)
+    return BankResidency.build(
+        [HostResidency(r) for r in spec.residency], spec.layers, spec.cpu_layers
+    )
+
+
+class ExpertPools:
+    """The daemon's pools by name, and which regions they hold."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self._pools: dict[str, ExpertPool] = {}
+
+    def all(self) -> list[ExpertPool]:
+        return list(self._pools.values())
+
+    def get(self, name: str) -> ExpertPool:
+        pool = self._pools.get(name)
+        if pool is None:
+            raise NotFoundError(f"expert pool {name!r} does not exist on this daemon")
+        return pool
+
+    async def create(self, spec: PoolCreate, owner: str) -> ExpertPool:
+        """Check the geometry, then create both regions and the pool; on any refusal
+        nothing is left behind."""
+        if spec.name in self._pools:
+            raise ConflictError(f"expert pool {spec.name!r} refused: a pool of that name exists")
+        if spec.slots < spec.experts:
+            raise PlanError(
+                f"expert pool {spec.name!r} refused: {spec.slots} slots cannot hold one "
+                f"layer's {spec.experts} experts, and one step may route all of them"
+            )
+        try:
+            residency = _residency(spec)
+        except ConfigError as exc:  # InconsistentResidency: a PlanError as well
+            raise PlanError(f"expert pool {spec.name!r} refused: {exc}") from None
+        del residency  # checked here so no region is created for a refused pool
+        expert_bytes = sum(spec.row_bytes)
+        d = self.daemon
+        host = await d.create_region(
+            RegionCreate(
+                expert_bytes * spec.layers * spec.experts, owner=owner, label="experts-host"
+            )
+        )
+        try:
+            slots = await d.create_region(
+                RegionCreate(expert_bytes * spec.slots, owner=owner, label="experts-slots")
+            )
+        except BaseException:
+            await d.delete_region(host.region_id)
+            raise
+        try:
+            pool = ExpertPool(spec, owner, host, slots, d)
+        except BaseException:
+            await d.delete_region(host.region_id)
+            await d.delete_region(slots.region_id)
+            raise
+        # Re-checked: another create of the same name may have finished meanwhile.
+        if spec.name in self._pools:
+            await d.delete_region(host.region_id)
+            await d.delete_region(slots.region_id)
+            raise ConflictError(f"expert pool {spec.name!r} refused: a pool of that name exists")
+        self._pools[spec.name] = pool
+        return pool
+
+    async def delete(self, name: str) -> PoolInfo:
+        pool = self.get(name)
+        async with pool.lock:
+            info = pool.info()
+            self._pools.pop(name, None)
+            for rid in (pool.host.region_id, pool.slot_region.region_id):
+                with contextlib.suppress(NotFoundError):
+                    await self.daemon.delete_region(rid)
+        return info
+
+    def holding(self, region_id: int) -> ExpertPool | None:
+        """The pool whose host or slot region is ``region_id``, if any."""
+        for pool in self._pools.values():
+            if region_id in (pool.host.region_id, pool.slot_region.region_id):
+                return pool
+        return None
+
+    def check_deletable(self, region_id: int) -> None:
+        """Refuse deleting a region a pool holds: the pool would copy from freed memory."""
+        pool = self.holding(region_id)
+        if pool is not None:
+            raise ConflictError(
+                f"region {region_id} refused deletion: expert pool {pool.name!r} holds it; "
+                "delete the pool instead"
+            )
+
+    def note_writes(self, req: PullRequest) -> None:
+        """Mark every pool whose host region ``req`` writes (descriptors and packed
+        blocks); its touched experts are dropped before the pool's next operation."""
+        if not self._pools:
+            return
+        rows = req.descriptors.rows()
+        for pool in self._pools.values():
+            rid = pool.host.region_id
+            mine = rows[rows[:, 2] == rid][:, 3:5]
+            packed = [(p.dst_offset, p.nbytes) for p in req.pack_specs if p.dst_region == rid]
+            if packed:
+                mine = np.concatenate([mine, np.array(packed, dtype=np.int64).reshape(-1, 2)])
+            pool.note_rewrite(mine)
+
+    def stats(self) -> list[PoolStats]:
+        return [pool.stats() for pool in self._pools.values()]
+
+
+POOLS: web.AppKey[ExpertPools] = web.AppKey("expert_pools", ExpertPools)
+
+
+def note_pull(app: web.Application, req: PullRequest, job: object) -> None:
+    """Invalidate experts a pull rewrites: now, and again when the pull ends."""
+    pools = app.get(POOLS)
+    if pools is None:
+        return
+    pools.note_writes(req)
+    task = getattr(job, "task", None)
+    if task is not None:
+        task.add_done_callback(lambda _: pools.note_writes(req))
+
+
+# ---------------------------------------------------------------- routes
+
+routes = web.RouteTableDef()
+P = "/v1/experts"
+
+
+@routes.post(P)
+async def create_pool(request: web.Request) -> web.Response:
+    spec = await body(request, PoolCreate)
+    owner = owner_for(request, spec.owner)
+    pool = await request.app[POOLS].create(spec, owner)
+    return reply(request, pool.info(), 201)
+
+
+@routes.get(P)
+async def list_pools(request: web.Request) -> web.Response:
+    return reply(request, [pool.info() for pool in request.app[POOLS].all()])
+
+
+def _pool(request: web.Request, action: str) -> ExpertPool:
+    pool = request.app[POOLS].get(request.match_info["pool"])
+    check_owner(request, pool.owner, action, f"expert pool {pool.name!r}")
+    return pool
+
+
+@routes.get(P + "/{pool}")
+async def get_pool(request: web.Request) -> web.Response:
+    pool = _pool(request, "read")
+    async with pool.lock:
+        pool._apply_rewrites()
+        return reply(request, pool.info())
+
+
+@routes.get(P + "/{pool}/stats")
+async def pool_stats(request: web.Request) -> web.Response:
+    pool = _pool(request, "read")
+    async with pool.lock:
+        pool._apply_rewrites()
+        return reply(request, pool.stats())
+
+
+@routes.delete(P + "/{pool}")
+async def delete_pool(request: web.Request) -> web.Response:
+    pool = _pool(request, "delete")
+    return reply(request, await request.app[POOLS].delete(pool.name))
+
+
+@routes.post(P + "/{pool}/ensure")
+async def ensure(request: web.Request) -> web.Response:
+    """Plan with the expert cache, copy the misses into the slot region."""
+    req = await body(request, EnsureRequest)
+    pool = _pool(request, "write")
+    async with pool.lock:
+        result, nbytes = pool.plan(req)
+        if nbytes > THREAD_COPY_BYTES:
+            await asyncio.to_thread(pool.execute, result)
+        else:  # a warm step too: the executor checks the layer's route and counts it
+            pool.execute(result)
+    return reply(request, result)
+
+
+@routes.post(P + "/{pool}/invalidate")
+async def invalidate(request: web.Request) -> web.Response:
+    """Drop the slots of experts whose host rows were rewritten."""
+    req = await body(request, InvalidateRequest)
+    pool = _pool(request, "write")
+    async with pool.lock:
+        return reply(request, pool.invalidate(req))
+
+
+def pool_operations() -> dict[tuple[str, str], Operation]:
+    """The body schemas of the pool routes, for the OpenAPI document."""
+    both = ("application/json", "application/msgpack")
+    t = ("experts",)
+    one = P + "/{pool}"
+    return {
+        ("POST", P): Operation(
+            "Create an expert slot pool", PoolCreate, PoolInfo, 201, both, tags=t
+        ),
+        ("GET", P): Operation("List expert pools", response=list[PoolInfo], tags=t),
+        ("GET", one): Operation("One expert pool", response=PoolInfo, tags=t),
+        ("GET", one + "/stats"): Operation(
+            "One pool's counters (as in /metrics)", response=PoolStats, tags=t
+        ),
+        ("DELETE", one): Operation("Delete a pool and its regions", response=PoolInfo, tags=t),
+        ("POST", one + "/ensure"): Operation(
+            "Make routed experts resident; copy misses into slots",
+            EnsureRequest,
+            EnsureResult,
+            200,
+            both,
+            tags=t,
+        ),
+        ("POST", one + "/invalidate"): Operation(
+            "Drop slots of experts whose rows were rewritten",
+            InvalidateRequest,
+            InvalidateResult,
+            200,
+            both,
+            tags=t,
+        ),
+    }

@@ -1,0 +1,269 @@
+"""Expert slot pools hosted by a real daemon on 127.0.0.1:0, driven through RefitClient.
+
+Host rows and slots are real shared-memory regions of the daemon; the tests map them
+by handle (as a trainer or an engine would) to write rows and read slots back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+from ops_helpers import serving
+
+from refitd.client.http import RefitClient
+from refitd.config import load_config
+from refitd.daemon.app import create_app
+from refitd.daemon.auth import check_startup
+from refitd.daemon.node import DaemonOptions
+from refitd.daemon.schemas import (
+    DescriptorTable,
+    ManifestIn,
+    PoolInfo,
+    PullRequest,
+    ShardEntry,
+    TensorEntry,
+)
+from refitd.daemon.sdnotify import Notifier
+from refitd.daemon.service import Service
+from refitd.errors import AccessDenied, ConflictError, NotFoundError, PlanError, ProtocolError
+from transports.shm import SharedSegment
+
+ROW_BYTES = [16, 8, 24]  # three banks of different widths, as gate/up/down differ
+LAYERS, EXPERTS, SLOTS = 2, 4, 6
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[RefitClient]:
+    async with serving(create_app(DaemonOptions(port=0))) as base, RefitClient(base) as c:
+        yield c
+
+
+@contextlib.contextmanager
+def mapped(handle: str, nbytes: int) -> Iterator[np.ndarray]:
+    seg = SharedSegment.attach(handle, nbytes)
+    try:
+        yield seg.numpy()
+    finally:
+        seg.close()
+
+
+class Pool:
+    """A pool's two regions mapped in the test process, addressed by its layout."""
+
+    def __init__(self, info: PoolInfo, host: np.ndarray, slots: np.ndarray) -> None:
+        self.info, self.host, self.slots = info, host, slots
+
+    def host_row(self, bank: int, layer: int, expert: int) -> np.ndarray:
+        w = self.info.row_bytes[bank]
+        at = self.info.host_bank_offsets[bank] + (layer * self.info.experts + expert) * w
+        return self.host[at : at + w]
+
+    def slot(self, bank: int, slot: int) -> np.ndarray:
+        w = self.info.row_bytes[bank]
+        at = self.info.slot_bank_offsets[bank] + slot * w
+        return self.slots[at : at + w]
+
+    def holds(self, slot: int, layer: int, expert: int) -> bool:
+        return all(
+            np.array_equal(self.slot(b, slot), self.host_row(b, layer, expert))
+            for b in range(len(self.info.row_bytes))
+        )
+
+
+@contextlib.asynccontextmanager
+async def pool(c: RefitClient, name: str = "moe", **kw: Any) -> AsyncIterator[Pool]:
+    info = await c.create_pool(
+        name,
+        layers=kw.pop("layers", LAYERS),
+        experts=kw.pop("experts", EXPERTS),
+        slots=kw.pop("slots", SLOTS),
+        row_bytes=ROW_BYTES,
+        **kw,
+    )
+    regions = {r.region_id: r for r in await c.regions()}
+    host, slots = regions[info.host_region], regions[info.slot_region]
+    with mapped(host.handle, host.nbytes) as h, mapped(slots.handle, slots.nbytes) as s:
+        # Every row of every bank distinct, so a slot's bytes name its expert.
+        h[:] = np.random.default_rng(7).integers(0, 256, h.size, dtype=np.uint8)
+        yield Pool(info, h, s)
+
+
+async def test_a_pool_lays_out_host_rows_and_slots_in_two_daemon_regions(
+    client: RefitClient,
+) -> None:
+    async with pool(client) as p:
+        regions = {r.region_id: r for r in await client.regions()}
+        assert regions[p.info.host_region].nbytes == sum(ROW_BYTES) * LAYERS * EXPERTS
+        assert regions[p.info.slot_region].nbytes == sum(ROW_BYTES) * SLOTS
+        assert p.info.host_bank_offsets == [0, 16 * 8, 24 * 8]
+        assert p.info.slot_bank_offsets == [0, 16 * 6, 24 * 6]
+        assert p.info.residency == ["pinned", "pinned"]
+        assert [q.name for q in await client.pools()] == ["moe"]
+
+
+async def test_ensure_copies_the_routed_experts_rows_bit_exact_into_the_slots_it_names(
+    client: RefitClient,
+) -> None:
+    async with pool(client) as p:
+        r = await client.ensure("moe", 1, [2, 0, 2])
+        assert r.active == 2 and r.missing == 2 and r.fetched == 2
+        assert r.slots[0] == r.slots[2] and len(set(r.slots)) == 2
+        assert r.copied_bytes == 2 * sum(ROW_BYTES)
+        for slot, expert in zip(r.slots, [2, 0, 2], strict=True):
+            assert p.holds(slot, 1, expert)
+        assert sorted(zip(r.copied_experts, r.copied_slots, strict=True)) == sorted(
+            {(2, r.slots[0]), (0, r.slots[1])}
+        )
+
+
+async def test_a_warm_step_moves_zero_bytes_and_answers_the_same_slots(
+    client: RefitClient,
+) -> None:
+    async with pool(client) as p:
+        cold = await client.ensure("moe", 0, [1, 3])
+        warm = await client.ensure("moe", 0, [3, 1])
+        assert warm.warm and warm.copied_bytes == 0 and warm.fetched == 0
+        assert warm.slots == cold.slots[::-1]
+        assert p.holds(warm.slots[0], 0, 3) and p.holds(warm.slots[1], 0, 1)
+        info = await client.pool("moe")
+        assert (info.plans, info.warm_plans, info.hits, info.misses) == (2, 1, 2, 2)
+        assert info.copied_bytes == 2 * sum(ROW_BYTES)
+        stats = await client.pool_stats("moe")
+        assert stats.occupied_slots == 2 and stats.copied_bytes == info.copied_bytes
+
+
+async def test_invalidating_a_rewritten_expert_makes_the_next_step_fetch_its_new_rows(
+    client: RefitClient,
+) -> None:
+    async with pool(client) as p:
+        first = await client.ensure("moe", 0, [1, 2])
+        for b in range(3):  # a refit rewrites expert 1's rows behind the pool's back
+            p.host_row(b, 0, 1)[:] = 0xAB
+        stale = await client.ensure("moe", 0, [1, 2])
+        assert stale.warm and not p.holds(stale.slots[0], 0, 1)  # why invalidate exists
+        dropped = await client.invalidate("moe", [(0, 1), (1, 3)])
+        assert dropped.slots == [first.slots[0]]  # expert (1, 3) held no slot
+        assert [(e.layer, e.expert) for e in dropped.experts] == [(0, 1)]
+        again = await client.ensure("moe", 0, [1, 2])
+        assert again.fetched == 1 and again.copied_experts == [1]
+        assert again.copied_bytes == sum(ROW_BYTES)
+        assert p.holds(again.slots[0], 0, 1) and p.holds(again.slots[1], 0, 2)
+        assert (await client.pool("moe")).stale_invalidations == 1
+
+
+async def test_a_pull_into_the_host_rows_invalidates_exactly_the_experts_it_rewrites(
+    client: RefitClient,
+) -> None:
+    async with pool(client) as p:
+        before = await client.ensure("moe", 1, [0, 1, 3])
+        # The trainer publishes new rows for bank 2 of expert (1, 3) and the pool's
+        # owner pulls them into the host region, as a refit does.
+        src = await client.create_region(64, label="trainer")
+        regions = {r.region_id: r for r in await client.regions()}
+        with mapped(regions[src.region_id].handle, 64) as s:
+            s[:] = 0x5A
+        shard = ShardEntry((0,), (64,), src.region_id, 0)
+        await client.publish(ManifestIn("m", 1, 0, 1, [TensorEntry("w", (64,), "uint8", [shard])]))
+        lease = await client.acquire_lease("m", 1)
+        at = p.info.host_bank_offsets[2] + (1 * EXPERTS + 3) * ROW_BYTES[2]
+        rows = np.array([[src.region_id, 0, p.info.host_region, at, 24]], dtype=np.int64)
+        await client.pull(PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows)))
+        assert (p.host_row(2, 1, 3) == 0x5A).all()
+        after = await client.ensure("moe", 1, [0, 1, 3])
+        assert after.copied_experts == [3]  # experts 0 and 1 stayed warm
+        assert after.slots[:2] == before.slots[:2]
+        assert all(p.holds(s, 1, e) for s, e in zip(after.slots, [0, 1, 3], strict=True))
+
+
+async def test_a_plan_the_executor_refuses_answers_422_naming_it_and_leaves_the_pool_consistent(
+    client: RefitClient,
+) -> None:
+    # Layer 1's rows are pageable (a CPU layer): the executor refuses any per-slot copy.
+    async with pool(client, slots=4, residency=["pinned", "pageable"], cpu_layers=[1]) as p:
+        full = await client.ensure("moe", 0, [0, 1, 2, 3])
+        assert full.fetched == 4
+        with pytest.raises(PlanError, match="layer 1 has pageable host rows") as refused:
+            # The cache had to evict two of layer 0's experts to plan this.
+            await client.ensure("moe", 1, [0, 1])
+        assert "whole-layer copy" in str(refused.value)
+        info = await client.pool("moe")
+        assert info.occupied_slots == 2  # the promised slots were given up, not kept
+        # Every slot the pool still names holds its expert's bytes; the rest refetch.
+        again = await client.ensure("moe", 0, [0, 1, 2, 3])
+        assert again.fetched == 2 and again.copied_bytes == 2 * sum(ROW_BYTES)
+        assert all(p.holds(s, 0, e) for s, e in zip(again.slots, range(4), strict=True))
+        # A warm step on the CPU layer is refused too: the route is checked every time.
+        with pytest.raises(PlanError, match="pageable"):
+            await client.ensure("moe", 1, [])
+
+
+async def test_pool_requests_that_cannot_be_served_are_refused_by_name(
+    client: RefitClient,
+) -> None:
+    with pytest.raises(PlanError, match="3 slots cannot hold one layer's 4 experts"):
+        await client.create_pool("small", layers=1, experts=4, slots=3, row_bytes=[8])
+    with pytest.raises(PlanError, match=r"layers \[1\] are not pinned yet not CPU layers"):
+        await client.create_pool(
+            "bad", layers=2, experts=2, slots=2, row_bytes=[8], residency=["pinned", "locked"]
+        )
+    assert await client.regions() == []  # a refused pool leaves no region behind
+    async with pool(client) as p:
+        with pytest.raises(ConflictError, match="a pool of that name exists"):
+            await client.create_pool("moe", layers=1, experts=1, slots=1, row_bytes=[8])
+        with pytest.raises(ConflictError, match="expert pool 'moe' holds it"):
+            await client.delete_region(p.info.host_region)
+        with pytest.raises(PlanError, match=r"outside 0\.\.3"):
+            await client.ensure("moe", 0, [4])
+        with pytest.raises(PlanError, match="layer 2 is outside"):
+            await client.ensure("moe", 2, [0])
+        with pytest.raises(ProtocolError, match="nothing was dropped"):
+            await client.invalidate("moe", [(0, 0), (0, 9)])
+        with pytest.raises(NotFoundError, match="expert pool 'nope'"):
+            await client.ensure("nope", 0, [0])
+    deleted = await client.delete_pool("moe")
+    assert deleted.name == "moe"
+    assert await client.pools() == [] and await client.regions() == []
+
+
+def wired_app(**server: Any) -> Any:
+    config = load_config(env={}, overrides={f"server.{k}": v for k, v in server.items()})
+    service = Service(config, check_startup(config.server), Notifier({}))
+    return create_app(DaemonOptions(port=0), setup=[service.setup])
+
+
+async def test_pool_gauges_appear_in_metrics_fed_from_the_pool() -> None:
+    async with serving(wired_app()) as base, RefitClient(base) as c, pool(c):
+        await c.ensure("moe", 0, [0, 1])
+        await c.ensure("moe", 0, [0, 1])
+        await c.invalidate("moe", layers=[0])
+        async with aiohttp.ClientSession() as s, s.get(f"{base}/metrics") as resp:
+            text = await resp.text()
+    assert 'refitd_expert_pool_slots{pool="moe"} 6.0' in text
+    assert 'refitd_expert_pool_hits_total{pool="moe"} 2.0' in text
+    assert 'refitd_expert_pool_misses_total{pool="moe"} 2.0' in text
+    assert f'refitd_expert_pool_copied_bytes_total{{pool="moe"}} {2.0 * sum(ROW_BYTES)}' in text
+    assert 'refitd_expert_pool_stale_invalidations_total{pool="moe"} 2.0' in text
+    assert 'refitd_expert_pool_occupied_slots{pool="moe"} 0.0' in text
+
+
+async def test_a_token_holder_may_not_drive_another_principals_pool(tmp_path: Any) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("engine e-secret\nother o-secret\n")
+    tokens.chmod(0o600)
+    async with (
+        serving(wired_app(token_file=str(tokens))) as base,
+        RefitClient(base, token="e-secret") as engine,
+        RefitClient(base, token="o-secret") as other,
+    ):
+        info = await engine.create_pool("moe", layers=1, experts=2, slots=2, row_bytes=[8])
+        assert info.owner == "engine"
+        with pytest.raises(AccessDenied, match="other may not write expert pool 'moe'"):
+            await other.ensure("moe", 0, [0])
+        with pytest.raises(AccessDenied, match="other may not delete expert pool 'moe'"):
+            await other.delete_pool("moe")
+        assert (await engine.ensure("moe", 0, [0, 1])).fetched == 2
