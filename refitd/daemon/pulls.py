@@ -193,6 +193,8 @@ class PullManager:
         self._seq = itertools.count(1)
         self._peers: dict[tuple[str, int], object] = {}
         self._mapped: dict[tuple[str, int, int], SharedSegment] = {}
+        # (st_dev, st_ino) each kept mapping was verified against
+        self._verified: dict[tuple[str, int, int], tuple[int, ...]] = {}
 
     def source_for(self, url: str) -> Source:
         return LocalSource(self.d) if not url else self._connect(url)
@@ -424,7 +426,9 @@ class PullManager:
         key = (peer.node_id, peer.epoch, rec.region_id)
         want = peer.files.get(rec.region_id)
         seg = self._mapped.pop(key, None)
-        if seg is not None and (seg.name != rec.handle or seg.size != rec.nbytes):
+        if seg is not None and (
+            seg.name != rec.handle or seg.size != rec.nbytes or self._verified.get(key) != want
+        ):
             seg.close()
             seg = None
         if seg is None:
@@ -437,10 +441,12 @@ class PullManager:
             except BaseException:
                 seg.close()
                 raise
+            self._verified[key] = tuple(want)
         self._mapped[key] = seg  # most recently used last
         while len(self._mapped) > PEER_MAPPINGS:
             oldest = next(iter(self._mapped))
             self._mapped.pop(oldest).close()
+            self._verified.pop(oldest, None)
         return seg
 
     async def _get_transport(self, job: PullJob, rows: np.ndarray, peer: PeerRegions) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from refitd.client.http import RefitClient
+from refitd.daemon.app import PULLS
 from refitd.daemon.copier import Progress, ThreadCopier
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.schemas import (
@@ -335,6 +336,25 @@ async def test_a_cancelled_pull_reports_cancelled(gated: Env) -> None:
     await gated.copier.entered.wait()
     res = await c.cancel_pull(started.pull_id)
     assert res.state is PullState.CANCELLED
+    assert res.error is not None and res.error.detail.endswith("cancelled by request")
+    assert not dseg.numpy().any()
+
+
+async def test_a_pull_cut_off_by_shutdown_says_the_daemon_is_shutting_down() -> None:
+    copier = GatedCopier()
+    d = Daemon(DaemonOptions(port=0, transport="shm", grace_s=0), copier=copier)
+    async with listening(d.options, daemon=d) as (app, url), RefitClient(url) as c:
+        src, _ = await publish_toy(c)
+        dst, dseg = await dest_region(c, 64)
+        lease = await c.acquire_lease("toy", 1)
+        rows = table([[src, 0, dst, 0, 64]])
+        started = await c.submit_pull(PullRequest("toy", 1, lease.lease_id, rows))
+        await copier.entered.wait()
+        pulls = app[PULLS]
+    # The daemon stopped with the copy still held: the grace (0 s) ran out.
+    res = pulls.get(started.pull_id).snapshot()
+    assert res.state is PullState.CANCELLED
+    assert res.error is not None and "daemon shutting down" in res.error.detail
     assert not dseg.numpy().any()
 
 

@@ -1,0 +1,171 @@
+"""Which path a pull takes: shared memory for a peer proven on this host, UCX otherwise.
+
+Real daemons in this process (real HTTP on 127.0.0.1, real shared memory, real UCX
+data planes). A daemon given another ``boot_id`` stands for a daemon on another
+host: the one thing two daemons on one machine cannot otherwise be made to show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import msgspec
+import numpy as np
+import pytest
+
+from refitd.client.http import RefitClient
+from refitd.config import load_config
+from refitd.daemon.app import PULLS
+from refitd.daemon.auth import check_startup
+from refitd.daemon.node import Daemon, DaemonOptions, PeerRegions
+from refitd.daemon.pulls import PullManager
+from refitd.daemon.schemas import (
+    DescriptorTable,
+    ManifestIn,
+    PullRequest,
+    PullState,
+    ShardEntry,
+    TensorEntry,
+)
+from refitd.daemon.sdnotify import Notifier
+from refitd.daemon.serve import listening
+from refitd.daemon.service import Service
+from refitd.errors import TransportError
+from transports.shm import SharedSegment
+
+pytestmark = pytest.mark.timeout(90)
+
+SECRET = b"p" * 32
+NBYTES = 4096
+
+
+@dataclass
+class Node:
+    daemon: Daemon
+    client: RefitClient
+    url: str
+    pulls: PullManager
+
+
+@contextlib.asynccontextmanager
+async def node(name: str, metrics: bool = False, **options: object) -> AsyncIterator[Node]:
+    d = Daemon(DaemonOptions(port=0, node_id=name, secret=SECRET, **options))  # type: ignore[arg-type]
+    setup = []
+    if metrics:
+        config = load_config(env={}, overrides={})
+        setup.append(Service(config, check_startup(config.server), Notifier({})).setup)
+    async with listening(d.options, daemon=d, setup=setup) as (app, url), RefitClient(url) as c:
+        yield Node(d, c, url, app[PULLS])
+
+
+async def publish(src: Node, fill: int) -> tuple[int, SharedSegment]:
+    """Model 'm' v1: one uint8 tensor of NBYTES bytes, every byte ``fill``."""
+    info = await src.client.create_region(NBYTES, label="w")
+    seg = SharedSegment.attach(info.handle, info.nbytes)
+    seg.numpy()[:] = fill
+    shard = ShardEntry((0,), (NBYTES,), info.region_id, 0)
+    await src.client.publish(
+        ManifestIn("m", 1, 0, 1, [TensorEntry("w", (NBYTES,), "uint8", [shard])])
+    )
+    return info.region_id, seg
+
+
+async def pull_all(src: Node, dst: Node, region: int) -> tuple[PullRequest, SharedSegment, int]:
+    """A request for every byte of ``region`` at ``src`` into a new segment at ``dst``."""
+    seg = SharedSegment.create(NBYTES, "dst")
+    info = await dst.client.attach_region(seg.name, NBYTES)
+    lease = await src.client.acquire_lease("m", 1)
+    rows = np.array([[region, 0, info.region_id, 0, NBYTES]], dtype=np.int64)
+    req = PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows), [], src.url)
+    return req, seg, info.region_id
+
+
+async def test_auto_is_the_default_mode_and_starts_ucx_before_ready() -> None:
+    assert DaemonOptions().transport == "auto"
+    assert load_config(env={}, overrides={}).data_plane.transport == "auto"
+    async with node("solo") as n:
+        assert (await n.client.ready())["transport"] == "auto"
+        assert (await n.client.node()).worker_info["scheme"] == "ucx"
+
+
+async def test_in_auto_mode_each_peer_gets_its_own_path_and_metrics_count_bytes_by_it() -> None:
+    async with (
+        node("near") as near,
+        node("far", boot_id="another-host") as far,
+        node("engine", metrics=True) as engine,
+    ):
+        r_near, _ = await publish(near, 7)
+        r_far, _ = await publish(far, 9)
+        got = {}
+        for src, region, fill in ((near, r_near, 7), (far, r_far, 9)):
+            req, seg, _ = await pull_all(src, engine, region)
+            with seg:
+                res = await engine.client.pull(req)
+                assert res.state is PullState.DONE and res.bytes_done == NBYTES
+                assert (seg.numpy() == fill).all()
+            got[src.daemon.node_id] = res.path
+        assert got == {"near": "shm", "far": "ucx"}
+        listed = {p.path for p in await engine.client.pulls()}
+        assert listed == {"shm", "ucx"}
+        async with aiohttp.ClientSession() as s, s.get(f"{engine.url}/metrics") as resp:
+            text = await resp.text()
+        assert f'refitd_pulled_bytes_total{{transport="shm"}} {float(NBYTES)}' in text
+        assert f'refitd_pulled_bytes_total{{transport="ucx"}} {float(NBYTES)}' in text
+
+
+async def test_forced_ucx_reads_even_a_peer_on_this_host_over_ucx() -> None:
+    async with node("src") as src, node("engine", transport="ucx") as engine:
+        region, _ = await publish(src, 3)
+        req, seg, _ = await pull_all(src, engine, region)
+        with seg:
+            res = await engine.client.pull(req)
+            assert res.path == "ucx" and (seg.numpy() == 3).all()
+
+
+async def test_forced_shm_runs_no_ucx_and_reads_a_peer_on_this_host_through_its_segments() -> None:
+    async with node("src", transport="shm") as src, node("engine", transport="shm") as engine:
+        assert (await engine.client.node()).worker_info == {}
+        region, _ = await publish(src, 5)
+        req, seg, _ = await pull_all(src, engine, region)
+        with seg:
+            res = await engine.client.pull(req)
+            assert res.path == "shm" and (seg.numpy() == 5).all()
+
+
+async def test_forced_shm_refuses_a_peer_on_another_host_before_any_byte_moves() -> None:
+    async with (
+        node("far", boot_id="another-host") as far,
+        node("engine", transport="shm") as engine,
+    ):
+        region, _ = await publish(far, 1)
+        req, seg, _ = await pull_all(far, engine, region)
+        with seg:
+            with pytest.raises(TransportError, match=r"--transport shm.*boot id differs"):
+                await engine.client.submit_pull(req)
+            assert not seg.numpy().any()
+            assert await engine.client.pulls() == []
+
+
+async def test_a_same_host_record_is_trusted_only_for_the_very_file_and_size_it_signs() -> None:
+    async with node("src") as src, node("engine") as engine:
+        region, _ = await publish(src, 2)
+        rec = await src.client.peer_regions([region])
+        rec.verify(SECRET)
+        assert engine.pulls.shm_refusal(rec) is None
+        # A segment of that name that is another file (another /dev/shm, say).
+        dev, ino = rec.files[region]
+        other = msgspec.structs.replace(rec, files={region: (dev, ino + 1)})
+        assert "another file" in str(engine.pulls.shm_refusal(other))
+        # A record stating another size than the segment's.
+        shrunk = msgspec.structs.replace(rec.regions[0], nbytes=NBYTES // 2)
+        assert "expected 2048" in str(
+            engine.pulls.shm_refusal(msgspec.structs.replace(rec, regions=[shrunk]))
+        )
+        # A record with no file identity at all is not trusted either.
+        bare = PeerRegions(
+            rec.node_id, rec.epoch, rec.transport, rec.regions, rec.advert, rec.boot_id
+        )
+        assert "names no file" in str(engine.pulls.shm_refusal(bare))
