@@ -1,13 +1,22 @@
 """refitd's Python client: the async :class:`RefitClient` (one method per API v1
-endpoint), :class:`SyncRefitClient`, the trainer's :class:`Publisher` and the
-engine's :class:`DaemonReceiver`. Refusals raise the same
-:mod:`refitd.errors` classes the daemon raised."""
+endpoint), :class:`SyncRefitClient`, the trainer's :class:`Publisher`, the engine's
+:class:`DaemonReceiver`, and :class:`LeaseKeeper` (renews a lease while a long
+operation runs). Refusals raise the same :mod:`refitd.errors` classes the daemon
+raised."""
 
 from __future__ import annotations
 
 from refitd.client.http import RefitClient
+from refitd.client.leases import LeaseKeeper
 from refitd.client.publisher import Publisher
 from refitd.client.receiver import DaemonReceiver, RefitStats
 from refitd.client.sync import SyncRefitClient
 
-__all__ = ["DaemonReceiver", "Publisher", "RefitClient", "RefitStats", "SyncRefitClient"]
+__all__ = [
+    "DaemonReceiver",
+    "LeaseKeeper",
+    "Publisher",
+    "RefitClient",
+    "RefitStats",
+    "SyncRefitClient",
+]

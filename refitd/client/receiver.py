@@ -2,7 +2,9 @@
 
 :class:`DaemonReceiver` wires :mod:`refitd.reshard` to the daemons:
 
-1. lease the version at the source daemon and fetch its merged manifest;
+1. lease the version at the source daemon (renewed in the background at a third
+   of its TTL until the refit ends, see :class:`~refitd.client.leases.LeaseKeeper`)
+   and fetch its merged manifest;
 2. if the manifest's structure and region placement match the last refit, replay
    the compiled pull (no capture, no planning); otherwise capture the engine's own
    loaders on a meta twin, plan, and compile the plan to region-relative rows;
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 
 from refitd.client.http import RefitClient
+from refitd.client.leases import LeaseKeeper
 from refitd.client.publisher import ALIGN, torch_dtype
 from refitd.daemon.schemas import (
     DescriptorTable,
@@ -134,6 +137,7 @@ class DaemonReceiver:
         self._scratch_seg: SharedSegment | None = None
         self._scratch_region: RegionInfo | None = None
         self.plans = 0
+        self.lease_keeper: LeaseKeeper | None = None  # while a refit holds its lease
 
     # ------------------------------------------------------------ memory
 
@@ -337,56 +341,75 @@ class DaemonReceiver:
         lease = await self.source.acquire_lease(
             self.model, version, self.lease_ttl_s, holder="receiver"
         )
+        # Renewed in the background for as long as the refit runs, so a long pull of
+        # a healthy version outlives the TTL; a lease that lapses anyway stays lapsed.
+        keeper = self.lease_keeper = LeaseKeeper(self.source, lease, self.lease_ttl_s)
         try:
-            m = await self.source.manifest(self.model, version)
-            t1 = time.perf_counter()
-            sig = self.signature(m, self._engine_layout())
-            replayed = self._compiled is not None and self._compiled.signature == sig
-            if not replayed:
-                # Not the exact placement of last time: rebind the compiled plan if
-                # only addresses moved (no planning), else re-plan (or refuse: strict).
-                from refitd.reshard.compile import SignatureMismatch
-
-                sources = self.sources_of(m)
-                plan = self._plan_cache
-                why = "no plan yet" if plan is None else plan.mismatch(sources)
-                if why is not None:
-                    if self.strict and plan is not None:
-                        raise ConflictError(
-                            f"{self.model!r} v{version}: {why}; strict mode forbids re-planning "
-                            "(warm the exact signature first)"
-                        )
-                    plan = self._plan_cache = self._plan(m, sources)
-                try:
-                    bound = plan.bind(sources, self._param_addr)
-                except SignatureMismatch as exc:
-                    raise ConflictError(f"{self.model!r} v{version}: {exc}") from exc
-                self._compiled = await self._lower(bound, plan, sig)
-            comp = self._compiled
-            assert comp is not None
-            t2 = time.perf_counter()
-            req = PullRequest(
-                self.model,
-                version,
-                lease.lease_id,
-                DescriptorTable.pack(comp.rows),
-                comp.packs,
-                self.source.base_url if self.source.base_url != self.local.base_url else "",
-            )
-            try:
-                result = await self.local.pull(req, on_progress=on_progress)
-            except RefitError as exc:
-                named = self._name_suspects(exc)
-                if named is exc:
-                    raise
-                raise named from exc
-            t3 = time.perf_counter()
-            self._install(comp)
-            t4 = time.perf_counter()
+            async with keeper:
+                return await self._refit_leased(version, lease.lease_id, t0, on_progress)
+        except RefitError as exc:
+            if keeper.error is not None:
+                exc.add_note(f"renewing lease {lease.lease_id!r} was refused: {keeper.error}")
+            raise
         finally:
+            self.lease_keeper = None
             # A source daemon already gone took the lease with it.
             with contextlib.suppress(TransportError):
                 await self.source.release_lease(lease.lease_id)
+
+    async def _refit_leased(
+        self,
+        version: int,
+        lease_id: str,
+        t0: float,
+        on_progress: Callable[[PullProgress], None] | None,
+    ) -> RefitStats:
+        """The refit of ``version`` under the live lease ``lease_id``."""
+        m = await self.source.manifest(self.model, version)
+        t1 = time.perf_counter()
+        sig = self.signature(m, self._engine_layout())
+        replayed = self._compiled is not None and self._compiled.signature == sig
+        if not replayed:
+            # Not the exact placement of last time: rebind the compiled plan if
+            # only addresses moved (no planning), else re-plan (or refuse: strict).
+            from refitd.reshard.compile import SignatureMismatch
+
+            sources = self.sources_of(m)
+            plan = self._plan_cache
+            why = "no plan yet" if plan is None else plan.mismatch(sources)
+            if why is not None:
+                if self.strict and plan is not None:
+                    raise ConflictError(
+                        f"{self.model!r} v{version}: {why}; strict mode forbids re-planning "
+                        "(warm the exact signature first)"
+                    )
+                plan = self._plan_cache = self._plan(m, sources)
+            try:
+                bound = plan.bind(sources, self._param_addr)
+            except SignatureMismatch as exc:
+                raise ConflictError(f"{self.model!r} v{version}: {exc}") from exc
+            self._compiled = await self._lower(bound, plan, sig)
+        comp = self._compiled
+        assert comp is not None
+        t2 = time.perf_counter()
+        req = PullRequest(
+            self.model,
+            version,
+            lease_id,
+            DescriptorTable.pack(comp.rows),
+            comp.packs,
+            self.source.base_url if self.source.base_url != self.local.base_url else "",
+        )
+        try:
+            result = await self.local.pull(req, on_progress=on_progress)
+        except RefitError as exc:
+            named = self._name_suspects(exc)
+            if named is exc:
+                raise
+            raise named from exc
+        t3 = time.perf_counter()
+        self._install(comp)
+        t4 = time.perf_counter()
         return RefitStats(
             version,
             replayed,

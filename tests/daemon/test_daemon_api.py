@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from refitd.client.http import RefitClient
+from refitd.client.leases import LeaseKeeper
 from refitd.daemon.app import PULLS
 from refitd.daemon.copier import Progress, ThreadCopier
 from refitd.daemon.node import Daemon, DaemonOptions
@@ -377,3 +378,34 @@ async def test_a_publisher_drain_retires_the_version_so_no_reader_can_lease_it_m
     assert (await env.client.check_lease(held.lease_id, "toy", 1)).lease_id == held.lease_id
     await env.client.release_lease(held.lease_id)
     assert (await env.client.wait_drain("toy", 1, timeout_s=0)).leases == 0
+
+
+async def test_a_kept_lease_that_lapses_anyway_is_not_revived_and_the_pull_fails_closed(
+    gated: Env,
+) -> None:
+    c = gated.client
+    src, _ = await publish_toy(c)
+    dst, _ = await dest_region(c, 64)
+    lease = await c.acquire_lease("toy", 1, ttl_s=10)
+    async with LeaseKeeper(c, lease, every_s=0.01) as keeper:
+        started = await c.submit_pull(
+            PullRequest("toy", 1, lease.lease_id, table([[src, 0, dst, 0, 64]]))
+        )
+        assert gated.copier is not None
+        await gated.copier.entered.wait()
+        await keeper.wait(1)
+        assert keeper.renewals >= 1 and not keeper.stopped
+        gated.clock.now += 11  # past the last renewal's end, before the next tick
+        await keeper.wait(10**9)  # returns once renewing stopped
+        assert isinstance(keeper.error, ConflictError) and "expired" in str(keeper.error)
+        gated.copier.gate.set()
+        with pytest.raises(ConflictError, match="expired") as info:
+            await c.wait_pull(started.pull_id)
+    assert info.value.progress.suspect == [(dst, 0, 64)]  # type: ignore[attr-defined]
+
+
+async def test_a_lease_keeper_that_could_not_keep_its_lease_alive_is_refused(env: Env) -> None:
+    await publish_toy(env.client)
+    lease = await env.client.acquire_lease("toy", 1, ttl_s=5)
+    with pytest.raises(ProtocolError, match=r"every 5\.0s would not keep a 5\.0s lease"):
+        LeaseKeeper(env.client, lease, every_s=5.0)

@@ -171,3 +171,49 @@ async def test_one_daemon_can_serve_both_the_trainer_and_the_engine() -> None:
         await r.close()
         for p in pubs:
             await p.close()
+
+
+async def test_a_refit_held_past_its_lease_ttl_renews_the_lease_and_succeeds() -> None:
+    gated = GatedCopier()
+    a = Daemon(DaemonOptions(port=0, node_id="a", secret=SECRET, transport="shm"))
+    b = Daemon(DaemonOptions(port=0, node_id="b", secret=SECRET, transport="shm"), copier=gated)
+    async with (
+        listening(a.options, daemon=a) as (_, url_a),
+        listening(b.options, daemon=b) as (_, url_b),
+        RefitClient(url_a) as ca,
+        RefitClient(url_b) as cb,
+    ):
+        cfg = dense_toy_config()
+        state = full_state(cfg)
+        published = fsdp_dim0(cfg, 2, state)
+        pubs = await publish_layout(ca, "m", published, 1)
+        par = EngineParallel(2, 0)
+        engine = ToyEngine(cfg, par)
+        ttl = 1.5  # real seconds: the daemons run on the real clock here
+        r = DaemonReceiver(
+            local=cb,
+            source=ca,
+            model="m",
+            engine=engine,
+            twin=lambda: ToyEngine(cfg, par),
+            capture=capture_for(published),
+            lease_ttl_s=ttl,
+        )
+        refit = asyncio.create_task(r.refit())
+        await gated.entered.wait()
+        keeper = r.lease_keeper
+        assert keeper is not None
+        # Four renewals, a third of the TTL apart: the pull is held past the TTL.
+        await keeper.wait(4)
+        assert keeper.renewals >= 4 and keeper.every_s * 4 > ttl and not keeper.stopped
+        gated.gate.set()
+        stats = await refit
+        assert stats.pull.state is PullState.DONE
+        truth = ToyEngine(cfg, par)
+        truth.load_weights(state.items())
+        want = dict(truth.named_parameters())
+        assert all(torch.equal(p, want[n]) for n, p in engine.named_parameters())
+        assert r.lease_keeper is None and (await ca.version("m", 1)).leases == 0
+        await r.close()
+        for p in pubs:
+            await p.close()
