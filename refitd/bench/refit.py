@@ -228,6 +228,7 @@ class VersionResult:
     control_s: float
     replayed: bool
     verified: bool
+    paths: tuple[str, ...] = ()  # data paths the pulls took ("shm", "ucx")
 
 
 @dataclass
@@ -237,7 +238,12 @@ class FlowResult:
     versions: list[VersionResult] = field(default_factory=list)
     memcpy_gbps: float = 0.0
     manifest_100k_s: float = float("nan")
-    transport: str = ""
+    transport: str = ""  # the daemons' data-plane mode, as asked for
+
+    @property
+    def paths(self) -> str:
+        """The paths every pull actually took, e.g. ``shm`` or ``ucx`` (``+``-joined)."""
+        return "+".join(sorted({p for v in self.versions for p in v.paths})) or "none"
 
 
 def memcpy_gbps(nbytes: int, chunk: int = 256 << 20) -> float:
@@ -372,6 +378,7 @@ async def refit_flow(
                         f"version {v}: {vr.bytes / 2**30:.2f} GiB in {vr.seconds:.3f} s = "
                         f"{vr.bytes / vr.seconds / 1e9:.2f} GB/s, control plane {vr.control_s * 1e3:.1f} ms, "
                         f"{'replayed' if vr.replayed else 'planned'}, "
+                        f"path {'+'.join(vr.paths)}, "
                         f"{'verified bit-exact' if vr.verified else 'MISMATCH'}"
                     )
                 if measure_manifest:
@@ -431,6 +438,7 @@ async def _refit_version(
         max(s.manifest_s + s.plan_s for s in stats),
         all(s.replayed for s in stats),
         False,
+        tuple(sorted({s.pull.path for s in stats})),
     )
 
 
@@ -457,8 +465,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--versions", type=int, default=3, help="versions to refit (default 3)")
     parser.add_argument(
         "--transport",
-        default="shm",
-        help="daemons' data plane: shm (same host, default) or ucx",
+        default="auto",
+        help="daemons' data-plane mode: auto (default: UCX up, same-host peers read "
+        "through shared memory), shm or ucx (force one path); the path taken is reported",
     )
 
 
@@ -470,6 +479,7 @@ def report(res: FlowResult, log: Callable[[str], None] = print) -> dict[str, Any
     verified = all(v.verified for v in res.versions)
     fields = {
         "transport": res.transport,
+        "path": res.paths,
         "model_gib": round(res.model_bytes / 2**30, 3),
         "versions": len(res.versions),
         "refit_gbps": round(gbps, 3),
@@ -510,6 +520,7 @@ def run(args: argparse.Namespace) -> int:
         "× memcpy",
         "control plane ms",
         "plan",
+        "path",
         "verified",
     ):
         table.add_column(col, justify="right")
@@ -523,6 +534,7 @@ def run(args: argparse.Namespace) -> int:
             f"{g / res.memcpy_gbps:.2f}",
             f"{v.control_s * 1e3:.1f}",
             "replayed" if v.replayed else "planned",
+            "+".join(v.paths),
             "yes" if v.verified else "NO",
         )
     console.print(table)
@@ -535,7 +547,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if fields["verified"] else 1
 
 
-def run_demo(gib: float = 1.0, versions: int = 2, transport: str = "shm") -> int:
+def run_demo(gib: float = 1.0, versions: int = 2, transport: str = "auto") -> int:
     """The daemon-based demo (``make demo``): two daemons on loopback, a trainer
     process publishing a ``gib`` GiB model as Megatron TP2, this process refitting
     four engine ranks (TP4) with a progress bar, every parameter verified bit for bit,

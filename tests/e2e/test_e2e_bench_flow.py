@@ -12,9 +12,19 @@ pytestmark = pytest.mark.timeout(180)
 
 async def test_the_refit_flow_verifies_every_version_and_replays_after_the_first() -> None:
     res = await refit_flow(
-        gib=0.001, versions=2, transport="shm", measure_manifest=False, log=lambda _: None
+        gib=0.001, versions=2, transport="auto", measure_manifest=False, log=lambda _: None
     )
     assert [v.verified for v in res.versions] == [True, True]
     assert [v.replayed for v in res.versions] == [False, True]
     fields = report(res)
     assert fields["verified"] == 1 and fields["refit_gbps"] > 0 and fields["memcpy_gbps"] > 0
+    # Two daemons on one host in the default mode: every pull took shared memory.
+    assert fields["transport"] == "auto" and fields["path"] == "shm"
+
+
+async def test_the_refit_flow_forced_to_ucx_reports_that_it_pulled_over_ucx() -> None:
+    res = await refit_flow(
+        gib=0.001, versions=1, transport="ucx", measure_manifest=False, log=lambda _: None
+    )
+    fields = report(res)
+    assert fields["verified"] == 1 and fields["path"] == "ucx"
