@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "regions": ("refitd.ops.regions", "list the daemon's memory regions"),
     "sources": ("refitd.ops.sources", "list published model versions, their state and leases"),
     "pulls": ("refitd.ops.pulls", "list pulls, or follow one with a progress bar"),
+    "pull": ("refitd.ops.pull", "submit a pull from a descriptor file; progress bar to the end"),
     "experts": ("refitd.ops.experts", "list the daemon's MoE expert slot pools"),
     "config": ("refitd.ops.config_cmd", "check a configuration file (refitd config check FILE)"),
 }

@@ -41,6 +41,7 @@ __all__ = [
     "print_table",
     "progress_bar",
     "run_command",
+    "token_of",
 ]
 
 URL_ENV = "REFITD_URL"
@@ -68,14 +69,21 @@ def add_client_arguments(parser: argparse.ArgumentParser, *examples: str) -> Non
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def connect(args: argparse.Namespace, env: dict[str, str] | None = None) -> Any:
-    """A :class:`refitd.client.http.RefitClient` for the daemon ``args`` name."""
-    from refitd.client.http import RefitClient
+def token_of(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
+    """The bearer token ``--token-file`` (else ``$REFITD_TOKEN_FILE``) holds, if any."""
     from refitd.daemon.auth import read_token
 
     env = dict(os.environ) if env is None else env
     token_file = args.token_file or env.get(TOKEN_FILE_ENV)
-    token = read_token(token_file) if token_file else None
+    return read_token(token_file) if token_file else None
+
+
+def connect(args: argparse.Namespace, env: dict[str, str] | None = None) -> Any:
+    """A :class:`refitd.client.http.RefitClient` for the daemon ``args`` name."""
+    from refitd.client.http import RefitClient
+
+    env = dict(os.environ) if env is None else env
+    token = token_of(args, env)
     if args.unix:
         return RefitClient(unix_path=args.unix, token=token)
     if args.url or env.get(URL_ENV):

@@ -1,16 +1,22 @@
-"""``refitd experts``: MoE expert slot pools hosted by the daemon.
+"""``refitd experts``: the MoE expert slot pools the daemon hosts (``GET /v1/experts``).
 
-Reads ``GET /v1/experts`` (a list of pool records). A daemon without expert pools,
-or one built before pools existed, is reported as having none.
+One row per pool: geometry, occupancy, hit rate, traffic into slots, and slots
+dropped because a refit rewrote their expert. ``--json`` prints the daemon's pool
+records as they are (every field of :class:`~refitd.daemon.schemas.PoolInfo`).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
-from refitd.ops.console import add_client_arguments, fetch, print_json, print_table, run_command
+from refitd.ops.console import (
+    add_client_arguments,
+    human_bytes,
+    print_json,
+    print_table,
+    run_command,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -19,29 +25,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_client_arguments(
         parser,
         "refitd experts",
-        "refitd experts --json | jq '.[].hits'",
+        "refitd experts --json | jq '.[] | {name, hits, misses}'",
+        "refitd experts --unix /run/refitd/refitd.sock",
     )
 
 
-def _cell(key: str) -> Callable[[dict[str, Any]], object]:
-    return lambda pool: pool.get(key, "-")
+def _hit_rate(p: Any) -> str:
+    routes = p.hits + p.misses
+    return f"{100 * p.hits / routes:.1f}%" if routes else "-"
 
 
 def run(args: argparse.Namespace) -> int:
     async def body(client: Any) -> int:
-        from refitd.errors import NotFoundError
+        from refitd.daemon.schemas import PoolInfo
 
-        try:
-            pools: list[dict[str, Any]] = await fetch(client, "/experts", list[dict[str, Any]])
-        except NotFoundError:
-            pools = []
+        pools: list[PoolInfo] = await client.pools()
         if args.json:
             print_json(pools)
             return 0
-        keys = list(dict.fromkeys(k for pool in pools for k in pool))
         print_table(
             "expert pools",
-            [(k, _cell(k)) for k in keys],
+            [
+                ("pool", lambda p: p.name),
+                ("layers x experts", lambda p: f"{p.layers} x {p.experts}"),
+                ("slots used", lambda p: f"{p.occupied_slots}/{p.slots}"),
+                ("expert size", lambda p: human_bytes(sum(p.row_bytes))),
+                ("hit rate", _hit_rate),
+                ("misses", lambda p: p.misses),
+                ("evictions", lambda p: p.evictions),
+                ("warm steps", lambda p: f"{p.warm_plans}/{p.plans}"),
+                ("copied", lambda p: human_bytes(p.copied_bytes)),
+                ("stale dropped", lambda p: p.stale_invalidations),
+                ("regions host/slots", lambda p: f"{p.host_region}/{p.slot_region}"),
+                ("owner", lambda p: p.owner or "-"),
+            ],
             pools,
             empty="none (this daemon hosts no expert pools)",
         )

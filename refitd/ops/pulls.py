@@ -57,6 +57,11 @@ async def follow(client: Any, pull_id: str, as_json: bool) -> int:
         progress.console.print(
             f"pull {pull_id} {last.state}: {last.error.error}: {last.error.detail}"
         )
+        for region, offset, nbytes in last.suspect:
+            progress.console.print(
+                f"  suspect: region {region} bytes [{offset}, {offset + nbytes}) may hold "
+                "partial data"
+            )
     return 0 if last.state == PullState.DONE else 1
 
 
