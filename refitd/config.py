@@ -48,6 +48,7 @@ __all__ = [
     "is_loopback_host",
     "load_config",
     "parse_overrides",
+    "resolve_group",
 ]
 
 ENV_PREFIX = "REFITD_"
@@ -68,6 +69,12 @@ Scheme = Annotated[
     ),
 ]
 Uid = Annotated[int, msgspec.Meta(ge=0, description="a numeric user id")]
+GroupName = Annotated[
+    str,
+    msgspec.Meta(
+        pattern="^[A-Za-z0-9_][A-Za-z0-9_.-]*$", description="a group name or numeric gid"
+    ),
+]
 
 
 # Every section is frozen, keyword-only and refuses unknown keys. (Spelled out on each
@@ -98,6 +105,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     node_id: str = ""
     #: Requests with a larger body are refused with 413 before they are read.
     max_request_bytes: PositiveBytes = 64 * _MiB
+    #: Group (name or gid) that may map the daemon's shared-memory regions: segments
+    #: are then created 0660 with this group instead of 0600, and segments of this
+    #: group from other users may be attached. Unset: only the daemon's own user.
+    shm_group: GroupName | None = None
 
 
 class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -149,6 +160,21 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 "server.token_file is unset; expected a bearer-token file path "
                 "(refusing to serve a non-loopback address unauthenticated)"
             )
+
+
+def resolve_group(group: str) -> int:
+    """The gid of ``server.shm_group`` (a name or a number) on this host."""
+    import grp
+
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(
+            f"server.shm_group {group!r} names no group on this host; expected an "
+            "existing group name or a numeric gid (e.g. the 'refitd' group of the unit)"
+        ) from None
 
 
 def is_loopback_host(host: str) -> bool:

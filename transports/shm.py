@@ -7,7 +7,11 @@ owner crashed from one whose owner is alive (a reused pid has another start time
 
 - Exact size: the segment is exactly ``size`` bytes (no page rounding visible).
 - Permissions: created 0600; `attach` refuses a segment owned by another user or
-  readable by group/others.
+  readable by group/others. A deployment whose daemon runs as its own user shares
+  with one group instead (``$REFITD_SERVER_SHM_GROUP``, a name or gid; the daemon
+  sets it from ``server.shm_group``): segments are then created 0660 with that
+  group, and `attach` also takes a 0660 segment of that group from another user.
+  Others never get access.
 - Lifetime: only the owner unlinks; attachers just unmap. Closing while numpy or
   torch views are alive unlinks but leaves the mapping to the garbage collector, so
   a live view never points at unmapped memory.
@@ -16,6 +20,7 @@ owner crashed from one whose owner is alive (a reused pid has another start time
 from __future__ import annotations
 
 import contextlib
+import grp
 import mmap
 import os
 import secrets
@@ -32,10 +37,35 @@ from refitd.errors import ConflictError, NotFoundError, ProtocolError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SHM_DIR", "SharedSegment", "cleanup_stale", "owner_tag"]
+__all__ = [
+    "GROUP_ENV",
+    "SHM_DIR",
+    "SharedSegment",
+    "cleanup_stale",
+    "owner_tag",
+    "shared_group",
+]
 
 SHM_DIR = Path("/dev/shm")
 PREFIX = "refitd."
+#: The group segments are shared with, by name or gid; the same variable the daemon's
+#: ``server.shm_group`` reads, and inherited by the processes it starts.
+GROUP_ENV = "REFITD_SERVER_SHM_GROUP"
+
+
+def _gid(group: int | str) -> int:
+    if isinstance(group, int) or group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ProtocolError(f"shared-memory group {group!r} does not exist on this host") from None
+
+
+def shared_group() -> int | None:
+    """The gid segments are shared with (``$REFITD_SERVER_SHM_GROUP``), or None: 0600."""
+    raw = os.environ.get(GROUP_ENV, "")
+    return _gid(raw) if raw else None
 
 
 def _start_time(pid: int) -> str | None:
@@ -74,7 +104,8 @@ class SharedSegment:
 
     @classmethod
     def create(cls, size: int, label: str = "", *, name: str | None = None) -> SharedSegment:
-        """Create a new segment of exactly ``size`` bytes (≥ 1), zero-filled, mode 0600."""
+        """Create a new segment of exactly ``size`` bytes (≥ 1), zero-filled, mode 0600,
+        or 0660 owned by the `shared_group` when one is set."""
         if size < 1:
             raise ProtocolError(f"shared segment refused: size {size} bytes; need at least 1")
         if name is None:
@@ -88,7 +119,11 @@ class SharedSegment:
                 f"shared segment {name!r} refused: a segment of that name exists"
             ) from exc
         try:
-            os.fchmod(fd, 0o600)  # the umask may only narrow it, but say it explicitly
+            gid = shared_group()
+            if gid is not None:
+                os.fchown(fd, -1, gid)  # the creator must be a member of the group
+            # The umask may only narrow the mode, so it is set explicitly.
+            os.fchmod(fd, 0o600 if gid is None else 0o660)
             os.ftruncate(fd, size)
         except BaseException:
             os.close(fd)
@@ -104,11 +139,18 @@ class SharedSegment:
             fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
         except FileNotFoundError as exc:
             raise NotFoundError(f"shared segment {name!r} not found") from exc
+        except PermissionError:
+            raise ProtocolError(
+                f"attaching shared segment {name!r} refused: this user may not open it "
+                f"(set {GROUP_ENV} / server.shm_group to a group both sides belong to)"
+            ) from None
         st = os.fstat(fd)
         why = None
-        if st.st_uid != os.getuid():
+        gid = shared_group()
+        group_ok = gid is not None and st.st_gid == gid  # our chosen group may be let in
+        if st.st_uid != os.getuid() and not group_ok:
             why = f"it belongs to uid {st.st_uid}, not ours ({os.getuid()})"
-        elif st.st_mode & 0o077:
+        elif st.st_mode & (0o007 if group_ok else 0o077):
             why = f"its mode {stat.filemode(st.st_mode)} lets other users in"
         elif size is not None and st.st_size != size:
             why = f"it holds {st.st_size} bytes, expected {size}"

@@ -45,7 +45,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from refitd.config import ServerConfig, is_loopback_host
+from refitd.config import ServerConfig, is_loopback_host, resolve_group
 from refitd.errors import ConfigError
 
 __all__ = [
@@ -168,6 +168,8 @@ def check_startup(server: ServerConfig) -> AccessPolicy:
             "is unset; refusing to start: set a bearer-token file or bind 127.0.0.1"
         )
     tokens = TokenBook.load(server.token_file) if server.token_file else None
+    if server.shm_group is not None:
+        resolve_group(server.shm_group)  # an unknown group stops the start, not a request
     return AccessPolicy(
         tokens=tokens,
         allowed_uids=frozenset(server.allowed_uids),

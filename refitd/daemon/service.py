@@ -25,13 +25,19 @@ from typing import IO, Any
 
 from aiohttp import web
 
-from refitd.config import Config, LoggingConfig
+from refitd.config import Config, LoggingConfig, resolve_group
 from refitd.daemon.auth import AccessPolicy, setup_auth
 from refitd.daemon.metrics import PoolStats, StateSnapshot, setup_metrics
 from refitd.daemon.openapi import OPENAPI_PATH, Operation, setup_openapi
 from refitd.daemon.sdnotify import Notifier
 
-__all__ = ["Service", "configure_logging", "daemon_operations", "options_from_config"]
+__all__ = [
+    "Service",
+    "configure_logging",
+    "daemon_operations",
+    "options_from_config",
+    "share_memory_with",
+]
 
 log = logging.getLogger("refitd")
 
@@ -228,6 +234,20 @@ def _snapshot(app: web.Application) -> StateSnapshot:
     )
 
 
+def share_memory_with(group: str | None) -> None:
+    """Create (and accept) shared-memory segments for ``group``, or 0600 when None.
+
+    Process-wide, through the variable ``transports.shm`` reads, so the worker
+    processes the data plane starts later inherit it.
+    """
+    from transports.shm import GROUP_ENV
+
+    if group is None:
+        os.environ.pop(GROUP_ENV, None)
+    else:
+        os.environ[GROUP_ENV] = str(resolve_group(group))
+
+
 class Service:
     """The operator-facing hooks of one daemon process."""
 
@@ -240,7 +260,9 @@ class Service:
         self._ready = asyncio.Event()
 
     def setup(self, app: web.Application) -> None:
-        """``create_app`` setup hook: metrics, access control, the API document."""
+        """``create_app`` setup hook: metrics, access control, the API document, and
+        the group shared memory is shared with (``server.shm_group``)."""
+        share_memory_with(self.config.server.shm_group)
         if self.config.metrics.enabled:
             metrics = setup_metrics(app)
             metrics.bind_state(lambda: _snapshot(app))
