@@ -30,6 +30,7 @@ from refitd.errors import ConfigError
 __all__ = [
     "PRESETS",
     "ModelShape",
+    "RoutingModel",
     "RoutingTrace",
     "TokenRoute",
     "TraceConfig",
@@ -37,6 +38,7 @@ __all__ = [
     "parse_trace_lines",
     "preset_config",
     "read_trace_file",
+    "routing_model",
 ]
 
 PREFILL = "prefill"
@@ -182,6 +184,113 @@ def _zipf(order: Sequence[int], skew: float, n: int) -> list[float]:
 
 def generate_trace(cfg: TraceConfig) -> RoutingTrace:
     """A deterministic (per ``cfg.seed``) synthetic trace; see ``TraceConfig``."""
+    return _generate(cfg, None)
+
+
+@dataclass(frozen=True)
+class RoutingModel:
+    """The generator's hidden state behind one trace: what each token was drawn from.
+
+    ``routing_model(cfg)`` regenerates it from the seed alongside the very trace
+    ``generate_trace(cfg)`` returns. It exists for oracles and tests that ask how much
+    of a policy's shortfall is the routing's own randomness; a real model has no such
+    side channel.
+
+    ``topics[i][layer][e]`` is the probability that a fresh draw of ``layer`` picks
+    expert ``e`` under topic ``i`` (base and topic popularity mixed, sums to 1);
+    ``token_topic[t]`` is the topic in effect at token ``t``; ``partner[layer][b]`` is
+    the expert of ``layer`` that layer coupling picks for expert ``b`` of the layer
+    below (a permutation). ``request_start[t]`` says whether token ``t`` is the first
+    decode token of its request (its layers have no previous token to stick to).
+    """
+
+    config: TraceConfig
+    trace: RoutingTrace
+    topics: tuple[tuple[tuple[float, ...], ...], ...]
+    token_topic: tuple[int, ...]
+    partner: tuple[tuple[int, ...], ...]
+    request_start: tuple[bool, ...]
+
+    def prefill_draws(self) -> int:
+        """Independent draws (with repetition) a prefill chunk's layer is the union of."""
+        return self.config.prefill_tokens * self.config.shape.top_k
+
+    def history(self, token: int, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """``(prev, recent)`` for a decode token: the experts ``layer`` routed at the
+        previous decode token of the same request, and those it routed within the
+        ``recent_window`` tokens before that but not at the previous one (ascending)."""
+        tokens = self.trace.tokens
+        if tokens[token].phase != DECODE or self.request_start[token]:
+            return (), ()
+        window: list[tuple[int, ...]] = []
+        t = token - 1
+        while t >= 0 and len(window) < self.config.recent_window:
+            window.append(tokens[t].layers[layer])
+            if self.request_start[t]:
+                break
+            t -= 1
+        prev = window[0]
+        recent = tuple(sorted({e for h in window[1:] for e in h} - set(prev)))
+        return prev, recent
+
+    def pick_distribution(self, token: int, layer: int) -> tuple[float, ...]:
+        """Probability, per expert, that the *first* pick of ``(token, layer)`` lands on
+        it, given every route drawn before it (exact under the generator's model).
+
+        A decode pick is sticky with ``p_prev`` (uniform over ``prev``), recent with
+        ``p_recent`` (uniform over ``recent``), else coupled with ``p_layer`` (the
+        partner of a uniform expert of the layer below at the same token), else a
+        fresh draw from the topic; an empty pool passes its share on, as the
+        generator does. Later picks repeat this, re-drawing experts already chosen.
+        A prefill chunk's layer is ``prefill_draws()`` fresh draws from the topic.
+        """
+        cfg = self.config
+        mix = self.topics[self.token_topic[token]][layer]
+        if self.trace.tokens[token].phase != DECODE:
+            return mix
+        prev, recent = self.history(token, layer)
+        below = self.trace.tokens[token].layers[layer - 1] if layer > 0 else ()
+        out = [0.0] * len(mix)
+        rest = 1.0
+        for pool, share in ((prev, cfg.p_prev), (recent, cfg.p_recent)):
+            if pool and share > 0.0:
+                for e in pool:
+                    out[e] += share / len(pool)
+                rest -= share
+        if below:
+            partner = self.partner[layer]
+            for b in below:
+                out[partner[b]] += rest * cfg.p_layer / len(below)
+            rest *= 1.0 - cfg.p_layer
+        return tuple(o + rest * m for o, m in zip(out, mix))
+
+
+def routing_model(cfg: TraceConfig) -> RoutingModel:
+    """Regenerate ``generate_trace(cfg)`` together with the state it was drawn from."""
+    record = _Record()
+    trace = _generate(cfg, record)
+    return RoutingModel(
+        cfg,
+        trace,
+        tuple(record.topics),
+        tuple(record.token_topic),
+        record.partner,
+        tuple(record.request_start),
+    )
+
+
+@dataclass
+class _Record:
+    """What ``_generate`` saw, for ``routing_model``; never consulted by the draws."""
+
+    topics: list[tuple[tuple[float, ...], ...]] = field(default_factory=list)
+    token_topic: list[int] = field(default_factory=list)
+    partner: tuple[tuple[int, ...], ...] = ()
+    request_start: list[bool] = field(default_factory=list)
+
+
+def _generate(cfg: TraceConfig, record: _Record | None) -> RoutingTrace:
+    # Recording must not touch ``rng``: the trace for a seed is fixed (tested by hash).
     shape = cfg.shape
     n_layers, n_exp, k = shape.num_layers, shape.num_experts, shape.top_k
     if not 0 < k <= n_exp:
@@ -197,6 +306,8 @@ def generate_trace(cfg: TraceConfig) -> RoutingTrace:
     base = [_zipf(shuffled(), cfg.base_skew, n_exp) for _ in range(n_layers)]
     partner = [shuffled() for _ in range(n_layers)]
     tw = cfg.topic_weight
+    if record is not None:
+        record.partner = tuple(tuple(p) for p in partner)
 
     def new_topic() -> list[list[float]]:
         cums = []
@@ -205,10 +316,23 @@ def generate_trace(cfg: TraceConfig) -> RoutingTrace:
             topic = _zipf(shuffled()[:span], cfg.topic_skew, n_exp)
             mix = [(1 - tw) * b + tw * t for b, t in zip(base[layer], topic)]
             cums.append(list(itertools.accumulate(mix)))
+        if record is not None:
+            # ``draw`` scales by the last cumulative weight, so that is the total.
+            record.topics.append(
+                tuple(
+                    tuple((c - (cum[i - 1] if i else 0.0)) / cum[-1] for i, c in enumerate(cum))
+                    for cum in cums
+                )
+            )
         return cums
 
     def draw(cum: list[float]) -> int:
         return min(bisect.bisect_right(cum, rng.random() * cum[-1]), n_exp - 1)
+
+    def note(start: bool) -> None:
+        if record is not None:
+            record.token_topic.append(len(record.topics) - 1)
+            record.request_start.append(start)
 
     tokens: list[TokenRoute] = []
     for _ in range(cfg.requests):
@@ -219,10 +343,12 @@ def generate_trace(cfg: TraceConfig) -> RoutingTrace:
                 tuple(sorted({draw(cum[layer]) for _ in range(draws)})) for layer in range(n_layers)
             )
             tokens.append(TokenRoute(PREFILL, chunk))
+            note(False)
         history: list[list[tuple[int, ...]]] = [[] for _ in range(n_layers)]
-        for _ in range(cfg.decode_tokens):
+        for i in range(cfg.decode_tokens):
             if rng.random() < 1.0 / cfg.topic_tokens:
                 cum = new_topic()
+            note(i == 0)
             layers: list[tuple[int, ...]] = []
             below: tuple[int, ...] = ()
             for layer in range(n_layers):
