@@ -6,11 +6,18 @@ printed), or a recorded trace is read with ``--trace``. For pools of 1×, 2× an
 the experts one token activates across all layers (layers × top-k, never below one
 layer's experts), the same trace is replayed through ``ExpertCache`` with LRU (the
 ferrox behaviour), the cache's default policy ("ours", ``ExpectedReusePolicy``) and
-Belady's MIN:
+Belady's MIN, and, for generated traces, an oracle told the generator's true routing
+probabilities (``refitd.experts.oracle.OracleProbabilityPolicy``, column "oracle"):
+ours' rule — evict the expert with the furthest expected next use — fed the true
+probability of each expert at its layer's next visit instead of a learned one. What
+it still loses to Belady is the routing draws themselves, which no online policy can
+know; it is the bound for policies ranking by that rule (not a proof over every
+conceivable policy: at 4× ours can beat it, and the bench shows where):
 
 - hit rate: routed experts already resident, over the whole trace;
-- gap closed: (ours − LRU) / (Belady − LRU); a pool where Belady and LRU tie (the
-  whole model fits) has no gap and is left out of the average;
+- gap closed: (ours − LRU) / (Belady − LRU), and the same for the oracle ("oracle
+  gap"); a pool where Belady and LRU tie (the whole model fits) has no gap and is
+  left out of the averages;
 - bytes per token and warm-plan rate: decode steps only, bytes at the model's bf16
   expert size (gate + up + down). Our policy's plans are also executed by
   ``ExpertSlots`` on ``HostSlotMemory`` with small rows, and its counters must agree.
@@ -136,11 +143,18 @@ def _pool_sizes(active: int, experts: int) -> list[tuple[str, int]]:
     return [(f"{m}x", max(m * active, experts)) for m in (1, 2, 4)]
 
 
-def _evaluate(name: str, trace: object, expert_bytes: int) -> list[float]:
+def _evaluate(
+    name: str, trace: object, expert_bytes: int, model: object = None
+) -> tuple[list[float], list[float]]:
+    """Print one trace's table; return (ours, oracle) gap closed per cell with a gap.
+    ``model`` (a ``RoutingModel`` of ``trace``) enables the oracle column."""
     from refitd.experts import BeladyPolicy, LruPolicy
-    from refitd.experts.traces import RoutingTrace
+    from refitd.experts.oracle import OracleProbabilityPolicy, oracle_tables
+    from refitd.experts.traces import RoutingModel, RoutingTrace
 
     assert isinstance(trace, RoutingTrace)
+    assert model is None or isinstance(model, RoutingModel)
+    tables = oracle_tables(model) if model is not None else None
     shape = trace.shape
     print(
         f"\n{name}: {shape.num_layers} MoE layers × {shape.num_experts} experts, top-{shape.top_k}; "
@@ -148,22 +162,31 @@ def _evaluate(name: str, trace: object, expert_bytes: int) -> list[float]:
         f"reuse next token {trace.reuse(1):.0%}, within 8 tokens {trace.reuse(8):.0%}"
     )
     print(
-        f"  {'pool':>10} {'LRU':>6} {'ours':>6} {'Belady':>6} {'ours/B':>6} {'gap':>6}"
-        f" {'LRU MB/tok':>10} {'ours MB/tok':>11} {'warm LRU':>8} {'warm ours':>9}"
+        f"  {'pool':>10} {'LRU':>6} {'ours':>6} {'oracle':>6} {'Belady':>6} {'ours/B':>6}"
+        f" {'gap':>6} {'oracle gap':>10} {'LRU MB/tok':>10} {'ours MB/tok':>11}"
+        f" {'warm LRU':>8} {'warm ours':>9}"
     )
     steps = trace.steps()
     gaps: list[float] = []
+    oracle_gaps: list[float] = []
     for label, size in _pool_sizes(shape.active, shape.num_experts):
         lru = _replay(trace, size, LruPolicy())
         ours = _replay(trace, size, None, execute=True)  # the cache's default
         best = _replay(trace, size, BeladyPolicy(steps, shape.num_experts))
+        oracle = None
+        if model is not None:
+            oracle = _replay(trace, size, OracleProbabilityPolicy(model, tables))
+        oracle_s = f"{oracle.hit_rate:6.3f}" if oracle is not None else f"{'—':>6}"
         span = best.hit_rate - lru.hit_rate
+        gap_s, oracle_gap_s = f"{'—':>6}", f"{'—':>10}"
         if span > 0.005:
             gap = (ours.hit_rate - lru.hit_rate) / span
             gaps.append(gap)
             gap_s = f"{gap:6.2f}"
-        else:
-            gap_s = f"{'—':>6}"
+            if oracle is not None:
+                oracle_gap = (oracle.hit_rate - lru.hit_rate) / span
+                oracle_gaps.append(oracle_gap)
+                oracle_gap_s = f"{oracle_gap:10.2f}"
         tokens = max(1, trace.decode_tokens())
 
         def mb(r: Replay, tokens: int = tokens) -> float:
@@ -175,11 +198,11 @@ def _evaluate(name: str, trace: object, expert_bytes: int) -> list[float]:
         ratio = ours.hit_rate / best.hit_rate if best.hit_rate else 0.0
         print(
             f"  {label + ' ' + str(size):>10} {lru.hit_rate:6.3f} {ours.hit_rate:6.3f} "
-            f"{best.hit_rate:6.3f} {ratio:6.3f} {gap_s} {mb(lru):10.1f} {mb(ours):11.1f}"
-            f" {warm(lru):8.1%} {warm(ours):9.1%}",
+            f"{oracle_s} {best.hit_rate:6.3f} {ratio:6.3f} {gap_s} {oracle_gap_s}"
+            f" {mb(lru):10.1f} {mb(ours):11.1f} {warm(lru):8.1%} {warm(ours):9.1%}",
             flush=True,
         )
-    return gaps
+    return gaps, oracle_gaps
 
 
 def _time_ensure(calls: int) -> tuple[float, float, float, float, int]:
@@ -260,13 +283,14 @@ def _timer_overhead() -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from refitd.experts.traces import generate_trace, preset_config, read_trace_file
+    from refitd.experts.traces import preset_config, read_trace_file, routing_model
 
     started = time.perf_counter()
     gaps: list[float] = []
+    oracle_gaps: list[float] = []
     if args.trace:
         trace = read_trace_file(args.trace, num_experts=args.experts)
-        gaps += _evaluate(trace.shape.name, trace, args.expert_bytes or 0)
+        gaps += _evaluate(trace.shape.name, trace, args.expert_bytes or 0)[0]
     else:
         for name in [p.strip() for p in args.presets.split(",") if p.strip()]:
             cfg = preset_config(
@@ -276,8 +300,13 @@ def run(args: argparse.Namespace) -> int:
                 prefill_tokens=args.prefill,
                 seed=args.seed,
             )
-            gaps += _evaluate(name, generate_trace(cfg), sum(_EXPERT_BANKS[name]))
+            # The same trace generate_trace(cfg) gives, plus what it was drawn from.
+            model = routing_model(cfg)
+            ours, oracle = _evaluate(name, model.trace, sum(_EXPERT_BANKS[name]), model)
+            gaps += ours
+            oracle_gaps += oracle
     gap = statistics.fmean(gaps) if gaps else float("nan")
+    oracle_gap = statistics.fmean(oracle_gaps) if oracle_gaps else float("nan")
 
     # Timed like timeit: no collector pauses inside the measured calls.
     gc.collect()
@@ -295,6 +324,17 @@ def run(args: argparse.Namespace) -> int:
     def verdict(ok: bool) -> str:
         return "met" if ok else "NOT MET"
 
+    if oracle_gaps:
+        beaten = sum(o < g for o, g in zip(oracle_gaps, gaps))
+        print(
+            f"LRU→Belady gap closed, averaged over {len(gaps)} cells: ours {gap:.2f}; "
+            f"an oracle with perfect knowledge of the true routing probabilities, ranking "
+            f"by the same expected-next-use rule, {oracle_gap:.2f}; target {TARGET_GAP}"
+            + (f" (ours beats that oracle in {beaten} of {len(gaps)} cells)" if beaten else "")
+        )
+    else:
+        print("no routing probabilities for a recorded trace: oracle column not available")
+
     print(
         f"gap closed {gap:.2f} (target ≥ {TARGET_GAP}: {verdict(gap >= TARGET_GAP)}); "
         f"warm {warm_us:.2f} µs (≤ {TARGET_WARM_US}: {verdict(warm_us <= TARGET_WARM_US)}); "
@@ -305,6 +345,6 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"gap_closed={gap:.3f} ensure_warm_us={warm_us:.2f} ensure_2miss_us={miss_us:.2f} "
         f"lru_ensure_warm_us={lru_warm_us:.2f} lru_ensure_2miss_us={lru_miss_us:.2f} "
-        f"warm_step_bytes={warm_bytes} cells={len(gaps)}"
+        f"warm_step_bytes={warm_bytes} cells={len(gaps)} oracle_gap_closed={oracle_gap:.3f}"
     )
     return 0

@@ -362,6 +362,9 @@ class ExpertCache:
             touched[slot] = step
             dst.append(slot)
             touched_slots.append(slot)
+        if len(fetch) < len(misses):
+            # Routed but left to the CPU: still routing the policy should learn from.
+            policy.on_unplaced(step, sorted(base + e for e in misses[len(fetch) :]))
         touched_slots.sort()
         policy.on_step(step, touched_slots)
         self._fetched[layer] += len(fetch)

@@ -66,7 +66,8 @@ class EvictionPolicy(ABC):
     """Chooses victims among occupied slots. One instance serves one cache.
 
     Call order within a step: ``begin_step``, zero or more ``choose_victim`` calls
-    (only when no free slot is left), then exactly one ``on_step`` naming every slot
+    (only when no free slot is left), in hybrid mode one ``on_unplaced`` naming the
+    routed experts left to CPU compute, then exactly one ``on_step`` naming every slot
     the step hit or filled. ``on_remove`` is called when the cache empties a slot outside a step's
     fills (``forget_slot``, a displaced occupant in ``materialize_layer``).
     """
@@ -83,6 +84,11 @@ class EvictionPolicy(ABC):
     @abstractmethod
     def on_step(self, step: int, slots: Sequence[int]) -> None:
         """Record a step. ``slots`` are ascending and each holds its routed key now."""
+
+    def on_unplaced(self, step: int, keys: Sequence[int]) -> None:  # noqa: B027 - optional
+        """Routed experts of this step (global keys, ascending) that hold no slot: hybrid
+        mode left them to CPU compute. They were routed all the same, so a policy that
+        learns routing frequency should count them; by default nothing happens."""
 
     @abstractmethod
     def choose_victim(self, step: int) -> int:
@@ -315,6 +321,7 @@ class ExpectedReusePolicy(EvictionPolicy):
         self._fast = self._slow = 0.0
         self._seen = 0
         self._shift_left = 0
+        self._unplaced = self._unplaced_surprised = 0
         self._last_visit: list[int] = []
         self._prev: list[list[tuple[int, int]]] = []
         # Entries: (heap key, slot, key, stamp); see ``_stamp``.
@@ -418,10 +425,32 @@ class ExpectedReusePolicy(EvictionPolicy):
         if announce:
             self._bound_key = self._push_layer(layer)
 
+    def on_unplaced(self, step: int, keys: Sequence[int]) -> None:
+        # The frequency and stickiness of an expert computed on the CPU move exactly as
+        # for a placed one; it has no slot, so no heap entry (a later fill makes one).
+        layer = self._current
+        v, d = self._visits[layer], self._decay[layer]
+        fs, fdecay, fvisit = self._f, self._fdecay, self._fvisit
+        alpha = self._step_alpha
+        surprised = 0
+        for key in keys:
+            f = fs[key] * math.exp(d - fdecay[key])
+            if f < self.RARE:
+                surprised += 1
+            fs[key] = min(1.0, f + alpha)
+            fdecay[key] = d
+            fvisit[key] = v
+        self._unplaced = len(keys)
+        self._unplaced_surprised = surprised
+
     def on_step(self, step: int, slots: Sequence[int]) -> None:
         if not self._settled:
             self._settle(announce=False)
+        unplaced, unplaced_surprised = self._unplaced, self._unplaced_surprised
+        self._unplaced = self._unplaced_surprised = 0
         if not len(slots):
+            if unplaced:
+                self._watch(unplaced_surprised / unplaced)
             return
         resident = self._resident
         layer = resident[slots[0]] // self._experts
@@ -464,7 +493,7 @@ class ExpectedReusePolicy(EvictionPolicy):
         # unless a victim search already did and no fill fell below that bound.
         if self._bound_key == -math.inf or lowest < self._bound_key:
             self._push_layer(layer)
-        self._watch(surprised / len(slots))
+        self._watch((surprised + unplaced_surprised) / (len(slots) + unplaced))
 
     def _watch(self, surprise: float) -> None:
         """Feed one step's surprise share to the shift detector.

@@ -36,10 +36,18 @@ def test_the_bench_prints_every_policy_and_ends_in_key_value_pairs(
     )
     out = capsys.readouterr().out
     assert code == 0
-    assert "mixtral-8x7b" in out and "Belady" in out
+    assert "mixtral-8x7b" in out and "Belady" in out and "oracle gap" in out
+    assert "an oracle with perfect knowledge of the true routing probabilities" in out
     pairs = last_line_pairs(out)
-    for key in ("gap_closed", "ensure_warm_us", "ensure_2miss_us", "warm_step_bytes"):
+    for key in (
+        "gap_closed",
+        "oracle_gap_closed",
+        "ensure_warm_us",
+        "ensure_2miss_us",
+        "warm_step_bytes",
+    ):
         assert key in pairs
+    assert 0.0 < float(pairs["oracle_gap_closed"]) <= 1.0
     assert pairs["warm_step_bytes"] == "0"
     assert float(pairs["ensure_warm_us"]) > 0
 
@@ -55,3 +63,5 @@ def test_the_bench_evaluates_a_recorded_trace(
     assert code == 0
     assert "recorded: 2 MoE layers × 4 experts, top-2" in out
     assert "gap_closed=" in out.strip().splitlines()[-1]
+    assert "oracle column not available" in out
+    assert last_line_pairs(out)["oracle_gap_closed"] == "nan"

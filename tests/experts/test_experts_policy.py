@@ -256,3 +256,19 @@ def test_the_default_policy_beats_lru_in_every_pool_on_a_seeded_qwen3_trace() ->
         assert ours > lru, f"{m}x pool: default {ours:.3f} <= LRU {lru:.3f}"
         gaps.append((ours - lru) / (best - lru))
     assert sum(gaps) / len(gaps) >= 0.15, gaps
+
+
+def test_in_hybrid_mode_experts_left_to_the_cpu_still_count_as_routed() -> None:
+    # max_fetch=0: nothing is ever placed, every route is computed on the CPU. The
+    # policy must still learn that layer 0 routes expert 2 at every visit.
+    policy = ExpectedReusePolicy(alpha=0.2, shift_alpha=0.2)
+    cache = ExpertCache(1, 4, 4, policy=policy, max_fetch=0)
+    for _ in range(10):
+        plan = cache.ensure(0, [2, 3])
+        assert plan.slots == (None, None)
+    cache.ensure(0, [2])
+    assert policy.q(0, 2) == pytest.approx(1 - 0.8**11, rel=1e-9)
+    assert 0.0 < policy.q(0, 3) < policy.q(0, 2)
+    assert policy.q(0, 1) == 0.0
+    # Routed at the latest visit (sticky) and frequent: expected back next visit.
+    assert policy.expected_next_use(0, 2) < policy.expected_next_use(0, 3) < math.inf

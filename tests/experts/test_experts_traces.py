@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -10,10 +12,13 @@ import pytest
 from refitd.errors import ConfigError
 from refitd.experts.traces import (
     PRESETS,
+    ModelShape,
+    TraceConfig,
     generate_trace,
     parse_trace_lines,
     preset_config,
     read_trace_file,
+    routing_model,
 )
 
 
@@ -103,3 +108,52 @@ def test_a_malformed_recorded_trace_is_refused_naming_the_line(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         parse_trace_lines(lines, num_experts=8)
+
+
+# sha256 of repr(trace.tokens) before routing_model() existed: recording the generator's
+# hidden state must not change a single draw.
+_TRACE_HASHES = {
+    ("mixtral-8x7b", 0): "bad07450b698983a0c385a65136b16a6bfe5546ce738c01f3e2a1d54aab22f8e",
+    ("mixtral-8x7b", 3): "e88b73a651b06c8a8d86c4b61b7fa98a8230413b81bccf7ebbfcd49a39b38fc4",
+    ("qwen3-30b-a3b", 0): "7bca16cdf22ab8bdfe0459ccb6877102cdfb17500cd451b01ca593add66e2794",
+    ("qwen3-30b-a3b", 3): "73a4b8353bd18ae0aa33eb17587a741b79f001f5e3401b177ba439bb206396bc",
+    ("deepseek-v3", 0): "dfdcb76f37690dd0b58fc2978605693246d388d533b6c6486e8a314dd6a7da8c",
+    ("deepseek-v3", 3): "035ab521dc6a435b5494e57047601a8ed931c799f945d95878489e8da29dd875",
+}
+
+
+@pytest.mark.parametrize(("name", "seed"), sorted(_TRACE_HASHES))
+def test_traces_stay_byte_identical_and_routing_model_regenerates_the_same_trace(
+    name: str, seed: int
+) -> None:
+    cfg = preset_config(name, requests=2, decode_tokens=40, prefill_tokens=16, seed=seed)
+    trace = generate_trace(cfg)
+    assert hashlib.sha256(repr(trace.tokens).encode()).hexdigest() == _TRACE_HASHES[name, seed]
+    model = routing_model(cfg)
+    assert model.trace == trace
+    assert len(model.token_topic) == len(trace.tokens)
+
+
+def test_a_first_pick_follows_the_distribution_the_model_reports() -> None:
+    # Top-1: each decode token's route IS one first pick, so the model's probabilities
+    # must predict how often the route repeats the previous token's expert (stickiness)
+    # and follows the layer below's partner (coupling), and its likelihood must beat
+    # the topic mixture's alone.
+    shape = ModelShape("top1", 4, 16, 1)
+    cfg = TraceConfig(shape, requests=3, prefill_tokens=4, decode_tokens=400, p_prev=0.3, seed=7)
+    model = routing_model(cfg)
+    predicted_sticky = observed_sticky = 0.0
+    loglik_model = loglik_topic = 0.0
+    for t, tok in enumerate(model.trace.tokens):
+        if tok.phase != "decode":
+            continue
+        for layer, routed in enumerate(tok.layers):
+            pick = model.pick_distribution(t, layer)
+            assert math.isclose(sum(pick), 1.0, rel_tol=1e-9)
+            prev, _ = model.history(t, layer)
+            predicted_sticky += sum(pick[e] for e in prev)
+            observed_sticky += routed[0] in prev
+            loglik_model += math.log(pick[routed[0]])
+            loglik_topic += math.log(model.topics[model.token_topic[t]][layer][routed[0]])
+    assert observed_sticky == pytest.approx(predicted_sticky, rel=0.08)
+    assert loglik_model > loglik_topic
