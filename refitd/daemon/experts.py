@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 import numpy as np
 from aiohttp import web
@@ -153,6 +153,8 @@ class ExpertPool:
         self.device = RegionSlotMemory(daemon.view(slots.region_id), spec.slots, spec.row_bytes)
         self.lock = asyncio.Lock()
         self.stale = 0
+        #: Set once deleted: a request that was waiting for the lock is refused.
+        self.deleted = False
         self._rewrites: list[np.ndarray] = []
 
     @property
@@ -167,7 +169,8 @@ class ExpertPool:
         if len(ranges):
             self._rewrites.append(ranges)
 
-    def _apply_rewrites(self) -> None:
+    def apply_rewrites(self) -> None:
+        """Invalidate the experts every noted host-row write touched (under ``lock``)."""
         while self._rewrites:
             ranges = self._rewrites.pop()
             self._invalidate_keys(self._touched_keys(ranges))
@@ -223,7 +226,7 @@ class ExpertPool:
                 f"invalidate refused for pool {self.name!r}: layers {bad} are outside its "
                 f"{L} layers; nothing was dropped"
             )
-        self._apply_rewrites()
+        self.apply_rewrites()
         keys = [r.layer * E + r.expert for r in req.experts]
         keys += [layer * E + e for layer in req.layers for e in range(E)]
         return self._invalidate_keys(dict.fromkeys(keys))
@@ -231,7 +234,7 @@ class ExpertPool:
     def plan(self, req: EnsureRequest) -> tuple[EnsureResult, int]:
         """Plan one step with the cache; returns the result (before copying) and the
         bytes the copy will move."""
-        self._apply_rewrites()
+        self.apply_rewrites()
         if req.layer >= self.spec.layers:
             raise PlanError(
                 f"ensure refused for pool {self.name!r}: layer {req.layer} is outside its "
@@ -380,6 +383,7 @@ class ExpertPools:
         pool = self.get(name)
         async with pool.lock:
             info = pool.info()
+            pool.deleted = True
             self._pools.pop(name, None)
             for rid in (pool.host.region_id, pool.slot_region.region_id):
                 with contextlib.suppress(NotFoundError):
@@ -459,19 +463,26 @@ def _pool(request: web.Request, action: str) -> ExpertPool:
     return pool
 
 
+@contextlib.asynccontextmanager
+async def _locked(pool: ExpertPool) -> AsyncIterator[ExpertPool]:
+    """Hold the pool's lock, with host-row rewrites applied; refuse a pool deleted
+    while this request waited."""
+    async with pool.lock:
+        if pool.deleted:
+            raise NotFoundError(f"expert pool {pool.name!r} was deleted")
+        pool.apply_rewrites()
+        yield pool
+
+
 @routes.get(P + "/{pool}")
 async def get_pool(request: web.Request) -> web.Response:
-    pool = _pool(request, "read")
-    async with pool.lock:
-        pool._apply_rewrites()
+    async with _locked(_pool(request, "read")) as pool:
         return reply(request, pool.info())
 
 
 @routes.get(P + "/{pool}/stats")
 async def pool_stats(request: web.Request) -> web.Response:
-    pool = _pool(request, "read")
-    async with pool.lock:
-        pool._apply_rewrites()
+    async with _locked(_pool(request, "read")) as pool:
         return reply(request, pool.stats())
 
 
@@ -485,8 +496,7 @@ async def delete_pool(request: web.Request) -> web.Response:
 async def ensure(request: web.Request) -> web.Response:
     """Plan with the expert cache, copy the misses into the slot region."""
     req = await body(request, EnsureRequest)
-    pool = _pool(request, "write")
-    async with pool.lock:
+    async with _locked(_pool(request, "write")) as pool:
         result, nbytes = pool.plan(req)
         if nbytes > THREAD_COPY_BYTES:
             await asyncio.to_thread(pool.execute, result)
@@ -499,8 +509,7 @@ async def ensure(request: web.Request) -> web.Response:
 async def invalidate(request: web.Request) -> web.Response:
     """Drop the slots of experts whose host rows were rewritten."""
     req = await body(request, InvalidateRequest)
-    pool = _pool(request, "write")
-    async with pool.lock:
+    async with _locked(_pool(request, "write")) as pool:
         return reply(request, pool.invalidate(req))
 
 
