@@ -72,6 +72,7 @@ __all__ = [
     "RegionSlotMemory",
     "pool_operations",
     "routes",
+    "touched_rows",
 ]
 
 #: A plan copying more than this many bytes runs in a worker thread, so a large
@@ -120,6 +121,28 @@ class RegionSlotMemory(SlotDevice):
         w = self._row_bytes[bank]
         dst, src = self._at(bank, dst_slot), self._at(bank, src_slot)
         self._view[dst : dst + w] = self._view[src : src + w]
+
+
+def touched_rows(
+    ranges: np.ndarray, bank_offsets: Sequence[int], row_bytes: Sequence[int], rows: int
+) -> np.ndarray:
+    """Sorted row indices (``layer * experts + expert``) whose bytes in any bank overlap
+    a write of ``ranges``, ``(n, 2)`` rows of ``(byte offset, nbytes)``. Bank ``b``
+    holds ``rows`` rows of ``row_bytes[b]`` from ``bank_offsets[b]``; zero-length
+    writes touch nothing. Vectorised: one pass per bank, not per write."""
+    lo = ranges[:, 0].astype(np.int64)
+    hi = lo + ranges[:, 1].astype(np.int64)  # exclusive
+    diff = np.zeros(rows + 1, dtype=np.int64)
+    for base, w in zip(bank_offsets, row_bytes, strict=True):
+        end = base + rows * w
+        hit = (hi > base) & (lo < end) & (hi > lo)
+        if not hit.any():
+            continue
+        first = (np.maximum(lo[hit], base) - base) // w
+        last = (np.minimum(hi[hit], end) - 1 - base) // w
+        np.add.at(diff, first, 1)
+        np.add.at(diff, last + 1, -1)
+    return np.flatnonzero(np.cumsum(diff[:rows]) > 0)
 
 
 def _bank_offsets(row_bytes: Sequence[int], rows: int) -> list[int]:
@@ -176,21 +199,8 @@ class ExpertPool:
             self._invalidate_keys(self._touched_keys(ranges))
 
     def _touched_keys(self, ranges: np.ndarray) -> np.ndarray:
-        """Global keys ``layer * experts + expert`` whose row in any bank overlaps ``ranges``."""
         n = self.spec.layers * self.spec.experts
-        lo = ranges[:, 0].astype(np.int64)
-        hi = lo + ranges[:, 1].astype(np.int64)  # exclusive
-        diff = np.zeros(n + 1, dtype=np.int64)
-        for base, w in zip(self.rows.bank_offsets, self.spec.row_bytes, strict=True):
-            end = base + n * w
-            hit = (hi > base) & (lo < end) & (hi > lo)
-            if not hit.any():
-                continue
-            first = (np.maximum(lo[hit], base) - base) // w
-            last = (np.minimum(hi[hit], end) - 1 - base) // w
-            np.add.at(diff, first, 1)
-            np.add.at(diff, last + 1, -1)
-        return np.flatnonzero(np.cumsum(diff[:n]) > 0)
+        return touched_rows(ranges, self.rows.bank_offsets, self.spec.row_bytes, n)
 
     def _invalidate_keys(self, keys: Iterable[int]) -> InvalidateResult:
         e = self.spec.experts

@@ -13,12 +13,15 @@ from typing import Any
 import aiohttp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ops_helpers import serving
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config
 from refitd.daemon.app import create_app
 from refitd.daemon.auth import check_startup
+from refitd.daemon.experts import touched_rows
 from refitd.daemon.node import DaemonOptions
 from refitd.daemon.schemas import (
     DescriptorTable,
@@ -267,3 +270,23 @@ async def test_a_token_holder_may_not_drive_another_principals_pool(tmp_path: An
         with pytest.raises(AccessDenied, match="other may not delete expert pool 'moe'"):
             await other.delete_pool("moe")
         assert (await engine.ensure("moe", 0, [0, 1])).fetched == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    widths=st.lists(st.integers(1, 9), min_size=1, max_size=3),
+    rows=st.integers(1, 12),
+    writes=st.lists(st.tuples(st.integers(0, 400), st.integers(0, 40)), max_size=6),
+)
+def test_a_write_touches_exactly_the_rows_whose_bytes_it_overlaps(
+    widths: list[int], rows: int, writes: list[tuple[int, int]]
+) -> None:
+    offsets = [sum(w * rows for w in widths[:b]) for b in range(len(widths))]
+    ranges = np.array(writes, dtype=np.int64).reshape(-1, 2)
+    want = set()
+    for lo, n in writes:  # byte by byte: which row of which bank holds each byte
+        for byte in range(lo, lo + n):
+            for base, w in zip(offsets, widths, strict=True):
+                if base <= byte < base + rows * w:
+                    want.add((byte - base) // w)
+    assert touched_rows(ranges, offsets, widths, rows).tolist() == sorted(want)
