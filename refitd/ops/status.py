@@ -39,6 +39,10 @@ async def gather(client: Any) -> dict[str, Any]:
     pull_states: dict[str, int] = {}
     for p in pulls:
         pull_states[str(p.state)] = pull_states.get(str(p.state), 0) + 1
+    try:
+        pools = [p.name for p in await client.pools()]
+    except RefitError:  # a daemon from before expert pools: it hosts none
+        pools = []
     return {
         "url": client.base_url,
         "node_id": node.node_id,
@@ -51,6 +55,7 @@ async def gather(client: Any) -> dict[str, Any]:
         "versions": by_state,
         "leases": sum(v.leases for v in versions),
         "pulls": pull_states,
+        "expert_pools": pools,
     }
 
 
@@ -78,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row("leases", str(info["leases"]))
         pulls = ", ".join(f"{n} {s}" for s, n in sorted(info["pulls"].items())) or "none"
         table.add_row("pulls", pulls)
+        table.add_row("expert pools", ", ".join(info["expert_pools"]) or "none")
         Console().print(table)
         return 0 if info["ready"] else 1
 

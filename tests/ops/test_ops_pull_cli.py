@@ -152,3 +152,12 @@ async def test_experts_lists_each_hosted_pool_with_its_counters(setup: Setup) ->
     code, out, _ = await refitd("experts", "--url", s.base, "--json")
     (pool,) = json.loads(out)
     assert (pool["hits"], pool["misses"], pool["copied_bytes"]) == (1, 3, 3 * 1536)
+
+
+async def test_status_names_the_hosted_expert_pools(setup: Setup) -> None:
+    s = setup
+    await s.client.create_pool("moe", layers=1, experts=2, slots=2, row_bytes=[64])
+    code, out, _ = await refitd("status", "--url", s.base, "--json")
+    assert code == 0 and json.loads(out)["expert_pools"] == ["moe"]
+    code, out, _ = await refitd("status", "--url", s.base)
+    assert code == 0 and "expert pools" in out and "moe" in out
