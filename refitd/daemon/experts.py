@@ -56,6 +56,7 @@ from refitd.daemon.schemas import (
 from refitd.errors import ConfigError, ConflictError, NotFoundError, PlanError, ProtocolError
 from refitd.experts import (
     BankResidency,
+    CopyPlan,
     ExpertCache,
     ExpertSlots,
     HostResidency,
@@ -269,8 +270,6 @@ class ExpertPool:
     def execute(self, result: EnsureResult) -> None:
         """Apply the planned copies into the slot region. On a refusal or a device
         fault the slots the cache was promised are forgotten before re-raising."""
-        from refitd.experts import CopyPlan
-
         copy = CopyPlan(tuple(result.copied_slots), tuple(result.copied_experts))
         try:
             self.executor.apply_copy_plan(result.layer, copy, self.rows, self.device)
