@@ -446,8 +446,11 @@ class ExpectedReusePolicy(EvictionPolicy):
     def on_step(self, step: int, slots: Sequence[int]) -> None:
         if not self._settled:
             self._settle(announce=False)
-        unplaced, unplaced_surprised = self._unplaced, self._unplaced_surprised
-        self._unplaced = self._unplaced_surprised = 0
+        unplaced = self._unplaced  # hybrid mode's CPU-computed routes, this step
+        unplaced_surprised = 0
+        if unplaced:
+            unplaced_surprised = self._unplaced_surprised
+            self._unplaced = 0
         if not len(slots):
             if unplaced:
                 self._watch(unplaced_surprised / unplaced)
