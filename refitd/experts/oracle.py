@@ -3,10 +3,9 @@
 Benchmark and test use only — not for production: it reads the synthetic
 generator's hidden state (``refitd.experts.traces.RoutingModel``), which no real
 model offers. It answers one question for ``refitd bench experts``: how much of
-the LRU→Belady gap can *any* online policy close, if it ranked by the same
-expected-next-use rule as ``ExpectedReusePolicy`` but knew the probabilities
-exactly instead of estimating them? What it still loses to Belady is the random
-draws themselves.
+the LRU→Belady gap does ``ExpectedReusePolicy``'s expected-next-use rule close when
+it knows the routing probabilities exactly instead of estimating them? What it still
+loses to Belady is the random draws themselves, which no online policy can know.
 
 What it knows at step ``(token t, layer l)``, for each layer ``m``'s next visit
 ``(t', m)`` (``t' = t`` if ``m > l``, else ``t + 1``):
@@ -27,10 +26,10 @@ The victim is the resident expert maximising ``next visit of its layer + L·(1/p
 — ``ExpectedReusePolicy``'s rule with ``p`` known instead of learned — with ``p = 0``
 (never routed again) ranking infinite and ties going to the lowest slot. The exact
 expectation under the generator's model (stickiness fades after one visit, so
-``next visit + L·(1 − p1)/p_inf``) was tried and closes far less of the gap (about 0.03
-at 1× and 4× on Qwen3/DeepSeek): the mean of a long-tailed wait is the wrong thing
-to rank by when the pool holds a few tokens' worth of experts. So this is the bound
-for policies that rank by this rule, not a proof about every conceivable policy.
+``next visit + L·(1 − p1)/p_inf``) was tried and closed far less of the gap: the mean
+of a long-tailed wait is the wrong thing to rank by when the pool holds a few tokens'
+worth of experts. So this bounds policies that rank by this rule; it is no proof about
+every conceivable policy (the bench shows cells where ours beats it).
 
 Invariants kept as every policy does: decisions are a pure function of the model
 and the steps (no clock, no random source); a slot touched in the current step is
