@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import aiohttp
 import numpy as np
 import pytest
+from support.daemons import FakeClock, GatedCopier
 
 from refitd.client.http import RefitClient
 from refitd.client.leases import LeaseKeeper
 from refitd.daemon.app import PULLS
-from refitd.daemon.copier import Progress, ThreadCopier
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.schemas import (
     DescriptorTable,
@@ -31,35 +31,6 @@ from refitd.errors import ConflictError, NotFoundError, PlanError, ProtocolError
 from transports.shm import SharedSegment
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class GatedCopier:
-    """A real copy that first waits for the test to open the gate: the only way to
-    hold a pull "mid-flight" deterministically (a fault no real part produces)."""
-
-    def __init__(self) -> None:
-        self.entered = asyncio.Event()
-        self.gate = asyncio.Event()
-        self.inner = ThreadCopier()
-
-    async def copy(
-        self,
-        srcs: Sequence[memoryview],
-        dsts: Sequence[memoryview],
-        rows: np.ndarray,
-        progress: Progress,
-    ) -> None:
-        self.entered.set()
-        await self.gate.wait()
-        await self.inner.copy(srcs, dsts, rows, progress)
 
 
 @dataclass

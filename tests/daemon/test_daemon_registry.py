@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from support.daemons import FakeClock
 
 from refitd.daemon.regions import validate_descriptors, validate_pack_specs
 from refitd.daemon.registry import Registry, check_manifest_bounds
@@ -18,14 +19,6 @@ from refitd.daemon.schemas import (
 from refitd.errors import ConflictError, NotFoundError, ProtocolError
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def manifest(version: int, slot: int, slots: int = 2, rows: int = 4) -> ManifestIn:
     # Each slot holds rows [slot*2, slot*2+2) of w, and a full replica of b.
     w = TensorEntry("w", (rows, 3), "float32", [ShardEntry((slot * 2, 0), (2, 3), 1, 0)])
@@ -35,7 +28,7 @@ def manifest(version: int, slot: int, slots: int = 2, rows: int = 4) -> Manifest
 
 @pytest.fixture
 def reg() -> tuple[Registry, FakeClock]:
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     return Registry("node", 1, clock), clock
 
 

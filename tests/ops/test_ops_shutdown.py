@@ -7,15 +7,14 @@ cannot be made to take on demand."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from aiohttp import web
+from support.daemons import GatedCopier
 
 from refitd.client.http import RefitClient
 from refitd.daemon.app import PULLS
-from refitd.daemon.copier import ThreadCopier
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.schemas import (
     DescriptorTable,
@@ -26,27 +25,6 @@ from refitd.daemon.schemas import (
     TensorEntry,
 )
 from refitd.daemon.serve import serve
-
-
-class GatedCopier:
-    """Copies with the real ThreadCopier once ``gate`` opens; ``entered`` says a copy
-    is waiting at the gate."""
-
-    def __init__(self) -> None:
-        self.gate = asyncio.Event()
-        self.entered = asyncio.Event()
-        self.inner = ThreadCopier()
-
-    async def copy(
-        self,
-        srcs: Sequence[memoryview],
-        dsts: Sequence[memoryview],
-        rows: np.ndarray,
-        progress: Any,
-    ) -> None:
-        self.entered.set()
-        await self.gate.wait()
-        await self.inner.copy(srcs, dsts, rows, progress)
 
 
 async def start_held_pull(grace_s: float) -> tuple[Any, ...]:
