@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
+from support.engines import mismatched, zeroed_engine
 
 from refitd.bench.engines import (
     EngineParallel,
@@ -60,23 +61,6 @@ async def pair(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pair]:
 
 def engine_par(cfg: ModelConfig, tp: int, rank: int) -> EngineParallel:
     return EngineParallel(tp, rank, 2 if cfg.num_experts else 1)
-
-
-def zeroed_engine(cfg: ModelConfig, par: EngineParallel) -> ToyEngine:
-    eng = ToyEngine(cfg, par)
-    with torch.no_grad():
-        for p in eng.parameters():
-            p.zero_()
-    return eng
-
-
-def mismatched(
-    engine: torch.nn.Module, cfg: ModelConfig, par: EngineParallel, state: dict[str, torch.Tensor]
-) -> list[str]:
-    truth = ToyEngine(cfg, par)
-    truth.load_weights(state.items())
-    want = dict(truth.named_parameters())
-    return [n for n, p in engine.named_parameters() if not torch.equal(p, want[n])]
 
 
 def receiver(
