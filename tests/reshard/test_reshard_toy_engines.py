@@ -25,8 +25,9 @@ from refitd.bench.engines import (
     moe_toy_config,
 )
 from refitd.bench.layouts import Published, capture_published, fsdp_dim0, full_state, megatron_tp_ep
-from refitd.reshard.transfer_plan import execute_transfer, plan_transfer
+from refitd.reshard.transfer_plan import TransferPlan, execute_transfer, plan_transfer
 from refitd.reshard.transport import InMemoryReferenceTransport
+from refitd.reshard.types import CaptureResult
 
 DENSE = dense_toy_config()
 MOE = moe_toy_config()
@@ -148,6 +149,34 @@ def _publish(cfg: ModelConfig, layout: str, state: dict[str, torch.Tensor]) -> P
     return megatron_tp_ep(cfg, size, ep, state, unfuse=kind)
 
 
+def _capture(cfg: ModelConfig, par: EngineParallel, published: Published) -> CaptureResult:
+    """Capture an engine rank's loads on its meta twin (no engine memory allocated)."""
+    with torch.device("meta"):
+        twin = ToyEngine(cfg, par)
+    return capture_published(twin, published)
+
+
+def _assert_pull_lands_exactly(
+    plan: TransferPlan,
+    cfg: ModelConfig,
+    par: EngineParallel,
+    state: dict[str, torch.Tensor],
+    where: str,
+) -> None:
+    """Execute ``plan`` through the reference transport into a fresh engine rank and
+    require every parameter to equal, bit for bit, the loader's result on ``state``."""
+    engine = ToyEngine(cfg, par)
+    params = dict(engine.named_parameters())
+    execute_transfer(
+        plan,
+        resolve_param_ptr=lambda name: params[name].data_ptr(),
+        transport=InMemoryReferenceTransport(),
+    )
+    truth = dict(_truth(cfg, par, state).named_parameters())
+    for name, param in params.items():
+        assert torch.equal(param, truth[name]), f"{where}: {name}"
+
+
 _STATE: dict[str, dict[str, torch.Tensor]] = {}
 
 
@@ -177,9 +206,7 @@ def test_every_engine_rank_equals_its_loader_on_the_full_checkpoint(
     published = _publish(cfg, layout, state)
     for rank in range(tp):
         par = EngineParallel(tp, rank, ep)
-        with torch.device("meta"):
-            twin = ToyEngine(cfg, par)
-        capture = capture_published(twin, published)
+        capture = _capture(cfg, par, published)
         assert capture.unsupported == [], capture.unsupported_reasons
         assert capture.unattributed == 0
 
@@ -188,16 +215,7 @@ def test_every_engine_rank_equals_its_loader_on_the_full_checkpoint(
         assert plan.bytes_planned() >= plan.exact_bytes
         assert plan.bytes_planned() <= 1.02 * plan.exact_bytes
 
-        engine = ToyEngine(cfg, par)
-        params = dict(engine.named_parameters())
-        execute_transfer(
-            plan,
-            resolve_param_ptr=lambda name, params=params: params[name].data_ptr(),
-            transport=InMemoryReferenceTransport(),
-        )
-        truth = dict(_truth(cfg, par, state).named_parameters())
-        for name, param in params.items():
-            assert torch.equal(param, truth[name]), f"{layout} tp{tp} ep{ep} rank {rank}: {name}"
+        _assert_pull_lands_exactly(plan, cfg, par, state, f"{layout} tp{tp} ep{ep} rank {rank}")
 
 
 def test_the_checkpoint_manifest_names_every_tensor_the_engine_loads() -> None:
@@ -230,24 +248,13 @@ def test_stacked_expert_sources_reach_each_local_expert_through_unbind() -> None
 
     published = dataclasses.replace(published, convert=stacked)
     for par in (EngineParallel(4, 1, ep_size=4), EngineParallel(4, 3, ep_size=2)):
-        with torch.device("meta"):
-            twin = ToyEngine(cfg, par)
-        capture = capture_published(twin, published)
+        capture = _capture(cfg, par, published)
         assert capture.unsupported == [], capture.unsupported_reasons
         ops = {op[0] for c in capture.copies for op in c.op_chain}
         assert "unbind" in ops and "unsqueeze" not in ops  # the stacked path, not per expert
         plan = plan_transfer(capture, published.sources)
         assert plan.fallback == []
-        engine = ToyEngine(cfg, par)
-        params = dict(engine.named_parameters())
-        execute_transfer(
-            plan,
-            resolve_param_ptr=lambda name, params=params: params[name].data_ptr(),
-            transport=InMemoryReferenceTransport(),
-        )
-        truth = dict(_truth(cfg, par, state).named_parameters())
-        for name, param in params.items():
-            assert torch.equal(param, truth[name]), f"{par}: {name}"
+        _assert_pull_lands_exactly(plan, cfg, par, state, f"{par}")
 
 
 @pytest.mark.parametrize("model", ["dense", "moe"])
@@ -265,9 +272,7 @@ def test_tight_descriptor_budgets_trade_reads_for_bytes_and_still_land_exactly(
     traded = 0
     for rank in range(4):
         par = EngineParallel(4, rank, 2 if cfg.num_experts else 1)
-        with torch.device("meta"):
-            twin = ToyEngine(cfg, par)
-        capture = capture_published(twin, published)
+        capture = _capture(cfg, par, published)
         plan = plan_transfer(capture, published.sources, budget, pack_specs=packs)
         assert plan.fallback == []
         assert plan.descriptor_count() <= plan.exact_descriptor_count
@@ -275,14 +280,5 @@ def test_tight_descriptor_budgets_trade_reads_for_bytes_and_still_land_exactly(
             assert plan.packs == []
         # Sources split on dim 1 have no bounding rows to pull whole: they stay exact.
         traded += len(plan.packs) + len(plan.full_pulls) + len(plan.unbounded_sources)
-        engine = ToyEngine(cfg, par)
-        params = dict(engine.named_parameters())
-        execute_transfer(
-            plan,
-            resolve_param_ptr=lambda name, params=params: params[name].data_ptr(),
-            transport=InMemoryReferenceTransport(),
-        )
-        truth = dict(_truth(cfg, par, state).named_parameters())
-        for name, param in params.items():
-            assert torch.equal(param, truth[name]), f"budget {budget} rank {rank}: {name}"
+        _assert_pull_lands_exactly(plan, cfg, par, state, f"budget {budget} rank {rank}")
     assert traded > 0  # the budget really bound somewhere
