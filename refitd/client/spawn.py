@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from refitd.errors import TransportError
 
-__all__ = ["SpawnedDaemon", "spawn_daemon"]
+__all__ = ["SpawnedDaemon", "serve_command", "spawn_daemon"]
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,12 @@ class SpawnedDaemon:
     url: str
     node_id: str
     pid: int
+
+
+def serve_command(*options: str) -> list[str]:
+    """The argv that runs ``refitd serve OPTIONS`` with this interpreter (so a child
+    sees the same installed refitd as its parent, virtualenv or not)."""
+    return [sys.executable, "-m", "refitd.cli", "serve", *options]
 
 
 @contextlib.asynccontextmanager
@@ -43,11 +49,7 @@ async def spawn_daemon(
 
     Its logs (stderr, inherited) are kept to ``log_level`` and above, so a demo's
     console is not flooded with access lines."""
-    argv = [
-        sys.executable,
-        "-m",
-        "refitd.cli",
-        "serve",
+    argv = serve_command(
         "--port",
         "0",
         "--transport",
@@ -58,7 +60,7 @@ async def spawn_daemon(
         "2",
         "--set",
         f"logging.level={log_level}",
-    ]
+    )
     if node_id:
         argv += ["--node-id", node_id]
     if unix_path:

@@ -6,13 +6,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 import refitd.client
 from refitd.client import SyncRefitClient
+from refitd.client.spawn import serve_command
 from refitd.errors import NotFoundError
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,20 +31,9 @@ def test_serve_reports_its_bound_port_serves_tcp_and_unix_and_exits_cleanly_on_s
     secret.chmod(0o600)
     sock = tmp_path / "refitd.sock"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "refitd.cli",
-            "serve",
-            "--port",
-            "0",
-            "--unix",
-            str(sock),
-            "--secret-file",
-            str(secret),
-            "--node-id",
-            "proc",
-        ],
+        serve_command(
+            "--port", "0", "--unix", str(sock), "--secret-file", str(secret), "--node-id", "proc"
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )

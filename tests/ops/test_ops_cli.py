@@ -14,6 +14,7 @@ from ops_helpers import serving
 
 from refitd.cli import COMMANDS, _build_parser
 from refitd.client.http import RefitClient
+from refitd.client.spawn import serve_command
 from refitd.daemon.app import create_app
 from refitd.daemon.node import DaemonOptions
 from refitd.daemon.schemas import ManifestIn, ShardEntry, TensorEntry
@@ -154,14 +155,7 @@ async def test_status_over_the_unix_socket_of_a_served_daemon(tmp_path: Path) ->
 
     sock = str(tmp_path / "refitd.sock")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "refitd.cli",
-        "serve",
-        "--port",
-        "0",
-        "--unix",
-        sock,
+        *serve_command("--port", "0", "--unix", sock),
         stdout=asyncio.subprocess.PIPE,
         cwd=ROOT,
     )

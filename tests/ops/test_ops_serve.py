@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import msgspec
 import pytest
 from ops_helpers import serving
 
+from refitd.client.spawn import serve_command
 from refitd.config import load_config
 from refitd.daemon.app import create_app
 from refitd.daemon.auth import check_startup
@@ -31,11 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 async def start_serve(*argv: str, env: dict[str, str]) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "refitd.cli",
-        "serve",
-        *argv,
+        *serve_command(*argv),
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env={**os.environ, **env},
