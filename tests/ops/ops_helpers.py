@@ -1,12 +1,20 @@
-"""Shared helpers for the ops tests: serve an aiohttp app on real loopback sockets."""
+"""Shared helpers for the ops tests: the real daemon app wired as ``serve`` wires it,
+served on real loopback sockets."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
+from refitd.config import load_config
+from refitd.daemon.app import create_app
+from refitd.daemon.auth import check_startup
+from refitd.daemon.node import DaemonOptions
+from refitd.daemon.sdnotify import Notifier
+from refitd.daemon.service import Service
 from refitd.errors import ConflictError, NotFoundError, RefitError
 
 STATUS = {ConflictError: 409, NotFoundError: 404}
@@ -36,3 +44,11 @@ async def serving(app: web.Application, unix_path: str | None = None) -> AsyncIt
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+def wired_app(**server: Any) -> web.Application:
+    """The daemon app with the operator service (auth, metrics, OpenAPI) set up as
+    ``refitd serve`` does; ``server`` overrides ``[server]`` config keys."""
+    config = load_config(env={}, overrides={f"server.{k}": v for k, v in server.items()})
+    service = Service(config, check_startup(config.server), Notifier({}))
+    return create_app(DaemonOptions(port=0), setup=[service.setup])

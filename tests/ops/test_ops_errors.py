@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
-from typing import Any
 
 import pytest
 from aiohttp import web
-from ops_helpers import serving
+from ops_helpers import serving, wired_app
 
 from refitd import errors
 from refitd.client.http import RefitClient, error_from_body
-from refitd.config import load_config
 from refitd.daemon.app import STATUS_OF, create_app, error_middleware
-from refitd.daemon.auth import check_startup
 from refitd.daemon.node import DaemonOptions
 from refitd.daemon.schemas import ErrorBody
-from refitd.daemon.sdnotify import Notifier
-from refitd.daemon.service import Service
 from refitd.errors import (
     AccessDenied,
     AccessError,
@@ -27,12 +22,6 @@ from refitd.errors import (
     RequestTooLarge,
     Unauthenticated,
 )
-
-
-def wired_app(**server: Any) -> web.Application:
-    config = load_config(env={}, overrides={f"server.{k}": v for k, v in server.items()})
-    service = Service(config, check_startup(config.server), Notifier({}))
-    return create_app(DaemonOptions(port=0), setup=[service.setup])
 
 
 @pytest.fixture

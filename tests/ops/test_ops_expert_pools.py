@@ -15,12 +15,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_helpers import serving
+from ops_helpers import serving, wired_app
 
 from refitd.client.http import RefitClient
-from refitd.config import load_config
 from refitd.daemon.app import create_app
-from refitd.daemon.auth import check_startup
 from refitd.daemon.experts import touched_rows
 from refitd.daemon.node import DaemonOptions
 from refitd.daemon.schemas import (
@@ -31,8 +29,6 @@ from refitd.daemon.schemas import (
     ShardEntry,
     TensorEntry,
 )
-from refitd.daemon.sdnotify import Notifier
-from refitd.daemon.service import Service
 from refitd.errors import AccessDenied, ConflictError, NotFoundError, PlanError, ProtocolError
 from transports.shm import SharedSegment
 
@@ -231,12 +227,6 @@ async def test_pool_requests_that_cannot_be_served_are_refused_by_name(
     deleted = await client.delete_pool("moe")
     assert deleted.name == "moe"
     assert await client.pools() == [] and await client.regions() == []
-
-
-def wired_app(**server: Any) -> Any:
-    config = load_config(env={}, overrides={f"server.{k}": v for k, v in server.items()})
-    service = Service(config, check_startup(config.server), Notifier({}))
-    return create_app(DaemonOptions(port=0), setup=[service.setup])
 
 
 async def test_pool_gauges_appear_in_metrics_fed_from_the_pool() -> None:

@@ -9,22 +9,16 @@ import os
 import signal
 import socket
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import msgspec
 import pytest
-from ops_helpers import serving
+from ops_helpers import serving, wired_app
 
 from refitd.client.spawn import serve_command
-from refitd.config import load_config
-from refitd.daemon.app import create_app
-from refitd.daemon.auth import check_startup
-from refitd.daemon.node import DaemonOptions
 from refitd.daemon.openapi import OPENAPI_PATH, documented_paths, route_table
 from refitd.daemon.schemas import ManifestIn, ShardEntry, TensorEntry
-from refitd.daemon.sdnotify import Notifier
-from refitd.daemon.service import Service, daemon_operations
+from refitd.daemon.service import daemon_operations
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,12 +94,6 @@ async def test_serve_logs_json_lines_when_asked(tmp_path: Path) -> None:
         await asyncio.wait_for(proc.communicate(), 60)
     record = json.loads(line)
     assert record["level"] == "info" and record["msg"].startswith("ready: serving")
-
-
-def wired_app(**server: Any) -> Any:
-    config = load_config(env={}, overrides={f"server.{k}": v for k, v in server.items()})
-    service = Service(config, check_startup(config.server), Notifier({}))
-    return create_app(DaemonOptions(port=0), setup=[service.setup])
 
 
 async def test_every_daemon_route_is_documented_and_every_documented_route_exists() -> None:

@@ -10,18 +10,13 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
-from ops_helpers import serving
+from ops_helpers import serving, wired_app
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config
-from refitd.daemon.app import create_app
 from refitd.daemon.auth import check_startup
-from refitd.daemon.node import DaemonOptions
-from refitd.daemon.sdnotify import Notifier
-from refitd.daemon.service import Service
 from refitd.errors import ConfigError, ProtocolError
 from transports.shm import GROUP_ENV, SHM_DIR, SharedSegment
 
@@ -61,12 +56,6 @@ def as_nobody(fn: Callable[[], None], groups: tuple[int, ...] = ()) -> tuple[int
         message = pipe.read().decode()
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status), message
-
-
-def wired_app(**server: Any) -> Any:
-    config = load_config(env={}, overrides={f"server.{k}": v for k, v in server.items()})
-    service = Service(config, check_startup(config.server), Notifier({}))
-    return create_app(DaemonOptions(port=0), setup=[service.setup])
 
 
 def mode_and_group(name: str) -> tuple[int, int]:
