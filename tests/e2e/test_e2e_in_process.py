@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import torch
 from support.daemons import FakeClock, GatedCopier
 from support.engines import mismatched, zeroed_engine
 
@@ -43,13 +45,30 @@ async def serving(*daemons: Daemon) -> AsyncIterator[list[RefitClient]]:
         yield clients
 
 
+@dataclass(frozen=True)
+class Toy:
+    """Version 1 of the dense toy model as a trainer published it."""
+
+    cfg: ModelConfig
+    state: dict[str, torch.Tensor]  # the full checkpoint
+    published: Published
+    pubs: list[Any]  # its publishers: close them when done
+
+
+async def publish_dense(client: RefitClient, model: str, fsdp_ranks: int) -> Toy:
+    """Publish the dense toy model as version 1 of ``model`` from ``fsdp_ranks`` ranks."""
+    cfg = dense_toy_config()
+    state = full_state(cfg)
+    published = fsdp_dim0(cfg, fsdp_ranks, state)
+    return Toy(cfg, state, published, await publish_layout(client, model, published, 1))
+
+
 def receiver(
     local: RefitClient,
     source: RefitClient,
     model: str,
-    cfg: ModelConfig,
+    toy: Toy,
     par: EngineParallel,
-    published: Published,
     engine: ToyEngine,
     **kw: Any,
 ) -> DaemonReceiver:
@@ -58,15 +77,15 @@ def receiver(
         source=source,
         model=model,
         engine=engine,
-        twin=lambda: ToyEngine(cfg, par),
-        capture=capture_for(published),
+        twin=lambda: ToyEngine(toy.cfg, par),
+        capture=capture_for(toy.published),
         **kw,
     )
 
 
-async def close(r: DaemonReceiver, pubs: list[Any]) -> None:
+async def close(r: DaemonReceiver, toy: Toy) -> None:
     await r.close()
-    for p in pubs:
+    for p in toy.pubs:
         await p.close()
 
 
@@ -75,13 +94,10 @@ async def test_a_lease_expiring_mid_pull_fails_the_refit_and_installs_nothing() 
     a = Daemon(DaemonOptions(port=0, node_id="a", secret=SECRET), clock=clock)
     b = Daemon(DaemonOptions(port=0, node_id="b", secret=SECRET), copier=gated)
     async with serving(a, b) as (ca, cb):
-        cfg = dense_toy_config()
-        state = full_state(cfg)
-        published = fsdp_dim0(cfg, 2, state)
-        pubs = await publish_layout(ca, "m", published, 1)
+        toy = await publish_dense(ca, "m", 2)
         par = EngineParallel(2, 0)
-        engine = zeroed_engine(cfg, par)
-        r = receiver(cb, ca, "m", cfg, par, published, engine, lease_ttl_s=30.0, mode="staging")
+        engine = zeroed_engine(toy.cfg, par)
+        r = receiver(cb, ca, "m", toy, par, engine, lease_ttl_s=30.0, mode="staging")
         refit = asyncio.create_task(r.refit())
         await gated.entered.wait()
         clock.now += 31.0  # the lease ends while the copy is held
@@ -94,8 +110,8 @@ async def test_a_lease_expiring_mid_pull_fails_the_refit_and_installs_nothing() 
         # The same receiver succeeds once the trainer serves a live lease again.
         stats = await r.refit()
         assert stats.replayed
-        assert mismatched(engine, cfg, par, state) == []
-        await close(r, pubs)
+        assert mismatched(engine, toy.cfg, par, toy.state) == []
+        await close(r, toy)
 
 
 async def test_in_direct_mode_a_failed_pull_names_the_suspect_parameters() -> None:
@@ -103,12 +119,10 @@ async def test_in_direct_mode_a_failed_pull_names_the_suspect_parameters() -> No
     a = Daemon(DaemonOptions(port=0, node_id="a", secret=SECRET), clock=clock)
     b = Daemon(DaemonOptions(port=0, node_id="b", secret=SECRET), copier=gated)
     async with serving(a, b) as (ca, cb):
-        cfg = dense_toy_config()
-        published = fsdp_dim0(cfg, 2, full_state(cfg))
-        pubs = await publish_layout(ca, "m", published, 1)
+        toy = await publish_dense(ca, "m", 2)
         par = EngineParallel(2, 1)
-        engine = ToyEngine(cfg, par)
-        r = receiver(cb, ca, "m", cfg, par, published, engine, lease_ttl_s=30.0, mode="direct")
+        engine = ToyEngine(toy.cfg, par)
+        r = receiver(cb, ca, "m", toy, par, engine, lease_ttl_s=30.0, mode="direct")
         refit = asyncio.create_task(r.refit())
         await gated.entered.wait()
         clock.now += 31.0
@@ -117,23 +131,20 @@ async def test_in_direct_mode_a_failed_pull_names_the_suspect_parameters() -> No
             ConflictError, match=r"parameters now suspect.*model\.embed_tokens\.weight"
         ):
             await refit
-        await close(r, pubs)
+        await close(r, toy)
 
 
 async def test_one_daemon_can_serve_both_the_trainer_and_the_engine() -> None:
     d = Daemon(DaemonOptions(port=0, node_id="solo", secret=SECRET))
     async with serving(d) as (c,):
-        cfg = dense_toy_config()
-        state = full_state(cfg)
-        published = fsdp_dim0(cfg, 4, state)
-        pubs = await publish_layout(c, "solo", published, 1)
+        toy = await publish_dense(c, "solo", 4)
         par = EngineParallel(2, 1)
-        engine = ToyEngine(cfg, par)
-        r = receiver(c, c, "solo", cfg, par, published, engine, max_segments_per_copy=2)
+        engine = ToyEngine(toy.cfg, par)
+        r = receiver(c, c, "solo", toy, par, engine, max_segments_per_copy=2)
         stats = await r.refit()
         assert stats.full_pulls + stats.pack_specs > 0
-        assert mismatched(engine, cfg, par, state) == []
-        await close(r, pubs)
+        assert mismatched(engine, toy.cfg, par, toy.state) == []
+        await close(r, toy)
 
 
 async def test_a_refit_held_past_its_lease_ttl_renews_the_lease_and_succeeds() -> None:
@@ -141,14 +152,11 @@ async def test_a_refit_held_past_its_lease_ttl_renews_the_lease_and_succeeds() -
     a = Daemon(DaemonOptions(port=0, node_id="a", secret=SECRET, transport="shm"))
     b = Daemon(DaemonOptions(port=0, node_id="b", secret=SECRET, transport="shm"), copier=gated)
     async with serving(a, b) as (ca, cb):
-        cfg = dense_toy_config()
-        state = full_state(cfg)
-        published = fsdp_dim0(cfg, 2, state)
-        pubs = await publish_layout(ca, "m", published, 1)
+        toy = await publish_dense(ca, "m", 2)
         par = EngineParallel(2, 0)
-        engine = ToyEngine(cfg, par)
+        engine = ToyEngine(toy.cfg, par)
         ttl = 1.5  # real seconds: the daemons run on the real clock here
-        r = receiver(cb, ca, "m", cfg, par, published, engine, lease_ttl_s=ttl)
+        r = receiver(cb, ca, "m", toy, par, engine, lease_ttl_s=ttl)
         refit = asyncio.create_task(r.refit())
         await gated.entered.wait()
         keeper = r.lease_keeper
@@ -159,6 +167,6 @@ async def test_a_refit_held_past_its_lease_ttl_renews_the_lease_and_succeeds() -
         gated.gate.set()
         stats = await refit
         assert stats.pull.state is PullState.DONE
-        assert mismatched(engine, cfg, par, state) == []
+        assert mismatched(engine, toy.cfg, par, toy.state) == []
         assert r.lease_keeper is None and (await ca.version("m", 1)).leases == 0
-        await close(r, pubs)
+        await close(r, toy)
