@@ -37,7 +37,6 @@ import numpy as np
 from refitd.daemon.node import AUTO, SHM_SCHEME, Daemon, PeerRegions, StagedPack
 from refitd.daemon.regions import validate_descriptors, validate_pack_specs
 from refitd.daemon.schemas import (
-    DescriptorTable,
     ErrorBody,
     PackSpec,
     PullProgress,
@@ -518,7 +517,3 @@ def _merge_peer(a: PeerRegions, b: PeerRegions) -> PeerRegions:
         a.boot_id,
         {**a.files, **b.files},
     )
-
-
-def descriptor_table(rows: np.ndarray) -> DescriptorTable:
-    return DescriptorTable.pack(rows)
