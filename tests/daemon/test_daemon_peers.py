@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
+from support.daemons import serving_daemons
 
-from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon, DaemonOptions, PeerRegions
 from refitd.daemon.schemas import (
     DescriptorTable,
@@ -17,7 +17,6 @@ from refitd.daemon.schemas import (
     ShardEntry,
     TensorEntry,
 )
-from refitd.daemon.serve import listening
 from refitd.errors import ProtocolError
 from transports.shm import SharedSegment
 
@@ -40,12 +39,7 @@ async def test_a_pull_from_a_daemon_of_another_deployment_is_refused_before_any_
 ):
     a = Daemon(DaemonOptions(port=0, node_id="a", secret=b"a" * 32))
     b = Daemon(DaemonOptions(port=0, node_id="b", secret=b"b" * 32))
-    async with (
-        listening(a.options, daemon=a) as (_, url_a),
-        listening(b.options, daemon=b) as (_, url_b),
-        RefitClient(url_a) as ca,
-        RefitClient(url_b) as cb,
-    ):
+    async with serving_daemons(a, b) as (ca, cb):
         src = await ca.create_region(64)
         SharedSegment.attach(src.handle, 64).numpy()[:] = 9
         tensor = TensorEntry("w", (64,), "uint8", [ShardEntry((0,), (64,), src.region_id, 0)])
@@ -54,7 +48,7 @@ async def test_a_pull_from_a_daemon_of_another_deployment_is_refused_before_any_
             d = await cb.attach_region(dst.name, 64)
             lease = await ca.acquire_lease("m", 1)
             rows = np.array([[src.region_id, 0, d.region_id, 0, 64]], dtype=np.int64)
-            req = PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows), [], url_a)
+            req = PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows), [], ca.base_url)
             with pytest.raises(ProtocolError, match="from 'a' refused: MAC"):
                 await cb.submit_pull(req)
             assert not dst.numpy().any()

@@ -9,14 +9,12 @@ lease's end while it is held.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from support.daemons import FakeClock, GatedCopier
+from support.daemons import FakeClock, GatedCopier, serving_daemons
 from support.engines import mismatched, zeroed_engine
 
 from refitd.bench.engines import EngineParallel, ModelConfig, ToyEngine, dense_toy_config
@@ -26,23 +24,11 @@ from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.schemas import PullState
-from refitd.daemon.serve import listening
 from refitd.errors import ConflictError
 
 pytestmark = pytest.mark.timeout(60)
 
 SECRET = b"s" * 32
-
-
-@contextlib.asynccontextmanager
-async def serving(*daemons: Daemon) -> AsyncIterator[list[RefitClient]]:
-    """Serve each daemon on 127.0.0.1:0 for the block; yields one client per daemon."""
-    async with contextlib.AsyncExitStack() as stack:
-        clients = []
-        for d in daemons:
-            _, url = await stack.enter_async_context(listening(d.options, daemon=d))
-            clients.append(await stack.enter_async_context(RefitClient(url)))
-        yield clients
 
 
 @dataclass(frozen=True)
@@ -93,7 +79,7 @@ async def test_a_lease_expiring_mid_pull_fails_the_refit_and_installs_nothing() 
     clock, gated = FakeClock(50.0), GatedCopier()
     a = Daemon(DaemonOptions(port=0, node_id="a", secret=SECRET), clock=clock)
     b = Daemon(DaemonOptions(port=0, node_id="b", secret=SECRET), copier=gated)
-    async with serving(a, b) as (ca, cb):
+    async with serving_daemons(a, b) as (ca, cb):
         toy = await publish_dense(ca, "m", 2)
         par = EngineParallel(2, 0)
         engine = zeroed_engine(toy.cfg, par)
@@ -118,7 +104,7 @@ async def test_in_direct_mode_a_failed_pull_names_the_suspect_parameters() -> No
     clock, gated = FakeClock(50.0), GatedCopier()
     a = Daemon(DaemonOptions(port=0, node_id="a", secret=SECRET), clock=clock)
     b = Daemon(DaemonOptions(port=0, node_id="b", secret=SECRET), copier=gated)
-    async with serving(a, b) as (ca, cb):
+    async with serving_daemons(a, b) as (ca, cb):
         toy = await publish_dense(ca, "m", 2)
         par = EngineParallel(2, 1)
         engine = ToyEngine(toy.cfg, par)
@@ -136,7 +122,7 @@ async def test_in_direct_mode_a_failed_pull_names_the_suspect_parameters() -> No
 
 async def test_one_daemon_can_serve_both_the_trainer_and_the_engine() -> None:
     d = Daemon(DaemonOptions(port=0, node_id="solo", secret=SECRET))
-    async with serving(d) as (c,):
+    async with serving_daemons(d) as (c,):
         toy = await publish_dense(c, "solo", 4)
         par = EngineParallel(2, 1)
         engine = ToyEngine(toy.cfg, par)
@@ -151,7 +137,7 @@ async def test_a_refit_held_past_its_lease_ttl_renews_the_lease_and_succeeds() -
     gated = GatedCopier()
     a = Daemon(DaemonOptions(port=0, node_id="a", secret=SECRET, transport="shm"))
     b = Daemon(DaemonOptions(port=0, node_id="b", secret=SECRET, transport="shm"), copier=gated)
-    async with serving(a, b) as (ca, cb):
+    async with serving_daemons(a, b) as (ca, cb):
         toy = await publish_dense(ca, "m", 2)
         par = EngineParallel(2, 0)
         engine = ToyEngine(toy.cfg, par)

@@ -1,17 +1,33 @@
-"""Fakes for driving an in-process daemon: a settable clock and a gated copier.
+"""Driving daemons in the test's own process: serve them on loopback, and two fakes.
 
-Both implement the daemon's own interfaces (the ``clock`` callable and
-:class:`refitd.daemon.copier.Copier`); everything else a test builds is real.
+The fakes, a settable clock and a gated copier, implement the daemon's own
+interfaces (the ``clock`` callable and :class:`refitd.daemon.copier.Copier`);
+everything else is real: HTTP on 127.0.0.1:0, shared memory, the data plane.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
+from refitd.client.http import RefitClient
 from refitd.daemon.copier import Progress, ThreadCopier
+from refitd.daemon.node import Daemon
+from refitd.daemon.serve import listening
+
+
+@contextlib.asynccontextmanager
+async def serving_daemons(*daemons: Daemon) -> AsyncIterator[list[RefitClient]]:
+    """Serve each daemon on 127.0.0.1:0 for the block; yields one client per daemon."""
+    async with contextlib.AsyncExitStack() as stack:
+        clients = []
+        for d in daemons:
+            _, url = await stack.enter_async_context(listening(d.options, daemon=d))
+            clients.append(await stack.enter_async_context(RefitClient(url)))
+        yield clients
 
 
 class FakeClock:
