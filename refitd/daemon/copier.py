@@ -56,7 +56,10 @@ def _copy_span(srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray], rows: np.
 
 
 class ThreadCopier:
-    """Copies in a worker thread; large single rows are split across ``threads``."""
+    """Copies in a worker thread, one batch (``batch_bytes``/``batch_rows``) at a time.
+
+    A batch that is a single row of 8 MiB or more is split into ``threads`` equal
+    pieces copied in parallel worker threads."""
 
     def __init__(
         self, batch_bytes: int = 64 << 20, batch_rows: int = 8192, threads: int = 2

@@ -1,4 +1,5 @@
-"""Refits through daemons running in this process: lease expiry mid-pull, one daemon.
+"""Refits through daemons running in this process: a lease expiring or renewed while a
+pull is held, and one daemon serving both the trainer and the engine.
 
 Two daemons with real HTTP between them and real shared memory, in this process so
 the test can hold the pull mid-flight (a gated copier, the one fake: a real copy
