@@ -244,7 +244,10 @@ def test_a_cat_of_one_nonempty_piece_is_that_piece() -> None:
 # -- random composites -------------------------------------------------------------
 
 
-def _post_op(draw: st.DrawFn, t: torch.Tensor) -> Callable[[Any], Any] | None:
+Op = Callable[[Any], Any]
+
+
+def _post_op(draw: st.DrawFn, t: torch.Tensor) -> Op | None:
     nd, shape = t.dim(), tuple(t.shape)
     if nd == 0:
         return None
@@ -327,6 +330,24 @@ def _post_op(draw: st.DrawFn, t: torch.Tensor) -> Callable[[Any], Any] | None:
     return None
 
 
+def _post_ops(draw: st.DrawFn, probe: torch.Tensor, least: int, most: int) -> list[Op]:
+    """Draw ``least``..``most`` attempts at a view op, each drawn for the shape the
+    previous ones left (an attempt on a 0-d tensor draws nothing)."""
+    ops: list[Op] = []
+    for _ in range(draw(st.integers(least, most))):
+        op = _post_op(draw, probe)
+        if op is not None:
+            ops.append(op)
+            probe = op(probe)
+    return ops
+
+
+def _apply(ops: list[Op], t: Any) -> Any:
+    for op in ops:
+        t = op(t)
+    return t
+
+
 @st.composite
 def composites(draw: st.DrawFn) -> tuple[dict[str, tuple[int, ...]], Build, bool]:
     rank = draw(st.integers(1, 3))
@@ -348,21 +369,11 @@ def composites(draw: st.DrawFn) -> tuple[dict[str, tuple[int, ...]], Build, bool
     def piece(sd: dict[str, Any], name: str) -> Any:
         return sd[name].transpose(-1, -2) if transposed_piece[name] else sd[name]
 
-    probe = (torch.stack if stack else torch.cat)(
-        [piece(sources_for(shapes), n) for n in shapes], dim
-    )
-    ops: list[Callable[[Any], Any]] = []
-    for _ in range(draw(st.integers(0, 3))):
-        op = _post_op(draw, probe)
-        if op is not None:
-            ops.append(op)
-            probe = op(probe)
+    join = torch.stack if stack else torch.cat
+    ops = _post_ops(draw, join([piece(sources_for(shapes), n) for n in shapes], dim), 0, 3)
 
     def build(sd: dict[str, Any]) -> Any:
-        out = (torch.stack if stack else torch.cat)([piece(sd, n) for n in shapes], dim)
-        for op in ops:
-            out = op(out)
-        return out
+        return _apply(ops, join([piece(sd, n) for n in shapes], dim))
 
     return shapes, build, draw(st.booleans())
 
@@ -386,18 +397,10 @@ def test_random_cat_and_stack_chains_record_exact_copies_or_are_refused(
 def single_source_chains(draw: st.DrawFn) -> tuple[dict[str, tuple[int, ...]], Build, bool]:
     shape = tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=4)))
     probe = sources_for({"w": shape})["w"]
-    ops: list[Callable[[Any], Any]] = []
-    for _ in range(draw(st.integers(1, 5))):
-        op = _post_op(draw, probe)
-        if op is not None:
-            ops.append(op)
-            probe = op(probe)
+    ops = _post_ops(draw, probe, 1, 5)
 
     def build(sd: dict[str, Any]) -> Any:
-        out = sd["w"]
-        for op in ops:
-            out = op(out)
-        return out
+        return _apply(ops, sd["w"])
 
     return {"w": shape}, build, draw(st.booleans())
 
