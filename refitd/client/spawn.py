@@ -77,11 +77,15 @@ async def spawn_daemon(
                 line = await proc.stdout.readline()
         except TimeoutError:
             raise TransportError(
-                f"daemon {node_id!r} did not report ready in {start_timeout_s}s"
+                f"daemon {node_id!r} did not report ready in {start_timeout_s}s: check its log on "
+                "stderr, and raise start_timeout_s if it is only slow"
             ) from None
         if not line:
             code = await proc.wait()
-            raise TransportError(f"daemon {node_id!r} exited with status {code} before ready")
+            raise TransportError(
+                f"daemon {node_id!r} exited with status {code} before ready: its log on "
+                "stderr says why"
+            )
         record = json.loads(line)
         yield SpawnedDaemon(record["url"], record["node_id"], record["pid"])
     finally:
