@@ -25,6 +25,29 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("refitd.ops.config_cmd", "check a configuration file (refitd config check FILE)"),
 }
 
+# Examples shown under `refitd bench NAME --help`.
+BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
+    "experts": (
+        "refitd bench experts                       # three presets, 1x/2x/4x pools",
+        "refitd bench experts --presets qwen3-30b-a3b --tokens 512",
+        "refitd bench experts --trace routes.jsonl --experts 128   # your own traffic",
+    ),
+    "plan": (
+        "refitd bench plan                          # full DeepSeek-V3 shapes, both layouts",
+        "refitd bench plan --layers 8 --layout fsdp # a quick run",
+        "refitd bench plan --unfuse view            # Megatron fused weights split by views",
+    ),
+    "refit": (
+        "refitd bench refit                         # 2 GiB, 3 versions, data path chosen per peer",
+        "refitd bench refit --transport ucx         # force every read through UCX",
+        "refitd bench refit --gib 4 --versions 5",
+    ),
+    "transport": (
+        "refitd bench transport                     # every transport, 4 KiB ... 256 MiB",
+        "refitd bench transport --schemes ucx --pieces 4KiB,1MiB --lanes 1",
+    ),
+}
+
 # `refitd bench NAME`: name -> (module, one-line help).
 BENCHES: dict[str, tuple[str, str]] = {
     "experts": (
@@ -53,10 +76,24 @@ def _build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
         importlib.import_module(module).add_arguments(p)
-    bench = sub.add_parser("bench", help="run a benchmark (prints ratios measured in one run)")
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark (prints ratios measured in one run)",
+        description="Run a benchmark. Each measures its baseline in the same run, prints "
+        "ratios, and ends with one line of key=value pairs for scripts.",
+        epilog="examples:\n  refitd bench plan\n  refitd bench refit --transport ucx",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCH", required=True)
     for name, (module, help_text) in BENCHES.items():
-        p = bench_sub.add_parser(name, help=help_text, description=help_text)
+        examples = "\n".join(f"  {line}" for line in BENCH_EXAMPLES.get(name, ()))
+        p = bench_sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=f"examples:\n{examples}" if examples else None,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         p.set_defaults(_module=module)
         importlib.import_module(module).add_arguments(p)
     return parser
