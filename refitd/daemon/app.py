@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
@@ -26,6 +27,7 @@ from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.pulls import PullManager, RemoteSource, Source
 from refitd.daemon.registry import check_manifest_bounds
 from refitd.daemon.schemas import (
+    MAX_LEASE_TTL_S,
     MSGPACK,
     ErrorBody,
     LeaseGrant,
@@ -141,14 +143,31 @@ def _int(request: web.Request, name: str) -> int:
         raise ProtocolError(f"{name} must be an integer, got {raw!r}") from None
 
 
-def _float(request: web.Request, name: str, default: float) -> float:
+def _float(
+    request: web.Request,
+    name: str,
+    default: float,
+    *,
+    positive: bool = False,
+    most: float = math.inf,
+) -> float:
+    """A duration in seconds from the query: finite, ``>= 0`` (``> 0`` if ``positive``)
+    and at most ``most``. NaN and infinities are refused: a NaN deadline never
+    compares as passed, so a lease renewed with one would never expire and a wait on
+    one would never end."""
     raw = request.query.get(name)
     if raw is None:
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
-        raise ProtocolError(f"query parameter {name} must be a number, got {raw!r}") from None
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0 and value <= most and (value > 0 or not positive)):
+        bound = f"{'>' if positive else '>='} 0" + (f" and <= {most:g}" if most < math.inf else "")
+        raise ProtocolError(
+            f"query parameter {name} must be a finite number of seconds {bound}, got {raw!r}"
+        )
+    return value
 
 
 routes = web.RouteTableDef()
@@ -287,7 +306,8 @@ async def check_lease(request: web.Request) -> web.Response:
 @routes.post(P + "/leases/{lease_id}/renew")
 async def renew(request: web.Request) -> web.Response:
     reg = request.app[DAEMON].registry
-    return reply(request, reg.renew(request.match_info["lease_id"], _float(request, "ttl", 30.0)))
+    ttl = _float(request, "ttl", 30.0, positive=True, most=MAX_LEASE_TTL_S)  # as on acquire
+    return reply(request, reg.renew(request.match_info["lease_id"], ttl))
 
 
 @routes.delete(P + "/leases/{lease_id}")
@@ -354,7 +374,10 @@ async def cancel_pull(request: web.Request) -> web.Response:
 @routes.get(P + "/peer/regions")
 async def peer_regions(request: web.Request) -> web.Response:
     raw = request.query.get("ids")
-    ids = None if raw is None else [int(x) for x in raw.split(",") if x]
+    try:
+        ids = None if raw is None else [int(x) for x in raw.split(",") if x]
+    except ValueError:  # a malformed id is the caller's mistake, not a server error
+        raise ProtocolError(f"ids must be comma-separated integers, got {raw!r}") from None
     return reply(request, request.app[DAEMON].peer_regions(ids))
 
 

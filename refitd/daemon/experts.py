@@ -38,6 +38,7 @@ from aiohttp import web
 
 from refitd.daemon.app import body, reply
 from refitd.daemon.auth import check_owner, owner_for
+from refitd.daemon.memory import check_shm_capacity
 from refitd.daemon.metrics import PoolStats
 from refitd.daemon.node import Daemon
 from refitd.daemon.openapi import Operation
@@ -355,12 +356,16 @@ class ExpertPools:
                 f"expert pool {spec.name!r} refused: {spec.slots} slots cannot hold one "
                 f"layer's {spec.experts} experts, and one step may route all of them"
             )
+        expert_bytes = sum(spec.row_bytes)
+        # Before any per-layer bookkeeping is built: a geometry whose bytes cannot
+        # exist must not first allocate lists of its (possibly 2**62) layers.
+        for n, region in ((spec.layers * spec.experts, "host rows"), (spec.slots, "slots")):
+            check_shm_capacity(n * expert_bytes, f"expert pool {spec.name!r} {region}")
         try:
             residency = _residency(spec)
         except ConfigError as exc:  # InconsistentResidency: a PlanError as well
             raise PlanError(f"expert pool {spec.name!r} refused: {exc}") from None
         del residency  # checked here so no region is created for a refused pool
-        expert_bytes = sum(spec.row_bytes)
         d = self.daemon
         host = await d.create_region(
             RegionCreate(

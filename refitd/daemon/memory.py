@@ -7,10 +7,26 @@ schema; :func:`refuse_cuda_ipc` says why this host cannot serve them.
 
 from __future__ import annotations
 
-from refitd.errors import PlanError
-from transports.shm import SharedSegment
+import os
 
-__all__ = ["SharedSegment", "byte_view", "refuse_cuda_ipc"]
+from refitd.errors import PlanError
+from transports.shm import SHM_DIR, SharedSegment
+
+__all__ = ["SharedSegment", "byte_view", "check_shm_capacity", "refuse_cuda_ipc"]
+
+
+def check_shm_capacity(nbytes: int, what: str) -> None:
+    """Refuse (:class:`PlanError`) ``nbytes`` of shared memory that the shared-memory
+    filesystem could never hold, before any file exists: tmpfs lets a sparse file
+    grow past what it can back, and the first write past that would SIGBUS the
+    daemon. ``what`` names the request in the refusal."""
+    st = os.statvfs(SHM_DIR)
+    capacity = st.f_blocks * st.f_frsize
+    if nbytes > capacity:
+        raise PlanError(
+            f"{what} refused: {nbytes} bytes exceed the {capacity}-byte shared-memory "
+            f"filesystem {SHM_DIR}"
+        )
 
 
 def byte_view(seg: SharedSegment) -> memoryview:

@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 
 from refitd.daemon.copier import Copier, ThreadCopier, pack_strided
-from refitd.daemon.memory import SharedSegment, byte_view, refuse_cuda_ipc
+from refitd.daemon.memory import SharedSegment, byte_view, check_shm_capacity, refuse_cuda_ipc
 from refitd.daemon.regions import RegionTable, validate_pack_specs
 from refitd.daemon.registry import Registry
 from refitd.daemon.schemas import (
@@ -36,7 +36,7 @@ from refitd.daemon.schemas import (
     RegionKind,
     VersionInfo,
 )
-from refitd.errors import ConflictError, ProtocolError, RefitError, TransportError
+from refitd.errors import ConflictError, PlanError, ProtocolError, RefitError, TransportError
 from transports.shm import SHM_DIR
 
 __all__ = [
@@ -232,7 +232,11 @@ class Daemon:
         """A new daemon-owned segment of exactly ``req.nbytes`` bytes (≥ 1)."""
         if req.kind is RegionKind.CUDA_IPC:
             refuse_cuda_ipc()
-        seg = SharedSegment.create(req.nbytes, req.label or "region")
+        check_shm_capacity(req.nbytes, f"region of {req.nbytes} bytes")
+        try:  # a size the kernel cannot map is the client's mistake, not a server error
+            seg = SharedSegment.create(req.nbytes, req.label or "region")
+        except (OSError, OverflowError) as exc:
+            raise PlanError(f"region of {req.nbytes} bytes refused: {exc}") from None
         return await self._record(seg, req.kind, req.owner, req.label, daemon_owned=True)
 
     async def attach_region(self, req: RegionAttach) -> RegionInfo:

@@ -35,7 +35,11 @@ from typing import Protocol
 import numpy as np
 
 from refitd.daemon.node import AUTO, SHM_SCHEME, Daemon, PeerRegions, StagedPack
-from refitd.daemon.regions import validate_descriptors, validate_pack_specs
+from refitd.daemon.regions import (
+    refuse_overlapping_writes,
+    validate_descriptors,
+    validate_pack_specs,
+)
 from refitd.daemon.schemas import (
     ErrorBody,
     PackSpec,
@@ -215,6 +219,7 @@ class PullManager:
         dst_sizes = self.d.regions.sizes()
         validate_descriptors(req.descriptors, src_sizes, dst_sizes)
         validate_pack_specs(req.pack_specs, src_sizes, dst_sizes)
+        refuse_overlapping_writes(rows, req.pack_specs)
         path = self.choose_path(src, peer)
         total = int(rows[:, 4].sum()) + sum(p.nbytes for p in req.pack_specs)
         job = PullJob(f"p{next(self._seq)}", req, total, rows.shape[0] + len(req.pack_specs))

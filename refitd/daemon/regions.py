@@ -16,7 +16,12 @@ import numpy as np
 from refitd.daemon.schemas import DescriptorTable, PackSpec, RegionInfo
 from refitd.errors import NotFoundError, ProtocolError
 
-__all__ = ["RegionTable", "validate_descriptors", "validate_pack_specs"]
+__all__ = [
+    "RegionTable",
+    "refuse_overlapping_writes",
+    "validate_descriptors",
+    "validate_pack_specs",
+]
 
 
 class RegionTable:
@@ -146,3 +151,34 @@ def validate_pack_specs(
                 f"{where} refused: {p.nbytes} packed bytes overrun the {dsize}-byte "
                 "destination region; nothing was transferred"
             )
+
+
+def refuse_overlapping_writes(rows: np.ndarray, specs: list[PackSpec]) -> None:
+    """Refuse a plan that writes any destination byte twice (:class:`ProtocolError`
+    naming both writes): the copies run concurrently, so which one lands would be up
+    to chance. Call after the bounds checks (``offset + nbytes`` cannot overflow
+    then). Zero-length writes overlap nothing. Descriptor ``i`` is named by its
+    index, pack spec ``j`` as ``pack spec j``."""
+    regions = [rows[:, 2], np.array([p.dst_region for p in specs], dtype=np.int64)]
+    starts = [rows[:, 3], np.array([p.dst_offset for p in specs], dtype=np.int64)]
+    sizes = [rows[:, 4], np.array([p.nbytes for p in specs], dtype=np.int64)]
+    region, start, size = (np.concatenate(x) for x in (regions, starts, sizes))
+    names = np.arange(len(region))
+    keep = size > 0
+    region, start, size, names = region[keep], start[keep], size[keep], names[keep]
+    order = np.lexsort((start, region))
+    region, start, end, names = region[order], start[order], (start + size)[order], names[order]
+    # Sorted by (region, start): if any two writes overlap, some adjacent pair does.
+    hits = np.flatnonzero((region[1:] == region[:-1]) & (start[1:] < end[:-1]))
+    if len(hits):
+        i = int(hits[0])
+
+        def what(k: int) -> str:
+            n = int(names[k])
+            return f"descriptor {n}" if n < len(rows) else f"pack spec {n - len(rows)}"
+
+        raise ProtocolError(
+            f"{what(i)} and {what(i + 1)} refused: their destination ranges overlap in "
+            f"region {int(region[i])} at byte {int(start[i + 1])}; a plan writes each "
+            "destination byte once; nothing was transferred"
+        )

@@ -70,13 +70,21 @@ def check_manifest_bounds(m: ManifestIn, region_sizes: Mapping[int, int]) -> Non
     """Refuse a manifest whose shards fall outside their tensor or their region.
 
     ``region_sizes`` maps region id to its size in bytes. Raises
-    :class:`ProtocolError` (unknown dtype, shard outside the global shape) or
+    :class:`ProtocolError` (a name listed twice, unknown dtype, a negative global
+    size, shard outside the global shape) or
     :class:`NotFoundError` (unknown region) naming the tensor and shard.
     """
+    seen: set[str] = set()
     for t in m.tensors:
+        # One entry per name: a second would make the merge pick between two shapes.
+        if t.name in seen:
+            raise ProtocolError(f"tensor {t.name!r} is listed twice in one manifest")
+        seen.add(t.name)
         size = DTYPE_SIZES.get(t.dtype)
         if size is None:
             raise ProtocolError(f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
+        if any(g < 0 for g in t.shape):  # a tensor without shards is not checked below
+            raise ProtocolError(f"tensor {t.name!r}: global shape {t.shape} has a negative size")
         for i, s in enumerate(t.shards):
             if len(s.offset) != len(t.shape) or len(s.shape) != len(t.shape):
                 raise ProtocolError(

@@ -27,6 +27,7 @@ from refitd.errors import ProtocolError
 
 __all__ = [
     "API_PREFIX",
+    "MAX_LEASE_TTL_S",
     "MSGPACK",
     "DescriptorTable",
     "EnsureRequest",
@@ -61,8 +62,13 @@ __all__ = [
 API_PREFIX = "/v1"
 MSGPACK = "application/msgpack"
 
-NonNeg = Annotated[int, msgspec.Meta(ge=0)]
-Positive = Annotated[int, msgspec.Meta(gt=0)]
+# Every wire integer is bounded to int64: msgspec would otherwise accept any JSON
+# integer (and msgpack up to 2**64 - 1), and an id, offset or size past int64 can
+# neither be checked against numpy's int64 records nor encoded back in a reply.
+INT64_MAX = 2**63 - 1
+Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=INT64_MAX)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+Positive = Annotated[int, msgspec.Meta(gt=0, le=INT64_MAX)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
@@ -152,9 +158,9 @@ class ShardEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One block of a full tensor held in a region: ``offset``/``shape`` in elements of the
     global tensor, the block stored C-contiguous at ``byte_offset`` of ``region``."""
 
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-    region: int
+    offset: tuple[Int64, ...]
+    shape: tuple[Int64, ...]
+    region: Int64
     byte_offset: NonNeg
 
 
@@ -162,7 +168,7 @@ class TensorEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A full tensor by name: global shape, dtype (torch name, e.g. ``"bfloat16"``), shards."""
 
     name: str
-    shape: tuple[int, ...]
+    shape: tuple[Int64, ...]
     dtype: str
     shards: list[ShardEntry]
 
@@ -214,10 +220,14 @@ class MergedManifest(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------- leases
 
 
+#: the longest lease (acquired or renewed) a daemon grants, in seconds
+MAX_LEASE_TTL_S = 3600.0
+
+
 class LeaseRequest(msgspec.Struct, frozen=True):
     model: Name
     version: NonNeg
-    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 30.0
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_LEASE_TTL_S)] = 30.0
     holder: str = ""
 
 
@@ -269,12 +279,12 @@ class PackSpec(msgspec.Struct, frozen=True, array_like=True):
     ``strides`` in **elements**; ``itemsize`` in bytes.
     """
 
-    src_region: int
+    src_region: Int64
     src_offset: NonNeg
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
+    shape: tuple[Int64, ...]
+    strides: tuple[Int64, ...]
     itemsize: Positive
-    dst_region: int
+    dst_region: Int64
     dst_offset: NonNeg
 
     @property

@@ -1,0 +1,684 @@
+"""Hostile input to HTTP API v1 fails closed.
+
+Every request here is a client mistake or an attack: it must be refused with a 4xx
+in the ``{"error", "detail"}`` shape (never a 5xx), and afterwards the daemon must
+still answer health and execute a valid local pull byte-exact, with nothing written
+into the destination region by the refused requests. The ``env`` fixture checks
+that last part once per test, when the test ends.
+
+A real daemon serves on 127.0.0.1:0 (shared-memory data plane, no UCX), and raw
+bodies go through a real aiohttp session so malformed bytes reach the server as is.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import numpy as np
+import pytest
+
+from refitd.client.http import RefitClient
+from refitd.config import ServerConfig
+from refitd.daemon.auth import check_startup, setup_auth
+from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.schemas import (
+    MSGPACK,
+    DescriptorTable,
+    ManifestIn,
+    PullRequest,
+    ShardEntry,
+    TensorEntry,
+)
+from refitd.daemon.serve import listening
+from refitd.errors import AccessError
+from transports.shm import SharedSegment
+
+pytestmark = pytest.mark.timeout(60)
+
+#: the test daemon's request size limit in bytes: a million descriptor rows (40 MB) exceed it
+MAX_BODY = 4 << 20
+#: the toy tensor 'w' is 4x8 float32: 128 bytes in a 128-byte daemon-owned region
+W_BYTES = 128
+
+
+@dataclass
+class Env:
+    client: RefitClient
+    http: aiohttp.ClientSession
+    url: str
+    daemon: Daemon
+    src: int  # region holding version 1 of 'toy'
+    dst: int  # the test's destination region (must stay zero under refused pulls)
+    dseg: SharedSegment
+    lease: str
+    expected: np.ndarray  # the source bytes a valid pull must deliver
+
+    async def send(
+        self, method: str, path: str, data: bytes | None = None, ctype: str | None = MSGPACK
+    ) -> tuple[int, dict[str, Any]]:
+        """Send raw ``data``; return the status and the decoded JSON error body."""
+        headers = {"Content-Type": ctype} if ctype else {}
+        async with self.http.request(method, self.url + path, data=data, headers=headers) as r:
+            raw = await r.read()
+        try:
+            return r.status, (msgspec.json.decode(raw) if raw else {})
+        except msgspec.DecodeError:  # not our error shape (e.g. aiohttp's own 500 page)
+            return r.status, {"raw": raw[:200]}
+
+    async def refused(
+        self,
+        method: str,
+        path: str,
+        value: Any = None,
+        *,
+        raw: bytes | None = None,
+        ctype: str | None = MSGPACK,
+        status: int | tuple[int, ...] | None = None,
+    ) -> str:
+        """Send ``value`` (msgpack-encoded) or ``raw``; assert a 4xx in the error shape.
+
+        Returns the refusal's detail so a test can check it names what was refused."""
+        data = raw if raw is not None else msgspec.msgpack.encode(value)
+        code, body = await self.send(method, path, data, ctype)
+        assert 400 <= code < 500, (code, body)
+        if status is not None:
+            assert code in ((status,) if isinstance(status, int) else status), (code, body)
+        assert isinstance(body.get("error"), str) and body["error"], body
+        assert isinstance(body.get("detail"), str) and body["detail"], body
+        return str(body["detail"])
+
+
+def toy_manifest(region: int, version: int = 1, slot: int = 0, slots: int = 1) -> ManifestIn:
+    return ManifestIn(
+        "toy",
+        version,
+        slot,
+        slots,
+        [TensorEntry("w", (4, 8), "float32", [ShardEntry((0, 0), (4, 8), region, 0)])],
+    )
+
+
+def rows(*rs: list[int]) -> bytes:
+    return np.array(rs, dtype="<i8").reshape(-1, 5).tobytes()
+
+
+def pull_body(env: Env, table: bytes, **kw: Any) -> dict[str, Any]:
+    return {
+        "model": "toy",
+        "version": 1,
+        "lease_id": env.lease,
+        "descriptors": {"table": table},
+        **kw,
+    }
+
+
+@pytest.fixture
+async def env() -> AsyncIterator[Env]:
+    opts = DaemonOptions(
+        port=0, node_id="hostile", transport="shm", client_max_size=MAX_BODY, grace_s=0.5
+    )
+    daemon = Daemon(opts)
+    async with (
+        listening(daemon.options, daemon=daemon) as (_, url),
+        RefitClient(url) as c,
+        aiohttp.ClientSession() as http,
+    ):
+        info = await c.create_region(W_BYTES, label="w")
+        with SharedSegment.attach(info.handle, info.nbytes) as sseg:
+            expected = 1.0 + np.arange(32, dtype=np.float32)
+            sseg.numpy(np.float32)[:] = expected
+        await c.publish(toy_manifest(info.region_id))
+        lease = await c.acquire_lease("toy", 1, ttl_s=600)
+        with SharedSegment.create(W_BYTES, "dst") as dseg:
+            dinfo = await c.attach_region(dseg.name, W_BYTES, label="dst")
+            e = Env(
+                c,
+                http,
+                url,
+                daemon,
+                info.region_id,
+                dinfo.region_id,
+                dseg,
+                lease.lease_id,
+                expected,
+            )
+            yield e
+            # The daemon survived, and nothing refused wrote a byte.
+            assert (await c.health())["status"] == "ok"
+            assert not dseg.numpy(np.uint8).any(), "a refused request wrote into the destination"
+            res = await c.pull(
+                PullRequest(
+                    "toy",
+                    1,
+                    lease.lease_id,
+                    DescriptorTable(rows([info.region_id, 0, dinfo.region_id, 0, W_BYTES])),
+                )
+            )
+            assert res.bytes_done == W_BYTES
+            assert np.array_equal(dseg.numpy(np.float32), expected)
+
+
+# ---------------------------------------------------------------- malformed bodies
+
+JSON = "application/json"
+LEASES = "/v1/leases"
+
+
+@pytest.mark.parametrize(
+    ("raw", "ctype"),
+    [
+        (b"{not json", JSON),
+        (b"\xc1\xc1\xc1", MSGPACK),  # 0xc1 is never used in msgpack
+        (b"", JSON),
+        (b"", MSGPACK),
+        (b"[]", JSON),
+        (b"null", JSON),
+        (b'{"model": "toy"', JSON),
+        (b"\xff\xfe\x00", JSON),
+        # A valid body under the other encoding's content type.
+        (b'{"model": "toy", "version": 1}', MSGPACK),
+        (msgspec.msgpack.encode({"model": "toy", "version": 1}), JSON),
+        (b"\x00" * 64, "application/octet-stream"),
+    ],
+)
+async def test_an_undecodable_lease_body_is_refused_with_400(
+    env: Env, raw: bytes, ctype: str
+) -> None:
+    detail = await env.refused("POST", LEASES, raw=raw, ctype=ctype, status=400)
+    assert "body refused" in detail
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"model": 1, "version": 1},
+        {"model": "toy", "version": "1"},
+        {"model": "toy"},
+        {"version": 1},
+        {"model": "toy", "version": 1, "ttl_s": "long"},
+        {"model": "toy", "version": 2**64 - 1},
+        {"model": "toy", "version": -1},
+        {"model": "", "version": 1},
+        {"model": "x" * 10_000, "version": 1},
+        {"model": ["toy"], "version": 1},
+    ],
+)
+async def test_a_lease_request_of_the_wrong_shape_is_refused(env: Env, value: Any) -> None:
+    await env.refused("POST", LEASES, value, status=(400, 404))
+
+
+@pytest.mark.parametrize("ttl", [0.0, -1.0, math.nan, math.inf, -math.inf, 1e308, 2.0**63])
+async def test_a_lease_ttl_that_is_not_a_sane_positive_duration_is_refused(
+    env: Env, ttl: float
+) -> None:
+    detail = await env.refused(
+        "POST", LEASES, {"model": "toy", "version": 1, "ttl_s": ttl}, status=400
+    )
+    assert "ttl_s" in detail
+
+
+async def test_nan_in_a_json_body_is_refused(env: Env) -> None:
+    raw = b'{"model": "toy", "version": 1, "ttl_s": NaN}'
+    await env.refused("POST", LEASES, raw=raw, ctype=JSON, status=400)
+
+
+async def test_a_number_too_large_for_64_bits_is_refused(env: Env) -> None:
+    raw = b'{"model": "toy", "version": 18446744073709551616}'  # 2**64
+    await env.refused("POST", LEASES, raw=raw, ctype=JSON, status=400)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"nbytes": -1},
+        {"nbytes": 0},
+        {"nbytes": 2**63},
+        {"nbytes": 2**64 - 1},
+        {"nbytes": 2**62},  # no host can map 4 EiB
+        {"nbytes": 64, "kind": "tape"},
+        {"nbytes": "64"},
+        {"nbytes": 64.5},
+        {},
+    ],
+)
+async def test_a_region_create_that_no_memory_can_satisfy_is_refused(env: Env, value: Any) -> None:
+    before = len(env.daemon.regions)
+    await env.refused("POST", "/v1/regions", value)
+    assert len(env.daemon.regions) == before
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"handle": "../../etc/passwd", "nbytes": 64},
+        {"handle": "no-such-segment", "nbytes": 64},
+        {"handle": "", "nbytes": 64},
+        {"handle": "x/y", "nbytes": 64},
+        {"handle": "no-such-segment", "nbytes": 2**63},
+    ],
+)
+async def test_attaching_a_segment_that_is_not_ours_to_map_is_refused(env: Env, value: Any) -> None:
+    await env.refused("POST", "/v1/regions/attach", value)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/regions/abc",
+        "/v1/regions/99999999999999999999999",
+        "/v1/regions/-1",
+        "/v1/sources/toy/versions/abc",
+        "/v1/sources/toy/versions/99999999999999999999999999",
+        "/v1/pulls/nope",
+        "/v1/leases/nope?version=x",
+        "/v1/peer/regions?ids=a,b",
+        "/v1/peer/regions?ids=99999999999999999999999",
+        "/v1/no/such/route",
+    ],
+)
+async def test_a_malformed_or_unknown_path_is_refused(env: Env, path: str) -> None:
+    await env.refused("GET", path, raw=b"", ctype=None)
+
+
+# ---------------------------------------------------------------- descriptor payloads
+
+PULLS = "/v1/pulls"
+
+
+async def test_a_descriptor_table_that_is_not_whole_rows_is_refused(env: Env) -> None:
+    table = rows([env.src, 0, env.dst, 0, W_BYTES])[:-3]
+    detail = await env.refused("POST", PULLS, pull_body(env, table), status=400)
+    assert "40-byte rows" in detail
+
+
+async def test_a_descriptor_table_sent_as_a_list_of_dicts_is_refused(env: Env) -> None:
+    body = pull_body(env, b"")
+    body["descriptors"] = [{"src_region": env.src}]
+    await env.refused("POST", PULLS, body, status=400)
+
+
+def _bad_rows(env: Env) -> dict[str, list[int]]:
+    s, d, big = env.src, env.dst, 2**63 - 1
+    return {
+        "offset+nbytes overflows int64": [s, big, d, 0, big],
+        "dst offset+nbytes overflows int64": [s, 0, d, big, 16],
+        "nbytes near int64 max": [s, 0, d, 0, big],
+        "negative source offset": [s, -8, d, 0, 8],
+        "negative destination offset": [s, 0, d, -8, 8],
+        "negative length": [s, 8, d, 8, -8],
+        "most negative length": [s, 0, d, 0, -(2**63)],
+        "source range past the region": [s, 120, d, 0, 16],
+        "destination range past the region": [s, 0, d, 120, 16],
+        "unknown source region": [12345, 0, d, 0, 8],
+        "unknown destination region": [s, 0, 12345, 0, 8],
+        "negative region id": [-1, 0, d, 0, 8],
+    }
+
+
+BAD_ROW_CASES = [
+    "offset+nbytes overflows int64",
+    "dst offset+nbytes overflows int64",
+    "nbytes near int64 max",
+    "negative source offset",
+    "negative destination offset",
+    "negative length",
+    "most negative length",
+    "source range past the region",
+    "destination range past the region",
+    "unknown source region",
+    "unknown destination region",
+    "negative region id",
+]
+
+
+@pytest.mark.parametrize("case", BAD_ROW_CASES)
+async def test_a_plan_with_one_bad_descriptor_moves_no_byte(env: Env, case: str) -> None:
+    """The bad row comes after a good one: the good one must not have been copied."""
+    good = [env.src, 0, env.dst, 0, 8]
+    detail = await env.refused("POST", PULLS, pull_body(env, rows(good, _bad_rows(env)[case])))
+    assert "descriptor 1" in detail or "region" in detail
+
+
+async def test_a_plan_with_only_zero_length_rows_moves_nothing(env: Env) -> None:
+    """Zero-length reads inside both regions are legal and move no byte."""
+    body = pull_body(
+        env, rows([env.src, 0, env.dst, 0, 0], [env.src, W_BYTES, env.dst, W_BYTES, 0])
+    )
+    code, res = await env.send("POST", PULLS, msgspec.msgpack.encode(body))
+    assert code == 202, res
+    done = await env.client.wait_pull(res["pull_id"])
+    assert done.bytes_done == 0
+
+
+async def test_a_plan_writing_one_destination_byte_twice_is_refused(env: Env) -> None:
+    """Two reads landing on overlapping destination bytes leave the result up to the
+    order the copies ran in: such a plan is refused whole."""
+    body = pull_body(env, rows([env.src, 0, env.dst, 0, 16], [env.src, 32, env.dst, 8, 16]))
+    detail = await env.refused("POST", PULLS, body, status=400)
+    assert "overlap" in detail
+
+
+async def test_an_exact_duplicate_descriptor_is_refused(env: Env) -> None:
+    body = pull_body(env, rows([env.src, 0, env.dst, 0, 16], [env.src, 0, env.dst, 0, 16]))
+    await env.refused("POST", PULLS, body, status=400)
+
+
+async def test_a_pull_into_a_region_of_another_owner_is_refused(tmp_path: Path) -> None:
+    """With bearer tokens on, bob may not pull into alice's region, even under his own
+    valid lease and with in-bounds descriptors; alice's bytes stay untouched."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice a1\nbob b2\n")
+    tokens.chmod(0o600)
+    policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
+    opts = DaemonOptions(port=0, node_id="auth", transport="shm", grace_s=0.5)
+    daemon = Daemon(opts)
+    async with (
+        listening(opts, daemon=daemon, setup=[lambda app: setup_auth(app, policy)]) as (_, url),
+        RefitClient(url, token="a1") as alice,
+        RefitClient(url, token="b2") as bob,
+    ):
+        src = await bob.create_region(W_BYTES)
+        await bob.publish(toy_manifest(src.region_id))
+        lease = await bob.acquire_lease("toy", 1)
+        mine = await alice.create_region(W_BYTES)
+        req = PullRequest(
+            "toy",
+            1,
+            lease.lease_id,
+            DescriptorTable(rows([src.region_id, 0, mine.region_id, 0, 8])),
+        )
+        with pytest.raises(AccessError, match=f"region {mine.region_id}"):
+            await bob.submit_pull(req)
+        assert await bob.pulls() == []
+        with SharedSegment.attach(mine.handle, W_BYTES) as seg:
+            assert not seg.numpy(np.uint8).any()
+
+
+async def test_a_million_descriptor_rows_are_refused_as_too_large(env: Env) -> None:
+    table = np.zeros((1_000_000, 5), dtype="<i8").tobytes()
+    detail = await env.refused("POST", PULLS, pull_body(env, table), status=413)
+    assert "too large" in detail
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        [0, 0, [2**62, 2**62], [1, 1], 4, 0, 0],  # shape product overflows int64
+        [0, 0, [4], [2**62], 4, 0, 0],  # strides reach past any region
+        [0, 0, [4], [-1], 4, 0, 0],  # negative stride reaches before the region
+        [0, 0, [-4], [1], 4, 0, 0],
+        [0, 0, [4, 4], [1], 4, 0, 0],  # rank mismatch
+        [0, 0, [4], [1], 0, 0, 0],  # zero itemsize
+        [0, 2**63, [4], [1], 4, 0, 0],
+        [0, 0, [8], [1], 4, 0, 2**63],
+    ],
+)
+async def test_a_hostile_pack_spec_is_refused(env: Env, spec: list[Any]) -> None:
+    spec = list(spec)
+    spec[0], spec[5] = env.src, env.dst
+    await env.refused("POST", PULLS, pull_body(env, b"", pack_specs=[spec]))
+
+
+async def test_a_pull_under_an_unknown_lease_is_refused(env: Env) -> None:
+    body = pull_body(env, rows([env.src, 0, env.dst, 0, 8]))
+    body["lease_id"] = "l0-forged"
+    await env.refused("POST", PULLS, body, status=409)
+
+
+async def test_a_pull_naming_an_unreachable_source_fails_as_a_gateway_error(env: Env) -> None:
+    """The one 5xx here on purpose: the request is well formed, but the peer it names
+    does not answer, which is 502 (the daemon's upstream failed), in the error shape."""
+    body = pull_body(env, rows([env.src, 0, env.dst, 0, 8]), source="http://127.0.0.1:1")
+    code, res = await env.send("POST", PULLS, msgspec.msgpack.encode(body))
+    assert code == 502 and res["error"] == "TransportError", res
+    assert "127.0.0.1:1" in res["detail"]
+    assert await env.client.pulls() == []
+
+
+async def test_random_int64_descriptor_rows_never_get_a_5xx(env: Env) -> None:
+    """Rows drawn from edge values and random int64s: each plan is refused with a 4xx
+    or (when every row happens to be in bounds) accepted; none writes out of bounds."""
+    rng = np.random.default_rng(5)
+    edges = np.array([0, 1, -1, 8, W_BYTES, W_BYTES - 8, 2**31, 2**63 - 1, -(2**63)], "<i8")
+    for _ in range(60):
+        n = int(rng.integers(1, 5))
+        table = np.where(
+            rng.random((n, 5)) < 0.7,
+            rng.choice(edges, (n, 5)),
+            rng.integers(-(2**63), 2**63 - 1, (n, 5), dtype="<i8", endpoint=True),
+        ).astype("<i8")
+        # Region ids mostly real, so the bounds checks (not the id lookup) are reached.
+        table[:, 0] = np.where(rng.random(n) < 0.8, env.src, table[:, 0])
+        table[:, 2] = np.where(rng.random(n) < 0.8, env.dst, table[:, 2])
+        code, body = await env.send(
+            "POST", PULLS, msgspec.msgpack.encode(pull_body(env, table.tobytes()))
+        )
+        assert code < 500, (table.tolist(), body)
+        if code == 202:  # in bounds by chance: let it finish, then clear the destination
+            await env.client.wait_pull(body["pull_id"])
+            env.dseg.numpy(np.uint8)[:] = 0
+        else:
+            assert 400 <= code < 500 and body["error"] and body["detail"], body
+
+
+# ---------------------------------------------------------------- manifests
+
+SOURCES = "/v1/sources"
+
+
+def manifest(
+    region: int, *tensors: list[Any], version: int = 2, slot: int = 0, slots: int = 1
+) -> dict[str, Any]:
+    return {
+        "model": "toy",
+        "version": version,
+        "slot": slot,
+        "expected_slots": slots,
+        "tensors": list(tensors),
+    }
+
+
+def _bad_tensors(r: int) -> dict[str, list[Any]]:
+    return {
+        "shard outside the global shape": ["w", [4, 8], "float32", [[[2, 0], [4, 8], r, 0]]],
+        "shard at a negative offset": ["w", [4, 8], "float32", [[[-1, 0], [4, 8], r, 0]]],
+        "shard of negative shape": ["w", [4, 8], "float32", [[[0, 0], [-4, 8], r, 0]]],
+        "shard overrunning its region": ["w", [8, 8], "float32", [[[0, 0], [8, 8], r, 0]]],
+        "shard at a byte offset past its region": ["w", [1], "float32", [[[0], [1], r, 2**63]]],
+        "shard of a huge shape": ["w", [2**62, 2**62], "float32", [[[0, 0], [2**62, 2**62], r, 0]]],
+        "unknown dtype": ["w", [4, 8], "float33", [[[0, 0], [4, 8], r, 0]]],
+        "rank mismatch": ["w", [4, 8], "float32", [[[0], [4], r, 0]]],
+        "unknown region": ["w", [4, 8], "float32", [[[0, 0], [4, 8], 999, 0]]],
+        "negative global shape": ["w", [-4, 8], "float32", []],
+        "huge global shape": ["w", [2**64 - 1], "float32", []],
+    }
+
+
+MANIFEST_CASES = list(_bad_tensors(0))
+
+
+@pytest.mark.parametrize("case", MANIFEST_CASES)
+async def test_a_hostile_manifest_is_refused_and_publishes_nothing(env: Env, case: str) -> None:
+    await env.refused("POST", SOURCES, manifest(env.src, _bad_tensors(env.src)[case]))
+    assert [v.version for v in await env.client.versions("toy")] == [1]
+
+
+async def test_a_manifest_naming_one_tensor_twice_is_refused(env: Env) -> None:
+    t = ["w", [4, 8], "float32", [[[0, 0], [4, 8], env.src, 0]]]
+    await env.refused("POST", SOURCES, manifest(env.src, t, t), status=(400, 409))
+    assert [v.version for v in await env.client.versions("toy")] == [1]
+
+
+async def test_a_publisher_slot_published_twice_counts_once(env: Env) -> None:
+    """A retried publish replaces its slot: it never counts as a second slot, so a
+    two-slot version stays pending until slot 1 publishes."""
+    t = ["w", [4, 8], "float32", [[[0, 0], [2, 8], env.src, 0]]]
+    for _ in range(2):
+        code, body = await env.send(
+            "POST", SOURCES, msgspec.msgpack.encode(manifest(env.src, t, slots=2))
+        )
+        assert code == 201, body
+    assert body["published_slots"] == [0] and body["state"] == "pending"
+    await env.refused("GET", "/v1/sources/toy/versions/2/manifest", raw=b"", ctype=None, status=409)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"slot": 2, "expected_slots": 2},
+        {"expected_slots": 0},
+        {"slot": -1},
+        {"expected_slots": 2**64 - 1, "slot": 2**63},
+    ],
+)
+async def test_a_slot_outside_the_expected_slots_is_refused(
+    env: Env, field: dict[str, int]
+) -> None:
+    t = ["w", [4, 8], "float32", [[[0, 0], [4, 8], env.src, 0]]]
+    body = manifest(env.src, t)
+    body.update(field)
+    await env.refused("POST", SOURCES, body)
+
+
+async def test_republishing_a_leased_version_is_refused(env: Env) -> None:
+    t = ["w", [4, 8], "float32", [[[0, 0], [4, 8], env.src, 0]]]
+    await env.refused("POST", SOURCES, manifest(env.src, t, version=1), status=409)
+
+
+async def test_an_older_version_after_a_newer_one_does_not_become_latest(env: Env) -> None:
+    """Versions out of order: publishing v0 after v1 is refused or leaves v1 latest."""
+    t = ["w", [4, 8], "float32", [[[0, 0], [4, 8], env.src, 0]]]
+    code, body = await env.send(
+        "POST", SOURCES, msgspec.msgpack.encode(manifest(env.src, t, version=0))
+    )
+    assert code < 500, body
+    assert (await env.client.version("toy", "latest")).version == 1
+
+
+# ---------------------------------------------------------------- leases
+
+
+@pytest.mark.parametrize("ttl", ["0", "-1", "nan", "inf", "-inf", "1e308", "abc", ""])
+async def test_renewing_with_a_ttl_that_is_not_a_sane_duration_is_refused(
+    env: Env, ttl: str
+) -> None:
+    detail = await env.refused(
+        "POST", f"{LEASES}/{env.lease}/renew?ttl={ttl}", raw=b"", ctype=None, status=400
+    )
+    assert "ttl" in detail
+    # The lease still holds, so the pull the fixture runs at the end can use it.
+    await env.client.check_lease(env.lease, "toy", 1)
+
+
+@pytest.mark.parametrize("lease", ["l0-unknown", "x" * 5000, "%00", "..%2F.."])
+async def test_renewing_an_unknown_lease_is_refused_with_409(env: Env, lease: str) -> None:
+    await env.refused("POST", f"{LEASES}/{lease}/renew", raw=b"", ctype=None, status=(404, 409))
+
+
+async def test_a_released_lease_cannot_be_renewed_or_pulled_under(env: Env) -> None:
+    grant = await env.client.acquire_lease("toy", 1, ttl_s=30)
+    await env.client.release_lease(grant.lease_id)
+    await env.refused("POST", f"{LEASES}/{grant.lease_id}/renew", raw=b"", ctype=None, status=409)
+    body = pull_body(env, rows([env.src, 0, env.dst, 0, 8]))
+    body["lease_id"] = grant.lease_id
+    await env.refused("POST", PULLS, body, status=409)
+
+
+async def test_a_lease_on_a_version_that_does_not_exist_is_refused(env: Env) -> None:
+    await env.refused("POST", LEASES, {"model": "toy", "version": 7}, status=404)
+    await env.refused("POST", LEASES, {"model": "nope", "version": 1}, status=404)
+
+
+@pytest.mark.parametrize("seconds", ["nan", "-1", "abc", "inf"])
+async def test_a_drain_or_wait_with_a_nonsense_timeout_is_refused(env: Env, seconds: str) -> None:
+    await env.refused(
+        "POST",
+        f"/v1/sources/toy/versions/1/drain?timeout={seconds}",
+        raw=b"",
+        ctype=None,
+        status=400,
+    )
+    await env.refused("GET", f"/v1/pulls/p0/wait?timeout={seconds}", raw=b"", ctype=None)
+
+
+# ---------------------------------------------------------------- expert pools
+
+EXPERTS = "/v1/experts"
+
+
+def pool(**kw: Any) -> dict[str, Any]:
+    return {"name": "p", "layers": 2, "experts": 4, "slots": 4, "row_bytes": [16], **kw}
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"layers": 0},
+        {"layers": -1},
+        {"experts": 0},
+        {"slots": 0},
+        {"row_bytes": [0]},
+        {"row_bytes": [-16]},
+        {"row_bytes": []},
+        {"slots": 3},  # smaller than one layer's experts
+        {"layers": 2**62, "experts": 2**62, "slots": 2**62},  # bytes overflow int64
+        {"row_bytes": [2**40], "slots": 2**30, "experts": 4},  # no host maps that
+        {"name": "../etc"},
+        {"name": ""},
+        {"residency": ["pageable", "pinned"]},  # a pageable layer not in cpu_layers
+        {"cpu_layers": [5]},
+    ],
+)
+async def test_a_pool_geometry_no_memory_can_hold_is_refused(env: Env, kw: dict[str, Any]) -> None:
+    before = len(env.daemon.regions)
+    await env.refused("POST", EXPERTS, pool(**kw))
+    assert len(env.daemon.regions) == before, "a refused pool left a region behind"
+    assert await env.client.pools() == []
+
+
+@pytest.mark.parametrize(
+    "req",
+    [
+        {"layer": 2, "routed": [0]},
+        {"layer": 2**63, "routed": [0]},
+        {"layer": -1, "routed": [0]},
+        {"layer": 0, "routed": [4]},
+        {"layer": 0, "routed": [2**63]},
+        {"layer": 0, "routed": [-1]},
+        {"layer": 0, "routed": [0, 1, 2, 3, 4]},
+        {"layer": 0},
+    ],
+)
+async def test_an_ensure_outside_the_pool_is_refused(env: Env, req: dict[str, Any]) -> None:
+    code, body = await env.send("POST", EXPERTS, msgspec.msgpack.encode(pool()))
+    assert code == 201, body
+    await env.refused("POST", f"{EXPERTS}/p/ensure", req)
+    assert (await env.client.pool("p")).copied_bytes == 0
+
+
+async def test_duplicate_routes_in_one_ensure_share_one_slot(env: Env) -> None:
+    code, body = await env.send("POST", EXPERTS, msgspec.msgpack.encode(pool()))
+    assert code == 201, body
+    res = await env.client.ensure("p", 0, [1, 1, 1, 2])
+    assert res.slots[0] == res.slots[1] == res.slots[2] != res.slots[3]
+
+
+@pytest.mark.parametrize(
+    "req", [{"experts": [[0, 4]]}, {"experts": [[2, 0]]}, {"layers": [9]}, {"experts": [[0]]}]
+)
+async def test_invalidating_experts_outside_the_pool_is_refused(
+    env: Env, req: dict[str, Any]
+) -> None:
+    code, body = await env.send("POST", EXPERTS, msgspec.msgpack.encode(pool()))
+    assert code == 201, body
+    await env.refused("POST", f"{EXPERTS}/p/invalidate", req)
+
+
+async def test_an_unknown_pool_is_refused_with_404(env: Env) -> None:
+    await env.refused("POST", f"{EXPERTS}/nope/ensure", {"layer": 0, "routed": [0]}, status=404)
