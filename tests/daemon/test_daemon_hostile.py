@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from support.daemons import FakeClock
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
@@ -56,6 +57,7 @@ class Env:
     http: aiohttp.ClientSession
     url: str
     daemon: Daemon
+    clock: FakeClock  # the daemon's clock: leases expire only when a test moves it
     src: int  # region holding version 1 of 'toy'
     dst: int  # the test's destination region (must stay zero under refused pulls)
     dseg: SharedSegment
@@ -126,7 +128,8 @@ async def env() -> AsyncIterator[Env]:
     opts = DaemonOptions(
         port=0, node_id="hostile", transport="shm", client_max_size=MAX_BODY, grace_s=0.5
     )
-    daemon = Daemon(opts)
+    clock = FakeClock()
+    daemon = Daemon(opts, clock=clock)
     async with (
         listening(daemon.options, daemon=daemon) as (_, url),
         RefitClient(url) as c,
@@ -145,6 +148,7 @@ async def env() -> AsyncIterator[Env]:
                 http,
                 url,
                 daemon,
+                clock,
                 info.region_id,
                 dinfo.region_id,
                 dseg,
@@ -367,6 +371,13 @@ async def test_a_plan_writing_one_destination_byte_twice_is_refused(env: Env) ->
     assert "overlap" in detail
 
 
+async def test_a_pack_spec_landing_on_a_descriptors_bytes_is_refused(env: Env) -> None:
+    spec = [env.src, 0, [4], [1], 4, env.dst, 8]  # 16 packed bytes at dst+8
+    body = pull_body(env, rows([env.src, 0, env.dst, 0, 16]), pack_specs=[spec])
+    detail = await env.refused("POST", PULLS, body, status=400)
+    assert "descriptor 0 and pack spec 0" in detail
+
+
 async def test_an_exact_duplicate_descriptor_is_refused(env: Env) -> None:
     body = pull_body(env, rows([env.src, 0, env.dst, 0, 16], [env.src, 0, env.dst, 0, 16]))
     await env.refused("POST", PULLS, body, status=400)
@@ -576,6 +587,15 @@ async def test_republishing_a_leased_version_is_refused(env: Env) -> None:
     await env.refused("POST", SOURCES, manifest(env.src, t, version=1), status=409)
 
 
+async def test_a_zero_size_tensor_publishes_and_its_manifest_is_served(env: Env) -> None:
+    """Zero-size shapes are legal (an empty expert bank): no 5xx on publish or fetch."""
+    t = ["e", [0, 8], "float32", [[[0, 0], [0, 8], env.src, W_BYTES]]]
+    code, body = await env.send("POST", SOURCES, msgspec.msgpack.encode(manifest(env.src, t)))
+    assert code == 201, body
+    merged = await env.client.manifest("toy", 2)
+    assert [(x.name, x.shape) for x in merged.tensors] == [("e", (0, 8))]
+
+
 async def test_an_older_version_after_a_newer_one_does_not_become_latest(env: Env) -> None:
     """Versions out of order: publishing v0 after v1 is refused or leaves v1 latest."""
     t = ["w", [4, 8], "float32", [[[0, 0], [4, 8], env.src, 0]]]
@@ -613,6 +633,26 @@ async def test_a_released_lease_cannot_be_renewed_or_pulled_under(env: Env) -> N
     body = pull_body(env, rows([env.src, 0, env.dst, 0, 8]))
     body["lease_id"] = grant.lease_id
     await env.refused("POST", PULLS, body, status=409)
+
+
+async def test_an_expired_lease_cannot_be_renewed_or_pulled_under(env: Env) -> None:
+    grant = await env.client.acquire_lease("toy", 1, ttl_s=5)
+    env.clock.now += 6
+    detail = await env.refused(
+        "POST", f"{LEASES}/{grant.lease_id}/renew", raw=b"", ctype=None, status=409
+    )
+    assert "expired" in detail
+    body = pull_body(env, rows([env.src, 0, env.dst, 0, 8]))
+    body["lease_id"] = grant.lease_id
+    await env.refused("POST", PULLS, body, status=409)
+
+
+async def test_releasing_an_unknown_lease_is_a_no_op_that_leaves_live_leases_alone(
+    env: Env,
+) -> None:
+    code, _ = await env.send("DELETE", f"{LEASES}/l0-unknown", None, None)
+    assert code == 200
+    await env.client.check_lease(env.lease, "toy", 1)
 
 
 async def test_a_lease_on_a_version_that_does_not_exist_is_refused(env: Env) -> None:
