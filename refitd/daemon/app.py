@@ -322,12 +322,22 @@ async def release(request: web.Request) -> web.Response:
 
 
 def check_pull_writes(request: web.Request, req: PullRequest) -> None:
-    """Refuse (403) a pull whose destinations include another principal's region."""
+    """Refuse a pull whose destinations include another principal's region (403) or
+    a region a leased version publishes from (409)."""
     d = request.app[DAEMON]
     known = d.regions.sizes()
     dst = {int(x) for x in req.descriptors.rows()[:, 2]} | {p.dst_region for p in req.pack_specs}
     for rid in sorted(dst & known.keys()):  # unknown ids are refused by validation
         check_owner(request, d.regions.get(rid).owner, "write", f"region {rid}")
+    # A leased version's bytes must not change under its readers (a publisher waits
+    # for the drain before rewriting them): a pull may not write there either.
+    leased = d.registry.leased_regions()
+    for rid in sorted(dst & leased.keys()):
+        model, version = leased[rid]
+        raise ConflictError(
+            f"pull refused: destination region {rid} holds {model!r} version {version}, "
+            "which is leased; nothing was transferred"
+        )
 
 
 @routes.post(P + "/pulls")

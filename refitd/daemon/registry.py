@@ -247,6 +247,13 @@ class Registry:
         v = self._get(model, version)
         return {s.region for m in v.slots.values() for t in m.tensors for s in t.shards}
 
+    def leased_regions(self) -> dict[int, tuple[str, int]]:
+        """Region id -> one ``(model, version)`` with live leases that lists it: bytes
+        a leaseholder may be reading, which nothing may overwrite until they drain."""
+        now = self._clock()  # expired leases are kept: a later check names them as such
+        leased = {(x.model, x.version) for x in self._leases.values() if x.expires_at > now}
+        return {r: key for key in sorted(leased) for r in self.regions_of(*key)}
+
     def latest_ready(self, model: str) -> int:
         """The newest READY version of ``model``; :class:`NotFoundError` if none."""
         ready = [

@@ -414,6 +414,17 @@ async def test_a_pull_into_a_region_of_another_owner_is_refused(tmp_path: Path) 
             assert not seg.numpy(np.uint8).any()
 
 
+async def test_a_pull_into_a_leased_versions_own_bytes_is_refused(env: Env) -> None:
+    """Writing into the source region of 'toy' v1 while it is leased would tear what
+    the leaseholder reads: refused, and the source bytes are unchanged."""
+    body = pull_body(env, rows([env.src, 0, env.src, 64, 16]))
+    detail = await env.refused("POST", PULLS, body, status=409)
+    assert f"region {env.src}" in detail and "leased" in detail
+    info = env.daemon.regions.get(env.src)
+    with SharedSegment.attach(info.handle, W_BYTES) as seg:
+        assert np.array_equal(seg.numpy(np.float32), env.expected)
+
+
 async def test_a_million_descriptor_rows_are_refused_as_too_large(env: Env) -> None:
     table = np.zeros((1_000_000, 5), dtype="<i8").tobytes()
     detail = await env.refused("POST", PULLS, pull_body(env, table), status=413)
