@@ -173,6 +173,9 @@ class Daemon:
         self.ready = False
         self._lease_changed = asyncio.Event()
         self._staging_free: list[int] = []
+        #: ids of the staging regions this daemon made: a client may label its own
+        #: region "staging", so the label alone must not admit it to the pool
+        self._staging_ids: set[int] = set()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -323,13 +326,15 @@ class Daemon:
             best = min(fits, key=lambda r: self.regions.get(r).nbytes)
             self._staging_free.remove(best)
             return self.regions.get(best)
-        return await self.create_region(RegionCreate(nbytes, label="staging"))
+        region = await self.create_region(RegionCreate(nbytes, label="staging"))
+        self._staging_ids.add(region.region_id)
+        return region
 
     async def release_staging(self, region_id: int) -> None:
         """Return a staging region to the pool once its reader is done; the pool keeps
         at most ``STAGING_POOL`` regions and deletes the rest."""
         info = self.regions.get(region_id)
-        if info.label != "staging" or not info.daemon_owned:
+        if region_id not in self._staging_ids or not info.daemon_owned:
             raise ConflictError(
                 f"region {region_id} refused as staging: it is not a staging region of this daemon"
             )
@@ -337,7 +342,9 @@ class Daemon:
             return
         self._staging_free.append(region_id)
         while len(self._staging_free) > STAGING_POOL:
-            await self.delete_region(self._staging_free.pop(0))
+            gone = self._staging_free.pop(0)
+            self._staging_ids.discard(gone)
+            await self.delete_region(gone)
 
     # ------------------------------------------------------------ leases
 

@@ -514,6 +514,21 @@ async def test_a_plan_is_accepted_exactly_when_every_row_is_in_bounds_and_disjoi
     dst[:] = 0  # the next example (and the fixture's last check) start from zeros
 
 
+async def test_a_client_region_labelled_staging_cannot_be_released_into_the_pool(
+    env: Env,
+) -> None:
+    """Only staging regions the daemon made for pack specs may join its reuse pool; a
+    client's region named "staging" would otherwise be packed over later."""
+    code, info = await env.send(
+        "POST", "/v1/regions", msgspec.msgpack.encode({"nbytes": 64, "label": "staging"})
+    )
+    assert code == 201, info
+    rid = info["region_id"]
+    detail = await env.refused("DELETE", f"/v1/peer/staging/{rid}", raw=b"", ctype=None, status=409)
+    assert f"region {rid}" in detail
+    assert env.daemon.regions.get(rid).label == "staging"
+
+
 # ---------------------------------------------------------------- manifests
 
 SOURCES = "/v1/sources"
