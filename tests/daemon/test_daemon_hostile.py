@@ -529,6 +529,23 @@ async def test_a_client_region_labelled_staging_cannot_be_released_into_the_pool
     assert env.daemon.regions.get(rid).label == "staging"
 
 
+@pytest.mark.parametrize(
+    "case",
+    ["forged lease", "unknown source region", "source past its region", "negative stride"],
+)
+async def test_a_hostile_peer_pack_request_packs_nothing(env: Env, case: str) -> None:
+    spec = {
+        "unknown source region": [999, 0, [4], [1], 4, 0, 0],
+        "source past its region": [env.src, 120, [4], [1], 4, 0, 0],
+        "negative stride": [env.src, 0, [4], [-1], 4, 0, 0],
+    }.get(case, [env.src, 0, [4], [1], 4, 0, 0])
+    lease = "l0-forged" if case == "forged lease" else env.lease
+    body = {"model": "toy", "version": 1, "lease_id": lease, "specs": [spec]}
+    before = len(env.daemon.regions)
+    await env.refused("POST", "/v1/peer/pack", body)
+    assert len(env.daemon.regions) == before, "a refused pack made a staging region"
+
+
 # ---------------------------------------------------------------- manifests
 
 SOURCES = "/v1/sources"
