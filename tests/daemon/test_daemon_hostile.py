@@ -1,7 +1,8 @@
 """Hostile input to HTTP API v1 fails closed.
 
 Every request here is a client mistake or an attack: it must be refused with a 4xx
-in the ``{"error", "detail"}`` shape (never a 5xx), and afterwards the daemon must
+in the ``{"error", "detail"}`` shape (never a 5xx; the one 502 is a peer that does
+not answer, see its test), and afterwards the daemon must
 still answer health and execute a valid local pull byte-exact, with nothing written
 into the destination region by the refused requests. The ``env`` fixture checks
 that last part once per test, when the test ends.
