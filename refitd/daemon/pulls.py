@@ -308,10 +308,17 @@ class PullManager:
                 "ConflictError", f"pull {job.pull_id} cancelled before it completed: {reason}"
             )
             job.suspect = _coalesced_dst(all_rows) if moving else []
-        except RefitError as exc:
+        except Exception as exc:
+            # Any error fails the pull: one that escaped here unhandled would end the
+            # task with the job still RUNNING and every waiter polling it forever.
             job.state = PullState.FAILED
-            job.error = ErrorBody(type(exc).__name__, f"pull {job.pull_id} failed: {exc}")
+            job.error = ErrorBody(
+                type(exc).__name__ if isinstance(exc, RefitError) else "TransportError",
+                f"pull {job.pull_id} from {_source_name(req.source, peer)} failed: {exc}",
+            )
             job.suspect = _coalesced_dst(all_rows) if moving else []
+            if not isinstance(exc, RefitError):
+                log.error("pull %s failed unexpectedly", job.pull_id, exc_info=exc)
         finally:
             job.ended = time.perf_counter()
             if staged is not None:
@@ -474,10 +481,26 @@ class PullManager:
             # Two batches in flight keep both directions of the data plane busy.
             half = int(np.searchsorted(np.cumsum(chunk[:, 4]), chunk[:, 4].sum() // 2))
             parts = [p for p in (chunk[: half + 1], chunk[half + 1 :]) if p.shape[0]]
-            async with asyncio.TaskGroup() as tg:
-                for part in parts:
-                    tg.create_task(conn.get(part))  # type: ignore[attr-defined]
+            try:
+                async with asyncio.TaskGroup() as tg:
+                    for part in parts:
+                        tg.create_task(conn.get(part))  # type: ignore[attr-defined]
+            except BaseExceptionGroup as group:
+                # A TaskGroup wraps even one failure (PeerLost when the source died
+                # mid-read) in an ExceptionGroup; raise the transport's own error so
+                # the pull fails with its message rather than escaping `_run`.
+                first = next((e for e in group.exceptions if isinstance(e, RefitError)), None)
+                if first is None:
+                    raise
+                raise first from None
             job.progress(chunk.shape[0], int(chunk[:, 4].sum()))
+
+
+def _source_name(url: str, peer: PeerRegions | None) -> str:
+    """How a failed pull names where it read from: the peer's node id and URL."""
+    if not url:
+        return "this daemon"
+    return f"{peer.node_id!r} at {url}" if peer is not None else url
 
 
 def _same_file(name: str, want: tuple[int, ...]) -> None:
