@@ -403,7 +403,7 @@ async def peer_pack(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     req = await body(request, PackRequest)
     d.registry.check(req.lease_id, req.model, req.version)
-    return reply(request, await d.pack(req.specs), 201)
+    return reply(request, await d.pack(req.specs, req.lease_id), 201)
 
 
 @routes.delete(P + "/peer/staging/{region_id}")

@@ -176,6 +176,9 @@ class Daemon:
         #: ids of the staging regions this daemon made: a client may label its own
         #: region "staging", so the label alone must not admit it to the pool
         self._staging_ids: set[int] = set()
+        #: staging regions handed to a reader, by the lease it packed under; a reader
+        #: that never releases one cannot keep it past its lease (see _reclaim_staging)
+        self._staging_held: dict[int, str] = {}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -286,12 +289,16 @@ class Daemon:
 
     # ------------------------------------------------------------ packing
 
-    async def pack(self, specs: list[PackSpec]) -> StagedPack:
+    async def pack(self, specs: list[PackSpec], lease_id: str) -> StagedPack:
         """Gather each spec's strided block into one new daemon-owned staging region.
 
         Only the source fields of each spec are used here; the destination fields are
-        the reader's. Refused (nothing packed) if any spec leaves its source region.
+        the reader's. Refused (nothing packed) if there is no spec or any spec leaves
+        its source region. The region is held for ``lease_id``: released by the reader
+        (:meth:`release_staging`) or reclaimed once that lease is gone.
         """
+        if not specs:
+            raise ProtocolError("pack refused: the request names no pack spec, nothing to pack")
         sizes = self.regions.sizes()
         offsets: list[int] = []
         total = 0
@@ -304,7 +311,8 @@ class Daemon:
             sizes,
             staging_sizes,
         )
-        region = await self._take_staging(max(total, 1))
+        region = await self._take_staging(total)
+        self._staging_held[region.region_id] = lease_id
         dst = self.view(region.region_id)
         srcs = {p.src_region: self.view(p.src_region) for p in specs}
 
@@ -321,6 +329,7 @@ class Daemon:
         """A staging region of at least ``nbytes`` bytes: a free one from the pool
         (its pages are already faulted in, here and in readers that mapped it), else
         a new one."""
+        await self._reclaim_staging()
         fits = [r for r in self._staging_free if self.regions.get(r).nbytes >= nbytes]
         if fits:
             best = min(fits, key=lambda r: self.regions.get(r).nbytes)
@@ -330,6 +339,13 @@ class Daemon:
         self._staging_ids.add(region.region_id)
         return region
 
+    async def _reclaim_staging(self) -> None:
+        """Return to the pool every held staging region whose lease was released or
+        expired, so readers that never call release cannot grow the daemon's memory."""
+        for region_id, lease_id in list(self._staging_held.items()):
+            if not self.registry.is_live(lease_id):
+                await self.release_staging(region_id)
+
     async def release_staging(self, region_id: int) -> None:
         """Return a staging region to the pool once its reader is done; the pool keeps
         at most ``STAGING_POOL`` regions and deletes the rest."""
@@ -338,6 +354,7 @@ class Daemon:
             raise ConflictError(
                 f"region {region_id} refused as staging: it is not a staging region of this daemon"
             )
+        self._staging_held.pop(region_id, None)
         if region_id in self._staging_free:
             return
         self._staging_free.append(region_id)

@@ -95,7 +95,7 @@ class LocalSource:
     async def pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
     ) -> StagedPack:
-        return await self.d.pack(specs)
+        return await self.d.pack(specs, lease_id)
 
     async def drop(self, region_id: int) -> None:
         await self.d.release_staging(region_id)

@@ -370,6 +370,11 @@ class Registry:
             )
         return lease
 
+    def is_live(self, lease_id: str) -> bool:
+        """Whether ``lease_id`` is held and unexpired (any model and version)."""
+        lease = self._leases.get(lease_id)
+        return lease is not None and lease.expires_at > self._clock()
+
     def _live(self, lease_id: str) -> Lease:
         lease = self._leases.get(lease_id)
         if lease is None:

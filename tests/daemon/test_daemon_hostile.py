@@ -547,6 +547,36 @@ async def test_a_hostile_peer_pack_request_packs_nothing(env: Env, case: str) ->
     assert len(env.daemon.regions) == before, "a refused pack made a staging region"
 
 
+async def test_a_pack_request_naming_no_spec_is_refused(env: Env) -> None:
+    before = len(env.daemon.regions)
+    body = {"model": "toy", "version": 1, "lease_id": env.lease, "specs": []}
+    detail = await env.refused("POST", "/v1/peer/pack", body, status=400)
+    assert "no pack spec" in detail
+    assert len(env.daemon.regions) == before, "an empty pack made a staging region"
+
+
+async def test_staging_a_reader_never_released_is_reclaimed_when_its_lease_ends(
+    env: Env,
+) -> None:
+    def pack_body(lease_id: str) -> bytes:
+        spec = [env.src, 0, [4], [1], 4, 0, 0]
+        return msgspec.msgpack.encode(
+            {"model": "toy", "version": 1, "lease_id": lease_id, "specs": [spec]}
+        )
+
+    careless = await env.client.acquire_lease("toy", 1, ttl_s=60)
+    before = len(env.daemon.regions)
+    for _ in range(3):  # a careless reader: packs, never calls DELETE /peer/staging
+        code, _ = await env.send("POST", "/v1/peer/pack", pack_body(careless.lease_id))
+        assert code == 201
+    assert len(env.daemon.regions) == before + 3
+    await env.client.release_lease(careless.lease_id)
+    # The next pack, under any lease, first takes back what the ended lease held.
+    code, _ = await env.send("POST", "/v1/peer/pack", pack_body(env.lease))
+    assert code == 201
+    assert len(env.daemon.regions) == before + 3, "the ended lease's staging was not reused"
+
+
 # ---------------------------------------------------------------- manifests
 
 SOURCES = "/v1/sources"
