@@ -112,7 +112,7 @@ class DataPlane:
             )
         self.worker_h, self.efd = self.lanes[0].handle, self.lanes[0].efd
         self.address = bytes(self.lanes[0].worker.address.tobytes())  # type: ignore[attr-defined]
-        self.pool = ThreadPoolExecutor(len(self.lanes)) if len(self.lanes) > 1 else None
+        self.pool = ThreadPoolExecutor(len(self.lanes) - 1) if len(self.lanes) > 1 else None
         self.locals: dict[int, _Local] = {}
         self.peers: dict[int, _Peer] = {}
 
@@ -213,10 +213,15 @@ class DataPlane:
         if self.pool is None or len(shares) == 1:
             status = self._post(peer, r_ids, 0, *shares[0])
         else:
+            # Shares 1.. go to the pool; share 0 is posted from this thread meanwhile,
+            # so no lane waits for a thread hand-off to start.
             jobs = [
-                self.pool.submit(self._post, peer, r_ids, k, *sh) for k, sh in enumerate(shares)
+                self.pool.submit(self._post, peer, r_ids, k, *sh)
+                for k, sh in enumerate(shares)
+                if k > 0
             ]
-            status = next((st for st in (j.result() for j in jobs) if st != 0), 0)
+            first = self._post(peer, r_ids, 0, *shares[0])
+            status = next((st for st in (first, *(j.result() for j in jobs)) if st != 0), 0)
         if status != 0:
             return Reply(
                 0,
