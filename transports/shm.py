@@ -15,6 +15,14 @@ owner crashed from one whose owner is alive (a reused pid has another start time
 - Lifetime: only the owner unlinks; attachers just unmap. Closing while numpy or
   torch views are alive unlinks but leaves the mapping to the garbage collector, so
   a live view never points at unmapped memory.
+- Huge pages: every mapping asks for transparent huge pages (``MADV_HUGEPAGE``).
+  Whether it gets them is the host's choice: the tmpfs at /dev/shm must allow them
+  (mount option ``huge=advise``, ``within_size`` or ``always``; most hosts mount it
+  ``huge=never``, where the advice is a no-op). It matters for UCX's same-host path:
+  ``process_vm_readv`` pins the source pages one by one, and on this project's test
+  machines it copies ~8 GB/s from 4 KiB pages but ~19 GB/s from 2 MiB pages, near
+  memcpy. `huge_page_mode` reports the mount's setting; `huge_fraction` how much of
+  a mapping huge pages back.
 """
 
 from __future__ import annotations
@@ -42,6 +50,8 @@ __all__ = [
     "SHM_DIR",
     "SharedSegment",
     "cleanup_stale",
+    "huge_fraction",
+    "huge_page_mode",
     "owner_tag",
     "shared_group",
 ]
@@ -97,6 +107,11 @@ class SharedSegment:
             )
         finally:
             os.close(fd)
+        # Huge pages where the host's tmpfs allows them (see the module docstring).
+        # Advice, not a demand: a kernel or mount without them ignores it or refuses
+        # it, and the mapping works the same either way.
+        with contextlib.suppress(OSError, AttributeError):
+            self._mmap.madvise(mmap.MADV_HUGEPAGE)
         self._base: npt.NDArray[np.uint8] | None = np.frombuffer(self._mmap, dtype=np.uint8)
         self._address = int(self._base.ctypes.data)
 
@@ -247,6 +262,51 @@ class SharedSegment:
     def __repr__(self) -> str:
         state = "closed" if self._base is None else f"{self._size} bytes"
         return f"SharedSegment({self._name!r}, {state}, owner={self.owner})"
+
+
+def huge_page_mode(mounts: str | None = None) -> str:
+    """The ``huge=`` setting of the tmpfs holding segments (`SHM_DIR`): ``never``
+    (the kernel's default), ``advise``, ``within_size``, ``always``, or ``unknown``
+    when `SHM_DIR` is not a mount point of its own. ``mounts`` is the text of
+    /proc/self/mounts (read when None)."""
+    if mounts is None:
+        try:
+            mounts = Path("/proc/self/mounts").read_text()
+        except OSError:
+            return "unknown"
+    mode = "unknown"
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) >= 4 and fields[1] == str(SHM_DIR) and fields[2] == "tmpfs":
+            opts = dict(o.partition("=")[::2] for o in fields[3].split(","))
+            mode = opts.get("huge", "never")  # the last mount on a point wins
+    return mode
+
+
+def huge_fraction(pid: int, address: int, size: int) -> float:
+    """Share of ``[address, address + size)`` in process ``pid`` that 2 MiB pages map
+    (0.0 to 1.0), from /proc/<pid>/smaps: 0.0 where the host gives shared memory no
+    huge pages or the pages are not touched yet. Raises `NotFoundError` when no
+    mapping of that process starts at ``address``."""
+    try:
+        text = Path(f"/proc/{pid}/smaps").read_text()
+    except OSError as exc:
+        raise NotFoundError(f"mappings of pid {pid} unreadable: {exc}") from None
+    inside = False
+    for line in text.splitlines():
+        head = line.split(None, 1)[0]
+        if "-" in head and not head.endswith(":"):
+            start = int(head.split("-", 1)[0], 16)
+            inside = start == address
+        elif inside and head in ("ShmemPmdMapped:", "FilePmdMapped:"):
+            kib = int(line.split()[1])
+            if kib:
+                return min(1.0, kib * 1024 / size)
+        elif inside and head == "VmFlags:":
+            return 0.0
+    if inside:
+        return 0.0
+    raise NotFoundError(f"pid {pid} has no mapping starting at {address:#x}")
 
 
 def _check_name(name: str) -> None:

@@ -12,6 +12,11 @@ on its own: the same (merged) reads as plain ``process_vm_readv`` calls from the
 process, one thread (UCX may beat it with ``--lanes`` > 1).
 After the timed runs, every byte of the destination is verified against the source.
 
+The header names the ``huge=`` mode of the tmpfs holding the segments and, for ``ucx``,
+the share of the peer's source region that 2 MiB pages back: the cma path pins the
+source page by page, so it runs about twice as fast from huge pages (see
+``transports.shm``; a host allows them by mounting /dev/shm ``huge=advise``).
+
 Last line: ``key=value`` pairs for scripts (``memcpy_gbps`` is one 256 MiB memcpy).
 """
 
@@ -69,7 +74,7 @@ async def _main(args: argparse.Namespace) -> int:
     from transports.core import PeerInfo, coalesce, create_transport
     from transports.native import copy_lib
     from transports.servepeer import REGION_ID, SECRET_ENV, pattern
-    from transports.shm import SharedSegment
+    from transports.shm import SharedSegment, huge_fraction, huge_page_mode
 
     total = args.total_mib << 20
     pieces = [(name, _size(name)) for name in args.pieces.split(",")]
@@ -100,7 +105,8 @@ async def _main(args: argparse.Namespace) -> int:
     ]
     print(
         f"refitd bench transport: {total >> 20} MiB per run, best of {args.repeat}, "
-        f"host cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}"
+        f"host cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}, "
+        f"shared memory huge pages: {huge_page_mode()}"
     )
     print(
         f"{'transport':<10} {'piece':>7} {'layout':<10} {'reads':>7} {'posted':>7} {'GB/s':>7} {'x memcpy':>9}"
@@ -122,6 +128,7 @@ async def _main(args: argparse.Namespace) -> int:
         peers = {}
         cma_pid = 0  # the ucx peer's data-plane pid: the "cma" row reads it directly
         cma_base = 0
+        src_huge = None
         for scheme in schemes:
             extra = {"lanes": args.lanes} if scheme == "ucx" and args.lanes else {}
             t = await stack.enter_async_context(
@@ -139,6 +146,7 @@ async def _main(args: argparse.Namespace) -> int:
                 info = PeerInfo.decode(bytes.fromhex((await proc.stdout.readline()).decode()))
                 cma_pid = int((await proc.stdout.readline()).decode())
                 cma_base = info.regions[0].address
+
             else:  # same-process transports read a region of this process
                 source = await stack.enter_async_context(
                     create_transport(scheme, secret=secret, peer_id=f"bench-{scheme}-source")
@@ -205,6 +213,10 @@ async def _main(args: argparse.Namespace) -> int:
                 results[("cma", name, lay)] = best
                 row("cma", name, lay, len(b), len(m), best, ok)
 
+        if cma_pid:  # after the pulls: a page is mapped in the peer once first read
+            src_huge = huge_fraction(cma_pid, cma_base, total)
+            print(f"ucx peer's source region: {src_huge:.0%} in 2 MiB pages")
+
     # memcpy_gbps: one 256 MiB memcpy (the contiguous, single-piece case when run).
     whole = next(
         (results[("memcpy", n, "contiguous")] for n, p in reversed(pieces) if p >= total), None
@@ -222,6 +234,9 @@ async def _main(args: argparse.Namespace) -> int:
                     )
                     if scheme == "ucx" and ("cma", name, lay) in results:
                         kv[f"ucx_{name}{suffix}_of_cma"] = f"{g / results[('cma', name, lay)]:.2f}"
+    kv["shm_huge"] = huge_page_mode()
+    if src_huge is not None:
+        kv["ucx_src_huge_share"] = f"{src_huge:.2f}"
     kv["verified"] = "1" if verified else "0"
     print(" ".join(f"{k}={v}" for k, v in kv.items()))
     return 0 if verified else 1

@@ -161,3 +161,39 @@ async def test_the_watchdog_loop_pings_until_cancelled(
 
 async def test_the_watchdog_loop_returns_at_once_without_a_watchdog() -> None:
     await Notifier({"NOTIFY_SOCKET": "/nonexistent"}).watchdog_loop()
+
+
+HUGE_UNIT = ROOT / "systemd" / "refitd-shm-huge.service"
+
+
+def test_the_optional_huge_page_unit_verifies_and_runs_before_the_daemon() -> None:
+    done = subprocess.run(
+        [systemd_tool("systemd-analyze"), "verify", str(HUGE_UNIT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == "", done.stderr
+    text = HUGE_UNIT.read_text()
+    assert "Before=refitd.service" in text
+    assert "WantedBy=refitd.service" in text
+
+
+def test_the_huge_page_unit_sets_the_mode_the_daemon_reads_back() -> None:
+    """The remount the unit runs, applied to /dev/shm's mount line, is read back by
+    ``huge_page_mode`` as ``advise``: the mode under which refitd's madvised segments
+    get huge pages."""
+    from transports.shm import SHM_DIR, huge_page_mode
+
+    start = next(
+        line.split("=", 1)[1]
+        for line in HUGE_UNIT.read_text().splitlines()
+        if line.startswith("ExecStart=")
+    )
+    argv = start.split()
+    assert argv[-1] == str(SHM_DIR)
+    options = argv[argv.index("-o") + 1].split(",")
+    assert "remount" in options
+    mounts = f"tmpfs {SHM_DIR} tmpfs rw,nosuid,nodev 0 0\ntmpfs {SHM_DIR} tmpfs rw,{','.join(o for o in options if o != 'remount')} 0 0"
+    assert huge_page_mode(mounts) == "advise"

@@ -118,3 +118,61 @@ def test_cleanup_removes_segments_of_a_crashed_owner_and_keeps_live_ones() -> No
         assert crashed in removed
         assert not (SHM_DIR / crashed).exists()
         assert (SHM_DIR / mine.name).exists()
+
+
+# -- huge pages ---------------------------------------------------------------------
+
+
+def test_huge_page_mode_reads_the_huge_option_of_the_mount_holding_segments() -> None:
+    from transports.shm import huge_page_mode
+
+    line = "tmpfs {} tmpfs rw,nosuid,nodev{} 0 0"
+    assert huge_page_mode(line.format(SHM_DIR, "")) == "never"  # the kernel's default
+    assert huge_page_mode(line.format(SHM_DIR, ",huge=within_size")) == "within_size"
+    remounted = "\n".join([line.format(SHM_DIR, ""), line.format(SHM_DIR, ",huge=advise")])
+    assert huge_page_mode(remounted) == "advise"  # the last mount on the point wins
+    assert huge_page_mode(line.format("/run/other", ",huge=always")) == "unknown"
+
+
+def test_huge_fraction_names_a_mapping_that_does_not_exist() -> None:
+    from transports.shm import huge_fraction
+
+    with SharedSegment.create(1 << 16, "frac") as seg:
+        got = huge_fraction(os.getpid(), seg.address, seg.size)
+        assert 0.0 <= got <= 1.0
+        with pytest.raises(NotFoundError, match="no mapping starting at"):
+            huge_fraction(os.getpid(), seg.address + 4096, seg.size)
+
+
+@pytest.fixture
+def huge_tmpfs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """A private tmpfs mounted ``huge=advise`` as the segment directory (needs root and
+    a kernel with shmem THP; skipped otherwise)."""
+    where = tmp_path_factory.mktemp("hugeshm")
+    made = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m,huge=advise", "tmpfs", str(where)],
+        capture_output=True,
+        text=True,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a huge-page tmpfs here: {made.stderr.strip()}")
+    monkeypatch.setattr("transports.shm.SHM_DIR", where)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_segments_on_a_tmpfs_allowing_huge_pages_are_backed_by_them(huge_tmpfs) -> None:  # type: ignore[no-untyped-def]
+    """A mount with ``huge=advise`` gives huge pages only to mappings that ask: the
+    segment asks, so every page of an aligned 8 MiB segment is a 2 MiB one, in the
+    creator and in a process that attaches it."""
+    from transports.shm import huge_fraction, huge_page_mode
+
+    assert huge_page_mode() == "advise"
+    with SharedSegment.create(8 << 20, "huge") as seg:
+        seg.numpy()[:] = 1
+        assert huge_fraction(os.getpid(), seg.address, seg.size) == 1.0
+        with SharedSegment.attach(seg.name, seg.size) as other:
+            assert (other.numpy()[:: 1 << 20] == 1).all()
+            assert huge_fraction(os.getpid(), other.address, other.size) == 1.0
