@@ -37,7 +37,7 @@ from refitd.daemon.schemas import (
     VersionInfo,
 )
 from refitd.errors import ConflictError, PlanError, ProtocolError, RefitError, TransportError
-from transports.shm import SHM_DIR
+from transports.shm import SHM_DIR, huge_page_mode
 
 __all__ = [
     "AUTO",
@@ -218,7 +218,13 @@ class Daemon:
         if self.transport is not None:
             advert = self.transport.advertise()  # type: ignore[attr-defined]
             worker = {"scheme": advert.scheme, "peer_id": advert.peer_id}
-        return NodeInfo(self.node_id, self.epoch, self.options.transport, worker)
+        return NodeInfo(
+            self.node_id,
+            self.epoch,
+            self.options.transport,
+            worker,
+            shm_huge_pages=huge_page_mode(),
+        )
 
     # ------------------------------------------------------------ regions
 

@@ -48,6 +48,7 @@ async def gather(client: Any) -> dict[str, Any]:
         "node_id": node.node_id,
         "epoch": node.epoch,
         "transport": node.transport,
+        "shm_huge_pages": node.shm_huge_pages,
         "ready": ready,
         "not_ready_reason": why,
         "regions": len(regions),
@@ -77,6 +78,12 @@ def run(args: argparse.Namespace) -> int:
         table.add_row("node", f"{info['node_id']} (epoch {info['epoch']})")
         table.add_row("state", ready)
         table.add_row("transport", info["transport"])
+        huge = info["shm_huge_pages"] or "unknown"
+        if huge in ("never", "deny"):
+            huge += (
+                " (same-host UCX pulls at about half speed: see systemd/refitd-shm-huge.service)"
+            )
+        table.add_row("shm huge pages", huge)
         table.add_row("regions", f"{info['regions']} ({human_bytes(info['region_bytes'])})")
         versions = ", ".join(f"{n} {s}" for s, n in sorted(info["versions"].items())) or "none"
         table.add_row("versions", versions)

@@ -161,3 +161,12 @@ async def test_status_names_the_hosted_expert_pools(setup: Setup) -> None:
     assert code == 0 and json.loads(out)["expert_pools"] == ["moe"]
     code, out, _ = await refitd("status", "--url", s.base)
     assert code == 0 and "expert pools" in out and "moe" in out
+
+
+async def test_status_reports_whether_shared_memory_gets_huge_pages(setup: Setup) -> None:
+    from transports.shm import huge_page_mode
+
+    code, out, _ = await refitd("status", "--url", setup.base, "--json")
+    assert code == 0 and json.loads(out)["shm_huge_pages"] == huge_page_mode()
+    code, out, _ = await refitd("status", "--url", setup.base)
+    assert code == 0 and "shm huge pages" in out and huge_page_mode() in out
