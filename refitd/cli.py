@@ -31,6 +31,7 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench experts                       # three presets, 1x/2x/4x pools",
         "refitd bench experts --presets qwen3-30b-a3b --tokens 512",
         "refitd bench experts --trace routes.jsonl --experts 128   # your own traffic",
+        "refitd bench experts --bound               # headroom: model-knowing oracles",
     ),
     "plan": (
         "refitd bench plan                          # full DeepSeek-V3 shapes, both layouts",

@@ -29,6 +29,12 @@ show it moves 0 bytes. Targets from the issue: gap closed ≥ 0.5 on average, wa
 ``ensure`` ≤ 10 µs, two misses ≤ 25 µs, warm step 0 bytes.
 
 The last line is ``key=value`` pairs for scripts.
+
+``--bound`` runs something else instead: how much of the gap policies that know the
+generator perfectly close (``refitd.experts.bound``: futures sampled from the true
+generator, exact hit density), next to LRU, Belady, ours and the probability oracle,
+all replayed over the same shortened traces (2 requests of 128 decode tokens, since
+sampling futures is slow); its last line is each rule's average gap closed.
 """
 
 from __future__ import annotations
@@ -85,6 +91,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--calls", type=int, default=20000, help="ensure() calls per timing measurement"
+    )
+    parser.add_argument(
+        "--bound",
+        action="store_true",
+        help="instead: how much of the gap model-knowing oracles close "
+        "(refitd.experts.bound), on shortened traces (2 requests of 128 decode tokens)",
+    )
+    parser.add_argument(
+        "--samples", type=int, default=64, help="--bound: sampled futures per decision"
+    )
+    parser.add_argument(
+        "--horizon", type=int, default=2, help="--bound: tokens each sampled future spans"
     )
 
 
@@ -282,9 +300,91 @@ def _timer_overhead() -> float:
     return statistics.median(samples)
 
 
+BOUND_REQUESTS = 2
+BOUND_TOKENS = 128
+# Column labels of ``--bound``: ours, the probability oracle, hit density over 1 and 4
+# visits, then the sampled-future rules (``b@h``: beyond h tokens).
+_SHORT = {"expected-reuse": "ours", "oracle-probability": "oracle"}
+
+
+def _short(name: str) -> str:
+    if name in _SHORT:
+        return _SHORT[name]
+    return name.replace("hit-density-", "hd").replace("sampled-", "").replace("beyond@", "b@")
+
+
+def _run_bound(args: argparse.Namespace) -> int:
+    """``--bound``: gap closed per cell by every rule of ``refitd.experts.bound`` and
+    the bench's own columns, all replayed in lockstep over the same shortened traces."""
+    from refitd.experts.bound import RULES, compare, gap_closed
+    from refitd.experts.traces import preset_config, routing_model
+
+    started = time.perf_counter()
+    rules: list[tuple[str, float | None]] = [(r, None) for r in RULES]
+    rules += [("beyond", 0.25), ("beyond", 0.5)]
+    gaps: dict[str, list[float]] = {}
+    print(
+        f"model-knowing oracles on {BOUND_REQUESTS} requests of {BOUND_TOKENS} decode tokens "
+        f"per preset (every column on the same trace); sampled: {args.samples} futures of "
+        f"{args.horizon} tokens; cells are gap closed, (policy − LRU) / (Belady − LRU)"
+    )
+    for name in [p.strip() for p in args.presets.split(",") if p.strip()]:
+        cfg = preset_config(
+            name,
+            requests=BOUND_REQUESTS,
+            decode_tokens=BOUND_TOKENS,
+            prefill_tokens=args.prefill,
+            seed=args.seed,
+        )
+        model = routing_model(cfg)
+        shape = model.trace.shape
+        sizes = _pool_sizes(shape.active, shape.num_experts)
+        t0 = time.perf_counter()
+        hits, seconds = compare(
+            model,
+            [s for _, s in sizes],
+            samples=args.samples,
+            horizon_tokens=args.horizon,
+            rules=rules,
+        )
+        names = [n for n in hits[sizes[0][1]] if n not in ("lru", "belady")]
+        print(
+            f"\n{name} ({time.perf_counter() - t0:.0f} s, futures drawn in "
+            f"{seconds['sampler']:.0f} s)"
+        )
+        print(
+            f"  {'pool':>10} {'LRU':>6} {'Belady':>6} " + " ".join(f"{_short(n):>7}" for n in names)
+        )
+        for label, size in sizes:
+            h = hits[size]
+            row = [gap_closed(h[n], h["lru"], h["belady"]) for n in names]
+            if row[0] == row[0]:  # a cell with a gap
+                for n, g in zip(names, row):
+                    gaps.setdefault(n, []).append(g)
+            print(
+                f"  {label + ' ' + str(size):>10} {h['lru']:6.3f} {h['belady']:6.3f} "
+                + " ".join(f"{g:7.2f}" if g == g else f"{'—':>7}" for g in row),
+                flush=True,
+            )
+    means = {n: statistics.fmean(g) for n, g in gaps.items()}
+    best = max(means, key=lambda n: means[n]) if means else "none"
+    print(
+        f"\naverage gap closed over {len(next(iter(gaps.values()), []))} cells: "
+        + ", ".join(f"{n} {g:.2f}" for n, g in means.items())
+        + f"; best {best}; target {TARGET_GAP}; {time.perf_counter() - started:.0f} s"
+    )
+    print(" ".join(f"{n.replace('-', '_').replace('@', '_at_')}={g:.3f}" for n, g in means.items()))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from refitd.experts.traces import preset_config, read_trace_file, routing_model
 
+    if getattr(args, "bound", False):
+        if args.trace:
+            print("--bound needs the generator's state: it runs on the presets, not --trace")
+            return 2
+        return _run_bound(args)
     started = time.perf_counter()
     gaps: list[float] = []
     oracle_gaps: list[float] = []
