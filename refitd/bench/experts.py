@@ -5,14 +5,15 @@ is generated (``refitd.experts.traces``; its measured next-token and 8-token reu
 printed), or a recorded trace is read with ``--trace``. For pools of 1×, 2× and 4×
 the experts one token activates across all layers (layers × top-k, never below one
 layer's experts), the same trace is replayed through ``ExpertCache`` with LRU (the
-ferrox behaviour), the cache's default policy ("ours", ``ExpectedReusePolicy``) and
+ferrox behaviour), the cache's default policy ("ours", ``HitDensityPolicy``) and
 Belady's MIN, and, for generated traces, an oracle told the generator's true routing
 probabilities (``refitd.experts.oracle.OracleProbabilityPolicy``, column "oracle"):
-ours' rule — evict the expert with the furthest expected next use — fed the true
-probability of each expert at its layer's next visit instead of a learned one. What
-it still loses to Belady is the routing draws themselves, which no online policy can
-know; it is the bound for policies ranking by that rule (not a proof over every
-conceivable policy: at 4× ours can beat it, and the bench shows where):
+``ExpectedReusePolicy``'s rule — evict the expert with the furthest expected next
+use — fed the true probability of each expert at its layer's next visit instead of a
+learned one. What it still loses to Belady is the routing draws themselves, which no
+online policy can know; it is the bound for policies ranking by that rule (not a proof
+over every conceivable policy, nor for ours, which ranks by hit density: see
+``--bound``'s "hd1" for that rule with true probabilities):
 
 - hit rate: routed experts already resident, over the whole trace;
 - gap closed: (ours − LRU) / (Belady − LRU), and the same for the oracle ("oracle
@@ -226,9 +227,9 @@ def _evaluate(
 def _time_ensure(calls: int) -> tuple[float, float, float, float, int]:
     """(warm µs, two-miss µs) for ours, then for LRU, and a warm step's bytes."""
     from refitd.experts import (
-        ExpectedReusePolicy,
         ExpertCache,
         ExpertSlots,
+        HitDensityPolicy,
         HostExpertRows,
         HostSlotMemory,
         LruPolicy,
@@ -238,7 +239,7 @@ def _time_ensure(calls: int) -> tuple[float, float, float, float, int]:
     layers, experts, k = 48, 128, 8
     out: list[float] = []
     warm_bytes = -1
-    for make in (ExpectedReusePolicy, LruPolicy):
+    for make in (HitDensityPolicy, LruPolicy):
         rng = random.Random(1)
         cache = ExpertCache(layers, experts, 2 * layers * k, policy=make())
         current = [rng.sample(range(experts), k) for _ in range(layers)]
@@ -429,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"LRU→Belady gap closed, averaged over {len(gaps)} cells: ours {gap:.2f}; "
             f"an oracle with perfect knowledge of the true routing probabilities, ranking "
-            f"by the same expected-next-use rule, {oracle_gap:.2f}; target {TARGET_GAP}"
+            f"by expected next use, {oracle_gap:.2f}; target {TARGET_GAP}"
             + (f" (ours beats that oracle in {beaten} of {len(gaps)} cells)" if beaten else "")
         )
     else:

@@ -16,6 +16,7 @@ from refitd.experts.cache import (
     ExpertId,
     GatherPlan,
 )
+from refitd.experts.density import HitDensityPolicy
 from refitd.experts.policy import (
     BeladyPolicy,
     EvictionPolicy,
@@ -73,6 +74,7 @@ __all__ = [
     "ExpertRows",
     "ExpertSlots",
     "GatherPlan",
+    "HitDensityPolicy",
     "HostExpertRows",
     "HostResidency",
     "HostSlotMemory",

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import msgspec
 
 from refitd.errors import ConfigError, PlanError
-from refitd.experts.policy import EvictionPolicy, ExpectedReusePolicy
+from refitd.experts.density import HitDensityPolicy
+from refitd.experts.policy import EvictionPolicy
 
 __all__ = [
     "CacheStats",
@@ -109,9 +110,10 @@ class CacheStats:
 class ExpertCache:
     """A global pool of expert slots with a pluggable eviction policy.
 
-    The default policy is ``ExpectedReusePolicy`` (it beats LRU on every preset and
-    pool size of ``refitd bench experts``); pass ``policy=LruPolicy()`` for the
-    ferrox behaviour, least recent use with ties to the lowest slot.
+    The default policy is ``HitDensityPolicy`` (evict the least learned hits per
+    slot-step; it beats LRU and ``ExpectedReusePolicy`` on ``refitd bench experts``);
+    pass ``policy=LruPolicy()`` for the ferrox behaviour, least recent use with ties to
+    the lowest slot.
 
     ``cache_size`` must be at least ``num_experts``: one step may route every expert
     of a layer, and all of a step's experts must be resident at once. ``max_fetch``
@@ -139,7 +141,7 @@ class ExpertCache:
         self._layers = num_layers
         self._experts = num_experts
         self._max_fetch = max_fetch
-        self._policy: EvictionPolicy = policy if policy is not None else ExpectedReusePolicy()
+        self._policy: EvictionPolicy = policy if policy is not None else HitDensityPolicy()
         self._step = 0
         self._last_routed = [0] * (num_layers * num_experts)
         self._routes = [0] * num_layers

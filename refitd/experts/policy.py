@@ -18,8 +18,11 @@ Policies here:
 - ``LruPolicy`` — least recent use, ties to the lowest slot (the ferrox behaviour).
 - ``BeladyPolicy`` — Belady's MIN, an offline oracle over a known trace: evict the
   resident expert whose next use lies furthest ahead. The ceiling for any policy.
-- ``ExpectedReusePolicy`` — ours, the cache's default: evict the expert whose next
-  use is expected furthest ahead, from learned routing frequency and stickiness.
+- ``ExpectedReusePolicy`` — evict the expert whose next use is expected furthest
+  ahead, from learned routing frequency and stickiness.
+
+The cache's default, ``refitd.experts.density.HitDensityPolicy``, learns what
+``ExpectedReusePolicy`` learns and evicts the least expected hits per slot-step.
 """
 
 from __future__ import annotations
@@ -247,7 +250,10 @@ class BeladyPolicy(EvictionPolicy):
 
 
 class ExpectedReusePolicy(EvictionPolicy):
-    """Evict the expert whose next use is expected furthest ahead. Ours, the default.
+    """Evict the expert whose next use is expected furthest ahead.
+
+    The cache's default, ``HitDensityPolicy``, keeps this learning and ranks by hit
+    density instead; this ranking stays available.
 
     Decode visits the MoE layers round-robin, so an expert of layer ``m`` can next be
     used at that layer's next visit, ``L`` steps after its last one; an expert that
