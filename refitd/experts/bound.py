@@ -36,7 +36,7 @@ Two kinds of oracle:
   ``1 - (1 - pi_e) ** draws`` (the draws' slight negative correlation is dropped).
   ``p_recent > 0`` is refused (no preset uses it).
 
-- ``HitDensityPolicy`` — LHD-like, with the probabilities of the probability oracle
+- ``ExactHitDensityPolicy`` — LHD-like, with the probabilities of the probability oracle
   (``oracle_tables``: exact inputs, successive-sampling inclusion): evict the least
   expected hits per slot-step, ``p / d`` with ``p`` the probability of a use at the
   layer's next visit and ``d`` the steps until it;
@@ -88,7 +88,7 @@ from refitd.experts.traces import DECODE, RoutingModel
 
 __all__ = [
     "RULES",
-    "HitDensityPolicy",
+    "ExactHitDensityPolicy",
     "SampledFuturePolicy",
     "SampledFutures",
     "compare",
@@ -328,7 +328,7 @@ class SampledFuturePolicy(EvictionPolicy):
             raise ValueError(f"within must lie in (0, {futures.horizon // futures.layers}] tokens")
         self.name = f"sampled-{rule}" + (f"@{within:g}" if within is not None else "")
         # Ties (experts no sampled future uses, mostly) go by the exact hit density.
-        self._density = HitDensityPolicy(futures.model, tables)
+        self._density = ExactHitDensityPolicy(futures.model, tables)
         self._experts = futures.experts
         self._layers = futures.layers
         self._key = np.full(0, -1, dtype=np.int64)
@@ -397,7 +397,7 @@ class SampledFuturePolicy(EvictionPolicy):
         return slot
 
 
-class HitDensityPolicy(OracleProbabilityPolicy):
+class ExactHitDensityPolicy(OracleProbabilityPolicy):
     """Evict the least expected hits per slot-step under the true probabilities
     (module docstring). ``visits`` counts the layer visits summed over."""
 
@@ -471,7 +471,7 @@ def compare(
             ExpectedReusePolicy(),
             OracleProbabilityPolicy(model, tables),
         ]
-        policies += [HitDensityPolicy(model, tables, v) for v in density_visits]
+        policies += [ExactHitDensityPolicy(model, tables, v) for v in density_visits]
         policies += [SampledFuturePolicy(futures, r, w, tables) for r, w in rules]
         for p in policies:
             caches.append(

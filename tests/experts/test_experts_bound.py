@@ -14,7 +14,7 @@ from refitd.errors import ConfigError
 from refitd.experts import ExpertCache, LruPolicy
 from refitd.experts.bound import (
     RULES,
-    HitDensityPolicy,
+    ExactHitDensityPolicy,
     SampledFuturePolicy,
     SampledFutures,
     compare,
@@ -44,7 +44,7 @@ def test_the_bound_oracles_keep_every_cache_invariant(
     policy = (
         SampledFuturePolicy(futures, RULES[which])
         if which < len(RULES)
-        else HitDensityPolicy(model, visits=1 + which - len(RULES))
+        else ExactHitDensityPolicy(model, visits=1 + which - len(RULES))
     )
     cache = ExpertCache(3, 6, size, policy=policy)
     for i, (layer, routed) in enumerate(model.trace.steps(), start=1):
@@ -128,7 +128,7 @@ def test_refusals() -> None:
     with pytest.raises(ConfigError, match="p_recent"):
         SampledFutures(routing_model(_small(1, p_recent=0.1)))
     with pytest.raises(ValueError, match="visits"):
-        HitDensityPolicy(model, visits=0)
+        ExactHitDensityPolicy(model, visits=0)
     # A replay that is not the trace's own is refused, not silently mis-ranked.
     cache = ExpertCache(3, 6, 6, policy=SampledFuturePolicy(fut, "mean"))
     cache.ensure(0, [0, 1])

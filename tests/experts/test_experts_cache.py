@@ -13,6 +13,7 @@ from refitd.experts import (
     ExpectedReusePolicy,
     ExpertCache,
     ExpertId,
+    HitDensityPolicy,
     LruPolicy,
 )
 
@@ -39,7 +40,7 @@ def test_duplicate_routes_are_served_once_and_reported_in_caller_order() -> None
 
 
 def test_the_default_policy_is_ours_and_lru_is_one_argument_away() -> None:
-    assert isinstance(ExpertCache(1, 2, 2).policy, ExpectedReusePolicy)
+    assert type(ExpertCache(1, 2, 2).policy) is HitDensityPolicy
     assert isinstance(ExpertCache(1, 2, 2, policy=LruPolicy()).policy, LruPolicy)
 
 
@@ -64,7 +65,7 @@ def test_slots_last_used_in_the_same_step_are_evicted_lowest_slot_first() -> Non
     assert plan.copy.dst_slots == (1,)
 
 
-@pytest.mark.parametrize("make_policy", [LruPolicy, ExpectedReusePolicy])
+@pytest.mark.parametrize("make_policy", [LruPolicy, ExpectedReusePolicy, HitDensityPolicy])
 def test_a_step_never_evicts_a_slot_it_uses_itself(make_policy: type[EvictionPolicy]) -> None:
     cache = ExpertCache(2, 4, 4, policy=make_policy())
     cache.ensure(0, [0, 1, 2, 3])
@@ -295,7 +296,7 @@ def test_lru_matches_the_reference_model_on_any_sequence(
         check_invariants(cache)
 
 
-@pytest.mark.parametrize("make_policy", [LruPolicy, ExpectedReusePolicy])
+@pytest.mark.parametrize("make_policy", [LruPolicy, ExpectedReusePolicy, HitDensityPolicy])
 @settings(max_examples=60, deadline=None)
 @given(ops=ops, size=st.integers(EXPERTS, 3 * EXPERTS), cap=st.none() | st.integers(0, 3))
 def test_every_policy_places_every_route_and_keeps_the_map_consistent(
