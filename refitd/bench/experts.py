@@ -303,9 +303,10 @@ def _timer_overhead() -> float:
 
 BOUND_REQUESTS = 2
 BOUND_TOKENS = 128
-# Column labels of ``--bound``: ours, the probability oracle, hit density over 1 and 4
-# visits, then the sampled-future rules (``b@h``: beyond h tokens).
-_SHORT = {"expected-reuse": "ours", "oracle-probability": "oracle"}
+# Column labels of ``--bound``: ours (the cache's default), ExpectedReusePolicy, the
+# probability oracle, exact hit density over 1 and 4 visits, then the sampled-future
+# rules (``b@h``: beyond h tokens).
+_SHORT = {"hit-density": "ours", "expected-reuse": "exp-re", "oracle-probability": "oracle"}
 
 
 def _short(name: str) -> str:

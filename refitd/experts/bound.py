@@ -457,6 +457,7 @@ def compare(
     shared by every sampled policy).
     """
     from refitd.experts.cache import ExpertCache
+    from refitd.experts.density import HitDensityPolicy
 
     trace = model.trace
     shape = trace.shape
@@ -468,6 +469,7 @@ def compare(
         policies: list[EvictionPolicy] = [
             LruPolicy(),
             BeladyPolicy(steps, shape.num_experts),
+            HitDensityPolicy(),
             ExpectedReusePolicy(),
             OracleProbabilityPolicy(model, tables),
         ]
