@@ -176,3 +176,17 @@ def test_segments_on_a_tmpfs_allowing_huge_pages_are_backed_by_them(huge_tmpfs) 
         with SharedSegment.attach(seg.name, seg.size) as other:
             assert (other.numpy()[:: 1 << 20] == 1).all()
             assert huge_fraction(os.getpid(), other.address, other.size) == 1.0
+
+
+def test_a_segment_tail_shorter_than_a_huge_page_is_not_rounded_up_to_one(huge_tmpfs) -> None:  # type: ignore[no-untyped-def]
+    """2 MiB + 4 KiB: the first 2 MiB in one huge page, the tail in 4 KiB pages (a huge
+    page must fit inside the mapping), so the segment costs its size in memory, not
+    two huge pages."""
+    from transports.shm import huge_fraction
+
+    huge_page = 2 << 20
+    size = huge_page + 4096
+    with SharedSegment.create(size, "tail") as seg:
+        seg.numpy()[:] = 1
+        assert huge_fraction(os.getpid(), seg.address, size) == huge_page / size
+        assert os.stat(huge_tmpfs / seg.name).st_blocks * 512 == size
