@@ -1,11 +1,12 @@
-"""Hostile input to HTTP API v1 fails closed.
+"""Hostile input to HTTP API v1 fails closed: malformed bodies and descriptor payloads.
 
 Every request here is a client mistake or an attack: it must be refused with a 4xx
 in the ``{"error", "detail"}`` shape (never a 5xx; the one 502 is a peer that does
 not answer, see its test), and afterwards the daemon must
 still answer health and execute a valid local pull byte-exact, with nothing written
-into the destination region by the refused requests. The ``env`` fixture checks
-that last part once per test, when the test ends.
+into the destination region by the refused requests. The ``env`` fixture
+(``support.hostile``) checks that last part once per test, when the test ends.
+Manifests, leases and expert pools: ``test_daemon_hostile_state.py``.
 
 A real daemon serves on 127.0.0.1:0 (shared-memory data plane, no UCX), and raw
 bodies go through a real aiohttp session so malformed bytes reach the server as is.
@@ -16,17 +17,22 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from support.daemons import FakeClock
+from support.hostile import (
+    W_BYTES,
+    Env,
+    hostile_daemon,
+    pull_body,
+    rows,
+    toy_manifest,
+)
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
@@ -35,10 +41,7 @@ from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.schemas import (
     MSGPACK,
     DescriptorTable,
-    ManifestIn,
     PullRequest,
-    ShardEntry,
-    TensorEntry,
 )
 from refitd.daemon.serve import listening
 from refitd.errors import AccessError
@@ -46,130 +49,11 @@ from transports.shm import SharedSegment
 
 pytestmark = pytest.mark.timeout(60)
 
-#: the test daemon's request size limit in bytes: a million descriptor rows (40 MB) exceed it
-MAX_BODY = 4 << 20
-#: the toy tensor 'w' is 4x8 float32: 128 bytes in a 128-byte daemon-owned region
-W_BYTES = 128
-
-
-@dataclass
-class Env:
-    client: RefitClient
-    http: aiohttp.ClientSession
-    url: str
-    daemon: Daemon
-    clock: FakeClock  # the daemon's clock: leases expire only when a test moves it
-    src: int  # region holding version 1 of 'toy'
-    dst: int  # the test's destination region (must stay zero under refused pulls)
-    dseg: SharedSegment
-    lease: str
-    expected: np.ndarray  # the source bytes a valid pull must deliver
-
-    async def send(
-        self, method: str, path: str, data: bytes | None = None, ctype: str | None = MSGPACK
-    ) -> tuple[int, dict[str, Any]]:
-        """Send raw ``data``; return the status and the decoded JSON error body."""
-        headers = {"Content-Type": ctype} if ctype else {}
-        async with self.http.request(method, self.url + path, data=data, headers=headers) as r:
-            raw = await r.read()
-        try:
-            return r.status, (msgspec.json.decode(raw) if raw else {})
-        except msgspec.DecodeError:  # not our error shape (e.g. aiohttp's own 500 page)
-            return r.status, {"raw": raw[:200]}
-
-    async def refused(
-        self,
-        method: str,
-        path: str,
-        value: Any = None,
-        *,
-        raw: bytes | None = None,
-        ctype: str | None = MSGPACK,
-        status: int | tuple[int, ...] | None = None,
-    ) -> str:
-        """Send ``value`` (msgpack-encoded) or ``raw``; assert a 4xx in the error shape.
-
-        Returns the refusal's detail so a test can check it names what was refused."""
-        data = raw if raw is not None else msgspec.msgpack.encode(value)
-        code, body = await self.send(method, path, data, ctype)
-        assert 400 <= code < 500, (code, body)
-        if status is not None:
-            assert code in ((status,) if isinstance(status, int) else status), (code, body)
-        assert isinstance(body.get("error"), str) and body["error"], body
-        assert isinstance(body.get("detail"), str) and body["detail"], body
-        return str(body["detail"])
-
-
-def toy_manifest(region: int, version: int = 1, slot: int = 0, slots: int = 1) -> ManifestIn:
-    return ManifestIn(
-        "toy",
-        version,
-        slot,
-        slots,
-        [TensorEntry("w", (4, 8), "float32", [ShardEntry((0, 0), (4, 8), region, 0)])],
-    )
-
-
-def rows(*rs: list[int]) -> bytes:
-    return np.array(rs, dtype="<i8").reshape(-1, 5).tobytes()
-
-
-def pull_body(env: Env, table: bytes, **kw: Any) -> dict[str, Any]:
-    return {
-        "model": "toy",
-        "version": 1,
-        "lease_id": env.lease,
-        "descriptors": {"table": table},
-        **kw,
-    }
-
 
 @pytest.fixture
 async def env() -> AsyncIterator[Env]:
-    opts = DaemonOptions(
-        port=0, node_id="hostile", transport="shm", client_max_size=MAX_BODY, grace_s=0.5
-    )
-    clock = FakeClock()
-    daemon = Daemon(opts, clock=clock)
-    async with (
-        listening(daemon.options, daemon=daemon) as (_, url),
-        RefitClient(url) as c,
-        aiohttp.ClientSession() as http,
-    ):
-        info = await c.create_region(W_BYTES, label="w")
-        with SharedSegment.attach(info.handle, info.nbytes) as sseg:
-            expected = 1.0 + np.arange(32, dtype=np.float32)
-            sseg.numpy(np.float32)[:] = expected
-        await c.publish(toy_manifest(info.region_id))
-        lease = await c.acquire_lease("toy", 1, ttl_s=600)
-        with SharedSegment.create(W_BYTES, "dst") as dseg:
-            dinfo = await c.attach_region(dseg.name, W_BYTES, label="dst")
-            e = Env(
-                c,
-                http,
-                url,
-                daemon,
-                clock,
-                info.region_id,
-                dinfo.region_id,
-                dseg,
-                lease.lease_id,
-                expected,
-            )
-            yield e
-            # The daemon survived, and nothing refused wrote a byte.
-            assert (await c.health())["status"] == "ok"
-            assert not dseg.numpy(np.uint8).any(), "a refused request wrote into the destination"
-            res = await c.pull(
-                PullRequest(
-                    "toy",
-                    1,
-                    lease.lease_id,
-                    DescriptorTable(rows([info.region_id, 0, dinfo.region_id, 0, W_BYTES])),
-                )
-            )
-            assert res.bytes_done == W_BYTES
-            assert np.array_equal(dseg.numpy(np.float32), expected)
+    async with hostile_daemon() as e:
+        yield e
 
 
 # ---------------------------------------------------------------- malformed bodies
@@ -575,249 +459,3 @@ async def test_staging_a_reader_never_released_is_reclaimed_when_its_lease_ends(
     code, _ = await env.send("POST", "/v1/peer/pack", pack_body(env.lease))
     assert code == 201
     assert len(env.daemon.regions) == before + 3, "the ended lease's staging was not reused"
-
-
-# ---------------------------------------------------------------- manifests
-
-SOURCES = "/v1/sources"
-
-
-def manifest(
-    region: int, *tensors: list[Any], version: int = 2, slot: int = 0, slots: int = 1
-) -> dict[str, Any]:
-    return {
-        "model": "toy",
-        "version": version,
-        "slot": slot,
-        "expected_slots": slots,
-        "tensors": list(tensors),
-    }
-
-
-def _bad_tensors(r: int) -> dict[str, list[Any]]:
-    return {
-        "shard outside the global shape": ["w", [4, 8], "float32", [[[2, 0], [4, 8], r, 0]]],
-        "shard at a negative offset": ["w", [4, 8], "float32", [[[-1, 0], [4, 8], r, 0]]],
-        "shard of negative shape": ["w", [4, 8], "float32", [[[0, 0], [-4, 8], r, 0]]],
-        "shard overrunning its region": ["w", [8, 8], "float32", [[[0, 0], [8, 8], r, 0]]],
-        "shard at a byte offset past its region": ["w", [1], "float32", [[[0], [1], r, 2**63]]],
-        "shard of a huge shape": ["w", [2**62, 2**62], "float32", [[[0, 0], [2**62, 2**62], r, 0]]],
-        "unknown dtype": ["w", [4, 8], "float33", [[[0, 0], [4, 8], r, 0]]],
-        "rank mismatch": ["w", [4, 8], "float32", [[[0], [4], r, 0]]],
-        "unknown region": ["w", [4, 8], "float32", [[[0, 0], [4, 8], 999, 0]]],
-        "negative global shape": ["w", [-4, 8], "float32", []],
-        "huge global shape": ["w", [2**64 - 1], "float32", []],
-    }
-
-
-MANIFEST_CASES = list(_bad_tensors(0))
-
-
-@pytest.mark.parametrize("case", MANIFEST_CASES)
-async def test_a_hostile_manifest_is_refused_and_publishes_nothing(env: Env, case: str) -> None:
-    await env.refused("POST", SOURCES, manifest(env.src, _bad_tensors(env.src)[case]))
-    assert [v.version for v in await env.client.versions("toy")] == [1]
-
-
-async def test_a_manifest_naming_one_tensor_twice_is_refused(env: Env) -> None:
-    t = ["w", [4, 8], "float32", [[[0, 0], [4, 8], env.src, 0]]]
-    await env.refused("POST", SOURCES, manifest(env.src, t, t), status=(400, 409))
-    assert [v.version for v in await env.client.versions("toy")] == [1]
-
-
-async def test_a_publisher_slot_published_twice_counts_once(env: Env) -> None:
-    """A retried publish replaces its slot: it never counts as a second slot, so a
-    two-slot version stays pending until slot 1 publishes."""
-    t = ["w", [4, 8], "float32", [[[0, 0], [2, 8], env.src, 0]]]
-    for _ in range(2):
-        code, body = await env.send(
-            "POST", SOURCES, msgspec.msgpack.encode(manifest(env.src, t, slots=2))
-        )
-        assert code == 201, body
-    assert body["published_slots"] == [0] and body["state"] == "pending"
-    await env.refused("GET", "/v1/sources/toy/versions/2/manifest", raw=b"", ctype=None, status=409)
-
-
-@pytest.mark.parametrize(
-    "field",
-    [
-        {"slot": 2, "expected_slots": 2},
-        {"expected_slots": 0},
-        {"slot": -1},
-        {"expected_slots": 2**64 - 1, "slot": 2**63},
-    ],
-)
-async def test_a_slot_outside_the_expected_slots_is_refused(
-    env: Env, field: dict[str, int]
-) -> None:
-    t = ["w", [4, 8], "float32", [[[0, 0], [4, 8], env.src, 0]]]
-    body = manifest(env.src, t)
-    body.update(field)
-    await env.refused("POST", SOURCES, body)
-
-
-async def test_republishing_a_leased_version_is_refused(env: Env) -> None:
-    t = ["w", [4, 8], "float32", [[[0, 0], [4, 8], env.src, 0]]]
-    await env.refused("POST", SOURCES, manifest(env.src, t, version=1), status=409)
-
-
-async def test_a_zero_size_tensor_publishes_and_its_manifest_is_served(env: Env) -> None:
-    """Zero-size shapes are legal (an empty expert bank): no 5xx on publish or fetch."""
-    t = ["e", [0, 8], "float32", [[[0, 0], [0, 8], env.src, W_BYTES]]]
-    code, body = await env.send("POST", SOURCES, msgspec.msgpack.encode(manifest(env.src, t)))
-    assert code == 201, body
-    merged = await env.client.manifest("toy", 2)
-    assert [(x.name, x.shape) for x in merged.tensors] == [("e", (0, 8))]
-
-
-async def test_an_older_version_after_a_newer_one_does_not_become_latest(env: Env) -> None:
-    """Versions out of order: publishing v0 after v1 is refused or leaves v1 latest."""
-    t = ["w", [4, 8], "float32", [[[0, 0], [4, 8], env.src, 0]]]
-    code, body = await env.send(
-        "POST", SOURCES, msgspec.msgpack.encode(manifest(env.src, t, version=0))
-    )
-    assert code < 500, body
-    assert (await env.client.version("toy", "latest")).version == 1
-
-
-# ---------------------------------------------------------------- leases
-
-
-@pytest.mark.parametrize("ttl", ["0", "-1", "nan", "inf", "-inf", "1e308", "abc", ""])
-async def test_renewing_with_a_ttl_that_is_not_a_sane_duration_is_refused(
-    env: Env, ttl: str
-) -> None:
-    detail = await env.refused(
-        "POST", f"{LEASES}/{env.lease}/renew?ttl={ttl}", raw=b"", ctype=None, status=400
-    )
-    assert "ttl" in detail
-    # The lease still holds, so the pull the fixture runs at the end can use it.
-    await env.client.check_lease(env.lease, "toy", 1)
-
-
-@pytest.mark.parametrize("lease", ["l0-unknown", "x" * 5000, "%00", "..%2F.."])
-async def test_renewing_an_unknown_lease_is_refused_with_409(env: Env, lease: str) -> None:
-    await env.refused("POST", f"{LEASES}/{lease}/renew", raw=b"", ctype=None, status=(404, 409))
-
-
-async def test_a_released_lease_cannot_be_renewed_or_pulled_under(env: Env) -> None:
-    grant = await env.client.acquire_lease("toy", 1, ttl_s=30)
-    await env.client.release_lease(grant.lease_id)
-    await env.refused("POST", f"{LEASES}/{grant.lease_id}/renew", raw=b"", ctype=None, status=409)
-    body = pull_body(env, rows([env.src, 0, env.dst, 0, 8]))
-    body["lease_id"] = grant.lease_id
-    await env.refused("POST", PULLS, body, status=409)
-
-
-async def test_an_expired_lease_cannot_be_renewed_or_pulled_under(env: Env) -> None:
-    grant = await env.client.acquire_lease("toy", 1, ttl_s=5)
-    env.clock.now += 6
-    detail = await env.refused(
-        "POST", f"{LEASES}/{grant.lease_id}/renew", raw=b"", ctype=None, status=409
-    )
-    assert "expired" in detail
-    body = pull_body(env, rows([env.src, 0, env.dst, 0, 8]))
-    body["lease_id"] = grant.lease_id
-    await env.refused("POST", PULLS, body, status=409)
-
-
-async def test_releasing_an_unknown_lease_is_a_no_op_that_leaves_live_leases_alone(
-    env: Env,
-) -> None:
-    code, _ = await env.send("DELETE", f"{LEASES}/l0-unknown", None, None)
-    assert code == 200
-    await env.client.check_lease(env.lease, "toy", 1)
-
-
-async def test_a_lease_on_a_version_that_does_not_exist_is_refused(env: Env) -> None:
-    await env.refused("POST", LEASES, {"model": "toy", "version": 7}, status=404)
-    await env.refused("POST", LEASES, {"model": "nope", "version": 1}, status=404)
-
-
-@pytest.mark.parametrize("seconds", ["nan", "-1", "abc", "inf"])
-async def test_a_drain_or_wait_with_a_nonsense_timeout_is_refused(env: Env, seconds: str) -> None:
-    await env.refused(
-        "POST",
-        f"/v1/sources/toy/versions/1/drain?timeout={seconds}",
-        raw=b"",
-        ctype=None,
-        status=400,
-    )
-    await env.refused("GET", f"/v1/pulls/p0/wait?timeout={seconds}", raw=b"", ctype=None)
-
-
-# ---------------------------------------------------------------- expert pools
-
-EXPERTS = "/v1/experts"
-
-
-def pool(**kw: Any) -> dict[str, Any]:
-    return {"name": "p", "layers": 2, "experts": 4, "slots": 4, "row_bytes": [16], **kw}
-
-
-@pytest.mark.parametrize(
-    "kw",
-    [
-        {"layers": 0},
-        {"layers": -1},
-        {"experts": 0},
-        {"slots": 0},
-        {"row_bytes": [0]},
-        {"row_bytes": [-16]},
-        {"row_bytes": []},
-        {"slots": 3},  # smaller than one layer's experts
-        {"layers": 2**62, "experts": 2**62, "slots": 2**62},  # bytes overflow int64
-        {"row_bytes": [2**40], "slots": 2**30, "experts": 4},  # no host maps that
-        {"name": "../etc"},
-        {"name": ""},
-        {"residency": ["pageable", "pinned"]},  # a pageable layer not in cpu_layers
-        {"cpu_layers": [5]},
-    ],
-)
-async def test_a_pool_geometry_no_memory_can_hold_is_refused(env: Env, kw: dict[str, Any]) -> None:
-    before = len(env.daemon.regions)
-    await env.refused("POST", EXPERTS, pool(**kw))
-    assert len(env.daemon.regions) == before, "a refused pool left a region behind"
-    assert await env.client.pools() == []
-
-
-@pytest.mark.parametrize(
-    "req",
-    [
-        {"layer": 2, "routed": [0]},
-        {"layer": 2**63, "routed": [0]},
-        {"layer": -1, "routed": [0]},
-        {"layer": 0, "routed": [4]},
-        {"layer": 0, "routed": [2**63]},
-        {"layer": 0, "routed": [-1]},
-        {"layer": 0, "routed": [0, 1, 2, 3, 4]},
-        {"layer": 0},
-    ],
-)
-async def test_an_ensure_outside_the_pool_is_refused(env: Env, req: dict[str, Any]) -> None:
-    code, body = await env.send("POST", EXPERTS, msgspec.msgpack.encode(pool()))
-    assert code == 201, body
-    await env.refused("POST", f"{EXPERTS}/p/ensure", req)
-    assert (await env.client.pool("p")).copied_bytes == 0
-
-
-async def test_duplicate_routes_in_one_ensure_share_one_slot(env: Env) -> None:
-    code, body = await env.send("POST", EXPERTS, msgspec.msgpack.encode(pool()))
-    assert code == 201, body
-    res = await env.client.ensure("p", 0, [1, 1, 1, 2])
-    assert res.slots[0] == res.slots[1] == res.slots[2] != res.slots[3]
-
-
-@pytest.mark.parametrize(
-    "req", [{"experts": [[0, 4]]}, {"experts": [[2, 0]]}, {"layers": [9]}, {"experts": [[0]]}]
-)
-async def test_invalidating_experts_outside_the_pool_is_refused(
-    env: Env, req: dict[str, Any]
-) -> None:
-    code, body = await env.send("POST", EXPERTS, msgspec.msgpack.encode(pool()))
-    assert code == 201, body
-    await env.refused("POST", f"{EXPERTS}/p/invalidate", req)
-
-
-async def test_an_unknown_pool_is_refused_with_404(env: Env) -> None:
-    await env.refused("POST", f"{EXPERTS}/nope/ensure", {"layer": 0, "routed": [0]}, status=404)
