@@ -20,7 +20,6 @@ from refitd.experts.density import HitDensityPolicy
 from refitd.experts.policy import (
     BeladyPolicy,
     EvictionPolicy,
-    ExpectedReusePolicy,
     LruPolicy,
     PoolView,
 )
@@ -32,6 +31,7 @@ from refitd.experts.residency import (
     ResidencyError,
     SlotRemapOnUnpinnedLayer,
 )
+from refitd.experts.reuse import ExpectedReusePolicy
 from refitd.experts.slots import (
     Applied,
     DegenerateGeometry,

@@ -80,10 +80,10 @@ from refitd.experts.oracle import OracleProbabilityPolicy, OracleTables, oracle_
 from refitd.experts.policy import (
     BeladyPolicy,
     EvictionPolicy,
-    ExpectedReusePolicy,
     LruPolicy,
     PoolView,
 )
+from refitd.experts.reuse import ExpectedReusePolicy
 from refitd.experts.traces import DECODE, RoutingModel
 
 __all__ = [

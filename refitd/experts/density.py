@@ -15,7 +15,8 @@ import numpy as np
 import numpy.typing as npt
 
 from refitd.errors import PlanError
-from refitd.experts.policy import ExpectedReusePolicy, PoolView
+from refitd.experts.policy import PoolView
+from refitd.experts.reuse import ExpectedReusePolicy
 
 __all__ = ["HitDensityPolicy"]
 
