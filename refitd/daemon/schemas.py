@@ -101,7 +101,7 @@ class NodeInfo(msgspec.Struct, frozen=True):
     restarted daemon (whose regions and keys are gone) from the one it knew.
     ``shm_huge_pages`` is the ``huge=`` mode of the tmpfs holding its segments
     (``transports.shm.huge_page_mode``): under ``never`` they get 4 KiB pages and
-    same-host UCX pulls from them run about half as fast."""
+    same-host UCX pulls from them move about half as much per thread."""
 
     node_id: str
     epoch: int

@@ -301,7 +301,7 @@ class Service:
         if mode in ("never", "deny"):
             log.info(
                 "shared memory: %s is mounted huge=%s, so regions get 4 KiB pages; same-host "
-                "UCX pulls from them run about half as fast as from huge pages "
+                "UCX pulls from them move about half as much per thread as from huge pages "
                 "(systemd/refitd-shm-huge.service remounts it huge=advise)",
                 SHM_DIR,
                 mode,

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         huge = info["shm_huge_pages"] or "unknown"
         if huge in ("never", "deny"):
             huge += (
-                " (same-host UCX pulls at about half speed: see systemd/refitd-shm-huge.service)"
+                " (same-host UCX pulls slower: see systemd/refitd-shm-huge.service)"
             )
         table.add_row("shm huge pages", huge)
         table.add_row("regions", f"{info['regions']} ({human_bytes(info['region_bytes'])})")
