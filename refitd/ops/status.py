@@ -80,9 +80,7 @@ def run(args: argparse.Namespace) -> int:
         table.add_row("transport", info["transport"])
         huge = info["shm_huge_pages"] or "unknown"
         if huge in ("never", "deny"):
-            huge += (
-                " (same-host UCX pulls slower: see systemd/refitd-shm-huge.service)"
-            )
+            huge += " (same-host UCX pulls slower: see systemd/refitd-shm-huge.service)"
         table.add_row("shm huge pages", huge)
         table.add_row("regions", f"{info['regions']} ({human_bytes(info['region_bytes'])})")
         versions = ", ".join(f"{n} {s}" for s, n in sorted(info["versions"].items())) or "none"
