@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -98,12 +97,6 @@ class HitDensityPolicy(ExpectedReusePolicy):
             return math.inf
         self._low[layer] = heap[0][0] + self._decay[layer]
         return heap[0][0]
-
-    def on_step(self, step: int, slots: Sequence[int]) -> None:
-        super().on_step(step, slots)
-        if not len(slots):
-            # The visit decayed the layer's ``q`` whether or not it placed anything.
-            self._push_layer(self._current)
 
     def choose_victim(self, step: int) -> int:
         if not self._settled:

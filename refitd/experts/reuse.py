@@ -228,6 +228,9 @@ class ExpectedReusePolicy(EvictionPolicy):
         if not len(slots):
             if unplaced:
                 self._watch(unplaced_surprised / unplaced)
+            # The visit moved the layer's experts a round further out even though it
+            # placed nothing: announce the layer afresh.
+            self._push_layer(self._current)
             return
         resident = self._resident
         layer = resident[slots[0]] // self._experts

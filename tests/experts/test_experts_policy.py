@@ -4,6 +4,8 @@ expected-reuse ranking it grew from), and the invariants all share."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -144,31 +146,61 @@ def test_our_policy_rejects_a_stickiness_outside_zero_and_one() -> None:
         ExpectedReusePolicy(stickiness=-0.1)
 
 
-class CheckedExpectedReuse(ExpectedReusePolicy):
-    """Ours, checking each victim against a scan of every evictable slot."""
+def scan_checked(base: type[Any], rank: Callable[[Any, int, int], float]) -> Any:
+    """An instance of policy class ``base`` that checks each victim it returns against
+    a scan of every evictable slot: the victim must maximise ``rank(policy, layer,
+    expert)``. ``victims`` counts the checks."""
 
-    def reset(self, pool: PoolView, slots: int) -> None:
-        super().reset(pool, slots)
-        self.pool = pool
-        self.victims = 0
+    class Checked(base):  # type: ignore[misc, valid-type]
+        def reset(self, pool: PoolView, slots: int) -> None:
+            super().reset(pool, slots)
+            self.pool = pool
+            self.victims = 0
 
-    def choose_victim(self, step: int) -> int:
-        slot = super().choose_victim(step)
-        pool, experts = self.pool, self.pool.num_experts
-        candidates = [
-            s for s, key in enumerate(pool.resident) if key >= 0 and pool.touched[s] != step
-        ]
-        assert slot in candidates
+        def choose_victim(self, step: int) -> int:
+            slot: int = super().choose_victim(step)
+            pool, experts = self.pool, self.pool.num_experts
+            candidates = [
+                s for s, key in enumerate(pool.resident) if key >= 0 and pool.touched[s] != step
+            ]
+            assert slot in candidates
 
-        def value(s: int) -> float:
-            key = pool.resident[s]
-            return self.expected_next_use(key // experts, key % experts)
+            def value(s: int) -> float:
+                key = pool.resident[s]
+                return rank(self, key // experts, key % experts)
 
-        best = max(value(s) for s in candidates)
-        chosen = value(slot)
-        assert chosen == best or math.isclose(chosen, best, rel_tol=1e-9)
-        self.victims += 1
-        return slot
+            best = max(value(s) for s in candidates)
+            chosen = value(slot)
+            assert chosen == best or math.isclose(chosen, best, rel_tol=1e-9)
+            self.victims += 1
+            return slot
+
+    return Checked()
+
+
+def checked_reuse() -> Any:
+    """ExpectedReusePolicy; its victim must be the expert expected back last."""
+    return scan_checked(ExpectedReusePolicy, lambda p, m, e: p.expected_next_use(m, e))
+
+
+def checked_density() -> Any:
+    """HitDensityPolicy; its victim must be the least dense expert."""
+    return scan_checked(HitDensityPolicy, lambda p, m, e: -p.density(m, e))
+
+
+def replay_with_recoveries(policy: Any, steps: list[tuple[int, list[int]]], size: int) -> None:
+    """Replay ``steps``, with forgotten slots, whole-layer loads and empty visits mixed
+    in (each leaves stale entries or decays a layer), then check the victim count."""
+    cache = ExpertCache(LAYERS, EXPERTS, size, policy=policy)
+    for layer, routed in steps:
+        cache.ensure(layer, routed)
+        if layer == 1 and routed[0] == 0:
+            cache.forget_slot(len(routed) % size)
+        if layer == 2 and routed[0] == 5:
+            cache.materialize_layer(0)
+        if layer == 0 and routed[0] == 3:
+            cache.ensure(1, [])  # a visit that places nothing still decays the layer
+    assert policy.victims <= cache.stats().evictions
 
 
 @settings(max_examples=120, deadline=None)
@@ -177,16 +209,8 @@ def test_our_victim_is_always_the_expert_expected_back_last(
     steps: list[tuple[int, list[int]]], size: int
 ) -> None:
     # The lazy heaps must agree with a scan of the pool at every eviction.
-    policy = CheckedExpectedReuse()
-    cache = ExpertCache(LAYERS, EXPERTS, size, policy=policy)
-    for layer, routed in steps:
-        cache.ensure(layer, routed)
-        if layer == 1 and routed[0] == 0:
-            # Forgotten slots and whole-layer loads leave stale entries behind.
-            cache.forget_slot(len(routed) % size)
-        if layer == 2 and routed[0] == 5:
-            cache.materialize_layer(0)
-    assert policy.victims <= cache.stats().evictions
+    policy = checked_reuse()
+    replay_with_recoveries(policy, steps, size)
 
 
 @pytest.mark.parametrize("pools", [1, 2])
@@ -195,7 +219,7 @@ def test_our_victims_match_a_scan_of_the_pool_on_a_generated_trace(pools: int) -
         preset_config("mixtral-8x7b", requests=3, decode_tokens=48, prefill_tokens=16)
     )
     shape = trace.shape
-    policy = CheckedExpectedReuse()
+    policy = checked_reuse()
     size = pools * shape.active
     cache = ExpertCache(shape.num_layers, shape.num_experts, size, policy=policy)
     for layer, routed in trace.steps():
@@ -305,33 +329,6 @@ def test_hit_density_decides_identically_on_identical_input(
     assert plans() == plans()
 
 
-class CheckedHitDensity(HitDensityPolicy):
-    """Hit density, checking each victim against a scan of every evictable slot."""
-
-    def reset(self, pool: PoolView, slots: int) -> None:
-        super().reset(pool, slots)
-        self.pool = pool
-        self.victims = 0
-
-    def choose_victim(self, step: int) -> int:
-        slot = super().choose_victim(step)
-        pool, experts = self.pool, self.pool.num_experts
-        candidates = [
-            s for s, key in enumerate(pool.resident) if key >= 0 and pool.touched[s] != step
-        ]
-        assert slot in candidates
-
-        def value(s: int) -> float:
-            key = pool.resident[s]
-            return self.density(key // experts, key % experts)
-
-        least = min(value(s) for s in candidates)
-        chosen = value(slot)
-        assert chosen == least or math.isclose(chosen, least, rel_tol=1e-9)
-        self.victims += 1
-        return slot
-
-
 @settings(max_examples=120, deadline=None)
 @given(steps=traces, size=st.integers(EXPERTS, 2 * EXPERTS))
 def test_hit_density_victim_is_always_the_least_dense_expert(
@@ -339,24 +336,15 @@ def test_hit_density_victim_is_always_the_least_dense_expert(
 ) -> None:
     # The per-layer bounds and heaps must agree with a scan of the pool at every
     # eviction, whatever order the layers come in.
-    policy = CheckedHitDensity()
-    cache = ExpertCache(LAYERS, EXPERTS, size, policy=policy)
-    for layer, routed in steps:
-        cache.ensure(layer, routed)
-        if layer == 1 and routed[0] == 0:
-            cache.forget_slot(len(routed) % size)
-        if layer == 2 and routed[0] == 5:
-            cache.materialize_layer(0)
-        if layer == 0 and routed[0] == 3:
-            cache.ensure(1, [])  # a visit that places nothing still decays the layer
-    assert policy.victims <= cache.stats().evictions
+    policy = checked_density()
+    replay_with_recoveries(policy, steps, size)
 
 
 @pytest.mark.parametrize(("preset", "pools"), [("mixtral-8x7b", 1), ("qwen3-30b-a3b", 2)])
 def test_hit_density_victims_match_a_scan_on_a_generated_trace(preset: str, pools: int) -> None:
     trace = generate_trace(preset_config(preset, requests=2, decode_tokens=24, prefill_tokens=16))
     shape = trace.shape
-    policy = CheckedHitDensity()
+    policy = checked_density()
     cache = ExpertCache(shape.num_layers, shape.num_experts, pools * shape.active, policy=policy)
     for layer, routed in trace.steps():
         cache.ensure(layer, routed)
