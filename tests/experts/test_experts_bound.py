@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_experts_cache import check_invariants
+from test_experts_cache import replay_forgetting
 
 from refitd.errors import ConfigError
 from refitd.experts import ExpertCache, LruPolicy
@@ -47,17 +47,7 @@ def test_the_bound_oracles_keep_every_cache_invariant(
         else ExactHitDensityPolicy(model, visits=1 + which - len(RULES))
     )
     cache = ExpertCache(3, 6, size, policy=policy)
-    for i, (layer, routed) in enumerate(model.trace.steps(), start=1):
-        before = {e: cache.slot_of(layer, e) for e in routed}
-        forgotten = None
-        if i % forget_every == 0:
-            forgotten = i % size if cache.resident_in(i % size) is not None else None
-            cache.forget_slot(i % size)
-        plan = cache.ensure(layer, routed)
-        hits = {s for s in before.values() if s is not None} - {forgotten}
-        assert not hits & set(plan.copy.dst_slots)
-        assert all(s is not None for s in plan.slots)
-        check_invariants(cache)
+    replay_forgetting(cache, model.trace.steps(), forget_every)
 
 
 def test_futures_are_a_function_of_the_step_alone() -> None:

@@ -276,6 +276,30 @@ def check_invariants(cache: ExpertCache) -> None:
     assert cache.occupied() == len(seen)
 
 
+def replay_forgetting(
+    cache: ExpertCache, steps: list[tuple[int, tuple[int, ...]]], forget_every: int
+) -> None:
+    """Replay ``steps``, forgetting a slot every ``forget_every`` steps, and check the
+    ferrox invariants after each: a slot the step hits is never overwritten, every
+    route is placed, a forgotten slot is taken before any victim, the map stays
+    consistent."""
+    size = cache.cache_size
+    for i, (layer, routed) in enumerate(steps, start=1):
+        before = {e: cache.slot_of(layer, e) for e in routed}
+        forgotten = None
+        if i % forget_every == 0:
+            forgotten = i % size if cache.resident_in(i % size) is not None else None
+            cache.forget_slot(i % size)
+        evictions = cache.stats().evictions
+        plan = cache.ensure(layer, routed)
+        hits = {s for s in before.values() if s is not None} - {forgotten}
+        assert not hits & set(plan.copy.dst_slots)
+        assert all(s is not None for s in plan.slots)
+        if forgotten is not None and cache.stats().evictions > evictions:
+            assert forgotten in plan.copy.dst_slots, "a victim was taken before a forgotten slot"
+        check_invariants(cache)
+
+
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, size=st.integers(EXPERTS, 3 * EXPERTS))
 def test_lru_matches_the_reference_model_on_any_sequence(

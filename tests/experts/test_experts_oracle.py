@@ -7,7 +7,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_experts_cache import check_invariants
+from test_experts_cache import replay_forgetting
 
 from refitd.errors import PlanError
 from refitd.experts import BeladyPolicy, ExpectedReusePolicy, ExpertCache, LruPolicy
@@ -30,21 +30,7 @@ def test_the_oracle_keeps_every_cache_invariant_on_any_generated_trace(
         TraceConfig(SMALL, requests=2, prefill_tokens=2, decode_tokens=12, seed=seed)
     )
     cache = ExpertCache(3, 6, size, policy=OracleProbabilityPolicy(model))
-    for i, (layer, routed) in enumerate(model.trace.steps(), start=1):
-        before = {e: cache.slot_of(layer, e) for e in routed}
-        forgotten = None
-        if i % forget_every == 0:
-            forgotten = i % size if cache.resident_in(i % size) is not None else None
-            cache.forget_slot(i % size)
-        evictions = cache.stats().evictions
-        plan = cache.ensure(layer, routed)
-        hits = {s for s in before.values() if s is not None} - {forgotten}
-        # Same-step slots are never victims; every route is placed.
-        assert not hits & set(plan.copy.dst_slots)
-        assert all(s is not None for s in plan.slots)
-        if forgotten is not None and cache.stats().evictions > evictions:
-            assert forgotten in plan.copy.dst_slots, "a victim was taken before a forgotten slot"
-        check_invariants(cache)
+    replay_forgetting(cache, model.trace.steps(), forget_every)
 
 
 def test_the_oracle_decides_identically_on_identical_input() -> None:
