@@ -19,8 +19,8 @@ from typing import Self
 import torch
 
 from refitd.client.http import RefitClient
-from refitd.daemon.schemas import ManifestIn, RegionInfo, ShardEntry, TensorEntry, VersionInfo
 from refitd.errors import PlanError
+from refitd.wire import ManifestIn, RegionInfo, ShardEntry, TensorEntry, VersionInfo
 from transports.shm import SharedSegment
 
 __all__ = ["Publisher", "dtype_name", "torch_dtype"]
