@@ -85,6 +85,9 @@ class RefitClient:
         self._headers = {"Accept": MSGPACK}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
+        #: True when requests carry a bearer token: the daemon then records the token's
+        #: name as the owner of what this client creates, whatever owner it asks for.
+        self.authenticated = bool(token)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
 

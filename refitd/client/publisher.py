@@ -82,7 +82,9 @@ class Publisher:
         info = await self.client.create_region(
             nbytes,
             label=label or f"{self.model}.slot{self.slot}",
-            owner=f"{self.model}/{self.slot}",
+            # With a token the daemon records the token's name as owner and refuses
+            # any other (a publisher under a token must still be able to reserve).
+            owner="" if self.client.authenticated else f"{self.model}/{self.slot}",
         )
         self._regions.append(_Region(info, SharedSegment.attach(info.handle, info.nbytes)))
         return info
