@@ -42,7 +42,8 @@ import torch
 from refitd.client.http import RefitClient
 from refitd.client.leases import LeaseKeeper
 from refitd.client.publisher import ALIGN, torch_dtype
-from refitd.daemon.schemas import (
+from refitd.errors import ConflictError, RefitError, TransportError
+from refitd.wire import (
     DescriptorTable,
     MergedManifest,
     PackSpec,
@@ -50,7 +51,6 @@ from refitd.daemon.schemas import (
     PullRequest,
     RegionInfo,
 )
-from refitd.errors import ConflictError, RefitError, TransportError
 from transports.shm import SharedSegment
 
 __all__ = ["Capture", "DaemonReceiver", "RefitStats"]
