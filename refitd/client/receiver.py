@@ -40,7 +40,8 @@ import torch
 from refitd.client.http import RefitClient
 from refitd.client.leases import LeaseKeeper
 from refitd.client.publisher import ALIGN, torch_dtype
-from refitd.daemon.schemas import (
+from refitd.errors import ConflictError, RefitError, TransportError
+from refitd.wire import (
     DescriptorTable,
     MergedManifest,
     PackSpec,
@@ -48,7 +49,6 @@ from refitd.daemon.schemas import (
     PullRequest,
     RegionInfo,
 )
-from refitd.errors import ConflictError, RefitError, TransportError
 from transports.shm import SharedSegment
 
 __all__ = ["Capture", "DaemonReceiver", "RefitStats"]

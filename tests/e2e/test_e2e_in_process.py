@@ -24,8 +24,8 @@ from refitd.bench.refit import capture_for, publish_layout
 from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.schemas import PullState
 from refitd.errors import ConflictError
+from refitd.wire import PullState
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -31,9 +31,9 @@ from refitd.bench.refit import capture_for, publish_layout
 from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
 from refitd.client.spawn import spawn_daemon
-from refitd.daemon.schemas import DescriptorTable, PullRequest
 from refitd.errors import ConflictError, ProtocolError
 from refitd.reshard.types import UnsupportedReshard
+from refitd.wire import DescriptorTable, PullRequest
 from transports.shm import SharedSegment
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
