@@ -171,8 +171,10 @@ class MegatronSource:
             if name is None:
                 continue
             offset, global_shape = tuple(offset), tuple(global_shape)
-            if len(offset) != local.dim() or len(global_shape) != local.dim() or any(
-                o < 0 or o + n > g for o, n, g in zip(offset, local.shape, global_shape)
+            if (
+                len(offset) != local.dim()
+                or len(global_shape) != local.dim()
+                or any(o < 0 or o + n > g for o, n, g in zip(offset, local.shape, global_shape))
             ):
                 raise PlanError(
                     f"{trainer_name!r}: block {tuple(local.shape)} at {offset} does not fit "
@@ -265,7 +267,9 @@ class ShardPublisher:
         pub = self.publisher
         copied = 0
         for s in shards:
-            view = pub.tensor(s.name, s.global_shape, s.tensor.dtype, s.offset, tuple(s.tensor.shape))
+            view = pub.tensor(
+                s.name, s.global_shape, s.tensor.dtype, s.offset, tuple(s.tensor.shape)
+            )
             if s.tensor.numel() and view.data_ptr() != s.tensor.data_ptr():
                 view.copy_(s.tensor)
                 copied += s.nbytes

@@ -64,7 +64,9 @@ def hf_model(config: dict[str, Any], seed: int) -> torch.nn.Module:
     """The Hugging Face model for ``config`` with random bf16 weights from ``seed``."""
     import transformers
 
-    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    cfg = transformers.AutoConfig.for_model(
+        **{k: v for k, v in config.items() if k != "architectures"}
+    )
     cfg.architectures = config["architectures"]
     torch.manual_seed(seed)
     cls = getattr(transformers, config["architectures"][0])
@@ -124,3 +126,194 @@ def loader_format_mismatches(worker: Any, checkpoint: str) -> list[str]:
     want = dict(truth.named_parameters())
     got = engine.receiver._params
     return [n for n, p in got.items() if not torch.equal(p.data, want[n].data)]
+
+
+# ---------------------------------------------------------------- the trainer side
+
+
+class PipeSyncClient:
+    """A ``VLLMWeightSyncClient`` that forwards each call over a pipe to the process
+    holding the ``LLM`` (:func:`serve_trainer` answers there)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def _call(self, method: str, *args: Any) -> None:
+        self.conn.send(("call", method, args))
+        status, detail = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"engine {method} failed: {detail}")
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", weight_version)
+
+
+def serve_trainer(
+    conn: Any, client: Any, on_event: Any, procs: list[Any], timeout_s: float = 240
+) -> None:
+    """In the engine's process: run ``client`` methods the trainer asks for over
+    ``conn`` and hand its other messages to ``on_event(message) -> reply``, until
+    the trainer says ``done`` or every trainer process has exited."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not conn.poll(0.05):
+            if all(not p.is_alive() for p in procs):
+                return
+            continue
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message[0] == "call":
+            _, method, args = message
+            try:
+                getattr(client, method)(*args)
+                conn.send(("ok", None))
+            except Exception as exc:
+                conn.send(("error", str(exc)))
+        elif message[0] == "done":
+            return
+        else:
+            conn.send(on_event(message))
+    raise TimeoutError("trainer did not finish")
+
+
+def fsdp_trainer(rank: int, world: int, port: int, job: dict[str, Any], conn: Any) -> None:
+    """One FSDP2 trainer rank (``torch.multiprocessing``, gloo on CPU).
+
+    For each seed in ``job["seeds"]`` the weights are drawn anew (the same on every
+    rank), saved whole by rank 0 as the truth, sharded with ``fully_shard``, and
+    published through the refitd trainer engine; rank 0 drives the engine through
+    the pipe. ``job["die_before"]``: rank 1 exits abruptly instead of publishing
+    that round, and rank 0 asks the engine for the half-published version anyway.
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from refitd.integrations.sources import FSDPSource
+    from refitd.integrations.vllm.trainer import RefitdTrainerEngine, RefitdTrainerInitInfo
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = hf_model(job["config"], job["seeds"][0])
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    client = PipeSyncClient(conn) if rank == 0 else None
+    info = RefitdTrainerInitInfo(
+        rank=rank, model=job["model"], world_size=world, url=job["url"], ready_timeout_s=30
+    )
+    engine = RefitdTrainerEngine.trainer_init(info, client=client, source=FSDPSource(model))
+    for i, seed in enumerate(job["seeds"]):
+        fresh = hf_model(job["config"], seed).state_dict()
+        with torch.no_grad():
+            for name, p in model.named_parameters():  # write each rank's own rows
+                p.to_local().copy_(fresh[name][_rows(p)])
+        if rank == 0:
+            save_model(Path(job["out"]) / f"v{i}", job["config"], fresh)
+        if job.get("die_before") == i:
+            if rank == 1:
+                os._exit(9)
+            version = engine.publish()
+            try:  # the sender races ahead without waiting for every slot
+                client.start_weight_update()  # type: ignore[union-attr]
+                client.update_weights({"version": version})  # type: ignore[union-attr]
+                outcome = "updated"
+            except RuntimeError as exc:
+                outcome = str(exc)
+            conn.send(("refused", outcome))
+            conn.recv()
+            break
+        engine.send_weights()
+        if rank == 0:
+            conn.send(("sent", engine.version, str(Path(job["out"]) / f"v{i}"), engine.last))
+            conn.recv()
+        dist.barrier()
+    if rank == 0:
+        conn.send(("done",))
+    engine.shutdown()
+    if job.get("die_before") is None:
+        dist.destroy_process_group()
+
+
+def _rows(p: Any) -> Any:
+    """The index of this rank's ``Shard(0)`` rows of ``p`` in the full tensor."""
+    world, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+    chunk = -(-p.shape[0] // world)
+    start = min(rank * chunk, p.shape[0])
+    return slice(start, start + p.to_local().shape[0])
+
+
+# ---------------------------------------------------------------- the engine side
+
+
+def start_daemon(root: Path) -> tuple[Any, str]:
+    """A real ``refitd serve`` on 127.0.0.1:0; returns (process, url)."""
+    import subprocess
+
+    from refitd.client.spawn import serve_command
+
+    secret = root / "secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    argv = serve_command("--port", "0", "--secret-file", str(secret), "--grace", "2")
+    proc = subprocess.Popen(
+        [*argv, "--set", "logging.level=warning"], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    return proc, json.loads(proc.stdout.readline())["url"]
+
+
+def live_params(worker: Any) -> dict[str, torch.Tensor]:
+    """Run in a vLLM worker: every parameter of the serving model, as it computes with."""
+    return {n: p.detach().clone() for n, p in worker.model_runner.get_model().named_parameters()}
+
+
+def run_fsdp_trainer(job: dict[str, Any], on_event: Any, llm: Any) -> list[Any]:
+    """Run :func:`fsdp_trainer` on 2 gloo ranks against ``llm``; returns exit codes."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from refitd.integrations.vllm.trainer import LLMSyncClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    procs = [
+        ctx.Process(target=fsdp_trainer, args=(r, 2, port, job, child if r == 0 else None))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        serve_trainer(parent, LLMSyncClient(llm), on_event, procs)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    return [p.exitcode for p in procs]
+
+
+def greedy(llm: Any) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in ([5, 17, 33, 99, 200], [7, 300, 42])]
+    params = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]

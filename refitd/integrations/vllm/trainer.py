@@ -129,7 +129,11 @@ class RefitdTrainerEngine(TrainerWeightTransferEngine[RefitdTrainerInitInfo]):
             self.client.start_weight_update()
             self.client.update_weights({"version": version})
             self.client.finish_weight_update(weight_version=str(version))
-            self.last = {"publish_s": t1 - t0, "ready_s": t2 - t1, "engine_s": time.perf_counter() - t2}
+            self.last = {
+                "publish_s": t1 - t0,
+                "ready_s": t2 - t1,
+                "engine_s": time.perf_counter() - t2,
+            }
         self._barrier()
 
     @staticmethod

@@ -120,6 +120,7 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         self._clients: list[Any] = []
         self.receiver: DaemonReceiver | None = None
         self._restore: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+        self._init_info: RefitdInitInfo | None = None
         self._computed: list[str] = []
         self._pending: RefitStats | None = None
         self.last_stats: dict[str, Any] | None = None
@@ -200,8 +201,11 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
     def init_transfer_engine(self, init_info: RefitdInitInfo) -> None:
         from refitd.integrations.connect import daemon_client
 
+        if self._runner is not None and init_info == self._init_info:
+            return  # the same trainer reconnecting: keep the compiled plan
         if self._runner is not None:
             self.shutdown()
+        self._init_info = init_info
         self._runner = asyncio.Runner()
         local = daemon_client(init_info.url, init_info.token_file)
         source = (
@@ -282,8 +286,10 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
             by_module.setdefault(id(module), (module, []))[1].append((leaf, buf))
         for module, bufs in by_module.values():
             kernel = dict(module.named_parameters(recurse=False))
-            for leaf, buf in bufs:
-                module.register_parameter(leaf, torch.nn.Parameter(buf.data, requires_grad=False))
+            for leaf, loaded in bufs:
+                module.register_parameter(
+                    leaf, torch.nn.Parameter(loaded.data, requires_grad=False)
+                )
             if hasattr(module, "_already_called_process_weights_after_loading"):
                 delattr(module, "_already_called_process_weights_after_loading")
             quant_method = getattr(module, "quant_method", None)
@@ -297,7 +303,11 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
                 quant_method.process_weights_after_loading(module)
             for name, old in kernel.items():
                 new = getattr(module, name, None)
-                if isinstance(new, torch.Tensor) and new.shape == old.shape and new.dtype == old.dtype:
+                if (
+                    isinstance(new, torch.Tensor)
+                    and new.shape == old.shape
+                    and new.dtype == old.dtype
+                ):
                     if new.data_ptr() != old.data_ptr() and old.numel():
                         old.data.copy_(new)
                     module.register_parameter(name, old)
@@ -315,6 +325,7 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
             self._run(c.close())
         self._runner.close()
         self._runner = None
+        self._init_info = None
         self.receiver = None
         self._clients = []
 
