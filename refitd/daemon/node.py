@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -104,6 +105,8 @@ class DaemonOptions:
     client_max_size: int = 1 << 30
     grace_s: float = 10.0
     boot_id: str = ""
+    #: ``refitd.config.RegistryConfig`` (None: the static registry, this daemon alone)
+    registry: Any = None
 
 
 class Daemon:
