@@ -47,6 +47,7 @@ class ClusterRegistry:
         self.directory = Directory(self.prefix, secret)
         self.me: DaemonRecord | None = None
         self._gone: list[GoneCallback] = []
+        self._listeners: list[Callable[[], object]] = []
         self._changed = asyncio.Event()
         #: this daemon's keys and values, re-written after a re-registration
         self._mine: dict[str, bytes] = {}
@@ -68,6 +69,10 @@ class ClusterRegistry:
         """Call ``callback(record)`` when a registered daemon leaves (lease expired,
         deregistered, or re-registered as a new incarnation)."""
         self._gone.append(callback)
+
+    def on_change(self, callback: Callable[[], object]) -> None:
+        """Call ``callback()`` after every update of the directory."""
+        self._listeners.append(callback)
 
     # ------------------------------------------------------------ answers
 
@@ -127,6 +132,8 @@ class ClusterRegistry:
         return want, stale
 
     def _apply(self, change: Change) -> None:
+        for listener in self._listeners:
+            listener()
         for rec in change.gone:
             for cb in self._gone:
                 cb(rec)

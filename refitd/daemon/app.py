@@ -22,7 +22,7 @@ from aiohttp import web
 
 from refitd.cluster import registry_from_config
 from refitd.daemon.auth import check_owner, owner_for
-from refitd.daemon.cluster import CLUSTER, announce, check_source
+from refitd.daemon.cluster import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.cluster import routes as cluster_routes
 from refitd.daemon.experts import POOLS, ExpertPools, note_pull
 from refitd.daemon.experts import routes as expert_routes
@@ -335,8 +335,14 @@ def create_app(
     cluster = registry_from_config(opts.registry, opts.secret)
     app[CLUSTER] = cluster
 
+    if cluster.kind == "etcd":
+        # The registry is one origin of the peer allow-list: every registered daemon
+        # whose record verifies is trusted, for as long as it stays registered.
+        cluster.on_change(
+            lambda: d.peers.replace(REGISTRY_ORIGIN, [r.url for r in cluster.daemons()])
+        )
+
     def connect(url: str) -> Source:
-        check_source(cluster, url)
         c = clients.get(url)
         if c is None:
             c = clients[url] = RefitClient(url, token=token)

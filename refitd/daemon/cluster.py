@@ -5,8 +5,9 @@ hooks that keep the registry in step with this daemon.
 - after every publish or retire it republishes the model's source records
   (:func:`announce`);
 - a registered daemon that leaves fails every running pull reading from it, naming it;
-- with ``kind = "etcd"`` a pull may read only from a daemon registered there
-  (:func:`check_source`), so the registry is the peer allow-list.
+- with ``kind = "etcd"`` every daemon registered there (record verified) is a
+  trusted peer: the registry is the ``"registry"`` origin of the daemon's one
+  :class:`~refitd.daemon.peers.PeerPolicy`, beside ``[peers] allow``.
 
 Routes (read-only; the registry is written by daemons, never by clients):
 ``GET /v1/cluster/daemons``, ``GET /v1/cluster/sources/{model}/versions/{version}``
@@ -16,26 +17,28 @@ Routes (read-only; the registry is written by daemons, never by clients):
 
 from __future__ import annotations
 
-from urllib.parse import urlsplit
-
 from aiohttp import web
 
 from refitd.cluster import ClusterRegistry
 from refitd.daemon.httpio import DAEMON, query_float, query_int, reply
 from refitd.daemon.openapi import Operation
-from refitd.errors import AccessDenied, NotFoundError
+from refitd.errors import NotFoundError
 from refitd.wire import API_PREFIX, ClusterVersion, DaemonRecord, SourceRecord, VersionState
 
 __all__ = [
     "CLUSTER",
+    "REGISTRY_ORIGIN",
     "announce",
-    "check_source",
     "cluster_operations",
     "register",
     "routes",
 ]
 
 CLUSTER: web.AppKey[ClusterRegistry] = web.AppKey("cluster", ClusterRegistry)
+
+REGISTRY_ORIGIN = "registry"
+"""The origin (in :class:`~refitd.daemon.peers.PeerPolicy`) of the peers the etcd
+registry vouches for."""
 
 P = API_PREFIX + "/cluster"
 routes = web.RouteTableDef()
@@ -74,19 +77,6 @@ async def announce(app: web.Application, model: str) -> None:
         if v.state is not VersionState.RETIRED
     ]
     await reg.publish(model, records)
-
-
-def check_source(reg: ClusterRegistry, url: str) -> None:
-    """Refuse a pull source that is not a daemon registered (and verified) in the
-    etcd registry; a static registry leaves the choice to the configuration."""
-    if reg.kind != "etcd" or reg.trusted(url) is not None:
-        return
-    host = urlsplit(url).netloc or url
-    raise AccessDenied(
-        f"pull source {url} refused: no daemon registered in the etcd registry serves at "
-        f"{host} (this daemon reads only from registered, signature-verified daemons; a "
-        "daemon that stopped leaves the registry within its lease TTL)"
-    )
 
 
 @routes.get(P + "/daemons")

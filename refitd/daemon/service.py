@@ -57,6 +57,7 @@ def options_from_config(config: Config, secret: bytes | None) -> Any:
         client_max_size=config.server.max_request_bytes,
         grace_s=config.pulls.shutdown_grace_s,
         registry=config.registry,
+        peers=config.peers.allow,
         **extra,
     )
 

@@ -23,7 +23,7 @@ from refitd.client.spawn import spawn_daemon
 from refitd.cluster.directory import daemon_key, source_key
 from refitd.config import RegistryConfig
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.errors import AccessDenied, NotFoundError, TransportError
+from refitd.errors import NotFoundError, ProtocolError, TransportError
 from refitd.wire import (
     DaemonRecord,
     DescriptorTable,
@@ -105,7 +105,7 @@ async def test_a_pull_from_a_daemon_not_in_the_registry_is_refused_naming_it(
         dst = await ce.create_region(64)
         rows = np.array([[region, 0, dst.region_id, 0, 64]], dtype=np.int64)
         req = PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows), [], co.base_url)
-        with pytest.raises(AccessDenied, match=f"pull source {co.base_url} refused: no daemon"):
+        with pytest.raises(ProtocolError, match="is not a trusted peer of this daemon"):
             await ce.submit_pull(req)
 
 
@@ -132,7 +132,7 @@ async def test_a_registry_record_not_signed_with_the_deployment_secret_is_not_tr
         lease = await co.acquire_lease("n", 1)
         rows = np.array([[region, 0, region, 0, 1]], dtype=np.int64)
         req = PullRequest("n", 1, lease.lease_id, DescriptorTable.pack(rows), [], co.base_url)
-        with pytest.raises(AccessDenied, match="no daemon registered"):
+        with pytest.raises(ProtocolError, match="is not a trusted peer of this daemon"):
             await ce.submit_pull(req)
 
 
