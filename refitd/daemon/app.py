@@ -24,7 +24,7 @@ from refitd.cluster import registry_from_config
 from refitd.daemon.auth import check_owner, owner_for
 from refitd.daemon.cluster import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.cluster import routes as cluster_routes
-from refitd.daemon.experts import POOLS, ExpertPools, note_pull
+from refitd.daemon.experts import POOLS, ExpertPools, close_pools, note_pull
 from refitd.daemon.experts import routes as expert_routes
 from refitd.daemon.httpio import (
     DAEMON,
@@ -373,6 +373,7 @@ def create_app(
     app.cleanup_ctx.extend(cleanup_ctx)
     app.add_routes(routes)
     app[POOLS] = ExpertPools(d)
+    app.on_shutdown.append(close_pools)  # before cleanup closes the regions
     app.add_routes(expert_routes)
     app.add_routes(cluster_routes)
     for fn in setup:
