@@ -99,7 +99,8 @@ async def test_a_pull_from_a_daemon_not_in_the_registry_is_refused_naming_it(
     etcd: object,
 ) -> None:
     outsider = Daemon(DaemonOptions(port=0, node_id="outsider", secret=SECRET, transport="shm"))
-    async with serving_daemons(daemon(etcd, "engine"), outsider) as (ce, co):
+    # Served apart: serving_daemons makes the daemons it serves together trust each other.
+    async with serving_daemons(daemon(etcd, "engine")) as (ce,), serving_daemons(outsider) as (co,):
         region = await publish(co, "m", 1)
         lease = await co.acquire_lease("m", 1)
         dst = await ce.create_region(64)
@@ -115,10 +116,9 @@ async def test_a_registry_record_not_signed_with_the_deployment_secret_is_not_tr
     import aetcd
 
     outsider = Daemon(DaemonOptions(port=0, node_id="forged", secret=SECRET, transport="shm"))
-    async with serving_daemons(daemon(etcd, "trainer"), daemon(etcd, "engine"), outsider) as (
-        ct,
-        ce,
-        co,
+    async with (
+        serving_daemons(daemon(etcd, "trainer"), daemon(etcd, "engine")) as (ct, ce),
+        serving_daemons(outsider) as (co,),
     ):
         forged = DaemonRecord("forged", co.base_url, 1, "shm").signed(b"x" * 32)
         async with aetcd.Client(etcd.host, etcd.port) as c:  # type: ignore[attr-defined]
