@@ -12,7 +12,8 @@ those loaders with shard ids, exactly the way vLLM's model classes do:
 - ``QKVParallelLinear``: ``q``/``k``/``v`` shard ids with GQA, KV heads replicated when
   there are fewer KV heads than ranks;
 - ``VocabParallelEmbedding`` / ``ParallelLMHead``: vocabulary padded to a multiple of
-  64, padded rows never written (they stay zero);
+  64, padded rows zeroed by the loader with ``fill_(0)`` as vLLM's does (a constant
+  write, so a refit needs to move no byte there);
 - ``FusedMoE``: stacked ``w13_weight``/``w2_weight`` of the local experts under expert
   parallelism, the per-expert source reached through ``unsqueeze(0).unbind(0)`` as
   vLLM's loader does, then narrowed for the MoE tensor-parallel rank;
@@ -291,7 +292,8 @@ class QKVParallelLinear(nn.Module):
 
 class VocabParallelEmbedding(nn.Module):
     """Vocabulary rows padded to a multiple of 64 and split evenly; a rank whose block
-    runs past the real vocabulary leaves those rows zero (possibly all of them)."""
+    runs past the real vocabulary zeroes those rows (possibly all of them), as vLLM's
+    loader does."""
 
     def __init__(self, vocab: int, hidden: int, tp: int, rank: int, dtype: torch.dtype):
         super().__init__()
@@ -306,6 +308,8 @@ class VocabParallelEmbedding(nn.Module):
         real = min(self.rows, self.vocab - self.start)
         if real > 0:
             param.data.narrow(0, 0, real).copy_(loaded.narrow(0, self.start, real))
+        if real < self.rows:
+            param.data.narrow(0, max(real, 0), self.rows - max(real, 0)).fill_(0)
 
 
 class RMSNorm(nn.Module):

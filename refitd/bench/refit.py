@@ -265,7 +265,7 @@ async def manifest_100k_seconds(client: RefitClient, n: int = 100_000) -> float:
     """Publish a 2-slot model of ``n`` small tensors (each split over both slots, plus
     one replicated tensor per slot) and time fetching its merged manifest once (the
     daemon merges on that first fetch)."""
-    from refitd.daemon.schemas import ManifestIn, ShardEntry, TensorEntry
+    from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
     region = await client.create_region(64, label="manifest-bench")
     for slot in (0, 1):

@@ -17,9 +17,8 @@ import aiohttp
 import msgspec
 
 from refitd import errors
-from refitd.daemon.metrics import PoolStats
-from refitd.daemon.node import PeerRegions, StagedPack
-from refitd.daemon.schemas import (
+from refitd.wire import (
+    ERROR_OF_STATUS,
     MSGPACK,
     EnsureRequest,
     EnsureResult,
@@ -34,8 +33,10 @@ from refitd.daemon.schemas import (
     MergedManifest,
     NodeInfo,
     PackSpec,
+    PeerRegions,
     PoolCreate,
     PoolInfo,
+    PoolStats,
     PullProgress,
     PullRequest,
     PullState,
@@ -43,6 +44,7 @@ from refitd.daemon.schemas import (
     RegionCreate,
     RegionInfo,
     RegionKind,
+    StagedPack,
     VersionInfo,
     gc_paused,
 )
@@ -54,18 +56,6 @@ T = TypeVar("T")
 _ERRORS: dict[str, type[errors.RefitError]] = {
     name: getattr(errors, name) for name in errors.__all__
 }
-_BY_STATUS: dict[int, type[errors.RefitError]] = {
-    400: errors.ProtocolError,
-    401: errors.Unauthenticated,
-    403: errors.AccessDenied,
-    404: errors.NotFoundError,
-    409: errors.ConflictError,
-    413: errors.RequestTooLarge,
-    422: errors.PlanError,
-    500: errors.RefitError,
-    502: errors.TransportError,
-    503: errors.TransportError,
-}
 _TERMINAL = {PullState.DONE, PullState.FAILED, PullState.CANCELLED}
 
 
@@ -74,7 +64,7 @@ def error_from_body(status: int, body: ErrorBody | None, fallback: str) -> error
     by status code."""
     if body is not None and body.error in _ERRORS:
         return _ERRORS[body.error](body.detail)
-    cls = _BY_STATUS.get(status, errors.RefitError)
+    cls = ERROR_OF_STATUS.get(status, errors.RefitError)
     return cls(body.detail if body is not None else fallback)
 
 
@@ -95,6 +85,9 @@ class RefitClient:
         self._headers = {"Accept": MSGPACK}
         if token:
             self._headers["Authorization"] = f"Bearer {token}"
+        #: True when requests carry a bearer token: the daemon then records the token's
+        #: name as the owner of what this client creates, whatever owner it asks for.
+        self.authenticated = bool(token)
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
 

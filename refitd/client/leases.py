@@ -15,8 +15,8 @@ from types import TracebackType
 from typing import Self
 
 from refitd.client.http import RefitClient
-from refitd.daemon.schemas import LeaseGrant
 from refitd.errors import ProtocolError, RefitError, TransportError
+from refitd.wire import LeaseGrant
 
 __all__ = ["LeaseKeeper"]
 

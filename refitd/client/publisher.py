@@ -19,8 +19,8 @@ from typing import Self
 import torch
 
 from refitd.client.http import RefitClient
-from refitd.daemon.schemas import ManifestIn, RegionInfo, ShardEntry, TensorEntry, VersionInfo
 from refitd.errors import PlanError
+from refitd.wire import ManifestIn, RegionInfo, ShardEntry, TensorEntry, VersionInfo
 from transports.shm import SharedSegment
 
 __all__ = ["Publisher", "dtype_name", "torch_dtype"]
@@ -82,7 +82,9 @@ class Publisher:
         info = await self.client.create_region(
             nbytes,
             label=label or f"{self.model}.slot{self.slot}",
-            owner=f"{self.model}/{self.slot}",
+            # With a token the daemon records the token's name as owner and refuses
+            # any other (a publisher under a token must still be able to reserve).
+            owner="" if self.client.authenticated else f"{self.model}/{self.slot}",
         )
         self._regions.append(_Region(info, SharedSegment.attach(info.handle, info.nbytes)))
         return info

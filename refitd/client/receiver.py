@@ -8,8 +8,10 @@
 2. if the manifest's structure and region placement match the last refit, replay
    the compiled pull (no capture, no planning); otherwise capture the engine's own
    loaders on a meta twin, plan, and compile the plan to region-relative rows;
-3. refuse the whole refit — before any transfer — if any source is unsupported or
-   any copy could not be attributed;
+3. refuse the whole refit — before any transfer — if any source is unsupported,
+   any copy could not be attributed, or the engine's loaders would leave any
+   parameter or persistent buffer (wholly or partly) unwritten by the manifest
+   (strict by default; ``allow_unwritten=`` names those meant to keep their values);
 4. submit one pull to the local daemon (descriptors + pack specs, the lease) and
    wait, reporting progress;
 5. install: in ``"staging"`` mode the pull lands in a scratch mirror of the
@@ -29,7 +31,7 @@ import contextlib
 import hashlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -40,7 +42,8 @@ import torch
 from refitd.client.http import RefitClient
 from refitd.client.leases import LeaseKeeper
 from refitd.client.publisher import ALIGN, torch_dtype
-from refitd.daemon.schemas import (
+from refitd.errors import ConflictError, RefitError, TransportError
+from refitd.wire import (
     DescriptorTable,
     MergedManifest,
     PackSpec,
@@ -48,7 +51,6 @@ from refitd.daemon.schemas import (
     PullRequest,
     RegionInfo,
 )
-from refitd.errors import ConflictError, RefitError, TransportError
 from transports.shm import SharedSegment
 
 __all__ = ["Capture", "DaemonReceiver", "RefitStats"]
@@ -102,6 +104,9 @@ class DaemonReceiver:
     ``torch.device("meta")``); ``capture`` runs its loaders against a manifest.
     ``local`` is the client of this host's daemon; ``source`` the client of the
     daemon holding the published version (the same one on a single host is fine).
+    ``allow_unwritten`` names parameters and persistent buffers that the manifest
+    may leave untouched; any other one left unwritten refuses the refit (with
+    :class:`~refitd.reshard.types.IncompleteRefit`, naming each) before any byte moves.
     """
 
     def __init__(
@@ -117,6 +122,7 @@ class DaemonReceiver:
         lease_ttl_s: float = 60.0,
         strict: bool = False,
         max_segments_per_copy: int = 64,
+        allow_unwritten: Iterable[str] = (),
     ) -> None:
         self.local = local
         self.source = source
@@ -128,6 +134,7 @@ class DaemonReceiver:
         self.lease_ttl_s = lease_ttl_s
         self.strict = strict
         self.max_segments_per_copy = max_segments_per_copy
+        self.allow_unwritten = frozenset(allow_unwritten)
         self._compiled: _Compiled | None = None
         self._plan_cache: Any = None  # refitd.reshard.compile.CompiledPlan
         self._params: dict[str, torch.nn.Parameter] = dict(engine.named_parameters())
@@ -227,6 +234,7 @@ class DaemonReceiver:
         """Capture on a meta twin, plan and compile; refuses (before any transfer) a
         plan with any unsupported, unattributed or unplannable source."""
         from refitd.reshard.compile import compile_plan, dest_layout_of
+        from refitd.reshard.coverage import destinations_of, refuse_unwritten
         from refitd.reshard.transfer_plan import plan_transfer
         from refitd.reshard.types import UnsupportedReshard
 
@@ -245,6 +253,8 @@ class DaemonReceiver:
                 f"refit of {m.model!r} v{m.version} refused before any transfer: "
                 f"{len(unsupported)} unsupported source(s){first}, {unattributed} unattributed copies"
             )
+        # Every destination the engine would load from a checkpoint must be written.
+        refuse_unwritten(capture, destinations_of(twin), self.allow_unwritten)  # type: ignore[arg-type]
         plan = plan_transfer(capture, sources, max_segments_per_copy=self.max_segments_per_copy)  # type: ignore[arg-type]
         if plan.fallback:
             name = plan.fallback[0]

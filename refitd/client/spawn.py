@@ -13,7 +13,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from refitd.errors import TransportError
@@ -44,11 +44,17 @@ async def spawn_daemon(
     start_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
     log_level: str = "warning",
+    host: str | None = None,
+    extra_args: Sequence[str] = (),
+    prefix: Sequence[str] = (),
 ) -> AsyncIterator[SpawnedDaemon]:
     """Run a daemon on ``127.0.0.1:0`` in a child process for the ``with`` block.
 
     Its logs (stderr, inherited) are kept to ``log_level`` and above, so a demo's
-    console is not flooded with access lines."""
+    console is not flooded with access lines. ``host`` binds another address (it
+    then needs ``server.token_file``, e.g. through ``extra_args``), ``extra_args``
+    are more ``refitd serve`` options, and ``prefix`` wraps the command (e.g. an
+    ``nsenter`` into a simulated host, see :mod:`refitd.bench.simhosts`)."""
     argv = serve_command(
         "--port",
         "0",
@@ -65,7 +71,11 @@ async def spawn_daemon(
         argv += ["--node-id", node_id]
     if unix_path:
         argv += ["--unix", unix_path]
+    if host:
+        argv += ["--host", host]
+    argv += list(extra_args)
     proc = await asyncio.create_subprocess_exec(
+        *prefix,
         *argv,
         stdout=asyncio.subprocess.PIPE,
         env={**os.environ, **(env or {})},

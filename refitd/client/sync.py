@@ -13,7 +13,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from refitd.client.http import RefitClient
-from refitd.daemon.schemas import (
+from refitd.wire import (
     LeaseGrant,
     ManifestIn,
     MergedManifest,

@@ -14,42 +14,40 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from refitd.daemon.auth import check_owner, owner_for
+from refitd.daemon.experts import POOLS, ExpertPools, note_pull
+from refitd.daemon.experts import routes as expert_routes
+from refitd.daemon.httpio import (
+    DAEMON,
+    body,
+    error_middleware,
+    query_float,
+    query_int,
+    reply,
+    wants_msgpack,
+)
 from refitd.daemon.metrics import observe_pull
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.pulls import PullManager, RemoteSource, Source
 from refitd.daemon.registry import check_manifest_bounds
-from refitd.daemon.schemas import (
+from refitd.errors import ConflictError, ProtocolError, TransportError
+from refitd.wire import (
     MAX_LEASE_TTL_S,
     MSGPACK,
-    ErrorBody,
+    STATUS_OF,
     LeaseGrant,
     LeaseRequest,
     ManifestIn,
-    PackSpec,
+    PackRequest,
     PullRequest,
     RegionAttach,
     RegionCreate,
-    gc_paused,
-)
-from refitd.errors import (
-    AccessError,
-    ConfigError,
-    ConflictError,
-    NotFoundError,
-    PlanError,
-    ProtocolError,
-    RefitError,
-    RequestTooLarge,
-    TransportError,
-    Unauthenticated,
 )
 
 __all__ = [
@@ -61,114 +59,7 @@ __all__ = [
     "routes",
 ]
 
-T = TypeVar("T")
-
-DAEMON: web.AppKey[Daemon] = web.AppKey("daemon", Daemon)
 PULLS: web.AppKey[PullManager] = web.AppKey("pulls", PullManager)
-
-# Most specific first: the first isinstance match wins.
-STATUS_OF: list[tuple[type[RefitError], int]] = [
-    (RequestTooLarge, 413),
-    (ProtocolError, 400),
-    (Unauthenticated, 401),
-    (AccessError, 403),
-    (NotFoundError, 404),
-    (ConflictError, 409),
-    (PlanError, 422),
-    (TransportError, 502),
-    (ConfigError, 500),
-    (RefitError, 500),
-]
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def _status(exc: RefitError) -> int:
-    for cls, code in STATUS_OF:
-        if isinstance(exc, cls):
-            return code
-    return 500
-
-
-def _wants_msgpack(request: web.Request) -> bool:
-    return MSGPACK in request.headers.get("Accept", "")
-
-
-def reply(request: web.Request, value: Any, status: int = 200) -> web.Response:
-    """Encode ``value`` (a Struct, list, dict or None) as the client asked."""
-    if _wants_msgpack(request):
-        return web.Response(body=msgspec.msgpack.encode(value), status=status, content_type=MSGPACK)
-    return web.Response(
-        body=msgspec.json.encode(value), status=status, content_type="application/json"
-    )
-
-
-async def body(request: web.Request, type_: type[T]) -> T:
-    """Decode and validate the request body as ``type_`` (msgpack or JSON)."""
-    raw = await request.read()
-    try:
-        with gc_paused():
-            if request.content_type == MSGPACK:
-                return msgspec.msgpack.decode(raw, type=type_)
-            return msgspec.json.decode(raw, type=type_)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ProtocolError(f"{request.method} {request.path}: body refused: {exc}") from exc
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place refusals become HTTP: RefitError tree -> status + ErrorBody."""
-    try:
-        return await handler(request)
-    except RefitError as exc:
-        return reply(request, ErrorBody(type(exc).__name__, str(exc)), _status(exc))
-    except web.HTTPRequestEntityTooLarge as exc:
-        return reply(
-            request, ErrorBody("RequestTooLarge", f"request body too large: {exc.text}"), 413
-        )
-    except web.HTTPException as exc:
-        if exc.status < 400 or exc.content_type in (MSGPACK, "application/json"):
-            raise  # a redirect, or a refusal already in our error shape
-        # aiohttp's own refusals (no such route, method not allowed) in our error shape.
-        name = "NotFoundError" if exc.status == 404 else "ProtocolError"
-        detail = f"{request.method} {request.path}: {exc.reason}"
-        return reply(request, ErrorBody(name, detail), exc.status)
-
-
-def _int(request: web.Request, name: str) -> int:
-    raw = request.match_info.get(name) or request.query.get(name, "")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ProtocolError(f"{name} must be an integer, got {raw!r}") from None
-
-
-def _float(
-    request: web.Request,
-    name: str,
-    default: float,
-    *,
-    positive: bool = False,
-    most: float = math.inf,
-) -> float:
-    """A duration in seconds from the query: finite, ``>= 0`` (``> 0`` if ``positive``)
-    and at most ``most``. NaN and infinities are refused: a NaN deadline never
-    compares as passed, so a lease renewed with one would never expire and a wait on
-    one would never end."""
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0 and value <= most and (value > 0 or not positive)):
-        bound = f"{'>' if positive else '>='} 0" + (f" and <= {most:g}" if most < math.inf else "")
-        raise ProtocolError(
-            f"query parameter {name} must be a finite number of seconds {bound}, got {raw!r}"
-        )
-    return value
-
 
 routes = web.RouteTableDef()
 P = "/v1"
@@ -216,15 +107,13 @@ async def list_regions(request: web.Request) -> web.Response:
 
 @routes.get(P + "/regions/{region_id}")
 async def get_region(request: web.Request) -> web.Response:
-    return reply(request, request.app[DAEMON].regions.get(_int(request, "region_id")))
+    return reply(request, request.app[DAEMON].regions.get(query_int(request, "region_id")))
 
 
 @routes.delete(P + "/regions/{region_id}")
 async def delete_region(request: web.Request) -> web.Response:
-    rid = _int(request, "region_id")
+    rid = query_int(request, "region_id")
     check_owner(request, request.app[DAEMON].regions.get(rid).owner, "delete", f"region {rid}")
-    from refitd.daemon.experts import POOLS
-
     request.app[POOLS].check_deletable(rid)  # an expert pool's region goes with its pool
     return reply(request, await request.app[DAEMON].delete_region(rid))
 
@@ -256,7 +145,7 @@ def _version(request: web.Request) -> tuple[str, int]:
     model = request.match_info["model"]
     if request.match_info["version"] == "latest":
         return model, request.app[DAEMON].registry.latest_ready(model)
-    return model, _int(request, "version")
+    return model, query_int(request, "version")
 
 
 @routes.get(P + "/sources/{model}/versions/{version}")
@@ -268,7 +157,7 @@ async def get_version(request: web.Request) -> web.Response:
 async def get_manifest(request: web.Request) -> web.Response:
     reg = request.app[DAEMON].registry
     model, version = _version(request)
-    if _wants_msgpack(request):
+    if wants_msgpack(request):
         # Encoded once per version and cached: a 100k-tensor manifest is served as is.
         return web.Response(body=reg.merged_bytes(model, version), content_type=MSGPACK)
     return reply(request, reg.merged(model, version))
@@ -279,7 +168,7 @@ async def drain(request: web.Request) -> web.Response:
     """Wait for the version's leases to drain; ``retire=1`` first refuses new ones."""
     model, version = _version(request)
     retire = request.query.get("retire", "0") in ("1", "true")
-    timeout = _float(request, "timeout", 60.0)
+    timeout = query_float(request, "timeout", 60.0)
     info = await request.app[DAEMON].wait_drain(model, version, timeout, retire)
     return reply(request, info)
 
@@ -298,7 +187,9 @@ async def acquire(request: web.Request) -> web.Response:
 async def check_lease(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     lease_id = request.match_info["lease_id"]
-    lease = d.registry.check(lease_id, request.query.get("model", ""), _int(request, "version"))
+    lease = d.registry.check(
+        lease_id, request.query.get("model", ""), query_int(request, "version")
+    )
     left = lease.expires_at - d.clock()
     return reply(request, LeaseGrant(lease.lease_id, lease.model, lease.version, left))
 
@@ -306,7 +197,7 @@ async def check_lease(request: web.Request) -> web.Response:
 @routes.post(P + "/leases/{lease_id}/renew")
 async def renew(request: web.Request) -> web.Response:
     reg = request.app[DAEMON].registry
-    ttl = _float(request, "ttl", 30.0, positive=True, most=MAX_LEASE_TTL_S)  # as on acquire
+    ttl = query_float(request, "ttl", 30.0, positive=True, most=MAX_LEASE_TTL_S)  # as on acquire
     return reply(request, reg.renew(request.match_info["lease_id"], ttl))
 
 
@@ -346,8 +237,6 @@ async def submit_pull(request: web.Request) -> web.Response:
     check_pull_writes(request, req)  # auth: a pull writes only into the caller's regions
     job = await request.app[PULLS].submit(req)
     observe_pull(request.app, job, job.path)  # metrics by the path this pull takes
-    from refitd.daemon.experts import note_pull
-
     note_pull(request.app, req, job)  # expert rows it rewrites leave their slots
     return reply(request, job.snapshot(), 202)
 
@@ -367,7 +256,7 @@ async def pull_wait(request: web.Request) -> web.Response:
     """Answer when the pull ends, or after ``timeout`` seconds with its progress."""
     job = request.app[PULLS].get(request.match_info["pull_id"])
     with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(_float(request, "timeout", 30.0)):
+        async with asyncio.timeout(query_float(request, "timeout", 30.0)):
             await job.finished.wait()
     return reply(request, job.snapshot())
 
@@ -391,13 +280,6 @@ async def peer_regions(request: web.Request) -> web.Response:
     return reply(request, request.app[DAEMON].peer_regions(ids))
 
 
-class PackRequest(msgspec.Struct, frozen=True):
-    model: str
-    version: int
-    lease_id: str
-    specs: list[PackSpec]
-
-
 @routes.post(P + "/peer/pack")
 async def peer_pack(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
@@ -409,7 +291,7 @@ async def peer_pack(request: web.Request) -> web.Response:
 @routes.delete(P + "/peer/staging/{region_id}")
 async def peer_drop(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    await d.release_staging(_int(request, "region_id"))
+    await d.release_staging(query_int(request, "region_id"))
     return reply(request, None)
 
 
@@ -466,10 +348,8 @@ def create_app(
     app.cleanup_ctx.append(daemon_ctx)
     app.cleanup_ctx.extend(cleanup_ctx)
     app.add_routes(routes)
-    from refitd.daemon import experts  # imports this module: bound here, not at the top
-
-    app[experts.POOLS] = experts.ExpertPools(d)
-    app.add_routes(experts.routes)
+    app[POOLS] = ExpertPools(d)
+    app.add_routes(expert_routes)
     for fn in setup:
         fn(app)
     return app

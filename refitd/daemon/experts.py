@@ -36,24 +36,11 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 import numpy as np
 from aiohttp import web
 
-from refitd.daemon.app import body, reply
 from refitd.daemon.auth import check_owner, owner_for
+from refitd.daemon.httpio import body, reply
 from refitd.daemon.memory import check_shm_capacity
-from refitd.daemon.metrics import PoolStats
 from refitd.daemon.node import Daemon
 from refitd.daemon.openapi import Operation
-from refitd.daemon.schemas import (
-    EnsureRequest,
-    EnsureResult,
-    ExpertRef,
-    InvalidateRequest,
-    InvalidateResult,
-    PoolCreate,
-    PoolInfo,
-    PullRequest,
-    RegionCreate,
-    RegionInfo,
-)
 from refitd.errors import ConfigError, ConflictError, NotFoundError, PlanError, ProtocolError
 from refitd.experts import (
     BankResidency,
@@ -64,6 +51,19 @@ from refitd.experts import (
     SlotDevice,
     SlotFault,
     SlotGeometry,
+)
+from refitd.wire import (
+    EnsureRequest,
+    EnsureResult,
+    ExpertRef,
+    InvalidateRequest,
+    InvalidateResult,
+    PoolCreate,
+    PoolInfo,
+    PoolStats,
+    PullRequest,
+    RegionCreate,
+    RegionInfo,
 )
 
 __all__ = [

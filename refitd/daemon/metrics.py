@@ -35,8 +35,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from refitd.experts.cache import CacheStats
-from refitd.experts.slots import SlotStats
+from refitd.wire import PoolStats
 
 __all__ = [
     "METRICS_KEY",
@@ -70,49 +69,6 @@ PULL_SECONDS_BUCKETS = (
     60.0,
     120.0,
 )
-
-
-class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
-    """One expert slot pool, as the daemon's pool reports it. Counters are totals
-    since the pool was created; ``copied_bytes`` in bytes."""
-
-    pool: str
-    layers: int
-    slots: int
-    occupied_slots: int
-    hits: int = 0
-    misses: int = 0
-    evictions: int = 0
-    copied_bytes: int = 0
-    #: Slots dropped because a refit rewrote the expert they held.
-    stale_invalidations: int = 0
-
-    @classmethod
-    def from_pool(
-        cls,
-        pool: str,
-        *,
-        layers: int,
-        slots: int,
-        occupied_slots: int,
-        cache: CacheStats,
-        executor: SlotStats,
-        stale_invalidations: int = 0,
-    ) -> PoolStats:
-        """Bridge from :mod:`refitd.experts`: the planner's :class:`CacheStats` (hits,
-        misses, evictions) and the executor's :class:`SlotStats` (bytes copied into
-        slots, from host rows and from other slots)."""
-        return cls(
-            pool=pool,
-            layers=layers,
-            slots=slots,
-            occupied_slots=occupied_slots,
-            hits=cache.hits,
-            misses=cache.misses,
-            evictions=cache.evictions,
-            copied_bytes=executor.host_bytes + executor.device_bytes,
-            stale_invalidations=stale_invalidations,
-        )
 
 
 class StateSnapshot(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
-import hmac
 import os
 import secrets
 import socket
@@ -27,16 +25,18 @@ from refitd.daemon.copier import Copier, ThreadCopier, pack_strided
 from refitd.daemon.memory import SharedSegment, byte_view, check_shm_capacity, refuse_cuda_ipc
 from refitd.daemon.regions import RegionTable, validate_pack_specs
 from refitd.daemon.registry import Registry
-from refitd.daemon.schemas import (
+from refitd.errors import ConflictError, PlanError, ProtocolError, RefitError, TransportError
+from refitd.wire import (
     NodeInfo,
     PackSpec,
+    PeerRegions,
     RegionAttach,
     RegionCreate,
     RegionInfo,
     RegionKind,
+    StagedPack,
     VersionInfo,
 )
-from refitd.errors import ConflictError, PlanError, ProtocolError, RefitError, TransportError
 from transports.shm import SHM_DIR, huge_page_mode
 
 __all__ = [
@@ -44,8 +44,6 @@ __all__ = [
     "SHM_SCHEME",
     "Daemon",
     "DaemonOptions",
-    "PeerRegions",
-    "StagedPack",
     "boot_id",
     "file_id",
 ]
@@ -106,49 +104,6 @@ class DaemonOptions:
     client_max_size: int = 1 << 30
     grace_s: float = 10.0
     boot_id: str = ""
-
-
-class PeerRegions(msgspec.Struct, frozen=True):
-    """Region records one daemon sends another, MAC'd with the deployment secret.
-
-    ``transport`` is the sender's data-plane mode and ``advert`` its transport's own
-    signed advertisement (empty when it runs no transport, i.e. ``shm``).
-    ``boot_id`` is the sender's kernel boot id and ``files`` maps each listed region
-    to ``(st_dev, st_ino)`` of its segment: a reader uses the shared-memory path only
-    when its own boot id matches and the file it maps by name is that very file."""
-
-    node_id: str
-    epoch: int
-    transport: str
-    regions: list[RegionInfo]
-    advert: bytes = b""
-    boot_id: str = ""
-    files: dict[int, tuple[int, int]] = {}
-    mac: bytes = b""
-
-    def body(self) -> bytes:
-        return msgspec.msgpack.encode(msgspec.structs.replace(self, mac=b""))
-
-    def signed(self, secret: bytes) -> PeerRegions:
-        return msgspec.structs.replace(
-            self, mac=hmac.new(secret, self.body(), hashlib.sha256).digest()
-        )
-
-    def verify(self, secret: bytes) -> None:
-        want = hmac.new(secret, self.body(), hashlib.sha256).digest()
-        if not hmac.compare_digest(want, self.mac):
-            raise ProtocolError(
-                f"region records from {self.node_id!r} refused: MAC does not verify (tampered, "
-                "or a daemon outside this deployment)"
-            )
-
-
-class StagedPack(msgspec.Struct, frozen=True):
-    """Pack specs executed by a source daemon: the staging region and, per spec, the
-    byte offset of its packed bytes inside it."""
-
-    region: RegionInfo
-    offsets: list[int]
 
 
 class Daemon:

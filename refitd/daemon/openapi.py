@@ -3,7 +3,7 @@
 Nothing here is written by hand twice. Paths and methods come from the app's
 router, so a route cannot exist undocumented nor a documented route be missing;
 request and response bodies come from the msgspec Structs in
-:mod:`refitd.daemon.schemas` that the handlers decode and encode with, rendered by
+:mod:`refitd.wire` that the handlers decode and encode with, rendered by
 ``msgspec.json.schema_components``.
 
 A handler says which Structs it reads and writes in one of two ways:
@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from refitd.daemon.schemas import MSGPACK, ErrorBody
+from refitd.wire import MSGPACK, ErrorBody
 
 __all__ = [
     "OPENAPI_PATH",

@@ -34,21 +34,23 @@ from typing import Protocol
 
 import numpy as np
 
-from refitd.daemon.node import AUTO, SHM_SCHEME, Daemon, PeerRegions, StagedPack
+from refitd.daemon.node import AUTO, SHM_SCHEME, Daemon
 from refitd.daemon.regions import (
     refuse_overlapping_writes,
     validate_descriptors,
     validate_pack_specs,
 )
-from refitd.daemon.schemas import (
+from refitd.errors import NotFoundError, RefitError, TransportError
+from refitd.wire import (
     ErrorBody,
     PackSpec,
+    PeerRegions,
     PullProgress,
     PullRequest,
     PullState,
     RegionInfo,
+    StagedPack,
 )
-from refitd.errors import NotFoundError, RefitError, TransportError
 from transports.shm import SHM_DIR, SharedSegment
 
 __all__ = ["PullJob", "PullManager", "Source"]

@@ -13,8 +13,8 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-from refitd.daemon.schemas import DescriptorTable, PackSpec, RegionInfo
 from refitd.errors import NotFoundError, ProtocolError
+from refitd.wire import DescriptorTable, PackSpec, RegionInfo
 
 __all__ = [
     "RegionTable",

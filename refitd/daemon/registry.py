@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from refitd.daemon.schemas import (
+from refitd.errors import ConflictError, NotFoundError, ProtocolError
+from refitd.wire import (
     LeaseGrant,
     ManifestIn,
     MergedManifest,
@@ -36,7 +37,6 @@ from refitd.daemon.schemas import (
     VersionState,
     gc_paused,
 )
-from refitd.errors import ConflictError, NotFoundError, ProtocolError
 
 __all__ = ["DTYPE_SIZES", "Lease", "Registry", "check_manifest_bounds"]
 

@@ -27,9 +27,10 @@ from aiohttp import web
 
 from refitd.config import Config, LoggingConfig, resolve_group
 from refitd.daemon.auth import AccessPolicy, setup_auth
-from refitd.daemon.metrics import PoolStats, StateSnapshot, setup_metrics
+from refitd.daemon.metrics import StateSnapshot, setup_metrics
 from refitd.daemon.openapi import OPENAPI_PATH, Operation, setup_openapi
 from refitd.daemon.sdnotify import Notifier
+from refitd.wire import PoolStats
 
 __all__ = [
     "Service",
@@ -92,20 +93,21 @@ def daemon_operations() -> dict[tuple[str, str], Operation]:
     The ops tests check this table against the router both ways, so a new route
     without an entry here (or an entry for a route that went away) fails CI.
     """
-    from refitd.daemon.app import PackRequest
     from refitd.daemon.experts import pool_operations
-    from refitd.daemon.node import PeerRegions, StagedPack
-    from refitd.daemon.schemas import (
+    from refitd.wire import (
         LeaseGrant,
         LeaseRequest,
         ManifestIn,
         MergedManifest,
         NodeInfo,
+        PackRequest,
+        PeerRegions,
         PullProgress,
         PullRequest,
         RegionAttach,
         RegionCreate,
         RegionInfo,
+        StagedPack,
         VersionInfo,
     )
 
@@ -204,7 +206,7 @@ def daemon_operations() -> dict[tuple[str, str], Operation]:
 
 def _snapshot(app: web.Application) -> StateSnapshot:
     from refitd.daemon.app import DAEMON, PULLS
-    from refitd.daemon.schemas import PullState
+    from refitd.wire import PullState
 
     daemon = app[DAEMON]
     regions: dict[str, int] = {}

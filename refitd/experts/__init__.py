@@ -15,6 +15,7 @@ from refitd.experts.cache import (
     ExpertCache,
     ExpertId,
     GatherPlan,
+    PrefetchPlan,
 )
 from refitd.experts.density import HitDensityPolicy
 from refitd.experts.policy import (
@@ -83,6 +84,7 @@ __all__ = [
     "LruPolicy",
     "PlanHalvesDisagree",
     "PoolView",
+    "PrefetchPlan",
     "ResidencyError",
     "ResidencyRefused",
     "RowMissing",

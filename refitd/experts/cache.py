@@ -10,6 +10,12 @@ The cache records the residency a plan describes *before* the caller executes it
 caller whose copy fails must hand the slots the executor names to ``forget_slot``, so
 the next step fetches them again instead of reading garbage.
 
+``prefetch(layer, predicted, budget)`` takes a prediction of an upcoming layer's
+routing (ids, or scores such as the next layer's router applied to the current hidden
+state) and returns the copies that bring the predicted experts in ahead of time. Slots
+a prediction holds are kept apart from the eviction policy until the predicted layer
+runs (see ``prefetch``).
+
 State lives in flat lists indexed by key and by slot, so a warm step is a handful of
 list reads per routed expert and a victim is chosen without scanning the pool.
 """
@@ -17,10 +23,11 @@ list reads per routed expert and a victim is chosen without scanning the pool.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 
 from refitd.errors import ConfigError, PlanError
 from refitd.experts.density import HitDensityPolicy
@@ -33,6 +40,7 @@ __all__ = [
     "ExpertCache",
     "ExpertId",
     "GatherPlan",
+    "PrefetchPlan",
 ]
 
 _NONE = -1
@@ -85,6 +93,22 @@ class EnsurePlan(msgspec.Struct, frozen=True):
     fetched: int
 
 
+class PrefetchPlan(msgspec.Struct, frozen=True):
+    """The answer to one ``prefetch``.
+
+    ``copy`` brings predicted experts of ``layer`` into free or evicted slots (most
+    confident first); ``resident`` counts predicted experts already resident, now
+    protected until the layer runs; ``skipped`` counts predictions neither resident
+    nor copied: over ``budget``, below ``min_score``, or with no slot the prefetch may
+    take.
+    """
+
+    layer: int
+    copy: CopyPlan
+    resident: int
+    skipped: int
+
+
 _EMPTY = CopyPlan()
 
 
@@ -100,11 +124,20 @@ class CacheStats:
     cpu: int = 0
     evictions: int = 0
     materialized: int = 0
+    prefetched: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
 
     @property
     def hit_rate(self) -> float:
         """Fraction of routes already resident, 0.0 before any route."""
         return self.hits / self.routes if self.routes else 0.0
+
+    @property
+    def prefetch_accuracy(self) -> float:
+        """Fraction of prefetched copies a step used before they left; 0.0 before any."""
+        done = self.prefetch_used + self.prefetch_wasted
+        return self.prefetch_used / done if done else 0.0
 
 
 class ExpertCache:
@@ -120,6 +153,13 @@ class ExpertCache:
     turns on hybrid mode: at most that many misses are fetched per step, and the rest
     are left to CPU compute (their slots are ``None``); when misses exceed the cap,
     the most recently routed ones are fetched first, ties to the lower expert id.
+
+    Prefetch (``prefetch``) keeps three kinds of slot outside the policy's books, so
+    no policy needs to know about predictions: slots *held* by a still-valid
+    prediction (filled by a prefetch, or resident experts the policy offered as
+    victims while a prediction needed them), and *unused* slots, prefetched copies
+    whose layer ran without routing them. A miss takes a free slot first, then the
+    oldest unused one, then the policy's victim.
     """
 
     def __init__(
@@ -157,6 +197,23 @@ class ExpertCache:
         self._touched: list[int] = []
         self._free: list[int] = []
         self._is_free: list[bool] = []
+        self._n_free = 0
+        # Prefetch state, see the class docstring. ``_owned[s]``: outside the policy's
+        # books (held or unused); ``_held_by[s]``: the layer whose prediction holds it,
+        # -1 otherwise; ``_pinned[s]``: in the books but needed by a prediction;
+        # ``_fresh[s]``: a prefetched copy no step has used yet.
+        self._owned: list[bool] = []
+        self._held_by: list[int] = []
+        self._pinned: list[bool] = []
+        self._fresh: list[bool] = []
+        self._n_owned = 0
+        self._unused: list[tuple[int, int]] = []  # (seq, slot), oldest first
+        self._unused_seq: list[int] = []
+        self._seq = 0
+        self._predicted: list[list[tuple[int, int]]] = [[] for _ in range(num_layers)]
+        self._pred_order: list[int] = []
+        self._step_in_books = 0
+        self._prefetched = self._prefetch_used = self._prefetch_wasted = 0
         self.rebuild(cache_size)
 
     # -- the view policies read -------------------------------------------------
@@ -182,6 +239,12 @@ class ExpertCache:
     @property
     def cache_size(self) -> int:
         return self._size
+
+    @property
+    def owned(self) -> Sequence[bool]:
+        """Per slot: held by a prediction or an unused prefetched copy, i.e. outside
+        the eviction policy's books (the policy cannot return it). Read-only."""
+        return self._owned
 
     @property
     def policy(self) -> EvictionPolicy:
@@ -211,6 +274,17 @@ class ExpertCache:
         self._touched = [0] * cache_size
         self._free = list(range(cache_size))
         self._is_free = [True] * cache_size
+        self._n_free = cache_size
+        self._owned = [False] * cache_size
+        self._held_by = [_NONE] * cache_size
+        self._pinned = [False] * cache_size
+        self._fresh = [False] * cache_size
+        self._n_owned = 0
+        self._unused = []
+        self._unused_seq = [_NONE] * cache_size
+        self._predicted = [[] for _ in range(self._layers)]
+        self._pred_order = []
+        self._step_in_books = 0
         self._policy.reset(self, cache_size)
 
     # -- queries ---------------------------------------------------------------
@@ -233,7 +307,20 @@ class ExpertCache:
 
     def occupied(self) -> int:
         """Slots holding an expert."""
-        return self._size - sum(self._is_free)
+        return self._size - self._n_free
+
+    def predicted(self, layer: int) -> tuple[int, ...]:
+        """Slots the still-valid prediction for ``layer`` needs (held or pinned),
+        ascending; empty when there is none. Nothing evicts them but a step that
+        needs room and finds no other slot (which cancels the prediction)."""
+        self._check_layer(layer)
+        return tuple(sorted({s for s, key in self._predicted[layer] if self._needs(s, key, layer)}))
+
+    def unused(self) -> tuple[int, ...]:
+        """Prefetched slots whose layer ran without routing them, in the order the
+        next misses take them (oldest first, then lowest slot)."""
+        seq = self._unused_seq
+        return tuple(s for q, s in sorted(self._unused) if seq[s] == q)
 
     def stats(self) -> CacheStats:
         """Totals over all layers."""
@@ -246,6 +333,9 @@ class ExpertCache:
             cpu=sum(self._cpu),
             evictions=self._evictions,
             materialized=self._materialized,
+            prefetched=self._prefetched,
+            prefetch_used=self._prefetch_used,
+            prefetch_wasted=self._prefetch_wasted,
         )
 
     def layer_stats(self, layer: int) -> CacheStats:
@@ -265,6 +355,7 @@ class ExpertCache:
         self._routes, self._hits, self._fetched = [0] * n, [0] * n, [0] * n
         self._cpu, self._calls = [0] * n, [0] * n
         self._evictions = self._materialized = 0
+        self._prefetched = self._prefetch_used = self._prefetch_wasted = 0
 
     # -- the hot path ------------------------------------------------------------
 
@@ -273,7 +364,9 @@ class ExpertCache:
 
         Duplicate routes are served once. Hits are refreshed first, so no slot this
         step uses can be a victim; misses take free (never-filled or forgotten) slots,
-        lowest first, then the policy's victims, in ascending expert order.
+        lowest first, then unused prefetched copies, oldest first, then the policy's
+        victims, in ascending expert order. The step ends the layer's prediction, if
+        any: predicted copies it routes are hits, the rest become unused.
         """
         experts = self._experts
         if not 0 <= layer < self._layers:
@@ -287,18 +380,27 @@ class ExpertCache:
             )
         self._step = step = self._step + 1
         self._policy.begin_step(step, layer)
+        released = self._end_prediction(layer) if self._predicted[layer] else None
         base = layer * experts
         slot_of = self._slot_of
         touched = self._touched
+        owned = self._owned
         hit_slots: list[int] = []
         misses: list[int] = []
+        adopted = False
         for e in uniq:
             s = slot_of[base + e]
             if s >= 0:
                 touched[s] = step
                 hit_slots.append(s)
+                if owned[s]:
+                    adopted = True
             else:
                 misses.append(e)
+        if adopted:
+            self._adopt(hit_slots)
+        if released:
+            self._retire(released)
         self._calls[layer] += 1
         self._routes[layer] += len(uniq)
         self._hits[layer] += len(hit_slots)
@@ -309,6 +411,7 @@ class ExpertCache:
                     last[base + e] = step
             hit_slots.sort()
             self._policy.on_step(step, hit_slots)
+            self._step_in_books = len(hit_slots)
             return EnsurePlan(tuple([slot_of[base + e] for e in routed]), _EMPTY, len(uniq), 0, 0)
         return self._place(layer, step, routed, uniq, hit_slots, misses)
 
@@ -336,28 +439,20 @@ class ExpertCache:
         slot_of = self._slot_of
         resident = self._resident
         touched = self._touched
-        free = self._free
-        is_free = self._is_free
         policy = self._policy
         dst: list[int] = []
         for e in fetch:
-            slot = _NONE
-            while free:
-                s = heapq.heappop(free)
-                if is_free[s]:
-                    is_free[s] = False
-                    slot = s
-                    break
-            if slot < 0:
-                slot = policy.choose_victim(step)
-                if touched[slot] == step or resident[slot] < 0:
+            # Every slot this step touched so far is in the books and off limits.
+            slot = self._take_slot(step, len(touched_slots))
+            while slot < 0:
+                # Only slots held for other layers' predictions are left: demand wins,
+                # the oldest prediction is dropped (its copies become unused).
+                if not self._pred_order:
                     raise PlanError(
-                        f"policy {policy.name!r} chose slot {slot}, which this step "
-                        "already uses or which holds nothing: evicting it would break "
-                        "the step's own placement"
+                        f"no slot left for layer {layer}: every slot is used by this step"
                     )
-                slot_of[resident[slot]] = _NONE
-                self._evictions += 1
+                self._end_prediction(self._pred_order[0], cancel=True)
+                slot = self._take_slot(step, len(touched_slots))
             key = base + e
             resident[slot] = key
             slot_of[key] = slot
@@ -369,12 +464,244 @@ class ExpertCache:
             policy.on_unplaced(step, sorted(base + e for e in misses[len(fetch) :]))
         touched_slots.sort()
         policy.on_step(step, touched_slots)
+        self._step_in_books = len(touched_slots)
         self._fetched[layer] += len(fetch)
         self._cpu[layer] += len(misses) - len(fetch)
         slots = tuple([s if (s := slot_of[base + e]) >= 0 else None for e in routed])
         return EnsurePlan(
             slots, CopyPlan(tuple(dst), tuple(fetch)), len(uniq), len(misses), len(fetch)
         )
+
+    def _take_slot(self, step: int, protected: int) -> int:
+        """An empty slot for a fill, or -1. Free slots first (lowest), then unused
+        prefetched copies (oldest), then the policy's victim while the books hold a
+        slot that is not among the ``protected`` ones this step already uses. A
+        victim a prediction needs (pinned) is held for it instead, and the policy is
+        asked again."""
+        free = self._free
+        is_free = self._is_free
+        while free:
+            s = heapq.heappop(free)
+            if is_free[s]:
+                is_free[s] = False
+                self._n_free -= 1
+                return s
+        unused = self._unused
+        useq = self._unused_seq
+        while unused:
+            q, s = heapq.heappop(unused)
+            if useq[s] == q:
+                useq[s] = _NONE
+                self._evict_owned(s)
+                return s
+        policy = self._policy
+        resident, touched, pinned = self._resident, self._touched, self._pinned
+        while self._size - self._n_free - self._n_owned - protected > 0:
+            slot = policy.choose_victim(step)
+            if touched[slot] == step or resident[slot] < 0 or self._owned[slot]:
+                raise PlanError(
+                    f"policy {policy.name!r} chose slot {slot}, which this step "
+                    "already uses, which holds nothing, or which it does not own: "
+                    "evicting it would break a placement or a prediction"
+                )
+            if pinned[slot]:
+                # Out of the books now; kept for the prediction that needs it.
+                pinned[slot] = False
+                self._owned[slot] = True
+                self._n_owned += 1
+                self._held_by[slot] = resident[slot] // self._experts
+                continue
+            self._slot_of[resident[slot]] = _NONE
+            self._evictions += 1
+            return slot
+        return _NONE
+
+    def _evict_owned(self, slot: int) -> None:
+        """Empty an owned (unused) slot for an immediate refill."""
+        self._slot_of[self._resident[slot]] = _NONE
+        self._owned[slot] = False
+        self._n_owned -= 1
+        if self._fresh[slot]:
+            self._fresh[slot] = False
+            self._prefetch_wasted += 1
+        self._evictions += 1
+
+    def _adopt(self, slots: Sequence[int]) -> None:
+        """Owned slots a step routes join the policy's books (``on_step`` names them)."""
+        owned, useq, fresh = self._owned, self._unused_seq, self._fresh
+        for s in slots:
+            if owned[s]:
+                owned[s] = False
+                self._n_owned -= 1
+                self._held_by[s] = _NONE
+                useq[s] = _NONE
+                if fresh[s]:
+                    fresh[s] = False
+                    self._prefetch_used += 1
+
+    def _needs(self, slot: int, key: int, layer: int) -> bool:
+        """Whether prediction entry ``(slot, key)`` of ``layer`` still holds its slot."""
+        if self._resident[slot] != key:
+            return False
+        return self._pinned[slot] or self._held_by[slot] == layer
+
+    def _end_prediction(self, layer: int, cancel: bool = False) -> list[int]:
+        """End ``layer``'s prediction: unpin its resident experts and return the slots
+        it held (still owned, no longer held). When ``cancel``, those become unused at
+        once; otherwise the calling step adopts the ones it routes and retires the
+        rest."""
+        entries = self._predicted[layer]
+        self._predicted[layer] = []
+        self._pred_order.remove(layer)
+        pinned, held_by, resident = self._pinned, self._held_by, self._resident
+        released: list[int] = []
+        for s, key in entries:
+            if resident[s] != key:
+                continue
+            if pinned[s]:
+                pinned[s] = False
+            elif held_by[s] == layer:
+                held_by[s] = _NONE
+                released.append(s)
+        if cancel:
+            self._retire(released)
+            return []
+        return released
+
+    def _retire(self, slots: list[int]) -> None:
+        """Released slots no step adopted become unused: first to leave, in slot order."""
+        owned, useq = self._owned, self._unused_seq
+        for s in sorted(slots):
+            if owned[s] and useq[s] < 0:
+                self._seq += 1
+                useq[s] = self._seq
+                heapq.heappush(self._unused, (self._seq, s))
+
+    # -- prefetch ------------------------------------------------------------------
+
+    def prefetch(
+        self,
+        layer: int,
+        predicted: Sequence[int] | Mapping[int, float] | np.ndarray,
+        budget: int | None = None,
+        *,
+        min_score: float | None = None,
+    ) -> PrefetchPlan:
+        """Bring the experts predicted for ``layer``'s next step in ahead of it.
+
+        ``predicted`` is expert ids, most confident first; or scores: a mapping
+        ``{expert: score}`` or a float array of one score per expert (for example the
+        next layer's router applied to the current hidden state), taken highest first,
+        ties to the lower id, skipping scores below ``min_score``. At most ``budget``
+        copies are planned (``None``: one per prediction).
+
+        The prediction stays valid until ``layer``'s next ``ensure``; until then
+        nothing evicts what it needs (resident predicted experts and the copies
+        planned here), except a step with no other slot left, which drops the oldest
+        prediction. A prefetch never evicts a slot the current step (the last
+        ``ensure``) uses, nor anything an earlier still-valid prediction needs; when
+        only such slots are left it plans fewer copies. Copies take free slots, then
+        unused prefetched copies, then the policy's victims. The policy is not told
+        about a prefetched copy until a step routes it; copies the layer's step does
+        not route are the first to leave afterwards. Not a step: the step counter
+        and routing statistics do not move. Repeated calls for one layer add to its
+        prediction.
+        """
+        self._check_layer(layer)
+        experts = self._experts
+        order = self._order_prediction(layer, predicted, min_score)
+        limit = len(order) if budget is None else budget
+        if limit < 0:
+            raise ConfigError(f"prefetch budget must be non-negative or None, got {budget}")
+        base = layer * experts
+        slot_of, resident = self._slot_of, self._resident
+        owned, held_by, pinned = self._owned, self._held_by, self._pinned
+        entries = self._predicted[layer]
+        if not entries:
+            self._pred_order.append(layer)
+        step = self._step
+        dst: list[int] = []
+        rows: list[int] = []
+        present = skipped = 0
+        full = False
+        for e in order:
+            key = base + e
+            s = slot_of[key]
+            if s >= 0:
+                present += 1
+                if owned[s]:
+                    if held_by[s] != layer:
+                        # An unused copy (its layer's own prediction has ended): held again.
+                        held_by[s] = layer
+                        self._unused_seq[s] = _NONE
+                        entries.append((s, key))
+                elif not pinned[s]:
+                    pinned[s] = True
+                    entries.append((s, key))
+                continue
+            if full or len(dst) >= limit:
+                skipped += 1
+                continue
+            s = self._take_slot(step, self._step_in_books)
+            if s < 0:
+                full = True
+                skipped += 1
+                continue
+            resident[s] = key
+            slot_of[key] = s
+            owned[s] = True
+            self._n_owned += 1
+            held_by[s] = layer
+            self._fresh[s] = True
+            entries.append((s, key))
+            dst.append(s)
+            rows.append(e)
+        if not entries:
+            self._pred_order.remove(layer)
+        self._prefetched += len(dst)
+        copy = CopyPlan(tuple(dst), tuple(rows)) if dst else _EMPTY
+        return PrefetchPlan(layer, copy, present, skipped)
+
+    def _order_prediction(
+        self,
+        layer: int,
+        predicted: Sequence[int] | Mapping[int, float] | np.ndarray,
+        min_score: float | None,
+    ) -> list[int]:
+        """Distinct expert ids, most confident first, validated."""
+        experts = self._experts
+        if isinstance(predicted, Mapping):
+            items = [(e, float(v)) for e, v in predicted.items()]
+            if min_score is not None:
+                items = [(e, v) for e, v in items if v >= min_score]
+            items.sort(key=lambda ev: (-ev[1], ev[0]))
+            order = [e for e, _ in items]
+        elif isinstance(predicted, np.ndarray) and predicted.dtype.kind == "f":
+            if predicted.shape != (experts,):
+                raise PlanError(
+                    f"layer {layer} prediction scores have shape {predicted.shape}, not "
+                    f"({experts},): one score per expert"
+                )
+            # Stable sort of negated scores: highest first, ties to the lower id.
+            idx = np.argsort(-predicted, kind="stable")
+            if min_score is not None:
+                idx = idx[predicted[idx] >= min_score]
+            return [int(e) for e in idx]
+        else:
+            order = []
+            seen: set[int] = set()
+            for e in predicted:
+                e = int(e)
+                if e not in seen:
+                    seen.add(e)
+                    order.append(e)
+        for e in order:
+            if not 0 <= e < experts:
+                raise PlanError(
+                    f"layer {layer} prediction names expert {e}, outside 0..{experts - 1}: "
+                    "the predictor and the cache disagree on the expert count"
+                )
+        return order
 
     # -- recovery and whole-layer loads ---------------------------------------------
 
@@ -393,10 +720,22 @@ class ExpertCache:
         return ExpertId(key // self._experts, key % self._experts)
 
     def _release(self, slot: int) -> None:
+        if self._owned[slot]:
+            self._owned[slot] = False
+            self._n_owned -= 1
+            self._held_by[slot] = _NONE
+            self._unused_seq[slot] = _NONE
+            if self._fresh[slot]:
+                self._fresh[slot] = False
+                self._prefetch_wasted += 1
+        elif self._touched[slot] == self._step and self._step_in_books > 0:
+            self._step_in_books -= 1
+        self._pinned[slot] = False
         self._slot_of[self._resident[slot]] = _NONE
         self._resident[slot] = _NONE
         self._policy.on_remove(slot)
         self._is_free[slot] = True
+        self._n_free += 1
         heapq.heappush(self._free, slot)
 
     def materialize_layer(self, layer: int) -> CopyPlan:
@@ -412,6 +751,8 @@ class ExpertCache:
         base = layer * experts
         self._step = step = self._step + 1
         self._policy.begin_step(step, layer)
+        if self._predicted[layer]:
+            self._end_prediction(layer)  # the whole layer is loaded: every copy is used
         for e in range(experts):
             other = self._slot_of[base + e]
             if other >= 0 and other != e:
@@ -421,13 +762,17 @@ class ExpertCache:
             if key >= 0 and key != base + e:
                 self._release(e)
                 self._evictions += 1
+        self._adopt(range(experts))
         for e in range(experts):
-            self._is_free[e] = False
+            if self._is_free[e]:
+                self._is_free[e] = False
+                self._n_free -= 1
             self._resident[e] = base + e
             self._slot_of[base + e] = e
             self._touched[e] = step
         # Stale heap entries for slots 0..E-1 are skipped on pop via ``_is_free``.
         self._policy.on_step(step, range(experts))
+        self._step_in_books = experts
         self._materialized += 1
         ids = tuple(range(experts))
         return CopyPlan(ids, ids)

@@ -89,8 +89,8 @@ class HitDensityPolicy(ExpectedReusePolicy):
         layer's next visit lowers every ``q`` (its decay), and that visit records
         it again."""
         heap = self._heaps[layer]
-        resident = self._resident
-        while heap and resident[heap[0][1]] != heap[0][2]:
+        resident, entry_key = self._resident, self._entry_key
+        while heap and not resident[heap[0][1]] == heap[0][2] == entry_key[heap[0][1]]:
             heapq.heappop(heap)
         if not heap:
             self._low[layer] = math.inf
@@ -112,6 +112,14 @@ class HitDensityPolicy(ExpectedReusePolicy):
             if score[layer] == math.inf:
                 raise PlanError("eviction asked for a victim but no occupied slot is evictable")
             found = self._layer_min(layer, step, take=True)
+            if found is None and self._heaps[layer]:
+                # Only slots this step touched are left in the layer. They become
+                # candidates once the step is over (a prefetch may ask for victims
+                # between steps), so the layer keeps a bound, the least of them, and is
+                # passed over for this search only.
+                low[layer] = self._heaps[layer][0][0] + decay[layer]
+                score[layer] = math.inf
+                continue
             exact = found[0] + decay[layer] if found is not None else math.inf
             if exact > low[layer]:
                 # The bound was loose: tighten it and look again.

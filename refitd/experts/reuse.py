@@ -293,8 +293,8 @@ class ExpectedReusePolicy(EvictionPolicy):
             self._shift_left = self.SHIFT_TOKENS * n
 
     def _compact(self, layer: int) -> None:
-        resident = self._resident
-        live = {s for _, s, k, _ in self._heaps[layer] if resident[s] == k}
+        resident, entry_key = self._resident, self._entry_key
+        live = {s for _, s, k, _ in self._heaps[layer] if resident[s] == k == entry_key[s]}
         heap = [
             (self._heap_key(resident[s], layer), s, resident[s], self._stamp(resident[s], layer))
             for s in live
@@ -309,13 +309,16 @@ class ExpectedReusePolicy(EvictionPolicy):
         removed from the heap when ``take``."""
         heap = self._heaps[layer]
         resident, touched, fvisit = self._resident, self._touched, self._fvisit
+        entry_key = self._entry_key
         visits = self._visits[layer]
         kept: list[tuple[float, int, int, int]] = []
         found = None
         while heap:
             entry = heap[0]
             _, s, key, stamp = entry
-            if resident[s] != key:
+            # Dead: the slot was emptied or refilled, or it left the books with its
+            # expert still in it (the cache keeps it for a prediction).
+            if resident[s] != key or entry_key[s] != key:
                 heapq.heappop(heap)
                 continue
             fv = fvisit[key]
@@ -351,11 +354,11 @@ class ExpectedReusePolicy(EvictionPolicy):
         before acting on it.
         """
         heap = self._heaps[layer]
-        resident = self._resident
+        resident, entry_key = self._resident, self._entry_key
         # Dead entries off the top first (they are gone for good); a stale entry is
         # left, since re-keying every hit of a warm step would cost more than the
         # victim search's re-check of a loose bound.
-        while heap and resident[heap[0][1]] != heap[0][2]:
+        while heap and not resident[heap[0][1]] == heap[0][2] == entry_key[heap[0][1]]:
             heapq.heappop(heap)
         if not heap:
             return math.inf

@@ -2,7 +2,7 @@
 
 One row per pool: geometry, occupancy, hit rate, traffic into slots, and slots
 dropped because a refit rewrote their expert. ``--json`` prints the daemon's pool
-records as they are (every field of :class:`~refitd.daemon.schemas.PoolInfo`).
+records as they are (every field of :class:`~refitd.wire.PoolInfo`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _hit_rate(p: Any) -> str:
 
 def run(args: argparse.Namespace) -> int:
     async def body(client: Any) -> int:
-        from refitd.daemon.schemas import PoolInfo
+        from refitd.wire import PoolInfo
 
         pools: list[PoolInfo] = await client.pools()
         if args.json:

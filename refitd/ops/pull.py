@@ -118,8 +118,8 @@ async def pull(client: Any, spec: PullFile, args: argparse.Namespace) -> int:
     import numpy as np
 
     from refitd.client.http import RefitClient
-    from refitd.daemon.schemas import DescriptorTable, PackSpec, PullRequest
     from refitd.ops.pulls import follow
+    from refitd.wire import DescriptorTable, PackSpec, PullRequest
 
     rows = np.array(spec.descriptors, dtype=np.int64).reshape(-1, 5)
     packs = [

@@ -35,8 +35,8 @@ def _percent(p: Any) -> str:
 
 async def follow(client: Any, pull_id: str, as_json: bool) -> int:
     """Follow one pull to its end; exit 0 only if it completed."""
-    from refitd.daemon.schemas import PullProgress, PullState
     from refitd.errors import RefitError
+    from refitd.wire import PullProgress, PullState
 
     first: PullProgress = await client.pull_status(pull_id)
     progress, task = progress_bar(first.bytes_total, f"pull {pull_id}")
@@ -67,7 +67,7 @@ async def follow(client: Any, pull_id: str, as_json: bool) -> int:
 
 def run(args: argparse.Namespace) -> int:
     async def body(client: Any) -> int:
-        from refitd.daemon.schemas import PullProgress
+        from refitd.wire import PullProgress
 
         if args.follow:
             return await follow(client, args.follow, args.json)

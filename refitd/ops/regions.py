@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     async def body(client: Any) -> int:
-        from refitd.daemon.schemas import RegionInfo
+        from refitd.wire import RegionInfo
 
         regions: list[RegionInfo] = await fetch(client, "/regions", list[RegionInfo])
         if args.json:

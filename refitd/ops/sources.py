@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     async def body(client: Any) -> int:
-        from refitd.daemon.schemas import VersionInfo
+        from refitd.wire import VersionInfo
 
         path = f"/sources/{args.model}/versions" if args.model else "/sources"
         versions: list[VersionInfo] = await fetch(client, path, list[VersionInfo])

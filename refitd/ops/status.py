@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def gather(client: Any) -> dict[str, Any]:
     """One dict of everything ``status`` shows (also its ``--json`` output)."""
-    from refitd.daemon.schemas import PullProgress, RegionInfo, VersionInfo
     from refitd.errors import RefitError
+    from refitd.wire import PullProgress, RegionInfo, VersionInfo
 
     node = await client.node()
     try:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 import refitd.reshard.lazy_concat  # noqa: F401  (registers cat/stack support)
-from refitd.reshard.lazy import CaptureRecorder, LazyBase, LazyWeight
+from refitd.reshard.lazy import CaptureRecorder, FillRecorder, LazyBase, LazyWeight
 from refitd.reshard.types import (
     CaptureResult,
     OpChain,
@@ -144,14 +144,18 @@ def capture_weights(
     if recorder is None:
         return result
     first_copy, first_unattributed = len(recorder.copies), recorder.unattributed
+    first_fill = len(recorder.fills)
     saved = _install_stamps(model, recorder, default_weight_loader)
+    fills = FillRecorder(recorder, dict(model.named_parameters()))
     try:
         try:
-            model.load_weights(list(items))  # type: ignore[operator]
+            with fills:
+                model.load_weights(list(items))  # type: ignore[operator]
         except UnsupportedReshard as exc:
             # Bulk records may include writes of the refused weight and of weights
             # the loader reached before it; only the per-source pass is trusted.
             del recorder.copies[first_copy:]
+            del recorder.fills[first_fill:]
             recorder.unattributed = first_unattributed
             recorder.current = None
             logger.warning(
@@ -160,10 +164,13 @@ def capture_weights(
                 exc,
                 len(items),
             )
-            _capture_one_by_one(model, items, recorder, result)
+            with fills:
+                _capture_one_by_one(model, items, recorder, result)
     finally:
         _restore_stamps(saved)
     result.copies = recorder.copies[first_copy:]
+    result.fills = recorder.fills[first_fill:]
+    del recorder.fills[first_fill:]
     result.unattributed = recorder.unattributed - first_unattributed
     # Leave the recorder as found, so placeholders can serve another capture.
     del recorder.copies[first_copy:]

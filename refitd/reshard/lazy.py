@@ -23,9 +23,16 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from refitd.reshard.replay import MULTI_OUTPUT_OPS, REPLAYABLE_OPS, validate_op
-from refitd.reshard.types import OpChain, OpSpec, RecordedCopy, UnsupportedReshard
+from refitd.reshard.types import OpChain, OpSpec, RecordedCopy, RecordedFill, UnsupportedReshard
 
-__all__ = ["CaptureRecorder", "LazyBase", "LazyWeight", "freeze_args", "freeze_kwargs"]
+__all__ = [
+    "CaptureRecorder",
+    "FillRecorder",
+    "LazyBase",
+    "LazyWeight",
+    "freeze_args",
+    "freeze_kwargs",
+]
 
 _ALLOWED_HINT = "allowed: " + ", ".join(sorted(REPLAYABLE_OPS)) + ", cat, stack and the copy_ sink"
 
@@ -35,13 +42,15 @@ class CaptureRecorder:
 
     ``current`` is the full name of the parameter whose stamped loader is running
     (``None`` outside any loader); ``copies`` and ``unattributed`` accumulate what
-    the ``copy_`` sinks saw.
+    the ``copy_`` sinks saw, ``fills`` the constant writes loaders made
+    (:class:`FillRecorder`).
     """
 
-    __slots__ = ("copies", "current", "unattributed")
+    __slots__ = ("copies", "current", "fills", "unattributed")
 
     def __init__(self) -> None:
         self.copies: list[RecordedCopy] = []
+        self.fills: list[RecordedFill] = []
         self.unattributed = 0
         self.current: str | None = None
 
@@ -379,3 +388,47 @@ class LazyWeight(LazyBase):
                 dest_dtype=dest.dtype,
             )
         )
+
+
+_FILLS = {torch.Tensor.fill_: "fill_", torch.Tensor.zero_: "zero_"}
+
+
+class FillRecorder(torch.overrides.TorchFunctionMode):
+    """While active, ``fill_``/``zero_`` on a meta tensor inside a stamped loader is
+    recorded as a constant write into that loader's parameter (its geometry as the
+    view reports it). Elsewhere, and on real tensors, torch behaves as usual."""
+
+    def __init__(self, recorder: CaptureRecorder, params: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.params = params
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = self.recorder.current
+        if func in _FILLS and name is not None and args:
+            dest = args[0]
+            param = self.params.get(name)
+            if (
+                isinstance(dest, torch.Tensor)
+                and not isinstance(dest, LazyBase)
+                and dest.device == _META
+                and param is not None
+                and dest.dtype == param.dtype
+                and dest.untyped_storage().nbytes() == param.untyped_storage().nbytes()
+            ):
+                self.recorder.fills.append(
+                    RecordedFill(
+                        name,
+                        int(dest.storage_offset()),
+                        tuple(int(n) for n in dest.shape),
+                        tuple(int(n) for n in dest.stride()),
+                    )
+                )
+        return func(*args, **kwargs)

@@ -5,7 +5,12 @@ replays a compiled plan) against the published sources and executes it through a
 transport. It fails closed *before any byte moves*: a capture with unattributed
 ``copy_`` writes, or a plan with any ``fallback`` source, is refused with
 :class:`~refitd.reshard.types.UnsupportedReshard` naming the grouped causes, so a
-live parameter is never written from a partial plan.
+live parameter is never written from a partial plan. It also refuses, before any
+byte moves, a capture that would leave a destination of ``dest_layout`` (every
+parameter, plus the persistent buffers the caller includes, see
+:func:`~refitd.reshard.coverage.destinations_of`) wholly or partly unwritten:
+:class:`~refitd.reshard.types.IncompleteRefit` names every such destination. Names
+in ``allow_unwritten`` are meant to keep their values and are not refused.
 
 ``strict=True`` follows the compiled-plan contract: the receiver replays only the
 signature it was warmed on (:meth:`ReshardReceiver.warm`); a refit for anything else
@@ -14,7 +19,7 @@ is refused with an error telling the caller to re-plan.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +30,7 @@ from refitd.reshard.compile import (
     compile_plan,
     execute_bound,
 )
+from refitd.reshard.coverage import refuse_unwritten
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.transfer_plan import SourceInfo, TransferPlan, plan_transfer
 from refitd.reshard.transport import Transport
@@ -61,13 +67,15 @@ class ReshardReceiver:
 
     ``max_segments_per_copy`` and ``pack_specs`` are passed to
     :func:`~refitd.reshard.transfer_plan.plan_transfer`. ``replans`` counts plans
-    made (a warm refit with an unchanged signature makes none).
+    made (a warm refit with an unchanged signature makes none). ``allow_unwritten``
+    names destinations the capture may leave untouched (strict by default: none).
     """
 
     capture: CaptureResult
     max_segments_per_copy: int = 64
     pack_specs: bool = True
     strict: bool = False
+    allow_unwritten: Collection[str] = ()
     compiled: CompiledPlan | None = None
     replans: int = 0
     _options: tuple[object, ...] = field(default=(), init=False)
@@ -85,7 +93,10 @@ class ReshardReceiver:
         return plan
 
     def warm(self, sources: Mapping[str, SourceInfo], dest_layout: DestLayout) -> CompiledPlan:
-        """Plan and compile for exactly this signature."""
+        """Plan and compile for exactly this signature; refuse (before any transfer)
+        a capture that leaves a destination of ``dest_layout`` unwritten."""
+        refuse_unsafe(self.capture)
+        refuse_unwritten(self.capture, dest_layout, self.allow_unwritten)
         plan = self.prepare(sources)
         self.replans += 1
         self.compiled = compile_plan(plan, sources, dest_layout, self._options)

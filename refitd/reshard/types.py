@@ -23,9 +23,11 @@ from refitd.errors import PlanError
 
 __all__ = [
     "CaptureResult",
+    "IncompleteRefit",
     "OpChain",
     "OpSpec",
     "RecordedCopy",
+    "RecordedFill",
     "UnsupportedReshard",
     "summarize_unsupported",
 ]
@@ -47,6 +49,18 @@ class UnsupportedReshard(PlanError):
     """
 
 
+class IncompleteRefit(UnsupportedReshard):
+    """The engine's loaders would leave destinations unwritten by the manifest.
+
+    ``missing`` maps every such parameter or buffer to ``(unwritten elements, total
+    elements)``; the message names each of them.
+    """
+
+    def __init__(self, message: str, missing: dict[str, tuple[int, int]]) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
 @dataclass(frozen=True)
 class RecordedCopy:
     """One ``dest.copy_(view_of_source)`` observed during capture.
@@ -65,6 +79,22 @@ class RecordedCopy:
     dest_dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class RecordedFill:
+    """A constant write (``fill_``/``zero_``) a parameter's loader made into it.
+
+    Needs no transfer (its value does not come from any source; vLLM's vocabulary
+    embedding zeroes its padding rows this way) but counts as written when a
+    receiver checks that a refit leaves no destination element unwritten. Geometry
+    as in :class:`RecordedCopy`.
+    """
+
+    param_name: str
+    dest_offset: int
+    dest_shape: tuple[int, ...]
+    dest_stride: tuple[int, ...]
+
+
 @dataclass
 class CaptureResult:
     """Everything a capture learned about a model's loaders.
@@ -72,13 +102,15 @@ class CaptureResult:
     ``unsupported`` lists source names (in manifest order) whose loader path could
     not be recorded exactly; ``unsupported_reasons`` maps each to its cause.
     ``unattributed`` counts ``copy_`` sinks that fired outside any stamped loader,
-    i.e. writes refitd could not tie to a parameter.
+    i.e. writes refitd could not tie to a parameter. ``fills`` are the constant
+    writes loaders made into their own parameter.
     """
 
     copies: list[RecordedCopy] = field(default_factory=list)
     unsupported: list[str] = field(default_factory=list)
     unattributed: int = 0
     unsupported_reasons: dict[str, str] = field(default_factory=dict)
+    fills: list[RecordedFill] = field(default_factory=list)
 
 
 # A cause message ends with the source it was raised for (" on lazy 'name' ...");

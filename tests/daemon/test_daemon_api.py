@@ -15,7 +15,9 @@ from refitd.client.http import RefitClient
 from refitd.client.leases import LeaseKeeper
 from refitd.daemon.app import PULLS
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.schemas import (
+from refitd.daemon.serve import listening
+from refitd.errors import ConflictError, NotFoundError, PlanError, ProtocolError
+from refitd.wire import (
     DescriptorTable,
     ManifestIn,
     PackSpec,
@@ -26,8 +28,6 @@ from refitd.daemon.schemas import (
     TensorEntry,
     VersionState,
 )
-from refitd.daemon.serve import listening
-from refitd.errors import ConflictError, NotFoundError, PlanError, ProtocolError
 from transports.shm import SharedSegment
 
 pytestmark = pytest.mark.timeout(60)

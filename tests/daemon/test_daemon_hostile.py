@@ -38,13 +38,13 @@ from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.schemas import (
+from refitd.daemon.serve import listening
+from refitd.errors import AccessError
+from refitd.wire import (
     MSGPACK,
     DescriptorTable,
     PullRequest,
 )
-from refitd.daemon.serve import listening
-from refitd.errors import AccessError
 from transports.shm import SharedSegment
 
 pytestmark = pytest.mark.timeout(60)

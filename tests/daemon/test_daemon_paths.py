@@ -20,20 +20,21 @@ from refitd.client.http import RefitClient
 from refitd.config import load_config
 from refitd.daemon.app import PULLS
 from refitd.daemon.auth import check_startup
-from refitd.daemon.node import Daemon, DaemonOptions, PeerRegions
+from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.pulls import PullManager
-from refitd.daemon.schemas import (
+from refitd.daemon.sdnotify import Notifier
+from refitd.daemon.serve import listening
+from refitd.daemon.service import Service
+from refitd.errors import TransportError
+from refitd.wire import (
     DescriptorTable,
     ManifestIn,
+    PeerRegions,
     PullRequest,
     PullState,
     ShardEntry,
     TensorEntry,
 )
-from refitd.daemon.sdnotify import Notifier
-from refitd.daemon.serve import listening
-from refitd.daemon.service import Service
-from refitd.errors import TransportError
 from transports.shm import SharedSegment
 
 pytestmark = pytest.mark.timeout(90)

@@ -7,17 +7,18 @@ import numpy as np
 import pytest
 from support.daemons import serving_daemons
 
-from refitd.daemon.node import Daemon, DaemonOptions, PeerRegions
-from refitd.daemon.schemas import (
+from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.errors import ProtocolError
+from refitd.wire import (
     DescriptorTable,
     ManifestIn,
+    PeerRegions,
     PullRequest,
     RegionInfo,
     RegionKind,
     ShardEntry,
     TensorEntry,
 )
-from refitd.errors import ProtocolError
 from transports.shm import SharedSegment
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,7 +8,8 @@ from support.daemons import FakeClock
 
 from refitd.daemon.regions import validate_descriptors, validate_pack_specs
 from refitd.daemon.registry import Registry, check_manifest_bounds
-from refitd.daemon.schemas import (
+from refitd.errors import ConflictError, NotFoundError, ProtocolError
+from refitd.wire import (
     DescriptorTable,
     ManifestIn,
     PackSpec,
@@ -16,7 +17,6 @@ from refitd.daemon.schemas import (
     TensorEntry,
     VersionState,
 )
-from refitd.errors import ConflictError, NotFoundError, ProtocolError
 
 
 def manifest(version: int, slot: int, slots: int = 2, rows: int = 4) -> ManifestIn:

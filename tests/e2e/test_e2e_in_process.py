@@ -24,8 +24,9 @@ from refitd.bench.refit import capture_for, publish_layout
 from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.schemas import PullState
 from refitd.errors import ConflictError
+from refitd.reshard.types import IncompleteRefit
+from refitd.wire import PullState
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -156,4 +157,38 @@ async def test_a_refit_held_past_its_lease_ttl_renews_the_lease_and_succeeds() -
         assert stats.pull.state is PullState.DONE
         assert mismatched(engine, toy.cfg, par, toy.state) == []
         assert r.lease_keeper is None and (await ca.version("m", 1)).leases == 0
+        await close(r, toy)
+
+
+async def test_a_refit_that_would_leave_parameters_unwritten_is_refused_naming_each() -> None:
+    d = Daemon(DaemonOptions(port=0, node_id="solo", secret=SECRET))
+    async with serving_daemons(d) as (c,):
+        cfg = dense_toy_config()
+        state = full_state(cfg)
+        published = fsdp_dim0(cfg, 2, state)
+        dropped = ("model.layers.0.self_attn.v_proj.weight", "model.layers.1.mlp.down_proj.weight")
+        for name in dropped:  # the trainer forgot to publish them
+            del published.sources[name]
+        published.manifest = [e for e in published.manifest if e[0] not in dropped]
+        toy = Toy(cfg, state, published, await publish_layout(c, "gap", published, 1))
+        par = EngineParallel(1, 0)
+        engine = zeroed_engine(cfg, par)
+        r = receiver(c, c, "gap", toy, par, engine)
+        with pytest.raises(IncompleteRefit) as info:
+            await r.refit()
+        assert set(info.value.missing) == {
+            "model.layers.0.self_attn.qkv_proj.weight",  # partly: v rows only
+            "model.layers.1.mlp.down_proj.weight",  # wholly
+        }
+        left, total = info.value.missing["model.layers.0.self_attn.qkv_proj.weight"]
+        assert 0 < left < total
+        assert "model.layers.1.mlp.down_proj.weight (all" in str(info.value)
+        assert await c.pulls() == [] and all(not p.any() for p in engine.parameters())
+        # Named as meant to stay untouched, they are; every other parameter refits.
+        await r.close()
+        r = receiver(c, c, "gap", toy, par, engine, allow_unwritten=info.value.missing)
+        await r.refit()
+        wrong = set(mismatched(engine, cfg, par, state))
+        assert wrong == set(info.value.missing)
+        assert not dict(engine.named_parameters())["model.layers.1.mlp.down_proj.weight"].any()
         await close(r, toy)

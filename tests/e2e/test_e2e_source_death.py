@@ -37,8 +37,8 @@ from refitd.client.http import RefitClient
 from refitd.client.publisher import Publisher
 from refitd.client.receiver import DaemonReceiver
 from refitd.client.spawn import SpawnedDaemon, spawn_daemon
-from refitd.daemon.schemas import DescriptorTable, PullProgress, PullRequest, PullState
 from refitd.errors import RefitError
+from refitd.wire import DescriptorTable, PullProgress, PullRequest, PullState
 from transports.shm import SharedSegment, cleanup_stale
 
 pytestmark = [pytest.mark.timeout(180)]

@@ -160,8 +160,11 @@ def scan_checked(base: type[Any], rank: Callable[[Any, int, int], float]) -> Any
         def choose_victim(self, step: int) -> int:
             slot: int = super().choose_victim(step)
             pool, experts = self.pool, self.pool.num_experts
+            # Slots the cache keeps for predictions are outside the policy's books.
             candidates = [
-                s for s, key in enumerate(pool.resident) if key >= 0 and pool.touched[s] != step
+                s
+                for s, key in enumerate(pool.resident)
+                if key >= 0 and pool.touched[s] != step and not pool.owned[s]
             ]
             assert slot in candidates
 

@@ -17,7 +17,7 @@ from refitd.client.http import RefitClient
 from refitd.client.spawn import serve_command
 from refitd.daemon.app import create_app
 from refitd.daemon.node import DaemonOptions
-from refitd.daemon.schemas import ManifestIn, ShardEntry, TensorEntry
+from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
 ROOT = Path(__file__).resolve().parents[2]
 OPS = ("status", "regions", "sources", "pulls", "experts", "config")

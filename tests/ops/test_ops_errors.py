@@ -11,9 +11,8 @@ from ops_helpers import serving, wired_app
 
 from refitd import errors
 from refitd.client.http import RefitClient, error_from_body
-from refitd.daemon.app import STATUS_OF, create_app, error_middleware
+from refitd.daemon.app import create_app, error_middleware
 from refitd.daemon.node import DaemonOptions
-from refitd.daemon.schemas import ErrorBody
 from refitd.errors import (
     AccessDenied,
     AccessError,
@@ -22,6 +21,7 @@ from refitd.errors import (
     RequestTooLarge,
     Unauthenticated,
 )
+from refitd.wire import STATUS_OF, ErrorBody
 
 
 @pytest.fixture

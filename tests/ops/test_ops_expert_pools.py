@@ -21,7 +21,8 @@ from refitd.client.http import RefitClient
 from refitd.daemon.app import create_app
 from refitd.daemon.experts import touched_rows
 from refitd.daemon.node import DaemonOptions
-from refitd.daemon.schemas import (
+from refitd.errors import AccessDenied, ConflictError, NotFoundError, PlanError, ProtocolError
+from refitd.wire import (
     DescriptorTable,
     ManifestIn,
     PoolInfo,
@@ -29,7 +30,6 @@ from refitd.daemon.schemas import (
     ShardEntry,
     TensorEntry,
 )
-from refitd.errors import AccessDenied, ConflictError, NotFoundError, PlanError, ProtocolError
 from transports.shm import SharedSegment
 
 ROW_BYTES = [16, 8, 24]  # three banks of different widths, as gate/up/down differ

@@ -18,8 +18,8 @@ from refitd.daemon.openapi import (
     route_table,
     setup_openapi,
 )
-from refitd.daemon.schemas import LeaseGrant, LeaseRequest, PullProgress, PullRequest, RegionInfo
 from refitd.errors import NotFoundError
+from refitd.wire import LeaseGrant, LeaseRequest, PullProgress, PullRequest, RegionInfo
 
 
 @operation(summary="Grant a lease", request=LeaseRequest, response=LeaseGrant, tags=("leases",))

@@ -18,7 +18,7 @@ from refitd.cli import _build_parser
 from refitd.client.http import RefitClient
 from refitd.daemon.app import create_app
 from refitd.daemon.node import DaemonOptions
-from refitd.daemon.schemas import ManifestIn, RegionInfo, ShardEntry, TensorEntry
+from refitd.wire import ManifestIn, RegionInfo, ShardEntry, TensorEntry
 from transports.shm import SharedSegment
 
 ROOT = Path(__file__).resolve().parents[2]

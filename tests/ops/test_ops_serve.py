@@ -17,8 +17,8 @@ from ops_helpers import serving, wired_app
 
 from refitd.client.spawn import serve_command
 from refitd.daemon.openapi import OPENAPI_PATH, documented_paths, route_table
-from refitd.daemon.schemas import ManifestIn, ShardEntry, TensorEntry
 from refitd.daemon.service import daemon_operations
+from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -161,7 +161,7 @@ async def test_a_completed_pull_is_counted_with_its_bytes_and_latency() -> None:
     import numpy as np
 
     from refitd.client.http import RefitClient
-    from refitd.daemon.schemas import DescriptorTable, PullRequest
+    from refitd.wire import DescriptorTable, PullRequest
 
     app = wired_app()
     async with serving(app) as base, RefitClient(base) as c:
@@ -184,8 +184,8 @@ async def test_on_the_daemon_a_token_holder_touches_only_its_own_regions(tmp_pat
     import numpy as np
 
     from refitd.client.http import RefitClient
-    from refitd.daemon.schemas import DescriptorTable, PullRequest
     from refitd.errors import RefitError
+    from refitd.wire import DescriptorTable, PullRequest
 
     tokens = tmp_path / "tokens"
     tokens.write_text("trainer t-secret\nengine e-secret\n")

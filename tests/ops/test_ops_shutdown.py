@@ -16,7 +16,8 @@ from support.daemons import GatedCopier
 from refitd.client.http import RefitClient
 from refitd.daemon.app import PULLS
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.schemas import (
+from refitd.daemon.serve import serve
+from refitd.wire import (
     DescriptorTable,
     ManifestIn,
     PullRequest,
@@ -24,7 +25,6 @@ from refitd.daemon.schemas import (
     ShardEntry,
     TensorEntry,
 )
-from refitd.daemon.serve import serve
 
 
 async def start_held_pull(grace_s: float) -> tuple[Any, ...]:

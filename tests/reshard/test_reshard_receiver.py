@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from refitd.reshard.compile import SignatureMismatch, dest_layout_of
+from refitd.reshard.coverage import destinations_of, unwritten
 from refitd.reshard.receiver import ReshardReceiver, _replay_ops
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.transport import InMemoryReferenceTransport, PackedRead, ReadDescriptor
-from refitd.reshard.types import CaptureResult, UnsupportedReshard
+from refitd.reshard.types import CaptureResult, IncompleteRefit, RecordedCopy, UnsupportedReshard
 
 
 class CountingTransport(InMemoryReferenceTransport):
@@ -108,3 +109,50 @@ def test_a_strict_receiver_replays_only_the_signature_it_was_warmed_on(kit: Any)
     with pytest.raises(SignatureMismatch, match="Re-plan"):
         recv.refit(moved.sources, lambda n: param.data_ptr(), transport, dest)
     assert transport.reads == 0 and recv.replans == 1
+
+
+def test_a_plan_leaving_any_parameter_or_buffer_unwritten_is_refused_naming_each(
+    kit: Any,
+) -> None:
+    pub, _ = _world(kit, 1)
+    param, other = torch.zeros(32, 8), torch.zeros(4)
+    half = kit.copy_record(
+        "w", (("narrow", (0, 0, 16), ()), ("narrow", (1, 4, 8), ())), "p", param[:16]
+    )
+    recv = ReshardReceiver(CaptureResult(copies=[half]))
+    engine = torch.nn.Module()
+    engine.p = torch.nn.Parameter(param, requires_grad=False)
+    engine.q = torch.nn.Parameter(other, requires_grad=False)
+    engine.register_buffer("running", torch.zeros(3))
+    engine.register_buffer("rope_cache", torch.zeros(5), persistent=False)
+    transport = CountingTransport()
+    with pytest.raises(IncompleteRefit) as info:
+        recv.refit(pub.sources, lambda n: param.data_ptr(), transport, destinations_of(engine))
+    message = str(info.value)
+    assert "p (128 of 256 elements)" in message and "q (all 4 elements)" in message
+    assert "running (all 3 elements)" in message and "rope_cache" not in message
+    assert info.value.missing == {"p": (128, 256), "q": (4, 4), "running": (3, 3)}
+    assert transport.reads == 0 and not param.any()
+
+
+def test_names_passed_in_allow_unwritten_may_stay_untouched(kit: Any) -> None:
+    pub, full = _world(kit, 1)
+    param, other = torch.zeros(32, 8), torch.zeros(4)
+    dest = dest_layout_of({"p": param, "q": other})
+    recv = _receiver(kit, param, allow_unwritten={"q"})
+    recv.refit(pub.sources, lambda n: param.data_ptr(), CountingTransport(), dest)
+    assert torch.equal(param, full[:, 4:12]) and not other.any()
+
+
+def test_coverage_counts_strided_and_overlapping_copies_exactly() -> None:
+    dest = torch.zeros(6, 4)
+    cols = [
+        RecordedCopy(
+            "s", (), "d", v.storage_offset(), tuple(v.shape), tuple(v.stride()), dest.dtype
+        )
+        for v in (dest[:, 0:2], dest[:, 1:3], dest[2:5, 3])
+    ]
+    assert unwritten(CaptureResult(copies=cols), dest_layout_of({"d": dest})) == {"d": (3, 24)}
+    # Column 3 misses rows 0, 1 and 5; one more copy writes rows 0..2 of it (stride 4).
+    more = [*cols, RecordedCopy("s", (), "d", 3, (3, 1), (4, 1), dest.dtype)]
+    assert unwritten(CaptureResult(copies=more), dest_layout_of({"d": dest})) == {"d": (1, 24)}

@@ -19,7 +19,8 @@ import numpy as np
 
 from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.schemas import (
+from refitd.daemon.serve import listening
+from refitd.wire import (
     MSGPACK,
     DescriptorTable,
     ManifestIn,
@@ -27,7 +28,6 @@ from refitd.daemon.schemas import (
     ShardEntry,
     TensorEntry,
 )
-from refitd.daemon.serve import listening
 from support.daemons import FakeClock
 from transports.shm import SharedSegment
 

@@ -1,8 +1,15 @@
-"""Wire schemas of HTTP API v1, declared once.
+"""The wire contract of HTTP API v1, declared once: schemas and the error map.
 
 Every request and response body the daemon accepts or returns is a msgspec Struct
 here. Handlers decode with these types (so validation is the decode), the client
-encodes with them, and the OpenAPI document is generated from them.
+encodes with them, and the OpenAPI document is generated from them. The daemon
+(:mod:`refitd.daemon`) and the client (:mod:`refitd.client`) both import this
+module and nothing of each other: it imports only :mod:`refitd.errors`.
+
+Refusals travel as :class:`ErrorBody`; :data:`STATUS_OF` maps each
+:class:`~refitd.errors.RefitError` branch to its one HTTP status (the daemon's
+error middleware answers with it) and :data:`ERROR_OF_STATUS` maps a status back
+to a class (the client raises it when a body names no known class).
 
 Units: every ``*_offset``, ``nbytes`` and ``byte_offset`` is in **bytes**; every
 ``shape`` and tensor ``offset`` is in **elements** of the tensor's global shape.
@@ -17,18 +24,38 @@ from __future__ import annotations
 import contextlib
 import enum
 import gc
+import hashlib
+import hmac
 from collections.abc import Iterator
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import msgspec
 import numpy as np
 
-from refitd.errors import ProtocolError
+from refitd.errors import (
+    AccessDenied,
+    AccessError,
+    ConfigError,
+    ConflictError,
+    NotFoundError,
+    PlanError,
+    ProtocolError,
+    RefitError,
+    RequestTooLarge,
+    TransportError,
+    Unauthenticated,
+)
+
+if TYPE_CHECKING:
+    from refitd.experts.cache import CacheStats
+    from refitd.experts.slots import SlotStats
 
 __all__ = [
     "API_PREFIX",
+    "ERROR_OF_STATUS",
     "MAX_LEASE_TTL_S",
     "MSGPACK",
+    "STATUS_OF",
     "DescriptorTable",
     "EnsureRequest",
     "EnsureResult",
@@ -41,10 +68,13 @@ __all__ = [
     "ManifestIn",
     "MergedManifest",
     "NodeInfo",
+    "PackRequest",
     "PackSpec",
     "PeerRecord",
+    "PeerRegions",
     "PoolCreate",
     "PoolInfo",
+    "PoolStats",
     "PullProgress",
     "PullRequest",
     "PullState",
@@ -53,10 +83,12 @@ __all__ = [
     "RegionInfo",
     "RegionKind",
     "ShardEntry",
+    "StagedPack",
     "TensorEntry",
     "VersionInfo",
     "VersionState",
     "gc_paused",
+    "status_of",
 ]
 
 API_PREFIX = "/v1"
@@ -463,3 +495,142 @@ class InvalidateResult(msgspec.Struct, frozen=True):
 
     slots: list[int]
     experts: list[ExpertRef]
+
+
+# ---------------------------------------------------------------- daemon to daemon
+
+
+class PeerRegions(msgspec.Struct, frozen=True):
+    """Region records one daemon sends another, MAC'd with the deployment secret.
+
+    ``transport`` is the sender's data-plane mode and ``advert`` its transport's own
+    signed advertisement (empty when it runs no transport, i.e. ``shm``).
+    ``boot_id`` is the sender's kernel boot id and ``files`` maps each listed region
+    to ``(st_dev, st_ino)`` of its segment: a reader uses the shared-memory path only
+    when its own boot id matches and the file it maps by name is that very file."""
+
+    node_id: str
+    epoch: int
+    transport: str
+    regions: list[RegionInfo]
+    advert: bytes = b""
+    boot_id: str = ""
+    files: dict[int, tuple[int, int]] = {}
+    mac: bytes = b""
+
+    def body(self) -> bytes:
+        return msgspec.msgpack.encode(msgspec.structs.replace(self, mac=b""))
+
+    def signed(self, secret: bytes) -> PeerRegions:
+        return msgspec.structs.replace(
+            self, mac=hmac.new(secret, self.body(), hashlib.sha256).digest()
+        )
+
+    def verify(self, secret: bytes) -> None:
+        want = hmac.new(secret, self.body(), hashlib.sha256).digest()
+        if not hmac.compare_digest(want, self.mac):
+            raise ProtocolError(
+                f"region records from {self.node_id!r} refused: MAC does not verify (tampered, "
+                "or a daemon outside this deployment)"
+            )
+
+
+class StagedPack(msgspec.Struct, frozen=True):
+    """Pack specs executed by a source daemon: the staging region and, per spec, the
+    byte offset of its packed bytes inside it."""
+
+    region: RegionInfo
+    offsets: list[int]
+
+
+class PackRequest(msgspec.Struct, frozen=True):
+    model: str
+    version: int
+    lease_id: str
+    specs: list[PackSpec]
+
+
+# ---------------------------------------------------------------- metrics
+
+
+class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
+    """One expert slot pool, as the daemon's pool reports it. Counters are totals
+    since the pool was created; ``copied_bytes`` in bytes."""
+
+    pool: str
+    layers: int
+    slots: int
+    occupied_slots: int
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    copied_bytes: int = 0
+    #: Slots dropped because a refit rewrote the expert they held.
+    stale_invalidations: int = 0
+
+    @classmethod
+    def from_pool(
+        cls,
+        pool: str,
+        *,
+        layers: int,
+        slots: int,
+        occupied_slots: int,
+        cache: CacheStats,
+        executor: SlotStats,
+        stale_invalidations: int = 0,
+    ) -> PoolStats:
+        """Bridge from :mod:`refitd.experts`: the planner's :class:`CacheStats` (hits,
+        misses, evictions) and the executor's :class:`SlotStats` (bytes copied into
+        slots, from host rows and from other slots)."""
+        return cls(
+            pool=pool,
+            layers=layers,
+            slots=slots,
+            occupied_slots=occupied_slots,
+            hits=cache.hits,
+            misses=cache.misses,
+            evictions=cache.evictions,
+            copied_bytes=executor.host_bytes + executor.device_bytes,
+            stale_invalidations=stale_invalidations,
+        )
+
+
+# ---------------------------------------------------------------- errors
+
+# Most specific first: the first isinstance match wins.
+STATUS_OF: list[tuple[type[RefitError], int]] = [
+    (RequestTooLarge, 413),
+    (ProtocolError, 400),
+    (Unauthenticated, 401),
+    (AccessError, 403),
+    (NotFoundError, 404),
+    (ConflictError, 409),
+    (PlanError, 422),
+    (TransportError, 502),
+    (ConfigError, 500),
+    (RefitError, 500),
+]
+
+
+def status_of(exc: RefitError) -> int:
+    """The HTTP status a refusal is answered with: the first match in ``STATUS_OF``."""
+    for cls, code in STATUS_OF:
+        if isinstance(exc, cls):
+            return code
+    return 500
+
+
+#: Status code back to the error class, for a refusal whose body names no class.
+ERROR_OF_STATUS: dict[int, type[RefitError]] = {
+    400: ProtocolError,
+    401: Unauthenticated,
+    403: AccessDenied,
+    404: NotFoundError,
+    409: ConflictError,
+    413: RequestTooLarge,
+    422: PlanError,
+    500: RefitError,
+    502: TransportError,
+    503: TransportError,
+}

@@ -1,0 +1,199 @@
+"""A trainer or engine process on a simulated host, driven by JSON lines on stdin.
+
+``python -m refitd.bench.hostwork`` runs on one host of :mod:`refitd.bench.simhosts`
+(started through ``SimHost.wrap``), so its shared memory is that host's. Each line
+on stdin is one command; each answer is one JSON line on stdout:
+
+- ``{"op": "publish", "url", "model", "gib", "layout", "world", "ranks", "version"}``
+  publishes trainer ranks ``ranks`` of a ``world``-rank layout (``"fsdp"``: dim-0
+  shards, ``"megatron"``: TP) of the synthetic model as publisher slots of
+  ``version`` at the daemon ``url``. A later version rewrites the same memory once
+  the previous one has drained, so receivers replay their compiled plans.
+  Answers ``{"ok": true, "bytes": N}``.
+- ``{"op": "refit", "local", "source" | "sources", "model", "gib", "layout", "world",
+  "tp", "version"}`` refits ``tp`` engine ranks (made on first use, kept) through the
+  daemon ``local``, reading from the daemon(s) holding the version, then checks every
+  parameter bit for bit. Answers ``{"ok": true, "verified", "replayed", "paths",
+  "bytes", "seconds"}``, or ``{"ok": false, "error": class, "detail": message,
+  "unchanged": bool}`` where ``unchanged`` says every parameter still holds the
+  previous version (nothing was installed).
+- ``{"op": "quit"}`` closes everything and exits.
+
+Every request carries ``token``: the bearer token of the daemons (they listen on a
+non-loopback address, which needs one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import math
+import sys
+import time
+from typing import Any
+
+__all__ = ["main"]
+
+
+def _layout(cfg: Any, name: str, world: int, state: Any) -> Any:
+    from refitd.bench.layouts import fsdp_dim0, megatron_tp_ep
+
+    if name == "fsdp":
+        return fsdp_dim0(cfg, world, state)
+    if name == "megatron":
+        return megatron_tp_ep(cfg, world, 1, state)
+    raise ValueError(f"unknown layout {name!r}: 'fsdp' or 'megatron'")
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.clients: dict[str, Any] = {}
+        self.publishers: dict[tuple[str, int], Any] = {}  # (model, slot) -> Publisher
+        self.published: dict[str, int] = {}  # model -> last version published here
+        self.ranks: dict[str, list[Any]] = {}  # model -> [(par, engine, receiver)]
+        self.cfgs: dict[float, Any] = {}
+
+    def cfg(self, gib: float) -> Any:
+        from refitd.bench.refit import synthetic_config
+
+        if gib not in self.cfgs:
+            self.cfgs[gib] = synthetic_config(gib)
+        return self.cfgs[gib]
+
+    async def client(self, url: str, token: str) -> Any:
+        from refitd.client.http import RefitClient
+
+        c = self.clients.get(url)
+        if c is None:
+            c = self.clients[url] = await RefitClient(url, token=token).__aenter__()
+        return c
+
+    async def publish(self, req: dict[str, Any]) -> dict[str, Any]:
+        from refitd.bench.refit import SyntheticState
+        from refitd.client.publisher import Publisher
+
+        client = await self.client(req["url"], req["token"])
+        model, version, world = req["model"], int(req["version"]), int(req["world"])
+        cfg = self.cfg(float(req["gib"]))
+        published = _layout(cfg, req["layout"], world, SyntheticState(cfg, version))
+        sessions = sorted(published.buffers, key=lambda s: int(s[len(published.layout) :]))
+        last = self.published.get(model)
+        if last is not None:
+            first = self.publishers[(model, int(req["ranks"][0]))]
+            await first.wait_drain(last)
+        nbytes = 0
+        for slot in req["ranks"]:
+            session = sessions[slot]
+            buf = published.buffers[session]
+            pub = self.publishers.get((model, slot))
+            if pub is None:
+                pub = Publisher(client, model, slot, len(sessions))
+                await pub.reserve(buf.numel() + 64 * (len(published.sources) + 1), label=session)
+                self.publishers[(model, slot)] = pub
+            base = buf.data_ptr()
+            for name, info in published.sources.items():
+                for sh in info.shards:
+                    if sh.session != session:
+                        continue
+                    n = math.prod(sh.shape) * info.elsize
+                    at = sh.addr - base
+                    block = buf[at : at + n].view(info.dtype).view(sh.shape)
+                    pub.put(name, block, tuple(info.global_shape), tuple(sh.shard_offset))
+                    nbytes += n
+            await pub.publish(version)
+        self.published[model] = version
+        return {"ok": True, "bytes": nbytes}
+
+    async def refit(self, req: dict[str, Any]) -> dict[str, Any]:
+        from refitd.bench.engines import EngineParallel, ToyEngine
+        from refitd.bench.refit import _verify, capture_for
+        from refitd.client.receiver import DaemonReceiver
+        from refitd.errors import RefitError
+
+        model, tp = req["model"], int(req["tp"])
+        cfg = self.cfg(float(req["gib"]))
+        local = await self.client(req["local"], req["token"])
+        source = await self.client(req["source"], req["token"])
+        ranks = self.ranks.get(model)
+        if ranks is None:
+            capture = capture_for(_layout(cfg, req["layout"], int(req["world"]), None))
+            ranks = []
+            for rank in range(tp):
+                par = EngineParallel(tp, rank)
+                engine = ToyEngine(cfg, par)
+                r = DaemonReceiver(
+                    local=local,
+                    source=source,
+                    model=model,
+                    engine=engine,
+                    twin=functools.partial(ToyEngine, cfg, par),
+                    capture=capture,
+                )
+                ranks.append((par, engine, r))
+            self.ranks[model] = ranks
+        version = int(req["version"])
+        t = time.perf_counter()
+        try:
+            stats = await asyncio.gather(*(r.refit(version) for _, _, r in ranks))
+        except RefitError as exc:
+            before = req.get("previous")
+            unchanged = before is not None and _verify(cfg, int(before), ranks)
+            return {
+                "ok": False,
+                "error": type(exc).__name__,
+                "detail": str(exc),
+                "unchanged": unchanged,
+            }
+        seconds = time.perf_counter() - t
+        return {
+            "ok": True,
+            "verified": _verify(cfg, version, ranks),
+            "replayed": all(s.replayed for s in stats),
+            "paths": sorted({s.pull.path for s in stats}),
+            "bytes": sum(s.bytes for s in stats),
+            "seconds": seconds,
+        }
+
+    async def close(self) -> None:
+        for ranks in self.ranks.values():
+            for _, _, r in ranks:
+                await r.close()
+        for pub in self.publishers.values():
+            await pub.close()
+        for c in self.clients.values():
+            await c.__aexit__(None, None, None)
+
+
+async def _serve() -> None:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    worker = Worker()
+    try:
+        while line := await reader.readline():
+            req = json.loads(line)
+            op = req.get("op")
+            if op == "quit":
+                break
+            handler = getattr(worker, op, None) if op in ("publish", "refit") else None
+            if handler is None:
+                out: dict[str, Any] = {"ok": False, "error": "ProtocolError", "detail": op}
+            else:
+                out = await handler(req)
+            sys.stdout.write(json.dumps(out) + "\n")
+            sys.stdout.flush()
+    finally:
+        await worker.close()
+
+
+def main() -> int:
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(_serve())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

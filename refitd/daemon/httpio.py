@@ -1,0 +1,117 @@
+"""The HTTP edge every handler module shares: app keys, body decoding, replies, and
+the one middleware where refusals become HTTP statuses.
+
+Handler modules (:mod:`refitd.daemon.app`, :mod:`refitd.daemon.experts`) import
+this module, never each other's internals, so the app assembles them without an
+import cycle.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from refitd.daemon.node import Daemon
+from refitd.errors import ProtocolError, RefitError
+from refitd.wire import MSGPACK, ErrorBody, gc_paused, status_of
+
+__all__ = [
+    "DAEMON",
+    "Handler",
+    "body",
+    "error_middleware",
+    "query_float",
+    "query_int",
+    "reply",
+    "wants_msgpack",
+]
+
+T = TypeVar("T")
+
+DAEMON: web.AppKey[Daemon] = web.AppKey("daemon", Daemon)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def wants_msgpack(request: web.Request) -> bool:
+    return MSGPACK in request.headers.get("Accept", "")
+
+
+def reply(request: web.Request, value: Any, status: int = 200) -> web.Response:
+    """Encode ``value`` (a Struct, list, dict or None) as the client asked."""
+    if wants_msgpack(request):
+        return web.Response(body=msgspec.msgpack.encode(value), status=status, content_type=MSGPACK)
+    return web.Response(
+        body=msgspec.json.encode(value), status=status, content_type="application/json"
+    )
+
+
+async def body(request: web.Request, type_: type[T]) -> T:
+    """Decode and validate the request body as ``type_`` (msgpack or JSON)."""
+    raw = await request.read()
+    try:
+        with gc_paused():
+            if request.content_type == MSGPACK:
+                return msgspec.msgpack.decode(raw, type=type_)
+            return msgspec.json.decode(raw, type=type_)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"{request.method} {request.path}: body refused: {exc}") from exc
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The one place refusals become HTTP: RefitError tree -> status + ErrorBody."""
+    try:
+        return await handler(request)
+    except RefitError as exc:
+        return reply(request, ErrorBody(type(exc).__name__, str(exc)), status_of(exc))
+    except web.HTTPRequestEntityTooLarge as exc:
+        return reply(
+            request, ErrorBody("RequestTooLarge", f"request body too large: {exc.text}"), 413
+        )
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type in (MSGPACK, "application/json"):
+            raise  # a redirect, or a refusal already in our error shape
+        # aiohttp's own refusals (no such route, method not allowed) in our error shape.
+        name = "NotFoundError" if exc.status == 404 else "ProtocolError"
+        detail = f"{request.method} {request.path}: {exc.reason}"
+        return reply(request, ErrorBody(name, detail), exc.status)
+
+
+def query_int(request: web.Request, name: str) -> int:
+    raw = request.match_info.get(name) or request.query.get(name, "")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ProtocolError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def query_float(
+    request: web.Request,
+    name: str,
+    default: float,
+    *,
+    positive: bool = False,
+    most: float = math.inf,
+) -> float:
+    """A duration in seconds from the query: finite, ``>= 0`` (``> 0`` if ``positive``)
+    and at most ``most``. NaN and infinities are refused: a NaN deadline never
+    compares as passed, so a lease renewed with one would never expire and a wait on
+    one would never end."""
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0 and value <= most and (value > 0 or not positive)):
+        bound = f"{'>' if positive else '>='} 0" + (f" and <= {most:g}" if most < math.inf else "")
+        raise ProtocolError(
+            f"query parameter {name} must be a finite number of seconds {bound}, got {raw!r}"
+        )
+    return value

@@ -1,0 +1,346 @@
+"""ExpertCache.prefetch: predictions of an upcoming layer's routing, and the rules that
+keep every ferrox invariant true with prefetches mixed in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_experts_policy import checked_density, checked_reuse
+
+from refitd.errors import ConfigError, PlanError
+from refitd.experts import (
+    CopyPlan,
+    EvictionPolicy,
+    ExpectedReusePolicy,
+    ExpertCache,
+    ExpertId,
+    HitDensityPolicy,
+    LruPolicy,
+)
+
+
+def test_a_prefetch_fills_free_slots_most_confident_first_and_the_step_then_hits() -> None:
+    cache = ExpertCache(2, 8, 8)
+    plan = cache.prefetch(1, [6, 2, 6])
+    assert plan.copy == CopyPlan((0, 1), (6, 2))
+    assert (plan.resident, plan.skipped) == (0, 0)
+    assert cache.predicted(1) == (0, 1)
+    step = cache.ensure(1, [2, 6])
+    assert (step.missing, step.fetched) == (0, 0)
+    assert step.copy.is_empty()
+    assert cache.predicted(1) == ()
+    assert cache.stats().prefetched == 2
+    assert cache.stats().prefetch_used == 2
+
+
+def test_a_prefetch_is_not_a_step() -> None:
+    cache = ExpertCache(2, 4, 4)
+    cache.ensure(0, [0])
+    cache.prefetch(1, [1, 2])
+    assert cache.step == 1
+    assert cache.stats().steps == 1 and cache.stats().routes == 1
+
+
+def test_scores_are_taken_highest_first_and_low_confidence_predictions_skipped() -> None:
+    cache = ExpertCache(1, 6, 6)
+    plan = cache.prefetch(0, {4: 0.1, 1: 0.7, 3: 0.7, 5: 0.05}, min_score=0.08)
+    assert plan.copy.src_rows == (1, 3, 4)  # ties to the lower id; 5 is below the floor
+    cache = ExpertCache(1, 6, 6)
+    scores = np.array([0.0, 0.2, 0.9, 0.2, 0.01, 0.5])
+    plan = cache.prefetch(0, scores, budget=3, min_score=0.1)
+    assert plan.copy.src_rows == (2, 5, 1)
+    assert plan.skipped == 1  # expert 3 scored high enough but the budget was spent
+
+
+def test_the_budget_caps_copies_and_resident_predictions_cost_nothing() -> None:
+    cache = ExpertCache(2, 8, 8)
+    cache.ensure(1, [0, 1])
+    plan = cache.prefetch(1, [0, 5, 1, 6, 7], budget=2)
+    assert plan.copy.src_rows == (5, 6)
+    assert (plan.resident, plan.skipped) == (2, 1)
+    assert cache.prefetch(0, [1], budget=0).skipped == 1
+    with pytest.raises(ConfigError, match="budget"):
+        cache.prefetch(0, [1], budget=-1)
+
+
+def test_a_prediction_naming_an_expert_outside_the_layer_is_refused_before_any_change() -> None:
+    cache = ExpertCache(2, 4, 4)
+    with pytest.raises(PlanError, match="prediction names expert 4"):
+        cache.prefetch(0, [1, 4])
+    with pytest.raises(PlanError, match="one score per expert"):
+        cache.prefetch(0, np.zeros(3))
+    with pytest.raises(PlanError, match="layer 2"):
+        cache.prefetch(2, [0])
+    assert cache.occupied() == 0 and cache.predicted(0) == ()
+
+
+@pytest.mark.parametrize("make_policy", [LruPolicy, ExpectedReusePolicy, HitDensityPolicy])
+def test_a_prefetch_never_evicts_a_slot_the_current_step_uses(
+    make_policy: type[EvictionPolicy],
+) -> None:
+    cache = ExpertCache(2, 4, 4, policy=make_policy())
+    cache.ensure(0, [0, 1, 2, 3])  # the whole pool is this step's
+    plan = cache.prefetch(1, [0, 1])
+    assert plan.copy.is_empty() and plan.skipped == 2
+    assert [cache.slot_of(0, e) for e in range(4)] == [0, 1, 2, 3]
+    cache.ensure(0, [0, 1])
+    plan = cache.prefetch(1, [0, 1, 2])
+    assert sorted(plan.copy.dst_slots) == [2, 3]  # experts 2 and 3 of layer 0 go
+    assert plan.skipped == 1
+    assert cache.slot_of(0, 0) == 0 and cache.slot_of(0, 1) == 1
+
+
+@pytest.mark.parametrize("make_policy", [LruPolicy, ExpectedReusePolicy, HitDensityPolicy])
+def test_a_prefetch_never_evicts_what_an_earlier_still_valid_prediction_needs(
+    make_policy: type[EvictionPolicy],
+) -> None:
+    cache = ExpertCache(4, 2, 4, policy=make_policy())
+    for layer in range(4):
+        cache.ensure(layer, [0])  # slots 0..3 hold expert 0 of every layer
+    cache.ensure(3, [0])
+    first = cache.prefetch(1, [1, 0])  # expert 0 of layer 1 is resident: protected
+    assert first.resident == 1 and len(first.copy.dst_slots) == 1
+    needed = set(cache.predicted(1))
+    assert len(needed) == 2
+    second = cache.prefetch(2, [1, 0])
+    assert not needed & set(second.copy.dst_slots)
+    assert set(cache.predicted(1)) == needed
+    # Layer 3 just stepped and layers 1 and 2 are predicted: nothing is left to take.
+    third = cache.prefetch(0, [1])
+    assert third.copy.is_empty() and third.skipped == 1
+    assert set(cache.predicted(1)) == needed
+    assert cache.ensure(1, [1, 0]).missing == 0
+
+
+def test_unused_prefetched_experts_are_the_first_to_leave() -> None:
+    cache = ExpertCache(3, 4, 4, policy=LruPolicy())
+    cache.ensure(0, [0, 1])  # slots 0, 1
+    cache.prefetch(1, [2, 3])  # slots 2, 3
+    cache.ensure(1, [2])  # expert 3 of layer 1 went unused
+    assert cache.unused() == (3,)
+    # LRU alone would evict slot 0 (oldest); the unused copy goes first.
+    plan = cache.ensure(2, [0])
+    assert plan.copy.dst_slots == (3,)
+    assert cache.stats().prefetch_wasted == 1
+    assert cache.resident_in(0) == ExpertId(0, 0)
+
+
+def test_forgotten_slots_are_taken_before_unused_prefetched_copies() -> None:
+    cache = ExpertCache(2, 4, 4)
+    cache.ensure(0, [0, 1])
+    cache.prefetch(1, [2, 3])
+    cache.ensure(1, [])
+    cache.forget_slot(0)
+    assert cache.unused() == (2, 3)
+    plan = cache.ensure(0, [0, 2])
+    assert plan.copy == CopyPlan((0, 2), (0, 2))
+    assert cache.unused() == (3,)
+
+
+def test_an_unused_copy_that_a_later_step_routes_is_a_hit() -> None:
+    cache = ExpertCache(2, 4, 8)
+    cache.prefetch(1, [3])
+    cache.ensure(1, [0])
+    assert cache.unused() == (0,)
+    assert cache.ensure(1, [3]).missing == 0
+    assert cache.unused() == ()
+    assert cache.stats().prefetch_used == 1
+
+
+def test_a_step_with_no_other_slot_left_drops_the_oldest_prediction() -> None:
+    cache = ExpertCache(3, 2, 2)
+    cache.prefetch(1, [0])  # slot 0
+    cache.prefetch(2, [1])  # slot 1
+    plan = cache.ensure(0, [0, 1])  # needs both slots: both predictions give way
+    assert sorted(plan.copy.dst_slots) == [0, 1]
+    assert cache.predicted(1) == () and cache.predicted(2) == ()
+    assert cache.stats().prefetch_wasted == 2
+
+
+def test_a_step_drops_a_prediction_only_when_no_other_slot_is_left() -> None:
+    cache = ExpertCache(3, 2, 3)
+    cache.ensure(0, [0])  # slot 0
+    cache.prefetch(1, [0])  # slot 1
+    cache.prefetch(2, [1])  # slot 2
+    plan = cache.ensure(0, [1])  # expert 0 of layer 0 is not routed now: it goes
+    assert plan.copy.dst_slots == (0,)
+    assert cache.predicted(1) == (1,) and cache.predicted(2) == (2,)
+
+
+def test_materialize_consumes_the_layers_prediction() -> None:
+    cache = ExpertCache(2, 4, 8)
+    cache.prefetch(0, [3, 2])
+    cache.materialize_layer(0)
+    assert cache.predicted(0) == ()
+    assert [cache.slot_of(0, e) for e in range(4)] == [0, 1, 2, 3]
+    assert cache.unused() == ()
+    assert cache.occupied() == 4
+
+
+def test_rebuild_drops_predictions() -> None:
+    cache = ExpertCache(2, 4, 8)
+    cache.prefetch(0, [3, 2])
+    cache.rebuild(8)
+    assert cache.predicted(0) == () and cache.unused() == () and cache.occupied() == 0
+
+
+# -- properties: every invariant with prefetches mixed in -----------------------------
+
+LAYERS, EXPERTS = 3, 5
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("ensure"),
+            st.integers(0, LAYERS - 1),
+            st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS + 2),
+            st.none(),
+        ),
+        st.tuples(
+            st.just("prefetch"),
+            st.integers(0, LAYERS - 1),
+            st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS),
+            st.none() | st.integers(0, 4),
+        ),
+        st.tuples(st.just("forget"), st.integers(-1, 12), st.just([]), st.none()),
+        st.tuples(st.just("materialize"), st.integers(0, LAYERS - 1), st.just([]), st.none()),
+    ),
+    max_size=60,
+)
+
+
+def check_pool(cache: ExpertCache) -> None:
+    """The whole pool, scanned: the map is consistent, no expert is resident twice,
+    owned slots hold experts, predictions name slots that hold their layer."""
+    seen: dict[ExpertId, int] = {}
+    for slot in range(cache.cache_size):
+        who = cache.resident_in(slot)
+        if who is not None:
+            assert who not in seen, f"{who} resident twice"
+            seen[who] = slot
+            assert cache.slot_of(who.layer, who.expert) == slot
+        else:
+            assert not cache.owned[slot]
+    assert cache.occupied() == len(seen)
+    for layer in range(cache.num_layers):
+        for slot in cache.predicted(layer):
+            who = cache.resident_in(slot)
+            assert who is not None and who.layer == layer
+    for slot in cache.unused():
+        assert cache.owned[slot]
+
+
+def snapshot(cache: ExpertCache) -> dict[str, Any]:
+    last = cache.step
+    return {
+        "keys": [cache.resident_in(s) for s in range(cache.cache_size)],
+        "free": [s for s in range(cache.cache_size) if cache.resident_in(s) is None],
+        "unused": list(cache.unused()),
+        "step": {
+            s
+            for s in range(cache.cache_size)
+            if cache.touched[s] == last and last > 0 and cache.resident_in(s) is not None
+        },
+        "predicted": {m: set(cache.predicted(m)) for m in range(cache.num_layers)},
+    }
+
+
+def check_take_order(dst: tuple[int, ...], before: dict[str, Any], hits: set[int]) -> None:
+    """Fills take free slots (lowest first), then unused copies (oldest first) the step
+    does not route, and only then anything else."""
+    expected = before["free"] + [s for s in before["unused"] if s not in hits]
+    head = list(dst[: len(expected)])
+    assert head == expected[: len(head)], "a victim was taken before a free or unused slot"
+
+
+def apply_op(cache: ExpertCache, op: str, arg: int, routed: list[int], budget: int | None) -> None:
+    before = snapshot(cache)
+    if op == "prefetch":
+        named = {cache.slot_of(arg, e) for e in routed} - {None}
+        plan = cache.prefetch(arg, routed, budget)
+        dst = plan.copy.dst_slots
+        protected = set(before["step"])
+        for slots in before["predicted"].values():
+            protected |= slots
+        assert not protected & set(dst), "a prefetch evicted what a step or prediction needs"
+        check_take_order(dst, before, named)  # type: ignore[arg-type]
+        if budget is not None:
+            assert len(dst) <= budget
+        for s in before["predicted"][arg]:
+            assert s in cache.predicted(arg)
+        for e, s in zip(plan.copy.src_rows, dst):
+            assert cache.slot_of(arg, e) == s
+    elif op == "ensure":
+        hits = {cache.slot_of(arg, e) for e in routed} - {None}
+        ensured = cache.ensure(arg, routed)
+        dst = ensured.copy.dst_slots
+        assert not hits & set(dst), "a hit's slot was overwritten"
+        assert all(s is not None for s in ensured.slots)
+        check_take_order(dst, before, hits)  # type: ignore[arg-type]
+        others: set[int] = set()
+        for m, slots in before["predicted"].items():
+            if m != arg:
+                others |= slots
+        if others & set(dst):
+            # A prediction gave way: only once nothing unprotected was left.
+            spare = set(range(cache.cache_size)) - hits - others
+            assert spare <= set(dst), "a prediction was dropped while another slot was free"
+        assert cache.predicted(arg) == ()
+    elif op == "forget":
+        cache.forget_slot(arg)
+    else:
+        cache.materialize_layer(arg)
+    check_pool(cache)
+
+
+@pytest.mark.parametrize("make_policy", [LruPolicy, ExpectedReusePolicy, HitDensityPolicy])
+@settings(max_examples=80, deadline=None)
+@given(ops=ops, size=st.integers(EXPERTS, 3 * EXPERTS))
+def test_every_invariant_holds_with_prefetches_mixed_in(
+    make_policy: type[EvictionPolicy],
+    ops: list[tuple[str, int, list[int], int | None]],
+    size: int,
+) -> None:
+    cache = ExpertCache(LAYERS, EXPERTS, size, policy=make_policy())
+    for op, arg, routed, budget in ops:
+        apply_op(cache, op, arg, routed, budget)
+
+
+@pytest.mark.parametrize("make_checked", [checked_reuse, checked_density])
+@settings(max_examples=60, deadline=None)
+@given(ops=ops, size=st.integers(EXPERTS, 2 * EXPERTS))
+def test_policy_victims_match_a_scan_of_the_pool_with_prefetches_mixed_in(
+    make_checked: Any, ops: list[tuple[str, int, list[int], int | None]], size: int
+) -> None:
+    # Each victim the policy gives, for a step or a prefetch, is checked against a scan
+    # of every slot in its books.
+    policy = make_checked()
+    cache = ExpertCache(LAYERS, EXPERTS, size, policy=policy)
+    for op, arg, routed, budget in ops:
+        apply_op(cache, op, arg, routed, budget)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=ops, size=st.integers(EXPERTS, 2 * EXPERTS))
+def test_prefetch_decides_identically_on_identical_input(
+    ops: list[tuple[str, int, list[int], int | None]], size: int
+) -> None:
+    def plans() -> list[object]:
+        cache = ExpertCache(LAYERS, EXPERTS, size)
+        out: list[object] = []
+        for op, arg, routed, budget in ops:
+            if op == "prefetch":
+                out.append(cache.prefetch(arg, routed, budget))
+            elif op == "ensure":
+                out.append(cache.ensure(arg, routed))
+            elif op == "forget":
+                out.append(cache.forget_slot(arg))
+            else:
+                out.append(cache.materialize_layer(arg))
+        return out
+
+    assert plans() == plans()

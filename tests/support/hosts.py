@@ -1,0 +1,34 @@
+"""Simulated hosts for the multi-host tests (see :mod:`refitd.bench.simhosts`).
+
+Each host is a network namespace plus a mount namespace with its own ``/dev/shm``,
+joined by a bridge inside a namespace of the test's own; each runs a real ``refitd
+serve`` on its own address. The tests need root, ``ip`` (iproute2), ``unshare``,
+``nsenter`` and ``mount``; without them every test here skips with one line saying
+which is missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from refitd.bench.simhosts import Cluster, SimNet, missing
+
+__all__ = ["MISSING", "cluster_of", "needs_hosts"]
+
+MISSING = missing()
+
+needs_hosts = pytest.mark.skipif(MISSING is not None, reason=f"no simulated hosts: {MISSING}")
+
+
+@contextlib.asynccontextmanager
+async def cluster_of(workdir: Path, *names: str) -> AsyncIterator[tuple[Cluster, list]]:
+    """A fresh bridge with hosts ``names`` and a :class:`Cluster` on them; everything
+    (daemons, workers, namespaces) is gone when the block ends, pass or fail."""
+    async with SimNet() as net:
+        hosts = [await net.add_host(n) for n in names]
+        async with Cluster(net, str(workdir)) as cluster:
+            yield cluster, hosts
