@@ -33,7 +33,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from refitd.errors import ConfigError
+from refitd.errors import ConfigError, ProtocolError
 
 __all__ = [
     "ENV_CONFIG_PATH",
@@ -42,6 +42,7 @@ __all__ = [
     "DataPlaneConfig",
     "LoggingConfig",
     "MetricsConfig",
+    "PeersConfig",
     "PullsConfig",
     "ServerConfig",
     "env_name",
@@ -121,6 +122,25 @@ class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     transport: Scheme = "auto"
 
 
+class PeersConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which peer daemons this daemon may read from (and send its peer token to)."""
+
+    #: Base URLs (``http(s)://host:port``) of trusted peer daemons. A pull whose
+    #: ``source`` is not listed here is refused with 400 before any connection.
+    allow: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from refitd.daemon.peers import normalize_peer
+
+        for url in self.allow:
+            try:
+                normalize_peer(url, pattern=True)
+            except ProtocolError as exc:
+                raise ConfigError(
+                    f"peers.allow: {exc}; expected base URLs like 'http://10.0.0.7:7450'"
+                ) from None
+
+
 class PullsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Pull execution and shutdown."""
 
@@ -149,6 +169,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     data_plane: DataPlaneConfig = msgspec.field(default_factory=DataPlaneConfig)
     pulls: PullsConfig = msgspec.field(default_factory=PullsConfig)
+    peers: PeersConfig = msgspec.field(default_factory=PeersConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
 

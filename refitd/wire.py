@@ -75,6 +75,8 @@ __all__ = [
     "PoolCreate",
     "PoolInfo",
     "PoolStats",
+    "PrefetchRequest",
+    "PrefetchResult",
     "PullProgress",
     "PullRequest",
     "PullState",
@@ -448,6 +450,13 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     copied_bytes: int = 0
     #: slots dropped because a refit rewrote (or a caller invalidated) their expert
     stale_invalidations: int = 0
+    #: bytes copied by prefetches (also in ``copied_bytes``), and prefetched experts
+    #: a step used / that left unused
+    prefetched_bytes: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    #: slots whose prefetch copy has not been seen to land yet
+    in_flight_slots: int = 0
 
 
 class EnsureRequest(msgspec.Struct, frozen=True):
@@ -473,6 +482,36 @@ class EnsureResult(msgspec.Struct, frozen=True, kw_only=True):
     copied_experts: list[int] = []
     copied_bytes: int = 0
     warm: bool = False
+    #: slots the step uses whose prefetch copy it waited for (never copied again)
+    waited: int = 0
+
+
+class PrefetchRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A prediction of ``layer``'s next step: ``experts`` (layer-local ids, most
+    confident first) or ``scores`` (one per expert of the layer, e.g. the layer's
+    router applied to the current hidden state; highest first, ``min_score`` skips
+    the rest), never both. At most ``budget`` copies (``None``: one per prediction)."""
+
+    layer: NonNeg
+    experts: list[NonNeg] = []
+    scores: list[float] = []
+    budget: NonNeg | None = None
+    min_score: float | None = None
+
+
+class PrefetchResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Copies issued in the background: ``copied_slots[i]`` is receiving expert
+    ``copied_experts[i]``; the next ``ensure`` naming them waits for them to land.
+    ``resident`` predicted experts were already there (now kept for the layer's
+    step); ``skipped`` were neither copied nor resident (budget, ``min_score``, or
+    no slot a prefetch may take)."""
+
+    layer: int
+    copied_slots: list[int] = []
+    copied_experts: list[int] = []
+    copied_bytes: int = 0
+    resident: int = 0
+    skipped: int = 0
 
 
 class ExpertRef(msgspec.Struct, frozen=True, array_like=True):

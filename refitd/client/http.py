@@ -37,6 +37,8 @@ from refitd.wire import (
     PoolCreate,
     PoolInfo,
     PoolStats,
+    PrefetchRequest,
+    PrefetchResult,
     PullProgress,
     PullRequest,
     PullState,
@@ -339,6 +341,29 @@ class RefitClient:
         return await self._call(
             "POST", f"/experts/{name}/ensure", EnsureResult, EnsureRequest(layer, routed)
         )
+
+    async def prefetch(
+        self,
+        name: str,
+        layer: int,
+        experts: list[int] | None = None,
+        *,
+        scores: list[float] | None = None,
+        budget: int | None = None,
+        min_score: float | None = None,
+    ) -> PrefetchResult:
+        """Prefetch the experts predicted for ``layer``'s next step: ids, most confident
+        first, or one score per expert (``min_score`` skips low ones); at most
+        ``budget`` copies. The copies land in the background; the next ``ensure``
+        naming them waits for them instead of copying again."""
+        req = PrefetchRequest(
+            layer=layer,
+            experts=experts or [],
+            scores=scores or [],
+            budget=budget,
+            min_score=min_score,
+        )
+        return await self._call("POST", f"/experts/{name}/prefetch", PrefetchResult, req)
 
     async def invalidate(
         self,

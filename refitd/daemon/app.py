@@ -21,7 +21,7 @@ import msgspec
 from aiohttp import web
 
 from refitd.daemon.auth import check_owner, owner_for
-from refitd.daemon.experts import POOLS, ExpertPools, note_pull
+from refitd.daemon.experts import POOLS, ExpertPools, close_pools, note_pull
 from refitd.daemon.experts import routes as expert_routes
 from refitd.daemon.httpio import (
     DAEMON,
@@ -349,6 +349,7 @@ def create_app(
     app.cleanup_ctx.extend(cleanup_ctx)
     app.add_routes(routes)
     app[POOLS] = ExpertPools(d)
+    app.on_shutdown.append(close_pools)  # before cleanup closes the regions
     app.add_routes(expert_routes)
     for fn in setup:
         fn(app)

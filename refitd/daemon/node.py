@@ -23,6 +23,7 @@ import msgspec
 
 from refitd.daemon.copier import Copier, ThreadCopier, pack_strided
 from refitd.daemon.memory import SharedSegment, byte_view, check_shm_capacity, refuse_cuda_ipc
+from refitd.daemon.peers import PeerPolicy
 from refitd.daemon.regions import RegionTable, validate_pack_specs
 from refitd.daemon.registry import Registry
 from refitd.errors import ConflictError, PlanError, ProtocolError, RefitError, TransportError
@@ -93,6 +94,8 @@ class DaemonOptions:
     ``secret`` (≥ 16 bytes) authenticates peer records between the daemons of one
     deployment. ``boot_id`` empty means this kernel's; another value makes the
     daemon claim another host (tests of the cross-host choice on one machine).
+    ``peers`` are the base URLs of the peer daemons it may read from
+    (``[peers] allow``, see :mod:`refitd.daemon.peers`).
     """
 
     host: str = "127.0.0.1"
@@ -104,6 +107,7 @@ class DaemonOptions:
     client_max_size: int = 1 << 30
     grace_s: float = 10.0
     boot_id: str = ""
+    peers: tuple[str, ...] = ()
 
 
 class Daemon:
@@ -119,6 +123,8 @@ class Daemon:
         self.epoch = time.time_ns()
         self.clock = clock
         self.registry = Registry(self.node_id, self.epoch, clock)
+        #: the one decision which source URLs may be contacted (config, then registry)
+        self.peers = PeerPolicy(options.peers)
         self.regions = RegionTable(self.epoch)
         self.segments: dict[int, SharedSegment] = {}
         self.copier: Copier = copier or ThreadCopier()

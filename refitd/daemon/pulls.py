@@ -202,7 +202,9 @@ class PullManager:
         self._verified: dict[tuple[str, int, int], tuple[int, ...]] = {}
 
     def source_for(self, url: str) -> Source:
-        return LocalSource(self.d) if not url else self._connect(url)
+        """This daemon for ``""``; else the peer at ``url`` if this daemon trusts it
+        (:class:`ProtocolError`, 400, before any connection opens, if not)."""
+        return LocalSource(self.d) if not url else self._connect(self.d.peers.check(url))
 
     async def submit(self, req: PullRequest) -> PullJob:
         """Check lease and every descriptor, then start moving bytes in a task.

@@ -56,6 +56,7 @@ def options_from_config(config: Config, secret: bytes | None) -> Any:
         node_id=config.server.node_id,
         client_max_size=config.server.max_request_bytes,
         grace_s=config.pulls.shutdown_grace_s,
+        peers=config.peers.allow,
         **extra,
     )
 
