@@ -283,6 +283,11 @@ class Service:
         self.notifier = notifier or Notifier()
         self._ready = asyncio.Event()
 
+    @property
+    def ready_sent(self) -> bool:
+        """Whether READY was reported (a later failure is not a failed start)."""
+        return self._ready.is_set()
+
     def setup(self, app: web.Application) -> None:
         """``create_app`` setup hook: metrics, access control, the API document, and
         the group shared memory is shared with (``server.shm_group``)."""
