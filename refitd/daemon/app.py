@@ -127,6 +127,10 @@ async def publish(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     m = await body(request, ManifestIn)
     check_manifest_bounds(m, d.regions.sizes())
+    # A version publishes only from its publisher's regions (else it would expose
+    # another principal's bytes to its leases, and pin them against their writes).
+    for rid in sorted({s.region for t in m.tensors for s in t.shards}):
+        check_owner(request, d.regions.get(rid).owner, "publish from", f"region {rid}")
     info = d.registry.publish(m)
     d.lease_changed()
     return reply(request, info, 201)

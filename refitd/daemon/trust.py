@@ -24,7 +24,7 @@ region          any principal; it becomes the owner    write: owner only, and ne
 version         any principal, by publishing slots     immutable once READY:
                 into a *new* version number (higher    publishing into a READY or
                 than every version that became         retired version is 409; it is
-                READY) whose regions it may write      retired by a newer READY
+                READY), from regions it owns           retired by a newer READY
                                                        version or by drain ``retire``
 lease           any principal, on a READY version      renew / release by its id
                                                        (the id is the capability)
@@ -67,7 +67,8 @@ How each rule is enforced
   (pack specs, in :meth:`Daemon.pack`); staged offsets are validated as descriptors;
 - *records*: :meth:`Daemon.peer_regions` gives records only under a live lease;
 - *versions*: :meth:`Registry.publish` refuses a READY or retired version and a
-  version number that does not move the model forward;
+  version number that does not move the model forward; ``POST /v1/sources``
+  checks the owner of every region a manifest publishes from;
 - *deletes*: :meth:`Daemon.delete_region` and :meth:`Daemon.release_staging`;
 - *peers*: :meth:`PeerPolicy.check` before a connection to a source opens.
 
