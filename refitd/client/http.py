@@ -20,6 +20,8 @@ from refitd import errors
 from refitd.wire import (
     ERROR_OF_STATUS,
     MSGPACK,
+    ClusterVersion,
+    DaemonRecord,
     EnsureRequest,
     EnsureResult,
     ErrorBody,
@@ -37,6 +39,8 @@ from refitd.wire import (
     PoolCreate,
     PoolInfo,
     PoolStats,
+    PrefetchRequest,
+    PrefetchResult,
     PullProgress,
     PullRequest,
     PullState,
@@ -208,6 +212,31 @@ class RefitClient:
             "GET", f"/sources/{model}/versions/{version}/manifest", MergedManifest
         )
 
+    # ------------------------------------------------------------ cluster registry
+
+    async def cluster_daemons(self) -> list[DaemonRecord]:
+        """The daemons registered in this daemon's cluster registry (its trusted peers)."""
+        return await self._call("GET", "/cluster/daemons", list[DaemonRecord])
+
+    async def cluster_version(self, model: str, version: int | str = "latest") -> ClusterVersion:
+        """Which daemons hold ``model`` at ``version`` across hosts (``latest``: the
+        newest version whose slots are all published somewhere)."""
+        return await self._call(
+            "GET", f"/cluster/sources/{model}/versions/{version}", ClusterVersion
+        )
+
+    async def next_version(
+        self, model: str, after: int = -1, timeout_s: float = 30.0
+    ) -> ClusterVersion:
+        """Wait (one request; the daemon is woken by the registry's watch) for a complete
+        version of ``model`` newer than ``after``; NotFoundError after ``timeout_s``."""
+        return await self._call(
+            "GET",
+            f"/cluster/sources/{model}/next",
+            ClusterVersion,
+            params={"after": str(after), "timeout": str(timeout_s)},
+        )
+
     async def wait_drain(
         self, model: str, version: int, timeout_s: float = 60.0, *, retire: bool = False
     ) -> VersionInfo:
@@ -339,6 +368,29 @@ class RefitClient:
         return await self._call(
             "POST", f"/experts/{name}/ensure", EnsureResult, EnsureRequest(layer, routed)
         )
+
+    async def prefetch(
+        self,
+        name: str,
+        layer: int,
+        experts: list[int] | None = None,
+        *,
+        scores: list[float] | None = None,
+        budget: int | None = None,
+        min_score: float | None = None,
+    ) -> PrefetchResult:
+        """Prefetch the experts predicted for ``layer``'s next step: ids, most confident
+        first, or one score per expert (``min_score`` skips low ones); at most
+        ``budget`` copies. The copies land in the background; the next ``ensure``
+        naming them waits for them instead of copying again."""
+        req = PrefetchRequest(
+            layer=layer,
+            experts=experts or [],
+            scores=scores or [],
+            budget=budget,
+            min_score=min_score,
+        )
+        return await self._call("POST", f"/experts/{name}/prefetch", PrefetchResult, req)
 
     async def invalidate(
         self,

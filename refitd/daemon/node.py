@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -117,6 +118,8 @@ class DaemonOptions:
     grace_s: float = 10.0
     boot_id: str = ""
     peers: tuple[str, ...] = ()
+    #: ``refitd.config.RegistryConfig`` (None: the static registry, this daemon alone)
+    registry: Any = None
 
 
 class Daemon:
