@@ -36,6 +36,10 @@ generator perfectly close (``refitd.experts.bound``: futures sampled from the tr
 generator, exact hit density), next to LRU, Belady, ours and the probability oracle,
 all replayed over the same shortened traces (2 requests of 128 decode tokens, since
 sampling futures is slow); its last line is each rule's average gap closed.
+
+``--prefetch`` runs ``refitd.bench.prefetch`` instead: predictions of the next layer's
+routing at recalls 0.6/0.8/0.9/1.0, critical-path misses and bytes for LRU, ours and
+Belady on demand and ours with prefetch, and a timeline model's stall per token.
 """
 
 from __future__ import annotations
@@ -98,6 +102,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead: how much of the gap model-knowing oracles close "
         "(refitd.experts.bound), on shortened traces (2 requests of 128 decode tokens)",
+    )
+    parser.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="instead: lookahead prefetch with predictions of the next layer's routing, "
+        "against Belady on demand (critical-path misses, bytes, timeline stall)",
+    )
+    parser.add_argument(
+        "--recalls",
+        default="0.6,0.8,0.9,1.0",
+        help="--prefetch: prediction recalls to sweep (default 0.6,0.8,0.9,1.0)",
     )
     parser.add_argument(
         "--samples", type=int, default=64, help="--bound: sampled futures per decision"
@@ -382,6 +397,10 @@ def _run_bound(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from refitd.experts.traces import preset_config, read_trace_file, routing_model
 
+    if getattr(args, "prefetch", False):
+        from refitd.bench.prefetch import run_prefetch
+
+        return run_prefetch(args, dict(_EXPERT_BANKS))
     if getattr(args, "bound", False):
         if args.trace:
             print("--bound needs the generator's state: it runs on the presets, not --trace")
