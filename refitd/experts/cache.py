@@ -688,19 +688,15 @@ class ExpertCache:
                 idx = idx[predicted[idx] >= min_score]
             return [int(e) for e in idx]
         else:
-            order = []
-            seen: set[int] = set()
-            for e in predicted:
-                e = int(e)
-                if e not in seen:
-                    seen.add(e)
-                    order.append(e)
-        for e in order:
-            if not 0 <= e < experts:
-                raise PlanError(
-                    f"layer {layer} prediction names expert {e}, outside 0..{experts - 1}: "
-                    "the predictor and the cache disagree on the expert count"
-                )
+            order = list(dict.fromkeys(predicted))
+            if order and type(order[0]) is not int:
+                order = list(dict.fromkeys(int(e) for e in order))
+        if order and (min(order) < 0 or max(order) >= experts):
+            bad = min(order) if min(order) < 0 else max(order)
+            raise PlanError(
+                f"layer {layer} prediction names expert {bad}, outside 0..{experts - 1}: "
+                "the predictor and the cache disagree on the expert count"
+            )
         return order
 
     # -- recovery and whole-layer loads ---------------------------------------------
