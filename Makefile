@@ -8,7 +8,9 @@ STAMP := $(VENV)/.installed
 
 VLLM_PINS := tests/integrations/vllm-constraints.txt
 
-$(STAMP): pyproject.toml $(VLLM_PINS)
+# setup.py builds transports/native/*.c into the package: an edit re-runs the
+# (editable) install, which rebuilds them. Nothing is compiled at run time.
+$(STAMP): pyproject.toml setup.py $(wildcard transports/native/*.c) $(VLLM_PINS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
@@ -40,4 +42,4 @@ pytest: $(STAMP)
 	$(BIN)/pytest -q
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info transports/native/*.so

@@ -56,6 +56,8 @@ __all__ = [
     "MAX_LEASE_TTL_S",
     "MSGPACK",
     "STATUS_OF",
+    "ClusterVersion",
+    "DaemonRecord",
     "DescriptorTable",
     "EnsureRequest",
     "EnsureResult",
@@ -75,6 +77,8 @@ __all__ = [
     "PoolCreate",
     "PoolInfo",
     "PoolStats",
+    "PrefetchRequest",
+    "PrefetchResult",
     "PullProgress",
     "PullRequest",
     "PullState",
@@ -83,6 +87,7 @@ __all__ = [
     "RegionInfo",
     "RegionKind",
     "ShardEntry",
+    "SourceRecord",
     "StagedPack",
     "TensorEntry",
     "VersionInfo",
@@ -448,6 +453,13 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     copied_bytes: int = 0
     #: slots dropped because a refit rewrote (or a caller invalidated) their expert
     stale_invalidations: int = 0
+    #: bytes copied by prefetches (also in ``copied_bytes``), and prefetched experts
+    #: a step used / that left unused
+    prefetched_bytes: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
+    #: slots whose prefetch copy has not been seen to land yet
+    in_flight_slots: int = 0
 
 
 class EnsureRequest(msgspec.Struct, frozen=True):
@@ -473,6 +485,36 @@ class EnsureResult(msgspec.Struct, frozen=True, kw_only=True):
     copied_experts: list[int] = []
     copied_bytes: int = 0
     warm: bool = False
+    #: slots the step uses whose prefetch copy it waited for (never copied again)
+    waited: int = 0
+
+
+class PrefetchRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A prediction of ``layer``'s next step: ``experts`` (layer-local ids, most
+    confident first) or ``scores`` (one per expert of the layer, e.g. the layer's
+    router applied to the current hidden state; highest first, ``min_score`` skips
+    the rest), never both. At most ``budget`` copies (``None``: one per prediction)."""
+
+    layer: NonNeg
+    experts: list[NonNeg] = []
+    scores: list[float] = []
+    budget: NonNeg | None = None
+    min_score: float | None = None
+
+
+class PrefetchResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Copies issued in the background: ``copied_slots[i]`` is receiving expert
+    ``copied_experts[i]``; the next ``ensure`` naming them waits for them to land.
+    ``resident`` predicted experts were already there (now kept for the layer's
+    step); ``skipped`` were neither copied nor resident (budget, ``min_score``, or
+    no slot a prefetch may take)."""
+
+    layer: int
+    copied_slots: list[int] = []
+    copied_experts: list[int] = []
+    copied_bytes: int = 0
+    resident: int = 0
+    skipped: int = 0
 
 
 class ExpertRef(msgspec.Struct, frozen=True, array_like=True):
@@ -497,6 +539,73 @@ class InvalidateResult(msgspec.Struct, frozen=True):
     experts: list[ExpertRef]
 
 
+# ---------------------------------------------------------------- cluster registry
+
+
+def _mac(value: msgspec.Struct, secret: bytes) -> bytes:
+    body = msgspec.msgpack.encode(msgspec.structs.replace(value, mac=b""))
+    return hmac.new(secret, body, hashlib.sha256).digest()
+
+
+class DaemonRecord(msgspec.Struct, frozen=True):
+    """One daemon as registered in the cluster registry (etcd), MAC'd with the
+    deployment secret: only a record that verifies makes its ``url`` a trusted peer.
+    ``epoch`` changes with every start of the daemon."""
+
+    node_id: Name
+    url: str
+    epoch: int
+    transport: str
+    boot_id: str = ""
+    mac: bytes = b""
+
+    def signed(self, secret: bytes) -> DaemonRecord:
+        return msgspec.structs.replace(self, mac=_mac(self, secret))
+
+    def verify(self, secret: bytes) -> None:
+        if not hmac.compare_digest(_mac(self, secret), self.mac):
+            raise ProtocolError(
+                f"registry record of {self.node_id!r} refused: MAC does not verify (tampered, "
+                "or a daemon outside this deployment)"
+            )
+
+
+class SourceRecord(msgspec.Struct, frozen=True):
+    """The publisher slots of one version that one daemon holds, as published to the
+    cluster registry (MAC'd like :class:`DaemonRecord`)."""
+
+    node_id: Name
+    url: str
+    epoch: int
+    model: Name
+    version: NonNeg
+    state: VersionState
+    slots: list[NonNeg]
+    expected_slots: Positive
+    mac: bytes = b""
+
+    def signed(self, secret: bytes) -> SourceRecord:
+        return msgspec.structs.replace(self, mac=_mac(self, secret))
+
+    def verify(self, secret: bytes) -> None:
+        if not hmac.compare_digest(_mac(self, secret), self.mac):
+            raise ProtocolError(
+                f"registry record of {self.model!r} v{self.version} from {self.node_id!r} "
+                "refused: MAC does not verify"
+            )
+
+
+class ClusterVersion(msgspec.Struct, frozen=True):
+    """Where a version lives across hosts: every daemon holding slots of it.
+    ``complete`` when the holders' READY slots together cover ``range(expected_slots)``."""
+
+    model: str
+    version: int
+    expected_slots: int
+    complete: bool
+    holders: list[SourceRecord]
+
+
 # ---------------------------------------------------------------- daemon to daemon
 
 
@@ -516,6 +625,10 @@ class PeerRegions(msgspec.Struct, frozen=True):
     advert: bytes = b""
     boot_id: str = ""
     files: dict[int, tuple[int, int]] = {}
+    #: the lease these records were given under ("" for none), and per listed region
+    #: the byte ranges ``[start, end)`` that lease may read: a reader reads nothing else
+    lease_id: str = ""
+    scope: dict[int, list[tuple[int, int]]] = {}
     mac: bytes = b""
 
     def body(self) -> bytes:

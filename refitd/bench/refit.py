@@ -332,7 +332,9 @@ async def refit_flow(
         secret = str(secret_path)
         async with (
             spawn_daemon(secret_file=secret, transport=transport, node_id="trainer-host") as a,
-            spawn_daemon(secret_file=secret, transport=transport, node_id="engine-host") as b,
+            spawn_daemon(
+                secret_file=secret, transport=transport, node_id="engine-host", peers=[a.url]
+            ) as b,
             RefitClient(a.url) as ca,
             RefitClient(b.url) as cb,
         ):

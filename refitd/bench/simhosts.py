@@ -281,6 +281,9 @@ class Cluster:
             f"server.token_file={self.token_file}",
             "--set",
             f"server.peer_token_file={self.token_file}",
+            # every daemon of the cluster trusts every host of it, on any port
+            "--set",
+            "peers.allow=" + ",".join(f"http://{h.address}:*" for h in self.net.hosts.values()),
             *extra,
         ]
 

@@ -20,6 +20,8 @@ from refitd import errors
 from refitd.wire import (
     ERROR_OF_STATUS,
     MSGPACK,
+    ClusterVersion,
+    DaemonRecord,
     EnsureRequest,
     EnsureResult,
     ErrorBody,
@@ -37,6 +39,8 @@ from refitd.wire import (
     PoolCreate,
     PoolInfo,
     PoolStats,
+    PrefetchRequest,
+    PrefetchResult,
     PullProgress,
     PullRequest,
     PullState,
@@ -208,6 +212,31 @@ class RefitClient:
             "GET", f"/sources/{model}/versions/{version}/manifest", MergedManifest
         )
 
+    # ------------------------------------------------------------ cluster registry
+
+    async def cluster_daemons(self) -> list[DaemonRecord]:
+        """The daemons registered in this daemon's cluster registry (its trusted peers)."""
+        return await self._call("GET", "/cluster/daemons", list[DaemonRecord])
+
+    async def cluster_version(self, model: str, version: int | str = "latest") -> ClusterVersion:
+        """Which daemons hold ``model`` at ``version`` across hosts (``latest``: the
+        newest version whose slots are all published somewhere)."""
+        return await self._call(
+            "GET", f"/cluster/sources/{model}/versions/{version}", ClusterVersion
+        )
+
+    async def next_version(
+        self, model: str, after: int = -1, timeout_s: float = 30.0
+    ) -> ClusterVersion:
+        """Wait (one request; the daemon is woken by the registry's watch) for a complete
+        version of ``model`` newer than ``after``; NotFoundError after ``timeout_s``."""
+        return await self._call(
+            "GET",
+            f"/cluster/sources/{model}/next",
+            ClusterVersion,
+            params={"after": str(after), "timeout": str(timeout_s)},
+        )
+
     async def wait_drain(
         self, model: str, version: int, timeout_s: float = 60.0, *, retire: bool = False
     ) -> VersionInfo:
@@ -340,6 +369,29 @@ class RefitClient:
             "POST", f"/experts/{name}/ensure", EnsureResult, EnsureRequest(layer, routed)
         )
 
+    async def prefetch(
+        self,
+        name: str,
+        layer: int,
+        experts: list[int] | None = None,
+        *,
+        scores: list[float] | None = None,
+        budget: int | None = None,
+        min_score: float | None = None,
+    ) -> PrefetchResult:
+        """Prefetch the experts predicted for ``layer``'s next step: ids, most confident
+        first, or one score per expert (``min_score`` skips low ones); at most
+        ``budget`` copies. The copies land in the background; the next ``ensure``
+        naming them waits for them instead of copying again."""
+        req = PrefetchRequest(
+            layer=layer,
+            experts=experts or [],
+            scores=scores or [],
+            budget=budget,
+            min_score=min_score,
+        )
+        return await self._call("POST", f"/experts/{name}/prefetch", PrefetchResult, req)
+
     async def invalidate(
         self,
         name: str,
@@ -359,9 +411,21 @@ class RefitClient:
 
     # ------------------------------------------------------------ daemon to daemon
 
-    async def peer_regions(self, ids: list[int] | None = None) -> PeerRegions:
-        params = None if ids is None else {"ids": ",".join(str(i) for i in ids)}
-        return await self._call("GET", "/peer/regions", PeerRegions, params=params)
+    async def peer_regions(
+        self,
+        ids: list[int] | None = None,
+        lease_id: str = "",
+        model: str = "",
+        version: int = 0,
+    ) -> PeerRegions:
+        """Signed region records; under ``lease_id`` (on ``model`` ``version``) only the
+        regions that lease may read, each with the byte ranges it may read."""
+        params: dict[str, str] = {}
+        if ids is not None:
+            params["ids"] = ",".join(str(i) for i in ids)
+        if lease_id:
+            params.update(lease=lease_id, model=model, version=str(version))
+        return await self._call("GET", "/peer/regions", PeerRegions, params=params or None)
 
     async def peer_pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
@@ -373,5 +437,8 @@ class RefitClient:
             {"model": model, "version": version, "lease_id": lease_id, "specs": specs},
         )
 
-    async def peer_drop(self, region_id: int) -> None:
-        await self._call("DELETE", f"/peer/staging/{region_id}", type(None))
+    async def peer_drop(self, region_id: int, lease_id: str) -> None:
+        """Release staging region ``region_id``, packed for ``lease_id``."""
+        await self._call(
+            "DELETE", f"/peer/staging/{region_id}", type(None), params={"lease": lease_id}
+        )

@@ -47,6 +47,7 @@ async def spawn_daemon(
     host: str | None = None,
     extra_args: Sequence[str] = (),
     prefix: Sequence[str] = (),
+    peers: Sequence[str] = (),
 ) -> AsyncIterator[SpawnedDaemon]:
     """Run a daemon on ``127.0.0.1:0`` in a child process for the ``with`` block.
 
@@ -54,7 +55,8 @@ async def spawn_daemon(
     console is not flooded with access lines. ``host`` binds another address (it
     then needs ``server.token_file``, e.g. through ``extra_args``), ``extra_args``
     are more ``refitd serve`` options, and ``prefix`` wraps the command (e.g. an
-    ``nsenter`` into a simulated host, see :mod:`refitd.bench.simhosts`)."""
+    ``nsenter`` into a simulated host, see :mod:`refitd.bench.simhosts`). ``peers``
+    are the base URLs of the daemons it may read from (``[peers] allow``)."""
     argv = serve_command(
         "--port",
         "0",
@@ -73,6 +75,8 @@ async def spawn_daemon(
         argv += ["--unix", unix_path]
     if host:
         argv += ["--host", host]
+    if peers:
+        argv += ["--set", "peers.allow=" + ",".join(peers)]
     argv += list(extra_args)
     proc = await asyncio.create_subprocess_exec(
         *prefix,

@@ -25,6 +25,13 @@ writing through its own mapping of the host region).
 A plan the executor refuses changes nothing it has not already given up: the
 slots the cache had promised are forgotten, so the cache never names an expert
 for a slot that holds another's bytes, and the refusal is answered as 422.
+
+Prefetch: ``POST .../prefetch`` takes a prediction of a layer's next step and
+issues its copies on the pool's copier thread, answering before they land; the
+next ``ensure`` that names one of those slots waits for its copy (in a worker
+thread, never on the event loop) instead of copying again, so every slot an
+``ensure`` answer names holds its expert's bytes when the answer is sent. Copies
+still in flight are waited for before a pool or the daemon goes away.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterable, Sequence
 
+import msgspec
 import numpy as np
 from aiohttp import web
 
@@ -45,6 +53,8 @@ from refitd.errors import ConfigError, ConflictError, NotFoundError, PlanError, 
 from refitd.experts import (
     BankResidency,
     CopyPlan,
+    DeviceFlushFault,
+    EnsurePlan,
     ExpertCache,
     ExpertSlots,
     HostResidency,
@@ -52,6 +62,7 @@ from refitd.experts import (
     SlotFault,
     SlotGeometry,
 )
+from refitd.experts.inflight import CopyFence, HostCopier
 from refitd.wire import (
     EnsureRequest,
     EnsureResult,
@@ -61,6 +72,8 @@ from refitd.wire import (
     PoolCreate,
     PoolInfo,
     PoolStats,
+    PrefetchRequest,
+    PrefetchResult,
     PullRequest,
     RegionCreate,
     RegionInfo,
@@ -72,6 +85,7 @@ __all__ = [
     "ExpertPools",
     "RegionExpertRows",
     "RegionSlotMemory",
+    "close_pools",
     "pool_operations",
     "routes",
     "touched_rows",
@@ -111,6 +125,23 @@ class RegionSlotMemory(SlotDevice):
         self._view = view
         self._row_bytes = tuple(row_bytes)
         self.bank_offsets = _bank_offsets(row_bytes, slots)
+        self._copier = HostCopier("refitd-pool-copier")
+
+    def write_slots_async(
+        self, writes: Sequence[tuple[int, int, bytes | bytearray | memoryview]]
+    ) -> CopyFence:
+        """Prefetch copies run on the pool's copier thread, in issue order."""
+        batch = list(writes)
+
+        def job() -> None:
+            for bank, slot, src in batch:
+                self.write_slot(bank, slot, src)
+
+        return self._copier.submit(job)
+
+    def close(self) -> None:
+        """Stop the copier after the copies already issued (before the region goes)."""
+        self._copier.close()
 
     def _at(self, bank: int, slot: int) -> int:
         return self.bank_offsets[bank] + slot * self._row_bytes[bank]
@@ -268,17 +299,81 @@ class ExpertPool:
         )
         return result, nbytes
 
-    def execute(self, result: EnsureResult) -> None:
-        """Apply the planned copies into the slot region. On a refusal or a device
-        fault the slots the cache was promised are forgotten before re-raising."""
+    def execute(self, result: EnsureResult) -> EnsureResult:
+        """Apply the planned copies into the slot region, then wait for the slots the
+        step uses that a prefetch still has in flight. On a refusal or a device fault
+        the slots the cache was promised (or a failed prefetch left unknown) are
+        forgotten before re-raising. Blocks while copies are in flight: call it off
+        the event loop then (``needs_thread``)."""
         copy = CopyPlan(tuple(result.copied_slots), tuple(result.copied_experts))
+        plan = EnsurePlan(tuple(result.slots), copy, result.active, result.missing, 0)
         try:
-            self.executor.apply_copy_plan(result.layer, copy, self.rows, self.device)
-        except SlotFault:
-            for slot in copy.dst_slots:
-                self.cache.forget_slot(slot)
-                self.executor.invalidate_slot(slot)
+            applied = self.executor.apply_ensure(result.layer, plan, self.rows, self.device)
+        except DeviceFlushFault as e:
+            self._forget(set(e.slots) | set(copy.dst_slots))
             raise
+        except SlotFault:
+            self._forget(copy.dst_slots)
+            raise
+        if applied.waited:
+            return msgspec.structs.replace(result, waited=applied.waited)
+        return result
+
+    def needs_thread(self, nbytes: int) -> bool:
+        """Whether an operation must leave the event loop: a large copy, or any
+        prefetch copy in flight (waiting for one blocks)."""
+        return nbytes > THREAD_COPY_BYTES or bool(self.executor.in_flight_slots())
+
+    def prefetch(self, req: PrefetchRequest) -> PrefetchResult:
+        """Plan a prediction with the cache and issue its copies in the background.
+        Refused whole (nothing planned) when the request is malformed; a plan the
+        executor refuses forgets the slots the cache had promised, as ``execute``."""
+        L, E = self.spec.layers, self.spec.experts
+        if req.layer >= L:
+            raise PlanError(
+                f"prefetch refused for pool {self.name!r}: layer {req.layer} is outside its "
+                f"{L} layers"
+            )
+        if req.experts and req.scores:
+            raise ProtocolError(
+                f"prefetch refused for pool {self.name!r}: give experts or scores, not both"
+            )
+        predicted: list[int] | np.ndarray = list(req.experts)
+        if req.scores:
+            if len(req.scores) != E:
+                raise ProtocolError(
+                    f"prefetch refused for pool {self.name!r}: {len(req.scores)} scores for "
+                    f"{E} experts; one score per expert of the layer"
+                )
+            predicted = np.asarray(req.scores, dtype=np.float64)
+        plan = self.cache.prefetch(req.layer, predicted, req.budget, min_score=req.min_score)
+        try:
+            issued = self.executor.prefetch_copy_plan(req.layer, plan.copy, self.rows, self.device)
+        except SlotFault:
+            self._forget(plan.copy.dst_slots)
+            raise
+        return PrefetchResult(
+            layer=req.layer,
+            copied_slots=list(plan.copy.dst_slots),
+            copied_experts=list(plan.copy.src_rows),
+            copied_bytes=issued.bytes,
+            resident=plan.resident,
+            skipped=plan.skipped,
+        )
+
+    def harvest(self) -> None:
+        """Forget slots whose prefetch copy failed since the last operation."""
+        self._forget(self.executor.poll())
+
+    def _forget(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            self.cache.forget_slot(slot)
+            self.executor.invalidate_slot(slot)
+
+    def close(self) -> None:
+        """Let every copy in flight land and stop the copier; blocks."""
+        self.executor.invalidate_all()
+        self.device.close()
 
     def info(self) -> PoolInfo:
         s, c = self.spec, self.cache.stats()
@@ -304,6 +399,10 @@ class ExpertPool:
             evictions=c.evictions,
             copied_bytes=x.host_bytes + x.device_bytes,
             stale_invalidations=self.stale,
+            prefetched_bytes=x.prefetch_bytes,
+            prefetch_used=c.prefetch_used,
+            prefetch_wasted=c.prefetch_wasted,
+            in_flight_slots=len(self.executor.in_flight_slots()),
         )
 
     def stats(self) -> PoolStats:
@@ -396,6 +495,7 @@ class ExpertPools:
     async def delete(self, name: str) -> PoolInfo:
         pool = self.get(name)
         async with pool.lock:
+            await asyncio.to_thread(pool.close)  # no copy may land in a freed region
             info = pool.info()
             pool.deleted = True
             self._pools.pop(name, None)
@@ -439,6 +539,16 @@ class ExpertPools:
 
 
 POOLS: web.AppKey[ExpertPools] = web.AppKey("expert_pools", ExpertPools)
+
+
+async def close_pools(app: web.Application) -> None:
+    """On shutdown, before regions close: let every pool's copies in flight land."""
+    pools = app.get(POOLS)
+    if pools is None:
+        return
+    for pool in pools.all():
+        async with pool.lock:
+            await asyncio.to_thread(pool.close)
 
 
 def note_pull(app: web.Application, req: PullRequest, job: object) -> None:
@@ -485,6 +595,7 @@ async def _locked(pool: ExpertPool) -> AsyncIterator[ExpertPool]:
         if pool.deleted:
             raise NotFoundError(f"expert pool {pool.name!r} was deleted")
         pool.apply_rewrites()
+        pool.harvest()
         yield pool
 
 
@@ -512,10 +623,22 @@ async def ensure(request: web.Request) -> web.Response:
     req = await body(request, EnsureRequest)
     async with _locked(_pool(request, "write")) as pool:
         result, nbytes = pool.plan(req)
-        if nbytes > THREAD_COPY_BYTES:
-            await asyncio.to_thread(pool.execute, result)
+        if pool.needs_thread(nbytes):
+            result = await asyncio.to_thread(pool.execute, result)
         else:  # a warm step too: the executor checks the layer's route and counts it
-            pool.execute(result)
+            result = pool.execute(result)
+    return reply(request, result)
+
+
+@routes.post(P + "/{pool}/prefetch")
+async def prefetch(request: web.Request) -> web.Response:
+    """Plan a prediction of a layer's next step; its copies land in the background."""
+    req = await body(request, PrefetchRequest)
+    async with _locked(_pool(request, "write")) as pool:
+        if pool.needs_thread(0):  # a slot it reuses may still be receiving a copy
+            result = await asyncio.to_thread(pool.prefetch, req)
+        else:
+            result = pool.prefetch(req)
     return reply(request, result)
 
 
@@ -546,6 +669,14 @@ def pool_operations() -> dict[tuple[str, str], Operation]:
             "Make routed experts resident; copy misses into slots",
             EnsureRequest,
             EnsureResult,
+            200,
+            both,
+            tags=t,
+        ),
+        ("POST", one + "/prefetch"): Operation(
+            "Prefetch experts predicted for a layer's next step (copies land in the background)",
+            PrefetchRequest,
+            PrefetchResult,
             200,
             both,
             tags=t,

@@ -122,7 +122,11 @@ async def listening(options: Any, **app_kwargs: Any) -> AsyncIterator[tuple[web.
         server = getattr(sites[0], "_server", None)
         if server is not None and server.sockets:
             port = server.sockets[0].getsockname()[1]
-        yield app, f"http://{options.host}:{port}"
+        url = f"http://{options.host}:{port}"
+        from refitd.daemon.cluster import register
+
+        await register(app, url)  # peers learn of this daemon only once it answers
+        yield app, url
         for site in sites:
             await site.stop()  # stop accepting; running pulls continue
         pending = [j.finished.wait() for j in app[PULLS].jobs.values() if not j.finished.is_set()]
@@ -227,6 +231,18 @@ def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(main())
+    from refitd.daemon.service import log
+    from refitd.errors import RefitError
+
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(main())
+    except RefitError as exc:
+        # The cause (a data-plane child's own last words included) goes to the log and
+        # to the exit message; the unit's journal shows both.
+        what = "stopped on error" if service.ready_sent else "failed to start"
+        log.error("%s: %s", what, exc)
+        sys.stderr.write(f"refitd serve: {what}: {exc}\n")
+        return 1
+    log.info("stopped")
     return 0

@@ -19,17 +19,46 @@ previous occupant, an expert spliced from two that yields plausible tokens.
 
 The pool keeps its own record of each slot's occupant, separate from the cache's
 map on purpose: two records can disagree, and that is how a failed copy shows.
+
+Prefetch plans are issued asynchronously (``prefetch_copy_plan``): their slots are
+*in flight* until the device's fence completes, hold no known occupant meanwhile, and
+a step that uses one waits on its fence (``wait_for``, ``apply_ensure``) instead of
+copying it again. A failed asynchronous copy leaves exactly the slots of its plan
+unknown. Any write into a slot with a copy still pending waits for that copy first,
+so a late landing can never overwrite a newer expert.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
-from refitd.errors import ConfigError, PlanError, TransportError
-from refitd.experts.cache import CopyPlan, ExpertId, GatherPlan
+from refitd.errors import TransportError
+from refitd.experts.cache import CopyPlan, EnsurePlan, ExpertId, GatherPlan
+from refitd.experts.device import (
+    Bytes,
+    ExpertRows,
+    HostExpertRows,
+    HostSlotMemory,
+    SlotDevice,
+    SlotGeometry,
+)
+from refitd.experts.faults import (
+    DegenerateGeometry,
+    DeviceFault,
+    DeviceFlushFault,
+    LayerOutOfRange,
+    PlanHalvesDisagree,
+    ResidencyRefused,
+    RowMissing,
+    RowSizeMismatch,
+    SlotDeviceError,
+    SlotFault,
+    SlotOutOfRange,
+    SlotWrittenTwice,
+    UnknownGatherSource,
+)
+from refitd.experts.inflight import CopyFence
 from refitd.experts.residency import BankResidency, CopyRoute, ResidencyError
 
 __all__ = [
@@ -56,47 +85,25 @@ __all__ = [
     "UnknownGatherSource",
 ]
 
-Bytes = bytes | bytearray | memoryview
-
-
-@dataclass(frozen=True)
-class SlotGeometry:
-    """One pool's shape. ``row_bytes`` is per bank (gate, up, down by convention),
-    in bytes, because banks differ in shape and may be quantized differently.
-    ``slots`` must equal the planner's ``cache_size``."""
-
-    num_layers: int
-    slots: int
-    row_bytes: tuple[int, ...]
-
-    @property
-    def banks(self) -> int:
-        return len(self.row_bytes)
-
-    @property
-    def bytes(self) -> int:
-        """Device bytes the whole pool occupies: what a VRAM budget is checked against."""
-        return sum(self.row_bytes) * self.slots
-
-    @property
-    def expert_bytes(self) -> int:
-        """Bytes of one expert across all banks."""
-        return sum(self.row_bytes)
-
 
 @dataclass(frozen=True)
 class Applied:
     """What one applied plan moved. ``rows`` are summed over banks; ``warm`` is True
-    when the plan asked for nothing."""
+    when the plan asked for nothing; ``waited`` counts in-flight copies the step
+    waited for (``apply_ensure``) instead of copying again."""
 
     rows: int = 0
     bytes: int = 0
     warm: bool = False
+    waited: int = 0
 
 
 @dataclass(frozen=True)
 class SlotStats:
-    """Running totals. Host traffic crossed the link; device traffic stayed in the pool."""
+    """Running totals. Host traffic crossed the link; device traffic stayed in the pool.
+    ``host_*`` include prefetch copies (counted when issued), which ``prefetch_*`` also
+    count apart; ``waits`` counts fences a step waited on; ``failed_prefetches`` counts
+    asynchronous plans whose fence reported failure."""
 
     plans: int = 0
     warm_plans: int = 0
@@ -104,6 +111,11 @@ class SlotStats:
     host_bytes: int = 0
     device_rows: int = 0
     device_bytes: int = 0
+    prefetch_plans: int = 0
+    prefetch_rows: int = 0
+    prefetch_bytes: int = 0
+    waits: int = 0
+    failed_prefetches: int = 0
 
     @property
     def warm_plan_rate(self) -> float:
@@ -116,200 +128,16 @@ class SlotStats:
         return self.host_bytes / self.plans if self.plans else 0.0
 
 
-# -- faults ----------------------------------------------------------------------
+class _Flight:
+    """One asynchronous plan: its fence, and per slot the expert it brings (``None``
+    once the slot was invalidated or rewritten meanwhile)."""
 
+    __slots__ = ("experts", "fence", "slots")
 
-class SlotFault(PlanError):
-    """Root of every refusal and failure of the slot executor."""
-
-
-class DegenerateGeometry(SlotFault, ConfigError):
-    """A geometry no plan could be valid against."""
-
-
-class PlanHalvesDisagree(SlotFault):
-    def __init__(self, dst_slots: int, src_rows: int) -> None:
-        self.dst_slots, self.src_rows = dst_slots, src_rows
-        super().__init__(
-            f"plan has {dst_slots} destination slots and {src_rows} sources: the pairs do "
-            "not line up, so applying it would load experts into each other's slots"
-        )
-
-
-class SlotOutOfRange(SlotFault):
-    def __init__(self, slot: int, slots: int) -> None:
-        self.slot, self.slots = slot, slots
-        super().__init__(
-            f"plan names slot {slot} but the pool has {slots}: the planner and the pool "
-            "were built with different cache sizes"
-        )
-
-
-class SlotWrittenTwice(SlotFault):
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-        super().__init__(
-            f"plan writes slot {slot} twice: one of its two experts would be missing from "
-            "the slot the plan promised it"
-        )
-
-
-class LayerOutOfRange(SlotFault):
-    def __init__(self, layer: int, num_layers: int) -> None:
-        self.layer, self.num_layers = layer, num_layers
-        super().__init__(f"plan names layer {layer} but the pool was built for {num_layers}")
-
-
-class RowMissing(SlotFault):
-    def __init__(self, bank: int, layer: int, row: int) -> None:
-        self.bank, self.layer, self.row = bank, layer, row
-        super().__init__(f"bank {bank} has no row {row} for layer {layer}")
-
-
-class RowSizeMismatch(SlotFault):
-    def __init__(self, bank: int, layer: int, row: int, expected: int, got: int) -> None:
-        self.bank, self.layer, self.row = bank, layer, row
-        self.expected, self.got = expected, got
-        super().__init__(
-            f"bank {bank} row {row} of layer {layer} is {got} bytes, not {expected}: a "
-            "short row would leave the slot's tail holding the previous occupant"
-        )
-
-
-class ResidencyRefused(SlotFault):
-    """The layer's host residency does not permit this copy; ``error`` says why."""
-
-    def __init__(self, error: ResidencyError) -> None:
-        self.error = error
-        super().__init__(str(error))
-
-
-class UnknownGatherSource(SlotFault):
-    def __init__(self, slot: int) -> None:
-        self.slot = slot
-        super().__init__(
-            f"gather source slot {slot} holds no known expert: its last copy failed or "
-            "never happened, and gathering would copy that garbage into a second slot"
-        )
-
-
-class DeviceFault(SlotFault, TransportError):
-    """The device refused one copy into ``slot``.
-
-    ``suspect`` is every slot of the plan (``slot`` among them): none was confirmed by
-    a flush, and those after ``slot`` were never written although the cache already
-    records them as filled. All are marked unknown here; forget all of them.
-    """
-
-    def __init__(self, bank: int, slot: int, detail: str, suspect: Sequence[int] = ()) -> None:
-        self.bank, self.slot, self.detail = bank, slot, detail
-        self.suspect = tuple(suspect) if suspect else (slot,)
-        super().__init__(
-            f"device refused the copy into bank {bank} slot {slot}: {detail}; slots "
-            f"{list(self.suspect)} hold no confirmed expert and must be forgotten"
-        )
-
-
-class DeviceFlushFault(SlotFault, TransportError):
-    """The device could not confirm a plan's copies; every slot in ``slots`` is unknown."""
-
-    def __init__(self, slots: Sequence[int], detail: str) -> None:
-        self.slots, self.detail = tuple(slots), detail
-        n = len(self.slots)
-        super().__init__(
-            f"device failed to complete {n} deferred cop{'y' if n == 1 else 'ies'}: "
-            f"{detail}; slots {list(self.slots)} are all suspect, since the backend "
-            "cannot say which landed"
-        )
-
-
-class SlotDeviceError(TransportError):
-    """Raised by a ``SlotDevice`` to report a copy or flush it could not perform."""
-
-
-# -- the device and the host rows -------------------------------------------------
-
-
-class SlotDevice(ABC):
-    """Where slot bytes live. One implementation per backend.
-
-    Banks and slots are indices; turning them into addresses is the backend's job.
-    A backend may defer copies until ``flush``, but must then fail the flush for any
-    copy that did not land. Failures are reported by raising ``SlotDeviceError``.
-    """
-
-    def begin_plan(self, route: CopyRoute) -> None:  # noqa: B027 - optional hook
-        """Called once per non-empty plan before its first copy. A backend that
-        captures work into a graph must refuse ``WHOLE_LAYER_PAGEABLE``: its source
-        has no device address, so a replayed capture would read nothing valid."""
-
-    @abstractmethod
-    def write_slot(self, bank: int, dst_slot: int, src: Bytes) -> None:
-        """Copy one host row (exactly ``row_bytes[bank]`` long) into ``dst_slot``."""
-
-    @abstractmethod
-    def copy_slot(self, bank: int, dst_slot: int, src_slot: int) -> None:
-        """Copy one slot onto another inside the pool, without touching the host."""
-
-    def flush(self) -> None:  # noqa: B027 - optional hook
-        """Complete deferred copies. Called once per non-empty plan, after the last."""
-
-
-class ExpertRows(Protocol):
-    """Host expert rows, layer-local: row ``r`` of layer ``L`` in bank ``b``."""
-
-    def row(self, bank: int, layer: int, row: int) -> Bytes | None:
-        """The row's bytes, or ``None`` if the bank has no such row."""
-        ...
-
-
-class HostExpertRows:
-    """Expert rows in host memory, one contiguous buffer per (bank, layer).
-
-    A real implementation: ``row`` returns a zero-copy view. ``buffer(bank, layer)``
-    exposes the contiguous layer, which is what a whole-layer copy reads.
-    """
-
-    def __init__(self, num_layers: int, num_experts: int, row_bytes: Sequence[int]) -> None:
-        self.num_layers, self.num_experts = num_layers, num_experts
-        self.row_bytes = tuple(row_bytes)
-        self._buf = [[bytearray(w * num_experts) for _ in range(num_layers)] for w in row_bytes]
-
-    def buffer(self, bank: int, layer: int) -> memoryview:
-        return memoryview(self._buf[bank][layer])
-
-    def row(self, bank: int, layer: int, row: int) -> Bytes | None:
-        if not (0 <= bank < len(self._buf) and 0 <= layer < self.num_layers):
-            return None
-        if not 0 <= row < self.num_experts:
-            return None
-        w = self.row_bytes[bank]
-        return memoryview(self._buf[bank][layer])[row * w : (row + 1) * w]
-
-
-class HostSlotMemory(SlotDevice):
-    """A pool whose device is host memory, and whose link is a memcpy.
-
-    The backend a CPU-only build uses, not a stand-in; ``slot`` reads a slot back so
-    a caller can check *which* expert it holds, not only that a copy was counted.
-    """
-
-    def __init__(self, geometry: SlotGeometry) -> None:
-        self._row_bytes = geometry.row_bytes
-        self._banks = [bytearray(w * geometry.slots) for w in geometry.row_bytes]
-
-    def slot(self, bank: int, slot: int) -> bytes:
-        w = self._row_bytes[bank]
-        return bytes(self._banks[bank][slot * w : (slot + 1) * w])
-
-    def write_slot(self, bank: int, dst_slot: int, src: Bytes) -> None:
-        w = self._row_bytes[bank]
-        self._banks[bank][dst_slot * w : (dst_slot + 1) * w] = src
-
-    def copy_slot(self, bank: int, dst_slot: int, src_slot: int) -> None:
-        w = self._row_bytes[bank]
-        b = self._banks[bank]
-        b[dst_slot * w : (dst_slot + 1) * w] = b[src_slot * w : (src_slot + 1) * w]
+    def __init__(self, fence: CopyFence, slots: tuple[int, ...], experts: list[ExpertId]) -> None:
+        self.fence = fence
+        self.slots = slots
+        self.experts: list[ExpertId | None] = list(experts)
 
 
 # -- the executor -------------------------------------------------------------------
@@ -339,6 +167,9 @@ class ExpertSlots:
         self._residency = BankResidency.all_pinned(geometry.num_layers)
         self._plans = self._warm = 0
         self._host_rows = self._host_bytes = self._dev_rows = self._dev_bytes = 0
+        self._pf_plans = self._pf_rows = self._pf_bytes = self._waits = self._pf_failed = 0
+        self._flight: dict[int, _Flight] = {}
+        self._failed: list[int] = []
         if residency is not None:
             self.set_residency(residency)
 
@@ -367,26 +198,49 @@ class ExpertSlots:
             self._host_bytes,
             self._dev_rows,
             self._dev_bytes,
+            self._pf_plans,
+            self._pf_rows,
+            self._pf_bytes,
+            self._waits,
+            self._pf_failed,
         )
 
     def reset_stats(self) -> None:
         self._plans = self._warm = 0
         self._host_rows = self._host_bytes = self._dev_rows = self._dev_bytes = 0
+        self._pf_plans = self._pf_rows = self._pf_bytes = self._waits = self._pf_failed = 0
 
     def occupant(self, slot: int) -> ExpertId | None:
         """The expert the device holds in ``slot`` as far as the pool knows; ``None``
-        for an empty slot, one whose last copy failed, and one out of range."""
+        for an empty slot, one whose last copy failed or is still in flight, and one
+        out of range."""
         return self._occupant[slot] if 0 <= slot < len(self._occupant) else None
+
+    def in_flight(self, slot: int) -> ExpertId | None:
+        """The expert an asynchronous copy is bringing into ``slot``, or ``None``."""
+        flight = self._flight.get(slot)
+        if flight is None:
+            return None
+        return flight.experts[flight.slots.index(slot)]
+
+    def in_flight_slots(self) -> tuple[int, ...]:
+        """Slots with an asynchronous copy not yet known to have landed, ascending."""
+        return tuple(sorted(self._flight))
 
     def occupied(self) -> int:
         return sum(o is not None for o in self._occupant)
 
     def invalidate_slot(self, slot: int) -> None:
-        """Mark ``slot`` as holding nothing known. Idempotent; unknown slots ignored."""
+        """Mark ``slot`` as holding nothing known. Idempotent; unknown slots ignored.
+        A copy in flight into it still completes, but no longer names an occupant."""
         if 0 <= slot < len(self._occupant):
             self._occupant[slot] = None
+            flight = self._flight.get(slot)
+            if flight is not None:
+                flight.experts[flight.slots.index(slot)] = None
 
     def invalidate_all(self) -> None:
+        self._drain()
         self._occupant = [None] * self._geometry.slots
 
     def resize(self, slots: int) -> None:
@@ -395,6 +249,7 @@ class ExpertSlots:
         if slots <= 0:
             raise DegenerateGeometry(f"a pool of {slots} slots could hold no expert")
         g = self._geometry
+        self._drain()
         self._geometry = SlotGeometry(g.num_layers, slots, g.row_bytes)
         self._occupant = [None] * slots
 
@@ -410,14 +265,143 @@ class ExpertSlots:
         """Apply a ``materialize_layer`` plan: the whole layer, any residency."""
         return self._apply(layer, plan, True, rows, device)
 
-    def _apply(
-        self,
-        layer: int,
-        plan: CopyPlan,
-        whole_layer: bool,
-        rows: ExpertRows,
-        device: SlotDevice,
+    def apply_ensure(
+        self, layer: int, plan: EnsurePlan, rows: ExpertRows, device: SlotDevice
     ) -> Applied:
+        """Apply an ``ensure`` answer: copy its misses, then wait for every slot it
+        uses that a prefetch still has in flight (never copying those again). A warm
+        step whose prefetches have landed moves nothing and waits on nothing."""
+        applied = self.apply_copy_plan(layer, plan.copy, rows, device)
+        waited = self.wait_for(plan.slots) if self._flight else 0
+        if waited:
+            return Applied(applied.rows, applied.bytes, applied.warm, waited)
+        return applied
+
+    def prefetch_copy_plan(
+        self, layer: int, plan: CopyPlan, rows: ExpertRows, device: SlotDevice
+    ) -> Applied:
+        """Issue a ``prefetch`` plan asynchronously; its slots are in flight until the
+        device's fence completes.
+
+        Validated whole before anything is issued, exactly as ``apply_copy_plan``
+        (so the layer must be pinned). A copy still pending into one of its slots is
+        waited for first. If the device refuses to issue the copies, every slot of
+        the plan is unknown (``DeviceFlushFault``); if they fail later, the same holds
+        and is reported by ``wait_for`` or ``poll``.
+        """
+        route, data = self._validate(layer, plan, False, rows)
+        self._pf_plans += 1
+        dst, src = plan.dst_slots, plan.src_rows
+        if not dst:
+            return Applied(0, 0, True)
+        self._quiesce(dst)
+        try:
+            device.begin_plan(route)
+        except SlotDeviceError as e:
+            self._forget(dst)
+            raise DeviceFlushFault(dst, f"device refused a {route.value} plan: {e}") from e
+        writes = [(b, slot, buf) for slot, banks in zip(dst, data) for b, buf in enumerate(banks)]
+        for slot in dst:
+            self._occupant[slot] = None
+        try:
+            fence = device.write_slots_async(writes)
+        except SlotDeviceError as e:
+            self._forget(dst)
+            raise DeviceFlushFault(dst, f"device refused to issue the copies: {e}") from e
+        flight = _Flight(fence, tuple(dst), [ExpertId(layer, r) for r in src])
+        for slot in dst:
+            self._flight[slot] = flight
+        n_bytes = sum(_nbytes(buf) for _, _, buf in writes)
+        self._host_rows += len(writes)
+        self._host_bytes += n_bytes
+        self._pf_rows += len(writes)
+        self._pf_bytes += n_bytes
+        return Applied(len(writes), n_bytes, False)
+
+    def wait_for(self, slots: Iterable[int | None]) -> int:
+        """Block until every in-flight copy into ``slots`` has landed (``None``
+        entries, hybrid mode's CPU experts, are skipped); return the fences waited on.
+
+        A failed asynchronous plan leaves exactly its own slots unknown and raises
+        ``DeviceFlushFault`` naming them, after every other named fence completed:
+        forget those slots in the cache.
+        """
+        flights: list[_Flight] = []
+        table = self._flight
+        for slot in slots:
+            if slot is not None:
+                f = table.get(slot)
+                if f is not None and f not in flights:
+                    flights.append(f)
+        failed: list[int] = []
+        detail = ""
+        for f in flights:
+            self._waits += 1
+            error, lost = self._land(f)
+            if error is not None:
+                failed += lost
+                detail = str(error)
+        if failed:
+            raise DeviceFlushFault(sorted(failed), f"an asynchronous copy failed: {detail}")
+        return len(flights)
+
+    def poll(self) -> tuple[int, ...]:
+        """Complete, without blocking, every asynchronous plan whose fence is done.
+        Returns the slots left unknown by failed plans since the last call
+        (ascending): forget them in the cache."""
+        done = {id(f): f for f in self._flight.values() if f.fence.done()}
+        for f in done.values():
+            _, lost = self._land(f)
+            self._failed += lost
+        out, self._failed = tuple(sorted(set(self._failed))), []
+        return out
+
+    def _land(self, flight: _Flight) -> tuple[TransportError | None, list[int]]:
+        """Wait for one plan's fence and record its outcome on the slots that still
+        expect it; return the error and the slots it left unknown."""
+        error: TransportError | None = None
+        try:
+            flight.fence.wait()
+        except TransportError as e:
+            error = e
+            self._pf_failed += 1
+        lost: list[int] = []
+        table = self._flight
+        for slot, who in zip(flight.slots, flight.experts):
+            if table.get(slot) is flight:
+                del table[slot]
+                if error is None:
+                    self._occupant[slot] = who
+                else:
+                    self._occupant[slot] = None
+                    if who is not None:
+                        lost.append(slot)
+        return error, lost
+
+    def _quiesce(self, slots: Sequence[int]) -> None:
+        """Before rewriting ``slots``, let any copy still pending into them land, so
+        it cannot overwrite the new bytes. A failure there costs the failed plan's
+        other slots (kept for ``poll``); the rewritten ones are being replaced."""
+        table = self._flight
+        if not table:
+            return
+        rewritten = set(slots)
+        for slot in slots:
+            f = table.get(slot)
+            if f is not None:
+                _, lost = self._land(f)
+                self._failed += [s for s in lost if s not in rewritten]
+
+    def _drain(self) -> None:
+        """Let every pending copy land; outcomes no longer matter (residency is being
+        dropped)."""
+        for f in list({id(f): f for f in self._flight.values()}.values()):
+            self._land(f)
+        self._failed = []
+
+    def _validate(
+        self, layer: int, plan: CopyPlan, whole_layer: bool, rows: ExpertRows
+    ) -> tuple[CopyRoute, list[list[Bytes]]]:
         dst, src = plan.dst_slots, plan.src_rows
         if len(dst) != len(src):
             raise PlanHalvesDisagree(len(dst), len(src))
@@ -431,12 +415,23 @@ class ExpertSlots:
         except ResidencyError as e:
             raise ResidencyRefused(e) from e
         self._check_slots(dst)
-        data = self._collect_rows(layer, src, rows)
+        return route, self._collect_rows(layer, src, rows)
 
+    def _apply(
+        self,
+        layer: int,
+        plan: CopyPlan,
+        whole_layer: bool,
+        rows: ExpertRows,
+        device: SlotDevice,
+    ) -> Applied:
+        route, data = self._validate(layer, plan, whole_layer, rows)
+        dst, src = plan.dst_slots, plan.src_rows
         self._plans += 1
         if not dst:
             self._warm += 1
             return Applied(0, 0, True)
+        self._quiesce(dst)
 
         try:
             device.begin_plan(route)
@@ -478,6 +473,10 @@ class ExpertSlots:
         for s in src:
             if not 0 <= s < n:
                 raise SlotOutOfRange(s, n)
+        if self._flight:
+            self.wait_for(src)  # a source still in flight is gathered once it lands
+            self._quiesce(dst)
+        for s in src:
             if self._occupant[s] is None:
                 raise UnknownGatherSource(s)
         self._plans += 1
@@ -511,6 +510,11 @@ class ExpertSlots:
             raise DeviceFlushFault(written, str(e)) from e
 
     def _forget(self, slots: Sequence[int]) -> None:
+        # A slot whose async copy is being given up: its flight no longer names it.
+        for s in slots:
+            f = self._flight.get(s)
+            if f is not None:
+                f.experts[f.slots.index(s)] = None
         for s in slots:
             self._occupant[s] = None
 
@@ -534,9 +538,13 @@ class ExpertSlots:
                 buf = rows.row(bank, layer, row)
                 if buf is None:
                     raise RowMissing(bank, layer, row)
-                got = len(buf) if not isinstance(buf, memoryview) else buf.nbytes
+                got = _nbytes(buf)
                 if got != expected:
                     raise RowSizeMismatch(bank, layer, row, expected, got)
                 banks.append(buf)
             out.append(banks)
         return out
+
+
+def _nbytes(buf: Bytes) -> int:
+    return buf.nbytes if isinstance(buf, memoryview) else len(buf)

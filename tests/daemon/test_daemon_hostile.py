@@ -344,6 +344,7 @@ async def test_a_pull_under_an_unknown_lease_is_refused(env: Env) -> None:
 async def test_a_pull_naming_an_unreachable_source_fails_as_a_gateway_error(env: Env) -> None:
     """The one 5xx here on purpose: the request is well formed, but the peer it names
     does not answer, which is 502 (the daemon's upstream failed), in the error shape."""
+    env.daemon.peers.trust("http://127.0.0.1:1")  # trusted, so it is contacted
     body = pull_body(env, rows([env.src, 0, env.dst, 0, 8]), source="http://127.0.0.1:1")
     code, res = await env.send("POST", PULLS, msgspec.msgpack.encode(body))
     assert code == 502 and res["error"] == "TransportError", res

@@ -53,6 +53,7 @@ class Node:
 
 @contextlib.asynccontextmanager
 async def node(name: str, metrics: bool = False, **options: object) -> AsyncIterator[Node]:
+    options.setdefault("peers", ("http://127.0.0.1:*",))  # the other test daemons
     d = Daemon(DaemonOptions(port=0, node_id=name, secret=SECRET, **options))  # type: ignore[arg-type]
     setup = []
     if metrics:

@@ -52,7 +52,9 @@ async def pair(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pair]:
     secret.chmod(0o600)
     async with (
         spawn_daemon(secret_file=str(secret), transport="ucx", node_id="trainer-host") as a,
-        spawn_daemon(secret_file=str(secret), transport="ucx", node_id="engine-host") as b,
+        spawn_daemon(
+            secret_file=str(secret), transport="ucx", node_id="engine-host", peers=[a.url]
+        ) as b,
         RefitClient(a.url) as ca,
         RefitClient(b.url) as cb,
     ):

@@ -43,6 +43,10 @@ from transports.shm import SharedSegment, cleanup_stale
 
 pytestmark = [pytest.mark.timeout(180)]
 
+#: the engine daemon reads from source daemons started after it, on ports unknown
+#: until they are up: it trusts every daemon on loopback
+LOOPBACK_PEERS = ["http://127.0.0.1:*"]
+
 REGION = 8 << 20
 """Bytes of the source tensor of a raw pull."""
 ROW = 4 << 10
@@ -160,7 +164,9 @@ async def test_killing_the_source_daemon_mid_pull_fails_that_pull_closed_and_the
 ) -> None:
     model = f"raw-{transport}"
     async with (
-        spawn_daemon(secret_file=secret, transport=transport, node_id="engine-host") as e,
+        spawn_daemon(
+            secret_file=secret, transport=transport, node_id="engine-host", peers=LOOPBACK_PEERS
+        ) as e,
         RefitClient(e.url) as engine,
     ):
         with SharedSegment.create(DST, "dst") as seg:
@@ -256,7 +262,9 @@ async def test_a_staging_refit_whose_source_daemon_dies_installs_nothing_and_a_n
     model = "wide"
     eng = Wide()
     async with (
-        spawn_daemon(secret_file=secret, transport="ucx", node_id="engine-host") as e,
+        spawn_daemon(
+            secret_file=secret, transport="ucx", node_id="engine-host", peers=LOOPBACK_PEERS
+        ) as e,
         RefitClient(e.url) as engine,
     ):
         first = wide_state(1)

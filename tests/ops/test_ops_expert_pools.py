@@ -136,6 +136,64 @@ async def test_a_warm_step_moves_zero_bytes_and_answers_the_same_slots(
         assert stats.occupied_slots == 2 and stats.copied_bytes == info.copied_bytes
 
 
+async def test_a_prefetched_expert_is_in_its_slot_when_the_step_names_it_and_is_not_copied_again(
+    client: RefitClient,
+) -> None:
+    async with pool(client) as p:
+        await client.ensure("moe", 0, [0])
+        pre = await client.prefetch("moe", 1, [3, 1])
+        assert pre.copied_experts == [3, 1] and len(pre.copied_slots) == 2
+        assert pre.copied_bytes == 2 * sum(ROW_BYTES)
+        step = await client.ensure("moe", 1, [1, 3])
+        assert step.missing == 0 and step.copied_bytes == 0 and step.warm
+        assert step.slots == pre.copied_slots[::-1]
+        assert p.holds(step.slots[0], 1, 1) and p.holds(step.slots[1], 1, 3)
+        info = await client.pool("moe")
+        assert info.prefetched_bytes == 2 * sum(ROW_BYTES)
+        assert (info.prefetch_used, info.prefetch_wasted, info.in_flight_slots) == (2, 0, 0)
+        assert info.copied_bytes == 3 * sum(ROW_BYTES)
+
+
+async def test_a_prefetch_by_scores_skips_low_confidence_experts_and_keeps_resident_ones(
+    client: RefitClient,
+) -> None:
+    async with pool(client):
+        await client.ensure("moe", 0, [2])
+        pre = await client.prefetch("moe", 0, scores=[0.5, 0.05, 0.9, 0.3], min_score=0.1)
+        assert pre.copied_experts == [0, 3]  # 2 is resident, 1 scored below the floor
+        assert (pre.resident, pre.skipped) == (1, 0)
+        capped = await client.prefetch("moe", 1, [0, 1, 2], budget=1)
+        assert capped.copied_experts == [0] and capped.skipped == 2
+
+
+async def test_a_pool_deleted_right_after_a_prefetch_lets_its_copies_land_first(
+    client: RefitClient,
+) -> None:
+    # The copies write into the slot region; deleting it under them would be a write
+    # into freed memory. The answer is built after the copies landed.
+    async with pool(client):
+        await client.prefetch("moe", 0, [0, 1, 2])
+        deleted = await client.delete_pool("moe")
+    assert deleted.in_flight_slots == 0
+    assert deleted.prefetched_bytes == 3 * sum(ROW_BYTES)
+    assert await client.regions() == []
+
+
+async def test_prefetch_requests_that_cannot_be_served_are_refused_by_name(
+    client: RefitClient,
+) -> None:
+    async with pool(client):
+        with pytest.raises(ProtocolError, match="experts or scores, not both"):
+            await client.prefetch("moe", 0, [1], scores=[0.1] * EXPERTS)
+        with pytest.raises(ProtocolError, match="3 scores for 4 experts"):
+            await client.prefetch("moe", 0, scores=[0.1] * 3)
+        with pytest.raises(PlanError, match="layer 2 is outside"):
+            await client.prefetch("moe", 2, [0])
+        with pytest.raises(PlanError, match="prediction names expert 4"):
+            await client.prefetch("moe", 0, [4])
+        assert (await client.pool("moe")).occupied_slots == 0
+
+
 async def test_invalidating_a_rewritten_expert_makes_the_next_step_fetch_its_new_rows(
     client: RefitClient,
 ) -> None:

@@ -21,12 +21,19 @@ from refitd.daemon.serve import listening
 
 @contextlib.asynccontextmanager
 async def serving_daemons(*daemons: Daemon) -> AsyncIterator[list[RefitClient]]:
-    """Serve each daemon on 127.0.0.1:0 for the block; yields one client per daemon."""
+    """Serve each daemon on 127.0.0.1:0 for the block; yields one client per daemon.
+
+    Each daemon trusts every other as a peer (as ``[peers] allow`` listing them
+    would), so any of them may read from any other."""
     async with contextlib.AsyncExitStack() as stack:
         clients = []
+        urls = []
         for d in daemons:
             _, url = await stack.enter_async_context(listening(d.options, daemon=d))
+            urls.append(url)
             clients.append(await stack.enter_async_context(RefitClient(url)))
+        for d, own in zip(daemons, urls, strict=True):
+            d.peers.replace("test", [u for u in urls if u != own])
         yield clients
 
 

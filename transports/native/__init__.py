@@ -1,84 +1,51 @@
-"""Two tiny C helpers, compiled with the system C compiler at first use and cached.
+"""Two tiny C helpers, built into the package when it is built (setup.py).
 
-- ``copy``: a batched memcpy the `local` transport calls with the GIL released.
-- ``ucx``: the UCX RMA calls (mem map, rkey pack/unpack, batched GET + flush) that
-  ucxx's Python layer does not expose, compiled against the headers shipped in the
-  ``libucx`` wheel and linked to the same ``libucp`` ucxx loads.
+- ``_copy``: a batched memcpy the `local` transport calls with the GIL released.
+- ``_ucx``: the UCX RMA calls (mem map, rkey pack/unpack, batched GET + flush) that
+  ucxx's Python layer does not expose, built against the headers of the ``libucx``
+  wheel and linked (by soname, runpath into that wheel) to the same ``libucp`` ucxx
+  loads.
 
-Builds land in ``<venv>/var/cache/refitd-native/`` (or ``~/.cache/refitd/native`` when
-the environment is read-only), keyed by a hash of the source and flags; a build is
-written to a temporary name and renamed, so concurrent first uses are safe.
-Requirement: a C compiler (``cc``, or ``$CC``) on the machine.
+They are extension modules only so that pip builds and installs them: their
+functions are called through ctypes on the module's own file. Nothing is compiled
+at run time and no compiler is needed. A libucp of another API version than the
+headers the helper was built against, or two different libucp libraries in one
+process, are refused with :class:`~refitd.errors.ConfigError` before any UCX call.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
+import importlib
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 
 from refitd.errors import ConfigError
 
-__all__ = ["build", "copy_lib", "libucx_root", "ucx_lib"]
-
-_HERE = Path(__file__).parent
+__all__ = ["copy_lib", "libucx_root", "loaded_libucp", "ucx_lib"]
 
 
-def _cache_dirs() -> list[Path]:
-    return [
-        Path(sys.prefix) / "var" / "cache" / "refitd-native",
-        Path.home() / ".cache" / "refitd" / "native",
-    ]
-
-
-def build(source: str, extra: list[str]) -> Path:
-    """Compile ``source`` (a file next to this module) into a cached shared library."""
-    src = (_HERE / source).read_bytes()
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
+def _extension(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ImportError as exc:
         raise ConfigError(
-            f"building transports/native/{source} refused: no C compiler (set CC or install cc)"
-        )
-    flags = ["-O2", "-shared", "-fPIC", "-Wall", *extra]
-    key = hashlib.sha256(src + "\0".join([cc, *flags]).encode()).hexdigest()[:16]
-    errors = []
-    for root in _cache_dirs():
-        out = root / f"{Path(source).stem}-{key}.so"
-        if out.exists():
-            return out
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=root, suffix=".so.tmp")
-            os.close(fd)
-        except OSError as exc:
-            errors.append(f"{root}: {exc}")
-            continue
-        proc = subprocess.run(
-            [cc, *flags[:4], str(_HERE / source), "-o", tmp, *flags[4:]],
-            capture_output=True,
-            text=True,
-        )
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise ConfigError(
-                f"compiling transports/native/{source} failed:\n{proc.stderr.strip()}"
-            )
-        os.replace(tmp, out)
-        return out
-    raise ConfigError(
-        f"building transports/native/{source} refused: no writable cache ({'; '.join(errors)})"
-    )
+            f"the native helper transports.native.{name} is not built ({exc}); it is "
+            "compiled when the package is installed: reinstall refitd with pip (in a source "
+            "checkout: make install)"
+        ) from exc
+
+
+def _cdll(name: str) -> ctypes.CDLL:
+    path = _extension(name).__file__
+    assert path is not None
+    return ctypes.CDLL(path)
 
 
 @cache
 def copy_lib() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build("copy.c", [])))
+    lib = _cdll("_copy")
     p = ctypes.c_void_p
     lib.rfx_copy_batch.argtypes = [ctypes.c_int64, p, p, p]
     lib.rfx_copy_batch.restype = None
@@ -94,29 +61,58 @@ def libucx_root() -> Path:
     return Path(libucx.__file__).parent
 
 
+def loaded_libucp() -> set[str]:
+    """Paths of every libucp mapped into this process (from /proc/self/maps)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    return {
+        line.split(maxsplit=5)[-1].strip()
+        for line in maps.splitlines()
+        if "/libucp.so" in line and len(line.split()) >= 6
+    }
+
+
+def check_versions(loaded: tuple[int, int, int], built_api: int, built_wheel: str) -> None:
+    """Refuse a libucp whose API version is not the one the helper was built for.
+
+    ``loaded`` is ``ucp_get_version``'s (major, minor, release); ``built_api`` is
+    ``(major << 16) | minor`` from the build's headers; ``built_wheel`` names them."""
+    built = (built_api >> 16, built_api & 0xFFFF)
+    if tuple(loaded[:2]) != built:
+        raise ConfigError(
+            f"UCX version mismatch refused: the loaded libucp is {'.'.join(map(str, loaded))} "
+            f"but transports.native._ucx was built against UCX {built[0]}.{built[1]} "
+            f"(libucx wheel {built_wheel}); struct layouts would not match. Install the "
+            "libucx-cu12 version refitd was built with, or rebuild refitd against the "
+            "loaded one (pip install --force-reinstall --no-binary refitd)"
+        )
+
+
 @cache
 def ucx_lib() -> ctypes.CDLL:
-    """The UCX helper, bound to the libucp instance already loaded by ucxx.
+    """The UCX helper, bound to the libucp instance ucxx loads.
 
-    Import ucxx first: it loads libucp, and the dynamic loader then satisfies the
-    helper's dependency with that same instance (matched by soname).
-    """
-    root = libucx_root()
-    # The wheel's version joins the cache key: new headers must mean a new build.
-    stamp = root / "VERSION.txt"
-    version = stamp.read_text().strip() if stamp.exists() else "unknown"
-    path = build(
-        "ucx.c",
-        [
-            f'-DRFX_LIBUCX_VERSION="{version}"',
-            f"-I{root / 'include'}",
-            f"-L{root / 'lib'}",
-            f"-Wl,-rpath,{root / 'lib'}",
-            "-lucp",
-            "-lucs",
-        ],
-    )
-    lib = ctypes.CDLL(str(path))
+    The libucx wheel's libraries are loaded first (as ucxx does, by soname), so the
+    helper's dependency is satisfied by that same instance. Refuses (ConfigError) a
+    loaded libucp of another API version than the build's, or two different libucp
+    libraries mapped at once."""
+    try:
+        import libucx
+
+        libucx.load_library()
+    except ImportError as exc:
+        raise ConfigError(f"the libucx-cu12 wheel is not installed ({exc})") from exc
+    lib = _cdll("_ucx")
+    paths = loaded_libucp()
+    real = {str(Path(p).resolve()) for p in paths}
+    if len(real) > 1:
+        raise ConfigError(
+            "two different libucp libraries are loaded in one process, refused: "
+            + ", ".join(sorted(real))
+            + " (RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY and LD_LIBRARY_PATH must agree)"
+        )
     p, i64, u = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint
     c_int, sz = ctypes.c_int, ctypes.c_size_t
     sig: dict[str, list[object]] = {
@@ -135,4 +131,13 @@ def ucx_lib() -> ctypes.CDLL:
         fn.restype = c_int
     lib.rfx_rkey_destroy.argtypes = [p]
     lib.rfx_rkey_destroy.restype = None
+    lib.rfx_built_libucx.argtypes = []
+    lib.rfx_built_libucx.restype = ctypes.c_char_p
+    major, minor, release = u(), u(), u()
+    built_api = lib.rfx_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
+    check_versions(
+        (major.value, minor.value, release.value),
+        built_api,
+        lib.rfx_built_libucx().decode(),
+    )
     return lib

@@ -1,9 +1,12 @@
 /* Batched memory copy for the `local` transport.
  *
- * Called through ctypes, which releases the GIL for the whole call, so several
- * threads can copy parts of one batch at once. Addresses and lengths are validated
- * by the caller (transports.core.validate_batch) before they get here. */
-#define _GNU_SOURCE
+ * Built into the package as the extension module `transports.native._copy` (an
+ * empty module: its functions are called through ctypes, which releases the GIL for
+ * the whole call, so several threads can copy parts of one batch at once).
+ * Addresses and lengths are validated by the caller (transports.core.validate_batch)
+ * before they get here. */
+#define Py_LIMITED_API 0x030B0000
+#include <Python.h> /* first: it sets _GNU_SOURCE and the other feature macros */
 #include <stdint.h>
 #include <string.h>
 
@@ -38,3 +41,9 @@ int rfx_pvr_batch(int64_t pid, int64_t n, const int64_t *dst, const int64_t *src
     }
     return 0;
 }
+
+static struct PyModuleDef rfx_module = {
+    PyModuleDef_HEAD_INIT, "_copy", "refitd's batched copy (called through ctypes)", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__copy(void) { return PyModule_Create(&rfx_module); }

@@ -1,12 +1,17 @@
 /* The RMA calls ucxx's Python layer lacks, against the libucp instance ucxx loaded.
  *
- * Compiled at first use against the headers that ship with the libucx wheel, so
- * struct layouts (ucp_mem_map_params_t, ucp_request_param_t) are the loaded
- * version's by construction. A whole batch of GETs is posted from one C loop: at
+ * Built into the package as the extension module `transports.native._ucx` (an empty
+ * module; the functions are called through ctypes) against the headers of the
+ * libucx wheel, with a runpath into that wheel. Struct layouts
+ * (ucp_mem_map_params_t, ucp_request_param_t) are those of the UCP API version the
+ * headers declare; `rfx_built_api` reports it so the loader can refuse a libucp of
+ * another version before any struct crosses. A whole batch of GETs is posted from one C loop: at
  * 4 KiB a per-read Python/ctypes call (~9 us) would cap the rate near 0.4 GB/s.
  *
  * Every function returns a ucs_status_t (0 = UCS_OK, negative = error). Addresses
  * and keys were validated by the caller against registered regions. */
+#define Py_LIMITED_API 0x030B0000
+#include <Python.h>
 #include <poll.h>
 #include <stdint.h>
 #include <string.h>
@@ -25,11 +30,20 @@ static void rfx_done_cb(void *request, ucs_status_t status, void *user_data)
     w->done = 1;
 }
 
+/* The version of the libucp actually loaded; returns the API version the headers
+ * of the build declared, as (major << 16) | minor. */
 int rfx_version(unsigned *major, unsigned *minor, unsigned *release)
 {
     ucp_get_version(major, minor, release);
     return (UCP_API_MAJOR << 16) | UCP_API_MINOR;
 }
+
+#ifndef RFX_LIBUCX_VERSION
+#define RFX_LIBUCX_VERSION "unknown"
+#endif
+
+/* The libucx wheel version whose headers this was built against (for messages). */
+const char *rfx_built_libucx(void) { return RFX_LIBUCX_VERSION; }
 
 int rfx_mem_map(ucp_context_h ctx, void *addr, size_t len, ucp_mem_h *out)
 {
@@ -156,3 +170,9 @@ int rfx_get_batch(ucp_worker_h w, int efd, ucp_ep_h ep, int64_t n, const uint64_
     }
     return st != UCS_OK ? st : fst;
 }
+
+static struct PyModuleDef rfx_module = {
+    PyModuleDef_HEAD_INIT, "_ucx", "refitd's UCX RMA helper (called through ctypes)", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__ucx(void) { return PyModule_Create(&rfx_module); }

@@ -19,8 +19,10 @@ maps them by name, so bytes land directly in the owner's memory.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
+import logging
 import os
 import signal
 import socket
@@ -67,6 +69,9 @@ from .protocol import (
 
 __all__ = ["UcxPeer", "UcxTransport"]
 
+log = logging.getLogger("refitd.dataplane")
+OUTPUT_TAIL = 40  # lines of a child's stdout/stderr kept to explain its death
+
 
 @dataclass
 class _Pending:
@@ -84,6 +89,34 @@ class _Child:
     pending: dict[int, _Pending] = field(default_factory=dict)
     reader_task: asyncio.Task[None] | None = None
     dead: bool = False  # set once its death was handled: nothing may wait on it after
+    output: _Output | None = None
+
+
+class _Output:
+    """Drains a child's stdout+stderr into the daemon's log (logger
+    ``refitd.dataplane``) and keeps the last lines, to say why it died."""
+
+    def __init__(self, stream: asyncio.StreamReader | None, pid: int) -> None:
+        self.lines: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL)
+        self.pid = pid
+        self.task = asyncio.create_task(self._drain(stream), name=f"ucx-output-{pid}")
+
+    async def _drain(self, stream: asyncio.StreamReader | None) -> None:
+        if stream is None:
+            return
+        while line := await stream.readline():
+            text = line.decode(errors="replace").rstrip()
+            if text:
+                self.lines.append(text)
+                log.warning("data-plane process %d: %s", self.pid, text)
+
+    async def cause(self) -> str:
+        """The child's last words once its output is closed: the last line of a
+        traceback names the exception and its message."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                await asyncio.shield(self.task)
+        return self.lines[-1] if self.lines else ""
 
 
 class UcxPeer(Peer):
@@ -167,8 +200,10 @@ class UcxTransport(Transport):
         parent, child = socket.socketpair()
         env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
         try:
+            # -P: the daemon's working directory must not shadow the installed modules.
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
+                "-P",
                 "-m",
                 "transports.ucx.worker",
                 str(child.fileno()),
@@ -176,23 +211,32 @@ class UcxTransport(Transport):
                 pass_fds=(child.fileno(),),
                 env=env,
                 stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
             )
         finally:
             child.close()
+        output = _Output(proc.stdout, proc.pid)
         reader, writer = await asyncio.open_unix_connection(sock=parent)
         try:
             async with asyncio.timeout(60):
                 hello = msgspec.msgpack.decode(await _read_frame(reader), type=Reply)
         except (asyncio.IncompleteReadError, TimeoutError) as exc:
             writer.close()
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+            try:  # it closed its end: let it finish dying, so its status is its own
+                async with asyncio.timeout(0 if isinstance(exc, TimeoutError) else 5):
+                    await proc.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
             code = await proc.wait()
+            cause = await output.cause()
             raise TransportError(
-                f"ucx data-plane process failed to start (exit status {code})"
+                f"ucx data-plane process failed to start: {cause or _describe(code)}"
+                + (f" ({_describe(code)})" if cause else "")
             ) from exc
         self.generation += 1
-        c = _Child(proc, reader, writer, hello.worker_address, self.generation)
+        c = _Child(proc, reader, writer, hello.worker_address, self.generation, output=output)
         c.reader_task = asyncio.create_task(
             self._read_replies(c), name=f"ucx-replies-{self.generation}"
         )
@@ -213,10 +257,12 @@ class UcxTransport(Transport):
         await self._child_died(c, code)
 
     async def _child_died(self, c: _Child, code: int) -> None:
-        try:
-            why = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-        except ValueError:
-            why = f"signal {-code}"
+        why = _describe(code)
+        last = await c.output.cause() if c.output is not None else ""
+        if last and code != 0:
+            why = f"{why}; its last output: {last}"
+        if not self._closed:
+            log.warning("ucx data-plane process %d died (%s)", c.proc.pid, why)
         c.dead = True
         c.writer.close()
         for p in c.pending.values():
@@ -279,6 +325,9 @@ class UcxTransport(Transport):
             c.reader_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await c.reader_task
+        if c.output is not None:
+            await c.output.cause()  # its output is drained to the end
+            c.output.task.cancel()
         self._regions.clear()
 
     @property
@@ -408,6 +457,13 @@ class UcxTransport(Transport):
             raise PullFailed(
                 f"pull from {peer.info.peer_id!r} failed: {exc}", suspect_ranges(reads)
             ) from exc
+
+
+def _describe(code: int) -> str:
+    try:
+        return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+    except ValueError:
+        return f"signal {-code}"
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> bytes:
