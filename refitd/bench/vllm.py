@@ -217,11 +217,15 @@ def _bench(
             after_reload = (llm.collective_rpc(served_digest)[0], _greedy(llm))
             same = after_refit == after_reload
             verified &= same
+            last = trainer.last
             print(
-                f"update {update}: refit {refit[-1] * 1e3:8.1f} ms "
-                f"({'replayed' if stats['replayed'] else 'planned'}: pull "
-                f"{stats['pull_s'] * 1e3:.1f} ms, process {stats['process_s'] * 1e3:.1f} ms)  "
-                f"reload {reload[-1] * 1e3:8.1f} ms  same weights and tokens: {same}",
+                f"update {update}: refit {refit[-1] * 1e3:7.1f} ms "
+                f"({'replayed' if stats['replayed'] else 'planned'}; trainer publish "
+                f"{last['publish_s'] * 1e3:.1f} + wait READY {last['ready_s'] * 1e3:.1f} + "
+                f"engine handshake {last['engine_s'] * 1e3:.1f} ms, of which the worker's "
+                f"refit {stats['total_s'] * 1e3:.1f}: pull {stats['pull_s'] * 1e3:.1f}, "
+                f"process {stats['process_s'] * 1e3:.1f})  reload {reload[-1] * 1e3:7.1f} ms  "
+                f"same weights and tokens: {same}",
                 flush=True,
             )
     finally:

@@ -27,6 +27,7 @@ from vllm_models import (
     live_params,
     llm_kwargs,
     loader_format_mismatches,
+    readme_blocks,
     run_fsdp_trainer,
     start_daemon,
     vllm_env,
@@ -49,12 +50,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     vllm_env(root / "cache")
     daemon, url = start_daemon(root)
     os.environ["REFITD_URL"] = url  # the engine's workers find their daemon here
-    from vllm import LLM
-
     write_model(root / "engine", LLAMA, seed=1)
-    llm = LLM(
-        model=str(root / "engine"), weight_transfer_config={"backend": "refitd"}, **llm_kwargs()
-    )
+    # The engine is started by the README's own snippet.
+    engine_block, _ = readme_blocks("## vLLM backend (`refitd.integrations.vllm`)")
+    ns: dict[str, Any] = {"model_dir": str(root / "engine")}
+    exec(engine_block, ns)
+    llm = ns.pop("llm")
     try:
         yield World(root, url, llm)
     finally:
@@ -209,3 +210,11 @@ def test_the_refitd_backend_is_registered_through_vllms_plugin_entry_point() -> 
         "WeightTransferTrainerFactory as T; assert 'refitd' in F._registry and 'refitd' in T._registry"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_the_readme_vllm_snippets_refit_a_running_engine(world: World) -> None:
+    _engine_block, trainer_block = readme_blocks("## vLLM backend (`refitd.integrations.vllm`)")
+    weights = write_model(world.root / "readme", LLAMA, seed=8)
+    exec(trainer_block, {"llm": world.llm, "weights": weights})
+    assert stats(world.llm)["version"] >= 1
+    assert mismatches(world.llm, world.root / "readme") == []

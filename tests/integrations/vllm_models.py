@@ -317,3 +317,12 @@ def greedy(llm: Any) -> list[list[int]]:
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in ([5, 17, 33, 99, 200], [7, 300, 42])]
     params = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def readme_blocks(heading: str) -> list[str]:
+    """The ```python blocks of the README section titled ``heading``, in order."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = text.index(f"\n{heading}\n")
+    end = text.find("\n## ", start + 1)
+    section = text[start : end if end != -1 else len(text)]
+    return [b.split("\n", 1)[1].rsplit("```", 1)[0] for b in section.split("```python")[1:]]
