@@ -11,7 +11,6 @@ trainer's weights from disk, and a fresh ``LLM`` loaded from them.
 from __future__ import annotations
 
 import gc
-import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -47,9 +46,9 @@ class World:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     root = tmp_path_factory.mktemp("vllm")
-    vllm_env(root / "cache")
     daemon, url = start_daemon(root)
-    os.environ["REFITD_URL"] = url  # the engine's workers find their daemon here
+    mp = pytest.MonkeyPatch()
+    vllm_env(mp, root / "cache", url)
     write_model(root / "engine", LLAMA, seed=1)
     # The engine is started by the README's own snippet.
     engine_block, _ = readme_blocks("## vLLM backend (`refitd.integrations.vllm`)")
@@ -63,6 +62,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         gc.collect()
         daemon.terminate()
         daemon.wait(30)
+        mp.undo()
 
 
 def stats(llm: Any) -> dict[str, Any]:

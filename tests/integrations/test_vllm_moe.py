@@ -9,7 +9,6 @@ weights on disk.
 from __future__ import annotations
 
 import gc
-import os
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +29,11 @@ from vllm_models import (
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_an_fsdp2_trainer_refits_a_moe_engine_exactly(tmp_path: Path) -> None:
-    vllm_env(tmp_path / "cache")
+def test_an_fsdp2_trainer_refits_a_moe_engine_exactly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     daemon, url = start_daemon(tmp_path)
-    os.environ["REFITD_URL"] = url
+    vllm_env(monkeypatch, tmp_path / "cache", url)
     from vllm import LLM
 
     from refitd.integrations.vllm.worker import refit_stats

@@ -93,14 +93,18 @@ def write_model(path: Path, config: dict[str, Any], seed: int) -> dict[str, torc
     return state
 
 
-def vllm_env(cache: Path) -> None:
-    os.environ.update(
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        VLLM_NO_USAGE_STATS="1",
-        VLLM_CACHE_ROOT=str(cache),
-        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-    )
+def vllm_env(mp: Any, cache: Path, url: str) -> None:
+    """Offline vLLM with a per-run cache, and the daemon at ``url``, set through the
+    monkeypatch ``mp`` so nothing leaks into other tests' environment."""
+    for key, value in {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CACHE_ROOT": str(cache),
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "REFITD_URL": url,  # the engine's workers find their daemon here
+    }.items():
+        mp.setenv(key, value)
 
 
 def llm_kwargs() -> dict[str, Any]:
