@@ -377,6 +377,7 @@ class PullManager:
         finally:
             job.ended = time.perf_counter()
             job.pins.close()
+            self.d.reap_soon()  # an exited client's region this pull held may go now
             if staged is not None:
                 with contextlib.suppress(RefitError):
                     await asyncio.shield(src.drop(staged.region.region_id, req.lease_id))
