@@ -72,9 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated trace presets",
     )
     parser.add_argument(
-        "--tokens", type=int, default=256, help="decode tokens per request (default 256)"
+        "--tokens",
+        type=int,
+        default=None,
+        help="decode tokens per request (default 256; --prefetch: 128)",
     )
-    parser.add_argument("--requests", type=int, default=4, help="requests per trace")
+    parser.add_argument(
+        "--requests", type=int, default=None, help="requests per trace (default 4; --prefetch: 2)"
+    )
     parser.add_argument("--prefill", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--seed", type=int, default=0, help="trace generator seed")
     parser.add_argument(
@@ -400,12 +405,17 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "prefetch", False):
         from refitd.bench.prefetch import run_prefetch
 
+        # Shorter by default: seven replays per cell instead of four.
+        args.tokens = 128 if args.tokens is None else args.tokens
+        args.requests = 2 if args.requests is None else args.requests
         return run_prefetch(args, dict(_EXPERT_BANKS))
     if getattr(args, "bound", False):
         if args.trace:
             print("--bound needs the generator's state: it runs on the presets, not --trace")
             return 2
         return _run_bound(args)
+    args.tokens = 256 if args.tokens is None else args.tokens
+    args.requests = 4 if args.requests is None else args.requests
     started = time.perf_counter()
     gaps: list[float] = []
     oracle_gaps: list[float] = []
