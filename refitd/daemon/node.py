@@ -51,6 +51,7 @@ from refitd.wire import (
     StagedPack,
     VersionInfo,
 )
+from transports.core import Transport
 from transports.shm import (
     SHM_DIR,
     cleanup_stale,
@@ -152,7 +153,7 @@ class Daemon:
         self.regions = RegionTable(self.epoch)
         self.segments: dict[int, SharedSegment] = {}
         self.copier: Copier = copier or ThreadCopier()
-        self.transport: object | None = None  # transports.core.Transport when not shm
+        self.transport: Transport | None = None  # every mode but shm
         self.boot_id = options.boot_id or boot_id()
         self._files: dict[int, tuple[int, int]] = {}
         self.ready = False
@@ -208,7 +209,7 @@ class Daemon:
         self.ready = False
         self.holders.close()
         if self.transport is not None:
-            await self.transport.close()  # type: ignore[attr-defined]
+            await self.transport.close()
             self.transport = None
         for seg in self.segments.values():
             seg.close()
@@ -217,7 +218,7 @@ class Daemon:
     def info(self) -> NodeInfo:
         worker: dict[str, str] = {}
         if self.transport is not None:
-            advert = self.transport.advertise()  # type: ignore[attr-defined]
+            advert = self.transport.advertise()
             worker = {"scheme": advert.scheme, "peer_id": advert.peer_id}
         return NodeInfo(
             self.node_id,
@@ -247,7 +248,7 @@ class Daemon:
         if holder:
             self._held.setdefault(holder, set()).add(rid)
         if self.transport is not None:
-            await self.transport.register(rid, seg)  # type: ignore[attr-defined]
+            await self.transport.register(rid, seg)
         self.segments[rid] = seg
         with contextlib.suppress(OSError):  # a name already unlinked: no shm path to it
             self._files[rid] = file_id(seg.name)
@@ -307,7 +308,7 @@ class Daemon:
         if info.holder:
             self._held.get(info.holder, set()).discard(region_id)
         if self.transport is not None:
-            await self.transport.deregister(region_id)  # type: ignore[attr-defined]
+            await self.transport.deregister(region_id)
         self.segments.pop(region_id).close()
         self._files.pop(region_id, None)
         return info
@@ -413,7 +414,7 @@ class Daemon:
         infos = list(self.regions) if ids is None else [self.regions.get(i) for i in ids]
         advert = b""
         if self.transport is not None:
-            advert = self.transport.advertise().encode()  # type: ignore[attr-defined]
+            advert = self.transport.advertise().encode()
         files = {r.region_id: self._files[r.region_id] for r in infos if r.region_id in self._files}
         rec = PeerRegions(
             self.node_id,
