@@ -352,6 +352,10 @@ def create_app(
         cluster.on_change(
             lambda: d.peers.replace(REGISTRY_ORIGIN, [r.url for r in cluster.daemons()])
         )
+        # A trainer split over hosts: each daemon holds some slots of a version.
+        d.registry.complete_elsewhere = lambda model, version: cluster.complete(
+            model, version, d.node_id
+        )
 
     def connect(url: str) -> Source:
         c = clients.get(url)

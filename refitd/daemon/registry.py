@@ -8,7 +8,8 @@ Rules this class enforces:
 
 - a version is READY when every slot in ``range(expected_slots)`` has published;
   when a version becomes READY, older versions of the same model are RETIRED;
-- a lease may be acquired only on a READY version; renewing or checking an expired
+- a lease may be acquired only on a READY version (or, across hosts, on a PENDING
+  one whose missing slots the cluster registry says other daemons hold); renewing or checking an expired
   or unknown lease is a :class:`ConflictError` (the reader's view is stale);
 - publishing over a version that holds live leases is refused (:class:`ConflictError`):
   readers may be mid-pull, and a rewrite would tear what they read;
@@ -146,6 +147,11 @@ class Registry:
         #: per model, the highest version number that ever became READY
         self._newest_ready: dict[str, int] = {}
         self._seq = itertools.count(1)
+        #: Whether a version this daemon holds only some slots of has all its slots
+        #: published across the cluster (set by the daemon when a cluster registry
+        #: tells it); such a PENDING version is served like a READY one, for the
+        #: slots held here. Default: never (one host).
+        self.complete_elsewhere: Callable[[str, int], bool] = lambda model, version: False
 
     # ------------------------------------------------------------ publishing
 
@@ -324,6 +330,8 @@ class Registry:
 
     def _require_ready(self, model: str, version: int) -> _Version:
         v = self._get(model, version)
+        if v.state is VersionState.PENDING and self.complete_elsewhere(model, version):
+            return v  # the other slots are held by other daemons of the cluster
         if v.state is not VersionState.READY:
             raise ConflictError(
                 f"{model!r} version {version} is {v.state.value}, not ready: "

@@ -116,6 +116,18 @@ def test_a_prefetch_never_evicts_what_an_earlier_still_valid_prediction_needs(
     assert cache.ensure(1, [1, 0]).missing == 0
 
 
+def test_a_victim_the_policy_offers_while_a_prediction_needs_it_is_kept() -> None:
+    cache = ExpertCache(3, 2, 3, policy=LruPolicy())
+    for layer in range(3):
+        cache.ensure(layer, [0])  # slot `layer` holds expert 0 of that layer
+    assert cache.prefetch(0, [0]).resident == 1  # layer 0's expert 0 is now needed
+    plan = cache.prefetch(1, [1])
+    # LRU offers slot 0 first (oldest); the prediction needs it, so slot 1 goes.
+    assert plan.copy.dst_slots == (1,)
+    assert cache.slot_of(0, 0) == 0 and cache.predicted(0) == (0,)
+    assert cache.ensure(0, [0]).missing == 0
+
+
 def test_unused_prefetched_experts_are_the_first_to_leave() -> None:
     cache = ExpertCache(3, 4, 4, policy=LruPolicy())
     cache.ensure(0, [0, 1])  # slots 0, 1
@@ -298,7 +310,7 @@ def apply_op(cache: ExpertCache, op: str, arg: int, routed: list[int], budget: i
 
 
 @pytest.mark.parametrize("make_policy", [LruPolicy, ExpectedReusePolicy, HitDensityPolicy])
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(ops=ops, size=st.integers(EXPERTS, 3 * EXPERTS))
 def test_every_invariant_holds_with_prefetches_mixed_in(
     make_policy: type[EvictionPolicy],
@@ -311,7 +323,7 @@ def test_every_invariant_holds_with_prefetches_mixed_in(
 
 
 @pytest.mark.parametrize("make_checked", [checked_reuse, checked_density])
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(ops=ops, size=st.integers(EXPERTS, 2 * EXPERTS))
 def test_policy_victims_match_a_scan_of_the_pool_with_prefetches_mixed_in(
     make_checked: Any, ops: list[tuple[str, int, list[int], int | None]], size: int
@@ -485,7 +497,7 @@ lru_ops = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(ops=lru_ops, size=st.integers(EXPERTS, 3 * EXPERTS))
 def test_lru_with_prefetch_matches_the_reference_model_on_any_sequence(
     ops: list[tuple[str, int, list[int], int | None]], size: int
