@@ -580,6 +580,7 @@ class Transport(ABC):
 _REGISTRY: dict[str, str | type[Transport]] = {
     "reference": "transports.reference:ReferenceTransport",
     "local": "transports.local:LocalTransport",
+    "shm": "transports.samehost:SameHostTransport",
     "ucx": "transports.ucx:UcxTransport",
 }
 ENTRY_POINT_GROUP = "refitd.transports"

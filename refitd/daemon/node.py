@@ -19,7 +19,6 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -52,6 +51,7 @@ from refitd.wire import (
     VersionInfo,
 )
 from transports.core import Transport
+from transports.samehost import boot_id, file_id
 from transports.shm import (
     SHM_DIR,
     cleanup_stale,
@@ -84,25 +84,6 @@ shared-memory path whenever that peer is proven to share this host's memory."""
 
 UCX_SCHEME = "ucx"
 """The transports scheme ``auto`` starts."""
-
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
-
-def boot_id() -> str:
-    """This kernel's boot id: equal for two daemons only if they run on one host
-    (under one kernel boot). Empty where the kernel does not expose it."""
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""
-
-
-def file_id(name: str) -> tuple[int, int]:
-    """``(st_dev, st_ino)`` of shared segment ``name``: under one kernel boot it names
-    exactly one file, so a peer's record of it proves which memory a name maps
-    (two containers may each have a different file of the same name)."""
-    st = os.stat(SHM_DIR / name)
-    return st.st_dev, st.st_ino
 
 
 @dataclass(frozen=True)

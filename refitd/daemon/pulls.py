@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -54,7 +53,8 @@ from refitd.wire import (
     StagedPack,
 )
 from transports.core import Peer, rows_as_batch, split_pieces, suspect_ranges
-from transports.shm import SHM_DIR, SharedSegment
+from transports.samehost import same_file
+from transports.shm import SharedSegment
 
 if TYPE_CHECKING:
     from refitd.client.http import RefitClient
@@ -493,10 +493,10 @@ class PullManager:
         if seg is None:
             if want is None:
                 raise TransportError(f"the record names no file for segment {rec.handle!r}")
-            _same_file(rec.handle, tuple(want))
+            same_file(rec.handle, tuple(want))
             seg = SharedSegment.attach(rec.handle, rec.nbytes)
             try:
-                _same_file(rec.handle, tuple(want))
+                same_file(rec.handle, tuple(want))
             except BaseException:
                 seg.close()
                 raise
@@ -550,18 +550,6 @@ def _source_name(url: str, peer: PeerRegions | None) -> str:
     if not url:
         return "this daemon"
     return f"{peer.node_id!r} at {url}" if peer is not None else url
-
-
-def _same_file(name: str, want: tuple[int, ...]) -> None:
-    """Refuse unless segment ``name`` here is the file ``(st_dev, st_ino)`` = ``want``."""
-    try:
-        st = os.stat(SHM_DIR / name)
-    except FileNotFoundError:
-        raise TransportError(f"segment {name!r} does not exist here") from None
-    if (st.st_dev, st.st_ino) != want:
-        raise TransportError(
-            f"segment {name!r} here is another file than the peer's (a separate /dev/shm)"
-        )
 
 
 async def _noop(v: memoryview) -> memoryview:
