@@ -44,6 +44,7 @@ __all__ = [
     "MetricsConfig",
     "PeersConfig",
     "PullsConfig",
+    "RegistryConfig",
     "ServerConfig",
     "env_name",
     "is_loopback_host",
@@ -163,6 +164,25 @@ class MetricsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     enabled: bool = True
 
 
+class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where daemons find each other and each other's versions."""
+
+    #: ``static``: this daemon alone (one host). ``etcd``: register in etcd, publish
+    #: sources there, and trust (read from) exactly the daemons registered there.
+    kind: Literal["static", "etcd"] = "static"
+    #: etcd client endpoints, ``http://HOST:PORT`` (tried in turn).
+    endpoints: tuple[str, ...] = ()
+    #: Key prefix shared by the daemons of one deployment.
+    prefix: Annotated[
+        str, msgspec.Meta(pattern="^/[A-Za-z0-9_./-]*$", description="a key prefix like /refitd")
+    ] = "/refitd"
+    #: TTL of this daemon's etcd lease: a daemon that dies leaves the registry (and
+    #: pulls reading from it fail) within this many seconds.
+    lease_ttl_s: Annotated[float, msgspec.Meta(ge=2, description="seconds (number >= 2)")] = 10.0
+    #: The URL other daemons reach this one at; empty: the listener's own URL.
+    advertise_url: str = ""
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole configuration. Build it with :func:`load_config`."""
 
@@ -172,6 +192,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     peers: PeersConfig = msgspec.field(default_factory=PeersConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    registry: RegistryConfig = msgspec.field(default_factory=RegistryConfig)
 
     def __post_init__(self) -> None:
         # Cross-field rules; each names the keys involved.
@@ -180,6 +201,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 f"server.host is {self.server.host!r}, which is not loopback, and "
                 "server.token_file is unset; expected a bearer-token file path "
                 "(refusing to serve a non-loopback address unauthenticated)"
+            )
+        if self.registry.kind == "etcd" and not self.registry.endpoints:
+            raise ConfigError(
+                "registry.kind is 'etcd' and registry.endpoints is empty; expected a list of "
+                'etcd client URLs such as ["http://10.0.0.5:2379"]'
             )
 
 

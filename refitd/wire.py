@@ -56,6 +56,8 @@ __all__ = [
     "MAX_LEASE_TTL_S",
     "MSGPACK",
     "STATUS_OF",
+    "ClusterVersion",
+    "DaemonRecord",
     "DescriptorTable",
     "EnsureRequest",
     "EnsureResult",
@@ -85,6 +87,7 @@ __all__ = [
     "RegionInfo",
     "RegionKind",
     "ShardEntry",
+    "SourceRecord",
     "StagedPack",
     "TensorEntry",
     "VersionInfo",
@@ -534,6 +537,73 @@ class InvalidateResult(msgspec.Struct, frozen=True):
 
     slots: list[int]
     experts: list[ExpertRef]
+
+
+# ---------------------------------------------------------------- cluster registry
+
+
+def _mac(value: msgspec.Struct, secret: bytes) -> bytes:
+    body = msgspec.msgpack.encode(msgspec.structs.replace(value, mac=b""))
+    return hmac.new(secret, body, hashlib.sha256).digest()
+
+
+class DaemonRecord(msgspec.Struct, frozen=True):
+    """One daemon as registered in the cluster registry (etcd), MAC'd with the
+    deployment secret: only a record that verifies makes its ``url`` a trusted peer.
+    ``epoch`` changes with every start of the daemon."""
+
+    node_id: Name
+    url: str
+    epoch: int
+    transport: str
+    boot_id: str = ""
+    mac: bytes = b""
+
+    def signed(self, secret: bytes) -> DaemonRecord:
+        return msgspec.structs.replace(self, mac=_mac(self, secret))
+
+    def verify(self, secret: bytes) -> None:
+        if not hmac.compare_digest(_mac(self, secret), self.mac):
+            raise ProtocolError(
+                f"registry record of {self.node_id!r} refused: MAC does not verify (tampered, "
+                "or a daemon outside this deployment)"
+            )
+
+
+class SourceRecord(msgspec.Struct, frozen=True):
+    """The publisher slots of one version that one daemon holds, as published to the
+    cluster registry (MAC'd like :class:`DaemonRecord`)."""
+
+    node_id: Name
+    url: str
+    epoch: int
+    model: Name
+    version: NonNeg
+    state: VersionState
+    slots: list[NonNeg]
+    expected_slots: Positive
+    mac: bytes = b""
+
+    def signed(self, secret: bytes) -> SourceRecord:
+        return msgspec.structs.replace(self, mac=_mac(self, secret))
+
+    def verify(self, secret: bytes) -> None:
+        if not hmac.compare_digest(_mac(self, secret), self.mac):
+            raise ProtocolError(
+                f"registry record of {self.model!r} v{self.version} from {self.node_id!r} "
+                "refused: MAC does not verify"
+            )
+
+
+class ClusterVersion(msgspec.Struct, frozen=True):
+    """Where a version lives across hosts: every daemon holding slots of it.
+    ``complete`` when the holders' READY slots together cover ``range(expected_slots)``."""
+
+    model: str
+    version: int
+    expected_slots: int
+    complete: bool
+    holders: list[SourceRecord]
 
 
 # ---------------------------------------------------------------- daemon to daemon

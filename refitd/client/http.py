@@ -20,6 +20,8 @@ from refitd import errors
 from refitd.wire import (
     ERROR_OF_STATUS,
     MSGPACK,
+    ClusterVersion,
+    DaemonRecord,
     EnsureRequest,
     EnsureResult,
     ErrorBody,
@@ -208,6 +210,31 @@ class RefitClient:
     async def manifest(self, model: str, version: int) -> MergedManifest:
         return await self._call(
             "GET", f"/sources/{model}/versions/{version}/manifest", MergedManifest
+        )
+
+    # ------------------------------------------------------------ cluster registry
+
+    async def cluster_daemons(self) -> list[DaemonRecord]:
+        """The daemons registered in this daemon's cluster registry (its trusted peers)."""
+        return await self._call("GET", "/cluster/daemons", list[DaemonRecord])
+
+    async def cluster_version(self, model: str, version: int | str = "latest") -> ClusterVersion:
+        """Which daemons hold ``model`` at ``version`` across hosts (``latest``: the
+        newest version whose slots are all published somewhere)."""
+        return await self._call(
+            "GET", f"/cluster/sources/{model}/versions/{version}", ClusterVersion
+        )
+
+    async def next_version(
+        self, model: str, after: int = -1, timeout_s: float = 30.0
+    ) -> ClusterVersion:
+        """Wait (one request; the daemon is woken by the registry's watch) for a complete
+        version of ``model`` newer than ``after``; NotFoundError after ``timeout_s``."""
+        return await self._call(
+            "GET",
+            f"/cluster/sources/{model}/next",
+            ClusterVersion,
+            params={"after": str(after), "timeout": str(timeout_s)},
         )
 
     async def wait_drain(

@@ -20,7 +20,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from refitd.cluster import registry_from_config
 from refitd.daemon.auth import check_owner, owner_for
+from refitd.daemon.cluster import CLUSTER, REGISTRY_ORIGIN, announce
+from refitd.daemon.cluster import routes as cluster_routes
 from refitd.daemon.experts import POOLS, ExpertPools, close_pools, note_pull
 from refitd.daemon.experts import routes as expert_routes
 from refitd.daemon.httpio import (
@@ -128,6 +131,7 @@ async def publish(request: web.Request) -> web.Response:
     check_manifest_bounds(m, d.regions.sizes())
     info = d.registry.publish(m)
     d.lease_changed()
+    await announce(request.app, m.model)
     return reply(request, info, 201)
 
 
@@ -170,6 +174,8 @@ async def drain(request: web.Request) -> web.Response:
     retire = request.query.get("retire", "0") in ("1", "true")
     timeout = query_float(request, "timeout", 60.0)
     info = await request.app[DAEMON].wait_drain(model, version, timeout, retire)
+    if retire:
+        await announce(request.app, model)
     return reply(request, info)
 
 
@@ -326,6 +332,16 @@ def create_app(
 
     clients: dict[str, RefitClient] = {}
 
+    cluster = registry_from_config(opts.registry, opts.secret)
+    app[CLUSTER] = cluster
+
+    if cluster.kind == "etcd":
+        # The registry is one origin of the peer allow-list: every registered daemon
+        # whose record verifies is trusted, for as long as it stays registered.
+        cluster.on_change(
+            lambda: d.peers.replace(REGISTRY_ORIGIN, [r.url for r in cluster.daemons()])
+        )
+
     def connect(url: str) -> Source:
         c = clients.get(url)
         if c is None:
@@ -334,6 +350,13 @@ def create_app(
 
     pulls = PullManager(d, connect)
     app[PULLS] = pulls
+    cluster.on_gone(
+        lambda rec: pulls.fail_source(
+            rec.url,
+            f"source daemon {rec.node_id!r} at {rec.url} left the cluster registry (no "
+            "keepalive within its lease TTL, or it stopped): its host is down or the daemon died",
+        )
+    )
 
     async def daemon_ctx(app: web.Application) -> AsyncIterator[None]:
         await d.start()
@@ -341,6 +364,7 @@ def create_app(
             yield
         finally:
             await pulls.close()
+            await cluster.close()
             for c in clients.values():
                 await c.close()
             await d.close()
@@ -351,6 +375,7 @@ def create_app(
     app[POOLS] = ExpertPools(d)
     app.on_shutdown.append(close_pools)  # before cleanup closes the regions
     app.add_routes(expert_routes)
+    app.add_routes(cluster_routes)
     for fn in setup:
         fn(app)
     return app

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -108,6 +109,8 @@ class DaemonOptions:
     grace_s: float = 10.0
     boot_id: str = ""
     peers: tuple[str, ...] = ()
+    #: ``refitd.config.RegistryConfig`` (None: the static registry, this daemon alone)
+    registry: Any = None
 
 
 class Daemon:

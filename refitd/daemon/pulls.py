@@ -147,6 +147,7 @@ class PullJob:
     task: asyncio.Task[None] | None = None
     path: str = ""  # "local", "shm" or the transport's scheme: decided at submit
     cancel_reason: str = ""
+    fail_reason: str = ""  # set when the source left the registry: FAILED, not CANCELLED
 
     def progress(self, n_desc: int, n_bytes: int) -> None:
         self.descriptors_done += n_desc
@@ -258,6 +259,20 @@ class PullManager:
                 await job.finished.wait()
         return job
 
+    def fail_source(self, url: str, reason: str) -> list[str]:
+        """Fail every running pull that reads from the daemon at ``url`` (it left
+        the cluster registry): each ends FAILED with ``reason``, its written ranges
+        reported suspect. Returns the ids of the pulls failed."""
+        url = url.rstrip("/")
+        failed = []
+        for job in self.jobs.values():
+            if job.req.source.rstrip("/") != url or job.task is None or job.task.done():
+                continue
+            job.fail_reason = reason
+            job.task.cancel(reason)
+            failed.append(job.pull_id)
+        return failed
+
     async def cancel_all(self, reason: str = SHUTTING_DOWN) -> None:
         """Cancel every running pull with ``reason`` and wait until each has ended."""
         running = [j for j in self.jobs.values() if j.task is not None and not j.task.done()]
@@ -304,6 +319,15 @@ class PullManager:
             await src.check_lease(req.lease_id, req.model, req.version)
             job.state = PullState.DONE
         except asyncio.CancelledError as exc:
+            if job.fail_reason:
+                job.state = PullState.FAILED
+                job.error = ErrorBody(
+                    "TransportError",
+                    f"pull {job.pull_id} from {_source_name(req.source, peer)} failed: "
+                    f"{job.fail_reason}",
+                )
+                job.suspect = _coalesced_dst(all_rows) if moving else []
+                return
             # The reason travels on the job (set by whoever cancelled) and, where the
             # cancel reached us directly, in the CancelledError's message.
             reason = job.cancel_reason or (str(exc.args[0]) if exc.args else "") or "cancelled"

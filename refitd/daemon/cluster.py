@@ -1,0 +1,129 @@
+"""The daemon's side of the cluster registry (:mod:`refitd.cluster`): routes, and the
+hooks that keep the registry in step with this daemon.
+
+- once listening, the daemon registers its signed record (:func:`register`);
+- after every publish or retire it republishes the model's source records
+  (:func:`announce`);
+- a registered daemon that leaves fails every running pull reading from it, naming it;
+- with ``kind = "etcd"`` every daemon registered there (record verified) is a
+  trusted peer: the registry is the ``"registry"`` origin of the daemon's one
+  :class:`~refitd.daemon.peers.PeerPolicy`, beside ``[peers] allow``.
+
+Routes (read-only; the registry is written by daemons, never by clients):
+``GET /v1/cluster/daemons``, ``GET /v1/cluster/sources/{model}/versions/{version}``
+(``latest``: the newest complete one) and ``GET /v1/cluster/sources/{model}/next``
+(waits for a complete version newer than ``after``; pushed by the registry's watch).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from refitd.cluster import ClusterRegistry
+from refitd.daemon.httpio import DAEMON, query_float, query_int, reply
+from refitd.daemon.openapi import Operation
+from refitd.errors import NotFoundError
+from refitd.wire import API_PREFIX, ClusterVersion, DaemonRecord, SourceRecord, VersionState
+
+__all__ = [
+    "CLUSTER",
+    "REGISTRY_ORIGIN",
+    "announce",
+    "cluster_operations",
+    "register",
+    "routes",
+]
+
+CLUSTER: web.AppKey[ClusterRegistry] = web.AppKey("cluster", ClusterRegistry)
+
+REGISTRY_ORIGIN = "registry"
+"""The origin (in :class:`~refitd.daemon.peers.PeerPolicy`) of the peers the etcd
+registry vouches for."""
+
+P = API_PREFIX + "/cluster"
+routes = web.RouteTableDef()
+
+
+async def register(app: web.Application, url: str) -> None:
+    """Register this daemon at ``url`` (or ``registry.advertise_url``) and publish
+    what it holds; raises (the daemon does not start) if etcd refuses or is down."""
+    d = app[DAEMON]
+    reg = app[CLUSTER]
+    advertise = getattr(d.options.registry, "advertise_url", "") if d.options.registry else ""
+    me = DaemonRecord(d.node_id, advertise or url, d.epoch, d.options.transport, d.boot_id)
+    await reg.start(me)
+    for model in sorted({v.model for v in d.registry.versions()}):
+        await announce(app, model)
+
+
+async def announce(app: web.Application, model: str) -> None:
+    """Publish this daemon's versions of ``model`` (retired ones withdrawn)."""
+    reg = app[CLUSTER]
+    if reg.me is None:
+        return  # not registered yet: register() publishes everything
+    d = app[DAEMON]
+    records = [
+        SourceRecord(
+            d.node_id,
+            reg.me.url,
+            d.epoch,
+            v.model,
+            v.version,
+            v.state,
+            list(v.published_slots),
+            v.expected_slots,
+        )
+        for v in d.registry.versions(model)
+        if v.state is not VersionState.RETIRED
+    ]
+    await reg.publish(model, records)
+
+
+@routes.get(P + "/daemons")
+async def daemons(request: web.Request) -> web.Response:
+    return reply(request, request.app[CLUSTER].daemons())
+
+
+@routes.get(P + "/sources/{model}/versions/{version}")
+async def version(request: web.Request) -> web.Response:
+    model, v = request.match_info["model"], request.match_info["version"]
+    found = request.app[CLUSTER].version(
+        model, v if v == "latest" else query_int(request, "version")
+    )
+    return reply(request, found)
+
+
+@routes.get(P + "/sources/{model}/next")
+async def next_version(request: web.Request) -> web.Response:
+    model = request.match_info["model"]
+    after = query_int(request, "after") if "after" in request.query else -1
+    timeout = query_float(request, "timeout", 30.0)
+    found = await request.app[CLUSTER].wait_newer(model, after, timeout)
+    if found is None:
+        raise NotFoundError(
+            f"no complete version of {model!r} newer than {after} was registered within "
+            f"{timeout:g} s"
+        )
+    return reply(request, found)
+
+
+def cluster_operations() -> dict[tuple[str, str], Operation]:
+    t = ("cluster",)
+    return {
+        ("GET", P + "/daemons"): Operation(
+            "Daemons registered in the cluster registry (the trusted peers)",
+            response=list[DaemonRecord],
+            tags=t,
+        ),
+        ("GET", P + "/sources/{model}/versions/{version}"): Operation(
+            "Which daemons hold a version ('latest' = newest complete)",
+            response=ClusterVersion,
+            tags=t,
+        ),
+        ("GET", P + "/sources/{model}/next"): Operation(
+            "Wait for a complete version newer than 'after'",
+            response=ClusterVersion,
+            tags=t,
+            query={"after": int, "timeout": float},
+        ),
+    }
