@@ -32,6 +32,7 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench experts --presets qwen3-30b-a3b --tokens 512",
         "refitd bench experts --trace routes.jsonl --experts 128   # your own traffic",
         "refitd bench experts --bound               # headroom: model-knowing oracles",
+        "refitd bench experts --prefetch            # lookahead prefetch vs Belady on demand",
     ),
     "plan": (
         "refitd bench plan                          # full DeepSeek-V3 shapes, both layouts",

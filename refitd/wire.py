@@ -634,6 +634,10 @@ class PeerRegions(msgspec.Struct, frozen=True):
     advert: bytes = b""
     boot_id: str = ""
     files: dict[int, tuple[int, int]] = {}
+    #: the lease these records were given under ("" for none), and per listed region
+    #: the byte ranges ``[start, end)`` that lease may read: a reader reads nothing else
+    lease_id: str = ""
+    scope: dict[int, list[tuple[int, int]]] = {}
     mac: bytes = b""
 
     def body(self) -> bytes:

@@ -36,6 +36,10 @@ generator perfectly close (``refitd.experts.bound``: futures sampled from the tr
 generator, exact hit density), next to LRU, Belady, ours and the probability oracle,
 all replayed over the same shortened traces (2 requests of 128 decode tokens, since
 sampling futures is slow); its last line is each rule's average gap closed.
+
+``--prefetch`` runs ``refitd.bench.prefetch`` instead: predictions of the next layer's
+routing at recalls 0.6/0.8/0.9/1.0, critical-path misses and bytes for LRU, ours and
+Belady on demand and ours with prefetch, and a timeline model's stall per token.
 """
 
 from __future__ import annotations
@@ -68,9 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated trace presets",
     )
     parser.add_argument(
-        "--tokens", type=int, default=256, help="decode tokens per request (default 256)"
+        "--tokens",
+        type=int,
+        default=None,
+        help="decode tokens per request (default 256; --prefetch: 128)",
     )
-    parser.add_argument("--requests", type=int, default=4, help="requests per trace")
+    parser.add_argument(
+        "--requests", type=int, default=None, help="requests per trace (default 4; --prefetch: 2)"
+    )
     parser.add_argument("--prefill", type=int, default=128, help="prompt tokens per request")
     parser.add_argument("--seed", type=int, default=0, help="trace generator seed")
     parser.add_argument(
@@ -98,6 +107,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="instead: how much of the gap model-knowing oracles close "
         "(refitd.experts.bound), on shortened traces (2 requests of 128 decode tokens)",
+    )
+    parser.add_argument(
+        "--prefetch",
+        action="store_true",
+        help="instead: lookahead prefetch with predictions of the next layer's routing, "
+        "against Belady on demand (critical-path misses, bytes, timeline stall)",
+    )
+    parser.add_argument(
+        "--recalls",
+        default="0.6,0.8,0.9,1.0",
+        help="--prefetch: prediction recalls to sweep (default 0.6,0.8,0.9,1.0)",
     )
     parser.add_argument(
         "--samples", type=int, default=64, help="--bound: sampled futures per decision"
@@ -382,11 +402,20 @@ def _run_bound(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from refitd.experts.traces import preset_config, read_trace_file, routing_model
 
+    if getattr(args, "prefetch", False):
+        from refitd.bench.prefetch import run_prefetch
+
+        # Shorter by default: seven replays per cell instead of four.
+        args.tokens = 128 if args.tokens is None else args.tokens
+        args.requests = 2 if args.requests is None else args.requests
+        return run_prefetch(args, dict(_EXPERT_BANKS))
     if getattr(args, "bound", False):
         if args.trace:
             print("--bound needs the generator's state: it runs on the presets, not --trace")
             return 2
         return _run_bound(args)
+    args.tokens = 256 if args.tokens is None else args.tokens
+    args.requests = 4 if args.requests is None else args.requests
     started = time.perf_counter()
     gaps: list[float] = []
     oracle_gaps: list[float] = []

@@ -53,6 +53,7 @@ class Worker:
         self.published: dict[str, int] = {}  # model -> last version published here
         self.ranks: dict[str, list[Any]] = {}  # model -> [(par, engine, receiver)]
         self.cfgs: dict[float, Any] = {}
+        self._pending: asyncio.Task[dict[str, Any]] | None = None
 
     def cfg(self, gib: float) -> Any:
         from refitd.bench.refit import synthetic_config
@@ -108,13 +109,13 @@ class Worker:
     async def refit(self, req: dict[str, Any]) -> dict[str, Any]:
         from refitd.bench.engines import EngineParallel, ToyEngine
         from refitd.bench.refit import _verify, capture_for
+        from refitd.client.cluster import ClusterReceiver
         from refitd.client.receiver import DaemonReceiver
         from refitd.errors import RefitError
 
         model, tp = req["model"], int(req["tp"])
         cfg = self.cfg(float(req["gib"]))
         local = await self.client(req["local"], req["token"])
-        source = await self.client(req["source"], req["token"])
         ranks = self.ranks.get(model)
         if ranks is None:
             capture = capture_for(_layout(cfg, req["layout"], int(req["world"]), None))
@@ -122,29 +123,45 @@ class Worker:
             for rank in range(tp):
                 par = EngineParallel(tp, rank)
                 engine = ToyEngine(cfg, par)
-                r = DaemonReceiver(
-                    local=local,
-                    source=source,
-                    model=model,
-                    engine=engine,
-                    twin=functools.partial(ToyEngine, cfg, par),
-                    capture=capture,
-                )
+                common = {
+                    "model": model,
+                    "engine": engine,
+                    "twin": functools.partial(ToyEngine, cfg, par),
+                    "capture": capture,
+                }
+                if req.get("source"):
+                    source = await self.client(req["source"], req["token"])
+                    r: Any = DaemonReceiver(local=local, source=source, **common)
+                else:  # where the version lives comes from the cluster registry
+                    r = ClusterReceiver(local=local, token=req["token"], **common)
                 ranks.append((par, engine, r))
             self.ranks[model] = ranks
         version = int(req["version"])
         t = time.perf_counter()
-        try:
-            stats = await asyncio.gather(*(r.refit(version) for _, _, r in ranks))
-        except RefitError as exc:
+        results = await asyncio.gather(
+            *(r.refit(version) for _, _, r in ranks), return_exceptions=True
+        )
+        errors = [
+            (rank, e)
+            for rank, e in zip(ranks, results, strict=True)
+            if isinstance(e, BaseException)
+        ]
+        for _, e in errors:
+            if not isinstance(e, RefitError):
+                raise e
+        if errors:
+            # Each rank installs only a refit that fully succeeded: the ranks that
+            # failed must still hold the previous version, bit for bit.
             before = req.get("previous")
-            unchanged = before is not None and _verify(cfg, int(before), ranks)
+            unchanged = before is not None and _verify(cfg, int(before), [r for r, _ in errors])
             return {
                 "ok": False,
-                "error": type(exc).__name__,
-                "detail": str(exc),
+                "error": type(errors[0][1]).__name__,
+                "detail": " | ".join(str(e) for _, e in errors),
+                "failed_ranks": len(errors),
                 "unchanged": unchanged,
             }
+        stats = [s for s in results if not isinstance(s, BaseException)]
         seconds = time.perf_counter() - t
         return {
             "ok": True,
@@ -153,6 +170,27 @@ class Worker:
             "paths": sorted({s.pull.path for s in stats}),
             "bytes": sum(s.bytes for s in stats),
             "seconds": seconds,
+        }
+
+    async def refit_start(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Start :meth:`refit` in the background; :meth:`refit_wait` answers it."""
+        self._pending = asyncio.create_task(self.refit(req))
+        return {"ok": True}
+
+    async def refit_wait(self, req: dict[str, Any]) -> dict[str, Any]:
+        assert self._pending is not None, "refit_wait without refit_start"
+        out: dict[str, Any] = await self._pending
+        return out
+
+    async def pulls(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The local daemon's pulls: state and bytes done (to see one under way)."""
+        local = await self.client(req["local"], req["token"])
+        return {
+            "ok": True,
+            "pulls": [
+                {"state": str(p.state), "bytes_done": p.bytes_done, "path": p.path}
+                for p in await local.pulls()
+            ],
         }
 
     async def close(self) -> None:
@@ -176,7 +214,8 @@ async def _serve() -> None:
             op = req.get("op")
             if op == "quit":
                 break
-            handler = getattr(worker, op, None) if op in ("publish", "refit") else None
+            ops = ("publish", "refit", "refit_start", "refit_wait", "pulls")
+            handler = getattr(worker, op, None) if op in ops else None
             if handler is None:
                 out: dict[str, Any] = {"ok": False, "error": "ProtocolError", "detail": op}
             else:

@@ -411,9 +411,21 @@ class RefitClient:
 
     # ------------------------------------------------------------ daemon to daemon
 
-    async def peer_regions(self, ids: list[int] | None = None) -> PeerRegions:
-        params = None if ids is None else {"ids": ",".join(str(i) for i in ids)}
-        return await self._call("GET", "/peer/regions", PeerRegions, params=params)
+    async def peer_regions(
+        self,
+        ids: list[int] | None = None,
+        lease_id: str = "",
+        model: str = "",
+        version: int = 0,
+    ) -> PeerRegions:
+        """Signed region records; under ``lease_id`` (on ``model`` ``version``) only the
+        regions that lease may read, each with the byte ranges it may read."""
+        params: dict[str, str] = {}
+        if ids is not None:
+            params["ids"] = ",".join(str(i) for i in ids)
+        if lease_id:
+            params.update(lease=lease_id, model=model, version=str(version))
+        return await self._call("GET", "/peer/regions", PeerRegions, params=params or None)
 
     async def peer_pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
@@ -425,5 +437,8 @@ class RefitClient:
             {"model": model, "version": version, "lease_id": lease_id, "specs": specs},
         )
 
-    async def peer_drop(self, region_id: int) -> None:
-        await self._call("DELETE", f"/peer/staging/{region_id}", type(None))
+    async def peer_drop(self, region_id: int, lease_id: str) -> None:
+        """Release staging region ``region_id``, packed for ``lease_id``."""
+        await self._call(
+            "DELETE", f"/peer/staging/{region_id}", type(None), params={"lease": lease_id}
+        )

@@ -377,30 +377,7 @@ class DaemonReceiver:
         """The refit of ``version`` under the live lease ``lease_id``."""
         m = await self.source.manifest(self.model, version)
         t1 = time.perf_counter()
-        sig = self.signature(m, self._engine_layout())
-        replayed = self._compiled is not None and self._compiled.signature == sig
-        if not replayed:
-            # Not the exact placement of last time: rebind the compiled plan if
-            # only addresses moved (no planning), else re-plan (or refuse: strict).
-            from refitd.reshard.compile import SignatureMismatch
-
-            sources = self.sources_of(m)
-            plan = self._plan_cache
-            why = "no plan yet" if plan is None else plan.mismatch(sources)
-            if why is not None:
-                if self.strict and plan is not None:
-                    raise ConflictError(
-                        f"{self.model!r} v{version}: {why}; strict mode forbids re-planning "
-                        "(warm the exact signature first)"
-                    )
-                plan = self._plan_cache = self._plan(m, sources)
-            try:
-                bound = plan.bind(sources, self._param_addr)
-            except SignatureMismatch as exc:
-                raise ConflictError(f"{self.model!r} v{version}: {exc}") from exc
-            self._compiled = await self._lower(bound, plan, sig)
-        comp = self._compiled
-        assert comp is not None
+        comp, replayed = await self._compiled_for(m, version)
         t2 = time.perf_counter()
         req = PullRequest(
             self.model,
@@ -435,6 +412,35 @@ class DaemonReceiver:
             t4 - t0,
             result,
         )
+
+    async def _compiled_for(self, m: MergedManifest, version: int) -> tuple[_Compiled, bool]:
+        """The compiled pull for manifest ``m``, and whether it was replayed (the
+        manifest's placement is exactly the last refit's: no planning at all)."""
+        sig = self.signature(m, self._engine_layout())
+        replayed = self._compiled is not None and self._compiled.signature == sig
+        if not replayed:
+            # Not the exact placement of last time: rebind the compiled plan if
+            # only addresses moved (no planning), else re-plan (or refuse: strict).
+            from refitd.reshard.compile import SignatureMismatch
+
+            sources = self.sources_of(m)
+            plan = self._plan_cache
+            why = "no plan yet" if plan is None else plan.mismatch(sources)
+            if why is not None:
+                if self.strict and plan is not None:
+                    raise ConflictError(
+                        f"{self.model!r} v{version}: {why}; strict mode forbids re-planning "
+                        "(warm the exact signature first)"
+                    )
+                plan = self._plan_cache = self._plan(m, sources)
+            try:
+                bound = plan.bind(sources, self._param_addr)
+            except SignatureMismatch as exc:
+                raise ConflictError(f"{self.model!r} v{version}: {exc}") from exc
+            self._compiled = await self._lower(bound, plan, sig)
+        comp = self._compiled
+        assert comp is not None
+        return comp, replayed
 
     def _name_suspects(self, exc: RefitError) -> RefitError:
         """In direct mode a failed pull may have written parameters: say which."""

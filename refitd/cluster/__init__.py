@@ -27,6 +27,7 @@ from collections.abc import Callable
 import msgspec
 
 from refitd.cluster.directory import Change, Directory, daemon_key, source_key
+from refitd.errors import NotFoundError
 from refitd.wire import ClusterVersion, DaemonRecord, SourceRecord
 
 __all__ = ["ClusterRegistry", "StaticRegistry", "registry_from_config"]
@@ -88,11 +89,18 @@ class ClusterRegistry:
         if version == "latest":
             found = self.directory.latest(model)
             if found is None:
-                from refitd.errors import NotFoundError
-
                 raise NotFoundError(f"no complete version of {model!r} is registered")
             return found
         return self.directory.version(model, int(version))
+
+    def complete(self, model: str, version: int, node_id: str) -> bool:
+        """Whether ``model`` at ``version`` has all its slots published across the
+        registered daemons, ``node_id`` among them."""
+        try:
+            found = self.directory.version(model, version)
+        except NotFoundError:
+            return False
+        return found.complete and any(h.node_id == node_id for h in found.holders)
 
     async def wait_newer(self, model: str, after: int, timeout_s: float) -> ClusterVersion | None:
         """The newest complete version of ``model`` newer than ``after``, waiting up to

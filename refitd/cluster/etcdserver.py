@@ -95,7 +95,10 @@ async def run_etcd(
     )
     server = EtcdServer(host, port, proc)
     try:
-        await _wait_ready(server, start_timeout_s)
+        if prefix:  # another network namespace: ask from there, never from here
+            await _wait_listening(server, prefix, start_timeout_s)
+        else:
+            await _wait_ready(server, start_timeout_s)
         yield server
     finally:
         if proc.returncode is None:
@@ -106,6 +109,30 @@ async def run_etcd(
             except TimeoutError:
                 proc.kill()
                 await proc.wait()
+
+
+_PROBE = """
+import socket, sys, time
+host, port, until = sys.argv[1], int(sys.argv[2]), time.monotonic() + float(sys.argv[3])
+while time.monotonic() < until:
+    try:
+        socket.create_connection((host, port), timeout=1).close()
+        sys.exit(0)
+    except OSError:
+        time.sleep(0.1)
+sys.exit(1)
+"""
+
+
+async def _wait_listening(server: EtcdServer, prefix: Sequence[str], timeout_s: float) -> None:
+    """Wait until etcd accepts connections, probing from inside ``prefix`` (its host)."""
+    import sys
+
+    probe = await asyncio.create_subprocess_exec(
+        *prefix, sys.executable, "-c", _PROBE, server.host, str(server.port), str(timeout_s)
+    )
+    if await probe.wait() != 0:
+        raise RuntimeError(f"etcd did not listen on {server.endpoint} within {timeout_s:g} s")
 
 
 async def _wait_ready(server: EtcdServer, timeout_s: float) -> None:

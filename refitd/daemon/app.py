@@ -39,7 +39,8 @@ from refitd.daemon.metrics import observe_pull
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.pulls import PullManager, RemoteSource, Source
 from refitd.daemon.registry import check_manifest_bounds
-from refitd.errors import ConflictError, ProtocolError, TransportError
+from refitd.daemon.trust import check_writes
+from refitd.errors import ProtocolError, TransportError
 from refitd.wire import (
     MAX_LEASE_TTL_S,
     MSGPACK,
@@ -129,6 +130,10 @@ async def publish(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     m = await body(request, ManifestIn)
     check_manifest_bounds(m, d.regions.sizes())
+    # A version publishes only from its publisher's regions (else it would expose
+    # another principal's bytes to its leases, and pin them against their writes).
+    for rid in sorted({s.region for t in m.tensors for s in t.shards}):
+        check_owner(request, d.regions.get(rid).owner, "publish from", f"region {rid}")
     info = d.registry.publish(m)
     d.lease_changed()
     await announce(request.app, m.model)
@@ -219,22 +224,15 @@ async def release(request: web.Request) -> web.Response:
 
 
 def check_pull_writes(request: web.Request, req: PullRequest) -> None:
-    """Refuse a pull whose destinations include another principal's region (403) or
-    a region a leased version publishes from (409)."""
+    """Refuse a pull whose destinations include another principal's region (403), a
+    staging region (403) or a region a READY, pending or leased version publishes from
+    (409): the write rule of :mod:`refitd.daemon.trust`."""
     d = request.app[DAEMON]
     known = d.regions.sizes()
     dst = {int(x) for x in req.descriptors.rows()[:, 2]} | {p.dst_region for p in req.pack_specs}
     for rid in sorted(dst & known.keys()):  # unknown ids are refused by validation
         check_owner(request, d.regions.get(rid).owner, "write", f"region {rid}")
-    # A leased version's bytes must not change under its readers (a publisher waits
-    # for the drain before rewriting them): a pull may not write there either.
-    leased = d.registry.leased_regions()
-    for rid in sorted(dst & leased.keys()):
-        model, version = leased[rid]
-        raise ConflictError(
-            f"pull refused: destination region {rid} holds {model!r} version {version}, "
-            "which is leased; nothing was transferred"
-        )
+    check_writes(dst, d.registry.protected_regions(), d.staging_ids)
 
 
 @routes.post(P + "/pulls")
@@ -283,21 +281,27 @@ async def peer_regions(request: web.Request) -> web.Response:
         ids = None if raw is None else [int(x) for x in raw.split(",") if x]
     except ValueError:  # a malformed id is the caller's mistake, not a server error
         raise ProtocolError(f"ids must be comma-separated integers, got {raw!r}") from None
-    return reply(request, request.app[DAEMON].peer_regions(ids))
+    d = request.app[DAEMON]
+    lease = None
+    if "lease" in request.query:  # records for a pull: only what that lease may read
+        lease = d.registry.check(
+            request.query["lease"], request.query.get("model", ""), query_int(request, "version")
+        )
+    return reply(request, d.peer_regions(ids, lease))
 
 
 @routes.post(P + "/peer/pack")
 async def peer_pack(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     req = await body(request, PackRequest)
-    d.registry.check(req.lease_id, req.model, req.version)
-    return reply(request, await d.pack(req.specs, req.lease_id), 201)
+    lease = d.registry.check(req.lease_id, req.model, req.version)
+    return reply(request, await d.pack(req.specs, lease), 201)
 
 
 @routes.delete(P + "/peer/staging/{region_id}")
 async def peer_drop(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    await d.release_staging(query_int(request, "region_id"))
+    await d.release_staging(query_int(request, "region_id"), request.query.get("lease", ""))
     return reply(request, None)
 
 
@@ -340,6 +344,10 @@ def create_app(
         # whose record verifies is trusted, for as long as it stays registered.
         cluster.on_change(
             lambda: d.peers.replace(REGISTRY_ORIGIN, [r.url for r in cluster.daemons()])
+        )
+        # A trainer split over hosts: each daemon holds some slots of a version.
+        d.registry.complete_elsewhere = lambda model, version: cluster.complete(
+            model, version, d.node_id
         )
 
     def connect(url: str) -> Source:

@@ -10,12 +10,13 @@ memory, the clock and the waiting.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,16 @@ from refitd.daemon.copier import Copier, ThreadCopier, pack_strided
 from refitd.daemon.memory import SharedSegment, byte_view, check_shm_capacity, refuse_cuda_ipc
 from refitd.daemon.peers import PeerPolicy
 from refitd.daemon.regions import RegionTable, validate_pack_specs
-from refitd.daemon.registry import Registry
-from refitd.errors import ConflictError, PlanError, ProtocolError, RefitError, TransportError
+from refitd.daemon.registry import Lease, Registry
+from refitd.daemon.trust import Extents, check_pack_reads
+from refitd.errors import (
+    AccessDenied,
+    ConflictError,
+    PlanError,
+    ProtocolError,
+    RefitError,
+    TransportError,
+)
 from refitd.wire import (
     NodeInfo,
     PackSpec,
@@ -143,6 +152,8 @@ class Daemon:
         #: staging regions handed to a reader, by the lease it packed under; a reader
         #: that never releases one cannot keep it past its lease (see _reclaim_staging)
         self._staging_held: dict[int, str] = {}
+        #: regions a running pull of this daemon reads or writes (see :meth:`using`)
+        self._busy: collections.Counter[int] = collections.Counter()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -223,17 +234,32 @@ class Daemon:
         return await self._record(seg, req.kind, req.owner, req.label, daemon_owned=False)
 
     async def delete_region(self, region_id: int) -> RegionInfo:
-        """Forget a region; refused while a READY or pending version still lists it."""
+        """Forget a region (``DELETE /v1/regions/{id}``). Refused (409) while a READY,
+        pending or leased version publishes from it (a retired version included, while
+        leased), while a running pull of this daemon reads or writes it (its mapping
+        is never unmapped under a copy), and (403) for a staging region, which only
+        the daemon itself frees."""
         info = self.regions.get(region_id)
-        for v in self.registry.versions():
-            if v.state.value == "retired":
-                continue
-            used = self.registry.regions_of(v.model, v.version)
-            if region_id in used:
-                raise ConflictError(
-                    f"region {region_id} refused deletion: {v.model!r} version {v.version} "
-                    "still publishes tensors in it"
-                )
+        if region_id in self._staging_ids:
+            raise AccessDenied(
+                f"region {region_id} refused deletion: it is a staging region of this "
+                "daemon, freed by the lease that packed it or when that lease ends"
+            )
+        protected = self.registry.protected_regions().get(region_id)
+        if protected is not None:
+            model, version, why = protected
+            raise ConflictError(
+                f"region {region_id} refused deletion: {model!r} version {version} "
+                f"publishes tensors in it and is {why}"
+            )
+        return await self._drop_region(region_id, info)
+
+    async def _drop_region(self, region_id: int, info: RegionInfo) -> RegionInfo:
+        if self._busy[region_id]:
+            raise ConflictError(
+                f"region {region_id} refused deletion: {self._busy[region_id]} running "
+                "pull(s) of this daemon read or write it; cancel them or wait"
+            )
         self.regions.remove(region_id)
         if self.transport is not None:
             await self.transport.deregister(region_id)  # type: ignore[attr-defined]
@@ -245,27 +271,82 @@ class Daemon:
         self.regions.get(region_id)
         return byte_view(self.segments[region_id])
 
-    def peer_regions(self, ids: list[int] | None = None) -> PeerRegions:
-        """Signed records of ``ids`` (all regions if ``None``) for a peer daemon."""
+    @contextlib.contextmanager
+    def using(self, region_ids: Iterable[int]) -> Iterator[None]:
+        """Mark regions as read or written by a running pull for the block: none of
+        them is deleted (and unmapped) meanwhile."""
+        ids = sorted(set(region_ids))
+        self._busy.update(ids)
+        try:
+            yield
+        finally:
+            self._busy.subtract(ids)
+            for i in ids:
+                if self._busy[i] <= 0:
+                    del self._busy[i]
+
+    @property
+    def staging_ids(self) -> frozenset[int]:
+        """Every staging region of this daemon (held or free)."""
+        return frozenset(self._staging_ids)
+
+    def lease_scope(self, lease: Lease) -> dict[int, Extents]:
+        """What ``lease`` may read here: its version's shard ranges, and whole staging
+        regions packed for that very lease."""
+        scope = dict(self.registry.scope(lease.model, lease.version))
+        for rid, held in self._staging_held.items():
+            if held == lease.lease_id and rid in self.regions:
+                scope[rid] = [(0, self.regions.get(rid).nbytes)]
+        return scope
+
+    def peer_regions(self, ids: list[int] | None = None, lease: Lease | None = None) -> PeerRegions:
+        """Signed records of ``ids`` (all regions if ``None``) for a peer daemon.
+
+        Under ``lease`` (a live one, checked by the caller) only regions that lease may
+        read are given, each with the byte ranges it may read (``scope``); any other
+        id is refused (:class:`AccessDenied`). Without a lease the records carry no
+        scope, and a pulling daemon reads nothing through them."""
+        scope: dict[int, Extents] = {}
+        if lease is not None:
+            allowed = self.lease_scope(lease)
+            if ids is None:
+                ids = sorted(allowed)
+            outside = [i for i in ids if i not in allowed]
+            if outside:
+                raise AccessDenied(
+                    f"region(s) {outside} refused: not part of {lease.model!r} version "
+                    f"{lease.version} read under lease {lease.lease_id!r}; a lease reads only "
+                    "its version's shards and staging packed for it"
+                )
+            scope = {i: allowed[i] for i in ids}
         infos = list(self.regions) if ids is None else [self.regions.get(i) for i in ids]
         advert = b""
         if self.transport is not None:
             advert = self.transport.advertise().encode()  # type: ignore[attr-defined]
         files = {r.region_id: self._files[r.region_id] for r in infos if r.region_id in self._files}
         rec = PeerRegions(
-            self.node_id, self.epoch, self.options.transport, infos, advert, self.boot_id, files
+            self.node_id,
+            self.epoch,
+            self.options.transport,
+            infos,
+            advert,
+            self.boot_id,
+            files,
+            lease_id=lease.lease_id if lease is not None else "",
+            scope=scope,
         )
         return rec.signed(self.options.secret)
 
     # ------------------------------------------------------------ packing
 
-    async def pack(self, specs: list[PackSpec], lease_id: str) -> StagedPack:
+    async def pack(self, specs: list[PackSpec], lease: Lease) -> StagedPack:
         """Gather each spec's strided block into one new daemon-owned staging region.
 
         Only the source fields of each spec are used here; the destination fields are
-        the reader's. Refused (nothing packed) if there is no spec or any spec leaves
-        its source region. The region is held for ``lease_id``: released by the reader
-        (:meth:`release_staging`) or reclaimed once that lease is gone.
+        the reader's. Refused (nothing packed) if there is no spec, any spec leaves
+        its source region, or any spec reads bytes outside what ``lease`` (live,
+        checked by the caller) may read. The region is held for that lease: released
+        by its holder (:meth:`release_staging`) or reclaimed once the lease is gone.
         """
         if not specs:
             raise ProtocolError("pack refused: the request names no pack spec, nothing to pack")
@@ -281,8 +362,10 @@ class Daemon:
             sizes,
             staging_sizes,
         )
+        what = f"{lease.model!r} version {lease.version} (lease {lease.lease_id!r})"
+        check_pack_reads(specs, self.registry.scope(lease.model, lease.version), what)
         region = await self._take_staging(total)
-        self._staging_held[region.region_id] = lease_id
+        self._staging_held[region.region_id] = lease.lease_id
         dst = self.view(region.region_id)
         srcs = {p.src_region: self.view(p.src_region) for p in specs}
 
@@ -314,24 +397,43 @@ class Daemon:
         expired, so readers that never call release cannot grow the daemon's memory."""
         for region_id, lease_id in list(self._staging_held.items()):
             if not self.registry.is_live(lease_id):
-                await self.release_staging(region_id)
+                await self._free_staging(region_id)
 
-    async def release_staging(self, region_id: int) -> None:
-        """Return a staging region to the pool once its reader is done; the pool keeps
-        at most ``STAGING_POOL`` regions and deletes the rest."""
+    async def release_staging(self, region_id: int, lease_id: str) -> None:
+        """The reader under ``lease_id`` is done with staging region ``region_id``
+        (``DELETE /v1/peer/staging/{id}?lease=``): it returns to the pool. Refused
+        (403) when the region was packed for another lease: only the lease that
+        packed it (or its end) frees it, so no reader's bytes are repacked under it.
+        Releasing one already free is a no-op."""
         info = self.regions.get(region_id)
         if region_id not in self._staging_ids or not info.daemon_owned:
             raise ConflictError(
                 f"region {region_id} refused as staging: it is not a staging region of this daemon"
             )
+        held = self._staging_held.get(region_id)
+        if held is None:
+            return
+        if held != lease_id:
+            raise AccessDenied(
+                f"staging region {region_id} refused release: it was packed for another "
+                f"lease than {lease_id!r}; only that lease's holder or its end frees it"
+            )
+        await self._free_staging(region_id)
+
+    async def _free_staging(self, region_id: int) -> None:
+        """Return a staging region to the pool; the pool keeps at most
+        ``STAGING_POOL`` regions and deletes the rest."""
         self._staging_held.pop(region_id, None)
         if region_id in self._staging_free:
             return
         self._staging_free.append(region_id)
         while len(self._staging_free) > STAGING_POOL:
             gone = self._staging_free.pop(0)
+            if self._busy[gone]:  # still read by a pull of this daemon: keep it
+                self._staging_free.append(gone)
+                break
             self._staging_ids.discard(gone)
-            await self.delete_region(gone)
+            await self._drop_region(gone, self.regions.get(gone))
 
     # ------------------------------------------------------------ leases
 

@@ -40,8 +40,10 @@ from refitd.daemon.regions import (
     validate_descriptors,
     validate_pack_specs,
 )
-from refitd.errors import NotFoundError, RefitError, TransportError
+from refitd.daemon.trust import check_pack_reads, check_reads
+from refitd.errors import NotFoundError, ProtocolError, RefitError, TransportError
 from refitd.wire import (
+    DescriptorTable,
     ErrorBody,
     PackSpec,
     PeerRegions,
@@ -75,11 +77,14 @@ class Source(Protocol):
     """The daemon a pull reads from, seen from the daemon that pulls."""
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> None: ...
-    async def regions(self, ids: list[int]) -> PeerRegions: ...
+    async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
+        """Signed records of ``ids``, scoped to what ``req``'s lease may read."""
+        ...
+
     async def pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
     ) -> StagedPack: ...
-    async def drop(self, region_id: int) -> None: ...
+    async def drop(self, region_id: int, lease_id: str) -> None: ...
 
 
 class LocalSource:
@@ -91,16 +96,17 @@ class LocalSource:
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
         self.d.registry.check(lease_id, model, version)
 
-    async def regions(self, ids: list[int]) -> PeerRegions:
-        return self.d.peer_regions(ids)
+    async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
+        lease = self.d.registry.check(req.lease_id, req.model, req.version)
+        return self.d.peer_regions(ids, lease)
 
     async def pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
     ) -> StagedPack:
-        return await self.d.pack(specs, lease_id)
+        return await self.d.pack(specs, self.d.registry.check(lease_id, model, version))
 
-    async def drop(self, region_id: int) -> None:
-        await self.d.release_staging(region_id)
+    async def drop(self, region_id: int, lease_id: str) -> None:
+        await self.d.release_staging(region_id, lease_id)
 
 
 class RemoteSource:
@@ -116,8 +122,8 @@ class RemoteSource:
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
         await self.c.check_lease(lease_id, model, version)
 
-    async def regions(self, ids: list[int]) -> PeerRegions:
-        rec = await self.c.peer_regions(ids)
+    async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
+        rec = await self.c.peer_regions(ids, req.lease_id, req.model, req.version)
         rec.verify(self.secret)
         return rec
 
@@ -126,8 +132,8 @@ class RemoteSource:
     ) -> StagedPack:
         return await self.c.peer_pack(model, version, lease_id, specs)
 
-    async def drop(self, region_id: int) -> None:
-        await self.c.peer_drop(region_id)
+    async def drop(self, region_id: int, lease_id: str) -> None:
+        await self.c.peer_drop(region_id, lease_id)
 
 
 @dataclass
@@ -148,6 +154,8 @@ class PullJob:
     path: str = ""  # "local", "shm" or the transport's scheme: decided at submit
     cancel_reason: str = ""
     fail_reason: str = ""  # set when the source left the registry: FAILED, not CANCELLED
+    #: regions of this daemon the pull reads or writes, kept from deletion until it ends
+    pins: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def progress(self, n_desc: int, n_bytes: int) -> None:
         self.descriptors_done += n_desc
@@ -219,16 +227,24 @@ class PullManager:
         src_ids = sorted(
             {int(x) for x in np.unique(rows[:, 0])} | {p.src_region for p in req.pack_specs}
         )
-        peer = await src.regions(src_ids) if src_ids else None
+        peer = await src.regions(src_ids, req) if src_ids else None
         src_sizes = {r.region_id: r.nbytes for r in peer.regions} if peer else {}
         dst_sizes = self.d.regions.sizes()
         validate_descriptors(req.descriptors, src_sizes, dst_sizes)
         validate_pack_specs(req.pack_specs, src_sizes, dst_sizes)
         refuse_overlapping_writes(rows, req.pack_specs)
+        if peer is not None:
+            what = _scope_check(peer, req)
+            check_reads(rows, peer.scope, what)
+            check_pack_reads(req.pack_specs, peer.scope, what)
         path = self.choose_path(src, peer)
         total = int(rows[:, 4].sum()) + sum(p.nbytes for p in req.pack_specs)
         job = PullJob(f"p{next(self._seq)}", req, total, rows.shape[0] + len(req.pack_specs))
         job.path = path
+        dst_ids = {int(x) for x in np.unique(rows[:, 2])} | {p.dst_region for p in req.pack_specs}
+        job.pins.enter_context(
+            self.d.using(dst_ids | (set(src_ids) if isinstance(src, LocalSource) else set()))
+        )
         self.jobs[job.pull_id] = job
         self._forget_old()
         task = asyncio.create_task(self._run(job, src, rows, peer))
@@ -310,10 +326,21 @@ class PullManager:
                     ],
                     dtype=np.int64,
                 ).reshape(-1, 5)
-                # The staging record must come authenticated like any other region.
-                sp = await src.regions([staged.region.region_id])
+                # The staging record must come authenticated like any other region,
+                # scoped to this lease, and the offsets the source sent are checked
+                # like any descriptor: in bounds of that record, inside its scope.
+                sp = await src.regions([staged.region.region_id], req)
+                what = _scope_check(sp, req)
+                validate_descriptors(
+                    DescriptorTable.pack(extra),
+                    {r.region_id: r.nbytes for r in sp.regions},
+                    self.d.regions.sizes(),
+                )
+                check_reads(extra, sp.scope, what)
                 peer = sp if peer is None else _merge_peer(peer, sp)
                 all_rows = np.concatenate([rows, extra])
+                if isinstance(src, LocalSource):
+                    job.pins.enter_context(self.d.using([staged.region.region_id]))
             moving = True
             await self._move(job, src, all_rows, peer)
             await src.check_lease(req.lease_id, req.model, req.version)
@@ -349,9 +376,10 @@ class PullManager:
                 log.error("pull %s failed unexpectedly", job.pull_id, exc_info=exc)
         finally:
             job.ended = time.perf_counter()
+            job.pins.close()
             if staged is not None:
                 with contextlib.suppress(RefitError):
-                    await asyncio.shield(src.drop(staged.region.region_id))
+                    await asyncio.shield(src.drop(staged.region.region_id, req.lease_id))
             job.finished.set()
 
     async def _move(
@@ -572,4 +600,16 @@ def _merge_peer(a: PeerRegions, b: PeerRegions) -> PeerRegions:
         b.advert or a.advert,
         a.boot_id,
         {**a.files, **b.files},
+        a.lease_id,
+        {**a.scope, **b.scope},
     )
+
+
+def _scope_check(peer: PeerRegions, req: PullRequest) -> str:
+    """Refuse records not given under ``req``'s lease; name that lease for refusals."""
+    if peer.lease_id != req.lease_id:
+        raise ProtocolError(
+            f"region records from {peer.node_id!r} refused: they were given under lease "
+            f"{peer.lease_id!r}, not the pull's {req.lease_id!r}; nothing was transferred"
+        )
+    return f"{req.model!r} version {req.version} read under lease {req.lease_id!r}"

@@ -8,7 +8,8 @@ Rules this class enforces:
 
 - a version is READY when every slot in ``range(expected_slots)`` has published;
   when a version becomes READY, older versions of the same model are RETIRED;
-- a lease may be acquired only on a READY version; renewing or checking an expired
+- a lease may be acquired only on a READY version (or, across hosts, on a PENDING
+  one whose missing slots the cluster registry says other daemons hold); renewing or checking an expired
   or unknown lease is a :class:`ConflictError` (the reader's view is stale);
 - publishing over a version that holds live leases is refused (:class:`ConflictError`):
   readers may be mid-pull, and a rewrite would tear what they read;
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from refitd.daemon.trust import Extents, merge_extents
 from refitd.errors import ConflictError, NotFoundError, ProtocolError
 from refitd.wire import (
     LeaseGrant,
@@ -126,6 +128,7 @@ class _Version:
     state: VersionState = VersionState.PENDING
     merged: MergedManifest | None = None
     merged_bytes: bytes | None = None
+    scope: dict[int, Extents] | None = None
 
 
 class Registry:
@@ -141,32 +144,58 @@ class Registry:
         self._clock = clock
         self._versions: dict[tuple[str, int], _Version] = {}
         self._leases: dict[str, Lease] = {}
+        #: per model, the highest version number that ever became READY
+        self._newest_ready: dict[str, int] = {}
         self._seq = itertools.count(1)
+        #: Whether a version this daemon holds only some slots of has all its slots
+        #: published across the cluster (set by the daemon when a cluster registry
+        #: tells it); such a PENDING version is served like a READY one, for the
+        #: slots held here. Default: never (one host).
+        self.complete_elsewhere: Callable[[str, int], bool] = lambda model, version: False
 
     # ------------------------------------------------------------ publishing
 
     def publish(self, m: ManifestIn) -> VersionInfo:
         """Record one slot's manifest; returns the version's state after it.
 
-        Refused with :class:`ConflictError` if the version holds live leases, or the
-        slot disagrees with slots already published on ``expected_slots``, or on a
-        tensor's shape or dtype; :class:`ProtocolError` if ``slot`` is out of range.
+        Versions are immutable once READY and only move forward. Refused with
+        :class:`ConflictError` (nothing recorded) if the version is READY or retired,
+        if its number is not above the model's newest version that became READY
+        (:meth:`latest_ready` of a model never goes down), if the slot was already
+        published with other content, or if the slot disagrees with slots already
+        published on ``expected_slots`` or on a tensor's shape or dtype;
+        :class:`ProtocolError` if ``slot`` is out of range. Publishing a pending
+        slot again with identical content is a no-op.
         """
         key = (m.model, m.version)
         if m.slot >= m.expected_slots:
             raise ProtocolError(
                 f"slot {m.slot} is outside range({m.expected_slots}) of expected slots"
             )
-        live = self.active_leases(m.model, m.version)
-        if live:
-            raise ConflictError(
-                f"publishing over {m.model!r} version {m.version} refused: {len(live)} live "
-                "lease(s); wait for them to drain"
-            )
         v = self._versions.get(key)
-        if v is None or v.state is VersionState.RETIRED:
+        if v is not None and v.state is not VersionState.PENDING:
+            raise ConflictError(
+                f"publishing slot {m.slot} of {m.model!r} version {m.version} refused: the "
+                f"version is {v.state.value}, and a version never changes once ready; "
+                "publish a new version number"
+            )
+        newest = self._newest_ready.get(m.model)
+        if v is None and newest is not None and m.version <= newest:
+            raise ConflictError(
+                f"publishing {m.model!r} version {m.version} refused: version {newest} "
+                "already became ready, and a model's versions only move forward; publish "
+                f"a version above {newest}"
+            )
+        if v is None:
             v = _Version(m.model, m.version, m.expected_slots)
             self._versions[key] = v
+        elif m.slot in v.slots:
+            if v.slots[m.slot] == m:
+                return self._info(v)
+            raise ConflictError(
+                f"slot {m.slot} of {m.model!r} version {m.version} is already published "
+                "with other content; a slot is published once"
+            )
         elif v.expected_slots != m.expected_slots:
             raise ConflictError(
                 f"{m.model!r} version {m.version}: slot {m.slot} expects {m.expected_slots} "
@@ -174,14 +203,14 @@ class Registry:
             )
         self._check_agreement(v, m)
         v.slots[m.slot] = m
-        v.merged = v.merged_bytes = None
+        v.merged = v.merged_bytes = v.scope = None
         if len(v.slots) == v.expected_slots:
             v.state = VersionState.READY
+            self._newest_ready[m.model] = m.version
             for (model, version), other in self._versions.items():
                 if model == m.model and version < m.version:
                     other.state = VersionState.RETIRED
-        else:
-            v.state = VersionState.PENDING
+                    other.merged = other.merged_bytes = None
         return self._info(v)
 
     @staticmethod
@@ -247,15 +276,49 @@ class Registry:
         v = self._get(model, version)
         return {s.region for m in v.slots.values() for t in m.tensors for s in t.shards}
 
-    def leased_regions(self) -> dict[int, tuple[str, int]]:
-        """Region id -> one ``(model, version)`` with live leases that lists it: bytes
-        a leaseholder may be reading, which nothing may overwrite until they drain."""
-        now = self._clock()  # expired leases are kept: a later check names them as such
+    def protected_regions(self) -> dict[int, tuple[str, int, str]]:
+        """Region id -> ``(model, version, why)`` of one version that publishes from it
+        and whose bytes must not change: READY, pending (being published) or leased
+        (a retired version stays protected while a lease on it is live). Neither a
+        pull nor a delete may touch these regions."""
+        now = self._clock()
         leased = {(x.model, x.version) for x in self._leases.values() if x.expires_at > now}
-        return {r: key for key in sorted(leased) for r in self.regions_of(*key)}
+        out: dict[int, tuple[str, int, str]] = {}
+        for key, v in sorted(self._versions.items()):
+            if key in leased:
+                why = f"leased ({v.state.value})"
+            elif v.state is VersionState.RETIRED:
+                continue
+            else:
+                why = v.state.value
+            for r in self.regions_of(*key):
+                out.setdefault(r, (key[0], key[1], why))
+        return out
+
+    def scope(self, model: str, version: int) -> dict[int, Extents]:
+        """Region id -> the byte ranges the version's shards occupy (every slot's,
+        merged): what a lease on it may read. Cached; a version that may be leased
+        never changes."""
+        v = self._get(model, version)
+        if v.scope is None:
+            ranges: list[tuple[int, int, int]] = []
+            for m in v.slots.values():
+                for t in m.tensors:
+                    size = DTYPE_SIZES.get(t.dtype, 1)
+                    for s in t.shards:
+                        ranges.append(
+                            (s.region, s.byte_offset, s.byte_offset + _prod(s.shape) * size)
+                        )
+            v.scope = merge_extents(ranges)
+        return v.scope
 
     def latest_ready(self, model: str) -> int:
-        """The newest READY version of ``model``; :class:`NotFoundError` if none."""
+        """``latest``: the model's READY version, :class:`NotFoundError` if none.
+
+        A model has at most one READY version: a version becoming READY retires every
+        older one, and versions only move forward, so ``latest`` never goes back to
+        an older version. After ``drain?retire=1`` of that version there is no latest
+        until a newer version becomes READY."""
         ready = [
             ver
             for (mdl, ver), v in self._versions.items()
@@ -267,6 +330,8 @@ class Registry:
 
     def _require_ready(self, model: str, version: int) -> _Version:
         v = self._get(model, version)
+        if v.state is VersionState.PENDING and self.complete_elsewhere(model, version):
+            return v  # the other slots are held by other daemons of the cluster
         if v.state is not VersionState.READY:
             raise ConflictError(
                 f"{model!r} version {version} is {v.state.value}, not ready: "

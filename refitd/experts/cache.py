@@ -23,14 +23,19 @@ list reads per routed expert and a victim is chosen without scanning the pool.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-
-import msgspec
-import numpy as np
+from collections.abc import Sequence
 
 from refitd.errors import ConfigError, PlanError
 from refitd.experts.density import HitDensityPolicy
+from refitd.experts.lookahead import Lookahead
+from refitd.experts.plans import (
+    CacheStats,
+    CopyPlan,
+    EnsurePlan,
+    ExpertId,
+    GatherPlan,
+    PrefetchPlan,
+)
 from refitd.experts.policy import EvictionPolicy
 
 __all__ = [
@@ -46,101 +51,10 @@ __all__ = [
 _NONE = -1
 
 
-class ExpertId(msgspec.Struct, frozen=True, order=True):
-    """One expert of one MoE layer (both zero-based)."""
-
-    layer: int
-    expert: int
-
-
-class CopyPlan(msgspec.Struct, frozen=True):
-    """Host→slot copies: row ``src_rows[i]`` of the plan's layer into ``dst_slots[i]``.
-
-    Rows are layer-local expert ids, not global keys, so each layer's host rows can
-    live in their own allocation (and so carry their own host residency).
-    """
-
-    dst_slots: tuple[int, ...] = ()
-    src_rows: tuple[int, ...] = ()
-
-    def is_empty(self) -> bool:
-        return not self.dst_slots and not self.src_rows
-
-
-class GatherPlan(msgspec.Struct, frozen=True):
-    """Slot→slot copies inside the pool: ``src_slots[i]`` onto ``dst_slots[i]``."""
-
-    dst_slots: tuple[int, ...] = ()
-    src_slots: tuple[int, ...] = ()
-
-    def is_empty(self) -> bool:
-        return not self.dst_slots and not self.src_slots
-
-
-class EnsurePlan(msgspec.Struct, frozen=True):
-    """The answer to one ``ensure``.
-
-    ``slots[i]`` is where ``routed[i]`` lives after ``copy`` is applied (caller order,
-    duplicates repeated), or ``None`` when hybrid mode leaves that expert to CPU
-    compute. ``active`` counts distinct routed experts, ``missing`` those not resident
-    before the step, ``fetched`` those this plan copies (``fetched <= missing``).
-    """
-
-    slots: tuple[int | None, ...]
-    copy: CopyPlan
-    active: int
-    missing: int
-    fetched: int
-
-
-class PrefetchPlan(msgspec.Struct, frozen=True):
-    """The answer to one ``prefetch``.
-
-    ``copy`` brings predicted experts of ``layer`` into free or evicted slots (most
-    confident first); ``resident`` counts predicted experts already resident, now
-    protected until the layer runs; ``skipped`` counts predictions neither resident
-    nor copied: over ``budget``, below ``min_score``, or with no slot the prefetch may
-    take.
-    """
-
-    layer: int
-    copy: CopyPlan
-    resident: int
-    skipped: int
-
-
 _EMPTY = CopyPlan()
 
 
-@dataclass(frozen=True)
-class CacheStats:
-    """Counts over ``ensure`` calls. Routes are distinct experts per call."""
-
-    steps: int = 0
-    routes: int = 0
-    hits: int = 0
-    misses: int = 0
-    fetched: int = 0
-    cpu: int = 0
-    evictions: int = 0
-    materialized: int = 0
-    prefetched: int = 0
-    prefetch_used: int = 0
-    prefetch_wasted: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """Fraction of routes already resident, 0.0 before any route."""
-        return self.hits / self.routes if self.routes else 0.0
-
-    @property
-    def prefetch_accuracy(self) -> float:
-        """Fraction of prefetched copies a step used before they left; 0.0 before any."""
-        done = self.prefetch_used + self.prefetch_wasted
-        return self.prefetch_used / done if done else 0.0
-
-
-class ExpertCache:
+class ExpertCache(Lookahead):
     """A global pool of expert slots with a pluggable eviction policy.
 
     The default policy is ``HitDensityPolicy`` (evict the least learned hits per
@@ -309,19 +223,6 @@ class ExpertCache:
         """Slots holding an expert."""
         return self._size - self._n_free
 
-    def predicted(self, layer: int) -> tuple[int, ...]:
-        """Slots the still-valid prediction for ``layer`` needs (held or pinned),
-        ascending; empty when there is none. Nothing evicts them but a step that
-        needs room and finds no other slot (which cancels the prediction)."""
-        self._check_layer(layer)
-        return tuple(sorted({s for s, key in self._predicted[layer] if self._needs(s, key, layer)}))
-
-    def unused(self) -> tuple[int, ...]:
-        """Prefetched slots whose layer ran without routing them, in the order the
-        next misses take them (oldest first, then lowest slot)."""
-        seq = self._unused_seq
-        return tuple(s for q, s in sorted(self._unused) if seq[s] == q)
-
     def stats(self) -> CacheStats:
         """Totals over all layers."""
         return CacheStats(
@@ -471,237 +372,6 @@ class ExpertCache:
         return EnsurePlan(
             slots, CopyPlan(tuple(dst), tuple(fetch)), len(uniq), len(misses), len(fetch)
         )
-
-    def _take_slot(self, step: int, protected: int) -> int:
-        """An empty slot for a fill, or -1. Free slots first (lowest), then unused
-        prefetched copies (oldest), then the policy's victim while the books hold a
-        slot that is not among the ``protected`` ones this step already uses. A
-        victim a prediction needs (pinned) is held for it instead, and the policy is
-        asked again."""
-        free = self._free
-        is_free = self._is_free
-        while free:
-            s = heapq.heappop(free)
-            if is_free[s]:
-                is_free[s] = False
-                self._n_free -= 1
-                return s
-        unused = self._unused
-        useq = self._unused_seq
-        while unused:
-            q, s = heapq.heappop(unused)
-            if useq[s] == q:
-                useq[s] = _NONE
-                self._evict_owned(s)
-                return s
-        policy = self._policy
-        resident, touched, pinned = self._resident, self._touched, self._pinned
-        while self._size - self._n_free - self._n_owned - protected > 0:
-            slot = policy.choose_victim(step)
-            if touched[slot] == step or resident[slot] < 0 or self._owned[slot]:
-                raise PlanError(
-                    f"policy {policy.name!r} chose slot {slot}, which this step "
-                    "already uses, which holds nothing, or which it does not own: "
-                    "evicting it would break a placement or a prediction"
-                )
-            if pinned[slot]:
-                # Out of the books now; kept for the prediction that needs it.
-                pinned[slot] = False
-                self._owned[slot] = True
-                self._n_owned += 1
-                self._held_by[slot] = resident[slot] // self._experts
-                continue
-            self._slot_of[resident[slot]] = _NONE
-            self._evictions += 1
-            return slot
-        return _NONE
-
-    def _evict_owned(self, slot: int) -> None:
-        """Empty an owned (unused) slot for an immediate refill."""
-        self._slot_of[self._resident[slot]] = _NONE
-        self._owned[slot] = False
-        self._n_owned -= 1
-        if self._fresh[slot]:
-            self._fresh[slot] = False
-            self._prefetch_wasted += 1
-        self._evictions += 1
-
-    def _adopt(self, slots: Sequence[int]) -> None:
-        """Owned slots a step routes join the policy's books (``on_step`` names them)."""
-        owned, useq, fresh = self._owned, self._unused_seq, self._fresh
-        for s in slots:
-            if owned[s]:
-                owned[s] = False
-                self._n_owned -= 1
-                self._held_by[s] = _NONE
-                useq[s] = _NONE
-                if fresh[s]:
-                    fresh[s] = False
-                    self._prefetch_used += 1
-
-    def _needs(self, slot: int, key: int, layer: int) -> bool:
-        """Whether prediction entry ``(slot, key)`` of ``layer`` still holds its slot."""
-        if self._resident[slot] != key:
-            return False
-        return self._pinned[slot] or self._held_by[slot] == layer
-
-    def _end_prediction(self, layer: int, cancel: bool = False) -> list[int]:
-        """End ``layer``'s prediction: unpin its resident experts and return the slots
-        it held (still owned, no longer held). When ``cancel``, those become unused at
-        once; otherwise the calling step adopts the ones it routes and retires the
-        rest."""
-        entries = self._predicted[layer]
-        self._predicted[layer] = []
-        self._pred_order.remove(layer)
-        pinned, held_by, resident = self._pinned, self._held_by, self._resident
-        released: list[int] = []
-        for s, key in entries:
-            if resident[s] != key:
-                continue
-            if pinned[s]:
-                pinned[s] = False
-            elif held_by[s] == layer:
-                held_by[s] = _NONE
-                released.append(s)
-        if cancel:
-            self._retire(released)
-            return []
-        return released
-
-    def _retire(self, slots: list[int]) -> None:
-        """Released slots no step adopted become unused: first to leave, in slot order."""
-        owned, useq = self._owned, self._unused_seq
-        for s in sorted(slots):
-            if owned[s] and useq[s] < 0:
-                self._seq += 1
-                useq[s] = self._seq
-                heapq.heappush(self._unused, (self._seq, s))
-
-    # -- prefetch ------------------------------------------------------------------
-
-    def prefetch(
-        self,
-        layer: int,
-        predicted: Sequence[int] | Mapping[int, float] | np.ndarray,
-        budget: int | None = None,
-        *,
-        min_score: float | None = None,
-    ) -> PrefetchPlan:
-        """Bring the experts predicted for ``layer``'s next step in ahead of it.
-
-        ``predicted`` is expert ids, most confident first; or scores: a mapping
-        ``{expert: score}`` or a float array of one score per expert (for example the
-        next layer's router applied to the current hidden state), taken highest first,
-        ties to the lower id, skipping scores below ``min_score``. At most ``budget``
-        copies are planned (``None``: one per prediction).
-
-        The prediction stays valid until ``layer``'s next ``ensure``; until then
-        nothing evicts what it needs (resident predicted experts and the copies
-        planned here), except a step with no other slot left, which drops the oldest
-        prediction. A prefetch never evicts a slot the current step (the last
-        ``ensure``) uses, nor anything an earlier still-valid prediction needs; when
-        only such slots are left it plans fewer copies. Copies take free slots, then
-        unused prefetched copies, then the policy's victims. The policy is not told
-        about a prefetched copy until a step routes it; copies the layer's step does
-        not route are the first to leave afterwards. Not a step: the step counter
-        and routing statistics do not move. Repeated calls for one layer add to its
-        prediction.
-        """
-        self._check_layer(layer)
-        experts = self._experts
-        order = self._order_prediction(layer, predicted, min_score)
-        limit = len(order) if budget is None else budget
-        if limit < 0:
-            raise ConfigError(f"prefetch budget must be non-negative or None, got {budget}")
-        base = layer * experts
-        slot_of, resident = self._slot_of, self._resident
-        owned, held_by, pinned = self._owned, self._held_by, self._pinned
-        entries = self._predicted[layer]
-        if not entries:
-            self._pred_order.append(layer)
-        step = self._step
-        dst: list[int] = []
-        rows: list[int] = []
-        present = skipped = 0
-        full = False
-        for e in order:
-            key = base + e
-            s = slot_of[key]
-            if s >= 0:
-                present += 1
-                if owned[s]:
-                    if held_by[s] != layer:
-                        # An unused copy (its layer's own prediction has ended): held again.
-                        held_by[s] = layer
-                        self._unused_seq[s] = _NONE
-                        entries.append((s, key))
-                elif not pinned[s]:
-                    pinned[s] = True
-                    entries.append((s, key))
-                continue
-            if full or len(dst) >= limit:
-                skipped += 1
-                continue
-            s = self._take_slot(step, self._step_in_books)
-            if s < 0:
-                full = True
-                skipped += 1
-                continue
-            resident[s] = key
-            slot_of[key] = s
-            owned[s] = True
-            self._n_owned += 1
-            held_by[s] = layer
-            self._fresh[s] = True
-            entries.append((s, key))
-            dst.append(s)
-            rows.append(e)
-        if not entries:
-            self._pred_order.remove(layer)
-        self._prefetched += len(dst)
-        copy = CopyPlan(tuple(dst), tuple(rows)) if dst else _EMPTY
-        return PrefetchPlan(layer, copy, present, skipped)
-
-    def _order_prediction(
-        self,
-        layer: int,
-        predicted: Sequence[int] | Mapping[int, float] | np.ndarray,
-        min_score: float | None,
-    ) -> list[int]:
-        """Distinct expert ids, most confident first, validated."""
-        experts = self._experts
-        if isinstance(predicted, Mapping):
-            items = [(e, float(v)) for e, v in predicted.items()]
-            if min_score is not None:
-                items = [(e, v) for e, v in items if v >= min_score]
-            items.sort(key=lambda ev: (-ev[1], ev[0]))
-            order = [e for e, _ in items]
-        elif isinstance(predicted, np.ndarray) and predicted.dtype.kind == "f":
-            if predicted.shape != (experts,):
-                raise PlanError(
-                    f"layer {layer} prediction scores have shape {predicted.shape}, not "
-                    f"({experts},): one score per expert"
-                )
-            # Stable sort of negated scores: highest first, ties to the lower id.
-            idx = np.argsort(-predicted, kind="stable")
-            if min_score is not None:
-                idx = idx[predicted[idx] >= min_score]
-            return [int(e) for e in idx]
-        else:
-            order = []
-            seen: set[int] = set()
-            for e in predicted:
-                e = int(e)
-                if e not in seen:
-                    seen.add(e)
-                    order.append(e)
-        for e in order:
-            if not 0 <= e < experts:
-                raise PlanError(
-                    f"layer {layer} prediction names expert {e}, outside 0..{experts - 1}: "
-                    "the predictor and the cache disagree on the expert count"
-                )
-        return order
 
     # -- recovery and whole-layer loads ---------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -61,6 +62,9 @@ class HitDensityPolicy(ExpectedReusePolicy):
         super().__init__(alpha=alpha, stickiness=stickiness, shift_alpha=shift_alpha)
         self._low: F64 = np.zeros(0)
         self._neg_log_d: list[F64] = []
+        # ``low + -log d`` for the step in progress, kept between victim searches of
+        # one step (a step's misses, then a prefetch) and dropped when ``low`` moves.
+        self._score: F64 | None = None
 
     def reset(self, pool: PoolView, slots: int) -> None:
         super().reset(pool, slots)
@@ -69,6 +73,15 @@ class HitDensityPolicy(ExpectedReusePolicy):
         # Row c: -log d of every layer m while layer c is being placed.
         m = np.arange(n)
         self._neg_log_d = [-np.log((m - c - 1) % n + 1.0) for c in range(n)]
+        self._score = None
+
+    def begin_step(self, step: int, layer: int) -> None:
+        super().begin_step(step, layer)
+        self._score = None
+
+    def on_step(self, step: int, slots: Sequence[int]) -> None:
+        super().on_step(step, slots)
+        self._score = None
 
     def distance(self, layer: int) -> int:
         """Steps from the current step to ``layer``'s next visit, in decode order."""
@@ -88,6 +101,7 @@ class HitDensityPolicy(ExpectedReusePolicy):
         at or below every resident expert's key. It stays a lower bound until the
         layer's next visit lowers every ``q`` (its decay), and that visit records
         it again."""
+        self._score = None
         heap = self._heaps[layer]
         resident, entry_key = self._resident, self._entry_key
         while heap and not resident[heap[0][1]] == heap[0][2] == entry_key[heap[0][1]]:
@@ -106,7 +120,9 @@ class HitDensityPolicy(ExpectedReusePolicy):
         self._bound_key = -math.inf
         low, decay = self._low, self._decay
         neg_log_d = self._neg_log_d[self._current]
-        score = low + neg_log_d
+        score = self._score
+        if score is None:
+            score = self._score = low + neg_log_d
         while True:
             layer = int(score.argmin())
             if score[layer] == math.inf:

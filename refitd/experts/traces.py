@@ -12,7 +12,16 @@ Two sources:
   DeepSeek-V3;
 - ``parse_trace_lines`` / ``read_trace_file`` — traces recorded from a real model as
   JSON lines, one token per line, either ``[[e, ...], [e, ...], ...]`` (one list per
-  MoE layer) or ``{"layers": [[...], ...], "phase": "prefill" | "decode"}``.
+  MoE layer) or ``{"layers": [[...], ...], "phase": "prefill" | "decode",
+  "predicted": [[...], ...]}``. ``predicted`` is optional: ``predicted[l]`` lists the
+  experts a predictor named for layer ``l`` of that token before the layer ran (for
+  example the layer's router applied to the hidden state one layer earlier), most
+  confident first; an empty list means no prediction for that layer.
+
+Predictions: a token's ``TokenRoute.predicted[l]`` is the prediction for its layer
+``l``, issued while layer ``l - 1`` runs (so layer 0 has none: the token's hidden
+state does not exist before it). ``with_predictions`` adds synthetic ones of a chosen
+recall to a generated trace.
 """
 
 from __future__ import annotations
@@ -62,10 +71,18 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class TokenRoute:
-    """One token (or one prefill chunk): ``layers[l]`` are the experts of layer ``l``."""
+    """One token (or one prefill chunk): ``layers[l]`` are the experts of layer ``l``;
+    ``predicted[l]`` (when not empty) the experts predicted for layer ``l`` one layer
+    ahead, most confident first."""
 
     phase: str
     layers: tuple[tuple[int, ...], ...]
+    # Out of ``repr`` so a trace's recorded hash (repr of its tokens) stays the same.
+    predicted: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
+
+    def prediction(self, layer: int) -> tuple[int, ...]:
+        """The prediction for ``layer``, empty when there is none."""
+        return self.predicted[layer] if layer < len(self.predicted) else ()
 
 
 @dataclass(frozen=True)
@@ -79,6 +96,23 @@ class RoutingTrace:
 
     def decode_tokens(self) -> int:
         return sum(t.phase == DECODE for t in self.tokens)
+
+    def has_predictions(self) -> bool:
+        return any(any(p) for t in self.tokens for p in t.predicted)
+
+    def recall(self) -> float:
+        """Fraction of routed decode experts (layers with a prediction) that their
+        prediction named; 0.0 without predictions."""
+        named = total = 0
+        for tok in self.tokens:
+            if tok.phase != DECODE:
+                continue
+            for layer, routed in enumerate(tok.layers):
+                pred = tok.prediction(layer)
+                if pred:
+                    named += len(set(routed) & set(pred))
+                    total += len(set(routed))
+        return named / total if total else 0.0
 
     def reuse(self, window: int) -> float:
         """Fraction of a decode token's experts routed again, same layer, within the
@@ -403,8 +437,10 @@ def parse_trace_lines(
         except json.JSONDecodeError as e:
             raise ConfigError(f"trace line {lineno} is not JSON: {e.msg}") from e
         phase = DECODE
+        predicted_obj: object = None
         if isinstance(obj, dict):
             phase = obj.get("phase", DECODE)
+            predicted_obj = obj.get("predicted")
             obj = obj.get("layers")
             if phase not in (PREFILL, DECODE):
                 raise ConfigError(
@@ -423,28 +459,54 @@ def parse_trace_lines(
             raise ConfigError(
                 f"trace line {lineno} lists {len(obj)} layers but earlier lines list {n_layers}"
             )
-        layers: list[tuple[int, ...]] = []
-        for layer, ids in enumerate(obj):
-            if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+        layers = _expert_lists(obj, lineno, num_experts, "routes")
+        if phase == DECODE:
+            top = max([top] + [len(set(ids)) for ids in layers])
+        predicted: tuple[tuple[int, ...], ...] = ()
+        if predicted_obj is not None:
+            if not isinstance(predicted_obj, list) or not all(
+                isinstance(x, list) for x in predicted_obj
+            ):
                 raise ConfigError(
-                    f"trace line {lineno} layer {layer} holds a value that is not a "
-                    "non-negative integer expert id"
+                    f"trace line {lineno} has 'predicted' that is not a list of per-layer "
+                    "expert lists"
                 )
-            if num_experts is not None and any(e >= num_experts for e in ids):
+            if len(predicted_obj) != n_layers:
                 raise ConfigError(
-                    f"trace line {lineno} layer {layer} routes expert {max(ids)}, but the "
-                    f"model has {num_experts} experts"
+                    f"trace line {lineno} predicts {len(predicted_obj)} layers but routes "
+                    f"{n_layers}: predicted[l] is the prediction for layer l"
                 )
-            layers.append(tuple(ids))
-            if phase == DECODE:
-                top = max(top, len(set(ids)))
-        tokens.append(TokenRoute(phase, tuple(layers)))
+            predicted = _expert_lists(predicted_obj, lineno, num_experts, "predicts")
+        tokens.append(TokenRoute(phase, layers, predicted))
     if not tokens:
         raise ConfigError("trace holds no tokens")
     if num_experts is None:
-        num_experts = 1 + max(max(ex, default=0) for t in tokens for ex in t.layers)
+        num_experts = 1 + max(
+            max(ex, default=0) for t in tokens for ex in itertools.chain(t.layers, t.predicted)
+        )
     shape = ModelShape(name, n_layers, num_experts, max(top, 1))
     return RoutingTrace(shape, tuple(tokens))
+
+
+def _expert_lists(
+    obj: list[list[object]], lineno: int, num_experts: int | None, verb: str
+) -> tuple[tuple[int, ...], ...]:
+    """Validate one line's per-layer expert lists (routes or predictions)."""
+    out: list[tuple[int, ...]] = []
+    for layer, ids in enumerate(obj):
+        if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+            raise ConfigError(
+                f"trace line {lineno} layer {layer} holds a value that is not a "
+                "non-negative integer expert id"
+            )
+        checked = [e for e in ids if isinstance(e, int)]
+        if num_experts is not None and any(e >= num_experts for e in checked):
+            raise ConfigError(
+                f"trace line {lineno} layer {layer} {verb} expert {max(checked)}, but the "
+                f"model has {num_experts} experts"
+            )
+        out.append(tuple(checked))
+    return tuple(out)
 
 
 def read_trace_file(path: str | Path, *, num_experts: int | None = None) -> RoutingTrace:

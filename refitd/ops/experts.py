@@ -1,7 +1,8 @@
 """``refitd experts``: the MoE expert slot pools the daemon hosts (``GET /v1/experts``).
 
-One row per pool: geometry, occupancy, hit rate, traffic into slots, and slots
-dropped because a refit rewrote their expert. ``--json`` prints the daemon's pool
+One row per pool: geometry, occupancy, hit rate, traffic into slots (prefetched
+copies among it, and how many of those a step used), and slots dropped because a
+refit rewrote their expert. ``--json`` prints the daemon's pool
 records as they are (every field of :class:`~refitd.wire.PoolInfo`).
 """
 
@@ -35,6 +36,11 @@ def _hit_rate(p: Any) -> str:
     return f"{100 * p.hits / routes:.1f}%" if routes else "-"
 
 
+def _prefetch_used(p: Any) -> str:
+    done = p.prefetch_used + p.prefetch_wasted
+    return f"{p.prefetch_used}/{done}" if done else "-"
+
+
 def run(args: argparse.Namespace) -> int:
     async def body(client: Any) -> int:
         from refitd.wire import PoolInfo
@@ -55,6 +61,8 @@ def run(args: argparse.Namespace) -> int:
                 ("evictions", lambda p: p.evictions),
                 ("warm steps", lambda p: f"{p.warm_plans}/{p.plans}"),
                 ("copied", lambda p: human_bytes(p.copied_bytes)),
+                ("prefetched", lambda p: human_bytes(p.prefetched_bytes)),
+                ("prefetch used", _prefetch_used),
                 ("stale dropped", lambda p: p.stale_invalidations),
                 ("regions host/slots", lambda p: f"{p.host_region}/{p.slot_region}"),
                 ("owner", lambda p: p.owner or "-"),

@@ -237,19 +237,21 @@ async def test_a_lease_on_a_retired_version_cannot_be_taken(env: Env) -> None:
         await env.client.acquire_lease("toy", 1)
 
 
-async def test_publishing_over_a_leased_version_is_refused_and_drain_returns_on_release(
+async def test_publishing_into_a_ready_version_is_refused_and_drain_returns_on_release(
     env: Env,
 ) -> None:
     await publish_toy(env.client)
     lease = await env.client.acquire_lease("toy", 1, ttl_s=60)
-    with pytest.raises(ConflictError, match="live lease"):
+    with pytest.raises(ConflictError, match="never changes once ready"):
         await publish_toy(env.client)
     drain = asyncio.create_task(env.client.wait_drain("toy", 1, timeout_s=30))
     assert not drain.done()
     await env.client.release_lease(lease.lease_id)
     info = await drain
     assert info.leases == 0
-    await publish_toy(env.client)
+    with pytest.raises(ConflictError, match="never changes once ready"):
+        await publish_toy(env.client)  # drained or not, a READY version stays as it is
+    await publish_toy(env.client, version=2)
 
 
 async def test_a_pack_spec_gathers_a_strided_column_block_into_one_read(env: Env) -> None:

@@ -67,19 +67,57 @@ def test_slots_that_disagree_on_a_tensor_shape_are_refused(reg):
         r.publish(manifest(1, 1, rows=6))
 
 
-def test_publishing_over_a_leased_version_is_refused_until_the_lease_expires(reg):
+def test_publishing_into_a_ready_version_is_refused_while_leased_and_after_the_lease_expires(reg):
     r, clock = reg
     r.publish(manifest(1, 0))
     r.publish(manifest(1, 1))
     grant = r.acquire("toy", 1, 5.0)
-    with pytest.raises(ConflictError, match="live lease"):
+    with pytest.raises(ConflictError, match="never changes once ready"):
         r.publish(manifest(1, 0))
     assert r.next_expiry("toy", 1) == pytest.approx(5.0)
     clock.now += 5.0
     assert r.active_leases("toy", 1) == []
     with pytest.raises(ConflictError, match="expired"):
         r.check(grant.lease_id, "toy", 1)
-    r.publish(manifest(1, 0))
+    with pytest.raises(ConflictError, match="never changes once ready"):
+        r.publish(manifest(1, 0))
+    assert r.version("toy", 1).state is VersionState.READY
+
+
+def test_publishing_into_a_retired_version_is_refused_so_a_model_never_has_two_ready_versions(reg):
+    r, _ = reg
+    r.publish(manifest(1, 0, slots=1))
+    r.publish(manifest(2, 0, slots=1))
+    assert r.version("toy", 1).state is VersionState.RETIRED
+    with pytest.raises(ConflictError, match="retired"):
+        r.publish(manifest(1, 0, slots=1))
+    r.retire("toy", 2)
+    with pytest.raises(ConflictError, match="retired"):
+        r.publish(manifest(2, 0, slots=1))
+    assert [v.state for v in r.versions("toy")] == [VersionState.RETIRED] * 2
+
+
+def test_a_models_versions_only_move_forward_and_latest_never_goes_back(reg):
+    r, _ = reg
+    r.publish(manifest(5, 0, slots=1))
+    with pytest.raises(ConflictError, match="only move forward"):
+        r.publish(manifest(3, 0, slots=1))
+    r.retire("toy", 5)
+    with pytest.raises(ConflictError, match="only move forward"):
+        r.publish(manifest(4, 0, slots=1))
+    r.publish(manifest(7, 0, slots=2))  # pending: latest is not back to anything older
+    with pytest.raises(NotFoundError):
+        r.latest_ready("toy")
+    r.publish(manifest(7, 1, slots=2))
+    assert r.latest_ready("toy") == 7
+
+
+def test_a_pending_slot_published_again_is_a_no_op_if_identical_and_refused_if_not(reg):
+    r, _ = reg
+    first = r.publish(manifest(1, 0))
+    assert r.publish(manifest(1, 0)) == first
+    with pytest.raises(ConflictError, match="already published"):
+        r.publish(manifest(1, 0, rows=6))
 
 
 def test_a_renewed_lease_outlives_its_first_ttl_and_a_released_one_is_gone(reg):

@@ -6,18 +6,35 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
+import msgspec
+import numpy as np
 import pytest
 from aiohttp import web
+from support.daemons import GatedCopier, serving_daemons
 from support.hostile import W_BYTES, rows, toy_manifest
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.peers import PeerPolicy, normalize_peer
+from refitd.daemon.pulls import LocalSource, PullManager
 from refitd.daemon.serve import listening
-from refitd.errors import ConfigError, ProtocolError
-from refitd.wire import DescriptorTable, PullRequest
+from refitd.errors import AccessDenied, ConfigError, ConflictError, ProtocolError
+from refitd.wire import (
+    DescriptorTable,
+    ManifestIn,
+    PackSpec,
+    PeerRegions,
+    PullRequest,
+    PullState,
+    ShardEntry,
+    StagedPack,
+    TensorEntry,
+    VersionState,
+)
+from transports.shm import SharedSegment
 
 PEER_TOKEN = "peer-token-never-for-strangers"
 
@@ -131,3 +148,241 @@ def test_a_malformed_peers_allow_entry_stops_the_config_load() -> None:
         "http://a:1",
         "http://b:*",
     )
+
+
+# ---------------------------------------------------------------- reads and writes
+
+
+@dataclass
+class Two:
+    """One daemon serving two models: 'a' and 'b', each a READY v1 of one 4x8 float32
+    tensor in its own 256-byte region (the tensor fills the first 128 bytes; the rest
+    of the region is not part of the version), with 'a' leased."""
+
+    daemon: Daemon
+    client: RefitClient
+    url: str
+    a: int
+    b: int
+    b_seg: SharedSegment
+    lease: str
+    dst: int
+    dst_seg: SharedSegment
+
+
+def _manifest(model: str, region: int, version: int = 1) -> ManifestIn:
+    shard = ShardEntry((0, 0), (4, 8), region, 0)
+    return ManifestIn(model, version, 0, 1, [TensorEntry("w", (4, 8), "float32", [shard])])
+
+
+@contextlib.asynccontextmanager
+async def two_models(**kw: object) -> AsyncIterator[Two]:
+    d = Daemon(DaemonOptions(port=0, node_id="two", transport="shm"), **kw)  # type: ignore[arg-type]
+    async with listening(d.options, daemon=d) as (_, url), RefitClient(url) as c:
+        regions = {}
+        for i, model in enumerate("ab"):
+            info = await c.create_region(2 * W_BYTES, label=model)
+            with SharedSegment.attach(info.handle, info.nbytes) as seg:
+                seg.numpy(np.uint8)[:] = 10 + i
+            await c.publish(_manifest(model, info.region_id))
+            regions[model] = info
+        lease = await c.acquire_lease("a", 1, ttl_s=600)
+        b = regions["b"]
+        with (
+            SharedSegment.attach(b.handle, b.nbytes) as b_seg,
+            SharedSegment.create(2 * W_BYTES, "dst") as dst_seg,
+        ):
+            dst = await c.attach_region(dst_seg.name, dst_seg.size, label="dst")
+            yield Two(
+                d,
+                c,
+                url,
+                regions["a"].region_id,
+                b.region_id,
+                b_seg,
+                lease.lease_id,
+                dst.region_id,
+                dst_seg,
+            )
+
+
+def _req(t: Two, *table: list[int], specs: list[PackSpec] | None = None) -> PullRequest:
+    return PullRequest("a", 1, t.lease, DescriptorTable(rows(*table)), specs or [])
+
+
+async def test_a_pull_under_one_models_lease_never_writes_into_another_models_ready_region() -> (
+    None
+):
+    async with two_models() as t:
+        with pytest.raises(ConflictError, match=r"region .* holds 'b' version 1, which is ready"):
+            await t.client.submit_pull(_req(t, [t.a, 0, t.b, 0, W_BYTES]))
+        assert (t.b_seg.numpy(np.uint8) == 11).all()  # b's bytes never changed
+        assert (await t.client.version("b", 1)).state is VersionState.READY
+        assert await t.client.pulls() == []
+
+
+async def test_a_pull_never_writes_into_a_pending_version_nor_a_retired_one_still_leased() -> None:
+    async with two_models() as t:
+        c = t.client
+        pending = await c.create_region(W_BYTES, label="pending")
+        await c.publish(ManifestIn("p", 1, 0, 2, [_manifest("p", pending.region_id).tensors[0]]))
+        with pytest.raises(ConflictError, match="which is pending"):
+            await c.submit_pull(_req(t, [t.a, 0, pending.region_id, 0, 8]))
+        # 'b' v2 retires v1; a lease taken on v1 before keeps its region protected.
+        old = await c.acquire_lease("b", 1, ttl_s=600)
+        b2 = await c.create_region(W_BYTES, label="b2")
+        await c.publish(_manifest("b", b2.region_id, version=2))
+        assert (await c.version("b", 1)).state is VersionState.RETIRED
+        with pytest.raises(ConflictError, match=r"which is leased \(retired\)"):
+            await c.submit_pull(_req(t, [t.a, 0, t.b, 0, 8]))
+        with pytest.raises(ConflictError, match="leased"):
+            await c.delete_region(t.b)  # nor is it deleted under that reader
+        await c.release_lease(old.lease_id)
+        done = await c.pull(_req(t, [t.a, 0, t.b, 0, 8]))  # retired, unleased: writable
+        assert done.state is PullState.DONE
+        assert (t.b_seg.numpy(np.uint8)[:8] == 10).all()
+
+
+async def test_a_pull_under_a_lease_never_reads_a_region_outside_that_leases_version() -> None:
+    async with two_models() as t:
+        c = t.client
+        other = await c.create_region(W_BYTES, label="unpublished")
+        for src, off in [(t.b, 0), (other.region_id, 0), (t.a, W_BYTES)]:
+            with pytest.raises(AccessDenied, match="not part of 'a' version 1"):
+                await c.submit_pull(_req(t, [src, off, t.dst, 0, 8]))
+        # A read straddling the end of the tensor's bytes is refused as a whole.
+        with pytest.raises(AccessDenied, match="descriptor 1 refused"):
+            await c.submit_pull(_req(t, [t.a, 0, t.dst, 0, 8], [t.a, W_BYTES - 4, t.dst, 8, 8]))
+        with pytest.raises(AccessDenied, match=r"region\(s\) \[\d+\] refused: not part of"):
+            await c.submit_pull(_req(t, specs=[PackSpec(t.b, 0, (4, 2), (8, 1), 4, t.dst, 0)]))
+        with pytest.raises(AccessDenied, match="pack spec 0 refused"):  # a's bytes past w
+            spec = PackSpec(t.a, W_BYTES, (4, 2), (8, 1), 4, t.dst, 0)
+            await c.submit_pull(_req(t, specs=[spec]))
+        assert await c.pulls() == []
+        assert not t.dst_seg.numpy(np.uint8).any()
+        done = await c.pull(_req(t, [t.a, 0, t.dst, 0, W_BYTES]))
+        assert done.state is PullState.DONE
+        assert (t.dst_seg.numpy(np.uint8)[:W_BYTES] == 10).all()
+
+
+async def test_peer_pack_and_peer_regions_under_a_lease_never_reach_outside_its_version() -> None:
+    async with two_models() as t:
+        c = t.client
+        with pytest.raises(AccessDenied, match="not part of 'a' version 1"):
+            await c.peer_pack("a", 1, t.lease, [PackSpec(t.b, 0, (4, 2), (8, 1), 4, 0, 0)])
+        with pytest.raises(AccessDenied, match=rf"\[{t.b}\] refused"):
+            await c.peer_regions([t.a, t.b], t.lease, "a", 1)
+        rec = await c.peer_regions(None, t.lease, "a", 1)
+        assert [r.region_id for r in rec.regions] == [t.a]
+        assert rec.scope == {t.a: [(0, W_BYTES)]} and rec.lease_id == t.lease
+        with pytest.raises(ConflictError, match="unknown or was released"):
+            await c.peer_regions([t.a], "l0-forged", "a", 1)
+
+
+async def test_a_remote_pull_under_a_lease_never_reads_outside_that_leases_version() -> None:
+    a = Daemon(DaemonOptions(port=0, node_id="src", secret=b"k" * 32))
+    b = Daemon(DaemonOptions(port=0, node_id="dst", secret=b"k" * 32))
+    async with serving_daemons(a, b) as (ca, cb):
+        regions = []
+        for model in "ab":
+            info = await ca.create_region(W_BYTES, label=model)
+            await ca.publish(_manifest(model, info.region_id))
+            regions.append(info.region_id)
+        lease = await ca.acquire_lease("a", 1)
+        dst = await cb.create_region(W_BYTES)
+        req = PullRequest(
+            "a",
+            1,
+            lease.lease_id,
+            DescriptorTable(rows([regions[1], 0, dst.region_id, 0, 8])),
+            [],
+            ca.base_url,
+        )
+        with pytest.raises(AccessDenied, match="not part of 'a' version 1"):
+            await cb.submit_pull(req)
+        ok = msgspec.structs.replace(
+            req, descriptors=DescriptorTable(rows([regions[0], 0, dst.region_id, 0, 8]))
+        )
+        assert (await cb.pull(ok)).state is PullState.DONE
+
+
+# ---------------------------------------------------------------- staging
+
+
+async def test_a_staging_region_is_released_only_by_the_lease_that_packed_it() -> None:
+    async with two_models() as t:
+        c = t.client
+        staged = await c.peer_pack("a", 1, t.lease, [PackSpec(t.a, 0, (4, 2), (8, 1), 4, 0, 0)])
+        sid = staged.region.region_id
+        other = await c.acquire_lease("a", 1)
+        for wrong in (other.lease_id, ""):
+            with pytest.raises(AccessDenied, match="packed for another lease"):
+                await c.peer_drop(sid, wrong)
+        # Nor may anyone else read it: it is in the scope of its own lease only.
+        assert sid not in (await c.peer_regions(None, other.lease_id, "a", 1)).scope
+        assert (await c.peer_regions([sid], t.lease, "a", 1)).scope[sid] == [
+            (0, staged.region.nbytes)
+        ]
+        with pytest.raises(AccessDenied, match="staging region"):
+            await c.delete_region(sid)
+        with pytest.raises(AccessDenied, match="staging region"):
+            await c.submit_pull(_req(t, [t.a, 0, sid, 0, 8]))
+        await c.peer_drop(sid, t.lease)
+
+
+class LyingSource:
+    """A source daemon that packs honestly but reports forged staging offsets: a
+    fault a real daemon cannot produce, as an implementation of :class:`Source`."""
+
+    def __init__(self, inner: LocalSource, offsets: list[int]) -> None:
+        self.inner = inner
+        self.offsets = offsets
+
+    async def check_lease(self, lease_id: str, model: str, version: int) -> None:
+        await self.inner.check_lease(lease_id, model, version)
+
+    async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
+        return await self.inner.regions(ids, req)
+
+    async def pack(
+        self, model: str, version: int, lease_id: str, specs: list[PackSpec]
+    ) -> StagedPack:
+        staged = await self.inner.pack(model, version, lease_id, specs)
+        return StagedPack(staged.region, self.offsets)
+
+    async def drop(self, region_id: int, lease_id: str) -> None:
+        await self.inner.drop(region_id, lease_id)
+
+
+@pytest.mark.parametrize("offset", [-8, 1 << 40, 4096 - 4])
+async def test_staged_offsets_a_source_sends_are_checked_like_descriptors_and_nothing_moves(
+    offset: int,
+) -> None:
+    async with two_models() as t:
+        liar = "http://liar.invalid:1"
+        t.daemon.peers.trust(liar)
+        pulls = PullManager(t.daemon, lambda _: LyingSource(LocalSource(t.daemon), [offset]))
+        spec = PackSpec(t.a, 0, (4, 2), (8, 1), 4, t.dst, 0)
+        job = await pulls.submit(msgspec.structs.replace(_req(t, specs=[spec]), source=liar))
+        await job.finished.wait()
+        assert job.state is PullState.FAILED, job.snapshot()
+        assert job.error is not None and "descriptor 0 refused" in job.error.detail
+        assert job.suspect == []  # refused before any byte moved
+        assert not t.dst_seg.numpy(np.uint8).any()
+        await pulls.close()
+
+
+# ---------------------------------------------------------------- deletes
+
+
+async def test_a_region_is_not_deleted_while_a_running_pull_writes_it() -> None:
+    gated = GatedCopier()
+    async with two_models(copier=gated) as t:
+        c = t.client
+        started = await c.submit_pull(_req(t, [t.a, 0, t.dst, 0, W_BYTES]))
+        await gated.entered.wait()
+        with pytest.raises(ConflictError, match="running pull"):
+            await c.delete_region(t.dst)
+        gated.gate.set()
+        assert (await c.wait_pull(started.pull_id)).state is PullState.DONE
+        await c.delete_region(t.dst)

@@ -35,9 +35,10 @@ def _small(seed: int, **kw: float) -> TraceConfig:
     size=st.integers(6, 14),
     forget_every=st.integers(2, 9),
     which=st.integers(0, len(RULES) + 1),
+    prefetch_every=st.integers(0, 3),
 )
 def test_the_bound_oracles_keep_every_cache_invariant(
-    seed: int, size: int, forget_every: int, which: int
+    seed: int, size: int, forget_every: int, which: int, prefetch_every: int
 ) -> None:
     model = routing_model(_small(seed))
     futures = SampledFutures(model, samples=4, horizon_tokens=2, chunk=5)
@@ -47,7 +48,7 @@ def test_the_bound_oracles_keep_every_cache_invariant(
         else ExactHitDensityPolicy(model, visits=1 + which - len(RULES))
     )
     cache = ExpertCache(3, 6, size, policy=policy)
-    replay_forgetting(cache, model.trace.steps(), forget_every)
+    replay_forgetting(cache, model.trace.steps(), forget_every, prefetch_every)
 
 
 def test_futures_are_a_function_of_the_step_alone() -> None:

@@ -277,13 +277,19 @@ def check_invariants(cache: ExpertCache) -> None:
 
 
 def replay_forgetting(
-    cache: ExpertCache, steps: list[tuple[int, tuple[int, ...]]], forget_every: int
+    cache: ExpertCache,
+    steps: list[tuple[int, tuple[int, ...]]],
+    forget_every: int,
+    prefetch_every: int = 0,
 ) -> None:
     """Replay ``steps``, forgetting a slot every ``forget_every`` steps, and check the
     ferrox invariants after each: a slot the step hits is never overwritten, every
     route is placed, a forgotten slot is taken before any victim, the map stays
-    consistent."""
+    consistent. Every ``prefetch_every`` steps (0: never) the next step's routes are
+    prefetched after the step, a perfect prediction: it must take no slot the step
+    used, and the predicted experts it placed must be hits when that step runs."""
     size = cache.cache_size
+    predicted: set[int] = set()
     for i, (layer, routed) in enumerate(steps, start=1):
         before = {e: cache.slot_of(layer, e) for e in routed}
         forgotten = None
@@ -297,7 +303,18 @@ def replay_forgetting(
         assert all(s is not None for s in plan.slots)
         if forgotten is not None and cache.stats().evictions > evictions:
             assert forgotten in plan.copy.dst_slots, "a victim was taken before a forgotten slot"
+        assert not (predicted - {forgotten}) & set(plan.copy.dst_slots), (
+            "a prefetched expert was fetched again by its own step"
+        )
+        predicted = set()
         check_invariants(cache)
+        if prefetch_every and i % prefetch_every == 0 and i < len(steps):
+            used = {s for s in plan.slots if s is not None}
+            nxt_layer, nxt = steps[i]
+            pre = cache.prefetch(nxt_layer, nxt)
+            assert not used & set(pre.copy.dst_slots), "a prefetch evicted the step's own slot"
+            predicted = {s for e in nxt if (s := cache.slot_of(nxt_layer, e)) is not None}
+            check_invariants(cache)
 
 
 @settings(max_examples=150, deadline=None)

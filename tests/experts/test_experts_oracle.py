@@ -22,15 +22,16 @@ SMALL = ModelShape("small", 3, 6, 2)
     seed=st.integers(0, 10_000),
     size=st.integers(6, 14),
     forget_every=st.integers(2, 9),
+    prefetch_every=st.integers(0, 3),
 )
 def test_the_oracle_keeps_every_cache_invariant_on_any_generated_trace(
-    seed: int, size: int, forget_every: int
+    seed: int, size: int, forget_every: int, prefetch_every: int
 ) -> None:
     model = routing_model(
         TraceConfig(SMALL, requests=2, prefill_tokens=2, decode_tokens=12, seed=seed)
     )
     cache = ExpertCache(3, 6, size, policy=OracleProbabilityPolicy(model))
-    replay_forgetting(cache, model.trace.steps(), forget_every)
+    replay_forgetting(cache, model.trace.steps(), forget_every, prefetch_every)
 
 
 def test_the_oracle_decides_identically_on_identical_input() -> None:

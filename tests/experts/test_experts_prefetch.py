@@ -116,6 +116,18 @@ def test_a_prefetch_never_evicts_what_an_earlier_still_valid_prediction_needs(
     assert cache.ensure(1, [1, 0]).missing == 0
 
 
+def test_a_victim_the_policy_offers_while_a_prediction_needs_it_is_kept() -> None:
+    cache = ExpertCache(3, 2, 3, policy=LruPolicy())
+    for layer in range(3):
+        cache.ensure(layer, [0])  # slot `layer` holds expert 0 of that layer
+    assert cache.prefetch(0, [0]).resident == 1  # layer 0's expert 0 is now needed
+    plan = cache.prefetch(1, [1])
+    # LRU offers slot 0 first (oldest); the prediction needs it, so slot 1 goes.
+    assert plan.copy.dst_slots == (1,)
+    assert cache.slot_of(0, 0) == 0 and cache.predicted(0) == (0,)
+    assert cache.ensure(0, [0]).missing == 0
+
+
 def test_unused_prefetched_experts_are_the_first_to_leave() -> None:
     cache = ExpertCache(3, 4, 4, policy=LruPolicy())
     cache.ensure(0, [0, 1])  # slots 0, 1
@@ -298,7 +310,7 @@ def apply_op(cache: ExpertCache, op: str, arg: int, routed: list[int], budget: i
 
 
 @pytest.mark.parametrize("make_policy", [LruPolicy, ExpectedReusePolicy, HitDensityPolicy])
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(ops=ops, size=st.integers(EXPERTS, 3 * EXPERTS))
 def test_every_invariant_holds_with_prefetches_mixed_in(
     make_policy: type[EvictionPolicy],
@@ -311,7 +323,7 @@ def test_every_invariant_holds_with_prefetches_mixed_in(
 
 
 @pytest.mark.parametrize("make_checked", [checked_reuse, checked_density])
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(ops=ops, size=st.integers(EXPERTS, 2 * EXPERTS))
 def test_policy_victims_match_a_scan_of_the_pool_with_prefetches_mixed_in(
     make_checked: Any, ops: list[tuple[str, int, list[int], int | None]], size: int
@@ -344,3 +356,164 @@ def test_prefetch_decides_identically_on_identical_input(
         return out
 
     assert plans() == plans()
+
+
+class ReferencePrefetchLru:
+    """The slow, obvious model of LRU with predictions: every rule written out by
+    scanning the pool, to check the cache's flat bookkeeping against."""
+
+    def __init__(self, size: int, experts: int) -> None:
+        self.e = experts
+        self.key: list[int | None] = [None] * size
+        self.touched = [0] * size
+        self.held: list[int | None] = [None] * size  # layer whose prediction holds it
+        self.unused: list[int] = []  # oldest first
+        self.pinned: set[int] = set()
+        self.preds: dict[int, list[tuple[int, int]]] = {}  # layer -> (slot, key), in order
+        self.step = 0
+
+    def owned(self, s: int) -> bool:
+        return self.held[s] is not None or s in self.unused
+
+    def in_books(self, s: int) -> bool:
+        return self.key[s] is not None and not self.owned(s)
+
+    def slot_of(self, key: int) -> int | None:
+        return next((s for s, k in enumerate(self.key) if k == key), None)
+
+    def end_prediction(self, layer: int) -> list[int]:
+        released = []
+        for s, key in self.preds.pop(layer, []):
+            if self.key[s] != key:
+                continue
+            if s in self.pinned:
+                self.pinned.discard(s)
+            elif self.held[s] == layer:
+                self.held[s] = None
+                released.append(s)
+        return released
+
+    def retire(self, slots: list[int]) -> None:
+        self.unused += sorted(s for s in slots if s not in self.unused)
+
+    def take(self) -> int | None:
+        free = [s for s, k in enumerate(self.key) if k is None]
+        if free:
+            return free[0]
+        if self.unused:
+            return self.unused.pop(0)
+        books = [s for s in range(len(self.key)) if self.in_books(s)]
+        for s in sorted(books, key=lambda s: (self.touched[s], s)):
+            if self.touched[s] == self.step:
+                continue
+            if s in self.pinned:
+                self.pinned.discard(s)
+                self.held[s] = self.key[s] // self.e  # type: ignore[operator]
+                continue
+            return s
+        return None
+
+    def ensure(self, layer: int, routed: list[int]) -> list[int]:
+        self.step += 1
+        released = self.end_prediction(layer)
+        base = layer * self.e
+        for e in set(routed):
+            s = self.slot_of(base + e)
+            if s is not None:
+                self.touched[s] = self.step
+                self.held[s] = None
+                if s in self.unused:
+                    self.unused.remove(s)
+        self.retire([s for s in released if self.held[s] is None and self.touched[s] != self.step])
+        dst = []
+        for e in sorted(set(routed)):
+            if self.slot_of(base + e) is not None:
+                continue
+            s = self.take()
+            while s is None:
+                oldest = next(iter(self.preds))
+                self.retire(self.end_prediction(oldest))
+                s = self.take()
+            self.key[s], self.touched[s], self.held[s] = base + e, self.step, None
+            self.pinned.discard(s)
+            dst.append(s)
+        return dst
+
+    def prefetch(self, layer: int, predicted: list[int], budget: int | None) -> list[int]:
+        base = layer * self.e
+        entries = self.preds.setdefault(layer, [])
+        dst: list[int] = []
+        full = False
+        for e in dict.fromkeys(predicted):
+            s = self.slot_of(base + e)
+            if s is not None:
+                if self.owned(s):
+                    if self.held[s] != layer:
+                        self.unused.remove(s)
+                        self.held[s] = layer
+                        entries.append((s, base + e))
+                elif s not in self.pinned:
+                    self.pinned.add(s)
+                    entries.append((s, base + e))
+                continue
+            if full or (budget is not None and len(dst) >= budget):
+                continue
+            s = self.take()
+            if s is None:
+                full = True
+                continue
+            self.key[s], self.held[s] = base + e, layer
+            entries.append((s, base + e))
+            dst.append(s)
+        if not entries:
+            del self.preds[layer]
+        return dst
+
+    def forget(self, slot: int) -> None:
+        if 0 <= slot < len(self.key) and self.key[slot] is not None:
+            self.key[slot] = self.held[slot] = None
+            self.pinned.discard(slot)
+            if slot in self.unused:
+                self.unused.remove(slot)
+
+
+lru_ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("ensure"),
+            st.integers(0, LAYERS - 1),
+            st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS + 2),
+            st.none(),
+        ),
+        st.tuples(
+            st.just("prefetch"),
+            st.integers(0, LAYERS - 1),
+            st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS),
+            st.none() | st.integers(0, 4),
+        ),
+        st.tuples(st.just("forget"), st.integers(-1, 12), st.just([]), st.none()),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(ops=lru_ops, size=st.integers(EXPERTS, 3 * EXPERTS))
+def test_lru_with_prefetch_matches_the_reference_model_on_any_sequence(
+    ops: list[tuple[str, int, list[int], int | None]], size: int
+) -> None:
+    cache = ExpertCache(LAYERS, EXPERTS, size, policy=LruPolicy())
+    model = ReferencePrefetchLru(size, EXPERTS)
+    for op, arg, routed, budget in ops:
+        if op == "ensure":
+            assert list(cache.ensure(arg, routed).copy.dst_slots) == model.ensure(arg, routed)
+        elif op == "prefetch":
+            plan = cache.prefetch(arg, routed, budget)
+            assert list(plan.copy.dst_slots) == model.prefetch(arg, routed, budget)
+        else:
+            cache.forget_slot(arg)
+            model.forget(arg)
+        assert [cache.resident_in(s) for s in range(size)] == [
+            None if k is None else ExpertId(k // EXPERTS, k % EXPERTS) for k in model.key
+        ]
+        assert list(cache.unused()) == model.unused

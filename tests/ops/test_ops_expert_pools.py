@@ -166,6 +166,19 @@ async def test_a_prefetch_by_scores_skips_low_confidence_experts_and_keeps_resid
         assert capped.copied_experts == [0] and capped.skipped == 2
 
 
+async def test_a_pool_deleted_right_after_a_prefetch_lets_its_copies_land_first(
+    client: RefitClient,
+) -> None:
+    # The copies write into the slot region; deleting it under them would be a write
+    # into freed memory. The answer is built after the copies landed.
+    async with pool(client):
+        await client.prefetch("moe", 0, [0, 1, 2])
+        deleted = await client.delete_pool("moe")
+    assert deleted.in_flight_slots == 0
+    assert deleted.prefetched_bytes == 3 * sum(ROW_BYTES)
+    assert await client.regions() == []
+
+
 async def test_prefetch_requests_that_cannot_be_served_are_refused_by_name(
     client: RefitClient,
 ) -> None:

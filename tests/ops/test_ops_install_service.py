@@ -236,7 +236,7 @@ CLIENT = """
 import json, subprocess, sys
 import numpy as np
 from refitd.client.sync import SyncRefitClient
-from refitd.daemon.schemas import ManifestIn, ShardEntry, TensorEntry
+from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 from transports.shm import SharedSegment
 
 url = sys.argv[1]

@@ -154,6 +154,21 @@ async def test_experts_lists_each_hosted_pool_with_its_counters(setup: Setup) ->
     assert (pool["hits"], pool["misses"], pool["copied_bytes"]) == (1, 3, 3 * 1536)
 
 
+async def test_experts_shows_what_prefetches_copied_and_how_much_a_step_used(
+    setup: Setup,
+) -> None:
+    s = setup
+    await s.client.create_pool("moe", layers=2, experts=4, slots=4, row_bytes=[1024, 512])
+    await s.client.prefetch("moe", 1, [0, 3])
+    await s.client.ensure("moe", 1, [3])
+    code, out, err = await refitd("experts", "--url", s.base)
+    assert code == 0, err
+    assert "prefetched" in out and "3.0 KiB" in out  # two experts of 1.5 KiB
+    code, out, _ = await refitd("experts", "--url", s.base, "--json")
+    (pool,) = json.loads(out)
+    assert (pool["prefetch_used"], pool["prefetched_bytes"]) == (1, 2 * 1536)
+
+
 async def test_status_names_the_hosted_expert_pools(setup: Setup) -> None:
     s = setup
     await s.client.create_pool("moe", layers=1, experts=2, slots=2, row_bytes=[64])

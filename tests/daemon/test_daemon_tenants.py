@@ -1,0 +1,309 @@
+"""Two tenants against one daemon, driven by random API call sequences (Hypothesis).
+
+Each tenant is a principal (its own bearer token) with a model, a published READY
+version in its own source region, an engine destination region and a lease. Steps
+are random calls — pulls, leases, publishes, deletes, staging releases — with the
+tenant's own ids, the other tenant's, stale ones and made-up ones. After every step:
+no source byte changed, a tenant's destination changed only through that tenant's
+own accepted pull (and then holds exactly the bytes it read), and every refusal was
+a 4xx in the ``{"error", "detail"}`` shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import http.client
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from refitd.config import ServerConfig
+from refitd.daemon.auth import check_startup, setup_auth
+from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.serve import listening
+from transports.shm import SharedSegment
+
+pytestmark = pytest.mark.timeout(120)
+
+NBYTES = 256
+"""Bytes of each tenant's source tensor (uint8 [256]) and destination region."""
+TOKENS = {"a": "token-of-a", "b": "token-of-b"}
+MSGPACK = "application/msgpack"
+
+
+@contextlib.contextmanager
+def daemon_in_a_thread(tmp: Path) -> Iterator[str]:
+    """A real daemon with bearer tokens for both tenants, served on 127.0.0.1:0 by its
+    own event loop in a thread (the state machine below is synchronous)."""
+    tokens = tmp / "tokens"
+    tokens.write_text("".join(f"{k} {v}\n" for k, v in TOKENS.items()))
+    tokens.chmod(0o600)
+    policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
+    opts = DaemonOptions(port=0, node_id="tenants", transport="shm", grace_s=0.5)
+    url: list[str] = []
+    up = threading.Event()
+    stop: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    async def main() -> None:
+        done = asyncio.Event()
+        stop.append((asyncio.get_running_loop(), done))
+        async with listening(
+            opts, daemon=Daemon(opts), setup=[lambda app: setup_auth(app, policy)]
+        ) as (_, u):
+            url.append(u)
+            up.set()
+            await done.wait()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    assert up.wait(30), "daemon did not start"
+    try:
+        yield url[0]
+    finally:
+        loop, done = stop[0]
+        loop.call_soon_threadsafe(done.set)
+        thread.join(30)
+
+
+class Http:
+    """One tenant's HTTP connection: msgpack bodies, JSON answers."""
+
+    def __init__(self, url: str, token: str) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        self.headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+
+    def call(self, method: str, path: str, value: Any = None) -> tuple[int, Any]:
+        headers = dict(self.headers)
+        data = None
+        if value is not None:
+            data = msgspec.msgpack.encode(value)
+            headers["Content-Type"] = MSGPACK
+        self.conn.request(method, "/v1" + path, body=data, headers=headers)
+        r = self.conn.getresponse()
+        raw = r.read()
+        return r.status, (msgspec.json.decode(raw) if raw else None)
+
+    def ok(self, method: str, path: str, value: Any = None) -> Any:
+        status, res = self.call(method, path, value)
+        assert 200 <= status < 300, (method, path, status, res)
+        return res
+
+
+def refused(status: int, res: Any, what: str) -> None:
+    assert 400 <= status < 500, (what, status, res)
+    assert isinstance(res, dict) and set(res) == {"error", "detail"}, (what, res)
+    assert isinstance(res["error"], str) and res["error"], (what, res)
+    assert isinstance(res["detail"], str) and res["detail"], (what, res)
+
+
+class Tenant:
+    def __init__(self, name: str, http: Http, model: str) -> None:
+        self.name = name
+        self.http = http
+        self.model = model
+        # source: a READY version 1 of `model`, bytes fixed for the whole run
+        src = http.ok("POST", "/regions", {"nbytes": NBYTES, "label": "src"})
+        self.src: int = src["region_id"]
+        self.src_seg = SharedSegment.attach(src["handle"], NBYTES)
+        self.src_bytes = np.random.default_rng(len(name) + hash(model) % 97).integers(
+            0, 256, NBYTES, dtype=np.uint8
+        )
+        self.src_seg.numpy(np.uint8)[:] = self.src_bytes
+        shard = [[0], [NBYTES], self.src, 0]
+        http.ok("POST", "/sources", {
+            "model": model, "version": 1, "slot": 0, "expected_slots": 1,
+            "tensors": [["w", [NBYTES], "uint8", [shard]]],
+        })  # fmt: skip
+        # destination: the engine's region, zero until this tenant pulls into it
+        dst = http.ok("POST", "/regions", {"nbytes": NBYTES, "label": "dst"})
+        self.dst: int = dst["region_id"]
+        self.dst_seg = SharedSegment.attach(dst["handle"], NBYTES)
+        self.dst_model = np.zeros(NBYTES, dtype=np.uint8)
+        self.lease: str = self.acquire()
+        self.stale: list[str] = []
+        self.staging: list[int] = []
+
+    def acquire(self) -> str:
+        res = self.http.ok("POST", "/leases", {"model": self.model, "version": 1, "ttl_s": 600})
+        return str(res["lease_id"])
+
+    def close(self) -> None:
+        self.src_seg.close()
+        self.dst_seg.close()
+
+
+# Mostly in bounds, so that accepted calls are frequent; sometimes past the edges.
+_offset = st.one_of(st.integers(0, 64), st.integers(0, NBYTES), st.sampled_from([-1, 2**62]))
+_size = st.one_of(st.integers(0, 64), st.integers(0, NBYTES), st.sampled_from([-8, NBYTES * 2]))
+# Index 0 (the tenant's own id) half the time, the others (foreign, stale, made up) else.
+_pick = st.one_of(st.just(0), st.integers(0, 20))
+_region = st.one_of(st.integers(0, 3), st.integers(0, 20))
+_model = st.sampled_from(["own", "own", "own", "other", "made-up"])
+
+
+class TwoTenants(RuleBasedStateMachine):
+    url = ""  # set by the test before running
+    counter = 0
+
+    @initialize()
+    def start(self) -> None:
+        TwoTenants.counter += 1
+        run = TwoTenants.counter
+        self.t = {n: Tenant(n, Http(self.url, TOKENS[n]), f"{n}-model-{run}") for n in ("a", "b")}
+
+    def teardown(self) -> None:
+        for t in getattr(self, "t", {}).values():
+            t.close()
+
+    def _pick_region(self, who: str, pick: int, raw: int) -> int:
+        me, other = self.t[who], self.t["b" if who == "a" else "a"]
+        choices = [me.src, me.dst, other.src, other.dst, *me.staging, *other.staging, raw]
+        return choices[pick % len(choices)]
+
+    def _pick_lease(self, who: str, pick: int) -> str:
+        me, other = self.t[who], self.t["b" if who == "a" else "a"]
+        choices = [me.lease, other.lease, *me.stale, *other.stale, "l9-made-up", ""]
+        return choices[pick % len(choices)]
+
+    @rule(
+        who=st.sampled_from("ab"),
+        lease=_pick,
+        model_of=_model,
+        src=_region,
+        dst=_region,
+        raw=st.integers(-2, 10_000),
+        so=_offset,
+        do=_offset,
+        n=_size,
+    )
+    def pull(
+        self, who: str, lease: int, model_of: str, src: int, dst: int, raw: int,
+        so: int, do: int, n: int,
+    ) -> None:  # fmt: skip
+        me = self.t[who]
+        model = {"own": me.model, "other": self.t["b" if who == "a" else "a"].model}.get(
+            model_of, "nobody"
+        )
+        s, d = self._pick_region(who, src, raw), self._pick_region(who, dst, raw)
+        table = np.array([[s, so, d, do, n]], dtype="<i8").tobytes()
+        body = {
+            "model": model,
+            "version": 1,
+            "lease_id": self._pick_lease(who, lease),
+            "descriptors": {"table": table},
+        }
+        status, res = me.http.call("POST", "/pulls", body)
+        if status >= 400:
+            refused(status, res, f"pull {body}")
+            return
+        # Accepted: it must be this tenant's write into its own destination.
+        assert d == me.dst, f"{who}'s pull into region {d} was accepted: {body}"
+        done = me.http.ok("GET", f"/pulls/{res['pull_id']}/wait?timeout=20")
+        assert done["state"] == "done", done
+        source = self.t["a"] if s == self.t["a"].src else self.t["b"]
+        assert s == source.src, f"read region {s} under a lease: {body}"
+        me.dst_model[do : do + n] = source.src_bytes[so : so + n]
+
+    @rule(who=st.sampled_from("ab"), pick=_pick)
+    def release_lease(self, who: str, pick: int) -> None:
+        me = self.t[who]
+        lease = self._pick_lease(who, pick)
+        status, res = me.http.call("DELETE", f"/leases/{lease}")
+        if status >= 400:
+            refused(status, res, f"release {lease}")
+            return
+        for t in self.t.values():
+            if lease == t.lease:
+                t.stale.append(t.lease)
+                t.lease = t.acquire()
+
+    @rule(who=st.sampled_from("ab"), pick=_region, raw=st.integers(-2, 10_000))
+    def delete_a_region(self, who: str, pick: int, raw: int) -> None:
+        me = self.t[who]
+        rid = self._pick_region(who, pick, raw)
+        if rid == me.dst:
+            return  # a tenant may delete its own destination; that is not under test
+        status, res = me.http.call("DELETE", f"/regions/{rid}")
+        refused(status, res, f"{who} deletes region {rid}")
+
+    @rule(
+        who=st.sampled_from("ab"),
+        pick=_region,
+        raw=st.integers(-2, 10_000),
+        version=st.sampled_from([0, 1]),
+        whose=st.sampled_from("ab"),
+    )
+    def publish(self, who: str, pick: int, raw: int, version: int, whose: str) -> None:
+        """Publish into a version that exists or is older (never forward): refused."""
+        me = self.t[who]
+        rid = self._pick_region(who, pick, raw)
+        shard = [[0], [8], rid, 0]
+        body = {
+            "model": self.t[whose].model,
+            "version": version,
+            "slot": 0,
+            "expected_slots": 1,
+            "tensors": [["w", [8], "uint8", [shard]]],
+        }
+        status, res = me.http.call("POST", "/sources", body)
+        refused(status, res, f"publish {body}")
+
+    @rule(who=st.sampled_from("ab"), lease=_pick, n=st.integers(1, 4))
+    def pack(self, who: str, lease: int, n: int) -> None:
+        """A source-side pack under some lease; only the tenant's own lease succeeds."""
+        me = self.t[who]
+        lid = self._pick_lease(who, lease)
+        spec = [me.src, 0, [n], [1], 1, 0, 0]
+        status, res = me.http.call(
+            "POST",
+            "/peer/pack",
+            {"model": me.model, "version": 1, "lease_id": lid, "specs": [spec]},
+        )
+        if status >= 400:
+            refused(status, res, f"pack under {lid}")
+            return
+        assert lid == me.lease, f"pack under another's lease {lid} accepted"
+        me.staging.append(res["region"]["region_id"])
+
+    @rule(who=st.sampled_from("ab"), pick=st.integers(0, 20), lease=_pick)
+    def drop_staging(self, who: str, pick: int, lease: int) -> None:
+        me = self.t[who]
+        staging = [*self.t["a"].staging, *self.t["b"].staging]
+        if not staging:
+            return
+        rid = staging[pick % len(staging)]
+        lid = self._pick_lease(who, lease)
+        status, res = me.http.call("DELETE", f"/peer/staging/{rid}?lease={lid}")
+        if status >= 400:
+            refused(status, res, f"drop staging {rid} under {lid}")
+
+    @invariant()
+    def bytes_change_only_through_own_pulls(self) -> None:
+        for t in getattr(self, "t", {}).values():
+            assert np.array_equal(t.src_seg.numpy(np.uint8), t.src_bytes), f"{t.name}'s source"
+            assert np.array_equal(t.dst_seg.numpy(np.uint8), t.dst_model), f"{t.name}'s dst"
+
+
+def test_two_tenants_random_calls_change_no_bytes_but_through_their_own_pulls(
+    tmp_path: Path,
+) -> None:
+    with daemon_in_a_thread(tmp_path) as url:
+        TwoTenants.url = url
+        run = TwoTenants.TestCase
+        run.settings = settings(
+            max_examples=25,
+            stateful_step_count=30,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        )
+        run().runTest()
