@@ -155,6 +155,9 @@ class NodeInfo(msgspec.Struct, frozen=True):
     worker_info: dict[str, str] = {}
     version: str = "1"
     shm_huge_pages: str = ""
+    #: ``transport/device`` pairs the daemon's UCX can use here (``ucx_info -d``),
+    #: e.g. ``tcp/eth0``, ``rc_mlx5/mlx5_0:1``; empty without a UCX data plane.
+    ucx_transports: list[str] = []
 
 
 # ---------------------------------------------------------------- regions
