@@ -38,6 +38,10 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench experts --bound               # headroom: model-knowing oracles",
         "refitd bench experts --prefetch            # lookahead prefetch vs Belady on demand",
     ),
+    "hosts": (
+        "refitd bench hosts                         # 1 GiB across simulated hosts, 1000 sources",
+        "refitd bench hosts --gib 0.25 --repeat 2   # a quick run",
+    ),
     "plan": (
         "refitd bench plan                          # full DeepSeek-V3 shapes, both layouts",
         "refitd bench plan --layers 8 --layout fsdp # a quick run",
@@ -59,6 +63,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "experts": (
         "refitd.bench.experts",
         "expert-cache policies vs Belady's optimum on MoE routing traces",
+    ),
+    "hosts": (
+        "refitd.bench.hosts",
+        "pull across simulated hosts vs a plain TCP stream; discover 1,000 sources on etcd",
     ),
     "plan": ("refitd.bench.plan", "plan a DeepSeek-V3-shaped refit for two trainer layouts"),
     "refit": (

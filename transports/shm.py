@@ -310,7 +310,13 @@ def huge_fraction(pid: int, address: int, size: int) -> float:
 
 
 def _check_name(name: str) -> None:
-    if not name or "/" in name or name in (".", "..") or len(name) > 200:
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        raise ProtocolError(
+            f"shared segment name {name!r} refused: not valid UTF-8 (a lone surrogate)"
+        ) from None
+    if not name or "/" in name or "\0" in name or name in (".", "..") or len(name) > 200:
         raise ProtocolError(f"shared segment name {name!r} refused: must be a plain file name")
 
 

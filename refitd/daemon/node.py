@@ -138,6 +138,7 @@ class Daemon:
         self.boot_id = options.boot_id or boot_id()
         self._files: dict[int, tuple[int, int]] = {}
         self.ready = False
+        self.ucx_transports: list[str] = []  # what the loaded UCX can use (ucx_info -d)
         self._lease_changed = asyncio.Event()
         self._staging_free: list[int] = []
         #: ids of the staging regions this daemon made: a client may label its own
@@ -184,6 +185,10 @@ class Daemon:
                     f"ready: {exc}{hint}"
                 ) from exc
             self.transport = t
+            if scheme == UCX_SCHEME:
+                from transports.ucx.info import ucx_transports
+
+                self.ucx_transports = await ucx_transports()
         self.ready = True
 
     async def close(self) -> None:
@@ -207,6 +212,7 @@ class Daemon:
             self.options.transport,
             worker,
             shm_huge_pages=huge_page_mode(),
+            ucx_transports=self.ucx_transports,
         )
 
     # ------------------------------------------------------------ regions
