@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pulls": ("refitd.ops.pulls", "list pulls, or follow one with a progress bar"),
     "pull": ("refitd.ops.pull", "submit a pull from a descriptor file; progress bar to the end"),
     "experts": ("refitd.ops.experts", "list the daemon's MoE expert slot pools"),
+    "gc": (
+        "refitd.ops.gc",
+        "show what the daemon can free (exited clients' regions, stale segments) and free it",
+    ),
     "config": ("refitd.ops.config_cmd", "check a configuration file (refitd config check FILE)"),
 }
 
@@ -33,6 +37,10 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench experts --trace routes.jsonl --experts 128   # your own traffic",
         "refitd bench experts --bound               # headroom: model-knowing oracles",
         "refitd bench experts --prefetch            # lookahead prefetch vs Belady on demand",
+    ),
+    "hosts": (
+        "refitd bench hosts                         # 1 GiB across simulated hosts, 1000 sources",
+        "refitd bench hosts --gib 0.25 --repeat 2   # a quick run",
     ),
     "plan": (
         "refitd bench plan                          # full DeepSeek-V3 shapes, both layouts",
@@ -59,6 +67,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "experts": (
         "refitd.bench.experts",
         "expert-cache policies vs Belady's optimum on MoE routing traces",
+    ),
+    "hosts": (
+        "refitd.bench.hosts",
+        "pull across simulated hosts vs a plain TCP stream; discover 1,000 sources on etcd",
     ),
     "plan": ("refitd.bench.plan", "plan a DeepSeek-V3-shaped refit for two trainer layouts"),
     "refit": (

@@ -63,6 +63,7 @@ __all__ = [
     "EnsureResult",
     "ErrorBody",
     "ExpertRef",
+    "GcReport",
     "InvalidateRequest",
     "InvalidateResult",
     "LeaseGrant",
@@ -107,6 +108,16 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=INT64_MAX)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 Positive = Annotated[int, msgspec.Meta(gt=0, le=INT64_MAX)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+HolderTag = Annotated[str, msgspec.Meta(max_length=48, pattern=r"^([0-9]{1,10}\.[0-9]{1,20})?$")]
+#: free-text fields of a request (owner, label, holder): bounded, may be empty
+Label = Annotated[str, msgspec.Meta(max_length=256)]
+#: a tensor's name in a manifest (module paths of real models stay far below this)
+TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+DtypeName = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
+#: the most publisher slots one version may expect (one per trainer rank)
+MAX_SLOTS = 65536
+SlotCount = Annotated[int, msgspec.Meta(gt=0, le=MAX_SLOTS)]
+Url = Annotated[str, msgspec.Meta(max_length=2048)]
 
 
 @contextlib.contextmanager
@@ -146,6 +157,9 @@ class NodeInfo(msgspec.Struct, frozen=True):
     worker_info: dict[str, str] = {}
     version: str = "1"
     shm_huge_pages: str = ""
+    #: ``transport/device`` pairs the daemon's UCX can use here (``ucx_info -d``),
+    #: e.g. ``tcp/eth0``, ``rc_mlx5/mlx5_0:1``; empty without a UCX data plane.
+    ucx_transports: list[str] = []
 
 
 # ---------------------------------------------------------------- regions
@@ -156,24 +170,32 @@ class RegionKind(enum.StrEnum):
     CUDA_IPC = "cuda_ipc"
 
 
-class RegionCreate(msgspec.Struct, frozen=True):
+class RegionCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Ask the daemon to create (own) a region of ``nbytes`` for a client."""
 
     nbytes: NonNeg
     kind: RegionKind = RegionKind.SHM
-    owner: str = ""
-    label: str = ""
+    owner: Label = ""
+    label: Label = ""
+    #: the client process the region lives with, as ``<pid>.<start time>``
+    #: (``transports.shm.owner_tag``; "" for none): when that process exits the
+    #: daemon releases the region. The client library sends its own.
+    holder: HolderTag = ""
 
 
-class RegionAttach(msgspec.Struct, frozen=True):
+class RegionAttach(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Ask the daemon to attach a region a client created: for ``shm`` ``handle`` is the
     segment name; for ``cuda_ipc`` it is the hex IPC handle (refused without a GPU)."""
 
     handle: Name
     nbytes: NonNeg
     kind: RegionKind = RegionKind.SHM
-    owner: str = ""
-    label: str = ""
+    owner: Label = ""
+    label: Label = ""
+    #: the client process the region lives with, as ``<pid>.<start time>``
+    #: (``transports.shm.owner_tag``; "" for none): when that process exits the
+    #: daemon releases the region. The client library sends its own.
+    holder: HolderTag = ""
 
 
 class RegionInfo(msgspec.Struct, frozen=True):
@@ -190,6 +212,18 @@ class RegionInfo(msgspec.Struct, frozen=True):
     owner: str = ""
     label: str = ""
     daemon_owned: bool = False
+    #: the client process whose exit releases this region (``<pid>.<start>``, "" none)
+    holder: str = ""
+
+
+class GcReport(msgspec.Struct, frozen=True):
+    """What ``POST /v1/gc`` freed (or, with ``dry_run``, would free): regions whose
+    holder process exited and that no version, lease or running pull still needs,
+    and shared-memory segments of this user whose creator process is gone."""
+
+    dry_run: bool
+    regions: list[RegionInfo]
+    segments: list[str]
 
 
 # ---------------------------------------------------------------- sources
@@ -208,13 +242,13 @@ class ShardEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
 class TensorEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A full tensor by name: global shape, dtype (torch name, e.g. ``"bfloat16"``), shards."""
 
-    name: str
+    name: TensorName
     shape: tuple[Int64, ...]
-    dtype: str
+    dtype: DtypeName
     shards: list[ShardEntry]
 
 
-class ManifestIn(msgspec.Struct, frozen=True):
+class ManifestIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """What one publisher slot publishes for ``(model, version)``.
 
     A version becomes READY once every slot in ``range(expected_slots)`` has published;
@@ -225,7 +259,7 @@ class ManifestIn(msgspec.Struct, frozen=True):
     model: Name
     version: NonNeg
     slot: NonNeg
-    expected_slots: Positive
+    expected_slots: SlotCount
     tensors: list[TensorEntry]
 
 
@@ -265,11 +299,11 @@ class MergedManifest(msgspec.Struct, frozen=True):
 MAX_LEASE_TTL_S = 3600.0
 
 
-class LeaseRequest(msgspec.Struct, frozen=True):
+class LeaseRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: Name
     version: NonNeg
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_LEASE_TTL_S)] = 30.0
-    holder: str = ""
+    holder: Label = ""
 
 
 class LeaseGrant(msgspec.Struct, frozen=True):
@@ -284,7 +318,7 @@ class LeaseGrant(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------- pulls
 
 
-class DescriptorTable(msgspec.Struct, frozen=True):
+class DescriptorTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """``n`` region-relative reads, packed.
 
     ``table`` is ``n * 5`` little-endian int64 values, row-major: ``(src_region,
@@ -336,7 +370,7 @@ class PackSpec(msgspec.Struct, frozen=True, array_like=True):
         return n
 
 
-class PullRequest(msgspec.Struct, frozen=True):
+class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Move bytes into this daemon's regions from ``source`` (a peer daemon's base URL,
     or ``""`` for this daemon itself), reading version ``version`` of ``model`` under
     ``lease_id`` (held at the source). Nothing moves until every descriptor and pack
@@ -347,7 +381,7 @@ class PullRequest(msgspec.Struct, frozen=True):
     lease_id: Name
     descriptors: DescriptorTable
     pack_specs: list[PackSpec] = []
-    source: str = ""
+    source: Url = ""
 
 
 class PullState(enum.StrEnum):
@@ -400,7 +434,7 @@ PoolName = Annotated[str, msgspec.Meta(pattern="^[A-Za-z0-9_.-]{1,64}$")]
 HostResidencyName = Literal["pinned", "locked", "pageable"]
 
 
-class PoolCreate(msgspec.Struct, frozen=True, kw_only=True):
+class PoolCreate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Create an MoE expert slot pool hosted by the daemon.
 
     ``row_bytes`` is one expert's row per bank (gate, up, down by convention), in
@@ -416,7 +450,7 @@ class PoolCreate(msgspec.Struct, frozen=True, kw_only=True):
     row_bytes: list[Positive]
     residency: list[HostResidencyName] = []
     cpu_layers: list[NonNeg] = []
-    owner: str = ""
+    owner: Label = ""
 
 
 class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -462,7 +496,7 @@ class PoolInfo(msgspec.Struct, frozen=True, kw_only=True):
     in_flight_slots: int = 0
 
 
-class EnsureRequest(msgspec.Struct, frozen=True):
+class EnsureRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Make ``routed`` experts (layer-local ids, duplicates allowed) of ``layer`` resident."""
 
     layer: NonNeg
@@ -489,7 +523,7 @@ class EnsureResult(msgspec.Struct, frozen=True, kw_only=True):
     waited: int = 0
 
 
-class PrefetchRequest(msgspec.Struct, frozen=True, kw_only=True):
+class PrefetchRequest(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A prediction of ``layer``'s next step: ``experts`` (layer-local ids, most
     confident first) or ``scores`` (one per expert of the layer, e.g. the layer's
     router applied to the current hidden state; highest first, ``min_score`` skips
@@ -524,7 +558,7 @@ class ExpertRef(msgspec.Struct, frozen=True, array_like=True):
     expert: NonNeg
 
 
-class InvalidateRequest(msgspec.Struct, frozen=True):
+class InvalidateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Drop the slots holding these experts (a refit rewrote their rows); ``layers``
     drops every expert of the listed layers. The next ``ensure`` fetches them again."""
 
@@ -656,10 +690,10 @@ class StagedPack(msgspec.Struct, frozen=True):
     offsets: list[int]
 
 
-class PackRequest(msgspec.Struct, frozen=True):
-    model: str
-    version: int
-    lease_id: str
+class PackRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: Name
+    version: NonNeg
+    lease_id: Name
     specs: list[PackSpec]
 
 

@@ -46,6 +46,15 @@ def _layout(cfg: Any, name: str, world: int, state: Any) -> Any:
     raise ValueError(f"unknown layout {name!r}: 'fsdp' or 'megatron'")
 
 
+def pattern(n: int) -> Any:
+    """``n`` bytes that differ from position to position (cheap to make twice)."""
+    import numpy as np
+
+    words = np.arange((n + 7) // 8, dtype=np.uint64)
+    words *= np.uint64(0x9E3779B97F4A7C15)
+    return words.view(np.uint8)[:n]
+
+
 class Worker:
     def __init__(self) -> None:
         self.clients: dict[str, Any] = {}
@@ -193,6 +202,55 @@ class Worker:
             ],
         }
 
+    async def source(self, req: dict[str, Any]) -> dict[str, Any]:
+        """A daemon region of ``nbytes`` filled with :func:`pattern`, published as
+        version 1 of ``model`` (one uint8 tensor): the far end of ``pull_bytes``."""
+        from refitd.wire import ManifestIn, ShardEntry, TensorEntry
+        from transports.shm import SharedSegment
+
+        client = await self.client(req["url"], req["token"])
+        n = int(req["nbytes"])
+        region = await client.create_region(n, label="bench-source")
+        seg = SharedSegment.attach(region.handle, n)
+        seg.numpy()[:] = pattern(n)
+        seg.close()
+        t = TensorEntry("blob", (n,), "uint8", [ShardEntry((0,), (n,), region.region_id, 0)])
+        await client.publish(ManifestIn(req["model"], 1, 0, 1, [t]))
+        return {"ok": True, "region": region.region_id}
+
+    async def pull_bytes(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Pull ``nbytes`` of region ``region`` at ``source`` into a new region of the
+        local daemon ``repeat`` times; answers each pull's seconds (submit to done,
+        control plane included), its path, and whether every byte matched."""
+        import numpy as np
+
+        from refitd.wire import DescriptorTable, PullRequest
+        from transports.shm import SharedSegment
+
+        local = await self.client(req["local"], req["token"])
+        source = await self.client(req["source"], req["token"])
+        n = int(req["nbytes"])
+        dst = await local.create_region(n, label="bench-dest")
+        seg = SharedSegment.attach(dst.handle, n)
+        view = seg.numpy()
+        rows = np.array([[int(req["region"]), 0, dst.region_id, 0, n]], dtype=np.int64)
+        seconds, paths, ok = [], set(), True
+        for _ in range(int(req.get("repeat", 1))):
+            view[:] = 0
+            lease = await source.acquire_lease(req["model"], 1, 120.0)
+            pull = PullRequest(
+                req["model"], 1, lease.lease_id, DescriptorTable.pack(rows), [], req["source"]
+            )
+            t = time.perf_counter()
+            done = await local.pull(pull)
+            seconds.append(time.perf_counter() - t)
+            await source.release_lease(lease.lease_id)
+            paths.add(done.path)
+            ok = ok and bool(np.array_equal(view, pattern(n)))
+        seg.close()
+        await local.delete_region(dst.region_id)
+        return {"ok": True, "seconds": seconds, "paths": sorted(paths), "verified": ok}
+
     async def close(self) -> None:
         for ranks in self.ranks.values():
             for _, _, r in ranks:
@@ -214,7 +272,7 @@ async def _serve() -> None:
             op = req.get("op")
             if op == "quit":
                 break
-            ops = ("publish", "refit", "refit_start", "refit_wait", "pulls")
+            ops = ("publish", "refit", "refit_start", "refit_wait", "pulls", "source", "pull_bytes")
             handler = getattr(worker, op, None) if op in ops else None
             if handler is None:
                 out: dict[str, Any] = {"ok": False, "error": "ProtocolError", "detail": op}

@@ -1,11 +1,13 @@
 """refitd's Python client: the async :class:`RefitClient` (one method per API v1
 endpoint), :class:`SyncRefitClient`, the trainer's :class:`Publisher`, the engine's
-:class:`DaemonReceiver`, and :class:`LeaseKeeper` (renews a lease while a long
+:class:`DaemonReceiver` (and :class:`ClusterReceiver`, for a version spread over
+several hosts' daemons), and :class:`LeaseKeeper` (renews a lease while a long
 operation runs). Refusals raise the same :mod:`refitd.errors` classes the daemon
 raised."""
 
 from __future__ import annotations
 
+from refitd.client.cluster import ClusterReceiver
 from refitd.client.http import RefitClient
 from refitd.client.leases import LeaseKeeper
 from refitd.client.publisher import Publisher
@@ -13,6 +15,7 @@ from refitd.client.receiver import DaemonReceiver, RefitStats
 from refitd.client.sync import SyncRefitClient
 
 __all__ = [
+    "ClusterReceiver",
     "DaemonReceiver",
     "LeaseKeeper",
     "Publisher",

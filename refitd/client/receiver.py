@@ -42,7 +42,7 @@ import torch
 from refitd.client.http import RefitClient
 from refitd.client.leases import LeaseKeeper
 from refitd.client.publisher import ALIGN, torch_dtype
-from refitd.errors import ConflictError, RefitError, TransportError
+from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
     MergedManifest,
@@ -363,8 +363,8 @@ class DaemonReceiver:
             raise
         finally:
             self.lease_keeper = None
-            # A source daemon already gone took the lease with it.
-            with contextlib.suppress(TransportError):
+            # A source daemon already gone (or restarted) took the lease with it.
+            with contextlib.suppress(TransportError, NotFoundError):
                 await self.source.release_lease(lease.lease_id)
 
     async def _refit_leased(

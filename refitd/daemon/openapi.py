@@ -194,6 +194,7 @@ def build_openapi(
                 "content": {JSON: {"schema": error_ref}},
             }
         paths.setdefault(path, {})[method.lower()] = entry
+    _add_links(ops, paths)
 
     return {
         "openapi": "3.1.0",
@@ -215,6 +216,39 @@ def build_openapi(
         # deployments take requests without one (the empty requirement).
         "security": [{}, {"bearer": []}],
     }
+
+
+def _add_links(ops: Mapping[tuple[str, str], Operation], paths: dict[str, dict[str, Any]]) -> None:
+    """OpenAPI links from each POST that creates something to the operations on it.
+
+    ``POST /v1/regions`` answers a RegionInfo whose ``region_id`` names the created
+    region: every operation under ``/v1/regions/{region_id}`` gets a link taking that
+    path parameter from the response body (parameters already in the creating path
+    pass through). Stateful API testers follow these links."""
+    for (method, path), op in ops.items():
+        if method != "POST" or not isinstance(op.response, type):
+            continue
+        if not issubclass(op.response, msgspec.Struct):
+            continue
+        fields = {f.encode_name for f in msgspec.structs.fields(op.response)}
+        own = set(_PARAM.findall(path))
+        links: dict[str, Any] = {}
+        for method2, path2 in ops:
+            if not path2.startswith(path + "/{"):
+                continue
+            params: dict[str, str] = {}
+            for name in _PARAM.findall(path2):
+                if name in own:
+                    params[name] = f"$request.path.{name}"
+                elif name in fields:
+                    params[name] = f"$response.body#/{name}"
+                else:
+                    break
+            else:
+                target = _operation_id(method2, path2)
+                links[target] = {"operationId": target, "parameters": params}
+        if links:
+            paths[path]["post"]["responses"][str(op.status)]["links"] = links
 
 
 def _operation_id(method: str, path: str) -> str:

@@ -422,8 +422,13 @@ class Registry:
         return LeaseGrant(lease_id, lease.model, lease.version, ttl_s)
 
     def release(self, lease_id: str) -> None:
-        """Drop a lease (idempotent: releasing an expired or unknown lease is no error)."""
-        self._leases.pop(lease_id, None)
+        """Drop a lease, live or expired. :class:`NotFoundError` (404) for an id this
+        daemon never granted or no longer holds (released, or swept after expiry)."""
+        if self._leases.pop(lease_id, None) is None:
+            raise NotFoundError(
+                f"releasing lease {lease_id!r} refused: no such lease (never granted, already "
+                "released, or expired and dropped)"
+            )
 
     def check(self, lease_id: str, model: str, version: int) -> Lease:
         """The live lease ``lease_id`` on exactly ``(model, version)``, else ConflictError."""

@@ -137,7 +137,7 @@ async def pull(client: Any, spec: PullFile, args: argparse.Namespace) -> int:
         if not lease_id:
             grant = await source.acquire_lease(spec.model, version, args.lease_ttl, "refitd pull")
             lease_id = grant.lease_id
-            stack.push_async_callback(source.release_lease, lease_id)
+            stack.push_async_callback(_release, source, lease_id)
             renewer = asyncio.create_task(_renew(source, lease_id, args.lease_ttl))
             stack.callback(renewer.cancel)
         req = PullRequest(
@@ -167,3 +167,12 @@ def run(args: argparse.Namespace) -> int:
         return await pull(client, spec, args)
 
     return run_command(args, body)
+
+
+async def _release(source: Any, lease_id: str) -> None:
+    """Release the lease taken for this pull; one the source already dropped (expired,
+    or the source restarted) is not an error of the pull."""
+    from refitd.errors import NotFoundError
+
+    with contextlib.suppress(NotFoundError):
+        await source.release_lease(lease_id)

@@ -49,6 +49,7 @@ async def gather(client: Any) -> dict[str, Any]:
         "epoch": node.epoch,
         "transport": node.transport,
         "shm_huge_pages": node.shm_huge_pages,
+        "ucx_transports": node.ucx_transports,
         "ready": ready,
         "not_ready_reason": why,
         "regions": len(regions),
@@ -58,6 +59,28 @@ async def gather(client: Any) -> dict[str, Any]:
         "pulls": pull_states,
         "expert_pools": pools,
     }
+
+
+def describe_ucx(pairs: list[str]) -> str:
+    """``tcp (eth0, lo), cma, ...; RDMA: ...`` from ``transport/device`` pairs."""
+    if not pairs:
+        return "none (no UCX data plane, or ucx_info not found)"
+    from transports.ucx.info import RDMA_TRANSPORTS
+
+    devices: dict[str, list[str]] = {}
+    for pair in pairs:
+        tl, _, dev = pair.partition("/")
+        devices.setdefault(tl, []).append(dev)
+    parts = [
+        tl if devs == ["memory"] else f"{tl} ({', '.join(devs)})" for tl, devs in devices.items()
+    ]
+    rdma = [tl for tl in devices if tl in RDMA_TRANSPORTS]
+    tail = (
+        f"; RDMA: {', '.join(rdma)}"
+        if rdma
+        else "; no RDMA (this UCX has no verbs/rdmacm: between hosts it is tcp)"
+    )
+    return ", ".join(parts) + tail
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         if huge in ("never", "deny"):
             huge += " (same-host UCX pulls slower: see systemd/refitd-shm-huge.service)"
         table.add_row("shm huge pages", huge)
+        table.add_row("UCX transports", describe_ucx(info["ucx_transports"]))
         table.add_row("regions", f"{info['regions']} ({human_bytes(info['region_bytes'])})")
         versions = ", ".join(f"{n} {s}" for s, n in sorted(info["versions"].items())) or "none"
         table.add_row("versions", versions)

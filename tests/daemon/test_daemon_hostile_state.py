@@ -177,11 +177,11 @@ async def test_an_expired_lease_cannot_be_renewed_or_pulled_under(env: Env) -> N
     await env.refused("POST", PULLS, body, status=409)
 
 
-async def test_releasing_an_unknown_lease_is_a_no_op_that_leaves_live_leases_alone(
+async def test_releasing_an_unknown_lease_is_404_and_leaves_live_leases_alone(
     env: Env,
 ) -> None:
     code, _ = await env.send("DELETE", f"{LEASES}/l0-unknown", None, None)
-    assert code == 200
+    assert code == 404
     await env.client.check_lease(env.lease, "toy", 1)
 
 
