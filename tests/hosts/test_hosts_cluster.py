@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -15,7 +16,12 @@ from support.hosts import cluster_of, needs_hosts
 
 from refitd.cluster.etcdserver import run_etcd
 
-pytestmark = [needs_hosts, needs_etcd, pytest.mark.timeout(300)]
+pytestmark = [
+    needs_hosts,
+    needs_etcd,
+    pytest.mark.skipif(shutil.which("tc") is None, reason="no `tc` (iproute2) to slow a link"),
+    pytest.mark.timeout(300),
+]
 
 GIB = 0.01
 TTL = 2.0
