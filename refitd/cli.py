@@ -22,6 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pulls": ("refitd.ops.pulls", "list pulls, or follow one with a progress bar"),
     "pull": ("refitd.ops.pull", "submit a pull from a descriptor file; progress bar to the end"),
     "experts": ("refitd.ops.experts", "list the daemon's MoE expert slot pools"),
+    "gc": (
+        "refitd.ops.gc",
+        "show what the daemon can free (exited clients' regions, stale segments) and free it",
+    ),
     "config": ("refitd.ops.config_cmd", "check a configuration file (refitd config check FILE)"),
 }
 

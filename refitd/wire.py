@@ -63,6 +63,7 @@ __all__ = [
     "EnsureResult",
     "ErrorBody",
     "ExpertRef",
+    "GcReport",
     "InvalidateRequest",
     "InvalidateResult",
     "LeaseGrant",
@@ -107,6 +108,7 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=INT64_MAX)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 Positive = Annotated[int, msgspec.Meta(gt=0, le=INT64_MAX)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+HolderTag = Annotated[str, msgspec.Meta(max_length=48, pattern=r"^([0-9]{1,10}\.[0-9]{1,20})?$")]
 #: free-text fields of a request (owner, label, holder): bounded, may be empty
 Label = Annotated[str, msgspec.Meta(max_length=256)]
 #: a tensor's name in a manifest (module paths of real models stay far below this)
@@ -175,6 +177,10 @@ class RegionCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kind: RegionKind = RegionKind.SHM
     owner: Label = ""
     label: Label = ""
+    #: the client process the region lives with, as ``<pid>.<start time>``
+    #: (``transports.shm.owner_tag``; "" for none): when that process exits the
+    #: daemon releases the region. The client library sends its own.
+    holder: HolderTag = ""
 
 
 class RegionAttach(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -186,6 +192,10 @@ class RegionAttach(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kind: RegionKind = RegionKind.SHM
     owner: Label = ""
     label: Label = ""
+    #: the client process the region lives with, as ``<pid>.<start time>``
+    #: (``transports.shm.owner_tag``; "" for none): when that process exits the
+    #: daemon releases the region. The client library sends its own.
+    holder: HolderTag = ""
 
 
 class RegionInfo(msgspec.Struct, frozen=True):
@@ -202,6 +212,18 @@ class RegionInfo(msgspec.Struct, frozen=True):
     owner: str = ""
     label: str = ""
     daemon_owned: bool = False
+    #: the client process whose exit releases this region (``<pid>.<start>``, "" none)
+    holder: str = ""
+
+
+class GcReport(msgspec.Struct, frozen=True):
+    """What ``POST /v1/gc`` freed (or, with ``dry_run``, would free): regions whose
+    holder process exited and that no version, lease or running pull still needs,
+    and shared-memory segments of this user whose creator process is gone."""
+
+    dry_run: bool
+    regions: list[RegionInfo]
+    segments: list[str]
 
 
 # ---------------------------------------------------------------- sources

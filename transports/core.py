@@ -73,10 +73,13 @@ __all__ = [
     "UnauthenticatedPeer",
     "UnknownScheme",
     "as_read_batch",
+    "batch_as_rows",
     "coalesce",
     "create_transport",
     "register_transport",
+    "rows_as_batch",
     "schemes",
+    "split_pieces",
     "split_shares",
     "suspect_ranges",
     "transport_class",
@@ -136,7 +139,9 @@ class PeerLost(PullFailed):
 class ReadRefused(ProtocolError):
     """Read ``index`` of a batch failed validation; no read of the batch was posted."""
 
-    def __init__(self, index: int, read: tuple[int, int, int, int, int], why: str) -> None:
+    def __init__(
+        self, index: int, read: tuple[int, int, int, int, int], why: str, check: str = ""
+    ) -> None:
         lr, lo, rr, ro, n = read
         super().__init__(
             f"read #{index} (local region {lr} @ {lo}, remote region {rr} @ {ro}, "
@@ -144,6 +149,9 @@ class ReadRefused(ProtocolError):
         )
         self.index = index
         self.read = read
+        self.why = why
+        #: which check refused it (see :func:`validate_batch`), "" when not said
+        self.check = check
 
 
 class UnauthenticatedPeer(ProtocolError):
@@ -306,23 +314,36 @@ def validate_batch(
     rr, ro, n = batch["remote_region"], batch["remote_offset"], batch["nbytes"]
     lsize, lknown = _sizes_of(lr, local_sizes)
     rsize, rknown = _sizes_of(rr, remote_sizes)
-    checks: list[tuple[npt.NDArray[np.bool_], Callable[[int], str]]] = [
-        (~lknown, lambda i: f"local region {int(lr[i])} is not registered with this transport"),
+    checks: list[tuple[str, npt.NDArray[np.bool_], Callable[[int], str]]] = [
         (
+            "remote_unknown",
             ~rknown,
             lambda i: f"remote region {int(rr[i])} is not in the peer's authenticated record",
         ),
-        (n < 0, lambda i: "negative length"),
-        (lo < 0, lambda i: "negative local offset"),
-        (ro < 0, lambda i: "negative remote offset"),
-        (lo > lsize - n, lambda i: f"local range ends past the region's {int(lsize[i])} bytes"),
-        (ro > rsize - n, lambda i: f"remote range ends past the region's {int(rsize[i])} bytes"),
+        (
+            "local_unknown",
+            ~lknown,
+            lambda i: f"local region {int(lr[i])} is not registered with this transport",
+        ),
+        ("negative", n < 0, lambda i: "negative length"),
+        ("negative", lo < 0, lambda i: "negative local offset"),
+        ("negative", ro < 0, lambda i: "negative remote offset"),
+        (
+            "remote_range",
+            ro > rsize - n,
+            lambda i: f"remote range ends past the region's {int(rsize[i])} bytes",
+        ),
+        (
+            "local_range",
+            lo > lsize - n,
+            lambda i: f"local range ends past the region's {int(lsize[i])} bytes",
+        ),
     ]
-    for bad, why in checks:
+    for check, bad, why in checks:
         hits = np.flatnonzero(bad)
         if len(hits):
             i = int(hits[0])
-            raise ReadRefused(i, tuple(int(v) for v in batch[i].tolist()), why(i))  # type: ignore[arg-type]
+            raise ReadRefused(i, tuple(int(v) for v in batch[i].tolist()), why(i), check)  # type: ignore[arg-type]
     nz = np.flatnonzero(n > 0)
     if len(nz) > 1:
         order = nz[np.lexsort((lo[nz], lr[nz]))]
@@ -336,6 +357,7 @@ def validate_batch(
                 i,
                 tuple(int(v) for v in batch[i].tolist()),  # type: ignore[arg-type]
                 f"its destination overlaps read #{min(a, b)}'s; overlapping writes would race",
+                "overlap",
             )
 
 
@@ -397,6 +419,35 @@ def split_shares(
         skip = (lo - starts)[take]
         out.append((dst[take] + skip, src[take] + skip, (hi - lo)[take], tag[take]))
     return out
+
+
+def split_pieces(batch: ReadBatch, piece: int) -> ReadBatch:
+    """``batch`` with every read longer than ``piece`` bytes cut into ``piece``-sized
+    reads (same bytes, same order), so several can be in flight at once."""
+    n = batch["nbytes"]
+    counts = np.maximum(1, -(-n // piece))
+    if int(counts.max(initial=1)) == 1:
+        return batch
+    out = np.repeat(batch, counts)
+    k = np.arange(len(out)) - np.repeat(np.cumsum(counts) - counts, counts)
+    step = k * piece
+    out["local_offset"] += step
+    out["remote_offset"] += step
+    out["nbytes"] = np.minimum(piece, np.repeat(n, counts) - step)
+    return out
+
+
+def rows_as_batch(rows: npt.NDArray[np.int64]) -> ReadBatch:
+    """Wire descriptor rows ``(src_region, src_offset, dst_region, dst_offset, nbytes)``
+    (the pull API's layout) as a ``READ_DTYPE`` batch read into this side (the
+    destination is local, the source remote)."""
+    return as_read_batch(np.ascontiguousarray(rows.reshape(-1, 5)[:, [2, 3, 0, 1, 4]]))
+
+
+def batch_as_rows(batch: ReadBatch) -> npt.NDArray[np.int64]:
+    """The inverse of :func:`rows_as_batch`: ``(n, 5)`` wire rows."""
+    flat = np.ascontiguousarray(batch).view("<i8").reshape(-1, 5)
+    return np.ascontiguousarray(flat[:, [2, 3, 0, 1, 4]])
 
 
 def suspect_ranges(batch: ReadBatch) -> list[ByteRange]:
@@ -529,6 +580,7 @@ class Transport(ABC):
 _REGISTRY: dict[str, str | type[Transport]] = {
     "reference": "transports.reference:ReferenceTransport",
     "local": "transports.local:LocalTransport",
+    "shm": "transports.samehost:SameHostTransport",
     "ucx": "transports.ucx:UcxTransport",
 }
 ENTRY_POINT_GROUP = "refitd.transports"

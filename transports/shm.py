@@ -320,26 +320,43 @@ def _check_name(name: str) -> None:
         raise ProtocolError(f"shared segment name {name!r} refused: must be a plain file name")
 
 
-def cleanup_stale(prefix: str = PREFIX) -> list[str]:
-    """Unlink our user's segments whose owner process is gone; return their names.
+def creator_tag(name: str, prefix: str = PREFIX) -> str | None:
+    """The ``<pid>.<start>`` tag of the process that created segment ``name``."""
+    parts = name[len(prefix) :].split(".") if name.startswith(prefix) else []
+    if len(parts) < 3 or not parts[0].isdigit():
+        return None
+    return f"{parts[0]}.{parts[1]}"
 
-    A segment is stale when its name's ``<pid>.<start>`` no longer matches a live
-    process (the pid is gone, or was reused by a process started later).
-    """
+
+def is_stale(name: str, prefix: str = PREFIX) -> bool:
+    """Whether segment ``name`` is one of our user's whose creator process is gone: its
+    name's ``<pid>.<start>`` no longer matches a live process (the pid is gone, or was
+    reused by a process started later)."""
+    if not name.startswith(prefix):
+        return False
+    parts = name[len(prefix) :].split(".")
+    if len(parts) < 3 or not parts[0].isdigit():
+        return False
+    try:
+        if (SHM_DIR / name).lstat().st_uid != os.getuid():
+            return False
+    except FileNotFoundError:
+        return False
+    return _start_time(int(parts[0])) != parts[1]
+
+
+def stale_segments(prefix: str = PREFIX) -> list[str]:
+    """Names of our user's segments whose creator process is gone (nothing unlinked)."""
+    return sorted(p.name for p in SHM_DIR.glob(prefix + "*") if is_stale(p.name, prefix))
+
+
+def cleanup_stale(prefix: str = PREFIX) -> list[str]:
+    """Unlink our user's segments whose creator process is gone; return their names."""
     removed = []
-    for path in SHM_DIR.glob(prefix + "*"):
-        parts = path.name[len(prefix) :].split(".")
-        if len(parts) < 3 or not parts[0].isdigit():
-            continue
+    for name in stale_segments(prefix):
         try:
-            if path.lstat().st_uid != os.getuid():
-                continue
+            (SHM_DIR / name).unlink()
+            removed.append(name)
         except FileNotFoundError:
-            continue
-        if _start_time(int(parts[0])) != parts[1]:
-            try:
-                path.unlink()
-                removed.append(path.name)
-            except FileNotFoundError:
-                pass
+            pass
     return removed

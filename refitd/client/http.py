@@ -26,6 +26,7 @@ from refitd.wire import (
     EnsureResult,
     ErrorBody,
     ExpertRef,
+    GcReport,
     HostResidencyName,
     InvalidateRequest,
     InvalidateResult,
@@ -52,6 +53,7 @@ from refitd.wire import (
     VersionInfo,
     gc_paused,
 )
+from transports.shm import owner_tag
 
 __all__ = ["RefitClient", "error_from_body"]
 
@@ -61,6 +63,12 @@ _ERRORS: dict[str, type[errors.RefitError]] = {
     name: getattr(errors, name) for name in errors.__all__
 }
 _TERMINAL = {PullState.DONE, PullState.FAILED, PullState.CANCELLED}
+
+
+def _holder() -> str:
+    """This process as a region holder (``<pid>.<start>``), or "" where /proc cannot say."""
+    tag = owner_tag()
+    return tag if tag.replace(".", "").isdigit() else ""
 
 
 def error_from_body(status: int, body: ErrorBody | None, fallback: str) -> errors.RefitError:
@@ -173,9 +181,9 @@ class RefitClient:
     async def create_region(
         self, nbytes: int, *, label: str = "", owner: str = "", kind: RegionKind = RegionKind.SHM
     ) -> RegionInfo:
-        return await self._call(
-            "POST", "/regions", RegionInfo, RegionCreate(nbytes, kind, owner, label)
-        )
+        """A daemon-owned region, released by the daemon when this process exits."""
+        req = RegionCreate(nbytes, kind, owner, label, holder=_holder())
+        return await self._call("POST", "/regions", RegionInfo, req)
 
     async def attach_region(
         self,
@@ -186,15 +194,21 @@ class RefitClient:
         owner: str = "",
         kind: RegionKind = RegionKind.SHM,
     ) -> RegionInfo:
-        return await self._call(
-            "POST", "/regions/attach", RegionInfo, RegionAttach(handle, nbytes, kind, owner, label)
-        )
+        """Attach this process's segment; the daemon releases it when this process exits."""
+        req = RegionAttach(handle, nbytes, kind, owner, label, holder=_holder())
+        return await self._call("POST", "/regions/attach", RegionInfo, req)
 
     async def regions(self) -> list[RegionInfo]:
         return await self._call("GET", "/regions", list[RegionInfo])
 
     async def delete_region(self, region_id: int) -> RegionInfo:
         return await self._call("DELETE", f"/regions/{region_id}", RegionInfo)
+
+    async def gc(self, *, dry_run: bool = False) -> GcReport:
+        """Free regions of exited clients and stale segments (``dry_run``: only list them)."""
+        return await self._call(
+            "POST", "/gc", GcReport, params={"dry_run": "1" if dry_run else "0"}
+        )
 
     # ------------------------------------------------------------ sources
 

@@ -125,6 +125,13 @@ async def delete_region(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- sources
 
 
+@routes.post(P + "/gc")
+async def gc(request: web.Request) -> web.Response:
+    """Free regions of exited clients and stale segments; ``dry_run=1`` only lists them."""
+    dry = request.query.get("dry_run", "0") in ("1", "true")
+    return reply(request, await request.app[DAEMON].gc(dry_run=dry))
+
+
 @routes.post(P + "/sources")
 async def publish(request: web.Request) -> web.Response:
     d = request.app[DAEMON]

@@ -12,18 +12,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 import os
 import secrets
 import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from refitd.daemon.copier import Copier, ThreadCopier, pack_strided
+from refitd.daemon.holders import Holders
 from refitd.daemon.memory import SharedSegment, byte_view, check_shm_capacity, refuse_cuda_ipc
 from refitd.daemon.peers import PeerPolicy
 from refitd.daemon.regions import RegionTable, validate_pack_specs
@@ -38,6 +39,7 @@ from refitd.errors import (
     TransportError,
 )
 from refitd.wire import (
+    GcReport,
     NodeInfo,
     PackSpec,
     PeerRegions,
@@ -48,7 +50,16 @@ from refitd.wire import (
     StagedPack,
     VersionInfo,
 )
-from transports.shm import SHM_DIR, huge_page_mode
+from transports.core import Transport
+from transports.samehost import boot_id, file_id
+from transports.shm import (
+    SHM_DIR,
+    cleanup_stale,
+    creator_tag,
+    huge_page_mode,
+    is_stale,
+    stale_segments,
+)
 
 __all__ = [
     "AUTO",
@@ -58,6 +69,8 @@ __all__ = [
     "boot_id",
     "file_id",
 ]
+
+log = logging.getLogger("refitd.daemon")
 
 STAGING_POOL = 4
 """Free staging regions kept for reuse by later pack specs."""
@@ -71,25 +84,6 @@ shared-memory path whenever that peer is proven to share this host's memory."""
 
 UCX_SCHEME = "ucx"
 """The transports scheme ``auto`` starts."""
-
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
-
-def boot_id() -> str:
-    """This kernel's boot id: equal for two daemons only if they run on one host
-    (under one kernel boot). Empty where the kernel does not expose it."""
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""
-
-
-def file_id(name: str) -> tuple[int, int]:
-    """``(st_dev, st_ino)`` of shared segment ``name``: under one kernel boot it names
-    exactly one file, so a peer's record of it proves which memory a name maps
-    (two containers may each have a different file of the same name)."""
-    st = os.stat(SHM_DIR / name)
-    return st.st_dev, st.st_ino
 
 
 @dataclass(frozen=True)
@@ -140,7 +134,7 @@ class Daemon:
         self.regions = RegionTable(self.epoch)
         self.segments: dict[int, SharedSegment] = {}
         self.copier: Copier = copier or ThreadCopier()
-        self.transport: object | None = None  # transports.core.Transport when not shm
+        self.transport: Transport | None = None  # every mode but shm
         self.boot_id = options.boot_id or boot_id()
         self._files: dict[int, tuple[int, int]] = {}
         self.ready = False
@@ -155,6 +149,14 @@ class Daemon:
         self._staging_held: dict[int, str] = {}
         #: regions a running pull of this daemon reads or writes (see :meth:`using`)
         self._busy: collections.Counter[int] = collections.Counter()
+        #: client processes regions live with, and regions whose client exited
+        self.holders = Holders(self._holder_exited)
+        self._held: dict[str, set[int]] = {}
+        self._orphans: set[int] = set()
+        self._exited: set[str] = set()  # holder tags seen exiting (maybe not yet reaped)
+        self._reaping: asyncio.Task[list[RegionInfo]] | None = None
+        #: stale segments of earlier lives (this daemon's or its clients') removed at start
+        self.removed_at_start: list[str] = []
 
     # ------------------------------------------------------------ lifecycle
 
@@ -162,7 +164,12 @@ class Daemon:
         """Bring up the data plane; the daemon reports ready only after this.
 
         Every mode but ``shm`` starts a transport (``auto`` starts UCX); a transport
-        that cannot start stops the daemon's start with :class:`TransportError`."""
+        that cannot start stops the daemon's start with :class:`TransportError`.
+        First, shared-memory segments whose creator process is gone — left by an
+        earlier life of this daemon, or by clients that crashed — are unlinked."""
+        self.removed_at_start = await asyncio.to_thread(cleanup_stale)
+        if self.removed_at_start:
+            log.info("removed %d stale segment(s) at start", len(self.removed_at_start))
         mode = self.options.transport
         if mode != SHM_SCHEME:
             from transports.core import create_transport
@@ -186,8 +193,9 @@ class Daemon:
 
     async def close(self) -> None:
         self.ready = False
+        self.holders.close()
         if self.transport is not None:
-            await self.transport.close()  # type: ignore[attr-defined]
+            await self.transport.close()
             self.transport = None
         for seg in self.segments.values():
             seg.close()
@@ -196,7 +204,7 @@ class Daemon:
     def info(self) -> NodeInfo:
         worker: dict[str, str] = {}
         if self.transport is not None:
-            advert = self.transport.advertise()  # type: ignore[attr-defined]
+            advert = self.transport.advertise()
             worker = {"scheme": advert.scheme, "peer_id": advert.peer_id}
         return NodeInfo(
             self.node_id,
@@ -210,12 +218,24 @@ class Daemon:
     # ------------------------------------------------------------ regions
 
     async def _record(
-        self, seg: SharedSegment, kind: RegionKind, owner: str, label: str, daemon_owned: bool
+        self,
+        seg: SharedSegment,
+        kind: RegionKind,
+        owner: str,
+        label: str,
+        daemon_owned: bool,
+        holder: str = "",
     ) -> RegionInfo:
         rid = self.regions.new_id()
-        info = RegionInfo(rid, kind, seg.name, seg.size, self.epoch, owner, label, daemon_owned)
+        if holder and not self.holders.watch(holder):
+            holder = ""  # not a process visible here: the region lives until deleted
+        info = RegionInfo(
+            rid, kind, seg.name, seg.size, self.epoch, owner, label, daemon_owned, holder
+        )
+        if holder:
+            self._held.setdefault(holder, set()).add(rid)
         if self.transport is not None:
-            await self.transport.register(rid, seg)  # type: ignore[attr-defined]
+            await self.transport.register(rid, seg)
         self.segments[rid] = seg
         with contextlib.suppress(OSError):  # a name already unlinked: no shm path to it
             self._files[rid] = file_id(seg.name)
@@ -230,14 +250,18 @@ class Daemon:
             seg = SharedSegment.create(req.nbytes, req.label or "region")
         except (OSError, OverflowError) as exc:
             raise PlanError(f"region of {req.nbytes} bytes refused: {exc}") from None
-        return await self._record(seg, req.kind, req.owner, req.label, daemon_owned=True)
+        return await self._record(
+            seg, req.kind, req.owner, req.label, daemon_owned=True, holder=req.holder
+        )
 
     async def attach_region(self, req: RegionAttach) -> RegionInfo:
         """Map a segment a client created; its size must equal ``req.nbytes``."""
         if req.kind is RegionKind.CUDA_IPC:
             refuse_cuda_ipc()
         seg = SharedSegment.attach(req.handle, req.nbytes)
-        return await self._record(seg, req.kind, req.owner, req.label, daemon_owned=False)
+        return await self._record(
+            seg, req.kind, req.owner, req.label, daemon_owned=False, holder=req.holder
+        )
 
     async def delete_region(self, region_id: int) -> RegionInfo:
         """Forget a region (``DELETE /v1/regions/{id}``). Refused (409) while a READY,
@@ -267,8 +291,11 @@ class Daemon:
                 "pull(s) of this daemon read or write it; cancel them or wait"
             )
         self.regions.remove(region_id)
+        self._orphans.discard(region_id)
+        if info.holder:
+            self._held.get(info.holder, set()).discard(region_id)
         if self.transport is not None:
-            await self.transport.deregister(region_id)  # type: ignore[attr-defined]
+            await self.transport.deregister(region_id)
         self.segments.pop(region_id).close()
         self._files.pop(region_id, None)
         return info
@@ -276,6 +303,52 @@ class Daemon:
     def view(self, region_id: int) -> memoryview:
         self.regions.get(region_id)
         return byte_view(self.segments[region_id])
+
+    # ------------------------------------------------------------ client death
+
+    def _holder_exited(self, tag: str) -> None:
+        self._exited.add(tag)
+        self._orphans |= self._held.pop(tag, set())
+        log.info("client %s exited: releasing its regions %s", tag, sorted(self._orphans))
+        self.reap_soon()
+
+    def reap_soon(self) -> None:
+        """Release exited clients' regions in a task (no-op when there are none)."""
+        if self._orphans and (self._reaping is None or self._reaping.done()):
+            self._reaping = asyncio.get_running_loop().create_task(self.reap())
+
+    async def reap(self, dry_run: bool = False) -> list[RegionInfo]:
+        """Release (``dry_run``: only list) every region whose holder process exited
+        and that nothing still needs: no READY, pending or leased version publishes
+        from it and no running pull reads or writes it. Those still needed stay
+        orphans and are released by a later call, once they are free; a client's
+        segment whose creator is gone is unlinked with it."""
+        protected = self.registry.protected_regions()
+        out: list[RegionInfo] = []
+        for rid in sorted(self._orphans):
+            if rid not in self.regions:
+                self._orphans.discard(rid)
+                continue
+            if rid in protected or self._busy[rid]:
+                continue
+            info = self.regions.get(rid)
+            out.append(info)
+            if dry_run:
+                continue
+            stale = not info.daemon_owned and (
+                creator_tag(info.handle) in self._exited or is_stale(info.handle)
+            )
+            await self._drop_region(rid, info)
+            if stale:
+                with contextlib.suppress(OSError):
+                    (SHM_DIR / info.handle).unlink()
+        return out
+
+    async def gc(self, dry_run: bool = False) -> GcReport:
+        """``POST /v1/gc``: free exited clients' regions and stale segments."""
+        regions = await self.reap(dry_run)
+        segments = stale_segments() if dry_run else await asyncio.to_thread(cleanup_stale)
+        return GcReport(dry_run, regions, segments)
 
     @contextlib.contextmanager
     def using(self, region_ids: Iterable[int]) -> Iterator[None]:
@@ -328,7 +401,7 @@ class Daemon:
         infos = list(self.regions) if ids is None else [self.regions.get(i) for i in ids]
         advert = b""
         if self.transport is not None:
-            advert = self.transport.advertise().encode()  # type: ignore[attr-defined]
+            advert = self.transport.advertise().encode()
         files = {r.region_id: self._files[r.region_id] for r in infos if r.region_id in self._files}
         rec = PeerRegions(
             self.node_id,
@@ -444,9 +517,11 @@ class Daemon:
     # ------------------------------------------------------------ leases
 
     def lease_changed(self) -> None:
-        """Wake every drain waiter (a lease was released or a version changed)."""
+        """Wake every drain waiter (a lease was released or a version changed), and
+        release exited clients' regions that this may have freed."""
         self._lease_changed.set()
         self._lease_changed = asyncio.Event()
+        self.reap_soon()
 
     async def wait_drain(
         self, model: str, version: int, timeout_s: float, retire: bool = False

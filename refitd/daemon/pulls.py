@@ -26,11 +26,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -53,7 +52,12 @@ from refitd.wire import (
     RegionInfo,
     StagedPack,
 )
-from transports.shm import SHM_DIR, SharedSegment
+from transports.core import Peer, rows_as_batch, split_pieces, suspect_ranges
+from transports.samehost import same_file
+from transports.shm import SharedSegment
+
+if TYPE_CHECKING:
+    from refitd.client.http import RefitClient
 
 __all__ = ["PullJob", "PullManager", "Source"]
 
@@ -112,10 +116,7 @@ class LocalSource:
 class RemoteSource:
     """A peer daemon reached through :class:`refitd.client.RefitClient`."""
 
-    def __init__(self, client: object, secret: bytes) -> None:
-        from refitd.client.http import RefitClient
-
-        assert isinstance(client, RefitClient)
+    def __init__(self, client: RefitClient, secret: bytes) -> None:
         self.c = client
         self.secret = secret
 
@@ -181,19 +182,9 @@ class PullJob:
 
 
 def _coalesced_dst(rows: np.ndarray) -> list[tuple[int, int, int]]:
-    """Destination ``(region, offset, nbytes)`` ranges of ``rows``, sorted and merged."""
-    live = rows[rows[:, 4] > 0]
-    if live.shape[0] == 0:
-        return []
-    live = live[np.lexsort((live[:, 3], live[:, 2]))]
-    out: list[list[int]] = []
-    for _, _, r, o, n in live.tolist():
-        if out and out[-1][0] == r and o <= out[-1][1] + out[-1][2]:
-            last = out[-1]
-            last[2] = max(last[1] + last[2], o + n) - last[1]
-        else:
-            out.append([r, o, n])
-    return [(r, o, n) for r, o, n in out]
+    """Destination ``(region, offset, nbytes)`` ranges of wire ``rows``, sorted and
+    merged: the data plane's :func:`~transports.core.suspect_ranges` of those reads."""
+    return [(r.region, r.offset, r.nbytes) for r in suspect_ranges(rows_as_batch(rows))]
 
 
 class PullManager:
@@ -205,7 +196,7 @@ class PullManager:
         self.jobs: dict[str, PullJob] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._seq = itertools.count(1)
-        self._peers: dict[tuple[str, int], object] = {}
+        self._peers: dict[tuple[str, int], Peer] = {}
         self._mapped: dict[tuple[str, int, int], SharedSegment] = {}
         # (st_dev, st_ino) each kept mapping was verified against
         self._verified: dict[tuple[str, int, int], tuple[int, ...]] = {}
@@ -377,6 +368,7 @@ class PullManager:
         finally:
             job.ended = time.perf_counter()
             job.pins.close()
+            self.d.reap_soon()  # an exited client's region this pull held may go now
             if staged is not None:
                 with contextlib.suppress(RefitError):
                     await asyncio.shield(src.drop(staged.region.region_id, req.lease_id))
@@ -431,7 +423,7 @@ class PullManager:
             raise TransportError(
                 f"pull from {peer.node_id!r} refused: this daemon runs no transport"
             )
-        scheme = str(transport.scheme)  # type: ignore[attr-defined]
+        scheme = str(transport.scheme)
         if not peer.advert:
             raise TransportError(
                 f"pull from {peer.node_id!r} refused before any byte moved: it advertises no "
@@ -501,10 +493,10 @@ class PullManager:
         if seg is None:
             if want is None:
                 raise TransportError(f"the record names no file for segment {rec.handle!r}")
-            _same_file(rec.handle, tuple(want))
+            same_file(rec.handle, tuple(want))
             seg = SharedSegment.attach(rec.handle, rec.nbytes)
             try:
-                _same_file(rec.handle, tuple(want))
+                same_file(rec.handle, tuple(want))
             except BaseException:
                 seg.close()
                 raise
@@ -525,22 +517,23 @@ class PullManager:
         key = (peer.node_id, peer.epoch)
         conn = self._peers.get(key)
         if conn is None:
-            conn = await transport.connect(info)  # type: ignore[attr-defined]
+            conn = await transport.connect(info)
             self._peers[key] = conn
         else:
-            await conn.update(info)  # type: ignore[attr-defined]
+            await conn.update(info)
         # Transport reads are (local=dst, local_off, remote=src, remote_off, nbytes).
-        reads = _split_large(rows[:, [2, 3, 0, 1, 4]], TRANSPORT_PIECE)
+        reads = split_pieces(rows_as_batch(rows), TRANSPORT_PIECE)
         step = 4096
         for lo in range(0, reads.shape[0], step):
             chunk = reads[lo : lo + step]
             # Two batches in flight keep both directions of the data plane busy.
-            half = int(np.searchsorted(np.cumsum(chunk[:, 4]), chunk[:, 4].sum() // 2))
-            parts = [p for p in (chunk[: half + 1], chunk[half + 1 :]) if p.shape[0]]
+            sizes = chunk["nbytes"]
+            half = int(np.searchsorted(np.cumsum(sizes), sizes.sum() // 2))
+            parts = [p for p in (chunk[: half + 1], chunk[half + 1 :]) if len(p)]
             try:
                 async with asyncio.TaskGroup() as tg:
                     for part in parts:
-                        tg.create_task(conn.get(part))  # type: ignore[attr-defined]
+                        tg.create_task(conn.get(part))
             except BaseExceptionGroup as group:
                 # A TaskGroup wraps even one failure (PeerLost when the source died
                 # mid-read) in an ExceptionGroup; raise the transport's own error so
@@ -549,7 +542,7 @@ class PullManager:
                 if first is None:
                     raise
                 raise first from None
-            job.progress(chunk.shape[0], int(chunk[:, 4].sum()))
+            job.progress(len(chunk), int(chunk["nbytes"].sum()))
 
 
 def _source_name(url: str, peer: PeerRegions | None) -> str:
@@ -557,33 +550,6 @@ def _source_name(url: str, peer: PeerRegions | None) -> str:
     if not url:
         return "this daemon"
     return f"{peer.node_id!r} at {url}" if peer is not None else url
-
-
-def _same_file(name: str, want: tuple[int, ...]) -> None:
-    """Refuse unless segment ``name`` here is the file ``(st_dev, st_ino)`` = ``want``."""
-    try:
-        st = os.stat(SHM_DIR / name)
-    except FileNotFoundError:
-        raise TransportError(f"segment {name!r} does not exist here") from None
-    if (st.st_dev, st.st_ino) != want:
-        raise TransportError(
-            f"segment {name!r} here is another file than the peer's (a separate /dev/shm)"
-        )
-
-
-def _split_large(reads: np.ndarray, piece: int) -> np.ndarray:
-    """Cut reads longer than ``piece`` bytes into ``piece``-sized reads (same bytes)."""
-    n = reads[:, 4]
-    counts = np.maximum(1, -(-n // piece))
-    if int(counts.max(initial=1)) == 1:
-        return np.ascontiguousarray(reads)
-    out = np.repeat(reads, counts, axis=0)
-    k = np.arange(len(out)) - np.repeat(np.cumsum(counts) - counts, counts)
-    step = k * piece
-    out[:, 1] += step
-    out[:, 3] += step
-    out[:, 4] = np.minimum(piece, np.repeat(n, counts) - step)
-    return out
 
 
 async def _noop(v: memoryview) -> memoryview:

@@ -15,6 +15,7 @@ import numpy as np
 
 from refitd.errors import NotFoundError, ProtocolError
 from refitd.wire import DescriptorTable, PackSpec, RegionInfo
+from transports.core import ReadRefused, rows_as_batch, validate_batch
 
 __all__ = [
     "RegionTable",
@@ -65,17 +66,15 @@ class RegionTable:
         return region_id in self._records
 
 
-def _limits(ids: np.ndarray, sizes: Mapping[int, int]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-row region size and a mask of rows whose region is recorded."""
-    lim = np.zeros(len(ids), dtype=np.int64)
-    known = np.zeros(len(ids), dtype=bool)
-    for rid in np.unique(ids).tolist():
-        size = sizes.get(int(rid))
-        if size is not None:
-            hit = ids == rid
-            lim[hit] = size
-            known |= hit
-    return lim, known
+#: the daemon's words for each check of :func:`transports.core.validate_batch`
+_WHY = {
+    "remote_unknown": "its source region is not recorded",
+    "local_unknown": "its destination region is not recorded",
+    "negative": "it has a negative offset or size",
+    "remote_range": "its source range ends past the source region",
+    "local_range": "its destination range ends past the destination region",
+    "overlap": "its destination range overlaps another descriptor's",
+}
 
 
 def validate_descriptors(
@@ -84,35 +83,28 @@ def validate_descriptors(
     """Check every descriptor of ``d``; return its ``(n, 5)`` rows if all are in bounds.
 
     ``src_sizes``/``dst_sizes`` map region id to size in bytes, from the daemons' own
-    records. A descriptor is refused (:class:`ProtocolError` naming its index and
-    values) when a region is not recorded, an offset or size is negative, or the byte
-    range leaves its region (checked as ``offset <= size - nbytes`` so nothing
-    overflows). Zero-length reads inside a region, including at its very end, pass.
-    Nothing is read or written by this function.
+    records. The checks are the data plane's own (:func:`transports.core.validate_batch`,
+    on the descriptors as reads into this daemon): a descriptor is refused
+    (:class:`ProtocolError` naming its index and values) when a region is not
+    recorded, an offset or size is negative, the byte range leaves its region
+    (checked as ``offset <= size - nbytes`` so nothing overflows), or its destination
+    overlaps another's. Zero-length reads inside a region, including at its very
+    end, pass. Nothing is read or written by this function.
     """
     rows = d.rows()
     if rows.shape[0] == 0:
         return rows
-    si, so, di, do, nb = (rows[:, k] for k in range(5))
-    s_lim, s_known = _limits(si, src_sizes)
-    d_lim, d_known = _limits(di, dst_sizes)
-    checks: list[tuple[np.ndarray, str]] = [
-        (~s_known, "its source region is not recorded"),
-        (~d_known, "its destination region is not recorded"),
-        ((so < 0) | (do < 0) | (nb < 0), "it has a negative offset or size"),
-        (so > s_lim - nb, "its source range ends past the source region"),
-        (do > d_lim - nb, "its destination range ends past the destination region"),
-    ]
-    for bad, why in checks:
-        hits = np.flatnonzero(bad)
-        if len(hits):
-            i = int(hits[0])
-            r = [int(x) for x in rows[i]]
-            raise ProtocolError(
-                f"descriptor {i} refused: read {r[4]} bytes from region {r[0]}+{r[1]} "
-                f"(of {src_sizes.get(r[0], '?')} bytes) into region {r[2]}+{r[3]} "
-                f"(of {dst_sizes.get(r[2], '?')} bytes): {why}; nothing was transferred"
-            )
+    try:
+        validate_batch(rows_as_batch(rows), dict(dst_sizes), dict(src_sizes))
+    except ReadRefused as exc:
+        i = exc.index
+        r = [int(x) for x in rows[i]]
+        why = _WHY.get(exc.check, exc.why)
+        raise ProtocolError(
+            f"descriptor {i} refused: read {r[4]} bytes from region {r[0]}+{r[1]} "
+            f"(of {src_sizes.get(r[0], '?')} bytes) into region {r[2]}+{r[3]} "
+            f"(of {dst_sizes.get(r[2], '?')} bytes): {why}; nothing was transferred"
+        ) from None
     return rows
 
 

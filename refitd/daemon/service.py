@@ -97,6 +97,7 @@ def daemon_operations() -> dict[tuple[str, str], Operation]:
     """
     from refitd.daemon.experts import pool_operations
     from refitd.wire import (
+        GcReport,
         LeaseGrant,
         LeaseRequest,
         ManifestIn,
@@ -148,6 +149,11 @@ def daemon_operations() -> dict[tuple[str, str], Operation]:
             ),
             ("DELETE", "/v1/regions/{region_id}"): Operation(
                 "Delete a region", response=RegionInfo, tags=("regions",)
+            ),
+            ("POST", "/v1/gc"): Operation(
+                "Free exited clients' regions and stale segments (dry_run=1: list)",
+                response=GcReport,
+                tags=("regions",),
             ),
             ("POST", "/v1/sources"): Operation(
                 "Publish one slot's manifest", ManifestIn, VersionInfo, 201, both, tags=("sources",)

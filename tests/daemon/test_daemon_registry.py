@@ -197,11 +197,11 @@ def test_a_pack_spec_whose_strided_span_leaves_the_source_is_refused():
 
 
 def test_a_long_transport_read_is_cut_into_pieces_covering_exactly_the_same_bytes():
-    from refitd.daemon.pulls import _split_large
+    from transports.core import as_read_batch, split_pieces
 
-    reads = np.array([[1, 0, 2, 100, 70], [3, 5, 4, 7, 10]], dtype=np.int64)
-    out = _split_large(reads, 32)
-    assert out.tolist() == [
+    reads = as_read_batch(np.array([[1, 0, 2, 100, 70], [3, 5, 4, 7, 10]], dtype=np.int64))
+    out = split_pieces(reads, 32)
+    assert [list(r) for r in out.tolist()] == [
         [1, 0, 2, 100, 32],
         [1, 32, 2, 132, 32],
         [1, 64, 2, 164, 6],

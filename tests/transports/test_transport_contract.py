@@ -11,8 +11,14 @@ from transports.checks import Pair, open_pair
 
 # (scheme, options for the pulling transport); ucx with one lane and with two, so
 # both the single-thread and the split-and-post-in-parallel paths meet the contract.
-SCHEMES = [("reference", {}), ("local", {}), ("ucx", {"lanes": 1}), ("ucx", {"lanes": 2})]
-IDS = ["reference", "local", "ucx-1-lane", "ucx-2-lanes"]
+SCHEMES = [
+    ("reference", {}),
+    ("local", {}),
+    ("shm", {}),
+    ("ucx", {"lanes": 1}),
+    ("ucx", {"lanes": 2}),
+]
+IDS = ["reference", "local", "shm", "ucx-1-lane", "ucx-2-lanes"]
 
 
 @pytest.fixture(params=SCHEMES, ids=IDS)
