@@ -133,6 +133,7 @@ class _Version:
     merged: MergedManifest | None = None
     merged_bytes: bytes | None = None
     scope: dict[int, Extents] | None = None
+    region_ids: frozenset[int] | None = None
 
 
 class Registry:
@@ -208,7 +209,7 @@ class Registry:
             )
         self._check_agreement(v, m)
         v.slots[m.slot] = m
-        v.merged = v.merged_bytes = v.scope = None
+        v.merged = v.merged_bytes = v.scope = v.region_ids = None
         if len(v.slots) == v.expected_slots:
             v.state = VersionState.READY
             self._newest_ready[m.model] = m.version
@@ -295,9 +296,14 @@ class Registry:
         return self._info(self._get(model, version))
 
     def regions_of(self, model: str, version: int) -> set[int]:
-        """Every region id any slot of the version lists a shard in."""
+        """Every region id any slot of the version lists a shard in (cached: asked on
+        every pull and delete, and a version's slots change only while pending)."""
         v = self._get(model, version)
-        return {s.region for m in v.slots.values() for t in m.tensors for s in t.shards}
+        if v.region_ids is None:
+            v.region_ids = frozenset(
+                s.region for m in v.slots.values() for t in m.tensors for s in t.shards
+            )
+        return set(v.region_ids)
 
     def protected_regions(self) -> dict[int, tuple[str, int, str]]:
         """Region id -> ``(model, version, why)`` of one version that publishes from it
