@@ -52,6 +52,10 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench refit --transport ucx         # force every read through UCX",
         "refitd bench refit --gib 4 --versions 5",
     ),
+    "vllm": (
+        "refitd bench vllm                          # the tiny Llama, 4 updates",
+        "refitd bench vllm --hidden 1024 --layers 8 # a larger model",
+    ),
     "transport": (
         "refitd bench transport                     # every transport, 4 KiB ... 256 MiB",
         "refitd bench transport --schemes ucx --pieces 4KiB,1MiB --lanes 1",
@@ -72,6 +76,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "refit": (
         "refitd.bench.refit",
         "refit a ≥ 2 GiB model TP2 → TP4 through two daemons, vs memcpy",
+    ),
+    "vllm": (
+        "refitd.bench.vllm",
+        "refit a vLLM engine through refitd vs reloading it from disk (CPU)",
     ),
     "transport": (
         "refitd.bench.transport",

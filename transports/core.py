@@ -380,7 +380,7 @@ def coalesce(batch: ReadBatch) -> ReadBatch:
         & (ro[1:] == ro[:-1] + n[:-1])
     )
     starts = np.concatenate(([0], np.flatnonzero(~joins) + 1))
-    out = live[starts].copy()
+    out: ReadBatch = live[starts].copy()  # typed here: numpy < 2.4 stubs say Any
     out["nbytes"] = np.add.reduceat(n, starts)
     return out
 

@@ -384,7 +384,8 @@ class Daemon:
         Under ``lease`` (a live one, checked by the caller) only regions that lease may
         read are given, each with the byte ranges it may read (``scope``); any other
         id is refused (:class:`AccessDenied`). Without a lease the records carry no
-        scope, and a pulling daemon reads nothing through them."""
+        scope, no transport keys and no file identities: enough to list regions,
+        nothing to read them with."""
         scope: dict[int, Extents] = {}
         if lease is not None:
             allowed = self.lease_scope(lease)
@@ -400,9 +401,13 @@ class Daemon:
             scope = {i: allowed[i] for i in ids}
         infos = list(self.regions) if ids is None else [self.regions.get(i) for i in ids]
         advert = b""
-        if self.transport is not None:
-            advert = self.transport.advertise().encode()
-        files = {r.region_id: self._files[r.region_id] for r in infos if r.region_id in self._files}
+        files: dict[int, tuple[int, int]] = {}
+        if lease is not None:
+            if self.transport is not None:
+                advert = self.transport.advertise().encode()
+            files = {
+                r.region_id: self._files[r.region_id] for r in infos if r.region_id in self._files
+            }
         rec = PeerRegions(
             self.node_id,
             self.epoch,

@@ -20,6 +20,7 @@ Rules this class enforces:
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -41,6 +42,9 @@ from refitd.wire import (
 )
 
 __all__ = ["DTYPE_SIZES", "Lease", "Registry", "check_manifest_bounds"]
+
+#: one line per version state change: pending (first slot), ready, retired
+log = logging.getLogger("refitd.sources")
 
 Clock = Callable[[], float]
 
@@ -129,6 +133,7 @@ class _Version:
     merged: MergedManifest | None = None
     merged_bytes: bytes | None = None
     scope: dict[int, Extents] | None = None
+    region_ids: frozenset[int] | None = None
 
 
 class Registry:
@@ -186,6 +191,7 @@ class Registry:
                 "already became ready, and a model's versions only move forward; publish "
                 f"a version above {newest}"
             )
+        created = v is None
         if v is None:
             v = _Version(m.model, m.version, m.expected_slots)
             self._versions[key] = v
@@ -203,14 +209,30 @@ class Registry:
             )
         self._check_agreement(v, m)
         v.slots[m.slot] = m
-        v.merged = v.merged_bytes = v.scope = None
+        v.merged = v.merged_bytes = v.scope = v.region_ids = None
         if len(v.slots) == v.expected_slots:
             v.state = VersionState.READY
             self._newest_ready[m.model] = m.version
+            log.info("%r version %d: ready (%d slots)", m.model, m.version, v.expected_slots)
             for (model, version), other in self._versions.items():
                 if model == m.model and version < m.version:
+                    if other.state is not VersionState.RETIRED:
+                        log.info(
+                            "%r version %d: retired (version %d is ready)",
+                            model,
+                            version,
+                            m.version,
+                        )
                     other.state = VersionState.RETIRED
                     other.merged = other.merged_bytes = None
+        elif created:
+            log.info(
+                "%r version %d: pending (slot %d of %d published)",
+                m.model,
+                m.version,
+                m.slot,
+                v.expected_slots,
+            )
         return self._info(v)
 
     @staticmethod
@@ -238,6 +260,8 @@ class Registry:
         rewrite and read torn bytes.
         """
         v = self._get(model, version)
+        if v.state is not VersionState.RETIRED:
+            log.info("%r version %d: retired (by its publisher, to rewrite it)", model, version)
         v.state = VersionState.RETIRED
         v.merged = v.merged_bytes = None
         return self._info(v)
@@ -272,9 +296,14 @@ class Registry:
         return self._info(self._get(model, version))
 
     def regions_of(self, model: str, version: int) -> set[int]:
-        """Every region id any slot of the version lists a shard in."""
+        """Every region id any slot of the version lists a shard in (cached: asked on
+        every pull and delete, and a version's slots change only while pending)."""
         v = self._get(model, version)
-        return {s.region for m in v.slots.values() for t in m.tensors for s in t.shards}
+        if v.region_ids is None:
+            v.region_ids = frozenset(
+                s.region for m in v.slots.values() for t in m.tensors for s in t.shards
+            )
+        return set(v.region_ids)
 
     def protected_regions(self) -> dict[int, tuple[str, int, str]]:
         """Region id -> ``(model, version, why)`` of one version that publishes from it

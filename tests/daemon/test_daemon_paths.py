@@ -154,7 +154,10 @@ async def test_forced_shm_refuses_a_peer_on_another_host_before_any_byte_moves()
 async def test_a_same_host_record_is_trusted_only_for_the_very_file_and_size_it_signs() -> None:
     async with node("src") as src, node("engine") as engine:
         region, _ = await publish(src, 2)
-        rec = await src.client.peer_regions([region])
+        # Without a lease the records name no file (and carry no transport keys).
+        assert (await src.client.peer_regions([region])).files == {}
+        lease = await src.client.acquire_lease("m", 1)
+        rec = await src.client.peer_regions([region], lease.lease_id, "m", 1)
         rec.verify(SECRET)
         assert engine.pulls.shm_refusal(rec) is None
         # A segment of that name that is another file (another /dev/shm, say).

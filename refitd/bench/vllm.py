@@ -1,0 +1,241 @@
+"""``refitd bench vllm``: refit a vLLM engine through refitd vs reloading it from disk.
+
+One ``LLM`` (a Llama written here: config and random bf16 weights, no hub) runs
+with ``weight_transfer_config={"backend": "refitd"}`` next to a real ``refitd
+serve`` daemon. For each update the trainer (this process, one rank) draws new
+weights into its tensors, then the engine is brought to them twice, side by side:
+
+- **refit**: the refitd trainer engine publishes the tensors (adopted into shared
+  memory once, so no copy) and drives ``start_weight_update`` /
+  ``update_weights`` / ``finish_weight_update``; the worker pulls, installs and
+  runs vLLM's post-load processing;
+- **reload**: the baseline a CPU user has: the trainer saves safetensors and the
+  engine reloads them from disk with vLLM's own ``reload_weights``.
+
+``verified`` is 1 when, after every update, the parameters the engine serves after
+the refit are bit-identical to those after the reload of the same weights, and
+greedy generation gives the same tokens. The first refit plans; later ones replay
+the compiled plan. The last line has ``refit_s``, ``reload_s`` (medians over the
+updates after the first), ``speedup`` and ``verified``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size (default 256)")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    parser.add_argument("--vocab", type=int, default=512, help="vocabulary (default 512)")
+    parser.add_argument("--updates", type=int, default=4, help="updates to time (default 4)")
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    heads = max(args.hidden // 64, 1)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.hidden,
+        "intermediate_size": 2 * args.hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(heads // 2, 1),
+        "head_dim": 64,
+        "vocab_size": args.vocab,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+def _shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names and shapes of a Llama."""
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h)}
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        out |= {
+            p + "input_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+    return out | {"model.norm.weight": (h,), "lm_head.weight": (v, h)}
+
+
+def _draw(state: dict[str, Any], seed: int) -> None:
+    """New weights, written into the trainer's tensors in place."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    for t in state.values():
+        t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+
+
+def served_digest(worker: Any) -> dict[str, str]:
+    """Run in a vLLM worker: a digest of every parameter the model computes with."""
+    out = {}
+    for name, p in worker.model_runner.get_model().named_parameters():
+        t = p.detach().contiguous()
+        raw = t.view(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b""
+        out[name] = f"{t.dtype}{tuple(t.shape)}" + hashlib.blake2b(raw, digest_size=16).hexdigest()
+    return out
+
+
+def _greedy(llm: Any) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in ([5, 17, 33, 99, 200], [7, 300, 42])]
+    params = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    from refitd.client.spawn import serve_command
+
+    with tempfile.TemporaryDirectory(prefix="refitd-bench-vllm-") as tmp:
+        root = Path(tmp)
+        os.environ.update(
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            VLLM_NO_USAGE_STATS="1",
+            VLLM_CACHE_ROOT=str(root / "cache"),
+            VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+        )
+        cfg = _config(args)
+        state = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in _shapes(cfg).items()}
+        engine_dir, disk = root / "engine", root / "trainer"
+        for d in (engine_dir, disk):
+            d.mkdir()
+            (d / "config.json").write_text(json.dumps(cfg))
+        _draw(state, 0)
+        save_file(state, str(engine_dir / "model.safetensors"))
+        nbytes = sum(t.numel() * t.element_size() for t in state.values())
+
+        secret = root / "secret"
+        secret.write_text(os.urandom(32).hex())
+        secret.chmod(0o600)
+        argv = serve_command("--port", "0", "--secret-file", str(secret), "--grace", "2")
+        daemon = subprocess.Popen(
+            [*argv, "--set", "logging.level=warning"], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert daemon.stdout is not None
+            url = json.loads(daemon.stdout.readline())["url"]
+            os.environ["REFITD_URL"] = url
+            return _bench(args, cfg, state, engine_dir, disk, nbytes, url)
+        finally:
+            gc.collect()
+            daemon.terminate()
+            daemon.wait(30)
+
+
+def _bench(
+    args: argparse.Namespace,
+    cfg: dict[str, Any],
+    state: dict[str, Any],
+    engine_dir: Path,
+    disk: Path,
+    nbytes: int,
+    url: str,
+) -> int:
+    from safetensors.torch import save_file
+    from vllm import LLM
+
+    from refitd.integrations.sources import TensorSource
+    from refitd.integrations.vllm.trainer import (
+        LLMSyncClient,
+        RefitdTrainerEngine,
+        RefitdTrainerInitInfo,
+    )
+    from refitd.integrations.vllm.worker import refit_stats
+
+    print(
+        f"refitd bench vllm: Llama hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} "
+        f"layers, vocab {cfg['vocab_size']}: {nbytes / 2**20:.1f} MiB bf16; vLLM TP1 on CPU; "
+        f"{args.updates} updates, each through refitd and by reload from disk",
+        flush=True,
+    )
+    llm = LLM(
+        model=str(engine_dir),
+        weight_transfer_config={"backend": "refitd"},
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        max_model_len=128,
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+    )
+    info = RefitdTrainerInitInfo(rank=0, model="bench", url=url, adopt=True)
+    trainer = RefitdTrainerEngine.trainer_init(
+        info, client=LLMSyncClient(llm), source=TensorSource(state)
+    )
+    refit: list[float] = []
+    reload: list[float] = []
+    verified = True
+    try:
+        for update in range(1, args.updates + 1):
+            _draw(state, update)
+            t0 = time.perf_counter()
+            trainer.send_weights()
+            refit.append(time.perf_counter() - t0)
+            [stats] = llm.collective_rpc(refit_stats)
+            after_refit = (llm.collective_rpc(served_digest)[0], _greedy(llm))
+
+            t0 = time.perf_counter()
+            save_file(state, str(disk / "model.safetensors"))
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(disk)})
+            reload.append(time.perf_counter() - t0)
+            after_reload = (llm.collective_rpc(served_digest)[0], _greedy(llm))
+            same = after_refit == after_reload
+            verified &= same
+            last = trainer.last
+            print(
+                f"update {update}: refit {refit[-1] * 1e3:7.1f} ms "
+                f"({'replayed' if stats['replayed'] else 'planned'}; trainer publish "
+                f"{last['publish_s'] * 1e3:.1f} + wait READY {last['ready_s'] * 1e3:.1f} + "
+                f"engine handshake {last['engine_s'] * 1e3:.1f} ms, of which the worker's "
+                f"refit {stats['total_s'] * 1e3:.1f}: pull {stats['pull_s'] * 1e3:.1f}, "
+                f"process {stats['process_s'] * 1e3:.1f})  reload {reload[-1] * 1e3:7.1f} ms  "
+                f"same weights and tokens: {same}",
+                flush=True,
+            )
+    finally:
+        trainer.shutdown()
+        del llm
+    warm_refit = statistics.median(refit[1:] or refit)
+    warm_reload = statistics.median(reload[1:] or reload)
+    print(
+        f"refit_s={warm_refit:.4f} reload_s={warm_reload:.4f} "
+        f"speedup={warm_reload / warm_refit:.2f} first_refit_s={refit[0]:.4f} "
+        f"bytes={nbytes} verified={int(verified)}"
+    )
+    return 0 if verified else 1

@@ -1,0 +1,336 @@
+"""The worker side: a vLLM ``WeightTransferEngine`` that refits through the node's daemon.
+
+One instance lives in each vLLM worker (one per TP/EP rank). On
+``init_transfer_engine`` it connects to the node's daemon (the init info's
+``url``, else ``$REFITD_URL``, else the refitd configuration's listener: loopback
+by default) and sets up its destinations, in the *loader* format (what the
+model's ``weight_loader``\\ s write, before ``process_weights_after_loading``):
+
+- a parameter that processing left as the loader wrote it (same shape and dtype
+  as on a freshly built model, in a module without a quantization method) is its
+  own destination: it is moved once into shared memory the daemon can write, and
+  every later pull lands in it in place;
+- any other (a CPU linear weight that processing packed away, a bias it widened)
+  gets a loader-format buffer in that shared memory; ``finish_weight_update``
+  puts those buffers back as the module's parameters and runs vLLM's own
+  ``process_weights_after_loading`` over the model, as a checkpoint load does.
+
+``update_weights({"version": N})`` (``N`` omitted: the newest READY version) runs
+:class:`~refitd.client.receiver.DaemonReceiver`: lease the version, replay the
+compiled plan or capture the model's own ``load_weights`` on a meta twin built
+from ``vllm_config`` and plan, pull, install. A plan with any unsupported source,
+unattributed write or unwritten destination is refused before any byte moves,
+and a failed pull installs nothing (staging mode), so the engine keeps serving
+its previous weights. (Buffers vLLM computes itself and an unquantized checkpoint
+never holds, the attention layers' KV-cache scales, are not expected in the
+manifest unless the KV cache is quantized.) ``finish_weight_update`` processes the weights and records
+this rank's :class:`~refitd.client.receiver.RefitStats` (``last_stats``; logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from refitd.client.receiver import DaemonReceiver, RefitStats
+
+__all__ = ["RefitdInitInfo", "RefitdUpdateInfo", "RefitdWeightTransferEngine"]
+
+logger = logging.getLogger(__name__)
+
+_KV_SCALE = re.compile(r"\.attn\._(k|v|q|prob)_scale$")
+
+
+@dataclass
+class RefitdInitInfo(WeightTransferInitInfo):
+    """What the trainer tells every worker once.
+
+    ``model`` is the name the trainer publishes under; ``url`` this node's daemon
+    (empty: ``$REFITD_URL``, else the configured listener); ``source_url`` the
+    daemon holding the published versions when it is another node's (empty: the
+    local one); ``allow_unwritten`` names parameters the manifest may leave as
+    they are (strict by default).
+    """
+
+    model: str = "policy"
+    url: str = ""
+    source_url: str = ""
+    token_file: str = ""
+    mode: str = "staging"
+    lease_ttl_s: float = 60.0
+    allow_unwritten: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RefitdUpdateInfo(WeightTransferUpdateInfo):
+    """One update: the published ``version`` to refit to (``None``: the newest READY)."""
+
+    version: int | None = None
+
+
+class _Destinations(torch.nn.Module):
+    """A module tree whose parameters are the refit's destinations, by full name."""
+
+    def place(self, name: str, param: torch.nn.Parameter) -> None:
+        *path, leaf = name.split(".")
+        mod: torch.nn.Module = self
+        for part in path:
+            child = mod._modules.get(part)
+            if child is None:
+                child = torch.nn.Module()
+                mod.add_module(part, child)
+            mod = child
+        mod.register_parameter(leaf, param)
+
+
+def _fresh_config(vllm_config: Any) -> Any:
+    """A copy of ``vllm_config`` whose compilation registries are empty, so building
+    another model (the meta twin) does not collide with the live one's layer names."""
+    vc = copy.copy(vllm_config)
+    cc = copy.copy(vllm_config.compilation_config)
+    for key, value in list(vars(cc).items()):
+        if key.startswith("static_") and isinstance(value, dict | list):
+            setattr(cc, key, type(value)())
+    vc.compilation_config = cc
+    return vc
+
+
+class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpdateInfo]):
+    """refitd as a vLLM weight-transfer backend (``backend="refitd"``)."""
+
+    init_info_cls = RefitdInitInfo
+    update_info_cls = RefitdUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._runner: asyncio.Runner | None = None
+        self._clients: list[Any] = []
+        self.receiver: DaemonReceiver | None = None
+        self._restore: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+        self._init_info: RefitdInitInfo | None = None
+        self._computed: list[str] = []
+        self._pending: RefitStats | None = None
+        self.last_stats: dict[str, Any] | None = None
+        self.history: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------ set-up
+
+    def _twin(self) -> torch.nn.Module:
+        """The model class built afresh from ``vllm_config`` (the caller puts it on
+        the meta device): the loaders' geometry without any weights."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.utils import get_model_architecture
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        vc = _fresh_config(self.vllm_config)
+        model_class, _ = get_model_architecture(vc.model_config)
+        with set_default_torch_dtype(vc.model_config.dtype), set_current_vllm_config(vc):
+            twin: torch.nn.Module = model_class(vllm_config=vc, prefix="")
+        return twin
+
+    @staticmethod
+    def _capture(twin: torch.nn.Module, manifest: list[Any]) -> Any:
+        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+        from refitd.reshard.geometry import capture_geometry
+
+        return capture_geometry(twin, manifest, default_weight_loader)
+
+    def _destinations(self) -> _Destinations:
+        """Loader-format destinations: live parameters in place where processing
+        left them as loaded, loader-format buffers for the rest (see the module
+        docstring)."""
+        with torch.device("meta"):
+            twin = self._twin()
+        live = dict(self.model.named_parameters())
+        owners = dict(self.model.named_modules())
+        dest = _Destinations()
+        self._restore = []
+        for name, meta in twin.named_parameters():
+            prefix, _, leaf = name.rpartition(".")
+            module = owners.get(prefix)
+            if module is None:
+                raise RuntimeError(f"refitd: the live model has no module {prefix!r} for {name!r}")
+            p = live.get(name)
+            in_place = (
+                p is not None
+                and tuple(p.shape) == tuple(meta.shape)
+                and p.dtype == meta.dtype
+                and p.is_contiguous()
+                and getattr(module, "quant_method", None) is None
+            )
+            if in_place:
+                assert p is not None
+                dest.place(name, p)
+            else:
+                buf = torch.nn.Parameter(
+                    torch.zeros(meta.shape, dtype=meta.dtype, device=self.device),
+                    requires_grad=False,
+                )
+                dest.place(name, buf)
+                self._restore.append((module, leaf, buf))
+        self._computed = self._computed_buffers(twin)
+        return dest
+
+    def _computed_buffers(self, twin: torch.nn.Module) -> list[str]:
+        """Persistent buffers vLLM sets itself and an unquantized checkpoint never
+        holds: the attention layers' KV-cache scales, unused (1.0) unless the KV
+        cache is quantized. With a quantized KV cache they must be published."""
+        cache_dtype = str(getattr(self.vllm_config.cache_config, "cache_dtype", "auto"))
+        if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+            return []
+        return [n for n, _ in twin.named_buffers() if _KV_SCALE.search(n)]
+
+    def _run(self, coro: Any) -> Any:
+        assert self._runner is not None
+        return self._runner.run(coro)
+
+    def init_transfer_engine(self, init_info: RefitdInitInfo) -> None:
+        from refitd.integrations.connect import daemon_client
+
+        if self._runner is not None and init_info == self._init_info:
+            return  # the same trainer reconnecting: keep the compiled plan
+        if self._runner is not None:
+            self.shutdown()
+        self._init_info = init_info
+        self._runner = asyncio.Runner()
+        local = daemon_client(init_info.url, init_info.token_file)
+        source = (
+            daemon_client(init_info.source_url, init_info.token_file)
+            if init_info.source_url
+            else local
+        )
+        self._clients = [local] if source is local else [local, source]
+        if init_info.mode not in ("staging", "direct"):
+            raise ValueError(f"refitd mode must be 'staging' or 'direct', not {init_info.mode!r}")
+        engine = self._destinations()
+        self.receiver = DaemonReceiver(
+            local=local,
+            source=source,
+            model=init_info.model,
+            engine=engine,
+            twin=self._twin,
+            capture=self._capture,
+            mode=init_info.mode,  # type: ignore[arg-type]
+            lease_ttl_s=init_info.lease_ttl_s,
+            allow_unwritten=[*init_info.allow_unwritten, *self._computed],
+        )
+        logger.info(
+            "refitd: worker connected to %s for %r (%d destinations re-processed after load)",
+            local.base_url,
+            init_info.model,
+            len(self._restore),
+        )
+
+    # ------------------------------------------------------------ updates
+
+    def start_weight_update(self) -> None:
+        self._pending = None
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type != "cpu":
+            torch.accelerator.synchronize()
+
+    def receive_weights(self, update_info: RefitdUpdateInfo) -> None:
+        if self.receiver is None:
+            raise RuntimeError("refitd: init_weight_transfer_engine was not called")
+        self._pending = self._run(self.receiver.refit(update_info.version))
+
+    def finish_weight_update(self) -> None:
+        stats, self._pending = self._pending, None
+        if stats is None:
+            return
+        t0 = time.perf_counter()
+        self._process()
+        process_s = time.perf_counter() - t0
+        self.last_stats = {
+            "version": stats.version,
+            "replayed": stats.replayed,
+            "bytes": stats.bytes,
+            "descriptors": stats.descriptors,
+            "plans": self.receiver.plans if self.receiver is not None else 0,
+            "manifest_s": stats.manifest_s,
+            "plan_s": stats.plan_s,
+            "pull_s": stats.pull_s,
+            "install_s": stats.install_s,
+            "process_s": process_s,
+            "total_s": stats.total_s + process_s,
+        }
+        self.history.append(self.last_stats)
+        logger.info("refitd: refit %s", self.last_stats)
+
+    def _process(self) -> None:
+        """Re-run vLLM's post-load processing on every module that has
+        loader-format buffers, the way its layerwise reload does: bind the
+        buffers as the module's parameters, process, copy what processing made
+        into the storage the running kernels hold (so their references stay
+        valid), and put those kernel tensors back."""
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        by_module: dict[int, tuple[torch.nn.Module, list[tuple[str, torch.Tensor]]]] = {}
+        for module, leaf, buf in self._restore:
+            by_module.setdefault(id(module), (module, []))[1].append((leaf, buf))
+        for module, bufs in by_module.values():
+            kernel = dict(module.named_parameters(recurse=False))
+            for leaf, loaded in bufs:
+                module.register_parameter(
+                    leaf, torch.nn.Parameter(loaded.data, requires_grad=False)
+                )
+            if hasattr(module, "_already_called_process_weights_after_loading"):
+                delattr(module, "_already_called_process_weights_after_loading")
+            quant_method = getattr(module, "quant_method", None)
+            if getattr(quant_method, "moe_kernel", None) is not None:
+                # vLLM 0.32's update path for a built MoE kernel copies the new
+                # weights into the old storage without the CPU kernels' prepacking;
+                # rebuild the kernel as a first load does (the copy below keeps the
+                # kernel tensors' storage).
+                quant_method.moe_kernel = None  # type: ignore[union-attr]
+            if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
+                quant_method.process_weights_after_loading(module)
+            for name, old in kernel.items():
+                new = getattr(module, name, None)
+                if (
+                    isinstance(new, torch.Tensor)
+                    and new.shape == old.shape
+                    and new.dtype == old.dtype
+                ):
+                    if new.data_ptr() != old.data_ptr() and old.numel():
+                        old.data.copy_(new)
+                    module.register_parameter(name, old)
+                # Otherwise processing changed the tensor's kind: keep what it made.
+        for module in self.model.modules():
+            if is_deferred_attention_layer(module):
+                module.process_weights_after_loading(self.model_config.dtype)
+
+    def shutdown(self) -> None:
+        if self._runner is None:
+            return
+        if self.receiver is not None:
+            self._run(self.receiver.close())
+        for c in self._clients:
+            self._run(c.close())
+        self._runner.close()
+        self._runner = None
+        self._init_info = None
+        self.receiver = None
+        self._clients = []
+
+
+def refit_stats(worker: Any) -> dict[str, Any] | None:
+    """``llm.collective_rpc(refit_stats)``: each worker's last refit, or ``None``."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return getattr(engine, "last_stats", None)

@@ -1,0 +1,332 @@
+"""Tiny vLLM-servable models written by the tests: config, random weights, no hub.
+
+Weights come from the Hugging Face model class itself (random init under a seed),
+so names and shapes are the checkpoint's own; they are saved as safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def hf_model(config: dict[str, Any], seed: int) -> torch.nn.Module:
+    """The Hugging Face model for ``config`` with random bf16 weights from ``seed``."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(
+        **{k: v for k, v in config.items() if k != "architectures"}
+    )
+    cfg.architectures = config["architectures"]
+    torch.manual_seed(seed)
+    cls = getattr(transformers, config["architectures"][0])
+    model = cls(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():  # spread values so a wrong byte changes tokens
+            p.copy_(torch.randn_like(p) * 0.5)
+    return model.eval()
+
+
+def save_model(path: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` of ``state`` into ``path``."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def write_model(path: Path, config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    state = {k: v.detach().clone() for k, v in hf_model(config, seed).state_dict().items()}
+    save_model(path, config, state)
+    return state
+
+
+def vllm_env(mp: Any, cache: Path, url: str) -> None:
+    """Offline vLLM with a per-run cache, and the daemon at ``url``, set through the
+    monkeypatch ``mp`` so nothing leaks into other tests' environment."""
+    for key, value in {
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CACHE_ROOT": str(cache),
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "REFITD_URL": url,  # the engine's workers find their daemon here
+    }.items():
+        mp.setenv(key, value)
+
+
+def llm_kwargs() -> dict[str, Any]:
+    return {
+        "skip_tokenizer_init": True,
+        "dtype": "bfloat16",
+        "max_model_len": 128,
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 64 << 20,
+    }
+
+
+def loader_format_mismatches(worker: Any, checkpoint: str) -> list[str]:
+    """Run in a vLLM worker (``llm.collective_rpc``): the refit destinations (loader
+    format) that differ, bit for bit, from a model built afresh there whose own
+    ``load_weights`` read ``checkpoint`` (a safetensors file). Empty: all equal."""
+    from safetensors.torch import load_file
+
+    engine = worker.weight_transfer_engine
+    with torch.device("cpu"):
+        truth = engine._twin()
+    truth.load_weights(load_file(checkpoint).items())
+    want = dict(truth.named_parameters())
+    got = engine.receiver._params
+    return [n for n, p in got.items() if not torch.equal(p.data, want[n].data)]
+
+
+# ---------------------------------------------------------------- the trainer side
+
+
+class PipeSyncClient:
+    """A ``VLLMWeightSyncClient`` that forwards each call over a pipe to the process
+    holding the ``LLM`` (:func:`serve_trainer` answers there)."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+
+    def _call(self, method: str, *args: Any) -> None:
+        self.conn.send(("call", method, args))
+        status, detail = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"engine {method} failed: {detail}")
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._call("init_weight_transfer_engine", init_info)
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update")
+
+    def update_weights(self, update_info: Any) -> None:
+        self._call("update_weights", update_info)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", weight_version)
+
+
+def serve_trainer(
+    conn: Any, client: Any, on_event: Any, procs: list[Any], timeout_s: float = 240
+) -> None:
+    """In the engine's process: run ``client`` methods the trainer asks for over
+    ``conn`` and hand its other messages to ``on_event(message) -> reply``, until
+    the trainer says ``done`` or every trainer process has exited."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not conn.poll(0.05):
+            if all(not p.is_alive() for p in procs):
+                return
+            continue
+        try:
+            message = conn.recv()
+        except EOFError:
+            return
+        if message[0] == "call":
+            _, method, args = message
+            try:
+                getattr(client, method)(*args)
+                conn.send(("ok", None))
+            except Exception as exc:
+                conn.send(("error", str(exc)))
+        elif message[0] == "done":
+            return
+        else:
+            conn.send(on_event(message))
+    raise TimeoutError("trainer did not finish")
+
+
+def fsdp_trainer(rank: int, world: int, port: int, job: dict[str, Any], conn: Any) -> None:
+    """One FSDP2 trainer rank (``torch.multiprocessing``, gloo on CPU).
+
+    For each seed in ``job["seeds"]`` the weights are drawn anew (the same on every
+    rank), saved whole by rank 0 as the truth, sharded with ``fully_shard``, and
+    published through the refitd trainer engine; rank 0 drives the engine through
+    the pipe. ``job["die_before"]``: rank 1 exits abruptly instead of publishing
+    that round, and rank 0 asks the engine for the half-published version anyway.
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from refitd.integrations.sources import FSDPSource
+    from refitd.integrations.vllm.trainer import RefitdTrainerEngine, RefitdTrainerInitInfo
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = hf_model(job["config"], job["seeds"][0])
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    client = PipeSyncClient(conn) if rank == 0 else None
+    info = RefitdTrainerInitInfo(
+        rank=rank, model=job["model"], world_size=world, url=job["url"], ready_timeout_s=30
+    )
+    engine = RefitdTrainerEngine.trainer_init(info, client=client, source=FSDPSource(model))
+    for i, seed in enumerate(job["seeds"]):
+        fresh = hf_model(job["config"], seed).state_dict()
+        with torch.no_grad():
+            for name, p in model.named_parameters():  # write each rank's own rows
+                p.to_local().copy_(fresh[name][_rows(p)])
+        if rank == 0:
+            save_model(Path(job["out"]) / f"v{i}", job["config"], fresh)
+        if job.get("die_before") == i:
+            if rank == 1:
+                os._exit(9)
+            version = engine.publish()
+            try:  # the sender races ahead without waiting for every slot
+                client.start_weight_update()  # type: ignore[union-attr]
+                client.update_weights({"version": version})  # type: ignore[union-attr]
+                outcome = "updated"
+            except RuntimeError as exc:
+                outcome = str(exc)
+            conn.send(("refused", outcome))
+            conn.recv()
+            break
+        engine.send_weights()
+        if rank == 0:
+            conn.send(("sent", engine.version, str(Path(job["out"]) / f"v{i}"), engine.last))
+            conn.recv()
+        dist.barrier()
+    if rank == 0:
+        conn.send(("done",))
+    engine.shutdown()
+    if job.get("die_before") is None:
+        dist.destroy_process_group()
+
+
+def _rows(p: Any) -> Any:
+    """The index of this rank's ``Shard(0)`` rows of ``p`` in the full tensor."""
+    world, rank = p.device_mesh.size(), p.device_mesh.get_local_rank()
+    chunk = -(-p.shape[0] // world)
+    start = min(rank * chunk, p.shape[0])
+    return slice(start, start + p.to_local().shape[0])
+
+
+# ---------------------------------------------------------------- the engine side
+
+
+def start_daemon(root: Path) -> tuple[Any, str]:
+    """A real ``refitd serve`` on 127.0.0.1:0; returns (process, url)."""
+    import subprocess
+
+    from refitd.client.spawn import serve_command
+
+    secret = root / "secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    argv = serve_command("--port", "0", "--secret-file", str(secret), "--grace", "2")
+    proc = subprocess.Popen(
+        [*argv, "--set", "logging.level=warning"], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    return proc, json.loads(proc.stdout.readline())["url"]
+
+
+def live_params(worker: Any) -> dict[str, torch.Tensor]:
+    """Run in a vLLM worker: every parameter of the serving model, as it computes with."""
+    return {n: p.detach().clone() for n, p in worker.model_runner.get_model().named_parameters()}
+
+
+def run_fsdp_trainer(job: dict[str, Any], on_event: Any, llm: Any) -> list[Any]:
+    """Run :func:`fsdp_trainer` on 2 gloo ranks against ``llm``; returns exit codes."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from refitd.integrations.vllm.trainer import LLMSyncClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    procs = [
+        ctx.Process(target=fsdp_trainer, args=(r, 2, port, job, child if r == 0 else None))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        serve_trainer(parent, LLMSyncClient(llm), on_event, procs)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    return [p.exitcode for p in procs]
+
+
+def greedy(llm: Any) -> list[list[int]]:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in ([5, 17, 33, 99, 200], [7, 300, 42])]
+    params = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def readme_blocks(heading: str) -> list[str]:
+    """The ```python blocks of the README section titled ``heading``, in order."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = text.index(f"\n{heading}\n")
+    end = text.find("\n## ", start + 1)
+    section = text[start : end if end != -1 else len(text)]
+    return [b.split("\n", 1)[1].rsplit("```", 1)[0] for b in section.split("```python")[1:]]
