@@ -36,13 +36,30 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from refitd.client.spawn import SpawnedDaemon
 
-__all__ = ["SUBNET", "Cluster", "HostWorker", "SimHost", "SimNet", "missing", "namespaces"]
+__all__ = [
+    "HOST_ENV",
+    "SUBNET",
+    "Cluster",
+    "HostWorker",
+    "SimHost",
+    "SimNet",
+    "missing",
+    "namespaces",
+]
 
 SUBNET = "10.213.0"
 """The hosts' /24: host ``n`` (from 1) is ``10.213.0.n``. Only reachable inside the
 switch; each run has its own switch namespace, so concurrent runs do not collide."""
 
 _TOOLS = ("ip", "unshare", "nsenter", "mount")
+
+HOST_ENV = {"UCX_TLS": "^cma,sysv,posix,knem,xpmem"}
+"""Environment of every daemon on a simulated host. The hosts share one kernel, so
+UCX's shared-memory transports would still reach across them (``cma`` reads another
+process's memory by pid, ``sysv`` segments live in the shared IPC namespace) and
+UCX would silently pick them over the network; on separate machines they are
+unreachable. Disabling them makes UCX between simulated hosts what it is between
+real ones: tcp over the hosts' links."""
 _STALE = re.compile(r"^rfh(\d+)-")
 
 
@@ -301,6 +318,7 @@ class Cluster:
             host=host.address,
             extra_args=self.serve_args(*extra),
             prefix=host.wrap([]),
+            env=HOST_ENV,
         ) as d:
             yield d
 

@@ -224,7 +224,8 @@ def _add_links(ops: Mapping[tuple[str, str], Operation], paths: dict[str, dict[s
     ``POST /v1/regions`` answers a RegionInfo whose ``region_id`` names the created
     region: every operation under ``/v1/regions/{region_id}`` gets a link taking that
     path parameter from the response body (parameters already in the creating path
-    pass through). Stateful API testers follow these links."""
+    pass through; an item right under the collection may be addressed by the body's
+    ``name``). Stateful API testers follow these links."""
     for (method, path), op in ops.items():
         if method != "POST" or not isinstance(op.response, type):
             continue
@@ -242,6 +243,9 @@ def _add_links(ops: Mapping[tuple[str, str], Operation], paths: dict[str, dict[s
                     params[name] = f"$request.path.{name}"
                 elif name in fields:
                     params[name] = f"$response.body#/{name}"
+                elif path2.startswith(f"{path}/{{{name}}}") and "name" in fields:
+                    # a collection's item addressed by its name (/v1/experts/{pool})
+                    params[name] = "$response.body#/name"
                 else:
                     break
             else:

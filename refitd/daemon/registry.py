@@ -20,6 +20,7 @@ Rules this class enforces:
 from __future__ import annotations
 
 import itertools
+import logging
 import secrets
 import time
 from collections.abc import Callable, Mapping
@@ -41,6 +42,9 @@ from refitd.wire import (
 )
 
 __all__ = ["DTYPE_SIZES", "Lease", "Registry", "check_manifest_bounds"]
+
+#: one line per version state change: pending (first slot), ready, retired
+log = logging.getLogger("refitd.sources")
 
 Clock = Callable[[], float]
 
@@ -187,6 +191,7 @@ class Registry:
                 "already became ready, and a model's versions only move forward; publish "
                 f"a version above {newest}"
             )
+        created = v is None
         if v is None:
             v = _Version(m.model, m.version, m.expected_slots)
             self._versions[key] = v
@@ -208,10 +213,26 @@ class Registry:
         if len(v.slots) == v.expected_slots:
             v.state = VersionState.READY
             self._newest_ready[m.model] = m.version
+            log.info("%r version %d: ready (%d slots)", m.model, m.version, v.expected_slots)
             for (model, version), other in self._versions.items():
                 if model == m.model and version < m.version:
+                    if other.state is not VersionState.RETIRED:
+                        log.info(
+                            "%r version %d: retired (version %d is ready)",
+                            model,
+                            version,
+                            m.version,
+                        )
                     other.state = VersionState.RETIRED
                     other.merged = other.merged_bytes = None
+        elif created:
+            log.info(
+                "%r version %d: pending (slot %d of %d published)",
+                m.model,
+                m.version,
+                m.slot,
+                v.expected_slots,
+            )
         return self._info(v)
 
     @staticmethod
@@ -239,6 +260,8 @@ class Registry:
         rewrite and read torn bytes.
         """
         v = self._get(model, version)
+        if v.state is not VersionState.RETIRED:
+            log.info("%r version %d: retired (by its publisher, to rewrite it)", model, version)
         v.state = VersionState.RETIRED
         v.merged = v.merged_bytes = None
         return self._info(v)

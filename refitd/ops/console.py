@@ -137,7 +137,11 @@ def human_bytes(n: int) -> str:
 def print_table(
     title: str, columns: Sequence[Column], rows: Iterable[Any], empty: str = "none"
 ) -> None:
-    """A rich table of ``rows``; ``columns`` pairs a header with a cell function."""
+    """A rich table of ``rows``; ``columns`` pairs a header with a cell function.
+
+    A table wider than the terminal (80 columns when piped, or ``$COLUMNS``) would
+    fold every header and cell into fragments; it is printed as one block per row
+    instead, a ``header  value`` line per column, which stays readable at any width."""
     from rich.console import Console
     from rich.table import Table
 
@@ -149,9 +153,22 @@ def print_table(
     table = Table(title=title, title_justify="left")
     for header, _ in columns:
         table.add_column(header, overflow="fold")
-    for item in items:
-        table.add_row(*(str(cell(item)) for _, cell in columns))
-    console.print(table)
+    cells = [[str(cell(item)) for _, cell in columns] for item in items]
+    for row in cells:
+        table.add_row(*row)
+    natural = console.measure(table, options=console.options.update_width(1 << 16)).maximum
+    if natural <= console.width:
+        console.print(table)
+        return
+    console.print(title, highlight=False)
+    for row in cells:
+        block = Table.grid(padding=(0, 2))
+        block.add_column(style="bold", no_wrap=True)
+        block.add_column(overflow="fold")
+        for (header, _), value in zip(columns, row, strict=True):
+            block.add_row(header, value)
+        console.print()
+        console.print(block, highlight=False)
 
 
 async def fetch(client: Any, path: str, type_: Any) -> Any:

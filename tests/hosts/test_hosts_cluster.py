@@ -45,6 +45,15 @@ async def count(worker: object, url: str, state: str) -> int:
     return sum(1 for p in pulls if p["state"] == state)
 
 
+async def tx_bytes(host: object) -> int:
+    """Bytes the host has sent on its link (its namespace's sysfs counter)."""
+    proc = await host.exec(  # type: ignore[attr-defined]
+        "cat", "/sys/class/net/eth0/statistics/tx_bytes", stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    return int(out)
+
+
 async def sh(host: object, *argv: str) -> None:
     proc = await host.exec(*argv)  # type: ignore[attr-defined]
     assert await proc.wait() == 0, argv
@@ -78,21 +87,27 @@ async def test_a_trainer_over_two_hosts_refits_an_engine_on_a_third_and_survives
             # Versions 1 and 2: bit-exact from both hosts over UCX; 2 replays the plan.
             for version in (1, 2):
                 await publish(version, w2, d2)
+                sent = await tx_bytes(h2)
                 got = await refit(version)
                 assert got["ok"], got
                 assert got["paths"] == ["ucx"] and got["verified"] is True
                 assert got["replayed"] is (version == 2)
+                # trainer-2's half of the bytes crossed its link (not a shared kernel path).
+                assert await tx_bytes(h2) - sent >= 0.4 * got["bytes"]  # type: ignore[operator]
 
             # Version 3: trainer-2's daemon is killed mid-refit.
             await publish(3, w2, d2)
-            # trainer-2's link is slowed (a few seconds for its share), so its pulls
-            # are still running when its daemon is killed.
+            # trainer-2's link is slowed (about 10 s for its share), so its reads are
+            # still running when its daemon is killed.
             await sh(h2, "tc", "qdisc", "add", "dev", "eth0", "root", "tbf",
                      "rate", "4mbit", "burst", "16kb", "latency", "1s")  # fmt: skip
+            sent = await tx_bytes(h2)
             assert (await engine.call("refit_start", local=dg.url, tp=2, version=3,
                                       previous=2, **COMMON))["ok"]  # fmt: skip
+            # Mid-transfer: trainer-2 has sent over 1 MiB of its ~5 MiB share (control
+            # messages are a few KiB), so its UCX reads are under way.
             async with asyncio.timeout(120):
-                while await count(engine, dg.url, "running") == 0:
+                while await tx_bytes(h2) - sent < 1 << 20:
                     pass
             pulls_seen = (await engine.call("pulls", local=dg.url))["pulls"]
             os.kill(d2.pid, signal.SIGKILL)

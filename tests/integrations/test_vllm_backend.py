@@ -218,3 +218,52 @@ def test_the_readme_vllm_snippets_refit_a_running_engine(world: World) -> None:
     exec(trainer_block, {"llm": world.llm, "weights": weights})
     assert stats(world.llm)["version"] >= 1
     assert mismatches(world.llm, world.root / "readme") == []
+
+
+def test_megatron_style_column_blocks_from_two_ranks_refit_the_engine_exactly(world: World) -> None:
+    from refitd.integrations.sources import MegatronSource
+    from refitd.integrations.vllm.trainer import (
+        LLMSyncClient,
+        RefitdTrainerEngine,
+        RefitdTrainerInitInfo,
+    )
+
+    state = write_model(world.root / "megatron", LLAMA, seed=9)
+
+    def blocks(rank: int) -> list[tuple[str, torch.Tensor, tuple[int, ...], tuple[int, ...]]]:
+        """Rank ``rank`` of 2 holds the right or left half of every matrix's columns
+        (strided against the checkpoint's rows) and every vector whole."""
+        out = []
+        for name, t in state.items():
+            if t.dim() == 1:
+                out.append((name, t.clone(), (0,), tuple(t.shape)))
+                continue
+            half = t.shape[1] // 2
+            out.append(
+                (
+                    name,
+                    t[:, rank * half : (rank + 1) * half].clone(),
+                    (0, rank * half),
+                    tuple(t.shape),
+                )
+            )
+        return out
+
+    client = LLMSyncClient(world.llm)
+    ranks = [
+        RefitdTrainerEngine.trainer_init(
+            RefitdTrainerInitInfo(rank=r, model="megatron", world_size=2, url=world.url),
+            client=client,
+            source=MegatronSource(blocks(r)),
+        )
+        for r in (1, 0)  # rank 0, the sender, drives the engine once both slots are in
+    ]
+    try:
+        ranks[0].publish()
+        ranks[1].send_weights()
+    finally:
+        for r in ranks:
+            r.shutdown()
+    after = stats(world.llm)
+    assert after["version"] == 1 and not after["replayed"]
+    assert mismatches(world.llm, world.root / "megatron") == []

@@ -117,3 +117,29 @@ async def test_a_segment_handle_that_is_no_file_name_is_refused_not_a_server_err
     assert "refused" in reply["detail"] and (
         "\\x00" in reply["detail"] or "JSON" in reply["detail"]
     )
+
+
+async def test_the_api_document_links_each_creating_post_to_the_operations_on_its_result() -> None:
+    async with (
+        serving(wired_app()) as base,
+        aiohttp.ClientSession() as s,
+        s.get(base + "/v1/openapi.json") as r,
+    ):
+        doc = await r.json()
+    links = {
+        path: sorted(doc["paths"][path]["post"]["responses"][status]["links"])
+        for path, status in [
+            ("/v1/regions", "201"),
+            ("/v1/leases", "201"),
+            ("/v1/pulls", "202"),
+            ("/v1/sources", "201"),
+            ("/v1/experts", "201"),
+        ]
+    }
+    assert links["/v1/regions"] == ["deleteRegionsRegionId", "getRegionsRegionId"]
+    assert "postLeasesLeaseIdRenew" in links["/v1/leases"]
+    assert "getPullsPullIdWait" in links["/v1/pulls"]
+    assert "getSourcesModelVersionsVersionManifest" in links["/v1/sources"]
+    assert "postExpertsPoolEnsure" in links["/v1/experts"]
+    ensure = doc["paths"]["/v1/experts"]["post"]["responses"]["201"]["links"]
+    assert ensure["postExpertsPoolEnsure"]["parameters"] == {"pool": "$response.body#/name"}
