@@ -67,8 +67,9 @@ class LocalShard:
     """One rank's block of one checkpoint tensor.
 
     ``owner`` is the tensor whose storage the block is, when the source may move
-    it (``ShardPublisher(adopt=True)``); ``None`` when it belongs to someone else
-    (an FSDP2 local shard).
+    it (``ShardPublisher(adopt=True)``); ``adopt``, when set, moves it instead (an
+    FSDP2 shard, whose storage FSDP also holds). Neither: the block is copied
+    every round.
     """
 
     name: str
@@ -76,6 +77,7 @@ class LocalShard:
     offset: tuple[int, ...]
     global_shape: tuple[int, ...]
     owner: torch.Tensor | None = None
+    adopt: Callable[[torch.Tensor], bool] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -103,15 +105,32 @@ class FSDPSource:
     block may be shorter, or empty and skipped. ``Replicate()`` and plain tensors
     are published whole by every rank (replicas; a receiver reads one). Any other
     placement is refused with :class:`~refitd.errors.PlanError` naming it.
+
+    With ``ShardPublisher(adopt=True)`` an evenly sharded parameter's storage
+    moves into the published memory once (FSDP2's all-gather input and the
+    ``DTensor``'s local tensor both point there, so training writes the published
+    bytes); a shard FSDP pads (the short last one) is copied every round instead.
     """
 
     def __init__(self, module: torch.nn.Module, name_map: NameMap = None) -> None:
         self.module = module
         self.name_map = name_map
 
+    def _fsdp_params(self) -> dict[int, Any]:
+        """FSDP2's record (``FSDPParam``) of each sharded parameter, by id."""
+        out: dict[int, Any] = {}
+        for m in self.module.modules():
+            get = getattr(m, "_get_fsdp_state", None)
+            state = get() if callable(get) else None
+            for group in getattr(state, "_fsdp_param_groups", None) or []:
+                for fp in group.fsdp_params:
+                    out[id(fp.sharded_param)] = fp
+        return out
+
     def shards(self) -> Iterator[LocalShard]:
         from torch.distributed.tensor import DTensor, Replicate, Shard
 
+        records = self._fsdp_params()
         for trainer_name, p in self.module.named_parameters():
             name = _mapped(self.name_map, trainer_name)
             if name is None:
@@ -146,7 +165,25 @@ class FSDPSource:
                     f"expected rows {start}..{start + rows} of {shape}"
                 )
             if rows:
-                yield LocalShard(name, local, (start, *zero[1:]), shape)
+                adopt = _fsdp_adopter(records[id(p)], p) if id(p) in records else None
+                yield LocalShard(name, local, (start, *zero[1:]), shape, None, adopt)
+
+
+def _fsdp_adopter(record: Any, param: Any) -> Callable[[torch.Tensor], bool]:
+    """Point FSDP2's storage of ``param`` at ``view`` (same bytes already copied in):
+    its all-gather input and the ``DTensor``'s local tensor. Only for a shard FSDP
+    does not pad, whose padded size is its own size; returns whether it moved."""
+
+    def adopt(view: torch.Tensor) -> bool:
+        if tuple(record.padded_sharded_param_size) != tuple(view.shape) or getattr(
+            record, "offload_to_cpu", False
+        ):
+            return False
+        record._sharded_param_data = view.view(-1)
+        param._local_tensor = view
+        return True
+
+    return adopt
 
 
 class MegatronSource:
@@ -272,7 +309,9 @@ class ShardPublisher:
             if s.tensor.numel() and view.data_ptr() != s.tensor.data_ptr():
                 view.copy_(s.tensor)
                 copied += s.nbytes
-                if self.adopt and s.owner is not None and s.owner.is_contiguous():
+                if self.adopt and s.adopt is not None:
+                    s.adopt(view)
+                elif self.adopt and s.owner is not None and s.owner.is_contiguous():
                     s.owner.data = view  # later rounds publish this storage as is
         self.copied_bytes = copied
         info = await pub.publish(version)

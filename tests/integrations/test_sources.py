@@ -118,3 +118,78 @@ async def test_adopted_tensors_are_published_with_no_copy_after_the_first_round(
         finally:
             seg.close()
         await pub.close()
+
+
+def _adopting_rank(rank: int, port: int, url: str, queue: Any) -> None:
+    import asyncio
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        fully_shard(m)
+        return m
+
+    adopted, reference = build(), build()
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (adopted, reference)]
+
+    async def rounds() -> list[Any]:
+        async with RefitClient(url) as client:
+            pub = ShardPublisher(client, "fsdp-adopt", rank, 2, adopt=True)
+            await pub.publish(FSDPSource(adopted), 1)
+            first = pub.copied_bytes
+            for m, opt in zip((adopted, reference), optims):  # one training step each
+                torch.manual_seed(1)
+                m(torch.randn(4, 8)).square().sum().backward()
+                opt.step()
+            same = all(
+                torch.equal(a.to_local(), b.to_local())
+                for a, b in zip(adopted.parameters(), reference.parameters())
+            )
+            dist.barrier()
+            await pub.publish(FSDPSource(adopted), 2)
+            views = {name: v for (name, _), v in pub.publisher._views.items()}  # type: ignore[union-attr]
+            inside = {
+                n: p.to_local().data_ptr() == views[n].data_ptr()
+                for n, p in adopted.named_parameters()
+                if p.to_local().numel()
+            }
+            out = [first, pub.copied_bytes, same, inside]
+            dist.barrier()
+            await pub.close()
+            return out
+
+    queue.put(asyncio.run(rounds()))
+    dist.destroy_process_group()
+
+
+def test_adopted_fsdp2_shards_train_in_the_published_memory_and_publish_with_no_copy(
+    tmp_path: Any,
+) -> None:
+    from refitd.bench.vllm import start_daemon
+
+    daemon, url = start_daemon(tmp_path)
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_adopting_rank, args=(r, port, url, queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        results = [queue.get(timeout=90) for _ in procs]
+        for p in procs:
+            p.join(30)
+    finally:
+        daemon.terminate()
+        daemon.wait(30)
+    for first, second, same, inside in results:
+        assert first > 0 and second == 0 and same
+        # Linear(8, 2)'s 2 weight rows split evenly; its bias too: all moved.
+        assert inside and all(inside.values()), inside

@@ -197,7 +197,12 @@ def fsdp_trainer(rank: int, world: int, port: int, job: dict[str, Any], conn: An
     fully_shard(model)
     client = PipeSyncClient(conn) if rank == 0 else None
     info = RefitdTrainerInitInfo(
-        rank=rank, model=job["model"], world_size=world, url=job["url"], ready_timeout_s=30
+        rank=rank,
+        model=job["model"],
+        world_size=world,
+        url=job["url"],
+        ready_timeout_s=30,
+        adopt=True,  # FSDP2's shard storage moves into the published memory once
     )
     engine = RefitdTrainerEngine.trainer_init(info, client=client, source=FSDPSource(model))
     for i, seed in enumerate(job["seeds"]):
