@@ -318,6 +318,12 @@ class ShardPublisher:
         self.version = version
         return info
 
+    async def retire(self) -> None:
+        """Retire the last published version and wait until no reader holds it:
+        after this the memory may be written (adopted tensors: by training)."""
+        if self.publisher is not None and self.version is not None:
+            await self.publisher.wait_drain(self.version, self.drain_timeout_s)
+
     async def close(self) -> None:
         if self.publisher is not None:
             await self.publisher.close()

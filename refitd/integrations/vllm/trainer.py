@@ -8,7 +8,9 @@ waits until every slot is in (the version is READY), then drives the engine
 through any ``VLLMWeightSyncClient``: ``start_weight_update``,
 ``update_weights({"version": N})``, ``finish_weight_update``. All ranks then meet
 at a barrier (when ``torch.distributed`` is initialized), so no rank rewrites its
-memory for the next version while the engine still reads this one.
+memory for the next version while the engine still reads this one. With
+``adopt=True`` (training writes the published memory itself) each rank then retires
+the version, so no later reader can lease bytes that training is changing.
 
 :class:`LLMSyncClient` adapts an in-process ``vllm.LLM`` to the client protocol;
 vLLM's own ``HTTPVLLMWeightSyncClient`` (for ``vllm serve``) and Ray client work
@@ -135,6 +137,9 @@ class RefitdTrainerEngine(TrainerWeightTransferEngine[RefitdTrainerInitInfo]):
                 "engine_s": time.perf_counter() - t2,
             }
         self._barrier()
+        if self.info.adopt:
+            # Training writes the published memory next: no reader may lease it again.
+            self._run(self.shards.retire())
 
     @staticmethod
     def _barrier() -> None:
