@@ -92,8 +92,12 @@ class RefitdTrainerEngine(TrainerWeightTransferEngine[RefitdTrainerInitInfo]):
         return self._runner.run(coro)
 
     async def _latest(self) -> int:
+        """The highest version number the model has had (READY or retired): versions
+        only move forward, so the next one publishes above it."""
         try:
-            return int((await self.daemon.version(self.info.model, "latest")).version)
+            return max(
+                (int(v.version) for v in await self.daemon.versions(self.info.model)), default=0
+            )
         except NotFoundError:
             return 0
 
