@@ -92,14 +92,15 @@ class RefitdTrainerEngine(TrainerWeightTransferEngine[RefitdTrainerInitInfo]):
         return self._runner.run(coro)
 
     async def _latest(self) -> int:
-        """The highest version number the model has had (READY or retired): versions
-        only move forward, so the next one publishes above it."""
+        """The highest version number the model has had, READY or retired (versions
+        only move forward). A pending one is not counted: it may be another rank's
+        slot of the very version this rank is about to publish."""
         try:
-            return max(
-                (int(v.version) for v in await self.daemon.versions(self.info.model)), default=0
-            )
+            versions = await self.daemon.versions(self.info.model)
         except NotFoundError:
             return 0
+        done = [int(v.version) for v in versions if v.state is not VersionState.PENDING]
+        return max(done, default=0)
 
     async def _wait_ready(self, version: int) -> None:
         deadline = time.monotonic() + self.info.ready_timeout_s
