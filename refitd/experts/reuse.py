@@ -83,6 +83,9 @@ class ExpectedReusePolicy(EvictionPolicy):
         self.stickiness = stickiness
         self.shift_alpha = shift_alpha
         self._log_keep = math.log1p(-stickiness)
+        # A visit's decay step, ``log(1 - alpha)``, for each averaging speed.
+        self._log_stay = math.log1p(-alpha)
+        self._log_stay_shift = math.log1p(-shift_alpha)
         self._layers = 0
         self._experts = 1
         self._f: list[float] = []
@@ -172,9 +175,12 @@ class ExpectedReusePolicy(EvictionPolicy):
         return base - self._fdecay[key]
 
     def begin_step(self, step: int, layer: int) -> None:
-        a = self.shift_alpha if self._shift_left > 0 else self.alpha
-        self._step_alpha = a
-        self._decay[layer] += math.log1p(-a)
+        if self._shift_left > 0:
+            self._step_alpha = self.shift_alpha
+            self._decay[layer] += self._log_stay_shift
+        else:
+            self._step_alpha = self.alpha
+            self._decay[layer] += self._log_stay
         self._visits[layer] += 1
         self._last_visit[layer] = step
         self._current = layer
@@ -192,7 +198,8 @@ class ExpectedReusePolicy(EvictionPolicy):
         fs, fdecay, fvisit = self._f, self._fdecay, self._fvisit
         heap, keep = self._heaps[layer], self._log_keep
         for s, key in self._prev[layer]:
-            if resident[s] == key and entry_key[s] == key and touched[s] != step:
+            # Most of last visit's experts are routed again (sticky): test that first.
+            if touched[s] != step and resident[s] == key and entry_key[s] == key:
                 # Not routed since the last visit, so ``f`` is positive and unchanged.
                 entry = (math.log(fs[key]) + keep - fdecay[key], s, key, 2 * fvisit[key])
                 heapq.heappush(heap, entry)
@@ -239,15 +246,13 @@ class ExpectedReusePolicy(EvictionPolicy):
         fs, fdecay, fvisit = self._f, self._fdecay, self._fvisit
         alpha, rare, exp = self._step_alpha, self.RARE, math.exp
         entry_key = self._entry_key
-        routed: list[tuple[int, int]] = []
+        routed = list(zip(slots, [resident[s] for s in slots]))
         heap = self._heaps[layer]
         stick = self.stickiness
         filled = False
         lowest = math.inf
         surprised = 0
-        for s in slots:
-            key = resident[s]
-            routed.append((s, key))
+        for s, key in routed:
             f = fs[key] * exp(d - fdecay[key])
             if f < rare:
                 surprised += 1
