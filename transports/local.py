@@ -20,7 +20,39 @@ from .core import split_shares
 from .inproc import InProcessTransport
 from .native import copy_lib
 
-__all__ = ["LocalTransport"]
+__all__ = ["LocalTransport", "copy_addresses"]
+
+
+async def copy_addresses(
+    dst: npt.NDArray[np.int64],
+    src: npt.NDArray[np.int64],
+    nbytes: npt.NDArray[np.int64],
+    *,
+    threads: int,
+    pool: ThreadPoolExecutor | None,
+    inline_bytes: int = 1 << 20,
+) -> None:
+    """Copy ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]`` (validated by the
+    caller): the one memory-copy engine of this host. Under ``inline_bytes`` in all
+    the copy runs here (a thread hop would cost more); else the bytes are cut into
+    ``threads`` shares of about equal size (`split_shares`) copied by the C helper
+    in ``pool`` with the GIL released."""
+    lib = copy_lib()
+
+    def share(d: npt.NDArray[np.int64], s: npt.NDArray[np.int64], n: npt.NDArray[np.int64]) -> None:
+        d, s, n = (np.ascontiguousarray(x, dtype=np.int64) for x in (d, s, n))
+        lib.rfx_copy_batch(len(n), d.ctypes.data, s.ctypes.data, n.ctypes.data)
+
+    if int(nbytes.sum()) < inline_bytes or pool is None or threads <= 1:
+        share(dst, src, nbytes)
+        return
+    loop = asyncio.get_running_loop()
+    await asyncio.gather(
+        *(
+            loop.run_in_executor(pool, share, d, s, n)
+            for d, s, n, _ in split_shares(dst, src, nbytes, threads)
+        )
+    )
 
 
 class LocalTransport(InProcessTransport):
@@ -50,23 +82,14 @@ class LocalTransport(InProcessTransport):
             self._pool.shutdown(wait=True)
             self._pool = None
 
-    def _copy_share(
-        self, d: npt.NDArray[np.int64], s: npt.NDArray[np.int64], n: npt.NDArray[np.int64]
-    ) -> None:
-        d, s, n = (np.ascontiguousarray(x, dtype=np.int64) for x in (d, s, n))
-        self._lib.rfx_copy_batch(len(n), d.ctypes.data, s.ctypes.data, n.ctypes.data)
-
     async def copy(
         self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
     ) -> None:
-        if int(nbytes.sum()) < self.inline_bytes or self._pool is None:
-            self._copy_share(dst, src, nbytes)
-            return
-        loop = asyncio.get_running_loop()
-        pool = self._pool
-        await asyncio.gather(
-            *(
-                loop.run_in_executor(pool, self._copy_share, d, s, n)
-                for d, s, n, _ in split_shares(dst, src, nbytes, self.threads)
-            )
+        await copy_addresses(
+            dst,
+            src,
+            nbytes,
+            threads=self.threads,
+            pool=self._pool,
+            inline_bytes=self.inline_bytes,
         )

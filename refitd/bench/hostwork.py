@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import math
 import sys
 import time
 from typing import Any
@@ -58,7 +57,7 @@ def pattern(n: int) -> Any:
 class Worker:
     def __init__(self) -> None:
         self.clients: dict[str, Any] = {}
-        self.publishers: dict[tuple[str, int], Any] = {}  # (model, slot) -> Publisher
+        self.publishers: dict[str, list[Any]] = {}  # model -> Publisher by slot (or None)
         self.published: dict[str, int] = {}  # model -> last version published here
         self.ranks: dict[str, list[Any]] = {}  # model -> [(par, engine, receiver)]
         self.cfgs: dict[float, Any] = {}
@@ -80,8 +79,7 @@ class Worker:
         return c
 
     async def publish(self, req: dict[str, Any]) -> dict[str, Any]:
-        from refitd.bench.refit import SyntheticState
-        from refitd.client.publisher import Publisher
+        from refitd.bench.refit import SyntheticState, publish_layout
 
         client = await self.client(req["url"], req["token"])
         model, version, world = req["model"], int(req["version"]), int(req["world"])
@@ -90,28 +88,12 @@ class Worker:
         sessions = sorted(published.buffers, key=lambda s: int(s[len(published.layout) :]))
         last = self.published.get(model)
         if last is not None:
-            first = self.publishers[(model, int(req["ranks"][0]))]
-            await first.wait_drain(last)
-        nbytes = 0
-        for slot in req["ranks"]:
-            session = sessions[slot]
-            buf = published.buffers[session]
-            pub = self.publishers.get((model, slot))
-            if pub is None:
-                pub = Publisher(client, model, slot, len(sessions))
-                await pub.reserve(buf.numel() + 64 * (len(published.sources) + 1), label=session)
-                self.publishers[(model, slot)] = pub
-            base = buf.data_ptr()
-            for name, info in published.sources.items():
-                for sh in info.shards:
-                    if sh.session != session:
-                        continue
-                    n = math.prod(sh.shape) * info.elsize
-                    at = sh.addr - base
-                    block = buf[at : at + n].view(info.dtype).view(sh.shape)
-                    pub.put(name, block, tuple(info.global_shape), tuple(sh.shard_offset))
-                    nbytes += n
-            await pub.publish(version)
+            await self.publishers[model][int(req["ranks"][0])].wait_drain(last)
+        ranks = [int(r) for r in req["ranks"]]
+        self.publishers[model] = await publish_layout(
+            client, model, published, version, self.publishers.get(model), slots=ranks
+        )
+        nbytes = sum(published.buffers[sessions[r]].numel() for r in ranks)
         self.published[model] = version
         return {"ok": True, "bytes": nbytes}
 
@@ -255,8 +237,10 @@ class Worker:
         for ranks in self.ranks.values():
             for _, _, r in ranks:
                 await r.close()
-        for pub in self.publishers.values():
-            await pub.close()
+        for pubs in self.publishers.values():
+            for pub in pubs:
+                if pub is not None:
+                    await pub.close()
         for c in self.clients.values():
             await c.__aexit__(None, None, None)
 

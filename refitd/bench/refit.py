@@ -35,21 +35,25 @@ async def publish_layout(
     published: Published,
     version: int,
     publishers: list[Any] | None = None,
+    slots: list[int] | None = None,
 ) -> list[Any]:
-    """Publish every rank of ``published`` as one slot of ``version``; returns the
-    publishers. Pass the publishers of an earlier version (same layout) to rewrite
+    """Publish every rank of ``published`` (or only ranks ``slots``: a trainer split
+    over hosts publishes each host's ranks to its own daemon) as one slot of
+    ``version``; returns the publishers, by slot (None for a slot not published
+    here). Pass the publishers of an earlier version (same layout) to rewrite
     their memory in place, so the manifest's placement is unchanged and a receiver
     replays its compiled plan; wait for that version's leases to drain first."""
     from refitd.client.publisher import Publisher
 
     sessions = sorted(published.buffers, key=lambda s: int(s[len(published.layout) :]))
-    pubs = list(publishers or [])
-    for slot, session in enumerate(sessions):
+    pubs: list[Any] = list(publishers or [])
+    pubs += [None] * (len(sessions) - len(pubs))
+    for slot in range(len(sessions)) if slots is None else slots:
+        session = sessions[slot]
         buf = published.buffers[session]
-        if slot >= len(pubs):
-            pub = Publisher(client, model, slot, len(sessions))
-            await pub.reserve(buf.numel() + 64 * (len(published.sources) + 1), label=session)
-            pubs.append(pub)
+        if pubs[slot] is None:
+            pubs[slot] = Publisher(client, model, slot, len(sessions))
+            await pubs[slot].reserve(buf.numel() + 64 * (len(published.sources) + 1), label=session)
         pub = pubs[slot]
         base = buf.data_ptr()
         for name, info in published.sources.items():

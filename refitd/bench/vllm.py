@@ -33,7 +33,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_arguments", "run"]
+__all__ = [
+    "LLM_CPU_KWARGS",
+    "add_arguments",
+    "greedy",
+    "llama_config",
+    "run",
+    "served_digest",
+    "start_daemon",
+]
+
+LLM_CPU_KWARGS: dict[str, Any] = {
+    "skip_tokenizer_init": True,
+    "dtype": "bfloat16",
+    "max_model_len": 128,
+    "enforce_eager": True,
+    "kv_cache_memory_bytes": 64 << 20,  # else the CPU backend sizes KV cache in GiB
+}
+"""``LLM(...)`` settings for a tiny model on CPU (token ids in, token ids out)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,18 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--updates", type=int, default=4, help="updates to time (default 4)")
 
 
-def _config(args: argparse.Namespace) -> dict[str, Any]:
-    heads = max(args.hidden // 64, 1)
+def llama_config(hidden: int = 256, layers: int = 2, vocab: int = 512) -> dict[str, Any]:
+    """A Llama ``config.json`` (head_dim 64: the CPU attention backend needs it)."""
+    heads = max(hidden // 64, 1)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": args.hidden,
-        "intermediate_size": 2 * args.hidden,
-        "num_hidden_layers": args.layers,
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": max(heads // 2, 1),
         "head_dim": 64,
-        "vocab_size": args.vocab,
+        "vocab_size": vocab,
         "max_position_embeddings": 256,
         "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0,
@@ -107,7 +125,8 @@ def served_digest(worker: Any) -> dict[str, str]:
     return out
 
 
-def _greedy(llm: Any) -> list[list[int]]:
+def greedy(llm: Any) -> list[list[int]]:
+    """Greedy tokens for two fixed prompts (token ids)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -116,11 +135,25 @@ def _greedy(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def start_daemon(root: Path) -> tuple[subprocess.Popen[str], str]:
+    """A real ``refitd serve`` on 127.0.0.1:0 (secret file under ``root``):
+    the process and its URL."""
+    from refitd.client.spawn import serve_command
+
+    secret = root / "secret"
+    secret.write_text(os.urandom(32).hex())
+    secret.chmod(0o600)
+    argv = serve_command("--port", "0", "--secret-file", str(secret), "--grace", "2")
+    proc = subprocess.Popen(
+        [*argv, "--set", "logging.level=warning"], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    return proc, json.loads(proc.stdout.readline())["url"]
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     from safetensors.torch import save_file
-
-    from refitd.client.spawn import serve_command
 
     with tempfile.TemporaryDirectory(prefix="refitd-bench-vllm-") as tmp:
         root = Path(tmp)
@@ -131,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
             VLLM_CACHE_ROOT=str(root / "cache"),
             VLLM_ALLOW_INSECURE_SERIALIZATION="1",
         )
-        cfg = _config(args)
+        cfg = llama_config(args.hidden, args.layers, args.vocab)
         state = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in _shapes(cfg).items()}
         engine_dir, disk = root / "engine", root / "trainer"
         for d in (engine_dir, disk):
@@ -141,16 +174,8 @@ def run(args: argparse.Namespace) -> int:
         save_file(state, str(engine_dir / "model.safetensors"))
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
 
-        secret = root / "secret"
-        secret.write_text(os.urandom(32).hex())
-        secret.chmod(0o600)
-        argv = serve_command("--port", "0", "--secret-file", str(secret), "--grace", "2")
-        daemon = subprocess.Popen(
-            [*argv, "--set", "logging.level=warning"], stdout=subprocess.PIPE, text=True
-        )
+        daemon, url = start_daemon(root)
         try:
-            assert daemon.stdout is not None
-            url = json.loads(daemon.stdout.readline())["url"]
             os.environ["REFITD_URL"] = url
             return _bench(args, cfg, state, engine_dir, disk, nbytes, url)
         finally:
@@ -185,15 +210,7 @@ def _bench(
         f"{args.updates} updates, each through refitd and by reload from disk",
         flush=True,
     )
-    llm = LLM(
-        model=str(engine_dir),
-        weight_transfer_config={"backend": "refitd"},
-        skip_tokenizer_init=True,
-        dtype="bfloat16",
-        max_model_len=128,
-        enforce_eager=True,
-        kv_cache_memory_bytes=64 << 20,
-    )
+    llm = LLM(model=str(engine_dir), weight_transfer_config={"backend": "refitd"}, **LLM_CPU_KWARGS)
     info = RefitdTrainerInitInfo(rank=0, model="bench", url=url, adopt=True)
     trainer = RefitdTrainerEngine.trainer_init(
         info, client=LLMSyncClient(llm), source=TensorSource(state)
@@ -208,13 +225,13 @@ def _bench(
             trainer.send_weights()
             refit.append(time.perf_counter() - t0)
             [stats] = llm.collective_rpc(refit_stats)
-            after_refit = (llm.collective_rpc(served_digest)[0], _greedy(llm))
+            after_refit = (llm.collective_rpc(served_digest)[0], greedy(llm))
 
             t0 = time.perf_counter()
             save_file(state, str(disk / "model.safetensors"))
             llm.collective_rpc("reload_weights", kwargs={"weights_path": str(disk)})
             reload.append(time.perf_counter() - t0)
-            after_reload = (llm.collective_rpc(served_digest)[0], _greedy(llm))
+            after_reload = (llm.collective_rpc(served_digest)[0], greedy(llm))
             same = after_refit == after_reload
             verified &= same
             last = trainer.last

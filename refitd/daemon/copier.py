@@ -2,17 +2,21 @@
 
 A :class:`Copier` runs an already validated ``(n, 5)`` descriptor matrix between
 lists of source and destination buffers. The default :class:`ThreadCopier` copies
-in worker threads with numpy (which releases the GIL for large copies), one batch
-at a time, so the event loop stays responsive and a cancel lands between batches.
+one batch at a time with the data plane's own copy engine
+(:func:`transports.local.copy_addresses`, the ``local`` and ``shm`` transports'
+parallel C memcpy, GIL released), so the event loop stays responsive and a cancel
+lands between batches.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import numpy as np
+
+from transports.local import copy_addresses
 
 __all__ = ["Copier", "ThreadCopier", "pack_strided"]
 
@@ -49,17 +53,25 @@ def _batches(rows: np.ndarray, max_bytes: int, max_rows: int) -> list[tuple[int,
     return spans
 
 
-def _copy_span(srcs: Sequence[np.ndarray], dsts: Sequence[np.ndarray], rows: np.ndarray) -> None:
-    for si, so, di, do, nb in rows.tolist():
-        if nb:
-            dsts[di][do : do + nb] = srcs[si][so : so + nb]
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """One copy pool per process, shared by every copier (daemons in tests are many)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max(2, threads), thread_name_prefix="refitd-copy")
+    return _POOL
+
+
+def _base(m: memoryview) -> int:
+    return int(np.frombuffer(m, dtype=np.uint8).ctypes.data)
 
 
 class ThreadCopier:
-    """Copies in a worker thread, one batch (``batch_bytes``/``batch_rows``) at a time.
-
-    A batch that is a single row of 8 MiB or more is split into ``threads`` equal
-    pieces copied in parallel worker threads."""
+    """Copies one batch (``batch_bytes``/``batch_rows``) at a time, each cut into
+    ``threads`` shares of about equal bytes copied in parallel (a single large row
+    is cut too)."""
 
     def __init__(
         self, batch_bytes: int = 64 << 20, batch_rows: int = 8192, threads: int = 2
@@ -75,29 +87,21 @@ class ThreadCopier:
         rows: np.ndarray,
         progress: Progress,
     ) -> None:
-        s = [np.frombuffer(m, dtype=np.uint8) for m in srcs]
-        d = [np.frombuffer(m, dtype=np.uint8) for m in dsts]
+        s_base = np.array([_base(m) for m in srcs], dtype=np.int64)
+        d_base = np.array([_base(m) for m in dsts], dtype=np.int64)
+        pool = _pool(self.threads)
         for lo, hi in _batches(rows, self.batch_bytes, self.batch_rows):
             span = rows[lo:hi]
-            nbytes = int(span[:, 4].sum())
-            if hi - lo == 1 and nbytes >= (8 << 20) and self.threads > 1:
-                await self._parallel_row(s, d, span[0])
-            else:
-                await asyncio.to_thread(_copy_span, s, d, span)
-            progress(hi - lo, nbytes)
-
-    async def _parallel_row(
-        self, s: list[np.ndarray], d: list[np.ndarray], row: np.ndarray
-    ) -> None:
-        si, so, di, do, nb = (int(x) for x in row)
-        step = -(-nb // self.threads)
-        pieces = [
-            np.array([[si, so + k, di, do + k, min(step, nb - k)]], dtype=np.int64)
-            for k in range(0, nb, step)
-        ]
-        async with asyncio.TaskGroup() as tg:
-            for p in pieces:
-                tg.create_task(asyncio.to_thread(_copy_span, s, d, p))
+            live = span[span[:, 4] > 0]
+            await copy_addresses(
+                d_base[live[:, 2]] + live[:, 3],
+                s_base[live[:, 0]] + live[:, 1],
+                live[:, 4].astype(np.int64),
+                threads=self.threads,
+                pool=pool,
+                inline_bytes=1,  # only an empty batch is "copied" on the loop
+            )
+            progress(hi - lo, int(span[:, 4].sum()))
 
 
 def pack_strided(

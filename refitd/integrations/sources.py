@@ -27,7 +27,6 @@ so later rounds publish with no copy at all.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -284,7 +283,3 @@ class ShardPublisher:
         if self.publisher is not None:
             await self.publisher.close()
             self.publisher = None
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(shape)

@@ -201,7 +201,8 @@ async def test_a_daemon_that_dies_is_gone_from_the_registry_within_its_lease_ttl
     ):
         await key_event(etcd, daemon_key("/refitd", "doomed"), "PUT", 30)  # type: ignore[arg-type]
         async with RefitClient(doomed.url) as cd:
-            await publish(cd, "m", 1)
+            region = await publish(cd, "m", 1)
+            lease = await cd.acquire_lease("m", 1)
         assert (await ce.next_version("m", after=0, timeout_s=30)).holders[0].node_id == "doomed"
         os.kill(doomed.pid, signal.SIGKILL)  # no deregistration: only the TTL can tell
         t = time.perf_counter()
@@ -214,6 +215,12 @@ async def test_a_daemon_that_dies_is_gone_from_the_registry_within_its_lease_ttl
         assert "doomed" not in {d.node_id for d in await ce.cluster_daemons()}
         with pytest.raises(NotFoundError, match="no registered daemon holds 'm' version 1"):
             await ce.cluster_version("m", 1)
+        # A new pull naming it is refused before anything is contacted, naming it.
+        dst = await ce.create_region(64)
+        rows = np.array([[region, 0, dst.region_id, 0, 64]], dtype=np.int64)
+        req = PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows), [], doomed.url)
+        with pytest.raises(ProtocolError, match=f"source '{doomed.url}' refused"):
+            await ce.submit_pull(req)
 
 
 async def test_daemons_register_again_and_republish_after_etcd_restarts_empty(

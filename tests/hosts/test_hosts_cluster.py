@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from support.etcd import needs_etcd
-from support.hosts import cluster_of, needs_hosts
+from support.hosts import cluster_of, needs_hosts, tx_bytes
 
 from refitd.cluster.etcdserver import run_etcd
 
@@ -43,15 +43,6 @@ async def count(worker: object, url: str, state: str) -> int:
     """Pulls of the engine's daemon in ``state`` (asked through the engine's worker)."""
     pulls = (await worker.call("pulls", local=url))["pulls"]  # type: ignore[attr-defined]
     return sum(1 for p in pulls if p["state"] == state)
-
-
-async def tx_bytes(host: object) -> int:
-    """Bytes the host has sent on its link (its namespace's sysfs counter)."""
-    proc = await host.exec(  # type: ignore[attr-defined]
-        "cat", "/sys/class/net/eth0/statistics/tx_bytes", stdout=asyncio.subprocess.PIPE
-    )
-    out, _ = await proc.communicate()
-    return int(out)
 
 
 async def sh(host: object, *argv: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.hosts import cluster_of, needs_hosts
+from support.hosts import cluster_of, needs_hosts, tx_bytes
 
 pytestmark = [needs_hosts, pytest.mark.timeout(240)]
 
@@ -26,10 +26,13 @@ async def test_auto_reads_another_host_over_ucx_and_the_refit_is_bit_exact_then_
         for version in (1, 2):
             out = await trainer.call("publish", url=a.url, ranks=[0, 1], version=version, **common)
             assert out["ok"], out
+            sent = await tx_bytes(th)
             got = await engine.call(
                 "refit", local=b.url, source=a.url, tp=2, version=version, **common
             )
             assert got["ok"], got
+            # The bytes crossed the trainer host's link (no path through the shared kernel).
+            assert await tx_bytes(th) - sent >= got["bytes"]  # type: ignore[operator]
             # /dev/shm is private per host, so the same-host proof fails: UCX it is.
             assert got["paths"] == ["ucx"]
             assert got["verified"] is True

@@ -13,50 +13,36 @@ from typing import Any
 
 import torch
 
-LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
+from refitd.bench.vllm import LLM_CPU_KWARGS, greedy, llama_config, start_daemon
+
+__all__ = [
+    "LLAMA",
+    "QWEN3_MOE",
+    "greedy",
+    "hf_model",
+    "live_params",
+    "llm_kwargs",
+    "loader_format_mismatches",
+    "readme_blocks",
+    "run_fsdp_trainer",
+    "save_model",
+    "start_daemon",
+    "vllm_env",
+    "write_model",
+]
+
+LLAMA = llama_config()
 
 QWEN3_MOE = {
+    **LLAMA,
     "architectures": ["Qwen3MoeForCausalLM"],
     "model_type": "qwen3_moe",
-    "hidden_size": 256,
-    "intermediate_size": 512,
     "moe_intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
     "num_experts": 4,
     "num_experts_per_tok": 2,
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
     "norm_topk_prob": True,
-    "vocab_size": 512,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
 }
 
 
@@ -108,13 +94,7 @@ def vllm_env(mp: Any, cache: Path, url: str) -> None:
 
 
 def llm_kwargs() -> dict[str, Any]:
-    return {
-        "skip_tokenizer_init": True,
-        "dtype": "bfloat16",
-        "max_model_len": 128,
-        "enforce_eager": True,
-        "kv_cache_memory_bytes": 64 << 20,
-    }
+    return dict(LLM_CPU_KWARGS)
 
 
 def loader_format_mismatches(worker: Any, checkpoint: str) -> list[str]:
@@ -263,23 +243,6 @@ def _rows(p: Any) -> Any:
 # ---------------------------------------------------------------- the engine side
 
 
-def start_daemon(root: Path) -> tuple[Any, str]:
-    """A real ``refitd serve`` on 127.0.0.1:0; returns (process, url)."""
-    import subprocess
-
-    from refitd.client.spawn import serve_command
-
-    secret = root / "secret"
-    secret.write_text(os.urandom(32).hex())
-    secret.chmod(0o600)
-    argv = serve_command("--port", "0", "--secret-file", str(secret), "--grace", "2")
-    proc = subprocess.Popen(
-        [*argv, "--set", "logging.level=warning"], stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout is not None
-    return proc, json.loads(proc.stdout.readline())["url"]
-
-
 def live_params(worker: Any) -> dict[str, torch.Tensor]:
     """Run in a vLLM worker: every parameter of the serving model, as it computes with."""
     return {n: p.detach().clone() for n, p in worker.model_runner.get_model().named_parameters()}
@@ -312,15 +275,6 @@ def run_fsdp_trainer(job: dict[str, Any], on_event: Any, llm: Any) -> list[Any]:
             if p.is_alive():
                 p.kill()
     return [p.exitcode for p in procs]
-
-
-def greedy(llm: Any) -> list[list[int]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in ([5, 17, 33, 99, 200], [7, 300, 42])]
-    params = SamplingParams(max_tokens=8, temperature=0, detokenize=False)
-    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def readme_blocks(heading: str) -> list[str]:

@@ -9,15 +9,16 @@ which is missing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from refitd.bench.simhosts import Cluster, SimNet, missing
+from refitd.bench.simhosts import Cluster, SimHost, SimNet, missing
 
-__all__ = ["MISSING", "cluster_of", "needs_hosts"]
+__all__ = ["MISSING", "cluster_of", "needs_hosts", "tx_bytes"]
 
 MISSING = missing()
 
@@ -32,3 +33,13 @@ async def cluster_of(workdir: Path, *names: str) -> AsyncIterator[tuple[Cluster,
         hosts = [await net.add_host(n) for n in names]
         async with Cluster(net, str(workdir)) as cluster:
             yield cluster, hosts
+
+
+async def tx_bytes(host: SimHost) -> int:
+    """Bytes ``host`` has sent on its link (the sysfs counter of its namespace): what
+    crossed the simulated network, as opposed to any path through the shared kernel."""
+    proc = await host.exec(
+        "cat", "/sys/class/net/eth0/statistics/tx_bytes", stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    return int(out)
