@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -79,10 +78,6 @@ class HitDensityPolicy(ExpectedReusePolicy):
         super().begin_step(step, layer)
         self._score = None
 
-    def on_step(self, step: int, slots: Sequence[int]) -> None:
-        super().on_step(step, slots)
-        self._score = None
-
     def distance(self, layer: int) -> int:
         """Steps from the current step to ``layer``'s next visit, in decode order."""
         return (layer - self._current - 1) % self._layers + 1
@@ -100,7 +95,8 @@ class HitDensityPolicy(ExpectedReusePolicy):
         """Record a lower bound of the layer's least ``log q``: its heap's top, which is
         at or below every resident expert's key. It stays a lower bound until the
         layer's next visit lowers every ``q`` (its decay), and that visit records
-        it again."""
+        it again. Drops the step's cached scores; every ``on_step`` ends here (the
+        victim search below leaves no announced bound), so it needs no override."""
         self._score = None
         heap = self._heaps[layer]
         resident, entry_key = self._resident, self._entry_key

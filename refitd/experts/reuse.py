@@ -246,13 +246,15 @@ class ExpectedReusePolicy(EvictionPolicy):
         fs, fdecay, fvisit = self._f, self._fdecay, self._fvisit
         alpha, rare, exp = self._step_alpha, self.RARE, math.exp
         entry_key = self._entry_key
-        routed = list(zip(slots, [resident[s] for s in slots]))
+        routed: list[tuple[int, int]] = []
         heap = self._heaps[layer]
         stick = self.stickiness
         filled = False
         lowest = math.inf
         surprised = 0
-        for s, key in routed:
+        for s in slots:
+            key = resident[s]
+            routed.append((s, key))
             f = fs[key] * exp(d - fdecay[key])
             if f < rare:
                 surprised += 1
@@ -314,6 +316,8 @@ class ExpectedReusePolicy(EvictionPolicy):
         removed from the heap when ``take``."""
         heap = self._heaps[layer]
         resident, touched, fvisit = self._resident, self._touched, self._fvisit
+        fs, fdecay, log = self._f, self._fdecay, math.log
+        stick, keep = self.stickiness, self._log_keep
         entry_key = self._entry_key
         visits = self._visits[layer]
         kept: list[tuple[float, int, int, int]] = []
@@ -329,7 +333,13 @@ class ExpectedReusePolicy(EvictionPolicy):
             fv = fvisit[key]
             now = 2 * fv + (fv == visits)  # ``_stamp``, inlined on the hot path
             if stamp != now:
-                heapq.heapreplace(heap, (self._heap_key(key, layer), s, key, now))
+                # Re-keyed at ``_heap_key``, inlined.
+                f = fs[key]
+                if fv == visits:
+                    hkey = log((1.0 - stick) * f + stick)
+                else:
+                    hkey = (log(f) if f > 0.0 else -1e300) + keep
+                heapq.heapreplace(heap, (hkey - fdecay[key], s, key, now))
             elif touched[s] == step:
                 kept.append(heapq.heappop(heap))
             else:
