@@ -289,7 +289,10 @@ class ExpertCache(Lookahead):
         hit_slots: list[int] = []
         misses: list[int] = []
         adopted = False
-        for e in uniq:
+        # Without duplicates, walking ``routed`` itself leaves a warm step's hits in
+        # route order, which is the plan's slot tuple as it stands.
+        distinct = len(uniq) == len(routed)
+        for e in routed if distinct else uniq:
             s = slot_of[base + e]
             if s >= 0:
                 touched[s] = step
@@ -310,10 +313,11 @@ class ExpertCache(Lookahead):
                 last = self._last_routed
                 for e in uniq:
                     last[base + e] = step
+            slots = tuple(hit_slots) if distinct else tuple([slot_of[base + e] for e in routed])
             hit_slots.sort()
             self._policy.on_step(step, hit_slots)
             self._step_in_books = len(hit_slots)
-            return EnsurePlan(tuple([slot_of[base + e] for e in routed]), _EMPTY, len(uniq), 0, 0)
+            return EnsurePlan(slots, _EMPTY, len(uniq), 0, 0)
         return self._place(layer, step, routed, uniq, hit_slots, misses)
 
     def _place(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -79,10 +78,6 @@ class HitDensityPolicy(ExpectedReusePolicy):
         super().begin_step(step, layer)
         self._score = None
 
-    def on_step(self, step: int, slots: Sequence[int]) -> None:
-        super().on_step(step, slots)
-        self._score = None
-
     def distance(self, layer: int) -> int:
         """Steps from the current step to ``layer``'s next visit, in decode order."""
         return (layer - self._current - 1) % self._layers + 1
@@ -100,7 +95,8 @@ class HitDensityPolicy(ExpectedReusePolicy):
         """Record a lower bound of the layer's least ``log q``: its heap's top, which is
         at or below every resident expert's key. It stays a lower bound until the
         layer's next visit lowers every ``q`` (its decay), and that visit records
-        it again."""
+        it again. Drops the step's cached scores; every ``on_step`` ends here (the
+        victim search below leaves no announced bound), so it needs no override."""
         self._score = None
         heap = self._heaps[layer]
         resident, entry_key = self._resident, self._entry_key
@@ -123,29 +119,43 @@ class HitDensityPolicy(ExpectedReusePolicy):
         score = self._score
         if score is None:
             score = self._score = low + neg_log_d
+        heaps = self._heaps
+        # Each layer's least entry, taken off its heap when the layer's loose bound was
+        # tightened. Nothing a search reads changes until it returns, so a layer that
+        # leads again needs no second heap search; the rest go back on return.
+        held: dict[int, tuple[float, int, int, int]] = {}
+        found: tuple[float, int, int, int] | None
         while True:
             layer = int(score.argmin())
+            if layer in held:
+                found = held.pop(layer)
+                break
             if score[layer] == math.inf:
-                raise PlanError("eviction asked for a victim but no occupied slot is evictable")
+                found = None
+                break
             found = self._layer_min(layer, step, take=True)
-            if found is None and self._heaps[layer]:
+            if found is None and heaps[layer]:
                 # Only slots this step touched are left in the layer. They become
                 # candidates once the step is over (a prefetch may ask for victims
                 # between steps), so the layer keeps a bound, the least of them, and is
                 # passed over for this search only.
-                low[layer] = self._heaps[layer][0][0] + decay[layer]
+                low[layer] = heaps[layer][0][0] + decay[layer]
                 score[layer] = math.inf
                 continue
             exact = found[0] + decay[layer] if found is not None else math.inf
             if exact > low[layer]:
                 # The bound was loose: tighten it and look again.
                 if found is not None:
-                    heapq.heappush(self._heaps[layer], found)
+                    held[layer] = found
                 low[layer] = exact
                 score[layer] = exact + neg_log_d[layer]
                 continue
-            assert found is not None
-            slot = found[1]
-            self._entry_key[slot] = -1
-            # Removing the layer's least expert leaves ``low`` a lower bound.
-            return slot
+            break
+        for m, entry in held.items():
+            heapq.heappush(heaps[m], entry)
+        if found is None:
+            raise PlanError("eviction asked for a victim but no occupied slot is evictable")
+        slot = found[1]
+        self._entry_key[slot] = -1
+        # Removing the layer's least expert leaves ``low`` a lower bound.
+        return slot

@@ -83,6 +83,9 @@ class ExpectedReusePolicy(EvictionPolicy):
         self.stickiness = stickiness
         self.shift_alpha = shift_alpha
         self._log_keep = math.log1p(-stickiness)
+        # A visit's decay step, ``log(1 - alpha)``, for each averaging speed.
+        self._log_stay = math.log1p(-alpha)
+        self._log_stay_shift = math.log1p(-shift_alpha)
         self._layers = 0
         self._experts = 1
         self._f: list[float] = []
@@ -172,9 +175,12 @@ class ExpectedReusePolicy(EvictionPolicy):
         return base - self._fdecay[key]
 
     def begin_step(self, step: int, layer: int) -> None:
-        a = self.shift_alpha if self._shift_left > 0 else self.alpha
-        self._step_alpha = a
-        self._decay[layer] += math.log1p(-a)
+        if self._shift_left > 0:
+            self._step_alpha = self.shift_alpha
+            self._decay[layer] += self._log_stay_shift
+        else:
+            self._step_alpha = self.alpha
+            self._decay[layer] += self._log_stay
         self._visits[layer] += 1
         self._last_visit[layer] = step
         self._current = layer
@@ -192,7 +198,8 @@ class ExpectedReusePolicy(EvictionPolicy):
         fs, fdecay, fvisit = self._f, self._fdecay, self._fvisit
         heap, keep = self._heaps[layer], self._log_keep
         for s, key in self._prev[layer]:
-            if resident[s] == key and entry_key[s] == key and touched[s] != step:
+            # Most of last visit's experts are routed again (sticky): test that first.
+            if touched[s] != step and resident[s] == key and entry_key[s] == key:
                 # Not routed since the last visit, so ``f`` is positive and unchanged.
                 entry = (math.log(fs[key]) + keep - fdecay[key], s, key, 2 * fvisit[key])
                 heapq.heappush(heap, entry)
@@ -309,6 +316,8 @@ class ExpectedReusePolicy(EvictionPolicy):
         removed from the heap when ``take``."""
         heap = self._heaps[layer]
         resident, touched, fvisit = self._resident, self._touched, self._fvisit
+        fs, fdecay, log = self._f, self._fdecay, math.log
+        stick, keep = self.stickiness, self._log_keep
         entry_key = self._entry_key
         visits = self._visits[layer]
         kept: list[tuple[float, int, int, int]] = []
@@ -324,7 +333,13 @@ class ExpectedReusePolicy(EvictionPolicy):
             fv = fvisit[key]
             now = 2 * fv + (fv == visits)  # ``_stamp``, inlined on the hot path
             if stamp != now:
-                heapq.heapreplace(heap, (self._heap_key(key, layer), s, key, now))
+                # Re-keyed at ``_heap_key``, inlined.
+                f = fs[key]
+                if fv == visits:
+                    hkey = log((1.0 - stick) * f + stick)
+                else:
+                    hkey = (log(f) if f > 0.0 else -1e300) + keep
+                heapq.heapreplace(heap, (hkey - fdecay[key], s, key, now))
             elif touched[s] == step:
                 kept.append(heapq.heappop(heap))
             else:
