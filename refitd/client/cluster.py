@@ -216,22 +216,5 @@ class ClusterReceiver(DaemonReceiver):
             raise type(first)(
                 f"refit of {self.model!r} v{version} failed, nothing installed: {detail}"
             ) from failed[0][1]
-        t3 = time.perf_counter()
-        self._install(comp)
-        t4 = time.perf_counter()
         last = [r for r in results if isinstance(r, PullProgress)]
-        return RefitStats(
-            version,
-            replayed,
-            comp.bytes,
-            comp.rows.shape[0] + len(comp.packs),
-            len(comp.packs),
-            len(comp.scatter),
-            len(comp.full_pulls),
-            t1 - t0,
-            t2 - t1,
-            t3 - t2,
-            t4 - t3,
-            t4 - t0,
-            last[0],
-        )
+        return self._install_timed(comp, version, replayed, (t0, t1, t2), last[0])

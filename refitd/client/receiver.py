@@ -394,6 +394,19 @@ class DaemonReceiver:
             if named is exc:
                 raise
             raise named from exc
+        return self._install_timed(comp, version, replayed, (t0, t1, t2), result)
+
+    def _install_timed(
+        self,
+        comp: _Compiled,
+        version: int,
+        replayed: bool,
+        times: tuple[float, float, float],
+        pull: PullProgress,
+    ) -> RefitStats:
+        """Install ``comp`` once its pulls are done and report the refit; ``times`` are the
+        clock at its start, after the manifest and after the plan."""
+        t0, t1, t2 = times
         t3 = time.perf_counter()
         self._install(comp)
         t4 = time.perf_counter()
@@ -410,7 +423,7 @@ class DaemonReceiver:
             t3 - t2,
             t4 - t3,
             t4 - t0,
-            result,
+            pull,
         )
 
     async def _compiled_for(self, m: MergedManifest, version: int) -> tuple[_Compiled, bool]:
