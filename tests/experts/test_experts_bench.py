@@ -17,27 +17,20 @@ def last_line_pairs(text: str) -> dict[str, str]:
     return dict(pair.split("=", 1) for pair in last.split())
 
 
+def bench_one_small_preset(capsys: pytest.CaptureFixture[str], *mode: str) -> str:
+    """``refitd bench experts`` (with ``mode``'s flags) on one short Mixtral-8x7B
+    trace; asserts it exits 0 and returns what it printed."""
+    args = ["--presets", "mixtral-8x7b", "--tokens", "24", "--requests", "1", "--prefill", "8"]
+    code = main(["bench", "experts", *mode, *args, "--calls", "200"])
+    out = capsys.readouterr().out
+    assert code == 0
+    return out
+
+
 def test_the_bench_prints_every_policy_and_ends_in_key_value_pairs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code = main(
-        [
-            "bench",
-            "experts",
-            "--presets",
-            "mixtral-8x7b",
-            "--tokens",
-            "24",
-            "--requests",
-            "1",
-            "--prefill",
-            "8",
-            "--calls",
-            "200",
-        ]
-    )
-    out = capsys.readouterr().out
-    assert code == 0
+    out = bench_one_small_preset(capsys)
     assert "mixtral-8x7b" in out and "Belady" in out and "oracle gap" in out
     assert "an oracle with perfect knowledge of the true routing probabilities" in out
     pairs = last_line_pairs(out)
@@ -99,25 +92,7 @@ def test_a_prefetch_hides_at_most_the_compute_of_the_layer_it_overlaps(
 def test_the_prefetch_bench_compares_four_policies_and_ends_in_key_value_pairs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code = main(
-        [
-            "bench",
-            "experts",
-            "--prefetch",
-            "--presets",
-            "mixtral-8x7b",
-            "--tokens",
-            "24",
-            "--requests",
-            "1",
-            "--prefill",
-            "8",
-            "--calls",
-            "200",
-        ]
-    )
-    out = capsys.readouterr().out
-    assert code == 0
+    out = bench_one_small_preset(capsys, "--prefetch")
     assert "Speculating Experts" in out and "PCIe Gen5" in out and "hybrid" in out
     assert "ours+pf" in out
     pairs = last_line_pairs(out)
