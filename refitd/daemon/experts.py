@@ -49,6 +49,7 @@ from refitd.daemon.httpio import body, reply
 from refitd.daemon.memory import check_shm_capacity
 from refitd.daemon.node import Daemon
 from refitd.daemon.openapi import Operation
+from refitd.daemon.pulls import PullJob
 from refitd.errors import ConfigError, ConflictError, NotFoundError, PlanError, ProtocolError
 from refitd.experts import (
     BankResidency,
@@ -551,15 +552,14 @@ async def close_pools(app: web.Application) -> None:
             await asyncio.to_thread(pool.close)
 
 
-def note_pull(app: web.Application, req: PullRequest, job: object) -> None:
+def note_pull(app: web.Application, req: PullRequest, job: PullJob) -> None:
     """Invalidate experts a pull rewrites: now, and again when the pull ends."""
     pools = app.get(POOLS)
     if pools is None:
         return
     pools.note_writes(req)
-    task = getattr(job, "task", None)
-    if task is not None:
-        task.add_done_callback(lambda _: pools.note_writes(req))
+    if job.task is not None:
+        job.task.add_done_callback(lambda _: pools.note_writes(req))
 
 
 # ---------------------------------------------------------------- routes

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_experts_cache import EXPERTS, LAYERS, Op, check_invariants, op_lists
 from test_experts_policy import checked_density, checked_reuse
 
 from refitd.errors import ConfigError, PlanError
@@ -202,48 +203,7 @@ def test_rebuild_drops_predictions() -> None:
 
 # -- properties: every invariant with prefetches mixed in -----------------------------
 
-LAYERS, EXPERTS = 3, 5
-
-ops = st.lists(
-    st.one_of(
-        st.tuples(
-            st.just("ensure"),
-            st.integers(0, LAYERS - 1),
-            st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS + 2),
-            st.none(),
-        ),
-        st.tuples(
-            st.just("prefetch"),
-            st.integers(0, LAYERS - 1),
-            st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS),
-            st.none() | st.integers(0, 4),
-        ),
-        st.tuples(st.just("forget"), st.integers(-1, 12), st.just([]), st.none()),
-        st.tuples(st.just("materialize"), st.integers(0, LAYERS - 1), st.just([]), st.none()),
-    ),
-    max_size=60,
-)
-
-
-def check_pool(cache: ExpertCache) -> None:
-    """The whole pool, scanned: the map is consistent, no expert is resident twice,
-    owned slots hold experts, predictions name slots that hold their layer."""
-    seen: dict[ExpertId, int] = {}
-    for slot in range(cache.cache_size):
-        who = cache.resident_in(slot)
-        if who is not None:
-            assert who not in seen, f"{who} resident twice"
-            seen[who] = slot
-            assert cache.slot_of(who.layer, who.expert) == slot
-        else:
-            assert not cache.owned[slot]
-    assert cache.occupied() == len(seen)
-    for layer in range(cache.num_layers):
-        for slot in cache.predicted(layer):
-            who = cache.resident_in(slot)
-            assert who is not None and who.layer == layer
-    for slot in cache.unused():
-        assert cache.owned[slot]
+prefetch_ops = op_lists(prefetch=True)
 
 
 def snapshot(cache: ExpertCache) -> dict[str, Any]:
@@ -306,15 +266,15 @@ def apply_op(cache: ExpertCache, op: str, arg: int, routed: list[int], budget: i
         cache.forget_slot(arg)
     else:
         cache.materialize_layer(arg)
-    check_pool(cache)
+    check_invariants(cache)
 
 
 @pytest.mark.parametrize("make_policy", [LruPolicy, ExpectedReusePolicy, HitDensityPolicy])
 @settings(max_examples=300, deadline=None)
-@given(ops=ops, size=st.integers(EXPERTS, 3 * EXPERTS))
+@given(ops=prefetch_ops, size=st.integers(EXPERTS, 3 * EXPERTS))
 def test_every_invariant_holds_with_prefetches_mixed_in(
     make_policy: type[EvictionPolicy],
-    ops: list[tuple[str, int, list[int], int | None]],
+    ops: list[Op],
     size: int,
 ) -> None:
     cache = ExpertCache(LAYERS, EXPERTS, size, policy=make_policy())
@@ -324,9 +284,9 @@ def test_every_invariant_holds_with_prefetches_mixed_in(
 
 @pytest.mark.parametrize("make_checked", [checked_reuse, checked_density])
 @settings(max_examples=200, deadline=None)
-@given(ops=ops, size=st.integers(EXPERTS, 2 * EXPERTS))
+@given(ops=prefetch_ops, size=st.integers(EXPERTS, 2 * EXPERTS))
 def test_policy_victims_match_a_scan_of_the_pool_with_prefetches_mixed_in(
-    make_checked: Any, ops: list[tuple[str, int, list[int], int | None]], size: int
+    make_checked: Any, ops: list[Op], size: int
 ) -> None:
     # Each victim the policy gives, for a step or a prefetch, is checked against a scan
     # of every slot in its books.
@@ -337,10 +297,8 @@ def test_policy_victims_match_a_scan_of_the_pool_with_prefetches_mixed_in(
 
 
 @settings(max_examples=40, deadline=None)
-@given(ops=ops, size=st.integers(EXPERTS, 2 * EXPERTS))
-def test_prefetch_decides_identically_on_identical_input(
-    ops: list[tuple[str, int, list[int], int | None]], size: int
-) -> None:
+@given(ops=prefetch_ops, size=st.integers(EXPERTS, 2 * EXPERTS))
+def test_prefetch_decides_identically_on_identical_input(ops: list[Op], size: int) -> None:
     def plans() -> list[object]:
         cache = ExpertCache(LAYERS, EXPERTS, size)
         out: list[object] = []
@@ -477,30 +435,13 @@ class ReferencePrefetchLru:
                 self.unused.remove(slot)
 
 
-lru_ops = st.lists(
-    st.one_of(
-        st.tuples(
-            st.just("ensure"),
-            st.integers(0, LAYERS - 1),
-            st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS + 2),
-            st.none(),
-        ),
-        st.tuples(
-            st.just("prefetch"),
-            st.integers(0, LAYERS - 1),
-            st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS),
-            st.none() | st.integers(0, 4),
-        ),
-        st.tuples(st.just("forget"), st.integers(-1, 12), st.just([]), st.none()),
-    ),
-    max_size=60,
-)
+lru_ops = op_lists(prefetch=True, materialize=False)
 
 
 @settings(max_examples=500, deadline=None)
 @given(ops=lru_ops, size=st.integers(EXPERTS, 3 * EXPERTS))
 def test_lru_with_prefetch_matches_the_reference_model_on_any_sequence(
-    ops: list[tuple[str, int, list[int], int | None]], size: int
+    ops: list[Op], size: int
 ) -> None:
     cache = ExpertCache(LAYERS, EXPERTS, size, policy=LruPolicy())
     model = ReferencePrefetchLru(size, EXPERTS)
