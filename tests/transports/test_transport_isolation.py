@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(120)
 
 SECRET = b"isolation-secret-0123456789abcdef"
 SIZE = 4 << 20
-DEADLINE_S = 2.0
+DEADLINE_S = 3.0
 PIECE = 64 << 10
 
 
@@ -111,7 +111,7 @@ async def test_a_hung_peer_fails_only_its_own_pull_at_the_deadline_while_a_healt
         )
         assert landed(dst_b, src_b.numpy(), batch_b)
         assert isinstance(err_a, PeerLost), err_a
-        assert "'A'" in str(err_a) and "timed out after 2.0 s" in str(err_a), str(err_a)
+        assert "'A'" in str(err_a) and f"timed out after {DEADLINE_S} s" in str(err_a), str(err_a)
         assert f"region {LOCAL} [0, {SIZE})" in str(err_a), "it names the suspect bytes"
         assert DEADLINE_S <= end_a - t0 < DEADLINE_S + BACKSTOP_S, (
             f"A's pull failed after {end_a - t0:.2f} s, not at its {DEADLINE_S} s deadline"

@@ -605,8 +605,13 @@ class UcxTransport(Transport):
     async def _map_in(self, c: _Child, reads: ReadBatch) -> None:
         """Register in pulling child ``c`` the local regions ``reads`` writes that it
         does not have mapped yet."""
-        for rid in np.unique(reads["local_region"]).tolist():
-            region = self._regions[int(rid)]
+        lr = reads["local_region"]
+        first = int(lr[0])
+        ids = [first] if bool((lr == first).all()) else np.unique(lr).tolist()  # usually one
+        for rid in ids:
+            region = self._regions.get(rid)
+            if region is None:  # deregistered since the batch was validated
+                raise ProtocolError(f"pull refused: local region {rid} is not registered")
             name = region.segment.name
             if c.registered.get(rid) == name:
                 continue
