@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from refitd.errors import TransportError
 from transports.checks import LOCAL, REMOTE, shuffled_batch
 from transports.core import PeerInfo, PeerLost
 from transports.servepeer import REGION_ID, SECRET_ENV, pattern
@@ -289,3 +290,53 @@ async def test_closing_a_peer_connection_stops_its_pulling_process() -> None:
         assert puller.puller_pids == {}
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+async def test_a_reader_that_does_not_give_up_by_itself_is_killed_past_the_deadline_and_only_its_pull_fails() -> (
+    None
+):
+    # The reader itself is stopped, so its own deadline cannot end the batch: the
+    # owner's backstop (deadline + BACKSTOP_S) kills it.
+    async with AsyncExitStack() as stack:
+        dst = stack.enter_context(SharedSegment.create(SIZE, "dst"))
+        a = await stack.enter_async_context(source(stack, "A", 1))
+        puller = await stack.enter_async_context(UcxTransport(secret=SECRET, pull_timeout=1.0))
+        await puller.register(LOCAL, dst)
+        peer = await puller.connect(a.advertise())
+        assert isinstance(peer, UcxPeer) and peer.pid is not None
+        await peer.get(reads())  # the destination is mapped in the reader
+        stuck = peer.pid
+        os.kill(stuck, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(PeerLost) as failure:
+            await peer.get(reads(seed=6))
+        elapsed = time.monotonic() - t0
+        assert "'A'" in str(failure.value) and "did not give up" in str(failure.value)
+        assert 1.0 + BACKSTOP_S <= elapsed < 1.0 + BACKSTOP_S + 5, elapsed
+        assert puller.restarts == 0
+        await peer.get(reads(seed=6))  # from a new reader
+        assert landed(dst, a.regions[REMOTE].segment.numpy(), reads(seed=6))
+        assert peer.pid not in (None, stuck)
+        with pytest.raises(ProcessLookupError):  # the stuck one was killed and reaped
+            os.kill(stuck, 0)
+
+
+async def test_a_serving_process_that_does_not_answer_a_registration_in_time_is_killed_and_restarted() -> (
+    None
+):
+    restarted = asyncio.Event()
+    async with AsyncExitStack() as stack:
+        seg = stack.enter_context(SharedSegment.create(SIZE, "region"))
+        t = await stack.enter_async_context(
+            UcxTransport(secret=SECRET, request_timeout=1.0, on_restart=lambda g: restarted.set())
+        )
+        stuck = t.pid
+        assert stuck is not None
+        os.kill(stuck, signal.SIGSTOP)
+        with pytest.raises(TransportError, match=r"timed out after 1\.0 s"):
+            await t.register(LOCAL, seg)
+        async with asyncio.timeout(60):
+            await restarted.wait()
+        assert t.pid not in (None, stuck)
+        region = await t.register(LOCAL, seg)
+        assert region.info.rkey, "the new serving process registers and advertises it"

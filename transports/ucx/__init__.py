@@ -120,7 +120,7 @@ class _Pending:
     peer_id: str = ""
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity
 class _Child:
     proc: asyncio.subprocess.Process
     reader: asyncio.StreamReader
@@ -261,6 +261,7 @@ class UcxTransport(Transport):
         self._epoch = time.time_ns()
         self._lock = asyncio.Lock()  # serialises (re)starts of the serving child
         self._background: set[asyncio.Task[None]] = set()
+        self._dying: set[_Child] = set()  # retired pulling children not yet reaped
         self._closed = True
 
     # -- child lifecycle
@@ -391,6 +392,7 @@ class UcxTransport(Transport):
         c.writer.close()
         if self._pullers.get(c.role) is c:
             del self._pullers[c.role]
+        self._dying.discard(c)
         for p in c.pending.values():
             if p.future.done():
                 continue
@@ -451,8 +453,9 @@ class UcxTransport(Transport):
         self._peers.clear()
         async with self._lock:  # let a restart in progress finish, then stop its child
             c, self._child = self._child, None
-        pullers = list(self._pullers.values())
+        pullers = [*self._pullers.values(), *self._dying]
         self._pullers.clear()
+        self._dying.clear()
         await asyncio.gather(*(self._stop_child(x) for x in [*pullers, *([c] if c else [])]))
         for task in list(self._background):
             task.cancel()
@@ -524,14 +527,23 @@ class UcxTransport(Transport):
             )
             with contextlib.suppress(ProcessLookupError):
                 c.proc.kill()
+            self._retire(c)
             raise
         if reply.error:
             if reply.kind == "refused":
                 raise ProtocolError(f"ucx data plane refused: {reply.error}")
             if reply.kind == "timeout":
+                self._retire(c)  # it is exiting
                 raise _ChildTimedOut(reply.error)
             raise TransportError(reply.error)
         return reply
+
+    def _retire(self, c: _Child) -> None:
+        """A pulling child that was killed or is exiting takes no new work: the next
+        get on its peer starts another, even before its death is noticed."""
+        if c.role != SERVING and self._pullers.get(c.role) is c:
+            del self._pullers[c.role]
+            self._dying.add(c)
 
     async def _call(self, body: Request) -> Reply:
         try:
