@@ -70,9 +70,27 @@ _EXPERT_BANKS: dict[str, tuple[int, int, int]] = {
 }
 
 
+def _preset_names(text: str) -> list[str]:
+    """``--presets``: comma-separated names of trace presets. An unknown one is a
+    usage error (argparse prints it and exits 2), not a traceback from the run."""
+    from refitd.experts.traces import PRESETS
+
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [n for n in names if n not in PRESETS]
+    known = ", ".join(sorted(PRESETS))
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        listed = ", ".join(repr(n) for n in unknown)
+        raise argparse.ArgumentTypeError(f"unknown trace preset{plural} {listed}; known: {known}")
+    if not names:
+        raise argparse.ArgumentTypeError(f"names no trace preset; known: {known}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--presets",
+        type=_preset_names,
         default="mixtral-8x7b,qwen3-30b-a3b,deepseek-v3",
         help="comma-separated trace presets",
     )
@@ -196,7 +214,7 @@ def _preset_models(
     Lazy, so each preset is generated only when the caller reaches it."""
     from refitd.experts.traces import preset_config, routing_model
 
-    for name in [p.strip() for p in args.presets.split(",") if p.strip()]:
+    for name in args.presets:
         cfg = preset_config(
             name,
             requests=args.requests if requests is None else requests,

@@ -131,3 +131,15 @@ def test_the_prefetch_bench_reads_recorded_predictions(
     bare.write_text(json.dumps([[0], [1]]), encoding="utf-8")
     assert main(["bench", "experts", "--prefetch", "--trace", str(bare)]) == 2
     assert "carries no predictions" in capsys.readouterr().out
+
+
+def test_an_unknown_preset_is_refused_in_one_line_naming_it_and_the_known_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "experts", "--presets", "mixtral-8x7b,nope"])
+    assert exited.value.code == 2  # argparse's exit status for a refused argument
+    err = capsys.readouterr().err
+    refusal = err.strip().splitlines()[-1]
+    assert "--presets" in refusal and "'nope'" in refusal
+    assert all(known in refusal for known in ("deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b"))

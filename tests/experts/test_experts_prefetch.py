@@ -129,6 +129,20 @@ def test_a_victim_the_policy_offers_while_a_prediction_needs_it_is_kept() -> Non
     assert cache.ensure(0, [0]).missing == 0
 
 
+def test_a_prefetch_never_evicts_an_expert_it_predicts_to_make_room_for_another() -> None:
+    for policy in (LruPolicy(), ExpectedReusePolicy(), HitDensityPolicy()):
+        cache = ExpertCache(3, 5, 7, policy=policy)
+        cache.materialize_layer(0)  # slots 0-4
+        cache.prefetch(2, [2, 1])  # slots 5 and 6
+        cache.ensure(2, [])  # both copies go unused
+        # Expert 0 needs a slot; expert 2's unused copy (slot 5) is named too, so the
+        # copy takes slot 6 and expert 2 stays where it is.
+        plan = cache.prefetch(2, [0, 2])
+        assert plan.copy == CopyPlan((6,), (0,)), type(policy).__name__
+        assert plan.resident == 1
+        assert cache.slot_of(2, 2) == 5 and cache.predicted(2) == (5, 6)
+
+
 def test_unused_prefetched_experts_are_the_first_to_leave() -> None:
     cache = ExpertCache(3, 4, 4, policy=LruPolicy())
     cache.ensure(0, [0, 1])  # slots 0, 1
@@ -402,18 +416,20 @@ class ReferencePrefetchLru:
         entries = self.preds.setdefault(layer, [])
         dst: list[int] = []
         full = False
-        for e in dict.fromkeys(predicted):
+        missing = []
+        for e in dict.fromkeys(predicted):  # the resident ones first: none is a victim
             s = self.slot_of(base + e)
-            if s is not None:
-                if self.owned(s):
-                    if self.held[s] != layer:
-                        self.unused.remove(s)
-                        self.held[s] = layer
-                        entries.append((s, base + e))
-                elif s not in self.pinned:
-                    self.pinned.add(s)
+            if s is None:
+                missing.append(e)
+            elif self.owned(s):
+                if self.held[s] != layer:
+                    self.unused.remove(s)
+                    self.held[s] = layer
                     entries.append((s, base + e))
-                continue
+            elif s not in self.pinned:
+                self.pinned.add(s)
+                entries.append((s, base + e))
+        for e in missing:
             if full or (budget is not None and len(dst) >= budget):
                 continue
             s = self.take()
