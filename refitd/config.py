@@ -121,6 +121,10 @@ class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     #: or a scheme registered in ``transports`` (e.g. ``ucx``: every peer through it);
     #: the daemon refuses an unknown scheme at start.
     transport: Scheme = "auto"
+    #: Deadline of one batch of UCX reads from a peer daemon: a peer that hangs fails
+    #: the pulls reading from it after this long, and only those (its reading process
+    #: is stopped; pulls from other peers go on).
+    pull_timeout_s: Annotated[float, msgspec.Meta(gt=0, description="seconds (number > 0)")] = 120.0
 
 
 class PeersConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -27,7 +27,7 @@ import gc
 import hashlib
 import hmac
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal, Self
 
 import msgspec
 import numpy as np
@@ -576,12 +576,38 @@ class InvalidateResult(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------- cluster registry
 
 
-def _mac(value: msgspec.Struct, secret: bytes) -> bytes:
-    body = msgspec.msgpack.encode(msgspec.structs.replace(value, mac=b""))
-    return hmac.new(secret, body, hashlib.sha256).digest()
+class _Signed(msgspec.Struct, frozen=True):
+    """A record MAC'd with the deployment secret: HMAC-SHA256 over its msgpack
+    encoding with ``mac`` empty. A subclass declares ``mac: bytes = b""`` as its
+    last field and names itself in a refusal through ``_what``."""
+
+    if TYPE_CHECKING:  # a field of each subclass (it must come last)
+
+        @property
+        def mac(self) -> bytes: ...
+
+    def _what(self) -> str:
+        raise NotImplementedError
+
+    def _digest(self, secret: bytes) -> bytes:
+        body = msgspec.msgpack.encode(msgspec.structs.replace(self, mac=b""))
+        return hmac.new(secret, body, hashlib.sha256).digest()
+
+    def signed(self, secret: bytes) -> Self:
+        """This record with its ``mac`` set for ``secret``."""
+        return msgspec.structs.replace(self, mac=self._digest(secret))
+
+    def verify(self, secret: bytes) -> None:
+        """Refuse (:class:`ProtocolError`) a record whose ``mac`` is not this one's
+        for ``secret``: tampered with, or signed outside this deployment."""
+        if not hmac.compare_digest(self._digest(secret), self.mac):
+            raise ProtocolError(
+                f"{self._what()} refused: MAC does not verify (tampered, or a daemon "
+                "outside this deployment)"
+            )
 
 
-class DaemonRecord(msgspec.Struct, frozen=True):
+class DaemonRecord(_Signed, frozen=True):
     """One daemon as registered in the cluster registry (etcd), MAC'd with the
     deployment secret: only a record that verifies makes its ``url`` a trusted peer.
     ``epoch`` changes with every start of the daemon."""
@@ -593,18 +619,11 @@ class DaemonRecord(msgspec.Struct, frozen=True):
     boot_id: str = ""
     mac: bytes = b""
 
-    def signed(self, secret: bytes) -> DaemonRecord:
-        return msgspec.structs.replace(self, mac=_mac(self, secret))
-
-    def verify(self, secret: bytes) -> None:
-        if not hmac.compare_digest(_mac(self, secret), self.mac):
-            raise ProtocolError(
-                f"registry record of {self.node_id!r} refused: MAC does not verify (tampered, "
-                "or a daemon outside this deployment)"
-            )
+    def _what(self) -> str:
+        return f"registry record of {self.node_id!r}"
 
 
-class SourceRecord(msgspec.Struct, frozen=True):
+class SourceRecord(_Signed, frozen=True):
     """The publisher slots of one version that one daemon holds, as published to the
     cluster registry (MAC'd like :class:`DaemonRecord`)."""
 
@@ -618,15 +637,8 @@ class SourceRecord(msgspec.Struct, frozen=True):
     expected_slots: Positive
     mac: bytes = b""
 
-    def signed(self, secret: bytes) -> SourceRecord:
-        return msgspec.structs.replace(self, mac=_mac(self, secret))
-
-    def verify(self, secret: bytes) -> None:
-        if not hmac.compare_digest(_mac(self, secret), self.mac):
-            raise ProtocolError(
-                f"registry record of {self.model!r} v{self.version} from {self.node_id!r} "
-                "refused: MAC does not verify"
-            )
+    def _what(self) -> str:
+        return f"registry record of {self.model!r} v{self.version} from {self.node_id!r}"
 
 
 class ClusterVersion(msgspec.Struct, frozen=True):
@@ -643,7 +655,7 @@ class ClusterVersion(msgspec.Struct, frozen=True):
 # ---------------------------------------------------------------- daemon to daemon
 
 
-class PeerRegions(msgspec.Struct, frozen=True):
+class PeerRegions(_Signed, frozen=True):
     """Region records one daemon sends another, MAC'd with the deployment secret.
 
     ``transport`` is the sender's data-plane mode and ``advert`` its transport's own
@@ -665,21 +677,8 @@ class PeerRegions(msgspec.Struct, frozen=True):
     scope: dict[int, list[tuple[int, int]]] = {}
     mac: bytes = b""
 
-    def body(self) -> bytes:
-        return msgspec.msgpack.encode(msgspec.structs.replace(self, mac=b""))
-
-    def signed(self, secret: bytes) -> PeerRegions:
-        return msgspec.structs.replace(
-            self, mac=hmac.new(secret, self.body(), hashlib.sha256).digest()
-        )
-
-    def verify(self, secret: bytes) -> None:
-        want = hmac.new(secret, self.body(), hashlib.sha256).digest()
-        if not hmac.compare_digest(want, self.mac):
-            raise ProtocolError(
-                f"region records from {self.node_id!r} refused: MAC does not verify (tampered, "
-                "or a daemon outside this deployment)"
-            )
+    def _what(self) -> str:
+        return f"region records from {self.node_id!r}"
 
 
 class StagedPack(msgspec.Struct, frozen=True):

@@ -49,7 +49,12 @@ import gc
 import random
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from refitd.experts.traces import RoutingModel
 
 __all__ = ["add_arguments", "run"]
 
@@ -65,9 +70,27 @@ _EXPERT_BANKS: dict[str, tuple[int, int, int]] = {
 }
 
 
+def _preset_names(text: str) -> list[str]:
+    """``--presets``: comma-separated names of trace presets. An unknown one is a
+    usage error (argparse prints it and exits 2), not a traceback from the run."""
+    from refitd.experts.traces import PRESETS
+
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [n for n in names if n not in PRESETS]
+    known = ", ".join(sorted(PRESETS))
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        listed = ", ".join(repr(n) for n in unknown)
+        raise argparse.ArgumentTypeError(f"unknown trace preset{plural} {listed}; known: {known}")
+    if not names:
+        raise argparse.ArgumentTypeError(f"names no trace preset; known: {known}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--presets",
+        type=_preset_names,
         default="mixtral-8x7b,qwen3-30b-a3b,deepseek-v3",
         help="comma-separated trace presets",
     )
@@ -180,6 +203,26 @@ def _replay(trace: object, size: int, policy: object, execute: bool = False) -> 
 
 def _pool_sizes(active: int, experts: int) -> list[tuple[str, int]]:
     return [(f"{m}x", max(m * active, experts)) for m in (1, 2, 4)]
+
+
+def _preset_models(
+    args: argparse.Namespace, *, requests: int | None = None, tokens: int | None = None
+) -> Iterator[tuple[str, RoutingModel]]:
+    """Each preset named by ``--presets``, in order, with its routing model: the trace
+    ``generate_trace(cfg)`` gives plus what it was drawn from. ``requests`` and
+    ``tokens`` (decode tokens per request) default to ``--requests`` and ``--tokens``.
+    Lazy, so each preset is generated only when the caller reaches it."""
+    from refitd.experts.traces import preset_config, routing_model
+
+    for name in args.presets:
+        cfg = preset_config(
+            name,
+            requests=args.requests if requests is None else requests,
+            decode_tokens=args.tokens if tokens is None else tokens,
+            prefill_tokens=args.prefill,
+            seed=args.seed,
+        )
+        yield name, routing_model(cfg)
 
 
 def _evaluate(
@@ -339,7 +382,6 @@ def _run_bound(args: argparse.Namespace) -> int:
     """``--bound``: gap closed per cell by every rule of ``refitd.experts.bound`` and
     the bench's own columns, all replayed in lockstep over the same shortened traces."""
     from refitd.experts.bound import RULES, compare, gap_closed
-    from refitd.experts.traces import preset_config, routing_model
 
     started = time.perf_counter()
     rules: list[tuple[str, float | None]] = [(r, None) for r in RULES]
@@ -350,15 +392,7 @@ def _run_bound(args: argparse.Namespace) -> int:
         f"per preset (every column on the same trace); sampled: {args.samples} futures of "
         f"{args.horizon} tokens; cells are gap closed, (policy − LRU) / (Belady − LRU)"
     )
-    for name in [p.strip() for p in args.presets.split(",") if p.strip()]:
-        cfg = preset_config(
-            name,
-            requests=BOUND_REQUESTS,
-            decode_tokens=BOUND_TOKENS,
-            prefill_tokens=args.prefill,
-            seed=args.seed,
-        )
-        model = routing_model(cfg)
+    for name, model in _preset_models(args, requests=BOUND_REQUESTS, tokens=BOUND_TOKENS):
         shape = model.trace.shape
         sizes = _pool_sizes(shape.active, shape.num_experts)
         t0 = time.perf_counter()
@@ -400,7 +434,7 @@ def _run_bound(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from refitd.experts.traces import preset_config, read_trace_file, routing_model
+    from refitd.experts.traces import read_trace_file
 
     if getattr(args, "prefetch", False):
         from refitd.bench.prefetch import run_prefetch
@@ -423,16 +457,7 @@ def run(args: argparse.Namespace) -> int:
         trace = read_trace_file(args.trace, num_experts=args.experts)
         gaps += _evaluate(trace.shape.name, trace, args.expert_bytes or 0)[0]
     else:
-        for name in [p.strip() for p in args.presets.split(",") if p.strip()]:
-            cfg = preset_config(
-                name,
-                requests=args.requests,
-                decode_tokens=args.tokens,
-                prefill_tokens=args.prefill,
-                seed=args.seed,
-            )
-            # The same trace generate_trace(cfg) gives, plus what it was drawn from.
-            model = routing_model(cfg)
+        for name, model in _preset_models(args):
             ours, oracle = _evaluate(name, model.trace, sum(_EXPERT_BANKS[name]), model)
             gaps += ours
             oracle_gaps += oracle

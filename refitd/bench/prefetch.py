@@ -189,6 +189,7 @@ def _time_prefetch(calls: int) -> tuple[float, int]:
     """Median µs of ``prefetch`` with 8 predicted experts on a Qwen3-30B-A3B-shaped
     pool of 2× (768 slots), in the steady state of a recall-0.8 decode replay; and the
     predicted experts per timed call."""
+    from refitd.bench.experts import _timer_overhead
     from refitd.experts import ExpertCache
     from refitd.experts.prediction import with_predictions
     from refitd.experts.traces import DECODE, preset_config, routing_model
@@ -216,14 +217,6 @@ def _time_prefetch(calls: int) -> tuple[float, int]:
     return max(0.0, statistics.median(samples) - overhead) / 1e3, width
 
 
-def _timer_overhead() -> float:
-    samples = []
-    for _ in range(20000):
-        t0 = time.perf_counter_ns()
-        samples.append(time.perf_counter_ns() - t0)
-    return statistics.median(samples)
-
-
 def _recalls(text: str) -> list[float]:
     out = sorted({float(r) for r in text.split(",") if r.strip()}, reverse=True)
     if not out or not all(0.0 <= r <= 1.0 for r in out):
@@ -233,10 +226,10 @@ def _recalls(text: str) -> list[float]:
 
 def run_prefetch(args: argparse.Namespace, expert_banks: dict[str, tuple[int, ...]]) -> int:
     """The ``--prefetch`` mode of ``refitd bench experts`` (see the module docstring)."""
-    from refitd.bench.experts import _pool_sizes, _time_ensure
+    from refitd.bench.experts import _pool_sizes, _preset_models, _time_ensure
     from refitd.experts import BeladyPolicy, LruPolicy
     from refitd.experts.prediction import RECALLS, with_predictions
-    from refitd.experts.traces import RoutingTrace, preset_config, read_trace_file, routing_model
+    from refitd.experts.traces import RoutingTrace, read_trace_file
 
     started = time.perf_counter()
     recalls = _recalls(args.recalls)
@@ -258,15 +251,7 @@ def run_prefetch(args: argparse.Namespace, expert_banks: dict[str, tuple[int, ..
             return 2
         cases.append((trace.shape.name, trace, {trace.recall(): trace}, args.expert_bytes or 0))
     else:
-        for name in [p.strip() for p in args.presets.split(",") if p.strip()]:
-            cfg = preset_config(
-                name,
-                requests=args.requests,
-                decode_tokens=args.tokens,
-                prefill_tokens=args.prefill,
-                seed=args.seed,
-            )
-            model = routing_model(cfg)
+        for name, model in _preset_models(args):
             swept = {r: with_predictions(model, r, seed=args.seed) for r in recalls}
             cases.append((name, model.trace, swept, sum(expert_banks[name])))
 

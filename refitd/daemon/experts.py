@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import TypeVar
 
 import msgspec
 import numpy as np
@@ -49,6 +50,7 @@ from refitd.daemon.httpio import body, reply
 from refitd.daemon.memory import check_shm_capacity
 from refitd.daemon.node import Daemon
 from refitd.daemon.openapi import Operation
+from refitd.daemon.pulls import PullJob
 from refitd.errors import ConfigError, ConflictError, NotFoundError, PlanError, ProtocolError
 from refitd.experts import (
     BankResidency,
@@ -94,6 +96,9 @@ __all__ = [
 #: A plan copying more than this many bytes runs in a worker thread, so a large
 #: miss does not stall every other request of the daemon.
 THREAD_COPY_BYTES = 1 << 20
+
+A = TypeVar("A")
+R = TypeVar("R")
 
 
 class RegionExpertRows:
@@ -304,7 +309,7 @@ class ExpertPool:
         step uses that a prefetch still has in flight. On a refusal or a device fault
         the slots the cache was promised (or a failed prefetch left unknown) are
         forgotten before re-raising. Blocks while copies are in flight: call it off
-        the event loop then (``needs_thread``)."""
+        the event loop then (``off_loop``)."""
         copy = CopyPlan(tuple(result.copied_slots), tuple(result.copied_experts))
         plan = EnsurePlan(tuple(result.slots), copy, result.active, result.missing, 0)
         try:
@@ -319,10 +324,13 @@ class ExpertPool:
             return msgspec.structs.replace(result, waited=applied.waited)
         return result
 
-    def needs_thread(self, nbytes: int) -> bool:
-        """Whether an operation must leave the event loop: a large copy, or any
-        prefetch copy in flight (waiting for one blocks)."""
-        return nbytes > THREAD_COPY_BYTES or bool(self.executor.in_flight_slots())
+    async def off_loop(self, nbytes: int, fn: Callable[[A], R], arg: A) -> R:
+        """``fn(arg)`` on a worker thread when it may block the event loop: it copies
+        more than ``THREAD_COPY_BYTES``, or a prefetch copy is in flight (waiting
+        for one blocks). Inline otherwise."""
+        if nbytes > THREAD_COPY_BYTES or self.executor.in_flight_slots():
+            return await asyncio.to_thread(fn, arg)
+        return fn(arg)
 
     def prefetch(self, req: PrefetchRequest) -> PrefetchResult:
         """Plan a prediction with the cache and issue its copies in the background.
@@ -551,15 +559,14 @@ async def close_pools(app: web.Application) -> None:
             await asyncio.to_thread(pool.close)
 
 
-def note_pull(app: web.Application, req: PullRequest, job: object) -> None:
+def note_pull(app: web.Application, req: PullRequest, job: PullJob) -> None:
     """Invalidate experts a pull rewrites: now, and again when the pull ends."""
     pools = app.get(POOLS)
     if pools is None:
         return
     pools.note_writes(req)
-    task = getattr(job, "task", None)
-    if task is not None:
-        task.add_done_callback(lambda _: pools.note_writes(req))
+    if job.task is not None:
+        job.task.add_done_callback(lambda _: pools.note_writes(req))
 
 
 # ---------------------------------------------------------------- routes
@@ -622,11 +629,10 @@ async def ensure(request: web.Request) -> web.Response:
     """Plan with the expert cache, copy the misses into the slot region."""
     req = await body(request, EnsureRequest)
     async with _locked(_pool(request, "write")) as pool:
-        result, nbytes = pool.plan(req)
-        if pool.needs_thread(nbytes):
-            result = await asyncio.to_thread(pool.execute, result)
-        else:  # a warm step too: the executor checks the layer's route and counts it
-            result = pool.execute(result)
+        planned, nbytes = pool.plan(req)
+        # A warm step (nothing to copy) runs too: the executor checks the layer's
+        # route and counts it.
+        result = await pool.off_loop(nbytes, pool.execute, planned)
     return reply(request, result)
 
 
@@ -635,10 +641,9 @@ async def prefetch(request: web.Request) -> web.Response:
     """Plan a prediction of a layer's next step; its copies land in the background."""
     req = await body(request, PrefetchRequest)
     async with _locked(_pool(request, "write")) as pool:
-        if pool.needs_thread(0):  # a slot it reuses may still be receiving a copy
-            result = await asyncio.to_thread(pool.prefetch, req)
-        else:
-            result = pool.prefetch(req)
+        # Its own copies start in the background, but a slot it reuses may still be
+        # receiving an earlier one.
+        result = await pool.off_loop(0, pool.prefetch, req)
     return reply(request, result)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import inspect
 import logging
 import os
 import secrets
@@ -113,6 +114,9 @@ class DaemonOptions:
     grace_s: float = 10.0
     boot_id: str = ""
     peers: tuple[str, ...] = ()
+    #: deadline of one batch of transport reads from a peer, s (``[data_plane]
+    #: pull_timeout_s``): a hung peer fails only the pulls that read from it
+    pull_timeout_s: float = 120.0
     #: ``refitd.config.RegistryConfig`` (None: the static registry, this daemon alone)
     registry: Any = None
 
@@ -178,10 +182,13 @@ class Daemon:
         await self.shm.start()
         mode = self.options.transport
         if mode != SHM_SCHEME:
-            from transports.core import create_transport
+            from transports.core import create_transport, transport_class
 
             scheme = UCX_SCHEME if mode == AUTO else mode
-            t = create_transport(scheme, secret=self.options.secret, peer_id=self.node_id)
+            extra: dict[str, Any] = {}
+            if "pull_timeout" in inspect.signature(transport_class(scheme)).parameters:
+                extra["pull_timeout"] = self.options.pull_timeout_s
+            t = create_transport(scheme, secret=self.options.secret, peer_id=self.node_id, **extra)
             try:
                 await t.start()
             except RefitError as exc:

@@ -53,6 +53,7 @@ def options_from_config(config: Config, secret: bytes | None) -> Any:
         port=config.server.port,
         unix_path=config.server.unix_socket,
         transport=config.data_plane.transport,
+        pull_timeout_s=config.data_plane.pull_timeout_s,
         node_id=config.server.node_id,
         client_max_size=config.server.max_request_bytes,
         grace_s=config.pulls.shutdown_grace_s,

@@ -223,23 +223,29 @@ class Lookahead:
         step = self._step
         dst: list[int] = []
         rows: list[int] = []
-        present = skipped = 0
+        missing: list[int] = []
+        skipped = 0
         full = False
+        # Every predicted expert already resident is held first: a copy for a miss
+        # must not take the slot of one named later in the same prediction (it would
+        # evict it, then copy it back into another slot).
         for e in order:
             key = base + e
             s = slot_of[key]
-            if s >= 0:
-                present += 1
-                if owned[s]:
-                    if held_by[s] != layer:
-                        # An unused copy (its layer's own prediction has ended): held again.
-                        held_by[s] = layer
-                        self._unused_seq[s] = _NONE
-                        entries.append((s, key))
-                elif not pinned[s]:
-                    pinned[s] = True
+            if s < 0:
+                missing.append(e)
+            elif owned[s]:
+                if held_by[s] != layer:
+                    # An unused copy (its layer's own prediction has ended): held again.
+                    held_by[s] = layer
+                    self._unused_seq[s] = _NONE
                     entries.append((s, key))
-                continue
+            elif not pinned[s]:
+                pinned[s] = True
+                entries.append((s, key))
+        present = len(order) - len(missing)
+        for e in missing:
+            key = base + e
             if full or len(dst) >= limit:
                 skipped += 1
                 continue

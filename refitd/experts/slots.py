@@ -294,12 +294,7 @@ class ExpertSlots:
         dst, src = plan.dst_slots, plan.src_rows
         if not dst:
             return Applied(0, 0, True)
-        self._quiesce(dst)
-        try:
-            device.begin_plan(route)
-        except SlotDeviceError as e:
-            self._forget(dst)
-            raise DeviceFlushFault(dst, f"device refused a {route.value} plan: {e}") from e
+        self._begin(dst, route, device)
         writes = [(b, slot, buf) for slot, banks in zip(dst, data) for b, buf in enumerate(banks)]
         for slot in dst:
             self._occupant[slot] = None
@@ -431,15 +426,7 @@ class ExpertSlots:
         if not dst:
             self._warm += 1
             return Applied(0, 0, True)
-        self._quiesce(dst)
-
-        try:
-            device.begin_plan(route)
-        except SlotDeviceError as e:
-            # Nothing was written, but the cache already records these slots as
-            # filled: all of them must be forgotten, exactly as after a failed flush.
-            self._forget(dst)
-            raise DeviceFlushFault(dst, f"device refused a {route.value} plan: {e}") from e
+        self._begin(dst, route, device)
         n_rows = n_bytes = 0
         for i, slot in enumerate(dst):
             # Cleared before the write, so a fault in any bank leaves the slot
@@ -501,6 +488,18 @@ class ExpertSlots:
         self._dev_rows += n_rows
         self._dev_bytes += n_bytes
         return Applied(n_rows, n_bytes, False)
+
+    def _begin(self, dst: Sequence[int], route: CopyRoute, device: SlotDevice) -> None:
+        """Before a non-empty plan writes ``dst``: let copies still pending into them
+        land, then tell the device how the plan's copies must be carried out."""
+        self._quiesce(dst)
+        try:
+            device.begin_plan(route)
+        except SlotDeviceError as e:
+            # Nothing was written, but the cache already records these slots as
+            # filled: all of them must be forgotten, exactly as after a failed flush.
+            self._forget(dst)
+            raise DeviceFlushFault(dst, f"device refused a {route.value} plan: {e}") from e
 
     def _flush(self, device: SlotDevice, written: Sequence[int]) -> None:
         try:

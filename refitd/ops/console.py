@@ -41,6 +41,7 @@ __all__ = [
     "print_table",
     "progress_bar",
     "run_command",
+    "show_command",
     "token_of",
 ]
 
@@ -117,6 +118,26 @@ def run_command(args: argparse.Namespace, body: Callable[[Any], Awaitable[int]])
     except RefitError as exc:
         print(f"refitd {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+
+
+def show_command(
+    args: argparse.Namespace,
+    get: Callable[[Any], Awaitable[Any]],
+    show: Callable[[Any], None],
+) -> int:
+    """The shape of a read-only command: ``get(client)`` once, then print it as
+    JSON under ``--json``, else ``show(value)`` (tables); exit codes as
+    :func:`run_command`."""
+
+    async def body(client: Any) -> int:
+        value = await get(client)
+        if args.json:
+            print_json(value)
+        else:
+            show(value)
+        return 0
+
+    return run_command(args, body)
 
 
 def print_json(value: Any) -> None:

@@ -9,15 +9,12 @@ records as they are (every field of :class:`~refitd.wire.PoolInfo`).
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from refitd.ops.console import (
-    add_client_arguments,
-    human_bytes,
-    print_json,
-    print_table,
-    run_command,
-)
+from refitd.ops.console import add_client_arguments, human_bytes, print_table, show_command
+
+if TYPE_CHECKING:
+    from refitd.wire import PoolInfo
 
 __all__ = ["add_arguments", "run"]
 
@@ -41,35 +38,29 @@ def _prefetch_used(p: Any) -> str:
     return f"{p.prefetch_used}/{done}" if done else "-"
 
 
+def _show(pools: list[PoolInfo]) -> None:
+    print_table(
+        "expert pools",
+        [
+            ("pool", lambda p: p.name),
+            ("layers x experts", lambda p: f"{p.layers} x {p.experts}"),
+            ("slots used", lambda p: f"{p.occupied_slots}/{p.slots}"),
+            ("expert size", lambda p: human_bytes(sum(p.row_bytes))),
+            ("hit rate", _hit_rate),
+            ("misses", lambda p: p.misses),
+            ("evictions", lambda p: p.evictions),
+            ("warm steps", lambda p: f"{p.warm_plans}/{p.plans}"),
+            ("copied", lambda p: human_bytes(p.copied_bytes)),
+            ("prefetched", lambda p: human_bytes(p.prefetched_bytes)),
+            ("prefetch used", _prefetch_used),
+            ("stale dropped", lambda p: p.stale_invalidations),
+            ("regions host/slots", lambda p: f"{p.host_region}/{p.slot_region}"),
+            ("owner", lambda p: p.owner or "-"),
+        ],
+        pools,
+        empty="none (this daemon hosts no expert pools)",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    async def body(client: Any) -> int:
-        from refitd.wire import PoolInfo
-
-        pools: list[PoolInfo] = await client.pools()
-        if args.json:
-            print_json(pools)
-            return 0
-        print_table(
-            "expert pools",
-            [
-                ("pool", lambda p: p.name),
-                ("layers x experts", lambda p: f"{p.layers} x {p.experts}"),
-                ("slots used", lambda p: f"{p.occupied_slots}/{p.slots}"),
-                ("expert size", lambda p: human_bytes(sum(p.row_bytes))),
-                ("hit rate", _hit_rate),
-                ("misses", lambda p: p.misses),
-                ("evictions", lambda p: p.evictions),
-                ("warm steps", lambda p: f"{p.warm_plans}/{p.plans}"),
-                ("copied", lambda p: human_bytes(p.copied_bytes)),
-                ("prefetched", lambda p: human_bytes(p.prefetched_bytes)),
-                ("prefetch used", _prefetch_used),
-                ("stale dropped", lambda p: p.stale_invalidations),
-                ("regions host/slots", lambda p: f"{p.host_region}/{p.slot_region}"),
-                ("owner", lambda p: p.owner or "-"),
-            ],
-            pools,
-            empty="none (this daemon hosts no expert pools)",
-        )
-        return 0
-
-    return run_command(args, body)
+    return show_command(args, lambda client: client.pools(), _show)

@@ -8,15 +8,12 @@ user whose creator process is gone. ``--dry-run`` only lists them.
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING
 
-from refitd.ops.console import (
-    add_client_arguments,
-    human_bytes,
-    print_json,
-    print_table,
-    run_command,
-)
+from refitd.ops.console import add_client_arguments, human_bytes, print_table, show_command
+
+if TYPE_CHECKING:
+    from refitd.wire import GcReport
 
 __all__ = ["add_arguments", "run"]
 
@@ -32,33 +29,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _show(report: GcReport) -> None:
+    verb = "would free" if report.dry_run else "freed"
+    print_table(
+        f"regions {verb} ({len(report.regions)}, "
+        f"{human_bytes(sum(r.nbytes for r in report.regions))})",
+        [
+            ("id", lambda r: r.region_id),
+            ("size", lambda r: human_bytes(r.nbytes)),
+            ("owner", lambda r: r.owner or "-"),
+            ("label", lambda r: r.label or "-"),
+            ("exited client", lambda r: r.holder or "-"),
+            ("handle", lambda r: r.handle),
+        ],
+        report.regions,
+    )
+    print_table(
+        f"stale segments {verb} ({len(report.segments)})",
+        [("segment", lambda s: s)],
+        report.segments,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    async def body(client: Any) -> int:
-        from refitd.wire import GcReport
-
-        report: GcReport = await client.gc(dry_run=args.dry_run)
-        if args.json:
-            print_json(report)
-            return 0
-        verb = "would free" if report.dry_run else "freed"
-        print_table(
-            f"regions {verb} ({len(report.regions)}, "
-            f"{human_bytes(sum(r.nbytes for r in report.regions))})",
-            [
-                ("id", lambda r: r.region_id),
-                ("size", lambda r: human_bytes(r.nbytes)),
-                ("owner", lambda r: r.owner or "-"),
-                ("label", lambda r: r.label or "-"),
-                ("exited client", lambda r: r.holder or "-"),
-                ("handle", lambda r: r.handle),
-            ],
-            report.regions,
-        )
-        print_table(
-            f"stale segments {verb} ({len(report.segments)})",
-            [("segment", lambda s: s)],
-            report.segments,
-        )
-        return 0
-
-    return run_command(args, body)
+    return show_command(args, lambda client: client.gc(dry_run=args.dry_run), _show)

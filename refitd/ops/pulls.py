@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from refitd.ops.console import (
     add_client_arguments,
@@ -14,7 +14,11 @@ from refitd.ops.console import (
     print_table,
     progress_bar,
     run_command,
+    show_command,
 )
+
+if TYPE_CHECKING:
+    from refitd.wire import PullProgress
 
 __all__ = ["add_arguments", "run"]
 
@@ -36,7 +40,7 @@ def _percent(p: Any) -> str:
 async def follow(client: Any, pull_id: str, as_json: bool) -> int:
     """Follow one pull to its end; exit 0 only if it completed."""
     from refitd.errors import RefitError
-    from refitd.wire import PullProgress, PullState
+    from refitd.wire import PullState
 
     first: PullProgress = await client.pull_status(pull_id)
     progress, task = progress_bar(first.bytes_total, f"pull {pull_id}")
@@ -65,30 +69,26 @@ async def follow(client: Any, pull_id: str, as_json: bool) -> int:
     return 0 if last.state == PullState.DONE else 1
 
 
+def _show(pulls: list[PullProgress]) -> None:
+    print_table(
+        "pulls",
+        [
+            ("id", lambda p: p.pull_id),
+            ("state", lambda p: p.state),
+            ("done", _percent),
+            ("bytes", lambda p: f"{human_bytes(p.bytes_done)} / {human_bytes(p.bytes_total)}"),
+            ("descriptors", lambda p: f"{p.descriptors_done}/{p.descriptors_total}"),
+            ("seconds", lambda p: f"{p.seconds:.3f}"),
+            ("GB/s", lambda p: f"{p.rate_gbps:.2f}"),
+            ("error", lambda p: f"{p.error.error}: {p.error.detail}" if p.error else "-"),
+        ],
+        pulls,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    async def body(client: Any) -> int:
-        from refitd.wire import PullProgress
+    from refitd.wire import PullProgress
 
-        if args.follow:
-            return await follow(client, args.follow, args.json)
-        pulls: list[PullProgress] = await fetch(client, "/pulls", list[PullProgress])
-        if args.json:
-            print_json(pulls)
-            return 0
-        print_table(
-            "pulls",
-            [
-                ("id", lambda p: p.pull_id),
-                ("state", lambda p: p.state),
-                ("done", _percent),
-                ("bytes", lambda p: f"{human_bytes(p.bytes_done)} / {human_bytes(p.bytes_total)}"),
-                ("descriptors", lambda p: f"{p.descriptors_done}/{p.descriptors_total}"),
-                ("seconds", lambda p: f"{p.seconds:.3f}"),
-                ("GB/s", lambda p: f"{p.rate_gbps:.2f}"),
-                ("error", lambda p: f"{p.error.error}: {p.error.detail}" if p.error else "-"),
-            ],
-            pulls,
-        )
-        return 0
-
-    return run_command(args, body)
+    if args.follow:
+        return run_command(args, lambda client: follow(client, args.follow, args.json))
+    return show_command(args, lambda client: fetch(client, "/pulls", list[PullProgress]), _show)

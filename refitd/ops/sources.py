@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING
 
-from refitd.ops.console import add_client_arguments, fetch, print_json, print_table, run_command
+from refitd.ops.console import add_client_arguments, fetch, print_table, show_command
+
+if TYPE_CHECKING:
+    from refitd.wire import VersionInfo
 
 __all__ = ["add_arguments", "run"]
 
@@ -20,26 +23,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="only this model's versions")
 
 
+def _show(versions: list[VersionInfo]) -> None:
+    print_table(
+        "sources",
+        [
+            ("model", lambda v: v.model),
+            ("version", lambda v: v.version),
+            ("state", lambda v: v.state),
+            ("slots", lambda v: f"{len(v.published_slots)}/{v.expected_slots}"),
+            ("leases", lambda v: v.leases),
+        ],
+        versions,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    async def body(client: Any) -> int:
-        from refitd.wire import VersionInfo
+    from refitd.wire import VersionInfo
 
-        path = f"/sources/{args.model}/versions" if args.model else "/sources"
-        versions: list[VersionInfo] = await fetch(client, path, list[VersionInfo])
-        if args.json:
-            print_json(versions)
-            return 0
-        print_table(
-            "sources",
-            [
-                ("model", lambda v: v.model),
-                ("version", lambda v: v.version),
-                ("state", lambda v: v.state),
-                ("slots", lambda v: f"{len(v.published_slots)}/{v.expected_slots}"),
-                ("leases", lambda v: v.leases),
-            ],
-            versions,
-        )
-        return 0
-
-    return run_command(args, body)
+    path = f"/sources/{args.model}/versions" if args.model else "/sources"
+    return show_command(args, lambda client: fetch(client, path, list[VersionInfo]), _show)

@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
-import numpy as np
 import pytest
 import pytest_asyncio
 from support.daemons import GatedCopier, serving_daemons
 from support.etcd import key_event, needs_etcd, serving_etcd
+from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
 from refitd.client.spawn import spawn_daemon
@@ -26,12 +26,7 @@ from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.errors import NotFoundError, ProtocolError, TransportError
 from refitd.wire import (
     DaemonRecord,
-    DescriptorTable,
-    ManifestIn,
-    PullRequest,
     PullState,
-    ShardEntry,
-    TensorEntry,
 )
 from transports.shm import SharedSegment
 
@@ -56,8 +51,7 @@ def daemon(etcd: object, node: str, **kw: object) -> Daemon:
 async def publish(c: RefitClient, model: str, version: int, fill: int = 7) -> int:
     src = await c.create_region(64)
     SharedSegment.attach(src.handle, 64).numpy()[:] = fill
-    tensor = TensorEntry("w", (64,), "uint8", [ShardEntry((0,), (64,), src.region_id, 0)])
-    await c.publish(ManifestIn(model, version, 0, 1, [tensor]))
+    await publish_tensor(c, model, version, src.region_id, 64)
     return src.region_id
 
 
@@ -101,8 +95,9 @@ async def test_a_pull_from_a_daemon_not_in_the_registry_is_refused_naming_it(
         region = await publish(co, "m", 1)
         lease = await co.acquire_lease("m", 1)
         dst = await ce.create_region(64)
-        rows = np.array([[region, 0, dst.region_id, 0, 64]], dtype=np.int64)
-        req = PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows), [], co.base_url)
+        req = pull_rows(
+            "m", 1, lease.lease_id, (region, 0, dst.region_id, 0, 64), source=co.base_url
+        )
         with pytest.raises(ProtocolError, match="is not a trusted peer of this daemon"):
             await ce.submit_pull(req)
 
@@ -127,8 +122,7 @@ async def test_a_registry_record_not_signed_with_the_deployment_secret_is_not_tr
         assert "forged" not in {d.node_id for d in await ce.cluster_daemons()}
         region = await publish(co, "n", 1)
         lease = await co.acquire_lease("n", 1)
-        rows = np.array([[region, 0, region, 0, 1]], dtype=np.int64)
-        req = PullRequest("n", 1, lease.lease_id, DescriptorTable.pack(rows), [], co.base_url)
+        req = pull_rows("n", 1, lease.lease_id, (region, 0, region, 0, 1), source=co.base_url)
         with pytest.raises(ProtocolError, match="is not a trusted peer of this daemon"):
             await ce.submit_pull(req)
 
@@ -145,8 +139,8 @@ async def test_a_pull_from_a_daemon_that_leaves_the_registry_fails_naming_it(
         lease = await ct.acquire_lease("m", 1)
         with SharedSegment.create(64, "dst") as seg:
             dst = await ce.attach_region(seg.name, 64)
-            rows = np.array([[region, 0, dst.region_id, 0, 64]], dtype=np.int64)
-            req = PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows), [], ct.base_url)
+            row = (region, 0, dst.region_id, 0, 64)
+            req = pull_rows("m", 1, lease.lease_id, row, source=ct.base_url)
             job = await ce.submit_pull(req)
             await gate.entered.wait()
             # The trainer's lease ends (as when it expires): the engine's daemon
@@ -217,8 +211,9 @@ async def test_a_daemon_that_dies_is_gone_from_the_registry_within_its_lease_ttl
             await ce.cluster_version("m", 1)
         # A new pull naming it is refused before anything is contacted, naming it.
         dst = await ce.create_region(64)
-        rows = np.array([[region, 0, dst.region_id, 0, 64]], dtype=np.int64)
-        req = PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows), [], doomed.url)
+        req = pull_rows(
+            "m", 1, lease.lease_id, (region, 0, dst.region_id, 0, 64), source=doomed.url
+        )
         with pytest.raises(ProtocolError, match=f"source '{doomed.url}' refused"):
             await ce.submit_pull(req)
 

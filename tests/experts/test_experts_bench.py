@@ -12,43 +12,40 @@ from refitd.cli import main
 from refitd.experts.traces import ModelShape, RoutingTrace, TokenRoute
 
 
-def last_line_pairs(text: str) -> dict[str, str]:
+def last_line_pairs(text: str, *required: str) -> dict[str, str]:
+    """The ``key=value`` pairs of the last line printed; each ``required`` key must be
+    among them."""
     last = text.strip().splitlines()[-1]
-    return dict(pair.split("=", 1) for pair in last.split())
+    pairs = dict(pair.split("=", 1) for pair in last.split())
+    missing = [key for key in required if key not in pairs]
+    assert not missing, f"the last line lacks {missing}: {last}"
+    return pairs
+
+
+def bench_one_small_preset(capsys: pytest.CaptureFixture[str], *mode: str) -> str:
+    """``refitd bench experts`` (with ``mode``'s flags) on one short Mixtral-8x7B
+    trace; asserts it exits 0 and returns what it printed."""
+    args = ["--presets", "mixtral-8x7b", "--tokens", "24", "--requests", "1", "--prefill", "8"]
+    code = main(["bench", "experts", *mode, *args, "--calls", "200"])
+    out = capsys.readouterr().out
+    assert code == 0
+    return out
 
 
 def test_the_bench_prints_every_policy_and_ends_in_key_value_pairs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code = main(
-        [
-            "bench",
-            "experts",
-            "--presets",
-            "mixtral-8x7b",
-            "--tokens",
-            "24",
-            "--requests",
-            "1",
-            "--prefill",
-            "8",
-            "--calls",
-            "200",
-        ]
-    )
-    out = capsys.readouterr().out
-    assert code == 0
+    out = bench_one_small_preset(capsys)
     assert "mixtral-8x7b" in out and "Belady" in out and "oracle gap" in out
     assert "an oracle with perfect knowledge of the true routing probabilities" in out
-    pairs = last_line_pairs(out)
-    for key in (
+    pairs = last_line_pairs(
+        out,
         "gap_closed",
         "oracle_gap_closed",
         "ensure_warm_us",
         "ensure_2miss_us",
         "warm_step_bytes",
-    ):
-        assert key in pairs
+    )
     assert 0.0 < float(pairs["oracle_gap_closed"]) <= 1.0
     assert pairs["warm_step_bytes"] == "0"
     assert float(pairs["ensure_warm_us"]) > 0
@@ -99,37 +96,18 @@ def test_a_prefetch_hides_at_most_the_compute_of_the_layer_it_overlaps(
 def test_the_prefetch_bench_compares_four_policies_and_ends_in_key_value_pairs(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code = main(
-        [
-            "bench",
-            "experts",
-            "--prefetch",
-            "--presets",
-            "mixtral-8x7b",
-            "--tokens",
-            "24",
-            "--requests",
-            "1",
-            "--prefill",
-            "8",
-            "--calls",
-            "200",
-        ]
-    )
-    out = capsys.readouterr().out
-    assert code == 0
+    out = bench_one_small_preset(capsys, "--prefetch")
     assert "Speculating Experts" in out and "PCIe Gen5" in out and "hybrid" in out
     assert "ours+pf" in out
-    pairs = last_line_pairs(out)
-    for key in (
+    pairs = last_line_pairs(
+        out,
         "critical_vs_belady",
         "prefetch_bytes_ratio",
         "stall_vs_belady_linkbound",
         "stall_vs_belady_hybrid",
         "ensure_warm_us",
         "prefetch_us",
-    ):
-        assert key in pairs
+    )
     assert 0.0 < float(pairs["critical_vs_belady"]) < 1.0  # prefetch at 0.8 beats Belady
     assert float(pairs["prefetch_bytes_ratio"]) >= 1.0
     assert pairs["warm_step_bytes"] == "0"
@@ -153,3 +131,15 @@ def test_the_prefetch_bench_reads_recorded_predictions(
     bare.write_text(json.dumps([[0], [1]]), encoding="utf-8")
     assert main(["bench", "experts", "--prefetch", "--trace", str(bare)]) == 2
     assert "carries no predictions" in capsys.readouterr().out
+
+
+def test_an_unknown_preset_is_refused_in_one_line_naming_it_and_the_known_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "experts", "--presets", "mixtral-8x7b,nope"])
+    assert exited.value.code == 2  # argparse's exit status for a refused argument
+    err = capsys.readouterr().err
+    refusal = err.strip().splitlines()[-1]
+    assert "--presets" in refusal and "'nope'" in refusal
+    assert all(known in refusal for known in ("deepseek-v3", "mixtral-8x7b", "qwen3-30b-a3b"))

@@ -207,18 +207,40 @@ def test_a_policy_that_offers_a_slot_the_step_uses_is_refused() -> None:
 
 LAYERS, EXPERTS = 3, 5
 
-ops = st.lists(
-    st.one_of(
+# One drawn operation: (kind, layer or slot, experts, prefetch budget or None).
+Op = tuple[str, int, list[int], int | None]
+
+
+def op_lists(*, prefetch: bool = False, materialize: bool = True) -> st.SearchStrategy[list[Op]]:
+    """Up to 60 operations on a ``LAYERS`` × ``EXPERTS`` cache: steps (repeated experts
+    allowed), forgotten slots (some out of range) and, as asked, prefetches (with or
+    without a budget) and whole-layer loads."""
+    kinds = [
         st.tuples(
             st.just("ensure"),
             st.integers(0, LAYERS - 1),
             st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS + 2),
-        ),
-        st.tuples(st.just("forget"), st.integers(-1, 12), st.just([])),
-        st.tuples(st.just("materialize"), st.integers(0, LAYERS - 1), st.just([])),
-    ),
-    max_size=60,
-)
+            st.none(),
+        )
+    ]
+    if prefetch:
+        kinds.append(
+            st.tuples(
+                st.just("prefetch"),
+                st.integers(0, LAYERS - 1),
+                st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS),
+                st.none() | st.integers(0, 4),
+            )
+        )
+    kinds.append(st.tuples(st.just("forget"), st.integers(-1, 12), st.just([]), st.none()))
+    if materialize:
+        kinds.append(
+            st.tuples(st.just("materialize"), st.integers(0, LAYERS - 1), st.just([]), st.none())
+        )
+    return st.lists(st.one_of(*kinds), max_size=60)
+
+
+ops = op_lists()
 
 
 class ReferenceLru:
@@ -266,14 +288,24 @@ class ReferenceLru:
 
 
 def check_invariants(cache: ExpertCache) -> None:
-    seen = {}
+    """The whole pool, scanned: the map is consistent, no expert is resident twice,
+    owned slots hold experts, predictions name slots that hold their layer."""
+    seen: dict[ExpertId, int] = {}
     for slot in range(cache.cache_size):
         who = cache.resident_in(slot)
         if who is not None:
             assert who not in seen, f"{who} resident twice"
             seen[who] = slot
             assert cache.slot_of(who.layer, who.expert) == slot
+        else:
+            assert not cache.owned[slot]
     assert cache.occupied() == len(seen)
+    for layer in range(cache.num_layers):
+        for slot in cache.predicted(layer):
+            who = cache.resident_in(slot)
+            assert who is not None and who.layer == layer
+    for slot in cache.unused():
+        assert cache.owned[slot]
 
 
 def replay_forgetting(
@@ -319,12 +351,10 @@ def replay_forgetting(
 
 @settings(max_examples=150, deadline=None)
 @given(ops=ops, size=st.integers(EXPERTS, 3 * EXPERTS))
-def test_lru_matches_the_reference_model_on_any_sequence(
-    ops: list[tuple[str, int, list[int]]], size: int
-) -> None:
+def test_lru_matches_the_reference_model_on_any_sequence(ops: list[Op], size: int) -> None:
     cache = ExpertCache(LAYERS, EXPERTS, size, policy=LruPolicy())
     model = ReferenceLru(size)
-    for op, arg, routed in ops:
+    for op, arg, routed, _ in ops:
         if op == "ensure":
             plan = cache.ensure(arg, routed)
             assert list(plan.copy.dst_slots) == model.ensure(arg, routed)
@@ -341,13 +371,10 @@ def test_lru_matches_the_reference_model_on_any_sequence(
 @settings(max_examples=60, deadline=None)
 @given(ops=ops, size=st.integers(EXPERTS, 3 * EXPERTS), cap=st.none() | st.integers(0, 3))
 def test_every_policy_places_every_route_and_keeps_the_map_consistent(
-    make_policy: type[EvictionPolicy],
-    ops: list[tuple[str, int, list[int]]],
-    size: int,
-    cap: int | None,
+    make_policy: type[EvictionPolicy], ops: list[Op], size: int, cap: int | None
 ) -> None:
     cache = ExpertCache(LAYERS, EXPERTS, size, policy=make_policy(), max_fetch=cap)
-    for op, arg, routed in ops:
+    for op, arg, routed, _ in ops:
         if op == "ensure":
             before = {e: cache.slot_of(arg, e) for e in routed}
             plan = cache.ensure(arg, routed)

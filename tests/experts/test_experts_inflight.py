@@ -18,6 +18,7 @@ from refitd.experts import (
     SlotDeviceError,
     SlotGeometry,
 )
+from refitd.experts.residency import CopyRoute
 from refitd.experts.traces import generate_trace, preset_config
 
 
@@ -97,6 +98,25 @@ def test_a_step_on_an_in_flight_expert_waits_on_its_fence_instead_of_copying_aga
     assert slots.stats().waits == 1
     assert slots.occupant(0) == ExpertId(2, 5) and holds(device, 0, 2, 5)
     assert slots.occupant(1) == ExpertId(2, 1) and holds(device, 1, 2, 1)
+    device.close()
+
+
+def test_a_device_that_refuses_a_prefetchs_route_fails_it_before_any_copy_is_issued() -> None:
+    class RefusingRoutes(HostSlotMemory):
+        def begin_plan(self, route: CopyRoute) -> None:
+            raise SlotDeviceError("no copy stream is free")
+
+    cache = ExpertCache(3, 8, 16)
+    slots = ExpertSlots(geometry(16))
+    device = RefusingRoutes(slots.geometry)
+    plan = cache.prefetch(1, [4, 2])
+    with pytest.raises(DeviceFlushFault) as info:
+        slots.prefetch_copy_plan(1, plan.copy, named_rows(), device)
+    assert info.value.slots == (0, 1)
+    assert "device refused a indexed plan: no copy stream is free" in str(info.value)
+    assert slots.in_flight_slots() == () and slots.occupied() == 0
+    assert device.slot(0, 0) == bytes(WIDTHS[0]) and device.slot(0, 1) == bytes(WIDTHS[0])
+    assert slots.stats().prefetch_rows == 0
     device.close()
 
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_experts_cache import EXPERTS, LAYERS, Op, check_invariants, op_lists
 from test_experts_policy import checked_density, checked_reuse
 
 from refitd.errors import ConfigError, PlanError
@@ -128,6 +129,20 @@ def test_a_victim_the_policy_offers_while_a_prediction_needs_it_is_kept() -> Non
     assert cache.ensure(0, [0]).missing == 0
 
 
+def test_a_prefetch_never_evicts_an_expert_it_predicts_to_make_room_for_another() -> None:
+    for policy in (LruPolicy(), ExpectedReusePolicy(), HitDensityPolicy()):
+        cache = ExpertCache(3, 5, 7, policy=policy)
+        cache.materialize_layer(0)  # slots 0-4
+        cache.prefetch(2, [2, 1])  # slots 5 and 6
+        cache.ensure(2, [])  # both copies go unused
+        # Expert 0 needs a slot; expert 2's unused copy (slot 5) is named too, so the
+        # copy takes slot 6 and expert 2 stays where it is.
+        plan = cache.prefetch(2, [0, 2])
+        assert plan.copy == CopyPlan((6,), (0,)), type(policy).__name__
+        assert plan.resident == 1
+        assert cache.slot_of(2, 2) == 5 and cache.predicted(2) == (5, 6)
+
+
 def test_unused_prefetched_experts_are_the_first_to_leave() -> None:
     cache = ExpertCache(3, 4, 4, policy=LruPolicy())
     cache.ensure(0, [0, 1])  # slots 0, 1
@@ -202,48 +217,7 @@ def test_rebuild_drops_predictions() -> None:
 
 # -- properties: every invariant with prefetches mixed in -----------------------------
 
-LAYERS, EXPERTS = 3, 5
-
-ops = st.lists(
-    st.one_of(
-        st.tuples(
-            st.just("ensure"),
-            st.integers(0, LAYERS - 1),
-            st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS + 2),
-            st.none(),
-        ),
-        st.tuples(
-            st.just("prefetch"),
-            st.integers(0, LAYERS - 1),
-            st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS),
-            st.none() | st.integers(0, 4),
-        ),
-        st.tuples(st.just("forget"), st.integers(-1, 12), st.just([]), st.none()),
-        st.tuples(st.just("materialize"), st.integers(0, LAYERS - 1), st.just([]), st.none()),
-    ),
-    max_size=60,
-)
-
-
-def check_pool(cache: ExpertCache) -> None:
-    """The whole pool, scanned: the map is consistent, no expert is resident twice,
-    owned slots hold experts, predictions name slots that hold their layer."""
-    seen: dict[ExpertId, int] = {}
-    for slot in range(cache.cache_size):
-        who = cache.resident_in(slot)
-        if who is not None:
-            assert who not in seen, f"{who} resident twice"
-            seen[who] = slot
-            assert cache.slot_of(who.layer, who.expert) == slot
-        else:
-            assert not cache.owned[slot]
-    assert cache.occupied() == len(seen)
-    for layer in range(cache.num_layers):
-        for slot in cache.predicted(layer):
-            who = cache.resident_in(slot)
-            assert who is not None and who.layer == layer
-    for slot in cache.unused():
-        assert cache.owned[slot]
+prefetch_ops = op_lists(prefetch=True)
 
 
 def snapshot(cache: ExpertCache) -> dict[str, Any]:
@@ -306,15 +280,15 @@ def apply_op(cache: ExpertCache, op: str, arg: int, routed: list[int], budget: i
         cache.forget_slot(arg)
     else:
         cache.materialize_layer(arg)
-    check_pool(cache)
+    check_invariants(cache)
 
 
 @pytest.mark.parametrize("make_policy", [LruPolicy, ExpectedReusePolicy, HitDensityPolicy])
 @settings(max_examples=300, deadline=None)
-@given(ops=ops, size=st.integers(EXPERTS, 3 * EXPERTS))
+@given(ops=prefetch_ops, size=st.integers(EXPERTS, 3 * EXPERTS))
 def test_every_invariant_holds_with_prefetches_mixed_in(
     make_policy: type[EvictionPolicy],
-    ops: list[tuple[str, int, list[int], int | None]],
+    ops: list[Op],
     size: int,
 ) -> None:
     cache = ExpertCache(LAYERS, EXPERTS, size, policy=make_policy())
@@ -324,9 +298,9 @@ def test_every_invariant_holds_with_prefetches_mixed_in(
 
 @pytest.mark.parametrize("make_checked", [checked_reuse, checked_density])
 @settings(max_examples=200, deadline=None)
-@given(ops=ops, size=st.integers(EXPERTS, 2 * EXPERTS))
+@given(ops=prefetch_ops, size=st.integers(EXPERTS, 2 * EXPERTS))
 def test_policy_victims_match_a_scan_of_the_pool_with_prefetches_mixed_in(
-    make_checked: Any, ops: list[tuple[str, int, list[int], int | None]], size: int
+    make_checked: Any, ops: list[Op], size: int
 ) -> None:
     # Each victim the policy gives, for a step or a prefetch, is checked against a scan
     # of every slot in its books.
@@ -337,10 +311,8 @@ def test_policy_victims_match_a_scan_of_the_pool_with_prefetches_mixed_in(
 
 
 @settings(max_examples=40, deadline=None)
-@given(ops=ops, size=st.integers(EXPERTS, 2 * EXPERTS))
-def test_prefetch_decides_identically_on_identical_input(
-    ops: list[tuple[str, int, list[int], int | None]], size: int
-) -> None:
+@given(ops=prefetch_ops, size=st.integers(EXPERTS, 2 * EXPERTS))
+def test_prefetch_decides_identically_on_identical_input(ops: list[Op], size: int) -> None:
     def plans() -> list[object]:
         cache = ExpertCache(LAYERS, EXPERTS, size)
         out: list[object] = []
@@ -444,18 +416,20 @@ class ReferencePrefetchLru:
         entries = self.preds.setdefault(layer, [])
         dst: list[int] = []
         full = False
-        for e in dict.fromkeys(predicted):
+        missing = []
+        for e in dict.fromkeys(predicted):  # the resident ones first: none is a victim
             s = self.slot_of(base + e)
-            if s is not None:
-                if self.owned(s):
-                    if self.held[s] != layer:
-                        self.unused.remove(s)
-                        self.held[s] = layer
-                        entries.append((s, base + e))
-                elif s not in self.pinned:
-                    self.pinned.add(s)
+            if s is None:
+                missing.append(e)
+            elif self.owned(s):
+                if self.held[s] != layer:
+                    self.unused.remove(s)
+                    self.held[s] = layer
                     entries.append((s, base + e))
-                continue
+            elif s not in self.pinned:
+                self.pinned.add(s)
+                entries.append((s, base + e))
+        for e in missing:
             if full or (budget is not None and len(dst) >= budget):
                 continue
             s = self.take()
@@ -477,30 +451,13 @@ class ReferencePrefetchLru:
                 self.unused.remove(slot)
 
 
-lru_ops = st.lists(
-    st.one_of(
-        st.tuples(
-            st.just("ensure"),
-            st.integers(0, LAYERS - 1),
-            st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS + 2),
-            st.none(),
-        ),
-        st.tuples(
-            st.just("prefetch"),
-            st.integers(0, LAYERS - 1),
-            st.lists(st.integers(0, EXPERTS - 1), max_size=EXPERTS),
-            st.none() | st.integers(0, 4),
-        ),
-        st.tuples(st.just("forget"), st.integers(-1, 12), st.just([]), st.none()),
-    ),
-    max_size=60,
-)
+lru_ops = op_lists(prefetch=True, materialize=False)
 
 
 @settings(max_examples=500, deadline=None)
 @given(ops=lru_ops, size=st.integers(EXPERTS, 3 * EXPERTS))
 def test_lru_with_prefetch_matches_the_reference_model_on_any_sequence(
-    ops: list[tuple[str, int, list[int], int | None]], size: int
+    ops: list[Op], size: int
 ) -> None:
     cache = ExpertCache(LAYERS, EXPERTS, size, policy=LruPolicy())
     model = ReferencePrefetchLru(size, EXPERTS)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,17 +14,14 @@ from refitd.client.spawn import spawn_daemon
 pytestmark = pytest.mark.timeout(120)
 
 
-async def test_the_readme_quickstart_publishes_and_refits_a_custom_engine(tmp_path: Path) -> None:
+async def test_the_readme_quickstart_publishes_and_refits_a_custom_engine(secret_file: str) -> None:
     publisher_block, receiver_block = readme_blocks(
         "## Using refitd from your own trainer and engine"
     )
     ns: dict[str, Any] = {}
     exec(publisher_block + "\n" + receiver_block, ns)
-    secret = tmp_path / "secret"
-    secret.write_text(os.urandom(32).hex())
-    secret.chmod(0o600)
     full = torch.arange(64, dtype=torch.float32).view(8, 8)
-    async with spawn_daemon(secret_file=str(secret)) as d, RefitClient(d.url) as client:
+    async with spawn_daemon(secret_file=secret_file) as d, RefitClient(d.url) as client:
         pub = await ns["publish_two_blocks"](client, full)
         engine = ns["Engine"]()
         await ns["refit_engine"](client, engine)

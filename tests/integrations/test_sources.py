@@ -93,13 +93,10 @@ def test_reserve_sizes_every_block_to_a_64_byte_boundary() -> None:
 
 
 async def test_adopted_tensors_are_published_with_no_copy_after_the_first_round(
-    tmp_path: Any,
+    secret_file: str,
 ) -> None:
-    secret = tmp_path / "secret"
-    secret.write_text(os.urandom(32).hex())
-    secret.chmod(0o600)
     weights = {"w": torch.randn(8, 8), "b": torch.randn(8)}
-    async with spawn_daemon(secret_file=str(secret)) as d, RefitClient(d.url) as client:
+    async with spawn_daemon(secret_file=secret_file) as d, RefitClient(d.url) as client:
         pub = ShardPublisher(client, "adopt", adopt=True)
         await pub.publish(TensorSource(weights), 1)
         assert pub.copied_bytes == (64 + 8) * 4

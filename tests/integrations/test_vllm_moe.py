@@ -8,7 +8,6 @@ weights on disk.
 
 from __future__ import annotations
 
-import gc
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +20,14 @@ from vllm_models import (
     llm_kwargs,
     loader_format_mismatches,
     run_fsdp_trainer,
-    start_daemon,
-    vllm_env,
     write_model,
 )
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_an_fsdp2_trainer_refits_a_moe_engine_exactly(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    daemon, url = start_daemon(tmp_path)
-    vllm_env(monkeypatch, tmp_path / "cache", url)
+def test_an_fsdp2_trainer_refits_a_moe_engine_exactly(tmp_path: Path, vllm_daemon_url: str) -> None:
+    url = vllm_daemon_url
     from vllm import LLM
 
     from refitd.integrations.vllm.worker import refit_stats
@@ -54,24 +48,19 @@ def test_an_fsdp2_trainer_refits_a_moe_engine_exactly(
         seen["tokens"], seen["checkpoint"] = greedy(llm), checkpoint
         return ("ok", None)
 
-    try:
-        before = greedy(llm)
-        job = {
-            "config": QWEN3_MOE,
-            "seeds": [2],
-            "model": "moe",
-            "url": url,
-            "out": str(tmp_path / "fsdp"),
-        }
-        assert run_fsdp_trainer(job, on_event, llm) == [0, 0]
-        assert seen["wrong"] == [] and seen["stats"]["version"] == 1
-        assert seen["tokens"] != before
-        fresh = LLM(model=seen["checkpoint"], **llm_kwargs())
-        [truth] = fresh.collective_rpc(live_params)
-        assert sorted(seen["live"]) == sorted(truth)
-        assert [n for n in truth if not torch.equal(seen["live"][n], truth[n])] == []
-        assert seen["tokens"] == greedy(fresh)
-    finally:
-        gc.collect()
-        daemon.terminate()
-        daemon.wait(30)
+    before = greedy(llm)
+    job = {
+        "config": QWEN3_MOE,
+        "seeds": [2],
+        "model": "moe",
+        "url": url,
+        "out": str(tmp_path / "fsdp"),
+    }
+    assert run_fsdp_trainer(job, on_event, llm) == [0, 0]
+    assert seen["wrong"] == [] and seen["stats"]["version"] == 1
+    assert seen["tokens"] != before
+    fresh = LLM(model=seen["checkpoint"], **llm_kwargs())
+    [truth] = fresh.collective_rpc(live_params)
+    assert sorted(seen["live"]) == sorted(truth)
+    assert [n for n in truth if not torch.equal(seen["live"][n], truth[n])] == []
+    assert seen["tokens"] == greedy(fresh)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from vllm_models import LLAMA, start_daemon, vllm_env, write_model
+from vllm_models import LLAMA, write_model
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -47,15 +47,13 @@ def _tokens(base: str) -> list[int]:
 
 
 def test_vllm_serve_refits_through_refitd_driven_by_vllms_http_client(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vllm_daemon_url: str
 ) -> None:
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 
     from refitd.integrations.sources import TensorSource
     from refitd.integrations.vllm.trainer import RefitdTrainerEngine, RefitdTrainerInitInfo
 
-    daemon, url = start_daemon(tmp_path)
-    vllm_env(monkeypatch, tmp_path / "cache", url)
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # serves the RL weight-sync routes
     write_model(tmp_path / "engine", LLAMA, seed=1)
     state = write_model(tmp_path / "trainer", LLAMA, seed=2)
@@ -105,7 +103,7 @@ def test_vllm_serve_refits_through_refitd_driven_by_vllms_http_client(
             assert time.monotonic() < deadline, "vllm serve did not come up"
             time.sleep(1)
         before = _tokens(base)
-        info = RefitdTrainerInitInfo(rank=0, model="served", url=url)
+        info = RefitdTrainerInitInfo(rank=0, model="served", url=vllm_daemon_url)
         trainer = RefitdTrainerEngine.trainer_init(
             info, client=HTTPVLLMWeightSyncClient(base), source=TensorSource(state)
         )
@@ -124,5 +122,3 @@ def test_vllm_serve_refits_through_refitd_driven_by_vllms_http_client(
             server.wait(60)
         except subprocess.TimeoutExpired:
             server.kill()
-        daemon.terminate()
-        daemon.wait(30)

@@ -1,10 +1,14 @@
 """Shared helpers for the ops tests: the real daemon app wired as ``serve`` wires it,
-served on real loopback sockets."""
+served on real loopback sockets, and the ``refitd`` command run as a child process."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -18,6 +22,30 @@ from refitd.daemon.service import Service
 from refitd.errors import ConflictError, NotFoundError, RefitError
 
 STATUS = {ConflictError: 409, NotFoundError: 404}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+async def refitd(
+    *argv: str, columns: int = 200, env: dict[str, str] | None = None, stdin: bytes | None = None
+) -> tuple[int, str, str]:
+    """``refitd ARGV`` in a child process with its output piped, laid out for a
+    terminal ``columns`` wide, ``env`` added to this environment, ``stdin`` fed to
+    it (else none): ``(exit status, stdout, stderr)``."""
+    inherited = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "refitd.cli",
+        *argv,
+        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**inherited, "COLUMNS": str(columns), **(env or {})},
+        cwd=ROOT,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(stdin), 120)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
 
 
 @web.middleware

@@ -5,12 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from ops_helpers import serving
+from ops_helpers import ROOT, refitd, serving
 
 from refitd.cli import COMMANDS, _build_parser
 from refitd.client.http import RefitClient
@@ -19,24 +18,7 @@ from refitd.daemon.app import create_app
 from refitd.daemon.node import DaemonOptions
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
-ROOT = Path(__file__).resolve().parents[2]
 OPS = ("status", "regions", "sources", "pulls", "experts", "config")
-
-
-async def refitd(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "refitd.cli",
-        *argv,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "COLUMNS": "200", **(env or {})},
-        cwd=ROOT,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ops_helpers import serving, wired_app
+from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
 from refitd.daemon.app import create_app
@@ -23,12 +24,7 @@ from refitd.daemon.experts import touched_rows
 from refitd.daemon.node import DaemonOptions
 from refitd.errors import AccessDenied, ConflictError, NotFoundError, PlanError, ProtocolError
 from refitd.wire import (
-    DescriptorTable,
-    ManifestIn,
     PoolInfo,
-    PullRequest,
-    ShardEntry,
-    TensorEntry,
 )
 from transports.shm import SharedSegment
 
@@ -224,12 +220,12 @@ async def test_a_pull_into_the_host_rows_invalidates_exactly_the_experts_it_rewr
         regions = {r.region_id: r for r in await client.regions()}
         with mapped(regions[src.region_id].handle, 64) as s:
             s[:] = 0x5A
-        shard = ShardEntry((0,), (64,), src.region_id, 0)
-        await client.publish(ManifestIn("m", 1, 0, 1, [TensorEntry("w", (64,), "uint8", [shard])]))
+        await publish_tensor(client, "m", 1, src.region_id, 64)
         lease = await client.acquire_lease("m", 1)
         at = p.info.host_bank_offsets[2] + (1 * EXPERTS + 3) * ROW_BYTES[2]
-        rows = np.array([[src.region_id, 0, p.info.host_region, at, 24]], dtype=np.int64)
-        await client.pull(PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows)))
+        await client.pull(
+            pull_rows("m", 1, lease.lease_id, (src.region_id, 0, p.info.host_region, at, 24))
+        )
         assert (p.host_row(2, 1, 3) == 0x5A).all()
         after = await client.ensure("moe", 1, [0, 1, 3])
         assert after.copied_experts == [3]  # experts 0 and 1 stayed warm

@@ -3,10 +3,8 @@ end, and the command tables when piped into an 80-column log or pager."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ops_helpers import serving
+from ops_helpers import ROOT, refitd, serving
 from support.daemons import FakeClock
 
 from refitd.client.http import RefitClient
@@ -23,8 +21,6 @@ from refitd.daemon.node import DaemonOptions
 from refitd.daemon.registry import Registry
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 from transports.shm import SharedSegment
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def manifest(version: int, slot: int, slots: int) -> ManifestIn:
@@ -68,22 +64,11 @@ def test_a_daemon_stopped_with_sigterm_logs_stopped_as_its_last_line(tmp_path: P
     assert any("INFO refitd: stopping: draining" in ln for ln in lines[:-1])
 
 
-async def refitd(*argv: str) -> str:
+async def piped(*argv: str) -> str:
     """A command's stdout as a pager or log file gets it: piped, 80 columns."""
-    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "refitd.cli",
-        *argv,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**env, "COLUMNS": "80"},
-        cwd=ROOT,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode == 0, err.decode()
-    return out.decode()
+    code, out, err = await refitd(*argv, columns=80)
+    assert code == 0, err
+    return out
 
 
 async def test_every_table_fits_80_columns_with_its_headers_and_values_whole() -> None:
@@ -103,7 +88,7 @@ async def test_every_table_fits_80_columns_with_its_headers_and_values_whole() -
             "pulls": [],
         }
         for command, whole in tables.items():
-            out = await refitd(command, "--url", base)
+            out = await piped(command, "--url", base)
             lines = out.splitlines()
             assert max(map(len, lines)) <= 80, f"refitd {command}:\n{out}"
             for text in whole:  # not folded over two lines

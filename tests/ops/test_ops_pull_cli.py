@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-from ops_helpers import serving
+from ops_helpers import refitd, serving
 
 from refitd.cli import _build_parser
 from refitd.client.http import RefitClient
@@ -20,25 +17,6 @@ from refitd.daemon.app import create_app
 from refitd.daemon.node import DaemonOptions
 from refitd.wire import ManifestIn, RegionInfo, ShardEntry, TensorEntry
 from transports.shm import SharedSegment
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-async def refitd(*argv: str, stdin: bytes | None = None) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "refitd.cli",
-        *argv,
-        stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "COLUMNS": "200"},
-        cwd=ROOT,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(stdin), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 @dataclass

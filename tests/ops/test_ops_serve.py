@@ -14,6 +14,7 @@ import aiohttp
 import msgspec
 import pytest
 from ops_helpers import serving, wired_app
+from support.toy import publish_tensor, pull_rows
 
 from refitd.client.spawn import serve_command
 from refitd.daemon.openapi import OPENAPI_PATH, documented_paths, route_table
@@ -158,20 +159,17 @@ async def test_the_wired_daemon_refuses_an_oversized_body_with_413() -> None:
 
 
 async def test_a_completed_pull_is_counted_with_its_bytes_and_latency() -> None:
-    import numpy as np
-
     from refitd.client.http import RefitClient
-    from refitd.wire import DescriptorTable, PullRequest
 
     app = wired_app()
     async with serving(app) as base, RefitClient(base) as c:
         src = await c.create_region(4096, label="src")
         dst = await c.create_region(4096, label="dst")
-        shard = ShardEntry((0,), (1024,), src.region_id, 0)
-        await c.publish(ManifestIn("m", 1, 0, 1, [TensorEntry("w", (1024,), "float32", [shard])]))
+        await publish_tensor(c, "m", 1, src.region_id, 4096, "float32")
         lease = await c.acquire_lease("m", 1)
-        rows = np.array([[src.region_id, 0, dst.region_id, 0, 3000]], dtype=np.int64)
-        done = await c.pull(PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows)))
+        done = await c.pull(
+            pull_rows("m", 1, lease.lease_id, (src.region_id, 0, dst.region_id, 0, 3000))
+        )
         assert done.bytes_done == 3000
         async with aiohttp.ClientSession() as s, s.get(f"{base}/metrics") as resp:
             text = await resp.text()
@@ -181,11 +179,8 @@ async def test_a_completed_pull_is_counted_with_its_bytes_and_latency() -> None:
 
 
 async def test_on_the_daemon_a_token_holder_touches_only_its_own_regions(tmp_path: Path) -> None:
-    import numpy as np
-
     from refitd.client.http import RefitClient
     from refitd.errors import RefitError
-    from refitd.wire import DescriptorTable, PullRequest
 
     tokens = tmp_path / "tokens"
     tokens.write_text("trainer t-secret\nengine e-secret\n")
@@ -201,14 +196,10 @@ async def test_on_the_daemon_a_token_holder_touches_only_its_own_regions(tmp_pat
         assert src.owner == "trainer"
         dst = await engine.create_region(4096)
         assert dst.owner == "engine"
-        shard = ShardEntry((0,), (1024,), src.region_id, 0)
-        await trainer.publish(
-            ManifestIn("m", 1, 0, 1, [TensorEntry("w", (1024,), "float32", [shard])])
-        )
+        await publish_tensor(trainer, "m", 1, src.region_id, 4096, "float32")
         lease = await engine.acquire_lease("m", 1)
         # The trainer may not pull into the engine's region, nor delete it.
-        rows = np.array([[src.region_id, 0, dst.region_id, 0, 64]], dtype=np.int64)
-        into_engine = PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows))
+        into_engine = pull_rows("m", 1, lease.lease_id, (src.region_id, 0, dst.region_id, 0, 64))
         with pytest.raises(RefitError, match=f"trainer may not write region {dst.region_id}"):
             await trainer.submit_pull(into_engine)
         with pytest.raises(RefitError, match=f"trainer may not delete region {dst.region_id}"):

@@ -9,21 +9,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import numpy as np
 from aiohttp import web
 from support.daemons import GatedCopier
+from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
 from refitd.daemon.app import PULLS
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.serve import serve
 from refitd.wire import (
-    DescriptorTable,
-    ManifestIn,
-    PullRequest,
     PullState,
-    ShardEntry,
-    TensorEntry,
 )
 
 
@@ -48,13 +43,10 @@ async def start_held_pull(grace_s: float) -> tuple[Any, ...]:
     async with RefitClient(record["url"]) as c:
         src = await c.create_region(4096)
         dst = await c.create_region(4096)
-        shard = ShardEntry((0,), (1024,), src.region_id, 0)
-        await c.publish(ManifestIn("m", 1, 0, 1, [TensorEntry("w", (1024,), "float32", [shard])]))
+        await publish_tensor(c, "m", 1, src.region_id, 4096, "float32")
         lease = await c.acquire_lease("m", 1)
-        rows = np.array([[src.region_id, 0, dst.region_id, 0, 4096]], dtype=np.int64)
-        started = await c.submit_pull(
-            PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows))
-        )
+        row = (src.region_id, 0, dst.region_id, 0, 4096)
+        started = await c.submit_pull(pull_rows("m", 1, lease.lease_id, row))
     await asyncio.wait_for(copier.entered.wait(), 60)
     return task, stop, stopping, copier, apps[0], started.pull_id
 

@@ -15,7 +15,6 @@ import contextlib
 import secrets
 from pathlib import Path
 
-import numpy as np
 import pytest
 import requests
 import schemathesis
@@ -26,16 +25,12 @@ from schemathesis.core.failures import FailureGroup
 from schemathesis.core.transport import Response
 from schemathesis.generation import GenerationMode
 from schemathesis.specs.openapi import checks as oas
+from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
 from refitd.client.spawn import spawn_daemon
 from refitd.wire import (
-    DescriptorTable,
-    ManifestIn,
-    PullRequest,
     PullState,
-    ShardEntry,
-    TensorEntry,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -210,12 +205,11 @@ async def test_schemathesis_finds_no_server_error_and_no_answer_outside_the_docu
         async with RefitClient(d.url) as c:
             src = await c.create_region(4096, label="after-fuzz")
             dst = await c.create_region(4096, label="after-fuzz")
-            shard = ShardEntry((0,), (4096,), src.region_id, 0)
-            tensor = TensorEntry("w", (4096,), "uint8", [shard])
-            await c.publish(ManifestIn("after-fuzz", 1, 0, 1, [tensor]))
+            await publish_tensor(c, "after-fuzz", 1, src.region_id, 4096)
             lease = await c.acquire_lease("after-fuzz", 1, 30.0)
-            rows = np.array([[src.region_id, 0, dst.region_id, 0, 4096]], dtype=np.int64)
-            req = PullRequest("after-fuzz", 1, lease.lease_id, DescriptorTable.pack(rows))
+            req = pull_rows(
+                "after-fuzz", 1, lease.lease_id, (src.region_id, 0, dst.region_id, 0, 4096)
+            )
             done = await c.pull(req)
             assert done.state is PullState.DONE and done.bytes_done == 4096
     assert tally.operations and set(tally.cases) == tally.operations, tally.operations - set(

@@ -53,10 +53,8 @@ def within(early: Usage, late: Usage) -> bool:
 
 
 async def test_sixteen_receivers_refit_without_error_and_the_daemons_do_not_grow_per_pull(
-    tmp_path: Path,
+    secret_file: str,
 ) -> None:
-    secret = tmp_path / "secret"
-    secret.write_text(os.urandom(32).hex())
     cfg = dense_toy_config()
     state = full_state(cfg)
     par = EngineParallel()
@@ -65,8 +63,8 @@ async def test_sixteen_receivers_refit_without_error_and_the_daemons_do_not_grow
     errors: list[str] = []
     usage: dict[int, dict[str, Usage]] = {}
     async with (
-        spawn_daemon(secret_file=str(secret), node_id="source") as a,
-        spawn_daemon(secret_file=str(secret), node_id="engines", peers=[a.url]) as b,
+        spawn_daemon(secret_file=secret_file, node_id="source") as a,
+        spawn_daemon(secret_file=secret_file, node_id="engines", peers=[a.url]) as b,
         RefitClient(a.url) as source,
         RefitClient(b.url) as local,
     ):

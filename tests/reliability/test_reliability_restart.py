@@ -17,12 +17,11 @@ import os
 import signal
 import socket
 from collections import Counter
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from support.engines import mismatched, zeroed_engine
+from support.toy import pull_rows
 
 from refitd.bench.engines import EngineParallel, ToyEngine, dense_toy_config
 from refitd.bench.layouts import fsdp_dim0, full_state
@@ -31,7 +30,6 @@ from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
 from refitd.client.spawn import spawn_daemon
 from refitd.errors import ConflictError, NotFoundError, RefitError
-from refitd.wire import DescriptorTable, PullRequest
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -51,15 +49,13 @@ def stamped(state: dict[str, torch.Tensor], version: int) -> dict[str, torch.Ten
 
 @pytest.mark.parametrize(("transport", "how"), [("auto", "kill"), ("ucx", "kill"), ("ucx", "term")])
 async def test_receivers_see_a_clear_error_while_the_source_restarts_then_refit_exactly(
-    tmp_path: Path, transport: str, how: str
+    secret_file: str, transport: str, how: str
 ) -> None:
-    secret = tmp_path / "secret"
-    secret.write_text(os.urandom(32).hex())
     cfg = dense_toy_config()
     base = full_state(cfg)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    opts = {"secret_file": str(secret), "transport": transport}
+    opts = {"secret_file": secret_file, "transport": transport}
     source_args = ["--port", str(port)]
     par = [EngineParallel(2, i % 2, 1) for i in range(RECEIVERS)]
     engines = [zeroed_engine(cfg, p) for p in par]
@@ -147,8 +143,7 @@ async def test_receivers_see_a_clear_error_while_the_source_restarts_then_refit_
             before = engines[0].state_dict()
             before = {k: v.clone() for k, v in before.items()}
             rid = min(old_regions)
-            rows = np.array([[rid, 0, dst.region_id, 0, 64]], dtype=np.int64)
-            stale = PullRequest(MODEL, 1, lease.lease_id, DescriptorTable.pack(rows), [], url)
+            stale = pull_rows(MODEL, 1, lease.lease_id, (rid, 0, dst.region_id, 0, 64), source=url)
             with pytest.raises((ConflictError, NotFoundError)):
                 await local.pull(stale)
             after = engines[0].state_dict()

@@ -20,7 +20,6 @@ import contextlib
 import os
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
@@ -51,10 +50,8 @@ def installed_versions(engine: torch.nn.Module, names: list[str]) -> set[float]:
 
 
 async def test_four_receivers_refitting_through_100_rewrites_never_install_a_torn_model(
-    tmp_path: Path,
+    secret_file: str,
 ) -> None:
-    secret = tmp_path / "secret"
-    secret.write_text(os.urandom(32).hex())
     cfg = dense_toy_config()  # float32: every version number is exact
     base = full_state(cfg)
     installs: Counter[int] = Counter()
@@ -64,8 +61,8 @@ async def test_four_receivers_refitting_through_100_rewrites_never_install_a_tor
     published = asyncio.Event()
     done = False
     async with (
-        spawn_daemon(secret_file=str(secret), node_id="trainer") as a,
-        spawn_daemon(secret_file=str(secret), node_id="engines", peers=[a.url]) as b,
+        spawn_daemon(secret_file=secret_file, node_id="trainer") as a,
+        spawn_daemon(secret_file=secret_file, node_id="engines", peers=[a.url]) as b,
         RefitClient(a.url) as trainer,
         RefitClient(b.url) as local,
     ):

@@ -1,7 +1,10 @@
 """UCX fault isolation: a dying peer costs one pull, never the owner.
 
 Real processes throughout: each peer is `python -m transports.servepeer` (its own
-owner plus data-plane child), killed with SIGKILL while this process pulls from it.
+owner plus data-plane children), killed with SIGKILL while this process pulls from
+it. The puller reads each peer from a process of its own (see `transports.ucx`), so
+a peer's death costs that process only; test_transport_isolation has the hung peer
+beside a healthy one.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from transports.checks import LOCAL, Pair, open_pair, shuffled_batch
 from transports.core import PeerInfo, PeerLost, TransportClosed
 from transports.servepeer import REGION_ID, SECRET_ENV, pattern
 from transports.shm import SHM_DIR, SharedSegment, cleanup_stale
-from transports.ucx import UcxTransport
+from transports.ucx import UcxPeer, UcxTransport
 
 SECRET = b"fault-test-secret-0123456789"
 SIZE = 32 << 20
@@ -81,13 +84,17 @@ async def test_killing_a_peer_mid_pull_ten_times_fails_only_that_pull_and_the_ne
     None
 ):
     restarts: list[int] = []
+    readers: set[int] = set()
     batch = full_batch()
     with SharedSegment.create(SIZE, "faults") as dst:
         async with UcxTransport(secret=SECRET, on_restart=restarts.append) as t:
             await t.register(LOCAL, dst)
+            serving = t.pid
             for round_ in range(10):
                 async with peer_process(round_) as (proc, info):
                     peer = await t.connect(info)
+                    assert isinstance(peer, UcxPeer) and peer.pid is not None
+                    readers.add(peer.pid)
                     await peer.get(batch)
                     assert landed(dst, batch, round_), (
                         f"round {round_}: the pull before the kill was wrong"
@@ -109,23 +116,26 @@ async def test_killing_a_peer_mid_pull_ten_times_fails_only_that_pull_and_the_ne
                         (LOCAL, 0, SIZE)
                     ]
                     assert f"region {LOCAL} [0, {SIZE})" in str(failure.value)
-                # The owner keeps serving: its region is registered again under a new epoch.
-                await t.wait_ready()
+                    assert f"'peer-{proc.pid}'" in str(failure.value), "it names the peer"
+                    # Only the process reading from that peer died (cma aborts it).
+                    assert peer.pid is None
+                # The owner keeps serving, from the same serving process as before.
+                assert t.pid == serving
                 assert t.advertise().regions[0].region_id == LOCAL
-            assert len(restarts) == 10
+            assert restarts == [] and len(readers) == 10
             async with peer_process(99) as (_, info):
                 peer = await t.connect(info)
                 await peer.get(batch)
                 assert landed(dst, batch, 99)
 
 
-async def test_a_killed_data_plane_is_restarted_and_an_existing_peer_reconnects_on_its_next_get() -> (
+async def test_a_killed_serving_process_is_restarted_with_new_epochs_and_pulls_go_on_in_their_own_process() -> (
     None
 ):
     async with open_pair("ucx", 1 << 20, 1 << 20) as pair:
-        t = pair.puller
-        assert isinstance(t, UcxTransport)
-        old_pid, old_epoch = t.pid, t.regions[LOCAL].epoch
+        t, peer = pair.puller, pair.peer
+        assert isinstance(t, UcxTransport) and isinstance(peer, UcxPeer)
+        old_pid, old_epoch, reader = t.pid, t.regions[LOCAL].epoch, peer.pid
         restarted = asyncio.Event()
         t.on_restart = lambda generation: restarted.set()
         assert old_pid is not None
@@ -134,7 +144,26 @@ async def test_a_killed_data_plane_is_restarted_and_an_existing_peer_reconnects_
         assert t.pid not in (None, old_pid)
         assert t.regions[LOCAL].epoch > old_epoch, "re-registration must advertise a new epoch"
         b = shuffled_batch(256, 4096)
-        await pair.peer.get(b)
+        await peer.get(b)
+        assert peer.pid == reader, "the process pulling from the peer was not touched"
+        assert np.array_equal(
+            pair.local.numpy()[:4096], pair.remote.numpy()[b[0]["remote_offset"] :][:4096]
+        )
+
+
+async def test_a_killed_pulling_process_fails_nothing_else_and_the_next_get_starts_a_new_one() -> (
+    None
+):
+    async with open_pair("ucx", 1 << 20, 1 << 20) as pair:
+        t, peer = pair.puller, pair.peer
+        assert isinstance(t, UcxTransport) and isinstance(peer, UcxPeer)
+        serving, reader = t.pid, peer.pid
+        assert reader is not None
+        os.kill(reader, signal.SIGKILL)
+        b = shuffled_batch(256, 4096, seed=2)
+        await peer.get(b)  # reconnects from a new process
+        assert peer.pid not in (None, reader)
+        assert t.pid == serving and t.restarts == 0
         assert np.array_equal(
             pair.local.numpy()[:4096], pair.remote.numpy()[b[0]["remote_offset"] :][:4096]
         )
@@ -178,13 +207,15 @@ def test_the_ucx_transport_runs_under_uvloop() -> None:
 
 
 async def test_a_closed_ucx_transport_refuses_new_work_and_leaves_no_child() -> None:
-    t = UcxTransport(secret=SECRET)
-    await t.start()
-    pid = t.pid
-    await t.close()
-    assert pid is not None
-    with pytest.raises(ProcessLookupError):
-        os.kill(pid, 0)
+    async with open_pair("ucx", 1 << 20, 1 << 20) as pair:
+        t = pair.puller
+        assert isinstance(t, UcxTransport) and isinstance(pair.peer, UcxPeer)
+        pids = [t.pid, pair.peer.pid]
+        await t.close()
+    for pid in pids:
+        assert pid is not None
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
     with SharedSegment.create(1) as seg, pytest.raises(TransportClosed):
         await t.register(1, seg)
 
@@ -207,7 +238,8 @@ async def test_an_idle_data_plane_sleeps_instead_of_spinning() -> None:
     async with open_pair("ucx", 1 << 20, 1 << 20) as pair:
         await pair.peer.get(shuffled_batch(256, 4096))
         pids = [t.pid for t in (pair.puller, pair.source) if isinstance(t, UcxTransport)]
-        assert all(pids)
+        pids.append(getattr(pair.peer, "pid", None))  # the process pulling from the peer
+        assert len(pids) == 3 and all(pids)
         before = [_cpu_ticks(p) for p in pids if p]
         await asyncio.sleep(1.0)  # an observation window, not synchronisation
         after = [_cpu_ticks(p) for p in pids if p]

@@ -1,10 +1,10 @@
 """Two tiny C helpers, built into the package when it is built (setup.py).
 
 - ``_copy``: a batched memcpy the `local` transport calls with the GIL released.
-- ``_ucx``: the UCX RMA calls (mem map, rkey pack/unpack, batched GET + flush) that
-  ucxx's Python layer does not expose, built against the headers of the ``libucx``
-  wheel and linked (by soname, runpath into that wheel) to the same ``libucp`` ucxx
-  loads.
+- ``_ucx``: the UCX RMA calls (mem map, rkey pack/unpack, batched GET + flush with a
+  deadline) that ucxx's Python layer does not expose, built against the headers of
+  the ``libucx`` wheel and linked (by soname, runpath into that wheel) to the same
+  ``libucp`` ucxx loads.
 
 They are extension modules only so that pip builds and installs them: their
 functions are called through ctypes on the module's own file. Nothing is compiled
@@ -123,7 +123,9 @@ def ucx_lib() -> ctypes.CDLL:
         "rfx_rkey_unpack": [p, p, ctypes.POINTER(p)],
         "rfx_worker_efd": [p, ctypes.POINTER(c_int)],
         "rfx_idle": [p, c_int, c_int, c_int],
-        "rfx_get_batch": [p, c_int, p, i64, p, p, p, p, ctypes.POINTER(i64)],
+        # ..., deadline (CLOCK_MONOTONIC ns, absolute), *posted
+        "rfx_get_batch": [p, c_int, p, i64, p, p, p, p, i64, ctypes.POINTER(i64)],
+        "rfx_timed_out": [],
     }
     for name, args in sig.items():
         fn = getattr(lib, name)

@@ -9,12 +9,22 @@
  * 4 KiB a per-read Python/ctypes call (~9 us) would cap the rate near 0.4 GB/s.
  *
  * Every function returns a ucs_status_t (0 = UCS_OK, negative = error). Addresses
- * and keys were validated by the caller against registered regions. */
+ * and keys were validated by the caller against registered regions.
+ *
+ * Every wait on a peer has a deadline (CLOCK_MONOTONIC, absolute, in ns: the same
+ * clock as Python's time.monotonic_ns, so the owner process can set it): a hung or
+ * stopped peer costs UCS_ERR_TIMED_OUT, never an endless wait. After a timeout GETs
+ * may still be in flight and the flush callback may still run, so the wait state
+ * lives on the heap and is leaked on purpose, and the caller must end the process
+ * (see transports/ucx/worker.py): only then can no late GET write into memory whose
+ * pull was already reported failed. */
 #define Py_LIMITED_API 0x030B0000
 #include <Python.h>
 #include <poll.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <ucp/api/ucp.h>
 
 typedef struct {
@@ -78,25 +88,42 @@ void rfx_rkey_destroy(ucp_rkey_h rkey) { ucp_rkey_destroy(rkey); }
 
 int rfx_worker_efd(ucp_worker_h w, int *fd) { return ucp_worker_get_efd(w, fd); }
 
-/* Progress until *wt is done. While a batch is moving, progress is polled: on the cma
- * path the copies happen inside ucp_worker_progress and raise no event, so sleeping
- * on the event fd would stall the batch. Only after a stretch without any progress
- * (a remote peer that must answer, the tcp path) does it arm and sleep in poll(). */
-static ucs_status_t rfx_wait(ucp_worker_h w, int efd, rfx_wait_t *wt)
+/* The status a wait past its deadline returns (for the caller to compare with). */
+int rfx_timed_out(void) { return UCS_ERR_TIMED_OUT; }
+
+static int64_t rfx_now_ns(void)
 {
-    unsigned idle = 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Progress until *wt is done or the clock passes deadline_ns (CLOCK_MONOTONIC).
+ * While a batch is moving, progress is polled: on the cma path the copies happen
+ * inside ucp_worker_progress and raise no event, so sleeping on the event fd would
+ * stall the batch. Only after a stretch without any progress (a remote peer that must
+ * answer, the tcp path) does it arm and sleep in poll(), at most 1 ms at a time.
+ * Returns UCS_ERR_TIMED_OUT at the deadline; *wt may then still be written by the
+ * flush callback later, so it must not be stack memory of a frame that returns. */
+static ucs_status_t rfx_wait(ucp_worker_h w, int efd, rfx_wait_t *wt, int64_t deadline_ns)
+{
+    unsigned idle = 0, busy = 0;
     while (!wt->done) {
         if (ucp_worker_progress(w)) {
             idle = 0;
+            /* A peer that keeps the worker busy without ever finishing is also bounded. */
+            if ((++busy & 1023) == 0 && rfx_now_ns() >= deadline_ns)
+                return UCS_ERR_TIMED_OUT;
             continue;
         }
         if (++idle < 4096)
             continue;
         idle = 0;
+        if (rfx_now_ns() >= deadline_ns)
+            return UCS_ERR_TIMED_OUT;
         ucs_status_t st = ucp_worker_arm(w);
         if (st == UCS_ERR_BUSY)
             continue;
-        /* Never return before the callback has run: it writes into *wt. */
         struct pollfd p = {efd, POLLIN, 0};
         poll(&p, 1, 1);
         (void)st;
@@ -125,11 +152,15 @@ int rfx_idle(ucp_worker_h w, int efd, int fd, int timeout_ms)
 }
 
 /* Post n GETs (dst[i] <- remote src[i], len[i] bytes, key rkey[i]) from one loop, then
- * flush the endpoint and wait for every one of them. Stops posting at the first error
- * but still flushes, so nothing is in flight when it returns. *posted receives the
- * number of GETs handed to UCX. */
+ * flush the endpoint and wait for every one of them, until deadline_ns at the latest
+ * (CLOCK_MONOTONIC). Stops posting at the first error or once the deadline passed, but
+ * still flushes. Returns UCS_ERR_TIMED_OUT when the deadline passed before the flush
+ * completed: GETs may then still be in flight, and the caller must end the process.
+ * Otherwise nothing is in flight when it returns. *posted receives the number of GETs
+ * handed to UCX. */
 int rfx_get_batch(ucp_worker_h w, int efd, ucp_ep_h ep, int64_t n, const uint64_t *dst,
-                  const uint64_t *src, const uint64_t *len, const uint64_t *rkey, int64_t *posted)
+                  const uint64_t *src, const uint64_t *len, const uint64_t *rkey,
+                  int64_t deadline_ns, int64_t *posted)
 {
     ucp_request_param_t p;
     memset(&p, 0, sizeof(p));
@@ -147,17 +178,26 @@ int rfx_get_batch(ucp_worker_h w, int efd, ucp_ep_h ep, int64_t n, const uint64_
         if (r != NULL)
             ucp_request_free(r); /* released by UCX on completion; the flush waits for it */
         /* Keep the send queues short on paths that complete asynchronously. */
-        if ((i & 1023) == 1023)
+        if ((i & 1023) == 1023) {
             while (ucp_worker_progress(w))
                 ;
+            if (rfx_now_ns() >= deadline_ns) {
+                st = UCS_ERR_TIMED_OUT;
+                i++;
+                break;
+            }
+        }
     }
     *posted = i;
-    rfx_wait_t wt = {0, UCS_OK};
+    /* Heap, not stack: after a timeout the flush callback may still write into it. */
+    rfx_wait_t *wt = calloc(1, sizeof(*wt));
+    if (wt == NULL)
+        return UCS_ERR_NO_MEMORY; /* nothing to wait on: the caller ends the process */
     ucp_request_param_t fp;
     memset(&fp, 0, sizeof(fp));
     fp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     fp.cb.send = rfx_done_cb;
-    fp.user_data = &wt;
+    fp.user_data = wt;
     ucs_status_ptr_t fr = ucp_ep_flush_nbx(ep, &fp);
     ucs_status_t fst;
     if (fr == NULL) {
@@ -165,9 +205,14 @@ int rfx_get_batch(ucp_worker_h w, int efd, ucp_ep_h ep, int64_t n, const uint64_
     } else if (UCS_PTR_IS_ERR(fr)) {
         fst = UCS_PTR_STATUS(fr);
     } else {
-        fst = rfx_wait(w, efd, &wt);
+        fst = rfx_wait(w, efd, wt, deadline_ns);
+        if (fst == UCS_ERR_TIMED_OUT)
+            return fst; /* wt and fr stay: the process ends before they could matter */
         ucp_request_free(fr);
     }
+    free(wt);
+    if (st == UCS_ERR_TIMED_OUT || fst == UCS_ERR_TIMED_OUT)
+        return UCS_ERR_TIMED_OUT;
     return st != UCS_OK ? st : fst;
 }
 

@@ -14,14 +14,20 @@ import msgspec
 from ..core import RegionInfo
 
 MAX_FRAME = 1 << 30
+EXIT_TIMED_OUT = 3
+"""A data-plane process's exit status after a batch passed its deadline."""
 
 
 class Register(msgspec.Struct, tag="register", frozen=True):
-    """Attach shared segment ``name`` (exactly ``size`` bytes) and map it with UCX."""
+    """Attach shared segment ``name`` (exactly ``size`` bytes) and map it with UCX.
+
+    ``pack``: also pack its remote key (the serving process, whose keys are
+    advertised); a pulling process only writes into it."""
 
     region_id: int
     name: str
     size: int
+    pack: bool = True
 
 
 class Deregister(msgspec.Struct, tag="deregister", frozen=True):
@@ -41,8 +47,13 @@ class Disconnect(msgspec.Struct, tag="disconnect", frozen=True):
 
 
 class Get(msgspec.Struct, tag="get", frozen=True):
+    """Read ``batch`` from ``peer``, giving up at ``deadline_ns`` (``time.monotonic_ns``,
+    the same clock in every process of the host). A process that gave up replies
+    kind "timeout" and then exits: a GET still in flight must not land later."""
+
     peer: int
     batch: bytes
+    deadline_ns: int
 
 
 class Stop(msgspec.Struct, tag="stop", frozen=True):
@@ -58,7 +69,8 @@ class Envelope(msgspec.Struct, frozen=True):
 
 
 class Reply(msgspec.Struct, frozen=True):
-    """``error`` is empty on success; ``kind`` is "refused" (validation) or "transport"."""
+    """``error`` is empty on success; ``kind`` is "refused" (validation), "transport" or
+    "timeout" (the deadline passed; the process exits right after this reply)."""
 
     seq: int
     error: str = ""

@@ -6,10 +6,20 @@ segments by name and registers them, creates endpoints from peers' worker
 addresses with error handling off (the only way UCX takes the zero-copy ``cma``
 path on one host), and posts batches of GETs from the C helper.
 
+One such process serves (its worker address and keys are advertised; on the tcp
+path it answers peers' GETs) and one more pulls from each connected peer: see
+`transports.ucx` for why.
+
 Why a separate process: on the ``cma`` path UCX aborts the reading process when a
 peer dies, and a corrupt key or wild address crashes it. Here that costs this
 process; the owner sees the socket close, fails the batches in flight with their
 suspect destination ranges, and starts a new one.
+
+Every GET batch carries a deadline. A batch still unfinished at its deadline (a
+hung or stopped peer) is answered with kind "timeout", and then this process
+exits at once (exit status `EXIT_TIMED_OUT`): its GETs may still be in flight, and
+only a dead process can promise that none of them lands after the owner reported
+the pull failed.
 
 It re-validates every batch against its own region records before posting, exits
 when its owner dies (PR_SET_PDEATHSIG) or closes the socket, and never spins: when
@@ -23,8 +33,10 @@ import os
 import signal
 import socket
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NoReturn
 
 import msgspec
 import numpy as np
@@ -33,6 +45,7 @@ import numpy.typing as npt
 from ..core import READ_DTYPE, ReadRefused, coalesce, split_shares, validate_batch
 from ..shm import SharedSegment
 from .protocol import (
+    EXIT_TIMED_OUT,
     Connect,
     Deregister,
     Disconnect,
@@ -46,6 +59,7 @@ from .protocol import (
 )
 
 PR_SET_PDEATHSIG = 1
+UCS_ERR_NO_MEMORY = -4  # a batch that could not wait for its flush: GETs may be in flight
 LANE_MIN_BYTES = 1 << 20  # smaller batches stay on one lane: a thread hop costs more
 
 
@@ -115,6 +129,9 @@ class DataPlane:
         self.pool = ThreadPoolExecutor(len(self.lanes) - 1) if len(self.lanes) > 1 else None
         self.locals: dict[int, _Local] = {}
         self.peers: dict[int, _Peer] = {}
+        self.timed_out: int = self.lib.rfx_timed_out()
+        #: set once a batch gave up with GETs possibly in flight: the process must end
+        self.must_exit = False
 
     @staticmethod
     def _check(what: str, status: int) -> None:
@@ -134,6 +151,8 @@ class DataPlane:
             )
             assert memh.value is not None
             local.memhs.append(memh.value)
+        if not msg.pack:
+            return Reply(0, address=seg.address)
         # Peers read through lane 0 (its worker address is the one advertised).
         buf = ctypes.create_string_buffer(4096)
         size = ctypes.c_size_t()
@@ -210,18 +229,30 @@ class DataPlane:
         src = r_base[ri] + reads["remote_offset"]
         lanes = len(self.lanes) if int(reads["nbytes"].sum()) >= LANE_MIN_BYTES else 1
         shares = split_shares(dst, src, reads["nbytes"], lanes, ri)
+        deadline = msg.deadline_ns
         if self.pool is None or len(shares) == 1:
-            status = self._post(peer, r_ids, 0, *shares[0])
+            statuses = [self._post(peer, r_ids, 0, deadline, *shares[0])]
         else:
             # Shares 1.. go to the pool; share 0 is posted from this thread meanwhile,
             # so no lane waits for a thread hand-off to start.
             jobs = [
-                self.pool.submit(self._post, peer, r_ids, k, *sh)
+                self.pool.submit(self._post, peer, r_ids, k, deadline, *sh)
                 for k, sh in enumerate(shares)
                 if k > 0
             ]
-            first = self._post(peer, r_ids, 0, *shares[0])
-            status = next((st for st in (first, *(j.result() for j in jobs)) if st != 0), 0)
+            statuses = [self._post(peer, r_ids, 0, deadline, *shares[0])]
+            statuses += [j.result() for j in jobs]  # each lane stops by the deadline
+        if self.timed_out in statuses or UCS_ERR_NO_MEMORY in statuses:
+            self.must_exit = True  # GETs may be in flight: see the module docstring
+            late = (time.monotonic_ns() - deadline) / 1e9
+            return Reply(
+                0,
+                error=f"the batch of {n} reads did not finish by its deadline "
+                f"({late:+.3f} s past it when it gave up)",
+                kind="timeout",
+                reads=n,
+            )
+        status = next((st for st in statuses if st != 0), 0)
         if status != 0:
             return Reply(
                 0,
@@ -236,6 +267,7 @@ class DataPlane:
         peer: _Peer,
         r_ids: npt.NDArray[np.int64],
         lane: int,
+        deadline_ns: int,
         dst: npt.NDArray[np.int64],
         src: npt.NDArray[np.int64],
         length: npt.NDArray[np.int64],
@@ -254,6 +286,7 @@ class DataPlane:
             s.ctypes.data,
             n.ctypes.data,
             keys.ctypes.data,
+            deadline_ns,
             ctypes.byref(posted),
         )
         return status
@@ -294,6 +327,15 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return bytes(buf)
 
 
+def _end(code: int) -> NoReturn:
+    """Exit now, without interpreter teardown: ucxx closing endpoints to a hung
+    peer could block, and nothing here needs an orderly goodbye (the owner unlinks
+    the segments; the kernel reclaims the rest)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(fd: int, lanes: int) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -308,17 +350,19 @@ def main(fd: int, lanes: int) -> int:
         plane.lib.rfx_idle(plane.worker_h, plane.efd, sock.fileno(), -1)
         header = _recv_exact(sock, 4)
         if header is None:
-            return 0
+            _end(0)
         body = _recv_exact(sock, frame_size(header))
         if body is None:
-            return 0
+            _end(0)
         env = dec.decode(body)
         if isinstance(env.body, Stop):
             for rid in list(plane.locals):
                 plane.deregister(Deregister(rid))
             sock.sendall(frame(enc.encode(Reply(env.seq))))
-            return 0
+            _end(0)
         sock.sendall(frame(enc.encode(plane.handle(env))))
+        if plane.must_exit:
+            _end(EXIT_TIMED_OUT)
 
 
 if __name__ == "__main__":
