@@ -1,7 +1,7 @@
 """Graceful shutdown of ``serve``: stop accepting, drain in-flight pulls up to the
 grace period, cancel the rest. A pull is held at a gate so that "slower than the
 grace period" is deterministic: the gate is a Copier (the daemon's own interface)
-wrapping the real ThreadCopier, the one fake here, for a delay real memory copies
+wrapping the real memory copy, the one fake here, for a delay real memory copies
 cannot be made to take on demand."""
 
 from __future__ import annotations

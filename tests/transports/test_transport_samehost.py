@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
@@ -14,7 +15,7 @@ import numpy.typing as npt
 import pytest
 
 from refitd.errors import TransportError
-from transports.core import PeerInfo, ReadRefused, create_transport
+from transports.core import PeerInfo, ReadRefused
 from transports.local import copy_addresses
 from transports.samehost import SameHostTransport
 from transports.shm import SHM_DIR, SharedSegment
@@ -22,14 +23,20 @@ from transports.shm import SHM_DIR, SharedSegment
 SECRET = b"samehost-secret-0123456789"
 
 
+@contextlib.asynccontextmanager
+async def _source_of(src: SharedSegment) -> AsyncIterator[tuple[SameHostTransport, PeerInfo]]:
+    """A started puller, and the record of a started source that registered ``src``."""
+    async with (
+        SameHostTransport(secret=SECRET) as puller,
+        SameHostTransport(secret=SECRET) as source,
+    ):
+        await source.register(1, src)
+        yield puller, source.advertise()
+
+
 async def test_a_record_from_another_kernel_boot_is_refused_at_connect() -> None:
     with SharedSegment.create(4096, "src") as src:
-        async with (
-            create_transport("shm", secret=SECRET) as puller,
-            create_transport("shm", secret=SECRET) as source,
-        ):
-            await source.register(1, src)
-            info = source.advertise()
+        async with _source_of(src) as (puller, info):
             other = msgspec.structs.replace(
                 info, address=b"00000000-another-boot:" + info.address.split(b":")[1]
             ).signed(SECRET)
@@ -39,19 +46,14 @@ async def test_a_record_from_another_kernel_boot_is_refused_at_connect() -> None
 
 async def test_a_segment_name_that_now_maps_another_file_is_refused_at_connect() -> None:
     with SharedSegment.create(4096, "src") as src:
-        async with (
-            create_transport("shm", secret=SECRET) as puller,
-            create_transport("shm", secret=SECRET) as source,
-        ):
-            await source.register(1, src)
-            info = source.advertise()
+        async with _source_of(src) as (puller, info):
             # Same name, another file (what a separate /dev/shm would show).
             os.unlink(SHM_DIR / src.name)
             fd = os.open(SHM_DIR / src.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             os.ftruncate(fd, 4096)
             os.close(fd)
             try:
-                with pytest.raises(TransportError, match="another file"):
+                with pytest.raises(TransportError, match=r"region 1 .*another file"):
                     await puller.connect(info)
             finally:
                 os.unlink(SHM_DIR / src.name)
