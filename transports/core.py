@@ -140,7 +140,12 @@ class ReadRefused(ProtocolError):
     """Read ``index`` of a batch failed validation; no read of the batch was posted."""
 
     def __init__(
-        self, index: int, read: tuple[int, int, int, int, int], why: str, check: str = ""
+        self,
+        index: int,
+        read: tuple[int, int, int, int, int],
+        why: str,
+        check: str = "",
+        other: int | None = None,
     ) -> None:
         lr, lo, rr, ro, n = read
         super().__init__(
@@ -152,6 +157,8 @@ class ReadRefused(ProtocolError):
         self.why = why
         #: which check refused it (see :func:`validate_batch`), "" when not said
         self.check = check
+        #: for an overlap, the index of the earlier read it collides with
+        self.other = other
 
 
 class UnauthenticatedPeer(ProtocolError):
@@ -298,7 +305,10 @@ def _sizes_of(
 
 
 def validate_batch(
-    batch: ReadBatch, local_sizes: dict[int, int], remote_sizes: dict[int, int]
+    batch: ReadBatch,
+    local_sizes: dict[int, int],
+    remote_sizes: dict[int, int],
+    remote_nbytes: npt.NDArray[np.int64] | None = None,
 ) -> None:
     """Refuse the whole batch, naming the first bad read, unless every read is in bounds.
 
@@ -307,11 +317,16 @@ def validate_batch(
     size`` on both sides (checked as ``offset <= size - nbytes`` so no sum can
     overflow). A zero-byte read is allowed anywhere in ``[0, size]``. Destination
     ranges of one batch must not overlap: overlapping writes would race.
+
+    ``remote_nbytes`` (one length per read, bytes), when given, is the length of the
+    source range each read spans where it differs from what it writes (a strided
+    gather reads a footprint wider than the bytes it packs).
     """
     if len(batch) == 0:
         return
     lr, lo = batch["local_region"], batch["local_offset"]
     rr, ro, n = batch["remote_region"], batch["remote_offset"], batch["nbytes"]
+    rn = n if remote_nbytes is None else remote_nbytes
     lsize, lknown = _sizes_of(lr, local_sizes)
     rsize, rknown = _sizes_of(rr, remote_sizes)
     checks: list[tuple[str, npt.NDArray[np.bool_], Callable[[int], str]]] = [
@@ -326,11 +341,12 @@ def validate_batch(
             lambda i: f"local region {int(lr[i])} is not registered with this transport",
         ),
         ("negative", n < 0, lambda i: "negative length"),
+        ("negative", rn < 0, lambda i: "negative source length"),
         ("negative", lo < 0, lambda i: "negative local offset"),
         ("negative", ro < 0, lambda i: "negative remote offset"),
         (
             "remote_range",
-            ro > rsize - n,
+            ro > rsize - rn,
             lambda i: f"remote range ends past the region's {int(rsize[i])} bytes",
         ),
         (
@@ -358,6 +374,7 @@ def validate_batch(
                 tuple(int(v) for v in batch[i].tolist()),  # type: ignore[arg-type]
                 f"its destination overlaps read #{min(a, b)}'s; overlapping writes would race",
                 "overlap",
+                min(a, b),
             )
 
 

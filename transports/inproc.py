@@ -142,7 +142,9 @@ class InProcessTransport(Transport):
             regions=tuple(r.info for r in self._regions.values()),
         ).signed(self.secret)
 
-    async def connect(self, info: PeerInfo) -> Peer:
+    def _check_record(self, info: PeerInfo) -> None:
+        """Refuse a record this transport cannot connect with: the transport is
+        closed, the MAC does not verify, or the record is of another scheme."""
         if self.closed:
             raise TransportClosed(f"connect refused: {self.scheme} transport is closed")
         info.verify(self.secret)
@@ -150,6 +152,9 @@ class InProcessTransport(Transport):
             raise ProtocolError(
                 f"connect refused: record is for scheme {info.scheme!r}, not {self.scheme!r}"
             )
+
+    async def connect(self, info: PeerInfo) -> Peer:
+        self._check_record(info)
         token = info.address.decode()
         if not token.startswith(f"{os.getpid()}:") or token not in _LIVE:
             raise ProtocolError(

@@ -4,14 +4,18 @@ A batch is cut into per-thread shares of roughly equal bytes (a single large rea
 is split too) and copied by the C helper in a thread pool; ctypes releases the GIL
 for each call, so the shares run on separate cores while the event loop stays free.
 Small batches (under ``inline_bytes``) are copied on the loop: handing them to a
-thread would cost more than the copy.
+thread would cost more than the copy. A :class:`Copier` given at construction
+replaces that engine (a daemon's tests hold a copy mid-flight with one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_threads
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -20,7 +24,18 @@ from .core import split_shares
 from .inproc import InProcessTransport
 from .native import copy_lib
 
-__all__ = ["LocalTransport", "copy_addresses"]
+__all__ = ["Copier", "LocalTransport", "copy_addresses"]
+
+
+class Copier(Protocol):
+    """A memory-copy engine: what a same-process transport's reads end in."""
+
+    async def copy(
+        self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
+    ) -> None:
+        """Copy ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]`` (the reads
+        were validated by the transport); return once every byte landed."""
+        ...
 
 
 async def copy_addresses(
@@ -46,13 +61,19 @@ async def copy_addresses(
     if int(nbytes.sum()) < inline_bytes or pool is None or threads <= 1:
         share(dst, src, nbytes)
         return
-    loop = asyncio.get_running_loop()
-    await asyncio.gather(
-        *(
-            loop.run_in_executor(pool, share, d, s, n)
-            for d, s, n, _ in split_shares(dst, src, nbytes, threads)
-        )
-    )
+    running: list[Future[None]] = [
+        pool.submit(share, d, s, n) for d, s, n, _ in split_shares(dst, src, nbytes, threads)
+    ]
+    try:
+        await asyncio.gather(*(asyncio.wrap_future(f) for f in running))
+    except asyncio.CancelledError:
+        # A thread cannot be stopped mid-copy; returning now would let the caller
+        # unmap memory a thread still writes. Wait for them (one batch), then cancel.
+        waiting = asyncio.ensure_future(asyncio.to_thread(wait_threads, running))
+        while not waiting.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(waiting)
+        raise
 
 
 class LocalTransport(InProcessTransport):
@@ -65,10 +86,12 @@ class LocalTransport(InProcessTransport):
         peer_id: str = "",
         threads: int | None = None,
         inline_bytes: int = 1 << 20,
+        copier: Copier | None = None,
     ) -> None:
         super().__init__(secret=secret, peer_id=peer_id)
         self.threads = threads or min(4, os.cpu_count() or 1)
         self.inline_bytes = inline_bytes
+        self.copier = copier
         self._pool: ThreadPoolExecutor | None = None
         self._lib = copy_lib()
 
@@ -85,6 +108,9 @@ class LocalTransport(InProcessTransport):
     async def copy(
         self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
     ) -> None:
+        if self.copier is not None:
+            await self.copier.copy(dst, src, nbytes)
+            return
         await copy_addresses(
             dst,
             src,

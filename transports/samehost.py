@@ -9,28 +9,44 @@ process (the ``local`` transport's parallel C memcpy). No byte goes through the
 peer process, and a peer that dies cannot take this one with it: the mappings stay
 valid, the file is not reused while mapped.
 
-Refused at ``connect`` (nothing mapped): a record from another kernel boot (another
-host, so its names map other files), a name that is another file here (a separate
-``/dev/shm``, e.g. another container), a size that differs.
+Refused at ``connect`` or ``update`` (nothing read; the peer keeps what it had):
+a record from another kernel boot (another host, so its names map other files), a
+name that is another file here (a separate ``/dev/shm``, e.g. another container), a
+size that differs.
 
-``PeerInfo.address`` is ``<boot id>:<pid>`` of the serving process; each region's
-``rkey`` is the msgpack of ``(segment name, st_dev, st_ino)``.
+Mappings belong to the transport, not to a peer: each is keyed by the file it maps
+(name, ``st_dev``, ``st_ino``, size), shared by every peer whose record names that
+file, and kept after the last peer lets go of it, up to ``max_mappings`` unused
+ones (least recently used unmapped first). A fresh mapping of a large segment costs
+a page fault per 4 KiB on first touch, so a peer connected again for the next pull
+reads through the mappings of the last one. A mapping a peer or a read in flight
+holds is never unmapped.
+
+``PeerInfo.address`` is ``<boot id>:<tag>`` (the tag tells peers of one host apart:
+the serving process's pid here, a daemon's epoch in the daemon's records); each
+region's ``rkey`` is :func:`segment_key`: the msgpack of ``(segment name, st_dev,
+st_ino)``. :meth:`SameHostTransport.loopback` reads between this transport's own
+regions (a daemon's pull from itself).
 """
 
 from __future__ import annotations
 
+import collections
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from refitd.errors import ProtocolError, TransportError
+from refitd.errors import ProtocolError, RefitError, TransportError
 
 from .core import (
     LocalRegion,
+    Peer,
     PeerInfo,
     ReadBatch,
     RegionInfo,
@@ -39,13 +55,26 @@ from .core import (
     as_read_batch,
     validate_batch,
 )
-from .inproc import InProcessPeer
 from .local import LocalTransport
 from .shm import SHM_DIR, SharedSegment
 
-__all__ = ["SameHostPeer", "SameHostTransport", "boot_id", "file_id", "same_file"]
+__all__ = [
+    "MAX_MAPPINGS",
+    "SameHostPeer",
+    "SameHostTransport",
+    "boot_id",
+    "file_id",
+    "same_file",
+    "segment_key",
+]
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+MAX_MAPPINGS = 256
+"""Peer segments kept mapped while no peer uses them (least recently used go first)."""
+
+FileKey = tuple[str, int, int, int]
+"""A mapping's identity: segment name, ``st_dev``, ``st_ino``, exact size in bytes."""
 
 
 def boot_id() -> str:
@@ -76,81 +105,152 @@ def same_file(name: str, want: tuple[int, ...]) -> None:
         )
 
 
-class SameHostPeer(InProcessPeer):
-    """A connection to a same-host peer: its segments mapped here."""
+def segment_key(name: str, dev: int, ino: int) -> bytes:
+    """The ``rkey`` a same-host record gives a region: its segment's name and file."""
+    return msgspec.msgpack.encode((name, dev, ino))
+
+
+@dataclass
+class _Mapping:
+    segment: SharedSegment
+    users: int = 0  # peers whose record names it, plus reads in flight from it
+
+
+class SameHostPeer(Peer):
+    """A connection to a same-host peer: its listed segments, mapped here and held
+    (never unmapped) until the peer closes or an update stops listing them."""
 
     def __init__(self, owner: SameHostTransport, info: PeerInfo) -> None:
-        super().__init__(owner, info)
-        self.host = owner
-        self._maps: dict[int, SharedSegment] = {}
-        self._map_all(info)
+        self.owner = owner
+        self.info = info
+        self._closed = False
+        self._remote: dict[int, RegionInfo] = {}
+        self._held: dict[int, FileKey] = {}
+        self._accept(info)
 
-    def _map_all(self, info: PeerInfo) -> None:
-        maps: dict[int, SharedSegment] = {}
+    def _accept(self, info: PeerInfo) -> None:
+        """Hold a verified mapping of every region ``info`` lists, then let go of the
+        ones held before (an unchanged one is held twice a moment, so it stays).
+        On any refusal nothing changes and the error names the region."""
+        keys: dict[int, FileKey] = {}
         try:
             for r in info.regions:
-                name, dev, ino = msgspec.msgpack.decode(r.rkey, type=tuple[str, int, int])
-                same_file(name, (dev, ino))
-                seg = SharedSegment.attach(name, r.size)
-                maps[r.region_id] = seg
-                same_file(name, (dev, ino))  # the name was not swapped while mapping
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            for seg in maps.values():
-                seg.close()
-            raise ProtocolError(f"peer record of {info.peer_id!r} refused: {exc}") from None
+                try:
+                    name, dev, ino = msgspec.msgpack.decode(r.rkey, type=tuple[str, int, int])
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    raise ProtocolError(
+                        f"peer record of {info.peer_id!r} refused: region {r.region_id}: {exc}"
+                    ) from None
+                key = (name, dev, ino, r.size)
+                try:
+                    self.owner._hold(key)
+                except (RefitError, OSError) as exc:
+                    raise TransportError(
+                        f"region {r.region_id} of {info.peer_id!r} does not map here: {exc}"
+                    ) from None
+                keys[r.region_id] = key
         except BaseException:
-            for seg in maps.values():
-                seg.close()
+            self.owner._let_go(keys.values())
             raise
-        old, self._maps = self._maps, maps
-        for seg in old.values():
-            seg.close()
+        old, self._held = self._held, keys
         self._remote = {r.region_id: r for r in info.regions}
+        self.owner._let_go(old.values())
 
     async def update(self, info: PeerInfo) -> None:
-        info.verify(self.owner.secret)
+        if self._closed or self.owner.closed:
+            raise TransportClosed(f"update refused: connection to {self.info.peer_id!r} is closed")
+        self.owner._check_record(info)
         if info.address != self.info.address:
             raise ProtocolError(
                 f"update of peer {self.info.peer_id!r} refused: the record is for another peer"
             )
-        self._map_all(info)
+        self._accept(info)
         self.info = info
 
     async def get(self, batch: ReadBatch | npt.NDArray[np.int64] | Iterable[Sequence[int]]) -> None:
         if self._closed or self.owner.closed:
             raise TransportClosed(f"get refused: connection to {self.info.peer_id!r} is closed")
         reads = as_read_batch(batch)
-        local = self.owner.regions
         validate_batch(
-            reads,
-            {k: v.size for k, v in local.items()},
-            {k: v.size for k, v in self._remote.items()},
+            reads, self.owner.local_sizes(), {k: v.size for k, v in self._remote.items()}
         )
-        live = reads[reads["nbytes"] > 0]
-        if len(live) == 0:
-            return
-        dst = np.array([local[int(r)].segment.address for r in live["local_region"].tolist()])
-        src = np.array([self._maps[int(r)].address for r in live["remote_region"].tolist()])
-        await self.host.copy(
-            dst.astype(np.int64) + live["local_offset"],
-            src.astype(np.int64) + live["remote_offset"],
-            live["nbytes"].copy(),
-        )
+        # An update may stop listing a region while this read is in flight: the read
+        # holds its own mappings so none is unmapped under the copy.
+        rids = [int(r) for r in np.unique(reads["remote_region"]).tolist()]
+        keys = [self._held[r] for r in rids]
+        self.owner._hold_mapped(keys)
+        try:
+            bases = {r: self.owner._mapped(k).address for r, k in zip(rids, keys, strict=True)}
+            await self.owner.copy_reads(reads, bases)
+        finally:
+            self.owner._let_go(keys)
 
     async def close(self) -> None:
-        await super().close()
-        for seg in self._maps.values():
-            seg.close()
-        self._maps.clear()
+        if self._closed:
+            return
+        self._closed = True
+        held, self._held = self._held, {}
+        self.owner._let_go(held.values())
+
+
+class _Loopback(Peer):
+    """Reads between one transport's own registered regions (no mapping made)."""
+
+    def __init__(self, owner: SameHostTransport) -> None:
+        self.owner = owner
+        # Its regions are read as registered at each get, not from a record.
+        self.info = PeerInfo(owner.scheme, owner.peer_id, b"loopback", ())
+        self._closed = False
+
+    async def update(self, info: PeerInfo) -> None:
+        self.owner._check_record(info)
+        self.info = info
+
+    async def get(self, batch: ReadBatch | npt.NDArray[np.int64] | Iterable[Sequence[int]]) -> None:
+        if self._closed or self.owner.closed:
+            raise TransportClosed("get refused: the loopback connection is closed")
+        reads = as_read_batch(batch)
+        # Validated against the regions registered now: one registered since the
+        # connection was made (a staging region packed for this pull) is readable.
+        sizes = self.owner.local_sizes()
+        validate_batch(reads, sizes, sizes)
+        regions = self.owner.regions
+        bases = {
+            int(rid): regions[int(rid)].segment.address
+            for rid in np.unique(reads["remote_region"]).tolist()
+        }
+        await self.owner.copy_reads(reads, bases)
+
+    async def close(self) -> None:
+        self._closed = True
 
 
 class SameHostTransport(LocalTransport):
+    """``boot_id`` empty means this kernel's (another value: tests of a peer that
+    claims another host); ``max_mappings`` bounds the unused peer mappings kept; the
+    other options are :class:`~transports.local.LocalTransport`'s (its copy engine)."""
+
     scheme = "shm"
+
+    def __init__(
+        self, *, boot_id: str = "", max_mappings: int = MAX_MAPPINGS, **options: Any
+    ) -> None:
+        super().__init__(**options)
+        self.boot_id = boot_id
+        self.max_mappings = max_mappings
+        #: every peer mapping, least recently used first
+        self._maps: collections.OrderedDict[FileKey, _Mapping] = collections.OrderedDict()
+        #: peer segments mapped since start (a mapping reused is not counted again)
+        self.maps_made = 0
+
+    # ------------------------------------------------------------ records
 
     async def register(self, region_id: int, segment: Segment) -> LocalRegion:
         region = await super().register(region_id, segment)
-        dev, ino = file_id(segment.name)
-        key = msgspec.msgpack.encode((segment.name, dev, ino))
+        try:
+            key = segment_key(segment.name, *file_id(segment.name))
+        except OSError:
+            key = b""  # a name already unlinked: a destination only, never advertised
         info = RegionInfo(region.info.region_id, region.info.epoch, 0, region.info.size, key)
         self._regions[region_id] = LocalRegion(region_id, segment, info)
         return self._regions[region_id]
@@ -159,23 +259,93 @@ class SameHostTransport(LocalTransport):
         return PeerInfo(
             scheme=self.scheme,
             peer_id=self.peer_id,
-            address=f"{boot_id()}:{os.getpid()}".encode(),
-            regions=tuple(r.info for r in self._regions.values()),
+            address=f"{self.boot_id or boot_id()}:{os.getpid()}".encode(),
+            regions=tuple(r.info for r in self._regions.values() if r.info.rkey),
         ).signed(self.secret)
 
     async def connect(self, info: PeerInfo) -> SameHostPeer:
-        if self.closed:
-            raise TransportClosed(f"connect refused: {self.scheme} transport is closed")
-        info.verify(self.secret)
-        if info.scheme != self.scheme:
-            raise ProtocolError(
-                f"connect refused: record is for scheme {info.scheme!r}, not {self.scheme!r}"
-            )
+        self._check_record(info)
         theirs = info.address.decode(errors="replace").partition(":")[0]
-        mine = boot_id()
+        mine = self.boot_id or boot_id()
         if not mine or theirs != mine:
             raise TransportError(
                 f"connect to {info.peer_id!r} refused: it runs under another kernel (boot id "
                 "differs: another host), so its segment names are not this host's"
             )
         return SameHostPeer(self, info)
+
+    def loopback(self) -> Peer:
+        """A connection reading this transport's own regions into its own regions."""
+        if self.closed:
+            raise TransportClosed(f"loopback refused: {self.scheme} transport is closed")
+        return _Loopback(self)
+
+    async def close(self) -> None:
+        await super().close()
+        maps, self._maps = self._maps, collections.OrderedDict()
+        for m in maps.values():
+            m.segment.close()
+
+    # ------------------------------------------------------------ mappings
+
+    @property
+    def mapped(self) -> int:
+        """Peer segments mapped now (held or kept for reuse)."""
+        return len(self._maps)
+
+    def _hold(self, key: FileKey) -> None:
+        """Hold the mapping of ``key``, mapping it first (checked to be that very file,
+        before and after, at exactly that size) unless it is mapped already."""
+        m = self._maps.pop(key, None)
+        if m is None:
+            name, dev, ino, size = key
+            same_file(name, (dev, ino))
+            seg = SharedSegment.attach(name, size)
+            try:
+                same_file(name, (dev, ino))  # the name was not swapped while mapping
+            except BaseException:
+                seg.close()
+                raise
+            m = _Mapping(seg)
+            self.maps_made += 1
+        m.users += 1
+        self._maps[key] = m  # most recently used last
+
+    def _mapped(self, key: FileKey) -> SharedSegment:
+        return self._maps[key].segment
+
+    def _hold_mapped(self, keys: Iterable[FileKey]) -> None:
+        for key in keys:
+            self._maps[key].users += 1
+
+    def _let_go(self, keys: Iterable[FileKey]) -> None:
+        """Drop one hold of each key; unmap unused mappings past ``max_mappings``."""
+        for key in keys:
+            m = self._maps.get(key)
+            if m is not None:
+                m.users -= 1
+        unused = [k for k, m in self._maps.items() if m.users <= 0]
+        for key in unused[: max(0, len(unused) - self.max_mappings)]:
+            self._maps.pop(key).segment.close()
+
+    # ------------------------------------------------------------ copying
+
+    async def copy_reads(self, reads: ReadBatch, src_bases: dict[int, int]) -> None:
+        """Copy validated ``reads`` into this transport's regions from the remote
+        regions whose base addresses (here) ``src_bases`` gives."""
+        live = reads[reads["nbytes"] > 0]
+        if len(live) == 0:
+            return
+        regions = self.regions
+        dst = _addresses(live["local_region"], {k: r.segment.address for k, r in regions.items()})
+        src = _addresses(live["remote_region"], src_bases)
+        await self.copy(
+            dst + live["local_offset"], src + live["remote_offset"], live["nbytes"].copy()
+        )
+
+
+def _addresses(ids: npt.NDArray[np.int64], bases: dict[int, int]) -> npt.NDArray[np.int64]:
+    """Base address per region id of ``ids`` (every id is in ``bases``), vectorised."""
+    uniq, inverse = np.unique(ids, return_inverse=True)
+    table = np.array([bases[int(i)] for i in uniq.tolist()], dtype=np.int64)
+    return table[inverse.reshape(-1)]

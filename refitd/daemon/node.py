@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import numpy as np
 
-from refitd.daemon.copier import Copier, ThreadCopier, pack_strided
+from refitd.daemon.copier import Copier, pack_strided
 from refitd.daemon.holders import Holders
 from refitd.daemon.memory import SharedSegment, byte_view, check_shm_capacity, refuse_cuda_ipc
 from refitd.daemon.peers import PeerPolicy
-from refitd.daemon.regions import RegionTable, validate_pack_specs
+from refitd.daemon.regions import RegionTable, validate_plan
 from refitd.daemon.registry import Lease, Registry
 from refitd.daemon.trust import Extents, check_pack_reads
 from refitd.errors import (
@@ -52,7 +53,7 @@ from refitd.wire import (
     VersionInfo,
 )
 from transports.core import Transport
-from transports.samehost import boot_id, file_id
+from transports.samehost import SameHostTransport, boot_id, file_id
 from transports.shm import (
     SHM_DIR,
     cleanup_stale,
@@ -137,9 +138,13 @@ class Daemon:
         self.peers = PeerPolicy(options.peers)
         self.regions = RegionTable(self.epoch)
         self.segments: dict[int, SharedSegment] = {}
-        self.copier: Copier = copier or ThreadCopier()
         self.transport: Transport | None = None  # every mode but shm
         self.boot_id = options.boot_id or boot_id()
+        #: the same-host data plane, in every mode: pulls from this daemon itself and
+        #: from peers proven to share this host's memory (``copier``: its copy engine)
+        self.shm = SameHostTransport(
+            secret=options.secret, peer_id=self.node_id, copier=copier, boot_id=self.boot_id
+        )
         self._files: dict[int, tuple[int, int]] = {}
         self.ready = False
         self.ucx_transports: list[str] = []  # what the loaded UCX can use (ucx_info -d)
@@ -174,6 +179,7 @@ class Daemon:
         self.removed_at_start = await asyncio.to_thread(cleanup_stale)
         if self.removed_at_start:
             log.info("removed %d stale segment(s) at start", len(self.removed_at_start))
+        await self.shm.start()
         mode = self.options.transport
         if mode != SHM_SCHEME:
             from transports.core import create_transport, transport_class
@@ -204,6 +210,7 @@ class Daemon:
         if self.transport is not None:
             await self.transport.close()
             self.transport = None
+        await self.shm.close()
         for seg in self.segments.values():
             seg.close()
         self.segments.clear()
@@ -243,6 +250,7 @@ class Daemon:
             self._held.setdefault(holder, set()).add(rid)
         if self.transport is not None:
             await self.transport.register(rid, seg)
+        await self.shm.register(rid, seg)
         self.segments[rid] = seg
         with contextlib.suppress(OSError):  # a name already unlinked: no shm path to it
             self._files[rid] = file_id(seg.name)
@@ -303,6 +311,7 @@ class Daemon:
             self._held.get(info.holder, set()).discard(region_id)
         if self.transport is not None:
             await self.transport.deregister(region_id)
+        await self.shm.deregister(region_id)
         self.segments.pop(region_id).close()
         self._files.pop(region_id, None)
         return info
@@ -448,7 +457,8 @@ class Daemon:
             offsets.append(total)
             total += p.nbytes
         staging_sizes = {p.dst_region: total for p in specs}
-        validate_pack_specs(
+        validate_plan(
+            np.zeros((0, 5), dtype=np.int64),
             [msgspec.structs.replace(p, dst_offset=o) for p, o in zip(specs, offsets, strict=True)],
             sizes,
             staging_sizes,

@@ -10,11 +10,14 @@ Order of a pull, and why:
    in a 400 and nothing moves;
 3. pack specs are executed by the source daemon into a staging region it owns, and
    each is read back with one descriptor;
-4. the bytes move along the path chosen at submit (see :meth:`PullManager.choose_path`):
-   ``shm`` when the source is this daemon or a daemon proven
-   to be on this host (same kernel boot id, and every segment it names maps to the
-   very file its signed record states, at the exact size it states); the transport
-   (``ucx``) otherwise. ``--transport shm`` or ``ucx`` forces one path;
+4. the bytes move along the path chosen at submit (see :meth:`PullManager.choose_path`),
+   through one :class:`~transports.core.Peer` and one loop (:meth:`PullManager._move`:
+   pieces, chunks, progress, errors) whatever the path: ``shm`` when the source is
+   this daemon (a loopback connection of the daemon's ``shm`` transport) or a daemon
+   the ``shm`` transport connects to (same kernel boot id, and every segment it
+   names maps to the very file its signed record states, at the exact size it
+   states); the transport (``ucx``) otherwise. ``--transport shm`` or ``ucx``
+   forces one path;
 5. the lease is checked again: if it expired while bytes moved, the pull FAILS and
    every destination range it wrote is reported suspect, so the receiver installs
    nothing from it.
@@ -27,18 +30,14 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from refitd.daemon.node import AUTO, SHM_SCHEME, Daemon
-from refitd.daemon.regions import (
-    refuse_overlapping_writes,
-    validate_descriptors,
-    validate_pack_specs,
-)
+from refitd.daemon.regions import validate_descriptors, validate_plan
 from refitd.daemon.trust import check_pack_reads, check_reads
 from refitd.errors import NotFoundError, ProtocolError, RefitError, TransportError
 from refitd.wire import (
@@ -49,12 +48,17 @@ from refitd.wire import (
     PullProgress,
     PullRequest,
     PullState,
-    RegionInfo,
     StagedPack,
 )
-from transports.core import Peer, rows_as_batch, split_pieces, suspect_ranges
-from transports.samehost import same_file
-from transports.shm import SharedSegment
+from transports.core import (
+    Peer,
+    PeerInfo,
+    rows_as_batch,
+    split_pieces,
+    suspect_ranges,
+)
+from transports.core import RegionInfo as ReadableRegion
+from transports.samehost import segment_key
 
 if TYPE_CHECKING:
     from refitd.client.http import RefitClient
@@ -68,8 +72,17 @@ TRANSPORT_PIECE = 32 << 20
 """Largest single read handed to a transport (bytes); longer reads are cut up so
 several can be in flight."""
 
-PEER_MAPPINGS = 256
-"""Peer segments kept mapped between pulls (least recently used dropped first)."""
+IN_FLIGHT = 2
+"""Batches of one pull a peer has in flight at once: while one is being moved, the
+next is validated and posted, so the data plane never waits on this loop."""
+
+BATCH = {SHM_SCHEME: (8192, 64 << 20)}
+"""Per path, the most reads and about the most bytes of one batch handed to the peer
+(the transport's, when not listed: ``DEFAULT_BATCH``). A same-host batch is one
+parallel memcpy, so it is large (each costs a validation and a thread hand-off);
+progress is reported, and a cancel lands, between batches."""
+
+DEFAULT_BATCH = (2048, 256 << 20)
 
 SHUTTING_DOWN = "daemon shutting down"
 """The reason a pull still running when the daemon stops is cancelled with."""
@@ -152,7 +165,9 @@ class PullJob:
     suspect: list[tuple[int, int, int]] = field(default_factory=list)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
-    path: str = ""  # "local", "shm" or the transport's scheme: decided at submit
+    path: str = ""  # "shm" or the transport's scheme: decided at submit
+    #: the same-host connection chosen at submit (None: the transport's, made later)
+    conn: Peer | None = None
     cancel_reason: str = ""
     fail_reason: str = ""  # set when the source left the registry: FAILED, not CANCELLED
     #: regions of this daemon the pull reads or writes, kept from deletion until it ends
@@ -196,10 +211,8 @@ class PullManager:
         self.jobs: dict[str, PullJob] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._seq = itertools.count(1)
+        #: the transport's connection per source daemon life (node id, epoch)
         self._peers: dict[tuple[str, int], Peer] = {}
-        self._mapped: dict[tuple[str, int, int], SharedSegment] = {}
-        # (st_dev, st_ino) each kept mapping was verified against
-        self._verified: dict[tuple[str, int, int], tuple[int, ...]] = {}
 
     def source_for(self, url: str) -> Source:
         """This daemon for ``""``; else the peer at ``url`` if this daemon trusts it
@@ -221,17 +234,15 @@ class PullManager:
         peer = await src.regions(src_ids, req) if src_ids else None
         src_sizes = {r.region_id: r.nbytes for r in peer.regions} if peer else {}
         dst_sizes = self.d.regions.sizes()
-        validate_descriptors(req.descriptors, src_sizes, dst_sizes)
-        validate_pack_specs(req.pack_specs, src_sizes, dst_sizes)
-        refuse_overlapping_writes(rows, req.pack_specs)
+        validate_plan(rows, req.pack_specs, src_sizes, dst_sizes)
         if peer is not None:
             what = _scope_check(peer, req)
             check_reads(rows, peer.scope, what)
             check_pack_reads(req.pack_specs, peer.scope, what)
-        path = self.choose_path(src, peer)
+        path, conn = await self.choose_path(src, peer)
         total = int(rows[:, 4].sum()) + sum(p.nbytes for p in req.pack_specs)
         job = PullJob(f"p{next(self._seq)}", req, total, rows.shape[0] + len(req.pack_specs))
-        job.path = path
+        job.path, job.conn = path, conn
         dst_ids = {int(x) for x in np.unique(rows[:, 2])} | {p.dst_region for p in req.pack_specs}
         job.pins.enter_context(
             self.d.using(dst_ids | (set(src_ids) if isinstance(src, LocalSource) else set()))
@@ -293,9 +304,6 @@ class PullManager:
     async def close(self) -> None:
         """Cancel every running pull (the daemon is stopping) and wait for them."""
         await self.cancel_all(SHUTTING_DOWN)
-        for seg in self._mapped.values():
-            seg.close()
-        self._mapped.clear()
 
     async def _run(
         self, job: PullJob, src: Source, rows: np.ndarray, peer: PeerRegions | None
@@ -332,8 +340,12 @@ class PullManager:
                 all_rows = np.concatenate([rows, extra])
                 if isinstance(src, LocalSource):
                     job.pins.enter_context(self.d.using([staged.region.region_id]))
+                elif job.conn is not None:  # the staging segment joins the connection
+                    await job.conn.update(self._shm_record(peer))
             moving = True
-            await self._move(job, src, all_rows, peer)
+            if all_rows.shape[0] and peer is not None:
+                conn = job.conn or await self._transport_peer(peer)
+                await self._move(job, conn, all_rows)
             await src.check_lease(req.lease_id, req.model, req.version)
             job.state = PullState.DONE
         except asyncio.CancelledError as exc:
@@ -367,6 +379,8 @@ class PullManager:
                 log.error("pull %s failed unexpectedly", job.pull_id, exc_info=exc)
         finally:
             job.ended = time.perf_counter()
+            if job.conn is not None:
+                await job.conn.close()  # lets go of its mappings: none is read any more
             job.pins.close()
             self.d.reap_soon()  # an exited client's region this pull held may go now
             if staged is not None:
@@ -374,50 +388,39 @@ class PullManager:
                     await asyncio.shield(src.drop(staged.region.region_id, req.lease_id))
             job.finished.set()
 
-    async def _move(
-        self, job: PullJob, src: Source, rows: np.ndarray, peer: PeerRegions | None
-    ) -> None:
-        if rows.shape[0] == 0 or peer is None:
-            return
-        if isinstance(src, LocalSource):
-            await self._copy(job, rows, lambda rid: _noop(self.d.view(rid)))
-        elif job.path == SHM_SCHEME:
-            await self._copy_shm(job, rows, peer)
-        else:
-            await self._get_transport(job, rows, peer)
-
     # ------------------------------------------------------------ path choice
 
-    def choose_path(self, src: Source, peer: PeerRegions | None) -> str:
-        """The path a pull from ``src`` takes, decided before any byte moves.
+    async def choose_path(self, src: Source, peer: PeerRegions | None) -> tuple[str, Peer | None]:
+        """The path a pull from ``src`` takes, decided before any byte moves, and for
+        ``shm`` the connection it reads through.
 
-        ``shm`` for this daemon (a copy between its own segments, in any mode); in
-        mode ``auto`` or ``shm``, ``shm`` when :meth:`shm_refusal` finds nothing
-        against the peer; else (mode ``auto`` or a scheme) the transport's scheme,
-        when the peer advertises that transport.
+        ``shm`` for this daemon (a loopback connection of its ``shm`` transport, in
+        any mode); in mode ``auto`` or ``shm``, ``shm`` when the ``shm`` transport
+        connects to the peer (:meth:`shm_refusal` says why not otherwise); else (mode
+        ``auto`` or a scheme) the transport's scheme, when the peer advertises that
+        transport (connected when bytes first move).
         Raises :class:`TransportError` (nothing moved) when no path fits.
         """
         if isinstance(src, LocalSource):
-            return SHM_SCHEME
+            return SHM_SCHEME, self.d.shm.loopback()
         if peer is None:
-            return "none"  # nothing to read
+            return "none", None  # nothing to read
         mode = self.d.options.transport
         why_not_shm = f"this daemon is forced to its transport (--transport {mode})"
         if mode in (AUTO, SHM_SCHEME):
-            refusal = self.shm_refusal(peer)
-            if refusal is None:
-                return SHM_SCHEME
+            try:
+                return SHM_SCHEME, await self.d.shm.connect(self._shm_record(peer))
+            except (RefitError, OSError) as exc:
+                refusal = str(exc)
             if mode == SHM_SCHEME:
                 raise TransportError(
                     f"pull from {peer.node_id!r} refused before any byte moved: this daemon "
                     f"runs the shared-memory path only (--transport shm) and {refusal}"
                 )
             why_not_shm = refusal
-        return self._transport_scheme(peer, why_not_shm)
+        return self._transport_scheme(peer, why_not_shm), None
 
     def _transport_scheme(self, peer: PeerRegions, why_not_shm: str) -> str:
-        from transports.core import PeerInfo
-
         transport = self.d.transport
         if transport is None:
             raise TransportError(
@@ -439,78 +442,45 @@ class PullManager:
         log.info("pull from %s over %s: not shm because %s", peer.node_id, scheme, why_not_shm)
         return scheme
 
-    def shm_refusal(self, peer: PeerRegions) -> str | None:
-        """Why the shared-memory path to ``peer`` is not proven, or None when it is:
+    async def shm_refusal(self, peer: PeerRegions) -> str | None:
+        """Why the ``shm`` transport does not connect to ``peer``, or None when it does:
         the peer's boot id equals ours and every region it listed maps (by name) to
-        the very file its signed record names, at exactly the size it states. Every
-        region is mapped here, so a verified pull starts without mapping anything."""
-        if not peer.boot_id or peer.boot_id != self.d.boot_id:
-            return f"{peer.node_id!r} runs under another kernel (boot id differs: another host)"
-        for rec in peer.regions:
-            try:
-                self._peer_segment(peer, rec)
-            except (RefitError, OSError) as exc:
-                return f"region {rec.region_id} of {peer.node_id!r} does not map here: {exc}"
+        the very file its signed record names, at exactly the size it states."""
+        try:
+            conn = await self.d.shm.connect(self._shm_record(peer))
+        except (RefitError, OSError) as exc:
+            return str(exc)
+        await conn.close()
         return None
 
-    # ------------------------------------------------------------ moving bytes
+    def _shm_record(self, peer: PeerRegions) -> PeerInfo:
+        """``peer``'s verified, lease-scoped region records as the ``shm`` transport's
+        signed record: address ``<boot id>:<epoch>``, and per region its segment's
+        name and file identity (:func:`~transports.samehost.segment_key`).
 
-    async def _copy(
-        self, job: PullJob, rows: np.ndarray, src_view: Callable[[int], Awaitable[memoryview]]
-    ) -> None:
-        s_ids, s_idx = np.unique(rows[:, 0], return_inverse=True)
-        d_ids, d_idx = np.unique(rows[:, 2], return_inverse=True)
-        srcs = [await src_view(int(i)) for i in s_ids]
-        dsts = [self.d.view(int(i)) for i in d_ids]
-        local = rows.copy()
-        local[:, 0] = s_idx.reshape(-1)
-        local[:, 2] = d_idx.reshape(-1)
-        await self.d.copier.copy(srcs, dsts, local, job.progress)
+        Built here from the record this daemon already verified rather than
+        advertised by the peer: it lists only the regions this pull's lease may read,
+        and needs nothing more on the wire than the peer's ``PeerRegions``."""
+        regions = []
+        for r in peer.regions:
+            file = peer.files.get(r.region_id)
+            if file is None:
+                raise TransportError(
+                    f"region {r.region_id} of {peer.node_id!r} does not map here: the record "
+                    f"names no file for segment {r.handle!r}"
+                )
+            key = segment_key(r.handle, *file)
+            regions.append(ReadableRegion(r.region_id, peer.epoch, 0, r.nbytes, key))
+        return PeerInfo(
+            scheme=SHM_SCHEME,
+            peer_id=peer.node_id,
+            address=f"{peer.boot_id}:{peer.epoch}".encode(),
+            regions=tuple(regions),
+        ).signed(self.d.options.secret)
 
-    async def _copy_shm(self, job: PullJob, rows: np.ndarray, peer: PeerRegions) -> None:
-        records = {r.region_id: r for r in peer.regions}
-
-        async def view(rid: int) -> memoryview:
-            return self._peer_segment(peer, records[rid]).numpy().data
-
-        await self._copy(job, rows, view)
-
-    def _peer_segment(self, peer: PeerRegions, rec: RegionInfo) -> SharedSegment:
-        """The peer's segment for ``rec``, mapped once and kept (a fresh mapping of a
-        large region costs a page fault per 4 KiB on first touch, every pull).
-
-        A new mapping is made only after checking that the name maps the file the
-        peer's signed record names (``files``), before and after mapping it, and
-        that its size is exactly the recorded one; else :class:`TransportError`."""
-        key = (peer.node_id, peer.epoch, rec.region_id)
-        want = peer.files.get(rec.region_id)
-        seg = self._mapped.pop(key, None)
-        if seg is not None and (
-            seg.name != rec.handle or seg.size != rec.nbytes or self._verified.get(key) != want
-        ):
-            seg.close()
-            seg = None
-        if seg is None:
-            if want is None:
-                raise TransportError(f"the record names no file for segment {rec.handle!r}")
-            same_file(rec.handle, tuple(want))
-            seg = SharedSegment.attach(rec.handle, rec.nbytes)
-            try:
-                same_file(rec.handle, tuple(want))
-            except BaseException:
-                seg.close()
-                raise
-            self._verified[key] = tuple(want)
-        self._mapped[key] = seg  # most recently used last
-        while len(self._mapped) > PEER_MAPPINGS:
-            oldest = next(iter(self._mapped))
-            self._mapped.pop(oldest).close()
-            self._verified.pop(oldest, None)
-        return seg
-
-    async def _get_transport(self, job: PullJob, rows: np.ndarray, peer: PeerRegions) -> None:
-        from transports.core import PeerInfo
-
+    async def _transport_peer(self, peer: PeerRegions) -> Peer:
+        """The transport's connection to ``peer``: made once per source daemon life
+        and brought up to date with its latest advertisement."""
         transport = self.d.transport
         assert transport is not None  # choose_path picked a transport path
         info = PeerInfo.decode(peer.advert)
@@ -521,28 +491,60 @@ class PullManager:
             self._peers[key] = conn
         else:
             await conn.update(info)
+        return conn
+
+    # ------------------------------------------------------------ moving bytes
+
+    async def _move(self, job: PullJob, conn: Peer, rows: np.ndarray) -> None:
+        """Read wire ``rows`` (validated) through ``conn``, whatever its path: long
+        reads cut into pieces, pieces sent in batches (``BATCH``) with ``IN_FLIGHT``
+        of them in flight, progress counted per batch that landed, the first
+        transport error raised as itself (the other batches cancelled first)."""
         # Transport reads are (local=dst, local_off, remote=src, remote_off, nbytes).
-        reads = split_pieces(rows_as_batch(rows), TRANSPORT_PIECE)
-        step = 4096
-        for lo in range(0, reads.shape[0], step):
-            chunk = reads[lo : lo + step]
-            # Two batches in flight keep both directions of the data plane busy.
-            sizes = chunk["nbytes"]
-            half = int(np.searchsorted(np.cumsum(sizes), sizes.sum() // 2))
-            parts = [p for p in (chunk[: half + 1], chunk[half + 1 :]) if len(p)]
+        batch = rows_as_batch(rows)
+        reads = split_pieces(batch, TRANSPORT_PIECE)
+        # A descriptor is done once its last piece is: mark where each one ends.
+        pieces = np.maximum(1, -(-batch["nbytes"] // TRANSPORT_PIECE))
+        ends = np.zeros(len(reads), dtype=np.int64)
+        ends[np.cumsum(pieces) - 1] = 1
+        max_reads, max_bytes = BATCH.get(job.path, DEFAULT_BATCH)
+        window = asyncio.Semaphore(IN_FLIGHT)
+
+        async def move(lo: int, hi: int) -> None:
             try:
-                async with asyncio.TaskGroup() as tg:
-                    for part in parts:
-                        tg.create_task(conn.get(part))
-            except BaseExceptionGroup as group:
-                # A TaskGroup wraps even one failure (PeerLost when the source died
-                # mid-read) in an ExceptionGroup; raise the transport's own error so
-                # the pull fails with its message rather than escaping `_run`.
-                first = next((e for e in group.exceptions if isinstance(e, RefitError)), None)
-                if first is None:
-                    raise
-                raise first from None
-            job.progress(len(chunk), int(chunk["nbytes"].sum()))
+                part = reads[lo:hi]
+                await conn.get(part)
+                job.progress(int(ends[lo:hi].sum()), int(part["nbytes"].sum()))
+            finally:
+                window.release()
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for lo, hi in _spans(reads["nbytes"], max_reads, max_bytes):
+                    await window.acquire()
+                    tg.create_task(move(lo, hi))
+        except BaseExceptionGroup as group:
+            # A TaskGroup wraps even one failure (PeerLost when the source died
+            # mid-read) in an ExceptionGroup; raise the transport's own error so
+            # the pull fails with its message rather than escaping `_run`.
+            first = next((e for e in group.exceptions if isinstance(e, RefitError)), None)
+            if first is None:
+                raise
+            raise first from None
+
+
+def _spans(sizes: np.ndarray, max_reads: int, max_bytes: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` spans of reads with at most ``max_reads`` reads and about
+    ``max_bytes`` bytes each (a larger single read is its own span)."""
+    spans: list[tuple[int, int]] = []
+    lo, n = 0, len(sizes)
+    while lo < n:
+        csum = np.cumsum(sizes[lo : lo + max_reads])
+        k = int(np.searchsorted(csum, max_bytes, side="right"))
+        hi = lo + max(1, min(k, max_reads))
+        spans.append((lo, hi))
+        lo = hi
+    return spans
 
 
 def _source_name(url: str, peer: PeerRegions | None) -> str:
@@ -550,10 +552,6 @@ def _source_name(url: str, peer: PeerRegions | None) -> str:
     if not url:
         return "this daemon"
     return f"{peer.node_id!r} at {url}" if peer is not None else url
-
-
-async def _noop(v: memoryview) -> memoryview:
-    return v
 
 
 def _merge_peer(a: PeerRegions, b: PeerRegions) -> PeerRegions:

@@ -1,9 +1,13 @@
 """The daemon's records of regions and the bounds check every pull passes first.
 
 Pure: a :class:`RegionTable` holds :class:`RegionInfo` records (no memory), and
-:func:`validate_descriptors` checks a whole descriptor table against two tables
-before any byte moves. Vectorised with numpy so 100k descriptors check in
-milliseconds; the refusal names the *first* offending descriptor by index.
+:func:`validate_plan` checks a whole plan (descriptors and pack specs) against two
+tables before any byte moves. Both are rows of one layout, ``(src_region,
+src_offset, dst_region, dst_offset, nbytes)``: a pack spec's row reads the span of
+the source region its elements cover and writes its packed bytes. The checks are
+the data plane's own (:func:`transports.core.validate_batch`, bounds and the one
+overlap check), vectorised with numpy so 100k descriptors check in milliseconds;
+the refusal names the *first* offending descriptor or pack spec by index.
 """
 
 from __future__ import annotations
@@ -13,16 +17,12 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from refitd.daemon.trust import pack_span
 from refitd.errors import NotFoundError, ProtocolError
 from refitd.wire import DescriptorTable, PackSpec, RegionInfo
 from transports.core import ReadRefused, rows_as_batch, validate_batch
 
-__all__ = [
-    "RegionTable",
-    "refuse_overlapping_writes",
-    "validate_descriptors",
-    "validate_pack_specs",
-]
+__all__ = ["RegionTable", "pack_rows", "validate_descriptors", "validate_plan"]
 
 
 class RegionTable:
@@ -73,104 +73,117 @@ _WHY = {
     "negative": "it has a negative offset or size",
     "remote_range": "its source range ends past the source region",
     "local_range": "its destination range ends past the destination region",
-    "overlap": "its destination range overlaps another descriptor's",
 }
+_WHY_PACK = {
+    **_WHY,
+    "remote_range": "its elements reach outside the source region",
+    "local_range": "its packed bytes end past the destination region",
+}
+
+
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _pack_why(exc: ReadRefused) -> str:
+    if exc.why == "negative remote offset":  # a negative stride reaching back too far
+        return "its elements reach outside the source region, before its start"
+    return _WHY_PACK.get(exc.check, exc.why)
+
+
+def pack_rows(specs: list[PackSpec]) -> tuple[np.ndarray, np.ndarray]:
+    """Each pack spec as a plan row ``(src_region, lo, dst_region, dst_offset, nbytes)``
+    and the length ``hi - lo`` of the source span ``[lo, hi)`` its elements cover
+    (bytes; ``lo`` below ``src_offset`` where a stride is negative). Refuses
+    (:class:`ProtocolError`) the first spec whose shape and strides disagree."""
+    rows = np.zeros((len(specs), 5), dtype=np.int64)
+    spans = np.zeros(len(specs), dtype=np.int64)
+    for i, p in enumerate(specs):
+        if len(p.shape) != len(p.strides) or any(s < 0 for s in p.shape):
+            raise ProtocolError(
+                f"{_pack_name(i, p)} refused: shape {p.shape} and strides {p.strides} "
+                "disagree; nothing was transferred"
+            )
+        lo, hi = pack_span(p)
+        row = (p.src_region, lo, p.dst_region, p.dst_offset, p.nbytes)
+        if any(not _INT64_MIN <= v <= _INT64_MAX for v in (*row, hi - lo, hi)):
+            raise ProtocolError(
+                f"{_pack_name(i, p)} refused: its size or the span of its elements "
+                f"([{lo}, {hi}), {p.nbytes} bytes) does not fit in 64 bits, so no region "
+                "holds it; nothing was transferred"
+            )
+        rows[i] = row
+        spans[i] = hi - lo
+    return rows, spans
+
+
+def _pack_name(i: int, p: PackSpec) -> str:
+    return f"pack spec {i} ({p.src_region!r}+{p.src_offset} -> {p.dst_region!r}+{p.dst_offset})"
+
+
+def validate_plan(
+    rows: np.ndarray,
+    specs: list[PackSpec],
+    src_sizes: Mapping[int, int],
+    dst_sizes: Mapping[int, int],
+) -> None:
+    """Check descriptor ``rows`` (``(n, 5)`` int64) and pack ``specs`` together, once.
+
+    ``src_sizes``/``dst_sizes`` map region id to size in bytes, from the daemons' own
+    records. Refused (:class:`ProtocolError` naming the first bad descriptor by index,
+    or pack spec as ``pack spec j``): a region not recorded, a negative offset or
+    size, a byte range leaving its region (checked as ``offset <= size - nbytes`` so
+    nothing overflows; a pack spec's source range is the span its elements cover), or
+    two writes to one destination byte (the copies run concurrently, so which lands
+    would be chance). Zero-length reads inside a region, including at its very end,
+    pass and overlap nothing. Nothing is read or written by this function.
+    """
+    packed, spans = pack_rows(specs)
+    plan = np.concatenate([rows.reshape(-1, 5), packed]) if len(specs) else rows.reshape(-1, 5)
+    if plan.shape[0] == 0:
+        return
+    n_desc = rows.shape[0]
+    try:
+        validate_batch(
+            rows_as_batch(plan),
+            dict(dst_sizes),
+            dict(src_sizes),
+            np.concatenate([plan[:n_desc, 4], spans]),
+        )
+    except ReadRefused as exc:
+        i = exc.index
+
+        def name(k: int) -> str:
+            return f"descriptor {k}" if k < n_desc else f"pack spec {k - n_desc}"
+
+        if exc.check == "overlap" and exc.other is not None:
+            a, b = plan[exc.other], plan[i]
+            raise ProtocolError(
+                f"{name(exc.other)} and {name(i)} refused: their destination ranges overlap "
+                f"in region {int(b[2])} at byte {max(int(a[3]), int(b[3]))}; a plan writes "
+                "each destination byte once; nothing was transferred"
+            ) from None
+        r = [int(x) for x in plan[i]]
+        if i < n_desc:
+            raise ProtocolError(
+                f"descriptor {i} refused: read {r[4]} bytes from region {r[0]}+{r[1]} "
+                f"(of {src_sizes.get(r[0], '?')} bytes) into region {r[2]}+{r[3]} "
+                f"(of {dst_sizes.get(r[2], '?')} bytes): {_WHY.get(exc.check, exc.why)}; "
+                "nothing was transferred"
+            ) from None
+        j = i - n_desc
+        raise ProtocolError(
+            f"{_pack_name(j, specs[j])} refused: its elements span bytes "
+            f"[{r[1]}, {r[1] + int(spans[j])}) of region {r[0]} (of "
+            f"{src_sizes.get(r[0], '?')} bytes) and land as {r[4]} bytes in region "
+            f"{r[2]}+{r[3]} (of {dst_sizes.get(r[2], '?')} bytes): "
+            f"{_pack_why(exc)}; nothing was transferred"
+        ) from None
 
 
 def validate_descriptors(
     d: DescriptorTable, src_sizes: Mapping[int, int], dst_sizes: Mapping[int, int]
 ) -> np.ndarray:
-    """Check every descriptor of ``d``; return its ``(n, 5)`` rows if all are in bounds.
-
-    ``src_sizes``/``dst_sizes`` map region id to size in bytes, from the daemons' own
-    records. The checks are the data plane's own (:func:`transports.core.validate_batch`,
-    on the descriptors as reads into this daemon): a descriptor is refused
-    (:class:`ProtocolError` naming its index and values) when a region is not
-    recorded, an offset or size is negative, the byte range leaves its region
-    (checked as ``offset <= size - nbytes`` so nothing overflows), or its destination
-    overlaps another's. Zero-length reads inside a region, including at its very
-    end, pass. Nothing is read or written by this function.
-    """
+    """:func:`validate_plan` of a descriptor table alone; returns its ``(n, 5)`` rows."""
     rows = d.rows()
-    if rows.shape[0] == 0:
-        return rows
-    try:
-        validate_batch(rows_as_batch(rows), dict(dst_sizes), dict(src_sizes))
-    except ReadRefused as exc:
-        i = exc.index
-        r = [int(x) for x in rows[i]]
-        why = _WHY.get(exc.check, exc.why)
-        raise ProtocolError(
-            f"descriptor {i} refused: read {r[4]} bytes from region {r[0]}+{r[1]} "
-            f"(of {src_sizes.get(r[0], '?')} bytes) into region {r[2]}+{r[3]} "
-            f"(of {dst_sizes.get(r[2], '?')} bytes): {why}; nothing was transferred"
-        ) from None
+    validate_plan(rows, [], src_sizes, dst_sizes)
     return rows
-
-
-def validate_pack_specs(
-    specs: list[PackSpec], src_sizes: Mapping[int, int], dst_sizes: Mapping[int, int]
-) -> None:
-    """Check each pack spec's strided footprint lies in its source region and its packed
-    bytes in its destination region; refuse the first that does not."""
-    for i, p in enumerate(specs):
-        where = (
-            f"pack spec {i} ({p.src_region!r}+{p.src_offset} -> {p.dst_region!r}+{p.dst_offset})"
-        )
-        ssize = src_sizes.get(p.src_region)
-        dsize = dst_sizes.get(p.dst_region)
-        if ssize is None:
-            raise NotFoundError(f"{where}: source region {p.src_region!r} is not recorded")
-        if dsize is None:
-            raise NotFoundError(f"{where}: destination region {p.dst_region!r} is not recorded")
-        if len(p.shape) != len(p.strides) or any(s < 0 for s in p.shape):
-            raise ProtocolError(f"{where}: shape {p.shape} and strides {p.strides} disagree")
-        if p.nbytes == 0:
-            continue
-        lo = p.src_offset + p.itemsize * sum(
-            st * (n - 1) for st, n in zip(p.strides, p.shape, strict=True) if st < 0
-        )
-        hi = p.src_offset + p.itemsize * (
-            1 + sum(st * (n - 1) for st, n in zip(p.strides, p.shape, strict=True) if st > 0)
-        )
-        if lo < 0 or hi > ssize:
-            raise ProtocolError(
-                f"{where} refused: its elements span bytes [{lo}, {hi}) outside the "
-                f"{ssize}-byte source region; nothing was transferred"
-            )
-        if p.dst_offset + p.nbytes > dsize:
-            raise ProtocolError(
-                f"{where} refused: {p.nbytes} packed bytes overrun the {dsize}-byte "
-                "destination region; nothing was transferred"
-            )
-
-
-def refuse_overlapping_writes(rows: np.ndarray, specs: list[PackSpec]) -> None:
-    """Refuse a plan that writes any destination byte twice (:class:`ProtocolError`
-    naming both writes): the copies run concurrently, so which one lands would be up
-    to chance. Call after the bounds checks (``offset + nbytes`` cannot overflow
-    then). Zero-length writes overlap nothing. Descriptor ``i`` is named by its
-    index, pack spec ``j`` as ``pack spec j``."""
-    regions = [rows[:, 2], np.array([p.dst_region for p in specs], dtype=np.int64)]
-    starts = [rows[:, 3], np.array([p.dst_offset for p in specs], dtype=np.int64)]
-    sizes = [rows[:, 4], np.array([p.nbytes for p in specs], dtype=np.int64)]
-    region, start, size = (np.concatenate(x) for x in (regions, starts, sizes))
-    names = np.arange(len(region))
-    keep = size > 0
-    region, start, size, names = region[keep], start[keep], size[keep], names[keep]
-    order = np.lexsort((start, region))
-    region, start, end, names = region[order], start[order], (start + size)[order], names[order]
-    # Sorted by (region, start): if any two writes overlap, some adjacent pair does.
-    hits = np.flatnonzero((region[1:] == region[:-1]) & (start[1:] < end[:-1]))
-    if len(hits):
-        i = int(hits[0])
-
-        def what(k: int) -> str:
-            n = int(names[k])
-            return f"descriptor {n}" if n < len(rows) else f"pack spec {n - len(rows)}"
-
-        raise ProtocolError(
-            f"{what(i)} and {what(i + 1)} refused: their destination ranges overlap in "
-            f"region {int(region[i])} at byte {int(start[i + 1])}; a plan writes each "
-            "destination byte once; nothing was transferred"
-        )

@@ -8,6 +8,7 @@ host: the one thing two daemons on one machine cannot otherwise be made to show.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
+from support.daemons import GatedCopier
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config
@@ -35,7 +37,7 @@ from refitd.wire import (
     ShardEntry,
     TensorEntry,
 )
-from transports.shm import SharedSegment
+from transports.shm import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -52,9 +54,11 @@ class Node:
 
 
 @contextlib.asynccontextmanager
-async def node(name: str, metrics: bool = False, **options: object) -> AsyncIterator[Node]:
+async def node(
+    name: str, metrics: bool = False, copier: GatedCopier | None = None, **options: object
+) -> AsyncIterator[Node]:
     options.setdefault("peers", ("http://127.0.0.1:*",))  # the other test daemons
-    d = Daemon(DaemonOptions(port=0, node_id=name, secret=SECRET, **options))  # type: ignore[arg-type]
+    d = Daemon(DaemonOptions(port=0, node_id=name, secret=SECRET, **options), copier=copier)  # type: ignore[arg-type]
     setup = []
     if metrics:
         config = load_config(env={}, overrides={})
@@ -63,25 +67,27 @@ async def node(name: str, metrics: bool = False, **options: object) -> AsyncIter
         yield Node(d, c, url, app[PULLS])
 
 
-async def publish(src: Node, fill: int) -> tuple[int, SharedSegment]:
-    """Model 'm' v1: one uint8 tensor of NBYTES bytes, every byte ``fill``."""
+async def publish(src: Node, fill: int, model: str = "m") -> tuple[int, SharedSegment]:
+    """``model`` v1: one uint8 tensor of NBYTES bytes, every byte ``fill``."""
     info = await src.client.create_region(NBYTES, label="w")
     seg = SharedSegment.attach(info.handle, info.nbytes)
     seg.numpy()[:] = fill
     shard = ShardEntry((0,), (NBYTES,), info.region_id, 0)
     await src.client.publish(
-        ManifestIn("m", 1, 0, 1, [TensorEntry("w", (NBYTES,), "uint8", [shard])])
+        ManifestIn(model, 1, 0, 1, [TensorEntry("w", (NBYTES,), "uint8", [shard])])
     )
     return info.region_id, seg
 
 
-async def pull_all(src: Node, dst: Node, region: int) -> tuple[PullRequest, SharedSegment, int]:
+async def pull_all(
+    src: Node, dst: Node, region: int, model: str = "m"
+) -> tuple[PullRequest, SharedSegment, int]:
     """A request for every byte of ``region`` at ``src`` into a new segment at ``dst``."""
     seg = SharedSegment.create(NBYTES, "dst")
     info = await dst.client.attach_region(seg.name, NBYTES)
-    lease = await src.client.acquire_lease("m", 1)
+    lease = await src.client.acquire_lease(model, 1)
     rows = np.array([[region, 0, info.region_id, 0, NBYTES]], dtype=np.int64)
-    req = PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows), [], src.url)
+    req = PullRequest(model, 1, lease.lease_id, DescriptorTable.pack(rows), [], src.url)
     return req, seg, info.region_id
 
 
@@ -159,18 +165,89 @@ async def test_a_same_host_record_is_trusted_only_for_the_very_file_and_size_it_
         lease = await src.client.acquire_lease("m", 1)
         rec = await src.client.peer_regions([region], lease.lease_id, "m", 1)
         rec.verify(SECRET)
-        assert engine.pulls.shm_refusal(rec) is None
+        assert await engine.pulls.shm_refusal(rec) is None
         # A segment of that name that is another file (another /dev/shm, say).
         dev, ino = rec.files[region]
         other = msgspec.structs.replace(rec, files={region: (dev, ino + 1)})
-        assert "another file" in str(engine.pulls.shm_refusal(other))
+        assert "another file" in str(await engine.pulls.shm_refusal(other))
         # A record stating another size than the segment's.
         shrunk = msgspec.structs.replace(rec.regions[0], nbytes=NBYTES // 2)
         assert "expected 2048" in str(
-            engine.pulls.shm_refusal(msgspec.structs.replace(rec, regions=[shrunk]))
+            await engine.pulls.shm_refusal(msgspec.structs.replace(rec, regions=[shrunk]))
         )
         # A record with no file identity at all is not trusted either.
         bare = PeerRegions(
             rec.node_id, rec.epoch, rec.transport, rec.regions, rec.advert, rec.boot_id
         )
-        assert "names no file" in str(engine.pulls.shm_refusal(bare))
+        assert "names no file" in str(await engine.pulls.shm_refusal(bare))
+
+
+async def test_a_same_host_pull_keeps_the_peers_mappings_between_pulls() -> None:
+    async with node("src", transport="shm") as src, node("engine", transport="shm") as engine:
+        region, _ = await publish(src, 4)
+        for _ in range(3):
+            req, seg, dst = await pull_all(src, engine, region)
+            with seg:
+                res = await engine.client.pull(req)
+                assert res.path == "shm" and (seg.numpy() == 4).all()
+            await engine.client.delete_region(dst)
+        # One mapping of the source's segment, made by the first pull, reused since.
+        assert engine.daemon.shm.maps_made == 1 and engine.daemon.shm.mapped == 1
+
+
+async def test_a_same_host_pull_from_a_peer_whose_segment_maps_another_file_is_refused() -> None:
+    """... before any byte moves, naming the region and why."""
+    async with node("src", transport="shm") as src, node("engine", transport="shm") as engine:
+        region, _ = await publish(src, 4)
+        name = src.daemon.regions.get(region).handle
+        # The name now maps another file of the same size (what another /dev/shm shows).
+        os.unlink(SHM_DIR / name)
+        fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, NBYTES)
+        os.close(fd)
+        req, seg, _ = await pull_all(src, engine, region)
+        with seg:
+            with pytest.raises(
+                TransportError, match=rf"region {region} of 'src' does not map here: .*another file"
+            ):
+                await engine.client.submit_pull(req)
+            assert not seg.numpy().any() and await engine.client.pulls() == []
+        assert engine.daemon.shm.mapped == 0
+
+
+async def test_a_pull_from_this_daemon_reads_through_its_own_segments_without_mapping_any() -> None:
+    async with node("solo", transport="shm") as n:
+        region, _ = await publish(n, 6)
+        seg = SharedSegment.create(NBYTES, "dst")
+        with seg:
+            info = await n.client.attach_region(seg.name, NBYTES)
+            lease = await n.client.acquire_lease("m", 1)
+            rows = np.array([[region, 0, info.region_id, 0, NBYTES]], dtype=np.int64)
+            res = await n.client.pull(
+                PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows), [])
+            )
+            assert res.path == "shm" and (seg.numpy() == 6).all()
+        assert n.daemon.shm.maps_made == 0
+
+
+async def test_same_host_pulls_under_two_leases_from_one_peer_at_once_both_land() -> None:
+    """Each pull reads through its own connection, listing only what its lease may
+    read; the two share the mappings, and neither's record replaces the other's."""
+    gate = GatedCopier()
+    async with (
+        node("src", transport="shm") as src,
+        node("engine", transport="shm", copier=gate) as engine,
+    ):
+        r_m, _ = await publish(src, 1, "m")
+        r_n, _ = await publish(src, 2, "n")
+        req_m, seg_m, _ = await pull_all(src, engine, r_m, "m")
+        req_n, seg_n, _ = await pull_all(src, engine, r_n, "n")
+        with seg_m, seg_n:
+            first = await engine.client.submit_pull(req_m)
+            await gate.entered.wait()  # m's bytes are mid-flight
+            second = await engine.client.submit_pull(req_n)
+            gate.gate.set()
+            for started in (first, second):
+                res = await engine.client.wait_pull(started.pull_id)
+                assert res.state is PullState.DONE, res.error
+            assert (seg_m.numpy() == 1).all() and (seg_n.numpy() == 2).all()

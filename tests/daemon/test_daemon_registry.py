@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from support.daemons import FakeClock
 
-from refitd.daemon.regions import validate_descriptors, validate_pack_specs
+from refitd.daemon.regions import validate_descriptors, validate_plan
 from refitd.daemon.registry import Registry, check_manifest_bounds
 from refitd.errors import ConflictError, NotFoundError, ProtocolError
 from refitd.wire import (
@@ -187,13 +187,44 @@ def test_a_truncated_descriptor_payload_is_refused():
         DescriptorTable(b"\0" * 41).rows()
 
 
+NO_ROWS = np.zeros((0, 5), dtype=np.int64)
+
+
 def test_a_pack_spec_whose_strided_span_leaves_the_source_is_refused():
     ok = PackSpec(1, 0, (2, 2), (4, 1), 4, 2, 0)  # rows 0..1, cols 0..1 of a 2x4 f32
-    validate_pack_specs([ok], {1: 32}, {2: 16})
-    with pytest.raises(ProtocolError, match="pack spec 0"):
-        validate_pack_specs([PackSpec(1, 8, (2, 2), (4, 1), 4, 2, 0)], {1: 24}, {2: 16})
-    with pytest.raises(ProtocolError, match="destination"):
-        validate_pack_specs([ok], {1: 32}, {2: 15})
+    validate_plan(NO_ROWS, [ok], {1: 32}, {2: 16})
+    with pytest.raises(ProtocolError, match=r"pack spec 0 .*bytes \[8, 32\) of region 1"):
+        validate_plan(NO_ROWS, [PackSpec(1, 8, (2, 2), (4, 1), 4, 2, 0)], {1: 24}, {2: 16})
+    with pytest.raises(ProtocolError, match=r"pack spec 0 .*end past the destination"):
+        validate_plan(NO_ROWS, [ok], {1: 32}, {2: 15})
+
+
+def test_a_pack_spec_with_a_negative_stride_is_checked_on_the_span_it_really_reads():
+    # Elements at byte 8 then 4 then 0: a span of [0, 12), though it starts at 8.
+    back = PackSpec(1, 8, (3,), (-1,), 4, 2, 0)
+    validate_plan(NO_ROWS, [back], {1: 12}, {2: 12})
+    with pytest.raises(ProtocolError, match=r"pack spec 0 .*outside the source"):
+        validate_plan(NO_ROWS, [PackSpec(1, 4, (3,), (-1,), 4, 2, 0)], {1: 12}, {2: 12})
+
+
+def test_descriptors_and_pack_specs_are_refused_by_the_one_overlap_check_naming_both():
+    rows = np.array([[1, 0, 2, 0, 8], [1, 8, 2, 8, 8]], dtype=np.int64)
+    spec = PackSpec(1, 0, (2,), (1,), 4, 2, 12)  # 8 packed bytes at dst+12
+    with pytest.raises(ProtocolError, match=r"descriptor 1 and pack spec 0 refused: .*overlap"):
+        validate_plan(rows, [spec], {1: 32}, {2: 32})
+    with pytest.raises(ProtocolError, match="pack spec 0 and pack spec 1 refused"):
+        validate_plan(NO_ROWS, [spec, spec], {1: 32}, {2: 32})
+    validate_plan(rows, [PackSpec(1, 0, (2,), (1,), 4, 2, 16)], {1: 32}, {2: 32})
+
+
+def test_a_pack_spec_whose_shape_and_strides_disagree_is_refused_naming_it():
+    with pytest.raises(ProtocolError, match=r"pack spec 1 .*disagree"):
+        validate_plan(
+            NO_ROWS,
+            [PackSpec(1, 0, (2,), (1,), 4, 2, 0), PackSpec(1, 0, (2, 2), (1,), 4, 2, 8)],
+            {1: 32},
+            {2: 32},
+        )
 
 
 def test_a_long_transport_read_is_cut_into_pieces_covering_exactly_the_same_bytes():

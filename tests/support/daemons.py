@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 
 import numpy as np
+import numpy.typing as npt
 
 from refitd.client.http import RefitClient
-from refitd.daemon.copier import Progress, ThreadCopier
 from refitd.daemon.node import Daemon
 from refitd.daemon.serve import listening
+from transports.local import copy_addresses
 
 
 @contextlib.asynccontextmanager
@@ -48,8 +49,10 @@ class FakeClock:
 
 
 class GatedCopier:
-    """A real copy (:class:`ThreadCopier`) that first waits for the test to open
-    ``gate``; ``entered`` is set once a copy is waiting there.
+    """A real copy (the data plane's own engine, on the loop) that first waits for
+    the test to open ``gate``; ``entered`` is set once a copy is waiting there. It is
+    the daemon's same-host copy engine (:class:`refitd.daemon.copier.Copier`): every
+    pull a daemon makes from itself or a peer on this host ends in it.
 
     This is the only way to hold a pull "mid-flight" deterministically: a real memory
     copy cannot be made to pause at a chosen point."""
@@ -57,15 +60,10 @@ class GatedCopier:
     def __init__(self) -> None:
         self.entered = asyncio.Event()
         self.gate = asyncio.Event()
-        self.inner = ThreadCopier()
 
     async def copy(
-        self,
-        srcs: Sequence[memoryview],
-        dsts: Sequence[memoryview],
-        rows: np.ndarray,
-        progress: Progress,
+        self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
     ) -> None:
         self.entered.set()
         await self.gate.wait()
-        await self.inner.copy(srcs, dsts, rows, progress)
+        await copy_addresses(dst, src, nbytes, threads=1, pool=None)

@@ -3,13 +3,20 @@ on this host reading these very files."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 import pytest
 
 from refitd.errors import TransportError
-from transports.core import create_transport
+from transports.core import PeerInfo, ReadRefused, create_transport
+from transports.local import copy_addresses
+from transports.samehost import SameHostTransport
 from transports.shm import SHM_DIR, SharedSegment
 
 SECRET = b"samehost-secret-0123456789"
@@ -48,3 +55,132 @@ async def test_a_segment_name_that_now_maps_another_file_is_refused_at_connect()
                     await puller.connect(info)
             finally:
                 os.unlink(SHM_DIR / src.name)
+
+
+def _record(source_info: PeerInfo, keep: set[int]) -> PeerInfo:
+    """``source_info`` listing only the regions in ``keep``, signed again."""
+    regions = tuple(r for r in source_info.regions if r.region_id in keep)
+    return msgspec.structs.replace(source_info, regions=regions).signed(SECRET)
+
+
+async def test_an_update_keeps_the_mappings_of_unchanged_regions_and_maps_only_new_ones() -> None:
+    with (
+        SharedSegment.create(4096, "a") as a,
+        SharedSegment.create(4096, "b") as b,
+        SharedSegment.create(4096, "dst") as dst,
+    ):
+        async with (
+            SameHostTransport(secret=SECRET) as puller,
+            SameHostTransport(secret=SECRET) as source,
+        ):
+            await source.register(1, a)
+            await source.register(2, b)
+            await puller.register(9, dst)
+            full = source.advertise()
+            async with await puller.connect(_record(full, {1})) as peer:
+                assert puller.maps_made == 1
+                await peer.update(_record(full, {1}))
+                await peer.update(full)
+                assert puller.maps_made == 2  # only region 2 was mapped anew
+                b.numpy()[:] = 6
+                await peer.get([(9, 0, 2, 0, 4096)])
+                assert (dst.numpy() == 6).all()
+            # A later connection (the next pull) maps nothing again.
+            async with await puller.connect(full) as again:
+                await again.get([(9, 0, 1, 0, 16)])
+            assert puller.maps_made == 2 and puller.mapped == 2
+
+
+async def test_unused_mappings_are_kept_up_to_the_bound_and_held_ones_never_unmapped() -> None:
+    with contextlib.ExitStack() as stack:
+        segs = [stack.enter_context(SharedSegment.create(4096, f"s{i}")) for i in range(3)]
+        dst = stack.enter_context(SharedSegment.create(4096, "dst"))
+        async with (
+            SameHostTransport(secret=SECRET, max_mappings=1) as puller,
+            SameHostTransport(secret=SECRET) as source,
+        ):
+            for i, seg in enumerate(segs):
+                seg.numpy()[:] = i + 1
+                await source.register(i, seg)
+            await puller.register(9, dst)
+            async with await puller.connect(source.advertise()) as peer:
+                assert puller.mapped == 3  # all held by the open peer, past the bound
+                for i in range(3):
+                    await peer.get([(9, 0, i, 0, 4096)])
+                    assert (dst.numpy() == i + 1).all()
+            assert puller.mapped == 1  # unused now: the bound applies
+
+
+async def test_a_mapping_an_update_drops_stays_mapped_until_the_read_in_flight_lands() -> None:
+    gate, entered = asyncio.Event(), asyncio.Event()
+
+    class Gated:
+        async def copy(
+            self,
+            dst: npt.NDArray[np.int64],
+            src: npt.NDArray[np.int64],
+            nbytes: npt.NDArray[np.int64],
+        ) -> None:
+            entered.set()
+            await gate.wait()
+            await copy_addresses(dst, src, nbytes, threads=1, pool=None)
+
+    with (
+        SharedSegment.create(1 << 20, "a") as a,
+        SharedSegment.create(4096, "b") as b,
+        SharedSegment.create(1 << 20, "dst") as dst,
+    ):
+        a.numpy()[:] = 3
+        async with (
+            SameHostTransport(secret=SECRET, copier=Gated(), max_mappings=0) as puller,
+            SameHostTransport(secret=SECRET) as source,
+        ):
+            await source.register(1, a)
+            await source.register(2, b)
+            await puller.register(9, dst)
+            full = source.advertise()
+            async with await puller.connect(full) as peer:
+                read = asyncio.create_task(peer.get([(9, 0, 1, 0, 1 << 20)]))
+                await entered.wait()
+                await peer.update(_record(full, {2}))  # region 1 no longer listed
+                assert puller.mapped == 2  # ... but the read in flight still holds it
+                gate.set()
+                await read
+                assert (dst.numpy() == 3).all()
+                assert puller.mapped == 1  # let go once the read landed (bound 0)
+
+
+async def test_a_loopback_connection_reads_between_the_transports_own_regions() -> None:
+    with SharedSegment.create(4096, "a") as a, SharedSegment.create(4096, "dst") as dst:
+        a.numpy()[:] = 8
+        async with SameHostTransport(secret=SECRET) as t:
+            await t.register(1, a)
+            peer = t.loopback()
+            # A region registered after the connection was made is readable too.
+            await t.register(2, dst)
+            await peer.get([(2, 0, 1, 0, 4096)])
+            assert (dst.numpy() == 8).all() and t.maps_made == 0
+            with pytest.raises(ReadRefused, match="remote region 3"):
+                await peer.get([(2, 0, 3, 0, 16)])
+
+
+async def test_a_cancelled_threaded_copy_returns_only_once_its_threads_finished() -> None:
+    n = 256 << 20
+    src = np.full(n, 5, dtype=np.uint8)
+    dst = np.zeros(n, dtype=np.uint8)
+    with ThreadPoolExecutor(2) as pool:
+        task = asyncio.create_task(
+            copy_addresses(
+                np.array([dst.ctypes.data], np.int64),
+                np.array([src.ctypes.data], np.int64),
+                np.array([n], np.int64),
+                threads=2,
+                pool=pool,
+            )
+        )
+        await asyncio.sleep(0)  # the shares are in the threads now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Nothing writes any more once the cancelled copy returned: the memory may go.
+        assert (dst == 5).all()
