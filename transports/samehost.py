@@ -255,6 +255,17 @@ class SameHostTransport(LocalTransport):
         self._regions[region_id] = LocalRegion(region_id, segment, info)
         return self._regions[region_id]
 
+    def file_ids(self, region_ids: Iterable[int]) -> dict[int, tuple[int, int]]:
+        """``(st_dev, st_ino)`` of each listed region's segment, as registered; a region
+        whose name was already unlinked then (no same-host path to it) is left out."""
+        out: dict[int, tuple[int, int]] = {}
+        for rid in region_ids:
+            region = self._regions.get(rid)
+            if region is not None and region.info.rkey:
+                _, dev, ino = msgspec.msgpack.decode(region.info.rkey, type=tuple[str, int, int])
+                out[rid] = (dev, ino)
+        return out
+
     def advertise(self) -> PeerInfo:
         return PeerInfo(
             scheme=self.scheme,

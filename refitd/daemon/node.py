@@ -145,7 +145,6 @@ class Daemon:
         self.shm = SameHostTransport(
             secret=options.secret, peer_id=self.node_id, copier=copier, boot_id=self.boot_id
         )
-        self._files: dict[int, tuple[int, int]] = {}
         self.ready = False
         self.ucx_transports: list[str] = []  # what the loaded UCX can use (ucx_info -d)
         self._lease_changed = asyncio.Event()
@@ -252,8 +251,6 @@ class Daemon:
             await self.transport.register(rid, seg)
         await self.shm.register(rid, seg)
         self.segments[rid] = seg
-        with contextlib.suppress(OSError):  # a name already unlinked: no shm path to it
-            self._files[rid] = file_id(seg.name)
         return self.regions.add(info)
 
     async def create_region(self, req: RegionCreate) -> RegionInfo:
@@ -313,7 +310,6 @@ class Daemon:
             await self.transport.deregister(region_id)
         await self.shm.deregister(region_id)
         self.segments.pop(region_id).close()
-        self._files.pop(region_id, None)
         return info
 
     def view(self, region_id: int) -> memoryview:
@@ -421,9 +417,7 @@ class Daemon:
         if lease is not None:
             if self.transport is not None:
                 advert = self.transport.advertise().encode()
-            files = {
-                r.region_id: self._files[r.region_id] for r in infos if r.region_id in self._files
-            }
+            files = self.shm.file_ids([r.region_id for r in infos])
         rec = PeerRegions(
             self.node_id,
             self.epoch,
