@@ -12,58 +12,29 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import uvloop
 
+from tests.support.peers import peer_process
 from transports.checks import LOCAL, Pair, open_pair, shuffled_batch
 from transports.core import PeerInfo, PeerLost, TransportClosed
-from transports.servepeer import REGION_ID, SECRET_ENV, pattern
-from transports.shm import SHM_DIR, SharedSegment, cleanup_stale
+from transports.servepeer import REGION_ID, pattern
+from transports.shm import SharedSegment
 from transports.ucx import UcxPeer, UcxTransport
 
 SECRET = b"fault-test-secret-0123456789"
 SIZE = 32 << 20
 
 
-@asynccontextmanager
-async def peer_process(seed: int) -> AsyncIterator[tuple[asyncio.subprocess.Process, PeerInfo]]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "transports.servepeer",
-        "--size",
-        str(SIZE),
-        "--seed",
-        str(seed),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-        env=dict(os.environ, **{SECRET_ENV: SECRET.hex()}),
-    )
-    try:
-        assert proc.stdout is not None
-        line = await proc.stdout.readline()
-        yield proc, PeerInfo.decode(bytes.fromhex(line.decode()))
-    finally:
-        if proc.returncode is None:
-            assert proc.stdin is not None
-            proc.stdin.close()  # asks the peer to shut down cleanly
-            try:
-                async with asyncio.timeout(30):
-                    await proc.wait()
-            except TimeoutError:
-                proc.kill()
-        await proc.wait()
-        # A killed peer leaves its segment behind; the crash cleanup must find it.
-        await asyncio.to_thread(cleanup_stale)
-        assert not list(SHM_DIR.glob(f"refitd.{proc.pid}.*")), (
-            "a dead peer's segment survived cleanup"
-        )
+def serve(
+    seed: int,
+) -> AbstractAsyncContextManager[tuple[asyncio.subprocess.Process, PeerInfo]]:
+    """A servepeer process with this module's region size and secret."""
+    return peer_process(seed, SIZE, SECRET)
 
 
 def full_batch() -> np.ndarray:
@@ -91,7 +62,7 @@ async def test_killing_a_peer_mid_pull_ten_times_fails_only_that_pull_and_the_ne
             await t.register(LOCAL, dst)
             serving = t.pid
             for round_ in range(10):
-                async with peer_process(round_) as (proc, info):
+                async with serve(round_) as (proc, info):
                     peer = await t.connect(info)
                     assert isinstance(peer, UcxPeer) and peer.pid is not None
                     readers.add(peer.pid)
@@ -123,7 +94,7 @@ async def test_killing_a_peer_mid_pull_ten_times_fails_only_that_pull_and_the_ne
                 assert t.pid == serving
                 assert t.advertise().regions[0].region_id == LOCAL
             assert restarts == [] and len(readers) == 10
-            async with peer_process(99) as (_, info):
+            async with serve(99) as (_, info):
                 peer = await t.connect(info)
                 await peer.get(batch)
                 assert landed(dst, batch, 99)

@@ -15,20 +15,20 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from refitd.errors import TransportError
+from tests.support.peers import peer_process
 from transports.checks import LOCAL, REMOTE, shuffled_batch
 from transports.core import PeerInfo, PeerLost, PullFailed
-from transports.servepeer import REGION_ID, SECRET_ENV, pattern
-from transports.shm import SharedSegment, cleanup_stale
+from transports.servepeer import REGION_ID, pattern
+from transports.shm import SharedSegment
 from transports.ucx import BACKSTOP_S, UcxPeer, UcxTransport
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,6 +37,13 @@ SECRET = b"isolation-secret-0123456789abcdef"
 SIZE = 4 << 20
 DEADLINE_S = 3.0
 PIECE = 64 << 10
+
+
+def serve(
+    seed: int,
+) -> AbstractAsyncContextManager[tuple[asyncio.subprocess.Process, PeerInfo]]:
+    """A servepeer process with this module's region size and secret."""
+    return peer_process(seed, SIZE, SECRET)
 
 
 def reads(local: int = LOCAL, remote: int = REMOTE, seed: int = 0) -> np.ndarray:
@@ -158,26 +165,6 @@ async def test_a_batch_queued_behind_a_hung_pull_fails_with_it_and_names_the_sam
         assert landed(dst, a.regions[REMOTE].segment.numpy(), batch)
 
 
-@asynccontextmanager
-async def peer_process(seed: int) -> AsyncIterator[tuple[asyncio.subprocess.Process, PeerInfo]]:
-    """``python -m transports.servepeer`` (cma path): a peer that can be SIGKILLed."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "transports.servepeer", "--size", str(SIZE), "--seed", str(seed),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-        env=dict(os.environ, **{SECRET_ENV: SECRET.hex()}),
-    )  # fmt: skip
-    try:
-        assert proc.stdout is not None
-        line = await proc.stdout.readline()
-        yield proc, PeerInfo.decode(bytes.fromhex(line.decode()))
-    finally:
-        if proc.returncode is None:
-            assert proc.stdin is not None
-            proc.stdin.close()
-        await proc.wait()
-        await asyncio.to_thread(cleanup_stale)
-
-
 async def test_a_peer_dying_mid_read_on_the_cma_path_fails_only_its_pulls_while_another_peers_pulls_go_on() -> (
     None
 ):
@@ -191,8 +178,8 @@ async def test_a_peer_dying_mid_read_on_the_cma_path_fails_only_its_pulls_while_
     ):
         async with (
             UcxTransport(secret=SECRET) as t,
-            peer_process(1) as (victim, info_a),
-            peer_process(2) as (_, info_b),
+            serve(1) as (victim, info_a),
+            serve(2) as (_, info_b),
         ):
             await t.register(LOCAL, dst_a)
             await t.register(LOCAL + 1, dst_b)
