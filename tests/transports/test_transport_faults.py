@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import uvloop
+from support.peers import peer_process
 
-from tests.support.peers import peer_process
 from transports.checks import LOCAL, Pair, open_pair, shuffled_batch
 from transports.core import PeerInfo, PeerLost, TransportClosed
 from transports.servepeer import REGION_ID, pattern

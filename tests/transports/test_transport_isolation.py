@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.peers import peer_process
 
 from refitd.errors import TransportError
-from tests.support.peers import peer_process
 from transports.checks import LOCAL, REMOTE, shuffled_batch
 from transports.core import PeerInfo, PeerLost, PullFailed
 from transports.servepeer import REGION_ID, pattern
