@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 
 __all__ = [
+    "SCALE_DTYPE",
     "QuantizedWeight",
     "QuantizingSource",
     "checkpoint_modules",
@@ -68,6 +69,12 @@ __all__ = [
 
 SCALE = "weight_scale"
 """The scale's leaf name next to a quantized ``weight`` (compressed-tensors' name)."""
+
+SCALE_DTYPE = torch.float32
+"""The dtype scales are published and saved in. compressed-tensors computes them in
+the weight's dtype (bf16); vLLM's loaders hold them in float32 and cast on load. A
+refit moves bytes and never casts, so the source widens them first; bf16 -> float32
+is exact, so the engine holds the same values either way."""
 
 _PRESETS = {
     "int8": ("W8A8", "int-quantized"),
@@ -203,10 +210,14 @@ class QuantizedWeight:
     scale: torch.Tensor
 
 
-def quantize_weight(weight: torch.Tensor, args: QuantizationArgs) -> QuantizedWeight:
+def quantize_weight(
+    weight: torch.Tensor, args: QuantizationArgs, scale_dtype: torch.dtype | None = None
+) -> QuantizedWeight:
     """``weight`` (2-D, float) quantized as compressed-tensors stores it under ``args``:
     scales from the library's ``calculate_qparams`` over the observed ranges (in the
-    weight's dtype, as the library initializes them), bytes from its compressor."""
+    weight's dtype, as the library initializes them), bytes from its compressor. The
+    scales are then widened to ``scale_dtype`` when given (exactly: see
+    :data:`SCALE_DTYPE`)."""
     from compressed_tensors.compressors.naive_quantized.base import NaiveQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -221,7 +232,8 @@ def quantize_weight(weight: torch.Tensor, args: QuantizationArgs) -> QuantizedWe
     out = NaiveQuantizationCompressor.compress(
         {"weight": weight, SCALE: scale, "weight_zero_point": zero}, scheme
     )
-    return QuantizedWeight(out["weight"].contiguous(), out[SCALE].contiguous())
+    scale = out[SCALE] if scale_dtype is None else out[SCALE].to(scale_dtype)
+    return QuantizedWeight(out["weight"].contiguous(), scale.contiguous())
 
 
 def scale_block(
@@ -283,9 +295,14 @@ class QuantizingSource:
     """
 
     def __init__(
-        self, source: ShardSource, config: Any, modules: torch.nn.Module | None = None
+        self,
+        source: ShardSource,
+        config: Any,
+        modules: torch.nn.Module | None = None,
+        scale_dtype: torch.dtype = SCALE_DTYPE,
     ) -> None:
         self.source = source
+        self.scale_dtype = scale_dtype
         self.config = load_quantization_config(config)
         if modules is None:
             modules = _own_modules(source)
@@ -309,7 +326,7 @@ class QuantizingSource:
             where = scale_block(
                 shard.name, args, shard.offset, tuple(shard.tensor.shape), shard.global_shape
             )
-            q = quantize_weight(shard.tensor, args)
+            q = quantize_weight(shard.tensor, args, self.scale_dtype)
             module = shard.name.removesuffix(".weight")
             self.wire_bytes += _nbytes(q.weight) + _nbytes(q.scale)
             yield LocalShard(shard.name, q.weight, shard.offset, shard.global_shape)
@@ -338,7 +355,10 @@ def _own_modules(source: Any) -> torch.nn.Module:
 
 
 def quantized_state_dict(
-    state: Mapping[str, torch.Tensor], config: Any, modules: torch.nn.Module
+    state: Mapping[str, torch.Tensor],
+    config: Any,
+    modules: torch.nn.Module,
+    scale_dtype: torch.dtype = SCALE_DTYPE,
 ) -> dict[str, torch.Tensor]:
     """``state`` (checkpoint names, whole tensors) as the quantized checkpoint: what a
     :class:`QuantizingSource` publishes, whole."""
@@ -350,7 +370,7 @@ def quantized_state_dict(
             out[name] = t
             continue
         _check_args(name, args)
-        q = quantize_weight(t, args)
+        q = quantize_weight(t, args, scale_dtype)
         out[name] = q.weight
         out[f"{name.removesuffix('.weight')}.{SCALE}"] = q.scale
     return out
