@@ -58,6 +58,7 @@ __all__ = [
     "QuantizedWeight",
     "QuantizingSource",
     "checkpoint_modules",
+    "config_dict",
     "load_quantization_config",
     "quantization_config",
     "quantize_weight",

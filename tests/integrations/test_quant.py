@@ -291,3 +291,24 @@ def test_a_saved_quantized_model_is_read_back_by_the_library_and_by_the_source(
     assert torch.equal(as_bytes(tensors["proj.weight"]), as_bytes(want_q))
     assert torch.equal(tensors["proj.weight_scale"], want_scale.float())
     assert torch.equal(tensors["norm.weight"], state["norm.weight"])
+
+
+def test_the_readme_quantized_refit_snippet_saves_the_engine_checkpoint_and_publishes_int8(
+    tmp_path: Path,
+) -> None:
+    from safetensors.torch import load_file
+    from vllm_models import hf_model, readme_blocks
+
+    from refitd.bench.vllm import llama_config
+
+    hf_config = llama_config(layers=1)
+    weights = {k: v.detach().clone() for k, v in hf_model(hf_config, 1).state_dict().items()}
+    (block,) = readme_blocks("## Quantized refit (`refitd.integrations.quant`)")
+    ns: dict[str, Any] = {"engine_dir": tmp_path, "hf_config": hf_config, "weights": weights}
+    exec(block, ns)
+    published = {s.name: s.tensor for s in ns["source"].shards()}
+    on_disk = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(published) == sorted(on_disk)
+    assert [n for n in on_disk if not torch.equal(published[n], on_disk[n])] == []
+    assert published["model.layers.0.mlp.down_proj.weight"].dtype == torch.int8
+    assert published["lm_head.weight"].dtype == torch.bfloat16  # ignored by the config

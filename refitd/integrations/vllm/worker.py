@@ -56,7 +56,10 @@ __all__ = ["RefitdInitInfo", "RefitdUpdateInfo", "RefitdWeightTransferEngine"]
 
 logger = logging.getLogger(__name__)
 
-_KV_SCALE = re.compile(r"\.attn\._(k|v|q|prob)_scale$")
+_KV_SCALE = re.compile(r"\.attn\.(_(k|v|q|prob)_scale|(k|v|q|prob)_(scale|zero_point))$")
+"""The attention layers' KV-cache quantization state: the buffers every engine has
+(``_k_scale``) and the parameters a quantized checkpoint's config adds (``k_scale``,
+``k_zero_point``), loaded only when the KV cache itself is quantized."""
 
 
 @dataclass
@@ -174,7 +177,14 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         claimed: dict[tuple[str, int], str] = {}
         planned: list[Destination] = []
         self._untied = []
+        self._computed = self._computed_buffers(twin)
         for name, meta in twin.named_parameters():
+            if name in self._computed:
+                # A KV-cache scale the checkpoint does not hold (the KV cache is not
+                # quantized): processing consumed it at load, and a refit that bound
+                # a blank buffer in its place would re-derive the attention's scales
+                # from that blank. It is no destination: the engine keeps its own.
+                continue
             prefix, _, leaf = name.rpartition(".")
             module = owners.get(prefix)
             if module is None:
@@ -207,7 +217,6 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
                 dest.place(name, buf)
                 planned.append(Destination(name, prefix, leaf, p, buf))
         self._reprocess = plan_reprocessing(self.model, planned)
-        self._computed = self._computed_buffers(twin)
         return dest
 
     def _untie(
@@ -232,7 +241,8 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         cache_dtype = str(getattr(self.vllm_config.cache_config, "cache_dtype", "auto"))
         if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
             return []
-        return [n for n, _ in twin.named_buffers() if _KV_SCALE.search(n)]
+        names = [*dict(twin.named_buffers()), *dict(twin.named_parameters())]
+        return [n for n in names if _KV_SCALE.search(n)]
 
     def _run(self, coro: Any) -> Any:
         assert self._runner is not None
