@@ -32,6 +32,7 @@ from vllm_models import (
     hf_model,
     llm_kwargs,
     param_digests,
+    per_expert,
     save_model,
     start_daemon,
     vllm_env,
@@ -65,7 +66,10 @@ FAMILIES = [
 
 
 def checkpoint_state(family: Family, seed: int, *, retie: bool) -> dict[str, torch.Tensor]:
-    state = {k: v.detach().clone() for k, v in hf_model(family.config, seed).state_dict().items()}
+    model = hf_model(family.config, seed)
+    state = per_expert(
+        family.config, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    )
     if family.lm_head == "none":
         del state["lm_head.weight"]
     elif family.lm_head == "retied":

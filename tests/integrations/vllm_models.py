@@ -127,6 +127,40 @@ def hf_model(config: dict[str, Any], seed: int) -> torch.nn.Module:
     return model.eval()
 
 
+EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "deepseek_v2": ("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+"""Families whose checkpoints (as on the hub, and as vLLM's loaders read them) hold
+one tensor per expert: the MoE block's name and the gate, up and down names."""
+
+
+def per_expert(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with Hugging Face's stacked expert tensors (``mlp.experts.gate_up_proj``
+    ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``) written one per expert, under
+    the names of ``EXPERT_NAMES`` (other families: ``state`` unchanged)."""
+    names = EXPERT_NAMES.get(config["model_type"])
+    if names is None:
+        return state
+    block, gate, up, down = names
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        prefix, _, rest = key.partition(".mlp.")
+        if not rest:
+            out[key] = t
+        elif rest == "experts.gate_up_proj":
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{block}.experts.{e}.{gate}.weight"] = t[e, :half].clone()
+                out[f"{prefix}.{block}.experts.{e}.{up}.weight"] = t[e, half:].clone()
+        elif rest == "experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{block}.experts.{e}.{down}.weight"] = t[e].clone()
+        else:
+            out[f"{prefix}.{block}.{rest}"] = t
+    return out
+
+
 def save_model(path: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> Path:
     """Write ``config.json`` and ``model.safetensors`` of ``state`` into ``path``."""
     from safetensors.torch import save_file

@@ -7,13 +7,21 @@ by default) and sets up its destinations, in the *loader* format (what the
 model's ``weight_loader``\\ s write, before ``process_weights_after_loading``):
 
 - a parameter that processing left as the loader wrote it (same shape and dtype
-  as on a freshly built model, in a module without a quantization method) is its
-  own destination: it is moved once into shared memory the daemon can write, and
-  every later pull lands in it in place;
-- any other (a CPU linear weight that processing packed away, a bias it widened)
-  gets a loader-format buffer in that shared memory; ``finish_weight_update``
-  puts those buffers back as the module's parameters and runs vLLM's own
-  ``process_weights_after_loading`` over the model, as a checkpoint load does.
+  as on a freshly built model, in a module without a quantization method, its
+  memory shared with no other tensor) is its own destination: it is moved once
+  into shared memory the daemon can write, and every later pull lands in it in
+  place;
+- any other (a CPU linear weight that processing packed away, a bias it widened,
+  an embedding a tied ``lm_head`` shares) gets a loader-format buffer in that
+  shared memory.
+
+``finish_weight_update`` then brings up to date every module that computes from
+a written tensor, found by storage (:mod:`refitd.integrations.vllm.postload`):
+vLLM's own ``process_weights_after_loading`` runs again on it, from the loader
+format, and what it makes is copied into the storage the running kernels hold. A
+module that cannot be brought up to date is refused at ``init_transfer_engine``,
+naming it. Two tensors the loaders write apart but vLLM shares (an ``lm_head`` it
+re-tied to equal embeddings) are untied first.
 
 ``update_weights({"version": N})`` (``N`` omitted: the newest READY version) runs
 :class:`~refitd.client.receiver.DaemonReceiver`: lease the version, replay the
