@@ -64,7 +64,7 @@ __all__ = ["RefitdInitInfo", "RefitdUpdateInfo", "RefitdWeightTransferEngine"]
 
 logger = logging.getLogger(__name__)
 
-_KV_SCALE = re.compile(r"\.attn\._(k|v|q|prob)_scale$")
+_KV_SCALE = re.compile(r"^_(k|v|q|prob)_scale$")
 
 
 @dataclass
@@ -240,7 +240,16 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         cache_dtype = str(getattr(self.vllm_config.cache_config, "cache_dtype", "auto"))
         if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
             return []
-        return [n for n, _ in twin.named_buffers() if _KV_SCALE.search(n)]
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        # Found by the layer that owns them (``attn``, MLA's ``mla_attn``, ...).
+        return [
+            f"{prefix}.{leaf}" if prefix else leaf
+            for prefix, module in twin.named_modules()
+            if is_deferred_attention_layer(module)
+            for leaf, _ in module.named_buffers(recurse=False)
+            if _KV_SCALE.match(leaf)
+        ]
 
     def _run(self, coro: Any) -> Any:
         assert self._runner is not None
