@@ -89,7 +89,7 @@ DEEPSEEK_V2 = {
     "architectures": ["DeepseekV2ForCausalLM"],
     "model_type": "deepseek_v2",  # MLA: latent KV (kv_lora_rank) and a decoupled rope part
     "q_lora_rank": None,
-    "kv_lora_rank": 64,
+    "kv_lora_rank": 512,  # + qk_rope_head_dim = 576: the one head size the CPU MLA kernel has
     "qk_nope_head_dim": 64,
     "qk_rope_head_dim": 64,
     "v_head_dim": 64,

@@ -64,8 +64,8 @@ __all__ = ["RefitdInitInfo", "RefitdUpdateInfo", "RefitdWeightTransferEngine"]
 
 logger = logging.getLogger(__name__)
 
-_KV_SCALE = re.compile(r"\.attn\.(_(k|v|q|prob)_scale|(k|v|q|prob)_(scale|zero_point))$")
-"""The attention layers' KV-cache quantization state: the buffers every engine has
+_KV_SCALE = re.compile(r"^(_(k|v|q|prob)_scale|(k|v|q|prob)_(scale|zero_point))$")
+"""An attention layer's KV-cache quantization state: the buffers every engine has
 (``_k_scale``) and the parameters a quantized checkpoint's config adds (``k_scale``,
 ``k_zero_point``), loaded only when the KV cache itself is quantized."""
 
@@ -245,12 +245,25 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
     def _computed_buffers(self, twin: torch.nn.Module) -> list[str]:
         """Persistent buffers vLLM sets itself and an unquantized checkpoint never
         holds: the attention layers' KV-cache scales, unused (1.0) unless the KV
-        cache is quantized. With a quantized KV cache they must be published."""
+        cache is quantized; and the KV-cache scale parameters a quantized config
+        adds, which no checkpoint holds for an unquantized KV cache. With a
+        quantized KV cache they must be published."""
         cache_dtype = str(getattr(self.vllm_config.cache_config, "cache_dtype", "auto"))
         if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
             return []
-        names = [*dict(twin.named_buffers()), *dict(twin.named_parameters())]
-        return [n for n in names if _KV_SCALE.search(n)]
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        # Found by the layer that owns them (``attn``, MLA's ``mla_attn``, ...).
+        return [
+            f"{prefix}.{leaf}" if prefix else leaf
+            for prefix, module in twin.named_modules()
+            if is_deferred_attention_layer(module)
+            for leaf, _ in [
+                *module.named_buffers(recurse=False),
+                *module.named_parameters(recurse=False),
+            ]
+            if _KV_SCALE.match(leaf)
+        ]
 
     def _run(self, coro: Any) -> Any:
         assert self._runner is not None
