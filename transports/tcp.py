@@ -297,6 +297,8 @@ class _Lane:
 
     def _send(self, item: _Request, outstanding: collections.deque[_Request]) -> None:
         try:
+            if self.sock is not None and not outstanding and _closed_by_peer(self.sock):
+                self._drop()  # an idle connection the source closed (it stopped, or restarted)
             if self.sock is None:
                 self.connect()
             assert self.sock is not None
@@ -373,6 +375,17 @@ class _Lane:
                     small = []
         if small:
             _recv_scatter(sock, small)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle connection was closed from the other end (a peek, no wait)."""
+    sock.settimeout(0)  # with a timeout, Python would wait for data before the peek
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 class _Refused(Exception):
