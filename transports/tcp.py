@@ -76,6 +76,7 @@ from .tcpwire import (
     HEADER,
     HELLO,
     MAGIC,
+    MAX_GRANTS,
     MAX_READS,
     PROOF,
     READ_ROW,
@@ -86,7 +87,15 @@ from .tcpwire import (
     server_proof,
 )
 
-__all__ = ["BACKSTOP_S", "REQUEST_BYTES", "SLICE", "TcpPeer", "TcpTransport", "parse_address"]
+__all__ = [
+    "BACKSTOP_S",
+    "REQUEST_BYTES",
+    "SLICE",
+    "TcpGrant",
+    "TcpPeer",
+    "TcpTransport",
+    "parse_address",
+]
 
 SLICE = 1 << 20
 """A read longer than this (bytes) is cut into pieces spread over the lanes."""
@@ -97,6 +106,8 @@ WINDOW = 4
 BIG = 64 << 10
 """Pieces at least this large are received one ``recv_into`` each; smaller ones are
 scattered by ``recvmsg_into``, many per system call."""
+KEEP_GRANTS = 64
+"""Grants a connection remembers for requests still queued (newest first)."""
 BACKSTOP_S = 5.0
 """Seconds past a batch's deadline after which its lanes are cut from this side."""
 
@@ -167,7 +178,8 @@ class _Lane:
         self.index = index
         self.queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self.sock: socket.socket | None = None
-        self.grant_sent = -1
+        #: grant numbers sent on this connection, oldest first (as the server keeps them)
+        self.sent: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.queued = 0  # requests handed to this lane and not finished
         self.thread = threading.Thread(
             target=self._run, name=f"tcp-lane-{peer.info.peer_id}-{index}", daemon=True
@@ -228,7 +240,8 @@ class _Lane:
             sock.close()
             raise _LaneError("lost", f"handshake with {host}:{port} failed: {exc}") from None
         sock.settimeout(None)
-        self.sock, self.grant_sent = sock, number
+        self.sock = sock
+        self.sent = collections.OrderedDict({number: None})
 
     def cut(self) -> None:
         """Break the connection from outside (a backstop or a close): a thread blocked
@@ -304,14 +317,15 @@ class _Lane:
             assert self.sock is not None
             self.sock.settimeout(max(1e-3, item.deadline - time.monotonic()))
             bufs: list[memoryview | bytes] = []
-            if self.grant_sent < item.grant:
-                number, grant = self.peer.grant(item.grant)
-                body = grant.encode()
-                bufs += [HEADER.pack(Kind.GRANT, len(body), number, 0), body]
+            if item.grant not in self.sent:
+                body = self.peer.grant(item.grant).encode()
+                bufs += [HEADER.pack(Kind.GRANT, len(body), item.grant, 0), body]
+                self.sent[item.grant] = None
+                while len(self.sent) > MAX_GRANTS:
+                    self.sent.popitem(last=False)
             n = len(item.rows) // READ_ROW.itemsize
             bufs += [HEADER.pack(Kind.READ, n, item.grant, id(item)), item.rows]
             send_all(self.sock, bufs)
-            self.grant_sent = max(self.grant_sent, item.grant)
         except _LaneError as exc:
             self._fail([item, *outstanding], exc)
             outstanding.clear()
@@ -430,7 +444,7 @@ class TcpPeer(Peer):
         self.info = info
         self.address = parse_address(info.address)
         self._grants: dict[int, PeerInfo] = {0: info}
-        self._number = 0
+        self._number = self._current = 0
         self._check = Grant(info)
         self._closed = False
         self.lanes = [_Lane(self, i) for i in range(owner.lanes)]
@@ -442,12 +456,34 @@ class TcpPeer(Peer):
         return self.address[2]
 
     def current_grant(self) -> tuple[int, PeerInfo]:
-        return self._number, self._grants[self._number]
+        return self._current, self._grants[self._current]
 
-    def grant(self, number: int) -> tuple[int, PeerInfo]:
-        """The newest grant at least as new as ``number`` (threads call this)."""
-        newest = self._number
-        return newest, self._grants[newest]
+    def grant(self, number: int) -> PeerInfo:
+        """Grant ``number`` (lane threads call this; `_LaneError` once forgotten)."""
+        info = self._grants.get(number)
+        if info is None:
+            raise _LaneError("refused", f"grant {number} was replaced {KEEP_GRANTS} times since")
+        return info
+
+    def with_grant(self, info: PeerInfo) -> TcpGrant:
+        """A connection over these lanes whose reads are checked (here and at the
+        source) against ``info``, a record of the same peer life (e.g. one pull's
+        lease-scoped grant), while other reads go on under theirs."""
+        if self._closed:
+            raise TransportClosed(f"connection to {self.info.peer_id!r} is closed")
+        self.owner._check_record(info)
+        if info.address != self.info.address:
+            raise ProtocolError(
+                f"grant for peer {self.info.peer_id!r} refused: the record is for another "
+                "address or another life of it"
+            )
+        return TcpGrant(self, self._add(info), info)
+
+    def _add(self, info: PeerInfo) -> int:
+        self._number += 1
+        self._grants[self._number] = info
+        self._grants.pop(self._number - KEEP_GRANTS, None)
+        return self._number
 
     async def open(self) -> None:
         """Connect every lane (in parallel), then start their threads."""
@@ -478,16 +514,22 @@ class TcpPeer(Peer):
                 "address or another life of it"
             )
         check = Grant(info)
-        self._number += 1
-        self._grants[self._number] = info
-        self._grants.pop(self._number - 8, None)  # the server keeps as many
+        self._current = self._add(info)
         self.info, self._check = info, check
 
     async def get(self, batch: ReadBatch | npt.NDArray[np.int64] | Iterable[Sequence[int]]) -> None:
+        await self.read(batch, self._current, self._check)
+
+    async def read(
+        self,
+        batch: ReadBatch | npt.NDArray[np.int64] | Iterable[Sequence[int]],
+        number: int,
+        check: Grant,
+    ) -> None:
+        """`get` under grant ``number`` (whose checks are ``check``)."""
         if self._closed or self.owner.closed:
             raise TransportClosed(f"get refused: connection to {self.info.peer_id!r} is closed")
         reads = as_read_batch(batch)
-        check = self._check
         validate_batch(reads, self.owner.local_sizes(), check.sizes)
         bad = check_scope(
             check,
@@ -518,7 +560,7 @@ class TcpPeer(Peer):
                 part["local_region"].tolist(),
                 part["local_offset"].tolist(),
                 part["nbytes"].tolist(),
-                self._number,
+                number,
                 deadline,
                 fut,
                 loop,
@@ -576,6 +618,28 @@ class TcpPeer(Peer):
                     t.join(10)
 
             await asyncio.to_thread(join)
+
+
+class TcpGrant(Peer):
+    """One grant over a `TcpPeer`'s lanes (see `TcpPeer.with_grant`); closing it
+    leaves the lanes to the connection."""
+
+    def __init__(self, base: TcpPeer, number: int, info: PeerInfo) -> None:
+        self.base, self.number, self.info = base, number, info
+        self._check = Grant(info)
+        self._closed = False
+
+    async def get(self, batch: ReadBatch | npt.NDArray[np.int64] | Iterable[Sequence[int]]) -> None:
+        if self._closed:
+            raise TransportClosed(f"get refused: this grant of {self.info.peer_id!r} is closed")
+        await self.base.read(batch, self.number, self._check)
+
+    async def update(self, info: PeerInfo) -> None:
+        fresh = self.base.with_grant(info)
+        self.number, self.info, self._check = fresh.number, info, fresh._check
+
+    async def close(self) -> None:
+        self._closed = True
 
 
 def _requests(sizes: npt.NDArray[np.int64]) -> list[tuple[int, int]]:

@@ -352,3 +352,25 @@ async def test_reads_spread_over_every_lane_and_large_reads_are_cut_across_them(
     assert before == 4, f"the source holds {before} data connections, not one per lane"
     await pair.peer.get([(LOCAL, 0, REMOTE, 0, SIZE)])
     assert np.array_equal(pair.local.numpy(), pair.remote.numpy())
+
+
+async def test_pulls_under_two_leases_share_the_lanes_each_checked_against_its_own_grant(
+    pair: Pair,
+) -> None:
+    assert isinstance(pair.peer, TcpPeer)
+    advert = pair.source.advertise()
+    first = pair.peer.with_grant(scoped(advert, "lease-1", [(0, SIZE // 2)]))
+    second = pair.peer.with_grant(scoped(advert, "lease-2", [(SIZE // 2, SIZE)]))
+    half = SIZE // 2
+    batch1 = shuffled_batch(half // 4096, 4096, seed=5)
+    batch2 = shuffled_batch(half // 4096, 4096, seed=6, local_base=half)
+    batch2["remote_offset"] += half
+    await asyncio.gather(*(first.get(batch1) for _ in range(3)), second.get(batch2))
+    for b, lo in ((batch1, 0), (batch2, half)):
+        got = pair.local.numpy()[lo : lo + half].reshape(-1, 4096)
+        want = pair.remote.numpy().reshape(-1, 4096)[b["remote_offset"] // 4096]
+        assert np.array_equal(got, want)
+    with pytest.raises(ReadRefused, match="outside what the record's lease may read"):
+        await first.get(batch2)
+    with pytest.raises(ReadRefused, match="outside what the record's lease may read"):
+        await second.get(batch1)
