@@ -40,6 +40,7 @@ from refitd.wire import (
     TensorEntry,
 )
 from transports.shm import SHM_DIR, SharedSegment
+from transports.tcp import TcpTransport
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -275,3 +276,12 @@ async def test_same_host_pulls_under_two_leases_from_one_peer_at_once_both_land(
                 res = await engine.client.wait_pull(started.pull_id)
                 assert res.state is PullState.DONE, res.error
             assert (seg_m.numpy() == 1).all() and (seg_n.numpy() == 2).all()
+
+
+async def test_data_plane_lanes_and_port_configure_the_tcp_data_server() -> None:
+    config = load_config(env={}, overrides={"data_plane.lanes": "2"})
+    assert config.data_plane.lanes == 2 and config.data_plane.tcp_port == 0
+    async with node("solo", transport="tcp", lanes=2) as n:
+        t = n.daemon.transports["tcp"]
+        assert isinstance(t, TcpTransport) and t.lanes == 2 and t.require_lease
+        assert t.epoch == n.daemon.epoch, "a restarted daemon's data server has a new epoch"
