@@ -70,6 +70,7 @@ from .core import (
     suspect_ranges,
     validate_batch,
 )
+from .native import copy_lib
 from .tcpserve import IOV_MAX, DataServer, Served, recv_exact, send_all, tune
 from .tcpwire import (
     CHALLENGE,
@@ -148,9 +149,9 @@ class _Request:
     """Reads of one request: the wire rows, and where each lands here."""
 
     rows: bytes
-    dst_region: list[int]
-    dst_offset: list[int]
-    nbytes: list[int]
+    dst_region: npt.NDArray[np.int64]
+    dst_offset: npt.NDArray[np.int64]
+    nbytes: npt.NDArray[np.int64]
     grant: int
     deadline: float
     future: asyncio.Future[None]
@@ -181,6 +182,7 @@ class _Lane:
         #: grant numbers sent on this connection, oldest first (as the server keeps them)
         self.sent: collections.OrderedDict[int, None] = collections.OrderedDict()
         self.queued = 0  # requests handed to this lane and not finished
+        self.bounce: npt.NDArray[np.uint8] | None = None  # small pieces land here first
         self.thread = threading.Thread(
             target=self._run, name=f"tcp-lane-{peer.info.peer_id}-{index}", daemon=True
         )
@@ -371,9 +373,25 @@ class _Lane:
             raise
 
     def _land(self, sock: socket.socket, item: _Request) -> None:
+        total = int(item.nbytes.sum())
+        if total <= REQUEST_BYTES and bool((item.nbytes < BIG).all()):
+            # Small pieces: one receive into the lane's buffer, then one batched copy
+            # (C, GIL released) to their destinations: no Python per piece.
+            if self.bounce is None:
+                self.bounce = np.empty(REQUEST_BYTES, np.uint8)
+            _recv_into(sock, self.bounce.data[:total])
+            bases = self.peer.owner._bases
+            to = np.fromiter((bases[int(r)] for r in item.dst_region), np.int64, len(item.nbytes))
+            to += item.dst_offset
+            at = int(self.bounce.ctypes.data) + np.cumsum(item.nbytes) - item.nbytes
+            size = np.ascontiguousarray(item.nbytes)
+            copy_lib().rfx_copy_batch(len(size), to.ctypes.data, at.ctypes.data, size.ctypes.data)
+            return
         views = self.peer.owner._views
         small: list[memoryview] = []
-        for r, o, n in zip(item.dst_region, item.dst_offset, item.nbytes, strict=True):
+        for r, o, n in zip(
+            item.dst_region.tolist(), item.dst_offset.tolist(), item.nbytes.tolist(), strict=True
+        ):
             if n == 0:
                 continue
             dst = views[r][o : o + n]
@@ -549,17 +567,25 @@ class TcpPeer(Peer):
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.owner.pull_timeout
         futures: list[asyncio.Future[None]] = []
-        for lo, hi in _requests(pieces["nbytes"]):
-            part = pieces[lo:hi]
-            rows = np.empty(hi - lo, READ_ROW)
+        # Small pieces and large ones go in separate requests: the small ones are
+        # gathered into one buffer on each end, the large ones move from and into
+        # the regions themselves.
+        small = pieces["nbytes"] < BIG
+        parts = [
+            group[lo:hi]
+            for group in (pieces[~small], pieces[small])
+            for lo, hi in _requests(group["nbytes"])
+        ]
+        for part in parts:
+            rows = np.empty(len(part), READ_ROW)
             rows["region"], rows["offset"] = part["remote_region"], part["remote_offset"]
             rows["nbytes"] = part["nbytes"]
             fut: asyncio.Future[None] = loop.create_future()
             req = _Request(
                 rows.tobytes(),
-                part["local_region"].tolist(),
-                part["local_offset"].tolist(),
-                part["nbytes"].tolist(),
+                part["local_region"].copy(),
+                part["local_offset"].copy(),
+                part["nbytes"].copy(),
                 number,
                 deadline,
                 fut,
@@ -698,6 +724,7 @@ class TcpTransport(Transport):
         self.epoch = epoch if epoch is not None else time.time_ns()
         self._regions: dict[int, LocalRegion] = {}
         self._views: dict[int, memoryview] = {}
+        self._bases: dict[int, int] = {}  # region id -> base address of its mapping
         self._served: dict[int, Served] = {}
         self._peers: set[TcpPeer] = set()
         self._server: DataServer | None = None
@@ -735,6 +762,7 @@ class TcpTransport(Transport):
             self._server = None
         self._regions.clear()
         self._views.clear()
+        self._bases.clear()
         self._served.clear()
 
     async def register(self, region_id: int, segment: Segment) -> LocalRegion:
@@ -746,7 +774,8 @@ class TcpTransport(Transport):
         region = LocalRegion(region_id, segment, info)
         self._regions[region_id] = region
         self._views[region_id] = view
-        self._served[region_id] = Served(epoch, segment.size, view)
+        self._bases[region_id] = segment.address
+        self._served[region_id] = Served(epoch, segment.size, view, segment.address)
         return region
 
     async def deregister(self, region_id: int) -> None:
@@ -755,6 +784,7 @@ class TcpTransport(Transport):
         del self._regions[region_id]
         self._served.pop(region_id, None)
         self._views.pop(region_id, None)
+        self._bases.pop(region_id, None)
 
     @property
     def regions(self) -> dict[int, LocalRegion]:

@@ -311,10 +311,10 @@ async def test_a_killed_source_fails_the_pull_in_flight_with_peer_lost_and_suspe
         task = asyncio.create_task(peer.get(batch))
         await asyncio.sleep(0.3)
         os.kill(proc.pid, signal.SIGKILL)
-        t0 = time.monotonic()
         with pytest.raises(PeerLost, match=f"region {LOCAL} \\[0, {SIZE}\\)") as err:
             await task
-        assert time.monotonic() - t0 < DEADLINE_S, "a dead source is noticed at once"
+        # noticed as a broken connection, not at the (120 s) deadline
+        assert "broke mid-read" in str(err.value), str(err.value)
         assert repr(info.peer_id) in str(err.value)
 
 
