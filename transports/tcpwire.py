@@ -69,8 +69,9 @@ MAX_READS = 4096
 MAX_GRANT_BYTES = 256 << 10
 """Bytes of one grant record at most."""
 MAX_GRANTS = 8
-"""Grants a connection keeps (the newest); together with the bounds above, what one
-connection can make the data server hold: about 2.1 MiB."""
+"""Grants a connection keeps (the newest); together with the bounds above and the
+4 MiB buffer small pieces are gathered in (`transports.tcpserve.GATHER_BYTES`), what
+one connection can make the data server hold: about 6.1 MiB."""
 
 
 class Kind:

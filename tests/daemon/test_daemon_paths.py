@@ -285,3 +285,12 @@ async def test_data_plane_lanes_and_port_configure_the_tcp_data_server() -> None
         t = n.daemon.transports["tcp"]
         assert isinstance(t, TcpTransport) and t.lanes == 2 and t.require_lease
         assert t.epoch == n.daemon.epoch, "a restarted daemon's data server has a new epoch"
+
+
+async def test_the_tcp_data_server_answers_only_trusted_peers_hosts_and_loopback() -> None:
+    async with node("solo", transport="tcp", peers=("http://10.0.0.7:*",)) as n:
+        accept = n.daemon.transports["tcp"].accept  # type: ignore[attr-defined]
+        assert accept("10.0.0.7") and accept("127.0.0.1")
+        assert not accept("10.0.0.8"), "a host neither allow-listed nor registered"
+        n.daemon.peers.trust("http://10.0.0.8:7450", origin="registry")
+        assert accept("10.0.0.8"), "a daemon the registry lists is trusted"
