@@ -171,7 +171,8 @@ class DataServer:
         self.authorize = authorize
         self.require_lease = require_lease
         self.max_connections = max_connections
-        self._sock = socket.create_server((host, port), backlog=128)
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=128)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
