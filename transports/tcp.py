@@ -43,7 +43,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -104,6 +104,9 @@ REQUEST_BYTES = 4 << 20
 """Bytes one request asks for at most (a request holds ≤ ``MAX_READS`` reads)."""
 WINDOW = 4
 """Requests one lane keeps in flight."""
+PIPELINE_BYTES = 64 << 10
+"""Request bytes (24 per read) one lane sends ahead while answers are owed: less than
+any socket receive buffer a kernel starts a connection with."""
 BIG = 64 << 10
 """Pieces at least this large are received one ``recv_into`` each; smaller ones are
 scattered by ``recvmsg_into``, many per system call."""
@@ -156,7 +159,6 @@ class _Request:
     deadline: float
     future: asyncio.Future[None]
     loop: asyncio.AbstractEventLoop
-    sent: bool = field(default=False)
 
     def finish(self, error: BaseException | None = None) -> None:
         def done() -> None:
@@ -264,24 +266,34 @@ class _Lane:
 
     def _run(self) -> None:
         outstanding: collections.deque[_Request] = collections.deque()
+        held: _Request | None = None  # taken from the queue, waiting for room to send
         stopping = False
         while True:
             if not outstanding:
-                if stopping:
-                    break
-                item = self.queue.get()
-                if item is None:
-                    break
+                if held is None:
+                    if stopping:
+                        break
+                    held = self.queue.get()
+                    if held is None:
+                        break
+                item, held = held, None
                 self._send(item, outstanding)
                 continue
             while len(outstanding) < WINDOW and not stopping:
-                try:
-                    item = self.queue.get_nowait()
-                except queue.Empty:
+                if held is None:
+                    try:
+                        held = self.queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if held is None:
+                        stopping = True
+                        break
+                # The source reads the next request only after it sent the answer
+                # before it: while answers are owed, send only what its receive
+                # buffer surely holds, or both ends would wait on each other.
+                if sum(len(r.rows) for r in outstanding) + len(held.rows) > PIPELINE_BYTES:
                     break
-                if item is None:
-                    stopping = True
-                    break
+                item, held = held, None
                 self._send(item, outstanding)
             if outstanding:
                 head = outstanding.popleft()
@@ -295,14 +307,16 @@ class _Lane:
                     continue
                 self.queued -= 1
                 head.finish()
+        if held is not None:
+            self._fail([held], _LaneError("closed", "the connection was closed"))
         self._drop()
         while True:  # fail what arrived after the stop
             try:
-                item = self.queue.get_nowait()
+                late = self.queue.get_nowait()
             except queue.Empty:
                 break
-            if item is not None:
-                self._fail([item], _LaneError("closed", "the connection was closed"))
+            if late is not None:
+                self._fail([late], _LaneError("closed", "the connection was closed"))
 
     def _fail(self, items: Sequence[_Request], exc: _LaneError) -> None:
         self._drop()
