@@ -116,15 +116,23 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How bytes move between daemons."""
 
-    #: ``auto`` (UCX always up; a peer proven on this host is read through its
-    #: shared-memory segments, any other through UCX), ``shm`` (same-host reads only)
-    #: or a scheme registered in ``transports`` (e.g. ``ucx``: every peer through it);
-    #: the daemon refuses an unknown scheme at start.
+    #: ``auto`` (a peer proven on this host is read through its shared-memory
+    #: segments; any other through UCX where both hosts have RDMA, else through
+    #: ``tcp``, refitd's own lanes of plain TCP), ``shm`` (same-host reads only) or a
+    #: scheme registered in ``transports`` (``tcp``, ``ucx``: every other-host peer
+    #: through it); the daemon refuses an unknown scheme at start.
     transport: Scheme = "auto"
     #: Deadline of one batch of UCX reads from a peer daemon: a peer that hangs fails
     #: the pulls reading from it after this long, and only those (its reading process
     #: is stopped; pulls from other peers go on).
     pull_timeout_s: Annotated[float, msgspec.Meta(gt=0, description="seconds (number > 0)")] = 120.0
+    #: TCP connections ("lanes") per peer of the ``tcp`` data plane, each serviced on
+    #: its own: a large read is spread across them, so one stalled lane does not
+    #: hold up the others.
+    lanes: Annotated[int, msgspec.Meta(ge=1, le=64, description="lanes (1..64)")] = 4
+    #: Port of the ``tcp`` data server (on ``server.host``); 0: any free one (peers
+    #: learn it from the signed records).
+    tcp_port: Port = 0
 
 
 class PeersConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

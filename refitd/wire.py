@@ -160,6 +160,9 @@ class NodeInfo(msgspec.Struct, frozen=True):
     #: ``transport/device`` pairs the daemon's UCX can use here (``ucx_info -d``),
     #: e.g. ``tcp/eth0``, ``rc_mlx5/mlx5_0:1``; empty without a UCX data plane.
     ucx_transports: list[str] = []
+    #: per known peer (trusted URL, or node a pull read from): the data path a pull
+    #: from it takes or would take, and why (``refitd status``)
+    paths: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------- regions
@@ -675,6 +678,9 @@ class PeerRegions(_Signed, frozen=True):
     #: the byte ranges ``[start, end)`` that lease may read: a reader reads nothing else
     lease_id: str = ""
     scope: dict[int, list[tuple[int, int]]] = {}
+    #: every data plane the sender serves, by scheme: its signed advertisement
+    #: (``advert`` is the first of them), so the reader picks the path
+    adverts: dict[str, bytes] = {}
     mac: bytes = b""
 
     def _what(self) -> str:

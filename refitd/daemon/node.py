@@ -28,6 +28,7 @@ import numpy as np
 from refitd.daemon.copier import Copier, pack_strided
 from refitd.daemon.holders import Holders
 from refitd.daemon.memory import SharedSegment, byte_view, check_shm_capacity, refuse_cuda_ipc
+from refitd.daemon.paths import peer_paths
 from refitd.daemon.peers import PeerPolicy
 from refitd.daemon.regions import RegionTable, validate_plan
 from refitd.daemon.registry import Lease, Registry
@@ -81,22 +82,24 @@ SHM_SCHEME = "shm"
 """The built-in same-host data plane: map the peer daemon's segments by name."""
 
 AUTO = "auto"
-"""The default data-plane mode: UCX always up, and per source peer the same-host
-shared-memory path whenever that peer is proven to share this host's memory."""
+"""The default data-plane mode: per source peer the same-host shared-memory path
+whenever that peer is proven to share this host's memory, else UCX where both ends
+have RDMA, else ``tcp`` (see :mod:`refitd.daemon.paths`)."""
 
 UCX_SCHEME = "ucx"
-"""The transports scheme ``auto`` starts."""
+"""UCX: ``auto`` starts it beside ``tcp`` where this host's UCX offers RDMA."""
 
 
 @dataclass(frozen=True)
 class DaemonOptions:
     """How one daemon runs. ``port`` 0 binds any free port (reported once bound).
 
-    ``transport`` is the data-plane mode: ``"auto"`` (default: UCX always started,
-    and per source peer the same-host shared-memory path when the peer is proven to
-    be on this host with attachable segments, UCX otherwise), ``"shm"`` (only the
-    shared-memory path; a peer on another host is refused) or a scheme of
-    ``transports.core`` (e.g. ``"ucx"``: every peer through that transport).
+    ``transport`` is the data-plane mode: ``"auto"`` (default: per source peer the
+    same-host shared-memory path when the peer is proven to be on this host with
+    attachable segments, else UCX where both ends have RDMA, else ``tcp``; see
+    :mod:`refitd.daemon.paths`), ``"shm"`` (only the shared-memory path; a peer on
+    another host is refused) or a scheme of ``transports.core`` (e.g. ``"tcp"`` or
+    ``"ucx"``: every other-host peer through that transport).
     ``secret`` (≥ 16 bytes) authenticates peer records between the daemons of one
     deployment. ``boot_id`` empty means this kernel's; another value makes the
     daemon claim another host (tests of the cross-host choice on one machine).
@@ -119,6 +122,10 @@ class DaemonOptions:
     pull_timeout_s: float = 120.0
     #: ``refitd.config.RegistryConfig`` (None: the static registry, this daemon alone)
     registry: Any = None
+    #: TCP connections per peer of the ``tcp`` data plane (``[data_plane] lanes``)
+    lanes: int = 4
+    #: port of the ``tcp`` data server (``[data_plane] tcp_port``; 0: any free one)
+    tcp_port: int = 0
 
 
 class Daemon:
@@ -138,7 +145,11 @@ class Daemon:
         self.peers = PeerPolicy(options.peers)
         self.regions = RegionTable(self.epoch)
         self.segments: dict[int, SharedSegment] = {}
-        self.transport: Transport | None = None  # every mode but shm
+        self.transport: Transport | None = None  # every mode but shm: the primary
+        #: every transport started, by scheme (see :mod:`refitd.daemon.paths`)
+        self.transports: dict[str, Transport] = {}
+        #: per peer node, the path the last pull from it took and why
+        self.seen_paths: dict[str, tuple[str, str]] = {}
         self.boot_id = options.boot_id or boot_id()
         #: the same-host data plane, in every mode: pulls from this daemon itself and
         #: from peers proven to share this host's memory (``copier``: its copy engine)
@@ -180,11 +191,15 @@ class Daemon:
             log.info("removed %d stale segment(s) at start", len(self.removed_at_start))
         await self.shm.start()
         mode = self.options.transport
-        if mode != SHM_SCHEME:
-            from transports.core import create_transport, transport_class
+        if mode in (AUTO, UCX_SCHEME):
+            from transports.ucx.info import ucx_transports
 
-            scheme = UCX_SCHEME if mode == AUTO else mode
-            extra: dict[str, Any] = {}
+            self.ucx_transports = await ucx_transports()
+        from refitd.daemon.paths import transport_options, transport_schemes
+        from transports.core import create_transport, transport_class
+
+        for scheme in transport_schemes(mode, self.ucx_transports):
+            extra = transport_options(self, scheme)
             if "pull_timeout" in inspect.signature(transport_class(scheme)).parameters:
                 extra["pull_timeout"] = self.options.pull_timeout_s
             t = create_transport(scheme, secret=self.options.secret, peer_id=self.node_id, **extra)
@@ -196,19 +211,17 @@ class Daemon:
                     f"data plane {scheme!r} did not start, so the daemon will not report "
                     f"ready: {exc}{hint}"
                 ) from exc
-            self.transport = t
-            if scheme == UCX_SCHEME:
-                from transports.ucx.info import ucx_transports
-
-                self.ucx_transports = await ucx_transports()
+            self.transports[scheme] = t
+            self.transport = self.transport or t
         self.ready = True
 
     async def close(self) -> None:
         self.ready = False
         self.holders.close()
-        if self.transport is not None:
-            await self.transport.close()
-            self.transport = None
+        for t in self.transports.values():
+            await t.close()
+        self.transports.clear()
+        self.transport = None
         await self.shm.close()
         for seg in self.segments.values():
             seg.close()
@@ -226,6 +239,7 @@ class Daemon:
             worker,
             shm_huge_pages=huge_page_mode(),
             ucx_transports=self.ucx_transports,
+            paths=peer_paths(self, self.seen_paths),
         )
 
     # ------------------------------------------------------------ regions
@@ -247,8 +261,8 @@ class Daemon:
         )
         if holder:
             self._held.setdefault(holder, set()).add(rid)
-        if self.transport is not None:
-            await self.transport.register(rid, seg)
+        for t in self.transports.values():
+            await t.register(rid, seg)
         await self.shm.register(rid, seg)
         self.segments[rid] = seg
         return self.regions.add(info)
@@ -306,8 +320,8 @@ class Daemon:
         self._orphans.discard(region_id)
         if info.holder:
             self._held.get(info.holder, set()).discard(region_id)
-        if self.transport is not None:
-            await self.transport.deregister(region_id)
+        for t in self.transports.values():
+            await t.deregister(region_id)
         await self.shm.deregister(region_id)
         self.segments.pop(region_id).close()
         return info
@@ -413,10 +427,11 @@ class Daemon:
             scope = {i: allowed[i] for i in ids}
         infos = list(self.regions) if ids is None else [self.regions.get(i) for i in ids]
         advert = b""
+        adverts: dict[str, bytes] = {}
         files: dict[int, tuple[int, int]] = {}
         if lease is not None:
-            if self.transport is not None:
-                advert = self.transport.advertise().encode()
+            adverts = {s: t.advertise().encode() for s, t in self.transports.items()}
+            advert = next(iter(adverts.values()), b"")
             files = self.shm.file_ids([r.region_id for r in infos])
         rec = PeerRegions(
             self.node_id,
@@ -428,6 +443,7 @@ class Daemon:
             files,
             lease_id=lease.lease_id if lease is not None else "",
             scope=scope,
+            adverts=adverts,
         )
         return rec.signed(self.options.secret)
 
