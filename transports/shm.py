@@ -28,6 +28,7 @@ owner crashed from one whose owner is alive (a reused pid has another start time
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import mmap
 import os
@@ -57,6 +58,9 @@ __all__ = [
 ]
 
 SHM_DIR = Path("/dev/shm")
+#: madvise: fault every page of the range in for writing (Linux 5.14); a page the
+#: filesystem cannot back is an error of the call, not a bus error later
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 PREFIX = "refitd."
 #: The group segments are shared with, by name or gid; the same variable the daemon's
 #: ``server.shm_group`` reads, and inherited by the processes it starts.
@@ -118,9 +122,17 @@ class SharedSegment:
     # -- construction
 
     @classmethod
-    def create(cls, size: int, label: str = "", *, name: str | None = None) -> SharedSegment:
+    def create(
+        cls, size: int, label: str = "", *, name: str | None = None, reserve: bool = True
+    ) -> SharedSegment:
         """Create a new segment of exactly ``size`` bytes (≥ 1), zero-filled, mode 0600,
-        or 0660 owned by the `shared_group` when one is set."""
+        or 0660 owned by the `shared_group` when one is set.
+
+        ``reserve`` (default) backs every byte now (see :meth:`_reserve`): a tmpfs file
+        is otherwise sparse, admitted past what the filesystem has free, and the first
+        write into a page it cannot back kills the writer with a bus error. A full
+        filesystem then fails here, ``OSError`` with ``errno.ENOSPC``, before any
+        byte moves, and nothing is left behind."""
         if size < 1:
             raise ProtocolError(f"shared segment refused: size {size} bytes; need at least 1")
         if name is None:
@@ -144,7 +156,36 @@ class SharedSegment:
             os.close(fd)
             os.unlink(SHM_DIR / name)
             raise
-        return cls(name, size, fd, owner=True)
+        seg = cls(name, size, fd, owner=True)
+        if reserve:
+            try:
+                seg._reserve()
+            except BaseException:
+                seg.close()
+                raise
+        return seg
+
+    def _reserve(self) -> None:
+        """Back every byte of this (new) segment now, through the mapping, so the
+        huge-page advice applies to the pages made (``fallocate`` would make them
+        small on a ``huge=advise`` mount). ``OSError(ENOSPC)`` when the filesystem
+        cannot: populating reports it as an error, where a write would fault."""
+        assert self._mmap is not None
+        try:
+            self._mmap.madvise(MADV_POPULATE_WRITE)
+            return
+        except OSError as exc:
+            if exc.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
+                raise OSError(
+                    errno.ENOSPC, f"{SHM_DIR} cannot back the {self._size} bytes of {self._name}"
+                ) from None
+            if exc.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14, fall back
+                raise
+        fd = os.open(SHM_DIR / self._name, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            os.posix_fallocate(fd, 0, self._size)
+        finally:
+            os.close(fd)
 
     @classmethod
     def attach(cls, name: str, size: int | None = None) -> SharedSegment:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import inspect
 import logging
 import os
@@ -27,7 +28,13 @@ import numpy as np
 
 from refitd.daemon.copier import Copier, pack_strided
 from refitd.daemon.holders import Holders
-from refitd.daemon.memory import SharedSegment, byte_view, check_shm_capacity, refuse_cuda_ipc
+from refitd.daemon.memory import (
+    SharedSegment,
+    byte_view,
+    check_shm_capacity,
+    free_shm_bytes,
+    refuse_cuda_ipc,
+)
 from refitd.daemon.peers import PeerPolicy
 from refitd.daemon.regions import RegionTable, validate_plan
 from refitd.daemon.registry import Lease, Registry
@@ -35,6 +42,7 @@ from refitd.daemon.trust import Extents, check_pack_reads
 from refitd.errors import (
     AccessDenied,
     ConflictError,
+    InsufficientStorage,
     PlanError,
     ProtocolError,
     RefitError,
@@ -259,8 +267,17 @@ class Daemon:
             refuse_cuda_ipc()
         check_shm_capacity(req.nbytes, f"region of {req.nbytes} bytes")
         try:  # a size the kernel cannot map is the client's mistake, not a server error
+            # Every byte is reserved now: a full /dev/shm refuses here (507), never
+            # later as a bus error in the middle of a pull.
             seg = SharedSegment.create(req.nbytes, req.label or "region")
-        except (OSError, OverflowError) as exc:
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise InsufficientStorage(
+                    f"region of {req.nbytes} bytes refused: {SHM_DIR} cannot reserve its "
+                    f"memory ({free_shm_bytes()} bytes free); nothing was created"
+                ) from None
+            raise PlanError(f"region of {req.nbytes} bytes refused: {exc}") from None
+        except OverflowError as exc:
             raise PlanError(f"region of {req.nbytes} bytes refused: {exc}") from None
         return await self._record(
             seg, req.kind, req.owner, req.label, daemon_owned=True, holder=req.holder
