@@ -38,8 +38,6 @@ class CopyFault(TransportError):
 
     def __init__(self, dst: int, src: int, nbytes: int, address: int) -> None:
         side = "destination" if dst <= address < dst + nbytes else "source"
-        if not (dst <= address < dst + nbytes or src <= address < src + nbytes):
-            side = "unknown side"
         super().__init__(
             f"copy of {nbytes} bytes stopped by a bus error at {address:#x} ({side}): "
             "the shared file there is shorter than its mapping (shrunk under us) or its "

@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from refitd.daemon.copier import Copier, pack_strided
+from refitd.daemon.copier import Copier, CopyFault, pack_strided
 from refitd.daemon.holders import Holders
 from refitd.daemon.memory import (
     SharedSegment,
@@ -483,9 +483,15 @@ class Daemon:
 
         def work() -> None:
             for p, o in zip(specs, offsets, strict=True):
-                pack_strided(
-                    srcs[p.src_region], p.src_offset, p.shape, p.strides, p.itemsize, dst, o
-                )
+                try:
+                    pack_strided(
+                        srcs[p.src_region], p.src_offset, p.shape, p.strides, p.itemsize, dst, o
+                    )
+                except CopyFault as exc:
+                    raise TransportError(
+                        f"pack refused: source region {p.src_region} faulted under the "
+                        f"gather ({exc.side}): its segment was shrunk by its owner"
+                    ) from exc
 
         await asyncio.to_thread(work)
         return StagedPack(region, offsets)

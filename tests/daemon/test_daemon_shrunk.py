@@ -22,8 +22,16 @@ from support.daemons import GatedCopier, serving_daemons
 
 from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.errors import RefitError
-from refitd.wire import DescriptorTable, ManifestIn, PullRequest, PullState, ShardEntry, TensorEntry
+from refitd.errors import RefitError, TransportError
+from refitd.wire import (
+    DescriptorTable,
+    ManifestIn,
+    PackSpec,
+    PullRequest,
+    PullState,
+    ShardEntry,
+    TensorEntry,
+)
 from transports.shm import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
@@ -116,5 +124,16 @@ async def test_a_segment_shrunk_mid_pull_fails_only_that_pull_and_the_daemon_ser
         # Every byte the pull was to write is reported suspect.
         assert [tuple(s) for s in status.suspect] == [(a.dst_id, 0, NBYTES)], err.value
         # The daemon lives, and the other tenant's pull lands byte-exact.
+        assert (await b.c.health())["status"] == "ok"
+        await b.pull_is_byte_exact()
+
+
+async def test_a_source_shrunk_under_a_pack_fails_that_pack_and_the_daemon_serves_on() -> None:
+    async with _tenants() as (_d, _gate, a, b):
+        _shrink(a.src, 4096)
+        # Every 1024th byte of a's tensor, gathered by the daemon into staging.
+        spec = PackSpec(a.src_id, 0, (NBYTES // 1024,), (1024,), 1, a.dst_id, 0)
+        with pytest.raises(TransportError, match=rf"source region {a.src_id} faulted"):
+            await a.c.peer_pack(a.model, 1, a.lease, [spec])
         assert (await b.c.health())["status"] == "ok"
         await b.pull_is_byte_exact()

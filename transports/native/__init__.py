@@ -53,6 +53,9 @@ def copy_lib() -> ctypes.CDLL:
     lib.rfx_copy_batch.restype = None
     lib.rfx_copy_batch_guarded.argtypes = [ctypes.c_int64, p, p, p, p]
     lib.rfx_copy_batch_guarded.restype = ctypes.c_int64
+    i64 = ctypes.c_int64
+    lib.rfx_gather_guarded.argtypes = [i64, p, p, i64, i64, i64, p]
+    lib.rfx_gather_guarded.restype = ctypes.c_int64
     lib.rfx_pvr_batch.argtypes = [ctypes.c_int64, ctypes.c_int64, p, p, p]
     lib.rfx_pvr_batch.restype = ctypes.c_int
     return lib

@@ -106,6 +106,62 @@ int64_t rfx_copy_batch_guarded(int64_t n, const int64_t *dst, const int64_t *src
     return -1;
 }
 
+/* One strided element row: n elements of `item` bytes, `step` bytes apart in src,
+ * packed contiguously into dst. A constant size per case lets memcpy inline. */
+static void rfx_row(char *dst, const char *src, int64_t n, int64_t step, int64_t item)
+{
+    if (step == item) {
+        memcpy(dst, src, (size_t)(n * item));
+        return;
+    }
+    switch (item) {
+    case 1: for (int64_t k = 0; k < n; k++) memcpy(dst + k, src + k * step, 1); break;
+    case 2: for (int64_t k = 0; k < n; k++) memcpy(dst + 2 * k, src + k * step, 2); break;
+    case 4: for (int64_t k = 0; k < n; k++) memcpy(dst + 4 * k, src + k * step, 4); break;
+    case 8: for (int64_t k = 0; k < n; k++) memcpy(dst + 8 * k, src + k * step, 8); break;
+    default:
+        for (int64_t k = 0; k < n; k++)
+            memcpy(dst + k * item, src + k * step, (size_t)item);
+    }
+}
+
+/* Gather the strided block at `src` (shape[ndim], strides in bytes, elements of
+ * `item` bytes; ndim >= 1, every extent >= 1) into `dst` contiguously, under the
+ * bus-error guard. Returns -1 when done, 0 when a bus error stopped it (the faulting
+ * address in *fault_at; dst is then undefined), -2 when the guard could not be
+ * installed (nothing copied). Bounds are the caller's (validated before). */
+int64_t rfx_gather_guarded(int64_t ndim, const int64_t *shape, const int64_t *strides,
+                           int64_t item, int64_t src, int64_t dst, int64_t *fault_at)
+{
+    sigjmp_buf jb;
+    int64_t idx[32] = {0};
+    if (ndim < 1 || ndim > 32)
+        return -2;
+    if (rfx_guard_install() != 0)
+        return -2;
+    if (sigsetjmp(jb, 1) != 0) {
+        *fault_at = (int64_t)(intptr_t)rfx_fault_at;
+        return 0;
+    }
+    rfx_guard = &jb;
+    int64_t inner = shape[ndim - 1], row = inner * item;
+    char *out = (char *)(intptr_t)dst;
+    for (;;) {
+        int64_t at = src;
+        for (int64_t d = 0; d < ndim - 1; d++)
+            at += idx[d] * strides[d];
+        rfx_row(out, (const char *)(intptr_t)at, inner, strides[ndim - 1], item);
+        out += row;
+        int64_t d = ndim - 2;
+        while (d >= 0 && ++idx[d] == shape[d])
+            idx[d--] = 0;
+        if (d < 0)
+            break;
+    }
+    rfx_guard = NULL;
+    return -1;
+}
+
 #include <sys/types.h>
 #include <sys/uio.h>
 
