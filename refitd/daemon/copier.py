@@ -62,3 +62,26 @@ def pack_strided(
     if rc == 0:
         raise CopyFault(dst_at, src_at, n, at.value)
     return n
+
+
+def copy_view(dst: memoryview, src: bytes | bytearray | memoryview) -> None:
+    """``dst[:] = src`` (same length, bytes) through the guarded native copy: a shared
+    segment shrunk under either side raises :class:`~transports.local.CopyFault`
+    instead of a fatal bus error."""
+    n = len(dst)
+    if len(src) != n:
+        raise PlanError(f"copy refused: {len(src)} source bytes for a {n}-byte destination")
+    if n == 0:
+        return
+    keep = np.frombuffer(src, np.uint8)  # held alive across the call
+    d = np.array([np.frombuffer(dst, np.uint8).ctypes.data], dtype=np.int64)
+    s = np.array([keep.ctypes.data], dtype=np.int64)
+    ln = np.array([n], dtype=np.int64)
+    at = ctypes.c_int64(0)
+    i = copy_lib().rfx_copy_batch_guarded(
+        1, d.ctypes.data, s.ctypes.data, ln.ctypes.data, ctypes.byref(at)
+    )
+    if i == -2:
+        raise TransportError("copy refused: the bus-error guard could not be installed")
+    if i >= 0:
+        raise CopyFault(int(d[0]), int(s[0]), n, at.value)

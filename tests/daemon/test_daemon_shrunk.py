@@ -137,3 +137,17 @@ async def test_a_source_shrunk_under_a_pack_fails_that_pack_and_the_daemon_serve
             await a.c.peer_pack(a.model, 1, a.lease, [spec])
         assert (await b.c.health())["status"] == "ok"
         await b.pull_is_byte_exact()
+
+
+@pytest.mark.parametrize("which", ["host_region", "slot_region"])
+async def test_a_pool_region_shrunk_by_a_client_fails_that_ensure_and_the_daemon_serves_on(
+    which: str,
+) -> None:
+    async with _tenants() as (_d, _gate, a, b):
+        pool = await a.c.create_pool("moe", layers=2, experts=4, slots=4, row_bytes=[8192])
+        region = next(r for r in await a.c.regions() if r.region_id == getattr(pool, which))
+        os.truncate(SHM_DIR / region.handle, 0)  # a daemon-made file, same uid: openable
+        with pytest.raises(TransportError, match=r"pool 'moe' .* faulted"):
+            await a.c.ensure("moe", 1, [3, 2])
+        assert (await b.c.health())["status"] == "ok"
+        await b.pull_is_byte_exact()
