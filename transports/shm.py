@@ -192,7 +192,8 @@ class SharedSegment:
         """Map an existing segment by name; ``size`` (bytes), when given, must match."""
         _check_name(name)
         try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO planted under the name must not hold the open.
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError as exc:
             raise NotFoundError(f"shared segment {name!r} not found") from exc
         except PermissionError:
@@ -200,8 +201,19 @@ class SharedSegment:
                 f"attaching shared segment {name!r} refused: this user may not open it "
                 f"(set {GROUP_ENV} / server.shm_group to a group both sides belong to)"
             ) from None
+        except OSError as exc:  # a symlink (ELOOP), a directory, a socket (ENXIO), ...
+            raise ProtocolError(
+                f"attaching shared segment {name!r} refused: it is not a regular file "
+                f"({os.strerror(exc.errno or 0)})"
+            ) from None
         st = os.fstat(fd)
         why = None
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise ProtocolError(
+                f"attaching shared segment {name!r} refused: it is not a regular file "
+                f"({stat.filemode(st.st_mode)})"
+            )
         gid = shared_group()
         group_ok = gid is not None and st.st_gid == gid  # our chosen group may be let in
         if st.st_uid != os.getuid() and not group_ok:
