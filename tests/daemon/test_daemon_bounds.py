@@ -3,14 +3,18 @@ refusals at its edges (issue 20, class 4)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from support.hostile import Env, hostile_daemon
 
+from refitd.client.http import RefitClient
+from refitd.errors import ProtocolError
 from transports.shm import SHM_DIR
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,3 +61,41 @@ async def test_attaching_a_name_that_is_not_a_regular_file_is_a_400_in_the_error
             path.rmdir()
         else:
             path.unlink()
+
+
+async def test_the_peer_client_never_follows_a_redirect_and_names_the_peer() -> None:
+    """A peer (here a fake: a real daemon never redirects) answers 307 to a host no
+    one listed; the client refuses, naming the peer, and the other host sees nothing."""
+    seen: list[str] = []
+
+    async def record(request: web.Request) -> web.Response:
+        seen.append(f"{request.method} {request.path_qs} {request.headers.get('Authorization')}")
+        return web.Response(status=200)
+
+    async with _serve(web.route("*", "/{tail:.*}", record)) as unlisted:
+
+        async def redirect(request: web.Request) -> web.Response:
+            raise web.HTTPTemporaryRedirect(unlisted + request.path_qs)
+
+        async with (
+            _serve(web.route("*", "/{tail:.*}", redirect)) as peer,
+            RefitClient(peer, token="secret-token") as c,
+        ):
+            with pytest.raises(ProtocolError, match=rf"daemon at {peer} answered a redirect"):
+                await c.peer_regions(lease_id="lease-1", model="m", version=3)
+    assert seen == []
+
+
+@contextlib.asynccontextmanager
+async def _serve(route: web.RouteDef) -> AsyncIterator[str]:
+    app = web.Application()
+    app.add_routes([route])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
