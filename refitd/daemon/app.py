@@ -21,7 +21,7 @@ import msgspec
 from aiohttp import web
 
 from refitd.cluster import registry_from_config
-from refitd.daemon.auth import check_owner, owner_for
+from refitd.daemon.auth import check_owner, owner_for, principal_of
 from refitd.daemon.cluster import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.cluster import routes as cluster_routes
 from refitd.daemon.experts import POOLS, ExpertPools, close_pools, note_pull
@@ -94,14 +94,31 @@ async def node(request: web.Request) -> web.Response:
 async def create_region(request: web.Request) -> web.Response:
     req = await body(request, RegionCreate)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
-    return reply(request, await request.app[DAEMON].create_region(req), 201)
+    d = request.app[DAEMON]
+    who = _admit_region(request)
+    info = await d.create_region(req)
+    d.caps.regions.add(who, str(info.region_id))
+    return reply(request, info, 201)
 
 
 @routes.post(P + "/regions/attach")
 async def attach_region(request: web.Request) -> web.Response:
     req = await body(request, RegionAttach)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
-    return reply(request, await request.app[DAEMON].attach_region(req), 201)
+    d = request.app[DAEMON]
+    who = _admit_region(request)
+    info = await d.attach_region(req)
+    d.caps.regions.add(who, str(info.region_id))
+    return reply(request, info, 201)
+
+
+def _admit_region(request: web.Request) -> str:
+    """The caller's principal name, once ``limits.max_regions_per_principal`` admits
+    one more region for it (429 past it)."""
+    d = request.app[DAEMON]
+    who = principal_of(request).name
+    d.caps.regions.admit(who, lambda rid: int(rid) in d.regions)
+    return who
 
 
 @routes.get(P + "/regions")
@@ -197,7 +214,11 @@ async def drain(request: web.Request) -> web.Response:
 @routes.post(P + "/leases")
 async def acquire(request: web.Request) -> web.Response:
     req = await body(request, LeaseRequest)
-    grant = request.app[DAEMON].registry.acquire(req.model, req.version, req.ttl_s, req.holder)
+    d = request.app[DAEMON]
+    who = principal_of(request).name
+    d.caps.leases.admit(who, d.registry.is_live)
+    grant = d.registry.acquire(req.model, req.version, req.ttl_s, req.holder)
+    d.caps.leases.add(who, grant.lease_id)
     return reply(request, grant, 201)
 
 
@@ -246,7 +267,11 @@ def check_pull_writes(request: web.Request, req: PullRequest) -> None:
 async def submit_pull(request: web.Request) -> web.Response:
     req = await body(request, PullRequest)
     check_pull_writes(request, req)  # auth: a pull writes only into the caller's regions
-    job = await request.app[PULLS].submit(req)
+    pulls, who = request.app[PULLS], principal_of(request).name
+    caps = request.app[DAEMON].caps
+    caps.pulls.admit(who, lambda pid: pid in pulls.jobs and not pulls.jobs[pid].finished.is_set())
+    job = await pulls.submit(req)
+    caps.pulls.add(who, job.pull_id)
     observe_pull(request.app, job, job.path)  # metrics by the path this pull takes
     note_pull(request.app, req, job)  # expert rows it rewrites leave their slots
     return reply(request, job.snapshot(), 202)

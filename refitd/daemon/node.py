@@ -26,6 +26,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from refitd.config import LimitsConfig
+from refitd.daemon.caps import Caps
 from refitd.daemon.copier import Copier, CopyFault, pack_strided
 from refitd.daemon.holders import Holders
 from refitd.daemon.memory import (
@@ -127,6 +129,8 @@ class DaemonOptions:
     pull_timeout_s: float = 120.0
     #: ``refitd.config.RegistryConfig`` (None: the static registry, this daemon alone)
     registry: Any = None
+    #: ``refitd.config.LimitsConfig`` (None: its defaults): caps, manifest size, pending TTL
+    limits: Any = None
 
 
 class Daemon:
@@ -141,7 +145,16 @@ class Daemon:
         self.node_id = options.node_id or f"{socket.gethostname()}-{os.getpid()}"
         self.epoch = time.time_ns()
         self.clock = clock
-        self.registry = Registry(self.node_id, self.epoch, clock)
+        self.limits: LimitsConfig = options.limits or LimitsConfig()
+        self.registry = Registry(
+            self.node_id, self.epoch, clock, pending_ttl_s=self.limits.pending_ttl_s
+        )
+        #: per-principal caps on leases, regions and pulls (``[limits]``)
+        self.caps = Caps(
+            self.limits.max_leases_per_principal,
+            self.limits.max_regions_per_principal,
+            self.limits.max_pulls_per_principal,
+        )
         #: the one decision which source URLs may be contacted (config, then registry)
         self.peers = PeerPolicy(options.peers)
         self.regions = RegionTable(self.epoch)

@@ -11,11 +11,16 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from support.hostile import Env, hostile_daemon
+from support.daemons import FakeClock, GatedCopier, serving_daemons
+from support.hostile import Env, hostile_daemon, rows, toy_manifest
 
 from refitd.client.http import RefitClient
-from refitd.errors import ProtocolError
-from transports.shm import SHM_DIR
+from refitd.config import LimitsConfig
+from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.registry import Registry
+from refitd.errors import NotFoundError, ProtocolError, QuotaExceeded
+from refitd.wire import DescriptorTable, PullRequest
+from transports.shm import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -99,3 +104,147 @@ async def _serve(route: web.RouteDef) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+# ---------------------------------------------------------------- leases: O(1) amortised
+
+
+class _Now(float):
+    """A clock reading that counts how often the registry compares a time with it:
+    the work an acquire does over the leases it holds."""
+
+    compared = 0
+
+    def _count(self, other: object, op: Callable[[float, float], bool]) -> bool:
+        _Now.compared += 1
+        return op(float(self), float(other))  # type: ignore[arg-type]
+
+    def __ge__(self, other: object) -> bool:
+        return self._count(other, float.__ge__)
+
+    def __gt__(self, other: object) -> bool:
+        return self._count(other, float.__gt__)
+
+    def __le__(self, other: object) -> bool:
+        return self._count(other, float.__le__)
+
+    def __lt__(self, other: object) -> bool:
+        return self._count(other, float.__lt__)
+
+
+def _toy_registry(clock: Callable[[], float]) -> Registry:
+    reg = Registry("n", 1, clock)
+    reg.publish(toy_manifest(1))
+    return reg
+
+
+def test_acquiring_a_lease_does_not_scan_every_lease_held() -> None:
+    now = [1000.0]
+    reg = _toy_registry(lambda: _Now(now[0]))
+    n = 3000
+    _Now.compared = 0
+    for _ in range(n):
+        reg.acquire("toy", 1, ttl_s=600)
+    # A scan of every lease compares each with the clock: n * n / 2 in all.
+    assert _Now.compared <= 4 * n, _Now.compared
+
+
+def test_a_renewed_lease_outlives_its_first_expiry_and_an_expired_one_is_dropped() -> None:
+    clock = FakeClock()
+    reg = _toy_registry(clock)
+    renewed = reg.acquire("toy", 1, ttl_s=10).lease_id
+    lapsed = reg.acquire("toy", 1, ttl_s=10).lease_id
+    clock.now += 5
+    reg.renew(renewed, ttl_s=100)
+    clock.now += 10
+    reg.acquire("toy", 1, ttl_s=10)
+    assert reg.is_live(renewed)
+    assert not reg.is_live(lapsed)
+    with pytest.raises(NotFoundError):
+        reg.release(lapsed)  # dropped by the sweep, not kept forever
+
+
+# ---------------------------------------------------------------- pending versions expire
+
+
+def test_a_version_pending_past_its_ttl_is_forgotten_and_frees_its_regions() -> None:
+    clock = FakeClock()
+    reg = Registry("n", 1, clock, pending_ttl_s=60)
+    reg.publish(toy_manifest(7, version=1, slot=0, slots=2))
+    assert 7 in reg.protected_regions()
+    clock.now += 61
+    reg.publish(toy_manifest(8, version=2))  # any publish sweeps
+    with pytest.raises(NotFoundError):
+        reg.version("toy", 1)
+    assert 7 not in reg.protected_regions()
+    # The missing slot arrives too late: it starts a new pending version, not READY.
+    assert reg.publish(toy_manifest(7, version=3, slot=1, slots=2)).state.value == "pending"
+
+
+def test_a_pending_version_within_its_ttl_stays() -> None:
+    clock = FakeClock()
+    reg = Registry("n", 1, clock, pending_ttl_s=60)
+    reg.publish(toy_manifest(7, version=1, slot=0, slots=2))
+    clock.now += 59
+    assert reg.publish(toy_manifest(7, version=1, slot=1, slots=2)).state.value == "ready"
+
+
+# ---------------------------------------------------------------- per-principal caps
+
+
+@contextlib.asynccontextmanager
+async def _capped(**limits: int) -> AsyncIterator[tuple[Daemon, RefitClient, GatedCopier]]:
+    gate = GatedCopier()
+    gate.gate.set()
+    opts = DaemonOptions(
+        node_id="capped", transport="shm", grace_s=0.5, limits=LimitsConfig(**limits)
+    )
+    d = Daemon(opts, copier=gate)
+    async with serving_daemons(d) as (c,):
+        yield d, c, gate
+
+
+async def test_regions_past_the_principals_cap_are_refused_with_429_naming_the_cap() -> None:
+    async with _capped(max_regions_per_principal=3) as (_d, c, _g):
+        made = [await c.create_region(64) for _ in range(3)]
+        with pytest.raises(QuotaExceeded, match=r"limits\.max_regions_per_principal = 3"):
+            await c.create_region(64)
+        with SharedSegment.create(64, "cap") as seg:
+            with pytest.raises(QuotaExceeded, match="region refused"):
+                await c.attach_region(seg.name, 64)
+            await c.delete_region(made[0].region_id)
+            await c.attach_region(seg.name, 64)  # room again once one is gone
+
+
+async def test_leases_past_the_principals_cap_are_refused_until_one_is_released() -> None:
+    async with _capped(max_leases_per_principal=2) as (_d, c, _g):
+        src = await c.create_region(128)
+        await c.publish(toy_manifest(src.region_id))
+        first = await c.acquire_lease("toy", 1)
+        await c.acquire_lease("toy", 1)
+        with pytest.raises(QuotaExceeded, match=r"limits\.max_leases_per_principal = 2"):
+            await c.acquire_lease("toy", 1)
+        await c.release_lease(first.lease_id)
+        await c.acquire_lease("toy", 1)
+
+
+async def test_pulls_past_the_principals_cap_are_refused_while_the_others_run() -> None:
+    async with _capped(max_pulls_per_principal=1) as (_d, c, gate):
+        src = await c.create_region(128)
+        dst = await c.create_region(128)
+        await c.publish(toy_manifest(src.region_id))
+        lease = await c.acquire_lease("toy", 1)
+        req = PullRequest(
+            "toy",
+            1,
+            lease.lease_id,
+            DescriptorTable(rows([src.region_id, 0, dst.region_id, 0, 128])),
+        )
+        gate.gate.clear()
+        held = await c.submit_pull(req)
+        await gate.entered.wait()
+        with pytest.raises(QuotaExceeded, match=r"limits\.max_pulls_per_principal = 1"):
+            await c.submit_pull(req)
+        gate.gate.set()
+        await c.wait_pull(held.pull_id)
+        assert (await c.pull(req)).bytes_done == 128  # the first ended: room again
