@@ -30,6 +30,7 @@ from refitd.daemon.httpio import (
     DAEMON,
     body,
     error_middleware,
+    manifest_body,
     query_float,
     query_int,
     reply,
@@ -47,7 +48,6 @@ from refitd.wire import (
     STATUS_OF,
     LeaseGrant,
     LeaseRequest,
-    ManifestIn,
     PackRequest,
     PullRequest,
     RegionAttach,
@@ -152,8 +152,15 @@ async def gc(request: web.Request) -> web.Response:
 @routes.post(P + "/sources")
 async def publish(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    m = await body(request, ManifestIn)
-    check_manifest_bounds(m, d.regions.sizes())
+    raw = await request.read()
+    # Off the event loop: a manifest at the size limits takes seconds to decode and
+    # check, and other requests are answered meanwhile.
+    d.manifests_checking += 1
+    try:
+        m = await manifest_body(request, raw, d.limits.max_manifest_shards)
+        await asyncio.to_thread(check_manifest_bounds, m, d.regions.sizes())
+    finally:
+        d.manifests_checking -= 1
     # A version publishes only from its publisher's regions (else it would expose
     # another principal's bytes to its leases, and pin them against their writes).
     for rid in sorted({s.region for t in m.tensors for s in t.shards}):

@@ -149,6 +149,8 @@ class Daemon:
         self.registry = Registry(
             self.node_id, self.epoch, clock, pending_ttl_s=self.limits.pending_ttl_s
         )
+        #: published manifests being decoded and checked now (off the event loop)
+        self.manifests_checking = 0
         #: per-principal caps on leases, regions and pulls (``[limits]``)
         self.caps = Caps(
             self.limits.max_leases_per_principal,

@@ -3,12 +3,15 @@ refusals at its edges (issue 20, class 4)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import aiohttp
+import msgspec
 import pytest
 from aiohttp import web
 from support.daemons import FakeClock, GatedCopier, serving_daemons
@@ -19,7 +22,13 @@ from refitd.config import LimitsConfig
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.registry import Registry
 from refitd.errors import NotFoundError, ProtocolError, QuotaExceeded
-from refitd.wire import DescriptorTable, PullRequest
+from refitd.wire import (
+    MAX_RANK,
+    MAX_TENSOR_SHARDS,
+    MSGPACK,
+    DescriptorTable,
+    PullRequest,
+)
 from transports.shm import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
@@ -248,3 +257,84 @@ async def test_pulls_past_the_principals_cap_are_refused_while_the_others_run() 
         gate.gate.set()
         await c.wait_pull(held.pull_id)
         assert (await c.pull(req)).bytes_done == 128  # the first ended: room again
+
+
+# ---------------------------------------------------------------- manifests
+
+
+def _wide_manifest(region: int, tensors: int, shards: int, last_region: int) -> bytes:
+    """``tensors`` tensors of ``shards`` one-element uint8 shards each in ``region``;
+    the very last shard names ``last_region`` (an unknown one: found only by checking
+    every shard)."""
+    out = []
+    for k in range(tensors):
+        entries = [[[i], [1], region, i] for i in range(shards)]
+        if k == tensors - 1:
+            entries[-1][2] = last_region
+        out.append([f"t{k}", [shards], "uint8", entries])
+    return msgspec.msgpack.encode(
+        {"model": "wide", "version": 1, "slot": 0, "expected_slots": 1, "tensors": out}
+    )
+
+
+async def test_a_tensor_of_rank_past_the_wire_limit_is_refused_with_400(env: Env) -> None:
+    rank = MAX_RANK + 1
+    m = {
+        "model": "deep",
+        "version": 1,
+        "slot": 0,
+        "expected_slots": 1,
+        "tensors": [["t", [1] * rank, "uint8", [[[0] * rank, [1] * rank, env.src, 0]]]],
+    }
+    detail = await env.refused("POST", "/v1/sources", m, status=400)
+    assert f"length <= {MAX_RANK}" in detail, detail
+
+
+async def test_a_tensor_listing_more_shards_than_the_wire_limit_is_refused_with_400(
+    env: Env,
+) -> None:
+    raw = _wide_manifest(env.src, 1, MAX_TENSOR_SHARDS + 1, env.src)
+    detail = await env.refused("POST", "/v1/sources", raw=raw, status=400)
+    assert f"length <= {MAX_TENSOR_SHARDS}" in detail, detail
+
+
+async def test_a_manifest_past_max_manifest_shards_is_refused_naming_the_cap() -> None:
+    async with _capped(max_manifest_shards=10) as (_d, c, _g):
+        src = await c.create_region(128)
+        raw = _wide_manifest(src.region_id, 3, 4, src.region_id)
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(c.base_url + "/v1/sources", data=raw, headers={"Content-Type": MSGPACK}) as r,
+        ):
+            assert r.status == 400
+            body = msgspec.json.decode(await r.read())
+        assert "limits.max_manifest_shards" in body["detail"], body
+
+
+async def test_health_is_answered_while_a_maximum_size_manifest_is_checked() -> None:
+    """The daemon and this test share one event loop. Once the daemon reports that
+    it is checking a manifest at the size limits (16 x 65,536 shards, the last one
+    naming an unknown region), five health requests are sent one after another:
+    each is answered while that manifest is still being checked. A check on the
+    loop would hold every one of them until the manifest's answer."""
+    async with _capped() as (d, c, _g):
+        src = await c.create_region(1 << 20)
+        raw = _wide_manifest(src.region_id, 16, MAX_TENSOR_SHARDS, 999_999)
+        async with aiohttp.ClientSession() as http:
+
+            async def publish() -> int:
+                async with http.post(
+                    c.base_url + "/v1/sources", data=raw, headers={"Content-Type": MSGPACK}
+                ) as r:
+                    return r.status
+
+            big = asyncio.ensure_future(publish())
+            while not d.manifests_checking and not big.done():
+                await c.health()  # the body is still on its way
+            assert d.manifests_checking == 1, "the daemon never reported the manifest checked"
+            answered_during = 0
+            for _ in range(5):
+                assert (await c.health())["status"] == "ok"
+                answered_during += d.manifests_checking == 1 and not big.done()
+            assert await big == 404  # every shard was checked, to the last
+        assert answered_during == 5
