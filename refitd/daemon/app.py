@@ -21,7 +21,7 @@ import msgspec
 from aiohttp import web
 
 from refitd.cluster import registry_from_config
-from refitd.daemon.auth import check_owner, owner_for
+from refitd.daemon.auth import check_owner, owner_for, principal_of, sees_region
 from refitd.daemon.cluster import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.cluster import routes as cluster_routes
 from refitd.daemon.experts import POOLS, ExpertPools, close_pools, note_pull
@@ -37,7 +37,7 @@ from refitd.daemon.httpio import (
 )
 from refitd.daemon.metrics import observe_pull
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.pulls import PullManager, RemoteSource, Source
+from refitd.daemon.pulls import PullJob, PullManager, RemoteSource, Source
 from refitd.daemon.registry import check_manifest_bounds
 from refitd.daemon.trust import check_writes
 from refitd.errors import ProtocolError, TransportError
@@ -106,12 +106,13 @@ async def attach_region(request: web.Request) -> web.Response:
 
 @routes.get(P + "/regions")
 async def list_regions(request: web.Request) -> web.Response:
-    return reply(request, list(request.app[DAEMON].regions))
+    return reply(request, [sees_region(request, r) for r in request.app[DAEMON].regions])
 
 
 @routes.get(P + "/regions/{region_id}")
 async def get_region(request: web.Request) -> web.Response:
-    return reply(request, request.app[DAEMON].regions.get(query_int(request, "region_id")))
+    info = request.app[DAEMON].regions.get(query_int(request, "region_id"))
+    return reply(request, sees_region(request, info))
 
 
 @routes.delete(P + "/regions/{region_id}")
@@ -129,19 +130,27 @@ async def delete_region(request: web.Request) -> web.Response:
 async def gc(request: web.Request) -> web.Response:
     """Free regions of exited clients and stale segments; ``dry_run=1`` only lists them."""
     dry = request.query.get("dry_run", "0") in ("1", "true")
-    return reply(request, await request.app[DAEMON].gc(dry_run=dry))
+    report = await request.app[DAEMON].gc(dry_run=dry)
+    regions = [sees_region(request, r) for r in report.regions]
+    return reply(request, msgspec.structs.replace(report, regions=regions))
 
 
 @routes.post(P + "/sources")
 async def publish(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     m = await body(request, ManifestIn)
+    who = principal_of(request)
+    d.models.check_owner(who, m.model, "publish into")  # a model's versions are its owners'
     check_manifest_bounds(m, d.regions.sizes())
     # A version publishes only from its publisher's regions (else it would expose
-    # another principal's bytes to its leases, and pin them against their writes).
-    for rid in sorted({s.region for t in m.tensors for s in t.shards}):
+    # another principal's bytes to its leases, and pin them against their writes),
+    # and only from memory nothing else rewrites (staging, pools, running pulls).
+    region_ids = sorted({s.region for t in m.tensors for s in t.shards})
+    for rid in region_ids:
         check_owner(request, d.regions.get(rid).owner, "publish from", f"region {rid}")
+    d.check_publishable(region_ids)
     info = d.registry.publish(m)
+    d.models.claim(who, m.model)
     d.lease_changed()
     await announce(request.app, m.model)
     return reply(request, info, 201)
@@ -149,16 +158,20 @@ async def publish(request: web.Request) -> web.Response:
 
 @routes.get(P + "/sources")
 async def list_sources(request: web.Request) -> web.Response:
-    return reply(request, request.app[DAEMON].registry.versions())
+    d, who = request.app[DAEMON], principal_of(request)
+    return reply(request, [v for v in d.registry.versions() if d.models.may_read(who, v.model)])
 
 
 @routes.get(P + "/sources/{model}/versions")
 async def list_versions(request: web.Request) -> web.Response:
-    return reply(request, request.app[DAEMON].registry.versions(request.match_info["model"]))
+    d, model = request.app[DAEMON], request.match_info["model"]
+    d.models.check_read(principal_of(request), model, "list the versions of")
+    return reply(request, d.registry.versions(model))
 
 
 def _version(request: web.Request) -> tuple[str, int]:
     model = request.match_info["model"]
+    request.app[DAEMON].models.check_read(principal_of(request), model, "read")
     if request.match_info["version"] == "latest":
         return model, request.app[DAEMON].registry.latest_ready(model)
     return model, query_int(request, "version")
@@ -184,6 +197,8 @@ async def drain(request: web.Request) -> web.Response:
     """Wait for the version's leases to drain; ``retire=1`` first refuses new ones."""
     model, version = _version(request)
     retire = request.query.get("retire", "0") in ("1", "true")
+    what = "retire a version of" if retire else "drain a version of"
+    request.app[DAEMON].models.check_owner(principal_of(request), model, what)
     timeout = query_float(request, "timeout", 60.0)
     info = await request.app[DAEMON].wait_drain(model, version, timeout, retire)
     if retire:
@@ -197,7 +212,9 @@ async def drain(request: web.Request) -> web.Response:
 @routes.post(P + "/leases")
 async def acquire(request: web.Request) -> web.Response:
     req = await body(request, LeaseRequest)
-    grant = request.app[DAEMON].registry.acquire(req.model, req.version, req.ttl_s, req.holder)
+    d, who = request.app[DAEMON], principal_of(request)
+    d.models.check_read(who, req.model, "lease")
+    grant = d.registry.acquire(req.model, req.version, req.ttl_s, req.holder, owner=who.name)
     return reply(request, grant, 201)
 
 
@@ -246,7 +263,7 @@ def check_pull_writes(request: web.Request, req: PullRequest) -> None:
 async def submit_pull(request: web.Request) -> web.Response:
     req = await body(request, PullRequest)
     check_pull_writes(request, req)  # auth: a pull writes only into the caller's regions
-    job = await request.app[PULLS].submit(req)
+    job = await request.app[PULLS].submit(req, owner=principal_of(request).name)
     observe_pull(request.app, job, job.path)  # metrics by the path this pull takes
     note_pull(request.app, req, job)  # expert rows it rewrites leave their slots
     return reply(request, job.snapshot(), 202)
@@ -254,18 +271,30 @@ async def submit_pull(request: web.Request) -> web.Response:
 
 @routes.get(P + "/pulls")
 async def list_pulls(request: web.Request) -> web.Response:
-    return reply(request, [j.snapshot() for j in request.app[PULLS].jobs.values()])
+    """The caller's own pulls (every pull for root, or without authentication)."""
+    who = principal_of(request)
+    jobs = list(request.app[PULLS].jobs.values())
+    if who.authenticated and not who.admin:
+        jobs = [j for j in jobs if j.owner == who.name]
+    return reply(request, [j.snapshot() for j in jobs])
+
+
+def _own_pull(request: web.Request, action: str) -> PullJob:
+    pull_id = request.match_info["pull_id"]
+    job = request.app[PULLS].get(pull_id)
+    check_owner(request, job.owner, action, f"pull {pull_id}")
+    return job
 
 
 @routes.get(P + "/pulls/{pull_id}")
 async def pull_status(request: web.Request) -> web.Response:
-    return reply(request, request.app[PULLS].get(request.match_info["pull_id"]).snapshot())
+    return reply(request, _own_pull(request, "read").snapshot())
 
 
 @routes.get(P + "/pulls/{pull_id}/wait")
 async def pull_wait(request: web.Request) -> web.Response:
     """Answer when the pull ends, or after ``timeout`` seconds with its progress."""
-    job = request.app[PULLS].get(request.match_info["pull_id"])
+    job = _own_pull(request, "wait for")
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(query_float(request, "timeout", 30.0)):
             await job.finished.wait()
@@ -274,7 +303,7 @@ async def pull_wait(request: web.Request) -> web.Response:
 
 @routes.delete(P + "/pulls/{pull_id}")
 async def cancel_pull(request: web.Request) -> web.Response:
-    job = await request.app[PULLS].cancel(request.match_info["pull_id"])
+    job = await request.app[PULLS].cancel(_own_pull(request, "cancel").pull_id)
     return reply(request, job.snapshot())
 
 
