@@ -147,6 +147,24 @@ class PeersConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 ) from None
 
 
+class ModelsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Who owns each model and who may read it (see ``refitd.daemon.owners``)."""
+
+    #: ``MODEL=PRINCIPAL`` entries: a model listed here belongs to those principals
+    #: (token names, ``uid:<n>``) only: they publish, drain and retire its versions.
+    #: A model not listed belongs to the principal that first publishes it.
+    owners: tuple[str, ...] = ()
+    #: ``MODEL=PRINCIPAL`` entries: a model listed here is leased and read only by
+    #: those principals and its owners. A model not listed: by everyone.
+    readers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from refitd.daemon.owners import parse_model_table
+
+        parse_model_table(self.owners, "models.owners")
+        parse_model_table(self.readers, "models.readers")
+
+
 class PullsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Pull execution and shutdown."""
 
@@ -216,6 +234,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     pulls: PullsConfig = msgspec.field(default_factory=PullsConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     peers: PeersConfig = msgspec.field(default_factory=PeersConfig)
+    models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     registry: RegistryConfig = msgspec.field(default_factory=RegistryConfig)

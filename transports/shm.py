@@ -106,6 +106,10 @@ class SharedSegment:
         self._size = size
         self.owner = owner
         try:
+            st = os.fstat(fd)
+            #: ``(st_dev, st_ino)`` of the file mapped: the memory's identity, whatever
+            #: name (or hard link) it was opened by
+            self.file_identity: tuple[int, int] = (st.st_dev, st.st_ino)
             self._mmap: mmap.mmap | None = mmap.mmap(
                 fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
             )

@@ -21,7 +21,7 @@ import msgspec
 from aiohttp import web
 
 from refitd.cluster import registry_from_config
-from refitd.daemon.auth import check_owner, owner_for, principal_of
+from refitd.daemon.auth import check_owner, owner_for, principal_of, sees_region
 from refitd.daemon.cluster import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.cluster import routes as cluster_routes
 from refitd.daemon.experts import POOLS, ExpertPools, close_pools, note_pull
@@ -38,7 +38,7 @@ from refitd.daemon.httpio import (
 )
 from refitd.daemon.metrics import observe_pull
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.pulls import PullManager, RemoteSource, Source
+from refitd.daemon.pulls import PullJob, PullManager, RemoteSource, Source
 from refitd.daemon.registry import check_manifest_bounds
 from refitd.daemon.trust import check_writes
 from refitd.errors import ProtocolError, TransportError
@@ -123,12 +123,13 @@ def _admit_region(request: web.Request) -> str:
 
 @routes.get(P + "/regions")
 async def list_regions(request: web.Request) -> web.Response:
-    return reply(request, list(request.app[DAEMON].regions))
+    return reply(request, [sees_region(request, r) for r in request.app[DAEMON].regions])
 
 
 @routes.get(P + "/regions/{region_id}")
 async def get_region(request: web.Request) -> web.Response:
-    return reply(request, request.app[DAEMON].regions.get(query_int(request, "region_id")))
+    info = request.app[DAEMON].regions.get(query_int(request, "region_id"))
+    return reply(request, sees_region(request, info))
 
 
 @routes.delete(P + "/regions/{region_id}")
@@ -146,7 +147,9 @@ async def delete_region(request: web.Request) -> web.Response:
 async def gc(request: web.Request) -> web.Response:
     """Free regions of exited clients and stale segments; ``dry_run=1`` only lists them."""
     dry = request.query.get("dry_run", "0") in ("1", "true")
-    return reply(request, await request.app[DAEMON].gc(dry_run=dry))
+    report = await request.app[DAEMON].gc(dry_run=dry)
+    regions = [sees_region(request, r) for r in report.regions]
+    return reply(request, msgspec.structs.replace(report, regions=regions))
 
 
 @routes.post(P + "/sources")
@@ -161,11 +164,18 @@ async def publish(request: web.Request) -> web.Response:
         await asyncio.to_thread(check_manifest_bounds, m, d.regions.sizes())
     finally:
         d.manifests_checking -= 1
+    # After the awaits: what is checked from here on runs without a break.
+    who = principal_of(request)
+    d.models.check_owner(who, m.model, "publish into")  # a model's versions are its owners'
     # A version publishes only from its publisher's regions (else it would expose
-    # another principal's bytes to its leases, and pin them against their writes).
-    for rid in sorted({s.region for t in m.tensors for s in t.shards}):
+    # another principal's bytes to its leases, and pin them against their writes),
+    # and only from memory nothing else rewrites (staging, pools, running pulls).
+    region_ids = sorted({s.region for t in m.tensors for s in t.shards})
+    for rid in region_ids:
         check_owner(request, d.regions.get(rid).owner, "publish from", f"region {rid}")
+    d.check_publishable(region_ids)
     info = d.registry.publish(m)
+    d.models.claim(who, m.model)
     d.lease_changed()
     await announce(request.app, m.model)
     return reply(request, info, 201)
@@ -173,16 +183,20 @@ async def publish(request: web.Request) -> web.Response:
 
 @routes.get(P + "/sources")
 async def list_sources(request: web.Request) -> web.Response:
-    return reply(request, request.app[DAEMON].registry.versions())
+    d, who = request.app[DAEMON], principal_of(request)
+    return reply(request, [v for v in d.registry.versions() if d.models.may_read(who, v.model)])
 
 
 @routes.get(P + "/sources/{model}/versions")
 async def list_versions(request: web.Request) -> web.Response:
-    return reply(request, request.app[DAEMON].registry.versions(request.match_info["model"]))
+    d, model = request.app[DAEMON], request.match_info["model"]
+    d.models.check_read(principal_of(request), model, "list the versions of")
+    return reply(request, d.registry.versions(model))
 
 
 def _version(request: web.Request) -> tuple[str, int]:
     model = request.match_info["model"]
+    request.app[DAEMON].models.check_read(principal_of(request), model, "read")
     if request.match_info["version"] == "latest":
         return model, request.app[DAEMON].registry.latest_ready(model)
     return model, query_int(request, "version")
@@ -208,6 +222,8 @@ async def drain(request: web.Request) -> web.Response:
     """Wait for the version's leases to drain; ``retire=1`` first refuses new ones."""
     model, version = _version(request)
     retire = request.query.get("retire", "0") in ("1", "true")
+    what = "retire a version of" if retire else "drain a version of"
+    request.app[DAEMON].models.check_owner(principal_of(request), model, what)
     timeout = query_float(request, "timeout", 60.0)
     info = await request.app[DAEMON].wait_drain(model, version, timeout, retire)
     if retire:
@@ -221,11 +237,11 @@ async def drain(request: web.Request) -> web.Response:
 @routes.post(P + "/leases")
 async def acquire(request: web.Request) -> web.Response:
     req = await body(request, LeaseRequest)
-    d = request.app[DAEMON]
-    who = principal_of(request).name
-    d.caps.leases.admit(who, d.registry.is_live)
-    grant = d.registry.acquire(req.model, req.version, req.ttl_s, req.holder)
-    d.caps.leases.add(who, grant.lease_id)
+    d, who = request.app[DAEMON], principal_of(request)
+    d.models.check_read(who, req.model, "lease")
+    d.caps.leases.admit(who.name, d.registry.is_live)
+    grant = d.registry.acquire(req.model, req.version, req.ttl_s, req.holder, owner=who.name)
+    d.caps.leases.add(who.name, grant.lease_id)
     return reply(request, grant, 201)
 
 
@@ -277,7 +293,7 @@ async def submit_pull(request: web.Request) -> web.Response:
     pulls, who = request.app[PULLS], principal_of(request).name
     caps = request.app[DAEMON].caps
     caps.pulls.admit(who, lambda pid: pid in pulls.jobs and not pulls.jobs[pid].finished.is_set())
-    job = await pulls.submit(req)
+    job = await pulls.submit(req, owner=who)
     caps.pulls.add(who, job.pull_id)
     observe_pull(request.app, job, job.path)  # metrics by the path this pull takes
     note_pull(request.app, req, job)  # expert rows it rewrites leave their slots
@@ -286,18 +302,30 @@ async def submit_pull(request: web.Request) -> web.Response:
 
 @routes.get(P + "/pulls")
 async def list_pulls(request: web.Request) -> web.Response:
-    return reply(request, [j.snapshot() for j in request.app[PULLS].jobs.values()])
+    """The caller's own pulls (every pull for root, or without authentication)."""
+    who = principal_of(request)
+    jobs = list(request.app[PULLS].jobs.values())
+    if who.authenticated and not who.admin:
+        jobs = [j for j in jobs if j.owner == who.name]
+    return reply(request, [j.snapshot() for j in jobs])
+
+
+def _own_pull(request: web.Request, action: str) -> PullJob:
+    pull_id = request.match_info["pull_id"]
+    job = request.app[PULLS].get(pull_id)
+    check_owner(request, job.owner, action, f"pull {pull_id}")
+    return job
 
 
 @routes.get(P + "/pulls/{pull_id}")
 async def pull_status(request: web.Request) -> web.Response:
-    return reply(request, request.app[PULLS].get(request.match_info["pull_id"]).snapshot())
+    return reply(request, _own_pull(request, "read").snapshot())
 
 
 @routes.get(P + "/pulls/{pull_id}/wait")
 async def pull_wait(request: web.Request) -> web.Response:
     """Answer when the pull ends, or after ``timeout`` seconds with its progress."""
-    job = request.app[PULLS].get(request.match_info["pull_id"])
+    job = _own_pull(request, "wait for")
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(query_float(request, "timeout", 30.0)):
             await job.finished.wait()
@@ -306,7 +334,7 @@ async def pull_wait(request: web.Request) -> web.Response:
 
 @routes.delete(P + "/pulls/{pull_id}")
 async def cancel_pull(request: web.Request) -> web.Response:
-    job = await request.app[PULLS].cancel(request.match_info["pull_id"])
+    job = await request.app[PULLS].cancel(_own_pull(request, "cancel").pull_id)
     return reply(request, job.snapshot())
 
 

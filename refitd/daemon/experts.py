@@ -47,7 +47,7 @@ from aiohttp import web
 
 from refitd.daemon.auth import check_owner, owner_for
 from refitd.daemon.copier import CopyFault, copy_view
-from refitd.daemon.httpio import body, reply
+from refitd.daemon.httpio import DAEMON, body, reply
 from refitd.daemon.memory import check_shm_capacity
 from refitd.daemon.node import Daemon
 from refitd.daemon.openapi import Operation
@@ -495,23 +495,25 @@ class ExpertPools:
                 expert_bytes * spec.layers * spec.experts, owner=owner, label="experts-host"
             )
         )
+        d.pool_regions[host.region_id] = spec.name  # never a version's memory (see publish)
         try:
             slots = await d.create_region(
                 RegionCreate(expert_bytes * spec.slots, owner=owner, label="experts-slots")
             )
+            d.pool_regions[slots.region_id] = spec.name
         except BaseException:
-            await d.delete_region(host.region_id)
+            await self._drop(host.region_id)
             raise
         try:
             pool = ExpertPool(spec, owner, host, slots, d)
         except BaseException:
-            await d.delete_region(host.region_id)
-            await d.delete_region(slots.region_id)
+            await self._drop(host.region_id)
+            await self._drop(slots.region_id)
             raise
         # Re-checked: another create of the same name may have finished meanwhile.
         if spec.name in self._pools:
-            await d.delete_region(host.region_id)
-            await d.delete_region(slots.region_id)
+            await self._drop(host.region_id)
+            await self._drop(slots.region_id)
             raise ConflictError(f"expert pool {spec.name!r} refused: a pool of that name exists")
         self._pools[spec.name] = pool
         return pool
@@ -525,8 +527,13 @@ class ExpertPools:
             self._pools.pop(name, None)
             for rid in (pool.host.region_id, pool.slot_region.region_id):
                 with contextlib.suppress(NotFoundError):
-                    await self.daemon.delete_region(rid)
+                    await self._drop(rid)
         return info
+
+    async def _drop(self, region_id: int) -> None:
+        """Delete one of a pool's regions (it stops being a pool region first)."""
+        self.daemon.pool_regions.pop(region_id, None)
+        await self.daemon.delete_region(region_id)
 
     def holding(self, region_id: int) -> ExpertPool | None:
         """The pool whose host or slot region is ``region_id``, if any."""
@@ -622,6 +629,20 @@ async def _locked(pool: ExpertPool) -> AsyncIterator[ExpertPool]:
         yield pool
 
 
+def _check_slots_unpublished(request: web.Request, pool: ExpertPool) -> None:
+    """Refuse (409) a step that would write a slot region a READY, pending or leased
+    version publishes from (publishing from a pool's region is refused, so this
+    holds the rule even for memory that became a pool's some other way)."""
+    held = request.app[DAEMON].registry.protected_regions().get(pool.slot_region.region_id)
+    if held is not None:
+        model, version, why = held
+        raise ConflictError(
+            f"expert pool {pool.name!r} refused the step: its slot region "
+            f"{pool.slot_region.region_id} holds {model!r} version {version}, which is {why}; "
+            "a published version's bytes never change"
+        )
+
+
 @routes.get(P + "/{pool}")
 async def get_pool(request: web.Request) -> web.Response:
     async with _locked(_pool(request, "read")) as pool:
@@ -645,6 +666,7 @@ async def ensure(request: web.Request) -> web.Response:
     """Plan with the expert cache, copy the misses into the slot region."""
     req = await body(request, EnsureRequest)
     async with _locked(_pool(request, "write")) as pool:
+        _check_slots_unpublished(request, pool)
         planned, nbytes = pool.plan(req)
         # A warm step (nothing to copy) runs too: the executor checks the layer's
         # route and counts it.
@@ -657,6 +679,7 @@ async def prefetch(request: web.Request) -> web.Response:
     """Plan a prediction of a layer's next step; its copies land in the background."""
     req = await body(request, PrefetchRequest)
     async with _locked(_pool(request, "write")) as pool:
+        _check_slots_unpublished(request, pool)
         # Its own copies start in the background, but a slot it reuses may still be
         # receiving an earlier one.
         result = await pool.off_loop(0, pool.prefetch, req)

@@ -37,6 +37,7 @@ from refitd.daemon.memory import (
     free_shm_bytes,
     refuse_cuda_ipc,
 )
+from refitd.daemon.owners import ModelOwners
 from refitd.daemon.peers import PeerPolicy
 from refitd.daemon.regions import RegionTable, validate_plan
 from refitd.daemon.registry import Lease, Registry
@@ -131,6 +132,10 @@ class DaemonOptions:
     registry: Any = None
     #: ``refitd.config.LimitsConfig`` (None: its defaults): caps, manifest size, pending TTL
     limits: Any = None
+    #: ``[models] owners`` / ``readers``: ``MODEL=PRINCIPAL`` entries (see
+    #: :class:`~refitd.daemon.owners.ModelOwners`)
+    model_owners: tuple[str, ...] = ()
+    model_readers: tuple[str, ...] = ()
 
 
 class Daemon:
@@ -175,11 +180,22 @@ class Daemon:
         #: ids of the staging regions this daemon made: a client may label its own
         #: region "staging", so the label alone must not admit it to the pool
         self._staging_ids: set[int] = set()
-        #: staging regions handed to a reader, by the lease it packed under; a reader
-        #: that never releases one cannot keep it past its lease (see _reclaim_staging)
-        self._staging_held: dict[int, str] = {}
+        #: staging regions handed to a reader -> (the lease it packed under, bytes packed
+        #: at its start); a reader that never releases one cannot keep it past its lease
+        #: (see _reclaim_staging), and the lease reads only the bytes packed for it
+        self._staging_held: dict[int, tuple[str, int]] = {}
         #: regions a running pull of this daemon reads or writes (see :meth:`using`)
         self._busy: collections.Counter[int] = collections.Counter()
+        #: regions a running pull writes, with the ids of those pulls (see :meth:`writing`)
+        self._writing: dict[int, set[str]] = {}
+        #: the memory behind each region, ``(st_dev, st_ino)`` of its segment -> region
+        #: id: one memory is one region, so every rule keyed on a region id holds for
+        #: that memory (see :meth:`_record`)
+        self._memory: dict[tuple[int, int], int] = {}
+        #: regions an expert pool holds -> the pool's name (set by the pools)
+        self.pool_regions: dict[int, str] = {}
+        #: who owns each model, and who may read it (``[models]``)
+        self.models = ModelOwners(options.model_owners, options.model_readers)
         #: client processes regions live with, and regions whose client exited
         self.holders = Holders(self._holder_exited)
         self._held: dict[str, set[int]] = {}
@@ -262,7 +278,35 @@ class Daemon:
         daemon_owned: bool,
         holder: str = "",
     ) -> RegionInfo:
+        ident = seg.file_identity
+        same = self._memory.get(ident)
+        if same is not None:
+            if not daemon_owned:
+                seg.close()  # unmap what attach mapped; the file is not ours to unlink
+            raise ConflictError(
+                f"region refused: segment {seg.name!r} is memory this daemon already holds "
+                f"as region {same} (device {ident[0]}, inode {ident[1]}); one memory is one "
+                "region, never a second id whose rules its first id's would not bind"
+            )
         rid = self.regions.new_id()
+        self._memory[ident] = rid
+        try:
+            return await self._record_new(rid, seg, kind, owner, label, daemon_owned, holder)
+        except BaseException:
+            if rid not in self.regions:
+                self._memory.pop(ident, None)
+            raise
+
+    async def _record_new(
+        self,
+        rid: int,
+        seg: SharedSegment,
+        kind: RegionKind,
+        owner: str,
+        label: str,
+        daemon_owned: bool,
+        holder: str,
+    ) -> RegionInfo:
         if holder and not self.holders.watch(holder):
             holder = ""  # not a process visible here: the region lives until deleted
         info = RegionInfo(
@@ -341,7 +385,10 @@ class Daemon:
         if self.transport is not None:
             await self.transport.deregister(region_id)
         await self.shm.deregister(region_id)
-        self.segments.pop(region_id).close()
+        seg = self.segments.pop(region_id)
+        if self._memory.get(seg.file_identity) == region_id:
+            del self._memory[seg.file_identity]
+        seg.close()
         return info
 
     def view(self, region_id: int) -> memoryview:
@@ -408,18 +455,59 @@ class Daemon:
                 if self._busy[i] <= 0:
                     del self._busy[i]
 
+    @contextlib.contextmanager
+    def writing(self, region_ids: Iterable[int], pull_id: str) -> Iterator[None]:
+        """Mark regions as written by running pull ``pull_id`` for the block: no
+        version is published from them meanwhile (:meth:`check_publishable`)."""
+        ids = sorted(set(region_ids))
+        for i in ids:
+            self._writing.setdefault(i, set()).add(pull_id)
+        try:
+            yield
+        finally:
+            for i in ids:
+                pulls = self._writing.get(i, set())
+                pulls.discard(pull_id)
+                if not pulls:
+                    self._writing.pop(i, None)
+
+    def check_publishable(self, region_ids: Iterable[int]) -> None:
+        """Refuse (:class:`ConflictError`, 409, naming what holds it) publishing a
+        version from a region whose bytes something other than its publisher changes:
+        a staging region (the daemon repacks it for other leases), an expert pool's
+        region (``ensure`` rewrites its slots, pulls its host rows), or a region a
+        running pull writes (its bytes would change after the version is READY)."""
+        for rid in sorted(set(region_ids)):
+            why = ""
+            if rid in self._staging_ids:
+                why = "it is a staging region of this daemon, which repacks it for other leases"
+            elif rid in self.pool_regions:
+                why = (
+                    f"it is a region of expert pool {self.pool_regions[rid]!r}, whose ensure "
+                    "and pulls rewrite it"
+                )
+            elif self._writing.get(rid):
+                pulls = ", ".join(sorted(self._writing[rid]))
+                why = f"running pull(s) {pulls} write it; wait for them to end or cancel them"
+            if why:
+                raise ConflictError(
+                    f"publishing from region {rid} refused: {why}; a version's bytes never "
+                    "change once published"
+                )
+
     @property
     def staging_ids(self) -> frozenset[int]:
         """Every staging region of this daemon (held or free)."""
         return frozenset(self._staging_ids)
 
     def lease_scope(self, lease: Lease) -> dict[int, Extents]:
-        """What ``lease`` may read here: its version's shard ranges, and whole staging
-        regions packed for that very lease."""
+        """What ``lease`` may read here: its version's shard ranges, and in each staging
+        region packed for that very lease the bytes packed for it (not the rest of a
+        reused region)."""
         scope = dict(self.registry.scope(lease.model, lease.version))
-        for rid, held in self._staging_held.items():
+        for rid, (held, packed) in self._staging_held.items():
             if held == lease.lease_id and rid in self.regions:
-                scope[rid] = [(0, self.regions.get(rid).nbytes)]
+                scope[rid] = [(0, packed)] if packed else []
         return scope
 
     def peer_regions(self, ids: list[int] | None = None, lease: Lease | None = None) -> PeerRegions:
@@ -444,6 +532,12 @@ class Daemon:
                 )
             scope = {i: allowed[i] for i in ids}
         infos = list(self.regions) if ids is None else [self.regions.get(i) for i in ids]
+        # The holder process is nobody's business but the region's owner; the segment
+        # name only a reader under a lease needs (a same-host daemon maps it by name).
+        infos = [
+            msgspec.structs.replace(r, holder="", handle=r.handle if lease is not None else "")
+            for r in infos
+        ]
         advert = b""
         files: dict[int, tuple[int, int]] = {}
         if lease is not None:
@@ -491,12 +585,15 @@ class Daemon:
         )
         what = f"{lease.model!r} version {lease.version} (lease {lease.lease_id!r})"
         check_pack_reads(specs, self.registry.scope(lease.model, lease.version), what)
-        region = await self._take_staging(total)
-        self._staging_held[region.region_id] = lease.lease_id
+        region = await self._take_staging(total, lease.owner)
+        self._staging_held[region.region_id] = (lease.lease_id, total)
         dst = self.view(region.region_id)
         srcs = {p.src_region: self.view(p.src_region) for p in specs}
 
         def work() -> None:
+            # A reused region still holds what it was packed with for another lease:
+            # what this pack does not overwrite is zeroed, so no byte of it survives.
+            np.frombuffer(dst, dtype=np.uint8)[total:] = 0
             for p, o in zip(specs, offsets, strict=True):
                 try:
                     pack_strided(
@@ -511,24 +608,26 @@ class Daemon:
         await asyncio.to_thread(work)
         return StagedPack(region, offsets)
 
-    async def _take_staging(self, nbytes: int) -> RegionInfo:
-        """A staging region of at least ``nbytes`` bytes: a free one from the pool
-        (its pages are already faulted in, here and in readers that mapped it), else
-        a new one."""
+    async def _take_staging(self, nbytes: int, owner: str) -> RegionInfo:
+        """A staging region of at least ``nbytes`` bytes, owned by ``owner`` (the
+        principal of the lease it is packed for): a free one from the pool (its pages
+        are already faulted in, here and in readers that mapped it), else a new one."""
         await self._reclaim_staging()
         fits = [r for r in self._staging_free if self.regions.get(r).nbytes >= nbytes]
         if fits:
             best = min(fits, key=lambda r: self.regions.get(r).nbytes)
             self._staging_free.remove(best)
-            return self.regions.get(best)
-        region = await self.create_region(RegionCreate(nbytes, label="staging"))
+            info = msgspec.structs.replace(self.regions.get(best), owner=owner)
+            self.regions.remove(best)
+            return self.regions.add(info)
+        region = await self.create_region(RegionCreate(nbytes, owner=owner, label="staging"))
         self._staging_ids.add(region.region_id)
         return region
 
     async def _reclaim_staging(self) -> None:
         """Return to the pool every held staging region whose lease was released or
         expired, so readers that never call release cannot grow the daemon's memory."""
-        for region_id, lease_id in list(self._staging_held.items()):
+        for region_id, (lease_id, _) in list(self._staging_held.items()):
             if not self.registry.is_live(lease_id):
                 await self._free_staging(region_id)
 
@@ -546,7 +645,7 @@ class Daemon:
         held = self._staging_held.get(region_id)
         if held is None:
             return
-        if held != lease_id:
+        if held[0] != lease_id:
             raise AccessDenied(
                 f"staging region {region_id} refused release: it was packed for another "
                 f"lease than {lease_id!r}; only that lease's holder or its end frees it"

@@ -126,6 +126,8 @@ class Lease:
     version: int
     expires_at: float
     holder: str = ""
+    #: the principal that acquired it: staging regions packed for it are theirs
+    owner: str = ""
 
 
 @dataclass
@@ -483,12 +485,14 @@ class Registry:
             return None
         return max(0.0, min(lease.expires_at for lease in live) - self._clock())
 
-    def acquire(self, model: str, version: int, ttl_s: float, holder: str = "") -> LeaseGrant:
-        """Lease a READY version for ``ttl_s`` seconds."""
+    def acquire(
+        self, model: str, version: int, ttl_s: float, holder: str = "", owner: str = ""
+    ) -> LeaseGrant:
+        """Lease a READY version for ``ttl_s`` seconds, for principal ``owner``."""
         self._require_ready(model, version)
         self._drop_expired()
         lease_id = f"l{next(self._seq)}-{secrets.token_hex(6)}"
-        lease = Lease(lease_id, model, version, self._clock() + ttl_s, holder)
+        lease = Lease(lease_id, model, version, self._clock() + ttl_s, holder, owner)
         self._leases[lease_id] = lease
         heapq.heappush(self._expiries, (lease.expires_at, lease_id))
         return LeaseGrant(lease_id, model, version, ttl_s)

@@ -60,6 +60,8 @@ def options_from_config(config: Config, secret: bytes | None) -> Any:
         registry=config.registry,
         peers=config.peers.allow,
         limits=config.limits,
+        model_owners=config.models.owners,
+        model_readers=config.models.readers,
         **extra,
     )
 
