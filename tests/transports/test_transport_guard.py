@@ -145,3 +145,11 @@ def test_a_bus_error_outside_a_guarded_copy_still_ends_the_process() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=120)
     assert done.returncode == -7, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_new_segment_has_every_byte_backed_when_it_is_made() -> None:
+    """Reserved at creation: tmpfs holds the whole size in blocks before anything is
+    written, so a later write cannot meet a filesystem that has run out."""
+    size = (3 << 20) + 4096
+    with SharedSegment.create(size, "reserved") as seg:
+        assert os.stat(SHM_DIR / seg.name).st_blocks * 512 >= size
