@@ -117,7 +117,7 @@ def _admit_region(request: web.Request) -> str:
     one more region for it (429 past it)."""
     d = request.app[DAEMON]
     who = principal_of(request).name
-    d.caps.regions.admit(who, lambda rid: int(rid) in d.regions)
+    d.caps.regions.admit(who, lambda rid: d.holds_memory(int(rid)))
     return who
 
 
@@ -362,7 +362,13 @@ async def peer_pack(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     req = await body(request, PackRequest)
     lease = d.registry.check(req.lease_id, req.model, req.version)
-    return reply(request, await d.pack(req.specs, lease), 201)
+    # A staging region is memory its lease's principal holds: it counts against that
+    # principal's region cap, so packing again and again cannot fill /dev/shm.
+    who = lease.owner or principal_of(request).name
+    d.caps.regions.admit(who, lambda rid: d.holds_memory(int(rid)))
+    staged = await d.pack(req.specs, lease)
+    d.caps.regions.add(who, str(staged.region.region_id))
+    return reply(request, staged, 201)
 
 
 @routes.delete(P + "/peer/staging/{region_id}")

@@ -495,6 +495,14 @@ class Daemon:
                     "change once published"
                 )
 
+    def holds_memory(self, region_id: int) -> bool:
+        """Whether ``region_id`` holds memory for a principal now: a region that
+        exists and, for a staging region, is held for a lease (a free one waits in
+        the pool for anyone). What the region cap counts."""
+        if region_id not in self.regions:
+            return False
+        return region_id not in self._staging_ids or region_id in self._staging_held
+
     @property
     def staging_ids(self) -> frozenset[int]:
         """Every staging region of this daemon (held or free)."""

@@ -27,6 +27,7 @@ from refitd.wire import (
     MAX_TENSOR_SHARDS,
     MSGPACK,
     DescriptorTable,
+    PackSpec,
     PullRequest,
 )
 from transports.shm import SHM_DIR, SharedSegment
@@ -338,3 +339,18 @@ async def test_health_is_answered_while_a_maximum_size_manifest_is_checked() -> 
                 answered_during += d.manifests_checking == 1 and not big.done()
             assert await big == 404  # every shard was checked, to the last
         assert answered_during == 5
+
+
+async def test_staging_regions_packed_for_a_lease_count_against_its_principals_region_cap() -> None:
+    """Packing again and again under one lease made a new staging region each time,
+    held until the lease ended: one tenant could fill /dev/shm for all."""
+    async with _capped(max_regions_per_principal=3) as (_d, c, _g):
+        src = await c.create_region(128)
+        await c.publish(toy_manifest(src.region_id))
+        lease = await c.acquire_lease("toy", 1)
+        spec = PackSpec(src.region_id, 0, (32,), (1,), 4, 0, 0)
+        staged = [await c.peer_pack("toy", 1, lease.lease_id, [spec]) for _ in range(2)]
+        with pytest.raises(QuotaExceeded, match=r"limits\.max_regions_per_principal = 3"):
+            await c.peer_pack("toy", 1, lease.lease_id, [spec])
+        await c.peer_drop(staged[0].region.region_id, lease.lease_id)
+        await c.peer_pack("toy", 1, lease.lease_id, [spec])  # a released one is free again
