@@ -31,18 +31,19 @@ class Cap:
     limit: int
     _held: dict[str, dict[str, None]] = field(default_factory=dict)
 
-    def admit(self, principal: str, alive: Callable[[str], bool]) -> None:
-        """Refuse (429) when ``principal`` already holds ``limit`` ids that are
-        ``alive``; ids no longer alive are forgotten first."""
+    def admit(self, principal: str, alive: Callable[[str], bool], n: int = 1) -> None:
+        """Refuse (429) unless ``principal`` may hold ``n`` more: it holds at most
+        ``limit - n`` ids that are ``alive``; ids no longer alive are forgotten first."""
         held = self._held.get(principal)
-        if held is None or len(held) < self.limit:
+        if held is None or len(held) + n <= self.limit:
             return
         for gone in [i for i in held if not alive(i)]:
             del held[gone]
-        if len(held) >= self.limit:
+        if len(held) + n > self.limit:
             raise QuotaExceeded(
                 f"{self.what} refused: principal {principal!r} already holds {len(held)} "
-                f"{self.what}s, its cap (limits.{self.key} = {self.limit}); release some first"
+                f"{self.what}s, its cap (limits.{self.key} = {self.limit}) leaves no room "
+                f"for {n} more; release some first"
             )
 
     def add(self, principal: str, object_id: str) -> None:

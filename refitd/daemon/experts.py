@@ -45,7 +45,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from refitd.daemon.auth import check_owner, owner_for
+from refitd.daemon.auth import check_owner, owner_for, principal_of
 from refitd.daemon.copier import CopyFault, copy_view
 from refitd.daemon.httpio import DAEMON, body, reply
 from refitd.daemon.memory import check_shm_capacity
@@ -602,8 +602,14 @@ P = "/v1/experts"
 async def create_pool(request: web.Request) -> web.Response:
     spec = await body(request, PoolCreate)
     owner = owner_for(request, spec.owner)
+    # A pool's two regions are its creator's memory: they count against its region cap.
+    d, who = request.app[DAEMON], principal_of(request).name
+    d.caps.regions.admit(who, lambda rid: d.holds_memory(int(rid)), n=2)
     pool = await request.app[POOLS].create(spec, owner)
-    return reply(request, pool.info(), 201)
+    info = pool.info()
+    d.caps.regions.add(who, str(info.host_region))
+    d.caps.regions.add(who, str(info.slot_region))
+    return reply(request, info, 201)
 
 
 @routes.get(P)

@@ -354,3 +354,12 @@ async def test_staging_regions_packed_for_a_lease_count_against_its_principals_r
             await c.peer_pack("toy", 1, lease.lease_id, [spec])
         await c.peer_drop(staged[0].region.region_id, lease.lease_id)
         await c.peer_pack("toy", 1, lease.lease_id, [spec])  # a released one is free again
+
+
+async def test_an_expert_pools_two_regions_count_against_its_creators_region_cap() -> None:
+    async with _capped(max_regions_per_principal=3) as (_d, c, _g):
+        await c.create_pool("p1", layers=1, experts=2, slots=2, row_bytes=[16])
+        with pytest.raises(QuotaExceeded, match=r"leaves no room for 2 more"):
+            await c.create_pool("p2", layers=1, experts=2, slots=2, row_bytes=[16])
+        await c.delete_pool("p1")
+        await c.create_pool("p2", layers=1, experts=2, slots=2, row_bytes=[16])
