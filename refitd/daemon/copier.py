@@ -85,3 +85,28 @@ def copy_view(dst: memoryview, src: bytes | bytearray | memoryview) -> None:
         raise TransportError("copy refused: the bus-error guard could not be installed")
     if i >= 0:
         raise CopyFault(int(d[0]), int(s[0]), n, at.value)
+
+
+_ZEROS = bytes(1 << 20)
+
+
+def zero_view(dst: memoryview) -> None:
+    """Zero ``dst`` through the guarded copy (from a zero buffer, 1 MiB a copy): a
+    shared segment shrunk under it raises :class:`~transports.local.CopyFault`."""
+    n = len(dst)
+    if n == 0:
+        return
+    base = np.frombuffer(dst, np.uint8).ctypes.data
+    zeros = np.frombuffer(_ZEROS, np.uint8).ctypes.data
+    step = len(_ZEROS)
+    d = np.arange(base, base + n, step, dtype=np.int64)
+    ln = np.minimum(step, base + n - d).astype(np.int64)
+    s = np.full(len(d), zeros, dtype=np.int64)
+    at = ctypes.c_int64(0)
+    i = copy_lib().rfx_copy_batch_guarded(
+        len(d), d.ctypes.data, s.ctypes.data, ln.ctypes.data, ctypes.byref(at)
+    )
+    if i == -2:
+        raise TransportError("zeroing refused: the bus-error guard could not be installed")
+    if i >= 0:
+        raise CopyFault(int(d[i]), int(s[i]), int(ln[i]), at.value)

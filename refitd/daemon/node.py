@@ -28,7 +28,7 @@ import numpy as np
 
 from refitd.config import LimitsConfig
 from refitd.daemon.caps import Caps
-from refitd.daemon.copier import Copier, CopyFault, pack_strided
+from refitd.daemon.copier import Copier, CopyFault, pack_strided, zero_view
 from refitd.daemon.holders import Holders
 from refitd.daemon.memory import (
     SharedSegment,
@@ -601,20 +601,44 @@ class Daemon:
         def work() -> None:
             # A reused region still holds what it was packed with for another lease:
             # what this pack does not overwrite is zeroed, so no byte of it survives.
-            np.frombuffer(dst, dtype=np.uint8)[total:] = 0
+            # Guarded like every copy here: a staging file shrunk by the principal
+            # that sees its name faults here, not in the daemon.
+            zero_view(dst[total:])
             for p, o in zip(specs, offsets, strict=True):
-                try:
-                    pack_strided(
-                        srcs[p.src_region], p.src_offset, p.shape, p.strides, p.itemsize, dst, o
-                    )
-                except CopyFault as exc:
-                    raise TransportError(
-                        f"pack refused: source region {p.src_region} faulted under the "
-                        f"gather ({exc.side}): its segment was shrunk by its owner"
-                    ) from exc
+                pack_strided(
+                    srcs[p.src_region], p.src_offset, p.shape, p.strides, p.itemsize, dst, o
+                )
 
-        await asyncio.to_thread(work)
+        try:
+            await asyncio.to_thread(work)
+        except CopyFault as exc:
+            if exc.side == "destination":
+                # The staging region itself was shrunk: never handed out again.
+                await self._discard_staging(region.region_id)
+                raise TransportError(
+                    f"pack refused: staging region {region.region_id} faulted under the "
+                    "pack: its segment was shrunk; it is discarded"
+                ) from exc
+            spec = next((p for p in specs if self._covers(p.src_region, exc.address)), specs[0])
+            raise TransportError(
+                f"pack refused: source region {spec.src_region} faulted under the gather: "
+                "its segment was shrunk by its owner"
+            ) from exc
         return StagedPack(region, offsets)
+
+    def _covers(self, region_id: int, address: int) -> bool:
+        """Whether ``address`` (in this process) lies in region ``region_id``'s mapping."""
+        seg = self.segments.get(region_id)
+        return seg is not None and seg.address <= address < seg.address + seg.size
+
+    async def _discard_staging(self, region_id: int) -> None:
+        """Forget a staging region whose memory can no longer be trusted (shrunk)."""
+        self._staging_held.pop(region_id, None)
+        if region_id in self._staging_free:
+            self._staging_free.remove(region_id)
+        self._staging_ids.discard(region_id)
+        if region_id in self.regions and not self._busy[region_id]:
+            await self._drop_region(region_id, self.regions.get(region_id))
 
     async def _take_staging(self, nbytes: int, owner: str) -> RegionInfo:
         """A staging region of at least ``nbytes`` bytes, owned by ``owner`` (the

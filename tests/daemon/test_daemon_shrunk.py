@@ -151,3 +151,23 @@ async def test_a_pool_region_shrunk_by_a_client_fails_that_ensure_and_the_daemon
             await a.c.ensure("moe", 1, [3, 2])
         assert (await b.c.health())["status"] == "ok"
         await b.pull_is_byte_exact()
+
+
+async def test_a_staging_region_shrunk_by_its_reader_fails_that_pack_and_is_never_reused() -> None:
+    async with _tenants() as (_d, _gate, a, b):
+        spec = PackSpec(a.src_id, 0, (NBYTES // 1024,), (1024,), 1, a.dst_id, 0)
+        first = await a.c.peer_pack(a.model, 1, a.lease, [spec])
+        # The lease's principal sees its staging region's name, and may open it.
+        handle = next(
+            r.handle for r in await a.c.regions() if r.region_id == first.region.region_id
+        )
+        os.truncate(SHM_DIR / handle, 0)
+        await a.c.peer_drop(first.region.region_id, a.lease)  # back to the daemon's pool
+        # A smaller pack reuses it, zeroing the tail this pack does not write.
+        half = PackSpec(a.src_id, 0, (NBYTES // 2048,), (2048,), 1, a.dst_id, 0)
+        with pytest.raises(TransportError, match=r"staging region \d+ faulted"):
+            await a.c.peer_pack(a.model, 1, a.lease, [half])
+        again = await a.c.peer_pack(a.model, 1, a.lease, [half])
+        assert again.region.region_id != first.region.region_id
+        assert (await b.c.health())["status"] == "ok"
+        await b.pull_is_byte_exact()
