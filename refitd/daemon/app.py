@@ -155,15 +155,18 @@ async def gc(request: web.Request) -> web.Response:
 @routes.post(P + "/sources")
 async def publish(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    raw = await request.read()
     # Off the event loop: a manifest at the size limits takes seconds to decode and
-    # check, and other requests are answered meanwhile.
-    d.manifests_checking += 1
-    try:
-        m = await manifest_body(request, raw, d.limits.max_manifest_shards)
-        await asyncio.to_thread(check_manifest_bounds, m, d.regions.sizes())
-    finally:
-        d.manifests_checking -= 1
+    # check, and other requests are answered meanwhile. A few at a time: each holds
+    # its body and decoded objects (hundreds of MB at the limits) and a worker thread.
+    async with d.manifest_checks:
+        raw = await request.read()
+        d.manifests_checking += 1
+        try:
+            m = await manifest_body(request, raw, d.limits.max_manifest_shards)
+            await asyncio.to_thread(check_manifest_bounds, m, d.regions.sizes())
+        finally:
+            d.manifests_checking -= 1
+            del raw
     # After the awaits: what is checked from here on runs without a break.
     who = principal_of(request)
     d.models.check_owner(who, m.model, "publish into")  # a model's versions are its owners'

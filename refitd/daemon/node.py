@@ -85,6 +85,9 @@ __all__ = [
 
 log = logging.getLogger("refitd.daemon")
 
+MANIFEST_CHECKS = 2
+"""Published manifests decoded and checked at once; more wait their turn."""
+
 STAGING_POOL = 4
 """Free staging regions kept for reuse by later pack specs."""
 
@@ -154,8 +157,10 @@ class Daemon:
         self.registry = Registry(
             self.node_id, self.epoch, clock, pending_ttl_s=self.limits.pending_ttl_s
         )
-        #: published manifests being decoded and checked now (off the event loop)
+        #: published manifests being decoded and checked now (off the event loop), and
+        #: how many may be at once (the others wait before their body is read)
         self.manifests_checking = 0
+        self.manifest_checks = asyncio.Semaphore(MANIFEST_CHECKS)
         #: per-principal caps on leases, regions and pulls (``[limits]``)
         self.caps = Caps(
             self.limits.max_leases_per_principal,

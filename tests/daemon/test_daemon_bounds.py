@@ -363,3 +363,26 @@ async def test_an_expert_pools_two_regions_count_against_its_creators_region_cap
             await c.create_pool("p2", layers=1, experts=2, slots=2, row_bytes=[16])
         await c.delete_pool("p1")
         await c.create_pool("p2", layers=1, experts=2, slots=2, row_bytes=[16])
+
+
+async def test_at_most_two_manifests_are_decoded_and_checked_at_once() -> None:
+    """Each manifest under check holds its body, its decoded objects and a worker
+    thread: four sent at once are checked two at a time, the others wait unread."""
+    async with _capped() as (d, c, _g):
+        src = await c.create_region(1 << 20)
+        raw = _wide_manifest(src.region_id, 2, MAX_TENSOR_SHARDS, 999_999)
+        async with aiohttp.ClientSession() as http:
+
+            async def publish() -> int:
+                async with http.post(
+                    c.base_url + "/v1/sources", data=raw, headers={"Content-Type": MSGPACK}
+                ) as r:
+                    return r.status
+
+            sent = [asyncio.ensure_future(publish()) for _ in range(4)]
+            most = 0
+            while not all(s.done() for s in sent):
+                await c.health()
+                most = max(most, d.manifests_checking)
+            assert [await s for s in sent] == [404] * 4
+        assert most == 2, most
