@@ -40,6 +40,7 @@ __all__ = [
     "ENV_PREFIX",
     "Config",
     "DataPlaneConfig",
+    "LimitsConfig",
     "LoggingConfig",
     "MetricsConfig",
     "PeersConfig",
@@ -171,6 +172,26 @@ class PullsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     shutdown_grace_s: GraceSeconds = 10.0
 
 
+Count = Annotated[int, msgspec.Meta(ge=1, description="a count (integer >= 1)")]
+
+
+class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What one principal, or one request, may cost the daemon. A principal is a
+    token's name, or ``loopback`` for every unauthenticated client together."""
+
+    #: Live leases one principal may hold at once (429 past it).
+    max_leases_per_principal: Count = 4096
+    #: Regions (created or attached) one principal may hold at once (429 past it).
+    max_regions_per_principal: Count = 4096
+    #: Pulls of one principal queued or running at once (429 past it).
+    max_pulls_per_principal: Count = 256
+    #: Shards one published manifest may list, over all its tensors (400 past it).
+    max_manifest_shards: Count = 1 << 20
+    #: A version still pending (slots missing) this many seconds after its first slot
+    #: was published expires: it is forgotten and its memory freed.
+    pending_ttl_s: Annotated[float, msgspec.Meta(gt=0, description="seconds (number > 0)")] = 3600.0
+
+
 class LoggingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Log output (stderr; journald picks it up under systemd)."""
 
@@ -211,6 +232,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     data_plane: DataPlaneConfig = msgspec.field(default_factory=DataPlaneConfig)
     pulls: PullsConfig = msgspec.field(default_factory=PullsConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     peers: PeersConfig = msgspec.field(default_factory=PeersConfig)
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)

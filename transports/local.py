@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_threads
@@ -20,11 +21,30 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from refitd.errors import TransportError
+
 from .core import split_shares
 from .inproc import InProcessTransport
 from .native import copy_lib
 
-__all__ = ["Copier", "LocalTransport", "copy_addresses"]
+__all__ = ["Copier", "CopyFault", "LocalTransport", "copy_addresses"]
+
+
+class CopyFault(TransportError):
+    """A copy hit a bus error: a shared file mapped on one side was shrunk under the
+    mapping, or its filesystem could not back a page. The process lives on; the bytes
+    of that copy (and of the batch's copies not finished) are undefined.
+    ``address`` is where the access faulted; ``dst``/``src``/``nbytes`` the copy."""
+
+    def __init__(self, dst: int, src: int, nbytes: int, address: int) -> None:
+        side = "destination" if dst <= address < dst + nbytes else "source"
+        super().__init__(
+            f"copy of {nbytes} bytes stopped by a bus error at {address:#x} ({side}): "
+            "the shared file there is shorter than its mapping (shrunk under us) or its "
+            "filesystem is full"
+        )
+        self.dst, self.src, self.nbytes, self.address = dst, src, nbytes, address
+        self.side = side
 
 
 class Copier(Protocol):
@@ -56,7 +76,16 @@ async def copy_addresses(
 
     def share(d: npt.NDArray[np.int64], s: npt.NDArray[np.int64], n: npt.NDArray[np.int64]) -> None:
         d, s, n = (np.ascontiguousarray(x, dtype=np.int64) for x in (d, s, n))
-        lib.rfx_copy_batch(len(n), d.ctypes.data, s.ctypes.data, n.ctypes.data)
+        at = ctypes.c_int64(0)
+        i = lib.rfx_copy_batch_guarded(
+            len(n), d.ctypes.data, s.ctypes.data, n.ctypes.data, ctypes.byref(at)
+        )
+        if i == -2:
+            raise TransportError(
+                "copy refused: the bus-error guard could not be installed; nothing copied"
+            )
+        if i >= 0:
+            raise CopyFault(int(d[i]), int(s[i]), int(n[i]), at.value)
 
     if int(nbytes.sum()) < inline_bytes or pool is None or threads <= 1:
         share(dst, src, nbytes)
@@ -65,7 +94,14 @@ async def copy_addresses(
         pool.submit(share, d, s, n) for d, s, n, _ in split_shares(dst, src, nbytes, threads)
     ]
     try:
-        await asyncio.gather(*(asyncio.wrap_future(f) for f in running))
+        # Every share runs to its end before this returns, even when one faults:
+        # the caller may unmap the memory the moment it sees the error.
+        done = await asyncio.gather(
+            *(asyncio.wrap_future(f) for f in running), return_exceptions=True
+        )
+        for outcome in done:
+            if isinstance(outcome, BaseException):
+                raise outcome
     except asyncio.CancelledError:
         # A thread cannot be stopped mid-copy; returning now would let the caller
         # unmap memory a thread still writes. Wait for them (one batch), then cancel.

@@ -30,6 +30,7 @@ from refitd.daemon.httpio import (
     DAEMON,
     body,
     error_middleware,
+    manifest_body,
     query_float,
     query_int,
     reply,
@@ -47,7 +48,6 @@ from refitd.wire import (
     STATUS_OF,
     LeaseGrant,
     LeaseRequest,
-    ManifestIn,
     PackRequest,
     PullRequest,
     RegionAttach,
@@ -94,14 +94,31 @@ async def node(request: web.Request) -> web.Response:
 async def create_region(request: web.Request) -> web.Response:
     req = await body(request, RegionCreate)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
-    return reply(request, await request.app[DAEMON].create_region(req), 201)
+    d = request.app[DAEMON]
+    who = _admit_region(request)
+    info = await d.create_region(req)
+    d.caps.regions.add(who, str(info.region_id))
+    return reply(request, info, 201)
 
 
 @routes.post(P + "/regions/attach")
 async def attach_region(request: web.Request) -> web.Response:
     req = await body(request, RegionAttach)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
-    return reply(request, await request.app[DAEMON].attach_region(req), 201)
+    d = request.app[DAEMON]
+    who = _admit_region(request)
+    info = await d.attach_region(req)
+    d.caps.regions.add(who, str(info.region_id))
+    return reply(request, info, 201)
+
+
+def _admit_region(request: web.Request) -> str:
+    """The caller's principal name, once ``limits.max_regions_per_principal`` admits
+    one more region for it (429 past it)."""
+    d = request.app[DAEMON]
+    who = principal_of(request).name
+    d.caps.regions.admit(who, lambda rid: int(rid) in d.regions)
+    return who
 
 
 @routes.get(P + "/regions")
@@ -138,10 +155,18 @@ async def gc(request: web.Request) -> web.Response:
 @routes.post(P + "/sources")
 async def publish(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    m = await body(request, ManifestIn)
+    raw = await request.read()
+    # Off the event loop: a manifest at the size limits takes seconds to decode and
+    # check, and other requests are answered meanwhile.
+    d.manifests_checking += 1
+    try:
+        m = await manifest_body(request, raw, d.limits.max_manifest_shards)
+        await asyncio.to_thread(check_manifest_bounds, m, d.regions.sizes())
+    finally:
+        d.manifests_checking -= 1
+    # After the awaits: what is checked from here on runs without a break.
     who = principal_of(request)
     d.models.check_owner(who, m.model, "publish into")  # a model's versions are its owners'
-    check_manifest_bounds(m, d.regions.sizes())
     # A version publishes only from its publisher's regions (else it would expose
     # another principal's bytes to its leases, and pin them against their writes),
     # and only from memory nothing else rewrites (staging, pools, running pulls).
@@ -214,7 +239,9 @@ async def acquire(request: web.Request) -> web.Response:
     req = await body(request, LeaseRequest)
     d, who = request.app[DAEMON], principal_of(request)
     d.models.check_read(who, req.model, "lease")
+    d.caps.leases.admit(who.name, d.registry.is_live)
     grant = d.registry.acquire(req.model, req.version, req.ttl_s, req.holder, owner=who.name)
+    d.caps.leases.add(who.name, grant.lease_id)
     return reply(request, grant, 201)
 
 
@@ -263,7 +290,11 @@ def check_pull_writes(request: web.Request, req: PullRequest) -> None:
 async def submit_pull(request: web.Request) -> web.Response:
     req = await body(request, PullRequest)
     check_pull_writes(request, req)  # auth: a pull writes only into the caller's regions
-    job = await request.app[PULLS].submit(req, owner=principal_of(request).name)
+    pulls, who = request.app[PULLS], principal_of(request).name
+    caps = request.app[DAEMON].caps
+    caps.pulls.admit(who, lambda pid: pid in pulls.jobs and not pulls.jobs[pid].finished.is_set())
+    job = await pulls.submit(req, owner=who)
+    caps.pulls.add(who, job.pull_id)
     observe_pull(request.app, job, job.path)  # metrics by the path this pull takes
     note_pull(request.app, req, job)  # expert rows it rewrites leave their slots
     return reply(request, job.snapshot(), 202)

@@ -46,12 +46,20 @@ import numpy as np
 from aiohttp import web
 
 from refitd.daemon.auth import check_owner, owner_for
+from refitd.daemon.copier import CopyFault, copy_view
 from refitd.daemon.httpio import DAEMON, body, reply
 from refitd.daemon.memory import check_shm_capacity
 from refitd.daemon.node import Daemon
 from refitd.daemon.openapi import Operation
 from refitd.daemon.pulls import PullJob
-from refitd.errors import ConfigError, ConflictError, NotFoundError, PlanError, ProtocolError
+from refitd.errors import (
+    ConfigError,
+    ConflictError,
+    NotFoundError,
+    PlanError,
+    ProtocolError,
+    TransportError,
+)
 from refitd.experts import (
     BankResidency,
     CopyPlan,
@@ -153,12 +161,13 @@ class RegionSlotMemory(SlotDevice):
 
     def write_slot(self, bank: int, dst_slot: int, src: bytes | bytearray | memoryview) -> None:
         at = self._at(bank, dst_slot)
-        self._view[at : at + self._row_bytes[bank]] = src
+        # Guarded: a host-row or slot region shrunk by its owner is an error here.
+        copy_view(self._view[at : at + self._row_bytes[bank]], src)
 
     def copy_slot(self, bank: int, dst_slot: int, src_slot: int) -> None:
         w = self._row_bytes[bank]
         dst, src = self._at(bank, dst_slot), self._at(bank, src_slot)
-        self._view[dst : dst + w] = self._view[src : src + w]
+        copy_view(self._view[dst : dst + w], self._view[src : src + w])
 
 
 def touched_rows(
@@ -320,6 +329,13 @@ class ExpertPool:
         except SlotFault:
             self._forget(copy.dst_slots)
             raise
+        except CopyFault as e:
+            self._forget(copy.dst_slots)
+            raise TransportError(
+                f"ensure of pool {self.name!r} layer {result.layer} failed: a region of the "
+                f"pool faulted under the copy ({e.side}): its segment was shrunk by its "
+                "owner; the slots it was writing are forgotten"
+            ) from e
         if applied.waited:
             return msgspec.structs.replace(result, waited=applied.waited)
         return result

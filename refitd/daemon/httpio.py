@@ -8,6 +8,7 @@ import cycle.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -17,13 +18,22 @@ from aiohttp import web
 
 from refitd.daemon.node import Daemon
 from refitd.errors import ProtocolError, RefitError
-from refitd.wire import MSGPACK, ErrorBody, gc_paused, status_of
+from refitd.wire import (
+    MSGPACK,
+    ErrorBody,
+    ManifestHead,
+    ManifestIn,
+    TensorEntry,
+    gc_paused,
+    status_of,
+)
 
 __all__ = [
     "DAEMON",
     "Handler",
     "body",
     "error_middleware",
+    "manifest_body",
     "query_float",
     "query_int",
     "reply",
@@ -60,6 +70,40 @@ async def body(request: web.Request, type_: type[T]) -> T:
             return msgspec.json.decode(raw, type=type_)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(f"{request.method} {request.path}: body refused: {exc}") from exc
+
+
+async def manifest_body(request: web.Request, raw: bytes, max_shards: int) -> ManifestIn:
+    """Decode ``raw``, the body of ``request``: a published manifest, decoded off the
+    event loop one tensor at a time. Refused (400) when it lists more than
+    ``max_shards`` shards over all its tensors (``limits.max_manifest_shards``). A
+    tensor's rank and shard count are bounded by the wire types (a msgpack body past
+    them is refused from its headers)."""
+    what = f"{request.method} {request.path}"
+    as_msgpack = request.content_type == MSGPACK
+    return await asyncio.to_thread(_decode_manifest, raw, as_msgpack, max_shards, what)
+
+
+def _decode_manifest(raw: bytes, as_msgpack: bool, max_shards: int, what: str) -> ManifestIn:
+    # One decode call per tensor: between them this thread lets the event loop run
+    # (a single call holds the interpreter for its whole length).
+    decode: Callable[..., Any] = msgspec.msgpack.decode if as_msgpack else msgspec.json.decode
+    try:
+        head: ManifestHead = decode(raw, type=ManifestHead)
+        tensors: list[TensorEntry] = []
+        shards = 0
+        for i, t in enumerate(head.tensors):
+            with gc_paused():
+                tensor: TensorEntry = decode(t, type=TensorEntry)
+            shards += len(tensor.shards)
+            if shards > max_shards:
+                raise ProtocolError(
+                    f"{what}: manifest refused: more than {max_shards} shards by tensor #{i} "
+                    f"({tensor.name!r}); the cap is limits.max_manifest_shards"
+                )
+            tensors.append(tensor)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"{what}: body refused: {exc}") from exc
+    return ManifestIn(head.model, head.version, head.slot, head.expected_slots, tensors)
 
 
 @web.middleware

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import errno
 import inspect
 import logging
 import os
@@ -25,9 +26,17 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from refitd.daemon.copier import Copier, pack_strided
+from refitd.config import LimitsConfig
+from refitd.daemon.caps import Caps
+from refitd.daemon.copier import Copier, CopyFault, pack_strided
 from refitd.daemon.holders import Holders
-from refitd.daemon.memory import SharedSegment, byte_view, check_shm_capacity, refuse_cuda_ipc
+from refitd.daemon.memory import (
+    SharedSegment,
+    byte_view,
+    check_shm_capacity,
+    free_shm_bytes,
+    refuse_cuda_ipc,
+)
 from refitd.daemon.owners import ModelOwners
 from refitd.daemon.peers import PeerPolicy
 from refitd.daemon.regions import RegionTable, validate_plan
@@ -36,6 +45,7 @@ from refitd.daemon.trust import Extents, check_pack_reads
 from refitd.errors import (
     AccessDenied,
     ConflictError,
+    InsufficientStorage,
     PlanError,
     ProtocolError,
     RefitError,
@@ -120,6 +130,8 @@ class DaemonOptions:
     pull_timeout_s: float = 120.0
     #: ``refitd.config.RegistryConfig`` (None: the static registry, this daemon alone)
     registry: Any = None
+    #: ``refitd.config.LimitsConfig`` (None: its defaults): caps, manifest size, pending TTL
+    limits: Any = None
     #: ``[models] owners`` / ``readers``: ``MODEL=PRINCIPAL`` entries (see
     #: :class:`~refitd.daemon.owners.ModelOwners`)
     model_owners: tuple[str, ...] = ()
@@ -138,7 +150,18 @@ class Daemon:
         self.node_id = options.node_id or f"{socket.gethostname()}-{os.getpid()}"
         self.epoch = time.time_ns()
         self.clock = clock
-        self.registry = Registry(self.node_id, self.epoch, clock)
+        self.limits: LimitsConfig = options.limits or LimitsConfig()
+        self.registry = Registry(
+            self.node_id, self.epoch, clock, pending_ttl_s=self.limits.pending_ttl_s
+        )
+        #: published manifests being decoded and checked now (off the event loop)
+        self.manifests_checking = 0
+        #: per-principal caps on leases, regions and pulls (``[limits]``)
+        self.caps = Caps(
+            self.limits.max_leases_per_principal,
+            self.limits.max_regions_per_principal,
+            self.limits.max_pulls_per_principal,
+        )
         #: the one decision which source URLs may be contacted (config, then registry)
         self.peers = PeerPolicy(options.peers)
         self.regions = RegionTable(self.epoch)
@@ -303,8 +326,17 @@ class Daemon:
             refuse_cuda_ipc()
         check_shm_capacity(req.nbytes, f"region of {req.nbytes} bytes")
         try:  # a size the kernel cannot map is the client's mistake, not a server error
+            # Every byte is reserved now: a full /dev/shm refuses here (507), never
+            # later as a bus error in the middle of a pull.
             seg = SharedSegment.create(req.nbytes, req.label or "region")
-        except (OSError, OverflowError) as exc:
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise InsufficientStorage(
+                    f"region of {req.nbytes} bytes refused: {SHM_DIR} cannot reserve its "
+                    f"memory ({free_shm_bytes()} bytes free); nothing was created"
+                ) from None
+            raise PlanError(f"region of {req.nbytes} bytes refused: {exc}") from None
+        except OverflowError as exc:
             raise PlanError(f"region of {req.nbytes} bytes refused: {exc}") from None
         return await self._record(
             seg, req.kind, req.owner, req.label, daemon_owned=True, holder=req.holder
@@ -563,9 +595,15 @@ class Daemon:
             # what this pack does not overwrite is zeroed, so no byte of it survives.
             np.frombuffer(dst, dtype=np.uint8)[total:] = 0
             for p, o in zip(specs, offsets, strict=True):
-                pack_strided(
-                    srcs[p.src_region], p.src_offset, p.shape, p.strides, p.itemsize, dst, o
-                )
+                try:
+                    pack_strided(
+                        srcs[p.src_region], p.src_offset, p.shape, p.strides, p.itemsize, dst, o
+                    )
+                except CopyFault as exc:
+                    raise TransportError(
+                        f"pack refused: source region {p.src_region} faulted under the "
+                        f"gather ({exc.side}): its segment was shrunk by its owner"
+                    ) from exc
 
         await asyncio.to_thread(work)
         return StagedPack(region, offsets)

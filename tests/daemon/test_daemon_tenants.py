@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +34,7 @@ from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.serve import listening
-from transports.shm import SharedSegment
+from transports.shm import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -142,6 +143,11 @@ class Tenant:
         })  # fmt: skip
         self.pool: list[int] = [pool["host_region"], pool["slot_region"]]
         self.published = 0  # models published from the destination (each retired again)
+        # a segment of the tenant's own (its file), attached: the one it may shrink
+        self.own_seg = SharedSegment.create(NBYTES, "own")
+        self.own: int = http.ok(
+            "POST", "/regions/attach", {"handle": self.own_seg.name, "nbytes": NBYTES}
+        )["region_id"]
 
     def acquire(self) -> str:
         res = self.http.ok("POST", "/leases", {"model": self.model, "version": 1, "ttl_s": 600})
@@ -150,6 +156,7 @@ class Tenant:
     def close(self) -> None:
         self.src_seg.close()
         self.dst_seg.close()
+        self.own_seg.close()
 
 
 # Mostly in bounds, so that accepted calls are frequent; sometimes past the edges.
@@ -403,6 +410,36 @@ class TwoTenants(RuleBasedStateMachine):
         for t in getattr(self, "t", {}).values():
             latest = t.http.ok("GET", f"/sources/{t.model}/versions/latest")
             assert (latest["version"], latest["state"]) == (1, "ready"), latest
+
+    @rule(who=st.sampled_from("ab"), keep=st.sampled_from([0, 1, 4096, NBYTES // 2]), n=_size)
+    def truncate_own_segment_then_pull_into_it(self, who: str, keep: int, n: int) -> None:
+        """A tenant shrinks its own attached segment and pulls into it: the pull is
+        refused or fails (its ranges suspect); the daemon serves on (the invariant
+        checks both tenants' bytes, and later steps its answers)."""
+        me = self.t[who]
+        path = SHM_DIR / me.own_seg.name
+        os.truncate(path, keep)
+        try:
+            table = np.array([[me.src, 0, me.own, 0, n]], dtype="<i8").tobytes()
+            body = {
+                "model": me.model,
+                "version": 1,
+                "lease_id": me.lease,
+                "descriptors": {"table": table},
+            }
+            status, res = me.http.call("POST", "/pulls", body)
+            if status >= 400:
+                refused(status, res, f"pull into a shrunk segment {body}")
+                return
+            me.pulls.append(res["pull_id"])
+            TwoTenants.pulls_of[who].add(res["pull_id"])
+            done = me.http.ok("GET", f"/pulls/{res['pull_id']}/wait?timeout=20")
+            assert done["state"] in ("done", "failed"), done
+            if done["state"] == "failed":
+                assert done["suspect"] == [[me.own, 0, n]], done
+        finally:
+            os.truncate(path, NBYTES)  # whole again for the next step
+        assert me.http.ok("GET", "/health")["status"] == "ok"
 
     @invariant()
     def bytes_change_only_through_own_pulls(self) -> None:
