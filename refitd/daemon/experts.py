@@ -45,7 +45,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from refitd.daemon.auth import check_owner, owner_for
+from refitd.daemon.auth import check_owner, owner_for, principal_of
 from refitd.daemon.copier import CopyFault, copy_view
 from refitd.daemon.httpio import DAEMON, body, reply
 from refitd.daemon.memory import check_shm_capacity
@@ -608,7 +608,12 @@ async def create_pool(request: web.Request) -> web.Response:
 
 @routes.get(P)
 async def list_pools(request: web.Request) -> web.Response:
-    return reply(request, [pool.info() for pool in request.app[POOLS].all()])
+    """The caller's own pools (every pool for root, or without authentication)."""
+    who = principal_of(request)
+    pools = request.app[POOLS].all()
+    if who.authenticated and not who.admin:
+        pools = [p for p in pools if p.owner == who.name]
+    return reply(request, [pool.info() for pool in pools])
 
 
 def _pool(request: web.Request, action: str) -> ExpertPool:

@@ -342,11 +342,22 @@ class Daemon:
             seg, req.kind, req.owner, req.label, daemon_owned=True, holder=req.holder
         )
 
-    async def attach_region(self, req: RegionAttach) -> RegionInfo:
-        """Map a segment a client created; its size must equal ``req.nbytes``."""
+    async def attach_region(self, req: RegionAttach, uid: int | None = None) -> RegionInfo:
+        """Map a segment a client created; its size must equal ``req.nbytes``.
+
+        ``uid``: the caller's uid when the kernel named it (Unix socket, not root): the
+        segment must then be that uid's file. The daemon may open files its caller
+        cannot (its own, its group's), and must not map them on that caller's behalf."""
         if req.kind is RegionKind.CUDA_IPC:
             refuse_cuda_ipc()
         seg = SharedSegment.attach(req.handle, req.nbytes)
+        if uid is not None and seg.file_uid != uid:
+            seg.close()
+            raise AccessDenied(
+                f"attaching segment {req.handle!r} refused: its file belongs to uid "
+                f"{seg.file_uid}, not to the caller's uid {uid}; a client attaches only "
+                "segments it made"
+            )
         return await self._record(
             seg, req.kind, req.owner, req.label, daemon_owned=False, holder=req.holder
         )

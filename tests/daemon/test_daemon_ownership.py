@@ -7,9 +7,13 @@ rule, attacked the way a tenant with only the API and the client would.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
+import shutil
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +28,7 @@ from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.serve import listening
-from refitd.errors import AccessDenied, ConflictError
+from refitd.errors import AccessDenied, ConfigError, ConflictError
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
@@ -324,3 +328,79 @@ async def test_over_tcp_a_daemon_with_a_unix_socket_and_no_tokens_serves_only_pu
             await tcp.regions()
         region = await unix.create_region(NBYTES)
         assert region.owner == f"uid:{os.getuid()}"
+
+
+# ---------------------------------------------------------------- found by the hostile pass
+
+NOBODY = 65534
+
+ATTACH_AS = """
+import json, socket, sys
+body = json.dumps({"handle": sys.argv[2], "nbytes": int(sys.argv[3])}).encode()
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+s.sendall(
+    b"POST /v1/regions/attach HTTP/1.0\\r\\nHost: refitd\\r\\nContent-Type: application/json"
+    + b"\\r\\nContent-Length: " + str(len(body)).encode() + b"\\r\\n\\r\\n" + body
+)
+data = b""
+while chunk := s.recv(65536):
+    data += chunk
+sys.stdout.write(data.decode())
+"""
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory another uid can reach (pytest's tmp_path is private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="refitd-own-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+async def test_a_socket_uid_attaches_only_segments_it_owns_never_the_daemons_files(
+    shared_dir: Path,
+) -> None:
+    """The daemon opens files its caller cannot (its own user's, its group's): it must
+    not map another user's unattached segment on a socket caller's behalf."""
+    python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not os.access(python, os.X_OK):
+        pytest.skip("needs root and a system python3 to connect as another uid")
+    sock = str(shared_dir / "refitd.sock")
+    policy = check_startup(ServerConfig(port=0, unix_socket=sock, allowed_uids=(NOBODY,)))
+    opts = DaemonOptions(port=0, unix_path=sock, node_id="sock", transport="shm")
+    d = Daemon(opts)
+    async with listening(opts, daemon=d, setup=[lambda app: setup_auth(app, policy)]):
+        os.chmod(sock, 0o777)
+        with SharedSegment.create(NBYTES, "daemons-user") as theirs:  # root's, unattached
+            proc = await asyncio.create_subprocess_exec(
+                python, "-c", ATTACH_AS, sock, theirs.name, str(NBYTES),
+                user=NOBODY, stdout=subprocess.PIPE,
+            )  # fmt: skip
+            out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        reply = out.decode()
+        assert reply.startswith("HTTP/1.0 403"), reply
+        assert f"belongs to uid 0, not to the caller's uid {NOBODY}" in reply
+        assert len(d.regions) == 0
+
+
+@pytest.mark.parametrize("name", ["loopback", "uid:0", "uid:1000"])
+def test_a_token_named_as_another_kind_of_principal_stops_the_start(
+    tmp_path: Path, name: str
+) -> None:
+    """Else a token named 'uid:0' would own what the socket's uid 0 made."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{name} some-token\n")
+    tokens.chmod(0o600)
+    with pytest.raises(ConfigError, match="another kind of principal"):
+        check_startup(ServerConfig(port=0, token_file=str(tokens)))
+
+
+async def test_expert_pools_are_listed_only_to_their_owner(tmp_path: Path) -> None:
+    async with two_tenants(tmp_path) as t:
+        await t.a.create_pool("a-pool", layers=1, experts=2, slots=2, row_bytes=[16])
+        assert await t.b.pools() == []
+        assert [p.name for p in await t.a.pools()] == ["a-pool"]
+        with pytest.raises(AccessDenied):
+            await t.b.pool("a-pool")
