@@ -20,7 +20,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-from support.daemons import GatedCopier
+from support.daemons import FakeClock, GatedCopier
 from support.hostile import rows
 
 from refitd.client.http import RefitClient
@@ -63,14 +63,18 @@ class Tenants:
 
 @contextlib.asynccontextmanager
 async def two_tenants(
-    tmp: Path, *, copier: GatedCopier | None = None, **options: object
+    tmp: Path,
+    *,
+    copier: GatedCopier | None = None,
+    clock: FakeClock | None = None,
+    **options: object,
 ) -> AsyncIterator[Tenants]:
     tokens = tmp / "tokens"
     tokens.write_text("a token-of-a\nb token-of-b\n")
     tokens.chmod(0o600)
     policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
     opts = DaemonOptions(port=0, node_id="tenants", transport="shm", **options)  # type: ignore[arg-type]
-    d = Daemon(opts, copier=copier)
+    d = Daemon(opts, copier=copier, **({"clock": clock} if clock is not None else {}))
     async with (
         listening(opts, daemon=d, setup=[lambda app: setup_auth(app, policy)]) as (_, url),
         RefitClient(url, token="token-of-a") as a,
@@ -404,3 +408,29 @@ async def test_expert_pools_are_listed_only_to_their_owner(tmp_path: Path) -> No
         assert [p.name for p in await t.a.pools()] == ["a-pool"]
         with pytest.raises(AccessDenied):
             await t.b.pool("a-pool")
+
+
+async def test_a_staging_region_whose_lease_ended_mid_read_is_never_repacked_for_another(
+    tmp_path: Path,
+) -> None:
+    """A reader that lets its lease expire while its pull still reads the staging
+    region must not then read what the daemon packs there for another tenant."""
+    gated, clock = GatedCopier(), FakeClock()
+    async with two_tenants(tmp_path, copier=gated, clock=clock) as t:
+        a_src = await ready_model(t.a, "am", fill=1)
+        a_lease = await t.a.acquire_lease("am", 1, ttl_s=60)
+        dst = await t.a.create_region(NBYTES, label="dst")
+        spec = PackSpec(a_src, 0, (NBYTES,), (1,), 1, dst.region_id, 0)
+        empty = DescriptorTable(np.zeros((0, 5), dtype="<i8").tobytes())
+        started = await t.a.submit_pull(PullRequest("am", 1, a_lease.lease_id, empty, [spec]))
+        await gated.entered.wait()  # a's pull reads its staging region now
+        clock.now += 61  # ... and its lease has ended
+        b_src = await ready_model(t.b, "bm", fill=2)
+        b_lease = await t.b.acquire_lease("bm", 1, ttl_s=600)
+        b_spec = PackSpec(b_src, 0, (16,), (1,), 1, 0, 0)
+        await t.b.peer_pack("bm", 1, b_lease.lease_id, [b_spec])
+        gated.gate.set()
+        with pytest.raises(ConflictError, match="lease"):  # it ended while bytes moved
+            await t.a.wait_pull(started.pull_id)
+        got = t.daemon.segments[dst.region_id].numpy(np.uint8)
+        assert not (got == 2).any(), "a's destination received b's packed bytes"
