@@ -110,6 +110,7 @@ class SharedSegment:
             #: ``(st_dev, st_ino)`` of the file mapped: the memory's identity, whatever
             #: name (or hard link) it was opened by
             self.file_identity: tuple[int, int] = (st.st_dev, st.st_ino)
+            self.file_uid: int = st.st_uid  #: the uid that owns the file mapped
             self._mmap: mmap.mmap | None = mmap.mmap(
                 fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
             )

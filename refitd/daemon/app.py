@@ -107,7 +107,9 @@ async def attach_region(request: web.Request) -> web.Response:
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
     d = request.app[DAEMON]
     who = _admit_region(request)
-    info = await d.attach_region(req)
+    caller = principal_of(request)  # a uid the kernel named attaches only its own files
+    uid = caller.uid if caller.via == "unix" and not caller.admin else None
+    info = await d.attach_region(req, uid)
     d.caps.regions.add(who, str(info.region_id))
     return reply(request, info, 201)
 

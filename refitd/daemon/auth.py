@@ -140,6 +140,12 @@ class TokenBook:
             name, token = (parts[0], parts[1]) if len(parts) == 2 else (f"token{number}", parts[0])
             if name in tokens:
                 raise ConfigError(f"server.token_file {path} line {number}: name {name!r} repeats")
+            if name == LOOPBACK.name or name.startswith("uid:"):
+                raise ConfigError(
+                    f"server.token_file {path} line {number}: name {name!r} is the name of "
+                    "another kind of principal (the unauthenticated 'loopback', or a Unix-"
+                    "socket uid 'uid:<n>'), whose objects the token would own; rename it"
+                )
             tokens[name] = token
         return cls(tokens)
 

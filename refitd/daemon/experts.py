@@ -614,7 +614,12 @@ async def create_pool(request: web.Request) -> web.Response:
 
 @routes.get(P)
 async def list_pools(request: web.Request) -> web.Response:
-    return reply(request, [pool.info() for pool in request.app[POOLS].all()])
+    """The caller's own pools (every pool for root, or without authentication)."""
+    who = principal_of(request)
+    pools = request.app[POOLS].all()
+    if who.authenticated and not who.admin:
+        pools = [p for p in pools if p.owner == who.name]
+    return reply(request, [pool.info() for pool in pools])
 
 
 def _pool(request: web.Request, action: str) -> ExpertPool:

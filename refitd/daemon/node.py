@@ -347,11 +347,22 @@ class Daemon:
             seg, req.kind, req.owner, req.label, daemon_owned=True, holder=req.holder
         )
 
-    async def attach_region(self, req: RegionAttach) -> RegionInfo:
-        """Map a segment a client created; its size must equal ``req.nbytes``."""
+    async def attach_region(self, req: RegionAttach, uid: int | None = None) -> RegionInfo:
+        """Map a segment a client created; its size must equal ``req.nbytes``.
+
+        ``uid``: the caller's uid when the kernel named it (Unix socket, not root): the
+        segment must then be that uid's file. The daemon may open files its caller
+        cannot (its own, its group's), and must not map them on that caller's behalf."""
         if req.kind is RegionKind.CUDA_IPC:
             refuse_cuda_ipc()
         seg = SharedSegment.attach(req.handle, req.nbytes)
+        if uid is not None and seg.file_uid != uid:
+            seg.close()
+            raise AccessDenied(
+                f"attaching segment {req.handle!r} refused: its file belongs to uid "
+                f"{seg.file_uid}, not to the caller's uid {uid}; a client attaches only "
+                "segments it made"
+            )
         return await self._record(
             seg, req.kind, req.owner, req.label, daemon_owned=False, holder=req.holder
         )
@@ -650,7 +661,11 @@ class Daemon:
         principal of the lease it is packed for): a free one from the pool (its pages
         are already faulted in, here and in readers that mapped it), else a new one."""
         await self._reclaim_staging()
-        fits = [r for r in self._staging_free if self.regions.get(r).nbytes >= nbytes]
+        fits = [
+            r
+            for r in self._staging_free
+            if self.regions.get(r).nbytes >= nbytes and not self._busy[r]
+        ]
         if fits:
             best = min(fits, key=lambda r: self.regions.get(r).nbytes)
             self._staging_free.remove(best)
@@ -662,11 +677,17 @@ class Daemon:
         return region
 
     async def _reclaim_staging(self) -> None:
-        """Return to the pool every held staging region whose lease was released or
-        expired, so readers that never call release cannot grow the daemon's memory."""
+        """Delete every held staging region whose lease was released or expired, so
+        readers that never call release cannot grow the daemon's memory. Deleted, not
+        reused: a reader whose lease ended may still be reading it (its pull fails,
+        but the bytes it read land), and must never read what is packed there next.
+        One that a pull of this daemon still reads waits for a later call."""
         for region_id, (lease_id, _) in list(self._staging_held.items()):
-            if not self.registry.is_live(lease_id):
-                await self._free_staging(region_id)
+            if self.registry.is_live(lease_id) or self._busy[region_id]:
+                continue
+            del self._staging_held[region_id]
+            self._staging_ids.discard(region_id)
+            await self._drop_region(region_id, self.regions.get(region_id))
 
     async def release_staging(self, region_id: int, lease_id: str) -> None:
         """The reader under ``lease_id`` is done with staging region ``region_id``

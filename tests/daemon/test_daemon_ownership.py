@@ -7,16 +7,20 @@ rule, attacked the way a tenant with only the API and the client would.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
+import shutil
+import subprocess
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import numpy as np
 import pytest
-from support.daemons import GatedCopier
+from support.daemons import FakeClock, GatedCopier
 from support.hostile import rows
 
 from refitd.client.http import RefitClient
@@ -24,7 +28,7 @@ from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.serve import listening
-from refitd.errors import AccessDenied, ConflictError
+from refitd.errors import AccessDenied, ConfigError, ConflictError
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
@@ -59,14 +63,18 @@ class Tenants:
 
 @contextlib.asynccontextmanager
 async def two_tenants(
-    tmp: Path, *, copier: GatedCopier | None = None, **options: object
+    tmp: Path,
+    *,
+    copier: GatedCopier | None = None,
+    clock: FakeClock | None = None,
+    **options: object,
 ) -> AsyncIterator[Tenants]:
     tokens = tmp / "tokens"
     tokens.write_text("a token-of-a\nb token-of-b\n")
     tokens.chmod(0o600)
     policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
     opts = DaemonOptions(port=0, node_id="tenants", transport="shm", **options)  # type: ignore[arg-type]
-    d = Daemon(opts, copier=copier)
+    d = Daemon(opts, copier=copier, **({"clock": clock} if clock is not None else {}))
     async with (
         listening(opts, daemon=d, setup=[lambda app: setup_auth(app, policy)]) as (_, url),
         RefitClient(url, token="token-of-a") as a,
@@ -324,3 +332,105 @@ async def test_over_tcp_a_daemon_with_a_unix_socket_and_no_tokens_serves_only_pu
             await tcp.regions()
         region = await unix.create_region(NBYTES)
         assert region.owner == f"uid:{os.getuid()}"
+
+
+# ---------------------------------------------------------------- found by the hostile pass
+
+NOBODY = 65534
+
+ATTACH_AS = """
+import json, socket, sys
+body = json.dumps({"handle": sys.argv[2], "nbytes": int(sys.argv[3])}).encode()
+s = socket.socket(socket.AF_UNIX)
+s.connect(sys.argv[1])
+s.sendall(
+    b"POST /v1/regions/attach HTTP/1.0\\r\\nHost: refitd\\r\\nContent-Type: application/json"
+    + b"\\r\\nContent-Length: " + str(len(body)).encode() + b"\\r\\n\\r\\n" + body
+)
+data = b""
+while chunk := s.recv(65536):
+    data += chunk
+sys.stdout.write(data.decode())
+"""
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory another uid can reach (pytest's tmp_path is private to root)."""
+    path = Path(tempfile.mkdtemp(prefix="refitd-own-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+async def test_a_socket_uid_attaches_only_segments_it_owns_never_the_daemons_files(
+    shared_dir: Path,
+) -> None:
+    """The daemon opens files its caller cannot (its own user's, its group's): it must
+    not map another user's unattached segment on a socket caller's behalf."""
+    python = "/usr/bin/python3"
+    if os.geteuid() != 0 or not os.access(python, os.X_OK):
+        pytest.skip("needs root and a system python3 to connect as another uid")
+    sock = str(shared_dir / "refitd.sock")
+    policy = check_startup(ServerConfig(port=0, unix_socket=sock, allowed_uids=(NOBODY,)))
+    opts = DaemonOptions(port=0, unix_path=sock, node_id="sock", transport="shm")
+    d = Daemon(opts)
+    async with listening(opts, daemon=d, setup=[lambda app: setup_auth(app, policy)]):
+        os.chmod(sock, 0o777)
+        with SharedSegment.create(NBYTES, "daemons-user") as theirs:  # root's, unattached
+            proc = await asyncio.create_subprocess_exec(
+                python, "-c", ATTACH_AS, sock, theirs.name, str(NBYTES),
+                user=NOBODY, stdout=subprocess.PIPE,
+            )  # fmt: skip
+            out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        reply = out.decode()
+        assert reply.startswith("HTTP/1.0 403"), reply
+        assert f"belongs to uid 0, not to the caller's uid {NOBODY}" in reply
+        assert len(d.regions) == 0
+
+
+@pytest.mark.parametrize("name", ["loopback", "uid:0", "uid:1000"])
+def test_a_token_named_as_another_kind_of_principal_stops_the_start(
+    tmp_path: Path, name: str
+) -> None:
+    """Else a token named 'uid:0' would own what the socket's uid 0 made."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{name} some-token\n")
+    tokens.chmod(0o600)
+    with pytest.raises(ConfigError, match="another kind of principal"):
+        check_startup(ServerConfig(port=0, token_file=str(tokens)))
+
+
+async def test_expert_pools_are_listed_only_to_their_owner(tmp_path: Path) -> None:
+    async with two_tenants(tmp_path) as t:
+        await t.a.create_pool("a-pool", layers=1, experts=2, slots=2, row_bytes=[16])
+        assert await t.b.pools() == []
+        assert [p.name for p in await t.a.pools()] == ["a-pool"]
+        with pytest.raises(AccessDenied):
+            await t.b.pool("a-pool")
+
+
+async def test_a_staging_region_whose_lease_ended_mid_read_is_never_repacked_for_another(
+    tmp_path: Path,
+) -> None:
+    """A reader that lets its lease expire while its pull still reads the staging
+    region must not then read what the daemon packs there for another tenant."""
+    gated, clock = GatedCopier(), FakeClock()
+    async with two_tenants(tmp_path, copier=gated, clock=clock) as t:
+        a_src = await ready_model(t.a, "am", fill=1)
+        a_lease = await t.a.acquire_lease("am", 1, ttl_s=60)
+        dst = await t.a.create_region(NBYTES, label="dst")
+        spec = PackSpec(a_src, 0, (NBYTES,), (1,), 1, dst.region_id, 0)
+        empty = DescriptorTable(np.zeros((0, 5), dtype="<i8").tobytes())
+        started = await t.a.submit_pull(PullRequest("am", 1, a_lease.lease_id, empty, [spec]))
+        await gated.entered.wait()  # a's pull reads its staging region now
+        clock.now += 61  # ... and its lease has ended
+        b_src = await ready_model(t.b, "bm", fill=2)
+        b_lease = await t.b.acquire_lease("bm", 1, ttl_s=600)
+        b_spec = PackSpec(b_src, 0, (16,), (1,), 1, 0, 0)
+        await t.b.peer_pack("bm", 1, b_lease.lease_id, [b_spec])
+        gated.gate.set()
+        with pytest.raises(ConflictError, match="lease"):  # it ended while bytes moved
+            await t.a.wait_pull(started.pull_id)
+        got = t.daemon.segments[dst.region_id].numpy(np.uint8)
+        assert not (got == 2).any(), "a's destination received b's packed bytes"

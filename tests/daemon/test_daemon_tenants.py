@@ -137,17 +137,17 @@ class Tenant:
         self.lease: str = self.acquire()
         self.stale: list[str] = []
         self.staging: list[int] = []
-        # a segment of the tenant's own (its file), attached: the one it may shrink
-        self.own_seg = SharedSegment.create(NBYTES, "own")
-        self.own: int = http.ok(
-            "POST", "/regions/attach", {"handle": self.own_seg.name, "nbytes": NBYTES}
-        )["region_id"]
         self.pulls: list[str] = []
         pool = http.ok("POST", "/experts", {
             "name": f"{model}-pool", "layers": 1, "experts": 2, "slots": 2, "row_bytes": [16],
         })  # fmt: skip
         self.pool: list[int] = [pool["host_region"], pool["slot_region"]]
         self.published = 0  # models published from the destination (each retired again)
+        # a segment of the tenant's own (its file), attached: the one it may shrink
+        self.own_seg = SharedSegment.create(NBYTES, "own")
+        self.own: int = http.ok(
+            "POST", "/regions/attach", {"handle": self.own_seg.name, "nbytes": NBYTES}
+        )["region_id"]
 
     def acquire(self) -> str:
         res = self.http.ok("POST", "/leases", {"model": self.model, "version": 1, "ttl_s": 600})
