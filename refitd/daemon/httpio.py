@@ -83,24 +83,50 @@ async def manifest_body(request: web.Request, raw: bytes, max_shards: int) -> Ma
     return await asyncio.to_thread(_decode_manifest, raw, as_msgpack, max_shards, what)
 
 
+#: encoded tensor bytes decoded in one call: long enough to cost little per call,
+#: short enough that the event loop waits a few milliseconds at most for the thread
+DECODE_BATCH_BYTES = 1 << 20
+
+
 def _decode_manifest(raw: bytes, as_msgpack: bool, max_shards: int, what: str) -> ManifestIn:
-    # One decode call per tensor: between them this thread lets the event loop run
-    # (a single call holds the interpreter for its whole length).
+    # Tensors are decoded a batch (about DECODE_BATCH_BYTES) per call: between calls
+    # this thread lets the event loop run (one call holds the interpreter throughout).
     decode: Callable[..., Any] = msgspec.msgpack.decode if as_msgpack else msgspec.json.decode
-    try:
-        head: ManifestHead = decode(raw, type=ManifestHead)
-        tensors: list[TensorEntry] = []
-        shards = 0
-        for i, t in enumerate(head.tensors):
-            with gc_paused():
-                tensor: TensorEntry = decode(t, type=TensorEntry)
-            shards += len(tensor.shards)
+    tensors: list[TensorEntry] = []
+    shards = 0
+
+    def flush(batch: list[msgspec.Raw]) -> None:
+        nonlocal shards
+        if as_msgpack:
+            n = len(batch)
+            head = bytes([0x90 | n]) if n < 16 else b"\xdd" + n.to_bytes(4, "big")
+            data = head + b"".join(bytes(r) for r in batch)
+        else:
+            data = b"[" + b",".join(bytes(r) for r in batch) + b"]"
+        with gc_paused():
+            got: list[TensorEntry] = decode(data, type=list[TensorEntry])
+        for t in got:
+            shards += len(t.shards)
             if shards > max_shards:
                 raise ProtocolError(
-                    f"{what}: manifest refused: more than {max_shards} shards by tensor #{i} "
-                    f"({tensor.name!r}); the cap is limits.max_manifest_shards"
+                    f"{what}: manifest refused: more than {max_shards} shards by tensor "
+                    f"#{len(tensors)} ({t.name!r}); the cap is limits.max_manifest_shards"
                 )
-            tensors.append(tensor)
+            tensors.append(t)
+
+    try:
+        with gc_paused():
+            head: ManifestHead = decode(raw, type=ManifestHead)
+        batch: list[msgspec.Raw] = []
+        size = 0
+        for t in head.tensors:
+            batch.append(t)
+            size += len(t)
+            if size >= DECODE_BATCH_BYTES:
+                flush(batch)
+                batch, size = [], 0
+        if batch:
+            flush(batch)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(f"{what}: body refused: {exc}") from exc
     return ManifestIn(head.model, head.version, head.slot, head.expected_slots, tensors)

@@ -386,3 +386,19 @@ async def test_at_most_two_manifests_are_decoded_and_checked_at_once() -> None:
                 most = max(most, d.manifests_checking)
             assert [await s for s in sent] == [404] * 4
         assert most == 2, most
+
+
+@pytest.mark.parametrize("ctype", [MSGPACK, "application/json"])
+async def test_a_manifest_of_many_tensors_publishes_whole_in_either_encoding(
+    env: Env, ctype: str
+) -> None:
+    """Decoded a batch of tensors at a time: every tensor arrives, in order."""
+    n = 60_000  # over 1 MiB encoded: several batches
+    tensors = [[f"t{i}", [1], "uint8", [[[0], [1], env.src, i % 64]]] for i in range(n)]
+    m = {"model": f"many-{ctype[-4:]}", "version": 1, "slot": 0, "expected_slots": 1}
+    m["tensors"] = tensors
+    data = msgspec.msgpack.encode(m) if ctype == MSGPACK else msgspec.json.encode(m)
+    code, body = await env.send("POST", "/v1/sources", data, ctype)
+    assert code == 201, body
+    merged = await env.client.manifest(str(m["model"]), 1)
+    assert [t.name for t in merged.tensors] == [f"t{i}" for i in range(n)]
