@@ -46,6 +46,70 @@ QWEN3_MOE = {
 }
 
 
+QWEN2 = {
+    **LLAMA,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",  # q, k and v projections carry a bias
+    "use_sliding_window": False,
+}
+
+PHI3 = {
+    **LLAMA,
+    "architectures": ["Phi3ForCausalLM"],
+    "model_type": "phi3",  # the checkpoint fuses qkv_proj and gate_up_proj
+    "original_max_position_embeddings": 256,
+    "sliding_window": None,
+    "pad_token_id": 0,
+}
+
+MIXTRAL = {
+    **LLAMA,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "intermediate_size": 128,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+QWEN2_MOE = {
+    **QWEN2,
+    "architectures": ["Qwen2MoeForCausalLM"],
+    "model_type": "qwen2_moe",
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 256,  # a shared expert behind a sigmoid gate
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": False,
+}
+
+DEEPSEEK_V2 = {
+    **LLAMA,
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",  # MLA: latent KV (kv_lora_rank) and a decoupled rope part
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,  # + qk_rope_head_dim = 576: the one head size the CPU MLA kernel has
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 64,
+    "num_key_value_heads": 4,
+    "moe_intermediate_size": 128,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "moe_layer_freq": 1,
+    "topk_method": "greedy",
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": False,
+    "scoring_func": "softmax",
+    "rope_scaling": None,
+}
+
+
 def hf_model(config: dict[str, Any], seed: int) -> torch.nn.Module:
     """The Hugging Face model for ``config`` with random bf16 weights from ``seed``."""
     import transformers
@@ -61,6 +125,40 @@ def hf_model(config: dict[str, Any], seed: int) -> torch.nn.Module:
         for p in model.parameters():  # spread values so a wrong byte changes tokens
             p.copy_(torch.randn_like(p) * 0.5)
     return model.eval()
+
+
+EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "deepseek_v2": ("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+"""Families whose checkpoints (as on the hub, and as vLLM's loaders read them) hold
+one tensor per expert: the MoE block's name and the gate, up and down names."""
+
+
+def per_expert(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with Hugging Face's stacked expert tensors (``mlp.experts.gate_up_proj``
+    ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``) written one per expert, under
+    the names of ``EXPERT_NAMES`` (other families: ``state`` unchanged)."""
+    names = EXPERT_NAMES.get(config["model_type"])
+    if names is None:
+        return state
+    block, gate, up, down = names
+    out: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        prefix, _, rest = key.partition(".mlp.")
+        if not rest:
+            out[key] = t
+        elif rest == "experts.gate_up_proj":
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{block}.experts.{e}.{gate}.weight"] = t[e, :half].clone()
+                out[f"{prefix}.{block}.experts.{e}.{up}.weight"] = t[e, half:].clone()
+        elif rest == "experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{block}.experts.{e}.{down}.weight"] = t[e].clone()
+        else:
+            out[f"{prefix}.{block}.{rest}"] = t
+    return out
 
 
 def save_model(path: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> Path:
@@ -79,9 +177,18 @@ def write_model(path: Path, config: dict[str, Any], seed: int) -> dict[str, torc
     return state
 
 
+AMX_OFF = Path(__file__).resolve().parent / "amx_off"
+"""A folder whose ``sitecustomize`` reports AMX absent to torch (see its docstring)."""
+
+
 def vllm_env(mp: Any, cache: Path, url: str) -> None:
     """Offline vLLM with a per-run cache, and the daemon at ``url``, set through the
-    monkeypatch ``mp`` so nothing leaks into other tests' environment."""
+    monkeypatch ``mp`` so nothing leaks into other tests' environment. Every process
+    started from here on (vLLM's engine core and workers) sees AMX as absent: its
+    kernels make the workers die at random with SIGILL on the test machines. Any
+    worker death still fails the test; nothing retries."""
+    path = os.environ.get("PYTHONPATH", "")
+    mp.setenv("PYTHONPATH", os.pathsep.join([str(AMX_OFF), *filter(None, [path])]))
     for key, value in {
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -289,3 +396,38 @@ def readme_blocks(heading: str) -> list[str]:
     end = text.find("\n## ", start + 1)
     section = text[start : end if end != -1 else len(text)]
     return [b.split("\n", 1)[1].rsplit("```", 1)[0] for b in section.split("```python")[1:]]
+
+
+# ---------------------------------------------------------------- what an engine serves
+
+
+def greedy_logprobs(llm: Any) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
+    """What ``llm`` serves for two fixed prompts: the greedy tokens, and at every
+    step the top-3 logprobs (token, logprob), exactly as the engine computed them."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in ([5, 17, 33, 99, 200], [7, 300, 42])]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, detokenize=False)
+    out = []
+    for o in llm.generate(prompts, params, use_tqdm=False):
+        c = o.outputs[0]
+        steps = [
+            sorted((int(t), float(lp.logprob)) for t, lp in step.items()) for step in c.logprobs
+        ]
+        out.append((list(c.token_ids), steps))
+    return out
+
+
+def param_digests(worker: Any) -> dict[str, str]:
+    """Run in a vLLM worker: a digest of every parameter the model computes with,
+    under every name it has (a tied ``lm_head`` included)."""
+    import hashlib
+
+    out = {}
+    model = worker.model_runner.get_model()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        t = p.detach().contiguous()
+        raw = t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        out[name] = f"{t.dtype}{tuple(t.shape)}" + hashlib.blake2b(raw, digest_size=16).hexdigest()
+    return out

@@ -7,13 +7,21 @@ by default) and sets up its destinations, in the *loader* format (what the
 model's ``weight_loader``\\ s write, before ``process_weights_after_loading``):
 
 - a parameter that processing left as the loader wrote it (same shape and dtype
-  as on a freshly built model, in a module without a quantization method) is its
-  own destination: it is moved once into shared memory the daemon can write, and
-  every later pull lands in it in place;
-- any other (a CPU linear weight that processing packed away, a bias it widened)
-  gets a loader-format buffer in that shared memory; ``finish_weight_update``
-  puts those buffers back as the module's parameters and runs vLLM's own
-  ``process_weights_after_loading`` over the model, as a checkpoint load does.
+  as on a freshly built model, in a module without a quantization method, its
+  memory shared with no other tensor) is its own destination: it is moved once
+  into shared memory the daemon can write, and every later pull lands in it in
+  place;
+- any other (a CPU linear weight that processing packed away, a bias it widened,
+  an embedding a tied ``lm_head`` shares) gets a loader-format buffer in that
+  shared memory.
+
+``finish_weight_update`` then brings up to date every module that computes from
+a written tensor, found by storage (:mod:`refitd.integrations.vllm.postload`):
+vLLM's own ``process_weights_after_loading`` runs again on it, from the loader
+format, and what it makes is copied into the storage the running kernels hold. A
+module that cannot be brought up to date is refused at ``init_transfer_engine``,
+naming it. Two tensors the loaders write apart but vLLM shares (an ``lm_head`` it
+re-tied to equal embeddings) are untied first.
 
 ``update_weights({"version": N})`` (``N`` omitted: the newest READY version) runs
 :class:`~refitd.client.receiver.DaemonReceiver`: lease the version, replay the
@@ -45,12 +53,18 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from refitd.client.receiver import DaemonReceiver, RefitStats
+from refitd.integrations.vllm.postload import (
+    Destination,
+    Reprocessing,
+    plan_reprocessing,
+    storage_key,
+)
 
 __all__ = ["RefitdInitInfo", "RefitdUpdateInfo", "RefitdWeightTransferEngine"]
 
 logger = logging.getLogger(__name__)
 
-_KV_SCALE = re.compile(r"\.attn\._(k|v|q|prob)_scale$")
+_KV_SCALE = re.compile(r"^_(k|v|q|prob)_scale$")
 
 
 @dataclass
@@ -119,7 +133,8 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         self._runner: asyncio.Runner | None = None
         self._clients: list[Any] = []
         self.receiver: DaemonReceiver | None = None
-        self._restore: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []
+        self._reprocess = Reprocessing([], [], [])
+        self._untied: list[str] = []
         self._init_info: RefitdInitInfo | None = None
         self._computed: list[str] = []
         self._pending: RefitStats | None = None
@@ -151,39 +166,72 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
 
     def _destinations(self) -> _Destinations:
         """Loader-format destinations: live parameters in place where processing
-        left them as loaded, loader-format buffers for the rest (see the module
-        docstring)."""
+        left them as loaded and nothing else shares their memory, loader-format
+        buffers for the rest (see the module docstring); then the plan of what to
+        process again after each update, found by storage (refused here, before any
+        byte moves, if a module cannot be brought up to date)."""
         with torch.device("meta"):
             twin = self._twin()
-        live = dict(self.model.named_parameters())
         owners = dict(self.model.named_modules())
+        sharing: dict[tuple[str, int], list[torch.Tensor]] = {}
+        for module in owners.values():
+            for t in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                if t is not None and t.numel():
+                    sharing.setdefault(storage_key(t), []).append(t)
         dest = _Destinations()
-        self._restore = []
+        claimed: dict[tuple[str, int], str] = {}
+        planned: list[Destination] = []
+        self._untied = []
         for name, meta in twin.named_parameters():
             prefix, _, leaf = name.rpartition(".")
             module = owners.get(prefix)
             if module is None:
                 raise RuntimeError(f"refitd: the live model has no module {prefix!r} for {name!r}")
-            p = live.get(name)
+            p = module._parameters.get(leaf)
+            if p is not None and p.numel() and storage_key(p) in claimed:
+                p = self._untie(module, prefix, leaf, p, claimed[storage_key(p)])
+                sharing.setdefault(storage_key(p), []).append(p)
+            if p is not None and p.numel():
+                claimed[storage_key(p)] = name
             in_place = (
                 p is not None
                 and tuple(p.shape) == tuple(meta.shape)
                 and p.dtype == meta.dtype
                 and p.is_contiguous()
                 and getattr(module, "quant_method", None) is None
+                # moving it into shared memory would leave another tensor of its
+                # storage behind; a loader-format buffer copies into that storage
+                and all(t is p for t in sharing.get(storage_key(p), []))
             )
             if in_place:
                 assert p is not None
                 dest.place(name, p)
+                planned.append(Destination(name, prefix, leaf, p, p))
             else:
                 buf = torch.nn.Parameter(
                     torch.zeros(meta.shape, dtype=meta.dtype, device=self.device),
                     requires_grad=False,
                 )
                 dest.place(name, buf)
-                self._restore.append((module, leaf, buf))
+                planned.append(Destination(name, prefix, leaf, p, buf))
+        self._reprocess = plan_reprocessing(self.model, planned)
         self._computed = self._computed_buffers(twin)
         return dest
+
+    def _untie(
+        self, module: torch.nn.Module, prefix: str, leaf: str, p: torch.nn.Parameter, first: str
+    ) -> torch.nn.Parameter:
+        """Give ``prefix.leaf`` memory of its own: vLLM shares it with ``first``
+        (it re-ties an ``lm_head`` that equals the embeddings after loading), but
+        the loaders write the two separately, so a trainer may make them differ; a
+        fresh load of such weights serves them untied too."""
+        own = torch.nn.Parameter(p.data.clone(), requires_grad=False)
+        own.__dict__.update(p.__dict__)  # weight_loader & co: vLLM's own reload uses them
+        module.register_parameter(leaf, own)
+        name = f"{prefix}.{leaf}" if prefix else leaf
+        self._untied.append(name)
+        logger.info("refitd: %s shared %s's memory; untied so each is refitted", name, first)
+        return own
 
     def _computed_buffers(self, twin: torch.nn.Module) -> list[str]:
         """Persistent buffers vLLM sets itself and an unquantized checkpoint never
@@ -192,7 +240,16 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         cache_dtype = str(getattr(self.vllm_config.cache_config, "cache_dtype", "auto"))
         if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
             return []
-        return [n for n, _ in twin.named_buffers() if _KV_SCALE.search(n)]
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+
+        # Found by the layer that owns them (``attn``, MLA's ``mla_attn``, ...).
+        return [
+            f"{prefix}.{leaf}" if prefix else leaf
+            for prefix, module in twin.named_modules()
+            if is_deferred_attention_layer(module)
+            for leaf, _ in module.named_buffers(recurse=False)
+            if _KV_SCALE.match(leaf)
+        ]
 
     def _run(self, coro: Any) -> Any:
         assert self._runner is not None
@@ -229,10 +286,10 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
             allow_unwritten=[*init_info.allow_unwritten, *self._computed],
         )
         logger.info(
-            "refitd: worker connected to %s for %r (%d destinations re-processed after load)",
+            "refitd: worker connected to %s for %r (modules processed again after each update: %d)",
             local.base_url,
             init_info.model,
-            len(self._restore),
+            len(self._reprocess.modules),
         )
 
     # ------------------------------------------------------------ updates
@@ -274,47 +331,9 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         logger.info("refitd: refit %s", self.last_stats)
 
     def _process(self) -> None:
-        """Re-run vLLM's post-load processing on every module that has
-        loader-format buffers, the way its layerwise reload does: bind the
-        buffers as the module's parameters, process, copy what processing made
-        into the storage the running kernels hold (so their references stay
-        valid), and put those kernel tensors back."""
-        from vllm.model_executor.layers.attention import is_deferred_attention_layer
-
-        by_module: dict[int, tuple[torch.nn.Module, list[tuple[str, torch.Tensor]]]] = {}
-        for module, leaf, buf in self._restore:
-            by_module.setdefault(id(module), (module, []))[1].append((leaf, buf))
-        for module, bufs in by_module.values():
-            kernel = dict(module.named_parameters(recurse=False))
-            for leaf, loaded in bufs:
-                module.register_parameter(
-                    leaf, torch.nn.Parameter(loaded.data, requires_grad=False)
-                )
-            if hasattr(module, "_already_called_process_weights_after_loading"):
-                delattr(module, "_already_called_process_weights_after_loading")
-            quant_method = getattr(module, "quant_method", None)
-            if getattr(quant_method, "moe_kernel", None) is not None:
-                # vLLM 0.32's update path for a built MoE kernel copies the new
-                # weights into the old storage without the CPU kernels' prepacking;
-                # rebuild the kernel as a first load does (the copy below keeps the
-                # kernel tensors' storage).
-                quant_method.moe_kernel = None  # type: ignore[union-attr]
-            if quant_method is not None and hasattr(quant_method, "process_weights_after_loading"):
-                quant_method.process_weights_after_loading(module)
-            for name, old in kernel.items():
-                new = getattr(module, name, None)
-                if (
-                    isinstance(new, torch.Tensor)
-                    and new.shape == old.shape
-                    and new.dtype == old.dtype
-                ):
-                    if new.data_ptr() != old.data_ptr() and old.numel():
-                        old.data.copy_(new)
-                    module.register_parameter(name, old)
-                # Otherwise processing changed the tensor's kind: keep what it made.
-        for module in self.model.modules():
-            if is_deferred_attention_layer(module):
-                module.process_weights_after_loading(self.model_config.dtype)
+        """Bring every module that computes from a written tensor up to date
+        (:mod:`refitd.integrations.vllm.postload`)."""
+        self._reprocess.run(self.model_config.dtype)
 
     def shutdown(self) -> None:
         if self._runner is None:
