@@ -183,6 +183,12 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_leases_per_principal: Count = 4096
     #: Regions (created or attached) one principal may hold at once (429 past it).
     max_regions_per_principal: Count = 4096
+    #: Bytes of shared memory the daemon makes for one principal at once: its
+    #: regions, staging packed for its leases, its pools (429 past it; 0: no cap but
+    #: /dev/shm itself). Attached segments are the client's own memory, not counted.
+    max_region_bytes_per_principal: Annotated[
+        int, msgspec.Meta(ge=0, description="a byte count (integer >= 0)")
+    ] = 0
     #: Pulls of one principal queued or running at once (429 past it).
     max_pulls_per_principal: Count = 256
     #: Shards one published manifest may list, over all its tensors (400 past it).

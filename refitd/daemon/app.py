@@ -96,8 +96,10 @@ async def create_region(request: web.Request) -> web.Response:
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
     d = request.app[DAEMON]
     who = _admit_region(request)
+    d.caps.bytes.admit(who, lambda rid: d.holds_memory(int(rid)), req.nbytes)
     info = await d.create_region(req)
     d.caps.regions.add(who, str(info.region_id))
+    d.caps.bytes.add(who, str(info.region_id), info.nbytes)
     return reply(request, info, 201)
 
 
@@ -370,9 +372,12 @@ async def peer_pack(request: web.Request) -> web.Response:
     # A staging region is memory its lease's principal holds: it counts against that
     # principal's region cap, so packing again and again cannot fill /dev/shm.
     who = lease.owner or principal_of(request).name
-    d.caps.regions.admit(who, lambda rid: d.holds_memory(int(rid)))
+    held = lambda rid: d.holds_memory(int(rid))  # noqa: E731
+    d.caps.regions.admit(who, held)
+    d.caps.bytes.admit(who, held, sum(p.nbytes for p in req.specs))
     staged = await d.pack(req.specs, lease)
     d.caps.regions.add(who, str(staged.region.region_id))
+    d.caps.bytes.add(who, str(staged.region.region_id), staged.region.nbytes)
     return reply(request, staged, 201)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from refitd.errors import QuotaExceeded
 
-__all__ = ["Cap", "Caps"]
+__all__ = ["ByteCap", "Cap", "Caps"]
 
 
 @dataclass
@@ -58,10 +58,42 @@ class Cap:
         return len(held)
 
 
-class Caps:
-    """The daemon's three caps, from ``[limits]``."""
+@dataclass
+class ByteCap:
+    """Bytes of memory the daemon made for one principal (its regions, the staging
+    packed for its leases, its pools), at most ``limit`` (0: no cap but /dev/shm)."""
 
-    def __init__(self, leases: int, regions: int, pulls: int) -> None:
+    key: str
+    limit: int
+    _held: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def admit(self, principal: str, alive: Callable[[str], bool], nbytes: int) -> None:
+        """Refuse (429) unless ``principal`` may hold ``nbytes`` more bytes."""
+        if self.limit <= 0:
+            return
+        held = self._held.setdefault(principal, {})
+        if sum(held.values()) + nbytes <= self.limit:
+            return
+        for gone in [i for i in held if not alive(i)]:
+            del held[gone]
+        total = sum(held.values())
+        if total + nbytes > self.limit:
+            raise QuotaExceeded(
+                f"{nbytes} bytes of memory refused: principal {principal!r} holds {total} "
+                f"bytes the daemon made for it, its cap (limits.{self.key} = {self.limit}) "
+                "leaves no room; free some first"
+            )
+
+    def add(self, principal: str, object_id: str, nbytes: int) -> None:
+        if self.limit > 0:
+            self._held.setdefault(principal, {})[object_id] = nbytes
+
+
+class Caps:
+    """The daemon's caps, from ``[limits]``."""
+
+    def __init__(self, leases: int, regions: int, pulls: int, region_bytes: int = 0) -> None:
         self.leases = Cap("lease", "max_leases_per_principal", leases)
         self.regions = Cap("region", "max_regions_per_principal", regions)
         self.pulls = Cap("pull", "max_pulls_per_principal", pulls)
+        self.bytes = ByteCap("max_region_bytes_per_principal", region_bytes)

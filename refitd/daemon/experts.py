@@ -604,11 +604,15 @@ async def create_pool(request: web.Request) -> web.Response:
     owner = owner_for(request, spec.owner)
     # A pool's two regions are its creator's memory: they count against its region cap.
     d, who = request.app[DAEMON], principal_of(request).name
-    d.caps.regions.admit(who, lambda rid: d.holds_memory(int(rid)), n=2)
+    held = lambda rid: d.holds_memory(int(rid))  # noqa: E731
+    d.caps.regions.admit(who, held, n=2)
+    row = sum(spec.row_bytes)
+    d.caps.bytes.admit(who, held, row * (spec.layers * spec.experts + spec.slots))
     pool = await request.app[POOLS].create(spec, owner)
     info = pool.info()
-    d.caps.regions.add(who, str(info.host_region))
-    d.caps.regions.add(who, str(info.slot_region))
+    for rid in (info.host_region, info.slot_region):
+        d.caps.regions.add(who, str(rid))
+        d.caps.bytes.add(who, str(rid), d.regions.get(rid).nbytes)
     return reply(request, info, 201)
 
 

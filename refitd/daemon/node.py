@@ -166,6 +166,7 @@ class Daemon:
             self.limits.max_leases_per_principal,
             self.limits.max_regions_per_principal,
             self.limits.max_pulls_per_principal,
+            self.limits.max_region_bytes_per_principal,
         )
         #: the one decision which source URLs may be contacted (config, then registry)
         self.peers = PeerPolicy(options.peers)

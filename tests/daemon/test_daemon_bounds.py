@@ -402,3 +402,24 @@ async def test_a_manifest_of_many_tensors_publishes_whole_in_either_encoding(
     assert code == 201, body
     merged = await env.client.manifest(str(m["model"]), 1)
     assert [t.name for t in merged.tensors] == [f"t{i}" for i in range(n)]
+
+
+async def test_memory_the_daemon_makes_for_a_principal_is_capped_in_bytes() -> None:
+    """Regions, staging and pools a principal makes count against
+    limits.max_region_bytes_per_principal: one tenant cannot take all of /dev/shm."""
+    async with _capped(max_region_bytes_per_principal=8192) as (_d, c, _g):
+        src = await c.create_region(4096)
+        await c.publish(toy_manifest(src.region_id))
+        lease = await c.acquire_lease("toy", 1)
+        big = await c.create_region(3968)
+        with pytest.raises(QuotaExceeded, match=r"limits\.max_region_bytes_per_principal"):
+            await c.create_region(4096)
+        spec = PackSpec(src.region_id, 0, (32,), (1,), 4, 0, 0)  # 128 bytes: 8192 in all
+        staged = await c.peer_pack("toy", 1, lease.lease_id, [spec])
+        with pytest.raises(QuotaExceeded, match=r"limits\.max_region_bytes_per_principal"):
+            await c.peer_pack("toy", 1, lease.lease_id, [spec])
+        with pytest.raises(QuotaExceeded, match=r"limits\.max_region_bytes_per_principal"):
+            await c.create_pool("p", layers=1, experts=2, slots=2, row_bytes=[512])
+        await c.delete_region(big.region_id)
+        await c.peer_drop(staged.region.region_id, lease.lease_id)
+        await c.create_pool("p", layers=1, experts=2, slots=2, row_bytes=[512])  # 2048 bytes
