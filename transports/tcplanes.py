@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from .native import copy_lib
+from .local import CopyFault, copy_batch_guarded
 from .tcpserve import IOV_MAX, recv_exact, send_all, tune
 from .tcpwire import (
     CHALLENGE,
@@ -301,6 +301,10 @@ class Lane:
             if kind != Kind.DATA:
                 raise LaneError("lost", f"the source sent an unknown frame kind {kind}")
             self._land(sock, item)
+        except CopyFault as exc:
+            # A destination shrunk under its mapping by its client: this read fails
+            # (its ranges suspect), the process lives on.
+            raise LaneError("lost", f"landing the bytes failed: {exc}") from None
         except OSError as exc:
             raise self._classify(exc) from None
         except LaneError as exc:
@@ -323,7 +327,7 @@ class Lane:
             to += item.dst_offset
             at = int(self.bounce.ctypes.data) + np.cumsum(item.nbytes) - item.nbytes
             size = np.ascontiguousarray(item.nbytes)
-            copy_lib().rfx_copy_batch(len(size), to.ctypes.data, at.ctypes.data, size.ctypes.data)
+            copy_batch_guarded(to, at, size)  # a client may shrink the destination
             return
         views = self.peer.owner._views
         small: list[memoryview] = []

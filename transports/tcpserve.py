@@ -37,7 +37,7 @@ import numpy.typing as npt
 from refitd.errors import ProtocolError
 
 from .core import PeerInfo
-from .native import copy_lib
+from .local import CopyFault, copy_batch_guarded
 from .tcpwire import (
     CHALLENGE,
     HEADER,
@@ -233,6 +233,8 @@ class DataServer:
             conn.settimeout(None)
             tune(conn)
             self._requests(conn, grants)
+        except CopyFault as exc:  # a source shrunk under its mapping by its client
+            log.warning("tcp data connection from %s closed: %s", host, exc)
         except (OSError, ValueError, ProtocolError, msgspec.MsgspecError, struct.error):
             pass  # this connection only
         finally:
@@ -323,7 +325,7 @@ class DataServer:
             src += rows["offset"]
             dst = int(bounce.ctypes.data) + np.cumsum(n) - n
             size = np.ascontiguousarray(n)
-            copy_lib().rfx_copy_batch(len(size), dst.ctypes.data, src.ctypes.data, size.ctypes.data)
+            copy_batch_guarded(dst, src, size)  # a client may shrink the source under us
             send_all(sock, [HEADER.pack(Kind.DATA, 0, 0, rid), bounce.data[:total]])
             return
         bufs: list[memoryview | bytes] = [HEADER.pack(Kind.DATA, 0, 0, rid)]

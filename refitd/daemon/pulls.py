@@ -39,7 +39,7 @@ import numpy as np
 from refitd.daemon.node import AUTO, SHM_SCHEME, Daemon
 from refitd.daemon.paths import TCP_SCHEME, adverts, choose_remote, tcp_grant
 from refitd.daemon.regions import validate_descriptors, validate_plan
-from refitd.daemon.trust import check_pack_reads, check_reads
+from refitd.daemon.trust import check_pack_reads, check_reads, check_writes
 from refitd.errors import NotFoundError, ProtocolError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
@@ -190,6 +190,8 @@ class PullJob:
     fail_reason: str = ""  # set when the source left the registry: FAILED, not CANCELLED
     #: regions of this daemon the pull reads or writes, kept from deletion until it ends
     pins: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    #: the principal that submitted it: only they see, wait for and cancel it
+    owner: str = ""
 
     def progress(self, n_desc: int, n_bytes: int) -> None:
         self.descriptors_done += n_desc
@@ -212,6 +214,11 @@ class PullJob:
             self.suspect,
             self.path,
         )
+
+
+def dst_ids_of(rows: np.ndarray, req: PullRequest) -> set[int]:
+    """The destination regions of a pull's descriptor ``rows`` and pack specs."""
+    return {int(x) for x in np.unique(rows[:, 2])} | {p.dst_region for p in req.pack_specs}
 
 
 def _coalesced_dst(rows: np.ndarray) -> list[tuple[int, int, int]]:
@@ -237,8 +244,9 @@ class PullManager:
         (:class:`ProtocolError`, 400, before any connection opens, if not)."""
         return LocalSource(self.d) if not url else self._connect(self.d.peers.check(url))
 
-    async def submit(self, req: PullRequest) -> PullJob:
-        """Check lease and every descriptor, then start moving bytes in a task.
+    async def submit(self, req: PullRequest, owner: str = "") -> PullJob:
+        """Check lease and every descriptor, then start moving bytes in a task, as a
+        pull of principal ``owner``.
 
         Raises (nothing moved) :class:`ConflictError` for a stale/unleased version,
         :class:`ProtocolError` naming the first out-of-bounds descriptor or pack spec.
@@ -260,11 +268,20 @@ class PullManager:
         path, conn = await self.choose_path(src, peer)
         total = int(rows[:, 4].sum()) + sum(p.nbytes for p in req.pack_specs)
         job = PullJob(f"p{next(self._seq)}", req, total, rows.shape[0] + len(req.pack_specs))
-        job.path, job.conn = path, conn
-        dst_ids = {int(x) for x in np.unique(rows[:, 2])} | {p.dst_region for p in req.pack_specs}
+        # The write rule again, after the awaits above: a version published meanwhile
+        # from a destination must not be written (from here on, none can be).
+        dst_ids = dst_ids_of(rows, req)
+        try:
+            check_writes(dst_ids, self.d.registry.protected_regions(), self.d.staging_ids)
+        except RefitError:
+            if conn is not None:
+                await conn.close()
+            raise
+        job.path, job.conn, job.owner = path, conn, owner
         job.pins.enter_context(
             self.d.using(dst_ids | (set(src_ids) if isinstance(src, LocalSource) else set()))
         )
+        job.pins.enter_context(self.d.writing(dst_ids, job.pull_id))
         self.jobs[job.pull_id] = job
         self._forget_old()
         task = asyncio.create_task(self._run(job, src, rows, peer))

@@ -61,6 +61,9 @@ def options_from_config(config: Config, secret: bytes | None) -> Any:
         grace_s=config.pulls.shutdown_grace_s,
         registry=config.registry,
         peers=config.peers.allow,
+        limits=config.limits,
+        model_owners=config.models.owners,
+        model_readers=config.models.readers,
         **extra,
     )
 
