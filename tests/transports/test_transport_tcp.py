@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from support.peers import peer_process
 
-from transports.checks import LOCAL, REMOTE, Pair, open_pair, shuffled_batch
+from transports.checks import LOCAL, REMOTE, Pair, expect, open_pair, shuffled_batch
 from transports.core import PeerInfo, PeerLost, PullFailed, ReadRefused, UnauthenticatedPeer
 from transports.servepeer import REGION_ID, pattern
-from transports.shm import SharedSegment
+from transports.shm import SHM_DIR, SharedSegment
 from transports.tcp import TcpPeer, TcpTransport, parse_address
 from transports.tcpserve import recv_exact
 from transports.tcpwire import (
@@ -374,3 +374,37 @@ async def test_pulls_under_two_leases_share_the_lanes_each_checked_against_its_o
         await first.get(batch2)
     with pytest.raises(ReadRefused, match="outside what the record's lease may read"):
         await second.get(batch1)
+
+
+# ---------------------------------------------------------------- memory a client resizes
+
+
+def _truncate(seg: SharedSegment, nbytes: int) -> None:
+    """What a client may do to a segment file it owns: resize it under every mapping."""
+    fd = os.open(SHM_DIR / seg.name, os.O_RDWR)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("piece", [4096, 1 << 20], ids=["gathered", "zero-copy"])
+@pytest.mark.parametrize("side", ["source", "destination"])
+async def test_a_segment_shrunk_under_a_tcp_read_fails_that_read_and_both_ends_serve_on(
+    pair: Pair, side: str, piece: int
+) -> None:
+    """Small pieces are gathered at the source and scattered at the reader by the C
+    copy, large ones sent from and received into the mappings: a shrunk file on
+    either side fails the read; no bus error kills the process holding the mapping
+    (here both ends live in the test process, so a bus error would end the test run)."""
+    batch = shuffled_batch(4, piece)
+    seg = pair.remote if side == "source" else pair.local
+    _truncate(seg, 0)
+    with pytest.raises(PullFailed):
+        await pair.peer.get(batch)
+    # The file grows back (as zeros); the same transports serve the next read exactly.
+    _truncate(seg, SIZE)
+    if side == "source":
+        pair.remote.numpy()[:] = np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8)
+    await pair.peer.get(batch)
+    expect(pair, batch)
