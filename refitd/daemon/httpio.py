@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -103,8 +104,18 @@ def _decode_manifest(raw: bytes, as_msgpack: bool, max_shards: int, what: str) -
             data = head + b"".join(bytes(r) for r in batch)
         else:
             data = b"[" + b",".join(bytes(r) for r in batch) + b"]"
-        with gc_paused():
-            got: list[TensorEntry] = decode(data, type=list[TensorEntry])
+        try:
+            with gc_paused():
+                got: list[TensorEntry] = decode(data, type=list[TensorEntry])
+        except msgspec.ValidationError as exc:
+            # The batch's paths start at `$[k]`: name the field in the whole body.
+            base = len(tensors)
+            where = re.sub(
+                r"`\$\[(\d+)\]",
+                lambda m: f"`$.tensors[{base + int(m.group(1))}]",
+                str(exc),
+            )
+            raise msgspec.ValidationError(where) from exc
         for t in got:
             shards += len(t.shards)
             if shards > max_shards:
