@@ -28,7 +28,7 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/refitd demo
 
-## Lint, type-check and run every test (per-test timeout in pyproject).
+## Lint, type-check and run every test (per-test timeout in pyproject), one worker per core.
 test: lint typecheck pytest
 
 lint: $(STAMP)
@@ -39,7 +39,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy refitd transports
 
 pytest: $(STAMP)
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n auto --dist loadfile
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info transports/native/*.so

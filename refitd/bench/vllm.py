@@ -21,7 +21,18 @@ the compiled plan. The model's size is a preset (default ``600mb``: 608 MB of bf
 time goes (medians too: the trainer's ``publish_s`` and ``ready_s``, ``handshake_s``
 for vLLM's three calls beyond the worker's own refit, the worker's ``manifest_s``,
 ``plan_s``, ``pull_s``, ``install_s`` and ``process_s`` (vLLM's post-load processing),
-and ``bytes_moved`` per rank) and ``verified``.
+and ``bytes_moved`` per rank), ``wire_ratio`` (bytes pulled per refit over the
+model's bf16 bytes) and ``verified``.
+
+``--quant int8``: the engine serves a compressed-tensors W8A8 checkpoint; the trainer
+keeps bf16 weights and publishes through
+:class:`~refitd.integrations.quant.QuantizingSource` (int8 weights and their scales
+on the wire); the reload saves the quantized checkpoint the same quantizer writes and
+runs on a second engine of its own (vLLM's reload of a quantized CPU engine served
+other tokens than a fresh load here, and would spoil the refitted engine).
+``verified`` then compares the refitted engine, after the first and the last update,
+with a fresh ``LLM`` loaded from that update's quantized checkpoint (digests and
+greedy tokens); ``reload_exact`` says the same of vLLM's reload.
 """
 
 from __future__ import annotations
@@ -69,8 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset",
         choices=sorted(PRESETS),
-        default="600mb",
-        help="model size (default 600mb: hidden 2048, 8 layers, 608 MB bf16)",
+        default=None,
+        help="model size (default 600mb: hidden 2048, 8 layers, 608 MB bf16; "
+        "with --quant: hidden 512, 4 layers)",
     )
     parser.add_argument(
         "--tiny", action="store_true", help="the tests' 2.8 MiB Llama (--preset tiny), for CI"
@@ -86,11 +98,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the worker's refit mode (default staging: a failed pull installs nothing; "
         "direct: pulls land in the destinations, no staging copy)",
     )
+    parser.add_argument(
+        "--quant",
+        choices=["int8"],
+        default=None,
+        help="serve a W8A8 INT8 checkpoint, refitted from bf16 through the quantizing source",
+    )
 
 
 def model_size(args: argparse.Namespace) -> tuple[int, int, int]:
-    """(hidden, layers, vocab) from the preset (``--tiny`` wins), then the overrides."""
-    hidden, layers, vocab = PRESETS["tiny" if args.tiny else args.preset]
+    """(hidden, layers, vocab) from the preset (``--tiny`` wins; ``--quant`` without
+    one: hidden 512, 4 layers, so the int8 layers outweigh the bf16 embeddings and
+    head), then the overrides."""
+    preset = "tiny" if args.tiny else args.preset
+    hidden, layers, vocab = (
+        (512, 4, 512) if preset is None and args.quant else PRESETS[preset or "600mb"]
+    )
     return (args.hidden or hidden, args.layers or layers, args.vocab or vocab)
 
 
@@ -201,17 +224,20 @@ def run(args: argparse.Namespace) -> int:
         cfg = llama_config(*model_size(args))
         state = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in _shapes(cfg).items()}
         engine_dir, disk = root / "engine", root / "trainer"
+        quant = _Quant(args.quant, cfg) if args.quant else None
         for d in (engine_dir, disk):
             d.mkdir()
-            (d / "config.json").write_text(json.dumps(cfg))
+            (d / "config.json").write_text(json.dumps(quant.config if quant else cfg))
         _draw(state, 0)
-        save_file(state, str(engine_dir / "model.safetensors"))
+        save_file(
+            quant.checkpoint(state) if quant else state, str(engine_dir / "model.safetensors")
+        )
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
 
         daemon, url = start_daemon(root)
         try:
             os.environ["REFITD_URL"] = url
-            return _bench(args, cfg, state, engine_dir, disk, nbytes, url)
+            return _bench(args, cfg, state, engine_dir, disk, nbytes, url, quant)
         finally:
             gc.collect()
             daemon.terminate()
@@ -226,6 +252,7 @@ def _bench(
     disk: Path,
     nbytes: int,
     url: str,
+    quant: _Quant | None = None,
 ) -> int:
     from safetensors.torch import save_file
     from vllm import LLM
@@ -240,7 +267,8 @@ def _bench(
 
     print(
         f"refitd bench vllm: Llama hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} "
-        f"layers, vocab {cfg['vocab_size']}: {nbytes / 2**20:.1f} MiB bf16; vLLM TP1 on CPU; "
+        f"layers, vocab {cfg['vocab_size']}: {nbytes / 2**20:.1f} MiB bf16"
+        f"{f', served as {quant.kind}' if quant else ''}; vLLM TP1 on CPU; "
         f"{args.updates} updates, each through refitd and by reload from disk",
         flush=True,
     )
@@ -248,13 +276,19 @@ def _bench(
     info = RefitdTrainerInitInfo(
         rank=0, model="bench", url=url, adopt=True, worker={"mode": args.mode}
     )
-    trainer = RefitdTrainerEngine.trainer_init(
-        info, client=LLMSyncClient(llm), source=TensorSource(state)
-    )
+    source: Any = TensorSource(state)
+    if quant:
+        source = quant.source(source)
+    trainer = RefitdTrainerEngine.trainer_init(info, client=LLMSyncClient(llm), source=source)
+    # --quant: vLLM's reload of a quantized CPU engine leaves state a fresh load does
+    # not have (measured: different tokens), so it runs on an engine of its own and
+    # cannot spoil the refitted one.
+    reloader = LLM(model=str(engine_dir), **LLM_CPU_KWARGS) if quant else llm
     refit: list[float] = []
     reload: list[float] = []
     parts: list[dict[str, float]] = []
     verified = True
+    served: dict[int, tuple[Any, Any]] = {}  # --quant: update -> (after refit, after reload)
     try:
         for update in range(1, args.updates + 1):
             _draw(state, update)
@@ -265,12 +299,19 @@ def _bench(
             after_refit = (llm.collective_rpc(served_digest)[0], greedy(llm))
 
             t0 = time.perf_counter()
-            save_file(state, str(disk / "model.safetensors"))
-            llm.collective_rpc("reload_weights", kwargs={"weights_path": str(disk)})
+            if quant:  # each update's checkpoint is kept: a fresh load of it is the truth
+                disk = quant.directory(disk, update)
+            save_file(quant.checkpoint(state) if quant else state, str(disk / "model.safetensors"))
+            reloader.collective_rpc("reload_weights", kwargs={"weights_path": str(disk)})
             reload.append(time.perf_counter() - t0)
-            after_reload = (llm.collective_rpc(served_digest)[0], greedy(llm))
+            after_reload = (reloader.collective_rpc(served_digest)[0], greedy(reloader))
             same = after_refit == after_reload
-            verified &= same
+            if quant:
+                served[update] = (after_refit, after_reload)
+            else:
+                verified &= same
+            if not same:
+                print(f"  differ: {_differing(after_refit, after_reload)}", flush=True)
             last = trainer.last
             parts.append(
                 {
@@ -298,7 +339,12 @@ def _bench(
             )
     finally:
         trainer.shutdown()
-        del llm
+        del llm, reloader
+        gc.collect()
+    extra = ""
+    if quant:
+        verified, reload_exact = _against_fresh_loads(disk, served, [1, args.updates])
+        extra = f" reload_exact={int(reload_exact)}"
     warm_refit = statistics.median(refit[1:] or refit)
     warm_reload = statistics.median(reload[1:] or reload)
     warm = parts[1:] or parts
@@ -311,6 +357,74 @@ def _bench(
     print(
         f"refit_s={warm_refit:.4f} reload_s={warm_reload:.4f} "
         f"speedup={warm_reload / warm_refit:.2f} first_refit_s={refit[0]:.4f} "
-        f"{breakdown} bytes={nbytes} verified={int(verified)}"
+        f"{breakdown} bytes={nbytes} wire_ratio={stats['bytes'] / nbytes:.3f}{extra} "
+        f"verified={int(verified)}"
     )
     return 0 if verified else 1
+
+
+def _against_fresh_loads(
+    disk: Path, served: dict[int, tuple[Any, Any]], updates: list[int]
+) -> tuple[bool, bool]:
+    """``--quant``: for ``updates``, what a fresh ``LLM`` loaded from that update's
+    quantized checkpoint serves against the engine after the refit and after vLLM's
+    reload. Returns (every refit equal, every reload equal)."""
+    from vllm import LLM
+
+    refits_ok = reloads_ok = True
+    for update in sorted(set(updates)):
+        fresh = LLM(
+            model=str(disk.parent / f"{disk.name.rstrip('0123456789')}{update}"), **LLM_CPU_KWARGS
+        )
+        truth = (fresh.collective_rpc(served_digest)[0], greedy(fresh))
+        del fresh
+        gc.collect()
+        after_refit, after_reload = served[update]
+        refits_ok &= after_refit == truth
+        reloads_ok &= after_reload == truth
+        print(
+            f"update {update} against a fresh load of its quantized checkpoint: refit "
+            f"{'equal' if after_refit == truth else _differing(after_refit, truth)}, reload "
+            f"{'equal' if after_reload == truth else _differing(after_reload, truth)}",
+            flush=True,
+        )
+    return refits_ok, reloads_ok
+
+
+def _differing(a: tuple[dict[str, str], Any], b: tuple[dict[str, str], Any]) -> list[str]:
+    """What differs between two (digests, tokens) states: parameter names, ``tokens``."""
+    names = sorted(n for n in set(a[0]) | set(b[0]) if a[0].get(n) != b[0].get(n))
+    return names[:6] + (["tokens"] if a[1] != b[1] else [])
+
+
+class _Quant:
+    """``--quant``: the engine's quantized config and checkpoint, the trainer's source."""
+
+    def __init__(self, kind: str, cfg: dict[str, Any]) -> None:
+        from refitd.integrations.quant import (
+            checkpoint_modules,
+            config_dict,
+            quantization_config,
+        )
+
+        self.kind = kind
+        self.qc = quantization_config(kind)
+        self.modules = checkpoint_modules(cfg)
+        self.config = {**cfg, "quantization_config": config_dict(self.qc)}
+
+    def directory(self, disk: Path, update: int) -> Path:
+        """The directory of ``update``'s quantized checkpoint (config written)."""
+        out = disk.parent / f"{disk.name.rstrip('0123456789')}{update}"
+        out.mkdir(exist_ok=True)
+        (out / "config.json").write_text(json.dumps(self.config))
+        return out
+
+    def checkpoint(self, state: dict[str, Any]) -> dict[str, Any]:
+        from refitd.integrations.quant import quantized_state_dict
+
+        return quantized_state_dict(state, self.qc, self.modules)
+
+    def source(self, source: Any) -> Any:
+        from refitd.integrations.quant import QuantizingSource
+
+        return QuantizingSource(source, self.qc, self.modules)

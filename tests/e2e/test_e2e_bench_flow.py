@@ -12,12 +12,19 @@ pytestmark = pytest.mark.timeout(180)
 
 async def test_the_refit_flow_verifies_every_version_and_replays_after_the_first() -> None:
     res = await refit_flow(
-        gib=0.001, versions=2, transport="auto", measure_manifest=False, log=lambda _: None
+        gib=0.001, versions=3, transport="auto", measure_manifest=False, log=lambda _: None
     )
-    assert [v.verified for v in res.versions] == [True, True]
-    assert [v.replayed for v in res.versions] == [False, True]
+    assert [v.verified for v in res.versions] == [True, True, True]
+    assert [v.replayed for v in res.versions] == [False, True, True]
     fields = report(res)
     assert fields["verified"] == 1 and fields["refit_gbps"] > 0 and fields["memcpy_gbps"] > 0
+    # Every version has its own memcpy beside it; the ratio is their median, with a spread.
+    assert all(v.memcpy_gbps > 0 for v in res.versions)
+    assert fields["refit_ratio_spread"] >= 0
+    # Where the time went, so a regression explains itself.
+    for key in ("manifest_s", "plan_s", "pull_daemon_s", "pull_overhead_s", "install_s"):
+        assert fields[key] >= 0, key
+    assert fields["pull_daemon_s"] > 0
     # Two daemons on one host in the default mode: every pull took shared memory.
     assert fields["transport"] == "auto" and fields["path"] == "shm"
 

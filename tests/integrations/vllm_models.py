@@ -288,6 +288,8 @@ def fsdp_trainer(rank: int, world: int, port: int, job: dict[str, Any], conn: An
     published through the refitd trainer engine; rank 0 drives the engine through
     the pipe. ``job["die_before"]``: rank 1 exits abruptly instead of publishing
     that round, and rank 0 asks the engine for the half-published version anyway.
+    ``job["quant"]`` (``"int8"``, ...): the ranks publish through a quantizing source
+    and rank 0 saves the quantized checkpoint as the truth.
     """
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -311,13 +313,23 @@ def fsdp_trainer(rank: int, world: int, port: int, job: dict[str, Any], conn: An
         ready_timeout_s=30,
         adopt=True,  # FSDP2's shard storage moves into the published memory once
     )
-    engine = RefitdTrainerEngine.trainer_init(info, client=client, source=FSDPSource(model))
+    source: Any = FSDPSource(model)
+    if job.get("quant"):  # publish the engine's quantized format from bf16 shards
+        from refitd.integrations.quant import QuantizingSource, quantization_config
+
+        source = QuantizingSource(source, quantization_config(job["quant"]))
+    engine = RefitdTrainerEngine.trainer_init(info, client=client, source=source)
     for i, seed in enumerate(job["seeds"]):
         fresh = hf_model(job["config"], seed).state_dict()
         with torch.no_grad():
             for name, p in model.named_parameters():  # write each rank's own rows
                 p.to_local().copy_(fresh[name][_rows(p)])
-        if rank == 0:
+        if rank == 0 and job.get("quant"):
+            from refitd.integrations.quant import quantization_config, save_quantized_model
+
+            kind = quantization_config(job["quant"])
+            save_quantized_model(Path(job["out"]) / f"v{i}", job["config"], fresh, kind)
+        elif rank == 0:
             save_model(Path(job["out"]) / f"v{i}", job["config"], fresh)
         if job.get("die_before") == i:
             if rank == 1:

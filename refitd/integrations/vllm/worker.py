@@ -64,7 +64,10 @@ __all__ = ["RefitdInitInfo", "RefitdUpdateInfo", "RefitdWeightTransferEngine"]
 
 logger = logging.getLogger(__name__)
 
-_KV_SCALE = re.compile(r"^_(k|v|q|prob)_scale$")
+_KV_SCALE = re.compile(r"^(_(k|v|q|prob)_scale|(k|v|q|prob)_(scale|zero_point))$")
+"""An attention layer's KV-cache quantization state: the buffers every engine has
+(``_k_scale``) and the parameters a quantized checkpoint's config adds (``k_scale``,
+``k_zero_point``), loaded only when the KV cache itself is quantized."""
 
 
 @dataclass
@@ -182,7 +185,14 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         claimed: dict[tuple[str, int], str] = {}
         planned: list[Destination] = []
         self._untied = []
+        self._computed = self._computed_buffers(twin)
         for name, meta in twin.named_parameters():
+            if name in self._computed:
+                # A KV-cache scale the checkpoint does not hold (the KV cache is not
+                # quantized): processing consumed it at load, and a refit that bound
+                # a blank buffer in its place would re-derive the attention's scales
+                # from that blank. It is no destination: the engine keeps its own.
+                continue
             prefix, _, leaf = name.rpartition(".")
             module = owners.get(prefix)
             if module is None:
@@ -215,7 +225,6 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
                 dest.place(name, buf)
                 planned.append(Destination(name, prefix, leaf, p, buf))
         self._reprocess = plan_reprocessing(self.model, planned)
-        self._computed = self._computed_buffers(twin)
         return dest
 
     def _untie(
@@ -236,7 +245,9 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
     def _computed_buffers(self, twin: torch.nn.Module) -> list[str]:
         """Persistent buffers vLLM sets itself and an unquantized checkpoint never
         holds: the attention layers' KV-cache scales, unused (1.0) unless the KV
-        cache is quantized. With a quantized KV cache they must be published."""
+        cache is quantized; and the KV-cache scale parameters a quantized config
+        adds, which no checkpoint holds for an unquantized KV cache. With a
+        quantized KV cache they must be published."""
         cache_dtype = str(getattr(self.vllm_config.cache_config, "cache_dtype", "auto"))
         if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
             return []
@@ -247,7 +258,10 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
             f"{prefix}.{leaf}" if prefix else leaf
             for prefix, module in twin.named_modules()
             if is_deferred_attention_layer(module)
-            for leaf, _ in module.named_buffers(recurse=False)
+            for leaf, _ in [
+                *module.named_buffers(recurse=False),
+                *module.named_parameters(recurse=False),
+            ]
             if _KV_SCALE.match(leaf)
         ]
 
