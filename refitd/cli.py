@@ -41,6 +41,7 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
     "hosts": (
         "refitd bench hosts                         # 1 GiB across simulated hosts, 1000 sources",
         "refitd bench hosts --gib 0.25 --repeat 2   # a quick run",
+        "refitd bench hosts --link-gbit 1           # links shaped to 1 Gbit/s with tc",
     ),
     "plan": (
         "refitd bench plan                          # full DeepSeek-V3 shapes, both layouts",
@@ -71,7 +72,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     ),
     "hosts": (
         "refitd.bench.hosts",
-        "pull across simulated hosts vs a plain TCP stream; discover 1,000 sources on etcd",
+        "pull across simulated hosts over tcp and ucx vs the link, quiet and busy; "
+        "discover 1,000 sources on etcd",
     ),
     "plan": ("refitd.bench.plan", "plan a DeepSeek-V3-shaped refit for two trainer layouts"),
     "refit": (

@@ -40,6 +40,7 @@ __all__ = [
     "ENV_PREFIX",
     "Config",
     "DataPlaneConfig",
+    "LimitsConfig",
     "LoggingConfig",
     "MetricsConfig",
     "PeersConfig",
@@ -116,15 +117,23 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How bytes move between daemons."""
 
-    #: ``auto`` (UCX always up; a peer proven on this host is read through its
-    #: shared-memory segments, any other through UCX), ``shm`` (same-host reads only)
-    #: or a scheme registered in ``transports`` (e.g. ``ucx``: every peer through it);
-    #: the daemon refuses an unknown scheme at start.
+    #: ``auto`` (a peer proven on this host is read through its shared-memory
+    #: segments; any other through UCX where both hosts have RDMA, else through
+    #: ``tcp``, refitd's own lanes of plain TCP), ``shm`` (same-host reads only) or a
+    #: scheme registered in ``transports`` (``tcp``, ``ucx``: every other-host peer
+    #: through it); the daemon refuses an unknown scheme at start.
     transport: Scheme = "auto"
     #: Deadline of one batch of UCX reads from a peer daemon: a peer that hangs fails
     #: the pulls reading from it after this long, and only those (its reading process
     #: is stopped; pulls from other peers go on).
     pull_timeout_s: Annotated[float, msgspec.Meta(gt=0, description="seconds (number > 0)")] = 120.0
+    #: TCP connections ("lanes") per peer of the ``tcp`` data plane, each serviced on
+    #: its own: a large read is spread across them, so one stalled lane does not
+    #: hold up the others.
+    lanes: Annotated[int, msgspec.Meta(ge=1, le=64, description="lanes (1..64)")] = 4
+    #: Port of the ``tcp`` data server (on ``server.host``); 0: any free one (peers
+    #: learn it from the signed records).
+    tcp_port: Port = 0
 
 
 class PeersConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -146,11 +155,55 @@ class PeersConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
                 ) from None
 
 
+class ModelsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Who owns each model and who may read it (see ``refitd.daemon.owners``)."""
+
+    #: ``MODEL=PRINCIPAL`` entries: a model listed here belongs to those principals
+    #: (token names, ``uid:<n>``) only: they publish, drain and retire its versions.
+    #: A model not listed belongs to the principal that first publishes it.
+    owners: tuple[str, ...] = ()
+    #: ``MODEL=PRINCIPAL`` entries: a model listed here is leased and read only by
+    #: those principals and its owners. A model not listed: by everyone.
+    readers: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        from refitd.daemon.owners import parse_model_table
+
+        parse_model_table(self.owners, "models.owners")
+        parse_model_table(self.readers, "models.readers")
+
+
 class PullsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Pull execution and shutdown."""
 
     #: On shutdown, how long in-flight pulls may finish before they are cancelled.
     shutdown_grace_s: GraceSeconds = 10.0
+
+
+Count = Annotated[int, msgspec.Meta(ge=1, description="a count (integer >= 1)")]
+
+
+class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What one principal, or one request, may cost the daemon. A principal is a
+    token's name, or ``loopback`` for every unauthenticated client together."""
+
+    #: Live leases one principal may hold at once (429 past it).
+    max_leases_per_principal: Count = 4096
+    #: Regions (created or attached) one principal may hold at once (429 past it).
+    max_regions_per_principal: Count = 4096
+    #: Bytes of shared memory the daemon makes for one principal at once: its
+    #: regions, staging packed for its leases, its pools (429 past it; 0: no cap but
+    #: /dev/shm itself). Attached segments are the client's own memory, not counted.
+    max_region_bytes_per_principal: Annotated[
+        int, msgspec.Meta(ge=0, description="a byte count (integer >= 0)")
+    ] = 0
+    #: Pulls of one principal queued or running at once (429 past it).
+    max_pulls_per_principal: Count = 256
+    #: Shards one published manifest may list, over all its tensors (400 past it).
+    max_manifest_shards: Count = 1 << 20
+    #: A version still pending (slots missing) this many seconds after its first slot
+    #: was published expires: it is forgotten and its memory freed.
+    pending_ttl_s: Annotated[float, msgspec.Meta(gt=0, description="seconds (number > 0)")] = 3600.0
 
 
 class LoggingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -193,7 +246,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     server: ServerConfig = msgspec.field(default_factory=ServerConfig)
     data_plane: DataPlaneConfig = msgspec.field(default_factory=DataPlaneConfig)
     pulls: PullsConfig = msgspec.field(default_factory=PullsConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     peers: PeersConfig = msgspec.field(default_factory=PeersConfig)
+    models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     registry: RegistryConfig = msgspec.field(default_factory=RegistryConfig)

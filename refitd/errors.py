@@ -11,7 +11,10 @@
     │   ├── Unauthenticated         no valid credential was presented (401)
     │   └── AccessDenied            the principal may not act on this object (403)
     ├── ConflictError               the state moved on: stale version, lease, epoch
-    └── NotFoundError               a named region, version, lease or pull is unknown
+    ├── NotFoundError               a named region, version, lease or pull is unknown
+    └── ResourceExhausted           the node cannot take more now: free something first
+        ├── InsufficientStorage     shared memory is full (507)
+        └── QuotaExceeded           the principal reached a configured cap (429)
 
 HTTP maps each branch to one status code in a single middleware; the client maps
 status codes back to the same classes, so a caller catches the same exception
@@ -25,11 +28,14 @@ __all__ = [
     "AccessError",
     "ConfigError",
     "ConflictError",
+    "InsufficientStorage",
     "NotFoundError",
     "PlanError",
     "ProtocolError",
+    "QuotaExceeded",
     "RefitError",
     "RequestTooLarge",
+    "ResourceExhausted",
     "TransportError",
     "Unauthenticated",
 ]
@@ -78,3 +84,17 @@ class ConflictError(RefitError):
 
 class NotFoundError(RefitError):
     """A named object (region, version, lease, pull) does not exist."""
+
+
+class ResourceExhausted(RefitError):
+    """The node cannot take this request now: memory or a cap is used up. Nothing
+    was done; the caller may retry once something is freed."""
+
+
+class InsufficientStorage(ResourceExhausted):
+    """Shared memory ran out: a region's bytes could not be reserved (507)."""
+
+
+class QuotaExceeded(ResourceExhausted):
+    """The principal holds as many leases, regions or pulls as its cap allows (429);
+    the message names the cap and its setting."""

@@ -37,9 +37,11 @@ from refitd.errors import (
     AccessError,
     ConfigError,
     ConflictError,
+    InsufficientStorage,
     NotFoundError,
     PlanError,
     ProtocolError,
+    QuotaExceeded,
     RefitError,
     RequestTooLarge,
     TransportError,
@@ -54,6 +56,9 @@ __all__ = [
     "API_PREFIX",
     "ERROR_OF_STATUS",
     "MAX_LEASE_TTL_S",
+    "MAX_MANIFEST_TENSORS",
+    "MAX_RANK",
+    "MAX_TENSOR_SHARDS",
     "MSGPACK",
     "STATUS_OF",
     "ClusterVersion",
@@ -68,6 +73,7 @@ __all__ = [
     "InvalidateResult",
     "LeaseGrant",
     "LeaseRequest",
+    "ManifestHead",
     "ManifestIn",
     "MergedManifest",
     "NodeInfo",
@@ -118,6 +124,14 @@ DtypeName = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
 MAX_SLOTS = 65536
 SlotCount = Annotated[int, msgspec.Meta(gt=0, le=MAX_SLOTS)]
 Url = Annotated[str, msgspec.Meta(max_length=2048)]
+#: the most dimensions a manifest's tensor may have (torch allows far fewer in practice)
+MAX_RANK = 64
+Shape = Annotated[tuple[Int64, ...], msgspec.Meta(max_length=MAX_RANK)]
+#: the most shards one tensor may list in one manifest; a msgpack body past it is
+#: refused from its array header, before any shard is decoded
+MAX_TENSOR_SHARDS = 65536
+#: the most tensors one manifest may list
+MAX_MANIFEST_TENSORS = 1 << 20
 
 
 @contextlib.contextmanager
@@ -160,6 +174,9 @@ class NodeInfo(msgspec.Struct, frozen=True):
     #: ``transport/device`` pairs the daemon's UCX can use here (``ucx_info -d``),
     #: e.g. ``tcp/eth0``, ``rc_mlx5/mlx5_0:1``; empty without a UCX data plane.
     ucx_transports: list[str] = []
+    #: per known peer (trusted URL, or node a pull read from): the data path a pull
+    #: from it takes or would take, and why (``refitd status``)
+    paths: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------- regions
@@ -233,8 +250,8 @@ class ShardEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """One block of a full tensor held in a region: ``offset``/``shape`` in elements of the
     global tensor, the block stored C-contiguous at ``byte_offset`` of ``region``."""
 
-    offset: tuple[Int64, ...]
-    shape: tuple[Int64, ...]
+    offset: Shape
+    shape: Shape
     region: Int64
     byte_offset: NonNeg
 
@@ -243,9 +260,9 @@ class TensorEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """A full tensor by name: global shape, dtype (torch name, e.g. ``"bfloat16"``), shards."""
 
     name: TensorName
-    shape: tuple[Int64, ...]
+    shape: Shape
     dtype: DtypeName
-    shards: list[ShardEntry]
+    shards: Annotated[list[ShardEntry], msgspec.Meta(max_length=MAX_TENSOR_SHARDS)]
 
 
 class ManifestIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -260,7 +277,18 @@ class ManifestIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     version: NonNeg
     slot: NonNeg
     expected_slots: SlotCount
-    tensors: list[TensorEntry]
+    tensors: Annotated[list[TensorEntry], msgspec.Meta(max_length=MAX_MANIFEST_TENSORS)]
+
+
+class ManifestHead(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """:class:`ManifestIn` with each tensor still encoded: the daemon decodes the
+    tensors one at a time off its event loop, counting shards as it goes."""
+
+    model: Name
+    version: NonNeg
+    slot: NonNeg
+    expected_slots: SlotCount
+    tensors: Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_MANIFEST_TENSORS)]
 
 
 class VersionState(enum.StrEnum):
@@ -675,6 +703,9 @@ class PeerRegions(_Signed, frozen=True):
     #: the byte ranges ``[start, end)`` that lease may read: a reader reads nothing else
     lease_id: str = ""
     scope: dict[int, list[tuple[int, int]]] = {}
+    #: every data plane the sender serves, by scheme: its signed advertisement
+    #: (``advert`` is the first of them), so the reader picks the path
+    adverts: dict[str, bytes] = {}
     mac: bytes = b""
 
     def _what(self) -> str:
@@ -753,6 +784,8 @@ STATUS_OF: list[tuple[type[RefitError], int]] = [
     (NotFoundError, 404),
     (ConflictError, 409),
     (PlanError, 422),
+    (QuotaExceeded, 429),
+    (InsufficientStorage, 507),
     (TransportError, 502),
     (ConfigError, 500),
     (RefitError, 500),
@@ -776,7 +809,9 @@ ERROR_OF_STATUS: dict[int, type[RefitError]] = {
     409: ConflictError,
     413: RequestTooLarge,
     422: PlanError,
+    429: QuotaExceeded,
     500: RefitError,
     502: TransportError,
     503: TransportError,
+    507: InsufficientStorage,
 }

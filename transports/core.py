@@ -34,7 +34,9 @@ Errors (all from `refitd.errors`)::
     └── UnknownScheme           no transport registered under a scheme
 
 Implementations: ``reference`` (ctypes memmove, the oracle), ``local`` (same-process
-copy in a thread pool), ``ucx`` (UCX one-sided GET from a supervised child process).
+copy in a thread pool), ``shm`` (a same-host peer's segments, mapped here), ``ucx``
+(UCX one-sided GET from a supervised child process), ``tcp`` (refitd's own lanes of
+plain TCP, for hosts without RDMA).
 """
 
 from __future__ import annotations
@@ -599,6 +601,7 @@ _REGISTRY: dict[str, str | type[Transport]] = {
     "local": "transports.local:LocalTransport",
     "shm": "transports.samehost:SameHostTransport",
     "ucx": "transports.ucx:UcxTransport",
+    "tcp": "transports.tcp:TcpTransport",
 }
 ENTRY_POINT_GROUP = "refitd.transports"
 

@@ -48,14 +48,16 @@ from .core import (
     LocalRegion,
     Peer,
     PeerInfo,
+    PullFailed,
     ReadBatch,
     RegionInfo,
     Segment,
     TransportClosed,
     as_read_batch,
+    suspect_ranges,
     validate_batch,
 )
-from .local import LocalTransport
+from .local import CopyFault, LocalTransport
 from .shm import SHM_DIR, SharedSegment
 
 __all__ = [
@@ -350,9 +352,24 @@ class SameHostTransport(LocalTransport):
         regions = self.regions
         dst = _addresses(live["local_region"], {k: r.segment.address for k, r in regions.items()})
         src = _addresses(live["remote_region"], src_bases)
-        await self.copy(
-            dst + live["local_offset"], src + live["remote_offset"], live["nbytes"].copy()
-        )
+        dst_at = dst + live["local_offset"]
+        try:
+            await self.copy(dst_at, src + live["remote_offset"], live["nbytes"].copy())
+        except CopyFault as exc:
+            # A segment was shrunk under its mapping (its owner may do that at any
+            # time): this batch fails, its destination ranges suspect; nothing else.
+            k = int(np.flatnonzero((dst_at <= exc.dst) & (exc.dst < dst_at + live["nbytes"]))[0])
+            row = live[k]
+            region = (
+                f"destination region {int(row['local_region'])}"
+                if exc.side == "destination"
+                else f"source region {int(row['remote_region'])}"
+            )
+            raise PullFailed(
+                f"read stopped: {region} faulted under the copy (its segment was shrunk, "
+                "or its filesystem is full)",
+                suspect_ranges(live),
+            ) from exc
 
 
 def _addresses(ids: npt.NDArray[np.int64], bases: dict[int, int]) -> npt.NDArray[np.int64]:

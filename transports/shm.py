@@ -28,6 +28,7 @@ owner crashed from one whose owner is alive (a reused pid has another start time
 from __future__ import annotations
 
 import contextlib
+import errno
 import grp
 import mmap
 import os
@@ -57,6 +58,9 @@ __all__ = [
 ]
 
 SHM_DIR = Path("/dev/shm")
+#: madvise: fault every page of the range in for writing (Linux 5.14); a page the
+#: filesystem cannot back is an error of the call, not a bus error later
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 PREFIX = "refitd."
 #: The group segments are shared with, by name or gid; the same variable the daemon's
 #: ``server.shm_group`` reads, and inherited by the processes it starts.
@@ -102,6 +106,11 @@ class SharedSegment:
         self._size = size
         self.owner = owner
         try:
+            st = os.fstat(fd)
+            #: ``(st_dev, st_ino)`` of the file mapped: the memory's identity, whatever
+            #: name (or hard link) it was opened by
+            self.file_identity: tuple[int, int] = (st.st_dev, st.st_ino)
+            self.file_uid: int = st.st_uid  #: the uid that owns the file mapped
             self._mmap: mmap.mmap | None = mmap.mmap(
                 fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
             )
@@ -118,9 +127,17 @@ class SharedSegment:
     # -- construction
 
     @classmethod
-    def create(cls, size: int, label: str = "", *, name: str | None = None) -> SharedSegment:
+    def create(
+        cls, size: int, label: str = "", *, name: str | None = None, reserve: bool = True
+    ) -> SharedSegment:
         """Create a new segment of exactly ``size`` bytes (≥ 1), zero-filled, mode 0600,
-        or 0660 owned by the `shared_group` when one is set."""
+        or 0660 owned by the `shared_group` when one is set.
+
+        ``reserve`` (default) backs every byte now (see :meth:`_reserve`): a tmpfs file
+        is otherwise sparse, admitted past what the filesystem has free, and the first
+        write into a page it cannot back kills the writer with a bus error. A full
+        filesystem then fails here, ``OSError`` with ``errno.ENOSPC``, before any
+        byte moves, and nothing is left behind."""
         if size < 1:
             raise ProtocolError(f"shared segment refused: size {size} bytes; need at least 1")
         if name is None:
@@ -144,14 +161,44 @@ class SharedSegment:
             os.close(fd)
             os.unlink(SHM_DIR / name)
             raise
-        return cls(name, size, fd, owner=True)
+        seg = cls(name, size, fd, owner=True)
+        if reserve:
+            try:
+                seg._reserve()
+            except BaseException:
+                seg.close()
+                raise
+        return seg
+
+    def _reserve(self) -> None:
+        """Back every byte of this (new) segment now, through the mapping, so the
+        huge-page advice applies to the pages made (``fallocate`` would make them
+        small on a ``huge=advise`` mount). ``OSError(ENOSPC)`` when the filesystem
+        cannot: populating reports it as an error, where a write would fault."""
+        assert self._mmap is not None
+        try:
+            self._mmap.madvise(MADV_POPULATE_WRITE)
+            return
+        except OSError as exc:
+            if exc.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
+                raise OSError(
+                    errno.ENOSPC, f"{SHM_DIR} cannot back the {self._size} bytes of {self._name}"
+                ) from None
+            if exc.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14, fall back
+                raise
+        fd = os.open(SHM_DIR / self._name, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            os.posix_fallocate(fd, 0, self._size)
+        finally:
+            os.close(fd)
 
     @classmethod
     def attach(cls, name: str, size: int | None = None) -> SharedSegment:
         """Map an existing segment by name; ``size`` (bytes), when given, must match."""
         _check_name(name)
         try:
-            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO planted under the name must not hold the open.
+            fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError as exc:
             raise NotFoundError(f"shared segment {name!r} not found") from exc
         except PermissionError:
@@ -159,8 +206,19 @@ class SharedSegment:
                 f"attaching shared segment {name!r} refused: this user may not open it "
                 f"(set {GROUP_ENV} / server.shm_group to a group both sides belong to)"
             ) from None
+        except OSError as exc:  # a symlink (ELOOP), a directory, a socket (ENXIO), ...
+            raise ProtocolError(
+                f"attaching shared segment {name!r} refused: it is not a regular file "
+                f"({os.strerror(exc.errno or 0)})"
+            ) from None
         st = os.fstat(fd)
         why = None
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise ProtocolError(
+                f"attaching shared segment {name!r} refused: it is not a regular file "
+                f"({stat.filemode(st.st_mode)})"
+            )
         gid = shared_group()
         group_ok = gid is not None and st.st_gid == gid  # our chosen group may be let in
         if st.st_uid != os.getuid() and not group_ok:

@@ -203,7 +203,11 @@ class Worker:
     async def pull_bytes(self, req: dict[str, Any]) -> dict[str, Any]:
         """Pull ``nbytes`` of region ``region`` at ``source`` into a new region of the
         local daemon ``repeat`` times; answers each pull's seconds (submit to done,
-        control plane included), its path, and whether every byte matched."""
+        control plane included), its path, and whether every byte matched.
+
+        ``piece`` (bytes, optional): the pull is ``nbytes / piece`` descriptors of that
+        size, each destination piece reading a shuffled source piece (no two merge),
+        as a refit's scattered layout does; absent, one descriptor of every byte."""
         import numpy as np
 
         from refitd.wire import DescriptorTable, PullRequest
@@ -215,7 +219,13 @@ class Worker:
         dst = await local.create_region(n, label="bench-dest")
         seg = SharedSegment.attach(dst.handle, n)
         view = seg.numpy()
-        rows = np.array([[int(req["region"]), 0, dst.region_id, 0, n]], dtype=np.int64)
+        piece = int(req.get("piece") or n)
+        count = n // piece
+        perm = np.random.default_rng(piece).permutation(count) if count > 1 else np.zeros(1, int)
+        rows = np.empty((count, 5), dtype=np.int64)
+        rows[:, 0], rows[:, 1] = int(req["region"]), perm * piece
+        rows[:, 2], rows[:, 3], rows[:, 4] = dst.region_id, np.arange(count) * piece, piece
+        want = pattern(count * piece).reshape(count, piece)[perm]
         seconds, paths, ok = [], set(), True
         for _ in range(int(req.get("repeat", 1))):
             view[:] = 0
@@ -228,7 +238,7 @@ class Worker:
             seconds.append(time.perf_counter() - t)
             await source.release_lease(lease.lease_id)
             paths.add(done.path)
-            ok = ok and bool(np.array_equal(view, pattern(n)))
+            ok = ok and bool(np.array_equal(view[: count * piece].reshape(count, piece), want))
         seg.close()
         await local.delete_region(dst.region_id)
         return {"ok": True, "seconds": seconds, "paths": sorted(paths), "verified": ok}

@@ -1,7 +1,8 @@
 """``refitd bench transport``: pull 256 MiB per run through each transport, vs memcpy.
 
 The source region lives in another process (``python -m transports.servepeer``) for
-``ucx``; the same-process transports (``local``, ``reference``) read a region of
+``ucx`` and ``tcp`` (over loopback, its default 4 lanes; ``--lanes`` sets them); the
+same-process transports (``local``, ``reference``) read a region of
 this process. For each piece size (4 KiB … 256 MiB) and layout (``contiguous``:
 piece i of the destination reads piece i of the source; ``shuffled``: a random
 permutation, so no two adjacent reads can merge), the best of ``--repeat`` runs is
@@ -49,14 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--schemes",
-        default="reference,local,ucx",
-        help="transports to run (default reference,local,ucx)",
+        default="reference,local,ucx,tcp",
+        help="transports to run (default reference,local,ucx,tcp)",
     )
     parser.add_argument(
         "--repeat", type=int, default=3, help="timed runs per case; the best is reported"
     )
     parser.add_argument(
-        "--lanes", type=int, default=0, help="ucx lanes (threads posting GETs); 0: the default"
+        "--lanes",
+        type=int,
+        default=0,
+        help="ucx lanes (threads posting GETs) and tcp lanes (connections); 0: the default",
     )
 
 
@@ -130,22 +134,23 @@ async def _main(args: argparse.Namespace) -> int:
         cma_base = 0
         src_huge = None
         for scheme in schemes:
-            extra = {"lanes": args.lanes} if scheme == "ucx" and args.lanes else {}
+            extra = {"lanes": args.lanes} if scheme in ("ucx", "tcp") and args.lanes else {}
             t = await stack.enter_async_context(
                 create_transport(scheme, secret=secret, peer_id=f"bench-{scheme}", **extra)
             )
             await t.register(1, dst)
-            if scheme == "ucx":  # the source is another process
+            if scheme in ("ucx", "tcp"):  # the source is another process
                 proc = await asyncio.create_subprocess_exec(
-                    sys.executable, "-m", "transports.servepeer", "--scheme", "ucx", "--size", str(total), "--seed", "7",
+                    sys.executable, "-m", "transports.servepeer", "--scheme", scheme, "--size", str(total), "--seed", "7",
                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                     env=dict(os.environ, **{SECRET_ENV: secret.hex()}),
                 )  # fmt: skip
                 stack.push_async_callback(_stop, proc)
                 assert proc.stdout is not None
                 info = PeerInfo.decode(bytes.fromhex((await proc.stdout.readline()).decode()))
-                cma_pid = int((await proc.stdout.readline()).decode())
-                cma_base = info.regions[0].address
+                pid = int((await proc.stdout.readline()).decode())
+                if scheme == "ucx":
+                    cma_pid, cma_base = pid, info.regions[0].address
 
             else:  # same-process transports read a region of this process
                 source = await stack.enter_async_context(

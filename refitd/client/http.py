@@ -142,10 +142,19 @@ class RefitClient:
         headers = {"Content-Type": MSGPACK} if data is not None else None
         url = f"{self.base_url}/v1{path}"
         try:
+            # Never follow a redirect: a daemon (or a peer daemon, when this client is
+            # the daemon's own) that points elsewhere would send the token, the lease
+            # and the request to a host nobody listed.
             async with session.request(
-                method, url, data=data, headers=headers, params=params
+                method, url, data=data, headers=headers, params=params, allow_redirects=False
             ) as resp:
                 raw = await resp.read()
+                if 300 <= resp.status < 400:
+                    raise errors.ProtocolError(
+                        f"{method} {url} refused: the daemon at {self.base_url} answered a "
+                        f"redirect (HTTP {resp.status} to {resp.headers.get('Location', '?')!r}); "
+                        "refitd never follows redirects"
+                    )
                 if resp.status >= 400:
                     try:
                         err = msgspec.msgpack.decode(raw, type=ErrorBody)

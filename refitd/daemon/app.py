@@ -21,7 +21,7 @@ import msgspec
 from aiohttp import web
 
 from refitd.cluster import registry_from_config
-from refitd.daemon.auth import check_owner, owner_for
+from refitd.daemon.auth import check_owner, owner_for, principal_of, sees_region
 from refitd.daemon.cluster import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.cluster import routes as cluster_routes
 from refitd.daemon.experts import POOLS, ExpertPools, close_pools, note_pull
@@ -30,6 +30,7 @@ from refitd.daemon.httpio import (
     DAEMON,
     body,
     error_middleware,
+    manifest_body,
     query_float,
     query_int,
     reply,
@@ -37,7 +38,7 @@ from refitd.daemon.httpio import (
 )
 from refitd.daemon.metrics import observe_pull
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.pulls import PullManager, RemoteSource, Source
+from refitd.daemon.pulls import PullJob, PullManager, RemoteSource, Source
 from refitd.daemon.registry import check_manifest_bounds
 from refitd.daemon.trust import check_writes
 from refitd.errors import ProtocolError, TransportError
@@ -47,7 +48,6 @@ from refitd.wire import (
     STATUS_OF,
     LeaseGrant,
     LeaseRequest,
-    ManifestIn,
     PackRequest,
     PullRequest,
     RegionAttach,
@@ -94,24 +94,46 @@ async def node(request: web.Request) -> web.Response:
 async def create_region(request: web.Request) -> web.Response:
     req = await body(request, RegionCreate)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
-    return reply(request, await request.app[DAEMON].create_region(req), 201)
+    d = request.app[DAEMON]
+    who = _admit_region(request)
+    d.caps.bytes.admit(who, lambda rid: d.holds_memory(int(rid)), req.nbytes)
+    info = await d.create_region(req)
+    d.caps.regions.add(who, str(info.region_id))
+    d.caps.bytes.add(who, str(info.region_id), info.nbytes)
+    return reply(request, info, 201)
 
 
 @routes.post(P + "/regions/attach")
 async def attach_region(request: web.Request) -> web.Response:
     req = await body(request, RegionAttach)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
-    return reply(request, await request.app[DAEMON].attach_region(req), 201)
+    d = request.app[DAEMON]
+    who = _admit_region(request)
+    caller = principal_of(request)  # a uid the kernel named attaches only its own files
+    uid = caller.uid if caller.via == "unix" and not caller.admin else None
+    info = await d.attach_region(req, uid)
+    d.caps.regions.add(who, str(info.region_id))
+    return reply(request, info, 201)
+
+
+def _admit_region(request: web.Request) -> str:
+    """The caller's principal name, once ``limits.max_regions_per_principal`` admits
+    one more region for it (429 past it)."""
+    d = request.app[DAEMON]
+    who = principal_of(request).name
+    d.caps.regions.admit(who, lambda rid: d.holds_memory(int(rid)))
+    return who
 
 
 @routes.get(P + "/regions")
 async def list_regions(request: web.Request) -> web.Response:
-    return reply(request, list(request.app[DAEMON].regions))
+    return reply(request, [sees_region(request, r) for r in request.app[DAEMON].regions])
 
 
 @routes.get(P + "/regions/{region_id}")
 async def get_region(request: web.Request) -> web.Response:
-    return reply(request, request.app[DAEMON].regions.get(query_int(request, "region_id")))
+    info = request.app[DAEMON].regions.get(query_int(request, "region_id"))
+    return reply(request, sees_region(request, info))
 
 
 @routes.delete(P + "/regions/{region_id}")
@@ -129,19 +151,38 @@ async def delete_region(request: web.Request) -> web.Response:
 async def gc(request: web.Request) -> web.Response:
     """Free regions of exited clients and stale segments; ``dry_run=1`` only lists them."""
     dry = request.query.get("dry_run", "0") in ("1", "true")
-    return reply(request, await request.app[DAEMON].gc(dry_run=dry))
+    report = await request.app[DAEMON].gc(dry_run=dry)
+    regions = [sees_region(request, r) for r in report.regions]
+    return reply(request, msgspec.structs.replace(report, regions=regions))
 
 
 @routes.post(P + "/sources")
 async def publish(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    m = await body(request, ManifestIn)
-    check_manifest_bounds(m, d.regions.sizes())
+    # Off the event loop: a manifest at the size limits takes seconds to decode and
+    # check, and other requests are answered meanwhile. A few at a time: each holds
+    # its body and decoded objects (hundreds of MB at the limits) and a worker thread.
+    async with d.manifest_checks:
+        raw = await request.read()
+        d.manifests_checking += 1
+        try:
+            m = await manifest_body(request, raw, d.limits.max_manifest_shards)
+            await asyncio.to_thread(check_manifest_bounds, m, d.regions.sizes())
+        finally:
+            d.manifests_checking -= 1
+            del raw
+    # After the awaits: what is checked from here on runs without a break.
+    who = principal_of(request)
+    d.models.check_owner(who, m.model, "publish into")  # a model's versions are its owners'
     # A version publishes only from its publisher's regions (else it would expose
-    # another principal's bytes to its leases, and pin them against their writes).
-    for rid in sorted({s.region for t in m.tensors for s in t.shards}):
+    # another principal's bytes to its leases, and pin them against their writes),
+    # and only from memory nothing else rewrites (staging, pools, running pulls).
+    region_ids = sorted({s.region for t in m.tensors for s in t.shards})
+    for rid in region_ids:
         check_owner(request, d.regions.get(rid).owner, "publish from", f"region {rid}")
+    d.check_publishable(region_ids)
     info = d.registry.publish(m)
+    d.models.claim(who, m.model)
     d.lease_changed()
     await announce(request.app, m.model)
     return reply(request, info, 201)
@@ -149,16 +190,20 @@ async def publish(request: web.Request) -> web.Response:
 
 @routes.get(P + "/sources")
 async def list_sources(request: web.Request) -> web.Response:
-    return reply(request, request.app[DAEMON].registry.versions())
+    d, who = request.app[DAEMON], principal_of(request)
+    return reply(request, [v for v in d.registry.versions() if d.models.may_read(who, v.model)])
 
 
 @routes.get(P + "/sources/{model}/versions")
 async def list_versions(request: web.Request) -> web.Response:
-    return reply(request, request.app[DAEMON].registry.versions(request.match_info["model"]))
+    d, model = request.app[DAEMON], request.match_info["model"]
+    d.models.check_read(principal_of(request), model, "list the versions of")
+    return reply(request, d.registry.versions(model))
 
 
 def _version(request: web.Request) -> tuple[str, int]:
     model = request.match_info["model"]
+    request.app[DAEMON].models.check_read(principal_of(request), model, "read")
     if request.match_info["version"] == "latest":
         return model, request.app[DAEMON].registry.latest_ready(model)
     return model, query_int(request, "version")
@@ -184,6 +229,8 @@ async def drain(request: web.Request) -> web.Response:
     """Wait for the version's leases to drain; ``retire=1`` first refuses new ones."""
     model, version = _version(request)
     retire = request.query.get("retire", "0") in ("1", "true")
+    what = "retire a version of" if retire else "drain a version of"
+    request.app[DAEMON].models.check_owner(principal_of(request), model, what)
     timeout = query_float(request, "timeout", 60.0)
     info = await request.app[DAEMON].wait_drain(model, version, timeout, retire)
     if retire:
@@ -197,7 +244,11 @@ async def drain(request: web.Request) -> web.Response:
 @routes.post(P + "/leases")
 async def acquire(request: web.Request) -> web.Response:
     req = await body(request, LeaseRequest)
-    grant = request.app[DAEMON].registry.acquire(req.model, req.version, req.ttl_s, req.holder)
+    d, who = request.app[DAEMON], principal_of(request)
+    d.models.check_read(who, req.model, "lease")
+    d.caps.leases.admit(who.name, d.registry.is_live)
+    grant = d.registry.acquire(req.model, req.version, req.ttl_s, req.holder, owner=who.name)
+    d.caps.leases.add(who.name, grant.lease_id)
     return reply(request, grant, 201)
 
 
@@ -246,7 +297,11 @@ def check_pull_writes(request: web.Request, req: PullRequest) -> None:
 async def submit_pull(request: web.Request) -> web.Response:
     req = await body(request, PullRequest)
     check_pull_writes(request, req)  # auth: a pull writes only into the caller's regions
-    job = await request.app[PULLS].submit(req)
+    pulls, who = request.app[PULLS], principal_of(request).name
+    caps = request.app[DAEMON].caps
+    caps.pulls.admit(who, lambda pid: pid in pulls.jobs and not pulls.jobs[pid].finished.is_set())
+    job = await pulls.submit(req, owner=who)
+    caps.pulls.add(who, job.pull_id)
     observe_pull(request.app, job, job.path)  # metrics by the path this pull takes
     note_pull(request.app, req, job)  # expert rows it rewrites leave their slots
     return reply(request, job.snapshot(), 202)
@@ -254,18 +309,30 @@ async def submit_pull(request: web.Request) -> web.Response:
 
 @routes.get(P + "/pulls")
 async def list_pulls(request: web.Request) -> web.Response:
-    return reply(request, [j.snapshot() for j in request.app[PULLS].jobs.values()])
+    """The caller's own pulls (every pull for root, or without authentication)."""
+    who = principal_of(request)
+    jobs = list(request.app[PULLS].jobs.values())
+    if who.authenticated and not who.admin:
+        jobs = [j for j in jobs if j.owner == who.name]
+    return reply(request, [j.snapshot() for j in jobs])
+
+
+def _own_pull(request: web.Request, action: str) -> PullJob:
+    pull_id = request.match_info["pull_id"]
+    job = request.app[PULLS].get(pull_id)
+    check_owner(request, job.owner, action, f"pull {pull_id}")
+    return job
 
 
 @routes.get(P + "/pulls/{pull_id}")
 async def pull_status(request: web.Request) -> web.Response:
-    return reply(request, request.app[PULLS].get(request.match_info["pull_id"]).snapshot())
+    return reply(request, _own_pull(request, "read").snapshot())
 
 
 @routes.get(P + "/pulls/{pull_id}/wait")
 async def pull_wait(request: web.Request) -> web.Response:
     """Answer when the pull ends, or after ``timeout`` seconds with its progress."""
-    job = request.app[PULLS].get(request.match_info["pull_id"])
+    job = _own_pull(request, "wait for")
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(query_float(request, "timeout", 30.0)):
             await job.finished.wait()
@@ -274,7 +341,7 @@ async def pull_wait(request: web.Request) -> web.Response:
 
 @routes.delete(P + "/pulls/{pull_id}")
 async def cancel_pull(request: web.Request) -> web.Response:
-    job = await request.app[PULLS].cancel(request.match_info["pull_id"])
+    job = await request.app[PULLS].cancel(_own_pull(request, "cancel").pull_id)
     return reply(request, job.snapshot())
 
 
@@ -302,7 +369,16 @@ async def peer_pack(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     req = await body(request, PackRequest)
     lease = d.registry.check(req.lease_id, req.model, req.version)
-    return reply(request, await d.pack(req.specs, lease), 201)
+    # A staging region is memory its lease's principal holds: it counts against that
+    # principal's region cap, so packing again and again cannot fill /dev/shm.
+    who = lease.owner or principal_of(request).name
+    held = lambda rid: d.holds_memory(int(rid))  # noqa: E731
+    d.caps.regions.admit(who, held)
+    d.caps.bytes.admit(who, held, sum(p.nbytes for p in req.specs))
+    staged = await d.pack(req.specs, lease)
+    d.caps.regions.add(who, str(staged.region.region_id))
+    d.caps.bytes.add(who, str(staged.region.region_id), staged.region.nbytes)
+    return reply(request, staged, 201)
 
 
 @routes.delete(P + "/peer/staging/{region_id}")

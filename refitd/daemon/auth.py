@@ -13,9 +13,15 @@ Policy (``[server]`` in the config):
 - **Unix socket.** The peer's uid comes from the kernel (``SO_PEERCRED``); root, the
   daemon's own uid and ``allowed_uids`` are admitted, as principal ``uid:<n>``.
   A token, if sent, is not needed there: the kernel's word is stronger.
+- **No listener gives more than another.** With a Unix socket and no ``token_file``,
+  TCP serves only the public paths (health, the API document): otherwise any local
+  uid, refused by the socket, would get in over TCP as ``loopback``, whose ownership
+  is never enforced. With ``token_file``, TCP callers are their tokens' principals.
 - **Ownership.** With an authenticated principal (token or uid) a region belongs to
   whoever created it; :func:`check_owner` refuses reading, writing or deleting
-  another principal's region (403). Root on the Unix socket may act on any.
+  another principal's region (403), and an object that belongs to nobody (owner
+  ``""``). Root on the Unix socket may act on any. :func:`sees_region` hides a
+  region's segment name and holder from everyone but its owner.
 - **Size.** A request body over ``max_request_bytes`` is refused with 413 and a
   JSON body naming the limit, before the body is read.
 
@@ -47,6 +53,7 @@ from aiohttp.typedefs import Middleware
 
 from refitd.config import ServerConfig, is_loopback_host, resolve_group
 from refitd.errors import ConfigError
+from refitd.wire import RegionInfo
 
 __all__ = [
     "POLICY_KEY",
@@ -60,6 +67,7 @@ __all__ = [
     "peer_uid",
     "principal_of",
     "read_token",
+    "sees_region",
     "setup_auth",
 ]
 
@@ -132,6 +140,12 @@ class TokenBook:
             name, token = (parts[0], parts[1]) if len(parts) == 2 else (f"token{number}", parts[0])
             if name in tokens:
                 raise ConfigError(f"server.token_file {path} line {number}: name {name!r} repeats")
+            if name == LOOPBACK.name or name.startswith("uid:"):
+                raise ConfigError(
+                    f"server.token_file {path} line {number}: name {name!r} is the name of "
+                    "another kind of principal (the unauthenticated 'loopback', or a Unix-"
+                    "socket uid 'uid:<n>'), whose objects the token would own; rename it"
+                )
             tokens[name] = token
         return cls(tokens)
 
@@ -151,6 +165,9 @@ class AccessPolicy:
     tokens: TokenBook | None
     allowed_uids: frozenset[int]
     max_request_bytes: int
+    #: a Unix socket is served (``server.unix_socket``): without tokens, TCP then
+    #: serves only the public paths, never more than the socket's uid check admits
+    unix_socket: bool = False
 
     def admits_uid(self, uid: int) -> bool:
         return uid in self.allowed_uids or uid in (0, os.getuid())
@@ -174,6 +191,7 @@ def check_startup(server: ServerConfig) -> AccessPolicy:
         tokens=tokens,
         allowed_uids=frozenset(server.allowed_uids),
         max_request_bytes=server.max_request_bytes,
+        unix_socket=server.unix_socket is not None,
     )
 
 
@@ -238,6 +256,17 @@ def _identify(request: web.Request, policy: AccessPolicy) -> Principal | web.Res
                 "daemon's own user or one of server.allowed_uids",
             )
         return Principal(f"uid:{uid}", "unix", uid)
+    if policy.tokens is None and policy.unix_socket:
+        return _refusal(
+            request,
+            403,
+            "AccessDenied",
+            f"{request.method} {request.path} over TCP refused: this daemon serves its API "
+            "on its Unix socket (server.unix_socket), where the kernel names each caller's "
+            "uid; without server.token_file a TCP caller would be the one unauthenticated "
+            "principal 'loopback', whom no uid check binds. Use the socket, or set "
+            "server.token_file so TCP callers prove who they are",
+        )
     if policy.tokens is None:
         # check_startup guaranteed a loopback bind; the peer check guards a proxy.
         if request.remote is None or not is_loopback_host(request.remote):
@@ -333,12 +362,24 @@ def check_owner(request: web.Request, owner: str, action: str, what: str) -> Non
     """Refuse (403) when an authenticated principal acts on another's object.
 
     ``action`` is the verb ("read", "write", "delete"), ``what`` names the object
-    (e.g. the region id); both go into the refusal.
+    (e.g. the region id); both go into the refusal. An object without an owner
+    (``""``) belongs to nobody an authenticated principal could be: refused too.
     """
     who = principal_of(request)
-    if not who.authenticated or who.admin or owner in ("", who.name):
+    if not who.authenticated or who.admin or owner == who.name:
         return
-    raise _forbidden(request, f"{who.name} may not {action} {what}: it belongs to {owner}")
+    whose = f"it belongs to {owner}" if owner else "it belongs to no principal"
+    raise _forbidden(request, f"{who.name} may not {action} {what}: {whose}")
+
+
+def sees_region(request: web.Request, info: RegionInfo) -> RegionInfo:
+    """``info`` as ``request``'s principal may see it: a region's segment name and
+    holder process are its owner's (and root's) to know; anyone else gets the record
+    without them (the name is what maps the memory, the holder who keeps it)."""
+    who = principal_of(request)
+    if not who.authenticated or who.admin or info.owner == who.name:
+        return info
+    return msgspec.structs.replace(info, handle="", holder="")
 
 
 def _forbidden(request: web.Request, detail: str) -> web.HTTPForbidden:

@@ -45,13 +45,21 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from refitd.daemon.auth import check_owner, owner_for
-from refitd.daemon.httpio import body, reply
+from refitd.daemon.auth import check_owner, owner_for, principal_of
+from refitd.daemon.copier import CopyFault, copy_view
+from refitd.daemon.httpio import DAEMON, body, reply
 from refitd.daemon.memory import check_shm_capacity
 from refitd.daemon.node import Daemon
 from refitd.daemon.openapi import Operation
 from refitd.daemon.pulls import PullJob
-from refitd.errors import ConfigError, ConflictError, NotFoundError, PlanError, ProtocolError
+from refitd.errors import (
+    ConfigError,
+    ConflictError,
+    NotFoundError,
+    PlanError,
+    ProtocolError,
+    TransportError,
+)
 from refitd.experts import (
     BankResidency,
     CopyPlan,
@@ -153,12 +161,13 @@ class RegionSlotMemory(SlotDevice):
 
     def write_slot(self, bank: int, dst_slot: int, src: bytes | bytearray | memoryview) -> None:
         at = self._at(bank, dst_slot)
-        self._view[at : at + self._row_bytes[bank]] = src
+        # Guarded: a host-row or slot region shrunk by its owner is an error here.
+        copy_view(self._view[at : at + self._row_bytes[bank]], src)
 
     def copy_slot(self, bank: int, dst_slot: int, src_slot: int) -> None:
         w = self._row_bytes[bank]
         dst, src = self._at(bank, dst_slot), self._at(bank, src_slot)
-        self._view[dst : dst + w] = self._view[src : src + w]
+        copy_view(self._view[dst : dst + w], self._view[src : src + w])
 
 
 def touched_rows(
@@ -320,6 +329,13 @@ class ExpertPool:
         except SlotFault:
             self._forget(copy.dst_slots)
             raise
+        except CopyFault as e:
+            self._forget(copy.dst_slots)
+            raise TransportError(
+                f"ensure of pool {self.name!r} layer {result.layer} failed: a region of the "
+                f"pool faulted under the copy ({e.side}): its segment was shrunk by its "
+                "owner; the slots it was writing are forgotten"
+            ) from e
         if applied.waited:
             return msgspec.structs.replace(result, waited=applied.waited)
         return result
@@ -479,23 +495,25 @@ class ExpertPools:
                 expert_bytes * spec.layers * spec.experts, owner=owner, label="experts-host"
             )
         )
+        d.pool_regions[host.region_id] = spec.name  # never a version's memory (see publish)
         try:
             slots = await d.create_region(
                 RegionCreate(expert_bytes * spec.slots, owner=owner, label="experts-slots")
             )
+            d.pool_regions[slots.region_id] = spec.name
         except BaseException:
-            await d.delete_region(host.region_id)
+            await self._drop(host.region_id)
             raise
         try:
             pool = ExpertPool(spec, owner, host, slots, d)
         except BaseException:
-            await d.delete_region(host.region_id)
-            await d.delete_region(slots.region_id)
+            await self._drop(host.region_id)
+            await self._drop(slots.region_id)
             raise
         # Re-checked: another create of the same name may have finished meanwhile.
         if spec.name in self._pools:
-            await d.delete_region(host.region_id)
-            await d.delete_region(slots.region_id)
+            await self._drop(host.region_id)
+            await self._drop(slots.region_id)
             raise ConflictError(f"expert pool {spec.name!r} refused: a pool of that name exists")
         self._pools[spec.name] = pool
         return pool
@@ -509,8 +527,13 @@ class ExpertPools:
             self._pools.pop(name, None)
             for rid in (pool.host.region_id, pool.slot_region.region_id):
                 with contextlib.suppress(NotFoundError):
-                    await self.daemon.delete_region(rid)
+                    await self._drop(rid)
         return info
+
+    async def _drop(self, region_id: int) -> None:
+        """Delete one of a pool's regions (it stops being a pool region first)."""
+        self.daemon.pool_regions.pop(region_id, None)
+        await self.daemon.delete_region(region_id)
 
     def holding(self, region_id: int) -> ExpertPool | None:
         """The pool whose host or slot region is ``region_id``, if any."""
@@ -579,13 +602,28 @@ P = "/v1/experts"
 async def create_pool(request: web.Request) -> web.Response:
     spec = await body(request, PoolCreate)
     owner = owner_for(request, spec.owner)
+    # A pool's two regions are its creator's memory: they count against its region cap.
+    d, who = request.app[DAEMON], principal_of(request).name
+    held = lambda rid: d.holds_memory(int(rid))  # noqa: E731
+    d.caps.regions.admit(who, held, n=2)
+    row = sum(spec.row_bytes)
+    d.caps.bytes.admit(who, held, row * (spec.layers * spec.experts + spec.slots))
     pool = await request.app[POOLS].create(spec, owner)
-    return reply(request, pool.info(), 201)
+    info = pool.info()
+    for rid in (info.host_region, info.slot_region):
+        d.caps.regions.add(who, str(rid))
+        d.caps.bytes.add(who, str(rid), d.regions.get(rid).nbytes)
+    return reply(request, info, 201)
 
 
 @routes.get(P)
 async def list_pools(request: web.Request) -> web.Response:
-    return reply(request, [pool.info() for pool in request.app[POOLS].all()])
+    """The caller's own pools (every pool for root, or without authentication)."""
+    who = principal_of(request)
+    pools = request.app[POOLS].all()
+    if who.authenticated and not who.admin:
+        pools = [p for p in pools if p.owner == who.name]
+    return reply(request, [pool.info() for pool in pools])
 
 
 def _pool(request: web.Request, action: str) -> ExpertPool:
@@ -604,6 +642,20 @@ async def _locked(pool: ExpertPool) -> AsyncIterator[ExpertPool]:
         pool.apply_rewrites()
         pool.harvest()
         yield pool
+
+
+def _check_slots_unpublished(request: web.Request, pool: ExpertPool) -> None:
+    """Refuse (409) a step that would write a slot region a READY, pending or leased
+    version publishes from (publishing from a pool's region is refused, so this
+    holds the rule even for memory that became a pool's some other way)."""
+    held = request.app[DAEMON].registry.protected_regions().get(pool.slot_region.region_id)
+    if held is not None:
+        model, version, why = held
+        raise ConflictError(
+            f"expert pool {pool.name!r} refused the step: its slot region "
+            f"{pool.slot_region.region_id} holds {model!r} version {version}, which is {why}; "
+            "a published version's bytes never change"
+        )
 
 
 @routes.get(P + "/{pool}")
@@ -629,6 +681,7 @@ async def ensure(request: web.Request) -> web.Response:
     """Plan with the expert cache, copy the misses into the slot region."""
     req = await body(request, EnsureRequest)
     async with _locked(_pool(request, "write")) as pool:
+        _check_slots_unpublished(request, pool)
         planned, nbytes = pool.plan(req)
         # A warm step (nothing to copy) runs too: the executor checks the layer's
         # route and counts it.
@@ -641,6 +694,7 @@ async def prefetch(request: web.Request) -> web.Response:
     """Plan a prediction of a layer's next step; its copies land in the background."""
     req = await body(request, PrefetchRequest)
     async with _locked(_pool(request, "write")) as pool:
+        _check_slots_unpublished(request, pool)
         # Its own copies start in the background, but a slot it reuses may still be
         # receiving an earlier one.
         result = await pool.off_loop(0, pool.prefetch, req)

@@ -8,6 +8,7 @@ import cycle.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -17,13 +18,22 @@ from aiohttp import web
 
 from refitd.daemon.node import Daemon
 from refitd.errors import ProtocolError, RefitError
-from refitd.wire import MSGPACK, ErrorBody, gc_paused, status_of
+from refitd.wire import (
+    MSGPACK,
+    ErrorBody,
+    ManifestHead,
+    ManifestIn,
+    TensorEntry,
+    gc_paused,
+    status_of,
+)
 
 __all__ = [
     "DAEMON",
     "Handler",
     "body",
     "error_middleware",
+    "manifest_body",
     "query_float",
     "query_int",
     "reply",
@@ -60,6 +70,66 @@ async def body(request: web.Request, type_: type[T]) -> T:
             return msgspec.json.decode(raw, type=type_)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(f"{request.method} {request.path}: body refused: {exc}") from exc
+
+
+async def manifest_body(request: web.Request, raw: bytes, max_shards: int) -> ManifestIn:
+    """Decode ``raw``, the body of ``request``: a published manifest, decoded off the
+    event loop one tensor at a time. Refused (400) when it lists more than
+    ``max_shards`` shards over all its tensors (``limits.max_manifest_shards``). A
+    tensor's rank and shard count are bounded by the wire types (a msgpack body past
+    them is refused from its headers)."""
+    what = f"{request.method} {request.path}"
+    as_msgpack = request.content_type == MSGPACK
+    return await asyncio.to_thread(_decode_manifest, raw, as_msgpack, max_shards, what)
+
+
+#: encoded tensor bytes decoded in one call: long enough to cost little per call,
+#: short enough that the event loop waits a few milliseconds at most for the thread
+DECODE_BATCH_BYTES = 1 << 20
+
+
+def _decode_manifest(raw: bytes, as_msgpack: bool, max_shards: int, what: str) -> ManifestIn:
+    # Tensors are decoded a batch (about DECODE_BATCH_BYTES) per call: between calls
+    # this thread lets the event loop run (one call holds the interpreter throughout).
+    decode: Callable[..., Any] = msgspec.msgpack.decode if as_msgpack else msgspec.json.decode
+    tensors: list[TensorEntry] = []
+    shards = 0
+
+    def flush(batch: list[msgspec.Raw]) -> None:
+        nonlocal shards
+        if as_msgpack:
+            n = len(batch)
+            head = bytes([0x90 | n]) if n < 16 else b"\xdd" + n.to_bytes(4, "big")
+            data = head + b"".join(bytes(r) for r in batch)
+        else:
+            data = b"[" + b",".join(bytes(r) for r in batch) + b"]"
+        with gc_paused():
+            got: list[TensorEntry] = decode(data, type=list[TensorEntry])
+        for t in got:
+            shards += len(t.shards)
+            if shards > max_shards:
+                raise ProtocolError(
+                    f"{what}: manifest refused: more than {max_shards} shards by tensor "
+                    f"#{len(tensors)} ({t.name!r}); the cap is limits.max_manifest_shards"
+                )
+            tensors.append(t)
+
+    try:
+        with gc_paused():
+            head: ManifestHead = decode(raw, type=ManifestHead)
+        batch: list[msgspec.Raw] = []
+        size = 0
+        for t in head.tensors:
+            batch.append(t)
+            size += len(t)
+            if size >= DECODE_BATCH_BYTES:
+                flush(batch)
+                batch, size = [], 0
+        if batch:
+            flush(batch)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"{what}: body refused: {exc}") from exc
+    return ManifestIn(head.model, head.version, head.slot, head.expected_slots, tensors)
 
 
 @web.middleware

@@ -12,14 +12,26 @@ import os
 from refitd.errors import PlanError
 from transports.shm import SHM_DIR, SharedSegment
 
-__all__ = ["SharedSegment", "byte_view", "check_shm_capacity", "refuse_cuda_ipc"]
+__all__ = [
+    "SharedSegment",
+    "byte_view",
+    "check_shm_capacity",
+    "free_shm_bytes",
+    "refuse_cuda_ipc",
+]
+
+
+def free_shm_bytes() -> int:
+    """Bytes the shared-memory filesystem has free now (what a new region may reserve)."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
 
 
 def check_shm_capacity(nbytes: int, what: str) -> None:
     """Refuse (:class:`PlanError`) ``nbytes`` of shared memory that the shared-memory
-    filesystem could never hold, before any file exists: tmpfs lets a sparse file
-    grow past what it can back, and the first write past that would SIGBUS the
-    daemon. ``what`` names the request in the refusal."""
+    filesystem could never hold, before any file exists. (What it holds *now* is the
+    reservation's answer: :meth:`SharedSegment.create` backs every byte, so a full
+    filesystem is refused there.) ``what`` names the request in the refusal."""
     st = os.statvfs(SHM_DIR)
     capacity = st.f_blocks * st.f_frsize
     if nbytes > capacity:

@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from refitd.daemon.node import AUTO, SHM_SCHEME, Daemon
+from refitd.daemon.paths import TCP_SCHEME, adverts, choose_remote, tcp_grant
 from refitd.daemon.regions import validate_descriptors, validate_plan
-from refitd.daemon.trust import check_pack_reads, check_reads
+from refitd.daemon.trust import check_pack_reads, check_reads, check_writes
 from refitd.errors import NotFoundError, ProtocolError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
@@ -59,6 +60,7 @@ from transports.core import (
 )
 from transports.core import RegionInfo as ReadableRegion
 from transports.samehost import segment_key
+from transports.tcp import TcpPeer
 
 if TYPE_CHECKING:
     from refitd.client.http import RefitClient
@@ -89,12 +91,16 @@ class Pace:
 TRANSPORT_PACE = Pace(piece=32 << 20, reads=2048, max_bytes=256 << 20)
 """The transport's (UCX): 32 MiB reads, so one large region keeps both batches busy."""
 
-PACE = {SHM_SCHEME: Pace(piece=1 << 62, reads=8192, max_bytes=256 << 20)}
+PACE = {
+    SHM_SCHEME: Pace(piece=1 << 62, reads=8192, max_bytes=256 << 20),
+    TCP_SCHEME: Pace(piece=32 << 20, reads=16384, max_bytes=256 << 20),
+}
 """Per path, where it differs from ``TRANSPORT_PACE``. A same-host batch is one
 parallel memcpy that cuts its bytes into per-thread shares itself, so reads are not
 cut (on the test host a 1 GiB read cut into 32 MiB pieces moved at about 70% of the
 speed of the whole read) and batches are large: each costs a validation and two
-thread hand-offs, which on a busy host wait for a core."""
+thread hand-offs, which on a busy host wait for a core. Over ``tcp`` a batch may
+hold many small reads: the transport gathers them into requests over its lanes."""
 
 SHUTTING_DOWN = "daemon shutting down"
 """The reason a pull still running when the daemon stops is cancelled with."""
@@ -184,6 +190,8 @@ class PullJob:
     fail_reason: str = ""  # set when the source left the registry: FAILED, not CANCELLED
     #: regions of this daemon the pull reads or writes, kept from deletion until it ends
     pins: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    #: the principal that submitted it: only they see, wait for and cancel it
+    owner: str = ""
 
     def progress(self, n_desc: int, n_bytes: int) -> None:
         self.descriptors_done += n_desc
@@ -208,6 +216,11 @@ class PullJob:
         )
 
 
+def dst_ids_of(rows: np.ndarray, req: PullRequest) -> set[int]:
+    """The destination regions of a pull's descriptor ``rows`` and pack specs."""
+    return {int(x) for x in np.unique(rows[:, 2])} | {p.dst_region for p in req.pack_specs}
+
+
 def _coalesced_dst(rows: np.ndarray) -> list[tuple[int, int, int]]:
     """Destination ``(region, offset, nbytes)`` ranges of wire ``rows``, sorted and
     merged: the data plane's :func:`~transports.core.suspect_ranges` of those reads."""
@@ -224,15 +237,16 @@ class PullManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._seq = itertools.count(1)
         #: the transport's connection per source daemon life (node id, epoch)
-        self._peers: dict[tuple[str, int], Peer] = {}
+        self._peers: dict[tuple[str, int, str], Peer] = {}
 
     def source_for(self, url: str) -> Source:
         """This daemon for ``""``; else the peer at ``url`` if this daemon trusts it
         (:class:`ProtocolError`, 400, before any connection opens, if not)."""
         return LocalSource(self.d) if not url else self._connect(self.d.peers.check(url))
 
-    async def submit(self, req: PullRequest) -> PullJob:
-        """Check lease and every descriptor, then start moving bytes in a task.
+    async def submit(self, req: PullRequest, owner: str = "") -> PullJob:
+        """Check lease and every descriptor, then start moving bytes in a task, as a
+        pull of principal ``owner``.
 
         Raises (nothing moved) :class:`ConflictError` for a stale/unleased version,
         :class:`ProtocolError` naming the first out-of-bounds descriptor or pack spec.
@@ -254,11 +268,20 @@ class PullManager:
         path, conn = await self.choose_path(src, peer)
         total = int(rows[:, 4].sum()) + sum(p.nbytes for p in req.pack_specs)
         job = PullJob(f"p{next(self._seq)}", req, total, rows.shape[0] + len(req.pack_specs))
-        job.path, job.conn = path, conn
-        dst_ids = {int(x) for x in np.unique(rows[:, 2])} | {p.dst_region for p in req.pack_specs}
+        # The write rule again, after the awaits above: a version published meanwhile
+        # from a destination must not be written (from here on, none can be).
+        dst_ids = dst_ids_of(rows, req)
+        try:
+            check_writes(dst_ids, self.d.registry.protected_regions(), self.d.staging_ids)
+        except RefitError:
+            if conn is not None:
+                await conn.close()
+            raise
+        job.path, job.conn, job.owner = path, conn, owner
         job.pins.enter_context(
             self.d.using(dst_ids | (set(src_ids) if isinstance(src, LocalSource) else set()))
         )
+        job.pins.enter_context(self.d.writing(dst_ids, job.pull_id))
         self.jobs[job.pull_id] = job
         self._forget_old()
         task = asyncio.create_task(self._run(job, src, rows, peer))
@@ -356,7 +379,7 @@ class PullManager:
                     await job.conn.update(self._shm_record(peer))
             moving = True
             if all_rows.shape[0] and peer is not None:
-                conn = job.conn or await self._transport_peer(peer)
+                conn = job.conn or await self._transport_peer(peer, job.path)
                 await self._move(job, conn, all_rows)
             await src.check_lease(req.lease_id, req.model, req.version)
             job.state = PullState.DONE
@@ -421,7 +444,9 @@ class PullManager:
         why_not_shm = f"this daemon is forced to its transport (--transport {mode})"
         if mode in (AUTO, SHM_SCHEME):
             try:
-                return SHM_SCHEME, await self.d.shm.connect(self._shm_record(peer))
+                conn = await self.d.shm.connect(self._shm_record(peer))
+                self.d.seen_paths[peer.node_id] = (SHM_SCHEME, "proven on this host")
+                return SHM_SCHEME, conn
             except (RefitError, OSError) as exc:
                 refusal = str(exc)
             if mode == SHM_SCHEME:
@@ -431,29 +456,10 @@ class PullManager:
                     f"refused: {refusal}"
                 )
             why_not_shm = refusal
-        return self._transport_scheme(peer, why_not_shm), None
-
-    def _transport_scheme(self, peer: PeerRegions, why_not_shm: str) -> str:
-        transport = self.d.transport
-        if transport is None:
-            raise TransportError(
-                f"pull from {peer.node_id!r} refused: this daemon runs no transport"
-            )
-        scheme = str(transport.scheme)
-        if not peer.advert:
-            raise TransportError(
-                f"pull from {peer.node_id!r} refused before any byte moved: it advertises no "
-                f"data plane (it runs {peer.transport!r}), and not the shared-memory path "
-                f"because {why_not_shm}"
-            )
-        theirs = PeerInfo.decode(peer.advert).scheme
-        if theirs != scheme:
-            raise TransportError(
-                f"pull from {peer.node_id!r} refused before any byte moved: it serves "
-                f"{theirs!r}, this daemon {scheme!r}"
-            )
-        log.info("pull from %s over %s: not shm because %s", peer.node_id, scheme, why_not_shm)
-        return scheme
+        scheme, why = choose_remote(self.d, peer, why_not_shm)
+        self.d.seen_paths[peer.node_id] = (scheme, why)
+        log.info("pull from %s over %s: %s", peer.node_id, scheme, why)
+        return scheme, None
 
     async def shm_refusal(self, peer: PeerRegions) -> str | None:
         """Why the ``shm`` transport does not connect to ``peer``, or None when it does:
@@ -491,19 +497,26 @@ class PullManager:
             regions=tuple(regions),
         ).signed(self.d.options.secret)
 
-    async def _transport_peer(self, peer: PeerRegions) -> Peer:
-        """The transport's connection to ``peer``: made once per source daemon life
-        and brought up to date with its latest advertisement."""
-        transport = self.d.transport
-        assert transport is not None  # choose_path picked a transport path
-        info = PeerInfo.decode(peer.advert)
-        key = (peer.node_id, peer.epoch)
+    async def _transport_peer(self, peer: PeerRegions, scheme: str) -> Peer:
+        """The ``scheme`` transport's connection to ``peer``: made once per source
+        daemon life and brought up to date with its latest advertisement. Over
+        ``tcp``, the pull reads under a grant of its own, scoped to its lease
+        (:func:`~refitd.daemon.paths.tcp_grant`), on the shared lanes."""
+        transport = self.d.transports[scheme]  # choose_path picked a transport it runs
+        info = adverts(peer)[scheme]
+        if scheme == TCP_SCHEME:
+            info = tcp_grant(peer, info, self.d.options.secret)
+        key = (peer.node_id, peer.epoch, scheme)
+        for old in [k for k in self._peers if k[0] == peer.node_id and k[1] != peer.epoch]:
+            await self._peers.pop(old).close()  # an earlier life of that daemon
         conn = self._peers.get(key)
         if conn is None:
             conn = await transport.connect(info)
             self._peers[key] = conn
-        else:
+        elif scheme != TCP_SCHEME:
             await conn.update(info)
+        if isinstance(conn, TcpPeer):
+            return conn.with_grant(info)
         return conn
 
     # ------------------------------------------------------------ moving bytes
@@ -579,6 +592,7 @@ def _merge_peer(a: PeerRegions, b: PeerRegions) -> PeerRegions:
         {**a.files, **b.files},
         a.lease_id,
         {**a.scope, **b.scope},
+        {**a.adverts, **b.adverts},
     )
 
 

@@ -19,6 +19,8 @@ Rules this class enforces:
 
 from __future__ import annotations
 
+import collections
+import heapq
 import itertools
 import logging
 import secrets
@@ -41,7 +43,10 @@ from refitd.wire import (
     gc_paused,
 )
 
-__all__ = ["DTYPE_SIZES", "Lease", "Registry", "check_manifest_bounds"]
+__all__ = ["DTYPE_SIZES", "PENDING_TTL_S", "Lease", "Registry", "check_manifest_bounds"]
+
+PENDING_TTL_S = 3600.0
+"""Default seconds a version may stay pending (``limits.pending_ttl_s``)."""
 
 #: one line per version state change: pending (first slot), ready, retired
 log = logging.getLogger("refitd.sources")
@@ -121,6 +126,8 @@ class Lease:
     version: int
     expires_at: float
     holder: str = ""
+    #: the principal that acquired it: staging regions packed for it are theirs
+    owner: str = ""
 
 
 @dataclass
@@ -143,12 +150,26 @@ class Registry:
     daemon (and which incarnation of it) holds the regions.
     """
 
-    def __init__(self, node_id: str, epoch: int, clock: Clock = time.monotonic) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        epoch: int,
+        clock: Clock = time.monotonic,
+        *,
+        pending_ttl_s: float = PENDING_TTL_S,
+    ) -> None:
         self.node_id = node_id
         self.epoch = epoch
         self._clock = clock
         self._versions: dict[tuple[str, int], _Version] = {}
         self._leases: dict[str, Lease] = {}
+        #: (expiry, lease id) of every lease, soonest first; an entry whose lease was
+        #: renewed (a later expiry) or released is skipped when it surfaces
+        self._expiries: list[tuple[float, str]] = []
+        #: how long a version may stay pending, s (``limits.pending_ttl_s``)
+        self.pending_ttl_s = pending_ttl_s
+        #: (deadline, model, version) of pending versions, oldest first (one TTL for all)
+        self._pending: collections.deque[tuple[float, str, int]] = collections.deque()
         #: per model, the highest version number that ever became READY
         self._newest_ready: dict[str, int] = {}
         self._seq = itertools.count(1)
@@ -173,6 +194,7 @@ class Registry:
         slot again with identical content is a no-op.
         """
         key = (m.model, m.version)
+        self.expire_pending()
         if m.slot >= m.expected_slots:
             raise ProtocolError(
                 f"slot {m.slot} is outside range({m.expected_slots}) of expected slots"
@@ -195,6 +217,7 @@ class Registry:
         if v is None:
             v = _Version(m.model, m.version, m.expected_slots)
             self._versions[key] = v
+            self._pending.append((self._clock() + self.pending_ttl_s, m.model, m.version))
         elif m.slot in v.slots:
             if v.slots[m.slot] == m:
                 return self._info(v)
@@ -234,6 +257,33 @@ class Registry:
                 v.expected_slots,
             )
         return self._info(v)
+
+    def expire_pending(self) -> list[tuple[str, int]]:
+        """Forget every version still pending ``pending_ttl_s`` after its first slot
+        (its manifests' memory goes with it; a lease on it was never possible). A
+        version whose other slots are held by other daemons of the cluster stays.
+        Returns the ``(model, version)`` expired. O(1) amortised: one queue, oldest
+        first."""
+        now = self._clock()
+        out: list[tuple[str, int]] = []
+        while self._pending and self._pending[0][0] <= now:
+            _, model, version = self._pending.popleft()
+            v = self._versions.get((model, version))
+            if v is None or v.state is not VersionState.PENDING:
+                continue
+            if self.complete_elsewhere(model, version):
+                continue
+            del self._versions[(model, version)]
+            log.info(
+                "%r version %d: expired (pending %gs with slots %s of %d published)",
+                model,
+                version,
+                self.pending_ttl_s,
+                sorted(v.slots),
+                v.expected_slots,
+            )
+            out.append((model, version))
+        return out
 
     @staticmethod
     def _check_agreement(v: _Version, m: ManifestIn) -> None:
@@ -435,19 +485,24 @@ class Registry:
             return None
         return max(0.0, min(lease.expires_at for lease in live) - self._clock())
 
-    def acquire(self, model: str, version: int, ttl_s: float, holder: str = "") -> LeaseGrant:
-        """Lease a READY version for ``ttl_s`` seconds."""
+    def acquire(
+        self, model: str, version: int, ttl_s: float, holder: str = "", owner: str = ""
+    ) -> LeaseGrant:
+        """Lease a READY version for ``ttl_s`` seconds, for principal ``owner``."""
         self._require_ready(model, version)
         self._drop_expired()
         lease_id = f"l{next(self._seq)}-{secrets.token_hex(6)}"
-        lease = Lease(lease_id, model, version, self._clock() + ttl_s, holder)
+        lease = Lease(lease_id, model, version, self._clock() + ttl_s, holder, owner)
         self._leases[lease_id] = lease
+        heapq.heappush(self._expiries, (lease.expires_at, lease_id))
         return LeaseGrant(lease_id, model, version, ttl_s)
 
     def renew(self, lease_id: str, ttl_s: float) -> LeaseGrant:
         """Extend a live lease to ``ttl_s`` from now; an expired one cannot be revived."""
         lease = self._live(lease_id)
         lease.expires_at = self._clock() + ttl_s
+        heapq.heappush(self._expiries, (lease.expires_at, lease_id))
+        self._drop_expired()  # also bounds the heap a long run of renewals grows
         return LeaseGrant(lease_id, lease.model, lease.version, ttl_s)
 
     def release(self, lease_id: str) -> None:
@@ -483,6 +538,17 @@ class Registry:
         return lease
 
     def _drop_expired(self) -> None:
+        """Drop the leases expired by now, soonest first from the expiry heap: no scan
+        of every lease (acquire stays O(log n) as leases accumulate). An entry left
+        by a renew or a release is dropped when it surfaces; the heap is rebuilt when
+        such entries outnumber the leases, so it stays O(leases)."""
         now = self._clock()
-        for lease_id in [k for k, v in self._leases.items() if v.expires_at <= now]:
-            del self._leases[lease_id]
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            _, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.expires_at <= now:
+                del self._leases[lease_id]
+        if len(heap) > 2 * len(self._leases) + 64:
+            self._expiries = [(x.expires_at, k) for k, x in self._leases.items()]
+            heapq.heapify(self._expiries)

@@ -66,9 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--transport",
         default=None,
-        help="data plane (data_plane.transport): 'auto' (default: UCX always up, same-host "
-        "peers read through shared memory), 'shm' (same host only) or a transports scheme "
-        "such as 'ucx' (every peer through it)",
+        help="data plane (data_plane.transport): 'auto' (default: same-host peers read "
+        "through shared memory, others through UCX where both have RDMA, else tcp), 'shm' "
+        "(same host only) or a transports scheme such as 'tcp' or 'ucx' (every other-host "
+        "peer through it)",
     )
     parser.add_argument(
         "--secret-file",

@@ -54,11 +54,16 @@ def options_from_config(config: Config, secret: bytes | None) -> Any:
         unix_path=config.server.unix_socket,
         transport=config.data_plane.transport,
         pull_timeout_s=config.data_plane.pull_timeout_s,
+        lanes=config.data_plane.lanes,
+        tcp_port=config.data_plane.tcp_port,
         node_id=config.server.node_id,
         client_max_size=config.server.max_request_bytes,
         grace_s=config.pulls.shutdown_grace_s,
         registry=config.registry,
         peers=config.peers.allow,
+        limits=config.limits,
+        model_owners=config.models.owners,
+        model_readers=config.models.readers,
         **extra,
     )
 

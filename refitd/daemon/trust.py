@@ -8,36 +8,31 @@ tokens (every local client is then one principal: they share the host's memory
 anyway, so ownership between them is recorded but not enforced).
 
 =============== ====================================== ===============================
-object          create / attach                        read / write / delete
+object          owner                                  who may act on it
 =============== ====================================== ===============================
-region          any principal; it becomes the owner    write: owner only, and never a
-                (``POST /v1/regions``,                 region a READY, pending or
-                ``/v1/regions/attach``)                leased version publishes from,
-                                                       nor a staging region; read:
-                                                       only under a lease (below);
-                                                       delete: owner only, refused
-                                                       while a READY, pending or
-                                                       leased version publishes from
-                                                       it, while a running pull reads
-                                                       or writes it, or while it is
-                                                       an expert pool's region
-version         any principal, by publishing slots     immutable once READY:
-                into a *new* version number (higher    publishing into a READY or
-                than every version that became         retired version is 409; it is
-                READY), from regions it owns           retired by a newer READY
-                                                       version or by drain ``retire``
-lease           any principal, on a READY version      renew / release by its id
-                                                       (the id is the capability)
-staging region  a source daemon, for one lease, when   read: only by pulls under that
-                a pull under that lease asks it to     lease; released by that lease's
-                pack (``/v1/peer/pack``)               holder (``DELETE
-                                                       /v1/peer/staging/{id}?lease=``)
-                                                       or reclaimed when the lease
-                                                       ends; never a pull destination
-expert pool     any principal; it owns the pool and    owner only (ensure, invalidate,
-                its two regions                        delete); the host region is a
-                                                       pull destination of its owner
+region          its creator (``POST /v1/regions``,     owner: pull into it, publish
+                ``/v1/regions/attach``); one memory    from it, delete it, see its
+                (device, inode) is one region:         segment name and holder;
+                attaching held memory is 409           others: read under a lease only
+model           ``[models] owners``, else its first    owners: publish, drain, retire;
+                publisher (:mod:`.owners`)             readers (config, default all):
+                                                       lease, list, fetch manifest
+version         the model's owners                     immutable once READY; retired
+                                                       by a newer READY version or by
+                                                       drain ``retire``
+lease           the principal that acquired it         renew / release / read by its
+                                                       id (the id is the capability)
+pull            the principal that submitted it        list, read, wait, cancel
+staging region  the principal of the lease it was      read: that lease only, only the
+                packed for                             bytes packed for it; written by
+                                                       the daemon only; never a pull
+                                                       destination nor published from
+expert pool     its creator, with its two regions      owner: ensure, invalidate,
+                                                       delete; never published from
 =============== ====================================== ===============================
+
+Nothing is published from memory something else rewrites: a staging region, an
+expert pool's region, a region a running pull writes (:meth:`Daemon.check_publishable`).
 
 What a lease grants
 -------------------

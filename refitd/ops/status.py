@@ -50,6 +50,7 @@ async def gather(client: Any) -> dict[str, Any]:
         "transport": node.transport,
         "shm_huge_pages": node.shm_huge_pages,
         "ucx_transports": node.ucx_transports,
+        "paths": node.paths,
         "ready": ready,
         "not_ready_reason": why,
         "regions": len(regions),
@@ -106,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
             huge += " (same-host UCX pulls slower: see systemd/refitd-shm-huge.service)"
         table.add_row("shm huge pages", huge)
         table.add_row("UCX transports", describe_ucx(info["ucx_transports"]))
+        for peer, path in sorted(info["paths"].items()):
+            table.add_row(f"path from {peer}", path)
         table.add_row("regions", f"{info['regions']} ({human_bytes(info['region_bytes'])})")
         versions = ", ".join(f"{n} {s}" for s, n in sorted(info["versions"].items())) or "none"
         table.add_row("versions", versions)

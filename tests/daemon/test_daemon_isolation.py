@@ -84,8 +84,8 @@ async def test_a_pull_from_a_hung_source_fails_naming_it_while_a_pull_from_a_hea
 ) -> None:
     monkeypatch.setenv("UCX_TLS", "tcp")
     async with (
-        node("src-a") as a,
-        node("src-b") as b,
+        node("src-a", transport="ucx") as a,
+        node("src-b", transport="ucx") as b,
         node("engine", transport="ucx", pull_timeout_s=DEADLINE_S) as engine,
     ):
         sources = [

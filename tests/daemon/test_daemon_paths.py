@@ -1,4 +1,5 @@
-"""Which path a pull takes: shared memory for a peer proven on this host, UCX otherwise.
+"""Which path a pull takes: shared memory for a peer proven on this host; UCX where
+both ends have RDMA; refitd's own ``tcp`` lanes otherwise (this machine has no RDMA).
 
 Real daemons in this process (real HTTP on 127.0.0.1, real shared memory, real UCX
 data planes). A daemon given another ``boot_id`` stands for a daemon on another
@@ -23,6 +24,7 @@ from refitd.config import load_config
 from refitd.daemon.app import PULLS
 from refitd.daemon.auth import check_startup
 from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.paths import has_rdma, transport_schemes
 from refitd.daemon.pulls import PullManager
 from refitd.daemon.sdnotify import Notifier
 from refitd.daemon.serve import listening
@@ -38,6 +40,7 @@ from refitd.wire import (
     TensorEntry,
 )
 from transports.shm import SHM_DIR, SharedSegment
+from transports.tcp import TcpTransport
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -91,12 +94,19 @@ async def pull_all(
     return req, seg, info.region_id
 
 
-async def test_auto_is_the_default_mode_and_starts_ucx_before_ready() -> None:
+async def test_auto_is_the_default_mode_and_starts_tcp_and_ucx_only_where_ucx_offers_rdma() -> None:
     assert DaemonOptions().transport == "auto"
     assert load_config(env={}, overrides={}).data_plane.transport == "auto"
     async with node("solo") as n:
         assert (await n.client.ready())["transport"] == "auto"
-        assert (await n.client.node()).worker_info["scheme"] == "ucx"
+        info = await n.client.node()
+        assert info.worker_info["scheme"] == "tcp"
+        rdma = has_rdma(info.ucx_transports)
+        assert set(n.daemon.transports) == ({"tcp", "ucx"} if rdma else {"tcp"})
+    assert transport_schemes("auto", ["tcp/eth0", "cma/memory"]) == ["tcp"]
+    assert transport_schemes("auto", ["tcp/eth0", "rc_mlx5/mlx5_0:1"]) == ["tcp", "ucx"]
+    assert transport_schemes("ucx", []) == ["ucx"]
+    assert transport_schemes("shm", ["rc_mlx5/mlx5_0:1"]) == []
 
 
 async def test_in_auto_mode_each_peer_gets_its_own_path_and_metrics_count_bytes_by_it() -> None:
@@ -115,22 +125,37 @@ async def test_in_auto_mode_each_peer_gets_its_own_path_and_metrics_count_bytes_
                 assert res.state is PullState.DONE and res.bytes_done == NBYTES
                 assert (seg.numpy() == fill).all()
             got[src.daemon.node_id] = res.path
-        assert got == {"near": "shm", "far": "ucx"}
+        assert got == {"near": "shm", "far": "tcp"}
         listed = {p.path for p in await engine.client.pulls()}
-        assert listed == {"shm", "ucx"}
+        assert listed == {"shm", "tcp"}
         async with aiohttp.ClientSession() as s, s.get(f"{engine.url}/metrics") as resp:
             text = await resp.text()
         assert f'refitd_pulled_bytes_total{{transport="shm"}} {float(NBYTES)}' in text
-        assert f'refitd_pulled_bytes_total{{transport="ucx"}} {float(NBYTES)}' in text
+        assert f'refitd_pulled_bytes_total{{transport="tcp"}} {float(NBYTES)}' in text
+        # the node says which path each peer got, and why
+        paths = (await engine.client.node()).paths
+        assert paths["near"].startswith("shm: proven on this host")
+        assert paths["far"].startswith("tcp: no RDMA between the two")
+        assert paths["http://127.0.0.1:*"].startswith("shm if proven on this host")
 
 
-async def test_forced_ucx_reads_even_a_peer_on_this_host_over_ucx() -> None:
-    async with node("src") as src, node("engine", transport="ucx") as engine:
+@pytest.mark.parametrize("scheme", ["tcp", "ucx"])
+async def test_a_forced_transport_reads_even_a_peer_on_this_host_through_it(scheme: str) -> None:
+    async with node("src", transport=scheme) as src, node("engine", transport=scheme) as engine:
         region, _ = await publish(src, 3)
         req, seg, _ = await pull_all(src, engine, region)
         with seg:
             res = await engine.client.pull(req)
-            assert res.path == "ucx" and (seg.numpy() == 3).all()
+            assert res.path == scheme and (seg.numpy() == 3).all()
+        assert (await engine.client.node()).paths["src"].startswith(f"{scheme}: forced")
+
+
+async def test_a_forced_transport_the_source_does_not_serve_is_refused_naming_both() -> None:
+    async with node("src", transport="tcp") as src, node("engine", transport="ucx") as engine:
+        region, _ = await publish(src, 3)
+        req, seg, _ = await pull_all(src, engine, region)
+        with seg, pytest.raises(TransportError, match="it serves tcp, this daemon ucx"):
+            await engine.client.pull(req)
 
 
 async def test_forced_shm_runs_no_ucx_and_reads_a_peer_on_this_host_through_its_segments() -> None:
@@ -251,3 +276,21 @@ async def test_same_host_pulls_under_two_leases_from_one_peer_at_once_both_land(
                 res = await engine.client.wait_pull(started.pull_id)
                 assert res.state is PullState.DONE, res.error
             assert (seg_m.numpy() == 1).all() and (seg_n.numpy() == 2).all()
+
+
+async def test_data_plane_lanes_and_port_configure_the_tcp_data_server() -> None:
+    config = load_config(env={}, overrides={"data_plane.lanes": "2"})
+    assert config.data_plane.lanes == 2 and config.data_plane.tcp_port == 0
+    async with node("solo", transport="tcp", lanes=2) as n:
+        t = n.daemon.transports["tcp"]
+        assert isinstance(t, TcpTransport) and t.lanes == 2 and t.require_lease
+        assert t.epoch == n.daemon.epoch, "a restarted daemon's data server has a new epoch"
+
+
+async def test_the_tcp_data_server_answers_only_trusted_peers_hosts_and_loopback() -> None:
+    async with node("solo", transport="tcp", peers=("http://10.0.0.7:*",)) as n:
+        accept = n.daemon.transports["tcp"].accept  # type: ignore[attr-defined]
+        assert accept("10.0.0.7") and accept("127.0.0.1")
+        assert not accept("10.0.0.8"), "a host neither allow-listed nor registered"
+        n.daemon.peers.trust("http://10.0.0.8:7450", origin="registry")
+        assert accept("10.0.0.8"), "a daemon the registry lists is trusted"

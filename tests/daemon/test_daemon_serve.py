@@ -13,7 +13,7 @@ import pytest
 import refitd.client
 from refitd.client import SyncRefitClient
 from refitd.client.spawn import serve_command
-from refitd.errors import NotFoundError
+from refitd.errors import AccessDenied, NotFoundError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -26,6 +26,8 @@ def test_the_client_package_exports_exactly_its_public_names() -> None:
 def test_serve_reports_its_bound_port_serves_tcp_and_unix_and_exits_cleanly_on_sigterm(
     tmp_path: Path,
 ) -> None:
+    """With a Unix socket and no token file, the API is the socket's: TCP answers
+    health, and refuses the rest (it would admit uids the socket refuses)."""
     secret = tmp_path / "secret"
     secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
@@ -43,11 +45,14 @@ def test_serve_reports_its_bound_port_serves_tcp_and_unix_and_exits_cleanly_on_s
         assert ready["event"] == "ready" and ready["node_id"] == "proc"
         assert not ready["url"].endswith(":0")
         with SyncRefitClient(ready["url"]) as c:
-            region = c.create_region(4096, label="sync")
-            assert c.node().node_id == "proc"
-            with pytest.raises(NotFoundError):
-                c.manifest("absent", 1)
+            assert c.health() == {"status": "ok"}
+            with pytest.raises(AccessDenied, match="over TCP refused"):
+                c.create_region(4096, label="sync")
         with SyncRefitClient("http://localhost", unix_path=str(sock)) as u:
+            region = u.create_region(4096, label="sync")
+            assert u.node().node_id == "proc"
+            with pytest.raises(NotFoundError):
+                u.manifest("absent", 1)
             assert [r.region_id for r in u.regions()] == [region.region_id]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0

@@ -1,12 +1,15 @@
 """Two tenants against one daemon, driven by random API call sequences (Hypothesis).
 
 Each tenant is a principal (its own bearer token) with a model, a published READY
-version in its own source region, an engine destination region and a lease. Steps
-are random calls — pulls, leases, publishes, deletes, staging releases — with the
+version in its own source region, an engine destination region, a lease and an
+expert pool. Steps are random calls — pulls, leases, publishes, deletes, staging
+releases, attaching segments, listing and cancelling pulls, drains, publishing from
+staging, from a pool, during a pull and into the other tenant's model — with the
 tenant's own ids, the other tenant's, stale ones and made-up ones. After every step:
 no source byte changed, a tenant's destination changed only through that tenant's
-own accepted pull (and then holds exactly the bytes it read), and every refusal was
-a 4xx in the ``{"error", "detail"}`` shape.
+own accepted pull (and then holds exactly the bytes it read), each tenant's version
+1 is still its model's READY latest, no tenant sees the other's pulls or segment
+names, and every refusal was a 4xx in the ``{"error", "detail"}`` shape.
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import http.client
+import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -30,7 +34,7 @@ from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.serve import listening
-from transports.shm import SharedSegment
+from transports.shm import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,6 +118,7 @@ class Tenant:
         # source: a READY version 1 of `model`, bytes fixed for the whole run
         src = http.ok("POST", "/regions", {"nbytes": NBYTES, "label": "src"})
         self.src: int = src["region_id"]
+        self.src_handle: str = src["handle"]
         self.src_seg = SharedSegment.attach(src["handle"], NBYTES)
         self.src_bytes = np.random.default_rng(len(name) + hash(model) % 97).integers(
             0, 256, NBYTES, dtype=np.uint8
@@ -132,6 +137,17 @@ class Tenant:
         self.lease: str = self.acquire()
         self.stale: list[str] = []
         self.staging: list[int] = []
+        self.pulls: list[str] = []
+        pool = http.ok("POST", "/experts", {
+            "name": f"{model}-pool", "layers": 1, "experts": 2, "slots": 2, "row_bytes": [16],
+        })  # fmt: skip
+        self.pool: list[int] = [pool["host_region"], pool["slot_region"]]
+        self.published = 0  # models published from the destination (each retired again)
+        # a segment of the tenant's own (its file), attached: the one it may shrink
+        self.own_seg = SharedSegment.create(NBYTES, "own")
+        self.own: int = http.ok(
+            "POST", "/regions/attach", {"handle": self.own_seg.name, "nbytes": NBYTES}
+        )["region_id"]
 
     def acquire(self) -> str:
         res = self.http.ok("POST", "/leases", {"model": self.model, "version": 1, "ttl_s": 600})
@@ -140,6 +156,7 @@ class Tenant:
     def close(self) -> None:
         self.src_seg.close()
         self.dst_seg.close()
+        self.own_seg.close()
 
 
 # Mostly in bounds, so that accepted calls are frequent; sometimes past the edges.
@@ -154,6 +171,7 @@ _model = st.sampled_from(["own", "own", "own", "other", "made-up"])
 class TwoTenants(RuleBasedStateMachine):
     url = ""  # set by the test before running
     counter = 0
+    pulls_of: ClassVar[dict[str, set[str]]] = {"a": set(), "b": set()}  # over every run
 
     @initialize()
     def start(self) -> None:
@@ -167,7 +185,10 @@ class TwoTenants(RuleBasedStateMachine):
 
     def _pick_region(self, who: str, pick: int, raw: int) -> int:
         me, other = self.t[who], self.t["b" if who == "a" else "a"]
-        choices = [me.src, me.dst, other.src, other.dst, *me.staging, *other.staging, raw]
+        choices = [
+            me.src, me.dst, other.src, other.dst, *me.staging, *other.staging, raw,
+            *me.pool, *other.pool,
+        ]  # fmt: skip
         return choices[pick % len(choices)]
 
     def _pick_lease(self, who: str, pick: int) -> str:
@@ -208,6 +229,8 @@ class TwoTenants(RuleBasedStateMachine):
             return
         # Accepted: it must be this tenant's write into its own destination.
         assert d == me.dst, f"{who}'s pull into region {d} was accepted: {body}"
+        me.pulls.append(res["pull_id"])
+        TwoTenants.pulls_of[who].add(res["pull_id"])
         done = me.http.ok("GET", f"/pulls/{res['pull_id']}/wait?timeout=20")
         assert done["state"] == "done", done
         source = self.t["a"] if s == self.t["a"].src else self.t["b"]
@@ -286,6 +309,137 @@ class TwoTenants(RuleBasedStateMachine):
         status, res = me.http.call("DELETE", f"/peer/staging/{rid}?lease={lid}")
         if status >= 400:
             refused(status, res, f"drop staging {rid} under {lid}")
+
+    @rule(who=st.sampled_from("ab"), whose=st.sampled_from("ab"), daemon_made=st.booleans())
+    def attach_a_segment_already_held(self, who: str, whose: str, daemon_made: bool) -> None:
+        """Attaching memory the daemon holds (any tenant's) never makes a second id."""
+        target = self.t[whose]
+        handle = target.src_handle if daemon_made else target.dst_seg.name
+        status, res = self.t[who].http.call(
+            "POST", "/regions/attach", {"handle": handle, "nbytes": NBYTES}
+        )
+        refused(status, res, f"{who} attaches {whose}'s segment {handle}")
+        assert status == 409, res
+
+    @rule(who=st.sampled_from("ab"), pick=st.integers(0, 20))
+    def list_and_cancel_pulls(self, who: str, pick: int) -> None:
+        me, other = self.t[who], self.t["b" if who == "a" else "a"]
+        listed = {p["pull_id"] for p in me.http.ok("GET", "/pulls")}
+        # The daemon outlives each example: a principal lists its pulls of every run.
+        assert listed <= TwoTenants.pulls_of[who], listed
+        if not other.pulls:
+            return
+        victim = other.pulls[pick % len(other.pulls)]
+        for method, path in (("GET", f"/pulls/{victim}"), ("DELETE", f"/pulls/{victim}")):
+            status, res = me.http.call(method, path)
+            refused(status, res, f"{who} {method} {path}")
+
+    @rule(who=st.sampled_from("ab"), retire=st.booleans())
+    def drain_the_other_tenants_model(self, who: str, retire: bool) -> None:
+        other = self.t["b" if who == "a" else "a"]
+        path = f"/sources/{other.model}/versions/1/drain?timeout=0&retire={int(retire)}"
+        status, res = self.t[who].http.call("POST", path)
+        refused(status, res, f"{who} drains {other.model}")
+        assert status == 403, res
+
+    @rule(who=st.sampled_from("ab"), whose=st.sampled_from("ab"), pick=st.integers(0, 20))
+    def publish_from_staging_or_a_pool(self, who: str, whose: str, pick: int) -> None:
+        """A version is never published from memory the daemon rewrites."""
+        me, target = self.t[who], self.t[whose]
+        choices = [*target.staging, *target.pool]
+        rid = choices[pick % len(choices)]
+        me.published += 1
+        body = {
+            "model": f"{me.model}-from-{rid}-{me.published}", "version": 1, "slot": 0,
+            "expected_slots": 1, "tensors": [["w", [8], "uint8", [[[0], [8], rid, 0]]]],
+        }  # fmt: skip
+        status, res = me.http.call("POST", "/sources", body)
+        refused(status, res, f"{who} publishes from {whose}'s region {rid}")
+
+    @rule(who=st.sampled_from("ab"), version=st.sampled_from([2, 3, 99]), slots=st.integers(1, 2))
+    def publish_into_the_other_tenants_model(self, who: str, version: int, slots: int) -> None:
+        me, other = self.t[who], self.t["b" if who == "a" else "a"]
+        body = {
+            "model": other.model, "version": version, "slot": 0, "expected_slots": slots,
+            "tensors": [["w", [8], "uint8", [[[0], [8], me.src, 0]]]],
+        }  # fmt: skip
+        status, res = me.http.call("POST", "/sources", body)
+        refused(status, res, f"{who} publishes into {other.model}")
+        assert status == 403, res
+
+    @rule(who=st.sampled_from("ab"), n=st.integers(1, NBYTES))
+    def publish_from_a_destination_during_its_pull(self, who: str, n: int) -> None:
+        """Refused while the pull writes it; accepted only once it ended, and then its
+        model is retired again (by its owner) so the destination stays the tenant's."""
+        me = self.t[who]
+        table = np.array([[me.src, 0, me.dst, 0, n]], dtype="<i8").tobytes()
+        pull = {
+            "model": me.model,
+            "version": 1,
+            "lease_id": me.lease,
+            "descriptors": {"table": table},
+        }
+        started = me.http.ok("POST", "/pulls", pull)
+        me.pulls.append(started["pull_id"])
+        TwoTenants.pulls_of[who].add(started["pull_id"])
+        me.published += 1
+        model = f"{me.model}-dst-{me.published}"
+        body = {
+            "model": model, "version": 1, "slot": 0, "expected_slots": 1,
+            "tensors": [["w", [8], "uint8", [[[0], [8], me.dst, 0]]]],
+        }  # fmt: skip
+        status, res = me.http.call("POST", "/sources", body)
+        done = me.http.ok("GET", f"/pulls/{started['pull_id']}/wait?timeout=20")
+        assert done["state"] == "done", done
+        me.dst_model[:n] = me.src_bytes[:n]
+        if status >= 400:
+            refused(status, res, f"publish from {me.dst} during a pull")
+            assert status == 409 and "running pull" in res["detail"], res
+            return
+        me.http.ok("POST", f"/sources/{model}/versions/1/drain?timeout=5&retire=1")
+
+    @rule(who=st.sampled_from("ab"))
+    def list_regions(self, who: str) -> None:
+        me = self.t[who]
+        for r in me.http.ok("GET", "/regions"):
+            if r["owner"] != who:
+                assert r["handle"] == "" and r["holder"] == "", r
+
+    @invariant()
+    def each_tenants_version_1_stays_its_models_ready_latest(self) -> None:
+        for t in getattr(self, "t", {}).values():
+            latest = t.http.ok("GET", f"/sources/{t.model}/versions/latest")
+            assert (latest["version"], latest["state"]) == (1, "ready"), latest
+
+    @rule(who=st.sampled_from("ab"), keep=st.sampled_from([0, 1, 4096, NBYTES // 2]), n=_size)
+    def truncate_own_segment_then_pull_into_it(self, who: str, keep: int, n: int) -> None:
+        """A tenant shrinks its own attached segment and pulls into it: the pull is
+        refused or fails (its ranges suspect); the daemon serves on (the invariant
+        checks both tenants' bytes, and later steps its answers)."""
+        me = self.t[who]
+        path = SHM_DIR / me.own_seg.name
+        os.truncate(path, keep)
+        try:
+            table = np.array([[me.src, 0, me.own, 0, n]], dtype="<i8").tobytes()
+            body = {
+                "model": me.model,
+                "version": 1,
+                "lease_id": me.lease,
+                "descriptors": {"table": table},
+            }
+            status, res = me.http.call("POST", "/pulls", body)
+            if status >= 400:
+                refused(status, res, f"pull into a shrunk segment {body}")
+                return
+            me.pulls.append(res["pull_id"])
+            TwoTenants.pulls_of[who].add(res["pull_id"])
+            done = me.http.ok("GET", f"/pulls/{res['pull_id']}/wait?timeout=20")
+            assert done["state"] in ("done", "failed"), done
+            if done["state"] == "failed":
+                assert done["suspect"] == [[me.own, 0, n]], done
+        finally:
+            os.truncate(path, NBYTES)  # whole again for the next step
+        assert me.http.ok("GET", "/health")["status"] == "ok"
 
     @invariant()
     def bytes_change_only_through_own_pulls(self) -> None:

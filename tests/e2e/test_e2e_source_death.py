@@ -71,9 +71,15 @@ def secret(tmp_path: Path) -> str:
 
 
 @contextlib.asynccontextmanager
-async def source_daemon(secret: str, name: str) -> AsyncIterator[tuple[SpawnedDaemon, RefitClient]]:
-    """A trainer-side daemon and its client; it may be SIGKILLed inside the block."""
-    async with spawn_daemon(secret_file=secret, node_id=name) as d, RefitClient(d.url) as c:
+async def source_daemon(
+    secret: str, name: str, transport: str = "auto"
+) -> AsyncIterator[tuple[SpawnedDaemon, RefitClient]]:
+    """A trainer-side daemon (data plane ``transport``) and its client; it may be
+    SIGKILLed inside the block."""
+    async with (
+        spawn_daemon(secret_file=secret, node_id=name, transport=transport) as d,
+        RefitClient(d.url) as c,
+    ):
         yield d, c
     # A killed daemon leaves its segments behind (SIGKILL runs no cleanup).
     await asyncio.to_thread(cleanup_stale)
@@ -158,7 +164,7 @@ async def engine_still_serves(engine: RefitClient, dst_region: int) -> None:
     await pub.close()
 
 
-@pytest.mark.parametrize("transport", ["ucx", "auto"])
+@pytest.mark.parametrize("transport", ["ucx", "tcp", "auto"])
 async def test_killing_the_source_daemon_mid_pull_fails_that_pull_closed_and_the_engine_daemon_serves_on(
     secret: str, transport: str
 ) -> None:
@@ -173,7 +179,10 @@ async def test_killing_the_source_daemon_mid_pull_fails_that_pull_closed_and_the
             dst = (await engine.attach_region(seg.name, DST)).region_id
             for round_ in range(KILLS):
                 seg.numpy()[:] = 0
-                async with source_daemon(secret, f"trainer-{round_}") as (victim, src_c):
+                async with source_daemon(secret, f"trainer-{round_}", transport) as (
+                    victim,
+                    src_c,
+                ):
                     pub, src = await publish_raw(src_c, model, round_)
                     lease = await src_c.acquire_lease(model, 1, ttl_s=120)
                     req = PullRequest(
@@ -195,7 +204,7 @@ async def test_killing_the_source_daemon_mid_pull_fails_that_pull_closed_and_the
                 await engine_still_serves(engine, dst)
             # A new source daemon republishes; the same pull now completes bit-exact.
             seg.numpy()[:] = 0
-            async with source_daemon(secret, "trainer-new") as (_, src_c):
+            async with source_daemon(secret, "trainer-new", transport) as (_, src_c):
                 pub, src = await publish_raw(src_c, model, 99)
                 lease = await src_c.acquire_lease(model, 1)
                 req = PullRequest(
@@ -268,7 +277,7 @@ async def test_a_staging_refit_whose_source_daemon_dies_installs_nothing_and_a_n
         RefitClient(e.url) as engine,
     ):
         first = wide_state(1)
-        async with source_daemon(secret, "trainer-1") as (_, src_c):
+        async with source_daemon(secret, "trainer-1", "ucx") as (_, src_c):
             pub = await publish_wide(src_c, model, first)
             r = DaemonReceiver(
                 local=engine,
@@ -283,7 +292,7 @@ async def test_a_staging_refit_whose_source_daemon_dies_installs_nothing_and_a_n
         assert all(torch.equal(p, first[n]) for n, p in eng.named_parameters())
         before = {n: p.detach().clone() for n, p in eng.named_parameters()}
 
-        async with source_daemon(secret, "trainer-2") as (victim, src_c):
+        async with source_daemon(secret, "trainer-2", "ucx") as (victim, src_c):
             pub = await publish_wide(src_c, model, wide_state(2))
             r.source = src_c
             refit = asyncio.create_task(r.refit())
@@ -307,7 +316,7 @@ async def test_a_staging_refit_whose_source_daemon_dies_installs_nothing_and_a_n
         assert (await engine.health())["status"] == "ok"
 
         third = wide_state(3)
-        async with source_daemon(secret, "trainer-3") as (_, src_c):
+        async with source_daemon(secret, "trainer-3", "ucx") as (_, src_c):
             pub = await publish_wide(src_c, model, third)
             r.source = src_c
             async with asyncio.timeout(PULL_BOUND_S):

@@ -1,6 +1,7 @@
 """Across hosts with the etcd registry: a trainer split over two hosts (FSDP, 4 ranks,
 2 per host), an engine (TP 2) on a third, etcd on a fourth. The engine's daemon finds
-the version's holders in etcd and pulls from both over UCX (tcp)."""
+the version's holders in etcd and pulls from both, over the path ``auto`` picks
+(refitd's ``tcp`` lanes) and over forced ``ucx`` (UCX over tcp)."""
 
 from __future__ import annotations
 
@@ -50,18 +51,19 @@ async def sh(host: object, *argv: str) -> None:
     assert await proc.wait() == 0, argv
 
 
+@pytest.mark.parametrize(("mode", "path"), [("auto", "tcp"), ("ucx", "ucx")])
 async def test_a_trainer_over_two_hosts_refits_an_engine_on_a_third_and_survives_a_dead_host(
-    tmp_path: Path,
+    tmp_path: Path, mode: str, path: str
 ) -> None:
     async with cluster_of(tmp_path, "etcd", "t1", "t2", "eng") as (cluster, (eh, h1, h2, hg)):
         etcd = await cluster.stack.enter_async_context(
             run_etcd(tmp_path / "etcd", host=eh.address, port=2379, prefix=eh.wrap([]))
         )
         reg = registry(etcd.endpoint)
-        d1 = await cluster.daemon(h1, "trainer-1", *reg)
-        d2cm = cluster.daemon_cm(h2, "trainer-2", *reg)
+        d1 = await cluster.daemon(h1, "trainer-1", *reg, transport=mode)
+        d2cm = cluster.daemon_cm(h2, "trainer-2", *reg, transport=mode)
         d2 = await d2cm.__aenter__()
-        dg = await cluster.daemon(hg, "engine", *reg)
+        dg = await cluster.daemon(hg, "engine", *reg, transport=mode)
         w1, w2, engine = [await cluster.worker(h) for h in (h1, h2, hg)]
 
         async def publish(version: int, w2_: object, d2_: object) -> None:
@@ -75,13 +77,13 @@ async def test_a_trainer_over_two_hosts_refits_an_engine_on_a_third_and_survives
             return await engine.call("refit", local=dg.url, tp=2, version=version, **COMMON, **kw)
 
         try:
-            # Versions 1 and 2: bit-exact from both hosts over UCX; 2 replays the plan.
+            # Versions 1 and 2: bit-exact from both hosts over the path; 2 replays the plan.
             for version in (1, 2):
                 await publish(version, w2, d2)
                 sent = await tx_bytes(h2)
                 got = await refit(version)
                 assert got["ok"], got
-                assert got["paths"] == ["ucx"] and got["verified"] is True
+                assert got["paths"] == [path] and got["verified"] is True
                 assert got["replayed"] is (version == 2)
                 # trainer-2's half of the bytes crossed its link (not a shared kernel path).
                 assert await tx_bytes(h2) - sent >= 0.4 * got["bytes"]  # type: ignore[operator]
@@ -96,7 +98,7 @@ async def test_a_trainer_over_two_hosts_refits_an_engine_on_a_third_and_survives
             assert (await engine.call("refit_start", local=dg.url, tp=2, version=3,
                                       previous=2, **COMMON))["ok"]  # fmt: skip
             # Mid-transfer: trainer-2 has sent over 1 MiB of its ~5 MiB share (control
-            # messages are a few KiB), so its UCX reads are under way.
+            # messages are a few KiB), so its reads are under way.
             async with asyncio.timeout(120):
                 while await tx_bytes(h2) - sent < 1 << 20:
                     pass
@@ -113,10 +115,10 @@ async def test_a_trainer_over_two_hosts_refits_an_engine_on_a_third_and_survives
             await d2cm.__aexit__(None, None, None)
 
         # trainer-2's host comes back: a new daemon, its ranks published again.
-        d2 = await cluster.daemon(h2, "trainer-2", *reg)
+        d2 = await cluster.daemon(h2, "trainer-2", *reg, transport=mode)
         w2b = await cluster.worker(h2)
         out = await w2b.call("publish", url=d2.url, ranks=[2, 3], version=3, **COMMON)
         assert out["ok"], out
         got = await refit(3)
         assert got["ok"], got
-        assert got["verified"] is True and got["paths"] == ["ucx"]
+        assert got["verified"] is True and got["paths"] == [path]

@@ -1,5 +1,6 @@
 """Across simulated hosts: each its own network and /dev/shm, daemons on their own
-addresses, bytes over UCX between them."""
+addresses, bytes between them over the path ``auto`` picks (refitd's ``tcp`` lanes:
+no shared memory, no RDMA) and over forced ``ucx`` (UCX over tcp)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,25 @@ from support.hosts import cluster_of, needs_hosts, tx_bytes
 
 pytestmark = [needs_hosts, pytest.mark.timeout(240)]
 
+#: (data-plane mode of every daemon, the path the pulls must take)
+PATHS = pytest.mark.parametrize(("mode", "path"), [("auto", "tcp"), ("ucx", "ucx")])
+
 GIB = 0.01  # a few MiB: the flow is under test, not the speed
 
 
-async def test_auto_reads_another_host_over_ucx_and_the_refit_is_bit_exact_then_replayed(
-    tmp_path: Path,
+@PATHS
+async def test_another_host_is_read_over_the_chosen_path_and_the_refit_is_bit_exact_then_replayed(
+    tmp_path: Path, mode: str, path: str
 ) -> None:
     async with cluster_of(tmp_path, "trainer", "engine") as (cluster, (th, eh)):
-        a = await cluster.daemon(th, "trainer-host")
-        # The engine's daemon reads only from peers it trusts (here: by [peers] allow).
-        b = await cluster.daemon(eh, "engine-host", "--set", f"peers.allow=http://{th.address}:*")
+        a = await cluster.daemon(
+            th, "trainer-host", "--set", f"peers.allow=http://{eh.address}:*", transport=mode
+        )
+        # The engine's daemon reads only from peers it trusts (here: by [peers] allow),
+        # and the trainer's tcp data server answers only hosts it trusts.
+        b = await cluster.daemon(
+            eh, "engine-host", "--set", f"peers.allow=http://{th.address}:*", transport=mode
+        )
         trainer = await cluster.worker(th)
         engine = await cluster.worker(eh)
         common = {"model": "m", "gib": GIB, "layout": "megatron", "world": 2}
@@ -33,8 +43,8 @@ async def test_auto_reads_another_host_over_ucx_and_the_refit_is_bit_exact_then_
             assert got["ok"], got
             # The bytes crossed the trainer host's link (no path through the shared kernel).
             assert await tx_bytes(th) - sent >= got["bytes"]  # type: ignore[operator]
-            # /dev/shm is private per host, so the same-host proof fails: UCX it is.
-            assert got["paths"] == ["ucx"]
+            # /dev/shm is private per host, so the same-host proof fails.
+            assert got["paths"] == [path]
             assert got["verified"] is True
             assert got["replayed"] is (version == 2)
 

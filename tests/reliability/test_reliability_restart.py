@@ -47,7 +47,9 @@ def stamped(state: dict[str, torch.Tensor], version: int) -> dict[str, torch.Ten
     return {name: torch.full_like(t, float(version)) for name, t in state.items()}
 
 
-@pytest.mark.parametrize(("transport", "how"), [("auto", "kill"), ("ucx", "kill"), ("ucx", "term")])
+@pytest.mark.parametrize(
+    ("transport", "how"), [("auto", "kill"), ("ucx", "kill"), ("ucx", "term"), ("tcp", "kill")]
+)
 async def test_receivers_see_a_clear_error_while_the_source_restarts_then_refit_exactly(
     secret_file: str, transport: str, how: str
 ) -> None:

@@ -16,13 +16,15 @@ from transports.shm import SHM_DIR, cleanup_stale
 
 @asynccontextmanager
 async def peer_process(
-    seed: int, size: int, secret: bytes
+    seed: int, size: int, secret: bytes, scheme: str = "ucx"
 ) -> AsyncIterator[tuple[asyncio.subprocess.Process, PeerInfo]]:
-    """Start a serving peer of one ``size``-byte region filled from ``seed``; yield the
+    """Start a serving peer (transport ``scheme``) of one ``size``-byte region filled
+    from ``seed``; yield the
     process and its signed record. On exit it is asked to stop (or killed after 30 s),
     and a killed peer's segment must be gone after the crash cleanup."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "transports.servepeer", "--size", str(size), "--seed", str(seed),
+        "--scheme", scheme,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
         env=dict(os.environ, **{SECRET_ENV: secret.hex()}),
     )  # fmt: skip

@@ -9,16 +9,19 @@ import pytest
 from transports import checks
 from transports.checks import Pair, open_pair
 
-# (scheme, options for the pulling transport); ucx with one lane and with two, so
-# both the single-thread and the split-and-post-in-parallel paths meet the contract.
+# (scheme, options for the pulling transport); ucx with one lane and with two, tcp
+# with one lane and its default four, so both the single-lane and the
+# split-across-lanes paths meet the contract.
 SCHEMES = [
     ("reference", {}),
     ("local", {}),
     ("shm", {}),
     ("ucx", {"lanes": 1}),
     ("ucx", {"lanes": 2}),
+    ("tcp", {"lanes": 1}),
+    ("tcp", {}),
 ]
-IDS = ["reference", "local", "shm", "ucx-1-lane", "ucx-2-lanes"]
+IDS = ["reference", "local", "shm", "ucx-1-lane", "ucx-2-lanes", "tcp-1-lane", "tcp-4-lanes"]
 
 
 @pytest.fixture(params=SCHEMES, ids=IDS)

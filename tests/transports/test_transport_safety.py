@@ -16,7 +16,7 @@ SIZE = 1 << 20
 BIG = (1 << 63) - 1
 
 
-@pytest.fixture(params=["reference", "local", "ucx"])
+@pytest.fixture(params=["reference", "local", "ucx", "tcp"])
 async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
     async with open_pair(request.param, SIZE, SIZE) as p:
         yield p

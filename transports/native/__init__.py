@@ -1,6 +1,8 @@
 """Two tiny C helpers, built into the package when it is built (setup.py).
 
-- ``_copy``: a batched memcpy the `local` transport calls with the GIL released.
+- ``_copy``: a batched memcpy the `local` transport calls with the GIL released,
+  guarded: a bus error in it (a shared file shrunk under the mapping, a full tmpfs)
+  ends that copy with an error instead of the process.
 - ``_ucx``: the UCX RMA calls (mem map, rkey pack/unpack, batched GET + flush with a
   deadline) that ucxx's Python layer does not expose, built against the headers of
   the ``libucx`` wheel and linked (by soname, runpath into that wheel) to the same
@@ -49,6 +51,11 @@ def copy_lib() -> ctypes.CDLL:
     p = ctypes.c_void_p
     lib.rfx_copy_batch.argtypes = [ctypes.c_int64, p, p, p]
     lib.rfx_copy_batch.restype = None
+    lib.rfx_copy_batch_guarded.argtypes = [ctypes.c_int64, p, p, p, p]
+    lib.rfx_copy_batch_guarded.restype = ctypes.c_int64
+    i64 = ctypes.c_int64
+    lib.rfx_gather_guarded.argtypes = [i64, p, p, i64, i64, i64, p]
+    lib.rfx_gather_guarded.restype = ctypes.c_int64
     lib.rfx_pvr_batch.argtypes = [ctypes.c_int64, ctypes.c_int64, p, p, p]
     lib.rfx_pvr_batch.restype = ctypes.c_int
     return lib

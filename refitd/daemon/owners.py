@@ -1,0 +1,90 @@
+"""Who owns a model, and who may read it: the ``[models]`` table and first publishers.
+
+A model name is an object like a region: it has owners. They are the principals
+``[models] owners`` names for it (``MODEL=PRINCIPAL`` entries), or, for a model the
+config does not list, the principal that first published a version of it on this
+daemon (for the daemon's life). Only an owner publishes a version or a slot of it,
+drains it or retires it. Its readers (who may lease it, and so read its bytes, and
+fetch its manifest) are everyone by default, or the principals ``[models] readers``
+names for it (its owners read it too).
+
+Pure: no I/O; the handlers pass the request's :class:`~refitd.daemon.auth.Principal`.
+Unauthenticated loopback clients are one principal, so nothing here is enforced
+between them; root on the Unix socket acts on any model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from refitd.daemon.auth import Principal
+from refitd.errors import AccessDenied, ConfigError
+
+__all__ = ["ModelOwners", "parse_model_table"]
+
+
+def parse_model_table(entries: Iterable[str], key: str) -> dict[str, frozenset[str]]:
+    """``MODEL=PRINCIPAL`` entries as model -> principals; refuses a malformed entry
+    (:class:`ConfigError` naming ``key``)."""
+    out: dict[str, set[str]] = {}
+    for entry in entries:
+        model, sep, who = (part.strip() for part in entry.partition("="))
+        if not sep or not model or not who:
+            raise ConfigError(
+                f"{key} entry {entry!r} refused: expected MODEL=PRINCIPAL, e.g. "
+                "'llama=trainer' (a token's name) or 'llama=uid:1000' (a Unix-socket uid)"
+            )
+        out.setdefault(model, set()).add(who)
+    return {m: frozenset(w) for m, w in out.items()}
+
+
+class ModelOwners:
+    """The owners and readers of every model one daemon serves."""
+
+    def __init__(self, owners: Iterable[str] = (), readers: Iterable[str] = ()) -> None:
+        self._configured = parse_model_table(owners, "models.owners")
+        self._readers = parse_model_table(readers, "models.readers")
+        self._first: dict[str, str] = {}  # model -> its first publisher (unlisted models)
+
+    def owners(self, model: str) -> frozenset[str]:
+        """The principals that own ``model`` (empty: nobody yet, the next publisher will)."""
+        if model in self._configured:
+            return self._configured[model]
+        first = self._first.get(model)
+        return frozenset((first,)) if first is not None else frozenset()
+
+    def check_owner(self, who: Principal, model: str, action: str) -> None:
+        """Refuse (:class:`AccessDenied`, 403) ``action`` on ``model`` by a principal
+        that does not own it. A model nobody owns yet passes (its first publisher
+        becomes its owner, see :meth:`claim`), unless the config lists its owners."""
+        if not who.authenticated or who.admin:
+            return
+        owners = self.owners(model)
+        if owners and who.name not in owners:
+            named = ", ".join(sorted(owners))
+            raise AccessDenied(
+                f"{who.name} may not {action} model {model!r}: it belongs to {named}; only a "
+                "model's owners publish, drain and retire its versions"
+            )
+
+    def claim(self, who: Principal, model: str) -> None:
+        """Record ``who`` as the owner of ``model`` if nobody owns it yet (called
+        after its first publish succeeded)."""
+        if who.authenticated and not self.owners(model):
+            self._first[model] = who.name
+
+    def may_read(self, who: Principal, model: str) -> bool:
+        """Whether ``who`` may lease ``model`` and read its manifest."""
+        readers = self._readers.get(model)
+        if readers is None or not who.authenticated or who.admin:
+            return True
+        return who.name in readers or who.name in self.owners(model)
+
+    def check_read(self, who: Principal, model: str, action: str) -> None:
+        """Refuse (:class:`AccessDenied`, 403) ``action`` by a principal that is not
+        one of ``model``'s readers."""
+        if not self.may_read(who, model):
+            raise AccessDenied(
+                f"{who.name} may not {action} model {model!r}: its readers are listed in "
+                "[models] readers, and this principal is neither one of them nor an owner"
+            )

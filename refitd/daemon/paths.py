@@ -1,0 +1,196 @@
+"""Which data path a daemon runs, and which one reads each peer: the one place that decides.
+
+Modes (``data_plane.transport``):
+
+- ``auto`` (default): the ``tcp`` transport always (refitd's own lanes of plain
+  TCP); UCX as well only when the UCX this host loads offers an RDMA transport
+  (``ucx_info -d`` lists ``rc_verbs``, ``rc_mlx5``, ``dc_mlx5``, ...). Per source
+  peer: ``shm`` when the peer is proven to share this host's memory (same kernel
+  boot, every segment the very file its record names); else ``ucx`` when both ends
+  run UCX (both have RDMA); else ``tcp``.
+- ``shm``: the same-host path only.
+- ``tcp`` or ``ucx`` (or any registered scheme): every other-host peer through it
+  (a same-host peer still reads through ``shm`` in ``auto`` only).
+
+The ``tcp`` transport of a daemon serves only lease-scoped grants
+(:func:`tcp_grant`, made by the reader from the source's signed, lease-scoped
+region records), checks the lease is live at the source before every read, and
+answers only hosts of its trusted peers (``[peers] allow`` or the registry) or
+this host's loopback.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import urllib.parse
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from refitd.errors import TransportError
+from refitd.wire import PeerRegions
+from transports.core import PeerInfo
+from transports.tcpwire import scope_key
+
+if TYPE_CHECKING:
+    from refitd.daemon.node import Daemon
+
+__all__ = [
+    "AUTO",
+    "TCP_SCHEME",
+    "UCX_SCHEME",
+    "choose_remote",
+    "has_rdma",
+    "peer_paths",
+    "tcp_grant",
+    "transport_options",
+    "transport_schemes",
+]
+
+AUTO = "auto"
+SHM_SCHEME = "shm"
+TCP_SCHEME = "tcp"
+UCX_SCHEME = "ucx"
+
+
+def has_rdma(ucx_transports: list[str]) -> bool:
+    """Whether ``transport/device`` pairs (``ucx_info -d``) include an RDMA transport."""
+    from transports.ucx.info import RDMA_TRANSPORTS
+
+    return any(p.partition("/")[0] in RDMA_TRANSPORTS for p in ucx_transports)
+
+
+def transport_schemes(mode: str, ucx_transports: list[str]) -> list[str]:
+    """The transports a daemon in ``mode`` starts, the first one its primary."""
+    if mode == SHM_SCHEME:
+        return []
+    if mode == AUTO:
+        return [TCP_SCHEME, *([UCX_SCHEME] if has_rdma(ucx_transports) else [])]
+    return [mode]
+
+
+def _hosts_of(urls: list[str]) -> set[str]:
+    """IP addresses of the hosts of trusted peer URLs (names resolved here)."""
+    out: set[str] = set()
+    for url in urls:
+        host = urllib.parse.urlsplit(url.replace(":*", "")).hostname or ""
+        try:
+            out.add(str(ipaddress.ip_address(host)))
+            continue
+        except ValueError:
+            pass
+        try:
+            out |= {str(a[4][0]) for a in socket.getaddrinfo(host, None)}
+        except OSError:
+            continue
+    return out
+
+
+def transport_options(daemon: Daemon, scheme: str) -> dict[str, Any]:
+    """Keyword options (beyond secret and peer id) the daemon builds ``scheme`` with."""
+    o = daemon.options
+    if scheme != TCP_SCHEME:
+        return {}
+
+    def accept(host: str) -> bool:
+        try:
+            if ipaddress.ip_address(host).is_loopback:
+                return True
+        except ValueError:
+            return False
+        return host in _hosts_of(daemon.peers.trusted())
+
+    advertise_host = ""
+    registry = o.registry
+    if o.host in ("0.0.0.0", "::", "") and registry is not None and registry.advertise_url:
+        advertise_host = urllib.parse.urlsplit(registry.advertise_url).hostname or ""
+    return {
+        "lanes": o.lanes,
+        "host": o.host,
+        "port": o.tcp_port,
+        "advertise_host": advertise_host,
+        "accept": accept,
+        "authorize": daemon.registry.is_live,
+        "require_lease": True,
+        "epoch": daemon.epoch,
+    }
+
+
+def adverts(peer: PeerRegions) -> dict[str, PeerInfo]:
+    """The data planes ``peer`` serves, by scheme (from its signed records)."""
+    out = {s: PeerInfo.decode(a) for s, a in peer.adverts.items()}
+    if peer.advert:
+        info = PeerInfo.decode(peer.advert)
+        out.setdefault(info.scheme, info)
+    return out
+
+
+def choose_remote(daemon: Daemon, peer: PeerRegions, why_not_shm: str) -> tuple[str, str]:
+    """``(scheme, why)``: the transport a pull from other-host ``peer`` reads through.
+    :class:`TransportError` (nothing moved) when none fits."""
+    mine = daemon.transports
+    if not mine:
+        raise TransportError(f"pull from {peer.node_id!r} refused: this daemon runs no transport")
+    theirs = adverts(peer)
+    if not theirs:
+        raise TransportError(
+            f"pull from {peer.node_id!r} refused before any byte moved: it advertises no "
+            f"data plane (it runs {peer.transport!r}), and not the shared-memory path "
+            f"because {why_not_shm}"
+        )
+    mode = daemon.options.transport
+    if mode == AUTO:
+        if UCX_SCHEME in mine and UCX_SCHEME in theirs:
+            return UCX_SCHEME, f"both ends run UCX with RDMA; not shm because {why_not_shm}"
+        if TCP_SCHEME in mine and TCP_SCHEME in theirs:
+            return TCP_SCHEME, (
+                "no RDMA between the two (UCX over tcp has no one-sided read); not shm "
+                f"because {why_not_shm}"
+            )
+    elif mode in mine and mode in theirs:
+        return mode, f"forced (--transport {mode})"
+    raise TransportError(
+        f"pull from {peer.node_id!r} refused before any byte moved: it serves "
+        f"{', '.join(sorted(theirs))}, this daemon {', '.join(mine)}"
+    )
+
+
+def tcp_grant(peer: PeerRegions, advert: PeerInfo, secret: bytes) -> PeerInfo:
+    """The ``tcp`` grant for a pull: ``peer``'s regions (as its tcp advertisement
+    registers them: epochs, sizes) limited to the byte ranges of ``peer``'s lease
+    scope, signed. The source's data server reads nothing outside it."""
+    listed = {r.region_id: r for r in advert.regions}
+    regions = []
+    for r in peer.regions:
+        reg = listed.get(r.region_id)
+        if reg is None:
+            raise TransportError(
+                f"region {r.region_id} of {peer.node_id!r} is not in its tcp advertisement"
+            )
+        extents = peer.scope.get(r.region_id, [])
+        regions.append(msgspec.structs.replace(reg, rkey=scope_key(peer.lease_id, extents)))
+    return PeerInfo(TCP_SCHEME, advert.peer_id, advert.address, tuple(regions)).signed(secret)
+
+
+def peer_paths(daemon: Daemon, seen: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """For ``refitd status``: per known peer (trusted URLs, and peers pulls read
+    from), the path a pull from it takes (``seen``: decided by a pull) or would
+    take, and why."""
+    mode = daemon.options.transport
+    out = {node: f"{path}: {why}" for node, (path, why) in seen.items()}
+    if mode == SHM_SCHEME:
+        default = "shm: this daemon runs the same-host path only"
+    elif mode == AUTO:
+        remote = UCX_SCHEME if UCX_SCHEME in daemon.transports else TCP_SCHEME
+        why = (
+            "this host's UCX offers RDMA (if the peer's does too)"
+            if remote == UCX_SCHEME
+            else "this host's UCX offers no RDMA"
+        )
+        default = f"shm if proven on this host at pull time, else {remote}: {why}"
+    else:
+        default = f"{mode}: forced (--transport {mode})"
+    for url in daemon.peers.trusted():
+        out.setdefault(url, default)
+    return out

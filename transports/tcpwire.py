@@ -1,0 +1,182 @@
+"""The ``tcp`` data plane's wire: frames, the handshake, grants and scope checks.
+
+Everything both ends of a ``tcp`` data connection must agree on lives here, with no
+sockets held: byte layouts, the challenge-response that authenticates a connection,
+the scope a grant carries, and the vectorised check the data server runs on every
+read before it sends a byte. `transports.tcp` holds the sockets and threads.
+
+Handshake (no secret or token ever travels; only MACs over fresh nonces)::
+
+    client -> server  HELLO      magic, client epoch, expected server epoch, client nonce
+    server -> client  CHALLENGE  server epoch, server nonce,
+                                 MAC(secret, "server" | nonces | both epochs)
+    client -> server  PROOF      MAC(secret, "client" | nonces | both epochs | grant MAC)
+                      GRANT      the signed, lease-scoped record the proof is bound to
+    server -> client  OK         one byte
+
+A server whose epoch is not the one the client expects answers the challenge with
+its own epoch, so the client can tell a restarted source (a new life: fetch its new
+record) from a wrong secret. Frames after the handshake (little-endian)::
+
+    header  kind u8, 3 pad, a u32, b u32, id u64                       (20 bytes)
+    GRANT   a = body bytes, b = grant number;      body: msgpack PeerInfo
+    READ    a = reads,      b = grant number, id;  body: reads x (region, offset, nbytes) i64
+    DATA    a = 0,          id;                    then exactly sum(nbytes) bytes, in order
+    REFUSED a = text bytes, id;                    body: why (utf-8); the connection stays
+
+A frame the server cannot parse (unknown kind, a count past the bounds below, a
+grant whose MAC fails, an unknown grant number) closes that connection only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import struct
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from .core import PeerInfo
+
+__all__ = [
+    "CHALLENGE",
+    "HEADER",
+    "HELLO",
+    "MAGIC",
+    "MAX_GRANTS",
+    "MAX_GRANT_BYTES",
+    "MAX_READS",
+    "Grant",
+    "Kind",
+    "check_scope",
+    "client_proof",
+    "scope_key",
+    "server_proof",
+]
+
+MAGIC = b"RFTCP\x01"
+HELLO = struct.Struct("<6sQQ16s")  # magic, client epoch, expected server epoch, nonce
+CHALLENGE = struct.Struct("<Q16s32s")  # server epoch, server nonce, server MAC
+PROOF = struct.Struct("<32s")
+HEADER = struct.Struct("<B3xIIQ")
+READ_ROW = np.dtype([("region", "<i8"), ("offset", "<i8"), ("nbytes", "<i8")])
+
+MAX_READS = 4096
+"""Reads in one READ frame at most (a request body is then ≤ 96 KiB)."""
+MAX_GRANT_BYTES = 256 << 10
+"""Bytes of one grant record at most."""
+MAX_GRANTS = 8
+"""Grants a connection keeps (the newest); together with the bounds above and the
+4 MiB buffer small pieces are gathered in (`transports.tcpserve.GATHER_BYTES`), what
+one connection can make the data server hold: about 6.1 MiB."""
+
+
+class Kind:
+    GRANT = 1
+    READ = 2
+    DATA = 3
+    REFUSED = 4
+
+
+def _mac(secret: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, b"".join(parts), hashlib.sha256).digest()
+
+
+def server_proof(secret: bytes, cn: bytes, sn: bytes, ce: int, se: int) -> bytes:
+    """The server's answer: it knows the secret, for these nonces and epochs."""
+    return _mac(secret, b"refitd-tcp server", cn, sn, struct.pack("<QQ", ce, se))
+
+
+def client_proof(secret: bytes, cn: bytes, sn: bytes, ce: int, se: int, grant_mac: bytes) -> bytes:
+    """The client's answer, bound to the epochs and to the (lease-scoped) grant."""
+    return _mac(secret, b"refitd-tcp client", cn, sn, struct.pack("<QQ", ce, se), grant_mac)
+
+
+def scope_key(lease_id: str, extents: Sequence[tuple[int, int]]) -> bytes:
+    """A grant region's ``rkey``: the lease and the ``[start, end)`` byte ranges of the
+    region it may read."""
+    return msgspec.msgpack.encode((lease_id, [(int(a), int(b)) for a, b in extents]))
+
+
+class Grant:
+    """A verified record, as the data server checks reads against it: per region its
+    epoch, size and readable ranges (merged, sorted); the lease ("" for none)."""
+
+    def __init__(self, info: PeerInfo) -> None:
+        self.info = info
+        self.lease = ""
+        self.epochs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.starts: dict[int, npt.NDArray[np.int64]] = {}
+        self.ends: dict[int, npt.NDArray[np.int64]] = {}
+        leases: set[str] = set()
+        for r in info.regions:
+            self.epochs[r.region_id] = r.epoch
+            self.sizes[r.region_id] = r.size
+            if r.rkey:
+                lease, extents = msgspec.msgpack.decode(
+                    r.rkey, type=tuple[str, list[tuple[int, int]]]
+                )
+                leases.add(lease)
+            else:  # no scope: the whole region
+                extents = [(0, r.size)]
+            s, e = _merged(extents)
+            self.starts[r.region_id], self.ends[r.region_id] = s, e
+        if len(leases) > 1:
+            raise ValueError(f"a grant names {len(leases)} leases; one record, one lease")
+        self.lease = leases.pop() if leases else ""
+        #: whether every region carries a scope (a lease's grant)
+        self.scoped = all(r.rkey for r in info.regions) and bool(info.regions)
+
+
+def _merged(
+    extents: Sequence[tuple[int, int]],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    spans = sorted((int(a), int(b)) for a, b in extents if b > a)
+    out: list[list[int]] = []
+    for a, b in spans:
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    arr = np.array(out, dtype=np.int64).reshape(-1, 2)
+    return arr[:, 0].copy(), arr[:, 1].copy()
+
+
+def check_scope(
+    grant: Grant,
+    region: npt.NDArray[np.int64],
+    offset: npt.NDArray[np.int64],
+    nbytes: npt.NDArray[np.int64],
+    epochs: dict[int, int],
+    sizes: dict[int, int],
+) -> tuple[int, str] | None:
+    """``(index, why)`` of the first read outside ``grant`` (or of a region whose
+    registration, ``epochs``/``sizes`` here, is not the one the grant names), or
+    None when every read may be served. Zero-byte reads are checked like any."""
+    if (nbytes < 0).any() or (offset < 0).any():
+        i = int(np.flatnonzero((nbytes < 0) | (offset < 0))[0])
+        return i, "a negative offset or length"
+    for rid in np.unique(region).tolist():
+        rows = np.flatnonzero(region == rid)
+        if rid not in grant.epochs:
+            return int(rows[0]), f"region {rid} is not in the record the connection was granted"
+        if epochs.get(rid) != grant.epochs[rid] or sizes.get(rid) != grant.sizes[rid]:
+            return int(rows[0]), (
+                f"region {rid} is not registered here as the record states (deregistered or "
+                "registered again since)"
+            )
+        o, n = offset[rows], nbytes[rows]
+        starts, ends = grant.starts[rid], grant.ends[rid]
+        k = np.searchsorted(starts, o, side="right") - 1
+        inside = (k >= 0) & (o <= ends[np.maximum(k, 0)] - n)
+        if not inside.all():
+            i = int(rows[np.flatnonzero(~inside)[0]])
+            return i, (
+                f"region {rid} bytes [{int(offset[i])}, {int(offset[i] + nbytes[i])}) are "
+                "outside what the record's lease may read"
+            )
+    return None
