@@ -54,8 +54,9 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench refit --gib 4 --versions 5",
     ),
     "vllm": (
-        "refitd bench vllm                          # the tiny Llama, 4 updates",
-        "refitd bench vllm --hidden 1024 --layers 8 # a larger model",
+        "refitd bench vllm                          # a 608 MB Llama, 4 updates",
+        "refitd bench vllm --tiny                   # the tests' 2.8 MiB Llama (CI)",
+        "refitd bench vllm --hidden 1024 --layers 8 # another size",
     ),
     "transport": (
         "refitd bench transport                     # every transport, 4 KiB ... 256 MiB",

@@ -15,9 +15,14 @@ weights into its tensors, then the engine is brought to them twice, side by side
 ``verified`` is 1 when, after every update, the parameters the engine serves after
 the refit are bit-identical to those after the reload of the same weights, and
 greedy generation gives the same tokens. The first refit plans; later ones replay
-the compiled plan. The last line has ``refit_s``, ``reload_s`` (medians over the
-updates after the first), ``speedup``, ``wire_ratio`` (bytes pulled per refit over
-the model's bf16 bytes) and ``verified``.
+the compiled plan. The model's size is a preset (default ``600mb``: 608 MB of bf16;
+``--tiny``: the tests' 2.8 MiB Llama, for CI). The last line has ``refit_s``,
+``reload_s`` (medians over the updates after the first), ``speedup``, where the refit
+time goes (medians too: the trainer's ``publish_s`` and ``ready_s``, ``handshake_s``
+for vLLM's three calls beyond the worker's own refit, the worker's ``manifest_s``,
+``plan_s``, ``pull_s``, ``install_s`` and ``process_s`` (vLLM's post-load processing),
+and ``bytes_moved`` per rank), ``wire_ratio`` (bytes pulled per refit over the
+model's bf16 bytes) and ``verified``.
 
 ``--quant int8``: the engine serves a compressed-tensors W8A8 checkpoint; the trainer
 keeps bf16 weights and publishes through
@@ -64,21 +69,52 @@ LLM_CPU_KWARGS: dict[str, Any] = {
 """``LLM(...)`` settings for a tiny model on CPU (token ids in, token ids out)."""
 
 
+PRESETS: dict[str, tuple[int, int, int]] = {
+    "tiny": (256, 2, 512),  # 2.8 MiB: the tests' Llama, for CI
+    "600mb": (2048, 8, 512),  # 580 MiB (608 MB): a model whose bytes dominate the refit
+}
+"""Size presets: name -> (hidden size, decoder layers, vocabulary) of the Llama."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--hidden", type=int, default=None, help="hidden size (default 256; 512 with --quant)"
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="model size (default 600mb: hidden 2048, 8 layers, 608 MB bf16; "
+        "with --quant: hidden 512, 4 layers)",
     )
     parser.add_argument(
-        "--layers", type=int, default=None, help="decoder layers (default 2; 4 with --quant)"
+        "--tiny", action="store_true", help="the tests' 2.8 MiB Llama (--preset tiny), for CI"
     )
-    parser.add_argument("--vocab", type=int, default=512, help="vocabulary (default 512)")
+    parser.add_argument("--hidden", type=int, help="hidden size (overrides the preset)")
+    parser.add_argument("--layers", type=int, help="decoder layers (overrides the preset)")
+    parser.add_argument("--vocab", type=int, help="vocabulary (overrides the preset)")
     parser.add_argument("--updates", type=int, default=4, help="updates to time (default 4)")
+    parser.add_argument(
+        "--mode",
+        choices=("staging", "direct"),
+        default="staging",
+        help="the worker's refit mode (default staging: a failed pull installs nothing; "
+        "direct: pulls land in the destinations, no staging copy)",
+    )
     parser.add_argument(
         "--quant",
         choices=["int8"],
         default=None,
         help="serve a W8A8 INT8 checkpoint, refitted from bf16 through the quantizing source",
     )
+
+
+def model_size(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(hidden, layers, vocab) from the preset (``--tiny`` wins; ``--quant`` without
+    one: hidden 512, 4 layers, so the int8 layers outweigh the bf16 embeddings and
+    head), then the overrides."""
+    preset = "tiny" if args.tiny else args.preset
+    hidden, layers, vocab = (
+        (512, 4, 512) if preset is None and args.quant else PRESETS[preset or "600mb"]
+    )
+    return (args.hidden or hidden, args.layers or layers, args.vocab or vocab)
 
 
 def llama_config(hidden: int = 256, layers: int = 2, vocab: int = 512) -> dict[str, Any]:
@@ -185,10 +221,7 @@ def run(args: argparse.Namespace) -> int:
             VLLM_CACHE_ROOT=str(root / "cache"),
             VLLM_ALLOW_INSECURE_SERIALIZATION="1",
         )
-        # Quantized, the bf16 embeddings and head weigh more in a tiny model: the
-        # --quant default is large enough for the int8 layers to dominate.
-        hidden = args.hidden or (512 if args.quant else 256)
-        cfg = llama_config(hidden, args.layers or (4 if args.quant else 2), args.vocab)
+        cfg = llama_config(*model_size(args))
         state = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in _shapes(cfg).items()}
         engine_dir, disk = root / "engine", root / "trainer"
         quant = _Quant(args.quant, cfg) if args.quant else None
@@ -240,7 +273,9 @@ def _bench(
         flush=True,
     )
     llm = LLM(model=str(engine_dir), weight_transfer_config={"backend": "refitd"}, **LLM_CPU_KWARGS)
-    info = RefitdTrainerInitInfo(rank=0, model="bench", url=url, adopt=True)
+    info = RefitdTrainerInitInfo(
+        rank=0, model="bench", url=url, adopt=True, worker={"mode": args.mode}
+    )
     source: Any = TensorSource(state)
     if quant:
         source = quant.source(source)
@@ -251,6 +286,7 @@ def _bench(
     reloader = LLM(model=str(engine_dir), **LLM_CPU_KWARGS) if quant else llm
     refit: list[float] = []
     reload: list[float] = []
+    parts: list[dict[str, float]] = []
     verified = True
     served: dict[int, tuple[Any, Any]] = {}  # --quant: update -> (after refit, after reload)
     try:
@@ -277,6 +313,20 @@ def _bench(
             if not same:
                 print(f"  differ: {_differing(after_refit, after_reload)}", flush=True)
             last = trainer.last
+            parts.append(
+                {
+                    "publish_s": last["publish_s"],
+                    "ready_s": last["ready_s"],
+                    # vLLM's three calls (start, update, finish) beyond the worker's refit
+                    "handshake_s": last["engine_s"] - stats["total_s"],
+                    "manifest_s": stats["manifest_s"],
+                    "plan_s": stats["plan_s"],
+                    "pull_s": stats["pull_s"],
+                    "install_s": stats["install_s"],
+                    "process_s": stats["process_s"],
+                    "bytes_moved": stats["bytes"],
+                }
+            )
             print(
                 f"update {update}: refit {refit[-1] * 1e3:7.1f} ms "
                 f"({'replayed' if stats['replayed'] else 'planned'}; trainer publish "
@@ -297,10 +347,18 @@ def _bench(
         extra = f" reload_exact={int(reload_exact)}"
     warm_refit = statistics.median(refit[1:] or refit)
     warm_reload = statistics.median(reload[1:] or reload)
+    warm = parts[1:] or parts
+    breakdown = " ".join(
+        f"{k}={int(statistics.median(p[k] for p in warm))}"
+        if k == "bytes_moved"
+        else f"{k}={statistics.median(p[k] for p in warm):.4f}"
+        for k in warm[0]
+    )
     print(
         f"refit_s={warm_refit:.4f} reload_s={warm_reload:.4f} "
         f"speedup={warm_reload / warm_refit:.2f} first_refit_s={refit[0]:.4f} "
-        f"bytes={nbytes} wire_ratio={stats['bytes'] / nbytes:.3f}{extra} verified={int(verified)}"
+        f"{breakdown} bytes={nbytes} wire_ratio={stats['bytes'] / nbytes:.3f}{extra} "
+        f"verified={int(verified)}"
     )
     return 0 if verified else 1
 
