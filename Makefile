@@ -39,7 +39,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy refitd transports
 
 pytest: $(STAMP)
-	$(BIN)/pytest -q -n auto --dist loadfile
+	$(BIN)/pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info transports/native/*.so

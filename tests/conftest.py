@@ -34,8 +34,10 @@ def _cost(item: pytest.Item) -> tuple[bool, float]:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the most expensive modules first (a stable sort, so the order inside a module
     and between equals is the collection order). Under ``pytest -n`` with ``--dist
-    loadfile`` (the test command), that is longest-first scheduling: the engines and
-    simulated hosts start at once instead of leaving one worker busy at the end."""
+    loadfile --no-loadscope-reorder`` (the test command; without the last flag xdist
+    orders modules by their number of tests instead), that is longest-first
+    scheduling: the engines and simulated hosts start at once instead of leaving one
+    worker busy at the end."""
     module_cost: dict[str, tuple[bool, float]] = {}
     for item in items:
         key = item.nodeid.split("::", 1)[0]
