@@ -87,6 +87,21 @@ async def test_an_overlong_name_or_label_is_refused_naming_the_field(
     assert field in reply["detail"] and "length" in reply["detail"], reply
 
 
+async def test_a_field_refused_past_the_first_decode_batch_is_named_by_its_index_in_the_manifest() -> (
+    None
+):
+    """Manifests are decoded in batches of about 1 MiB: a refusal deep in a big one
+    still names the tensor by its place in the whole body, not in its batch."""
+    n = 40_000  # about 1.4 MB of JSON: the last tensor is in the second batch
+    tensors: list[list[Any]] = [[f"t{i}", [1], "uint8", []] for i in range(n - 1)]
+    tensors.append(["t" * 1025, [1], "uint8", []])
+    body = {"model": "m", "version": 1, "slot": 0, "expected_slots": 1, "tensors": tensors}
+    async with serving(wired_app()) as base:
+        status, reply = await post(base, "/v1/sources", body)
+    assert status == 400, reply
+    assert f"$.tensors[{n - 1}][0]" in reply["detail"], reply
+
+
 async def test_releasing_a_lease_the_daemon_does_not_hold_is_404_and_a_held_one_200() -> None:
     async with serving(wired_app()) as base, aiohttp.ClientSession() as s:
         async with s.delete(base + "/v1/leases/no-such-lease") as r:
