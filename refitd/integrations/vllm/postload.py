@@ -156,9 +156,8 @@ class Reprocessing:
     def modules(self) -> list[str]:
         return [s.name for s in (*self.owners, *self.readers)]
 
-    def run(self, act_dtype: torch.dtype) -> None:
-        """Bring every planned module up to date with the bytes now in the destinations
-        (``act_dtype``: the engine's activation dtype, for processing that needs it)."""
+    def run(self) -> None:
+        """Bring every planned module up to date with the bytes now in the destinations."""
         for step in (*self.owners, *self.readers):
             reprocess_module(step.module, step.loaded)
 

@@ -347,7 +347,7 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
     def _process(self) -> None:
         """Bring every module that computes from a written tensor up to date
         (:mod:`refitd.integrations.vllm.postload`)."""
-        self._reprocess.run(self.model_config.dtype)
+        self._reprocess.run()
 
     def shutdown(self) -> None:
         if self._runner is None:
