@@ -66,7 +66,7 @@ def test_a_module_tied_to_a_written_parameter_is_processed_again_from_the_new_by
     )
     assert plan.modules == ["embed", "head"]
     buf.copy_(torch.arange(12.0).view(4, 3))  # the pull lands
-    plan.run(torch.float32)
+    plan.run()
     x = torch.ones(1, 3)
     assert torch.equal(model.head.quant_method.apply(model.head, x), x @ buf.t())
     assert model.head.weight is model.embed.weight and torch.equal(model.embed.weight, buf)
