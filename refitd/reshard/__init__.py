@@ -8,7 +8,7 @@ code written against it ports by changing the import prefix; the modules are:
 - :mod:`~refitd.reshard.replay`: local replay of recorded movement-op chains;
 - :mod:`~refitd.reshard.slice_plan`: one copy → exact, coalesced byte segments;
 - :mod:`~refitd.reshard.transfer_plan`: a whole capture → a costed transfer plan;
-- :mod:`~refitd.reshard.reads`: read descriptors, pack specs, reference transport;
+- :mod:`~refitd.reshard.reads`: read descriptors, packed reads, the `ReadExecutor` protocol and its in-memory reference;
 - :mod:`~refitd.reshard.compile`: plans lowered to arrays, bound to a signature;
 - :mod:`~refitd.reshard.receiver`: fail-closed policy and execution.
 """
@@ -36,7 +36,7 @@ from refitd.reshard.replay import replay_ops
 from refitd.reshard.slice_plan import Segment, Shard, plan_pull
 from refitd.reshard.transfer_plan import (
     FullPull,
-    PackSpec,
+    PackPlan,
     SourceInfo,
     TransferPlan,
     exact_descriptors,
@@ -61,7 +61,7 @@ __all__ = [
     "LazyWeight",
     "OpChain",
     "OpSpec",
-    "PackSpec",
+    "PackPlan",
     "PackedRead",
     "PlanSignature",
     "ReadDescriptor",

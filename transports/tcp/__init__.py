@@ -47,14 +47,14 @@ from refitd.errors import NotFoundError, ProtocolError, TransportError
 
 from ..batch import ReadBatch, as_read_batch, coalesce, split_pieces, suspect_ranges, validate_batch
 from ..interface import (
+    AdvertisedRegion,
     LocalRegion,
+    MappedMemory,
     Peer,
     PeerInfo,
     PeerLost,
     PullFailed,
     ReadRefused,
-    RegionInfo,
-    Segment,
     Transport,
     TransportClosed,
     UnauthenticatedPeer,
@@ -95,7 +95,7 @@ def parse_address(address: bytes) -> tuple[str, int, int]:
     return host, port, epoch
 
 
-def _view(segment: Segment) -> memoryview:
+def _view(segment: MappedMemory) -> memoryview:
     """A writable byte view of a whole segment's mapping (holding it keeps a
     `SharedSegment`'s mapping alive, even after the segment is closed)."""
     numpy = getattr(segment, "numpy", None)
@@ -422,12 +422,12 @@ class TcpTransport(Transport):
         self._bases.clear()
         self._served.clear()
 
-    async def register(self, region_id: int, segment: Segment) -> LocalRegion:
+    async def register(self, region_id: int, segment: MappedMemory) -> LocalRegion:
         if self.closed:
             raise TransportClosed("register refused: tcp transport is closed")
         view = _view(segment)
         epoch = next(self._region_epochs)
-        info = RegionInfo(region_id, epoch, 0, segment.size)
+        info = AdvertisedRegion(region_id, epoch, 0, segment.size)
         region = LocalRegion(region_id, segment, info)
         self._regions[region_id] = region
         self._views[region_id] = view

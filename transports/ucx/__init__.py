@@ -70,14 +70,14 @@ from refitd.errors import NotFoundError, ProtocolError, TransportError
 
 from ..batch import ReadBatch, as_read_batch, suspect_ranges, validate_batch
 from ..interface import (
+    AdvertisedRegion,
     LocalRegion,
+    MappedMemory,
     Peer,
     PeerInfo,
     PeerLost,
     PullFailed,
     ReadRefused,
-    RegionInfo,
-    Segment,
     Transport,
     TransportClosed,
 )
@@ -553,7 +553,7 @@ class UcxTransport(Transport):
 
     # -- regions
 
-    async def _register_in(self, c: _Child, region_id: int, segment: Segment) -> LocalRegion:
+    async def _register_in(self, c: _Child, region_id: int, segment: MappedMemory) -> LocalRegion:
         try:
             reply = await self._call_in(c, Register(region_id, segment.name, segment.size))
         except TimeoutError:
@@ -562,7 +562,7 @@ class UcxTransport(Transport):
                 "serving data-plane process was killed and is restarting"
             ) from None
         self._epoch += 1
-        info = RegionInfo(
+        info = AdvertisedRegion(
             region_id=region_id,
             epoch=self._epoch,
             address=reply.address,
@@ -571,7 +571,7 @@ class UcxTransport(Transport):
         )
         return LocalRegion(region_id, segment, info)
 
-    async def register(self, region_id: int, segment: Segment) -> LocalRegion:
+    async def register(self, region_id: int, segment: MappedMemory) -> LocalRegion:
         region = await self._register_in(await self._ready(), region_id, segment)
         self._regions[region_id] = region
         for c in self._pullers.values():
