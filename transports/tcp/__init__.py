@@ -29,6 +29,13 @@ while the source host was busy. Here:
 ``rkey`` is empty in `advertise` (the whole region, for callers that trust each
 other, as the contract suite does) or a lease scope in a grant; a daemon runs its
 transport with ``require_lease`` so only the latter are served.
+
+Modules:
+
+- this package: `TcpTransport`, `TcpPeer`, `TcpGrant`
+- `lanes`: the reading side: one lane is one TCP connection to a peer
+- `serve`: the source side: a data server that sends from the mapping
+- `frames`: the wire: frames, the handshake, grants and scope checks
 """
 
 from __future__ import annotations
