@@ -66,7 +66,6 @@ __all__ = [
     "owner_for",
     "peer_uid",
     "principal_of",
-    "read_token",
     "sees_region",
     "setup_auth",
 ]
@@ -193,20 +192,6 @@ def check_startup(server: ServerConfig) -> AccessPolicy:
         max_request_bytes=server.max_request_bytes,
         unix_socket=server.unix_socket is not None,
     )
-
-
-def read_token(path: str | os.PathLike[str]) -> str:
-    """The first token in a token file (``NAME TOKEN`` or ``TOKEN`` lines), for clients
-    and for a daemon reading from a peer; refuses an unreadable or empty file."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"token file {path} cannot be read ({exc.strerror})") from None
-    for raw in text.splitlines():
-        parts = raw.split("#", 1)[0].split()
-        if parts:
-            return parts[-1]
-    raise ConfigError(f"token file {path} holds no token; expected a line 'NAME TOKEN' or 'TOKEN'")
 
 
 POLICY_KEY = web.AppKey("refitd_access_policy", AccessPolicy)

@@ -72,7 +72,7 @@ def add_client_arguments(parser: argparse.ArgumentParser, *examples: str) -> Non
 
 def token_of(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
     """The bearer token ``--token-file`` (else ``$REFITD_TOKEN_FILE``) holds, if any."""
-    from refitd.daemon.auth import read_token
+    from refitd.config import read_token
 
     env = dict(os.environ) if env is None else env
     token_file = args.token_file or env.get(TOKEN_FILE_ENV)
