@@ -38,7 +38,6 @@ OVERSIZED: frozenset[str] = frozenset(
         "refitd/daemon/experts.py",
         "refitd/daemon/node.py",
         "refitd/daemon/pulls.py",
-        "refitd/wire.py",
         "transports/core.py",
         "transports/ucx/__init__.py",
     }
