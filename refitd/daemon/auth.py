@@ -54,6 +54,7 @@ from aiohttp.typedefs import Middleware
 from refitd.config import ServerConfig, is_loopback_host, resolve_group
 from refitd.errors import ConfigError
 from refitd.wire import RegionInfo
+from refitd.wire import routes as api
 
 __all__ = [
     "POLICY_KEY",
@@ -71,7 +72,7 @@ __all__ = [
 ]
 
 #: Paths served without credentials: liveness and the API description reveal nothing.
-PUBLIC_PATHS = frozenset({"/v1/health", "/v1/openapi.json"})
+PUBLIC_PATHS = frozenset({api.HEALTH.path, api.OPENAPI.path})
 
 
 @dataclass(frozen=True)

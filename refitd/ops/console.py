@@ -35,7 +35,6 @@ __all__ = [
     "add_client_arguments",
     "connect",
     "epilog",
-    "fetch",
     "human_bytes",
     "print_json",
     "print_table",
@@ -190,12 +189,6 @@ def print_table(
             block.add_row(header, value)
         console.print()
         console.print(block, highlight=False)
-
-
-async def fetch(client: Any, path: str, type_: Any) -> Any:
-    """``GET /v1{path}`` decoded as ``type_``, for list endpoints the client has no
-    method for (it goes through the client's one request path, so errors map alike)."""
-    return await client._call("GET", path, type_)
 
 
 def progress_bar(total_bytes: int, description: str) -> Any:

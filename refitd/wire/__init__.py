@@ -16,7 +16,10 @@ PullRequest``):
 - :mod:`~refitd.wire.leases`: leases on a version;
 - :mod:`~refitd.wire.pulls`: pulls, their descriptors and pack specs;
 - :mod:`~refitd.wire.pools`: MoE expert slot pools;
-- :mod:`~refitd.wire.records`: the records daemons sign for each other.
+- :mod:`~refitd.wire.records`: the records daemons sign for each other;
+- :mod:`~refitd.wire.routes`: the route table: every operation's method, path and
+  bodies, from which the daemon's routes, the OpenAPI document and the client's
+  paths are built.
 
 Units: every ``*_offset``, ``nbytes`` and ``byte_offset`` is in **bytes**; every
 ``shape`` and tensor ``offset`` is in **elements** of the tensor's global shape.
