@@ -56,7 +56,7 @@ from refitd.wire import (
 )
 from refitd.wire import routes as api
 from refitd.wire.routes import Route
-from transports.shm import owner_tag
+from transports.segments import owner_tag
 
 __all__ = ["RefitClient", "error_from_body"]
 
