@@ -184,6 +184,12 @@ def test_every_path_the_manual_names_exists() -> None:
     assert missing == []
 
 
+def test_every_path_of_the_readme_layout_exists() -> None:
+    (block,) = code_blocks(section("README.md", "## Layout"), "")
+    paths = [line.split()[0] for line in block.splitlines() if line.strip()]
+    assert [p for p in paths if not (ROOT / p).exists()] == []
+
+
 def _module_defines(dotted: str) -> bool:
     """Whether ``dotted`` (``refitd.x.y.Name``) names a module of this tree, or a name
     that such a module defines or re-exports (read as text: nothing is imported)."""
