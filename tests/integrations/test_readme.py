@@ -184,10 +184,18 @@ def test_every_path_the_manual_names_exists() -> None:
     assert missing == []
 
 
-def test_every_path_of_the_readme_layout_exists() -> None:
+def test_the_readme_layout_names_every_package_and_only_paths_that_exist() -> None:
     (block,) = code_blocks(section("README.md", "## Layout"), "")
-    paths = [line.split()[0] for line in block.splitlines() if line.strip()]
+    paths = [line.split()[0] for line in block.splitlines() if line.strip() and line[0] != " "]
     assert [p for p in paths if not (ROOT / p).exists()] == []
+    packages = {
+        f"{init.parent.relative_to(ROOT)}/"
+        for top in ("refitd", "transports")
+        for init in (ROOT / top).glob("*/__init__.py")
+    }
+    listed = {p for p in paths if p.endswith("/")}
+    # transports/ names its sub-packages (tcp/, ucx/) in one line of its own.
+    assert sorted(packages - listed - {"transports/tcp/", "transports/ucx/"}) == []
 
 
 def _module_defines(dotted: str) -> bool:
