@@ -17,6 +17,13 @@ The daemon calls :meth:`~ClusterRegistry.start` once it listens (its URL is know
 :meth:`~ClusterRegistry.publish` whenever a model's versions change here, and
 :meth:`~ClusterRegistry.close` at shutdown (an etcd registration is revoked at once,
 so peers do not wait out the TTL).
+
+Modules:
+
+- this package: `ClusterRegistry`, the ``static`` kind, `registry_from_config`
+- `directory`: what the registry says, held in memory: pure, no I/O
+- `etcd`: the ``etcd`` registry, through ``aetcd``
+- `etcdserver`: an etcd server for tests and bench hosts (never production)
 """
 
 from __future__ import annotations
