@@ -259,7 +259,7 @@ def test_an_import_in_a_module_is_resolved_to_the_module_it_names(
     source: str, expected: set[str]
 ) -> None:
     modules = _modules()
-    me = modules["refitd.daemon.app"]
+    me = modules["refitd.daemon.handlers"]
     (node,) = list(_imports(ast.parse(source)))
     assert _targets(node, me, modules) == expected
 
@@ -282,6 +282,6 @@ def test_imports_in_functions_count_and_type_checking_ones_do_not() -> None:
         "    import refitd.config\n"
     )
     modules = _modules()
-    me = modules["refitd.daemon.app"]
+    me = modules["refitd.daemon.handlers"]
     found = set().union(*(_targets(n, me, modules) for n in _imports(ast.parse(source))))
     assert found == {"refitd.errors", "refitd.config"}

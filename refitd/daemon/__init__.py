@@ -3,9 +3,10 @@ data plane it supervises.
 
 Modules:
 
-- `serve`: ``refitd serve``: run one daemon until SIGTERM/SIGINT
+- `process`: ``refitd serve``: one daemon process, its loop, listeners and ordered
+  shutdown on SIGTERM/SIGINT
 - `service`: the daemon as an operated service: config, access, metrics, API
-- `app`: the aiohttp application of API v1
+- `handlers`: the API v1 handlers, and `create_app` that assembles them
 - `openapi`: the OpenAPI 3.1 document, generated from the live router
 - `httpio`: the HTTP edge handlers share: app keys, body decoding, replies
 - `node`: `Daemon`: one daemon's live state, regions, registry, data plane
@@ -22,7 +23,8 @@ Modules:
 - `auth`: who may talk to the daemon, and how much they may send
 - `caps`: per-principal caps on leases, regions and pulls
 - `experts`: MoE expert slot pools the daemon hosts: ``/v1/experts``
-- `cluster`: the daemon's side of the cluster registry
+- `membership`: the daemon's membership in the cluster registry: registering,
+  announcing its versions, the ``/v1/cluster`` routes
 - `metrics`: Prometheus metrics, ``GET /metrics``
 - `sdnotify`: systemd's notify protocol
 """

@@ -19,8 +19,8 @@ from refitd.client.http import RefitClient
 from refitd.config import load_config
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.peers import PeerPolicy, normalize_peer
+from refitd.daemon.process import listening
 from refitd.daemon.pulls import LocalSource, PullManager
-from refitd.daemon.serve import listening
 from refitd.errors import AccessDenied, ConfigError, ConflictError, ProtocolError
 from refitd.wire import (
     DescriptorTable,

@@ -1,4 +1,4 @@
-"""The aiohttp application of API v1.
+"""The handlers of API v1, and :func:`create_app`, the aiohttp application they make.
 
 :func:`create_app` builds the app around one :class:`~refitd.daemon.node.Daemon`.
 Operators' pieces (auth, metrics, size limits, OpenAPI) plug in through
@@ -22,8 +22,6 @@ from aiohttp import web
 
 from refitd.cluster import registry_from_config
 from refitd.daemon.auth import check_owner, owner_for, principal_of, sees_region
-from refitd.daemon.cluster import CLUSTER, REGISTRY_ORIGIN, announce
-from refitd.daemon.cluster import routes as cluster_routes
 from refitd.daemon.experts import POOLS, ExpertPools, close_pools, note_pull
 from refitd.daemon.experts import routes as expert_routes
 from refitd.daemon.httpio import (
@@ -37,6 +35,8 @@ from refitd.daemon.httpio import (
     reply,
     wants_msgpack,
 )
+from refitd.daemon.membership import CLUSTER, REGISTRY_ORIGIN, announce
+from refitd.daemon.membership import routes as cluster_routes
 from refitd.daemon.metrics import observe_pull
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.pulls import PullJob, PullManager, RemoteSource, Source
