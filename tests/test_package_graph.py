@@ -33,12 +33,9 @@ MAX_LINES = 600
 #: module leaves it once it is split, and nothing joins it.
 OVERSIZED: frozenset[str] = frozenset(
     {
-        "refitd/bench/refit.py",
         "refitd/daemon/experts.py",
         "refitd/daemon/node.py",
-        "refitd/daemon/pulls.py",
         "refitd/testing/engines.py",
-        "transports/ucx/__init__.py",
     }
 )
 
