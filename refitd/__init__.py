@@ -4,7 +4,7 @@ Packages and modules:
 
 - `cli`: the ``refitd`` command line
 - `config`: the daemon's configuration: one schema, loaded strictly
-- `wire`: the HTTP API v1 contract: request/response schemas and the error map
+- `wire/`: the HTTP API v1 contract: schemas, the error map, the route table
 - `errors`: the exception tree, drawn once
 - `demo`: ``refitd demo``: the main job end to end, verified bit for bit
 - `reshard/`: pure planning of resharded pulls: capture → plan → compile → execute

@@ -20,7 +20,8 @@ so peers do not wait out the TTL).
 
 Modules:
 
-- this package: `ClusterRegistry`, the ``static`` kind, `registry_from_config`
+- this package: `registry_from_config`, and the registry's names re-exported
+- `registry`: `ClusterRegistry`, the interface, and `StaticRegistry`, the one-host kind
 - `directory`: what the registry says, held in memory: pure, no I/O
 - `etcd`: the ``etcd`` registry, through ``aetcd``
 - `etcdserver`: an etcd server for tests and bench hosts (never production)
