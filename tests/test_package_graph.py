@@ -35,7 +35,6 @@ OVERSIZED: frozenset[str] = frozenset(
     {
         "refitd/daemon/experts.py",
         "refitd/daemon/node.py",
-        "refitd/testing/engines.py",
     }
 )
 

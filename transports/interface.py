@@ -332,7 +332,7 @@ class Transport(ABC):
 _REGISTRY: dict[str, str | type[Transport]] = {
     "reference": "transports.reference:ReferenceTransport",
     "local": "transports.local:LocalTransport",
-    "shm": "transports.shm:SameHostTransport",
+    "shm": "transports.shm:ShmTransport",
     "ucx": "transports.ucx:UcxTransport",
     "tcp": "transports.tcp:TcpTransport",
 }
