@@ -48,6 +48,7 @@ from aiohttp import web
 from refitd.daemon.auth import check_owner, owner_for, principal_of
 from refitd.daemon.copier import CopyFault, copy_view
 from refitd.daemon.httpio import DAEMON, body, reply
+from refitd.daemon.listeners import PullListener
 from refitd.daemon.memory import check_shm_capacity
 from refitd.daemon.node import Daemon
 from refitd.daemon.openapi import Operation
@@ -453,8 +454,10 @@ def _residency(spec: PoolCreate) -> BankResidency:
     )
 
 
-class ExpertPools:
-    """The daemon's pools by name, and which regions they hold."""
+class ExpertPools(PullListener):
+    """The daemon's pools by name, and which regions they hold. A listener on the
+    daemon's pulls: the experts a pull rewrites leave their slots when it is
+    accepted and again when it ends (see the module's staleness)."""
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
@@ -565,6 +568,12 @@ class ExpertPools:
                 mine = np.concatenate([mine, np.array(packed, dtype=np.int64).reshape(-1, 2)])
             pool.note_rewrite(mine)
 
+    def started(self, job: PullJob) -> None:
+        self.note_writes(job.req)
+
+    def ended(self, job: PullJob) -> None:
+        self.note_writes(job.req)
+
     def stats(self) -> list[PoolStats]:
         return [pool.stats() for pool in self._pools.values()]
 
@@ -580,16 +589,6 @@ async def close_pools(app: web.Application) -> None:
     for pool in pools.all():
         async with pool.lock:
             await asyncio.to_thread(pool.close)
-
-
-def note_pull(app: web.Application, req: PullRequest, job: PullJob) -> None:
-    """Invalidate experts a pull rewrites: now, and again when the pull ends."""
-    pools = app.get(POOLS)
-    if pools is None:
-        return
-    pools.note_writes(req)
-    if job.task is not None:
-        job.task.add_done_callback(lambda _: pools.note_writes(req))
 
 
 # ---------------------------------------------------------------- routes

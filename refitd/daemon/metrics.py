@@ -7,6 +7,7 @@ daemon's numbers apart and nothing collides.
 Two kinds of numbers:
 
 - **events** the daemon reports as they happen: :meth:`Metrics.pull_finished`
+  (told by :class:`PullMetrics`, a listener on the daemon's pulls)
   (bytes by transport, pulls by outcome, the latency histogram) and
   :meth:`Metrics.refused`. Refusals returned as HTTP errors are also counted
   automatically by the middleware (reason = the ``error`` field of the JSON body,
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
@@ -35,15 +36,19 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from refitd.daemon.listeners import PullListener
 from refitd.wire import PoolStats
+
+if TYPE_CHECKING:
+    from refitd.daemon.pulls import PullJob
 
 __all__ = [
     "METRICS_KEY",
     "PULL_SECONDS_BUCKETS",
     "Metrics",
     "PoolStats",
+    "PullMetrics",
     "StateSnapshot",
-    "observe_pull",
     "setup_metrics",
 ]
 
@@ -228,27 +233,21 @@ class Metrics:
 METRICS_KEY = web.AppKey("refitd_metrics", Metrics)
 
 
-def observe_pull(app: web.Application, job: Any, transport: str) -> None:
-    """Record ``job`` (a :class:`refitd.daemon.pulls.PullJob`) when its task ends.
+class PullMetrics(PullListener):
+    """Records every pull of a daemon in ``metrics`` when it ends: its outcome, its
+    wall time and the bytes it moved, by the path it took (``job.path``)."""
 
-    A no-op when ``app`` has no metrics. The record is taken in the task's done
-    callback, after the job's own bookkeeping (state, ``bytes_done``, ``ended``).
-    """
-    metrics = app.get(METRICS_KEY)
-    task = getattr(job, "task", None)
-    if metrics is None or task is None:
-        return
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
 
-    def done(_: object) -> None:
+    def ended(self, job: PullJob) -> None:
         ended = job.ended if job.ended is not None else job.started
-        metrics.pull_finished(
-            transport=transport,
+        self.metrics.pull_finished(
+            transport=job.path,
             outcome=str(job.state),
             nbytes=int(job.bytes_done),
             seconds=max(0.0, ended - job.started),
         )
-
-    task.add_done_callback(done)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import urllib.parse
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -126,10 +127,12 @@ def adverts(peer: PeerRegions) -> dict[str, PeerInfo]:
     return out
 
 
-def choose_remote(daemon: Daemon, peer: PeerRegions, why_not_shm: str) -> tuple[str, str]:
-    """``(scheme, why)``: the transport a pull from other-host ``peer`` reads through.
-    :class:`TransportError` (nothing moved) when none fits."""
-    mine = daemon.transports
+def choose_remote(
+    mode: str, mine: Collection[str], peer: PeerRegions, why_not_shm: str
+) -> tuple[str, str]:
+    """``(scheme, why)``: the transport a pull from other-host ``peer`` reads through,
+    for a daemon in ``mode`` running the transports ``mine`` (schemes, in start
+    order). :class:`TransportError` (nothing moved) when none fits."""
     if not mine:
         raise TransportError(f"pull from {peer.node_id!r} refused: this daemon runs no transport")
     theirs = adverts(peer)
@@ -139,7 +142,6 @@ def choose_remote(daemon: Daemon, peer: PeerRegions, why_not_shm: str) -> tuple[
             f"data plane (it runs {peer.transport!r}), and not the shared-memory path "
             f"because {why_not_shm}"
         )
-    mode = daemon.options.transport
     if mode == AUTO:
         if UCX_SCHEME in mine and UCX_SCHEME in theirs:
             return UCX_SCHEME, f"both ends run UCX with RDMA; not shm because {why_not_shm}"
