@@ -8,8 +8,8 @@ is decided in :mod:`refitd.daemon.paths`.
 
 from __future__ import annotations
 
-from transports.core import Segment, Transport
-from transports.samehost import SameHostTransport
+from transports.interface import Segment, Transport
+from transports.shm import SameHostTransport
 
 __all__ = ["TransportSet"]
 

@@ -21,9 +21,10 @@ from refitd.daemon.regions import validate_descriptors, validate_plan
 from refitd.daemon.trust import check_pack_reads, check_reads
 from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import DescriptorTable, ErrorBody, PackSpec, PeerRegions, PullRequest, StagedPack
-from transports.core import PeerInfo, ReadBatch, rows_as_batch, split_pieces, suspect_ranges
-from transports.core import RegionInfo as ReadableRegion
-from transports.samehost import segment_key
+from transports.batch import ReadBatch, rows_as_batch, split_pieces, suspect_ranges
+from transports.interface import PeerInfo
+from transports.interface import RegionInfo as ReadableRegion
+from transports.shm import segment_key
 
 __all__ = [
     "PACE",
@@ -171,7 +172,7 @@ def forced(mode: str) -> str:
 def shm_record(peer: PeerRegions, secret: bytes) -> PeerInfo:
     """``peer``'s verified, lease-scoped region records as the ``shm`` transport's
     signed record: address ``<boot id>:<epoch>``, and per region its segment's
-    name and file identity (:func:`~transports.samehost.segment_key`).
+    name and file identity (:func:`~transports.shm.segment_key`).
 
     Built from the record this daemon already verified rather than advertised by
     the peer: it lists only the regions the pull's lease may read, and needs
@@ -262,7 +263,7 @@ def spans(sizes: np.ndarray, max_reads: int, max_bytes: int) -> list[tuple[int, 
 
 def suspect(rows: np.ndarray) -> list[tuple[int, int, int]]:
     """Destination ``(region, offset, nbytes)`` ranges of wire ``rows``, sorted and
-    merged: the data plane's :func:`~transports.core.suspect_ranges` of those reads.
+    merged: the data plane's :func:`~transports.batch.suspect_ranges` of those reads.
     Once bytes may have moved, every one of them is suspect: a data plane that
     failed mid-batch cannot say which reads landed."""
     return [(r.region, r.offset, r.nbytes) for r in suspect_ranges(rows_as_batch(rows))]

@@ -11,7 +11,7 @@ Order of a pull, and why:
 3. pack specs are executed by the source daemon into a staging region it owns, and
    each is read back with one descriptor;
 4. the bytes move along the path chosen at submit (see :meth:`PullManager.choose_path`),
-   through one :class:`~transports.core.Peer` and one loop (:meth:`PullManager._move`:
+   through one :class:`~transports.interface.Peer` and one loop (:meth:`PullManager._move`:
    pieces, chunks, progress, errors) whatever the path: ``shm`` when the source is
    this daemon (a loopback connection of the daemon's ``shm`` transport) or a daemon
    the ``shm`` transport connects to (same kernel boot id, and every segment it
@@ -52,7 +52,7 @@ from refitd.wire import (
     PullState,
     StagedPack,
 )
-from transports.core import Peer
+from transports.interface import Peer
 from transports.tcp import TcpPeer
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ from refitd.daemon.regions import RegionTable
 from refitd.daemon.registry import Registry
 from refitd.errors import AccessDenied, ConflictError, InsufficientStorage, PlanError
 from refitd.wire import GcReport, RegionAttach, RegionCreate, RegionInfo, RegionKind
-from transports.shm import SHM_DIR, cleanup_stale, creator_tag, is_stale, stale_segments
+from transports.segments import SHM_DIR, cleanup_stale, creator_tag, is_stale, stale_segments
 
 __all__ = ["RegionStore"]
 

@@ -22,8 +22,8 @@ from refitd.wire import (
     RegionKind,
     StagedPack,
 )
-from transports.core import PeerInfo
-from transports.samehost import segment_key
+from transports.interface import PeerInfo
+from transports.shm import segment_key
 
 pytestmark = pytest.mark.timeout(30)
 
