@@ -25,8 +25,6 @@ from refitd.cluster import registry_from_config
 from refitd.daemon.auth import check_owner, owner_for, principal_of, sees_region
 from refitd.daemon.cluster import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.cluster import routes as cluster_routes
-from refitd.daemon.experts import POOLS, ExpertPools, close_pools
-from refitd.daemon.experts import routes as expert_routes
 from refitd.daemon.httpio import (
     DAEMON,
     body,
@@ -40,6 +38,8 @@ from refitd.daemon.httpio import (
 from refitd.daemon.listeners import Caller, PullCap, WriteRule
 from refitd.daemon.metrics import METRICS_KEY, PullMetrics
 from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.poolapi import routes as expert_routes
+from refitd.daemon.pools import POOLS, ExpertPools, close_pools
 from refitd.daemon.pulls import PULLS, PullJob, PullManager, RemoteSource, Source
 from refitd.daemon.registry import check_manifest_bounds
 from refitd.errors import ProtocolError, TransportError

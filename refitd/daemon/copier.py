@@ -36,7 +36,7 @@ def pack_strided(
     """Gather the strided block (``strides`` in elements) into ``dst`` contiguously.
 
     Returns the bytes written. Bounds must have been checked by
-    :func:`refitd.daemon.regions.validate_plan`. The gather is the native one, under
+    :func:`refitd.daemon.plancheck.validate_plan`. The gather is the native one, under
     the bus-error guard: a source segment its owner shrank under the mapping raises
     :class:`~transports.local.CopyFault` (``dst`` undefined), never a fatal signal.
     """

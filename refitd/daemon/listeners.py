@@ -10,7 +10,7 @@ its waiters are woken. Listeners do not await: what they do is bookkeeping.
 The daemon's listeners: :class:`WriteRule` and :class:`PullCap` (here), the
 metrics (:class:`refitd.daemon.metrics.PullMetrics`) and the expert pools, whose
 experts a pull rewrites leave their slots
-(:class:`refitd.daemon.experts.ExpertPools`).
+(:class:`refitd.daemon.pools.ExpertPools`).
 """
 
 from __future__ import annotations

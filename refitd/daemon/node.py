@@ -36,10 +36,9 @@ from refitd.daemon.owners import ModelOwners
 from refitd.daemon.paths import peer_paths
 from refitd.daemon.peers import PeerPolicy
 from refitd.daemon.plane import TransportSet
-from refitd.daemon.regions import RegionTable
 from refitd.daemon.registry import Lease, Registry
 from refitd.daemon.staging import STAGING_POOL, StagingPool
-from refitd.daemon.store import RegionStore
+from refitd.daemon.store import RegionStore, RegionTable
 from refitd.daemon.trust import Extents
 from refitd.errors import AccessDenied, ConflictError, RefitError, TransportError
 from refitd.wire import (

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refitd.daemon.paths import AUTO, SHM_SCHEME, TCP_SCHEME
-from refitd.daemon.regions import validate_descriptors, validate_plan
+from refitd.daemon.plancheck import validate_descriptors, validate_plan
 from refitd.daemon.trust import check_pack_reads, check_reads
 from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import DescriptorTable, ErrorBody, PackSpec, PeerRegions, PullRequest, StagedPack

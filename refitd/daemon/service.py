@@ -101,7 +101,7 @@ def daemon_operations() -> dict[tuple[str, str], Operation]:
     The ops tests check this table against the router both ways, so a new route
     without an entry here (or an entry for a route that went away) fails CI.
     """
-    from refitd.daemon.experts import pool_operations
+    from refitd.daemon.poolapi import pool_operations
     from refitd.wire import (
         GcReport,
         LeaseGrant,
@@ -257,7 +257,7 @@ def _snapshot(app: web.Application) -> StateSnapshot:
         leases += info.leases
     running = (PullState.PENDING, PullState.RUNNING)
     in_flight = sum(1 for job in app[PULLS].jobs.values() if job.state in running)
-    from refitd.daemon.experts import POOLS
+    from refitd.daemon.pools import POOLS
 
     pools: list[PoolStats] = app[POOLS].stats() if POOLS in app else []
     return StateSnapshot(

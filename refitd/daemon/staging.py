@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 
 from refitd.daemon.copier import CopyFault, pack_strided, zero_view
-from refitd.daemon.regions import validate_plan
+from refitd.daemon.plancheck import validate_plan
 from refitd.daemon.registry import Lease, Registry
 from refitd.daemon.store import RegionStore
 from refitd.daemon.trust import Extents, check_pack_reads
