@@ -38,6 +38,7 @@ from refitd.daemon.httpio import (
 from refitd.daemon.listeners import Caller, PullCap, WriteRule
 from refitd.daemon.metrics import METRICS_KEY, PullMetrics
 from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.poolapi import routes as expert_routes
 from refitd.daemon.pools import POOLS, ExpertPools, close_pools
 from refitd.daemon.pulls import PULLS, PullJob, PullManager, RemoteSource, Source
@@ -400,9 +401,7 @@ def create_app(
     )
     app[DAEMON] = d
 
-    from refitd.client.http import RefitClient
-
-    clients: dict[str, RefitClient] = {}
+    clients: dict[str, PeerClient] = {}
 
     cluster = registry_from_config(opts.registry, opts.secret)
     app[CLUSTER] = cluster
@@ -421,7 +420,7 @@ def create_app(
     def connect(url: str) -> Source:
         c = clients.get(url)
         if c is None:
-            c = clients[url] = RefitClient(url, token=token)
+            c = clients[url] = PeerClient(url, token=token)
         return RemoteSource(c, opts.secret)
 
     pulls = PullManager(d, connect)

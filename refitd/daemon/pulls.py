@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 from aiohttp import web
@@ -41,6 +41,7 @@ from refitd.daemon import pullcore
 from refitd.daemon.listeners import Caller, PullListener, anyone
 from refitd.daemon.node import Daemon
 from refitd.daemon.paths import SHM_SCHEME, TCP_SCHEME, adverts, choose_remote, tcp_grant
+from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.trust import check_writes
 from refitd.errors import NotFoundError, RefitError
 from refitd.wire import (
@@ -54,9 +55,6 @@ from refitd.wire import (
 )
 from transports.interface import Peer
 from transports.tcp import TcpPeer
-
-if TYPE_CHECKING:
-    from refitd.client.http import RefitClient
 
 __all__ = ["PULLS", "PullJob", "PullManager", "Source"]
 
@@ -111,27 +109,28 @@ class LocalSource:
 
 
 class RemoteSource:
-    """A peer daemon reached through :class:`refitd.client.RefitClient`."""
+    """A peer daemon, reached through this daemon's :class:`PeerClient`; its region
+    records are verified with the deployment ``secret``."""
 
-    def __init__(self, client: RefitClient, secret: bytes) -> None:
-        self.c = client
+    def __init__(self, client: PeerClient, secret: bytes) -> None:
+        self.client = client
         self.secret = secret
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
-        await self.c.check_lease(lease_id, model, version)
+        await self.client.check_lease(lease_id, model, version)
 
     async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
-        rec = await self.c.peer_regions(ids, req.lease_id, req.model, req.version)
+        rec = await self.client.regions(ids, req.lease_id, req.model, req.version)
         rec.verify(self.secret)
         return rec
 
     async def pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
     ) -> StagedPack:
-        return await self.c.peer_pack(model, version, lease_id, specs)
+        return await self.client.pack(model, version, lease_id, specs)
 
     async def drop(self, region_id: int, lease_id: str) -> None:
-        await self.c.peer_drop(region_id, lease_id)
+        await self.client.drop(region_id, lease_id)
 
 
 @dataclass
