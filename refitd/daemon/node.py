@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
 import secrets
@@ -233,13 +232,10 @@ class Daemon:
 
             self.ucx_transports = await ucx_transports()
         from refitd.daemon.paths import transport_options, transport_schemes
-        from transports.interface import create_transport, transport_class
+        from transports.interface import create_transport
 
         for scheme in transport_schemes(mode, self.ucx_transports):
-            extra = transport_options(self, scheme)
-            if "pull_timeout" in inspect.signature(transport_class(scheme)).parameters:
-                extra["pull_timeout"] = self.options.pull_timeout_s
-            t = create_transport(scheme, secret=self.options.secret, peer_id=self.node_id, **extra)
+            t = create_transport(scheme, transport_options(self, scheme))
             try:
                 await t.start()
             except RefitError as exc:

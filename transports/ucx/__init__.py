@@ -61,6 +61,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Self
 
 import msgspec
 import numpy as np
@@ -80,6 +81,7 @@ from ..interface import (
     Segment,
     Transport,
     TransportClosed,
+    TransportOptions,
 )
 from .protocol import (
     EXIT_TIMED_OUT,
@@ -260,6 +262,12 @@ class UcxTransport(Transport):
         self._background: set[asyncio.Task[None]] = set()
         self._dying: set[_Child] = set()  # retired pulling children not yet reaped
         self._closed = True
+
+    @classmethod
+    def from_options(cls, options: TransportOptions) -> Self:
+        return cls(
+            secret=options.secret, peer_id=options.peer_id, pull_timeout=options.pull_timeout
+        )
 
     # -- child lifecycle
 
