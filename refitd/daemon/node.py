@@ -27,7 +27,6 @@ import msgspec
 
 from refitd.config import LimitsConfig
 from refitd.daemon.caps import Caps
-from refitd.daemon.copier import Copier
 from refitd.daemon.drain import LeaseDrain
 from refitd.daemon.holders import Holders
 from refitd.daemon.memory import SharedSegment
@@ -52,6 +51,7 @@ from refitd.wire import (
     VersionInfo,
 )
 from transports.interface import Transport
+from transports.local import Copier
 from transports.segments import cleanup_stale, huge_page_mode
 from transports.shm import SameHostTransport, boot_id, file_id
 
@@ -166,7 +166,7 @@ class Daemon:
             )
         )
         self.store = RegionStore(self.epoch, self.plane, self.registry)
-        self.staging = StagingPool(self.store, self.registry)
+        self.staging = StagingPool(self.store, self.registry, self.plane.shm)
         self.drain = LeaseDrain(self.registry, clock)
         self.ready = False
         self.ucx_transports: list[str] = []  # what the loaded UCX can use (ucx_info -d)

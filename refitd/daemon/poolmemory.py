@@ -19,11 +19,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from refitd.daemon.copier import copy_view
 from refitd.experts import (
     SlotDevice,
 )
 from refitd.experts.inflight import CopyFence, HostCopier
+from transports.local import copy_view
 
 __all__ = ["RegionExpertRows", "RegionSlotMemory", "touched_rows"]
 

@@ -40,7 +40,6 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from refitd.daemon.copier import CopyFault
 from refitd.daemon.listeners import PullListener
 from refitd.daemon.memory import check_shm_capacity
 from refitd.daemon.node import Daemon
@@ -80,6 +79,7 @@ from refitd.wire import (
     RegionCreate,
     RegionInfo,
 )
+from transports.local import CopyFault
 
 __all__ = [
     "POOLS",

@@ -11,18 +11,16 @@ packed for it (:meth:`StagingPool.packed_for`), never the rest of a reused regio
 
 from __future__ import annotations
 
-import asyncio
-
 import msgspec
 import numpy as np
 
-from refitd.daemon.copier import CopyFault, pack_strided, zero_view
 from refitd.daemon.plancheck import validate_plan
 from refitd.daemon.registry import Lease, Registry
 from refitd.daemon.store import RegionStore
 from refitd.daemon.trust import Extents, check_pack_reads
 from refitd.errors import AccessDenied, ConflictError, ProtocolError, TransportError
 from refitd.wire import PackSpec, RegionCreate, RegionInfo, StagedPack
+from transports.local import CopyFault, Gather, LocalTransport
 
 __all__ = ["STAGING_POOL", "StagingPool"]
 
@@ -32,11 +30,13 @@ STAGING_POOL = 4
 
 class StagingPool:
     """The staging regions of one daemon, made in ``store``, held for leases of
-    ``registry``."""
+    ``registry``, packed by the transport ``packer``."""
 
-    def __init__(self, store: RegionStore, registry: Registry) -> None:
+    def __init__(self, store: RegionStore, registry: Registry, packer: LocalTransport) -> None:
         self.store = store
         self.registry = registry
+        #: the data plane that gathers the blocks (every region is registered with it)
+        self.packer = packer
         #: ids of the staging regions this daemon made: a client may label its own
         #: region "staging", so the label alone must not admit it to the pool
         self._ids: set[int] = set()
@@ -97,22 +97,13 @@ class StagingPool:
         check_pack_reads(specs, self.registry.scope(lease.model, lease.version), what)
         region = await self._take(total, lease.owner)
         self._held[region.region_id] = (lease.lease_id, total)
-        dst = store.view(region.region_id)
-        srcs = {p.src_region: store.view(p.src_region) for p in specs}
-
-        def work() -> None:
+        blocks = [Gather(p.src_region, p.src_offset, p.shape, p.strides, p.itemsize) for p in specs]
+        try:
             # A reused region still holds what it was packed with for another lease:
             # what this pack does not overwrite is zeroed, so no byte of it survives.
             # Guarded like every copy here: a staging file shrunk by the principal
             # that sees its name faults here, not in the daemon.
-            zero_view(dst[total:])
-            for p, o in zip(specs, offsets, strict=True):
-                pack_strided(
-                    srcs[p.src_region], p.src_offset, p.shape, p.strides, p.itemsize, dst, o
-                )
-
-        try:
-            await asyncio.to_thread(work)
+            await self.packer.pack(blocks, region.region_id, offsets, total)
         except CopyFault as exc:
             if exc.side == "destination":
                 # The staging region itself was shrunk: never handed out again.
