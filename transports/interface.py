@@ -63,15 +63,15 @@ if TYPE_CHECKING:
     from .batch import ReadBatch
 
 __all__ = [
+    "AdvertisedRegion",
     "ByteRange",
     "LocalRegion",
+    "MappedMemory",
     "Peer",
     "PeerInfo",
     "PeerLost",
     "PullFailed",
     "ReadRefused",
-    "RegionInfo",
-    "Segment",
     "Transport",
     "TransportClosed",
     "TransportOptions",
@@ -155,7 +155,7 @@ class UnknownScheme(NotFoundError):
 # ---------------------------------------------------------------------------- records
 
 
-class RegionInfo(msgspec.Struct, frozen=True):
+class AdvertisedRegion(msgspec.Struct, frozen=True):
     """What a peer needs to read a region: the owner's address space, not ours.
 
     ``address`` is the region's base address in the process that serves it (the
@@ -180,7 +180,7 @@ class PeerInfo(msgspec.Struct, frozen=True):
     scheme: str
     peer_id: str
     address: bytes
-    regions: tuple[RegionInfo, ...]
+    regions: tuple[AdvertisedRegion, ...]
     mac: bytes = b""
 
     def signing_bytes(self) -> bytes:
@@ -216,7 +216,7 @@ class PeerInfo(msgspec.Struct, frozen=True):
             raise ProtocolError(f"peer record refused: malformed ({exc})") from exc
 
 
-class Segment(Protocol):
+class MappedMemory(Protocol):
     """Memory a transport can register: `transports.segments.SharedSegment` fits.
 
     ``name`` lets a separate data-plane process map the same memory; ``address`` is
@@ -236,8 +236,8 @@ class LocalRegion:
     """A registered region of ours. ``info`` is what `advertise` publishes for it."""
 
     region_id: int
-    segment: Segment = field(repr=False)
-    info: RegionInfo
+    segment: MappedMemory = field(repr=False)
+    info: AdvertisedRegion
 
     @property
     def size(self) -> int:
@@ -339,7 +339,7 @@ class Transport(ABC):
         """Close every peer and deregister every region. Idempotent."""
 
     @abstractmethod
-    async def register(self, region_id: int, segment: Segment) -> LocalRegion:
+    async def register(self, region_id: int, segment: MappedMemory) -> LocalRegion:
         """Register a whole allocation once under ``region_id`` (daemon-chosen).
 
         Registering an id again replaces the old registration with a new epoch.

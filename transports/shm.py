@@ -45,7 +45,15 @@ import numpy.typing as npt
 from refitd.errors import ProtocolError, RefitError, TransportError
 
 from .batch import ReadBatch, as_read_batch, suspect_ranges, validate_batch
-from .interface import LocalRegion, Peer, PeerInfo, PullFailed, RegionInfo, Segment, TransportClosed
+from .interface import (
+    AdvertisedRegion,
+    LocalRegion,
+    MappedMemory,
+    Peer,
+    PeerInfo,
+    PullFailed,
+    TransportClosed,
+)
 from .local import CopyFault, LocalTransport
 from .segments import SHM_DIR, SharedSegment
 
@@ -115,7 +123,7 @@ class SameHostPeer(Peer):
         self.owner = owner
         self.info = info
         self._closed = False
-        self._remote: dict[int, RegionInfo] = {}
+        self._remote: dict[int, AdvertisedRegion] = {}
         self._held: dict[int, FileKey] = {}
         self._accept(info)
 
@@ -236,13 +244,13 @@ class SameHostTransport(LocalTransport):
 
     # ------------------------------------------------------------ records
 
-    async def register(self, region_id: int, segment: Segment) -> LocalRegion:
+    async def register(self, region_id: int, segment: MappedMemory) -> LocalRegion:
         region = await super().register(region_id, segment)
         try:
             key = segment_key(segment.name, *file_id(segment.name))
         except OSError:
             key = b""  # a name already unlinked: a destination only, never advertised
-        info = RegionInfo(region.info.region_id, region.info.epoch, 0, region.info.size, key)
+        info = AdvertisedRegion(region.info.region_id, region.info.epoch, 0, region.info.size, key)
         self._regions[region_id] = LocalRegion(region_id, segment, info)
         return self._regions[region_id]
 

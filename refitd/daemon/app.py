@@ -27,6 +27,7 @@ from refitd.daemon.cluster import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.cluster import routes as cluster_routes
 from refitd.daemon.httpio import (
     DAEMON,
+    RouteTable,
     body,
     error_middleware,
     manifest_body,
@@ -55,6 +56,7 @@ from refitd.wire import (
     RegionAttach,
     RegionCreate,
 )
+from refitd.wire import routes as api
 
 __all__ = [
     "DAEMON",
@@ -65,16 +67,15 @@ __all__ = [
     "routes",
 ]
 
-routes = web.RouteTableDef()
-P = "/v1"
+routes = RouteTable()
 
 
-@routes.get(P + "/health")
+@routes.handles(api.HEALTH)
 async def health(request: web.Request) -> web.Response:
     return reply(request, {"status": "ok"})
 
 
-@routes.get(P + "/ready")
+@routes.handles(api.READY)
 async def ready(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     if not d.ready:
@@ -82,7 +83,7 @@ async def ready(request: web.Request) -> web.Response:
     return reply(request, {"status": "ready", "transport": d.options.transport})
 
 
-@routes.get(P + "/node")
+@routes.handles(api.NODE)
 async def node(request: web.Request) -> web.Response:
     return reply(request, request.app[DAEMON].info())
 
@@ -90,7 +91,7 @@ async def node(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- regions
 
 
-@routes.post(P + "/regions")
+@routes.handles(api.CREATE_REGION)
 async def create_region(request: web.Request) -> web.Response:
     req = await body(request, RegionCreate)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
@@ -103,7 +104,7 @@ async def create_region(request: web.Request) -> web.Response:
     return reply(request, info, 201)
 
 
-@routes.post(P + "/regions/attach")
+@routes.handles(api.ATTACH_REGION)
 async def attach_region(request: web.Request) -> web.Response:
     req = await body(request, RegionAttach)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
@@ -125,18 +126,18 @@ def _admit_region(request: web.Request) -> str:
     return who
 
 
-@routes.get(P + "/regions")
+@routes.handles(api.LIST_REGIONS)
 async def list_regions(request: web.Request) -> web.Response:
     return reply(request, [sees_region(request, r) for r in request.app[DAEMON].regions])
 
 
-@routes.get(P + "/regions/{region_id}")
+@routes.handles(api.GET_REGION)
 async def get_region(request: web.Request) -> web.Response:
     info = request.app[DAEMON].regions.get(query_int(request, "region_id"))
     return reply(request, sees_region(request, info))
 
 
-@routes.delete(P + "/regions/{region_id}")
+@routes.handles(api.DELETE_REGION)
 async def delete_region(request: web.Request) -> web.Response:
     rid = query_int(request, "region_id")
     check_owner(request, request.app[DAEMON].regions.get(rid).owner, "delete", f"region {rid}")
@@ -147,7 +148,7 @@ async def delete_region(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- sources
 
 
-@routes.post(P + "/gc")
+@routes.handles(api.GC)
 async def gc(request: web.Request) -> web.Response:
     """Free regions of exited clients and stale segments; ``dry_run=1`` only lists them."""
     dry = request.query.get("dry_run", "0") in ("1", "true")
@@ -156,7 +157,7 @@ async def gc(request: web.Request) -> web.Response:
     return reply(request, msgspec.structs.replace(report, regions=regions))
 
 
-@routes.post(P + "/sources")
+@routes.handles(api.PUBLISH)
 async def publish(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     # Off the event loop: a manifest at the size limits takes seconds to decode and
@@ -188,13 +189,13 @@ async def publish(request: web.Request) -> web.Response:
     return reply(request, info, 201)
 
 
-@routes.get(P + "/sources")
+@routes.handles(api.ALL_VERSIONS)
 async def list_sources(request: web.Request) -> web.Response:
     d, who = request.app[DAEMON], principal_of(request)
     return reply(request, [v for v in d.registry.versions() if d.models.may_read(who, v.model)])
 
 
-@routes.get(P + "/sources/{model}/versions")
+@routes.handles(api.MODEL_VERSIONS)
 async def list_versions(request: web.Request) -> web.Response:
     d, model = request.app[DAEMON], request.match_info["model"]
     d.models.check_read(principal_of(request), model, "list the versions of")
@@ -209,12 +210,12 @@ def _version(request: web.Request) -> tuple[str, int]:
     return model, query_int(request, "version")
 
 
-@routes.get(P + "/sources/{model}/versions/{version}")
+@routes.handles(api.GET_VERSION)
 async def get_version(request: web.Request) -> web.Response:
     return reply(request, request.app[DAEMON].registry.version(*_version(request)))
 
 
-@routes.get(P + "/sources/{model}/versions/{version}/manifest")
+@routes.handles(api.MANIFEST)
 async def get_manifest(request: web.Request) -> web.Response:
     reg = request.app[DAEMON].registry
     model, version = _version(request)
@@ -224,7 +225,7 @@ async def get_manifest(request: web.Request) -> web.Response:
     return reply(request, reg.merged(model, version))
 
 
-@routes.post(P + "/sources/{model}/versions/{version}/drain")
+@routes.handles(api.DRAIN)
 async def drain(request: web.Request) -> web.Response:
     """Wait for the version's leases to drain; ``retire=1`` first refuses new ones."""
     model, version = _version(request)
@@ -241,7 +242,7 @@ async def drain(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- leases
 
 
-@routes.post(P + "/leases")
+@routes.handles(api.ACQUIRE_LEASE)
 async def acquire(request: web.Request) -> web.Response:
     req = await body(request, LeaseRequest)
     d, who = request.app[DAEMON], principal_of(request)
@@ -252,7 +253,7 @@ async def acquire(request: web.Request) -> web.Response:
     return reply(request, grant, 201)
 
 
-@routes.get(P + "/leases/{lease_id}")
+@routes.handles(api.CHECK_LEASE)
 async def check_lease(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     lease_id = request.match_info["lease_id"]
@@ -263,14 +264,14 @@ async def check_lease(request: web.Request) -> web.Response:
     return reply(request, LeaseGrant(lease.lease_id, lease.model, lease.version, left))
 
 
-@routes.post(P + "/leases/{lease_id}/renew")
+@routes.handles(api.RENEW_LEASE)
 async def renew(request: web.Request) -> web.Response:
     reg = request.app[DAEMON].registry
     ttl = query_float(request, "ttl", 30.0, positive=True, most=MAX_LEASE_TTL_S)  # as on acquire
     return reply(request, reg.renew(request.match_info["lease_id"], ttl))
 
 
-@routes.delete(P + "/leases/{lease_id}")
+@routes.handles(api.RELEASE_LEASE)
 async def release(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     d.registry.release(request.match_info["lease_id"])
@@ -286,14 +287,14 @@ def caller_of(request: web.Request) -> Caller:
     return Caller(principal_of(request).name, functools.partial(check_owner, request))
 
 
-@routes.post(P + "/pulls")
+@routes.handles(api.SUBMIT_PULL)
 async def submit_pull(request: web.Request) -> web.Response:
     req = await body(request, PullRequest)
     job = await request.app[PULLS].submit(req, caller_of(request))
     return reply(request, job.snapshot(), 202)
 
 
-@routes.get(P + "/pulls")
+@routes.handles(api.LIST_PULLS)
 async def list_pulls(request: web.Request) -> web.Response:
     """The caller's own pulls (every pull for root, or without authentication)."""
     who = principal_of(request)
@@ -310,12 +311,12 @@ def _own_pull(request: web.Request, action: str) -> PullJob:
     return job
 
 
-@routes.get(P + "/pulls/{pull_id}")
+@routes.handles(api.GET_PULL)
 async def pull_status(request: web.Request) -> web.Response:
     return reply(request, _own_pull(request, "read").snapshot())
 
 
-@routes.get(P + "/pulls/{pull_id}/wait")
+@routes.handles(api.WAIT_PULL)
 async def pull_wait(request: web.Request) -> web.Response:
     """Answer when the pull ends, or after ``timeout`` seconds with its progress."""
     job = _own_pull(request, "wait for")
@@ -325,7 +326,7 @@ async def pull_wait(request: web.Request) -> web.Response:
     return reply(request, job.snapshot())
 
 
-@routes.delete(P + "/pulls/{pull_id}")
+@routes.handles(api.CANCEL_PULL)
 async def cancel_pull(request: web.Request) -> web.Response:
     job = await request.app[PULLS].cancel(_own_pull(request, "cancel").pull_id)
     return reply(request, job.snapshot())
@@ -334,7 +335,7 @@ async def cancel_pull(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- daemon to daemon
 
 
-@routes.get(P + "/peer/regions")
+@routes.handles(api.PEER_REGIONS)
 async def peer_regions(request: web.Request) -> web.Response:
     raw = request.query.get("ids")
     try:
@@ -350,7 +351,7 @@ async def peer_regions(request: web.Request) -> web.Response:
     return reply(request, d.peer_regions(ids, lease))
 
 
-@routes.post(P + "/peer/pack")
+@routes.handles(api.PEER_PACK)
 async def peer_pack(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     req = await body(request, PackRequest)
@@ -367,7 +368,7 @@ async def peer_pack(request: web.Request) -> web.Response:
     return reply(request, staged, 201)
 
 
-@routes.delete(P + "/peer/staging/{region_id}")
+@routes.handles(api.PEER_DROP)
 async def peer_drop(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     await d.release_staging(query_int(request, "region_id"), request.query.get("lease", ""))

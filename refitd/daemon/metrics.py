@@ -38,6 +38,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from refitd.daemon.listeners import PullListener
 from refitd.wire import PoolStats
+from refitd.wire import routes as api
 
 if TYPE_CHECKING:
     from refitd.daemon.pulls import PullJob
@@ -311,5 +312,5 @@ def setup_metrics(app: web.Application, metrics: Metrics | None = None) -> Metri
     metrics = metrics or Metrics()
     app[METRICS_KEY] = metrics
     app.middlewares.insert(0, _middleware(metrics))
-    app.router.add_get("/metrics", _serve_metrics, name="metrics")
+    app.router.add_get(api.METRICS.path, _serve_metrics, name="metrics")
     return metrics

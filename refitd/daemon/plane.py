@@ -8,7 +8,7 @@ is decided in :mod:`refitd.daemon.paths`.
 
 from __future__ import annotations
 
-from transports.interface import Segment, Transport
+from transports.interface import MappedMemory, Transport
 from transports.shm import SameHostTransport
 
 __all__ = ["TransportSet"]
@@ -32,7 +32,7 @@ class TransportSet:
         """A started transport joins the set."""
         self.by_scheme[scheme] = transport
 
-    async def register(self, region_id: int, segment: Segment) -> None:
+    async def register(self, region_id: int, segment: MappedMemory) -> None:
         """Make a region readable through every data plane (its whole segment)."""
         for t in self.by_scheme.values():
             await t.register(region_id, segment)

@@ -22,8 +22,7 @@ from refitd.daemon.trust import check_pack_reads, check_reads
 from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import DescriptorTable, ErrorBody, PackSpec, PeerRegions, PullRequest, StagedPack
 from transports.batch import ReadBatch, rows_as_batch, split_pieces, suspect_ranges
-from transports.interface import PeerInfo
-from transports.interface import RegionInfo as ReadableRegion
+from transports.interface import AdvertisedRegion, PeerInfo
 from transports.shm import segment_key
 
 __all__ = [
@@ -186,7 +185,7 @@ def shm_record(peer: PeerRegions, secret: bytes) -> PeerInfo:
                 f"names no file for segment {r.handle!r}"
             )
         key = segment_key(r.handle, *file)
-        regions.append(ReadableRegion(r.region_id, peer.epoch, 0, r.nbytes, key))
+        regions.append(AdvertisedRegion(r.region_id, peer.epoch, 0, r.nbytes, key))
     return PeerInfo(
         scheme=SHM_SCHEME,
         peer_id=peer.node_id,

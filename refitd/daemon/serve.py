@@ -179,8 +179,8 @@ def _print_ready(record: dict[str, Any]) -> None:
 def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
     import uvloop
 
-    from refitd.config import load_config, parse_overrides
-    from refitd.daemon.auth import check_startup, read_token
+    from refitd.config import load_config, parse_overrides, read_token
+    from refitd.daemon.auth import check_startup
     from refitd.daemon.service import Service, configure_logging, options_from_config
     from refitd.errors import ConfigError
 

@@ -1,7 +1,7 @@
 """Rules on memory, not ids, and an owner for every object (issue 20, classes 1-2).
 
 Two tenants, ``a`` and ``b`` (two bearer tokens), share one real daemon on
-127.0.0.1:0; each test is one rule of the README's threat model, named as that
+127.0.0.1:0; each test is one rule of the threat model (docs/trust.md), named as that
 rule, attacked the way a tenant with only the API and the client would.
 """
 

@@ -1,5 +1,5 @@
-"""The trust model, rule by rule (see ``refitd/daemon/trust.py`` and the README's
-"Trust model"): which sources a daemon contacts, what a lease reads, what a pull
+"""The trust model, rule by rule (see ``refitd/daemon/trust.py`` and docs/trust.md,
+"Rules for everyone"): which sources a daemon contacts, what a lease reads, what a pull
 writes, and that a READY version never changes."""
 
 from __future__ import annotations
