@@ -22,8 +22,8 @@ from refitd.daemon.trust import check_pack_reads, check_reads
 from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import DescriptorTable, ErrorBody, PackSpec, PeerRegions, PullRequest, StagedPack
 from transports.batch import ReadBatch, rows_as_batch, split_pieces, suspect_ranges
-from transports.interface import AdvertisedRegion, PeerInfo
-from transports.shm import segment_key
+from transports.interface import PeerInfo
+from transports.shm import ListedSegment, peer_record
 
 __all__ = [
     "PACE",
@@ -170,13 +170,10 @@ def forced(mode: str) -> str:
 
 def shm_record(peer: PeerRegions, secret: bytes) -> PeerInfo:
     """``peer``'s verified, lease-scoped region records as the ``shm`` transport's
-    signed record: address ``<boot id>:<epoch>``, and per region its segment's
-    name and file identity (:func:`~transports.shm.segment_key`).
-
-    Built from the record this daemon already verified rather than advertised by
-    the peer: it lists only the regions the pull's lease may read, and needs
-    nothing more on the wire than the peer's ``PeerRegions``."""
-    regions = []
+    record (:func:`transports.shm.peer_record`): it lists only the regions the
+    pull's lease may read, and needs nothing more on the wire than the peer's
+    ``PeerRegions``. A region whose record names no file is refused."""
+    segments = []
     for r in peer.regions:
         file = peer.files.get(r.region_id)
         if file is None:
@@ -184,14 +181,8 @@ def shm_record(peer: PeerRegions, secret: bytes) -> PeerInfo:
                 f"region {r.region_id} of {peer.node_id!r} does not map here: the record "
                 f"names no file for segment {r.handle!r}"
             )
-        key = segment_key(r.handle, *file)
-        regions.append(AdvertisedRegion(r.region_id, peer.epoch, 0, r.nbytes, key))
-    return PeerInfo(
-        scheme=SHM_SCHEME,
-        peer_id=peer.node_id,
-        address=f"{peer.boot_id}:{peer.epoch}".encode(),
-        regions=tuple(regions),
-    ).signed(secret)
+        segments.append(ListedSegment(r.region_id, r.handle, file[0], file[1], r.nbytes))
+    return peer_record(peer.node_id, peer.boot_id, peer.epoch, segments, secret)
 
 
 # ---------------------------------------------------------------- pacing
