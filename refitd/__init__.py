@@ -3,8 +3,11 @@
 Packages and modules:
 
 - `cli`: the ``refitd`` command line
-- `config`: the daemon's configuration: one schema, loaded strictly
-- `wire`: the HTTP API v1 contract: request/response schemas and the error map
+- `config`: the daemon's configuration: one schema, loaded strictly, and the values
+  it names (peer URLs, model tables, token files)
+- `wire/`: the HTTP API v1 contract: request/response schemas, the error map, the
+  route table
+- `signing`: the one signing scheme: records MAC'd with the deployment secret
 - `errors`: the exception tree, drawn once
 - `demo`: ``refitd demo``: the main job end to end, verified bit for bit
 - `reshard/`: pure planning of resharded pulls: capture → plan → compile → execute

@@ -41,10 +41,7 @@ plain TCP, for hosts without RDMA).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import importlib
-import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 import msgspec
 
 from refitd.errors import NotFoundError, ProtocolError, TransportError
+from refitd.signing import Signed
 
 if TYPE_CHECKING:
     import numpy as np
@@ -171,8 +169,9 @@ class AdvertisedRegion(msgspec.Struct, frozen=True):
     rkey: bytes = b""
 
 
-class PeerInfo(msgspec.Struct, frozen=True):
-    """A transport's advertisement, signed by `advertise` with the shared secret.
+class PeerInfo(Signed, frozen=True):
+    """A transport's advertisement, signed by `advertise` with the shared secret
+    (`refitd.signing`: HMAC-SHA256 over the record's msgpack encoding).
 
     ``address`` is scheme-specific (a UCX worker address; an in-process token).
     """
@@ -183,27 +182,10 @@ class PeerInfo(msgspec.Struct, frozen=True):
     regions: tuple[AdvertisedRegion, ...]
     mac: bytes = b""
 
-    def signing_bytes(self) -> bytes:
-        """Canonical bytes covered by the MAC: every field but the MAC itself."""
-        parts = [self.scheme.encode(), self.peer_id.encode(), self.address]
-        for r in self.regions:
-            parts.append(struct.pack("<qQQQ", r.region_id, r.epoch, r.address, r.size))
-            parts.append(r.rkey)
-        return b"".join(struct.pack("<I", len(p)) + p for p in parts)
+    refused = UnauthenticatedPeer
 
-    def signed(self, secret: bytes) -> PeerInfo:
-        mac = hmac.new(secret, self.signing_bytes(), hashlib.sha256).digest()
-        return msgspec.structs.replace(self, mac=mac)
-
-    def verify(self, secret: bytes) -> None:
-        """Raise `UnauthenticatedPeer` unless the MAC matches under ``secret``."""
-        want = hmac.new(secret, self.signing_bytes(), hashlib.sha256).digest()
-        if not hmac.compare_digest(want, self.mac):
-            raise UnauthenticatedPeer(
-                f"peer record of {self.peer_id!r} ({self.scheme}) refused: its MAC does not "
-                "verify under our secret (tampered, or signed by a daemon outside this "
-                "deployment)"
-            )
+    def _what(self) -> str:
+        return f"peer record of {self.peer_id!r} ({self.scheme})"
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -383,7 +365,7 @@ class Transport(ABC):
 _REGISTRY: dict[str, str | type[Transport]] = {
     "reference": "transports.reference:ReferenceTransport",
     "local": "transports.local:LocalTransport",
-    "shm": "transports.shm:SameHostTransport",
+    "shm": "transports.shm:ShmTransport",
     "ucx": "transports.ucx:UcxTransport",
     "tcp": "transports.tcp:TcpTransport",
 }

@@ -25,7 +25,7 @@ holds is never unmapped.
 ``PeerInfo.address`` is ``<boot id>:<tag>`` (the tag tells peers of one host apart:
 the serving process's pid here, a daemon's epoch in the daemon's records); each
 region's ``rkey`` is :func:`segment_key`: the msgpack of ``(segment name, st_dev,
-st_ino)``. :meth:`SameHostTransport.loopback` reads between this transport's own
+st_ino)``. :meth:`ShmTransport.loopback` reads between this transport's own
 regions (a daemon's pull from itself).
 """
 
@@ -60,8 +60,8 @@ from .segments import SHM_DIR, SharedSegment
 __all__ = [
     "MAX_MAPPINGS",
     "ListedSegment",
-    "SameHostPeer",
-    "SameHostTransport",
+    "ShmPeer",
+    "ShmTransport",
     "boot_id",
     "file_id",
     "peer_record",
@@ -130,9 +130,9 @@ def peer_record(
     already verified (a daemon: the peer's lease-scoped region records), so it lists
     only what the reader may read: address ``<boot id>:<epoch>`` (``epoch``: the
     peer's life), per region its segment's name and file (:func:`segment_key`),
-    signed with the deployment ``secret`` as :meth:`SameHostTransport.connect` wants."""
+    signed with the deployment ``secret`` as :meth:`ShmTransport.connect` wants."""
     return PeerInfo(
-        scheme=SameHostTransport.scheme,
+        scheme=ShmTransport.scheme,
         peer_id=peer_id,
         address=f"{boot}:{epoch}".encode(),
         regions=tuple(
@@ -148,11 +148,11 @@ class _Mapping:
     users: int = 0  # peers whose record names it, plus reads in flight from it
 
 
-class SameHostPeer(Peer):
+class ShmPeer(Peer):
     """A connection to a same-host peer: its listed segments, mapped here and held
     (never unmapped) until the peer closes or an update stops listing them."""
 
-    def __init__(self, owner: SameHostTransport, info: PeerInfo) -> None:
+    def __init__(self, owner: ShmTransport, info: PeerInfo) -> None:
         self.owner = owner
         self.info = info
         self._closed = False
@@ -228,7 +228,7 @@ class SameHostPeer(Peer):
 class _Loopback(Peer):
     """Reads between one transport's own registered regions (no mapping made)."""
 
-    def __init__(self, owner: SameHostTransport) -> None:
+    def __init__(self, owner: ShmTransport) -> None:
         self.owner = owner
         # Its regions are read as registered at each get, not from a record.
         self.info = PeerInfo(owner.scheme, owner.peer_id, b"loopback", ())
@@ -257,7 +257,7 @@ class _Loopback(Peer):
         self._closed = True
 
 
-class SameHostTransport(LocalTransport):
+class ShmTransport(LocalTransport):
     """``boot_id`` empty means this kernel's (another value: tests of a peer that
     claims another host); ``max_mappings`` bounds the unused peer mappings kept; the
     other options are :class:`~transports.local.LocalTransport`'s (its copy engine)."""
@@ -306,7 +306,7 @@ class SameHostTransport(LocalTransport):
             regions=tuple(r.info for r in self._regions.values() if r.info.rkey),
         ).signed(self.secret)
 
-    async def connect(self, info: PeerInfo) -> SameHostPeer:
+    async def connect(self, info: PeerInfo) -> ShmPeer:
         self._check_record(info)
         theirs = info.address.decode(errors="replace").partition(":")[0]
         mine = self.boot_id or boot_id()
@@ -315,7 +315,7 @@ class SameHostTransport(LocalTransport):
                 f"connect to {info.peer_id!r} refused: it runs under another kernel (boot id "
                 "differs: another host), so its segment names are not this host's"
             )
-        return SameHostPeer(self, info)
+        return ShmPeer(self, info)
 
     def loopback(self) -> Peer:
         """A connection reading this transport's own regions into its own regions."""

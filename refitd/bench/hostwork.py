@@ -101,7 +101,7 @@ class Worker:
     async def refit(self, req: dict[str, Any]) -> dict[str, Any]:
         from refitd.bench.refit import capture_for
         from refitd.bench.synthetic import verify_ranks
-        from refitd.client.cluster import ClusterReceiver
+        from refitd.client.multihost import ClusterReceiver
         from refitd.client.receiver import DaemonReceiver
         from refitd.errors import RefitError
         from refitd.testing.engines import EngineParallel, ToyEngine

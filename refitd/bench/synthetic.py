@@ -45,7 +45,7 @@ def synthetic_config(gib: float) -> Any:
 
 
 def model_bytes(cfg: Any) -> int:
-    from refitd.testing.engines import param_roles
+    from refitd.testing.checkpoints import param_roles
 
     return sum(math.prod(shape) * cfg.dtype.itemsize for _, shape, _ in param_roles(cfg))
 
@@ -56,7 +56,7 @@ class SyntheticState(dict):  # type: ignore[type-arg]
     Accessed tensors are not kept, so a layout can walk it with bounded memory."""
 
     def __init__(self, cfg: Any, version: int) -> None:
-        from refitd.testing.engines import param_roles
+        from refitd.testing.checkpoints import param_roles
 
         super().__init__()
         self.cfg = cfg

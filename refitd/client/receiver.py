@@ -51,6 +51,7 @@ from refitd.wire import (
     PullRequest,
     RegionInfo,
 )
+from transports.batch import merge_ranges
 from transports.segments import SharedSegment
 
 if TYPE_CHECKING:
@@ -326,7 +327,9 @@ class DaemonReceiver:
                 for p in packs
                 if p.dst_region == scratch.region_id and p.dst_offset < limit
             ]
-            install = _coalesce(np.array(mirror, dtype=np.int64).reshape(-1, 2))
+            staged = np.array(mirror, dtype=np.int64).reshape(-1, 2)
+            merged = merge_ranges(np.zeros(len(staged), np.int64), staged[:, 0], staged[:, 1])
+            install = [(r.offset, r.nbytes) for r in merged]
         comp = _Compiled(signature, rows, packs, scatter, full, install)
         comp.bytes = planned_bytes
         return comp
@@ -515,18 +518,3 @@ class DaemonReceiver:
                     replay_ops(full, copy.op_chain),
                     fp.elsize,
                 )
-
-
-def _coalesce(ranges: np.ndarray) -> list[tuple[int, int]]:
-    if ranges.shape[0] == 0:
-        return []
-    ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
-    out: list[list[int]] = []
-    for o, n in ranges.tolist():
-        if n <= 0:
-            continue
-        if out and o <= out[-1][0] + out[-1][1]:
-            out[-1][1] = max(out[-1][0] + out[-1][1], o + n) - out[-1][0]
-        else:
-            out.append([o, n])
-    return [(o, n) for o, n in out]

@@ -20,7 +20,8 @@ so peers do not wait out the TTL).
 
 Modules:
 
-- this package: `ClusterRegistry`, the ``static`` kind, `registry_from_config`
+- this package: `registry_from_config` (and the names of `registry`)
+- `registry`: `ClusterRegistry`, the interface the daemon uses, and the ``static`` kind
 - `directory`: what the registry says, held in memory: pure, no I/O
 - `etcd`: the ``etcd`` registry, through ``aetcd``
 - `etcdserver`: an etcd server for tests and bench hosts (never production)

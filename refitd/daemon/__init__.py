@@ -3,9 +3,10 @@ data plane it supervises.
 
 Modules:
 
-- `serve`: ``refitd serve``: run one daemon until SIGTERM/SIGINT
+- `process`: ``refitd serve``: one daemon process, its loop, listeners and ordered
+  shutdown on SIGTERM/SIGINT
 - `service`: the daemon as an operated service: config, access, metrics, API
-- `app`: the aiohttp application of API v1
+- `handlers`: the API v1 handlers, and `create_app` that assembles them
 - `openapi`: the OpenAPI 3.1 document, generated from the live router
 - `httpio`: the HTTP edge handlers share: app keys, body decoding, replies
 - `node`: `Daemon`: one daemon's life: identity, data planes, start/stop, peer records
@@ -30,7 +31,8 @@ Modules:
 - `pools`: MoE expert slot pools the daemon hosts
 - `poolmemory`: where a pool's rows live: views into its two regions
 - `poolapi`: the pools' HTTP API, ``/v1/experts``
-- `cluster`: the daemon's side of the cluster registry
+- `membership`: the daemon's membership in the cluster registry: registering,
+  announcing its versions, the ``/v1/cluster`` routes
 - `metrics`: Prometheus metrics, ``GET /metrics``
 - `sdnotify`: systemd's notify protocol
 """

@@ -53,7 +53,7 @@ from refitd.wire import (
 from transports.interface import Transport
 from transports.local import Copier
 from transports.segments import cleanup_stale, huge_page_mode
-from transports.shm import SameHostTransport, boot_id, file_id
+from transports.shm import ShmTransport, boot_id, file_id
 
 __all__ = [
     "AUTO",
@@ -161,7 +161,7 @@ class Daemon:
         #: the data planes: the same-host one in every mode (``copier``: its copy
         #: engine), and the transports :meth:`start` brings up
         self.plane = TransportSet(
-            SameHostTransport(
+            ShmTransport(
                 secret=options.secret, peer_id=self.node_id, copier=copier, boot_id=self.boot_id
             )
         )
@@ -195,7 +195,7 @@ class Daemon:
         return self.store.pool_regions
 
     @property
-    def shm(self) -> SameHostTransport:
+    def shm(self) -> ShmTransport:
         return self.plane.shm
 
     @property

@@ -9,7 +9,7 @@ is decided in :mod:`refitd.daemon.paths`.
 from __future__ import annotations
 
 from transports.interface import MappedMemory, Transport
-from transports.shm import SameHostTransport
+from transports.shm import ShmTransport
 
 __all__ = ["TransportSet"]
 
@@ -19,7 +19,7 @@ class TransportSet:
     and from peers proven to share this host's memory) and the transports started by
     scheme, the first one the primary (what ``/v1/node`` advertises)."""
 
-    def __init__(self, shm: SameHostTransport) -> None:
+    def __init__(self, shm: ShmTransport) -> None:
         self.shm = shm
         #: every transport started, by scheme, in start order (the first: the primary)
         self.by_scheme: dict[str, Transport] = {}

@@ -2,7 +2,7 @@
 document, systemd notifications and logs, assembled around the app in one place.
 
 ``refitd serve`` builds one :class:`Service` from the loaded :class:`~refitd.config.Config`
-and hands its hooks to :func:`refitd.daemon.serve.serve`:
+and hands its hooks to :func:`refitd.daemon.process.serve`:
 
 - ``setup(app)`` (a ``create_app`` setup hook) installs the metrics middleware and
   ``/metrics``, the access middleware, ``/v1/openapi.json``, and a task that pings
@@ -103,7 +103,7 @@ def daemon_operations() -> dict[tuple[str, str], Operation]:
 
 
 def _snapshot(app: web.Application) -> StateSnapshot:
-    from refitd.daemon.app import DAEMON, PULLS
+    from refitd.daemon.handlers import DAEMON, PULLS
     from refitd.wire import PullState
 
     daemon = app[DAEMON]

@@ -1,16 +1,12 @@
 """Records one daemon signs for others: its registration and its versions in the
 cluster registry, and the region records it sends a reader. Each is MAC'd with the
-deployment secret; a record that does not verify is refused."""
+deployment secret (:mod:`refitd.signing`); a record that does not verify is refused."""
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-from typing import TYPE_CHECKING, Self
-
 import msgspec
 
-from refitd.errors import ProtocolError
+from refitd.signing import Signed
 from refitd.wire.fields import Name, NonNeg, Positive
 from refitd.wire.regions import RegionInfo
 from refitd.wire.versions import VersionState
@@ -24,38 +20,7 @@ __all__ = [
 ]
 
 
-class _Signed(msgspec.Struct, frozen=True):
-    """A record MAC'd with the deployment secret: HMAC-SHA256 over its msgpack
-    encoding with ``mac`` empty. A subclass declares ``mac: bytes = b""`` as its
-    last field and names itself in a refusal through ``_what``."""
-
-    if TYPE_CHECKING:  # a field of each subclass (it must come last)
-
-        @property
-        def mac(self) -> bytes: ...
-
-    def _what(self) -> str:
-        raise NotImplementedError
-
-    def _digest(self, secret: bytes) -> bytes:
-        body = msgspec.msgpack.encode(msgspec.structs.replace(self, mac=b""))
-        return hmac.new(secret, body, hashlib.sha256).digest()
-
-    def signed(self, secret: bytes) -> Self:
-        """This record with its ``mac`` set for ``secret``."""
-        return msgspec.structs.replace(self, mac=self._digest(secret))
-
-    def verify(self, secret: bytes) -> None:
-        """Refuse (:class:`ProtocolError`) a record whose ``mac`` is not this one's
-        for ``secret``: tampered with, or signed outside this deployment."""
-        if not hmac.compare_digest(self._digest(secret), self.mac):
-            raise ProtocolError(
-                f"{self._what()} refused: MAC does not verify (tampered, or a daemon "
-                "outside this deployment)"
-            )
-
-
-class DaemonRecord(_Signed, frozen=True):
+class DaemonRecord(Signed, frozen=True):
     """One daemon as registered in the cluster registry (etcd), MAC'd with the
     deployment secret: only a record that verifies makes its ``url`` a trusted peer.
     ``epoch`` changes with every start of the daemon."""
@@ -71,7 +36,7 @@ class DaemonRecord(_Signed, frozen=True):
         return f"registry record of {self.node_id!r}"
 
 
-class SourceRecord(_Signed, frozen=True):
+class SourceRecord(Signed, frozen=True):
     """The publisher slots of one version that one daemon holds, as published to the
     cluster registry (MAC'd like :class:`DaemonRecord`)."""
 
@@ -111,8 +76,9 @@ class PeerRecord(msgspec.Struct, frozen=True):
     transport_key: bytes = b""
 
 
-class PeerRegions(_Signed, frozen=True):
+class PeerRegions(Signed, frozen=True):
     """Region records one daemon sends another, MAC'd with the deployment secret.
+    (A msgspec Struct: its ``{}`` defaults are copied per instance, never shared.)
 
     ``transport`` is the sender's data-plane mode and ``advert`` its transport's own
     signed advertisement (empty when it runs no transport, i.e. ``shm``).
@@ -126,14 +92,14 @@ class PeerRegions(_Signed, frozen=True):
     regions: list[RegionInfo]
     advert: bytes = b""
     boot_id: str = ""
-    files: dict[int, tuple[int, int]] = {}
+    files: dict[int, tuple[int, int]] = {}  # noqa: RUF012
     #: the lease these records were given under ("" for none), and per listed region
     #: the byte ranges ``[start, end)`` that lease may read: a reader reads nothing else
     lease_id: str = ""
-    scope: dict[int, list[tuple[int, int]]] = {}
+    scope: dict[int, list[tuple[int, int]]] = {}  # noqa: RUF012
     #: every data plane the sender serves, by scheme: its signed advertisement
     #: (``advert`` is the first of them), so the reader picks the path
-    adverts: dict[str, bytes] = {}
+    adverts: dict[str, bytes] = {}  # noqa: RUF012
     mac: bytes = b""
 
     def _what(self) -> str:

@@ -20,8 +20,8 @@ from refitd.config import load_config
 from refitd.daemon.listeners import Caller, PullListener
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.peers import PeerPolicy, normalize_peer
+from refitd.daemon.process import listening
 from refitd.daemon.pulls import LocalSource, PullJob, PullManager
-from refitd.daemon.serve import listening
 from refitd.errors import AccessDenied, ConfigError, ConflictError, ProtocolError
 from refitd.wire import (
     DescriptorTable,

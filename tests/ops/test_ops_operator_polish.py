@@ -17,7 +17,7 @@ from support.daemons import FakeClock
 from support.docs import python_blocks
 
 from refitd.client.http import RefitClient
-from refitd.daemon.app import create_app
+from refitd.daemon.handlers import create_app
 from refitd.daemon.node import DaemonOptions
 from refitd.daemon.registry import Registry
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry

@@ -184,6 +184,18 @@ def test_all_names_the_public_interface() -> None:
     assert all(hasattr(interface, n) for n in interface.__all__)
 
 
+def test_all_names_the_public_batch_algebra() -> None:
+    import transports.batch as batch
+
+    public = {
+        n
+        for n, v in vars(batch).items()
+        if not n.startswith("_") and getattr(v, "__module__", None) == batch.__name__
+    }
+    assert public <= set(batch.__all__)
+    assert all(hasattr(batch, n) for n in batch.__all__)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.integers(0, 50), min_size=1, max_size=12), st.integers(1, 4))
 def test_shares_cover_every_byte_once_and_are_about_equal(lengths: list[int], shares: int) -> None:

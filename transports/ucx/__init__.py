@@ -1,5 +1,7 @@
 """The ``ucx`` transport: one-sided UCX GETs from supervised data-plane processes.
 
+Modules:
+
 - `transport`: `UcxTransport` and `UcxPeer`, the owner side (never loads UCX): which
   children exist, validation, deadlines, what a child's death costs.
 - `supervisor`: one child process: start it, send it requests with a bound, stop it.

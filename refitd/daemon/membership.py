@@ -1,4 +1,4 @@
-"""The daemon's side of the cluster registry (:mod:`refitd.cluster`): routes, and the
+"""The daemon's membership in the cluster registry (:mod:`refitd.cluster`): routes, and the
 hooks that keep the registry in step with this daemon.
 
 - once listening, the daemon registers its signed record (:func:`register`);

@@ -1,4 +1,4 @@
-"""The aiohttp application of API v1.
+"""The handlers of API v1, and :func:`create_app`, the aiohttp application they make.
 
 :func:`create_app` builds the app around one :class:`~refitd.daemon.node.Daemon`.
 Operators' pieces (auth, metrics, size limits, OpenAPI) plug in through
@@ -23,8 +23,6 @@ from aiohttp import web
 
 from refitd.cluster import registry_from_config
 from refitd.daemon.auth import check_owner, owner_for, principal_of, sees_region
-from refitd.daemon.cluster import CLUSTER, REGISTRY_ORIGIN, announce
-from refitd.daemon.cluster import routes as cluster_routes
 from refitd.daemon.httpio import (
     DAEMON,
     RouteTable,
@@ -37,6 +35,8 @@ from refitd.daemon.httpio import (
     wants_msgpack,
 )
 from refitd.daemon.listeners import Caller, PullCap, WriteRule
+from refitd.daemon.membership import CLUSTER, REGISTRY_ORIGIN, announce
+from refitd.daemon.membership import routes as cluster_routes
 from refitd.daemon.metrics import METRICS_KEY, PullMetrics
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.peerclient import PeerClient
