@@ -453,11 +453,11 @@ def create_app(
     app.add_routes(routes)
     app[POOLS] = pools = ExpertPools(d)
     pulls.listen(pools)  # the experts a pull rewrites leave their slots
+    # Pulls by outcome, bytes by the path each took, once the app has metrics.
+    pulls.listen(PullMetrics(lambda: app.get(METRICS_KEY)))
     app.on_shutdown.append(close_pools)  # before cleanup closes the regions
     app.add_routes(expert_routes)
     app.add_routes(cluster_routes)
     for fn in setup:
         fn(app)
-    if METRICS_KEY in app:  # pulls by outcome, bytes by the path each took
-        pulls.listen(PullMetrics(app[METRICS_KEY]))
     return app

@@ -235,15 +235,19 @@ METRICS_KEY = web.AppKey("refitd_metrics", Metrics)
 
 
 class PullMetrics(PullListener):
-    """Records every pull of a daemon in ``metrics`` when it ends: its outcome, its
-    wall time and the bytes it moved, by the path it took (``job.path``)."""
+    """Records every pull of a daemon when it ends: its outcome, its wall time and
+    the bytes it moved, by the path it took (``job.path``), in the :class:`Metrics`
+    ``metrics()`` returns then (None: the app has none, nothing is recorded)."""
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Callable[[], Metrics | None]) -> None:
         self.metrics = metrics
 
     def ended(self, job: PullJob) -> None:
+        metrics = self.metrics()
+        if metrics is None:
+            return
         ended = job.ended if job.ended is not None else job.started
-        self.metrics.pull_finished(
+        metrics.pull_finished(
             transport=job.path,
             outcome=str(job.state),
             nbytes=int(job.bytes_done),
