@@ -45,6 +45,10 @@ pytestmark = pytest.mark.timeout(120)
 SECRET = b"tcp-test-secret-0123456789abcdef"
 SIZE = 4 << 20
 DEADLINE_S = 3.0
+# The deadline of the stopped-source test: healthy B's whole pull (connect, 4 MiB) must fit
+# inside it on a loaded 2-core machine, or B itself times out. Generous by design; the test
+# waits it out once, for stopped A.
+STOPPED_SOURCE_DEADLINE_S = 10.0
 PIECE = 64 << 10
 
 
@@ -268,7 +272,7 @@ async def test_a_stopped_source_fails_only_its_pulls_at_the_deadline_naming_it_w
         proc_a, info_a = await stack.enter_async_context(peer_process(1, SIZE, SECRET, "tcp"))
         _, info_b = await stack.enter_async_context(peer_process(2, SIZE, SECRET, "tcp"))
         puller = await stack.enter_async_context(
-            TcpTransport(secret=SECRET, pull_timeout=DEADLINE_S)
+            TcpTransport(secret=SECRET, pull_timeout=STOPPED_SOURCE_DEADLINE_S)
         )
         await puller.register(LOCAL, dst_a)
         await puller.register(LOCAL + 1, dst_b)
@@ -279,18 +283,21 @@ async def test_a_stopped_source_fails_only_its_pulls_at_the_deadline_naming_it_w
         try:
             t0 = time.monotonic()
             task_a = asyncio.create_task(timed(peer_a, batch_a))
-            await asyncio.sleep(0.1)
-            (end_b, err_b) = await timed(peer_b, batch_b)
+            await asyncio.sleep(0)  # A's pull is handed over first
+            (_, err_b) = await timed(peer_b, batch_b)
+            # an outcome, not a speed: B ended while A's pull was still pending
+            a_pending_when_b_ended = not task_a.done()
             (end_a, err_a) = await task_a
         finally:
             os.kill(proc_a.pid, signal.SIGCONT)
         assert err_b is None, f"the pull from healthy B failed beside stopped A: {err_b}"
         assert landed(dst_b, 2, batch_b)
-        assert end_b - t0 < DEADLINE_S, "B's pull waited for stopped A"
+        assert a_pending_when_b_ended, "B's pull waited for stopped A"
         assert isinstance(err_a, PeerLost), err_a
         assert repr(info_a.peer_id) in str(err_a) and "pull deadline" in str(err_a)
         assert f"region {LOCAL} [0, {SIZE})" in str(err_a), "it names the suspect bytes"
-        assert end_a - t0 >= DEADLINE_S * 0.9
+        # the deadline never fires early (a lower bound: load can only lengthen it)
+        assert end_a - t0 >= STOPPED_SOURCE_DEADLINE_S
         # A answers again: the next pull from it connects afresh and completes
         dst_a.numpy()[:] = 0
         await peer_a.get(batch_a)
