@@ -70,6 +70,12 @@ def missing() -> str | None:
     for tool in _TOOLS:
         if shutil.which(tool) is None:
             return f"simulated hosts need `{tool}` on PATH"
+    # root alone is not enough: a container may refuse new namespaces (no CAP_SYS_ADMIN)
+    probe = subprocess.run(
+        ["unshare", "--net", "--mount", "true"], capture_output=True, text=True, check=False
+    )
+    if probe.returncode != 0:
+        return f"new network and mount namespaces are not allowed here: {probe.stderr.strip()}"
     return None
 
 
