@@ -10,7 +10,7 @@
     ├── AccessError                 the caller lacks rights: it must present better ones
     │   ├── Unauthenticated         no valid credential was presented (401)
     │   └── AccessDenied            the principal may not act on this object (403)
-    ├── ConflictError               the state moved on: stale version, lease, epoch
+    ├── ConflictError               the state moved on: stale version, lease, incarnation
     ├── NotFoundError               a named region, version, lease or pull is unknown
     └── ResourceExhausted           the node cannot take more now: free something first
         ├── InsufficientStorage     shared memory is full (507)
@@ -79,7 +79,7 @@ class AccessDenied(AccessError):
 
 
 class ConflictError(RefitError):
-    """The request raced the state: a stale version, an expired lease, a changed epoch."""
+    """The request raced the state: a stale version, an expired lease, a changed incarnation."""
 
 
 class NotFoundError(RefitError):

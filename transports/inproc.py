@@ -61,17 +61,17 @@ class InProcessPeer(Peer):
             {k: v.size for k, v in self._remote.items()},
         )
         # The source must still be the registration the record names: a region
-        # re-registered since (new epoch) or dropped is refused, not read.
+        # re-registered since (new generation) or dropped is refused, not read.
         target = _LIVE.get(self.info.address.decode())
         if target is None or target.closed:
             raise TransportClosed(f"get refused: peer {self.info.peer_id!r} is gone")
         live = target.regions
         for rid in np.unique(reads["remote_region"]).tolist():
             rec, cur = self._remote[rid], live.get(rid)
-            if cur is None or cur.info.epoch != rec.epoch:
+            if cur is None or cur.info.generation != rec.generation:
                 raise ProtocolError(
-                    f"get refused: remote region {rid} epoch {rec.epoch} is no longer registered "
-                    f"at {self.info.peer_id!r}; fetch a fresh record"
+                    f"get refused: remote region {rid} generation {rec.generation} is no longer "
+                    f"registered at {self.info.peer_id!r}; fetch a fresh record"
                 )
         live_reads = reads[reads["nbytes"] > 0]
         if len(live_reads) == 0:
@@ -100,7 +100,7 @@ class InProcessTransport(Transport):
         self._regions: dict[int, LocalRegion] = {}
         self._token = f"{os.getpid()}:{id(self):x}:{time.monotonic_ns()}"
         self.closed = True
-        self._epoch = time.time_ns()
+        self._generation = time.time_ns()
 
     async def start(self) -> None:
         self.closed = False
@@ -116,9 +116,12 @@ class InProcessTransport(Transport):
             raise TransportClosed(
                 f"registering region {region_id} refused: {self.scheme} transport is closed"
             )
-        self._epoch += 1
+        self._generation += 1
         info = AdvertisedRegion(
-            region_id=region_id, epoch=self._epoch, address=segment.address, size=segment.size
+            region_id=region_id,
+            generation=self._generation,
+            address=segment.address,
+            size=segment.size,
         )
         region = LocalRegion(region_id, segment, info)
         self._regions[region_id] = region

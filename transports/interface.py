@@ -17,7 +17,7 @@ regions' records before the first byte moves (`validate_batch`); a refused batch
 reads nothing.
 
 Peer records are authenticated: `PeerInfo` carries an HMAC-SHA256 over every field
-(worker address, region ids, epochs, addresses, sizes, packed keys) made with the
+(worker address, region ids, generations, addresses, sizes, packed keys) made with the
 secret the transports of one deployment share. A record whose MAC does not verify is
 refused before any key is unpacked.
 
@@ -157,13 +157,13 @@ class AdvertisedRegion(msgspec.Struct, frozen=True):
     """What a peer needs to read a region: the owner's address space, not ours.
 
     ``address`` is the region's base address in the process that serves it (the
-    data-plane process for UCX); ``size`` is exact, in bytes; ``epoch`` changes every
+    data-plane process for UCX); ``size`` is exact, in bytes; ``generation`` changes every
     time the region is (re-)registered, so a stale record is detectable; ``rkey`` is
     the transport's packed remote key (empty where none is needed).
     """
 
     region_id: int
-    epoch: int
+    generation: int
     address: int
     size: int
     rkey: bytes = b""
@@ -226,8 +226,8 @@ class LocalRegion:
         return self.segment.size
 
     @property
-    def epoch(self) -> int:
-        return self.info.epoch
+    def generation(self) -> int:
+        return self.info.generation
 
 
 # ---------------------------------------------------------------------------- interface
@@ -275,7 +275,7 @@ class TransportOptions:
     transport's: ``lanes`` connections per peer, the data server's ``host`` and
     ``port`` (0: any free one), the host it advertises (``advertise_host``, "" the
     bound one), who may connect (``accept(host)``) and read (``authorize(lease)``,
-    required when ``require_lease``), and ``epoch``, its server's life."""
+    required when ``require_lease``), and ``incarnation``, its server's life."""
 
     secret: bytes = field(repr=False)
     peer_id: str = ""
@@ -287,7 +287,7 @@ class TransportOptions:
     accept: Callable[[str], bool] | None = None
     authorize: Callable[[str], bool] | None = None
     require_lease: bool = False
-    epoch: int | None = None
+    incarnation: int | None = None
 
 
 class Transport(ABC):
@@ -324,7 +324,7 @@ class Transport(ABC):
     async def register(self, region_id: int, segment: MappedMemory) -> LocalRegion:
         """Register a whole allocation once under ``region_id`` (daemon-chosen).
 
-        Registering an id again replaces the old registration with a new epoch.
+        Registering an id again replaces the old registration with a new generation.
         """
 
     @abstractmethod

@@ -23,7 +23,7 @@ reads through the mappings of the last one. A mapping a peer or a read in flight
 holds is never unmapped.
 
 ``PeerInfo.address`` is ``<boot id>:<tag>`` (the tag tells peers of one host apart:
-the serving process's pid here, a daemon's epoch in the daemon's records); each
+the serving process's pid here, a daemon's incarnation in the daemon's records); each
 region's ``rkey`` is :func:`segment_key`: the msgpack of ``(segment name, st_dev,
 st_ino)``. :meth:`ShmTransport.loopback` reads between this transport's own
 regions (a daemon's pull from itself).
@@ -124,19 +124,21 @@ class ListedSegment:
 
 
 def peer_record(
-    peer_id: str, boot: str, epoch: int, segments: Iterable[ListedSegment], secret: bytes
+    peer_id: str, boot: str, incarnation: int, segments: Iterable[ListedSegment], secret: bytes
 ) -> PeerInfo:
     """The ``shm`` record of a same-host peer, built by the reader from records it
     already verified (a daemon: the peer's lease-scoped region records), so it lists
-    only what the reader may read: address ``<boot id>:<epoch>`` (``epoch``: the
-    peer's life), per region its segment's name and file (:func:`segment_key`),
+    only what the reader may read: address ``<boot id>:<incarnation>`` (the peer's
+    life), per region its segment's name and file (:func:`segment_key`),
     signed with the deployment ``secret`` as :meth:`ShmTransport.connect` wants."""
     return PeerInfo(
         scheme=ShmTransport.scheme,
         peer_id=peer_id,
-        address=f"{boot}:{epoch}".encode(),
+        address=f"{boot}:{incarnation}".encode(),
+        # The peer's incarnation stands in for each region's generation: a daemon's
+        # region ids are not reused within one incarnation, so that is precise enough.
         regions=tuple(
-            AdvertisedRegion(s.region_id, epoch, 0, s.size, segment_key(s.name, s.dev, s.ino))
+            AdvertisedRegion(s.region_id, incarnation, 0, s.size, segment_key(s.name, s.dev, s.ino))
             for s in segments
         ),
     ).signed(secret)
@@ -283,7 +285,9 @@ class ShmTransport(LocalTransport):
             key = segment_key(segment.name, *file_id(segment.name))
         except OSError:
             key = b""  # a name already unlinked: a destination only, never advertised
-        info = AdvertisedRegion(region.info.region_id, region.info.epoch, 0, region.info.size, key)
+        info = AdvertisedRegion(
+            region.info.region_id, region.info.generation, 0, region.info.size, key
+        )
         self._regions[region_id] = LocalRegion(region_id, segment, info)
         return self._regions[region_id]
 

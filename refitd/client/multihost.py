@@ -74,7 +74,7 @@ def merge_manifests(manifests: list[MergedManifest]) -> MergedManifest:
                 renamed = ShardEntry(s.offset, s.shape, i * REGION_STRIDE + s.region, s.byte_offset)
                 own.setdefault((tuple(s.offset), tuple(s.shape)), renamed)
     first = manifests[0]
-    who = "+".join(f"{m.node_id}@{m.epoch}" for m in manifests)
+    who = "+".join(f"{m.node_id}@{m.incarnation}" for m in manifests)
     merged = [
         TensorEntry(n, t.shape, t.dtype, list(blocks[n].values())) for n, t in tensors.items()
     ]

@@ -211,7 +211,7 @@ class DaemonReceiver:
         """What a compiled plan is bound to: the source daemon incarnation, every
         tensor's shape/dtype/shards (regions and byte offsets), and the engine layout."""
         h = hashlib.blake2b(digest_size=16)
-        h.update(f"{m.node_id}/{m.epoch}".encode())
+        h.update(f"{m.node_id}/{m.incarnation}".encode())
         h.update(msgspec.msgpack.encode(m.tensors))
         h.update(engine_layout)
         return h.digest()

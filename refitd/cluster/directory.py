@@ -78,7 +78,7 @@ class Directory:
 
     def _replaced(self, node_id: str, rec: DaemonRecord) -> bool:
         now = self.daemons.get(node_id)
-        return now is None or now.epoch != rec.epoch
+        return now is None or now.incarnation != rec.incarnation
 
     def put(self, key: str, value: bytes) -> Change:
         before = self.daemons.get(self._node_of(key) or "")
@@ -86,7 +86,7 @@ class Directory:
         after = self.daemons.get(self._node_of(key) or "")
         gone = (
             (before,)
-            if before is not None and (after is None or after.epoch != before.epoch)
+            if before is not None and (after is None or after.incarnation != before.incarnation)
             else ()
         )
         return Change(gone, frozenset({model} if model else ()))
@@ -163,7 +163,7 @@ class Directory:
         out = []
         for node, src in sorted(self.sources.get(model, {}).get(version, {}).items()):
             d = self.daemons.get(node)
-            if d is not None and d.epoch == src.epoch:
+            if d is not None and d.incarnation == src.incarnation:
                 out.append(src)
         return out
 

@@ -48,7 +48,7 @@ async def register(app: web.Application, url: str) -> None:
     d = app[DAEMON]
     reg = app[CLUSTER]
     advertise = getattr(d.options.registry, "advertise_url", "") if d.options.registry else ""
-    me = DaemonRecord(d.node_id, advertise or url, d.epoch, d.options.transport, d.boot_id)
+    me = DaemonRecord(d.node_id, advertise or url, d.incarnation, d.options.transport, d.boot_id)
     await reg.start(me)
     for model in sorted({v.model for v in d.registry.versions()}):
         await announce(app, model)
@@ -64,7 +64,7 @@ async def announce(app: web.Application, model: str) -> None:
         SourceRecord(
             d.node_id,
             reg.me.url,
-            d.epoch,
+            d.incarnation,
             v.model,
             v.version,
             v.state,

@@ -136,11 +136,11 @@ class Daemon:
     ) -> None:
         self.options = options
         self.node_id = options.node_id or f"{socket.gethostname()}-{os.getpid()}"
-        self.epoch = time.time_ns()
+        self.incarnation = time.time_ns()
         self.clock = clock
         self.limits: LimitsConfig = options.limits or LimitsConfig()
         self.registry = Registry(
-            self.node_id, self.epoch, clock, pending_ttl_s=self.limits.pending_ttl_s
+            self.node_id, self.incarnation, clock, pending_ttl_s=self.limits.pending_ttl_s
         )
         #: published manifests being decoded and checked now (off the event loop), and
         #: how many may be at once (the others wait before their body is read)
@@ -165,7 +165,7 @@ class Daemon:
                 secret=options.secret, peer_id=self.node_id, copier=copier, boot_id=self.boot_id
             )
         )
-        self.store = RegionStore(self.epoch, self.plane, self.registry)
+        self.store = RegionStore(self.incarnation, self.plane, self.registry)
         self.staging = StagingPool(self.store, self.registry, self.plane.shm)
         self.drain = LeaseDrain(self.registry, clock)
         self.ready = False
@@ -260,7 +260,7 @@ class Daemon:
             worker = {"scheme": advert.scheme, "peer_id": advert.peer_id}
         return NodeInfo(
             self.node_id,
-            self.epoch,
+            self.incarnation,
             self.options.transport,
             worker,
             shm_huge_pages=huge_page_mode(),
@@ -395,7 +395,7 @@ class Daemon:
             files = self.shm.file_ids([r.region_id for r in infos])
         rec = PeerRegions(
             self.node_id,
-            self.epoch,
+            self.incarnation,
             self.options.transport,
             infos,
             advert,

@@ -55,7 +55,7 @@ ERROR_STATUSES: dict[str, str] = {
     "401": "Unauthenticated: a bearer token is required",
     "403": "AccessDenied: the principal may not act on this object",
     "404": "NotFoundError: the named object does not exist",
-    "409": "ConflictError: the state moved on (version, lease, epoch)",
+    "409": "ConflictError: the state moved on (version, lease, incarnation)",
     "413": "RequestTooLarge: the body exceeds server.max_request_bytes",
     "422": "PlanError: the plan, model layout or expert pool request cannot be served",
     "502": "TransportError: the data plane could not move the bytes",

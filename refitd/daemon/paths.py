@@ -118,7 +118,7 @@ def transport_options(daemon: Daemon, scheme: str) -> TransportOptions:
         accept=accept,
         authorize=daemon.registry.is_live,
         require_lease=True,
-        epoch=daemon.epoch,
+        incarnation=daemon.incarnation,
     )
 
 
@@ -164,7 +164,7 @@ def choose_remote(
 
 def tcp_grant(peer: PeerRegions, advert: PeerInfo, secret: bytes) -> PeerInfo:
     """The ``tcp`` grant for a pull: ``peer``'s regions (as its tcp advertisement
-    registers them: epochs, sizes) limited to the byte ranges of ``peer``'s lease
+    registers them: generations, sizes) limited to the byte ranges of ``peer``'s lease
     scope, signed. The source's data server reads nothing outside it."""
     listed = {r.region_id: r for r in advert.regions}
     regions = []

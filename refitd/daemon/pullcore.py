@@ -129,7 +129,7 @@ def merge_peer(a: PeerRegions, b: PeerRegions) -> PeerRegions:
     seen = {r.region_id for r in a.regions}
     return PeerRegions(
         a.node_id,
-        a.epoch,
+        a.incarnation,
         a.transport,
         a.regions + [r for r in b.regions if r.region_id not in seen],
         b.advert or a.advert,
@@ -182,7 +182,7 @@ def shm_record(peer: PeerRegions, secret: bytes) -> PeerInfo:
                 f"names no file for segment {r.handle!r}"
             )
         segments.append(ListedSegment(r.region_id, r.handle, file[0], file[1], r.nbytes))
-    return peer_record(peer.node_id, peer.boot_id, peer.epoch, segments, secret)
+    return peer_record(peer.node_id, peer.boot_id, peer.incarnation, segments, secret)
 
 
 # ---------------------------------------------------------------- pacing

@@ -210,7 +210,7 @@ class PullManager:
         self.jobs: dict[str, PullJob] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._seq = itertools.count(1)
-        #: the transport's connection per source daemon life (node id, epoch)
+        #: the transport's connection per source daemon life (node id, incarnation)
         self._peers: dict[tuple[str, int, str], Peer] = {}
 
     def listen(self, listener: PullListener) -> None:
@@ -430,8 +430,8 @@ class PullManager:
         info = adverts(peer)[scheme]
         if scheme == TCP_SCHEME:
             info = tcp_grant(peer, info, self.secret)
-        key = (peer.node_id, peer.epoch, scheme)
-        for old in [k for k in self._peers if k[0] == peer.node_id and k[1] != peer.epoch]:
+        key = (peer.node_id, peer.incarnation, scheme)
+        for old in [k for k in self._peers if k[0] == peer.node_id and k[1] != peer.incarnation]:
             await self._peers.pop(old).close()  # an earlier life of that daemon
         conn = self._peers.get(key)
         if conn is None:

@@ -146,20 +146,20 @@ class _Version:
 class Registry:
     """Manifests, versions and leases for every model this daemon serves.
 
-    ``node_id``/``epoch`` are stamped into merged manifests so readers know which
+    ``node_id``/``incarnation`` are stamped into merged manifests so readers know which
     daemon (and which incarnation of it) holds the regions.
     """
 
     def __init__(
         self,
         node_id: str,
-        epoch: int,
+        incarnation: int,
         clock: Clock = time.monotonic,
         *,
         pending_ttl_s: float = PENDING_TTL_S,
     ) -> None:
         self.node_id = node_id
-        self.epoch = epoch
+        self.incarnation = incarnation
         self._clock = clock
         self._versions: dict[tuple[str, int], _Version] = {}
         self._leases: dict[str, Lease] = {}
@@ -466,7 +466,7 @@ class Registry:
                     tensors.append(t)
                 else:
                     tensors.append(TensorEntry(name, t.shape, t.dtype, list(blocks.values())))
-        return MergedManifest(v.model, v.version, self.node_id, self.epoch, tensors)
+        return MergedManifest(v.model, v.version, self.node_id, self.incarnation, tensors)
 
     # ------------------------------------------------------------ leases
 

@@ -50,10 +50,10 @@ log = logging.getLogger("refitd.daemon")
 
 
 class RegionTable:
-    """Region records by id. Ids are never reused within one daemon epoch."""
+    """Region records by id. Ids are never reused within one daemon incarnation."""
 
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
+    def __init__(self, incarnation: int) -> None:
+        self.incarnation = incarnation
         self._records: dict[int, RegionInfo] = {}
         self._seq = itertools.count(1)
 
@@ -92,14 +92,14 @@ class RegionTable:
 
 class RegionStore:
     """Region records (``regions``) and their mapped segments (``segments``) of one
-    daemon life (``epoch``), registered with the data planes of ``plane``.
+    daemon life (``incarnation``), registered with the data planes of ``plane``.
     ``registry`` says which regions a version protects from deletion and reaping."""
 
-    def __init__(self, epoch: int, plane: TransportSet, registry: Registry) -> None:
-        self.epoch = epoch
+    def __init__(self, incarnation: int, plane: TransportSet, registry: Registry) -> None:
+        self.incarnation = incarnation
         self.plane = plane
         self.registry = registry
-        self.regions = RegionTable(epoch)
+        self.regions = RegionTable(incarnation)
         self.segments: dict[int, SharedSegment] = {}
         #: the memory behind each region, ``(st_dev, st_ino)`` of its segment -> region
         #: id: one memory is one region, so every rule keyed on a region id holds for
@@ -161,7 +161,7 @@ class RegionStore:
         if holder and not self.holders.watch(holder):
             holder = ""  # not a process visible here: the region lives until deleted
         info = RegionInfo(
-            rid, kind, seg.name, seg.size, self.epoch, owner, label, daemon_owned, holder
+            rid, kind, seg.name, seg.size, self.incarnation, owner, label, daemon_owned, holder
         )
         if holder:
             self._held.setdefault(holder, set()).add(rid)

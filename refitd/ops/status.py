@@ -46,7 +46,7 @@ async def gather(client: Any) -> dict[str, Any]:
     return {
         "url": client.base_url,
         "node_id": node.node_id,
-        "epoch": node.epoch,
+        "incarnation": node.incarnation,
         "transport": node.transport,
         "shm_huge_pages": node.shm_huge_pages,
         "ucx_transports": node.ucx_transports,
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         ready = (
             "[green]ready[/]" if info["ready"] else f"[red]not ready[/]: {info['not_ready_reason']}"
         )
-        table.add_row("node", f"{info['node_id']} (epoch {info['epoch']})")
+        table.add_row("node", f"{info['node_id']} (incarnation {info['incarnation']})")
         table.add_row("state", ready)
         table.add_row("transport", info["transport"])
         huge = info["shm_huge_pages"] or "unknown"

@@ -23,11 +23,11 @@ __all__ = [
 class DaemonRecord(Signed, frozen=True):
     """One daemon as registered in the cluster registry (etcd), MAC'd with the
     deployment secret: only a record that verifies makes its ``url`` a trusted peer.
-    ``epoch`` changes with every start of the daemon."""
+    ``incarnation`` changes with every start of the daemon."""
 
     node_id: Name
     url: str
-    epoch: int
+    incarnation: int
     transport: str
     boot_id: str = ""
     mac: bytes = b""
@@ -42,7 +42,7 @@ class SourceRecord(Signed, frozen=True):
 
     node_id: Name
     url: str
-    epoch: int
+    incarnation: int
     model: Name
     version: NonNeg
     state: VersionState
@@ -71,7 +71,7 @@ class PeerRecord(msgspec.Struct, frozen=True):
     opaque here; for the shared-memory path it is the segment name."""
 
     node_id: str
-    epoch: int
+    incarnation: int
     region: RegionInfo
     transport_key: bytes = b""
 
@@ -87,7 +87,7 @@ class PeerRegions(Signed, frozen=True):
     when its own boot id matches and the file it maps by name is that very file."""
 
     node_id: str
-    epoch: int
+    incarnation: int
     transport: str
     regions: list[RegionInfo]
     advert: bytes = b""

@@ -24,14 +24,14 @@ Health = Literal["ok"]
 
 
 class NodeInfo(msgspec.Struct, frozen=True):
-    """Identity of one daemon. ``epoch`` changes on every start, so a peer can tell a
+    """Identity of one daemon. ``incarnation`` changes on every start, so a peer can tell a
     restarted daemon (whose regions and keys are gone) from the one it knew.
     ``shm_huge_pages`` is the ``huge=`` mode of the tmpfs holding its segments
     (``transports.segments.huge_page_mode``): under ``never`` they get 4 KiB pages and
     same-host UCX pulls from them move about half as much per thread."""
 
     node_id: str
-    epoch: int
+    incarnation: int
     transport: str
     worker_info: dict[str, str] = {}
     version: str = "1"
@@ -80,14 +80,14 @@ class RegionAttach(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class RegionInfo(msgspec.Struct, frozen=True):
     """The daemon's record of a region: what every descriptor is checked against.
 
-    ``region_id`` is unique within one daemon epoch and is also the id the region is
+    ``region_id`` is unique within one daemon incarnation and is also the id the region is
     registered under with the daemon's transport."""
 
     region_id: int
     kind: RegionKind
     handle: str
     nbytes: int
-    epoch: int
+    incarnation: int
     owner: str = ""
     label: str = ""
     daemon_owned: bool = False

@@ -94,12 +94,12 @@ class VersionInfo(msgspec.Struct, frozen=True):
 class MergedManifest(msgspec.Struct, frozen=True):
     """A READY version's tensors, replicas removed (one shard per distinct block).
 
-    ``node_id``/``epoch`` name the daemon holding every listed region, so a receiver's
+    ``node_id``/``incarnation`` name the daemon holding every listed region, so a receiver's
     daemon knows whom to read from and can detect that daemon restarting.
     """
 
     model: str
     version: int
     node_id: str
-    epoch: int
+    incarnation: int
     tensors: list[TensorEntry]

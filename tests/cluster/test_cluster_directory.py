@@ -11,14 +11,16 @@ SECRET = b"k" * 32
 P = "/refitd"
 
 
-def daemon(node: str, epoch: int = 1, secret: bytes = SECRET) -> tuple[str, bytes]:
-    rec = DaemonRecord(node, f"http://{node}:7450", epoch, "auto").signed(secret)
+def daemon(node: str, incarnation: int = 1, secret: bytes = SECRET) -> tuple[str, bytes]:
+    rec = DaemonRecord(node, f"http://{node}:7450", incarnation, "auto").signed(secret)
     return daemon_key(P, node), msgspec.msgpack.encode(rec)
 
 
-def source(node: str, slots: list[int], version: int = 1, epoch: int = 1) -> tuple[str, bytes]:
+def source(
+    node: str, slots: list[int], version: int = 1, incarnation: int = 1
+) -> tuple[str, bytes]:
     rec = SourceRecord(
-        node, f"http://{node}:7450", epoch, "m", version, VersionState.PENDING, slots, 4
+        node, f"http://{node}:7450", incarnation, "m", version, VersionState.PENDING, slots, 4
     ).signed(SECRET)
     return source_key(P, "m", version, node), msgspec.msgpack.encode(rec)
 
@@ -39,7 +41,7 @@ def test_a_version_is_complete_only_when_registered_holders_cover_every_slot() -
 
 def test_records_of_another_incarnation_or_secret_or_key_are_not_trusted() -> None:
     d = Directory(P, SECRET)
-    d.replace([daemon("a", epoch=2), source("a", [0, 1, 2, 3], epoch=1)])
+    d.replace([daemon("a", incarnation=2), source("a", [0, 1, 2, 3], incarnation=1)])
     # The source record is of the daemon's previous incarnation: its regions are gone.
     assert d.holders("m", 1) == []
     d.put(*daemon("evil", secret=b"x" * 32))
@@ -52,7 +54,7 @@ def test_records_of_another_incarnation_or_secret_or_key_are_not_trusted() -> No
 
 def test_a_daemon_registering_again_as_a_new_incarnation_is_reported_gone() -> None:
     d = Directory(P, SECRET)
-    d.put(*daemon("a", epoch=1))
-    change = d.put(*daemon("a", epoch=2))
-    assert [r.epoch for r in change.gone] == [1]
-    assert d.put(*daemon("a", epoch=2)).gone == ()
+    d.put(*daemon("a", incarnation=1))
+    change = d.put(*daemon("a", incarnation=2))
+    assert [r.incarnation for r in change.gone] == [1]
+    assert d.put(*daemon("a", incarnation=2)).gone == ()

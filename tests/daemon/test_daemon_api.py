@@ -108,7 +108,7 @@ async def test_health_ready_and_node_identity_answer(env: Env) -> None:
     assert (await env.client.health())["status"] == "ok"
     assert (await env.client.ready())["transport"] == "shm"
     node = await env.client.node()
-    assert node.node_id == "t" and node.epoch == env.daemon.epoch
+    assert node.node_id == "t" and node.incarnation == env.daemon.incarnation
 
 
 async def test_a_region_is_created_listed_and_deleted(env: Env) -> None:

@@ -202,7 +202,7 @@ async def test_a_same_host_record_is_trusted_only_for_the_very_file_and_size_it_
         )
         # A record with no file identity at all is not trusted either.
         bare = PeerRegions(
-            rec.node_id, rec.epoch, rec.transport, rec.regions, rec.advert, rec.boot_id
+            rec.node_id, rec.incarnation, rec.transport, rec.regions, rec.advert, rec.boot_id
         )
         assert "names no file" in str(await engine.pulls.shm_refusal(bare))
 
@@ -284,7 +284,9 @@ async def test_data_plane_lanes_and_port_configure_the_tcp_data_server() -> None
     async with node("solo", transport="tcp", lanes=2) as n:
         t = n.daemon.transports["tcp"]
         assert isinstance(t, TcpTransport) and t.lanes == 2 and t.require_lease
-        assert t.epoch == n.daemon.epoch, "a restarted daemon's data server has a new epoch"
+        assert t.incarnation == n.daemon.incarnation, (
+            "a restarted daemon's data server has a new incarnation"
+        )
 
 
 async def test_the_tcp_data_server_answers_only_trusted_peers_hosts_and_loopback() -> None:

@@ -100,20 +100,22 @@ async def test_killing_a_peer_mid_pull_ten_times_fails_only_that_pull_and_the_ne
                 assert landed(dst, batch, 99)
 
 
-async def test_a_killed_serving_process_is_restarted_with_new_epochs_and_pulls_go_on_in_their_own_process() -> (
+async def test_a_killed_serving_process_is_restarted_with_new_generations_and_pulls_go_on_in_their_own_process() -> (
     None
 ):
     async with open_pair("ucx", 1 << 20, 1 << 20) as pair:
         t, peer = pair.puller, pair.peer
         assert isinstance(t, UcxTransport) and isinstance(peer, UcxPeer)
-        old_pid, old_epoch, reader = t.pid, t.regions[LOCAL].epoch, peer.pid
+        old_pid, old_generation, reader = t.pid, t.regions[LOCAL].generation, peer.pid
         restarted = asyncio.Event()
-        t.on_restart = lambda generation: restarted.set()
+        t.on_restart = lambda incarnation: restarted.set()
         assert old_pid is not None
         os.kill(old_pid, signal.SIGKILL)
         await restarted.wait()
         assert t.pid not in (None, old_pid)
-        assert t.regions[LOCAL].epoch > old_epoch, "re-registration must advertise a new epoch"
+        assert t.regions[LOCAL].generation > old_generation, (
+            "re-registration must advertise a new generation"
+        )
         b = shuffled_batch(256, 4096)
         await peer.get(b)
         assert peer.pid == reader, "the process pulling from the peer was not touched"

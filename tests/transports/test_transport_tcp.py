@@ -73,10 +73,10 @@ def raw_connect(
 ) -> socket.socket:
     """A hand-made client: the handshake with ``secret``, opening with ``grant``.
     Returns the socket after the server's OK (ConnectionError if it closed instead)."""
-    host, port, epoch = parse_address(info.address)
+    host, port, incarnation = parse_address(info.address)
     sock = socket.create_connection((host, port), timeout=10)
     cn = os.urandom(16)
-    sock.sendall(HELLO.pack(MAGIC, 7, epoch, cn))
+    sock.sendall(HELLO.pack(MAGIC, 7, incarnation, cn))
     se, sn, _ = CHALLENGE.unpack(recv_exact(sock, CHALLENGE.size))
     body = grant.encode()
     proof = client_proof(secret, cn, sn, 7, se, grant.mac)
@@ -171,7 +171,7 @@ async def test_a_source_that_requires_a_lease_refuses_a_connection_with_an_unsco
 async def test_a_read_of_a_region_registered_again_since_the_grant_is_refused_at_the_source(
     pair: Pair,
 ) -> None:
-    await pair.source.register(REMOTE, pair.remote)  # a new epoch under the same id
+    await pair.source.register(REMOTE, pair.remote)  # a new generation under the same id
     with pytest.raises(PullFailed, match="registered again since"):
         await pair.peer.get([(LOCAL, 0, REMOTE, 0, 4096)])
 
@@ -194,11 +194,11 @@ async def test_a_host_the_source_does_not_trust_is_closed_unanswered() -> None:
         return False
 
     async with TcpTransport(secret=SECRET, accept=accept) as source:
-        host, port, epoch = parse_address(source.advertise().address)
+        host, port, incarnation = parse_address(source.advertise().address)
 
         def hello() -> bool:
             with socket.create_connection((host, port), timeout=10) as sock:
-                sock.sendall(HELLO.pack(MAGIC, 1, epoch, os.urandom(16)))
+                sock.sendall(HELLO.pack(MAGIC, 1, incarnation, os.urandom(16)))
                 return closed(sock)
 
         assert await asyncio.to_thread(hello), "the source answered an untrusted host"
@@ -325,7 +325,7 @@ async def test_a_killed_source_fails_the_pull_in_flight_with_peer_lost_and_suspe
         assert repr(info.peer_id) in str(err.value)
 
 
-async def test_a_restarted_source_is_detected_by_its_new_epoch_and_a_new_record_reconnects() -> (
+async def test_a_restarted_source_is_detected_by_its_new_incarnation_and_a_new_record_reconnects() -> (
     None
 ):
     with SharedSegment.create(SIZE, "dst") as dst, SharedSegment.create(SIZE, "src") as src:

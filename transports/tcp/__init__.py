@@ -15,17 +15,17 @@ while the source host was busy. Here:
   destination region. ``TCP_NODELAY`` and large socket buffers on both ends.
 - **Safer than an rkey.** The source's data server (`transports.tcp.serve`) checks
   every read against the signed record the connection was granted (regions, their
-  epochs, the byte ranges of one lease: `transports.tcp.frames.scope_key`) before it
+  generations, the byte ranges of one lease: `transports.tcp.frames.scope_key`) before it
   sends a byte. Connections authenticate with the deployment secret (no token
   travels); a host ``accept`` refuses is closed unanswered.
 - **Faults.** Every request has the pull deadline (``pull_timeout`` s) as its socket
   timeout: a stopped source fails the pulls reading from it (`PeerLost`, naming it)
   and nothing else; a killed one fails them at once. Either way the lane is closed
   (its stream is in an unknown state) and the next read connects again; a source
-  that restarted (another epoch) refuses that connection, and the error says so,
+  that restarted (another incarnation) refuses that connection, and the error says so,
   so its daemon's new record is fetched.
 
-``PeerInfo.address`` is the msgpack of ``(host, port, epoch)``. A region record's
+``PeerInfo.address`` is the msgpack of ``(host, port, incarnation)``. A region record's
 ``rkey`` is empty in `advertise` (the whole region, for callers that trust each
 other, as the contract suite does) or a lease scope in a grant; a daemon runs its
 transport with ``require_lease`` so only the latter are served.
@@ -96,12 +96,12 @@ BACKSTOP_S = 5.0
 
 
 def parse_address(address: bytes) -> tuple[str, int, int]:
-    """``(host, port, epoch)`` of a ``tcp`` record's address."""
+    """``(host, port, incarnation)`` of a ``tcp`` record's address."""
     try:
-        host, port, epoch = msgspec.msgpack.decode(address, type=tuple[str, int, int])
+        host, port, incarnation = msgspec.msgpack.decode(address, type=tuple[str, int, int])
     except msgspec.MsgspecError as exc:
         raise ProtocolError(f"tcp peer address refused: malformed ({exc})") from None
-    return host, port, epoch
+    return host, port, incarnation
 
 
 def _view(segment: MappedMemory) -> memoryview:
@@ -135,8 +135,8 @@ class TcpPeer(Peer):
         self._ids = itertools.count()
 
     @property
-    def epoch(self) -> int:
-        """The source's epoch this connection is for."""
+    def incarnation(self) -> int:
+        """The source's incarnation this connection is for."""
         return self.address[2]
 
     def current_grant(self) -> tuple[int, PeerInfo]:
@@ -220,7 +220,7 @@ class TcpPeer(Peer):
             reads["remote_region"],
             reads["remote_offset"],
             reads["nbytes"],
-            check.epochs,
+            check.generations,
             check.sizes,
         )
         if bad is not None:
@@ -357,7 +357,7 @@ class TcpTransport(Transport):
     name when it listens on every address). ``accept(ip)`` says whether a connecting
     host may talk to the data server at all (unanswered otherwise), ``authorize(lease)``
     whether a lease is still live; with ``require_lease`` the data server serves only
-    lease-scoped grants. ``epoch`` names this life of the data server (default: now,
+    lease-scoped grants. ``incarnation`` names this life of the data server (default: now,
     in ns)."""
 
     scheme = "tcp"
@@ -375,7 +375,7 @@ class TcpTransport(Transport):
         accept: Callable[[str], bool] | None = None,
         authorize: Callable[[str], bool] | None = None,
         require_lease: bool = False,
-        epoch: int | None = None,
+        incarnation: int | None = None,
     ) -> None:
         super().__init__(secret=secret, peer_id=peer_id)
         if lanes < 1:
@@ -387,14 +387,17 @@ class TcpTransport(Transport):
         self.host, self.port = host, port
         self.advertise_host = advertise_host
         self.accept, self.authorize, self.require_lease = accept, authorize, require_lease
-        self.epoch = epoch if epoch is not None else time.time_ns()
+        self.incarnation = incarnation if incarnation is not None else time.time_ns()
         self._regions: dict[int, LocalRegion] = {}
         self._views: dict[int, memoryview] = {}
         self._bases: dict[int, int] = {}  # region id -> base address of its mapping
         self._served: dict[int, Served] = {}
         self._peers: set[TcpPeer] = set()
         self._server: DataServer | None = None
-        self._region_epochs = itertools.count(self.epoch)
+        # An incarnation seeds the region generations (as before the rename): they count
+        # up from this server's start time, so a record from an earlier life of the
+        # server does not name a generation this one registers soon after it starts.
+        self._region_generations = itertools.count(self.incarnation)
         self.closed = True
 
     @classmethod
@@ -411,7 +414,7 @@ class TcpTransport(Transport):
             accept=o.accept,
             authorize=o.authorize,
             require_lease=o.require_lease,
-            epoch=o.epoch,
+            incarnation=o.incarnation,
         )
 
     @property
@@ -423,7 +426,7 @@ class TcpTransport(Transport):
     async def start(self) -> None:
         self._server = DataServer(
             secret=self.secret,
-            epoch=self.epoch,
+            incarnation=self.incarnation,
             regions=self._served,
             host=self.host,
             port=self.port,
@@ -452,13 +455,13 @@ class TcpTransport(Transport):
         if self.closed:
             raise TransportClosed("register refused: tcp transport is closed")
         view = _view(segment)
-        epoch = next(self._region_epochs)
-        info = AdvertisedRegion(region_id, epoch, 0, segment.size)
+        generation = next(self._region_generations)
+        info = AdvertisedRegion(region_id, generation, 0, segment.size)
         region = LocalRegion(region_id, segment, info)
         self._regions[region_id] = region
         self._views[region_id] = view
         self._bases[region_id] = segment.address
-        self._served[region_id] = Served(epoch, segment.size, view, segment.address)
+        self._served[region_id] = Served(generation, segment.size, view, segment.address)
         return region
 
     async def deregister(self, region_id: int) -> None:
@@ -488,7 +491,7 @@ class TcpTransport(Transport):
         return PeerInfo(
             scheme=self.scheme,
             peer_id=self.peer_id,
-            address=msgspec.msgpack.encode((host, port, self.epoch)),
+            address=msgspec.msgpack.encode((host, port, self.incarnation)),
             regions=tuple(r.info for r in self._regions.values()),
         ).signed(self.secret)
 

@@ -7,15 +7,16 @@ read before it sends a byte. `transports.tcp` holds the sockets and threads.
 
 Handshake (no secret or token ever travels; only MACs over fresh nonces)::
 
-    client -> server  HELLO      magic, client epoch, expected server epoch, client nonce
-    server -> client  CHALLENGE  server epoch, server nonce,
-                                 MAC(secret, "server" | nonces | both epochs)
-    client -> server  PROOF      MAC(secret, "client" | nonces | both epochs | grant MAC)
+    client -> server  HELLO      magic, client incarnation,
+                                 expected server incarnation, client nonce
+    server -> client  CHALLENGE  server incarnation, server nonce,
+                                 MAC(secret, "server" | nonces | both incarnations)
+    client -> server  PROOF      MAC(secret, "client" | nonces | both incarnations | grant MAC)
                       GRANT      the signed, lease-scoped record the proof is bound to
     server -> client  OK         one byte
 
-A server whose epoch is not the one the client expects answers the challenge with
-its own epoch, so the client can tell a restarted source (a new life: fetch its new
+A server whose incarnation is not the one the client expects answers the challenge with
+its own incarnation, so the client can tell a restarted source (a new life: fetch its new
 record) from a wrong secret. Frames after the handshake (little-endian)::
 
     header  kind u8, 3 pad, a u32, b u32, id u64                       (20 bytes)
@@ -59,8 +60,9 @@ __all__ = [
 ]
 
 MAGIC = b"RFTCP\x01"
-HELLO = struct.Struct("<6sQQ16s")  # magic, client epoch, expected server epoch, nonce
-CHALLENGE = struct.Struct("<Q16s32s")  # server epoch, server nonce, server MAC
+# magic, client incarnation, expected server incarnation, nonce
+HELLO = struct.Struct("<6sQQ16s")
+CHALLENGE = struct.Struct("<Q16s32s")  # server incarnation, server nonce, server MAC
 PROOF = struct.Struct("<32s")
 HEADER = struct.Struct("<B3xIIQ")
 READ_ROW = np.dtype([("region", "<i8"), ("offset", "<i8"), ("nbytes", "<i8")])
@@ -87,12 +89,12 @@ def _mac(secret: bytes, *parts: bytes) -> bytes:
 
 
 def server_proof(secret: bytes, cn: bytes, sn: bytes, ce: int, se: int) -> bytes:
-    """The server's answer: it knows the secret, for these nonces and epochs."""
+    """The server's answer: it knows the secret, for these nonces and incarnations."""
     return _mac(secret, b"refitd-tcp server", cn, sn, struct.pack("<QQ", ce, se))
 
 
 def client_proof(secret: bytes, cn: bytes, sn: bytes, ce: int, se: int, grant_mac: bytes) -> bytes:
-    """The client's answer, bound to the epochs and to the (lease-scoped) grant."""
+    """The client's answer, bound to the incarnations and to the (lease-scoped) grant."""
     return _mac(secret, b"refitd-tcp client", cn, sn, struct.pack("<QQ", ce, se), grant_mac)
 
 
@@ -104,18 +106,18 @@ def scope_key(lease_id: str, extents: Sequence[tuple[int, int]]) -> bytes:
 
 class Grant:
     """A verified record, as the data server checks reads against it: per region its
-    epoch, size and readable ranges (merged, sorted); the lease ("" for none)."""
+    generation, size and readable ranges (merged, sorted); the lease ("" for none)."""
 
     def __init__(self, info: PeerInfo) -> None:
         self.info = info
         self.lease = ""
-        self.epochs: dict[int, int] = {}
+        self.generations: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         self.starts: dict[int, npt.NDArray[np.int64]] = {}
         self.ends: dict[int, npt.NDArray[np.int64]] = {}
         leases: set[str] = set()
         for r in info.regions:
-            self.epochs[r.region_id] = r.epoch
+            self.generations[r.region_id] = r.generation
             self.sizes[r.region_id] = r.size
             if r.rkey:
                 lease, extents = msgspec.msgpack.decode(
@@ -148,20 +150,20 @@ def check_scope(
     region: npt.NDArray[np.int64],
     offset: npt.NDArray[np.int64],
     nbytes: npt.NDArray[np.int64],
-    epochs: dict[int, int],
+    generations: dict[int, int],
     sizes: dict[int, int],
 ) -> tuple[int, str] | None:
     """``(index, why)`` of the first read outside ``grant`` (or of a region whose
-    registration, ``epochs``/``sizes`` here, is not the one the grant names), or
+    registration, ``generations``/``sizes`` here, is not the one the grant names), or
     None when every read may be served. Zero-byte reads are checked like any."""
     if (nbytes < 0).any() or (offset < 0).any():
         i = int(np.flatnonzero((nbytes < 0) | (offset < 0))[0])
         return i, "a negative offset or length"
     for rid in np.unique(region).tolist():
         rows = np.flatnonzero(region == rid)
-        if rid not in grant.epochs:
+        if rid not in grant.generations:
             return int(rows[0]), f"region {rid} is not in the record the connection was granted"
-        if epochs.get(rid) != grant.epochs[rid] or sizes.get(rid) != grant.sizes[rid]:
+        if generations.get(rid) != grant.generations[rid] or sizes.get(rid) != grant.sizes[rid]:
             return int(rows[0]), (
                 f"region {rid} is not registered here as the record states (deregistered or "
                 "registered again since)"

@@ -64,7 +64,7 @@ scattered by ``recvmsg_into``, many per system call."""
 class LaneError(Exception):
     """A lane's failure, told to the batch it failed: ``kind`` is "lost" (the
     connection broke or was refused), "timeout", "refused" (the source refused a
-    read), "restarted" (another epoch answered) or "auth"."""
+    read), "restarted" (another incarnation answered) or "auth"."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -118,7 +118,7 @@ class Lane:
     def connect(self) -> None:
         """Connect and authenticate (raises `LaneError`)."""
         p = self.peer
-        host, port, epoch = p.address
+        host, port, incarnation = p.address
         timeout = min(10.0, p.owner.pull_timeout)
         try:
             sock = socket.create_connection((host, port), timeout=timeout)
@@ -127,8 +127,8 @@ class Lane:
         try:
             tune(sock)
             cn = os.urandom(16)
-            mine = p.owner.epoch
-            sock.sendall(HELLO.pack(MAGIC, mine, epoch, cn))
+            mine = p.owner.incarnation
+            sock.sendall(HELLO.pack(MAGIC, mine, incarnation, cn))
             try:
                 se, sn, smac = CHALLENGE.unpack(recv_exact(sock, CHALLENGE.size))
             except ConnectionError:
@@ -137,11 +137,11 @@ class Lane:
                     f"{host}:{port} closed the connection unanswered: this host is not a "
                     "trusted peer there, or it is no refitd tcp data server",
                 ) from None
-            if se != epoch:
+            if se != incarnation:
                 raise LaneError(
                     "restarted",
-                    f"the source restarted: {host}:{port} now runs epoch {se}, the record "
-                    f"names epoch {epoch}; fetch its new record",
+                    f"the source restarted: {host}:{port} now runs incarnation {se}, the record "
+                    f"names incarnation {incarnation}; fetch its new record",
                 )
             if smac != server_proof(p.owner.secret, cn, sn, mine, se):
                 raise LaneError(

@@ -6,8 +6,8 @@ wire, and one slow connection holds up only itself). Per connection, in order:
 
 1. a peer whose address ``accept`` refuses is closed unanswered (not a byte sent);
 2. the handshake of `transports.tcp.frames` (a proof of the deployment secret from each
-   side, bound to both epochs and to the grant the connection opens with);
-3. frames: a GRANT (a signed record: which regions, which epochs, which byte ranges,
+   side, bound to both incarnations and to the grant the connection opens with);
+3. frames: a GRANT (a signed record: which regions, which generations, which byte ranges,
    under which lease) is verified and kept (the newest ``MAX_GRANTS``); every READ
    names one of them and is checked whole against it (`frames.check_scope`), and
    against the lease's liveness (``authorize``), before a byte is sent. A refused
@@ -68,10 +68,10 @@ BUFFER = 4 << 20
 
 @dataclass(frozen=True)
 class Served:
-    """A region the server may send from: its registration epoch, size (bytes) and a
+    """A region the server may send from: its registration generation, size (bytes) and a
     byte view of the mapping (holding it keeps the mapping alive)."""
 
-    epoch: int
+    generation: int
     size: int
     view: memoryview
     address: int  # of the mapping's first byte, in this process
@@ -155,7 +155,7 @@ class DataServer:
         self,
         *,
         secret: bytes,
-        epoch: int,
+        incarnation: int,
         regions: dict[int, Served],
         host: str,
         port: int,
@@ -165,7 +165,7 @@ class DataServer:
         max_connections: int = 256,
     ) -> None:
         self.secret = secret
-        self.epoch = epoch
+        self.incarnation = incarnation
         self.regions = regions
         self.accept = accept
         self.authorize = authorize
@@ -248,16 +248,18 @@ class DataServer:
             return None
         sn = os.urandom(16)
         conn.sendall(
-            CHALLENGE.pack(self.epoch, sn, server_proof(self.secret, cn, sn, ce, self.epoch))
+            CHALLENGE.pack(
+                self.incarnation, sn, server_proof(self.secret, cn, sn, ce, self.incarnation)
+            )
         )
-        if want != self.epoch:
+        if want != self.incarnation:
             return None  # the client asked for another life of this server
         (proof,) = PROOF.unpack(recv_exact(conn, PROOF.size))
         kind, size, number, _ = HEADER.unpack(recv_exact(conn, HEADER.size))
         if kind != Kind.GRANT or size > MAX_GRANT_BYTES:
             return None
         info = PeerInfo.decode(recv_exact(conn, size))
-        want_proof = client_proof(self.secret, cn, sn, ce, self.epoch, info.mac)
+        want_proof = client_proof(self.secret, cn, sn, ce, self.incarnation, info.mac)
         if not hmac.compare_digest(proof, want_proof):
             return None
         grant = self._grant(info)
@@ -345,7 +347,7 @@ class DataServer:
             rows["region"],
             rows["offset"],
             rows["nbytes"],
-            {k: v.epoch for k, v in regions.items()},
+            {k: v.generation for k, v in regions.items()},
             {k: v.size for k, v in regions.items()},
         )
         if bad is None:

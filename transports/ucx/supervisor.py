@@ -98,7 +98,7 @@ class Child:
     writer: asyncio.StreamWriter
     address: bytes
     role: str  # SERVING, or the key of the peer it pulls from
-    generation: int = 0  # the serving child's generation
+    incarnation: int = 0  # the serving child's incarnation: 1 for the first start
     pending: dict[int, Pending] = field(default_factory=dict)
     reader_task: asyncio.Task[None] | None = None
     dead: bool = False  # set once its death was handled: nothing may wait on it after

@@ -12,7 +12,7 @@ Processes, and why there are several (isolation):
 - **One serving child.** Its worker address and the remote keys of every local
   region are what `advertise` publishes; on the tcp path it answers peers' GETs
   (target-side progress). When it dies, a new one is started, every local region is
-  registered in it again (new keys, new epochs: re-advertise after `generation`
+  registered in it again (new keys, new generations: re-advertise after `incarnation`
   changes, `on_restart` is called). A serving child that cannot start
   ``max_restarts`` times in a row closes the transport.
 - **One pulling child per connected peer** (per ``peer_id``; connections to the
@@ -172,7 +172,7 @@ class UcxTransport(Transport):
         self.max_peer_children = max(1, max_peer_children)
         self.on_restart = on_restart
         self.lanes = max(1, lanes if lanes is not None else min(2, os.cpu_count() or 1))
-        self.generation = 0
+        self.incarnation = 0
         self.restarts = 0
         self._child: Child | None = None
         self._pullers: dict[str, Child] = {}  # peer key -> its pulling child
@@ -180,7 +180,7 @@ class UcxTransport(Transport):
         self._regions: dict[int, LocalRegion] = {}
         self._peers: dict[int, UcxPeer] = {}
         self._handles = itertools.count(1)
-        self._epoch = time.time_ns()
+        self._generation = time.time_ns()
         self._lock = asyncio.Lock()  # serialises (re)starts of the serving child
         self._background: set[asyncio.Task[None]] = set()
         self._dying: set[Child] = set()  # retired pulling children not yet reaped
@@ -205,8 +205,8 @@ class UcxTransport(Transport):
     async def _spawn(self) -> None:
         """Start the serving child and register every local region in it."""
         c = await self._start_child(1, SERVING)  # it only serves: one lane
-        self.generation += 1
-        c.generation = self.generation
+        self.incarnation += 1
+        c.incarnation = self.incarnation
         self._child = c
         for rid, region in list(self._regions.items()):
             self._regions[rid] = await self._register_in(c, rid, region.segment)
@@ -247,7 +247,7 @@ class UcxTransport(Transport):
                 return
             self.restarts += 1
         if self.on_restart is not None:
-            self.on_restart(self.generation)
+            self.on_restart(self.incarnation)
 
     async def _puller_died(self, c: Child, code: int) -> None:
         """Fail what was in flight on a pulling child; nothing else is touched. The
@@ -383,10 +383,10 @@ class UcxTransport(Transport):
                 f"registering region {region_id} timed out after {self.request_timeout} s: the "
                 "serving data-plane process was killed and is restarting"
             ) from None
-        self._epoch += 1
+        self._generation += 1
         info = AdvertisedRegion(
             region_id=region_id,
-            epoch=self._epoch,
+            generation=self._generation,
             address=reply.address,
             size=segment.size,
             rkey=reply.rkey,
