@@ -37,6 +37,7 @@ from refitd.daemon.httpio import (
     wants_msgpack,
 )
 from refitd.daemon.metrics import observe_pull
+from refitd.daemon.mirrors import setup_mirrors
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.pulls import PullJob, PullManager, RemoteSource, Source
 from refitd.daemon.registry import check_manifest_bounds
@@ -441,6 +442,7 @@ def create_app(
 
     pulls = PullManager(d, connect)
     app[PULLS] = pulls
+    setup_mirrors(app, pulls, opts.mirrors)  # host mirrors and relay (issue 25)
     cluster.on_gone(
         lambda rec: pulls.fail_source(
             rec.url,

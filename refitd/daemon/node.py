@@ -146,6 +146,9 @@ class DaemonOptions:
     #: :class:`~refitd.daemon.owners.ModelOwners`)
     model_owners: tuple[str, ...] = ()
     model_readers: tuple[str, ...] = ()
+    #: ``[mirrors] policy``: ``never``, ``always`` or ``shared`` (see
+    #: :mod:`refitd.daemon.mirrors`)
+    mirrors: str = "never"
 
 
 class Daemon:
@@ -221,6 +224,9 @@ class Daemon:
         self._reaping: asyncio.Task[list[RegionInfo]] | None = None
         #: stale segments of earlier lives (this daemon's or its clients') removed at start
         self.removed_at_start: list[str] = []
+        #: host mirrors' hook (:mod:`refitd.daemon.mirrors`): what a lease on a version
+        #: may read of a mirror still filling (only complete chunks are served)
+        self.scope_limit: Callable[[str, int, dict[int, Extents]], dict[int, Extents]] | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -544,6 +550,8 @@ class Daemon:
         region packed for that very lease the bytes packed for it (not the rest of a
         reused region)."""
         scope = dict(self.registry.scope(lease.model, lease.version))
+        if self.scope_limit is not None:  # a mirror still filling: its complete chunks
+            scope = self.scope_limit(lease.model, lease.version, scope)
         for rid, (held, packed) in self._staging_held.items():
             if held == lease.lease_id and rid in self.regions:
                 scope[rid] = [(0, packed)] if packed else []

@@ -30,7 +30,7 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -64,6 +64,7 @@ from transports.tcp import TcpPeer
 
 if TYPE_CHECKING:
     from refitd.client.http import RefitClient
+    from refitd.daemon.mirrors import Redirect
 
 __all__ = ["PullJob", "PullManager", "Source"]
 
@@ -238,6 +239,9 @@ class PullManager:
         self._seq = itertools.count(1)
         #: the transport's connection per source daemon life (node id, epoch)
         self._peers: dict[tuple[str, int, str], Peer] = {}
+        #: host mirrors' hook (:mod:`refitd.daemon.mirrors`): a pull from a remote
+        #: source rewritten to read this daemon's mirror of the version, or None
+        self.redirect: Callable[[PullRequest, str], Awaitable[Redirect | None]] | None = None
 
     def source_for(self, url: str) -> Source:
         """This daemon for ``""``; else the peer at ``url`` if this daemon trusts it
@@ -251,6 +255,19 @@ class PullManager:
         Raises (nothing moved) :class:`ConflictError` for a stale/unleased version,
         :class:`ProtocolError` naming the first out-of-bounds descriptor or pack spec.
         """
+        mirrored = await self.redirect(req, owner) if self.redirect is not None else None
+        if mirrored is None:
+            return await self._submit(req, owner)
+        try:
+            job = await self._submit(mirrored.req, owner)
+        except BaseException:
+            mirrored.release()
+            raise
+        assert job.task is not None
+        job.task.add_done_callback(lambda _: mirrored.release())
+        return job
+
+    async def _submit(self, req: PullRequest, owner: str) -> PullJob:
         src = self.source_for(req.source)
         await src.check_lease(req.lease_id, req.model, req.version)
         rows = req.descriptors.rows()

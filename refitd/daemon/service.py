@@ -64,6 +64,7 @@ def options_from_config(config: Config, secret: bytes | None) -> Any:
         limits=config.limits,
         model_owners=config.models.owners,
         model_readers=config.models.readers,
+        mirrors=config.mirrors.policy,
         **extra,
     )
 
@@ -124,10 +125,12 @@ def daemon_operations() -> dict[tuple[str, str], Operation]:
     v = "/v1/sources/{model}/versions/{version}"
     timeout = {"timeout": float}
     from refitd.daemon.cluster import cluster_operations
+    from refitd.daemon.mirrors import mirror_operations
 
     return (
         pool_operations()
         | cluster_operations()
+        | mirror_operations()
         | {
             ("GET", "/v1/health"): Operation("Liveness", response=dict[str, str], tags=("node",)),
             ("GET", "/v1/ready"): Operation(
