@@ -204,6 +204,21 @@ async def fanout(
                     if not ok:
                         print(f"N={n} {mode}: {[o for o in outs if not o.get('verified')]}")
                     paths = tuple(sorted({p for o in outs for p in o.get("paths", [])}))
+                    if mode == "mirrored":
+                        chain = await asyncio.gather(
+                            *(
+                                ew[i].call("mirror", url=daemons[i].url, version=version)
+                                for i in range(n)
+                            )
+                        )
+                        print(
+                            f"N={n} mirrors: "
+                            + "; ".join(
+                                f"{engines[i].name} from {c.get('tried')} "
+                                f"{c.get('began_at', 0) - t:.2f}-{c.get('completed_at', 0) - t:.2f} s"
+                                for i, c in enumerate(chain)
+                            )
+                        )
                     cases.append(Case(n, mode, seconds, up, ok, paths))
     return cases
 
@@ -313,6 +328,17 @@ class _Worker:
         finally:
             await source.release_lease(lease.lease_id)
 
+    async def mirror(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The state of the mirror of ``version`` at the daemon ``url``."""
+        import msgspec
+
+        from refitd.daemon.mirrors import MirrorState
+
+        c = await self.client(req["url"], req["token"])
+        st = await c._call("GET", f"/mirrors/fanout/{int(req['version'])}", MirrorState)
+        out: dict[str, Any] = msgspec.to_builtins(st)
+        return out
+
     async def close(self) -> None:
         for c in self.clients.values():
             await c.__aexit__(None, None, None)
@@ -331,7 +357,8 @@ async def _serve() -> None:
             op = req.get("op")
             if op == "quit":
                 break
-            handler = {"publish": worker.publish, "replicas": worker.replicas}.get(op or "")
+            ops = {"publish": worker.publish, "replicas": worker.replicas, "mirror": worker.mirror}
+            handler = ops.get(op or "")
             out: dict[str, Any]
             if handler is None:
                 out = {"ok": False, "error": "ProtocolError", "detail": op}

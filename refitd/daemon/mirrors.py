@@ -93,8 +93,9 @@ CHUNK_BYTES = 4 << 20
 Small enough that a downstream host starts a few milliseconds after its upstream
 (4 MiB is 34 ms at 1 Gbit/s), large enough that a batch of them fills the lanes."""
 
-BATCH_CHUNKS = 8
-"""Chunks per read handed to the data plane at once (two batches in flight)."""
+BATCH_CHUNKS = 2
+"""Chunks per read handed to the data plane at once (two batches in flight): small,
+so a downstream relay sees chunks complete soon after they land."""
 
 WAIT_S = 5.0
 """How long one long-poll of an upstream's progress waits for a new chunk, s."""
@@ -144,6 +145,9 @@ class MirrorState(msgspec.Struct, frozen=True):
     complete: bool
     error: str = ""
     tried: list[str] = []
+    #: wall-clock seconds (``time.time()``) when the mirror began and completed (0: not yet)
+    began_at: float = 0.0
+    completed_at: float = 0.0
 
 
 # ---------------------------------------------------------------- source side
@@ -191,8 +195,8 @@ class Mirror:
     upstream: str = ""
     error: str = ""
     tried: list[str] = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)
-    ended: float | None = None
+    began_at: float = field(default_factory=time.time)
+    completed_at: float = 0.0
     task: asyncio.Task[None] | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # regions exist
     _tick: asyncio.Event = field(default_factory=asyncio.Event)
@@ -243,6 +247,8 @@ class Mirror:
             self.complete,
             self.error,
             list(self.tried),
+            self.began_at,
+            self.completed_at,
         )
 
 
@@ -397,13 +403,14 @@ class Mirrors:
                 renew.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await renew
-            m.ended = time.perf_counter()
+            m.completed_at = time.time()
             log.info(
-                "mirror of %r version %d from %s complete in %.2f s",
+                "mirror of %r version %d from %s complete in %.2f s (read from %s)",
                 m.model,
                 m.version,
                 m.source,
-                m.ended - m.started,
+                m.completed_at - m.began_at,
+                ", then ".join(m.tried),
             )
         except asyncio.CancelledError:
             m.error = m.error or "cancelled: the daemon is stopping"
