@@ -106,12 +106,12 @@ def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from refitd.bench.engines import EngineParallel, ModelConfig, ToyEngine
-    from refitd.bench.layouts import capture_published, full_state, megatron_tp_ep
     from refitd.reshard.compile import dest_layout_of
+    from refitd.reshard.reads import InMemoryReadExecutor
     from refitd.reshard.receiver import ReshardReceiver
-    from refitd.reshard.transport import InMemoryReferenceTransport
     from refitd.reshard.types import UnsupportedReshard
+    from refitd.testing.engines import EngineParallel, ModelConfig, ToyEngine
+    from refitd.testing.layouts import capture_published, full_state, megatron_tp_ep
 
     console = Console(width=max(Console().width, 100))
     small = args.size == "small"
@@ -168,7 +168,7 @@ def _run(args: argparse.Namespace) -> int:
         for version, (published, state) in enumerate(zip(versions, states), start=1):
             started = time.perf_counter()
             stats = receiver.refit(
-                published.sources, pointers.__getitem__, InMemoryReferenceTransport(), dest
+                published.sources, pointers.__getitem__, InMemoryReadExecutor(), dest
             )
             pull_times.append(time.perf_counter() - started)
             truth = ToyEngine(cfg, par)

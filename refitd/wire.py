@@ -162,7 +162,7 @@ class NodeInfo(msgspec.Struct, frozen=True):
     """Identity of one daemon. ``epoch`` changes on every start, so a peer can tell a
     restarted daemon (whose regions and keys are gone) from the one it knew.
     ``shm_huge_pages`` is the ``huge=`` mode of the tmpfs holding its segments
-    (``transports.shm.huge_page_mode``): under ``never`` they get 4 KiB pages and
+    (``transports.segments.huge_page_mode``): under ``never`` they get 4 KiB pages and
     same-host UCX pulls from them move about half as much per thread."""
 
     node_id: str
@@ -195,7 +195,7 @@ class RegionCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     owner: Label = ""
     label: Label = ""
     #: the client process the region lives with, as ``<pid>.<start time>``
-    #: (``transports.shm.owner_tag``; "" for none): when that process exits the
+    #: (``transports.segments.owner_tag``; "" for none): when that process exits the
     #: daemon releases the region. The client library sends its own.
     holder: HolderTag = ""
 
@@ -210,7 +210,7 @@ class RegionAttach(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     owner: Label = ""
     label: Label = ""
     #: the client process the region lives with, as ``<pid>.<start time>``
-    #: (``transports.shm.owner_tag``; "" for none): when that process exits the
+    #: (``transports.segments.owner_tag``; "" for none): when that process exits the
     #: daemon releases the region. The client library sends its own.
     holder: HolderTag = ""
 

@@ -3,7 +3,7 @@
 Each helper takes a `Pair` — a started puller transport, a peer connection to a
 started source transport, a local region and a remote region (both regions'
 `SharedSegment`s so the check can see the bytes) — and asserts one behaviour of
-`transports.core.Peer.get`. The test suite runs every helper against every
+`transports.interface.Peer.get`. The test suite runs every helper against every
 registered transport over real loopback; a new transport adds itself to that list
 and must pass unchanged. Byte counts are bytes; sizes used are chosen so the whole
 set runs in seconds.
@@ -22,8 +22,9 @@ import numpy.typing as npt
 
 from refitd.errors import ProtocolError
 
-from .core import READ_DTYPE, Peer, ReadRefused, Transport, create_transport
-from .shm import SharedSegment
+from .batch import READ_DTYPE
+from .interface import Peer, ReadRefused, Transport, create_transport
+from .segments import SharedSegment
 
 __all__ = [
     "LOCAL",

@@ -19,18 +19,8 @@ import numpy.typing as npt
 
 from refitd.errors import NotFoundError, ProtocolError
 
-from .core import (
-    LocalRegion,
-    Peer,
-    PeerInfo,
-    ReadBatch,
-    RegionInfo,
-    Segment,
-    Transport,
-    TransportClosed,
-    as_read_batch,
-    validate_batch,
-)
+from .batch import ReadBatch, as_read_batch, validate_batch
+from .interface import LocalRegion, Peer, PeerInfo, RegionInfo, Segment, Transport, TransportClosed
 
 # token -> live in-process transport; weak so a dropped transport disappears.
 _LIVE: weakref.WeakValueDictionary[str, InProcessTransport] = weakref.WeakValueDictionary()

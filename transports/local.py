@@ -23,7 +23,7 @@ import numpy.typing as npt
 
 from refitd.errors import TransportError
 
-from .core import split_shares
+from .batch import split_shares
 from .inproc import InProcessTransport
 from .native import copy_lib
 

@@ -19,8 +19,8 @@ import sys
 import numpy as np
 import numpy.typing as npt
 
-from .core import create_transport
-from .shm import SharedSegment
+from .interface import create_transport
+from .segments import SharedSegment
 
 SECRET_ENV = "REFITD_TRANSPORT_SECRET"
 REGION_ID = 1

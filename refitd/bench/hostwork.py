@@ -36,7 +36,7 @@ __all__ = ["main"]
 
 
 def _layout(cfg: Any, name: str, world: int, state: Any) -> Any:
-    from refitd.bench.layouts import fsdp_dim0, megatron_tp_ep
+    from refitd.testing.layouts import fsdp_dim0, megatron_tp_ep
 
     if name == "fsdp":
         return fsdp_dim0(cfg, world, state)
@@ -98,11 +98,11 @@ class Worker:
         return {"ok": True, "bytes": nbytes}
 
     async def refit(self, req: dict[str, Any]) -> dict[str, Any]:
-        from refitd.bench.engines import EngineParallel, ToyEngine
         from refitd.bench.refit import _verify, capture_for
         from refitd.client.cluster import ClusterReceiver
         from refitd.client.receiver import DaemonReceiver
         from refitd.errors import RefitError
+        from refitd.testing.engines import EngineParallel, ToyEngine
 
         model, tp = req["model"], int(req["tp"])
         cfg = self.cfg(float(req["gib"]))
@@ -188,7 +188,7 @@ class Worker:
         """A daemon region of ``nbytes`` filled with :func:`pattern`, published as
         version 1 of ``model`` (one uint8 tensor): the far end of ``pull_bytes``."""
         from refitd.wire import ManifestIn, ShardEntry, TensorEntry
-        from transports.shm import SharedSegment
+        from transports.segments import SharedSegment
 
         client = await self.client(req["url"], req["token"])
         n = int(req["nbytes"])
@@ -211,7 +211,7 @@ class Worker:
         import numpy as np
 
         from refitd.wire import DescriptorTable, PullRequest
-        from transports.shm import SharedSegment
+        from transports.segments import SharedSegment
 
         local = await self.client(req["local"], req["token"])
         source = await self.client(req["source"], req["token"])

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--unfuse",
         choices=("cat", "view"),
         default="cat",
-        help="how the Megatron convert takes fused qkv/fc1 apart (see bench.layouts)",
+        help="how the Megatron convert takes fused qkv/fc1 apart (see testing.layouts)",
     )
     parser.add_argument(
         "--layout",
@@ -91,7 +91,7 @@ def _synthetic_params(model: Any) -> dict[str, int]:
 
 def _republish(layout: str, cfg: Any, unfuse: str) -> Any:
     """The trainer's published sources on synthetic addresses (no memory)."""
-    from refitd.bench.layouts import fsdp_dim0, megatron_tp_ep
+    from refitd.testing.layouts import fsdp_dim0, megatron_tp_ep
 
     return fsdp_dim0(cfg, 16) if layout == "fsdp" else megatron_tp_ep(cfg, 8, 8, unfuse=unfuse)
 
@@ -126,9 +126,9 @@ def _compile_and_replay(
 def _measure(layout: str, cfg: Any, engine_rank: int, unfuse: str) -> LayoutResult:
     import torch
 
-    from refitd.bench.engines import EngineParallel, ToyEngine
-    from refitd.bench.layouts import capture_published
     from refitd.reshard.transfer_plan import plan_transfer
+    from refitd.testing.engines import EngineParallel, ToyEngine
+    from refitd.testing.layouts import capture_published
 
     published = _republish(layout, cfg, unfuse)
     with torch.device("meta"):
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from refitd.bench.engines import deepseek_v3_config
+    from refitd.testing.engines import deepseek_v3_config
 
     console = Console()
     cfg = deepseek_v3_config(args.layers)

@@ -2,7 +2,7 @@
 
 Shared pieces used by the end-to-end tests too:
 
-- :func:`publish_layout` publishes a trainer layout from :mod:`refitd.bench.layouts`
+- :func:`publish_layout` publishes a trainer layout from :mod:`refitd.testing.layouts`
   (every rank one publisher slot) through a :class:`~refitd.client.Publisher`;
 - :func:`capture_for` returns the capture callable a receiver needs for a layout
   (through the layout's ``convert`` when it has one).
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from refitd.bench.layouts import Published
     from refitd.client.http import RefitClient
+    from refitd.testing.layouts import Published
 
 __all__ = ["add_arguments", "capture_for", "publish_layout", "refit_flow", "run", "run_demo"]
 
@@ -70,8 +70,8 @@ async def publish_layout(
 
 def capture_for(published: Published) -> Callable[[torch.nn.Module, list[Any]], Any]:
     """The receiver's capture callable for a trainer layout."""
-    from refitd.bench.engines import default_weight_loader
     from refitd.reshard.geometry import capture_geometry, capture_weights, convert_source_weights
+    from refitd.testing.engines import default_weight_loader
 
     convert = published.convert
 
@@ -95,7 +95,7 @@ def synthetic_config(gib: float) -> Any:
     tests of the flow itself."""
     import torch
 
-    from refitd.bench.engines import ModelConfig
+    from refitd.testing.engines import ModelConfig
 
     scale = 16 if gib < 0.05 else 1
 
@@ -118,7 +118,7 @@ def synthetic_config(gib: float) -> Any:
 
 
 def model_bytes(cfg: Any) -> int:
-    from refitd.bench.engines import param_roles
+    from refitd.testing.engines import param_roles
 
     return sum(math.prod(shape) * cfg.dtype.itemsize for _, shape, _ in param_roles(cfg))
 
@@ -129,7 +129,7 @@ class SyntheticState(dict):  # type: ignore[type-arg]
     Accessed tensors are not kept, so a layout can walk it with bounded memory."""
 
     def __init__(self, cfg: Any, version: int) -> None:
-        from refitd.bench.engines import param_roles
+        from refitd.testing.engines import param_roles
 
         super().__init__()
         self.cfg = cfg
@@ -187,8 +187,8 @@ def _trainer_main(argv: list[str]) -> int:
 
     import uvloop
 
-    from refitd.bench.layouts import megatron_tp_ep
     from refitd.client.http import RefitClient
+    from refitd.testing.layouts import megatron_tp_ep
 
     url, model, gib, tp = argv[0], argv[1], float(argv[2]), int(argv[3])
     cfg = synthetic_config(gib)
@@ -330,11 +330,11 @@ async def refit_flow(
 
     import torch
 
-    from refitd.bench.engines import EngineParallel, ToyEngine
-    from refitd.bench.layouts import megatron_tp_ep
     from refitd.client.http import RefitClient
     from refitd.client.receiver import DaemonReceiver
     from refitd.client.spawn import spawn_daemon
+    from refitd.testing.engines import EngineParallel, ToyEngine
+    from refitd.testing.layouts import megatron_tp_ep
 
     cfg = synthetic_config(gib)
     result = FlowResult(cfg, model_bytes(cfg), transport=transport)
@@ -480,7 +480,7 @@ def breakdown(stats: list[Any]) -> dict[str, float]:
 
 def _verify(cfg: Any, version: int, ranks: list[Any]) -> bool:
     """Every parameter equals the engine's own loader run on the full checkpoint."""
-    from refitd.bench.engines import ToyEngine
+    from refitd.testing.engines import ToyEngine
 
     state = SyntheticState(cfg, version)
     for par, engine, _ in ranks:

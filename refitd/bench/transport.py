@@ -16,7 +16,7 @@ After the timed runs, every byte of the destination is verified against the sour
 The header names the ``huge=`` mode of the tmpfs holding the segments and, for ``ucx``,
 the share of the peer's source region that 2 MiB pages back: the cma path pins the
 source page by page, so it runs about twice as fast from huge pages (see
-``transports.shm``; a host allows them by mounting /dev/shm ``huge=advise``).
+``transports.segments``; a host allows them by mounting /dev/shm ``huge=advise``).
 
 Last line: ``key=value`` pairs for scripts (``memcpy_gbps`` is one 256 MiB memcpy).
 """
@@ -74,11 +74,12 @@ def run(args: argparse.Namespace) -> int:
 async def _main(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from transports.batch import coalesce
     from transports.checks import shuffled_batch
-    from transports.core import PeerInfo, coalesce, create_transport
+    from transports.interface import PeerInfo, create_transport
     from transports.native import copy_lib
+    from transports.segments import SharedSegment, huge_fraction, huge_page_mode
     from transports.servepeer import REGION_ID, SECRET_ENV, pattern
-    from transports.shm import SharedSegment, huge_fraction, huge_page_mode
 
     total = args.total_mib << 20
     pieces = [(name, _size(name)) for name in args.pieces.split(",")]

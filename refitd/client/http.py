@@ -53,7 +53,7 @@ from refitd.wire import (
     VersionInfo,
     gc_paused,
 )
-from transports.shm import owner_tag
+from transports.segments import owner_tag
 
 __all__ = ["RefitClient", "error_from_body"]
 

@@ -21,7 +21,7 @@ import torch
 from refitd.client.http import RefitClient
 from refitd.errors import PlanError
 from refitd.wire import ManifestIn, RegionInfo, ShardEntry, TensorEntry, VersionInfo
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 __all__ = ["Publisher", "dtype_name", "torch_dtype"]
 

@@ -51,7 +51,7 @@ from refitd.wire import (
     PullRequest,
     RegionInfo,
 )
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 __all__ = ["Capture", "DaemonReceiver", "RefitStats"]
 

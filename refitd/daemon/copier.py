@@ -1,7 +1,7 @@
 """Moving bytes between mapped regions of one host.
 
 A daemon's same-host reads (from itself, or from a peer daemon proven to share this
-host's memory) are the ``shm`` transport's (:mod:`transports.samehost`), which ends
+host's memory) are the ``shm`` transport's (:mod:`transports.shm`), which ends
 each validated batch in a :class:`Copier`: by default the transport's parallel C
 memcpy (:func:`transports.local.copy_addresses`, GIL released, so the event loop
 stays responsive). :func:`pack_strided` gathers a pack spec's strided block.

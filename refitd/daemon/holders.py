@@ -1,7 +1,7 @@
 """Client processes the daemon's regions live with: watched with pidfds.
 
 A client names itself when it creates or attaches a region (``holder``, its
-``<pid>.<start time>`` tag from :func:`transports.shm.owner_tag`). The daemon checks
+``<pid>.<start time>`` tag from :func:`transports.segments.owner_tag`). The daemon checks
 that tag against the process it sees under that pid (same start time, so not a
 reused pid, and not a process of another pid namespace), opens a pidfd on it and
 watches it on the event loop. When the process exits — however it dies, ``os._exit``
@@ -19,7 +19,7 @@ import contextlib
 import os
 from collections.abc import Callable
 
-from transports.shm import owner_tag
+from transports.segments import owner_tag
 
 __all__ = ["Holders"]
 

@@ -1,4 +1,4 @@
-"""The daemon's handle on region memory: shared-memory segments from ``transports.shm``.
+"""The daemon's handle on region memory: shared-memory segments from ``transports.segments``.
 
 The transports layer owns naming, permissions (0600, same user) and crash cleanup;
 the daemon only creates, attaches and views. CUDA IPC regions are part of the
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from refitd.errors import PlanError
-from transports.shm import SHM_DIR, SharedSegment
+from transports.segments import SHM_DIR, SharedSegment
 
 __all__ = [
     "SharedSegment",

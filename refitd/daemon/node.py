@@ -64,9 +64,8 @@ from refitd.wire import (
     StagedPack,
     VersionInfo,
 )
-from transports.core import Transport
-from transports.samehost import SameHostTransport, boot_id, file_id
-from transports.shm import (
+from transports.interface import Transport
+from transports.segments import (
     SHM_DIR,
     cleanup_stale,
     creator_tag,
@@ -74,6 +73,7 @@ from transports.shm import (
     is_stale,
     stale_segments,
 )
+from transports.shm import SameHostTransport, boot_id, file_id
 
 __all__ = [
     "AUTO",
@@ -112,7 +112,7 @@ class DaemonOptions:
     same-host shared-memory path when the peer is proven to be on this host with
     attachable segments, else UCX where both ends have RDMA, else ``tcp``; see
     :mod:`refitd.daemon.paths`), ``"shm"`` (only the shared-memory path; a peer on
-    another host is refused) or a scheme of ``transports.core`` (e.g. ``"tcp"`` or
+    another host is refused) or a scheme of ``transports.interface`` (e.g. ``"tcp"`` or
     ``"ucx"``: every other-host peer through that transport).
     ``secret`` (≥ 16 bytes) authenticates peer records between the daemons of one
     deployment. ``boot_id`` empty means this kernel's; another value makes the
@@ -247,7 +247,7 @@ class Daemon:
 
             self.ucx_transports = await ucx_transports()
         from refitd.daemon.paths import transport_options, transport_schemes
-        from transports.core import create_transport, transport_class
+        from transports.interface import create_transport, transport_class
 
         for scheme in transport_schemes(mode, self.ucx_transports):
             extra = transport_options(self, scheme)

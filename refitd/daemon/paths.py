@@ -30,8 +30,8 @@ import msgspec
 
 from refitd.errors import TransportError
 from refitd.wire import PeerRegions
-from transports.core import PeerInfo
-from transports.tcpwire import scope_key
+from transports.interface import PeerInfo
+from transports.tcp.frames import scope_key
 
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon

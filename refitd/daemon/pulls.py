@@ -11,7 +11,7 @@ Order of a pull, and why:
 3. pack specs are executed by the source daemon into a staging region it owns, and
    each is read back with one descriptor;
 4. the bytes move along the path chosen at submit (see :meth:`PullManager.choose_path`),
-   through one :class:`~transports.core.Peer` and one loop (:meth:`PullManager._move`:
+   through one :class:`~transports.interface.Peer` and one loop (:meth:`PullManager._move`:
    pieces, chunks, progress, errors) whatever the path: ``shm`` when the source is
    this daemon (a loopback connection of the daemon's ``shm`` transport) or a daemon
    the ``shm`` transport connects to (same kernel boot id, and every segment it
@@ -51,15 +51,10 @@ from refitd.wire import (
     PullState,
     StagedPack,
 )
-from transports.core import (
-    Peer,
-    PeerInfo,
-    rows_as_batch,
-    split_pieces,
-    suspect_ranges,
-)
-from transports.core import RegionInfo as ReadableRegion
-from transports.samehost import segment_key
+from transports.batch import rows_as_batch, split_pieces, suspect_ranges
+from transports.interface import Peer, PeerInfo
+from transports.interface import RegionInfo as ReadableRegion
+from transports.shm import segment_key
 from transports.tcp import TcpPeer
 
 if TYPE_CHECKING:
@@ -224,7 +219,7 @@ def dst_ids_of(rows: np.ndarray, req: PullRequest) -> set[int]:
 
 def _coalesced_dst(rows: np.ndarray) -> list[tuple[int, int, int]]:
     """Destination ``(region, offset, nbytes)`` ranges of wire ``rows``, sorted and
-    merged: the data plane's :func:`~transports.core.suspect_ranges` of those reads."""
+    merged: the data plane's :func:`~transports.batch.suspect_ranges` of those reads."""
     return [(r.region, r.offset, r.nbytes) for r in suspect_ranges(rows_as_batch(rows))]
 
 
@@ -492,7 +487,7 @@ class PullManager:
     def _shm_record(self, peer: PeerRegions) -> PeerInfo:
         """``peer``'s verified, lease-scoped region records as the ``shm`` transport's
         signed record: address ``<boot id>:<epoch>``, and per region its segment's
-        name and file identity (:func:`~transports.samehost.segment_key`).
+        name and file identity (:func:`~transports.shm.segment_key`).
 
         Built here from the record this daemon already verified rather than
         advertised by the peer: it lists only the regions this pull's lease may read,

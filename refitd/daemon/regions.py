@@ -5,7 +5,7 @@ Pure: a :class:`RegionTable` holds :class:`RegionInfo` records (no memory), and
 tables before any byte moves. Both are rows of one layout, ``(src_region,
 src_offset, dst_region, dst_offset, nbytes)``: a pack spec's row reads the span of
 the source region its elements cover and writes its packed bytes. The checks are
-the data plane's own (:func:`transports.core.validate_batch`, bounds and the one
+the data plane's own (:func:`transports.batch.validate_batch`, bounds and the one
 overlap check), vectorised with numpy so 100k descriptors check in milliseconds;
 the refusal names the *first* offending descriptor or pack spec by index.
 """
@@ -20,7 +20,8 @@ import numpy as np
 from refitd.daemon.trust import pack_span
 from refitd.errors import NotFoundError, ProtocolError
 from refitd.wire import DescriptorTable, PackSpec, RegionInfo
-from transports.core import ReadRefused, rows_as_batch, validate_batch
+from transports.batch import rows_as_batch, validate_batch
+from transports.interface import ReadRefused
 
 __all__ = ["RegionTable", "pack_rows", "validate_descriptors", "validate_plan"]
 
@@ -66,7 +67,7 @@ class RegionTable:
         return region_id in self._records
 
 
-#: the daemon's words for each check of :func:`transports.core.validate_batch`
+#: the daemon's words for each check of :func:`transports.batch.validate_batch`
 _WHY = {
     "remote_unknown": "its source region is not recorded",
     "local_unknown": "its destination region is not recorded",

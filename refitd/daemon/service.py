@@ -276,10 +276,10 @@ def _snapshot(app: web.Application) -> StateSnapshot:
 def share_memory_with(group: str | None) -> None:
     """Create (and accept) shared-memory segments for ``group``, or 0600 when None.
 
-    Process-wide, through the variable ``transports.shm`` reads, so the worker
+    Process-wide, through the variable ``transports.segments`` reads, so the worker
     processes the data plane starts later inherit it.
     """
-    from transports.shm import GROUP_ENV
+    from transports.segments import GROUP_ENV
 
     if group is None:
         os.environ.pop(GROUP_ENV, None)
@@ -339,7 +339,7 @@ class Service:
         self.notifier.ready(f"serving {where}")
         self._ready.set()
         log.info("ready: serving %s (node %s)", where, record.get("node_id", ""))
-        from transports.shm import SHM_DIR, huge_page_mode
+        from transports.segments import SHM_DIR, huge_page_mode
 
         mode = huge_page_mode()
         if mode in ("never", "deny"):

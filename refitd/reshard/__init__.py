@@ -8,7 +8,7 @@ code written against it ports by changing the import prefix; the modules are:
 - :mod:`~refitd.reshard.replay`: local replay of recorded movement-op chains;
 - :mod:`~refitd.reshard.slice_plan`: one copy → exact, coalesced byte segments;
 - :mod:`~refitd.reshard.transfer_plan`: a whole capture → a costed transfer plan;
-- :mod:`~refitd.reshard.transport`: read descriptors, pack specs, reference transport;
+- :mod:`~refitd.reshard.reads`: read descriptors, pack specs, reference transport;
 - :mod:`~refitd.reshard.compile`: plans lowered to arrays, bound to a signature;
 - :mod:`~refitd.reshard.receiver`: fail-closed policy and execution.
 """
@@ -30,6 +30,7 @@ from refitd.reshard.geometry import (
     capture_weights,
     convert_source_weights,
 )
+from refitd.reshard.reads import InMemoryReadExecutor, PackedRead, ReadDescriptor
 from refitd.reshard.receiver import ReshardReceiver
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.slice_plan import Segment, Shard, plan_pull
@@ -42,7 +43,6 @@ from refitd.reshard.transfer_plan import (
     execute_transfer,
     plan_transfer,
 )
-from refitd.reshard.transport import InMemoryReferenceTransport, PackedRead, ReadDescriptor
 from refitd.reshard.types import (
     CaptureResult,
     OpChain,
@@ -57,7 +57,7 @@ __all__ = [
     "CaptureResult",
     "CompiledPlan",
     "FullPull",
-    "InMemoryReferenceTransport",
+    "InMemoryReadExecutor",
     "LazyWeight",
     "OpChain",
     "OpSpec",

@@ -29,9 +29,9 @@ import numpy.typing as npt
 import torch
 
 from refitd.errors import PlanError, TransportError
+from refitd.reshard.reads import PackedRead, ReadDescriptor, ReadExecutor
 from refitd.reshard.slice_plan import Segment
 from refitd.reshard.transfer_plan import FullPull, PackSpec, SourceInfo, TransferPlan, run_full_pull
-from refitd.reshard.transport import PackedRead, ReadDescriptor, Transport
 
 __all__ = [
     "BoundPlan",
@@ -281,7 +281,7 @@ class CompiledPlan:
         self,
         sources: Mapping[str, SourceInfo],
         resolve_param_ptr: Callable[[str], int],
-        transport: Transport,
+        transport: ReadExecutor,
         dest_layout: DestLayout | None = None,
     ) -> dict[str, Any]:
         """:meth:`bind`, then move the bytes through ``transport``; no planning."""
@@ -349,7 +349,7 @@ def compile_plan(
 
 
 def execute_bound(
-    bound: BoundPlan, resolve_param_ptr: Callable[[str], int], transport: Transport
+    bound: BoundPlan, resolve_param_ptr: Callable[[str], int], transport: ReadExecutor
 ) -> dict[str, Any]:
     """Post a bound plan's reads; full pulls are fetched to staging and replayed."""
     transport.read(bound.descriptors())

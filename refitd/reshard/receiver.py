@@ -31,9 +31,9 @@ from refitd.reshard.compile import (
     execute_bound,
 )
 from refitd.reshard.coverage import refuse_unwritten
+from refitd.reshard.reads import ReadExecutor
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.transfer_plan import SourceInfo, TransferPlan, plan_transfer
-from refitd.reshard.transport import Transport
 from refitd.reshard.types import CaptureResult, UnsupportedReshard, summarize_unsupported
 
 __all__ = ["ReshardReceiver", "_replay_ops", "execute_bound", "refuse_unsafe"]
@@ -106,7 +106,7 @@ class ReshardReceiver:
         self,
         sources: Mapping[str, SourceInfo],
         resolve_param_ptr: Callable[[str], int],
-        transport: Transport,
+        transport: ReadExecutor,
         dest_layout: DestLayout,
     ) -> dict[str, Any]:
         """Move one version's bytes into the parameters.

@@ -35,7 +35,7 @@ import numpy.typing as npt
 import torch
 
 from refitd.errors import PlanError
-from refitd.reshard.regions import ChunkTable, chunk_table
+from refitd.reshard.chunks import ChunkTable, chunk_table
 from refitd.reshard.replay import MULTI_OUTPUT_OPS, replay_ops, validate_op
 from refitd.reshard.types import OpChain, RecordedCopy, UnsupportedReshard
 

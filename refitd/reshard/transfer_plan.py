@@ -33,8 +33,9 @@ import numpy.typing as npt
 import torch
 
 from refitd.errors import PlanError, TransportError
+from refitd.reshard.chunks import chunk_table, is_dim0_block
 from refitd.reshard.cost import DESCRIPTOR_COST_BYTES, PACK_COST_BYTES, PackFit, fit_pack
-from refitd.reshard.regions import chunk_table, is_dim0_block
+from refitd.reshard.reads import PackedRead, ReadDescriptor, ReadExecutor
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.slice_plan import (
     Pieces,
@@ -45,7 +46,6 @@ from refitd.reshard.slice_plan import (
     copy_runs,
     split_runs,
 )
-from refitd.reshard.transport import PackedRead, ReadDescriptor, Transport
 from refitd.reshard.types import CaptureResult, RecordedCopy, UnsupportedReshard
 
 __all__ = [
@@ -528,7 +528,7 @@ def write_through_pointer(ptr: int, copy: RecordedCopy, value: torch.Tensor, els
 
 
 def run_full_pull(
-    fp: FullPull, resolve_param_ptr: Callable[[str], int], transport: Transport
+    fp: FullPull, resolve_param_ptr: Callable[[str], int], transport: ReadExecutor
 ) -> None:
     """Fetch ``fp`` into a fresh staging buffer and replay its copies locally."""
     # empty, not zeros: pages of rows outside the bounding ranges are never touched,
@@ -546,7 +546,7 @@ def run_full_pull(
 
 
 def execute_transfer(
-    plan: TransferPlan, resolve_param_ptr: Callable[[str], int], transport: Transport
+    plan: TransferPlan, resolve_param_ptr: Callable[[str], int], transport: ReadExecutor
 ) -> dict[str, Any]:
     """Move every planned byte through ``transport``; return what moved.
 

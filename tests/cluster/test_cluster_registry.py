@@ -28,7 +28,7 @@ from refitd.wire import (
     DaemonRecord,
     PullState,
 )
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 pytestmark = [needs_etcd, pytest.mark.timeout(120)]
 

@@ -28,7 +28,7 @@ from refitd.wire import (
     TensorEntry,
     VersionState,
 )
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -30,7 +30,7 @@ from refitd.wire import (
     PackSpec,
     PullRequest,
 )
-from transports.shm import SHM_DIR, SharedSegment
+from transports.segments import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -45,7 +45,7 @@ from refitd.wire import (
     DescriptorTable,
     PullRequest,
 )
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -26,7 +26,7 @@ from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.serve import listening
 from refitd.errors import RefitError
 from refitd.wire import DescriptorTable, ManifestIn, PullRequest, PullState, ShardEntry, TensorEntry
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,7 +20,7 @@ from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.serve import listening
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry, VersionState
-from transports.shm import PREFIX, SHM_DIR, SharedSegment
+from transports.segments import PREFIX, SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(180)  # real processes start (and import) here
 
@@ -28,7 +28,7 @@ CLIENT = """
 import asyncio, json, os, sys
 from refitd.client.http import RefitClient
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 async def main(url, publish):
     async with RefitClient(url) as c:

@@ -39,7 +39,7 @@ from refitd.wire import (
     TensorEntry,
     VersionState,
 )
-from transports.shm import SHM_DIR, SharedSegment
+from transports.segments import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -39,7 +39,7 @@ from refitd.wire import (
     ShardEntry,
     TensorEntry,
 )
-from transports.shm import SHM_DIR, SharedSegment
+from transports.segments import SHM_DIR, SharedSegment
 from transports.tcp import TcpTransport
 
 pytestmark = pytest.mark.timeout(90)

@@ -19,7 +19,7 @@ from refitd.wire import (
     ShardEntry,
     TensorEntry,
 )
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -228,7 +228,7 @@ def test_a_pack_spec_whose_shape_and_strides_disagree_is_refused_naming_it():
 
 
 def test_a_long_transport_read_is_cut_into_pieces_covering_exactly_the_same_bytes():
-    from transports.core import as_read_batch, split_pieces
+    from transports.batch import as_read_batch, split_pieces
 
     reads = as_read_batch(np.array([[1, 0, 2, 100, 70], [3, 5, 4, 7, 10]], dtype=np.int64))
     out = split_pieces(reads, 32)

@@ -32,7 +32,7 @@ from refitd.wire import (
     ShardEntry,
     TensorEntry,
 )
-from transports.shm import SHM_DIR, SharedSegment
+from transports.segments import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -34,7 +34,7 @@ from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.serve import listening
-from transports.shm import SHM_DIR, SharedSegment
+from transports.segments import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
 

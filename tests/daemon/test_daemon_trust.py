@@ -34,7 +34,7 @@ from refitd.wire import (
     TensorEntry,
     VersionState,
 )
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 PEER_TOKEN = "peer-token-never-for-strangers"
 

@@ -18,14 +18,14 @@ import torch
 from support.daemons import FakeClock, GatedCopier, serving_daemons
 from support.engines import mismatched, zeroed_engine
 
-from refitd.bench.engines import EngineParallel, ModelConfig, ToyEngine, dense_toy_config
-from refitd.bench.layouts import Published, fsdp_dim0, full_state
 from refitd.bench.refit import capture_for, publish_layout
 from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.errors import ConflictError
 from refitd.reshard.types import IncompleteRefit
+from refitd.testing.engines import EngineParallel, ModelConfig, ToyEngine, dense_toy_config
+from refitd.testing.layouts import Published, fsdp_dim0, full_state
 from refitd.wire import PullState
 
 pytestmark = pytest.mark.timeout(60)

@@ -19,22 +19,22 @@ import pytest_asyncio
 import torch
 from support.engines import mismatched, zeroed_engine
 
-from refitd.bench.engines import (
-    EngineParallel,
-    ModelConfig,
-    ToyEngine,
-    dense_toy_config,
-    moe_toy_config,
-)
-from refitd.bench.layouts import Published, fsdp_dim0, full_state, megatron_tp_ep
 from refitd.bench.refit import capture_for, publish_layout
 from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
 from refitd.client.spawn import spawn_daemon
 from refitd.errors import ConflictError, ProtocolError
 from refitd.reshard.types import UnsupportedReshard
+from refitd.testing.engines import (
+    EngineParallel,
+    ModelConfig,
+    ToyEngine,
+    dense_toy_config,
+    moe_toy_config,
+)
+from refitd.testing.layouts import Published, fsdp_dim0, full_state, megatron_tp_ep
 from refitd.wire import DescriptorTable, PullRequest
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
 
@@ -177,8 +177,8 @@ class Doubling(torch.nn.Module):
 
 
 def doubling_capture(twin: torch.nn.Module, manifest: list[Any]) -> Any:
-    from refitd.bench.engines import default_weight_loader
     from refitd.reshard.geometry import capture_geometry
+    from refitd.testing.engines import default_weight_loader
 
     return capture_geometry(twin, manifest, default_weight_loader)
 
@@ -290,8 +290,8 @@ class ColumnSwap(torch.nn.Module):
 
 
 def column_capture(twin: torch.nn.Module, manifest: list[Any]) -> Any:
-    from refitd.bench.engines import default_weight_loader
     from refitd.reshard.geometry import capture_geometry
+    from refitd.testing.engines import default_weight_loader
 
     return capture_geometry(twin, manifest, default_weight_loader)
 

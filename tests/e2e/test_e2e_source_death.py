@@ -32,14 +32,14 @@ import numpy as np
 import pytest
 import torch
 
-from refitd.bench.engines import default_weight_loader
 from refitd.client.http import RefitClient
 from refitd.client.publisher import Publisher
 from refitd.client.receiver import DaemonReceiver
 from refitd.client.spawn import SpawnedDaemon, spawn_daemon
 from refitd.errors import RefitError
+from refitd.testing.engines import default_weight_loader
 from refitd.wire import DescriptorTable, PullProgress, PullRequest, PullState
-from transports.shm import SharedSegment, cleanup_stale
+from transports.segments import SharedSegment, cleanup_stale
 
 pytestmark = [pytest.mark.timeout(180)]
 

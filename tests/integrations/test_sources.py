@@ -106,7 +106,7 @@ async def test_adopted_tensors_are_published_with_no_copy_after_the_first_round(
         m = await client.manifest("adopt", 2)
         [w] = [t for t in m.tensors if t.name == "w"]
         [region] = [r for r in await client.regions() if r.region_id == w.shards[0].region]
-        from transports.shm import SharedSegment
+        from transports.segments import SharedSegment
 
         seg = SharedSegment.attach(region.handle, region.nbytes)
         try:

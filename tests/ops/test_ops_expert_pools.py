@@ -26,7 +26,7 @@ from refitd.errors import AccessDenied, ConflictError, NotFoundError, PlanError,
 from refitd.wire import (
     PoolInfo,
 )
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 ROW_BYTES = [16, 8, 24]  # three banks of different widths, as gate/up/down differ
 LAYERS, EXPERTS, SLOTS = 2, 4, 6

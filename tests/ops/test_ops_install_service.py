@@ -237,7 +237,7 @@ import json, subprocess, sys
 import numpy as np
 from refitd.client.sync import SyncRefitClient
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 url = sys.argv[1]
 with SyncRefitClient(url) as c:

@@ -20,7 +20,7 @@ from refitd.daemon.app import create_app
 from refitd.daemon.node import DaemonOptions
 from refitd.daemon.registry import Registry
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 
 def manifest(version: int, slot: int, slots: int) -> ManifestIn:

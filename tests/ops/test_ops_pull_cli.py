@@ -16,7 +16,7 @@ from refitd.client.http import RefitClient
 from refitd.daemon.app import create_app
 from refitd.daemon.node import DaemonOptions
 from refitd.wire import ManifestIn, RegionInfo, ShardEntry, TensorEntry
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 
 @dataclass
@@ -157,7 +157,7 @@ async def test_status_names_the_hosted_expert_pools(setup: Setup) -> None:
 
 
 async def test_status_reports_whether_shared_memory_gets_huge_pages(setup: Setup) -> None:
-    from transports.shm import huge_page_mode
+    from transports.segments import huge_page_mode
 
     code, out, _ = await refitd("status", "--url", setup.base, "--json")
     assert code == 0 and json.loads(out)["shm_huge_pages"] == huge_page_mode()

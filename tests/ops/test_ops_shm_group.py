@@ -18,7 +18,7 @@ from refitd.client.http import RefitClient
 from refitd.config import load_config
 from refitd.daemon.auth import check_startup
 from refitd.errors import ConfigError, ProtocolError
-from transports.shm import GROUP_ENV, SHM_DIR, SharedSegment
+from transports.segments import GROUP_ENV, SHM_DIR, SharedSegment
 
 GROUP = 48213  # a gid no account uses: only the test's child joins it
 NOBODY = 65534

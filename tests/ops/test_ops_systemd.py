@@ -175,7 +175,7 @@ def test_the_huge_page_unit_sets_the_mode_the_daemon_reads_back() -> None:
     """The remount the unit runs, applied to /dev/shm's mount line, is read back by
     ``huge_page_mode`` as ``advise``: the mode under which refitd's madvised segments
     get huge pages."""
-    from transports.shm import SHM_DIR, huge_page_mode
+    from transports.segments import SHM_DIR, huge_page_mode
 
     start = next(
         line.split("=", 1)[1]

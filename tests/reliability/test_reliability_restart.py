@@ -23,13 +23,13 @@ import torch
 from support.engines import mismatched, zeroed_engine
 from support.toy import pull_rows
 
-from refitd.bench.engines import EngineParallel, ToyEngine, dense_toy_config
-from refitd.bench.layouts import fsdp_dim0, full_state
 from refitd.bench.refit import capture_for, publish_layout
 from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
 from refitd.client.spawn import spawn_daemon
 from refitd.errors import ConflictError, NotFoundError, RefitError
+from refitd.testing.engines import EngineParallel, ToyEngine, dense_toy_config
+from refitd.testing.layouts import fsdp_dim0, full_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

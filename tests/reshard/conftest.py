@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
+from refitd.reshard.reads import InMemoryReadExecutor
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.slice_plan import Shard
 from refitd.reshard.transfer_plan import SourceInfo, TransferPlan, execute_transfer
-from refitd.reshard.transport import InMemoryReferenceTransport
 from refitd.reshard.types import RecordedCopy
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -119,7 +119,7 @@ def reconstruct(
     return execute_transfer(
         plan,
         resolve_param_ptr=lambda name: params[name].data_ptr(),
-        transport=transport if transport is not None else InMemoryReferenceTransport(),
+        transport=transport if transport is not None else InMemoryReadExecutor(),
     )
 
 

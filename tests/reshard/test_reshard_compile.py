@@ -13,8 +13,8 @@ import torch
 
 from refitd.errors import PlanError
 from refitd.reshard.compile import SignatureMismatch, compile_plan, dest_layout_of
+from refitd.reshard.reads import InMemoryReadExecutor
 from refitd.reshard.transfer_plan import exact_descriptors, plan_transfer
-from refitd.reshard.transport import InMemoryReferenceTransport
 from refitd.reshard.types import CaptureResult
 
 EL = 4
@@ -71,7 +71,7 @@ def test_a_republished_version_replays_rebased_and_bit_exact(kit: Any) -> None:
     # Next version: same structure, new buffers elsewhere, new values.
     pub2, full2 = _setup(kit, base=500_000)
     stats = compiled.replay(
-        pub2.sources, lambda n: params[n].data_ptr(), InMemoryReferenceTransport(), dest
+        pub2.sources, lambda n: params[n].data_ptr(), InMemoryReadExecutor(), dest
     )
     assert stats["bytes"] == plan.bytes_planned()
     assert torch.equal(params["pa"], full2["a"][:, :32])

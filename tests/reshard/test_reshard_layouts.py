@@ -8,15 +8,15 @@ import itertools
 import pytest
 import torch
 
-from refitd.bench.engines import dense_toy_config, moe_toy_config
-from refitd.bench.layouts import (
+from refitd.errors import ConfigError
+from refitd.testing.engines import dense_toy_config, moe_toy_config
+from refitd.testing.layouts import (
     SYNTHETIC_RANK_SPAN,
     Published,
     fsdp_dim0,
     full_state,
     megatron_tp_ep,
 )
-from refitd.errors import ConfigError
 
 DENSE = dense_toy_config()
 MOE = moe_toy_config()

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from refitd.reshard.compile import compile_plan, dest_layout_of, execute_bound
 from refitd.reshard.geometry import capture_geometry
+from refitd.reshard.reads import InMemoryReadExecutor
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.transfer_plan import plan_transfer
-from refitd.reshard.transport import InMemoryReferenceTransport
 from refitd.reshard.types import CaptureResult, OpSpec
 
 SETTINGS = settings(
@@ -247,7 +247,7 @@ def _plan_and_check(kit: Any, w: dict[str, Any], cap: CaptureResult, truth: torc
     bound = compile_plan(plan, pub.sources, dest).bind(
         pub.sources, lambda _: replayed.data_ptr(), dest
     )
-    execute_bound(bound, lambda _: replayed.data_ptr(), InMemoryReferenceTransport())
+    execute_bound(bound, lambda _: replayed.data_ptr(), InMemoryReadExecutor())
     assert replayed.view(torch.uint8).numpy().tobytes() == truth.view(torch.uint8).numpy().tobytes()
     # Accounting: the chosen plan never reads fewer bytes than the exact plan needs.
     assert plan.bytes_planned() >= plan.exact_bytes

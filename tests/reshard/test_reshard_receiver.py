@@ -13,13 +13,13 @@ import torch
 
 from refitd.reshard.compile import SignatureMismatch, dest_layout_of
 from refitd.reshard.coverage import destinations_of, unwritten
+from refitd.reshard.reads import InMemoryReadExecutor, PackedRead, ReadDescriptor
 from refitd.reshard.receiver import ReshardReceiver, _replay_ops
 from refitd.reshard.replay import replay_ops
-from refitd.reshard.transport import InMemoryReferenceTransport, PackedRead, ReadDescriptor
 from refitd.reshard.types import CaptureResult, IncompleteRefit, RecordedCopy, UnsupportedReshard
 
 
-class CountingTransport(InMemoryReferenceTransport):
+class CountingTransport(InMemoryReadExecutor):
     def __init__(self) -> None:
         self.reads = 0
 

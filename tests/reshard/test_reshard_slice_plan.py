@@ -14,9 +14,9 @@ import torch
 
 import refitd.reshard as reshard
 from refitd.errors import PlanError
+from refitd.reshard.reads import InMemoryReadExecutor, ReadDescriptor
 from refitd.reshard.slice_plan import Segment, Shard, plan_pull
 from refitd.reshard.transfer_plan import plan_transfer
-from refitd.reshard.transport import InMemoryReferenceTransport, ReadDescriptor
 from refitd.reshard.types import CaptureResult, RecordedCopy, UnsupportedReshard
 
 F32 = torch.float32
@@ -27,7 +27,7 @@ def op(name: str, *args: Any) -> tuple[str, tuple[Any, ...], tuple[()]]:
 
 
 def run_segments(segments: list[Segment], param: torch.Tensor) -> None:
-    InMemoryReferenceTransport().read(
+    InMemoryReadExecutor().read(
         [
             ReadDescriptor(s.session, s.src_addr, param.data_ptr() + s.dst_byte, s.nbytes)
             for s in segments

@@ -16,7 +16,10 @@ from collections.abc import Mapping
 import pytest
 import torch
 
-from refitd.bench.engines import (
+from refitd.reshard.reads import InMemoryReadExecutor
+from refitd.reshard.transfer_plan import TransferPlan, execute_transfer, plan_transfer
+from refitd.reshard.types import CaptureResult
+from refitd.testing.engines import (
     EngineParallel,
     ModelConfig,
     ToyEngine,
@@ -24,10 +27,13 @@ from refitd.bench.engines import (
     hf_manifest,
     moe_toy_config,
 )
-from refitd.bench.layouts import Published, capture_published, fsdp_dim0, full_state, megatron_tp_ep
-from refitd.reshard.transfer_plan import TransferPlan, execute_transfer, plan_transfer
-from refitd.reshard.transport import InMemoryReferenceTransport
-from refitd.reshard.types import CaptureResult
+from refitd.testing.layouts import (
+    Published,
+    capture_published,
+    fsdp_dim0,
+    full_state,
+    megatron_tp_ep,
+)
 
 DENSE = dense_toy_config()
 MOE = moe_toy_config()
@@ -170,7 +176,7 @@ def _assert_pull_lands_exactly(
     execute_transfer(
         plan,
         resolve_param_ptr=lambda name: params[name].data_ptr(),
-        transport=InMemoryReferenceTransport(),
+        transport=InMemoryReadExecutor(),
     )
     truth = dict(_truth(cfg, par, state).named_parameters())
     for name, param in params.items():

@@ -15,6 +15,7 @@ import torch
 
 from refitd.errors import TransportError
 from refitd.reshard.geometry import capture_geometry
+from refitd.reshard.reads import InMemoryReadExecutor, ReadDescriptor
 from refitd.reshard.receiver import _replay_ops
 from refitd.reshard.slice_plan import Shard
 from refitd.reshard.transfer_plan import (
@@ -23,7 +24,6 @@ from refitd.reshard.transfer_plan import (
     execute_transfer,
     plan_transfer,
 )
-from refitd.reshard.transport import InMemoryReferenceTransport, ReadDescriptor
 from refitd.reshard.types import CaptureResult, RecordedCopy
 
 F32 = torch.float32
@@ -107,7 +107,7 @@ def capture(with_bad: bool = False, only: set[str] | None = None) -> CaptureResu
     return capture_geometry(twin, m)
 
 
-class RecordingTransport(InMemoryReferenceTransport):
+class RecordingTransport(InMemoryReadExecutor):
     """The reference transport, remembering which sessions it read from."""
 
     def __init__(self) -> None:
@@ -124,7 +124,7 @@ def test_every_parameter_is_rebuilt_from_shards_alone() -> None:
     plan = plan_transfer(capture(), publish_whole(srcs))
     assert plan.fallback == [] and plan.bytes_planned() > 0
     got = dict(Engine().named_parameters())
-    stats = execute_transfer(plan, lambda n: got[n].data_ptr(), InMemoryReferenceTransport())
+    stats = execute_transfer(plan, lambda n: got[n].data_ptr(), InMemoryReadExecutor())
     assert stats["bytes"] == plan.bytes_planned()
     for name in want:
         assert torch.equal(got[name].detach(), want[name]), name
@@ -142,7 +142,7 @@ def test_a_strided_column_slice_lands_row_by_row() -> None:
         (48, 16),
     ]
     got = dict(Engine().named_parameters())
-    execute_transfer(plan, lambda n: got[n].data_ptr(), InMemoryReferenceTransport())
+    execute_transfer(plan, lambda n: got[n].data_ptr(), InMemoryReadExecutor())
     assert torch.equal(got["row"].detach(), truth(srcs)["row"])
 
 
@@ -163,7 +163,7 @@ def test_over_budget_copy_is_full_pulled_and_replayed_in_modelexpress_mode() -> 
     # Replay by hand, as a receiver would: fetch into staging, replay, copy.
     full_pull = plan.full_pulls[0]
     staging = torch.zeros_like(row)
-    InMemoryReferenceTransport().read(
+    InMemoryReadExecutor().read(
         [
             ReadDescriptor(s.session, s.src_addr, staging.data_ptr() + s.dst_byte, s.nbytes)
             for s in full_pull.segments

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from refitd.bench.engines import EngineParallel, ModelConfig, ToyEngine
+from refitd.testing.engines import EngineParallel, ModelConfig, ToyEngine
 
 
 def zeroed_engine(cfg: ModelConfig, par: EngineParallel) -> ToyEngine:

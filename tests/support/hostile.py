@@ -29,7 +29,7 @@ from refitd.wire import (
     TensorEntry,
 )
 from support.daemons import FakeClock
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 #: the test daemon's request size limit in bytes: a million descriptor rows (40 MB) exceed it
 MAX_BODY = 4 << 20

@@ -9,9 +9,9 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from transports.core import PeerInfo
+from transports.interface import PeerInfo
+from transports.segments import SHM_DIR, cleanup_stale
 from transports.servepeer import SECRET_ENV
-from transports.shm import SHM_DIR, cleanup_stale
 
 
 @asynccontextmanager

@@ -21,9 +21,9 @@ import uvloop
 from support.peers import peer_process
 
 from transports.checks import LOCAL, Pair, open_pair, shuffled_batch
-from transports.core import PeerInfo, PeerLost, TransportClosed
+from transports.interface import PeerInfo, PeerLost, TransportClosed
+from transports.segments import SharedSegment
 from transports.servepeer import REGION_ID, pattern
-from transports.shm import SharedSegment
 from transports.ucx import UcxPeer, UcxTransport
 
 SECRET = b"fault-test-secret-0123456789"

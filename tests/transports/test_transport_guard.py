@@ -22,10 +22,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refitd.daemon.copier import pack_strided
-from transports.core import PullFailed
+from transports.interface import PullFailed
 from transports.local import CopyFault, copy_addresses
-from transports.samehost import SameHostTransport
-from transports.shm import SHM_DIR, SharedSegment
+from transports.segments import SHM_DIR, SharedSegment
+from transports.shm import SameHostTransport
 
 SECRET = b"guard-secret-0123456789abc"
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,7 +134,7 @@ def test_a_bus_error_outside_a_guarded_copy_still_ends_the_process() -> None:
         import os, numpy as np
         from transports.local import copy_addresses  # loads the guarded helper
         from transports.native import copy_lib
-        from transports.shm import SHM_DIR, SharedSegment
+        from transports.segments import SHM_DIR, SharedSegment
         copy_lib().rfx_guard_install()
         seg = SharedSegment.create(1 << 20, "victim")
         os.truncate(SHM_DIR / seg.name, 4096)

@@ -26,9 +26,9 @@ from support.peers import peer_process
 
 from refitd.errors import TransportError
 from transports.checks import LOCAL, REMOTE, shuffled_batch
-from transports.core import PeerInfo, PeerLost, PullFailed
+from transports.interface import PeerInfo, PeerLost, PullFailed
+from transports.segments import SharedSegment
 from transports.servepeer import REGION_ID, pattern
-from transports.shm import SharedSegment
 from transports.ucx import BACKSTOP_S, UcxPeer, UcxTransport
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from refitd.errors import ProtocolError
+from transports.batch import READ_DTYPE
 from transports.checks import LOCAL, REMOTE, Pair, check_refusal_reads_nothing, open_pair
-from transports.core import READ_DTYPE, TransportClosed, UnauthenticatedPeer
+from transports.interface import TransportClosed, UnauthenticatedPeer
 
 SIZE = 1 << 20
 BIG = (1 << 63) - 1

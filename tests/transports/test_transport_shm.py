@@ -1,192 +1,188 @@
-"""Shared-memory segments: exact size, views, permissions, lifetime, crash cleanup."""
+"""The ``shm`` transport refuses, before mapping anything, a peer it cannot prove is
+on this host reading these very files."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
-import stat
-import subprocess
-import sys
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import numpy as np
+import numpy.typing as npt
 import pytest
-import torch
 
-from refitd.errors import ConflictError, NotFoundError, ProtocolError
-from transports.shm import SHM_DIR, SharedSegment, cleanup_stale
+from refitd.errors import TransportError
+from transports.interface import PeerInfo, ReadRefused
+from transports.local import copy_addresses
+from transports.segments import SHM_DIR, SharedSegment
+from transports.shm import SameHostTransport
 
-
-def test_a_created_segment_has_exactly_the_requested_size_and_is_zeroed() -> None:
-    with SharedSegment.create(4097, "exact") as seg:
-        assert seg.size == 4097
-        assert os.stat(SHM_DIR / seg.name).st_size == 4097
-        assert len(seg.numpy()) == 4097
-        assert not seg.numpy().any()
+SECRET = b"samehost-secret-0123456789"
 
 
-def test_only_the_owning_user_may_open_a_segment() -> None:
-    with SharedSegment.create(64) as seg:
-        mode = stat.S_IMODE(os.stat(SHM_DIR / seg.name).st_mode)
-        assert mode == 0o600
-
-
-def test_an_attached_segment_sees_the_owners_writes_and_the_owner_sees_its_writes() -> None:
-    with (
-        SharedSegment.create(1 << 16, "share") as owner,
-        SharedSegment.attach(owner.name, 1 << 16) as other,
+@contextlib.asynccontextmanager
+async def _source_of(src: SharedSegment) -> AsyncIterator[tuple[SameHostTransport, PeerInfo]]:
+    """A started puller, and the record of a started source that registered ``src``."""
+    async with (
+        SameHostTransport(secret=SECRET) as puller,
+        SameHostTransport(secret=SECRET) as source,
     ):
-        owner.numpy()[100:200] = 7
-        assert (other.numpy()[100:200] == 7).all()
-        other.numpy()[0] = 9
-        assert owner.numpy()[0] == 9
-        assert not other.owner
+        await source.register(1, src)
+        yield puller, source.advertise()
 
 
-def test_numpy_and_torch_views_start_at_the_given_byte_offset() -> None:
-    with SharedSegment.create(1024) as seg:
-        f = seg.numpy(np.float32, offset=8, count=4)
-        f[:] = [1.0, 2.0, 3.0, 4.0]
-        t = seg.torch(torch.float32, offset=12, count=2)
-        assert t.tolist() == [2.0, 3.0]
-        t[1] = 5.0
-        assert seg.numpy(np.float32, offset=8, count=4).tolist() == [1.0, 2.0, 5.0, 4.0]
-        assert seg.numpy(np.uint8, offset=1024).size == 0
+async def test_a_record_from_another_kernel_boot_is_refused_at_connect() -> None:
+    with SharedSegment.create(4096, "src") as src:
+        async with _source_of(src) as (puller, info):
+            other = msgspec.structs.replace(
+                info, address=b"00000000-another-boot:" + info.address.split(b":")[1]
+            ).signed(SECRET)
+            with pytest.raises(TransportError, match="another kernel"):
+                await puller.connect(other)
 
 
-def test_a_view_past_the_end_of_the_segment_is_refused() -> None:
+async def test_a_segment_name_that_now_maps_another_file_is_refused_at_connect() -> None:
+    with SharedSegment.create(4096, "src") as src:
+        async with _source_of(src) as (puller, info):
+            # Same name, another file (what a separate /dev/shm would show).
+            os.unlink(SHM_DIR / src.name)
+            fd = os.open(SHM_DIR / src.name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, 4096)
+            os.close(fd)
+            try:
+                with pytest.raises(TransportError, match=r"region 1 .*another file"):
+                    await puller.connect(info)
+            finally:
+                os.unlink(SHM_DIR / src.name)
+
+
+def _record(source_info: PeerInfo, keep: set[int]) -> PeerInfo:
+    """``source_info`` listing only the regions in ``keep``, signed again."""
+    regions = tuple(r for r in source_info.regions if r.region_id in keep)
+    return msgspec.structs.replace(source_info, regions=regions).signed(SECRET)
+
+
+async def test_an_update_keeps_the_mappings_of_unchanged_regions_and_maps_only_new_ones() -> None:
     with (
-        SharedSegment.create(100) as seg,
-        pytest.raises(ProtocolError, match="end past its 100 bytes"),
+        SharedSegment.create(4096, "a") as a,
+        SharedSegment.create(4096, "b") as b,
+        SharedSegment.create(4096, "dst") as dst,
     ):
-        seg.numpy(np.float64, offset=96, count=1)
+        async with (
+            SameHostTransport(secret=SECRET) as puller,
+            SameHostTransport(secret=SECRET) as source,
+        ):
+            await source.register(1, a)
+            await source.register(2, b)
+            await puller.register(9, dst)
+            full = source.advertise()
+            async with await puller.connect(_record(full, {1})) as peer:
+                assert puller.maps_made == 1
+                await peer.update(_record(full, {1}))
+                await peer.update(full)
+                assert puller.maps_made == 2  # only region 2 was mapped anew
+                b.numpy()[:] = 6
+                await peer.get([(9, 0, 2, 0, 4096)])
+                assert (dst.numpy() == 6).all()
+            # A later connection (the next pull) maps nothing again.
+            async with await puller.connect(full) as again:
+                await again.get([(9, 0, 1, 0, 16)])
+            assert puller.maps_made == 2 and puller.mapped == 2
 
 
-def test_attaching_with_the_wrong_size_is_refused() -> None:
+async def test_unused_mappings_are_kept_up_to_the_bound_and_held_ones_never_unmapped() -> None:
+    with contextlib.ExitStack() as stack:
+        segs = [stack.enter_context(SharedSegment.create(4096, f"s{i}")) for i in range(3)]
+        dst = stack.enter_context(SharedSegment.create(4096, "dst"))
+        async with (
+            SameHostTransport(secret=SECRET, max_mappings=1) as puller,
+            SameHostTransport(secret=SECRET) as source,
+        ):
+            for i, seg in enumerate(segs):
+                seg.numpy()[:] = i + 1
+                await source.register(i, seg)
+            await puller.register(9, dst)
+            async with await puller.connect(source.advertise()) as peer:
+                assert puller.mapped == 3  # all held by the open peer, past the bound
+                for i in range(3):
+                    await peer.get([(9, 0, i, 0, 4096)])
+                    assert (dst.numpy() == i + 1).all()
+            assert puller.mapped == 1  # unused now: the bound applies
+
+
+async def test_a_mapping_an_update_drops_stays_mapped_until_the_read_in_flight_lands() -> None:
+    gate, entered = asyncio.Event(), asyncio.Event()
+
+    class Gated:
+        async def copy(
+            self,
+            dst: npt.NDArray[np.int64],
+            src: npt.NDArray[np.int64],
+            nbytes: npt.NDArray[np.int64],
+        ) -> None:
+            entered.set()
+            await gate.wait()
+            await copy_addresses(dst, src, nbytes, threads=1, pool=None)
+
     with (
-        SharedSegment.create(100) as seg,
-        pytest.raises(ProtocolError, match="holds 100 bytes, expected 99"),
+        SharedSegment.create(1 << 20, "a") as a,
+        SharedSegment.create(4096, "b") as b,
+        SharedSegment.create(1 << 20, "dst") as dst,
     ):
-        SharedSegment.attach(seg.name, 99)
+        a.numpy()[:] = 3
+        async with (
+            SameHostTransport(secret=SECRET, copier=Gated(), max_mappings=0) as puller,
+            SameHostTransport(secret=SECRET) as source,
+        ):
+            await source.register(1, a)
+            await source.register(2, b)
+            await puller.register(9, dst)
+            full = source.advertise()
+            async with await puller.connect(full) as peer:
+                read = asyncio.create_task(peer.get([(9, 0, 1, 0, 1 << 20)]))
+                await entered.wait()
+                await peer.update(_record(full, {2}))  # region 1 no longer listed
+                assert puller.mapped == 2  # ... but the read in flight still holds it
+                gate.set()
+                await read
+                assert (dst.numpy() == 3).all()
+                assert puller.mapped == 1  # let go once the read landed (bound 0)
 
 
-def test_attaching_a_segment_other_users_can_open_is_refused() -> None:
-    with SharedSegment.create(100) as seg:
-        os.chmod(SHM_DIR / seg.name, 0o644)
-        with pytest.raises(ProtocolError, match="lets other users in"):
-            SharedSegment.attach(seg.name)
+async def test_a_loopback_connection_reads_between_the_transports_own_regions() -> None:
+    with SharedSegment.create(4096, "a") as a, SharedSegment.create(4096, "dst") as dst:
+        a.numpy()[:] = 8
+        async with SameHostTransport(secret=SECRET) as t:
+            await t.register(1, a)
+            peer = t.loopback()
+            # A region registered after the connection was made is readable too.
+            await t.register(2, dst)
+            await peer.get([(2, 0, 1, 0, 4096)])
+            assert (dst.numpy() == 8).all() and t.maps_made == 0
+            with pytest.raises(ReadRefused, match="remote region 3"):
+                await peer.get([(2, 0, 3, 0, 16)])
 
 
-def test_attaching_a_missing_segment_names_it() -> None:
-    with pytest.raises(NotFoundError, match=r"refitd\.nope"):
-        SharedSegment.attach("refitd.nope")
-
-
-def test_a_name_with_a_path_in_it_is_refused() -> None:
-    with pytest.raises(ProtocolError, match="plain file name"):
-        SharedSegment.attach("../etc/passwd")
-
-
-def test_closing_the_owner_removes_the_name_but_an_attacher_may_not() -> None:
-    seg = SharedSegment.create(100)
-    other = SharedSegment.attach(seg.name)
-    with pytest.raises(ConflictError, match="only its owner"):
-        other.unlink()
-    other.close()
-    assert (SHM_DIR / seg.name).exists()
-    seg.close()
-    assert not (SHM_DIR / seg.name).exists()
-    seg.close()  # idempotent
-
-
-def test_closing_while_a_view_is_alive_keeps_that_view_valid() -> None:
-    seg = SharedSegment.create(4096)
-    view = seg.numpy()
-    view[:] = 3
-    seg.close()
-    assert seg.closed
-    assert (view == 3).all()
-    with pytest.raises(ConflictError, match="closed"):
-        seg.numpy()
-
-
-def test_cleanup_removes_segments_of_a_crashed_owner_and_keeps_live_ones() -> None:
-    code = "from transports.shm import SharedSegment; s = SharedSegment.create(64, 'crash'); print(s.name, flush=True); import os; os._exit(0)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    crashed = out.stdout.strip()
-    assert (SHM_DIR / crashed).exists(), "the crashed owner left no segment to clean"
-    with SharedSegment.create(64, "alive") as mine:
-        removed = cleanup_stale()
-        assert crashed in removed
-        assert not (SHM_DIR / crashed).exists()
-        assert (SHM_DIR / mine.name).exists()
-
-
-# -- huge pages ---------------------------------------------------------------------
-
-
-def test_huge_page_mode_reads_the_huge_option_of_the_mount_holding_segments() -> None:
-    from transports.shm import huge_page_mode
-
-    line = "tmpfs {} tmpfs rw,nosuid,nodev{} 0 0"
-    assert huge_page_mode(line.format(SHM_DIR, "")) == "never"  # the kernel's default
-    assert huge_page_mode(line.format(SHM_DIR, ",huge=within_size")) == "within_size"
-    remounted = "\n".join([line.format(SHM_DIR, ""), line.format(SHM_DIR, ",huge=advise")])
-    assert huge_page_mode(remounted) == "advise"  # the last mount on the point wins
-    assert huge_page_mode(line.format("/run/other", ",huge=always")) == "unknown"
-
-
-def test_huge_fraction_names_a_mapping_that_does_not_exist() -> None:
-    from transports.shm import huge_fraction
-
-    with SharedSegment.create(1 << 16, "frac") as seg:
-        got = huge_fraction(os.getpid(), seg.address, seg.size)
-        assert 0.0 <= got <= 1.0
-        with pytest.raises(NotFoundError, match="no mapping starting at"):
-            huge_fraction(os.getpid(), seg.address + 4096, seg.size)
-
-
-@pytest.fixture
-def huge_tmpfs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """A private tmpfs mounted ``huge=advise`` as the segment directory (needs root and
-    a kernel with shmem THP; skipped otherwise)."""
-    where = tmp_path_factory.mktemp("hugeshm")
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m,huge=advise", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-    )
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a huge-page tmpfs here: {made.stderr.strip()}")
-    monkeypatch.setattr("transports.shm.SHM_DIR", where)
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
-def test_segments_on_a_tmpfs_allowing_huge_pages_are_backed_by_them(huge_tmpfs) -> None:  # type: ignore[no-untyped-def]
-    """A mount with ``huge=advise`` gives huge pages only to mappings that ask: the
-    segment asks, so every page of an aligned 8 MiB segment is a 2 MiB one, in the
-    creator and in a process that attaches it."""
-    from transports.shm import huge_fraction, huge_page_mode
-
-    assert huge_page_mode() == "advise"
-    with SharedSegment.create(8 << 20, "huge") as seg:
-        seg.numpy()[:] = 1
-        assert huge_fraction(os.getpid(), seg.address, seg.size) == 1.0
-        with SharedSegment.attach(seg.name, seg.size) as other:
-            assert (other.numpy()[:: 1 << 20] == 1).all()
-            assert huge_fraction(os.getpid(), other.address, other.size) == 1.0
-
-
-def test_a_segment_tail_shorter_than_a_huge_page_is_not_rounded_up_to_one(huge_tmpfs) -> None:  # type: ignore[no-untyped-def]
-    """2 MiB + 4 KiB: the first 2 MiB in one huge page, the tail in 4 KiB pages (a huge
-    page must fit inside the mapping), so the segment costs its size in memory, not
-    two huge pages."""
-    from transports.shm import huge_fraction
-
-    huge_page = 2 << 20
-    size = huge_page + 4096
-    with SharedSegment.create(size, "tail") as seg:
-        seg.numpy()[:] = 1
-        assert huge_fraction(os.getpid(), seg.address, size) == huge_page / size
-        assert os.stat(huge_tmpfs / seg.name).st_blocks * 512 == size
+async def test_a_cancelled_threaded_copy_returns_only_once_its_threads_finished() -> None:
+    n = 256 << 20
+    src = np.full(n, 5, dtype=np.uint8)
+    dst = np.zeros(n, dtype=np.uint8)
+    with ThreadPoolExecutor(2) as pool:
+        task = asyncio.create_task(
+            copy_addresses(
+                np.array([dst.ctypes.data], np.int64),
+                np.array([src.ctypes.data], np.int64),
+                np.array([n], np.int64),
+                threads=2,
+                pool=pool,
+            )
+        )
+        await asyncio.sleep(0)  # the shares are in the threads now
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Nothing writes any more once the cancelled copy returned: the memory may go.
+        assert (dst == 5).all()

@@ -2,7 +2,7 @@
 
 Real sockets on loopback throughout. Where a test needs a client that breaks the
 protocol (reads outside its grant, garbage frames, a wrong secret), it speaks the
-wire itself with `transports.tcpwire`: the real data server answers it. Sources
+wire itself with `transports.tcp.frames`: the real data server answers it. Sources
 that hang or die are real processes (`transports.servepeer --scheme tcp`) stopped
 with SIGSTOP or killed with SIGKILL.
 """
@@ -23,12 +23,11 @@ import pytest
 from support.peers import peer_process
 
 from transports.checks import LOCAL, REMOTE, Pair, expect, open_pair, shuffled_batch
-from transports.core import PeerInfo, PeerLost, PullFailed, ReadRefused, UnauthenticatedPeer
+from transports.interface import PeerInfo, PeerLost, PullFailed, ReadRefused, UnauthenticatedPeer
+from transports.segments import SHM_DIR, SharedSegment
 from transports.servepeer import REGION_ID, pattern
-from transports.shm import SHM_DIR, SharedSegment
 from transports.tcp import TcpPeer, TcpTransport, parse_address
-from transports.tcpserve import recv_exact
-from transports.tcpwire import (
+from transports.tcp.frames import (
     CHALLENGE,
     HEADER,
     HELLO,
@@ -39,6 +38,7 @@ from transports.tcpwire import (
     client_proof,
     scope_key,
 )
+from transports.tcp.serve import recv_exact
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,7 +3,7 @@
  * Built into the package as the extension module `transports.native._copy` (an
  * empty module: its functions are called through ctypes, which releases the GIL for
  * the whole call, so several threads can copy parts of one batch at once).
- * Addresses and lengths are validated by the caller (transports.core.validate_batch)
+ * Addresses and lengths are validated by the caller (transports.batch.validate_batch)
  * before they get here. */
 #define Py_LIMITED_API 0x030B0000
 #include <Python.h> /* first: it sets _GNU_SOURCE and the other feature macros */

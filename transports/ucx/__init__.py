@@ -43,7 +43,7 @@ answer by the deadline plus `BACKSTOP_S`, the owner kills it. Every other reques
 a child (register, connect, stop) is bounded by ``request_timeout``; a child that
 misses it is killed (the serving one is then restarted).
 
-Regions must be named shared segments (`transports.shm.SharedSegment`): the
+Regions must be named shared segments (`transports.segments.SharedSegment`): the
 children map them by name, so bytes land directly in the owner's memory.
 """
 
@@ -68,21 +68,18 @@ import numpy.typing as npt
 
 from refitd.errors import NotFoundError, ProtocolError, TransportError
 
-from ..core import (
+from ..batch import ReadBatch, as_read_batch, suspect_ranges, validate_batch
+from ..interface import (
     LocalRegion,
     Peer,
     PeerInfo,
     PeerLost,
     PullFailed,
-    ReadBatch,
     ReadRefused,
     RegionInfo,
     Segment,
     Transport,
     TransportClosed,
-    as_read_batch,
-    suspect_ranges,
-    validate_batch,
 )
 from .protocol import (
     EXIT_TIMED_OUT,

@@ -11,7 +11,7 @@ import struct
 
 import msgspec
 
-from ..core import RegionInfo
+from ..interface import RegionInfo
 
 MAX_FRAME = 1 << 30
 EXIT_TIMED_OUT = 3

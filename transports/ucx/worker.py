@@ -42,8 +42,9 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from ..core import READ_DTYPE, ReadRefused, coalesce, split_shares, validate_batch
-from ..shm import SharedSegment
+from ..batch import READ_DTYPE, coalesce, split_shares, validate_batch
+from ..interface import ReadRefused
+from ..segments import SharedSegment
 from .protocol import (
     EXIT_TIMED_OUT,
     Connect,

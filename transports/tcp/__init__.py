@@ -13,9 +13,9 @@ while the source host was busy. Here:
   mapped region; the reader receives with ``recv_into`` (pieces ≥ 64 KiB) or
   ``recvmsg_into`` (smaller pieces, scattered ``IOV_MAX`` at a time) straight into the
   destination region. ``TCP_NODELAY`` and large socket buffers on both ends.
-- **Safer than an rkey.** The source's data server (`transports.tcpserve`) checks
+- **Safer than an rkey.** The source's data server (`transports.tcp.serve`) checks
   every read against the signed record the connection was granted (regions, their
-  epochs, the byte ranges of one lease: `transports.tcpwire.scope_key`) before it
+  epochs, the byte ranges of one lease: `transports.tcp.frames.scope_key`) before it
   sends a byte. Connections authenticate with the deployment secret (no token
   travels); a host ``accept`` refuses is closed unanswered.
 - **Faults.** Every request has the pull deadline (``pull_timeout`` s) as its socket
@@ -45,33 +45,28 @@ import numpy.typing as npt
 
 from refitd.errors import NotFoundError, ProtocolError, TransportError
 
-from .core import (
+from ..batch import ReadBatch, as_read_batch, coalesce, split_pieces, suspect_ranges, validate_batch
+from ..interface import (
     LocalRegion,
     Peer,
     PeerInfo,
     PeerLost,
     PullFailed,
-    ReadBatch,
     ReadRefused,
     RegionInfo,
     Segment,
     Transport,
     TransportClosed,
     UnauthenticatedPeer,
-    as_read_batch,
-    coalesce,
-    split_pieces,
-    suspect_ranges,
-    validate_batch,
 )
-from .tcplanes import BIG, REQUEST_BYTES, Lane, LaneError, Request
-from .tcpserve import DataServer, Served
-from .tcpwire import (
+from .frames import (
     MAX_READS,
     READ_ROW,
     Grant,
     check_scope,
 )
+from .lanes import BIG, REQUEST_BYTES, Lane, LaneError, Request
+from .serve import DataServer, Served
 
 __all__ = [
     "BACKSTOP_S",

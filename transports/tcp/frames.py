@@ -39,7 +39,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from .core import PeerInfo
+from ..interface import PeerInfo
 
 __all__ = [
     "CHALLENGE",
@@ -70,7 +70,7 @@ MAX_GRANT_BYTES = 256 << 10
 """Bytes of one grant record at most."""
 MAX_GRANTS = 8
 """Grants a connection keeps (the newest); together with the bounds above and the
-4 MiB buffer small pieces are gathered in (`transports.tcpserve.GATHER_BYTES`), what
+4 MiB buffer small pieces are gathered in (`transports.tcp.serve.GATHER_BYTES`), what
 one connection can make the data server hold: about 6.1 MiB."""
 
 

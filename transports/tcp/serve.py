@@ -5,11 +5,11 @@ receive releases the GIL, so a busy event loop in the daemon does not slow the
 wire, and one slow connection holds up only itself). Per connection, in order:
 
 1. a peer whose address ``accept`` refuses is closed unanswered (not a byte sent);
-2. the handshake of `transports.tcpwire` (a proof of the deployment secret from each
+2. the handshake of `transports.tcp.frames` (a proof of the deployment secret from each
    side, bound to both epochs and to the grant the connection opens with);
 3. frames: a GRANT (a signed record: which regions, which epochs, which byte ranges,
    under which lease) is verified and kept (the newest ``MAX_GRANTS``); every READ
-   names one of them and is checked whole against it (`tcpwire.check_scope`), and
+   names one of them and is checked whole against it (`frames.check_scope`), and
    against the lease's liveness (``authorize``), before a byte is sent. A refused
    READ gets a REFUSED frame; a malformed frame closes its connection only.
 
@@ -36,9 +36,9 @@ import numpy.typing as npt
 
 from refitd.errors import ProtocolError
 
-from .core import PeerInfo
-from .local import CopyFault, copy_batch_guarded
-from .tcpwire import (
+from ..interface import PeerInfo
+from ..local import CopyFault, copy_batch_guarded
+from .frames import (
     CHALLENGE,
     HEADER,
     HELLO,

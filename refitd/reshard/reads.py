@@ -9,7 +9,7 @@ A plan is executed as two kinds of reads:
   wire it is one descriptor of ``nbytes``; the receiver then lands the packed bytes
   contiguous, or scatters them with ``dst_strides`` when the destination is strided.
 
-:class:`InMemoryReferenceTransport` performs both with real memory moves on CPU
+:class:`InMemoryReadExecutor` performs both with real memory moves on CPU
 addresses of this process, so a plan that reconstructs correctly through it moves
 the right bytes on any transport.
 """
@@ -25,11 +25,11 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
-    "InMemoryReferenceTransport",
+    "InMemoryReadExecutor",
     "PackedRead",
-    "PackingTransport",
+    "PackingReadExecutor",
     "ReadDescriptor",
-    "Transport",
+    "ReadExecutor",
 ]
 
 
@@ -67,15 +67,15 @@ class PackedRead:
 
 
 @runtime_checkable
-class Transport(Protocol):
+class ReadExecutor(Protocol):
     """Anything that can perform a batch of contiguous reads."""
 
     def read(self, descriptors: list[ReadDescriptor]) -> None: ...
 
 
 @runtime_checkable
-class PackingTransport(Transport, Protocol):
-    """A transport whose source side can also pack strided regions."""
+class PackingReadExecutor(ReadExecutor, Protocol):
+    """A read executor whose source side can also pack strided regions."""
 
     def read_packed(self, reads: list[PackedRead]) -> None: ...
 
@@ -91,8 +91,8 @@ def _strided_bytes(
     return view
 
 
-class InMemoryReferenceTransport:
-    """Reference transport over this process's memory: ``ctypes.memmove`` per read.
+class InMemoryReadExecutor:
+    """Reference executor over this process's memory: ``ctypes.memmove`` per read.
 
     Sessions are labels only; addresses are absolute. Deliberately simple: this is
     the correctness oracle, not a fast path.

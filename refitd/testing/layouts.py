@@ -1,6 +1,6 @@
 """Trainer layouts: how a training job holds a model, published as reshard sources.
 
-A layout takes a model's full checkpoint (Hugging Face names, :mod:`refitd.bench.engines`)
+A layout takes a model's full checkpoint (Hugging Face names, :mod:`refitd.testing.engines`)
 and says which trainer rank holds which box of which tensor, under the trainer's own
 tensor names. It returns one :class:`~refitd.reshard.transfer_plan.SourceInfo` per
 trainer tensor, whose :class:`~refitd.reshard.slice_plan.Shard` s point either into
@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from refitd.bench.engines import ModelConfig, default_weight_loader, param_roles
 from refitd.errors import ConfigError
 from refitd.reshard.geometry import capture_geometry, capture_weights, convert_source_weights
 from refitd.reshard.slice_plan import Shard
 from refitd.reshard.transfer_plan import SourceInfo
 from refitd.reshard.types import CaptureResult
+from refitd.testing.engines import ModelConfig, default_weight_loader, param_roles
 
 __all__ = [
     "Published",
@@ -93,7 +93,7 @@ class Published:
 
 
 def capture_published(model: torch.nn.Module, published: Published) -> CaptureResult:
-    """Capture ``model`` (a meta twin of an engine rank from :mod:`refitd.bench.engines`)
+    """Capture ``model`` (a meta twin of an engine rank from :mod:`refitd.testing.engines`)
     against what ``published`` holds, through its ``convert`` when it has one."""
     if published.convert is None:
         return capture_geometry(model, published.manifest, default_weight_loader)

@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from .local import CopyFault, copy_batch_guarded
-from .tcpserve import IOV_MAX, recv_exact, send_all, tune
-from .tcpwire import (
+from ..local import CopyFault, copy_batch_guarded
+from .frames import (
     CHALLENGE,
     HEADER,
     HELLO,
@@ -43,9 +42,10 @@ from .tcpwire import (
     client_proof,
     server_proof,
 )
+from .serve import IOV_MAX, recv_exact, send_all, tune
 
 if TYPE_CHECKING:
-    from .tcp import TcpPeer
+    from . import TcpPeer
 
 __all__ = ["BIG", "REQUEST_BYTES", "Lane", "LaneError", "Request"]
 

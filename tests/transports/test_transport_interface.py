@@ -11,22 +11,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import transports.core as core
+import transports.interface as interface
 from refitd.errors import NotFoundError, ProtocolError
-from transports.core import (
+from transports.batch import (
     READ_DTYPE,
+    as_read_batch,
+    coalesce,
+    split_shares,
+    suspect_ranges,
+    validate_batch,
+)
+from transports.interface import (
     ByteRange,
     PeerInfo,
     ReadRefused,
     RegionInfo,
     UnknownScheme,
-    as_read_batch,
-    coalesce,
     create_transport,
     register_transport,
-    split_shares,
-    suspect_ranges,
-    validate_batch,
 )
 from transports.reference import ReferenceTransport
 
@@ -131,7 +133,7 @@ def test_a_signed_record_survives_encoding_and_any_changed_field_breaks_its_mac(
         msgspec.structs.replace(info, regions=(RegionInfo(1, 2, 3, 4, b"kez"),)),
         msgspec.structs.replace(info, regions=()),
     ):
-        with pytest.raises(core.UnauthenticatedPeer):
+        with pytest.raises(interface.UnauthenticatedPeer):
             changed.verify(secret)
 
 
@@ -164,7 +166,7 @@ async def test_a_deployment_registers_its_own_transport_by_scheme() -> None:
                 ctypes.memmove(d, s, n)
 
     register_transport("counting", Counting)
-    assert "counting" in core.schemes()
+    assert "counting" in interface.schemes()
     from transports.checks import check_scattered_batch, open_pair
 
     async with open_pair("counting", 64 << 10, 64 << 10) as pair:
@@ -175,11 +177,11 @@ async def test_a_deployment_registers_its_own_transport_by_scheme() -> None:
 def test_all_names_the_public_interface() -> None:
     public = {
         n
-        for n, v in vars(core).items()
-        if not n.startswith("_") and getattr(v, "__module__", None) == core.__name__
+        for n, v in vars(interface).items()
+        if not n.startswith("_") and getattr(v, "__module__", None) == interface.__name__
     }
-    assert public - {"ReadBatch", "ENTRY_POINT_GROUP"} <= set(core.__all__)
-    assert all(hasattr(core, n) for n in core.__all__)
+    assert public - {"ReadBatch", "ENTRY_POINT_GROUP"} <= set(interface.__all__)
+    assert all(hasattr(interface, n) for n in interface.__all__)
 
 
 @settings(max_examples=100, deadline=None)

@@ -1,0 +1,8 @@
+"""Test fixtures that ship with refitd: toy engines and trainer layouts.
+
+Not product code: the demo, the benchmarks and the test suite import them to build
+models and publications without a real engine or trainer.
+
+- `engines`: toy inference engines with vLLM's parameter shapes and weight loaders.
+- `layouts`: trainer layouts (FSDP, Megatron TP/EP) published as reshard sources.
+"""

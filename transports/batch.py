@@ -1,0 +1,276 @@
+"""The batch algebra of the data plane: reads as rows of one numpy layout.
+
+A *read* is ``(local_region, local_offset, remote_region, remote_offset, nbytes)``;
+offsets and sizes are in bytes, relative to the start of the region. A batch is a
+numpy structured array of ``READ_DTYPE`` (so a daemon passes 100k reads without a
+Python object per read). Every rule about a batch is written here once, on that
+layout, and every transport goes through it: conversion (`as_read_batch`, the wire's
+rows), bounds and overlap (`validate_batch`), merging (`coalesce`), cutting
+(`split_shares`, `split_pieces`) and the ranges a failed batch leaves undefined
+(`suspect_ranges`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import cast
+
+import numpy as np
+import numpy.typing as npt
+
+from refitd.errors import ProtocolError
+
+from .interface import ByteRange, ReadRefused
+
+__all__ = [
+    "READ_DTYPE",
+    "ReadBatch",
+    "as_read_batch",
+    "batch_as_rows",
+    "coalesce",
+    "rows_as_batch",
+    "split_pieces",
+    "split_shares",
+    "suspect_ranges",
+    "validate_batch",
+]
+
+#: One read per row. All fields are little-endian int64; offsets and nbytes in bytes.
+READ_DTYPE = np.dtype(
+    [
+        ("local_region", "<i8"),
+        ("local_offset", "<i8"),
+        ("remote_region", "<i8"),
+        ("remote_offset", "<i8"),
+        ("nbytes", "<i8"),
+    ]
+)
+
+ReadBatch = npt.NDArray[np.void]
+
+
+def as_read_batch(batch: ReadBatch | npt.NDArray[np.int64] | Iterable[Sequence[int]]) -> ReadBatch:
+    """Return ``batch`` as a 1-D ``READ_DTYPE`` array, without copying when it is one.
+
+    Accepts a ``READ_DTYPE`` array, an int64 array of shape (n, 5) in read order, or
+    an iterable of 5-tuples.
+    """
+    if isinstance(batch, np.ndarray):
+        if batch.dtype == READ_DTYPE:
+            return cast(ReadBatch, batch.reshape(-1))
+        if batch.dtype.fields is None and batch.ndim == 2 and batch.shape[1] == 5:
+            arr = np.ascontiguousarray(batch, dtype="<i8")
+            return cast(ReadBatch, arr.view(READ_DTYPE).reshape(-1))
+        raise ProtocolError(
+            f"batch refused: an array of dtype {batch.dtype} and shape {batch.shape} is neither "
+            "READ_DTYPE nor int64 of shape (n, 5)"
+        )
+    rows = [tuple(int(v) for v in r) for r in batch]
+    for i, r in enumerate(rows):
+        if len(r) != 5:
+            raise ProtocolError(f"batch refused: read #{i} has {len(r)} fields, expected 5")
+    return np.array(rows, dtype=READ_DTYPE).reshape(-1)
+
+
+def _sizes_of(
+    ids: npt.NDArray[np.int64], table: dict[int, int]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+    """Sizes for region ``ids`` from ``table`` (id -> size), and a mask of known ids."""
+    if not table:
+        return np.zeros(len(ids), np.int64), np.zeros(len(ids), bool)
+    keys = np.array(sorted(table), dtype=np.int64)
+    sizes = np.array([table[int(k)] for k in keys], dtype=np.int64)
+    pos = np.clip(np.searchsorted(keys, ids), 0, len(keys) - 1)
+    known = keys[pos] == ids
+    return np.where(known, sizes[pos], 0), known
+
+
+def validate_batch(
+    batch: ReadBatch,
+    local_sizes: dict[int, int],
+    remote_sizes: dict[int, int],
+    remote_nbytes: npt.NDArray[np.int64] | None = None,
+) -> None:
+    """Refuse the whole batch, naming the first bad read, unless every read is in bounds.
+
+    A read is in bounds when both region ids are registered (the table maps region
+    id -> size in bytes), ``offset >= 0``, ``nbytes >= 0`` and ``offset + nbytes <=
+    size`` on both sides (checked as ``offset <= size - nbytes`` so no sum can
+    overflow). A zero-byte read is allowed anywhere in ``[0, size]``. Destination
+    ranges of one batch must not overlap: overlapping writes would race.
+
+    ``remote_nbytes`` (one length per read, bytes), when given, is the length of the
+    source range each read spans where it differs from what it writes (a strided
+    gather reads a footprint wider than the bytes it packs).
+    """
+    if len(batch) == 0:
+        return
+    lr, lo = batch["local_region"], batch["local_offset"]
+    rr, ro, n = batch["remote_region"], batch["remote_offset"], batch["nbytes"]
+    rn = n if remote_nbytes is None else remote_nbytes
+    lsize, lknown = _sizes_of(lr, local_sizes)
+    rsize, rknown = _sizes_of(rr, remote_sizes)
+    checks: list[tuple[str, npt.NDArray[np.bool_], Callable[[int], str]]] = [
+        (
+            "remote_unknown",
+            ~rknown,
+            lambda i: f"remote region {int(rr[i])} is not in the peer's authenticated record",
+        ),
+        (
+            "local_unknown",
+            ~lknown,
+            lambda i: f"local region {int(lr[i])} is not registered with this transport",
+        ),
+        ("negative", n < 0, lambda i: "negative length"),
+        ("negative", rn < 0, lambda i: "negative source length"),
+        ("negative", lo < 0, lambda i: "negative local offset"),
+        ("negative", ro < 0, lambda i: "negative remote offset"),
+        (
+            "remote_range",
+            ro > rsize - rn,
+            lambda i: f"remote range ends past the region's {int(rsize[i])} bytes",
+        ),
+        (
+            "local_range",
+            lo > lsize - n,
+            lambda i: f"local range ends past the region's {int(lsize[i])} bytes",
+        ),
+    ]
+    for check, bad, why in checks:
+        hits = np.flatnonzero(bad)
+        if len(hits):
+            i = int(hits[0])
+            raise ReadRefused(i, tuple(int(v) for v in batch[i].tolist()), why(i), check)  # type: ignore[arg-type]
+    nz = np.flatnonzero(n > 0)
+    if len(nz) > 1:
+        order = nz[np.lexsort((lo[nz], lr[nz]))]
+        same = lr[order[1:]] == lr[order[:-1]]
+        overlap = same & (lo[order[1:]] < lo[order[:-1]] + n[order[:-1]])
+        hits = np.flatnonzero(overlap)
+        if len(hits):
+            a, b = int(order[hits[0]]), int(order[hits[0] + 1])
+            i = max(a, b)
+            raise ReadRefused(
+                i,
+                tuple(int(v) for v in batch[i].tolist()),  # type: ignore[arg-type]
+                f"its destination overlaps read #{min(a, b)}'s; overlapping writes would race",
+                "overlap",
+                min(a, b),
+            )
+
+
+def coalesce(batch: ReadBatch) -> ReadBatch:
+    """Drop zero-byte reads and merge reads contiguous on both sides into one.
+
+    Reads are sorted by destination first (a validated batch has no overlapping
+    destinations, so order does not change the result). A contiguous layout of n
+    pieces becomes one read; a shuffled one stays n reads.
+    """
+    live = batch[batch["nbytes"] > 0]
+    if len(live) < 2:
+        return live.copy()
+    live = live[np.lexsort((live["local_offset"], live["local_region"]))]
+    lr, lo, rr, ro, n = (live[f] for f in READ_DTYPE.names or ())
+    joins = (
+        (lr[1:] == lr[:-1])
+        & (rr[1:] == rr[:-1])
+        & (lo[1:] == lo[:-1] + n[:-1])
+        & (ro[1:] == ro[:-1] + n[:-1])
+    )
+    starts = np.concatenate(([0], np.flatnonzero(~joins) + 1))
+    out: ReadBatch = live[starts].copy()  # typed here: numpy < 2.4 stubs say Any
+    out["nbytes"] = np.add.reduceat(n, starts)
+    return out
+
+
+def split_shares(
+    dst: npt.NDArray[np.int64],
+    src: npt.NDArray[np.int64],
+    nbytes: npt.NDArray[np.int64],
+    shares: int,
+    tag: npt.NDArray[np.int64] | None = None,
+) -> list[
+    tuple[
+        npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]
+    ]
+]:
+    """Cut copies (``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]``) into
+    ``shares`` groups of about equal bytes, splitting a copy where a cut falls in it.
+
+    Returns ``(dst, src, nbytes, tag)`` per non-empty share; ``tag`` (one int per
+    copy, e.g. a region index) follows its copy's pieces. Order within a share is kept.
+    """
+    tag = np.zeros(len(nbytes), np.int64) if tag is None else tag
+    total = int(nbytes.sum())
+    if shares <= 1 or total == 0:
+        return [(dst, src, nbytes, tag)]
+    ends = np.cumsum(nbytes)
+    starts = ends - nbytes
+    cuts = [total * k // shares for k in range(shares + 1)]
+    out = []
+    for a, b in itertools.pairwise(cuts):
+        lo = np.maximum(starts, a)
+        hi = np.minimum(ends, b)
+        take = hi > lo
+        if not take.any():
+            continue
+        skip = (lo - starts)[take]
+        out.append((dst[take] + skip, src[take] + skip, (hi - lo)[take], tag[take]))
+    return out
+
+
+def split_pieces(batch: ReadBatch, piece: int) -> ReadBatch:
+    """``batch`` with every read longer than ``piece`` bytes cut into ``piece``-sized
+    reads (same bytes, same order), so several can be in flight at once."""
+    n = batch["nbytes"]
+    counts = np.maximum(1, -(-n // piece))
+    if int(counts.max(initial=1)) == 1:
+        return batch
+    out = np.repeat(batch, counts)
+    k = np.arange(len(out)) - np.repeat(np.cumsum(counts) - counts, counts)
+    step = k * piece
+    out["local_offset"] += step
+    out["remote_offset"] += step
+    out["nbytes"] = np.minimum(piece, np.repeat(n, counts) - step)
+    return out
+
+
+def rows_as_batch(rows: npt.NDArray[np.int64]) -> ReadBatch:
+    """Wire descriptor rows ``(src_region, src_offset, dst_region, dst_offset, nbytes)``
+    (the pull API's layout) as a ``READ_DTYPE`` batch read into this side (the
+    destination is local, the source remote)."""
+    return as_read_batch(np.ascontiguousarray(rows.reshape(-1, 5)[:, [2, 3, 0, 1, 4]]))
+
+
+def batch_as_rows(batch: ReadBatch) -> npt.NDArray[np.int64]:
+    """The inverse of :func:`rows_as_batch`: ``(n, 5)`` wire rows."""
+    flat = np.ascontiguousarray(batch).view("<i8").reshape(-1, 5)
+    return np.ascontiguousarray(flat[:, [2, 3, 0, 1, 4]])
+
+
+def suspect_ranges(batch: ReadBatch) -> list[ByteRange]:
+    """The destination ranges ``batch`` writes, sorted and coalesced (bytes)."""
+    live = batch[batch["nbytes"] > 0]
+    if len(live) == 0:
+        return []
+    live = live[np.lexsort((live["local_offset"], live["local_region"]))]
+    out: list[ByteRange] = []
+    reg, start, end = (
+        int(live[0]["local_region"]),
+        int(live[0]["local_offset"]),
+        int(live[0]["local_offset"]),
+    )
+    for r, o, n in zip(
+        live["local_region"].tolist(),
+        live["local_offset"].tolist(),
+        live["nbytes"].tolist(),
+        strict=True,
+    ):
+        if r == reg and o <= end:
+            end = max(end, o + n)
+            continue
+        out.append(ByteRange(reg, start, end - start))
+        reg, start, end = r, o, o + n
+    out.append(ByteRange(reg, start, end - start))
+    return out
