@@ -273,7 +273,7 @@ class _Worker:
     async def publish(self, req: dict[str, Any]) -> dict[str, Any]:
         """Version ``version``: one uint8 tensor of ``nbytes`` in a new region."""
         from refitd.wire import ManifestIn, ShardEntry, TensorEntry
-        from transports.shm import SharedSegment
+        from transports.segments import SharedSegment
 
         c = await self.client(req["url"], req["token"])
         n, version = int(req["nbytes"]), int(req["version"])
@@ -302,7 +302,7 @@ class _Worker:
         import numpy as np
 
         from refitd.wire import DescriptorTable, PullRequest
-        from transports.shm import SharedSegment
+        from transports.segments import SharedSegment
 
         local = await self.client(req["local"], req["token"])
         source = await self.client(req["source"], req["token"])

@@ -62,7 +62,7 @@ from refitd.wire import (
     TensorEntry,
     VersionState,
 )
-from transports.core import rows_as_batch
+from transports.batch import rows_as_batch
 
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
@@ -578,7 +578,7 @@ class Mirrors:
     async def _read(
         self, m: Mirror, conn: object, todo: np.ndarray, their: dict[int, int] | None
     ) -> None:
-        from transports.core import Peer
+        from transports.interface import Peer
 
         assert isinstance(conn, Peer)
         window = asyncio.Semaphore(2)

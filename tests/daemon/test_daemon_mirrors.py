@@ -19,7 +19,7 @@ from refitd.client.http import RefitClient
 from refitd.client.spawn import SpawnedDaemon, spawn_daemon
 from refitd.daemon.mirrors import MirrorState
 from refitd.wire import DescriptorTable, ManifestIn, PullRequest, ShardEntry, TensorEntry
-from transports.shm import SharedSegment
+from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(180)
 
