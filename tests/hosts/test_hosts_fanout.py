@@ -52,14 +52,15 @@ async def test_a_relay_killed_or_stopped_mid_transfer_is_replaced_and_the_host_b
         assert (await tw.call("publish", url=src.url, version=1, nbytes=nbytes))["ok"]
         common = {"source": src.url, "version": 1, "count": 1, "nbytes": nbytes}
         first = asyncio.create_task(aw.call("replicas", local=da.url, **common))
-        await _until_mirror_has_chunks(aw, da.url)  # the relay joined first and is filling
+        # (each worker answers one request at a time: the trainer's one watches)
+        await _until_mirror_has_chunks(tw, da.url)  # the relay joined first and is filling
         second = asyncio.create_task(bw.call("replicas", local=db.url, **common))
-        await _until_mirror_has_chunks(bw, db.url)  # the host behind reads through it
+        await _until_mirror_has_chunks(tw, db.url)  # the host behind reads through it
         os.kill(da.pid, getattr(signal, fault))
         try:
             got = await second
             assert got["ok"] and got["verified"], got
-            st = await bw.call("mirror", url=db.url, version=1)
+            st = await tw.call("mirror", url=db.url, version=1)
             assert st["complete"]
             assert st["tried"] == [da.url, src.url]  # the relay, then the source
         finally:
