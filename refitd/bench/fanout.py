@@ -173,6 +173,7 @@ async def fanout(
             await tw.call("publish", url=src.url, version=version, nbytes=MIB)
             for i, w in enumerate(ew):
                 for d in (direct[i], mirrored[i]):
+                    await w.call("prepare", local=d.url, count=1, nbytes=MIB)
                     warm = await w.call(
                         "replicas", local=d.url, source=src.url, version=1, count=1, nbytes=MIB
                     )
@@ -182,6 +183,10 @@ async def fanout(
                     version += 1
                     pub = await tw.call("publish", url=src.url, version=version, nbytes=nbytes)
                     assert pub["ok"], pub
+                    for i in range(n):
+                        await ew[i].call(
+                            "prepare", local=daemons[i].url, count=replicas, nbytes=nbytes
+                        )
                     sent = await _tx_bytes(trainer)
                     t = time.time()
                     outs = await asyncio.gather(
@@ -261,6 +266,7 @@ def pattern(n: int, version: int) -> Any:
 class _Worker:
     def __init__(self) -> None:
         self.clients: dict[str, Any] = {}
+        self.prepared: dict[str, list[Any]] = {}  # daemon URL -> regions made by prepare
 
     async def client(self, url: str, token: str) -> Any:
         from refitd.client.http import RefitClient
@@ -283,6 +289,21 @@ class _Worker:
         seg.close()
         t = TensorEntry("w", (n,), "uint8", [ShardEntry((0,), (n,), region.region_id, 0)])
         await c.publish(ManifestIn("fanout", version, 0, 1, [t]))
+        return {"ok": True}
+
+    async def prepare(self, req: dict[str, Any]) -> dict[str, Any]:
+        """``count`` engine memories of ``nbytes`` at ``local``, every page touched (an
+        engine's weights exist before a refit): made before the clock starts."""
+        from transports.segments import SharedSegment
+
+        local = await self.client(req["local"], req["token"])
+        n = int(req["nbytes"])
+        for _ in range(int(req["count"])):
+            dst = await local.create_region(n, label="replica")
+            seg = SharedSegment.attach(dst.handle, n)
+            seg.numpy()[:] = 0
+            seg.close()
+            self.prepared.setdefault(req["local"], []).append(dst)
         return {"ok": True}
 
     async def replicas(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -311,7 +332,7 @@ class _Worker:
         try:
             manifest = await source.manifest("fanout", version)
             shard = manifest.tensors[0].shards[0]
-            dst = await local.create_region(n, label="replica")
+            dst = self.prepared[req["local"]].pop()
             rows = np.array([[shard.region, shard.byte_offset, dst.region_id, 0, n]], np.int64)
             pull = PullRequest(
                 "fanout", version, lease.lease_id, DescriptorTable.pack(rows), [], req["source"]
@@ -357,7 +378,12 @@ async def _serve() -> None:
             op = req.get("op")
             if op == "quit":
                 break
-            ops = {"publish": worker.publish, "replicas": worker.replicas, "mirror": worker.mirror}
+            ops = {
+                "publish": worker.publish,
+                "prepare": worker.prepare,
+                "replicas": worker.replicas,
+                "mirror": worker.mirror,
+            }
             handler = ops.get(op or "")
             out: dict[str, Any]
             if handler is None:
