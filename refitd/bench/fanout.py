@@ -177,7 +177,8 @@ async def fanout(
                     warm = await w.call(
                         "replicas", local=d.url, source=src.url, version=1, count=1, nbytes=MIB
                     )
-                    assert warm.get("verified"), warm
+                    check = await w.call("verify", version=1, nbytes=MIB)
+                    assert warm.get("ok") and check.get("verified"), (warm, check)
             for n in ns:
                 for mode, daemons in (("direct", direct), ("mirrored", mirrored)):
                     version += 1
@@ -205,9 +206,12 @@ async def fanout(
                     # until the last replica held the version (checking it comes after)
                     seconds = max(float(o.get("held_at", time.time())) for o in outs) - t
                     up = (await _tx_bytes(trainer) - sent) / nbytes
-                    ok = all(o.get("ok") and o.get("verified") for o in outs)
+                    checks = await asyncio.gather(
+                        *(ew[i].call("verify", version=version, nbytes=nbytes) for i in range(n))
+                    )
+                    ok = all(o.get("ok") for o in outs) and all(c.get("verified") for c in checks)
                     if not ok:
-                        print(f"N={n} {mode}: {[o for o in outs if not o.get('verified')]}")
+                        print(f"N={n} {mode}: NOT VERIFIED: {outs} {checks}")
                     paths = tuple(sorted({p for o in outs for p in o.get("paths", [])}))
                     if mode == "mirrored":
                         chain = await asyncio.gather(
@@ -267,6 +271,7 @@ class _Worker:
     def __init__(self) -> None:
         self.clients: dict[str, Any] = {}
         self.prepared: dict[str, list[Any]] = {}  # daemon URL -> regions made by prepare
+        self.pulled: list[tuple[str, Any]] = []  # (daemon URL, region) pulled, unchecked
 
     async def client(self, url: str, token: str) -> Any:
         from refitd.client.http import RefitClient
@@ -307,23 +312,22 @@ class _Worker:
         return {"ok": True}
 
     async def replicas(self, req: dict[str, Any]) -> dict[str, Any]:
-        """``count`` replicas at once, each leasing ``version`` at ``source``, pulling
-        it whole through ``local`` and checking every byte."""
+        """``count`` replicas at once, each leasing ``version`` at ``source`` and pulling
+        it whole through ``local`` into memory :meth:`prepare` made. Answers the paths
+        and when the last pull ended (``time.time()``: the simulated hosts share one
+        clock); :meth:`verify` checks the bytes later, so that checking on one host
+        does not take the CPU from pulls still running on another."""
         results = await asyncio.gather(*(self._replica(req) for _ in range(int(req["count"]))))
         return {
             "ok": True,
-            "verified": all(ok for ok, _, _ in results),
-            "paths": sorted({p for _, p, _ in results}),
-            "held_at": max(t for _, _, t in results),
+            "paths": sorted({p for p, _ in results}),
+            "held_at": max(t for _, t in results),
         }
 
-    async def _replica(self, req: dict[str, Any]) -> tuple[bool, str, float]:
-        """(bit-exact, path, when the pull ended: ``time.time()``, comparable across
-        simulated hosts, which share one clock). The check runs after that instant."""
+    async def _replica(self, req: dict[str, Any]) -> tuple[str, float]:
         import numpy as np
 
         from refitd.wire import DescriptorTable, PullRequest
-        from transports.segments import SharedSegment
 
         local = await self.client(req["local"], req["token"])
         source = await self.client(req["source"], req["token"])
@@ -333,21 +337,35 @@ class _Worker:
             manifest = await source.manifest("fanout", version)
             shard = manifest.tensors[0].shards[0]
             dst = self.prepared[req["local"]].pop()
+            self.pulled.append((req["local"], dst))
             rows = np.array([[shard.region, shard.byte_offset, dst.region_id, 0, n]], np.int64)
             pull = PullRequest(
                 "fanout", version, lease.lease_id, DescriptorTable.pack(rows), [], req["source"]
             )
             done = await local.pull(pull)
-            held_at = time.time()
-            seg = SharedSegment.attach(dst.handle, n)
-            try:
-                ok = bool(np.array_equal(seg.numpy(), pattern(n, version)))
-            finally:
-                seg.close()
-            await local.delete_region(dst.region_id)
-            return ok, str(done.path), held_at
+            return str(done.path), time.time()
         finally:
             await source.release_lease(lease.lease_id)
+
+    async def verify(self, req: dict[str, Any]) -> dict[str, Any]:
+        """Whether every replica :meth:`replicas` pulled holds ``version`` bit for bit;
+        their memory is freed."""
+        import numpy as np
+
+        from transports.segments import SharedSegment
+
+        n, version = int(req["nbytes"]), int(req["version"])
+        want = pattern(n, version)
+        ok = bool(self.pulled)
+        for url, dst in self.pulled:
+            seg = SharedSegment.attach(dst.handle, n)
+            try:
+                ok = ok and bool(np.array_equal(seg.numpy(), want))
+            finally:
+                seg.close()
+            await (await self.client(url, req["token"])).delete_region(dst.region_id)
+        self.pulled.clear()
+        return {"ok": True, "verified": ok}
 
     async def mirror(self, req: dict[str, Any]) -> dict[str, Any]:
         """The state of the mirror of ``version`` at the daemon ``url``."""
@@ -382,6 +400,7 @@ async def _serve() -> None:
                 "publish": worker.publish,
                 "prepare": worker.prepare,
                 "replicas": worker.replicas,
+                "verify": worker.verify,
                 "mirror": worker.mirror,
             }
             handler = ops.get(op or "")

@@ -51,6 +51,8 @@ async def test_a_relay_killed_or_stopped_mid_transfer_is_replaced_and_the_host_b
         tw, aw, bw = [await _worker(cluster, h) for h in hosts]
         assert (await tw.call("publish", url=src.url, version=1, nbytes=nbytes))["ok"]
         common = {"source": src.url, "version": 1, "count": 1, "nbytes": nbytes}
+        for w, d in ((aw, da), (bw, db)):
+            assert (await w.call("prepare", local=d.url, count=1, nbytes=nbytes))["ok"]
         first = asyncio.create_task(aw.call("replicas", local=da.url, **common))
         # (each worker answers one request at a time: the trainer's one watches)
         await _until_mirror_has_chunks(tw, da.url)  # the relay joined first and is filling
@@ -59,7 +61,8 @@ async def test_a_relay_killed_or_stopped_mid_transfer_is_replaced_and_the_host_b
         os.kill(da.pid, getattr(signal, fault))
         try:
             got = await second
-            assert got["ok"] and got["verified"], got
+            assert got["ok"], got
+            assert (await bw.call("verify", version=1, nbytes=nbytes))["verified"]
             st = await tw.call("mirror", url=db.url, version=1)
             assert st["complete"]
             assert st["tried"] == [da.url, src.url]  # the relay, then the source
