@@ -55,6 +55,7 @@ from refitd.errors import ConflictError, NotFoundError, RefitError, TransportErr
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
+    PeerRegions,
     PullRequest,
     RegionCreate,
     RegionInfo,
@@ -525,28 +526,61 @@ class Mirrors:
         deadline = self.d.options.pull_timeout_s
         async with asyncio.timeout(deadline):  # a stopped relay answers nothing
             grant = await c.acquire_lease(m.model, m.version, LEASE_TTL_S)
+        # Reading overlaps asking: each answer that names new chunks starts a pass
+        # that reads them, while the next long-poll is already out; ``claimed``
+        # keeps two passes from reading one chunk.
+        claimed = m.done.copy()
         try:
-            seen = -1
-            while not m.done.all():
-                async with asyncio.timeout(WAIT_S + deadline):
-                    st = await c._call(
-                        "GET",
-                        f"/mirrors/{m.model}/{m.version}",
-                        MirrorState,
-                        params={"after": str(seen), "timeout": str(WAIT_S)},
-                    )
-                if st.error:
-                    raise TransportError(f"its mirror failed: {st.error}")
-                if st.source.rstrip("/") != m.source or set(st.regions) != set(m.regions):
-                    raise TransportError("its mirror is of another source or layout")
-                if st.chunks_done == seen:
-                    continue
-                seen = st.chunks_done
-                await self._fill_from(m, relay, grant.lease_id, st.regions)
+            async with asyncio.TaskGroup() as tg:
+                seen = -1
+                while not claimed.all():
+                    async with asyncio.timeout(WAIT_S + deadline):
+                        st = await c._call(
+                            "GET",
+                            f"/mirrors/{m.model}/{m.version}",
+                            MirrorState,
+                            params={"after": str(seen), "timeout": str(WAIT_S)},
+                        )
+                    if st.error:
+                        raise TransportError(f"its mirror failed: {st.error}")
+                    if st.source.rstrip("/") != m.source or set(st.regions) != set(m.regions):
+                        raise TransportError("its mirror is of another source or layout")
+                    if st.chunks_done == seen:
+                        continue
+                    seen = st.chunks_done
+                    await self._claim_and_read(m, relay, grant.lease_id, st.regions, claimed, tg)
+        except BaseExceptionGroup as group:
+            first = next((e for e in group.exceptions if isinstance(e, Exception)), None)
+            if first is None:
+                raise
+            raise first from None
         finally:
             with contextlib.suppress(RefitError, TimeoutError):
                 async with asyncio.timeout(deadline):
                     await c.release_lease(grant.lease_id)
+
+    async def _claim_and_read(
+        self,
+        m: Mirror,
+        src: RemoteSource,
+        lease_id: str,
+        their: dict[int, int],
+        claimed: np.ndarray,
+        tg: asyncio.TaskGroup,
+    ) -> None:
+        """Claim the chunks ``src`` serves now that no pass claimed yet, and start
+        reading them in ``tg``."""
+        ids = [their[s] for s in sorted(m.regions)]
+        back = {v: k for k, v in their.items()}
+        probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
+        async with asyncio.timeout(self.d.options.pull_timeout_s):
+            peer = await src.regions(ids, probe)
+        scope = {back[int(k)]: v for k, v in peer.scope.items()}
+        todo = np.flatnonzero(~claimed & covered(m.chunks, scope))
+        if not todo.size:
+            return
+        claimed[todo] = True
+        tg.create_task(self._read_from(m, src, peer, todo, their))
 
     async def _fill_from(
         self, m: Mirror, src: RemoteSource, lease_id: str, their: dict[int, int] | None
@@ -562,8 +596,19 @@ class Mirrors:
             peer = await src.regions(ids, probe)
         scope = {back[int(k)]: v for k, v in peer.scope.items()}
         todo = np.flatnonzero(~m.done & covered(m.chunks, scope))
-        if not todo.size:
-            return
+        if todo.size:
+            await self._read_from(m, src, peer, todo, their)
+
+    async def _read_from(
+        self,
+        m: Mirror,
+        src: RemoteSource,
+        peer: PeerRegions,
+        todo: np.ndarray,
+        their: dict[int, int] | None,
+    ) -> None:
+        """Read chunks ``todo`` from ``src`` (its records ``peer``) over the path a
+        pull from it would take."""
         async with asyncio.timeout(self.d.options.pull_timeout_s):
             path, conn = await self.pulls.choose_path(src, peer)
         try:
