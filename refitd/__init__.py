@@ -1,11 +1,24 @@
 """refitd: a per-node weight-transfer daemon for RL refit and MoE expert residency.
 
-Packages:
-    refitd.reshard   pure planning of resharded pulls (capture → plan → compile)
-    refitd.experts   pure MoE expert-slot residency (cache, residency, executor)
-    refitd.daemon    the aiohttp control plane and data-plane supervision
-    refitd.client    the async/sync Python client, Publisher and receiver glue
-    transports       the data-plane interface and its implementations
+Packages and modules:
+
+- `cli`: the ``refitd`` command line
+- `config`: the daemon's configuration: one schema, loaded strictly, and the values
+  it names (peer URLs, model tables, token files)
+- `wire/`: the HTTP API v1 contract: request/response schemas, the error map, the
+  route table
+- `signing`: the one signing scheme: records MAC'd with the deployment secret
+- `errors`: the exception tree, drawn once
+- `demo`: ``refitd demo``: the main job end to end, verified bit for bit
+- `reshard/`: pure planning of resharded pulls: capture → plan → compile → execute
+- `experts/`: pure MoE expert-slot residency: cache, policies, residency, executor
+- `daemon/`: the daemon: aiohttp control plane, regions, versions, pulls, data plane
+- `client/`: the Python client: RefitClient, Publisher, DaemonReceiver
+- `cluster/`: the cluster registry (static, etcd): daemons and where versions live
+- `integrations/`: trainer sources, quantized refit, the vLLM backend
+- `ops/`: operator commands: status, regions, sources, pulls, experts, gc, pull
+- `bench/`: ``refitd bench``: refit, transport, plan, experts, hosts, vllm
+- `testing/`: test fixtures that ship: toy engines and trainer layouts
 """
 
 __version__ = "0.1.0"

@@ -7,7 +7,7 @@ Python object per read). Every rule about a batch is written here once, on that
 layout, and every transport goes through it: conversion (`as_read_batch`, the wire's
 rows), bounds and overlap (`validate_batch`), merging (`coalesce`), cutting
 (`split_shares`, `split_pieces`) and the ranges a failed batch leaves undefined
-(`suspect_ranges`).
+(`suspect_ranges`, through `merge_ranges`, the one range merge refitd has).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ __all__ = [
     "as_read_batch",
     "batch_as_rows",
     "coalesce",
+    "merge_ranges",
     "rows_as_batch",
     "split_pieces",
     "split_shares",
@@ -249,23 +250,25 @@ def batch_as_rows(batch: ReadBatch) -> npt.NDArray[np.int64]:
     return np.ascontiguousarray(flat[:, [2, 3, 0, 1, 4]])
 
 
-def suspect_ranges(batch: ReadBatch) -> list[ByteRange]:
-    """The destination ranges ``batch`` writes, sorted and coalesced (bytes)."""
-    live = batch[batch["nbytes"] > 0]
-    if len(live) == 0:
+def merge_ranges(
+    region: npt.ArrayLike, offset: npt.ArrayLike, nbytes: npt.ArrayLike
+) -> list[ByteRange]:
+    """Byte ranges ``[offset, offset + nbytes)`` of regions, merged: sorted by
+    ``(region, offset)``, each run of ranges of one region that overlap or touch
+    joined into one, empty ranges dropped. The one range merge of refitd (suspect
+    ranges, a lease's readable extents, a receiver's staged bytes)."""
+    regions = np.asarray(region, dtype=np.int64).reshape(-1)
+    offsets = np.asarray(offset, dtype=np.int64).reshape(-1)
+    sizes = np.asarray(nbytes, dtype=np.int64).reshape(-1)
+    live = sizes > 0
+    regions, offsets, sizes = regions[live], offsets[live], sizes[live]
+    if len(sizes) == 0:
         return []
-    live = live[np.lexsort((live["local_offset"], live["local_region"]))]
+    order = np.lexsort((offsets, regions))
     out: list[ByteRange] = []
-    reg, start, end = (
-        int(live[0]["local_region"]),
-        int(live[0]["local_offset"]),
-        int(live[0]["local_offset"]),
-    )
+    reg, start, end = int(regions[order[0]]), int(offsets[order[0]]), int(offsets[order[0]])
     for r, o, n in zip(
-        live["local_region"].tolist(),
-        live["local_offset"].tolist(),
-        live["nbytes"].tolist(),
-        strict=True,
+        regions[order].tolist(), offsets[order].tolist(), sizes[order].tolist(), strict=True
     ):
         if r == reg and o <= end:
             end = max(end, o + n)
@@ -274,3 +277,8 @@ def suspect_ranges(batch: ReadBatch) -> list[ByteRange]:
         reg, start, end = r, o, o + n
     out.append(ByteRange(reg, start, end - start))
     return out
+
+
+def suspect_ranges(batch: ReadBatch) -> list[ByteRange]:
+    """The destination ranges ``batch`` writes, sorted and coalesced (bytes)."""
+    return merge_ranges(batch["local_region"], batch["local_offset"], batch["nbytes"])

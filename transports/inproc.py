@@ -2,7 +2,7 @@
 
 Both transports' peers live in this process: `advertise` publishes an in-process
 token, and `connect` finds the peer transport by that token (and refuses a record
-from another process). Addresses in a `RegionInfo` are therefore addresses in this
+from another process). Addresses in a `AdvertisedRegion` are therefore addresses in this
 process, and a read is a plain memory copy between two mappings.
 """
 
@@ -20,7 +20,15 @@ import numpy.typing as npt
 from refitd.errors import NotFoundError, ProtocolError
 
 from .batch import ReadBatch, as_read_batch, validate_batch
-from .interface import LocalRegion, Peer, PeerInfo, RegionInfo, Segment, Transport, TransportClosed
+from .interface import (
+    AdvertisedRegion,
+    LocalRegion,
+    MappedMemory,
+    Peer,
+    PeerInfo,
+    Transport,
+    TransportClosed,
+)
 
 # token -> live in-process transport; weak so a dropped transport disappears.
 _LIVE: weakref.WeakValueDictionary[str, InProcessTransport] = weakref.WeakValueDictionary()
@@ -30,7 +38,7 @@ class InProcessPeer(Peer):
     def __init__(self, owner: InProcessTransport, info: PeerInfo) -> None:
         self.owner = owner
         self.info = info
-        self._remote: dict[int, RegionInfo] = {r.region_id: r for r in info.regions}
+        self._remote: dict[int, AdvertisedRegion] = {r.region_id: r for r in info.regions}
         self._closed = False
 
     async def update(self, info: PeerInfo) -> None:
@@ -103,13 +111,13 @@ class InProcessTransport(Transport):
         _LIVE.pop(self._token, None)
         self._regions.clear()
 
-    async def register(self, region_id: int, segment: Segment) -> LocalRegion:
+    async def register(self, region_id: int, segment: MappedMemory) -> LocalRegion:
         if self.closed:
             raise TransportClosed(
                 f"registering region {region_id} refused: {self.scheme} transport is closed"
             )
         self._epoch += 1
-        info = RegionInfo(
+        info = AdvertisedRegion(
             region_id=region_id, epoch=self._epoch, address=segment.address, size=segment.size
         )
         region = LocalRegion(region_id, segment, info)

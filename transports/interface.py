@@ -41,10 +41,7 @@ plain TCP, for hosts without RDMA).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import importlib
-import struct
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +52,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
 import msgspec
 
 from refitd.errors import NotFoundError, ProtocolError, TransportError
+from refitd.signing import Signed
 
 if TYPE_CHECKING:
     import numpy as np
@@ -63,15 +61,15 @@ if TYPE_CHECKING:
     from .batch import ReadBatch
 
 __all__ = [
+    "AdvertisedRegion",
     "ByteRange",
     "LocalRegion",
+    "MappedMemory",
     "Peer",
     "PeerInfo",
     "PeerLost",
     "PullFailed",
     "ReadRefused",
-    "RegionInfo",
-    "Segment",
     "Transport",
     "TransportClosed",
     "UnauthenticatedPeer",
@@ -154,7 +152,7 @@ class UnknownScheme(NotFoundError):
 # ---------------------------------------------------------------------------- records
 
 
-class RegionInfo(msgspec.Struct, frozen=True):
+class AdvertisedRegion(msgspec.Struct, frozen=True):
     """What a peer needs to read a region: the owner's address space, not ours.
 
     ``address`` is the region's base address in the process that serves it (the
@@ -170,8 +168,9 @@ class RegionInfo(msgspec.Struct, frozen=True):
     rkey: bytes = b""
 
 
-class PeerInfo(msgspec.Struct, frozen=True):
-    """A transport's advertisement, signed by `advertise` with the shared secret.
+class PeerInfo(Signed, frozen=True):
+    """A transport's advertisement, signed by `advertise` with the shared secret
+    (`refitd.signing`: HMAC-SHA256 over the record's msgpack encoding).
 
     ``address`` is scheme-specific (a UCX worker address; an in-process token).
     """
@@ -179,30 +178,13 @@ class PeerInfo(msgspec.Struct, frozen=True):
     scheme: str
     peer_id: str
     address: bytes
-    regions: tuple[RegionInfo, ...]
+    regions: tuple[AdvertisedRegion, ...]
     mac: bytes = b""
 
-    def signing_bytes(self) -> bytes:
-        """Canonical bytes covered by the MAC: every field but the MAC itself."""
-        parts = [self.scheme.encode(), self.peer_id.encode(), self.address]
-        for r in self.regions:
-            parts.append(struct.pack("<qQQQ", r.region_id, r.epoch, r.address, r.size))
-            parts.append(r.rkey)
-        return b"".join(struct.pack("<I", len(p)) + p for p in parts)
+    refused = UnauthenticatedPeer
 
-    def signed(self, secret: bytes) -> PeerInfo:
-        mac = hmac.new(secret, self.signing_bytes(), hashlib.sha256).digest()
-        return msgspec.structs.replace(self, mac=mac)
-
-    def verify(self, secret: bytes) -> None:
-        """Raise `UnauthenticatedPeer` unless the MAC matches under ``secret``."""
-        want = hmac.new(secret, self.signing_bytes(), hashlib.sha256).digest()
-        if not hmac.compare_digest(want, self.mac):
-            raise UnauthenticatedPeer(
-                f"peer record of {self.peer_id!r} ({self.scheme}) refused: its MAC does not "
-                "verify under our secret (tampered, or signed by a daemon outside this "
-                "deployment)"
-            )
+    def _what(self) -> str:
+        return f"peer record of {self.peer_id!r} ({self.scheme})"
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -215,7 +197,7 @@ class PeerInfo(msgspec.Struct, frozen=True):
             raise ProtocolError(f"peer record refused: malformed ({exc})") from exc
 
 
-class Segment(Protocol):
+class MappedMemory(Protocol):
     """Memory a transport can register: `transports.segments.SharedSegment` fits.
 
     ``name`` lets a separate data-plane process map the same memory; ``address`` is
@@ -235,8 +217,8 @@ class LocalRegion:
     """A registered region of ours. ``info`` is what `advertise` publishes for it."""
 
     region_id: int
-    segment: Segment = field(repr=False)
-    info: RegionInfo
+    segment: MappedMemory = field(repr=False)
+    info: AdvertisedRegion
 
     @property
     def size(self) -> int:
@@ -306,7 +288,7 @@ class Transport(ABC):
         """Close every peer and deregister every region. Idempotent."""
 
     @abstractmethod
-    async def register(self, region_id: int, segment: Segment) -> LocalRegion:
+    async def register(self, region_id: int, segment: MappedMemory) -> LocalRegion:
         """Register a whole allocation once under ``region_id`` (daemon-chosen).
 
         Registering an id again replaces the old registration with a new epoch.
@@ -350,7 +332,7 @@ class Transport(ABC):
 _REGISTRY: dict[str, str | type[Transport]] = {
     "reference": "transports.reference:ReferenceTransport",
     "local": "transports.local:LocalTransport",
-    "shm": "transports.shm:SameHostTransport",
+    "shm": "transports.shm:ShmTransport",
     "ucx": "transports.ucx:UcxTransport",
     "tcp": "transports.tcp:TcpTransport",
 }

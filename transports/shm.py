@@ -25,7 +25,7 @@ holds is never unmapped.
 ``PeerInfo.address`` is ``<boot id>:<tag>`` (the tag tells peers of one host apart:
 the serving process's pid here, a daemon's epoch in the daemon's records); each
 region's ``rkey`` is :func:`segment_key`: the msgpack of ``(segment name, st_dev,
-st_ino)``. :meth:`SameHostTransport.loopback` reads between this transport's own
+st_ino)``. :meth:`ShmTransport.loopback` reads between this transport's own
 regions (a daemon's pull from itself).
 """
 
@@ -45,14 +45,22 @@ import numpy.typing as npt
 from refitd.errors import ProtocolError, RefitError, TransportError
 
 from .batch import ReadBatch, as_read_batch, suspect_ranges, validate_batch
-from .interface import LocalRegion, Peer, PeerInfo, PullFailed, RegionInfo, Segment, TransportClosed
+from .interface import (
+    AdvertisedRegion,
+    LocalRegion,
+    MappedMemory,
+    Peer,
+    PeerInfo,
+    PullFailed,
+    TransportClosed,
+)
 from .local import CopyFault, LocalTransport
 from .segments import SHM_DIR, SharedSegment
 
 __all__ = [
     "MAX_MAPPINGS",
-    "SameHostPeer",
-    "SameHostTransport",
+    "ShmPeer",
+    "ShmTransport",
     "boot_id",
     "file_id",
     "same_file",
@@ -107,15 +115,15 @@ class _Mapping:
     users: int = 0  # peers whose record names it, plus reads in flight from it
 
 
-class SameHostPeer(Peer):
+class ShmPeer(Peer):
     """A connection to a same-host peer: its listed segments, mapped here and held
     (never unmapped) until the peer closes or an update stops listing them."""
 
-    def __init__(self, owner: SameHostTransport, info: PeerInfo) -> None:
+    def __init__(self, owner: ShmTransport, info: PeerInfo) -> None:
         self.owner = owner
         self.info = info
         self._closed = False
-        self._remote: dict[int, RegionInfo] = {}
+        self._remote: dict[int, AdvertisedRegion] = {}
         self._held: dict[int, FileKey] = {}
         self._accept(info)
 
@@ -187,7 +195,7 @@ class SameHostPeer(Peer):
 class _Loopback(Peer):
     """Reads between one transport's own registered regions (no mapping made)."""
 
-    def __init__(self, owner: SameHostTransport) -> None:
+    def __init__(self, owner: ShmTransport) -> None:
         self.owner = owner
         # Its regions are read as registered at each get, not from a record.
         self.info = PeerInfo(owner.scheme, owner.peer_id, b"loopback", ())
@@ -216,7 +224,7 @@ class _Loopback(Peer):
         self._closed = True
 
 
-class SameHostTransport(LocalTransport):
+class ShmTransport(LocalTransport):
     """``boot_id`` empty means this kernel's (another value: tests of a peer that
     claims another host); ``max_mappings`` bounds the unused peer mappings kept; the
     other options are :class:`~transports.local.LocalTransport`'s (its copy engine)."""
@@ -236,13 +244,13 @@ class SameHostTransport(LocalTransport):
 
     # ------------------------------------------------------------ records
 
-    async def register(self, region_id: int, segment: Segment) -> LocalRegion:
+    async def register(self, region_id: int, segment: MappedMemory) -> LocalRegion:
         region = await super().register(region_id, segment)
         try:
             key = segment_key(segment.name, *file_id(segment.name))
         except OSError:
             key = b""  # a name already unlinked: a destination only, never advertised
-        info = RegionInfo(region.info.region_id, region.info.epoch, 0, region.info.size, key)
+        info = AdvertisedRegion(region.info.region_id, region.info.epoch, 0, region.info.size, key)
         self._regions[region_id] = LocalRegion(region_id, segment, info)
         return self._regions[region_id]
 
@@ -265,7 +273,7 @@ class SameHostTransport(LocalTransport):
             regions=tuple(r.info for r in self._regions.values() if r.info.rkey),
         ).signed(self.secret)
 
-    async def connect(self, info: PeerInfo) -> SameHostPeer:
+    async def connect(self, info: PeerInfo) -> ShmPeer:
         self._check_record(info)
         theirs = info.address.decode(errors="replace").partition(":")[0]
         mine = self.boot_id or boot_id()
@@ -274,7 +282,7 @@ class SameHostTransport(LocalTransport):
                 f"connect to {info.peer_id!r} refused: it runs under another kernel (boot id "
                 "differs: another host), so its segment names are not this host's"
             )
-        return SameHostPeer(self, info)
+        return ShmPeer(self, info)
 
     def loopback(self) -> Peer:
         """A connection reading this transport's own regions into its own regions."""

@@ -1,0 +1,17 @@
+"""``refitd bench``: benchmarks that print ratios measured side by side in one run.
+
+Modules:
+
+- `refit`: ``bench refit`` and the demo flow: trainer → two daemons → engine refit
+- `synthetic`: the synthetic model bench refit moves, and its bit-exact check
+- `transport`: ``bench transport``: 256 MiB pulls through each transport vs memcpy
+- `plan`: ``bench plan``: plan a DeepSeek-V3-shaped refit for two trainer layouts
+- `experts`: ``bench experts``: expert-cache policies vs Belady's optimum
+- `prefetch`: ``bench experts --prefetch``: lookahead vs the demand-paging optimum
+- `expertcases`: the cases both expert benches run: presets, pool sizes, timing
+- `hosts`: ``bench hosts``: across simulated hosts, and discovery at scale
+- `hostpaths`: the cross-host part of bench hosts: one refit per data path
+- `hostwork`: a trainer or engine process on a simulated host (JSON lines on stdin)
+- `simhosts`: simulated hosts: network + mount namespaces on one machine
+- `vllm`: ``bench vllm``: refit a vLLM engine vs reloading it from disk
+"""

@@ -371,10 +371,10 @@ class _Worker:
         """The state of the mirror of ``version`` at the daemon ``url``."""
         import msgspec
 
-        from refitd.daemon.mirrors import MirrorState
+        from refitd.wire import routes as api
 
         c = await self.client(req["url"], req["token"])
-        st = await c._call("GET", f"/mirrors/fanout/{int(req['version'])}", MirrorState)
+        st = await c._send(api.MIRROR_STATE, model="fanout", version=int(req["version"]))
         out: dict[str, Any] = msgspec.to_builtins(st)
         return out
 

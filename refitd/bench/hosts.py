@@ -139,7 +139,7 @@ async def discovery(data_dir: Path, n: int) -> tuple[float, bool]:
     import aetcd
     import msgspec
 
-    from refitd.client.cluster import merge_manifests
+    from refitd.client.multihost import merge_manifests
     from refitd.cluster.directory import daemon_key, source_key
     from refitd.cluster.etcd import EtcdRegistry
     from refitd.cluster.etcdserver import run_etcd

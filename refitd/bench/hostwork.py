@@ -64,7 +64,7 @@ class Worker:
         self._pending: asyncio.Task[dict[str, Any]] | None = None
 
     def cfg(self, gib: float) -> Any:
-        from refitd.bench.refit import synthetic_config
+        from refitd.bench.synthetic import synthetic_config
 
         if gib not in self.cfgs:
             self.cfgs[gib] = synthetic_config(gib)
@@ -79,7 +79,8 @@ class Worker:
         return c
 
     async def publish(self, req: dict[str, Any]) -> dict[str, Any]:
-        from refitd.bench.refit import SyntheticState, publish_layout
+        from refitd.bench.refit import publish_layout
+        from refitd.bench.synthetic import SyntheticState
 
         client = await self.client(req["url"], req["token"])
         model, version, world = req["model"], int(req["version"]), int(req["world"])
@@ -98,8 +99,9 @@ class Worker:
         return {"ok": True, "bytes": nbytes}
 
     async def refit(self, req: dict[str, Any]) -> dict[str, Any]:
-        from refitd.bench.refit import _verify, capture_for
-        from refitd.client.cluster import ClusterReceiver
+        from refitd.bench.refit import capture_for
+        from refitd.bench.synthetic import verify_ranks
+        from refitd.client.multihost import ClusterReceiver
         from refitd.client.receiver import DaemonReceiver
         from refitd.errors import RefitError
         from refitd.testing.engines import EngineParallel, ToyEngine
@@ -144,7 +146,9 @@ class Worker:
             # Each rank installs only a refit that fully succeeded: the ranks that
             # failed must still hold the previous version, bit for bit.
             before = req.get("previous")
-            unchanged = before is not None and _verify(cfg, int(before), [r for r, _ in errors])
+            unchanged = before is not None and verify_ranks(
+                cfg, int(before), [r for r, _ in errors]
+            )
             return {
                 "ok": False,
                 "error": type(errors[0][1]).__name__,
@@ -156,7 +160,7 @@ class Worker:
         seconds = time.perf_counter() - t
         return {
             "ok": True,
-            "verified": _verify(cfg, version, ranks),
+            "verified": verify_ranks(cfg, version, ranks),
             "replayed": all(s.replayed for s in stats),
             "paths": sorted({s.pull.path for s in stats}),
             "bytes": sum(s.bytes for s in stats),

@@ -189,7 +189,7 @@ def _time_prefetch(calls: int) -> tuple[float, int]:
     """Median µs of ``prefetch`` with 8 predicted experts on a Qwen3-30B-A3B-shaped
     pool of 2× (768 slots), in the steady state of a recall-0.8 decode replay; and the
     predicted experts per timed call."""
-    from refitd.bench.experts import _timer_overhead
+    from refitd.bench.expertcases import timer_overhead
     from refitd.experts import ExpertCache
     from refitd.experts.prediction import with_predictions
     from refitd.experts.traces import DECODE, preset_config, routing_model
@@ -213,7 +213,7 @@ def _time_prefetch(calls: int) -> tuple[float, int]:
                 if tok.phase == DECODE and n > 16 and len(samples) < calls:
                     samples.append(dt)
                     width = max(width, len(predicted))
-    overhead = min(_timer_overhead() for _ in range(3))
+    overhead = min(timer_overhead() for _ in range(3))
     return max(0.0, statistics.median(samples) - overhead) / 1e3, width
 
 
@@ -226,7 +226,7 @@ def _recalls(text: str) -> list[float]:
 
 def run_prefetch(args: argparse.Namespace, expert_banks: dict[str, tuple[int, ...]]) -> int:
     """The ``--prefetch`` mode of ``refitd bench experts`` (see the module docstring)."""
-    from refitd.bench.experts import _pool_sizes, _preset_models, _time_ensure
+    from refitd.bench.expertcases import pool_sizes, preset_models, time_ensure
     from refitd.experts import BeladyPolicy, LruPolicy
     from refitd.experts.prediction import RECALLS, with_predictions
     from refitd.experts.traces import RoutingTrace, read_trace_file
@@ -251,7 +251,7 @@ def run_prefetch(args: argparse.Namespace, expert_banks: dict[str, tuple[int, ..
             return 2
         cases.append((trace.shape.name, trace, {trace.recall(): trace}, args.expert_bytes or 0))
     else:
-        for name, model in _preset_models(args):
+        for name, model in preset_models(args):
             swept = {r: with_predictions(model, r, seed=args.seed) for r in recalls}
             cases.append((name, model.trace, swept, sum(expert_banks[name])))
 
@@ -280,7 +280,7 @@ def run_prefetch(args: argparse.Namespace, expert_banks: dict[str, tuple[int, ..
             + " ".join(f"{tl.name}: LRU/ours/Belady/ours+pf" for tl in TIMELINES)
         )
         steps = base.steps()
-        for label, size in _pool_sizes(shape.active, shape.num_experts):
+        for label, size in pool_sizes(shape.active, shape.num_experts):
 
             def go(
                 trace: object,
@@ -329,7 +329,7 @@ def run_prefetch(args: argparse.Namespace, expert_banks: dict[str, tuple[int, ..
     gc.collect()
     gc.disable()
     try:
-        warm_us, _, _, _, warm_bytes = _time_ensure(args.calls)
+        warm_us, _, _, _, warm_bytes = time_ensure(args.calls)
         prefetch_us, width = _time_prefetch(max(200, args.calls // 20))
     finally:
         gc.enable()

@@ -6,6 +6,8 @@ Shared pieces used by the end-to-end tests too:
   (every rank one publisher slot) through a :class:`~refitd.client.Publisher`;
 - :func:`capture_for` returns the capture callable a receiver needs for a layout
   (through the layout's ``convert`` when it has one).
+
+The model it moves, and the bit-exact check, are :mod:`refitd.bench.synthetic`'s.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from refitd.bench.synthetic import SyntheticState, model_bytes, synthetic_config, verify_ranks
 
 if TYPE_CHECKING:
     import torch
@@ -83,94 +87,6 @@ def capture_for(published: Published) -> Callable[[torch.nn.Module, list[Any]], 
         )
 
     return capture
-
-
-# ---------------------------------------------------------------- the synthetic model
-
-
-def synthetic_config(gib: float) -> Any:
-    """A Llama-shaped bf16 model (hidden 4096, GQA 32/8, MLP 11008, vocab 32000) with
-    as many layers as it takes to reach ``gib`` GiB (at least one). Below 0.05 GiB the
-    shapes shrink 16-fold (hidden 256, MLP 688, vocab 2048): a model of a few MiB for
-    tests of the flow itself."""
-    import torch
-
-    from refitd.testing.engines import ModelConfig
-
-    scale = 16 if gib < 0.05 else 1
-
-    def cfg(layers: int) -> ModelConfig:
-        return ModelConfig(
-            vocab_size=32000 if scale == 1 else 2048,
-            hidden_size=4096 // scale,
-            num_layers=layers,
-            intermediate_size=11008 // scale,
-            num_heads=32 // min(scale, 4),
-            num_kv_heads=8 // min(scale, 4),
-            head_dim=128 // scale * min(scale, 4),
-            dtype=torch.bfloat16,
-        )
-
-    layers = 1
-    while model_bytes(cfg(layers)) < gib * 2**30:
-        layers += 1
-    return cfg(layers)
-
-
-def model_bytes(cfg: Any) -> int:
-    from refitd.testing.engines import param_roles
-
-    return sum(math.prod(shape) * cfg.dtype.itemsize for _, shape, _ in param_roles(cfg))
-
-
-class SyntheticState(dict):  # type: ignore[type-arg]
-    """A checkpoint whose tensors are made on first access from (name, version): a
-    cheap position-dependent bf16 pattern, finite (no NaN), different per version.
-    Accessed tensors are not kept, so a layout can walk it with bounded memory."""
-
-    def __init__(self, cfg: Any, version: int) -> None:
-        from refitd.testing.engines import param_roles
-
-        super().__init__()
-        self.cfg = cfg
-        self.version = version
-        self.shapes = {name: shape for name, shape, _ in param_roles(cfg)}
-
-    def __getitem__(self, name: str) -> Any:
-        import zlib
-
-        import torch
-
-        shape = self.shapes[name]
-        seed = (zlib.crc32(name.encode()) + 7919 * self.version) & 0x7FFF
-        bits = torch.arange(math.prod(shape), dtype=torch.int32)
-        bits.mul_(40503).add_(seed).bitwise_and_(0xBFFF)  # bit 14 clear: finite bf16
-        return bits.to(torch.int16).view(torch.bfloat16).view(shape)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.shapes
-
-    def __iter__(self) -> Any:
-        return iter(self.shapes)
-
-    def __len__(self) -> int:
-        return len(self.shapes)
-
-    def keys(self) -> Any:
-        return self.shapes.keys()
-
-    def items(self) -> Any:
-        return ((n, self[n]) for n in self.shapes)
-
-
-def same_bits(a: Any, b: Any) -> bool:
-    import torch
-
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.element_size() == 2:
-        return bool(torch.equal(a.view(torch.int16), b.view(torch.int16)))
-    return bool(torch.equal(a, b))
 
 
 # ---------------------------------------------------------------- the trainer process
@@ -391,7 +307,7 @@ async def refit_flow(
                     result.versions.append(await _refit_version(v, ranks, progress, log))
                     vr = result.versions[-1]
                     t = time.perf_counter()
-                    vr.verified = _verify(cfg, v, ranks)
+                    vr.verified = verify_ranks(cfg, v, ranks)
                     vr.breakdown["verify_s"] = time.perf_counter() - t
                     # Interleaved: each version has its own memcpy, taken right after it,
                     # so a neighbour that slows the machine for a while slows both.
@@ -476,21 +392,6 @@ def breakdown(stats: list[Any]) -> dict[str, float]:
         "pull_overhead_s": max(max(s.pull_s for s in stats) - daemon, 0.0),
         "install_s": max(s.install_s for s in stats),
     }
-
-
-def _verify(cfg: Any, version: int, ranks: list[Any]) -> bool:
-    """Every parameter equals the engine's own loader run on the full checkpoint."""
-    from refitd.testing.engines import ToyEngine
-
-    state = SyntheticState(cfg, version)
-    for par, engine, _ in ranks:
-        truth = ToyEngine(cfg, par)
-        truth.load_weights(state.items())
-        want = dict(truth.named_parameters())
-        if not all(same_bits(p, want[n]) for n, p in engine.named_parameters()):
-            return False
-        del truth, want
-    return True
 
 
 # ---------------------------------------------------------------- CLI

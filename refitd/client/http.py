@@ -18,6 +18,7 @@ import msgspec
 
 from refitd import errors
 from refitd.wire import (
+    API_PREFIX,
     ERROR_OF_STATUS,
     MSGPACK,
     ClusterVersion,
@@ -53,6 +54,8 @@ from refitd.wire import (
     VersionInfo,
     gc_paused,
 )
+from refitd.wire import routes as api
+from refitd.wire.routes import Route
 from transports.segments import owner_tag
 
 __all__ = ["RefitClient", "error_from_body"]
@@ -129,7 +132,29 @@ class RefitClient:
             await self._session.close()
             self._session = None
 
+    async def _send(
+        self,
+        route: Route[T],
+        body: Any = None,
+        params: dict[str, str] | None = None,
+        **path: object,
+    ) -> T:
+        """Call ``route`` (its path parameters in ``path``), decoding the answer as the
+        route's response type."""
+        return await self._request(route.method, route.url(**path), route.response, body, params)
+
     async def _call(
+        self,
+        method: str,
+        path: str,
+        type_: type[T],
+        body: Any = None,
+        params: dict[str, str] | None = None,
+    ) -> T:
+        """``method`` on ``/v1{path}``, a path outside the route table (tests, tools)."""
+        return await self._request(method, API_PREFIX + path, type_, body, params)
+
+    async def _request(
         self,
         method: str,
         path: str,
@@ -140,7 +165,7 @@ class RefitClient:
         session = self._open()
         data = None if body is None else msgspec.msgpack.encode(body)
         headers = {"Content-Type": MSGPACK} if data is not None else None
-        url = f"{self.base_url}/v1{path}"
+        url = f"{self.base_url}{path}"
         try:
             # Never follow a redirect: a daemon (or a peer daemon, when this client is
             # the daemon's own) that points elsewhere would send the token, the lease
@@ -176,14 +201,14 @@ class RefitClient:
     # ------------------------------------------------------------ node
 
     async def node(self) -> NodeInfo:
-        return await self._call("GET", "/node", NodeInfo)
+        return await self._send(api.NODE)
 
     async def health(self) -> dict[str, str]:
-        return await self._call("GET", "/health", dict[str, str])
+        return await self._send(api.HEALTH)
 
     async def ready(self) -> dict[str, str]:
         """Raises :class:`TransportError` (503) until the data plane is up."""
-        return await self._call("GET", "/ready", dict[str, str])
+        return await self._send(api.READY)
 
     # ------------------------------------------------------------ regions
 
@@ -192,7 +217,7 @@ class RefitClient:
     ) -> RegionInfo:
         """A daemon-owned region, released by the daemon when this process exits."""
         req = RegionCreate(nbytes, kind, owner, label, holder=_holder())
-        return await self._call("POST", "/regions", RegionInfo, req)
+        return await self._send(api.CREATE_REGION, req)
 
     async def attach_region(
         self,
@@ -205,59 +230,54 @@ class RefitClient:
     ) -> RegionInfo:
         """Attach this process's segment; the daemon releases it when this process exits."""
         req = RegionAttach(handle, nbytes, kind, owner, label, holder=_holder())
-        return await self._call("POST", "/regions/attach", RegionInfo, req)
+        return await self._send(api.ATTACH_REGION, req)
 
     async def regions(self) -> list[RegionInfo]:
-        return await self._call("GET", "/regions", list[RegionInfo])
+        return await self._send(api.LIST_REGIONS)
 
     async def delete_region(self, region_id: int) -> RegionInfo:
-        return await self._call("DELETE", f"/regions/{region_id}", RegionInfo)
+        return await self._send(api.DELETE_REGION, region_id=region_id)
 
     async def gc(self, *, dry_run: bool = False) -> GcReport:
         """Free regions of exited clients and stale segments (``dry_run``: only list them)."""
-        return await self._call(
-            "POST", "/gc", GcReport, params={"dry_run": "1" if dry_run else "0"}
-        )
+        return await self._send(api.GC, params={"dry_run": "1" if dry_run else "0"})
 
     # ------------------------------------------------------------ sources
 
     async def publish(self, manifest: ManifestIn) -> VersionInfo:
-        return await self._call("POST", "/sources", VersionInfo, manifest)
+        return await self._send(api.PUBLISH, manifest)
+
+    async def all_versions(self) -> list[VersionInfo]:
+        """Every version of every model this daemon holds."""
+        return await self._send(api.ALL_VERSIONS)
 
     async def versions(self, model: str) -> list[VersionInfo]:
-        return await self._call("GET", f"/sources/{model}/versions", list[VersionInfo])
+        return await self._send(api.MODEL_VERSIONS, model=model)
 
     async def version(self, model: str, version: int | str = "latest") -> VersionInfo:
-        return await self._call("GET", f"/sources/{model}/versions/{version}", VersionInfo)
+        return await self._send(api.GET_VERSION, model=model, version=version)
 
     async def manifest(self, model: str, version: int) -> MergedManifest:
-        return await self._call(
-            "GET", f"/sources/{model}/versions/{version}/manifest", MergedManifest
-        )
+        return await self._send(api.MANIFEST, model=model, version=version)
 
     # ------------------------------------------------------------ cluster registry
 
     async def cluster_daemons(self) -> list[DaemonRecord]:
         """The daemons registered in this daemon's cluster registry (its trusted peers)."""
-        return await self._call("GET", "/cluster/daemons", list[DaemonRecord])
+        return await self._send(api.CLUSTER_DAEMONS)
 
     async def cluster_version(self, model: str, version: int | str = "latest") -> ClusterVersion:
         """Which daemons hold ``model`` at ``version`` across hosts (``latest``: the
         newest version whose slots are all published somewhere)."""
-        return await self._call(
-            "GET", f"/cluster/sources/{model}/versions/{version}", ClusterVersion
-        )
+        return await self._send(api.CLUSTER_VERSION, model=model, version=version)
 
     async def next_version(
         self, model: str, after: int = -1, timeout_s: float = 30.0
     ) -> ClusterVersion:
         """Wait (one request; the daemon is woken by the registry's watch) for a complete
         version of ``model`` newer than ``after``; NotFoundError after ``timeout_s``."""
-        return await self._call(
-            "GET",
-            f"/cluster/sources/{model}/next",
-            ClusterVersion,
-            params={"after": str(after), "timeout": str(timeout_s)},
+        return await self._send(
+            api.CLUSTER_NEXT, params={"after": str(after), "timeout": str(timeout_s)}, model=model
         )
 
     async def wait_drain(
@@ -265,11 +285,11 @@ class RefitClient:
     ) -> VersionInfo:
         """Return once no lease remains on the version; ConflictError after the timeout.
         ``retire`` first stops the version accepting new leases (before a rewrite)."""
-        return await self._call(
-            "POST",
-            f"/sources/{model}/versions/{version}/drain",
-            VersionInfo,
+        return await self._send(
+            api.DRAIN,
             params={"timeout": str(timeout_s), "retire": "1" if retire else "0"},
+            model=model,
+            version=version,
         )
 
     # ------------------------------------------------------------ leases
@@ -277,41 +297,34 @@ class RefitClient:
     async def acquire_lease(
         self, model: str, version: int, ttl_s: float = 30.0, holder: str = ""
     ) -> LeaseGrant:
-        return await self._call(
-            "POST", "/leases", LeaseGrant, LeaseRequest(model, version, ttl_s, holder)
-        )
+        return await self._send(api.ACQUIRE_LEASE, LeaseRequest(model, version, ttl_s, holder))
 
     async def renew_lease(self, lease_id: str, ttl_s: float = 30.0) -> LeaseGrant:
-        return await self._call(
-            "POST", f"/leases/{lease_id}/renew", LeaseGrant, params={"ttl": str(ttl_s)}
-        )
+        return await self._send(api.RENEW_LEASE, params={"ttl": str(ttl_s)}, lease_id=lease_id)
 
     async def release_lease(self, lease_id: str) -> None:
-        await self._call("DELETE", f"/leases/{lease_id}", type(None))
+        await self._send(api.RELEASE_LEASE, lease_id=lease_id)
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
         """ConflictError unless ``lease_id`` is live on exactly ``(model, version)``."""
-        return await self._call(
-            "GET",
-            f"/leases/{lease_id}",
-            LeaseGrant,
-            params={"model": model, "version": str(version)},
+        return await self._send(
+            api.CHECK_LEASE, params={"model": model, "version": str(version)}, lease_id=lease_id
         )
 
     # ------------------------------------------------------------ pulls
 
     async def submit_pull(self, req: PullRequest) -> PullProgress:
         """Validate and start a pull; refusals (400/404/409) raise before any byte moves."""
-        return await self._call("POST", "/pulls", PullProgress, req)
+        return await self._send(api.SUBMIT_PULL, req)
 
     async def pull_status(self, pull_id: str) -> PullProgress:
-        return await self._call("GET", f"/pulls/{pull_id}", PullProgress)
+        return await self._send(api.GET_PULL, pull_id=pull_id)
 
     async def pulls(self) -> list[PullProgress]:
-        return await self._call("GET", "/pulls", list[PullProgress])
+        return await self._send(api.LIST_PULLS)
 
     async def cancel_pull(self, pull_id: str) -> PullProgress:
-        return await self._call("DELETE", f"/pulls/{pull_id}", PullProgress)
+        return await self._send(api.CANCEL_PULL, pull_id=pull_id)
 
     async def wait_pull(
         self,
@@ -324,8 +337,8 @@ class RefitClient:
         ``interval_s`` (the daemon answers early when the pull ends). Raises the
         pull's error if it failed or was cancelled."""
         while True:
-            p = await self._call(
-                "GET", f"/pulls/{pull_id}/wait", PullProgress, params={"timeout": str(interval_s)}
+            p = await self._send(
+                api.WAIT_PULL, params={"timeout": str(interval_s)}, pull_id=pull_id
             )
             if on_progress is not None:
                 on_progress(p)
@@ -370,27 +383,25 @@ class RefitClient:
             cpu_layers=cpu_layers or [],
             owner=owner,
         )
-        return await self._call("POST", "/experts", PoolInfo, spec)
+        return await self._send(api.CREATE_POOL, spec)
 
     async def pools(self) -> list[PoolInfo]:
-        return await self._call("GET", "/experts", list[PoolInfo])
+        return await self._send(api.LIST_POOLS)
 
     async def pool(self, name: str) -> PoolInfo:
-        return await self._call("GET", f"/experts/{name}", PoolInfo)
+        return await self._send(api.GET_POOL, pool=name)
 
     async def pool_stats(self, name: str) -> PoolStats:
-        return await self._call("GET", f"/experts/{name}/stats", PoolStats)
+        return await self._send(api.POOL_STATS, pool=name)
 
     async def delete_pool(self, name: str) -> PoolInfo:
         """Delete the pool and both of its regions."""
-        return await self._call("DELETE", f"/experts/{name}", PoolInfo)
+        return await self._send(api.DELETE_POOL, pool=name)
 
     async def ensure(self, name: str, layer: int, routed: list[int]) -> EnsureResult:
         """Make ``routed`` experts of ``layer`` resident in the pool's slots; a plan
         the executor refuses raises :class:`PlanError` and leaves the pool consistent."""
-        return await self._call(
-            "POST", f"/experts/{name}/ensure", EnsureResult, EnsureRequest(layer, routed)
-        )
+        return await self._send(api.ENSURE, EnsureRequest(layer, routed), pool=name)
 
     async def prefetch(
         self,
@@ -413,7 +424,7 @@ class RefitClient:
             budget=budget,
             min_score=min_score,
         )
-        return await self._call("POST", f"/experts/{name}/prefetch", PrefetchResult, req)
+        return await self._send(api.PREFETCH, req, pool=name)
 
     async def invalidate(
         self,
@@ -425,12 +436,7 @@ class RefitClient:
         """Drop the slots holding ``experts`` (``(layer, expert)`` pairs) or every expert
         of ``layers``, after their host rows were rewritten."""
         refs = [ExpertRef(layer, e) for layer, e in experts or []]
-        return await self._call(
-            "POST",
-            f"/experts/{name}/invalidate",
-            InvalidateResult,
-            InvalidateRequest(refs, layers or []),
-        )
+        return await self._send(api.INVALIDATE, InvalidateRequest(refs, layers or []), pool=name)
 
     # ------------------------------------------------------------ daemon to daemon
 
@@ -448,20 +454,16 @@ class RefitClient:
             params["ids"] = ",".join(str(i) for i in ids)
         if lease_id:
             params.update(lease=lease_id, model=model, version=str(version))
-        return await self._call("GET", "/peer/regions", PeerRegions, params=params or None)
+        return await self._send(api.PEER_REGIONS, params=params or None)
 
     async def peer_pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
     ) -> StagedPack:
-        return await self._call(
-            "POST",
-            "/peer/pack",
-            StagedPack,
+        return await self._send(
+            api.PEER_PACK,
             {"model": model, "version": version, "lease_id": lease_id, "specs": specs},
         )
 
     async def peer_drop(self, region_id: int, lease_id: str) -> None:
         """Release staging region ``region_id``, packed for ``lease_id``."""
-        await self._call(
-            "DELETE", f"/peer/staging/{region_id}", type(None), params={"lease": lease_id}
-        )
+        await self._send(api.PEER_DROP, params={"lease": lease_id}, region_id=region_id)

@@ -33,7 +33,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import numpy as np
@@ -51,7 +51,14 @@ from refitd.wire import (
     PullRequest,
     RegionInfo,
 )
+from transports.batch import merge_ranges
 from transports.segments import SharedSegment
+
+if TYPE_CHECKING:
+    from refitd.reshard.compile import BoundPlan, DestLayout
+    from refitd.reshard.receiver import ReshardReceiver
+    from refitd.reshard.transfer_plan import FullPull, SourceInfo
+    from refitd.reshard.types import CaptureResult
 
 __all__ = ["Capture", "DaemonReceiver", "RefitStats"]
 
@@ -59,7 +66,9 @@ SPAN = 1 << 40
 """Synthetic address space per source region: the planner sees region r's byte b as
 ``r * SPAN + b``, so every planned address splits back into (region, offset)."""
 
-Capture = Callable[[torch.nn.Module, list[tuple[str, torch.dtype, tuple[int, ...]]]], object]
+Capture = Callable[
+    [torch.nn.Module, list[tuple[str, torch.dtype, tuple[int, ...]]]], "CaptureResult"
+]
 """``capture(meta_twin, manifest) -> CaptureResult``: runs the engine's loaders."""
 
 
@@ -88,7 +97,7 @@ class _Compiled:
     rows: np.ndarray  # (n, 5): src_region, src_off, dst_region, dst_off, nbytes
     packs: list[PackSpec]
     scatter: list[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str, int]]
-    full_pulls: list[tuple[int, object]]  # (scratch offset, reshard FullPull)
+    full_pulls: list[tuple[int, FullPull]]  # (scratch offset, the full pull)
     install: list[tuple[int, int]] = field(default_factory=list)  # coalesced (offset, nbytes)
     bytes: int = 0
 
@@ -136,7 +145,10 @@ class DaemonReceiver:
         self.max_segments_per_copy = max_segments_per_copy
         self.allow_unwritten = frozenset(allow_unwritten)
         self._compiled: _Compiled | None = None
-        self._plan_cache: Any = None  # refitd.reshard.compile.CompiledPlan
+        # The planner's receiver for the last capture (one capture per manifest
+        # structure), and the destinations it was warmed for.
+        self._reshard: ReshardReceiver | None = None
+        self._dest: DestLayout = {}
         self._params: dict[str, torch.nn.Parameter] = dict(engine.named_parameters())
         self._param_off: dict[str, int] = {}
         self._engine_seg: SharedSegment | None = None
@@ -208,7 +220,7 @@ class DaemonReceiver:
         return repr([(n, tuple(p.shape), str(p.dtype)) for n, p in self._params.items()]).encode()
 
     @staticmethod
-    def sources_of(m: MergedManifest) -> dict[str, Any]:
+    def sources_of(m: MergedManifest) -> dict[str, SourceInfo]:
         """The manifest as the planner's sources: one session per source region, and
         region ``r``'s byte ``b`` at synthetic address ``r * SPAN + b``."""
         from refitd.reshard.slice_plan import Shard
@@ -230,43 +242,36 @@ class DaemonReceiver:
             sources[t.name] = SourceInfo(tuple(t.shape), dt, dt.itemsize, shards)
         return sources
 
-    def _plan(self, m: MergedManifest, sources: dict[str, Any]) -> Any:
-        """Capture on a meta twin, plan and compile; refuses (before any transfer) a
-        plan with any unsupported, unattributed or unplannable source."""
-        from refitd.reshard.compile import compile_plan, dest_layout_of
-        from refitd.reshard.coverage import destinations_of, refuse_unwritten
-        from refitd.reshard.transfer_plan import plan_transfer
+    def _plan(self, m: MergedManifest, sources: dict[str, SourceInfo]) -> ReshardReceiver:
+        """Capture on a meta twin, then plan and compile through the planner's own
+        receiver, which refuses (before any transfer) an unsupported or unattributed
+        capture, a destination left unwritten, or an unplannable source."""
+        from refitd.reshard.coverage import destinations_of
+        from refitd.reshard.receiver import ReshardReceiver
         from refitd.reshard.types import UnsupportedReshard
 
         manifest = [(n, info.dtype, tuple(info.global_shape)) for n, info in sources.items()]
         with torch.device("meta"):
             twin = self.twin()
-        capture = self.capture(twin, manifest)
-        unsupported = list(getattr(capture, "unsupported", []))
-        unattributed = int(getattr(capture, "unattributed", 0))
-        if unsupported or unattributed:
-            reasons = getattr(capture, "unsupported_reasons", {})
-            first = (
-                f": {unsupported[0]!r} ({reasons.get(unsupported[0], '?')})" if unsupported else ""
-            )
-            raise UnsupportedReshard(
-                f"refit of {m.model!r} v{m.version} refused before any transfer: "
-                f"{len(unsupported)} unsupported source(s){first}, {unattributed} unattributed copies"
-            )
-        # Every destination the engine would load from a checkpoint must be written.
-        refuse_unwritten(capture, destinations_of(twin), self.allow_unwritten)  # type: ignore[arg-type]
-        plan = plan_transfer(capture, sources, max_segments_per_copy=self.max_segments_per_copy)  # type: ignore[arg-type]
-        if plan.fallback:
-            name = plan.fallback[0]
-            raise UnsupportedReshard(
-                f"refit of {m.model!r} v{m.version} refused before any transfer: source {name!r} "
-                f"cannot be planned ({plan.fallback_reasons.get(name, 'unsupported')}); "
-                f"{len(plan.fallback)} such source(s)"
-            )
+        reshard = ReshardReceiver(
+            self.capture(twin, manifest),
+            max_segments_per_copy=self.max_segments_per_copy,
+            strict=self.strict,
+            allow_unwritten=self.allow_unwritten,
+        )
+        # Every destination the engine would load from a checkpoint must be written:
+        # its parameters and persistent buffers.
+        dest = destinations_of(twin)
+        try:
+            reshard.warm(sources, dest)
+        except UnsupportedReshard as exc:
+            exc.add_note(f"refit of {m.model!r} v{m.version}")
+            raise
+        self._dest = dest
         self.plans += 1
-        return compile_plan(plan, sources, dest_layout_of(self._params))
+        return reshard
 
-    async def _lower(self, bound: Any, plan: Any, signature: bytes) -> _Compiled:
+    async def _lower(self, bound: BoundPlan, planned_bytes: int, signature: bytes) -> _Compiled:
         """Turn a bound plan into daemon rows: every read one int64 row of
         ``(src region, src offset, dst region, dst offset, nbytes)``."""
         assert self._engine_region is not None
@@ -285,7 +290,7 @@ class DaemonReceiver:
             scatter.append((cursor, dt, p.shape, strides, p.param_name, p.dst_byte))
             pack_dst.append(-SPAN + cursor)
             cursor = _align(cursor + p.nbytes)
-        full: list[tuple[int, Any]] = []
+        full: list[tuple[int, FullPull]] = []
         fp_rows: list[tuple[int, int, int]] = []
         for fp in bound.full_pulls:
             full.append((cursor, fp))
@@ -322,9 +327,11 @@ class DaemonReceiver:
                 for p in packs
                 if p.dst_region == scratch.region_id and p.dst_offset < limit
             ]
-            install = _coalesce(np.array(mirror, dtype=np.int64).reshape(-1, 2))
+            staged = np.array(mirror, dtype=np.int64).reshape(-1, 2)
+            merged = merge_ranges(np.zeros(len(staged), np.int64), staged[:, 0], staged[:, 1])
+            install = [(r.offset, r.nbytes) for r in merged]
         comp = _Compiled(signature, rows, packs, scatter, full, install)
-        comp.bytes = plan.plan.bytes_planned()
+        comp.bytes = planned_bytes
         return comp
 
     def _param_addr(self, name: str) -> int:
@@ -432,25 +439,26 @@ class DaemonReceiver:
         sig = self.signature(m, self._engine_layout())
         replayed = self._compiled is not None and self._compiled.signature == sig
         if not replayed:
-            # Not the exact placement of last time: rebind the compiled plan if
-            # only addresses moved (no planning), else re-plan (or refuse: strict).
+            # Not the exact placement of last time: rebind the compiled plan if only
+            # addresses moved (no planning), else capture and plan again (a new
+            # structure needs a new capture), or refuse in strict mode.
             from refitd.reshard.compile import SignatureMismatch
 
             sources = self.sources_of(m)
-            plan = self._plan_cache
-            why = "no plan yet" if plan is None else plan.mismatch(sources)
-            if why is not None:
-                if self.strict and plan is not None:
-                    raise ConflictError(
-                        f"{self.model!r} v{version}: {why}; strict mode forbids re-planning "
-                        "(warm the exact signature first)"
-                    )
-                plan = self._plan_cache = self._plan(m, sources)
+            reshard = self._reshard
+            if reshard is None or (
+                not self.strict
+                and reshard.compiled is not None
+                and reshard.compiled.mismatch(sources, self._dest) is not None
+            ):
+                reshard = self._reshard = self._plan(m, sources)
             try:
-                bound = plan.bind(sources, self._param_addr)
+                bound = reshard.bind(sources, self._param_addr, self._dest)
             except SignatureMismatch as exc:
                 raise ConflictError(f"{self.model!r} v{version}: {exc}") from exc
-            self._compiled = await self._lower(bound, plan, sig)
+            assert reshard.compiled is not None
+            planned = reshard.compiled.plan.bytes_planned()
+            self._compiled = await self._lower(bound, planned, sig)
         comp = self._compiled
         assert comp is not None
         return comp, replayed
@@ -500,28 +508,13 @@ class DaemonReceiver:
             )
             dst.copy_(packed)
         for at, fp in comp.full_pulls:
-            size = fp.staging_nbytes  # type: ignore[attr-defined]
+            size = fp.staging_nbytes
             full = torch.frombuffer(scratch[at : at + size].data, dtype=torch.uint8)
-            full = full.view(fp.dtype).reshape(fp.global_shape)  # type: ignore[attr-defined]
-            for copy in fp.copies:  # type: ignore[attr-defined]
+            full = full.view(fp.dtype).reshape(fp.global_shape)
+            for copy in fp.copies:
                 write_through_pointer(
                     self._params[copy.param_name].data_ptr(),
                     copy,
                     replay_ops(full, copy.op_chain),
-                    fp.elsize,  # type: ignore[attr-defined]
+                    fp.elsize,
                 )
-
-
-def _coalesce(ranges: np.ndarray) -> list[tuple[int, int]]:
-    if ranges.shape[0] == 0:
-        return []
-    ranges = ranges[np.argsort(ranges[:, 0], kind="stable")]
-    out: list[list[int]] = []
-    for o, n in ranges.tolist():
-        if n <= 0:
-            continue
-        if out and o <= out[-1][0] + out[-1][1]:
-            out[-1][1] = max(out[-1][0] + out[-1][1], o + n) - out[-1][0]
-        else:
-            out.append([o, n])
-    return [(o, n) for o, n in out]

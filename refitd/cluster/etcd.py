@@ -22,7 +22,7 @@ import contextlib
 import logging
 from urllib.parse import urlsplit
 
-from refitd.cluster import ClusterRegistry
+from refitd.cluster.registry import ClusterRegistry
 from refitd.errors import ConfigError, TransportError
 from refitd.wire import DaemonRecord, SourceRecord
 

@@ -54,6 +54,7 @@ from aiohttp.typedefs import Middleware
 from refitd.config import ServerConfig, is_loopback_host, resolve_group
 from refitd.errors import ConfigError
 from refitd.wire import RegionInfo
+from refitd.wire import routes as api
 
 __all__ = [
     "POLICY_KEY",
@@ -66,13 +67,12 @@ __all__ = [
     "owner_for",
     "peer_uid",
     "principal_of",
-    "read_token",
     "sees_region",
     "setup_auth",
 ]
 
 #: Paths served without credentials: liveness and the API description reveal nothing.
-PUBLIC_PATHS = frozenset({"/v1/health", "/v1/openapi.json"})
+PUBLIC_PATHS = frozenset({api.HEALTH.path, api.OPENAPI.path})
 
 
 @dataclass(frozen=True)
@@ -193,20 +193,6 @@ def check_startup(server: ServerConfig) -> AccessPolicy:
         max_request_bytes=server.max_request_bytes,
         unix_socket=server.unix_socket is not None,
     )
-
-
-def read_token(path: str | os.PathLike[str]) -> str:
-    """The first token in a token file (``NAME TOKEN`` or ``TOKEN`` lines), for clients
-    and for a daemon reading from a peer; refuses an unreadable or empty file."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"token file {path} cannot be read ({exc.strerror})") from None
-    for raw in text.splitlines():
-        parts = raw.split("#", 1)[0].split()
-        if parts:
-            return parts[-1]
-    raise ConfigError(f"token file {path} holds no token; expected a line 'NAME TOKEN' or 'TOKEN'")
 
 
 POLICY_KEY = web.AppKey("refitd_access_policy", AccessPolicy)

@@ -47,10 +47,9 @@ from aiohttp import web
 
 from refitd.daemon.auth import check_owner, owner_for, principal_of
 from refitd.daemon.copier import CopyFault, copy_view
-from refitd.daemon.httpio import DAEMON, body, reply
+from refitd.daemon.httpio import DAEMON, RouteTable, body, reply
 from refitd.daemon.memory import check_shm_capacity
 from refitd.daemon.node import Daemon
-from refitd.daemon.openapi import Operation
 from refitd.daemon.pulls import PullJob
 from refitd.errors import (
     ConfigError,
@@ -88,6 +87,7 @@ from refitd.wire import (
     RegionCreate,
     RegionInfo,
 )
+from refitd.wire import routes as api
 
 __all__ = [
     "POOLS",
@@ -96,7 +96,6 @@ __all__ = [
     "RegionExpertRows",
     "RegionSlotMemory",
     "close_pools",
-    "pool_operations",
     "routes",
     "touched_rows",
 ]
@@ -594,11 +593,10 @@ def note_pull(app: web.Application, req: PullRequest, job: PullJob) -> None:
 
 # ---------------------------------------------------------------- routes
 
-routes = web.RouteTableDef()
-P = "/v1/experts"
+routes = RouteTable()
 
 
-@routes.post(P)
+@routes.handles(api.CREATE_POOL)
 async def create_pool(request: web.Request) -> web.Response:
     spec = await body(request, PoolCreate)
     owner = owner_for(request, spec.owner)
@@ -616,7 +614,7 @@ async def create_pool(request: web.Request) -> web.Response:
     return reply(request, info, 201)
 
 
-@routes.get(P)
+@routes.handles(api.LIST_POOLS)
 async def list_pools(request: web.Request) -> web.Response:
     """The caller's own pools (every pool for root, or without authentication)."""
     who = principal_of(request)
@@ -658,25 +656,25 @@ def _check_slots_unpublished(request: web.Request, pool: ExpertPool) -> None:
         )
 
 
-@routes.get(P + "/{pool}")
+@routes.handles(api.GET_POOL)
 async def get_pool(request: web.Request) -> web.Response:
     async with _locked(_pool(request, "read")) as pool:
         return reply(request, pool.info())
 
 
-@routes.get(P + "/{pool}/stats")
+@routes.handles(api.POOL_STATS)
 async def pool_stats(request: web.Request) -> web.Response:
     async with _locked(_pool(request, "read")) as pool:
         return reply(request, pool.stats())
 
 
-@routes.delete(P + "/{pool}")
+@routes.handles(api.DELETE_POOL)
 async def delete_pool(request: web.Request) -> web.Response:
     pool = _pool(request, "delete")
     return reply(request, await request.app[POOLS].delete(pool.name))
 
 
-@routes.post(P + "/{pool}/ensure")
+@routes.handles(api.ENSURE)
 async def ensure(request: web.Request) -> web.Response:
     """Plan with the expert cache, copy the misses into the slot region."""
     req = await body(request, EnsureRequest)
@@ -689,7 +687,7 @@ async def ensure(request: web.Request) -> web.Response:
     return reply(request, result)
 
 
-@routes.post(P + "/{pool}/prefetch")
+@routes.handles(api.PREFETCH)
 async def prefetch(request: web.Request) -> web.Response:
     """Plan a prediction of a layer's next step; its copies land in the background."""
     req = await body(request, PrefetchRequest)
@@ -701,51 +699,9 @@ async def prefetch(request: web.Request) -> web.Response:
     return reply(request, result)
 
 
-@routes.post(P + "/{pool}/invalidate")
+@routes.handles(api.INVALIDATE)
 async def invalidate(request: web.Request) -> web.Response:
     """Drop the slots of experts whose host rows were rewritten."""
     req = await body(request, InvalidateRequest)
     async with _locked(_pool(request, "write")) as pool:
         return reply(request, pool.invalidate(req))
-
-
-def pool_operations() -> dict[tuple[str, str], Operation]:
-    """The body schemas of the pool routes, for the OpenAPI document."""
-    both = ("application/json", "application/msgpack")
-    t = ("experts",)
-    one = P + "/{pool}"
-    return {
-        ("POST", P): Operation(
-            "Create an expert slot pool", PoolCreate, PoolInfo, 201, both, tags=t
-        ),
-        ("GET", P): Operation("List expert pools", response=list[PoolInfo], tags=t),
-        ("GET", one): Operation("One expert pool", response=PoolInfo, tags=t),
-        ("GET", one + "/stats"): Operation(
-            "One pool's counters (as in /metrics)", response=PoolStats, tags=t
-        ),
-        ("DELETE", one): Operation("Delete a pool and its regions", response=PoolInfo, tags=t),
-        ("POST", one + "/ensure"): Operation(
-            "Make routed experts resident; copy misses into slots",
-            EnsureRequest,
-            EnsureResult,
-            200,
-            both,
-            tags=t,
-        ),
-        ("POST", one + "/prefetch"): Operation(
-            "Prefetch experts predicted for a layer's next step (copies land in the background)",
-            PrefetchRequest,
-            PrefetchResult,
-            200,
-            both,
-            tags=t,
-        ),
-        ("POST", one + "/invalidate"): Operation(
-            "Drop slots of experts whose rows were rewritten",
-            InvalidateRequest,
-            InvalidateResult,
-            200,
-            both,
-            tags=t,
-        ),
-    }

@@ -1,7 +1,7 @@
 """The HTTP edge every handler module shares: app keys, body decoding, replies, and
 the one middleware where refusals become HTTP statuses.
 
-Handler modules (:mod:`refitd.daemon.app`, :mod:`refitd.daemon.experts`) import
+Handler modules (:mod:`refitd.daemon.handlers`, :mod:`refitd.daemon.experts`) import
 this module, never each other's internals, so the app assembles them without an
 import cycle.
 """
@@ -28,10 +28,12 @@ from refitd.wire import (
     gc_paused,
     status_of,
 )
+from refitd.wire.routes import Route
 
 __all__ = [
     "DAEMON",
     "Handler",
+    "RouteTable",
     "body",
     "error_middleware",
     "manifest_body",
@@ -46,6 +48,21 @@ T = TypeVar("T")
 DAEMON: web.AppKey[Daemon] = web.AppKey("daemon", Daemon)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+H = TypeVar("H", bound=Handler)
+
+
+class RouteTable(web.RouteTableDef):
+    """A handler module's routes, each bound to its entry in :mod:`refitd.wire.routes`
+    (the one place a method and path are written)."""
+
+    def handles(self, route: Route[Any]) -> Callable[[H], H]:
+        """Register the decorated handler for ``route``."""
+
+        def register(handler: H) -> H:
+            self.route(route.method, route.path)(handler)
+            return handler
+
+        return register
 
 
 def wants_msgpack(request: web.Request) -> bool:

@@ -36,6 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from refitd.wire import PoolStats
+from refitd.wire import routes as api
 
 __all__ = [
     "METRICS_KEY",
@@ -312,5 +313,5 @@ def setup_metrics(app: web.Application, metrics: Metrics | None = None) -> Metri
     metrics = metrics or Metrics()
     app[METRICS_KEY] = metrics
     app.middlewares.insert(0, _middleware(metrics))
-    app.router.add_get("/metrics", _serve_metrics, name="metrics")
+    app.router.add_get(api.METRICS.path, _serve_metrics, name="metrics")
     return metrics

@@ -48,7 +48,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from refitd.daemon.httpio import DAEMON, body, query_float, query_int, reply
+from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
 from refitd.daemon.pulls import RemoteSource
 from refitd.daemon.trust import Extents, merge_extents
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
@@ -63,11 +63,12 @@ from refitd.wire import (
     TensorEntry,
     VersionState,
 )
+from refitd.wire import routes as api
+from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
 from transports.batch import rows_as_batch
 
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
-    from refitd.daemon.openapi import Operation
     from refitd.daemon.pulls import PullManager
 
 __all__ = [
@@ -81,7 +82,6 @@ __all__ = [
     "MirrorState",
     "Mirrors",
     "Redirect",
-    "mirror_operations",
     "routes",
     "setup_mirrors",
 ]
@@ -108,47 +108,6 @@ OWNER = "refitd-mirror"
 """Owner of a mirror's regions and of the leases it takes."""
 
 log = logging.getLogger("refitd.mirrors")
-
-
-# ---------------------------------------------------------------- wire
-
-
-class HolderJoin(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A mirror joining the holder book of the source of ``model`` ``version``:
-    it serves at ``url``; ``exclude`` are holders it failed to read from."""
-
-    model: str
-    version: int
-    url: str
-    node_id: str
-    exclude: list[str] = []
-
-
-class HolderAssign(msgspec.Struct, frozen=True):
-    """The holder a joining mirror reads from (``""``: the source itself) and every
-    holder the source knows of the version, in pipeline order."""
-
-    upstream: str
-    holders: list[str]
-
-
-class MirrorState(msgspec.Struct, frozen=True):
-    """One mirror's progress: ``regions`` maps each source region id to the mirror's
-    own region id; ``error`` is set once it failed for good."""
-
-    model: str
-    version: int
-    source: str
-    upstream: str
-    regions: dict[int, int]
-    chunks_total: int
-    chunks_done: int
-    complete: bool
-    error: str = ""
-    tried: list[str] = []
-    #: wall-clock seconds (``time.time()``) when the mirror began and completed (0: not yet)
-    began_at: float = 0.0
-    completed_at: float = 0.0
 
 
 # ---------------------------------------------------------------- source side
@@ -512,7 +471,7 @@ class Mirrors:
             return ""
         join = HolderJoin(m.model, m.version, me, self.d.node_id, exclude)
         try:
-            a = await src.c._call("POST", "/mirrors/holders", HolderAssign, join)
+            a = await src.c._send(api.MIRROR_HOLDERS, join)
         except RefitError as exc:
             log.info("no holder book at %s (%s): reading it directly", m.source, exc)
             return ""
@@ -535,11 +494,11 @@ class Mirrors:
                 seen = -1
                 while not claimed.all():
                     async with asyncio.timeout(WAIT_S + deadline):
-                        st = await c._call(
-                            "GET",
-                            f"/mirrors/{m.model}/{m.version}",
-                            MirrorState,
+                        st = await c._send(
+                            api.MIRROR_STATE,
                             params={"after": str(seen), "timeout": str(WAIT_S)},
+                            model=m.model,
+                            version=m.version,
                         )
                     if st.error:
                         raise TransportError(f"its mirror failed: {st.error}")
@@ -741,10 +700,10 @@ def _describe(exc: BaseException) -> str:
 # ---------------------------------------------------------------- HTTP
 
 MIRRORS: web.AppKey[Mirrors] = web.AppKey("mirrors", Mirrors)
-routes = web.RouteTableDef()
+routes = RouteTable()
 
 
-@routes.post("/v1/mirrors/holders")
+@routes.handles(api.MIRROR_HOLDERS)
 async def join_holders(request: web.Request) -> web.Response:
     """A mirror of a version this daemon is the source of joins its pipeline; answers
     the holder it reads from."""
@@ -755,7 +714,7 @@ async def join_holders(request: web.Request) -> web.Response:
     return reply(request, request.app[MIRRORS].book.join(j))
 
 
-@routes.get("/v1/mirrors/{model}/{version}")
+@routes.handles(api.MIRROR_STATE)
 async def mirror_state(request: web.Request) -> web.Response:
     """A mirror's progress; with ``after=N`` it answers once more than ``N`` chunks
     are complete, the mirror ended, or ``timeout`` seconds passed."""
@@ -774,7 +733,7 @@ async def mirror_state(request: web.Request) -> web.Response:
 def setup_mirrors(app: web.Application, pulls: PullManager, policy: str) -> Mirrors:
     """Install the mirror store and its routes on ``app``; the pull manager and the
     daemon consult it through their hooks."""
-    from refitd.daemon.cluster import CLUSTER
+    from refitd.daemon.membership import CLUSTER
 
     def self_url() -> str:
         me = app[CLUSTER].me
@@ -791,26 +750,3 @@ def setup_mirrors(app: web.Application, pulls: PullManager, policy: str) -> Mirr
 
     app.on_shutdown.append(close)
     return mirrors
-
-
-def mirror_operations() -> dict[tuple[str, str], Operation]:
-    """The API document's entries for the mirror routes."""
-    from refitd.daemon.openapi import Operation
-
-    t = ("mirrors",)
-    both = ("application/json", "application/msgpack")
-    return {
-        ("POST", "/v1/mirrors/holders"): Operation(
-            "A mirror joins the holder pipeline of a version this daemon is the source of",
-            request=HolderJoin,
-            response=HolderAssign,
-            media=both,
-            tags=t,
-        ),
-        ("GET", "/v1/mirrors/{model}/{version}"): Operation(
-            "A mirror's progress (waits for more than 'after' complete chunks)",
-            response=MirrorState,
-            tags=t,
-            query={"after": int, "timeout": float},
-        ),
-    }

@@ -73,7 +73,7 @@ from transports.segments import (
     is_stale,
     stale_segments,
 )
-from transports.shm import SameHostTransport, boot_id, file_id
+from transports.shm import ShmTransport, boot_id, file_id
 
 __all__ = [
     "AUTO",
@@ -190,7 +190,7 @@ class Daemon:
         self.boot_id = options.boot_id or boot_id()
         #: the same-host data plane, in every mode: pulls from this daemon itself and
         #: from peers proven to share this host's memory (``copier``: its copy engine)
-        self.shm = SameHostTransport(
+        self.shm = ShmTransport(
             secret=options.secret, peer_id=self.node_id, copier=copier, boot_id=self.boot_id
         )
         self.ready = False

@@ -8,10 +8,11 @@ request and response bodies come from the msgspec Structs in
 
 A handler says which Structs it reads and writes in one of two ways:
 
-- the :func:`operation` decorator on the handler, or
 - an entry in the ``operations`` mapping given to :func:`setup_openapi`,
-  keyed by ``(METHOD, path template)`` — useful when the handlers live in a module
-  that should not import this one.
+  keyed by ``(METHOD, path template)``: the daemon's are :func:`operations_of` its
+  route table (:data:`refitd.wire.routes.ROUTES`), so a summary or a body type is
+  declared once, next to the path;
+- the :func:`operation` decorator on the handler (an app without a route table).
 
 Routes with neither are still listed (summary from the handler's docstring), with
 no body schema; the ops tests insist every ``/v1`` route has one.
@@ -31,6 +32,7 @@ import msgspec
 from aiohttp import web
 
 from refitd.wire import MSGPACK, ErrorBody
+from refitd.wire import routes as api
 
 __all__ = [
     "OPENAPI_PATH",
@@ -38,12 +40,13 @@ __all__ = [
     "build_openapi",
     "documented_paths",
     "operation",
+    "operations_of",
     "route_table",
     "setup_openapi",
 ]
 
-OPENAPI_PATH = "/v1/openapi.json"
-JSON = "application/json"
+OPENAPI_PATH = api.OPENAPI.path
+JSON = api.JSON
 _ATTR = "__refitd_operation__"
 
 #: HTTP status of each refusal class, as the error middleware maps them.
@@ -77,6 +80,23 @@ class Operation:
     response_media: str = JSON
     tags: tuple[str, ...] = ()
     query: Mapping[str, Any] = field(default_factory=dict)
+
+
+def operations_of(routes: Iterable[api.Route[Any]]) -> dict[tuple[str, str], Operation]:
+    """The operations of ``routes``, keyed as :func:`setup_openapi` takes them."""
+    return {
+        (r.method, r.path): Operation(
+            summary=r.summary,
+            request=r.request,
+            response=None if r.response is type(None) else r.response,
+            status=r.status,
+            media=r.media,
+            response_media=r.response_media,
+            tags=(r.tag,) if r.tag else (),
+            query=r.query,
+        )
+        for r in routes
+    }
 
 
 H = TypeVar("H", bound=Callable[..., Any])
@@ -271,10 +291,7 @@ def setup_openapi(
 ) -> None:
     """Serve ``GET /v1/openapi.json``: built on the first request (when every route
     exists) and cached for the app's life."""
-    known = dict(operations or {})
-    known.setdefault(
-        ("GET", OPENAPI_PATH), Operation(summary="This OpenAPI 3.1 document", tags=("meta",))
-    )
+    known = operations_of([api.OPENAPI]) | dict(operations or {})
 
     async def serve(request: web.Request) -> web.Response:
         cache: dict[str, Any] = request.app[OPENAPI_KEY]

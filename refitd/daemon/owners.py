@@ -17,25 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from refitd.config import parse_model_table
 from refitd.daemon.auth import Principal
-from refitd.errors import AccessDenied, ConfigError
+from refitd.errors import AccessDenied
 
 __all__ = ["ModelOwners", "parse_model_table"]
-
-
-def parse_model_table(entries: Iterable[str], key: str) -> dict[str, frozenset[str]]:
-    """``MODEL=PRINCIPAL`` entries as model -> principals; refuses a malformed entry
-    (:class:`ConfigError` naming ``key``)."""
-    out: dict[str, set[str]] = {}
-    for entry in entries:
-        model, sep, who = (part.strip() for part in entry.partition("="))
-        if not sep or not model or not who:
-            raise ConfigError(
-                f"{key} entry {entry!r} refused: expected MODEL=PRINCIPAL, e.g. "
-                "'llama=trainer' (a token's name) or 'llama=uid:1000' (a Unix-socket uid)"
-            )
-        out.setdefault(model, set()).add(who)
-    return {m: frozenset(w) for m, w in out.items()}
 
 
 class ModelOwners:

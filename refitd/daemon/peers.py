@@ -28,57 +28,13 @@ from __future__ import annotations
 import urllib.parse
 from collections.abc import Iterable
 
+from refitd.config import ANY_PORT, normalize_peer
 from refitd.errors import ConfigError, ProtocolError
 
 __all__ = ["CONFIG_ORIGIN", "PeerPolicy", "normalize_peer"]
 
 CONFIG_ORIGIN = "config"
 """The origin of the peers listed in ``[peers] allow``."""
-
-_DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-ANY_PORT = "*"
-
-
-def normalize_peer(url: str, *, pattern: bool = False) -> str:
-    """The canonical spelling of peer base URL ``url``; :class:`ProtocolError` naming
-    what is wrong when it is not an ``http(s)://host[:port][/path]`` URL. With
-    ``pattern`` the port may be ``*`` (kept as ``*``)."""
-    text = url.strip()
-    wild = False
-    if pattern:
-        head, sep, rest = text.partition("://")
-        netloc, slash, path = rest.partition("/")
-        if sep and netloc.endswith(":" + ANY_PORT):
-            wild = True
-            text = f"{head}://{netloc[: -len(ANY_PORT) - 1]}{slash}{path}"
-    try:
-        parts = urllib.parse.urlsplit(text)
-        port = parts.port
-    except ValueError as exc:
-        raise ProtocolError(f"peer URL {url!r} refused: {exc}") from None
-    scheme = parts.scheme.lower()
-    if scheme not in _DEFAULT_PORTS:
-        raise ProtocolError(
-            f"peer URL {url!r} refused: scheme {parts.scheme or '(none)'!r} is not http or "
-            "https; a source is the base URL of a refitd daemon"
-        )
-    if not parts.hostname:
-        raise ProtocolError(f"peer URL {url!r} refused: it names no host")
-    if parts.username is not None or parts.password is not None:
-        raise ProtocolError(f"peer URL {url!r} refused: user info is not allowed in a peer URL")
-    if parts.query or parts.fragment:
-        raise ProtocolError(f"peer URL {url!r} refused: a peer URL has no query or fragment")
-    host = parts.hostname.lower()
-    if ":" in host:
-        host = f"[{host}]"
-    path = parts.path.rstrip("/")
-    if wild:
-        if port is not None:
-            raise ProtocolError(f"peer URL {url!r} refused: two ports")
-        return f"{scheme}://{host}:{ANY_PORT}{path}"
-    return f"{scheme}://{host}:{port if port is not None else _DEFAULT_PORTS[scheme]}{path}"
 
 
 def _any_port(peer: str) -> str:

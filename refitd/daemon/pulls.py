@@ -52,8 +52,7 @@ from refitd.wire import (
     StagedPack,
 )
 from transports.batch import rows_as_batch, split_pieces, suspect_ranges
-from transports.interface import Peer, PeerInfo
-from transports.interface import RegionInfo as ReadableRegion
+from transports.interface import AdvertisedRegion, Peer, PeerInfo
 from transports.shm import segment_key
 from transports.tcp import TcpPeer
 
@@ -501,7 +500,7 @@ class PullManager:
                     f"names no file for segment {r.handle!r}"
                 )
             key = segment_key(r.handle, *file)
-            regions.append(ReadableRegion(r.region_id, peer.epoch, 0, r.nbytes, key))
+            regions.append(AdvertisedRegion(r.region_id, peer.epoch, 0, r.nbytes, key))
         return PeerInfo(
             scheme=SHM_SCHEME,
             peer_id=peer.node_id,

@@ -2,7 +2,7 @@
 document, systemd notifications and logs, assembled around the app in one place.
 
 ``refitd serve`` builds one :class:`Service` from the loaded :class:`~refitd.config.Config`
-and hands its hooks to :func:`refitd.daemon.serve.serve`:
+and hands its hooks to :func:`refitd.daemon.process.serve`:
 
 - ``setup(app)`` (a ``create_app`` setup hook) installs the metrics middleware and
   ``/metrics``, the access middleware, ``/v1/openapi.json``, and a task that pings
@@ -28,9 +28,10 @@ from aiohttp import web
 from refitd.config import Config, LoggingConfig, resolve_group
 from refitd.daemon.auth import AccessPolicy, setup_auth
 from refitd.daemon.metrics import StateSnapshot, setup_metrics
-from refitd.daemon.openapi import OPENAPI_PATH, Operation, setup_openapi
+from refitd.daemon.openapi import Operation, operations_of, setup_openapi
 from refitd.daemon.sdnotify import Notifier
 from refitd.wire import PoolStats
+from refitd.wire.routes import ROUTES
 
 __all__ = [
     "Service",
@@ -64,7 +65,6 @@ def options_from_config(config: Config, secret: bytes | None) -> Any:
         limits=config.limits,
         model_owners=config.models.owners,
         model_readers=config.models.readers,
-        mirrors=config.mirrors.policy,
         **extra,
     )
 
@@ -97,152 +97,13 @@ def configure_logging(cfg: LoggingConfig, stream: IO[str] | None = None) -> None
 
 
 def daemon_operations() -> dict[tuple[str, str], Operation]:
-    """The body schemas of every route of :mod:`refitd.daemon.app`, for the API document.
-
-    The ops tests check this table against the router both ways, so a new route
-    without an entry here (or an entry for a route that went away) fails CI.
-    """
-    from refitd.daemon.experts import pool_operations
-    from refitd.wire import (
-        GcReport,
-        LeaseGrant,
-        LeaseRequest,
-        ManifestIn,
-        MergedManifest,
-        NodeInfo,
-        PackRequest,
-        PeerRegions,
-        PullProgress,
-        PullRequest,
-        RegionAttach,
-        RegionCreate,
-        RegionInfo,
-        StagedPack,
-        VersionInfo,
-    )
-
-    both = ("application/json", "application/msgpack")
-    v = "/v1/sources/{model}/versions/{version}"
-    timeout = {"timeout": float}
-    from refitd.daemon.cluster import cluster_operations
-    from refitd.daemon.mirrors import mirror_operations
-
-    return (
-        pool_operations()
-        | cluster_operations()
-        | mirror_operations()
-        | {
-            ("GET", "/v1/health"): Operation("Liveness", response=dict[str, str], tags=("node",)),
-            ("GET", "/v1/ready"): Operation(
-                "Readiness: the data plane is up", response=dict[str, str], tags=("node",)
-            ),
-            ("GET", "/v1/node"): Operation(
-                "This daemon's identity", response=NodeInfo, tags=("node",)
-            ),
-            ("POST", "/v1/regions"): Operation(
-                "Create a daemon-owned region",
-                RegionCreate,
-                RegionInfo,
-                201,
-                both,
-                tags=("regions",),
-            ),
-            ("POST", "/v1/regions/attach"): Operation(
-                "Attach a client's region", RegionAttach, RegionInfo, 201, both, tags=("regions",)
-            ),
-            ("GET", "/v1/regions"): Operation(
-                "List regions", response=list[RegionInfo], tags=("regions",)
-            ),
-            ("GET", "/v1/regions/{region_id}"): Operation(
-                "One region", response=RegionInfo, tags=("regions",)
-            ),
-            ("DELETE", "/v1/regions/{region_id}"): Operation(
-                "Delete a region", response=RegionInfo, tags=("regions",)
-            ),
-            ("POST", "/v1/gc"): Operation(
-                "Free exited clients' regions and stale segments (dry_run=1: list)",
-                response=GcReport,
-                tags=("regions",),
-            ),
-            ("POST", "/v1/sources"): Operation(
-                "Publish one slot's manifest", ManifestIn, VersionInfo, 201, both, tags=("sources",)
-            ),
-            ("GET", "/v1/sources"): Operation(
-                "Every version", response=list[VersionInfo], tags=("sources",)
-            ),
-            ("GET", "/v1/sources/{model}/versions"): Operation(
-                "A model's versions", response=list[VersionInfo], tags=("sources",)
-            ),
-            ("GET", v): Operation(
-                "One version ('latest' = newest READY)", response=VersionInfo, tags=("sources",)
-            ),
-            ("GET", v + "/manifest"): Operation(
-                "A READY version's merged manifest", response=MergedManifest, tags=("sources",)
-            ),
-            ("POST", v + "/drain"): Operation(
-                "Wait until no lease holds the version",
-                response=VersionInfo,
-                tags=("sources",),
-                query=timeout,
-            ),
-            ("POST", "/v1/leases"): Operation(
-                "Lease a READY version", LeaseRequest, LeaseGrant, 201, both, tags=("leases",)
-            ),
-            ("GET", "/v1/leases/{lease_id}"): Operation(
-                "Check a lease",
-                response=LeaseGrant,
-                tags=("leases",),
-                query={"model": str, "version": int},
-            ),
-            ("POST", "/v1/leases/{lease_id}/renew"): Operation(
-                "Renew a lease", response=LeaseGrant, tags=("leases",), query={"ttl": float}
-            ),
-            ("DELETE", "/v1/leases/{lease_id}"): Operation("Release a lease", tags=("leases",)),
-            ("POST", "/v1/pulls"): Operation(
-                "Validate and start a pull", PullRequest, PullProgress, 202, both, tags=("pulls",)
-            ),
-            ("GET", "/v1/pulls"): Operation(
-                "Every pull", response=list[PullProgress], tags=("pulls",)
-            ),
-            ("GET", "/v1/pulls/{pull_id}"): Operation(
-                "One pull's progress", response=PullProgress, tags=("pulls",)
-            ),
-            ("GET", "/v1/pulls/{pull_id}/wait"): Operation(
-                "Wait for a pull to end (or timeout)",
-                response=PullProgress,
-                tags=("pulls",),
-                query=timeout,
-            ),
-            ("DELETE", "/v1/pulls/{pull_id}"): Operation(
-                "Cancel a pull", response=PullProgress, tags=("pulls",)
-            ),
-            ("GET", "/v1/peer/regions"): Operation(
-                "Signed region records for a peer daemon",
-                response=PeerRegions,
-                tags=("peer",),
-                query={"ids": str},
-            ),
-            ("POST", "/v1/peer/pack"): Operation(
-                "Pack strided blocks into staging",
-                PackRequest,
-                StagedPack,
-                201,
-                both,
-                tags=("peer",),
-            ),
-            ("DELETE", "/v1/peer/staging/{region_id}"): Operation(
-                "Drop a staging region", tags=("peer",)
-            ),
-            ("GET", "/metrics"): Operation(
-                "Prometheus metrics", response_media="text/plain", tags=("meta",)
-            ),
-            ("GET", OPENAPI_PATH): Operation("This OpenAPI 3.1 document", tags=("meta",)),
-        }
-    )
+    """The body schemas of every route the daemon serves, for the API document: its
+    route table (:data:`refitd.wire.routes.ROUTES`), where each is declared once."""
+    return operations_of(ROUTES)
 
 
 def _snapshot(app: web.Application) -> StateSnapshot:
-    from refitd.daemon.app import DAEMON, PULLS
+    from refitd.daemon.handlers import DAEMON, PULLS
     from refitd.wire import PullState
 
     daemon = app[DAEMON]

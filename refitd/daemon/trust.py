@@ -78,6 +78,7 @@ import numpy as np
 
 from refitd.errors import AccessDenied, ConflictError
 from refitd.wire import PackSpec
+from transports.batch import merge_ranges
 
 __all__ = [
     "Extents",
@@ -98,14 +99,10 @@ Scope = Mapping[int, Extents]
 
 def merge_extents(ranges: Iterable[tuple[int, int, int]]) -> dict[int, Extents]:
     """``(region, start, end)`` ranges merged per region (touching ranges join)."""
+    rows = np.array(list(ranges), dtype=np.int64).reshape(-1, 3)
     out: dict[int, Extents] = {}
-    for region, start, end in sorted(r for r in ranges if r[2] > r[1]):
-        ext = out.setdefault(region, [])
-        if ext and start <= ext[-1][1]:
-            if end > ext[-1][1]:
-                ext[-1] = (ext[-1][0], end)
-        else:
-            ext.append((start, end))
+    for r in merge_ranges(rows[:, 0], rows[:, 1], rows[:, 2] - rows[:, 1]):
+        out.setdefault(r.region, []).append((r.offset, r.offset + r.nbytes))
     return out
 
 

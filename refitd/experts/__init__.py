@@ -4,6 +4,24 @@ the slot executor, and routing traces.
 No I/O happens here except ``traces.read_trace_file``, the one function that reads a
 recorded routing trace. The daemon hosts these pools; the decode hot path can run the
 same classes in-process.
+
+Modules:
+
+- `cache`: the expert cache: which experts sit in a bounded pool, what to copy
+- `plans`: its value types: experts, plans, counters
+- `policy`: eviction policies: who leaves the pool on a miss
+- `reuse`: `ExpectedReusePolicy`: evict the expert used furthest ahead
+- `density`: `HitDensityPolicy`: evict the least expected hits per slot
+- `lookahead`: predictions, and the slots they hold
+- `prediction`: synthetic routing predictions of a chosen recall
+- `oracle`: an oracle policy told the true routing probabilities
+- `bound`: model-knowing oracles that bound an online policy
+- `residency`: host residency of each layer's expert rows
+- `slots`: the slot executor: apply the cache's plans to a pool of slots
+- `device`: where slot bytes live: pool geometry, `SlotDevice`, the host device
+- `inflight`: asynchronous slot copies: fences and the copier thread
+- `faults`: the slot executor's refusals and failures, one class per case
+- `traces`: routing traces: which experts each token routes to
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ def daemon_client(url: str = "", token_file: str = "") -> RefitClient:
     token_file = token_file or os.environ.get("REFITD_TOKEN_FILE", "")
     token = None
     if token_file:
-        from refitd.daemon.auth import read_token
+        from refitd.config import read_token
 
         token = read_token(token_file)
     return RefitClient(daemon_url(url), token=token)

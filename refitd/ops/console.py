@@ -35,7 +35,6 @@ __all__ = [
     "add_client_arguments",
     "connect",
     "epilog",
-    "fetch",
     "human_bytes",
     "print_json",
     "print_table",
@@ -72,7 +71,7 @@ def add_client_arguments(parser: argparse.ArgumentParser, *examples: str) -> Non
 
 def token_of(args: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
     """The bearer token ``--token-file`` (else ``$REFITD_TOKEN_FILE``) holds, if any."""
-    from refitd.daemon.auth import read_token
+    from refitd.config import read_token
 
     env = dict(os.environ) if env is None else env
     token_file = args.token_file or env.get(TOKEN_FILE_ENV)
@@ -190,12 +189,6 @@ def print_table(
             block.add_row(header, value)
         console.print()
         console.print(block, highlight=False)
-
-
-async def fetch(client: Any, path: str, type_: Any) -> Any:
-    """``GET /v1{path}`` decoded as ``type_``, for list endpoints the client has no
-    method for (it goes through the client's one request path, so errors map alike)."""
-    return await client._call("GET", path, type_)
 
 
 def progress_bar(total_bytes: int, description: str) -> Any:

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 
 from refitd.ops.console import (
     add_client_arguments,
-    fetch,
     human_bytes,
     print_json,
     print_table,
@@ -87,8 +86,6 @@ def _show(pulls: list[PullProgress]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from refitd.wire import PullProgress
-
     if args.follow:
         return run_command(args, lambda client: follow(client, args.follow, args.json))
-    return show_command(args, lambda client: fetch(client, "/pulls", list[PullProgress]), _show)
+    return show_command(args, lambda client: client.pulls(), _show)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from refitd.ops.console import add_client_arguments, fetch, human_bytes, print_table, show_command
+from refitd.ops.console import add_client_arguments, human_bytes, print_table, show_command
 
 if TYPE_CHECKING:
     from refitd.wire import RegionInfo
@@ -40,6 +40,4 @@ def _show(regions: list[RegionInfo]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from refitd.wire import RegionInfo
-
-    return show_command(args, lambda client: fetch(client, "/regions", list[RegionInfo]), _show)
+    return show_command(args, lambda client: client.regions(), _show)

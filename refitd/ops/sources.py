@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from refitd.ops.console import add_client_arguments, fetch, print_table, show_command
+from refitd.ops.console import add_client_arguments, print_table, show_command
 
 if TYPE_CHECKING:
     from refitd.wire import VersionInfo
@@ -38,7 +38,8 @@ def _show(versions: list[VersionInfo]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from refitd.wire import VersionInfo
-
-    path = f"/sources/{args.model}/versions" if args.model else "/sources"
-    return show_command(args, lambda client: fetch(client, path, list[VersionInfo]), _show)
+    return show_command(
+        args,
+        lambda client: client.versions(args.model) if args.model else client.all_versions(),
+        _show,
+    )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from refitd.ops.console import add_client_arguments, fetch, human_bytes, print_json, run_command
+from refitd.ops.console import add_client_arguments, human_bytes, print_json, run_command
 
 __all__ = ["add_arguments", "run"]
 
@@ -30,9 +30,9 @@ async def gather(client: Any) -> dict[str, Any]:
         ready, why = True, ""
     except RefitError as exc:
         ready, why = False, str(exc)
-    regions: list[RegionInfo] = await fetch(client, "/regions", list[RegionInfo])
-    versions: list[VersionInfo] = await fetch(client, "/sources", list[VersionInfo])
-    pulls: list[PullProgress] = await fetch(client, "/pulls", list[PullProgress])
+    regions: list[RegionInfo] = await client.regions()
+    versions: list[VersionInfo] = await client.all_versions()
+    pulls: list[PullProgress] = await client.pulls()
     by_state: dict[str, int] = {}
     for v in versions:
         by_state[str(v.state)] = by_state.get(str(v.state), 0) + 1

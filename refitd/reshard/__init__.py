@@ -1,16 +1,23 @@
 """refitd's reshard planner: capture on a meta twin → plan → compile → execute.
 
 Pure code, no I/O. The public names keep ModelExpress's ``refit.reshard`` API so
-code written against it ports by changing the import prefix; the modules are:
+code written against it ports by changing the import prefix.
 
-- :mod:`~refitd.reshard.types`: value types (``RecordedCopy``, ``CaptureResult`` …);
-- :mod:`~refitd.reshard.geometry`: capture of the engine's loaders on placeholders;
-- :mod:`~refitd.reshard.replay`: local replay of recorded movement-op chains;
-- :mod:`~refitd.reshard.slice_plan`: one copy → exact, coalesced byte segments;
-- :mod:`~refitd.reshard.transfer_plan`: a whole capture → a costed transfer plan;
-- :mod:`~refitd.reshard.reads`: read descriptors, pack specs, reference transport;
-- :mod:`~refitd.reshard.compile`: plans lowered to arrays, bound to a signature;
-- :mod:`~refitd.reshard.receiver`: fail-closed policy and execution.
+Modules:
+
+- `types`: value types shared by every stage (``RecordedCopy``, ``CaptureResult`` …)
+- `lazy`: zero-storage placeholders that record how a loader carves a source
+- `lazy_concat`: ``torch.cat``/``torch.stack`` of placeholders, as per-piece copies
+- `geometry`: capture of the engine's loaders on placeholders
+- `replay`: local replay of recorded movement-op chains
+- `chunks`: where each element of a full tensor can be read from: a shard's chunks
+- `slice_plan`: one recorded copy → exact, coalesced byte segments
+- `cost`: the per-copy cost model: segments, a pack spec, or a full pull
+- `transfer_plan`: a whole capture → a costed transfer plan
+- `coverage`: which destinations a capture leaves unwritten
+- `compile`: plans lowered to arrays, bound to a signature
+- `reads`: read descriptors, packed reads, `ReadExecutor` and its reference
+- `receiver`: `ReshardReceiver`: fail-closed policy, plan once, replay
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from refitd.reshard.replay import replay_ops
 from refitd.reshard.slice_plan import Segment, Shard, plan_pull
 from refitd.reshard.transfer_plan import (
     FullPull,
-    PackSpec,
+    PackPlan,
     SourceInfo,
     TransferPlan,
     exact_descriptors,
@@ -61,7 +68,7 @@ __all__ = [
     "LazyWeight",
     "OpChain",
     "OpSpec",
-    "PackSpec",
+    "PackPlan",
     "PackedRead",
     "PlanSignature",
     "ReadDescriptor",

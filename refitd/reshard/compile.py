@@ -31,7 +31,7 @@ import torch
 from refitd.errors import PlanError, TransportError
 from refitd.reshard.reads import PackedRead, ReadDescriptor, ReadExecutor
 from refitd.reshard.slice_plan import Segment
-from refitd.reshard.transfer_plan import FullPull, PackSpec, SourceInfo, TransferPlan, run_full_pull
+from refitd.reshard.transfer_plan import FullPull, PackPlan, SourceInfo, TransferPlan, run_full_pull
 
 __all__ = [
     "BoundPlan",
@@ -98,7 +98,7 @@ class BoundPlan:
     src: IntArray
     dst: IntArray
     nbytes: IntArray
-    packs: tuple[PackSpec, ...]
+    packs: tuple[PackPlan, ...]
     pack_src: IntArray
     pack_dst: IntArray
     full_pulls: tuple[FullPull, ...]

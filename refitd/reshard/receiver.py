@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from refitd.reshard.compile import (
+    BoundPlan,
     CompiledPlan,
     DestLayout,
     SignatureMismatch,
@@ -43,21 +44,27 @@ _replay_ops = replay_ops
 
 
 def refuse_unsafe(capture: CaptureResult, plan: TransferPlan | None = None) -> None:
-    """Raise :class:`UnsupportedReshard` if ``capture``/``plan`` cannot be served whole."""
+    """Raise :class:`UnsupportedReshard` if ``capture``/``plan`` cannot be served whole:
+    a write no loader owns, or a source the capture (without ``plan``) or the plan
+    (with it: also sources missing from the manifest) cannot serve exactly."""
     if capture.unattributed:
         raise UnsupportedReshard(
             f"refit refused before any transfer: {capture.unattributed} copy_ write(s) fired "
             f"outside every parameter loader, so refitd cannot tell which parameter they fill "
             f"(pass the engine's default_weight_loader to capture)"
         )
-    if plan is not None and plan.fallback:
+    if plan is None:
+        fallback, reasons = capture.unsupported, capture.unsupported_reasons
+    else:
+        fallback, reasons = plan.fallback, plan.fallback_reasons
+    if fallback:
         causes = "; ".join(
             f"{cause} ({count} source{'s' if count != 1 else ''})"
-            for cause, count in summarize_unsupported(plan.fallback_reasons)
+            for cause, count in summarize_unsupported(reasons)
         )
         raise UnsupportedReshard(
-            f"refit refused before any transfer: {len(plan.fallback)} source(s) cannot be "
-            f"planned exactly ({plan.fallback[:5]}...); causes: {causes or 'unknown'}"
+            f"refit refused before any transfer: {len(fallback)} source(s) cannot be "
+            f"planned exactly ({fallback[:5]}...); causes: {causes or 'unknown'}"
         )
 
 
@@ -94,7 +101,8 @@ class ReshardReceiver:
 
     def warm(self, sources: Mapping[str, SourceInfo], dest_layout: DestLayout) -> CompiledPlan:
         """Plan and compile for exactly this signature; refuse (before any transfer)
-        a capture that leaves a destination of ``dest_layout`` unwritten."""
+        an unsafe capture (`refuse_unsafe`: the root cause comes first), then one that
+        leaves a destination of ``dest_layout`` unwritten, then an unsafe plan."""
         refuse_unsafe(self.capture)
         refuse_unwritten(self.capture, dest_layout, self.allow_unwritten)
         plan = self.prepare(sources)
@@ -109,10 +117,22 @@ class ReshardReceiver:
         transport: ReadExecutor,
         dest_layout: DestLayout,
     ) -> dict[str, Any]:
-        """Move one version's bytes into the parameters.
+        """Move one version's bytes into the parameters (:meth:`bind`, then
+        :func:`~refitd.reshard.compile.execute_bound` through ``transport``)."""
+        bound = self.bind(sources, resolve_param_ptr, dest_layout)
+        return execute_bound(bound, resolve_param_ptr, transport)
+
+    def bind(
+        self,
+        sources: Mapping[str, SourceInfo],
+        resolve_param_ptr: Callable[[str], int],
+        dest_layout: DestLayout,
+    ) -> BoundPlan:
+        """The plan for ``sources`` bound to the parameters' addresses, nothing moved.
 
         Replays the compiled plan when the signature is unchanged; otherwise
-        re-plans, or in strict mode raises :class:`SignatureMismatch`.
+        re-plans, or in strict mode raises :class:`SignatureMismatch`. A caller that
+        moves the bytes itself (the daemon receiver) starts here.
         """
         why = (
             "no plan has been warmed"
@@ -122,8 +142,8 @@ class ReshardReceiver:
         if why is not None:
             if self.strict:
                 raise SignatureMismatch(
-                    f"strict receiver refused the refit: {why}. Re-plan: call warm() with "
-                    f"this exact signature first."
+                    f"strict receiver refused the refit: {why}. Re-plan: warm the exact "
+                    f"signature first (call warm() with it)."
                 )
             self.warm(sources, dest_layout)
         assert self.compiled is not None
@@ -133,4 +153,4 @@ class ReshardReceiver:
             if self.strict:
                 raise
             bound = self.warm(sources, dest_layout).bind(sources, resolve_param_ptr, dest_layout)
-        return execute_bound(bound, resolve_param_ptr, transport)
+        return bound

@@ -50,7 +50,7 @@ from refitd.reshard.types import CaptureResult, RecordedCopy, UnsupportedReshard
 
 __all__ = [
     "FullPull",
-    "PackSpec",
+    "PackPlan",
     "SourceInfo",
     "TransferPlan",
     "exact_descriptors",
@@ -126,12 +126,16 @@ class FullPull:
 
 
 @dataclass(frozen=True)
-class PackSpec:
-    """A strided region of one session that the source packs contiguous.
+class PackPlan:
+    """The planner's pack spec: a strided region of one session that the source packs
+    contiguous.
 
-    ``shape`` is in elements; ``src_strides``/``dst_strides`` in bytes. The packed
-    payload lands at byte ``dst_byte`` of ``param_name``'s storage, contiguous when
-    ``dst_strides`` is ``None``, else scattered with those strides.
+    ``shape`` is in elements; ``src_strides``/``dst_strides`` in **bytes**, as in
+    every planner type (:class:`~refitd.reshard.reads.PackedRead` too). Only the HTTP
+    wire's :class:`refitd.wire.PackSpec` counts strides in elements; the client
+    divides by the itemsize where it builds one. The packed payload lands at byte
+    ``dst_byte`` of ``param_name``'s storage, contiguous when ``dst_strides`` is
+    ``None``, else scattered with those strides.
     """
 
     src_name: str
@@ -161,7 +165,7 @@ class TransferPlan:
 
     segments: list[Segment] = field(default_factory=list)
     full_pulls: list[FullPull] = field(default_factory=list)
-    packs: list[PackSpec] = field(default_factory=list)
+    packs: list[PackPlan] = field(default_factory=list)
     unbounded_sources: list[str] = field(default_factory=list)
     fallback: list[str] = field(default_factory=list)
     fallback_reasons: dict[str, str] = field(default_factory=dict)
@@ -418,7 +422,7 @@ def _assemble(
                 n_desc = len(c.exact) + len(c.packs)
             for fit, session in c.packs:
                 plan.packs.append(
-                    PackSpec(
+                    PackPlan(
                         src_name,
                         c.copy.param_name,
                         names[session],

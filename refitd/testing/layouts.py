@@ -38,7 +38,8 @@ from refitd.reshard.geometry import capture_geometry, capture_weights, convert_s
 from refitd.reshard.slice_plan import Shard
 from refitd.reshard.transfer_plan import SourceInfo
 from refitd.reshard.types import CaptureResult
-from refitd.testing.engines import ModelConfig, default_weight_loader, param_roles
+from refitd.testing.checkpoints import param_roles
+from refitd.testing.engines import ModelConfig, default_weight_loader
 
 __all__ = [
     "Published",

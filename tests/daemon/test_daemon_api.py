@@ -13,9 +13,9 @@ from support.daemons import FakeClock, GatedCopier
 
 from refitd.client.http import RefitClient
 from refitd.client.leases import LeaseKeeper
-from refitd.daemon.app import PULLS
+from refitd.daemon.handlers import PULLS
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.serve import listening
+from refitd.daemon.process import listening
 from refitd.errors import ConflictError, NotFoundError, PlanError, ProtocolError
 from refitd.wire import (
     DescriptorTable,

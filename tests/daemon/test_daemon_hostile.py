@@ -38,7 +38,7 @@ from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.serve import listening
+from refitd.daemon.process import listening
 from refitd.errors import AccessError
 from refitd.wire import (
     MSGPACK,

@@ -23,7 +23,7 @@ import pytest
 
 from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.serve import listening
+from refitd.daemon.process import listening
 from refitd.errors import RefitError
 from refitd.wire import DescriptorTable, ManifestIn, PullRequest, PullState, ShardEntry, TensorEntry
 from transports.segments import SharedSegment

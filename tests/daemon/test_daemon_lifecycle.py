@@ -18,7 +18,7 @@ import pytest
 
 from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.serve import listening
+from refitd.daemon.process import listening
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry, VersionState
 from transports.segments import PREFIX, SHM_DIR, SharedSegment
 

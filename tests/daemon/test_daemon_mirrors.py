@@ -17,8 +17,9 @@ import pytest
 
 from refitd.client.http import RefitClient
 from refitd.client.spawn import SpawnedDaemon, spawn_daemon
-from refitd.daemon.mirrors import MirrorState
 from refitd.wire import DescriptorTable, ManifestIn, PullRequest, ShardEntry, TensorEntry
+from refitd.wire import routes as api
+from refitd.wire.mirrors import MirrorState
 from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(180)
@@ -79,7 +80,7 @@ async def refit(local: RefitClient, source: RefitClient, version: int) -> str:
 
 
 async def state(c: RefitClient, version: int) -> MirrorState:
-    return await c._call("GET", f"/mirrors/{MODEL}/{version}", MirrorState)
+    return await c._send(api.MIRROR_STATE, model=MODEL, version=version)
 
 
 async def test_two_replicas_on_a_host_share_one_mirror_that_a_second_host_relays(

@@ -1,7 +1,7 @@
 """Rules on memory, not ids, and an owner for every object (issue 20, classes 1-2).
 
 Two tenants, ``a`` and ``b`` (two bearer tokens), share one real daemon on
-127.0.0.1:0; each test is one rule of the README's threat model, named as that
+127.0.0.1:0; each test is one rule of the threat model (docs/trust.md), named as that
 rule, attacked the way a tenant with only the API and the client would.
 """
 
@@ -27,7 +27,7 @@ from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.serve import listening
+from refitd.daemon.process import listening
 from refitd.errors import AccessDenied, ConfigError, ConflictError
 from refitd.wire import (
     DescriptorTable,

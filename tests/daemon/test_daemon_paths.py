@@ -21,13 +21,13 @@ from support.daemons import GatedCopier
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config
-from refitd.daemon.app import PULLS
 from refitd.daemon.auth import check_startup
+from refitd.daemon.handlers import PULLS
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.paths import has_rdma, transport_schemes
+from refitd.daemon.process import listening
 from refitd.daemon.pulls import PullManager
 from refitd.daemon.sdnotify import Notifier
-from refitd.daemon.serve import listening
 from refitd.daemon.service import Service
 from refitd.errors import TransportError
 from refitd.wire import (

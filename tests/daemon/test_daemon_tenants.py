@@ -33,7 +33,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.serve import listening
+from refitd.daemon.process import listening
 from transports.segments import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,5 +1,5 @@
-"""The trust model, rule by rule (see ``refitd/daemon/trust.py`` and the README's
-"Trust model"): which sources a daemon contacts, what a lease reads, what a pull
+"""The trust model, rule by rule (see ``refitd/daemon/trust.py`` and docs/trust.md,
+"Rules for everyone"): which sources a daemon contacts, what a lease reads, what a pull
 writes, and that a READY version never changes."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from refitd.client.http import RefitClient
 from refitd.config import load_config
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.peers import PeerPolicy, normalize_peer
+from refitd.daemon.process import listening
 from refitd.daemon.pulls import LocalSource, PullManager
-from refitd.daemon.serve import listening
 from refitd.errors import AccessDenied, ConfigError, ConflictError, ProtocolError
 from refitd.wire import (
     DescriptorTable,

@@ -293,7 +293,7 @@ def test_a_saved_quantized_model_is_read_back_by_the_library_and_by_the_source(
     assert torch.equal(tensors["norm.weight"], state["norm.weight"])
 
 
-def test_the_readme_quantized_refit_snippet_saves_the_engine_checkpoint_and_publishes_int8(
+def test_the_documented_quantized_refit_snippet_saves_the_engine_checkpoint_and_publishes_int8(
     tmp_path: Path,
 ) -> None:
     from safetensors.torch import load_file
@@ -303,7 +303,7 @@ def test_the_readme_quantized_refit_snippet_saves_the_engine_checkpoint_and_publ
 
     hf_config = llama_config(layers=1)
     weights = {k: v.detach().clone() for k, v in hf_model(hf_config, 1).state_dict().items()}
-    (block,) = readme_blocks("## Quantized refit (`refitd.integrations.quant`)")
+    (block,) = readme_blocks("## Quantized refit (`refitd.integrations.quant`)", "docs/vllm.md")
     ns: dict[str, Any] = {"engine_dir": tmp_path, "hf_config": hf_config, "weights": weights}
     exec(block, ns)
     published = {s.name: s.tensor for s in ns["source"].shards()}

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from support.docs import python_blocks
 
 from refitd.bench.vllm import LLM_CPU_KWARGS, greedy, llama_config, start_daemon
 
@@ -401,13 +402,10 @@ def run_fsdp_trainer(job: dict[str, Any], on_event: Any, llm: Any) -> list[Any]:
     return [p.exitcode for p in procs]
 
 
-def readme_blocks(heading: str) -> list[str]:
-    """The ```python blocks of the README section titled ``heading``, in order."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    start = text.index(f"\n{heading}\n")
-    end = text.find("\n## ", start + 1)
-    section = text[start : end if end != -1 else len(text)]
-    return [b.split("\n", 1)[1].rsplit("```", 1)[0] for b in section.split("```python")[1:]]
+def readme_blocks(heading: str, page: str = "README.md") -> list[str]:
+    """The ```python blocks of the section titled ``heading`` of ``page`` (README.md or
+    a page of docs/), in order."""
+    return python_blocks(heading, page)
 
 
 # ---------------------------------------------------------------- what an engine serves

@@ -14,8 +14,8 @@ from typing import Any
 from aiohttp import web
 
 from refitd.config import load_config
-from refitd.daemon.app import create_app
 from refitd.daemon.auth import check_startup
+from refitd.daemon.handlers import create_app
 from refitd.daemon.node import DaemonOptions
 from refitd.daemon.sdnotify import Notifier
 from refitd.daemon.service import Service

@@ -14,7 +14,7 @@ from ops_helpers import ROOT, refitd, serving
 from refitd.cli import COMMANDS, _build_parser
 from refitd.client.http import RefitClient
 from refitd.client.spawn import serve_command
-from refitd.daemon.app import create_app
+from refitd.daemon.handlers import create_app
 from refitd.daemon.node import DaemonOptions
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 

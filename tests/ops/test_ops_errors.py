@@ -11,7 +11,7 @@ from ops_helpers import serving, wired_app
 
 from refitd import errors
 from refitd.client.http import RefitClient, error_from_body
-from refitd.daemon.app import create_app, error_middleware
+from refitd.daemon.handlers import create_app, error_middleware
 from refitd.daemon.node import DaemonOptions
 from refitd.errors import (
     AccessDenied,

@@ -19,8 +19,8 @@ from ops_helpers import serving, wired_app
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
-from refitd.daemon.app import create_app
 from refitd.daemon.experts import touched_rows
+from refitd.daemon.handlers import create_app
 from refitd.daemon.node import DaemonOptions
 from refitd.errors import AccessDenied, ConflictError, NotFoundError, PlanError, ProtocolError
 from refitd.wire import (

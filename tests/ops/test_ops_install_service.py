@@ -1,4 +1,4 @@
-"""The README's "Running as a service" steps, followed verbatim in a scratch prefix,
+"""The "Running as a service" steps of docs/operations.md, followed verbatim in a scratch prefix,
 give a daemon that starts the way the unit starts it and serves a pull.
 
 The unit runs ``refitd serve`` as user ``refitd`` with ProtectSystem=strict,
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support.docs import code_blocks, section
 
 pytestmark = [
     pytest.mark.slow,
@@ -41,12 +42,10 @@ COMPILERS = ("cc", "gcc", "c++", "g++", "c89", "c99", "clang", "tcc", "x86_64-li
 
 
 def readme_service_steps() -> list[str]:
-    """The command lines of the first bash block under "## Running as a service"."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Running as a service") :]
-    block = re.search(r"```bash\n(.*?)```", section, re.S)
-    assert block is not None
-    return [ln for ln in block.group(1).splitlines() if ln.strip() and not ln.startswith("#")]
+    """The command lines of the first bash block under "## Running as a service" in
+    docs/operations.md."""
+    block = code_blocks(section("docs/operations.md", "## Running as a service"), "bash")[0]
+    return [ln for ln in block.splitlines() if ln.strip() and not ln.startswith("#")]
 
 
 @dataclass
@@ -75,7 +74,7 @@ def _run(cmd: str, **kw: object) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def installed() -> Iterator[Installed]:
-    """Each README step, with the system paths moved into a scratch prefix, the
+    """Each documented step, with the system paths moved into a scratch prefix, the
     system user made by useradd (a stand-in name, so the host's own refitd user, if
     any, is untouched) and the systemctl lines left out (no systemd here)."""
     prefix = Path(tempfile.mkdtemp(prefix="refitd-svc-", dir="/var/tmp"))

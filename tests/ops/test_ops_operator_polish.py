@@ -12,11 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ops_helpers import ROOT, refitd, serving
+from ops_helpers import refitd, serving
 from support.daemons import FakeClock
+from support.docs import python_blocks
 
 from refitd.client.http import RefitClient
-from refitd.daemon.app import create_app
+from refitd.daemon.handlers import create_app
 from refitd.daemon.node import DaemonOptions
 from refitd.daemon.registry import Registry
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
@@ -95,13 +96,12 @@ async def test_every_table_fits_80_columns_with_its_headers_and_values_whole() -
                 assert any(text in ln for ln in lines), f"refitd {command}: {text!r}\n{out}"
 
 
-async def test_the_readme_expert_pool_example_runs_within_a_default_64_mib_dev_shm() -> None:
-    text = (ROOT / "README.md").read_text()
-    block = next(
-        b.split("```", 1)[0]
-        for b in text.split("```python\n")[1:]
-        if "c.create_pool(" in b.split("```", 1)[0]
-    )
+async def test_the_documented_expert_pool_example_runs_within_a_default_64_mib_dev_shm() -> None:
+    (block,) = [
+        b
+        for b in python_blocks("## Expert pools in the daemon", "docs/experts.md")
+        if "c.create_pool(" in b
+    ]
     async with serving(create_app(DaemonOptions(port=0))) as base:
         code = block.replace("http://127.0.0.1:7450", base)
         body = "\n".join("    " + ln for ln in code.splitlines())

@@ -13,7 +13,7 @@ from ops_helpers import refitd, serving
 
 from refitd.cli import _build_parser
 from refitd.client.http import RefitClient
-from refitd.daemon.app import create_app
+from refitd.daemon.handlers import create_app
 from refitd.daemon.node import DaemonOptions
 from refitd.wire import ManifestIn, RegionInfo, ShardEntry, TensorEntry
 from transports.segments import SharedSegment

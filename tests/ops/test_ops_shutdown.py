@@ -14,9 +14,9 @@ from support.daemons import GatedCopier
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
-from refitd.daemon.app import PULLS
+from refitd.daemon.handlers import PULLS
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.serve import serve
+from refitd.daemon.process import serve
 from refitd.wire import (
     PullState,
 )

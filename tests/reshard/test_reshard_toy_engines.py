@@ -19,12 +19,12 @@ import torch
 from refitd.reshard.reads import InMemoryReadExecutor
 from refitd.reshard.transfer_plan import TransferPlan, execute_transfer, plan_transfer
 from refitd.reshard.types import CaptureResult
+from refitd.testing.checkpoints import hf_manifest
 from refitd.testing.engines import (
     EngineParallel,
     ModelConfig,
     ToyEngine,
     dense_toy_config,
-    hf_manifest,
     moe_toy_config,
 )
 from refitd.testing.layouts import (

@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon
-from refitd.daemon.serve import listening
+from refitd.daemon.process import listening
 from transports.local import copy_addresses
 
 

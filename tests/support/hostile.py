@@ -19,7 +19,7 @@ import numpy as np
 
 from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.serve import listening
+from refitd.daemon.process import listening
 from refitd.wire import (
     MSGPACK,
     DescriptorTable,

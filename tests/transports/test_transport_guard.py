@@ -25,7 +25,7 @@ from refitd.daemon.copier import pack_strided
 from transports.interface import PullFailed
 from transports.local import CopyFault, copy_addresses
 from transports.segments import SHM_DIR, SharedSegment
-from transports.shm import SameHostTransport
+from transports.shm import ShmTransport
 
 SECRET = b"guard-secret-0123456789abc"
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,7 +77,7 @@ async def test_a_read_into_a_shrunk_destination_fails_with_its_suspect_ranges() 
         SharedSegment.create(1 << 20, "src") as src,
         SharedSegment.create(1 << 20, "dst") as dst,
     ):
-        async with SameHostTransport(secret=SECRET) as t:
+        async with ShmTransport(secret=SECRET) as t:
             await t.register(1, src)
             await t.register(2, dst)
             _shrink(dst, 8192)

@@ -22,10 +22,10 @@ from transports.batch import (
     validate_batch,
 )
 from transports.interface import (
+    AdvertisedRegion,
     ByteRange,
     PeerInfo,
     ReadRefused,
-    RegionInfo,
     UnknownScheme,
     create_transport,
     register_transport,
@@ -124,13 +124,13 @@ def test_a_refusal_names_the_read_its_regions_offsets_and_length() -> None:
 
 def test_a_signed_record_survives_encoding_and_any_changed_field_breaks_its_mac() -> None:
     secret = b"k" * 16
-    info = PeerInfo("ucx", "a", b"addr", (RegionInfo(1, 2, 3, 4, b"key"),)).signed(secret)
+    info = PeerInfo("ucx", "a", b"addr", (AdvertisedRegion(1, 2, 3, 4, b"key"),)).signed(secret)
     PeerInfo.decode(info.encode()).verify(secret)
     for changed in (
         msgspec.structs.replace(info, address=b"addr2"),
         msgspec.structs.replace(info, peer_id="b"),
-        msgspec.structs.replace(info, regions=(RegionInfo(1, 3, 3, 4, b"key"),)),
-        msgspec.structs.replace(info, regions=(RegionInfo(1, 2, 3, 4, b"kez"),)),
+        msgspec.structs.replace(info, regions=(AdvertisedRegion(1, 3, 3, 4, b"key"),)),
+        msgspec.structs.replace(info, regions=(AdvertisedRegion(1, 2, 3, 4, b"kez"),)),
         msgspec.structs.replace(info, regions=()),
     ):
         with pytest.raises(interface.UnauthenticatedPeer):
@@ -182,6 +182,18 @@ def test_all_names_the_public_interface() -> None:
     }
     assert public - {"ReadBatch", "ENTRY_POINT_GROUP"} <= set(interface.__all__)
     assert all(hasattr(interface, n) for n in interface.__all__)
+
+
+def test_all_names_the_public_batch_algebra() -> None:
+    import transports.batch as batch
+
+    public = {
+        n
+        for n, v in vars(batch).items()
+        if not n.startswith("_") and getattr(v, "__module__", None) == batch.__name__
+    }
+    assert public <= set(batch.__all__)
+    assert all(hasattr(batch, n) for n in batch.__all__)
 
 
 @settings(max_examples=100, deadline=None)

@@ -18,17 +18,17 @@ from refitd.errors import TransportError
 from transports.interface import PeerInfo, ReadRefused
 from transports.local import copy_addresses
 from transports.segments import SHM_DIR, SharedSegment
-from transports.shm import SameHostTransport
+from transports.shm import ShmTransport
 
 SECRET = b"samehost-secret-0123456789"
 
 
 @contextlib.asynccontextmanager
-async def _source_of(src: SharedSegment) -> AsyncIterator[tuple[SameHostTransport, PeerInfo]]:
+async def _source_of(src: SharedSegment) -> AsyncIterator[tuple[ShmTransport, PeerInfo]]:
     """A started puller, and the record of a started source that registered ``src``."""
     async with (
-        SameHostTransport(secret=SECRET) as puller,
-        SameHostTransport(secret=SECRET) as source,
+        ShmTransport(secret=SECRET) as puller,
+        ShmTransport(secret=SECRET) as source,
     ):
         await source.register(1, src)
         yield puller, source.advertise()
@@ -72,8 +72,8 @@ async def test_an_update_keeps_the_mappings_of_unchanged_regions_and_maps_only_n
         SharedSegment.create(4096, "dst") as dst,
     ):
         async with (
-            SameHostTransport(secret=SECRET) as puller,
-            SameHostTransport(secret=SECRET) as source,
+            ShmTransport(secret=SECRET) as puller,
+            ShmTransport(secret=SECRET) as source,
         ):
             await source.register(1, a)
             await source.register(2, b)
@@ -98,8 +98,8 @@ async def test_unused_mappings_are_kept_up_to_the_bound_and_held_ones_never_unma
         segs = [stack.enter_context(SharedSegment.create(4096, f"s{i}")) for i in range(3)]
         dst = stack.enter_context(SharedSegment.create(4096, "dst"))
         async with (
-            SameHostTransport(secret=SECRET, max_mappings=1) as puller,
-            SameHostTransport(secret=SECRET) as source,
+            ShmTransport(secret=SECRET, max_mappings=1) as puller,
+            ShmTransport(secret=SECRET) as source,
         ):
             for i, seg in enumerate(segs):
                 seg.numpy()[:] = i + 1
@@ -134,8 +134,8 @@ async def test_a_mapping_an_update_drops_stays_mapped_until_the_read_in_flight_l
     ):
         a.numpy()[:] = 3
         async with (
-            SameHostTransport(secret=SECRET, copier=Gated(), max_mappings=0) as puller,
-            SameHostTransport(secret=SECRET) as source,
+            ShmTransport(secret=SECRET, copier=Gated(), max_mappings=0) as puller,
+            ShmTransport(secret=SECRET) as source,
         ):
             await source.register(1, a)
             await source.register(2, b)
@@ -155,7 +155,7 @@ async def test_a_mapping_an_update_drops_stays_mapped_until_the_read_in_flight_l
 async def test_a_loopback_connection_reads_between_the_transports_own_regions() -> None:
     with SharedSegment.create(4096, "a") as a, SharedSegment.create(4096, "dst") as dst:
         a.numpy()[:] = 8
-        async with SameHostTransport(secret=SECRET) as t:
+        async with ShmTransport(secret=SECRET) as t:
             await t.register(1, a)
             peer = t.loopback()
             # A region registered after the connection was made is readable too.

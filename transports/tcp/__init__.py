@@ -29,6 +29,13 @@ while the source host was busy. Here:
 ``rkey`` is empty in `advertise` (the whole region, for callers that trust each
 other, as the contract suite does) or a lease scope in a grant; a daemon runs its
 transport with ``require_lease`` so only the latter are served.
+
+Modules:
+
+- this package: `TcpTransport`, `TcpPeer`, `TcpGrant`
+- `lanes`: the reading side: one lane is one TCP connection to a peer
+- `serve`: the source side: a data server that sends from the mapping
+- `frames`: the wire: frames, the handshake, grants and scope checks
 """
 
 from __future__ import annotations
@@ -47,14 +54,14 @@ from refitd.errors import NotFoundError, ProtocolError, TransportError
 
 from ..batch import ReadBatch, as_read_batch, coalesce, split_pieces, suspect_ranges, validate_batch
 from ..interface import (
+    AdvertisedRegion,
     LocalRegion,
+    MappedMemory,
     Peer,
     PeerInfo,
     PeerLost,
     PullFailed,
     ReadRefused,
-    RegionInfo,
-    Segment,
     Transport,
     TransportClosed,
     UnauthenticatedPeer,
@@ -95,7 +102,7 @@ def parse_address(address: bytes) -> tuple[str, int, int]:
     return host, port, epoch
 
 
-def _view(segment: Segment) -> memoryview:
+def _view(segment: MappedMemory) -> memoryview:
     """A writable byte view of a whole segment's mapping (holding it keeps a
     `SharedSegment`'s mapping alive, even after the segment is closed)."""
     numpy = getattr(segment, "numpy", None)
@@ -422,12 +429,12 @@ class TcpTransport(Transport):
         self._bases.clear()
         self._served.clear()
 
-    async def register(self, region_id: int, segment: Segment) -> LocalRegion:
+    async def register(self, region_id: int, segment: MappedMemory) -> LocalRegion:
         if self.closed:
             raise TransportClosed("register refused: tcp transport is closed")
         view = _view(segment)
         epoch = next(self._region_epochs)
-        info = RegionInfo(region_id, epoch, 0, segment.size)
+        info = AdvertisedRegion(region_id, epoch, 0, segment.size)
         region = LocalRegion(region_id, segment, info)
         self._regions[region_id] = region
         self._views[region_id] = view

@@ -11,7 +11,7 @@ import struct
 
 import msgspec
 
-from ..interface import RegionInfo
+from ..interface import AdvertisedRegion
 
 MAX_FRAME = 1 << 30
 EXIT_TIMED_OUT = 3
@@ -39,7 +39,7 @@ class Connect(msgspec.Struct, tag="connect", frozen=True):
 
     peer: int
     address: bytes
-    regions: tuple[RegionInfo, ...]
+    regions: tuple[AdvertisedRegion, ...]
 
 
 class Disconnect(msgspec.Struct, tag="disconnect", frozen=True):

@@ -8,7 +8,7 @@ path on one host), and posts batches of GETs from the C helper.
 
 One such process serves (its worker address and keys are advertised; on the tcp
 path it answers peers' GETs) and one more pulls from each connected peer: see
-`transports.ucx` for why.
+`transports.ucx.transport` for why.
 
 Why a separate process: on the ``cma`` path UCX aborts the reading process when a
 peer dies, and a corrupt key or wild address crashes it. Here that costs this

@@ -8,6 +8,12 @@ vLLM is patched. The worker engine is
 :class:`~refitd.integrations.vllm.worker.RefitdWeightTransferEngine`, the trainer
 engine :class:`~refitd.integrations.vllm.trainer.RefitdTrainerEngine`; both are
 imported only when vLLM first asks for them.
+
+Modules:
+
+- `worker`: the worker side: a ``WeightTransferEngine`` refitting through the daemon
+- `trainer`: the trainer side: publish local shards, drive vLLM's handshake
+- `postload`: vLLM's post-load processing, re-run after a refit
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The daemon's side of the cluster registry (:mod:`refitd.cluster`): routes, and the
+"""The daemon's membership in the cluster registry (:mod:`refitd.cluster`): routes, and the
 hooks that keep the registry in step with this daemon.
 
 - once listening, the daemon registers its signed record (:func:`register`);
@@ -20,16 +20,15 @@ from __future__ import annotations
 from aiohttp import web
 
 from refitd.cluster import ClusterRegistry
-from refitd.daemon.httpio import DAEMON, query_float, query_int, reply
-from refitd.daemon.openapi import Operation
+from refitd.daemon.httpio import DAEMON, RouteTable, query_float, query_int, reply
 from refitd.errors import NotFoundError
-from refitd.wire import API_PREFIX, ClusterVersion, DaemonRecord, SourceRecord, VersionState
+from refitd.wire import DaemonRecord, SourceRecord, VersionState
+from refitd.wire import routes as api
 
 __all__ = [
     "CLUSTER",
     "REGISTRY_ORIGIN",
     "announce",
-    "cluster_operations",
     "register",
     "routes",
 ]
@@ -40,8 +39,7 @@ REGISTRY_ORIGIN = "registry"
 """The origin (in :class:`~refitd.daemon.peers.PeerPolicy`) of the peers the etcd
 registry vouches for."""
 
-P = API_PREFIX + "/cluster"
-routes = web.RouteTableDef()
+routes = RouteTable()
 
 
 async def register(app: web.Application, url: str) -> None:
@@ -79,12 +77,12 @@ async def announce(app: web.Application, model: str) -> None:
     await reg.publish(model, records)
 
 
-@routes.get(P + "/daemons")
+@routes.handles(api.CLUSTER_DAEMONS)
 async def daemons(request: web.Request) -> web.Response:
     return reply(request, request.app[CLUSTER].daemons())
 
 
-@routes.get(P + "/sources/{model}/versions/{version}")
+@routes.handles(api.CLUSTER_VERSION)
 async def version(request: web.Request) -> web.Response:
     model, v = request.match_info["model"], request.match_info["version"]
     found = request.app[CLUSTER].version(
@@ -93,7 +91,7 @@ async def version(request: web.Request) -> web.Response:
     return reply(request, found)
 
 
-@routes.get(P + "/sources/{model}/next")
+@routes.handles(api.CLUSTER_NEXT)
 async def next_version(request: web.Request) -> web.Response:
     model = request.match_info["model"]
     after = query_int(request, "after") if "after" in request.query else -1
@@ -105,25 +103,3 @@ async def next_version(request: web.Request) -> web.Response:
             f"{timeout:g} s"
         )
     return reply(request, found)
-
-
-def cluster_operations() -> dict[tuple[str, str], Operation]:
-    t = ("cluster",)
-    return {
-        ("GET", P + "/daemons"): Operation(
-            "Daemons registered in the cluster registry (the trusted peers)",
-            response=list[DaemonRecord],
-            tags=t,
-        ),
-        ("GET", P + "/sources/{model}/versions/{version}"): Operation(
-            "Which daemons hold a version ('latest' = newest complete)",
-            response=ClusterVersion,
-            tags=t,
-        ),
-        ("GET", P + "/sources/{model}/next"): Operation(
-            "Wait for a complete version newer than 'after'",
-            response=ClusterVersion,
-            tags=t,
-            query={"after": int, "timeout": float},
-        ),
-    }

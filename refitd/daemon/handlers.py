@@ -1,4 +1,4 @@
-"""The aiohttp application of API v1.
+"""The handlers of API v1, and :func:`create_app`, the aiohttp application they make.
 
 :func:`create_app` builds the app around one :class:`~refitd.daemon.node.Daemon`.
 Operators' pieces (auth, metrics, size limits, OpenAPI) plug in through
@@ -22,12 +22,11 @@ from aiohttp import web
 
 from refitd.cluster import registry_from_config
 from refitd.daemon.auth import check_owner, owner_for, principal_of, sees_region
-from refitd.daemon.cluster import CLUSTER, REGISTRY_ORIGIN, announce
-from refitd.daemon.cluster import routes as cluster_routes
 from refitd.daemon.experts import POOLS, ExpertPools, close_pools, note_pull
 from refitd.daemon.experts import routes as expert_routes
 from refitd.daemon.httpio import (
     DAEMON,
+    RouteTable,
     body,
     error_middleware,
     manifest_body,
@@ -36,6 +35,8 @@ from refitd.daemon.httpio import (
     reply,
     wants_msgpack,
 )
+from refitd.daemon.membership import CLUSTER, REGISTRY_ORIGIN, announce
+from refitd.daemon.membership import routes as cluster_routes
 from refitd.daemon.metrics import observe_pull
 from refitd.daemon.mirrors import setup_mirrors
 from refitd.daemon.node import Daemon, DaemonOptions
@@ -54,6 +55,7 @@ from refitd.wire import (
     RegionAttach,
     RegionCreate,
 )
+from refitd.wire import routes as api
 
 __all__ = [
     "DAEMON",
@@ -66,16 +68,15 @@ __all__ = [
 
 PULLS: web.AppKey[PullManager] = web.AppKey("pulls", PullManager)
 
-routes = web.RouteTableDef()
-P = "/v1"
+routes = RouteTable()
 
 
-@routes.get(P + "/health")
+@routes.handles(api.HEALTH)
 async def health(request: web.Request) -> web.Response:
     return reply(request, {"status": "ok"})
 
 
-@routes.get(P + "/ready")
+@routes.handles(api.READY)
 async def ready(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     if not d.ready:
@@ -83,7 +84,7 @@ async def ready(request: web.Request) -> web.Response:
     return reply(request, {"status": "ready", "transport": d.options.transport})
 
 
-@routes.get(P + "/node")
+@routes.handles(api.NODE)
 async def node(request: web.Request) -> web.Response:
     return reply(request, request.app[DAEMON].info())
 
@@ -91,7 +92,7 @@ async def node(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- regions
 
 
-@routes.post(P + "/regions")
+@routes.handles(api.CREATE_REGION)
 async def create_region(request: web.Request) -> web.Response:
     req = await body(request, RegionCreate)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
@@ -104,7 +105,7 @@ async def create_region(request: web.Request) -> web.Response:
     return reply(request, info, 201)
 
 
-@routes.post(P + "/regions/attach")
+@routes.handles(api.ATTACH_REGION)
 async def attach_region(request: web.Request) -> web.Response:
     req = await body(request, RegionAttach)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
@@ -126,18 +127,18 @@ def _admit_region(request: web.Request) -> str:
     return who
 
 
-@routes.get(P + "/regions")
+@routes.handles(api.LIST_REGIONS)
 async def list_regions(request: web.Request) -> web.Response:
     return reply(request, [sees_region(request, r) for r in request.app[DAEMON].regions])
 
 
-@routes.get(P + "/regions/{region_id}")
+@routes.handles(api.GET_REGION)
 async def get_region(request: web.Request) -> web.Response:
     info = request.app[DAEMON].regions.get(query_int(request, "region_id"))
     return reply(request, sees_region(request, info))
 
 
-@routes.delete(P + "/regions/{region_id}")
+@routes.handles(api.DELETE_REGION)
 async def delete_region(request: web.Request) -> web.Response:
     rid = query_int(request, "region_id")
     check_owner(request, request.app[DAEMON].regions.get(rid).owner, "delete", f"region {rid}")
@@ -148,7 +149,7 @@ async def delete_region(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- sources
 
 
-@routes.post(P + "/gc")
+@routes.handles(api.GC)
 async def gc(request: web.Request) -> web.Response:
     """Free regions of exited clients and stale segments; ``dry_run=1`` only lists them."""
     dry = request.query.get("dry_run", "0") in ("1", "true")
@@ -157,7 +158,7 @@ async def gc(request: web.Request) -> web.Response:
     return reply(request, msgspec.structs.replace(report, regions=regions))
 
 
-@routes.post(P + "/sources")
+@routes.handles(api.PUBLISH)
 async def publish(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     # Off the event loop: a manifest at the size limits takes seconds to decode and
@@ -189,13 +190,13 @@ async def publish(request: web.Request) -> web.Response:
     return reply(request, info, 201)
 
 
-@routes.get(P + "/sources")
+@routes.handles(api.ALL_VERSIONS)
 async def list_sources(request: web.Request) -> web.Response:
     d, who = request.app[DAEMON], principal_of(request)
     return reply(request, [v for v in d.registry.versions() if d.models.may_read(who, v.model)])
 
 
-@routes.get(P + "/sources/{model}/versions")
+@routes.handles(api.MODEL_VERSIONS)
 async def list_versions(request: web.Request) -> web.Response:
     d, model = request.app[DAEMON], request.match_info["model"]
     d.models.check_read(principal_of(request), model, "list the versions of")
@@ -210,12 +211,12 @@ def _version(request: web.Request) -> tuple[str, int]:
     return model, query_int(request, "version")
 
 
-@routes.get(P + "/sources/{model}/versions/{version}")
+@routes.handles(api.GET_VERSION)
 async def get_version(request: web.Request) -> web.Response:
     return reply(request, request.app[DAEMON].registry.version(*_version(request)))
 
 
-@routes.get(P + "/sources/{model}/versions/{version}/manifest")
+@routes.handles(api.MANIFEST)
 async def get_manifest(request: web.Request) -> web.Response:
     reg = request.app[DAEMON].registry
     model, version = _version(request)
@@ -225,7 +226,7 @@ async def get_manifest(request: web.Request) -> web.Response:
     return reply(request, reg.merged(model, version))
 
 
-@routes.post(P + "/sources/{model}/versions/{version}/drain")
+@routes.handles(api.DRAIN)
 async def drain(request: web.Request) -> web.Response:
     """Wait for the version's leases to drain; ``retire=1`` first refuses new ones."""
     model, version = _version(request)
@@ -242,7 +243,7 @@ async def drain(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- leases
 
 
-@routes.post(P + "/leases")
+@routes.handles(api.ACQUIRE_LEASE)
 async def acquire(request: web.Request) -> web.Response:
     req = await body(request, LeaseRequest)
     d, who = request.app[DAEMON], principal_of(request)
@@ -253,7 +254,7 @@ async def acquire(request: web.Request) -> web.Response:
     return reply(request, grant, 201)
 
 
-@routes.get(P + "/leases/{lease_id}")
+@routes.handles(api.CHECK_LEASE)
 async def check_lease(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     lease_id = request.match_info["lease_id"]
@@ -264,14 +265,14 @@ async def check_lease(request: web.Request) -> web.Response:
     return reply(request, LeaseGrant(lease.lease_id, lease.model, lease.version, left))
 
 
-@routes.post(P + "/leases/{lease_id}/renew")
+@routes.handles(api.RENEW_LEASE)
 async def renew(request: web.Request) -> web.Response:
     reg = request.app[DAEMON].registry
     ttl = query_float(request, "ttl", 30.0, positive=True, most=MAX_LEASE_TTL_S)  # as on acquire
     return reply(request, reg.renew(request.match_info["lease_id"], ttl))
 
 
-@routes.delete(P + "/leases/{lease_id}")
+@routes.handles(api.RELEASE_LEASE)
 async def release(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     d.registry.release(request.match_info["lease_id"])
@@ -294,7 +295,7 @@ def check_pull_writes(request: web.Request, req: PullRequest) -> None:
     check_writes(dst, d.registry.protected_regions(), d.staging_ids)
 
 
-@routes.post(P + "/pulls")
+@routes.handles(api.SUBMIT_PULL)
 async def submit_pull(request: web.Request) -> web.Response:
     req = await body(request, PullRequest)
     check_pull_writes(request, req)  # auth: a pull writes only into the caller's regions
@@ -308,7 +309,7 @@ async def submit_pull(request: web.Request) -> web.Response:
     return reply(request, job.snapshot(), 202)
 
 
-@routes.get(P + "/pulls")
+@routes.handles(api.LIST_PULLS)
 async def list_pulls(request: web.Request) -> web.Response:
     """The caller's own pulls (every pull for root, or without authentication)."""
     who = principal_of(request)
@@ -325,12 +326,12 @@ def _own_pull(request: web.Request, action: str) -> PullJob:
     return job
 
 
-@routes.get(P + "/pulls/{pull_id}")
+@routes.handles(api.GET_PULL)
 async def pull_status(request: web.Request) -> web.Response:
     return reply(request, _own_pull(request, "read").snapshot())
 
 
-@routes.get(P + "/pulls/{pull_id}/wait")
+@routes.handles(api.WAIT_PULL)
 async def pull_wait(request: web.Request) -> web.Response:
     """Answer when the pull ends, or after ``timeout`` seconds with its progress."""
     job = _own_pull(request, "wait for")
@@ -340,7 +341,7 @@ async def pull_wait(request: web.Request) -> web.Response:
     return reply(request, job.snapshot())
 
 
-@routes.delete(P + "/pulls/{pull_id}")
+@routes.handles(api.CANCEL_PULL)
 async def cancel_pull(request: web.Request) -> web.Response:
     job = await request.app[PULLS].cancel(_own_pull(request, "cancel").pull_id)
     return reply(request, job.snapshot())
@@ -349,7 +350,7 @@ async def cancel_pull(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- daemon to daemon
 
 
-@routes.get(P + "/peer/regions")
+@routes.handles(api.PEER_REGIONS)
 async def peer_regions(request: web.Request) -> web.Response:
     raw = request.query.get("ids")
     try:
@@ -365,7 +366,7 @@ async def peer_regions(request: web.Request) -> web.Response:
     return reply(request, d.peer_regions(ids, lease))
 
 
-@routes.post(P + "/peer/pack")
+@routes.handles(api.PEER_PACK)
 async def peer_pack(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     req = await body(request, PackRequest)
@@ -382,7 +383,7 @@ async def peer_pack(request: web.Request) -> web.Response:
     return reply(request, staged, 201)
 
 
-@routes.delete(P + "/peer/staging/{region_id}")
+@routes.handles(api.PEER_DROP)
 async def peer_drop(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     await d.release_staging(query_int(request, "region_id"), request.query.get("lease", ""))

@@ -1,4 +1,4 @@
-"""``refitd serve``: run one daemon until SIGTERM/SIGINT.
+"""One daemon process (``refitd serve``): run it until SIGTERM/SIGINT.
 
 The daemon owns its event loop (``asyncio.Runner`` with uvloop) and its shutdown
 order: stop accepting connections, let running pulls finish for up to
@@ -107,7 +107,7 @@ async def listening(options: Any, **app_kwargs: Any) -> AsyncIterator[tuple[web.
     On exit: stop accepting, let running pulls finish for up to ``options.grace_s``
     seconds, then clean up (cancelling what is left, closing the data plane).
     """
-    from refitd.daemon.app import PULLS, create_app
+    from refitd.daemon.handlers import PULLS, create_app
     from refitd.daemon.pulls import SHUTTING_DOWN
 
     app = create_app(options, **app_kwargs)
@@ -124,7 +124,7 @@ async def listening(options: Any, **app_kwargs: Any) -> AsyncIterator[tuple[web.
         if server is not None and server.sockets:
             port = server.sockets[0].getsockname()[1]
         url = f"http://{options.host}:{port}"
-        from refitd.daemon.cluster import register
+        from refitd.daemon.membership import register
 
         await register(app, url)  # peers learn of this daemon only once it answers
         yield app, url
@@ -154,7 +154,7 @@ async def serve(
     """Serve until ``stop`` is set. ``on_ready`` receives the ready record once the
     listener and the data plane are both up (sd_notify READY=1 hooks in here);
     ``on_stopping`` runs when shutdown begins (STOPPING=1)."""
-    from refitd.daemon.app import DAEMON
+    from refitd.daemon.handlers import DAEMON
 
     async with listening(options, **(app_kwargs or {})) as (app, url):
         record = {
@@ -179,8 +179,8 @@ def _print_ready(record: dict[str, Any]) -> None:
 def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
     import uvloop
 
-    from refitd.config import load_config, parse_overrides
-    from refitd.daemon.auth import check_startup, read_token
+    from refitd.config import load_config, parse_overrides, read_token
+    from refitd.daemon.auth import check_startup
     from refitd.daemon.service import Service, configure_logging, options_from_config
     from refitd.errors import ConfigError
 

@@ -1,0 +1,31 @@
+"""Leases: a reader holds one on a version while it reads it (a leased version is
+not retired under it)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from refitd.wire.fields import Label, Name, NonNeg
+
+__all__ = ["MAX_LEASE_TTL_S", "LeaseGrant", "LeaseRequest"]
+
+#: the longest lease (acquired or renewed) a daemon grants, in seconds
+MAX_LEASE_TTL_S = 3600.0
+
+
+class LeaseRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    model: Name
+    version: NonNeg
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_LEASE_TTL_S)] = 30.0
+    holder: Label = ""
+
+
+class LeaseGrant(msgspec.Struct, frozen=True):
+    """A lease on one version; ``expires_in_s`` is relative to when the daemon answered."""
+
+    lease_id: str
+    model: str
+    version: int
+    expires_in_s: float

@@ -1,0 +1,106 @@
+"""Records one daemon signs for others: its registration and its versions in the
+cluster registry, and the region records it sends a reader. Each is MAC'd with the
+deployment secret (:mod:`refitd.signing`); a record that does not verify is refused."""
+
+from __future__ import annotations
+
+import msgspec
+
+from refitd.signing import Signed
+from refitd.wire.fields import Name, NonNeg, Positive
+from refitd.wire.regions import RegionInfo
+from refitd.wire.versions import VersionState
+
+__all__ = [
+    "ClusterVersion",
+    "DaemonRecord",
+    "PeerRecord",
+    "PeerRegions",
+    "SourceRecord",
+]
+
+
+class DaemonRecord(Signed, frozen=True):
+    """One daemon as registered in the cluster registry (etcd), MAC'd with the
+    deployment secret: only a record that verifies makes its ``url`` a trusted peer.
+    ``epoch`` changes with every start of the daemon."""
+
+    node_id: Name
+    url: str
+    epoch: int
+    transport: str
+    boot_id: str = ""
+    mac: bytes = b""
+
+    def _what(self) -> str:
+        return f"registry record of {self.node_id!r}"
+
+
+class SourceRecord(Signed, frozen=True):
+    """The publisher slots of one version that one daemon holds, as published to the
+    cluster registry (MAC'd like :class:`DaemonRecord`)."""
+
+    node_id: Name
+    url: str
+    epoch: int
+    model: Name
+    version: NonNeg
+    state: VersionState
+    slots: list[NonNeg]
+    expected_slots: Positive
+    mac: bytes = b""
+
+    def _what(self) -> str:
+        return f"registry record of {self.model!r} v{self.version} from {self.node_id!r}"
+
+
+class ClusterVersion(msgspec.Struct, frozen=True):
+    """Where a version lives across hosts: every daemon holding slots of it.
+    ``complete`` when the holders' READY slots together cover ``range(expected_slots)``."""
+
+    model: str
+    version: int
+    expected_slots: int
+    complete: bool
+    holders: list[SourceRecord]
+
+
+class PeerRecord(msgspec.Struct, frozen=True):
+    """What one daemon tells another about a region it may read: only ever exchanged
+    daemon to daemon. ``transport_key`` is the transport's advertised (packed) record,
+    opaque here; for the shared-memory path it is the segment name."""
+
+    node_id: str
+    epoch: int
+    region: RegionInfo
+    transport_key: bytes = b""
+
+
+class PeerRegions(Signed, frozen=True):
+    """Region records one daemon sends another, MAC'd with the deployment secret.
+    (A msgspec Struct: its ``{}`` defaults are copied per instance, never shared.)
+
+    ``transport`` is the sender's data-plane mode and ``advert`` its transport's own
+    signed advertisement (empty when it runs no transport, i.e. ``shm``).
+    ``boot_id`` is the sender's kernel boot id and ``files`` maps each listed region
+    to ``(st_dev, st_ino)`` of its segment: a reader uses the shared-memory path only
+    when its own boot id matches and the file it maps by name is that very file."""
+
+    node_id: str
+    epoch: int
+    transport: str
+    regions: list[RegionInfo]
+    advert: bytes = b""
+    boot_id: str = ""
+    files: dict[int, tuple[int, int]] = {}  # noqa: RUF012
+    #: the lease these records were given under ("" for none), and per listed region
+    #: the byte ranges ``[start, end)`` that lease may read: a reader reads nothing else
+    lease_id: str = ""
+    scope: dict[int, list[tuple[int, int]]] = {}  # noqa: RUF012
+    #: every data plane the sender serves, by scheme: its signed advertisement
+    #: (``advert`` is the first of them), so the reader picks the path
+    adverts: dict[str, bytes] = {}  # noqa: RUF012
+    mac: bytes = b""
+
+    def _what(self) -> str:
+        return f"region records from {self.node_id!r}"

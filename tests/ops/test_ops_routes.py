@@ -1,0 +1,54 @@
+"""The route table (``refitd.wire.routes``) is the one declaration of the HTTP API:
+the daemon serves exactly its routes, the OpenAPI document lists exactly them, and
+the client's paths are filled in from it."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from ops_helpers import serving, wired_app
+
+from refitd.daemon.openapi import OPENAPI_PATH, documented_paths, route_table
+from refitd.wire import routes as api
+
+
+def _table() -> set[tuple[str, str]]:
+    return {(r.method, r.path) for r in api.ROUTES}
+
+
+async def test_the_daemon_serves_and_documents_exactly_the_routes_of_the_table() -> None:
+    app = wired_app()
+    async with (
+        serving(app) as base,
+        aiohttp.ClientSession() as s,
+        s.get(base + OPENAPI_PATH) as resp,
+    ):
+        assert resp.status == 200
+        doc = await resp.json()
+    served = set(route_table(app))
+    assert served == _table(), (
+        f"served only: {sorted(served - _table())}; table only: {sorted(_table() - served)}"
+    )
+    assert set(documented_paths(doc)) == _table()
+    for route in api.ROUTES:
+        entry = doc["paths"][route.path][route.method.lower()]
+        assert entry["summary"] == route.summary
+        assert str(route.status) in entry["responses"]
+        assert ("requestBody" in entry) == (route.request is not None)
+
+
+def test_each_route_is_declared_once_with_a_summary_and_a_tag() -> None:
+    keys = [(r.method, r.path) for r in api.ROUTES]
+    assert len(keys) == len(set(keys))
+    assert all(r.summary and r.tag for r in api.ROUTES)
+    assert len(api.ROUTES) >= 40
+
+
+def test_a_route_fills_its_path_parameters_and_refuses_missing_or_unknown_ones() -> None:
+    assert api.MANIFEST.params == ("model", "version")
+    assert api.MANIFEST.url(model="llama", version=3) == "/v1/sources/llama/versions/3/manifest"
+    assert api.NODE.url() == "/v1/node"
+    with pytest.raises(TypeError, match="model"):
+        api.MANIFEST.url(model="llama")
+    with pytest.raises(TypeError, match="pool"):
+        api.NODE.url(pool="p")

@@ -1,0 +1,287 @@
+"""The package graph: no import cycle between modules of ``refitd/`` and ``transports/``,
+and no module over :data:`MAX_LINES` lines.
+
+The graph is read from the source with :mod:`ast`, not from ``sys.modules``, so an
+import that runs only inside a function counts as much as one at the top of a module:
+both are an arrow the reader has to follow, and both deadlock the same way when the
+two modules are first imported from each other's top level. Imports under
+``if TYPE_CHECKING:`` do not count: they never run.
+
+An arrow goes to the module named, never to its parent packages (``import a.b.c``
+is an arrow to ``a.b.c``). ``from pkg import name`` is an arrow to ``pkg.name`` when
+that is a module of its own, and to ``pkg`` otherwise.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("refitd", "transports")
+
+#: The most lines a module may have (a reader's few screens; STYLE.md).
+MAX_LINES = 600
+
+#: Modules over :data:`MAX_LINES` today, being split (issue 22). A shrinking list: a
+#: module leaves it once it is split, and nothing joins it.
+OVERSIZED: frozenset[str] = frozenset(
+    {
+        "refitd/daemon/experts.py",
+        "refitd/daemon/node.py",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # dotted, a package as its own name (``refitd.cluster``)
+    path: Path
+    is_package: bool
+
+
+@dataclass
+class Graph:
+    modules: dict[str, Module]
+    #: importer -> imported -> the line of the first such import in the importer
+    edges: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def _modules() -> dict[str, Module]:
+    found: dict[str, Module] = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            is_package = parts[-1] == "__init__"
+            if is_package:
+                parts.pop()
+            name = ".".join(parts)
+            found[name] = Module(name, path, is_package)
+    return found
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run: anywhere in the tree (functions, ``try``
+    blocks, class bodies), except under ``if TYPE_CHECKING:`` (its ``else:`` runs)."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+            continue
+        if isinstance(node, ast.If) and _is_type_checking(node.test):
+            stack.extend(node.orelse)
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _ours(name: str, modules: dict[str, Module]) -> str | None:
+    """The deepest of our modules that ``name`` names (``a.b.attr`` -> ``a.b``)."""
+    parts = name.split(".")
+    while parts:
+        candidate = ".".join(parts)
+        if candidate in modules:
+            return candidate
+        parts.pop()
+    return None
+
+
+def _targets(node: ast.Import | ast.ImportFrom, me: Module, modules: dict[str, Module]) -> set[str]:
+    if isinstance(node, ast.Import):
+        return {t for alias in node.names if (t := _ours(alias.name, modules)) is not None}
+    if node.level:
+        base = me.name.split(".")
+        # A package's __init__ is the package itself: ``from . import x`` there is
+        # relative to the package, while in ``pkg.mod`` it is relative to ``pkg``.
+        drop = node.level - 1 if me.is_package else node.level
+        base = base[: len(base) - drop] if drop else base
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    targets: set[str] = set()
+    for alias in node.names:
+        submodule = f"{source}.{alias.name}"
+        target = submodule if submodule in modules else _ours(source, modules)
+        if target is not None:
+            targets.add(target)
+    return targets
+
+
+def build_graph() -> Graph:
+    modules = _modules()
+    graph = Graph(modules)
+    for module in modules.values():
+        tree = ast.parse(module.path.read_text(), filename=str(module.path))
+        arrows = graph.edges.setdefault(module.name, {})
+        for node in _imports(tree):
+            for target in _targets(node, module, modules):
+                if target != module.name:
+                    line = arrows.get(target, node.lineno)
+                    arrows[target] = min(line, node.lineno)
+    return graph
+
+
+def strongly_connected(graph: Graph) -> list[list[str]]:
+    """Tarjan's components with more than one module (iterative: no recursion limit)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    counter = 0
+    for root in sorted(graph.modules):
+        if root in index:
+            continue
+        work: list[tuple[str, Iterator[str]]] = []
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        work.append((root, iter(sorted(graph.edges.get(root, {})))))
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component: list[str] = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = counter
+                counter += 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph.edges.get(child, {})))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def shortest_cycle(graph: Graph, component: list[str]) -> list[str]:
+    """A shortest cycle through the component's first module, as the modules in order
+    with the first repeated at the end."""
+    start = component[0]
+    members = set(component)
+    came_from: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for child in sorted(graph.edges.get(node, {})):
+            if child not in members:
+                continue
+            if child == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(came_from[path[-1]])
+                return [*reversed(path), start]
+            if child not in came_from:
+                came_from[child] = node
+                queue.append(child)
+    raise AssertionError(f"no cycle through {start} in {component}")
+
+
+def describe(graph: Graph, cycle: list[str]) -> str:
+    steps = []
+    for importer, imported in itertools.pairwise(cycle):
+        path = graph.modules[importer].path.relative_to(ROOT)
+        steps.append(f"  {importer} -> {imported}  ({path}:{graph.edges[importer][imported]})")
+    return "\n".join(steps)
+
+
+def test_no_module_of_refitd_or_transports_imports_itself_back() -> None:
+    graph = build_graph()
+    assert len(graph.modules) > 100, sorted(graph.modules)
+    components = strongly_connected(graph)
+    report = "\n\n".join(
+        f"{len(c)} modules import each other ({', '.join(c)}); one cycle:\n"
+        + describe(graph, shortest_cycle(graph, c))
+        for c in components
+    )
+    assert not components, f"{len(components)} import cycle(s):\n\n{report}"
+
+
+def _line_counts() -> dict[str, int]:
+    return {
+        str(module.path.relative_to(ROOT)): len(module.path.read_text().splitlines())
+        for module in _modules().values()
+    }
+
+
+def test_no_module_is_over_the_line_limit_except_the_listed_ones_being_split() -> None:
+    over = {path: n for path, n in _line_counts().items() if n > MAX_LINES}
+    unlisted = {path: n for path, n in over.items() if path not in OVERSIZED}
+    assert not unlisted, f"modules over {MAX_LINES} lines (split them): {unlisted}"
+
+
+def test_the_list_of_oversized_modules_only_shrinks() -> None:
+    counts = _line_counts()
+    stale = sorted(p for p in OVERSIZED if counts.get(p, 0) <= MAX_LINES)
+    assert not stale, f"split or gone: remove from OVERSIZED in {Path(__file__).name}: {stale}"
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("import refitd.daemon.auth", {"refitd.daemon.auth"}),
+        ("import refitd.daemon.auth.nothing", {"refitd.daemon.auth"}),
+        ("from refitd.daemon import auth", {"refitd.daemon.auth"}),
+        ("from refitd.daemon import create_daemon_app", {"refitd.daemon"}),
+        ("from . import auth", {"refitd.daemon.auth"}),
+        ("from .auth import read_token", {"refitd.daemon.auth"}),
+        ("from .. import errors", {"refitd.errors"}),
+        ("from ..cluster import etcd", {"refitd.cluster.etcd"}),
+        ("import numpy", set()),
+    ],
+)
+def test_an_import_in_a_module_is_resolved_to_the_module_it_names(
+    source: str, expected: set[str]
+) -> None:
+    modules = _modules()
+    me = modules["refitd.daemon.handlers"]
+    (node,) = list(_imports(ast.parse(source)))
+    assert _targets(node, me, modules) == expected
+
+
+def test_a_packages_init_resolves_relative_imports_against_itself() -> None:
+    modules = _modules()
+    me = modules["refitd.cluster"]
+    (node,) = list(_imports(ast.parse("from . import etcd")))
+    assert _targets(node, me, modules) == {"refitd.cluster.etcd"}
+
+
+def test_imports_in_functions_count_and_type_checking_ones_do_not() -> None:
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n"
+        "    import refitd.wire\n"
+        "else:\n"
+        "    import refitd.errors\n"
+        "def f():\n"
+        "    import refitd.config\n"
+    )
+    modules = _modules()
+    me = modules["refitd.daemon.handlers"]
+    found = set().union(*(_targets(n, me, modules) for n in _imports(ast.parse(source))))
+    assert found == {"refitd.errors", "refitd.config"}
