@@ -38,7 +38,7 @@ from refitd.daemon.httpio import (
 from refitd.daemon.membership import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.membership import routes as cluster_routes
 from refitd.daemon.metrics import observe_pull
-from refitd.daemon.mirrors import setup_mirrors
+from refitd.daemon.mirrorhandlers import setup_mirrors
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.pulls import PullJob, PullManager, RemoteSource, Source
 from refitd.daemon.registry import check_manifest_bounds

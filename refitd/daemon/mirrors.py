@@ -41,16 +41,15 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
-from aiohttp import web
 
-from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
+from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, covered, cut_chunks
 from refitd.daemon.pulls import RemoteSource
-from refitd.daemon.trust import Extents, merge_extents
+from refitd.daemon.trust import Extents
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
@@ -58,7 +57,6 @@ from refitd.wire import (
     PeerRegions,
     PullRequest,
     RegionCreate,
-    RegionInfo,
     ShardEntry,
     TensorEntry,
     VersionState,
@@ -73,7 +71,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CHUNK_BYTES",
-    "MIRRORS",
     "POLICIES",
     "HolderAssign",
     "HolderBook",
@@ -82,17 +79,10 @@ __all__ = [
     "MirrorState",
     "Mirrors",
     "Redirect",
-    "routes",
-    "setup_mirrors",
 ]
 
 POLICIES = ("never", "always", "shared")
 """``[mirrors] policy`` values (see the module docstring)."""
-
-CHUNK_BYTES = 4 << 20
-"""Unit of completion (bytes): a relay serves a chunk only once all of it arrived.
-Small enough that a downstream host starts a few milliseconds after its upstream
-(4 MiB is 34 ms at 1 Gbit/s), large enough that a batch of them fills the lanes."""
 
 BATCH_CHUNKS = 2
 """Chunks per read handed to the data plane at once (two batches in flight): small,
@@ -108,130 +98,6 @@ OWNER = "refitd-mirror"
 """Owner of a mirror's regions and of the leases it takes."""
 
 log = logging.getLogger("refitd.mirrors")
-
-
-# ---------------------------------------------------------------- source side
-
-
-class HolderBook:
-    """Per version this daemon is the source of, the mirrors holding it, in the order
-    they joined: the pipeline. Pure state."""
-
-    def __init__(self) -> None:
-        self._holders: dict[tuple[str, int], list[str]] = {}
-
-    def join(self, j: HolderJoin) -> HolderAssign:
-        """Record ``j.url`` (once) and give it the nearest holder that joined before it
-        and is not excluded, or ``""`` (the source) when there is none. Entries of
-        older versions of the model are forgotten."""
-        for key in [k for k in self._holders if k[0] == j.model and k[1] < j.version]:
-            del self._holders[key]
-        book = self._holders.setdefault((j.model, j.version), [])
-        if j.url not in book:
-            book.append(j.url)
-        before = book[: book.index(j.url)]
-        upstream = next((u for u in reversed(before) if u not in j.exclude), "")
-        return HolderAssign(upstream, list(book))
-
-    def holders(self, model: str, version: int) -> list[str]:
-        return list(self._holders.get((model, version), []))
-
-
-# ---------------------------------------------------------------- one mirror
-
-
-@dataclass
-class Mirror:
-    """A version of ``source`` held here. ``chunks`` rows are ``(source region,
-    offset, nbytes)``; ``done`` says which are complete (set only after the read that
-    filled it returned)."""
-
-    source: str
-    model: str
-    version: int
-    regions: dict[int, RegionInfo] = field(default_factory=dict)
-    chunks: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
-    done: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    upstream: str = ""
-    error: str = ""
-    tried: list[str] = field(default_factory=list)
-    began_at: float = field(default_factory=time.time)
-    completed_at: float = 0.0
-    task: asyncio.Task[None] | None = None
-    ready: asyncio.Event = field(default_factory=asyncio.Event)  # regions exist
-    _tick: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def complete(self) -> bool:
-        return bool(self.ready.is_set() and self.done.all())
-
-    @property
-    def finished(self) -> bool:
-        return self.complete or bool(self.error)
-
-    def mark(self, idx: np.ndarray) -> None:
-        self.done[idx] = True
-        self.notify()
-
-    def notify(self) -> None:
-        tick, self._tick = self._tick, asyncio.Event()
-        tick.set()
-
-    async def changed(self, timeout_s: float) -> None:
-        """Return at the next change (a chunk completed, the mirror failed), or after
-        ``timeout_s``."""
-        tick = self._tick
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await tick.wait()
-
-    async def wait_finished(self) -> None:
-        while not self.finished:
-            await self.changed(3600.0)
-
-    def done_extents(self) -> dict[int, Extents]:
-        """Local region id -> the byte ranges of complete chunks."""
-        rows = self.chunks[self.done]
-        local = {src: r.region_id for src, r in self.regions.items()}
-        return merge_extents((local[int(s)], int(o), int(o + n)) for s, o, n in rows.tolist())
-
-    def state(self) -> MirrorState:
-        return MirrorState(
-            self.model,
-            self.version,
-            self.source,
-            self.upstream,
-            {s: r.region_id for s, r in self.regions.items()},
-            int(self.done.size),
-            int(self.done.sum()),
-            self.complete,
-            self.error,
-            list(self.tried),
-            self.began_at,
-            self.completed_at,
-        )
-
-
-def cut_chunks(scope: dict[int, Extents], chunk: int = CHUNK_BYTES) -> np.ndarray:
-    """``(region, offset, nbytes)`` rows covering every range of ``scope``, each at most
-    ``chunk`` bytes, in region then offset order."""
-    rows: list[tuple[int, int, int]] = []
-    for rid in sorted(scope):
-        for start, end in scope[rid]:
-            for off in range(start, end, chunk):
-                rows.append((rid, off, min(chunk, end - off)))
-    return np.array(rows, dtype=np.int64).reshape(-1, 3)
-
-
-def covered(rows: np.ndarray, scope: dict[int, Extents]) -> np.ndarray:
-    """Which ``(region, offset, nbytes)`` rows lie wholly inside one range of ``scope``."""
-    ok = np.zeros(len(rows), dtype=bool)
-    for i, (rid, off, n) in enumerate(rows.tolist()):
-        for start, end in scope.get(rid, []):
-            if start <= off and off + n <= end:
-                ok[i] = True
-                break
-    return ok
 
 
 # ---------------------------------------------------------------- the store
@@ -695,58 +561,3 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "no answer within its deadline (stopped or partitioned)"
     return f"{type(exc).__name__}: {exc}"
-
-
-# ---------------------------------------------------------------- HTTP
-
-MIRRORS: web.AppKey[Mirrors] = web.AppKey("mirrors", Mirrors)
-routes = RouteTable()
-
-
-@routes.handles(api.MIRROR_HOLDERS)
-async def join_holders(request: web.Request) -> web.Response:
-    """A mirror of a version this daemon is the source of joins its pipeline; answers
-    the holder it reads from."""
-    j = await body(request, HolderJoin)
-    d = request.app[DAEMON]
-    d.registry.version(j.model, j.version)  # 404 for a version this daemon lacks
-    d.peers.check(j.url)  # only a daemon this one trusts is handed to readers
-    return reply(request, request.app[MIRRORS].book.join(j))
-
-
-@routes.handles(api.MIRROR_STATE)
-async def mirror_state(request: web.Request) -> web.Response:
-    """A mirror's progress; with ``after=N`` it answers once more than ``N`` chunks
-    are complete, the mirror ended, or ``timeout`` seconds passed."""
-    m = request.app[MIRRORS].find(request.match_info["model"], query_int(request, "version"))
-    after = int(request.query.get("after", "-1"))
-    timeout_s = min(query_float(request, "timeout", 0.0), 60.0)
-    deadline = time.monotonic() + timeout_s
-    while int(m.done.sum()) <= after and not m.finished:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        await m.changed(left)
-    return reply(request, m.state())
-
-
-def setup_mirrors(app: web.Application, pulls: PullManager, policy: str) -> Mirrors:
-    """Install the mirror store and its routes on ``app``; the pull manager and the
-    daemon consult it through their hooks."""
-    from refitd.daemon.membership import CLUSTER
-
-    def self_url() -> str:
-        me = app[CLUSTER].me
-        return me.url if me is not None else ""
-
-    mirrors = Mirrors(pulls, policy, self_url)
-    app[MIRRORS] = mirrors
-    pulls.redirect = mirrors.redirect
-    pulls.d.scope_limit = mirrors.limit_scope
-    app.add_routes(routes)
-
-    async def close(app: web.Application) -> None:
-        await mirrors.close()
-
-    app.on_shutdown.append(close)
-    return mirrors
