@@ -255,8 +255,9 @@ def merge_ranges(
 ) -> list[ByteRange]:
     """Byte ranges ``[offset, offset + nbytes)`` of regions, merged: sorted by
     ``(region, offset)``, each run of ranges of one region that overlap or touch
-    joined into one, empty ranges dropped. The one range merge of refitd (suspect
-    ranges, a lease's readable extents, a receiver's staged bytes)."""
+    joined into one, empty ranges dropped. The one range merge of refitd: suspect
+    ranges, a lease's readable extents (the daemon's scope, the tcp server's grant),
+    a receiver's staged bytes."""
     regions = np.asarray(region, dtype=np.int64).reshape(-1)
     offsets = np.asarray(offset, dtype=np.int64).reshape(-1)
     sizes = np.asarray(nbytes, dtype=np.int64).reshape(-1)
@@ -265,17 +266,21 @@ def merge_ranges(
     if len(sizes) == 0:
         return []
     order = np.lexsort((offsets, regions))
+    regions, starts = regions[order], offsets[order]
+    ends = starts + sizes[order]
     out: list[ByteRange] = []
-    reg, start, end = int(regions[order[0]]), int(offsets[order[0]]), int(offsets[order[0]])
-    for r, o, n in zip(
-        regions[order].tolist(), offsets[order].tolist(), sizes[order].tolist(), strict=True
-    ):
-        if r == reg and o <= end:
-            end = max(end, o + n)
-            continue
-        out.append(ByteRange(reg, start, end - start))
-        reg, start, end = r, o, o + n
-    out.append(ByteRange(reg, start, end - start))
+    # One vectorised pass per region: a range starts a new run unless it begins at or
+    # before the furthest end reached so far in its region.
+    bounds = np.flatnonzero(np.concatenate(([True], regions[1:] != regions[:-1], [True])))
+    for lo, hi in itertools.pairwise(bounds.tolist()):
+        s, reach = starts[lo:hi], np.maximum.accumulate(ends[lo:hi])
+        first = np.flatnonzero(np.concatenate(([True], s[1:] > reach[:-1])))
+        last = np.append(first[1:], hi - lo) - 1
+        region_id = int(regions[lo])
+        out.extend(
+            ByteRange(region_id, a, b - a)
+            for a, b in zip(s[first].tolist(), reach[last].tolist(), strict=True)
+        )
     return out
 
 

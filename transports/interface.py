@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from types import TracebackType
@@ -72,6 +72,7 @@ __all__ = [
     "ReadRefused",
     "Transport",
     "TransportClosed",
+    "TransportOptions",
     "UnauthenticatedPeer",
     "UnknownScheme",
     "create_transport",
@@ -263,6 +264,32 @@ class Peer(ABC):
         await self.close()
 
 
+@dataclass(frozen=True)
+class TransportOptions:
+    """What a transport is built with (:meth:`Transport.from_options`): one typed
+    object for every scheme, each transport reading the fields it uses.
+
+    ``secret`` (≥ 16 bytes) and ``peer_id`` as for :class:`Transport`;
+    ``pull_timeout`` (s) the deadline of one batch of reads from a peer (a hung
+    peer fails only the batches that read from it). The rest is the ``tcp``
+    transport's: ``lanes`` connections per peer, the data server's ``host`` and
+    ``port`` (0: any free one), the host it advertises (``advertise_host``, "" the
+    bound one), who may connect (``accept(host)``) and read (``authorize(lease)``,
+    required when ``require_lease``), and ``epoch``, its server's life."""
+
+    secret: bytes = field(repr=False)
+    peer_id: str = ""
+    pull_timeout: float = 120.0
+    lanes: int = 4
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str = ""
+    accept: Callable[[str], bool] | None = None
+    authorize: Callable[[str], bool] | None = None
+    require_lease: bool = False
+    epoch: int | None = None
+
+
 class Transport(ABC):
     """One data plane. Construct, then ``async with`` (or `start`/`close`).
 
@@ -279,6 +306,12 @@ class Transport(ABC):
             )
         self.secret = secret
         self.peer_id = peer_id or f"{self.scheme}-{id(self):x}"
+
+    @classmethod
+    def from_options(cls, options: TransportOptions) -> Self:
+        """This transport built from ``options`` (a transport with options of its
+        own reads them here)."""
+        return cls(secret=options.secret, peer_id=options.peer_id)
 
     @abstractmethod
     async def start(self) -> None: ...
@@ -372,6 +405,10 @@ def transport_class(scheme: str) -> type[Transport]:
     return target
 
 
-def create_transport(scheme: str, **kwargs: Any) -> Transport:
-    """Build (not start) the transport registered for ``scheme``."""
-    return transport_class(scheme)(**kwargs)
+def create_transport(
+    scheme: str, options: TransportOptions | None = None, **kwargs: Any
+) -> Transport:
+    """Build (not start) the transport registered for ``scheme``: from ``options``
+    (:meth:`Transport.from_options`), or from its constructor's keyword arguments."""
+    cls = transport_class(scheme)
+    return cls.from_options(options) if options is not None else cls(**kwargs)

@@ -6,6 +6,13 @@ for each call, so the shares run on separate cores while the event loop stays fr
 Small batches (under ``inline_bytes``) are copied on the loop: handing them to a
 thread would cost more than the copy. A :class:`Copier` given at construction
 replaces that engine (a daemon's tests hold a copy mid-flight with one).
+
+Besides reads, the transport moves bytes between regions registered with it:
+:meth:`LocalTransport.pack` gathers strided blocks contiguously (a source daemon
+packing for a reader). :func:`pack_strided`, :func:`copy_view` and
+:func:`zero_view` are the guarded primitives: every copy of memory a client can
+resize goes through the bus-error guard, so a segment shrunk under a mapping is a
+:class:`CopyFault`, never a fatal signal.
 """
 
 from __future__ import annotations
@@ -13,21 +20,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import math
 import os
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_threads
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from refitd.errors import TransportError
+from refitd.errors import PlanError, TransportError
 
 from .batch import split_shares
 from .inproc import InProcessTransport
 from .native import copy_lib
 
-__all__ = ["Copier", "CopyFault", "LocalTransport", "copy_addresses"]
+__all__ = [
+    "MAX_PACK_DIMS",
+    "Copier",
+    "CopyFault",
+    "Gather",
+    "LocalTransport",
+    "copy_addresses",
+    "copy_view",
+    "pack_strided",
+    "zero_view",
+]
 
 
 class CopyFault(TransportError):
@@ -118,6 +138,110 @@ async def copy_addresses(
         raise
 
 
+MAX_PACK_DIMS = 32
+"""Dimensions of a packed block the native gather walks."""
+
+
+def pack_strided(
+    src: memoryview,
+    src_offset: int,
+    shape: tuple[int, ...],
+    strides: tuple[int, ...],
+    itemsize: int,
+    dst: memoryview,
+    dst_offset: int,
+) -> int:
+    """Gather the strided block (``strides`` in elements) into ``dst`` contiguously.
+
+    Returns the bytes written. Bounds must have been checked by
+    the caller (a daemon: :func:`refitd.daemon.plancheck.validate_plan`). The gather is the native one, under
+    the bus-error guard: a source segment its owner shrank under the mapping raises
+    :class:`CopyFault` (``dst`` undefined), never a fatal signal.
+    """
+    n = itemsize * math.prod(shape)
+    if n == 0:
+        return 0
+    if not shape:  # a scalar: one element
+        shape, strides = (1,), (1,)
+    if len(shape) > MAX_PACK_DIMS:
+        raise PlanError(
+            f"pack refused: {len(shape)} dimensions; at most {MAX_PACK_DIMS} are packed"
+        )
+    src_at = np.frombuffer(src, np.uint8).ctypes.data + src_offset
+    dst_at = np.frombuffer(dst, np.uint8).ctypes.data + dst_offset
+    ext = np.array(shape, dtype=np.int64)
+    step = np.array(strides, dtype=np.int64) * itemsize
+    at = ctypes.c_int64(0)
+    rc = copy_lib().rfx_gather_guarded(
+        len(ext), ext.ctypes.data, step.ctypes.data, itemsize, src_at, dst_at, ctypes.byref(at)
+    )
+    if rc == -2:
+        raise TransportError("pack refused: the bus-error guard could not be installed")
+    if rc == 0:
+        raise CopyFault(dst_at, src_at, n, at.value)
+    return n
+
+
+def copy_view(dst: memoryview, src: bytes | bytearray | memoryview) -> None:
+    """``dst[:] = src`` (same length, bytes) through the guarded native copy: a shared
+    segment shrunk under either side raises :class:`CopyFault`
+    instead of a fatal bus error."""
+    n = len(dst)
+    if len(src) != n:
+        raise PlanError(f"copy refused: {len(src)} source bytes for a {n}-byte destination")
+    if n == 0:
+        return
+    keep = np.frombuffer(src, np.uint8)  # held alive across the call
+    d = np.array([np.frombuffer(dst, np.uint8).ctypes.data], dtype=np.int64)
+    s = np.array([keep.ctypes.data], dtype=np.int64)
+    ln = np.array([n], dtype=np.int64)
+    at = ctypes.c_int64(0)
+    i = copy_lib().rfx_copy_batch_guarded(
+        1, d.ctypes.data, s.ctypes.data, ln.ctypes.data, ctypes.byref(at)
+    )
+    if i == -2:
+        raise TransportError("copy refused: the bus-error guard could not be installed")
+    if i >= 0:
+        raise CopyFault(int(d[0]), int(s[0]), n, at.value)
+
+
+_ZEROS = bytes(1 << 20)
+
+
+def zero_view(dst: memoryview) -> None:
+    """Zero ``dst`` through the guarded copy (from a zero buffer, 1 MiB a copy): a
+    shared segment shrunk under it raises :class:`CopyFault`."""
+    n = len(dst)
+    if n == 0:
+        return
+    base = np.frombuffer(dst, np.uint8).ctypes.data
+    zeros = np.frombuffer(_ZEROS, np.uint8).ctypes.data
+    step = len(_ZEROS)
+    d = np.arange(base, base + n, step, dtype=np.int64)
+    ln = np.minimum(step, base + n - d).astype(np.int64)
+    s = np.full(len(d), zeros, dtype=np.int64)
+    at = ctypes.c_int64(0)
+    i = copy_lib().rfx_copy_batch_guarded(
+        len(d), d.ctypes.data, s.ctypes.data, ln.ctypes.data, ctypes.byref(at)
+    )
+    if i == -2:
+        raise TransportError("zeroing refused: the bus-error guard could not be installed")
+    if i >= 0:
+        raise CopyFault(int(d[i]), int(s[i]), int(ln[i]), at.value)
+
+
+@dataclass(frozen=True)
+class Gather:
+    """One strided block of a registered region: ``src_offset`` (bytes) of its first
+    element, ``shape`` and ``strides`` in elements, ``itemsize`` in bytes."""
+
+    src_region: int
+    src_offset: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+
+
 class LocalTransport(InProcessTransport):
     scheme = "local"
 
@@ -146,6 +270,33 @@ class LocalTransport(InProcessTransport):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+    async def pack(
+        self, blocks: Sequence[Gather], dst_region: int, offsets: Sequence[int], clear_from: int
+    ) -> None:
+        """Gather each block contiguously into ``dst_region`` at ``offsets[i]`` (bytes),
+        after zeroing ``dst_region`` from byte ``clear_from`` to its end (nothing of
+        what it held survives there), in a worker thread. Every region must be
+        registered here, every block's bounds checked by the caller. A segment
+        shrunk under the copy raises :class:`CopyFault` (``side`` and ``address``
+        say where); the destination's bytes are then undefined."""
+        views = {r: self._view(r) for r in {dst_region, *(b.src_region for b in blocks)}}
+        dst = views[dst_region]
+
+        def work() -> None:
+            zero_view(dst[clear_from:])
+            for b, at in zip(blocks, offsets, strict=True):
+                src = views[b.src_region]
+                pack_strided(src, b.src_offset, b.shape, b.strides, b.itemsize, dst, at)
+
+        await asyncio.to_thread(work)
+
+    def _view(self, region_id: int) -> memoryview:
+        region = self._regions.get(region_id)
+        if region is None:
+            raise TransportError(f"region {region_id} is not registered with this transport")
+        seg = region.segment
+        return memoryview((ctypes.c_uint8 * seg.size).from_address(seg.address)).cast("B")
 
     async def copy(
         self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]

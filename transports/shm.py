@@ -59,10 +59,12 @@ from .segments import SHM_DIR, SharedSegment
 
 __all__ = [
     "MAX_MAPPINGS",
+    "ListedSegment",
     "ShmPeer",
     "ShmTransport",
     "boot_id",
     "file_id",
+    "peer_record",
     "same_file",
     "segment_key",
 ]
@@ -107,6 +109,37 @@ def same_file(name: str, want: tuple[int, ...]) -> None:
 def segment_key(name: str, dev: int, ino: int) -> bytes:
     """The ``rkey`` a same-host record gives a region: its segment's name and file."""
     return msgspec.msgpack.encode((name, dev, ino))
+
+
+@dataclass(frozen=True)
+class ListedSegment:
+    """A region of a same-host peer as its (verified) records list it: the segment
+    ``name``, its file ``(dev, ino)`` and its exact ``size`` in bytes."""
+
+    region_id: int
+    name: str
+    dev: int
+    ino: int
+    size: int
+
+
+def peer_record(
+    peer_id: str, boot: str, epoch: int, segments: Iterable[ListedSegment], secret: bytes
+) -> PeerInfo:
+    """The ``shm`` record of a same-host peer, built by the reader from records it
+    already verified (a daemon: the peer's lease-scoped region records), so it lists
+    only what the reader may read: address ``<boot id>:<epoch>`` (``epoch``: the
+    peer's life), per region its segment's name and file (:func:`segment_key`),
+    signed with the deployment ``secret`` as :meth:`ShmTransport.connect` wants."""
+    return PeerInfo(
+        scheme=ShmTransport.scheme,
+        peer_id=peer_id,
+        address=f"{boot}:{epoch}".encode(),
+        regions=tuple(
+            AdvertisedRegion(s.region_id, epoch, 0, s.size, segment_key(s.name, s.dev, s.ino))
+            for s in segments
+        ),
+    ).signed(secret)
 
 
 @dataclass

@@ -30,21 +30,16 @@ Modules:
 from __future__ import annotations
 
 from refitd.cluster.registry import ClusterRegistry, StaticRegistry
+from refitd.config import RegistryConfig
 
 __all__ = ["ClusterRegistry", "StaticRegistry", "registry_from_config"]
 
 
-def registry_from_config(cfg: object, secret: bytes) -> ClusterRegistry:
-    """The registry ``[registry]`` asks for (``refitd.config.RegistryConfig``)."""
-    kind = getattr(cfg, "kind", "static")
-    prefix = getattr(cfg, "prefix", "/refitd")
-    if kind == "etcd":
+def registry_from_config(cfg: RegistryConfig | None, secret: bytes) -> ClusterRegistry:
+    """The registry ``[registry]`` asks for (None: the defaults, ``static``)."""
+    cfg = cfg or RegistryConfig()
+    if cfg.kind == "etcd":
         from refitd.cluster.etcd import EtcdRegistry
 
-        return EtcdRegistry(
-            list(getattr(cfg, "endpoints", ())),
-            prefix,
-            secret,
-            ttl_s=float(getattr(cfg, "lease_ttl_s", 10.0)),
-        )
-    return StaticRegistry(prefix, secret)
+        return EtcdRegistry(list(cfg.endpoints), cfg.prefix, secret, ttl_s=cfg.lease_ttl_s)
+    return StaticRegistry(cfg.prefix, secret)

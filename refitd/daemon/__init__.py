@@ -9,20 +9,32 @@ Modules:
 - `handlers`: the API v1 handlers, and `create_app` that assembles them
 - `openapi`: the OpenAPI 3.1 document, generated from the live router
 - `httpio`: the HTTP edge handlers share: app keys, body decoding, replies
-- `node`: `Daemon`: one daemon's live state, regions, registry, data plane
+- `node`: `Daemon`: one daemon's life: identity, data planes, start/stop, peer records
+- `store`: the region store: regions, their segments keyed by memory, pins, reaping
+- `staging`: staging regions: source-side packing for a reader's lease
+- `drain`: waiting for a version's leases to drain
+- `plane`: the daemon's data planes as one set every region registers with
 - `registry`: the pure state about sources: manifests, versions, leases
-- `regions`: region records and the bounds check every pull passes first
-- `pulls`: pulls: validate a whole plan, then move its bytes
+- `plancheck`: the bounds check every pull passes first
+- `pullcore`: the pure core of a pull: validation, path choice, pacing, outcomes
+- `pulls`: pulls: the awaits around the pull core (sources, data plane, progress)
+- `listeners`: what listens to a pull: the write rule, the pull cap
+- `peerclient`: the daemon's client of its peer daemons (the calls a pull makes, and
+  those a host mirror makes)
+- `mirror`: one host mirror's chunks and the source's holder book (pure)
+- `mirrors`: host mirrors and relay: policy, fill, relay, failover, release
+- `mirrorhandlers`: the mirrors' routes, and `setup_mirrors` that installs their hooks
 - `paths`: which data path reads each peer: the one place that decides
 - `peers`: which peer daemons this daemon may contact
-- `copier`: moving bytes between mapped regions of one host
 - `memory`: region memory: shared-memory segments
 - `holders`: client processes regions live with, watched with pidfds
 - `owners`: who owns a model and who may read it
 - `trust`: the trust model: who may touch which bytes, checked once
 - `auth`: who may talk to the daemon, and how much they may send
 - `caps`: per-principal caps on leases, regions and pulls
-- `experts`: MoE expert slot pools the daemon hosts: ``/v1/experts``
+- `pools`: MoE expert slot pools the daemon hosts
+- `poolmemory`: where a pool's rows live: views into its two regions
+- `poolapi`: the pools' HTTP API, ``/v1/experts``
 - `membership`: the daemon's membership in the cluster registry: registering,
   announcing its versions, the ``/v1/cluster`` routes
 - `metrics`: Prometheus metrics, ``GET /metrics``

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -22,8 +23,6 @@ from aiohttp import web
 
 from refitd.cluster import registry_from_config
 from refitd.daemon.auth import check_owner, owner_for, principal_of, sees_region
-from refitd.daemon.experts import POOLS, ExpertPools, close_pools, note_pull
-from refitd.daemon.experts import routes as expert_routes
 from refitd.daemon.httpio import (
     DAEMON,
     RouteTable,
@@ -35,14 +34,17 @@ from refitd.daemon.httpio import (
     reply,
     wants_msgpack,
 )
+from refitd.daemon.listeners import Caller, PullCap, WriteRule
 from refitd.daemon.membership import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.membership import routes as cluster_routes
-from refitd.daemon.metrics import observe_pull
+from refitd.daemon.metrics import METRICS_KEY, PullMetrics
 from refitd.daemon.mirrorhandlers import setup_mirrors
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.pulls import PullJob, PullManager, RemoteSource, Source
+from refitd.daemon.peerclient import PeerClient
+from refitd.daemon.poolapi import routes as expert_routes
+from refitd.daemon.pools import POOLS, ExpertPools, close_pools
+from refitd.daemon.pulls import PULLS, PullJob, PullManager, RemoteSource, Source
 from refitd.daemon.registry import check_manifest_bounds
-from refitd.daemon.trust import check_writes
 from refitd.errors import ProtocolError, TransportError
 from refitd.wire import (
     MAX_LEASE_TTL_S,
@@ -65,8 +67,6 @@ __all__ = [
     "error_middleware",
     "routes",
 ]
-
-PULLS: web.AppKey[PullManager] = web.AppKey("pulls", PullManager)
 
 routes = RouteTable()
 
@@ -283,29 +283,15 @@ async def release(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- pulls
 
 
-def check_pull_writes(request: web.Request, req: PullRequest) -> None:
-    """Refuse a pull whose destinations include another principal's region (403), a
-    staging region (403) or a region a READY, pending or leased version publishes from
-    (409): the write rule of :mod:`refitd.daemon.trust`."""
-    d = request.app[DAEMON]
-    known = d.regions.sizes()
-    dst = {int(x) for x in req.descriptors.rows()[:, 2]} | {p.dst_region for p in req.pack_specs}
-    for rid in sorted(dst & known.keys()):  # unknown ids are refused by validation
-        check_owner(request, d.regions.get(rid).owner, "write", f"region {rid}")
-    check_writes(dst, d.registry.protected_regions(), d.staging_ids)
+def caller_of(request: web.Request) -> Caller:
+    """The principal submitting a pull, and how to refuse them another's object."""
+    return Caller(principal_of(request).name, functools.partial(check_owner, request))
 
 
 @routes.handles(api.SUBMIT_PULL)
 async def submit_pull(request: web.Request) -> web.Response:
     req = await body(request, PullRequest)
-    check_pull_writes(request, req)  # auth: a pull writes only into the caller's regions
-    pulls, who = request.app[PULLS], principal_of(request).name
-    caps = request.app[DAEMON].caps
-    caps.pulls.admit(who, lambda pid: pid in pulls.jobs and not pulls.jobs[pid].finished.is_set())
-    job = await pulls.submit(req, owner=who)
-    caps.pulls.add(who, job.pull_id)
-    observe_pull(request.app, job, job.path)  # metrics by the path this pull takes
-    note_pull(request.app, req, job)  # expert rows it rewrites leave their slots
+    job = await request.app[PULLS].submit(req, caller_of(request))
     return reply(request, job.snapshot(), 202)
 
 
@@ -417,9 +403,7 @@ def create_app(
     )
     app[DAEMON] = d
 
-    from refitd.client.http import RefitClient
-
-    clients: dict[str, RefitClient] = {}
+    clients: dict[str, PeerClient] = {}
 
     cluster = registry_from_config(opts.registry, opts.secret)
     app[CLUSTER] = cluster
@@ -438,12 +422,15 @@ def create_app(
     def connect(url: str) -> Source:
         c = clients.get(url)
         if c is None:
-            c = clients[url] = RefitClient(url, token=token)
+            c = clients[url] = PeerClient(url, token=token)
         return RemoteSource(c, opts.secret)
 
     pulls = PullManager(d, connect)
+    # Each pull is admitted by the write rule, then the pull cap, in this order.
+    pulls.listen(WriteRule(d))
+    pulls.listen(PullCap(d.caps, pulls.running))
     app[PULLS] = pulls
-    setup_mirrors(app, pulls, opts.mirrors)  # host mirrors and relay (issue 25)
+    setup_mirrors(app, d, pulls, opts.mirrors)  # host mirrors and relay (issue 25)
     cluster.on_gone(
         lambda rec: pulls.fail_source(
             rec.url,
@@ -466,7 +453,10 @@ def create_app(
     app.cleanup_ctx.append(daemon_ctx)
     app.cleanup_ctx.extend(cleanup_ctx)
     app.add_routes(routes)
-    app[POOLS] = ExpertPools(d)
+    app[POOLS] = pools = ExpertPools(d)
+    pulls.listen(pools)  # the experts a pull rewrites leave their slots
+    # Pulls by outcome, bytes by the path each took, once the app has metrics.
+    pulls.listen(PullMetrics(lambda: app.get(METRICS_KEY)))
     app.on_shutdown.append(close_pools)  # before cleanup closes the regions
     app.add_routes(expert_routes)
     app.add_routes(cluster_routes)

@@ -1,7 +1,7 @@
 """The HTTP edge every handler module shares: app keys, body decoding, replies, and
 the one middleware where refusals become HTTP statuses.
 
-Handler modules (:mod:`refitd.daemon.handlers`, :mod:`refitd.daemon.experts`) import
+Handler modules (:mod:`refitd.daemon.handlers`, :mod:`refitd.daemon.poolapi`) import
 this module, never each other's internals, so the app assembles them without an
 import cycle.
 """

@@ -7,6 +7,7 @@ daemon's numbers apart and nothing collides.
 Two kinds of numbers:
 
 - **events** the daemon reports as they happen: :meth:`Metrics.pull_finished`
+  (told by :class:`PullMetrics`, a listener on the daemon's pulls)
   (bytes by transport, pulls by outcome, the latency histogram) and
   :meth:`Metrics.refused`. Refusals returned as HTTP errors are also counted
   automatically by the middleware (reason = the ``error`` field of the JSON body,
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
@@ -35,16 +36,20 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from refitd.daemon.listeners import PullListener
 from refitd.wire import PoolStats
 from refitd.wire import routes as api
+
+if TYPE_CHECKING:
+    from refitd.daemon.pulls import PullJob
 
 __all__ = [
     "METRICS_KEY",
     "PULL_SECONDS_BUCKETS",
     "Metrics",
     "PoolStats",
+    "PullMetrics",
     "StateSnapshot",
-    "observe_pull",
     "setup_metrics",
 ]
 
@@ -229,27 +234,25 @@ class Metrics:
 METRICS_KEY = web.AppKey("refitd_metrics", Metrics)
 
 
-def observe_pull(app: web.Application, job: Any, transport: str) -> None:
-    """Record ``job`` (a :class:`refitd.daemon.pulls.PullJob`) when its task ends.
+class PullMetrics(PullListener):
+    """Records every pull of a daemon when it ends: its outcome, its wall time and
+    the bytes it moved, by the path it took (``job.path``), in the :class:`Metrics`
+    ``metrics()`` returns then (None: the app has none, nothing is recorded)."""
 
-    A no-op when ``app`` has no metrics. The record is taken in the task's done
-    callback, after the job's own bookkeeping (state, ``bytes_done``, ``ended``).
-    """
-    metrics = app.get(METRICS_KEY)
-    task = getattr(job, "task", None)
-    if metrics is None or task is None:
-        return
+    def __init__(self, metrics: Callable[[], Metrics | None]) -> None:
+        self.metrics = metrics
 
-    def done(_: object) -> None:
+    def ended(self, job: PullJob) -> None:
+        metrics = self.metrics()
+        if metrics is None:
+            return
         ended = job.ended if job.ended is not None else job.started
         metrics.pull_finished(
-            transport=transport,
+            transport=job.path,
             outcome=str(job.state),
             nbytes=int(job.bytes_done),
             seconds=max(0.0, ended - job.started),
         )
-
-    task.add_done_callback(done)
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
 from refitd.daemon.mirrors import Mirrors
+from refitd.daemon.node import Daemon
 from refitd.daemon.pulls import PullManager
 from refitd.wire import routes as api
 from refitd.wire.mirrors import HolderJoin
@@ -47,19 +48,20 @@ async def mirror_state(request: web.Request) -> web.Response:
     return reply(request, m.state())
 
 
-def setup_mirrors(app: web.Application, pulls: PullManager, policy: str) -> Mirrors:
-    """Install the mirror store and its routes on ``app``; the pull manager and the
-    daemon consult it through their hooks."""
+def setup_mirrors(app: web.Application, d: Daemon, pulls: PullManager, policy: str) -> Mirrors:
+    """Install the mirror store of daemon ``d`` and its routes on ``app``; the pull
+    manager (``redirect``) and the daemon (``scope_limit``) consult it through their
+    hooks."""
     from refitd.daemon.membership import CLUSTER
 
     def self_url() -> str:
         me = app[CLUSTER].me
         return me.url if me is not None else ""
 
-    mirrors = Mirrors(pulls, policy, self_url)
+    mirrors = Mirrors(d, pulls, policy, self_url)
     app[MIRRORS] = mirrors
     pulls.redirect = mirrors.redirect
-    pulls.d.scope_limit = mirrors.limit_scope
+    d.scope_limit = mirrors.limit_scope
     app.add_routes(routes)
 
     async def close(app: web.Application) -> None:

@@ -48,6 +48,8 @@ import msgspec
 import numpy as np
 
 from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, covered, cut_chunks
+from refitd.daemon.paths import SHM_SCHEME
+from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.pulls import RemoteSource
 from refitd.daemon.trust import Extents
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
@@ -61,9 +63,9 @@ from refitd.wire import (
     TensorEntry,
     VersionState,
 )
-from refitd.wire import routes as api
 from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
 from transports.batch import rows_as_batch
+from transports.interface import Peer
 
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
@@ -114,11 +116,13 @@ class Redirect:
 class Mirrors:
     """Every mirror of one daemon, its policy, and (as a source) its holder book."""
 
-    def __init__(self, pulls: PullManager, policy: str, self_url: Callable[[], str]) -> None:
+    def __init__(
+        self, daemon: Daemon, pulls: PullManager, policy: str, self_url: Callable[[], str]
+    ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"mirror policy {policy!r}: expected one of {POLICIES}")
         self.pulls = pulls
-        self.d: Daemon = pulls.d
+        self.d = daemon
         self.policy = policy
         self.self_url = self_url
         self.book = HolderBook()
@@ -216,7 +220,7 @@ class Mirrors:
 
     async def _run(self, m: Mirror) -> None:
         src = self._remote(m.source)
-        client = src.c
+        client = src.client
         lease_id = ""
         try:
             grant = await client.acquire_lease(m.model, m.version, LEASE_TTL_S)
@@ -266,7 +270,7 @@ class Mirrors:
                 f"version {max(newest)} of it"
             )
             return
-        manifest = await src.c.manifest(m.model, m.version)
+        manifest = await src.client.manifest(m.model, m.version)
         ids = sorted({s.region for t in manifest.tensors for s in t.shards})
         probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
         peer = await src.regions(ids, probe)
@@ -337,7 +341,7 @@ class Mirrors:
             return ""
         join = HolderJoin(m.model, m.version, me, self.d.node_id, exclude)
         try:
-            a = await src.c._send(api.MIRROR_HOLDERS, join)
+            a = await src.client.join_holders(join)
         except RefitError as exc:
             log.info("no holder book at %s (%s): reading it directly", m.source, exc)
             return ""
@@ -347,7 +351,7 @@ class Mirrors:
         """Read the chunks ``url``'s mirror holds and this one lacks, as they complete
         there, until every chunk is here."""
         relay = self._remote(url)
-        c = relay.c
+        c = relay.client
         deadline = self.d.options.pull_timeout_s
         async with asyncio.timeout(deadline):  # a stopped relay answers nothing
             grant = await c.acquire_lease(m.model, m.version, LEASE_TTL_S)
@@ -360,12 +364,7 @@ class Mirrors:
                 seen = -1
                 while not claimed.all():
                     async with asyncio.timeout(WAIT_S + deadline):
-                        st = await c._send(
-                            api.MIRROR_STATE,
-                            params={"after": str(seen), "timeout": str(WAIT_S)},
-                            model=m.model,
-                            version=m.version,
-                        )
+                        st = await c.mirror_state(m.model, m.version, seen, WAIT_S)
                     if st.error:
                         raise TransportError(f"its mirror failed: {st.error}")
                     if st.source.rstrip("/") != m.source or set(st.regions) != set(m.regions):
@@ -435,22 +434,16 @@ class Mirrors:
         """Read chunks ``todo`` from ``src`` (its records ``peer``) over the path a
         pull from it would take."""
         async with asyncio.timeout(self.d.options.pull_timeout_s):
-            path, conn = await self.pulls.choose_path(src, peer)
+            path, conn = await self.pulls.open_path(src, peer)
         try:
-            if conn is None:
-                async with asyncio.timeout(self.d.options.pull_timeout_s):
-                    conn = await self.pulls._transport_peer(peer, path)
             await self._read(m, conn, todo, their)
         finally:
-            if conn is not None and path == "shm":
+            if path == SHM_SCHEME:  # a transport's connection is shared: it stays open
                 await conn.close()
 
     async def _read(
-        self, m: Mirror, conn: object, todo: np.ndarray, their: dict[int, int] | None
+        self, m: Mirror, conn: Peer, todo: np.ndarray, their: dict[int, int] | None
     ) -> None:
-        from transports.interface import Peer
-
-        assert isinstance(conn, Peer)
         window = asyncio.Semaphore(2)
         local = {s: r.region_id for s, r in m.regions.items()}
 
@@ -546,11 +539,11 @@ class Mirrors:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def _renew(client: object, lease_id: str) -> None:
+async def _renew(client: PeerClient, lease_id: str) -> None:
     while True:
         await asyncio.sleep(LEASE_TTL_S / 3)
         with contextlib.suppress(RefitError):
-            await client.renew_lease(lease_id, LEASE_TTL_S)  # type: ignore[attr-defined]
+            await client.renew_lease(lease_id, LEASE_TTL_S)
 
 
 def _no_rows() -> np.ndarray:

@@ -21,16 +21,18 @@ this host's loopback.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import socket
 import urllib.parse
-from typing import TYPE_CHECKING, Any
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from refitd.errors import TransportError
 from refitd.wire import PeerRegions
-from transports.interface import PeerInfo
+from transports.interface import PeerInfo, TransportOptions
 from transports.tcp.frames import scope_key
 
 if TYPE_CHECKING:
@@ -87,11 +89,13 @@ def _hosts_of(urls: list[str]) -> set[str]:
     return out
 
 
-def transport_options(daemon: Daemon, scheme: str) -> dict[str, Any]:
-    """Keyword options (beyond secret and peer id) the daemon builds ``scheme`` with."""
+def transport_options(daemon: Daemon, scheme: str) -> TransportOptions:
+    """What the daemon builds ``scheme`` with: its secret, node id and pull
+    deadline, and for ``tcp`` its lanes, data server and who may use it."""
     o = daemon.options
+    common = TransportOptions(o.secret, daemon.node_id, pull_timeout=o.pull_timeout_s)
     if scheme != TCP_SCHEME:
-        return {}
+        return common
 
     def accept(host: str) -> bool:
         try:
@@ -105,16 +109,17 @@ def transport_options(daemon: Daemon, scheme: str) -> dict[str, Any]:
     registry = o.registry
     if o.host in ("0.0.0.0", "::", "") and registry is not None and registry.advertise_url:
         advertise_host = urllib.parse.urlsplit(registry.advertise_url).hostname or ""
-    return {
-        "lanes": o.lanes,
-        "host": o.host,
-        "port": o.tcp_port,
-        "advertise_host": advertise_host,
-        "accept": accept,
-        "authorize": daemon.registry.is_live,
-        "require_lease": True,
-        "epoch": daemon.epoch,
-    }
+    return dataclasses.replace(
+        common,
+        lanes=o.lanes,
+        host=o.host,
+        port=o.tcp_port,
+        advertise_host=advertise_host,
+        accept=accept,
+        authorize=daemon.registry.is_live,
+        require_lease=True,
+        epoch=daemon.epoch,
+    )
 
 
 def adverts(peer: PeerRegions) -> dict[str, PeerInfo]:
@@ -126,10 +131,12 @@ def adverts(peer: PeerRegions) -> dict[str, PeerInfo]:
     return out
 
 
-def choose_remote(daemon: Daemon, peer: PeerRegions, why_not_shm: str) -> tuple[str, str]:
-    """``(scheme, why)``: the transport a pull from other-host ``peer`` reads through.
-    :class:`TransportError` (nothing moved) when none fits."""
-    mine = daemon.transports
+def choose_remote(
+    mode: str, mine: Collection[str], peer: PeerRegions, why_not_shm: str
+) -> tuple[str, str]:
+    """``(scheme, why)``: the transport a pull from other-host ``peer`` reads through,
+    for a daemon in ``mode`` running the transports ``mine`` (schemes, in start
+    order). :class:`TransportError` (nothing moved) when none fits."""
     if not mine:
         raise TransportError(f"pull from {peer.node_id!r} refused: this daemon runs no transport")
     theirs = adverts(peer)
@@ -139,7 +146,6 @@ def choose_remote(daemon: Daemon, peer: PeerRegions, why_not_shm: str) -> tuple[
             f"data plane (it runs {peer.transport!r}), and not the shared-memory path "
             f"because {why_not_shm}"
         )
-    mode = daemon.options.transport
     if mode == AUTO:
         if UCX_SCHEME in mine and UCX_SCHEME in theirs:
             return UCX_SCHEME, f"both ends run UCX with RDMA; not shm because {why_not_shm}"

@@ -30,19 +30,21 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+from aiohttp import web
 
-from refitd.daemon.node import AUTO, SHM_SCHEME, Daemon
-from refitd.daemon.paths import TCP_SCHEME, adverts, choose_remote, tcp_grant
-from refitd.daemon.regions import validate_descriptors, validate_plan
-from refitd.daemon.trust import check_pack_reads, check_reads, check_writes
-from refitd.errors import NotFoundError, ProtocolError, RefitError, TransportError
+from refitd.daemon import pullcore
+from refitd.daemon.listeners import Caller, PullListener, anyone
+from refitd.daemon.node import Daemon
+from refitd.daemon.paths import SHM_SCHEME, TCP_SCHEME, adverts, choose_remote, tcp_grant
+from refitd.daemon.peerclient import PeerClient
+from refitd.daemon.trust import check_writes
+from refitd.errors import NotFoundError, RefitError
 from refitd.wire import (
-    DescriptorTable,
     ErrorBody,
     PackSpec,
     PeerRegions,
@@ -51,16 +53,13 @@ from refitd.wire import (
     PullState,
     StagedPack,
 )
-from transports.batch import rows_as_batch, split_pieces, suspect_ranges
-from transports.interface import AdvertisedRegion, Peer, PeerInfo
-from transports.shm import segment_key
+from transports.interface import Peer
 from transports.tcp import TcpPeer
 
 if TYPE_CHECKING:
-    from refitd.client.http import RefitClient
     from refitd.daemon.mirrors import Redirect
 
-__all__ = ["PullJob", "PullManager", "Source"]
+__all__ = ["PULLS", "PullJob", "PullManager", "Source"]
 
 KEEP_FINISHED = 1024
 """Ended pulls whose results stay queryable (the oldest are forgotten first)."""
@@ -68,34 +67,6 @@ KEEP_FINISHED = 1024
 IN_FLIGHT = 2
 """Batches of one pull a peer has in flight at once: while one is being moved, the
 next is validated and posted, so the data plane never waits on this loop."""
-
-
-@dataclass(frozen=True)
-class Pace:
-    """How a path's reads are cut and batched (bytes): a read longer than ``piece``
-    is cut into ``piece``-sized reads (so several can be in flight); a batch handed
-    to the peer holds at most ``reads`` reads and about ``max_bytes`` bytes (a larger
-    single read is a batch of its own). Progress is reported, and a cancel lands,
-    between batches."""
-
-    piece: int
-    reads: int
-    max_bytes: int
-
-
-TRANSPORT_PACE = Pace(piece=32 << 20, reads=2048, max_bytes=256 << 20)
-"""The transport's (UCX): 32 MiB reads, so one large region keeps both batches busy."""
-
-PACE = {
-    SHM_SCHEME: Pace(piece=1 << 62, reads=8192, max_bytes=256 << 20),
-    TCP_SCHEME: Pace(piece=32 << 20, reads=16384, max_bytes=256 << 20),
-}
-"""Per path, where it differs from ``TRANSPORT_PACE``. A same-host batch is one
-parallel memcpy that cuts its bytes into per-thread shares itself, so reads are not
-cut (on the test host a 1 GiB read cut into 32 MiB pieces moved at about 70% of the
-speed of the whole read) and batches are large: each costs a validation and two
-thread hand-offs, which on a busy host wait for a core. Over ``tcp`` a batch may
-hold many small reads: the transport gathers them into requests over its lanes."""
 
 SHUTTING_DOWN = "daemon shutting down"
 """The reason a pull still running when the daemon stops is cancelled with."""
@@ -121,46 +92,48 @@ class LocalSource:
     """This daemon as the source of its own pulls."""
 
     def __init__(self, daemon: Daemon) -> None:
-        self.d = daemon
+        self.daemon = daemon
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
-        self.d.registry.check(lease_id, model, version)
+        self.daemon.registry.check(lease_id, model, version)
 
     async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
-        lease = self.d.registry.check(req.lease_id, req.model, req.version)
-        return self.d.peer_regions(ids, lease)
+        lease = self.daemon.registry.check(req.lease_id, req.model, req.version)
+        return self.daemon.peer_regions(ids, lease)
 
     async def pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
     ) -> StagedPack:
-        return await self.d.pack(specs, self.d.registry.check(lease_id, model, version))
+        lease = self.daemon.registry.check(lease_id, model, version)
+        return await self.daemon.staging.pack(specs, lease)
 
     async def drop(self, region_id: int, lease_id: str) -> None:
-        await self.d.release_staging(region_id, lease_id)
+        await self.daemon.staging.release(region_id, lease_id)
 
 
 class RemoteSource:
-    """A peer daemon reached through :class:`refitd.client.RefitClient`."""
+    """A peer daemon, reached through this daemon's :class:`PeerClient`; its region
+    records are verified with the deployment ``secret``."""
 
-    def __init__(self, client: RefitClient, secret: bytes) -> None:
-        self.c = client
+    def __init__(self, client: PeerClient, secret: bytes) -> None:
+        self.client = client
         self.secret = secret
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
-        await self.c.check_lease(lease_id, model, version)
+        await self.client.check_lease(lease_id, model, version)
 
     async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
-        rec = await self.c.peer_regions(ids, req.lease_id, req.model, req.version)
+        rec = await self.client.regions(ids, req.lease_id, req.model, req.version)
         rec.verify(self.secret)
         return rec
 
     async def pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
     ) -> StagedPack:
-        return await self.c.peer_pack(model, version, lease_id, specs)
+        return await self.client.pack(model, version, lease_id, specs)
 
     async def drop(self, region_id: int, lease_id: str) -> None:
-        await self.c.peer_drop(region_id, lease_id)
+        await self.client.drop(region_id, lease_id)
 
 
 @dataclass
@@ -211,23 +184,32 @@ class PullJob:
         )
 
 
-def dst_ids_of(rows: np.ndarray, req: PullRequest) -> set[int]:
-    """The destination regions of a pull's descriptor ``rows`` and pack specs."""
-    return {int(x) for x in np.unique(rows[:, 2])} | {p.dst_region for p in req.pack_specs}
-
-
-def _coalesced_dst(rows: np.ndarray) -> list[tuple[int, int, int]]:
-    """Destination ``(region, offset, nbytes)`` ranges of wire ``rows``, sorted and
-    merged: the data plane's :func:`~transports.batch.suspect_ranges` of those reads."""
-    return [(r.region, r.offset, r.nbytes) for r in suspect_ranges(rows_as_batch(rows))]
-
-
 class PullManager:
-    """Every pull of one daemon. Tasks are tracked and cancelled on :meth:`close`."""
+    """Every pull of one daemon. Tasks are tracked and cancelled on :meth:`close`.
 
-    def __init__(self, daemon: Daemon, connect: Callable[[str], Source]) -> None:
-        self.d = daemon
+    It holds the daemon's parts a pull needs, not the daemon: the region store
+    (destination sizes, pins), the registry and staging pool (the write rule), the
+    data planes and the peer policy; ``connect`` makes the source for a peer URL.
+    ``listeners`` are told of every pull (:mod:`refitd.daemon.listeners`)."""
+
+    def __init__(
+        self,
+        daemon: Daemon,
+        connect: Callable[[str], Source],
+        listeners: Iterable[PullListener] = (),
+    ) -> None:
+        self._local = LocalSource(daemon)
+        self.store = daemon.store
+        self.registry = daemon.registry
+        self.staging = daemon.staging
+        self.plane = daemon.plane
+        self.peers = daemon.peers
+        self.mode = daemon.options.transport
+        self.secret = daemon.options.secret
+        #: per peer node, the path the last pull from it took and why (the daemon's)
+        self.seen_paths = daemon.seen_paths
         self._connect = connect
+        self.listeners: list[PullListener] = list(listeners)
         self.jobs: dict[str, PullJob] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._seq = itertools.count(1)
@@ -237,23 +219,37 @@ class PullManager:
         #: source rewritten to read this daemon's mirror of the version, or None
         self.redirect: Callable[[PullRequest, str], Awaitable[Redirect | None]] | None = None
 
+    def listen(self, listener: PullListener) -> None:
+        """Tell ``listener`` of every pull submitted from now on (after the others)."""
+        self.listeners.append(listener)
+
+    def running(self, pull_id: str) -> bool:
+        """Whether the pull ``pull_id`` is known here and has not ended."""
+        job = self.jobs.get(pull_id)
+        return job is not None and not job.finished.is_set()
+
     def source_for(self, url: str) -> Source:
         """This daemon for ``""``; else the peer at ``url`` if this daemon trusts it
         (:class:`ProtocolError`, 400, before any connection opens, if not)."""
-        return LocalSource(self.d) if not url else self._connect(self.d.peers.check(url))
+        return self._local if not url else self._connect(self.peers.check(url))
 
-    async def submit(self, req: PullRequest, owner: str = "") -> PullJob:
+    async def submit(self, req: PullRequest, caller: Caller = anyone) -> PullJob:
         """Check lease and every descriptor, then start moving bytes in a task, as a
-        pull of principal ``owner``.
+        pull of ``caller``.
 
-        Raises (nothing moved) :class:`ConflictError` for a stale/unleased version,
-        :class:`ProtocolError` naming the first out-of-bounds descriptor or pack spec.
+        Raises (nothing moved) whatever a listener refuses with first, then
+        :class:`ConflictError` for a stale/unleased version, :class:`ProtocolError`
+        naming the first out-of-bounds descriptor or pack spec.
         """
-        mirrored = await self.redirect(req, owner) if self.redirect is not None else None
+        for listener in self.listeners:
+            listener.admit(req, caller)
+        # A host mirror may serve the pull instead of its remote source: admitted as
+        # asked (the destinations are the same), then read from the mirror over shm.
+        mirrored = await self.redirect(req, caller.name) if self.redirect is not None else None
         if mirrored is None:
-            return await self._submit(req, owner)
+            return await self._submit(req, caller)
         try:
-            job = await self._submit(mirrored.req, owner)
+            job = await self._submit(mirrored.req, caller)
         except BaseException:
             mirrored.release()
             raise
@@ -261,44 +257,38 @@ class PullManager:
         job.task.add_done_callback(lambda _: mirrored.release())
         return job
 
-    async def _submit(self, req: PullRequest, owner: str) -> PullJob:
+    async def _submit(self, req: PullRequest, caller: Caller) -> PullJob:
+        """:meth:`submit` once admitted: ``req`` is read from its own source."""
         src = self.source_for(req.source)
         await src.check_lease(req.lease_id, req.model, req.version)
         rows = req.descriptors.rows()
-        src_ids = sorted(
-            {int(x) for x in np.unique(rows[:, 0])} | {p.src_region for p in req.pack_specs}
-        )
+        src_ids = pullcore.source_ids(rows, req.pack_specs)
         peer = await src.regions(src_ids, req) if src_ids else None
-        src_sizes = {r.region_id: r.nbytes for r in peer.regions} if peer else {}
-        dst_sizes = self.d.regions.sizes()
-        validate_plan(rows, req.pack_specs, src_sizes, dst_sizes)
-        if peer is not None:
-            what = _scope_check(peer, req)
-            check_reads(rows, peer.scope, what)
-            check_pack_reads(req.pack_specs, peer.scope, what)
+        pullcore.check_plan(rows, req, peer, self.store.regions.sizes())
         path, conn = await self.choose_path(src, peer)
-        total = int(rows[:, 4].sum()) + sum(p.nbytes for p in req.pack_specs)
+        total = pullcore.total_bytes(rows, req.pack_specs)
         job = PullJob(f"p{next(self._seq)}", req, total, rows.shape[0] + len(req.pack_specs))
         # The write rule again, after the awaits above: a version published meanwhile
         # from a destination must not be written (from here on, none can be).
-        dst_ids = dst_ids_of(rows, req)
+        dst_ids = pullcore.dst_ids(rows, req.pack_specs)
         try:
-            check_writes(dst_ids, self.d.registry.protected_regions(), self.d.staging_ids)
+            check_writes(dst_ids, self.registry.protected_regions(), self.staging.ids)
         except RefitError:
             if conn is not None:
                 await conn.close()
             raise
-        job.path, job.conn, job.owner = path, conn, owner
-        job.pins.enter_context(
-            self.d.using(dst_ids | (set(src_ids) if isinstance(src, LocalSource) else set()))
-        )
-        job.pins.enter_context(self.d.writing(dst_ids, job.pull_id))
+        job.path, job.conn, job.owner = path, conn, caller.name
+        local = set(src_ids) if isinstance(src, LocalSource) else set()
+        job.pins.enter_context(self.store.using(dst_ids | local))
+        job.pins.enter_context(self.store.writing(dst_ids, job.pull_id))
         self.jobs[job.pull_id] = job
         self._forget_old()
         task = asyncio.create_task(self._run(job, src, rows, peer))
         job.task = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        for listener in self.listeners:
+            listener.started(job)
         return job
 
     def _forget_old(self) -> None:
@@ -358,36 +348,20 @@ class PullManager:
         job.state = PullState.RUNNING
         staged: StagedPack | None = None
         all_rows = rows
-        # Once bytes may have moved, every destination range of the pull is suspect:
-        # a data plane that failed mid-batch cannot say which reads landed.
+        # Once bytes may have moved, every destination range of the pull is suspect.
         moving = False
         try:
             if req.pack_specs:
                 staged = await src.pack(req.model, req.version, req.lease_id, req.pack_specs)
-                extra = np.array(
-                    [
-                        (staged.region.region_id, o, p.dst_region, p.dst_offset, p.nbytes)
-                        for p, o in zip(req.pack_specs, staged.offsets, strict=True)
-                    ],
-                    dtype=np.int64,
-                ).reshape(-1, 5)
-                # The staging record must come authenticated like any other region,
-                # scoped to this lease, and the offsets the source sent are checked
-                # like any descriptor: in bounds of that record, inside its scope.
+                extra = pullcore.staged_rows(staged, req.pack_specs)
                 sp = await src.regions([staged.region.region_id], req)
-                what = _scope_check(sp, req)
-                validate_descriptors(
-                    DescriptorTable.pack(extra),
-                    {r.region_id: r.nbytes for r in sp.regions},
-                    self.d.regions.sizes(),
-                )
-                check_reads(extra, sp.scope, what)
-                peer = sp if peer is None else _merge_peer(peer, sp)
+                pullcore.check_staged(extra, sp, req, self.store.regions.sizes())
+                peer = sp if peer is None else pullcore.merge_peer(peer, sp)
                 all_rows = np.concatenate([rows, extra])
                 if isinstance(src, LocalSource):
-                    job.pins.enter_context(self.d.using([staged.region.region_id]))
+                    job.pins.enter_context(self.store.using([staged.region.region_id]))
                 elif job.conn is not None:  # the staging segment joins the connection
-                    await job.conn.update(self._shm_record(peer))
+                    await job.conn.update(pullcore.shm_record(peer, self.secret))
             moving = True
             if all_rows.shape[0] and peer is not None:
                 conn = job.conn or await self._transport_peer(peer, job.path)
@@ -397,30 +371,22 @@ class PullManager:
         except asyncio.CancelledError as exc:
             if job.fail_reason:
                 job.state = PullState.FAILED
-                job.error = ErrorBody(
-                    "TransportError",
-                    f"pull {job.pull_id} from {_source_name(req.source, peer)} failed: "
-                    f"{job.fail_reason}",
-                )
-                job.suspect = _coalesced_dst(all_rows) if moving else []
+                where = pullcore.source_name(req.source, peer)
+                job.error = pullcore.source_gone(job.pull_id, where, job.fail_reason)
+                job.suspect = pullcore.suspect(all_rows) if moving else []
                 return
             # The reason travels on the job (set by whoever cancelled) and, where the
             # cancel reached us directly, in the CancelledError's message.
             reason = job.cancel_reason or (str(exc.args[0]) if exc.args else "") or "cancelled"
             job.state = PullState.CANCELLED
-            job.error = ErrorBody(
-                "ConflictError", f"pull {job.pull_id} cancelled before it completed: {reason}"
-            )
-            job.suspect = _coalesced_dst(all_rows) if moving else []
+            job.error = pullcore.cancelled(job.pull_id, reason)
+            job.suspect = pullcore.suspect(all_rows) if moving else []
         except Exception as exc:
             # Any error fails the pull: one that escaped here unhandled would end the
             # task with the job still RUNNING and every waiter polling it forever.
             job.state = PullState.FAILED
-            job.error = ErrorBody(
-                type(exc).__name__ if isinstance(exc, RefitError) else "TransportError",
-                f"pull {job.pull_id} from {_source_name(req.source, peer)} failed: {exc}",
-            )
-            job.suspect = _coalesced_dst(all_rows) if moving else []
+            job.error = pullcore.failed(job.pull_id, pullcore.source_name(req.source, peer), exc)
+            job.suspect = pullcore.suspect(all_rows) if moving else []
             if not isinstance(exc, RefitError):
                 log.error("pull %s failed unexpectedly", job.pull_id, exc_info=exc)
         finally:
@@ -428,10 +394,12 @@ class PullManager:
             if job.conn is not None:
                 await job.conn.close()  # lets go of its mappings: none is read any more
             job.pins.close()
-            self.d.reap_soon()  # an exited client's region this pull held may go now
+            self.store.reap_soon()  # an exited client's region this pull held may go now
             if staged is not None:
                 with contextlib.suppress(RefitError):
                     await asyncio.shield(src.drop(staged.region.region_id, req.lease_id))
+            for listener in self.listeners:
+                listener.ended(job)
             job.finished.set()
 
     # ------------------------------------------------------------ path choice
@@ -448,75 +416,51 @@ class PullManager:
         Raises :class:`TransportError` (nothing moved) when no path fits.
         """
         if isinstance(src, LocalSource):
-            return SHM_SCHEME, self.d.shm.loopback()
+            return SHM_SCHEME, self.plane.shm.loopback()
         if peer is None:
             return "none", None  # nothing to read
-        mode = self.d.options.transport
-        why_not_shm = f"this daemon is forced to its transport (--transport {mode})"
-        if mode in (AUTO, SHM_SCHEME):
+        why_not_shm = pullcore.forced(self.mode)
+        if pullcore.tries_shm(self.mode):
             try:
-                conn = await self.d.shm.connect(self._shm_record(peer))
-                self.d.seen_paths[peer.node_id] = (SHM_SCHEME, "proven on this host")
+                conn = await self.plane.shm.connect(pullcore.shm_record(peer, self.secret))
+                self.seen_paths[peer.node_id] = (SHM_SCHEME, "proven on this host")
                 return SHM_SCHEME, conn
             except (RefitError, OSError) as exc:
-                refusal = str(exc)
-            if mode == SHM_SCHEME:
-                raise TransportError(
-                    f"pull from {peer.node_id!r} refused before any byte moved: this daemon "
-                    "runs the shared-memory path only (--transport shm), and that path is "
-                    f"refused: {refusal}"
-                )
-            why_not_shm = refusal
-        scheme, why = choose_remote(self.d, peer, why_not_shm)
-        self.d.seen_paths[peer.node_id] = (scheme, why)
+                why_not_shm = pullcore.shm_refused(self.mode, peer.node_id, str(exc))
+        scheme, why = choose_remote(self.mode, list(self.plane.by_scheme), peer, why_not_shm)
+        self.seen_paths[peer.node_id] = (scheme, why)
         log.info("pull from %s over %s: %s", peer.node_id, scheme, why)
         return scheme, None
+
+    async def open_path(self, src: Source, peer: PeerRegions) -> tuple[str, Peer]:
+        """The path a pull from ``src`` (its records ``peer``) would take, and a
+        connection on it, for reads made outside a pull (a host mirror's). A ``shm``
+        connection is the caller's to close; a transport's is shared, and stays open."""
+        path, conn = await self.choose_path(src, peer)
+        if conn is None:
+            conn = await self._transport_peer(peer, path)
+        return path, conn
 
     async def shm_refusal(self, peer: PeerRegions) -> str | None:
         """Why the ``shm`` transport does not connect to ``peer``, or None when it does:
         the peer's boot id equals ours and every region it listed maps (by name) to
         the very file its signed record names, at exactly the size it states."""
         try:
-            conn = await self.d.shm.connect(self._shm_record(peer))
+            conn = await self.plane.shm.connect(pullcore.shm_record(peer, self.secret))
         except (RefitError, OSError) as exc:
             return str(exc)
         await conn.close()
         return None
-
-    def _shm_record(self, peer: PeerRegions) -> PeerInfo:
-        """``peer``'s verified, lease-scoped region records as the ``shm`` transport's
-        signed record: address ``<boot id>:<epoch>``, and per region its segment's
-        name and file identity (:func:`~transports.shm.segment_key`).
-
-        Built here from the record this daemon already verified rather than
-        advertised by the peer: it lists only the regions this pull's lease may read,
-        and needs nothing more on the wire than the peer's ``PeerRegions``."""
-        regions = []
-        for r in peer.regions:
-            file = peer.files.get(r.region_id)
-            if file is None:
-                raise TransportError(
-                    f"region {r.region_id} of {peer.node_id!r} does not map here: the record "
-                    f"names no file for segment {r.handle!r}"
-                )
-            key = segment_key(r.handle, *file)
-            regions.append(AdvertisedRegion(r.region_id, peer.epoch, 0, r.nbytes, key))
-        return PeerInfo(
-            scheme=SHM_SCHEME,
-            peer_id=peer.node_id,
-            address=f"{peer.boot_id}:{peer.epoch}".encode(),
-            regions=tuple(regions),
-        ).signed(self.d.options.secret)
 
     async def _transport_peer(self, peer: PeerRegions, scheme: str) -> Peer:
         """The ``scheme`` transport's connection to ``peer``: made once per source
         daemon life and brought up to date with its latest advertisement. Over
         ``tcp``, the pull reads under a grant of its own, scoped to its lease
         (:func:`~refitd.daemon.paths.tcp_grant`), on the shared lanes."""
-        transport = self.d.transports[scheme]  # choose_path picked a transport it runs
+        transport = self.plane.by_scheme[scheme]  # choose_path picked a transport it runs
         info = adverts(peer)[scheme]
         if scheme == TCP_SCHEME:
-            info = tcp_grant(peer, info, self.d.options.secret)
+            info = tcp_grant(peer, info, self.secret)
         key = (peer.node_id, peer.epoch, scheme)
         for old in [k for k in self._peers if k[0] == peer.node_id and k[1] != peer.epoch]:
             await self._peers.pop(old).close()  # an earlier life of that daemon
@@ -534,17 +478,12 @@ class PullManager:
 
     async def _move(self, job: PullJob, conn: Peer, rows: np.ndarray) -> None:
         """Read wire ``rows`` (validated) through ``conn``, whatever its path: long
-        reads cut into pieces and sent in batches (the path's :class:`Pace`),
-        ``IN_FLIGHT`` of them in flight, progress counted per batch that landed, the
-        first transport error raised as itself (the other batches cancelled first)."""
-        # Transport reads are (local=dst, local_off, remote=src, remote_off, nbytes).
-        pace = PACE.get(job.path, TRANSPORT_PACE)
-        batch = rows_as_batch(rows)
-        reads = split_pieces(batch, pace.piece)
-        # A descriptor is done once its last piece is: mark where each one ends.
-        pieces = np.maximum(1, -(-batch["nbytes"] // pace.piece))
-        ends = np.zeros(len(reads), dtype=np.int64)
-        ends[np.cumsum(pieces) - 1] = 1
+        reads cut into pieces and sent in batches (the path's
+        :class:`~refitd.daemon.pullcore.Pace`), ``IN_FLIGHT`` of them in flight,
+        progress counted per batch that landed, the first transport error raised as
+        itself (the other batches cancelled first)."""
+        pace = pullcore.pace_for(job.path)
+        reads, ends = pullcore.cut(rows, pace)
         window = asyncio.Semaphore(IN_FLIGHT)
 
         async def move(lo: int, hi: int) -> None:
@@ -557,7 +496,7 @@ class PullManager:
 
         try:
             async with asyncio.TaskGroup() as tg:
-                for lo, hi in _spans(reads["nbytes"], pace.reads, pace.max_bytes):
+                for lo, hi in pullcore.spans(reads["nbytes"], pace.reads, pace.max_bytes):
                     await window.acquire()
                     tg.create_task(move(lo, hi))
         except BaseExceptionGroup as group:
@@ -570,48 +509,5 @@ class PullManager:
             raise first from None
 
 
-def _spans(sizes: np.ndarray, max_reads: int, max_bytes: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` spans of reads with at most ``max_reads`` reads and about
-    ``max_bytes`` bytes each (a larger single read is its own span)."""
-    spans: list[tuple[int, int]] = []
-    lo, n = 0, len(sizes)
-    while lo < n:
-        csum = np.cumsum(sizes[lo : lo + max_reads])
-        k = int(np.searchsorted(csum, max_bytes, side="right"))
-        hi = lo + max(1, min(k, max_reads))
-        spans.append((lo, hi))
-        lo = hi
-    return spans
-
-
-def _source_name(url: str, peer: PeerRegions | None) -> str:
-    """How a failed pull names where it read from: the peer's node id and URL."""
-    if not url:
-        return "this daemon"
-    return f"{peer.node_id!r} at {url}" if peer is not None else url
-
-
-def _merge_peer(a: PeerRegions, b: PeerRegions) -> PeerRegions:
-    seen = {r.region_id for r in a.regions}
-    return PeerRegions(
-        a.node_id,
-        a.epoch,
-        a.transport,
-        a.regions + [r for r in b.regions if r.region_id not in seen],
-        b.advert or a.advert,
-        a.boot_id,
-        {**a.files, **b.files},
-        a.lease_id,
-        {**a.scope, **b.scope},
-        {**a.adverts, **b.adverts},
-    )
-
-
-def _scope_check(peer: PeerRegions, req: PullRequest) -> str:
-    """Refuse records not given under ``req``'s lease; name that lease for refusals."""
-    if peer.lease_id != req.lease_id:
-        raise ProtocolError(
-            f"region records from {peer.node_id!r} refused: they were given under lease "
-            f"{peer.lease_id!r}, not the pull's {req.lease_id!r}; nothing was transferred"
-        )
-    return f"{req.model!r} version {req.version} read under lease {req.lease_id!r}"
+PULLS: web.AppKey[PullManager] = web.AppKey("pulls", PullManager)
+"""The app's :class:`PullManager`."""

@@ -122,7 +122,7 @@ def _snapshot(app: web.Application) -> StateSnapshot:
         leases += info.leases
     running = (PullState.PENDING, PullState.RUNNING)
     in_flight = sum(1 for job in app[PULLS].jobs.values() if job.state in running)
-    from refitd.daemon.experts import POOLS
+    from refitd.daemon.pools import POOLS
 
     pools: list[PoolStats] = app[POOLS].stats() if POOLS in app else []
     return StateSnapshot(

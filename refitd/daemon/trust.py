@@ -55,7 +55,7 @@ daemon part of one deployment.
 
 How each rule is enforced
 -------------------------
-- *writes*: :func:`check_pull_writes` on ``POST /v1/pulls`` before anything else,
+- *writes*: :class:`~refitd.daemon.listeners.WriteRule` on ``POST /v1/pulls`` before anything else,
   against this daemon's records (owner, staging ids, :meth:`Registry.protected_regions`);
 - *reads*: :func:`check_reads` and :func:`check_pack_reads` against the lease's
   scope, on the pulling daemon (descriptors, pack specs) and on the source daemon

@@ -4,7 +4,8 @@ Every request and response body the daemon accepts or returns is a msgspec Struc
 here. Handlers decode with these types (so validation is the decode), the client
 encodes with them, and the OpenAPI document is generated from them. The daemon
 (:mod:`refitd.daemon`) and the client (:mod:`refitd.client`) both import this
-package and nothing of each other: it imports only :mod:`refitd.errors`.
+package and nothing of each other: it imports only :mod:`refitd.errors` and
+:mod:`refitd.signing`.
 
 One module per idea, every public name re-exported here (``from refitd.wire import
 PullRequest``):

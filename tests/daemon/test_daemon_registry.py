@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from support.daemons import FakeClock
 
-from refitd.daemon.regions import validate_descriptors, validate_plan
+from refitd.daemon.plancheck import validate_descriptors, validate_plan
 from refitd.daemon.registry import Registry, check_manifest_bounds
 from refitd.errors import ConflictError, NotFoundError, ProtocolError
 from refitd.wire import (

@@ -17,10 +17,11 @@ from support.hostile import W_BYTES, rows, toy_manifest
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config
+from refitd.daemon.listeners import Caller, PullListener
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.peers import PeerPolicy, normalize_peer
 from refitd.daemon.process import listening
-from refitd.daemon.pulls import LocalSource, PullManager
+from refitd.daemon.pulls import LocalSource, PullJob, PullManager
 from refitd.errors import AccessDenied, ConfigError, ConflictError, ProtocolError
 from refitd.wire import (
     DescriptorTable,
@@ -386,3 +387,47 @@ async def test_a_region_is_not_deleted_while_a_running_pull_writes_it() -> None:
         gated.gate.set()
         assert (await c.wait_pull(started.pull_id)).state is PullState.DONE
         await c.delete_region(t.dst)
+
+
+# ---------------------------------------------------------------- listeners
+
+
+class Recorder(PullListener):
+    """A listener that writes down what it is told, and refuses one destination."""
+
+    def __init__(self, refuse: int) -> None:
+        self.refuse = refuse
+        self.told: list[tuple[str, str, str]] = []
+
+    def admit(self, req: PullRequest, caller: Caller) -> None:
+        if self.refuse in {int(x) for x in req.descriptors.rows()[:, 2]}:
+            raise AccessDenied(f"{caller.name} may not write region {self.refuse}")
+        self.told.append(("admit", caller.name, ""))
+
+    def started(self, job: PullJob) -> None:
+        self.told.append(("started", job.pull_id, str(job.state)))
+
+    def ended(self, job: PullJob) -> None:
+        moved = "all" if job.ended is not None and job.bytes_done == job.bytes_total else "not"
+        self.told.append(("ended", job.pull_id, f"{job.state} {moved}"))
+
+
+async def test_listeners_are_told_of_a_pull_in_order_and_may_refuse_it_before_anything_moves() -> (
+    None
+):
+    async with two_models() as t:
+        recorder = Recorder(refuse=t.b)
+        pulls = PullManager(t.daemon, lambda _: LocalSource(t.daemon), [recorder])
+        with pytest.raises(AccessDenied, match="may not write region"):
+            await pulls.submit(_req(t, [t.a, 0, t.b, 0, 8]), Caller("alice"))
+        assert recorder.told == [] and pulls.jobs == {}
+        job = await pulls.submit(_req(t, [t.a, 0, t.dst, 0, W_BYTES]), Caller("alice"))
+        await job.finished.wait()
+        assert job.owner == "alice"
+        assert recorder.told == [
+            ("admit", "alice", ""),
+            ("started", job.pull_id, "pending"),
+            ("ended", job.pull_id, "done all"),
+        ]
+        assert (t.dst_seg.numpy(np.uint8)[:W_BYTES] == 10).all()
+        await pulls.close()

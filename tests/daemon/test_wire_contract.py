@@ -23,10 +23,10 @@ def test_the_client_imports_no_daemon_module() -> None:
     assert not {m for m in loaded if m.startswith("refitd.daemon")}
 
 
-@pytest.mark.parametrize("first", ["refitd.daemon.experts", "refitd.daemon.handlers"])
+@pytest.mark.parametrize("first", ["refitd.daemon.poolapi", "refitd.daemon.handlers"])
 def test_the_daemon_handler_modules_import_in_either_order(first: str) -> None:
     other = (
-        "refitd.daemon.handlers" if first == "refitd.daemon.experts" else "refitd.daemon.experts"
+        "refitd.daemon.handlers" if first == "refitd.daemon.poolapi" else "refitd.daemon.poolapi"
     )
     loaded = _modules_after(f"import {first}\nimport {other}")
     assert {first, other} <= loaded

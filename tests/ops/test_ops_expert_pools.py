@@ -19,9 +19,9 @@ from ops_helpers import serving, wired_app
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
-from refitd.daemon.experts import touched_rows
 from refitd.daemon.handlers import create_app
 from refitd.daemon.node import DaemonOptions
+from refitd.daemon.poolmemory import touched_rows
 from refitd.errors import AccessDenied, ConflictError, NotFoundError, PlanError, ProtocolError
 from refitd.wire import (
     PoolInfo,

@@ -1,7 +1,7 @@
 """Driving daemons in the test's own process: serve them on loopback, and two fakes.
 
 The fakes, a settable clock and a gated copier, implement the daemon's own
-interfaces (the ``clock`` callable and :class:`refitd.daemon.copier.Copier`);
+interfaces (the ``clock`` callable and :class:`transports.local.Copier`);
 everything else is real: HTTP on 127.0.0.1:0, shared memory, the data plane.
 """
 
@@ -51,7 +51,7 @@ class FakeClock:
 class GatedCopier:
     """A real copy (the data plane's own engine, on the loop) that first waits for
     the test to open ``gate``; ``entered`` is set once a copy is waiting there. It is
-    the daemon's same-host copy engine (:class:`refitd.daemon.copier.Copier`): every
+    the daemon's same-host copy engine (:class:`transports.local.Copier`): every
     pull a daemon makes from itself or a peer on this host ends in it.
 
     This is the only way to hold a pull "mid-flight" deterministically: a real memory

@@ -21,9 +21,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refitd.daemon.copier import pack_strided
 from transports.interface import PullFailed
-from transports.local import CopyFault, copy_addresses
+from transports.local import CopyFault, copy_addresses, pack_strided
 from transports.segments import SHM_DIR, SharedSegment
 from transports.shm import ShmTransport
 

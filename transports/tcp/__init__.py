@@ -45,6 +45,7 @@ import itertools
 import socket
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Self
 
 import msgspec
 import numpy as np
@@ -64,6 +65,7 @@ from ..interface import (
     ReadRefused,
     Transport,
     TransportClosed,
+    TransportOptions,
     UnauthenticatedPeer,
 )
 from .frames import (
@@ -394,6 +396,23 @@ class TcpTransport(Transport):
         self._server: DataServer | None = None
         self._region_epochs = itertools.count(self.epoch)
         self.closed = True
+
+    @classmethod
+    def from_options(cls, options: TransportOptions) -> Self:
+        o = options
+        return cls(
+            secret=o.secret,
+            peer_id=o.peer_id,
+            lanes=o.lanes,
+            pull_timeout=o.pull_timeout,
+            host=o.host,
+            port=o.port,
+            advertise_host=o.advertise_host,
+            accept=o.accept,
+            authorize=o.authorize,
+            require_lease=o.require_lease,
+            epoch=o.epoch,
+        )
 
     @property
     def server(self) -> DataServer:

@@ -39,6 +39,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from ..batch import merge_ranges
 from ..interface import PeerInfo
 
 __all__ = [
@@ -135,15 +136,11 @@ class Grant:
 def _merged(
     extents: Sequence[tuple[int, int]],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    spans = sorted((int(a), int(b)) for a, b in extents if b > a)
-    out: list[list[int]] = []
-    for a, b in spans:
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    arr = np.array(out, dtype=np.int64).reshape(-1, 2)
-    return arr[:, 0].copy(), arr[:, 1].copy()
+    """``[start, end)`` extents of one region, merged: sorted disjoint starts, ends."""
+    spans = np.array(extents, dtype=np.int64).reshape(-1, 2)
+    runs = merge_ranges(np.zeros(len(spans), np.int64), spans[:, 0], spans[:, 1] - spans[:, 0])
+    starts = np.array([r.offset for r in runs], dtype=np.int64)
+    return starts, starts + np.array([r.nbytes for r in runs], dtype=np.int64)
 
 
 def check_scope(

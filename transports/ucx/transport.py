@@ -58,6 +58,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Self
 
 import numpy as np
 import numpy.typing as npt
@@ -76,6 +77,7 @@ from ..interface import (
     ReadRefused,
     Transport,
     TransportClosed,
+    TransportOptions,
 )
 from .protocol import EXIT_TIMED_OUT, Connect, Deregister, Disconnect, Get, Register, Reply, Request
 from .supervisor import SERVING, Child, ChildTimedOut, start_child
@@ -183,6 +185,12 @@ class UcxTransport(Transport):
         self._background: set[asyncio.Task[None]] = set()
         self._dying: set[Child] = set()  # retired pulling children not yet reaped
         self._closed = True
+
+    @classmethod
+    def from_options(cls, options: TransportOptions) -> Self:
+        return cls(
+            secret=options.secret, peer_id=options.peer_id, pull_timeout=options.pull_timeout
+        )
 
     # -- child lifecycle
 

@@ -1,4 +1,4 @@
-"""MoE expert slot pools hosted by the daemon: ``/v1/experts``.
+"""MoE expert slot pools hosted by the daemon (their HTTP API: :mod:`refitd.daemon.poolapi`).
 
 A pool is the daemon-side home of :mod:`refitd.experts`: the planner
 (:class:`~refitd.experts.ExpertCache`) and the executor
@@ -7,12 +7,7 @@ one holding every expert's host rows and one holding the slots. The regions are
 ordinary regions: a trainer pulls new expert rows into the host region like any
 other refit destination, and an engine maps the slot region by its handle.
 
-Layouts (bytes), banks one after another so each bank's rows stay contiguous:
-
-- host region: bank ``b`` at ``host_bank_offsets[b]``, then ``layers * experts``
-  rows of ``row_bytes[b]``, row ``layer * experts + expert``;
-- slot region: bank ``b`` at ``slot_bank_offsets[b]``, then ``slots`` rows of
-  ``row_bytes[b]``.
+The layouts of the two regions: :mod:`refitd.daemon.poolmemory`.
 
 Staleness: the cache believes a slot holds an expert until told otherwise, so
 every write into a host region marks the experts whose rows it touches, and their
@@ -38,18 +33,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import TypeVar
 
 import msgspec
 import numpy as np
 from aiohttp import web
 
-from refitd.daemon.auth import check_owner, owner_for, principal_of
-from refitd.daemon.copier import CopyFault, copy_view
-from refitd.daemon.httpio import DAEMON, RouteTable, body, reply
+from refitd.daemon.listeners import PullListener
 from refitd.daemon.memory import check_shm_capacity
 from refitd.daemon.node import Daemon
+from refitd.daemon.poolmemory import RegionExpertRows, RegionSlotMemory, touched_rows
 from refitd.daemon.pulls import PullJob
 from refitd.errors import (
     ConfigError,
@@ -67,11 +61,9 @@ from refitd.experts import (
     ExpertCache,
     ExpertSlots,
     HostResidency,
-    SlotDevice,
     SlotFault,
     SlotGeometry,
 )
-from refitd.experts.inflight import CopyFence, HostCopier
 from refitd.wire import (
     EnsureRequest,
     EnsureResult,
@@ -87,17 +79,13 @@ from refitd.wire import (
     RegionCreate,
     RegionInfo,
 )
-from refitd.wire import routes as api
+from transports.local import CopyFault
 
 __all__ = [
     "POOLS",
     "ExpertPool",
     "ExpertPools",
-    "RegionExpertRows",
-    "RegionSlotMemory",
     "close_pools",
-    "routes",
-    "touched_rows",
 ]
 
 #: A plan copying more than this many bytes runs in a worker thread, so a large
@@ -106,97 +94,6 @@ THREAD_COPY_BYTES = 1 << 20
 
 A = TypeVar("A")
 R = TypeVar("R")
-
-
-class RegionExpertRows:
-    """Host expert rows inside one region (see the module's layout); zero-copy views."""
-
-    def __init__(
-        self, view: memoryview, experts: int, layers: int, row_bytes: Sequence[int]
-    ) -> None:
-        self._view = view
-        self._experts, self._layers = experts, layers
-        self._row_bytes = tuple(row_bytes)
-        self.bank_offsets = _bank_offsets(row_bytes, layers * experts)
-
-    def row(self, bank: int, layer: int, row: int) -> memoryview | None:
-        if not (0 <= bank < len(self._row_bytes) and 0 <= layer < self._layers):
-            return None
-        if not 0 <= row < self._experts:
-            return None
-        w = self._row_bytes[bank]
-        at = self.bank_offsets[bank] + (layer * self._experts + row) * w
-        return self._view[at : at + w]
-
-
-class RegionSlotMemory(SlotDevice):
-    """Slot memory inside one shared-memory region: a host-memory device whose copies
-    are memcpys, read back by whoever maps the region."""
-
-    def __init__(self, view: memoryview, slots: int, row_bytes: Sequence[int]) -> None:
-        self._view = view
-        self._row_bytes = tuple(row_bytes)
-        self.bank_offsets = _bank_offsets(row_bytes, slots)
-        self._copier = HostCopier("refitd-pool-copier")
-
-    def write_slots_async(
-        self, writes: Sequence[tuple[int, int, bytes | bytearray | memoryview]]
-    ) -> CopyFence:
-        """Prefetch copies run on the pool's copier thread, in issue order."""
-        batch = list(writes)
-
-        def job() -> None:
-            for bank, slot, src in batch:
-                self.write_slot(bank, slot, src)
-
-        return self._copier.submit(job)
-
-    def close(self) -> None:
-        """Stop the copier after the copies already issued (before the region goes)."""
-        self._copier.close()
-
-    def _at(self, bank: int, slot: int) -> int:
-        return self.bank_offsets[bank] + slot * self._row_bytes[bank]
-
-    def write_slot(self, bank: int, dst_slot: int, src: bytes | bytearray | memoryview) -> None:
-        at = self._at(bank, dst_slot)
-        # Guarded: a host-row or slot region shrunk by its owner is an error here.
-        copy_view(self._view[at : at + self._row_bytes[bank]], src)
-
-    def copy_slot(self, bank: int, dst_slot: int, src_slot: int) -> None:
-        w = self._row_bytes[bank]
-        dst, src = self._at(bank, dst_slot), self._at(bank, src_slot)
-        copy_view(self._view[dst : dst + w], self._view[src : src + w])
-
-
-def touched_rows(
-    ranges: np.ndarray, bank_offsets: Sequence[int], row_bytes: Sequence[int], rows: int
-) -> np.ndarray:
-    """Sorted row indices (``layer * experts + expert``) whose bytes in any bank overlap
-    a write of ``ranges``, ``(n, 2)`` rows of ``(byte offset, nbytes)``. Bank ``b``
-    holds ``rows`` rows of ``row_bytes[b]`` from ``bank_offsets[b]``; zero-length
-    writes touch nothing. Vectorised: one pass per bank, not per write."""
-    lo = ranges[:, 0].astype(np.int64)
-    hi = lo + ranges[:, 1].astype(np.int64)  # exclusive
-    diff = np.zeros(rows + 1, dtype=np.int64)
-    for base, w in zip(bank_offsets, row_bytes, strict=True):
-        end = base + rows * w
-        hit = (hi > base) & (lo < end) & (hi > lo)
-        if not hit.any():
-            continue
-        first = (np.maximum(lo[hit], base) - base) // w
-        last = (np.minimum(hi[hit], end) - 1 - base) // w
-        np.add.at(diff, first, 1)
-        np.add.at(diff, last + 1, -1)
-    return np.flatnonzero(np.cumsum(diff[:rows]) > 0)
-
-
-def _bank_offsets(row_bytes: Sequence[int], rows: int) -> list[int]:
-    out, at = [], 0
-    for w in row_bytes:
-        out.append(at)
-        at += w * rows
-    return out
 
 
 class ExpertPool:
@@ -452,8 +349,10 @@ def _residency(spec: PoolCreate) -> BankResidency:
     )
 
 
-class ExpertPools:
-    """The daemon's pools by name, and which regions they hold."""
+class ExpertPools(PullListener):
+    """The daemon's pools by name, and which regions they hold. A listener on the
+    daemon's pulls: the experts a pull rewrites leave their slots when it is
+    accepted and again when it ends (see the module's staleness)."""
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
@@ -564,6 +463,12 @@ class ExpertPools:
                 mine = np.concatenate([mine, np.array(packed, dtype=np.int64).reshape(-1, 2)])
             pool.note_rewrite(mine)
 
+    def started(self, job: PullJob) -> None:
+        self.note_writes(job.req)
+
+    def ended(self, job: PullJob) -> None:
+        self.note_writes(job.req)
+
     def stats(self) -> list[PoolStats]:
         return [pool.stats() for pool in self._pools.values()]
 
@@ -579,129 +484,3 @@ async def close_pools(app: web.Application) -> None:
     for pool in pools.all():
         async with pool.lock:
             await asyncio.to_thread(pool.close)
-
-
-def note_pull(app: web.Application, req: PullRequest, job: PullJob) -> None:
-    """Invalidate experts a pull rewrites: now, and again when the pull ends."""
-    pools = app.get(POOLS)
-    if pools is None:
-        return
-    pools.note_writes(req)
-    if job.task is not None:
-        job.task.add_done_callback(lambda _: pools.note_writes(req))
-
-
-# ---------------------------------------------------------------- routes
-
-routes = RouteTable()
-
-
-@routes.handles(api.CREATE_POOL)
-async def create_pool(request: web.Request) -> web.Response:
-    spec = await body(request, PoolCreate)
-    owner = owner_for(request, spec.owner)
-    # A pool's two regions are its creator's memory: they count against its region cap.
-    d, who = request.app[DAEMON], principal_of(request).name
-    held = lambda rid: d.holds_memory(int(rid))  # noqa: E731
-    d.caps.regions.admit(who, held, n=2)
-    row = sum(spec.row_bytes)
-    d.caps.bytes.admit(who, held, row * (spec.layers * spec.experts + spec.slots))
-    pool = await request.app[POOLS].create(spec, owner)
-    info = pool.info()
-    for rid in (info.host_region, info.slot_region):
-        d.caps.regions.add(who, str(rid))
-        d.caps.bytes.add(who, str(rid), d.regions.get(rid).nbytes)
-    return reply(request, info, 201)
-
-
-@routes.handles(api.LIST_POOLS)
-async def list_pools(request: web.Request) -> web.Response:
-    """The caller's own pools (every pool for root, or without authentication)."""
-    who = principal_of(request)
-    pools = request.app[POOLS].all()
-    if who.authenticated and not who.admin:
-        pools = [p for p in pools if p.owner == who.name]
-    return reply(request, [pool.info() for pool in pools])
-
-
-def _pool(request: web.Request, action: str) -> ExpertPool:
-    pool = request.app[POOLS].get(request.match_info["pool"])
-    check_owner(request, pool.owner, action, f"expert pool {pool.name!r}")
-    return pool
-
-
-@contextlib.asynccontextmanager
-async def _locked(pool: ExpertPool) -> AsyncIterator[ExpertPool]:
-    """Hold the pool's lock, with host-row rewrites applied; refuse a pool deleted
-    while this request waited."""
-    async with pool.lock:
-        if pool.deleted:
-            raise NotFoundError(f"expert pool {pool.name!r} was deleted")
-        pool.apply_rewrites()
-        pool.harvest()
-        yield pool
-
-
-def _check_slots_unpublished(request: web.Request, pool: ExpertPool) -> None:
-    """Refuse (409) a step that would write a slot region a READY, pending or leased
-    version publishes from (publishing from a pool's region is refused, so this
-    holds the rule even for memory that became a pool's some other way)."""
-    held = request.app[DAEMON].registry.protected_regions().get(pool.slot_region.region_id)
-    if held is not None:
-        model, version, why = held
-        raise ConflictError(
-            f"expert pool {pool.name!r} refused the step: its slot region "
-            f"{pool.slot_region.region_id} holds {model!r} version {version}, which is {why}; "
-            "a published version's bytes never change"
-        )
-
-
-@routes.handles(api.GET_POOL)
-async def get_pool(request: web.Request) -> web.Response:
-    async with _locked(_pool(request, "read")) as pool:
-        return reply(request, pool.info())
-
-
-@routes.handles(api.POOL_STATS)
-async def pool_stats(request: web.Request) -> web.Response:
-    async with _locked(_pool(request, "read")) as pool:
-        return reply(request, pool.stats())
-
-
-@routes.handles(api.DELETE_POOL)
-async def delete_pool(request: web.Request) -> web.Response:
-    pool = _pool(request, "delete")
-    return reply(request, await request.app[POOLS].delete(pool.name))
-
-
-@routes.handles(api.ENSURE)
-async def ensure(request: web.Request) -> web.Response:
-    """Plan with the expert cache, copy the misses into the slot region."""
-    req = await body(request, EnsureRequest)
-    async with _locked(_pool(request, "write")) as pool:
-        _check_slots_unpublished(request, pool)
-        planned, nbytes = pool.plan(req)
-        # A warm step (nothing to copy) runs too: the executor checks the layer's
-        # route and counts it.
-        result = await pool.off_loop(nbytes, pool.execute, planned)
-    return reply(request, result)
-
-
-@routes.handles(api.PREFETCH)
-async def prefetch(request: web.Request) -> web.Response:
-    """Plan a prediction of a layer's next step; its copies land in the background."""
-    req = await body(request, PrefetchRequest)
-    async with _locked(_pool(request, "write")) as pool:
-        _check_slots_unpublished(request, pool)
-        # Its own copies start in the background, but a slot it reuses may still be
-        # receiving an earlier one.
-        result = await pool.off_loop(0, pool.prefetch, req)
-    return reply(request, result)
-
-
-@routes.handles(api.INVALIDATE)
-async def invalidate(request: web.Request) -> web.Response:
-    """Drop the slots of experts whose host rows were rewritten."""
-    req = await body(request, InvalidateRequest)
-    async with _locked(_pool(request, "write")) as pool:
-        return reply(request, pool.invalidate(req))

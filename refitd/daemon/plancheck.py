@@ -1,8 +1,7 @@
-"""The daemon's records of regions and the bounds check every pull passes first.
+"""The bounds check every pull passes first, before any byte moves.
 
-Pure: a :class:`RegionTable` holds :class:`RegionInfo` records (no memory), and
-:func:`validate_plan` checks a whole plan (descriptors and pack specs) against two
-tables before any byte moves. Both are rows of one layout, ``(src_region,
+Pure: :func:`validate_plan` checks a whole plan (descriptors and pack specs) against
+the region sizes of two daemons' records before any byte moves. Both are rows of one layout, ``(src_region,
 src_offset, dst_region, dst_offset, nbytes)``: a pack spec's row reads the span of
 the source region its elements cover and writes its packed bytes. The checks are
 the data plane's own (:func:`transports.batch.validate_batch`, bounds and the one
@@ -12,59 +11,17 @@ the refusal names the *first* offending descriptor or pack spec by index.
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 
 from refitd.daemon.trust import pack_span
-from refitd.errors import NotFoundError, ProtocolError
-from refitd.wire import DescriptorTable, PackSpec, RegionInfo
+from refitd.errors import ProtocolError
+from refitd.wire import DescriptorTable, PackSpec
 from transports.batch import rows_as_batch, validate_batch
 from transports.interface import ReadRefused
 
-__all__ = ["RegionTable", "pack_rows", "validate_descriptors", "validate_plan"]
-
-
-class RegionTable:
-    """Region records by id. Ids are never reused within one daemon epoch."""
-
-    def __init__(self, epoch: int) -> None:
-        self.epoch = epoch
-        self._records: dict[int, RegionInfo] = {}
-        self._seq = itertools.count(1)
-
-    def new_id(self) -> int:
-        return next(self._seq)
-
-    def add(self, info: RegionInfo) -> RegionInfo:
-        if info.region_id in self._records:
-            raise ProtocolError(f"region id {info.region_id!r} is already recorded")
-        self._records[info.region_id] = info
-        return info
-
-    def get(self, region_id: int) -> RegionInfo:
-        info = self._records.get(region_id)
-        if info is None:
-            raise NotFoundError(f"region {region_id!r} is not recorded on this daemon")
-        return info
-
-    def remove(self, region_id: int) -> RegionInfo:
-        info = self.get(region_id)
-        del self._records[region_id]
-        return info
-
-    def sizes(self) -> dict[int, int]:
-        return {k: v.nbytes for k, v in self._records.items()}
-
-    def __iter__(self) -> Iterator[RegionInfo]:
-        return iter(list(self._records.values()))
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __contains__(self, region_id: object) -> bool:
-        return region_id in self._records
+__all__ = ["pack_rows", "validate_descriptors", "validate_plan"]
 
 
 #: the daemon's words for each check of :func:`transports.batch.validate_batch`

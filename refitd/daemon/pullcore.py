@@ -1,0 +1,285 @@
+"""The pure core of a pull: validation, path choice, pacing, suspect ranges, outcomes.
+
+No ``await``, no sockets, no daemon: every function here takes values and returns
+values or raises a :class:`~refitd.errors.RefitError` naming what is refused.
+:mod:`refitd.daemon.pulls` calls them around its awaits (the lease check, the
+source's records, the staging pack, the data plane's reads).
+
+Rows are the wire layout of descriptors, ``(src_region, src_offset, dst_region,
+dst_offset, nbytes)`` (int64, bytes); a pack spec's strides are in elements of its
+``itemsize`` (see :class:`refitd.wire.PackSpec`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from refitd.daemon.paths import AUTO, SHM_SCHEME, TCP_SCHEME
+from refitd.daemon.plancheck import validate_descriptors, validate_plan
+from refitd.daemon.trust import check_pack_reads, check_reads
+from refitd.errors import ProtocolError, RefitError, TransportError
+from refitd.wire import DescriptorTable, ErrorBody, PackSpec, PeerRegions, PullRequest, StagedPack
+from transports.batch import ReadBatch, rows_as_batch, split_pieces, suspect_ranges
+from transports.interface import PeerInfo
+from transports.shm import ListedSegment, peer_record
+
+__all__ = [
+    "PACE",
+    "TRANSPORT_PACE",
+    "Pace",
+    "cancelled",
+    "check_plan",
+    "check_staged",
+    "cut",
+    "dst_ids",
+    "failed",
+    "forced",
+    "merge_peer",
+    "pace_for",
+    "scope_check",
+    "shm_record",
+    "shm_refused",
+    "source_gone",
+    "source_ids",
+    "source_name",
+    "spans",
+    "staged_rows",
+    "suspect",
+    "total_bytes",
+    "tries_shm",
+]
+
+
+# ---------------------------------------------------------------- what a pull touches
+
+
+def source_ids(rows: np.ndarray, specs: list[PackSpec]) -> list[int]:
+    """The source regions of a pull's descriptor ``rows`` and pack ``specs``, sorted."""
+    return sorted({int(x) for x in np.unique(rows[:, 0])} | {p.src_region for p in specs})
+
+
+def dst_ids(rows: np.ndarray, specs: list[PackSpec]) -> set[int]:
+    """The destination regions of a pull's descriptor ``rows`` and pack ``specs``."""
+    return {int(x) for x in np.unique(rows[:, 2])} | {p.dst_region for p in specs}
+
+
+def total_bytes(rows: np.ndarray, specs: list[PackSpec]) -> int:
+    """Bytes a pull moves: its descriptors' and its packed blocks'."""
+    return int(rows[:, 4].sum()) + sum(p.nbytes for p in specs)
+
+
+# ---------------------------------------------------------------- validation
+
+
+def scope_check(peer: PeerRegions, req: PullRequest) -> str:
+    """Refuse records not given under ``req``'s lease; name that lease for refusals."""
+    if peer.lease_id != req.lease_id:
+        raise ProtocolError(
+            f"region records from {peer.node_id!r} refused: they were given under lease "
+            f"{peer.lease_id!r}, not the pull's {req.lease_id!r}; nothing was transferred"
+        )
+    return f"{req.model!r} version {req.version} read under lease {req.lease_id!r}"
+
+
+def check_plan(
+    rows: np.ndarray, req: PullRequest, peer: PeerRegions | None, dst_sizes: dict[int, int]
+) -> None:
+    """Refuse a pull (nothing moved) whose descriptors or pack specs leave the source's
+    regions (as ``peer``'s records state them) or this daemon's (``dst_sizes``), or
+    read outside what the source's records say the pull's lease may read. The
+    refusal names the first offending descriptor or pack spec."""
+    src_sizes = {r.region_id: r.nbytes for r in peer.regions} if peer else {}
+    validate_plan(rows, req.pack_specs, src_sizes, dst_sizes)
+    if peer is not None:
+        what = scope_check(peer, req)
+        check_reads(rows, peer.scope, what)
+        check_pack_reads(req.pack_specs, peer.scope, what)
+
+
+def staged_rows(staged: StagedPack, specs: list[PackSpec]) -> np.ndarray:
+    """The descriptor rows that read each packed block back from the staging region
+    at the offsets the source sent (not yet checked: see :func:`check_staged`)."""
+    return np.array(
+        [
+            (staged.region.region_id, o, p.dst_region, p.dst_offset, p.nbytes)
+            for p, o in zip(specs, staged.offsets, strict=True)
+        ],
+        dtype=np.int64,
+    ).reshape(-1, 5)
+
+
+def check_staged(
+    extra: np.ndarray, staging: PeerRegions, req: PullRequest, dst_sizes: dict[int, int]
+) -> None:
+    """The staging record comes authenticated like any other region, scoped to the
+    pull's lease, and the rows reading it back (``extra``) are checked like any
+    descriptor: in bounds of that record, inside its scope."""
+    what = scope_check(staging, req)
+    validate_descriptors(
+        DescriptorTable.pack(extra), {r.region_id: r.nbytes for r in staging.regions}, dst_sizes
+    )
+    check_reads(extra, staging.scope, what)
+
+
+def merge_peer(a: PeerRegions, b: PeerRegions) -> PeerRegions:
+    """``a``'s records with ``b``'s regions (a staging record) added: ``a`` wins on ids
+    both list; ``b``'s files, scopes and advertisements are added."""
+    seen = {r.region_id for r in a.regions}
+    return PeerRegions(
+        a.node_id,
+        a.epoch,
+        a.transport,
+        a.regions + [r for r in b.regions if r.region_id not in seen],
+        b.advert or a.advert,
+        a.boot_id,
+        {**a.files, **b.files},
+        a.lease_id,
+        {**a.scope, **b.scope},
+        {**a.adverts, **b.adverts},
+    )
+
+
+# ---------------------------------------------------------------- path choice
+
+
+def shm_refused(mode: str, node_id: str, refusal: str) -> str:
+    """Why a pull from ``node_id`` does not read through ``shm`` (``refusal``: why the
+    ``shm`` transport did not connect), for the remote choice to name. Raises
+    :class:`TransportError` (nothing moved) when ``mode`` is ``shm``: no other path
+    is allowed."""
+    if mode == SHM_SCHEME:
+        raise TransportError(
+            f"pull from {node_id!r} refused before any byte moved: this daemon "
+            "runs the shared-memory path only (--transport shm), and that path is "
+            f"refused: {refusal}"
+        )
+    return refusal
+
+
+def tries_shm(mode: str) -> bool:
+    """Whether a daemon in ``mode`` tries the ``shm`` path for another daemon first."""
+    return mode in (AUTO, SHM_SCHEME)
+
+
+def forced(mode: str) -> str:
+    """Why a daemon in ``mode`` does not try ``shm`` for another daemon."""
+    return f"this daemon is forced to its transport (--transport {mode})"
+
+
+def shm_record(peer: PeerRegions, secret: bytes) -> PeerInfo:
+    """``peer``'s verified, lease-scoped region records as the ``shm`` transport's
+    record (:func:`transports.shm.peer_record`): it lists only the regions the
+    pull's lease may read, and needs nothing more on the wire than the peer's
+    ``PeerRegions``. A region whose record names no file is refused."""
+    segments = []
+    for r in peer.regions:
+        file = peer.files.get(r.region_id)
+        if file is None:
+            raise TransportError(
+                f"region {r.region_id} of {peer.node_id!r} does not map here: the record "
+                f"names no file for segment {r.handle!r}"
+            )
+        segments.append(ListedSegment(r.region_id, r.handle, file[0], file[1], r.nbytes))
+    return peer_record(peer.node_id, peer.boot_id, peer.epoch, segments, secret)
+
+
+# ---------------------------------------------------------------- pacing
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How a path's reads are cut and batched (bytes): a read longer than ``piece``
+    is cut into ``piece``-sized reads (so several can be in flight); a batch handed
+    to the peer holds at most ``reads`` reads and about ``max_bytes`` bytes (a larger
+    single read is a batch of its own). Progress is reported, and a cancel lands,
+    between batches."""
+
+    piece: int
+    reads: int
+    max_bytes: int
+
+
+TRANSPORT_PACE = Pace(piece=32 << 20, reads=2048, max_bytes=256 << 20)
+"""The transport's (UCX): 32 MiB reads, so one large region keeps both batches busy."""
+
+PACE = {
+    SHM_SCHEME: Pace(piece=1 << 62, reads=8192, max_bytes=256 << 20),
+    TCP_SCHEME: Pace(piece=32 << 20, reads=16384, max_bytes=256 << 20),
+}
+"""Per path, where it differs from ``TRANSPORT_PACE``. A same-host batch is one
+parallel memcpy that cuts its bytes into per-thread shares itself, so reads are not
+cut (on the test host a 1 GiB read cut into 32 MiB pieces moved at about 70% of the
+speed of the whole read) and batches are large: each costs a validation and two
+thread hand-offs, which on a busy host wait for a core. Over ``tcp`` a batch may
+hold many small reads: the transport gathers them into requests over its lanes."""
+
+
+def pace_for(path: str) -> Pace:
+    """The :class:`Pace` of ``path`` (a scheme)."""
+    return PACE.get(path, TRANSPORT_PACE)
+
+
+def cut(rows: np.ndarray, pace: Pace) -> tuple[ReadBatch, np.ndarray]:
+    """Wire ``rows`` as transport reads (``local``: destination, ``remote``: source),
+    each longer than ``pace.piece`` cut into pieces; and per read 1 where a
+    descriptor ends (its last piece), else 0: a descriptor is done once its last
+    piece landed."""
+    batch = rows_as_batch(rows)
+    reads = split_pieces(batch, pace.piece)
+    pieces = np.maximum(1, -(-batch["nbytes"] // pace.piece))
+    ends = np.zeros(len(reads), dtype=np.int64)
+    ends[np.cumsum(pieces) - 1] = 1
+    return reads, ends
+
+
+def spans(sizes: np.ndarray, max_reads: int, max_bytes: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` spans of reads with at most ``max_reads`` reads and about
+    ``max_bytes`` bytes each (a larger single read is its own span)."""
+    out: list[tuple[int, int]] = []
+    lo, n = 0, len(sizes)
+    while lo < n:
+        csum = np.cumsum(sizes[lo : lo + max_reads])
+        k = int(np.searchsorted(csum, max_bytes, side="right"))
+        hi = lo + max(1, min(k, max_reads))
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+# ---------------------------------------------------------------- outcomes
+
+
+def suspect(rows: np.ndarray) -> list[tuple[int, int, int]]:
+    """Destination ``(region, offset, nbytes)`` ranges of wire ``rows``, sorted and
+    merged: the data plane's :func:`~transports.batch.suspect_ranges` of those reads.
+    Once bytes may have moved, every one of them is suspect: a data plane that
+    failed mid-batch cannot say which reads landed."""
+    return [(r.region, r.offset, r.nbytes) for r in suspect_ranges(rows_as_batch(rows))]
+
+
+def source_name(url: str, peer: PeerRegions | None) -> str:
+    """How a failed pull names where it read from: the peer's node id and URL."""
+    if not url:
+        return "this daemon"
+    return f"{peer.node_id!r} at {url}" if peer is not None else url
+
+
+def failed(pull_id: str, source: str, exc: Exception) -> ErrorBody:
+    """The error of a pull that ``exc`` failed: a RefitError keeps its class name,
+    anything else is the data plane's (``TransportError``)."""
+    return ErrorBody(
+        type(exc).__name__ if isinstance(exc, RefitError) else "TransportError",
+        f"pull {pull_id} from {source} failed: {exc}",
+    )
+
+
+def source_gone(pull_id: str, source: str, reason: str) -> ErrorBody:
+    """The error of a pull failed because its source left (``reason``)."""
+    return ErrorBody("TransportError", f"pull {pull_id} from {source} failed: {reason}")
+
+
+def cancelled(pull_id: str, reason: str) -> ErrorBody:
+    """The error of a pull cancelled for ``reason`` before it completed."""
+    return ErrorBody("ConflictError", f"pull {pull_id} cancelled before it completed: {reason}")

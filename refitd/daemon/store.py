@@ -1,0 +1,346 @@
+"""The daemon's regions and the memory behind them: records, segments, pins, reaping.
+
+:class:`RegionStore` owns every shared-memory segment the daemon created or attached.
+One memory is one region: a segment is keyed by its file's ``(st_dev, st_ino)``, so
+a second id for the same memory (whose rules its first id's would not bind) is
+refused. Each region is registered with every data plane of the daemon's
+:class:`~refitd.daemon.plane.TransportSet` once, and deregistered when it goes.
+
+A region is pinned while a running pull reads or writes it (:meth:`RegionStore.using`;
+it is never unmapped under a copy) and marked while a pull writes it
+(:meth:`RegionStore.writing`; no version is published from it meanwhile). A region
+created or attached with a ``holder`` lives with that client process: once it exits,
+its regions are released as soon as nothing needs them any more (:meth:`RegionStore.reap`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import errno
+import itertools
+import logging
+from collections.abc import Iterable, Iterator
+
+from refitd.daemon.holders import Holders
+from refitd.daemon.memory import (
+    SharedSegment,
+    byte_view,
+    check_shm_capacity,
+    free_shm_bytes,
+    refuse_cuda_ipc,
+)
+from refitd.daemon.plane import TransportSet
+from refitd.daemon.registry import Registry
+from refitd.errors import (
+    AccessDenied,
+    ConflictError,
+    InsufficientStorage,
+    NotFoundError,
+    PlanError,
+    ProtocolError,
+)
+from refitd.wire import GcReport, RegionAttach, RegionCreate, RegionInfo, RegionKind
+from transports.segments import SHM_DIR, cleanup_stale, creator_tag, is_stale, stale_segments
+
+__all__ = ["RegionStore", "RegionTable"]
+
+log = logging.getLogger("refitd.daemon")
+
+
+class RegionTable:
+    """Region records by id. Ids are never reused within one daemon epoch."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+        self._records: dict[int, RegionInfo] = {}
+        self._seq = itertools.count(1)
+
+    def new_id(self) -> int:
+        return next(self._seq)
+
+    def add(self, info: RegionInfo) -> RegionInfo:
+        if info.region_id in self._records:
+            raise ProtocolError(f"region id {info.region_id!r} is already recorded")
+        self._records[info.region_id] = info
+        return info
+
+    def get(self, region_id: int) -> RegionInfo:
+        info = self._records.get(region_id)
+        if info is None:
+            raise NotFoundError(f"region {region_id!r} is not recorded on this daemon")
+        return info
+
+    def remove(self, region_id: int) -> RegionInfo:
+        info = self.get(region_id)
+        del self._records[region_id]
+        return info
+
+    def sizes(self) -> dict[int, int]:
+        return {k: v.nbytes for k, v in self._records.items()}
+
+    def __iter__(self) -> Iterator[RegionInfo]:
+        return iter(list(self._records.values()))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, region_id: object) -> bool:
+        return region_id in self._records
+
+
+class RegionStore:
+    """Region records (``regions``) and their mapped segments (``segments``) of one
+    daemon life (``epoch``), registered with the data planes of ``plane``.
+    ``registry`` says which regions a version protects from deletion and reaping."""
+
+    def __init__(self, epoch: int, plane: TransportSet, registry: Registry) -> None:
+        self.epoch = epoch
+        self.plane = plane
+        self.registry = registry
+        self.regions = RegionTable(epoch)
+        self.segments: dict[int, SharedSegment] = {}
+        #: the memory behind each region, ``(st_dev, st_ino)`` of its segment -> region
+        #: id: one memory is one region, so every rule keyed on a region id holds for
+        #: that memory (see :meth:`_record`)
+        self._memory: dict[tuple[int, int], int] = {}
+        #: regions a running pull of this daemon reads or writes (see :meth:`using`)
+        self._busy: collections.Counter[int] = collections.Counter()
+        #: regions a running pull writes, with the ids of those pulls (see :meth:`writing`)
+        self._writing: dict[int, set[str]] = {}
+        #: regions an expert pool holds -> the pool's name (set by the pools)
+        self.pool_regions: dict[int, str] = {}
+        #: client processes regions live with, and regions whose client exited
+        self.holders = Holders(self._holder_exited)
+        self._held: dict[str, set[int]] = {}
+        self._orphans: set[int] = set()
+        self._exited: set[str] = set()  # holder tags seen exiting (maybe not yet reaped)
+        self._reaping: asyncio.Task[list[RegionInfo]] | None = None
+
+    # ------------------------------------------------------------ records
+
+    async def _record(
+        self,
+        seg: SharedSegment,
+        kind: RegionKind,
+        owner: str,
+        label: str,
+        daemon_owned: bool,
+        holder: str = "",
+    ) -> RegionInfo:
+        ident = seg.file_identity
+        same = self._memory.get(ident)
+        if same is not None:
+            if not daemon_owned:
+                seg.close()  # unmap what attach mapped; the file is not ours to unlink
+            raise ConflictError(
+                f"region refused: segment {seg.name!r} is memory this daemon already holds "
+                f"as region {same} (device {ident[0]}, inode {ident[1]}); one memory is one "
+                "region, never a second id whose rules its first id's would not bind"
+            )
+        rid = self.regions.new_id()
+        self._memory[ident] = rid
+        try:
+            return await self._record_new(rid, seg, kind, owner, label, daemon_owned, holder)
+        except BaseException:
+            if rid not in self.regions:
+                self._memory.pop(ident, None)
+            raise
+
+    async def _record_new(
+        self,
+        rid: int,
+        seg: SharedSegment,
+        kind: RegionKind,
+        owner: str,
+        label: str,
+        daemon_owned: bool,
+        holder: str,
+    ) -> RegionInfo:
+        if holder and not self.holders.watch(holder):
+            holder = ""  # not a process visible here: the region lives until deleted
+        info = RegionInfo(
+            rid, kind, seg.name, seg.size, self.epoch, owner, label, daemon_owned, holder
+        )
+        if holder:
+            self._held.setdefault(holder, set()).add(rid)
+        await self.plane.register(rid, seg)
+        self.segments[rid] = seg
+        return self.regions.add(info)
+
+    async def create_region(self, req: RegionCreate) -> RegionInfo:
+        """A new daemon-owned segment of exactly ``req.nbytes`` bytes (≥ 1)."""
+        if req.kind is RegionKind.CUDA_IPC:
+            refuse_cuda_ipc()
+        check_shm_capacity(req.nbytes, f"region of {req.nbytes} bytes")
+        try:  # a size the kernel cannot map is the client's mistake, not a server error
+            # Every byte is reserved now: a full /dev/shm refuses here (507), never
+            # later as a bus error in the middle of a pull.
+            seg = SharedSegment.create(req.nbytes, req.label or "region")
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise InsufficientStorage(
+                    f"region of {req.nbytes} bytes refused: {SHM_DIR} cannot reserve its "
+                    f"memory ({free_shm_bytes()} bytes free); nothing was created"
+                ) from None
+            raise PlanError(f"region of {req.nbytes} bytes refused: {exc}") from None
+        except OverflowError as exc:
+            raise PlanError(f"region of {req.nbytes} bytes refused: {exc}") from None
+        return await self._record(
+            seg, req.kind, req.owner, req.label, daemon_owned=True, holder=req.holder
+        )
+
+    async def attach_region(self, req: RegionAttach, uid: int | None = None) -> RegionInfo:
+        """Map a segment a client created; its size must equal ``req.nbytes``.
+
+        ``uid``: the caller's uid when the kernel named it (Unix socket, not root): the
+        segment must then be that uid's file. The daemon may open files its caller
+        cannot (its own, its group's), and must not map them on that caller's behalf."""
+        if req.kind is RegionKind.CUDA_IPC:
+            refuse_cuda_ipc()
+        seg = SharedSegment.attach(req.handle, req.nbytes)
+        if uid is not None and seg.file_uid != uid:
+            seg.close()
+            raise AccessDenied(
+                f"attaching segment {req.handle!r} refused: its file belongs to uid "
+                f"{seg.file_uid}, not to the caller's uid {uid}; a client attaches only "
+                "segments it made"
+            )
+        return await self._record(
+            seg, req.kind, req.owner, req.label, daemon_owned=False, holder=req.holder
+        )
+
+    async def delete(self, region_id: int) -> RegionInfo:
+        """Forget a region, refused (409) while a READY, pending or leased version
+        publishes from it (a retired version included, while leased) or while a
+        running pull of this daemon reads or writes it."""
+        info = self.regions.get(region_id)
+        protected = self.registry.protected_regions().get(region_id)
+        if protected is not None:
+            model, version, why = protected
+            raise ConflictError(
+                f"region {region_id} refused deletion: {model!r} version {version} "
+                f"publishes tensors in it and is {why}"
+            )
+        return await self.drop(region_id, info)
+
+    async def drop(self, region_id: int, info: RegionInfo) -> RegionInfo:
+        """Forget a region nothing protects any more: deregistered from every data
+        plane, unmapped. Refused (409) only while a running pull reads or writes it."""
+        if self._busy[region_id]:
+            raise ConflictError(
+                f"region {region_id} refused deletion: {self._busy[region_id]} running "
+                "pull(s) of this daemon read or write it; cancel them or wait"
+            )
+        self.regions.remove(region_id)
+        self._orphans.discard(region_id)
+        if info.holder:
+            self._held.get(info.holder, set()).discard(region_id)
+        await self.plane.deregister(region_id)
+        seg = self.segments.pop(region_id)
+        if self._memory.get(seg.file_identity) == region_id:
+            del self._memory[seg.file_identity]
+        seg.close()
+        return info
+
+    def view(self, region_id: int) -> memoryview:
+        self.regions.get(region_id)
+        return byte_view(self.segments[region_id])
+
+    def covers(self, region_id: int, address: int) -> bool:
+        """Whether ``address`` (in this process) lies in region ``region_id``'s mapping."""
+        seg = self.segments.get(region_id)
+        return seg is not None and seg.address <= address < seg.address + seg.size
+
+    def close(self) -> None:
+        """Unmap every segment (the daemon is stopping, its data planes closed)."""
+        for seg in self.segments.values():
+            seg.close()
+        self.segments.clear()
+
+    # ------------------------------------------------------------ pins
+
+    def busy(self, region_id: int) -> int:
+        """How many running pulls of this daemon read or write ``region_id``."""
+        return self._busy[region_id]
+
+    @contextlib.contextmanager
+    def using(self, region_ids: Iterable[int]) -> Iterator[None]:
+        """Mark regions as read or written by a running pull for the block: none of
+        them is deleted (and unmapped) meanwhile."""
+        ids = sorted(set(region_ids))
+        self._busy.update(ids)
+        try:
+            yield
+        finally:
+            self._busy.subtract(ids)
+            for i in ids:
+                if self._busy[i] <= 0:
+                    del self._busy[i]
+
+    @contextlib.contextmanager
+    def writing(self, region_ids: Iterable[int], pull_id: str) -> Iterator[None]:
+        """Mark regions as written by running pull ``pull_id`` for the block: no
+        version is published from them meanwhile (see :meth:`writers`)."""
+        ids = sorted(set(region_ids))
+        for i in ids:
+            self._writing.setdefault(i, set()).add(pull_id)
+        try:
+            yield
+        finally:
+            for i in ids:
+                pulls = self._writing.get(i, set())
+                pulls.discard(pull_id)
+                if not pulls:
+                    self._writing.pop(i, None)
+
+    def writers(self, region_id: int) -> list[str]:
+        """The ids of the running pulls that write ``region_id``, sorted."""
+        return sorted(self._writing.get(region_id, ()))
+
+    # ------------------------------------------------------------ client death
+
+    def _holder_exited(self, tag: str) -> None:
+        self._exited.add(tag)
+        self._orphans |= self._held.pop(tag, set())
+        log.info("client %s exited: releasing its regions %s", tag, sorted(self._orphans))
+        self.reap_soon()
+
+    def reap_soon(self) -> None:
+        """Release exited clients' regions in a task (no-op when there are none)."""
+        if self._orphans and (self._reaping is None or self._reaping.done()):
+            self._reaping = asyncio.get_running_loop().create_task(self.reap())
+
+    async def reap(self, dry_run: bool = False) -> list[RegionInfo]:
+        """Release (``dry_run``: only list) every region whose holder process exited
+        and that nothing still needs: no READY, pending or leased version publishes
+        from it and no running pull reads or writes it. Those still needed stay
+        orphans and are released by a later call, once they are free; a client's
+        segment whose creator is gone is unlinked with it."""
+        protected = self.registry.protected_regions()
+        out: list[RegionInfo] = []
+        for rid in sorted(self._orphans):
+            if rid not in self.regions:
+                self._orphans.discard(rid)
+                continue
+            if rid in protected or self._busy[rid]:
+                continue
+            info = self.regions.get(rid)
+            out.append(info)
+            if dry_run:
+                continue
+            stale = not info.daemon_owned and (
+                creator_tag(info.handle) in self._exited or is_stale(info.handle)
+            )
+            await self.drop(rid, info)
+            if stale:
+                with contextlib.suppress(OSError):
+                    (SHM_DIR / info.handle).unlink()
+        return out
+
+    async def gc(self, dry_run: bool = False) -> GcReport:
+        """``POST /v1/gc``: free exited clients' regions and stale segments."""
+        regions = await self.reap(dry_run)
+        segments = stale_segments() if dry_run else await asyncio.to_thread(cleanup_stale)
+        return GcReport(dry_run, regions, segments)
