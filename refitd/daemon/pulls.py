@@ -105,7 +105,7 @@ class LocalSource:
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
     ) -> StagedPack:
         lease = self.daemon.registry.check(lease_id, model, version)
-        return await self.daemon.staging.pack(specs, lease)
+        return await self.daemon.pack(specs, lease)
 
     async def drop(self, region_id: int, lease_id: str) -> None:
         await self.daemon.staging.release(region_id, lease_id)
