@@ -38,6 +38,11 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench experts --bound               # headroom: model-knowing oracles",
         "refitd bench experts --prefetch            # lookahead prefetch vs Belady on demand",
     ),
+    "fanout": (
+        "refitd bench fanout                        # 64 MiB, 1 Gbit/s links, N = 1, 2, 4 hosts",
+        "refitd bench fanout --mib 16 --hosts 2     # a quick run",
+        "refitd bench fanout --hosts 8              # N = 8 too",
+    ),
     "hosts": (
         "refitd bench hosts                         # 1 GiB across simulated hosts, 1000 sources",
         "refitd bench hosts --gib 0.25 --repeat 2   # a quick run",
@@ -69,6 +74,11 @@ BENCHES: dict[str, tuple[str, str]] = {
     "experts": (
         "refitd.bench.experts",
         "expert-cache policies vs Belady's optimum on MoE routing traces",
+    ),
+    "fanout": (
+        "refitd.bench.fanout",
+        "replicas on many simulated hosts over shaped links: direct pulls vs host mirrors "
+        "with relay",
     ),
     "hosts": (
         "refitd.bench.hosts",

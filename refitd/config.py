@@ -45,6 +45,7 @@ __all__ = [
     "LimitsConfig",
     "LoggingConfig",
     "MetricsConfig",
+    "MirrorsConfig",
     "PeersConfig",
     "PullsConfig",
     "RegistryConfig",
@@ -139,6 +140,16 @@ class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     #: Port of the ``tcp`` data server (on ``server.host``); 0: any free one (peers
     #: learn it from the signed records).
     tcp_port: Port = 0
+
+
+class MirrorsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Host mirrors and relay (see :mod:`refitd.daemon.mirrors` and docs/fanout.md)."""
+
+    #: When this daemon holds one copy of a remote version for its local engines (and
+    #: relays it to other hosts): ``never`` (every pull reads its source), ``always``
+    #: (the first pull of a remote version makes the mirror), ``shared`` (once two or
+    #: more leases on one remote version pull through this daemon).
+    policy: Literal["never", "always", "shared"] = "never"
 
 
 class PeersConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -249,6 +260,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     pulls: PullsConfig = msgspec.field(default_factory=PullsConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
     peers: PeersConfig = msgspec.field(default_factory=PeersConfig)
+    mirrors: MirrorsConfig = msgspec.field(default_factory=MirrorsConfig)
     models: ModelsConfig = msgspec.field(default_factory=ModelsConfig)
     logging: LoggingConfig = msgspec.field(default_factory=LoggingConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)

@@ -19,7 +19,11 @@ Modules:
 - `pullcore`: the pure core of a pull: validation, path choice, pacing, outcomes
 - `pulls`: pulls: the awaits around the pull core (sources, data plane, progress)
 - `listeners`: what listens to a pull: the write rule, the pull cap
-- `peerclient`: the daemon's client of its peer daemons (the calls a pull makes)
+- `peerclient`: the daemon's client of its peer daemons (the calls a pull makes, and
+  those a host mirror makes)
+- `mirror`: one host mirror's chunks and the source's holder book (pure)
+- `mirrors`: host mirrors and relay: policy, fill, relay, failover, release
+- `mirrorhandlers`: the mirrors' routes, and `setup_mirrors` that installs their hooks
 - `paths`: which data path reads each peer: the one place that decides
 - `peers`: which peer daemons this daemon may contact
 - `memory`: region memory: shared-memory segments

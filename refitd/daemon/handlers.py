@@ -38,6 +38,7 @@ from refitd.daemon.listeners import Caller, PullCap, WriteRule
 from refitd.daemon.membership import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.membership import routes as cluster_routes
 from refitd.daemon.metrics import METRICS_KEY, PullMetrics
+from refitd.daemon.mirrorhandlers import setup_mirrors
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.poolapi import routes as expert_routes
@@ -429,6 +430,7 @@ def create_app(
     pulls.listen(WriteRule(d))
     pulls.listen(PullCap(d.caps, pulls.running))
     app[PULLS] = pulls
+    setup_mirrors(app, d, pulls, opts.mirrors)  # host mirrors and relay (issue 25)
     cluster.on_gone(
         lambda rec: pulls.fail_source(
             rec.url,

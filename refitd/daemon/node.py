@@ -124,6 +124,9 @@ class DaemonOptions:
     #: :class:`~refitd.daemon.owners.ModelOwners`)
     model_owners: tuple[str, ...] = ()
     model_readers: tuple[str, ...] = ()
+    #: ``[mirrors] policy``: ``never``, ``always`` or ``shared`` (see
+    #: :mod:`refitd.daemon.mirrors`)
+    mirrors: str = "never"
 
 
 class Daemon:
@@ -174,6 +177,9 @@ class Daemon:
         self.models = ModelOwners(options.model_owners, options.model_readers)
         #: stale segments of earlier lives (this daemon's or its clients') removed at start
         self.removed_at_start: list[str] = []
+        #: host mirrors' hook (:mod:`refitd.daemon.mirrors`): what a lease on a version
+        #: may read of a mirror still filling (only complete chunks are served)
+        self.scope_limit: Callable[[str, int, dict[int, Extents]], dict[int, Extents]] | None = None
 
     # ------------------------------------------------------------ parts, by their old names
 
@@ -350,11 +356,20 @@ class Daemon:
 
     # ------------------------------------------------------------ peer records
 
+    def version_scope(self, lease: Lease) -> dict[int, Extents]:
+        """What ``lease`` may read of its version's own regions now: the shard ranges,
+        and of a mirror still filling only its complete chunks. Reads over the data
+        plane and source-side packs are both checked against it."""
+        scope = dict(self.registry.scope(lease.model, lease.version))
+        if self.scope_limit is not None:  # a mirror still filling: its complete chunks
+            scope = self.scope_limit(lease.model, lease.version, scope)
+        return scope
+
     def lease_scope(self, lease: Lease) -> dict[int, Extents]:
-        """What ``lease`` may read here: its version's shard ranges, and in each staging
+        """What ``lease`` may read here: :meth:`version_scope`, and in each staging
         region packed for that very lease the bytes packed for it (not the rest of a
         reused region)."""
-        scope = dict(self.registry.scope(lease.model, lease.version))
+        scope = self.version_scope(lease)
         scope.update(self.staging.packed_for(lease.lease_id))
         return scope
 
@@ -410,8 +425,9 @@ class Daemon:
     # ------------------------------------------------------------ packing and leases
 
     async def pack(self, specs: list[PackSpec], lease: Lease) -> StagedPack:
-        """Gather specs into a staging region for ``lease`` (:meth:`StagingPool.pack`)."""
-        return await self.staging.pack(specs, lease)
+        """Gather specs into a staging region for ``lease`` (:meth:`StagingPool.pack`),
+        reading only what :meth:`version_scope` allows."""
+        return await self.staging.pack(specs, lease, self.version_scope(lease))
 
     async def release_staging(self, region_id: int, lease_id: str) -> None:
         """Return a staging region to the pool (:meth:`StagingPool.release`)."""

@@ -1,8 +1,11 @@
-"""The daemon's client of its peer daemons: the four calls a pull makes to its source.
+"""The daemon's client of its peer daemons: the four calls a pull makes to its source,
+and the calls a host mirror makes to the daemon it reads from.
 
 A pulling daemon asks its source daemon to check the pull's lease, for the signed
 region records that lease may read, to pack strided blocks into staging, and to
-release that staging. These are daemon-to-daemon calls (``/v1/leases/{id}`` and
+release that staging. A host mirror (:mod:`refitd.daemon.mirrors`) also leases the
+version it copies, reads its manifest, joins the source's holder book and follows an
+upstream mirror's progress. These are daemon-to-daemon calls (``/v1/leases/{id}`` and
 ``/v1/peer/...``), so the daemon makes them with this client, not with the public
 :class:`refitd.client.RefitClient` a trainer or an engine uses.
 
@@ -21,16 +24,21 @@ import msgspec
 
 from refitd import errors
 from refitd.wire import (
+    API_PREFIX,
     ERROR_OF_STATUS,
     MSGPACK,
     ErrorBody,
     LeaseGrant,
+    LeaseRequest,
+    MergedManifest,
     PackRequest,
     PackSpec,
     PeerRegions,
     StagedPack,
     gc_paused,
 )
+from refitd.wire import routes as api
+from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
 
 __all__ = ["PeerClient"]
 
@@ -87,6 +95,45 @@ class PeerClient:
         """Release staging region ``region_id``, packed for ``lease_id``."""
         params = {"lease": lease_id}
         await self._call("DELETE", f"/peer/staging/{region_id}", type(None), params=params)
+
+    # ------------------------------------------------------------ a host mirror's calls
+
+    async def acquire_lease(self, model: str, version: int, ttl_s: float) -> LeaseGrant:
+        """Lease ``model`` ``version`` (READY there) for ``ttl_s`` seconds."""
+        return await self._send(api.ACQUIRE_LEASE, LeaseRequest(model, version, ttl_s))
+
+    async def renew_lease(self, lease_id: str, ttl_s: float) -> LeaseGrant:
+        return await self._send(api.RENEW_LEASE, params={"ttl": str(ttl_s)}, lease_id=lease_id)
+
+    async def release_lease(self, lease_id: str) -> None:
+        await self._send(api.RELEASE_LEASE, lease_id=lease_id)
+
+    async def manifest(self, model: str, version: int) -> MergedManifest:
+        return await self._send(api.MANIFEST, model=model, version=version)
+
+    async def join_holders(self, join: HolderJoin) -> HolderAssign:
+        """Join the holder pipeline of a version the peer is the source of; answers
+        the holder to read from."""
+        return await self._send(api.MIRROR_HOLDERS, join)
+
+    async def mirror_state(
+        self, model: str, version: int, after: int, timeout_s: float
+    ) -> MirrorState:
+        """The peer's mirror of ``model`` ``version``, once more than ``after`` chunks
+        are complete there, it ended, or ``timeout_s`` passed."""
+        params = {"after": str(after), "timeout": str(timeout_s)}
+        return await self._send(api.MIRROR_STATE, params=params, model=model, version=version)
+
+    async def _send(
+        self,
+        route: api.Route[T],
+        body: Any = None,
+        params: dict[str, str] | None = None,
+        **path: object,
+    ) -> T:
+        """Call ``route`` (its path parameters in ``path``)."""
+        rel = route.url(**path).removeprefix(API_PREFIX)
+        return await self._call(route.method, rel, route.response, body, params)
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:

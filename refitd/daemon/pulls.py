@@ -30,9 +30,9 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 from aiohttp import web
@@ -55,6 +55,9 @@ from refitd.wire import (
 )
 from transports.interface import Peer
 from transports.tcp import TcpPeer
+
+if TYPE_CHECKING:
+    from refitd.daemon.mirrors import Redirect
 
 __all__ = ["PULLS", "PullJob", "PullManager", "Source"]
 
@@ -102,7 +105,7 @@ class LocalSource:
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
     ) -> StagedPack:
         lease = self.daemon.registry.check(lease_id, model, version)
-        return await self.daemon.staging.pack(specs, lease)
+        return await self.daemon.pack(specs, lease)
 
     async def drop(self, region_id: int, lease_id: str) -> None:
         await self.daemon.staging.release(region_id, lease_id)
@@ -212,6 +215,9 @@ class PullManager:
         self._seq = itertools.count(1)
         #: the transport's connection per source daemon life (node id, incarnation)
         self._peers: dict[tuple[str, int, str], Peer] = {}
+        #: host mirrors' hook (:mod:`refitd.daemon.mirrors`): a pull from a remote
+        #: source rewritten to read this daemon's mirror of the version, or None
+        self.redirect: Callable[[PullRequest, str], Awaitable[Redirect | None]] | None = None
 
     def listen(self, listener: PullListener) -> None:
         """Tell ``listener`` of every pull submitted from now on (after the others)."""
@@ -237,6 +243,22 @@ class PullManager:
         """
         for listener in self.listeners:
             listener.admit(req, caller)
+        # A host mirror may serve the pull instead of its remote source: admitted as
+        # asked (the destinations are the same), then read from the mirror over shm.
+        mirrored = await self.redirect(req, caller.name) if self.redirect is not None else None
+        if mirrored is None:
+            return await self._submit(req, caller)
+        try:
+            job = await self._submit(mirrored.req, caller)
+        except BaseException:
+            mirrored.release()
+            raise
+        assert job.task is not None
+        job.task.add_done_callback(lambda _: mirrored.release())
+        return job
+
+    async def _submit(self, req: PullRequest, caller: Caller) -> PullJob:
+        """:meth:`submit` once admitted: ``req`` is read from its own source."""
         src = self.source_for(req.source)
         await src.check_lease(req.lease_id, req.model, req.version)
         rows = req.descriptors.rows()
@@ -409,6 +431,15 @@ class PullManager:
         self.seen_paths[peer.node_id] = (scheme, why)
         log.info("pull from %s over %s: %s", peer.node_id, scheme, why)
         return scheme, None
+
+    async def open_path(self, src: Source, peer: PeerRegions) -> tuple[str, Peer]:
+        """The path a pull from ``src`` (its records ``peer``) would take, and a
+        connection on it, for reads made outside a pull (a host mirror's). A ``shm``
+        connection is the caller's to close; a transport's is shared, and stays open."""
+        path, conn = await self.choose_path(src, peer)
+        if conn is None:
+            conn = await self._transport_peer(peer, path)
+        return path, conn
 
     async def shm_refusal(self, peer: PeerRegions) -> str | None:
         """Why the ``shm`` transport does not connect to ``peer``, or None when it does:

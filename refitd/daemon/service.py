@@ -65,6 +65,7 @@ def options_from_config(config: Config, secret: bytes | None) -> Any:
         limits=config.limits,
         model_owners=config.models.owners,
         model_readers=config.models.readers,
+        mirrors=config.mirrors.policy,
         **extra,
     )
 

@@ -68,13 +68,16 @@ class StagingPool:
             if held == lease_id and rid in regions
         }
 
-    async def pack(self, specs: list[PackSpec], lease: Lease) -> StagedPack:
+    async def pack(
+        self, specs: list[PackSpec], lease: Lease, scope: dict[int, Extents]
+    ) -> StagedPack:
         """Gather each spec's strided block into one new daemon-owned staging region.
 
         Only the source fields of each spec are used here; the destination fields are
         the reader's. Refused (nothing packed) if there is no spec, any spec leaves
-        its source region, or any spec reads bytes outside what ``lease`` (live,
-        checked by the caller) may read. The region is held for that lease: released
+        its source region, or any spec reads bytes outside ``scope``: what ``lease``
+        (live, checked by the caller) may read of its version's regions now, which for
+        a mirror still filling is only its complete chunks. The region is held for that lease: released
         by its holder (:meth:`release`) or reclaimed once the lease is gone.
         """
         if not specs:
@@ -94,7 +97,7 @@ class StagingPool:
             staging_sizes,
         )
         what = f"{lease.model!r} version {lease.version} (lease {lease.lease_id!r})"
-        check_pack_reads(specs, self.registry.scope(lease.model, lease.version), what)
+        check_pack_reads(specs, scope, what)
         region = await self._take(total, lease.owner)
         self._held[region.region_id] = (lease.lease_id, total)
         blocks = [Gather(p.src_region, p.src_offset, p.shape, p.strides, p.itemsize) for p in specs]

@@ -18,6 +18,7 @@ PullRequest``):
 - :mod:`~refitd.wire.pulls`: pulls, their descriptors and pack specs;
 - :mod:`~refitd.wire.pools`: MoE expert slot pools;
 - :mod:`~refitd.wire.records`: the records daemons sign for each other;
+- :mod:`~refitd.wire.mirrors`: host mirrors and relay, daemon to daemon;
 - :mod:`~refitd.wire.routes`: the route table: every operation's method, path and
   bodies, from which the daemon's routes, the OpenAPI document and the client's
   paths are built.
@@ -42,6 +43,7 @@ from refitd.wire.leases import (
     LeaseGrant,
     LeaseRequest,
 )
+from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
 from refitd.wire.pools import (
     EnsureRequest,
     EnsureResult,
@@ -113,6 +115,8 @@ __all__ = [
     "ErrorBody",
     "ExpertRef",
     "GcReport",
+    "HolderAssign",
+    "HolderJoin",
     "HostResidencyName",
     "InvalidateRequest",
     "InvalidateResult",
@@ -121,6 +125,7 @@ __all__ = [
     "ManifestHead",
     "ManifestIn",
     "MergedManifest",
+    "MirrorState",
     "NodeInfo",
     "PackRequest",
     "PackSpec",

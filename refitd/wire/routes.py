@@ -23,6 +23,7 @@ from typing import Any, Generic, TypeVar
 
 from refitd.wire.fields import API_PREFIX, MSGPACK
 from refitd.wire.leases import LeaseGrant, LeaseRequest
+from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
 from refitd.wire.pools import (
     EnsureRequest,
     EnsureResult,
@@ -306,6 +307,26 @@ CLUSTER_NEXT = _r(
     ClusterVersion,
     "Wait for a complete version newer than 'after'",
     tag="cluster",
+    query={"after": int, "timeout": float},
+)
+
+# ---------------------------------------------------------------- host mirrors and relay
+MIRROR_HOLDERS = _r(
+    "POST",
+    "/mirrors/holders",
+    HolderAssign,
+    "A mirror joins the holder pipeline of a version this daemon is the source of",
+    HolderJoin,
+    200,
+    _BOTH,
+    tag="mirrors",
+)
+MIRROR_STATE = _r(
+    "GET",
+    "/mirrors/{model}/{version}",
+    MirrorState,
+    "A mirror's progress (waits for more than 'after' complete chunks)",
+    tag="mirrors",
     query={"after": int, "timeout": float},
 )
 

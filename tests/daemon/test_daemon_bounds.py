@@ -21,7 +21,7 @@ from refitd.client.http import RefitClient
 from refitd.config import LimitsConfig
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.registry import Registry
-from refitd.errors import NotFoundError, ProtocolError, QuotaExceeded
+from refitd.errors import AccessDenied, NotFoundError, ProtocolError, QuotaExceeded
 from refitd.wire import (
     MAX_RANK,
     MAX_TENSOR_SHARDS,
@@ -423,3 +423,22 @@ async def test_memory_the_daemon_makes_for_a_principal_is_capped_in_bytes() -> N
         await c.delete_region(big.region_id)
         await c.peer_drop(staged.region.region_id, lease.lease_id)
         await c.create_pool("p", layers=1, experts=2, slots=2, row_bytes=[512])  # 2048 bytes
+
+
+async def test_a_pack_from_a_version_still_filling_reads_only_its_complete_bytes() -> None:
+    """A mirror still filling serves only its complete chunks: its daemon's scope hook
+    (``Daemon.scope_limit``, set by the mirrors) cuts what a lease may read. Reads over
+    the data plane obeyed it, but a source-side pack checked the version's whole shard
+    ranges, so a reader could have packed (and then read) bytes not yet arrived."""
+    async with _capped() as (d, c, _g):
+        src = await c.create_region(128)
+        await c.publish(toy_manifest(src.region_id))
+        lease = await c.acquire_lease("toy", 1)
+        # as a mirror whose first 64 bytes are complete would limit it
+        d.scope_limit = lambda _m, _v, scope: {rid: [(0, 64)] for rid in scope}
+        inside = PackSpec(src.region_id, 0, (16,), (1,), 4, 0, 0)
+        outside = PackSpec(src.region_id, 64, (16,), (1,), 4, 0, 0)
+        with pytest.raises(AccessDenied, match=r"bytes \[64, 128\) of region .* not part of"):
+            await c.peer_pack("toy", 1, lease.lease_id, [outside])
+        staged = await c.peer_pack("toy", 1, lease.lease_id, [inside])
+        assert staged.region.nbytes == 64  # 16 elements of 4 bytes, packed

@@ -1,0 +1,71 @@
+"""The HTTP side of host mirrors and relay: the holder book's and a mirror's routes,
+and :func:`setup_mirrors`, which installs the store and its hooks on the app."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
+from refitd.daemon.mirrors import Mirrors
+from refitd.daemon.node import Daemon
+from refitd.daemon.pulls import PullManager
+from refitd.wire import routes as api
+from refitd.wire.mirrors import HolderJoin
+
+__all__ = ["MIRRORS", "routes", "setup_mirrors"]
+
+
+MIRRORS: web.AppKey[Mirrors] = web.AppKey("mirrors", Mirrors)
+routes = RouteTable()
+
+
+@routes.handles(api.MIRROR_HOLDERS)
+async def join_holders(request: web.Request) -> web.Response:
+    """A mirror of a version this daemon is the source of joins its pipeline; answers
+    the holder it reads from."""
+    j = await body(request, HolderJoin)
+    d = request.app[DAEMON]
+    d.registry.version(j.model, j.version)  # 404 for a version this daemon lacks
+    d.peers.check(j.url)  # only a daemon this one trusts is handed to readers
+    return reply(request, request.app[MIRRORS].book.join(j))
+
+
+@routes.handles(api.MIRROR_STATE)
+async def mirror_state(request: web.Request) -> web.Response:
+    """A mirror's progress; with ``after=N`` it answers once more than ``N`` chunks
+    are complete, the mirror ended, or ``timeout`` seconds passed."""
+    m = request.app[MIRRORS].find(request.match_info["model"], query_int(request, "version"))
+    after = int(request.query.get("after", "-1"))
+    timeout_s = min(query_float(request, "timeout", 0.0), 60.0)
+    deadline = time.monotonic() + timeout_s
+    while int(m.done.sum()) <= after and not m.finished:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        await m.changed(left)
+    return reply(request, m.state())
+
+
+def setup_mirrors(app: web.Application, d: Daemon, pulls: PullManager, policy: str) -> Mirrors:
+    """Install the mirror store of daemon ``d`` and its routes on ``app``; the pull
+    manager (``redirect``) and the daemon (``scope_limit``) consult it through their
+    hooks."""
+    from refitd.daemon.membership import CLUSTER
+
+    def self_url() -> str:
+        me = app[CLUSTER].me
+        return me.url if me is not None else ""
+
+    mirrors = Mirrors(d, pulls, policy, self_url)
+    app[MIRRORS] = mirrors
+    pulls.redirect = mirrors.redirect
+    d.scope_limit = mirrors.limit_scope
+    app.add_routes(routes)
+
+    async def close(app: web.Application) -> None:
+        await mirrors.close()
+
+    app.on_shutdown.append(close)
+    return mirrors

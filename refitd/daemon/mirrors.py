@@ -1,0 +1,556 @@
+"""Host mirrors and relay: each version crosses each host's link about once.
+
+A *mirror* is one daemon's copy of a version a remote source daemon (the trainer's)
+holds: every byte range a lease on it may read, pulled once over the network into
+regions this daemon owns, and published in this daemon's own registry under the same
+model and version. The local engines' pulls from that source are then served from
+the mirror over ``shm`` (:meth:`Mirrors.redirect`), however many replicas read it.
+
+Relay. A mirror is itself a *holder*: it joins the source's holder book
+(``POST /v1/mirrors/holders`` at the source), which answers with the holder it reads
+from: the last one that joined before it (the source itself for the first). The
+holders form a pipeline, so the source's link carries each byte about once per
+version, whatever the number of hosts. A downstream mirror reads from its upstream
+under a lease of the upstream's own registry, through the upstream's data plane and
+its signed, lease-scoped records, like any pull; and it reads only *complete*
+chunks: while a mirror fills, the scope its records give a lease is cut down to the
+chunks it holds in full (:meth:`Mirrors.limit_scope`), so the data server refuses
+any byte of an incomplete chunk. A downstream learns of new chunks by long-polling
+``GET /v1/mirrors/{model}/{version}`` on its upstream.
+
+Fail-closed. A chunk is marked complete only once the read that filled it returned
+without error; a read that failed leaves its chunks incomplete. When an upstream
+relay dies, stops answering (its reads and long-polls have deadlines) or fails, the
+mirror asks the source for another holder, excluding the ones that failed, and reads
+the chunks it still lacks from there (the source itself last). If even the source
+fails, the mirror fails, naming every holder it tried, and so do the local pulls
+waiting on it; nothing was installed from it. A complete mirror never changes.
+
+Policy (``[mirrors] policy``): ``never`` (default: every pull reads its source),
+``always`` (the first pull of a remote version makes the mirror), ``shared`` (a
+mirror once two or more distinct leases on the same remote version pull through
+this daemon; from then on the later versions of that model are mirrored from their
+first pull). Release: a mirror goes once its version is retired here (a newer
+version of the model was mirrored) and no lease on it is live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, covered, cut_chunks
+from refitd.daemon.paths import SHM_SCHEME
+from refitd.daemon.peerclient import PeerClient
+from refitd.daemon.pulls import RemoteSource
+from refitd.daemon.trust import Extents
+from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
+from refitd.wire import (
+    DescriptorTable,
+    ManifestIn,
+    PeerRegions,
+    PullRequest,
+    RegionCreate,
+    ShardEntry,
+    TensorEntry,
+    VersionState,
+)
+from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
+from transports.batch import rows_as_batch
+from transports.interface import Peer
+
+if TYPE_CHECKING:
+    from refitd.daemon.node import Daemon
+    from refitd.daemon.pulls import PullManager
+
+__all__ = [
+    "CHUNK_BYTES",
+    "POLICIES",
+    "HolderAssign",
+    "HolderBook",
+    "HolderJoin",
+    "Mirror",
+    "MirrorState",
+    "Mirrors",
+    "Redirect",
+]
+
+POLICIES = ("never", "always", "shared")
+"""``[mirrors] policy`` values (see the module docstring)."""
+
+BATCH_CHUNKS = 2
+"""Chunks per read handed to the data plane at once (two batches in flight): small,
+so a downstream relay sees chunks complete soon after they land."""
+
+WAIT_S = 5.0
+"""How long one long-poll of an upstream's progress waits for a new chunk, s."""
+
+LEASE_TTL_S = 120.0
+"""TTL of the leases a mirror holds while it fills (renewed at a third of it), s."""
+
+OWNER = "refitd-mirror"
+"""Owner of a mirror's regions and of the leases it takes."""
+
+log = logging.getLogger("refitd.mirrors")
+
+
+# ---------------------------------------------------------------- the store
+
+
+@dataclass
+class Redirect:
+    """A pull rewritten to read this daemon's mirror, and how to let go of it."""
+
+    req: PullRequest
+    release: Callable[[], None]
+
+
+class Mirrors:
+    """Every mirror of one daemon, its policy, and (as a source) its holder book."""
+
+    def __init__(
+        self, daemon: Daemon, pulls: PullManager, policy: str, self_url: Callable[[], str]
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"mirror policy {policy!r}: expected one of {POLICIES}")
+        self.pulls = pulls
+        self.d = daemon
+        self.policy = policy
+        self.self_url = self_url
+        self.book = HolderBook()
+        self.by_key: dict[tuple[str, str, int], Mirror] = {}
+        #: (source, model, version) -> distinct leases seen pulling it (``shared``)
+        self._readers: dict[tuple[str, str, int], set[str]] = {}
+        #: (source, model) seen with two or more readers of one version
+        self._shared: set[tuple[str, str]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------ policy
+
+    def wants(self, req: PullRequest) -> bool:
+        """Whether ``req`` (from a remote source) should read through a mirror."""
+        if not req.source or self.policy == "never":
+            return False
+        key = (req.source.rstrip("/"), req.model, req.version)
+        if self.policy == "always" or key in self.by_key:
+            return True
+        seen = self._readers.setdefault(key, set())
+        seen.add(req.lease_id)
+        if len(self._readers) > 256:  # bounded: forget the oldest versions seen
+            self._readers.pop(next(iter(self._readers)))
+        if len(seen) >= 2:
+            self._shared.add(key[:2])
+        return key[:2] in self._shared
+
+    # ------------------------------------------------------------ local reads
+
+    async def redirect(self, req: PullRequest, owner: str) -> Redirect | None:
+        """``req`` rewritten to read this daemon's complete mirror of its version (made
+        and filled first if needed), under a lease of this daemon; None when the
+        policy says to read the source directly, or the version cannot be mirrored
+        here (an older version than one this daemon already holds of the model).
+
+        Raises :class:`TransportError` naming every holder tried when the mirror
+        failed: the pull fails before any byte moved."""
+        if not self.wants(req):
+            return None
+        m = await self.mirror(req.source.rstrip("/"), req.model, req.version)
+        if m is None:
+            return None
+        await m.wait_finished()
+        if m.error:
+            raise TransportError(
+                f"pull of {req.model!r} version {req.version} refused: this host's mirror of "
+                f"it failed, nothing was read from it: {m.error}"
+            )
+        lease = self.d.registry.acquire(req.model, req.version, LEASE_TTL_S, owner=owner)
+        local = {s: r.region_id for s, r in m.regions.items()}
+        rows = req.descriptors.rows().copy()
+        try:
+            rows[:, 0] = [local[int(s)] for s in rows[:, 0]]
+            specs = [
+                msgspec.structs.replace(p, src_region=local[p.src_region]) for p in req.pack_specs
+            ]
+        except KeyError as exc:
+            self.d.registry.release(lease.lease_id)
+            raise ConflictError(
+                f"pull refused: source region {exc.args[0]} is not part of {req.model!r} "
+                f"version {req.version}; nothing was transferred"
+            ) from None
+        out = PullRequest(
+            req.model, req.version, lease.lease_id, DescriptorTable.pack(rows), specs, ""
+        )
+
+        def release() -> None:
+            with contextlib.suppress(RefitError):
+                self.d.registry.release(lease.lease_id)
+            self.d.lease_changed()
+            self._spawn(self.sweep())
+
+        return Redirect(out, release)
+
+    # ------------------------------------------------------------ making one
+
+    async def mirror(self, source: str, model: str, version: int) -> Mirror | None:
+        """The mirror of ``model`` ``version`` of ``source``: started now if new (its
+        regions made and published here before this returns), None if this daemon
+        cannot hold it."""
+        key = (source, model, version)
+        m = self.by_key.get(key)
+        if m is None:
+            m = self.by_key[key] = Mirror(source, model, version)
+            task = asyncio.create_task(self._run(m))
+            m.task = task
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        await m.ready.wait()
+        if m.error and not m.regions:
+            self.by_key.pop(key, None)
+            if m.error.startswith("cannot mirror"):
+                return None
+        return m
+
+    async def _run(self, m: Mirror) -> None:
+        src = self._remote(m.source)
+        client = src.client
+        lease_id = ""
+        try:
+            grant = await client.acquire_lease(m.model, m.version, LEASE_TTL_S)
+            lease_id = grant.lease_id
+            renew = asyncio.create_task(_renew(client, lease_id))
+            try:
+                await self._prepare(m, src, lease_id)
+                await self._fill(m, src, lease_id)
+            finally:
+                renew.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renew
+            m.completed_at = time.time()
+            log.info(
+                "mirror of %r version %d from %s complete in %.2f s (read from %s)",
+                m.model,
+                m.version,
+                m.source,
+                m.completed_at - m.began_at,
+                ", then ".join(m.tried),
+            )
+        except asyncio.CancelledError:
+            m.error = m.error or "cancelled: the daemon is stopping"
+            raise
+        except Exception as exc:  # every failure ends the mirror, named; never a hang
+            m.error = m.error or _describe(exc)
+            if m.regions:  # published here: no lease may be granted on it any more
+                with contextlib.suppress(RefitError):
+                    self.d.registry.retire(m.model, m.version)
+            if not isinstance(exc, RefitError):
+                log.error("mirror of %r version %d failed", m.model, m.version, exc_info=exc)
+        finally:
+            m.ready.set()
+            m.notify()
+            if lease_id:
+                with contextlib.suppress(RefitError):
+                    await asyncio.shield(client.release_lease(lease_id))
+
+    async def _prepare(self, m: Mirror, src: RemoteSource, lease_id: str) -> None:
+        """Make the mirror's regions, one per source region of the version, and publish
+        the version here over them (so relays can lease it)."""
+        d = self.d
+        newest = {v.version for v in d.registry.versions(m.model)}
+        if newest and max(newest) >= m.version:
+            m.error = (
+                f"cannot mirror {m.model!r} version {m.version}: this daemon already holds "
+                f"version {max(newest)} of it"
+            )
+            return
+        manifest = await src.client.manifest(m.model, m.version)
+        ids = sorted({s.region for t in manifest.tensors for s in t.shards})
+        probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
+        peer = await src.regions(ids, probe)
+        try:
+            for r in peer.regions:
+                m.regions[r.region_id] = await d.create_region(
+                    RegionCreate(r.nbytes, owner=OWNER, label=f"mirror-{m.model}-{m.version}")
+                )
+            tensors = [
+                TensorEntry(
+                    t.name,
+                    t.shape,
+                    t.dtype,
+                    [
+                        ShardEntry(s.offset, s.shape, m.regions[s.region].region_id, s.byte_offset)
+                        for s in t.shards
+                    ],
+                )
+                for t in manifest.tensors
+            ]
+            m.chunks = cut_chunks({int(k): v for k, v in peer.scope.items()})
+            m.done = np.zeros(len(m.chunks), dtype=bool)
+            d.registry.publish(ManifestIn(m.model, m.version, 0, 1, tensors))
+        except BaseException:
+            for r in m.regions.values():
+                with contextlib.suppress(RefitError):
+                    await d.delete_region(r.region_id)
+            m.regions.clear()
+            raise
+        m.ready.set()
+        self._spawn(self.sweep())
+
+    async def _fill(self, m: Mirror, src: RemoteSource, lease_id: str) -> None:
+        """Fill every chunk, from the holder the source assigns, failing over."""
+        exclude: list[str] = []
+        while not m.done.all():
+            upstream = await self._assign(src, m, exclude)
+            m.upstream = upstream
+            m.tried.append(upstream or m.source)
+            try:
+                if upstream:
+                    await self._fill_from_relay(m, upstream)
+                else:
+                    await self._fill_from(m, src, lease_id, None)
+            except (RefitError, OSError, TimeoutError) as exc:
+                what = f"{upstream or m.source}: {_describe(exc)}"
+                if not upstream:
+                    m.error = (
+                        f"mirror of {m.model!r} version {m.version} failed; holders tried, in "
+                        f"order: {', '.join(m.tried)}; the source failed last: {what}"
+                    )
+                    raise TransportError(m.error) from exc
+                log.warning("relay %s failed, reading the rest elsewhere: %s", upstream, what)
+                exclude.append(upstream)
+
+    def _remote(self, url: str) -> RemoteSource:
+        """The trusted peer daemon at ``url`` (refused, 400, if this daemon does not
+        trust it)."""
+        src = self.pulls.source_for(url)
+        assert isinstance(src, RemoteSource)  # a non-empty URL is always a peer
+        return src
+
+    async def _assign(self, src: RemoteSource, m: Mirror, exclude: list[str]) -> str:
+        """The holder to read from, as the source's holder book assigns it ("" the
+        source). A source that runs no holder book is read directly."""
+        me = self.self_url()
+        if not me:
+            return ""
+        join = HolderJoin(m.model, m.version, me, self.d.node_id, exclude)
+        try:
+            a = await src.client.join_holders(join)
+        except RefitError as exc:
+            log.info("no holder book at %s (%s): reading it directly", m.source, exc)
+            return ""
+        return a.upstream.rstrip("/")
+
+    async def _fill_from_relay(self, m: Mirror, url: str) -> None:
+        """Read the chunks ``url``'s mirror holds and this one lacks, as they complete
+        there, until every chunk is here."""
+        relay = self._remote(url)
+        c = relay.client
+        deadline = self.d.options.pull_timeout_s
+        async with asyncio.timeout(deadline):  # a stopped relay answers nothing
+            grant = await c.acquire_lease(m.model, m.version, LEASE_TTL_S)
+        # Reading overlaps asking: each answer that names new chunks starts a pass
+        # that reads them, while the next long-poll is already out; ``claimed``
+        # keeps two passes from reading one chunk.
+        claimed = m.done.copy()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                seen = -1
+                while not claimed.all():
+                    async with asyncio.timeout(WAIT_S + deadline):
+                        st = await c.mirror_state(m.model, m.version, seen, WAIT_S)
+                    if st.error:
+                        raise TransportError(f"its mirror failed: {st.error}")
+                    if st.source.rstrip("/") != m.source or set(st.regions) != set(m.regions):
+                        raise TransportError("its mirror is of another source or layout")
+                    if st.chunks_done == seen:
+                        continue
+                    seen = st.chunks_done
+                    await self._claim_and_read(m, relay, grant.lease_id, st.regions, claimed, tg)
+        except BaseExceptionGroup as group:
+            first = next((e for e in group.exceptions if isinstance(e, Exception)), None)
+            if first is None:
+                raise
+            raise first from None
+        finally:
+            with contextlib.suppress(RefitError, TimeoutError):
+                async with asyncio.timeout(deadline):
+                    await c.release_lease(grant.lease_id)
+
+    async def _claim_and_read(
+        self,
+        m: Mirror,
+        src: RemoteSource,
+        lease_id: str,
+        their: dict[int, int],
+        claimed: np.ndarray,
+        tg: asyncio.TaskGroup,
+    ) -> None:
+        """Claim the chunks ``src`` serves now that no pass claimed yet, and start
+        reading them in ``tg``."""
+        ids = [their[s] for s in sorted(m.regions)]
+        back = {v: k for k, v in their.items()}
+        probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
+        async with asyncio.timeout(self.d.options.pull_timeout_s):
+            peer = await src.regions(ids, probe)
+        scope = {back[int(k)]: v for k, v in peer.scope.items()}
+        todo = np.flatnonzero(~claimed & covered(m.chunks, scope))
+        if not todo.size:
+            return
+        claimed[todo] = True
+        tg.create_task(self._read_from(m, src, peer, todo, their))
+
+    async def _fill_from(
+        self, m: Mirror, src: RemoteSource, lease_id: str, their: dict[int, int] | None
+    ) -> None:
+        """One pass: read every chunk this mirror lacks that ``src`` may serve now (its
+        signed, lease-scoped records say which), through the pull path's data plane.
+        ``their`` maps source region ids to ``src``'s region ids (None: ``src`` is the
+        source)."""
+        ids = sorted(m.regions) if their is None else [their[s] for s in sorted(m.regions)]
+        back = {i: i for i in ids} if their is None else {v: k for k, v in their.items()}
+        probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
+        async with asyncio.timeout(self.d.options.pull_timeout_s):
+            peer = await src.regions(ids, probe)
+        scope = {back[int(k)]: v for k, v in peer.scope.items()}
+        todo = np.flatnonzero(~m.done & covered(m.chunks, scope))
+        if todo.size:
+            await self._read_from(m, src, peer, todo, their)
+
+    async def _read_from(
+        self,
+        m: Mirror,
+        src: RemoteSource,
+        peer: PeerRegions,
+        todo: np.ndarray,
+        their: dict[int, int] | None,
+    ) -> None:
+        """Read chunks ``todo`` from ``src`` (its records ``peer``) over the path a
+        pull from it would take."""
+        async with asyncio.timeout(self.d.options.pull_timeout_s):
+            path, conn = await self.pulls.open_path(src, peer)
+        try:
+            await self._read(m, conn, todo, their)
+        finally:
+            if path == SHM_SCHEME:  # a transport's connection is shared: it stays open
+                await conn.close()
+
+    async def _read(
+        self, m: Mirror, conn: Peer, todo: np.ndarray, their: dict[int, int] | None
+    ) -> None:
+        window = asyncio.Semaphore(2)
+        local = {s: r.region_id for s, r in m.regions.items()}
+
+        async def move(idx: np.ndarray) -> None:
+            try:
+                c = m.chunks[idx]
+                rows = np.empty((len(idx), 5), dtype=np.int64)
+                rows[:, 0] = [their[s] if their else s for s in c[:, 0].tolist()]
+                rows[:, 1] = c[:, 1]
+                rows[:, 2] = [local[s] for s in c[:, 0].tolist()]
+                rows[:, 3] = c[:, 1]
+                rows[:, 4] = c[:, 2]
+                async with asyncio.timeout(self.d.options.pull_timeout_s):
+                    await conn.get(rows_as_batch(rows))
+                m.mark(idx)  # only now: a failed read leaves its chunks incomplete
+            finally:
+                window.release()
+
+        try:
+            async with asyncio.TaskGroup() as tg:
+                for lo in range(0, len(todo), BATCH_CHUNKS):
+                    await window.acquire()
+                    tg.create_task(move(todo[lo : lo + BATCH_CHUNKS]))
+        except BaseExceptionGroup as group:
+            first = next((e for e in group.exceptions if isinstance(e, Exception)), None)
+            if first is None:
+                raise
+            raise first from None
+
+    # ------------------------------------------------------------ serving
+
+    def limit_scope(
+        self, model: str, version: int, scope: dict[int, Extents]
+    ) -> dict[int, Extents]:
+        """What a lease on ``model`` ``version`` may read here: for a mirror still
+        filling, only its complete chunks (every region still listed)."""
+        m = next(
+            (x for x in self.by_key.values() if (x.model, x.version) == (model, version)), None
+        )
+        if m is None or m.complete or not m.regions:
+            return scope
+        done = m.done_extents()
+        return {rid: done.get(rid, []) for rid in scope}
+
+    def find(self, model: str, version: int) -> Mirror:
+        for m in self.by_key.values():
+            if (m.model, m.version) == (model, version):
+                return m
+        raise NotFoundError(f"no mirror of {model!r} version {version} on this daemon")
+
+    # ------------------------------------------------------------ release
+
+    async def sweep(self) -> list[int]:
+        """Delete the regions of every mirror whose version is retired here and no
+        longer leased; returns the region ids freed."""
+        freed: list[int] = []
+        for key, m in list(self.by_key.items()):
+            if not m.finished:
+                continue
+            try:
+                info = self.d.registry.version(m.model, m.version)
+            except NotFoundError:
+                continue
+            if info.state is not VersionState.RETIRED and not m.error:
+                continue
+            if self.d.registry.active_leases(m.model, m.version):
+                continue
+            for r in list(m.regions.values()):
+                try:
+                    await self.d.delete_region(r.region_id)
+                except RefitError:
+                    continue  # a pull still reads it: the next sweep frees it
+                freed.append(r.region_id)
+                m.regions = {k: v for k, v in m.regions.items() if v is not r}
+            if not m.regions:
+                del self.by_key[key]
+        if freed:
+            log.info("released mirror regions %s", freed)
+        return freed
+
+    def _spawn(self, coro: Awaitable[object]) -> None:
+        async def run() -> None:
+            await coro
+
+        task = asyncio.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def _renew(client: PeerClient, lease_id: str) -> None:
+    while True:
+        await asyncio.sleep(LEASE_TTL_S / 3)
+        with contextlib.suppress(RefitError):
+            await client.renew_lease(lease_id, LEASE_TTL_S)
+
+
+def _no_rows() -> np.ndarray:
+    return np.zeros((0, 5), dtype=np.int64)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "no answer within its deadline (stopped or partitioned)"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,161 @@
+"""Host mirrors and relay between real daemons on loopback, reading over ``tcp``
+(``--transport tcp`` keeps daemons of one machine off the shared-memory path, as if
+on separate hosts): a version crosses the source's data plane once per host, a
+second host reads it from the first host's mirror, and a relay that is stopped or
+killed is replaced by another holder without a torn byte."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+from refitd.client.http import RefitClient
+from refitd.client.spawn import SpawnedDaemon, spawn_daemon
+from refitd.wire import DescriptorTable, ManifestIn, PullRequest, ShardEntry, TensorEntry
+from refitd.wire import routes as api
+from refitd.wire.mirrors import MirrorState
+from transports.segments import SharedSegment
+
+pytestmark = pytest.mark.timeout(180)
+
+NBYTES = 24 << 20  # six chunks
+MODEL = "m"
+TRUST = "peers.allow=http://127.0.0.1:*"
+
+
+def pattern(n: int, version: int) -> np.ndarray:
+    words = np.arange((n + 7) // 8, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    return (words + np.uint64(version)).view(np.uint8)[:n]
+
+
+@contextlib.asynccontextmanager
+async def daemon(secret_file: str, name: str, *extra: str) -> AsyncIterator[SpawnedDaemon]:
+    async with spawn_daemon(
+        secret_file=secret_file,
+        transport="tcp",
+        node_id=name,
+        extra_args=["--set", TRUST, *extra],
+    ) as d:
+        yield d
+
+
+async def publish(c: RefitClient, version: int) -> None:
+    """Version ``version`` of one uint8 tensor in a new region of the source."""
+    region = await c.create_region(NBYTES, label=f"src-{version}")
+    seg = SharedSegment.attach(region.handle, NBYTES)
+    seg.numpy()[:] = pattern(NBYTES, version)
+    seg.close()
+    t = TensorEntry("blob", (NBYTES,), "uint8", [ShardEntry((0,), (NBYTES,), region.region_id, 0)])
+    await c.publish(ManifestIn(MODEL, version, 0, 1, [t]))
+
+
+async def refit(local: RefitClient, source: RefitClient, version: int) -> str:
+    """One engine: lease at the source, pull every byte through ``local``, check them.
+    Returns the path the pull took."""
+    lease = await source.acquire_lease(MODEL, version, 60.0)
+    manifest = await source.manifest(MODEL, version)
+    src_region = manifest.tensors[0].shards[0].region
+    dst = await local.create_region(NBYTES, label="engine")
+    try:
+        rows = np.array([[src_region, 0, dst.region_id, 0, NBYTES]], dtype=np.int64)
+        req = PullRequest(
+            MODEL, version, lease.lease_id, DescriptorTable.pack(rows), [], source.base_url
+        )
+        done = await local.pull(req)
+        seg = SharedSegment.attach(dst.handle, NBYTES)
+        try:
+            assert np.array_equal(seg.numpy(), pattern(NBYTES, version))
+        finally:
+            seg.close()
+        return done.path
+    finally:
+        await source.release_lease(lease.lease_id)
+        await local.delete_region(dst.region_id)
+
+
+async def state(c: RefitClient, version: int) -> MirrorState:
+    return await c._send(api.MIRROR_STATE, model=MODEL, version=version)
+
+
+async def test_two_replicas_on_a_host_share_one_mirror_that_a_second_host_relays(
+    secret_file: str,
+) -> None:
+    mirror = ("--set", "mirrors.policy=always")
+    async with (
+        daemon(secret_file, "trainer") as t,
+        daemon(secret_file, "host-a", *mirror) as a,
+        daemon(secret_file, "host-b", *mirror) as b,
+        RefitClient(t.url) as tc,
+        RefitClient(a.url) as ac,
+        RefitClient(b.url) as bc,
+    ):
+        await publish(tc, 1)
+        paths = await asyncio.gather(refit(ac, tc, 1), refit(ac, tc, 1))
+        assert paths == ["shm", "shm"]  # both replicas read the host's mirror
+        sa = await state(ac, 1)
+        assert sa.complete and sa.tried == [t.url]
+        assert await refit(bc, tc, 1) == "shm"
+        sb = await state(bc, 1)
+        assert sb.complete and sb.tried == [a.url]  # host b read host a, not the trainer
+
+
+async def test_the_never_policy_reads_the_source_directly(secret_file: str) -> None:
+    async with (
+        daemon(secret_file, "trainer") as t,
+        daemon(secret_file, "host-a") as a,
+        RefitClient(t.url) as tc,
+        RefitClient(a.url) as ac,
+    ):
+        await publish(tc, 1)
+        assert await refit(ac, tc, 1) == "tcp"
+
+
+async def test_the_shared_policy_mirrors_once_a_second_lease_reads_the_version(
+    secret_file: str,
+) -> None:
+    async with (
+        daemon(secret_file, "trainer") as t,
+        daemon(secret_file, "host-a", "--set", "mirrors.policy=shared") as a,
+        RefitClient(t.url) as tc,
+        RefitClient(a.url) as ac,
+    ):
+        await publish(tc, 1)
+        assert await refit(ac, tc, 1) == "tcp"  # one reader so far: direct
+        assert await refit(ac, tc, 1) == "shm"  # a second lease: mirrored
+        await publish(tc, 2)
+        assert await refit(ac, tc, 2) == "shm"  # the model has two readers: mirrored at once
+        # the retired version's mirror went once nothing leased it
+        regions = [r for r in await ac.regions() if r.label == f"mirror-{MODEL}-1"]
+        assert regions == []
+
+
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+async def test_a_relay_that_stops_or_dies_is_replaced_by_another_holder_and_the_bytes_are_exact(
+    secret_file: str, fault: str
+) -> None:
+    mirror = ("--set", "mirrors.policy=always")
+    fast = ("--set", "data_plane.pull_timeout_s=3")
+    async with (
+        daemon(secret_file, "trainer") as t,
+        daemon(secret_file, "host-a", *mirror) as a,
+        daemon(secret_file, "host-b", *mirror, *fast) as b,
+        RefitClient(t.url) as tc,
+        RefitClient(a.url, timeout_s=10) as ac,
+        RefitClient(b.url) as bc,
+    ):
+        await publish(tc, 1)
+        assert await refit(ac, tc, 1) == "shm"
+        os.kill(a.pid, getattr(signal, fault))
+        try:
+            assert await refit(bc, tc, 1) == "shm"
+            sb = await state(bc, 1)
+            assert sb.complete and sb.tried == [a.url, t.url]
+        finally:
+            if fault == "SIGSTOP":
+                os.kill(a.pid, signal.SIGCONT)
