@@ -160,6 +160,13 @@ class Mirrors:
 
         Raises :class:`TransportError` naming every holder tried when the mirror
         failed: the pull fails before any byte moved."""
+        if not req.source or self.policy == "never":
+            return None
+        # The engine's lease at the source is what entitles it to the version: checked
+        # there first, as for a direct pull, so a mirror never serves a version the
+        # source would refuse this caller, and a made-up lease neither reads a mirror
+        # nor counts toward the shared policy (ConflictError, nothing moved).
+        await self._remote(req.source).check_lease(req.lease_id, req.model, req.version)
         if not self.wants(req):
             return None
         m = await self.mirror(req.source.rstrip("/"), req.model, req.version)

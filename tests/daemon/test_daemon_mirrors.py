@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from refitd.client.http import RefitClient
+from refitd.errors import ConflictError
 from refitd.client.spawn import SpawnedDaemon, spawn_daemon
 from refitd.wire import DescriptorTable, ManifestIn, PullRequest, ShardEntry, TensorEntry
 from refitd.wire import routes as api
@@ -103,6 +104,38 @@ async def test_two_replicas_on_a_host_share_one_mirror_that_a_second_host_relays
         assert await refit(bc, tc, 1) == "shm"
         sb = await state(bc, 1)
         assert sb.complete and sb.tried == [a.url]  # host b read host a, not the trainer
+
+
+async def test_a_pull_without_a_live_lease_at_the_source_is_refused_by_a_complete_mirror(
+    secret_file: str,
+) -> None:
+    """The engine's lease at the source is what entitles it to the version: a mirror
+    served pulls without checking it, so any local tenant could read a version the
+    source would refuse it (or make the daemon mirror one) with a made-up lease id."""
+    mirror = ("--set", "mirrors.policy=always")
+    async with (
+        daemon(secret_file, "trainer") as t,
+        daemon(secret_file, "host-a", *mirror) as a,
+        RefitClient(t.url) as tc,
+        RefitClient(a.url) as ac,
+    ):
+        await publish(tc, 1)
+        assert await refit(ac, tc, 1) == "shm"  # the mirror is complete
+        manifest = await tc.manifest(MODEL, 1)
+        src_region = manifest.tensors[0].shards[0].region
+        dst = await ac.create_region(NBYTES, label="thief")
+        rows = np.array([[src_region, 0, dst.region_id, 0, NBYTES]], dtype=np.int64)
+        for lease_id in ("made-up", (await tc.acquire_lease(MODEL, 1, 60.0)).lease_id):
+            if lease_id != "made-up":
+                await tc.release_lease(lease_id)  # a lease that ended is no better
+            req = PullRequest(MODEL, 1, lease_id, DescriptorTable.pack(rows), [], tc.base_url)
+            with pytest.raises(ConflictError):
+                await ac.pull(req)
+        seg = SharedSegment.attach(dst.handle, NBYTES)
+        try:
+            assert not seg.numpy().any()  # nothing was transferred
+        finally:
+            seg.close()
 
 
 async def test_the_never_policy_reads_the_source_directly(secret_file: str) -> None:
