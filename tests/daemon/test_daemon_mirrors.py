@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from refitd.client.http import RefitClient
-from refitd.errors import ConflictError
 from refitd.client.spawn import SpawnedDaemon, spawn_daemon
+from refitd.errors import ConflictError
 from refitd.wire import DescriptorTable, ManifestIn, PullRequest, ShardEntry, TensorEntry
 from refitd.wire import routes as api
 from refitd.wire.mirrors import MirrorState
