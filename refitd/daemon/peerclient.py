@@ -71,7 +71,7 @@ class PeerClient:
     async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
         """ConflictError unless ``lease_id`` is live on exactly ``(model, version)``."""
         params = {"model": model, "version": str(version)}
-        return await self._call("GET", f"/leases/{lease_id}", LeaseGrant, params=params)
+        return await self._send(api.CHECK_LEASE, params=params, lease_id=lease_id)
 
     async def regions(self, ids: list[int], lease_id: str, model: str, version: int) -> PeerRegions:
         """Signed records of ``ids`` that ``lease_id`` (on ``model`` ``version``) may
@@ -82,19 +82,19 @@ class PeerClient:
             "model": model,
             "version": str(version),
         }
-        return await self._call("GET", "/peer/regions", PeerRegions, params=params)
+        return await self._send(api.PEER_REGIONS, params=params)
 
     async def pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
     ) -> StagedPack:
         """Gather ``specs`` into a staging region of the peer, held for ``lease_id``."""
         body = PackRequest(model, version, lease_id, specs)
-        return await self._call("POST", "/peer/pack", StagedPack, body)
+        return await self._send(api.PEER_PACK, body)
 
     async def drop(self, region_id: int, lease_id: str) -> None:
         """Release staging region ``region_id``, packed for ``lease_id``."""
         params = {"lease": lease_id}
-        await self._call("DELETE", f"/peer/staging/{region_id}", type(None), params=params)
+        await self._send(api.PEER_DROP, params=params, region_id=region_id)
 
     # ------------------------------------------------------------ a host mirror's calls
 
