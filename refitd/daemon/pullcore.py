@@ -33,6 +33,7 @@ __all__ = [
     "check_plan",
     "check_staged",
     "cut",
+    "direct_reads",
     "dst_ids",
     "failed",
     "forced",
@@ -221,17 +222,77 @@ def pace_for(path: str) -> Pace:
     return PACE.get(path, TRANSPORT_PACE)
 
 
-def cut(rows: np.ndarray, pace: Pace) -> tuple[ReadBatch, np.ndarray]:
+def cut(
+    rows: np.ndarray, pace: Pace, done: np.ndarray | None = None
+) -> tuple[ReadBatch, np.ndarray]:
     """Wire ``rows`` as transport reads (``local``: destination, ``remote``: source),
     each longer than ``pace.piece`` cut into pieces; and per read 1 where a
     descriptor ends (its last piece), else 0: a descriptor is done once its last
-    piece landed."""
+    piece landed. ``done`` (per row, 0 or 1; default all 1) says which rows end a
+    descriptor: a pack spec read directly is many rows and one descriptor."""
     batch = rows_as_batch(rows)
     reads = split_pieces(batch, pace.piece)
     pieces = np.maximum(1, -(-batch["nbytes"] // pace.piece))
     ends = np.zeros(len(reads), dtype=np.int64)
-    ends[np.cumsum(pieces) - 1] = 1
+    ends[np.cumsum(pieces) - 1] = 1 if done is None else done
     return reads, ends
+
+
+MIN_DIRECT_RUN = 256
+"""Bytes: a pack spec whose contiguous runs are shorter is packed by the source
+(each run read directly would cost a 40-byte row and a copy call of its own)."""
+
+MAX_DIRECT_ROWS = 1 << 21
+"""Rows: past this many runs (80 MiB of row table) the pack specs are packed by
+the source instead."""
+
+
+def direct_reads(
+    specs: list[PackSpec], *, min_run: int = MIN_DIRECT_RUN, max_rows: int = MAX_DIRECT_ROWS
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Pack specs as plain reads, for a path that maps the source's memory (``shm``):
+    the strided blocks are gathered by the reader's own copy, straight into their
+    destinations, instead of packed into staging by the source and read again (one
+    copy instead of two). Returns wire rows, one per contiguous run of each block in
+    the order the source would pack it (row-major), landing exactly where the packed
+    bytes would; and per row 1 where a spec's last run is (see :func:`cut`). ``None``
+    when a block's runs are shorter than ``min_run`` bytes or there would be more
+    than ``max_rows`` rows: the source then packs, as asked. The specs are checked
+    already (:func:`check_plan`): every run lies inside its spec's checked span."""
+    out: list[np.ndarray] = []
+    last: list[np.ndarray] = []
+    total = 0
+    for p in specs:
+        if p.nbytes == 0:  # still one descriptor: a read of no bytes
+            out.append(np.array([[p.src_region, p.src_offset, p.dst_region, p.dst_offset, 0]]))
+            last.append(np.ones(1, dtype=np.int64))
+            continue
+        dims = [(n, st) for n, st in zip(p.shape, p.strides, strict=True) if n != 1]
+        run = 1  # elements in one contiguous run: the trailing dims that are dense
+        while dims and dims[-1][1] == run:
+            run *= dims.pop()[0]
+        run_bytes = run * p.itemsize
+        if run_bytes < min_run:
+            return None
+        offsets = np.zeros(1, dtype=np.int64)
+        for n, st in dims:
+            offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
+        total += len(offsets)
+        if total > max_rows:
+            return None
+        rows = np.empty((len(offsets), 5), dtype=np.int64)
+        rows[:, 0] = p.src_region
+        rows[:, 1] = p.src_offset + offsets * p.itemsize
+        rows[:, 2] = p.dst_region
+        rows[:, 3] = p.dst_offset + np.arange(len(offsets), dtype=np.int64) * run_bytes
+        rows[:, 4] = run_bytes
+        out.append(rows)
+        ends = np.zeros(len(offsets), dtype=np.int64)
+        ends[-1] = 1
+        last.append(ends)
+    if not out:
+        return np.zeros((0, 5), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.concatenate(out).astype(np.int64, copy=False), np.concatenate(last)
 
 
 def spans(sizes: np.ndarray, max_reads: int, max_bytes: int) -> list[tuple[int, int]]:

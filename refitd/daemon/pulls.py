@@ -283,7 +283,10 @@ class PullManager:
         job.pins.enter_context(self.store.writing(dst_ids, job.pull_id))
         self.jobs[job.pull_id] = job
         self._forget_old()
-        task = asyncio.create_task(self._run(job, src, rows, peer))
+        # Over shm the reader maps the source's memory: it gathers strided blocks
+        # itself, straight into their destinations (one copy, not pack then read).
+        direct = pullcore.direct_reads(req.pack_specs) if path == SHM_SCHEME else None
+        task = asyncio.create_task(self._run(job, src, rows, peer, direct))
         job.task = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -342,16 +345,26 @@ class PullManager:
         await self.cancel_all(SHUTTING_DOWN)
 
     async def _run(
-        self, job: PullJob, src: Source, rows: np.ndarray, peer: PeerRegions | None
+        self,
+        job: PullJob,
+        src: Source,
+        rows: np.ndarray,
+        peer: PeerRegions | None,
+        direct: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:
+        """Move the bytes of a submitted pull; ``direct``: its pack specs as plain
+        reads (:func:`~refitd.daemon.pullcore.direct_reads`), so nothing is packed."""
         req = job.req
         job.state = PullState.RUNNING
         staged: StagedPack | None = None
-        all_rows = rows
+        all_rows, done = rows, None
         # Once bytes may have moved, every destination range of the pull is suspect.
         moving = False
         try:
-            if req.pack_specs:
+            if req.pack_specs and direct is not None:
+                all_rows = np.concatenate([rows, direct[0]])
+                done = np.concatenate([np.ones(len(rows), dtype=np.int64), direct[1]])
+            elif req.pack_specs:
                 staged = await src.pack(req.model, req.version, req.lease_id, req.pack_specs)
                 extra = pullcore.staged_rows(staged, req.pack_specs)
                 sp = await src.regions([staged.region.region_id], req)
@@ -365,7 +378,7 @@ class PullManager:
             moving = True
             if all_rows.shape[0] and peer is not None:
                 conn = job.conn or await self._transport_peer(peer, job.path)
-                await self._move(job, conn, all_rows)
+                await self._move(job, conn, all_rows, done)
             await src.check_lease(req.lease_id, req.model, req.version)
             job.state = PullState.DONE
         except asyncio.CancelledError as exc:
@@ -476,14 +489,16 @@ class PullManager:
 
     # ------------------------------------------------------------ moving bytes
 
-    async def _move(self, job: PullJob, conn: Peer, rows: np.ndarray) -> None:
+    async def _move(
+        self, job: PullJob, conn: Peer, rows: np.ndarray, done: np.ndarray | None = None
+    ) -> None:
         """Read wire ``rows`` (validated) through ``conn``, whatever its path: long
         reads cut into pieces and sent in batches (the path's
         :class:`~refitd.daemon.pullcore.Pace`), ``IN_FLIGHT`` of them in flight,
         progress counted per batch that landed, the first transport error raised as
         itself (the other batches cancelled first)."""
         pace = pullcore.pace_for(job.path)
-        reads, ends = pullcore.cut(rows, pace)
+        reads, ends = pullcore.cut(rows, pace, done)
         window = asyncio.Semaphore(IN_FLIGHT)
 
         async def move(lo: int, hi: int) -> None:

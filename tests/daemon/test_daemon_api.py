@@ -65,18 +65,22 @@ async def gated() -> AsyncIterator[Env]:
 
 
 async def publish_toy(
-    c: RefitClient, version: int = 1, fill: float = 1.0
+    c: RefitClient, version: int = 1, fill: float = 1.0, cols: int = 8
 ) -> tuple[int, SharedSegment]:
-    """A 4x8 float32 tensor 'w' in one daemon-owned region, values fill + arange."""
-    info = await c.create_region(4 * 8 * 4, label="w")
+    """A 4 x ``cols`` float32 tensor 'w' in one daemon-owned region, values fill + arange."""
+    info = await c.create_region(4 * cols * 4, label="w")
     seg = SharedSegment.attach(info.handle, info.nbytes)
-    seg.numpy(np.float32)[:] = fill + np.arange(32, dtype=np.float32)
+    seg.numpy(np.float32)[:] = fill + np.arange(4 * cols, dtype=np.float32)
     m = ManifestIn(
         "toy",
         version,
         0,
         1,
-        [TensorEntry("w", (4, 8), "float32", [ShardEntry((0, 0), (4, 8), info.region_id, 0)])],
+        [
+            TensorEntry(
+                "w", (4, cols), "float32", [ShardEntry((0, 0), (4, cols), info.region_id, 0)]
+            )
+        ],
     )
     await c.publish(m)
     return info.region_id, seg
@@ -267,6 +271,23 @@ async def test_a_pack_spec_gathers_a_strided_column_block_into_one_read(env: Env
     # A second pack pull reuses the pooled staging region instead of making another.
     await env.client.pull(PullRequest("toy", 1, lease.lease_id, table([]), [spec]))
     assert [r.label for r in await env.client.regions()].count("staging") == 1
+
+
+async def test_a_pack_spec_over_shm_is_read_directly_without_a_staging_copy(env: Env) -> None:
+    """Over shared memory the reader maps the source: a block whose rows are long runs
+    is gathered straight into its destination, and the source packs nothing."""
+    src, _ = await publish_toy(env.client, cols=256)
+    dst, dseg = await dest_region(env.client, 4 * 128 * 4)
+    lease = await env.client.acquire_lease("toy", 1)
+    # Columns 64..191 of all four rows (512-byte runs), packed contiguous.
+    spec = PackSpec(src, 64 * 4, (4, 128), (256, 1), 4, dst, 0)
+    res = await env.client.pull(PullRequest("toy", 1, lease.lease_id, table([]), [spec]))
+    assert res.state is PullState.DONE and res.bytes_done == 4 * 128 * 4
+    assert res.descriptors_done == res.descriptors_total == 1
+    got = dseg.numpy(np.float32).reshape(4, 128)
+    want = 1.0 + np.arange(4 * 256, dtype=np.float32).reshape(4, 256)[:, 64:192]
+    assert np.array_equal(got, want)
+    assert "staging" not in [r.label for r in await env.client.regions()]
 
 
 async def test_a_pack_spec_reaching_outside_its_source_is_refused(env: Env) -> None:

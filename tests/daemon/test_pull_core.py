@@ -9,6 +9,8 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from refitd.daemon import pullcore
 from refitd.daemon.paths import choose_remote
@@ -23,6 +25,7 @@ from refitd.wire import (
     StagedPack,
 )
 from transports.interface import PeerInfo
+from transports.local import pack_strided
 from transports.shm import segment_key
 
 pytestmark = pytest.mark.timeout(30)
@@ -256,3 +259,76 @@ def test_rows_pass_through_the_wire_table_unchanged() -> None:
     req = request([[1, 2, 3, 4, 5]])
     again = msgspec.msgpack.decode(msgspec.msgpack.encode(req), type=PullRequest)
     assert pullcore.dst_ids(again.descriptors.rows(), []) == {3}
+
+
+# ---------------------------------------------------------------- pack specs read directly
+
+
+@st.composite
+def strided_blocks(draw: st.DrawFn) -> tuple[int, list[PackSpec]]:
+    """A source of ``size`` bytes and pack specs of blocks inside it: dense trailing
+    runs (long enough to be read directly), any outer strides, zero-size blocks too."""
+    itemsize = draw(st.sampled_from([1, 2, 4]))
+    specs, dst = [], 0
+    for _ in range(draw(st.integers(1, 4))):
+        inner = draw(st.integers(pullcore.MIN_DIRECT_RUN // itemsize, 300))
+        outer = draw(st.lists(st.integers(0, 4), min_size=0, max_size=2))
+        shape = (*outer, inner)
+        strides, step = [1], inner
+        for n in reversed(outer):
+            step += draw(st.integers(0, 64))  # a gap between runs, or none
+            strides.insert(0, step)
+            step *= max(n, 1)
+        spec = PackSpec(
+            1, draw(st.integers(0, 64)) * itemsize, shape, tuple(strides), itemsize, 2, dst
+        )
+        specs.append(spec)
+        dst += spec.nbytes
+    size = max(
+        s.src_offset
+        + itemsize * (1 + sum(st_ * (n - 1) for st_, n in zip(s.strides, s.shape) if n))
+        for s in specs
+    )
+    return size, specs
+
+
+@settings(max_examples=150, deadline=None)
+@given(strided_blocks())
+def test_pack_specs_read_directly_land_exactly_the_bytes_the_source_would_pack(
+    case: tuple[int, list[PackSpec]],
+) -> None:
+    size, specs = case
+    src = np.random.default_rng(len(specs)).integers(0, 255, size, dtype=np.uint8)
+    total = sum(s.nbytes for s in specs)
+    packed = bytearray(total)
+    for s in specs:  # the source's own gather, as the staging pack runs it
+        pack_strided(
+            memoryview(src),
+            s.src_offset,
+            s.shape,
+            s.strides,
+            s.itemsize,
+            memoryview(packed),
+            s.dst_offset,
+        )
+    out = pullcore.direct_reads(specs)
+    assert out is not None
+    rows, ends = out
+    direct = np.zeros(total, dtype=np.uint8)
+    for src_region, src_off, dst_region, dst_off, n in rows.tolist():
+        assert (src_region, dst_region) == (1, 2)
+        direct[dst_off : dst_off + n] = src[src_off : src_off + n]
+    assert direct.tobytes() == bytes(packed)
+    # one descriptor per spec: its last row
+    assert int(ends.sum()) == len(specs) and ends[-1] == 1
+
+
+def test_short_runs_or_too_many_rows_are_left_for_the_source_to_pack() -> None:
+    short = PackSpec(1, 0, (8, 16), (32, 1), 2, 2, 0)  # 32-byte runs
+    assert pullcore.direct_reads([short]) is None
+    column = PackSpec(1, 0, (64, 128), (1, 64), 4, 2, 0)  # a transposed block: 4-byte runs
+    assert pullcore.direct_reads([column]) is None
+    many = PackSpec(1, 0, (5000, 256), (512, 1), 1, 2, 0)
+    assert pullcore.direct_reads([many], max_rows=4999) is None
+    rows, ends = pullcore.direct_reads([many]) or (None, None)
+    assert rows is not None and ends is not None and len(rows) == 5000 and ends.sum() == 1
