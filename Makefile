@@ -28,7 +28,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/refitd demo
 
-## Lint, type-check and run every test (per-test timeout in pyproject), one worker per core.
+## Lint, type-check and run every test (per-test timeout in pyproject), one worker per core;
+## the 30 slowest tests are listed at the end (where the suite's time goes).
 test: lint typecheck pytest
 
 lint: $(STAMP)
@@ -39,7 +40,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy refitd transports
 
 pytest: $(STAMP)
-	$(BIN)/pytest -q -n auto --dist loadfile --no-loadscope-reorder
+	$(BIN)/pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=30
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info transports/native/*.so
