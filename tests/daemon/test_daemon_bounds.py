@@ -27,8 +27,12 @@ from refitd.wire import (
     MAX_TENSOR_SHARDS,
     MSGPACK,
     DescriptorTable,
+    ManifestIn,
     PackSpec,
     PullRequest,
+    PullState,
+    ShardEntry,
+    TensorEntry,
 )
 from transports.segments import SHM_DIR, SharedSegment
 
@@ -423,6 +427,32 @@ async def test_memory_the_daemon_makes_for_a_principal_is_capped_in_bytes() -> N
         await c.delete_region(big.region_id)
         await c.peer_drop(staged.region.region_id, lease.lease_id)
         await c.create_pool("p", layers=1, experts=2, slots=2, row_bytes=[512])  # 2048 bytes
+
+
+async def test_a_pack_read_directly_from_a_version_still_filling_reads_only_its_complete_bytes() -> (
+    None
+):
+    """Over shm a pack spec of long runs is gathered by the puller itself, never packed
+    by the source: the scope the source's records give (a filling mirror's complete
+    chunks) bounds it all the same, and nothing is staged."""
+    async with _capped() as (d, c, _g):
+        src = await c.create_region(2048)
+        entry = ShardEntry((0, 0), (4, 128), src.region_id, 0)
+        await c.publish(
+            ManifestIn("toy", 1, 0, 1, [TensorEntry("w", (4, 128), "float32", [entry])])
+        )
+        dst = await c.create_region(2048)
+        lease = await c.acquire_lease("toy", 1)
+        d.scope_limit = lambda _m, _v, scope: {rid: [(0, 1024)] for rid in scope}
+        none = DescriptorTable(b"")
+        # the first 64 columns (256-byte runs) of rows 0-1, then of all four rows
+        inside = PackSpec(src.region_id, 0, (2, 64), (128, 1), 4, dst.region_id, 0)
+        outside = PackSpec(src.region_id, 0, (4, 64), (128, 1), 4, dst.region_id, 0)
+        with pytest.raises(AccessDenied, match=r"pack spec 0 refused: .*\[0, 1792\)"):
+            await c.submit_pull(PullRequest("toy", 1, lease.lease_id, none, [outside]))
+        res = await c.pull(PullRequest("toy", 1, lease.lease_id, none, [inside]))
+        assert res.state is PullState.DONE and res.bytes_done == 512
+        assert "staging" not in [r.label for r in await c.regions()]
 
 
 async def test_a_pack_from_a_version_still_filling_reads_only_its_complete_bytes() -> None:
