@@ -264,7 +264,8 @@ def direct_reads(
     total = 0
     for p in specs:
         if p.nbytes == 0:  # still one descriptor: a read of no bytes
-            out.append(np.array([[p.src_region, p.src_offset, p.dst_region, p.dst_offset, 0]]))
+            zero = [[p.src_region, p.src_offset, p.dst_region, p.dst_offset, 0]]
+            out.append(np.array(zero, dtype=np.int64))
             last.append(np.ones(1, dtype=np.int64))
             continue
         dims = [(n, st) for n, st in zip(p.shape, p.strides, strict=True) if n != 1]
@@ -292,7 +293,7 @@ def direct_reads(
         last.append(ends)
     if not out:
         return np.zeros((0, 5), dtype=np.int64), np.zeros(0, dtype=np.int64)
-    return np.concatenate(out).astype(np.int64, copy=False), np.concatenate(last)
+    return np.concatenate(out), np.concatenate(last)
 
 
 def spans(sizes: np.ndarray, max_reads: int, max_bytes: int) -> list[tuple[int, int]]:

@@ -283,10 +283,7 @@ class PullManager:
         job.pins.enter_context(self.store.writing(dst_ids, job.pull_id))
         self.jobs[job.pull_id] = job
         self._forget_old()
-        # Over shm the reader maps the source's memory: it gathers strided blocks
-        # itself, straight into their destinations (one copy, not pack then read).
-        direct = pullcore.direct_reads(req.pack_specs) if path == SHM_SCHEME else None
-        task = asyncio.create_task(self._run(job, src, rows, peer, direct))
+        task = asyncio.create_task(self._run(job, src, rows, peer))
         job.task = task
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -345,15 +342,8 @@ class PullManager:
         await self.cancel_all(SHUTTING_DOWN)
 
     async def _run(
-        self,
-        job: PullJob,
-        src: Source,
-        rows: np.ndarray,
-        peer: PeerRegions | None,
-        direct: tuple[np.ndarray, np.ndarray] | None = None,
+        self, job: PullJob, src: Source, rows: np.ndarray, peer: PeerRegions | None
     ) -> None:
-        """Move the bytes of a submitted pull; ``direct``: its pack specs as plain
-        reads (:func:`~refitd.daemon.pullcore.direct_reads`), so nothing is packed."""
         req = job.req
         job.state = PullState.RUNNING
         staged: StagedPack | None = None
@@ -361,7 +351,15 @@ class PullManager:
         # Once bytes may have moved, every destination range of the pull is suspect.
         moving = False
         try:
-            if req.pack_specs and direct is not None:
+            # Over shm the reader maps the source's memory: it gathers strided blocks
+            # itself, straight into their destinations (one copy, not pack then read).
+            # Expanding them is numpy work on up to 2M rows: off the event loop.
+            direct = (
+                await asyncio.to_thread(pullcore.direct_reads, req.pack_specs)
+                if req.pack_specs and job.path == SHM_SCHEME
+                else None
+            )
+            if direct is not None:
                 all_rows = np.concatenate([rows, direct[0]])
                 done = np.concatenate([np.ones(len(rows), dtype=np.int64), direct[1]])
             elif req.pack_specs:
