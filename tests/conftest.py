@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,15 +32,46 @@ def _cost(item: pytest.Item) -> tuple[bool, float]:
     return item.get_closest_marker("slow") is not None, limit
 
 
+SPREAD = frozenset({"tests/integrations/test_vllm_families.py"})
+"""Modules whose parametrized tests are grouped by their parameter, not by module:
+``test_vllm_families`` builds one engine per family (a parametrized module-scoped
+fixture), and its families are independent, so they may run on different workers."""
+
+
+def _group(nodeid: str) -> str:
+    """The test group a test (by node id) runs in, on one worker: its module, so
+    module-scoped fixtures (an engine, a daemon, simulated hosts) are built once; in a
+    :data:`SPREAD` module, its module and parameter id."""
+    module, _, name = nodeid.partition("::")
+    if module in SPREAD and name.endswith("]") and "[" in name:
+        return f"{module}[{name.rsplit('[', 1)[1]}"
+    return module
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``--dist loadfile`` (the test command), schedule by :func:`_group`:
+    xdist's file scheduling, but for the :data:`SPREAD` modules."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Run the most expensive modules first (a stable sort, so the order inside a module
+    """Run the most expensive groups first (a stable sort, so the order inside a group
     and between equals is the collection order). Under ``pytest -n`` with ``--dist
     loadfile --no-loadscope-reorder`` (the test command; without the last flag xdist
-    orders modules by their number of tests instead), that is longest-first
+    orders groups by their number of tests instead), that is longest-first
     scheduling: the engines and simulated hosts start at once instead of leaving one
     worker busy at the end."""
-    module_cost: dict[str, tuple[bool, float]] = {}
+    group_cost: dict[str, tuple[bool, float]] = {}
     for item in items:
-        key = item.nodeid.split("::", 1)[0]
-        module_cost[key] = max(module_cost.get(key, (False, 0.0)), _cost(item))
-    items.sort(key=lambda it: module_cost[it.nodeid.split("::", 1)[0]], reverse=True)
+        group = _group(item.nodeid)
+        group_cost[group] = max(group_cost.get(group, (False, 0.0)), _cost(item))
+    items.sort(key=lambda it: group_cost[_group(it.nodeid)], reverse=True)

@@ -29,7 +29,9 @@ from vllm_models import (
     llm_kwargs,
     loader_format_mismatches,
     run_fsdp_trainer,
+    same_tensors,
     start_daemon,
+    stop_engine,
     vllm_env,
 )
 
@@ -42,12 +44,17 @@ from refitd.integrations.quant import (
 
 pytestmark = pytest.mark.timeout(900)
 
+TRUTH_SEEDS = (3, 4)
+"""The bf16 weights whose fresh quantized load the refits are judged against."""
+
 
 @dataclass
 class World:
     root: Path
     url: str
     llm: Any
+    truths: dict[int, tuple[dict[str, Any], Any]]
+    """Bf16 seed -> what a fresh ``LLM`` of its quantized checkpoint served."""
 
 
 def bf16_state(seed: int) -> dict[str, torch.Tensor]:
@@ -65,14 +72,21 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     root = tmp_path_factory.mktemp("quant")
     daemon, url = start_daemon(root)
     mp = pytest.MonkeyPatch()
-    vllm_env(mp, root / "cache", url)
+    vllm_env(mp, tmp_path_factory, url)
+    # The truths first: one in-process engine at a time (vLLM's parallel state is per
+    # process), so the fresh loads run before the refitted engine starts.
+    truths = {
+        seed: fresh_load(write_quantized(root / f"truth{seed}", bf16_state(seed)))
+        for seed in TRUTH_SEEDS
+    }
     write_quantized(root / "engine", bf16_state(1))
     llm = LLM(
         model=str(root / "engine"), weight_transfer_config={"backend": "refitd"}, **llm_kwargs()
     )
     try:
-        yield World(root, url, llm)
+        yield World(root, url, llm, truths)
     finally:
+        stop_engine(llm)
         del llm
         gc.collect()
         daemon.terminate()
@@ -130,6 +144,7 @@ def fresh_load(checkpoint: Path) -> tuple[dict[str, Any], Any]:
     try:
         return fresh.collective_rpc(served_state)[0], greedy_logprobs(fresh)
     finally:
+        stop_engine(fresh)
         del fresh
         gc.collect()
 
@@ -232,7 +247,7 @@ def test_a_bf16_trainer_refits_a_w8a8_engine_as_a_fresh_quantized_load_and_the_n
     )
     assert served[0][1] != served[1][1]
 
-    truth, truth_tokens = fresh_load(world.root / "one3")
+    truth, truth_tokens = world.truths[3]
     assert differences(served[1][0], truth) == []
     assert served[1][1] == truth_tokens
 
@@ -269,6 +284,8 @@ def test_an_fsdp2_trainer_refits_a_w8a8_engine_exactly_from_each_ranks_own_rows(
     assert wrong1 == wrong2 == []
     assert (s1["replayed"], s2["replayed"], s2["plans"] - s1["plans"]) == (False, True, 0)
     assert served1 != served2
-    truth, truth_tokens = fresh_load(Path(ck1))
+    # The trainer's checkpoint of seed 4 is the one the fixture's truth was loaded from.
+    assert same_tensors(Path(ck1), world.root / "truth4")
+    truth, truth_tokens = world.truths[4]
     assert differences(live1, truth) == []
     assert served1 == truth_tokens

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_quant_vllm import differences, served_state
-from vllm_models import QWEN3_MOE, greedy_logprobs, hf_model, llm_kwargs
+from vllm_models import QWEN3_MOE, greedy_logprobs, hf_model, llm_kwargs, stop_engine
 
 from refitd.integrations.quant import (
     QuantizingSource,
@@ -71,6 +71,7 @@ def test_a_qwen3_moe_engine_with_quantized_attention_refits_as_a_fresh_quantized
         live, served = llm.collective_rpc(served_state)[0], greedy_logprobs(llm)
     finally:
         trainer.shutdown()
+        stop_engine(llm)
         del llm
         gc.collect()
     assert stats["version"] >= 1 and stats["bytes"] == source.wire_bytes
@@ -79,6 +80,7 @@ def test_a_qwen3_moe_engine_with_quantized_attention_refits_as_a_fresh_quantized
     try:
         truth, truth_served = fresh.collective_rpc(served_state)[0], greedy_logprobs(fresh)
     finally:
+        stop_engine(fresh)
         del fresh
         gc.collect()
     assert differences(live, truth) == []

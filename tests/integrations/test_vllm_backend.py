@@ -28,7 +28,9 @@ from vllm_models import (
     loader_format_mismatches,
     readme_blocks,
     run_fsdp_trainer,
+    same_tensors,
     start_daemon,
+    stop_engine,
     vllm_env,
     write_model,
 )
@@ -41,6 +43,11 @@ class World:
     root: Path
     url: str
     llm: Any
+    truth: tuple[dict[str, torch.Tensor], list[list[int]]]
+    """What a fresh ``LLM`` of :data:`TRUTH_SEED`'s weights served: parameters, tokens."""
+
+
+TRUTH_SEED = 2
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +55,19 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     root = tmp_path_factory.mktemp("vllm")
     daemon, url = start_daemon(root)
     mp = pytest.MonkeyPatch()
-    vllm_env(mp, root / "cache", url)
+    vllm_env(mp, tmp_path_factory, url)
+    # The truth first: one in-process engine at a time (vLLM's parallel state is per
+    # process), so the fresh load runs before the refitted engine starts.
+    write_model(root / "truth", LLAMA, seed=TRUTH_SEED)
+    from vllm import LLM
+
+    fresh = LLM(model=str(root / "truth"), **llm_kwargs())
+    try:
+        truth = (fresh.collective_rpc(live_params)[0], greedy(fresh))
+    finally:
+        stop_engine(fresh)
+        del fresh
+        gc.collect()
     write_model(root / "engine", LLAMA, seed=1)
     # The engine is started by the README's own snippet.
     engine_block, _ = readme_blocks("## vLLM backend (`refitd.integrations.vllm`)")
@@ -56,8 +75,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     exec(engine_block, ns)
     llm = ns.pop("llm")
     try:
-        yield World(root, url, llm)
+        yield World(root, url, llm, truth)
     finally:
+        stop_engine(llm)
         del llm
         gc.collect()
         daemon.terminate()
@@ -96,7 +116,7 @@ def test_an_fsdp2_trainer_refits_the_engine_exactly_and_the_next_update_replays_
 
     job = {
         "config": LLAMA,
-        "seeds": [2, 3],
+        "seeds": [TRUTH_SEED, 3],
         "model": "llama",
         "url": world.url,
         "out": str(world.root / "fsdp"),
@@ -107,18 +127,13 @@ def test_an_fsdp2_trainer_refits_the_engine_exactly_and_the_next_update_replays_
     assert (s2["version"], s2["replayed"], s2["plans"]) == (v2, True, 1)  # no planning
     assert s1["bytes"] == s2["bytes"] > 0 and served[0] != served[1]
 
-    from vllm import LLM
-
-    fresh = LLM(model=ck1, **llm_kwargs())
-    try:
-        truth = fresh.collective_rpc(live_params)[0]
-        live = s1["live"]
-        assert sorted(live) == sorted(truth)
-        assert [n for n in truth if not torch.equal(live[n], truth[n])] == []
-        assert served[0] == greedy(fresh)
-    finally:
-        del fresh
-        gc.collect()
+    # The trainer's first checkpoint holds the weights the fixture's truth was loaded from.
+    assert same_tensors(Path(ck1), world.root / "truth")
+    truth, truth_tokens = world.truth
+    live = s1["live"]
+    assert sorted(live) == sorted(truth)
+    assert [n for n in truth if not torch.equal(live[n], truth[n])] == []
+    assert served[0] == truth_tokens
 
 
 def test_a_new_trainer_layout_replans_and_still_refits_exactly(world: World) -> None:

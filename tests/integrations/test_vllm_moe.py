@@ -8,6 +8,7 @@ weights on disk.
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +21,24 @@ from vllm_models import (
     llm_kwargs,
     loader_format_mismatches,
     run_fsdp_trainer,
+    stop_engine,
     write_model,
 )
 
 pytestmark = pytest.mark.timeout(600)
 
 
-def test_an_fsdp2_trainer_refits_a_moe_engine_exactly(tmp_path: Path, vllm_daemon_url: str) -> None:
-    url = vllm_daemon_url
+def refit_by_fsdp(root: Path, url: str) -> dict[str, Any]:
+    """Start an engine with the ``refitd`` backend, refit it from a 2-rank FSDP2
+    trainer, and return what it served then; the engine is gone on return (one
+    in-process engine at a time: vLLM's parallel state is per process)."""
     from vllm import LLM
 
     from refitd.integrations.vllm.worker import refit_stats
 
-    write_model(tmp_path / "engine", QWEN3_MOE, seed=1)
+    write_model(root / "engine", QWEN3_MOE, seed=1)
     llm = LLM(
-        model=str(tmp_path / "engine"), weight_transfer_config={"backend": "refitd"}, **llm_kwargs()
+        model=str(root / "engine"), weight_transfer_config={"backend": "refitd"}, **llm_kwargs()
     )
     seen: dict[str, Any] = {}
 
@@ -48,19 +52,35 @@ def test_an_fsdp2_trainer_refits_a_moe_engine_exactly(tmp_path: Path, vllm_daemo
         seen["tokens"], seen["checkpoint"] = greedy(llm), checkpoint
         return ("ok", None)
 
-    before = greedy(llm)
-    job = {
-        "config": QWEN3_MOE,
-        "seeds": [2],
-        "model": "moe",
-        "url": url,
-        "out": str(tmp_path / "fsdp"),
-    }
-    assert run_fsdp_trainer(job, on_event, llm) == [0, 0]
+    try:
+        seen["before"] = greedy(llm)
+        job = {
+            "config": QWEN3_MOE,
+            "seeds": [2],
+            "model": "moe",
+            "url": url,
+            "out": str(root / "fsdp"),
+        }
+        seen["exits"] = run_fsdp_trainer(job, on_event, llm)
+        return seen
+    finally:
+        stop_engine(llm)
+
+
+def test_an_fsdp2_trainer_refits_a_moe_engine_exactly(tmp_path: Path, vllm_daemon_url: str) -> None:
+    from vllm import LLM
+
+    seen = refit_by_fsdp(tmp_path, vllm_daemon_url)
+    assert seen["exits"] == [0, 0]
     assert seen["wrong"] == [] and seen["stats"]["version"] == 1
-    assert seen["tokens"] != before
+    assert seen["tokens"] != seen["before"]
     fresh = LLM(model=seen["checkpoint"], **llm_kwargs())
-    [truth] = fresh.collective_rpc(live_params)
-    assert sorted(seen["live"]) == sorted(truth)
-    assert [n for n in truth if not torch.equal(seen["live"][n], truth[n])] == []
-    assert seen["tokens"] == greedy(fresh)
+    try:
+        [truth] = fresh.collective_rpc(live_params)
+        assert sorted(seen["live"]) == sorted(truth)
+        assert [n for n in truth if not torch.equal(seen["live"][n], truth[n])] == []
+        assert seen["tokens"] == greedy(fresh)
+    finally:
+        stop_engine(fresh)
+        del fresh
+        gc.collect()

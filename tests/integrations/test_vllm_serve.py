@@ -55,6 +55,7 @@ def test_vllm_serve_refits_through_refitd_driven_by_vllms_http_client(
     from refitd.integrations.vllm.trainer import RefitdTrainerEngine, RefitdTrainerInitInfo
 
     monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")  # serves the RL weight-sync routes
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # as `vllm serve` runs
     write_model(tmp_path / "engine", LLAMA, seed=1)
     state = write_model(tmp_path / "trainer", LLAMA, seed=2)
     with socket.socket() as s:

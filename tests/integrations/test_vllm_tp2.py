@@ -15,6 +15,7 @@ from vllm_models import (
     greedy,
     llm_kwargs,
     loader_format_mismatches,
+    stop_engine,
     write_model,
 )
 
@@ -28,6 +29,7 @@ def test_each_tp_rank_pulls_only_its_own_shard_and_the_engine_matches_a_reload_f
 ) -> None:
     url = vllm_daemon_url
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a worker process per rank
     from vllm import LLM
 
     from refitd.integrations.sources import TensorSource
@@ -65,4 +67,5 @@ def test_each_tp_rank_pulls_only_its_own_shard_and_the_engine_matches_a_reload_f
         llm.collective_rpc("reload_weights", kwargs={"weights_path": str(tmp_path / "trainer")})
         assert (llm.collective_rpc(served_digest), greedy(llm)) == refitted
     finally:
+        stop_engine(llm)
         del llm  # a failure's traceback must not keep the TP workers alive
