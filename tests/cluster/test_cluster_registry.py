@@ -267,3 +267,35 @@ async def test_a_registry_that_cannot_register_refuses_to_start_naming_the_endpo
     reg = EtcdRegistry([f"http://127.0.0.1:{port}"], "/refitd", SECRET, start_timeout_s=1.0)
     with pytest.raises(TransportError, match=f"etcd registry at 127.0.0.1:{port} did not accept"):
         await reg.start(DaemonRecord("x", "http://127.0.0.1:1", 1, "shm"))
+
+
+@needs_etcd
+async def test_etcd_started_on_a_port_another_process_took_meanwhile_starts_again_on_another(
+    tmp_path: Path,
+) -> None:
+    """The race a busy machine runs: a port picked free is bound by someone else before
+    etcd binds it. The picker (our interface) hands out a port a real listening socket
+    holds, first for the client and then for the peer; etcd must come up all the same,
+    on ports nobody held."""
+    import socket
+
+    from refitd.cluster.etcdserver import _free_port, run_etcd
+
+    with socket.socket() as held_client, socket.socket() as held_peer:
+        held = []
+        for s in (held_client, held_peer):
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            held.append(s.getsockname()[1])
+        handed = iter(held)
+
+        def pick(host: str) -> int:
+            return next(handed, None) or _free_port(host)
+
+        async with run_etcd(tmp_path / "etcd", pick_port=pick) as server:
+            assert server.port not in held
+            import aetcd
+
+            async with aetcd.Client(server.host, server.port, timeout=5) as c:
+                await c.put(b"k", b"v")
+                assert (await c.get(b"k")).value == b"v"
