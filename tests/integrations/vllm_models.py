@@ -197,7 +197,7 @@ AMX_OFF = Path(__file__).resolve().parent / "amx_off"
 """A folder whose ``sitecustomize`` reports AMX absent to torch (see its docstring)."""
 
 
-def vllm_env(mp: Any, temp: Any, url: str, *, processes: bool = False) -> None:
+def vllm_env(mp: Any, temp: Any, url: str) -> None:
     """Offline vLLM, and the daemon at ``url``, set through the monkeypatch ``mp`` so
     nothing leaks into other tests' environment.
 
@@ -208,8 +208,8 @@ def vllm_env(mp: Any, temp: Any, url: str, *, processes: bool = False) -> None:
     - The engine runs in the test's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
       a mode vLLM supports): the same engine core, worker and refitd backend, without
       the two spawned interpreters that made an engine cost 35-50 s to start here
-      instead of 2-4 s. ``processes=True`` keeps vLLM's default, an engine core and
-      workers in processes of their own, for the tests that are about that boundary.
+      instead of 2-4 s. A test about that boundary sets
+      ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` itself (``test_vllm_serve``, ``test_vllm_tp2``).
     - AMX is reported absent, in this process and in every process started from here
       on (vLLM's engine core and workers): its kernels make the workers die at random
       with SIGILL on the test machines. Any worker death still fails the test; nothing
@@ -239,7 +239,7 @@ def vllm_env(mp: Any, temp: Any, url: str, *, processes: bool = False) -> None:
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_CACHE_ROOT": str(temp.getbasetemp() / "vllm-cache"),
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if processes else "0",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "REFITD_URL": url,  # the engine's workers find their daemon here
     }.items():
         mp.setenv(key, value)
