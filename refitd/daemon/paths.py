@@ -15,15 +15,17 @@ Modes (``data_plane.transport``):
 The ``tcp`` transport of a daemon serves only lease-scoped grants
 (:func:`tcp_grant`, made by the reader from the source's signed, lease-scoped
 region records), checks the lease is live at the source before every read, and
-answers only hosts of its trusted peers (``[peers] allow`` or the registry) or
-this host's loopback.
+answers only hosts of its trusted peers (``[peers] allow`` or the registry) or,
+on this host's loopback, the daemon's own uid and root (`transports.tcp.admission`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import math
 import socket
+import time
 import urllib.parse
 from collections.abc import Collection
 from typing import TYPE_CHECKING
@@ -51,6 +53,8 @@ __all__ = [
 ]
 
 AUTO = "auto"
+RESOLVE_TTL_S = 60.0
+"""How long the tcp data server's admission keeps the trusted peers' resolved addresses."""
 SHM_SCHEME = "shm"
 TCP_SCHEME = "tcp"
 UCX_SCHEME = "ucx"
@@ -97,13 +101,25 @@ def transport_options(daemon: Daemon, scheme: str) -> TransportOptions:
     if scheme != TCP_SCHEME:
         return common
 
+    # The data server asks this in its accepting thread, for every connection: the
+    # trusted peers' addresses are resolved once per set of peers and TTL, not per
+    # connection (a connection must not make the daemon wait on DNS).
+    cache: dict[tuple[str, ...], tuple[float, set[str]]] = {}
+
     def accept(host: str) -> bool:
         try:
             if ipaddress.ip_address(host).is_loopback:
-                return True
+                return True  # which local users: the data server's loopback_uids
         except ValueError:
             return False
-        return host in _hosts_of(daemon.peers.trusted())
+        urls = tuple(daemon.peers.trusted())
+        now = time.monotonic()
+        at, hosts = cache.get(urls, (-math.inf, set()))
+        if now - at > RESOLVE_TTL_S:
+            cache.clear()
+            hosts = _hosts_of(list(urls))
+            cache[urls] = (now, hosts)
+        return host in hosts
 
     advertise_host = ""
     registry = o.registry

@@ -44,7 +44,7 @@ import asyncio
 import itertools
 import socket
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Self
 
 import msgspec
@@ -75,7 +75,14 @@ from .frames import (
     check_scope,
 )
 from .lanes import BIG, REQUEST_BYTES, Lane, LaneError, Request
-from .serve import DataServer, Served
+from .serve import (
+    HANDSHAKE_S,
+    MAX_CONNECTIONS,
+    MAX_PENDING,
+    MAX_PENDING_PER_ADDRESS,
+    DataServer,
+    Served,
+)
 
 __all__ = [
     "BACKSTOP_S",
@@ -182,6 +189,8 @@ class TcpPeer(Peer):
             who = self.info.peer_id
             if isinstance(first, LaneError) and first.kind == "auth":
                 raise UnauthenticatedPeer(f"connect to {who!r} refused: {first}")
+            if isinstance(first, LaneError) and first.kind == "busy":
+                raise TransportError(f"connect to {who!r} refused: {first}")
             if isinstance(first, LaneError):
                 raise TransportError(f"connect to {who!r} failed: {first}")
             raise first
@@ -358,7 +367,9 @@ class TcpTransport(Transport):
     host may talk to the data server at all (unanswered otherwise), ``authorize(lease)``
     whether a lease is still live; with ``require_lease`` the data server serves only
     lease-scoped grants. ``incarnation`` names this life of the data server (default: now,
-    in ns)."""
+    in ns). Admission to the data server (``loopback_uids``, ``handshake_s``,
+    ``max_connections``, ``max_pending``, ``max_pending_per_address``): see
+    `transports.tcp.serve` (the defaults are its constants)."""
 
     scheme = "tcp"
 
@@ -376,6 +387,11 @@ class TcpTransport(Transport):
         authorize: Callable[[str], bool] | None = None,
         require_lease: bool = False,
         incarnation: int | None = None,
+        loopback_uids: Collection[int] | None = None,
+        handshake_s: float = HANDSHAKE_S,
+        max_connections: int = MAX_CONNECTIONS,
+        max_pending: int = MAX_PENDING,
+        max_pending_per_address: int = MAX_PENDING_PER_ADDRESS,
     ) -> None:
         super().__init__(secret=secret, peer_id=peer_id)
         if lanes < 1:
@@ -387,6 +403,11 @@ class TcpTransport(Transport):
         self.host, self.port = host, port
         self.advertise_host = advertise_host
         self.accept, self.authorize, self.require_lease = accept, authorize, require_lease
+        self.loopback_uids = loopback_uids
+        self.handshake_s = handshake_s
+        self.max_connections = max_connections
+        self.max_pending = max_pending
+        self.max_pending_per_address = max_pending_per_address
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
         self._regions: dict[int, LocalRegion] = {}
         self._views: dict[int, memoryview] = {}
@@ -433,6 +454,11 @@ class TcpTransport(Transport):
             accept=self.accept,
             authorize=self.authorize,
             require_lease=self.require_lease,
+            loopback_uids=self.loopback_uids,
+            handshake_s=self.handshake_s,
+            max_connections=self.max_connections,
+            max_pending=self.max_pending,
+            max_pending_per_address=self.max_pending_per_address,
         )
         self._server.start()
         self.closed = False

@@ -15,6 +15,13 @@ Handshake (no secret or token ever travels; only MACs over fresh nonces)::
                       GRANT      the signed, lease-scoped record the proof is bound to
     server -> client  OK         one byte
 
+A server that refuses a connection for room (too many handshakes pending from the
+client's address or in all, every connection slot taken) answers the HELLO, in place
+of the CHALLENGE, with a REFUSAL of the same size: incarnation 0 (never a server's),
+then why (utf-8, NUL-padded), and closes it. It is not authenticated: it only lets a
+puller's error say what happened. A host or a local user the server does not trust gets
+no byte at all.
+
 A server whose incarnation is not the one the client expects answers the challenge with
 its own incarnation, so the client can tell a restarted source (a new life: fetch its new
 record) from a wrong secret. Frames after the handshake (little-endian)::
@@ -55,6 +62,8 @@ __all__ = [
     "Kind",
     "check_scope",
     "client_proof",
+    "refusal",
+    "refusal_reason",
     "scope_key",
     "server_proof",
 ]
@@ -75,6 +84,20 @@ MAX_GRANTS = 8
 """Grants a connection keeps (the newest); together with the bounds above and the
 4 MiB buffer small pieces are gathered in (`transports.tcp.serve.GATHER_BYTES`), what
 one connection can make the data server hold: about 6.1 MiB."""
+
+
+def refusal(why: str) -> bytes:
+    """The REFUSAL frame saying ``why`` (cut to what fits)."""
+    text = why.encode()[: CHALLENGE.size - 8]
+    return bytes(8) + text.ljust(CHALLENGE.size - 8, b"\0")
+
+
+def refusal_reason(answer: bytes) -> str | None:
+    """Why the server refused, when ``answer`` (a CHALLENGE-sized first answer) is a
+    REFUSAL; None for a challenge."""
+    if len(answer) != CHALLENGE.size or answer[:8] != bytes(8):
+        return None
+    return answer[8:].rstrip(b"\0").decode(errors="replace")
 
 
 class Kind:

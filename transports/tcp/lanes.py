@@ -40,6 +40,7 @@ from .frames import (
     READ_ROW,
     Kind,
     client_proof,
+    refusal_reason,
     server_proof,
 )
 from .serve import IOV_MAX, recv_exact, send_all, tune
@@ -64,7 +65,8 @@ scattered by ``recvmsg_into``, many per system call."""
 class LaneError(Exception):
     """A lane's failure, told to the batch it failed: ``kind`` is "lost" (the
     connection broke or was refused), "timeout", "refused" (the source refused a
-    read), "restarted" (another incarnation answered) or "auth"."""
+    read), "restarted" (another incarnation answered), "auth", or "busy" (the data
+    server had no room for another connection, and said so)."""
 
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
@@ -130,13 +132,22 @@ class Lane:
             mine = p.owner.incarnation
             sock.sendall(HELLO.pack(MAGIC, mine, incarnation, cn))
             try:
-                se, sn, smac = CHALLENGE.unpack(recv_exact(sock, CHALLENGE.size))
+                answer = recv_exact(sock, CHALLENGE.size)
             except ConnectionError:
                 raise LaneError(
                     "auth",
-                    f"{host}:{port} closed the connection unanswered: this host is not a "
-                    "trusted peer there, or it is no refitd tcp data server",
+                    f"{host}:{port} closed the connection unanswered: this host (or, over "
+                    "loopback, this host's user) is not a trusted peer there, or it is no "
+                    "refitd tcp data server",
                 ) from None
+            why = refusal_reason(answer)
+            if why is not None:
+                raise LaneError(
+                    "busy",
+                    f"the data server at {host}:{port} refused the connection before its "
+                    f"handshake: {why}",
+                )
+            se, sn, smac = CHALLENGE.unpack(answer)
             if se != incarnation:
                 raise LaneError(
                     "restarted",

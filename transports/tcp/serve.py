@@ -4,9 +4,17 @@ One listening socket; one thread per data connection, blocking I/O (every send a
 receive releases the GIL, so a busy event loop in the daemon does not slow the
 wire, and one slow connection holds up only itself). Per connection, in order:
 
-1. a peer whose address ``accept`` refuses is closed unanswered (not a byte sent);
+1. admission, in the accepting thread, before a thread or a slot is spent on it: a
+   peer whose address ``accept`` refuses, or a loopback connection of a uid not in
+   ``loopback_uids`` (by default the server's own and root: the ones the threat model
+   does not protect against), is closed unanswered (not a byte sent); a connection past
+   the bounds on pending handshakes (``max_pending_per_address``, every loopback address
+   counting as one, and ``max_pending``) or on connections (``max_connections``) is
+   answered with a refusal that says which (`frames.refusal`) and closed;
 2. the handshake of `transports.tcp.frames` (a proof of the deployment secret from each
-   side, bound to both incarnations and to the grant the connection opens with);
+   side, bound to both incarnations and to the grant the connection opens with), all of
+   it within ``handshake_s`` (a deadline for the whole handshake, not for each byte);
+   only then is the connection counted as established, and no longer as pending;
 3. frames: a GRANT (a signed record: which regions, which generations, which byte ranges,
    under which lease) is verified and kept (the newest ``MAX_GRANTS``); every READ
    names one of them and is checked whole against it (`frames.check_scope`), and
@@ -24,10 +32,12 @@ import contextlib
 import hmac
 import logging
 import os
+import selectors
 import socket
 import struct
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import msgspec
@@ -38,6 +48,7 @@ from refitd.errors import ProtocolError
 
 from ..interface import PeerInfo
 from ..local import CopyFault, copy_batch_guarded
+from .admission import Admission, address_key
 from .frames import (
     CHALLENGE,
     HEADER,
@@ -52,6 +63,7 @@ from .frames import (
     Kind,
     check_scope,
     client_proof,
+    refusal,
     server_proof,
 )
 
@@ -61,7 +73,13 @@ log = logging.getLogger("refitd.dataplane")
 
 IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024)
 HANDSHAKE_S = 10.0
-"""Seconds a new connection has to finish the handshake."""
+"""Seconds a new connection has for its whole handshake (not for each byte of it)."""
+MAX_CONNECTIONS = 256
+"""Connections the data server holds at once, pending handshakes included."""
+MAX_PENDING = 64
+"""Handshakes in progress at once, from every address together."""
+MAX_PENDING_PER_ADDRESS = 8
+"""Handshakes in progress at once from one address (every loopback address is one)."""
 BUFFER = 4 << 20
 """Socket buffer asked for on both ends (bytes), where the host allows that much."""
 
@@ -92,12 +110,18 @@ def tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, BUFFER)
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Exactly ``n`` bytes; ConnectionError when the peer closes first."""
+def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Exactly ``n`` bytes; ConnectionError when the peer closes first, TimeoutError
+    when ``deadline`` (``time.monotonic()``) passes first."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the handshake deadline passed")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ConnectionError("the connection closed")
@@ -120,6 +144,90 @@ def send_all(sock: socket.socket, bufs: list[memoryview | bytes]) -> None:
                 n = 0
         while i < len(bufs) and len(bufs[i]) == 0:
             i += 1
+
+
+class _Refuser:
+    """Closes refused connections gracefully, from one thread: the REFUSAL is sent, the
+    write side shut, and what the client still sends (its HELLO) read and dropped until
+    it closes or ``LINGER_S`` passes; closing with its HELLO unread would reset the
+    connection, and the client could lose the reason. At most ``MAX_LINGERING`` at
+    once: past that a refused connection is closed at once."""
+
+    LINGER_S = 2.0
+    MAX_LINGERING = 128
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._until: dict[socket.socket, float] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tcp-data-refuser", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def refuse(self, conn: socket.socket, why: str) -> None:
+        """Answer ``conn`` with a REFUSAL saying ``why``; never waits on it."""
+        with contextlib.suppress(OSError):
+            conn.setblocking(False)
+            conn.send(refusal(why))
+            conn.shutdown(socket.SHUT_WR)
+        with self._lock:
+            if self._closed or len(self._until) >= self.MAX_LINGERING:
+                conn.close()
+                return
+            self._until[conn] = time.monotonic() + self.LINGER_S
+            self._selector.register(conn, selectors.EVENT_READ)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                for conn in [c for c, t in self._until.items() if t <= now]:
+                    self._drop(conn)
+                wait = min(self._until.values(), default=now + 1.0) - now
+            for key, _ in self._selector.select(max(wait, 0.01)):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                if sock is self._wake_r:
+                    with contextlib.suppress(OSError):
+                        sock.recv(4096)
+                    continue
+                try:
+                    data = sock.recv(4096)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    with self._lock:
+                        self._drop(sock)
+
+    def _drop(self, conn: socket.socket) -> None:
+        if self._until.pop(conn, None) is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn)
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for conn in list(self._until):
+                self._drop(conn)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+        if self._thread.is_alive():
+            self._thread.join(5)
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 GATHER_PIECE = 64 << 10
@@ -147,8 +255,12 @@ class DataServer:
     registration made later is served and a dropped one is not).
 
     ``accept(address)`` says whether a connecting host may talk to us at all (None:
-    any); ``authorize(lease)`` whether a lease is still live (None: every lease);
-    with ``require_lease`` a grant without a lease scope on every region is refused.
+    any; it runs in the accepting thread, so it must be quick); ``loopback_uids`` which
+    local users may connect over loopback (None: this process's uid and root);
+    ``authorize(lease)`` whether a lease is still live (None: every lease); with
+    ``require_lease`` a grant without a lease scope on every region is refused.
+    ``handshake_s``, ``max_connections``, ``max_pending`` and
+    ``max_pending_per_address``: see the module docstring.
     """
 
     def __init__(
@@ -162,7 +274,11 @@ class DataServer:
         accept: Callable[[str], bool] | None = None,
         authorize: Callable[[str], bool] | None = None,
         require_lease: bool = False,
-        max_connections: int = 256,
+        max_connections: int = MAX_CONNECTIONS,
+        max_pending: int = MAX_PENDING,
+        max_pending_per_address: int = MAX_PENDING_PER_ADDRESS,
+        loopback_uids: Collection[int] | None = None,
+        handshake_s: float = HANDSHAKE_S,
     ) -> None:
         self.secret = secret
         self.incarnation = incarnation
@@ -170,11 +286,18 @@ class DataServer:
         self.accept = accept
         self.authorize = authorize
         self.require_lease = require_lease
-        self.max_connections = max_connections
+        self.handshake_s = handshake_s
+        self.admission = Admission(
+            max_connections=max_connections,
+            max_pending=max_pending,
+            max_pending_per_address=max_pending_per_address,
+            loopback_uids=loopback_uids,
+        )
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.create_server((host, port), family=family, backlog=128)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._conns: set[socket.socket] = set()
+        self._refuser = _Refuser()
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(
@@ -182,8 +305,11 @@ class DataServer:
         )
         #: connections closed because of a malformed frame or failed handshake
         self.dropped = 0
+        #: connections refused before their handshake (untrusted, or no room)
+        self.refused = 0
 
     def start(self) -> None:
+        self._refuser.start()
         self._thread.start()
 
     def close(self) -> None:
@@ -197,6 +323,7 @@ class DataServer:
         for c in conns:
             with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
+        self._refuser.close()
 
     @property
     def connections(self) -> int:
@@ -209,24 +336,49 @@ class DataServer:
                 conn, addr = self._sock.accept()
             except OSError:
                 return
-            with self._lock:
-                full = len(self._conns) >= self.max_connections
-                if not full:
-                    self._conns.add(conn)
-            if full:
+            host = addr[0]
+            why = self._untrusted(conn, host)
+            if why is not None:
+                self.refused += 1
+                log.warning("tcp data connection from %s closed unanswered: %s", host, why)
                 conn.close()
                 continue
+            key = address_key(host)
+            full = self.admission.admit(key)
+            if full is not None:
+                self.refused += 1
+                log.warning("tcp data connection from %s refused: %s", host, full)
+                self._refuser.refuse(conn, full)
+                continue
+            with self._lock:
+                self._conns.add(conn)
             threading.Thread(
-                target=self._serve, args=(conn, addr[0]), name="tcp-data-conn", daemon=True
+                target=self._serve, args=(conn, host, key), name="tcp-data-conn", daemon=True
             ).start()
 
-    def _serve(self, conn: socket.socket, host: str) -> None:
+    def _untrusted(self, conn: socket.socket, host: str) -> str | None:
+        """Why a connection from ``host`` is closed unanswered, or None."""
+        if self.accept is not None and not self.accept(host):
+            return "not a trusted peer's host"
+        if not self.admission.local_user_trusted(conn, host):
+            return "a loopback connection of a local user this server does not trust"
+        return None
+
+    def _serve(self, conn: socket.socket, host: str, key: str) -> None:
+        pending = True
         try:
-            if self.accept is not None and not self.accept(host):
-                log.warning("tcp data connection from %s closed: not a trusted peer", host)
-                return  # closed unanswered
-            conn.settimeout(HANDSHAKE_S)
-            grants = self._handshake(conn)
+            try:
+                grants = self._handshake(conn, time.monotonic() + self.handshake_s)
+            except TimeoutError:
+                log.warning(
+                    "tcp data connection from %s closed: no handshake within %.1f s",
+                    host,
+                    self.handshake_s,
+                )
+                grants = None
+            finally:
+                self.admission.handshake_ended(key)
+                pending = False
             if grants is None:
                 self.dropped += 1
                 return
@@ -238,12 +390,19 @@ class DataServer:
         except (OSError, ValueError, ProtocolError, msgspec.MsgspecError, struct.error):
             pass  # this connection only
         finally:
+            if pending:
+                self.admission.handshake_ended(key)
+            self.admission.closed()
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
 
-    def _handshake(self, conn: socket.socket) -> collections.OrderedDict[int, Grant] | None:
-        magic, ce, want, cn = HELLO.unpack(recv_exact(conn, HELLO.size))
+    def _handshake(
+        self, conn: socket.socket, deadline: float
+    ) -> collections.OrderedDict[int, Grant] | None:
+        """The handshake, all of it by ``deadline`` (TimeoutError otherwise); the
+        connection's grants, or None when it failed."""
+        magic, ce, want, cn = HELLO.unpack(recv_exact(conn, HELLO.size, deadline))
         if magic != MAGIC:
             return None
         sn = os.urandom(16)
@@ -254,11 +413,11 @@ class DataServer:
         )
         if want != self.incarnation:
             return None  # the client asked for another life of this server
-        (proof,) = PROOF.unpack(recv_exact(conn, PROOF.size))
-        kind, size, number, _ = HEADER.unpack(recv_exact(conn, HEADER.size))
+        (proof,) = PROOF.unpack(recv_exact(conn, PROOF.size, deadline))
+        kind, size, number, _ = HEADER.unpack(recv_exact(conn, HEADER.size, deadline))
         if kind != Kind.GRANT or size > MAX_GRANT_BYTES:
             return None
-        info = PeerInfo.decode(recv_exact(conn, size))
+        info = PeerInfo.decode(recv_exact(conn, size, deadline))
         want_proof = client_proof(self.secret, cn, sn, ce, self.incarnation, info.mac)
         if not hmac.compare_digest(proof, want_proof):
             return None

@@ -1,0 +1,168 @@
+"""Who the ``tcp`` data server lets start a handshake, and how many at once.
+
+A connection costs the server a thread and a slot from the moment it is admitted, and
+proves nothing until its handshake shows the deployment secret. So admission runs in
+the accepting thread, before either is spent, and counts a connection as *pending*
+until its handshake succeeded:
+
+- a loopback connection is answered only for the uids in ``loopback_uids`` (by default
+  the server's own and root: the only local users the threat model does not protect
+  against, docs/trust.md). Its uid is the owner of the client's socket, as the kernel
+  lists it in ``/proc/net/tcp`` (``tcp6``); a connection not found there (gone already)
+  is refused;
+- pending handshakes are bounded per source address and in all. Every loopback address
+  is one address (a local user may connect from any of 127.0.0.0/8), an IPv4-mapped
+  IPv6 address is its IPv4 address, and an IPv6 address counts by its /64 (what one
+  host is usually given);
+- established connections (a handshake succeeded) are bounded in all, with pending
+  ones counted too.
+
+:class:`Admission` holds the counts; the data server (`transports.tcp.serve`) asks it
+and tells it when a handshake ends.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import struct
+import threading
+from collections import Counter
+from collections.abc import Collection
+
+__all__ = ["Admission", "address_key", "default_loopback_uids", "loopback_peer_uid"]
+
+
+def default_loopback_uids() -> frozenset[int]:
+    """The server's own uid and root: local users the threat model trusts anyway."""
+    return frozenset({os.getuid(), 0})
+
+
+def address_key(host: str) -> str:
+    """The address a connection from ``host`` is counted under (see the module
+    docstring)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return "loopback"
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
+    return str(ip)
+
+
+def is_loopback(host: str) -> bool:
+    return address_key(host) == "loopback"
+
+
+def _proc_address(text: str) -> str:
+    """An address of ``/proc/net/tcp[6]`` (hex words in host byte order) as text."""
+    words = [int(text[i : i + 8], 16) for i in range(0, len(text), 8)]
+    raw = b"".join(struct.pack("=I", w) for w in words)
+    family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+    return str(ipaddress.ip_address(socket.inet_ntop(family, raw)))
+
+
+def loopback_peer_uid(sock: socket.socket) -> int | None:
+    """The uid owning the other end of ``sock``, an accepted connection on this host's
+    loopback, or None when the kernel lists no such socket (it closed already)."""
+    here = sock.getsockname()
+    there = sock.getpeername()
+    me = (ipaddress.ip_address(here[0].split("%", 1)[0]), here[1])
+    peer = (ipaddress.ip_address(there[0].split("%", 1)[0]), there[1])
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) < 8:
+                continue
+            local, remote = cols[1], cols[2]
+            lport, rport = int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)
+            # the client's socket: its local end is our peer, its remote end is us
+            if lport != peer[1] or rport != me[1]:
+                continue
+            if _same(_proc_address(local.rsplit(":", 1)[0]), peer[0]) and _same(
+                _proc_address(remote.rsplit(":", 1)[0]), me[0]
+            ):
+                return int(cols[7])
+    return None
+
+
+def _same(text: str, ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    a = ipaddress.ip_address(text)
+    if isinstance(a, ipaddress.IPv6Address) and a.ipv4_mapped is not None:
+        a = a.ipv4_mapped
+    b = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped else ip
+    return a == b
+
+
+class Admission:
+    """The data server's counts of pending handshakes (per address key and in all) and
+    of connections (pending and established); thread-safe."""
+
+    def __init__(
+        self,
+        *,
+        max_connections: int,
+        max_pending: int,
+        max_pending_per_address: int,
+        loopback_uids: Collection[int] | None,
+    ) -> None:
+        self.max_connections = max_connections
+        self.max_pending = max_pending
+        self.max_pending_per_address = max_pending_per_address
+        self.loopback_uids = (
+            default_loopback_uids() if loopback_uids is None else frozenset(loopback_uids)
+        )
+        self._pending: Counter[str] = Counter()
+        self._open = 0
+        self._lock = threading.Lock()
+
+    def local_user_trusted(self, sock: socket.socket, host: str) -> bool:
+        """False for a loopback connection of a uid not in ``loopback_uids``."""
+        if not is_loopback(host):
+            return True
+        try:
+            uid = loopback_peer_uid(sock)
+        except (OSError, ValueError):
+            return False
+        return uid is not None and uid in self.loopback_uids
+
+    def admit(self, key: str) -> str | None:
+        """Count a new connection from address ``key`` as pending; or why it is refused
+        (short: it travels in a REFUSAL frame), counting nothing."""
+        with self._lock:
+            if self._pending[key] >= self.max_pending_per_address:
+                return f"{self.max_pending_per_address} handshakes pending from this address"
+            if sum(self._pending.values()) >= self.max_pending:
+                return f"{self.max_pending} handshakes pending in all"
+            if self._open >= self.max_connections:
+                return f"all {self.max_connections} connections taken"
+            self._pending[key] += 1
+            self._open += 1
+        return None
+
+    def handshake_ended(self, key: str) -> None:
+        """The pending connection from ``key`` is established, or gone."""
+        with self._lock:
+            self._pending[key] -= 1
+            if self._pending[key] <= 0:
+                del self._pending[key]
+
+    def closed(self) -> None:
+        """An admitted connection closed (after `handshake_ended`)."""
+        with self._lock:
+            self._open -= 1
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return sum(self._pending.values())
