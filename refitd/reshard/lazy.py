@@ -23,7 +23,15 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from refitd.reshard.replay import MULTI_OUTPUT_OPS, REPLAYABLE_OPS, validate_op
-from refitd.reshard.types import OpChain, OpSpec, RecordedCopy, RecordedFill, UnsupportedReshard
+from refitd.reshard.types import (
+    CASTABLE,
+    OpChain,
+    OpSpec,
+    RecordedCopy,
+    RecordedFill,
+    UnsupportedReshard,
+    castable,
+)
 
 __all__ = [
     "CaptureRecorder",
@@ -272,10 +280,10 @@ def _sink(dest: Any, src: LazyBase) -> None:
             f"copy_ broadcasts shape {tuple(src.shape)} into {tuple(dest.shape)}; "
             "broadcasting copies are refused"
         )
-    if dest.dtype != src.dtype:
+    if dest.dtype != src.dtype and not castable(src.dtype, dest.dtype):
         raise src.refuse(
-            f"copy_ casts {src.dtype} into a {dest.dtype} destination; "
-            "the pulled bytes would be misread"
+            f"copy_ casts {src.dtype} into a {dest.dtype} destination; only casts "
+            f"between {', '.join(sorted(str(d) for d in CASTABLE))} are replayed at install"
         )
     recorder = src._recorder
     if recorder.current is None:

@@ -46,7 +46,7 @@ from refitd.reshard.slice_plan import (
     copy_runs,
     split_runs,
 )
-from refitd.reshard.types import CaptureResult, RecordedCopy, UnsupportedReshard
+from refitd.reshard.types import CaptureResult, RecordedCopy, UnsupportedReshard, castable
 
 __all__ = [
     "FullPull",
@@ -383,15 +383,36 @@ def _plan_source(
     bounded = all(is_dim0_block(shape, s) for s in info.shards)
     out = []
     for copy in copies:
-        check_dtype(copy, info.dtype)
+        cast = copy.dest_dtype != info.dtype
+        if cast:
+            _check_cast(copy, info, bounded)
         shard, storage, dst, nbytes = split_runs(copy_runs(copy, shape), table, info.elsize)
         raw = Pieces(shard, codes[shard], info.shard_addrs[shard] + storage, dst, nbytes)
         exact = coalesce(raw)
-        choice = _choose(copy, raw, exact, info, bounded, budget, pack_specs, costs)
+        choice = (
+            # Bytes cannot convert themselves: stage the source, convert at install.
+            _Choice(copy, "full", exact, raw)
+            if cast
+            else _choose(copy, raw, exact, info, bounded, budget, pack_specs, costs)
+        )
         if len(exact) > budget and not bounded and name not in plan.unbounded_sources:
             plan.unbounded_sources.append(name)
         out.append(choice)
     return out
+
+
+def _check_cast(copy: RecordedCopy, info: SourceInfo, bounded: bool) -> None:
+    """A copy that converts dtype is planned as a full pull (the source's rows staged
+    in its own dtype, converted at install by the loader's ``copy_``): refuse one
+    whose conversion is not replayable, or whose source cannot be staged."""
+    if not castable(info.dtype, copy.dest_dtype):
+        check_dtype(copy, info.dtype)
+    if not bounded:
+        raise UnsupportedReshard(
+            f"copy of {copy.src_name!r} ({info.dtype}) into {copy.param_name!r} "
+            f"({copy.dest_dtype}) converts dtype, which is done at install from the "
+            "source's rows staged whole, but its shards are not blocks of whole rows"
+        )
 
 
 def _assemble(
@@ -516,6 +537,11 @@ def write_through_pointer(ptr: int, copy: RecordedCopy, value: torch.Tensor, els
     value = torch.broadcast_to(value, copy.dest_shape)
     if value.numel() == 0:
         return
+    if value.dtype != copy.dest_dtype:
+        # The loader's own conversion (``copy_`` into its parameter's dtype), so
+        # the bits are the ones a fresh load leaves.
+        value = torch.empty(value.shape, dtype=copy.dest_dtype).copy_(value)
+        elsize = copy.dest_dtype.itemsize
     flat = value.contiguous().reshape(-1).view(_INT_OF_SIZE[elsize]).view(torch.uint8)
     src = flat.reshape(*copy.dest_shape, elsize).numpy()
     span = (

@@ -22,6 +22,7 @@ import torch
 from refitd.errors import PlanError
 
 __all__ = [
+    "CASTABLE",
     "CaptureResult",
     "IncompleteRefit",
     "OpChain",
@@ -29,6 +30,7 @@ __all__ = [
     "RecordedCopy",
     "RecordedFill",
     "UnsupportedReshard",
+    "castable",
     "summarize_unsupported",
 ]
 
@@ -59,6 +61,18 @@ class IncompleteRefit(UnsupportedReshard):
     def __init__(self, message: str, missing: dict[str, tuple[int, int]]) -> None:
         super().__init__(message)
         self.missing = missing
+
+
+CASTABLE = frozenset({torch.bfloat16, torch.float16, torch.float32, torch.float64})
+"""Floating dtypes a loader's ``copy_`` may convert between. Such a copy is planned
+as a full pull in the source's dtype and converted at install by the same
+``copy_`` the loader runs, so the destination holds exactly what a fresh load
+would (a narrowing cast rounds as the loader's does, no more, no less)."""
+
+
+def castable(src: torch.dtype, dest: torch.dtype) -> bool:
+    """Whether a loader's ``copy_`` of ``src`` into ``dest`` can be replayed exactly."""
+    return src in CASTABLE and dest in CASTABLE
 
 
 @dataclass(frozen=True)

@@ -287,9 +287,15 @@ def test_a_copy_that_would_broadcast_is_refused() -> None:
     assert "broadcasts shape (1, 3) into (4, 3)" in result.unsupported_reasons["src"]
 
 
-def test_a_copy_that_would_cast_is_refused() -> None:
+def test_a_floating_copy_that_casts_is_recorded_with_its_destination_dtype() -> None:
     result = _capture((2, 3), (2, 3), lambda p, w: p.data.copy_(w), dtype=torch.bfloat16)
-    assert "casts torch.bfloat16" in result.unsupported_reasons["src"]
+    (copy,) = result.copies
+    assert result.unsupported == [] and copy.dest_dtype == F32
+
+
+def test_a_copy_that_casts_an_integer_source_is_refused() -> None:
+    result = _capture((2, 3), (2, 3), lambda p, w: p.data.copy_(w), dtype=torch.int32)
+    assert "casts torch.int32 into a torch.float32" in result.unsupported_reasons["src"]
 
 
 def test_a_copy_into_a_transposed_destination_records_its_strides() -> None:
