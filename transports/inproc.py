@@ -19,16 +19,18 @@ import numpy.typing as npt
 
 from refitd.errors import NotFoundError, ProtocolError
 
-from .batch import ReadBatch, as_read_batch, validate_batch
+from .batch import ReadBatch, as_read_batch, suspect_ranges, validate_batch
 from .interface import (
     AdvertisedRegion,
     LocalRegion,
     MappedMemory,
     Peer,
     PeerInfo,
+    PullFailed,
     Transport,
     TransportClosed,
 )
+from .memory import HOST, DeviceFault, copy_by_kind, forget_host
 
 # token -> live in-process transport; weak so a dropped transport disappears.
 _LIVE: weakref.WeakValueDictionary[str, InProcessTransport] = weakref.WeakValueDictionary()
@@ -82,11 +84,22 @@ class InProcessPeer(Peer):
         src = np.array(
             [self._remote[int(r)].address for r in live_reads["remote_region"].tolist()], np.int64
         )
-        await self.owner.copy(
-            dst + live_reads["local_offset"],
-            src + live_reads["remote_offset"],
-            live_reads["nbytes"].copy(),
-        )
+        try:
+            await copy_by_kind(
+                dst + live_reads["local_offset"],
+                src + live_reads["remote_offset"],
+                live_reads["nbytes"].copy(),
+                live_reads["local_region"],
+                live_reads["remote_region"],
+                {k: v.segment for k, v in local.items()},
+                {k: v.segment for k, v in live.items()},
+                self.owner.copy,
+            )
+        except DeviceFault as exc:
+            raise PullFailed(
+                f"read from {self.info.peer_id!r} failed in a device copy: {exc}",
+                suspect_ranges(live_reads),
+            ) from exc
 
     async def close(self) -> None:
         self._closed = True
@@ -128,8 +141,16 @@ class InProcessTransport(Transport):
         return region
 
     async def deregister(self, region_id: int) -> None:
-        if self._regions.pop(region_id, None) is None:
+        region = self._regions.pop(region_id, None)
+        if region is None:
             raise NotFoundError(f"deregistering region {region_id} refused: not registered")
+        if region.segment.kind == HOST:
+            forget_host(region.segment.address)  # an engine may have registered it
+
+    def registers(self, memory: MappedMemory) -> bool:
+        """Every kind: reads in this process go through the memory's own engine
+        (`transports.memory.copy_by_kind`)."""
+        return True
 
     @property
     def regions(self) -> dict[int, LocalRegion]:

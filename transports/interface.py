@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
     from .batch import ReadBatch
+    from .memory import CopyEngine
 
 __all__ = [
     "AdvertisedRegion",
@@ -199,10 +200,13 @@ class PeerInfo(Signed, frozen=True):
 
 
 class MappedMemory(Protocol):
-    """Memory a transport can register: `transports.segments.SharedSegment` fits.
+    """Memory a transport can register: `transports.segments.SharedSegment` (host
+    memory) fits, and so does a device allocation (`transports.cuda`).
 
-    ``name`` lets a separate data-plane process map the same memory; ``address`` is
-    the base address in *this* process; ``size`` is in bytes.
+    ``name`` lets a separate data-plane process map the same memory (host kind);
+    ``address`` is the base address in *this* process; ``size`` is in bytes. ``kind``,
+    ``identity``, ``owner_uid`` and ``engine`` say what the memory is, which one it
+    is, whom it proves it belongs to, and what copies it (`transports.memory`).
     """
 
     @property
@@ -211,6 +215,15 @@ class MappedMemory(Protocol):
     def size(self) -> int: ...
     @property
     def address(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def identity(self) -> tuple[str | int, ...]: ...
+    @property
+    def owner_uid(self) -> int | None: ...
+    @property
+    def engine(self) -> CopyEngine | None: ...
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -329,6 +342,12 @@ class Transport(ABC):
 
     @abstractmethod
     async def deregister(self, region_id: int) -> None: ...
+
+    def registers(self, memory: MappedMemory) -> bool:
+        """Whether this transport registers (and reads) memory of ``memory``'s kind
+        (`transports.memory`): host memory only, unless a transport says more. A
+        region it does not register is one it has no path to."""
+        return memory.kind == "host"
 
     @property
     @abstractmethod

@@ -35,6 +35,7 @@ from refitd.errors import PlanError, TransportError
 
 from .batch import split_shares
 from .inproc import InProcessTransport
+from .memory import HOST
 from .native import copy_lib
 
 __all__ = [
@@ -296,6 +297,13 @@ class LocalTransport(InProcessTransport):
         if region is None:
             raise TransportError(f"region {region_id} is not registered with this transport")
         seg = region.segment
+        if seg.kind != HOST:
+            # A strided pack walks the bytes with the CPU: device memory is read
+            # directly (one read per contiguous run), never packed here.
+            raise TransportError(
+                f"pack refused: region {region_id} is {seg.kind} memory, which this "
+                "process's CPU cannot address; nothing was packed"
+            )
         return memoryview((ctypes.c_uint8 * seg.size).from_address(seg.address)).cast("B")
 
     async def copy(

@@ -234,7 +234,21 @@ class SharedSegment:
             raise ProtocolError(f"attaching shared segment {name!r} refused: {why}")
         return cls(name, st.st_size, fd, owner=False)
 
-    # -- properties
+    # -- properties (the memory kind's, `transports.memory`)
+
+    #: host memory: copied by a transport's own guarded memcpy, no device engine
+    kind = "host"
+    engine = None
+
+    @property
+    def identity(self) -> tuple[str | int, ...]:
+        """``("host", st_dev, st_ino)``: the file mapped, whatever name opened it."""
+        return ("host", *self.file_identity)
+
+    @property
+    def owner_uid(self) -> int | None:
+        """The uid owning the file mapped: the kernel's proof of whose memory it is."""
+        return self.file_uid
 
     @property
     def name(self) -> str:

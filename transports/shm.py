@@ -32,8 +32,9 @@ regions (a daemon's pull from itself).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,7 @@ from .interface import (
     TransportClosed,
 )
 from .local import CopyFault, LocalTransport
+from .memory import HOST, DeviceFault, copy_by_kind
 from .segments import SHM_DIR, SharedSegment
 
 __all__ = [
@@ -214,8 +216,8 @@ class ShmPeer(Peer):
         keys = [self._held[r] for r in rids]
         self.owner._hold_mapped(keys)
         try:
-            bases = {r: self.owner._mapped(k).address for r, k in zip(rids, keys, strict=True)}
-            await self.owner.copy_reads(reads, bases)
+            mapped = {r: self.owner._mapped(k) for r, k in zip(rids, keys, strict=True)}
+            await self.owner.copy_reads(reads, mapped)
         finally:
             self.owner._let_go(keys)
 
@@ -249,11 +251,11 @@ class _Loopback(Peer):
         sizes = self.owner.local_sizes()
         validate_batch(reads, sizes, sizes)
         regions = self.owner.regions
-        bases = {
-            int(rid): regions[int(rid)].segment.address
+        memory = {
+            int(rid): regions[int(rid)].segment
             for rid in np.unique(reads["remote_region"]).tolist()
         }
-        await self.owner.copy_reads(reads, bases)
+        await self.owner.copy_reads(reads, memory)
 
     async def close(self) -> None:
         self._closed = True
@@ -281,10 +283,10 @@ class ShmTransport(LocalTransport):
 
     async def register(self, region_id: int, segment: MappedMemory) -> LocalRegion:
         region = await super().register(region_id, segment)
-        try:
-            key = segment_key(segment.name, *file_id(segment.name))
-        except OSError:
-            key = b""  # a name already unlinked: a destination only, never advertised
+        key = b""  # a name already unlinked, or device memory: never advertised here
+        if segment.kind == HOST:
+            with contextlib.suppress(OSError):
+                key = segment_key(segment.name, *file_id(segment.name))
         info = AdvertisedRegion(
             region.info.region_id, region.info.generation, 0, region.info.size, key
         )
@@ -377,18 +379,32 @@ class ShmTransport(LocalTransport):
 
     # ------------------------------------------------------------ copying
 
-    async def copy_reads(self, reads: ReadBatch, src_bases: dict[int, int]) -> None:
+    async def copy_reads(self, reads: ReadBatch, src_memory: Mapping[int, MappedMemory]) -> None:
         """Copy validated ``reads`` into this transport's regions from the remote
-        regions whose base addresses (here) ``src_bases`` gives."""
+        regions whose memory (mapped or opened here) ``src_memory`` gives, each read
+        through what its two kinds of memory support (`transports.memory`)."""
         live = reads[reads["nbytes"] > 0]
         if len(live) == 0:
             return
-        regions = self.regions
-        dst = _addresses(live["local_region"], {k: r.segment.address for k, r in regions.items()})
-        src = _addresses(live["remote_region"], src_bases)
+        dst_memory = {k: r.segment for k, r in self.regions.items()}
+        dst = _addresses(live["local_region"], {k: m.address for k, m in dst_memory.items()})
+        src = _addresses(live["remote_region"], {k: m.address for k, m in src_memory.items()})
         dst_at = dst + live["local_offset"]
         try:
-            await self.copy(dst_at, src + live["remote_offset"], live["nbytes"].copy())
+            await copy_by_kind(
+                dst_at,
+                src + live["remote_offset"],
+                live["nbytes"].copy(),
+                live["local_region"],
+                live["remote_region"],
+                dst_memory,
+                src_memory,
+                self.copy,
+            )
+        except DeviceFault as exc:
+            # A device's copy failed (a CUDA error): this batch fails, every one of
+            # its destination ranges suspect; the process and other pulls go on.
+            raise PullFailed(f"read stopped by a device copy: {exc}", suspect_ranges(live)) from exc
         except CopyFault as exc:
             # A segment was shrunk under its mapping (its owner may do that at any
             # time): this batch fails, its destination ranges suspect; nothing else.

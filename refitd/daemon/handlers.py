@@ -113,7 +113,7 @@ async def attach_region(request: web.Request) -> web.Response:
     who = _admit_region(request)
     caller = principal_of(request)  # a uid the kernel named attaches only its own files
     uid = caller.uid if caller.via == "unix" and not caller.admin else None
-    info = await d.attach_region(req, uid)
+    info = await d.attach_region(req, uid, caller.via)
     d.caps.regions.add(who, str(info.region_id))
     return reply(request, info, 201)
 

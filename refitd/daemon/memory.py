@@ -1,8 +1,12 @@
-"""The daemon's handle on region memory: shared-memory segments from ``transports.segments``.
+"""The daemon's handle on region memory, by kind: the one place a wire kind becomes memory.
 
-The transports layer owns naming, permissions (0600, same user) and crash cleanup;
-the daemon only creates, attaches and views. CUDA IPC regions are part of the
-schema; :func:`refuse_cuda_ipc` says why this host cannot serve them.
+A region is one of two kinds of memory (`transports.memory`): a shared-memory
+segment (``shm``, host memory from ``transports.segments``: the transports layer
+owns naming, permissions and crash cleanup) or a GPU allocation (``cuda_ipc``,
+opened from its owner's CUDA IPC handle by ``transports.cuda``, imported only
+here and only when such a region is attached: a daemon without one never loads a
+CUDA library or makes a CUDA context). Everything after this module reads the
+memory's kind, identity, owner proof and engine, never the wire kind.
 """
 
 from __future__ import annotations
@@ -10,14 +14,17 @@ from __future__ import annotations
 import os
 
 from refitd.errors import PlanError
+from refitd.wire import RegionKind
+from transports.interface import MappedMemory
 from transports.segments import SHM_DIR, SharedSegment
 
 __all__ = [
     "SharedSegment",
+    "attach_memory",
     "byte_view",
     "check_shm_capacity",
     "free_shm_bytes",
-    "refuse_cuda_ipc",
+    "refuse_created_gpu_memory",
 ]
 
 
@@ -41,21 +48,51 @@ def check_shm_capacity(nbytes: int, what: str) -> None:
         )
 
 
-def byte_view(seg: SharedSegment) -> memoryview:
-    """A writable ``memoryview`` of the segment's exact ``size`` bytes."""
-    return seg.numpy().data
-
-
-def refuse_cuda_ipc() -> None:
-    """Always raises: CUDA IPC regions need a GPU and a CUDA build of this daemon."""
-    try:
-        import torch
-
-        has_gpu = bool(torch.cuda.is_available())
-    except ImportError:
-        has_gpu = False
-    if not has_gpu:
+def byte_view(memory: MappedMemory) -> memoryview:
+    """A writable ``memoryview`` of the region's exact ``size`` bytes: host memory
+    only (an expert pool's rows and slots, a staging region are host segments)."""
+    if not isinstance(memory, SharedSegment):
         raise PlanError(
-            "cuda_ipc region refused: this daemon's host has no CUDA device; use kind='shm'"
+            f"region memory {memory.name} refused here: it is {memory.kind} memory, and "
+            "this use needs host memory the daemon's CPU can address"
         )
-    raise PlanError("cuda_ipc region refused: this daemon build does not map CUDA IPC handles yet")
+    return memory.numpy().data
+
+
+def cuda_missing() -> str | None:
+    """Why this host cannot open GPU memory (None: it can). Loads the CUDA driver
+    library, never makes a context."""
+    from transports.cuda import missing
+
+    return missing()
+
+
+def refuse_created_gpu_memory() -> None:
+    """Always raises: the daemon allocates no GPU memory of its own. A client
+    registers its own allocation (``attach``), so every GPU byte is a client's."""
+    why = cuda_missing()
+    if why is not None:
+        raise PlanError(
+            f"cuda_ipc region refused: this daemon's host has no CUDA device ({why}); "
+            "use kind='shm'"
+        )
+    raise PlanError(
+        "cuda_ipc region refused: the daemon allocates no GPU memory; register your own "
+        "allocation with attach_region (refitd.client.gpu.attach_tensor does it)"
+    )
+
+
+def attach_memory(kind: RegionKind, handle: str, nbytes: int) -> MappedMemory:
+    """Open the memory a client names: its segment (``shm``) or its GPU allocation
+    (``cuda_ipc``, exactly ``nbytes`` bytes, refused where this host has no CUDA)."""
+    if kind is RegionKind.SHM:
+        return SharedSegment.attach(handle, nbytes)
+    why = cuda_missing()
+    if why is not None:
+        raise PlanError(
+            f"cuda_ipc region refused: this daemon's host has no CUDA device ({why}); "
+            "use kind='shm'"
+        )
+    from transports.cuda import CudaIpcMemory
+
+    return CudaIpcMemory.open(handle, nbytes)

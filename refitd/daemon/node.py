@@ -29,7 +29,6 @@ from refitd.config import LimitsConfig
 from refitd.daemon.caps import Caps
 from refitd.daemon.drain import LeaseDrain
 from refitd.daemon.holders import Holders
-from refitd.daemon.memory import SharedSegment
 from refitd.daemon.owners import ModelOwners
 from refitd.daemon.paths import peer_paths
 from refitd.daemon.peers import PeerPolicy
@@ -50,7 +49,7 @@ from refitd.wire import (
     StagedPack,
     VersionInfo,
 )
-from transports.interface import Transport
+from transports.interface import MappedMemory, Transport
 from transports.local import Copier
 from transports.segments import cleanup_stale, huge_page_mode
 from transports.shm import ShmTransport, boot_id, file_id
@@ -188,7 +187,7 @@ class Daemon:
         return self.store.regions
 
     @property
-    def segments(self) -> dict[int, SharedSegment]:
+    def segments(self) -> dict[int, MappedMemory]:
         return self.store.segments
 
     @property
@@ -280,9 +279,11 @@ class Daemon:
         """A new daemon-owned segment of exactly ``req.nbytes`` bytes (≥ 1)."""
         return await self.store.create_region(req)
 
-    async def attach_region(self, req: RegionAttach, uid: int | None = None) -> RegionInfo:
-        """Map a segment a client created (see :meth:`RegionStore.attach_region`)."""
-        return await self.store.attach_region(req, uid)
+    async def attach_region(
+        self, req: RegionAttach, uid: int | None = None, via: str = "loopback"
+    ) -> RegionInfo:
+        """Map (or open) memory a client made (see :meth:`RegionStore.attach_region`)."""
+        return await self.store.attach_region(req, uid, via)
 
     async def delete_region(self, region_id: int) -> RegionInfo:
         """Forget a region (``DELETE /v1/regions/{id}``). Refused (409) while a READY,

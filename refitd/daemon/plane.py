@@ -33,15 +33,23 @@ class TransportSet:
         self.by_scheme[scheme] = transport
 
     async def register(self, region_id: int, segment: MappedMemory) -> None:
-        """Make a region readable through every data plane (its whole segment)."""
+        """Make a region readable through every data plane that registers its kind
+        of memory (its whole allocation): host memory through all of them, device
+        memory through the same-host one only (`Transport.registers`)."""
         for t in self.by_scheme.values():
-            await t.register(region_id, segment)
+            if t.registers(segment):
+                await t.register(region_id, segment)
         await self.shm.register(region_id, segment)
 
     async def deregister(self, region_id: int) -> None:
         for t in self.by_scheme.values():
-            await t.deregister(region_id)
+            if region_id in t.regions:
+                await t.deregister(region_id)
         await self.shm.deregister(region_id)
+
+    def paths_of(self, segment: MappedMemory) -> list[str]:
+        """The data planes a region of ``segment``'s kind is readable through."""
+        return ["shm", *(s for s, t in self.by_scheme.items() if t.registers(segment))]
 
     def adverts(self) -> dict[str, bytes]:
         """Each transport's encoded advertisement (its signed record), by scheme."""

@@ -21,15 +21,17 @@ import contextlib
 import errno
 import itertools
 import logging
+import os
 from collections.abc import Iterable, Iterator
 
 from refitd.daemon.holders import Holders
 from refitd.daemon.memory import (
     SharedSegment,
+    attach_memory,
     byte_view,
     check_shm_capacity,
     free_shm_bytes,
-    refuse_cuda_ipc,
+    refuse_created_gpu_memory,
 )
 from refitd.daemon.plane import TransportSet
 from refitd.daemon.registry import Registry
@@ -42,11 +44,29 @@ from refitd.errors import (
     ProtocolError,
 )
 from refitd.wire import GcReport, RegionAttach, RegionCreate, RegionInfo, RegionKind
+from transports.interface import MappedMemory
 from transports.segments import SHM_DIR, cleanup_stale, creator_tag, is_stale, stale_segments
 
 __all__ = ["RegionStore", "RegionTable"]
 
 log = logging.getLogger("refitd.daemon")
+
+
+def _check_holder_uid(req: RegionAttach, uid: int) -> None:
+    """Refuse memory that proves no owner unless it comes with its ``holder``, a live
+    process of the caller's kernel-named ``uid``: the region then lives exactly as
+    long as that process, and no caller registers it for another user's process."""
+    pid = req.holder.partition(".")[0]
+    try:
+        holder_uid = os.stat(f"/proc/{pid}").st_uid if pid else None
+    except OSError:
+        holder_uid = None
+    if holder_uid != uid:
+        raise AccessDenied(
+            f"{req.kind} region refused: it must name its holder, a live process of the "
+            f"caller's uid {uid} (the process whose allocation it is); got "
+            f"{req.holder or 'none'!r}"
+        )
 
 
 class RegionTable:
@@ -100,11 +120,13 @@ class RegionStore:
         self.plane = plane
         self.registry = registry
         self.regions = RegionTable(incarnation)
-        self.segments: dict[int, SharedSegment] = {}
-        #: the memory behind each region, ``(st_dev, st_ino)`` of its segment -> region
+        #: the memory of each region: a shared segment, or a GPU allocation opened here
+        self.segments: dict[int, MappedMemory] = {}
+        #: the memory behind each region, its kind's identity (a segment's ``("host",
+        #: st_dev, st_ino)``, a GPU allocation's ``("cuda", uuid, address)``) -> region
         #: id: one memory is one region, so every rule keyed on a region id holds for
         #: that memory (see :meth:`_record`)
-        self._memory: dict[tuple[int, int], int] = {}
+        self._memory: dict[tuple[str | int, ...], int] = {}
         #: regions a running pull of this daemon reads or writes (see :meth:`using`)
         self._busy: collections.Counter[int] = collections.Counter()
         #: regions a running pull writes, with the ids of those pulls (see :meth:`writing`)
@@ -122,21 +144,26 @@ class RegionStore:
 
     async def _record(
         self,
-        seg: SharedSegment,
+        seg: MappedMemory,
         kind: RegionKind,
         owner: str,
         label: str,
         daemon_owned: bool,
         holder: str = "",
     ) -> RegionInfo:
-        ident = seg.file_identity
+        ident = seg.identity
         same = self._memory.get(ident)
         if same is not None:
             if not daemon_owned:
                 seg.close()  # unmap what attach mapped; the file is not ours to unlink
+            what = (
+                f"device {ident[1]}, inode {ident[2]}"
+                if ident[0] == "host"
+                else f"{ident[0]} allocation of device {ident[1]}"
+            )
             raise ConflictError(
-                f"region refused: segment {seg.name!r} is memory this daemon already holds "
-                f"as region {same} (device {ident[0]}, inode {ident[1]}); one memory is one "
+                f"region refused: {seg.name!r} is memory this daemon already holds "
+                f"as region {same} ({what}); one memory is one "
                 "region, never a second id whose rules its first id's would not bind"
             )
         rid = self.regions.new_id()
@@ -151,7 +178,7 @@ class RegionStore:
     async def _record_new(
         self,
         rid: int,
-        seg: SharedSegment,
+        seg: MappedMemory,
         kind: RegionKind,
         owner: str,
         label: str,
@@ -171,8 +198,8 @@ class RegionStore:
 
     async def create_region(self, req: RegionCreate) -> RegionInfo:
         """A new daemon-owned segment of exactly ``req.nbytes`` bytes (≥ 1)."""
-        if req.kind is RegionKind.CUDA_IPC:
-            refuse_cuda_ipc()
+        if req.kind is not RegionKind.SHM:
+            refuse_created_gpu_memory()
         check_shm_capacity(req.nbytes, f"region of {req.nbytes} bytes")
         try:  # a size the kernel cannot map is the client's mistake, not a server error
             # Every byte is reserved now: a full /dev/shm refuses here (507), never
@@ -191,22 +218,38 @@ class RegionStore:
             seg, req.kind, req.owner, req.label, daemon_owned=True, holder=req.holder
         )
 
-    async def attach_region(self, req: RegionAttach, uid: int | None = None) -> RegionInfo:
-        """Map a segment a client created; its size must equal ``req.nbytes``.
+    async def attach_region(
+        self, req: RegionAttach, uid: int | None = None, via: str = "loopback"
+    ) -> RegionInfo:
+        """Map (or open) memory a client made; its size must equal ``req.nbytes``.
 
         ``uid``: the caller's uid when the kernel named it (Unix socket, not root): the
-        segment must then be that uid's file. The daemon may open files its caller
-        cannot (its own, its group's), and must not map them on that caller's behalf."""
-        if req.kind is RegionKind.CUDA_IPC:
-            refuse_cuda_ipc()
-        seg = SharedSegment.attach(req.handle, req.nbytes)
-        if uid is not None and seg.file_uid != uid:
-            seg.close()
+        memory must then prove it is that uid's (a segment: its file's owner). The
+        daemon may open files its caller cannot (its own, its group's), and must not
+        map them on that caller's behalf. Memory that proves no owner (a GPU
+        allocation's IPC handle is a bearer capability) is taken only where the
+        caller's identity stands in for it: ``via`` the Unix socket, from a
+        ``holder`` process of the caller's uid, or from the unauthenticated loopback
+        of a single-user daemon; never from a token's tenant (docs/trust.md)."""
+        if req.kind is not RegionKind.SHM and via == "token":
             raise AccessDenied(
-                f"attaching segment {req.handle!r} refused: its file belongs to uid "
-                f"{seg.file_uid}, not to the caller's uid {uid}; a client attaches only "
-                "segments it made"
+                f"{req.kind} region refused: a GPU allocation's handle proves no owner, so "
+                "the daemon takes it only over its Unix socket (the kernel names the "
+                "caller's uid), not from a token's tenant"
             )
+        seg = attach_memory(req.kind, req.handle, req.nbytes)
+        try:
+            if seg.owner_uid is None and uid is not None:
+                _check_holder_uid(req, uid)
+            elif uid is not None and seg.owner_uid != uid:
+                raise AccessDenied(
+                    f"attaching segment {req.handle!r} refused: its file belongs to uid "
+                    f"{seg.owner_uid}, not to the caller's uid {uid}; a client attaches only "
+                    "segments it made"
+                )
+        except BaseException:
+            seg.close()
+            raise
         return await self._record(
             seg, req.kind, req.owner, req.label, daemon_owned=False, holder=req.holder
         )
@@ -239,8 +282,8 @@ class RegionStore:
             self._held.get(info.holder, set()).discard(region_id)
         await self.plane.deregister(region_id)
         seg = self.segments.pop(region_id)
-        if self._memory.get(seg.file_identity) == region_id:
-            del self._memory[seg.file_identity]
+        if self._memory.get(seg.identity) == region_id:
+            del self._memory[seg.identity]
         seg.close()
         return info
 

@@ -1,0 +1,535 @@
+"""The ``cuda`` memory kind: a GPU allocation, opened once from its owner's CUDA IPC handle.
+
+Written against the CUDA driver API through ctypes (``libcuda.so.1``, which every
+host with an NVIDIA driver has), so it needs no CUDA toolkit and no Python CUDA
+package. Nothing here runs at import: the driver is loaded, and a context made
+current, only when the first allocation is opened or exported (:func:`missing`
+only asks whether it could be).
+
+NOTE: this module has never run on a GPU. Every path in it is written to the
+driver API's documented contract and waits for its first GPU run
+(``tests/gpu/run-on-device.sh``).
+
+- **Export** (the client, :func:`export_allocation`): the whole allocation around a
+  device pointer (``cuMemGetAddressRange``), its IPC handle (``cuIpcGetMemHandle``)
+  and its device's UUID, as the text ``<uuid hex>:<handle hex>``. Registered once
+  per allocation: a caching-allocator segment holds many tensors, each one an
+  offset inside it. Memory of PyTorch's expandable segments (VMM) has no IPC handle
+  and is refused by the driver, named.
+- **Open** (the daemon, :meth:`CudaIpcMemory.open`): the handle opened on the
+  device of that UUID (``cuIpcOpenMemHandle``, lazy peer access), once per
+  allocation in this process; its size must be exactly what the client stated. The
+  handle is a bearer capability, so the memory proves no owner (``owner_uid`` is
+  None): the daemon takes it only from a caller whose uid the kernel names
+  (docs/trust.md, "GPU memory"). Its public name is a digest, never the handle.
+- **Copies** (:class:`CudaEngine`, one per device): GPU to GPU and host to/from GPU
+  with unified addressing (``cuMemcpyAsync`` on the engine's stream), each host
+  region registered once (``cuMemHostRegister``: page-locked copies at PCIe rate
+  instead of the pageable 1/6) and unregistered before it is unmapped; small pieces
+  GPU to GPU gathered by one indexed copy on the device (PyTorch's kernels, loaded
+  only then) instead of one call each. A CUDA error raises
+  :class:`~transports.memory.DeviceFault` naming the call and the error: it fails
+  the batch that met it. (A "sticky" error, such as an illegal address, poisons the
+  context: every later GPU copy of the process fails, named, until it restarts.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import hashlib
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import numpy.typing as npt
+
+from refitd.errors import ConflictError, NotFoundError, ProtocolError
+
+from .memory import HOST, CopyEngine, DeviceFault, DeviceMemory, add_engine
+
+if TYPE_CHECKING:
+    from .interface import MappedMemory
+
+__all__ = [
+    "KIND",
+    "CudaEngine",
+    "CudaError",
+    "CudaIpcMemory",
+    "Exported",
+    "device_count",
+    "export_allocation",
+    "missing",
+]
+
+KIND = "cuda"
+LIBCUDA = "libcuda.so.1"
+
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+CU_STREAM_NON_BLOCKING = 1
+CU_MEMHOSTREGISTER_PORTABLE = 1
+CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+
+SMALL_PIECE = 64 << 10
+"""Bytes: GPU-to-GPU reads up to this size are gathered by one indexed device copy."""
+GATHER_UNIT = 8
+"""Bytes per element of the indexed gather: a read's offsets and size must be multiples."""
+
+_u64 = ctypes.c_uint64
+_vp = ctypes.c_void_p
+
+
+class _IpcHandle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
+class _Uuid(ctypes.Structure):
+    _fields_ = [("bytes", ctypes.c_char * 16)]
+
+
+class CudaError(DeviceFault):
+    """A CUDA driver call failed; the message names the call and the error."""
+
+    def __init__(self, message: str, code: int = 0, index: int = -1) -> None:
+        super().__init__(message, index)
+        self.code = code
+
+
+# ---------------------------------------------------------------- the driver
+
+
+class _Driver:
+    """``libcuda.so.1`` loaded and initialised (once per process)."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL(LIBCUDA)
+        self.check(self.lib.cuInit(0), "cuInit")
+        self._lock = threading.Lock()
+        self._contexts: dict[int, int] = {}
+
+    def fn(self, *names: str) -> Callable[..., int]:
+        """The first of ``names`` the driver exports (a ``_v2`` before its original)."""
+        for n in names:
+            f = getattr(self.lib, n, None)
+            if f is not None:
+                f.restype = ctypes.c_int
+                return f  # type: ignore[no-any-return]
+        raise CudaError(f"the CUDA driver exports none of {', '.join(names)}")
+
+    def error(self, rc: int) -> str:
+        name, text = ctypes.c_char_p(), ctypes.c_char_p()
+        self.lib.cuGetErrorName(rc, ctypes.byref(name))
+        self.lib.cuGetErrorString(rc, ctypes.byref(text))
+        n = (name.value or b"CUDA_ERROR").decode(errors="replace")
+        t = (text.value or b"").decode(errors="replace")
+        return f"{n} ({rc}): {t}"
+
+    def check(self, rc: int, what: str, index: int = -1) -> None:
+        if rc != 0:
+            raise CudaError(f"{what} failed: {self.error(rc)}", rc, index)
+
+    def count(self) -> int:
+        n = ctypes.c_int(0)
+        self.check(self.lib.cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")
+        return n.value
+
+    def uuid(self, ordinal: int) -> str:
+        dev = ctypes.c_int(0)
+        self.check(self.lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+        u = _Uuid()
+        rc = self.fn("cuDeviceGetUuid_v2", "cuDeviceGetUuid")(ctypes.byref(u), dev)
+        self.check(rc, "cuDeviceGetUuid")
+        return bytes(u.bytes).hex()
+
+    def ordinal_of(self, uuid: str) -> int:
+        for i in range(self.count()):
+            if self.uuid(i) == uuid:
+                return i
+        raise NotFoundError(f"GPU {uuid} is not a device of this host")
+
+    def use(self, ordinal: int) -> None:
+        """Make device ``ordinal``'s primary context (the one PyTorch uses) current
+        in this thread, retaining it the first time: the context is created here."""
+        with self._lock:
+            ctx = self._contexts.get(ordinal)
+            if ctx is None:
+                dev = ctypes.c_int(0)
+                self.check(self.lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+                c = _vp()
+                self.check(
+                    self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev),
+                    "cuDevicePrimaryCtxRetain",
+                )
+                ctx = self._contexts[ordinal] = int(c.value or 0)
+        self.check(self.lib.cuCtxSetCurrent(_vp(ctx)), "cuCtxSetCurrent")
+
+
+@cache
+def _driver() -> _Driver:
+    return _Driver()
+
+
+def missing() -> str | None:
+    """Why this process cannot use a CUDA device, or None when it can (the driver
+    loads, initialises and lists at least one device). Creates no context."""
+    try:
+        drv = _driver()
+    except OSError as exc:
+        return f"no CUDA driver here ({LIBCUDA} does not load: {exc})"
+    except CudaError as exc:
+        return f"the CUDA driver does not initialise: {exc}"
+    try:
+        n = drv.count()
+    except CudaError as exc:
+        return f"no CUDA device here: {exc}"
+    return None if n > 0 else "no CUDA device here (the driver lists none)"
+
+
+def device_count() -> int:
+    """CUDA devices of this host (0 where :func:`missing` says why)."""
+    return 0 if missing() is not None else _driver().count()
+
+
+# ---------------------------------------------------------------- export (client side)
+
+
+@dataclass(frozen=True)
+class Exported:
+    """A whole allocation as its owner registers it: ``handle`` is the text a daemon
+    opens (``<device uuid hex>:<IPC handle hex>``; a capability, keep it private),
+    ``base`` its device address here, ``size`` its bytes, ``ordinal`` its device."""
+
+    handle: str
+    base: int
+    size: int
+    ordinal: int
+
+
+def export_allocation(pointer: int) -> Exported:
+    """The allocation holding device address ``pointer`` (a tensor's ``data_ptr()``),
+    exported once for a daemon to open. Raises :class:`CudaError` (named) for memory
+    without an IPC handle (PyTorch's expandable segments, host memory)."""
+    drv = _driver()
+    ordinal = ctypes.c_int(-1)
+    drv.check(
+        drv.lib.cuPointerGetAttribute(
+            ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, _u64(pointer)
+        ),
+        f"cuPointerGetAttribute(device of {pointer:#x})",
+    )
+    drv.use(ordinal.value)
+    base, size = _u64(0), ctypes.c_size_t(0)
+    rc = drv.fn("cuMemGetAddressRange_v2", "cuMemGetAddressRange")(
+        ctypes.byref(base), ctypes.byref(size), _u64(pointer)
+    )
+    drv.check(rc, f"cuMemGetAddressRange({pointer:#x})")
+    h = _IpcHandle()
+    drv.check(
+        drv.lib.cuIpcGetMemHandle(ctypes.byref(h), base),
+        f"cuIpcGetMemHandle(allocation at {base.value:#x}; expandable segments have none)",
+    )
+    text = f"{drv.uuid(ordinal.value)}:{bytes(h.reserved).hex()}"
+    return Exported(text, int(base.value), int(size.value), ordinal.value)
+
+
+def parse_handle(text: str) -> tuple[str, bytes]:
+    """``(device uuid hex, 64 handle bytes)`` of an exported handle, or ProtocolError."""
+    uuid, _, hexed = text.partition(":")
+    try:
+        raw = bytes.fromhex(hexed)
+        int(uuid, 16)
+    except ValueError:
+        raw = b""
+    if len(uuid) != 32 or len(raw) != 64:
+        raise ProtocolError(
+            "cuda_ipc handle refused: expected '<32 hex of the device UUID>:<128 hex of "
+            "the IPC handle>' (refitd.client's export_allocation makes it)"
+        )
+    return uuid, raw
+
+
+# ---------------------------------------------------------------- open (daemon side)
+
+#: allocations opened in this process: handle bytes -> [device address, users]. The
+#: driver maps one allocation once per context, so a second registration of the same
+#: handle shares the mapping (and the store then refuses it as memory it holds).
+_OPENED: dict[bytes, list[int]] = {}
+_OPEN_LOCK = threading.Lock()
+
+
+class CudaIpcMemory(DeviceMemory):
+    """A GPU allocation of another process, opened here from its IPC handle."""
+
+    kind: ClassVar[str] = KIND
+
+    def __init__(self, uuid: str, raw: bytes, ordinal: int, address: int, size: int) -> None:
+        self._uuid = uuid
+        self._raw = raw
+        self._ordinal = ordinal
+        self._address = address
+        self._size = size
+        self._closed = False
+        self._engine = CudaEngine.for_device(ordinal)
+
+    @classmethod
+    def open(cls, handle: str, nbytes: int) -> CudaIpcMemory:
+        """Open ``handle`` (:func:`export_allocation`'s text); the allocation must be
+        exactly ``nbytes`` bytes. A device not on this host, a handle the driver
+        refuses, or another size are refused, named, and nothing stays open."""
+        uuid, raw = parse_handle(handle)
+        drv = _driver()
+        ordinal = drv.ordinal_of(uuid)
+        drv.use(ordinal)
+        with _OPEN_LOCK:
+            entry = _OPENED.get(raw)
+            if entry is None:
+                ptr = _u64(0)
+                h = _IpcHandle()
+                h.reserved = raw
+                rc = drv.fn("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle")(
+                    ctypes.byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+                )
+                drv.check(rc, f"cuIpcOpenMemHandle(GPU {uuid})")
+                entry = _OPENED[raw] = [int(ptr.value), 0]
+            entry[1] += 1
+        mem = cls(uuid, raw, ordinal, entry[0], nbytes)
+        try:
+            base, size = _u64(0), ctypes.c_size_t(0)
+            rc = drv.fn("cuMemGetAddressRange_v2", "cuMemGetAddressRange")(
+                ctypes.byref(base), ctypes.byref(size), _u64(entry[0])
+            )
+            drv.check(rc, "cuMemGetAddressRange(opened allocation)")
+            if size.value != nbytes:
+                raise ProtocolError(
+                    f"cuda_ipc region refused: the allocation holds {size.value} bytes, "
+                    f"expected {nbytes}; register the whole allocation"
+                )
+        except BaseException:
+            mem.close()
+            raise
+        return mem
+
+    @property
+    def name(self) -> str:
+        digest = hashlib.sha256(self._raw).hexdigest()[:16]
+        return f"cuda:{self._uuid}:{digest}"
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def address(self) -> int:
+        if self._closed:
+            raise ConflictError(f"GPU region {self.name} is closed")
+        return self._address
+
+    @property
+    def identity(self) -> tuple[str | int, ...]:
+        """``("cuda", device uuid, device address here)``: one allocation is opened at
+        one address per process, however many handles name it."""
+        return (KIND, self._uuid, self._address)
+
+    @property
+    def owner_uid(self) -> int | None:
+        return None  # an IPC handle is a bearer capability: it proves no owner
+
+    @property
+    def engine(self) -> CudaEngine:
+        return self._engine
+
+    def read(self, offset: int, nbytes: int) -> bytes:
+        out = bytearray(nbytes)
+        if nbytes:
+            self._engine.copy_now(_addr(out), self.address + offset, nbytes)
+        return bytes(out)
+
+    def write(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        buf = bytearray(data)
+        if buf:
+            self._engine.copy_now(self.address + offset, _addr(buf), len(buf))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        with _OPEN_LOCK:
+            entry = _OPENED.get(self._raw)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del _OPENED[self._raw]
+        drv = _driver()
+        with contextlib.suppress(CudaError):
+            drv.use(self._ordinal)
+            drv.check(drv.lib.cuIpcCloseMemHandle(_u64(self._address)), "cuIpcCloseMemHandle")
+
+    def __repr__(self) -> str:
+        return f"CudaIpcMemory({self.name}, {self._size} bytes)"
+
+
+def _addr(buf: bytearray) -> int:
+    return ctypes.addressof((ctypes.c_char * len(buf)).from_buffer(buf))
+
+
+# ---------------------------------------------------------------- copies
+
+
+class CudaEngine(CopyEngine):
+    """Copies to and from one GPU's memory on a stream of its own; one per device
+    per process (:meth:`for_device`), made when the first allocation is opened."""
+
+    kind: ClassVar[str] = KIND
+    _by_device: ClassVar[dict[int, CudaEngine]] = {}
+
+    def __init__(self, ordinal: int) -> None:
+        self.ordinal = ordinal
+        self._drv = _driver()
+        self._drv.use(ordinal)
+        s = _vp()
+        self._drv.check(
+            self._drv.lib.cuStreamCreate(ctypes.byref(s), CU_STREAM_NON_BLOCKING), "cuStreamCreate"
+        )
+        self._stream = s
+        self._lock = asyncio.Lock()
+        #: host memory registered with the driver (page-locked): base address -> bytes
+        self.pinned: dict[int, int] = {}
+
+    @classmethod
+    def for_device(cls, ordinal: int) -> CudaEngine:
+        engine = cls._by_device.get(ordinal)
+        if engine is None:
+            engine = cls._by_device[ordinal] = cls(ordinal)
+            add_engine(engine)
+        return engine
+
+    def moves(self, dst_kind: str, src_kind: str) -> bool:
+        return {dst_kind, src_kind} <= {KIND, HOST} and KIND in (dst_kind, src_kind)
+
+    # -- host registration
+
+    def pin(self, memory: MappedMemory) -> None:
+        """Register host ``memory`` with the driver once (in this thread's context):
+        later copies to and from it run page-locked. A region the driver will not
+        register is copied pageable (slower, never wrong)."""
+        if memory.address in self.pinned:
+            return
+        rc = self._drv.fn("cuMemHostRegister_v2", "cuMemHostRegister")(
+            _vp(memory.address), ctypes.c_size_t(memory.size), CU_MEMHOSTREGISTER_PORTABLE
+        )
+        if rc in (0, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
+            self.pinned[memory.address] = memory.size
+
+    def forget_host(self, address: int) -> None:
+        if self.pinned.pop(address, None) is not None:
+            self._drv.use(self.ordinal)
+            self._drv.check(self._drv.lib.cuMemHostUnregister(_vp(address)), "cuMemHostUnregister")
+
+    # -- copying
+
+    def copy_now(self, dst: int, src: int, nbytes: int) -> None:
+        """One synchronous copy in this thread (unified addresses)."""
+        self._drv.use(self.ordinal)
+        self._drv.check(
+            self._drv.lib.cuMemcpyAsync(
+                _u64(dst), _u64(src), ctypes.c_size_t(nbytes), self._stream
+            ),
+            "cuMemcpyAsync",
+        )
+        self._drv.check(self._drv.lib.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+
+    async def copy(
+        self,
+        dst: npt.NDArray[np.int64],
+        src: npt.NDArray[np.int64],
+        nbytes: npt.NDArray[np.int64],
+        host: list[MappedMemory],
+    ) -> None:
+        async with self._lock:  # one batch on the stream at a time
+            work = asyncio.ensure_future(
+                asyncio.to_thread(self._copy_batch, dst.copy(), src.copy(), nbytes.copy(), host)
+            )
+            try:
+                await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # A copy on the device cannot be recalled: the caller may free the
+                # memory the moment it returns, so wait for the batch, then cancel.
+                while not work.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(work)
+                raise
+
+    def _copy_batch(
+        self,
+        dst: npt.NDArray[np.int64],
+        src: npt.NDArray[np.int64],
+        nbytes: npt.NDArray[np.int64],
+        host: list[MappedMemory],
+    ) -> None:
+        self._drv.use(self.ordinal)
+        for m in host:
+            self.pin(m)
+        on_host = np.zeros(len(dst), dtype=bool)
+        for m in host:
+            lo, hi = m.address, m.address + m.size
+            on_host |= ((lo <= dst) & (dst < hi)) | ((lo <= src) & (src < hi))
+        aligned = ((dst | src | nbytes) % GATHER_UNIT) == 0
+        small = ~on_host & aligned & (nbytes <= SMALL_PIECE)
+        each = np.flatnonzero(~small) if int(small.sum()) > 1 else np.arange(len(dst))
+        copy = self._drv.lib.cuMemcpyAsync
+        for i in each.tolist():
+            rc = copy(
+                _u64(int(dst[i])), _u64(int(src[i])), ctypes.c_size_t(int(nbytes[i])), self._stream
+            )
+            if rc != 0:
+                self._drv.check(rc, f"cuMemcpyAsync of read #{i}", i)
+        if len(each) < len(dst):
+            self._gather(dst[small], src[small], nbytes[small])
+        self._drv.check(self._drv.lib.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+
+    def _gather(
+        self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
+    ) -> None:
+        """Small GPU-to-GPU reads as one indexed copy of 8-byte units over the whole
+        device address space (the indices are built on the device from one start
+        and count per read, so a 4 KiB read costs 24 bytes of upload, not a call)."""
+        import torch
+
+        try:
+            with torch.cuda.device(self.ordinal):
+                lo = int(min(dst.min(), src.min()))
+                hi = int(max((dst + nbytes).max(), (src + nbytes).max()))
+                space = torch.as_tensor(_Span(lo, (hi - lo) // GATHER_UNIT), device="cuda")
+                counts = torch.from_numpy(nbytes // GATHER_UNIT).cuda()
+                d0 = torch.from_numpy((dst - lo) // GATHER_UNIT).cuda()
+                s0 = torch.from_numpy((src - lo) // GATHER_UNIT).cuda()
+                total = int(counts.sum())
+                first = torch.cumsum(counts, 0) - counts
+                step = torch.arange(total, device="cuda") - torch.repeat_interleave(first, counts)
+                di = torch.repeat_interleave(d0, counts) + step
+                si = torch.repeat_interleave(s0, counts) + step
+                space[di] = space[si]
+                torch.cuda.current_stream().synchronize()
+        except RuntimeError as exc:  # PyTorch reports CUDA errors as RuntimeError
+            raise CudaError(f"indexed GPU gather of {len(dst)} reads failed: {exc}") from exc
+
+
+class _Span:
+    """``count`` int64 units of device memory at ``base``, as PyTorch imports it
+    (``__cuda_array_interface__``): no copy, no ownership."""
+
+    def __init__(self, base: int, count: int) -> None:
+        self.__cuda_array_interface__: dict[str, Any] = {
+            "shape": (count,),
+            "typestr": "<i8",
+            "data": (base, False),
+            "version": 3,
+            "strides": None,
+        }
