@@ -56,6 +56,8 @@ __all__ = [
     "HostExpertStore",
     "OffloadStats",
     "OffloadedExperts",
+    "Predictor",
+    "SlotMemoryFactory",
     "TorchSlotMemory",
     "moe_blocks",
     "offload_experts",
@@ -66,6 +68,10 @@ GATE_UP, DOWN = 0, 1
 #: ``predict(layer, hidden_states)``: the experts the MoE layer ``layer`` is expected
 #: to route for these hidden states (of the layer before it), most confident first.
 Predictor = Callable[[int, torch.Tensor], Sequence[int]]
+
+#: Builds the slot pool for a geometry: ``TorchSlotMemory`` or ``CudaSlotMemory`` (or
+#: a subclass of either, for a backend of your own).
+SlotMemoryFactory = Callable[[SlotGeometry], "TorchSlotMemory | CudaSlotMemory"]
 
 
 # -- host rows ------------------------------------------------------------------------
@@ -282,6 +288,7 @@ class ExpertOffload:
         max_fetch: int | None,
         cache: bool,
         predictor: Predictor | None,
+        slot_memory: SlotMemoryFactory | None = None,
     ) -> None:
         first = _experts(blocks[0])
         num_experts, two_i, hidden = first.gate_up_proj.shape
@@ -305,7 +312,9 @@ class ExpertOffload:
         )
         self.slots = ExpertSlots(self.geometry)
         self.slot_device: TorchSlotMemory | CudaSlotMemory
-        if device.type == "cuda":
+        if slot_memory is not None:
+            self.slot_device = slot_memory(self.geometry)
+        elif device.type == "cuda":
             self.slot_device = CudaSlotMemory(self.geometry, device)
         else:
             self.slot_device = TorchSlotMemory(self.geometry)
@@ -489,6 +498,7 @@ def offload_experts(
     max_fetch: int | None = None,
     cache: bool = True,
     predictor: Predictor | None = None,
+    slot_memory: SlotMemoryFactory | None = None,
 ) -> ExpertOffload:
     """Move ``model``'s MoE experts to host memory behind a pool of ``slots`` slots on
     ``device`` (default: where the experts are now) shared by all MoE layers.
@@ -498,8 +508,9 @@ def offload_experts(
     next MoE layer with its router (or ``predictor``); ``max_fetch`` is hybrid mode
     (at most that many copies per layer step, the rest computed on the CPU);
     ``cache=False`` is on-demand loading with no cache (every step copies all its
-    experts). Move the rest of the model to ``device`` yourself; the offloaded layers
-    hold no parameters.
+    experts). ``slot_memory`` builds the slot pool instead of the default for
+    ``device``. Move the rest of the model to ``device`` yourself; the offloaded
+    layers hold no parameters.
     """
     blocks = moe_blocks(model)
     if not blocks:
@@ -518,4 +529,5 @@ def offload_experts(
             max_fetch=max_fetch,
             cache=cache,
             predictor=predictor,
+            slot_memory=slot_memory,
         )
