@@ -20,7 +20,7 @@ from refitd.daemon.trust import Extents, merge_extents
 from refitd.wire import RegionInfo
 from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
 
-__all__ = ["CHUNK_BYTES", "HolderBook", "Mirror", "covered", "cut_chunks"]
+__all__ = ["CHUNK_BYTES", "MAX_HOLDERS", "HolderBook", "Mirror", "covered", "cut_chunks"]
 
 CHUNK_BYTES = 4 << 20
 """Unit of completion (bytes): a relay serves a chunk only once all of it arrived.
@@ -31,24 +31,34 @@ Small enough that a downstream host starts a few milliseconds after its upstream
 # ---------------------------------------------------------------- source side
 
 
+MAX_HOLDERS = 64
+"""Holders the book keeps per version: a joiner past them is told its upstream (the
+last holder) but not recorded, so the book, and each answer, stay bounded."""
+
+
 class HolderBook:
     """Per version this daemon is the source of, the mirrors holding it, in the order
-    they joined: the pipeline. Pure state."""
+    they joined: the pipeline. Pure state; bounded (``MAX_HOLDERS`` per version, and
+    only versions the caller checked exist here, older ones of a model forgotten)."""
 
     def __init__(self) -> None:
         self._holders: dict[tuple[str, int], list[str]] = {}
 
     def join(self, j: HolderJoin) -> HolderAssign:
         """Record ``j.url`` (once) and give it the nearest holder that joined before it
-        and is not excluded, or ``""`` (the source) when there is none. Entries of
-        older versions of the model are forgotten."""
+        and is not excluded, or ``""`` (the source) when there is none. The holders
+        ``j`` excludes (it failed to read from them) leave the book: no later joiner is
+        sent to them. Entries of older versions of the model are forgotten."""
         for key in [k for k in self._holders if k[0] == j.model and k[1] < j.version]:
             del self._holders[key]
+        failed = set(j.exclude) - {j.url}
         book = self._holders.setdefault((j.model, j.version), [])
-        if j.url not in book:
+        if failed:
+            book[:] = [u for u in book if u not in failed]
+        if j.url not in book and len(book) < MAX_HOLDERS:
             book.append(j.url)
-        before = book[: book.index(j.url)]
-        upstream = next((u for u in reversed(before) if u not in j.exclude), "")
+        before = book[: book.index(j.url)] if j.url in book else book
+        upstream = before[-1] if before else ""
         return HolderAssign(upstream, list(book))
 
     def holders(self, model: str, version: int) -> list[str]:

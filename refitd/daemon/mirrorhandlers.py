@@ -11,8 +11,9 @@ from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_in
 from refitd.daemon.mirrors import Mirrors
 from refitd.daemon.node import Daemon
 from refitd.daemon.pulls import PullManager
+from refitd.errors import RequestTooLarge
 from refitd.wire import routes as api
-from refitd.wire.mirrors import HolderJoin
+from refitd.wire.mirrors import MAX_JOIN_BYTES, HolderJoin
 
 __all__ = ["MIRRORS", "routes", "setup_mirrors"]
 
@@ -24,9 +25,22 @@ routes = RouteTable()
 @routes.handles(api.MIRROR_HOLDERS)
 async def join_holders(request: web.Request) -> web.Response:
     """A mirror of a version this daemon is the source of joins its pipeline; answers
-    the holder it reads from."""
+    the holder it reads from. Only a peer daemon joins (the join is signed with the
+    deployment secret, 403 otherwise), in a body of at most ``MAX_JOIN_BYTES`` (413,
+    refused before it is read) whose fields are bounded (400)."""
+    if request.content_length is None or request.content_length > MAX_JOIN_BYTES:
+        sent = (
+            "a body of unstated length"
+            if request.content_length is None
+            else (f"{request.content_length} bytes")
+        )
+        raise RequestTooLarge(
+            f"{request.method} {request.path} sent {sent}; a holder join is at most "
+            f"{MAX_JOIN_BYTES} bytes, with its length stated"
+        )
     j = await body(request, HolderJoin)
     d = request.app[DAEMON]
+    j.verify(d.options.secret)
     d.registry.version(j.model, j.version)  # 404 for a version this daemon lacks
     d.peers.check(j.url)  # only a daemon this one trusts is handed to readers
     return reply(request, request.app[MIRRORS].book.join(j))

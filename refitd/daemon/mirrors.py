@@ -63,9 +63,10 @@ from refitd.wire import (
     TensorEntry,
     VersionState,
 )
-from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
+from refitd.wire.mirrors import MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorState
 from transports.batch import rows_as_batch
 from transports.interface import Peer
+from transports.tcp import TcpGrant, TcpPeer
 
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
@@ -92,6 +93,17 @@ so a downstream relay sees chunks complete soon after they land."""
 
 WAIT_S = 5.0
 """How long one long-poll of an upstream's progress waits for a new chunk, s."""
+
+RELAY_ANSWER_S = 10.0
+"""How long a relay (a holder that is not the source) has to answer a request (a lease,
+its records, its progress past the long-poll's wait), s: one that does not is skipped
+for the next holder. Capped by ``data_plane.pull_timeout_s``; the source itself, the
+last holder, has the whole pull deadline."""
+
+RELAY_FLOOR_BYTES_S = 16 << 20
+"""The slowest a relay may send, bytes/s: a batch of chunks read from a relay has
+``RELAY_ANSWER_S`` plus its bytes at this rate, then the relay is skipped (and its
+lanes cut, so nothing more of that batch lands). 16 MiB/s is 134 Mbit/s."""
 
 LEASE_TTL_S = 120.0
 """TTL of the leases a mirror holds while it fills (renewed at a third of it), s."""
@@ -346,7 +358,8 @@ class Mirrors:
         me = self.self_url()
         if not me:
             return ""
-        join = HolderJoin(m.model, m.version, me, self.d.node_id, exclude)
+        join = HolderJoin(m.model, m.version, me, self.d.node_id, exclude[-MAX_EXCLUDE:])
+        join = join.signed(self.d.options.secret)
         try:
             a = await src.client.join_holders(join)
         except RefitError as exc:
@@ -359,7 +372,7 @@ class Mirrors:
         there, until every chunk is here."""
         relay = self._remote(url)
         c = relay.client
-        deadline = self.d.options.pull_timeout_s
+        deadline = self._answer_s()
         async with asyncio.timeout(deadline):  # a stopped relay answers nothing
             grant = await c.acquire_lease(m.model, m.version, LEASE_TTL_S)
         # Reading overlaps asking: each answer that names new chunks starts a pass
@@ -404,7 +417,7 @@ class Mirrors:
         ids = [their[s] for s in sorted(m.regions)]
         back = {v: k for k, v in their.items()}
         probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
-        async with asyncio.timeout(self.d.options.pull_timeout_s):
+        async with asyncio.timeout(self._answer_s()):
             peer = await src.regions(ids, probe)
         scope = {back[int(k)]: v for k, v in peer.scope.items()}
         todo = np.flatnonzero(~claimed & covered(m.chunks, scope))
@@ -440,7 +453,8 @@ class Mirrors:
     ) -> None:
         """Read chunks ``todo`` from ``src`` (its records ``peer``) over the path a
         pull from it would take."""
-        async with asyncio.timeout(self.d.options.pull_timeout_s):
+        wait = self.d.options.pull_timeout_s if their is None else self._answer_s()
+        async with asyncio.timeout(wait):
             path, conn = await self.pulls.open_path(src, peer)
         try:
             await self._read(m, conn, todo, their)
@@ -463,8 +477,17 @@ class Mirrors:
                 rows[:, 2] = [local[s] for s in c[:, 0].tolist()]
                 rows[:, 3] = c[:, 1]
                 rows[:, 4] = c[:, 2]
-                async with asyncio.timeout(self.d.options.pull_timeout_s):
-                    await conn.get(rows_as_batch(rows))
+                if their is None:  # the source: the whole pull deadline
+                    async with asyncio.timeout(self.d.options.pull_timeout_s):
+                        await conn.get(rows_as_batch(rows))
+                else:
+                    wait = self._piece_s(int(c[:, 2].sum()))
+                    try:
+                        async with asyncio.timeout(wait):
+                            await conn.get(rows_as_batch(rows))
+                    except TimeoutError:
+                        _cut(conn)  # nothing more of this batch lands from that relay
+                        raise
                 m.mark(idx)  # only now: a failed read leaves its chunks incomplete
             finally:
                 window.release()
@@ -479,6 +502,13 @@ class Mirrors:
             if first is None:
                 raise
             raise first from None
+
+    def _answer_s(self) -> float:
+        return min(RELAY_ANSWER_S, self.d.options.pull_timeout_s)
+
+    def _piece_s(self, nbytes: int) -> float:
+        """The deadline of reading ``nbytes`` from a relay, s."""
+        return min(RELAY_ANSWER_S + nbytes / RELAY_FLOOR_BYTES_S, self.d.options.pull_timeout_s)
 
     # ------------------------------------------------------------ serving
 
@@ -551,6 +581,15 @@ async def _renew(client: PeerClient, lease_id: str) -> None:
         await asyncio.sleep(LEASE_TTL_S / 3)
         with contextlib.suppress(RefitError):
             await client.renew_lease(lease_id, LEASE_TTL_S)
+
+
+def _cut(conn: Peer) -> None:
+    """Break the lanes of a ``tcp`` connection to a relay that missed its deadline: a
+    lane blocked on it wakes with an error, and no late byte lands."""
+    base = conn.base if isinstance(conn, TcpGrant) else conn
+    if isinstance(base, TcpPeer):
+        for lane in base.lanes:
+            lane.cut()
 
 
 def _no_rows() -> np.ndarray:

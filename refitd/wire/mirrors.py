@@ -2,20 +2,45 @@
 
 from __future__ import annotations
 
+from typing import Annotated, ClassVar
+
 import msgspec
 
-__all__ = ["HolderAssign", "HolderJoin", "MirrorState"]
+from refitd.errors import AccessDenied, ProtocolError
+from refitd.signing import Signed
+from refitd.wire.fields import Label, Name, NonNeg
+
+__all__ = ["MAX_EXCLUDE", "MAX_JOIN_BYTES", "HolderAssign", "HolderJoin", "MirrorState"]
+
+MAX_EXCLUDE = 64
+"""Failed holders one join may name at most."""
+MAX_JOIN_BYTES = 64 << 10
+"""Bytes of a join's body at most (refused from its headers past it)."""
+
+PeerUrl = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
 
-class HolderJoin(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class HolderJoin(Signed, frozen=True, forbid_unknown_fields=True):
     """A mirror joining the holder book of the source of ``model`` ``version``:
-    it serves at ``url``; ``exclude`` are holders it failed to read from."""
+    it serves at ``url``; ``exclude`` are holders it failed to read from. Signed with
+    the deployment secret by the joining daemon: only a peer daemon joins."""
 
-    model: str
-    version: int
-    url: str
-    node_id: str
-    exclude: list[str] = []
+    refused: ClassVar[type[ProtocolError]] = AccessDenied  # type: ignore[assignment]
+
+    model: Name
+    version: NonNeg
+    url: PeerUrl
+    node_id: Label
+    exclude: Annotated[list[PeerUrl], msgspec.Meta(max_length=MAX_EXCLUDE)] = msgspec.field(
+        default_factory=list
+    )
+    mac: bytes = b""
+
+    def _what(self) -> str:
+        return (
+            f"join of {self.url!r} to the holder book of {self.model!r} version "
+            f"{self.version} (only a daemon holding the deployment secret joins)"
+        )
 
 
 class HolderAssign(msgspec.Struct, frozen=True):
