@@ -1,0 +1,175 @@
+"""The memory-kind seam: device memory meets the transport contract through its own engine.
+
+``hostdev`` (tests/support/devices.py) is a device kind over host memory with an
+engine of its own, so every path a GPU region takes (routing by kind, batching per
+engine, host registration, a device error failing one batch) runs here on CPU, with
+real transports, real shared segments and the real contract checks.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+import pytest
+from support.devices import HostDeviceEngine, HostDeviceMemory, OtherDeviceMemory
+
+from transports import checks
+from transports.batch import READ_DTYPE
+from transports.checks import LOCAL, REMOTE, Memory, Pair, open_pair
+from transports.interface import PullFailed, create_transport
+from transports.memory import KindRefused
+from transports.segments import SharedSegment
+from transports.shm import ShmTransport
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = b"kinds-secret-0123456789abcdef"
+
+
+def _device(engine: HostDeviceEngine) -> Callable[[int, str], Memory]:
+    return lambda n, _label: HostDeviceMemory(n, engine)
+
+
+def _host(n: int, label: str) -> Memory:
+    return SharedSegment.create(n, label)
+
+
+# (scheme, destination kind, source kind): every in-process path a device region
+# can take. ``shm`` maps a peer's segments by name, so its sources are host memory.
+CASES = [
+    ("local", "hostdev", "host"),
+    ("local", "host", "hostdev"),
+    ("local", "hostdev", "hostdev"),
+    ("reference", "hostdev", "hostdev"),
+    ("shm", "hostdev", "host"),
+]
+IDS = [f"{s}-{d}-from-{r}" for s, d, r in CASES]
+
+
+@pytest.fixture(params=CASES, ids=IDS)
+async def kinds(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Pair, HostDeviceEngine]]:
+    scheme, dst, src = request.param
+    engine = HostDeviceEngine()
+    make = {"host": _host, "hostdev": _device(engine)}
+    async with open_pair(
+        scheme, 4 << 20, 4 << 20, SECRET, local_memory=make[dst], remote_memory=make[src]
+    ) as pair:
+        yield pair, engine
+
+
+async def test_device_memory_reads_land_byte_exact_at_every_size(
+    kinds: tuple[Pair, HostDeviceEngine],
+) -> None:
+    pair, engine = kinds
+    await checks.check_sizes(pair, (0, 1, 4096, 1 << 20))
+    assert engine.batches > 0, "no read went through the device memory's engine"
+
+
+async def test_a_shuffled_batch_of_small_pieces_is_one_engine_batch(
+    kinds: tuple[Pair, HostDeviceEngine],
+) -> None:
+    pair, engine = kinds
+    await checks.check_scattered_batch(pair)
+    assert engine.batches == 1, "a scattered batch was not handed to the engine as one batch"
+    assert engine.reads == 1024
+
+
+async def test_device_memory_meets_the_rest_of_the_contract(
+    kinds: tuple[Pair, HostDeviceEngine],
+) -> None:
+    pair, _ = kinds
+    await checks.check_contiguous_batch(pair)
+    await checks.check_concurrent_batches(pair)
+    await checks.check_input_forms(pair)
+    await checks.check_refusal_reads_nothing(
+        pair, (LOCAL, 0, REMOTE, pair.remote.size - 10, 64), "ends past the region"
+    )
+
+
+async def test_a_device_error_fails_only_the_batch_that_met_it_naming_its_suspect_bytes() -> None:
+    engine = HostDeviceEngine()
+    async with open_pair(
+        "local", 1 << 20, 1 << 20, SECRET, local_memory=_device(engine), remote_memory=_host
+    ) as pair:
+        batch = checks.shuffled_batch(16, 4096)
+        engine.fail_next(at_read=3)
+        with pytest.raises(PullFailed, match="HOSTDEV_ERROR") as failed:
+            await pair.peer.get(batch)
+        assert failed.value.suspect, "a failed device batch named no suspect destination bytes"
+        assert {r.region for r in failed.value.suspect} == {LOCAL}
+        # The transport, the peer and the engine go on: the same reads land next time.
+        await pair.peer.get(batch)
+        checks.expect(pair, batch)
+
+
+async def test_a_pair_of_kinds_no_engine_moves_is_refused_before_any_byte_moves() -> None:
+    engine = HostDeviceEngine()
+    async with open_pair(
+        "local",
+        1 << 20,
+        1 << 20,
+        SECRET,
+        local_memory=_device(engine),
+        remote_memory=lambda n, _: OtherDeviceMemory(n, engine),
+    ) as pair:
+        checks.fill(pair.local, 0x5A)
+        batch = np.array([(LOCAL, 0, REMOTE, 0, 4096)], READ_DTYPE)
+        with pytest.raises(KindRefused, match="otherdev"):
+            await pair.peer.get(batch)
+        assert (checks.contents(pair.local) == 0x5A).all()
+        assert engine.batches == 0
+
+
+async def test_host_memory_is_registered_once_and_forgotten_when_deregistered() -> None:
+    engine = HostDeviceEngine()
+    async with ShmTransport(secret=SECRET) as shm:
+        dev = HostDeviceMemory(1 << 20, engine)
+        with SharedSegment.create(1 << 20, "host") as host:
+            host.numpy()[:] = np.arange(1 << 20, dtype=np.uint64).astype(np.uint8)
+            await shm.register(1, dev)
+            await shm.register(2, host)
+            loop = shm.loopback()
+            for k in range(3):  # three pulls host -> device through the daemon's own path
+                await loop.get([(1, k * 4096, 2, k * 4096, 4096)])
+            assert dev.read(0, 3 * 4096) == host.numpy()[: 3 * 4096].tobytes()
+            assert engine.pinned == [host.address], "the host region was not registered once"
+            await shm.deregister(2)
+            assert host.address in engine.forgotten
+        dev.close()
+
+
+async def test_a_same_host_peer_never_advertises_device_memory() -> None:
+    engine = HostDeviceEngine()
+    async with ShmTransport(secret=SECRET) as shm:
+        dev = HostDeviceMemory(4096, engine)
+        with SharedSegment.create(4096, "host") as host:
+            await shm.register(1, dev)
+            await shm.register(2, host)
+            assert [r.region_id for r in shm.advertise().regions] == [2]
+        dev.close()
+
+
+def test_transports_that_read_only_host_memory_do_not_register_device_memory() -> None:
+    dev = HostDeviceMemory(4096, HostDeviceEngine())
+    try:
+        assert not create_transport("tcp", secret=SECRET).registers(dev)
+        assert create_transport("shm", secret=SECRET).registers(dev)
+        with SharedSegment.create(4096, "host") as host:
+            assert create_transport("tcp", secret=SECRET).registers(host)
+    finally:
+        dev.close()
+
+
+def test_a_host_only_daemon_and_client_never_load_cuda() -> None:
+    code = (
+        "import sys, pathlib, refitd.daemon.service, refitd.daemon.node, transports.shm\n"
+        "assert not [m for m in sys.modules if m == 'transports.cuda' or "
+        "m.startswith(('cuda.bindings', 'cupy', 'torch'))], 'the daemon imported CUDA'\n"
+        "import refitd.client, refitd.client.receiver\n"
+        "assert 'transports.cuda' not in sys.modules, 'the client imported transports.cuda'\n"
+        "assert 'libcuda' not in pathlib.Path('/proc/self/maps').read_text(), 'libcuda loaded'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
