@@ -123,8 +123,9 @@ class CudaSlotMemory(SlotDevice):
         self._stream = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
         self._plan_sources: list[torch.Tensor] = []
         self._plan_start: torch.cuda.Event | None = None
-        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._seconds = 0.0
+        # (start, end, asynchronous) per plan, until read; then summed into _seconds.
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []
+        self._seconds = [0.0, 0.0]  # [synchronous plans, asynchronous plans]
 
     # -- what the model reads ---------------------------------------------------
 
@@ -133,15 +134,23 @@ class CudaSlotMemory(SlotDevice):
         return self._banks[bank]
 
     def copy_seconds(self) -> float:
-        """GPU seconds spent copying so far (completed plans; waits for none)."""
-        keep: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        for start, end in self._timings:
+        """GPU seconds the copy stream spent on slot copies (completed plans)."""
+        self._collect()
+        return self._seconds[0] + self._seconds[1]
+
+    def prefetch_copy_seconds(self) -> float:
+        """Of which asynchronous (prefetch) plans."""
+        self._collect()
+        return self._seconds[1]
+
+    def _collect(self) -> None:
+        keep: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = []
+        for start, end, asynchronous in self._timings:
             if _fired(end):
-                self._seconds += start.elapsed_time(end) / 1000.0
+                self._seconds[asynchronous] += start.elapsed_time(end) / 1000.0
             else:
-                keep.append((start, end))
+                keep.append((start, end, asynchronous))
         self._timings = keep
-        return self._seconds
 
     def synchronize(self) -> None:
         """Wait for every copy issued so far."""
@@ -181,7 +190,7 @@ class CudaSlotMemory(SlotDevice):
 
     def flush(self) -> None:
         """Wait for the plan's copies: the executor names the slots occupied next."""
-        end = self._record_end()
+        end = self._record_end(asynchronous=False)
         try:
             end.synchronize()
         except RuntimeError as e:
@@ -204,7 +213,7 @@ class CudaSlotMemory(SlotDevice):
                 error = e
                 break
         sources, self._plan_sources = self._plan_sources, []
-        return CudaFence(self._record_end(), sources, error)
+        return CudaFence(self._record_end(asynchronous=True), sources, error)
 
     # -- ordering ----------------------------------------------------------------
 
@@ -217,13 +226,13 @@ class CudaSlotMemory(SlotDevice):
             raise SlotDeviceError(f"could not order slot copies after compute: {e}") from e
         self._plan_start = start
 
-    def _record_end(self) -> torch.cuda.Event:
+    def _record_end(self, *, asynchronous: bool) -> torch.cuda.Event:
         end = _event()
         try:
             end.record(self._stream)
         except RuntimeError as e:
             raise SlotDeviceError(f"could not record a slot copy fence: {e}") from e
         if self._plan_start is not None:
-            self._timings.append((self._plan_start, end))
+            self._timings.append((self._plan_start, end, asynchronous))
             self._plan_start = None
         return end

@@ -147,7 +147,12 @@ class TorchSlotMemory(SlotDevice):
         return self._banks[bank]
 
     def copy_seconds(self) -> float:
+        """Seconds spent copying into slots, on either thread."""
         return self._seconds[0] + self._seconds[1]
+
+    def prefetch_copy_seconds(self) -> float:
+        """Of which asynchronous (prefetch) copies, on the copier thread."""
+        return self._seconds[1]
 
     def _copy(self, bank: int, slot: int, src: Bytes) -> None:
         self._banks[bank][slot].copy_(torch.frombuffer(src, dtype=torch.uint8))
@@ -183,7 +188,8 @@ class OffloadStats:
     """What the offloaded layers did. Routes are distinct experts per layer step;
     ``copied_bytes`` crossed the host link (prefetches included); seconds are wall
     time on the forward's thread (``demand_s`` copying misses, ``wait_s`` waiting for
-    prefetches) except ``copy_s``, the device's own copy time."""
+    prefetches) except ``copy_s`` and ``prefetch_copy_s``, the device's own copy time
+    (all copies, and the asynchronous ones among them)."""
 
     routes: int
     hits: int
@@ -196,6 +202,7 @@ class OffloadStats:
     demand_s: float
     wait_s: float
     copy_s: float
+    prefetch_copy_s: float
     failed_copies: int
 
     @property
@@ -204,12 +211,14 @@ class OffloadStats:
 
     @property
     def hidden_s(self) -> float:
-        """Copy time that overlapped compute: copying the forward did not wait for."""
-        return max(0.0, self.copy_s - self.demand_s - self.wait_s)
+        """Copy time hidden behind compute: prefetch copying the forward did not wait
+        for (demand copies are waited for whole)."""
+        return max(0.0, self.prefetch_copy_s - self.wait_s)
 
     @property
     def hidden_fraction(self) -> float:
-        return self.hidden_s / self.copy_s if self.copy_s > 0 else 0.0
+        """The share of all copy time hidden behind compute; 0.0 before any copy."""
+        return min(1.0, self.hidden_s / self.copy_s) if self.copy_s > 0 else 0.0
 
 
 # -- the model side --------------------------------------------------------------------
@@ -274,8 +283,21 @@ def _router_predictor(routers: Sequence[nn.Module], num_experts: int) -> Predict
     return predict
 
 
+def _default_slot_memory(device: torch.device) -> SlotMemoryFactory:
+    if device.type == "cuda":
+        return lambda geometry: CudaSlotMemory(geometry, device)
+    if device.type != "cpu":
+        raise ConfigError(f"no slot memory for {device}: slots go on the CPU or a CUDA GPU")
+    return TorchSlotMemory
+
+
 class ExpertOffload:
-    """The expert residency of one model's MoE layers; built by ``offload_experts``."""
+    """The expert residency of one model's MoE layers; built by ``offload_experts``.
+
+    ``cache`` and ``slots`` are the planner and executor, ``store`` the host rows,
+    ``slot_device`` the slot pool. ``prefetch`` and ``keep`` (``False``: on-demand
+    loading with no cache) may be changed between forwards; ``resize`` changes the pool.
+    """
 
     def __init__(
         self,
@@ -311,13 +333,10 @@ class ExpertOffload:
             self.num_layers, self.num_experts, slots, policy=policy, max_fetch=max_fetch
         )
         self.slots = ExpertSlots(self.geometry)
-        self.slot_device: TorchSlotMemory | CudaSlotMemory
-        if slot_memory is not None:
-            self.slot_device = slot_memory(self.geometry)
-        elif device.type == "cuda":
-            self.slot_device = CudaSlotMemory(self.geometry, device)
-        else:
-            self.slot_device = TorchSlotMemory(self.geometry)
+        if slot_memory is None:
+            slot_memory = _default_slot_memory(device)
+        self._slot_memory = slot_memory
+        self.slot_device: TorchSlotMemory | CudaSlotMemory = slot_memory(self.geometry)
         self.prefetch = prefetch and cache
         self.keep = cache
         routers: list[nn.Module] = [block.get_submodule("gate") for block in blocks]
@@ -420,6 +439,17 @@ class ExpertOffload:
             self.cache.forget_slot(s)
             self.slots.invalidate_slot(s)
 
+    def resize(self, slots: int) -> None:
+        """Replace the pool with an empty one of ``slots`` slots (counters survive)."""
+        self._settle()
+        self.cache.rebuild(slots)
+        self.slots.resize(slots)
+        self.geometry = self.slots.geometry
+        old, self.slot_device = self.slot_device, self._slot_memory(self.geometry)
+        close = getattr(old, "close", None)
+        if close is not None:
+            close()
+
     # -- refit -------------------------------------------------------------------------
 
     def write_experts(
@@ -470,6 +500,7 @@ class ExpertOffload:
             demand_s=self._demand_s,
             wait_s=self._wait_s,
             copy_s=self.slot_device.copy_seconds(),
+            prefetch_copy_s=self.slot_device.prefetch_copy_seconds(),
             failed_copies=self._failed,
         )
 
