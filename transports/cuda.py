@@ -60,6 +60,7 @@ __all__ = [
     "CudaEngine",
     "CudaError",
     "CudaIpcMemory",
+    "DeviceAllocation",
     "Exported",
     "device_count",
     "export_allocation",
@@ -251,6 +252,43 @@ def parse_handle(text: str) -> tuple[str, bytes]:
             "the IPC handle>' (refitd.client's export_allocation makes it)"
         )
     return uuid, raw
+
+
+class DeviceAllocation:
+    """``nbytes`` of GPU memory refitd allocates itself (``cuMemAlloc``): one whole
+    allocation, so its region is exactly it (no neighbour of the caching allocator
+    inside). PyTorch imports it without a copy (``torch.as_tensor(a, device=...)``,
+    through ``__cuda_array_interface__``) and holds this object while any view of it
+    lives; the memory is freed when the last one goes."""
+
+    def __init__(self, ordinal: int, nbytes: int) -> None:
+        drv = _driver()
+        drv.use(ordinal)
+        ptr = _u64(0)
+        rc = drv.fn("cuMemAlloc_v2", "cuMemAlloc")(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+        drv.check(rc, f"cuMemAlloc({nbytes} bytes on GPU {ordinal})")
+        self.ordinal = ordinal
+        self.nbytes = nbytes
+        self.pointer = int(ptr.value)
+        self.__cuda_array_interface__: dict[str, Any] = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (self.pointer, False),
+            "version": 3,
+            "strides": None,
+        }
+
+    def export(self) -> Exported:
+        """The allocation's handle for a daemon (see :func:`export_allocation`)."""
+        return export_allocation(self.pointer)
+
+    def __del__(self) -> None:
+        pointer, self.pointer = getattr(self, "pointer", 0), 0
+        if pointer:
+            drv = _driver()
+            with contextlib.suppress(CudaError):
+                drv.use(self.ordinal)
+                drv.fn("cuMemFree_v2", "cuMemFree")(_u64(pointer))
 
 
 # ---------------------------------------------------------------- open (daemon side)

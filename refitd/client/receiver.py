@@ -21,8 +21,11 @@
    from scratch into the parameters either way;
 6. release the lease.
 
-The engine's parameters are moved once into a shared-memory segment registered
-with the local daemon, so pulls can land in them.
+The engine's parameters are moved once into memory registered with the local
+daemon, so pulls can land in them: a shared-memory segment for parameters in host
+memory; for parameters on a GPU, one GPU allocation on that device (they never leave
+it, and the staging scratch is GPU memory too), read and written by the daemon
+through its CUDA IPC handle (:mod:`refitd.client.gpu`; never run on a GPU yet).
 """
 
 from __future__ import annotations
@@ -155,19 +158,28 @@ class DaemonReceiver:
         self._engine_region: RegionInfo | None = None
         self._scratch_seg: SharedSegment | None = None
         self._scratch_region: RegionInfo | None = None
+        #: GPU parameters: the engine allocation and the scratch one, flat uint8 tensors
+        self._engine_flat: torch.Tensor | None = None
+        self._scratch_flat: torch.Tensor | None = None
         self.plans = 0
         self.lease_keeper: LeaseKeeper | None = None  # while a refit holds its lease
 
     # ------------------------------------------------------------ memory
 
     async def _place_engine(self) -> None:
-        """Move every parameter into one shared segment the local daemon writes."""
-        if self._engine_seg is not None:
+        """Move every parameter into one region the local daemon writes: a shared
+        segment for host parameters, one GPU allocation on their device for GPU ones
+        (every parameter stays on its device)."""
+        if self._engine_region is not None:
             return
         at = 0
         for name, p in self._params.items():
             self._param_off[name] = at
             at = _align(at + p.numel() * p.element_size())
+        device = _one_device(self._params)
+        if device.type != "cpu":
+            await self._place_engine_on(device, at)
+            return
         seg = SharedSegment.create(max(at, 1), "engine")
         for name, p in self._params.items():
             n = p.numel()
@@ -177,8 +189,36 @@ class DaemonReceiver:
         self._engine_seg = seg
         self._engine_region = await self.local.attach_region(seg.name, seg.size, label="engine")
 
+    async def _place_engine_on(self, device: torch.device, nbytes: int) -> None:
+        """GPU parameters: moved, on their device, into one allocation refitd makes
+        and registers once (``p.data`` becomes a view of it, as for host memory)."""
+        from refitd.client.gpu import device_buffer
+
+        flat, region = await device_buffer(self.local, nbytes, device, label="engine")
+        for name, p in self._params.items():
+            n = p.numel()
+            if n:
+                at = self._param_off[name]
+                view = flat[at : at + n * p.element_size()].view(p.dtype).view(p.shape)
+                view.copy_(p.data)
+                p.data = view
+        torch.cuda.synchronize(device)
+        self._engine_flat = flat
+        self._engine_region = region
+
     async def _scratch(self, nbytes: int) -> RegionInfo:
         if self._scratch_region is not None and self._scratch_region.nbytes >= nbytes:
+            return self._scratch_region
+        if self._engine_flat is not None:  # GPU parameters: GPU scratch, installs stay on it
+            from refitd.client.gpu import device_buffer
+
+            if self._scratch_region is not None:
+                await self.local.delete_region(self._scratch_region.region_id)
+            self._scratch_region = None
+            self._scratch_flat = None
+            self._scratch_flat, self._scratch_region = await device_buffer(
+                self.local, nbytes, self._engine_flat.device, label="scratch"
+            )
             return self._scratch_region
         if self._scratch_region is not None and self._scratch_seg is not None:
             await self.local.delete_region(self._scratch_region.region_id)
@@ -203,6 +243,8 @@ class DaemonReceiver:
                 # the mapping to them.
                 seg.unlink()
         self._scratch_region = self._engine_region = None
+        # GPU parameters keep their views of the engine allocation (freed with the last).
+        self._scratch_flat = None
 
     # ------------------------------------------------------------ planning
 
@@ -494,6 +536,9 @@ class DaemonReceiver:
         from refitd.reshard.replay import replay_ops
         from refitd.reshard.transfer_plan import write_through_pointer
 
+        if self._engine_flat is not None:
+            self._install_on_device(comp, self._engine_flat)
+            return
         assert self._engine_seg is not None
         engine = self._engine_seg.numpy()
         scratch = self._scratch_seg.numpy() if self._scratch_seg is not None else engine[:0]
@@ -518,3 +563,52 @@ class DaemonReceiver:
                     replay_ops(full, copy.op_chain),
                     fp.elsize,
                 )
+
+    def _install_on_device(self, comp: _Compiled, engine: torch.Tensor) -> None:
+        """:meth:`_install` for GPU parameters: the same three steps with the device's
+        own copies (scratch and parameters are on it), finished before returning."""
+        from refitd.reshard.replay import replay_ops
+
+        scratch = self._scratch_flat if self._scratch_flat is not None else engine[:0]
+        for off, n in comp.install:
+            engine[off : off + n].copy_(scratch[off : off + n])
+        for at, dt, shape, dst_strides, name, dst_byte in comp.scatter:
+            n = math.prod(shape)
+            packed = scratch[at : at + n * dt.itemsize].view(dt).view(shape)
+            p = self._params[name]
+            dst = p.data.as_strided(
+                shape, dst_strides, p.data.storage_offset() + dst_byte // dt.itemsize
+            )
+            dst.copy_(packed)
+        for at, fp in comp.full_pulls:
+            full = scratch[at : at + fp.staging_nbytes].view(fp.dtype).reshape(fp.global_shape)
+            for copy in fp.copies:
+                value = torch.broadcast_to(replay_ops(full, copy.op_chain), copy.dest_shape)
+                if value.numel() == 0:
+                    continue
+                as_int = _INT_OF_SIZE[fp.elsize]
+                param = self._params[copy.param_name].data.view(as_int)
+                dst = torch.as_strided(
+                    param,
+                    copy.dest_shape,
+                    copy.dest_stride,
+                    param.storage_offset() + copy.dest_offset,
+                )
+                dst.copy_(value.contiguous().view(as_int))
+        torch.cuda.synchronize(engine.device)
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _one_device(params: dict[str, torch.nn.Parameter]) -> torch.device:
+    """The one device every parameter is on (CPU for none); parameters spread over
+    devices are refused: one engine region is one allocation on one device."""
+    devices = {p.device for p in params.values()}
+    if len(devices) > 1:
+        raise ConflictError(
+            f"engine refused: its parameters are on {len(devices)} devices "
+            f"({', '.join(sorted(map(str, devices)))}); refitd refits an engine whose "
+            "parameters share one device (one receiver per device)"
+        )
+    return next(iter(devices), torch.device("cpu"))
