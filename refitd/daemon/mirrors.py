@@ -50,7 +50,7 @@ import numpy as np
 from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, covered, cut_chunks
 from refitd.daemon.paths import SHM_SCHEME
 from refitd.daemon.peerclient import PeerClient
-from refitd.daemon.pulls import RemoteSource
+from refitd.daemon.pulls import LocalSource, RemoteSource, Source
 from refitd.daemon.trust import Extents
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
@@ -119,10 +119,30 @@ log = logging.getLogger("refitd.mirrors")
 
 @dataclass
 class Redirect:
-    """A pull rewritten to read this daemon's mirror, and how to let go of it."""
+    """A pull rewritten to read this daemon's mirror (from ``source``), and how to let
+    go of it."""
 
     req: PullRequest
     release: Callable[[], None]
+    source: Source
+
+
+class MirroredSource(LocalSource):
+    """This daemon's mirror as the source of a pull an engine asked of a remote source:
+    read here, under this daemon's lease, and bound by the engine's own lease at the
+    remote source as a direct pull is. Every lease check of the pull (at submit, and
+    after its last byte, before it may end ``done``) checks both, so a pull served from
+    a mirror fails when the engine's lease ended at the source, as a direct one does."""
+
+    def __init__(self, daemon: Daemon, remote: RemoteSource, engine: PullRequest) -> None:
+        super().__init__(daemon)
+        self.remote = remote
+        self.engine = engine
+
+    async def check_lease(self, lease_id: str, model: str, version: int) -> None:
+        await super().check_lease(lease_id, model, version)
+        e = self.engine
+        await self.remote.check_lease(e.lease_id, e.model, e.version)
 
 
 class Mirrors:
@@ -177,8 +197,10 @@ class Mirrors:
         # The engine's lease at the source is what entitles it to the version: checked
         # there first, as for a direct pull, so a mirror never serves a version the
         # source would refuse this caller, and a made-up lease neither reads a mirror
-        # nor counts toward the shared policy (ConflictError, nothing moved).
-        await self._remote(req.source).check_lease(req.lease_id, req.model, req.version)
+        # nor counts toward the shared policy (ConflictError, nothing moved). The pull
+        # checks it again at submit and after its last byte (MirroredSource).
+        remote = self._remote(req.source)
+        await remote.check_lease(req.lease_id, req.model, req.version)
         if not self.wants(req):
             return None
         m = await self.mirror(req.source.rstrip("/"), req.model, req.version)
@@ -214,7 +236,7 @@ class Mirrors:
             self.d.lease_changed()
             self._spawn(self.sweep())
 
-        return Redirect(out, release)
+        return Redirect(out, release, MirroredSource(self.d, remote, req))
 
     # ------------------------------------------------------------ making one
 

@@ -249,7 +249,7 @@ class PullManager:
         if mirrored is None:
             return await self._submit(req, caller)
         try:
-            job = await self._submit(mirrored.req, caller)
+            job = await self._submit(mirrored.req, caller, mirrored.source)
         except BaseException:
             mirrored.release()
             raise
@@ -257,9 +257,10 @@ class PullManager:
         job.task.add_done_callback(lambda _: mirrored.release())
         return job
 
-    async def _submit(self, req: PullRequest, caller: Caller) -> PullJob:
-        """:meth:`submit` once admitted: ``req`` is read from its own source."""
-        src = self.source_for(req.source)
+    async def _submit(self, req: PullRequest, caller: Caller, src: Source | None = None) -> PullJob:
+        """:meth:`submit` once admitted: ``req`` is read from ``src`` (default: its own
+        source)."""
+        src = src or self.source_for(req.source)
         await src.check_lease(req.lease_id, req.model, req.version)
         rows = req.descriptors.rows()
         src_ids = pullcore.source_ids(rows, req.pack_specs)
