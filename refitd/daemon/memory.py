@@ -24,6 +24,7 @@ __all__ = [
     "byte_view",
     "check_shm_capacity",
     "free_shm_bytes",
+    "proves_owner",
     "refuse_created_gpu_memory",
 ]
 
@@ -80,6 +81,13 @@ def refuse_created_gpu_memory() -> None:
         "cuda_ipc region refused: the daemon allocates no GPU memory; register your own "
         "allocation with attach_region (refitd.client.gpu.attach_tensor does it)"
     )
+
+
+def proves_owner(kind: RegionKind) -> bool:
+    """Whether memory of ``kind`` proves its owner itself (a segment's file has an
+    owner uid); a GPU allocation's IPC handle is a bearer capability and proves none,
+    so who may register it is decided before it is opened (docs/trust.md)."""
+    return kind is RegionKind.SHM
 
 
 def attach_memory(kind: RegionKind, handle: str, nbytes: int) -> MappedMemory:

@@ -31,6 +31,7 @@ from refitd.daemon.memory import (
     byte_view,
     check_shm_capacity,
     free_shm_bytes,
+    proves_owner,
     refuse_created_gpu_memory,
 )
 from refitd.daemon.plane import TransportSet
@@ -231,25 +232,24 @@ class RegionStore:
         caller's identity stands in for it: ``via`` the Unix socket, from a
         ``holder`` process of the caller's uid, or from the unauthenticated loopback
         of a single-user daemon; never from a token's tenant (docs/trust.md)."""
-        if req.kind is not RegionKind.SHM and via == "token":
-            raise AccessDenied(
-                f"{req.kind} region refused: a GPU allocation's handle proves no owner, so "
-                "the daemon takes it only over its Unix socket (the kernel names the "
-                "caller's uid), not from a token's tenant"
-            )
-        seg = attach_memory(req.kind, req.handle, req.nbytes)
-        try:
-            if seg.owner_uid is None and uid is not None:
-                _check_holder_uid(req, uid)
-            elif uid is not None and seg.owner_uid != uid:
+        if not proves_owner(req.kind):
+            # Decided before the memory is opened: opening maps it into the daemon.
+            if via == "token":
                 raise AccessDenied(
-                    f"attaching segment {req.handle!r} refused: its file belongs to uid "
-                    f"{seg.owner_uid}, not to the caller's uid {uid}; a client attaches only "
-                    "segments it made"
+                    f"{req.kind} region refused: a GPU allocation's handle proves no "
+                    "owner, so the daemon takes it only over its Unix socket (the kernel "
+                    "names the caller's uid), not from a token's tenant"
                 )
-        except BaseException:
+            if uid is not None:
+                _check_holder_uid(req, uid)
+        seg = attach_memory(req.kind, req.handle, req.nbytes)
+        if seg.owner_uid is not None and uid is not None and seg.owner_uid != uid:
             seg.close()
-            raise
+            raise AccessDenied(
+                f"attaching segment {req.handle!r} refused: its file belongs to uid "
+                f"{seg.owner_uid}, not to the caller's uid {uid}; a client attaches only "
+                "segments it made"
+            )
         return await self._record(
             seg, req.kind, req.owner, req.label, daemon_owned=False, holder=req.holder
         )

@@ -1,0 +1,89 @@
+"""GPU regions at the daemon's edge, on a host without a GPU: what is refused, and why.
+
+Real daemons on 127.0.0.1:0, real HTTP, real tokens. The GPU path itself (a handle
+opened, copies on the device) is tests/gpu/'s; here run the rules that hold before
+any CUDA call: who may register GPU memory, what a host without CUDA says, and that
+a device region never reaches a path that needs host memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from support.devices import HostDeviceEngine, HostDeviceMemory
+
+from refitd.client.http import RefitClient
+from refitd.config import ServerConfig
+from refitd.daemon.auth import check_startup, setup_auth
+from refitd.daemon.memory import byte_view
+from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.process import listening
+from refitd.errors import AccessDenied, PlanError, ProtocolError
+from refitd.wire import RegionKind
+from transports.cuda import missing, parse_handle
+
+pytestmark = pytest.mark.timeout(60)
+
+no_gpu = pytest.mark.skipif(missing() is None, reason="this host has a CUDA device")
+
+HANDLE = "ab" * 16 + ":" + "cd" * 64  # well formed: a device UUID and a 64-byte handle
+
+
+@contextlib.asynccontextmanager
+async def daemon(tmp: Path, tokens: bool) -> AsyncIterator[tuple[Daemon, RefitClient]]:
+    setup = []
+    if tokens:
+        book = tmp / "tokens"
+        book.write_text("a token-of-a\n")
+        book.chmod(0o600)
+        policy = check_startup(ServerConfig(port=0, token_file=str(book)))
+        setup = [lambda app: setup_auth(app, policy)]
+    d = Daemon(DaemonOptions(port=0, node_id="gpu-edge", transport="shm"))
+    async with (
+        listening(d.options, daemon=d, setup=setup) as (_, url),
+        RefitClient(url, token="token-of-a" if tokens else None) as c,
+    ):
+        yield d, c
+
+
+async def test_a_tokens_tenant_cannot_register_gpu_memory_whose_handle_proves_no_owner(
+    tmp_path: Path,
+) -> None:
+    async with daemon(tmp_path, tokens=True) as (d, a):
+        with pytest.raises(AccessDenied, match="Unix socket"):
+            await a.attach_region(HANDLE, 1 << 20, kind=RegionKind.CUDA_IPC)
+        assert len(d.regions) == 0
+
+
+@no_gpu
+async def test_attaching_gpu_memory_on_a_host_without_cuda_is_refused_naming_why(
+    tmp_path: Path,
+) -> None:
+    async with daemon(tmp_path, tokens=False) as (d, c):
+        with pytest.raises(PlanError, match="no CUDA device"):
+            await c.attach_region(HANDLE, 1 << 20, kind=RegionKind.CUDA_IPC)
+        with pytest.raises(PlanError, match="no CUDA device"):
+            await c.create_region(1 << 20, kind=RegionKind.CUDA_IPC)
+        assert len(d.regions) == 0
+        # The host path is untouched by the refusal.
+        info = await c.create_region(4096)
+        assert [r.region_id for r in await c.regions()] == [info.region_id]
+
+
+def test_a_malformed_gpu_handle_is_refused_before_the_driver_sees_it() -> None:
+    assert parse_handle(HANDLE) == ("ab" * 16, bytes.fromhex("cd" * 64))
+    for bad in ("", "ab" * 16, "zz" * 16 + ":" + "cd" * 64, "ab" * 16 + ":" + "cd" * 63):
+        with pytest.raises(ProtocolError, match="cuda_ipc handle refused"):
+            parse_handle(bad)
+
+
+def test_device_memory_is_refused_where_the_daemon_needs_host_memory() -> None:
+    memory = HostDeviceMemory(4096, HostDeviceEngine())
+    try:
+        with pytest.raises(PlanError, match="hostdev memory"):
+            byte_view(memory)  # an expert pool's rows and slots, a staging region
+    finally:
+        memory.close()
