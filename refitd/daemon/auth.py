@@ -140,11 +140,12 @@ class TokenBook:
             name, token = (parts[0], parts[1]) if len(parts) == 2 else (f"token{number}", parts[0])
             if name in tokens:
                 raise ConfigError(f"server.token_file {path} line {number}: name {name!r} repeats")
-            if name == LOOPBACK.name or name.startswith("uid:"):
+            if name == LOOPBACK.name or name.startswith(("uid:", "refitd-")):
                 raise ConfigError(
                     f"server.token_file {path} line {number}: name {name!r} is the name of "
-                    "another kind of principal (the unauthenticated 'loopback', or a Unix-"
-                    "socket uid 'uid:<n>'), whose objects the token would own; rename it"
+                    "another kind of principal (the unauthenticated 'loopback', a Unix-"
+                    "socket uid 'uid:<n>', or the daemon itself, 'refitd-*', which owns "
+                    "its host mirrors), whose objects the token would own; rename it"
                 )
             tokens[name] = token
         return cls(tokens)

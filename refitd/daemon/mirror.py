@@ -85,6 +85,8 @@ class Mirror:
     tried: list[str] = field(default_factory=list)
     began_at: float = field(default_factory=time.time)
     completed_at: float = 0.0
+    #: bytes of memory the mirror's regions take (counted from before they are made)
+    nbytes: int = 0
     task: asyncio.Task[None] | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # regions exist
     _tick: asyncio.Event = field(default_factory=asyncio.Event)
@@ -123,7 +125,7 @@ class Mirror:
         local = {src: r.region_id for src, r in self.regions.items()}
         return merge_extents((local[int(s)], int(o), int(o + n)) for s, o, n in rows.tolist())
 
-    def state(self) -> MirrorState:
+    def state(self, held_bytes: int = 0, budget_bytes: int = 0) -> MirrorState:
         return MirrorState(
             self.model,
             self.version,
@@ -137,6 +139,9 @@ class Mirror:
             list(self.tried),
             self.began_at,
             self.completed_at,
+            self.nbytes,
+            held_bytes,
+            budget_bytes,
         )
 
 

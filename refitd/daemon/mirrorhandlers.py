@@ -59,7 +59,7 @@ async def mirror_state(request: web.Request) -> web.Response:
         if left <= 0:
             break
         await m.changed(left)
-    return reply(request, m.state())
+    return reply(request, request.app[MIRRORS].state(m))
 
 
 def setup_mirrors(app: web.Application, d: Daemon, pulls: PullManager, policy: str) -> Mirrors:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ from refitd.wire import (
 from refitd.wire.mirrors import MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorState
 from transports.batch import rows_as_batch
 from transports.interface import Peer
+from transports.segments import SHM_DIR
 from transports.tcp import TcpGrant, TcpPeer
 
 if TYPE_CHECKING:
@@ -158,6 +160,11 @@ class Mirrors:
         self.policy = policy
         self.self_url = self_url
         self.book = HolderBook()
+        self.budget = (
+            daemon.options.mirror_max_bytes
+            if daemon.options.mirror_max_bytes is not None
+            else _half_of_shm()
+        )
         self.by_key: dict[tuple[str, str, int], Mirror] = {}
         #: (source, model, version) -> distinct leases seen pulling it (``shared``)
         self._readers: dict[tuple[str, str, int], set[str]] = {}
@@ -315,6 +322,31 @@ class Mirrors:
         ids = sorted({s.region for t in manifest.tensors for s in t.shards})
         probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
         peer = await src.regions(ids, probe)
+        # What the daemon makes on its own behalf is bounded: the mirror's bytes are
+        # counted (from before any region is made, so two mirrors preparing at once
+        # see each other) against the host's mirror budget; retired mirrors go first.
+        need = sum(r.nbytes for r in peer.regions)
+        if self.held_bytes() + need > self.budget:
+            await self.sweep()
+        if self.held_bytes() + need > self.budget:
+            m.error = (
+                f"cannot mirror {m.model!r} version {m.version}: its {need} bytes do not fit "
+                f"the host's mirror budget ({self.held_bytes()} of {self.budget} bytes held, "
+                "[mirrors] max_bytes); its pulls read the source"
+            )
+            log.warning("%s", m.error)
+            return
+        # The mirrored model is the daemon's on this host, as the version is the
+        # source's owners' there: no tenant publishes into, drains or retires it.
+        try:
+            d.models.hold(m.model, OWNER)
+        except ConflictError as exc:
+            m.error = (
+                f"cannot mirror {m.model!r} version {m.version}: {exc}; its pulls read the source"
+            )
+            log.warning("%s", m.error)
+            return
+        m.nbytes = need
         try:
             for r in peer.regions:
                 m.regions[r.region_id] = await d.create_region(
@@ -340,6 +372,7 @@ class Mirrors:
                 with contextlib.suppress(RefitError):
                     await d.delete_region(r.region_id)
             m.regions.clear()
+            m.nbytes = 0
             raise
         m.ready.set()
         self._spawn(self.sweep())
@@ -547,6 +580,13 @@ class Mirrors:
         done = m.done_extents()
         return {rid: done.get(rid, []) for rid in scope}
 
+    def held_bytes(self) -> int:
+        """Bytes every mirror of this daemon holds, or is about to make."""
+        return sum(m.nbytes for m in self.by_key.values())
+
+    def state(self, m: Mirror) -> MirrorState:
+        return m.state(self.held_bytes(), self.budget)
+
     def find(self, model: str, version: int) -> Mirror:
         for m in self.by_key.values():
             if (m.model, m.version) == (model, version):
@@ -612,6 +652,15 @@ def _cut(conn: Peer) -> None:
     if isinstance(base, TcpPeer):
         for lane in base.lanes:
             lane.cut()
+
+
+def _half_of_shm() -> int:
+    """Half of the shared-memory filesystem's size, bytes (the default mirror budget)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_blocks * st.f_frsize // 2
 
 
 def _no_rows() -> np.ndarray:

@@ -126,6 +126,9 @@ class DaemonOptions:
     #: ``[mirrors] policy``: ``never``, ``always`` or ``shared`` (see
     #: :mod:`refitd.daemon.mirrors`)
     mirrors: str = "never"
+    #: ``[mirrors] max_bytes``: bytes all host mirrors together may hold (None: half
+    #: of the shared-memory filesystem)
+    mirror_max_bytes: int | None = None
 
 
 class Daemon:

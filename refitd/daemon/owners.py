@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 from refitd.config import parse_model_table
 from refitd.daemon.auth import Principal
-from refitd.errors import AccessDenied
+from refitd.errors import AccessDenied, ConflictError
 
 __all__ = ["ModelOwners", "parse_model_table"]
 
@@ -58,6 +58,23 @@ class ModelOwners:
         after its first publish succeeded)."""
         if who.authenticated and not self.owners(model):
             self._first[model] = who.name
+
+    def hold(self, model: str, name: str) -> None:
+        """Make principal ``name`` (the daemon itself: a name no token or uid takes) the
+        owner of ``model``, which it publishes on its own behalf (a host mirror), so no
+        tenant publishes into, drains or retires it. A model ``[models] owners`` lists
+        keeps its configured owners (the same rules as at the source, when every host
+        lists the same). Refused (:class:`ConflictError`) when another principal owns
+        it here: the daemon never publishes into a tenant's model."""
+        if model in self._configured:
+            return
+        first = self._first.get(model)
+        if first is not None and first != name:
+            raise ConflictError(
+                f"model {model!r} belongs to {first} on this daemon; the daemon does not "
+                "publish into a tenant's model"
+            )
+        self._first[model] = name
 
     def may_read(self, who: Principal, model: str) -> bool:
         """Whether ``who`` may lease ``model`` and read its manifest."""

@@ -66,6 +66,7 @@ def options_from_config(config: Config, secret: bytes | None) -> Any:
         model_owners=config.models.owners,
         model_readers=config.models.readers,
         mirrors=config.mirrors.policy,
+        mirror_max_bytes=config.mirrors.max_bytes,
         **extra,
     )
 

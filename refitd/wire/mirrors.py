@@ -68,3 +68,8 @@ class MirrorState(msgspec.Struct, frozen=True):
     #: wall-clock seconds (``time.time()``) when the mirror began and completed (0: not yet)
     began_at: float = 0.0
     completed_at: float = 0.0
+    #: bytes this mirror holds; bytes every mirror of the daemon holds; what they may
+    #: hold together (``[mirrors] max_bytes``)
+    nbytes: int = 0
+    held_bytes: int = 0
+    budget_bytes: int = 0

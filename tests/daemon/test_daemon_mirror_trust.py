@@ -14,14 +14,18 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 from support.daemons import GatedCopier, serving_daemons
 
 from refitd.client.http import RefitClient
+from refitd.config import ServerConfig
+from refitd.daemon.auth import TokenBook, check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.errors import RefitError
+from refitd.daemon.process import listening
+from refitd.errors import AccessDenied, ConfigError, NotFoundError, RefitError
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
@@ -31,6 +35,7 @@ from refitd.wire import (
     ShardEntry,
     TensorEntry,
 )
+from refitd.wire import routes as api
 from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,24 +62,44 @@ class Hosts:
 
 
 @contextlib.asynccontextmanager
-async def hosts(*, gated: bool = False, **mirror_options: object) -> AsyncIterator[Hosts]:
+async def hosts(
+    *, gated: bool = False, tokens: Path | None = None, **mirror_options: object
+) -> AsyncIterator[Hosts]:
+    """The two daemons; with ``tokens`` (a token file) the mirror host's clients are
+    tokens' principals, and ``mc`` is tenant ``a``."""
     copier = GatedCopier() if gated else None
     if copier is not None:
         copier.gate.set()  # open until a test closes it
     src = Daemon(DaemonOptions(port=0, node_id="trainer", transport="tcp", secret=SECRET))
-    mirror = Daemon(
-        DaemonOptions(
-            port=0,
-            node_id="host-a",
-            transport="tcp",
-            secret=SECRET,
-            mirrors="always",
-            **mirror_options,  # type: ignore[arg-type]
-        ),
-        copier=copier,
+    mopts = DaemonOptions(
+        port=0,
+        node_id="host-a",
+        transport="tcp",
+        secret=SECRET,
+        mirrors="always",
+        **mirror_options,  # type: ignore[arg-type]
     )
-    async with serving_daemons(src, mirror) as (sc, mc):
+    mirror = Daemon(mopts, copier=copier)
+    if tokens is None:
+        async with serving_daemons(src, mirror) as (sc, mc):
+            yield Hosts(src, mirror, sc, mc, copier)
+        return
+    policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
+    async with (
+        listening(src.options, daemon=src) as (_, src_url),
+        listening(mopts, daemon=mirror, setup=[lambda app: setup_auth(app, policy)]) as (_, url),
+        RefitClient(src_url) as sc,
+        RefitClient(url, token="token-of-a") as mc,
+    ):
+        mirror.peers.replace("test", [src_url])
         yield Hosts(src, mirror, sc, mc, copier)
+
+
+def token_file(tmp: Path) -> Path:
+    path = tmp / "tokens"
+    path.write_text("a token-of-a\nb token-of-b\n")
+    path.chmod(0o600)
+    return path
 
 
 async def publish(c: RefitClient, version: int = 1) -> int:
@@ -144,3 +169,81 @@ async def test_a_pull_whose_lease_ended_while_the_mirror_filled_is_refused_befor
             await h.mc.pull(req)
         with SharedSegment.attach(dst.handle, NBYTES) as seg:
             assert not seg.numpy().any(), "a byte moved under an ended lease"
+
+
+# ---------------------------------------------------------------- (1) owners and budget
+
+
+async def test_a_tenant_that_owns_nothing_can_neither_publish_into_drain_nor_retire_a_mirrored_model(
+    tmp_path: Path,
+) -> None:
+    async with hosts(tokens=token_file(tmp_path)) as h:
+        region = await publish(h.sc)
+        lease = await h.sc.acquire_lease(MODEL, 1, 60.0)
+        req, _ = await pull_request(h, region, lease.lease_id)
+        assert (await h.mc.pull(req)).path == "shm"  # read from this host's mirror
+        async with RefitClient(h.mc.base_url, token="token-of-b") as b:
+            own = await b.create_region(NBYTES, label="b")
+            t = TensorEntry(
+                "w", (NBYTES,), "uint8", [ShardEntry((0,), (NBYTES,), own.region_id, 0)]
+            )
+            with pytest.raises(AccessDenied):
+                await b.publish(ManifestIn(MODEL, 2, 0, 1, [t]))
+            with pytest.raises(AccessDenied):
+                await b.wait_drain(MODEL, 1, 1.0, retire=True)
+        # tenant a (the engine) cannot take it over either: the daemon holds it
+        with pytest.raises(AccessDenied):
+            await h.mc.wait_drain(MODEL, 1, 1.0, retire=True)
+        versions = await h.mc.all_versions()
+        assert [(v.model, v.version, v.state.value) for v in versions] == [(MODEL, 1, "ready")]
+        again = await h.sc.acquire_lease(MODEL, 1, 60.0)
+        req, _ = await pull_request(h, region, again.lease_id)
+        assert (await h.mc.pull(req)).path == "shm"
+
+
+async def test_a_model_a_local_tenant_owns_is_not_mirrored_into_and_the_pull_reads_its_source(
+    tmp_path: Path,
+) -> None:
+    async with hosts(tokens=token_file(tmp_path)) as h:
+        region = await publish(h.sc, 3)
+        async with RefitClient(h.mc.base_url, token="token-of-b") as b:
+            own = await b.create_region(NBYTES, label="b")
+            t = TensorEntry(
+                "w", (NBYTES,), "uint8", [ShardEntry((0,), (NBYTES,), own.region_id, 0)]
+            )
+            await b.publish(ManifestIn(MODEL, 1, 0, 1, [t]))  # b owns "m" on this host
+        lease = await h.sc.acquire_lease(MODEL, 3, 60.0)
+        req, _ = await pull_request(h, region, lease.lease_id, version=3)
+        assert (await h.mc.pull(req)).path == "tcp"
+        with pytest.raises(NotFoundError):
+            await h.mc._send(api.MIRROR_STATE, model=MODEL, version=3)
+
+
+async def test_mirrors_past_the_host_budget_are_not_made_and_the_pull_reads_its_source() -> None:
+    async with hosts(mirror_max_bytes=NBYTES - 1) as h:
+        region = await publish(h.sc)
+        lease = await h.sc.acquire_lease(MODEL, 1, 60.0)
+        req, _ = await pull_request(h, region, lease.lease_id)
+        assert (await h.mc.pull(req)).path == "tcp"
+        with pytest.raises(NotFoundError):
+            await h.mc._send(api.MIRROR_STATE, model=MODEL, version=1)
+        made = [r for r in h.mirror.regions if r.owner == "refitd-mirror"]
+        assert made == []
+
+
+async def test_a_mirror_within_the_budget_shows_its_bytes_and_the_budget() -> None:
+    async with hosts(mirror_max_bytes=2 * NBYTES) as h:
+        region = await publish(h.sc)
+        lease = await h.sc.acquire_lease(MODEL, 1, 60.0)
+        req, _ = await pull_request(h, region, lease.lease_id)
+        assert (await h.mc.pull(req)).path == "shm"
+        st = await h.mc._send(api.MIRROR_STATE, model=MODEL, version=1)
+        assert (st.nbytes, st.held_bytes, st.budget_bytes) == (NBYTES, NBYTES, 2 * NBYTES)
+
+
+def test_a_token_may_not_take_the_name_the_daemon_owns_its_mirrors_by(tmp_path: Path) -> None:
+    path = tmp_path / "tokens"
+    path.write_text("refitd-mirror some-token\n")
+    path.chmod(0o600)
+    with pytest.raises(ConfigError, match="refitd-mirror"):
+        TokenBook.load(path)
