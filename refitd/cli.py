@@ -43,10 +43,19 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench fanout --mib 16 --hosts 2     # a quick run",
         "refitd bench fanout --hosts 8              # N = 8 too",
     ),
+    "gpu": (
+        "refitd bench gpu                           # 2 GiB TP2 -> TP4 on the GPU, 3 versions",
+        "refitd bench gpu --gib 0.5 --versions 2    # a quick run",
+    ),
     "hosts": (
         "refitd bench hosts                         # 1 GiB across simulated hosts, 1000 sources",
         "refitd bench hosts --gib 0.25 --repeat 2   # a quick run",
         "refitd bench hosts --link-gbit 1           # links shaped to 1 Gbit/s with tc",
+    ),
+    "offload": (
+        "refitd bench offload                       # Qwen3-MoE-shaped decode: pools 50/25 %, resident, on demand",
+        "refitd bench offload --device cuda         # slots in GPU memory: the issue's targets",
+        "refitd bench offload --layers 8 --tokens 256",
     ),
     "plan": (
         "refitd bench plan                          # full DeepSeek-V3 shapes, both layouts",
@@ -80,10 +89,19 @@ BENCHES: dict[str, tuple[str, str]] = {
         "replicas on many simulated hosts over shaped links: direct pulls vs host mirrors "
         "with relay",
     ),
+    "gpu": (
+        "refitd.bench.gpu",
+        "GPU memory through the daemon: refits from GPU and host memory into GPU "
+        "parameters, 4 KiB pieces, vs device copies (exits 2 without CUDA)",
+    ),
     "hosts": (
         "refitd.bench.hosts",
         "pull across simulated hosts over tcp and ucx vs the link, quiet and busy; "
         "discover 1,000 sources on etcd",
+    ),
+    "offload": (
+        "refitd.bench.offload",
+        "a Qwen3-MoE-shaped model decoding with offloaded experts vs all resident and on demand",
     ),
     "plan": ("refitd.bench.plan", "plan a DeepSeek-V3-shaped refit for two trainer layouts"),
     "refit": (

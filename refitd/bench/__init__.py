@@ -9,6 +9,7 @@ Modules:
 - `experts`: ``bench experts``: expert-cache policies vs Belady's optimum
 - `prefetch`: ``bench experts --prefetch``: lookahead vs the demand-paging optimum
 - `expertcases`: the cases both expert benches run: presets, pool sizes, timing
+- `offload`: ``bench offload``: a Qwen3-MoE-shaped model decoding with offloaded experts
 - `hosts`: ``bench hosts``: across simulated hosts, and discovery at scale
 - `hostpaths`: the cross-host part of bench hosts: one refit per data path
 - `hostwork`: a trainer or engine process on a simulated host (JSON lines on stdin)

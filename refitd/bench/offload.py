@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=None, help="hidden size")
     parser.add_argument("--moe-intermediate", type=int, default=None, help="one expert's width")
     parser.add_argument(
-        "--tokens", type=int, default=None, help="timed decode tokens (default cpu 32, gpu 128)"
+        "--tokens", type=int, default=None, help="timed decode tokens (default cpu 64, gpu 128)"
     )
     parser.add_argument("--warmup", type=int, default=8, help="decode tokens before timing")
     parser.add_argument("--recall", type=float, default=0.8, help="prefetch prediction recall")
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     for name in shape:
         if getattr(args, name) is not None:
             shape[name] = getattr(args, name)
-    tokens = args.tokens if args.tokens is not None else (128 if gpu else 32)
+    tokens = args.tokens if args.tokens is not None else (128 if gpu else 64)
     threads = torch.get_num_threads()
     if not gpu:
         # A decode step is hundreds of tiny ops: one intra-op thread is several times

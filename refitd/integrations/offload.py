@@ -103,6 +103,10 @@ class HostExpertStore:
         ]
         # numpy views: ``row`` is on the hot path and numpy slices are cheap.
         self._np = [b.numpy() for b in self._banks]
+        self._typed = [
+            b.view(dtype).view(num_layers, num_experts, *shape)
+            for b, shape in zip(self._banks, self.shapes)
+        ]
 
     def row(self, bank: int, layer: int, row: int) -> Bytes | None:
         if not (0 <= bank < len(self._np) and 0 <= layer < self.num_layers):
@@ -113,7 +117,11 @@ class HostExpertStore:
 
     def weight(self, bank: int, layer: int, expert: int) -> torch.Tensor:
         """Expert ``expert``'s bank ``bank`` as the model's tensor (a view)."""
-        return self._banks[bank][layer, expert].view(self.dtype).view(self.shapes[bank])
+        return self._typed[bank][layer, expert]
+
+    def typed(self, bank: int) -> torch.Tensor:
+        """Bank ``bank`` as ``[layers, experts, *shape]`` in the model's dtype (a view)."""
+        return self._typed[bank]
 
     def write(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Copy one expert's weights into its host rows."""
@@ -337,6 +345,9 @@ class ExpertOffload:
             slot_memory = _default_slot_memory(device)
         self._slot_memory = slot_memory
         self.slot_device: TorchSlotMemory | CudaSlotMemory = slot_memory(self.geometry)
+        self._bind()
+        self._host_weights = (self.store.typed(GATE_UP), self.store.typed(DOWN))
+        self._off_device = device.type != "cpu"
         self.prefetch = prefetch and cache
         self.keep = cache
         routers: list[nn.Module] = [block.get_submodule("gate") for block in blocks]
@@ -365,21 +376,20 @@ class ExpertOffload:
         where = self._place(layer, hit)
         if self.prefetch and layer + 1 < self.num_layers:
             self._prefetch(layer + 1, hidden_states)
-        banks = (self.slot_device.bank(GATE_UP), self.slot_device.bank(DOWN))
-        store = self.store
+        slot_gate_up, slot_down = self._slot_weights
+        host_gate_up, host_down = self._host_weights
+        off_device = self._off_device
         for e in hit:
             slot = where[e]
+            on_host = slot is None and off_device
             if slot is None:
-                gate_up_w = store.weight(GATE_UP, layer, e)
-                down_w = store.weight(DOWN, layer, e)
+                gate_up_w, down_w = host_gate_up[layer, e], host_down[layer, e]
             else:
-                gate_up_w = banks[GATE_UP][slot].view(store.dtype).view(store.shapes[GATE_UP])
-                down_w = banks[DOWN][slot].view(store.dtype).view(store.shapes[DOWN])
+                gate_up_w, down_w = slot_gate_up[slot], slot_down[slot]
             top_k_pos, token_idx = torch.where(expert_mask[e])
             current_state = hidden_states[token_idx]
-            on_host = gate_up_w.device != current_state.device
             if on_host:
-                current_state = current_state.to(gate_up_w.device)
+                current_state = current_state.cpu()
             gate, up = F.linear(current_state, gate_up_w).chunk(2, dim=-1)
             current_hidden_states = act_fn(gate) * up
             current_hidden_states = F.linear(current_hidden_states, down_w)
@@ -394,6 +404,14 @@ class ExpertOffload:
         if not self.keep:  # on-demand loading with no cache: nothing outlives its step
             self._forget([s for s in where.values() if s is not None])
         return final_hidden_states
+
+    def _bind(self) -> None:
+        """Typed views of the slot banks: ``[slots, *shape]`` in the model's dtype."""
+        store, dev = self.store, self.slot_device
+        self._slot_weights = tuple(
+            dev.bank(b).view(store.dtype).view(self.geometry.slots, *store.shapes[b])
+            for b in (GATE_UP, DOWN)
+        )
 
     def _place(self, layer: int, routed: list[int]) -> dict[int, int | None]:
         """Make ``routed`` resident (copies, waits); return each expert's slot, or
@@ -446,6 +464,7 @@ class ExpertOffload:
         self.slots.resize(slots)
         self.geometry = self.slots.geometry
         old, self.slot_device = self.slot_device, self._slot_memory(self.geometry)
+        self._bind()
         close = getattr(old, "close", None)
         if close is not None:
             close()
