@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# run-on-device.sh: the GPU tests and `refitd bench gpu`, in one command, on a GPU machine.
+#
+# Here, once, after `make install` (from the project root):
+#   tests/gpu/run-on-device.sh --pack      # ../shared/tools/device-pack, plus the two pytest
+#                                          # plugins the GPU image lacks (pytest-asyncio, -timeout)
+# There (the checkout and .device-pack/ sent along):
+#   source .device-pack/setup.sh && tests/gpu/run-on-device.sh [bench gpu options]
+#
+# Results land in $OUT (else ./gpu-results): gpu.txt (nvidia-smi -L), pytest.txt, bench.txt,
+# bench.json. The last lines printed are the tests' summary, the bench's key=value line and
+# both exit statuses; the script exits non-zero when either failed.
+# Written without a GPU: its first run on one is the first run of everything it runs.
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+
+if [ "${1:-}" = "--pack" ]; then
+  cd "$repo" || exit 2
+  ../shared/tools/device-pack "${@:2}" || exit $?
+  py=.venv/bin/python
+  pins=$($py -c 'import importlib.metadata as m; print(*(f"{p}=={m.version(p)}" for p in ("pytest-asyncio", "pytest-timeout")))')
+  # shellcheck disable=SC2086  # two pins, split on purpose
+  $py -m pip download -q --no-deps --only-binary=:all: -d .device-pack/wheels $pins || exit 1
+  ls .device-pack/wheels
+  exit 0
+fi
+
+python3 -c 'import msgspec' 2>/dev/null || { echo "run 'source .device-pack/setup.sh' first" >&2; exit 2; }
+out=${OUT:-$repo/gpu-results}
+mkdir -p "$out"
+# Import refitd from the installed wheel (its native helpers are built there), not the checkout.
+work=$(mktemp -d)
+cd "$work" || exit 2
+python3 -c 'import refitd, torch; print("refitd", refitd.__file__, "torch", torch.__version__, "cuda", torch.cuda.is_available())' | tee "$out/env.txt"
+nvidia-smi -L > "$out/gpu.txt" 2>&1 || true
+
+timeout 240 python3 -m pytest -c "$repo/pyproject.toml" --rootdir "$repo" -p no:cacheprovider \
+  -q -rs "$repo/tests/gpu" 2>&1 | tee "$out/pytest.txt"
+tests=${PIPESTATUS[0]}
+timeout 330 python3 -m refitd.cli bench gpu --json "$out/bench.json" "$@" 2>&1 | tee "$out/bench.txt"
+bench=${PIPESTATUS[0]}
+echo "gpu tests: exit $tests; refitd bench gpu: exit $bench"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]

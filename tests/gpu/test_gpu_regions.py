@@ -1,0 +1,241 @@
+"""GPU memory end to end through a real daemon (a child process: CUDA IPC handles open
+only in another process than the one that made them).
+
+Every test but the first needs a CUDA device and skips, naming why, without one.
+NOTE: written without a GPU; their first run is tests/gpu/run-on-device.sh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from refitd.bench.gpu import missing_gpu
+from refitd.client.http import RefitClient
+from refitd.client.spawn import SpawnedDaemon, spawn_daemon
+from refitd.errors import ConflictError, ProtocolError
+from refitd.wire import (
+    DescriptorTable,
+    ManifestIn,
+    PullRequest,
+    RegionInfo,
+    RegionKind,
+    ShardEntry,
+    TensorEntry,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+NBYTES = 8 << 20
+
+
+def test_bench_gpu_exits_2_naming_why_where_there_is_no_cuda() -> None:
+    why = missing_gpu()
+    if why is None:
+        pytest.skip("this machine has a CUDA device: the benchmark runs instead")
+    done = subprocess.run(
+        [sys.executable, "-m", "refitd.cli", "bench", "gpu"], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "cannot run" in done.stderr and why.split(" (")[0] in done.stderr
+
+
+@pytest.fixture
+async def node(gpu: None, secret_file: str) -> AsyncIterator[tuple[SpawnedDaemon, RefitClient]]:
+    async with (
+        spawn_daemon(secret_file=secret_file, transport="shm", node_id="gpu") as d,
+        RefitClient(d.url) as c,
+    ):
+        yield d, c
+
+
+def _maps(pid: int) -> str:
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+async def _publish(c: RefitClient, model: str, region: RegionInfo, nbytes: int) -> str:
+    shard = ShardEntry((0,), (nbytes,), region.region_id, 0)
+    await c.publish(ManifestIn(model, 1, 0, 1, [TensorEntry("b", (nbytes,), "uint8", [shard])]))
+    return (await c.acquire_lease(model, 1, 600.0)).lease_id
+
+
+async def _pull(c: RefitClient, model: str, lease: str, rows: np.ndarray) -> None:
+    await c.pull(PullRequest(model, 1, lease, DescriptorTable.pack(rows.astype(np.int64)), [], ""))
+
+
+async def test_the_daemon_opens_cuda_only_once_a_gpu_region_exists(
+    node: tuple[SpawnedDaemon, RefitClient],
+) -> None:
+    import torch
+
+    from refitd.client.gpu import device_buffer
+
+    d, c = node
+    await c.create_region(4096)  # host regions make no CUDA context
+    assert "libcuda" not in _maps(d.pid)
+    _, region = await device_buffer(c, NBYTES, torch.device("cuda", 0), label="g")
+    assert region.kind is RegionKind.CUDA_IPC and region.nbytes >= NBYTES
+    assert "libcuda" in _maps(d.pid)
+    assert ":" not in region.handle.removeprefix("cuda:").split(":", 1)[1]  # a digest only
+
+
+async def test_an_allocation_is_registered_once_and_a_second_id_for_it_is_refused(
+    node: tuple[SpawnedDaemon, RefitClient],
+) -> None:
+    import torch
+
+    from refitd.client.gpu import attach_tensor
+
+    _, c = node
+    t = torch.zeros(NBYTES, dtype=torch.uint8, device="cuda")
+    region, offset = await attach_tensor(c, t[4096:], label="caching-allocator")
+    assert offset >= 4096 and region.nbytes >= NBYTES
+    with pytest.raises(ConflictError, match="already holds"):
+        await attach_tensor(c, t, label="again")
+
+
+async def test_a_gpu_handle_of_another_size_is_refused(
+    node: tuple[SpawnedDaemon, RefitClient],
+) -> None:
+    import torch
+
+    from transports.cuda import export_allocation
+
+    _, c = node
+    t = torch.zeros(NBYTES, dtype=torch.uint8, device="cuda")
+    ex = export_allocation(t.data_ptr())
+    with pytest.raises(ProtocolError, match="expected"):
+        await c.attach_region(ex.handle, ex.size + 1, kind=RegionKind.CUDA_IPC)
+
+
+@pytest.mark.parametrize("src_kind", ["gpu", "host"])
+@pytest.mark.parametrize("dst_kind", ["gpu", "host"])
+async def test_pulls_between_gpu_and_host_regions_land_byte_exact(
+    node: tuple[SpawnedDaemon, RefitClient], src_kind: str, dst_kind: str
+) -> None:
+    import torch
+
+    from refitd.client.gpu import device_buffer
+    from transports.segments import SharedSegment
+
+    _, c = node
+    dev = torch.device("cuda", 0)
+    data = torch.randint(0, 256, (NBYTES,), dtype=torch.uint8)
+
+    async def region(kind: str, label: str) -> tuple[RegionInfo, object]:
+        if kind == "gpu":
+            flat, info = await device_buffer(c, NBYTES, dev, label=label)
+            return info, flat
+        info = await c.create_region(NBYTES, label=label)
+        return info, SharedSegment.attach(info.handle, info.nbytes)
+
+    src, src_mem = await region(src_kind, "src")
+    dst, dst_mem = await region(dst_kind, "dst")
+    if isinstance(src_mem, torch.Tensor):
+        src_mem[:NBYTES].copy_(data.to(dev))
+        torch.cuda.synchronize()
+    else:
+        assert isinstance(src_mem, SharedSegment)
+        src_mem.numpy()[:] = data.numpy()
+    model = f"m-{src_kind}-{dst_kind}"
+    lease = await _publish(c, model, src, NBYTES)
+    n = NBYTES // 4096
+    perm = np.random.default_rng(1).permutation(n)
+    rows = np.stack(
+        [
+            np.full(n, src.region_id),
+            perm * 4096,
+            np.full(n, dst.region_id),
+            np.arange(n) * 4096,
+            np.full(n, 4096),
+        ],
+        axis=1,
+    )
+    await _pull(c, model, lease, rows)
+    got = (
+        dst_mem[:NBYTES].cpu()
+        if isinstance(dst_mem, torch.Tensor)
+        else torch.from_numpy(dst_mem.numpy().copy())  # type: ignore[attr-defined]
+    )
+    want = data.view(n, 4096)[torch.from_numpy(perm)].reshape(-1)
+    assert torch.equal(got, want), f"{src_kind} -> {dst_kind} 4 KiB pieces landed wrong bytes"
+
+
+async def test_the_gpu_regions_of_a_process_that_dies_are_released(
+    node: tuple[SpawnedDaemon, RefitClient],
+) -> None:
+    d, c = node
+    child = (
+        "import asyncio, os, torch\n"
+        "from refitd.client.http import RefitClient\n"
+        "from refitd.client.gpu import device_buffer\n"
+        "async def main():\n"
+        f"    async with RefitClient({d.url!r}) as c:\n"
+        f"        await device_buffer(c, {NBYTES}, torch.device('cuda', 0), label='dies')\n"
+        "        print('registered', flush=True)\n"
+        "        os._exit(0)\n"
+        "asyncio.run(main())\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", child, stdout=asyncio.subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    assert (await proc.stdout.readline()).strip() == b"registered"
+    await proc.wait()
+    for _ in range(300):  # the daemon reaps in a task once the child's pidfd fires
+        if not any(r.label == "dies" for r in await c.regions()):
+            break
+        await asyncio.sleep(0.05)
+    assert not any(r.label == "dies" for r in await c.regions()), "a dead client's GPU region"
+
+
+@pytest.mark.parametrize("mode", ["staging", "direct"])
+async def test_a_gpu_engine_is_refitted_with_every_parameter_kept_on_its_gpu(
+    node: tuple[SpawnedDaemon, RefitClient], mode: str
+) -> None:
+    import torch
+
+    from refitd.bench.gpu import _verify
+    from refitd.bench.refit import capture_for, publish_layout
+    from refitd.bench.synthetic import SyntheticState, synthetic_config
+    from refitd.client.receiver import DaemonReceiver
+    from refitd.testing.engines import EngineParallel, ToyEngine
+    from refitd.testing.layouts import megatron_tp_ep
+
+    _, c = node
+    cfg = synthetic_config(0.01)
+    dev = torch.device("cuda", 0)
+    ranks = []
+    for rank in range(2):
+        par = EngineParallel(2, rank)
+        engine = ToyEngine(cfg, par).to(dev)
+        receiver = DaemonReceiver(
+            local=c,
+            source=c,
+            model=f"toy-{mode}",
+            engine=engine,
+            twin=functools.partial(ToyEngine, cfg, par),
+            capture=capture_for(megatron_tp_ep(cfg, 4, 1, None)),
+            mode=mode,  # type: ignore[arg-type]
+        )
+        ranks.append((par, engine, receiver))
+    pubs = await publish_layout(
+        c, f"toy-{mode}", megatron_tp_ep(cfg, 4, 1, SyntheticState(cfg, 1)), 1
+    )
+    try:
+        for _, _, r in ranks:
+            await r.refit(1)
+        assert all(p.device == dev for _, e, _ in ranks for p in e.parameters())
+        assert _verify(cfg, 1, ranks)
+    finally:
+        for _, _, r in ranks:
+            await r.close()
+        for p in pubs:
+            await p.close()
