@@ -47,10 +47,6 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench gpu                           # 2 GiB TP2 -> TP4 on the GPU, 3 versions",
         "refitd bench gpu --gib 0.5 --versions 2    # a quick run",
     ),
-    "gpu": (
-        "refitd bench gpu                           # 2 GiB TP2 -> TP4 on the GPU, 3 versions",
-        "refitd bench gpu --gib 0.5 --versions 2    # a quick run",
-    ),
     "hosts": (
         "refitd bench hosts                         # 1 GiB across simulated hosts, 1000 sources",
         "refitd bench hosts --gib 0.25 --repeat 2   # a quick run",
@@ -92,11 +88,6 @@ BENCHES: dict[str, tuple[str, str]] = {
         "refitd.bench.fanout",
         "replicas on many simulated hosts over shaped links: direct pulls vs host mirrors "
         "with relay",
-    ),
-    "gpu": (
-        "refitd.bench.gpu",
-        "GPU memory through the daemon: refits from GPU and host memory into GPU "
-        "parameters, 4 KiB pieces, vs device copies (exits 2 without CUDA)",
     ),
     "gpu": (
         "refitd.bench.gpu",
