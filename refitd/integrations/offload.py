@@ -323,28 +323,33 @@ class ExpertOffload:
         first = _experts(blocks[0])
         num_experts, two_i, hidden = first.gate_up_proj.shape
         shapes = ((two_i, hidden), tuple(first.down_proj.shape[1:]))
+        dtype = first.gate_up_proj.dtype
+        for layer, block in enumerate(blocks):
+            if tuple(_experts(block).gate_up_proj.shape) != (num_experts, *shapes[0]):
+                raise ConfigError(f"MoE layer {layer}'s experts differ in shape from layer 0's")
         self.num_layers, self.num_experts = len(blocks), int(num_experts)
         self.device = device
-        self.store = HostExpertStore(
-            self.num_layers, self.num_experts, shapes, first.gate_up_proj.dtype,
-            pin=device.type == "cuda",
-        )  # fmt: skip
-        for layer, block in enumerate(blocks):
-            experts = _experts(block)
-            if tuple(experts.gate_up_proj.shape) != (num_experts, *shapes[0]):
-                raise ConfigError(f"MoE layer {layer}'s experts differ in shape from layer 0's")
-            for e in range(self.num_experts):
-                self.store.write(layer, e, experts.gate_up_proj[e], experts.down_proj[e])
-            block.experts = OffloadedExperts(self, layer, experts.act_fn)
-        self.geometry = SlotGeometry(self.num_layers, slots, self.store.row_bytes)
+        # Everything that can refuse (pool size, device) before any weight moves, so a
+        # refusal leaves the model as it was.
         self.cache = ExpertCache(
             self.num_layers, self.num_experts, slots, policy=policy, max_fetch=max_fetch
         )
+        size = torch.tensor([], dtype=dtype).element_size()
+        row_bytes = tuple(a * b * size for a, b in shapes)
+        self.geometry = SlotGeometry(self.num_layers, slots, row_bytes)
         self.slots = ExpertSlots(self.geometry)
         if slot_memory is None:
             slot_memory = _default_slot_memory(device)
         self._slot_memory = slot_memory
         self.slot_device: TorchSlotMemory | CudaSlotMemory = slot_memory(self.geometry)
+        self.store = HostExpertStore(
+            self.num_layers, self.num_experts, shapes, dtype, pin=device.type == "cuda"
+        )
+        for layer, block in enumerate(blocks):
+            experts = _experts(block)
+            for e in range(self.num_experts):
+                self.store.write(layer, e, experts.gate_up_proj[e], experts.down_proj[e])
+            block.experts = OffloadedExperts(self, layer, experts.act_fn)
         self._bind()
         self._host_weights = (self.store.typed(GATE_UP), self.store.typed(DOWN))
         self._off_device = device.type != "cpu"

@@ -364,3 +364,21 @@ def test_failed_copies_cost_their_slots_never_the_answer(every: int) -> None:
         named = off.cache.resident_in(slot)
         if named is not None:
             assert off.slots.occupant(slot) == named
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: tests/gpu/ runs the device")
+def test_slots_on_a_gpu_that_is_not_there_are_refused_and_the_model_is_left_as_it_was() -> None:
+    from refitd.experts.cuda import CudaSlotMemory, cuda_available
+
+    assert not cuda_available()
+    with pytest.raises(ConfigError, match="CUDA"):
+        CudaSlotMemory(SlotGeometry(1, 2, (8, 8)))
+    model = copy.deepcopy(reference("mixtral"))
+    with pytest.raises(ConfigError, match="CUDA"):
+        offload_experts(model, slots=6, device="cuda")
+    with pytest.raises(ConfigError, match="smaller than one layer"):
+        offload_experts(model, slots=5)
+    assert not any(
+        isinstance(b.get_submodule("experts"), OffloadedExperts) for b in moe_blocks(model)
+    )
+    assert torch.equal(run(model, [1, 2], [3]), run(reference("mixtral"), [1, 2], [3]))
