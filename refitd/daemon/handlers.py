@@ -86,7 +86,9 @@ async def ready(request: web.Request) -> web.Response:
 
 @routes.handles(api.NODE)
 async def node(request: web.Request) -> web.Response:
-    return reply(request, request.app[DAEMON].info())
+    d = request.app[DAEMON]
+    await d.probe_ucx()  # asked once, here unless the start needed it
+    return reply(request, d.info())
 
 
 # ---------------------------------------------------------------- regions

@@ -175,6 +175,8 @@ class Daemon:
         self.drain = LeaseDrain(self.registry, clock)
         self.ready = False
         self.ucx_transports: list[str] = []  # what the loaded UCX can use (ucx_info -d)
+        self._ucx_probed = False  # whether ucx_transports is ucx_info's answer yet
+        self._ucx_probe = asyncio.Lock()  # held while ucx_info runs
         #: who owns each model, and who may read it (``[models]``)
         self.models = ModelOwners(options.model_owners, options.model_readers)
         #: stale segments of earlier lives (this daemon's or its clients') removed at start
@@ -226,8 +228,10 @@ class Daemon:
     async def start(self) -> None:
         """Bring up the data plane; the daemon reports ready only after this.
 
-        Every mode but ``shm`` starts a transport (``auto`` starts UCX); a transport
-        that cannot start stops the daemon's start with :class:`TransportError`.
+        Every mode but ``shm`` starts a transport (``auto`` starts UCX where it offers
+        RDMA); a transport that cannot start stops the daemon's start with
+        :class:`TransportError`. UCX is asked what it can use (:meth:`probe_ucx`) only
+        where it may start: ``ucx``, or ``auto`` on a host with an RDMA device.
         First, shared-memory segments whose creator process is gone — left by an
         earlier life of this daemon, or by clients that crashed — are unlinked."""
         self.removed_at_start = await asyncio.to_thread(cleanup_stale)
@@ -235,11 +239,10 @@ class Daemon:
             log.info("removed %d stale segment(s) at start", len(self.removed_at_start))
         await self.plane.shm.start()
         mode = self.options.transport
-        if mode in (AUTO, UCX_SCHEME):
-            from transports.ucx.info import ucx_transports
+        from refitd.daemon.paths import rdma_devices, transport_options, transport_schemes
 
-            self.ucx_transports = await ucx_transports()
-        from refitd.daemon.paths import transport_options, transport_schemes
+        if mode == UCX_SCHEME or (mode == AUTO and rdma_devices()):
+            await self.probe_ucx()
         from transports.interface import create_transport
 
         for scheme in transport_schemes(mode, self.ucx_transports):
@@ -254,6 +257,20 @@ class Daemon:
                 ) from exc
             self.plane.add(scheme, t)
         self.ready = True
+
+    async def probe_ucx(self) -> list[str]:
+        """What this host's UCX can use (``ucx_info -d``, about 0.4 s), asked once, in
+        the modes that may run UCX (``auto``, ``ucx``): at start where UCX may start,
+        else when ``/v1/node`` first asks. Empty in other modes."""
+        if self.options.transport not in (AUTO, UCX_SCHEME):
+            return []
+        async with self._ucx_probe:  # a second asker waits for the first one's answer
+            if not self._ucx_probed:
+                from transports.ucx.info import ucx_transports
+
+                self.ucx_transports = await ucx_transports()
+                self._ucx_probed = True
+        return self.ucx_transports
 
     async def close(self) -> None:
         self.ready = False

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import math
+import os
 import socket
 import time
 import urllib.parse
@@ -47,6 +48,7 @@ __all__ = [
     "choose_remote",
     "has_rdma",
     "peer_paths",
+    "rdma_devices",
     "tcp_grant",
     "transport_options",
     "transport_schemes",
@@ -62,9 +64,22 @@ UCX_SCHEME = "ucx"
 
 def has_rdma(ucx_transports: list[str]) -> bool:
     """Whether ``transport/device`` pairs (``ucx_info -d``) include an RDMA transport."""
+    if not ucx_transports:
+        return False  # UCX was not asked (or offers nothing): load none of its modules
     from transports.ucx.info import RDMA_TRANSPORTS
 
     return any(p.partition("/")[0] in RDMA_TRANSPORTS for p in ucx_transports)
+
+
+def rdma_devices(root: str = "/sys/class/infiniband") -> list[str]:
+    """This host's RDMA devices (InfiniBand, RoCE, iWARP and soft-RoCE alike: the
+    kernel lists each under ``/sys/class/infiniband``). Without one, no UCX here offers
+    an RDMA transport (each of them opens such a device), so ``auto`` knows it starts
+    ``tcp`` alone without running ``ucx_info``."""
+    try:
+        return sorted(os.listdir(root))
+    except OSError:
+        return []
 
 
 def transport_schemes(mode: str, ucx_transports: list[str]) -> list[str]:
