@@ -150,11 +150,8 @@ class MirrorsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     #: (the first pull of a remote version makes the mirror), ``shared`` (once two or
     #: more leases on one remote version pull through this daemon).
     policy: Literal["never", "always", "shared"] = "never"
-    #: Bytes all of this daemon's mirrors together may hold: the memory the daemon
-    #: makes on behalf of the engines that pull through it, charged to no tenant's
-    #: cap, is bounded here. A version that does not fit (after retired mirrors are
-    #: released) is not mirrored: its pulls read their source. Unset: half of the
-    #: shared-memory filesystem's size.
+    #: Bytes all mirrors may hold together (a version that does not fit is read from
+    #: its source). Unset: half of the shared-memory filesystem's size.
     max_bytes: Annotated[int, msgspec.Meta(ge=0, description="bytes (>= 0)")] | None = None
 
 

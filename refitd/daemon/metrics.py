@@ -25,6 +25,7 @@ Integration (one line in the app factory)::
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import TYPE_CHECKING
@@ -297,9 +298,20 @@ def _count(metrics: Metrics, request: web.Request, response: web.StreamResponse)
         metrics.refusals.labels(_reason(response)).inc()
 
 
+#: the scrape request, while a scrape renders: the state callback reads who asks, so
+#: a principal sees in ``/metrics`` no more than the API shows it (its own pools)
+SCRAPE: contextvars.ContextVar[web.Request | None] = contextvars.ContextVar(
+    "refitd_scrape", default=None
+)
+
+
 async def _serve_metrics(request: web.Request) -> web.Response:
-    """Prometheus text exposition of this daemon's metrics."""
-    body = request.app[METRICS_KEY].render()
+    """Prometheus text exposition of this daemon's metrics, as the caller may see them."""
+    token = SCRAPE.set(request)
+    try:
+        body = request.app[METRICS_KEY].render()
+    finally:
+        SCRAPE.reset(token)
     response = web.Response(body=body)
     response.content_type = CONTENT_TYPE_LATEST.split(";")[0]
     response.charset = "utf-8"

@@ -50,9 +50,10 @@ async def join_holders(request: web.Request) -> web.Response:
 async def mirror_state(request: web.Request) -> web.Response:
     """A mirror's progress; with ``after=N`` it answers once more than ``N`` chunks
     are complete, the mirror ended, or ``timeout`` seconds passed."""
-    m = request.app[MIRRORS].find(request.match_info["model"], query_int(request, "version"))
-    after = int(request.query.get("after", "-1"))
+    version = query_int(request, "version")
+    after = query_int(request, "after") if "after" in request.query else -1
     timeout_s = min(query_float(request, "timeout", 0.0), 60.0)
+    m = request.app[MIRRORS].find(request.match_info["model"], version)
     deadline = time.monotonic() + timeout_s
     while int(m.done.sum()) <= after and not m.finished:
         left = deadline - time.monotonic()

@@ -49,9 +49,10 @@ import msgspec
 import numpy as np
 
 from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, covered, cut_chunks
+from refitd.daemon.mirrorread import MirroredSource, answer_s, read_chunks
 from refitd.daemon.paths import SHM_SCHEME
 from refitd.daemon.peerclient import PeerClient
-from refitd.daemon.pulls import LocalSource, RemoteSource, Source
+from refitd.daemon.pulls import RemoteSource, Source
 from refitd.daemon.trust import Extents
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
@@ -65,10 +66,7 @@ from refitd.wire import (
     VersionState,
 )
 from refitd.wire.mirrors import MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorState
-from transports.batch import rows_as_batch
-from transports.interface import Peer
 from transports.segments import SHM_DIR
-from transports.tcp import TcpGrant, TcpPeer
 
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
@@ -89,23 +87,8 @@ __all__ = [
 POLICIES = ("never", "always", "shared")
 """``[mirrors] policy`` values (see the module docstring)."""
 
-BATCH_CHUNKS = 2
-"""Chunks per read handed to the data plane at once (two batches in flight): small,
-so a downstream relay sees chunks complete soon after they land."""
-
 WAIT_S = 5.0
 """How long one long-poll of an upstream's progress waits for a new chunk, s."""
-
-RELAY_ANSWER_S = 10.0
-"""How long a relay (a holder that is not the source) has to answer a request (a lease,
-its records, its progress past the long-poll's wait), s: one that does not is skipped
-for the next holder. Capped by ``data_plane.pull_timeout_s``; the source itself, the
-last holder, has the whole pull deadline."""
-
-RELAY_FLOOR_BYTES_S = 16 << 20
-"""The slowest a relay may send, bytes/s: a batch of chunks read from a relay has
-``RELAY_ANSWER_S`` plus its bytes at this rate, then the relay is skipped (and its
-lanes cut, so nothing more of that batch lands). 16 MiB/s is 134 Mbit/s."""
 
 LEASE_TTL_S = 120.0
 """TTL of the leases a mirror holds while it fills (renewed at a third of it), s."""
@@ -127,24 +110,6 @@ class Redirect:
     req: PullRequest
     release: Callable[[], None]
     source: Source
-
-
-class MirroredSource(LocalSource):
-    """This daemon's mirror as the source of a pull an engine asked of a remote source:
-    read here, under this daemon's lease, and bound by the engine's own lease at the
-    remote source as a direct pull is. Every lease check of the pull (at submit, and
-    after its last byte, before it may end ``done``) checks both, so a pull served from
-    a mirror fails when the engine's lease ended at the source, as a direct one does."""
-
-    def __init__(self, daemon: Daemon, remote: RemoteSource, engine: PullRequest) -> None:
-        super().__init__(daemon)
-        self.remote = remote
-        self.engine = engine
-
-    async def check_lease(self, lease_id: str, model: str, version: int) -> None:
-        await super().check_lease(lease_id, model, version)
-        e = self.engine
-        await self.remote.check_lease(e.lease_id, e.model, e.version)
 
 
 class Mirrors:
@@ -427,7 +392,7 @@ class Mirrors:
         there, until every chunk is here."""
         relay = self._remote(url)
         c = relay.client
-        deadline = self._answer_s()
+        deadline = answer_s(self.d.options.pull_timeout_s)
         async with asyncio.timeout(deadline):  # a stopped relay answers nothing
             grant = await c.acquire_lease(m.model, m.version, LEASE_TTL_S)
         # Reading overlaps asking: each answer that names new chunks starts a pass
@@ -472,7 +437,7 @@ class Mirrors:
         ids = [their[s] for s in sorted(m.regions)]
         back = {v: k for k, v in their.items()}
         probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
-        async with asyncio.timeout(self._answer_s()):
+        async with asyncio.timeout(answer_s(self.d.options.pull_timeout_s)):
             peer = await src.regions(ids, probe)
         scope = {back[int(k)]: v for k, v in peer.scope.items()}
         todo = np.flatnonzero(~claimed & covered(m.chunks, scope))
@@ -508,62 +473,18 @@ class Mirrors:
     ) -> None:
         """Read chunks ``todo`` from ``src`` (its records ``peer``) over the path a
         pull from it would take."""
-        wait = self.d.options.pull_timeout_s if their is None else self._answer_s()
+        wait = (
+            self.d.options.pull_timeout_s
+            if their is None
+            else answer_s(self.d.options.pull_timeout_s)
+        )
         async with asyncio.timeout(wait):
             path, conn = await self.pulls.open_path(src, peer)
         try:
-            await self._read(m, conn, todo, their)
+            await read_chunks(m, conn, todo, their, self.d.options.pull_timeout_s)
         finally:
             if path == SHM_SCHEME:  # a transport's connection is shared: it stays open
                 await conn.close()
-
-    async def _read(
-        self, m: Mirror, conn: Peer, todo: np.ndarray, their: dict[int, int] | None
-    ) -> None:
-        window = asyncio.Semaphore(2)
-        local = {s: r.region_id for s, r in m.regions.items()}
-
-        async def move(idx: np.ndarray) -> None:
-            try:
-                c = m.chunks[idx]
-                rows = np.empty((len(idx), 5), dtype=np.int64)
-                rows[:, 0] = [their[s] if their else s for s in c[:, 0].tolist()]
-                rows[:, 1] = c[:, 1]
-                rows[:, 2] = [local[s] for s in c[:, 0].tolist()]
-                rows[:, 3] = c[:, 1]
-                rows[:, 4] = c[:, 2]
-                if their is None:  # the source: the whole pull deadline
-                    async with asyncio.timeout(self.d.options.pull_timeout_s):
-                        await conn.get(rows_as_batch(rows))
-                else:
-                    wait = self._piece_s(int(c[:, 2].sum()))
-                    try:
-                        async with asyncio.timeout(wait):
-                            await conn.get(rows_as_batch(rows))
-                    except TimeoutError:
-                        _cut(conn)  # nothing more of this batch lands from that relay
-                        raise
-                m.mark(idx)  # only now: a failed read leaves its chunks incomplete
-            finally:
-                window.release()
-
-        try:
-            async with asyncio.TaskGroup() as tg:
-                for lo in range(0, len(todo), BATCH_CHUNKS):
-                    await window.acquire()
-                    tg.create_task(move(todo[lo : lo + BATCH_CHUNKS]))
-        except BaseExceptionGroup as group:
-            first = next((e for e in group.exceptions if isinstance(e, Exception)), None)
-            if first is None:
-                raise
-            raise first from None
-
-    def _answer_s(self) -> float:
-        return min(RELAY_ANSWER_S, self.d.options.pull_timeout_s)
-
-    def _piece_s(self, nbytes: int) -> float:
-        """The deadline of reading ``nbytes`` from a relay, s."""
-        return min(RELAY_ANSWER_S + nbytes / RELAY_FLOOR_BYTES_S, self.d.options.pull_timeout_s)
 
     # ------------------------------------------------------------ serving
 
@@ -643,15 +564,6 @@ async def _renew(client: PeerClient, lease_id: str) -> None:
         await asyncio.sleep(LEASE_TTL_S / 3)
         with contextlib.suppress(RefitError):
             await client.renew_lease(lease_id, LEASE_TTL_S)
-
-
-def _cut(conn: Peer) -> None:
-    """Break the lanes of a ``tcp`` connection to a relay that missed its deadline: a
-    lane blocked on it wakes with an error, and no late byte lands."""
-    base = conn.base if isinstance(conn, TcpGrant) else conn
-    if isinstance(base, TcpPeer):
-        for lane in base.lanes:
-            lane.cut()
 
 
 def _half_of_shm() -> int:

@@ -469,8 +469,9 @@ class ExpertPools(PullListener):
     def ended(self, job: PullJob) -> None:
         self.note_writes(job.req)
 
-    def stats(self) -> list[PoolStats]:
-        return [pool.stats() for pool in self._pools.values()]
+    def stats(self, sees: Callable[[str], bool] = lambda owner: True) -> list[PoolStats]:
+        """Every pool's numbers whose owner ``sees`` allows (by owner)."""
+        return [pool.stats() for pool in self._pools.values() if sees(pool.owner)]
 
 
 POOLS: web.AppKey[ExpertPools] = web.AppKey("expert_pools", ExpertPools)

@@ -26,7 +26,7 @@ from typing import IO, Any
 from aiohttp import web
 
 from refitd.config import Config, LoggingConfig, resolve_group
-from refitd.daemon.auth import AccessPolicy, setup_auth
+from refitd.daemon.auth import AccessPolicy, principal_of, setup_auth
 from refitd.daemon.metrics import StateSnapshot, setup_metrics
 from refitd.daemon.openapi import Operation, operations_of, setup_openapi
 from refitd.daemon.sdnotify import Notifier
@@ -123,9 +123,18 @@ def _snapshot(app: web.Application) -> StateSnapshot:
         leases += info.leases
     running = (PullState.PENDING, PullState.RUNNING)
     in_flight = sum(1 for job in app[PULLS].jobs.values() if job.state in running)
+    from refitd.daemon.metrics import SCRAPE
+
+    scrape = SCRAPE.get()
+    who = principal_of(scrape) if scrape is not None else None
+
+    def scraper_sees(owner: str) -> bool:
+        # as the API's listings decide: every object for root or without authentication
+        return who is None or not who.authenticated or who.admin or who.name == owner
+
     from refitd.daemon.pools import POOLS
 
-    pools: list[PoolStats] = app[POOLS].stats() if POOLS in app else []
+    pools: list[PoolStats] = app[POOLS].stats(scraper_sees) if POOLS in app else []
     return StateSnapshot(
         regions=regions,
         registered_bytes=registered,

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
 from support.daemons import GatedCopier, serving_daemons
@@ -247,3 +248,27 @@ def test_a_token_may_not_take_the_name_the_daemon_owns_its_mirrors_by(tmp_path: 
     path.chmod(0o600)
     with pytest.raises(ConfigError, match="refitd-mirror"):
         TokenBook.load(path)
+
+
+# ---------------------------------------------------------------- (7) query parameters
+
+
+@pytest.mark.parametrize(
+    "query", ["after=x", "after=1e99", "timeout=x", "timeout=nan", "after=", "version=1"]
+)
+async def test_a_malformed_query_parameter_of_the_mirror_state_is_a_400_in_the_error_shape(
+    query: str,
+) -> None:
+    async with hosts() as h:
+        region = await publish(h.sc)
+        lease = await h.sc.acquire_lease(MODEL, 1, 60.0)
+        req, _ = await pull_request(h, region, lease.lease_id)
+        await h.mc.pull(req)  # the mirror exists
+        url = f"{h.mc.base_url}/v1/mirrors/{MODEL}/1?{query}"
+        async with aiohttp.ClientSession() as s, s.get(url) as r:
+            body = await r.json(content_type=None)
+        if query == "version=1":  # not a parameter of this route: ignored
+            assert r.status == 200, body
+        else:
+            assert r.status == 400, body
+            assert body["error"] == "ProtocolError" and body["detail"]
