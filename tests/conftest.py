@@ -32,10 +32,13 @@ def _cost(item: pytest.Item) -> tuple[bool, float]:
     return item.get_closest_marker("slow") is not None, limit
 
 
-SPREAD = frozenset({"tests/integrations/test_vllm_families.py"})
+SPREAD = frozenset(
+    {"tests/integrations/test_vllm_families.py", "tests/integrations/test_vllm_mla.py"}
+)
 """Modules whose parametrized tests are grouped by their parameter, not by module:
 ``test_vllm_families`` builds one engine per family (a parametrized module-scoped
-fixture), and its families are independent, so they may run on different workers."""
+fixture), ``test_vllm_mla`` two TP 2 engines per family, and their families are
+independent, so they may run on different workers."""
 
 
 def _group(nodeid: str) -> str:

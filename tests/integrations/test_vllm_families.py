@@ -25,12 +25,21 @@ from typing import Any
 import pytest
 import torch
 from vllm_models import (
+    DEEPSEEK_V2,
+    DEEPSEEK_V3,
+    GEMMA2,
+    GEMMA3,
+    GRANITE,
+    GRANITE_MOE,
+    KIMI_K2,
     LLAMA,
     MIXTRAL,
+    OLMOE,
     PHI3,
     QWEN2,
     QWEN2_MOE,
     QWEN3_MOE,
+    QWEN3_TIED,
     greedy_logprobs,
     hf_model,
     llm_kwargs,
@@ -65,6 +74,18 @@ FAMILIES = [
     Family("qwen3-moe", QWEN3_MOE),
     Family("mixtral", MIXTRAL),
     Family("qwen2-moe-shared-expert", QWEN2_MOE),
+    Family("qwen3-tied", QWEN3_TIED, lm_head="none"),
+    Family("gemma2-softcap-sliding", GEMMA2, lm_head="none"),
+    Family("gemma3", GEMMA3, lm_head="none"),
+    Family("granite-multipliers", GRANITE, lm_head="none"),
+    Family("granitemoe", GRANITE_MOE, lm_head="none"),
+    Family("olmoe", OLMOE),
+    # MLA: W_UK/W_UV derived from kv_b_proj, re-derived after every update.
+    Family("deepseek-v2-lite-mla", DEEPSEEK_V2),
+    # + a compressed query, sigmoid routing with its fp32 bias (a bf16 source cast at
+    # install), YaRN rope.
+    Family("deepseek-v3-mla", DEEPSEEK_V3),
+    Family("kimi-k2-mla", KIMI_K2),  # DeepSeek-V3's architecture, many experts
 ]
 
 
@@ -99,6 +120,9 @@ class Engine:
     tensors: dict[str, torch.Tensor]
     weights: list[dict[str, torch.Tensor]]
     truth: list[tuple[Any, dict[str, str]]]
+    after_init: tuple[Any, dict[str, str]]
+    """What the engine served right after the trainer started its transfer engine
+    (the meta twin built, destinations set up, the post-load plan made)."""
     stats: list[dict[str, Any]] = field(default_factory=list)
 
     def update(self, i: int) -> dict[str, Any]:
@@ -164,13 +188,26 @@ def engine(
     trainer = RefitdTrainerEngine.trainer_init(
         info, client=LLMSyncClient(llm), source=TensorSource(tensors)
     )
+    after_init = served(llm)
     try:
-        yield Engine(family, llm, trainer, tensors, [a, b], [truth_a, truth_b])
+        yield Engine(family, llm, trainer, tensors, [a, b], [truth_a, truth_b], after_init)
     finally:
         trainer.shutdown()
         stop_engine(llm)
         del llm
         gc.collect()
+
+
+def test_starting_the_transfer_engine_leaves_what_the_engine_serves_unchanged(
+    engine: Engine,
+) -> None:
+    """Building the meta twin and the destinations touches nothing the engine computes
+    with: process-wide caches (rotary embeddings, registered layers) and the modules
+    the twin shares with the engine included."""
+    tokens, params = engine.after_init
+    truth_tokens, truth_params = engine.truth[1]
+    assert [n for n in truth_params if params.get(n) != truth_params[n]] == []
+    assert tokens == truth_tokens
 
 
 def test_the_first_update_serves_what_a_fresh_load_of_the_same_weights_serves(

@@ -1,30 +1,42 @@
-"""A model whose attention vLLM derives from its weights at load (MLA) is refused.
+"""MLA models (DeepSeek-V2/V3, Kimi-K2) refit exactly, on one rank and on two.
 
-A module of its own: its engine must not share a test process with another
-in-process engine (vLLM's parallel state is one per process), which a family's
-module-scoped engine in ``test_vllm_families`` would be while that module runs.
+vLLM derives MLA's absorbed ``W_UK``/``W_UV`` from ``kv_b_proj`` when it loads a
+model; the backend derives them again after every update with vLLM's own
+processing. ``test_vllm_families`` judges the TP 1 engines (first update and
+replay, tokens and top-3 logprobs against a fresh load). Here:
+
+- an update refused before any byte moves leaves an MLA engine serving exactly
+  what it served before;
+- a TP 2 engine (a worker process per rank, each pulling only its own heads and
+  experts) refits to what a fresh TP 2 load of the same weights serves, first
+  update and replay.
+
+A module of its own: its engines must not share a test process with another
+in-process engine (vLLM's parallel state is one per process).
 """
 
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import pytest
-from test_vllm_families import Family, checkpoint_state
-from vllm_models import DEEPSEEK_V2, llm_kwargs, save_model, stop_engine
+from test_vllm_families import Family, checkpoint_state, served
+from vllm_models import (
+    DEEPSEEK_V2,
+    KIMI_K2,
+    greedy_logprobs,
+    llm_kwargs,
+    save_model,
+    stop_engine,
+)
 
-pytestmark = pytest.mark.timeout(600)
-
-MLA = Family("deepseek-v2-mla", DEEPSEEK_V2)
+pytestmark = pytest.mark.timeout(900)
 
 
-def test_an_mla_model_is_refused_before_any_byte_moves_naming_its_attention_layer(
-    vllm_daemon_url: str, tmp_path_factory: pytest.TempPathFactory
+def test_an_mla_update_refused_before_any_byte_moves_leaves_the_engine_serving_as_before(
+    vllm_daemon_url: str, tmp_path: Path
 ) -> None:
-    """MLA derives ``W_UK``/``W_UV`` from ``kv_b_proj`` when vLLM loads it. Re-deriving
-    them after a refit served other tokens than a fresh load in about half the runs
-    here, so the backend refuses such a model when the transfer engine starts, naming
-    the layer, before any update is asked for."""
     from vllm import LLM
 
     from refitd.integrations.sources import TensorSource
@@ -34,18 +46,89 @@ def test_an_mla_model_is_refused_before_any_byte_moves_naming_its_attention_laye
         RefitdTrainerInitInfo,
     )
 
-    root = tmp_path_factory.mktemp(MLA.name)
-    b = checkpoint_state(MLA, 12, retie=True)
-    save_model(root / "b", MLA.config, b)
-    llm = LLM(model=str(root / "b"), weight_transfer_config={"backend": "refitd"}, **llm_kwargs())
+    family = Family("deepseek-v2-mla", DEEPSEEK_V2)
+    save_model(tmp_path / "b", family.config, checkpoint_state(family, 12, retie=True))
+    llm = LLM(
+        model=str(tmp_path / "b"), weight_transfer_config={"backend": "refitd"}, **llm_kwargs()
+    )
     try:
-        info = RefitdTrainerInitInfo(rank=0, model=MLA.name, url=vllm_daemon_url)
-        a = checkpoint_state(MLA, 11, retie=False)
-        with pytest.raises(Exception, match=r"attention layer '[\w.]*mla_attn'") as err:
-            RefitdTrainerEngine.trainer_init(
-                info, client=LLMSyncClient(llm), source=TensorSource(a)
-            )
-        assert "refused before any byte moves" in str(err.value)
+        before = served(llm)
+        a = checkpoint_state(family, 11, retie=False)
+        missing = "model.layers.1.self_attn.kv_b_proj.weight"
+        del a[missing]  # the engine's MLA layer could not be rebuilt: refused whole
+        info = RefitdTrainerInitInfo(rank=0, model=family.name, url=vllm_daemon_url)
+        trainer = RefitdTrainerEngine.trainer_init(
+            info, client=LLMSyncClient(llm), source=TensorSource(a)
+        )
+        try:
+            with pytest.raises(Exception, match=r"unwritten.*layers\.1\.self_attn\.kv_b_proj"):
+                trainer.send_weights()
+        finally:
+            trainer.shutdown()
+        tokens, params = served(llm)
+        assert [n for n in before[1] if params.get(n) != before[1][n]] == []
+        assert tokens == before[0]
+    finally:
+        stop_engine(llm)
+        del llm
+        gc.collect()
+
+
+@pytest.mark.parametrize(
+    "family",
+    [Family("deepseek-v2-lite-mla-tp2", DEEPSEEK_V2), Family("kimi-k2-mla-tp2", KIMI_K2)],
+    ids=lambda f: f.name,
+)
+def test_a_tp2_mla_engine_refits_to_what_a_fresh_tp2_load_serves_first_update_and_replay(
+    family: Family, vllm_daemon_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a worker process per rank
+    from vllm import LLM
+
+    from refitd.integrations.sources import TensorSource
+    from refitd.integrations.vllm.trainer import (
+        LLMSyncClient,
+        RefitdTrainerEngine,
+        RefitdTrainerInitInfo,
+    )
+    from refitd.integrations.vllm.worker import refit_stats
+
+    a = checkpoint_state(family, 11, retie=False)
+    b = checkpoint_state(family, 12, retie=True)
+    save_model(tmp_path / "a", family.config, a)
+    save_model(tmp_path / "b", family.config, b)
+    tp2 = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", **llm_kwargs()}
+    fresh = LLM(model=str(tmp_path / "a"), **tp2)
+    try:
+        truth_a = greedy_logprobs(fresh)
+    finally:
+        stop_engine(fresh)
+        del fresh
+        gc.collect()
+    llm = LLM(model=str(tmp_path / "b"), weight_transfer_config={"backend": "refitd"}, **tp2)
+    try:
+        truth_b = greedy_logprobs(llm)
+        assert truth_a != truth_b, "A and B must serve differently, or nothing is tested"
+        tensors = {n: t.clone() for n, t in a.items()}
+        info = RefitdTrainerInitInfo(rank=0, model=family.name, url=vllm_daemon_url)
+        trainer = RefitdTrainerEngine.trainer_init(
+            info, client=LLMSyncClient(llm), source=TensorSource(tensors)
+        )
+        try:
+            assert greedy_logprobs(llm) == truth_b  # the init changed nothing served
+            for i, (weights, truth) in enumerate([(a, truth_a), (b, truth_b)]):
+                for name, t in tensors.items():
+                    t.copy_(weights[name])
+                trainer.send_weights()
+                ranks = llm.collective_rpc(refit_stats)
+                assert [r["replayed"] for r in ranks] == [i == 1, i == 1]
+                # Each rank pulls its own heads and half the experts, not the model.
+                total = sum(t.numel() * t.element_size() for t in a.values())
+                assert all(0 < r["bytes"] < total for r in ranks)
+                assert greedy_logprobs(llm) == truth, f"update {i}"
+        finally:
+            trainer.shutdown()
     finally:
         stop_engine(llm)
         del llm

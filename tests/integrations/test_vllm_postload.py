@@ -12,12 +12,14 @@ from typing import Any
 
 import pytest
 import torch
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
 from refitd.integrations.vllm.postload import (
     Destination,
     UnrefittableModule,
     plan_reprocessing,
+    storage_key,
 )
 
 
@@ -92,3 +94,80 @@ def test_a_module_aliasing_a_tensor_processing_changed_in_kind_is_refused_naming
         plan_reprocessing(
             model, [Destination("embed.weight", "embed", "weight", packed, torch.zeros(4, 3))]
         )
+
+
+class Absorbing(AttentionLayerBase, torch.nn.Module):
+    """An attention-like layer that derives its kernels' weights from a child
+    projection when processed, as MLA derives ``W_UK``/``W_UV`` from ``kv_b_proj``:
+    on CPU they are views of the child's weight, re-derived into their own storage
+    (``prefer_copy``) when processed again."""
+
+    def __init__(self, weight: torch.nn.Parameter, amx: bool = False) -> None:
+        torch.nn.Module.__init__(self)
+        self.kv_b_proj = layer(weight)
+        self.is_amx_bmm_enabled = amx
+        self.processed_with: list[torch.dtype] = []
+
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        self.processed_with.append(act_dtype)
+        w_uk, w_uv = self.kv_b_proj.weight.split([2, 2], dim=0)
+        for name, t in (("W_UK_T", w_uk.t()), ("W_UV", w_uv)):
+            old = getattr(self, name, None)
+            if old is None:
+                self.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
+            else:
+                old.data.copy_(t)
+
+    def get_attn_backend(self) -> Any:
+        raise NotImplementedError
+
+    def get_kv_cache_spec(self, vllm_config: Any) -> Any:
+        raise NotImplementedError
+
+
+def mla_model(amx: bool = False) -> torch.nn.Module:
+    model = torch.nn.Module()
+    model.attn = Absorbing(torch.nn.Parameter(torch.zeros(4, 3), requires_grad=False), amx)
+    model.attn.process_weights_after_loading(torch.bfloat16)  # vLLM's load
+    return model
+
+
+def test_an_attention_layer_deriving_from_a_written_weight_is_processed_again_last() -> None:
+    model = mla_model()
+    uk, uv = model.attn.W_UK_T, model.attn.W_UV
+    assert storage_key(uk) == storage_key(model.attn.kv_b_proj.weight)  # views, as on CPU
+    buf = torch.zeros(4, 3)
+    plan = plan_reprocessing(
+        model,
+        [
+            Destination(
+                "attn.kv_b_proj.weight",
+                "attn.kv_b_proj",
+                "weight",
+                model.attn.kv_b_proj.weight,
+                buf,
+            )
+        ],
+        torch.float16,
+    )
+    assert plan.modules == ["attn.kv_b_proj", "attn"]  # the projection first, then the layer
+    buf.copy_(torch.arange(12.0).view(4, 3))  # the pull lands
+    plan.run()
+    assert model.attn.processed_with == [torch.bfloat16, torch.float16]
+    assert model.attn.W_UK_T is uk and model.attn.W_UV is uv  # the kernels' storage kept
+    assert torch.equal(uk, buf[:2].t()) and torch.equal(uv, buf[2:])
+
+
+def test_an_attention_layer_whose_amx_kernels_pack_their_own_weights_is_refused_naming_it() -> None:
+    model = mla_model(amx=True)
+    w = model.attn.kv_b_proj.weight
+    with pytest.raises(UnrefittableModule, match=r"attention layer 'attn'.*AMX") as e:
+        plan_reprocessing(
+            model,
+            [
+                Destination(
+                    "attn.kv_b_proj.weight", "attn.kv_b_proj", "weight", w, torch.zeros(4, 3)
+                )
+            ],
+        )
+    assert e.value.module == "attn"

@@ -87,6 +87,67 @@ QWEN2_MOE = {
     "norm_topk_prob": False,
 }
 
+QWEN3_TIED = {
+    **LLAMA,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",  # per-head q/k norms
+    "tie_word_embeddings": True,
+}
+
+GEMMA2 = {
+    **LLAMA,
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",  # tied; (1 + w) norms, logit soft-caps, sliding window
+    "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 64,
+    "sliding_window": 4,  # shorter than the prompts and their 8 tokens: it matters
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+}
+
+GEMMA3 = {
+    **LLAMA,
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",  # tied; q/k norms, local and global layers
+    "tie_word_embeddings": True,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "query_pre_attn_scalar": 64,
+    "sliding_window": 4,  # shorter than the prompts and their 8 tokens: it matters
+    "sliding_window_pattern": 2,
+    "rope_local_base_freq": 10000.0,
+}
+
+GRANITE = {
+    **LLAMA,
+    "architectures": ["GraniteForCausalLM"],
+    "model_type": "granite",  # tied; embedding, residual, attention and logit multipliers
+    "tie_word_embeddings": True,
+    "embedding_multiplier": 12.0,
+    "residual_multiplier": 0.22,
+    "attention_multiplier": 0.015625,
+    "logits_scaling": 8.0,
+}
+
+GRANITE_MOE = {
+    **GRANITE,
+    "architectures": ["GraniteMoeForCausalLM"],
+    "model_type": "granitemoe",  # experts as fused input_linear / output_linear stacks
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 128,
+}
+
+OLMOE = {
+    **LLAMA,
+    "architectures": ["OlmoeForCausalLM"],
+    "model_type": "olmoe",  # q/k norms over all heads, 8 experts
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "intermediate_size": 128,
+    "norm_topk_prob": False,
+}
+
 DEEPSEEK_V2 = {
     **LLAMA,
     "architectures": ["DeepseekV2ForCausalLM"],
@@ -112,6 +173,40 @@ DEEPSEEK_V2 = {
     "rope_scaling": None,
 }
 
+DEEPSEEK_V3 = {
+    **DEEPSEEK_V2,
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "q_lora_rank": 128,  # the query compressed too: q_a_proj, q_a_layernorm, q_b_proj
+    "n_routed_experts": 8,
+    "n_group": 2,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",  # routing bias e_score_correction_bias: fp32 in vLLM
+    "scoring_func": "sigmoid",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "rope_scaling": {  # YaRN, as DeepSeek-V3 ships it (the softmax scale follows mscale)
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+}
+
+KIMI_K2 = {
+    **DEEPSEEK_V3,  # Kimi-K2 is a DeepSeek-V3 architecture with many more experts
+    "num_hidden_layers": 3,
+    "first_k_dense_replace": 1,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+}
+
 
 def hf_model(config: dict[str, Any], seed: int) -> torch.nn.Module:
     """The Hugging Face model for ``config`` with random bf16 weights from ``seed``."""
@@ -127,12 +222,17 @@ def hf_model(config: dict[str, Any], seed: int) -> torch.nn.Module:
     with torch.no_grad():
         for p in model.parameters():  # spread values so a wrong byte changes tokens
             p.copy_(torch.randn_like(p) * 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias
+                b.copy_(torch.randn_like(b) * 0.5)
     return model.eval()
 
 
 EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "deepseek_v2": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 """Families whose checkpoints (as on the hub, and as vLLM's loaders read them) hold
 one tensor per expert: the MoE block's name and the gate, up and down names."""
@@ -142,6 +242,13 @@ def per_expert(config: dict[str, Any], state: dict[str, torch.Tensor]) -> dict[s
     """``state`` with Hugging Face's stacked expert tensors (``mlp.experts.gate_up_proj``
     ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``) written one per expert, under
     the names of ``EXPERT_NAMES`` (other families: ``state`` unchanged)."""
+    if config["model_type"] == "granitemoe":  # the hub's fused stacks, renamed only
+        return {
+            k.replace("experts.gate_up_proj", "input_linear.weight").replace(
+                "experts.down_proj", "output_linear.weight"
+            ): t
+            for k, t in state.items()
+        }
     names = EXPERT_NAMES.get(config["model_type"])
     if names is None:
         return state

