@@ -167,7 +167,8 @@ class Reprocessing:
         for step in (*self.owners, *self.readers):
             reprocess_module(step.module, step.loaded)
         for step in self.attention:
-            step.module.process_weights_after_loading(self.act_dtype)
+            process: Any = step.module.process_weights_after_loading
+            process(self.act_dtype)
 
 
 def plan_reprocessing(
