@@ -85,12 +85,14 @@ _u64 = ctypes.c_uint64
 _vp = ctypes.c_void_p
 
 
+# Byte arrays, not c_char ones: a c_char array field reads and writes as a
+# NUL-terminated string, and handles and UUIDs hold zero bytes.
 class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
 
 
 class _Uuid(ctypes.Structure):
-    _fields_ = [("bytes", ctypes.c_char * 16)]
+    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
 
 
 class CudaError(DeviceFault):
@@ -327,8 +329,7 @@ class CudaIpcMemory(DeviceMemory):
             entry = _OPENED.get(raw)
             if entry is None:
                 ptr = _u64(0)
-                h = _IpcHandle()
-                h.reserved = raw
+                h = _IpcHandle.from_buffer_copy(raw)
                 rc = drv.fn("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle")(
                     ctypes.byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
                 )

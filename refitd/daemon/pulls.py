@@ -160,6 +160,9 @@ class PullJob:
     pins: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
     #: the principal that submitted it: only they see, wait for and cancel it
     owner: str = ""
+    #: the device kinds of memory its regions here are made of ("cuda"; "" for host
+    #: memory only): its bytes go through those kinds' copy engines, and it says so
+    devices: str = ""
 
     def progress(self, n_desc: int, n_bytes: int) -> None:
         self.descriptors_done += n_desc
@@ -180,7 +183,7 @@ class PullJob:
             rate,
             self.error,
             self.suspect,
-            self.path,
+            f"{self.path}+{self.devices}" if self.devices else self.path,
         )
 
 
@@ -280,6 +283,7 @@ class PullManager:
             raise
         job.path, job.conn, job.owner = path, conn, caller.name
         local = set(src_ids) if isinstance(src, LocalSource) else set()
+        job.devices = "+".join(self.store.device_kinds(dst_ids | local))
         job.pins.enter_context(self.store.using(dst_ids | local))
         job.pins.enter_context(self.store.writing(dst_ids, job.pull_id))
         self.jobs[job.pull_id] = job

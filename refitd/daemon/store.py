@@ -250,9 +250,19 @@ class RegionStore:
                 f"{seg.owner_uid}, not to the caller's uid {uid}; a client attaches only "
                 "segments it made"
             )
+        return await self.record_attached(seg, req)
+
+    async def record_attached(self, memory: MappedMemory, req: RegionAttach) -> RegionInfo:
+        """Record memory a client made, opened by :meth:`attach_region` (whose checks
+        it has passed) as a region; on refusal the memory is let go."""
         return await self._record(
-            seg, req.kind, req.owner, req.label, daemon_owned=False, holder=req.holder
+            memory, req.kind, req.owner, req.label, daemon_owned=False, holder=req.holder
         )
+
+    def device_kinds(self, region_ids: Iterable[int]) -> list[str]:
+        """The device kinds (not host memory) the listed regions are made of, sorted."""
+        kinds = {self.segments[r].kind for r in region_ids if r in self.segments}
+        return sorted(kinds - {"host"})
 
     async def delete(self, region_id: int) -> RegionInfo:
         """Forget a region, refused (409) while a READY, pending or leased version

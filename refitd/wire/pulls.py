@@ -108,7 +108,9 @@ class PullProgress(msgspec.Struct, frozen=True):
     """Progress or result of a pull. ``suspect`` lists ``(dst_region, dst_offset, nbytes)``
     ranges that may hold partial bytes after a failure or cancel. ``path`` is how the
     bytes move: ``shm`` (copied through shared memory: the source is this daemon, or
-    a daemon proven to be on this host) or the transport's scheme (``ucx``)."""
+    a daemon proven to be on this host) or the transport's scheme (``ucx``), followed
+    by ``+cuda`` when GPU memory of this daemon is read or written (through its CUDA
+    copy engine, docs/gpu.md)."""
 
     pull_id: str
     state: PullState

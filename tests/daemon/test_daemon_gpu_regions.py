@@ -87,3 +87,11 @@ def test_device_memory_is_refused_where_the_daemon_needs_host_memory() -> None:
             byte_view(memory)  # an expert pool's rows and slots, a staging region
     finally:
         memory.close()
+
+
+def test_a_handle_with_zero_bytes_reaches_the_driver_whole() -> None:
+    from transports.cuda import _IpcHandle
+
+    raw = bytes([1, 0, 0, 2]) * 16  # real handles hold zero bytes
+    _, parsed = parse_handle("00" * 16 + ":" + raw.hex())
+    assert bytes(_IpcHandle.from_buffer_copy(parsed).reserved) == raw

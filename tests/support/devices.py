@@ -89,6 +89,17 @@ class HostDeviceMemory(DeviceMemory):
         self._address = ctypes.addressof(self._buf)
         self._id = next(_ids)
         self._engine = engine
+        self._first: HostDeviceMemory | None = None
+        self._open = True
+
+    def opened_again(self) -> HostDeviceMemory:
+        """The same allocation opened a second time (as a second registration of one
+        GPU allocation opens its handle again): the same identity and address;
+        closing it does not unmap the first."""
+        again = object.__new__(type(self))
+        again.__dict__.update({k: v for k, v in self.__dict__.items() if k not in ("_buf", "_map")})
+        again._map, again._first, again._open = None, self, True
+        return again
 
     @property
     def name(self) -> str:
@@ -121,9 +132,16 @@ class HostDeviceMemory(DeviceMemory):
         raw = bytes(data)
         ctypes.memmove(self._address + offset, raw, len(raw))
 
+    @property
+    def closed(self) -> bool:
+        return not self._open
+
     def close(self) -> None:
-        if self._map is None:
+        if not self._open:
             return
+        self._open = False
+        if self._first is not None or self._map is None:
+            return  # a second opening: the first one holds the mapping
         del self._buf
         self._map.close()
         self._map = None

@@ -1,0 +1,149 @@
+"""A real daemon's pulls into and out of device memory, on a host without a GPU.
+
+The daemon (in this process, real HTTP on 127.0.0.1:0, real shared segments) holds
+``hostdev`` regions (tests/support/devices.py: a device kind over host memory with a
+copy engine of its own, registered the way a GPU allocation is once opened), so the
+whole pull path a GPU region takes runs here: validation, pins, routing to the
+engine, the reported path, and a device error failing one pull with its suspect bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from support.devices import HostDeviceEngine, HostDeviceMemory
+
+from refitd.client.http import RefitClient
+from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.process import listening
+from refitd.errors import ConflictError, RefitError
+from refitd.wire import (
+    DescriptorTable,
+    ManifestIn,
+    PackSpec,
+    PullRequest,
+    RegionAttach,
+    RegionInfo,
+    RegionKind,
+    ShardEntry,
+    TensorEntry,
+)
+from transports.segments import SharedSegment
+
+pytestmark = pytest.mark.timeout(60)
+
+N = 1 << 20
+PIECE = 4096
+
+
+@contextlib.asynccontextmanager
+async def served() -> AsyncIterator[tuple[Daemon, RefitClient]]:
+    d = Daemon(DaemonOptions(port=0, node_id="devices", transport="shm"))
+    async with listening(d.options, daemon=d) as (_, url), RefitClient(url) as c:
+        yield d, c
+
+
+async def device_region(
+    d: Daemon, engine: HostDeviceEngine, label: str
+) -> tuple[RegionInfo, HostDeviceMemory]:
+    """A device region of ``N`` bytes, recorded as an opened GPU allocation is."""
+    memory = HostDeviceMemory(N, engine)
+    req = RegionAttach(memory.name, N, RegionKind.CUDA_IPC, label=label)
+    return await d.store.record_attached(memory, req), memory
+
+
+async def host_source(c: RefitClient, model: str) -> tuple[RegionInfo, np.ndarray, str]:
+    """A host region of random bytes published as ``model`` v1; its lease."""
+    info = await c.create_region(N, label=model)
+    data = np.random.default_rng(7).integers(0, 256, N, dtype=np.uint8)
+    with SharedSegment.attach(info.handle, info.nbytes) as seg:
+        seg.numpy()[:] = data
+    await publish(c, model, info.region_id)
+    return info, data, (await c.acquire_lease(model, 1, 600.0)).lease_id
+
+
+async def publish(c: RefitClient, model: str, region: int) -> None:
+    shard = ShardEntry((0,), (N,), region, 0)
+    await c.publish(ManifestIn(model, 1, 0, 1, [TensorEntry("b", (N,), "uint8", [shard])]))
+
+
+def shuffled(src: int, dst: int, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    n = N // PIECE
+    perm = np.random.default_rng(seed).permutation(n)
+    rows = np.stack(
+        [np.full(n, src), perm * PIECE, np.full(n, dst), np.arange(n) * PIECE, np.full(n, PIECE)],
+        axis=1,
+    ).astype(np.int64)
+    return rows, perm
+
+
+def request(
+    model: str, lease: str, rows: np.ndarray, packs: list[PackSpec] | None = None
+) -> PullRequest:
+    return PullRequest(model, 1, lease, DescriptorTable.pack(rows), packs or [], "")
+
+
+async def test_a_pull_lands_in_device_memory_through_its_engine_and_names_that_path() -> None:
+    engine = HostDeviceEngine()
+    async with served() as (d, c):
+        src, data, lease = await host_source(c, "m")
+        dst, memory = await device_region(d, engine, "engine")
+        rows, perm = shuffled(src.region_id, dst.region_id)
+        done = await c.pull(request("m", lease, rows))
+        assert done.path == "shm+hostdev"
+        got = np.frombuffer(memory.read(0, N), np.uint8).reshape(-1, PIECE)
+        assert np.array_equal(got, data.reshape(-1, PIECE)[perm])
+        assert engine.batches >= 1 and engine.pinned, "the host source was not registered once"
+
+
+async def test_a_device_error_fails_only_the_pull_that_met_it_naming_its_suspect_bytes() -> None:
+    engine = HostDeviceEngine()
+    async with served() as (d, c):
+        src, data, lease = await host_source(c, "m")
+        dst, memory = await device_region(d, engine, "engine")
+        host_dst = await c.create_region(N, label="host-dst")
+        rows, perm = shuffled(src.region_id, dst.region_id)
+        engine.fail_next(at_read=5)
+        with pytest.raises(RefitError, match="HOSTDEV_ERROR") as failed:
+            await c.pull(request("m", lease, rows))
+        suspect = failed.value.progress.suspect  # type: ignore[attr-defined]
+        assert suspect and {r for r, _, _ in suspect} == {dst.region_id}
+        # The daemon, the region and host pulls go on; the same pull then lands.
+        host_rows, _ = shuffled(src.region_id, host_dst.region_id)
+        assert (await c.pull(request("m", lease, host_rows))).path == "shm"
+        await c.pull(request("m", lease, rows))
+        got = np.frombuffer(memory.read(0, N), np.uint8).reshape(-1, PIECE)
+        assert np.array_equal(got, data.reshape(-1, PIECE)[perm])
+
+
+async def test_device_memory_is_one_region_and_its_deletion_lets_go_of_it() -> None:
+    engine = HostDeviceEngine()
+    async with served() as (d, c):
+        dst, memory = await device_region(d, engine, "engine")
+        again = memory.opened_again()
+        with pytest.raises(ConflictError, match=f"already holds as region {dst.region_id}"):
+            await d.store.record_attached(
+                again, RegionAttach(memory.name, N, RegionKind.CUDA_IPC, label="again")
+            )
+        assert again.closed, "the refused second opening was not let go"
+        assert not memory.closed, "refusing a second id closed the first region's memory"
+        await c.delete_region(dst.region_id)
+        assert memory.closed
+
+
+async def test_a_strided_pack_from_device_memory_fails_its_pull_naming_why() -> None:
+    engine = HostDeviceEngine()
+    async with served() as (d, c):
+        src, memory = await device_region(d, engine, "weights")
+        await publish(c, "dev", src.region_id)
+        lease = (await c.acquire_lease("dev", 1, 600.0)).lease_id
+        dst = await c.create_region(N, label="dst")
+        # 2-byte runs: too short to read directly, so the source would pack them.
+        spec = PackSpec(src.region_id, 0, (64, 1), (8, 1), 2, dst.region_id, 0)
+        empty = np.zeros((0, 5), dtype=np.int64)
+        with pytest.raises(RefitError, match="hostdev memory"):
+            await c.pull(request("dev", lease, empty, [spec]))
+        assert not memory.closed
