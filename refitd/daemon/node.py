@@ -231,7 +231,8 @@ class Daemon:
         Every mode but ``shm`` starts a transport (``auto`` starts UCX where it offers
         RDMA); a transport that cannot start stops the daemon's start with
         :class:`TransportError`. UCX is asked what it can use (:meth:`probe_ucx`) only
-        where it may start: ``ucx``, or ``auto`` on a host with an RDMA device.
+        where it may start: ``auto`` on a host with an RDMA device (first: the answer
+        decides), and ``ucx`` (while UCX starts, which it does not decide).
         First, shared-memory segments whose creator process is gone — left by an
         earlier life of this daemon, or by clients that crashed — are unlinked."""
         self.removed_at_start = await asyncio.to_thread(cleanup_stale)
@@ -239,24 +240,40 @@ class Daemon:
             log.info("removed %d stale segment(s) at start", len(self.removed_at_start))
         await self.plane.shm.start()
         mode = self.options.transport
-        from refitd.daemon.paths import rdma_devices, transport_options, transport_schemes
+        from refitd.daemon.paths import rdma_devices, transport_schemes
 
-        if mode == UCX_SCHEME or (mode == AUTO and rdma_devices()):
-            await self.probe_ucx()
+        if mode == AUTO and rdma_devices():
+            await self.probe_ucx()  # its answer decides whether UCX starts
+        # ``ucx`` starts UCX whatever ucx_info says: ask it while UCX starts.
+        probing = asyncio.create_task(self.probe_ucx()) if mode == UCX_SCHEME else None
+        try:
+            await self._start_transports(transport_schemes(mode, self.ucx_transports))
+            if probing is not None:
+                await probing
+        finally:
+            if probing is not None and not probing.done():
+                probing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await probing
+        self.ready = True
+
+    async def _start_transports(self, schemes: list[str]) -> None:
+        """Start each transport of ``schemes`` and add it to the data plane, in order."""
+        from refitd.daemon.paths import transport_options
         from transports.interface import create_transport
 
-        for scheme in transport_schemes(mode, self.ucx_transports):
+        for scheme in schemes:
             t = create_transport(scheme, transport_options(self, scheme))
             try:
                 await t.start()
             except RefitError as exc:
-                hint = " (--transport shm runs without it, same host only)" if mode == AUTO else ""
+                auto = self.options.transport == AUTO
+                hint = " (--transport shm runs without it, same host only)" if auto else ""
                 raise TransportError(
                     f"data plane {scheme!r} did not start, so the daemon will not report "
                     f"ready: {exc}{hint}"
                 ) from exc
             self.plane.add(scheme, t)
-        self.ready = True
 
     async def probe_ucx(self) -> list[str]:
         """What this host's UCX can use (``ucx_info -d``, about 0.4 s), asked once, in
