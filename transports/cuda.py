@@ -39,6 +39,7 @@ import asyncio
 import contextlib
 import ctypes
 import hashlib
+import mmap
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -460,8 +461,10 @@ class CudaEngine(CopyEngine):
         register is copied pageable (slower, never wrong)."""
         if memory.address in self.pinned:
             return
+        # Whole pages: a mapping is page-granular, and its size (exact bytes) need not be.
+        pages = -(-memory.size // mmap.PAGESIZE) * mmap.PAGESIZE
         rc = self._drv.fn("cuMemHostRegister_v2", "cuMemHostRegister")(
-            _vp(memory.address), ctypes.c_size_t(memory.size), CU_MEMHOSTREGISTER_PORTABLE
+            _vp(memory.address), ctypes.c_size_t(pages), CU_MEMHOSTREGISTER_PORTABLE
         )
         if rc in (0, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
             self.pinned[memory.address] = memory.size

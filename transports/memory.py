@@ -222,14 +222,17 @@ async def copy_by_kind(
         dtype=np.int64,
         count=len(dst_ids),
     )
-    hosts = {id(m): m for m in (*dst_memory.values(), *src_memory.values()) if is_host(m)}
     if (slot == -1).any():
         k = slot == -1
         await host_copy(dst[k], src[k], nbytes[k])
     for i, engine in enumerate(chosen):
         k = np.flatnonzero(slot == i)
+        # Only the host regions this engine's reads touch (each is registered once).
+        touched = [dst_memory[int(r)] for r in np.unique(dst_ids[k]).tolist()]
+        touched += [src_memory[int(r)] for r in np.unique(src_ids[k]).tolist()]
+        hosts = list({id(m): m for m in touched if is_host(m)}.values())
         try:
-            await engine.copy(dst[k], src[k], nbytes[k], list(hosts.values()))
+            await engine.copy(dst[k], src[k], nbytes[k], hosts)
         except DeviceFault as exc:
             at = int(k[exc.index]) if 0 <= exc.index < len(k) else -1
             raise DeviceFault(str(exc), at) from exc

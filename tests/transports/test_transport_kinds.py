@@ -127,10 +127,14 @@ async def test_host_memory_is_registered_once_and_forgotten_when_deregistered() 
     engine = HostDeviceEngine()
     async with ShmTransport(secret=SECRET) as shm:
         dev = HostDeviceMemory(1 << 20, engine)
-        with SharedSegment.create(1 << 20, "host") as host:
+        with (
+            SharedSegment.create(1 << 20, "host") as host,
+            SharedSegment.create(4096, "untouched") as other,
+        ):
             host.numpy()[:] = np.arange(1 << 20, dtype=np.uint64).astype(np.uint8)
             await shm.register(1, dev)
             await shm.register(2, host)
+            await shm.register(3, other)  # registered, never read: never pinned
             loop = shm.loopback()
             for k in range(3):  # three pulls host -> device through the daemon's own path
                 await loop.get([(1, k * 4096, 2, k * 4096, 4096)])
