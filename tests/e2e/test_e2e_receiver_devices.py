@@ -1,0 +1,39 @@
+"""Where an engine's parameters live decides where refitd puts them; CPU checks.
+
+GPU parameters stay on their GPU (tests/gpu/test_gpu_regions.py, on a GPU); host
+parameters keep the shared-segment path (the rest of tests/e2e). Here: an engine
+whose parameters are spread over devices is refused before anything is registered.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from refitd.client.http import RefitClient
+from refitd.client.receiver import DaemonReceiver
+from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.process import listening
+from refitd.errors import ConflictError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Split(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(4))
+        self.b = torch.nn.Parameter(torch.zeros(4, device="meta"))
+
+
+async def test_an_engine_with_parameters_on_two_devices_is_refused_before_anything_is_registered() -> (
+    None
+):
+    d = Daemon(DaemonOptions(port=0, node_id="split", transport="shm"))
+    async with listening(d.options, daemon=d) as (_, url), RefitClient(url) as c:
+        r = DaemonReceiver(
+            local=c, source=c, model="m", engine=Split(), twin=Split, capture=lambda m, s: None
+        )
+        with pytest.raises(ConflictError, match="2 devices"):
+            await r.refit(1)
+        assert await c.regions() == []
