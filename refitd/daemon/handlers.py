@@ -44,7 +44,7 @@ from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.poolapi import routes as expert_routes
 from refitd.daemon.pools import POOLS, ExpertPools, close_pools
 from refitd.daemon.pulls import PULLS, PullJob, PullManager, RemoteSource, Source
-from refitd.daemon.registry import check_manifest_bounds
+from refitd.daemon.registry import PENDING_MANIFESTS, check_manifest_bounds
 from refitd.errors import ProtocolError, TransportError
 from refitd.wire import (
     MAX_LEASE_TTL_S,
@@ -185,7 +185,10 @@ async def publish(request: web.Request) -> web.Response:
     for rid in region_ids:
         check_owner(request, d.regions.get(rid).owner, "publish from", f"region {rid}")
     d.check_publishable(region_ids)
-    info = d.registry.publish(m)
+    # A slot of a version left pending is charged to its publisher (its manifests
+    # stay in memory until the version is ready or expires).
+    cap = d.limits.max_manifest_shards * PENDING_MANIFESTS
+    info = d.registry.publish(m, who.name, cap)
     d.models.claim(who, m.model)
     d.lease_changed()
     await announce(request.app, m.model)

@@ -25,13 +25,14 @@ import itertools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
 
+from refitd.daemon.manifestcheck import DTYPE_SIZES, check_manifest_bounds, element_count
 from refitd.daemon.trust import Extents, merge_extents
-from refitd.errors import ConflictError, NotFoundError, ProtocolError
+from refitd.errors import ConflictError, NotFoundError, ProtocolError, QuotaExceeded
 from refitd.wire import (
     LeaseGrant,
     ManifestIn,
@@ -43,80 +44,28 @@ from refitd.wire import (
     gc_paused,
 )
 
-__all__ = ["DTYPE_SIZES", "PENDING_TTL_S", "Lease", "Registry", "check_manifest_bounds"]
+__all__ = [
+    "DTYPE_SIZES",
+    "PENDING_MANIFESTS",
+    "PENDING_TTL_S",
+    "Lease",
+    "Registry",
+    "check_manifest_bounds",
+]
 
 PENDING_TTL_S = 3600.0
 """Default seconds a version may stay pending (``limits.pending_ttl_s``)."""
+
+PENDING_MANIFESTS = 8
+"""Manifests' worth of shards (``limits.max_manifest_shards`` each) the slots one
+principal published into versions still pending may list at once: the daemon holds
+those manifests (about 15 times their encoded size) until the version is ready or
+expires, so they are charged to whoever made it hold them."""
 
 #: one line per version state change: pending (first slot), ready, retired
 log = logging.getLogger("refitd.sources")
 
 Clock = Callable[[], float]
-
-# Byte size per element of every dtype a manifest may name (torch spelling).
-DTYPE_SIZES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
-
-
-def _prod(xs: tuple[int, ...]) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
-
-
-def check_manifest_bounds(m: ManifestIn, region_sizes: Mapping[int, int]) -> None:
-    """Refuse a manifest whose shards fall outside their tensor or their region.
-
-    ``region_sizes`` maps region id to its size in bytes. Raises
-    :class:`ProtocolError` (a name listed twice, unknown dtype, a negative global
-    size, shard outside the global shape) or
-    :class:`NotFoundError` (unknown region) naming the tensor and shard.
-    """
-    seen: set[str] = set()
-    for t in m.tensors:
-        # One entry per name: a second would make the merge pick between two shapes.
-        if t.name in seen:
-            raise ProtocolError(f"tensor {t.name!r} is listed twice in one manifest")
-        seen.add(t.name)
-        size = DTYPE_SIZES.get(t.dtype)
-        if size is None:
-            raise ProtocolError(f"tensor {t.name!r}: unknown dtype {t.dtype!r}")
-        if any(g < 0 for g in t.shape):  # a tensor without shards is not checked below
-            raise ProtocolError(f"tensor {t.name!r}: global shape {t.shape} has a negative size")
-        for i, s in enumerate(t.shards):
-            if len(s.offset) != len(t.shape) or len(s.shape) != len(t.shape):
-                raise ProtocolError(
-                    f"tensor {t.name!r} shard {i}: offset {s.offset} / shape {s.shape} do not "
-                    f"match the tensor's rank {len(t.shape)}"
-                )
-            for d, (o, n, g) in enumerate(zip(s.offset, s.shape, t.shape, strict=True)):
-                if o < 0 or n < 0 or o + n > g:
-                    raise ProtocolError(
-                        f"tensor {t.name!r} shard {i}: dim {d} covers [{o}, {o + n}) outside "
-                        f"the global extent {g}"
-                    )
-            rsize = region_sizes.get(s.region)
-            if rsize is None:
-                raise NotFoundError(f"tensor {t.name!r} shard {i}: unknown region {s.region}")
-            end = s.byte_offset + _prod(s.shape) * size
-            if end > rsize:
-                raise ProtocolError(
-                    f"tensor {t.name!r} shard {i}: bytes [{s.byte_offset}, {end}) overrun region "
-                    f"{s.region} of {rsize} bytes"
-                )
 
 
 @dataclass
@@ -141,6 +90,8 @@ class _Version:
     merged_bytes: bytes | None = None
     scope: dict[int, Extents] | None = None
     region_ids: frozenset[int] | None = None
+    #: while pending: shards its slots list, by the principal that published them
+    charged: dict[str, int] = field(default_factory=dict)
 
 
 class Registry:
@@ -170,6 +121,8 @@ class Registry:
         self.pending_ttl_s = pending_ttl_s
         #: (deadline, model, version) of pending versions, oldest first (one TTL for all)
         self._pending: collections.deque[tuple[float, str, int]] = collections.deque()
+        #: principal -> shards listed by its slots of versions still pending
+        self._pending_shards: collections.Counter[str] = collections.Counter()
         #: per model, the highest version number that ever became READY
         self._newest_ready: dict[str, int] = {}
         self._seq = itertools.count(1)
@@ -181,7 +134,9 @@ class Registry:
 
     # ------------------------------------------------------------ publishing
 
-    def publish(self, m: ManifestIn) -> VersionInfo:
+    def publish(
+        self, m: ManifestIn, owner: str = "", max_pending_shards: int | None = None
+    ) -> VersionInfo:
         """Record one slot's manifest; returns the version's state after it.
 
         Versions are immutable once READY and only move forward. Refused with
@@ -192,6 +147,11 @@ class Registry:
         published on ``expected_slots`` or on a tensor's shape or dtype;
         :class:`ProtocolError` if ``slot`` is out of range. Publishing a pending
         slot again with identical content is a no-op.
+
+        A slot that leaves the version pending is charged to ``owner`` (its shards);
+        :class:`QuotaExceeded` (nothing recorded) when that would take ``owner`` past
+        ``max_pending_shards`` shards pending (None: no cap). The charge ends when the
+        version becomes READY or expires.
         """
         key = (m.model, m.version)
         self.expire_pending()
@@ -213,6 +173,22 @@ class Registry:
                 "already became ready, and a model's versions only move forward; publish "
                 f"a version above {newest}"
             )
+        shards = sum(len(t.shards) for t in m.tensors)
+        stays_pending = (0 if v is None else len(v.slots)) + 1 < m.expected_slots
+        if (
+            stays_pending
+            and max_pending_shards is not None
+            and not (v is not None and m.slot in v.slots)
+            and self._pending_shards[owner] + shards > max_pending_shards
+        ):
+            raise QuotaExceeded(
+                f"publishing slot {m.slot} of {m.model!r} version {m.version} refused: "
+                f"{owner or 'this principal'} already has {self._pending_shards[owner]} "
+                f"shards in versions still pending, and these {shards} would pass its cap "
+                f"of {max_pending_shards} ({PENDING_MANIFESTS} times "
+                "limits.max_manifest_shards); publish the versions' other slots, or wait "
+                "for them to expire (limits.pending_ttl_s)"
+            )
         created = v is None
         if v is None:
             v = _Version(m.model, m.version, m.expected_slots)
@@ -233,7 +209,11 @@ class Registry:
         self._check_agreement(v, m)
         v.slots[m.slot] = m
         v.merged = v.merged_bytes = v.scope = v.region_ids = None
+        if len(v.slots) < v.expected_slots:
+            v.charged[owner] = v.charged.get(owner, 0) + shards
+            self._pending_shards[owner] += shards
         if len(v.slots) == v.expected_slots:
+            self._uncharge(v)
             v.state = VersionState.READY
             self._newest_ready[m.model] = m.version
             log.info("%r version %d: ready (%d slots)", m.model, m.version, v.expected_slots)
@@ -274,6 +254,7 @@ class Registry:
             if self.complete_elsewhere(model, version):
                 continue
             del self._versions[(model, version)]
+            self._uncharge(v)
             log.info(
                 "%r version %d: expired (pending %gs with slots %s of %d published)",
                 model,
@@ -284,6 +265,14 @@ class Registry:
             )
             out.append((model, version))
         return out
+
+    def _uncharge(self, v: _Version) -> None:
+        """``v`` is pending no more: its publishers' shards stop counting."""
+        for owner, n in v.charged.items():
+            self._pending_shards[owner] -= n
+            if self._pending_shards[owner] <= 0:
+                del self._pending_shards[owner]
+        v.charged.clear()
 
     @staticmethod
     def _check_agreement(v: _Version, m: ManifestIn) -> None:
@@ -336,6 +325,7 @@ class Registry:
 
     def versions(self, model: str | None = None) -> list[VersionInfo]:
         """Every known version (of ``model``, if given), oldest first."""
+        self.expire_pending()
         return [
             self._info(v)
             for (mdl, _), v in sorted(self._versions.items())
@@ -359,7 +349,9 @@ class Registry:
         """Region id -> ``(model, version, why)`` of one version that publishes from it
         and whose bytes must not change: READY, pending (being published) or leased
         (a retired version stays protected while a lease on it is live). Neither a
-        pull nor a delete may touch these regions."""
+        pull nor a delete may touch these regions. A version pending past its TTL is
+        forgotten first (expiry must not wait for an unrelated publish)."""
+        self.expire_pending()
         now = self._clock()
         leased = {(x.model, x.version) for x in self._leases.values() if x.expires_at > now}
         out: dict[int, tuple[str, int, str]] = {}
@@ -386,7 +378,7 @@ class Registry:
                     size = DTYPE_SIZES.get(t.dtype, 1)
                     for s in t.shards:
                         ranges.append(
-                            (s.region, s.byte_offset, s.byte_offset + _prod(s.shape) * size)
+                            (s.region, s.byte_offset, s.byte_offset + element_count(s.shape) * size)
                         )
             v.scope = merge_extents(ranges)
         return v.scope
