@@ -119,7 +119,15 @@ BENCHES: dict[str, tuple[str, str]] = {
 }
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The command line. Each command's options come from its module; given ``argv``,
+    only the commands it names are imported for theirs (``refitd serve`` loads no
+    benchmark and no other command: a daemon's start pays for none of them)."""
+    named = None if argv is None else set(argv)
+
+    def wanted(*names: str) -> bool:
+        return named is None or named.issuperset(names)
+
     parser = argparse.ArgumentParser(
         prog="refitd",
         description="refitd: planned, validated, zero-copy weight transfer.",
@@ -128,7 +136,8 @@ def _build_parser() -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if wanted(name):
+            importlib.import_module(module).add_arguments(p)
     bench = sub.add_parser(
         "bench",
         help="run a benchmark (prints ratios measured in one run)",
@@ -148,12 +157,14 @@ def _build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+        if wanted("bench", name):
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _build_parser(argv).parse_args(argv)
     code: int = importlib.import_module(args._module).run(args)
     return code
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,13 @@ def test_serve_asked_for_ucx_reports_ready_only_with_ucx_up(secret_file: str) ->
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_refitd_serve_loads_no_benchmark_and_no_other_command() -> None:
+    code = (
+        "import sys; from refitd.cli import _build_parser; "
+        "_build_parser(['serve', '--port', '0']).parse_args(['serve', '--port', '0']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('refitd.bench', 'refitd.ops'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
