@@ -29,7 +29,7 @@ __all__ = ["attach_tensor", "device_buffer"]
 
 
 async def attach_tensor(
-    client: RefitClient, tensor: torch.Tensor, *, label: str = ""
+    client: RefitClient, tensor: torch.Tensor, *, label: str = "", owner: str = ""
 ) -> tuple[RegionInfo, int]:
     """Register the whole GPU allocation holding ``tensor`` with the daemon of
     ``client``; return its region and the tensor's byte offset in it. Call it once
@@ -38,7 +38,7 @@ async def attach_tensor(
 
     exported = export_allocation(tensor.data_ptr())
     info = await client.attach_region(
-        exported.handle, exported.size, kind=RegionKind.CUDA_IPC, label=label
+        exported.handle, exported.size, kind=RegionKind.CUDA_IPC, label=label, owner=owner
     )
     return info, tensor.data_ptr() - exported.base
 

@@ -4,7 +4,9 @@ A :class:`Publisher` is one publisher *slot* of a model (typically one trainer
 rank). It asks its daemon for shared-memory regions, maps them, and records which
 block of which full tensor sits where. Tensors can be placed zero-copy (the trainer
 writes into :meth:`Publisher.tensor` views directly) or copied in
-(:meth:`Publisher.put`). :meth:`Publisher.publish` sends the manifest for a version;
+(:meth:`Publisher.put`); a GPU tensor is published where it is
+(:meth:`Publisher.place`: its allocation registered once, no copy; never run on a
+GPU yet). :meth:`Publisher.publish` sends the manifest for a version;
 before rewriting tensors for a new version on the same memory, call
 :meth:`Publisher.wait_drain` so no reader is mid-pull.
 """
@@ -68,6 +70,8 @@ class Publisher:
         self._regions: list[_Region] = []
         self._tensors: dict[str, _Tensor] = {}
         self._views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        #: GPU allocations registered for :meth:`place`: base address -> (region, size)
+        self._gpu: dict[int, tuple[RegionInfo, int]] = {}
 
     async def __aenter__(self) -> Self:
         return self
@@ -136,6 +140,57 @@ class Publisher:
             name, global_shape or tuple(value.shape), value.dtype, offset, tuple(value.shape)
         )
         view.copy_(value)
+
+    async def place(
+        self,
+        name: str,
+        value: torch.Tensor,
+        global_shape: tuple[int, ...] | None = None,
+        offset: tuple[int, ...] | None = None,
+    ) -> None:
+        """Publish GPU tensor ``value`` in place as block ``offset`` of tensor ``name``
+        (whole tensor by default): no copy. The GPU allocation holding it is
+        registered with the daemon once (:func:`refitd.client.gpu.attach_tensor`)
+        and every later tensor in it is an offset. Write new values into ``value``
+        itself between versions (after :meth:`wait_drain`). Host tensors go through
+        :meth:`put`; a non-contiguous tensor is refused (its bytes are not one block)."""
+        if value.device.type != "cuda":
+            raise PlanError(
+                f"tensor {name!r}: place() publishes GPU tensors where they are; "
+                f"a {value.device.type} tensor goes through put()"
+            )
+        if not value.is_contiguous():
+            raise PlanError(f"tensor {name!r}: place() needs a contiguous tensor")
+        global_shape = global_shape or tuple(value.shape)
+        offset = offset or (0,) * len(global_shape)
+        t = self._tensors.setdefault(name, _Tensor(global_shape, value.dtype))
+        if (t.shape, t.dtype) != (global_shape, value.dtype):
+            raise PlanError(
+                f"tensor {name!r} placed as {global_shape} {value.dtype}, earlier as "
+                f"{t.shape} {t.dtype}"
+            )
+        region, at = await self._gpu_region(value)
+        shard = ShardEntry(offset, tuple(value.shape), region.region_id, at)
+        t.shards = [s for s in t.shards if tuple(s.offset) != tuple(offset)] + [shard]
+
+    async def _gpu_region(self, value: torch.Tensor) -> tuple[RegionInfo, int]:
+        """The region of the GPU allocation holding ``value`` (registered on first
+        use) and ``value``'s byte offset in it."""
+        ptr = value.data_ptr()
+        for base, (region, size) in self._gpu.items():
+            if base <= ptr < base + size:
+                return region, ptr - base
+        from refitd.client.gpu import attach_tensor
+
+        region, at = await attach_tensor(
+            self.client,
+            value,
+            label=f"{self.model}.slot{self.slot}.gpu{len(self._gpu)}",
+            # as reserve(): under a token the daemon records the token's name
+            owner="" if self.client.authenticated else f"{self.model}/{self.slot}",
+        )
+        self._gpu[ptr - at] = (region, region.nbytes)
+        return region, at
 
     def _fit(self, nbytes: int, name: str) -> _Region:
         for r in self._regions:

@@ -37,3 +37,12 @@ async def test_an_engine_with_parameters_on_two_devices_is_refused_before_anythi
         with pytest.raises(ConflictError, match="2 devices"):
             await r.refit(1)
         assert await c.regions() == []
+
+
+async def test_a_host_tensor_is_published_by_copy_not_in_place() -> None:
+    from refitd.client.publisher import Publisher
+    from refitd.errors import PlanError
+
+    async with RefitClient("http://127.0.0.1:9") as c:  # refused before any request
+        with pytest.raises(PlanError, match="goes through put"):
+            await Publisher(c, "m").place("w", torch.zeros(4))

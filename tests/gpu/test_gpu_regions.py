@@ -239,3 +239,56 @@ async def test_a_gpu_engine_is_refitted_with_every_parameter_kept_on_its_gpu(
             await r.close()
         for p in pubs:
             await p.close()
+
+
+async def test_a_trainer_publishes_gpu_tensors_in_place_and_a_gpu_engine_refits_from_them(
+    node: tuple[SpawnedDaemon, RefitClient],
+) -> None:
+    import math
+
+    import torch
+
+    from refitd.bench.gpu import _verify
+    from refitd.bench.refit import capture_for
+    from refitd.bench.synthetic import SyntheticState, synthetic_config
+    from refitd.client.publisher import Publisher
+    from refitd.client.receiver import DaemonReceiver
+    from refitd.testing.engines import EngineParallel, ToyEngine
+    from refitd.testing.layouts import megatron_tp_ep
+
+    _, c = node
+    cfg = synthetic_config(0.01)
+    dev = torch.device("cuda", 0)
+    published = megatron_tp_ep(cfg, 1, 1, SyntheticState(cfg, 1))  # one trainer rank
+    (session,) = published.buffers
+    trainer = published.buffers[session].to(dev)  # the trainer's weights, on its GPU
+    base = published.buffers[session].data_ptr()
+    pub = Publisher(c, "in-place")
+    for name, info in published.sources.items():
+        for sh in info.shards:
+            n = math.prod(sh.shape) * info.elsize
+            block = trainer[sh.addr - base : sh.addr - base + n].view(info.dtype).view(sh.shape)
+            await pub.place(name, block, tuple(info.global_shape), tuple(sh.shard_offset))
+    await pub.publish(1)
+    assert len([r for r in await c.regions() if r.kind is RegionKind.CUDA_IPC]) == 1
+    ranks = []
+    for rank in range(2):
+        par = EngineParallel(2, rank)
+        engine = ToyEngine(cfg, par).to(dev)
+        r = DaemonReceiver(
+            local=c,
+            source=c,
+            model="in-place",
+            engine=engine,
+            twin=functools.partial(ToyEngine, cfg, par),
+            capture=capture_for(megatron_tp_ep(cfg, 1, 1, None)),
+        )
+        ranks.append((par, engine, r))
+    try:
+        for _, _, r in ranks:
+            stats = await r.refit(1)
+            assert stats.pull.path == "shm+cuda"
+        assert _verify(cfg, 1, ranks)
+    finally:
+        for _, _, r in ranks:
+            await r.close()
