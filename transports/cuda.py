@@ -220,12 +220,19 @@ def export_allocation(pointer: int) -> Exported:
     without an IPC handle (PyTorch's expandable segments, host memory)."""
     drv = _driver()
     ordinal = ctypes.c_int(-1)
-    drv.check(
-        drv.lib.cuPointerGetAttribute(
-            ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, _u64(pointer)
-        ),
-        f"cuPointerGetAttribute(device of {pointer:#x})",
-    )
+
+    def device_of() -> int:
+        return int(
+            drv.lib.cuPointerGetAttribute(
+                ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, _u64(pointer)
+            )
+        )
+
+    rc = device_of()
+    if rc != 0:  # a thread with no current context yet: the first device's, then ask again
+        drv.use(0)
+        rc = device_of()
+    drv.check(rc, f"cuPointerGetAttribute(device of {pointer:#x})")
     drv.use(ordinal.value)
     base, size = _u64(0), ctypes.c_size_t(0)
     rc = drv.fn("cuMemGetAddressRange_v2", "cuMemGetAddressRange")(
