@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,7 @@ from refitd.experts.device import Bytes
 from refitd.experts.inflight import CopyFence
 from refitd.integrations.offload import (
     ExpertOffload,
+    HostExpertStore,
     OffloadedExperts,
     TorchSlotMemory,
     moe_blocks,
@@ -382,3 +384,43 @@ def test_slots_on_a_gpu_that_is_not_there_are_refused_and_the_model_is_left_as_i
         isinstance(b.get_submodule("experts"), OffloadedExperts) for b in moe_blocks(model)
     )
     assert torch.equal(run(model, [1, 2], [3]), run(reference("mixtral"), [1, 2], [3]))
+
+
+def test_host_rows_in_a_shared_segment_serve_the_model_and_a_refit_written_there_is_followed() -> (
+    None
+):
+    from multiprocessing import shared_memory
+
+    ref = copy.deepcopy(reference("qwen3_moe"))
+    layers, experts = num_experts(ref)
+    gu0 = moe_blocks(ref)[0].get_parameter("experts.gate_up_proj")
+    dn0 = moe_blocks(ref)[0].get_parameter("experts.down_proj")
+    row_bytes = (gu0[0].numel() * 4, dn0[0].numel() * 4)
+    segment = shared_memory.SharedMemory(
+        create=True, size=HostExpertStore.nbytes(layers, experts, row_bytes)
+    )
+    model = copy.deepcopy(ref)
+    off = offload_experts(model, slots=layers * experts, host_buffer=segment.buf)
+    try:
+        # The prefill routes every expert: all are resident after it.
+        assert torch.equal(run(model, list(range(12)), [4, 5]), run(ref, list(range(12)), [4, 5]))
+        # A refit writes expert 2 of MoE layer 0 into the segment at the daemon pool's
+        # host layout (bank b at its offset, rows layer-major), as a pull would.
+        new_gu, new_dn = torch.randn_like(gu0[2]) * 0.05, torch.randn_like(dn0[2]) * 0.05
+        with torch.no_grad():
+            gu0[2].copy_(new_gu)
+            dn0[2].copy_(new_dn)
+        bank_at = (0, layers * experts * row_bytes[0])
+        for bank, w in enumerate((new_gu, new_dn)):
+            at = bank_at[bank] + (0 * experts + 2) * row_bytes[bank]
+            segment.buf[at : at + row_bytes[bank]] = (
+                w.contiguous().view(torch.uint8).numpy().tobytes()
+            )
+        assert off.invalidate([(0, 2)]) == 1
+        assert torch.equal(run(model, list(range(12)), [6]), run(ref, list(range(12)), [6]))
+    finally:
+        off.close()
+        segment.unlink()
+    del off, model
+    gc.collect()  # the store's views of the segment go with the model
+    segment.close()

@@ -175,6 +175,7 @@ class ExpertOffload:
         cache: bool,
         predictor: Predictor | None,
         slot_memory: SlotMemoryFactory | None = None,
+        host_buffer: memoryview | bytearray | None = None,
     ) -> None:
         first = _experts(blocks[0])
         num_experts, two_i, hidden = first.gate_up_proj.shape
@@ -199,7 +200,12 @@ class ExpertOffload:
         self._slot_memory = slot_memory
         self.slot_device: TorchSlotMemory | CudaSlotMemory = slot_memory(self.geometry)
         self.store = HostExpertStore(
-            self.num_layers, self.num_experts, shapes, dtype, pin=device.type == "cuda"
+            self.num_layers,
+            self.num_experts,
+            shapes,
+            dtype,
+            pin=device.type == "cuda",
+            buffer=host_buffer,
         )
         for layer, block in enumerate(blocks):
             experts = _experts(block)
@@ -397,6 +403,7 @@ class ExpertOffload:
         close = getattr(self.slot_device, "close", None)
         if close is not None:
             close()
+        self.store.close()
 
 
 def offload_experts(
@@ -410,6 +417,7 @@ def offload_experts(
     cache: bool = True,
     predictor: Predictor | None = None,
     slot_memory: SlotMemoryFactory | None = None,
+    host_buffer: memoryview | bytearray | None = None,
 ) -> ExpertOffload:
     """Move ``model``'s MoE experts to host memory behind a pool of ``slots`` slots on
     ``device`` (default: where the experts are now) shared by all MoE layers.
@@ -420,7 +428,9 @@ def offload_experts(
     (at most that many copies per layer step, the rest computed on the CPU);
     ``cache=False`` is on-demand loading with no cache (every step copies all its
     experts). ``slot_memory`` builds the slot pool instead of the default for
-    ``device``. Move the rest of the model to ``device`` yourself; the offloaded
+    ``device``. ``host_buffer`` holds the host rows instead of memory of the store's
+    own (see ``HostExpertStore``): a refit that writes rows there is followed by
+    ``invalidate``. Move the rest of the model to ``device`` yourself; the offloaded
     layers hold no parameters.
     """
     blocks = moe_blocks(model)
@@ -441,4 +451,5 @@ def offload_experts(
             cache=cache,
             predictor=predictor,
             slot_memory=slot_memory,
+            host_buffer=host_buffer,
         )

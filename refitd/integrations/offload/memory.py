@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -27,7 +28,14 @@ class HostExpertStore:
     """Every expert's rows in host memory: bank ``b`` is one ``uint8`` tensor
     ``[layers, experts, row_bytes[b]]``. An ``ExpertRows`` for the slot executor
     (``row`` is a zero-copy view) and the CPU's source in hybrid mode (``weight``).
-    ``pin`` page-locks the memory, so a GPU copies from it with its DMA engine."""
+
+    By default the store allocates its memory, page-locked with ``pin`` so a GPU
+    copies from it with its DMA engine. Given a ``buffer`` (e.g. a shared-memory
+    segment attached to refitd as a region, so a refit pull lands in the rows) it
+    uses that instead, in a daemon expert pool's host layout: banks one after another,
+    rows layer-major (``nbytes`` sizes it); ``pin`` then registers it with CUDA
+    (``cudaHostRegister``) until ``close``.
+    """
 
     def __init__(
         self,
@@ -37,22 +45,61 @@ class HostExpertStore:
         dtype: torch.dtype,
         *,
         pin: bool = False,
+        buffer: memoryview | bytearray | None = None,
     ) -> None:
         self.num_layers, self.num_experts = num_layers, num_experts
         self.shapes = tuple(shapes)
         self.dtype = dtype
         size = torch.tensor([], dtype=dtype).element_size()
         self.row_bytes = tuple(a * b * size for a, b in self.shapes)
-        self._banks = [
-            torch.zeros((num_layers, num_experts, w), dtype=torch.uint8, pin_memory=pin)
-            for w in self.row_bytes
-        ]
+        self._registered: torch.Tensor | None = None
+        if buffer is None:
+            self._banks = [
+                torch.zeros((num_layers, num_experts, w), dtype=torch.uint8, pin_memory=pin)
+                for w in self.row_bytes
+            ]
+        else:
+            self._banks = self._over(memoryview(buffer).cast("B"), pin)
         # numpy views: ``row`` is on the hot path and numpy slices are cheap.
         self._np = [b.numpy() for b in self._banks]
         self._typed = [
             b.view(dtype).view(num_layers, num_experts, *shape)
             for b, shape in zip(self._banks, self.shapes)
         ]
+
+    @staticmethod
+    def nbytes(num_layers: int, num_experts: int, row_bytes: Sequence[int]) -> int:
+        """Bytes a ``buffer`` must hold for this geometry."""
+        return num_layers * num_experts * sum(row_bytes)
+
+    def _over(self, view: memoryview, pin: bool) -> list[torch.Tensor]:
+        need = self.nbytes(self.num_layers, self.num_experts, self.row_bytes)
+        if view.readonly or view.nbytes < need:
+            raise ConfigError(
+                f"expert rows need a writable buffer of {need} bytes, got "
+                f"{'a read-only one' if view.readonly else f'{view.nbytes}'}"
+            )
+        whole = torch.frombuffer(view, dtype=torch.uint8, count=need)
+        if pin:
+            if not torch.cuda.is_available():
+                raise ConfigError("registering expert rows with CUDA needs a GPU")
+            cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            rc = cudart.cudaHostRegister(whole.data_ptr(), need, 0)
+            if int(rc) != 0:
+                raise ConfigError(f"cudaHostRegister of {need} bytes of expert rows failed: {rc}")
+            self._registered = whole
+        banks, at, rows = [], 0, self.num_layers * self.num_experts
+        for w in self.row_bytes:
+            banks.append(whole[at : at + rows * w].view(self.num_layers, self.num_experts, w))
+            at += rows * w
+        return banks
+
+    def close(self) -> None:
+        """Unregister a caller's buffer from CUDA (idempotent)."""
+        if self._registered is not None:
+            cudart: Any = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            cudart.cudaHostUnregister(self._registered.data_ptr())
+            self._registered = None
 
     def row(self, bank: int, layer: int, row: int) -> Bytes | None:
         if not (0 <= bank < len(self._np) and 0 <= layer < self.num_layers):
