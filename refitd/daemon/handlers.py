@@ -38,7 +38,7 @@ from refitd.daemon.listeners import Caller, PullCap, WriteRule
 from refitd.daemon.membership import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.membership import routes as cluster_routes
 from refitd.daemon.metrics import METRICS_KEY, PullMetrics
-from refitd.daemon.mirrorhandlers import setup_mirrors
+from refitd.daemon.mirrorhandlers import MIRRORS, setup_mirrors
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.poolapi import routes as expert_routes
@@ -252,7 +252,9 @@ async def drain(request: web.Request) -> web.Response:
 async def acquire(request: web.Request) -> web.Response:
     req = await body(request, LeaseRequest)
     d, who = request.app[DAEMON], principal_of(request)
-    d.models.check_read(who, req.model, "lease")
+    # A host mirror's version: leased under a live lease at its source, whoever asks.
+    if not await request.app[MIRRORS].admit_lease(req):
+        d.models.check_read(who, req.model, "lease")
     d.caps.leases.admit(who.name, d.registry.is_live)
     grant = d.registry.acquire(req.model, req.version, req.ttl_s, req.holder, owner=who.name)
     d.caps.leases.add(who.name, grant.lease_id)

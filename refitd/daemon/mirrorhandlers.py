@@ -7,6 +7,7 @@ import time
 
 from aiohttp import web
 
+from refitd.daemon.auth import principal_of
 from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
 from refitd.daemon.mirrors import Mirrors
 from refitd.daemon.node import Daemon
@@ -53,7 +54,9 @@ async def mirror_state(request: web.Request) -> web.Response:
     version = query_int(request, "version")
     after = query_int(request, "after") if "after" in request.query else -1
     timeout_s = min(query_float(request, "timeout", 0.0), 60.0)
-    m = request.app[MIRRORS].find(request.match_info["model"], version)
+    mirrors = request.app[MIRRORS]
+    m = mirrors.find(request.match_info["model"], version)
+    mirrors.check_state_reader(principal_of(request), m, request.query.get("lease", ""))
     deadline = time.monotonic() + timeout_s
     while int(m.done.sum()) <= after and not m.finished:
         left = deadline - time.monotonic()

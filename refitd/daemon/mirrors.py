@@ -54,9 +54,10 @@ from refitd.daemon.paths import SHM_SCHEME
 from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.pulls import RemoteSource, Source
 from refitd.daemon.trust import Extents
-from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
+from refitd.errors import AccessDenied, ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
+    LeaseRequest,
     ManifestIn,
     PeerRegions,
     PullRequest,
@@ -69,6 +70,7 @@ from refitd.wire.mirrors import MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorSta
 from transports.segments import SHM_DIR
 
 if TYPE_CHECKING:
+    from refitd.daemon.auth import Principal
     from refitd.daemon.node import Daemon
     from refitd.daemon.pulls import PullManager
 
@@ -315,7 +317,7 @@ class Mirrors:
         try:
             for r in peer.regions:
                 m.regions[r.region_id] = await d.create_region(
-                    RegionCreate(r.nbytes, owner=OWNER, label=f"mirror-{m.model}-{m.version}")
+                    RegionCreate(r.nbytes, owner=OWNER, label="mirror")  # names no model
                 )
             tensors = [
                 TensorEntry(
@@ -351,7 +353,7 @@ class Mirrors:
             m.tried.append(upstream or m.source)
             try:
                 if upstream:
-                    await self._fill_from_relay(m, upstream)
+                    await self._fill_from_relay(m, upstream, lease_id)
                 else:
                     await self._fill_from(m, src, lease_id, None)
             except (RefitError, OSError, TimeoutError) as exc:
@@ -387,14 +389,15 @@ class Mirrors:
             return ""
         return a.upstream.rstrip("/")
 
-    async def _fill_from_relay(self, m: Mirror, url: str) -> None:
+    async def _fill_from_relay(self, m: Mirror, url: str, source_lease: str) -> None:
         """Read the chunks ``url``'s mirror holds and this one lacks, as they complete
-        there, until every chunk is here."""
+        there, until every chunk is here. Its lease there is granted under this
+        mirror's live lease at the source, ``source_lease``."""
         relay = self._remote(url)
         c = relay.client
         deadline = answer_s(self.d.options.pull_timeout_s)
         async with asyncio.timeout(deadline):  # a stopped relay answers nothing
-            grant = await c.acquire_lease(m.model, m.version, LEASE_TTL_S)
+            grant = await c.acquire_lease(m.model, m.version, LEASE_TTL_S, source_lease)
         # Reading overlaps asking: each answer that names new chunks starts a pass
         # that reads them, while the next long-poll is already out; ``claimed``
         # keeps two passes from reading one chunk.
@@ -404,7 +407,7 @@ class Mirrors:
                 seen = -1
                 while not claimed.all():
                     async with asyncio.timeout(WAIT_S + deadline):
-                        st = await c.mirror_state(m.model, m.version, seen, WAIT_S)
+                        st = await c.mirror_state(m.model, m.version, seen, WAIT_S, grant.lease_id)
                     if st.error:
                         raise TransportError(f"its mirror failed: {st.error}")
                     if st.source.rstrip("/") != m.source or set(st.regions) != set(m.regions):
@@ -500,6 +503,40 @@ class Mirrors:
             return scope
         done = m.done_extents()
         return {rid: done.get(rid, []) for rid in scope}
+
+    async def admit_lease(self, req: LeaseRequest) -> bool:
+        """Whether ``req`` is a lease on a version this daemon holds as a host mirror,
+        admitted because ``req.source_lease`` is a live lease on it at its source (the
+        source's readers rule travels with the mirror: whoever the source lets read
+        the version may read this copy, and nobody else). False for any other model:
+        the daemon's own readers rule decides. :class:`AccessDenied` (403) without a
+        live lease at the source."""
+        if not self.d.models.held(req.model):
+            return False
+        m = self.find(req.model, req.version)
+        refusal = (
+            f"lease on {req.model!r} version {req.version} refused: this daemon holds it as a "
+            f"mirror of {m.source}, and leases it only under a live lease on it there "
+            "(source_lease)"
+        )
+        if not req.source_lease:
+            raise AccessDenied(refusal)
+        try:
+            await self._remote(m.source).check_lease(req.source_lease, req.model, req.version)
+        except (ConflictError, NotFoundError):
+            raise AccessDenied(f"{refusal}; {req.source_lease!r} is not one") from None
+        return True
+
+    def check_state_reader(self, who: Principal, m: Mirror, lease_id: str) -> None:
+        """Refuse (403) the state of mirror ``m`` to a caller that may not read its model
+        here and presents no live lease on its version here (a relay reading it does)."""
+        if lease_id:
+            try:
+                self.d.registry.check(lease_id, m.model, m.version)
+                return
+            except (ConflictError, NotFoundError):
+                pass
+        self.d.models.check_read(who, m.model, "see the mirror of")
 
     def held_bytes(self) -> int:
         """Bytes every mirror of this daemon holds, or is about to make."""

@@ -31,6 +31,7 @@ class ModelOwners:
         self._configured = parse_model_table(owners, "models.owners")
         self._readers = parse_model_table(readers, "models.readers")
         self._first: dict[str, str] = {}  # model -> its first publisher (unlisted models)
+        self._held: set[str] = set()  # models the daemon holds as host mirrors
 
     def owners(self, model: str) -> frozenset[str]:
         """The principals that own ``model`` (empty: nobody yet, the next publisher will)."""
@@ -67,6 +68,7 @@ class ModelOwners:
         lists the same). Refused (:class:`ConflictError`) when another principal owns
         it here: the daemon never publishes into a tenant's model."""
         if model in self._configured:
+            self._held.add(model)
             return
         first = self._first.get(model)
         if first is not None and first != name:
@@ -75,9 +77,18 @@ class ModelOwners:
                 "publish into a tenant's model"
             )
         self._first[model] = name
+        self._held.add(model)
+
+    def held(self, model: str) -> bool:
+        """Whether the daemon holds ``model`` as a host mirror (see :meth:`hold`)."""
+        return model in self._held
 
     def may_read(self, who: Principal, model: str) -> bool:
-        """Whether ``who`` may lease ``model`` and read its manifest."""
+        """Whether ``who`` may lease ``model`` and read its manifest. A model the daemon
+        holds as a host mirror is read by its owners only: whom else the source lets
+        read it is proven by a lease there, not by this daemon's table."""
+        if model in self._held and who.authenticated and not who.admin:
+            return who.name in self.owners(model)
         readers = self._readers.get(model)
         if readers is None or not who.authenticated or who.admin:
             return True

@@ -98,9 +98,13 @@ class PeerClient:
 
     # ------------------------------------------------------------ a host mirror's calls
 
-    async def acquire_lease(self, model: str, version: int, ttl_s: float) -> LeaseGrant:
-        """Lease ``model`` ``version`` (READY there) for ``ttl_s`` seconds."""
-        return await self._send(api.ACQUIRE_LEASE, LeaseRequest(model, version, ttl_s))
+    async def acquire_lease(
+        self, model: str, version: int, ttl_s: float, source_lease: str = ""
+    ) -> LeaseGrant:
+        """Lease ``model`` ``version`` (READY there) for ``ttl_s`` seconds; a host
+        mirror's version under ``source_lease``, a live lease on it at its source."""
+        req = LeaseRequest(model, version, ttl_s, source_lease=source_lease)
+        return await self._send(api.ACQUIRE_LEASE, req)
 
     async def renew_lease(self, lease_id: str, ttl_s: float) -> LeaseGrant:
         return await self._send(api.RENEW_LEASE, params={"ttl": str(ttl_s)}, lease_id=lease_id)
@@ -117,11 +121,14 @@ class PeerClient:
         return await self._send(api.MIRROR_HOLDERS, join)
 
     async def mirror_state(
-        self, model: str, version: int, after: int, timeout_s: float
+        self, model: str, version: int, after: int, timeout_s: float, lease_id: str = ""
     ) -> MirrorState:
         """The peer's mirror of ``model`` ``version``, once more than ``after`` chunks
-        are complete there, it ended, or ``timeout_s`` passed."""
+        are complete there, it ended, or ``timeout_s`` passed; asked under a lease on
+        it there (``lease_id``), or as a principal that may read the model there."""
         params = {"after": str(after), "timeout": str(timeout_s)}
+        if lease_id:
+            params["lease"] = lease_id
         return await self._send(api.MIRROR_STATE, params=params, model=model, version=version)
 
     async def _send(

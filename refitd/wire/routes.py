@@ -327,7 +327,7 @@ MIRROR_STATE = _r(
     MirrorState,
     "A mirror's progress (waits for more than 'after' complete chunks)",
     tag="mirrors",
-    query={"after": int, "timeout": float},
+    query={"after": int, "timeout": float, "lease": str},
 )
 
 # ---------------------------------------------------------------- meta

@@ -29,6 +29,7 @@ from refitd.daemon.process import listening
 from refitd.errors import AccessDenied, ConfigError, NotFoundError, RefitError
 from refitd.wire import (
     DescriptorTable,
+    LeaseRequest,
     ManifestIn,
     PullRequest,
     PullState,
@@ -64,14 +65,23 @@ class Hosts:
 
 @contextlib.asynccontextmanager
 async def hosts(
-    *, gated: bool = False, tokens: Path | None = None, **mirror_options: object
+    *,
+    gated: bool = False,
+    tokens: Path | None = None,
+    source_readers: tuple[str, ...] = (),
+    **mirror_options: object,
 ) -> AsyncIterator[Hosts]:
-    """The two daemons; with ``tokens`` (a token file) the mirror host's clients are
-    tokens' principals, and ``mc`` is tenant ``a``."""
+    """The two daemons. With ``tokens`` (a token file: tenants ``a`` and ``b``, and
+    ``peer``, the token the mirror host's daemon presents to the source) both daemons
+    authenticate their clients: ``sc`` is ``peer`` at the source, ``mc`` is ``a`` at
+    the mirror host; ``source_readers`` are the source's ``[models] readers``."""
     copier = GatedCopier() if gated else None
     if copier is not None:
         copier.gate.set()  # open until a test closes it
-    src = Daemon(DaemonOptions(port=0, node_id="trainer", transport="tcp", secret=SECRET))
+    sopts = DaemonOptions(
+        port=0, node_id="trainer", transport="tcp", secret=SECRET, model_readers=source_readers
+    )
+    src = Daemon(sopts)
     mopts = DaemonOptions(
         port=0,
         node_id="host-a",
@@ -86,10 +96,11 @@ async def hosts(
             yield Hosts(src, mirror, sc, mc, copier)
         return
     policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
+    auth = [lambda app: setup_auth(app, policy)]
     async with (
-        listening(src.options, daemon=src) as (_, src_url),
-        listening(mopts, daemon=mirror, setup=[lambda app: setup_auth(app, policy)]) as (_, url),
-        RefitClient(src_url) as sc,
+        listening(sopts, daemon=src, setup=auth) as (_, src_url),
+        listening(mopts, daemon=mirror, setup=auth, token="token-of-peer") as (_, url),
+        RefitClient(src_url, token="token-of-peer") as sc,
         RefitClient(url, token="token-of-a") as mc,
     ):
         mirror.peers.replace("test", [src_url])
@@ -98,7 +109,7 @@ async def hosts(
 
 def token_file(tmp: Path) -> Path:
     path = tmp / "tokens"
-    path.write_text("a token-of-a\nb token-of-b\n")
+    path.write_text("a token-of-a\nb token-of-b\npeer token-of-peer\n")
     path.chmod(0o600)
     return path
 
@@ -195,7 +206,7 @@ async def test_a_tenant_that_owns_nothing_can_neither_publish_into_drain_nor_ret
         # tenant a (the engine) cannot take it over either: the daemon holds it
         with pytest.raises(AccessDenied):
             await h.mc.wait_drain(MODEL, 1, 1.0, retire=True)
-        versions = await h.mc.all_versions()
+        versions = h.mirror.registry.versions()
         assert [(v.model, v.version, v.state.value) for v in versions] == [(MODEL, 1, "ready")]
         again = await h.sc.acquire_lease(MODEL, 1, 60.0)
         req, _ = await pull_request(h, region, again.lease_id)
@@ -272,3 +283,52 @@ async def test_a_malformed_query_parameter_of_the_mirror_state_is_a_400_in_the_e
         else:
             assert r.status == 400, body
             assert body["error"] == "ProtocolError" and body["detail"]
+
+
+# ---------------------------------------------------------------- (2) readers
+
+
+async def test_a_tenant_the_source_refuses_cannot_read_the_mirrored_version_on_the_mirror_host(
+    tmp_path: Path,
+) -> None:
+    readers = ("m=a", "m=peer")  # b may not read m at the source
+    async with hosts(tokens=token_file(tmp_path), source_readers=readers) as h:
+        region = await publish(h.sc)
+        async with RefitClient(h.sc.base_url, token="token-of-a") as a_at_source:
+            lease = await a_at_source.acquire_lease(MODEL, 1, 60.0)
+            req, _ = await pull_request(h, region, lease.lease_id)
+            assert (await h.mc.pull(req)).path == "shm"  # a reads through the mirror
+            async with RefitClient(h.sc.base_url, token="token-of-b") as b_at_source:
+                with pytest.raises(AccessDenied):
+                    await b_at_source.acquire_lease(MODEL, 1, 60.0)
+            async with RefitClient(h.mc.base_url, token="token-of-b") as b:
+                with pytest.raises(AccessDenied):
+                    await b.acquire_lease(MODEL, 1, 60.0)
+                with pytest.raises(AccessDenied):
+                    await b.manifest(MODEL, 1)
+                with pytest.raises(AccessDenied):
+                    await b._send(api.MIRROR_STATE, model=MODEL, version=1)
+                assert [v for v in await b.all_versions() if v.model == MODEL] == []
+                mirrored = [r for r in await b.regions() if r.owner == "refitd-mirror"]
+                assert mirrored and all(r.label == "mirror" for r in mirrored)
+
+
+async def test_a_mirrored_version_is_leased_on_its_host_only_under_a_live_lease_at_its_source(
+    tmp_path: Path,
+) -> None:
+    async with hosts(tokens=token_file(tmp_path), source_readers=("m=a", "m=peer")) as h:
+        region = await publish(h.sc)
+        at_source = await h.sc.acquire_lease(MODEL, 1, 60.0)
+        req, _ = await pull_request(h, region, at_source.lease_id)
+        await h.mc.pull(req)  # the mirror exists
+        async with RefitClient(h.mc.base_url, token="token-of-b") as b:
+            grant = await b._send(
+                api.ACQUIRE_LEASE, LeaseRequest(MODEL, 1, 30.0, source_lease=at_source.lease_id)
+            )
+            assert grant.model == MODEL
+            await h.sc.release_lease(at_source.lease_id)
+            with pytest.raises(AccessDenied, match="source"):
+                await b._send(
+                    api.ACQUIRE_LEASE,
+                    LeaseRequest(MODEL, 1, 30.0, source_lease=at_source.lease_id),
+                )
