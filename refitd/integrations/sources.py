@@ -22,7 +22,9 @@ leave a tensor out.
 shared memory every round. Blocks are copied once per round into that memory
 (a local copy of the rank's own bytes, no collective); with ``adopt=True`` the
 tensors a source owns (plain parameters, Megatron entries) are moved into it once,
-so later rounds publish with no copy at all.
+so later rounds publish with no copy at all, and contiguous GPU blocks are published
+where they are (:meth:`~refitd.client.publisher.Publisher.place`; never run on a GPU
+yet).
 """
 
 from __future__ import annotations
@@ -294,15 +296,28 @@ class ShardPublisher:
         if self.publisher is not None and self.version is not None:
             # The engine may still read the previous version from this memory.
             await self.publisher.wait_drain(self.version, self.drain_timeout_s)
+        # With adopt, a contiguous GPU block is published where it is (its allocation
+        # registered once, no copy): the trainer already promises to retire() a
+        # version before writing its tensors. Without adopt it is copied, as before.
+        in_place = {
+            id(s)
+            for s in shards
+            if self.adopt and s.tensor.is_cuda and s.tensor.is_contiguous() and s.tensor.numel()
+        }
         if self.publisher is None or layout != self._layout:
             if self.publisher is not None:
                 await self.publisher.close()
             self.publisher = Publisher(self.client, self.model, self.slot, self.slots)
-            await self.publisher.reserve(reserve_bytes(shards), label=f"{self.model}.{self.slot}")
+            host = [s for s in shards if id(s) not in in_place]
+            if host or not shards:
+                await self.publisher.reserve(reserve_bytes(host), label=f"{self.model}.{self.slot}")
             self._layout = layout
         pub = self.publisher
         copied = 0
         for s in shards:
+            if id(s) in in_place:
+                await pub.place(s.name, s.tensor, s.global_shape, s.offset)
+                continue
             view = pub.tensor(
                 s.name, s.global_shape, s.tensor.dtype, s.offset, tuple(s.tensor.shape)
             )

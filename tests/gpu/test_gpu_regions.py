@@ -292,3 +292,32 @@ async def test_a_trainer_publishes_gpu_tensors_in_place_and_a_gpu_engine_refits_
     finally:
         for _, _, r in ranks:
             await r.close()
+
+
+async def test_a_gpu_source_with_adopt_is_published_in_place_one_region_per_allocation(
+    node: tuple[SpawnedDaemon, RefitClient],
+) -> None:
+    import torch
+
+    from refitd.client.gpu import device_buffer
+    from refitd.integrations.sources import MegatronSource, ShardPublisher
+
+    _, c = node
+    dev = torch.device("cuda", 0)
+    t = torch.arange(64 * 64, dtype=torch.float32, device=dev).reshape(64, 64)
+    source = MegatronSource([("w", t[:32], (0, 0), (64, 64)), ("w", t[32:], (32, 0), (64, 64))])
+    sp = ShardPublisher(c, "mg", adopt=True)
+    await sp.publish(source, 1)
+    assert sp.copied_bytes == 0, "a GPU block was copied instead of published in place"
+    assert [r.kind for r in await c.regions()] == [RegionKind.CUDA_IPC]  # one allocation
+    m = await c.manifest("mg", 1)
+    lease = (await c.acquire_lease("mg", 1, 600.0)).lease_id
+    flat, dst = await device_buffer(c, t.numel() * 4, dev, label="dst")
+    rows = np.array(
+        [
+            (s.region, s.byte_offset, dst.region_id, s.offset[0] * 64 * 4, 32 * 64 * 4)
+            for s in m.tensors[0].shards
+        ]
+    )
+    await _pull(c, "mg", lease, rows)
+    assert torch.equal(flat[: t.numel() * 4].view(torch.float32).view(64, 64), t)
