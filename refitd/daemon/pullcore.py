@@ -20,7 +20,15 @@ from refitd.daemon.paths import AUTO, SHM_SCHEME, TCP_SCHEME
 from refitd.daemon.plancheck import validate_descriptors, validate_plan
 from refitd.daemon.trust import check_pack_reads, check_reads
 from refitd.errors import ProtocolError, RefitError, TransportError
-from refitd.wire import DescriptorTable, ErrorBody, PackSpec, PeerRegions, PullRequest, StagedPack
+from refitd.wire import (
+    DescriptorTable,
+    ErrorBody,
+    PackSpec,
+    PeerRegions,
+    PullRequest,
+    RegionKind,
+    StagedPack,
+)
 from transports.batch import ReadBatch, rows_as_batch, split_pieces, suspect_ranges
 from transports.interface import PeerInfo
 from transports.shm import ListedSegment, peer_record
@@ -39,6 +47,7 @@ __all__ = [
     "forced",
     "merge_peer",
     "pace_for",
+    "refuse_peer_devices",
     "scope_check",
     "shm_record",
     "shm_refused",
@@ -157,6 +166,20 @@ def shm_refused(mode: str, node_id: str, refusal: str) -> str:
             f"refused: {refusal}"
         )
     return refusal
+
+
+def refuse_peer_devices(peer: PeerRegions) -> None:
+    """Refuse (:class:`TransportError`, nothing moved) a pull reading another daemon's
+    GPU regions: no path reads them yet (same host: the daemon that opened them is
+    the one that copies them; across hosts: pinned staging is not built, see
+    docs/gpu.md), and a transport that reads host memory must never be handed one."""
+    gpu = [r.region_id for r in peer.regions if r.kind is not RegionKind.SHM]
+    if gpu:
+        raise TransportError(
+            f"pull from {peer.node_id!r} refused before any byte moved: its region(s) "
+            f"{gpu} are GPU memory, which only the daemon holding them reads; publish "
+            "through a host region there, or refit on that daemon's host (docs/gpu.md)"
+        )
 
 
 def tries_shm(mode: str) -> bool:

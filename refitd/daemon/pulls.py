@@ -435,6 +435,7 @@ class PullManager:
             return SHM_SCHEME, self.plane.shm.loopback()
         if peer is None:
             return "none", None  # nothing to read
+        pullcore.refuse_peer_devices(peer)
         why_not_shm = pullcore.forced(self.mode)
         if pullcore.tries_shm(self.mode):
             try:

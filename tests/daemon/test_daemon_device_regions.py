@@ -14,12 +14,13 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+from support.daemons import serving_daemons
 from support.devices import HostDeviceEngine, HostDeviceMemory
 
 from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.process import listening
-from refitd.errors import ConflictError, RefitError
+from refitd.errors import ConflictError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
@@ -147,3 +148,20 @@ async def test_a_strided_pack_from_device_memory_fails_its_pull_naming_why() -> 
         with pytest.raises(RefitError, match="hostdev memory"):
             await c.pull(request("dev", lease, empty, [spec]))
         assert not memory.closed
+
+
+async def test_a_peer_daemons_gpu_region_is_refused_before_any_byte_moves() -> None:
+    engine = HostDeviceEngine()
+    secret = b"one-deployment-secret-0123456789"
+    a = Daemon(DaemonOptions(port=0, node_id="holder", transport="shm", secret=secret))
+    b = Daemon(DaemonOptions(port=0, node_id="reader", transport="shm", secret=secret))
+    async with serving_daemons(a, b) as (ca, cb):
+        src, _ = await device_region(a, engine, "weights")
+        await publish(ca, "dev", src.region_id)
+        lease = (await ca.acquire_lease("dev", 1, 600.0)).lease_id
+        dst = await cb.create_region(N, label="dst")
+        rows = np.array([(src.region_id, 0, dst.region_id, 0, PIECE)], dtype=np.int64)
+        req = PullRequest("dev", 1, lease, DescriptorTable.pack(rows), [], ca.base_url)
+        with pytest.raises(TransportError, match="GPU memory, which only the daemon holding"):
+            await cb.pull(req)
+        assert engine.batches == 0
