@@ -54,6 +54,8 @@ from refitd.errors import ConflictError, NotFoundError, ProtocolError
 from .memory import HOST, CopyEngine, DeviceFault, DeviceMemory, add_engine
 
 if TYPE_CHECKING:
+    import torch
+
     from .interface import MappedMemory
 
 __all__ = [
@@ -65,6 +67,7 @@ __all__ = [
     "Exported",
     "device_count",
     "export_allocation",
+    "gather_units",
     "missing",
 ]
 
@@ -546,9 +549,8 @@ class CudaEngine(CopyEngine):
     def _gather(
         self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
     ) -> None:
-        """Small GPU-to-GPU reads as one indexed copy of 8-byte units over the whole
-        device address space (the indices are built on the device from one start
-        and count per read, so a 4 KiB read costs 24 bytes of upload, not a call)."""
+        """Small GPU-to-GPU reads as one indexed copy (:func:`gather_units`) over the
+        device address space they span."""
         import torch
 
         try:
@@ -556,18 +558,38 @@ class CudaEngine(CopyEngine):
                 lo = int(min(dst.min(), src.min()))
                 hi = int(max((dst + nbytes).max(), (src + nbytes).max()))
                 space = torch.as_tensor(_Span(lo, (hi - lo) // GATHER_UNIT), device="cuda")
-                counts = torch.from_numpy(nbytes // GATHER_UNIT).cuda()
-                d0 = torch.from_numpy((dst - lo) // GATHER_UNIT).cuda()
-                s0 = torch.from_numpy((src - lo) // GATHER_UNIT).cuda()
-                total = int(counts.sum())
-                first = torch.cumsum(counts, 0) - counts
-                step = torch.arange(total, device="cuda") - torch.repeat_interleave(first, counts)
-                di = torch.repeat_interleave(d0, counts) + step
-                si = torch.repeat_interleave(s0, counts) + step
-                space[di] = space[si]
+                gather_units(space, lo, dst, src, nbytes)
                 torch.cuda.current_stream().synchronize()
         except RuntimeError as exc:  # PyTorch reports CUDA errors as RuntimeError
             raise CudaError(f"indexed GPU gather of {len(dst)} reads failed: {exc}") from exc
+
+
+def gather_units(
+    space: torch.Tensor,
+    base: int,
+    dst: npt.NDArray[np.int64],
+    src: npt.NDArray[np.int64],
+    nbytes: npt.NDArray[np.int64],
+) -> None:
+    """Copy ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]`` (every one a
+    multiple of :data:`GATHER_UNIT`, inside ``space``: int64 units of memory starting
+    at address ``base``; reads validated, destinations disjoint) with one indexed copy
+    on ``space``'s device. The indices are built there from one start and one count
+    per read, so a 4 KiB read costs 24 bytes of upload, not a call of its own."""
+    import torch
+
+    dev = space.device
+    counts = torch.from_numpy(nbytes // GATHER_UNIT).to(dev)
+    d0 = torch.from_numpy((dst - base) // GATHER_UNIT).to(dev)
+    s0 = torch.from_numpy((src - base) // GATHER_UNIT).to(dev)
+    total = int(nbytes.sum()) // GATHER_UNIT
+    first = torch.cumsum(counts, 0) - counts
+    step = torch.arange(total, device=dev) - torch.repeat_interleave(
+        first, counts, output_size=total
+    )
+    di = torch.repeat_interleave(d0, counts, output_size=total) + step
+    si = torch.repeat_interleave(s0, counts, output_size=total) + step
+    space[di] = space[si]
 
 
 class _Span:

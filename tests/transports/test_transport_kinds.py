@@ -177,3 +177,24 @@ def test_a_host_only_daemon_and_client_never_load_cuda() -> None:
         "assert 'libcuda' not in pathlib.Path('/proc/self/maps').read_text(), 'libcuda loaded'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_indexed_gather_lands_every_small_read_in_its_place() -> None:
+    # The GPU engine's gather for small pieces, run on CPU memory: same indices, same copy.
+    import torch
+
+    from transports.cuda import gather_units
+
+    rng = np.random.default_rng(5)
+    units = 1 << 16
+    space = torch.from_numpy(rng.integers(0, 1 << 62, units, dtype=np.int64))
+    base = space.data_ptr()
+    before = space.numpy().view(np.uint8).copy()
+    sizes = rng.integers(1, 64, 300).astype(np.int64) * 8
+    src = rng.integers(0, units * 4 - 512, 300).astype(np.int64) // 8 * 8  # first half
+    dst = units * 4 + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    gather_units(space, base, base + dst, base + src, sizes)
+    want = before.copy()
+    for d, s, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
+        want[d : d + n] = before[s : s + n]
+    assert np.array_equal(space.numpy().view(np.uint8), want)
