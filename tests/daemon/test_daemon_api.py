@@ -9,13 +9,12 @@ from dataclasses import dataclass
 import aiohttp
 import numpy as np
 import pytest
-from support.daemons import FakeClock, GatedCopier
+from support.daemons import FakeClock, GatedCopier, served
 
 from refitd.client.http import RefitClient
 from refitd.client.leases import LeaseKeeper
 from refitd.daemon.handlers import PULLS
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.process import listening
 from refitd.errors import ConflictError, NotFoundError, PlanError, ProtocolError
 from refitd.wire import (
     DescriptorTable,
@@ -48,8 +47,8 @@ async def _env(gated: bool) -> AsyncIterator[Env]:
     # The API alone needs no UCX: the shared-memory mode keeps these daemons light.
     opts = DaemonOptions(port=0, node_id="t", transport="shm")
     daemon = Daemon(opts, clock=clock, copier=copier)
-    async with listening(daemon.options, daemon=daemon) as (_, url), RefitClient(url) as c:
-        yield Env(c, url, daemon, clock, copier)
+    async with served(daemon) as s:
+        yield Env(s.client, s.url, daemon, clock, copier)
 
 
 @pytest.fixture
@@ -338,7 +337,8 @@ async def test_a_cancelled_pull_reports_cancelled(gated: Env) -> None:
 async def test_a_pull_cut_off_by_shutdown_says_the_daemon_is_shutting_down() -> None:
     copier = GatedCopier()
     d = Daemon(DaemonOptions(port=0, transport="shm", grace_s=0), copier=copier)
-    async with listening(d.options, daemon=d) as (app, url), RefitClient(url) as c:
+    async with served(d) as s:
+        app, c = s.app, s.client
         src, _ = await publish_toy(c)
         dst, dseg = await dest_region(c, 64)
         lease = await c.acquire_lease("toy", 1)

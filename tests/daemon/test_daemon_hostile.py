@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from support.daemons import served, token_file
 from support.hostile import (
     W_BYTES,
     Env,
@@ -36,9 +37,7 @@ from support.hostile import (
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
-from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.process import listening
 from refitd.errors import AccessError
 from refitd.wire import (
     MSGPACK,
@@ -271,16 +270,13 @@ async def test_an_exact_duplicate_descriptor_is_refused(env: Env) -> None:
 async def test_a_pull_into_a_region_of_another_owner_is_refused(tmp_path: Path) -> None:
     """With bearer tokens on, bob may not pull into alice's region, even under his own
     valid lease and with in-bounds descriptors; alice's bytes stay untouched."""
-    tokens = tmp_path / "tokens"
-    tokens.write_text("alice a1\nbob b2\n")
-    tokens.chmod(0o600)
-    policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
+    tokens = token_file(tmp_path, {"alice": "a1", "bob": "b2"})
     opts = DaemonOptions(port=0, node_id="auth", transport="shm", grace_s=0.5)
     daemon = Daemon(opts)
     async with (
-        listening(opts, daemon=daemon, setup=[lambda app: setup_auth(app, policy)]) as (_, url),
-        RefitClient(url, token="a1") as alice,
-        RefitClient(url, token="b2") as bob,
+        served(daemon, access=ServerConfig(port=0, token_file=tokens)) as s,
+        RefitClient(s.url, token="a1") as alice,
+        RefitClient(s.url, token="b2") as bob,
     ):
         src = await bob.create_region(W_BYTES)
         await bob.publish(toy_manifest(src.region_id))

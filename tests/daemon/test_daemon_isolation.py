@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from support.daemons import served
 
 from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.process import listening
 from refitd.errors import RefitError
 from refitd.wire import DescriptorTable, ManifestIn, PullRequest, PullState, ShardEntry, TensorEntry
 from transports.segments import SharedSegment
@@ -46,8 +46,8 @@ class Node:
 async def node(name: str, **options: object) -> AsyncIterator[Node]:
     options.setdefault("peers", ("http://127.0.0.1:*",))  # the other test daemons
     d = Daemon(DaemonOptions(port=0, node_id=name, secret=SECRET, **options))  # type: ignore[arg-type]
-    async with listening(d.options, daemon=d) as (_, url), RefitClient(url) as c:
-        yield Node(d, c, url)
+    async with served(d) as s:
+        yield Node(d, s.client, s.url)
 
 
 async def publish(src: Node, model: str, seed: int) -> tuple[int, np.ndarray]:

@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from support import daemons
 
 from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.process import listening
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry, VersionState
 from transports.segments import PREFIX, SHM_DIR, SharedSegment
 
@@ -52,8 +52,8 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[Daemon, RefitClient, str]]:
     d = Daemon(DaemonOptions(port=0, node_id="life", transport="shm"))
-    async with listening(d.options, daemon=d) as (_, url), RefitClient(url) as c:
-        yield d, c, url
+    async with daemons.served(d) as s:
+        yield d, s.client, s.url
 
 
 async def crashing_client(url: str, publish: str = "") -> dict[str, Any]:
@@ -119,7 +119,7 @@ async def test_a_daemon_removes_stale_segments_of_earlier_lives_at_start() -> No
     stale = _stale_segment("earlier-life")
     with SharedSegment.create(64, "alive") as alive:
         d = Daemon(DaemonOptions(port=0, node_id="restart", transport="shm"))
-        async with listening(d.options, daemon=d):
+        async with daemons.served(d):
             # (another process sweeping stale segments at the same moment may take it first)
             assert stale in d.removed_at_start or not (SHM_DIR / stale).exists()
             assert not (SHM_DIR / stale).exists()

@@ -20,14 +20,13 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-from support.daemons import FakeClock, GatedCopier
+from support.daemons import FakeClock, GatedCopier, served, token_file
 from support.hostile import rows
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
-from refitd.daemon.auth import check_startup, setup_auth
+from refitd.daemon.auth import check_startup
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.process import listening
 from refitd.errors import AccessDenied, ConfigError, ConflictError
 from refitd.wire import (
     DescriptorTable,
@@ -69,18 +68,15 @@ async def two_tenants(
     clock: FakeClock | None = None,
     **options: object,
 ) -> AsyncIterator[Tenants]:
-    tokens = tmp / "tokens"
-    tokens.write_text("a token-of-a\nb token-of-b\n")
-    tokens.chmod(0o600)
-    policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
+    tokens = token_file(tmp, {"a": "token-of-a", "b": "token-of-b"})
     opts = DaemonOptions(port=0, node_id="tenants", transport="shm", **options)  # type: ignore[arg-type]
     d = Daemon(opts, copier=copier, **({"clock": clock} if clock is not None else {}))
     async with (
-        listening(opts, daemon=d, setup=[lambda app: setup_auth(app, policy)]) as (_, url),
-        RefitClient(url, token="token-of-a") as a,
-        RefitClient(url, token="token-of-b") as b,
+        served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
+        RefitClient(s.url, token="token-of-a") as a,
+        RefitClient(s.url, token="token-of-b") as b,
     ):
-        yield Tenants(d, url, a, b)
+        yield Tenants(d, s.url, a, b)
 
 
 async def ready_model(c: RefitClient, model: str, fill: int = 7) -> int:
@@ -124,7 +120,8 @@ async def test_without_tokens_a_ready_version_is_not_rewritten_through_an_alias(
     """The issue's hole: the direct pull into a READY region was 409, the same pull
     through a second id of that memory succeeded."""
     d = Daemon(DaemonOptions(port=0, node_id="alias", transport="shm"))
-    async with listening(d.options, daemon=d) as (_, url), RefitClient(url) as c:
+    async with served(d) as s:
+        c = s.client
         src = await ready_model(c, "m", fill=7)
         other = await ready_model(c, "n", fill=9)
         lease = await c.acquire_lease("n", 1, ttl_s=600)
@@ -315,16 +312,13 @@ async def test_over_tcp_a_daemon_with_a_unix_socket_and_no_tokens_serves_only_pu
 ) -> None:
     """Else a uid the socket refuses would go round it over TCP as 'loopback'."""
     sock = tmp_path / "refitd.sock"
-    policy = check_startup(ServerConfig(port=0, unix_socket=str(sock), allowed_uids=(12345,)))
+    access = ServerConfig(port=0, unix_socket=str(sock), allowed_uids=(12345,))
     opts = DaemonOptions(port=0, unix_path=str(sock), node_id="sock", transport="shm")
     async with (
-        listening(opts, daemon=Daemon(opts), setup=[lambda app: setup_auth(app, policy)]) as (
-            _,
-            url,
-        ),
-        RefitClient(url) as tcp,
+        served(Daemon(opts), access=access) as s,
         RefitClient("http://localhost", unix_path=str(sock)) as unix,
     ):
+        tcp = s.client
         assert await tcp.health() == {"status": "ok"}
         with pytest.raises(AccessDenied, match="over TCP refused"):
             await tcp.create_region(NBYTES)
@@ -372,10 +366,10 @@ async def test_a_socket_uid_attaches_only_segments_it_owns_never_the_daemons_fil
     if os.geteuid() != 0 or not os.access(python, os.X_OK):
         pytest.skip("needs root and a system python3 to connect as another uid")
     sock = str(shared_dir / "refitd.sock")
-    policy = check_startup(ServerConfig(port=0, unix_socket=sock, allowed_uids=(NOBODY,)))
+    access = ServerConfig(port=0, unix_socket=sock, allowed_uids=(NOBODY,))
     opts = DaemonOptions(port=0, unix_path=sock, node_id="sock", transport="shm")
     d = Daemon(opts)
-    async with listening(opts, daemon=d, setup=[lambda app: setup_auth(app, policy)]):
+    async with served(d, access=access):
         os.chmod(sock, 0o777)
         with SharedSegment.create(NBYTES, "daemons-user") as theirs:  # root's, unattached
             proc = await asyncio.create_subprocess_exec(

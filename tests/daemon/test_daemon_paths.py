@@ -17,7 +17,7 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
-from support.daemons import GatedCopier
+from support.daemons import GatedCopier, served
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config
@@ -25,7 +25,6 @@ from refitd.daemon.auth import check_startup
 from refitd.daemon.handlers import PULLS
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.paths import has_rdma, transport_schemes
-from refitd.daemon.process import listening
 from refitd.daemon.pulls import PullManager
 from refitd.daemon.sdnotify import Notifier
 from refitd.daemon.service import Service
@@ -66,8 +65,8 @@ async def node(
     if metrics:
         config = load_config(env={}, overrides={})
         setup.append(Service(config, check_startup(config.server), Notifier({})).setup)
-    async with listening(d.options, daemon=d, setup=setup) as (app, url), RefitClient(url) as c:
-        yield Node(d, c, url, app[PULLS])
+    async with served(d, setup=setup) as s:
+        yield Node(d, s.client, s.url, s.app[PULLS])
 
 
 async def publish(src: Node, fill: int, model: str = "m") -> tuple[int, SharedSegment]:

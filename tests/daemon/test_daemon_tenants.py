@@ -22,12 +22,9 @@ with ``FlakyStrategyDefinition``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import http.client
 import os
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +34,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+from support.daemons import served_in_a_thread, token_file
 
 from refitd.config import ServerConfig
-from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.process import listening
 from transports.segments import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,45 +46,6 @@ NBYTES = 256
 """Bytes of each tenant's source tensor (uint8 [256]) and destination region."""
 TOKENS = {"a": "token-of-a", "b": "token-of-b"}
 MSGPACK = "application/msgpack"
-
-
-def write_tokens(tmp: Path) -> Path:
-    """The bearer tokens of both tenants, in a token file (mode 0600) under ``tmp``."""
-    tokens = tmp / "tokens"
-    tokens.write_text("".join(f"{k} {v}\n" for k, v in TOKENS.items()))
-    tokens.chmod(0o600)
-    return tokens
-
-
-@contextlib.contextmanager
-def daemon_in_a_thread(tokens: Path) -> Iterator[str]:
-    """A real daemon with the bearer tokens in ``tokens``, served on 127.0.0.1:0 by its
-    own event loop in a thread (the state machine below is synchronous)."""
-    policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
-    opts = DaemonOptions(port=0, node_id="tenants", transport="shm", grace_s=0.5)
-    url: list[str] = []
-    up = threading.Event()
-    stop: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-
-    async def main() -> None:
-        done = asyncio.Event()
-        stop.append((asyncio.get_running_loop(), done))
-        async with listening(
-            opts, daemon=Daemon(opts), setup=[lambda app: setup_auth(app, policy)]
-        ) as (_, u):
-            url.append(u)
-            up.set()
-            await done.wait()
-
-    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
-    thread.start()
-    assert up.wait(30), "daemon did not start"
-    try:
-        yield url[0]
-    finally:
-        loop, done = stop[0]
-        loop.call_soon_threadsafe(done.set)
-        thread.join(30)
 
 
 class Http:
@@ -187,13 +144,17 @@ _model = st.sampled_from(["own", "own", "own", "other", "made-up"])
 
 
 class TwoTenants(RuleBasedStateMachine):
-    tokens = Path()  # the token file, set by the test before running
+    tokens = ""  # the token file, set by the test before running
 
     @initialize()
     def start(self) -> None:
         """A daemon of this example's own, and both tenants' objects in it."""
         self.running = contextlib.ExitStack()
-        self.url = self.running.enter_context(daemon_in_a_thread(self.tokens))
+        opts = DaemonOptions(port=0, node_id="tenants", transport="shm", grace_s=0.5)
+        access = ServerConfig(port=0, token_file=self.tokens)
+        self.url = self.running.enter_context(
+            served_in_a_thread(lambda: Daemon(opts), access=access)
+        )
         self.t = {n: Tenant(n, Http(self.url, TOKENS[n]), f"{n}-model") for n in ("a", "b")}
         #: every pull the daemon accepted, by tenant
         self.pulls_of: dict[str, set[str]] = {"a": set(), "b": set()}
@@ -471,7 +432,7 @@ class TwoTenants(RuleBasedStateMachine):
 def test_two_tenants_random_calls_change_no_bytes_but_through_their_own_pulls(
     tmp_path: Path,
 ) -> None:
-    TwoTenants.tokens = write_tokens(tmp_path)
+    TwoTenants.tokens = token_file(tmp_path, TOKENS)
     run = TwoTenants.TestCase
     run.settings = settings(
         max_examples=25,
@@ -488,7 +449,7 @@ def test_every_example_meets_the_same_daemon_whatever_examples_ran_before(
     """The cause of the flake this module once had, pinned: an example's steps meet a
     daemon of their own, so two examples in a row get the same ids and each lists only
     its own pulls; and no made-up id is one of those ids."""
-    TwoTenants.tokens = write_tokens(tmp_path)
+    TwoTenants.tokens = token_file(tmp_path, TOKENS)
     seen = []
     for _ in range(2):
         machine = TwoTenants()

@@ -1,4 +1,13 @@
-"""Driving daemons in the test's own process: serve them on loopback, and two fakes.
+"""Starting daemons in the tests, and two fakes.
+
+One way to start a daemon in the test's own process: :func:`served` (one daemon,
+with its app, URL and a client), :func:`serving_daemons` (several that trust each
+other) and, for a synchronous test, :func:`served_in_a_thread`. Each serves a real
+daemon on 127.0.0.1:0 through :func:`refitd.daemon.process.listening`, as
+``refitd serve`` does, with its ordered shutdown; an in-process daemon starts in a
+few milliseconds (docs/testing.md). A test that needs the process boundary (its
+exit, its signals, a crash) starts ``refitd serve`` through
+:func:`refitd.client.spawn.spawn_daemon`.
 
 The fakes, a settable clock and a gated copier, implement the daemon's own
 interfaces (the ``clock`` callable and :class:`transports.local.Copier`);
@@ -9,15 +18,111 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from aiohttp import web
 
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon
+from refitd.config import ServerConfig
+from refitd.daemon.auth import check_startup, setup_auth
+from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.process import listening
 from transports.local import copy_addresses
+
+
+@dataclass(frozen=True)
+class Served:
+    """One daemon served in the test's process: the daemon, its app, its base URL
+    and a client of it (without a token: the ``loopback`` principal)."""
+
+    daemon: Daemon
+    app: web.Application
+    url: str
+    client: RefitClient
+
+
+def token_file(directory: Path, tokens: Mapping[str, str]) -> str:
+    """A token file (``PRINCIPAL TOKEN`` lines, mode 0600) in ``directory``: its path,
+    as ``ServerConfig(token_file=...)`` takes it."""
+    path = directory / "tokens"
+    path.write_text("".join(f"{name} {token}\n" for name, token in tokens.items()))
+    path.chmod(0o600)
+    return str(path)
+
+
+@contextlib.asynccontextmanager
+async def served(
+    daemon: Daemon | None = None,
+    *,
+    access: ServerConfig | None = None,
+    setup: Iterable[Callable[[web.Application], None]] = (),
+    token: str | None = None,
+    **options: Any,
+) -> AsyncIterator[Served]:
+    """Serve ``daemon`` (else a new one of ``DaemonOptions(port=0, **options)``) on
+    127.0.0.1:0 in this process for the block.
+
+    ``access`` is the ``[server]`` access configuration (token file, Unix socket,
+    allowed uids), checked and enforced as ``refitd serve`` does; ``setup`` are more
+    ``create_app`` setup hooks (after the access one); ``token`` is the bearer token
+    this daemon sends to its peers."""
+    d = daemon if daemon is not None else Daemon(DaemonOptions(**{"port": 0, **options}))
+    hooks = list(setup)
+    if access is not None:
+        policy = check_startup(access)
+        hooks.insert(0, lambda app: setup_auth(app, policy))
+    async with (
+        listening(d.options, daemon=d, setup=hooks, token=token) as (app, url),
+        RefitClient(url) as client,
+    ):
+        yield Served(d, app, url, client)
+
+
+@contextlib.contextmanager
+def served_in_a_thread(
+    daemon: Callable[[], Daemon], *, access: ServerConfig | None = None, start_s: float = 30.0
+) -> Iterator[str]:
+    """:func:`served` for a synchronous test: the daemon ``daemon()`` makes, served by
+    an event loop of its own in a thread for the block; yields its base URL."""
+    url: list[str] = []
+    up = threading.Event()
+    stop: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    async def main() -> None:
+        done = asyncio.Event()
+        stop.append((asyncio.get_running_loop(), done))
+        async with served(daemon(), access=access) as s:
+            url.append(s.url)
+            up.set()
+            await done.wait()
+
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # reported by the test's thread, below
+            failed.append(exc)
+            up.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    up.wait(start_s)
+    if failed:
+        raise failed[0]
+    assert url, f"the daemon did not start in {start_s} s"
+    try:
+        yield url[0]
+    finally:
+        loop, done = stop[0]
+        loop.call_soon_threadsafe(done.set)
+        thread.join(start_s)
 
 
 @contextlib.asynccontextmanager
@@ -27,15 +132,10 @@ async def serving_daemons(*daemons: Daemon) -> AsyncIterator[list[RefitClient]]:
     Each daemon trusts every other as a peer (as ``[peers] allow`` listing them
     would), so any of them may read from any other."""
     async with contextlib.AsyncExitStack() as stack:
-        clients = []
-        urls = []
-        for d in daemons:
-            _, url = await stack.enter_async_context(listening(d.options, daemon=d))
-            urls.append(url)
-            clients.append(await stack.enter_async_context(RefitClient(url)))
-        for d, own in zip(daemons, urls, strict=True):
-            d.peers.replace("test", [u for u in urls if u != own])
-        yield clients
+        each = [await stack.enter_async_context(served(d)) for d in daemons]
+        for s in each:
+            s.daemon.peers.replace("test", [o.url for o in each if o is not s])
+        yield [s.client for s in each]
 
 
 class FakeClock:

@@ -19,7 +19,6 @@ import numpy as np
 
 from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon, DaemonOptions
-from refitd.daemon.process import listening
 from refitd.wire import (
     MSGPACK,
     DescriptorTable,
@@ -28,7 +27,7 @@ from refitd.wire import (
     ShardEntry,
     TensorEntry,
 )
-from support.daemons import FakeClock
+from support.daemons import FakeClock, served
 from transports.segments import SharedSegment
 
 #: the test daemon's request size limit in bytes: a million descriptor rows (40 MB) exceed it
@@ -119,11 +118,8 @@ async def hostile_daemon() -> AsyncIterator[Env]:
     )
     clock = FakeClock()
     daemon = Daemon(opts, clock=clock)
-    async with (
-        listening(daemon.options, daemon=daemon) as (_, url),
-        RefitClient(url) as c,
-        aiohttp.ClientSession() as http,
-    ):
+    async with served(daemon) as s, aiohttp.ClientSession() as http:
+        c, url = s.client, s.url
         info = await c.create_region(W_BYTES, label="w")
         with SharedSegment.attach(info.handle, info.nbytes) as sseg:
             expected = 1.0 + np.arange(32, dtype=np.float32)
