@@ -252,9 +252,9 @@ async def drain(request: web.Request) -> web.Response:
 async def acquire(request: web.Request) -> web.Response:
     req = await body(request, LeaseRequest)
     d, who = request.app[DAEMON], principal_of(request)
-    # A host mirror's version: leased under a live lease at its source, whoever asks.
-    if not await request.app[MIRRORS].admit_lease(req):
-        d.models.check_read(who, req.model, "lease")
+    d.models.check_read(who, req.model, "lease")
+    # A host mirror's version: leased only under a live lease at its source as well.
+    await request.app[MIRRORS].admit_lease(req)
     d.caps.leases.admit(who.name, d.registry.is_live)
     grant = d.registry.acquire(req.model, req.version, req.ttl_s, req.holder, owner=who.name)
     d.caps.leases.add(who.name, grant.lease_id)

@@ -504,15 +504,14 @@ class Mirrors:
         done = m.done_extents()
         return {rid: done.get(rid, []) for rid in scope}
 
-    async def admit_lease(self, req: LeaseRequest) -> bool:
-        """Whether ``req`` is a lease on a version this daemon holds as a host mirror,
-        admitted because ``req.source_lease`` is a live lease on it at its source (the
-        source's readers rule travels with the mirror: whoever the source lets read
-        the version may read this copy, and nobody else). False for any other model:
-        the daemon's own readers rule decides. :class:`AccessDenied` (403) without a
-        live lease at the source."""
+    async def admit_lease(self, req: LeaseRequest) -> None:
+        """Refuse (:class:`AccessDenied`, 403) a lease on a version this daemon holds as
+        a host mirror unless ``req.source_lease`` is a live lease on it at its source:
+        the source's readers rule travels with the mirror (whoever the source lets
+        read the version may read this copy's bytes, and nobody else). Any other model:
+        nothing to check here."""
         if not self.d.models.held(req.model):
-            return False
+            return
         m = self.find(req.model, req.version)
         refusal = (
             f"lease on {req.model!r} version {req.version} refused: this daemon holds it as a "
@@ -525,7 +524,6 @@ class Mirrors:
             await self._remote(m.source).check_lease(req.source_lease, req.model, req.version)
         except (ConflictError, NotFoundError):
             raise AccessDenied(f"{refusal}; {req.source_lease!r} is not one") from None
-        return True
 
     def check_state_reader(self, who: Principal, m: Mirror, lease_id: str) -> None:
         """Refuse (403) the state of mirror ``m`` to a caller that may not read its model

@@ -84,11 +84,9 @@ class ModelOwners:
         return model in self._held
 
     def may_read(self, who: Principal, model: str) -> bool:
-        """Whether ``who`` may lease ``model`` and read its manifest. A model the daemon
-        holds as a host mirror is read by its owners only: whom else the source lets
-        read it is proven by a lease there, not by this daemon's table."""
-        if model in self._held and who.authenticated and not who.admin:
-            return who.name in self.owners(model)
+        """Whether ``who`` may lease ``model`` and read its manifest. (A model the daemon
+        holds as a host mirror is leased only under a live lease at its source as well:
+        :meth:`refitd.daemon.mirrors.Mirrors.admit_lease`.)"""
         readers = self._readers.get(model)
         if readers is None or not who.authenticated or who.admin:
             return True

@@ -291,8 +291,10 @@ async def test_a_malformed_query_parameter_of_the_mirror_state_is_a_400_in_the_e
 async def test_a_tenant_the_source_refuses_cannot_read_the_mirrored_version_on_the_mirror_host(
     tmp_path: Path,
 ) -> None:
-    readers = ("m=a", "m=peer")  # b may not read m at the source
-    async with hosts(tokens=token_file(tmp_path), source_readers=readers) as h:
+    readers = ("m=a", "m=peer")  # b may not read m at the source, nor its listing here
+    async with hosts(
+        tokens=token_file(tmp_path), source_readers=readers, model_readers=readers
+    ) as h:
         region = await publish(h.sc)
         async with RefitClient(h.sc.base_url, token="token-of-a") as a_at_source:
             lease = await a_at_source.acquire_lease(MODEL, 1, 60.0)
@@ -322,6 +324,9 @@ async def test_a_mirrored_version_is_leased_on_its_host_only_under_a_live_lease_
         req, _ = await pull_request(h, region, at_source.lease_id)
         await h.mc.pull(req)  # the mirror exists
         async with RefitClient(h.mc.base_url, token="token-of-b") as b:
+            # this host's readers table is open: the lease at the source still decides
+            with pytest.raises(AccessDenied, match="source"):
+                await b.acquire_lease(MODEL, 1, 30.0)
             grant = await b._send(
                 api.ACQUIRE_LEASE, LeaseRequest(MODEL, 1, 30.0, source_lease=at_source.lease_id)
             )
