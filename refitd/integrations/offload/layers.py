@@ -372,8 +372,6 @@ class ExpertOffload:
 
     def stats(self) -> OffloadStats:
         c, s = self.cache.stats(), self.slots.stats()
-        if self.device.type == "cuda":
-            self._settle()
         return OffloadStats(
             routes=c.routes,
             hits=c.hits,
