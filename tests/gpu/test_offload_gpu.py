@@ -6,6 +6,17 @@ these has run yet. The exactness tests run with deterministic kernels (cuBLAS
 workspace configured before CUDA starts), where the offloaded model reads each
 expert from a slot with the same kernel the all-resident model runs on its stacked
 parameter.
+
+The device check (one script, results under ``$OUT``), from the project root after
+``make install`` and ``../shared/tools/device-pack``; the GPU image has no
+transformers, so its wheels for Python 3.12 (transformers 5.x, huggingface-hub,
+tokenizers, safetensors, regex, pyyaml, typer, tqdm) must travel in the pack too::
+
+    source .device-pack/setup.sh
+    python -m pytest -q -rs -p no:cacheprovider tests/gpu/test_offload_gpu.py \
+        | tee $OUT/offload-tests.txt
+    python -c 'from refitd.cli import main; raise SystemExit(main())' \
+        bench offload --device cuda | tee $OUT/bench-offload.txt
 """
 
 from __future__ import annotations
