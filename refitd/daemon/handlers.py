@@ -253,10 +253,14 @@ async def acquire(request: web.Request) -> web.Response:
     req = await body(request, LeaseRequest)
     d, who = request.app[DAEMON], principal_of(request)
     d.models.check_read(who, req.model, "lease")
-    # A host mirror's version: leased only under a live lease at its source as well.
-    await request.app[MIRRORS].admit_lease(req)
+    # A host mirror's version: leased only under a live lease at its source as well,
+    # and for no longer than that lease has left.
+    leases = request.app[MIRRORS].leases
+    cap = await leases.admit(req)
+    ttl = req.ttl_s if cap is None else cap
     d.caps.leases.admit(who.name, d.registry.is_live)
-    grant = d.registry.acquire(req.model, req.version, req.ttl_s, req.holder, owner=who.name)
+    grant = d.registry.acquire(req.model, req.version, ttl, req.holder, owner=who.name)
+    leases.bind(grant.lease_id, req)
     d.caps.leases.add(who.name, grant.lease_id)
     return reply(request, grant, 201)
 
@@ -276,7 +280,9 @@ async def check_lease(request: web.Request) -> web.Response:
 async def renew(request: web.Request) -> web.Response:
     reg = request.app[DAEMON].registry
     ttl = query_float(request, "ttl", 30.0, positive=True, most=MAX_LEASE_TTL_S)  # as on acquire
-    return reply(request, reg.renew(request.match_info["lease_id"], ttl))
+    lease_id = request.match_info["lease_id"]
+    ttl = await request.app[MIRRORS].leases.renewal(lease_id, ttl)  # a mirror's: re-checked
+    return reply(request, reg.renew(lease_id, ttl))
 
 
 @routes.handles(api.RELEASE_LEASE)

@@ -56,7 +56,7 @@ async def mirror_state(request: web.Request) -> web.Response:
     timeout_s = min(query_float(request, "timeout", 0.0), 60.0)
     mirrors = request.app[MIRRORS]
     m = mirrors.find(request.match_info["model"], version)
-    mirrors.check_state_reader(principal_of(request), m, request.query.get("lease", ""))
+    mirrors.leases.check_state_reader(principal_of(request), m, request.query.get("lease", ""))
     deadline = time.monotonic() + timeout_s
     while int(m.done.sum()) <= after and not m.finished:
         left = deadline - time.monotonic()

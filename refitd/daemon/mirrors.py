@@ -49,15 +49,15 @@ import msgspec
 import numpy as np
 
 from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, covered, cut_chunks
+from refitd.daemon.mirrorleases import MirrorLeases
 from refitd.daemon.mirrorread import MirroredSource, answer_s, read_chunks
 from refitd.daemon.paths import SHM_SCHEME
 from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.pulls import RemoteSource, Source
 from refitd.daemon.trust import Extents
-from refitd.errors import AccessDenied, ConflictError, NotFoundError, RefitError, TransportError
+from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
-    LeaseRequest,
     ManifestIn,
     PeerRegions,
     PullRequest,
@@ -70,7 +70,6 @@ from refitd.wire.mirrors import MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorSta
 from transports.segments import SHM_DIR
 
 if TYPE_CHECKING:
-    from refitd.daemon.auth import Principal
     from refitd.daemon.node import Daemon
     from refitd.daemon.pulls import PullManager
 
@@ -127,6 +126,8 @@ class Mirrors:
         self.policy = policy
         self.self_url = self_url
         self.book = HolderBook()
+        #: the lease rules of this daemon's mirrors (granted under a source lease)
+        self.leases = MirrorLeases(daemon, self.find, self._remote)
         self.budget = (
             daemon.options.mirror_max_bytes
             if daemon.options.mirror_max_bytes is not None
@@ -398,6 +399,7 @@ class Mirrors:
         deadline = answer_s(self.d.options.pull_timeout_s)
         async with asyncio.timeout(deadline):  # a stopped relay answers nothing
             grant = await c.acquire_lease(m.model, m.version, LEASE_TTL_S, source_lease)
+        renew = asyncio.create_task(_renew(c, grant.lease_id))  # re-checked at the source
         # Reading overlaps asking: each answer that names new chunks starts a pass
         # that reads them, while the next long-poll is already out; ``claimed``
         # keeps two passes from reading one chunk.
@@ -422,6 +424,9 @@ class Mirrors:
                 raise
             raise first from None
         finally:
+            renew.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renew
             with contextlib.suppress(RefitError, TimeoutError):
                 async with asyncio.timeout(deadline):
                     await c.release_lease(grant.lease_id)
@@ -503,38 +508,6 @@ class Mirrors:
             return scope
         done = m.done_extents()
         return {rid: done.get(rid, []) for rid in scope}
-
-    async def admit_lease(self, req: LeaseRequest) -> None:
-        """Refuse (:class:`AccessDenied`, 403) a lease on a version this daemon holds as
-        a host mirror unless ``req.source_lease`` is a live lease on it at its source:
-        the source's readers rule travels with the mirror (whoever the source lets
-        read the version may read this copy's bytes, and nobody else). Any other model:
-        nothing to check here."""
-        if not self.d.models.held(req.model):
-            return
-        m = self.find(req.model, req.version)
-        refusal = (
-            f"lease on {req.model!r} version {req.version} refused: this daemon holds it as a "
-            f"mirror of {m.source}, and leases it only under a live lease on it there "
-            "(source_lease)"
-        )
-        if not req.source_lease:
-            raise AccessDenied(refusal)
-        try:
-            await self._remote(m.source).check_lease(req.source_lease, req.model, req.version)
-        except (ConflictError, NotFoundError):
-            raise AccessDenied(f"{refusal}; {req.source_lease!r} is not one") from None
-
-    def check_state_reader(self, who: Principal, m: Mirror, lease_id: str) -> None:
-        """Refuse (403) the state of mirror ``m`` to a caller that may not read its model
-        here and presents no live lease on its version here (a relay reading it does)."""
-        if lease_id:
-            try:
-                self.d.registry.check(lease_id, m.model, m.version)
-                return
-            except (ConflictError, NotFoundError):
-                pass
-        self.d.models.check_read(who, m.model, "see the mirror of")
 
     def held_bytes(self) -> int:
         """Bytes every mirror of this daemon holds, or is about to make."""

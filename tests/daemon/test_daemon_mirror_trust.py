@@ -328,10 +328,14 @@ async def test_a_mirrored_version_is_leased_on_its_host_only_under_a_live_lease_
             with pytest.raises(AccessDenied, match="source"):
                 await b.acquire_lease(MODEL, 1, 30.0)
             grant = await b._send(
-                api.ACQUIRE_LEASE, LeaseRequest(MODEL, 1, 30.0, source_lease=at_source.lease_id)
+                api.ACQUIRE_LEASE, LeaseRequest(MODEL, 1, 3600.0, source_lease=at_source.lease_id)
             )
             assert grant.model == MODEL
+            assert grant.expires_in_s <= 60.0  # no longer than the lease at the source has
             await h.sc.release_lease(at_source.lease_id)
+            with pytest.raises(AccessDenied, match="source"):  # renewal checks it again
+                await b.renew_lease(grant.lease_id, 30.0)
+            assert not h.mirror.registry.is_live(grant.lease_id)
             with pytest.raises(AccessDenied, match="source"):
                 await b._send(
                     api.ACQUIRE_LEASE,
