@@ -31,6 +31,7 @@ issue's targets judge.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -46,11 +47,15 @@ BIAS = 1.0e4  # added to the trace's experts' router logits: they win top-k
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if seen)")
-    parser.add_argument("--layers", type=int, default=None, help="MoE layers")
-    parser.add_argument("--experts", type=int, default=None, help="experts per layer")
-    parser.add_argument("--top-k", type=int, default=None, help="experts per token")
-    parser.add_argument("--hidden", type=int, default=None, help="hidden size")
-    parser.add_argument("--moe-intermediate", type=int, default=None, help="one expert's width")
+    parser.add_argument("--layers", type=int, default=None, help="MoE layers (cpu 4, gpu 6)")
+    parser.add_argument(
+        "--experts", type=int, default=None, help="experts per layer (cpu 32, gpu 128)"
+    )
+    parser.add_argument("--top-k", type=int, default=None, help="experts per token (8)")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size (cpu 64, gpu 2048)")
+    parser.add_argument(
+        "--moe-intermediate", type=int, default=None, help="one expert's width (cpu 32, gpu 768)"
+    )
     parser.add_argument(
         "--tokens", type=int, default=None, help="timed decode tokens (default cpu 64, gpu 128)"
     )
@@ -209,6 +214,13 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
+    if gpu and not torch.cuda.is_available():
+        print(
+            f"refitd bench offload: cannot run on {device}: this PyTorch "
+            f"({torch.__version__}) sees no CUDA device",
+            file=sys.stderr,
+        )
+        return 2
     shape = dict(GPU_SHAPE if gpu else CPU_SHAPE)
     for name in shape:
         if getattr(args, name) is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from refitd.cli import main
 
@@ -37,3 +38,11 @@ def test_the_offload_bench_prints_every_mode_and_ends_in_its_keys(
     assert pairs["device"] == "cpu"
     assert 0.0 < float(pairs["hit_rate_50"]) <= 1.0
     assert float(pairs["copied_mb_per_token_50"]) > 0.0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the bench runs on it")
+def test_the_offload_bench_on_a_gpu_that_is_not_there_exits_2_naming_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "offload", "--device", "cuda"]) == 2
+    assert "sees no CUDA device" in capsys.readouterr().err

@@ -424,3 +424,18 @@ def test_host_rows_in_a_shared_segment_serve_the_model_and_a_refit_written_there
     del off, model
     gc.collect()  # the store's views of the segment go with the model
     segment.close()
+
+
+def test_a_model_configured_for_grouped_experts_is_offloaded_to_the_eager_loop() -> None:
+    # transformers' default experts implementation is a grouped kernel; the offloaded
+    # layers compute as the eager loop does, whatever the config says.
+    model = copy.deepcopy(reference("qwen3_moe"))
+    model.config._experts_implementation = "grouped_mm"
+    grouped = run(model, [1, 2, 3], [4, 5])
+    off = offload_experts(model, slots=8)
+    try:
+        got = run(model, [1, 2, 3], [4, 5])
+    finally:
+        off.close()
+    assert torch.equal(got, run(reference("qwen3_moe"), [1, 2, 3], [4, 5]))
+    torch.testing.assert_close(got, grouped)  # equal but for float rounding
