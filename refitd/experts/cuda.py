@@ -24,6 +24,8 @@ A copy CUDA refuses or reports failed (at issue, or when its event is synchronis
 raises ``SlotDeviceError``; the executor then forgets exactly the plan's slots.
 
 Requires a CUDA build of torch and a visible GPU; importing this module does not.
+NOTE: written without a GPU; its tests (``tests/gpu/test_offload_gpu.py``) have not
+run on one yet.
 """
 
 from __future__ import annotations
