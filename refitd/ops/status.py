@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from refitd.ops.console import add_client_arguments, human_bytes, print_json, run_command
+from refitd.wire import RegionKind
 
 __all__ = ["add_arguments", "run"]
 
@@ -55,6 +56,9 @@ async def gather(client: Any) -> dict[str, Any]:
         "not_ready_reason": why,
         "regions": len(regions),
         "region_bytes": sum(r.nbytes for r in regions),
+        # GPU allocations the daemon opened (docs/gpu.md): copied by its CUDA engine
+        "gpu_regions": sum(r.kind is RegionKind.CUDA_IPC for r in regions),
+        "gpu_region_bytes": sum(r.nbytes for r in regions if r.kind is RegionKind.CUDA_IPC),
         "versions": by_state,
         "leases": sum(v.leases for v in versions),
         "pulls": pull_states,
@@ -110,6 +114,12 @@ def run(args: argparse.Namespace) -> int:
         for peer, path in sorted(info["paths"].items()):
             table.add_row(f"path from {peer}", path)
         table.add_row("regions", f"{info['regions']} ({human_bytes(info['region_bytes'])})")
+        if info["gpu_regions"]:
+            table.add_row(
+                "GPU regions",
+                f"{info['gpu_regions']} ({human_bytes(info['gpu_region_bytes'])}): copied by "
+                "this daemon's CUDA engine (pull path shm+cuda); not readable by other daemons",
+            )
         versions = ", ".join(f"{n} {s}" for s, n in sorted(info["versions"].items())) or "none"
         table.add_row("versions", versions)
         table.add_row("leases", str(info["leases"]))

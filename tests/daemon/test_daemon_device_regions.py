@@ -165,3 +165,21 @@ async def test_a_peer_daemons_gpu_region_is_refused_before_any_byte_moves() -> N
         with pytest.raises(TransportError, match="GPU memory, which only the daemon holding"):
             await cb.pull(req)
         assert engine.batches == 0
+
+
+async def test_status_counts_the_gpu_regions_apart_from_host_ones() -> None:
+    import asyncio
+    import json
+    import sys
+
+    engine = HostDeviceEngine()
+    async with served() as (d, c):
+        await c.create_region(4096, label="host")
+        await device_region(d, engine, "engine")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "refitd.cli", "status", "--url", c.base_url, "--json",
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, _ = await proc.communicate()
+        got = json.loads(out)
+        assert (got["regions"], got["gpu_regions"], got["gpu_region_bytes"]) == (2, 1, N)
