@@ -92,6 +92,8 @@ class _Version:
     region_ids: frozenset[int] | None = None
     #: while pending: shards its slots list, by the principal that published them
     charged: dict[str, int] = field(default_factory=dict)
+    #: the slots it published, once its manifests were let go (retired, unleased)
+    published: tuple[int, ...] = ()
 
 
 class Registry:
@@ -228,6 +230,7 @@ class Registry:
                         )
                     other.state = VersionState.RETIRED
                     other.merged = other.merged_bytes = None
+                    self._forget_retired(other)
         elif created:
             log.info(
                 "%r version %d: pending (slot %d of %d published)",
@@ -266,6 +269,29 @@ class Registry:
             out.append((model, version))
         return out
 
+    def _forget_retired(self, v: _Version) -> None:
+        """Let go of the manifests of ``v`` once it is retired and no live lease holds
+        it: nothing can read it again (leases are taken on READY versions only), and
+        a daemon publishing a version per step must not grow without bound. Its
+        record stays (number, state, the slots it published)."""
+        if v.state is not VersionState.RETIRED or not v.slots:
+            return
+        if self.active_leases(v.model, v.version):
+            return
+        v.published = tuple(sorted(v.slots))
+        v.slots = {}
+        v.merged = v.merged_bytes = v.scope = v.region_ids = None
+
+    def held_shards(self) -> int:
+        """Shards listed by every manifest the registry holds (what its memory scales
+        with)."""
+        return sum(
+            len(t.shards)
+            for v in self._versions.values()
+            for m in v.slots.values()
+            for t in m.tensors
+        )
+
     def _uncharge(self, v: _Version) -> None:
         """``v`` is pending no more: its publishers' shards stop counting."""
         for owner, n in v.charged.items():
@@ -303,6 +329,8 @@ class Registry:
             log.info("%r version %d: retired (by its publisher, to rewrite it)", model, version)
         v.state = VersionState.RETIRED
         v.merged = v.merged_bytes = None
+        self._uncharge(v)  # a pending version retired: its publisher's charge ends
+        self._forget_retired(v)
         return self._info(v)
 
     # ------------------------------------------------------------ reading
@@ -318,7 +346,7 @@ class Registry:
             model=v.model,
             version=v.version,
             state=v.state,
-            published_slots=sorted(v.slots),
+            published_slots=sorted(v.slots) if v.slots else list(v.published),
             expected_slots=v.expected_slots,
             leases=len(self.active_leases(v.model, v.version)),
         )
@@ -500,11 +528,13 @@ class Registry:
     def release(self, lease_id: str) -> None:
         """Drop a lease, live or expired. :class:`NotFoundError` (404) for an id this
         daemon never granted or no longer holds (released, or swept after expiry)."""
-        if self._leases.pop(lease_id, None) is None:
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
             raise NotFoundError(
                 f"releasing lease {lease_id!r} refused: no such lease (never granted, already "
                 "released, or expired and dropped)"
             )
+        self._lease_ended(lease)
 
     def check(self, lease_id: str, model: str, version: int) -> Lease:
         """The live lease ``lease_id`` on exactly ``(model, version)``, else ConflictError."""
@@ -529,6 +559,11 @@ class Registry:
             raise ConflictError(f"lease {lease_id!r} on {lease.model!r} v{lease.version} expired")
         return lease
 
+    def _lease_ended(self, lease: Lease) -> None:
+        v = self._versions.get((lease.model, lease.version))
+        if v is not None:
+            self._forget_retired(v)
+
     def _drop_expired(self) -> None:
         """Drop the leases expired by now, soonest first from the expiry heap: no scan
         of every lease (acquire stays O(log n) as leases accumulate). An entry left
@@ -541,6 +576,7 @@ class Registry:
             lease = self._leases.get(lease_id)
             if lease is not None and lease.expires_at <= now:
                 del self._leases[lease_id]
+                self._lease_ended(lease)
         if len(heap) > 2 * len(self._leases) + 64:
             self._expiries = [(x.expires_at, k) for k, x in self._leases.items()]
             heapq.heapify(self._expiries)

@@ -24,7 +24,7 @@ from refitd.config import LimitsConfig, ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.process import listening
-from refitd.daemon.registry import PENDING_MANIFESTS
+from refitd.daemon.registry import PENDING_MANIFESTS, Registry
 from refitd.errors import QuotaExceeded
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
@@ -94,3 +94,33 @@ async def test_an_expired_pending_version_no_longer_counts_against_its_publisher
             await slot0(a, f"a{i}")
         clock.now += 61.0
         await slot0(a, "after-expiry")
+
+
+# ---------------------------------------------------------------- retired versions
+
+
+def ready(reg: Registry, version: int, shards: int = 64) -> None:
+    t = TensorEntry(
+        "w",
+        (shards * 16,),
+        "float32",
+        [ShardEntry((i * 16,), (16,), 1, i * 64) for i in range(shards)],
+    )
+    reg.publish(ManifestIn("m", version, 0, 1, [t]))
+
+
+def test_a_retired_version_no_lease_holds_keeps_no_manifest_in_memory() -> None:
+    """A trainer publishing a version per step must not grow the daemon without bound:
+    once a version is retired and unleased, nothing can read it again, and its
+    manifests go (its record stays, with the slots it published)."""
+    reg = Registry("node", 1, FakeClock())
+    ready(reg, 1)
+    lease = reg.acquire("m", 1, 60.0)
+    for v in range(2, 12):
+        ready(reg, v)
+    assert reg.held_shards() == 2 * 64  # the leased v1, and the READY v11
+    reg.release(lease.lease_id)
+    ready(reg, 12)
+    assert reg.held_shards() == 64
+    assert reg.version("m", 1).published_slots == [0]
+    assert [v.state.value for v in reg.versions("m")][-2:] == ["retired", "ready"]
