@@ -239,3 +239,19 @@ async def test_a_connection_refused_for_trust_says_the_host_or_user_is_not_trust
     ):
         with pytest.raises(UnauthenticatedPeer, match="not a trusted peer"):
             await puller.connect(source.advertise())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
+async def test_a_local_user_reaching_the_hosts_own_address_is_closed_unanswered_too() -> None:
+    """Not only loopback: a local process that connects to one of this host's own
+    addresses is still a local user, whose uid decides."""
+    elsewhere = non_loopback_address()
+    if elsewhere is None:
+        pytest.skip("this host has no address but loopback")
+    async with TcpTransport(secret=SECRET, host="0.0.0.0", advertise_host=elsewhere) as source:
+        _, port, incarnation = parse_address(source.advertise().address)
+        answer = await asyncio.to_thread(_connect_as, 65534, elsewhere, port, incarnation)
+        assert answer == b"<closed>"
+        assert source.server.refused >= 1
+        answer = await asyncio.to_thread(first_answer, elsewhere, port, incarnation)
+        assert len(answer) == CHALLENGE.size and answer[:8] != bytes(8)

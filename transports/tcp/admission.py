@@ -5,11 +5,13 @@ proves nothing until its handshake shows the deployment secret. So admission run
 the accepting thread, before either is spent, and counts a connection as *pending*
 until its handshake succeeded:
 
-- a loopback connection is answered only for the uids in ``loopback_uids`` (by default
-  the server's own and root: the only local users the threat model does not protect
+- a connection from a process of this host (over loopback, or to one of the host's
+  own addresses) is answered only for the uids in ``loopback_uids`` (by default the
+  server's own and root: the only local users the threat model does not protect
   against, docs/trust.md). Its uid is the owner of the client's socket, as the kernel
-  lists it in ``/proc/net/tcp`` (``tcp6``); a connection not found there (gone already)
-  is refused;
+  lists it in ``/proc/net/tcp`` (``tcp6``): a client socket found there is local,
+  one not found is another host's; a loopback connection not found there (gone
+  already) is refused;
 - pending handshakes are bounded per source address and in all. Every loopback address
   is one address (a local user may connect from any of 127.0.0.0/8), an IPv4-mapped
   IPv6 address is its IPv4 address, and an IPv6 address counts by its /64 (what one
@@ -31,7 +33,7 @@ import threading
 from collections import Counter
 from collections.abc import Collection
 
-__all__ = ["Admission", "address_key", "default_loopback_uids", "loopback_peer_uid"]
+__all__ = ["Admission", "address_key", "default_loopback_uids", "local_peer_uid"]
 
 
 def default_loopback_uids() -> frozenset[int]:
@@ -67,9 +69,10 @@ def _proc_address(text: str) -> str:
     return str(ipaddress.ip_address(socket.inet_ntop(family, raw)))
 
 
-def loopback_peer_uid(sock: socket.socket) -> int | None:
-    """The uid owning the other end of ``sock``, an accepted connection on this host's
-    loopback, or None when the kernel lists no such socket (it closed already)."""
+def local_peer_uid(sock: socket.socket) -> int | None:
+    """The uid owning the other end of ``sock``, an accepted connection, when that end
+    is a socket of this host (of this network namespace); None when the kernel lists
+    no such socket here (another host's, or closed already)."""
     here = sock.getsockname()
     there = sock.getpeername()
     me = (ipaddress.ip_address(here[0].split("%", 1)[0]), here[1])
@@ -127,14 +130,15 @@ class Admission:
         self._lock = threading.Lock()
 
     def local_user_trusted(self, sock: socket.socket, host: str) -> bool:
-        """False for a loopback connection of a uid not in ``loopback_uids``."""
-        if not is_loopback(host):
-            return True
+        """False for a connection from a process of this host whose uid is not in
+        ``loopback_uids`` (and for a loopback one the kernel no longer lists)."""
         try:
-            uid = loopback_peer_uid(sock)
+            uid = local_peer_uid(sock)
         except (OSError, ValueError):
             return False
-        return uid is not None and uid in self.loopback_uids
+        if uid is None:
+            return not is_loopback(host)  # another host's, unless it came over loopback
+        return uid in self.loopback_uids
 
     def admit(self, key: str) -> str | None:
         """Count a new connection from address ``key`` as pending; or why it is refused

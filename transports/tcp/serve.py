@@ -361,7 +361,7 @@ class DataServer:
         if self.accept is not None and not self.accept(host):
             return "not a trusted peer's host"
         if not self.admission.local_user_trusted(conn, host):
-            return "a loopback connection of a local user this server does not trust"
+            return "a connection of a local user this server does not trust"
         return None
 
     def _serve(self, conn: socket.socket, host: str, key: str) -> None:
