@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -51,6 +50,7 @@ import numpy as np
 from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, covered, cut_chunks
 from refitd.daemon.mirrorleases import MirrorLeases
 from refitd.daemon.mirrorread import MirroredSource, answer_s, read_chunks
+from refitd.daemon.mirrorspace import half_of_shm, held_bytes, make_room, release
 from refitd.daemon.paths import SHM_SCHEME
 from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.pulls import RemoteSource, Source
@@ -64,10 +64,8 @@ from refitd.wire import (
     RegionCreate,
     ShardEntry,
     TensorEntry,
-    VersionState,
 )
 from refitd.wire.mirrors import MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorState
-from transports.segments import SHM_DIR
 
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
@@ -131,7 +129,7 @@ class Mirrors:
         self.budget = (
             daemon.options.mirror_max_bytes
             if daemon.options.mirror_max_bytes is not None
-            else _half_of_shm()
+            else half_of_shm()
         )
         self.by_key: dict[tuple[str, str, int], Mirror] = {}
         #: (source, model, version) -> distinct leases seen pulling it (``shared``)
@@ -292,11 +290,9 @@ class Mirrors:
         peer = await src.regions(ids, probe)
         # What the daemon makes on its own behalf is bounded: the mirror's bytes are
         # counted (from before any region is made, so two mirrors preparing at once
-        # see each other) against the host's mirror budget; retired mirrors go first.
+        # see each other) against the host's mirror budget; retired, then idle ones go first.
         need = sum(r.nbytes for r in peer.regions)
-        if self.held_bytes() + need > self.budget:
-            await self.sweep()
-        if self.held_bytes() + need > self.budget:
+        if not await make_room(d, self.by_key, need, self.budget, m):
             m.error = (
                 f"cannot mirror {m.model!r} version {m.version}: its {need} bytes do not fit "
                 f"the host's mirror budget ({self.held_bytes()} of {self.budget} bytes held, "
@@ -511,7 +507,7 @@ class Mirrors:
 
     def held_bytes(self) -> int:
         """Bytes every mirror of this daemon holds, or is about to make."""
-        return sum(m.nbytes for m in self.by_key.values())
+        return held_bytes(self.by_key.values())
 
     def state(self, m: Mirror) -> MirrorState:
         return m.state(self.held_bytes(), self.budget)
@@ -527,30 +523,7 @@ class Mirrors:
     async def sweep(self) -> list[int]:
         """Delete the regions of every mirror whose version is retired here and no
         longer leased; returns the region ids freed."""
-        freed: list[int] = []
-        for key, m in list(self.by_key.items()):
-            if not m.finished:
-                continue
-            try:
-                info = self.d.registry.version(m.model, m.version)
-            except NotFoundError:
-                continue
-            if info.state is not VersionState.RETIRED and not m.error:
-                continue
-            if self.d.registry.active_leases(m.model, m.version):
-                continue
-            for r in list(m.regions.values()):
-                try:
-                    await self.d.delete_region(r.region_id)
-                except RefitError:
-                    continue  # a pull still reads it: the next sweep frees it
-                freed.append(r.region_id)
-                m.regions = {k: v for k, v in m.regions.items() if v is not r}
-            if not m.regions:
-                del self.by_key[key]
-        if freed:
-            log.info("released mirror regions %s", freed)
-        return freed
+        return await release(self.d, self.by_key)
 
     def _spawn(self, coro: Awaitable[object]) -> None:
         async def run() -> None:
@@ -572,15 +545,6 @@ async def _renew(client: PeerClient, lease_id: str) -> None:
         await asyncio.sleep(LEASE_TTL_S / 3)
         with contextlib.suppress(RefitError):
             await client.renew_lease(lease_id, LEASE_TTL_S)
-
-
-def _half_of_shm() -> int:
-    """Half of the shared-memory filesystem's size, bytes (the default mirror budget)."""
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return 0
-    return st.f_blocks * st.f_frsize // 2
 
 
 def _no_rows() -> np.ndarray:

@@ -341,3 +341,31 @@ async def test_a_mirrored_version_is_leased_on_its_host_only_under_a_live_lease_
                     api.ACQUIRE_LEASE,
                     LeaseRequest(MODEL, 1, 30.0, source_lease=at_source.lease_id),
                 )
+
+
+async def test_an_idle_mirror_is_evicted_to_make_room_for_a_new_one_within_the_budget() -> None:
+    """A mirror nobody leases is a cache entry: when the budget is full, the least
+    recently completed one goes (its version retired here first), not the new one."""
+    async with hosts(mirror_max_bytes=NBYTES + NBYTES // 2) as h:
+        first = await publish(h.sc)
+        lease = await h.sc.acquire_lease(MODEL, 1, 60.0)
+        req, _ = await pull_request(h, first, lease.lease_id)
+        assert (await h.mc.pull(req)).path == "shm"
+        await h.sc.release_lease(lease.lease_id)
+        # another model: it fits only once the idle mirror of the first has gone
+        info = await h.sc.create_region(NBYTES, label="other")
+        with SharedSegment.attach(info.handle, NBYTES) as seg:
+            seg.numpy()[:] = pattern(7)
+        t = TensorEntry("w", (NBYTES,), "uint8", [ShardEntry((0,), (NBYTES,), info.region_id, 0)])
+        await h.sc.publish(ManifestIn("other", 1, 0, 1, [t]))
+        lease = await h.sc.acquire_lease("other", 1, 60.0)
+        dst = await h.mc.create_region(NBYTES, label="engine")
+        rows = np.array([[info.region_id, 0, dst.region_id, 0, NBYTES]], dtype=np.int64)
+        req = PullRequest("other", 1, lease.lease_id, DescriptorTable.pack(rows), [], h.sc.base_url)
+        assert (await h.mc.pull(req)).path == "shm"
+        with SharedSegment.attach(dst.handle, NBYTES) as seg:
+            assert np.array_equal(seg.numpy(), pattern(7))
+        st = await h.mc._send(api.MIRROR_STATE, model="other", version=1)
+        assert st.held_bytes == NBYTES <= st.budget_bytes
+        with pytest.raises(NotFoundError):
+            await h.mc._send(api.MIRROR_STATE, model=MODEL, version=1)
