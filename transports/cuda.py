@@ -1,14 +1,11 @@
 """The ``cuda`` memory kind: a GPU allocation, opened once from its owner's CUDA IPC handle.
 
-Written against the CUDA driver API through ctypes (``libcuda.so.1``, which every
-host with an NVIDIA driver has), so it needs no CUDA toolkit and no Python CUDA
-package. Nothing here runs at import: the driver is loaded, and a context made
-current, only when the first allocation is opened or exported (:func:`missing`
-only asks whether it could be).
+Written against the CUDA driver API through ctypes (`transports.cudadriver`), so
+it needs no CUDA toolkit and no Python CUDA package. Nothing here runs at import:
+the driver is loaded, and a context made current, only when the first allocation
+is opened or exported (:func:`missing` only asks whether it could be).
 
-NOTE: this module has never run on a GPU. Every path in it is written to the
-driver API's documented contract and waits for its first GPU run
-(``tests/gpu/run-on-device.sh``).
+NOTE: never run on a GPU yet; its first run is ``tests/gpu/run-on-device.sh``.
 
 - **Export** (the client, :func:`export_allocation`): the whole allocation around a
   device pointer (``cuMemGetAddressRange``), its IPC handle (``cuIpcGetMemHandle``)
@@ -19,9 +16,9 @@ driver API's documented contract and waits for its first GPU run
 - **Open** (the daemon, :meth:`CudaIpcMemory.open`): the handle opened on the
   device of that UUID (``cuIpcOpenMemHandle``, lazy peer access), once per
   allocation in this process; its size must be exactly what the client stated. The
-  handle is a bearer capability, so the memory proves no owner (``owner_uid`` is
-  None): the daemon takes it only from a caller whose uid the kernel names
-  (docs/trust.md, "GPU memory"). Its public name is a digest, never the handle.
+  handle is a bearer capability: the memory proves no owner (``owner_uid`` None),
+  so who may register it is decided before it is opened (docs/trust.md, "GPU
+  memory"). Its public name is a digest, never the handle.
 - **Copies** (:class:`CudaEngine`, one per device): GPU to GPU and host to/from GPU
   with unified addressing (``cuMemcpyAsync`` on the engine's stream), each host
   region registered once (``cuMemHostRegister``: page-locked copies at PCIe rate
@@ -41,17 +38,16 @@ import ctypes
 import hashlib
 import mmap
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
-from refitd.errors import ConflictError, NotFoundError, ProtocolError
+from refitd.errors import ConflictError, ProtocolError
 
-from .memory import HOST, CopyEngine, DeviceFault, DeviceMemory, add_engine
+from .cudadriver import CudaError, IpcHandle, device_count, driver, missing
+from .memory import HOST, CopyEngine, DeviceMemory, add_engine
 
 if TYPE_CHECKING:
     import torch
@@ -72,135 +68,19 @@ __all__ = [
 ]
 
 KIND = "cuda"
-LIBCUDA = "libcuda.so.1"
-
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 CU_STREAM_NON_BLOCKING = 1
 CU_MEMHOSTREGISTER_PORTABLE = 1
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
 CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
 
+_u64 = ctypes.c_uint64
+_vp = ctypes.c_void_p
+
 SMALL_PIECE = 64 << 10
 """Bytes: GPU-to-GPU reads up to this size are gathered by one indexed device copy."""
 GATHER_UNIT = 8
 """Bytes per element of the indexed gather: a read's offsets and size must be multiples."""
-
-_u64 = ctypes.c_uint64
-_vp = ctypes.c_void_p
-
-
-# Byte arrays, not c_char ones: a c_char array field reads and writes as a
-# NUL-terminated string, and handles and UUIDs hold zero bytes.
-class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
-
-
-class _Uuid(ctypes.Structure):
-    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
-
-
-class CudaError(DeviceFault):
-    """A CUDA driver call failed; the message names the call and the error."""
-
-    def __init__(self, message: str, code: int = 0, index: int = -1) -> None:
-        super().__init__(message, index)
-        self.code = code
-
-
-# ---------------------------------------------------------------- the driver
-
-
-class _Driver:
-    """``libcuda.so.1`` loaded and initialised (once per process)."""
-
-    def __init__(self) -> None:
-        self.lib = ctypes.CDLL(LIBCUDA)
-        self.check(self.lib.cuInit(0), "cuInit")
-        self._lock = threading.Lock()
-        self._contexts: dict[int, int] = {}
-
-    def fn(self, *names: str) -> Callable[..., int]:
-        """The first of ``names`` the driver exports (a ``_v2`` before its original)."""
-        for n in names:
-            f = getattr(self.lib, n, None)
-            if f is not None:
-                f.restype = ctypes.c_int
-                return f  # type: ignore[no-any-return]
-        raise CudaError(f"the CUDA driver exports none of {', '.join(names)}")
-
-    def error(self, rc: int) -> str:
-        name, text = ctypes.c_char_p(), ctypes.c_char_p()
-        self.lib.cuGetErrorName(rc, ctypes.byref(name))
-        self.lib.cuGetErrorString(rc, ctypes.byref(text))
-        n = (name.value or b"CUDA_ERROR").decode(errors="replace")
-        t = (text.value or b"").decode(errors="replace")
-        return f"{n} ({rc}): {t}"
-
-    def check(self, rc: int, what: str, index: int = -1) -> None:
-        if rc != 0:
-            raise CudaError(f"{what} failed: {self.error(rc)}", rc, index)
-
-    def count(self) -> int:
-        n = ctypes.c_int(0)
-        self.check(self.lib.cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")
-        return n.value
-
-    def uuid(self, ordinal: int) -> str:
-        dev = ctypes.c_int(0)
-        self.check(self.lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
-        u = _Uuid()
-        rc = self.fn("cuDeviceGetUuid_v2", "cuDeviceGetUuid")(ctypes.byref(u), dev)
-        self.check(rc, "cuDeviceGetUuid")
-        return bytes(u.bytes).hex()
-
-    def ordinal_of(self, uuid: str) -> int:
-        for i in range(self.count()):
-            if self.uuid(i) == uuid:
-                return i
-        raise NotFoundError(f"GPU {uuid} is not a device of this host")
-
-    def use(self, ordinal: int) -> None:
-        """Make device ``ordinal``'s primary context (the one PyTorch uses) current
-        in this thread, retaining it the first time: the context is created here."""
-        with self._lock:
-            ctx = self._contexts.get(ordinal)
-            if ctx is None:
-                dev = ctypes.c_int(0)
-                self.check(self.lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
-                c = _vp()
-                self.check(
-                    self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev),
-                    "cuDevicePrimaryCtxRetain",
-                )
-                ctx = self._contexts[ordinal] = int(c.value or 0)
-        self.check(self.lib.cuCtxSetCurrent(_vp(ctx)), "cuCtxSetCurrent")
-
-
-@cache
-def _driver() -> _Driver:
-    return _Driver()
-
-
-def missing() -> str | None:
-    """Why this process cannot use a CUDA device, or None when it can (the driver
-    loads, initialises and lists at least one device). Creates no context."""
-    try:
-        drv = _driver()
-    except OSError as exc:
-        return f"no CUDA driver here ({LIBCUDA} does not load: {exc})"
-    except CudaError as exc:
-        return f"the CUDA driver does not initialise: {exc}"
-    try:
-        n = drv.count()
-    except CudaError as exc:
-        return f"no CUDA device here: {exc}"
-    return None if n > 0 else "no CUDA device here (the driver lists none)"
-
-
-def device_count() -> int:
-    """CUDA devices of this host (0 where :func:`missing` says why)."""
-    return 0 if missing() is not None else _driver().count()
-
 
 # ---------------------------------------------------------------- export (client side)
 
@@ -221,7 +101,7 @@ def export_allocation(pointer: int) -> Exported:
     """The allocation holding device address ``pointer`` (a tensor's ``data_ptr()``),
     exported once for a daemon to open. Raises :class:`CudaError` (named) for memory
     without an IPC handle (PyTorch's expandable segments, host memory)."""
-    drv = _driver()
+    drv = driver()
     ordinal = ctypes.c_int(-1)
 
     def device_of() -> int:
@@ -242,7 +122,7 @@ def export_allocation(pointer: int) -> Exported:
         ctypes.byref(base), ctypes.byref(size), _u64(pointer)
     )
     drv.check(rc, f"cuMemGetAddressRange({pointer:#x})")
-    h = _IpcHandle()
+    h = IpcHandle()
     drv.check(
         drv.lib.cuIpcGetMemHandle(ctypes.byref(h), base),
         f"cuIpcGetMemHandle(allocation at {base.value:#x}; expandable segments have none)",
@@ -275,7 +155,7 @@ class DeviceAllocation:
     lives; the memory is freed when the last one goes."""
 
     def __init__(self, ordinal: int, nbytes: int) -> None:
-        drv = _driver()
+        drv = driver()
         drv.use(ordinal)
         ptr = _u64(0)
         rc = drv.fn("cuMemAlloc_v2", "cuMemAlloc")(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
@@ -298,7 +178,7 @@ class DeviceAllocation:
     def __del__(self) -> None:
         pointer, self.pointer = getattr(self, "pointer", 0), 0
         if pointer:
-            drv = _driver()
+            drv = driver()
             with contextlib.suppress(CudaError):
                 drv.use(self.ordinal)
                 drv.fn("cuMemFree_v2", "cuMemFree")(_u64(pointer))
@@ -333,14 +213,14 @@ class CudaIpcMemory(DeviceMemory):
         exactly ``nbytes`` bytes. A device not on this host, a handle the driver
         refuses, or another size are refused, named, and nothing stays open."""
         uuid, raw = parse_handle(handle)
-        drv = _driver()
+        drv = driver()
         ordinal = drv.ordinal_of(uuid)
         drv.use(ordinal)
         with _OPEN_LOCK:
             entry = _OPENED.get(raw)
             if entry is None:
                 ptr = _u64(0)
-                h = _IpcHandle.from_buffer_copy(raw)
+                h = IpcHandle.from_buffer_copy(raw)
                 rc = drv.fn("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle")(
                     ctypes.byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
                 )
@@ -416,7 +296,7 @@ class CudaIpcMemory(DeviceMemory):
             if entry[1] > 0:
                 return
             del _OPENED[self._raw]
-        drv = _driver()
+        drv = driver()
         with contextlib.suppress(CudaError):
             drv.use(self._ordinal)
             drv.check(drv.lib.cuIpcCloseMemHandle(_u64(self._address)), "cuIpcCloseMemHandle")
@@ -441,7 +321,7 @@ class CudaEngine(CopyEngine):
 
     def __init__(self, ordinal: int) -> None:
         self.ordinal = ordinal
-        self._drv = _driver()
+        self._drv = driver()
         self._drv.use(ordinal)
         s = _vp()
         self._drv.check(

@@ -20,12 +20,20 @@ NOTE: never run on a GPU yet (tests/gpu/run-on-device.sh is its first run).
 
 from __future__ import annotations
 
+import math
+from typing import TYPE_CHECKING
+
 import torch
 
 from refitd.client.http import RefitClient
 from refitd.wire import RegionInfo, RegionKind
 
-__all__ = ["attach_tensor", "device_buffer"]
+if TYPE_CHECKING:
+    from refitd.client.receiver import _Compiled
+
+__all__ = ["attach_tensor", "device_buffer", "install_on_device"]
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 async def attach_tensor(
@@ -59,3 +67,41 @@ async def device_buffer(
         exported.handle, exported.size, kind=RegionKind.CUDA_IPC, label=label
     )
     return flat, info
+
+
+def install_on_device(
+    comp: _Compiled,
+    params: dict[str, torch.nn.Parameter],
+    engine: torch.Tensor,
+    scratch: torch.Tensor | None,
+) -> None:
+    """A receiver's install for GPU parameters (the host one's three steps with the
+    device's own copies: scratch and parameters are on it), done before returning:
+    staged bytes copied into the engine allocation, strided blocks scattered into
+    their parameters, full pulls replayed and written through each parameter."""
+    from refitd.reshard.replay import replay_ops
+
+    scratch = scratch if scratch is not None else engine[:0]
+    for off, n in comp.install:
+        engine[off : off + n].copy_(scratch[off : off + n])
+    for at, dt, shape, dst_strides, name, dst_byte in comp.scatter:
+        n = math.prod(shape)
+        packed = scratch[at : at + n * dt.itemsize].view(dt).view(shape)
+        p = params[name]
+        dst = p.data.as_strided(
+            shape, dst_strides, p.data.storage_offset() + dst_byte // dt.itemsize
+        )
+        dst.copy_(packed)
+    for at, fp in comp.full_pulls:
+        full = scratch[at : at + fp.staging_nbytes].view(fp.dtype).reshape(fp.global_shape)
+        for copy in fp.copies:
+            value = torch.broadcast_to(replay_ops(full, copy.op_chain), copy.dest_shape)
+            if value.numel() == 0:
+                continue
+            as_int = _INT_OF_SIZE[fp.elsize]
+            param = params[copy.param_name].data.view(as_int)
+            dst = torch.as_strided(
+                param, copy.dest_shape, copy.dest_stride, param.storage_offset() + copy.dest_offset
+            )
+            dst.copy_(value.contiguous().view(as_int))
+    torch.cuda.synchronize(engine.device)

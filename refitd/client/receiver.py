@@ -537,7 +537,9 @@ class DaemonReceiver:
         from refitd.reshard.transfer_plan import write_through_pointer
 
         if self._engine_flat is not None:
-            self._install_on_device(comp, self._engine_flat)
+            from refitd.client.gpu import install_on_device
+
+            install_on_device(comp, self._params, self._engine_flat, self._scratch_flat)
             return
         assert self._engine_seg is not None
         engine = self._engine_seg.numpy()
@@ -563,42 +565,6 @@ class DaemonReceiver:
                     replay_ops(full, copy.op_chain),
                     fp.elsize,
                 )
-
-    def _install_on_device(self, comp: _Compiled, engine: torch.Tensor) -> None:
-        """:meth:`_install` for GPU parameters: the same three steps with the device's
-        own copies (scratch and parameters are on it), finished before returning."""
-        from refitd.reshard.replay import replay_ops
-
-        scratch = self._scratch_flat if self._scratch_flat is not None else engine[:0]
-        for off, n in comp.install:
-            engine[off : off + n].copy_(scratch[off : off + n])
-        for at, dt, shape, dst_strides, name, dst_byte in comp.scatter:
-            n = math.prod(shape)
-            packed = scratch[at : at + n * dt.itemsize].view(dt).view(shape)
-            p = self._params[name]
-            dst = p.data.as_strided(
-                shape, dst_strides, p.data.storage_offset() + dst_byte // dt.itemsize
-            )
-            dst.copy_(packed)
-        for at, fp in comp.full_pulls:
-            full = scratch[at : at + fp.staging_nbytes].view(fp.dtype).reshape(fp.global_shape)
-            for copy in fp.copies:
-                value = torch.broadcast_to(replay_ops(full, copy.op_chain), copy.dest_shape)
-                if value.numel() == 0:
-                    continue
-                as_int = _INT_OF_SIZE[fp.elsize]
-                param = self._params[copy.param_name].data.view(as_int)
-                dst = torch.as_strided(
-                    param,
-                    copy.dest_shape,
-                    copy.dest_stride,
-                    param.storage_offset() + copy.dest_offset,
-                )
-                dst.copy_(value.contiguous().view(as_int))
-        torch.cuda.synchronize(engine.device)
-
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _one_device(params: dict[str, torch.nn.Parameter]) -> torch.device:

@@ -90,8 +90,8 @@ def test_device_memory_is_refused_where_the_daemon_needs_host_memory() -> None:
 
 
 def test_a_handle_with_zero_bytes_reaches_the_driver_whole() -> None:
-    from transports.cuda import _IpcHandle
+    from transports.cudadriver import IpcHandle
 
     raw = bytes([1, 0, 0, 2]) * 16  # real handles hold zero bytes
     _, parsed = parse_handle("00" * 16 + ":" + raw.hex())
-    assert bytes(_IpcHandle.from_buffer_copy(parsed).reserved) == raw
+    assert bytes(IpcHandle.from_buffer_copy(parsed).reserved) == raw
