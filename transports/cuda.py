@@ -65,6 +65,7 @@ __all__ = [
     "export_allocation",
     "gather_units",
     "missing",
+    "strided_runs",
 ]
 
 KIND = "cuda"
@@ -405,26 +406,49 @@ class CudaEngine(CopyEngine):
         nbytes: npt.NDArray[np.int64],
         host: list[MappedMemory],
     ) -> None:
+        """Regular runs of reads (a strided block read row by row) as one 2-D copy
+        each; then small GPU-to-GPU reads as one indexed gather; the rest one
+        ``cuMemcpyAsync`` each; all on the engine's stream, synchronised."""
         self._drv.use(self.ordinal)
         for m in host:
             self.pin(m)
+        left = np.ones(len(dst), dtype=bool)
+        for start, count, dpitch, spitch in strided_runs(dst, src, nbytes):
+            self._copy_2d(
+                int(dst[start]), int(src[start]), int(nbytes[start]), count, dpitch, spitch, start
+            )
+            left[start : start + count] = False
         on_host = np.zeros(len(dst), dtype=bool)
         for m in host:
             lo, hi = m.address, m.address + m.size
             on_host |= ((lo <= dst) & (dst < hi)) | ((lo <= src) & (src < hi))
         aligned = ((dst | src | nbytes) % GATHER_UNIT) == 0
-        small = ~on_host & aligned & (nbytes <= SMALL_PIECE)
-        each = np.flatnonzero(~small) if int(small.sum()) > 1 else np.arange(len(dst))
+        small = left & ~on_host & aligned & (nbytes <= SMALL_PIECE)
+        if int(small.sum()) <= 1:
+            small[:] = False
         copy = self._drv.lib.cuMemcpyAsync
-        for i in each.tolist():
+        for i in np.flatnonzero(left & ~small).tolist():
             rc = copy(
                 _u64(int(dst[i])), _u64(int(src[i])), ctypes.c_size_t(int(nbytes[i])), self._stream
             )
             if rc != 0:
                 self._drv.check(rc, f"cuMemcpyAsync of read #{i}", i)
-        if len(each) < len(dst):
+        if small.any():
             self._gather(dst[small], src[small], nbytes[small])
         self._drv.check(self._drv.lib.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+
+    def _copy_2d(
+        self, dst: int, src: int, width: int, height: int, dpitch: int, spitch: int, first: int
+    ) -> None:
+        """``height`` rows of ``width`` bytes, ``spitch`` apart at ``src`` and ``dpitch``
+        apart at ``dst`` (unified addresses), as one copy on the stream."""
+        c = _Memcpy2D()
+        c.srcMemoryType = c.dstMemoryType = CU_MEMORYTYPE_UNIFIED
+        c.srcDevice, c.srcPitch = src, spitch
+        c.dstDevice, c.dstPitch = dst, dpitch
+        c.WidthInBytes, c.Height = width, height
+        rc = self._drv.fn("cuMemcpy2DAsync_v2", "cuMemcpy2DAsync")(ctypes.byref(c), self._stream)
+        self._drv.check(rc, f"cuMemcpy2DAsync of reads #{first}..#{first + height - 1}", first)
 
     def _gather(
         self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
@@ -470,6 +494,71 @@ def gather_units(
     di = torch.repeat_interleave(d0, counts, output_size=total) + step
     si = torch.repeat_interleave(s0, counts, output_size=total) + step
     space[di] = space[si]
+
+
+CU_MEMORYTYPE_UNIFIED = 4
+MAX_PITCH = (1 << 31) - 1
+"""Bytes: the widest row pitch a 2-D copy is given (the driver's limit is of this order)."""
+MIN_RUN = 4
+"""Reads: a regular run shorter than this is copied read by read."""
+
+
+class _Memcpy2D(ctypes.Structure):
+    """``CUDA_MEMCPY2D`` of the driver API (cuda.h), field for field."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+    ]
+
+
+def strided_runs(
+    dst: npt.NDArray[np.int64],
+    src: npt.NDArray[np.int64],
+    nbytes: npt.NDArray[np.int64],
+    min_count: int = MIN_RUN,
+) -> list[tuple[int, int, int, int]]:
+    """Runs of consecutive reads that are one 2-D copy: ``(first read, count, dst
+    pitch, src pitch)``, every read of a run ``nbytes`` long, each ``dst pitch``
+    after the last at the destination and ``src pitch`` at the source, both pitches
+    at least the width (rows do not overlap) and at most :data:`MAX_PITCH`. A pack
+    spec read directly (a strided block, row by row) is one run. Runs shorter than
+    ``min_count`` are not listed."""
+    d, s, b = dst.tolist(), src.tolist(), nbytes.tolist()
+    n, runs, i = len(d), [], 0
+    while i < n:
+        end = i + 1
+        if end < n and b[end] == b[i] and b[i] > 0:
+            dp, sp = d[end] - d[i], s[end] - s[i]
+            if b[i] <= dp <= MAX_PITCH and b[i] <= sp <= MAX_PITCH:
+                end += 1
+                while (
+                    end < n
+                    and b[end] == b[i]
+                    and d[end] - d[end - 1] == dp
+                    and s[end] - s[end - 1] == sp
+                ):
+                    end += 1
+                if end - i >= min_count:
+                    runs.append((i, end - i, dp, sp))
+                    i = end
+                    continue
+        i += 1
+    return runs
 
 
 class _Span:

@@ -198,3 +198,33 @@ def test_the_indexed_gather_lands_every_small_read_in_its_place() -> None:
     for d, s, n in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
         want[d : d + n] = before[s : s + n]
     assert np.array_equal(space.numpy().view(np.uint8), want)
+
+
+def test_a_strided_block_read_row_by_row_is_one_2d_copy_and_irregular_reads_are_not() -> None:
+    from transports.cuda import strided_runs
+
+    rows = np.arange(64, dtype=np.int64)
+    # 64 rows of 2 KiB, 8 KiB apart at the source, packed at the destination (a pack
+    # spec read directly), then three irregular reads, then a contiguous run of 4.
+    dst = np.concatenate([rows * 2048, [1 << 20, (1 << 20) + 9000, (1 << 20) + 100]])
+    src = np.concatenate([rows * 8192, [5, 70000, 3]])
+    n = np.concatenate([np.full(64, 2048), [100, 100, 100]])
+    dst = np.concatenate([dst, (2 << 20) + np.arange(4) * 512]).astype(np.int64)
+    src = np.concatenate([src, (3 << 20) + np.arange(4) * 512]).astype(np.int64)
+    n = np.concatenate([n, np.full(4, 512)]).astype(np.int64)
+    assert strided_runs(dst, src, n) == [(0, 64, 2048, 8192), (67, 4, 512, 512)]
+    # rows that would overlap (pitch below the width) or run backwards are never a run
+    assert strided_runs(np.arange(8) * 100, np.arange(8) * 4096, np.full(8, 200)) == []
+    assert strided_runs(np.arange(8)[::-1] * 4096, np.arange(8) * 4096, np.full(8, 64)) == []
+
+
+def test_the_2d_copy_descriptor_has_the_drivers_layout() -> None:
+    import ctypes
+
+    from transports.cuda import _Memcpy2D
+
+    # CUDA_MEMCPY2D on x86-64 (cuda.h): 16 fields, 128 bytes.
+    assert ctypes.sizeof(_Memcpy2D) == 128
+    offsets = {name: getattr(_Memcpy2D, name).offset for name, _ in _Memcpy2D._fields_}
+    assert (offsets["srcDevice"], offsets["srcPitch"], offsets["dstMemoryType"]) == (32, 48, 72)
+    assert (offsets["dstDevice"], offsets["WidthInBytes"], offsets["Height"]) == (88, 112, 120)
