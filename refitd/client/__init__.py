@@ -18,12 +18,43 @@ Modules:
 
 from __future__ import annotations
 
-from refitd.client.http import RefitClient
-from refitd.client.leases import LeaseKeeper
-from refitd.client.multihost import ClusterReceiver
-from refitd.client.publisher import Publisher
-from refitd.client.receiver import DaemonReceiver, RefitStats
-from refitd.client.sync import SyncRefitClient
+import importlib
+import typing
+
+if typing.TYPE_CHECKING:
+    from refitd.client.http import RefitClient
+    from refitd.client.leases import LeaseKeeper
+    from refitd.client.multihost import ClusterReceiver
+    from refitd.client.publisher import Publisher
+    from refitd.client.receiver import DaemonReceiver, RefitStats
+    from refitd.client.sync import SyncRefitClient
+
+# Each name is imported from its module on first use: the publisher and the receivers
+# bring torch (over a second of CPU), which `refitd status` or a daemon's HTTP client
+# never needs.
+_MODULE_OF = {
+    "ClusterReceiver": "refitd.client.multihost",
+    "DaemonReceiver": "refitd.client.receiver",
+    "LeaseKeeper": "refitd.client.leases",
+    "Publisher": "refitd.client.publisher",
+    "RefitClient": "refitd.client.http",
+    "RefitStats": "refitd.client.receiver",
+    "SyncRefitClient": "refitd.client.sync",
+}
+
+
+def __getattr__(name: str) -> typing.Any:
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_MODULE_OF})
+
 
 __all__ = [
     "ClusterReceiver",

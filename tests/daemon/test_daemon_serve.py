@@ -19,8 +19,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_the_client_package_exports_exactly_its_public_names() -> None:
-    public = {n for n in vars(refitd.client) if not n.startswith("_") and n[0].isupper()}
+    public = {n for n in dir(refitd.client) if not n.startswith("_") and n[0].isupper()}
     assert set(refitd.client.__all__) == public
+    for name in public:  # each is imported on first use
+        assert getattr(refitd.client, name).__name__ == name
 
 
 def test_serve_reports_its_bound_port_serves_tcp_and_unix_and_exits_cleanly_on_sigterm(
