@@ -90,6 +90,9 @@ class StateSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     leases: int = 0
     pulls_in_flight: int = 0
     pools: list[PoolStats] = []
+    #: bytes this daemon's host mirrors hold, and what they may hold together
+    mirror_bytes: int = 0
+    mirror_budget_bytes: int = 0
 
 
 StateSource = Callable[[], StateSnapshot]
@@ -130,6 +133,14 @@ class _StateCollector:
         yield GaugeMetricFamily("refitd_leases", "Leases held on versions.", value=snap.leases)
         yield GaugeMetricFamily(
             "refitd_pulls_in_flight", "Pulls accepted and not finished.", value=snap.pulls_in_flight
+        )
+        yield GaugeMetricFamily(
+            "refitd_mirror_bytes", "Bytes host mirrors hold.", value=snap.mirror_bytes
+        )
+        yield GaugeMetricFamily(
+            "refitd_mirror_budget_bytes",
+            "Bytes host mirrors may hold together ([mirrors] max_bytes).",
+            value=snap.mirror_budget_bytes,
         )
         if not snap.pools:
             return

@@ -106,6 +106,7 @@ def daemon_operations() -> dict[tuple[str, str], Operation]:
 
 def _snapshot(app: web.Application) -> StateSnapshot:
     from refitd.daemon.handlers import DAEMON, PULLS
+    from refitd.daemon.mirrorhandlers import MIRRORS
     from refitd.wire import PullState
 
     daemon = app[DAEMON]
@@ -142,6 +143,8 @@ def _snapshot(app: web.Application) -> StateSnapshot:
         leases=leases,
         pulls_in_flight=in_flight,
         pools=pools,
+        mirror_bytes=app[MIRRORS].held_bytes() if MIRRORS in app else 0,
+        mirror_budget_bytes=app[MIRRORS].budget if MIRRORS in app else 0,
     )
 
 

@@ -35,7 +35,7 @@ async def test_a_scrape_shows_only_the_scrapers_own_expert_pools(tmp_path: Path)
     tokens.write_text("a token-of-a\nb token-of-b\n")
     tokens.chmod(0o600)
     policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
-    opts = DaemonOptions(port=0, node_id="metrics", transport="shm")
+    opts = DaemonOptions(port=0, node_id="metrics", transport="shm", mirror_max_bytes=1 << 30)
 
     def setup(app: object) -> None:
         from aiohttp import web
@@ -56,3 +56,6 @@ async def test_a_scrape_shows_only_the_scrapers_own_expert_pools(tmp_path: Path)
         assert 'pool="pool-of-b"' in seen_by_b
         seen_by_a = await scrape(url, "token-of-a")
         assert 'pool="pool-of-a"' in seen_by_a and "pool-of-b" not in seen_by_a
+        # what the daemon holds on its own behalf is visible: its mirrors and their budget
+        assert "refitd_mirror_bytes 0.0" in seen_by_a
+        assert "refitd_mirror_budget_bytes " in seen_by_a
