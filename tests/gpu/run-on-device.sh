@@ -39,5 +39,7 @@ timeout 240 python3 -m pytest -c "$repo/pyproject.toml" --rootdir "$repo" -p no:
 tests=${PIPESTATUS[0]}
 timeout 330 python3 -m refitd.cli bench gpu --json "$out/bench.json" "$@" 2>&1 | tee "$out/bench.txt"
 bench=${PIPESTATUS[0]}
-echo "gpu tests: exit $tests; refitd bench gpu: exit $bench"
+echo "== for the closing note"
+echo "gpu tests: $(tail -n 1 "$out/pytest.txt") (exit $tests)"
+echo "refitd bench gpu: $(tail -n 1 "$out/bench.txt") (exit $bench)"
 [ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
