@@ -47,6 +47,25 @@ def test_bench_gpu_exits_2_naming_why_where_there_is_no_cuda() -> None:
     assert "cannot run" in done.stderr and why.split(" (")[0] in done.stderr
 
 
+def test_the_driver_binding_exports_a_tensors_whole_allocation(gpu: None) -> None:
+    # First, without a daemon: a failure here is the ctypes binding, not the daemon.
+    import torch
+
+    from transports.cuda import DeviceAllocation, export_allocation, parse_handle
+    from transports.cudadriver import device_count, driver
+
+    assert device_count() >= 1
+    t = torch.zeros(NBYTES, dtype=torch.uint8, device="cuda")
+    ex = export_allocation(t.data_ptr() + 4096)
+    assert ex.base <= t.data_ptr() and t.data_ptr() + NBYTES <= ex.base + ex.size
+    uuid, raw = parse_handle(ex.handle)
+    assert uuid == driver().uuid(ex.ordinal) and len(raw) == 64
+    a = DeviceAllocation(0, NBYTES)
+    flat = torch.as_tensor(a, device="cuda:0")
+    assert flat.data_ptr() == a.pointer and flat.numel() == NBYTES  # no copy
+    assert export_allocation(a.pointer).base == a.pointer  # an allocation of its own
+
+
 @pytest.fixture
 async def node(gpu: None, secret_file: str) -> AsyncIterator[tuple[SpawnedDaemon, RefitClient]]:
     async with (
