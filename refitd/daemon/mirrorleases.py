@@ -5,9 +5,12 @@ The source's readers rule travels with a mirror's bytes this way: whoever the so
 lets read the version (it granted them a lease) may lease this copy (a downstream
 relay does), and nobody else, whatever this host's own tables say. A lease granted
 here is bound to the source lease it was granted under: its TTL is capped by what
-the source lease had left when granted or last renewed, and every renewal checks the
-source lease again. (Between renewals a source lease released early is not seen: the
-copy stays readable until the local lease's capped TTL runs out.)
+the source lease had left when granted or last renewed, every renewal checks the
+source lease again, and a pull of this daemon's memory under it checks it at submit
+and after its last byte (:meth:`refitd.daemon.mirrors.Mirrors.redirect`). (A peer
+daemon reading the copy through the data plane under such a lease, a downstream
+relay, is not re-checked between renewals: a source lease it released early leaves
+it reading until the capped TTL runs out; it is a daemon of the deployment.)
 """
 
 from __future__ import annotations

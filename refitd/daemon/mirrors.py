@@ -164,8 +164,21 @@ class Mirrors:
         here (an older version than one this daemon already holds of the model).
 
         Raises :class:`TransportError` naming every holder tried when the mirror
-        failed: the pull fails before any byte moved."""
-        if not req.source or self.policy == "never":
+        failed: the pull fails before any byte moved.
+
+        A pull of this daemon's own memory under a lease granted on a mirror copy
+        (:class:`MirrorLeases`) is not rewritten, but bound by that lease's source
+        lease as well, as a pull served from a mirror is."""
+        if not req.source:
+            bound = self.leases.bound.get(req.lease_id)
+            if bound is None:
+                return None
+            source, source_lease, model, version = bound
+            engine = PullRequest(
+                model, version, source_lease, DescriptorTable.pack(_no_rows()), [], source
+            )
+            return Redirect(req, lambda: None, MirroredSource(self.d, self._remote(source), engine))
+        if self.policy == "never":
             return None
         # The engine's lease at the source is what entitles it to the version: checked
         # there first, as for a direct pull, so a mirror never serves a version the

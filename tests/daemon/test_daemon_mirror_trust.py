@@ -369,3 +369,35 @@ async def test_an_idle_mirror_is_evicted_to_make_room_for_a_new_one_within_the_b
         assert st.held_bytes == NBYTES <= st.budget_bytes
         with pytest.raises(NotFoundError):
             await h.mc._send(api.MIRROR_STATE, model=MODEL, version=1)
+
+
+async def test_a_local_pull_under_a_lease_on_the_mirror_copy_ends_with_its_lease_at_the_source(
+    tmp_path: Path,
+) -> None:
+    """A tenant granted a lease on the copy (under its lease at the source) pulls the
+    mirror's memory on the mirror host directly: that pull follows the source lease
+    too, as a pull served from a mirror does."""
+    async with hosts(tokens=token_file(tmp_path), source_readers=("m=a", "m=b", "m=peer")) as h:
+        region = await publish(h.sc)
+        first = await h.sc.acquire_lease(MODEL, 1, 60.0)
+        req, _ = await pull_request(h, region, first.lease_id)
+        await h.mc.pull(req)  # the mirror exists
+        st = await h.mc._send(api.MIRROR_STATE, model=MODEL, version=1)
+        copy = st.regions[region]
+        async with (
+            RefitClient(h.sc.base_url, token="token-of-b") as b_at_source,
+            RefitClient(h.mc.base_url, token="token-of-b") as b,
+        ):
+            at_source = await b_at_source.acquire_lease(MODEL, 1, 60.0)
+            grant = await b._send(
+                api.ACQUIRE_LEASE, LeaseRequest(MODEL, 1, 60.0, source_lease=at_source.lease_id)
+            )
+            dst = await b.create_region(NBYTES, label="b")
+            rows = np.array([[copy, 0, dst.region_id, 0, NBYTES]], dtype=np.int64)
+            local = PullRequest(MODEL, 1, grant.lease_id, DescriptorTable.pack(rows), [], "")
+            await b.pull(local)  # while its lease at the source lives: read
+            with SharedSegment.attach(dst.handle, NBYTES) as seg:
+                assert np.array_equal(seg.numpy(), pattern(1))
+            await b_at_source.release_lease(at_source.lease_id)
+            with pytest.raises(RefitError, match=at_source.lease_id):
+                await b.pull(local)
