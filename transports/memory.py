@@ -195,16 +195,19 @@ async def copy_by_kind(
     by the device memory's engine, one batch per engine. Every pair is checked
     before any byte moves (:class:`KindRefused` names the first a no engine moves).
     """
-    kinds = {(int(d), int(s)) for d, s in zip(dst_ids.tolist(), src_ids.tolist(), strict=True)}
-    if all(is_host(dst_memory[d]) and is_host(src_memory[s]) for d, s in kinds):
+    # The host-only batch (every batch of a host-only daemon) costs two np.unique.
+    if all(is_host(dst_memory[d]) for d in np.unique(dst_ids).tolist()) and all(
+        is_host(src_memory[s]) for s in np.unique(src_ids).tolist()
+    ):
         await host_copy(dst, src, nbytes)
         return
-    route: dict[tuple[int, int], int] = {}  # region pair -> engine slot (-1: host memcpy)
+    pairs, inverse = np.unique(np.stack([dst_ids, src_ids], axis=1), axis=0, return_inverse=True)
+    route = np.empty(len(pairs), dtype=np.int64)  # per region pair: engine slot, -1 memcpy
     chosen: list[CopyEngine] = []
-    for d, s in sorted(kinds):
+    for j, (d, s) in enumerate(pairs.tolist()):
         dm, sm = dst_memory[d], src_memory[s]
         if is_host(dm) and is_host(sm):
-            route[(d, s)] = -1
+            route[j] = -1
             continue
         # The destination's engine where it has one (two devices: it reaches the other).
         engine = dm.engine if dm.engine is not None else sm.engine
@@ -216,12 +219,8 @@ async def copy_by_kind(
             )
         if engine not in chosen:
             chosen.append(engine)
-        route[(d, s)] = chosen.index(engine)
-    slot = np.fromiter(
-        (route[(int(d), int(s))] for d, s in zip(dst_ids.tolist(), src_ids.tolist(), strict=True)),
-        dtype=np.int64,
-        count=len(dst_ids),
-    )
+        route[j] = chosen.index(engine)
+    slot = route[inverse.reshape(-1)]
     if (slot == -1).any():
         k = slot == -1
         await host_copy(dst[k], src[k], nbytes[k])
