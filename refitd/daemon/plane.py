@@ -47,10 +47,6 @@ class TransportSet:
                 await t.deregister(region_id)
         await self.shm.deregister(region_id)
 
-    def paths_of(self, segment: MappedMemory) -> list[str]:
-        """The data planes a region of ``segment``'s kind is readable through."""
-        return ["shm", *(s for s, t in self.by_scheme.items() if t.registers(segment))]
-
     def adverts(self) -> dict[str, bytes]:
         """Each transport's encoded advertisement (its signed record), by scheme."""
         return {s: t.advertise().encode() for s, t in self.by_scheme.items()}
