@@ -227,7 +227,7 @@ async def test_a_loopback_connection_of_another_uid_is_closed_unanswered_and_hol
         # the daemon's own uid is answered with a challenge
         answer = await asyncio.to_thread(first_answer, host, port, incarnation)
         assert len(answer) == CHALLENGE.size and answer[:8] != bytes(8)
-        async with TcpTransport(secret=SECRET) as puller:
+        async with TcpTransport(secret=SECRET, lanes=1) as puller:  # one handshake
             peer = await puller.connect(source.advertise())
             await peer.close()
 

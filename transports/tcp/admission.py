@@ -16,8 +16,9 @@ until its handshake succeeded:
   is one address (a local user may connect from any of 127.0.0.0/8), an IPv4-mapped
   IPv6 address is its IPv4 address, and an IPv6 address counts by its /64 (what one
   host is usually given);
-- established connections (a handshake succeeded) are bounded in all, with pending
-  ones counted too.
+- established connections (a handshake succeeded) are bounded in all, apart from the
+  pending ones: a flood of handshakes that never finish takes no established slot,
+  and a new connection is admitted only while one is free.
 
 :class:`Admission` holds the counts; the data server (`transports.tcp.serve`) asks it
 and tells it when a handshake ends.
@@ -126,7 +127,7 @@ class Admission:
             default_loopback_uids() if loopback_uids is None else frozenset(loopback_uids)
         )
         self._pending: Counter[str] = Counter()
-        self._open = 0
+        self._established = 0
         self._lock = threading.Lock()
 
     def local_user_trusted(self, sock: socket.socket, host: str) -> bool:
@@ -148,23 +149,28 @@ class Admission:
                 return f"{self.max_pending_per_address} handshakes pending from this address"
             if sum(self._pending.values()) >= self.max_pending:
                 return f"{self.max_pending} handshakes pending in all"
-            if self._open >= self.max_connections:
+            if self._established >= self.max_connections:
                 return f"all {self.max_connections} connections taken"
             self._pending[key] += 1
-            self._open += 1
         return None
 
-    def handshake_ended(self, key: str) -> None:
-        """The pending connection from ``key`` is established, or gone."""
+    def handshake_ended(self, key: str, proved: bool) -> bool:
+        """The pending connection from ``key`` ended its handshake (``proved``: it
+        succeeded). Whether it is now established: False when it failed, or when every
+        connection slot was taken meanwhile."""
         with self._lock:
             self._pending[key] -= 1
             if self._pending[key] <= 0:
                 del self._pending[key]
+            if not proved or self._established >= self.max_connections:
+                return False
+            self._established += 1
+            return True
 
     def closed(self) -> None:
-        """An admitted connection closed (after `handshake_ended`)."""
+        """An established connection closed."""
         with self._lock:
-            self._open -= 1
+            self._established -= 1
 
     @property
     def pending(self) -> int:

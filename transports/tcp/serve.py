@@ -75,11 +75,13 @@ IOV_MAX = min(1024, os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 HANDSHAKE_S = 10.0
 """Seconds a new connection has for its whole handshake (not for each byte of it)."""
 MAX_CONNECTIONS = 256
-"""Connections the data server holds at once, pending handshakes included."""
-MAX_PENDING = 64
+"""Established connections the data server holds at once."""
+MAX_PENDING = 256
 """Handshakes in progress at once, from every address together."""
-MAX_PENDING_PER_ADDRESS = 8
-"""Handshakes in progress at once from one address (every loopback address is one)."""
+MAX_PENDING_PER_ADDRESS = 64
+"""Handshakes in progress at once from one address (every loopback address is one): as
+many as one peer daemon's lanes (``data_plane.lanes`` is at most 64), which connect at
+once."""
 BUFFER = 4 << 20
 """Socket buffer asked for on both ends (bytes), where the host allows that much."""
 
@@ -365,8 +367,9 @@ class DataServer:
         return None
 
     def _serve(self, conn: socket.socket, host: str, key: str) -> None:
-        pending = True
+        pending, established = True, False
         try:
+            grants = None
             try:
                 grants = self._handshake(conn, time.monotonic() + self.handshake_s)
             except TimeoutError:
@@ -375,11 +378,10 @@ class DataServer:
                     host,
                     self.handshake_s,
                 )
-                grants = None
             finally:
-                self.admission.handshake_ended(key)
+                established = self.admission.handshake_ended(key, grants is not None)
                 pending = False
-            if grants is None:
+            if grants is None or not established:
                 self.dropped += 1
                 return
             conn.settimeout(None)
@@ -391,8 +393,9 @@ class DataServer:
             pass  # this connection only
         finally:
             if pending:
-                self.admission.handshake_ended(key)
-            self.admission.closed()
+                self.admission.handshake_ended(key, False)
+            if established:
+                self.admission.closed()
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
