@@ -13,11 +13,14 @@ handle once) and measures, in one run:
   host-to-device copy of the same bytes;
 - ``gpu_4k_gbps``: shuffled 4 KiB pieces GPU to GPU through one pull;
 - ``gpu_pull_ratio``: one large GPU-to-GPU pull divided by the device copy;
+- ``engine_exact``: a tiny Llama and a Qwen3-MoE on the GPU, refitted from a TP2
+  layout, serve the same greedy tokens and bit-equal logits as fresh models given
+  the same weights, after an update and after a replay (:mod:`refitd.bench.hfexact`;
+  ``pending`` where transformers is not installed);
 - ``verified``: every byte of every pull and every parameter checked.
 
 Not measured here yet, printed as ``pending`` with the reason: ``gpu_cross_host_ratio``
-(pinned staging pipelined with the ``tcp`` lanes is not built) and ``engine_exact``
-(the Hugging Face Llama / Qwen3-MoE token check on the GPU).
+(pinned staging pipelined with the ``tcp`` lanes is not built).
 
 NOTE: written without a GPU and never run on one yet; tests/gpu/run-on-device.sh is
 its first run.
@@ -46,7 +49,6 @@ MODEL = "gpu-bench"
 PIECE = 4096
 PENDING = {
     "gpu_cross_host_ratio": "pinned host buffers pipelined with the tcp lanes are not built",
-    "engine_exact": "the Hugging Face Llama / Qwen3-MoE greedy-token check on the GPU is not built",
 }
 
 
@@ -81,6 +83,11 @@ def missing_gpu() -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    # Before CUDA starts: cuBLAS then picks the same kernels for the same shapes, so
+    # the refitted and the fresh models' logits can be compared bit for bit.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     why = missing_gpu()
     if why is not None:
         print(f"refitd bench gpu: cannot run: {why}", file=sys.stderr)
@@ -111,6 +118,7 @@ class GpuResult:
     gpu_refit_gbps: float = 0.0
     h2d_refit_gbps: float = 0.0
     refit_bytes: int = 0
+    engine_exact: bool | None = None  # None: not measured (no transformers)
     verified: bool = True
     notes: list[str] = field(default_factory=list)
 
@@ -125,6 +133,7 @@ class GpuResult:
             "gpu_pull_ratio": ratio(self.pull_gbps, self.pull_d2d_gbps),
         }
         out.update({k: "pending" for k in PENDING})
+        out["engine_exact"] = "pending" if self.engine_exact is None else int(self.engine_exact)
         out["verified"] = int(self.verified)
         return out
 
@@ -392,6 +401,12 @@ async def bench(gib: float, versions: int, pull_bytes: int, pieces: int) -> GpuR
             await pulls(client, res, pull_bytes, pieces)
             res.gpu_refit_gbps = await refit(client, gib, versions, True, res)
             res.h2d_refit_gbps = await refit(client, gib, versions, False, res)
+            from refitd.bench.hfexact import engine_exact
+
+            res.engine_exact = await engine_exact(client, dev)
+            if res.engine_exact is None:
+                res.notes.append("engine_exact: pending (transformers is not installed here)")
+                print(res.notes[-1], flush=True)
     nbytes = max(res.refit_bytes, 1 << 20)
     a = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     b = torch.empty_like(a)

@@ -7,7 +7,13 @@ They run on a GPU machine prepared with ``device-pack`` through
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Before CUDA starts (as refitd bench gpu does): cuBLAS picks the same kernels for the
+# same shapes, so a refitted model's logits compare bit for bit with a fresh one's.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from refitd.bench.gpu import missing_gpu
 

@@ -2,8 +2,8 @@
 # run-on-device.sh: the GPU tests and `refitd bench gpu`, in one command, on a GPU machine.
 #
 # Here, once, after `make install` (from the project root):
-#   tests/gpu/run-on-device.sh --pack      # ../shared/tools/device-pack, plus the two pytest
-#                                          # plugins the GPU image lacks (pytest-asyncio, -timeout)
+#   tests/gpu/run-on-device.sh --pack      # ../shared/tools/device-pack, plus what the GPU image
+#                                          # lacks: pytest-asyncio, pytest-timeout, transformers
 # There (the checkout and .device-pack/ sent along):
 #   source .device-pack/setup.sh && tests/gpu/run-on-device.sh [bench gpu options]
 #
@@ -21,7 +21,24 @@ if [ "${1:-}" = "--pack" ]; then
   pins=$($py -c 'import importlib.metadata as m; print(*(f"{p}=={m.version(p)}" for p in ("pytest-asyncio", "pytest-timeout")))')
   # shellcheck disable=SC2086  # two pins, split on purpose
   $py -m pip download -q --no-deps --only-binary=:all: -d .device-pack/wheels $pins || exit 1
+  # transformers (engine_exact, the offload tests) with what it needs that the GPU image
+  # lacks; what the image has (numpy, rich, torch's own dependencies) stays out.
+  tf=$($py -c 'import importlib.metadata as m; print(m.version("transformers"))' 2>/dev/null)
+  if [ -n "$tf" ]; then
+    tmp=$(mktemp -d)
+    $py -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d "$tmp" "transformers==$tf" || exit 1
+    for w in "$tmp"/*.whl; do
+      case $(basename "$w") in
+        numpy-*|rich-*|pygments-*|markdown_it_py-*|mdurl-*|typing_extensions-*|packaging-*|filelock-*|fsspec-*|idna-*) ;;
+        *) cp "$w" .device-pack/wheels/ ;;
+      esac
+    done
+    rm -rf "$tmp"
+  fi
   ls .device-pack/wheels
+  du -sh .device-pack
   exit 0
 fi
 

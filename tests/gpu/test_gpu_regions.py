@@ -340,3 +340,16 @@ async def test_a_gpu_source_with_adopt_is_published_in_place_one_region_per_allo
     )
     await _pull(c, "mg", lease, rows)
     assert torch.equal(flat[: t.numel() * 4].view(torch.float32).view(64, 64), t)
+
+
+async def test_hugging_face_models_on_the_gpu_refitted_from_tp2_serve_what_fresh_ones_do(
+    node: tuple[SpawnedDaemon, RefitClient],
+) -> None:
+    pytest.importorskip("transformers")
+    import torch
+
+    from refitd.bench.hfexact import engine_exact
+
+    _, c = node
+    lines: list[str] = []
+    assert await engine_exact(c, torch.device("cuda", 0), lines.append), lines
