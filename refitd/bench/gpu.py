@@ -33,7 +33,8 @@ import contextlib
 import json
 import sys
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -398,13 +399,30 @@ async def bench(gib: float, versions: int, pull_bytes: int, pieces: int) -> GpuR
             spawn_daemon(secret_file=str(secret), transport="shm", node_id="gpu-host") as d,
             RefitClient(d.url) as client,
         ):
-            await pulls(client, res, pull_bytes, pieces)
-            res.gpu_refit_gbps = await refit(client, gib, versions, True, res)
-            res.h2d_refit_gbps = await refit(client, gib, versions, False, res)
             from refitd.bench.hfexact import engine_exact
 
-            res.engine_exact = await engine_exact(client, dev)
-            if res.engine_exact is None:
+            # Each part on its own: a first run on a GPU says as much as it can, so
+            # one part failing is reported (and fails `verified`), not the end.
+            async def part(name: str, body: Awaitable[Any]) -> Any:
+                try:
+                    return await body
+                except Exception as exc:  # the edge of a report: named whole, the run goes on
+                    res.verified = False
+                    res.notes.append(f"{name} FAILED: {type(exc).__name__}: {exc}")
+                    print(res.notes[-1], flush=True)
+                    traceback.print_exc()
+                    return None
+
+            await part("pulls", pulls(client, res, pull_bytes, pieces))
+            res.gpu_refit_gbps = (
+                await part("refit from GPU memory", refit(client, gib, versions, True, res)) or 0.0
+            )
+            res.h2d_refit_gbps = (
+                await part("refit from host memory", refit(client, gib, versions, False, res))
+                or 0.0
+            )
+            res.engine_exact = await part("engine_exact", engine_exact(client, dev))
+            if res.engine_exact is None and not any("engine_exact" in n for n in res.notes):
                 res.notes.append("engine_exact: pending (transformers is not installed here)")
                 print(res.notes[-1], flush=True)
     nbytes = max(res.refit_bytes, 1 << 20)
