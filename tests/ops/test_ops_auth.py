@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from ops_helpers import error_middleware, serving
+from support.ops import error_middleware, serving
 
 from refitd.config import ServerConfig
 from refitd.daemon.auth import (

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from ops_helpers import ROOT, refitd, serving
+from support.ops import ROOT, refitd, serving
 
 from refitd.cli import COMMANDS, _build_parser
 from refitd.client.http import RefitClient

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from ops_helpers import serving, wired_app
+from support.ops import serving, wired_app
 
 from refitd import errors
 from refitd.client.http import RefitClient, error_from_body

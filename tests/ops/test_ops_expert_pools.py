@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_helpers import serving, wired_app
+from support.ops import serving, wired_app
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient

@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from ops_helpers import serving, wired_app
+from support.ops import serving, wired_app
 
 from refitd.wire import MAX_SLOTS
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import aiohttp
 from aiohttp import web
-from ops_helpers import error_middleware, serving
 from prometheus_client.parser import text_string_to_metric_families
+from support.ops import error_middleware, serving
 
 from refitd.daemon.metrics import METRICS_KEY, Metrics, PoolStats, StateSnapshot, setup_metrics
 from refitd.errors import ConflictError

@@ -7,7 +7,7 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiohttp import web
-from ops_helpers import error_middleware, serving
+from support.ops import error_middleware, serving
 
 from refitd.daemon.metrics import setup_metrics
 from refitd.daemon.openapi import (

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ops_helpers import refitd, serving
 from support.daemons import FakeClock
 from support.docs import python_blocks
+from support.ops import refitd, serving
 
 from refitd.client.http import RefitClient
 from refitd.daemon.handlers import create_app

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ops_helpers import refitd, serving
+from support.ops import refitd, serving
 
 from refitd.cli import _build_parser
 from refitd.client.http import RefitClient

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
-from ops_helpers import serving, wired_app
+from support.ops import serving, wired_app
 
 from refitd.daemon.openapi import OPENAPI_PATH, documented_paths, route_table
 from refitd.wire import routes as api

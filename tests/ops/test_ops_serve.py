@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import msgspec
 import pytest
-from ops_helpers import serving, wired_app
+from support.ops import serving, wired_app
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.spawn import serve_command

@@ -12,7 +12,7 @@ import stat
 from collections.abc import Callable, Iterator
 
 import pytest
-from ops_helpers import serving, wired_app
+from support.ops import serving, wired_app
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config

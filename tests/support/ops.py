@@ -1,5 +1,6 @@
-"""Shared helpers for the ops tests: the real daemon app wired as ``serve`` wires it,
-served on real loopback sockets, and the ``refitd`` command run as a child process."""
+"""Helpers of the ops tests: the real daemon app wired as ``serve`` wires it (with
+the operator service: auth, metrics, the API document), an aiohttp app served on
+real loopback sockets, and the ``refitd`` command run as a child process."""
 
 from __future__ import annotations
 
