@@ -143,15 +143,39 @@ def _best(f: Callable[[], float], times: int = 3) -> float:
     return min(f() for _ in range(times))
 
 
-def d2d_seconds(src: torch.Tensor, dst: torch.Tensor) -> float:
-    """One device-to-device copy of ``src`` into ``dst``, synchronised, seconds."""
+def _sync(device: torch.device) -> None:
     import torch
 
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def d2d_seconds(src: torch.Tensor, dst: torch.Tensor) -> float:
+    """One device-to-device copy of ``src`` into ``dst``, synchronised, seconds."""
+    _sync(dst.device)
     t = time.perf_counter()
     dst.copy_(src)
-    torch.cuda.synchronize()
+    _sync(dst.device)
     return time.perf_counter() - t
+
+
+async def _buffer(
+    client: RefitClient, nbytes: int, device: torch.device, label: str
+) -> tuple[torch.Tensor, Any]:
+    """``nbytes`` of registered memory on ``device`` as a flat uint8 tensor and its
+    region: a GPU allocation (``cuda``), or a shared segment (``cpu``: the CPU check
+    of this benchmark's flow, tests/e2e/test_e2e_bench_gpu_flow.py)."""
+    import torch
+
+    if device.type == "cuda":
+        from refitd.client.gpu import device_buffer
+
+        return await device_buffer(client, nbytes, device, label=label)
+    from transports.segments import SharedSegment
+
+    info = await client.create_region(nbytes, label=label)
+    seg = SharedSegment.attach(info.handle, info.nbytes)
+    return torch.frombuffer(seg.numpy().data, dtype=torch.uint8), info
 
 
 def h2d_seconds(nbytes: int, device: torch.device) -> float:
@@ -187,16 +211,17 @@ async def _pull_seconds(client: RefitClient, version: int, lease: str, rows: Any
     return time.perf_counter() - t
 
 
-async def pulls(client: RefitClient, res: GpuResult, nbytes: int, pieces: int) -> None:
+async def pulls(
+    client: RefitClient, res: GpuResult, nbytes: int, pieces: int, dev: torch.device
+) -> None:
     """One large GPU-to-GPU pull and one of shuffled 4 KiB pieces, both verified."""
     import numpy as np
     import torch
 
-    from refitd.client.gpu import device_buffer
+    from refitd.errors import RefitError
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    src, src_region = await device_buffer(client, nbytes, dev, label="bench-src")
-    dst, dst_region = await device_buffer(client, nbytes, dev, label="bench-dst")
+    src, src_region = await _buffer(client, nbytes, dev, "bench-src")
+    dst, dst_region = await _buffer(client, nbytes, dev, "bench-dst")
     src.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev))
     lease = await _publish_bytes(client, src_region.region_id, nbytes, 1)
     s, d = src_region.region_id, dst_region.region_id
@@ -221,7 +246,7 @@ async def pulls(client: RefitClient, res: GpuResult, nbytes: int, pieces: int) -
         axis=1,
     ).astype(np.int64)
     dst.zero_()
-    torch.cuda.synchronize()
+    _sync(dev)
     seconds = [await _pull_seconds(client, 1, lease, rows) for _ in range(3)]
     res.gpu_4k_gbps = n * PIECE / min(seconds) / 1e9
     idx = torch.from_numpy(perm).to(dev)
@@ -229,34 +254,37 @@ async def pulls(client: RefitClient, res: GpuResult, nbytes: int, pieces: int) -
     res.verified &= ok
     res.notes.append(f"pulls: {nbytes} bytes GPU->GPU and {n} x 4 KiB, verified={ok}")
     await client.release_lease(lease)
-    for r in (src_region, dst_region):
-        await client.delete_region(r.region_id)
+    with contextlib.suppress(RefitError):  # the source stays while its version is READY
+        await client.delete_region(dst_region.region_id)
 
 
 # ---------------------------------------------------------------- refits
 
 
 async def _publish_gpu(
-    client: RefitClient, model: str, published: Any, version: int, held: dict[str, Any]
+    client: RefitClient,
+    model: str,
+    published: Any,
+    version: int,
+    held: dict[str, Any],
+    dev: torch.device,
 ) -> None:
     """Publish every rank of ``published`` from GPU memory: each rank's buffer copied
     once into its own registered allocation (``held`` keeps them by session, so a
     later version rewrites the same memory and the placement is unchanged)."""
     import torch
 
-    from refitd.client.gpu import device_buffer
     from refitd.client.publisher import dtype_name
     from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
     sessions = sorted(published.buffers, key=lambda x: int(x[len(published.layout) :]))
-    dev = torch.device("cuda", torch.cuda.current_device())
     for slot, session in enumerate(sessions):
         buf = published.buffers[session]
         if session not in held:
-            held[session] = await device_buffer(client, buf.numel(), dev, label=session)
+            held[session] = await _buffer(client, buf.numel(), dev, session)
         flat, region = held[session]
         flat[: buf.numel()].copy_(buf.view(torch.uint8))
-        torch.cuda.synchronize(dev)
+        _sync(dev)
         base = buf.data_ptr()
         tensors = []
         for name, info in published.sources.items():
@@ -275,15 +303,18 @@ async def _publish_gpu(
 
 
 async def refit(
-    client: RefitClient, gib: float, versions: int, from_gpu: bool, res: GpuResult
+    client: RefitClient,
+    gib: float,
+    versions: int,
+    from_gpu: bool,
+    res: GpuResult,
+    dev: torch.device,
 ) -> float:
     """Refit four TP4 GPU engine ranks from a TP2 trainer layout published from GPU
     (``from_gpu``) or host memory; every parameter checked; the best GB/s of the
     replayed versions."""
     import asyncio
     import functools
-
-    import torch
 
     from refitd.bench.refit import capture_for, publish_layout
     from refitd.bench.synthetic import SyntheticState, synthetic_config
@@ -292,7 +323,6 @@ async def refit(
     from refitd.testing.layouts import megatron_tp_ep
 
     cfg = synthetic_config(gib)
-    dev = torch.device("cuda", torch.cuda.current_device())
     what = "GPU" if from_gpu else "host"
     model = f"{MODEL}-from-{what.lower()}"
     capture = capture_for(megatron_tp_ep(cfg, 2, 1, None))
@@ -319,7 +349,7 @@ async def refit(
                 await client.wait_drain(model, v - 1, 120.0, retire=True)
             published = megatron_tp_ep(cfg, 2, 1, SyntheticState(cfg, v))
             if from_gpu:
-                await _publish_gpu(client, model, published, v, held)
+                await _publish_gpu(client, model, published, v, held, dev)
             else:
                 pubs = await publish_layout(client, model, published, v, pubs)
             del published
@@ -413,12 +443,13 @@ async def bench(gib: float, versions: int, pull_bytes: int, pieces: int) -> GpuR
                     traceback.print_exc()
                     return None
 
-            await part("pulls", pulls(client, res, pull_bytes, pieces))
+            await part("pulls", pulls(client, res, pull_bytes, pieces, dev))
             res.gpu_refit_gbps = (
-                await part("refit from GPU memory", refit(client, gib, versions, True, res)) or 0.0
+                await part("refit from GPU memory", refit(client, gib, versions, True, res, dev))
+                or 0.0
             )
             res.h2d_refit_gbps = (
-                await part("refit from host memory", refit(client, gib, versions, False, res))
+                await part("refit from host memory", refit(client, gib, versions, False, res, dev))
                 or 0.0
             )
             res.engine_exact = await part("engine_exact", engine_exact(client, dev))
