@@ -221,6 +221,7 @@ class Publisher:
     async def close(self) -> None:
         """Unmap our views of the regions (the daemon keeps and later frees them)."""
         self._views.clear()
+        self._gpu.clear()  # the GPU regions stay with the daemon, as the others do
         for r in self._regions:
             r.seg.close()
         self._regions.clear()

@@ -95,3 +95,26 @@ def test_a_handle_with_zero_bytes_reaches_the_driver_whole() -> None:
     raw = bytes([1, 0, 0, 2]) * 16  # real handles hold zero bytes
     _, parsed = parse_handle("00" * 16 + ":" + raw.hex())
     assert bytes(IpcHandle.from_buffer_copy(parsed).reserved) == raw
+
+
+@no_gpu
+async def test_on_the_unix_socket_gpu_memory_needs_a_holder_of_the_callers_uid(
+    tmp_path: Path,
+) -> None:
+    # The handler passes the kernel-named uid; here the daemon is called as it would.
+    import os
+
+    from refitd.wire import RegionAttach
+    from transports.segments import owner_tag
+
+    async with daemon(tmp_path, tokens=False) as (d, _):
+        mine = RegionAttach(HANDLE, 1 << 20, RegionKind.CUDA_IPC, holder=owner_tag())
+        other_uid = os.getuid() + 1
+        with pytest.raises(AccessDenied, match=f"live process of the caller's uid {other_uid}"):
+            await d.attach_region(mine, other_uid, "unix")
+        with pytest.raises(AccessDenied, match="must name its holder"):
+            await d.attach_region(RegionAttach(HANDLE, 1 << 20, RegionKind.CUDA_IPC), 0, "unix")
+        # The caller's own process passes the owner check; this host then has no CUDA.
+        with pytest.raises(PlanError, match="no CUDA device"):
+            await d.attach_region(mine, os.getuid(), "unix")
+        assert len(d.regions) == 0
