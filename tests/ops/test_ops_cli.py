@@ -9,13 +9,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from support.ops import ROOT, refitd, serving
+from support.daemons import served
+from support.ops import ROOT, refitd
 
 from refitd.cli import COMMANDS, _build_parser
-from refitd.client.http import RefitClient
 from refitd.client.spawn import serve_command
-from refitd.daemon.handlers import create_app
-from refitd.daemon.node import DaemonOptions
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
 OPS = ("status", "regions", "sources", "pulls", "experts", "config")
@@ -24,7 +22,8 @@ OPS = ("status", "regions", "sources", "pulls", "experts", "config")
 @pytest.fixture
 async def daemon() -> AsyncIterator[str]:
     """A daemon holding one region and one READY version of model ``m``."""
-    async with serving(create_app(DaemonOptions(port=0))) as base, RefitClient(base) as c:
+    async with served() as s:
+        base, c = s.url, s.client
         region = await c.create_region(4096, label="weights", owner="trainer-0")
         shard = ShardEntry((0,), (1024,), region.region_id, 0)
         await c.publish(ManifestIn("m", 3, 0, 1, [TensorEntry("w", (1024,), "float32", [shard])]))

@@ -15,12 +15,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.daemons import served
 from support.ops import serving, wired_app
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
-from refitd.daemon.handlers import create_app
-from refitd.daemon.node import DaemonOptions
 from refitd.daemon.poolmemory import touched_rows
 from refitd.errors import AccessDenied, ConflictError, NotFoundError, PlanError, ProtocolError
 from refitd.wire import (
@@ -34,8 +33,8 @@ LAYERS, EXPERTS, SLOTS = 2, 4, 6
 
 @pytest.fixture
 async def client() -> AsyncIterator[RefitClient]:
-    async with serving(create_app(DaemonOptions(port=0))) as base, RefitClient(base) as c:
-        yield c
+    async with served() as s:
+        yield s.client
 
 
 @contextlib.contextmanager

@@ -12,13 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.daemons import FakeClock
+from support.daemons import FakeClock, served
 from support.docs import python_blocks
-from support.ops import refitd, serving
+from support.ops import refitd
 
 from refitd.client.http import RefitClient
-from refitd.daemon.handlers import create_app
-from refitd.daemon.node import DaemonOptions
 from refitd.daemon.registry import Registry
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 from transports.segments import SharedSegment
@@ -73,7 +71,8 @@ async def piped(*argv: str) -> str:
 
 
 async def test_every_table_fits_80_columns_with_its_headers_and_values_whole() -> None:
-    async with serving(create_app(DaemonOptions(port=0))) as base, RefitClient(base) as c:
+    async with served() as s:
+        base, c = s.url, s.client
         src = await c.create_region(1 << 16, label="trainer-rank-0-weights")
         seg = SharedSegment.attach(src.handle, src.nbytes)
         seg.numpy()[:] = np.arange(1 << 16) % 256
@@ -102,7 +101,8 @@ async def test_the_documented_expert_pool_example_runs_within_a_default_64_mib_d
         for b in python_blocks("## Expert pools in the daemon", "docs/experts.md")
         if "c.create_pool(" in b
     ]
-    async with serving(create_app(DaemonOptions(port=0))) as base:
+    async with served() as s:
+        base = s.url
         code = block.replace("http://127.0.0.1:7450", base)
         body = "\n".join("    " + ln for ln in code.splitlines())
         scope: dict[str, object] = {"RefitClient": RefitClient}

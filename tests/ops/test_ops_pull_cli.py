@@ -9,12 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.ops import refitd, serving
+from support.daemons import served
+from support.ops import refitd
 
 from refitd.cli import _build_parser
 from refitd.client.http import RefitClient
-from refitd.daemon.handlers import create_app
-from refitd.daemon.node import DaemonOptions
 from refitd.wire import ManifestIn, RegionInfo, ShardEntry, TensorEntry
 from transports.segments import SharedSegment
 
@@ -31,7 +30,8 @@ class Setup:
 async def setup() -> AsyncIterator[Setup]:
     """A daemon with a 64 KiB source region (bytes 0..255 repeating) published as
     version 1 and 2 of model ``m`` (2 retires 1), and an empty destination region."""
-    async with serving(create_app(DaemonOptions(port=0))) as base, RefitClient(base) as c:
+    async with served() as d:
+        base, c = d.url, d.client
         src = await c.create_region(1 << 16, label="trainer")
         dst = await c.create_region(1 << 16, label="engine")
         seg = SharedSegment.attach(src.handle, src.nbytes)
