@@ -27,6 +27,7 @@ Units: ``*_elem`` and run arrays are in elements; ``addr``, ``*_byte`` and
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
@@ -37,18 +38,21 @@ import torch
 from refitd.errors import PlanError
 from refitd.reshard.chunks import ChunkTable, chunk_table
 from refitd.reshard.replay import MULTI_OUTPUT_OPS, replay_ops, validate_op
-from refitd.reshard.types import OpChain, RecordedCopy, UnsupportedReshard
+from refitd.reshard.types import OpChain, RecordedCopy, UnsupportedReshard, castable
 
 __all__ = [
     "Pieces",
     "Runs",
     "Segment",
     "Shard",
+    "check_cast",
+    "check_dtype",
     "coalesce",
     "contiguous_strides",
     "copy_runs",
     "plan_pull",
     "split_runs",
+    "write_through_pointer",
 ]
 
 IntArray = npt.NDArray[np.int64]
@@ -398,3 +402,46 @@ def plan_pull(
         Segment(names[int(c)], int(a), int(d), int(n), copy.param_name)
         for c, a, d, n in zip(p.session, p.addr, p.dst, p.nbytes, strict=True)
     ]
+
+
+def check_cast(copy: RecordedCopy, src_dtype: torch.dtype, bounded: bool) -> None:
+    """A copy that converts dtype is planned as a full pull (the source's rows staged
+    in its own dtype, converted at install by the loader's ``copy_``): refuse one
+    whose conversion is not replayable, or whose source cannot be staged."""
+    if not castable(src_dtype, copy.dest_dtype):
+        check_dtype(copy, src_dtype)
+    if not bounded:
+        raise UnsupportedReshard(
+            f"copy of {copy.src_name!r} ({src_dtype}) into {copy.param_name!r} "
+            f"({copy.dest_dtype}) converts dtype, which is done at install from the "
+            "source's rows staged whole, but its shards are not blocks of whole rows"
+        )
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def write_through_pointer(ptr: int, copy: RecordedCopy, value: torch.Tensor, elsize: int) -> None:
+    """Copy ``value`` (broadcast to ``copy.dest_shape``) into the strided destination
+    of ``copy`` inside the storage that starts at ``ptr`` (bytes)."""
+    value = torch.broadcast_to(value, copy.dest_shape)
+    if value.numel() == 0:
+        return
+    if value.dtype != copy.dest_dtype:
+        # The loader's own conversion (``copy_`` into its parameter's dtype), so
+        # the bits are the ones a fresh load leaves.
+        value = torch.empty(value.shape, dtype=copy.dest_dtype).copy_(value)
+        elsize = copy.dest_dtype.itemsize
+    flat = value.contiguous().reshape(-1).view(_INT_OF_SIZE[elsize]).view(torch.uint8)
+    src = flat.reshape(*copy.dest_shape, elsize).numpy()
+    span = (
+        copy.dest_offset
+        + sum((n - 1) * s for n, s in zip(copy.dest_shape, copy.dest_stride, strict=True))
+    ) * elsize + elsize
+    mem = np.ctypeslib.as_array((ctypes.c_ubyte * span).from_address(ptr))
+    dst = np.lib.stride_tricks.as_strided(
+        mem[copy.dest_offset * elsize :],
+        (*copy.dest_shape, elsize),
+        (*(s * elsize for s in copy.dest_stride), 1),
+    )
+    dst[...] = src

@@ -21,7 +21,6 @@ the whole plan (:mod:`refitd.reshard.receiver`).
 
 from __future__ import annotations
 
-import ctypes
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -41,12 +40,13 @@ from refitd.reshard.slice_plan import (
     Pieces,
     Segment,
     Shard,
-    check_dtype,
+    check_cast,
     coalesce,
     copy_runs,
     split_runs,
+    write_through_pointer,
 )
-from refitd.reshard.types import CaptureResult, RecordedCopy, UnsupportedReshard, castable
+from refitd.reshard.types import CaptureResult, RecordedCopy, UnsupportedReshard
 
 __all__ = [
     "FullPull",
@@ -56,6 +56,7 @@ __all__ = [
     "exact_descriptors",
     "execute_transfer",
     "plan_transfer",
+    "write_through_pointer",
 ]
 
 IntArray = npt.NDArray[np.int64]
@@ -385,7 +386,7 @@ def _plan_source(
     for copy in copies:
         cast = copy.dest_dtype != info.dtype
         if cast:
-            _check_cast(copy, info, bounded)
+            check_cast(copy, info.dtype, bounded)
         shard, storage, dst, nbytes = split_runs(copy_runs(copy, shape), table, info.elsize)
         raw = Pieces(shard, codes[shard], info.shard_addrs[shard] + storage, dst, nbytes)
         exact = coalesce(raw)
@@ -399,20 +400,6 @@ def _plan_source(
             plan.unbounded_sources.append(name)
         out.append(choice)
     return out
-
-
-def _check_cast(copy: RecordedCopy, info: SourceInfo, bounded: bool) -> None:
-    """A copy that converts dtype is planned as a full pull (the source's rows staged
-    in its own dtype, converted at install by the loader's ``copy_``): refuse one
-    whose conversion is not replayable, or whose source cannot be staged."""
-    if not castable(info.dtype, copy.dest_dtype):
-        check_dtype(copy, info.dtype)
-    if not bounded:
-        raise UnsupportedReshard(
-            f"copy of {copy.src_name!r} ({info.dtype}) into {copy.param_name!r} "
-            f"({copy.dest_dtype}) converts dtype, which is done at install from the "
-            "source's rows staged whole, but its shards are not blocks of whole rows"
-        )
 
 
 def _assemble(
@@ -526,35 +513,6 @@ def exact_descriptors(
             base = ptrs[s.param_name] = resolve_param_ptr(s.param_name)
         out.append(ReadDescriptor(s.session, s.src_addr, base + s.dst_byte, s.nbytes))
     return out
-
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def write_through_pointer(ptr: int, copy: RecordedCopy, value: torch.Tensor, elsize: int) -> None:
-    """Copy ``value`` (broadcast to ``copy.dest_shape``) into the strided destination
-    of ``copy`` inside the storage that starts at ``ptr`` (bytes)."""
-    value = torch.broadcast_to(value, copy.dest_shape)
-    if value.numel() == 0:
-        return
-    if value.dtype != copy.dest_dtype:
-        # The loader's own conversion (``copy_`` into its parameter's dtype), so
-        # the bits are the ones a fresh load leaves.
-        value = torch.empty(value.shape, dtype=copy.dest_dtype).copy_(value)
-        elsize = copy.dest_dtype.itemsize
-    flat = value.contiguous().reshape(-1).view(_INT_OF_SIZE[elsize]).view(torch.uint8)
-    src = flat.reshape(*copy.dest_shape, elsize).numpy()
-    span = (
-        copy.dest_offset
-        + sum((n - 1) * s for n, s in zip(copy.dest_shape, copy.dest_stride, strict=True))
-    ) * elsize + elsize
-    mem = np.ctypeslib.as_array((ctypes.c_ubyte * span).from_address(ptr))
-    dst = np.lib.stride_tricks.as_strided(
-        mem[copy.dest_offset * elsize :],
-        (*copy.dest_shape, elsize),
-        (*(s * elsize for s in copy.dest_stride), 1),
-    )
-    dst[...] = src
 
 
 def run_full_pull(
