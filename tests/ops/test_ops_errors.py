@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from support.ops import serving, wired_app
+from support.daemons import served
+from support.ops import serving, serving_wired
 
 from refitd import errors
 from refitd.client.http import RefitClient, error_from_body
-from refitd.daemon.handlers import create_app, error_middleware
-from refitd.daemon.node import DaemonOptions
+from refitd.daemon.handlers import error_middleware
 from refitd.errors import (
     AccessDenied,
     AccessError,
@@ -33,18 +33,18 @@ def tokens(tmp_path: Path) -> str:
 
 
 async def test_the_client_raises_unauthenticated_without_a_valid_token(tokens: str) -> None:
-    async with serving(wired_app(token_file=tokens)) as base:
+    async with serving_wired(token_file=tokens) as daemon:
         for token in (None, "wrong"):
-            async with RefitClient(base, token=token) as c:
+            async with RefitClient(daemon.url, token=token) as c:
                 with pytest.raises(Unauthenticated, match="needs 'Authorization: Bearer"):
                     await c.regions()
 
 
 async def test_the_client_raises_access_denied_on_another_principals_region(tokens: str) -> None:
     async with (
-        serving(wired_app(token_file=tokens)) as base,
-        RefitClient(base, token="t-secret") as trainer,
-        RefitClient(base, token="e-secret") as engine,
+        serving_wired(token_file=tokens) as daemon,
+        RefitClient(daemon.url, token="t-secret") as trainer,
+        RefitClient(daemon.url, token="e-secret") as engine,
     ):
         region = await engine.create_region(4096)
         with pytest.raises(AccessDenied, match=f"trainer may not delete region {region.region_id}"):
@@ -54,7 +54,7 @@ async def test_the_client_raises_access_denied_on_another_principals_region(toke
 
 
 async def test_the_client_raises_request_too_large_for_a_body_over_the_limit() -> None:
-    async with serving(wired_app(max_request_bytes=1024)) as base, RefitClient(base) as c:
+    async with serving_wired(max_request_bytes=1024) as daemon, RefitClient(daemon.url) as c:
         with pytest.raises(RequestTooLarge, match="at most 1024 bytes") as refused:
             await c.create_region(64, label="x" * 4096)
     assert isinstance(refused.value, ProtocolError)  # a malformed request, to a catch-all
@@ -62,8 +62,7 @@ async def test_the_client_raises_request_too_large_for_a_body_over_the_limit() -
 
 async def test_the_bare_daemon_answers_an_oversized_body_as_request_too_large() -> None:
     # Without the access middleware, aiohttp's own limit refuses the body as it is read.
-    app = create_app(DaemonOptions(port=0, client_max_size=1024))
-    async with serving(app) as base, RefitClient(base) as c:
+    async with served(client_max_size=1024) as daemon, RefitClient(daemon.url) as c:
         with pytest.raises(RequestTooLarge, match="too large"):
             await c.create_region(64, label="x" * 4096)
 

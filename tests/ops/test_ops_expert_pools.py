@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.daemons import served
-from support.ops import serving, wired_app
+from support.ops import serving_wired
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
@@ -283,11 +283,11 @@ async def test_pool_requests_that_cannot_be_served_are_refused_by_name(
 
 
 async def test_pool_gauges_appear_in_metrics_fed_from_the_pool() -> None:
-    async with serving(wired_app()) as base, RefitClient(base) as c, pool(c):
+    async with serving_wired() as daemon, RefitClient(daemon.url) as c, pool(c):
         await c.ensure("moe", 0, [0, 1])
         await c.ensure("moe", 0, [0, 1])
         await c.invalidate("moe", layers=[0])
-        async with aiohttp.ClientSession() as s, s.get(f"{base}/metrics") as resp:
+        async with aiohttp.ClientSession() as s, s.get(f"{daemon.url}/metrics") as resp:
             text = await resp.text()
     assert 'refitd_expert_pool_slots{pool="moe"} 6.0' in text
     assert 'refitd_expert_pool_hits_total{pool="moe"} 2.0' in text
@@ -302,9 +302,9 @@ async def test_a_token_holder_may_not_drive_another_principals_pool(tmp_path: An
     tokens.write_text("engine e-secret\nother o-secret\n")
     tokens.chmod(0o600)
     async with (
-        serving(wired_app(token_file=str(tokens))) as base,
-        RefitClient(base, token="e-secret") as engine,
-        RefitClient(base, token="o-secret") as other,
+        serving_wired(token_file=str(tokens)) as daemon,
+        RefitClient(daemon.url, token="e-secret") as engine,
+        RefitClient(daemon.url, token="o-secret") as other,
     ):
         info = await engine.create_pool("moe", layers=1, experts=2, slots=2, row_bytes=[8])
         assert info.owner == "engine"

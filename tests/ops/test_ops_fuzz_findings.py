@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support.ops import serving, wired_app
+from support.ops import serving_wired
 
 from refitd.wire import MAX_SLOTS
 
@@ -53,19 +53,19 @@ async def post(base: str, path: str, body: dict[str, Any]) -> tuple[int, dict[st
 async def test_a_request_body_with_an_unknown_field_is_refused_naming_it(
     path: str, body: dict[str, Any]
 ) -> None:
-    async with serving(wired_app()) as base:
-        status, reply = await post(base, path, body)
+    async with serving_wired() as daemon:
+        status, reply = await post(daemon.url, path, body)
     assert status == 400, reply
     assert reply["error"] == "ProtocolError" and "unknown field `colour`" in reply["detail"]
 
 
 async def test_expected_slots_past_the_bound_is_refused_naming_the_field() -> None:
     body = {"model": "m", "version": 1, "slot": 0, "expected_slots": MAX_SLOTS + 1, "tensors": []}
-    async with serving(wired_app()) as base:
-        status, reply = await post(base, "/v1/sources", body)
+    async with serving_wired() as daemon:
+        status, reply = await post(daemon.url, "/v1/sources", body)
         assert status == 400 and "$.expected_slots" in reply["detail"], reply
         body["expected_slots"] = MAX_SLOTS
-        assert (await post(base, "/v1/sources", body))[0] == 201
+        assert (await post(daemon.url, "/v1/sources", body))[0] == 201
 
 
 @pytest.mark.parametrize(
@@ -81,8 +81,8 @@ async def test_expected_slots_past_the_bound_is_refused_naming_the_field() -> No
 async def test_an_overlong_name_or_label_is_refused_naming_the_field(
     path: str, body: dict[str, Any], field: str
 ) -> None:
-    async with serving(wired_app()) as base:
-        status, reply = await post(base, path, body)
+    async with serving_wired() as daemon:
+        status, reply = await post(daemon.url, path, body)
     assert status == 400, reply
     assert field in reply["detail"] and "length" in reply["detail"], reply
 
@@ -96,25 +96,25 @@ async def test_a_field_refused_past_the_first_decode_batch_is_named_by_its_index
     tensors: list[list[Any]] = [[f"t{i}", [1], "uint8", []] for i in range(n - 1)]
     tensors.append(["t" * 1025, [1], "uint8", []])
     body = {"model": "m", "version": 1, "slot": 0, "expected_slots": 1, "tensors": tensors}
-    async with serving(wired_app()) as base:
-        status, reply = await post(base, "/v1/sources", body)
+    async with serving_wired() as daemon:
+        status, reply = await post(daemon.url, "/v1/sources", body)
     assert status == 400, reply
     assert f"$.tensors[{n - 1}][0]" in reply["detail"], reply
 
 
 async def test_releasing_a_lease_the_daemon_does_not_hold_is_404_and_a_held_one_200() -> None:
-    async with serving(wired_app()) as base, aiohttp.ClientSession() as s:
-        async with s.delete(base + "/v1/leases/no-such-lease") as r:
+    async with serving_wired() as daemon, aiohttp.ClientSession() as s:
+        async with s.delete(daemon.url + "/v1/leases/no-such-lease") as r:
             assert r.status == 404
             body = await r.json()
         assert body["error"] == "NotFoundError" and "'no-such-lease'" in body["detail"]
         manifest = {"model": "m", "version": 1, "slot": 0, "expected_slots": 1, "tensors": []}
-        assert (await post(base, "/v1/sources", manifest))[0] == 201
-        status, grant = await post(base, "/v1/leases", {"model": "m", "version": 1})
+        assert (await post(daemon.url, "/v1/sources", manifest))[0] == 201
+        status, grant = await post(daemon.url, "/v1/leases", {"model": "m", "version": 1})
         assert status == 201
-        async with s.delete(base + f"/v1/leases/{grant['lease_id']}") as r:
+        async with s.delete(daemon.url + f"/v1/leases/{grant['lease_id']}") as r:
             assert r.status == 200
-        async with s.delete(base + f"/v1/leases/{grant['lease_id']}") as r:
+        async with s.delete(daemon.url + f"/v1/leases/{grant['lease_id']}") as r:
             assert r.status == 404  # released once only
 
 
@@ -122,10 +122,10 @@ async def test_releasing_a_lease_the_daemon_does_not_hold_is_404_and_a_held_one_
 async def test_a_segment_handle_that_is_no_file_name_is_refused_not_a_server_error(
     handle: str,
 ) -> None:
-    async with serving(wired_app()) as base, aiohttp.ClientSession() as s:
+    async with serving_wired() as daemon, aiohttp.ClientSession() as s:
         data = json.dumps({"handle": handle, "nbytes": 64}).encode()  # \u escapes
         headers = {"Content-Type": "application/json"}
-        async with s.post(base + "/v1/regions/attach", data=data, headers=headers) as r:
+        async with s.post(daemon.url + "/v1/regions/attach", data=data, headers=headers) as r:
             status, reply = r.status, await r.json()
     assert status == 400, reply
     # A NUL reaches the segment-name check; a lone surrogate is already bad JSON.
@@ -136,9 +136,9 @@ async def test_a_segment_handle_that_is_no_file_name_is_refused_not_a_server_err
 
 async def test_the_api_document_links_each_creating_post_to_the_operations_on_its_result() -> None:
     async with (
-        serving(wired_app()) as base,
+        serving_wired() as daemon,
         aiohttp.ClientSession() as s,
-        s.get(base + "/v1/openapi.json") as r,
+        s.get(daemon.url + "/v1/openapi.json") as r,
     ):
         doc = await r.json()
     links = {

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
-from support.ops import serving, wired_app
+from support.ops import serving_wired
 
 from refitd.daemon.openapi import OPENAPI_PATH, documented_paths, route_table
 from refitd.wire import routes as api
@@ -17,15 +17,14 @@ def _table() -> set[tuple[str, str]]:
 
 
 async def test_the_daemon_serves_and_documents_exactly_the_routes_of_the_table() -> None:
-    app = wired_app()
     async with (
-        serving(app) as base,
+        serving_wired() as daemon,
         aiohttp.ClientSession() as s,
-        s.get(base + OPENAPI_PATH) as resp,
+        s.get(daemon.url + OPENAPI_PATH) as resp,
     ):
         assert resp.status == 200
         doc = await resp.json()
-    served = set(route_table(app))
+    served = set(route_table(daemon.app))
     assert served == _table(), (
         f"served only: {sorted(served - _table())}; table only: {sorted(_table() - served)}"
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import msgspec
 import pytest
-from support.ops import serving, wired_app
+from support.ops import serving_wired
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.spawn import serve_command
@@ -98,17 +98,16 @@ async def test_serve_logs_json_lines_when_asked(tmp_path: Path) -> None:
 
 
 async def test_every_daemon_route_is_documented_and_every_documented_route_exists() -> None:
-    app = wired_app()
-    async with serving(app) as base, aiohttp.ClientSession() as s:
-        async with s.get(base + OPENAPI_PATH) as resp:
+    async with serving_wired() as daemon, aiohttp.ClientSession() as s:
+        async with s.get(daemon.url + OPENAPI_PATH) as resp:
             assert resp.status == 200
             doc = await resp.json()
         listed = set(documented_paths(doc))
-        assert listed == set(route_table(app))
+        assert listed == set(route_table(daemon.app))
         # The schema table names exactly the routes the daemon has.
-        assert set(daemon_operations()) == set(route_table(app))
+        assert set(daemon_operations()) == set(route_table(daemon.app))
         for method, path in sorted(listed):
-            url = base + path.format(
+            url = daemon.url + path.format(
                 region_id="999",
                 model="m",
                 version="1",
@@ -124,19 +123,18 @@ async def test_every_daemon_route_is_documented_and_every_documented_route_exist
 
 
 async def test_the_wired_daemon_reports_its_state_in_metrics() -> None:
-    app = wired_app()
-    async with serving(app) as base, aiohttp.ClientSession() as s:
-        async with s.post(f"{base}/v1/regions", json={"nbytes": 4096}) as resp:
+    async with serving_wired() as daemon, aiohttp.ClientSession() as s:
+        async with s.post(f"{daemon.url}/v1/regions", json={"nbytes": 4096}) as resp:
             region = await resp.json()
         shard = ShardEntry((0,), (1024,), region["region_id"], 0)
         manifest = ManifestIn("m", 1, 0, 1, [TensorEntry("w", (1024,), "float32", [shard])])
-        async with s.post(f"{base}/v1/sources", data=msgspec.json.encode(manifest)) as resp:
+        async with s.post(f"{daemon.url}/v1/sources", data=msgspec.json.encode(manifest)) as resp:
             assert resp.status == 201
-        async with s.post(f"{base}/v1/leases", json={"model": "m", "version": 1}) as resp:
+        async with s.post(f"{daemon.url}/v1/leases", json={"model": "m", "version": 1}) as resp:
             assert resp.status == 201
-        async with s.get(f"{base}/v1/regions/12345") as resp:
+        async with s.get(f"{daemon.url}/v1/regions/12345") as resp:
             assert resp.status == 404
-        async with s.get(f"{base}/metrics") as resp:
+        async with s.get(f"{daemon.url}/metrics") as resp:
             text = await resp.text()
     assert 'refitd_regions{kind="shm"} 1.0' in text
     assert 'refitd_registered_bytes{kind="shm"} 4096.0' in text
@@ -146,11 +144,10 @@ async def test_the_wired_daemon_reports_its_state_in_metrics() -> None:
 
 
 async def test_the_wired_daemon_refuses_an_oversized_body_with_413() -> None:
-    app = wired_app(max_request_bytes=1024)
     async with (
-        serving(app) as base,
+        serving_wired(max_request_bytes=1024) as daemon,
         aiohttp.ClientSession() as s,
-        s.post(f"{base}/v1/regions", data=b"{" + b" " * 2048 + b"}") as resp,
+        s.post(f"{daemon.url}/v1/regions", data=b"{" + b" " * 2048 + b"}") as resp,
     ):
         assert resp.status == 413
         body = await resp.json()
@@ -161,8 +158,7 @@ async def test_the_wired_daemon_refuses_an_oversized_body_with_413() -> None:
 async def test_a_completed_pull_is_counted_with_its_bytes_and_latency() -> None:
     from refitd.client.http import RefitClient
 
-    app = wired_app()
-    async with serving(app) as base, RefitClient(base) as c:
+    async with serving_wired() as daemon, RefitClient(daemon.url) as c:
         src = await c.create_region(4096, label="src")
         dst = await c.create_region(4096, label="dst")
         await publish_tensor(c, "m", 1, src.region_id, 4096, "float32")
@@ -171,7 +167,7 @@ async def test_a_completed_pull_is_counted_with_its_bytes_and_latency() -> None:
             pull_rows("m", 1, lease.lease_id, (src.region_id, 0, dst.region_id, 0, 3000))
         )
         assert done.bytes_done == 3000
-        async with aiohttp.ClientSession() as s, s.get(f"{base}/metrics") as resp:
+        async with aiohttp.ClientSession() as s, s.get(f"{daemon.url}/metrics") as resp:
             text = await resp.text()
     assert 'refitd_pulled_bytes_total{transport="shm"} 3000.0' in text
     assert 'refitd_pulls_total{outcome="done"} 1.0' in text
@@ -185,12 +181,11 @@ async def test_on_the_daemon_a_token_holder_touches_only_its_own_regions(tmp_pat
     tokens = tmp_path / "tokens"
     tokens.write_text("trainer t-secret\nengine e-secret\n")
     tokens.chmod(0o600)
-    app = wired_app(token_file=str(tokens))
     async with (
-        serving(app) as base,
-        RefitClient(base, token="t-secret") as trainer,
-        RefitClient(base, token="e-secret") as engine,
-        RefitClient(base) as anonymous,
+        serving_wired(token_file=str(tokens)) as daemon,
+        RefitClient(daemon.url, token="t-secret") as trainer,
+        RefitClient(daemon.url, token="e-secret") as engine,
+        RefitClient(daemon.url) as anonymous,
     ):
         src = await trainer.create_region(4096)
         assert src.owner == "trainer"

@@ -1,6 +1,7 @@
-"""Helpers of the ops tests: the real daemon app wired as ``serve`` wires it (with
-the operator service: auth, metrics, the API document), an aiohttp app served on
-real loopback sockets, and the ``refitd`` command run as a child process."""
+"""Helpers of the ops tests: a daemon wired as ``refitd serve`` wires it (with the
+operator service: auth, metrics, the API document), started the one way
+(:func:`serving_wired`); a test's own small aiohttp app served on loopback
+(:func:`serving`); and the ``refitd`` command run as a child process."""
 
 from __future__ import annotations
 
@@ -16,11 +17,10 @@ from aiohttp import web
 
 from refitd.config import load_config
 from refitd.daemon.auth import check_startup
-from refitd.daemon.handlers import create_app
-from refitd.daemon.node import DaemonOptions
 from refitd.daemon.sdnotify import Notifier
 from refitd.daemon.service import Service
 from refitd.errors import ConflictError, NotFoundError, RefitError
+from support.daemons import Served, served
 
 STATUS = {ConflictError: 409, NotFoundError: 404}
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,9 +75,12 @@ async def serving(app: web.Application, unix_path: str | None = None) -> AsyncIt
         await runner.cleanup()
 
 
-def wired_app(**server: Any) -> web.Application:
-    """The daemon app with the operator service (auth, metrics, OpenAPI) set up as
-    ``refitd serve`` does; ``server`` overrides ``[server]`` config keys."""
+@contextlib.asynccontextmanager
+async def serving_wired(**server: Any) -> AsyncIterator[Served]:
+    """A daemon started the one way (:func:`support.daemons.served`) with the
+    operator service (auth, metrics, OpenAPI, the shm group) set up as ``refitd
+    serve`` does; ``server`` overrides ``[server]`` config keys."""
     config = load_config(env={}, overrides={f"server.{k}": v for k, v in server.items()})
     service = Service(config, check_startup(config.server), Notifier({}))
-    return create_app(DaemonOptions(port=0), setup=[service.setup])
+    async with served(setup=[service.setup]) as daemon:
+        yield daemon
