@@ -118,3 +118,18 @@ async def test_on_the_unix_socket_gpu_memory_needs_a_holder_of_the_callers_uid(
         with pytest.raises(PlanError, match="no CUDA device"):
             await d.attach_region(mine, os.getuid(), "unix")
         assert len(d.regions) == 0
+
+
+async def test_no_refusal_of_gpu_memory_quotes_its_handle(tmp_path: Path) -> None:
+    secret = HANDLE.split(":")[1]
+    refusals: list[str] = []
+    async with daemon(tmp_path, tokens=True) as (_, a):
+        with pytest.raises(AccessDenied) as token:
+            await a.attach_region(HANDLE, 1 << 20, kind=RegionKind.CUDA_IPC)
+        refusals.append(str(token.value))
+    async with daemon(tmp_path, tokens=False) as (_, c):
+        for handle in (HANDLE, HANDLE[:-2]):  # well formed, and malformed
+            with pytest.raises((PlanError, ProtocolError)) as refused:
+                await c.attach_region(handle, 1 << 20, kind=RegionKind.CUDA_IPC)
+            refusals.append(str(refused.value))
+    assert refusals and not [r for r in refusals if secret[:32] in r], refusals
