@@ -38,6 +38,7 @@ import numpy as np
 from aiohttp import web
 
 from refitd.daemon import pullcore
+from refitd.daemon.devstaging import SLOT_BYTES, SLOTS, StagedPeer
 from refitd.daemon.listeners import Caller, PullListener, anyone
 from refitd.daemon.node import Daemon
 from refitd.daemon.paths import SHM_SCHEME, TCP_SCHEME, adverts, choose_remote, tcp_grant
@@ -51,6 +52,7 @@ from refitd.wire import (
     PullProgress,
     PullRequest,
     PullState,
+    RegionCreate,
     StagedPack,
 )
 from transports.interface import Peer
@@ -163,6 +165,9 @@ class PullJob:
     #: the device kinds of memory its regions here are made of ("cuda"; "" for host
     #: memory only): its bytes go through those kinds' copy engines, and it says so
     devices: str = ""
+    #: over a host-memory data plane, the connection staging its device-bound reads
+    #: (:mod:`refitd.daemon.devstaging`); its staging region goes when the pull ends
+    device_staging: StagedPeer | None = None
 
     def progress(self, n_desc: int, n_bytes: int) -> None:
         self.descriptors_done += n_desc
@@ -381,6 +386,8 @@ class PullManager:
             moving = True
             if all_rows.shape[0] and peer is not None:
                 conn = job.conn or await self._transport_peer(peer, job.path)
+                if job.devices and job.conn is None:
+                    conn = job.device_staging = await self._staged(conn, all_rows)
                 await self._move(job, conn, all_rows, done)
             await src.check_lease(req.lease_id, req.model, req.version)
             job.state = PullState.DONE
@@ -409,6 +416,11 @@ class PullManager:
             job.ended = time.perf_counter()
             if job.conn is not None:
                 await job.conn.close()  # lets go of its mappings: none is read any more
+            if job.device_staging is not None:
+                await job.device_staging.close()
+                with contextlib.suppress(RefitError):
+                    rid = job.device_staging.staging
+                    await self.store.drop(rid, self.store.regions.get(rid))
             job.pins.close()
             self.store.reap_soon()  # an exited client's region this pull held may go now
             if staged is not None:
@@ -492,6 +504,16 @@ class PullManager:
         return conn
 
     # ------------------------------------------------------------ moving bytes
+
+    async def _staged(self, conn: Peer, rows: np.ndarray) -> StagedPeer:
+        """``conn`` (a host-memory data plane's) with the reads into this daemon's
+        device memory staged through a host region made for this pull."""
+        targets = [int(r) for r in np.unique(rows[:, 2]).tolist()]
+        devices = [r for r in targets if self.store.device_kinds([r])]
+        info = await self.store.create_region(
+            RegionCreate(SLOTS * SLOT_BYTES, label="device-staging")
+        )
+        return StagedPeer(conn, self.plane.shm.loopback(), info.region_id, devices)
 
     async def _move(
         self, job: PullJob, conn: Peer, rows: np.ndarray, done: np.ndarray | None = None

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+from support.daemons import served as serve
 from support.daemons import serving_daemons
 from support.devices import HostDeviceEngine, HostDeviceMemory
 
@@ -183,3 +184,30 @@ async def test_status_counts_the_gpu_regions_apart_from_host_ones() -> None:
         out, _ = await proc.communicate()
         got = json.loads(out)
         assert (got["regions"], got["gpu_regions"], got["gpu_region_bytes"]) == (2, 1, N)
+
+
+async def test_over_tcp_device_bound_reads_are_staged_through_host_memory_and_land() -> None:
+    engine = HostDeviceEngine()
+    opts: dict[str, object] = dict(
+        port=0, secret=b"one-deployment-secret-0123456789", transport="tcp"
+    )
+    opts["peers"] = ("http://127.0.0.1:*",)
+    far = Daemon(DaemonOptions(node_id="far", boot_id="another-host", **opts))  # type: ignore[arg-type]
+    near = Daemon(DaemonOptions(node_id="engine", **opts))  # type: ignore[arg-type]
+    async with serve(far) as f, serve(near) as n:
+        src, data, lease = await host_source(f.client, "m")
+        dst, memory = await device_region(near, engine, "engine")
+        host_dst = await n.client.create_region(N, label="host-dst")
+        rows, perm = shuffled(src.region_id, dst.region_id)
+        rows[::2, 2] = host_dst.region_id  # half the pieces to host memory, unstaged
+        req = PullRequest("m", 1, lease, DescriptorTable.pack(rows), [], f.url)
+        done = await n.client.pull(req)
+        assert done.path == "tcp+hostdev"
+        got = np.frombuffer(memory.read(0, N), np.uint8).reshape(-1, PIECE)
+        want = data.reshape(-1, PIECE)[perm]
+        assert np.array_equal(got[1::2], want[1::2]), "staged pieces landed wrong bytes"
+        with SharedSegment.attach(host_dst.handle, N) as seg:
+            assert np.array_equal(seg.numpy().reshape(-1, PIECE)[::2], want[::2])
+        assert engine.batches >= 1, "the device-bound pieces did not go through the engine"
+        labels = [r.label for r in await n.client.regions()]
+        assert "device-staging" not in labels, "the pull's staging region outlived it"
