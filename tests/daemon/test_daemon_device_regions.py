@@ -211,3 +211,23 @@ async def test_over_tcp_device_bound_reads_are_staged_through_host_memory_and_la
         assert engine.batches >= 1, "the device-bound pieces did not go through the engine"
         labels = [r.label for r in await n.client.regions()]
         assert "device-staging" not in labels, "the pull's staging region outlived it"
+
+
+async def test_a_device_error_in_a_staged_pull_fails_it_and_its_staging_goes() -> None:
+    engine = HostDeviceEngine()
+    opts: dict[str, object] = dict(
+        port=0, secret=b"one-deployment-secret-0123456789", transport="tcp"
+    )
+    opts["peers"] = ("http://127.0.0.1:*",)
+    far = Daemon(DaemonOptions(node_id="far", boot_id="another-host", **opts))  # type: ignore[arg-type]
+    near = Daemon(DaemonOptions(node_id="engine", **opts))  # type: ignore[arg-type]
+    async with serve(far) as f, serve(near) as n:
+        src, _, lease = await host_source(f.client, "m")
+        dst, _ = await device_region(near, engine, "engine")
+        rows, _ = shuffled(src.region_id, dst.region_id)
+        engine.fail_next(at_read=2)
+        req = PullRequest("m", 1, lease, DescriptorTable.pack(rows), [], f.url)
+        with pytest.raises(RefitError, match="HOSTDEV_ERROR") as failed:
+            await n.client.pull(req)
+        assert {r for r, _, _ in failed.value.progress.suspect} == {dst.region_id}  # type: ignore[attr-defined]
+        assert "device-staging" not in [r.label for r in await n.client.regions()]
