@@ -35,7 +35,7 @@ from refitd.errors import PlanError, TransportError
 
 from .batch import split_shares
 from .inproc import InProcessTransport
-from .memory import HOST
+from .memory import HOST, copy_by_kind
 from .native import copy_lib
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "copy_addresses",
     "copy_view",
     "pack_strided",
+    "strided_runs_of",
     "zero_view",
 ]
 
@@ -183,6 +184,22 @@ def pack_strided(
     return n
 
 
+def strided_runs_of(block: Gather) -> tuple[npt.NDArray[np.int64], int]:
+    """The contiguous runs of a strided block in the order a gather packs them
+    (row-major): each run's first element (elements from the block's first) and the
+    bytes of one run (every run is as long)."""
+    dims = [(n, st) for n, st in zip(block.shape, block.strides, strict=True) if n != 1]
+    run = 1  # elements in one run: the trailing dims that are dense
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    starts = np.zeros(1, dtype=np.int64)
+    for n, st in dims:
+        starts = (starts[:, None] + np.arange(n, dtype=np.int64) * st).reshape(-1)
+    if math.prod(block.shape) == 0:
+        return starts[:0], 0
+    return starts, run * block.itemsize
+
+
 def copy_view(dst: memoryview, src: bytes | bytearray | memoryview) -> None:
     """``dst[:] = src`` (same length, bytes) through the guarded native copy: a shared
     segment shrunk under either side raises :class:`CopyFault`
@@ -280,17 +297,54 @@ class LocalTransport(InProcessTransport):
         what it held survives there), in a worker thread. Every region must be
         registered here, every block's bounds checked by the caller. A segment
         shrunk under the copy raises :class:`CopyFault` (``side`` and ``address``
-        say where); the destination's bytes are then undefined."""
-        views = {r: self._view(r) for r in {dst_region, *(b.src_region for b in blocks)}}
+        say where); the destination's bytes are then undefined. A block of device
+        memory is gathered by its engine instead (its contiguous runs copied into
+        place, `transports.memory.copy_by_kind`): its bytes never pass the CPU."""
+        on_device = {
+            b.src_region for b in blocks if self._regions[b.src_region].segment.kind != HOST
+        }
+        views = {
+            r: self._view(r) for r in {dst_region, *(b.src_region for b in blocks)} - on_device
+        }
         dst = views[dst_region]
 
         def work() -> None:
             zero_view(dst[clear_from:])
             for b, at in zip(blocks, offsets, strict=True):
-                src = views[b.src_region]
-                pack_strided(src, b.src_offset, b.shape, b.strides, b.itemsize, dst, at)
+                if b.src_region not in on_device:
+                    src = views[b.src_region]
+                    pack_strided(src, b.src_offset, b.shape, b.strides, b.itemsize, dst, at)
 
         await asyncio.to_thread(work)
+        device = [
+            (b, at) for b, at in zip(blocks, offsets, strict=True) if b.src_region in on_device
+        ]
+        if device:
+            await self._pack_on_device(device, dst_region)
+
+    async def _pack_on_device(self, blocks: list[tuple[Gather, int]], dst_region: int) -> None:
+        """Device blocks into host region ``dst_region``: each contiguous run of each
+        block copied by the device's engine to where the CPU gather would put it."""
+        regions = self.regions
+        dst_ids, src_ids, dst_at, src_at, sizes = [], [], [], [], []
+        for b, at in blocks:
+            runs, run_bytes = strided_runs_of(b)
+            n = len(runs)
+            src_ids.append(np.full(n, b.src_region, dtype=np.int64))
+            dst_ids.append(np.full(n, dst_region, dtype=np.int64))
+            src_at.append(regions[b.src_region].segment.address + b.src_offset + runs * b.itemsize)
+            dst_at.append(regions[dst_region].segment.address + at + np.arange(n) * run_bytes)
+            sizes.append(np.full(n, run_bytes, dtype=np.int64))
+        await copy_by_kind(
+            np.concatenate(dst_at).astype(np.int64),
+            np.concatenate(src_at).astype(np.int64),
+            np.concatenate(sizes),
+            np.concatenate(dst_ids),
+            np.concatenate(src_ids),
+            {k: r.segment for k, r in regions.items()},
+            {k: r.segment for k, r in regions.items()},
+            self.copy,
+        )
 
     def _view(self, region_id: int) -> memoryview:
         region = self._regions.get(region_id)

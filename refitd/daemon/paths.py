@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from refitd.errors import TransportError
-from refitd.wire import PeerRegions
+from refitd.wire import PeerRegions, RegionKind
 from transports.interface import PeerInfo, TransportOptions
 from transports.tcp.frames import scope_key
 
@@ -200,6 +200,8 @@ def tcp_grant(peer: PeerRegions, advert: PeerInfo, secret: bytes) -> PeerInfo:
     listed = {r.region_id: r for r in advert.regions}
     regions = []
     for r in peer.regions:
+        if r.kind is not RegionKind.SHM:
+            continue  # GPU memory: read through the source's staging, never granted
         reg = listed.get(r.region_id)
         if reg is None:
             raise TransportError(

@@ -47,6 +47,7 @@ __all__ = [
     "forced",
     "merge_peer",
     "pace_for",
+    "peer_devices",
     "refuse_peer_devices",
     "scope_check",
     "shm_record",
@@ -55,6 +56,7 @@ __all__ = [
     "source_ids",
     "source_name",
     "spans",
+    "staged_by_source",
     "staged_rows",
     "suspect",
     "total_bytes",
@@ -168,18 +170,38 @@ def shm_refused(mode: str, node_id: str, refusal: str) -> str:
     return refusal
 
 
-def refuse_peer_devices(peer: PeerRegions) -> None:
+def peer_devices(peer: PeerRegions) -> list[int]:
+    """The regions of ``peer``'s records that are GPU memory (no data plane reads them
+    as they are: the source stages them, see :func:`staged_by_source`)."""
+    return [r.region_id for r in peer.regions if r.kind is not RegionKind.SHM]
+
+
+def refuse_peer_devices(peer: PeerRegions, mode: str) -> None:
     """Refuse (:class:`TransportError`, nothing moved) a pull reading another daemon's
-    GPU regions: no path reads them yet (same host: the daemon that opened them is
-    the one that copies them; across hosts: pinned staging is not built, see
-    docs/gpu.md), and a transport that reads host memory must never be handed one."""
-    gpu = [r.region_id for r in peer.regions if r.kind is not RegionKind.SHM]
-    if gpu:
+    GPU regions on the ``shm``-only path: it maps a peer's segments by name, and a
+    GPU allocation has none. Other paths read them through the source's staging."""
+    gpu = peer_devices(peer)
+    if gpu and mode == SHM_SCHEME:
         raise TransportError(
             f"pull from {peer.node_id!r} refused before any byte moved: its region(s) "
-            f"{gpu} are GPU memory, which only the daemon holding them reads; publish "
-            "through a host region there, or refit on that daemon's host (docs/gpu.md)"
+            f"{gpu} are GPU memory, which only the daemon holding them reads, and this "
+            "daemon runs the shared-memory path only (--transport shm); see docs/gpu.md"
         )
+
+
+def staged_by_source(
+    rows: np.ndarray, specs: list[PackSpec], devices: list[int]
+) -> tuple[np.ndarray, list[PackSpec]]:
+    """``rows`` without those reading ``devices`` (GPU regions of the source), and
+    ``specs`` with each of those as a one-run pack spec: the source copies them into
+    a host staging region through its engine, and the pull reads that region as it
+    reads any packed block. The bytes land exactly where the rows said."""
+    from_gpu = np.isin(rows[:, 0], np.array(devices, dtype=np.int64))
+    moved = [
+        PackSpec(int(r[0]), int(r[1]), (int(r[4]),), (1,), 1, int(r[2]), int(r[3]))
+        for r in rows[from_gpu]
+    ]
+    return rows[~from_gpu], [*specs, *moved]
 
 
 def tries_shm(mode: str) -> bool:

@@ -34,6 +34,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
 import numpy as np
 from aiohttp import web
 
@@ -46,6 +47,7 @@ from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.trust import check_writes
 from refitd.errors import NotFoundError, RefitError
 from refitd.wire import (
+    DescriptorTable,
     ErrorBody,
     PackSpec,
     PeerRegions,
@@ -275,6 +277,12 @@ class PullManager:
         peer = await src.regions(src_ids, req) if src_ids else None
         pullcore.check_plan(rows, req, peer, self.store.regions.sizes())
         path, conn = await self.choose_path(src, peer)
+        gpu = pullcore.peer_devices(peer) if peer is not None else []
+        if gpu:  # the source copies them into host staging; they are read from there
+            rows, specs = pullcore.staged_by_source(rows, req.pack_specs, gpu)
+            req = msgspec.structs.replace(
+                req, descriptors=DescriptorTable.pack(rows), pack_specs=specs
+            )
         total = pullcore.total_bytes(rows, req.pack_specs)
         job = PullJob(f"p{next(self._seq)}", req, total, rows.shape[0] + len(req.pack_specs))
         # The write rule again, after the awaits above: a version published meanwhile
@@ -447,9 +455,11 @@ class PullManager:
             return SHM_SCHEME, self.plane.shm.loopback()
         if peer is None:
             return "none", None  # nothing to read
-        pullcore.refuse_peer_devices(peer)
+        pullcore.refuse_peer_devices(peer, self.mode)
         why_not_shm = pullcore.forced(self.mode)
-        if pullcore.tries_shm(self.mode):
+        if pullcore.peer_devices(peer):
+            why_not_shm = "its GPU regions are read through its staging"
+        elif pullcore.tries_shm(self.mode):
             try:
                 conn = await self.plane.shm.connect(pullcore.shm_record(peer, self.secret))
                 self.seen_paths[peer.node_id] = (SHM_SCHEME, "proven on this host")

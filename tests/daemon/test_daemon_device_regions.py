@@ -136,22 +136,27 @@ async def test_device_memory_is_one_region_and_its_deletion_lets_go_of_it() -> N
         assert memory.closed
 
 
-async def test_a_strided_pack_from_device_memory_fails_its_pull_naming_why() -> None:
+async def test_a_strided_pack_from_device_memory_is_gathered_by_its_engine() -> None:
     engine = HostDeviceEngine()
     async with served() as (d, c):
         src, memory = await device_region(d, engine, "weights")
+        data = np.random.default_rng(5).integers(0, 256, N, dtype=np.uint8)
+        memory.write(0, data.tobytes())
         await publish(c, "dev", src.region_id)
         lease = (await c.acquire_lease("dev", 1, 600.0)).lease_id
         dst = await c.create_region(N, label="dst")
-        # 2-byte runs: too short to read directly, so the source would pack them.
+        # 2-byte runs, 16 bytes apart: too short to read directly, so the source packs
+        # them, and its CPU cannot address the memory: the engine gathers them.
         spec = PackSpec(src.region_id, 0, (64, 1), (8, 1), 2, dst.region_id, 0)
         empty = np.zeros((0, 5), dtype=np.int64)
-        with pytest.raises(RefitError, match="hostdev memory"):
-            await c.pull(request("dev", lease, empty, [spec]))
-        assert not memory.closed
+        await c.pull(request("dev", lease, empty, [spec]))
+        with SharedSegment.attach(dst.handle, N) as seg:
+            got = seg.numpy()[:128].reshape(64, 2)
+        assert np.array_equal(got, data.reshape(-1, 16)[:64, :2])
+        assert engine.batches >= 1
 
 
-async def test_a_peer_daemons_gpu_region_is_refused_before_any_byte_moves() -> None:
+async def test_a_peer_daemons_gpu_region_is_refused_on_the_shm_only_path() -> None:
     engine = HostDeviceEngine()
     secret = b"one-deployment-secret-0123456789"
     a = Daemon(DaemonOptions(port=0, node_id="holder", transport="shm", secret=secret))
@@ -166,6 +171,36 @@ async def test_a_peer_daemons_gpu_region_is_refused_before_any_byte_moves() -> N
         with pytest.raises(TransportError, match="GPU memory, which only the daemon holding"):
             await cb.pull(req)
         assert engine.batches == 0
+
+
+async def test_a_peer_daemons_gpu_region_is_read_through_its_staging_over_tcp() -> None:
+    far_engine, near_engine = HostDeviceEngine(), HostDeviceEngine()
+    opts: dict[str, object] = dict(
+        port=0, secret=b"one-deployment-secret-0123456789", transport="tcp"
+    )
+    opts["peers"] = ("http://127.0.0.1:*",)
+    far = Daemon(DaemonOptions(node_id="far", boot_id="another-host", **opts))  # type: ignore[arg-type]
+    near = Daemon(DaemonOptions(node_id="engine", **opts))  # type: ignore[arg-type]
+    async with serve(far) as f, serve(near) as n:
+        src, src_memory = await device_region(far, far_engine, "weights")
+        data = np.random.default_rng(11).integers(0, 256, N, dtype=np.uint8)
+        src_memory.write(0, data.tobytes())
+        await publish(f.client, "gpu", src.region_id)
+        lease = (await f.client.acquire_lease("gpu", 1, 600.0)).lease_id
+        dst, dst_memory = await device_region(near, near_engine, "engine")
+        host_dst = await n.client.create_region(N, label="host-dst")
+        rows, perm = shuffled(src.region_id, dst.region_id)
+        rows[::2, 2] = host_dst.region_id  # GPU to host and GPU to GPU, across hosts
+        req = PullRequest("gpu", 1, lease, DescriptorTable.pack(rows), [], f.url)
+        done = await n.client.pull(req)
+        assert done.path == "tcp+hostdev"
+        want = data.reshape(-1, PIECE)[perm]
+        got = np.frombuffer(dst_memory.read(0, N), np.uint8).reshape(-1, PIECE)
+        assert np.array_equal(got[1::2], want[1::2])
+        with SharedSegment.attach(host_dst.handle, N) as seg:
+            assert np.array_equal(seg.numpy().reshape(-1, PIECE)[::2], want[::2])
+        assert far_engine.batches >= 1, "the source's GPU bytes did not go through its engine"
+        assert near_engine.batches >= 1
 
 
 async def test_status_counts_the_gpu_regions_apart_from_host_ones() -> None:
