@@ -20,7 +20,8 @@ handle once) and measures, in one run:
 - ``verified``: every byte of every pull and every parameter checked.
 
 Not measured here yet, printed as ``pending`` with the reason: ``gpu_cross_host_ratio``
-(pinned staging pipelined with the ``tcp`` lanes is not built).
+(the path is built, tested on CPU; the source's staging is not yet pipelined with the
+``tcp`` lanes, and the simulated-host measure waits for it).
 
 NOTE: written without a GPU and never run on one yet; tests/gpu/run-on-device.sh is
 its first run.
@@ -49,7 +50,8 @@ __all__ = ["add_arguments", "missing_gpu", "run"]
 MODEL = "gpu-bench"
 PIECE = 4096
 PENDING = {
-    "gpu_cross_host_ratio": "pinned host buffers pipelined with the tcp lanes are not built",
+    "gpu_cross_host_ratio": "GPU to GPU across hosts is built but the source stages a whole "
+    "pull before the lanes read it; the simulated-host measure waits for that pipeline",
 }
 
 

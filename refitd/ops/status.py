@@ -118,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
             table.add_row(
                 "GPU regions",
                 f"{info['gpu_regions']} ({human_bytes(info['gpu_region_bytes'])}): copied by "
-                "this daemon's CUDA engine (pull path shm+cuda); not readable by other daemons",
+                "this daemon's CUDA engine (pull path shm+cuda); other daemons read them "
+                "through its host staging",
             )
         versions = ", ".join(f"{n} {s}" for s, n in sorted(info["versions"].items())) or "none"
         table.add_row("versions", versions)
