@@ -353,3 +353,29 @@ async def test_hugging_face_models_on_the_gpu_refitted_from_tp2_serve_what_fresh
     _, c = node
     lines: list[str] = []
     assert await engine_exact(c, torch.device("cuda", 0), lines.append), lines
+
+
+async def test_gpu_memory_moves_between_two_daemons_through_staging_over_tcp(
+    gpu: None, secret_file: str
+) -> None:
+    import torch
+
+    from refitd.client.gpu import device_buffer
+
+    dev = torch.device("cuda", 0)
+    async with (
+        spawn_daemon(secret_file=secret_file, transport="tcp", node_id="a") as a,
+        spawn_daemon(secret_file=secret_file, transport="tcp", node_id="b", peers=[a.url]) as b,
+        RefitClient(a.url) as ca,
+        RefitClient(b.url) as cb,
+    ):
+        src_flat, src = await device_buffer(ca, NBYTES, dev, label="trainer")
+        src_flat.copy_(torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, device=dev))
+        lease = await _publish(ca, "x", src, NBYTES)
+        dst_flat, dst = await device_buffer(cb, NBYTES, dev, label="engine")
+        rows = np.array([(src.region_id, 0, dst.region_id, 0, NBYTES)])
+        req = PullRequest("x", 1, lease, DescriptorTable.pack(rows.astype(np.int64)), [], a.url)
+        done = await cb.pull(req)
+        assert done.path == "tcp+cuda"
+        torch.cuda.synchronize()
+        assert torch.equal(dst_flat[:NBYTES], src_flat[:NBYTES])
