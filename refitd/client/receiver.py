@@ -563,7 +563,6 @@ class DaemonReceiver:
                     self._params[copy.param_name].data_ptr(),
                     copy,
                     replay_ops(full, copy.op_chain),
-                    fp.elsize,
                 )
 
 

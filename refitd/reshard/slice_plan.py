@@ -421,9 +421,10 @@ def check_cast(copy: RecordedCopy, src_dtype: torch.dtype, bounded: bool) -> Non
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def write_through_pointer(ptr: int, copy: RecordedCopy, value: torch.Tensor, elsize: int) -> None:
+def write_through_pointer(ptr: int, copy: RecordedCopy, value: torch.Tensor) -> None:
     """Copy ``value`` (broadcast to ``copy.dest_shape``) into the strided destination
-    of ``copy`` inside the storage that starts at ``ptr`` (bytes)."""
+    of ``copy`` (elements of ``copy.dest_dtype``) inside the storage that starts at
+    ``ptr`` (bytes)."""
     value = torch.broadcast_to(value, copy.dest_shape)
     if value.numel() == 0:
         return
@@ -431,7 +432,7 @@ def write_through_pointer(ptr: int, copy: RecordedCopy, value: torch.Tensor, els
         # The loader's own conversion (``copy_`` into its parameter's dtype), so
         # the bits are the ones a fresh load leaves.
         value = torch.empty(value.shape, dtype=copy.dest_dtype).copy_(value)
-        elsize = copy.dest_dtype.itemsize
+    elsize = copy.dest_dtype.itemsize
     flat = value.contiguous().reshape(-1).view(_INT_OF_SIZE[elsize]).view(torch.uint8)
     src = flat.reshape(*copy.dest_shape, elsize).numpy()
     span = (

@@ -529,7 +529,7 @@ def run_full_pull(
     full = staging.view(fp.dtype).reshape(fp.global_shape)
     for copy in fp.copies:
         write_through_pointer(
-            resolve_param_ptr(copy.param_name), copy, replay_ops(full, copy.op_chain), fp.elsize
+            resolve_param_ptr(copy.param_name), copy, replay_ops(full, copy.op_chain)
         )
 
 
