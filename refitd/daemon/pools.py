@@ -40,12 +40,14 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from refitd.daemon.listeners import PullListener
+from refitd.daemon.listeners import Caller, PullListener
 from refitd.daemon.memory import check_shm_capacity
 from refitd.daemon.node import Daemon
 from refitd.daemon.poolmemory import RegionExpertRows, RegionSlotMemory, touched_rows
+from refitd.daemon.pullcore import dst_ids
 from refitd.daemon.pulls import PullJob
 from refitd.errors import (
+    AccessDenied,
     ConfigError,
     ConflictError,
     NotFoundError,
@@ -462,6 +464,22 @@ class ExpertPools(PullListener):
             if packed:
                 mine = np.concatenate([mine, np.array(packed, dtype=np.int64).reshape(-1, 2)])
             pool.note_rewrite(mine)
+
+    def admit(self, req: PullRequest, caller: Caller) -> None:
+        """Refuse (403) a pull that writes a pool's slot region: only the pool's own
+        copies write its slots, so that every slot holds the expert the cache names.
+        (A pull may write a host region: its touched experts leave their slots.)"""
+        if not self._pools:
+            return
+        dst = dst_ids(req.descriptors.rows(), req.pack_specs)
+        for pool in self._pools.values():
+            rid = pool.slot_region.region_id
+            if rid in dst:
+                raise AccessDenied(
+                    f"pull refused: destination region {rid} is the slot region of expert "
+                    f"pool {pool.name!r}, which only the pool's own copies write; pull into "
+                    f"its host region {pool.host.region_id} instead; nothing was transferred"
+                )
 
     def started(self, job: PullJob) -> None:
         self.note_writes(job.req)

@@ -28,7 +28,10 @@ staging region  the principal of the lease it was      read: that lease only, on
                                                        the daemon only; never a pull
                                                        destination nor published from
 expert pool     its creator, with its two regions      owner: ensure, invalidate,
-                                                       delete; never published from
+                                                       delete, pull into the host
+                                                       rows; the slot region is
+                                                       written by the pool only;
+                                                       never published from
 =============== ====================================== ===============================
 
 Nothing is published from memory something else rewrites: a staging region, an
@@ -56,7 +59,8 @@ daemon part of one deployment.
 How each rule is enforced
 -------------------------
 - *writes*: :class:`~refitd.daemon.listeners.WriteRule` on ``POST /v1/pulls`` before anything else,
-  against this daemon's records (owner, staging ids, :meth:`Registry.protected_regions`);
+  against this daemon's records (owner, staging ids, :meth:`Registry.protected_regions`),
+  and :meth:`ExpertPools.admit <refitd.daemon.pools.ExpertPools.admit>` (slot regions);
 - *reads*: :func:`check_reads` and :func:`check_pack_reads` against the lease's
   scope, on the pulling daemon (descriptors, pack specs) and on the source daemon
   (pack specs, in :meth:`Daemon.pack`); staged offsets are validated as descriptors;

@@ -209,15 +209,20 @@ class TwoTenants(RuleBasedStateMachine):
         if status >= 400:
             refused(status, res, f"pull {body}")
             return
-        # Accepted: it must be this tenant's write into its own destination.
-        assert d == me.dst, f"{who}'s pull into region {d} was accepted: {body}"
+        # Accepted: it must be this tenant's write into memory of its own that a pull
+        # may write: its destination, its attached segment or its pool's host rows
+        # (never a pool's slots, a staging region or a published source).
+        assert d in (me.dst, me.own, me.pool[0]), (
+            f"{who}'s pull into region {d} was accepted: {body}"
+        )
         me.pulls.append(res["pull_id"])
         self.pulls_of[who].add(res["pull_id"])
         done = me.http.ok("GET", f"/pulls/{res['pull_id']}/wait?timeout=20")
         assert done["state"] == "done", done
         source = self.t["a"] if s == self.t["a"].src else self.t["b"]
         assert s == source.src, f"read region {s} under a lease: {body}"
-        me.dst_model[do : do + n] = source.src_bytes[so : so + n]
+        if d == me.dst:
+            me.dst_model[do : do + n] = source.src_bytes[so : so + n]
 
     @rule(who=st.sampled_from("ab"), pick=_pick)
     def release_lease(self, who: str, pick: int) -> None:
@@ -465,3 +470,28 @@ def test_every_example_meets_the_same_daemon_whatever_examples_ran_before(
         assert all(0 < i < MADE_UP_FROM for tenant in ids for i in tenant), ids
         seen.append(ids)
     assert seen[0] == seen[1], seen
+
+
+def test_a_tenant_may_pull_into_its_pools_host_rows_but_never_into_its_slots(
+    tmp_path: Path,
+) -> None:
+    """The step CI once met: a pull into the tenant's own pool's host region was
+    accepted (rightly: a refit writes expert rows there) and the machine called it a
+    write outside the tenant's destination. A pull into the pool's slot region is
+    refused: only the pool's copies write slots."""
+    TwoTenants.tokens = token_file(tmp_path, TOKENS)
+    machine = TwoTenants()
+    try:
+        machine.start()
+        me = machine.t["a"]
+        host, slots = me.pool
+        for dst, accepted in ((host, True), (slots, False)):
+            pick = machine._pick_region("a", 0, 0)
+            assert pick == me.src
+            index = [machine._pick_region("a", i, 0) for i in range(9)].index(dst)
+            before = len(me.pulls)
+            machine.pull("a", 0, "own", 0, index, 0, 0, 0, 16)
+            assert (len(me.pulls) == before + 1) is accepted, (dst, me.pulls)
+            machine.bytes_change_only_through_own_pulls()
+    finally:
+        machine.teardown()

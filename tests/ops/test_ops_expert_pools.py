@@ -232,6 +232,34 @@ async def test_a_pull_into_the_host_rows_invalidates_exactly_the_experts_it_rewr
         assert all(p.holds(s, 1, e) for s, e in zip(after.slots, [0, 1, 3], strict=True))
 
 
+async def test_a_pull_into_the_slot_region_is_refused_and_every_slot_keeps_its_expert(
+    client: RefitClient,
+) -> None:
+    """Only the pool's own copies write its slots: a pull that wrote one would leave the
+    cache naming an expert for a slot that holds other bytes."""
+    async with pool(client) as p:
+        warm = await client.ensure("moe", 0, [0, 1])
+        src = await client.create_region(64, label="trainer")
+        regions = {r.region_id: r for r in await client.regions()}
+        with mapped(regions[src.region_id].handle, 64) as s:
+            s[:] = 0xA5
+        await publish_tensor(client, "m", 1, src.region_id, 64)
+        lease = await client.acquire_lease("m", 1)
+        at = p.info.slot_bank_offsets[0] + warm.slots[0] * ROW_BYTES[0]
+        before = p.slots.copy()
+        with pytest.raises(
+            AccessDenied,
+            match=f"slot region of expert pool 'moe'.*host region {p.info.host_region}",
+        ):
+            await client.pull(
+                pull_rows("m", 1, lease.lease_id, (src.region_id, 0, p.info.slot_region, at, 16))
+            )
+        assert np.array_equal(p.slots, before)
+        again = await client.ensure("moe", 0, [0, 1])
+        assert again.copied_bytes == 0 and again.slots == warm.slots
+        assert all(p.holds(s, 0, e) for s, e in zip(again.slots, [0, 1], strict=True))
+
+
 async def test_a_plan_the_executor_refuses_answers_422_naming_it_and_leaves_the_pool_consistent(
     client: RefitClient,
 ) -> None:
