@@ -10,8 +10,10 @@ beside a healthy one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
@@ -20,11 +22,13 @@ import pytest
 import uvloop
 from support.peers import peer_process
 
+from refitd.errors import TransportError
 from transports.checks import LOCAL, Pair, open_pair, shuffled_batch
 from transports.interface import PeerInfo, PeerLost, TransportClosed
 from transports.segments import SharedSegment
 from transports.servepeer import REGION_ID, pattern
 from transports.ucx import UcxPeer, UcxTransport
+from transports.ucx.supervisor import SERVING, START_ATTEMPTS, STOP_LIMIT_S, Child, start_child
 
 SECRET = b"fault-test-secret-0123456789"
 SIZE = 32 << 20
@@ -219,3 +223,51 @@ async def test_an_idle_data_plane_sleeps_instead_of_spinning() -> None:
         spent = [a - b for a, b in zip(after, before, strict=True)]
         # A spinning thread would burn ~100 ticks per second; a sleeping one ~0.
         assert max(spent) < 20, f"idle data-plane processes used {spent} CPU ticks in 1 s"
+
+
+@contextlib.contextmanager
+def crashing_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int) -> Iterator[Path]:
+    """The next ``n`` starts of `support.crashing_ucx_worker` die by SIGSEGV."""
+    counter = tmp_path / "start-crashes"
+    counter.write_text(str(n))
+    monkeypatch.setenv("REFITD_TEST_START_CRASHES", str(counter))
+    support = Path(__file__).resolve().parents[1]  # where `support` is a package
+    monkeypatch.setenv(
+        "PYTHONPATH",
+        os.pathsep.join(filter(None, [str(support), os.environ.get("PYTHONPATH", "")])),
+    )
+    yield counter
+
+
+async def _exited(child: Child, code: int) -> None:
+    return None
+
+
+async def test_a_ucx_child_killed_by_a_signal_before_its_hello_is_started_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once seen under load: a child died by SIGSEGV while starting, and the pull
+    failed although no request had reached it. A second start costs nothing and
+    risks nothing; the first one's death is logged with the frame it hit."""
+    with crashing_starts(tmp_path, monkeypatch, 1) as counter:
+        child = await start_child(1, SERVING, "", _exited, module="support.crashing_ucx_worker")
+        try:
+            assert child.address and counter.read_text() == "0"
+            assert child.proc.returncode is None
+        finally:
+            await child.stop(STOP_LIMIT_S)
+    assert "Segmentation fault" in caplog.text and "string_at" in caplog.text
+    assert "starting it again" in caplog.text
+
+
+async def test_a_ucx_child_that_dies_at_every_start_is_refused_naming_the_frame_it_hit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with (
+        crashing_starts(tmp_path, monkeypatch, START_ATTEMPTS),
+        pytest.raises(TransportError) as refused,
+    ):
+        await start_child(1, SERVING, "", _exited, module="support.crashing_ucx_worker")
+    text = str(refused.value)
+    assert "failed to start: Fatal Python error: Segmentation fault" in text
+    assert "string_at" in text and "SIGSEGV" in text and f"after {START_ATTEMPTS} tries" in text

@@ -82,11 +82,17 @@ class Output:
 
     async def cause(self) -> str:
         """The child's last words once its output is closed: the last line of a
-        traceback names the exception and its message."""
+        traceback names the exception and its message; after a fatal signal
+        (faulthandler's report) they are the error and the innermost frame."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(5):
                 await asyncio.shield(self.task)
-        return self.lines[-1] if self.lines else ""
+        lines = list(self.lines)
+        fatal = [i for i, text in enumerate(lines) if text.startswith("Fatal Python error")]
+        if fatal:
+            frames = [t.strip() for t in lines[fatal[-1] :] if t.strip().startswith("File ")]
+            return "; ".join([lines[fatal[-1]], *frames[:1]])
+        return lines[-1] if lines else ""
 
 
 @dataclass(eq=False)  # compared and hashed by identity
@@ -189,27 +195,61 @@ class Child:
             self.output.task.cancel()
 
 
+WORKER = "transports.ucx.worker"
+"""The module a child runs (``python -P -X faulthandler -m``)."""
+START_ATTEMPTS = 2
+"""Tries to start a child whose earlier try died by a signal before its hello: such a
+child was never sent a request, so starting another loses and risks nothing."""
+
+
+class _DiedAtStart(TransportError):
+    """A child died by a signal before its hello."""
+
+
 async def start_child(
     lanes: int,
     role: str,
     peer_id: str,
     on_exit: Callable[[Child, int], Awaitable[None]],
+    module: str = WORKER,
 ) -> Child:
     """Spawn a child with ``lanes`` UCX contexts and wait (60 s at most) for its hello.
 
     Its replies are routed to their requests until its reply stream ends; then its
     exit status is awaited and ``on_exit(child, status)`` is called (from the reply
-    task). A child that fails to start raises `TransportError` naming its last words.
+    task). A child that fails to start raises `TransportError` naming its last words;
+    one killed by a signal before its hello is started again (`START_ATTEMPTS`), with
+    a warning naming why the first died.
     """
+    for attempt in itertools.count(1):
+        try:
+            return await _spawn(lanes, role, peer_id, on_exit, module)
+        except _DiedAtStart as exc:
+            if attempt >= START_ATTEMPTS:
+                raise TransportError(f"{exc} (after {attempt} tries)") from exc
+            log.warning("%s; starting it again", exc)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def _spawn(
+    lanes: int,
+    role: str,
+    peer_id: str,
+    on_exit: Callable[[Child, int], Awaitable[None]],
+    module: str,
+) -> Child:
     parent, child = socket.socketpair()
     env = dict(os.environ, UCX_WARN_UNUSED_ENV_VARS="n")
     try:
-        # -P: the daemon's working directory must not shadow the installed modules.
+        # -P: the daemon's working directory must not shadow the installed modules;
+        # -X faulthandler: a fatal signal (inside UCX) prints the frame it hit.
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-P",
+            "-X",
+            "faulthandler",
             "-m",
-            "transports.ucx.worker",
+            module,
             str(child.fileno()),
             str(lanes),
             pass_fds=(child.fileno(),),
@@ -235,10 +275,11 @@ async def start_child(
                 proc.kill()
         code = await proc.wait()
         cause = await output.cause()
-        raise TransportError(
-            f"ucx data-plane process failed to start: {cause or describe(code)}"
-            + (f" ({describe(code)})" if cause else "")
-        ) from exc
+        what = f"ucx data-plane process failed to start: {cause or describe(code)}" + (
+            f" ({describe(code)})" if cause else ""
+        )
+        signalled = code < 0 and not isinstance(exc, TimeoutError)
+        raise (_DiedAtStart if signalled else TransportError)(what) from exc
     c = Child(proc, reader, writer, hello.worker_address, role, output=output, peer_id=peer_id)
     c.reader_task = asyncio.create_task(_route_replies(c, on_exit), name=f"ucx-replies-{proc.pid}")
     return c
