@@ -23,6 +23,9 @@ from refitd.wire import (
     MSGPACK,
     ClusterVersion,
     DaemonRecord,
+    DeltaInfo,
+    DeltaPackRequest,
+    DeltaStaged,
     EnsureRequest,
     EnsureResult,
     ErrorBody,
@@ -259,6 +262,17 @@ class RefitClient:
 
     async def manifest(self, model: str, version: int) -> MergedManifest:
         return await self._send(api.MANIFEST, model=model, version=version)
+
+    async def delta_info(self, model: str, version: int, wait_s: float = 0.0) -> DeltaInfo:
+        """``version``'s delta record (docs/delta.md), after up to ``wait_s`` seconds
+        for a comparison still running."""
+        return await self._send(
+            api.DELTA_INFO, params={"wait": str(wait_s)}, model=model, version=version
+        )
+
+    async def delta_pack(self, req: DeltaPackRequest) -> DeltaStaged:
+        """Stage the changed units of a planned pull against the base ``req`` states."""
+        return await self._send(api.DELTA_PACK, req)
 
     # ------------------------------------------------------------ cluster registry
 

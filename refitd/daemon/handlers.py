@@ -23,6 +23,7 @@ from aiohttp import web
 
 from refitd.cluster import registry_from_config
 from refitd.daemon.auth import check_owner, owner_for, principal_of, sees_region
+from refitd.daemon.deltas import DELTAS, setup_deltas
 from refitd.daemon.httpio import (
     DAEMON,
     RouteTable,
@@ -191,6 +192,7 @@ async def publish(request: web.Request) -> web.Response:
     info = d.registry.publish(m, who.name, cap)
     d.models.claim(who, m.model)
     d.lease_changed()
+    request.app[DELTAS].published(m.model, m.version)  # compared with its base once READY
     await announce(request.app, m.model)
     return reply(request, info, 201)
 
@@ -239,6 +241,7 @@ async def drain(request: web.Request) -> web.Response:
     what = "retire a version of" if retire else "drain a version of"
     request.app[DAEMON].models.check_owner(principal_of(request), model, what)
     timeout = query_float(request, "timeout", 60.0)
+    request.app[DELTAS].yield_base(model, version)  # its memory is about to be rewritten
     info = await request.app[DAEMON].wait_drain(model, version, timeout, retire)
     if retire:
         await announce(request.app, model)
@@ -444,6 +447,7 @@ def create_app(
     pulls.listen(PullCap(d.caps, pulls.running))
     app[PULLS] = pulls
     setup_mirrors(app, d, pulls, opts.mirrors)  # host mirrors and relay (issue 25)
+    setup_deltas(app, d)  # delta refit (issue 37)
     cluster.on_gone(
         lambda rec: pulls.fail_source(
             rec.url,

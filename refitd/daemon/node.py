@@ -129,6 +129,9 @@ class DaemonOptions:
     #: ``[mirrors] max_bytes``: bytes all host mirrors together may hold (None: half
     #: of the shared-memory filesystem)
     mirror_max_bytes: int | None = None
+    #: ``[delta] enabled``: hold each model's newest version and compare the next one
+    #: with it, bytewise, so engines can refit by delta (:mod:`refitd.daemon.deltas`)
+    deltas: bool = False
 
 
 class Daemon:

@@ -11,8 +11,11 @@ packed for it (:meth:`StagingPool.packed_for`), never the rest of a reused regio
 
 from __future__ import annotations
 
+import asyncio
+
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from refitd.daemon.plancheck import validate_plan
 from refitd.daemon.registry import Lease, Registry
@@ -20,7 +23,7 @@ from refitd.daemon.store import RegionStore
 from refitd.daemon.trust import Extents, check_pack_reads
 from refitd.errors import AccessDenied, ConflictError, ProtocolError, TransportError
 from refitd.wire import PackSpec, RegionCreate, RegionInfo, StagedPack
-from transports.local import CopyFault, Gather, LocalTransport
+from transports.local import CopyFault, Gather, LocalTransport, copy_view
 
 __all__ = ["STAGING_POOL", "StagingPool"]
 
@@ -121,6 +124,25 @@ class StagingPool:
                 "its segment was shrunk by its owner"
             ) from exc
         return StagedPack(region, offsets)
+
+    async def stage(self, payload: npt.NDArray[np.uint8], lease: Lease) -> RegionInfo:
+        """A staging region holding ``payload`` (bytes the daemon computed for
+        ``lease``, a delta), held for that lease as :meth:`pack`'s regions are: the
+        lease reads exactly ``len(payload)`` bytes of it."""
+        n = len(payload)
+        if not n:
+            raise ProtocolError("stage refused: nothing to stage")
+        region = await self._take(n, lease.owner)
+        self._held[region.region_id] = (lease.lease_id, n)
+        try:
+            await asyncio.to_thread(copy_view, self.store.view(region.region_id)[:n], payload.data)
+        except CopyFault as exc:
+            await self._discard(region.region_id)
+            raise TransportError(
+                f"stage refused: staging region {region.region_id} faulted under the copy: "
+                "its segment was shrunk; it is discarded"
+            ) from exc
+        return region
 
     async def _discard(self, region_id: int) -> None:
         """Forget a staging region whose memory can no longer be trusted (shrunk)."""

@@ -19,6 +19,7 @@ PullRequest``):
 - :mod:`~refitd.wire.pools`: MoE expert slot pools;
 - :mod:`~refitd.wire.records`: the records daemons sign for each other;
 - :mod:`~refitd.wire.mirrors`: host mirrors and relay, daemon to daemon;
+- :mod:`~refitd.wire.deltas`: delta records and staged deltas (delta refit);
 - :mod:`~refitd.wire.routes`: the route table: every operation's method, path and
   bodies, from which the daemon's routes, the OpenAPI document and the client's
   paths are built.
@@ -29,6 +30,7 @@ Units: every ``*_offset``, ``nbytes`` and ``byte_offset`` is in **bytes**; every
 
 from __future__ import annotations
 
+from refitd.wire.deltas import DeltaInfo, DeltaPackRequest, DeltaStaged, DeltaState
 from refitd.wire.fields import (
     API_PREFIX,
     MAX_MANIFEST_TENSORS,
@@ -109,6 +111,10 @@ __all__ = [
     "STATUS_OF",
     "ClusterVersion",
     "DaemonRecord",
+    "DeltaInfo",
+    "DeltaPackRequest",
+    "DeltaStaged",
+    "DeltaState",
     "DescriptorTable",
     "EnsureRequest",
     "EnsureResult",

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from refitd.wire.deltas import DeltaInfo, DeltaPackRequest, DeltaStaged
 from refitd.wire.fields import API_PREFIX, MSGPACK
 from refitd.wire.leases import LeaseGrant, LeaseRequest
 from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
@@ -215,6 +216,26 @@ WAIT_PULL = _r(
     query={"timeout": float},
 )
 CANCEL_PULL = _r("DELETE", "/pulls/{pull_id}", PullProgress, "Cancel a pull", tag="pulls")
+
+# ---------------------------------------------------------------- deltas (docs/delta.md)
+DELTA_INFO = _r(
+    "GET",
+    _V + "/delta",
+    DeltaInfo,
+    "A version's delta record: base version, digests, changed units, size",
+    tag="deltas",
+    query={"wait": float},
+)
+DELTA_PACK = _r(
+    "POST",
+    "/deltas/pack",
+    DeltaStaged,
+    "Stage the changed units of a planned pull against a checked base",
+    DeltaPackRequest,
+    201,
+    _BOTH,
+    tag="deltas",
+)
 
 # ---------------------------------------------------------------- daemon to daemon
 PEER_REGIONS = _r(

@@ -1,0 +1,423 @@
+"""Delta refit, the engine side: pull only what changed since the version the engine
+holds, checked against that base first, applied transactionally.
+
+:class:`DeltaReceiver` is a :class:`~refitd.client.receiver.DaemonReceiver` whose
+refit tries a delta first:
+
+1. plan (or replay) the version's full pull exactly as a full refit does: the same
+   capture of the engine's loaders, so resharding, fused parameters, pack specs and
+   full pulls are planned as ever;
+2. check the base before any byte moves: the engine holds a version refitd installed
+   (``version``, the source's content digest of it), its memory still has the lane
+   digest it had then (``verify_engine``), the scratch layout the last install left
+   is this plan's, and no anchor is due. The source then stages the changed units of
+   the plan's stream only if its delta is against exactly that version and digest.
+   Any mismatch runs a full refit instead, and :attr:`DeltaReceiver.last` says why;
+3. pull the staged delta (page counts, 16-bit positions, values) into a region of
+   its own: nothing of the engine is written until every byte of it has landed;
+4. apply: each changed unit goes where the full pull would have landed it, through
+   the compiled plan's own destinations (the engine's memory, a packed block
+   scattered by its strides, or a full pull's staged tensor, replayed through its
+   op chain). Every write keeps the value it overwrote (:class:`~refitd.delta.undo.
+   UndoLog`); an error while applying, or raised by ``after_apply`` (the engine's
+   post-load processing), rolls every write back, so the engine serves its base.
+
+After any number of deltas the parameters equal a full refit of the same version,
+bit for bit (``tests/delta``). Host-memory engines only: a GPU engine refits in full.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from refitd.client.receiver import DaemonReceiver, RefitStats, _Compiled
+from refitd.delta.diff import lanes_of, unit_dtype, update_lanes
+from refitd.delta.stream import decode, landing, layout
+from refitd.delta.undo import UndoLog
+from refitd.errors import ConflictError, NotFoundError, RefitError
+from refitd.wire import DeltaPackRequest, DeltaStaged, DescriptorTable, PullProgress, PullRequest
+from transports.segments import SharedSegment
+
+__all__ = ["DeltaReceiver", "DeltaStats"]
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class DeltaStats:
+    """How one refit went: ``kind`` says which ran, ``reason`` why a full one did;
+    ``wire_bytes`` what it pulled, ``full_bytes`` what a full refit of it pulls;
+    ``changed`` the units applied (``unit`` bytes each)."""
+
+    refit: RefitStats
+    kind: Literal["delta", "full"]
+    reason: str
+    wire_bytes: int
+    full_bytes: int
+    changed: int = 0
+    unit: int = 0
+    check_s: float = 0.0
+    apply_s: float = 0.0
+    undo_bytes: int = 0
+
+
+@dataclass
+class _Base:
+    version: int
+    digest: str  # the source's content digest of that version
+    lanes: npt.NDArray[np.uint64]  # the lane digest of the engine memory holding it
+    layout: bytes  # the scratch layout of the plan that installed it
+
+
+class DeltaReceiver(DaemonReceiver):
+    """A receiver that refits by delta when its engine holds the base exactly.
+
+    ``anchor_every``: every N-th refit is a full one (0: never by count);
+    ``verify_engine``: check the engine memory's digest before each delta (one read
+    of it, at memory speed); ``after_apply``: called once a delta is written (the
+    engine's post-load processing), a raise rolls it back. Other arguments are
+    :class:`DaemonReceiver`'s; only ``"staging"`` mode keeps the full pulls' staged
+    tensors a delta patches, so deltas need it or no full pull in the plan.
+    """
+
+    def __init__(
+        self,
+        *,
+        anchor_every: int = 0,
+        verify_engine: bool = True,
+        after_apply: Callable[[], None] | None = None,
+        **kw: Any,
+    ) -> None:
+        super().__init__(**kw)
+        self.anchor_every = anchor_every
+        self.verify_engine = verify_engine
+        self.after_apply = after_apply
+        self.last: DeltaStats | None = None
+        self._base: _Base | None = None
+        self._since_anchor = 0
+        self._delta_seg: SharedSegment | None = None
+        self._delta_region: int | None = None
+
+    # ------------------------------------------------------------ the base
+
+    @property
+    def base_version(self) -> int | None:
+        """The version the engine holds as a delta base (None: none)."""
+        return None if self._base is None else self._base.version
+
+    def forget_base(self) -> None:
+        """The engine's parameters were changed outside refitd: the next refit is full."""
+        self._base = None
+
+    def _engine_bytes(self) -> npt.NDArray[np.uint8]:
+        assert self._engine_seg is not None
+        return self._engine_seg.numpy()
+
+    def _layout_key(self, comp: _Compiled) -> bytes:
+        h = hashlib.blake2b(digest_size=16)
+        scratch = self._scratch_region.region_id if self._scratch_region is not None else -1
+        h.update(repr((self.mode, scratch, [s[0] for s in comp.scatter])).encode())
+        h.update(repr([(at, fp.staging_nbytes) for at, fp in comp.full_pulls]).encode())
+        return h.digest()
+
+    def _why_full(self, version: int, comp: _Compiled) -> str:
+        """Why this refit cannot be a delta (``""``: it can, as far as the engine knows)."""
+        base = self._base
+        if self._engine_seg is None:
+            return "the engine's parameters are in GPU memory: deltas apply in host memory"
+        if base is None:
+            return "no base: the engine holds no version a refit installed and checked"
+        if version <= base.version:
+            return f"v{version} is not newer than the engine's v{base.version}"
+        if self.anchor_every and self._since_anchor + 1 >= self.anchor_every:
+            return f"anchor: a full refit every {self.anchor_every} versions"
+        if comp.full_pulls and self.mode != "staging":
+            return "the plan has full pulls, whose staged tensors only staging mode keeps"
+        if base.layout != self._layout_key(comp):
+            return "the plan's destinations moved since the base was installed"
+        if self.verify_engine and not np.array_equal(lanes_of(self._engine_bytes()), base.lanes):
+            return (
+                f"the engine's memory differs from v{base.version} as refitd installed it "
+                "(digest mismatch): it was written outside a refit"
+            )
+        return ""
+
+    async def _record_base(self, version: int, comp: _Compiled, digest: str) -> None:
+        if self._engine_seg is None or not digest:
+            self._base = None
+            return
+        self._base = _Base(version, digest, lanes_of(self._engine_bytes()), self._layout_key(comp))
+
+    # ------------------------------------------------------------ refit
+
+    async def _refit_leased(
+        self,
+        version: int,
+        lease_id: str,
+        t0: float,
+        on_progress: Callable[[PullProgress], None] | None,
+    ) -> RefitStats:
+        m = await self.source.manifest(self.model, version)
+        t1 = time.perf_counter()
+        comp, replayed = await self._compiled_for(m, version)
+        t2 = time.perf_counter()
+        reason = self._why_full(version, comp)
+        staged: DeltaStaged | None = None
+        if not reason:
+            assert self._base is not None
+            req = DeltaPackRequest(
+                self.model,
+                version,
+                lease_id,
+                self._base.version,
+                self._base.digest,
+                DescriptorTable.pack(comp.rows),
+                comp.packs,
+            )
+            try:
+                staged = await self.source.delta_pack(req)
+            except (ConflictError, NotFoundError) as exc:
+                reason = f"the source refused the delta: {exc}"
+        t3 = time.perf_counter()
+        if staged is None:
+            return await self._full(version, lease_id, t0, on_progress, reason)
+        return await self._delta(comp, staged, version, lease_id, replayed, (t0, t1, t2, t3))
+
+    async def _full(
+        self,
+        version: int,
+        lease_id: str,
+        t0: float,
+        on_progress: Callable[[PullProgress], None] | None,
+        reason: str,
+    ) -> RefitStats:
+        self._base = None  # until the full refit has landed
+        stats = await super()._refit_leased(version, lease_id, t0, on_progress)
+        assert self._compiled is not None
+        info = await self.source.delta_info(self.model, version, wait_s=30.0)
+        await self._record_base(version, self._compiled, info.digest)
+        self._since_anchor = 0
+        b = stats.pull.bytes_total
+        self.last = DeltaStats(stats, "full", reason, b, b)
+        return stats
+
+    async def _delta_landing(self, nbytes: int) -> int:
+        """This receiver's region for staged deltas, of at least ``nbytes`` bytes."""
+        if self._delta_seg is not None and self._delta_seg.size >= nbytes:
+            assert self._delta_region is not None
+            return self._delta_region
+        if self._delta_region is not None and self._delta_seg is not None:
+            await self.local.delete_region(self._delta_region)
+            self._delta_seg.close()
+        self._delta_seg = SharedSegment.create(max(nbytes, 1 << 16), "delta")
+        info = await self.local.attach_region(
+            self._delta_seg.name, self._delta_seg.size, label="delta"
+        )
+        self._delta_region = info.region_id
+        return info.region_id
+
+    async def _delta(
+        self,
+        comp: _Compiled,
+        staged: DeltaStaged,
+        version: int,
+        lease_id: str,
+        replayed: bool,
+        times: tuple[float, float, float, float],
+    ) -> RefitStats:
+        t0, t1, t2, t3 = times
+        region = await self._delta_landing(staged.nbytes)
+        row = np.array([[staged.region.region_id, 0, region, 0, staged.nbytes]], dtype=np.int64)
+        src = self.source.base_url if self.source.base_url != self.local.base_url else ""
+        req = PullRequest(self.model, version, lease_id, DescriptorTable.pack(row), [], src)
+        pull = await self.local.pull(req)  # a failure here wrote nothing of the engine
+        t4 = time.perf_counter()
+        assert self._delta_seg is not None
+        payload = self._delta_seg.numpy()[: staged.nbytes].copy()
+        undo = UndoLog()
+        assert self._base is not None
+        lanes = self._base.lanes.copy()
+        try:
+            changed = self._apply(comp, staged, payload, undo)
+            if self.after_apply is not None:
+                self.after_apply()
+        except BaseException:
+            # Every write put back: the engine holds its base, bit for bit, still.
+            undo.rollback()
+            self._base.lanes = lanes
+            raise
+        t5 = time.perf_counter()
+        assert self._base is not None
+        self._base = _Base(version, staged.digest, self._base.lanes, self._base.layout)
+        self._since_anchor += 1
+        stats = RefitStats(
+            version,
+            replayed,
+            staged.nbytes,
+            1,
+            0,
+            0,
+            0,
+            t1 - t0,
+            t2 - t1,
+            t4 - t3,
+            t5 - t4,
+            t5 - t0,
+            pull,
+        )
+        self.last = DeltaStats(
+            stats,
+            "delta",
+            "",
+            staged.nbytes,
+            _full_bytes(comp),
+            changed,
+            staged.unit,
+            t3 - t2,
+            t5 - t4,
+            undo.nbytes,
+        )
+        return stats
+
+    # ------------------------------------------------------------ applying
+
+    def _apply(
+        self, comp: _Compiled, staged: DeltaStaged, payload: npt.NDArray[np.uint8], undo: UndoLog
+    ) -> int:
+        """Write the staged delta where the full pull would have landed each unit (see
+        the module docstring); every write recorded in ``undo``. Returns units written."""
+        assert self._engine_region is not None and self._base is not None
+        unit = staged.unit
+        udt = unit_dtype(unit)
+        lay = layout(staged.pages, staged.changed, unit)
+        counts = payload[lay.counts : lay.counts + 4 * staged.pages].view(np.uint32)
+        low = payload[lay.low : lay.low + 2 * staged.changed].view(np.uint16)
+        values = payload[lay.values : lay.values + unit * staged.changed].view(udt)
+        if int(counts.sum()) != staged.changed:
+            raise ConflictError(
+                f"delta of v{staged.base_version}+1 refused: its page counts sum to "
+                f"{int(counts.sum())}, not the {staged.changed} positions it carries"
+            )
+        k = decode(counts, low)
+        pieces = np.concatenate(
+            [
+                comp.rows[:, 2:5],
+                np.array(
+                    [(p.dst_region, p.dst_offset, p.nbytes) for p in comp.packs], dtype=np.int64
+                ).reshape(-1, 3),
+            ]
+        )
+        if int(pieces[:, 2].sum()) // unit != staged.stream_units:
+            raise ConflictError(
+                f"delta refused: the source staged it for a stream of {staged.stream_units} "
+                f"units, this plan's is {int(pieces[:, 2].sum()) // unit}"
+            )
+        _, region, off = landing(pieces, k, unit)
+        engine_id = self._engine_region.region_id
+        scratch_id = self._scratch_region.region_id if self._scratch_region is not None else -2
+        limit = self._engine_region.nbytes if self.mode == "staging" else 0
+        # Where each unit lands in the engine's memory (-1: in a scratch area).
+        eng = np.full(len(k), -1, dtype=np.int64)
+        eng[region == engine_id] = off[region == engine_id]
+        in_scratch = region == scratch_id
+        mirror = in_scratch & (off < limit)
+        eng[mirror] = off[mirror]
+        rest = in_scratch & ~mirror
+        for at, dt, shape, strides, name, dst_byte in comp.scatter:
+            size = math.prod(shape) * dt.itemsize
+            hit = rest & (off >= at) & (off < at + size)
+            if not hit.any():
+                continue
+            rel = off[hit] - at
+            elem, byte = rel // dt.itemsize, rel % dt.itemsize
+            flat = np.zeros(len(elem), dtype=np.int64)
+            for i, s in zip(np.unravel_index(elem, shape), strides, strict=True):
+                flat += i.astype(np.int64) * s
+            eng[hit] = self._param_off[name] + dst_byte + flat * dt.itemsize + byte
+        dirty: list[int] = []
+        scratch_writes = np.zeros(len(k), dtype=bool)
+        for i, (at, fp) in enumerate(comp.full_pulls):
+            hit = rest & (off >= at) & (off < at + fp.staging_nbytes)
+            if hit.any():
+                dirty.append(i)
+                scratch_writes |= hit
+        unplaced = (eng < 0) & ~scratch_writes
+        if unplaced.any():
+            bad = int(np.flatnonzero(unplaced)[0])
+            raise ConflictError(
+                f"delta refused: stream unit {int(k[bad])} lands in region {int(region[bad])} "
+                f"at {int(off[bad])}, outside the engine and this plan's scratch areas"
+            )
+        engine_u = self._engine_bytes().view(udt)
+        at_eng = eng >= 0
+        # A unit written twice keeps its last value, as the full pull's later read would.
+        idx = eng[at_eng] // unit
+        vals = values[at_eng]
+        last = len(idx) - 1 - np.unique(idx[::-1], return_index=True)[1]
+        idx, vals = idx[last], vals[last]
+        old = undo.write(engine_u, idx, vals)
+        update_lanes(self._base.lanes, idx * unit, old, vals)  # type: ignore[arg-type]
+        if dirty:
+            assert self._scratch_seg is not None
+            scratch_u = self._scratch_seg.numpy().view(udt)
+            undo.write(scratch_u, off[scratch_writes] // unit, values[scratch_writes])
+            self._replay(comp, dirty, undo, unit)
+        return len(k)
+
+    def _replay(self, comp: _Compiled, dirty: list[int], undo: UndoLog, unit: int) -> None:
+        """Replay the full pulls ``dirty`` (patched in scratch) into the parameters,
+        each destination parameter recorded whole first; the digest follows."""
+        from refitd.reshard.replay import replay_ops
+        from refitd.reshard.transfer_plan import write_through_pointer
+
+        assert self._scratch_seg is not None and self._base is not None
+        engine = self._engine_bytes()
+        scratch = self._scratch_seg.numpy()
+        names = sorted({c.param_name for i in dirty for c in comp.full_pulls[i][1].copies})
+        spans = []
+        for name in names:
+            p = self._params[name]
+            lo = self._param_off[name]
+            hi = lo + p.numel() * p.element_size()
+            view = engine[lo:hi]
+            spans.append((lo, view, view.copy()))
+            undo.keep(view)
+        for i in dirty:
+            at, fp = comp.full_pulls[i]
+            full = torch.frombuffer(scratch[at : at + fp.staging_nbytes].data, dtype=torch.uint8)
+            full = full.view(fp.dtype).reshape(fp.global_shape)
+            for copy in fp.copies:
+                write_through_pointer(
+                    self._params[copy.param_name].data_ptr(), copy, replay_ops(full, copy.op_chain)
+                )
+        from refitd.delta.diff import LANES
+
+        for lo, view, before in spans:
+            shift = (lo // 8) % LANES
+            self._base.lanes ^= np.roll(lanes_of(before) ^ lanes_of(view), shift)
+
+    async def close(self) -> None:
+        """Delete the delta region too (see :meth:`DaemonReceiver.close`)."""
+        if self._delta_region is not None:
+            with contextlib.suppress(RefitError):
+                await self.local.delete_region(self._delta_region)
+        if self._delta_seg is not None:
+            self._delta_seg.unlink()
+            self._delta_seg.close()
+        self._delta_seg = self._delta_region = None
+        await super().close()
+
+
+def _full_bytes(comp: _Compiled) -> int:
+    """What the full pull of ``comp`` moves: its rows and its packed blocks."""
+    return int(comp.rows[:, 4].sum()) + sum(p.nbytes for p in comp.packs)

@@ -1,0 +1,517 @@
+"""Deltas at the source: each READY version compared, bytewise, with the version
+before it, and the changed units of a receiver's planned pull staged for its lease.
+
+When a version becomes READY, :class:`DeltaBook` compares each of its blocks with the
+same block (tensor, offset, shape, dtype) of the newest earlier READY version of the
+model, the *base*: a trainer that double-buffers keeps that version's memory
+untouched until it retires it, and the book holds a lease on both versions while it
+compares, so neither is retired (and rewritten) under the comparison. The comparison
+runs in a thread pool, off the event loop, one 1 MiB chunk at a time: each chunk of
+both sides is copied through the bus-error guard into private memory (a segment its
+owner shrinks fails the comparison, not the daemon), compared as units and
+digested. The book keeps, per version, the byte offsets (int64) and new bytes of its
+changed units, ``(8 + unit)`` bytes a change, and the lane digests of the version and
+its base. A version's record goes with the version (retired or gone).
+
+:meth:`DeltaBook.pack` serves ``POST /v1/deltas/pack``: for a lease on the version,
+the receiver's full plan, and the base the receiver states (version and digest),
+the changed units inside the plan's stream, staged for the lease
+(:meth:`~refitd.daemon.staging.StagingPool.stage`); the receiver reads them with one
+descriptor of an ordinary pull. A base that is not exactly the delta's is refused
+(409) before anything is staged. The mechanism and its costs: ``docs/delta.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+from aiohttp import web
+
+from refitd.daemon.auth import principal_of
+from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
+from refitd.daemon.node import Daemon
+from refitd.daemon.registry import Lease
+from refitd.delta.diff import CHUNK, LANES, compare_chunk, lanes_of, unit_of
+from refitd.delta.stream import encode, layout, reads_of, select
+from refitd.errors import ConflictError, ProtocolError, RefitError
+from refitd.wire import DeltaInfo, DeltaPackRequest, DeltaStaged, DeltaState, VersionState
+from refitd.wire import routes as api
+from transports.local import copy_view
+
+__all__ = ["DELTAS", "DeltaBook", "routes", "setup_deltas"]
+
+log = logging.getLogger("refitd.deltas")
+
+JOB_BYTES = 8 * CHUNK
+"""Bytes of one comparison job handed to a worker thread."""
+
+HOLD_S = 3600.0
+"""The lease the book holds on a model's newest version, the next version's base,
+until the next one is compared with it or its publisher drains it."""
+
+KEEP_RECORDS = 8
+"""Records kept per model (a retired version's without its changed units)."""
+
+I64 = npt.NDArray[np.int64]
+U8 = npt.NDArray[np.uint8]
+
+
+@dataclass
+class _Block:
+    key: tuple[str, tuple[int, ...], tuple[int, ...], str]  # name, offset, shape, dtype
+    region: int
+    at: int
+    nbytes: int
+    base_region: int = -1
+    base_at: int = -1
+
+
+@dataclass
+class _Hold:
+    """A version held as the next one's base: a lease on it, so its publisher's drain
+    (before rewriting its memory) waits for the comparison reading it."""
+
+    version: int
+    lease_id: str
+    blocks: list[_Block]
+    busy: int = 0  # comparisons reading it now
+    yielded: bool = False  # drained, or no longer the newest: released once not busy
+    released: bool = False
+
+
+@dataclass
+class _Record:
+    model: str
+    version: int
+    state: DeltaState = DeltaState.COMPUTING
+    base: int = -1
+    digest: str = ""
+    base_digest: str = ""
+    unit: int = 0
+    compared: int = 0
+    seconds: float = 0.0
+    reason: str = ""
+    #: per region of the version: its changed units' byte offsets (ascending), new bytes
+    index: dict[int, I64] = field(default_factory=dict)
+    values: dict[int, U8] = field(default_factory=dict)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def changed(self) -> int:
+        return sum(len(i) for i in self.index.values())
+
+    def info(self) -> DeltaInfo:
+        held = sum(i.nbytes for i in self.index.values()) + sum(
+            v.nbytes for v in self.values.values()
+        )
+        return DeltaInfo(
+            self.model,
+            self.version,
+            self.state,
+            self.base,
+            self.digest,
+            self.base_digest,
+            self.unit,
+            self.changed,
+            self.compared,
+            held,
+            self.seconds,
+            self.reason,
+        )
+
+
+def _digest(blocks: list[_Block], lanes: list[npt.NDArray[np.uint64]]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for b, ln in zip(blocks, lanes, strict=True):
+        h.update(repr(b.key).encode())
+        h.update(ln.tobytes())
+    return h.hexdigest()
+
+
+class DeltaBook:
+    """The delta records of one daemon's versions, and the pool that compares them."""
+
+    def __init__(self, daemon: Daemon, enabled: bool = True, threads: int | None = None) -> None:
+        self.daemon = daemon
+        #: whether versions are held and compared at all (``DaemonOptions.deltas``)
+        self.enabled = enabled
+        self._holds: dict[str, _Hold] = {}
+        self.threads = threads or max(1, min(4, os.cpu_count() or 1))
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="refitd-delta")
+        self._records: dict[tuple[str, int], _Record] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------ records
+
+    def published(self, model: str, version: int) -> None:
+        """A slot of ``version`` was published: once the version is READY, hold it (the
+        next version's base) and compare it with the version held before (in the
+        background)."""
+        reg = self.daemon.registry
+        if not self.enabled or (model, version) in self._records:
+            return
+        if reg.version(model, version).state != VersionState.READY:
+            return
+        self._forget(model)
+        rec = self._records[(model, version)] = _Record(model, version)
+        blocks = self._blocks(model, version)
+        hold = _Hold(version, reg.acquire(model, version, HOLD_S, "delta-base").lease_id, blocks)
+        base = self._holds.get(model)
+        self._holds[model] = hold
+        hold.busy += 1
+        if base is not None:
+            base.busy += 1
+            base.yielded = True  # no longer the model's base: let go once compared
+        task = asyncio.create_task(self._compute(rec, hold, base))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def yield_base(self, model: str, version: int) -> None:
+        """``version`` is being drained (its publisher is about to rewrite its memory):
+        stop holding it as a base, now, or once the comparison reading it ends."""
+        hold = self._holds.get(model)
+        if hold is None or hold.version != version:
+            return
+        del self._holds[model]
+        hold.yielded = True
+        self._let_go(hold)
+
+    def _let_go(self, hold: _Hold) -> None:
+        if hold.busy or not hold.yielded or hold.released:
+            return
+        hold.released = True
+        with contextlib.suppress(RefitError):
+            self.daemon.registry.release(hold.lease_id)
+        self.daemon.lease_changed()
+
+    def _forget(self, model: str) -> None:
+        """Drop the changed units of retired versions; keep the newest records."""
+        live = {v.version for v in self.daemon.registry.versions(model) if v.state != "retired"}
+        mine = sorted(k for k in self._records if k[0] == model)
+        for key in mine:
+            if key[1] not in live:
+                self._records[key].index.clear()
+                self._records[key].values.clear()
+        for key in mine[: max(0, len(mine) - KEEP_RECORDS)]:
+            del self._records[key]
+
+    async def info(self, model: str, version: int, wait_s: float = 0.0) -> DeltaInfo:
+        """``version``'s record (after up to ``wait_s`` seconds for its comparison);
+        404 for a version this daemon does not hold."""
+        self.daemon.registry.version(model, version)
+        rec = self._records.get((model, version))
+        if rec is None:
+            why = "no delta record of this version" if self.enabled else "deltas are off here"
+            return DeltaInfo(model, version, DeltaState.NONE, reason=why)
+        if wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait_s):
+                    await rec.done.wait()
+        return rec.info()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------ comparing
+
+    def _blocks(self, model: str, version: int) -> list[_Block]:
+        m = self.daemon.registry.merged(model, version)
+        out = []
+        for t in m.tensors:
+            size = _itemsize(t.dtype)
+            for s in t.shards:
+                n = math.prod(s.shape) * size
+                out.append(
+                    _Block(
+                        (t.name, tuple(s.offset), tuple(s.shape), t.dtype),
+                        s.region,
+                        s.byte_offset,
+                        n,
+                    )
+                )
+        return out
+
+    async def _compute(self, rec: _Record, hold: _Hold, base: _Hold | None) -> None:
+        t0 = time.perf_counter()
+        reg = self.daemon.registry
+        blocks = hold.blocks
+        try:
+            rec.unit = unit_of(_itemsize(b.key[3]) for b in blocks)
+            regions = {b.region for b in blocks}
+            if self.daemon.store.device_kinds(regions):
+                raise ConflictError(
+                    "published in GPU memory: deltas are compared in host memory only"
+                )
+            why = "no earlier version held to compare with"
+            if base is not None:
+                why = self._pair(blocks, base.blocks)
+                why = f"v{base.version} is laid out otherwise ({why})" if why else ""
+                if not why and not reg.is_live(base.lease_id):
+                    why = f"the hold on v{base.version} expired"
+            if why:  # the version's digest only: a full refit of it records it
+                lanes = await self._run(blocks, rec.unit, pair=False)
+                rec.digest = _digest(blocks, [ln[0] for ln in lanes])
+                rec.state, rec.reason = DeltaState.NONE, why
+            else:
+                assert base is not None
+                await self._compare(rec, blocks, base.version)
+                if not reg.is_live(base.lease_id):  # its memory may have changed meanwhile
+                    rec.index.clear()
+                    rec.values.clear()
+                    rec.state = DeltaState.NONE
+                    rec.reason = f"the hold on v{base.version} expired during the comparison"
+        except (RefitError, OSError) as exc:
+            rec.state, rec.reason = DeltaState.NONE, f"comparison refused: {exc}"
+        except Exception as exc:
+            rec.state, rec.reason = DeltaState.NONE, f"comparison failed: {exc!r}"
+            log.error("delta of %s v%d failed", rec.model, rec.version, exc_info=exc)
+        finally:
+            for h in (hold, base):
+                if h is not None:
+                    h.busy -= 1
+                    self._let_go(h)
+            rec.seconds = time.perf_counter() - t0
+            rec.done.set()
+            log.info(
+                "delta of %s v%d: %s (base v%d, %d changed units, %.3f s)",
+                rec.model,
+                rec.version,
+                rec.state,
+                rec.base,
+                rec.changed,
+                rec.seconds,
+            )
+
+    @staticmethod
+    def _pair(blocks: list[_Block], base: list[_Block]) -> str:
+        """Pair each block with the same block of the base; why not, or ``""``."""
+        where = {b.key: b for b in base}
+        for b in blocks:
+            o = where.get(b.key)
+            if o is None:
+                return f"block {b.key[0]!r} at {b.key[1]} shape {b.key[2]} {b.key[3]} has no match"
+            b.base_region, b.base_at = o.region, o.at
+        return ""
+
+    async def _compare(self, rec: _Record, blocks: list[_Block], base: int) -> None:
+        results = await self._run(blocks, rec.unit, pair=True)
+        new_lanes = [r[0] for r in results]
+        old_lanes = [r[1] for r in results]
+        rec.base = base
+        rec.digest = _digest(blocks, new_lanes)
+        rec.base_digest = _digest(blocks, old_lanes)
+        known = self._records.get((rec.model, base))
+        if known is not None and known.digest and known.digest != rec.base_digest:
+            raise ConflictError(
+                f"base v{base}'s bytes changed since it was published (digest "
+                f"{known.digest} then, {rec.base_digest} now): a READY version was rewritten"
+            )
+        by_region: dict[int, tuple[list[I64], list[U8]]] = {}
+        for b, r in zip(blocks, results, strict=True):
+            offs, vals = by_region.setdefault(b.region, ([], []))
+            offs.append(r[2] + b.at)
+            vals.append(r[3])
+        for region, (offs, vals) in by_region.items():
+            o = np.concatenate(offs)
+            v = np.concatenate(vals).reshape(-1, rec.unit)
+            order = np.argsort(o, kind="stable")
+            rec.index[region] = o[order]
+            rec.values[region] = v[order].reshape(-1)
+        rec.compared = sum(b.nbytes for b in blocks)
+        rec.state = DeltaState.READY
+
+    async def _run(
+        self, blocks: list[_Block], unit: int, *, pair: bool
+    ) -> list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], I64, U8]]:
+        """Per block: (new lanes, old lanes, changed offsets in the block, new bytes),
+        computed by the pool in jobs of ``JOB_BYTES``; without ``pair`` the lanes only."""
+        loop = asyncio.get_running_loop()
+        view = self.daemon.view
+        jobs = []
+        for i, b in enumerate(blocks):
+            for lo in range(0, max(b.nbytes, 1), JOB_BYTES):
+                hi = min(b.nbytes, lo + JOB_BYTES)
+                new = view(b.region)[b.at + lo : b.at + hi]
+                old = view(b.base_region)[b.base_at + lo : b.base_at + hi] if pair else None
+                jobs.append((i, lo, loop.run_in_executor(self._pool, _job, new, old, unit)))
+        parts = await asyncio.gather(*(j[2] for j in jobs))
+        lanes_n = [np.zeros(LANES, np.uint64) for _ in blocks]
+        lanes_o = [np.zeros(LANES, np.uint64) for _ in blocks]
+        offs: list[list[I64]] = [[] for _ in blocks]
+        vals: list[list[U8]] = [[] for _ in blocks]
+        for (i, lo, _), (ln, lo_lanes, at, v) in zip(jobs, parts, strict=True):
+            lanes_n[i] ^= ln
+            lanes_o[i] ^= lo_lanes
+            offs[i].append(at + lo)
+            vals[i].append(v)
+        return [
+            (lanes_n[i], lanes_o[i], np.concatenate(offs[i]), np.concatenate(vals[i]))
+            for i in range(len(blocks))
+        ]
+
+    # ------------------------------------------------------------ staging a pull's delta
+
+    async def pack(self, req: DeltaPackRequest, lease: Lease) -> DeltaStaged:
+        """Stage the changed units of ``req``'s planned stream for ``lease`` (live, on
+        the version). Refused (409, nothing staged) without a delta of the version
+        against exactly the base ``req`` states; a read of a region outside the
+        version (400)."""
+        what = f"delta of {req.model!r} v{req.version}"
+        rec = self._records.get((req.model, req.version))
+        if rec is None:
+            raise ConflictError(f"{what} refused: this daemon holds no delta record of it")
+        async with asyncio.timeout(HOLD_S):
+            await rec.done.wait()
+        if rec.state != DeltaState.READY:
+            raise ConflictError(f"{what} refused: there is none ({rec.reason})")
+        if (req.base_version, req.base_digest) != (rec.base, rec.base_digest):
+            raise ConflictError(
+                f"{what} refused: it applies to v{rec.base} with digest {rec.base_digest}, "
+                f"the engine states v{req.base_version} with digest "
+                f"{req.base_digest or '(none)'}: a full refit is needed"
+            )
+        rows = req.descriptors.rows()
+        scope = self.daemon.registry.scope(req.model, req.version)
+        named = set(rows[:, 0].tolist()) | {p.src_region for p in req.pack_specs}
+        outside = sorted(named - set(scope))
+        if outside:
+            raise ProtocolError(
+                f"{what} refused: region(s) {outside[:8]} are not regions of that version"
+            )
+        payload, staged = await asyncio.get_running_loop().run_in_executor(
+            self._pool, _payload, rec, rows, req.pack_specs
+        )
+        region = await self.daemon.staging.stage(payload, lease)
+        return DeltaStaged(
+            region,
+            len(payload),
+            staged[0],
+            staged[1],
+            rec.unit,
+            staged[2],
+            rec.base,
+            rec.digest,
+        )
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype):
+        raise ProtocolError(f"dtype {dtype!r} is not a torch dtype")
+    return dt.itemsize
+
+
+def _job(
+    new: memoryview, old: memoryview | None, unit: int
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], I64, U8]:
+    """One comparison job, in a worker thread: each chunk copied through the guard."""
+    n = len(new)
+    a = np.empty(min(n, CHUNK), np.uint8)
+    b = np.empty(min(n, CHUNK), np.uint8)
+    ln_new = np.zeros(LANES, np.uint64)
+    ln_old = np.zeros(LANES, np.uint64)
+    offs: list[I64] = []
+    vals: list[U8] = []
+    for lo in range(0, n, CHUNK):
+        hi = min(n, lo + CHUNK)
+        nb, na = b[: hi - lo], a[: hi - lo]
+        copy_view(nb.data, new[lo:hi])
+        ln_new ^= lanes_of(nb)
+        if old is None:
+            continue
+        copy_view(na.data, old[lo:hi])
+        ln_old ^= lanes_of(na)
+        at, v = compare_chunk(na, nb, unit)
+        if len(at):
+            offs.append(at + lo)
+            vals.append(v.copy())
+    return (
+        ln_new,
+        ln_old,
+        np.concatenate(offs) if offs else np.zeros(0, np.int64),
+        np.concatenate(vals) if vals else np.zeros(0, np.uint8),
+    )
+
+
+def _payload(rec: _Record, rows: I64, specs: list) -> tuple[U8, tuple[int, int, int]]:  # type: ignore[type-arg]
+    """The staged delta of the stream ``rows`` + ``specs``: its bytes and (pages,
+    changed, stream units)."""
+    unit = rec.unit
+    reads = reads_of(rows, specs)
+    try:
+        k, region, at = select(rec.index, reads, unit)
+    except ValueError as exc:
+        raise ProtocolError(f"delta refused: {exc}") from exc
+    stream_units = int(reads[:, 2].sum()) // unit if len(reads) else 0
+    counts, low = encode(k, stream_units)
+    lay = layout(len(counts), len(k), unit)
+    out = np.zeros(max(lay.nbytes, 64), np.uint8)
+    out[lay.counts : lay.counts + counts.nbytes] = counts.view(np.uint8)
+    out[lay.low : lay.low + low.nbytes] = low.view(np.uint8)
+    vals = out[lay.values : lay.values + unit * len(k)].reshape(-1, unit)
+    for r in np.unique(region).tolist():
+        mask = region == r
+        vals[mask] = rec.values[int(r)].reshape(-1, unit)[at[mask]]
+    return out, (len(counts), len(k), stream_units)
+
+
+# ---------------------------------------------------------------- HTTP
+
+DELTAS: web.AppKey[DeltaBook] = web.AppKey("deltas", DeltaBook)
+routes = RouteTable()
+
+
+@routes.handles(api.DELTA_INFO)
+async def delta_info(request: web.Request) -> web.Response:
+    """A version's delta record; ``wait=S`` waits up to S seconds (at most 60) for a
+    comparison still running."""
+    d = request.app[DAEMON]
+    model = request.match_info["model"]
+    d.models.check_read(principal_of(request), model, "read")
+    version = query_int(request, "version")
+    wait_s = min(query_float(request, "wait", 0.0), 60.0)
+    return reply(request, await request.app[DELTAS].info(model, version, wait_s))
+
+
+@routes.handles(api.DELTA_PACK)
+async def delta_pack(request: web.Request) -> web.Response:
+    """Stage a planned pull's changed units under its lease, as ``/v1/peer/pack`` stages
+    packed blocks: the staging region counts against the lease's principal."""
+    d = request.app[DAEMON]
+    req = await body(request, DeltaPackRequest)
+    lease = d.registry.check(req.lease_id, req.model, req.version)
+    who = lease.owner or principal_of(request).name
+    held = lambda rid: d.holds_memory(int(rid))  # noqa: E731
+    d.caps.regions.admit(who, held)
+    staged = await request.app[DELTAS].pack(req, lease)
+    d.caps.regions.add(who, str(staged.region.region_id))
+    d.caps.bytes.add(who, str(staged.region.region_id), staged.region.nbytes)
+    return reply(request, staged, 201)
+
+
+def setup_deltas(app: web.Application, daemon: Daemon) -> DeltaBook:
+    """Install the daemon's :class:`DeltaBook` and its routes on ``app``."""
+    book = app[DELTAS] = DeltaBook(daemon, daemon.options.deltas)
+
+    async def close(_: web.Application) -> None:
+        await book.close()
+
+    app.on_shutdown.append(close)
+    app.add_routes(routes)
+    return book
