@@ -58,7 +58,7 @@ from refitd.wire import (
     gc_paused,
 )
 from refitd.wire import routes as api
-from refitd.wire.routes import Route
+from refitd.wire.routes import FLAG, Route
 from transports.segments import owner_tag
 
 __all__ = ["RefitClient", "error_from_body"]
@@ -142,8 +142,11 @@ class RefitClient:
         params: dict[str, str] | None = None,
         **path: object,
     ) -> T:
-        """Call ``route`` (its path parameters in ``path``), decoding the answer as the
-        route's response type."""
+        """Call ``route`` (its path parameters in ``path``, its query in ``params``),
+        decoding the answer as the route's response type."""
+        undeclared = sorted(set(params or ()) - set(route.query))
+        if undeclared:
+            raise TypeError(f"{route.method} {route.path} declares no query {undeclared}")
         return await self._request(route.method, route.url(**path), route.response, body, params)
 
     async def _call(
@@ -243,7 +246,7 @@ class RefitClient:
 
     async def gc(self, *, dry_run: bool = False) -> GcReport:
         """Free regions of exited clients and stale segments (``dry_run``: only list them)."""
-        return await self._send(api.GC, params={"dry_run": "1" if dry_run else "0"})
+        return await self._send(api.GC, params={"dry_run": FLAG[dry_run]})
 
     # ------------------------------------------------------------ sources
 
@@ -301,7 +304,7 @@ class RefitClient:
         ``retire`` first stops the version accepting new leases (before a rewrite)."""
         return await self._send(
             api.DRAIN,
-            params={"timeout": str(timeout_s), "retire": "1" if retire else "0"},
+            params={"timeout": str(timeout_s), "retire": FLAG[retire]},
             model=model,
             version=version,
         )

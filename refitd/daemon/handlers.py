@@ -30,8 +30,11 @@ from refitd.daemon.httpio import (
     body,
     error_middleware,
     manifest_body,
+    query_flag,
     query_float,
+    query_has,
     query_int,
+    query_str,
     reply,
     wants_msgpack,
 )
@@ -97,7 +100,7 @@ async def node(request: web.Request) -> web.Response:
 
 @routes.handles(api.CREATE_REGION)
 async def create_region(request: web.Request) -> web.Response:
-    req = await body(request, RegionCreate)
+    req: RegionCreate = await body(request)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
     d = request.app[DAEMON]
     who = _admit_region(request)
@@ -105,12 +108,12 @@ async def create_region(request: web.Request) -> web.Response:
     info = await d.create_region(req)
     d.caps.regions.add(who, str(info.region_id))
     d.caps.bytes.add(who, str(info.region_id), info.nbytes)
-    return reply(request, info, 201)
+    return reply(request, info)
 
 
 @routes.handles(api.ATTACH_REGION)
 async def attach_region(request: web.Request) -> web.Response:
-    req = await body(request, RegionAttach)
+    req: RegionAttach = await body(request)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
     d = request.app[DAEMON]
     who = _admit_region(request)
@@ -118,7 +121,7 @@ async def attach_region(request: web.Request) -> web.Response:
     uid = caller.uid if caller.via == "unix" and not caller.admin else None
     info = await d.attach_region(req, uid, caller.via)
     d.caps.regions.add(who, str(info.region_id))
-    return reply(request, info, 201)
+    return reply(request, info)
 
 
 def _admit_region(request: web.Request) -> str:
@@ -155,8 +158,7 @@ async def delete_region(request: web.Request) -> web.Response:
 @routes.handles(api.GC)
 async def gc(request: web.Request) -> web.Response:
     """Free regions of exited clients and stale segments; ``dry_run=1`` only lists them."""
-    dry = request.query.get("dry_run", "0") in ("1", "true")
-    report = await request.app[DAEMON].gc(dry_run=dry)
+    report = await request.app[DAEMON].gc(dry_run=query_flag(request, "dry_run"))
     regions = [sees_region(request, r) for r in report.regions]
     return reply(request, msgspec.structs.replace(report, regions=regions))
 
@@ -194,7 +196,7 @@ async def publish(request: web.Request) -> web.Response:
     d.lease_changed()
     request.app[DELTAS].published(m.model, m.version)  # compared with its base once READY
     await announce(request.app, m.model)
-    return reply(request, info, 201)
+    return reply(request, info)
 
 
 @routes.handles(api.ALL_VERSIONS)
@@ -237,7 +239,7 @@ async def get_manifest(request: web.Request) -> web.Response:
 async def drain(request: web.Request) -> web.Response:
     """Wait for the version's leases to drain; ``retire=1`` first refuses new ones."""
     model, version = _version(request)
-    retire = request.query.get("retire", "0") in ("1", "true")
+    retire = query_flag(request, "retire")
     what = "retire a version of" if retire else "drain a version of"
     request.app[DAEMON].models.check_owner(principal_of(request), model, what)
     timeout = query_float(request, "timeout", 60.0)
@@ -253,7 +255,7 @@ async def drain(request: web.Request) -> web.Response:
 
 @routes.handles(api.ACQUIRE_LEASE)
 async def acquire(request: web.Request) -> web.Response:
-    req = await body(request, LeaseRequest)
+    req: LeaseRequest = await body(request)
     d, who = request.app[DAEMON], principal_of(request)
     d.models.check_read(who, req.model, "lease")
     # A host mirror's version: leased only under a live lease at its source as well,
@@ -265,16 +267,14 @@ async def acquire(request: web.Request) -> web.Response:
     grant = d.registry.acquire(req.model, req.version, ttl, req.holder, owner=who.name)
     leases.bind(grant.lease_id, req)
     d.caps.leases.add(who.name, grant.lease_id)
-    return reply(request, grant, 201)
+    return reply(request, grant)
 
 
 @routes.handles(api.CHECK_LEASE)
 async def check_lease(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     lease_id = request.match_info["lease_id"]
-    lease = d.registry.check(
-        lease_id, request.query.get("model", ""), query_int(request, "version")
-    )
+    lease = d.registry.check(lease_id, query_str(request, "model"), query_int(request, "version"))
     left = lease.expires_at - d.clock()
     return reply(request, LeaseGrant(lease.lease_id, lease.model, lease.version, left))
 
@@ -306,9 +306,9 @@ def caller_of(request: web.Request) -> Caller:
 
 @routes.handles(api.SUBMIT_PULL)
 async def submit_pull(request: web.Request) -> web.Response:
-    req = await body(request, PullRequest)
+    req: PullRequest = await body(request)
     job = await request.app[PULLS].submit(req, caller_of(request))
-    return reply(request, job.snapshot(), 202)
+    return reply(request, job.snapshot())
 
 
 @routes.handles(api.LIST_PULLS)
@@ -354,16 +354,16 @@ async def cancel_pull(request: web.Request) -> web.Response:
 
 @routes.handles(api.PEER_REGIONS)
 async def peer_regions(request: web.Request) -> web.Response:
-    raw = request.query.get("ids")
+    raw = query_str(request, "ids") if query_has(request, "ids") else None
     try:
         ids = None if raw is None else [int(x) for x in raw.split(",") if x]
     except ValueError:  # a malformed id is the caller's mistake, not a server error
         raise ProtocolError(f"ids must be comma-separated integers, got {raw!r}") from None
     d = request.app[DAEMON]
     lease = None
-    if "lease" in request.query:  # records for a pull: only what that lease may read
+    if query_has(request, "lease"):  # records for a pull: only what that lease may read
         lease = d.registry.check(
-            request.query["lease"], request.query.get("model", ""), query_int(request, "version")
+            query_str(request, "lease"), query_str(request, "model"), query_int(request, "version")
         )
     return reply(request, d.peer_regions(ids, lease))
 
@@ -371,7 +371,7 @@ async def peer_regions(request: web.Request) -> web.Response:
 @routes.handles(api.PEER_PACK)
 async def peer_pack(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    req = await body(request, PackRequest)
+    req: PackRequest = await body(request)
     lease = d.registry.check(req.lease_id, req.model, req.version)
     # A staging region is memory its lease's principal holds: it counts against that
     # principal's region cap, so packing again and again cannot fill /dev/shm.
@@ -382,13 +382,13 @@ async def peer_pack(request: web.Request) -> web.Response:
     staged = await d.pack(req.specs, lease)
     d.caps.regions.add(who, str(staged.region.region_id))
     d.caps.bytes.add(who, str(staged.region.region_id), staged.region.nbytes)
-    return reply(request, staged, 201)
+    return reply(request, staged)
 
 
 @routes.handles(api.PEER_DROP)
 async def peer_drop(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
-    await d.release_staging(query_int(request, "region_id"), request.query.get("lease", ""))
+    await d.release_staging(query_int(request, "region_id"), query_str(request, "lease"))
     return reply(request, None)
 
 

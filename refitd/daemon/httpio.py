@@ -4,15 +4,24 @@ the one middleware where refusals become HTTP statuses.
 Handler modules (:mod:`refitd.daemon.handlers`, :mod:`refitd.daemon.poolapi`) import
 this module, never each other's internals, so the app assembles them without an
 import cycle.
+
+A handler's route (:mod:`refitd.wire.routes`) says what the edge does with it: the
+body is decoded as the route's ``request`` (:func:`body`), the answer goes out with
+the route's ``status`` (:func:`reply`), and every declared query parameter present
+is checked against its declared type before the handler runs (400 otherwise). A
+handler reads only the query parameters its route declares (a read of another is a
+bug, refused loudly, and ``tests/daemon/test_daemon_query_declared.py`` finds it
+before it runs), so the OpenAPI document and the fuzz suite see every one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_args
 
 import msgspec
 from aiohttp import web
@@ -28,7 +37,7 @@ from refitd.wire import (
     gc_paused,
     status_of,
 )
-from refitd.wire.routes import Route
+from refitd.wire.routes import ROUTES, Flag, Route
 
 __all__ = [
     "DAEMON",
@@ -37,9 +46,13 @@ __all__ = [
     "body",
     "error_middleware",
     "manifest_body",
+    "query_flag",
     "query_float",
+    "query_has",
     "query_int",
+    "query_str",
     "reply",
+    "route_of",
     "wants_msgpack",
 ]
 
@@ -56,21 +69,73 @@ class RouteTable(web.RouteTableDef):
     (the one place a method and path are written)."""
 
     def handles(self, route: Route[Any]) -> Callable[[H], H]:
-        """Register the decorated handler for ``route``."""
+        """Register the decorated handler for ``route``; where the route declares query
+        parameters, those present are checked against their types first."""
 
         def register(handler: H) -> H:
-            self.route(route.method, route.path)(handler)
+            if not route.query:
+                self.route(route.method, route.path)(handler)
+                return handler
+
+            @functools.wraps(handler)
+            async def checked(request: web.Request) -> web.StreamResponse:
+                _check_query(request, route)
+                return await handler(request)
+
+            self.route(route.method, route.path)(checked)
             return handler
 
         return register
+
+
+_ROUTE_OF = {(r.method, r.path): r for r in ROUTES}
+_FLAGS: frozenset[str] = frozenset(get_args(Flag))
+
+
+def route_of(request: web.Request) -> Route[Any] | None:
+    """The route table's entry for the route ``request`` matched (None: a route
+    outside the table, as in a test's own app)."""
+    info = request.match_info.route
+    resource = info.resource
+    if resource is None:
+        return None
+    method = "GET" if info.method == "HEAD" else info.method
+    return _ROUTE_OF.get((method, resource.canonical))
+
+
+def _check_query(request: web.Request, route: Route[Any]) -> None:
+    """Refuse (400) a declared query parameter whose value is not of its type."""
+    for name, tp in route.query.items():
+        if name not in request.query:
+            continue
+        if tp is int:
+            query_int(request, name)
+        elif tp is float:
+            query_float(request, name, 0.0)
+        elif tp is Flag:
+            query_flag(request, name)
+
+
+def _declared(request: web.Request, name: str) -> None:
+    route = route_of(request)
+    if route is not None and name not in route.query and name not in route.params:
+        raise RuntimeError(
+            f"{route.method} {route.path} reads {name!r}, which its entry in "
+            "refitd.wire.routes does not declare (declare it there, so the OpenAPI "
+            "document and its clients know it)"
+        )
 
 
 def wants_msgpack(request: web.Request) -> bool:
     return MSGPACK in request.headers.get("Accept", "")
 
 
-def reply(request: web.Request, value: Any, status: int = 200) -> web.Response:
-    """Encode ``value`` (a Struct, list, dict or None) as the client asked."""
+def reply(request: web.Request, value: Any, status: int | None = None) -> web.Response:
+    """Encode ``value`` (a Struct, list, dict or None) as the client asked, with
+    ``status``, by default the one the route declares for success."""
+    if status is None:
+        route = route_of(request)
+        status = route.status if route is not None else 200
     if wants_msgpack(request):
         return web.Response(body=msgspec.msgpack.encode(value), status=status, content_type=MSGPACK)
     return web.Response(
@@ -78,8 +143,14 @@ def reply(request: web.Request, value: Any, status: int = 200) -> web.Response:
     )
 
 
-async def body(request: web.Request, type_: type[T]) -> T:
-    """Decode and validate the request body as ``type_`` (msgpack or JSON)."""
+async def body(request: web.Request, type_: type[T] | None = None) -> T:
+    """Decode and validate the request body (msgpack or JSON) as the ``request`` type
+    its route declares (``type_``: for a route outside the table)."""
+    if type_ is None:
+        route = route_of(request)
+        if route is None or route.request is None:
+            raise RuntimeError(f"{request.method} {request.path}: no request type declared")
+        type_ = route.request
     raw = await request.read()
     try:
         with gc_paused():
@@ -181,6 +252,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def query_int(request: web.Request, name: str) -> int:
+    """An integer path or query parameter (400 when it is not one)."""
+    _declared(request, name)
     raw = request.match_info.get(name) or request.query.get(name, "")
     try:
         return int(raw)
@@ -200,6 +273,7 @@ def query_float(
     and at most ``most``. NaN and infinities are refused: a NaN deadline never
     compares as passed, so a lease renewed with one would never expire and a wait on
     one would never end."""
+    _declared(request, name)
     raw = request.query.get(name)
     if raw is None:
         return default
@@ -213,3 +287,25 @@ def query_float(
             f"query parameter {name} must be a finite number of seconds {bound}, got {raw!r}"
         )
     return value
+
+
+def query_str(request: web.Request, name: str, default: str = "") -> str:
+    """A text query parameter (``default`` when absent)."""
+    _declared(request, name)
+    return request.query.get(name, default)
+
+
+def query_flag(request: web.Request, name: str) -> bool:
+    """A yes/no query parameter: ``1``/``true`` or ``0``/``false`` (absent: no);
+    anything else is refused (400) rather than read as no."""
+    _declared(request, name)
+    raw = request.query.get(name, "0")
+    if raw not in _FLAGS:
+        raise ProtocolError(f"query parameter {name} must be one of 0, 1, false, true; got {raw!r}")
+    return raw in ("1", "true")
+
+
+def query_has(request: web.Request, name: str) -> bool:
+    """Whether the query names ``name`` (a declared parameter)."""
+    _declared(request, name)
+    return name in request.query

@@ -20,7 +20,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from refitd.cluster import ClusterRegistry
-from refitd.daemon.httpio import DAEMON, RouteTable, query_float, query_int, reply
+from refitd.daemon.httpio import DAEMON, RouteTable, query_float, query_has, query_int, reply
 from refitd.errors import NotFoundError
 from refitd.wire import DaemonRecord, SourceRecord, VersionState
 from refitd.wire import routes as api
@@ -94,7 +94,7 @@ async def version(request: web.Request) -> web.Response:
 @routes.handles(api.CLUSTER_NEXT)
 async def next_version(request: web.Request) -> web.Response:
     model = request.match_info["model"]
-    after = query_int(request, "after") if "after" in request.query else -1
+    after = query_int(request, "after") if query_has(request, "after") else -1
     timeout = query_float(request, "timeout", 30.0)
     found = await request.app[CLUSTER].wait_newer(model, after, timeout)
     if found is None:

@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from refitd.wire import MSGPACK, ErrorBody
+from refitd.wire import MSGPACK, STATUS_OF, ErrorBody
 from refitd.wire import routes as api
 
 __all__ = [
@@ -49,17 +49,22 @@ OPENAPI_PATH = api.OPENAPI.path
 JSON = api.JSON
 _ATTR = "__refitd_operation__"
 
+
+def _error_statuses() -> dict[str, str]:
+    """Every refusal status of :data:`refitd.wire.STATUS_OF` (the map the error
+    middleware answers with), described by its class; 500 is no refusal but a fault,
+    and is not promised."""
+    statuses: dict[str, str] = {}
+    for cls, code in STATUS_OF:
+        if code == 500 or str(code) in statuses:
+            continue
+        doc = (cls.__doc__ or "").strip().splitlines()
+        statuses[str(code)] = f"{cls.__name__}: {doc[0] if doc else cls.__name__}"
+    return dict(sorted(statuses.items()))
+
+
 #: HTTP status of each refusal class, as the error middleware maps them.
-ERROR_STATUSES: dict[str, str] = {
-    "400": "ProtocolError: the request is malformed",
-    "401": "Unauthenticated: a bearer token is required",
-    "403": "AccessDenied: the principal may not act on this object",
-    "404": "NotFoundError: the named object does not exist",
-    "409": "ConflictError: the state moved on (version, lease, incarnation)",
-    "413": "RequestTooLarge: the body exceeds server.max_request_bytes",
-    "422": "PlanError: the plan, model layout or expert pool request cannot be served",
-    "502": "TransportError: the data plane could not move the bytes",
-}
+ERROR_STATUSES: dict[str, str] = _error_statuses()
 
 
 @dataclass(frozen=True)

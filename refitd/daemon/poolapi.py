@@ -30,7 +30,7 @@ routes = RouteTable()
 
 @routes.handles(api.CREATE_POOL)
 async def create_pool(request: web.Request) -> web.Response:
-    spec = await body(request, PoolCreate)
+    spec: PoolCreate = await body(request)
     owner = owner_for(request, spec.owner)
     # A pool's two regions are its creator's memory: they count against its region cap.
     d, who = request.app[DAEMON], principal_of(request).name
@@ -43,7 +43,7 @@ async def create_pool(request: web.Request) -> web.Response:
     for rid in (info.host_region, info.slot_region):
         d.caps.regions.add(who, str(rid))
         d.caps.bytes.add(who, str(rid), d.regions.get(rid).nbytes)
-    return reply(request, info, 201)
+    return reply(request, info)
 
 
 @routes.handles(api.LIST_POOLS)
@@ -109,7 +109,7 @@ async def delete_pool(request: web.Request) -> web.Response:
 @routes.handles(api.ENSURE)
 async def ensure(request: web.Request) -> web.Response:
     """Plan with the expert cache, copy the misses into the slot region."""
-    req = await body(request, EnsureRequest)
+    req: EnsureRequest = await body(request)
     async with _locked(_pool(request, "write")) as pool:
         _check_slots_unpublished(request, pool)
         planned, nbytes = pool.plan(req)
@@ -122,7 +122,7 @@ async def ensure(request: web.Request) -> web.Response:
 @routes.handles(api.PREFETCH)
 async def prefetch(request: web.Request) -> web.Response:
     """Plan a prediction of a layer's next step; its copies land in the background."""
-    req = await body(request, PrefetchRequest)
+    req: PrefetchRequest = await body(request)
     async with _locked(_pool(request, "write")) as pool:
         _check_slots_unpublished(request, pool)
         # Its own copies start in the background, but a slot it reuses may still be
@@ -134,6 +134,6 @@ async def prefetch(request: web.Request) -> web.Response:
 @routes.handles(api.INVALIDATE)
 async def invalidate(request: web.Request) -> web.Response:
     """Drop the slots of experts whose host rows were rewritten."""
-    req = await body(request, InvalidateRequest)
+    req: InvalidateRequest = await body(request)
     async with _locked(_pool(request, "write")) as pool:
         return reply(request, pool.invalidate(req))
