@@ -1,0 +1,157 @@
+"""Hypothesis over change patterns: the stream arithmetic against a byte-level model
+of a full pull, and deltas through a real daemon against a full refit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from support.daemons import served
+from support.deltas import Change, DoubleBuffered, changed
+from support.engines import mismatched, zeroed_engine
+
+from refitd.bench.refit import capture_for
+from refitd.client.deltarefit import DeltaReceiver
+from refitd.delta.diff import compare_chunk, unit_dtype
+from refitd.delta.stream import decode, encode, landing, reads_of, select
+from refitd.testing.engines import EngineParallel, ToyEngine, dense_toy_config
+from refitd.testing.layouts import full_state, megatron_tp_ep
+from refitd.wire import PackSpec
+
+UNITS = st.sampled_from([1, 2, 4])
+
+
+@st.composite
+def pulls(draw: st.DrawFn) -> tuple[int, dict[int, np.ndarray], np.ndarray, list[PackSpec]]:
+    """Two source regions, descriptor rows and pack specs reading them (in units)."""
+    unit = draw(UNITS)
+    sizes = {0: draw(st.integers(8, 96)) * unit, 1: draw(st.integers(8, 96)) * unit}
+    old = {
+        r: np.frombuffer(draw(st.binary(min_size=n, max_size=n)), np.uint8)
+        for r, n in sizes.items()
+    }
+    rows = []
+    for _ in range(draw(st.integers(0, 6))):
+        r = draw(st.sampled_from([0, 1]))
+        n = sizes[r] // unit
+        a = draw(st.integers(0, n - 1))
+        b = draw(st.integers(a, n))
+        rows.append((r, a * unit, 9, 0, (b - a) * unit))
+    specs = []
+    for _ in range(draw(st.integers(0, 3))):
+        r = draw(st.sampled_from([0, 1]))
+        cols = draw(st.integers(1, 4))
+        nrows = draw(st.integers(1, 4))
+        width = draw(st.integers(cols, 8))
+        if nrows * width * unit > sizes[r]:
+            continue
+        transpose = draw(st.booleans())
+        shape, strides = ((cols, nrows), (1, width)) if transpose else ((nrows, cols), (width, 1))
+        specs.append(PackSpec(r, 0, shape, strides, unit, 9, 0))
+    return unit, old, np.array(rows, dtype=np.int64).reshape(-1, 5), specs
+
+
+def full_pull(mem: dict[int, np.ndarray], reads: np.ndarray) -> np.ndarray:
+    """The stream's bytes, as a full pull would land them end to end."""
+    parts = [mem[int(r)][o : o + n] for r, o, n in reads.tolist()]
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+
+
+@given(pull=pulls(), data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_the_changed_units_of_a_stream_turn_the_old_pull_into_the_new_one(
+    pull: tuple[int, dict[int, np.ndarray], np.ndarray, list[PackSpec]], data: st.DataObject
+) -> None:
+    unit, old, rows, specs = pull
+    pattern = data.draw(st.sampled_from(["none", "all", "some"]))
+    new = {}
+    for r, buf in old.items():
+        b = buf.copy().view(unit_dtype(unit))
+        if pattern == "all":
+            b += 1
+        elif pattern == "some":
+            mask = np.array(data.draw(st.lists(st.booleans(), min_size=len(b), max_size=len(b))))
+            b[mask] += 1
+        new[r] = b.view(np.uint8)
+    index, values = {}, {}
+    for r in old:
+        at, v = compare_chunk(old[r], new[r], unit)
+        index[r], values[r] = at, v.reshape(-1, unit)
+    reads = reads_of(rows, specs)
+    k, region, at = select(index, reads, unit)
+    assert np.all(np.diff(k) > 0)
+    units = int(reads[:, 2].sum()) // unit if len(reads) else 0
+    counts, low = encode(k, units)
+    assert np.array_equal(decode(counts, low), k)
+    # Apply the delta where a full pull of the old version landed: the new pull.
+    landed = full_pull(old, reads).copy()
+    pieces = np.array([[9, off, n] for off, n in _ends(reads)], dtype=np.int64).reshape(-1, 3)
+    _, _, off = landing(pieces, k, unit)
+    vals = (
+        np.concatenate([values[int(r)][[a]] for r, a in zip(region, at, strict=True)])
+        if len(k)
+        else np.zeros((0, unit), np.uint8)
+    )
+    for o, v in zip(off.tolist(), vals, strict=True):
+        landed[o : o + unit] = v
+    assert np.array_equal(landed, full_pull(new, reads))
+    changed_units = np.count_nonzero(
+        full_pull(old, reads).view(unit_dtype(unit)) != full_pull(new, reads).view(unit_dtype(unit))
+    )
+    assert len(k) == changed_units
+
+
+def _ends(reads: np.ndarray) -> list[tuple[int, int]]:
+    out, at = [], 0
+    for n in reads[:, 2].tolist():
+        out.append((at, n))
+        at += n
+    return out
+
+
+CHANGES = st.one_of(
+    st.just(Change("none")),
+    st.just(Change("all")),
+    st.builds(Change, st.just("some"), st.floats(0.0, 0.3), st.integers(0, 1000)),
+    st.builds(Change, st.just("tensor"), st.just(0.0), st.integers(0, 100)),
+)
+
+
+@given(changes=st.lists(CHANGES, min_size=1, max_size=4))
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_after_any_number_of_deltas_a_resharded_rank_equals_a_full_refit(
+    changes: list[Change],
+) -> None:
+    asyncio.run(_deltas(changes))
+
+
+async def _deltas(changes: list[Change]) -> None:
+    cfg = dense_toy_config(torch.bfloat16)
+    par = EngineParallel(4, 1, 1)
+    async with served(deltas=True) as s:
+        trainer = DoubleBuffered(s.client, "m", lambda st_: megatron_tp_ep(cfg, 2, 1, st_))
+        state = full_state(cfg, seed=7)
+        pub = await trainer.publish(1, state)
+        eng = zeroed_engine(cfg, par)
+        r = DeltaReceiver(
+            local=s.client,
+            source=s.client,
+            model="m",
+            engine=eng,
+            twin=lambda: ToyEngine(cfg, par),
+            capture=capture_for(pub),
+            max_segments_per_copy=2,  # pack specs and full pulls as well as rows
+        )
+        await r.refit(1)
+        for v, change in enumerate(changes, start=2):
+            state = changed(state, change)
+            await trainer.publish(v, state)
+            await r.refit(v)
+            assert r.last is not None and r.last.kind == "delta", r.last
+            assert mismatched(eng, cfg, par, state) == []
+            if change.kind == "none":
+                assert r.last.changed == 0
+        await r.close()
