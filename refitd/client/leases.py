@@ -6,19 +6,30 @@ fails at the end (the daemon checks the lease again once the bytes have moved).
 The keeper renews on a timer in a task of its own :class:`asyncio.TaskGroup`; it
 never revives a lease that lapsed: once a renewal is refused the keeper stops, so a
 lease that did expire still fails the pull closed.
+
+It keeps any holder's lease: an engine's at a daemon (through
+:class:`~refitd.client.RefitClient`), and a daemon's own at a peer daemon (a host
+mirror's at its source and its upstream relay, through the daemon's peer client):
+anything with ``renew_lease`` (:class:`Renews`).
 """
 
 from __future__ import annotations
 
 import asyncio
 from types import TracebackType
-from typing import Self
+from typing import Protocol, Self
 
-from refitd.client.http import RefitClient
 from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import LeaseGrant
 
-__all__ = ["LeaseKeeper"]
+__all__ = ["LeaseKeeper", "Renews"]
+
+
+class Renews(Protocol):
+    """Who a lease is renewed through: the daemon that granted it, as a client sees it."""
+
+    async def renew_lease(self, lease_id: str, ttl_s: float) -> LeaseGrant: ...
+
 
 RENEW_FRACTION = 1 / 3
 """Renew after this fraction of the TTL: two renewals can fail in a row (a slow
@@ -40,7 +51,7 @@ class LeaseKeeper:
 
     def __init__(
         self,
-        client: RefitClient,
+        client: Renews,
         lease: LeaseGrant,
         ttl_s: float | None = None,
         every_s: float | None = None,

@@ -9,12 +9,13 @@ from aiohttp import web
 
 from refitd.daemon.auth import principal_of
 from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
+from refitd.daemon.mirrorfeed import serve_feed
 from refitd.daemon.mirrors import Mirrors
 from refitd.daemon.node import Daemon
 from refitd.daemon.pulls import PullManager
-from refitd.errors import RequestTooLarge
+from refitd.errors import ProtocolError, RequestTooLarge
 from refitd.wire import routes as api
-from refitd.wire.mirrors import MAX_JOIN_BYTES, HolderJoin
+from refitd.wire.mirrors import MAX_JOIN_BYTES, HolderJoin, MirrorLease
 
 __all__ = ["MIRRORS", "routes", "setup_mirrors"]
 
@@ -64,6 +65,28 @@ async def mirror_state(request: web.Request) -> web.Response:
             break
         await m.changed(left)
     return reply(request, request.app[MIRRORS].state(m))
+
+
+@routes.handles(api.MIRROR_FEED)
+async def mirror_feed(request: web.Request) -> web.StreamResponse:
+    """A mirror's complete chunks as they land, under a lease on its version here
+    (:mod:`refitd.daemon.mirrorfeed`)."""
+    version = query_int(request, "version")
+    lease_id = request.query.get("lease", "")
+    if not lease_id:
+        raise ProtocolError(f"GET {request.path} refused: the feed is read under a lease (?lease=)")
+    m = request.app[MIRRORS].find(request.match_info["model"], version)
+    return await serve_feed(request, m, request.app[DAEMON], lease_id)
+
+
+@routes.handles(api.MIRROR_LEASE)
+async def mirror_lease(request: web.Request) -> web.Response:
+    """A peer daemon leases this daemon's mirror of a version, under its live lease at
+    the source; the request is signed with the deployment secret (403 otherwise)."""
+    req = await body(request, MirrorLease)
+    d = request.app[DAEMON]
+    grant = await request.app[MIRRORS].leases.grant(req, d.options.secret)
+    return reply(request, grant, 201)
 
 
 def setup_mirrors(app: web.Application, d: Daemon, pulls: PullManager, policy: str) -> Mirrors:

@@ -1,16 +1,22 @@
-"""Leases on a host mirror's version: granted and renewed only under a live lease on
-it at its source, and for no longer than that lease had left.
+"""Leases on a host mirror's version: only for peer daemons, granted and renewed only
+under a live lease on it at its source, and for no longer than that lease had left.
+
+Who leases a mirror: a downstream relay, a daemon of the deployment, whose request
+(``POST /v1/mirrors/leases``, a :class:`~refitd.wire.mirrors.MirrorLease`) is signed
+with the deployment secret. A host's own tenants never lease the mirrored version
+there (``POST /v1/leases`` refuses it, 403): they lease it at its source and pull
+through their daemon, which serves the pull from the mirror under its own rules
+(:meth:`refitd.daemon.mirrors.Mirrors.redirect`: the engine's lease at the source
+checked at submit and after the last byte).
 
 The source's readers rule travels with a mirror's bytes this way: whoever the source
-lets read the version (it granted them a lease) may lease this copy (a downstream
-relay does), and nobody else, whatever this host's own tables say. A lease granted
-here is bound to the source lease it was granted under: its TTL is capped by what
-the source lease had left when granted or last renewed, every renewal checks the
-source lease again, and a pull of this daemon's memory under it checks it at submit
-and after its last byte (:meth:`refitd.daemon.mirrors.Mirrors.redirect`). (A peer
-daemon reading the copy through the data plane under such a lease, a downstream
-relay, is not re-checked between renewals: a source lease it released early leaves
-it reading until the capped TTL runs out; it is a daemon of the deployment.)
+lets read the version (it granted them a lease) may have its daemon lease this copy,
+and nobody else, whatever this host's own tables say. A lease granted here is bound
+to the source lease it was granted under: its TTL is capped by what the source lease
+had left when granted or last renewed, and every renewal checks the source lease
+again. (A peer daemon reading the copy through the data plane under such a lease is
+not re-checked between renewals: a source lease it released early leaves it reading
+until the capped TTL runs out; it is a daemon of the deployment.)
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from refitd.errors import AccessDenied, ConflictError, NotFoundError
-from refitd.wire import LeaseRequest
+from refitd.wire import LeaseGrant, LeaseRequest
+from refitd.wire.mirrors import MirrorLease
 
 if TYPE_CHECKING:
     from refitd.daemon.auth import Principal
@@ -27,7 +34,10 @@ if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
     from refitd.daemon.pulls import RemoteSource
 
-__all__ = ["MirrorLeases"]
+__all__ = ["OWNER", "MirrorLeases"]
+
+OWNER = "refitd-mirror"
+"""Owner of a mirror's regions and of the leases it takes and grants."""
 
 
 class MirrorLeases:
@@ -61,25 +71,36 @@ class MirrorLeases:
         return grant.expires_in_s
 
     async def admit(self, req: LeaseRequest) -> float | None:
-        """The TTL a lease ``req`` may have, s: for a version held as a mirror, what
-        ``req.source_lease`` has left at its source (403 when it is not live there);
-        None for any other model (nothing to check here)."""
+        """None for a model this daemon does not hold as a mirror (nothing to check
+        here); a version held as a mirror is refused (403): a tenant leases it at its
+        source, and only a peer daemon leases the copy (:meth:`grant`)."""
         if not self.d.models.held(req.model):
             return None
-        m = self.find(req.model, req.version)
-        left = await self._left_at_source(m.source, req.source_lease, req.model, req.version)
-        return min(req.ttl_s, left)
+        raise AccessDenied(
+            f"lease on {req.model!r} version {req.version} refused: this daemon holds that "
+            "model as a host mirror, which only peer daemons lease; lease it at its source "
+            "and pull it through this daemon, which serves the pull from its mirror"
+        )
 
     def bind(self, lease_id: str, req: LeaseRequest) -> None:
-        """Remember that ``lease_id`` was granted under ``req.source_lease`` (held
-        models only); forgets the bindings of leases no longer live."""
-        if not self.d.models.held(req.model):
-            return
+        """Nothing: an ordinary lease is never on a mirrored version (:meth:`admit`)."""
+
+    async def grant(self, req: MirrorLease, secret: bytes) -> LeaseGrant:
+        """A lease of the peer daemon ``req.node_id`` on this daemon's mirror of
+        ``req.model`` ``req.version``: only with the deployment secret (403), under a
+        live lease on it at the source (403), for no longer than that lease has left;
+        bound to it for every renewal."""
+        req.verify(secret)
+        m = self.find(req.model, req.version)
+        left = await self._left_at_source(m.source, req.source_lease, req.model, req.version)
+        grant = self.d.registry.acquire(
+            req.model, req.version, min(req.ttl_s, left), f"relay {req.node_id}", owner=OWNER
+        )
         if len(self.bound) >= 1024:
             for gone in [k for k in self.bound if not self.d.registry.is_live(k)]:
                 del self.bound[gone]
-        m = self.find(req.model, req.version)
-        self.bound[lease_id] = (m.source, req.source_lease, req.model, req.version)
+        self.bound[grant.lease_id] = (m.source, req.source_lease, req.model, req.version)
+        return grant
 
     async def renewal(self, lease_id: str, ttl_s: float) -> float:
         """The TTL a renewal of ``lease_id`` may have, s: capped by its source lease's,

@@ -15,16 +15,22 @@ under a lease of the upstream's own registry, through the upstream's data plane 
 its signed, lease-scoped records, like any pull; and it reads only *complete*
 chunks: while a mirror fills, the scope its records give a lease is cut down to the
 chunks it holds in full (:meth:`Mirrors.limit_scope`), so the data server refuses
-any byte of an incomplete chunk. A downstream learns of new chunks by long-polling
-``GET /v1/mirrors/{model}/{version}`` on its upstream.
+any byte of an incomplete chunk. A downstream learns of new chunks from its
+upstream's feed (:mod:`refitd.daemon.mirrorfeed`): one request, a frame of new
+records each time chunks complete there, no round trip per chunk.
+
+Local reads. An engine's pull served from a mirror starts once the mirror's regions
+exist, not once it is complete: it reads each piece as soon as its chunk is
+(:class:`~refitd.daemon.mirrorread.MirrorGate`), under the same lease rules.
 
 Fail-closed. A chunk is marked complete only once the read that filled it returned
 without error; a read that failed leaves its chunks incomplete. When an upstream
-relay dies, stops answering (its reads and long-polls have deadlines) or fails, the
+relay dies, stops answering (its reads and its feed have deadlines) or fails, the
 mirror asks the source for another holder, excluding the ones that failed, and reads
 the chunks it still lacks from there (the source itself last). If even the source
 fails, the mirror fails, naming every holder it tried, and so do the local pulls
-waiting on it; nothing was installed from it. A complete mirror never changes.
+reading it (their ranges suspect: nothing is installed from them). A complete mirror
+never changes.
 
 Policy (``[mirrors] policy``): ``never`` (default: every pull reads its source),
 ``always`` (the first pull of a remote version makes the mirror), ``shared`` (a
@@ -47,15 +53,18 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
+from refitd.client.leases import LeaseKeeper
+from refitd.daemon import pullcore
 from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, covered, cut_chunks
-from refitd.daemon.mirrorleases import MirrorLeases
-from refitd.daemon.mirrorread import MirroredSource, answer_s, read_chunks
+from refitd.daemon.mirrorfeed import HEARTBEAT_S, follow
+from refitd.daemon.mirrorleases import OWNER, MirrorLeases
+from refitd.daemon.mirrorread import MirroredSource, Regranted, answer_s, fill_chunks
 from refitd.daemon.mirrorspace import half_of_shm, held_bytes, make_room, release
+from refitd.daemon.move import one_error
 from refitd.daemon.paths import SHM_SCHEME
-from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.pulls import RemoteSource, Source
 from refitd.daemon.trust import Extents
-from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
+from refitd.errors import ConflictError, NotFoundError, ProtocolError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
@@ -65,7 +74,8 @@ from refitd.wire import (
     ShardEntry,
     TensorEntry,
 )
-from refitd.wire.mirrors import MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorState
+from refitd.wire import routes as api
+from refitd.wire.mirrors import MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorLease, MirrorState
 
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
@@ -86,14 +96,8 @@ __all__ = [
 POLICIES = ("never", "always", "shared")
 """``[mirrors] policy`` values (see the module docstring)."""
 
-WAIT_S = 5.0
-"""How long one long-poll of an upstream's progress waits for a new chunk, s."""
-
 LEASE_TTL_S = 120.0
 """TTL of the leases a mirror holds while it fills (renewed at a third of it), s."""
-
-OWNER = "refitd-mirror"
-"""Owner of a mirror's regions and of the leases it takes."""
 
 log = logging.getLogger("refitd.mirrors")
 
@@ -158,27 +162,15 @@ class Mirrors:
     # ------------------------------------------------------------ local reads
 
     async def redirect(self, req: PullRequest, owner: str) -> Redirect | None:
-        """``req`` rewritten to read this daemon's complete mirror of its version (made
-        and filled first if needed), under a lease of this daemon; None when the
-        policy says to read the source directly, or the version cannot be mirrored
-        here (an older version than one this daemon already holds of the model).
+        """``req`` rewritten to read this daemon's mirror of its version (made first if
+        needed), under a lease of this daemon; None when the policy says to read the
+        source directly, or the version cannot be mirrored here (an older version
+        than one this daemon already holds of the model). The pull starts as soon as
+        the mirror's regions exist, and reads each piece once its chunk is complete.
 
         Raises :class:`TransportError` naming every holder tried when the mirror
-        failed: the pull fails before any byte moved.
-
-        A pull of this daemon's own memory under a lease granted on a mirror copy
-        (:class:`MirrorLeases`) is not rewritten, but bound by that lease's source
-        lease as well, as a pull served from a mirror is."""
-        if not req.source:
-            bound = self.leases.bound.get(req.lease_id)
-            if bound is None:
-                return None
-            source, source_lease, model, version = bound
-            engine = PullRequest(
-                model, version, source_lease, DescriptorTable.pack(_no_rows()), [], source
-            )
-            return Redirect(req, lambda: None, MirroredSource(self.d, self._remote(source), engine))
-        if self.policy == "never":
+        failed before the pull began: the pull fails before any byte moved."""
+        if not req.source or self.policy == "never":
             return None
         # The engine's lease at the source is what entitles it to the version: checked
         # there first, as for a direct pull, so a mirror never serves a version the
@@ -192,7 +184,6 @@ class Mirrors:
         m = await self.mirror(req.source.rstrip("/"), req.model, req.version)
         if m is None:
             return None
-        await m.wait_finished()
         if m.error:
             raise TransportError(
                 f"pull of {req.model!r} version {req.version} refused: this host's mirror of "
@@ -222,7 +213,7 @@ class Mirrors:
             self.d.lease_changed()
             self._spawn(self.sweep())
 
-        return Redirect(out, release, MirroredSource(self.d, remote, req))
+        return Redirect(out, release, MirroredSource(self.d, remote, req, m))
 
     # ------------------------------------------------------------ making one
 
@@ -252,14 +243,9 @@ class Mirrors:
         try:
             grant = await client.acquire_lease(m.model, m.version, LEASE_TTL_S)
             lease_id = grant.lease_id
-            renew = asyncio.create_task(_renew(client, lease_id))
-            try:
+            async with LeaseKeeper(client, grant, LEASE_TTL_S):
                 await self._prepare(m, src, lease_id)
                 await self._fill(m, src, lease_id)
-            finally:
-                renew.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await renew
             m.completed_at = time.time()
             log.info(
                 "mirror of %r version %d from %s complete in %.2f s (read from %s)",
@@ -341,7 +327,7 @@ class Mirrors:
                 )
                 for t in manifest.tensors
             ]
-            m.chunks = cut_chunks({int(k): v for k, v in peer.scope.items()})
+            m.chunks = cut_chunks({int(k): v for k, v in peer.scope.items()})  # chunk_bytes
             m.done = np.zeros(len(m.chunks), dtype=bool)
             d.registry.publish(ManifestIn(m.model, m.version, 0, 1, tensors))
         except BaseException:
@@ -365,7 +351,7 @@ class Mirrors:
                 if upstream:
                     await self._fill_from_relay(m, upstream, lease_id)
                 else:
-                    await self._fill_from(m, src, lease_id, None)
+                    await self._fill_from_source(m, src, lease_id)
             except (RefitError, OSError, TimeoutError) as exc:
                 what = f"{upstream or m.source}: {_describe(exc)}"
                 if not upstream:
@@ -399,109 +385,59 @@ class Mirrors:
             return ""
         return a.upstream.rstrip("/")
 
-    async def _fill_from_relay(self, m: Mirror, url: str, source_lease: str) -> None:
-        """Read the chunks ``url``'s mirror holds and this one lacks, as they complete
-        there, until every chunk is here. Its lease there is granted under this
-        mirror's live lease at the source, ``source_lease``."""
-        relay = self._remote(url)
-        c = relay.client
-        deadline = answer_s(self.d.options.pull_timeout_s)
-        async with asyncio.timeout(deadline):  # a stopped relay answers nothing
-            grant = await c.acquire_lease(m.model, m.version, LEASE_TTL_S, source_lease)
-        renew = asyncio.create_task(_renew(c, grant.lease_id))  # re-checked at the source
-        # Reading overlaps asking: each answer that names new chunks starts a pass
-        # that reads them, while the next long-poll is already out; ``claimed``
-        # keeps two passes from reading one chunk.
-        claimed = m.done.copy()
-        try:
-            async with asyncio.TaskGroup() as tg:
-                seen = -1
-                while not claimed.all():
-                    async with asyncio.timeout(WAIT_S + deadline):
-                        st = await c.mirror_state(m.model, m.version, seen, WAIT_S, grant.lease_id)
-                    if st.error:
-                        raise TransportError(f"its mirror failed: {st.error}")
-                    if st.source.rstrip("/") != m.source or set(st.regions) != set(m.regions):
-                        raise TransportError("its mirror is of another source or layout")
-                    if st.chunks_done == seen:
-                        continue
-                    seen = st.chunks_done
-                    await self._claim_and_read(m, relay, grant.lease_id, st.regions, claimed, tg)
-        except BaseExceptionGroup as group:
-            first = next((e for e in group.exceptions if isinstance(e, Exception)), None)
-            if first is None:
-                raise
-            raise first from None
-        finally:
-            renew.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renew
-            with contextlib.suppress(RefitError, TimeoutError):
-                async with asyncio.timeout(deadline):
-                    await c.release_lease(grant.lease_id)
-
-    async def _claim_and_read(
-        self,
-        m: Mirror,
-        src: RemoteSource,
-        lease_id: str,
-        their: dict[int, int],
-        claimed: np.ndarray,
-        tg: asyncio.TaskGroup,
-    ) -> None:
-        """Claim the chunks ``src`` serves now that no pass claimed yet, and start
-        reading them in ``tg``."""
-        ids = [their[s] for s in sorted(m.regions)]
-        back = {v: k for k, v in their.items()}
+    async def _fill_from_source(self, m: Mirror, src: RemoteSource, lease_id: str) -> None:
+        """Read every chunk this mirror lacks from the source, under the mirror's own
+        lease there (its records give the whole version)."""
         probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
-        async with asyncio.timeout(answer_s(self.d.options.pull_timeout_s)):
-            peer = await src.regions(ids, probe)
-        scope = {back[int(k)]: v for k, v in peer.scope.items()}
-        todo = np.flatnonzero(~claimed & covered(m.chunks, scope))
-        if not todo.size:
-            return
-        claimed[todo] = True
-        tg.create_task(self._read_from(m, src, peer, todo, their))
-
-    async def _fill_from(
-        self, m: Mirror, src: RemoteSource, lease_id: str, their: dict[int, int] | None
-    ) -> None:
-        """One pass: read every chunk this mirror lacks that ``src`` may serve now (its
-        signed, lease-scoped records say which), through the pull path's data plane.
-        ``their`` maps source region ids to ``src``'s region ids (None: ``src`` is the
-        source)."""
-        ids = sorted(m.regions) if their is None else [their[s] for s in sorted(m.regions)]
-        back = {i: i for i in ids} if their is None else {v: k for k, v in their.items()}
-        probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
-        async with asyncio.timeout(self.d.options.pull_timeout_s):
-            peer = await src.regions(ids, probe)
-        scope = {back[int(k)]: v for k, v in peer.scope.items()}
-        todo = np.flatnonzero(~m.done & covered(m.chunks, scope))
-        if todo.size:
-            await self._read_from(m, src, peer, todo, their)
-
-    async def _read_from(
-        self,
-        m: Mirror,
-        src: RemoteSource,
-        peer: PeerRegions,
-        todo: np.ndarray,
-        their: dict[int, int] | None,
-    ) -> None:
-        """Read chunks ``todo`` from ``src`` (its records ``peer``) over the path a
-        pull from it would take."""
-        wait = (
-            self.d.options.pull_timeout_s
-            if their is None
-            else answer_s(self.d.options.pull_timeout_s)
-        )
+        wait = self.d.options.pull_timeout_s
         async with asyncio.timeout(wait):
+            peer = await src.regions(sorted(m.regions), probe)
             path, conn = await self.pulls.open_path(src, peer)
         try:
-            await read_chunks(m, conn, todo, their, self.d.options.pull_timeout_s)
+            todo = np.flatnonzero(~m.done & covered(m.chunks, peer.scope))
+            await fill_chunks(
+                m, self.pulls, conn, path, todo, holder=m.source, lease_id=lease_id,
+                owner=OWNER, their=None, pull_timeout_s=wait,
+            )  # fmt: skip
         finally:
             if path == SHM_SCHEME:  # a transport's connection is shared: it stays open
                 await conn.close()
+
+    async def _fill_from_relay(self, m: Mirror, url: str, source_lease: str) -> None:
+        """Read the chunks this mirror lacks from ``url``'s mirror, each as soon as it
+        is complete there (its feed says so, with records that let us read it), until
+        every chunk is here. Its lease there is a peer daemon's, granted under this
+        mirror's live lease at the source, ``source_lease``."""
+        relay = self._remote(url)
+        c = relay.client
+        timeout = self.d.options.pull_timeout_s
+        deadline = answer_s(timeout)
+        ask = MirrorLease(m.model, m.version, source_lease, self.d.node_id, LEASE_TTL_S)
+        async with asyncio.timeout(deadline):  # a stopped relay answers nothing
+            grant = await c._send(api.MIRROR_LEASE, ask.signed(self.d.options.secret))
+        feed = Feed(self, m, relay, grant.lease_id)
+        try:
+            async with LeaseKeeper(c, grant, LEASE_TTL_S):  # re-checked at the source
+                with one_error():
+                    async with asyncio.TaskGroup() as tg:
+                        follower = tg.create_task(feed.read(deadline + HEARTBEAT_S))
+                        await feed.started.wait()
+                        if feed.conn is None:  # it failed first: its error ends the group
+                            await follower
+                            raise TransportError("its feed ended before its first frame")
+                        todo = np.flatnonzero(~m.done)
+                        await fill_chunks(
+                            m, self.pulls, feed.conn, feed.path, todo, holder=url,
+                            lease_id=grant.lease_id, owner=OWNER, their=feed.their,
+                            pull_timeout_s=timeout, ready=feed.ready,
+                        )  # fmt: skip
+                        follower.cancel()
+        finally:
+            if feed.conn is not None and feed.path == SHM_SCHEME:
+                await feed.conn.close()
+            with contextlib.suppress(RefitError, TimeoutError):
+                async with asyncio.timeout(deadline):
+                    await c.release_lease(grant.lease_id)
 
     # ------------------------------------------------------------ serving
 
@@ -553,11 +489,75 @@ class Mirrors:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-async def _renew(client: PeerClient, lease_id: str) -> None:
-    while True:
-        await asyncio.sleep(LEASE_TTL_S / 3)
-        with contextlib.suppress(RefitError):
-            await client.renew_lease(lease_id, LEASE_TTL_S)
+class Feed:
+    """What a downstream mirror knows of its upstream relay, from the upstream's feed:
+    which chunks it serves now (``served``), through which connection (its grant
+    widened with each frame's records), and how its regions map to the source's."""
+
+    def __init__(self, mirrors: Mirrors, m: Mirror, relay: RemoteSource, lease_id: str) -> None:
+        self.mirrors = mirrors
+        self.m = m
+        self.relay = relay
+        self.lease_id = lease_id
+        self.served = np.zeros(len(m.chunks), dtype=bool)
+        self.their: dict[int, int] = {}
+        self.path = ""
+        self.conn: Regranted | None = None
+        self.started = asyncio.Event()
+        self.error: BaseException | None = None
+        self._tick = asyncio.Event()
+
+    async def read(self, frame_s: float) -> None:
+        """Read the feed until the upstream's mirror is complete (or this task is
+        cancelled); a frame late, a failed mirror, a broken stream fail it."""
+        m = self.m
+        try:
+            async for frame in follow(
+                self.relay.client, m.model, m.version, self.lease_id, frame_s
+            ):
+                if frame.error:
+                    raise TransportError(f"its mirror failed: {frame.error}")
+                if frame.source.rstrip("/") != m.source or set(frame.regions) != set(m.regions):
+                    raise TransportError("its mirror is of another source or layout")
+                rec = frame.records
+                if rec is None:
+                    continue
+                rec.verify(self.relay.secret)
+                if rec.lease_id != self.lease_id:
+                    raise ProtocolError("its feed's records were given under another lease")
+                await self._regrant(frame.regions, rec)
+        except BaseException as exc:
+            self.error = exc
+            self._wake()
+            raise
+
+    async def _regrant(self, regions: dict[int, int], rec: PeerRegions) -> None:
+        pulls = self.mirrors.pulls
+        if self.conn is None:
+            self.their = dict(regions)
+            self.path, conn = await pulls.open_path(self.relay, rec)
+            self.conn = Regranted(conn)
+        elif self.path == SHM_SCHEME:
+            await self.conn.update(pullcore.shm_record(rec, self.relay.secret))
+        else:
+            self.conn.swap(await pulls.regrant(rec, self.path))
+        back = {v: k for k, v in self.their.items()}
+        scope = {back[int(k)]: v for k, v in rec.scope.items() if int(k) in back}
+        self.served |= covered(self.m.chunks, scope)
+        self.started.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        tick, self._tick = self._tick, asyncio.Event()
+        tick.set()
+        self.started.set()
+
+    async def ready(self, chunks: np.ndarray) -> None:
+        """Return once the upstream serves every chunk of ``chunks``."""
+        while not bool(self.served[chunks].all()):
+            if self.error is not None:
+                raise TransportError(f"its feed ended: {_describe(self.error)}")
+            await self._tick.wait()
 
 
 def _no_rows() -> np.ndarray:

@@ -11,8 +11,9 @@ Order of a pull, and why:
 3. pack specs are executed by the source daemon into a staging region it owns, and
    each is read back with one descriptor;
 4. the bytes move along the path chosen at submit (see :meth:`PullManager.choose_path`),
-   through one :class:`~transports.interface.Peer` and one loop (:meth:`PullManager._move`:
-   pieces, chunks, progress, errors) whatever the path: ``shm`` when the source is
+   through one :class:`~transports.interface.Peer` and the daemon's one byte loop
+   (:func:`refitd.daemon.move.move`: pieces, batches, progress, errors) whatever the
+   path: ``shm`` when the source is
    this daemon (a loopback connection of the daemon's ``shm`` transport) or a daemon
    the ``shm`` transport connects to (same kernel boot id, and every segment it
    names maps to the very file its signed record states, at the exact size it
@@ -30,9 +31,9 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -41,15 +42,15 @@ from aiohttp import web
 from refitd.daemon import pullcore
 from refitd.daemon.devstaging import SLOT_BYTES, SLOTS, StagedPeer
 from refitd.daemon.listeners import Caller, PullListener, anyone
+from refitd.daemon.move import IN_FLIGHT, move
 from refitd.daemon.node import Daemon
 from refitd.daemon.paths import SHM_SCHEME, TCP_SCHEME, adverts, choose_remote, tcp_grant
-from refitd.daemon.peerclient import PeerClient
+from refitd.daemon.sources import Filling, LocalSource, RemoteSource, Source
 from refitd.daemon.trust import check_writes
 from refitd.errors import NotFoundError, RefitError
 from refitd.wire import (
     DescriptorTable,
     ErrorBody,
-    PackSpec,
     PeerRegions,
     PullProgress,
     PullRequest,
@@ -63,81 +64,24 @@ from transports.tcp import TcpPeer
 if TYPE_CHECKING:
     from refitd.daemon.mirrors import Redirect
 
-__all__ = ["PULLS", "PullJob", "PullManager", "Source"]
+__all__ = [
+    "IN_FLIGHT",
+    "PULLS",
+    "Filling",
+    "LocalSource",
+    "PullJob",
+    "PullManager",
+    "RemoteSource",
+    "Source",
+]
 
 KEEP_FINISHED = 1024
 """Ended pulls whose results stay queryable (the oldest are forgotten first)."""
-
-IN_FLIGHT = 2
-"""Batches of one pull a peer has in flight at once: while one is being moved, the
-next is validated and posted, so the data plane never waits on this loop."""
 
 SHUTTING_DOWN = "daemon shutting down"
 """The reason a pull still running when the daemon stops is cancelled with."""
 
 log = logging.getLogger("refitd.pulls")
-
-
-class Source(Protocol):
-    """The daemon a pull reads from, seen from the daemon that pulls."""
-
-    async def check_lease(self, lease_id: str, model: str, version: int) -> None: ...
-    async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
-        """Signed records of ``ids``, scoped to what ``req``'s lease may read."""
-        ...
-
-    async def pack(
-        self, model: str, version: int, lease_id: str, specs: list[PackSpec]
-    ) -> StagedPack: ...
-    async def drop(self, region_id: int, lease_id: str) -> None: ...
-
-
-class LocalSource:
-    """This daemon as the source of its own pulls."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-
-    async def check_lease(self, lease_id: str, model: str, version: int) -> None:
-        self.daemon.registry.check(lease_id, model, version)
-
-    async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
-        lease = self.daemon.registry.check(req.lease_id, req.model, req.version)
-        return self.daemon.peer_regions(ids, lease)
-
-    async def pack(
-        self, model: str, version: int, lease_id: str, specs: list[PackSpec]
-    ) -> StagedPack:
-        lease = self.daemon.registry.check(lease_id, model, version)
-        return await self.daemon.pack(specs, lease)
-
-    async def drop(self, region_id: int, lease_id: str) -> None:
-        await self.daemon.staging.release(region_id, lease_id)
-
-
-class RemoteSource:
-    """A peer daemon, reached through this daemon's :class:`PeerClient`; its region
-    records are verified with the deployment ``secret``."""
-
-    def __init__(self, client: PeerClient, secret: bytes) -> None:
-        self.client = client
-        self.secret = secret
-
-    async def check_lease(self, lease_id: str, model: str, version: int) -> None:
-        await self.client.check_lease(lease_id, model, version)
-
-    async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
-        rec = await self.client.regions(ids, req.lease_id, req.model, req.version)
-        rec.verify(self.secret)
-        return rec
-
-    async def pack(
-        self, model: str, version: int, lease_id: str, specs: list[PackSpec]
-    ) -> StagedPack:
-        return await self.client.pack(model, version, lease_id, specs)
-
-    async def drop(self, region_id: int, lease_id: str) -> None:
-        await self.client.drop(region_id, lease_id)
 
 
 @dataclass
@@ -368,6 +312,7 @@ class PullManager:
         all_rows, done = rows, None
         # Once bytes may have moved, every destination range of the pull is suspect.
         moving = False
+        filling = src.filling if isinstance(src, LocalSource) else None
         try:
             # Over shm the reader maps the source's memory: it gathers strided blocks
             # itself, straight into their destinations (one copy, not pack then read).
@@ -381,6 +326,8 @@ class PullManager:
                 all_rows = np.concatenate([rows, direct[0]])
                 done = np.concatenate([np.ones(len(rows), dtype=np.int64), direct[1]])
             elif req.pack_specs:
+                if filling is not None:  # the source packs only complete bytes
+                    await filling.complete()
                 staged = await src.pack(req.model, req.version, req.lease_id, req.pack_specs)
                 extra = pullcore.staged_rows(staged, req.pack_specs)
                 sp = await src.regions([staged.region.region_id], req)
@@ -396,7 +343,7 @@ class PullManager:
                 conn = job.conn or await self._transport_peer(peer, job.path)
                 if job.devices and job.conn is None:
                     conn = job.device_staging = await self._staged(conn, all_rows)
-                await self._move(job, conn, all_rows, done)
+                await self._move(job, conn, all_rows, done, filling)
             await src.check_lease(req.lease_id, req.model, req.version)
             job.state = PullState.DONE
         except asyncio.CancelledError as exc:
@@ -480,6 +427,12 @@ class PullManager:
             conn = await self._transport_peer(peer, path)
         return path, conn
 
+    async def regrant(self, peer: PeerRegions, scheme: str) -> Peer:
+        """The ``scheme`` transport's connection to ``peer`` under a grant made from
+        these (newer) records: for reads outside a pull whose scope grows (a relay's
+        feed)."""
+        return await self._transport_peer(peer, scheme)
+
     async def shm_refusal(self, peer: PeerRegions) -> str | None:
         """Why the ``shm`` transport does not connect to ``peer``, or None when it does:
         the peer's boot id equals ours and every region it listed maps (by name) to
@@ -526,38 +479,62 @@ class PullManager:
         return StagedPeer(conn, self.plane.shm.loopback(), info.region_id, devices)
 
     async def _move(
-        self, job: PullJob, conn: Peer, rows: np.ndarray, done: np.ndarray | None = None
+        self,
+        job: PullJob,
+        conn: Peer,
+        rows: np.ndarray,
+        done: np.ndarray | None = None,
+        filling: Filling | None = None,
     ) -> None:
-        """Read wire ``rows`` (validated) through ``conn``, whatever its path: long
-        reads cut into pieces and sent in batches (the path's
-        :class:`~refitd.daemon.pullcore.Pace`), ``IN_FLIGHT`` of them in flight,
-        progress counted per batch that landed, the first transport error raised as
-        itself (the other batches cancelled first)."""
+        """Read wire ``rows`` (validated) through ``conn`` with the daemon's byte loop:
+        long reads cut into pieces and sent in batches (the path's
+        :class:`~refitd.daemon.pullcore.Pace`); from a source still ``filling``, in
+        the order it fills, each batch once its bytes are complete."""
+        if filling is not None:
+            reads, ends, spans, ready = filling.gated(rows, done)
+            await move(job, conn, reads, ends, spans, ready=ready)
+            return
         pace = pullcore.pace_for(job.path)
         reads, ends = pullcore.cut(rows, pace, done)
-        window = asyncio.Semaphore(IN_FLIGHT)
+        await move(
+            job, conn, reads, ends, pullcore.spans(reads["nbytes"], pace.reads, pace.max_bytes)
+        )
 
-        async def move(lo: int, hi: int) -> None:
-            try:
-                part = reads[lo:hi]
-                await conn.get(part)
-                job.progress(int(ends[lo:hi].sum()), int(part["nbytes"].sum()))
-            finally:
-                window.release()
+    # ------------------------------------------------------------ reads outside a pull
 
+    @contextlib.contextmanager
+    def tracked(
+        self, req: PullRequest, owner: str, path: str, nbytes: int, source: str = ""
+    ) -> Iterator[PullJob]:
+        """A job for bytes the daemon reads on its own behalf (a host mirror filling
+        from ``source``): listed in ``/v1/pulls`` to its ``owner`` (and to root), told
+        to every listener (so ``/metrics`` counts them) and ended with the block: DONE,
+        or FAILED / CANCELLED naming what ended it. ``req`` is what it reads."""
+        rows = req.descriptors.rows()
+        job = PullJob(f"p{next(self._seq)}", req, nbytes, rows.shape[0])
+        job.path, job.owner, job.state = path, owner, PullState.RUNNING
+        self.jobs[job.pull_id] = job
+        self._forget_old()
+        for listener in self.listeners:
+            listener.started(job)
         try:
-            async with asyncio.TaskGroup() as tg:
-                for lo, hi in pullcore.spans(reads["nbytes"], pace.reads, pace.max_bytes):
-                    await window.acquire()
-                    tg.create_task(move(lo, hi))
-        except BaseExceptionGroup as group:
-            # A TaskGroup wraps even one failure (PeerLost when the source died
-            # mid-read) in an ExceptionGroup; raise the transport's own error so
-            # the pull fails with its message rather than escaping `_run`.
-            first = next((e for e in group.exceptions if isinstance(e, RefitError)), None)
-            if first is None:
-                raise
-            raise first from None
+            yield job
+            job.state = PullState.DONE
+        except asyncio.CancelledError as exc:
+            job.state = PullState.CANCELLED
+            job.error = pullcore.cancelled(
+                job.pull_id, str(exc.args[0]) if exc.args else "cancelled"
+            )
+            raise
+        except Exception as exc:
+            job.state = PullState.FAILED
+            job.error = pullcore.failed(job.pull_id, source or "its source", exc)
+            raise
+        finally:
+            job.ended = time.perf_counter()
+            for listener in self.listeners:
+                listener.ended(job)
+            job.finished.set()
 
 
 PULLS: web.AppKey[PullManager] = web.AppKey("pulls", PullManager)

@@ -9,8 +9,18 @@ import msgspec
 from refitd.errors import AccessDenied, ProtocolError
 from refitd.signing import Signed
 from refitd.wire.fields import Label, Name, NonNeg
+from refitd.wire.leases import MAX_LEASE_TTL_S
+from refitd.wire.records import PeerRegions
 
-__all__ = ["MAX_EXCLUDE", "MAX_JOIN_BYTES", "HolderAssign", "HolderJoin", "MirrorState"]
+__all__ = [
+    "MAX_EXCLUDE",
+    "MAX_JOIN_BYTES",
+    "HolderAssign",
+    "HolderJoin",
+    "MirrorFeed",
+    "MirrorLease",
+    "MirrorState",
+]
 
 MAX_EXCLUDE = 64
 """Failed holders one join may name at most."""
@@ -41,6 +51,44 @@ class HolderJoin(Signed, frozen=True, forbid_unknown_fields=True):
             f"join of {self.url!r} to the holder book of {self.model!r} version "
             f"{self.version} (only a daemon holding the deployment secret joins)"
         )
+
+
+class MirrorLease(Signed, frozen=True, forbid_unknown_fields=True):
+    """A peer daemon (a downstream relay, ``node_id``) leasing a host mirror's copy of
+    ``model`` ``version`` under ``source_lease``, its live lease on it at the source.
+    Signed with the deployment secret: a host's own tenants never lease a mirrored
+    version there; they lease it at its source and pull through their daemon."""
+
+    refused: ClassVar[type[ProtocolError]] = AccessDenied  # type: ignore[assignment]
+
+    model: Name
+    version: NonNeg
+    source_lease: Label
+    node_id: Label
+    ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_LEASE_TTL_S)] = 30.0
+    mac: bytes = b""
+
+    def _what(self) -> str:
+        return (
+            f"lease on the mirror of {self.model!r} version {self.version} for "
+            f"{self.node_id!r} (only a daemon holding the deployment secret leases a mirror)"
+        )
+
+
+class MirrorFeed(msgspec.Struct, frozen=True):
+    """One frame of a mirror's feed (``GET /v1/mirrors/{model}/{version}/feed``): sent
+    when chunks complete there (and every few seconds when none did). ``records`` are
+    the mirror host's signed records, scoped to the reader's lease: their scope holds
+    exactly the complete chunks, what the data server serves that lease now."""
+
+    chunks_total: int
+    chunks_done: int
+    complete: bool
+    error: str = ""
+    #: the mirror's source, and each source region id's mirror region id there
+    source: str = ""
+    regions: dict[int, int] = {}
+    records: PeerRegions | None = None
 
 
 class HolderAssign(msgspec.Struct, frozen=True):

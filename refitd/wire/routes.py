@@ -19,12 +19,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, TypeVar
 
 from refitd.wire.deltas import DeltaInfo, DeltaPackRequest, DeltaStaged
 from refitd.wire.fields import API_PREFIX, MSGPACK
 from refitd.wire.leases import LeaseGrant, LeaseRequest
-from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
+from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorFeed, MirrorLease, MirrorState
 from refitd.wire.pools import (
     EnsureRequest,
     EnsureResult,
@@ -41,18 +41,12 @@ from refitd.wire.records import ClusterVersion, DaemonRecord, PeerRegions
 from refitd.wire.regions import GcReport, NodeInfo, RegionAttach, RegionCreate, RegionInfo
 from refitd.wire.versions import ManifestIn, MergedManifest, VersionInfo
 
-__all__ = ["FLAG", "JSON", "ROUTES", "Flag", "Route"]
+__all__ = ["JSON", "ROUTES", "Route"]
 
 JSON = "application/json"
 #: the request content types of bodies that may be bulky (descriptor tables, manifests)
 _BOTH = (JSON, MSGPACK)
 _PARAM = re.compile(r"\{([^}:]+)(?::[^}]*)?\}")
-
-#: A yes/no query parameter (``dry_run``, ``retire``): exactly these four spellings,
-#: anything else is refused (400), so a typo never reads as "no".
-Flag = Literal["0", "1", "false", "true"]
-#: How the client spells a flag.
-FLAG: dict[bool, Flag] = {False: "0", True: "1"}
 
 T = TypeVar("T")
 
@@ -141,7 +135,6 @@ GC = _r(
     GcReport,
     "Free exited clients' regions and stale segments (dry_run=1: list)",
     tag="regions",
-    query={"dry_run": Flag},
 )
 
 # ---------------------------------------------------------------- sources
@@ -167,9 +160,9 @@ DRAIN = _r(
     "POST",
     _V + "/drain",
     VersionInfo,
-    "Wait until no lease holds the version (retire=1: retire it first)",
+    "Wait until no lease holds the version",
     tag="sources",
-    query={"timeout": float, "retire": Flag},
+    query={"timeout": float},
 )
 
 # ---------------------------------------------------------------- leases
@@ -249,9 +242,9 @@ PEER_REGIONS = _r(
     "GET",
     "/peer/regions",
     PeerRegions,
-    "Signed region records for a peer daemon (under a lease: what it may read)",
+    "Signed region records for a peer daemon",
     tag="peer",
-    query={"ids": str, "lease": str, "model": str, "version": int},
+    query={"ids": str},
 )
 PEER_PACK = _r(
     "POST",
@@ -263,14 +256,7 @@ PEER_PACK = _r(
     _BOTH,
     tag="peer",
 )
-PEER_DROP = _r(
-    "DELETE",
-    "/peer/staging/{region_id}",
-    _NONE,
-    "Drop a staging region",
-    tag="peer",
-    query={"lease": str},
-)
+PEER_DROP = _r("DELETE", "/peer/staging/{region_id}", _NONE, "Drop a staging region", tag="peer")
 
 # ---------------------------------------------------------------- expert pools
 _POOL = "/experts/{pool}"
@@ -363,6 +349,26 @@ MIRROR_STATE = _r(
     "A mirror's progress (waits for more than 'after' complete chunks)",
     tag="mirrors",
     query={"after": int, "timeout": float, "lease": str},
+)
+MIRROR_FEED = _r(
+    "GET",
+    "/mirrors/{model}/{version}/feed",
+    MirrorFeed,
+    "A mirror's complete chunks as they land: a stream of length-prefixed frames, each "
+    "with records scoped to the lease",
+    tag="mirrors",
+    query={"lease": str},
+    response_media=MSGPACK,
+)
+MIRROR_LEASE = _r(
+    "POST",
+    "/mirrors/leases",
+    LeaseGrant,
+    "A peer daemon leases a mirrored version under its lease at the source",
+    MirrorLease,
+    201,
+    _BOTH,
+    tag="mirrors",
 )
 
 # ---------------------------------------------------------------- meta

@@ -38,6 +38,7 @@ from refitd.wire import (
     TensorEntry,
 )
 from refitd.wire import routes as api
+from refitd.wire.mirrors import MirrorLease
 from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
@@ -315,7 +316,46 @@ async def test_a_tenant_the_source_refuses_cannot_read_the_mirrored_version_on_t
                 assert mirrored and all(r.label == "mirror" for r in mirrored)
 
 
-async def test_a_mirrored_version_is_leased_on_its_host_only_under_a_live_lease_at_its_source(
+async def test_a_tenant_never_leases_a_mirrored_version_on_its_host_even_under_a_live_source_lease(
+    tmp_path: Path,
+) -> None:
+    """A host's own tenants read a mirrored version only through their daemon's rules
+    (a pull naming the source, served from the mirror): no lease on the copy itself."""
+    async with hosts(tokens=token_file(tmp_path), source_readers=("m=a", "m=b", "m=peer")) as h:
+        region = await publish(h.sc)
+        at_source = await h.sc.acquire_lease(MODEL, 1, 60.0)
+        req, _ = await pull_request(h, region, at_source.lease_id)
+        await h.mc.pull(req)  # the mirror exists
+        async with (
+            RefitClient(h.sc.base_url, token="token-of-b") as b_at_source,
+            RefitClient(h.mc.base_url, token="token-of-b") as b,
+        ):
+            mine = await b_at_source.acquire_lease(MODEL, 1, 60.0)
+            for ask in (
+                LeaseRequest(MODEL, 1, 30.0),
+                LeaseRequest(MODEL, 1, 30.0, source_lease=mine.lease_id),
+            ):
+                with pytest.raises(AccessDenied, match="peer daemons"):
+                    await b._send(api.ACQUIRE_LEASE, ask)
+            # a peer-daemon lease needs the deployment secret, whoever asks
+            for forged in (
+                MirrorLease(MODEL, 1, mine.lease_id, "b", 30.0),
+                MirrorLease(MODEL, 1, mine.lease_id, "b", 30.0).signed(
+                    b"not-the-deployment-secret-00000"
+                ),
+            ):
+                with pytest.raises(AccessDenied, match="deployment secret"):
+                    await b._send(api.MIRROR_LEASE, forged)
+            # its pull through its own daemon is served from the mirror
+            dst = await b.create_region(NBYTES, label="b-engine")
+            rows = np.array([[region, 0, dst.region_id, 0, NBYTES]], dtype=np.int64)
+            pull = PullRequest(
+                MODEL, 1, mine.lease_id, DescriptorTable.pack(rows), [], h.sc.base_url
+            )
+            assert (await b.pull(pull)).path == "shm"
+
+
+async def test_a_peer_daemon_leases_a_mirror_only_under_a_live_lease_at_its_source(
     tmp_path: Path,
 ) -> None:
     async with hosts(tokens=token_file(tmp_path), source_readers=("m=a", "m=peer")) as h:
@@ -323,24 +363,16 @@ async def test_a_mirrored_version_is_leased_on_its_host_only_under_a_live_lease_
         at_source = await h.sc.acquire_lease(MODEL, 1, 60.0)
         req, _ = await pull_request(h, region, at_source.lease_id)
         await h.mc.pull(req)  # the mirror exists
-        async with RefitClient(h.mc.base_url, token="token-of-b") as b:
-            # this host's readers table is open: the lease at the source still decides
-            with pytest.raises(AccessDenied, match="source"):
-                await b.acquire_lease(MODEL, 1, 30.0)
-            grant = await b._send(
-                api.ACQUIRE_LEASE, LeaseRequest(MODEL, 1, 3600.0, source_lease=at_source.lease_id)
-            )
-            assert grant.model == MODEL
-            assert grant.expires_in_s <= 60.0  # no longer than the lease at the source has
-            await h.sc.release_lease(at_source.lease_id)
-            with pytest.raises(AccessDenied, match="source"):  # renewal checks it again
-                await b.renew_lease(grant.lease_id, 30.0)
-            assert not h.mirror.registry.is_live(grant.lease_id)
-            with pytest.raises(AccessDenied, match="source"):
-                await b._send(
-                    api.ACQUIRE_LEASE,
-                    LeaseRequest(MODEL, 1, 30.0, source_lease=at_source.lease_id),
-                )
+        ask = MirrorLease(MODEL, 1, at_source.lease_id, "relay-b", 3600.0).signed(SECRET)
+        grant = await h.mc._send(api.MIRROR_LEASE, ask)
+        assert grant.model == MODEL
+        assert grant.expires_in_s <= 60.0  # no longer than the lease at the source has
+        await h.sc.release_lease(at_source.lease_id)
+        with pytest.raises(AccessDenied, match="source"):  # renewal checks it again
+            await h.mc.renew_lease(grant.lease_id, 30.0)
+        assert not h.mirror.registry.is_live(grant.lease_id)
+        with pytest.raises(AccessDenied, match="source"):
+            await h.mc._send(api.MIRROR_LEASE, ask)
 
 
 async def test_an_idle_mirror_is_evicted_to_make_room_for_a_new_one_within_the_budget() -> None:
@@ -369,35 +401,3 @@ async def test_an_idle_mirror_is_evicted_to_make_room_for_a_new_one_within_the_b
         assert st.held_bytes == NBYTES <= st.budget_bytes
         with pytest.raises(NotFoundError):
             await h.mc._send(api.MIRROR_STATE, model=MODEL, version=1)
-
-
-async def test_a_local_pull_under_a_lease_on_the_mirror_copy_ends_with_its_lease_at_the_source(
-    tmp_path: Path,
-) -> None:
-    """A tenant granted a lease on the copy (under its lease at the source) pulls the
-    mirror's memory on the mirror host directly: that pull follows the source lease
-    too, as a pull served from a mirror does."""
-    async with hosts(tokens=token_file(tmp_path), source_readers=("m=a", "m=b", "m=peer")) as h:
-        region = await publish(h.sc)
-        first = await h.sc.acquire_lease(MODEL, 1, 60.0)
-        req, _ = await pull_request(h, region, first.lease_id)
-        await h.mc.pull(req)  # the mirror exists
-        st = await h.mc._send(api.MIRROR_STATE, model=MODEL, version=1)
-        copy = st.regions[region]
-        async with (
-            RefitClient(h.sc.base_url, token="token-of-b") as b_at_source,
-            RefitClient(h.mc.base_url, token="token-of-b") as b,
-        ):
-            at_source = await b_at_source.acquire_lease(MODEL, 1, 60.0)
-            grant = await b._send(
-                api.ACQUIRE_LEASE, LeaseRequest(MODEL, 1, 60.0, source_lease=at_source.lease_id)
-            )
-            dst = await b.create_region(NBYTES, label="b")
-            rows = np.array([[copy, 0, dst.region_id, 0, NBYTES]], dtype=np.int64)
-            local = PullRequest(MODEL, 1, grant.lease_id, DescriptorTable.pack(rows), [], "")
-            await b.pull(local)  # while its lease at the source lives: read
-            with SharedSegment.attach(dst.handle, NBYTES) as seg:
-                assert np.array_equal(seg.numpy(), pattern(1))
-            await b_at_source.release_lease(at_source.lease_id)
-            with pytest.raises(RefitError, match=at_source.lease_id):
-                await b.pull(local)

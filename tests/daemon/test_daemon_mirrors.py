@@ -12,13 +12,21 @@ import os
 import signal
 from collections.abc import AsyncIterator
 
+import aiohttp
 import numpy as np
 import pytest
 
 from refitd.client.http import RefitClient
 from refitd.client.spawn import SpawnedDaemon, spawn_daemon
 from refitd.errors import ConflictError
-from refitd.wire import DescriptorTable, ManifestIn, PullRequest, ShardEntry, TensorEntry
+from refitd.wire import (
+    DescriptorTable,
+    ManifestIn,
+    PullRequest,
+    PullState,
+    ShardEntry,
+    TensorEntry,
+)
 from refitd.wire import routes as api
 from refitd.wire.mirrors import MirrorState
 from transports.segments import SharedSegment
@@ -192,3 +200,45 @@ async def test_a_relay_that_stops_or_dies_is_replaced_by_another_holder_and_the_
         finally:
             if fault == "SIGSTOP":
                 os.kill(a.pid, signal.SIGCONT)
+
+
+def _counter(text: str, name: str, label: str) -> float:
+    """The value of counter ``name`` with label ``label`` in a Prometheus scrape."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and label in line and not line.startswith("#"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_mirror_fills_and_relays_show_in_the_pulls_list_and_the_metrics(
+    secret_file: str,
+) -> None:
+    """A mirror's fill from the source and a relay's from its upstream move through the
+    pull path's one byte loop: each is a pull of its daemon, listed and counted by the
+    path it took, like an engine's."""
+    mirror = ("--set", "mirrors.policy=always")
+    async with (
+        daemon(secret_file, "trainer") as t,
+        daemon(secret_file, "host-a", *mirror) as a,
+        daemon(secret_file, "host-b", *mirror) as b,
+        RefitClient(t.url) as tc,
+        RefitClient(a.url) as ac,
+        RefitClient(b.url) as bc,
+        aiohttp.ClientSession() as http,
+    ):
+        await publish(tc, 1)
+        assert await refit(ac, tc, 1) == "shm"
+        assert await refit(bc, tc, 1) == "shm"
+        assert (await state(bc, 1)).tried == [a.url]  # b's mirror was relayed by a
+        for c, url in ((ac, a.url), (bc, b.url)):
+            pulls = await c._send(api.LIST_PULLS)
+            fills = [p for p in pulls if p.path == "tcp"]
+            engines = [p for p in pulls if p.path == "shm"]
+            assert engines and all(p.state == PullState.DONE for p in engines)
+            assert fills, f"no mirror fill listed at {url}: {pulls}"
+            assert all(p.state == PullState.DONE for p in fills)
+            assert sum(p.bytes_done for p in fills) == NBYTES
+            async with http.get(f"{url}/metrics") as resp:
+                scrape = await resp.text()
+            assert _counter(scrape, "refitd_pulled_bytes_total{", 'transport="tcp"') == NBYTES
