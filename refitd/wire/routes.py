@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from refitd.wire.deltas import DeltaInfo, DeltaPackRequest, DeltaStaged
 from refitd.wire.fields import API_PREFIX, MSGPACK
@@ -41,12 +41,18 @@ from refitd.wire.records import ClusterVersion, DaemonRecord, PeerRegions
 from refitd.wire.regions import GcReport, NodeInfo, RegionAttach, RegionCreate, RegionInfo
 from refitd.wire.versions import ManifestIn, MergedManifest, VersionInfo
 
-__all__ = ["JSON", "ROUTES", "Route"]
+__all__ = ["FLAG", "JSON", "ROUTES", "Flag", "Route"]
 
 JSON = "application/json"
 #: the request content types of bodies that may be bulky (descriptor tables, manifests)
 _BOTH = (JSON, MSGPACK)
 _PARAM = re.compile(r"\{([^}:]+)(?::[^}]*)?\}")
+
+#: A yes/no query parameter (``dry_run``, ``retire``): exactly these four spellings,
+#: anything else is refused (400), so a typo never reads as "no".
+Flag = Literal["0", "1", "false", "true"]
+#: How the client spells a flag.
+FLAG: dict[bool, Flag] = {False: "0", True: "1"}
 
 T = TypeVar("T")
 
@@ -135,6 +141,7 @@ GC = _r(
     GcReport,
     "Free exited clients' regions and stale segments (dry_run=1: list)",
     tag="regions",
+    query={"dry_run": Flag},
 )
 
 # ---------------------------------------------------------------- sources
@@ -160,9 +167,9 @@ DRAIN = _r(
     "POST",
     _V + "/drain",
     VersionInfo,
-    "Wait until no lease holds the version",
+    "Wait until no lease holds the version (retire=1: retire it first)",
     tag="sources",
-    query={"timeout": float},
+    query={"timeout": float, "retire": Flag},
 )
 
 # ---------------------------------------------------------------- leases
@@ -242,9 +249,9 @@ PEER_REGIONS = _r(
     "GET",
     "/peer/regions",
     PeerRegions,
-    "Signed region records for a peer daemon",
+    "Signed region records for a peer daemon (under a lease: what it may read)",
     tag="peer",
-    query={"ids": str},
+    query={"ids": str, "lease": str, "model": str, "version": int},
 )
 PEER_PACK = _r(
     "POST",
@@ -256,7 +263,14 @@ PEER_PACK = _r(
     _BOTH,
     tag="peer",
 )
-PEER_DROP = _r("DELETE", "/peer/staging/{region_id}", _NONE, "Drop a staging region", tag="peer")
+PEER_DROP = _r(
+    "DELETE",
+    "/peer/staging/{region_id}",
+    _NONE,
+    "Drop a staging region",
+    tag="peer",
+    query={"lease": str},
+)
 
 # ---------------------------------------------------------------- expert pools
 _POOL = "/experts/{pool}"
