@@ -8,6 +8,7 @@ raised.
 Modules:
 
 - `http`: `RefitClient`: the async client, one method per API v1 endpoint
+- `session`: `ApiSession`: the one HTTP session under it and the daemon's peer client
 - `sync`: `SyncRefitClient`: a small blocking face of it
 - `publisher`: `Publisher`: the trainer side, place tensors and publish versions
 - `receiver`: `DaemonReceiver`: the engine side, a thin adapter over `ReshardReceiver`

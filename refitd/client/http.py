@@ -11,16 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Self, TypeVar
 
-import aiohttp
-import msgspec
-
-from refitd import errors
+from refitd.client.session import ApiSession, error_from_body
 from refitd.wire import (
-    API_PREFIX,
-    ERROR_OF_STATUS,
-    MSGPACK,
     ClusterVersion,
     DaemonRecord,
     DeltaInfo,
@@ -28,7 +22,6 @@ from refitd.wire import (
     DeltaStaged,
     EnsureRequest,
     EnsureResult,
-    ErrorBody,
     ExpertRef,
     GcReport,
     HostResidencyName,
@@ -55,19 +48,15 @@ from refitd.wire import (
     RegionKind,
     StagedPack,
     VersionInfo,
-    gc_paused,
 )
 from refitd.wire import routes as api
-from refitd.wire.routes import FLAG, Route
+from refitd.wire.routes import FLAG
 from transports.segments import owner_tag
 
 __all__ = ["RefitClient", "error_from_body"]
 
 T = TypeVar("T")
 
-_ERRORS: dict[str, type[errors.RefitError]] = {
-    name: getattr(errors, name) for name in errors.__all__
-}
 _TERMINAL = {PullState.DONE, PullState.FAILED, PullState.CANCELLED}
 
 
@@ -77,18 +66,10 @@ def _holder() -> str:
     return tag if tag.replace(".", "").isdigit() else ""
 
 
-def error_from_body(status: int, body: ErrorBody | None, fallback: str) -> errors.RefitError:
-    """The RefitError a response stands for: by the class name the daemon sent, else
-    by status code."""
-    if body is not None and body.error in _ERRORS:
-        return _ERRORS[body.error](body.detail)
-    cls = ERROR_OF_STATUS.get(status, errors.RefitError)
-    return cls(body.detail if body is not None else fallback)
-
-
-class RefitClient:
+class RefitClient(ApiSession):
     """Talks to one daemon: ``base_url`` over TCP, or ``unix_path`` (then ``base_url``
-    only supplies the host header). Use as ``async with RefitClient(url) as c``."""
+    only supplies the host header). Use as ``async with RefitClient(url) as c``.
+    Its calls go through :meth:`ApiSession.send` (one session, one error map)."""
 
     def __init__(
         self,
@@ -98,19 +79,13 @@ class RefitClient:
         token: str | None = None,
         timeout_s: float = 300.0,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self._unix_path = unix_path
-        self._headers = {"Accept": MSGPACK}
-        if token:
-            self._headers["Authorization"] = f"Bearer {token}"
+        super().__init__(base_url, unix_path=unix_path, token=token, timeout_s=timeout_s)
         #: True when requests carry a bearer token: the daemon then records the token's
         #: name as the owner of what this client creates, whatever owner it asks for.
         self.authenticated = bool(token)
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Self:
-        self._open()
+        self.open()
         return self
 
     async def __aexit__(
@@ -118,103 +93,17 @@ class RefitClient:
     ) -> None:
         await self.close()
 
-    def _open(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = (
-                aiohttp.UnixConnector(path=self._unix_path)
-                if self._unix_path
-                else aiohttp.TCPConnector(limit=64)
-            )
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self._timeout, headers=self._headers
-            )
-        return self._session
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
-
-    async def _send(
-        self,
-        route: Route[T],
-        body: Any = None,
-        params: dict[str, str] | None = None,
-        **path: object,
-    ) -> T:
-        """Call ``route`` (its path parameters in ``path``, its query in ``params``),
-        decoding the answer as the route's response type."""
-        undeclared = sorted(set(params or ()) - set(route.query))
-        if undeclared:
-            raise TypeError(f"{route.method} {route.path} declares no query {undeclared}")
-        return await self._request(route.method, route.url(**path), route.response, body, params)
-
-    async def _call(
-        self,
-        method: str,
-        path: str,
-        type_: type[T],
-        body: Any = None,
-        params: dict[str, str] | None = None,
-    ) -> T:
-        """``method`` on ``/v1{path}``, a path outside the route table (tests, tools)."""
-        return await self._request(method, API_PREFIX + path, type_, body, params)
-
-    async def _request(
-        self,
-        method: str,
-        path: str,
-        type_: type[T],
-        body: Any = None,
-        params: dict[str, str] | None = None,
-    ) -> T:
-        session = self._open()
-        data = None if body is None else msgspec.msgpack.encode(body)
-        headers = {"Content-Type": MSGPACK} if data is not None else None
-        url = f"{self.base_url}{path}"
-        try:
-            # Never follow a redirect: a daemon (or a peer daemon, when this client is
-            # the daemon's own) that points elsewhere would send the token, the lease
-            # and the request to a host nobody listed.
-            async with session.request(
-                method, url, data=data, headers=headers, params=params, allow_redirects=False
-            ) as resp:
-                raw = await resp.read()
-                if 300 <= resp.status < 400:
-                    raise errors.ProtocolError(
-                        f"{method} {url} refused: the daemon at {self.base_url} answered a "
-                        f"redirect (HTTP {resp.status} to {resp.headers.get('Location', '?')!r}); "
-                        "refitd never follows redirects"
-                    )
-                if resp.status >= 400:
-                    try:
-                        err = msgspec.msgpack.decode(raw, type=ErrorBody)
-                    except msgspec.DecodeError:
-                        err = None
-                    raise error_from_body(
-                        resp.status, err, f"{method} {path}: HTTP {resp.status} {raw[:200]!r}"
-                    )
-        except aiohttp.ClientError as exc:
-            raise errors.TransportError(f"{method} {url} failed: {exc}") from exc
-        if type_ is type(None):
-            return None
-        try:
-            with gc_paused():
-                return msgspec.msgpack.decode(raw, type=type_)
-        except msgspec.DecodeError as exc:
-            raise errors.ProtocolError(f"{method} {path}: malformed response ({exc})") from exc
-
     # ------------------------------------------------------------ node
 
     async def node(self) -> NodeInfo:
-        return await self._send(api.NODE)
+        return await self.send(api.NODE)
 
     async def health(self) -> dict[str, str]:
-        return await self._send(api.HEALTH)
+        return await self.send(api.HEALTH)
 
     async def ready(self) -> dict[str, str]:
         """Raises :class:`TransportError` (503) until the data plane is up."""
-        return await self._send(api.READY)
+        return await self.send(api.READY)
 
     # ------------------------------------------------------------ regions
 
@@ -223,7 +112,7 @@ class RefitClient:
     ) -> RegionInfo:
         """A daemon-owned region, released by the daemon when this process exits."""
         req = RegionCreate(nbytes, kind, owner, label, holder=_holder())
-        return await self._send(api.CREATE_REGION, req)
+        return await self.send(api.CREATE_REGION, req)
 
     async def attach_region(
         self,
@@ -236,64 +125,64 @@ class RefitClient:
     ) -> RegionInfo:
         """Attach this process's segment; the daemon releases it when this process exits."""
         req = RegionAttach(handle, nbytes, kind, owner, label, holder=_holder())
-        return await self._send(api.ATTACH_REGION, req)
+        return await self.send(api.ATTACH_REGION, req)
 
     async def regions(self) -> list[RegionInfo]:
-        return await self._send(api.LIST_REGIONS)
+        return await self.send(api.LIST_REGIONS)
 
     async def delete_region(self, region_id: int) -> RegionInfo:
-        return await self._send(api.DELETE_REGION, region_id=region_id)
+        return await self.send(api.DELETE_REGION, region_id=region_id)
 
     async def gc(self, *, dry_run: bool = False) -> GcReport:
         """Free regions of exited clients and stale segments (``dry_run``: only list them)."""
-        return await self._send(api.GC, params={"dry_run": FLAG[dry_run]})
+        return await self.send(api.GC, params={"dry_run": FLAG[dry_run]})
 
     # ------------------------------------------------------------ sources
 
     async def publish(self, manifest: ManifestIn) -> VersionInfo:
-        return await self._send(api.PUBLISH, manifest)
+        return await self.send(api.PUBLISH, manifest)
 
     async def all_versions(self) -> list[VersionInfo]:
         """Every version of every model this daemon holds."""
-        return await self._send(api.ALL_VERSIONS)
+        return await self.send(api.ALL_VERSIONS)
 
     async def versions(self, model: str) -> list[VersionInfo]:
-        return await self._send(api.MODEL_VERSIONS, model=model)
+        return await self.send(api.MODEL_VERSIONS, model=model)
 
     async def version(self, model: str, version: int | str = "latest") -> VersionInfo:
-        return await self._send(api.GET_VERSION, model=model, version=version)
+        return await self.send(api.GET_VERSION, model=model, version=version)
 
     async def manifest(self, model: str, version: int) -> MergedManifest:
-        return await self._send(api.MANIFEST, model=model, version=version)
+        return await self.send(api.MANIFEST, model=model, version=version)
 
     async def delta_info(self, model: str, version: int, wait_s: float = 0.0) -> DeltaInfo:
         """``version``'s delta record (docs/delta.md), after up to ``wait_s`` seconds
         for a comparison still running."""
-        return await self._send(
+        return await self.send(
             api.DELTA_INFO, params={"wait": str(wait_s)}, model=model, version=version
         )
 
     async def delta_pack(self, req: DeltaPackRequest) -> DeltaStaged:
         """Stage the changed units of a planned pull against the base ``req`` states."""
-        return await self._send(api.DELTA_PACK, req)
+        return await self.send(api.DELTA_PACK, req)
 
     # ------------------------------------------------------------ cluster registry
 
     async def cluster_daemons(self) -> list[DaemonRecord]:
         """The daemons registered in this daemon's cluster registry (its trusted peers)."""
-        return await self._send(api.CLUSTER_DAEMONS)
+        return await self.send(api.CLUSTER_DAEMONS)
 
     async def cluster_version(self, model: str, version: int | str = "latest") -> ClusterVersion:
         """Which daemons hold ``model`` at ``version`` across hosts (``latest``: the
         newest version whose slots are all published somewhere)."""
-        return await self._send(api.CLUSTER_VERSION, model=model, version=version)
+        return await self.send(api.CLUSTER_VERSION, model=model, version=version)
 
     async def next_version(
         self, model: str, after: int = -1, timeout_s: float = 30.0
     ) -> ClusterVersion:
         """Wait (one request; the daemon is woken by the registry's watch) for a complete
         version of ``model`` newer than ``after``; NotFoundError after ``timeout_s``."""
-        return await self._send(
+        return await self.send(
             api.CLUSTER_NEXT, params={"after": str(after), "timeout": str(timeout_s)}, model=model
         )
 
@@ -302,7 +191,7 @@ class RefitClient:
     ) -> VersionInfo:
         """Return once no lease remains on the version; ConflictError after the timeout.
         ``retire`` first stops the version accepting new leases (before a rewrite)."""
-        return await self._send(
+        return await self.send(
             api.DRAIN,
             params={"timeout": str(timeout_s), "retire": FLAG[retire]},
             model=model,
@@ -314,17 +203,17 @@ class RefitClient:
     async def acquire_lease(
         self, model: str, version: int, ttl_s: float = 30.0, holder: str = ""
     ) -> LeaseGrant:
-        return await self._send(api.ACQUIRE_LEASE, LeaseRequest(model, version, ttl_s, holder))
+        return await self.send(api.ACQUIRE_LEASE, LeaseRequest(model, version, ttl_s, holder))
 
     async def renew_lease(self, lease_id: str, ttl_s: float = 30.0) -> LeaseGrant:
-        return await self._send(api.RENEW_LEASE, params={"ttl": str(ttl_s)}, lease_id=lease_id)
+        return await self.send(api.RENEW_LEASE, params={"ttl": str(ttl_s)}, lease_id=lease_id)
 
     async def release_lease(self, lease_id: str) -> None:
-        await self._send(api.RELEASE_LEASE, lease_id=lease_id)
+        await self.send(api.RELEASE_LEASE, lease_id=lease_id)
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
         """ConflictError unless ``lease_id`` is live on exactly ``(model, version)``."""
-        return await self._send(
+        return await self.send(
             api.CHECK_LEASE, params={"model": model, "version": str(version)}, lease_id=lease_id
         )
 
@@ -332,16 +221,16 @@ class RefitClient:
 
     async def submit_pull(self, req: PullRequest) -> PullProgress:
         """Validate and start a pull; refusals (400/404/409) raise before any byte moves."""
-        return await self._send(api.SUBMIT_PULL, req)
+        return await self.send(api.SUBMIT_PULL, req)
 
     async def pull_status(self, pull_id: str) -> PullProgress:
-        return await self._send(api.GET_PULL, pull_id=pull_id)
+        return await self.send(api.GET_PULL, pull_id=pull_id)
 
     async def pulls(self) -> list[PullProgress]:
-        return await self._send(api.LIST_PULLS)
+        return await self.send(api.LIST_PULLS)
 
     async def cancel_pull(self, pull_id: str) -> PullProgress:
-        return await self._send(api.CANCEL_PULL, pull_id=pull_id)
+        return await self.send(api.CANCEL_PULL, pull_id=pull_id)
 
     async def wait_pull(
         self,
@@ -354,9 +243,7 @@ class RefitClient:
         ``interval_s`` (the daemon answers early when the pull ends). Raises the
         pull's error if it failed or was cancelled."""
         while True:
-            p = await self._send(
-                api.WAIT_PULL, params={"timeout": str(interval_s)}, pull_id=pull_id
-            )
+            p = await self.send(api.WAIT_PULL, params={"timeout": str(interval_s)}, pull_id=pull_id)
             if on_progress is not None:
                 on_progress(p)
             if p.state in _TERMINAL:
@@ -400,25 +287,25 @@ class RefitClient:
             cpu_layers=cpu_layers or [],
             owner=owner,
         )
-        return await self._send(api.CREATE_POOL, spec)
+        return await self.send(api.CREATE_POOL, spec)
 
     async def pools(self) -> list[PoolInfo]:
-        return await self._send(api.LIST_POOLS)
+        return await self.send(api.LIST_POOLS)
 
     async def pool(self, name: str) -> PoolInfo:
-        return await self._send(api.GET_POOL, pool=name)
+        return await self.send(api.GET_POOL, pool=name)
 
     async def pool_stats(self, name: str) -> PoolStats:
-        return await self._send(api.POOL_STATS, pool=name)
+        return await self.send(api.POOL_STATS, pool=name)
 
     async def delete_pool(self, name: str) -> PoolInfo:
         """Delete the pool and both of its regions."""
-        return await self._send(api.DELETE_POOL, pool=name)
+        return await self.send(api.DELETE_POOL, pool=name)
 
     async def ensure(self, name: str, layer: int, routed: list[int]) -> EnsureResult:
         """Make ``routed`` experts of ``layer`` resident in the pool's slots; a plan
         the executor refuses raises :class:`PlanError` and leaves the pool consistent."""
-        return await self._send(api.ENSURE, EnsureRequest(layer, routed), pool=name)
+        return await self.send(api.ENSURE, EnsureRequest(layer, routed), pool=name)
 
     async def prefetch(
         self,
@@ -441,7 +328,7 @@ class RefitClient:
             budget=budget,
             min_score=min_score,
         )
-        return await self._send(api.PREFETCH, req, pool=name)
+        return await self.send(api.PREFETCH, req, pool=name)
 
     async def invalidate(
         self,
@@ -453,7 +340,7 @@ class RefitClient:
         """Drop the slots holding ``experts`` (``(layer, expert)`` pairs) or every expert
         of ``layers``, after their host rows were rewritten."""
         refs = [ExpertRef(layer, e) for layer, e in experts or []]
-        return await self._send(api.INVALIDATE, InvalidateRequest(refs, layers or []), pool=name)
+        return await self.send(api.INVALIDATE, InvalidateRequest(refs, layers or []), pool=name)
 
     # ------------------------------------------------------------ daemon to daemon
 
@@ -471,16 +358,16 @@ class RefitClient:
             params["ids"] = ",".join(str(i) for i in ids)
         if lease_id:
             params.update(lease=lease_id, model=model, version=str(version))
-        return await self._send(api.PEER_REGIONS, params=params or None)
+        return await self.send(api.PEER_REGIONS, params=params or None)
 
     async def peer_pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
     ) -> StagedPack:
-        return await self._send(
+        return await self.send(
             api.PEER_PACK,
             {"model": model, "version": version, "lease_id": lease_id, "specs": specs},
         )
 
     async def peer_drop(self, region_id: int, lease_id: str) -> None:
         """Release staging region ``region_id``, packed for ``lease_id``."""
-        await self._send(api.PEER_DROP, params={"lease": lease_id}, region_id=region_id)
+        await self.send(api.PEER_DROP, params={"lease": lease_id}, region_id=region_id)

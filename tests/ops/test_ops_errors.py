@@ -82,7 +82,7 @@ async def test_the_error_middleware_maps_access_errors_to_401_and_403() -> None:
             ("413", RequestTooLarge),
         ):
             with pytest.raises(cls, match="refused here"):
-                await c._call("GET", f"/raise/{code}", dict)
+                await c.request("GET", f"/v1/raise/{code}", dict)
     assert dict(STATUS_OF)[Unauthenticated] == 401
     assert dict(STATUS_OF)[AccessError] == 403
 
