@@ -331,12 +331,21 @@ def vllm_env(mp: Any, temp: Any, url: str) -> None:
     - the parallel groups, which an engine core destroys when it shuts down: a test
       ends each engine with :func:`stop_engine`, not by dropping it (a dropped one
       shuts down at whatever later collection frees it, under the engine serving
-      then)."""
+      then).
+
+    And vLLM inspects each model architecture it has not cached in a fresh
+    interpreter, so that the process serving never initializes CUDA: 11-12 s an
+    architecture here, paid by every test worker for each family it meets. With no
+    CUDA device there is nothing to protect, and the inspection runs in this process
+    (it imports the model's module, which the engine imports anyway)."""
     import vllm.envs
     import vllm.v1.engine.core
+    from vllm.model_executor.models import registry
 
     vllm.envs.disable_envs_cache()
     mp.setattr(vllm.v1.engine.core, "freeze_gc_heap", lambda: None)
+    if not torch.cuda.is_available():
+        mp.setattr(registry, "_run_in_subprocess", lambda fn: fn())
     mp.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     path = os.environ.get("PYTHONPATH", "")
     mp.setenv("PYTHONPATH", os.pathsep.join([str(AMX_OFF), *filter(None, [path])]))
