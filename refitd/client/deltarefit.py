@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ import torch
 
 from refitd.client.receiver import DaemonReceiver, RefitStats, _Compiled
 from refitd.delta.diff import lanes_of, unit_dtype, update_lanes
-from refitd.delta.stream import decode, landing, layout
+from refitd.delta.stream import decode, decode_values, landing, layout
 from refitd.delta.undo import UndoLog
 from refitd.errors import ConflictError, NotFoundError, RefitError
 from refitd.wire import DeltaPackRequest, DeltaStaged, DescriptorTable, PullProgress, PullRequest
@@ -107,6 +106,8 @@ class DeltaReceiver(DaemonReceiver):
         self._since_anchor = 0
         self._delta_seg: SharedSegment | None = None
         self._delta_region: int | None = None
+        self._overlap_for: _Compiled | None = None
+        self._overlap = True
 
     # ------------------------------------------------------------ the base
 
@@ -299,10 +300,11 @@ class DeltaReceiver(DaemonReceiver):
         assert self._engine_region is not None and self._base is not None
         unit = staged.unit
         udt = unit_dtype(unit)
-        lay = layout(staged.pages, staged.changed, unit)
-        counts = payload[lay.counts : lay.counts + 4 * staged.pages].view(np.uint32)
-        low = payload[lay.low : lay.low + 2 * staged.changed].view(np.uint16)
-        values = payload[lay.values : lay.values + unit * staged.changed].view(udt)
+        lay = layout(staged.pages, staged.changed, staged.exceptions, unit)
+        counts = payload[lay.counts : lay.counts + staged.pages]
+        low = payload[lay.low : lay.low + staged.changed]
+        diff = payload[lay.diff : lay.diff + staged.changed].view(np.int8)
+        exceptions = payload[lay.exceptions : lay.exceptions + unit * staged.exceptions].view(udt)
         if int(counts.sum()) != staged.changed:
             raise ConflictError(
                 f"delta of v{staged.base_version}+1 refused: its page counts sum to "
@@ -322,35 +324,20 @@ class DeltaReceiver(DaemonReceiver):
                 f"delta refused: the source staged it for a stream of {staged.stream_units} "
                 f"units, this plan's is {int(pieces[:, 2].sum()) // unit}"
             )
-        _, region, off = landing(pieces, k, unit)
+        piece, region, off = landing(pieces, k, unit)
         engine_id = self._engine_region.region_id
         scratch_id = self._scratch_region.region_id if self._scratch_region is not None else -2
         limit = self._engine_region.nbytes if self.mode == "staging" else 0
         # Where each unit lands in the engine's memory (-1: in a scratch area).
-        eng = np.full(len(k), -1, dtype=np.int64)
-        eng[region == engine_id] = off[region == engine_id]
-        in_scratch = region == scratch_id
-        mirror = in_scratch & (off < limit)
-        eng[mirror] = off[mirror]
-        rest = in_scratch & ~mirror
-        for at, dt, shape, strides, name, dst_byte in comp.scatter:
-            size = math.prod(shape) * dt.itemsize
-            hit = rest & (off >= at) & (off < at + size)
-            if not hit.any():
-                continue
-            rel = off[hit] - at
-            elem, byte = rel // dt.itemsize, rel % dt.itemsize
-            flat = np.zeros(len(elem), dtype=np.int64)
-            for i, s in zip(np.unravel_index(elem, shape), strides, strict=True):
-                flat += i.astype(np.int64) * s
-            eng[hit] = self._param_off[name] + dst_byte + flat * dt.itemsize + byte
-        dirty: list[int] = []
-        scratch_writes = np.zeros(len(k), dtype=bool)
-        for i, (at, fp) in enumerate(comp.full_pulls):
-            hit = rest & (off >= at) & (off < at + fp.staging_nbytes)
-            if hit.any():
-                dirty.append(i)
-                scratch_writes |= hit
+        eng = np.where((region == engine_id) | ((region == scratch_id) & (off < limit)), off, -1)
+        scat_of, fp_of = self._areas(comp, pieces, scratch_id)
+        sid = scat_of[piece]
+        hit = sid >= 0
+        if hit.any():
+            eng[hit] = self._scattered(comp, sid[hit], off[hit])
+        fid = fp_of[piece]
+        scratch_writes = fid >= 0
+        dirty = np.flatnonzero(np.bincount(fid[scratch_writes], minlength=len(comp.full_pulls)))
         unplaced = (eng < 0) & ~scratch_writes
         if unplaced.any():
             bad = int(np.flatnonzero(unplaced)[0])
@@ -360,19 +347,92 @@ class DeltaReceiver(DaemonReceiver):
             )
         engine_u = self._engine_bytes().view(udt)
         at_eng = eng >= 0
-        # A unit written twice keeps its last value, as the full pull's later read would.
+        # Each value is sent as its difference from the base's unit where it lands.
+        scratch_u = self._scratch_seg.numpy().view(udt) if self._scratch_seg is not None else None
+        old = np.empty(len(k), dtype=udt)
+        old[at_eng] = engine_u[eng[at_eng] // unit]
+        if scratch_writes.any():
+            assert scratch_u is not None
+            old[scratch_writes] = scratch_u[off[scratch_writes] // unit]
+        values = decode_values(old, diff, exceptions)
         idx = eng[at_eng] // unit
         vals = values[at_eng]
-        last = len(idx) - 1 - np.unique(idx[::-1], return_index=True)[1]
-        idx, vals = idx[last], vals[last]
-        old = undo.write(engine_u, idx, vals)
-        update_lanes(self._base.lanes, idx * unit, old, vals)  # type: ignore[arg-type]
-        if dirty:
-            assert self._scratch_seg is not None
-            scratch_u = self._scratch_seg.numpy().view(udt)
+        if self._overlapping(comp, pieces, engine_id, scratch_id, limit):
+            # A unit written twice keeps its last value, as the full pull's later read would.
+            last = len(idx) - 1 - np.unique(idx[::-1], return_index=True)[1]
+            idx, vals = idx[last], vals[last]
+        before = undo.write(engine_u, idx, vals)
+        update_lanes(self._base.lanes, idx * unit, before, vals)  # type: ignore[arg-type]
+        if len(dirty):
+            assert scratch_u is not None
             undo.write(scratch_u, off[scratch_writes] // unit, values[scratch_writes])
-            self._replay(comp, dirty, undo, unit)
+            self._replay(comp, dirty.tolist(), undo, unit)
         return len(k)
+
+    @staticmethod
+    def _areas(comp: _Compiled, pieces: I64, scratch_id: int) -> tuple[I64, I64]:
+        """Per piece of the stream: the scatter entry it lands in (-1: none), and the
+        full pull whose staged tensor it lands in (-1: none)."""
+        n = len(pieces)
+        scat_of = np.full(n, -1, dtype=np.int64)
+        fp_of = np.full(n, -1, dtype=np.int64)
+        entry = {at: e for e, (at, *_) in enumerate(comp.scatter)}
+        nrows = len(comp.rows)
+        for j, p in enumerate(comp.packs):
+            if p.dst_region == scratch_id and p.dst_offset in entry:
+                scat_of[nrows + j] = entry[p.dst_offset]
+        in_scratch = pieces[:, 0] == scratch_id
+        for i, (at, fp) in enumerate(comp.full_pulls):
+            inside = in_scratch & (pieces[:, 1] >= at) & (pieces[:, 1] < at + fp.staging_nbytes)
+            fp_of[inside] = i
+        return scat_of, fp_of
+
+    def _scattered(self, comp: _Compiled, sid: I64, off: I64) -> I64:
+        """Engine byte offsets of scratch offsets ``off`` in scatter entries ``sid``:
+        each entry's packed (C-order) element mapped through its destination strides."""
+        nd = max(len(e[2]) for e in comp.scatter)
+        shapes = np.array([(1,) * (nd - len(e[2])) + tuple(e[2]) for e in comp.scatter])
+        strides = np.array([(0,) * (nd - len(e[3])) + tuple(e[3]) for e in comp.scatter])
+        at = np.array([e[0] for e in comp.scatter], dtype=np.int64)
+        size = np.array([e[1].itemsize for e in comp.scatter], dtype=np.int64)
+        base = np.array([self._param_off[e[4]] + e[5] for e in comp.scatter], dtype=np.int64)
+        rel = off - at[sid]
+        isz = size[sid]
+        elem, byte = rel // isz, rel % isz
+        flat = np.zeros(len(sid), dtype=np.int64)
+        for d in range(nd - 1, -1, -1):
+            n = shapes[sid, d]
+            flat += (elem % n) * strides[sid, d]
+            elem //= n
+        return np.asarray(base[sid] + flat * isz + byte, dtype=np.int64)
+
+    def _overlapping(
+        self, comp: _Compiled, pieces: I64, engine_id: int, scratch_id: int, limit: int
+    ) -> bool:
+        """Whether two destinations of the plan may write the same engine byte (then
+        a unit landed twice keeps its last value); decided once per compiled plan."""
+        if comp is self._overlap_for:
+            return self._overlap
+        direct = (pieces[:, 0] == engine_id) | (
+            (pieces[:, 0] == scratch_id) & (pieces[:, 1] < limit)
+        )
+        spans = [pieces[direct, 1], pieces[direct, 1] + pieces[direct, 2]]
+        lo, hi = list(spans[0].tolist()), list(spans[1].tolist())
+        for _at, dt, shape, strides, name, dst_byte in comp.scatter:
+            start = self._param_off[name] + dst_byte
+            reach = sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
+            lo.append(start)
+            hi.append(start + (reach + 1) * dt.itemsize)
+        for _at, fp in comp.full_pulls:
+            for c in fp.copies:
+                p = self._params[c.param_name]
+                lo.append(self._param_off[c.param_name])
+                hi.append(lo[-1] + p.numel() * p.element_size())
+        order = np.argsort(np.array(lo, dtype=np.int64), kind="stable")
+        a, b = np.array(lo, dtype=np.int64)[order], np.array(hi, dtype=np.int64)[order]
+        self._overlap = bool(len(a) > 1 and (a[1:] < np.maximum.accumulate(b)[:-1]).any())
+        self._overlap_for = comp
+        return self._overlap
 
     def _replay(self, comp: _Compiled, dirty: list[int], undo: UndoLog, unit: int) -> None:
         """Replay the full pulls ``dirty`` (patched in scratch) into the parameters,

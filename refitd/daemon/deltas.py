@@ -41,10 +41,17 @@ from refitd.daemon.auth import principal_of
 from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
 from refitd.daemon.node import Daemon
 from refitd.daemon.registry import Lease
-from refitd.delta.diff import CHUNK, LANES, compare_chunk, lanes_of, unit_of
-from refitd.delta.stream import encode, layout, reads_of, select
+from refitd.delta.diff import CHUNK, LANES, compare_chunk, lanes_of, unit_dtype, unit_of
+from refitd.delta.stream import ChangeIndex, encode, encode_values, layout, reads_of, select
 from refitd.errors import ConflictError, ProtocolError, RefitError
-from refitd.wire import DeltaInfo, DeltaPackRequest, DeltaStaged, DeltaState, VersionState
+from refitd.wire import (
+    DeltaInfo,
+    DeltaPackRequest,
+    DeltaStaged,
+    DeltaState,
+    PackSpec,
+    VersionState,
+)
 from refitd.wire import routes as api
 from transports.local import copy_view
 
@@ -101,19 +108,23 @@ class _Record:
     compared: int = 0
     seconds: float = 0.0
     reason: str = ""
-    #: per region of the version: its changed units' byte offsets (ascending), new bytes
-    index: dict[int, I64] = field(default_factory=dict)
-    values: dict[int, U8] = field(default_factory=dict)
+    #: the version's changed units (byte offsets, region by region), and each one's
+    #: old bytes then new bytes (``2 * unit`` bytes a change, in the same order)
+    index: ChangeIndex = field(default_factory=lambda: ChangeIndex.of({}))
+    values: U8 = field(default_factory=lambda: np.zeros(0, np.uint8))
+
+    def drop_changes(self) -> None:
+        self.index = ChangeIndex.of({})
+        self.values = np.zeros(0, np.uint8)
+
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def changed(self) -> int:
-        return sum(len(i) for i in self.index.values())
+        return len(self.index.offsets)
 
     def info(self) -> DeltaInfo:
-        held = sum(i.nbytes for i in self.index.values()) + sum(
-            v.nbytes for v in self.values.values()
-        )
+        held = self.index.offsets.nbytes + self.values.nbytes
         return DeltaInfo(
             self.model,
             self.version,
@@ -200,8 +211,7 @@ class DeltaBook:
         mine = sorted(k for k in self._records if k[0] == model)
         for key in mine:
             if key[1] not in live:
-                self._records[key].index.clear()
-                self._records[key].values.clear()
+                self._records[key].drop_changes()
         for key in mine[: max(0, len(mine) - KEEP_RECORDS)]:
             del self._records[key]
 
@@ -270,8 +280,7 @@ class DeltaBook:
                 assert base is not None
                 await self._compare(rec, blocks, base.version)
                 if not reg.is_live(base.lease_id):  # its memory may have changed meanwhile
-                    rec.index.clear()
-                    rec.values.clear()
+                    rec.drop_changes()
                     rec.state = DeltaState.NONE
                     rec.reason = f"the hold on v{base.version} expired during the comparison"
         except (RefitError, OSError) as exc:
@@ -320,24 +329,22 @@ class DeltaBook:
                 f"base v{base}'s bytes changed since it was published (digest "
                 f"{known.digest} then, {rec.base_digest} now): a READY version was rewritten"
             )
-        by_region: dict[int, tuple[list[I64], list[U8]]] = {}
-        for b, r in zip(blocks, results, strict=True):
-            offs, vals = by_region.setdefault(b.region, ([], []))
-            offs.append(r[2] + b.at)
-            vals.append(r[3])
-        for region, (offs, vals) in by_region.items():
-            o = np.concatenate(offs)
-            v = np.concatenate(vals).reshape(-1, rec.unit)
-            order = np.argsort(o, kind="stable")
-            rec.index[region] = o[order]
-            rec.values[region] = v[order].reshape(-1)
+        # Blocks in (region, offset) order: each block's changes ascend, blocks do not
+        # overlap, so each region's offsets ascend with no sort of the changes.
+        order = sorted(range(len(blocks)), key=lambda i: (blocks[i].region, blocks[i].at))
+        per_region: dict[int, list[I64]] = {}
+        for i in order:
+            per_region.setdefault(blocks[i].region, []).append(results[i][2] + blocks[i].at)
+        rec.index = ChangeIndex.of({r: np.concatenate(o) for r, o in per_region.items()})
+        rec.values = np.concatenate([results[i][3] for i in order]) if order else rec.values
         rec.compared = sum(b.nbytes for b in blocks)
         rec.state = DeltaState.READY
 
     async def _run(
         self, blocks: list[_Block], unit: int, *, pair: bool
     ) -> list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], I64, U8]]:
-        """Per block: (new lanes, old lanes, changed offsets in the block, new bytes),
+        """Per block: (new lanes, old lanes, changed offsets in the block, old and new
+        bytes of each),
         computed by the pool in jobs of ``JOB_BYTES``; without ``pair`` the lanes only."""
         loop = asyncio.get_running_loop()
         view = self.daemon.view
@@ -396,15 +403,9 @@ class DeltaBook:
             self._pool, _payload, rec, rows, req.pack_specs
         )
         region = await self.daemon.staging.stage(payload, lease)
+        pages, changed, exceptions, units = staged
         return DeltaStaged(
-            region,
-            len(payload),
-            staged[0],
-            staged[1],
-            rec.unit,
-            staged[2],
-            rec.base,
-            rec.digest,
+            region, len(payload), pages, changed, exceptions, rec.unit, units, rec.base, rec.digest
         )
 
 
@@ -437,10 +438,10 @@ def _job(
             continue
         copy_view(na.data, old[lo:hi])
         ln_old ^= lanes_of(na)
-        at, v = compare_chunk(na, nb, unit)
+        at, o, v = compare_chunk(na, nb, unit)
         if len(at):
             offs.append(at + lo)
-            vals.append(v.copy())
+            vals.append(np.stack([o.reshape(-1, unit), v.reshape(-1, unit)], axis=1).reshape(-1))
     return (
         ln_new,
         ln_old,
@@ -449,26 +450,29 @@ def _job(
     )
 
 
-def _payload(rec: _Record, rows: I64, specs: list) -> tuple[U8, tuple[int, int, int]]:  # type: ignore[type-arg]
+def _payload(rec: _Record, rows: I64, specs: list[PackSpec]) -> tuple[U8, tuple[int, ...]]:
     """The staged delta of the stream ``rows`` + ``specs``: its bytes and (pages,
-    changed, stream units)."""
+    changed, exceptions, stream units)."""
     unit = rec.unit
     reads = reads_of(rows, specs)
     try:
-        k, region, at = select(rec.index, reads, unit)
-    except ValueError as exc:
-        raise ProtocolError(f"delta refused: {exc}") from exc
+        k, at = select(rec.index, reads, unit)
+    except ValueError as err:
+        raise ProtocolError(f"delta refused: {err}") from err
     stream_units = int(reads[:, 2].sum()) // unit if len(reads) else 0
     counts, low = encode(k, stream_units)
-    lay = layout(len(counts), len(k), unit)
+    pairs = rec.values.reshape(-1, 2, unit)[at]
+    udt = unit_dtype(unit)
+    old = np.ascontiguousarray(pairs[:, 0]).reshape(-1).view(udt)
+    new = np.ascontiguousarray(pairs[:, 1]).reshape(-1).view(udt)
+    diff, exc = encode_values(old, new)
+    lay = layout(len(counts), len(k), len(exc), unit)
     out = np.zeros(max(lay.nbytes, 64), np.uint8)
-    out[lay.counts : lay.counts + counts.nbytes] = counts.view(np.uint8)
-    out[lay.low : lay.low + low.nbytes] = low.view(np.uint8)
-    vals = out[lay.values : lay.values + unit * len(k)].reshape(-1, unit)
-    for r in np.unique(region).tolist():
-        mask = region == r
-        vals[mask] = rec.values[int(r)].reshape(-1, unit)[at[mask]]
-    return out, (len(counts), len(k), stream_units)
+    out[lay.counts : lay.counts + counts.nbytes] = counts
+    out[lay.low : lay.low + low.nbytes] = low
+    out[lay.diff : lay.diff + diff.nbytes] = diff.view(np.uint8)
+    out[lay.exceptions : lay.exceptions + exc.nbytes] = exc.view(np.uint8)
+    return out, (len(counts), len(k), len(exc), stream_units)
 
 
 # ---------------------------------------------------------------- HTTP

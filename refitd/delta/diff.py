@@ -101,11 +101,11 @@ def update_lanes(
     np.bitwise_xor.at(lanes, (offsets // 8) % LANES, diff)
 
 
-def compare_chunk(old: U8, new: U8, unit: int) -> tuple[I64, U8]:
+def compare_chunk(old: U8, new: U8, unit: int) -> tuple[I64, U8, U8]:
     """The units of ``new`` that differ from ``old`` (equal-length byte chunks, a whole
-    number of units): their byte offsets in the chunk, ascending, and their new
-    bytes (``unit`` bytes each, in the same order)."""
+    number of units): their byte offsets in the chunk, ascending, and their old and
+    new bytes (``unit`` bytes each, in the same order)."""
     dt = unit_dtype(unit)
     a, b = old.view(dt), new.view(dt)
     at = np.flatnonzero(a != b)
-    return at.astype(np.int64) * unit, b[at].view(np.uint8)
+    return at.astype(np.int64) * unit, a[at].view(np.uint8), b[at].view(np.uint8)

@@ -13,9 +13,14 @@ a changed unit is named by one integer, its index in the stream (in units):
   it (:func:`landing`).
 
 Positions travel compactly (:func:`encode`): the stream is cut into pages of
-``2**16`` units; a page count per page (uint32) and each position's low 16 bits
-(uint16). At 1 % of bf16 values changed that is 2 bytes a change plus 4 bytes per
-128 KiB of stream, next to the change's own 2 bytes.
+``PAGE`` (255) units; a count per page (uint8) and each position's offset in its
+page (uint8). Values travel as the difference of the new unit from the old one,
+as integers (:func:`encode_values`): one signed byte when it is within ±127 (a
+step of a few ulps), else an escape and the whole new unit in a list of
+exceptions. The receiver adds each difference to the unit its base holds there,
+which the base check has proven to be the source's old unit. At ``c`` changed
+units of a bf16 stream of ``n`` units that is about ``2c + n/255`` bytes against
+the full pull's ``2n``.
 """
 
 from __future__ import annotations
@@ -28,18 +33,25 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
-    "PAGE_BITS",
+    "ESCAPE",
+    "PAGE",
+    "ChangeIndex",
     "Layout",
     "Strided",
     "decode",
+    "decode_values",
     "encode",
+    "encode_values",
     "landing",
     "layout",
     "reads_of",
     "select",
 ]
 
-PAGE_BITS = 16
+PAGE = 255
+"""Units per page: a page's count and a position's offset in it fit one byte."""
+ESCAPE = -128
+"""The difference byte that says "this value is in the exceptions"."""
 ALIGN = 64
 
 I64 = npt.NDArray[np.int64]
@@ -87,56 +99,91 @@ def reads_of(rows: npt.NDArray[np.int64], specs: Sequence[Strided]) -> I64:
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
-def select(index: Mapping[int, I64], reads: I64, unit: int) -> tuple[I64, I64, I64]:
-    """The changed units the stream ``reads`` covers: ``(k, region, at)``, ``k``
-    each one's stream index (units, ascending), ``region`` the source region holding
-    it and ``at`` its position in ``index[region]``. ``index`` maps a region to its changed units' byte offsets (sorted).
-    Every read starts and ends on a unit (refused with ``ValueError`` otherwise)."""
+@dataclass(frozen=True)
+class ChangeIndex:
+    """Changed units of a version: their byte offsets, region after region (each
+    region's ascending), and each region's span ``[lo, hi)`` in ``offsets``."""
+
+    offsets: I64
+    spans: Mapping[int, tuple[int, int]]
+
+    @staticmethod
+    def of(per_region: Mapping[int, I64]) -> ChangeIndex:
+        spans, at = {}, 0
+        for region, offs in per_region.items():
+            spans[region] = (at, at + len(offs))
+            at += len(offs)
+        parts = list(per_region.values())
+        flat = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return ChangeIndex(flat.astype(np.int64, copy=False), spans)
+
+
+def select(index: ChangeIndex, reads: I64, unit: int) -> tuple[I64, I64]:
+    """The changed units the stream ``reads`` covers: ``(k, at)``, ``k`` each one's
+    stream index (units, ascending: reads are in stream order, and each read's
+    changes ascend) and ``at`` its position in ``index.offsets``. Every read starts
+    and ends on a unit (refused with ``ValueError`` otherwise)."""
     if len(reads) and ((reads[:, 1] % unit).any() or (reads[:, 2] % unit).any()):
         raise ValueError(f"a read of the plan does not start and end on a {unit}-byte unit")
     starts = np.zeros(len(reads), dtype=np.int64)
     if len(reads) > 1:
         np.cumsum(reads[:-1, 2] // unit, out=starts[1:])
-    ks: list[I64] = []
-    regions: list[I64] = []
-    offsets: list[I64] = []
+    lo = np.zeros(len(reads), dtype=np.int64)
+    hi = np.zeros(len(reads), dtype=np.int64)
     for region in np.unique(reads[:, 0]).tolist():
-        idx = index.get(int(region))
-        if idx is None or not len(idx):
+        span = index.spans.get(int(region))
+        if span is None or span[0] == span[1]:
             continue
         mask = reads[:, 0] == region
-        off, nb, st = reads[mask, 1], reads[mask, 2], starts[mask]
-        lo = np.searchsorted(idx, off)
-        hi = np.searchsorted(idx, off + nb)
-        counts = hi - lo
-        total = int(counts.sum())
-        if not total:
-            continue
-        first = np.repeat(np.cumsum(counts) - counts, counts)
-        at = np.repeat(lo, counts) + (np.arange(total, dtype=np.int64) - first)
-        src = idx[at]
-        ks.append(np.repeat(st, counts) + (src - np.repeat(off, counts)) // unit)
-        offsets.append(at)
-        regions.append(np.full(total, region, dtype=np.int64))
-    if not ks:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty, empty
-    k, r, o = np.concatenate(ks), np.concatenate(regions), np.concatenate(offsets)
-    order = np.argsort(k, kind="stable")
-    return k[order], r[order], o[order]
+        offs = index.offsets[span[0] : span[1]]
+        lo[mask] = span[0] + np.searchsorted(offs, reads[mask, 1])
+        hi[mask] = span[0] + np.searchsorted(offs, reads[mask, 1] + reads[mask, 2])
+    counts = hi - lo
+    total = int(counts.sum())
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    at = np.repeat(lo, counts) + (np.arange(total, dtype=np.int64) - first)
+    k = np.repeat(starts, counts) + (index.offsets[at] - np.repeat(reads[:, 1], counts)) // unit
+    return k, at
 
 
-def encode(k: I64, stream_units: int) -> tuple[npt.NDArray[np.uint32], npt.NDArray[np.uint16]]:
-    """Ascending stream indices as page counts and low 16 bits."""
-    pages = -(-stream_units >> PAGE_BITS) if stream_units else 0
-    counts = np.bincount(k >> PAGE_BITS, minlength=pages).astype(np.uint32)
-    return counts, (k & ((1 << PAGE_BITS) - 1)).astype(np.uint16)
+def encode(k: I64, stream_units: int) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
+    """Ascending stream indices as page counts and offsets in their page."""
+    pages = -(-stream_units // PAGE)
+    counts = np.bincount(k // PAGE, minlength=pages).astype(np.uint8)
+    return counts, (k % PAGE).astype(np.uint8)
 
 
-def decode(counts: npt.NDArray[np.uint32], low: npt.NDArray[np.uint16]) -> I64:
+def decode(counts: npt.NDArray[np.uint8], low: npt.NDArray[np.uint8]) -> I64:
     """:func:`encode` undone: the ascending stream indices."""
     page = np.repeat(np.arange(len(counts), dtype=np.int64), counts.astype(np.int64))
-    return (page << PAGE_BITS) | low.astype(np.int64)
+    return page * PAGE + low.astype(np.int64)
+
+
+def encode_values(
+    old: npt.NDArray[np.unsignedinteger], new: npt.NDArray[np.unsignedinteger]
+) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.unsignedinteger]]:
+    """New units as differences from the old ones (same unsigned dtype): a signed
+    byte each, ``ESCAPE`` for one beyond ±127, whose new unit goes to the returned
+    exceptions (in order)."""
+    signed = np.dtype(f"i{old.dtype.itemsize}")
+    d = (new - old).view(signed)
+    far = (d < -127) | (d > 127)
+    diff = np.where(far, ESCAPE, d).astype(np.int8)
+    return diff, new[far]
+
+
+def decode_values(
+    old: npt.NDArray[np.unsignedinteger],
+    diff: npt.NDArray[np.int8],
+    exceptions: npt.NDArray[np.unsignedinteger],
+) -> npt.NDArray[np.unsignedinteger]:
+    """:func:`encode_values` undone, given the old units."""
+    new = old + diff.astype(old.dtype)  # modular: a negative difference wraps
+    far = diff == ESCAPE
+    if int(far.sum()) != len(exceptions):
+        raise ValueError(f"{int(far.sum())} escaped differences but {len(exceptions)} exceptions")
+    new[far] = exceptions
+    return new
 
 
 @dataclass(frozen=True)
@@ -145,7 +192,8 @@ class Layout:
 
     counts: int
     low: int
-    values: int
+    diff: int
+    exceptions: int
     nbytes: int
 
 
@@ -153,12 +201,13 @@ def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def layout(pages: int, changed: int, unit: int) -> Layout:
-    """A staged delta: page counts (uint32), low bits (uint16), values (units), each
-    part 64-byte aligned."""
-    low = _up(4 * pages)
-    values = low + _up(2 * changed)
-    return Layout(0, low, values, values + _up(unit * changed))
+def layout(pages: int, changed: int, exceptions: int, unit: int) -> Layout:
+    """A staged delta: page counts, offsets in page, differences (a byte each), the
+    exceptions (units), each part 64-byte aligned."""
+    low = _up(pages)
+    diff = low + _up(changed)
+    exc = diff + _up(changed)
+    return Layout(0, low, diff, exc, exc + _up(unit * exceptions))
 
 
 def landing(pieces: I64, k: I64, unit: int) -> tuple[I64, I64, I64]:

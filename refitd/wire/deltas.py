@@ -66,14 +66,16 @@ class DeltaPackRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class DeltaStaged(msgspec.Struct, frozen=True):
     """A staged delta: ``nbytes`` bytes at the start of ``region`` (held for the lease):
-    ``pages`` uint32 page counts, ``changed`` uint16 low bits, ``changed`` values of
-    ``unit`` bytes (``refitd.delta.stream.layout``); ``stream_units`` the units of the
-    full pull's stream; ``digest`` the version's content digest."""
+    ``pages`` page counts, ``changed`` offsets in page and as many differences, then
+    ``exceptions`` whole units of ``unit`` bytes (``refitd.delta.stream.layout``);
+    ``stream_units`` the units of the full pull's stream; ``digest`` the version's
+    content digest."""
 
     region: RegionInfo
     nbytes: int
     pages: int
     changed: int
+    exceptions: int
     unit: int
     stream_units: int
     base_version: int

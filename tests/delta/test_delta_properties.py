@@ -16,7 +16,16 @@ from support.engines import mismatched, zeroed_engine
 from refitd.bench.refit import capture_for
 from refitd.client.deltarefit import DeltaReceiver
 from refitd.delta.diff import compare_chunk, unit_dtype
-from refitd.delta.stream import decode, encode, landing, reads_of, select
+from refitd.delta.stream import (
+    ChangeIndex,
+    decode,
+    decode_values,
+    encode,
+    encode_values,
+    landing,
+    reads_of,
+    select,
+)
 from refitd.testing.engines import EngineParallel, ToyEngine, dense_toy_config
 from refitd.testing.layouts import full_state, megatron_tp_ep
 from refitd.wire import PackSpec
@@ -76,12 +85,15 @@ def test_the_changed_units_of_a_stream_turn_the_old_pull_into_the_new_one(
             mask = np.array(data.draw(st.lists(st.booleans(), min_size=len(b), max_size=len(b))))
             b[mask] += 1
         new[r] = b.view(np.uint8)
-    index, values = {}, {}
+    index, olds, values = {}, {}, {}
     for r in old:
-        at, v = compare_chunk(old[r], new[r], unit)
-        index[r], values[r] = at, v.reshape(-1, unit)
+        at, o, v = compare_chunk(old[r], new[r], unit)
+        index[r], olds[r], values[r] = at, o.view(unit_dtype(unit)), v.view(unit_dtype(unit))
     reads = reads_of(rows, specs)
-    k, region, at = select(index, reads, unit)
+    flat = ChangeIndex.of(index)
+    k, at = select(flat, reads, unit)
+    region = np.repeat(np.array(list(index), dtype=np.int64), [len(i) for i in index.values()])[at]
+    at = at - np.array([flat.spans[int(r)][0] for r in region], dtype=np.int64)
     assert np.all(np.diff(k) > 0)
     units = int(reads[:, 2].sum()) // unit if len(reads) else 0
     counts, low = encode(k, units)
@@ -90,13 +102,17 @@ def test_the_changed_units_of_a_stream_turn_the_old_pull_into_the_new_one(
     landed = full_pull(old, reads).copy()
     pieces = np.array([[9, off, n] for off, n in _ends(reads)], dtype=np.int64).reshape(-1, 3)
     _, _, off = landing(pieces, k, unit)
-    vals = (
-        np.concatenate([values[int(r)][[a]] for r, a in zip(region, at, strict=True)])
-        if len(k)
-        else np.zeros((0, unit), np.uint8)
-    )
-    for o, v in zip(off.tolist(), vals, strict=True):
-        landed[o : o + unit] = v
+    pick = zip(region.tolist(), at.tolist(), strict=True)
+    pairs = [(olds[r][a], values[r][a]) for r, a in pick]
+    udt = unit_dtype(unit)
+    old_u = np.array([p[0] for p in pairs], dtype=udt)
+    new_u = np.array([p[1] for p in pairs], dtype=udt)
+    diff, exc = encode_values(old_u, new_u)
+    # The receiver knows each old unit from where the full pull landed it.
+    got = decode_values(landed.view(udt)[off // unit].copy(), diff, exc)
+    assert np.array_equal(got, new_u)
+    for o, v in zip(off.tolist(), got, strict=True):
+        landed[o : o + unit] = np.array([v], dtype=udt).view(np.uint8)
     assert np.array_equal(landed, full_pull(new, reads))
     changed_units = np.count_nonzero(
         full_pull(old, reads).view(unit_dtype(unit)) != full_pull(new, reads).view(unit_dtype(unit))
