@@ -5,9 +5,10 @@ The source region lives in another process (``python -m transports.servepeer``) 
 same-process transports (``local``, ``reference``) read a region of
 this process. For each piece size (4 KiB … 256 MiB) and layout (``contiguous``:
 piece i of the destination reads piece i of the source; ``shuffled``: a random
-permutation, so no two adjacent reads can merge), the best of ``--repeat`` runs is
-reported in GB/s (10^9 bytes/s) and as a ratio to memcpy of the same pieces in the
-same layout, measured in the same run (one thread, C loop, no Python per piece).
+permutation, so no two adjacent reads can merge), the median of ``--repeat`` runs is
+reported in GB/s (10^9 bytes/s) and as a ratio to memcpy's median for the same pieces
+in the same layout, measured in the same run (one thread, C loop, no Python per piece);
+``spread`` is (fastest - slowest) / median of those runs.
 With ``ucx``, a ``cma`` row shows what the kernel call under UCX's same-host path does
 on its own: the same (merged) reads as plain ``process_vm_readv`` calls from the peer's
 process, one thread (UCX may beat it with ``--lanes`` > 1).
@@ -28,6 +29,7 @@ import asyncio
 import contextlib
 import os
 import secrets
+import statistics
 import sys
 import time
 from typing import Any
@@ -54,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="transports to run (default reference,local,ucx,tcp)",
     )
     parser.add_argument(
-        "--repeat", type=int, default=3, help="timed runs per case; the best is reported"
+        "--repeat", type=int, default=5, help="timed runs per case; the median is reported"
     )
     parser.add_argument(
         "--lanes",
@@ -109,21 +111,24 @@ async def _main(args: argparse.Namespace) -> int:
         for lay in (("contiguous",) if p >= total else ("contiguous", "shuffled"))
     ]
     print(
-        f"refitd bench transport: {total >> 20} MiB per run, best of {args.repeat}, "
+        f"refitd bench transport: {total >> 20} MiB per run, median of {args.repeat}, "
         f"host cores: {os.cpu_count()}, load average: {os.getloadavg()[0]:.1f}, "
         f"shared memory huge pages: {huge_page_mode()}"
     )
     print(
-        f"{'transport':<10} {'piece':>7} {'layout':<10} {'reads':>7} {'posted':>7} {'GB/s':>7} {'x memcpy':>9}"
+        f"{'transport':<10} {'piece':>7} {'layout':<10} {'reads':>7} {'posted':>7} {'GB/s':>7} {'x memcpy':>9} {'spread':>7}"
     )
 
     def row(
-        name: str, piece: str, lay: str, reads: int, posted: int, gbps: float, ok: bool
+        name: str, piece: str, lay: str, reads: int, posted: int, runs: list[float], ok: bool
     ) -> None:
+        gbps = statistics.median(runs)
+        results[(name, piece, lay)] = gbps
         ratio = gbps / results[("memcpy", piece, lay)]
+        spread = (max(runs) - min(runs)) / gbps
         flag = "" if ok else "  VERIFY FAILED"
         print(
-            f"{name:<10} {piece:>7} {lay:<10} {reads:>7} {posted:>7} {gbps:>7.2f} {ratio:>9.2f}{flag}"
+            f"{name:<10} {piece:>7} {lay:<10} {reads:>7} {posted:>7} {gbps:>7.2f} {ratio:>9.2f} {spread:>7.2f}{flag}"
         )
 
     async with contextlib.AsyncExitStack() as stack:
@@ -169,33 +174,32 @@ async def _main(args: argparse.Namespace) -> int:
             s = (src.address + b["remote_offset"]).astype(np.int64)
             n = b["nbytes"].astype(np.int64)
             dst.numpy()[:] = 0
-            best = 0.0
+            runs = []
             for _ in range(args.repeat):
                 t0 = time.perf_counter()
                 copy.rfx_copy_batch(len(n), d.ctypes.data, s.ctypes.data, n.ctypes.data)
-                best = max(best, total / (time.perf_counter() - t0) / 1e9)
+                runs.append(total / (time.perf_counter() - t0) / 1e9)
             ok = check(dst, b, piece)
             verified &= ok
-            results[("memcpy", name, lay)] = best
-            row("memcpy", name, lay, len(b), len(b), best, ok)
+            results[("memcpy", name, lay)] = statistics.median(runs)
+            row("memcpy", name, lay, len(b), len(b), runs, ok)
             for scheme, peer in peers.items():
                 dst.numpy()[:] = 0
                 await peer.get(b)  # warm: first touch of the pages in the data plane
-                best = 0.0
+                runs = []
                 for _ in range(args.repeat):
                     t0 = time.perf_counter()
                     await peer.get(b)
-                    best = max(best, total / (time.perf_counter() - t0) / 1e9)
+                    runs.append(total / (time.perf_counter() - t0) / 1e9)
                 ok = check(dst, b, piece)
                 verified &= ok
-                results[(scheme, name, lay)] = best
                 row(
                     scheme,
                     name,
                     lay,
                     len(b),
                     len(coalesce(b)) if scheme == "ucx" else len(b),
-                    best,
+                    runs,
                     ok,
                 )
             if cma_pid:
@@ -206,18 +210,17 @@ async def _main(args: argparse.Namespace) -> int:
                 s = (cma_base + m["remote_offset"]).astype(np.int64)
                 n = m["nbytes"].astype(np.int64)
                 dst.numpy()[:] = 0
-                best = 0.0
+                runs = []
                 for _ in range(args.repeat):
                     t0 = time.perf_counter()
                     if copy.rfx_pvr_batch(
                         cma_pid, len(n), d.ctypes.data, s.ctypes.data, n.ctypes.data
                     ):
                         raise SystemExit(f"process_vm_readv from pid {cma_pid} failed")
-                    best = max(best, total / (time.perf_counter() - t0) / 1e9)
+                    runs.append(total / (time.perf_counter() - t0) / 1e9)
                 ok = check(dst, b, piece)
                 verified &= ok
-                results[("cma", name, lay)] = best
-                row("cma", name, lay, len(b), len(m), best, ok)
+                row("cma", name, lay, len(b), len(m), runs, ok)
 
         if cma_pid:  # after the pulls: a page is mapped in the peer once first read
             src_huge = huge_fraction(cma_pid, cma_base, total)
