@@ -52,7 +52,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from refitd.config import ServerConfig, is_loopback_host, resolve_group
-from refitd.errors import ConfigError
+from refitd.errors import AccessDenied, ConfigError
 from refitd.wire import RegionInfo
 from refitd.wire import routes as api
 
@@ -92,6 +92,21 @@ class Principal:
     def admin(self) -> bool:
         """Root on the Unix socket may act on any region."""
         return self.via == "unix" and self.uid == 0
+
+    def refusal(self, owner: str, action: str, what: str) -> str | None:
+        """Why this principal may not ``action`` (a verb) ``what`` (an object named
+        for the refusal) that ``owner`` owns, or None when it may. An object without
+        an owner (``""``) belongs to nobody an authenticated principal could be."""
+        if not self.authenticated or self.admin or owner == self.name:
+            return None
+        whose = f"it belongs to {owner}" if owner else "it belongs to no principal"
+        return f"{self.name} may not {action} {what}: {whose}"
+
+    def check_owns(self, owner: str, action: str, what: str) -> None:
+        """Refuse (:class:`AccessDenied`, 403) :meth:`refusal`'s cases."""
+        why = self.refusal(owner, action, what)
+        if why is not None:
+            raise AccessDenied(why)
 
 
 LOOPBACK = Principal("loopback", "loopback")
@@ -352,11 +367,9 @@ def check_owner(request: web.Request, owner: str, action: str, what: str) -> Non
     (e.g. the region id); both go into the refusal. An object without an owner
     (``""``) belongs to nobody an authenticated principal could be: refused too.
     """
-    who = principal_of(request)
-    if not who.authenticated or who.admin or owner == who.name:
-        return
-    whose = f"it belongs to {owner}" if owner else "it belongs to no principal"
-    raise _forbidden(request, f"{who.name} may not {action} {what}: {whose}")
+    why = principal_of(request).refusal(owner, action, what)
+    if why is not None:
+        raise _forbidden(request, why)
 
 
 def sees_region(request: web.Request, info: RegionInfo) -> RegionInfo:

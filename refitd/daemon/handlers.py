@@ -48,7 +48,6 @@ from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.poolapi import routes as expert_routes
 from refitd.daemon.pools import POOLS, ExpertPools, close_pools
 from refitd.daemon.pulls import PULLS, PullJob, PullManager, RemoteSource, Source
-from refitd.daemon.registry import PENDING_MANIFESTS, check_manifest_bounds
 from refitd.errors import ProtocolError, TransportError
 from refitd.wire import (
     MAX_LEASE_TTL_S,
@@ -56,6 +55,7 @@ from refitd.wire import (
     STATUS_OF,
     LeaseGrant,
     LeaseRequest,
+    ManifestIn,
     PackRequest,
     PullRequest,
     RegionAttach,
@@ -102,12 +102,7 @@ async def node(request: web.Request) -> web.Response:
 async def create_region(request: web.Request) -> web.Response:
     req: RegionCreate = await body(request)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
-    d = request.app[DAEMON]
-    who = _admit_region(request)
-    d.caps.bytes.admit(who, lambda rid: d.holds_memory(int(rid)), req.nbytes)
-    info = await d.create_region(req)
-    d.caps.regions.add(who, str(info.region_id))
-    d.caps.bytes.add(who, str(info.region_id), info.nbytes)
+    info = await request.app[DAEMON].create_region(req, principal_of(request).name)
     return reply(request, info)
 
 
@@ -115,39 +110,29 @@ async def create_region(request: web.Request) -> web.Response:
 async def attach_region(request: web.Request) -> web.Response:
     req: RegionAttach = await body(request)
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
-    d = request.app[DAEMON]
-    who = _admit_region(request)
     caller = principal_of(request)  # a uid the kernel named attaches only its own files
     uid = caller.uid if caller.via == "unix" and not caller.admin else None
-    info = await d.attach_region(req, uid, caller.via)
-    d.caps.regions.add(who, str(info.region_id))
+    info = await request.app[DAEMON].attach_region(req, uid, caller.via, caller.name)
     return reply(request, info)
-
-
-def _admit_region(request: web.Request) -> str:
-    """The caller's principal name, once ``limits.max_regions_per_principal`` admits
-    one more region for it (429 past it)."""
-    d = request.app[DAEMON]
-    who = principal_of(request).name
-    d.caps.regions.admit(who, lambda rid: d.holds_memory(int(rid)))
-    return who
 
 
 @routes.handles(api.LIST_REGIONS)
 async def list_regions(request: web.Request) -> web.Response:
-    return reply(request, [sees_region(request, r) for r in request.app[DAEMON].regions])
+    return reply(request, [sees_region(request, r) for r in request.app[DAEMON].store.regions])
 
 
 @routes.handles(api.GET_REGION)
 async def get_region(request: web.Request) -> web.Response:
-    info = request.app[DAEMON].regions.get(query_int(request, "region_id"))
+    info = request.app[DAEMON].store.regions.get(query_int(request, "region_id"))
     return reply(request, sees_region(request, info))
 
 
 @routes.handles(api.DELETE_REGION)
 async def delete_region(request: web.Request) -> web.Response:
     rid = query_int(request, "region_id")
-    check_owner(request, request.app[DAEMON].regions.get(rid).owner, "delete", f"region {rid}")
+    check_owner(
+        request, request.app[DAEMON].store.regions.get(rid).owner, "delete", f"region {rid}"
+    )
     request.app[POOLS].check_deletable(rid)  # an expert pool's region goes with its pool
     return reply(request, await request.app[DAEMON].delete_region(rid))
 
@@ -165,37 +150,14 @@ async def gc(request: web.Request) -> web.Response:
 
 @routes.handles(api.PUBLISH)
 async def publish(request: web.Request) -> web.Response:
-    d = request.app[DAEMON]
-    # Off the event loop: a manifest at the size limits takes seconds to decode and
-    # check, and other requests are answered meanwhile. A few at a time: each holds
-    # its body and decoded objects (hundreds of MB at the limits) and a worker thread.
-    async with d.manifest_checks:
-        raw = await request.read()
-        d.manifests_checking += 1
-        try:
-            m = await manifest_body(request, raw, d.limits.max_manifest_shards)
-            await asyncio.to_thread(check_manifest_bounds, m, d.regions.sizes())
-        finally:
-            d.manifests_checking -= 1
-            del raw
-    # After the awaits: what is checked from here on runs without a break.
-    who = principal_of(request)
-    d.models.check_owner(who, m.model, "publish into")  # a model's versions are its owners'
-    # A version publishes only from its publisher's regions (else it would expose
-    # another principal's bytes to its leases, and pin them against their writes),
-    # and only from memory nothing else rewrites (staging, pools, running pulls).
-    region_ids = sorted({s.region for t in m.tensors for s in t.shards})
-    for rid in region_ids:
-        check_owner(request, d.regions.get(rid).owner, "publish from", f"region {rid}")
-    d.check_publishable(region_ids)
-    # A slot of a version left pending is charged to its publisher (its manifests
-    # stay in memory until the version is ready or expires).
-    cap = d.limits.max_manifest_shards * PENDING_MANIFESTS
-    info = d.registry.publish(m, who.name, cap)
-    d.models.claim(who, m.model)
-    d.lease_changed()
-    request.app[DELTAS].published(m.model, m.version)  # compared with its base once READY
-    await announce(request.app, m.model)
+    async def read(max_shards: int) -> ManifestIn:
+        # Decoded off the event loop (:func:`manifest_body`): other requests are
+        # answered meanwhile.
+        return await manifest_body(request, await request.read(), max_shards)
+
+    info = await request.app[DAEMON].publish(read, principal_of(request))
+    request.app[DELTAS].published(info.model, info.version)  # compared with its base once READY
+    await announce(request.app, info.model)
     return reply(request, info)
 
 
@@ -263,10 +225,8 @@ async def acquire(request: web.Request) -> web.Response:
     leases = request.app[MIRRORS].leases
     cap = await leases.admit(req)
     ttl = req.ttl_s if cap is None else cap
-    d.caps.leases.admit(who.name, d.registry.is_live)
-    grant = d.registry.acquire(req.model, req.version, ttl, req.holder, owner=who.name)
+    grant = d.acquire(req.model, req.version, ttl, req.holder, who.name)
     leases.bind(grant.lease_id, req)
-    d.caps.leases.add(who.name, grant.lease_id)
     return reply(request, grant)
 
 
@@ -373,15 +333,8 @@ async def peer_pack(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     req: PackRequest = await body(request)
     lease = d.registry.check(req.lease_id, req.model, req.version)
-    # A staging region is memory its lease's principal holds: it counts against that
-    # principal's region cap, so packing again and again cannot fill /dev/shm.
-    who = lease.owner or principal_of(request).name
-    held = lambda rid: d.holds_memory(int(rid))  # noqa: E731
-    d.caps.regions.admit(who, held)
-    d.caps.bytes.admit(who, held, sum(p.nbytes for p in req.specs))
-    staged = await d.pack(req.specs, lease)
-    d.caps.regions.add(who, str(staged.region.region_id))
-    d.caps.bytes.add(who, str(staged.region.region_id), staged.region.nbytes)
+    # A staging region is memory its lease's principal holds (its caps count it).
+    staged = await d.pack(req.specs, lease, principal_of(request).name)
     return reply(request, staged)
 
 

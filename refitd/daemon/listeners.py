@@ -73,7 +73,7 @@ class WriteRule(PullListener):
     after its awaits, when its destinations are pinned."""
 
     def __init__(self, daemon: Daemon) -> None:
-        self.regions = daemon.regions
+        self.regions = daemon.store.regions
         self.registry = daemon.registry
         self.staging = daemon.staging
 

@@ -19,27 +19,29 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
 from refitd.config import LimitsConfig
+from refitd.daemon.auth import Principal
 from refitd.daemon.caps import Caps
 from refitd.daemon.drain import LeaseDrain
-from refitd.daemon.holders import Holders
 from refitd.daemon.owners import ModelOwners
 from refitd.daemon.paths import peer_paths
 from refitd.daemon.peers import PeerPolicy
 from refitd.daemon.plane import TransportSet
-from refitd.daemon.registry import Lease, Registry
+from refitd.daemon.registry import PENDING_MANIFESTS, Lease, Registry, check_manifest_bounds
 from refitd.daemon.staging import STAGING_POOL, StagingPool
-from refitd.daemon.store import RegionStore, RegionTable
+from refitd.daemon.store import RegionStore
 from refitd.daemon.trust import Extents
 from refitd.errors import AccessDenied, ConflictError, RefitError, TransportError
 from refitd.wire import (
     GcReport,
+    LeaseGrant,
+    ManifestIn,
     NodeInfo,
     PackSpec,
     PeerRegions,
@@ -49,7 +51,6 @@ from refitd.wire import (
     StagedPack,
     VersionInfo,
 )
-from transports.interface import MappedMemory, Transport
 from transports.local import Copier
 from transports.segments import cleanup_stale, huge_page_mode
 from transports.shm import ShmTransport, boot_id, file_id
@@ -154,7 +155,8 @@ class Daemon:
         #: how many may be at once (the others wait before their body is read)
         self.manifests_checking = 0
         self.manifest_checks = asyncio.Semaphore(MANIFEST_CHECKS)
-        #: per-principal caps on leases, regions and pulls (``[limits]``)
+        #: per-principal caps on leases, regions and pulls (``[limits]``): the region
+        #: store and the staging pool admit regions and bytes, :meth:`acquire` leases
         self.caps = Caps(
             self.limits.max_leases_per_principal,
             self.limits.max_regions_per_principal,
@@ -173,7 +175,7 @@ class Daemon:
                 secret=options.secret, peer_id=self.node_id, copier=copier, boot_id=self.boot_id
             )
         )
-        self.store = RegionStore(self.incarnation, self.plane, self.registry)
+        self.store = RegionStore(self.incarnation, self.plane, self.registry, self.caps)
         self.staging = StagingPool(self.store, self.registry, self.plane.shm)
         self.drain = LeaseDrain(self.registry, clock)
         self.ready = False
@@ -187,44 +189,6 @@ class Daemon:
         #: host mirrors' hook (:mod:`refitd.daemon.mirrors`): what a lease on a version
         #: may read of a mirror still filling (only complete chunks are served)
         self.scope_limit: Callable[[str, int, dict[int, Extents]], dict[int, Extents]] | None = None
-
-    # ------------------------------------------------------------ parts, by their old names
-
-    @property
-    def regions(self) -> RegionTable:
-        return self.store.regions
-
-    @property
-    def segments(self) -> dict[int, MappedMemory]:
-        return self.store.segments
-
-    @property
-    def holders(self) -> Holders:
-        return self.store.holders
-
-    @property
-    def pool_regions(self) -> dict[int, str]:
-        """Regions an expert pool holds -> the pool's name (set by the pools)."""
-        return self.store.pool_regions
-
-    @property
-    def shm(self) -> ShmTransport:
-        return self.plane.shm
-
-    @property
-    def transports(self) -> dict[str, Transport]:
-        """Every transport started, by scheme (see :mod:`refitd.daemon.paths`)."""
-        return self.plane.by_scheme
-
-    @property
-    def transport(self) -> Transport | None:
-        """Every mode but shm: the primary transport."""
-        return self.plane.primary
-
-    @property
-    def staging_ids(self) -> frozenset[int]:
-        """Every staging region of this daemon (held or free)."""
-        return self.staging.ids
 
     # ------------------------------------------------------------ lifecycle
 
@@ -300,8 +264,8 @@ class Daemon:
 
     def info(self) -> NodeInfo:
         worker: dict[str, str] = {}
-        if self.transport is not None:
-            advert = self.transport.advertise()
+        if self.plane.primary is not None:
+            advert = self.plane.primary.advertise()
             worker = {"scheme": advert.scheme, "peer_id": advert.peer_id}
         return NodeInfo(
             self.node_id,
@@ -315,15 +279,20 @@ class Daemon:
 
     # ------------------------------------------------------------ regions
 
-    async def create_region(self, req: RegionCreate) -> RegionInfo:
-        """A new daemon-owned segment of exactly ``req.nbytes`` bytes (≥ 1)."""
-        return await self.store.create_region(req)
+    async def create_region(self, req: RegionCreate, principal: str | None = None) -> RegionInfo:
+        """A new daemon-owned segment of exactly ``req.nbytes`` bytes (≥ 1), within
+        ``principal``'s caps (:meth:`RegionStore.create_region`)."""
+        return await self.store.create_region(req, principal)
 
     async def attach_region(
-        self, req: RegionAttach, uid: int | None = None, via: str = "loopback"
+        self,
+        req: RegionAttach,
+        uid: int | None = None,
+        via: str = "loopback",
+        principal: str | None = None,
     ) -> RegionInfo:
         """Map (or open) memory a client made (see :meth:`RegionStore.attach_region`)."""
-        return await self.store.attach_region(req, uid, via)
+        return await self.store.attach_region(req, uid, via, principal)
 
     async def delete_region(self, region_id: int) -> RegionInfo:
         """Forget a region (``DELETE /v1/regions/{id}``). Refused (409) while a READY,
@@ -331,7 +300,7 @@ class Daemon:
         leased), while a running pull of this daemon reads or writes it (its mapping
         is never unmapped under a copy), and (403) for a staging region, which only
         the daemon itself frees."""
-        self.regions.get(region_id)
+        self.store.regions.get(region_id)
         if region_id in self.staging:
             raise AccessDenied(
                 f"region {region_id} refused deletion: it is a staging region of this "
@@ -371,9 +340,9 @@ class Daemon:
             why = ""
             if rid in self.staging:
                 why = "it is a staging region of this daemon, which repacks it for other leases"
-            elif rid in self.pool_regions:
+            elif rid in self.store.pool_regions:
                 why = (
-                    f"it is a region of expert pool {self.pool_regions[rid]!r}, whose ensure "
+                    f"it is a region of expert pool {self.store.pool_regions[rid]!r}, whose ensure "
                     "and pulls rewrite it"
                 )
             elif writers := self.store.writers(rid):
@@ -387,13 +356,46 @@ class Daemon:
                     "change once published"
                 )
 
+    async def publish(
+        self, read: Callable[[int], Awaitable[ManifestIn]], principal: Principal
+    ) -> VersionInfo:
+        """Publish one slot's manifest for ``principal``; ``read(max_shards)`` decodes
+        it from the request (refused past ``limits.max_manifest_shards`` shards).
+
+        The steps, in order: the manifest is read and checked against the regions'
+        bounds off the event loop, a few at a time (each holds its body and decoded
+        objects, hundreds of MB at the limits, and a worker thread); the model must be
+        the principal's to publish into, and every region it publishes from the
+        principal's (403: else it would expose another principal's bytes to its
+        leases, and pin them against their writes), and none rewritten by anything
+        else (409, :meth:`check_publishable`); the registry takes the slot, charged to
+        its publisher while its version is pending; the principal becomes the model's
+        owner if nobody was; drain waiters wake."""
+        async with self.manifest_checks:
+            self.manifests_checking += 1
+            try:
+                m = await read(self.limits.max_manifest_shards)
+                await asyncio.to_thread(check_manifest_bounds, m, self.store.regions.sizes())
+            finally:
+                self.manifests_checking -= 1
+        # After the awaits: what is checked from here on runs without a break.
+        self.models.check_owner(principal, m.model, "publish into")
+        region_ids = sorted({s.region for t in m.tensors for s in t.shards})
+        for rid in region_ids:
+            principal.check_owns(self.store.regions.get(rid).owner, "publish from", f"region {rid}")
+        self.check_publishable(region_ids)
+        # A slot of a version left pending is charged to its publisher (its manifests
+        # stay in memory until the version is ready or expires).
+        cap = self.limits.max_manifest_shards * PENDING_MANIFESTS
+        info = self.registry.publish(m, principal.name, cap)
+        self.models.claim(principal, m.model)
+        self.lease_changed()
+        return info
+
     def holds_memory(self, region_id: int) -> bool:
-        """Whether ``region_id`` holds memory for a principal now: a region that
-        exists and, for a staging region, is held for a lease (a free one waits in
-        the pool for anyone). What the region cap counts."""
-        if region_id not in self.regions:
-            return False
-        return region_id not in self.staging or self.staging.is_held(region_id)
+        """Whether ``region_id`` holds memory for a principal now
+        (:meth:`RegionStore.holds_memory`). What the region cap counts."""
+        return self.store.holds_memory(region_id)
 
     # ------------------------------------------------------------ peer records
 
@@ -435,7 +437,8 @@ class Daemon:
                     "its version's shards and staging packed for it"
                 )
             scope = {i: allowed[i] for i in ids}
-        infos = list(self.regions) if ids is None else [self.regions.get(i) for i in ids]
+        regions = self.store.regions
+        infos = list(regions) if ids is None else [regions.get(i) for i in ids]
         # The holder process is nobody's business but the region's owner; the segment
         # name only a reader under a lease needs (a same-host daemon maps it by name).
         infos = [
@@ -448,7 +451,7 @@ class Daemon:
         if lease is not None:
             adverts = self.plane.adverts()
             advert = next(iter(adverts.values()), b"")
-            files = self.shm.file_ids([r.region_id for r in infos])
+            files = self.plane.shm.file_ids([r.region_id for r in infos])
         rec = PeerRegions(
             self.node_id,
             self.incarnation,
@@ -465,10 +468,23 @@ class Daemon:
 
     # ------------------------------------------------------------ packing and leases
 
-    async def pack(self, specs: list[PackSpec], lease: Lease) -> StagedPack:
+    async def pack(
+        self, specs: list[PackSpec], lease: Lease, principal: str | None = None
+    ) -> StagedPack:
         """Gather specs into a staging region for ``lease`` (:meth:`StagingPool.pack`),
-        reading only what :meth:`version_scope` allows."""
-        return await self.staging.pack(specs, lease, self.version_scope(lease))
+        reading only what :meth:`version_scope` allows, within the caps of the lease's
+        principal (else ``principal``'s)."""
+        return await self.staging.pack(specs, lease, self.version_scope(lease), principal)
+
+    def acquire(
+        self, model: str, version: int, ttl_s: float, holder: str, principal: str
+    ) -> LeaseGrant:
+        """Lease a READY version for ``principal``, within its lease cap (429 past
+        ``limits.max_leases_per_principal``)."""
+        self.caps.leases.admit(principal, self.registry.is_live)
+        grant = self.registry.acquire(model, version, ttl_s, holder, owner=principal)
+        self.caps.leases.add(principal, grant.lease_id)
+        return grant
 
     async def release_staging(self, region_id: int, lease_id: str) -> None:
         """Return a staging region to the pool (:meth:`StagingPool.release`)."""

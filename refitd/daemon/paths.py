@@ -221,7 +221,7 @@ def peer_paths(daemon: Daemon, seen: dict[str, tuple[str, str]]) -> dict[str, st
     if mode == SHM_SCHEME:
         default = "shm: this daemon runs the same-host path only"
     elif mode == AUTO:
-        remote = UCX_SCHEME if UCX_SCHEME in daemon.transports else TCP_SCHEME
+        remote = UCX_SCHEME if UCX_SCHEME in daemon.plane.by_scheme else TCP_SCHEME
         why = (
             "this host's UCX offers RDMA (if the peer's does too)"
             if remote == UCX_SCHEME

@@ -32,18 +32,9 @@ routes = RouteTable()
 async def create_pool(request: web.Request) -> web.Response:
     spec: PoolCreate = await body(request)
     owner = owner_for(request, spec.owner)
-    # A pool's two regions are its creator's memory: they count against its region cap.
-    d, who = request.app[DAEMON], principal_of(request).name
-    held = lambda rid: d.holds_memory(int(rid))  # noqa: E731
-    d.caps.regions.admit(who, held, n=2)
-    row = sum(spec.row_bytes)
-    d.caps.bytes.admit(who, held, row * (spec.layers * spec.experts + spec.slots))
-    pool = await request.app[POOLS].create(spec, owner)
-    info = pool.info()
-    for rid in (info.host_region, info.slot_region):
-        d.caps.regions.add(who, str(rid))
-        d.caps.bytes.add(who, str(rid), d.regions.get(rid).nbytes)
-    return reply(request, info)
+    # A pool's two regions are its creator's memory: they count against its caps.
+    pool = await request.app[POOLS].create(spec, owner, principal_of(request).name)
+    return reply(request, pool.info())
 
 
 @routes.handles(api.LIST_POOLS)

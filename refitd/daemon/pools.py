@@ -369,9 +369,20 @@ class ExpertPools(PullListener):
             raise NotFoundError(f"expert pool {name!r} does not exist on this daemon")
         return pool
 
-    async def create(self, spec: PoolCreate, owner: str) -> ExpertPool:
+    async def create(
+        self, spec: PoolCreate, owner: str, principal: str | None = None
+    ) -> ExpertPool:
         """Check the geometry, then create both regions and the pool; on any refusal
-        nothing is left behind."""
+        nothing is left behind. A pool's two regions are the memory of ``principal``
+        (its creator): admitted by its region and byte caps first (429), and counted."""
+        store = self.daemon.store
+        if principal is not None:
+            rows = spec.layers * spec.experts + spec.slots
+            store.admit(principal, 2, sum(spec.row_bytes) * rows)
+            pool = await self.create(spec, owner)
+            for made in (pool.host, pool.slot_region):
+                store.charge(principal, store.regions.get(made.region_id))
+            return pool
         if spec.name in self._pools:
             raise ConflictError(f"expert pool {spec.name!r} refused: a pool of that name exists")
         if spec.slots < spec.experts:
@@ -395,12 +406,12 @@ class ExpertPools(PullListener):
                 expert_bytes * spec.layers * spec.experts, owner=owner, label="experts-host"
             )
         )
-        d.pool_regions[host.region_id] = spec.name  # never a version's memory (see publish)
+        store.pool_regions[host.region_id] = spec.name  # never a version's memory (see publish)
         try:
             slots = await d.create_region(
                 RegionCreate(expert_bytes * spec.slots, owner=owner, label="experts-slots")
             )
-            d.pool_regions[slots.region_id] = spec.name
+            store.pool_regions[slots.region_id] = spec.name
         except BaseException:
             await self._drop(host.region_id)
             raise
@@ -432,7 +443,7 @@ class ExpertPools(PullListener):
 
     async def _drop(self, region_id: int) -> None:
         """Delete one of a pool's regions (it stops being a pool region first)."""
-        self.daemon.pool_regions.pop(region_id, None)
+        self.daemon.store.pool_regions.pop(region_id, None)
         await self.daemon.delete_region(region_id)
 
     def holding(self, region_id: int) -> ExpertPool | None:

@@ -112,7 +112,7 @@ def _snapshot(app: web.Application) -> StateSnapshot:
     daemon = app[DAEMON]
     regions: dict[str, int] = {}
     registered: dict[str, int] = {}
-    for region in daemon.regions:
+    for region in daemon.store.regions:
         kind = str(region.kind)
         regions[kind] = regions.get(kind, 0) + 1
         # Regions are registered with the data plane whole, once.

@@ -48,6 +48,8 @@ class StagingPool:
         #: at its start); a reader that never releases one cannot keep it past its lease
         #: (see _reclaim), and the lease reads only the bytes packed for it
         self._held: dict[int, tuple[str, int]] = {}
+        # A free staging region holds memory for nobody: no principal's cap counts it.
+        store.idle = lambda region_id: region_id in self._ids and region_id not in self._held
 
     @property
     def ids(self) -> frozenset[int]:
@@ -72,7 +74,11 @@ class StagingPool:
         }
 
     async def pack(
-        self, specs: list[PackSpec], lease: Lease, scope: dict[int, Extents]
+        self,
+        specs: list[PackSpec],
+        lease: Lease,
+        scope: dict[int, Extents],
+        principal: str | None = None,
     ) -> StagedPack:
         """Gather each spec's strided block into one new daemon-owned staging region.
 
@@ -82,7 +88,17 @@ class StagingPool:
         (live, checked by the caller) may read of its version's regions now, which for
         a mirror still filling is only its complete chunks. The region is held for that lease: released
         by its holder (:meth:`release`) or reclaimed once the lease is gone.
+
+        With ``principal`` (the caller) the region is memory the lease's principal
+        (else the caller) holds: admitted by its region and byte caps (429 past them,
+        so packing again and again cannot fill /dev/shm) and counted against it.
         """
+        if principal is not None:
+            who = lease.owner or principal
+            self.store.admit(who, 1, sum(p.nbytes for p in specs))
+            staged = await self.pack(specs, lease, scope)
+            self.store.charge(who, staged.region)
+            return staged
         if not specs:
             raise ProtocolError("pack refused: the request names no pack spec, nothing to pack")
         store = self.store

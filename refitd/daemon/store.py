@@ -11,6 +11,11 @@ it is never unmapped under a copy) and marked while a pull writes it
 (:meth:`RegionStore.writing`; no version is published from it meanwhile). A region
 created or attached with a ``holder`` lives with that client process: once it exits,
 its regions are released as soon as nothing needs them any more (:meth:`RegionStore.reap`).
+
+The store also admits regions against their principal's caps (``[limits]``
+``max_regions_per_principal``, ``max_region_bytes_per_principal``): a region made or
+attached for a principal is refused (429) past them, and counted once made
+(:meth:`RegionStore.admit`, :meth:`RegionStore.charge`).
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import errno
 import itertools
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
+from refitd.daemon.caps import Caps
 from refitd.daemon.holders import Holders
 from refitd.daemon.memory import (
     SharedSegment,
@@ -116,8 +122,19 @@ class RegionStore:
     daemon life (``incarnation``), registered with the data planes of ``plane``.
     ``registry`` says which regions a version protects from deletion and reaping."""
 
-    def __init__(self, incarnation: int, plane: TransportSet, registry: Registry) -> None:
+    def __init__(
+        self,
+        incarnation: int,
+        plane: TransportSet,
+        registry: Registry,
+        caps: Caps | None = None,
+    ) -> None:
         self.incarnation = incarnation
+        #: per-principal caps (``[limits]``); the region and byte caps are admitted here
+        self.caps = caps or Caps(0, 0, 0)
+        #: whether a region holds memory for nobody now (a free staging region, which
+        #: waits in its pool for anyone): set by the staging pool
+        self.idle: Callable[[int], bool] = lambda region_id: False
         self.plane = plane
         self.registry = registry
         self.regions = RegionTable(incarnation)
@@ -197,8 +214,40 @@ class RegionStore:
         self.segments[rid] = seg
         return self.regions.add(info)
 
-    async def create_region(self, req: RegionCreate) -> RegionInfo:
-        """A new daemon-owned segment of exactly ``req.nbytes`` bytes (≥ 1)."""
+    # ------------------------------------------------------------ per-principal caps
+
+    def holds_memory(self, region_id: int) -> bool:
+        """Whether ``region_id`` holds memory for a principal now: a region that
+        exists and is not idle (a free staging region). What the region cap counts."""
+        return region_id in self.regions and not self.idle(region_id)
+
+    def _alive(self, region_id: str) -> bool:
+        return self.holds_memory(int(region_id))
+
+    def admit(self, principal: str, regions: int = 1, nbytes: int = 0) -> None:
+        """Refuse (:class:`~refitd.errors.QuotaExceeded`, 429) unless ``principal`` may
+        hold ``regions`` more regions and ``nbytes`` more bytes the daemon makes."""
+        self.caps.regions.admit(principal, self._alive, regions)
+        if nbytes:
+            self.caps.bytes.admit(principal, self._alive, nbytes)
+
+    def charge(self, principal: str, info: RegionInfo, *, memory: bool = True) -> RegionInfo:
+        """Count region ``info`` against ``principal`` (after :meth:`admit`), and its
+        bytes too when the daemon made its memory (``memory``)."""
+        self.caps.regions.add(principal, str(info.region_id))
+        if memory:
+            self.caps.bytes.add(principal, str(info.region_id), info.nbytes)
+        return info
+
+    # ------------------------------------------------------------ regions
+
+    async def create_region(self, req: RegionCreate, principal: str | None = None) -> RegionInfo:
+        """A new daemon-owned segment of exactly ``req.nbytes`` bytes (≥ 1); for
+        ``principal`` (admitted by its region and byte caps, and counted), else the
+        daemon's own."""
+        if principal is not None:
+            self.admit(principal, 1, req.nbytes)
+            return self.charge(principal, await self.create_region(req))
         if req.kind is not RegionKind.SHM:
             refuse_created_gpu_memory()
         check_shm_capacity(req.nbytes, f"region of {req.nbytes} bytes")
@@ -220,7 +269,11 @@ class RegionStore:
         )
 
     async def attach_region(
-        self, req: RegionAttach, uid: int | None = None, via: str = "loopback"
+        self,
+        req: RegionAttach,
+        uid: int | None = None,
+        via: str = "loopback",
+        principal: str | None = None,
     ) -> RegionInfo:
         """Map (or open) memory a client made; its size must equal ``req.nbytes``.
 
@@ -231,7 +284,13 @@ class RegionStore:
         allocation's IPC handle is a bearer capability) is taken only where the
         caller's identity stands in for it: ``via`` the Unix socket, from a
         ``holder`` process of the caller's uid, or from the unauthenticated loopback
-        of a single-user daemon; never from a token's tenant (docs/trust.md)."""
+        of a single-user daemon; never from a token's tenant (docs/trust.md).
+        ``principal``: the caller, admitted by its region cap and counted (the memory
+        is the client's, so not its byte cap)."""
+        if principal is not None:
+            self.admit(principal)
+            info = await self.attach_region(req, uid, via)
+            return self.charge(principal, info, memory=False)
         if not proves_owner(req.kind):
             # Decided before the memory is opened: opening maps it into the daemon.
             if via == "token":

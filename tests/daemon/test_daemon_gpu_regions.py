@@ -55,7 +55,7 @@ async def test_a_tokens_tenant_cannot_register_gpu_memory_whose_handle_proves_no
     async with daemon(tmp_path, tokens=True) as (d, a):
         with pytest.raises(AccessDenied, match="Unix socket"):
             await a.attach_region(HANDLE, 1 << 20, kind=RegionKind.CUDA_IPC)
-        assert len(d.regions) == 0
+        assert len(d.store.regions) == 0
 
 
 @no_gpu
@@ -67,7 +67,7 @@ async def test_attaching_gpu_memory_on_a_host_without_cuda_is_refused_naming_why
             await c.attach_region(HANDLE, 1 << 20, kind=RegionKind.CUDA_IPC)
         with pytest.raises(PlanError, match="no CUDA device"):
             await c.create_region(1 << 20, kind=RegionKind.CUDA_IPC)
-        assert len(d.regions) == 0
+        assert len(d.store.regions) == 0
         # The host path is untouched by the refusal.
         info = await c.create_region(4096)
         assert [r.region_id for r in await c.regions()] == [info.region_id]
@@ -117,7 +117,7 @@ async def test_on_the_unix_socket_gpu_memory_needs_a_holder_of_the_callers_uid(
         # The caller's own process passes the owner check; this host then has no CUDA.
         with pytest.raises(PlanError, match="no CUDA device"):
             await d.attach_region(mine, os.getuid(), "unix")
-        assert len(d.regions) == 0
+        assert len(d.store.regions) == 0
 
 
 async def test_no_refusal_of_gpu_memory_quotes_its_handle(tmp_path: Path) -> None:

@@ -139,9 +139,9 @@ async def test_a_number_too_large_for_64_bits_is_refused(env: Env) -> None:
     ],
 )
 async def test_a_region_create_that_no_memory_can_satisfy_is_refused(env: Env, value: Any) -> None:
-    before = len(env.daemon.regions)
+    before = len(env.daemon.store.regions)
     await env.refused("POST", "/v1/regions", value)
-    assert len(env.daemon.regions) == before
+    assert len(env.daemon.store.regions) == before
 
 
 @pytest.mark.parametrize(
@@ -301,7 +301,7 @@ async def test_a_pull_into_a_leased_versions_own_bytes_is_refused(env: Env) -> N
     body = pull_body(env, rows([env.src, 0, env.src, 64, 16]))
     detail = await env.refused("POST", PULLS, body, status=409)
     assert f"region {env.src}" in detail and "leased" in detail
-    info = env.daemon.regions.get(env.src)
+    info = env.daemon.store.regions.get(env.src)
     with SharedSegment.attach(info.handle, W_BYTES) as seg:
         assert np.array_equal(seg.numpy(np.float32), env.expected)
 
@@ -411,7 +411,7 @@ async def test_a_client_region_labelled_staging_cannot_be_released_into_the_pool
     rid = info["region_id"]
     detail = await env.refused("DELETE", f"/v1/peer/staging/{rid}", raw=b"", ctype=None, status=409)
     assert f"region {rid}" in detail
-    assert env.daemon.regions.get(rid).label == "staging"
+    assert env.daemon.store.regions.get(rid).label == "staging"
 
 
 @pytest.mark.parametrize(
@@ -426,17 +426,17 @@ async def test_a_hostile_peer_pack_request_packs_nothing(env: Env, case: str) ->
     }.get(case, [env.src, 0, [4], [1], 4, 0, 0])
     lease = "l0-forged" if case == "forged lease" else env.lease
     body = {"model": "toy", "version": 1, "lease_id": lease, "specs": [spec]}
-    before = len(env.daemon.regions)
+    before = len(env.daemon.store.regions)
     await env.refused("POST", "/v1/peer/pack", body)
-    assert len(env.daemon.regions) == before, "a refused pack made a staging region"
+    assert len(env.daemon.store.regions) == before, "a refused pack made a staging region"
 
 
 async def test_a_pack_request_naming_no_spec_is_refused(env: Env) -> None:
-    before = len(env.daemon.regions)
+    before = len(env.daemon.store.regions)
     body = {"model": "toy", "version": 1, "lease_id": env.lease, "specs": []}
     detail = await env.refused("POST", "/v1/peer/pack", body, status=400)
     assert "no pack spec" in detail
-    assert len(env.daemon.regions) == before, "an empty pack made a staging region"
+    assert len(env.daemon.store.regions) == before, "an empty pack made a staging region"
 
 
 async def test_staging_a_reader_never_released_is_reclaimed_when_its_lease_ends(
@@ -449,14 +449,14 @@ async def test_staging_a_reader_never_released_is_reclaimed_when_its_lease_ends(
         )
 
     careless = await env.client.acquire_lease("toy", 1, ttl_s=60)
-    before = len(env.daemon.regions)
+    before = len(env.daemon.store.regions)
     for _ in range(3):  # a careless reader: packs, never calls DELETE /peer/staging
         code, _ = await env.send("POST", "/v1/peer/pack", pack_body(careless.lease_id))
         assert code == 201
-    assert len(env.daemon.regions) == before + 3
+    assert len(env.daemon.store.regions) == before + 3
     await env.client.release_lease(careless.lease_id)
     # The next pack, under any lease, first frees what the ended lease held (deleted,
     # never repacked: that reader may still be reading it).
     code, _ = await env.send("POST", "/v1/peer/pack", pack_body(env.lease))
     assert code == 201
-    assert len(env.daemon.regions) == before + 1, "the ended lease's staging was not freed"
+    assert len(env.daemon.store.regions) == before + 1, "the ended lease's staging was not freed"

@@ -231,9 +231,9 @@ def pool(**kw: Any) -> dict[str, Any]:
     ],
 )
 async def test_a_pool_geometry_no_memory_can_hold_is_refused(env: Env, kw: dict[str, Any]) -> None:
-    before = len(env.daemon.regions)
+    before = len(env.daemon.store.regions)
     await env.refused("POST", EXPERTS, pool(**kw))
-    assert len(env.daemon.regions) == before, "a refused pool left a region behind"
+    assert len(env.daemon.store.regions) == before, "a refused pool left a region behind"
     assert await env.client.pools() == []
 
 

@@ -106,7 +106,7 @@ async def test_a_pull_from_a_hung_source_fails_naming_it_while_a_pull_from_a_hea
             dst_a.numpy()[:] = 0
             dst_b.numpy()[:] = 0
 
-            serving = a.daemon.transport.pid  # type: ignore[union-attr]
+            serving = a.daemon.plane.primary.pid  # type: ignore[union-attr]
             assert serving is not None
             os.kill(serving, signal.SIGSTOP)  # A's API answers; its data plane hangs
             try:

@@ -133,7 +133,7 @@ async def test_without_tokens_a_ready_version_is_not_rewritten_through_an_alias(
                     "n", 1, lease.lease_id, DescriptorTable(rows([other, 0, alias.region_id, 0, 8]))
                 )
             )
-        seg = d.segments[src].numpy(np.uint8)
+        seg = d.store.segments[src].numpy(np.uint8)
         assert (seg == 7).all(), "a READY version's bytes changed"
 
 
@@ -285,7 +285,7 @@ async def test_a_staging_region_is_its_leases_and_a_lease_reads_only_the_bytes_p
     async with two_tenants(tmp_path) as t:
         a_src = (await t.a.create_region(big, label="a-big")).region_id
         d = t.daemon
-        d.segments[a_src].numpy(np.uint8)[:] = 0xAB
+        d.store.segments[a_src].numpy(np.uint8)[:] = 0xAB
         shard = ShardEntry((0,), (big,), a_src, 0)
         await t.a.publish(ManifestIn("am", 1, 0, 1, [TensorEntry("w", (big,), "uint8", [shard])]))
         a_lease = await t.a.acquire_lease("am", 1, ttl_s=600)
@@ -303,7 +303,7 @@ async def test_a_staging_region_is_its_leases_and_a_lease_reads_only_the_bytes_p
         assert small.region.owner == "b"
         rec = await t.b.peer_regions([sid], b_lease.lease_id, "bm", 1)
         assert rec.scope[sid] == [(0, 16)]
-        view = d.segments[sid].numpy(np.uint8)
+        view = d.store.segments[sid].numpy(np.uint8)
         assert (view[:16] == 3).all() and not view[16:].any(), "a's bytes survived the reuse"
 
 
@@ -380,7 +380,7 @@ async def test_a_socket_uid_attaches_only_segments_it_owns_never_the_daemons_fil
         reply = out.decode()
         assert reply.startswith("HTTP/1.0 403"), reply
         assert f"belongs to uid 0, not to the caller's uid {NOBODY}" in reply
-        assert len(d.regions) == 0
+        assert len(d.store.regions) == 0
 
 
 @pytest.mark.parametrize("name", ["loopback", "uid:0", "uid:1000"])
@@ -426,5 +426,5 @@ async def test_a_staging_region_whose_lease_ended_mid_read_is_never_repacked_for
         gated.gate.set()
         with pytest.raises(ConflictError, match="lease"):  # it ended while bytes moved
             await t.a.wait_pull(started.pull_id)
-        got = t.daemon.segments[dst.region_id].numpy(np.uint8)
+        got = t.daemon.store.segments[dst.region_id].numpy(np.uint8)
         assert not (got == 2).any(), "a's destination received b's packed bytes"

@@ -101,7 +101,7 @@ async def test_auto_is_the_default_mode_and_starts_tcp_and_ucx_only_where_ucx_of
         info = await n.client.node()
         assert info.worker_info["scheme"] == "tcp"
         rdma = has_rdma(info.ucx_transports)
-        assert set(n.daemon.transports) == ({"tcp", "ucx"} if rdma else {"tcp"})
+        assert set(n.daemon.plane.by_scheme) == ({"tcp", "ucx"} if rdma else {"tcp"})
     assert transport_schemes("auto", ["tcp/eth0", "cma/memory"]) == ["tcp"]
     assert transport_schemes("auto", ["tcp/eth0", "rc_mlx5/mlx5_0:1"]) == ["tcp", "ucx"]
     assert transport_schemes("ucx", []) == ["ucx"]
@@ -216,14 +216,14 @@ async def test_a_same_host_pull_keeps_the_peers_mappings_between_pulls() -> None
                 assert res.path == "shm" and (seg.numpy() == 4).all()
             await engine.client.delete_region(dst)
         # One mapping of the source's segment, made by the first pull, reused since.
-        assert engine.daemon.shm.maps_made == 1 and engine.daemon.shm.mapped == 1
+        assert engine.daemon.plane.shm.maps_made == 1 and engine.daemon.plane.shm.mapped == 1
 
 
 async def test_a_same_host_pull_from_a_peer_whose_segment_maps_another_file_is_refused() -> None:
     """... before any byte moves, naming the region and why."""
     async with node("src", transport="shm") as src, node("engine", transport="shm") as engine:
         region, _ = await publish(src, 4)
-        name = src.daemon.regions.get(region).handle
+        name = src.daemon.store.regions.get(region).handle
         # The name now maps another file of the same size (what another /dev/shm shows).
         os.unlink(SHM_DIR / name)
         fd = os.open(SHM_DIR / name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -236,7 +236,7 @@ async def test_a_same_host_pull_from_a_peer_whose_segment_maps_another_file_is_r
             ):
                 await engine.client.submit_pull(req)
             assert not seg.numpy().any() and await engine.client.pulls() == []
-        assert engine.daemon.shm.mapped == 0
+        assert engine.daemon.plane.shm.mapped == 0
 
 
 async def test_a_pull_from_this_daemon_reads_through_its_own_segments_without_mapping_any() -> None:
@@ -251,7 +251,7 @@ async def test_a_pull_from_this_daemon_reads_through_its_own_segments_without_ma
                 PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows), [])
             )
             assert res.path == "shm" and (seg.numpy() == 6).all()
-        assert n.daemon.shm.maps_made == 0
+        assert n.daemon.plane.shm.maps_made == 0
 
 
 async def test_same_host_pulls_under_two_leases_from_one_peer_at_once_both_land() -> None:
@@ -281,7 +281,7 @@ async def test_data_plane_lanes_and_port_configure_the_tcp_data_server() -> None
     config = load_config(env={}, overrides={"data_plane.lanes": "2"})
     assert config.data_plane.lanes == 2 and config.data_plane.tcp_port == 0
     async with node("solo", transport="tcp", lanes=2) as n:
-        t = n.daemon.transports["tcp"]
+        t = n.daemon.plane.by_scheme["tcp"]
         assert isinstance(t, TcpTransport) and t.lanes == 2 and t.require_lease
         assert t.incarnation == n.daemon.incarnation, (
             "a restarted daemon's data server has a new incarnation"
@@ -290,7 +290,7 @@ async def test_data_plane_lanes_and_port_configure_the_tcp_data_server() -> None
 
 async def test_the_tcp_data_server_answers_only_trusted_peers_hosts_and_loopback() -> None:
     async with node("solo", transport="tcp", peers=("http://10.0.0.7:*",)) as n:
-        accept = n.daemon.transports["tcp"].accept  # type: ignore[attr-defined]
+        accept = n.daemon.plane.by_scheme["tcp"].accept  # type: ignore[attr-defined]
         assert accept("10.0.0.7") and accept("127.0.0.1")
         assert not accept("10.0.0.8"), "a host neither allow-listed nor registered"
         n.daemon.peers.trust("http://10.0.0.8:7450", origin="registry")

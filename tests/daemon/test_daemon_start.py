@@ -38,7 +38,7 @@ async def test_auto_without_rdma_asks_ucx_only_once_node_info_is_asked_for() -> 
         pytest.skip("this host has an RDMA device: auto asks UCX at start, as it must")
     daemon = Daemon(DaemonOptions(port=0))
     async with serving_daemons(daemon) as (c,):
-        assert set(daemon.transports) == {"tcp"}
+        assert set(daemon.plane.by_scheme) == {"tcp"}
         assert daemon.ucx_transports == []  # not asked yet
         node = await c.node()
         assert node.ucx_transports == await ucx_transports()
@@ -50,7 +50,7 @@ async def test_a_shm_daemon_never_asks_ucx() -> None:
     daemon = Daemon(DaemonOptions(port=0, transport="shm"))
     async with serving_daemons(daemon) as (c,):
         assert (await c.node()).ucx_transports == []
-        assert daemon.transports == {}
+        assert daemon.plane.by_scheme == {}
 
 
 def test_serve_asked_for_ucx_reports_ready_only_with_ucx_up(secret_file: str) -> None:

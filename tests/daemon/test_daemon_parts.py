@@ -1,0 +1,137 @@
+"""The daemon's rules live in the parts that own them, not in its HTTP handlers: the
+region store and the staging pool admit memory against a principal's caps, and
+``Daemon.publish`` runs every step of a publish. Called here directly, with no HTTP
+in between, on a real daemon with real shared memory."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import numpy as np
+import pytest
+
+from refitd.config import LimitsConfig
+from refitd.daemon.auth import Principal
+from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.errors import AccessDenied, ConflictError, QuotaExceeded
+from refitd.wire import (
+    ManifestIn,
+    PackSpec,
+    RegionCreate,
+    ShardEntry,
+    TensorEntry,
+    VersionState,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+ALICE = Principal("alice", "token")
+BOB = Principal("bob", "token")
+
+
+@pytest.fixture
+async def daemon() -> AsyncIterator[Daemon]:
+    limits = LimitsConfig(max_regions_per_principal=2, max_region_bytes_per_principal=1 << 20)
+    d = Daemon(DaemonOptions(port=0, node_id="parts", transport="shm", limits=limits))
+    await d.start()
+    try:
+        yield d
+    finally:
+        await d.close()
+
+
+def manifest(region_id: int, version: int = 1) -> ManifestIn:
+    shard = ShardEntry((0,), (64,), region_id, 0)
+    return ManifestIn("m", version, 0, 1, [TensorEntry("w", (64,), "uint8", [shard])])
+
+
+def reader(m: ManifestIn) -> Callable[[int], Awaitable[ManifestIn]]:
+    """What the publish handler hands the daemon: a decoder of its request's body."""
+
+    async def read(max_shards: int) -> ManifestIn:
+        assert max_shards == 1 << 20  # the daemon's limit, handed to the decoder
+        return m
+
+    return read
+
+
+async def test_the_region_store_refuses_a_region_past_the_principals_cap(daemon: Daemon) -> None:
+    for _ in range(2):
+        await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    with pytest.raises(QuotaExceeded, match="max_regions_per_principal = 2"):
+        await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    # Another principal, and the daemon's own regions, are not counted against alice.
+    await daemon.create_region(RegionCreate(4096, owner="bob"), "bob")
+    await daemon.create_region(RegionCreate(4096))
+    assert len(daemon.store.regions) == 4
+
+
+async def test_the_region_store_refuses_bytes_past_the_principals_cap_and_frees_them_on_delete(
+    daemon: Daemon,
+) -> None:
+    big = await daemon.create_region(RegionCreate(768 << 10, owner="alice"), "alice")
+    with pytest.raises(QuotaExceeded, match="max_region_bytes_per_principal"):
+        await daemon.create_region(RegionCreate(512 << 10, owner="alice"), "alice")
+    await daemon.delete_region(big.region_id)
+    await daemon.create_region(RegionCreate(512 << 10, owner="alice"), "alice")
+
+
+async def test_a_staging_pack_counts_against_the_leases_principal(daemon: Daemon) -> None:
+    src = await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    daemon.store.view(src.region_id)[:64] = np.arange(64, dtype=np.uint8).tobytes()
+    await daemon.publish(reader(manifest(src.region_id)), ALICE)
+    grant = daemon.acquire("m", 1, 30.0, "", "alice")
+    lease = daemon.registry.check(grant.lease_id, "m", 1)
+    spec = PackSpec(src.region_id, 0, (64,), (1,), 1, 0, 0)
+    # Alice holds one region; the pack makes her second, whoever asks for it.
+    staged = await daemon.pack([spec], lease, "bob")
+    assert bytes(daemon.store.view(staged.region.region_id)[:64]) == bytes(range(64))
+    with pytest.raises(QuotaExceeded, match="principal 'alice'"):
+        await daemon.pack([spec], lease, "bob")
+
+
+async def test_publish_refuses_a_region_of_another_principal_and_publishes_ones_own(
+    daemon: Daemon,
+) -> None:
+    bobs = await daemon.create_region(RegionCreate(4096, owner="bob"), "bob")
+    with pytest.raises(AccessDenied, match="alice may not publish from region"):
+        await daemon.publish(reader(manifest(bobs.region_id)), ALICE)
+    assert daemon.registry.versions() == []
+    info = await daemon.publish(reader(manifest(bobs.region_id)), BOB)
+    assert info.state is VersionState.READY
+    # The first publisher owns the model now: another principal may not publish into it.
+    alices = await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    with pytest.raises(AccessDenied):
+        await daemon.publish(reader(manifest(alices.region_id, version=2)), ALICE)
+
+
+async def test_publish_refuses_a_staging_region(daemon: Daemon) -> None:
+    src = await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    await daemon.publish(reader(manifest(src.region_id)), ALICE)
+    grant = daemon.acquire("m", 1, 30.0, "", "alice")
+    lease = daemon.registry.check(grant.lease_id, "m", 1)
+    staged = await daemon.pack([PackSpec(src.region_id, 0, (64,), (1,), 1, 0, 0)], lease)
+    with pytest.raises(ConflictError, match="staging region"):
+        await daemon.publish(reader(manifest(staged.region.region_id, version=2)), ALICE)
+
+
+async def test_the_lease_cap_is_the_daemons_acquire() -> None:
+    d = Daemon(
+        DaemonOptions(
+            port=0,
+            node_id="one-lease",
+            transport="shm",
+            limits=LimitsConfig(max_leases_per_principal=1),
+        )
+    )
+    await d.start()
+    try:
+        region = await d.create_region(RegionCreate(4096, owner="alice"), "alice")
+        await d.publish(reader(manifest(region.region_id)), ALICE)
+        first = d.acquire("m", 1, 30.0, "", "alice")
+        with pytest.raises(QuotaExceeded, match="max_leases_per_principal"):
+            d.acquire("m", 1, 30.0, "", "alice")
+        d.registry.release(first.lease_id)
+        d.acquire("m", 1, 30.0, "", "alice")
+    finally:
+        await d.close()
