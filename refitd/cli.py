@@ -31,6 +31,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 # Examples shown under `refitd bench NAME --help`.
 BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
+    "delta": (
+        "refitd bench delta                         # a 1024-wide, 8-block model, 4 steps",
+        "refitd bench delta --layers 2 --hidden 256 --vocab 4000   # a quick run",
+    ),
     "experts": (
         "refitd bench experts                       # three presets, 1x/2x/4x pools",
         "refitd bench experts --presets qwen3-30b-a3b --tokens 512",
@@ -80,6 +84,11 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
 
 # `refitd bench NAME`: name -> (module, one-line help).
 BENCHES: dict[str, tuple[str, str]] = {
+    "delta": (
+        "refitd.bench.delta",
+        "train a small model with AdamW at lr 3e-6 in bf16; refit each version by delta "
+        "and by full refit, side by side",
+    ),
     "experts": (
         "refitd.bench.experts",
         "expert-cache policies vs Belady's optimum on MoE routing traces",
