@@ -134,11 +134,9 @@ class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     #: is stopped; pulls from other peers go on).
     pull_timeout_s: Annotated[float, msgspec.Meta(gt=0, description="seconds (number > 0)")] = 120.0
     #: TCP connections ("lanes") per peer of the ``tcp`` data plane, each serviced on
-    #: its own: a large read is spread across them, so one stalled lane does not
-    #: hold up the others.
+    #: its own: a large read is spread across them, so one stalled lane holds up no other.
     lanes: Annotated[int, msgspec.Meta(ge=1, le=64, description="lanes (1..64)")] = 4
-    #: Port of the ``tcp`` data server (on ``server.host``); 0: any free one (peers
-    #: learn it from the signed records).
+    #: Port of the ``tcp`` data server (on ``server.host``); 0: any free one (peers learn it).
     tcp_port: Port = 0
 
 
@@ -193,6 +191,8 @@ class PullsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     #: On shutdown, how long in-flight pulls may finish before they are cancelled.
     shutdown_grace_s: GraceSeconds = 10.0
+    #: Hold each model's newest version as the next one's delta base (docs/delta.md).
+    deltas: bool = False
 
 
 Count = Annotated[int, msgspec.Meta(ge=1, description="a count (integer >= 1)")]

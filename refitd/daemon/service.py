@@ -60,6 +60,7 @@ def options_from_config(config: Config, secret: bytes | None) -> Any:
         node_id=config.server.node_id,
         client_max_size=config.server.max_request_bytes,
         grace_s=config.pulls.shutdown_grace_s,
+        deltas=config.pulls.deltas,
         registry=config.registry,
         peers=config.peers.allow,
         limits=config.limits,
