@@ -15,16 +15,21 @@ reads the trainer) and *mirrored* (one mirror per host, relayed host to host):
 - seconds from the start until every replica holds the version;
 - bytes the trainer host sent on its link ÷ model bytes.
 
+In the same run, one model's time over one link: the best of one and of four plain
+TCP streams moving the model's bytes from the trainer host to the first engine host.
+
 The last line::
 
-    fanout_ratio_4=… direct_ratio_4=… uplink_ratio_4=… verified=1
+    fanout_ratio_4=… direct_ratio_4=… uplink_ratio_4=… mirrored_n1_ratio=… verified=1
 
 ``fanout_ratio_4`` is mirrored seconds at N = 4 ÷ mirrored seconds at N = 1 (the
-target is ≤ 1.5), ``direct_ratio_4`` the same for direct pulls (about N: the
+target is ≤ 1.3), ``direct_ratio_4`` the same for direct pulls (about N: the
 trainer's link carries every replica's copy), ``uplink_ratio_4`` the trainer's
-bytes ÷ model bytes at N = 4 mirrored (target ≤ 1.1), ``verified`` 1 when every
-replica of every case was bit-exact. Needs root, ``ip``, ``unshare``, ``nsenter``
-and ``tc``.
+bytes ÷ model bytes at N = 4 mirrored (target ≤ 1.1), ``mirrored_n1_ratio`` the
+mirrored seconds at N = 1 ÷ one model's time over one link (target ≤ 1.15),
+``verified`` 1 when every replica of every case was bit-exact. With ``--hosts 8``
+also ``fanout_ratio_8`` and ``uplink_ratio_8``. Needs root, ``ip``, ``unshare``,
+``nsenter`` and ``tc``.
 """
 
 from __future__ import annotations
@@ -75,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
 @dataclass(frozen=True)
 class Case:
-    """One measured case: ``n`` engine hosts, ``mode`` direct or mirrored."""
+    """One measured case: ``n`` engine hosts, ``mode`` direct or mirrored (``link``:
+    one model over one link, ``n`` 1)."""
 
     n: int
     mode: str
@@ -101,6 +107,9 @@ async def _main(args: argparse.Namespace) -> int:
         cases = await fanout(Path(tmp), nbytes, args.link_gbit, args.hosts, args.replicas)
     ideal = nbytes * 8 / (args.link_gbit * 1e9)
     for c in cases:
+        if c.mode == "link":
+            print(f"one model over one link (best of 1 and 4 TCP streams): {c.seconds:7.3f} s")
+            continue
         print(
             f"N={c.n} {c.mode:>8}: {c.seconds:7.3f} s until every replica holds it "
             f"({c.seconds / ideal:.2f}x one model over one link); trainer sent "
@@ -121,6 +130,8 @@ def summary(cases: list[Case]) -> dict[str, str]:
     for mode, key in (("mirrored", "fanout"), ("direct", "direct")):
         out[f"{key}_ratio_{top}"] = f"{by[top, mode].seconds / by[1, mode].seconds:.3f}"
     out[f"uplink_ratio_{top}"] = f"{by[top, 'mirrored'].uplink_ratio:.3f}"
+    if (1, "link") in by:
+        out["mirrored_n1_ratio"] = f"{by[1, 'mirrored'].seconds / by[1, 'link'].seconds:.3f}"
     if (8, "mirrored") in by:
         out["fanout_ratio_8"] = f"{by[8, 'mirrored'].seconds / by[1, 'mirrored'].seconds:.3f}"
         out["uplink_ratio_8"] = f"{by[8, 'mirrored'].uplink_ratio:.3f}"
@@ -166,6 +177,7 @@ async def fanout(
                     await cluster.daemon(h, f"{h.name}-m", "--set", "mirrors.policy=always")
                 )
             workers = [await _worker(cluster, h) for h in [trainer, *engines]]
+            cases.append(await _link(trainer, engines[0], nbytes))
             tw, ew = workers[0], workers[1:]
             # Untimed: every process imports what it needs and opens its connections
             # (the first pull of a fresh worker and daemon costs seconds here).
@@ -230,6 +242,15 @@ async def fanout(
                         )
                     cases.append(Case(n, mode, seconds, up, ok, paths))
     return cases
+
+
+async def _link(a: Any, b: Any, nbytes: int) -> Case:
+    """One model's time over one link from ``a`` to ``b``: the best of one and of four
+    plain TCP streams moving ``nbytes``."""
+    from refitd.bench.hostpaths import streams
+
+    best = min([min(await streams(a, b, nbytes, 1, count)) for count in (1, 4)])
+    return Case(1, "link", best, 0.0, True, ("tcp-stream",))
 
 
 async def _worker(cluster: Any, host: Any) -> Any:
@@ -374,9 +395,18 @@ class _Worker:
         from refitd.wire import routes as api
 
         c = await self.client(req["url"], req["token"])
-        st = await c._send(api.MIRROR_STATE, model="fanout", version=int(req["version"]))
+        st = await c.send(api.MIRROR_STATE, model="fanout", version=int(req["version"]))
         out: dict[str, Any] = msgspec.to_builtins(st)
         return out
+
+    async def pulls(self, req: dict[str, Any]) -> dict[str, Any]:
+        """The pulls the daemon ``url`` lists to this worker's principal."""
+        import msgspec
+
+        from refitd.wire import routes as api
+
+        c = await self.client(req["url"], req["token"])
+        return {"ok": True, "pulls": msgspec.to_builtins(await c.send(api.LIST_PULLS))}
 
     async def close(self) -> None:
         for c in self.clients.values():
@@ -402,6 +432,7 @@ async def _serve() -> None:
                 "replicas": worker.replicas,
                 "verify": worker.verify,
                 "mirror": worker.mirror,
+                "pulls": worker.pulls,
             }
             handler = ops.get(op or "")
             out: dict[str, Any]

@@ -2,8 +2,8 @@
 
 A :class:`Mirror` is a version of a remote source held by this daemon, cut into
 chunks (:func:`chunk_bytes`); a chunk is complete only once the read that filled it
-returned. A :class:`HolderBook` is, per version a daemon is the source of, the
-mirrors holding it in the order they joined: the relay pipeline. The I/O around
+returned. The source's :class:`HolderBook` (who reads from whom) is
+:mod:`refitd.daemon.mirrorbook`. The I/O around
 them (filling, serving, failing over) is :mod:`refitd.daemon.mirrors`.
 """
 
@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from refitd.daemon.mirrorbook import MAX_HOLDERS, HolderBook
 from refitd.daemon.trust import Extents, merge_extents
 from refitd.errors import ProtocolError, TransportError
 from refitd.wire import RegionInfo
-from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
+from refitd.wire.mirrors import MirrorState
 
 __all__ = [
     "CHUNKS_PER_VERSION",
@@ -60,43 +61,6 @@ def chunk_bytes(total: int) -> int:
     return max(CHUNK_BYTES, min(MAX_CHUNK_BYTES, size))
 
 
-# ---------------------------------------------------------------- source side
-
-
-MAX_HOLDERS = 64
-"""Holders the book keeps per version: a joiner past them is told its upstream (the
-last holder) but not recorded, so the book, and each answer, stay bounded."""
-
-
-class HolderBook:
-    """Per version this daemon is the source of, the mirrors holding it, in the order
-    they joined: the pipeline. Pure state; bounded (``MAX_HOLDERS`` per version, and
-    only versions the caller checked exist here, older ones of a model forgotten)."""
-
-    def __init__(self) -> None:
-        self._holders: dict[tuple[str, int], list[str]] = {}
-
-    def join(self, j: HolderJoin) -> HolderAssign:
-        """Record ``j.url`` (once) and give it the nearest holder that joined before it
-        and is not excluded, or ``""`` (the source) when there is none. The holders
-        ``j`` excludes (it failed to read from them) leave the book: no later joiner is
-        sent to them. Entries of older versions of the model are forgotten."""
-        for key in [k for k in self._holders if k[0] == j.model and k[1] < j.version]:
-            del self._holders[key]
-        failed = set(j.exclude) - {j.url}
-        book = self._holders.setdefault((j.model, j.version), [])
-        if failed:
-            book[:] = [u for u in book if u not in failed]
-        if j.url not in book and len(book) < MAX_HOLDERS:
-            book.append(j.url)
-        before = book[: book.index(j.url)] if j.url in book else book
-        upstream = before[-1] if before else ""
-        return HolderAssign(upstream, list(book))
-
-    def holders(self, model: str, version: int) -> list[str]:
-        return list(self._holders.get((model, version), []))
-
-
 # ---------------------------------------------------------------- one mirror
 
 
@@ -130,6 +94,10 @@ class Mirror:
     @property
     def finished(self) -> bool:
         return self.complete or bool(self.error)
+
+    def done_bytes(self) -> int:
+        """Bytes of the complete chunks."""
+        return int(self.chunks[self.done, 2].sum()) if len(self.done) else 0
 
     def mark(self, idx: np.ndarray) -> None:
         self.done[idx] = True

@@ -25,7 +25,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from refitd.daemon import peerclient
+from refitd.client.session import refusal
 from refitd.errors import ConflictError, NotFoundError, ProtocolError, RefitError, TransportError
 from refitd.wire import MSGPACK
 from refitd.wire import routes as api
@@ -34,6 +34,7 @@ from refitd.wire.mirrors import MirrorFeed
 if TYPE_CHECKING:
     from refitd.daemon.mirror import Mirror
     from refitd.daemon.node import Daemon
+    from refitd.daemon.peerclient import PeerClient
 
 __all__ = ["HEARTBEAT_S", "MAX_FRAME_BYTES", "follow", "serve_feed"]
 
@@ -85,7 +86,7 @@ async def serve_feed(
 
 
 async def follow(
-    client: peerclient.PeerClient, model: str, version: int, lease_id: str, frame_s: float
+    client: PeerClient, model: str, version: int, lease_id: str, frame_s: float
 ) -> AsyncIterator[MirrorFeed]:
     """The frames of the feed of ``model`` ``version`` at ``client``'s daemon, under
     ``lease_id`` there; :class:`TimeoutError` when no frame came for ``frame_s``
@@ -93,7 +94,7 @@ async def follow(
     did, and the daemon's own refusal (by its class) before the first frame."""
     path = api.MIRROR_FEED.url(model=model, version=version)
     url = f"{client.base_url}{path}"
-    session = client._open()
+    session = client.open()
     try:
         async with session.get(
             url,
@@ -103,7 +104,7 @@ async def follow(
         ) as resp:
             if resp.status != 200:
                 raw = await resp.read()
-                raise peerclient._refusal(resp.status, raw, f"GET {path}: HTTP {resp.status}")
+                raise refusal(resp.status, raw, f"GET {path}: HTTP {resp.status}")
             while True:
                 async with asyncio.timeout(frame_s):
                     head = await resp.content.readexactly(4)

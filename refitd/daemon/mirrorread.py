@@ -53,8 +53,12 @@ __all__ = [
 ]
 
 BATCH_CHUNKS = 2
-"""Chunks per read handed to the data plane at once (two batches in flight): small,
-so a downstream relay sees chunks complete soon after they land."""
+"""Chunks per read handed to the data plane at once: small, so a downstream relay
+sees chunks complete soon after they land."""
+
+FILL_IN_FLIGHT_BYTES = 16 << 20
+"""Bytes a fill keeps in flight (in batches of ``BATCH_CHUNKS`` chunks): enough to
+keep a link's lanes busy through the round trips of each batch."""
 
 RELAY_ANSWER_S = 10.0
 """How long a relay (a holder that is not the source) has to answer a request (a lease,
@@ -154,6 +158,9 @@ async def fill_chunks(
             rows_as_batch(rows),
             np.ones(len(todo), dtype=np.int64),
             spans,
+            in_flight=max(
+                2, FILL_IN_FLIGHT_BYTES // max(1, BATCH_CHUNKS * int(c[:, 2].max(initial=1)))
+            ),
             ready=gate if ready is not None else None,
             landed=lambda lo, hi: m.mark(todo[lo:hi]),  # only now: after the read returned
             deadline_s=deadline,

@@ -8,11 +8,12 @@ the mirror over ``shm`` (:meth:`Mirrors.redirect`), however many replicas read i
 
 Relay. A mirror is itself a *holder*: it joins the source's holder book
 (``POST /v1/mirrors/holders`` at the source), which answers with the holder it reads
-from: the last one that joined before it (the source itself for the first). The
-holders form a pipeline, so the source's link carries each byte about once per
-version, whatever the number of hosts. A downstream mirror reads from its upstream
-under a lease of the upstream's own registry, through the upstream's data plane and
-its signed, lease-scoped records, like any pull; and it reads only *complete*
+from (:mod:`refitd.daemon.mirrorbook`): the source has one child, so its link
+carries each byte about once per version, whatever the number of hosts; the holders
+form a chain up to four hosts and a tree of degree two past them. A downstream
+mirror reads from its upstream under a lease of the upstream's own registry (a peer
+daemon's, :class:`~refitd.daemon.mirrorleases.MirrorLeases`), through the upstream's
+data plane and its signed, lease-scoped records, like any pull; and it reads only *complete*
 chunks: while a mirror fills, the scope its records give a lease is cut down to the
 chunks it holds in full (:meth:`Mirrors.limit_scope`), so the data server refuses
 any byte of an incomplete chunk. A downstream learns of new chunks from its
@@ -54,28 +55,23 @@ import msgspec
 import numpy as np
 
 from refitd.client.leases import LeaseKeeper
-from refitd.daemon import pullcore
-from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, covered, cut_chunks
-from refitd.daemon.mirrorfeed import HEARTBEAT_S, follow
+from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, cut_chunks
+from refitd.daemon.mirrorfill import LEASE_TTL_S, Filler, describe
 from refitd.daemon.mirrorleases import OWNER, MirrorLeases
-from refitd.daemon.mirrorread import MirroredSource, Regranted, answer_s, fill_chunks
+from refitd.daemon.mirrorread import MirroredSource
 from refitd.daemon.mirrorspace import half_of_shm, held_bytes, make_room, release
-from refitd.daemon.move import one_error
-from refitd.daemon.paths import SHM_SCHEME
 from refitd.daemon.pulls import RemoteSource, Source
 from refitd.daemon.trust import Extents
-from refitd.errors import ConflictError, NotFoundError, ProtocolError, RefitError, TransportError
+from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
-    PeerRegions,
     PullRequest,
     RegionCreate,
     ShardEntry,
     TensorEntry,
 )
-from refitd.wire import routes as api
-from refitd.wire.mirrors import MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorLease, MirrorState
+from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
 
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
@@ -93,13 +89,10 @@ __all__ = [
     "Redirect",
 ]
 
+log = logging.getLogger("refitd.mirrors")
+
 POLICIES = ("never", "always", "shared")
 """``[mirrors] policy`` values (see the module docstring)."""
-
-LEASE_TTL_S = 120.0
-"""TTL of the leases a mirror holds while it fills (renewed at a third of it), s."""
-
-log = logging.getLogger("refitd.mirrors")
 
 
 # ---------------------------------------------------------------- the store
@@ -141,6 +134,7 @@ class Mirrors:
         #: (source, model) seen with two or more readers of one version
         self._shared: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.filler = Filler(daemon, pulls, self_url, self._remote)
 
     # ------------------------------------------------------------ policy
 
@@ -245,7 +239,7 @@ class Mirrors:
             lease_id = grant.lease_id
             async with LeaseKeeper(client, grant, LEASE_TTL_S):
                 await self._prepare(m, src, lease_id)
-                await self._fill(m, src, lease_id)
+                await self.filler.fill(m, src, lease_id)
             m.completed_at = time.time()
             log.info(
                 "mirror of %r version %d from %s complete in %.2f s (read from %s)",
@@ -259,7 +253,7 @@ class Mirrors:
             m.error = m.error or "cancelled: the daemon is stopping"
             raise
         except Exception as exc:  # every failure ends the mirror, named; never a hang
-            m.error = m.error or _describe(exc)
+            m.error = m.error or describe(exc)
             if m.regions:  # published here: no lease may be granted on it any more
                 with contextlib.suppress(RefitError):
                     self.d.registry.retire(m.model, m.version)
@@ -340,104 +334,12 @@ class Mirrors:
         m.ready.set()
         self._spawn(self.sweep())
 
-    async def _fill(self, m: Mirror, src: RemoteSource, lease_id: str) -> None:
-        """Fill every chunk, from the holder the source assigns, failing over."""
-        exclude: list[str] = []
-        while not m.done.all():
-            upstream = await self._assign(src, m, exclude)
-            m.upstream = upstream
-            m.tried.append(upstream or m.source)
-            try:
-                if upstream:
-                    await self._fill_from_relay(m, upstream, lease_id)
-                else:
-                    await self._fill_from_source(m, src, lease_id)
-            except (RefitError, OSError, TimeoutError) as exc:
-                what = f"{upstream or m.source}: {_describe(exc)}"
-                if not upstream:
-                    m.error = (
-                        f"mirror of {m.model!r} version {m.version} failed; holders tried, in "
-                        f"order: {', '.join(m.tried)}; the source failed last: {what}"
-                    )
-                    raise TransportError(m.error) from exc
-                log.warning("relay %s failed, reading the rest elsewhere: %s", upstream, what)
-                exclude.append(upstream)
-
     def _remote(self, url: str) -> RemoteSource:
         """The trusted peer daemon at ``url`` (refused, 400, if this daemon does not
         trust it)."""
         src = self.pulls.source_for(url)
         assert isinstance(src, RemoteSource)  # a non-empty URL is always a peer
         return src
-
-    async def _assign(self, src: RemoteSource, m: Mirror, exclude: list[str]) -> str:
-        """The holder to read from, as the source's holder book assigns it ("" the
-        source). A source that runs no holder book is read directly."""
-        me = self.self_url()
-        if not me:
-            return ""
-        join = HolderJoin(m.model, m.version, me, self.d.node_id, exclude[-MAX_EXCLUDE:])
-        join = join.signed(self.d.options.secret)
-        try:
-            a = await src.client.join_holders(join)
-        except RefitError as exc:
-            log.info("no holder book at %s (%s): reading it directly", m.source, exc)
-            return ""
-        return a.upstream.rstrip("/")
-
-    async def _fill_from_source(self, m: Mirror, src: RemoteSource, lease_id: str) -> None:
-        """Read every chunk this mirror lacks from the source, under the mirror's own
-        lease there (its records give the whole version)."""
-        probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
-        wait = self.d.options.pull_timeout_s
-        async with asyncio.timeout(wait):
-            peer = await src.regions(sorted(m.regions), probe)
-            path, conn = await self.pulls.open_path(src, peer)
-        try:
-            todo = np.flatnonzero(~m.done & covered(m.chunks, peer.scope))
-            await fill_chunks(
-                m, self.pulls, conn, path, todo, holder=m.source, lease_id=lease_id,
-                owner=OWNER, their=None, pull_timeout_s=wait,
-            )  # fmt: skip
-        finally:
-            if path == SHM_SCHEME:  # a transport's connection is shared: it stays open
-                await conn.close()
-
-    async def _fill_from_relay(self, m: Mirror, url: str, source_lease: str) -> None:
-        """Read the chunks this mirror lacks from ``url``'s mirror, each as soon as it
-        is complete there (its feed says so, with records that let us read it), until
-        every chunk is here. Its lease there is a peer daemon's, granted under this
-        mirror's live lease at the source, ``source_lease``."""
-        relay = self._remote(url)
-        c = relay.client
-        timeout = self.d.options.pull_timeout_s
-        deadline = answer_s(timeout)
-        ask = MirrorLease(m.model, m.version, source_lease, self.d.node_id, LEASE_TTL_S)
-        async with asyncio.timeout(deadline):  # a stopped relay answers nothing
-            grant = await c._send(api.MIRROR_LEASE, ask.signed(self.d.options.secret))
-        feed = Feed(self, m, relay, grant.lease_id)
-        try:
-            async with LeaseKeeper(c, grant, LEASE_TTL_S):  # re-checked at the source
-                with one_error():
-                    async with asyncio.TaskGroup() as tg:
-                        follower = tg.create_task(feed.read(deadline + HEARTBEAT_S))
-                        await feed.started.wait()
-                        if feed.conn is None:  # it failed first: its error ends the group
-                            await follower
-                            raise TransportError("its feed ended before its first frame")
-                        todo = np.flatnonzero(~m.done)
-                        await fill_chunks(
-                            m, self.pulls, feed.conn, feed.path, todo, holder=url,
-                            lease_id=grant.lease_id, owner=OWNER, their=feed.their,
-                            pull_timeout_s=timeout, ready=feed.ready,
-                        )  # fmt: skip
-                        follower.cancel()
-        finally:
-            if feed.conn is not None and feed.path == SHM_SCHEME:
-                await feed.conn.close()
-            with contextlib.suppress(RefitError, TimeoutError):
-                async with asyncio.timeout(deadline):
-                    await c.release_lease(grant.lease_id)
 
     # ------------------------------------------------------------ serving
 
@@ -489,82 +391,5 @@ class Mirrors:
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-class Feed:
-    """What a downstream mirror knows of its upstream relay, from the upstream's feed:
-    which chunks it serves now (``served``), through which connection (its grant
-    widened with each frame's records), and how its regions map to the source's."""
-
-    def __init__(self, mirrors: Mirrors, m: Mirror, relay: RemoteSource, lease_id: str) -> None:
-        self.mirrors = mirrors
-        self.m = m
-        self.relay = relay
-        self.lease_id = lease_id
-        self.served = np.zeros(len(m.chunks), dtype=bool)
-        self.their: dict[int, int] = {}
-        self.path = ""
-        self.conn: Regranted | None = None
-        self.started = asyncio.Event()
-        self.error: BaseException | None = None
-        self._tick = asyncio.Event()
-
-    async def read(self, frame_s: float) -> None:
-        """Read the feed until the upstream's mirror is complete (or this task is
-        cancelled); a frame late, a failed mirror, a broken stream fail it."""
-        m = self.m
-        try:
-            async for frame in follow(
-                self.relay.client, m.model, m.version, self.lease_id, frame_s
-            ):
-                if frame.error:
-                    raise TransportError(f"its mirror failed: {frame.error}")
-                if frame.source.rstrip("/") != m.source or set(frame.regions) != set(m.regions):
-                    raise TransportError("its mirror is of another source or layout")
-                rec = frame.records
-                if rec is None:
-                    continue
-                rec.verify(self.relay.secret)
-                if rec.lease_id != self.lease_id:
-                    raise ProtocolError("its feed's records were given under another lease")
-                await self._regrant(frame.regions, rec)
-        except BaseException as exc:
-            self.error = exc
-            self._wake()
-            raise
-
-    async def _regrant(self, regions: dict[int, int], rec: PeerRegions) -> None:
-        pulls = self.mirrors.pulls
-        if self.conn is None:
-            self.their = dict(regions)
-            self.path, conn = await pulls.open_path(self.relay, rec)
-            self.conn = Regranted(conn)
-        elif self.path == SHM_SCHEME:
-            await self.conn.update(pullcore.shm_record(rec, self.relay.secret))
-        else:
-            self.conn.swap(await pulls.regrant(rec, self.path))
-        back = {v: k for k, v in self.their.items()}
-        scope = {back[int(k)]: v for k, v in rec.scope.items() if int(k) in back}
-        self.served |= covered(self.m.chunks, scope)
-        self.started.set()
-        self._wake()
-
-    def _wake(self) -> None:
-        tick, self._tick = self._tick, asyncio.Event()
-        tick.set()
-        self.started.set()
-
-    async def ready(self, chunks: np.ndarray) -> None:
-        """Return once the upstream serves every chunk of ``chunks``."""
-        while not bool(self.served[chunks].all()):
-            if self.error is not None:
-                raise TransportError(f"its feed ended: {_describe(self.error)}")
-            await self._tick.wait()
-
-
 def _no_rows() -> np.ndarray:
     return np.zeros((0, 5), dtype=np.int64)
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "no answer within its deadline (stopped or partitioned)"
-    return f"{type(exc).__name__}: {exc}"

@@ -42,6 +42,7 @@ class Progress(Protocol):
 
     def progress(self, n_desc: int, n_bytes: int) -> None: ...
 
+
 IN_FLIGHT = 2
 """Batches one move has in flight at once: while one is being moved, the next is
 validated and posted, so the data plane never waits on this loop."""

@@ -44,6 +44,8 @@ class HolderJoin(Signed, frozen=True, forbid_unknown_fields=True):
     exclude: Annotated[list[PeerUrl], msgspec.Meta(max_length=MAX_EXCLUDE)] = msgspec.field(
         default_factory=list
     )
+    #: bytes/s the joiner fills at now (0: not reading yet); a join again reports it
+    rate: Annotated[float, msgspec.Meta(ge=0, le=1e15)] = 0.0
     mac: bytes = b""
 
     def _what(self) -> str:
@@ -92,11 +94,15 @@ class MirrorFeed(msgspec.Struct, frozen=True):
 
 
 class HolderAssign(msgspec.Struct, frozen=True):
-    """The holder a joining mirror reads from (``""``: the source itself) and every
-    holder the source knows of the version, in pipeline order."""
+    """The holder a joining mirror reads from (``""``: the source itself), every holder
+    the source knows of the version, in the order they joined, and the rate each
+    last reported filling at (bytes/s)."""
 
     upstream: str
     holders: list[str]
+    rates: dict[str, float] = {}
+    #: each holder's upstream ("" the source)
+    parents: dict[str, str] = {}
 
 
 class MirrorState(msgspec.Struct, frozen=True):

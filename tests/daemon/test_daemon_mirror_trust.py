@@ -240,7 +240,7 @@ async def test_mirrors_past_the_host_budget_are_not_made_and_the_pull_reads_its_
         assert (await h.mc.pull(req)).path == "tcp"
         with pytest.raises(NotFoundError):
             await h.mc._send(api.MIRROR_STATE, model=MODEL, version=1)
-        made = [r for r in h.mirror.regions if r.owner == "refitd-mirror"]
+        made = [r for r in h.mirror.store.regions if r.owner == "refitd-mirror"]
         assert made == []
 
 
