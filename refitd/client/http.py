@@ -186,6 +186,14 @@ class RefitClient(ApiSession):
             api.CLUSTER_NEXT, params={"after": str(after), "timeout": str(timeout_s)}, model=model
         )
 
+    async def wait_ready(self, model: str, version: int, timeout_s: float = 30.0) -> VersionInfo:
+        """Wait (one request, answered when the daemon takes the last slot) until the
+        version is READY; after ``timeout_s`` (at most a minute per request) its state
+        then, still PENDING. NotFoundError when no slot of it was published by then."""
+        return await self.send(
+            api.WAIT_READY, params={"timeout": str(timeout_s)}, model=model, version=version
+        )
+
     async def wait_drain(
         self, model: str, version: int, timeout_s: float = 60.0, *, retire: bool = False
     ) -> VersionInfo:
@@ -237,11 +245,14 @@ class RefitClient(ApiSession):
         pull_id: str,
         *,
         on_progress: Callable[[PullProgress], None] | None = None,
-        interval_s: float = 0.25,
+        interval_s: float | None = None,
     ) -> PullProgress:
-        """Wait for a pull to end; ``on_progress`` sees a snapshot at least every
-        ``interval_s`` (the daemon answers early when the pull ends). Raises the
-        pull's error if it failed or was cancelled."""
+        """Wait for a pull to end, one long poll at a time (the daemon answers the
+        moment it ends); ``on_progress`` sees a snapshot at least every ``interval_s``
+        (default 0.25 s with ``on_progress``, else 30 s: nothing to report between).
+        Raises the pull's error if it failed or was cancelled."""
+        if interval_s is None:
+            interval_s = 0.25 if on_progress is not None else 30.0
         while True:
             p = await self.send(api.WAIT_PULL, params={"timeout": str(interval_s)}, pull_id=pull_id)
             if on_progress is not None:

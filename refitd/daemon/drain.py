@@ -1,20 +1,23 @@
-"""Waiting for a version's leases to drain, on events, never by polling."""
+"""Waiting for a version's leases to drain, or for a version to become READY, on
+events, never by polling."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 from refitd.daemon.registry import Registry
-from refitd.errors import ConflictError
-from refitd.wire import VersionInfo
+from refitd.errors import ConflictError, NotFoundError
+from refitd.wire import VersionInfo, VersionState
 
 __all__ = ["LeaseDrain"]
 
 
 class LeaseDrain:
     """Drain waiters on the leases of ``registry``, woken by :meth:`changed` (a lease
-    was released or a version changed) and by the next expiry deadline (``clock``)."""
+    was released or a version changed) and by the next expiry deadline (``clock``);
+    waiters for a version to become READY (:meth:`ready`), woken by the same event."""
 
     def __init__(self, registry: Registry, clock: Callable[[], float]) -> None:
         self.registry = registry
@@ -54,3 +57,24 @@ class LeaseDrain:
             except TimeoutError:
                 pass  # an expiry deadline passed: re-read the lease set
         return self.registry.version(model, version)
+
+    async def ready(self, model: str, version: int, timeout_s: float) -> VersionInfo:
+        """Return once ``model`` ``version`` is no longer pending (READY, or retired),
+        woken by each publish; after ``timeout_s`` seconds, its state then (still
+        pending). :class:`NotFoundError` when by then no slot of it was published."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            event = self._changed
+            try:
+                info: VersionInfo | None = self.registry.version(model, version)
+            except NotFoundError:
+                info = None
+            if info is not None and info.state is not VersionState.PENDING:
+                return info
+            left = deadline - loop.time()
+            if left <= 0:
+                return info if info is not None else self.registry.version(model, version)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await event.wait()

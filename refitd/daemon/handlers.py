@@ -74,6 +74,10 @@ __all__ = [
 
 routes = RouteTable()
 
+#: The longest a long poll (``/ready``) holds its request, s (a longer ``timeout`` is
+#: cut to it): a client waiting longer asks again.
+MAX_WAIT_S = 60.0
+
 
 @routes.handles(api.HEALTH)
 async def health(request: web.Request) -> web.Response:
@@ -195,6 +199,14 @@ async def get_manifest(request: web.Request) -> web.Response:
         # Encoded once per version and cached: a 100k-tensor manifest is served as is.
         return web.Response(body=reg.merged_bytes(model, version), content_type=MSGPACK)
     return reply(request, reg.merged(model, version))
+
+
+@routes.handles(api.WAIT_READY)
+async def wait_ready(request: web.Request) -> web.Response:
+    """Answer once the version is READY, or after ``timeout`` seconds with its state."""
+    model, version = _version(request)
+    timeout = min(query_float(request, "timeout", 30.0), MAX_WAIT_S)
+    return reply(request, await request.app[DAEMON].wait_ready(model, version, timeout))
 
 
 @routes.handles(api.DRAIN)

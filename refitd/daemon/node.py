@@ -501,3 +501,8 @@ class Daemon:
     ) -> VersionInfo:
         """Return once no live lease remains on the version (:meth:`LeaseDrain.wait`)."""
         return await self.drain.wait(model, version, timeout_s, retire)
+
+    async def wait_ready(self, model: str, version: int, timeout_s: float) -> VersionInfo:
+        """Return once the version is READY, or after ``timeout_s`` with its state
+        (:meth:`LeaseDrain.ready`)."""
+        return await self.drain.ready(model, version, timeout_s)

@@ -163,6 +163,14 @@ GET_VERSION = _r("GET", _V, VersionInfo, "One version ('latest' = newest READY)"
 MANIFEST = _r(
     "GET", _V + "/manifest", MergedManifest, "A READY version's merged manifest", tag="sources"
 )
+WAIT_READY = _r(
+    "GET",
+    _V + "/ready",
+    VersionInfo,
+    "Wait until a version is READY (or no longer pending); after 'timeout', its state now",
+    tag="sources",
+    query={"timeout": float},
+)
 DRAIN = _r(
     "POST",
     _V + "/drain",

@@ -49,6 +49,8 @@ class RefitdTrainerInitInfo(TrainerInitInfo):
     token_file: str = ""
     engine_source_url: str = ""
     adopt: bool = False
+    #: 2: publish rounds into two alternating buffers, for delta refit (docs/delta.md)
+    buffers: int = 1
     ready_timeout_s: float = 120.0
     worker: dict[str, Any] = field(default_factory=dict)
     name_map: NameMap = None
@@ -69,7 +71,12 @@ class RefitdTrainerEngine(TrainerWeightTransferEngine[RefitdTrainerInitInfo]):
         self._runner = asyncio.Runner()
         self.daemon = daemon_client(info.url, info.token_file)
         self.shards = ShardPublisher(
-            self.daemon, info.model, info.rank, info.world_size, adopt=info.adopt
+            self.daemon,
+            info.model,
+            info.rank,
+            info.world_size,
+            adopt=info.adopt,
+            buffers=info.buffers,
         )
         self.version = self._run(self._latest())
         self.last: dict[str, float] = {}
@@ -103,20 +110,23 @@ class RefitdTrainerEngine(TrainerWeightTransferEngine[RefitdTrainerInitInfo]):
         return max(done, default=0)
 
     async def _wait_ready(self, version: int) -> None:
+        """Return once ``version`` is READY: long polls of the daemon, which answers
+        the moment the last rank's slot lands."""
         deadline = time.monotonic() + self.info.ready_timeout_s
-        while True:
+        while (left := deadline - time.monotonic()) > 0:
             try:
-                info = await self.daemon.version(self.info.model, version)
-                if info.state is VersionState.READY:
-                    return
+                info = await self.daemon.wait_ready(self.info.model, version, left)
             except NotFoundError:
-                pass
-            if time.monotonic() > deadline:
-                raise TransportError(
-                    f"{self.info.model!r} v{version} not READY after "
-                    f"{self.info.ready_timeout_s:.0f}s: a trainer rank did not publish its slot"
-                )
-            await asyncio.sleep(0.02)
+                info = None  # no slot of it yet: asked again until the deadline
+                await asyncio.sleep(min(left, 0.5))  # a timer: nothing to wait on yet
+            if info is not None and info.state is VersionState.READY:
+                return
+            if info is not None and info.state is VersionState.RETIRED:
+                raise TransportError(f"{self.info.model!r} v{version} was retired before READY")
+        raise TransportError(
+            f"{self.info.model!r} v{version} not READY after "
+            f"{self.info.ready_timeout_s:.0f}s: a trainer rank did not publish its slot"
+        )
 
     def publish(self, version: int | None = None) -> int:
         """Publish this rank's shards as ``version`` (default: the next one)."""
