@@ -106,18 +106,12 @@ def read_pull_file(path: str, args: argparse.Namespace) -> PullFile:
     return spec
 
 
-async def _renew(source: Any, lease_id: str, ttl: float) -> None:
-    """Keep the lease this command took alive until the pull ends."""
-    while True:
-        await asyncio.sleep(ttl / 3)  # a timer, not synchronisation: renew well before expiry
-        await source.renew_lease(lease_id, ttl)
-
-
 async def pull(client: Any, spec: PullFile, args: argparse.Namespace) -> int:
     """Lease (unless given), submit, follow with a progress bar; release what we took."""
     import numpy as np
 
     from refitd.client.http import RefitClient
+    from refitd.client.leases import LeaseKeeper
     from refitd.ops.pulls import follow
     from refitd.wire import DescriptorTable, PackSpec, PullRequest
 
@@ -138,8 +132,8 @@ async def pull(client: Any, spec: PullFile, args: argparse.Namespace) -> int:
             grant = await source.acquire_lease(spec.model, version, args.lease_ttl, "refitd pull")
             lease_id = grant.lease_id
             stack.push_async_callback(_release, source, lease_id)
-            renewer = asyncio.create_task(_renew(source, lease_id, args.lease_ttl))
-            stack.callback(renewer.cancel)
+            # Kept alive until the pull ends (renewals stop before the release).
+            await stack.enter_async_context(LeaseKeeper(source, grant, args.lease_ttl))
         req = PullRequest(
             spec.model, version, lease_id, DescriptorTable.pack(rows), packs, spec.source
         )

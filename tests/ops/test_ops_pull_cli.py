@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -9,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.daemons import served
+from support.daemons import GatedCopier, served
 from support.ops import refitd
 
 from refitd.cli import _build_parser
 from refitd.client.http import RefitClient
+from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.wire import ManifestIn, RegionInfo, ShardEntry, TensorEntry
 from transports.segments import SharedSegment
 
@@ -163,3 +165,33 @@ async def test_status_reports_whether_shared_memory_gets_huge_pages(setup: Setup
     assert code == 0 and json.loads(out)["shm_huge_pages"] == huge_page_mode()
     code, out, _ = await refitd("status", "--url", setup.base)
     assert code == 0 and "shm huge pages" in out and huge_page_mode() in out
+
+
+async def test_pull_keeps_the_lease_it_took_alive_past_its_ttl(tmp_path: Path) -> None:
+    """The command leases the version for 1.5 s; the copy is held for three times
+    that. The pull lands only because the command's lease keeper renewed the lease
+    (the daemon checks it again once the bytes have moved)."""
+    copier = GatedCopier()
+    daemon = Daemon(DaemonOptions(port=0, node_id="t", transport="shm"), copier=copier)
+    async with served(daemon) as d:
+        c = d.client
+        src = await c.create_region(4096, label="trainer")
+        dst = await c.create_region(4096, label="engine")
+        seg = SharedSegment.attach(src.handle, src.nbytes)
+        seg.numpy()[:] = 7
+        seg.close()
+        shard = ShardEntry((0,), (4096,), src.region_id, 0)
+        await c.publish(ManifestIn("m", 1, 0, 1, [TensorEntry("w", (4096,), "uint8", [shard])]))
+        s = Setup(d.url, c, src, dst)
+        plan = pull_file(tmp_path, s, [[src.region_id, 0, dst.region_id, 0, 4096]])
+        pulling = asyncio.create_task(
+            refitd("pull", plan, "--url", d.url, "--json", "--lease-ttl", "1.5")
+        )
+        await asyncio.wait_for(copier.entered.wait(), 60)
+        await asyncio.sleep(4.5)  # three TTLs: a lease nobody renewed has expired
+        copier.gate.set()
+        code, out, err = await pulling
+        assert code == 0, err
+        assert json.loads(out)["state"] == "done"
+        assert (dst_bytes(s) == 7).all()
+        assert [v.leases for v in await c.versions("m")] == [0]  # released after
