@@ -267,6 +267,11 @@ class ShardPublisher:
     after :meth:`~refitd.client.publisher.Publisher.wait_drain` of the previous
     version, so the manifest's placement is unchanged and a receiver replays its
     compiled plan. A new layout publishes from fresh memory (the receiver replans).
+
+    ``buffers=2`` double-buffers: rounds alternate between two sets of regions, and a
+    round drains only the version its buffer held two rounds before, so the version
+    just before stays intact for a daemon with delta refit on to compare the next
+    one with (docs/delta.md). Not with ``adopt`` (training writes one memory).
     """
 
     def __init__(
@@ -278,7 +283,10 @@ class ShardPublisher:
         *,
         adopt: bool = False,
         drain_timeout_s: float = 60.0,
+        buffers: int = 1,
     ) -> None:
+        if buffers not in (1, 2) or (adopt and buffers != 1):
+            raise ValueError(f"buffers must be 1 or 2 (1 with adopt), not {buffers}")
         self.client = client
         self.model = model
         self.slot = slot
@@ -289,10 +297,17 @@ class ShardPublisher:
         self.version: int | None = None
         self._layout: list[tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]] = []
         self.copied_bytes = 0  # bytes copied into shared memory by the last round
+        #: with ``buffers=2``: the other buffer's (publisher, version, layout)
+        self._other: tuple[Publisher | None, int | None, list[Any]] = (None, None, [])
+        self.buffers = buffers
 
     async def publish(self, source: ShardSource, version: int) -> VersionInfo:
         shards = list(source.shards())
         layout = [(s.name, s.offset, tuple(s.tensor.shape), s.tensor.dtype) for s in shards]
+        if self.buffers == 2:  # this round writes the other buffer; the last stays as is
+            last = (self.publisher, self.version, self._layout)
+            self.publisher, self.version, self._layout = self._other
+            self._other = last
         if self.publisher is not None and self.version is not None:
             # The engine may still read the previous version from this memory.
             await self.publisher.wait_drain(self.version, self.drain_timeout_s)
@@ -340,6 +355,9 @@ class ShardPublisher:
             await self.publisher.wait_drain(self.version, self.drain_timeout_s)
 
     async def close(self) -> None:
+        if self._other[0] is not None:
+            await self._other[0].close()
+            self._other = (None, None, [])
         if self.publisher is not None:
             await self.publisher.close()
             self.publisher = None

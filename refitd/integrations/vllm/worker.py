@@ -52,6 +52,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from refitd.client.deltarefit import DeltaReceiver
 from refitd.client.receiver import DaemonReceiver, RefitStats
 from refitd.integrations.vllm.postload import (
     Destination,
@@ -78,7 +79,8 @@ class RefitdInitInfo(WeightTransferInitInfo):
     (empty: ``$REFITD_URL``, else the configured listener); ``source_url`` the
     daemon holding the published versions when it is another node's (empty: the
     local one); ``allow_unwritten`` names parameters the manifest may leave as
-    they are (strict by default).
+    they are (strict by default); ``delta`` refits by delta when the engine holds
+    the version before (docs/delta.md), a full refit every ``anchor_every`` updates.
     """
 
     model: str = "policy"
@@ -88,6 +90,8 @@ class RefitdInitInfo(WeightTransferInitInfo):
     mode: str = "staging"
     lease_ttl_s: float = 60.0
     allow_unwritten: list[str] = field(default_factory=list)
+    delta: bool = False
+    anchor_every: int = 0
 
 
 @dataclass
@@ -290,16 +294,22 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         if init_info.mode not in ("staging", "direct"):
             raise ValueError(f"refitd mode must be 'staging' or 'direct', not {init_info.mode!r}")
         engine = self._destinations()
-        self.receiver = DaemonReceiver(
+        kind: Any = DaemonReceiver
+        extra: dict[str, Any] = {}
+        if init_info.delta:  # post-load processing runs inside the delta: rolled back too
+            kind = DeltaReceiver
+            extra = {"anchor_every": init_info.anchor_every, "after_apply": self._process}
+        self.receiver = kind(
             local=local,
             source=source,
             model=init_info.model,
             engine=engine,
             twin=self._twin,
             capture=self._capture,
-            mode=init_info.mode,  # type: ignore[arg-type]
+            mode=init_info.mode,
             lease_ttl_s=init_info.lease_ttl_s,
             allow_unwritten=[*init_info.allow_unwritten, *self._computed],
+            **extra,
         )
         logger.info(
             "refitd: worker connected to %s for %r (modules processed again after each update: %d)",
@@ -328,7 +338,9 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         if stats is None:
             return
         t0 = time.perf_counter()
-        self._process()
+        last = getattr(self.receiver, "last", None)
+        if last is None or last.kind != "delta":  # a delta processed inside its transaction
+            self._process()
         process_s = time.perf_counter() - t0
         self.last_stats = {
             "version": stats.version,
@@ -342,6 +354,8 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
             "install_s": stats.install_s,
             "process_s": process_s,
             "total_s": stats.total_s + process_s,
+            "kind": last.kind if last is not None else "full",
+            "reason": last.reason if last is not None else "",
         }
         self.history.append(self.last_stats)
         logger.info("refitd: refit %s", self.last_stats)
