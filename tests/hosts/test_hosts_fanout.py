@@ -1,6 +1,6 @@
 """Many replicas across simulated hosts with shaped links: ``refitd bench fanout`` on a
-tiny model, and a relay killed or stopped mid-transfer while the host behind it reads
-through it."""
+tiny model; a replica reading its host's mirror while it fills; a relay killed,
+stopped or slow mid-transfer while the host behind it reads through it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.hosts import cluster_of, needs_hosts
+from support.hosts import cluster_of, needs_hosts, tx_bytes
 
 from refitd.bench.fanout import MIB, _worker, fanout, shape_both, summary
 
@@ -23,7 +23,13 @@ async def test_the_fanout_bench_sends_the_model_once_from_the_trainer_and_every_
 ) -> None:
     cases = await fanout(tmp_path, 8 * MIB, 1.0, max_hosts=2, replicas=2)
     by = {(c.n, c.mode): c for c in cases}
-    assert sorted(by) == [(1, "direct"), (1, "mirrored"), (2, "direct"), (2, "mirrored")]
+    assert sorted(by) == [
+        (1, "direct"),
+        (1, "link"),
+        (1, "mirrored"),
+        (2, "direct"),
+        (2, "mirrored"),
+    ]
     assert all(c.verified for c in cases)
     assert by[2, "direct"].paths == ("tcp",)
     assert by[2, "mirrored"].paths == ("shm",)  # every replica read its host's mirror
@@ -32,7 +38,8 @@ async def test_the_fanout_bench_sends_the_model_once_from_the_trainer_and_every_
     assert by[2, "mirrored"].uplink_ratio <= 1.1
     line = summary(cases)
     assert line["verified"] == "1"
-    assert {"fanout_ratio_2", "direct_ratio_2", "uplink_ratio_2"} <= set(line)
+    assert {"fanout_ratio_2", "direct_ratio_2", "uplink_ratio_2", "mirrored_n1_ratio"} <= set(line)
+    assert float(line["mirrored_n1_ratio"]) > 0
 
 
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
@@ -70,6 +77,82 @@ async def test_a_relay_killed_or_stopped_mid_transfer_is_replaced_and_the_host_b
             if fault == "SIGSTOP":
                 os.kill(da.pid, signal.SIGCONT)
             first.cancel()
+
+
+async def test_a_replica_reads_its_hosts_mirror_while_the_mirror_still_fills(
+    tmp_path: Path,
+) -> None:
+    """The replica's pull does not wait for the whole mirror: it has read bytes (each
+    from a complete chunk) while chunks of the mirror were still to come, and it ends
+    bit-exact."""
+    nbytes = 48 * MIB  # about 2 s over a 200 Mbit/s link
+    async with cluster_of(tmp_path, "trainer", "engine") as (cluster, hosts):
+        t, e = hosts
+        for h in hosts:
+            await shape_both(cluster.net, h, 0.2)
+        src = await cluster.daemon(t, "trainer")
+        de = await cluster.daemon(e, "engine", "--set", "mirrors.policy=always")
+        tw, ew = [await _worker(cluster, h) for h in hosts]
+        assert (await tw.call("publish", url=src.url, version=1, nbytes=nbytes))["ok"]
+        assert (await ew.call("prepare", local=de.url, count=1, nbytes=nbytes))["ok"]
+        common = {"source": src.url, "version": 1, "count": 1, "nbytes": nbytes}
+        replica = asyncio.create_task(ew.call("replicas", local=de.url, **common))
+        seen_early = False
+        deadline = time.monotonic() + 120.0  # a safety net, not a measure
+        while not replica.done() and time.monotonic() < deadline:
+            # the pulls first: a mirror still incomplete after them was so before them
+            pulls = (await tw.call("pulls", url=de.url))["pulls"]
+            st = await tw.call("mirror", url=de.url, version=1)
+            read = sum(p["bytes_done"] for p in pulls if p["path"] == "shm")
+            if (
+                read
+                and not st.get("complete")
+                and st.get("chunks_done", 0) < st.get("chunks_total", 0)
+            ):
+                seen_early = True
+                break
+            await asyncio.sleep(0.05)
+        got = await replica
+        assert got["ok"], got
+        assert (await ew.call("verify", version=1, nbytes=nbytes))["verified"]
+        assert seen_early, "the replica read nothing before its host's mirror was complete"
+
+
+async def test_a_slow_relay_is_left_for_another_holder_and_the_host_behind_it_is_exact(
+    tmp_path: Path,
+) -> None:
+    """Three engine hosts in a chain behind the trainer: ``fast``, then ``slow`` (its
+    link a fifth of the others'), then ``behind``, which the source's book puts
+    behind ``slow``. ``behind`` finds ``slow`` sending under half its peers' rate,
+    leaves it, and completes from another holder; nothing is read twice from the
+    trainer (the version is not restarted)."""
+    nbytes = 64 * MIB
+    async with cluster_of(tmp_path, "trainer", "fast", "slow", "behind") as (cluster, hosts):
+        t, a, r, b = hosts
+        for h, gbit in ((t, 0.5), (a, 0.5), (r, 0.1), (b, 0.5)):
+            await shape_both(cluster.net, h, gbit)
+        mirror = ("--set", "mirrors.policy=always")
+        src = await cluster.daemon(t, "trainer")
+        da, dr, db = [await cluster.daemon(h, h.name, *mirror) for h in (a, r, b)]
+        tw, aw, rw, bw = [await _worker(cluster, h) for h in hosts]
+        assert (await tw.call("publish", url=src.url, version=1, nbytes=nbytes))["ok"]
+        common = {"source": src.url, "version": 1, "count": 1, "nbytes": nbytes}
+        for w, d in ((aw, da), (rw, dr), (bw, db)):
+            assert (await w.call("prepare", local=d.url, count=1, nbytes=nbytes))["ok"]
+        sent = await tx_bytes(t)
+        assert (await aw.call("replicas", local=da.url, **common))["ok"]  # fast holds it
+        slow = asyncio.create_task(rw.call("replicas", local=dr.url, **common))
+        try:
+            await _until_mirror_has_chunks(tw, dr.url)  # slow joined behind fast
+            got = await bw.call("replicas", local=db.url, **common)
+            assert got["ok"], got
+            assert (await bw.call("verify", version=1, nbytes=nbytes))["verified"]
+            st = await tw.call("mirror", url=db.url, version=1)
+            assert st["complete"]
+            assert st["tried"] == [dr.url, da.url]  # slow, then fast: not the trainer again
+            assert (await tx_bytes(t) - sent) / nbytes < 1.5  # the trainer sent it once
+        finally:
+            slow.cancel()
 
 
 async def _until_mirror_has_chunks(worker: object, url: str, timeout_s: float = 60.0) -> None:
