@@ -4,13 +4,14 @@ of a full pull, and deltas through a real daemon against a full refit."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from support.daemons import served
-from support.deltas import Change, DoubleBuffered, changed
+from support.deltas import Change, ColumnSwap, ColumnTrainer, DoubleBuffered, changed
 from support.engines import mismatched, zeroed_engine
 
 from refitd.bench.refit import capture_for
@@ -26,7 +27,14 @@ from refitd.delta.stream import (
     reads_of,
     select,
 )
-from refitd.testing.engines import EngineParallel, ToyEngine, dense_toy_config
+from refitd.reshard.geometry import capture_geometry
+from refitd.testing.engines import (
+    EngineParallel,
+    ToyEngine,
+    default_weight_loader,
+    dense_toy_config,
+    moe_toy_config,
+)
 from refitd.testing.layouts import full_state, megatron_tp_ep
 from refitd.wire import PackSpec
 
@@ -136,38 +144,72 @@ CHANGES = st.one_of(
 )
 
 
-@given(changes=st.lists(CHANGES, min_size=1, max_size=4))
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+KINDS = ["dense", "moe", "columns"]
+"""``dense``: a Llama-shaped model, Megatron TP 2 into an engine rank of TP 4 (rows and
+pack specs); ``moe``: a DeepSeek-shaped one, TP 2 x EP 2 into TP 4 x EP 2 (fused
+experts, full pulls replayed from scratch, destinations that overlap); ``columns``:
+column blocks packed into strided destinations (scattered on arrival)."""
+
+
+@given(changes=st.lists(CHANGES, min_size=1, max_size=4), kind=st.sampled_from(KINDS))
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(changes=[Change("some", 0.1, 1), Change("all")], kind="moe")
+@example(changes=[Change("some", 0.3, 2), Change("none")], kind="columns")
 def test_after_any_number_of_deltas_a_resharded_rank_equals_a_full_refit(
-    changes: list[Change],
+    changes: list[Change], kind: str
 ) -> None:
-    asyncio.run(_deltas(changes))
+    asyncio.run(_deltas(changes, kind))
 
 
-async def _deltas(changes: list[Change]) -> None:
-    cfg = dense_toy_config(torch.bfloat16)
-    par = EngineParallel(4, 1, 1)
-    async with served(deltas=True) as s:
-        trainer = DoubleBuffered(s.client, "m", lambda st_: megatron_tp_ep(cfg, 2, 1, st_))
-        state = full_state(cfg, seed=7)
-        pub = await trainer.publish(1, state)
-        eng = zeroed_engine(cfg, par)
-        r = DeltaReceiver(
-            local=s.client,
-            source=s.client,
-            model="m",
-            engine=eng,
-            twin=lambda: ToyEngine(cfg, par),
-            capture=capture_for(pub),
-            max_segments_per_copy=2,  # pack specs and full pulls as well as rows
+def _setup(kind: str, client: Any) -> tuple[Any, dict[str, torch.Tensor], Any, Any]:
+    """(trainer, first state, receiver arguments, the check of an engine)."""
+    if kind == "columns":
+        state = {
+            "w": torch.randn(16, 8, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+        }
+
+        def columns_ok(eng: Any, st_: dict[str, torch.Tensor]) -> bool:
+            want = torch.zeros(16, 8, dtype=torch.bfloat16)
+            want[:, 0:4] = st_["w"][:, 4:8]
+            return torch.equal(eng.w.view(torch.int16), want.view(torch.int16))
+
+        kw = dict(
+            engine=ColumnSwap(),
+            twin=ColumnSwap,
+            capture=lambda twin, manifest: capture_geometry(twin, manifest, default_weight_loader),
+            max_segments_per_copy=1,
+            allow_unwritten=["w"],
         )
-        await r.refit(1)
+        return ColumnTrainer(client, "m"), state, kw, columns_ok
+    cfg = (moe_toy_config if kind == "moe" else dense_toy_config)(torch.bfloat16)
+    ep = 2 if kind == "moe" else 1
+    par = EngineParallel(4, 1, ep)
+    state = full_state(cfg, seed=7)
+    trainer = DoubleBuffered(client, "m", lambda st_: megatron_tp_ep(cfg, 2, ep, st_))
+    kw = dict(
+        engine=zeroed_engine(cfg, par),
+        twin=lambda: ToyEngine(cfg, par),
+        capture=capture_for(megatron_tp_ep(cfg, 2, ep, state)),
+        max_segments_per_copy=2,  # pack specs and full pulls as well as rows
+    )
+    return trainer, state, kw, lambda eng, st_: mismatched(eng, cfg, par, st_) == []
+
+
+async def _deltas(changes: list[Change], kind: str) -> None:
+    async with served(deltas=True) as s:
+        trainer, state, kw, exact = _setup(kind, s.client)
+        await trainer.publish(1, state)
+        r = DeltaReceiver(local=s.client, source=s.client, model="m", **kw)
+        first = await r.refit(1)
+        # Each kind takes the path it is here for.
+        assert kind != "columns" or first.scattered >= 1
+        assert kind != "moe" or first.full_pulls >= 1
         for v, change in enumerate(changes, start=2):
             state = changed(state, change)
             await trainer.publish(v, state)
             await r.refit(v)
             assert r.last is not None and r.last.kind == "delta", r.last
-            assert mismatched(eng, cfg, par, state) == []
+            assert exact(kw["engine"], state)
             if change.kind == "none":
                 assert r.last.changed == 0
         await r.close()

@@ -64,3 +64,49 @@ class DoubleBuffered:
             self.client, self.model, pub, version, held
         )
         return pub
+
+
+class ColumnSwap(torch.nn.Module):
+    """An engine whose loader puts columns 4..7 of the checkpoint's ``w`` into columns
+    0..3 of its parameter: strided on both sides, so its pack spec lands scattered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(16, 8, dtype=torch.bfloat16), requires_grad=False)
+        self.w.weight_loader = self._columns  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _columns(param: torch.Tensor, loaded: torch.Tensor) -> None:
+        param[:, 0:4].copy_(loaded[:, 4:8])
+
+    def load_weights(self, weights: Any) -> None:
+        for _, loaded in weights:
+            self.w.weight_loader(self.w, loaded)  # type: ignore[attr-defined]
+
+
+@dataclass
+class ColumnTrainer:
+    """Two ranks publishing ``w`` (16, 8) as column blocks, double-buffered as
+    :class:`DoubleBuffered` does (no dim-0 rows, so nothing is a full pull)."""
+
+    client: RefitClient
+    model: str
+    buffers: list[list[Any] | None] = field(default_factory=lambda: [None, None])
+
+    async def publish(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        from refitd.client.publisher import Publisher
+
+        held = self.buffers[version % 2]
+        if held is not None:
+            await self.client.wait_drain(self.model, version - 2, 30.0, retire=True)
+        else:
+            held = []
+            for slot in (0, 1):
+                pub = Publisher(self.client, self.model, slot, 2)
+                await pub.reserve(1024)
+                held.append(pub)
+            self.buffers[version % 2] = held
+        for slot, pub in enumerate(held):
+            block = state["w"][:, slot * 4 : slot * 4 + 4].contiguous()
+            pub.put("w", block, (16, 8), (0, slot * 4))
+            await pub.publish(version)
