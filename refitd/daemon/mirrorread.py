@@ -27,8 +27,10 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from refitd.daemon import pullcore
 from refitd.daemon.mirror import Mirror, chunk_reads
 from refitd.daemon.move import move
+from refitd.daemon.paths import SHM_SCHEME
 from refitd.daemon.pulls import PullManager
 from refitd.daemon.sources import Gated, LocalSource, RemoteSource
 from refitd.wire import DescriptorTable, PeerRegions, PullRequest
@@ -186,16 +188,8 @@ class MirrorGate:
         fill = by_key[k]  # the mirror's own chunk index of each read
         order = np.argsort(fill, kind="stable")
         cut_rows, ends, fill = cut_rows[order], ends[order], fill[order]
-        per_span = max(1, BATCH_CHUNKS * int(m.chunks[:, 2].max(initial=1)))
-        spans: list[tuple[int, int]] = []
-        lo, acc = 0, 0
-        for i, n in enumerate(cut_rows[:, 4].tolist()):
-            acc += n
-            if acc >= per_span or i - lo >= 8191:
-                spans.append((lo, i + 1))
-                lo, acc = i + 1, 0
-        if lo < len(cut_rows):
-            spans.append((lo, len(cut_rows)))
+        per_span = BATCH_CHUNKS * int(m.chunks[:, 2].max(initial=1))
+        spans = pullcore.spans(cut_rows[:, 4], pullcore.pace_for(SHM_SCHEME).reads, per_span)
 
         async def ready(lo: int, hi: int) -> None:
             await m.wait_chunks(np.unique(fill[lo:hi]))
