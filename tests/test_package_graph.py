@@ -5,7 +5,10 @@ The graph is read from the source with :mod:`ast`, not from ``sys.modules``, so 
 import that runs only inside a function counts as much as one at the top of a module:
 both are an arrow the reader has to follow, and both deadlock the same way when the
 two modules are first imported from each other's top level. Imports under
-``if TYPE_CHECKING:`` do not count: they never run.
+``if TYPE_CHECKING:`` never run, but they count too, in a graph of their own: a
+module that names another's type depends on it as much as one that calls it, and a
+circle through them is the sign that a low floor takes the daemon (or the client)
+rather than the parts it uses.
 
 An arrow goes to the module named, never to its parent packages (``import a.b.c``
 is an arrow to ``a.b.c``). ``from pkg import name`` is an arrow to ``pkg.name`` when
@@ -32,6 +35,19 @@ MAX_LINES = 600
 #: Modules over :data:`MAX_LINES` today, being split (issue 22). A shrinking list: a
 #: module leaves it once it is split, and nothing joins it.
 OVERSIZED: frozenset[str] = frozenset()
+
+#: Modules in a circle only through ``TYPE_CHECKING`` imports today, being cut
+#: (issue 38: the host mirrors and pulls name each other's classes). A shrinking
+#: list, like :data:`OVERSIZED`: a circle among them alone passes, any other fails.
+TYPE_ONLY_CIRCLES: frozenset[str] = frozenset(
+    {
+        "refitd.daemon.mirrorfill",
+        "refitd.daemon.mirrorleases",
+        "refitd.daemon.mirrorread",
+        "refitd.daemon.mirrors",
+        "refitd.daemon.pulls",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -67,16 +83,17 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+def _imports(tree: ast.AST, types: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
     """Every import statement that can run: anywhere in the tree (functions, ``try``
-    blocks, class bodies), except under ``if TYPE_CHECKING:`` (its ``else:`` runs)."""
+    blocks, class bodies), except under ``if TYPE_CHECKING:`` (its ``else:`` runs);
+    with ``types`` those too."""
     stack: list[ast.AST] = [tree]
     while stack:
         node = stack.pop()
         if isinstance(node, ast.Import | ast.ImportFrom):
             yield node
             continue
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
+        if isinstance(node, ast.If) and _is_type_checking(node.test) and not types:
             stack.extend(node.orelse)
             continue
         stack.extend(ast.iter_child_nodes(node))
@@ -114,13 +131,15 @@ def _targets(node: ast.Import | ast.ImportFrom, me: Module, modules: dict[str, M
     return targets
 
 
-def build_graph() -> Graph:
+def build_graph(types: bool = False) -> Graph:
+    """The import graph: of the imports that run, or with ``types`` of every import
+    (``TYPE_CHECKING`` ones too)."""
     modules = _modules()
     graph = Graph(modules)
     for module in modules.values():
         tree = ast.parse(module.path.read_text(), filename=str(module.path))
         arrows = graph.edges.setdefault(module.name, {})
-        for node in _imports(tree):
+        for node in _imports(tree, types):
             for target in _targets(node, module, modules):
                 if target != module.name:
                     line = arrows.get(target, node.lineno)
@@ -217,6 +236,26 @@ def test_no_module_of_refitd_or_transports_imports_itself_back() -> None:
     assert not components, f"{len(components)} import cycle(s):\n\n{report}"
 
 
+def test_no_module_names_a_type_of_a_module_that_imports_it_back() -> None:
+    graph = build_graph(types=True)
+    components = [c for c in strongly_connected(graph) if not set(c) <= TYPE_ONLY_CIRCLES]
+    report = "\n\n".join(
+        f"{len(c)} modules import each other, counting TYPE_CHECKING imports "
+        f"({', '.join(c)}); one cycle:\n" + describe(graph, shortest_cycle(graph, c))
+        for c in components
+    )
+    assert not components, (
+        f"{len(components)} type-only import cycle(s) (take the parts you use, or a "
+        f"Protocol of them, not the module that imports you):\n\n{report}"
+    )
+
+
+def test_the_list_of_type_only_circles_only_shrinks() -> None:
+    circling = set().union(*strongly_connected(build_graph(types=True)))
+    stale = sorted(TYPE_ONLY_CIRCLES - circling)
+    assert not stale, f"no longer in a circle: remove from TYPE_ONLY_CIRCLES: {stale}"
+
+
 #: The bottom floors: what each may import from outside itself. Everything above may
 #: import them; they never import back up (the daemon, the client, ops).
 FLOORS: dict[str, set[str]] = {
@@ -294,7 +333,7 @@ def test_a_packages_init_resolves_relative_imports_against_itself() -> None:
     assert _targets(node, me, modules) == {"refitd.cluster.etcd"}
 
 
-def test_imports_in_functions_count_and_type_checking_ones_do_not() -> None:
+def test_imports_in_functions_count_and_type_checking_ones_count_apart() -> None:
     source = (
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n"
@@ -308,3 +347,6 @@ def test_imports_in_functions_count_and_type_checking_ones_do_not() -> None:
     me = modules["refitd.daemon.handlers"]
     found = set().union(*(_targets(n, me, modules) for n in _imports(ast.parse(source))))
     assert found == {"refitd.errors", "refitd.config"}
+    tree = ast.parse(source)
+    typed = set().union(*(_targets(n, me, modules) for n in _imports(tree, types=True)))
+    assert typed == {"refitd.wire", "refitd.errors", "refitd.config"}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -21,11 +22,11 @@ import numpy.typing as npt
 
 from refitd.errors import ProtocolError
 
-from .interface import ByteRange, ReadRefused
-
 __all__ = [
     "READ_DTYPE",
+    "ByteRange",
     "ReadBatch",
+    "ReadRefused",
     "as_read_batch",
     "batch_as_rows",
     "coalesce",
@@ -36,6 +37,41 @@ __all__ = [
     "suspect_ranges",
     "validate_batch",
 ]
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    """``nbytes`` bytes at ``offset`` (bytes) in local region ``region``."""
+
+    region: int
+    offset: int
+    nbytes: int
+
+
+class ReadRefused(ProtocolError):
+    """Read ``index`` of a batch failed validation; no read of the batch was posted."""
+
+    def __init__(
+        self,
+        index: int,
+        read: tuple[int, int, int, int, int],
+        why: str,
+        check: str = "",
+        other: int | None = None,
+    ) -> None:
+        lr, lo, rr, ro, n = read
+        super().__init__(
+            f"read #{index} (local region {lr} @ {lo}, remote region {rr} @ {ro}, "
+            f"{n} bytes) refused: {why}; nothing in the batch was read"
+        )
+        self.index = index
+        self.read = read
+        self.why = why
+        #: which check refused it (see :func:`validate_batch`), "" when not said
+        self.check = check
+        #: for an overlap, the index of the earlier read it collides with
+        self.other = other
+
 
 #: One read per row. All fields are little-endian int64; offsets and nbytes in bytes.
 READ_DTYPE = np.dtype(

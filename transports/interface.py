@@ -47,19 +47,21 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import msgspec
 
 from refitd.errors import NotFoundError, ProtocolError, TransportError
 from refitd.signing import Signed
 
+# Defined below this module (the batch algebra, the memory kinds), which import
+# nothing of it back; re-exported here, where a transport's author looks for them.
+from .batch import ByteRange, ReadBatch, ReadRefused
+from .memory import MappedMemory
+
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
-
-    from .batch import ReadBatch
-    from .memory import CopyEngine
 
 __all__ = [
     "AdvertisedRegion",
@@ -89,15 +91,6 @@ class TransportClosed(TransportError):
     """The transport or the peer connection is closed; the batch was not started."""
 
 
-@dataclass(frozen=True)
-class ByteRange:
-    """``nbytes`` bytes at ``offset`` (bytes) in local region ``region``."""
-
-    region: int
-    offset: int
-    nbytes: int
-
-
 class PullFailed(TransportError):
     """A batch failed after bytes may have moved.
 
@@ -116,31 +109,6 @@ class PullFailed(TransportError):
 
 class PeerLost(PullFailed):
     """The peer (or our own data-plane process) died while the batch was in flight."""
-
-
-class ReadRefused(ProtocolError):
-    """Read ``index`` of a batch failed validation; no read of the batch was posted."""
-
-    def __init__(
-        self,
-        index: int,
-        read: tuple[int, int, int, int, int],
-        why: str,
-        check: str = "",
-        other: int | None = None,
-    ) -> None:
-        lr, lo, rr, ro, n = read
-        super().__init__(
-            f"read #{index} (local region {lr} @ {lo}, remote region {rr} @ {ro}, "
-            f"{n} bytes) refused: {why}; nothing in the batch was read"
-        )
-        self.index = index
-        self.read = read
-        self.why = why
-        #: which check refused it (see :func:`validate_batch`), "" when not said
-        self.check = check
-        #: for an overlap, the index of the earlier read it collides with
-        self.other = other
 
 
 class UnauthenticatedPeer(ProtocolError):
@@ -197,33 +165,6 @@ class PeerInfo(Signed, frozen=True):
             return msgspec.msgpack.decode(data, type=cls)
         except msgspec.DecodeError as exc:
             raise ProtocolError(f"peer record refused: malformed ({exc})") from exc
-
-
-class MappedMemory(Protocol):
-    """Memory a transport can register: `transports.segments.SharedSegment` (host
-    memory) fits, and so does a device allocation (`transports.cuda`).
-
-    ``name`` lets a separate data-plane process map the same memory (host kind);
-    ``address`` is the base address in *this* process; ``size`` is in bytes. ``kind``,
-    ``identity``, ``owner_uid`` and ``engine`` say what the memory is, which one it
-    is, whom it proves it belongs to, and what copies it (`transports.memory`).
-    """
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def size(self) -> int: ...
-    @property
-    def address(self) -> int: ...
-    @property
-    def kind(self) -> str: ...
-    @property
-    def identity(self) -> tuple[str | int, ...]: ...
-    @property
-    def owner_uid(self) -> int | None: ...
-    @property
-    def engine(self) -> CopyEngine | None: ...
-    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)

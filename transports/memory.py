@@ -3,7 +3,7 @@
 A region is registered once, as a whole allocation, and every rule on it is keyed on
 the memory behind it. The memory is one of a few *kinds*::
 
-    MappedMemory (transports.interface)     what a transport registers
+    MappedMemory                            what a transport registers
     ├── kind        HOST ("host": a /dev/shm segment mapped here) or a device kind
     │               ("cuda": a GPU allocation opened from its owner's IPC handle)
     ├── identity    one memory, one value, however many names or handles reach it:
@@ -31,15 +31,12 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from refitd.errors import TransportError
-
-if TYPE_CHECKING:
-    from .interface import MappedMemory
 
 __all__ = [
     "HOST",
@@ -47,12 +44,41 @@ __all__ = [
     "DeviceFault",
     "DeviceMemory",
     "KindRefused",
+    "MappedMemory",
     "add_engine",
     "copy_by_kind",
     "engines",
     "forget_host",
     "is_host",
 ]
+
+
+class MappedMemory(Protocol):
+    """Memory a transport can register: `transports.segments.SharedSegment` (host
+    memory) fits, and so does a device allocation (`transports.cuda`).
+
+    ``name`` lets a separate data-plane process map the same memory (host kind);
+    ``address`` is the base address in *this* process; ``size`` is in bytes. ``kind``,
+    ``identity``, ``owner_uid`` and ``engine`` say what the memory is, which one it
+    is, whom it proves it belongs to, and what copies it (`transports.memory`).
+    """
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def address(self) -> int: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def identity(self) -> tuple[str | int, ...]: ...
+    @property
+    def owner_uid(self) -> int | None: ...
+    @property
+    def engine(self) -> CopyEngine | None: ...
+    def close(self) -> None: ...
+
 
 HOST = "host"
 """The kind of a shared-memory segment mapped in this process."""

@@ -21,7 +21,7 @@ NOTE: never run on a GPU yet (tests/gpu/run-on-device.sh is its first run).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -29,7 +29,24 @@ from refitd.client.http import RefitClient
 from refitd.wire import RegionInfo, RegionKind
 
 if TYPE_CHECKING:
-    from refitd.client.receiver import _Compiled
+    from refitd.reshard.transfer_plan import FullPull
+
+
+class CompiledInstall(Protocol):
+    """What an install reads of a receiver's compiled plan: the coalesced staged byte
+    ranges (offset, nbytes), the strided blocks to scatter (scratch offset, dtype,
+    shape, strides, parameter, byte offset in it) and the full pulls to replay (at
+    their scratch offsets)."""
+
+    @property
+    def install(self) -> list[tuple[int, int]]: ...
+    @property
+    def scatter(
+        self,
+    ) -> list[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str, int]]: ...
+    @property
+    def full_pulls(self) -> list[tuple[int, FullPull]]: ...
+
 
 __all__ = ["attach_tensor", "device_buffer", "install_on_device"]
 
@@ -70,7 +87,7 @@ async def device_buffer(
 
 
 def install_on_device(
-    comp: _Compiled,
+    comp: CompiledInstall,
     params: dict[str, torch.nn.Parameter],
     engine: torch.Tensor,
     scratch: torch.Tensor | None,

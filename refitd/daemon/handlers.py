@@ -408,7 +408,7 @@ def create_app(
 
     pulls = PullManager(d, connect)
     # Each pull is admitted by the write rule, then the pull cap, in this order.
-    pulls.listen(WriteRule(d))
+    pulls.listen(WriteRule(d.store.regions, d.registry, d.staging))
     pulls.listen(PullCap(d.caps, pulls.running))
     app[PULLS] = pulls
     setup_mirrors(app, d, pulls, opts.mirrors)  # host mirrors and relay (issue 25)

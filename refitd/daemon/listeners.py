@@ -17,18 +17,40 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from refitd.daemon.caps import Caps
 from refitd.daemon.pullcore import dst_ids
+from refitd.daemon.registry import Registry
+from refitd.daemon.staging import StagingPool
+from refitd.daemon.store import RegionTable
 from refitd.daemon.trust import check_writes
-from refitd.wire import PullRequest
+from refitd.wire import PullRequest, PullState
 
-if TYPE_CHECKING:
-    from refitd.daemon.node import Daemon
-    from refitd.daemon.pulls import PullJob
+__all__ = ["Caller", "Job", "PullCap", "PullListener", "WriteRule", "anyone"]
 
-__all__ = ["Caller", "PullCap", "PullListener", "WriteRule", "anyone"]
+
+class Job(Protocol):
+    """What a listener reads of a pull (:class:`refitd.daemon.pulls.PullJob` is one):
+    its id and owner, its request, and once it ended its state, bytes moved, the path
+    it took and its start and end (``time.perf_counter``, s)."""
+
+    @property
+    def pull_id(self) -> str: ...
+    @property
+    def owner(self) -> str: ...
+    @property
+    def req(self) -> PullRequest: ...
+    @property
+    def state(self) -> PullState: ...
+    @property
+    def bytes_done(self) -> int: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def started(self) -> float: ...
+    @property
+    def ended(self) -> float | None: ...
 
 
 def _anyone_owns(owner: str, action: str, what: str) -> None:
@@ -57,11 +79,11 @@ class PullListener(Protocol):
         """Refuse ``req`` (raise) before anything is checked or moves."""
         return None
 
-    def started(self, job: PullJob) -> None:
+    def started(self, job: Job) -> None:
         """``job`` was accepted; its task runs from the next loop turn."""
         return None
 
-    def ended(self, job: PullJob) -> None:
+    def ended(self, job: Job) -> None:
         """``job`` ended: its state, ``bytes_done`` and ``ended`` are final."""
         return None
 
@@ -72,10 +94,10 @@ class WriteRule(PullListener):
     (409): the write rule of :mod:`refitd.daemon.trust`. The pull checks it again
     after its awaits, when its destinations are pinned."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.regions = daemon.store.regions
-        self.registry = daemon.registry
-        self.staging = daemon.staging
+    def __init__(self, regions: RegionTable, registry: Registry, staging: StagingPool) -> None:
+        self.regions = regions
+        self.registry = registry
+        self.staging = staging
 
     def admit(self, req: PullRequest, caller: Caller) -> None:
         known = self.regions.sizes()
@@ -95,5 +117,5 @@ class PullCap(PullListener):
     def admit(self, req: PullRequest, caller: Caller) -> None:
         self.caps.pulls.admit(caller.name, self.running)
 
-    def started(self, job: PullJob) -> None:
+    def started(self, job: Job) -> None:
         self.caps.pulls.add(job.owner, job.pull_id)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextvars
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
@@ -37,12 +36,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from refitd.daemon.listeners import PullListener
+from refitd.daemon.listeners import Job, PullListener
 from refitd.wire import PoolStats
 from refitd.wire import routes as api
-
-if TYPE_CHECKING:
-    from refitd.daemon.pulls import PullJob
 
 __all__ = [
     "METRICS_KEY",
@@ -254,7 +250,7 @@ class PullMetrics(PullListener):
     def __init__(self, metrics: Callable[[], Metrics | None]) -> None:
         self.metrics = metrics
 
-    def ended(self, job: PullJob) -> None:
+    def ended(self, job: Job) -> None:
         metrics = self.metrics()
         if metrics is None:
             return

@@ -230,7 +230,22 @@ class Daemon:
         from transports.interface import create_transport
 
         for scheme in schemes:
-            t = create_transport(scheme, transport_options(self, scheme))
+            o = self.options
+            advertise_url = o.registry.advertise_url if o.registry is not None else ""
+            options = transport_options(
+                scheme,
+                secret=o.secret,
+                node_id=self.node_id,
+                pull_timeout_s=o.pull_timeout_s,
+                lanes=o.lanes,
+                host=o.host,
+                tcp_port=o.tcp_port,
+                advertise_url=advertise_url,
+                trusted=self.peers.trusted,
+                is_live=self.registry.is_live,
+                incarnation=self.incarnation,
+            )
+            t = create_transport(scheme, options)
             try:
                 await t.start()
             except RefitError as exc:
@@ -274,7 +289,9 @@ class Daemon:
             worker,
             shm_huge_pages=huge_page_mode(),
             ucx_transports=self.ucx_transports,
-            paths=peer_paths(self, self.seen_paths),
+            paths=peer_paths(
+                self.options.transport, self.plane.by_scheme, self.peers.trusted(), self.seen_paths
+            ),
         )
 
     # ------------------------------------------------------------ regions

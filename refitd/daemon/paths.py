@@ -28,8 +28,7 @@ import os
 import socket
 import time
 import urllib.parse
-from collections.abc import Collection
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Iterable
 
 import msgspec
 
@@ -37,9 +36,6 @@ from refitd.errors import TransportError
 from refitd.wire import PeerRegions, RegionKind
 from transports.interface import PeerInfo, TransportOptions
 from transports.tcp.frames import scope_key
-
-if TYPE_CHECKING:
-    from refitd.daemon.node import Daemon
 
 __all__ = [
     "AUTO",
@@ -108,11 +104,26 @@ def _hosts_of(urls: list[str]) -> set[str]:
     return out
 
 
-def transport_options(daemon: Daemon, scheme: str) -> TransportOptions:
-    """What the daemon builds ``scheme`` with: its secret, node id and pull
-    deadline, and for ``tcp`` its lanes, data server and who may use it."""
-    o = daemon.options
-    common = TransportOptions(o.secret, daemon.node_id, pull_timeout=o.pull_timeout_s)
+def transport_options(
+    scheme: str,
+    *,
+    secret: bytes,
+    node_id: str,
+    pull_timeout_s: float,
+    lanes: int,
+    host: str,
+    tcp_port: int,
+    advertise_url: str,
+    trusted: Callable[[], Iterable[str]],
+    is_live: Callable[[str], bool],
+    incarnation: int,
+) -> TransportOptions:
+    """What a daemon builds ``scheme`` with: its secret, node id and pull deadline,
+    and for ``tcp`` its ``lanes``, its data server (on ``host``:``tcp_port``,
+    advertised at ``advertise_url``'s host when bound to every address) and who may
+    use it: the ``trusted`` peers' hosts connect, a lease ``is_live`` reads, on the
+    server of this daemon life (``incarnation``)."""
+    common = TransportOptions(secret, node_id, pull_timeout=pull_timeout_s)
     if scheme != TCP_SCHEME:
         return common
 
@@ -127,7 +138,7 @@ def transport_options(daemon: Daemon, scheme: str) -> TransportOptions:
                 return True  # which local users: the data server's loopback_uids
         except ValueError:
             return False
-        urls = tuple(daemon.peers.trusted())
+        urls = tuple(trusted())
         now = time.monotonic()
         at, hosts = cache.get(urls, (-math.inf, set()))
         if now - at > RESOLVE_TTL_S:
@@ -137,19 +148,18 @@ def transport_options(daemon: Daemon, scheme: str) -> TransportOptions:
         return host in hosts
 
     advertise_host = ""
-    registry = o.registry
-    if o.host in ("0.0.0.0", "::", "") and registry is not None and registry.advertise_url:
-        advertise_host = urllib.parse.urlsplit(registry.advertise_url).hostname or ""
+    if host in ("0.0.0.0", "::", "") and advertise_url:
+        advertise_host = urllib.parse.urlsplit(advertise_url).hostname or ""
     return dataclasses.replace(
         common,
-        lanes=o.lanes,
-        host=o.host,
-        port=o.tcp_port,
+        lanes=lanes,
+        host=host,
+        port=tcp_port,
         advertise_host=advertise_host,
         accept=accept,
-        authorize=daemon.registry.is_live,
+        authorize=is_live,
         require_lease=True,
-        incarnation=daemon.incarnation,
+        incarnation=incarnation,
     )
 
 
@@ -212,16 +222,17 @@ def tcp_grant(peer: PeerRegions, advert: PeerInfo, secret: bytes) -> PeerInfo:
     return PeerInfo(TCP_SCHEME, advert.peer_id, advert.address, tuple(regions)).signed(secret)
 
 
-def peer_paths(daemon: Daemon, seen: dict[str, tuple[str, str]]) -> dict[str, str]:
-    """For ``refitd status``: per known peer (trusted URLs, and peers pulls read
+def peer_paths(
+    mode: str, schemes: Collection[str], trusted: Iterable[str], seen: dict[str, tuple[str, str]]
+) -> dict[str, str]:
+    """For ``refitd status``: per known peer (``trusted`` URLs, and peers pulls read
     from), the path a pull from it takes (``seen``: decided by a pull) or would
-    take, and why."""
-    mode = daemon.options.transport
+    take, and why, for a daemon in ``mode`` running the transports ``schemes``."""
     out = {node: f"{path}: {why}" for node, (path, why) in seen.items()}
     if mode == SHM_SCHEME:
         default = "shm: this daemon runs the same-host path only"
     elif mode == AUTO:
-        remote = UCX_SCHEME if UCX_SCHEME in daemon.plane.by_scheme else TCP_SCHEME
+        remote = UCX_SCHEME if UCX_SCHEME in schemes else TCP_SCHEME
         why = (
             "this host's UCX offers RDMA (if the peer's does too)"
             if remote == UCX_SCHEME
@@ -230,6 +241,6 @@ def peer_paths(daemon: Daemon, seen: dict[str, tuple[str, str]]) -> dict[str, st
         default = f"shm if proven on this host at pull time, else {remote}: {why}"
     else:
         default = f"{mode}: forced (--transport {mode})"
-    for url in daemon.peers.trusted():
+    for url in trusted:
         out.setdefault(url, default)
     return out

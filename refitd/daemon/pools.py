@@ -40,12 +40,11 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
-from refitd.daemon.listeners import Caller, PullListener
+from refitd.daemon.listeners import Caller, Job, PullListener
 from refitd.daemon.memory import check_shm_capacity
 from refitd.daemon.node import Daemon
 from refitd.daemon.poolmemory import RegionExpertRows, RegionSlotMemory, touched_rows
 from refitd.daemon.pullcore import dst_ids
-from refitd.daemon.pulls import PullJob
 from refitd.errors import (
     AccessDenied,
     ConfigError,
@@ -492,10 +491,10 @@ class ExpertPools(PullListener):
                     f"its host region {pool.host.region_id} instead; nothing was transferred"
                 )
 
-    def started(self, job: PullJob) -> None:
+    def started(self, job: Job) -> None:
         self.note_writes(job.req)
 
-    def ended(self, job: PullJob) -> None:
+    def ended(self, job: Job) -> None:
         self.note_writes(job.req)
 
     def stats(self, sees: Callable[[str], bool] = lambda owner: True) -> list[PoolStats]:

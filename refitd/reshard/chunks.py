@@ -14,16 +14,30 @@ The choice is deterministic and spreads bytes across sessions (least-loaded firs
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from refitd.errors import PlanError
 
-if TYPE_CHECKING:
-    from refitd.reshard.slice_plan import Shard
+
+class ShardBox(Protocol):
+    """What a chunk table reads of a shard (:class:`refitd.reshard.slice_plan.Shard`
+    is one): where its block sits in the full tensor (elements), its element size
+    (bytes) and the session that holds it."""
+
+    @property
+    def shard_offset(self) -> tuple[int, ...]: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def elsize(self) -> int: ...
+    @property
+    def session(self) -> str: ...
+
 
 __all__ = ["ChunkTable", "chunk_table", "is_dim0_block"]
 
@@ -51,12 +65,12 @@ def _contiguous(shape: tuple[int, ...]) -> list[int]:
     return strides
 
 
-def is_dim0_block(global_shape: tuple[int, ...], shard: Shard) -> bool:
+def is_dim0_block(global_shape: tuple[int, ...], shard: ShardBox) -> bool:
     """True when the shard covers every trailing dim whole (a block of dim-0 rows)."""
     return all(n == g for n, g in zip(shard.shape[1:], global_shape[1:], strict=True))
 
 
-def _check_shard(global_shape: tuple[int, ...], shard: Shard, elsize: int | None) -> None:
+def _check_shard(global_shape: tuple[int, ...], shard: ShardBox, elsize: int | None) -> None:
     if len(shard.shard_offset) != len(global_shape) or len(shard.shape) != len(global_shape):
         raise PlanError(
             f"shard at {shard.shard_offset} of session {shard.session!r} has rank "
@@ -74,7 +88,7 @@ def _check_shard(global_shape: tuple[int, ...], shard: Shard, elsize: int | None
         )
 
 
-def _shard_chunks(global_shape: tuple[int, ...], shard: Shard) -> tuple[IntArray, int]:
+def _shard_chunks(global_shape: tuple[int, ...], shard: ShardBox) -> tuple[IntArray, int]:
     """Global start of every chunk of ``shard`` (in storage order) and the chunk length."""
     if not global_shape:
         return np.zeros(1, dtype=np.int64), 1
@@ -93,7 +107,7 @@ def _shard_chunks(global_shape: tuple[int, ...], shard: Shard) -> tuple[IntArray
 
 def chunk_table(
     global_shape: tuple[int, ...],
-    shards: list[Shard],
+    shards: Sequence[ShardBox],
     elsize: int | None = None,
     loads: dict[str, int] | None = None,
 ) -> ChunkTable:
@@ -132,7 +146,7 @@ def chunk_table(
     return ChunkTable(start, end, stor, shard_of)
 
 
-def _one_per_box(shards: list[Shard], loads: dict[str, int]) -> list[int]:
+def _one_per_box(shards: Sequence[ShardBox], loads: dict[str, int]) -> list[int]:
     """Indices of the shards to read, one per distinct box, in shard order.
 
     Replicas usually repeat whole boxes (data-parallel copies of one layout), so a
@@ -159,7 +173,7 @@ def _resolve_replicas(
     end: IntArray,
     shard_of: IntArray,
     stor: IntArray,
-    shards: list[Shard],
+    shards: Sequence[ShardBox],
     loads: dict[str, int],
 ) -> tuple[IntArray, IntArray, IntArray, IntArray]:
     """Split overlapping chunks at every boundary and give each piece one owner."""

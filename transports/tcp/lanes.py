@@ -24,11 +24,12 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from ..interface import PeerInfo
 from ..local import CopyFault, copy_batch_guarded
 from .frames import (
     CHALLENGE,
@@ -45,8 +46,38 @@ from .frames import (
 )
 from .serve import IOV_MAX, recv_exact, send_all, tune
 
-if TYPE_CHECKING:
-    from . import TcpPeer
+
+class LaneOwner(Protocol):
+    """What a lane reads of its transport (``TcpTransport``): the deployment secret,
+    its server's life, the pull deadline (s), and where its regions are mapped."""
+
+    @property
+    def secret(self) -> bytes: ...
+    @property
+    def incarnation(self) -> int: ...
+    @property
+    def pull_timeout(self) -> float: ...
+    @property
+    def _views(self) -> dict[int, memoryview]: ...
+    @property
+    def _bases(self) -> dict[int, int]: ...
+
+
+class LanePeer(Protocol):
+    """What a lane reads of the connection it belongs to (``TcpPeer``): the peer's
+    ``(host, port, incarnation)``, its record, the grant reads are checked against
+    (the current one, or one by number) and the transport that owns it."""
+
+    @property
+    def owner(self) -> LaneOwner: ...
+    @property
+    def info(self) -> PeerInfo: ...
+    @property
+    def address(self) -> tuple[str, int, int]: ...
+
+    def current_grant(self) -> tuple[int, PeerInfo]: ...
+    def grant(self, number: int) -> PeerInfo: ...
+
 
 __all__ = ["BIG", "REQUEST_BYTES", "Lane", "LaneError", "Request"]
 
@@ -102,7 +133,7 @@ class Request:
 class Lane:
     """One TCP connection to the peer and the thread that services it."""
 
-    def __init__(self, peer: TcpPeer, index: int) -> None:
+    def __init__(self, peer: LanePeer, index: int) -> None:
         self.peer = peer
         self.index = index
         self.queue: queue.SimpleQueue[Request | None] = queue.SimpleQueue()
