@@ -501,11 +501,9 @@ async def delta_pack(request: web.Request) -> web.Response:
     req = await body(request, DeltaPackRequest)
     lease = d.registry.check(req.lease_id, req.model, req.version)
     who = lease.owner or principal_of(request).name
-    held = lambda rid: d.holds_memory(int(rid))  # noqa: E731
-    d.caps.regions.admit(who, held)
+    d.store.admit(who, 1)  # its size is known once the delta is selected
     staged = await request.app[DELTAS].pack(req, lease)
-    d.caps.regions.add(who, str(staged.region.region_id))
-    d.caps.bytes.add(who, str(staged.region.region_id), staged.region.nbytes)
+    d.store.charge(who, staged.region)
     return reply(request, staged, 201)
 
 
