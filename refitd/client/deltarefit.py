@@ -356,12 +356,12 @@ class DeltaReceiver(DaemonReceiver):
             old[scratch_writes] = scratch_u[off[scratch_writes] // unit]
         values = decode_values(old, diff, exceptions)
         idx = eng[at_eng] // unit
-        vals = values[at_eng]
+        vals, prev = values[at_eng], old[at_eng]
         if self._overlapping(comp, pieces, engine_id, scratch_id, limit):
             # A unit written twice keeps its last value, as the full pull's later read would.
             last = len(idx) - 1 - np.unique(idx[::-1], return_index=True)[1]
-            idx, vals = idx[last], vals[last]
-        before = undo.write(engine_u, idx, vals)
+            idx, vals, prev = idx[last], vals[last], prev[last]
+        before = undo.write(engine_u, idx, vals, prev)
         update_lanes(self._base.lanes, idx * unit, before, vals)  # type: ignore[arg-type]
         if len(dirty):
             assert scratch_u is not None
@@ -464,7 +464,7 @@ class DeltaReceiver(DaemonReceiver):
 
         for lo, view, before in spans:
             shift = (lo // 8) % LANES
-            self._base.lanes ^= np.roll(lanes_of(before) ^ lanes_of(view), shift)
+            self._base.lanes += np.roll(lanes_of(view) - lanes_of(before), shift)
 
     async def close(self) -> None:
         """Delete the delta region too (see :meth:`DaemonReceiver.close`)."""

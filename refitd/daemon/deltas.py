@@ -361,8 +361,8 @@ class DeltaBook:
         offs: list[list[I64]] = [[] for _ in blocks]
         vals: list[list[U8]] = [[] for _ in blocks]
         for (i, lo, _), (ln, lo_lanes, at, v) in zip(jobs, parts, strict=True):
-            lanes_n[i] ^= ln
-            lanes_o[i] ^= lo_lanes
+            lanes_n[i] += ln
+            lanes_o[i] += lo_lanes
             offs[i].append(at + lo)
             vals[i].append(v)
         return [
@@ -433,11 +433,11 @@ def _job(
         hi = min(n, lo + CHUNK)
         nb, na = b[: hi - lo], a[: hi - lo]
         copy_view(nb.data, new[lo:hi])
-        ln_new ^= lanes_of(nb)
+        ln_new += lanes_of(nb)
         if old is None:
             continue
         copy_view(na.data, old[lo:hi])
-        ln_old ^= lanes_of(na)
+        ln_old += lanes_of(na)
         at, o, v = compare_chunk(na, nb, unit)
         if len(at):
             offs.append(at + lo)

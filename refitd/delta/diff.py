@@ -7,11 +7,11 @@ unit's bytes are compared and moved as one integer. Comparing bytes, not values,
 makes a delta exact whatever the dtype: ``-0.0`` and ``0.0`` differ, and a NaN is
 equal to itself.
 
-The *lane digest* views memory as little-endian 64-bit words and XORs word ``i``
-into lane ``i % LANES``. It is cheap (one pass at memory speed), position-keyed to
-the lane, and linear: a write that changes a unit from ``a`` to ``b`` changes one
-lane by ``(a ^ b) << shift``, so a receiver keeps the digest of its engine memory up
-to date in O(changed) (:func:`update_lanes`). It detects memory that changed; it is
+The *lane digest* views memory as little-endian 64-bit words and adds word ``i``
+into lane ``i % LANES`` (modulo 2**64). It is cheap (one pass at memory speed),
+position-keyed to the lane, and linear: a write that changes a unit from ``a`` to
+``b`` changes one lane by ``(b - a) << shift``, so a receiver keeps the digest of its
+engine memory up to date in O(changed) (:func:`update_lanes`). It detects memory that changed; it is
 not a cryptographic hash and is never used as one.
 """
 
@@ -76,13 +76,13 @@ def lanes_of(buf: U8) -> npt.NDArray[np.uint64]:
     words = buf[:whole].view("<u8")
     full = len(words) // LANES * LANES
     if full:
-        lanes ^= np.bitwise_xor.reduce(words[:full].reshape(-1, LANES), axis=0)
+        lanes += np.add.reduce(words[:full].reshape(-1, LANES), axis=0, dtype=np.uint64)
     tail = words[full:]
-    lanes[: len(tail)] ^= tail
+    lanes[: len(tail)] += tail
     if whole < n:
         last = np.zeros(8, dtype=np.uint8)
         last[: n - whole] = buf[whole:]
-        lanes[len(words) % LANES] ^= last.view("<u8")[0]
+        lanes[len(words) % LANES] += last.view("<u8")[0]
     return lanes
 
 
@@ -97,8 +97,14 @@ def update_lanes(
     no offset twice). Offsets are unit-aligned, so a unit never straddles a word."""
     if not len(offsets):
         return
-    diff = (old ^ new).astype(np.uint64) << ((offsets % 8) * 8).astype(np.uint64)
-    np.bitwise_xor.at(lanes, (offsets // 8) % LANES, diff)
+    shift = ((offsets % 8) * 8).astype(np.uint64)
+    diff = (new.astype(np.uint64) - old.astype(np.uint64)) << shift  # modulo 2**64
+    lane = (offsets // 8) % LANES
+    # Summed per lane in 16-bit limbs: bincount's float64 sums stay exact integers.
+    for k in range(4):
+        limb = ((diff >> np.uint64(16 * k)) & np.uint64(0xFFFF)).astype(np.float64)
+        sums = np.bincount(lane, weights=limb, minlength=LANES).astype(np.uint64)
+        lanes += sums << np.uint64(16 * k)
 
 
 def compare_chunk(old: U8, new: U8, unit: int) -> tuple[I64, U8, U8]:

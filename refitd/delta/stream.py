@@ -211,13 +211,16 @@ def layout(pages: int, changed: int, exceptions: int, unit: int) -> Layout:
 
 
 def landing(pieces: I64, k: I64, unit: int) -> tuple[I64, I64, I64]:
-    """Where the full pull would have landed the stream units ``k``: ``(piece,
+    """Where the full pull would have landed the stream units ``k`` (ascending): ``(piece,
     region, offset)``. ``pieces`` is ``(m, 3)``: per read of the receiver's plan in
     stream order (each descriptor row, then each pack spec), its destination region,
     destination offset and bytes; each lands contiguous."""
-    ends = np.cumsum(pieces[:, 2] // unit)
-    piece = np.searchsorted(ends, k, side="right")
-    if len(k) and int(piece[-1]) >= len(pieces):
+    units = pieces[:, 2] // unit
+    ends = np.cumsum(units)
+    # ``k`` ascends: count each piece's units by its bounds, no search per unit.
+    counts = np.searchsorted(k, ends) - np.searchsorted(k, ends - units)
+    if int(counts.sum()) != len(k):
         raise ValueError("a delta position lies past the end of the pull's stream")
-    start = ends[piece] - pieces[piece, 2] // unit
+    piece = np.repeat(np.arange(len(pieces), dtype=np.int64), counts)
+    start = ends[piece] - units[piece]
     return piece, pieces[piece, 0], pieces[piece, 1] + (k - start) * unit

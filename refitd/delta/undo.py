@@ -34,9 +34,12 @@ class UndoLog:
         target: npt.NDArray[np.generic],
         index: npt.NDArray[np.int64],
         values: npt.NDArray[np.generic],
+        old: npt.NDArray[np.generic] | None = None,
     ) -> npt.NDArray[np.generic]:
-        """``target[index] = values``, the old values recorded first (and returned)."""
-        old = target[index]
+        """``target[index] = values``, the old values recorded first (and returned);
+        ``old``: ``target[index]`` as the caller already read it."""
+        if old is None:
+            old = target[index]
         self.writes.append(_Write(target, index, old))
         target[index] = values
         return old

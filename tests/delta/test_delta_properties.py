@@ -16,7 +16,7 @@ from support.engines import mismatched, zeroed_engine
 
 from refitd.bench.refit import capture_for
 from refitd.client.deltarefit import DeltaReceiver
-from refitd.delta.diff import compare_chunk, unit_dtype
+from refitd.delta.diff import compare_chunk, lanes_of, unit_dtype, update_lanes
 from refitd.delta.stream import (
     ChangeIndex,
     decode,
@@ -213,3 +213,25 @@ async def _deltas(changes: list[Change], kind: str) -> None:
             if change.kind == "none":
                 assert r.last.changed == 0
         await r.close()
+
+
+@given(
+    unit=UNITS,
+    words=st.integers(1, 3000),
+    data=st.data(),
+)
+@settings(max_examples=100, deadline=None)
+def test_the_lane_digest_kept_up_to_date_from_writes_equals_one_taken_afresh(
+    unit: int, words: int, data: st.DataObject
+) -> None:
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    buf = rng.integers(0, 256, words * 8, dtype=np.uint8)
+    lanes = lanes_of(buf)
+    units = buf.view(unit_dtype(unit))
+    n = data.draw(st.integers(0, len(units)))
+    idx = rng.choice(len(units), size=n, replace=False).astype(np.int64)
+    new = rng.integers(0, 2 ** (8 * unit), n, dtype=np.uint64).astype(unit_dtype(unit))
+    old = units[idx].copy()
+    units[idx] = new
+    update_lanes(lanes, idx * unit, old, new)
+    assert np.array_equal(lanes, lanes_of(buf))
