@@ -4,7 +4,7 @@ the daemon (:mod:`refitd.daemon.deltas`) and the receiver
 (:mod:`refitd.client.deltarefit`) call it. The mechanism: ``docs/delta.md``.
 
 - :mod:`~refitd.delta.diff`: bytewise comparison of two blocks in chunks, and the
-  lane digest (a position-keyed XOR of 64-bit words, updated in O(changed));
+  lane digest (position-keyed sums of 64-bit words, updated in O(changed));
 - :mod:`~refitd.delta.stream`: the byte stream a pull's reads make (rows, then each
   pack spec in its packed order), the changed units inside it, their compact
   positions (page counts + 16-bit offsets) and the staged payload's layout;
