@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from refitd.config import LimitsConfig
+from refitd.config import Config, LimitsConfig, RegistryConfig
 from refitd.daemon.auth import Principal
 from refitd.daemon.caps import Caps
 from refitd.daemon.drain import LeaseDrain
@@ -82,16 +82,25 @@ UCX_SCHEME = "ucx"
 """UCX: ``auto`` starts it beside ``tcp`` where this host's UCX offers RDMA."""
 
 
+#: The configuration's defaults: every setting :class:`DaemonOptions` shares with the
+#: configuration defaults to the same value as there (one place says it).
+_DEFAULT = Config()
+
+
 @dataclass(frozen=True)
 class DaemonOptions:
-    """How one daemon runs. ``port`` 0 binds any free port (reported once bound).
+    """How one daemon runs: its settings of the configuration (:meth:`from_config`,
+    as ``refitd serve`` builds them), each defaulting to the configuration's own
+    default, and what no configuration holds (``secret``, ``boot_id``). Only
+    ``port`` differs: 0 binds any free port (an in-process daemon; reported once
+    bound), where ``refitd serve`` listens on ``server.port``.
 
-    ``transport`` is the data-plane mode: ``"auto"`` (default: per source peer the
-    same-host shared-memory path when the peer is proven to be on this host with
-    attachable segments, else UCX where both ends have RDMA, else ``tcp``; see
-    :mod:`refitd.daemon.paths`), ``"shm"`` (only the shared-memory path; a peer on
-    another host is refused) or a scheme of ``transports.interface`` (e.g. ``"tcp"`` or
-    ``"ucx"``: every other-host peer through that transport).
+    ``transport`` is the data-plane mode (``[data_plane] transport``): ``"auto"``
+    (per source peer the same-host shared-memory path when the peer is proven to be
+    on this host with attachable segments, else UCX where both ends have RDMA, else
+    ``tcp``; see :mod:`refitd.daemon.paths`), ``"shm"`` (only the shared-memory
+    path; a peer on another host is refused) or a scheme of ``transports.interface``
+    (e.g. ``"tcp"`` or ``"ucx"``: every other-host peer through that transport).
     ``secret`` (≥ 16 bytes) authenticates peer records between the daemons of one
     deployment. ``boot_id`` empty means this kernel's; another value makes the
     daemon claim another host (tests of the cross-host choice on one machine).
@@ -99,40 +108,67 @@ class DaemonOptions:
     (``[peers] allow``, see :mod:`refitd.daemon.peers`).
     """
 
-    host: str = "127.0.0.1"
+    host: str = _DEFAULT.server.host
     port: int = 0
-    unix_path: str | None = None
-    transport: str = AUTO
+    unix_path: str | None = _DEFAULT.server.unix_socket
+    transport: str = _DEFAULT.data_plane.transport
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
-    node_id: str = ""
-    client_max_size: int = 1 << 30
-    grace_s: float = 10.0
+    node_id: str = _DEFAULT.server.node_id
+    #: ``[server] max_request_bytes``: a larger body is refused (413) before it is read
+    client_max_size: int = _DEFAULT.server.max_request_bytes
+    grace_s: float = _DEFAULT.pulls.shutdown_grace_s
     boot_id: str = ""
-    peers: tuple[str, ...] = ()
+    peers: tuple[str, ...] = _DEFAULT.peers.allow
     #: deadline of one batch of transport reads from a peer, s (``[data_plane]
     #: pull_timeout_s``): a hung peer fails only the pulls that read from it
-    pull_timeout_s: float = 120.0
-    #: ``refitd.config.RegistryConfig`` (None: the static registry, this daemon alone)
-    registry: Any = None
+    pull_timeout_s: float = _DEFAULT.data_plane.pull_timeout_s
+    #: ``[registry]`` (by default the static registry: this daemon alone)
+    registry: RegistryConfig = _DEFAULT.registry
     #: TCP connections per peer of the ``tcp`` data plane (``[data_plane] lanes``)
-    lanes: int = 4
+    lanes: int = _DEFAULT.data_plane.lanes
     #: port of the ``tcp`` data server (``[data_plane] tcp_port``; 0: any free one)
-    tcp_port: int = 0
-    #: ``refitd.config.LimitsConfig`` (None: its defaults): caps, manifest size, pending TTL
-    limits: Any = None
+    tcp_port: int = _DEFAULT.data_plane.tcp_port
+    #: ``[limits]``: caps, manifest size, pending TTL
+    limits: LimitsConfig = _DEFAULT.limits
     #: ``[models] owners`` / ``readers``: ``MODEL=PRINCIPAL`` entries (see
     #: :class:`~refitd.daemon.owners.ModelOwners`)
-    model_owners: tuple[str, ...] = ()
-    model_readers: tuple[str, ...] = ()
+    model_owners: tuple[str, ...] = _DEFAULT.models.owners
+    model_readers: tuple[str, ...] = _DEFAULT.models.readers
     #: ``[mirrors] policy``: ``never``, ``always`` or ``shared`` (see
     #: :mod:`refitd.daemon.mirrors`)
-    mirrors: str = "never"
+    mirrors: str = _DEFAULT.mirrors.policy
     #: ``[mirrors] max_bytes``: bytes all host mirrors together may hold (None: half
     #: of the shared-memory filesystem)
-    mirror_max_bytes: int | None = None
-    #: ``[delta] enabled``: hold each model's newest version and compare the next one
+    mirror_max_bytes: int | None = _DEFAULT.mirrors.max_bytes
+    #: ``[pulls] deltas``: hold each model's newest version and compare the next one
     #: with it, bytewise, so engines can refit by delta (:mod:`refitd.daemon.deltas`)
-    deltas: bool = False
+    deltas: bool = _DEFAULT.pulls.deltas
+
+    @classmethod
+    def from_config(cls, config: Config, secret: bytes | None = None) -> DaemonOptions:
+        """The options of ``config`` (``secret``: the deployment's, else a random one)."""
+        extra: dict[str, Any] = {"secret": secret} if secret is not None else {}
+        return cls(
+            host=config.server.host,
+            port=config.server.port,
+            unix_path=config.server.unix_socket,
+            transport=config.data_plane.transport,
+            pull_timeout_s=config.data_plane.pull_timeout_s,
+            lanes=config.data_plane.lanes,
+            tcp_port=config.data_plane.tcp_port,
+            node_id=config.server.node_id,
+            client_max_size=config.server.max_request_bytes,
+            grace_s=config.pulls.shutdown_grace_s,
+            registry=config.registry,
+            peers=config.peers.allow,
+            limits=config.limits,
+            model_owners=config.models.owners,
+            model_readers=config.models.readers,
+            mirrors=config.mirrors.policy,
+            mirror_max_bytes=config.mirrors.max_bytes,
+            deltas=config.pulls.deltas,
+            **extra,
+        )
 
 
 class Daemon:
@@ -147,7 +183,7 @@ class Daemon:
         self.node_id = options.node_id or f"{socket.gethostname()}-{os.getpid()}"
         self.incarnation = time.time_ns()
         self.clock = clock
-        self.limits: LimitsConfig = options.limits or LimitsConfig()
+        self.limits: LimitsConfig = options.limits
         self.registry = Registry(
             self.node_id, self.incarnation, clock, pending_ttl_s=self.limits.pending_ttl_s
         )
@@ -231,7 +267,6 @@ class Daemon:
 
         for scheme in schemes:
             o = self.options
-            advertise_url = o.registry.advertise_url if o.registry is not None else ""
             options = transport_options(
                 scheme,
                 secret=o.secret,
@@ -240,7 +275,7 @@ class Daemon:
                 lanes=o.lanes,
                 host=o.host,
                 tcp_port=o.tcp_port,
-                advertise_url=advertise_url,
+                advertise_url=o.registry.advertise_url,
                 trusted=self.peers.trusted,
                 is_live=self.registry.is_live,
                 incarnation=self.incarnation,

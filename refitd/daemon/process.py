@@ -181,7 +181,8 @@ def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
 
     from refitd.config import load_config, parse_overrides, read_token
     from refitd.daemon.auth import check_startup
-    from refitd.daemon.service import Service, configure_logging, options_from_config
+    from refitd.daemon.node import DaemonOptions
+    from refitd.daemon.service import Service, configure_logging
     from refitd.errors import ConfigError
 
     flags = {
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
         sys.stderr.write(f"refitd serve: refusing to start: {exc}\n")
         return 2
     configure_logging(config.logging)
-    options = options_from_config(config, secret)
+    options = DaemonOptions.from_config(config, secret)
     service = Service(config, policy)
 
     def on_ready(record: dict[str, Any]) -> None:

@@ -37,39 +37,10 @@ __all__ = [
     "Service",
     "configure_logging",
     "daemon_operations",
-    "options_from_config",
     "share_memory_with",
 ]
 
 log = logging.getLogger("refitd")
-
-
-def options_from_config(config: Config, secret: bytes | None) -> Any:
-    """The daemon's :class:`~refitd.daemon.node.DaemonOptions` for ``config``."""
-    from refitd.daemon.node import DaemonOptions
-
-    extra: dict[str, Any] = {"secret": secret} if secret is not None else {}
-    return DaemonOptions(
-        host=config.server.host,
-        port=config.server.port,
-        unix_path=config.server.unix_socket,
-        transport=config.data_plane.transport,
-        pull_timeout_s=config.data_plane.pull_timeout_s,
-        lanes=config.data_plane.lanes,
-        tcp_port=config.data_plane.tcp_port,
-        node_id=config.server.node_id,
-        client_max_size=config.server.max_request_bytes,
-        grace_s=config.pulls.shutdown_grace_s,
-        deltas=config.pulls.deltas,
-        registry=config.registry,
-        peers=config.peers.allow,
-        limits=config.limits,
-        model_owners=config.models.owners,
-        model_readers=config.models.readers,
-        mirrors=config.mirrors.policy,
-        mirror_max_bytes=config.mirrors.max_bytes,
-        **extra,
-    )
 
 
 class _JsonFormatter(logging.Formatter):

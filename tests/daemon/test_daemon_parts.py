@@ -5,12 +5,13 @@ in between, on a real daemon with real shared memory."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import numpy as np
 import pytest
 
-from refitd.config import LimitsConfig
+from refitd.config import Config, LimitsConfig
 from refitd.daemon.auth import Principal
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.errors import AccessDenied, ConflictError, QuotaExceeded
@@ -135,3 +136,14 @@ async def test_the_lease_cap_is_the_daemons_acquire() -> None:
         d.acquire("m", 1, 30.0, "", "alice")
     finally:
         await d.close()
+
+
+def test_the_daemons_options_default_to_the_configurations_defaults() -> None:
+    """One place says each default: a daemon built without a config runs as one built
+    from the default config (only the port differs: 0, any free one), the request
+    body limit included (``server.max_request_bytes``, 64 MiB)."""
+    secret = b"s" * 32
+    from_config = DaemonOptions.from_config(Config(), secret)
+    bare = DaemonOptions(secret=secret)
+    assert dataclasses.replace(from_config, port=0) == bare
+    assert bare.client_max_size == 64 << 20 and bare.limits == LimitsConfig()
