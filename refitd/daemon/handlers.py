@@ -116,7 +116,7 @@ async def attach_region(request: web.Request) -> web.Response:
     req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
     caller = principal_of(request)  # a uid the kernel named attaches only its own files
     uid = caller.uid if caller.via == "unix" and not caller.admin else None
-    info = await request.app[DAEMON].attach_region(req, uid, caller.via, caller.name)
+    info = await request.app[DAEMON].store.attach_region(req, uid, caller.via, caller.name)
     return reply(request, info)
 
 

@@ -45,7 +45,6 @@ from refitd.wire import (
     NodeInfo,
     PackSpec,
     PeerRegions,
-    RegionAttach,
     RegionCreate,
     RegionInfo,
     StagedPack,
@@ -335,16 +334,6 @@ class Daemon:
         """A new daemon-owned segment of exactly ``req.nbytes`` bytes (≥ 1), within
         ``principal``'s caps (:meth:`RegionStore.create_region`)."""
         return await self.store.create_region(req, principal)
-
-    async def attach_region(
-        self,
-        req: RegionAttach,
-        uid: int | None = None,
-        via: str = "loopback",
-        principal: str | None = None,
-    ) -> RegionInfo:
-        """Map (or open) memory a client made (see :meth:`RegionStore.attach_region`)."""
-        return await self.store.attach_region(req, uid, via, principal)
 
     async def delete_region(self, region_id: int) -> RegionInfo:
         """Forget a region (``DELETE /v1/regions/{id}``). Refused (409) while a READY,

@@ -111,12 +111,14 @@ async def test_on_the_unix_socket_gpu_memory_needs_a_holder_of_the_callers_uid(
         mine = RegionAttach(HANDLE, 1 << 20, RegionKind.CUDA_IPC, holder=owner_tag())
         other_uid = os.getuid() + 1
         with pytest.raises(AccessDenied, match=f"live process of the caller's uid {other_uid}"):
-            await d.attach_region(mine, other_uid, "unix")
+            await d.store.attach_region(mine, other_uid, "unix")
         with pytest.raises(AccessDenied, match="must name its holder"):
-            await d.attach_region(RegionAttach(HANDLE, 1 << 20, RegionKind.CUDA_IPC), 0, "unix")
+            await d.store.attach_region(
+                RegionAttach(HANDLE, 1 << 20, RegionKind.CUDA_IPC), 0, "unix"
+            )
         # The caller's own process passes the owner check; this host then has no CUDA.
         with pytest.raises(PlanError, match="no CUDA device"):
-            await d.attach_region(mine, os.getuid(), "unix")
+            await d.store.attach_region(mine, os.getuid(), "unix")
         assert len(d.store.regions) == 0
 
 
