@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from types import TracebackType
@@ -220,28 +220,16 @@ class Peer(ABC):
 
 @dataclass(frozen=True)
 class TransportOptions:
-    """What a transport is built with (:meth:`Transport.from_options`): one typed
-    object for every scheme, each transport reading the fields it uses.
-
+    """What every transport is built with (:meth:`Transport.from_options`):
     ``secret`` (≥ 16 bytes) and ``peer_id`` as for :class:`Transport`;
     ``pull_timeout`` (s) the deadline of one batch of reads from a peer (a hung
-    peer fails only the batches that read from it). The rest is the ``tcp``
-    transport's: ``lanes`` connections per peer, the data server's ``host`` and
-    ``port`` (0: any free one), the host it advertises (``advertise_host``, "" the
-    bound one), who may connect (``accept(host)``) and read (``authorize(lease)``,
-    required when ``require_lease``), and ``incarnation``, its server's life."""
+    peer fails only the batches that read from it). A scheme with options of its
+    own subclasses it (``transports.tcp.TcpOptions``) and reads them in its
+    ``from_options``; given the common ones only, it takes its defaults."""
 
     secret: bytes = field(repr=False)
     peer_id: str = ""
     pull_timeout: float = 120.0
-    lanes: int = 4
-    host: str = "127.0.0.1"
-    port: int = 0
-    advertise_host: str = ""
-    accept: Callable[[str], bool] | None = None
-    authorize: Callable[[str], bool] | None = None
-    require_lease: bool = False
-    incarnation: int | None = None
 
 
 class Transport(ABC):

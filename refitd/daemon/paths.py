@@ -21,7 +21,6 @@ on this host's loopback, the daemon's own uid and root (`transports.tcp.admissio
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import math
 import os
@@ -35,6 +34,7 @@ import msgspec
 from refitd.errors import TransportError
 from refitd.wire import PeerRegions, RegionKind
 from transports.interface import PeerInfo, TransportOptions
+from transports.tcp import TcpOptions
 from transports.tcp.frames import scope_key
 
 __all__ = [
@@ -123,9 +123,8 @@ def transport_options(
     advertised at ``advertise_url``'s host when bound to every address) and who may
     use it: the ``trusted`` peers' hosts connect, a lease ``is_live`` reads, on the
     server of this daemon life (``incarnation``)."""
-    common = TransportOptions(secret, node_id, pull_timeout=pull_timeout_s)
     if scheme != TCP_SCHEME:
-        return common
+        return TransportOptions(secret, node_id, pull_timeout=pull_timeout_s)
 
     # The data server asks this in its accepting thread, for every connection: the
     # trusted peers' addresses are resolved once per set of peers and TTL, not per
@@ -150,8 +149,10 @@ def transport_options(
     advertise_host = ""
     if host in ("0.0.0.0", "::", "") and advertise_url:
         advertise_host = urllib.parse.urlsplit(advertise_url).hostname or ""
-    return dataclasses.replace(
-        common,
+    return TcpOptions(
+        secret,
+        node_id,
+        pull_timeout=pull_timeout_s,
         lanes=lanes,
         host=host,
         port=tcp_port,

@@ -45,6 +45,7 @@ import itertools
 import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Self
 
 import msgspec
@@ -89,10 +90,30 @@ __all__ = [
     "REQUEST_BYTES",
     "SLICE",
     "TcpGrant",
+    "TcpOptions",
     "TcpPeer",
     "TcpTransport",
     "parse_address",
 ]
+
+
+@dataclass(frozen=True)
+class TcpOptions(TransportOptions):
+    """The ``tcp`` transport's options besides the common ones: ``lanes``
+    connections per peer, the data server's ``host`` and ``port`` (0: any free one),
+    the host it advertises (``advertise_host``, "" the bound one), who may connect
+    (``accept(host)``) and read (``authorize(lease)``, required when
+    ``require_lease``), and ``incarnation``, its server's life."""
+
+    lanes: int = 4
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str = ""
+    accept: Callable[[str], bool] | None = None
+    authorize: Callable[[str], bool] | None = None
+    require_lease: bool = False
+    incarnation: int | None = None
+
 
 SLICE = 1 << 20
 """A read longer than this (bytes) is cut into pieces spread over the lanes."""
@@ -423,7 +444,11 @@ class TcpTransport(Transport):
 
     @classmethod
     def from_options(cls, options: TransportOptions) -> Self:
-        o = options
+        o = (
+            options
+            if isinstance(options, TcpOptions)
+            else TcpOptions(options.secret, options.peer_id, options.pull_timeout)
+        )
         return cls(
             secret=o.secret,
             peer_id=o.peer_id,
