@@ -39,15 +39,7 @@ OVERSIZED: frozenset[str] = frozenset()
 #: Modules in a circle only through ``TYPE_CHECKING`` imports today, being cut
 #: (issue 38: the host mirrors and pulls name each other's classes). A shrinking
 #: list, like :data:`OVERSIZED`: a circle among them alone passes, any other fails.
-TYPE_ONLY_CIRCLES: frozenset[str] = frozenset(
-    {
-        "refitd.daemon.mirrorfill",
-        "refitd.daemon.mirrorleases",
-        "refitd.daemon.mirrorread",
-        "refitd.daemon.mirrors",
-        "refitd.daemon.pulls",
-    }
-)
+TYPE_ONLY_CIRCLES: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from refitd.daemon.auth import Principal
     from refitd.daemon.mirror import Mirror
     from refitd.daemon.node import Daemon
-    from refitd.daemon.pulls import RemoteSource
+    from refitd.daemon.sources import RemoteSource
 
 __all__ = ["OWNER", "MirrorLeases"]
 

@@ -48,7 +48,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -60,7 +59,7 @@ from refitd.daemon.mirrorfill import LEASE_TTL_S, Filler, describe
 from refitd.daemon.mirrorleases import OWNER, MirrorLeases
 from refitd.daemon.mirrorread import MirroredSource
 from refitd.daemon.mirrorspace import half_of_shm, held_bytes, make_room, release
-from refitd.daemon.pulls import RemoteSource, Source
+from refitd.daemon.sources import Redirect, RemoteSource
 from refitd.daemon.trust import Extents
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
@@ -96,16 +95,6 @@ POLICIES = ("never", "always", "shared")
 
 
 # ---------------------------------------------------------------- the store
-
-
-@dataclass
-class Redirect:
-    """A pull rewritten to read this daemon's mirror (from ``source``), and how to let
-    go of it."""
-
-    req: PullRequest
-    release: Callable[[], None]
-    source: Source
 
 
 class Mirrors:

@@ -33,7 +33,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -45,7 +44,7 @@ from refitd.daemon.listeners import Caller, PullListener, anyone
 from refitd.daemon.move import IN_FLIGHT, move
 from refitd.daemon.node import Daemon
 from refitd.daemon.paths import SHM_SCHEME, TCP_SCHEME, adverts, choose_remote, tcp_grant
-from refitd.daemon.sources import Filling, LocalSource, RemoteSource, Source
+from refitd.daemon.sources import Filling, LocalSource, Redirect, RemoteSource, Source
 from refitd.daemon.trust import check_writes
 from refitd.errors import NotFoundError, RefitError
 from refitd.wire import (
@@ -60,9 +59,6 @@ from refitd.wire import (
 )
 from transports.interface import Peer
 from transports.tcp import TcpPeer
-
-if TYPE_CHECKING:
-    from refitd.daemon.mirrors import Redirect
 
 __all__ = [
     "IN_FLIGHT",

@@ -5,6 +5,7 @@ bytes are still arriving (:class:`Filling`, a host mirror filling)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -16,7 +17,7 @@ from transports.batch import ReadBatch
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
 
-__all__ = ["Filling", "Gated", "LocalSource", "RemoteSource", "Source"]
+__all__ = ["Filling", "Gated", "LocalSource", "Redirect", "RemoteSource", "Source"]
 
 Gated = tuple[ReadBatch, np.ndarray, list[tuple[int, int]], Callable[[int, int], Awaitable[None]]]
 """A pull's reads of a source still filling: reads, descriptors each ends, spans,
@@ -100,3 +101,13 @@ class RemoteSource:
 
     async def drop(self, region_id: int, lease_id: str) -> None:
         await self.client.drop(region_id, lease_id)
+
+
+@dataclass
+class Redirect:
+    """A pull rewritten to read this daemon's mirror (from ``source``), and how to let
+    go of it."""
+
+    req: PullRequest
+    release: Callable[[], None]
+    source: Source
