@@ -17,8 +17,12 @@ its base. A version's record goes with the version (retired or gone).
 the receiver's full plan, and the base the receiver states (version and digest),
 the changed units inside the plan's stream, staged for the lease
 (:meth:`~refitd.daemon.staging.StagingPool.stage`); the receiver reads them with one
-descriptor of an ordinary pull. A base that is not exactly the delta's is refused
-(409) before anything is staged. The mechanism and its costs: ``docs/delta.md``.
+descriptor of an ordinary pull. Refused before anything is staged: a base that is not
+exactly the delta's, or a version whose changes were dropped when it was retired (409);
+a read outside the lease's version (403, as a pull's); a stream longer than
+:data:`STREAM_FACTOR` times the version (413). The staging region is admitted and
+counted against the lease's principal (429 past its caps). The mechanism and its
+costs: ``docs/delta.md``; the rules: ``docs/trust.md``.
 """
 
 from __future__ import annotations
@@ -41,9 +45,16 @@ from refitd.daemon.auth import principal_of
 from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
 from refitd.daemon.node import Daemon
 from refitd.daemon.registry import Lease
+from refitd.daemon.trust import Scope, check_pack_reads, check_reads, pack_span
 from refitd.delta.diff import CHUNK, LANES, compare_chunk, lanes_of, unit_dtype, unit_of
 from refitd.delta.stream import ChangeIndex, encode, encode_values, layout, reads_of, select
-from refitd.errors import ConflictError, ProtocolError, RefitError
+from refitd.errors import (
+    AccessDenied,
+    ConflictError,
+    ProtocolError,
+    RefitError,
+    RequestTooLarge,
+)
 from refitd.wire import (
     DeltaInfo,
     DeltaPackRequest,
@@ -68,6 +79,15 @@ until the next one is compared with it or its publisher drains it."""
 
 KEEP_RECORDS = 8
 """Records kept per model (a retired version's without its changed units)."""
+
+STREAM_FACTOR = 4
+"""A delta pack's stream reads at most this many times its version's bytes. A plan
+reads each byte of the version about once (a tied or replicated tensor a few times);
+a longer stream only makes the daemon select and stage the same changes again, in
+memory that grows with the request, not with the version."""
+
+_FAR = 1 << 62
+"""Offsets and sizes at or past this are past every region (their sums stay int64)."""
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -117,6 +137,15 @@ class _Record:
         self.index = ChangeIndex.of({})
         self.values = np.zeros(0, np.uint8)
 
+    def retire(self) -> None:
+        """The version was retired: its changed units go, and so does its delta (an
+        empty one staged for a lease still on it would tell the engine that its base
+        is this version)."""
+        self.drop_changes()
+        if self.state == DeltaState.READY:
+            self.state = DeltaState.NONE
+            self.reason = f"v{self.version} was retired: its changed units were dropped"
+
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -161,6 +190,8 @@ class DeltaBook:
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="refitd-delta")
         self._records: dict[tuple[str, int], _Record] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: per principal: its delta packs are admitted, staged and counted one at a time
+        self._locks: dict[str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------ records
 
@@ -211,7 +242,7 @@ class DeltaBook:
         mine = sorted(k for k in self._records if k[0] == model)
         for key in mine:
             if key[1] not in live:
-                self._records[key].drop_changes()
+                self._records[key].retire()
         for key in mine[: max(0, len(mine) - KEEP_RECORDS)]:
             del self._records[key]
 
@@ -372,19 +403,24 @@ class DeltaBook:
 
     # ------------------------------------------------------------ staging a pull's delta
 
-    async def pack(self, req: DeltaPackRequest, lease: Lease) -> DeltaStaged:
+    async def pack(self, req: DeltaPackRequest, lease: Lease, principal: str) -> DeltaStaged:
         """Stage the changed units of ``req``'s planned stream for ``lease`` (live, on
-        the version). Refused (409, nothing staged) without a delta of the version
-        against exactly the base ``req`` states; a read of a region outside the
-        version (400)."""
+        the version), as memory ``principal`` holds: admitted by its region and byte
+        caps (429) and counted against it. Refused, nothing staged: without a delta of
+        the version against exactly the base ``req`` states (409); a read outside the
+        version's shards (403); a stream longer than :data:`STREAM_FACTOR` times the
+        version (413)."""
         what = f"delta of {req.model!r} v{req.version}"
         rec = self._records.get((req.model, req.version))
         if rec is None:
             raise ConflictError(f"{what} refused: this daemon holds no delta record of it")
         async with asyncio.timeout(HOLD_S):
             await rec.done.wait()
-        if rec.state != DeltaState.READY:
-            raise ConflictError(f"{what} refused: there is none ({rec.reason})")
+        # One consistent view: a newer version may retire this one (and drop its
+        # changes) while the selection below runs in a worker thread.
+        state, reason, index, values = rec.state, rec.reason, rec.index, rec.values
+        if state != DeltaState.READY:
+            raise ConflictError(f"{what} refused: there is none ({reason})")
         if (req.base_version, req.base_digest) != (rec.base, rec.base_digest):
             raise ConflictError(
                 f"{what} refused: it applies to v{rec.base} with digest {rec.base_digest}, "
@@ -393,20 +429,49 @@ class DeltaBook:
             )
         rows = req.descriptors.rows()
         scope = self.daemon.registry.scope(req.model, req.version)
-        named = set(rows[:, 0].tolist()) | {p.src_region for p in req.pack_specs}
-        outside = sorted(named - set(scope))
-        if outside:
-            raise ProtocolError(
-                f"{what} refused: region(s) {outside[:8]} are not regions of that version"
+        _check_scope(rows, req.pack_specs, scope, f"{req.model!r} version {req.version}")
+        stream = int(rows[:, 4].sum()) + sum(p.nbytes for p in req.pack_specs)
+        if stream > STREAM_FACTOR * rec.compared:
+            raise RequestTooLarge(
+                f"{what} refused: the plan's stream reads {stream} bytes, more than "
+                f"{STREAM_FACTOR} times the version's {rec.compared} bytes; a plan reads "
+                "each byte of its version about once"
             )
         payload, staged = await asyncio.get_running_loop().run_in_executor(
-            self._pool, _payload, rec, rows, req.pack_specs
+            self._pool, _payload, rec.unit, index, values, rows, req.pack_specs
         )
-        region = await self.daemon.staging.stage(payload, lease)
+        # Admitted and counted with no other pack of the principal in between: else
+        # many at once all pass the cap before any is counted.
+        async with self._locks.setdefault(principal, asyncio.Lock()):
+            self.daemon.store.admit(principal, 1, len(payload))
+            region = await self.daemon.staging.stage(payload, lease)
+            self.daemon.store.charge(principal, region)
         pages, changed, exceptions, units = staged
         return DeltaStaged(
             region, len(payload), pages, changed, exceptions, rec.unit, units, rec.base, rec.digest
         )
+
+
+def _check_scope(rows: I64, specs: list[PackSpec], scope: Scope, what: str) -> None:
+    """Refuse (403) the first descriptor, then pack spec, of a delta pack that reads
+    outside ``scope`` (the lease's version), as a pull's reads are refused."""
+    r = rows[:, [0, 1, 4]]
+    far = np.flatnonzero((r[:, 1] < 0) | (r[:, 2] < 0) | (r[:, 1] >= _FAR) | (r[:, 2] >= _FAR))
+    if len(far):
+        i = int(far[0])
+        raise AccessDenied(
+            f"descriptor {i} refused: it reads {int(r[i, 2])} bytes at region "
+            f"{int(r[i, 0])}+{int(r[i, 1])}, which is not part of {what}; nothing was staged"
+        )
+    check_reads(rows, scope, what)
+    for i, p in enumerate(specs):
+        lo, hi = pack_span(p)
+        if min(p.shape, default=0) < 0 or lo < 0 or hi >= _FAR or p.nbytes >= _FAR:
+            raise AccessDenied(
+                f"pack spec {i} refused: it reads bytes [{lo}, {hi}) of region "
+                f"{p.src_region}, which are not part of {what}; nothing was staged"
+            )
+    check_pack_reads(specs, scope, what)
 
 
 def _itemsize(dtype: str) -> int:
@@ -450,18 +515,20 @@ def _job(
     )
 
 
-def _payload(rec: _Record, rows: I64, specs: list[PackSpec]) -> tuple[U8, tuple[int, ...]]:
-    """The staged delta of the stream ``rows`` + ``specs``: its bytes and (pages,
-    changed, exceptions, stream units)."""
-    unit = rec.unit
+def _payload(
+    unit: int, index: ChangeIndex, values: U8, rows: I64, specs: list[PackSpec]
+) -> tuple[U8, tuple[int, ...]]:
+    """The staged delta of the stream ``rows`` + ``specs``, given a version's changed
+    units (``index``, ``values``): its bytes and (pages, changed, exceptions, stream
+    units)."""
     reads = reads_of(rows, specs)
     try:
-        k, at = select(rec.index, reads, unit)
+        k, at = select(index, reads, unit)
     except ValueError as err:
         raise ProtocolError(f"delta refused: {err}") from err
     stream_units = int(reads[:, 2].sum()) // unit if len(reads) else 0
     counts, low = encode(k, stream_units)
-    pairs = rec.values.reshape(-1, 2, unit)[at]
+    pairs = values.reshape(-1, 2, unit)[at]
     udt = unit_dtype(unit)
     old = np.ascontiguousarray(pairs[:, 0]).reshape(-1).view(udt)
     new = np.ascontiguousarray(pairs[:, 1]).reshape(-1).view(udt)
@@ -501,10 +568,8 @@ async def delta_pack(request: web.Request) -> web.Response:
     req = await body(request, DeltaPackRequest)
     lease = d.registry.check(req.lease_id, req.model, req.version)
     who = lease.owner or principal_of(request).name
-    d.store.admit(who, 1)  # its size is known once the delta is selected
-    staged = await request.app[DELTAS].pack(req, lease)
-    d.store.charge(who, staged.region)
-    return reply(request, staged, 201)
+    d.store.admit(who, 1)  # at its cap already: refused before any work
+    return reply(request, await request.app[DELTAS].pack(req, lease, who), 201)
 
 
 def setup_deltas(app: web.Application, daemon: Daemon) -> DeltaBook:

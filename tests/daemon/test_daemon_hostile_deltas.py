@@ -1,0 +1,210 @@
+"""Delta refit (issue 37) attacked by a hostile tenant (issue 36).
+
+Tenant ``a`` owns model ``am`` and publishes it double-buffered (v1 in one region,
+v2 in another), so the daemon holds a delta of v2 against v1. Tenant ``b`` holds a
+lease on v2, as any reader may, and asks ``POST /v1/deltas/pack`` for what no
+receiver should get: a delta whose changes the daemon dropped, reads outside the
+version, a stream that would make the daemon hold unbounded memory, more staging
+regions than its cap allows. Each refusal is a 4xx ``{error, detail}`` naming what was
+refused, and nothing is staged; each test is one rule, named as that rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+import pytest
+from support.daemons import served, token_file
+
+from refitd.client.http import RefitClient
+from refitd.config import LimitsConfig, ServerConfig
+from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.wire import DeltaPackRequest, DescriptorTable, ManifestIn, ShardEntry, TensorEntry
+from transports.segments import SharedSegment
+
+pytestmark = pytest.mark.timeout(120)
+
+ELEMS = 2048
+"""bfloat16 elements of ``am``'s one tensor (4 KiB)."""
+NBYTES = 2 * ELEMS
+REGION = 2 * NBYTES
+"""Each version's region: twice the tensor, so half of it is outside the version."""
+CHANGED = 64
+"""Elements of v2 that differ from v1."""
+TOKENS = {"a": "token-of-a", "b": "token-of-b"}
+
+
+@dataclass
+class Tenants:
+    daemon: Daemon
+    url: str
+    a: RefitClient
+    b: RefitClient
+    regions: list[int]  # the region of v1, then of v2
+    segs: list[SharedSegment]
+
+
+def manifest(version: int, region: int) -> ManifestIn:
+    shard = ShardEntry((0,), (ELEMS,), region, 0)
+    return ManifestIn("am", version, 0, 1, [TensorEntry("w", (ELEMS,), "bfloat16", [shard])])
+
+
+@contextlib.asynccontextmanager
+async def two_versions(tmp: Path, **options: Any) -> AsyncIterator[Tenants]:
+    """``a`` publishes v1 and v2 of ``am`` in two regions; v2's delta is ready."""
+    tokens = token_file(tmp, TOKENS)
+    d = Daemon(DaemonOptions(port=0, node_id="hostile-deltas", deltas=True, **options))
+    async with (
+        served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
+        RefitClient(s.url, token=TOKENS["a"]) as a,
+        RefitClient(s.url, token=TOKENS["b"]) as b,
+    ):
+        v1 = np.random.default_rng(1).integers(0, 1 << 16, ELEMS, dtype=np.uint16)
+        v2 = v1.copy()
+        v2[np.random.default_rng(2).choice(ELEMS, CHANGED, replace=False)] += 1
+        regions, segs = [], []
+        for version, words in ((1, v1), (2, v2)):
+            info = await a.create_region(REGION, label=f"v{version}")
+            seg = SharedSegment.attach(info.handle, REGION)
+            seg.numpy(np.uint16)[:ELEMS] = words
+            regions.append(info.region_id)
+            segs.append(seg)
+            await a.publish(manifest(version, info.region_id))
+        try:
+            rec = await a.delta_info("am", 2, wait_s=60.0)
+            assert (rec.state, rec.base_version, rec.changed) == ("ready", 1, CHANGED), rec
+            yield Tenants(d, s.url, a, b, regions, segs)
+        finally:
+            for seg in segs:
+                seg.close()
+
+
+def table(*rows: tuple[int, int, int, int, int]) -> DescriptorTable:
+    return DescriptorTable(np.array(rows, dtype="<i8").reshape(-1, 5).tobytes())
+
+
+async def pack_raw(t: Tenants, token: str, req: DeltaPackRequest) -> tuple[int, Any]:
+    """``POST /v1/deltas/pack`` as ``token``: the status and the decoded answer."""
+    import msgspec
+
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/msgpack"}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            t.url + "/v1/deltas/pack", data=msgspec.msgpack.encode(req), headers=headers
+        ) as r,
+    ):
+        return r.status, await r.json(content_type=None)
+
+
+def refused(status: int, res: Any, status_is: int, *named: str) -> None:
+    """A 4xx in the error shape whose detail names each of ``named``."""
+    assert status == status_is, (status, res)
+    assert isinstance(res, dict) and set(res) == {"error", "detail"}, res
+    for word in named:
+        assert word in res["detail"], (word, res)
+
+
+def staged_for(t: Tenants, lease_id: str) -> dict[int, Any]:
+    return t.daemon.staging.packed_for(lease_id)
+
+
+async def b_lease_and_request(t: Tenants, **kw: Any) -> tuple[str, DeltaPackRequest]:
+    lease = await t.b.acquire_lease("am", 2, ttl_s=600)
+    rec = await t.b.delta_info("am", 2)
+    req = DeltaPackRequest(
+        "am",
+        2,
+        lease.lease_id,
+        1,
+        rec.base_digest,
+        kw.pop("descriptors", table((t.regions[1], 0, 0, 0, NBYTES))),
+        **kw,
+    )
+    return lease.lease_id, req
+
+
+async def test_the_whole_delta_of_a_version_is_staged_for_a_readers_lease(
+    tmp_path: Path,
+) -> None:
+    """The baseline every refusal below is measured against: b's plan reads v2 whole,
+    and every changed unit is staged."""
+    async with two_versions(tmp_path) as t:
+        lease, req = await b_lease_and_request(t)
+        staged = await t.b.delta_pack(req)
+        assert (staged.changed, staged.base_version) == (CHANGED, 1)
+        assert list(staged_for(t, lease)) == [staged.region.region_id]
+
+
+async def test_a_delta_whose_changes_were_dropped_at_retirement_is_refused_not_staged_empty(
+    tmp_path: Path,
+) -> None:
+    """A newer version retires v2 and the daemon drops v2's changed units; a lease on
+    v2 taken before still lives. Staging "no changes" for it would tell the engine that
+    its v1 bytes are v2's: the engine would serve v1 as v2. It is refused (409)."""
+    async with two_versions(tmp_path) as t:
+        lease, req = await b_lease_and_request(t)
+        # a rewrites v1's buffer as v3 (v1 is retired and unleased) and publishes it
+        await t.a.wait_drain("am", 1, 30.0, retire=True)
+        t.segs[0].numpy(np.uint16)[:ELEMS] += 3
+        await t.a.publish(manifest(3, t.regions[0]))
+        assert (await t.a.version("am", 2)).state == "retired"
+        status, res = await pack_raw(t, TOKENS["b"], req)
+        refused(status, res, 409, "v2", "retired")
+        assert staged_for(t, lease) == {}
+        info = await t.b.delta_info("am", 2)
+        assert info.state == "none" and "retired" in info.reason, info
+
+
+async def test_a_delta_pack_reads_only_the_bytes_of_its_leases_version(tmp_path: Path) -> None:
+    """A read past the version's shards (in one of its regions) or past any region's
+    end is refused, 403, before anything is selected or staged: a delta is served
+    under the lease's scope, as every read is."""
+    async with two_versions(tmp_path) as t:
+        r2 = t.regions[1]
+        for row in (
+            (r2, NBYTES, 0, 0, NBYTES),  # the half of v2's region no version publishes
+            (r2, 0, 0, 0, 1 << 62),  # far past the region's end
+            (r2, -2, 0, 0, 2),  # before its start
+        ):
+            lease, req = await b_lease_and_request(t, descriptors=table(row))
+            status, res = await pack_raw(t, TOKENS["b"], req)
+            refused(status, res, 403, "descriptor 0", f"region {r2}")
+            assert staged_for(t, lease) == {}
+
+
+async def test_a_delta_packs_stream_is_bounded_by_the_version_it_reads(tmp_path: Path) -> None:
+    """A plan that reads the same changed bytes over and over would make the daemon
+    select and stage each change again per read: memory without bound for one
+    request. A stream longer than a few times the version's bytes is refused, 413."""
+    async with two_versions(tmp_path) as t:
+        r2 = t.regions[1]
+        rows = [(r2, 0, 0, 0, NBYTES)] * 20_000
+        lease, req = await b_lease_and_request(t, descriptors=table(*rows))
+        status, res = await pack_raw(t, TOKENS["b"], req)
+        refused(status, res, 413, "stream", f"{20_000 * NBYTES} bytes")
+        assert staged_for(t, lease) == {}
+
+
+async def test_concurrent_delta_packs_stage_no_more_regions_than_the_principals_cap(
+    tmp_path: Path,
+) -> None:
+    """Each delta pack admits one staging region against the lease principal's cap;
+    sixteen at once must not all pass the check before any is counted."""
+    limits = LimitsConfig(max_regions_per_principal=4)
+    async with two_versions(tmp_path, limits=limits) as t:
+        lease, req = await b_lease_and_request(t)
+        answers = await asyncio.gather(*(pack_raw(t, TOKENS["b"], req) for _ in range(16)))
+        ok = [res for status, res in answers if status == 201]
+        for status, res in answers:
+            if status != 201:
+                refused(status, res, 429, "max_regions_per_principal")
+        assert 1 <= len(ok) <= 4, [s for s, _ in answers]
+        assert len(staged_for(t, lease)) == len(ok)
