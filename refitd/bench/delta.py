@@ -259,7 +259,7 @@ async def _main(args: argparse.Namespace) -> int:
                 stats = await r.refit(v)
                 ft += time.perf_counter() - t0
                 fwire += stats.pull.bytes_total
-            parts = [0.0] * 5
+            parts = [0.0] * 9
             for r in delta:
                 t0 = time.perf_counter()
                 await r.refit(v)
@@ -269,9 +269,10 @@ async def _main(args: argparse.Namespace) -> int:
                     print(f"  rank refitted in full: {r.last.reason}")
                 dwire += r.last.wire_bytes
                 st = r.last.refit
-                for i, x in enumerate(
-                    (st.manifest_s, st.plan_s, r.last.check_s, st.pull_s, r.last.apply_s)
-                ):
+                d = r.last
+                split = [st.manifest_s, st.plan_s, d.check_s, d.stage_s, st.pull_s]
+                split += [d.place_s, d.write_s, d.digest_s, d.post_s]
+                for i, x in enumerate(split):
                     parts[i] += x
             exact = all(
                 torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -291,15 +292,21 @@ async def _main(args: argparse.Namespace) -> int:
                 f"{v:>3} {loss:>7.3f} {frac:>9.4%} {info.seconds:>9.3f} {dwire:>11,} "
                 f"{fwire:>11,} {dt:>8.3f} {ft:>8.3f} {int(exact):>5}"
             )
+            for i, x in enumerate(parts):
+                totals[f"p{i}"] = totals.get(f"p{i}", 0.0) + x
             print(
-                "      delta seconds: lease+manifest {:.3f}, plan {:.3f}, base check and "
-                "staging {:.3f}, pull {:.3f}, apply {:.3f}".format(*parts)
+                "      delta seconds: lease+manifest {:.3f}, plan {:.3f}, engine check {:.3f}, "
+                "source staging {:.3f}, pull {:.3f}, place {:.3f}, write+undo {:.3f}, "
+                "digest {:.3f}, post-load {:.3f}".format(*parts)
             )
         for r in delta + full:
             await r.close()
     cf = totals["changed"] / totals["units"] if totals["units"] else math.nan
     wr = totals["dwire"] / totals["fwire"] if totals["fwire"] else math.nan
     tr = totals["dt"] / totals["ft"] if totals["ft"] else math.nan
+    keys = ("manifest", "plan", "check", "stage", "pull", "place", "write", "digest", "post")
+    shares = " ".join(f"{k}_s={totals.get(f'p{i}', 0.0):.3f}" for i, k in enumerate(keys))
+    print(f"delta_s={totals['dt']:.3f} full_s={totals['ft']:.3f} {shares}")
     print(
         f"changed_fraction={cf:.4f} wire_ratio={wr:.4f} delta_time_ratio={tr:.3f} "
         f"verified={int(verified)}"

@@ -40,7 +40,8 @@ import numpy.typing as npt
 import torch
 
 from refitd.client.receiver import DaemonReceiver, RefitStats, _Compiled
-from refitd.delta.diff import lanes_of, unit_dtype, update_lanes
+from refitd.delta.diff import unit_dtype
+from refitd.delta.digest import EngineDigest
 from refitd.delta.stream import decode, decode_values, landing, layout
 from refitd.delta.undo import UndoLog
 from refitd.errors import ConflictError, NotFoundError, RefitError
@@ -56,7 +57,13 @@ I64 = npt.NDArray[np.int64]
 class DeltaStats:
     """How one refit went: ``kind`` says which ran, ``reason`` why a full one did;
     ``wire_bytes`` what it pulled, ``full_bytes`` what a full refit of it pulls;
-    ``changed`` the units applied (``unit`` bytes each)."""
+    ``changed`` the units applied (``unit`` bytes each).
+
+    A delta's seconds, in order: ``check_s`` the engine's base check (its digest
+    window), ``stage_s`` the source selecting and staging the changes (its
+    request), the pull (``refit.pull_s``), then ``apply_s``: ``place_s`` decoding
+    and placing each unit, ``write_s`` the writes with their undo record,
+    ``digest_s`` the engine digest's update, ``post_s`` ``after_apply``."""
 
     refit: RefitStats
     kind: Literal["delta", "full"]
@@ -68,13 +75,18 @@ class DeltaStats:
     check_s: float = 0.0
     apply_s: float = 0.0
     undo_bytes: int = 0
+    stage_s: float = 0.0
+    place_s: float = 0.0
+    write_s: float = 0.0
+    digest_s: float = 0.0
+    post_s: float = 0.0
 
 
 @dataclass
 class _Base:
     version: int
     digest: str  # the source's content digest of that version
-    lanes: npt.NDArray[np.uint64]  # the lane digest of the engine memory holding it
+    engine: EngineDigest  # the engine memory's, as refits wrote it
     layout: bytes  # the scratch layout of the plan that installed it
 
 
@@ -82,9 +94,17 @@ class DeltaReceiver(DaemonReceiver):
     """A receiver that refits by delta when its engine holds the base exactly.
 
     ``anchor_every``: every N-th refit is a full one (0: never by count);
-    ``verify_engine``: check the engine memory's digest before each delta (one read
-    of it, at memory speed); ``after_apply``: called once a delta is written (the
-    engine's post-load processing), a raise rolls it back. Other arguments are
+    ``verify_engine``: check the engine memory's digest before each delta;
+    ``verify_every``: each check reads ``1/verify_every`` of the engine memory (a
+    window that moves on), so memory written outside a refit is found by the
+    ``verify_every``-th delta after the write at the latest (1: before the next
+    delta, one whole read each time; :mod:`refitd.delta.digest`);
+    ``prefer``: ``"delta"`` tries a delta whenever the base allows, ``"auto"`` only
+    when the source is across a link (the last full pull did not read this host's
+    shared memory): on one host a full refit copies at memory speed and a delta's
+    scattered writes are not faster; ``after_apply``: called once a delta is
+    written (the engine's post-load processing), a raise rolls it back. Other
+    arguments are
     :class:`DaemonReceiver`'s; only ``"staging"`` mode keeps the full pulls' staged
     tensors a delta patches, so deltas need it or no full pull in the plan.
     """
@@ -94,12 +114,21 @@ class DeltaReceiver(DaemonReceiver):
         *,
         anchor_every: int = 0,
         verify_engine: bool = True,
+        verify_every: int = 4,
+        prefer: Literal["delta", "auto"] = "delta",
         after_apply: Callable[[], None] | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
+        if verify_every < 1:
+            raise ValueError(f"verify_every={verify_every} refused: a check reads 1/N, N >= 1")
+        if prefer not in ("delta", "auto"):
+            raise ValueError(f"prefer={prefer!r} refused: 'delta' or 'auto'")
         self.anchor_every = anchor_every
         self.verify_engine = verify_engine
+        self.verify_every = verify_every
+        self.prefer = prefer
+        self._same_host: bool | None = None  # the last full pull read shared memory
         self.after_apply = after_apply
         self.last: DeltaStats | None = None
         self._base: _Base | None = None
@@ -146,18 +175,28 @@ class DeltaReceiver(DaemonReceiver):
             return "the plan has full pulls, whose staged tensors only staging mode keeps"
         if base.layout != self._layout_key(comp):
             return "the plan's destinations moved since the base was installed"
-        if self.verify_engine and not np.array_equal(lanes_of(self._engine_bytes()), base.lanes):
+        if self.prefer == "auto" and self._same_host:
             return (
-                f"the engine's memory differs from v{base.version} as refitd installed it "
-                "(digest mismatch): it was written outside a refit"
+                "auto: the source is on this host (the last full pull read shared memory), "
+                "where a full refit copies at memory speed and a delta is not faster"
             )
+        if self.verify_engine:
+            block = base.engine.differs(self._engine_bytes(), self.verify_every)
+            if block is not None:
+                at = block * base.engine.block
+                return (
+                    f"the engine's memory differs from v{base.version} as refitd installed "
+                    f"it (digest mismatch in bytes {at}..{at + base.engine.block}): it was "
+                    "written outside a refit"
+                )
         return ""
 
     async def _record_base(self, version: int, comp: _Compiled, digest: str) -> None:
         if self._engine_seg is None or not digest:
             self._base = None
             return
-        self._base = _Base(version, digest, lanes_of(self._engine_bytes()), self._layout_key(comp))
+        engine = EngineDigest.of(self._engine_bytes())
+        self._base = _Base(version, digest, engine, self._layout_key(comp))
 
     # ------------------------------------------------------------ refit
 
@@ -173,6 +212,7 @@ class DeltaReceiver(DaemonReceiver):
         comp, replayed = await self._compiled_for(m, version)
         t2 = time.perf_counter()
         reason = self._why_full(version, comp)
+        t_check = time.perf_counter()
         staged: DeltaStaged | None = None
         if not reason:
             assert self._base is not None
@@ -192,7 +232,8 @@ class DeltaReceiver(DaemonReceiver):
         t3 = time.perf_counter()
         if staged is None:
             return await self._full(version, lease_id, t0, on_progress, reason)
-        return await self._delta(comp, staged, version, lease_id, replayed, (t0, t1, t2, t3))
+        times = (t0, t1, t2, t_check, t3)
+        return await self._delta(comp, staged, version, lease_id, replayed, times)
 
     async def _full(
         self,
@@ -205,6 +246,7 @@ class DeltaReceiver(DaemonReceiver):
         self._base = None  # until the full refit has landed
         stats = await super()._refit_leased(version, lease_id, t0, on_progress)
         assert self._compiled is not None
+        self._same_host = stats.pull.path.startswith("shm")
         info = await self.source.delta_info(self.model, version, wait_s=30.0)
         await self._record_base(version, self._compiled, info.digest)
         self._since_anchor = 0
@@ -234,9 +276,9 @@ class DeltaReceiver(DaemonReceiver):
         version: int,
         lease_id: str,
         replayed: bool,
-        times: tuple[float, float, float, float],
+        times: tuple[float, float, float, float, float],
     ) -> RefitStats:
-        t0, t1, t2, t3 = times
+        t0, t1, t2, t_check, t3 = times
         region = await self._delta_landing(staged.nbytes)
         row = np.array([[staged.region.region_id, 0, region, 0, staged.nbytes]], dtype=np.int64)
         src = self.source.base_url if self.source.base_url != self.local.base_url else ""
@@ -247,19 +289,21 @@ class DeltaReceiver(DaemonReceiver):
         payload = self._delta_seg.numpy()[: staged.nbytes].copy()
         undo = UndoLog()
         assert self._base is not None
-        lanes = self._base.lanes.copy()
+        kept = self._base.engine.copy()
+        parts = [0.0, 0.0, 0.0]
         try:
-            changed = self._apply(comp, staged, payload, undo)
+            changed = self._apply(comp, staged, payload, undo, parts)
+            t_post = time.perf_counter()
             if self.after_apply is not None:
                 self.after_apply()
         except BaseException:
             # Every write put back: the engine holds its base, bit for bit, still.
             undo.rollback()
-            self._base.lanes = lanes
+            self._base.engine = kept
             raise
         t5 = time.perf_counter()
         assert self._base is not None
-        self._base = _Base(version, staged.digest, self._base.lanes, self._base.layout)
+        self._base = _Base(version, staged.digest, self._base.engine, self._base.layout)
         self._since_anchor += 1
         stats = RefitStats(
             version,
@@ -284,20 +328,32 @@ class DeltaReceiver(DaemonReceiver):
             _full_bytes(comp),
             changed,
             staged.unit,
-            t3 - t2,
+            t_check - t2,
             t5 - t4,
             undo.nbytes,
+            t3 - t_check,
+            parts[0],
+            parts[1],
+            parts[2],
+            t5 - t_post,
         )
         return stats
 
     # ------------------------------------------------------------ applying
 
     def _apply(
-        self, comp: _Compiled, staged: DeltaStaged, payload: npt.NDArray[np.uint8], undo: UndoLog
+        self,
+        comp: _Compiled,
+        staged: DeltaStaged,
+        payload: npt.NDArray[np.uint8],
+        undo: UndoLog,
+        parts: list[float],
     ) -> int:
         """Write the staged delta where the full pull would have landed each unit (see
-        the module docstring); every write recorded in ``undo``. Returns units written."""
+        the module docstring); every write recorded in ``undo``. Returns units written;
+        adds the seconds of placing, writing and the digest's update to ``parts``."""
         assert self._engine_region is not None and self._base is not None
+        t0 = time.perf_counter()
         unit = staged.unit
         udt = unit_dtype(unit)
         lay = layout(staged.pages, staged.changed, staged.exceptions, unit)
@@ -361,12 +417,19 @@ class DeltaReceiver(DaemonReceiver):
             # A unit written twice keeps its last value, as the full pull's later read would.
             last = len(idx) - 1 - np.unique(idx[::-1], return_index=True)[1]
             idx, vals, prev = idx[last], vals[last], prev[last]
+        t1 = time.perf_counter()
         before = undo.write(engine_u, idx, vals, prev)
-        update_lanes(self._base.lanes, idx * unit, before, vals)  # type: ignore[arg-type]
+        t2 = time.perf_counter()
+        self._base.engine.update(idx * unit, before, vals)  # type: ignore[arg-type]
+        t3 = time.perf_counter()
         if len(dirty):
             assert scratch_u is not None
             undo.write(scratch_u, off[scratch_writes] // unit, values[scratch_writes])
             self._replay(comp, dirty.tolist(), undo, unit)
+        t4 = time.perf_counter()
+        parts[0] += t1 - t0
+        parts[1] += (t2 - t1) + (t4 - t3)  # a replay's digest update counts as writing
+        parts[2] += t3 - t2
         return len(k)
 
     @staticmethod
@@ -460,11 +523,8 @@ class DeltaReceiver(DaemonReceiver):
                 write_through_pointer(
                     self._params[copy.param_name].data_ptr(), copy, replay_ops(full, copy.op_chain)
                 )
-        from refitd.delta.diff import LANES
-
         for lo, view, before in spans:
-            shift = (lo // 8) % LANES
-            self._base.lanes += np.roll(lanes_of(view) - lanes_of(before), shift)
+            self._base.engine.rewrite(lo, before, view)
 
     async def close(self) -> None:
         """Delete the delta region too (see :meth:`DaemonReceiver.close`)."""

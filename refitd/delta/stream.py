@@ -222,5 +222,8 @@ def landing(pieces: I64, k: I64, unit: int) -> tuple[I64, I64, I64]:
     if int(counts.sum()) != len(k):
         raise ValueError("a delta position lies past the end of the pull's stream")
     piece = np.repeat(np.arange(len(pieces), dtype=np.int64), counts)
-    start = ends[piece] - units[piece]
-    return piece, pieces[piece, 0], pieces[piece, 1] + (k - start) * unit
+    # Per piece, where stream unit 0 would land: one gather per unit, not three.
+    origin = pieces[:, 1] - (ends - units) * unit
+    off = origin[piece]
+    off += k * unit
+    return piece, np.ascontiguousarray(pieces[:, 0])[piece], off
