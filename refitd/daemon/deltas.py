@@ -46,6 +46,7 @@ from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_in
 from refitd.daemon.node import Daemon
 from refitd.daemon.registry import Lease
 from refitd.daemon.trust import Scope, check_pack_reads, check_reads, pack_span
+from refitd.daemon.waits import MAX_WAIT_S, WAITS
 from refitd.delta.diff import CHUNK, LANES, compare_chunk, lanes_of, unit_dtype, unit_of
 from refitd.delta.stream import ChangeIndex, encode, encode_values, layout, reads_of, select
 from refitd.errors import (
@@ -556,8 +557,11 @@ async def delta_info(request: web.Request) -> web.Response:
     model = request.match_info["model"]
     d.models.check_read(principal_of(request), model, "read")
     version = query_int(request, "version")
-    wait_s = min(query_float(request, "wait", 0.0), 60.0)
-    return reply(request, await request.app[DELTAS].info(model, version, wait_s))
+    wait_s = min(query_float(request, "wait", 0.0), MAX_WAIT_S)
+    if not wait_s:
+        return reply(request, await request.app[DELTAS].info(model, version))
+    with request.app[WAITS].held(principal_of(request).name, f"waiting for {model!r} v{version}"):
+        return reply(request, await request.app[DELTAS].info(model, version, wait_s))
 
 
 @routes.handles(api.DELTA_PACK)

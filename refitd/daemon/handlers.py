@@ -48,6 +48,7 @@ from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.poolapi import routes as expert_routes
 from refitd.daemon.pools import POOLS, ExpertPools, close_pools
 from refitd.daemon.pulls import PULLS, PullJob, PullManager, RemoteSource, Source
+from refitd.daemon.waits import MAX_WAIT_S, WAITS, Waits
 from refitd.errors import ProtocolError, TransportError
 from refitd.wire import (
     MAX_LEASE_TTL_S,
@@ -73,10 +74,6 @@ __all__ = [
 ]
 
 routes = RouteTable()
-
-#: The longest a long poll (``/ready``) holds its request, s (a longer ``timeout`` is
-#: cut to it): a client waiting longer asks again.
-MAX_WAIT_S = 60.0
 
 
 @routes.handles(api.HEALTH)
@@ -206,7 +203,8 @@ async def wait_ready(request: web.Request) -> web.Response:
     """Answer once the version is READY, or after ``timeout`` seconds with its state."""
     model, version = _version(request)
     timeout = min(query_float(request, "timeout", 30.0), MAX_WAIT_S)
-    return reply(request, await request.app[DAEMON].wait_ready(model, version, timeout))
+    with request.app[WAITS].held(principal_of(request).name, f"waiting for {model!r} v{version}"):
+        return reply(request, await request.app[DAEMON].wait_ready(model, version, timeout))
 
 
 @routes.handles(api.DRAIN)
@@ -217,8 +215,9 @@ async def drain(request: web.Request) -> web.Response:
     what = "retire a version of" if retire else "drain a version of"
     request.app[DAEMON].models.check_owner(principal_of(request), model, what)
     timeout = query_float(request, "timeout", 60.0)
-    request.app[DELTAS].yield_base(model, version)  # its memory is about to be rewritten
-    info = await request.app[DAEMON].wait_drain(model, version, timeout, retire)
+    with request.app[WAITS].held(principal_of(request).name, f"draining {model!r} v{version}"):
+        request.app[DELTAS].yield_base(model, version)  # its memory is about to be rewritten
+        info = await request.app[DAEMON].wait_drain(model, version, timeout, retire)
     if retire:
         await announce(request.app, model)
     return reply(request, info)
@@ -307,10 +306,15 @@ async def pull_status(request: web.Request) -> web.Response:
 
 @routes.handles(api.WAIT_PULL)
 async def pull_wait(request: web.Request) -> web.Response:
-    """Answer when the pull ends, or after ``timeout`` seconds with its progress."""
+    """Answer when the pull ends, or after ``timeout`` seconds (at most a minute) with
+    its progress."""
     job = _own_pull(request, "wait for")
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(query_float(request, "timeout", 30.0)):
+    timeout = min(query_float(request, "timeout", 30.0), MAX_WAIT_S)
+    with (
+        request.app[WAITS].held(principal_of(request).name, f"waiting for pull {job.pull_id}"),
+        contextlib.suppress(TimeoutError),
+    ):
+        async with asyncio.timeout(timeout):
             await job.finished.wait()
     return reply(request, job.snapshot())
 
@@ -383,6 +387,7 @@ def create_app(
         middlewares=[error_middleware, *middlewares], client_max_size=opts.client_max_size
     )
     app[DAEMON] = d
+    app[WAITS] = Waits()  # long polls held open, per principal
 
     clients: dict[str, PeerClient] = {}
 

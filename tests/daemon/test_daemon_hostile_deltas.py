@@ -208,3 +208,80 @@ async def test_concurrent_delta_packs_stage_no_more_regions_than_the_principals_
                 refused(status, res, 429, "max_regions_per_principal")
         assert 1 <= len(ok) <= 4, [s for s, _ in answers]
         assert len(staged_for(t, lease)) == len(ok)
+
+
+# ---------------------------------------------------------------- long polls (issue 38)
+
+
+async def test_one_principal_holds_a_bounded_number_of_long_polls_and_others_still_wait(
+    tmp_path: Path,
+) -> None:
+    """b opens many ``/ready`` long polls on a's pending version (each a connection and a
+    task of the daemon): past the cap they are refused (429, naming it), before they
+    hold anything; a's own long poll is still accepted and answered when its version is
+    READY, and so are b's held ones."""
+    from refitd.daemon.waits import MAX_WAITS_PER_PRINCIPAL
+
+    tokens = token_file(tmp_path, TOKENS)
+    d = Daemon(DaemonOptions(port=0, node_id="hostile-waits"))
+    async with (
+        served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
+        RefitClient(s.url, token=TOKENS["a"]) as a,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http,
+    ):
+        region = (await a.create_region(REGION, label="am")).region_id
+        shard = ShardEntry((0,), (ELEMS,), region, 0)
+        slot = [TensorEntry("w", (ELEMS,), "bfloat16", [shard])]
+        await a.publish(ManifestIn("am", 1, 0, 2, slot))  # one slot of two: pending
+        url = s.url + "/v1/sources/am/versions/1/ready?timeout=60"
+
+        async def wait(token: str) -> tuple[int, Any]:
+            headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+            async with http.get(url, headers=headers) as r:
+                return r.status, await r.json(content_type=None)
+
+        extra = 8
+        polls = [asyncio.ensure_future(wait(TOKENS["b"])) for _ in range(MAX_WAITS_PER_PRINCIPAL)]
+        polls += [asyncio.ensure_future(wait(TOKENS["b"])) for _ in range(extra)]
+        refusals = []
+        for done in asyncio.as_completed(polls):  # the held ones answer only once READY
+            refusals.append(await done)
+            if len(refusals) == extra:
+                break
+        for status, res in refusals:
+            refused(status, res, 429, "'b'", "long polls", str(MAX_WAITS_PER_PRINCIPAL))
+        mine = asyncio.ensure_future(wait(TOKENS["a"]))
+        await a.publish(ManifestIn("am", 1, 1, 2, slot))  # the last slot: READY
+        status, res = await mine
+        assert (status, res["state"]) == (200, "ready"), res
+        answers = [p.result() if p.done() else await p for p in polls]
+        ready = [res for status, res in answers if status == 200]
+        assert len(ready) == MAX_WAITS_PER_PRINCIPAL
+        assert all(res["state"] == "ready" for res in ready)
+
+
+async def test_a_ready_long_poll_on_a_model_one_may_not_read_is_refused_alike_whether_or_not_it_exists(
+    tmp_path: Path,
+) -> None:
+    """``[models] readers`` lists only a for ``am``: b's ``/ready`` and ``/delta`` on
+    ``am`` are 403 before any wait, and say the same for a version that exists and one
+    that does not, so they tell b nothing of a's versions."""
+    tokens = token_file(tmp_path, TOKENS)
+    d = Daemon(DaemonOptions(port=0, node_id="hostile-readers", model_readers=("am=a",)))
+    async with (
+        served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
+        RefitClient(s.url, token=TOKENS["a"]) as a,
+        aiohttp.ClientSession() as http,
+    ):
+        region = (await a.create_region(REGION, label="am")).region_id
+        await a.publish(manifest(1, region))
+        headers = {"Authorization": f"Bearer {TOKENS['b']}", "Accept": "application/json"}
+        for tail in ("ready?timeout=60", "delta?wait=60"):
+            answers = []
+            for version in (1, 7):
+                path = f"/v1/sources/am/versions/{version}/{tail}"
+                async with http.get(s.url + path, headers=headers) as r:
+                    answers.append((r.status, await r.json(content_type=None)))
+            for status, res in answers:
+                refused(status, res, 403, "'am'")
+            assert answers[0] == answers[1], answers
