@@ -52,6 +52,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=3e-6, help="AdamW learning rate")
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
+    parser.add_argument(
+        "--prefer",
+        choices=("delta", "auto"),
+        default="delta",
+        help="the delta engines' policy (DeltaReceiver(prefer=)); default delta",
+    )
+    parser.add_argument(
+        "--link-gbit",
+        type=float,
+        default=0.0,
+        help="trainer and engines on two simulated hosts, links shaped to this many Gbit/s",
+    )
 
 
 # ---------------------------------------------------------------- the trained model
@@ -153,6 +165,10 @@ class TPEngine(nn.Module):
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.link_gbit:
+        from refitd.bench.deltahosts import across
+
+        return across(args)
     return asyncio.run(_main(args))
 
 
@@ -179,136 +195,200 @@ async def _publish(client: Any, pubs: list[Any] | None, model: TinyLM, version: 
     return pubs
 
 
-async def _main(args: argparse.Namespace) -> int:
-    from refitd.client.deltarefit import DeltaReceiver
-    from refitd.client.http import RefitClient
-    from refitd.client.receiver import DaemonReceiver
-    from refitd.daemon.node import DaemonOptions
-    from refitd.daemon.process import listening
-    from refitd.reshard.geometry import capture_geometry
+class Trainer:
+    """The trained model and its double-buffered publication through ``client``."""
 
-    torch.manual_seed(0)
-    vocab, hidden, layers, tp = args.vocab, args.hidden, args.layers, 2
-    lm = TinyLM(vocab, hidden, layers).to(torch.bfloat16)
-    nbytes = sum(p.numel() * p.element_size() for p in lm.parameters())
-    print(
-        f"model: {sum(p.numel() for p in lm.parameters()) / 1e6:.1f} M bf16 parameters "
-        f"({nbytes / 2**20:.0f} MiB); trainer: 2 dim-0 ranks; engines: TP {tp}, fused gate_up"
-    )
-    opt = torch.optim.AdamW(lm.parameters(), lr=args.lr)
-    gen = torch.Generator().manual_seed(1)
+    def __init__(self, args: argparse.Namespace, client: Any) -> None:
+        torch.manual_seed(0)
+        self.args, self.client = args, client
+        self.lm = TinyLM(args.vocab, args.hidden, args.layers).to(torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.lm.parameters(), lr=args.lr)
+        self.gen = torch.Generator().manual_seed(1)
+        self.buffers: list[list[Any] | None] = [None, None]
 
-    def step() -> float:
-        tokens = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
-        logits = lm(tokens[:, :-1])
+    def describe(self) -> str:
+        ps = list(self.lm.parameters())
+        nbytes = sum(p.numel() * p.element_size() for p in ps)
+        return (
+            f"model: {sum(p.numel() for p in ps) / 1e6:.1f} M bf16 parameters "
+            f"({nbytes / 2**20:.0f} MiB); trainer: 2 dim-0 ranks; engines: TP 2, fused gate_up"
+        )
+
+    def _step(self) -> float:
+        vocab, a = self.args.vocab, self.args
+        tokens = torch.randint(0, vocab, (a.batch, a.seq + 1), generator=self.gen)
+        logits = self.lm(tokens[:, :-1])
         loss = nn.functional.cross_entropy(
             logits.reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1)
         )
-        opt.zero_grad()
+        self.opt.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
-        opt.step()
+        self.opt.step()
         return float(loss.detach())
+
+    async def version(self, v: int) -> dict[str, Any]:
+        """Train a step (none for v1), publish version ``v``; the source's delta record."""
+        loss = self._step() if v > 1 else math.nan
+        held = self.buffers[v % 2]
+        if held is not None:
+            await self.client.wait_drain(MODEL, v - 2, 60.0, retire=True)
+        self.buffers[v % 2] = await _publish(self.client, held, self.lm, v)
+        if v == 1:
+            return {"loss": loss}
+        info = await self.client.delta_info(MODEL, v, wait_s=60.0)
+        units = info.compared_bytes // max(info.unit, 1)
+        return {"loss": loss, "changed": info.changed, "units": units, "compare_s": info.seconds}
+
+
+class Engines:
+    """Two TP 2 engines refitting every version: one by delta (``prefer``), one in full.
+    ``local`` is the engines' daemon, ``source`` the trainer's."""
+
+    def __init__(self, args: argparse.Namespace, local: Any, source: Any, prefer: str) -> None:
+        from refitd.client.deltarefit import DeltaReceiver
+        from refitd.client.receiver import DaemonReceiver
+        from refitd.reshard.geometry import capture_geometry
+
+        vocab, hidden, layers, tp = args.vocab, args.hidden, args.layers, 2
+
+        def receivers(cls: Any, **kw: Any) -> list[Any]:
+            return [
+                cls(
+                    local=local,
+                    source=source,
+                    model=MODEL,
+                    engine=TPEngine(vocab, hidden, layers, tp, rank),
+                    twin=lambda rank=rank: TPEngine(vocab, hidden, layers, tp, rank),
+                    capture=lambda twin, manifest: capture_geometry(twin, manifest),
+                    **kw,
+                )
+                for rank in range(tp)
+            ]
+
+        self.delta = receivers(DeltaReceiver, prefer=prefer)
+        self.full = receivers(DaemonReceiver)
+
+    async def refit(self, v: int) -> dict[str, Any]:
+        """Refit every engine rank to ``v``: the full ranks first, then the delta ranks."""
+        dwire = fwire = 0
+        dt = ft = 0.0
+        paths = set()
+        for r in self.full:
+            t0 = time.perf_counter()
+            stats = await r.refit(v)
+            ft += time.perf_counter() - t0
+            fwire += stats.pull.bytes_total
+            paths.add(stats.pull.path)
+        parts = [0.0] * len(PARTS)
+        notes = []
+        for r in self.delta:
+            t0 = time.perf_counter()
+            await r.refit(v)
+            dt += time.perf_counter() - t0
+            d = r.last
+            assert d is not None
+            if d.kind != "delta":
+                notes.append(f"rank refitted in full: {d.reason}")
+            dwire += d.wire_bytes
+            st = d.refit
+            split = [st.manifest_s, st.plan_s, d.check_s, d.stage_s, st.pull_s]
+            split += [d.place_s, d.write_s, d.digest_s, d.post_s]
+            for i, x in enumerate(split):
+                parts[i] += x
+        exact = all(
+            torch.equal(a.view(torch.int16), b.view(torch.int16))
+            for d, f in zip(self.delta, self.full, strict=True)
+            for a, b in zip(d.engine.parameters(), f.engine.parameters(), strict=True)
+        )
+        return {
+            "dwire": dwire,
+            "fwire": fwire,
+            "dt": dt,
+            "ft": ft,
+            "parts": parts,
+            "exact": exact,
+            "notes": notes,
+            "path": ",".join(sorted(paths)),
+        }
+
+    async def close(self) -> None:
+        for r in self.delta + self.full:
+            await r.close()
+
+
+PARTS = ("manifest", "plan", "check", "stage", "pull", "place", "write", "digest", "post")
+"""A delta's seconds, in order (:class:`~refitd.client.deltarefit.DeltaStats`)."""
+
+
+class Report:
+    """The table, a line per version, and the totals' last lines."""
+
+    def __init__(self) -> None:
+        self.t: dict[str, float] = {k: 0.0 for k in ("changed", "units", "dwire", "fwire")}
+        self.t.update(dt=0.0, ft=0.0)
+        self.parts = [0.0] * len(PARTS)
+        self.verified = True
+        self.paths: set[str] = set()
+        print(
+            f"{'v':>3} {'loss':>7} {'changed':>9} {'compare_s':>9} {'delta_B':>11} "
+            f"{'full_B':>11} {'delta_s':>8} {'full_s':>8} {'exact':>5}"
+        )
+
+    def version(self, v: int, src: dict[str, Any], eng: dict[str, Any]) -> None:
+        for note in eng["notes"]:
+            print(f"  {note}")
+        self.verified &= bool(eng["exact"])
+        self.paths.add(eng["path"])
+        for k in ("changed", "units"):
+            self.t[k] += src[k]
+        for k in ("dwire", "fwire", "dt", "ft"):
+            self.t[k] += eng[k]
+        for i, x in enumerate(eng["parts"]):
+            self.parts[i] += x
+        frac = src["changed"] / src["units"] if src["units"] else math.nan
+        print(
+            f"{v:>3} {src['loss']:>7.3f} {frac:>9.4%} {src['compare_s']:>9.3f} "
+            f"{eng['dwire']:>11,} {eng['fwire']:>11,} {eng['dt']:>8.3f} {eng['ft']:>8.3f} "
+            f"{int(eng['exact']):>5}"
+        )
+        print(
+            "      delta seconds: lease+manifest {:.3f}, plan {:.3f}, engine check {:.3f}, "
+            "source staging {:.3f}, pull {:.3f}, place {:.3f}, write+undo {:.3f}, "
+            "digest {:.3f}, post-load {:.3f}".format(*eng["parts"])
+        )
+
+    def end(self, link: str = "") -> int:
+        t = self.t
+        cf = t["changed"] / t["units"] if t["units"] else math.nan
+        wr = t["dwire"] / t["fwire"] if t["fwire"] else math.nan
+        tr = t["dt"] / t["ft"] if t["ft"] else math.nan
+        shares = " ".join(f"{k}_s={x:.3f}" for k, x in zip(PARTS, self.parts, strict=True))
+        print(f"delta_s={t['dt']:.3f} full_s={t['ft']:.3f} {shares}")
+        path = ",".join(sorted(self.paths))
+        print(
+            f"changed_fraction={cf:.4f} wire_ratio={wr:.4f} delta_time_ratio={tr:.3f} "
+            f"{link}path={path} verified={int(self.verified)}"
+        )
+        return 0 if self.verified else 1
+
+
+async def _main(args: argparse.Namespace) -> int:
+    from refitd.client.http import RefitClient
+    from refitd.daemon.node import DaemonOptions
+    from refitd.daemon.process import listening
 
     async with (
         listening(DaemonOptions(port=0, deltas=True)) as (_app, url),
         RefitClient(url) as client,
     ):
-        buffers: list[list[Any] | None] = [None, None]
-
-        async def publish(version: int) -> None:
-            held = buffers[version % 2]
-            if held is not None:
-                await client.wait_drain(MODEL, version - 2, 60.0, retire=True)
-            buffers[version % 2] = await _publish(client, held, lm, version)
-
-        def receivers(cls: Any, **kw: Any) -> list[Any]:
-            out = []
-            for rank in range(tp):
-                out.append(
-                    cls(
-                        local=client,
-                        source=client,
-                        model=MODEL,
-                        engine=TPEngine(vocab, hidden, layers, tp, rank),
-                        twin=lambda rank=rank: TPEngine(vocab, hidden, layers, tp, rank),
-                        capture=lambda twin, manifest: capture_geometry(twin, manifest),
-                        **kw,
-                    )
-                )
-            return out
-
-        delta = receivers(DeltaReceiver)
-        full = receivers(DaemonReceiver)
-        await publish(1)
-        for r in delta + full:
-            await r.refit(1)
-        totals = dict(changed=0, units=0, dwire=0, fwire=0, dt=0.0, ft=0.0)
-        verified = True
-        print(
-            f"{'v':>3} {'loss':>7} {'changed':>9} {'compare_s':>9} {'delta_B':>11} "
-            f"{'full_B':>11} {'delta_s':>8} {'full_s':>8} {'exact':>5}"
-        )
+        trainer = Trainer(args, client)
+        print(trainer.describe())
+        engines = Engines(args, client, client, args.prefer)
+        await trainer.version(1)
+        await engines.refit(1)
+        report = Report()
         for v in range(2, args.steps + 2):
-            loss = step()
-            await publish(v)
-            info = await client.delta_info(MODEL, v, wait_s=60.0)
-            dwire = fwire = 0
-            dt = ft = 0.0
-            for r in full:
-                t0 = time.perf_counter()
-                stats = await r.refit(v)
-                ft += time.perf_counter() - t0
-                fwire += stats.pull.bytes_total
-            parts = [0.0] * 9
-            for r in delta:
-                t0 = time.perf_counter()
-                await r.refit(v)
-                dt += time.perf_counter() - t0
-                assert r.last is not None
-                if r.last.kind != "delta":
-                    print(f"  rank refitted in full: {r.last.reason}")
-                dwire += r.last.wire_bytes
-                st = r.last.refit
-                d = r.last
-                split = [st.manifest_s, st.plan_s, d.check_s, d.stage_s, st.pull_s]
-                split += [d.place_s, d.write_s, d.digest_s, d.post_s]
-                for i, x in enumerate(split):
-                    parts[i] += x
-            exact = all(
-                torch.equal(a.view(torch.int16), b.view(torch.int16))
-                for d, f in zip(delta, full, strict=True)
-                for a, b in zip(d.engine.parameters(), f.engine.parameters(), strict=True)
-            )
-            verified &= exact
-            units = info.compared_bytes // max(info.unit, 1)
-            totals["changed"] += info.changed
-            totals["units"] += units
-            totals["dwire"] += dwire
-            totals["fwire"] += fwire
-            totals["dt"] += dt
-            totals["ft"] += ft
-            frac = info.changed / units if units else math.nan
-            print(
-                f"{v:>3} {loss:>7.3f} {frac:>9.4%} {info.seconds:>9.3f} {dwire:>11,} "
-                f"{fwire:>11,} {dt:>8.3f} {ft:>8.3f} {int(exact):>5}"
-            )
-            for i, x in enumerate(parts):
-                totals[f"p{i}"] = totals.get(f"p{i}", 0.0) + x
-            print(
-                "      delta seconds: lease+manifest {:.3f}, plan {:.3f}, engine check {:.3f}, "
-                "source staging {:.3f}, pull {:.3f}, place {:.3f}, write+undo {:.3f}, "
-                "digest {:.3f}, post-load {:.3f}".format(*parts)
-            )
-        for r in delta + full:
-            await r.close()
-    cf = totals["changed"] / totals["units"] if totals["units"] else math.nan
-    wr = totals["dwire"] / totals["fwire"] if totals["fwire"] else math.nan
-    tr = totals["dt"] / totals["ft"] if totals["ft"] else math.nan
-    keys = ("manifest", "plan", "check", "stage", "pull", "place", "write", "digest", "post")
-    shares = " ".join(f"{k}_s={totals.get(f'p{i}', 0.0):.3f}" for i, k in enumerate(keys))
-    print(f"delta_s={totals['dt']:.3f} full_s={totals['ft']:.3f} {shares}")
-    print(
-        f"changed_fraction={cf:.4f} wire_ratio={wr:.4f} delta_time_ratio={tr:.3f} "
-        f"verified={int(verified)}"
-    )
-    return 0 if verified else 1
+            src = await trainer.version(v)
+            report.version(v, src, await engines.refit(v))
+        await engines.close()
+    return report.end()
