@@ -1,0 +1,172 @@
+"""Host mirrors' routes (issue 35) attacked by a hostile tenant and a replaying peer
+(issue 36).
+
+Two real daemons on 127.0.0.1:0, authenticating with tokens: a source (the
+trainer's) and a mirror host (``mirrors.policy = always``) that reads it over
+``tcp``. Tenant ``a`` and the mirror host's daemon (``peer``) may read model ``m``;
+tenant ``b`` may not, at either daemon. Each test is one rule, named as that rule.
+
+The refusals that do not hold yet are marked ``xfail(strict=True)``: their fix lies
+in ``refitd/daemon/mirror*.py``, which this change does not edit; a fix there turns
+each one into a pass, and strict makes that visible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import numpy as np
+import pytest
+
+from refitd.client.http import RefitClient
+from refitd.config import ServerConfig
+from refitd.daemon.auth import check_startup, setup_auth
+from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.process import listening
+from refitd.wire import DescriptorTable, ManifestIn, PullRequest, ShardEntry, TensorEntry
+from refitd.wire import routes as api
+from refitd.wire.mirrors import MirrorLease
+from transports.segments import SharedSegment
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = b"hostile-mirrors-secret-0123456789"
+MODEL = "m"
+NBYTES = 1 << 20
+READERS = ("m=a", "m=peer")
+
+
+@dataclass
+class Hosts:
+    source_url: str
+    mirror_url: str
+    sc: RefitClient  # the mirror host's daemon's token at the source: a reader of m
+    mc: RefitClient  # tenant a at the mirror host
+
+
+@contextlib.asynccontextmanager
+async def hosts(tmp: Path) -> AsyncIterator[Hosts]:
+    tokens = tmp / "tokens"
+    tokens.write_text("a token-of-a\nb token-of-b\npeer token-of-peer\n")
+    tokens.chmod(0o600)
+    common: dict[str, Any] = {"transport": "tcp", "secret": SECRET, "model_readers": READERS}
+    sopts = DaemonOptions(port=0, node_id="trainer", **common)
+    mopts = DaemonOptions(port=0, node_id="host-a", mirrors="always", **common)
+    src, mirror = Daemon(sopts), Daemon(mopts)
+    policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
+    auth = [lambda app: setup_auth(app, policy)]
+    async with (
+        listening(sopts, daemon=src, setup=auth) as (_, src_url),
+        listening(mopts, daemon=mirror, setup=auth, token="token-of-peer") as (_, url),
+        RefitClient(src_url, token="token-of-peer") as sc,
+        RefitClient(url, token="token-of-a") as mc,
+    ):
+        mirror.peers.replace("test", [src_url])
+        yield Hosts(src_url, url, sc, mc)
+
+
+async def mirrored(h: Hosts) -> str:
+    """v1 of ``m`` published at the source and pulled through the mirror host (which
+    mirrors it); the source lease the pull read under."""
+    info = await h.sc.create_region(NBYTES, label="src")
+    with SharedSegment.attach(info.handle, NBYTES) as seg:
+        seg.numpy()[:] = np.arange(NBYTES, dtype=np.uint64).astype(np.uint8)
+    t = TensorEntry("w", (NBYTES,), "uint8", [ShardEntry((0,), (NBYTES,), info.region_id, 0)])
+    await h.sc.publish(ManifestIn(MODEL, 1, 0, 1, [t]))
+    lease = await h.sc.acquire_lease(MODEL, 1, 600.0)
+    dst = await h.mc.create_region(NBYTES, label="engine")
+    rows = np.array([[info.region_id, 0, dst.region_id, 0, NBYTES]], dtype=np.int64)
+    req = PullRequest(MODEL, 1, lease.lease_id, DescriptorTable.pack(rows), [], h.source_url)
+    assert (await h.mc.pull(req)).path == "shm"  # served from the mirror: it exists
+    return lease.lease_id
+
+
+async def as_b(url: str, path: str) -> tuple[int, Any]:
+    headers = {"Authorization": "Bearer token-of-b", "Accept": "application/json"}
+    async with aiohttp.ClientSession() as http, http.get(url + path, headers=headers) as r:
+        return r.status, await r.json(content_type=None)
+
+
+def refused_alike(answers: list[tuple[int, Any]]) -> None:
+    """Every answer the same 4xx refusal in the error shape."""
+    for status, res in answers:
+        assert 400 <= status < 500, answers
+        assert isinstance(res, dict) and set(res) == {"error", "detail"}, answers
+    assert len({s for s, _ in answers}) == 1, answers
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="mirrorhandlers.mirror_state finds the mirror (404 when there is none) before "
+    "it checks the caller may read the model (403): the status tells a non-reader which "
+    "versions are mirrored; the fix (check the readers rule first) is in mirror*.py",
+)
+async def test_a_non_reader_learns_nothing_of_which_versions_are_mirrored_from_their_state(
+    tmp_path: Path,
+) -> None:
+    async with hosts(tmp_path) as h:
+        await mirrored(h)
+        answers = [
+            await as_b(h.mirror_url, api.MIRROR_STATE.url(model=MODEL, version=v)) for v in (1, 7)
+        ]
+        refused_alike(answers)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="mirrorhandlers.mirror_feed finds the mirror (404) before it checks the lease "
+    "(409 for one that is not live): anyone with a token tells a mirrored version from "
+    "one that is not, whatever the readers rule; the fix is in mirror*.py",
+)
+async def test_a_feed_under_a_made_up_lease_is_refused_alike_whether_or_not_the_mirror_exists(
+    tmp_path: Path,
+) -> None:
+    async with hosts(tmp_path) as h:
+        await mirrored(h)
+        answers = [
+            await as_b(
+                h.mirror_url,
+                api.MIRROR_FEED.url(model=MODEL, version=v) + "?lease=made-up-lease",
+            )
+            for v in (1, 7)
+        ]
+        refused_alike(answers)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a MirrorLease carries no nonce or expiry under its MAC, so whoever saw one "
+    "signed request replays it for a new lease while the source lease lives, each "
+    "counted against the mirror owner's lease cap (refitd-mirror: 4096), which a replay "
+    "loop fills for every relay; the fix (a nonce or an issue time, refused when seen "
+    "or stale) is in mirrorleases.py and the wire",
+)
+async def test_a_signed_mirror_lease_request_replayed_is_refused(tmp_path: Path) -> None:
+    """The relay's signed request, replayed by tenant b (a reader of m at neither
+    daemon, whose own tenants never lease a mirror), gets a second lease today."""
+    async with hosts(tmp_path) as h:
+        at_source = await mirrored(h)
+        ask = MirrorLease(MODEL, 1, at_source, "relay-b", 60.0).signed(SECRET)
+        first = await h.mc._send(api.MIRROR_LEASE, ask)
+        assert first.model == MODEL
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(
+                h.mirror_url + api.MIRROR_LEASE.url(),
+                data=msgspec.msgpack.encode(ask),
+                headers={
+                    "Authorization": "Bearer token-of-b",
+                    "Content-Type": "application/msgpack",
+                    "Accept": "application/json",
+                },
+            ) as r,
+        ):
+            status, res = r.status, await r.json(content_type=None)
+        assert 400 <= status < 500, (status, res)
+        assert set(res) == {"error", "detail"}, res
