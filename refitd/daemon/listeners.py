@@ -118,4 +118,7 @@ class PullCap(PullListener):
         self.caps.pulls.admit(caller.name, self.running)
 
     def started(self, job: Job) -> None:
+        # Ended pulls are forgotten here too, not only when their owner is admitted
+        # again: the daemon's own (a host mirror's fills) are never admitted.
+        self.caps.pulls.held(job.owner, self.running)
         self.caps.pulls.add(job.owner, job.pull_id)
