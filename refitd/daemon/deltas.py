@@ -191,8 +191,6 @@ class DeltaBook:
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="refitd-delta")
         self._records: dict[tuple[str, int], _Record] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        #: per principal: its delta packs are admitted, staged and counted one at a time
-        self._locks: dict[str, asyncio.Lock] = {}
 
     # ------------------------------------------------------------ records
 
@@ -441,12 +439,8 @@ class DeltaBook:
         payload, staged = await asyncio.get_running_loop().run_in_executor(
             self._pool, _payload, rec.unit, index, values, rows, req.pack_specs
         )
-        # Admitted and counted with no other pack of the principal in between: else
-        # many at once all pass the cap before any is counted.
-        async with self._locks.setdefault(principal, asyncio.Lock()):
-            self.daemon.store.admit(principal, 1, len(payload))
-            region = await self.daemon.staging.stage(payload, lease)
-            self.daemon.store.charge(principal, region)
+        # Admitted to the principal's caps and counted before its next request is.
+        region = await self.daemon.staging.stage(payload, lease, principal)
         pages, changed, exceptions, units = staged
         return DeltaStaged(
             region, len(payload), pages, changed, exceptions, rec.unit, units, rec.base, rec.digest

@@ -48,6 +48,8 @@ class StagingPool:
         #: at its start); a reader that never releases one cannot keep it past its lease
         #: (see _reclaim), and the lease reads only the bytes packed for it
         self._held: dict[int, tuple[str, int]] = {}
+        #: per principal: admission to its caps, one staging region at a time
+        self._admitting: dict[str, asyncio.Lock] = {}
         # A free staging region holds memory for nobody: no principal's cap counts it.
         store.idle = lambda region_id: region_id in self._ids and region_id not in self._held
 
@@ -93,12 +95,6 @@ class StagingPool:
         (else the caller) holds: admitted by its region and byte caps (429 past them,
         so packing again and again cannot fill /dev/shm) and counted against it.
         """
-        if principal is not None:
-            who = lease.owner or principal
-            self.store.admit(who, 1, sum(p.nbytes for p in specs))
-            staged = await self.pack(specs, lease, scope)
-            self.store.charge(who, staged.region)
-            return staged
         if not specs:
             raise ProtocolError("pack refused: the request names no pack spec, nothing to pack")
         store = self.store
@@ -117,7 +113,10 @@ class StagingPool:
         )
         what = f"{lease.model!r} version {lease.version} (lease {lease.lease_id!r})"
         check_pack_reads(specs, scope, what)
-        region = await self._take(total, lease.owner)
+        if principal is None:
+            region = await self._take(total, lease.owner)
+        else:
+            region = await self.take_for(lease.owner or principal, total, lease.owner)
         self._held[region.region_id] = (lease.lease_id, total)
         blocks = [Gather(p.src_region, p.src_offset, p.shape, p.strides, p.itemsize) for p in specs]
         try:
@@ -141,14 +140,20 @@ class StagingPool:
             ) from exc
         return StagedPack(region, offsets)
 
-    async def stage(self, payload: npt.NDArray[np.uint8], lease: Lease) -> RegionInfo:
+    async def stage(
+        self, payload: npt.NDArray[np.uint8], lease: Lease, principal: str | None = None
+    ) -> RegionInfo:
         """A staging region holding ``payload`` (bytes the daemon computed for
         ``lease``, a delta), held for that lease as :meth:`pack`'s regions are: the
-        lease reads exactly ``len(payload)`` bytes of it."""
+        lease reads exactly ``len(payload)`` bytes of it. With ``principal``, memory it
+        holds (:meth:`take_for`)."""
         n = len(payload)
         if not n:
             raise ProtocolError("stage refused: nothing to stage")
-        region = await self._take(n, lease.owner)
+        if principal is None:
+            region = await self._take(n, lease.owner)
+        else:
+            region = await self.take_for(principal, n, lease.owner)
         self._held[region.region_id] = (lease.lease_id, n)
         try:
             await asyncio.to_thread(copy_view, self.store.view(region.region_id)[:n], payload.data)
@@ -159,6 +164,14 @@ class StagingPool:
                 "its segment was shrunk; it is discarded"
             ) from exc
         return region
+
+    async def take_for(self, principal: str, nbytes: int, owner: str) -> RegionInfo:
+        """:meth:`_take`, as memory ``principal`` holds: admitted by its region and byte
+        caps (429) and counted against it before another of its requests is admitted.
+        Else many at once would all pass the caps before any was counted."""
+        async with self._admitting.setdefault(principal, asyncio.Lock()):
+            self.store.admit(principal, 1, nbytes)
+            return self.store.charge(principal, await self._take(nbytes, owner))
 
     async def _discard(self, region_id: int) -> None:
         """Forget a staging region whose memory can no longer be trusted (shrunk)."""

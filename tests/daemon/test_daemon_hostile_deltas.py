@@ -285,3 +285,34 @@ async def test_a_ready_long_poll_on_a_model_one_may_not_read_is_refused_alike_wh
             for status, res in answers:
                 refused(status, res, 403, "'am'")
             assert answers[0] == answers[1], answers
+
+
+async def test_concurrent_peer_packs_stage_no_more_regions_than_the_principals_cap(
+    tmp_path: Path,
+) -> None:
+    """The same rule for ``POST /v1/peer/pack`` (a strided block packed into staging
+    for a lease): sixteen at once, under b's lease, hold at most b's cap."""
+    from refitd.wire import PackRequest, PackSpec
+
+    limits = LimitsConfig(max_regions_per_principal=4)
+    async with two_versions(tmp_path, limits=limits) as t:
+        lease = (await t.b.acquire_lease("am", 2, ttl_s=600)).lease_id
+        spec = PackSpec(t.regions[1], 0, (ELEMS // 2,), (2,), 2, 0, 0)
+        req = PackRequest("am", 2, lease, [spec])
+        headers = {"Authorization": f"Bearer {TOKENS['b']}", "Content-Type": "application/json"}
+
+        async def pack(http: aiohttp.ClientSession) -> tuple[int, Any]:
+            import msgspec
+
+            url = t.url + "/v1/peer/pack"
+            async with http.post(url, data=msgspec.json.encode(req), headers=headers) as r:
+                return r.status, await r.json(content_type=None)
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
+            answers = await asyncio.gather(*(pack(http) for _ in range(16)))
+        ok = [res for status, res in answers if status == 201]
+        for status, res in answers:
+            if status != 201:
+                refused(status, res, 429, "max_regions_per_principal")
+        assert 1 <= len(ok) <= 4, [s for s, _ in answers]
+        assert len(staged_for(t, lease)) == len(ok)
