@@ -42,7 +42,7 @@ import torch
 from refitd.client.receiver import DaemonReceiver, RefitStats, _Compiled
 from refitd.delta.diff import unit_dtype
 from refitd.delta.digest import EngineDigest
-from refitd.delta.stream import decode, decode_values, landing, layout
+from refitd.delta.stream import decode, decode_values, landing, layout, pieces_of
 from refitd.delta.undo import UndoLog
 from refitd.errors import ConflictError, NotFoundError, RefitError
 from refitd.wire import DeltaPackRequest, DeltaStaged, DescriptorTable, PullProgress, PullRequest
@@ -380,13 +380,15 @@ class DeltaReceiver(DaemonReceiver):
                 f"delta refused: the source staged it for a stream of {staged.stream_units} "
                 f"units, this plan's is {int(pieces[:, 2].sum()) // unit}"
             )
-        piece, region, off = landing(pieces, k, unit)
         engine_id = self._engine_region.region_id
         scratch_id = self._scratch_region.region_id if self._scratch_region is not None else -2
         limit = self._engine_region.nbytes if self.mode == "staging" else 0
+        scat_of, fp_of = self._areas(comp, pieces, scratch_id)
+        if self._direct(comp, pieces, scat_of, fp_of, engine_id, scratch_id, limit):
+            return self._apply_direct(pieces, k, diff, exceptions, undo, parts, t0, unit)
+        piece, region, off = landing(pieces, k, unit)
         # Where each unit lands in the engine's memory (-1: in a scratch area).
         eng = np.where((region == engine_id) | ((region == scratch_id) & (off < limit)), off, -1)
-        scat_of, fp_of = self._areas(comp, pieces, scratch_id)
         sid = scat_of[piece]
         hit = sid >= 0
         if hit.any():
@@ -429,6 +431,58 @@ class DeltaReceiver(DaemonReceiver):
         t4 = time.perf_counter()
         parts[0] += t1 - t0
         parts[1] += (t2 - t1) + (t4 - t3)  # a replay's digest update counts as writing
+        parts[2] += t3 - t2
+        return len(k)
+
+    def _direct(
+        self,
+        comp: _Compiled,
+        pieces: I64,
+        scat_of: I64,
+        fp_of: I64,
+        engine_id: int,
+        scratch_id: int,
+        limit: int,
+    ) -> bool:
+        """Whether every piece of the stream lands whole in the engine's own memory
+        (no scattered block, no full pull, no two destinations overlapping)."""
+        if (scat_of >= 0).any() or (fp_of >= 0).any():
+            return False
+        mirrored = (pieces[:, 0] == scratch_id) & (pieces[:, 1] + pieces[:, 2] <= limit)
+        if not ((pieces[:, 0] == engine_id) | mirrored).all():
+            return False
+        return not self._overlapping(comp, pieces, engine_id, scratch_id, limit)
+
+    def _apply_direct(
+        self,
+        pieces: I64,
+        k: I64,
+        diff: npt.NDArray[np.int8],
+        exceptions: npt.NDArray[np.unsignedinteger],
+        undo: UndoLog,
+        parts: list[float],
+        t0: float,
+        unit: int,
+    ) -> int:
+        """:meth:`_apply` where every piece lands whole in the engine (:meth:`_direct`):
+        each unit's engine index is its piece's origin plus its stream index, and the
+        units are written in stream order, ascending within each piece."""
+        assert self._base is not None
+        piece = pieces_of(pieces, k, unit)
+        units = pieces[:, 2] // unit
+        origin = pieces[:, 1] // unit - (np.cumsum(units) - units)  # engine unit of stream unit 0
+        idx = origin[piece]
+        idx += k
+        engine_u = self._engine_bytes().view(unit_dtype(unit))
+        old = engine_u[idx]
+        values = decode_values(old, diff, exceptions)
+        t1 = time.perf_counter()
+        undo.write(engine_u, idx, values, old)
+        t2 = time.perf_counter()
+        self._base.engine.update(idx * unit, old, values)
+        t3 = time.perf_counter()
+        parts[0] += t1 - t0
+        parts[1] += t2 - t1
         parts[2] += t3 - t2
         return len(k)
 

@@ -44,6 +44,7 @@ __all__ = [
     "encode_values",
     "landing",
     "layout",
+    "pieces_of",
     "reads_of",
     "select",
 ]
@@ -210,6 +211,17 @@ def layout(pages: int, changed: int, exceptions: int, unit: int) -> Layout:
     return Layout(0, low, diff, exc, exc + _up(unit * exceptions))
 
 
+def pieces_of(pieces: I64, k: I64, unit: int) -> I64:
+    """The piece each of the stream units ``k`` (ascending) lies in (see :func:`landing`)."""
+    units = pieces[:, 2] // unit
+    ends = np.cumsum(units)
+    # ``k`` ascends: count each piece's units by its bounds, no search per unit.
+    counts = np.searchsorted(k, ends) - np.searchsorted(k, ends - units)
+    if int(counts.sum()) != len(k):
+        raise ValueError("a delta position lies past the end of the pull's stream")
+    return np.repeat(np.arange(len(pieces), dtype=np.int64), counts)
+
+
 def landing(pieces: I64, k: I64, unit: int) -> tuple[I64, I64, I64]:
     """Where the full pull would have landed the stream units ``k`` (ascending): ``(piece,
     region, offset)``. ``pieces`` is ``(m, 3)``: per read of the receiver's plan in
@@ -217,11 +229,7 @@ def landing(pieces: I64, k: I64, unit: int) -> tuple[I64, I64, I64]:
     destination offset and bytes; each lands contiguous."""
     units = pieces[:, 2] // unit
     ends = np.cumsum(units)
-    # ``k`` ascends: count each piece's units by its bounds, no search per unit.
-    counts = np.searchsorted(k, ends) - np.searchsorted(k, ends - units)
-    if int(counts.sum()) != len(k):
-        raise ValueError("a delta position lies past the end of the pull's stream")
-    piece = np.repeat(np.arange(len(pieces), dtype=np.int64), counts)
+    piece = pieces_of(pieces, k, unit)
     # Per piece, where stream unit 0 would land: one gather per unit, not three.
     origin = pieces[:, 1] - (ends - units) * unit
     off = origin[piece]
