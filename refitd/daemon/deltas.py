@@ -45,12 +45,11 @@ from refitd.daemon.auth import principal_of
 from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
 from refitd.daemon.node import Daemon
 from refitd.daemon.registry import Lease
-from refitd.daemon.trust import Scope, check_pack_reads, check_reads, pack_span
-from refitd.daemon.waits import MAX_WAIT_S, WAITS
+from refitd.daemon.trust import check_unchecked_reads
+from refitd.daemon.waits import MAX_WAIT_S, WAITS, Waits
 from refitd.delta.diff import CHUNK, LANES, compare_chunk, lanes_of, unit_dtype, unit_of
 from refitd.delta.stream import ChangeIndex, encode, encode_values, layout, reads_of, select
 from refitd.errors import (
-    AccessDenied,
     ConflictError,
     ProtocolError,
     RefitError,
@@ -87,8 +86,6 @@ reads each byte of the version about once (a tied or replicated tensor a few tim
 a longer stream only makes the daemon select and stage the same changes again, in
 memory that grows with the request, not with the version."""
 
-_FAR = 1 << 62
-"""Offsets and sizes at or past this are past every region (their sums stay int64)."""
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -182,8 +179,16 @@ def _digest(blocks: list[_Block], lanes: list[npt.NDArray[np.uint64]]) -> str:
 class DeltaBook:
     """The delta records of one daemon's versions, and the pool that compares them."""
 
-    def __init__(self, daemon: Daemon, enabled: bool = True, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        enabled: bool = True,
+        threads: int | None = None,
+        waits: Waits | None = None,
+    ) -> None:
         self.daemon = daemon
+        #: the long polls each principal holds open (a pack waiting for a comparison)
+        self.waits = waits if waits is not None else Waits()
         #: whether versions are held and compared at all (``DaemonOptions.deltas``)
         self.enabled = enabled
         self._holds: dict[str, _Hold] = {}
@@ -402,10 +407,14 @@ class DeltaBook:
 
     # ------------------------------------------------------------ staging a pull's delta
 
-    async def pack(self, req: DeltaPackRequest, lease: Lease, principal: str) -> DeltaStaged:
+    async def pack(
+        self, req: DeltaPackRequest, lease: Lease, principal: str, caller: str
+    ) -> DeltaStaged:
         """Stage the changed units of ``req``'s planned stream for ``lease`` (live, on
         the version), as memory ``principal`` holds: admitted by its region and byte
-        caps (429) and counted against it. Refused, nothing staged: without a delta of
+        caps (429) and counted against it. A wait for the version's comparison is a
+        long poll of ``caller`` (429 past its cap; 409 after a minute). Refused,
+        nothing staged: without a delta of
         the version against exactly the base ``req`` states (409); a read outside the
         version's shards (403); a stream longer than :data:`STREAM_FACTOR` times the
         version (413)."""
@@ -413,8 +422,16 @@ class DeltaBook:
         rec = self._records.get((req.model, req.version))
         if rec is None:
             raise ConflictError(f"{what} refused: this daemon holds no delta record of it")
-        async with asyncio.timeout(HOLD_S):
-            await rec.done.wait()
+        if not rec.done.is_set():  # its comparison runs: a long poll, bounded as one
+            with self.waits.held(caller, f"{what}, waiting for its comparison"):
+                try:
+                    async with asyncio.timeout(MAX_WAIT_S):
+                        await rec.done.wait()
+                except TimeoutError:
+                    raise ConflictError(
+                        f"{what} refused: its comparison still runs after {MAX_WAIT_S:g} s; "
+                        "refit in full"
+                    ) from None
         # One consistent view: a newer version may retire this one (and drop its
         # changes) while the selection below runs in a worker thread.
         state, reason, index, values = rec.state, rec.reason, rec.index, rec.values
@@ -428,7 +445,7 @@ class DeltaBook:
             )
         rows = req.descriptors.rows()
         scope = self.daemon.registry.scope(req.model, req.version)
-        _check_scope(rows, req.pack_specs, scope, f"{req.model!r} version {req.version}")
+        check_unchecked_reads(rows, req.pack_specs, scope, f"{req.model!r} version {req.version}")
         stream = int(rows[:, 4].sum()) + sum(p.nbytes for p in req.pack_specs)
         if stream > STREAM_FACTOR * rec.compared:
             raise RequestTooLarge(
@@ -445,28 +462,6 @@ class DeltaBook:
         return DeltaStaged(
             region, len(payload), pages, changed, exceptions, rec.unit, units, rec.base, rec.digest
         )
-
-
-def _check_scope(rows: I64, specs: list[PackSpec], scope: Scope, what: str) -> None:
-    """Refuse (403) the first descriptor, then pack spec, of a delta pack that reads
-    outside ``scope`` (the lease's version), as a pull's reads are refused."""
-    r = rows[:, [0, 1, 4]]
-    far = np.flatnonzero((r[:, 1] < 0) | (r[:, 2] < 0) | (r[:, 1] >= _FAR) | (r[:, 2] >= _FAR))
-    if len(far):
-        i = int(far[0])
-        raise AccessDenied(
-            f"descriptor {i} refused: it reads {int(r[i, 2])} bytes at region "
-            f"{int(r[i, 0])}+{int(r[i, 1])}, which is not part of {what}; nothing was staged"
-        )
-    check_reads(rows, scope, what)
-    for i, p in enumerate(specs):
-        lo, hi = pack_span(p)
-        if min(p.shape, default=0) < 0 or lo < 0 or hi >= _FAR or p.nbytes >= _FAR:
-            raise AccessDenied(
-                f"pack spec {i} refused: it reads bytes [{lo}, {hi}) of region "
-                f"{p.src_region}, which are not part of {what}; nothing was staged"
-            )
-    check_pack_reads(specs, scope, what)
 
 
 def _itemsize(dtype: str) -> int:
@@ -565,14 +560,15 @@ async def delta_pack(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     req = await body(request, DeltaPackRequest)
     lease = d.registry.check(req.lease_id, req.model, req.version)
-    who = lease.owner or principal_of(request).name
+    who = lease.owner or principal_of(request).name  # whose memory the staging is
     d.store.admit(who, 1)  # at its cap already: refused before any work
-    return reply(request, await request.app[DELTAS].pack(req, lease, who), 201)
+    caller = principal_of(request).name
+    return reply(request, await request.app[DELTAS].pack(req, lease, who, caller), 201)
 
 
 def setup_deltas(app: web.Application, daemon: Daemon) -> DeltaBook:
     """Install the daemon's :class:`DeltaBook` and its routes on ``app``."""
-    book = app[DELTAS] = DeltaBook(daemon, daemon.options.deltas)
+    book = app[DELTAS] = DeltaBook(daemon, daemon.options.deltas, waits=app[WAITS])
 
     async def close(_: web.Application) -> None:
         await book.close()

@@ -64,6 +64,7 @@ How each rule is enforced
 - *reads*: :func:`check_reads` and :func:`check_pack_reads` against the lease's
   scope, on the pulling daemon (descriptors, pack specs) and on the source daemon
   (pack specs, in :meth:`Daemon.pack`); staged offsets are validated as descriptors;
+  a delta pack's plan by :func:`check_unchecked_reads` (:mod:`refitd.daemon.deltas`);
 - *records*: :meth:`Daemon.peer_regions` gives records only under a live lease;
 - *versions*: :meth:`Registry.publish` refuses a READY or retired version and a
   version number that does not move the model forward; ``POST /v1/sources``
@@ -89,6 +90,7 @@ __all__ = [
     "Scope",
     "check_pack_reads",
     "check_reads",
+    "check_unchecked_reads",
     "check_writes",
     "merge_extents",
     "pack_span",
@@ -169,6 +171,34 @@ def check_pack_reads(specs: list[PackSpec], scope: Scope, what: str) -> None:
             f"pack spec {i} refused: it reads bytes [{lo[i]}, {lo[i] + size[i]}) of region "
             f"{specs[i].src_region}, which are not part of {what}; nothing was transferred"
         )
+
+
+_FAR = 1 << 62
+"""Offsets and sizes at or past this are past every region (their sums stay int64)."""
+
+
+def check_unchecked_reads(rows: np.ndarray, specs: list[PackSpec], scope: Scope, what: str) -> None:
+    """:func:`check_reads` and :func:`check_pack_reads` of a plan whose bounds nobody
+    checked (a delta pack's, checked on the source only against the lease's scope):
+    refuse (:class:`AccessDenied`, 403) the first descriptor, then pack spec, that
+    reads outside ``scope``, a negative or far-off offset or size included."""
+    r = rows[:, [0, 1, 4]]
+    far = np.flatnonzero((r[:, 1] < 0) | (r[:, 2] < 0) | (r[:, 1] >= _FAR) | (r[:, 2] >= _FAR))
+    if len(far):
+        i = int(far[0])
+        raise AccessDenied(
+            f"descriptor {i} refused: it reads {int(r[i, 2])} bytes at region "
+            f"{int(r[i, 0])}+{int(r[i, 1])}, which is not part of {what}; nothing was staged"
+        )
+    check_reads(rows, scope, what)
+    for i, p in enumerate(specs):
+        lo, hi = pack_span(p)
+        if min(p.shape, default=0) < 0 or lo < 0 or hi >= _FAR or p.nbytes >= _FAR:
+            raise AccessDenied(
+                f"pack spec {i} refused: it reads bytes [{lo}, {hi}) of region "
+                f"{p.src_region}, which are not part of {what}; nothing was staged"
+            )
+    check_pack_reads(specs, scope, what)
 
 
 def check_writes(

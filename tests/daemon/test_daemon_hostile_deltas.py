@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -316,3 +317,69 @@ async def test_concurrent_peer_packs_stage_no_more_regions_than_the_principals_c
                 refused(status, res, 429, "max_regions_per_principal")
         assert 1 <= len(ok) <= 4, [s for s, _ in answers]
         assert len(staged_for(t, lease)) == len(ok)
+
+
+@contextlib.asynccontextmanager
+async def computing(tmp: Path) -> AsyncIterator[tuple[Tenants, threading.Event]]:
+    """v1 and v2 of ``am`` published, v2's comparison held from running: every thread
+    of the daemon's comparison pool (a real one) is kept busy until the test sets the
+    event it yields. b then leases v2 and asks for its delta as a receiver would."""
+    from refitd.daemon.deltas import DELTAS
+
+    tokens = token_file(tmp, TOKENS)
+    d = Daemon(DaemonOptions(port=0, node_id="hostile-computing", deltas=True))
+    gate = threading.Event()
+    async with (
+        served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
+        RefitClient(s.url, token=TOKENS["a"]) as a,
+        RefitClient(s.url, token=TOKENS["b"]) as b,
+    ):
+        book = s.app[DELTAS]
+        regions, segs = [], []
+        try:
+            for version in (1, 2):
+                info = await a.create_region(REGION, label=f"v{version}")
+                segs.append(SharedSegment.attach(info.handle, REGION))
+                segs[-1].numpy(np.uint16)[:ELEMS] = version
+                regions.append(info.region_id)
+                if version == 2:  # v1's digest is taken; v2's comparison waits
+                    assert (await a.delta_info("am", 1, wait_s=60.0)).state == "none"
+                    for _ in range(book.threads):
+                        book._pool.submit(gate.wait, 60.0)
+                await a.publish(manifest(version, info.region_id))
+            assert (await b.delta_info("am", 2)).state == "computing"
+            yield Tenants(d, s.url, a, b, regions, segs), gate
+        finally:
+            gate.set()
+            for seg in segs:
+                seg.close()
+
+
+async def test_delta_packs_waiting_for_a_comparison_count_as_long_polls(tmp_path: Path) -> None:
+    """A delta pack asked while its version is still compared waits for the comparison:
+    a long poll like ``/ready``. b's past the cap are refused (429) before they wait;
+    those that waited are answered once the comparison ends."""
+    from refitd.daemon.waits import MAX_WAITS_PER_PRINCIPAL
+
+    async with computing(tmp_path) as (t, gate):
+        lease = (await t.b.acquire_lease("am", 2, ttl_s=600)).lease_id
+        extra = 4
+        # the base digest is unknown until the comparison ends: any will do here
+        req = DeltaPackRequest("am", 2, lease, 1, "", table((t.regions[1], 0, 0, 0, NBYTES)))
+        packs = [
+            asyncio.ensure_future(pack_raw(t, TOKENS["b"], req))
+            for _ in range(MAX_WAITS_PER_PRINCIPAL + extra)
+        ]
+        refusals = []
+        for done in asyncio.as_completed(packs):
+            refusals.append(await done)
+            if len(refusals) == extra:
+                break
+        for status, res in refusals:
+            refused(status, res, 429, "'b'", "long polls")
+        gate.set()  # the comparison runs and ends
+        answers = [p.result() if p.done() else await p for p in packs]
+        waited = [(s, r) for s, r in answers if s != 429]
+        assert len(waited) == MAX_WAITS_PER_PRINCIPAL
+        for status, res in waited:  # the base it stated is not v2's: refused after waiting
+            refused(status, res, 409, "digest")
