@@ -47,8 +47,16 @@ from refitd.daemon.node import Daemon
 from refitd.daemon.registry import Lease
 from refitd.daemon.trust import check_unchecked_reads
 from refitd.daemon.waits import MAX_WAIT_S, WAITS, Waits
-from refitd.delta.diff import CHUNK, LANES, compare_chunk, lanes_of, unit_dtype, unit_of
-from refitd.delta.stream import ChangeIndex, encode, encode_values, layout, reads_of, select
+from refitd.delta.diff import CHUNK, LANES, compare_chunk, lanes_of, unit_of
+from refitd.delta.stream import (
+    ChangeIndex,
+    changed_pairs,
+    encode,
+    encode_values,
+    layout,
+    reads_of,
+    select,
+)
 from refitd.errors import (
     ConflictError,
     ProtocolError,
@@ -456,6 +464,8 @@ class DeltaBook:
         payload, staged = await asyncio.get_running_loop().run_in_executor(
             self._pool, _payload, rec.unit, index, values, rows, req.pack_specs
         )
+        # The lease may have ended while this waited: nothing is staged for no lease.
+        self.daemon.registry.check(lease.lease_id, req.model, req.version)
         # Admitted to the principal's caps and counted before its next request is.
         region = await self.daemon.staging.stage(payload, lease, principal)
         pages, changed, exceptions, units = staged
@@ -518,10 +528,7 @@ def _payload(
         raise ProtocolError(f"delta refused: {err}") from err
     stream_units = int(reads[:, 2].sum()) // unit if len(reads) else 0
     counts, low = encode(k, stream_units)
-    pairs = values.reshape(-1, 2, unit)[at]
-    udt = unit_dtype(unit)
-    old = np.ascontiguousarray(pairs[:, 0]).reshape(-1).view(udt)
-    new = np.ascontiguousarray(pairs[:, 1]).reshape(-1).view(udt)
+    old, new = changed_pairs(values, at, unit)
     diff, exc = encode_values(old, new)
     lay = layout(len(counts), len(k), len(exc), unit)
     out = np.zeros(max(lay.nbytes, 64), np.uint8)

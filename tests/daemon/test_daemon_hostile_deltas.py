@@ -383,3 +383,31 @@ async def test_delta_packs_waiting_for_a_comparison_count_as_long_polls(tmp_path
         assert len(waited) == MAX_WAITS_PER_PRINCIPAL
         for status, res in waited:  # the base it stated is not v2's: refused after waiting
             refused(status, res, 409, "digest")
+
+
+async def test_a_delta_pack_whose_lease_ended_while_it_waited_stages_nothing(
+    tmp_path: Path,
+) -> None:
+    """b's packs wait for v2's comparison; b releases its lease meanwhile. Once the
+    comparison ends, none is staged for the lease that ended (409, naming it): a
+    staging region held for no live lease would be memory nobody may read."""
+    from refitd.daemon.waits import MAX_WAITS_PER_PRINCIPAL
+
+    async with computing(tmp_path) as (t, gate):
+        lease = (await t.b.acquire_lease("am", 2, ttl_s=600)).lease_id
+        base = (await t.b.delta_info("am", 1)).digest  # v2's base is v1 as published
+        req = DeltaPackRequest("am", 2, lease, 1, base, table((t.regions[1], 0, 0, 0, NBYTES)))
+        packs = [
+            asyncio.ensure_future(pack_raw(t, TOKENS["b"], req))
+            for _ in range(MAX_WAITS_PER_PRINCIPAL + 1)
+        ]
+        status, res = await next(asyncio.as_completed(packs))  # every other one waits now
+        refused(status, res, 429, "long polls")
+        await t.b.release_lease(lease)
+        gate.set()
+        answers = [p.result() if p.done() else await p for p in packs]
+        for status, res in answers:
+            if status != 429:
+                refused(status, res, 409, lease)
+        assert staged_for(t, lease) == {}
+        assert [r for r in await t.b.regions() if r.label == "staging"] == []
