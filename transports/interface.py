@@ -127,15 +127,18 @@ class AdvertisedRegion(msgspec.Struct, frozen=True):
 
     ``address`` is the region's base address in the process that serves it (the
     data-plane process for UCX); ``size`` is exact, in bytes; ``generation`` changes every
-    time the region is (re-)registered, so a stale record is detectable; ``rkey`` is
-    the transport's packed remote key (empty where none is needed).
+    time the region is (re-)registered, so a stale record is detectable; ``key`` is
+    the scheme's own key to the region, bytes only that scheme decodes (empty where
+    none is needed): a UCX packed remote key (``ucx``), a
+    :class:`transports.shm.SegmentKey` (``shm``), a
+    :class:`transports.tcp.frames.ScopeKey` (``tcp``).
     """
 
     region_id: int
     generation: int
     address: int
     size: int
-    rkey: bytes = b""
+    key: bytes = b""
 
 
 class PeerInfo(Signed, frozen=True):

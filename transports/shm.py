@@ -24,7 +24,7 @@ holds is never unmapped.
 
 ``PeerInfo.address`` is ``<boot id>:<tag>`` (the tag tells peers of one host apart:
 the serving process's pid here, a daemon's incarnation in the daemon's records); each
-region's ``rkey`` is :func:`segment_key`: the msgpack of ``(segment name, st_dev,
+region's ``key`` is a :class:`SegmentKey`: the msgpack of ``(segment name, st_dev,
 st_ino)``. :meth:`ShmTransport.loopback` reads between this transport's own
 regions (a daemon's pull from itself).
 """
@@ -37,7 +37,7 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
@@ -62,6 +62,7 @@ from .segments import SHM_DIR, SharedSegment
 __all__ = [
     "MAX_MAPPINGS",
     "ListedSegment",
+    "SegmentKey",
     "ShmPeer",
     "ShmTransport",
     "boot_id",
@@ -108,9 +109,25 @@ def same_file(name: str, want: tuple[int, ...]) -> None:
         )
 
 
+class SegmentKey(NamedTuple):
+    """The key a same-host record gives a region: its segment's ``name`` and file
+    (``dev``, ``ino``), which a reader maps by name and checks is that very file."""
+
+    name: str
+    dev: int
+    ino: int
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(tuple(self))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> SegmentKey:
+        return cls(*msgspec.msgpack.decode(raw, type=tuple[str, int, int]))
+
+
 def segment_key(name: str, dev: int, ino: int) -> bytes:
-    """The ``rkey`` a same-host record gives a region: its segment's name and file."""
-    return msgspec.msgpack.encode((name, dev, ino))
+    """The encoded :class:`SegmentKey` of a region's segment."""
+    return SegmentKey(name, dev, ino).encode()
 
 
 @dataclass(frozen=True)
@@ -172,7 +189,7 @@ class ShmPeer(Peer):
         try:
             for r in info.regions:
                 try:
-                    name, dev, ino = msgspec.msgpack.decode(r.rkey, type=tuple[str, int, int])
+                    name, dev, ino = SegmentKey.decode(r.key)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     raise ProtocolError(
                         f"peer record of {info.peer_id!r} refused: region {r.region_id}: {exc}"
@@ -299,8 +316,8 @@ class ShmTransport(LocalTransport):
         out: dict[int, tuple[int, int]] = {}
         for rid in region_ids:
             region = self._regions.get(rid)
-            if region is not None and region.info.rkey:
-                _, dev, ino = msgspec.msgpack.decode(region.info.rkey, type=tuple[str, int, int])
+            if region is not None and region.info.key:
+                _, dev, ino = SegmentKey.decode(region.info.key)
                 out[rid] = (dev, ino)
         return out
 
@@ -309,7 +326,7 @@ class ShmTransport(LocalTransport):
             scheme=self.scheme,
             peer_id=self.peer_id,
             address=f"{self.boot_id or boot_id()}:{os.getpid()}".encode(),
-            regions=tuple(r.info for r in self._regions.values() if r.info.rkey),
+            regions=tuple(r.info for r in self._regions.values() if r.info.key),
         ).signed(self.secret)
 
     async def connect(self, info: PeerInfo) -> ShmPeer:

@@ -29,13 +29,10 @@ import time
 import urllib.parse
 from collections.abc import Callable, Collection, Iterable
 
-import msgspec
-
 from refitd.errors import TransportError
 from refitd.wire import PeerRegions, RegionKind
 from transports.interface import PeerInfo, TransportOptions
-from transports.tcp import TcpOptions
-from transports.tcp.frames import scope_key
+from transports.tcp import TcpOptions, scoped_grant
 
 __all__ = [
     "AUTO",
@@ -205,22 +202,15 @@ def choose_remote(
 
 
 def tcp_grant(peer: PeerRegions, advert: PeerInfo, secret: bytes) -> PeerInfo:
-    """The ``tcp`` grant for a pull: ``peer``'s regions (as its tcp advertisement
-    registers them: generations, sizes) limited to the byte ranges of ``peer``'s lease
-    scope, signed. The source's data server reads nothing outside it."""
-    listed = {r.region_id: r for r in advert.regions}
-    regions = []
-    for r in peer.regions:
-        if r.kind is not RegionKind.SHM:
-            continue  # GPU memory: read through the source's staging, never granted
-        reg = listed.get(r.region_id)
-        if reg is None:
-            raise TransportError(
-                f"region {r.region_id} of {peer.node_id!r} is not in its tcp advertisement"
-            )
-        extents = peer.scope.get(r.region_id, [])
-        regions.append(msgspec.structs.replace(reg, rkey=scope_key(peer.lease_id, extents)))
-    return PeerInfo(TCP_SCHEME, advert.peer_id, advert.address, tuple(regions)).signed(secret)
+    """The ``tcp`` credential for a pull (:func:`transports.tcp.scoped_grant`):
+    ``peer``'s host regions limited to the byte ranges of its lease scope. GPU memory
+    is never granted: it is read through the source's staging."""
+    scope = {
+        r.region_id: peer.scope.get(r.region_id, [])
+        for r in peer.regions
+        if r.kind is RegionKind.SHM
+    }
+    return scoped_grant(advert, peer.lease_id, scope, secret)
 
 
 def peer_paths(

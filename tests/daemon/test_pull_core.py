@@ -160,7 +160,7 @@ def test_the_shm_record_names_each_segment_and_its_file_and_verifies() -> None:
     rec = pullcore.shm_record(src, SECRET)
     rec.verify(SECRET)
     assert rec.scheme == "shm" and rec.address == b"boot:7"
-    assert [(r.region_id, r.size, r.rkey) for r in rec.regions] == [
+    assert [(r.region_id, r.size, r.key) for r in rec.regions] == [
         (1, 128, segment_key("a", 5, 6)),
         (2, 64, segment_key("b", 5, 7)),
     ]

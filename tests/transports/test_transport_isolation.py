@@ -326,4 +326,4 @@ async def test_a_serving_process_that_does_not_answer_a_registration_in_time_is_
             await restarted.wait()
         assert t.pid not in (None, stuck)
         region = await t.register(LOCAL, seg)
-        assert region.info.rkey, "the new serving process registers and advertises it"
+        assert region.info.key, "the new serving process registers and advertises it"

@@ -107,7 +107,7 @@ async def test_a_record_with_a_tampered_key_is_refused_and_the_data_plane_surviv
     pair: Pair,
 ) -> None:
     pid = getattr(pair.puller, "pid", None)
-    forged = _tamper(pair, rkey=b"\xff" * 64)
+    forged = _tamper(pair, key=b"\xff" * 64)
     with pytest.raises(UnauthenticatedPeer):
         await pair.puller.connect(forged)  # type: ignore[arg-type]
     with pytest.raises(UnauthenticatedPeer):

@@ -22,11 +22,19 @@ import numpy as np
 import pytest
 from support.peers import peer_process
 
+from refitd.errors import TransportError
 from transports.checks import LOCAL, REMOTE, Pair, expect, open_pair, shuffled_batch
-from transports.interface import PeerInfo, PeerLost, PullFailed, ReadRefused, UnauthenticatedPeer
+from transports.interface import (
+    AdvertisedRegion,
+    PeerInfo,
+    PeerLost,
+    PullFailed,
+    ReadRefused,
+    UnauthenticatedPeer,
+)
 from transports.segments import SHM_DIR, SharedSegment
 from transports.servepeer import REGION_ID, pattern
-from transports.tcp import TcpPeer, TcpTransport, parse_address
+from transports.tcp import TcpPeer, TcpTransport, parse_address, scoped_grant
 from transports.tcp.frames import (
     CHALLENGE,
     HEADER,
@@ -35,6 +43,7 @@ from transports.tcp.frames import (
     PROOF,
     READ_ROW,
     Kind,
+    ScopeKey,
     client_proof,
     scope_key,
 )
@@ -56,9 +65,7 @@ def scoped(
     info: PeerInfo, lease: str, extents: list[tuple[int, int]], secret: bytes = SECRET
 ) -> PeerInfo:
     """``info`` with every region limited to ``extents`` under ``lease``, signed."""
-    regions = tuple(
-        msgspec.structs.replace(r, rkey=scope_key(lease, extents)) for r in info.regions
-    )
+    regions = tuple(msgspec.structs.replace(r, key=scope_key(lease, extents)) for r in info.regions)
     return msgspec.structs.replace(info, regions=regions, mac=b"").signed(secret)
 
 
@@ -415,3 +422,16 @@ async def test_a_segment_shrunk_under_a_tcp_read_fails_that_read_and_both_ends_s
         pair.remote.numpy()[:] = np.random.default_rng(1).integers(0, 256, SIZE, dtype=np.uint8)
     await pair.peer.get(batch)
     expect(pair, batch)
+
+
+def test_a_scoped_grant_keys_each_region_to_its_lease_ranges_and_refuses_one_not_advertised() -> (
+    None
+):
+    regions = (AdvertisedRegion(1, 7, 0, 100), AdvertisedRegion(2, 8, 0, 50))
+    advert = PeerInfo("tcp", "src", b"addr", regions).signed(SECRET)
+    grant = scoped_grant(advert, "lease-1", {2: [(10, 20)]}, SECRET)
+    grant.verify(SECRET)
+    assert [(r.region_id, r.generation, r.size) for r in grant.regions] == [(2, 8, 50)]
+    assert ScopeKey.decode(grant.regions[0].key) == ScopeKey("lease-1", [(10, 20)])
+    with pytest.raises(TransportError, match="region 3 of 'src' is not in its tcp advertisement"):
+        scoped_grant(advert, "lease-1", {3: [(0, 1)]}, SECRET)

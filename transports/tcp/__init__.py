@@ -26,7 +26,7 @@ while the source host was busy. Here:
   so its daemon's new record is fetched.
 
 ``PeerInfo.address`` is the msgpack of ``(host, port, incarnation)``. A region record's
-``rkey`` is empty in `advertise` (the whole region, for callers that trust each
+``key`` is empty in `advertise` (the whole region, for callers that trust each
 other, as the contract suite does) or a lease scope in a grant; a daemon runs its
 transport with ``require_lease`` so only the latter are served.
 
@@ -44,7 +44,7 @@ import asyncio
 import itertools
 import socket
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Self
 
@@ -74,6 +74,7 @@ from .frames import (
     READ_ROW,
     Grant,
     check_scope,
+    scope_key,
 )
 from .lanes import BIG, REQUEST_BYTES, Lane, LaneError, Request
 from .serve import (
@@ -94,7 +95,34 @@ __all__ = [
     "TcpPeer",
     "TcpTransport",
     "parse_address",
+    "scoped_grant",
 ]
+
+
+def scoped_grant(
+    advert: PeerInfo,
+    lease_id: str,
+    scope: Mapping[int, Sequence[tuple[int, int]]],
+    secret: bytes,
+) -> PeerInfo:
+    """The credential a reader connects to a ``tcp`` source with: the regions of
+    ``scope`` as the source's advertisement ``advert`` registers them (generations,
+    sizes), each limited to its ``[start, end)`` byte ranges under ``lease_id`` (a
+    :class:`~transports.tcp.frames.ScopeKey`), signed with the deployment ``secret``.
+    The source's data server reads nothing outside it. A region the advertisement
+    does not list is refused (:class:`TransportError`)."""
+    listed = {r.region_id: r for r in advert.regions}
+    regions = []
+    for rid, extents in scope.items():
+        reg = listed.get(rid)
+        if reg is None:
+            raise TransportError(
+                f"region {rid} of {advert.peer_id!r} is not in its tcp advertisement"
+            )
+        regions.append(msgspec.structs.replace(reg, key=scope_key(lease_id, extents)))
+    return PeerInfo(TcpTransport.scheme, advert.peer_id, advert.address, tuple(regions)).signed(
+        secret
+    )
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ import hashlib
 import hmac
 import struct
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
 import numpy as np
@@ -60,6 +61,7 @@ __all__ = [
     "MAX_READS",
     "Grant",
     "Kind",
+    "ScopeKey",
     "check_scope",
     "client_proof",
     "refusal",
@@ -121,10 +123,24 @@ def client_proof(secret: bytes, cn: bytes, sn: bytes, ce: int, se: int, grant_ma
     return _mac(secret, b"refitd-tcp client", cn, sn, struct.pack("<QQ", ce, se), grant_mac)
 
 
+class ScopeKey(NamedTuple):
+    """The key a grant gives a region: the lease (``lease_id``) and the
+    ``[start, end)`` byte ranges of the region it may read (``extents``)."""
+
+    lease_id: str
+    extents: list[tuple[int, int]]
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode((self.lease_id, self.extents))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> ScopeKey:
+        return cls(*msgspec.msgpack.decode(raw, type=tuple[str, list[tuple[int, int]]]))
+
+
 def scope_key(lease_id: str, extents: Sequence[tuple[int, int]]) -> bytes:
-    """A grant region's ``rkey``: the lease and the ``[start, end)`` byte ranges of the
-    region it may read."""
-    return msgspec.msgpack.encode((lease_id, [(int(a), int(b)) for a, b in extents]))
+    """The encoded :class:`ScopeKey` of a grant region."""
+    return ScopeKey(lease_id, [(int(a), int(b)) for a, b in extents]).encode()
 
 
 class Grant:
@@ -142,10 +158,8 @@ class Grant:
         for r in info.regions:
             self.generations[r.region_id] = r.generation
             self.sizes[r.region_id] = r.size
-            if r.rkey:
-                lease, extents = msgspec.msgpack.decode(
-                    r.rkey, type=tuple[str, list[tuple[int, int]]]
-                )
+            if r.key:
+                lease, extents = ScopeKey.decode(r.key)
                 leases.add(lease)
             else:  # no scope: the whole region
                 extents = [(0, r.size)]
@@ -155,7 +169,7 @@ class Grant:
             raise ValueError(f"a grant names {len(leases)} leases; one record, one lease")
         self.lease = leases.pop() if leases else ""
         #: whether every region carries a scope (a lease's grant)
-        self.scoped = all(r.rkey for r in info.regions) and bool(info.regions)
+        self.scoped = all(r.key for r in info.regions) and bool(info.regions)
 
 
 def _merged(

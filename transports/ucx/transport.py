@@ -389,7 +389,7 @@ class UcxTransport(Transport):
             generation=self._generation,
             address=reply.address,
             size=segment.size,
-            rkey=reply.rkey,
+            key=reply.rkey,
         )
         return LocalRegion(region_id, segment, info)
 

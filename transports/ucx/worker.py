@@ -189,7 +189,7 @@ class DataPlane:
                 rkey = ctypes.c_void_p()
                 self._check(
                     f"ucp_ep_rkey_unpack of region {r.region_id}",
-                    self.lib.rfx_rkey_unpack(ctypes.c_void_p(handle), r.rkey, ctypes.byref(rkey)),
+                    self.lib.rfx_rkey_unpack(ctypes.c_void_p(handle), r.key, ctypes.byref(rkey)),
                 )
                 assert rkey.value is not None
                 keys.append(rkey.value)
