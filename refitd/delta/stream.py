@@ -32,12 +32,15 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from refitd.delta.diff import unit_dtype
+
 __all__ = [
     "ESCAPE",
     "PAGE",
     "ChangeIndex",
     "Layout",
     "Strided",
+    "changed_pairs",
     "decode",
     "decode_values",
     "encode",
@@ -141,10 +144,27 @@ def select(index: ChangeIndex, reads: I64, unit: int) -> tuple[I64, I64]:
         hi[mask] = span[0] + np.searchsorted(offs, reads[mask, 1] + reads[mask, 2])
     counts = hi - lo
     total = int(counts.sum())
-    first = np.repeat(np.cumsum(counts) - counts, counts)
-    at = np.repeat(lo, counts) + (np.arange(total, dtype=np.int64) - first)
-    k = np.repeat(starts, counts) + (index.offsets[at] - np.repeat(reads[:, 1], counts)) // unit
+    # One repeat per result: each read's shift, then the running position added.
+    at = np.repeat(lo - (np.cumsum(counts) - counts), counts)
+    at += np.arange(total, dtype=np.int64)
+    k = np.repeat(starts - reads[:, 1] // unit, counts)
+    k += index.offsets[at] // unit
     return k, at
+
+
+def changed_pairs(
+    values: npt.NDArray[np.uint8], at: I64, unit: int
+) -> tuple[npt.NDArray[np.unsignedinteger], npt.NDArray[np.unsignedinteger]]:
+    """The old and new units of changes ``at`` (positions in a version's ``values``:
+    each change's old then new bytes, ``unit`` each). One word gathered per change
+    (both units at once), not ``2 * unit`` bytes each: numpy's gather of a row of
+    bytes costs about 40 times more."""
+    udt = unit_dtype(unit)
+    if unit < 8:
+        pairs = values.view(unit_dtype(2 * unit))[at].view(udt).reshape(-1, 2)
+    else:
+        pairs = values.view(udt).reshape(-1, 2)[at]
+    return pairs[:, 0], pairs[:, 1]
 
 
 def encode(k: I64, stream_units: int) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
