@@ -193,6 +193,12 @@ class PullsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     shutdown_grace_s: GraceSeconds = 10.0
     #: Hold each model's newest version as the next one's delta base (docs/delta.md).
     deltas: bool = False
+    #: Bytes of daemon memory the delta records of all models may hold together
+    #: ((8 + 2 x unit) per changed unit); a version whose changes would go past it
+    #: keeps none, and its engines refit in full. 0: a quarter of the host's memory.
+    delta_max_bytes: Annotated[
+        int, msgspec.Meta(ge=0, description="a byte count (integer >= 0)")
+    ] = 0
 
 
 Count = Annotated[int, msgspec.Meta(ge=1, description="a count (integer >= 1)")]

@@ -97,6 +97,7 @@ memory that grows with the request, not with the version."""
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
+_JobResult = tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], I64, U8]
 
 
 @dataclass
@@ -197,6 +198,9 @@ class DeltaBook:
         self.daemon = daemon
         #: the long polls each principal holds open (a pack waiting for a comparison)
         self.waits = waits if waits is not None else Waits()
+        #: what the records may hold together, bytes (``[pulls] delta_max_bytes``)
+        self.max_bytes = daemon.options.delta_max_bytes or _quarter_of_memory()
+        self._pending = 0  # changes kept by comparisons still running, bytes
         #: whether versions are held and compared at all (``DaemonOptions.deltas``)
         self.enabled = enabled
         self._holds: dict[str, _Hold] = {}
@@ -316,7 +320,7 @@ class DeltaBook:
                 if not why and not reg.is_live(base.lease_id):
                     why = f"the hold on v{base.version} expired"
             if why:  # the version's digest only: a full refit of it records it
-                lanes = await self._run(blocks, rec.unit, pair=False)
+                lanes, _ = await self._run(blocks, rec.unit, pair=False)
                 rec.digest = _digest(blocks, [ln[0] for ln in lanes])
                 rec.state, rec.reason = DeltaState.NONE, why
             else:
@@ -360,7 +364,8 @@ class DeltaBook:
         return ""
 
     async def _compare(self, rec: _Record, blocks: list[_Block], base: int) -> None:
-        results = await self._run(blocks, rec.unit, pair=True)
+        left = max(0, self.max_bytes - self.held_bytes())
+        results, over = await self._run(blocks, rec.unit, pair=True, budget=left)
         new_lanes = [r[0] for r in results]
         old_lanes = [r[1] for r in results]
         rec.base = base
@@ -372,6 +377,13 @@ class DeltaBook:
                 f"base v{base}'s bytes changed since it was published (digest "
                 f"{known.digest} then, {rec.base_digest} now): a READY version was rewritten"
             )
+        if over:
+            rec.state = DeltaState.NONE
+            rec.reason = (
+                f"its changes would hold more than the {left} bytes left of the daemon "
+                f"memory delta records may hold ([pulls] delta_max_bytes = {self.max_bytes})"
+            )
+            return
         # Blocks in (region, offset) order: each block's changes ascend, blocks do not
         # overlap, so each region's offsets ascend with no sort of the changes.
         order = sorted(range(len(blocks)), key=lambda i: (blocks[i].region, blocks[i].at))
@@ -384,11 +396,13 @@ class DeltaBook:
         rec.state = DeltaState.READY
 
     async def _run(
-        self, blocks: list[_Block], unit: int, *, pair: bool
-    ) -> list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], I64, U8]]:
+        self, blocks: list[_Block], unit: int, *, pair: bool, budget: int | None = None
+    ) -> tuple[list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], I64, U8]], bool]:
         """Per block: (new lanes, old lanes, changed offsets in the block, old and new
-        bytes of each),
-        computed by the pool in jobs of ``JOB_BYTES``; without ``pair`` the lanes only."""
+        bytes of each), computed by the pool in jobs of ``JOB_BYTES``; without ``pair``
+        the lanes only. With ``budget``, the changes are kept only while they hold at
+        most that many bytes: past it (the flag returned) none are, the lanes still are
+        taken, and no more than the jobs in flight is ever held."""
         loop = asyncio.get_running_loop()
         view = self.daemon.view
         jobs = []
@@ -397,21 +411,40 @@ class DeltaBook:
                 hi = min(b.nbytes, lo + JOB_BYTES)
                 new = view(b.region)[b.at + lo : b.at + hi]
                 old = view(b.base_region)[b.base_at + lo : b.base_at + hi] if pair else None
-                jobs.append((i, lo, loop.run_in_executor(self._pool, _job, new, old, unit)))
-        parts = await asyncio.gather(*(j[2] for j in jobs))
+                fut = loop.run_in_executor(self._pool, _job, new, old, unit)
+                jobs.append(_tagged(i, lo, fut))
         lanes_n = [np.zeros(LANES, np.uint64) for _ in blocks]
         lanes_o = [np.zeros(LANES, np.uint64) for _ in blocks]
-        offs: list[list[I64]] = [[] for _ in blocks]
-        vals: list[list[U8]] = [[] for _ in blocks]
-        for (i, lo, _), (ln, lo_lanes, at, v) in zip(jobs, parts, strict=True):
-            lanes_n[i] += ln
-            lanes_o[i] += lo_lanes
-            offs[i].append(at + lo)
-            vals[i].append(v)
-        return [
-            (lanes_n[i], lanes_o[i], np.concatenate(offs[i]), np.concatenate(vals[i]))
-            for i in range(len(blocks))
-        ]
+        kept_parts: list[dict[int, tuple[I64, U8]]] = [{} for _ in blocks]
+        kept, over = 0, False
+        try:
+            for done in asyncio.as_completed(jobs):
+                i, lo, (ln, lo_lanes, at, v) = await done
+                lanes_n[i] += ln
+                lanes_o[i] += lo_lanes
+                if over:
+                    continue
+                kept += at.nbytes + v.nbytes
+                self._pending += at.nbytes + v.nbytes
+                kept_parts[i][lo] = (at + lo, v)
+                if budget is not None and kept > budget:
+                    over = True
+                    kept_parts = [{} for _ in blocks]
+        finally:
+            self._pending -= kept
+        empty = (np.zeros(0, np.int64), np.zeros(0, np.uint8))
+        out = []
+        for i in range(len(blocks)):
+            parts = [kept_parts[i][lo] for lo in sorted(kept_parts[i])] or [empty]
+            offs = np.concatenate([p[0] for p in parts])
+            vals = np.concatenate([p[1] for p in parts])
+            out.append((lanes_n[i], lanes_o[i], offs, vals))
+        return out, over
+
+    def held_bytes(self) -> int:
+        """Daemon memory the delta records hold now, with comparisons' kept changes."""
+        held = sum(r.index.offsets.nbytes + r.values.nbytes for r in self._records.values())
+        return held + self._pending
 
     # ------------------------------------------------------------ staging a pull's delta
 
@@ -472,6 +505,15 @@ class DeltaBook:
         return DeltaStaged(
             region, len(payload), pages, changed, exceptions, rec.unit, units, rec.base, rec.digest
         )
+
+
+async def _tagged(i: int, lo: int, fut: asyncio.Future[_JobResult]) -> tuple[int, int, _JobResult]:
+    return i, lo, await fut
+
+
+def _quarter_of_memory() -> int:
+    """A quarter of the host's physical memory, bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
 
 
 def _itemsize(dtype: str) -> int:

@@ -142,6 +142,9 @@ class DaemonOptions:
     #: ``[pulls] deltas``: hold each model's newest version and compare the next one
     #: with it, bytewise, so engines can refit by delta (:mod:`refitd.daemon.deltas`)
     deltas: bool = _DEFAULT.pulls.deltas
+    #: ``[pulls] delta_max_bytes``: what the delta records may hold (0: a quarter of
+    #: the host's memory)
+    delta_max_bytes: int = _DEFAULT.pulls.delta_max_bytes
 
     @classmethod
     def from_config(cls, config: Config, secret: bytes | None = None) -> DaemonOptions:
@@ -166,6 +169,7 @@ class DaemonOptions:
             mirrors=config.mirrors.policy,
             mirror_max_bytes=config.mirrors.max_bytes,
             deltas=config.pulls.deltas,
+            delta_max_bytes=config.pulls.delta_max_bytes,
             **extra,
         )
 

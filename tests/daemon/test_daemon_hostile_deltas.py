@@ -411,3 +411,37 @@ async def test_a_delta_pack_whose_lease_ended_while_it_waited_stages_nothing(
                 refused(status, res, 409, lease)
         assert staged_for(t, lease) == {}
         assert [r for r in await t.b.regions() if r.label == "staging"] == []
+
+
+# ---------------------------------------------------------------- the daemon's memory
+
+
+async def test_deltas_hold_no_more_memory_than_the_daemon_keeps_for_them(tmp_path: Path) -> None:
+    """A delta record is daemon memory, (8 + 2 x unit) bytes a change, that no region
+    cap counts: a tenant publishing large versions that change everywhere (in its own
+    attached memory, which no byte cap counts either) would grow the daemon without
+    bound. Past ``[pulls] delta_max_bytes`` a version's changes are not kept: its
+    record says why, nothing is held, and its delta is refused (409), so its engines
+    refit in full. a's ``am`` fits the budget; b's ``bm``, compared next, does not."""
+    per_change = 8 + 2 * 2
+    budget = CHANGED * per_change + CHANGED * per_change // 2  # one delta and a half
+    async with two_versions(tmp_path, delta_max_bytes=budget) as t:
+        assert (await t.a.delta_info("am", 2)).delta_bytes == CHANGED * per_change
+        for version, fill in ((1, 1), (2, 2)):
+            info = await t.b.create_region(REGION, label=f"bm-v{version}")
+            with SharedSegment.attach(info.handle, REGION) as seg:
+                seg.numpy(np.uint16)[:ELEMS] = fill  # every unit of v2 differs from v1
+            shard = ShardEntry((0,), (ELEMS,), info.region_id, 0)
+            tensor = TensorEntry("w", (ELEMS,), "bfloat16", [shard])
+            await t.b.publish(ManifestIn("bm", version, 0, 1, [tensor]))
+        rec = await t.b.delta_info("bm", 2, wait_s=60.0)
+        assert rec.state == "none" and "delta_max_bytes" in rec.reason, rec
+        assert rec.delta_bytes == 0 and rec.digest, rec
+        lease = await t.b.acquire_lease("bm", 2, ttl_s=600)
+        req = DeltaPackRequest(
+            "bm", 2, lease.lease_id, 1, rec.base_digest, table((info.region_id, 0, 0, 0, NBYTES))
+        )
+        status, res = await pack_raw(t, TOKENS["b"], req)
+        refused(status, res, 409, "delta_max_bytes")
+        assert staged_for(t, lease.lease_id) == {}
+        assert (await t.a.delta_info("am", 2)).state == "ready"  # a's delta is untouched
