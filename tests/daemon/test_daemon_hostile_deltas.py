@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 import pytest
 from support.daemons import served, token_file
@@ -445,3 +446,49 @@ async def test_deltas_hold_no_more_memory_than_the_daemon_keeps_for_them(tmp_pat
         refused(status, res, 409, "delta_max_bytes")
         assert staged_for(t, lease.lease_id) == {}
         assert (await t.a.delta_info("am", 2)).state == "ready"  # a's delta is untouched
+
+
+async def test_a_lease_stages_only_its_own_versions_delta(tmp_path: Path) -> None:
+    """b's lease on v2 of ``am`` asks for another version, another model, and a base it
+    does not hold: each a 409 naming what was refused, nothing staged."""
+    async with two_versions(tmp_path) as t:
+        lease, req = await b_lease_and_request(t)
+        base = req.base_digest
+        for other, named in (
+            (msgspec.structs.replace(req, version=1), lease),  # a version it did not lease
+            (msgspec.structs.replace(req, model="bm"), lease),  # a model it did not lease
+            # v2's own digest stated as its base, and v1's digest under another number
+            (
+                msgspec.structs.replace(req, base_digest=(await t.b.delta_info("am", 2)).digest),
+                "v1",
+            ),
+            (msgspec.structs.replace(req, base_version=0, base_digest=base), "v1"),
+        ):
+            status, res = await pack_raw(t, TOKENS["b"], other)
+            refused(status, res, 409, named)
+        assert staged_for(t, lease) == {}
+
+
+async def test_malformed_delta_packs_are_4xx_in_the_error_shape_and_stage_nothing(
+    tmp_path: Path,
+) -> None:
+    from refitd.wire import PackSpec
+
+    async with two_versions(tmp_path) as t:
+        r2 = t.regions[1]
+        lease, req = await b_lease_and_request(t)
+        bad: list[Any] = [
+            msgspec.structs.replace(req, descriptors=DescriptorTable(b"\\0" * 39)),
+            msgspec.structs.replace(req, descriptors=table((r2, 1, 0, 0, 2))),  # mid-unit
+            msgspec.structs.replace(req, pack_specs=[PackSpec(r2, 0, (-4,), (1,), 2, 0, 0)]),
+            msgspec.structs.replace(req, pack_specs=[PackSpec(r2, 8, (4,), (-8,), 2, 0, 0)]),
+            msgspec.structs.replace(
+                req, pack_specs=[PackSpec(r2, 0, (1 << 31, 1 << 31), (0, 0), 2, 0, 0)]
+            ),
+            msgspec.structs.replace(req, pack_specs=[PackSpec(r2, 1, (8,), (2,), 1, 0, 0)]),
+        ]
+        for body in bad:
+            status, res = await pack_raw(t, TOKENS["b"], body)
+            assert 400 <= status < 500, (body, status, res)
+            assert set(res) == {"error", "detail"} and res["detail"], res
+        assert staged_for(t, lease) == {}
