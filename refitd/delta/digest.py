@@ -51,8 +51,10 @@ class EngineDigest:
     def of(cls, mem: U8) -> EngineDigest:
         """The digest of ``mem`` as it is now (one read of it)."""
         n = len(mem)
-        per = -(-max(n, 1) // BLOCKS)
-        block = -(-per // _ALIGN) * _ALIGN
+        # A power of two, so a delta's update keys its units by shifts, not divisions.
+        block = _ALIGN
+        while block * BLOCKS < n:
+            block *= 2
         count = -(-n // block) if n else 0
         lanes = np.zeros((max(count, 1), LANES), dtype=np.uint64)
         for b in range(count):
@@ -108,11 +110,14 @@ class EngineDigest:
             return
         unit = old.dtype.itemsize
         per = _ALIGN // unit
-        key = (offsets // self.block) * per + (offsets % _ALIGN) // unit
+        # (block, unit in its 4 KiB) by shifts: block, 4 KiB and unit are powers of two.
+        key = offsets >> (self.block.bit_length() - 1)
+        key <<= per.bit_length() - 1
+        key |= (offsets & (_ALIGN - 1)) >> (unit.bit_length() - 1)
         bins = self.blocks * per
         if unit <= 2:
-            d = new.astype(np.int64) - old.astype(np.int64)
-            s = np.bincount(key, weights=d, minlength=bins)
+            d = (new.astype(np.int64) - old.astype(np.int64)).astype(np.float64)
+            s = np.bincount(key, weights=d, minlength=bins)  # float weights: its fast path
             total = np.rint(s).astype(np.int64).view(np.uint64)
         else:
             if unit == 4:

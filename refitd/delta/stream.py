@@ -148,7 +148,7 @@ def select(index: ChangeIndex, reads: I64, unit: int) -> tuple[I64, I64]:
     at = np.repeat(lo - (np.cumsum(counts) - counts), counts)
     at += np.arange(total, dtype=np.int64)
     k = np.repeat(starts - reads[:, 1] // unit, counts)
-    k += index.offsets[at] // unit
+    k += index.offsets[at] >> (unit.bit_length() - 1)  # // unit, a power of two
     return k, at
 
 
