@@ -20,7 +20,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from refitd.cluster import ClusterRegistry
+from refitd.daemon.auth import principal_of
 from refitd.daemon.httpio import DAEMON, RouteTable, query_float, query_has, query_int, reply
+from refitd.daemon.waits import MAX_WAIT_S, WAITS
 from refitd.errors import NotFoundError
 from refitd.wire import DaemonRecord, SourceRecord, VersionState
 from refitd.wire import routes as api
@@ -85,6 +87,9 @@ async def daemons(request: web.Request) -> web.Response:
 @routes.handles(api.CLUSTER_VERSION)
 async def version(request: web.Request) -> web.Response:
     model, v = request.match_info["model"], request.match_info["version"]
+    # Which daemons hold which versions of a model is its readers' to know (403 alike
+    # whether the version exists or not).
+    request.app[DAEMON].models.check_read(principal_of(request), model, "see the holders of")
     found = request.app[CLUSTER].version(
         model, v if v == "latest" else query_int(request, "version")
     )
@@ -94,9 +99,12 @@ async def version(request: web.Request) -> web.Response:
 @routes.handles(api.CLUSTER_NEXT)
 async def next_version(request: web.Request) -> web.Response:
     model = request.match_info["model"]
+    who = principal_of(request)
+    request.app[DAEMON].models.check_read(who, model, "wait for the versions of")
     after = query_int(request, "after") if query_has(request, "after") else -1
-    timeout = query_float(request, "timeout", 30.0)
-    found = await request.app[CLUSTER].wait_newer(model, after, timeout)
+    timeout = min(query_float(request, "timeout", 30.0), MAX_WAIT_S)  # a long poll
+    with request.app[WAITS].held(who.name, f"waiting for a version of {model!r}"):
+        found = await request.app[CLUSTER].wait_newer(model, after, timeout)
     if found is None:
         raise NotFoundError(
             f"no complete version of {model!r} newer than {after} was registered within "

@@ -492,3 +492,36 @@ async def test_malformed_delta_packs_are_4xx_in_the_error_shape_and_stage_nothin
             assert 400 <= status < 500, (body, status, res)
             assert set(res) == {"error", "detail"} and res["detail"], res
         assert staged_for(t, lease) == {}
+
+
+async def test_the_cluster_routes_tell_a_non_reader_nothing_of_a_models_versions(
+    tmp_path: Path,
+) -> None:
+    """``[models] readers`` lists only a for ``am``: which daemons hold a version of it,
+    and the long poll for its next one, are refused to b (403) before any wait, alike
+    whether the version exists or not."""
+    tokens = token_file(tmp_path, TOKENS)
+    d = Daemon(DaemonOptions(port=0, node_id="hostile-cluster", model_readers=("am=a",)))
+    async with (
+        served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
+        RefitClient(s.url, token=TOKENS["a"]) as a,
+        aiohttp.ClientSession() as http,
+    ):
+        region = (await a.create_region(REGION, label="am")).region_id
+        await a.publish(manifest(1, region))
+        assert (await a.cluster_version("am", 1)).version == 1  # a, a reader, sees it
+        headers = {"Authorization": f"Bearer {TOKENS['b']}", "Accept": "application/json"}
+        for paths in (
+            ["/v1/cluster/sources/am/versions/1", "/v1/cluster/sources/am/versions/7"],
+            [
+                "/v1/cluster/sources/am/next?after=0&timeout=60",
+                "/v1/cluster/sources/am/next?after=5&timeout=60",
+            ],
+        ):
+            answers = []
+            for path in paths:
+                async with http.get(s.url + path, headers=headers) as r:
+                    answers.append((r.status, await r.json(content_type=None)))
+            for status, res in answers:
+                refused(status, res, 403, "'am'")
+            assert answers[0] == answers[1], answers
