@@ -43,7 +43,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -80,7 +80,8 @@ class RefitdInitInfo(WeightTransferInitInfo):
     daemon holding the published versions when it is another node's (empty: the
     local one); ``allow_unwritten`` names parameters the manifest may leave as
     they are (strict by default); ``delta`` refits by delta when the engine holds
-    the version before (docs/delta.md), a full refit every ``anchor_every`` updates.
+    the version before (docs/delta.md), a full refit every ``anchor_every`` updates;
+    ``delta="auto"`` only when the source daemon is on another host.
     """
 
     model: str = "policy"
@@ -90,7 +91,7 @@ class RefitdInitInfo(WeightTransferInitInfo):
     mode: str = "staging"
     lease_ttl_s: float = 60.0
     allow_unwritten: list[str] = field(default_factory=list)
-    delta: bool = False
+    delta: bool | Literal["auto"] = False
     anchor_every: int = 0
 
 
@@ -299,6 +300,7 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         if init_info.delta:  # post-load processing runs inside the delta: rolled back too
             kind = DeltaReceiver
             extra = {"anchor_every": init_info.anchor_every, "after_apply": self._process}
+            extra["prefer"] = "auto" if init_info.delta == "auto" else "delta"
         self.receiver = kind(
             local=local,
             source=source,
