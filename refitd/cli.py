@@ -34,6 +34,7 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
     "delta": (
         "refitd bench delta                         # a 1024-wide, 8-block model, 4 steps",
         "refitd bench delta --layers 2 --hidden 256 --vocab 4000   # a quick run",
+        "refitd bench delta --link-gbit 1           # engines on another simulated host",
     ),
     "experts": (
         "refitd bench experts                       # three presets, 1x/2x/4x pools",
