@@ -59,6 +59,10 @@ SLOW_AFTER_S = 1.0
 SLOW_FRACTION = 0.5
 """A relay sending under this fraction of its peers' rate (their median) is slow."""
 
+SLOW_REPORTS = 2
+"""Reports in a row (a second) a relay must be slow in before it is left: a host
+that a busy core held up for a moment is not slow."""
+
 MAX_SLOW_SWITCHES = 1
 """Relays one mirror leaves for being slow: a host whose own link is slow finds every
 upstream slow, and must not walk the whole book."""
@@ -150,14 +154,17 @@ class Filler:
     async def _watch(self, m: Mirror, src: RemoteSource, upstream: str, judge: bool) -> None:
         """While this mirror reads from ``upstream`` ("" the source): every
         ``REPORT_S`` report its rate to the source's book, and raise
-        :class:`Reassigned` when the book gives it another upstream (its own left the
-        book), or (``judge``) :class:`SlowRelay` when a relay sends it under
+        :class:`Reassigned` when its upstream left the book (another mirror found it
+        failed or slow) and the book gives it another, or (``judge``) :class:`SlowRelay` when a relay sends it under
         ``SLOW_FRACTION`` of its peers' rate (their median; a relay's rate is shared
-        by its children, so it is counted once per child)."""
+        by its children, so it is counted once per child) in ``SLOW_REPORTS``
+        reports in a row. A mirror that itself left the book (another found it slow)
+        and is put back by a report keeps reading from its upstream."""
         loop = asyncio.get_running_loop()
         began = loop.time()
         samples = [(began, m.done_bytes())]
         me = self.self_url().rstrip("/")
+        slow_reports = 0
         while True:
             await asyncio.sleep(REPORT_S)  # a timer: how often the source hears of us
             now, got = loop.time(), m.done_bytes()
@@ -171,7 +178,8 @@ class Filler:
                 continue  # the book is advice: reading goes on
             if a is None:
                 return
-            if a.upstream.rstrip("/") != upstream:
+            held = {u.rstrip("/") for u in a.holders}
+            if upstream and upstream not in held and a.upstream.rstrip("/") != upstream:
                 raise Reassigned(
                     f"mirror of {m.model!r} version {m.version}: the source moved it from "
                     f"{upstream or m.source} to {a.upstream or m.source}"
@@ -182,7 +190,12 @@ class Filler:
             peers = sorted(
                 r for u, r in a.rates.items() if u.rstrip("/") not in (me, upstream) and r > 0
             )
-            if peers and rate * share < SLOW_FRACTION * peers[len(peers) // 2]:
+            slow_reports = (
+                slow_reports + 1
+                if peers and rate * share < SLOW_FRACTION * peers[len(peers) // 2]
+                else 0
+            )
+            if slow_reports >= SLOW_REPORTS:
                 raise SlowRelay(
                     f"it sends {rate * 8 / 1e6:.0f} Mbit/s, under {SLOW_FRACTION} of its "
                     f"peers' {peers[len(peers) // 2] * 8 / 1e6:.0f} Mbit/s"
