@@ -15,8 +15,8 @@ refusal is a :class:`~refitd.errors.ConfigError` whose message names the key
 
 Units are in the key names: ``*_bytes`` are bytes, ``*_s`` are seconds.
 
-Integration: the daemon calls ``load_config(path, os.environ, overrides)`` once at
-start-up and passes the frozen :class:`Config` around; nothing re-reads the file.
+The daemon calls ``load_config(path, os.environ, overrides)`` once at start-up and
+passes the frozen :class:`Config` around; nothing re-reads the file.
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ _MiB = 1 << 20
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535, description="a TCP port, 0..65535")]
 PositiveBytes = Annotated[int, msgspec.Meta(ge=1, description="a byte count (integer >= 1)")]
+Bytes = Annotated[int, msgspec.Meta(ge=0, description="a byte count (integer >= 0)")]
 GraceSeconds = Annotated[float, msgspec.Meta(ge=0, description="seconds (number >= 0)")]
 Scheme = Annotated[
     str,
@@ -150,7 +151,7 @@ class MirrorsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     policy: Literal["never", "always", "shared"] = "never"
     #: Bytes all mirrors may hold together (a version that does not fit is read from
     #: its source). Unset: half of the shared-memory filesystem's size.
-    max_bytes: Annotated[int, msgspec.Meta(ge=0, description="bytes (>= 0)")] | None = None
+    max_bytes: Bytes | None = None
 
 
 class PeersConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -196,9 +197,7 @@ class PullsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     #: Bytes of daemon memory the delta records of all models may hold together
     #: ((8 + 2 x unit) per changed unit); a version whose changes would go past it
     #: keeps none, and its engines refit in full. 0: a quarter of the host's memory.
-    delta_max_bytes: Annotated[
-        int, msgspec.Meta(ge=0, description="a byte count (integer >= 0)")
-    ] = 0
+    delta_max_bytes: Bytes = 0
 
 
 Count = Annotated[int, msgspec.Meta(ge=1, description="a count (integer >= 1)")]
@@ -215,9 +214,7 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: Bytes of shared memory the daemon makes for one principal at once: its
     #: regions, staging packed for its leases, its pools (429 past it; 0: no cap but
     #: /dev/shm itself). Attached segments are the client's own memory, not counted.
-    max_region_bytes_per_principal: Annotated[
-        int, msgspec.Meta(ge=0, description="a byte count (integer >= 0)")
-    ] = 0
+    max_region_bytes_per_principal: Bytes = 0
     #: Pulls of one principal queued or running at once (429 past it).
     max_pulls_per_principal: Count = 256
     #: Shards one published manifest may list, over all its tensors (400 past it).
@@ -548,16 +545,12 @@ def _env_overrides(env: Mapping[str, str]) -> list[tuple[str, str, str]]:
     for var in sorted(env):
         if var in known:
             found.append((known[var], env[var], var))
-        elif any(var.startswith(p) for p in prefixes):
+        elif section := next((p for p in prefixes if var.startswith(p)), ""):
             raise ConfigError(
                 f"environment variable {var} names no configuration key; expected one of "
-                + ", ".join(sorted(v for v in known if v.startswith(_longest(prefixes, var))))
+                + ", ".join(sorted(v for v in known if v.startswith(section)))
             )
     return found
-
-
-def _longest(prefixes: list[str], var: str) -> str:
-    return next(p for p in prefixes if var.startswith(p))
 
 
 def load_config(

@@ -3,8 +3,8 @@
 Two simulated hosts (:mod:`refitd.bench.simhosts`: network namespaces, a private
 ``/dev/shm`` each), both links shaped to ``R`` Gbit/s with ``tc``. Host ``a`` runs
 the trainer's daemon (deltas on) and a process training and publishing the model
-(:class:`~refitd.bench.delta.Trainer`); host ``b`` runs the engines' daemon and a
-process holding both TP 2 engines (:class:`~refitd.bench.delta.Engines`), whose
+(:class:`~refitd.bench.deltamodel.Trainer`); host ``b`` runs the engines' daemon and a
+process holding both TP 2 engines (:class:`~refitd.bench.deltamodel.Engines`), whose
 pulls cross the link. Each process answers one JSON request per line on its stdin;
 this driver prints the same table and last lines as the one-host run, with
 ``link_gbit=R``.
@@ -38,7 +38,7 @@ def across(args: argparse.Namespace) -> int:
 
 
 async def _across(args: argparse.Namespace) -> int:
-    from refitd.bench.delta import Report
+    from refitd.bench.deltamodel import Report
     from refitd.bench.hostpaths import shape
     from refitd.bench.simhosts import Cluster, HostWorker, SimHost, SimNet
 
@@ -103,7 +103,7 @@ class _Role:
         return c
 
     async def handle(self, req: dict[str, Any]) -> dict[str, Any]:
-        from refitd.bench.delta import Engines, Trainer
+        from refitd.bench.deltamodel import Engines, Trainer
 
         op, token = req["op"], req["token"]
         if op == "open":

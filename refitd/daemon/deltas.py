@@ -39,14 +39,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-from aiohttp import web
 
-from refitd.daemon.auth import principal_of
-from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
 from refitd.daemon.node import Daemon
 from refitd.daemon.registry import Lease
 from refitd.daemon.trust import check_unchecked_reads
-from refitd.daemon.waits import MAX_WAIT_S, WAITS, Waits
+from refitd.daemon.waits import MAX_WAIT_S, Waits
 from refitd.delta.diff import CHUNK, LANES, compare_chunk, lanes_of, unit_of
 from refitd.delta.stream import (
     ChangeIndex,
@@ -71,10 +68,9 @@ from refitd.wire import (
     PackSpec,
     VersionState,
 )
-from refitd.wire import routes as api
 from transports.local import copy_view
 
-__all__ = ["DELTAS", "DeltaBook", "routes", "setup_deltas"]
+__all__ = ["DeltaBook"]
 
 log = logging.getLogger("refitd.deltas")
 
@@ -579,49 +575,3 @@ def _payload(
     out[lay.diff : lay.diff + diff.nbytes] = diff.view(np.uint8)
     out[lay.exceptions : lay.exceptions + exc.nbytes] = exc.view(np.uint8)
     return out, (len(counts), len(k), len(exc), stream_units)
-
-
-# ---------------------------------------------------------------- HTTP
-
-DELTAS: web.AppKey[DeltaBook] = web.AppKey("deltas", DeltaBook)
-routes = RouteTable()
-
-
-@routes.handles(api.DELTA_INFO)
-async def delta_info(request: web.Request) -> web.Response:
-    """A version's delta record; ``wait=S`` waits up to S seconds (at most 60) for a
-    comparison still running."""
-    d = request.app[DAEMON]
-    model = request.match_info["model"]
-    d.models.check_read(principal_of(request), model, "read")
-    version = query_int(request, "version")
-    wait_s = min(query_float(request, "wait", 0.0), MAX_WAIT_S)
-    if not wait_s:
-        return reply(request, await request.app[DELTAS].info(model, version))
-    with request.app[WAITS].held(principal_of(request).name, f"waiting for {model!r} v{version}"):
-        return reply(request, await request.app[DELTAS].info(model, version, wait_s))
-
-
-@routes.handles(api.DELTA_PACK)
-async def delta_pack(request: web.Request) -> web.Response:
-    """Stage a planned pull's changed units under its lease, as ``/v1/peer/pack`` stages
-    packed blocks: the staging region counts against the lease's principal."""
-    d = request.app[DAEMON]
-    req = await body(request, DeltaPackRequest)
-    lease = d.registry.check(req.lease_id, req.model, req.version)
-    who = lease.owner or principal_of(request).name  # whose memory the staging is
-    d.store.admit(who, 1)  # at its cap already: refused before any work
-    caller = principal_of(request).name
-    return reply(request, await request.app[DELTAS].pack(req, lease, who, caller), 201)
-
-
-def setup_deltas(app: web.Application, daemon: Daemon) -> DeltaBook:
-    """Install the daemon's :class:`DeltaBook` and its routes on ``app``."""
-    book = app[DELTAS] = DeltaBook(daemon, daemon.options.deltas, waits=app[WAITS])
-
-    async def close(_: web.Application) -> None:
-        await book.close()
-
-    app.on_shutdown.append(close)
-    app.add_routes(routes)
-    return book

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from refitd.cluster import registry_from_config
 from refitd.daemon.auth import check_owner, owner_for, principal_of, sees_region
-from refitd.daemon.deltas import DELTAS, setup_deltas
+from refitd.daemon.deltaroutes import DELTAS, setup_deltas
 from refitd.daemon.httpio import (
     DAEMON,
     RouteTable,

@@ -325,7 +325,7 @@ async def computing(tmp: Path) -> AsyncIterator[tuple[Tenants, threading.Event]]
     """v1 and v2 of ``am`` published, v2's comparison held from running: every thread
     of the daemon's comparison pool (a real one) is kept busy until the test sets the
     event it yields. b then leases v2 and asks for its delta as a receiver would."""
-    from refitd.daemon.deltas import DELTAS
+    from refitd.daemon.deltaroutes import DELTAS
 
     tokens = token_file(tmp, TOKENS)
     d = Daemon(DaemonOptions(port=0, node_id="hostile-computing", deltas=True))

@@ -1,0 +1,313 @@
+"""The parts of ``refitd bench delta`` (:mod:`refitd.bench.delta`) that run on either
+layout, one host or two (:mod:`refitd.bench.deltahosts`): the trained model, the TP 2
+engines, the trainer that publishes each step, the two engines' refits and the report."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+MODEL = "delta-bench"
+
+
+# ---------------------------------------------------------------- the trained model
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(hidden)
+        self.gate = nn.Linear(hidden, 4 * hidden, bias=False)
+        self.up = nn.Linear(hidden, 4 * hidden, bias=False)
+        self.down = nn.Linear(4 * hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        out: torch.Tensor = x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+        return out
+
+
+class TinyLM(nn.Module):
+    """The trainer's model (checkpoint names are its parameter names)."""
+
+    def __init__(self, vocab: int, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(_Block(hidden) for _ in range(layers))
+        self.norm = nn.RMSNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        out: torch.Tensor = self.head(self.norm(x))
+        return out
+
+
+# ---------------------------------------------------------------- the engine
+
+
+class TPEngine(nn.Module):
+    """One TP rank of the engine: the trainer's tensors, resharded and fused."""
+
+    def __init__(self, vocab: int, hidden: int, layers: int, tp: int, rank: int) -> None:
+        super().__init__()
+        self.tp, self.rank, self.layers = tp, rank, layers
+        v, f = vocab // tp, 4 * hidden // tp
+        bf = torch.bfloat16
+
+        def param(*shape: int, loader: Any) -> nn.Parameter:
+            p = nn.Parameter(torch.zeros(*shape, dtype=bf), requires_grad=False)
+            p.weight_loader = loader  # type: ignore[attr-defined]
+            return p
+
+        self.embed = param(v, hidden, loader=self._rows)
+        self.head = param(v, hidden, loader=self._rows)
+        self.norm = param(hidden, loader=self._whole)
+        for i in range(layers):
+            self.register_parameter(f"norm{i}", param(hidden, loader=self._whole))
+            self.register_parameter(f"gate_up{i}", param(2 * f, hidden, loader=self._fused))
+            self.register_parameter(f"down{i}", param(hidden, f, loader=self._cols))
+
+    def _rows(self, p: torch.Tensor, w: torch.Tensor) -> None:
+        n = p.shape[0]
+        p.copy_(w.narrow(0, self.rank * n, n))
+
+    def _cols(self, p: torch.Tensor, w: torch.Tensor) -> None:
+        n = p.shape[1]
+        p.copy_(w.narrow(1, self.rank * n, n))
+
+    @staticmethod
+    def _whole(p: torch.Tensor, w: torch.Tensor) -> None:
+        p.copy_(w)
+
+    def _fused(self, p: torch.Tensor, w: torch.Tensor, shard: int) -> None:
+        n = p.shape[0] // 2
+        p.narrow(0, shard * n, n).copy_(w.narrow(0, self.rank * n, n))
+
+    def load_weights(self, weights: Any) -> None:
+        params = dict(self.named_parameters())
+        for name, w in weights:
+            parts = name.split(".")
+            if parts[0] == "blocks":
+                i, kind = parts[1], parts[2]
+                if kind in ("gate", "up"):
+                    p = params[f"gate_up{i}"]
+                    p.weight_loader(p, w, 0 if kind == "gate" else 1)  # type: ignore[attr-defined]
+                    continue
+                p = params[{"norm": f"norm{i}", "down": f"down{i}"}[kind]]
+            else:
+                p = params[parts[0]]
+            p.weight_loader(p, w)  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------- the run
+
+
+async def _publish(client: Any, pubs: list[Any] | None, model: TinyLM, version: int) -> list[Any]:
+    """Every parameter as two dim-0 blocks, slot ``r`` holding block ``r``."""
+    from refitd.client.publisher import ALIGN, Publisher
+
+    params = [(n, p.detach()) for n, p in model.named_parameters()]
+    blocks = []
+    for n, t in params:
+        half = t.shape[0] // 2
+        blocks += [(0, n, t, (0,), t[:half]), (1, n, t, (half,), t[half:])]
+    if pubs is None:
+        pubs = [Publisher(client, MODEL, slot, 2) for slot in range(2)]
+        for slot, pub in enumerate(pubs):
+            mine = [b[4].nbytes for b in blocks if b[0] == slot]
+            room = sum(-(-n // ALIGN) * ALIGN for n in mine)
+            await pub.reserve(room, label=f"bench-delta{version % 2}")
+    for slot, name, t, at, part in blocks:
+        offset = at + (0,) * (t.dim() - 1)
+        pubs[slot].put(name, part, tuple(t.shape), offset)
+    for pub in pubs:
+        await pub.publish(version)
+    return pubs
+
+
+class Trainer:
+    """The trained model and its double-buffered publication through ``client``."""
+
+    def __init__(self, args: argparse.Namespace, client: Any) -> None:
+        torch.manual_seed(0)
+        self.args, self.client = args, client
+        self.lm = TinyLM(args.vocab, args.hidden, args.layers).to(torch.bfloat16)
+        self.opt = torch.optim.AdamW(self.lm.parameters(), lr=args.lr)
+        self.gen = torch.Generator().manual_seed(1)
+        self.buffers: list[list[Any] | None] = [None, None]
+
+    def describe(self) -> str:
+        ps = list(self.lm.parameters())
+        nbytes = sum(p.numel() * p.element_size() for p in ps)
+        return (
+            f"model: {sum(p.numel() for p in ps) / 1e6:.1f} M bf16 parameters "
+            f"({nbytes / 2**20:.0f} MiB); trainer: 2 dim-0 ranks; engines: TP 2, fused gate_up"
+        )
+
+    def _step(self) -> float:
+        vocab, a = self.args.vocab, self.args
+        tokens = torch.randint(0, vocab, (a.batch, a.seq + 1), generator=self.gen)
+        logits = self.lm(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(
+            logits.reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1)
+        )
+        self.opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.opt.step()
+        return float(loss.detach())
+
+    async def version(self, v: int) -> dict[str, Any]:
+        """Train a step (none for v1), publish version ``v``; the source's delta record."""
+        loss = self._step() if v > 1 else math.nan
+        held = self.buffers[v % 2]
+        if held is not None:
+            await self.client.wait_drain(MODEL, v - 2, 60.0, retire=True)
+        self.buffers[v % 2] = await _publish(self.client, held, self.lm, v)
+        if v == 1:
+            return {"loss": loss}
+        info = await self.client.delta_info(MODEL, v, wait_s=60.0)
+        units = info.compared_bytes // max(info.unit, 1)
+        return {"loss": loss, "changed": info.changed, "units": units, "compare_s": info.seconds}
+
+
+class Engines:
+    """Two TP 2 engines refitting every version: one by delta (``prefer``), one in full.
+    ``local`` is the engines' daemon, ``source`` the trainer's."""
+
+    def __init__(self, args: argparse.Namespace, local: Any, source: Any, prefer: str) -> None:
+        from refitd.client.deltarefit import DeltaReceiver
+        from refitd.client.receiver import DaemonReceiver
+        from refitd.reshard.geometry import capture_geometry
+
+        vocab, hidden, layers, tp = args.vocab, args.hidden, args.layers, 2
+
+        def receivers(cls: Any, **kw: Any) -> list[Any]:
+            return [
+                cls(
+                    local=local,
+                    source=source,
+                    model=MODEL,
+                    engine=TPEngine(vocab, hidden, layers, tp, rank),
+                    twin=lambda rank=rank: TPEngine(vocab, hidden, layers, tp, rank),
+                    capture=lambda twin, manifest: capture_geometry(twin, manifest),
+                    **kw,
+                )
+                for rank in range(tp)
+            ]
+
+        self.delta = receivers(DeltaReceiver, prefer=prefer)
+        self.full = receivers(DaemonReceiver)
+
+    async def refit(self, v: int) -> dict[str, Any]:
+        """Refit every engine rank to ``v``: the full ranks first, then the delta ranks."""
+        dwire = fwire = 0
+        dt = ft = 0.0
+        paths = set()
+        for r in self.full:
+            t0 = time.perf_counter()
+            stats = await r.refit(v)
+            ft += time.perf_counter() - t0
+            fwire += stats.pull.bytes_total
+            paths.add(stats.pull.path)
+        parts = [0.0] * len(PARTS)
+        notes = []
+        for r in self.delta:
+            t0 = time.perf_counter()
+            await r.refit(v)
+            dt += time.perf_counter() - t0
+            d = r.last
+            assert d is not None
+            if d.kind != "delta":
+                notes.append(f"rank refitted in full: {d.reason}")
+            dwire += d.wire_bytes
+            st = d.refit
+            split = [st.manifest_s, st.plan_s, d.check_s, d.stage_s, st.pull_s]
+            split += [d.place_s, d.write_s, d.digest_s, d.post_s]
+            for i, x in enumerate(split):
+                parts[i] += x
+        exact = all(
+            torch.equal(a.view(torch.int16), b.view(torch.int16))
+            for d, f in zip(self.delta, self.full, strict=True)
+            for a, b in zip(d.engine.parameters(), f.engine.parameters(), strict=True)
+        )
+        return {
+            "dwire": dwire,
+            "fwire": fwire,
+            "dt": dt,
+            "ft": ft,
+            "parts": parts,
+            "exact": exact,
+            "notes": notes,
+            "path": ",".join(sorted(paths)),
+        }
+
+    async def close(self) -> None:
+        for r in self.delta + self.full:
+            await r.close()
+
+
+PARTS = ("manifest", "plan", "check", "stage", "pull", "place", "write", "digest", "post")
+"""A delta's seconds, in order (:class:`~refitd.client.deltarefit.DeltaStats`)."""
+
+
+class Report:
+    """The table, a line per version, and the totals' last lines."""
+
+    def __init__(self) -> None:
+        self.t: dict[str, float] = {k: 0.0 for k in ("changed", "units", "dwire", "fwire")}
+        self.t.update(dt=0.0, ft=0.0)
+        self.parts = [0.0] * len(PARTS)
+        self.verified = True
+        self.paths: set[str] = set()
+        print(
+            f"{'v':>3} {'loss':>7} {'changed':>9} {'compare_s':>9} {'delta_B':>11} "
+            f"{'full_B':>11} {'delta_s':>8} {'full_s':>8} {'exact':>5}"
+        )
+
+    def version(self, v: int, src: dict[str, Any], eng: dict[str, Any]) -> None:
+        for note in eng["notes"]:
+            print(f"  {note}")
+        self.verified &= bool(eng["exact"])
+        self.paths.add(eng["path"])
+        for k in ("changed", "units"):
+            self.t[k] += src[k]
+        for k in ("dwire", "fwire", "dt", "ft"):
+            self.t[k] += eng[k]
+        for i, x in enumerate(eng["parts"]):
+            self.parts[i] += x
+        frac = src["changed"] / src["units"] if src["units"] else math.nan
+        print(
+            f"{v:>3} {src['loss']:>7.3f} {frac:>9.4%} {src['compare_s']:>9.3f} "
+            f"{eng['dwire']:>11,} {eng['fwire']:>11,} {eng['dt']:>8.3f} {eng['ft']:>8.3f} "
+            f"{int(eng['exact']):>5}"
+        )
+        print(
+            "      delta seconds: lease+manifest {:.3f}, plan {:.3f}, engine check {:.3f}, "
+            "source staging {:.3f}, pull {:.3f}, place {:.3f}, write+undo {:.3f}, "
+            "digest {:.3f}, post-load {:.3f}".format(*eng["parts"])
+        )
+
+    def end(self, link: str = "") -> int:
+        t = self.t
+        cf = t["changed"] / t["units"] if t["units"] else math.nan
+        wr = t["dwire"] / t["fwire"] if t["fwire"] else math.nan
+        tr = t["dt"] / t["ft"] if t["ft"] else math.nan
+        shares = " ".join(f"{k}_s={x:.3f}" for k, x in zip(PARTS, self.parts, strict=True))
+        print(f"delta_s={t['dt']:.3f} full_s={t['ft']:.3f} {shares}")
+        path = ",".join(sorted(self.paths))
+        print(
+            f"changed_fraction={cf:.4f} wire_ratio={wr:.4f} delta_time_ratio={tr:.3f} "
+            f"{link}path={path} verified={int(self.verified)}"
+        )
+        return 0 if self.verified else 1

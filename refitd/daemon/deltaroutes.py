@@ -1,0 +1,59 @@
+"""The HTTP side of delta refit (:mod:`refitd.daemon.deltas`): a version's delta record
+and the staging of a planned pull's changed units under its lease."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from refitd.daemon.auth import principal_of
+from refitd.daemon.deltas import DeltaBook
+from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
+from refitd.daemon.node import Daemon
+from refitd.daemon.waits import MAX_WAIT_S, WAITS
+from refitd.wire import DeltaPackRequest
+from refitd.wire import routes as api
+
+__all__ = ["DELTAS", "routes", "setup_deltas"]
+
+DELTAS: web.AppKey[DeltaBook] = web.AppKey("deltas", DeltaBook)
+routes = RouteTable()
+
+
+@routes.handles(api.DELTA_INFO)
+async def delta_info(request: web.Request) -> web.Response:
+    """A version's delta record; ``wait=S`` waits up to S seconds (at most 60) for a
+    comparison still running."""
+    d = request.app[DAEMON]
+    model = request.match_info["model"]
+    d.models.check_read(principal_of(request), model, "read")
+    version = query_int(request, "version")
+    wait_s = min(query_float(request, "wait", 0.0), MAX_WAIT_S)
+    if not wait_s:
+        return reply(request, await request.app[DELTAS].info(model, version))
+    with request.app[WAITS].held(principal_of(request).name, f"waiting for {model!r} v{version}"):
+        return reply(request, await request.app[DELTAS].info(model, version, wait_s))
+
+
+@routes.handles(api.DELTA_PACK)
+async def delta_pack(request: web.Request) -> web.Response:
+    """Stage a planned pull's changed units under its lease, as ``/v1/peer/pack`` stages
+    packed blocks: the staging region counts against the lease's principal."""
+    d = request.app[DAEMON]
+    req = await body(request, DeltaPackRequest)
+    lease = d.registry.check(req.lease_id, req.model, req.version)
+    who = lease.owner or principal_of(request).name  # whose memory the staging is
+    d.store.admit(who, 1)  # at its cap already: refused before any work
+    caller = principal_of(request).name
+    return reply(request, await request.app[DELTAS].pack(req, lease, who, caller), 201)
+
+
+def setup_deltas(app: web.Application, daemon: Daemon) -> DeltaBook:
+    """Install the daemon's :class:`DeltaBook` and its routes on ``app``."""
+    book = app[DELTAS] = DeltaBook(daemon, daemon.options.deltas, waits=app[WAITS])
+
+    async def close(_: web.Application) -> None:
+        await book.close()
+
+    app.on_shutdown.append(close)
+    app.add_routes(routes)
+    return book

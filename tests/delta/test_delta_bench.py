@@ -1,0 +1,28 @@
+"""``refitd bench delta`` end to end, small: every version is refitted by delta and in
+full, the two engines agree bit for bit, and the last line carries its keys."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_bench_delta_refits_every_version_both_ways_and_verifies_them_equal() -> None:
+    refitd = Path(sys.executable).with_name("refitd")
+    out = subprocess.run(
+        [str(refitd), "bench", "delta", "--layers", "2", "--hidden", "128", "--vocab", "1000",
+         "--steps", "2"],
+        capture_output=True, text=True, check=True, timeout=240,
+    ).stdout.splitlines()  # fmt: skip
+    keys = dict(kv.split("=") for kv in out[-1].split())
+    assert keys["verified"] == "1", out
+    assert keys["path"] == "shm"
+    changed, wire = float(keys["changed_fraction"]), float(keys["wire_ratio"])
+    assert 0 < changed < 1 and 0 < wire < 1, keys
+    parts = dict(kv.split("=") for kv in out[-2].split())
+    assert {"delta_s", "full_s", "stage_s", "pull_s", "digest_s"} <= parts.keys(), out[-2]
