@@ -55,9 +55,12 @@ async def mirror_state(request: web.Request) -> web.Response:
     version = query_int(request, "version")
     after = query_int(request, "after") if "after" in request.query else -1
     timeout_s = min(query_float(request, "timeout", 0.0), 60.0)
-    mirrors = request.app[MIRRORS]
-    m = mirrors.find(request.match_info["model"], version)
-    mirrors.leases.check_state_reader(principal_of(request), m, request.query.get("lease", ""))
+    mirrors, model = request.app[MIRRORS], request.match_info["model"]
+    # Who may see it first: whether a version is mirrored is the model's readers' only.
+    mirrors.leases.check_state_reader(
+        principal_of(request), model, version, request.query.get("lease", "")
+    )
+    m = mirrors.find(model, version)
     deadline = time.monotonic() + timeout_s
     while int(m.done.sum()) <= after and not m.finished:
         left = deadline - time.monotonic()
@@ -75,8 +78,12 @@ async def mirror_feed(request: web.Request) -> web.StreamResponse:
     lease_id = request.query.get("lease", "")
     if not lease_id:
         raise ProtocolError(f"GET {request.path} refused: the feed is read under a lease (?lease=)")
-    m = request.app[MIRRORS].find(request.match_info["model"], version)
-    return await serve_feed(request, m, request.app[DAEMON], lease_id)
+    model, d = request.match_info["model"], request.app[DAEMON]
+    # The lease first (409 for one not live on this version): whether a version is
+    # mirrored is told only to a holder of a lease on it.
+    d.registry.check(lease_id, model, version)
+    m = request.app[MIRRORS].find(model, version)
+    return await serve_feed(request, m, d, lease_id)
 
 
 @routes.handles(api.MIRROR_LEASE)

@@ -117,13 +117,15 @@ class MirrorLeases:
             raise
         return min(ttl_s, left)
 
-    def check_state_reader(self, who: Principal, m: Mirror, lease_id: str) -> None:
-        """Refuse (403) the state of mirror ``m`` to a caller that may not read its model
-        here and presents no live lease on its version here (a relay reading it does)."""
+    def check_state_reader(self, who: Principal, model: str, version: int, lease_id: str) -> None:
+        """Refuse (403) the state of the mirror of ``model`` ``version`` to a caller that
+        may not read the model here and presents no live lease on that version here (a
+        relay reading it does); checked before the mirror is looked up, so the refusal
+        is the same whether or not there is one."""
         if lease_id:
             try:
-                self.d.registry.check(lease_id, m.model, m.version)
+                self.d.registry.check(lease_id, model, version)
                 return
             except (ConflictError, NotFoundError):
                 pass
-        self.d.models.check_read(who, m.model, "see the mirror of")
+        self.d.models.check_read(who, model, "see the mirror of")

@@ -101,12 +101,6 @@ def refused_alike(answers: list[tuple[int, Any]]) -> None:
     assert len({s for s, _ in answers}) == 1, answers
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mirrorhandlers.mirror_state finds the mirror (404 when there is none) before "
-    "it checks the caller may read the model (403): the status tells a non-reader which "
-    "versions are mirrored; the fix (check the readers rule first) is in mirror*.py",
-)
 async def test_a_non_reader_learns_nothing_of_which_versions_are_mirrored_from_their_state(
     tmp_path: Path,
 ) -> None:
@@ -118,12 +112,6 @@ async def test_a_non_reader_learns_nothing_of_which_versions_are_mirrored_from_t
         refused_alike(answers)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mirrorhandlers.mirror_feed finds the mirror (404) before it checks the lease "
-    "(409 for one that is not live): anyone with a token tells a mirrored version from "
-    "one that is not, whatever the readers rule; the fix is in mirror*.py",
-)
 async def test_a_feed_under_a_made_up_lease_is_refused_alike_whether_or_not_the_mirror_exists(
     tmp_path: Path,
 ) -> None:
