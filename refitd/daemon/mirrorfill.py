@@ -228,7 +228,7 @@ class Filler:
         c = relay.client
         timeout = self.d.options.pull_timeout_s
         deadline = answer_s(timeout)
-        ask = MirrorLease(m.model, m.version, source_lease, self.d.node_id, LEASE_TTL_S)
+        ask = MirrorLease.fresh(m.model, m.version, source_lease, self.d.node_id, LEASE_TTL_S)
         async with asyncio.timeout(deadline):  # a stopped relay answers nothing
             grant = await c.send(api.MIRROR_LEASE, ask.signed(self.d.options.secret))
         feed = Feed(self, m, relay, grant.lease_id)

@@ -21,12 +21,13 @@ until the capped TTL runs out; it is a daemon of the deployment.)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from refitd.errors import AccessDenied, ConflictError, NotFoundError
 from refitd.wire import LeaseGrant, LeaseRequest
-from refitd.wire.mirrors import MirrorLease
+from refitd.wire.mirrors import MIRROR_LEASE_FRESH_S, MirrorLease
 
 if TYPE_CHECKING:
     from refitd.daemon.auth import Principal
@@ -55,6 +56,8 @@ class MirrorLeases:
         self.remote = remote
         #: local lease id -> (source URL, source lease id, model, version)
         self.bound: dict[str, tuple[str, str, str, int]] = {}
+        #: nonces of the requests granted, until they could no longer be fresh
+        self.nonces: dict[str, float] = {}
 
     async def _left_at_source(self, source: str, lease: str, model: str, version: int) -> float:
         """Seconds ``lease`` has left at ``source`` (AccessDenied when it is not live)."""
@@ -91,6 +94,7 @@ class MirrorLeases:
         live lease on it at the source (403), for no longer than that lease has left;
         bound to it for every renewal."""
         req.verify(secret)
+        self._once(req)
         m = self.find(req.model, req.version)
         left = await self._left_at_source(m.source, req.source_lease, req.model, req.version)
         grant = self.d.registry.acquire(
@@ -101,6 +105,24 @@ class MirrorLeases:
                 del self.bound[gone]
         self.bound[grant.lease_id] = (m.source, req.source_lease, req.model, req.version)
         return grant
+
+    def _once(self, req: MirrorLease) -> None:
+        """Refuse (403) a request issued too long ago (or ahead of this clock), or one
+        whose nonce was granted already: a signed request is good once, not again."""
+        now = time.time()
+        if not req.nonce or abs(now - req.issued_at) > MIRROR_LEASE_FRESH_S:
+            raise AccessDenied(
+                f"{req._what()} refused: issued at {req.issued_at:.0f}, not within "
+                f"{MIRROR_LEASE_FRESH_S:.0f} s of this daemon's clock ({now:.0f}), or without "
+                "a nonce: a request is made fresh for each lease (MirrorLease.fresh)"
+            )
+        for nonce in [n for n, until in self.nonces.items() if until < now]:
+            del self.nonces[nonce]
+        if req.nonce in self.nonces:
+            raise AccessDenied(
+                f"{req._what()} refused: its nonce was granted already (a replayed request)"
+            )
+        self.nonces[req.nonce] = req.issued_at + MIRROR_LEASE_FRESH_S
 
     async def renewal(self, lease_id: str, ttl_s: float) -> float:
         """The TTL a renewal of ``lease_id`` may have, s: capped by its source lease's,

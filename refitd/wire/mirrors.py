@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+import time
 from typing import Annotated, ClassVar
 
 import msgspec
@@ -15,6 +17,7 @@ from refitd.wire.records import PeerRegions
 __all__ = [
     "MAX_EXCLUDE",
     "MAX_JOIN_BYTES",
+    "MIRROR_LEASE_FRESH_S",
     "HolderAssign",
     "HolderJoin",
     "MirrorFeed",
@@ -55,6 +58,11 @@ class HolderJoin(Signed, frozen=True, forbid_unknown_fields=True):
         )
 
 
+MIRROR_LEASE_FRESH_S = 60.0
+"""Seconds, either way, a mirror lease request may be from when it was issued (the
+daemons' clocks may differ by this much at most)."""
+
+
 class MirrorLease(Signed, frozen=True, forbid_unknown_fields=True):
     """A peer daemon (a downstream relay, ``node_id``) leasing a host mirror's copy of
     ``model`` ``version`` under ``source_lease``, its live lease on it at the source.
@@ -68,7 +76,19 @@ class MirrorLease(Signed, frozen=True, forbid_unknown_fields=True):
     source_lease: Label
     node_id: Label
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_LEASE_TTL_S)] = 30.0
+    #: Made by :meth:`fresh`, under the MAC: a request is granted once (a nonce seen
+    #: before is refused) and only within :data:`MIRROR_LEASE_FRESH_S` of when it was
+    #: issued (Unix seconds), so a request seen on the way cannot be replayed.
+    nonce: Label = ""
+    issued_at: float = 0.0
     mac: bytes = b""
+
+    @classmethod
+    def fresh(
+        cls, model: str, version: int, source_lease: str, node_id: str, ttl_s: float
+    ) -> MirrorLease:
+        """A request with a new nonce, issued now (sign it with :meth:`signed`)."""
+        return cls(model, version, source_lease, node_id, ttl_s, secrets.token_hex(16), time.time())
 
     def _what(self) -> str:
         return (

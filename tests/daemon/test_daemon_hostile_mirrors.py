@@ -6,9 +6,8 @@ trainer's) and a mirror host (``mirrors.policy = always``) that reads it over
 ``tcp``. Tenant ``a`` and the mirror host's daemon (``peer``) may read model ``m``;
 tenant ``b`` may not, at either daemon. Each test is one rule, named as that rule.
 
-The refusals that do not hold yet are marked ``xfail(strict=True)``: their fix lies
-in ``refitd/daemon/mirror*.py``, which this change does not edit; a fix there turns
-each one into a pass, and strict makes that visible.
+Each rule here once failed: the refusal told which versions are mirrored, or a
+signed lease request could be replayed.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon, DaemonOptions
 from refitd.daemon.process import listening
+from refitd.errors import AccessDenied
 from refitd.wire import DescriptorTable, ManifestIn, PullRequest, ShardEntry, TensorEntry
 from refitd.wire import routes as api
 from refitd.wire.mirrors import MirrorLease
@@ -127,20 +127,13 @@ async def test_a_feed_under_a_made_up_lease_is_refused_alike_whether_or_not_the_
         refused_alike(answers)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a MirrorLease carries no nonce or expiry under its MAC, so whoever saw one "
-    "signed request replays it for a new lease while the source lease lives, each "
-    "counted against the mirror owner's lease cap (refitd-mirror: 4096), which a replay "
-    "loop fills for every relay; the fix (a nonce or an issue time, refused when seen "
-    "or stale) is in mirrorleases.py and the wire",
-)
 async def test_a_signed_mirror_lease_request_replayed_is_refused(tmp_path: Path) -> None:
     """The relay's signed request, replayed by tenant b (a reader of m at neither
-    daemon, whose own tenants never lease a mirror), gets a second lease today."""
+    daemon, whose own tenants never lease a mirror), once got a second lease: a
+    request is granted once (its nonce), and only while fresh (its issue time)."""
     async with hosts(tmp_path) as h:
         at_source = await mirrored(h)
-        ask = MirrorLease(MODEL, 1, at_source, "relay-b", 60.0).signed(SECRET)
+        ask = MirrorLease.fresh(MODEL, 1, at_source, "relay-b", 60.0).signed(SECRET)
         first = await h.mc._send(api.MIRROR_LEASE, ask)
         assert first.model == MODEL
         async with (
@@ -158,3 +151,19 @@ async def test_a_signed_mirror_lease_request_replayed_is_refused(tmp_path: Path)
             status, res = r.status, await r.json(content_type=None)
         assert 400 <= status < 500, (status, res)
         assert set(res) == {"error", "detail"}, res
+
+
+async def test_a_signed_mirror_lease_request_issued_long_ago_or_without_a_nonce_is_refused(
+    tmp_path: Path,
+) -> None:
+    async with hosts(tmp_path) as h:
+        at_source = await mirrored(h)
+        fresh = MirrorLease.fresh(MODEL, 1, at_source, "relay-b", 60.0)
+        for stale in (
+            msgspec.structs.replace(fresh, issued_at=fresh.issued_at - 3600),
+            msgspec.structs.replace(fresh, issued_at=fresh.issued_at + 3600),
+            msgspec.structs.replace(fresh, nonce=""),
+        ):
+            with pytest.raises(AccessDenied, match="not within 60 s"):
+                await h.mc._send(api.MIRROR_LEASE, stale.signed(SECRET))
+        assert (await h.mc._send(api.MIRROR_LEASE, fresh.signed(SECRET))).model == MODEL

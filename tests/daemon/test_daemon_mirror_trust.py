@@ -363,16 +363,17 @@ async def test_a_peer_daemon_leases_a_mirror_only_under_a_live_lease_at_its_sour
         at_source = await h.sc.acquire_lease(MODEL, 1, 60.0)
         req, _ = await pull_request(h, region, at_source.lease_id)
         await h.mc.pull(req)  # the mirror exists
-        ask = MirrorLease(MODEL, 1, at_source.lease_id, "relay-b", 3600.0).signed(SECRET)
-        grant = await h.mc._send(api.MIRROR_LEASE, ask)
+        ask = MirrorLease.fresh(MODEL, 1, at_source.lease_id, "relay-b", 3600.0)
+        grant = await h.mc._send(api.MIRROR_LEASE, ask.signed(SECRET))
         assert grant.model == MODEL
         assert grant.expires_in_s <= 60.0  # no longer than the lease at the source has
         await h.sc.release_lease(at_source.lease_id)
         with pytest.raises(AccessDenied, match="source"):  # renewal checks it again
             await h.mc.renew_lease(grant.lease_id, 30.0)
         assert not h.mirror.registry.is_live(grant.lease_id)
+        again = MirrorLease.fresh(MODEL, 1, at_source.lease_id, "relay-b", 3600.0)
         with pytest.raises(AccessDenied, match="source"):
-            await h.mc._send(api.MIRROR_LEASE, ask)
+            await h.mc._send(api.MIRROR_LEASE, again.signed(SECRET))
 
 
 async def test_an_idle_mirror_is_evicted_to_make_room_for_a_new_one_within_the_budget() -> None:
