@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from types import TracebackType
@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AdvertisedRegion",
     "ByteRange",
+    "LeaseScope",
     "LocalRegion",
     "MappedMemory",
     "Peer",
@@ -212,6 +213,22 @@ class Peer(ABC):
     async def close(self) -> None:
         """Release the connection; later `get` raises `TransportClosed`."""
 
+    async def scoped(self, info: PeerInfo) -> Peer:
+        """A connection whose reads are checked against ``info``: a newer record, or
+        the credential :meth:`Transport.credential` made for one lease, of the same
+        peer life. By default this connection, brought up to ``info`` (a connection
+        made from ``info`` is returned as it is); a transport that checks each read
+        against its own grant (``tcp``) returns a view over the same links."""
+        if info is not self.info:
+            await self.update(info)
+        return self
+
+    def cut(self) -> None:
+        """Break the links under this connection so that a read blocked on a peer that
+        missed its deadline wakes with an error and no late byte lands. By default
+        nothing: a transport with no links of its own has no late bytes."""
+        return None
+
     async def __aenter__(self) -> Self:
         return self
 
@@ -219,6 +236,16 @@ class Peer(ABC):
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.close()
+
+
+@dataclass(frozen=True)
+class LeaseScope:
+    """What one lease lets a reader read from a peer: ``ranges`` maps a host region
+    id to its ``[start, end)`` byte ranges; ``lease_id`` names the lease (the source
+    frees what it granted when the lease ends)."""
+
+    lease_id: str
+    ranges: Mapping[int, Sequence[tuple[int, int]]]
 
 
 @dataclass(frozen=True)
@@ -292,6 +319,13 @@ class Transport(ABC):
     @abstractmethod
     async def connect(self, info: PeerInfo) -> Peer:
         """Connect to a peer from its record; `UnauthenticatedPeer` if the MAC fails."""
+
+    def credential(self, advert: PeerInfo, scope: LeaseScope) -> PeerInfo:
+        """The record a reader connects with (:meth:`connect`, :meth:`Peer.scoped`) to
+        read what ``scope`` grants from the peer that signed ``advert``. By default the
+        advertisement itself (the daemon checks the lease before any read); a transport
+        whose source checks each read against a signed grant (``tcp``) makes it here."""
+        return advert
 
     async def wait_ready(self) -> None:
         """Return once the data plane can serve (a restarting one finishes restarting)."""

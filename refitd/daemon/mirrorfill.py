@@ -27,7 +27,7 @@ from refitd.daemon import pullcore
 from refitd.daemon.mirror import Mirror, covered
 from refitd.daemon.mirrorfeed import HEARTBEAT_S, follow
 from refitd.daemon.mirrorleases import OWNER
-from refitd.daemon.mirrorread import Regranted, answer_s, cut, fill_chunks
+from refitd.daemon.mirrorread import Regranted, answer_s, fill_chunks
 from refitd.daemon.move import one_error
 from refitd.daemon.paths import SHM_SCHEME
 from refitd.daemon.sources import RemoteSource
@@ -250,7 +250,7 @@ class Filler:
                         follower.cancel()
         except asyncio.CancelledError:
             if feed.conn is not None:  # left for another holder: no late byte lands
-                cut(feed.conn)
+                feed.conn.cut()
             raise
         finally:
             if feed.conn is not None and feed.path == SHM_SCHEME:

@@ -36,7 +36,6 @@ from refitd.daemon.sources import Gated, LocalSource, RemoteSource
 from refitd.wire import DescriptorTable, PeerRegions, PullRequest
 from transports.batch import ReadBatch, rows_as_batch
 from transports.interface import Peer, PeerInfo
-from transports.tcp import TcpGrant, TcpPeer
 
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
@@ -49,7 +48,6 @@ __all__ = [
     "MirroredSource",
     "Regranted",
     "answer_s",
-    "cut",
     "fill_chunks",
     "piece_s",
 ]
@@ -83,16 +81,6 @@ def piece_s(nbytes: int, pull_timeout_s: float) -> float:
     return min(RELAY_ANSWER_S + nbytes / RELAY_FLOOR_BYTES_S, pull_timeout_s)
 
 
-def cut(conn: Peer) -> None:
-    """Break the lanes of a ``tcp`` connection to a relay that missed its deadline: a
-    lane blocked on it wakes with an error, and no late byte lands."""
-    base = conn.current if isinstance(conn, Regranted) else conn
-    base = base.base if isinstance(base, TcpGrant) else base
-    if isinstance(base, TcpPeer):
-        for lane in base.lanes:
-            lane.cut()
-
-
 class Regranted(Peer):
     """A connection whose grant grows while it is read: each read goes through the
     newest connection :meth:`swap` gave (a relay's feed widens the scope its records
@@ -114,6 +102,9 @@ class Regranted(Peer):
 
     async def close(self) -> None:
         await self.current.close()
+
+    def cut(self) -> None:
+        self.current.cut()
 
 
 async def fill_chunks(
@@ -166,7 +157,7 @@ async def fill_chunks(
             ready=gate if ready is not None else None,
             landed=lambda lo, hi: m.mark(todo[lo:hi]),  # only now: after the read returned
             deadline_s=deadline,
-            late=None if their is None else (lambda: cut(conn)),
+            late=None if their is None else conn.cut,
         )
 
 

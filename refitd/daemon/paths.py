@@ -13,7 +13,7 @@ Modes (``data_plane.transport``):
   (a same-host peer still reads through ``shm`` in ``auto`` only).
 
 The ``tcp`` transport of a daemon serves only lease-scoped grants
-(:func:`tcp_grant`, made by the reader from the source's signed, lease-scoped
+(`TcpTransport.credential` from :func:`lease_scope`: the source's signed, lease-scoped
 region records), checks the lease is live at the source before every read, and
 answers only hosts of its trusted peers (``[peers] allow`` or the registry) or,
 on this host's loopback, the daemon's own uid and root (`transports.tcp.admission`).
@@ -31,8 +31,8 @@ from collections.abc import Callable, Collection, Iterable
 
 from refitd.errors import TransportError
 from refitd.wire import PeerRegions, RegionKind
-from transports.interface import PeerInfo, TransportOptions
-from transports.tcp import TcpOptions, scoped_grant
+from transports.interface import LeaseScope, PeerInfo, TransportOptions
+from transports.tcp import TcpOptions
 
 __all__ = [
     "AUTO",
@@ -40,9 +40,9 @@ __all__ = [
     "UCX_SCHEME",
     "choose_remote",
     "has_rdma",
+    "lease_scope",
     "peer_paths",
     "rdma_devices",
-    "tcp_grant",
     "transport_options",
     "transport_schemes",
 ]
@@ -201,16 +201,17 @@ def choose_remote(
     )
 
 
-def tcp_grant(peer: PeerRegions, advert: PeerInfo, secret: bytes) -> PeerInfo:
-    """The ``tcp`` credential for a pull (:func:`transports.tcp.scoped_grant`):
-    ``peer``'s host regions limited to the byte ranges of its lease scope. GPU memory
-    is never granted: it is read through the source's staging."""
-    scope = {
+def lease_scope(peer: PeerRegions) -> LeaseScope:
+    """What a pull's lease lets it read from ``peer``, for the transport to make its
+    credential from (:meth:`transports.interface.Transport.credential`): ``peer``'s
+    host regions, each limited to the byte ranges of the lease scope. GPU memory is
+    never granted: it is read through the source's staging."""
+    ranges = {
         r.region_id: peer.scope.get(r.region_id, [])
         for r in peer.regions
         if r.kind is RegionKind.SHM
     }
-    return scoped_grant(advert, peer.lease_id, scope, secret)
+    return LeaseScope(peer.lease_id, ranges)
 
 
 def peer_paths(

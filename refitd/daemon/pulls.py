@@ -43,7 +43,7 @@ from refitd.daemon.devstaging import SLOT_BYTES, SLOTS, StagedPeer
 from refitd.daemon.listeners import Caller, PullListener, anyone
 from refitd.daemon.move import IN_FLIGHT, move
 from refitd.daemon.node import Daemon
-from refitd.daemon.paths import SHM_SCHEME, TCP_SCHEME, adverts, choose_remote, tcp_grant
+from refitd.daemon.paths import SHM_SCHEME, adverts, choose_remote, lease_scope
 from refitd.daemon.sources import Filling, LocalSource, Redirect, RemoteSource, Source
 from refitd.daemon.trust import check_writes
 from refitd.errors import NotFoundError, RefitError
@@ -58,7 +58,6 @@ from refitd.wire import (
     StagedPack,
 )
 from transports.interface import Peer
-from transports.tcp import TcpPeer
 
 __all__ = [
     "IN_FLIGHT",
@@ -442,13 +441,11 @@ class PullManager:
 
     async def _transport_peer(self, peer: PeerRegions, scheme: str) -> Peer:
         """The ``scheme`` transport's connection to ``peer``: made once per source
-        daemon life and brought up to date with its latest advertisement. Over
-        ``tcp``, the pull reads under a grant of its own, scoped to its lease
-        (:func:`~refitd.daemon.paths.tcp_grant`), on the shared lanes."""
+        daemon life, and read by the pull under the credential the transport makes
+        from the peer's signed advertisement and the pull's lease scope
+        (:func:`~refitd.daemon.paths.lease_scope`)."""
         transport = self.plane.by_scheme[scheme]  # choose_path picked a transport it runs
-        info = adverts(peer)[scheme]
-        if scheme == TCP_SCHEME:
-            info = tcp_grant(peer, info, self.secret)
+        info = transport.credential(adverts(peer)[scheme], lease_scope(peer))
         key = (peer.node_id, peer.incarnation, scheme)
         for old in [k for k in self._peers if k[0] == peer.node_id and k[1] != peer.incarnation]:
             await self._peers.pop(old).close()  # an earlier life of that daemon
@@ -456,11 +453,7 @@ class PullManager:
         if conn is None:
             conn = await transport.connect(info)
             self._peers[key] = conn
-        elif scheme != TCP_SCHEME:
-            await conn.update(info)
-        if isinstance(conn, TcpPeer):
-            return conn.with_grant(info)
-        return conn
+        return await conn.scoped(info)
 
     # ------------------------------------------------------------ moving bytes
 

@@ -44,7 +44,7 @@ import asyncio
 import itertools
 import socket
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Self
 
@@ -57,6 +57,7 @@ from refitd.errors import NotFoundError, ProtocolError, TransportError
 from ..batch import ReadBatch, as_read_batch, coalesce, split_pieces, suspect_ranges, validate_batch
 from ..interface import (
     AdvertisedRegion,
+    LeaseScope,
     LocalRegion,
     MappedMemory,
     Peer,
@@ -74,7 +75,7 @@ from .frames import (
     READ_ROW,
     Grant,
     check_scope,
-    scope_key,
+    scoped_grant,
 )
 from .lanes import BIG, REQUEST_BYTES, Lane, LaneError, Request
 from .serve import (
@@ -97,32 +98,6 @@ __all__ = [
     "parse_address",
     "scoped_grant",
 ]
-
-
-def scoped_grant(
-    advert: PeerInfo,
-    lease_id: str,
-    scope: Mapping[int, Sequence[tuple[int, int]]],
-    secret: bytes,
-) -> PeerInfo:
-    """The credential a reader connects to a ``tcp`` source with: the regions of
-    ``scope`` as the source's advertisement ``advert`` registers them (generations,
-    sizes), each limited to its ``[start, end)`` byte ranges under ``lease_id`` (a
-    :class:`~transports.tcp.frames.ScopeKey`), signed with the deployment ``secret``.
-    The source's data server reads nothing outside it. A region the advertisement
-    does not list is refused (:class:`TransportError`)."""
-    listed = {r.region_id: r for r in advert.regions}
-    regions = []
-    for rid, extents in scope.items():
-        reg = listed.get(rid)
-        if reg is None:
-            raise TransportError(
-                f"region {rid} of {advert.peer_id!r} is not in its tcp advertisement"
-            )
-        regions.append(msgspec.structs.replace(reg, key=scope_key(lease_id, extents)))
-    return PeerInfo(TcpTransport.scheme, advert.peer_id, advert.address, tuple(regions)).signed(
-        secret
-    )
 
 
 @dataclass(frozen=True)
@@ -218,6 +193,15 @@ class TcpPeer(Peer):
                 "address or another life of it"
             )
         return TcpGrant(self, self._add(info), info)
+
+    async def scoped(self, info: PeerInfo) -> Peer:
+        # Each pull reads under its own grant on the shared lanes; the lanes keep
+        # the record they were opened with.
+        return self.with_grant(info)
+
+    def cut(self) -> None:
+        for lane in self.lanes:
+            lane.cut()
 
     def _add(self, info: PeerInfo) -> int:
         self._number += 1
@@ -387,6 +371,12 @@ class TcpGrant(Peer):
     async def update(self, info: PeerInfo) -> None:
         fresh = self.base.with_grant(info)
         self.number, self.info, self._check = fresh.number, info, fresh._check
+
+    async def scoped(self, info: PeerInfo) -> Peer:
+        return self.base.with_grant(info)
+
+    def cut(self) -> None:
+        self.base.cut()
 
     async def close(self) -> None:
         self._closed = True
@@ -585,6 +575,11 @@ class TcpTransport(Transport):
             Grant(info)
         except (ValueError, msgspec.MsgspecError) as exc:
             raise ProtocolError(f"record of {info.peer_id!r} refused: {exc}") from None
+
+    def credential(self, advert: PeerInfo, scope: LeaseScope) -> PeerInfo:
+        """The lease's grant (:func:`scoped_grant`): the source's data server reads
+        nothing outside ``scope``."""
+        return scoped_grant(advert, scope.lease_id, scope.ranges, self.secret)
 
     async def connect(self, info: PeerInfo) -> TcpPeer:
         if self.closed:

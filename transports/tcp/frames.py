@@ -41,12 +41,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
+
+from refitd.errors import TransportError
 
 from ..batch import merge_ranges
 from ..interface import PeerInfo
@@ -67,6 +69,7 @@ __all__ = [
     "refusal",
     "refusal_reason",
     "scope_key",
+    "scoped_grant",
     "server_proof",
 ]
 
@@ -216,3 +219,27 @@ def check_scope(
                 "outside what the record's lease may read"
             )
     return None
+
+
+def scoped_grant(
+    advert: PeerInfo,
+    lease_id: str,
+    scope: Mapping[int, Sequence[tuple[int, int]]],
+    secret: bytes,
+) -> PeerInfo:
+    """The credential a reader connects to a ``tcp`` source with: the regions of
+    ``scope`` as the source's advertisement ``advert`` registers them (generations,
+    sizes), each limited to its ``[start, end)`` byte ranges under ``lease_id`` (a
+    :class:`~transports.tcp.frames.ScopeKey`), signed with the deployment ``secret``.
+    The source's data server reads nothing outside it. A region the advertisement
+    does not list is refused (:class:`TransportError`)."""
+    listed = {r.region_id: r for r in advert.regions}
+    regions = []
+    for rid, extents in scope.items():
+        reg = listed.get(rid)
+        if reg is None:
+            raise TransportError(
+                f"region {rid} of {advert.peer_id!r} is not in its tcp advertisement"
+            )
+        regions.append(msgspec.structs.replace(reg, key=scope_key(lease_id, extents)))
+    return PeerInfo("tcp", advert.peer_id, advert.address, tuple(regions)).signed(secret)
