@@ -54,7 +54,6 @@ from refitd.wire import (
     MAX_LEASE_TTL_S,
     MSGPACK,
     STATUS_OF,
-    LeaseGrant,
     LeaseRequest,
     ManifestIn,
     PackRequest,
@@ -164,15 +163,13 @@ async def publish(request: web.Request) -> web.Response:
 
 @routes.handles(api.ALL_VERSIONS)
 async def list_sources(request: web.Request) -> web.Response:
-    d, who = request.app[DAEMON], principal_of(request)
-    return reply(request, [v for v in d.registry.versions() if d.models.may_read(who, v.model)])
+    return reply(request, request.app[DAEMON].versions(principal_of(request)))
 
 
 @routes.handles(api.MODEL_VERSIONS)
 async def list_versions(request: web.Request) -> web.Response:
-    d, model = request.app[DAEMON], request.match_info["model"]
-    d.models.check_read(principal_of(request), model, "list the versions of")
-    return reply(request, d.registry.versions(model))
+    model = request.match_info["model"]
+    return reply(request, request.app[DAEMON].versions(principal_of(request), model))
 
 
 def _version(request: web.Request) -> tuple[str, int]:
@@ -243,11 +240,9 @@ async def acquire(request: web.Request) -> web.Response:
 
 @routes.handles(api.CHECK_LEASE)
 async def check_lease(request: web.Request) -> web.Response:
-    d = request.app[DAEMON]
+    model, version = query_str(request, "model"), query_int(request, "version")
     lease_id = request.match_info["lease_id"]
-    lease = d.registry.check(lease_id, query_str(request, "model"), query_int(request, "version"))
-    left = lease.expires_at - d.clock()
-    return reply(request, LeaseGrant(lease.lease_id, lease.model, lease.version, left))
+    return reply(request, request.app[DAEMON].check_lease(lease_id, model, version))
 
 
 @routes.handles(api.RENEW_LEASE)
@@ -261,9 +256,7 @@ async def renew(request: web.Request) -> web.Response:
 
 @routes.handles(api.RELEASE_LEASE)
 async def release(request: web.Request) -> web.Response:
-    d = request.app[DAEMON]
-    d.registry.release(request.match_info["lease_id"])
-    d.lease_changed()
+    request.app[DAEMON].release(request.match_info["lease_id"])
     return reply(request, None)
 
 
@@ -346,12 +339,9 @@ async def peer_regions(request: web.Request) -> web.Response:
 
 @routes.handles(api.PEER_PACK)
 async def peer_pack(request: web.Request) -> web.Response:
-    d = request.app[DAEMON]
     req: PackRequest = await body(request)
-    lease = d.registry.check(req.lease_id, req.model, req.version)
     # A staging region is memory its lease's principal holds (its caps count it).
-    staged = await d.pack(req.specs, lease, principal_of(request).name)
-    return reply(request, staged)
+    return reply(request, await request.app[DAEMON].pack_leased(req, principal_of(request).name))
 
 
 @routes.handles(api.PEER_DROP)

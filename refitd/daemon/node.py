@@ -43,6 +43,7 @@ from refitd.wire import (
     LeaseGrant,
     ManifestIn,
     NodeInfo,
+    PackRequest,
     PackSpec,
     PeerRegions,
     RegionCreate,
@@ -520,6 +521,31 @@ class Daemon:
         reading only what :meth:`version_scope` allows, within the caps of the lease's
         principal (else ``principal``'s)."""
         return await self.staging.pack(specs, lease, self.version_scope(lease), principal)
+
+    async def pack_leased(self, req: PackRequest, principal: str | None = None) -> StagedPack:
+        """:meth:`pack` under ``req``'s lease (409 for one not live on its version)."""
+        lease = self.registry.check(req.lease_id, req.model, req.version)
+        return await self.pack(req.specs, lease, principal)
+
+    def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
+        """The live lease ``lease_id`` on ``(model, version)`` with its seconds left
+        (409 for one not live on that version)."""
+        lease = self.registry.check(lease_id, model, version)
+        left = lease.expires_at - self.clock()
+        return LeaseGrant(lease.lease_id, lease.model, lease.version, left)
+
+    def versions(self, who: Principal, model: str | None = None) -> list[VersionInfo]:
+        """The versions ``who`` may read: of every model it reads, or of ``model``
+        (403 for one it may not read)."""
+        if model is None:
+            return [v for v in self.registry.versions() if self.models.may_read(who, v.model)]
+        self.models.check_read(who, model, "list the versions of")
+        return self.registry.versions(model)
+
+    def release(self, lease_id: str) -> None:
+        """End a lease, and wake the drains and reaps its end may free."""
+        self.registry.release(lease_id)
+        self.lease_changed()
 
     def acquire(
         self, model: str, version: int, ttl_s: float, holder: str, principal: str

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from refitd.daemon.peerclient import PeerClient
-from refitd.wire import PackSpec, PeerRegions, PullRequest, StagedPack
+from refitd.wire import PackRequest, PackSpec, PeerRegions, PullRequest, StagedPack
 from transports.batch import ReadBatch
 
 if TYPE_CHECKING:
@@ -71,8 +71,7 @@ class LocalSource:
     async def pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
     ) -> StagedPack:
-        lease = self.daemon.registry.check(lease_id, model, version)
-        return await self.daemon.pack(specs, lease)
+        return await self.daemon.pack_leased(PackRequest(model, version, lease_id, specs))
 
     async def drop(self, region_id: int, lease_id: str) -> None:
         await self.daemon.staging.release(region_id, lease_id)
