@@ -329,12 +329,10 @@ async def peer_regions(request: web.Request) -> web.Response:
     except ValueError:  # a malformed id is the caller's mistake, not a server error
         raise ProtocolError(f"ids must be comma-separated integers, got {raw!r}") from None
     d = request.app[DAEMON]
-    lease = None
     if query_has(request, "lease"):  # records for a pull: only what that lease may read
-        lease = d.registry.check(
-            query_str(request, "lease"), query_str(request, "model"), query_int(request, "version")
-        )
-    return reply(request, d.peer_regions(ids, lease))
+        lease_id, model = query_str(request, "lease"), query_str(request, "model")
+        return reply(request, d.leased_regions(ids, lease_id, model, query_int(request, "version")))
+    return reply(request, d.peer_regions(ids))
 
 
 @routes.handles(api.PEER_PACK)

@@ -512,6 +512,13 @@ class Daemon:
         )
         return rec.signed(self.options.secret)
 
+    def leased_regions(
+        self, ids: list[int] | None, lease_id: str, model: str, version: int
+    ) -> PeerRegions:
+        """:meth:`peer_regions` for a pull under ``lease_id`` (409 for a lease not live
+        on ``(model, version)``)."""
+        return self.peer_regions(ids, self.registry.check(lease_id, model, version))
+
     # ------------------------------------------------------------ packing and leases
 
     async def pack(

@@ -65,8 +65,7 @@ class LocalSource:
         self.daemon.registry.check(lease_id, model, version)
 
     async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
-        lease = self.daemon.registry.check(req.lease_id, req.model, req.version)
-        return self.daemon.peer_regions(ids, lease)
+        return self.daemon.leased_regions(ids, req.lease_id, req.model, req.version)
 
     async def pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
