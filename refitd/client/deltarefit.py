@@ -39,7 +39,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from refitd.client.receiver import DaemonReceiver, RefitStats, _Compiled
+from refitd.client.install import CompiledPull
+from refitd.client.receiver import DaemonReceiver, RefitStats
 from refitd.delta.diff import unit_dtype
 from refitd.delta.digest import EngineDigest
 from refitd.delta.stream import decode, decode_values, landing, layout, pieces_of
@@ -135,7 +136,7 @@ class DeltaReceiver(DaemonReceiver):
         self._since_anchor = 0
         self._delta_seg: SharedSegment | None = None
         self._delta_region: int | None = None
-        self._overlap_for: _Compiled | None = None
+        self._overlap_for: CompiledPull | None = None
         self._overlap = True
 
     # ------------------------------------------------------------ the base
@@ -153,14 +154,14 @@ class DeltaReceiver(DaemonReceiver):
         assert self._engine_seg is not None
         return self._engine_seg.numpy()
 
-    def _layout_key(self, comp: _Compiled) -> bytes:
+    def _layout_key(self, comp: CompiledPull) -> bytes:
         h = hashlib.blake2b(digest_size=16)
         scratch = self._scratch_region.region_id if self._scratch_region is not None else -1
         h.update(repr((self.mode, scratch, [s[0] for s in comp.scatter])).encode())
         h.update(repr([(at, fp.staging_nbytes) for at, fp in comp.full_pulls]).encode())
         return h.digest()
 
-    def _why_full(self, version: int, comp: _Compiled) -> str:
+    def _why_full(self, version: int, comp: CompiledPull) -> str:
         """Why this refit cannot be a delta (``""``: it can, as far as the engine knows)."""
         base = self._base
         if self._engine_seg is None:
@@ -191,7 +192,7 @@ class DeltaReceiver(DaemonReceiver):
                 )
         return ""
 
-    async def _record_base(self, version: int, comp: _Compiled, digest: str) -> None:
+    async def _record_base(self, version: int, comp: CompiledPull, digest: str) -> None:
         if self._engine_seg is None or not digest:
             self._base = None
             return
@@ -207,10 +208,7 @@ class DeltaReceiver(DaemonReceiver):
         t0: float,
         on_progress: Callable[[PullProgress], None] | None,
     ) -> RefitStats:
-        m = await self.source.manifest(self.model, version)
-        t1 = time.perf_counter()
-        comp, replayed = await self._compiled_for(m, version)
-        t2 = time.perf_counter()
+        comp, replayed, (t1, t2) = await self._prepare(version)
         reason = self._why_full(version, comp)
         t_check = time.perf_counter()
         staged: DeltaStaged | None = None
@@ -231,24 +229,21 @@ class DeltaReceiver(DaemonReceiver):
                 reason = f"the source refused the delta: {exc}"
         t3 = time.perf_counter()
         if staged is None:
-            return await self._full(version, lease_id, t0, on_progress, reason)
+            self._base = None  # until the full refit has landed
+            stats = await self._pull_install(
+                comp, version, lease_id, replayed, (t0, t1, t2), on_progress
+            )
+            return await self._full(version, comp, stats, reason)
         times = (t0, t1, t2, t_check, t3)
         return await self._delta(comp, staged, version, lease_id, replayed, times)
 
     async def _full(
-        self,
-        version: int,
-        lease_id: str,
-        t0: float,
-        on_progress: Callable[[PullProgress], None] | None,
-        reason: str,
+        self, version: int, comp: CompiledPull, stats: RefitStats, reason: str
     ) -> RefitStats:
-        self._base = None  # until the full refit has landed
-        stats = await super()._refit_leased(version, lease_id, t0, on_progress)
-        assert self._compiled is not None
+        """A full refit of ``version`` has landed: record it as the next delta's base."""
         self._same_host = stats.pull.path.startswith("shm")
         info = await self.source.delta_info(self.model, version, wait_s=30.0)
-        await self._record_base(version, self._compiled, info.digest)
+        await self._record_base(version, comp, info.digest)
         self._since_anchor = 0
         b = stats.pull.bytes_total
         self.last = DeltaStats(stats, "full", reason, b, b)
@@ -271,7 +266,7 @@ class DeltaReceiver(DaemonReceiver):
 
     async def _delta(
         self,
-        comp: _Compiled,
+        comp: CompiledPull,
         staged: DeltaStaged,
         version: int,
         lease_id: str,
@@ -343,7 +338,7 @@ class DeltaReceiver(DaemonReceiver):
 
     def _apply(
         self,
-        comp: _Compiled,
+        comp: CompiledPull,
         staged: DeltaStaged,
         payload: npt.NDArray[np.uint8],
         undo: UndoLog,
@@ -436,7 +431,7 @@ class DeltaReceiver(DaemonReceiver):
 
     def _direct(
         self,
-        comp: _Compiled,
+        comp: CompiledPull,
         pieces: I64,
         scat_of: I64,
         fp_of: I64,
@@ -487,7 +482,7 @@ class DeltaReceiver(DaemonReceiver):
         return len(k)
 
     @staticmethod
-    def _areas(comp: _Compiled, pieces: I64, scratch_id: int) -> tuple[I64, I64]:
+    def _areas(comp: CompiledPull, pieces: I64, scratch_id: int) -> tuple[I64, I64]:
         """Per piece of the stream: the scatter entry it lands in (-1: none), and the
         full pull whose staged tensor it lands in (-1: none)."""
         n = len(pieces)
@@ -504,7 +499,7 @@ class DeltaReceiver(DaemonReceiver):
             fp_of[inside] = i
         return scat_of, fp_of
 
-    def _scattered(self, comp: _Compiled, sid: I64, off: I64) -> I64:
+    def _scattered(self, comp: CompiledPull, sid: I64, off: I64) -> I64:
         """Engine byte offsets of scratch offsets ``off`` in scatter entries ``sid``:
         each entry's packed (C-order) element mapped through its destination strides."""
         nd = max(len(e[2]) for e in comp.scatter)
@@ -524,7 +519,7 @@ class DeltaReceiver(DaemonReceiver):
         return np.asarray(base[sid] + flat * isz + byte, dtype=np.int64)
 
     def _overlapping(
-        self, comp: _Compiled, pieces: I64, engine_id: int, scratch_id: int, limit: int
+        self, comp: CompiledPull, pieces: I64, engine_id: int, scratch_id: int, limit: int
     ) -> bool:
         """Whether two destinations of the plan may write the same engine byte (then
         a unit landed twice keeps its last value); decided once per compiled plan."""
@@ -551,7 +546,7 @@ class DeltaReceiver(DaemonReceiver):
         self._overlap_for = comp
         return self._overlap
 
-    def _replay(self, comp: _Compiled, dirty: list[int], undo: UndoLog, unit: int) -> None:
+    def _replay(self, comp: CompiledPull, dirty: list[int], undo: UndoLog, unit: int) -> None:
         """Replay the full pulls ``dirty`` (patched in scratch) into the parameters,
         each destination parameter recorded whole first; the digest follows."""
         from refitd.reshard.replay import replay_ops
@@ -592,6 +587,6 @@ class DeltaReceiver(DaemonReceiver):
         await super().close()
 
 
-def _full_bytes(comp: _Compiled) -> int:
+def _full_bytes(comp: CompiledPull) -> int:
     """What the full pull of ``comp`` moves: its rows and its packed blocks."""
     return int(comp.rows[:, 4].sum()) + sum(p.nbytes for p in comp.packs)

@@ -17,8 +17,10 @@
 5. install: in ``"staging"`` mode the pull lands in a scratch mirror of the
    parameters and is copied into them only after the pull succeeded (a failed pull
    installs nothing); in ``"direct"`` mode it lands in the parameters (zero-copy)
-   and a failure names the suspect parameters. Full pulls are replayed locally
-   from scratch into the parameters either way;
+   and a failure names the suspect parameters; in ``"swap"`` mode it lands in a
+   second copy of the parameters' memory, which they are rebound to only after the
+   pull succeeded (:mod:`refitd.client.swap`: one copy, and a failed pull installs
+   nothing). Full pulls are replayed from scratch into the parameters in every mode;
 6. release the lease.
 
 The engine's parameters are moved once into memory registered with the local
@@ -32,10 +34,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import math
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
@@ -43,8 +44,10 @@ import numpy as np
 import torch
 
 from refitd.client.http import RefitClient
+from refitd.client.install import CompiledPull, install_unpacked, one_device, overlapping_params
 from refitd.client.leases import LeaseKeeper
 from refitd.client.publisher import ALIGN, torch_dtype
+from refitd.client.swap import EngineViews, unpulled
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
@@ -94,17 +97,6 @@ class RefitStats:
     pull: PullProgress
 
 
-@dataclass
-class _Compiled:
-    signature: bytes
-    rows: np.ndarray  # (n, 5): src_region, src_off, dst_region, dst_off, nbytes
-    packs: list[PackSpec]
-    scatter: list[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str, int]]
-    full_pulls: list[tuple[int, FullPull]]  # (scratch offset, the full pull)
-    install: list[tuple[int, int]] = field(default_factory=list)  # coalesced (offset, nbytes)
-    bytes: int = 0
-
-
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -130,7 +122,7 @@ class DaemonReceiver:
         engine: torch.nn.Module,
         twin: Callable[[], torch.nn.Module],
         capture: Capture,
-        mode: Literal["staging", "direct"] = "staging",
+        mode: Literal["staging", "direct", "swap"] = "staging",
         lease_ttl_s: float = 60.0,
         strict: bool = False,
         max_segments_per_copy: int = 64,
@@ -147,7 +139,7 @@ class DaemonReceiver:
         self.strict = strict
         self.max_segments_per_copy = max_segments_per_copy
         self.allow_unwritten = frozenset(allow_unwritten)
-        self._compiled: _Compiled | None = None
+        self._compiled: CompiledPull | None = None
         # The planner's receiver for the last capture (one capture per manifest
         # structure), and the destinations it was warmed for.
         self._reshard: ReshardReceiver | None = None
@@ -157,6 +149,11 @@ class DaemonReceiver:
         self._engine_seg: SharedSegment | None = None
         self._engine_region: RegionInfo | None = None
         self._scratch_seg: SharedSegment | None = None
+        #: swap mode: the second copy of the engine segment, and both segments' views
+        self._shadow_seg: SharedSegment | None = None
+        self._shadow_region: RegionInfo | None = None
+        self._views: EngineViews | None = None
+        self._serving = 0  # which of the views' segments the parameters read
         self._scratch_region: RegionInfo | None = None
         #: GPU parameters: the engine allocation and the scratch one, flat uint8 tensors
         self._engine_flat: torch.Tensor | None = None
@@ -176,8 +173,10 @@ class DaemonReceiver:
         for name, p in self._params.items():
             self._param_off[name] = at
             at = _align(at + p.numel() * p.element_size())
-        device = _one_device(self._params)
+        device = one_device(self._params)
         if device.type != "cpu":
+            if self.mode == "swap":  # a CUDA graph holds the parameters' addresses
+                self.mode = "staging"
             await self._place_engine_on(device, at)
             return
         seg = SharedSegment.create(max(at, 1), "engine")
@@ -188,6 +187,14 @@ class DaemonReceiver:
             p.data = view
         self._engine_seg = seg
         self._engine_region = await self.local.attach_region(seg.name, seg.size, label="engine")
+        if self.mode == "swap":
+            shadow = SharedSegment.create(seg.size, "shadow")
+            shadow.numpy()[:] = seg.numpy()
+            self._shadow_seg = shadow
+            self._shadow_region = await self.local.attach_region(
+                shadow.name, shadow.size, label="shadow"
+            )
+            self._views = EngineViews(self._params, self._param_off, (seg, shadow))
 
     async def _place_engine_on(self, device: torch.device, nbytes: int) -> None:
         """GPU parameters: moved, on their device, into one allocation refitd makes
@@ -232,6 +239,7 @@ class DaemonReceiver:
     async def close(self) -> None:
         for region, seg in (
             (self._scratch_region, self._scratch_seg),
+            (self._shadow_region, self._shadow_seg),
             (self._engine_region, self._engine_seg),
         ):
             if region is not None:
@@ -242,7 +250,7 @@ class DaemonReceiver:
                 # Parameters keep views of the engine segment: unlink the name, leave
                 # the mapping to them.
                 seg.unlink()
-        self._scratch_region = self._engine_region = None
+        self._scratch_region = self._engine_region = self._shadow_region = None
         # GPU parameters keep their views of the engine allocation (freed with the last).
         self._scratch_flat = None
 
@@ -313,7 +321,7 @@ class DaemonReceiver:
         self.plans += 1
         return reshard
 
-    async def _lower(self, bound: BoundPlan, planned_bytes: int, signature: bytes) -> _Compiled:
+    async def _lower(self, bound: BoundPlan, planned_bytes: int, signature: bytes) -> CompiledPull:
         """Turn a bound plan into daemon rows: every read one int64 row of
         ``(src region, src offset, dst region, dst offset, nbytes)``."""
         assert self._engine_region is not None
@@ -372,8 +380,11 @@ class DaemonReceiver:
             staged = np.array(mirror, dtype=np.int64).reshape(-1, 2)
             merged = merge_ranges(np.zeros(len(staged), np.int64), staged[:, 0], staged[:, 1])
             install = [(r.offset, r.nbytes) for r in merged]
-        comp = _Compiled(signature, rows, packs, scatter, full, install)
+        comp = CompiledPull(signature, rows, packs, scatter, full, install)
         comp.bytes = planned_bytes
+        comp.engine_id = self._engine_region.region_id
+        if self.mode == "swap":
+            comp.keep = unpulled(comp, self._params, self._param_off)
         return comp
 
     def _param_addr(self, name: str) -> int:
@@ -424,16 +435,39 @@ class DaemonReceiver:
         on_progress: Callable[[PullProgress], None] | None,
     ) -> RefitStats:
         """The refit of ``version`` under the live lease ``lease_id``."""
+        comp, replayed, (t1, t2) = await self._prepare(version)
+        return await self._pull_install(
+            comp, version, lease_id, replayed, (t0, t1, t2), on_progress
+        )
+
+    async def _prepare(self, version: int) -> tuple[CompiledPull, bool, tuple[float, float]]:
+        """``version``'s compiled (or replayed) pull, whether it was replayed, and the
+        clock after fetching its manifest and after the plan."""
         m = await self.source.manifest(self.model, version)
         t1 = time.perf_counter()
         comp, replayed = await self._compiled_for(m, version)
-        t2 = time.perf_counter()
+        return comp, replayed, (t1, time.perf_counter())
+
+    async def _pull_install(
+        self,
+        comp: CompiledPull,
+        version: int,
+        lease_id: str,
+        replayed: bool,
+        times: tuple[float, float, float],
+        on_progress: Callable[[PullProgress], None] | None,
+    ) -> RefitStats:
+        """Pull ``comp`` under ``lease_id`` and install it (:meth:`_install_timed`)."""
+        rows, packs = comp.rows, comp.packs
+        if self.mode == "swap":  # land in the shadow; the engine serves on meanwhile
+            assert self._shadow_region is not None
+            rows, packs = comp.landing_in(self._shadow_region.region_id)
         req = PullRequest(
             self.model,
             version,
             lease_id,
-            DescriptorTable.pack(comp.rows),
-            comp.packs,
+            DescriptorTable.pack(rows),
+            packs,
             self.source.base_url if self.source.base_url != self.local.base_url else "",
         )
         try:
@@ -443,11 +477,11 @@ class DaemonReceiver:
             if named is exc:
                 raise
             raise named from exc
-        return self._install_timed(comp, version, replayed, (t0, t1, t2), result)
+        return self._install_timed(comp, version, replayed, times, result)
 
     def _install_timed(
         self,
-        comp: _Compiled,
+        comp: CompiledPull,
         version: int,
         replayed: bool,
         times: tuple[float, float, float],
@@ -475,7 +509,7 @@ class DaemonReceiver:
             pull,
         )
 
-    async def _compiled_for(self, m: MergedManifest, version: int) -> tuple[_Compiled, bool]:
+    async def _compiled_for(self, m: MergedManifest, version: int) -> tuple[CompiledPull, bool]:
         """The compiled pull for manifest ``m``, and whether it was replayed (the
         manifest's placement is exactly the last refit's: no planning at all)."""
         sig = self.signature(m, self._engine_layout())
@@ -512,15 +546,7 @@ class DaemonReceiver:
             return exc
         engine = self._engine_region.region_id
         ranges = [(o, n) for r, o, n in progress.suspect if r == engine]
-        names = [
-            name
-            for name, off in self._param_off.items()
-            if any(
-                o < off + self._params[name].numel() * self._params[name].element_size()
-                and off < o + n
-                for o, n in ranges
-            )
-        ]
+        names = overlapping_params(ranges, self._params, self._param_off)
         if not names:
             return exc
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
@@ -531,49 +557,44 @@ class DaemonReceiver:
         err.progress = progress  # type: ignore[attr-defined]
         return err
 
-    def _install(self, comp: _Compiled) -> None:
-        """Land what the pull wrote in scratch into the parameters."""
-        from refitd.reshard.replay import replay_ops
-        from refitd.reshard.transfer_plan import write_through_pointer
-
+    def _install(self, comp: CompiledPull) -> None:
+        """Land what the pull wrote in scratch into the parameters (swap mode: swap
+        the segments first, and swap back if landing the rest fails)."""
         if self._engine_flat is not None:
             from refitd.client.gpu import install_on_device
 
             install_on_device(comp, self._params, self._engine_flat, self._scratch_flat)
+            return
+        if self.mode == "swap":
+            assert self._engine_seg is not None and self._shadow_seg is not None
+            serving, shadow = self._engine_seg.numpy(), self._shadow_seg.numpy()
+            for off, n in comp.keep:
+                shadow[off : off + n] = serving[off : off + n]
+            self._swap(comp)
+            try:
+                self._install_unpacked(comp)
+            except BaseException:
+                self._swap(comp)  # the previous version's segment, untouched: serve it
+                raise
             return
         assert self._engine_seg is not None
         engine = self._engine_seg.numpy()
         scratch = self._scratch_seg.numpy() if self._scratch_seg is not None else engine[:0]
         for off, n in comp.install:
             engine[off : off + n] = scratch[off : off + n]
-        for at, dt, shape, dst_strides, name, dst_byte in comp.scatter:
-            n = math.prod(shape)
-            packed = torch.frombuffer(scratch[at : at + n * dt.itemsize].data, dtype=dt).view(shape)
-            p = self._params[name]
-            dst = p.data.as_strided(
-                shape, dst_strides, p.data.storage_offset() + dst_byte // dt.itemsize
-            )
-            dst.copy_(packed)
-        for at, fp in comp.full_pulls:
-            size = fp.staging_nbytes
-            full = torch.frombuffer(scratch[at : at + size].data, dtype=torch.uint8)
-            full = full.view(fp.dtype).reshape(fp.global_shape)
-            for copy in fp.copies:
-                write_through_pointer(
-                    self._params[copy.param_name].data_ptr(),
-                    copy,
-                    replay_ops(full, copy.op_chain),
-                )
+        self._install_unpacked(comp)
 
+    def _swap(self, comp: CompiledPull) -> None:
+        """Swap mode: the parameters read the other segment, now the engine region (as
+        ``comp`` names it); the one they read until now is the next pull's shadow."""
+        assert self._views is not None and self._engine_region is not None
+        assert self._shadow_region is not None
+        self._serving = 1 - self._serving
+        self._views.bind(self._serving)
+        self._engine_seg, self._shadow_seg = self._shadow_seg, self._engine_seg
+        self._engine_region, self._shadow_region = self._shadow_region, self._engine_region
+        comp.retarget(self._engine_region.region_id)
 
-def _one_device(params: dict[str, torch.nn.Parameter]) -> torch.device:
-    """The one device every parameter is on (CPU for none); parameters spread over
-    devices are refused: one engine region is one allocation on one device."""
-    devices = {p.device for p in params.values()}
-    if len(devices) > 1:
-        raise ConflictError(
-            f"engine refused: its parameters are on {len(devices)} devices "
-            f"({', '.join(sorted(map(str, devices)))}); refitd refits an engine whose "
-            "parameters share one device (one receiver per device)"
-        )
-    return next(iter(devices), torch.device("cpu"))
+    def _install_unpacked(self, comp: CompiledPull) -> None:  # scatter, full pulls
+        if self._scratch_seg is not None:
+            install_unpacked(comp.scatter, comp.full_pulls, self._params, self._scratch_seg.numpy())

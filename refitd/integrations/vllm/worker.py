@@ -28,8 +28,13 @@ re-tied to equal embeddings) are untied first.
 compiled plan or capture the model's own ``load_weights`` on a meta twin built
 from ``vllm_config`` and plan, pull, install. A plan with any unsupported source,
 unattributed write or unwritten destination is refused before any byte moves,
-and a failed pull installs nothing (staging mode), so the engine keeps serving
-its previous weights. (Buffers vLLM computes itself and an unquantized checkpoint
+and a failed pull installs nothing, so the engine keeps serving its previous
+weights. The default ``mode="swap"`` pulls once, into a second copy of the
+destinations' memory (one more copy of the loader-format bytes in host memory),
+and rebinds the destinations to it only once the whole pull arrived
+(:mod:`refitd.client.swap`); ``"staging"`` pulls into scratch and copies into the
+destinations after (two copies, the same memory); ``"direct"`` writes the
+destinations in place (one copy, but a failed pull leaves them half written). (Buffers vLLM computes itself and an unquantized checkpoint
 never holds, the attention layers' KV-cache scales, are not expected in the
 manifest unless the KV cache is quantized.) ``finish_weight_update`` processes the weights and records
 this rank's :class:`~refitd.client.receiver.RefitStats` (``last_stats``; logged).
@@ -79,7 +84,8 @@ class RefitdInitInfo(WeightTransferInitInfo):
     (empty: ``$REFITD_URL``, else the configured listener); ``source_url`` the
     daemon holding the published versions when it is another node's (empty: the
     local one); ``allow_unwritten`` names parameters the manifest may leave as
-    they are (strict by default); ``delta`` refits by delta when the engine holds
+    they are (strict by default); ``mode`` how a pull lands (the module docstring);
+    ``delta`` refits by delta when the engine holds
     the version before (docs/delta.md), a full refit every ``anchor_every`` updates;
     ``delta="auto"`` only when the source daemon is on another host.
     """
@@ -88,7 +94,7 @@ class RefitdInitInfo(WeightTransferInitInfo):
     url: str = ""
     source_url: str = ""
     token_file: str = ""
-    mode: str = "staging"
+    mode: str = "swap"
     lease_ttl_s: float = 60.0
     allow_unwritten: list[str] = field(default_factory=list)
     delta: bool | Literal["auto"] = False
@@ -292,8 +298,10 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
             else local
         )
         self._clients = [local] if source is local else [local, source]
-        if init_info.mode not in ("staging", "direct"):
-            raise ValueError(f"refitd mode must be 'staging' or 'direct', not {init_info.mode!r}")
+        if init_info.mode not in ("swap", "staging", "direct"):
+            raise ValueError(
+                f"refitd mode must be 'swap', 'staging' or 'direct', not {init_info.mode!r}"
+            )
         engine = self._destinations()
         kind: Any = DaemonReceiver
         extra: dict[str, Any] = {}
