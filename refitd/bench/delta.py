@@ -72,11 +72,13 @@ def run(args: argparse.Namespace) -> int:
 async def _main(args: argparse.Namespace) -> int:
     from refitd.bench.deltamodel import Engines, Report, Trainer
     from refitd.client.http import RefitClient
-    from refitd.daemon.node import DaemonOptions
+    from refitd.config import load_config
+    from refitd.daemon.node import Daemon
     from refitd.daemon.process import listening
 
+    config = load_config(None, {}, {"server.port": 0, "pulls.deltas": True})
     async with (
-        listening(DaemonOptions(port=0, deltas=True)) as (_app, url),
+        listening(Daemon(config)) as (_app, url),
         RefitClient(url) as client,
     ):
         trainer = Trainer(args, client)

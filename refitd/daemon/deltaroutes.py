@@ -49,7 +49,7 @@ async def delta_pack(request: web.Request) -> web.Response:
 
 def setup_deltas(app: web.Application, daemon: Daemon) -> DeltaBook:
     """Install the daemon's :class:`DeltaBook` and its routes on ``app``."""
-    book = app[DELTAS] = DeltaBook(daemon, daemon.options.deltas, waits=app[WAITS])
+    book = app[DELTAS] = DeltaBook(daemon, daemon.config.pulls.deltas, waits=app[WAITS])
 
     async def close(_: web.Application) -> None:
         await book.close()

@@ -195,9 +195,9 @@ class DeltaBook:
         #: the long polls each principal holds open (a pack waiting for a comparison)
         self.waits = waits if waits is not None else Waits()
         #: what the records may hold together, bytes (``[pulls] delta_max_bytes``)
-        self.max_bytes = daemon.options.delta_max_bytes or _quarter_of_memory()
+        self.max_bytes = daemon.config.pulls.delta_max_bytes or _quarter_of_memory()
         self._pending = 0  # changes kept by comparisons still running, bytes
-        #: whether versions are held and compared at all (``DaemonOptions.deltas``)
+        #: whether versions are held and compared at all (``[pulls] deltas``)
         self.enabled = enabled
         self._holds: dict[str, _Hold] = {}
         self.threads = threads or max(1, min(4, os.cpu_count() or 1))

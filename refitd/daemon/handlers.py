@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import web
 
 from refitd.cluster import registry_from_config
-from refitd.daemon.auth import check_owner, owner_for, principal_of, sees_region
+from refitd.daemon.auth import Principal, check_owner, owner_for, principal_of, sees_region
 from refitd.daemon.deltaroutes import DELTAS, setup_deltas
 from refitd.daemon.httpio import (
     DAEMON,
@@ -43,7 +43,7 @@ from refitd.daemon.membership import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.membership import routes as cluster_routes
 from refitd.daemon.metrics import METRICS_KEY, PullMetrics
 from refitd.daemon.mirrorhandlers import MIRRORS, setup_mirrors
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.poolapi import routes as expert_routes
 from refitd.daemon.pools import POOLS, ExpertPools, close_pools
@@ -85,7 +85,7 @@ async def ready(request: web.Request) -> web.Response:
     d = request.app[DAEMON]
     if not d.ready:
         raise TransportError("not ready: the data plane is not up")
-    return reply(request, {"status": "ready", "transport": d.options.transport})
+    return reply(request, {"status": "ready", "transport": d.mode})
 
 
 @routes.handles(api.NODE)
@@ -172,27 +172,30 @@ async def list_versions(request: web.Request) -> web.Response:
     return reply(request, request.app[DAEMON].versions(principal_of(request), model))
 
 
+def _asked(request: web.Request) -> tuple[Principal, str, int | None]:
+    """Who asks for which version of which model (None: ``latest``)."""
+    latest = request.match_info["version"] == "latest"
+    version = None if latest else query_int(request, "version")
+    return principal_of(request), request.match_info["model"], version
+
+
 def _version(request: web.Request) -> tuple[str, int]:
-    model = request.match_info["model"]
-    request.app[DAEMON].models.check_read(principal_of(request), model, "read")
-    if request.match_info["version"] == "latest":
-        return model, request.app[DAEMON].registry.latest_ready(model)
-    return model, query_int(request, "version")
+    who, model, version = _asked(request)
+    return model, request.app[DAEMON].readable(who, model, version)
 
 
 @routes.handles(api.GET_VERSION)
 async def get_version(request: web.Request) -> web.Response:
-    return reply(request, request.app[DAEMON].registry.version(*_version(request)))
+    return reply(request, request.app[DAEMON].version(*_asked(request)))
 
 
 @routes.handles(api.MANIFEST)
 async def get_manifest(request: web.Request) -> web.Response:
-    reg = request.app[DAEMON].registry
-    model, version = _version(request)
+    d = request.app[DAEMON]
     if wants_msgpack(request):
         # Encoded once per version and cached: a 100k-tensor manifest is served as is.
-        return web.Response(body=reg.merged_bytes(model, version), content_type=MSGPACK)
-    return reply(request, reg.merged(model, version))
+        return web.Response(body=d.manifest_bytes(*_asked(request)), content_type=MSGPACK)
+    return reply(request, d.manifest(*_asked(request)))
 
 
 @routes.handles(api.WAIT_READY)
@@ -355,31 +358,30 @@ CleanupCtx = Callable[[web.Application], AsyncIterator[None]]
 
 
 def create_app(
-    options: DaemonOptions | None = None,
+    d: Daemon,
     *,
-    daemon: Daemon | None = None,
     middlewares: Iterable[Any] = (),
     cleanup_ctx: Iterable[CleanupCtx] = (),
     setup: Iterable[Callable[[web.Application], None]] = (),
     token: str | None = None,
 ) -> web.Application:
-    """The daemon's app. ``daemon`` may be given (tests inject a clock or copier).
+    """The app around daemon ``d``, as ``d.config`` says (its body limit, cluster
+    registry and mirror policy).
 
     Order: the error middleware wraps every other middleware so their refusals map
     too; the daemon's data plane starts (cleanup_ctx) before the site accepts, and
     running pulls are cancelled before the data plane closes.
     """
-    opts = options or (daemon.options if daemon else DaemonOptions())
-    d = daemon or Daemon(opts)
     app = web.Application(
-        middlewares=[error_middleware, *middlewares], client_max_size=opts.client_max_size
+        middlewares=[error_middleware, *middlewares],
+        client_max_size=d.config.server.max_request_bytes,
     )
     app[DAEMON] = d
     app[WAITS] = Waits()  # long polls held open, per principal
 
     clients: dict[str, PeerClient] = {}
 
-    cluster = registry_from_config(opts.registry, opts.secret)
+    cluster = registry_from_config(d.config.registry, d.secret)
     app[CLUSTER] = cluster
 
     if cluster.kind == "etcd":
@@ -397,14 +399,14 @@ def create_app(
         c = clients.get(url)
         if c is None:
             c = clients[url] = PeerClient(url, token=token)
-        return RemoteSource(c, opts.secret)
+        return RemoteSource(c, d.secret)
 
     pulls = PullManager(d, connect)
     # Each pull is admitted by the write rule, then the pull cap, in this order.
     pulls.listen(WriteRule(d.store.regions, d.registry, d.staging))
     pulls.listen(PullCap(d.caps, pulls.running))
     app[PULLS] = pulls
-    setup_mirrors(app, d, pulls, opts.mirrors)  # host mirrors and relay (issue 25)
+    setup_mirrors(app, d, pulls, d.config.mirrors.policy)  # host mirrors and relay (issue 25)
     setup_deltas(app, d)  # delta refit (issue 37)
     cluster.on_gone(
         lambda rec: pulls.fail_source(

@@ -49,8 +49,8 @@ async def register(app: web.Application, url: str) -> None:
     what it holds; raises (the daemon does not start) if etcd refuses or is down."""
     d = app[DAEMON]
     reg = app[CLUSTER]
-    advertise = getattr(d.options.registry, "advertise_url", "") if d.options.registry else ""
-    me = DaemonRecord(d.node_id, advertise or url, d.incarnation, d.options.transport, d.boot_id)
+    advertise = d.config.registry.advertise_url
+    me = DaemonRecord(d.node_id, advertise or url, d.incarnation, d.mode, d.boot_id)
     await reg.start(me)
     for model in sorted({v.model for v in d.registry.versions()}):
         await announce(app, model)

@@ -48,10 +48,12 @@ KiB)."""
 
 
 def _frame(m: Mirror, d: Daemon, lease_id: str) -> MirrorFeed:
-    lease = d.registry.check(lease_id, m.model, m.version)
-    records = (
-        d.peer_regions([r.region_id for r in m.regions.values()], lease) if m.regions else None
-    )
+    records = None  # the lease is checked every frame: 409 once it ended
+    if m.regions:
+        ids = [r.region_id for r in m.regions.values()]
+        records = d.leased_regions(ids, lease_id, m.model, m.version)
+    else:
+        d.check_lease(lease_id, m.model, m.version)
     regions = {s: r.region_id for s, r in m.regions.items()}
     return MirrorFeed(
         len(m.done), int(m.done.sum()), m.complete, m.error, m.source, regions, records

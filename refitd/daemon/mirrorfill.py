@@ -148,8 +148,8 @@ class Filler:
         if not me:
             return None
         join = HolderJoin(m.model, m.version, me, self.d.node_id, exclude[-MAX_EXCLUDE:], rate)
-        async with asyncio.timeout(answer_s(self.d.options.pull_timeout_s)):
-            return await src.client.join_holders(join.signed(self.d.options.secret))
+        async with asyncio.timeout(answer_s(self.d.config.data_plane.pull_timeout_s)):
+            return await src.client.join_holders(join.signed(self.d.secret))
 
     async def _watch(self, m: Mirror, src: RemoteSource, upstream: str, judge: bool) -> None:
         """While this mirror reads from ``upstream`` ("" the source): every
@@ -205,7 +205,7 @@ class Filler:
         """Read every chunk this mirror lacks from the source, under the mirror's own
         lease there (its records give the whole version)."""
         probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
-        wait = self.d.options.pull_timeout_s
+        wait = self.d.config.data_plane.pull_timeout_s
         async with asyncio.timeout(wait):
             peer = await src.regions(sorted(m.regions), probe)
             path, conn = await self.pulls.open_path(src, peer)
@@ -226,11 +226,11 @@ class Filler:
         mirror's live lease at the source, ``source_lease``."""
         relay = self._remote(url)
         c = relay.client
-        timeout = self.d.options.pull_timeout_s
+        timeout = self.d.config.data_plane.pull_timeout_s
         deadline = answer_s(timeout)
         ask = MirrorLease.fresh(m.model, m.version, source_lease, self.d.node_id, LEASE_TTL_S)
         async with asyncio.timeout(deadline):  # a stopped relay answers nothing
-            grant = await c.send(api.MIRROR_LEASE, ask.signed(self.d.options.secret))
+            grant = await c.send(api.MIRROR_LEASE, ask.signed(self.d.secret))
         feed = Feed(self, m, relay, grant.lease_id)
         try:
             async with LeaseKeeper(c, grant, LEASE_TTL_S):  # re-checked at the source

@@ -41,10 +41,7 @@ async def join_holders(request: web.Request) -> web.Response:
             f"{MAX_JOIN_BYTES} bytes, with its length stated"
         )
     j = await body(request, HolderJoin)
-    d = request.app[DAEMON]
-    j.verify(d.options.secret)
-    d.registry.version(j.model, j.version)  # 404 for a version this daemon lacks
-    d.peers.check(j.url)  # only a daemon this one trusts is handed to readers
+    request.app[DAEMON].check_holder_join(j)
     return reply(request, request.app[MIRRORS].book.join(j))
 
 
@@ -81,7 +78,7 @@ async def mirror_feed(request: web.Request) -> web.StreamResponse:
     model, d = request.match_info["model"], request.app[DAEMON]
     # The lease first (409 for one not live on this version): whether a version is
     # mirrored is told only to a holder of a lease on it.
-    d.registry.check(lease_id, model, version)
+    d.check_lease(lease_id, model, version)
     m = request.app[MIRRORS].find(model, version)
     return await serve_feed(request, m, d, lease_id)
 
@@ -92,7 +89,7 @@ async def mirror_lease(request: web.Request) -> web.Response:
     the source; the request is signed with the deployment secret (403 otherwise)."""
     req = await body(request, MirrorLease)
     d = request.app[DAEMON]
-    grant = await request.app[MIRRORS].leases.grant(req, d.options.secret)
+    grant = await request.app[MIRRORS].leases.grant(req, d.secret)
     return reply(request, grant, 201)
 
 

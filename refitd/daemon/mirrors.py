@@ -113,8 +113,8 @@ class Mirrors:
         #: the lease rules of this daemon's mirrors (granted under a source lease)
         self.leases = MirrorLeases(daemon, self.find, self._remote)
         self.budget = (
-            daemon.options.mirror_max_bytes
-            if daemon.options.mirror_max_bytes is not None
+            daemon.config.mirrors.max_bytes
+            if daemon.config.mirrors.max_bytes is not None
             else half_of_shm()
         )
         self.by_key: dict[tuple[str, str, int], Mirror] = {}

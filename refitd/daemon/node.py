@@ -20,12 +20,10 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
-from refitd.config import Config, LimitsConfig, RegistryConfig
+from refitd.config import Config, LimitsConfig
 from refitd.daemon.auth import Principal
 from refitd.daemon.caps import Caps
 from refitd.daemon.drain import LeaseDrain
@@ -42,6 +40,7 @@ from refitd.wire import (
     GcReport,
     LeaseGrant,
     ManifestIn,
+    MergedManifest,
     NodeInfo,
     PackRequest,
     PackSpec,
@@ -51,18 +50,17 @@ from refitd.wire import (
     StagedPack,
     VersionInfo,
 )
+from refitd.wire.mirrors import HolderJoin
 from transports.local import Copier
 from transports.segments import cleanup_stale, huge_page_mode
-from transports.shm import ShmTransport, boot_id, file_id
+from transports.shm import ShmTransport
+from transports.shm import boot_id as host_boot_id
 
 __all__ = [
     "AUTO",
     "SHM_SCHEME",
     "STAGING_POOL",
     "Daemon",
-    "DaemonOptions",
-    "boot_id",
-    "file_id",
 ]
 
 log = logging.getLogger("refitd.daemon")
@@ -82,112 +80,37 @@ UCX_SCHEME = "ucx"
 """UCX: ``auto`` starts it beside ``tcp`` where this host's UCX offers RDMA."""
 
 
-#: The configuration's defaults: every setting :class:`DaemonOptions` shares with the
-#: configuration defaults to the same value as there (one place says it).
-_DEFAULT = Config()
-
-
-@dataclass(frozen=True)
-class DaemonOptions:
-    """How one daemon runs: its settings of the configuration (:meth:`from_config`,
-    as ``refitd serve`` builds them), each defaulting to the configuration's own
-    default, and what no configuration holds (``secret``, ``boot_id``). Only
-    ``port`` differs: 0 binds any free port (an in-process daemon; reported once
-    bound), where ``refitd serve`` listens on ``server.port``.
-
-    ``transport`` is the data-plane mode (``[data_plane] transport``): ``"auto"``
-    (per source peer the same-host shared-memory path when the peer is proven to be
-    on this host with attachable segments, else UCX where both ends have RDMA, else
-    ``tcp``; see :mod:`refitd.daemon.paths`), ``"shm"`` (only the shared-memory
-    path; a peer on another host is refused) or a scheme of ``transports.interface``
-    (e.g. ``"tcp"`` or ``"ucx"``: every other-host peer through that transport).
-    ``secret`` (≥ 16 bytes) authenticates peer records between the daemons of one
-    deployment. ``boot_id`` empty means this kernel's; another value makes the
-    daemon claim another host (tests of the cross-host choice on one machine).
-    ``peers`` are the base URLs of the peer daemons it may read from
-    (``[peers] allow``, see :mod:`refitd.daemon.peers`).
-    """
-
-    host: str = _DEFAULT.server.host
-    port: int = 0
-    unix_path: str | None = _DEFAULT.server.unix_socket
-    transport: str = _DEFAULT.data_plane.transport
-    secret: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
-    node_id: str = _DEFAULT.server.node_id
-    #: ``[server] max_request_bytes``: a larger body is refused (413) before it is read
-    client_max_size: int = _DEFAULT.server.max_request_bytes
-    grace_s: float = _DEFAULT.pulls.shutdown_grace_s
-    boot_id: str = ""
-    peers: tuple[str, ...] = _DEFAULT.peers.allow
-    #: deadline of one batch of transport reads from a peer, s (``[data_plane]
-    #: pull_timeout_s``): a hung peer fails only the pulls that read from it
-    pull_timeout_s: float = _DEFAULT.data_plane.pull_timeout_s
-    #: ``[registry]`` (by default the static registry: this daemon alone)
-    registry: RegistryConfig = _DEFAULT.registry
-    #: TCP connections per peer of the ``tcp`` data plane (``[data_plane] lanes``)
-    lanes: int = _DEFAULT.data_plane.lanes
-    #: port of the ``tcp`` data server (``[data_plane] tcp_port``; 0: any free one)
-    tcp_port: int = _DEFAULT.data_plane.tcp_port
-    #: ``[limits]``: caps, manifest size, pending TTL
-    limits: LimitsConfig = _DEFAULT.limits
-    #: ``[models] owners`` / ``readers``: ``MODEL=PRINCIPAL`` entries (see
-    #: :class:`~refitd.daemon.owners.ModelOwners`)
-    model_owners: tuple[str, ...] = _DEFAULT.models.owners
-    model_readers: tuple[str, ...] = _DEFAULT.models.readers
-    #: ``[mirrors] policy``: ``never``, ``always`` or ``shared`` (see
-    #: :mod:`refitd.daemon.mirrors`)
-    mirrors: str = _DEFAULT.mirrors.policy
-    #: ``[mirrors] max_bytes``: bytes all host mirrors together may hold (None: half
-    #: of the shared-memory filesystem)
-    mirror_max_bytes: int | None = _DEFAULT.mirrors.max_bytes
-    #: ``[pulls] deltas``: hold each model's newest version and compare the next one
-    #: with it, bytewise, so engines can refit by delta (:mod:`refitd.daemon.deltas`)
-    deltas: bool = _DEFAULT.pulls.deltas
-    #: ``[pulls] delta_max_bytes``: what the delta records may hold (0: a quarter of
-    #: the host's memory)
-    delta_max_bytes: int = _DEFAULT.pulls.delta_max_bytes
-
-    @classmethod
-    def from_config(cls, config: Config, secret: bytes | None = None) -> DaemonOptions:
-        """The options of ``config`` (``secret``: the deployment's, else a random one)."""
-        extra: dict[str, Any] = {"secret": secret} if secret is not None else {}
-        return cls(
-            host=config.server.host,
-            port=config.server.port,
-            unix_path=config.server.unix_socket,
-            transport=config.data_plane.transport,
-            pull_timeout_s=config.data_plane.pull_timeout_s,
-            lanes=config.data_plane.lanes,
-            tcp_port=config.data_plane.tcp_port,
-            node_id=config.server.node_id,
-            client_max_size=config.server.max_request_bytes,
-            grace_s=config.pulls.shutdown_grace_s,
-            registry=config.registry,
-            peers=config.peers.allow,
-            limits=config.limits,
-            model_owners=config.models.owners,
-            model_readers=config.models.readers,
-            mirrors=config.mirrors.policy,
-            mirror_max_bytes=config.mirrors.max_bytes,
-            deltas=config.pulls.deltas,
-            delta_max_bytes=config.pulls.delta_max_bytes,
-            **extra,
-        )
-
-
 class Daemon:
+    """One daemon, run as ``config`` says (the defaults without one), with what no
+    configuration file holds: ``secret`` (≥ 16 bytes; a random one when None)
+    authenticates peer records between the daemons of one deployment; ``boot_id``
+    empty means this kernel's, another value makes the daemon claim another host
+    (tests of the cross-host choice on one machine). ``clock`` and ``copier`` are
+    the registry's clock and the same-host copy engine (tests inject their own).
+
+    ``config.data_plane.transport`` is the data-plane mode: ``"auto"`` (per source
+    peer the same-host shared-memory path when the peer is proven to be on this host
+    with attachable segments, else UCX where both ends have RDMA, else ``tcp``; see
+    :mod:`refitd.daemon.paths`), ``"shm"`` (only the shared-memory path; a peer on
+    another host is refused) or a scheme of ``transports.interface``."""
+
     def __init__(
         self,
-        options: DaemonOptions,
+        config: Config | None = None,
         *,
+        secret: bytes | None = None,
+        boot_id: str = "",
         clock: Callable[[], float] = time.monotonic,
         copier: Copier | None = None,
     ) -> None:
-        self.options = options
-        self.node_id = options.node_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.config = config = config if config is not None else Config()
+        self.secret = secret if secret is not None else secrets.token_bytes(32)
+        #: the data-plane mode (``[data_plane] transport``)
+        self.mode = config.data_plane.transport
+        self.node_id = config.server.node_id or f"{socket.gethostname()}-{os.getpid()}"
         self.incarnation = time.time_ns()
         self.clock = clock
-        self.limits: LimitsConfig = options.limits
+        self.limits: LimitsConfig = config.limits
         self.registry = Registry(
             self.node_id, self.incarnation, clock, pending_ttl_s=self.limits.pending_ttl_s
         )
@@ -204,15 +127,15 @@ class Daemon:
             self.limits.max_region_bytes_per_principal,
         )
         #: the one decision which source URLs may be contacted (config, then registry)
-        self.peers = PeerPolicy(options.peers)
+        self.peers = PeerPolicy(config.peers.allow)
         #: per peer node, the path the last pull from it took and why
         self.seen_paths: dict[str, tuple[str, str]] = {}
-        self.boot_id = options.boot_id or boot_id()
+        self.boot_id = boot_id or host_boot_id()
         #: the data planes: the same-host one in every mode (``copier``: its copy
         #: engine), and the transports :meth:`start` brings up
         self.plane = TransportSet(
             ShmTransport(
-                secret=options.secret, peer_id=self.node_id, copier=copier, boot_id=self.boot_id
+                secret=self.secret, peer_id=self.node_id, copier=copier, boot_id=self.boot_id
             )
         )
         self.store = RegionStore(self.incarnation, self.plane, self.registry, self.caps)
@@ -223,7 +146,7 @@ class Daemon:
         self._ucx_probed = False  # whether ucx_transports is ucx_info's answer yet
         self._ucx_probe = asyncio.Lock()  # held while ucx_info runs
         #: who owns each model, and who may read it (``[models]``)
-        self.models = ModelOwners(options.model_owners, options.model_readers)
+        self.models = ModelOwners(config.models.owners, config.models.readers)
         #: stale segments of earlier lives (this daemon's or its clients') removed at start
         self.removed_at_start: list[str] = []
         #: host mirrors' hook (:mod:`refitd.daemon.mirrors`): what a lease on a version
@@ -246,7 +169,7 @@ class Daemon:
         if self.removed_at_start:
             log.info("removed %d stale segment(s) at start", len(self.removed_at_start))
         await self.plane.shm.start()
-        mode = self.options.transport
+        mode = self.mode
         from refitd.daemon.paths import rdma_devices, transport_schemes
 
         if mode == AUTO and rdma_devices():
@@ -270,16 +193,16 @@ class Daemon:
         from transports.interface import create_transport
 
         for scheme in schemes:
-            o = self.options
+            c = self.config
             options = transport_options(
                 scheme,
-                secret=o.secret,
+                secret=self.secret,
                 node_id=self.node_id,
-                pull_timeout_s=o.pull_timeout_s,
-                lanes=o.lanes,
-                host=o.host,
-                tcp_port=o.tcp_port,
-                advertise_url=o.registry.advertise_url,
+                pull_timeout_s=c.data_plane.pull_timeout_s,
+                lanes=c.data_plane.lanes,
+                host=c.server.host,
+                tcp_port=c.data_plane.tcp_port,
+                advertise_url=c.registry.advertise_url,
                 trusted=self.peers.trusted,
                 is_live=self.registry.is_live,
                 incarnation=self.incarnation,
@@ -288,7 +211,7 @@ class Daemon:
             try:
                 await t.start()
             except RefitError as exc:
-                auto = self.options.transport == AUTO
+                auto = self.mode == AUTO
                 hint = " (--transport shm runs without it, same host only)" if auto else ""
                 raise TransportError(
                     f"data plane {scheme!r} did not start, so the daemon will not report "
@@ -300,7 +223,7 @@ class Daemon:
         """What this host's UCX can use (``ucx_info -d``, about 0.4 s), asked once, in
         the modes that may run UCX (``auto``, ``ucx``): at start where UCX may start,
         else when ``/v1/node`` first asks. Empty in other modes."""
-        if self.options.transport not in (AUTO, UCX_SCHEME):
+        if self.mode not in (AUTO, UCX_SCHEME):
             return []
         async with self._ucx_probe:  # a second asker waits for the first one's answer
             if not self._ucx_probed:
@@ -324,12 +247,12 @@ class Daemon:
         return NodeInfo(
             self.node_id,
             self.incarnation,
-            self.options.transport,
+            self.mode,
             worker,
             shm_huge_pages=huge_page_mode(),
             ucx_transports=self.ucx_transports,
             paths=peer_paths(
-                self.options.transport, self.plane.by_scheme, self.peers.trusted(), self.seen_paths
+                self.mode, self.plane.by_scheme, self.peers.trusted(), self.seen_paths
             ),
         )
 
@@ -501,7 +424,7 @@ class Daemon:
         rec = PeerRegions(
             self.node_id,
             self.incarnation,
-            self.options.transport,
+            self.mode,
             infos,
             advert,
             self.boot_id,
@@ -510,7 +433,7 @@ class Daemon:
             scope=scope,
             adverts=adverts,
         )
-        return rec.signed(self.options.secret)
+        return rec.signed(self.secret)
 
     def leased_regions(
         self, ids: list[int] | None, lease_id: str, model: str, version: int
@@ -548,6 +471,34 @@ class Daemon:
             return [v for v in self.registry.versions() if self.models.may_read(who, v.model)]
         self.models.check_read(who, model, "list the versions of")
         return self.registry.versions(model)
+
+    def readable(self, who: Principal, model: str, version: int | None) -> int:
+        """The version of ``model`` that ``who`` reads: ``version``, or (None, "latest")
+        the model's READY one (404 when none); 403 for a model it may not read, whether
+        the version exists or not."""
+        self.models.check_read(who, model, "read")
+        return self.registry.latest_ready(model) if version is None else version
+
+    def version(self, who: Principal, model: str, version: int | None) -> VersionInfo:
+        """The state of the version ``who`` reads (:meth:`readable`; 404 when unknown)."""
+        return self.registry.version(model, self.readable(who, model, version))
+
+    def manifest(self, who: Principal, model: str, version: int | None) -> MergedManifest:
+        """The READY manifest of the version ``who`` reads (:meth:`readable`)."""
+        return self.registry.merged(model, self.readable(who, model, version))
+
+    def manifest_bytes(self, who: Principal, model: str, version: int | None) -> bytes:
+        """:meth:`manifest` as msgpack, encoded once per version."""
+        return self.registry.merged_bytes(model, self.readable(who, model, version))
+
+    def check_holder_join(self, join: HolderJoin) -> None:
+        """Admit a peer daemon's join to the holder book of a version here: the join
+        must be signed with the deployment secret (403), name a version this daemon
+        holds (404), and come from a daemon this one trusts (403): the book hands its
+        URL to readers."""
+        join.verify(self.secret)
+        self.registry.version(join.model, join.version)
+        self.peers.check(join.url)
 
     def release(self, lease_id: str) -> None:
         """End a lease, and wake the drains and reaps its end may free."""

@@ -2,7 +2,7 @@
 
 The daemon owns its event loop (``asyncio.Runner`` with uvloop) and its shutdown
 order: stop accepting connections, let running pulls finish for up to
-``grace_s`` seconds, then cancel the rest with a reason, close the data plane and
+``[pulls] shutdown_grace_s`` seconds, then cancel the rest with a reason, close the data plane and
 unlink the segments it owns.
 
 Once listening and with the data plane up it prints one JSON line on stdout::
@@ -23,9 +23,12 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+
+if TYPE_CHECKING:
+    from refitd.daemon.node import Daemon
 
 __all__ = ["add_arguments", "listening", "read_secret", "run", "serve"]
 
@@ -101,29 +104,35 @@ def read_secret(path: str | None) -> bytes | None:
 
 
 @contextlib.asynccontextmanager
-async def listening(options: Any, **app_kwargs: Any) -> AsyncIterator[tuple[web.Application, str]]:
-    """Run the app in the current loop for the ``with`` block; yields ``(app, url)``.
+async def listening(
+    daemon: Daemon, **app_kwargs: Any
+) -> AsyncIterator[tuple[web.Application, str]]:
+    """Serve ``daemon``'s app in the current loop for the ``with`` block, where its
+    ``[server]`` config says (``port`` 0: any free one, reported in the URL); yields
+    ``(app, url)``.
 
-    On exit: stop accepting, let running pulls finish for up to ``options.grace_s``
-    seconds, then clean up (cancelling what is left, closing the data plane).
+    On exit: stop accepting, let running pulls finish for up to ``[pulls]
+    shutdown_grace_s`` seconds, then clean up (cancelling what is left, closing the
+    data plane).
     """
     from refitd.daemon.handlers import PULLS, create_app
     from refitd.daemon.pulls import SHUTTING_DOWN
 
-    app = create_app(options, **app_kwargs)
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=options.grace_s)
+    server_config, grace_s = daemon.config.server, daemon.config.pulls.shutdown_grace_s
+    app = create_app(daemon, **app_kwargs)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=grace_s)
     await runner.setup()  # runs cleanup_ctx startup: the data plane is up after this
-    sites: list[web.BaseSite] = [web.TCPSite(runner, options.host, options.port)]
-    if options.unix_path:
-        sites.append(web.UnixSite(runner, options.unix_path))
+    host, port = server_config.host, server_config.port
+    sites: list[web.BaseSite] = [web.TCPSite(runner, host, port)]
+    if server_config.unix_socket:
+        sites.append(web.UnixSite(runner, server_config.unix_socket))
     try:
         for site in sites:
             await site.start()
-        port = options.port
         server = getattr(sites[0], "_server", None)
         if server is not None and server.sockets:
             port = server.sockets[0].getsockname()[1]
-        url = f"http://{options.host}:{port}"
+        url = f"http://{host}:{port}"
         from refitd.daemon.membership import register
 
         await register(app, url)  # peers learn of this daemon only once it answers
@@ -133,7 +142,7 @@ async def listening(options: Any, **app_kwargs: Any) -> AsyncIterator[tuple[web.
         pending = [j.finished.wait() for j in app[PULLS].jobs.values() if not j.finished.is_set()]
         if pending:
             try:
-                async with asyncio.timeout(options.grace_s):
+                async with asyncio.timeout(grace_s):
                     await asyncio.gather(*pending)
             except TimeoutError:
                 # Cancelled here, while the server still answers the requests in
@@ -144,7 +153,7 @@ async def listening(options: Any, **app_kwargs: Any) -> AsyncIterator[tuple[web.
 
 
 async def serve(
-    options: Any,
+    daemon: Daemon,
     *,
     stop: asyncio.Event | None = None,
     on_ready: Callable[[dict[str, Any]], None] | None = None,
@@ -156,11 +165,11 @@ async def serve(
     ``on_stopping`` runs when shutdown begins (STOPPING=1)."""
     from refitd.daemon.handlers import DAEMON
 
-    async with listening(options, **(app_kwargs or {})) as (app, url):
+    async with listening(daemon, **(app_kwargs or {})) as (app, url):
         record = {
             "event": "ready",
             "url": url,
-            "unix": options.unix_path,
+            "unix": daemon.config.server.unix_socket,
             "node_id": app[DAEMON].node_id,
             "pid": os.getpid(),
         }
@@ -181,7 +190,7 @@ def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
 
     from refitd.config import load_config, parse_overrides, read_token
     from refitd.daemon.auth import check_startup
-    from refitd.daemon.node import DaemonOptions
+    from refitd.daemon.node import Daemon
     from refitd.daemon.service import Service, configure_logging
     from refitd.errors import ConfigError
 
@@ -209,7 +218,6 @@ def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
         sys.stderr.write(f"refitd serve: refusing to start: {exc}\n")
         return 2
     configure_logging(config.logging)
-    options = DaemonOptions.from_config(config, secret)
     service = Service(config, policy)
 
     def on_ready(record: dict[str, Any]) -> None:
@@ -223,7 +231,7 @@ def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
             loop.add_signal_handler(sig, stop.set)
         try:
             await serve(
-                options,
+                Daemon(config, secret=secret),
                 stop=stop,
                 on_ready=on_ready,
                 on_stopping=service.on_stopping,

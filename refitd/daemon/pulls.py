@@ -153,8 +153,8 @@ class PullManager:
         self.staging = daemon.staging
         self.plane = daemon.plane
         self.peers = daemon.peers
-        self.mode = daemon.options.transport
-        self.secret = daemon.options.secret
+        self.mode = daemon.mode
+        self.secret = daemon.secret
         #: per peer node, the path the last pull from it took and why (the daemon's)
         self.seen_paths = daemon.seen_paths
         self._connect = connect

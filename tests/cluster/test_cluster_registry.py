@@ -14,7 +14,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import pytest_asyncio
-from support.daemons import GatedCopier, serving_daemons
+from support.daemons import GatedCopier, daemon_config, serving_daemons
 from support.etcd import key_event, needs_etcd, serving_etcd
 from support.toy import publish_tensor, pull_rows
 
@@ -22,7 +22,7 @@ from refitd.client.http import RefitClient
 from refitd.client.spawn import spawn_daemon
 from refitd.cluster.directory import daemon_key, source_key
 from refitd.config import RegistryConfig
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.errors import NotFoundError, ProtocolError, TransportError
 from refitd.wire import (
     DaemonRecord,
@@ -44,8 +44,8 @@ async def etcd(tmp_path: Path) -> AsyncIterator[object]:
 
 def daemon(etcd: object, node: str, **kw: object) -> Daemon:
     reg = RegistryConfig(kind="etcd", endpoints=(etcd.endpoint,), lease_ttl_s=TTL)  # type: ignore[attr-defined]
-    opts = DaemonOptions(port=0, node_id=node, secret=SECRET, transport="shm", registry=reg)
-    return Daemon(opts, **kw)  # type: ignore[arg-type]
+    opts = daemon_config(node_id=node, transport="shm", registry=reg)
+    return Daemon(opts, secret=SECRET, **kw)  # type: ignore[arg-type]
 
 
 async def publish(c: RefitClient, model: str, version: int, fill: int = 7) -> int:
@@ -89,7 +89,7 @@ async def test_a_waiting_engine_is_told_of_a_new_version_as_it_is_published(
 async def test_a_pull_from_a_daemon_not_in_the_registry_is_refused_naming_it(
     etcd: object,
 ) -> None:
-    outsider = Daemon(DaemonOptions(port=0, node_id="outsider", secret=SECRET, transport="shm"))
+    outsider = Daemon(daemon_config(node_id="outsider", transport="shm"), secret=SECRET)
     # Served apart: serving_daemons makes the daemons it serves together trust each other.
     async with serving_daemons(daemon(etcd, "engine")) as (ce,), serving_daemons(outsider) as (co,):
         region = await publish(co, "m", 1)
@@ -107,7 +107,7 @@ async def test_a_registry_record_not_signed_with_the_deployment_secret_is_not_tr
 ) -> None:
     import aetcd
 
-    outsider = Daemon(DaemonOptions(port=0, node_id="forged", secret=SECRET, transport="shm"))
+    outsider = Daemon(daemon_config(node_id="forged", transport="shm"), secret=SECRET)
     async with (
         serving_daemons(daemon(etcd, "trainer"), daemon(etcd, "engine")) as (ct, ce),
         serving_daemons(outsider) as (co,),

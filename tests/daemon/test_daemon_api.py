@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import aiohttp
 import numpy as np
 import pytest
-from support.daemons import FakeClock, GatedCopier, served
+from support.daemons import FakeClock, GatedCopier, daemon_config, served
 
 from refitd.client.http import RefitClient
 from refitd.client.leases import LeaseKeeper
 from refitd.daemon.handlers import PULLS
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.errors import ConflictError, NotFoundError, PlanError, ProtocolError
 from refitd.wire import (
     DescriptorTable,
@@ -45,7 +45,7 @@ async def _env(gated: bool) -> AsyncIterator[Env]:
     clock = FakeClock()
     copier = GatedCopier() if gated else None
     # The API alone needs no UCX: the shared-memory mode keeps these daemons light.
-    opts = DaemonOptions(port=0, node_id="t", transport="shm")
+    opts = daemon_config(node_id="t", transport="shm")
     daemon = Daemon(opts, clock=clock, copier=copier)
     async with served(daemon) as s:
         yield Env(s.client, s.url, daemon, clock, copier)
@@ -336,7 +336,7 @@ async def test_a_cancelled_pull_reports_cancelled(gated: Env) -> None:
 
 async def test_a_pull_cut_off_by_shutdown_says_the_daemon_is_shutting_down() -> None:
     copier = GatedCopier()
-    d = Daemon(DaemonOptions(port=0, transport="shm", grace_s=0), copier=copier)
+    d = Daemon(daemon_config(transport="shm", shutdown_grace_s=0), copier=copier)
     async with served(d) as s:
         app, c = s.app, s.client
         src, _ = await publish_toy(c)

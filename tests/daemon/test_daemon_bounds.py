@@ -14,12 +14,12 @@ import aiohttp
 import msgspec
 import pytest
 from aiohttp import web
-from support.daemons import FakeClock, GatedCopier, serving_daemons
+from support.daemons import FakeClock, GatedCopier, daemon_config, serving_daemons
 from support.hostile import Env, hostile_daemon, rows, toy_manifest
 
 from refitd.client.http import RefitClient
 from refitd.config import LimitsConfig
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.registry import Registry
 from refitd.errors import AccessDenied, NotFoundError, ProtocolError, QuotaExceeded
 from refitd.wire import (
@@ -210,8 +210,8 @@ def test_a_pending_version_within_its_ttl_stays() -> None:
 async def _capped(**limits: int) -> AsyncIterator[tuple[Daemon, RefitClient, GatedCopier]]:
     gate = GatedCopier()
     gate.gate.set()
-    opts = DaemonOptions(
-        node_id="capped", transport="shm", grace_s=0.5, limits=LimitsConfig(**limits)
+    opts = daemon_config(
+        node_id="capped", transport="shm", shutdown_grace_s=0.5, limits=LimitsConfig(**limits)
     )
     d = Daemon(opts, copier=gate)
     async with serving_daemons(d) as (c,):

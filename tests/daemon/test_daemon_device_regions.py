@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+from support.daemons import daemon_config, serving_daemons
 from support.daemons import served as serve
-from support.daemons import serving_daemons
 from support.devices import HostDeviceEngine, HostDeviceMemory
 
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.process import listening
 from refitd.errors import ConflictError, RefitError, TransportError
 from refitd.wire import (
@@ -43,8 +43,8 @@ PIECE = 4096
 
 @contextlib.asynccontextmanager
 async def served() -> AsyncIterator[tuple[Daemon, RefitClient]]:
-    d = Daemon(DaemonOptions(port=0, node_id="devices", transport="shm"))
-    async with listening(d.options, daemon=d) as (_, url), RefitClient(url) as c:
+    d = Daemon(daemon_config(node_id="devices", transport="shm"))
+    async with listening(d) as (_, url), RefitClient(url) as c:
         yield d, c
 
 
@@ -159,8 +159,8 @@ async def test_a_strided_pack_from_device_memory_is_gathered_by_its_engine() -> 
 async def test_a_peer_daemons_gpu_region_is_refused_on_the_shm_only_path() -> None:
     engine = HostDeviceEngine()
     secret = b"one-deployment-secret-0123456789"
-    a = Daemon(DaemonOptions(port=0, node_id="holder", transport="shm", secret=secret))
-    b = Daemon(DaemonOptions(port=0, node_id="reader", transport="shm", secret=secret))
+    a = Daemon(daemon_config(node_id="holder", transport="shm"), secret=secret)
+    b = Daemon(daemon_config(node_id="reader", transport="shm"), secret=secret)
     async with serving_daemons(a, b) as (ca, cb):
         src, _ = await device_region(a, engine, "weights")
         await publish(ca, "dev", src.region_id)
@@ -175,12 +175,10 @@ async def test_a_peer_daemons_gpu_region_is_refused_on_the_shm_only_path() -> No
 
 async def test_a_peer_daemons_gpu_region_is_read_through_its_staging_over_tcp() -> None:
     far_engine, near_engine = HostDeviceEngine(), HostDeviceEngine()
-    opts: dict[str, object] = dict(
-        port=0, secret=b"one-deployment-secret-0123456789", transport="tcp"
-    )
-    opts["peers"] = ("http://127.0.0.1:*",)
-    far = Daemon(DaemonOptions(node_id="far", boot_id="another-host", **opts))  # type: ignore[arg-type]
-    near = Daemon(DaemonOptions(node_id="engine", **opts))  # type: ignore[arg-type]
+    opts: dict[str, object] = dict(transport="tcp", allow=("http://127.0.0.1:*",))
+    secret = b"one-deployment-secret-0123456789"
+    far = Daemon(daemon_config(node_id="far", **opts), secret=secret, boot_id="another-host")
+    near = Daemon(daemon_config(node_id="engine", **opts), secret=secret)
     async with serve(far) as f, serve(near) as n:
         src, src_memory = await device_region(far, far_engine, "weights")
         data = np.random.default_rng(11).integers(0, 256, N, dtype=np.uint8)
@@ -223,12 +221,10 @@ async def test_status_counts_the_gpu_regions_apart_from_host_ones() -> None:
 
 async def test_over_tcp_device_bound_reads_are_staged_through_host_memory_and_land() -> None:
     engine = HostDeviceEngine()
-    opts: dict[str, object] = dict(
-        port=0, secret=b"one-deployment-secret-0123456789", transport="tcp"
-    )
-    opts["peers"] = ("http://127.0.0.1:*",)
-    far = Daemon(DaemonOptions(node_id="far", boot_id="another-host", **opts))  # type: ignore[arg-type]
-    near = Daemon(DaemonOptions(node_id="engine", **opts))  # type: ignore[arg-type]
+    opts: dict[str, object] = dict(transport="tcp", allow=("http://127.0.0.1:*",))
+    secret = b"one-deployment-secret-0123456789"
+    far = Daemon(daemon_config(node_id="far", **opts), secret=secret, boot_id="another-host")
+    near = Daemon(daemon_config(node_id="engine", **opts), secret=secret)
     async with serve(far) as f, serve(near) as n:
         src, data, lease = await host_source(f.client, "m")
         dst, memory = await device_region(near, engine, "engine")
@@ -250,12 +246,10 @@ async def test_over_tcp_device_bound_reads_are_staged_through_host_memory_and_la
 
 async def test_a_device_error_in_a_staged_pull_fails_it_and_its_staging_goes() -> None:
     engine = HostDeviceEngine()
-    opts: dict[str, object] = dict(
-        port=0, secret=b"one-deployment-secret-0123456789", transport="tcp"
-    )
-    opts["peers"] = ("http://127.0.0.1:*",)
-    far = Daemon(DaemonOptions(node_id="far", boot_id="another-host", **opts))  # type: ignore[arg-type]
-    near = Daemon(DaemonOptions(node_id="engine", **opts))  # type: ignore[arg-type]
+    opts: dict[str, object] = dict(transport="tcp", allow=("http://127.0.0.1:*",))
+    secret = b"one-deployment-secret-0123456789"
+    far = Daemon(daemon_config(node_id="far", **opts), secret=secret, boot_id="another-host")
+    near = Daemon(daemon_config(node_id="engine", **opts), secret=secret)
     async with serve(far) as f, serve(near) as n:
         src, _, lease = await host_source(f.client, "m")
         dst, _ = await device_region(near, engine, "engine")

@@ -13,13 +13,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from support.daemons import daemon_config
 from support.devices import HostDeviceEngine, HostDeviceMemory
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.memory import byte_view
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.process import listening
 from refitd.errors import AccessDenied, PlanError, ProtocolError
 from refitd.wire import RegionKind
@@ -41,9 +42,9 @@ async def daemon(tmp: Path, tokens: bool) -> AsyncIterator[tuple[Daemon, RefitCl
         book.chmod(0o600)
         policy = check_startup(ServerConfig(port=0, token_file=str(book)))
         setup = [lambda app: setup_auth(app, policy)]
-    d = Daemon(DaemonOptions(port=0, node_id="gpu-edge", transport="shm"))
+    d = Daemon(daemon_config(node_id="gpu-edge", transport="shm"))
     async with (
-        listening(d.options, daemon=d, setup=setup) as (_, url),
+        listening(d, setup=setup) as (_, url),
         RefitClient(url, token="token-of-a" if tokens else None) as c,
     ):
         yield d, c

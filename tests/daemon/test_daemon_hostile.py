@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from support.daemons import served, token_file
+from support.daemons import daemon_config, served, token_file
 from support.hostile import (
     W_BYTES,
     Env,
@@ -37,7 +37,7 @@ from support.hostile import (
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.errors import AccessError
 from refitd.wire import (
     MSGPACK,
@@ -271,7 +271,7 @@ async def test_a_pull_into_a_region_of_another_owner_is_refused(tmp_path: Path) 
     """With bearer tokens on, bob may not pull into alice's region, even under his own
     valid lease and with in-bounds descriptors; alice's bytes stay untouched."""
     tokens = token_file(tmp_path, {"alice": "a1", "bob": "b2"})
-    opts = DaemonOptions(port=0, node_id="auth", transport="shm", grace_s=0.5)
+    opts = daemon_config(node_id="auth", transport="shm", shutdown_grace_s=0.5)
     daemon = Daemon(opts)
     async with (
         served(daemon, access=ServerConfig(port=0, token_file=tokens)) as s,

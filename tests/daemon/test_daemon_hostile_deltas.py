@@ -23,11 +23,11 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
-from support.daemons import served, token_file
+from support.daemons import daemon_config, served, token_file
 
 from refitd.client.http import RefitClient
 from refitd.config import LimitsConfig, ServerConfig
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.wire import DeltaPackRequest, DescriptorTable, ManifestIn, ShardEntry, TensorEntry
 from transports.segments import SharedSegment
 
@@ -62,7 +62,7 @@ def manifest(version: int, region: int) -> ManifestIn:
 async def two_versions(tmp: Path, **options: Any) -> AsyncIterator[Tenants]:
     """``a`` publishes v1 and v2 of ``am`` in two regions; v2's delta is ready."""
     tokens = token_file(tmp, TOKENS)
-    d = Daemon(DaemonOptions(port=0, node_id="hostile-deltas", deltas=True, **options))
+    d = Daemon(daemon_config(node_id="hostile-deltas", deltas=True, **options))
     async with (
         served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
         RefitClient(s.url, token=TOKENS["a"]) as a,
@@ -225,7 +225,7 @@ async def test_one_principal_holds_a_bounded_number_of_long_polls_and_others_sti
     from refitd.daemon.waits import MAX_WAITS_PER_PRINCIPAL
 
     tokens = token_file(tmp_path, TOKENS)
-    d = Daemon(DaemonOptions(port=0, node_id="hostile-waits"))
+    d = Daemon(daemon_config(node_id="hostile-waits"))
     async with (
         served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
         RefitClient(s.url, token=TOKENS["a"]) as a,
@@ -269,7 +269,7 @@ async def test_a_ready_long_poll_on_a_model_one_may_not_read_is_refused_alike_wh
     ``am`` are 403 before any wait, and say the same for a version that exists and one
     that does not, so they tell b nothing of a's versions."""
     tokens = token_file(tmp_path, TOKENS)
-    d = Daemon(DaemonOptions(port=0, node_id="hostile-readers", model_readers=("am=a",)))
+    d = Daemon(daemon_config(node_id="hostile-readers", readers=("am=a",)))
     async with (
         served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
         RefitClient(s.url, token=TOKENS["a"]) as a,
@@ -328,7 +328,7 @@ async def computing(tmp: Path) -> AsyncIterator[tuple[Tenants, threading.Event]]
     from refitd.daemon.deltaroutes import DELTAS
 
     tokens = token_file(tmp, TOKENS)
-    d = Daemon(DaemonOptions(port=0, node_id="hostile-computing", deltas=True))
+    d = Daemon(daemon_config(node_id="hostile-computing", deltas=True))
     gate = threading.Event()
     async with (
         served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
@@ -501,7 +501,7 @@ async def test_the_cluster_routes_tell_a_non_reader_nothing_of_a_models_versions
     and the long poll for its next one, are refused to b (403) before any wait, alike
     whether the version exists or not."""
     tokens = token_file(tmp_path, TOKENS)
-    d = Daemon(DaemonOptions(port=0, node_id="hostile-cluster", model_readers=("am=a",)))
+    d = Daemon(daemon_config(node_id="hostile-cluster", readers=("am=a",)))
     async with (
         served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
         RefitClient(s.url, token=TOKENS["a"]) as a,

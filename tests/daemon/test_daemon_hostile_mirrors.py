@@ -22,11 +22,12 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
+from support.daemons import daemon_config
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.process import listening
 from refitd.errors import AccessDenied
 from refitd.wire import DescriptorTable, ManifestIn, PullRequest, ShardEntry, TensorEntry
@@ -55,15 +56,15 @@ async def hosts(tmp: Path) -> AsyncIterator[Hosts]:
     tokens = tmp / "tokens"
     tokens.write_text("a token-of-a\nb token-of-b\npeer token-of-peer\n")
     tokens.chmod(0o600)
-    common: dict[str, Any] = {"transport": "tcp", "secret": SECRET, "model_readers": READERS}
-    sopts = DaemonOptions(port=0, node_id="trainer", **common)
-    mopts = DaemonOptions(port=0, node_id="host-a", mirrors="always", **common)
-    src, mirror = Daemon(sopts), Daemon(mopts)
+    common: dict[str, Any] = {"transport": "tcp", "readers": READERS}
+    sopts = daemon_config(node_id="trainer", **common)
+    mopts = daemon_config(node_id="host-a", policy="always", **common)
+    src, mirror = Daemon(sopts, secret=SECRET), Daemon(mopts, secret=SECRET)
     policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
     auth = [lambda app: setup_auth(app, policy)]
     async with (
-        listening(sopts, daemon=src, setup=auth) as (_, src_url),
-        listening(mopts, daemon=mirror, setup=auth, token="token-of-peer") as (_, url),
+        listening(src, setup=auth) as (_, src_url),
+        listening(mirror, setup=auth, token="token-of-peer") as (_, url),
         RefitClient(src_url, token="token-of-peer") as sc,
         RefitClient(url, token="token-of-a") as mc,
     ):

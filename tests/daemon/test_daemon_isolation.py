@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from support.daemons import served
+from support.daemons import daemon_config, served
 
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.errors import RefitError
 from refitd.wire import DescriptorTable, ManifestIn, PullRequest, PullState, ShardEntry, TensorEntry
 from transports.segments import SharedSegment
@@ -44,8 +44,8 @@ class Node:
 
 @contextlib.asynccontextmanager
 async def node(name: str, **options: object) -> AsyncIterator[Node]:
-    options.setdefault("peers", ("http://127.0.0.1:*",))  # the other test daemons
-    d = Daemon(DaemonOptions(port=0, node_id=name, secret=SECRET, **options))  # type: ignore[arg-type]
+    options.setdefault("allow", ("http://127.0.0.1:*",))  # the other test daemons
+    d = Daemon(daemon_config(node_id=name, **options), secret=SECRET)
     async with served(d) as s:
         yield Node(d, s.client, s.url)
 

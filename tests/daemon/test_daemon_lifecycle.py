@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 from support import daemons
+from support.daemons import daemon_config
 
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry, VersionState
 from transports.segments import PREFIX, SHM_DIR, SharedSegment
 
@@ -51,7 +52,7 @@ asyncio.run(main(sys.argv[1], sys.argv[2]))
 
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[Daemon, RefitClient, str]]:
-    d = Daemon(DaemonOptions(port=0, node_id="life", transport="shm"))
+    d = Daemon(daemon_config(node_id="life", transport="shm"))
     async with daemons.served(d) as s:
         yield d, s.client, s.url
 
@@ -118,7 +119,7 @@ def _stale_segment(label: str) -> str:
 async def test_a_daemon_removes_stale_segments_of_earlier_lives_at_start() -> None:
     stale = _stale_segment("earlier-life")
     with SharedSegment.create(64, "alive") as alive:
-        d = Daemon(DaemonOptions(port=0, node_id="restart", transport="shm"))
+        d = Daemon(daemon_config(node_id="restart", transport="shm"))
         async with daemons.served(d):
             # (another process sweeping stale segments at the same moment may take it first)
             assert stale in d.removed_at_start or not (SHM_DIR / stale).exists()

@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 from aiohttp import web
-from support.daemons import GatedCopier, served
+from support.daemons import GatedCopier, daemon_config, served
 
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.errors import NotFoundError
 from refitd.wire import (
     DescriptorTable,
@@ -57,7 +57,7 @@ def count_requests(seen: collections.Counter[str]):  # type: ignore[no-untyped-d
 @pytest.fixture
 async def env(request: pytest.FixtureRequest) -> AsyncIterator[Counted]:
     copier = GatedCopier() if getattr(request, "param", False) else None
-    daemon = Daemon(DaemonOptions(port=0, node_id="t", transport="shm"), copier=copier)
+    daemon = Daemon(daemon_config(node_id="t", transport="shm"), copier=copier)
     seen: collections.Counter[str] = collections.Counter()
     async with served(daemon, setup=[count_requests(seen)]) as s:
         yield Counted(s.client, seen, copier)

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from support.daemons import daemon_config
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.metrics import setup_metrics
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.process import listening
 from refitd.daemon.service import _snapshot
 
@@ -35,7 +36,7 @@ async def test_a_scrape_shows_only_the_scrapers_own_expert_pools(tmp_path: Path)
     tokens.write_text("a token-of-a\nb token-of-b\n")
     tokens.chmod(0o600)
     policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
-    opts = DaemonOptions(port=0, node_id="metrics", transport="shm", mirror_max_bytes=1 << 30)
+    opts = daemon_config(node_id="metrics", transport="shm", max_bytes=1 << 30)
 
     def setup(app: object) -> None:
         from aiohttp import web
@@ -45,7 +46,7 @@ async def test_a_scrape_shows_only_the_scrapers_own_expert_pools(tmp_path: Path)
         setup_auth(app, policy)
 
     async with (
-        listening(opts, daemon=Daemon(opts), setup=[setup]) as (_, url),
+        listening(Daemon(opts), setup=[setup]) as (_, url),
         RefitClient(url, token="token-of-a") as a,
         RefitClient(url, token="token-of-b") as b,
     ):

@@ -19,12 +19,12 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-from support.daemons import GatedCopier, serving_daemons
+from support.daemons import GatedCopier, daemon_config, serving_daemons
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
 from refitd.daemon.auth import TokenBook, check_startup, setup_auth
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.process import listening
 from refitd.errors import AccessDenied, ConfigError, NotFoundError, RefitError
 from refitd.wire import (
@@ -79,19 +79,10 @@ async def hosts(
     copier = GatedCopier() if gated else None
     if copier is not None:
         copier.gate.set()  # open until a test closes it
-    sopts = DaemonOptions(
-        port=0, node_id="trainer", transport="tcp", secret=SECRET, model_readers=source_readers
-    )
-    src = Daemon(sopts)
-    mopts = DaemonOptions(
-        port=0,
-        node_id="host-a",
-        transport="tcp",
-        secret=SECRET,
-        mirrors="always",
-        **mirror_options,  # type: ignore[arg-type]
-    )
-    mirror = Daemon(mopts, copier=copier)
+    sopts = daemon_config(node_id="trainer", transport="tcp", readers=source_readers)
+    src = Daemon(sopts, secret=SECRET)
+    mopts = daemon_config(node_id="host-a", transport="tcp", policy="always", **mirror_options)
+    mirror = Daemon(mopts, secret=SECRET, copier=copier)
     if tokens is None:
         async with serving_daemons(src, mirror) as (sc, mc):
             yield Hosts(src, mirror, sc, mc, copier)
@@ -99,8 +90,8 @@ async def hosts(
     policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
     auth = [lambda app: setup_auth(app, policy)]
     async with (
-        listening(sopts, daemon=src, setup=auth) as (_, src_url),
-        listening(mopts, daemon=mirror, setup=auth, token="token-of-peer") as (_, url),
+        listening(src, setup=auth) as (_, src_url),
+        listening(mirror, setup=auth, token="token-of-peer") as (_, url),
         RefitClient(src_url, token="token-of-peer") as sc,
         RefitClient(url, token="token-of-a") as mc,
     ):
@@ -233,7 +224,7 @@ async def test_a_model_a_local_tenant_owns_is_not_mirrored_into_and_the_pull_rea
 
 
 async def test_mirrors_past_the_host_budget_are_not_made_and_the_pull_reads_its_source() -> None:
-    async with hosts(mirror_max_bytes=NBYTES - 1) as h:
+    async with hosts(max_bytes=NBYTES - 1) as h:
         region = await publish(h.sc)
         lease = await h.sc.acquire_lease(MODEL, 1, 60.0)
         req, _ = await pull_request(h, region, lease.lease_id)
@@ -245,7 +236,7 @@ async def test_mirrors_past_the_host_budget_are_not_made_and_the_pull_reads_its_
 
 
 async def test_a_mirror_within_the_budget_shows_its_bytes_and_the_budget() -> None:
-    async with hosts(mirror_max_bytes=2 * NBYTES) as h:
+    async with hosts(max_bytes=2 * NBYTES) as h:
         region = await publish(h.sc)
         lease = await h.sc.acquire_lease(MODEL, 1, 60.0)
         req, _ = await pull_request(h, region, lease.lease_id)
@@ -293,9 +284,7 @@ async def test_a_tenant_the_source_refuses_cannot_read_the_mirrored_version_on_t
     tmp_path: Path,
 ) -> None:
     readers = ("m=a", "m=peer")  # b may not read m at the source, nor its listing here
-    async with hosts(
-        tokens=token_file(tmp_path), source_readers=readers, model_readers=readers
-    ) as h:
+    async with hosts(tokens=token_file(tmp_path), source_readers=readers, readers=readers) as h:
         region = await publish(h.sc)
         async with RefitClient(h.sc.base_url, token="token-of-a") as a_at_source:
             lease = await a_at_source.acquire_lease(MODEL, 1, 60.0)
@@ -379,7 +368,7 @@ async def test_a_peer_daemon_leases_a_mirror_only_under_a_live_lease_at_its_sour
 async def test_an_idle_mirror_is_evicted_to_make_room_for_a_new_one_within_the_budget() -> None:
     """A mirror nobody leases is a cache entry: when the budget is full, the least
     recently completed one goes (its version retired here first), not the new one."""
-    async with hosts(mirror_max_bytes=NBYTES + NBYTES // 2) as h:
+    async with hosts(max_bytes=NBYTES + NBYTES // 2) as h:
         first = await publish(h.sc)
         lease = await h.sc.acquire_lease(MODEL, 1, 60.0)
         req, _ = await pull_request(h, first, lease.lease_id)

@@ -20,13 +20,13 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-from support.daemons import FakeClock, GatedCopier, served, token_file
+from support.daemons import FakeClock, GatedCopier, daemon_config, served, token_file
 from support.hostile import rows
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
 from refitd.daemon.auth import check_startup
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.errors import AccessDenied, ConfigError, ConflictError
 from refitd.wire import (
     DescriptorTable,
@@ -69,7 +69,7 @@ async def two_tenants(
     **options: object,
 ) -> AsyncIterator[Tenants]:
     tokens = token_file(tmp, {"a": "token-of-a", "b": "token-of-b"})
-    opts = DaemonOptions(port=0, node_id="tenants", transport="shm", **options)  # type: ignore[arg-type]
+    opts = daemon_config(node_id="tenants", transport="shm", **options)
     d = Daemon(opts, copier=copier, **({"clock": clock} if clock is not None else {}))
     async with (
         served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
@@ -119,7 +119,7 @@ async def test_memory_the_daemon_already_holds_is_never_attached_as_a_second_reg
 async def test_without_tokens_a_ready_version_is_not_rewritten_through_an_alias() -> None:
     """The issue's hole: the direct pull into a READY region was 409, the same pull
     through a second id of that memory succeeded."""
-    d = Daemon(DaemonOptions(port=0, node_id="alias", transport="shm"))
+    d = Daemon(daemon_config(node_id="alias", transport="shm"))
     async with served(d) as s:
         c = s.client
         src = await ready_model(c, "m", fill=7)
@@ -259,7 +259,7 @@ async def test_a_model_belongs_to_its_first_publisher_and_nobody_else_publishes_
 async def test_configured_owners_and_readers_decide_who_publishes_and_who_leases(
     tmp_path: Path,
 ) -> None:
-    async with two_tenants(tmp_path, model_owners=("m=a",), model_readers=("m=a",)) as t:
+    async with two_tenants(tmp_path, owners=("m=a",), readers=("m=a",)) as t:
         b_region = await t.b.create_region(NBYTES, label="squat")
         with pytest.raises(AccessDenied, match="belongs to a"):
             await t.b.publish(manifest("m", b_region.region_id))  # first, yet not the owner
@@ -313,7 +313,7 @@ async def test_over_tcp_a_daemon_with_a_unix_socket_and_no_tokens_serves_only_pu
     """Else a uid the socket refuses would go round it over TCP as 'loopback'."""
     sock = tmp_path / "refitd.sock"
     access = ServerConfig(port=0, unix_socket=str(sock), allowed_uids=(12345,))
-    opts = DaemonOptions(port=0, unix_path=str(sock), node_id="sock", transport="shm")
+    opts = daemon_config(unix_socket=str(sock), node_id="sock", transport="shm")
     async with (
         served(Daemon(opts), access=access) as s,
         RefitClient("http://localhost", unix_path=str(sock)) as unix,
@@ -367,7 +367,7 @@ async def test_a_socket_uid_attaches_only_segments_it_owns_never_the_daemons_fil
         pytest.skip("needs root and a system python3 to connect as another uid")
     sock = str(shared_dir / "refitd.sock")
     access = ServerConfig(port=0, unix_socket=sock, allowed_uids=(NOBODY,))
-    opts = DaemonOptions(port=0, unix_path=sock, node_id="sock", transport="shm")
+    opts = daemon_config(unix_socket=sock, node_id="sock", transport="shm")
     d = Daemon(opts)
     async with served(d, access=access):
         os.chmod(sock, 0o777)

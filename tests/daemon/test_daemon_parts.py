@@ -5,15 +5,17 @@ in between, on a real daemon with real shared memory."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import msgspec
 import numpy as np
 import pytest
+from support.daemons import daemon_config
 
 from refitd.config import Config, LimitsConfig
 from refitd.daemon.auth import Principal
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.handlers import create_app
+from refitd.daemon.node import Daemon
 from refitd.errors import AccessDenied, ConflictError, QuotaExceeded
 from refitd.wire import (
     ManifestIn,
@@ -33,7 +35,7 @@ BOB = Principal("bob", "token")
 @pytest.fixture
 async def daemon() -> AsyncIterator[Daemon]:
     limits = LimitsConfig(max_regions_per_principal=2, max_region_bytes_per_principal=1 << 20)
-    d = Daemon(DaemonOptions(port=0, node_id="parts", transport="shm", limits=limits))
+    d = Daemon(daemon_config(node_id="parts", transport="shm", limits=limits))
     await d.start()
     try:
         yield d
@@ -118,11 +120,8 @@ async def test_publish_refuses_a_staging_region(daemon: Daemon) -> None:
 
 async def test_the_lease_cap_is_the_daemons_acquire() -> None:
     d = Daemon(
-        DaemonOptions(
-            port=0,
-            node_id="one-lease",
-            transport="shm",
-            limits=LimitsConfig(max_leases_per_principal=1),
+        daemon_config(
+            node_id="one-lease", transport="shm", limits=LimitsConfig(max_leases_per_principal=1)
         )
     )
     await d.start()
@@ -138,12 +137,17 @@ async def test_the_lease_cap_is_the_daemons_acquire() -> None:
         await d.close()
 
 
-def test_the_daemons_options_default_to_the_configurations_defaults() -> None:
-    """One place says each default: a daemon built without a config runs as one built
-    from the default config (only the port differs: 0, any free one), the request
-    body limit included (``server.max_request_bytes``, 64 MiB)."""
-    secret = b"s" * 32
-    from_config = DaemonOptions.from_config(Config(), secret)
-    bare = DaemonOptions(secret=secret)
-    assert dataclasses.replace(from_config, port=0) == bare
-    assert bare.client_max_size == 64 << 20 and bare.limits == LimitsConfig()
+async def test_a_daemon_built_without_a_config_runs_as_the_default_config() -> None:
+    """One place says each default: a daemon built without a config runs as the
+    default config says, the app's request body limit included
+    (``server.max_request_bytes``, 64 MiB), and the test helper's config differs from
+    it only where asked (and in the port: 0, any free one)."""
+    bare = Daemon()
+    assert bare.config == Config()
+    assert bare.mode == "auto" and bare.limits == LimitsConfig() and bare.peers.trusted() == []
+    assert create_app(bare)._client_max_size == 64 << 20
+    helper = daemon_config(deltas=True)
+    assert helper.server.port == 0 and helper.pulls.deltas
+    asked = msgspec.structs.replace(helper.pulls, deltas=False)
+    server = msgspec.structs.replace(helper.server, port=Config().server.port)
+    assert msgspec.structs.replace(helper, pulls=asked, server=server) == Config()

@@ -17,13 +17,13 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
-from support.daemons import GatedCopier, served
+from support.daemons import GatedCopier, daemon_config, served
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config
 from refitd.daemon.auth import check_startup
 from refitd.daemon.handlers import PULLS
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.paths import has_rdma, transport_schemes
 from refitd.daemon.pulls import PullManager
 from refitd.daemon.sdnotify import Notifier
@@ -57,10 +57,16 @@ class Node:
 
 @contextlib.asynccontextmanager
 async def node(
-    name: str, metrics: bool = False, copier: GatedCopier | None = None, **options: object
+    name: str,
+    metrics: bool = False,
+    copier: GatedCopier | None = None,
+    boot_id: str = "",
+    **options: object,
 ) -> AsyncIterator[Node]:
-    options.setdefault("peers", ("http://127.0.0.1:*",))  # the other test daemons
-    d = Daemon(DaemonOptions(port=0, node_id=name, secret=SECRET, **options), copier=copier)  # type: ignore[arg-type]
+    options.setdefault("allow", ("http://127.0.0.1:*",))  # the other test daemons
+    d = Daemon(
+        daemon_config(node_id=name, **options), secret=SECRET, boot_id=boot_id, copier=copier
+    )
     setup = []
     if metrics:
         config = load_config(env={}, overrides={})
@@ -94,7 +100,7 @@ async def pull_all(
 
 
 async def test_auto_is_the_default_mode_and_starts_tcp_and_ucx_only_where_ucx_offers_rdma() -> None:
-    assert DaemonOptions().transport == "auto"
+    assert Daemon().mode == "auto"
     assert load_config(env={}, overrides={}).data_plane.transport == "auto"
     async with node("solo") as n:
         assert (await n.client.ready())["transport"] == "auto"
@@ -289,7 +295,7 @@ async def test_data_plane_lanes_and_port_configure_the_tcp_data_server() -> None
 
 
 async def test_the_tcp_data_server_answers_only_trusted_peers_hosts_and_loopback() -> None:
-    async with node("solo", transport="tcp", peers=("http://10.0.0.7:*",)) as n:
+    async with node("solo", transport="tcp", allow=("http://10.0.0.7:*",)) as n:
         accept = n.daemon.plane.by_scheme["tcp"].accept  # type: ignore[attr-defined]
         assert accept("10.0.0.7") and accept("127.0.0.1")
         assert not accept("10.0.0.8"), "a host neither allow-listed nor registered"

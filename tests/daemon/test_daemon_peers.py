@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 import pytest
-from support.daemons import serving_daemons
+from support.daemons import daemon_config, serving_daemons
 
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.errors import ProtocolError
 from refitd.wire import (
     DescriptorTable,
@@ -38,8 +38,8 @@ def test_a_region_record_altered_after_signing_is_refused() -> None:
 async def test_a_pull_from_a_daemon_of_another_deployment_is_refused_before_any_byte_moves() -> (
     None
 ):
-    a = Daemon(DaemonOptions(port=0, node_id="a", secret=b"a" * 32))
-    b = Daemon(DaemonOptions(port=0, node_id="b", secret=b"b" * 32))
+    a = Daemon(daemon_config(node_id="a"), secret=b"a" * 32)
+    b = Daemon(daemon_config(node_id="b"), secret=b"b" * 32)
     async with serving_daemons(a, b) as (ca, cb):
         src = await ca.create_region(64)
         SharedSegment.attach(src.handle, 64).numpy()[:] = 9

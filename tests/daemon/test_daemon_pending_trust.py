@@ -17,12 +17,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from support.daemons import FakeClock
+from support.daemons import FakeClock, daemon_config
 
 from refitd.client.http import RefitClient
 from refitd.config import LimitsConfig, ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.process import listening
 from refitd.daemon.registry import PENDING_MANIFESTS, Registry
 from refitd.errors import QuotaExceeded
@@ -42,11 +42,12 @@ async def tenants(
     tokens.chmod(0o600)
     policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
     limits = LimitsConfig(max_manifest_shards=SHARDS, pending_ttl_s=ttl_s)
-    opts = DaemonOptions(port=0, node_id="pending", transport="shm", limits=limits)
+    opts = daemon_config(node_id="pending", transport="shm", limits=limits)
     async with (
-        listening(
-            opts, daemon=Daemon(opts, clock=clock), setup=[lambda app: setup_auth(app, policy)]
-        ) as (_, url),
+        listening(Daemon(opts, clock=clock), setup=[lambda app: setup_auth(app, policy)]) as (
+            _,
+            url,
+        ),
         RefitClient(url, token="token-of-a") as a,
         RefitClient(url, token="token-of-b") as b,
     ):

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from support.daemons import served
+from support.daemons import daemon_config, served
 
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.openapi import setup_openapi
 from refitd.daemon.service import daemon_operations
 from refitd.errors import ProtocolError
@@ -126,7 +126,7 @@ def test_the_scan_sees_each_way_a_handler_reads_the_query() -> None:
 
 @pytest.fixture
 async def client() -> AsyncIterator[RefitClient]:
-    daemon = Daemon(DaemonOptions(port=0, node_id="t", transport="shm"))
+    daemon = Daemon(daemon_config(node_id="t", transport="shm"))
     document = lambda app: setup_openapi(app, daemon_operations())  # noqa: E731
     async with served(daemon, setup=[document]) as s:
         yield s.client

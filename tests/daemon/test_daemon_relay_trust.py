@@ -22,11 +22,12 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
+from support.daemons import daemon_config
 
 from refitd.client.http import RefitClient
 from refitd.client.spawn import spawn_daemon
 from refitd.daemon.mirror import MAX_HOLDERS
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.process import listening
 from refitd.wire import MSGPACK, ManifestIn, ShardEntry, TensorEntry
 from refitd.wire.mirrors import HolderAssign, HolderJoin
@@ -42,11 +43,9 @@ MODEL = "m"
 async def source() -> AsyncIterator[tuple[str, RefitClient]]:
     """A daemon holding READY version 1 of ``MODEL``, trusting every daemon on
     127.0.0.1 (any port) as a peer."""
-    opts = DaemonOptions(
-        port=0, node_id="source", transport="shm", secret=SECRET, peers=("http://127.0.0.1:*",)
-    )
+    opts = daemon_config(node_id="source", transport="shm", allow=("http://127.0.0.1:*",))
     async with (
-        listening(opts, daemon=Daemon(opts)) as (_, url),
+        listening(Daemon(opts, secret=SECRET)) as (_, url),
         RefitClient(url) as c,
     ):
         info = await c.create_region(4096, label="w")

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.daemons import daemon_config
 
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.errors import InsufficientStorage
 from refitd.wire import (
     DescriptorTable,
@@ -63,7 +64,7 @@ async def scenario() -> None:
     """Run inside the namespace: asserts, exits non-zero on the first failure."""
     from support.daemons import serving_daemons
 
-    d = Daemon(DaemonOptions(node_id="full", transport="shm", grace_s=0.5))
+    d = Daemon(daemon_config(node_id="full", transport="shm", shutdown_grace_s=0.5))
     async with serving_daemons(d) as (c,):
         # Tenant b: a version and a destination, before a fills the memory.
         b_src, b_lease, b_data = await _published(c, "b", 64 << 10, 0x5A)

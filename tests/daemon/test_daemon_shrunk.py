@@ -18,10 +18,10 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
-from support.daemons import GatedCopier, serving_daemons
+from support.daemons import GatedCopier, daemon_config, serving_daemons
 
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.errors import RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
@@ -93,7 +93,7 @@ def _shrink(seg: SharedSegment, nbytes: int) -> None:
 async def _tenants() -> AsyncIterator[tuple[Daemon, GatedCopier, Tenant, Tenant]]:
     gate = GatedCopier()
     gate.gate.set()
-    d = Daemon(DaemonOptions(node_id="shrunk", transport="shm", grace_s=0.5), copier=gate)
+    d = Daemon(daemon_config(node_id="shrunk", transport="shm", shutdown_grace_s=0.5), copier=gate)
     async with serving_daemons(d) as (c,):
         a = await Tenant(c, "a", 0x11).setup()
         b = await Tenant(c, "b", 0x5A).setup()

@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from support.daemons import serving_daemons
+from support.daemons import daemon_config, serving_daemons
 
 from refitd.client import SyncRefitClient
 from refitd.client.spawn import serve_command
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.paths import has_rdma, rdma_devices
 from transports.ucx.info import ucx_transports
 
@@ -36,7 +36,7 @@ async def test_auto_without_rdma_asks_ucx_only_once_node_info_is_asked_for() -> 
     the first ``/v1/node`` asks it, and says what it said."""
     if rdma_devices():
         pytest.skip("this host has an RDMA device: auto asks UCX at start, as it must")
-    daemon = Daemon(DaemonOptions(port=0))
+    daemon = Daemon(daemon_config())
     async with serving_daemons(daemon) as (c,):
         assert set(daemon.plane.by_scheme) == {"tcp"}
         assert daemon.ucx_transports == []  # not asked yet
@@ -47,7 +47,7 @@ async def test_auto_without_rdma_asks_ucx_only_once_node_info_is_asked_for() -> 
 
 
 async def test_a_shm_daemon_never_asks_ucx() -> None:
-    daemon = Daemon(DaemonOptions(port=0, transport="shm"))
+    daemon = Daemon(daemon_config(transport="shm"))
     async with serving_daemons(daemon) as (c,):
         assert (await c.node()).ucx_transports == []
         assert daemon.plane.by_scheme == {}

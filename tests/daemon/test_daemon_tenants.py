@@ -34,10 +34,10 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from support.daemons import served_in_a_thread, token_file
+from support.daemons import daemon_config, served_in_a_thread, token_file
 
 from refitd.config import ServerConfig
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from transports.segments import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
@@ -150,7 +150,7 @@ class TwoTenants(RuleBasedStateMachine):
     def start(self) -> None:
         """A daemon of this example's own, and both tenants' objects in it."""
         self.running = contextlib.ExitStack()
-        opts = DaemonOptions(port=0, node_id="tenants", transport="shm", grace_s=0.5)
+        opts = daemon_config(node_id="tenants", transport="shm", shutdown_grace_s=0.5)
         access = ServerConfig(port=0, token_file=self.tokens)
         self.url = self.running.enter_context(
             served_in_a_thread(lambda: Daemon(opts), access=access)

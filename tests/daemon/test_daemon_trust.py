@@ -12,13 +12,13 @@ import msgspec
 import numpy as np
 import pytest
 from aiohttp import web
-from support.daemons import GatedCopier, serving_daemons
+from support.daemons import GatedCopier, daemon_config, serving_daemons
 from support.hostile import W_BYTES, rows, toy_manifest
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config
 from refitd.daemon.listeners import Caller, PullListener
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.peers import PeerPolicy, normalize_peer
 from refitd.daemon.process import listening
 from refitd.daemon.pulls import LocalSource, PullJob, PullManager
@@ -67,9 +67,9 @@ async def recording_server() -> AsyncIterator[tuple[str, list[web.Request]]]:
 async def token_daemon(*peers: str) -> AsyncIterator[tuple[Daemon, RefitClient, int, int, str]]:
     """A daemon that presents ``PEER_TOKEN`` to the peers it reads from, with 'toy' v1
     published and leased; yields (daemon, client, src region, dst region, lease)."""
-    d = Daemon(DaemonOptions(port=0, node_id="trusting", transport="shm", peers=peers))
+    d = Daemon(daemon_config(node_id="trusting", transport="shm", allow=peers))
     async with (
-        listening(d.options, daemon=d, token=PEER_TOKEN) as (_, url),
+        listening(d, token=PEER_TOKEN) as (_, url),
         RefitClient(url) as c,
     ):
         src = await c.create_region(W_BYTES, label="w")
@@ -178,8 +178,8 @@ def _manifest(model: str, region: int, version: int = 1) -> ManifestIn:
 
 @contextlib.asynccontextmanager
 async def two_models(**kw: object) -> AsyncIterator[Two]:
-    d = Daemon(DaemonOptions(port=0, node_id="two", transport="shm"), **kw)  # type: ignore[arg-type]
-    async with listening(d.options, daemon=d) as (_, url), RefitClient(url) as c:
+    d = Daemon(daemon_config(node_id="two", transport="shm"), **kw)  # type: ignore[arg-type]
+    async with listening(d) as (_, url), RefitClient(url) as c:
         regions = {}
         for i, model in enumerate("ab"):
             info = await c.create_region(2 * W_BYTES, label=model)
@@ -281,8 +281,8 @@ async def test_peer_pack_and_peer_regions_under_a_lease_never_reach_outside_its_
 
 
 async def test_a_remote_pull_under_a_lease_never_reads_outside_that_leases_version() -> None:
-    a = Daemon(DaemonOptions(port=0, node_id="src", secret=b"k" * 32))
-    b = Daemon(DaemonOptions(port=0, node_id="dst", secret=b"k" * 32))
+    a = Daemon(daemon_config(node_id="src"), secret=b"k" * 32)
+    b = Daemon(daemon_config(node_id="dst"), secret=b"k" * 32)
     async with serving_daemons(a, b) as (ca, cb):
         regions = []
         for model in "ab":

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 import pytest_asyncio
 import torch
-from support.daemons import served, serving_daemons
+from support.daemons import daemon_config, served, serving_daemons
 from support.deltas import Change, DoubleBuffered, changed
 from support.engines import mismatched, zeroed_engine
 
 from refitd.bench.refit import capture_for
 from refitd.client.deltarefit import DeltaReceiver
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.testing.engines import EngineParallel, ModelConfig, ToyEngine, dense_toy_config
 from refitd.testing.layouts import full_state, megatron_tp_ep
 
@@ -73,8 +73,8 @@ async def test_an_engine_whose_base_differs_from_the_sources_refits_in_full_and_
     # trainer restarted elsewhere): the engine's v1 is daemon A's; daemon B's v2 is
     # a delta against B's own v1. Only the digest tells the two v1 apart.
     secret = os.urandom(32)
-    a = Daemon(DaemonOptions(port=0, deltas=True, secret=secret))
-    b = Daemon(DaemonOptions(port=0, deltas=True, secret=secret))
+    a = Daemon(daemon_config(deltas=True), secret=secret)
+    b = Daemon(daemon_config(deltas=True), secret=secret)
     async with serving_daemons(a, b) as (ca, cb):
         s1 = full_state(CFG, seed=1)
         await DoubleBuffered(ca, "m", layout).publish(1, s1)

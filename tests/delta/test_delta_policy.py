@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from support.daemons import serving_daemons
+from support.daemons import daemon_config, serving_daemons
 from support.deltas import Change, DoubleBuffered, changed
 from support.engines import mismatched, zeroed_engine
 
 from refitd.bench.refit import capture_for
 from refitd.client.deltarefit import DeltaReceiver
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.testing.engines import EngineParallel, ToyEngine, dense_toy_config
 from refitd.testing.layouts import full_state, megatron_tp_ep
 
@@ -43,9 +43,9 @@ def receiver(local: RefitClient, source: RefitClient, **kw: Any) -> DeltaReceive
     )
 
 
-def daemon(**kw: Any) -> Daemon:
+def daemon(boot_id: str = "", **kw: Any) -> Daemon:
     return Daemon(
-        DaemonOptions(port=0, secret=SECRET, peers=("http://127.0.0.1:*",), **kw)  # type: ignore[arg-type]
+        daemon_config(allow=("http://127.0.0.1:*",), **kw), secret=SECRET, boot_id=boot_id
     )
 
 

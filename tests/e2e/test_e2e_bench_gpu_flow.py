@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.daemons import daemon_config
 
 from refitd.bench.gpu import GpuResult, pulls, refit
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.process import listening
 
 pytestmark = pytest.mark.timeout(300)
@@ -18,8 +19,8 @@ pytestmark = pytest.mark.timeout(300)
 async def test_the_gpu_benchmarks_pulls_and_refits_verify_every_byte_on_host_memory() -> None:
     cpu = torch.device("cpu")
     res = GpuResult()
-    d = Daemon(DaemonOptions(port=0, node_id="bench-flow", transport="shm"))
-    async with listening(d.options, daemon=d) as (_, url), RefitClient(url) as c:
+    d = Daemon(daemon_config(node_id="bench-flow", transport="shm"))
+    async with listening(d) as (_, url), RefitClient(url) as c:
         await pulls(c, res, 4 << 20, 512, cpu)
         from_memory = await refit(c, 0.01, 2, True, res, cpu)  # its "GPU" buffers: segments
         from_host = await refit(c, 0.01, 2, False, res, cpu)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.daemons import daemon_config
 
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.process import listening
 
 pytestmark = pytest.mark.timeout(300)
@@ -19,8 +20,8 @@ async def test_hugging_face_models_refitted_from_tp2_serve_what_fresh_ones_do() 
     from refitd.bench.hfexact import engine_exact
 
     lines: list[str] = []
-    d = Daemon(DaemonOptions(port=0, node_id="hf", transport="shm"))
-    async with listening(d.options, daemon=d) as (_, url), RefitClient(url) as c:
+    d = Daemon(daemon_config(node_id="hf", transport="shm"))
+    async with listening(d) as (_, url), RefitClient(url) as c:
         assert await engine_exact(c, torch.device("cpu"), lines.append), lines
     assert len(lines) == 4 and all("same tokens and logits=True" in line for line in lines)
     assert "replayed" in lines[1] and "replayed" in lines[3]

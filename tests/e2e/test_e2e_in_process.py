@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-from support.daemons import FakeClock, GatedCopier, serving_daemons
+from support.daemons import FakeClock, GatedCopier, daemon_config, serving_daemons
 from support.engines import mismatched, zeroed_engine
 
 from refitd.bench.refit import capture_for, publish_layout
 from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.errors import ConflictError
 from refitd.reshard.types import IncompleteRefit
 from refitd.testing.engines import EngineParallel, ModelConfig, ToyEngine, dense_toy_config
@@ -79,8 +79,8 @@ async def close(r: DaemonReceiver, toy: Toy) -> None:
 
 async def test_a_lease_expiring_mid_pull_fails_the_refit_and_installs_nothing() -> None:
     clock, gated = FakeClock(50.0), GatedCopier()
-    a = Daemon(DaemonOptions(port=0, node_id="a", secret=SECRET), clock=clock)
-    b = Daemon(DaemonOptions(port=0, node_id="b", secret=SECRET), copier=gated)
+    a = Daemon(daemon_config(node_id="a"), secret=SECRET, clock=clock)
+    b = Daemon(daemon_config(node_id="b"), secret=SECRET, copier=gated)
     async with serving_daemons(a, b) as (ca, cb):
         toy = await publish_dense(ca, "m", 2)
         par = EngineParallel(2, 0)
@@ -104,8 +104,8 @@ async def test_a_lease_expiring_mid_pull_fails_the_refit_and_installs_nothing() 
 
 async def test_in_direct_mode_a_failed_pull_names_the_suspect_parameters() -> None:
     clock, gated = FakeClock(50.0), GatedCopier()
-    a = Daemon(DaemonOptions(port=0, node_id="a", secret=SECRET), clock=clock)
-    b = Daemon(DaemonOptions(port=0, node_id="b", secret=SECRET), copier=gated)
+    a = Daemon(daemon_config(node_id="a"), secret=SECRET, clock=clock)
+    b = Daemon(daemon_config(node_id="b"), secret=SECRET, copier=gated)
     async with serving_daemons(a, b) as (ca, cb):
         toy = await publish_dense(ca, "m", 2)
         par = EngineParallel(2, 1)
@@ -123,7 +123,7 @@ async def test_in_direct_mode_a_failed_pull_names_the_suspect_parameters() -> No
 
 
 async def test_one_daemon_can_serve_both_the_trainer_and_the_engine() -> None:
-    d = Daemon(DaemonOptions(port=0, node_id="solo", secret=SECRET))
+    d = Daemon(daemon_config(node_id="solo"), secret=SECRET)
     async with serving_daemons(d) as (c,):
         toy = await publish_dense(c, "solo", 4)
         par = EngineParallel(2, 1)
@@ -137,8 +137,8 @@ async def test_one_daemon_can_serve_both_the_trainer_and_the_engine() -> None:
 
 async def test_a_refit_held_past_its_lease_ttl_renews_the_lease_and_succeeds() -> None:
     gated = GatedCopier()
-    a = Daemon(DaemonOptions(port=0, node_id="a", secret=SECRET, transport="shm"))
-    b = Daemon(DaemonOptions(port=0, node_id="b", secret=SECRET, transport="shm"), copier=gated)
+    a = Daemon(daemon_config(node_id="a", transport="shm"), secret=SECRET)
+    b = Daemon(daemon_config(node_id="b", transport="shm"), secret=SECRET, copier=gated)
     async with serving_daemons(a, b) as (ca, cb):
         toy = await publish_dense(ca, "m", 2)
         par = EngineParallel(2, 0)
@@ -161,7 +161,7 @@ async def test_a_refit_held_past_its_lease_ttl_renews_the_lease_and_succeeds() -
 
 
 async def test_a_refit_that_would_leave_parameters_unwritten_is_refused_naming_each() -> None:
-    d = Daemon(DaemonOptions(port=0, node_id="solo", secret=SECRET))
+    d = Daemon(daemon_config(node_id="solo"), secret=SECRET)
     async with serving_daemons(d) as (c,):
         cfg = dense_toy_config()
         state = full_state(cfg)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.daemons import daemon_config
 
 from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.process import listening
 from refitd.errors import ConflictError
 
@@ -29,8 +30,8 @@ class Split(torch.nn.Module):
 async def test_an_engine_with_parameters_on_two_devices_is_refused_before_anything_is_registered() -> (
     None
 ):
-    d = Daemon(DaemonOptions(port=0, node_id="split", transport="shm"))
-    async with listening(d.options, daemon=d) as (_, url), RefitClient(url) as c:
+    d = Daemon(daemon_config(node_id="split", transport="shm"))
+    async with listening(d) as (_, url), RefitClient(url) as c:
         r = DaemonReceiver(
             local=c, source=c, model="m", engine=Split(), twin=Split, capture=lambda m, s: None
         )

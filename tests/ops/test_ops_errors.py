@@ -62,7 +62,7 @@ async def test_the_client_raises_request_too_large_for_a_body_over_the_limit() -
 
 async def test_the_bare_daemon_answers_an_oversized_body_as_request_too_large() -> None:
     # Without the access middleware, aiohttp's own limit refuses the body as it is read.
-    async with served(client_max_size=1024) as daemon, RefitClient(daemon.url) as c:
+    async with served(max_request_bytes=1024) as daemon, RefitClient(daemon.url) as c:
         with pytest.raises(RequestTooLarge, match="too large"):
             await c.create_region(64, label="x" * 4096)
 

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from support.daemons import GatedCopier, served
+from support.daemons import GatedCopier, daemon_config, served
 from support.ops import refitd
 
 from refitd.cli import _build_parser
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.wire import ManifestIn, RegionInfo, ShardEntry, TensorEntry
 from transports.segments import SharedSegment
 
@@ -172,7 +172,7 @@ async def test_pull_keeps_the_lease_it_took_alive_past_its_ttl(tmp_path: Path) -
     that. The pull lands only because the command's lease keeper renewed the lease
     (the daemon checks it again once the bytes have moved)."""
     copier = GatedCopier()
-    daemon = Daemon(DaemonOptions(port=0, node_id="t", transport="shm"), copier=copier)
+    daemon = Daemon(daemon_config(node_id="t", transport="shm"), copier=copier)
     async with served(daemon) as d:
         c = d.client
         src = await c.create_region(4096, label="trainer")

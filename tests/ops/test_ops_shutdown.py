@@ -10,12 +10,12 @@ import asyncio
 from typing import Any
 
 from aiohttp import web
-from support.daemons import GatedCopier
+from support.daemons import GatedCopier, daemon_config
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
 from refitd.daemon.handlers import PULLS
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.process import serve
 from refitd.wire import (
     PullState,
@@ -24,7 +24,7 @@ from refitd.wire import (
 
 async def start_held_pull(grace_s: float) -> tuple[Any, ...]:
     """serve() with one pull of 4096 bytes held at the gate; returns what tests need."""
-    options = DaemonOptions(port=0, grace_s=grace_s)
+    options = daemon_config(shutdown_grace_s=grace_s)
     copier = GatedCopier()
     stop = asyncio.Event()
     ready: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -32,11 +32,11 @@ async def start_held_pull(grace_s: float) -> tuple[Any, ...]:
     apps: list[web.Application] = []
     task = asyncio.create_task(
         serve(
-            options,
+            Daemon(options, copier=copier),
             stop=stop,
             on_ready=ready.set_result,
             on_stopping=stopping.set,
-            app_kwargs={"daemon": Daemon(options, copier=copier), "setup": [apps.append]},
+            app_kwargs={"setup": [apps.append]},
         )
     )
     record = await asyncio.wait_for(ready, 60)

@@ -8,9 +8,9 @@ import os
 import sys
 
 import pytest
-from support.daemons import serving_daemons
+from support.daemons import daemon_config, serving_daemons
 
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.paths import has_rdma
 
 pytestmark = pytest.mark.timeout(120)
@@ -28,7 +28,7 @@ async def status(url: str, *extra: str) -> str:
 
 
 async def test_status_says_which_path_a_trusted_peer_would_get_in_auto_and_why() -> None:
-    async with serving_daemons(Daemon(DaemonOptions(port=0, peers=(PEER,)))) as (c,):
+    async with serving_daemons(Daemon(daemon_config(allow=(PEER,)))) as (c,):
         node = await c.node()
         remote = "ucx" if has_rdma(node.ucx_transports) else "tcp"
         want = f"shm if proven on this host at pull time, else {remote}"
@@ -41,7 +41,5 @@ async def test_status_says_which_path_a_trusted_peer_would_get_in_auto_and_why()
 
 
 async def test_status_says_a_forced_transport_is_what_every_peer_gets() -> None:
-    async with serving_daemons(Daemon(DaemonOptions(port=0, peers=(PEER,), transport="tcp"))) as (
-        c,
-    ):
+    async with serving_daemons(Daemon(daemon_config(allow=(PEER,), transport="tcp"))) as (c,):
         assert (await c.node()).paths == {PEER: "tcp: forced (--transport tcp)"}

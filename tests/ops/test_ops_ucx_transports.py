@@ -8,9 +8,9 @@ import os
 import sys
 
 import pytest
-from support.daemons import serving_daemons
+from support.daemons import daemon_config, serving_daemons
 
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.ops.status import describe_ucx
 from transports.ucx.info import parse_ucx_info
 
@@ -37,7 +37,7 @@ def test_ucx_info_output_becomes_transport_device_pairs_and_rdma_is_named() -> N
 
 
 async def test_status_lists_the_transports_of_the_running_ucx_data_plane() -> None:
-    async with serving_daemons(Daemon(DaemonOptions(port=0, transport="ucx"))) as (c,):
+    async with serving_daemons(Daemon(daemon_config(transport="ucx"))) as (c,):
         node = await c.node()
         assert any(p.startswith("tcp/") for p in node.ucx_transports), node.ucx_transports
         proc = await asyncio.create_subprocess_exec(

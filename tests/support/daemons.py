@@ -1,6 +1,9 @@
 """Starting daemons in the tests, and two fakes.
 
-One way to start a daemon in the test's own process: :func:`served` (one daemon,
+A daemon's settings are a :class:`~refitd.config.Config`, as ``refitd serve`` loads
+it: :func:`daemon_config` builds one from the defaults and a few keys
+(``daemon_config(transport="shm", deltas=True)``), and ``Daemon(config, secret=...)``
+runs it. One way to start a daemon in the test's own process: :func:`served` (one daemon,
 with its app, URL and a client), :func:`serving_daemons` (several that trust each
 other) and, for a synchronous test, :func:`served_in_a_thread`. Each serves a real
 daemon on 127.0.0.1:0 through :func:`refitd.daemon.process.listening`, as
@@ -24,16 +27,45 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 from aiohttp import web
 
 from refitd.client.http import RefitClient
-from refitd.config import ServerConfig
+from refitd.config import Config, ServerConfig, load_config
 from refitd.daemon.auth import check_startup, setup_auth
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.daemon.process import listening
 from transports.local import copy_addresses
+
+
+def daemon_config(**settings: Any) -> Config:
+    """The default configuration with ``settings`` over it, and ``server.port`` 0 (an
+    in-process daemon binds any free port) unless given.
+
+    A setting is named by its key alone (every key is in one section:
+    ``transport="shm"`` is ``data_plane.transport``, ``readers=(...)`` is
+    ``models.readers``), or by its section with a whole table
+    (``limits=LimitsConfig(...)``). Loaded by :func:`refitd.config.load_config`, so a
+    key or value the daemon would refuse is refused here too (the environment is
+    ignored)."""
+    sections = {f.name: f.type for f in msgspec.structs.fields(Config)}
+    section_of = {
+        key.name: section
+        for section, table in sections.items()
+        for key in msgspec.structs.fields(table)
+    }
+    overrides: dict[str, Any] = {"server.port": 0}
+    for name, value in settings.items():
+        if name in sections:
+            table = msgspec.structs.asdict(value)
+            overrides.update({f"{name}.{key}": v for key, v in table.items()})
+        elif name in section_of:
+            overrides[f"{section_of[name]}.{name}"] = value
+        else:
+            raise TypeError(f"daemon_config: {name!r} is no section, nor a key of one")
+    return load_config(None, {}, overrides)
 
 
 @dataclass(frozen=True)
@@ -63,22 +95,23 @@ async def served(
     access: ServerConfig | None = None,
     setup: Iterable[Callable[[web.Application], None]] = (),
     token: str | None = None,
-    **options: Any,
+    **settings: Any,
 ) -> AsyncIterator[Served]:
-    """Serve ``daemon`` (else a new one of ``DaemonOptions(port=0, **options)``) on
-    127.0.0.1:0 in this process for the block.
+    """Serve ``daemon`` (else a new one of ``daemon_config(**settings)``) in this
+    process for the block, on 127.0.0.1 and the port its config says (0 from
+    :func:`daemon_config`: any free one).
 
     ``access`` is the ``[server]`` access configuration (token file, Unix socket,
     allowed uids), checked and enforced as ``refitd serve`` does; ``setup`` are more
     ``create_app`` setup hooks (after the access one); ``token`` is the bearer token
     this daemon sends to its peers."""
-    d = daemon if daemon is not None else Daemon(DaemonOptions(**{"port": 0, **options}))
+    d = daemon if daemon is not None else Daemon(daemon_config(**settings))
     hooks = list(setup)
     if access is not None:
         policy = check_startup(access)
         hooks.insert(0, lambda app: setup_auth(app, policy))
     async with (
-        listening(d.options, daemon=d, setup=hooks, token=token) as (app, url),
+        listening(d, setup=hooks, token=token) as (app, url),
         RefitClient(url) as client,
     ):
         yield Served(d, app, url, client)

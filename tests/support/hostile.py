@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon, DaemonOptions
+from refitd.daemon.node import Daemon
 from refitd.wire import (
     MSGPACK,
     DescriptorTable,
@@ -27,7 +27,7 @@ from refitd.wire import (
     ShardEntry,
     TensorEntry,
 )
-from support.daemons import FakeClock, served
+from support.daemons import FakeClock, daemon_config, served
 from transports.segments import SharedSegment
 
 #: the test daemon's request size limit in bytes: a million descriptor rows (40 MB) exceed it
@@ -113,8 +113,8 @@ async def hostile_daemon() -> AsyncIterator[Env]:
     """A daemon holding version 1 of 'toy' under a lease, and a zeroed destination
     region; on exit, checks that the daemon still serves a valid pull byte-exact and
     that nothing before it wrote into the destination."""
-    opts = DaemonOptions(
-        port=0, node_id="hostile", transport="shm", client_max_size=MAX_BODY, grace_s=0.5
+    opts = daemon_config(
+        node_id="hostile", transport="shm", max_request_bytes=MAX_BODY, shutdown_grace_s=0.5
     )
     clock = FakeClock()
     daemon = Daemon(opts, clock=clock)
