@@ -20,6 +20,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import msgspec
 import numpy as np
 
 from refitd.client.leases import LeaseKeeper
@@ -29,7 +30,7 @@ from refitd.daemon.mirrorfeed import HEARTBEAT_S, follow
 from refitd.daemon.mirrorleases import OWNER
 from refitd.daemon.mirrorread import Regranted, answer_s, fill_chunks
 from refitd.daemon.move import one_error
-from refitd.daemon.paths import SHM_SCHEME
+from refitd.daemon.paths import SHM_SCHEME, TCP_SCHEME
 from refitd.daemon.sources import RemoteSource
 from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import DescriptorTable, PeerRegions, PullRequest
@@ -82,7 +83,8 @@ log = logging.getLogger("refitd.mirrors")
 class Filler:
     """Fills the mirrors of daemon ``d``: ``pulls`` moves their bytes, ``self_url()``
     is the URL other daemons read this one at ("" none: the source is read directly),
-    ``remote(url)`` the trusted peer daemon at ``url``."""
+    ``remote(url)`` the trusted peer daemon at ``url``; ``landed()`` is called after
+    chunks were marked complete (reads held for them are answered)."""
 
     def __init__(
         self,
@@ -90,20 +92,32 @@ class Filler:
         pulls: PullManager,
         self_url: Callable[[], str],
         remote: Callable[[str], RemoteSource],
+        landed: Callable[[], None] = lambda: None,
     ) -> None:
         self.d = d
         self.pulls = pulls
         self.self_url = self_url
         self._remote = remote
+        self.landed = landed
 
-    async def fill(self, m: Mirror, src: RemoteSource, lease_id: str) -> None:
-        """Fill every chunk, from the holder the source assigns, failing over (a relay
-        that failed, stopped answering or was slow leaves the book; the chunks already
-        here stay)."""
+    async def fill(
+        self,
+        m: Mirror,
+        src: RemoteSource,
+        lease_id: str,
+        joined: asyncio.Task[str],
+        records: PeerRegions,
+    ) -> None:
+        """Fill every chunk, from the holder the source assigns (first ``joined``, the
+        answer to this mirror's first join), failing over (a relay that failed, stopped
+        answering or was slow leaves the book; the chunks already here stay).
+        ``records`` are the source's, under ``lease_id``, read first if it is the
+        source that is assigned."""
         exclude: list[str] = []
         slow_checks = MAX_SLOW_SWITCHES
+        first: PeerRegions | None = records
         while not m.done.all():
-            upstream = await self._assign(src, m, exclude)
+            upstream = await joined if not m.tried else await self.assign(src, m, exclude)
             m.upstream = upstream
             m.tried.append(upstream or m.source)
             try:
@@ -113,7 +127,8 @@ class Filler:
                         if upstream:
                             await self._from_relay(m, upstream, lease_id)
                         else:
-                            await self._from_source(m, src, lease_id)
+                            await self._from_source(m, src, lease_id, first)
+                        first = None  # records of a later try are fetched afresh
                         watch.cancel()
             except Reassigned as exc:
                 log.info("%s", exc)
@@ -129,7 +144,7 @@ class Filler:
                 log.warning("relay %s failed, reading the rest elsewhere: %s", upstream, what)
                 exclude.append(upstream)
 
-    async def _assign(self, src: RemoteSource, m: Mirror, exclude: list[str]) -> str:
+    async def assign(self, src: RemoteSource, m: Mirror, exclude: list[str]) -> str:
         """The holder to read from, as the source's holder book assigns it ("" the
         source). A source that runs no holder book is read directly."""
         try:
@@ -201,19 +216,22 @@ class Filler:
                     f"peers' {peers[len(peers) // 2] * 8 / 1e6:.0f} Mbit/s"
                 )
 
-    async def _from_source(self, m: Mirror, src: RemoteSource, lease_id: str) -> None:
+    async def _from_source(
+        self, m: Mirror, src: RemoteSource, lease_id: str, peer: PeerRegions | None
+    ) -> None:
         """Read every chunk this mirror lacks from the source, under the mirror's own
-        lease there (its records give the whole version)."""
+        lease there (its records, ``peer`` or fetched now, give the whole version)."""
         probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
         wait = self.d.config.data_plane.pull_timeout_s
         async with asyncio.timeout(wait):
-            peer = await src.regions(sorted(m.regions), probe)
+            if peer is None:
+                peer = await src.regions(sorted(m.regions), probe)
             path, conn = await self.pulls.open_path(src, peer)
         try:
             todo = np.flatnonzero(~m.done & covered(m.chunks, peer.scope))
             await fill_chunks(
                 m, self.pulls, conn, path, todo, holder=m.source, lease_id=lease_id,
-                owner=OWNER, their=None, pull_timeout_s=wait,
+                owner=OWNER, their=None, pull_timeout_s=wait, landed=self.landed,
             )  # fmt: skip
         finally:
             if path == SHM_SCHEME:  # a transport's connection is shared: it stays open
@@ -245,7 +263,8 @@ class Filler:
                         await fill_chunks(
                             m, self.pulls, feed.conn, feed.path, todo, holder=url,
                             lease_id=grant.lease_id, owner=OWNER, their=feed.their,
-                            pull_timeout_s=timeout, ready=feed.ready,
+                            pull_timeout_s=timeout, landed=self.landed,
+                            ready=None if feed.ahead else feed.ready,
                         )  # fmt: skip
                         follower.cancel()
         except asyncio.CancelledError:
@@ -263,7 +282,13 @@ class Filler:
 class Feed:
     """What a downstream mirror knows of its upstream relay, from the upstream's feed:
     which chunks it serves now (``served``), through which connection (its grant
-    widened with each frame's records), and how its regions map to the source's."""
+    widened with each frame's records), and how its regions map to the source's.
+
+    Over ``tcp`` the grant is the whole version from the first frame on (``ahead``):
+    the upstream's data server holds a read of a chunk not complete there until it is
+    (:mod:`refitd.daemon.mirrorhold`), so the reads go out ahead of the chunks and
+    each is answered as soon as its chunk lands upstream; the frames then only say the
+    upstream still answers, or that its mirror failed."""
 
     def __init__(self, filler: Filler, m: Mirror, relay: RemoteSource, lease_id: str) -> None:
         self.filler = filler
@@ -274,6 +299,8 @@ class Feed:
         self.their: dict[int, int] = {}
         self.path = ""
         self.conn: Regranted | None = None
+        #: reads go out ahead of the upstream's chunks (held there until complete)
+        self.ahead = False
         self.started = asyncio.Event()
         self.error: BaseException | None = None
         self._tick = asyncio.Event()
@@ -307,7 +334,12 @@ class Feed:
         if self.conn is None:
             self.their = dict(regions)
             self.path, conn = await pulls.open_path(self.relay, rec)
+            if self.path == TCP_SCHEME:  # its data server holds reads until complete
+                conn = await pulls.regrant(self._whole(rec), self.path)
+                self.ahead = True
             self.conn = Regranted(conn)
+        elif self.ahead:
+            pass  # the grant is the whole version already
         elif self.path == SHM_SCHEME:
             await self.conn.update(pullcore.shm_record(rec, self.relay.secret))
         else:
@@ -317,6 +349,15 @@ class Feed:
         self.served |= covered(self.m.chunks, scope)
         self.started.set()
         self._wake()
+
+    def _whole(self, rec: PeerRegions) -> PeerRegions:
+        """``rec`` (verified) with the whole version's scope: every chunk of the mirror,
+        in the upstream's region ids. The grant a downstream reads ahead under; the
+        upstream's data server still answers only complete bytes."""
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for s, o, n in self.m.chunks.tolist():
+            ranges.setdefault(self.their[s], []).append((o, o + n))
+        return msgspec.structs.replace(rec, scope={k: ranges.get(k, []) for k in rec.scope})
 
     def _wake(self) -> None:
         tick, self._tick = self._tick, asyncio.Event()

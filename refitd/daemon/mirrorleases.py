@@ -21,6 +21,7 @@ until the capped TTL runs out; it is a daemon of the deployment.)
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -35,10 +36,13 @@ if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
     from refitd.daemon.sources import RemoteSource
 
-__all__ = ["OWNER", "MirrorLeases"]
+__all__ = ["OWNER", "READY_WAIT_S", "MirrorLeases"]
 
 OWNER = "refitd-mirror"
 """Owner of a mirror's regions and of the leases it takes and grants."""
+
+READY_WAIT_S = 10.0
+"""How long a relay's lease request waits for the mirror's regions to exist, s."""
 
 
 class MirrorLeases:
@@ -97,6 +101,10 @@ class MirrorLeases:
         self._once(req)
         m = self.find(req.model, req.version)
         left = await self._left_at_source(m.source, req.source_lease, req.model, req.version)
+        # A mirror joins its source's book while it makes its regions: a relay told to
+        # read it may ask first, and waits for them (a failed one is refused below).
+        async with asyncio.timeout(READY_WAIT_S):
+            await m.ready.wait()
         grant = self.d.registry.acquire(
             req.model, req.version, min(req.ttl_s, left), f"relay {req.node_id}", owner=OWNER
         )

@@ -120,12 +120,14 @@ async def fill_chunks(
     their: dict[int, int] | None,
     pull_timeout_s: float,
     ready: Callable[[np.ndarray], Awaitable[None]] | None = None,
+    landed: Callable[[], None] = lambda: None,
 ) -> None:
     """Read chunks ``todo`` of ``m`` (in that order) from the holder at ``holder``
     through ``conn`` (on ``path``), ``BATCH_CHUNKS`` a batch, as one job of
     ``owner`` in ``pulls``. ``their`` maps source region ids to the holder's (None:
     the holder is the source, which has the whole pull deadline; a relay has a
-    piece's). ``ready(chunks)`` returns once the holder serves those chunks."""
+    piece's). ``ready(chunks)`` returns once the holder serves those chunks;
+    ``landed()`` is called after chunks were marked complete."""
     local = {s: r.region_id for s, r in m.regions.items()}
     c = m.chunks[todo]
     rows = np.empty((len(todo), 5), dtype=np.int64)
@@ -144,6 +146,10 @@ async def fill_chunks(
         assert ready is not None
         await ready(todo[lo:hi])
 
+    def mark(lo: int, hi: int) -> None:
+        m.mark(todo[lo:hi])  # only now: after the read returned
+        landed()
+
     with pulls.tracked(req, owner, path, int(c[:, 2].sum()), holder) as job:
         await move(
             job,
@@ -155,7 +161,7 @@ async def fill_chunks(
                 2, FILL_IN_FLIGHT_BYTES // max(1, BATCH_CHUNKS * int(c[:, 2].max(initial=1)))
             ),
             ready=gate if ready is not None else None,
-            landed=lambda lo, hi: m.mark(todo[lo:hi]),  # only now: after the read returned
+            landed=mark,
             deadline_s=deadline,
             late=None if their is None else conn.cut,
         )

@@ -56,6 +56,7 @@ import numpy as np
 from refitd.client.leases import LeaseKeeper
 from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, cut_chunks
 from refitd.daemon.mirrorfill import LEASE_TTL_S, Filler, describe
+from refitd.daemon.mirrorhold import FillingMirrors, HoldsReads
 from refitd.daemon.mirrorleases import OWNER, MirrorLeases
 from refitd.daemon.mirrorread import MirroredSource
 from refitd.daemon.mirrorspace import half_of_shm, held_bytes, make_room, release
@@ -65,6 +66,7 @@ from refitd.errors import ConflictError, NotFoundError, RefitError, TransportErr
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
+    PeerRegions,
     PullRequest,
     RegionCreate,
     ShardEntry,
@@ -123,7 +125,9 @@ class Mirrors:
         #: (source, model) seen with two or more readers of one version
         self._shared: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        self.filler = Filler(daemon, pulls, self_url, self._remote)
+        #: what the data plane holds a downstream's read ahead of a chunk on
+        self.filling = FillingMirrors()
+        self.filler = Filler(daemon, pulls, self_url, self._remote, self.filling.changed)
 
     # ------------------------------------------------------------ policy
 
@@ -223,13 +227,19 @@ class Mirrors:
         src = self._remote(m.source)
         client = src.client
         lease_id = ""
+        # Join the source's holder book now, while the lease, the records and the
+        # regions are made: its round trip to a busy source is then off the path to
+        # the first byte (a relay's lease on this mirror waits for its regions).
+        joined = asyncio.create_task(self.filler.assign(src, m, []))
         try:
             grant = await client.acquire_lease(m.model, m.version, LEASE_TTL_S)
             lease_id = grant.lease_id
             async with LeaseKeeper(client, grant, LEASE_TTL_S):
-                await self._prepare(m, src, lease_id)
-                await self.filler.fill(m, src, lease_id)
+                records = await self._prepare(m, src, lease_id)
+                if records is not None:
+                    await self.filler.fill(m, src, lease_id, joined, records)
             m.completed_at = time.time()
+            self.filling.remove(m)  # complete: no read of it is held any more
             log.info(
                 "mirror of %r version %d from %s complete in %.2f s (read from %s)",
                 m.model,
@@ -249,15 +259,19 @@ class Mirrors:
             if not isinstance(exc, RefitError):
                 log.error("mirror of %r version %d failed", m.model, m.version, exc_info=exc)
         finally:
+            joined.cancel()  # done by now unless the mirror failed first
             m.ready.set()
             m.notify()
+            self.filling.changed()  # a failed mirror's held reads are refused now
             if lease_id:
                 with contextlib.suppress(RefitError):
                     await asyncio.shield(client.release_lease(lease_id))
 
-    async def _prepare(self, m: Mirror, src: RemoteSource, lease_id: str) -> None:
+    async def _prepare(self, m: Mirror, src: RemoteSource, lease_id: str) -> PeerRegions | None:
         """Make the mirror's regions, one per source region of the version, and publish
-        the version here over them (so relays can lease it)."""
+        the version here over them (so relays can lease it); the source's records of
+        them under ``lease_id``, or None when this daemon cannot mirror it (``m.error``
+        says why)."""
         d = self.d
         newest = {v.version for v in d.registry.versions(m.model)}
         if newest and max(newest) >= m.version:
@@ -265,7 +279,7 @@ class Mirrors:
                 f"cannot mirror {m.model!r} version {m.version}: this daemon already holds "
                 f"version {max(newest)} of it"
             )
-            return
+            return None
         manifest = await src.client.manifest(m.model, m.version)
         ids = sorted({s.region for t in manifest.tensors for s in t.shards})
         probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
@@ -281,7 +295,7 @@ class Mirrors:
                 "[mirrors] max_bytes); its pulls read the source"
             )
             log.warning("%s", m.error)
-            return
+            return None
         # The mirrored model is the daemon's on this host, as the version is the
         # source's owners' there: no tenant publishes into, drains or retires it.
         try:
@@ -291,7 +305,7 @@ class Mirrors:
                 f"cannot mirror {m.model!r} version {m.version}: {exc}; its pulls read the source"
             )
             log.warning("%s", m.error)
-            return
+            return None
         m.nbytes = need
         try:
             for r in peer.regions:
@@ -312,8 +326,10 @@ class Mirrors:
             ]
             m.chunks = cut_chunks({int(k): v for k, v in peer.scope.items()})  # chunk_bytes
             m.done = np.zeros(len(m.chunks), dtype=bool)
+            self._hold_reads(m)  # before any lease on it exists
             d.registry.publish(ManifestIn(m.model, m.version, 0, 1, tensors))
         except BaseException:
+            self.filling.remove(m)
             for r in m.regions.values():
                 with contextlib.suppress(RefitError):
                     await d.delete_region(r.region_id)
@@ -322,6 +338,15 @@ class Mirrors:
             raise
         m.ready.set()
         self._spawn(self.sweep())
+        return peer
+
+    def _hold_reads(self, m: Mirror) -> None:
+        """Reads of ``m``'s chunks not complete yet are held by every data plane that
+        can hold them (``tcp``), and refused by the rest (their scope)."""
+        self.filling.add(m)
+        for t in self.d.plane.by_scheme.values():
+            if isinstance(t, HoldsReads):
+                t.hold_reads(self.filling)
 
     def _remote(self, url: str) -> RemoteSource:
         """The trusted peer daemon at ``url`` (refused, 400, if this daemon does not
@@ -363,7 +388,7 @@ class Mirrors:
     async def sweep(self) -> list[int]:
         """Delete the regions of every mirror whose version is retired here and no
         longer leased; returns the region ids freed."""
-        return await release(self.d, self.by_key)
+        return await release(self.d, self.by_key, self.filling.remove)
 
     def _spawn(self, coro: Awaitable[object]) -> None:
         async def run() -> None:

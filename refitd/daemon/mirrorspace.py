@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from refitd.daemon.mirror import Mirror
@@ -45,9 +45,14 @@ def held_bytes(mirrors: Iterable[Mirror]) -> int:
     return sum(m.nbytes for m in mirrors)
 
 
-async def release(d: Daemon, by_key: dict[tuple[str, str, int], Mirror]) -> list[int]:
+async def release(
+    d: Daemon,
+    by_key: dict[tuple[str, str, int], Mirror],
+    gone: Callable[[Mirror], None] | None = None,
+) -> list[int]:
     """Delete the regions of every mirror whose version is retired here (or that
-    failed) and is no longer leased; returns the region ids freed."""
+    failed) and is no longer leased, and tell ``gone`` of each mirror left with no
+    region; returns the region ids freed."""
     freed: list[int] = []
     for key, m in list(by_key.items()):
         if not m.finished:
@@ -69,6 +74,8 @@ async def release(d: Daemon, by_key: dict[tuple[str, str, int], Mirror]) -> list
             m.regions = {k: v for k, v in m.regions.items() if v is not r}
         if not m.regions:
             del by_key[key]
+            if gone is not None:
+                gone(m)
     if freed:
         log.info("released mirror regions %s", freed)
     return freed

@@ -36,6 +36,7 @@ Modules:
 - `lanes`: the reading side: one lane is one TCP connection to a peer
 - `serve`: the source side: a data server that sends from the mapping
 - `frames`: the wire: frames, the handshake, grants and scope checks
+- `held`: reads of bytes still filling, held by the data server until complete
 """
 
 from __future__ import annotations
@@ -71,13 +72,13 @@ from ..interface import (
     UnauthenticatedPeer,
 )
 from .frames import (
-    MAX_READS,
     READ_ROW,
     Grant,
     check_scope,
     scoped_grant,
 )
-from .lanes import BIG, REQUEST_BYTES, Lane, LaneError, Request
+from .held import HOLD_S, Completion
+from .lanes import BIG, REQUEST_BYTES, Lane, LaneError, Request, request_spans
 from .serve import (
     HANDSHAKE_S,
     MAX_CONNECTIONS,
@@ -282,7 +283,7 @@ class TcpPeer(Peer):
         parts = [
             group[lo:hi]
             for group in (pieces[~small], pieces[small])
-            for lo, hi in _requests(group["nbytes"])
+            for lo, hi in request_spans(group["nbytes"])
         ]
         for part in parts:
             rows = np.empty(len(part), READ_ROW)
@@ -382,20 +383,6 @@ class TcpGrant(Peer):
         self._closed = True
 
 
-def _requests(sizes: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
-    """``[lo, hi)`` spans of pieces: ≤ ``MAX_READS`` pieces and about
-    ``REQUEST_BYTES`` bytes each (a larger single piece is its own span)."""
-    spans: list[tuple[int, int]] = []
-    lo, n = 0, len(sizes)
-    while lo < n:
-        csum = np.cumsum(sizes[lo : lo + MAX_READS])
-        k = int(np.searchsorted(csum, REQUEST_BYTES, side="right"))
-        hi = lo + max(1, min(k, MAX_READS))
-        spans.append((lo, hi))
-        lo = hi
-    return spans
-
-
 class TcpTransport(Transport):
     """refitd's own TCP data plane (see the module docstring).
 
@@ -431,6 +418,7 @@ class TcpTransport(Transport):
         max_connections: int = MAX_CONNECTIONS,
         max_pending: int = MAX_PENDING,
         max_pending_per_address: int = MAX_PENDING_PER_ADDRESS,
+        hold_s: float = HOLD_S,
     ) -> None:
         super().__init__(secret=secret, peer_id=peer_id)
         if lanes < 1:
@@ -447,6 +435,8 @@ class TcpTransport(Transport):
         self.max_connections = max_connections
         self.max_pending = max_pending
         self.max_pending_per_address = max_pending_per_address
+        self.hold_s = hold_s
+        self._completion: Completion | None = None
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
         self._regions: dict[int, LocalRegion] = {}
         self._views: dict[int, memoryview] = {}
@@ -481,6 +471,13 @@ class TcpTransport(Transport):
             incarnation=o.incarnation,
         )
 
+    def hold_reads(self, completion: Completion | None) -> None:
+        """Hold each read of bytes ``completion`` says are still filling until they are
+        complete (`transports.tcp.held`), from now on; None: answer every read at once."""
+        self._completion = completion
+        if self._server is not None:
+            self._server.holds.completion = completion
+
     @property
     def server(self) -> DataServer:
         if self._server is None:
@@ -502,6 +499,8 @@ class TcpTransport(Transport):
             max_connections=self.max_connections,
             max_pending=self.max_pending,
             max_pending_per_address=self.max_pending_per_address,
+            hold=self._completion,
+            hold_s=self.hold_s,
         )
         self._server.start()
         self.closed = False

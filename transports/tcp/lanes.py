@@ -37,6 +37,7 @@ from .frames import (
     HELLO,
     MAGIC,
     MAX_GRANTS,
+    MAX_READS,
     PROOF,
     READ_ROW,
     Kind,
@@ -79,7 +80,7 @@ class LanePeer(Protocol):
     def grant(self, number: int) -> PeerInfo: ...
 
 
-__all__ = ["BIG", "REQUEST_BYTES", "Lane", "LaneError", "Request"]
+__all__ = ["BIG", "REQUEST_BYTES", "Lane", "LaneError", "Request", "request_spans"]
 
 REQUEST_BYTES = 4 << 20
 """Bytes one request asks for at most (a request holds ≤ ``MAX_READS`` reads)."""
@@ -432,3 +433,17 @@ def _recv_scatter(sock: socket.socket, bufs: list[memoryview]) -> None:
             else:
                 bufs[i] = bufs[i][n:]
                 n = 0
+
+
+def request_spans(sizes: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` spans of pieces: ≤ ``MAX_READS`` pieces and about
+    ``REQUEST_BYTES`` bytes each (a larger single piece is its own span)."""
+    spans: list[tuple[int, int]] = []
+    lo, n = 0, len(sizes)
+    while lo < n:
+        csum = np.cumsum(sizes[lo : lo + MAX_READS])
+        k = int(np.searchsorted(csum, REQUEST_BYTES, side="right"))
+        hi = lo + max(1, min(k, MAX_READS))
+        spans.append((lo, hi))
+        lo = hi
+    return spans

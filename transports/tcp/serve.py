@@ -20,6 +20,13 @@ wire, and one slow connection holds up only itself). Per connection, in order:
    names one of them and is checked whole against it (`frames.check_scope`), and
    against the lease's liveness (``authorize``), before a byte is sent. A refused
    READ gets a REFUSED frame; a malformed frame closes its connection only.
+4. held reads: a READ of bytes the daemon is still filling (a relay's mirror, whose
+   downstream reads ahead of it) is held, after the checks of 3 and before a byte is
+   sent, until ``hold`` (a :class:`Completion`) says those bytes are complete, then
+   checked again (the lease may have ended, the region gone) and answered; it is
+   refused when they do not complete within ``hold_s`` or their fill failed. A
+   connection holds one read at a time (it answers in order), and one peer address
+   at most ``MAX_HELD_PER_ADDRESS``: a read past that is refused, not held.
 
 Data goes out with ``sendmsg`` of memoryviews of the region's mapping: no staging
 copy; small pieces are gathered, up to ``IOV_MAX`` per system call.
@@ -66,8 +73,16 @@ from .frames import (
     refusal,
     server_proof,
 )
+from .held import HOLD_S, Completion, Holds
 
-__all__ = ["IOV_MAX", "DataServer", "Served", "recv_exact", "send_all", "tune"]
+__all__ = [
+    "IOV_MAX",
+    "DataServer",
+    "Served",
+    "recv_exact",
+    "send_all",
+    "tune",
+]
 
 log = logging.getLogger("refitd.dataplane")
 
@@ -262,7 +277,7 @@ class DataServer:
     ``authorize(lease)`` whether a lease is still live (None: every lease); with
     ``require_lease`` a grant without a lease scope on every region is refused.
     ``handshake_s``, ``max_connections``, ``max_pending`` and
-    ``max_pending_per_address``: see the module docstring.
+    ``max_pending_per_address``, ``hold`` and ``hold_s``: see the module docstring.
     """
 
     def __init__(
@@ -281,6 +296,8 @@ class DataServer:
         max_pending_per_address: int = MAX_PENDING_PER_ADDRESS,
         loopback_uids: Collection[int] | None = None,
         handshake_s: float = HANDSHAKE_S,
+        hold: Completion | None = None,
+        hold_s: float = HOLD_S,
     ) -> None:
         self.secret = secret
         self.incarnation = incarnation
@@ -289,6 +306,8 @@ class DataServer:
         self.authorize = authorize
         self.require_lease = require_lease
         self.handshake_s = handshake_s
+        #: reads of bytes still filling, held until complete (`transports.tcp.held`)
+        self.holds = Holds(hold, hold_s)
         self.admission = Admission(
             max_connections=max_connections,
             max_pending=max_pending,
@@ -386,7 +405,7 @@ class DataServer:
                 return
             conn.settimeout(None)
             tune(conn)
-            self._requests(conn, grants)
+            self._requests(conn, grants, key)
         except CopyFault as exc:  # a source shrunk under its mapping by its client
             log.warning("tcp data connection from %s closed: %s", host, exc)
         except (OSError, ValueError, ProtocolError, msgspec.MsgspecError, struct.error):
@@ -440,7 +459,9 @@ class DataServer:
             return None
         return grant
 
-    def _requests(self, conn: socket.socket, grants: collections.OrderedDict[int, Grant]) -> None:
+    def _requests(
+        self, conn: socket.socket, grants: collections.OrderedDict[int, Grant], key: str
+    ) -> None:
         state = _Connection(conn)
         while True:
             try:
@@ -464,13 +485,18 @@ class DataServer:
                     self.dropped += 1
                     return
                 rows = np.frombuffer(recv_exact(conn, a * READ_ROW.itemsize), READ_ROW)
-                self._answer(state, grants[b], rid, rows)
+                self._answer(state, grants[b], rid, rows, key)
             else:
                 self.dropped += 1
                 return
 
-    def _answer(self, conn: _Connection, grant: Grant, rid: int, rows: np.ndarray) -> None:
+    def _answer(
+        self, conn: _Connection, grant: Grant, rid: int, rows: np.ndarray, key: str
+    ) -> None:
         why = self._refusal(grant, rows)
+        if why is None and self.holds.pending(rows):
+            # checked again after the wait: the lease may have ended, the region gone
+            why = self.holds.wait(rows, key) or self._refusal(grant, rows)
         sock = conn.sock
         if why is not None:
             text = why.encode()
