@@ -28,7 +28,10 @@ trainer's link carries every replica's copy), ``uplink_ratio_4`` the trainer's
 bytes ÷ model bytes at N = 4 mirrored (target ≤ 1.1), ``mirrored_n1_ratio`` the
 mirrored seconds at N = 1 ÷ one model's time over one link (target ≤ 1.15),
 ``verified`` 1 when every replica of every case was bit-exact. With ``--hosts 8``
-also ``fanout_ratio_8`` and ``uplink_ratio_8``. Needs root, ``ip``, ``unshare``,
+also ``fanout_ratio_8`` and ``uplink_ratio_8``. Where the mirrored time at N = 4 goes:
+``first_done_ratio_4``, when the first mirror completed at N = 4 ÷ at N = 1 (the
+start: every host making its mirror at once), and ``hop_lag_4``, the most any relay
+completed after its upstream (s). Needs root, ``ip``, ``unshare``,
 ``nsenter`` and ``tc``.
 """
 
@@ -89,6 +92,10 @@ class Case:
     uplink_ratio: float
     verified: bool
     paths: tuple[str, ...]
+    #: mirrored: when the first mirror completed, s from the start
+    first_done_s: float = 0.0
+    #: mirrored: each relay's completion after its upstream's, s (the hops' lag)
+    hop_lags_s: tuple[float, ...] = ()
 
 
 def sizes(max_hosts: int) -> list[int]:
@@ -116,6 +123,11 @@ async def _main(args: argparse.Namespace) -> int:
             f"{c.uplink_ratio:.3f}x the model; paths {'+'.join(c.paths)}; "
             f"{'verified' if c.verified else 'NOT VERIFIED'}"
         )
+        if c.mode == "mirrored":
+            print(
+                f"N={c.n} mirrored: first mirror complete at {c.first_done_s:.3f} s; each relay "
+                f"after its upstream: {' '.join(f'+{x:.3f}' for x in c.hop_lags_s) or '-'} s"
+            )
     line = summary(cases)
     print(f"{time.perf_counter() - t0:.0f} s in all")
     print(" ".join(f"{k}={v}" for k, v in line.items()))
@@ -130,6 +142,10 @@ def summary(cases: list[Case]) -> dict[str, str]:
     for mode, key in (("mirrored", "fanout"), ("direct", "direct")):
         out[f"{key}_ratio_{top}"] = f"{by[top, mode].seconds / by[1, mode].seconds:.3f}"
     out[f"uplink_ratio_{top}"] = f"{by[top, 'mirrored'].uplink_ratio:.3f}"
+    m1, mt = by[1, "mirrored"], by[top, "mirrored"]
+    if m1.first_done_s > 0 and mt.first_done_s > 0:  # where N = top's extra time goes
+        out[f"first_done_ratio_{top}"] = f"{mt.first_done_s / m1.first_done_s:.3f}"
+        out[f"hop_lag_{top}"] = f"{max(mt.hop_lags_s, default=0.0):.3f}"
     if (1, "link") in by:
         out["mirrored_n1_ratio"] = f"{by[1, 'mirrored'].seconds / by[1, 'link'].seconds:.3f}"
     if (8, "mirrored") in by:
@@ -240,8 +256,27 @@ async def fanout(
                                 for i, c in enumerate(chain)
                             )
                         )
+                        first, lags = hops(chain, [d.url for d in daemons[:n]], t)
+                        cases.append(Case(n, mode, seconds, up, ok, paths, first, lags))
+                        continue
                     cases.append(Case(n, mode, seconds, up, ok, paths))
     return cases
+
+
+def hops(chain: list[dict[str, Any]], urls: list[str], t: float) -> tuple[float, tuple[float, ...]]:
+    """From the mirrors' states (``chain[i]`` the mirror at ``urls[i]``): when the first
+    one completed (s after ``t``), and how long each mirror that read from another
+    host's mirror completed after it (s; the relay hops' lag)."""
+    done = {
+        u.rstrip("/"): float(c.get("completed_at", 0)) for u, c in zip(urls, chain, strict=True)
+    }
+    lags = []
+    for c in chain:
+        tried = c.get("tried") or [""]
+        up = str(tried[-1]).rstrip("/")
+        if up in done:
+            lags.append(float(c.get("completed_at", 0)) - done[up])
+    return min(done.values()) - t, tuple(lags)
 
 
 async def _link(a: Any, b: Any, nbytes: int) -> Case:
