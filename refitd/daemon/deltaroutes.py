@@ -9,7 +9,7 @@ from refitd.daemon.auth import principal_of
 from refitd.daemon.deltas import DeltaBook
 from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
 from refitd.daemon.node import Daemon
-from refitd.daemon.waits import MAX_WAIT_S, WAITS
+from refitd.daemon.waits import MAX_WAIT_S, WAITS, long_poll
 from refitd.wire import DeltaPackRequest
 from refitd.wire import routes as api
 
@@ -30,7 +30,7 @@ async def delta_info(request: web.Request) -> web.Response:
     wait_s = min(query_float(request, "wait", 0.0), MAX_WAIT_S)
     if not wait_s:
         return reply(request, await request.app[DELTAS].info(model, version))
-    with request.app[WAITS].held(principal_of(request).name, f"waiting for {model!r} v{version}"):
+    async with long_poll(request, f"waiting for {model!r} v{version}"):
         return reply(request, await request.app[DELTAS].info(model, version, wait_s))
 
 

@@ -48,7 +48,7 @@ from refitd.daemon.peerclient import PeerClient
 from refitd.daemon.poolapi import routes as expert_routes
 from refitd.daemon.pools import POOLS, ExpertPools, close_pools
 from refitd.daemon.pulls import PULLS, PullJob, PullManager, RemoteSource, Source
-from refitd.daemon.waits import MAX_WAIT_S, WAITS, Waits
+from refitd.daemon.waits import MAX_WAIT_S, WAITS, Waits, long_poll
 from refitd.errors import ProtocolError, TransportError
 from refitd.wire import (
     MAX_LEASE_TTL_S,
@@ -203,7 +203,7 @@ async def wait_ready(request: web.Request) -> web.Response:
     """Answer once the version is READY, or after ``timeout`` seconds with its state."""
     model, version = _version(request)
     timeout = min(query_float(request, "timeout", 30.0), MAX_WAIT_S)
-    with request.app[WAITS].held(principal_of(request).name, f"waiting for {model!r} v{version}"):
+    async with long_poll(request, f"waiting for {model!r} v{version}"):
         return reply(request, await request.app[DAEMON].wait_ready(model, version, timeout))
 
 
@@ -306,12 +306,10 @@ async def pull_wait(request: web.Request) -> web.Response:
     its progress."""
     job = _own_pull(request, "wait for")
     timeout = min(query_float(request, "timeout", 30.0), MAX_WAIT_S)
-    with (
-        request.app[WAITS].held(principal_of(request).name, f"waiting for pull {job.pull_id}"),
-        contextlib.suppress(TimeoutError),
-    ):
-        async with asyncio.timeout(timeout):
-            await job.finished.wait()
+    async with long_poll(request, f"waiting for pull {job.pull_id}"):
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await job.finished.wait()
     return reply(request, job.snapshot())
 
 

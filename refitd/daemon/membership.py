@@ -22,7 +22,7 @@ from aiohttp import web
 from refitd.cluster import ClusterRegistry
 from refitd.daemon.auth import principal_of
 from refitd.daemon.httpio import DAEMON, RouteTable, query_float, query_has, query_int, reply
-from refitd.daemon.waits import MAX_WAIT_S, WAITS
+from refitd.daemon.waits import MAX_WAIT_S, long_poll
 from refitd.errors import NotFoundError
 from refitd.wire import DaemonRecord, SourceRecord, VersionState
 from refitd.wire import routes as api
@@ -103,7 +103,7 @@ async def next_version(request: web.Request) -> web.Response:
     request.app[DAEMON].models.check_read(who, model, "wait for the versions of")
     after = query_int(request, "after") if query_has(request, "after") else -1
     timeout = min(query_float(request, "timeout", 30.0), MAX_WAIT_S)  # a long poll
-    with request.app[WAITS].held(who.name, f"waiting for a version of {model!r}"):
+    async with long_poll(request, f"waiting for a version of {model!r}"):
         found = await request.app[CLUSTER].wait_newer(model, after, timeout)
     if found is None:
         raise NotFoundError(

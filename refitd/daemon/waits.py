@@ -4,21 +4,24 @@ A long poll (``/ready``, a pull's ``/wait``, a delta record's ``wait``, a drain)
 its request, its connection (a file descriptor) and a task of the daemon until it is
 answered. Without a bound on how many one principal holds at once, one tenant opening
 thousands of them would spend the daemon's descriptors, and the other tenants' next
-connection (and the next segment the daemon opens) would be refused. A client that
-disconnects leaves its wait running until it is answered or its timeout passes, so
-the timeouts are bounded too (:data:`MAX_WAIT_S`).
+connection (and the next segment the daemon opens) would be refused. The timeouts are
+bounded too (:data:`MAX_WAIT_S`), and a wait whose client has gone ends within
+:data:`GONE_CHECK_S` and gives its place back (:func:`long_poll`): a tenant that opens
+and drops long polls in a loop never holds more than it has open.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 from aiohttp import web
 
+from refitd.daemon.auth import principal_of
 from refitd.errors import QuotaExceeded
 
-__all__ = ["MAX_WAITS_PER_PRINCIPAL", "MAX_WAIT_S", "WAITS", "Waits"]
+__all__ = ["GONE_CHECK_S", "MAX_WAITS_PER_PRINCIPAL", "MAX_WAIT_S", "WAITS", "Waits", "long_poll"]
 
 MAX_WAIT_S = 60.0
 """The longest a long poll holds its request, s (a longer ``timeout`` is cut to it): a
@@ -27,6 +30,12 @@ client waiting longer asks again."""
 MAX_WAITS_PER_PRINCIPAL = 64
 """Long polls one principal holds open at once (429 past it). An engine waits for
 one pull per rank, a trainer for one version: far fewer."""
+
+GONE_CHECK_S = 0.5
+"""How often a long poll looks whether its client is still connected, s. aiohttp
+tells a handler nothing when its client goes (cancelling every handler on a
+disconnect, ``handler_cancellation``, would also cut a publish or a pull submit in
+the middle), so only the waits look."""
 
 
 class Waits:
@@ -62,3 +71,30 @@ class Waits:
 
 
 WAITS: web.AppKey[Waits] = web.AppKey("waits", Waits)
+
+
+@contextlib.asynccontextmanager
+async def long_poll(request: web.Request, what: str) -> AsyncIterator[None]:
+    """Hold ``request`` as one long poll of its principal (``what`` names it) for the
+    block: counted against :data:`MAX_WAITS_PER_PRINCIPAL` (429 past it), and ended
+    (the handler cancelled, its place given back) within :data:`GONE_CHECK_S` of its
+    client disconnecting. Only waiting belongs in the block: what it changes is
+    changed before it or after it."""
+    with request.app[WAITS].held(principal_of(request).name, what):
+        handler = asyncio.current_task()
+        assert handler is not None, "a long poll runs in its request's task"
+        watcher = asyncio.create_task(_cancel_when_gone(request, handler))
+        try:
+            yield
+        finally:
+            watcher.cancel()
+
+
+async def _cancel_when_gone(request: web.Request, handler: asyncio.Task[object]) -> None:
+    """Cancel ``handler`` once ``request``'s connection is closed."""
+    while True:
+        await asyncio.sleep(GONE_CHECK_S)
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            handler.cancel(f"the client of {request.method} {request.path} disconnected")
+            return
