@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from refitd.bench.conditions import Faults, SegmentMemcpy, cpu_waited_us, faults
 from refitd.bench.synthetic import SyntheticState, model_bytes, synthetic_config, verify_ranks
 
 if TYPE_CHECKING:
@@ -151,6 +152,12 @@ class VersionResult:
     paths: tuple[str, ...] = ()  # data paths the pulls took ("shm", "ucx")
     memcpy_gbps: float = 0.0  # measured right after this version, on the same bytes
     breakdown: dict[str, float] = field(default_factory=dict)  # where the seconds went
+    #: page faults taken during the pull, per process: "engine daemon" (the puller),
+    #: "source daemon", "engine" (this process)
+    faults: dict[str, Faults] = field(default_factory=dict)
+    #: share of the pull's wall time some task of the host waited for a CPU (nan:
+    #: the kernel reports no pressure)
+    cpu_pressure: float = float("nan")
 
     @property
     def gbps(self) -> float:
@@ -170,26 +177,12 @@ class FlowResult:
     memcpy_gbps: float = 0.0
     manifest_100k_s: float = float("nan")
     transport: str = ""  # the daemons' data-plane mode, as asked for
+    memcpy_faults: int = 0  # page faults the baseline's copies took (0: warm mappings)
 
     @property
     def paths(self) -> str:
         """The paths every pull actually took, e.g. ``shm`` or ``ucx`` (``+``-joined)."""
         return "+".join(sorted({p for v in self.versions for p in v.paths})) or "none"
-
-
-def memcpy_gbps(nbytes: int, chunk: int = 256 << 20) -> float:
-    """Single-thread numpy copy bandwidth over ``nbytes`` (GB/s), in ``chunk`` pieces
-    (each a fresh 256 MiB buffer pair, larger than any cache)."""
-    import numpy as np
-
-    src = np.random.default_rng(0).integers(0, 255, size=chunk, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in first
-    reps = max(1, nbytes // chunk)
-    t = time.perf_counter()
-    for _ in range(reps):
-        np.copyto(dst, src)
-    return reps * chunk / (time.perf_counter() - t) / 1e9
 
 
 async def manifest_100k_seconds(client: RefitClient, n: int = 100_000) -> float:
@@ -254,9 +247,12 @@ async def refit_flow(
 
     cfg = synthetic_config(gib)
     result = FlowResult(cfg, model_bytes(cfg), transport=transport)
-    before = memcpy_gbps(model_bytes(cfg))
+    # The baseline copies between two shared segments mapped once: the memory kind,
+    # page size and warm mappings a replayed pull copies between (see conditions).
+    baseline = SegmentMemcpy(min(256 << 20, max(model_bytes(cfg), 1 << 20)))
+    before = baseline.gbps(model_bytes(cfg))
     model = "synthetic"
-    with tempfile.TemporaryDirectory() as tmp:
+    with baseline, tempfile.TemporaryDirectory() as tmp:
         secret_path = Path(tmp) / "secret"
         secret_path.write_text(os.urandom(32).hex())
         secret_path.chmod(0o600)
@@ -304,20 +300,30 @@ async def refit_flow(
                     line = (await trainer.stdout.readline()).decode().split()
                     if not line or line[0] != "published":
                         raise RuntimeError(f"trainer process failed publishing version {v}")
-                    result.versions.append(await _refit_version(v, ranks, progress, log))
-                    vr = result.versions[-1]
+                    # Interleaved: each version has its own memcpy, the mean of one
+                    # right before its pull and one right after, so a neighbour that
+                    # slows the machine for a while slows both.
+                    pre = baseline.gbps(model_bytes(cfg))
+                    pids = {"engine daemon": b.pid, "source daemon": a.pid, "engine": 0}
+                    counts = {k: faults(pid) for k, pid in pids.items()}
+                    waited = cpu_waited_us()
+                    vr = await _refit_version(v, ranks, progress, log)
+                    vr.faults = {k: faults(pid) - counts[k] for k, pid in pids.items()}
+                    if waited is not None and (now := cpu_waited_us()) is not None:
+                        vr.cpu_pressure = (now - waited) / 1e6 / vr.seconds
+                    vr.memcpy_gbps = (pre + baseline.gbps(model_bytes(cfg))) / 2
+                    result.versions.append(vr)
                     t = time.perf_counter()
                     vr.verified = verify_ranks(cfg, v, ranks)
                     vr.breakdown["verify_s"] = time.perf_counter() - t
-                    # Interleaved: each version has its own memcpy, taken right after it,
-                    # so a neighbour that slows the machine for a while slows both.
-                    vr.memcpy_gbps = memcpy_gbps(max(vr.bytes, 256 << 20))
                     log(
                         f"version {v}: {vr.bytes / 2**30:.2f} GiB in {vr.seconds:.3f} s = "
                         f"{vr.bytes / vr.seconds / 1e9:.2f} GB/s, control plane {vr.control_s * 1e3:.1f} ms, "
                         f"{'replayed' if vr.replayed else 'planned'}, "
                         f"path {'+'.join(vr.paths)}, "
-                        f"{'verified bit-exact' if vr.verified else 'MISMATCH'}"
+                        f"{'verified bit-exact' if vr.verified else 'MISMATCH'}; page faults "
+                        + ", ".join(f"{k} {f.minor}" for k, f in vr.faults.items())
+                        + f"; cpu pressure {vr.cpu_pressure:.2f}"
                     )
                 if measure_manifest:
                     result.manifest_100k_s = await manifest_100k_seconds(ca)
@@ -330,6 +336,7 @@ async def refit_flow(
     # The headline baseline: the best memcpy of the run (before, and beside each
     # version), so it is never flattered by a neighbour slowing one measurement.
     result.memcpy_gbps = max([before, *(vr.memcpy_gbps for vr in result.versions)])
+    result.memcpy_faults = baseline.faults_taken.minor + baseline.faults_taken.major
     del torch
     return result
 
@@ -361,7 +368,12 @@ async def _refit_version(
     t = time.perf_counter()
     try:
         stats = await asyncio.gather(
-            *(r.refit(version, on_progress=on_progress(i)) for i, (_, _, r) in enumerate(ranks))
+            # Without a bar, no progress callback: each rank then waits on one long
+            # poll the daemon answers when its pull ends, not on snapshots every 0.25 s.
+            *(
+                r.refit(version, on_progress=on_progress(i) if bar is not None else None)
+                for i, (_, _, r) in enumerate(ranks)
+            )
         )
     finally:
         if bar is not None:
@@ -433,6 +445,16 @@ def report(res: FlowResult, log: Callable[[str], None] = print) -> dict[str, Any
         # and the spread of those ratios (max - min).
         "refit_ratio": round(statistics.median(ratios), 3),
         "refit_ratio_spread": round(max(ratios) - min(ratios), 3),
+        # Every replayed version's ratio, so a reader sees which one moved the spread.
+        "ratios": ",".join(f"{r:.2f}" for r in ratios),
+        # Page faults (minor + major, all three processes) taken during the replayed
+        # pulls, the most of any version: 0 when every mapping was warm; a pull that
+        # faults runs at the kernel's fault rate, not memory speed.
+        "pull_faults": max(sum(f.minor + f.major for f in v.faults.values()) for v in later),
+        "memcpy_faults": res.memcpy_faults,
+        # The most CPU pressure during a replayed pull (0: no task ever waited for a
+        # core; near 1: neighbours loaded the host and the spread is theirs).
+        "cpu_pressure": round(max(v.cpu_pressure for v in later), 2),
         "first_refit_s": round(res.versions[0].seconds, 3),
         "control_plane_s": round(control, 4),
     }
@@ -446,15 +468,20 @@ def report(res: FlowResult, log: Callable[[str], None] = print) -> dict[str, Any
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
+    import os
 
     import uvloop
     from rich.console import Console
     from rich.table import Table
 
+    from transports.segments import huge_page_mode
+
     console = Console()
     console.print(
         f"[bold]refitd bench refit[/bold]: Megatron TP2 trainer → engine TP4, "
-        f"{args.gib:g} GiB bf16, {args.versions} versions, two daemons ({args.transport})"
+        f"{args.gib:g} GiB bf16, {args.versions} versions, two daemons ({args.transport}); "
+        f"load average {os.getloadavg()[0]:.1f}, {os.cpu_count()} cores, shared memory "
+        f"huge pages: {huge_page_mode()}"
     )
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         res = runner.run(
@@ -471,6 +498,8 @@ def run(args: argparse.Namespace) -> int:
         "memcpy GB/s",
         "× memcpy",
         "control plane ms",
+        "page faults",
+        "cpu pressure",
         "plan",
         "path",
         "verified",
@@ -486,6 +515,8 @@ def run(args: argparse.Namespace) -> int:
             f"{v.memcpy_gbps:.2f}",
             f"{v.ratio:.2f}",
             f"{v.control_s * 1e3:.1f}",
+            str(sum(f.minor + f.major for f in v.faults.values())),
+            f"{v.cpu_pressure:.2f}",
             "replayed" if v.replayed else "planned",
             "+".join(v.paths),
             "yes" if v.verified else "NO",
@@ -493,7 +524,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     fields = report(res)
     console.print(
-        f"memcpy (numpy, 1 thread) measured beside each version; best of the run "
+        f"memcpy (1 thread, between two shared segments mapped once) measured before and "
+        f"after each version's pull; best of the run "
         f"{res.memcpy_gbps:.2f} GB/s; "
         f"100k-tensor manifest fetched and merged in {res.manifest_100k_s:.3f} s"
     )

@@ -27,6 +27,13 @@ async def test_the_refit_flow_verifies_every_version_and_replays_after_the_first
     assert fields["pull_daemon_s"] > 0
     # Two daemons on one host in the default mode: every pull took shared memory.
     assert fields["transport"] == "auto" and fields["path"] == "shm"
+    # What a reader needs to judge the spread: every replayed ratio, the page faults
+    # the pulls and the baseline took, and the CPU pressure during the pulls.
+    assert len(fields["ratios"].split(",")) == 2
+    assert all(set(v.faults) == {"engine daemon", "source daemon", "engine"} for v in res.versions)
+    assert fields["pull_faults"] >= 0 and fields["memcpy_faults"] >= 0
+    # The first pull maps the engine's and the trainer's segments in the engine daemon.
+    assert res.versions[0].faults["engine daemon"].minor > 0
 
 
 async def test_the_refit_flow_forced_to_ucx_reports_that_it_pulled_over_ucx() -> None:
