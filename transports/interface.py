@@ -324,7 +324,8 @@ class Transport(ABC):
         """The record a reader connects with (:meth:`connect`, :meth:`Peer.scoped`) to
         read what ``scope`` grants from the peer that signed ``advert``. By default the
         advertisement itself (the daemon checks the lease before any read); a transport
-        whose source checks each read against a signed grant (``tcp``) makes it here."""
+        whose source checks each read against a signed grant (``tcp``) makes it here,
+        and ``shm`` lists only the scope's regions, as advertised."""
         return advert
 
     async def wait_ready(self) -> None:

@@ -23,10 +23,13 @@ reads through the mappings of the last one. A mapping a peer or a read in flight
 holds is never unmapped.
 
 ``PeerInfo.address`` is ``<boot id>:<tag>`` (the tag tells peers of one host apart:
-the serving process's pid here, a daemon's incarnation in the daemon's records); each
+the life it was given, a daemon's incarnation, else the serving process's pid); each
 region's ``key`` is a :class:`SegmentKey`: the msgpack of ``(segment name, st_dev,
-st_ino)``. :meth:`ShmTransport.loopback` reads between this transport's own
-regions (a daemon's pull from itself).
+st_ino)``. A source may advertise only some regions (:meth:`ShmTransport.advertise`:
+a daemon, those a reader's lease may read); a reader connects with the record
+:meth:`ShmTransport.credential` makes of that advertisement and its lease scope.
+:meth:`ShmTransport.loopback` reads between this transport's own regions (a
+daemon's pull from itself).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from refitd.errors import ProtocolError, RefitError, TransportError
 from .batch import ReadBatch, as_read_batch, suspect_ranges, validate_batch
 from .interface import (
     AdvertisedRegion,
+    LeaseScope,
     LocalRegion,
     MappedMemory,
     Peer,
@@ -61,13 +65,11 @@ from .segments import SHM_DIR, SharedSegment
 
 __all__ = [
     "MAX_MAPPINGS",
-    "ListedSegment",
     "SegmentKey",
     "ShmPeer",
     "ShmTransport",
     "boot_id",
     "file_id",
-    "peer_record",
     "same_file",
     "segment_key",
 ]
@@ -128,39 +130,6 @@ class SegmentKey(NamedTuple):
 def segment_key(name: str, dev: int, ino: int) -> bytes:
     """The encoded :class:`SegmentKey` of a region's segment."""
     return SegmentKey(name, dev, ino).encode()
-
-
-@dataclass(frozen=True)
-class ListedSegment:
-    """A region of a same-host peer as its (verified) records list it: the segment
-    ``name``, its file ``(dev, ino)`` and its exact ``size`` in bytes."""
-
-    region_id: int
-    name: str
-    dev: int
-    ino: int
-    size: int
-
-
-def peer_record(
-    peer_id: str, boot: str, incarnation: int, segments: Iterable[ListedSegment], secret: bytes
-) -> PeerInfo:
-    """The ``shm`` record of a same-host peer, built by the reader from records it
-    already verified (a daemon: the peer's lease-scoped region records), so it lists
-    only what the reader may read: address ``<boot id>:<incarnation>`` (the peer's
-    life), per region its segment's name and file (:func:`segment_key`),
-    signed with the deployment ``secret`` as :meth:`ShmTransport.connect` wants."""
-    return PeerInfo(
-        scheme=ShmTransport.scheme,
-        peer_id=peer_id,
-        address=f"{boot}:{incarnation}".encode(),
-        # The peer's incarnation stands in for each region's generation: a daemon's
-        # region ids are not reused within one incarnation, so that is precise enough.
-        regions=tuple(
-            AdvertisedRegion(s.region_id, incarnation, 0, s.size, segment_key(s.name, s.dev, s.ino))
-            for s in segments
-        ),
-    ).signed(secret)
 
 
 @dataclass
@@ -280,16 +249,24 @@ class _Loopback(Peer):
 
 class ShmTransport(LocalTransport):
     """``boot_id`` empty means this kernel's (another value: tests of a peer that
-    claims another host); ``max_mappings`` bounds the unused peer mappings kept; the
-    other options are :class:`~transports.local.LocalTransport`'s (its copy engine)."""
+    claims another host); ``incarnation`` names this life of the source in its
+    address (default: the process's pid); ``max_mappings`` bounds the unused peer
+    mappings kept; the other options are :class:`~transports.local.LocalTransport`'s
+    (its copy engine)."""
 
     scheme = "shm"
 
     def __init__(
-        self, *, boot_id: str = "", max_mappings: int = MAX_MAPPINGS, **options: Any
+        self,
+        *,
+        boot_id: str = "",
+        incarnation: int | None = None,
+        max_mappings: int = MAX_MAPPINGS,
+        **options: Any,
     ) -> None:
         super().__init__(**options)
         self.boot_id = boot_id
+        self.incarnation = os.getpid() if incarnation is None else incarnation
         self.max_mappings = max_mappings
         #: every peer mapping, least recently used first
         self._maps: collections.OrderedDict[FileKey, _Mapping] = collections.OrderedDict()
@@ -310,24 +287,39 @@ class ShmTransport(LocalTransport):
         self._regions[region_id] = LocalRegion(region_id, segment, info)
         return self._regions[region_id]
 
-    def file_ids(self, region_ids: Iterable[int]) -> dict[int, tuple[int, int]]:
-        """``(st_dev, st_ino)`` of each listed region's segment, as registered; a region
-        whose name was already unlinked then (no same-host path to it) is left out."""
-        out: dict[int, tuple[int, int]] = {}
-        for rid in region_ids:
-            region = self._regions.get(rid)
-            if region is not None and region.info.key:
-                _, dev, ino = SegmentKey.decode(region.info.key)
-                out[rid] = (dev, ino)
-        return out
-
-    def advertise(self) -> PeerInfo:
+    def advertise(self, only: Iterable[int] | None = None) -> PeerInfo:
+        """This transport's signed record: every region with a segment name here (of
+        ``only``, when given: a daemon names what one reader's lease may read, so a
+        reader learns no other segment's name)."""
+        listed = self._regions if only is None else {i: self._regions.get(i) for i in only}
         return PeerInfo(
             scheme=self.scheme,
             peer_id=self.peer_id,
-            address=f"{self.boot_id or boot_id()}:{os.getpid()}".encode(),
-            regions=tuple(r.info for r in self._regions.values() if r.info.key),
+            address=f"{self.boot_id or boot_id()}:{self.incarnation}".encode(),
+            regions=tuple(r.info for r in listed.values() if r is not None and r.info.key),
         ).signed(self.secret)
+
+    def credential(self, advert: PeerInfo, scope: LeaseScope) -> PeerInfo:
+        """The record a reader connects with: the regions ``scope`` grants, as the
+        same-host advertisement ``advert`` names them (segment, file, exact size),
+        signed with the deployment secret. A mapping is whole, so the byte ranges are
+        the daemon's to check before any read. A region the advertisement does not
+        name (no segment here: it is not host memory, or its name is gone) is
+        refused (:class:`TransportError`): there is no same-host path to it."""
+        if advert.scheme != self.scheme:
+            raise ProtocolError(
+                f"{self.scheme} credential refused: the advertisement of {advert.peer_id!r} "
+                f"is for scheme {advert.scheme!r}"
+            )
+        listed = {r.region_id: r for r in advert.regions}
+        missing = sorted(set(scope.ranges) - set(listed))
+        if missing:
+            raise TransportError(
+                f"region(s) {missing} of {advert.peer_id!r} do not map here: its same-host "
+                "advertisement names no segment for them"
+            )
+        regions = tuple(listed[rid] for rid in scope.ranges)
+        return PeerInfo(self.scheme, advert.peer_id, advert.address, regions).signed(self.secret)
 
     async def connect(self, info: PeerInfo) -> ShmPeer:
         self._check_record(info)

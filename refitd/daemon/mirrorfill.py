@@ -24,7 +24,6 @@ import msgspec
 import numpy as np
 
 from refitd.client.leases import LeaseKeeper
-from refitd.daemon import pullcore
 from refitd.daemon.mirror import Mirror, covered
 from refitd.daemon.mirrorfeed import HEARTBEAT_S, follow
 from refitd.daemon.mirrorleases import OWNER
@@ -341,7 +340,7 @@ class Feed:
         elif self.ahead:
             pass  # the grant is the whole version already
         elif self.path == SHM_SCHEME:
-            await self.conn.update(pullcore.shm_record(rec, self.relay.secret))
+            await self.conn.update(pulls.shm_credential(rec))
         else:
             self.conn.swap(await pulls.regrant(rec, self.path))
         back = {v: k for k, v in self.their.items()}

@@ -135,7 +135,11 @@ class Daemon:
         #: engine), and the transports :meth:`start` brings up
         self.plane = TransportSet(
             ShmTransport(
-                secret=self.secret, peer_id=self.node_id, copier=copier, boot_id=self.boot_id
+                secret=self.secret,
+                peer_id=self.node_id,
+                copier=copier,
+                boot_id=self.boot_id,
+                incarnation=self.incarnation,
             )
         )
         self.store = RegionStore(self.incarnation, self.plane, self.registry, self.caps)
@@ -394,6 +398,7 @@ class Daemon:
         scope, no transport keys and no file identities: enough to list regions,
         nothing to read them with."""
         scope: dict[int, Extents] = {}
+        allowed: dict[int, Extents] = {}
         if lease is not None:
             allowed = self.lease_scope(lease)
             if ids is None:
@@ -416,19 +421,18 @@ class Daemon:
         ]
         advert = b""
         adverts: dict[str, bytes] = {}
-        files: dict[int, tuple[int, int]] = {}
         if lease is not None:
             adverts = self.plane.adverts()
             advert = next(iter(adverts.values()), b"")
-            files = self.plane.shm.file_ids([r.region_id for r in infos])
+            # The same-host path's: every region the lease may read and no other (a
+            # staging record asked for later lists the version's regions too).
+            adverts[SHM_SCHEME] = self.plane.shm.advertise(sorted(allowed)).encode()
         rec = PeerRegions(
             self.node_id,
             self.incarnation,
             self.mode,
             infos,
             advert,
-            self.boot_id,
-            files,
             lease_id=lease.lease_id if lease is not None else "",
             scope=scope,
             adverts=adverts,

@@ -162,8 +162,9 @@ def transport_options(
 
 
 def adverts(peer: PeerRegions) -> dict[str, PeerInfo]:
-    """The data planes ``peer`` serves, by scheme (from its signed records)."""
-    out = {s: PeerInfo.decode(a) for s, a in peer.adverts.items()}
+    """The data planes ``peer`` serves other hosts, by scheme (from its signed records;
+    its same-host ``shm`` advertisement is the ``shm`` transport's to read)."""
+    out = {s: PeerInfo.decode(a) for s, a in peer.adverts.items() if s != SHM_SCHEME}
     if peer.advert:
         info = PeerInfo.decode(peer.advert)
         out.setdefault(info.scheme, info)

@@ -30,8 +30,6 @@ from refitd.wire import (
     StagedPack,
 )
 from transports.batch import ReadBatch, rows_as_batch, split_pieces, suspect_ranges
-from transports.interface import PeerInfo
-from transports.shm import ListedSegment, peer_record
 
 __all__ = [
     "PACE",
@@ -50,7 +48,6 @@ __all__ = [
     "peer_devices",
     "refuse_peer_devices",
     "scope_check",
-    "shm_record",
     "shm_refused",
     "source_gone",
     "source_ids",
@@ -137,7 +134,8 @@ def check_staged(
 
 def merge_peer(a: PeerRegions, b: PeerRegions) -> PeerRegions:
     """``a``'s records with ``b``'s regions (a staging record) added: ``a`` wins on ids
-    both list; ``b``'s files, scopes and advertisements are added."""
+    both list; ``b``'s scopes and advertisements are added, its advertisements winning
+    (its same-host one lists every region the lease reads, the staging region too)."""
     seen = {r.region_id for r in a.regions}
     return PeerRegions(
         a.node_id,
@@ -145,8 +143,6 @@ def merge_peer(a: PeerRegions, b: PeerRegions) -> PeerRegions:
         a.transport,
         a.regions + [r for r in b.regions if r.region_id not in seen],
         b.advert or a.advert,
-        a.boot_id,
-        {**a.files, **b.files},
         a.lease_id,
         {**a.scope, **b.scope},
         {**a.adverts, **b.adverts},
@@ -212,23 +208,6 @@ def tries_shm(mode: str) -> bool:
 def forced(mode: str) -> str:
     """Why a daemon in ``mode`` does not try ``shm`` for another daemon."""
     return f"this daemon is forced to its transport (--transport {mode})"
-
-
-def shm_record(peer: PeerRegions, secret: bytes) -> PeerInfo:
-    """``peer``'s verified, lease-scoped region records as the ``shm`` transport's
-    record (:func:`transports.shm.peer_record`): it lists only the regions the
-    pull's lease may read, and needs nothing more on the wire than the peer's
-    ``PeerRegions``. A region whose record names no file is refused."""
-    segments = []
-    for r in peer.regions:
-        file = peer.files.get(r.region_id)
-        if file is None:
-            raise TransportError(
-                f"region {r.region_id} of {peer.node_id!r} does not map here: the record "
-                f"names no file for segment {r.handle!r}"
-            )
-        segments.append(ListedSegment(r.region_id, r.handle, file[0], file[1], r.nbytes))
-    return peer_record(peer.node_id, peer.boot_id, peer.incarnation, segments, secret)
 
 
 # ---------------------------------------------------------------- pacing

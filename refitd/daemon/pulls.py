@@ -46,7 +46,7 @@ from refitd.daemon.node import Daemon
 from refitd.daemon.paths import SHM_SCHEME, adverts, choose_remote, lease_scope
 from refitd.daemon.sources import Filling, LocalSource, Redirect, RemoteSource, Source
 from refitd.daemon.trust import check_writes
-from refitd.errors import NotFoundError, RefitError
+from refitd.errors import NotFoundError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
     ErrorBody,
@@ -57,7 +57,7 @@ from refitd.wire import (
     RegionCreate,
     StagedPack,
 )
-from transports.interface import Peer
+from transports.interface import Peer, PeerInfo
 
 __all__ = [
     "IN_FLIGHT",
@@ -154,7 +154,6 @@ class PullManager:
         self.plane = daemon.plane
         self.peers = daemon.peers
         self.mode = daemon.mode
-        self.secret = daemon.secret
         #: per peer node, the path the last pull from it took and why (the daemon's)
         self.seen_paths = daemon.seen_paths
         self._connect = connect
@@ -332,7 +331,7 @@ class PullManager:
                 if isinstance(src, LocalSource):
                     job.pins.enter_context(self.store.using([staged.region.region_id]))
                 elif job.conn is not None:  # the staging segment joins the connection
-                    await job.conn.update(pullcore.shm_record(peer, self.secret))
+                    await job.conn.update(self.shm_credential(peer))
             moving = True
             if all_rows.shape[0] and peer is not None:
                 conn = job.conn or await self._transport_peer(peer, job.path)
@@ -403,7 +402,7 @@ class PullManager:
             why_not_shm = "its GPU regions are read through its staging"
         elif pullcore.tries_shm(self.mode):
             try:
-                conn = await self.plane.shm.connect(pullcore.shm_record(peer, self.secret))
+                conn = await self.plane.shm.connect(self.shm_credential(peer))
                 self.seen_paths[peer.node_id] = (SHM_SCHEME, "proven on this host")
                 return SHM_SCHEME, conn
             except (RefitError, OSError) as exc:
@@ -433,11 +432,24 @@ class PullManager:
         the peer's boot id equals ours and every region it listed maps (by name) to
         the very file its signed record names, at exactly the size it states."""
         try:
-            conn = await self.plane.shm.connect(pullcore.shm_record(peer, self.secret))
+            conn = await self.plane.shm.connect(self.shm_credential(peer))
         except (RefitError, OSError) as exc:
             return str(exc)
         await conn.close()
         return None
+
+    def shm_credential(self, peer: PeerRegions) -> PeerInfo:
+        """The record the ``shm`` transport reads ``peer`` through: made by that
+        transport from the peer's same-host advertisement and the lease scope
+        (:meth:`transports.shm.ShmTransport.credential`); refused for records given
+        without a lease, which carry none."""
+        advert = peer.adverts.get(SHM_SCHEME)
+        if not advert:
+            raise TransportError(
+                f"the records of {peer.node_id!r} carry no same-host advertisement (records "
+                "are given one only under a lease)"
+            )
+        return self.plane.shm.credential(PeerInfo.decode(advert), lease_scope(peer))
 
     async def _transport_peer(self, peer: PeerRegions, scheme: str) -> Peer:
         """The ``scheme`` transport's connection to ``peer``: made once per source

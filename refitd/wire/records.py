@@ -81,18 +81,17 @@ class PeerRegions(Signed, frozen=True):
     (A msgspec Struct: its ``{}`` defaults are copied per instance, never shared.)
 
     ``transport`` is the sender's data-plane mode and ``advert`` its transport's own
-    signed advertisement (empty when it runs no transport, i.e. ``shm``).
-    ``boot_id`` is the sender's kernel boot id and ``files`` maps each listed region
-    to ``(st_dev, st_ino)`` of its segment: a reader uses the shared-memory path only
-    when its own boot id matches and the file it maps by name is that very file."""
+    signed advertisement (empty when it runs no transport, i.e. ``shm``). Under a
+    lease, ``adverts`` also holds the sender's ``shm`` advertisement of the regions
+    that lease may read (boot id, each segment's name and file): a reader uses the
+    shared-memory path only when its own boot id matches and the file it maps by
+    name is that very file (:meth:`transports.shm.ShmTransport.credential`)."""
 
     node_id: str
     incarnation: int
     transport: str
     regions: list[RegionInfo]
     advert: bytes = b""
-    boot_id: str = ""
-    files: dict[int, tuple[int, int]] = {}  # noqa: RUF012
     #: the lease these records were given under ("" for none), and per listed region
     #: the byte ranges ``[start, end)`` that lease may read: a reader reads nothing else
     lease_id: str = ""

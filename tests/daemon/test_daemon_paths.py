@@ -38,7 +38,9 @@ from refitd.wire import (
     ShardEntry,
     TensorEntry,
 )
+from transports.interface import PeerInfo
 from transports.segments import SHM_DIR, SharedSegment
+from transports.shm import SegmentKey
 from transports.tcp import TcpTransport
 
 pytestmark = pytest.mark.timeout(90)
@@ -190,26 +192,29 @@ async def test_forced_shm_refuses_a_peer_on_another_host_before_any_byte_moves()
 async def test_a_same_host_record_is_trusted_only_for_the_very_file_and_size_it_signs() -> None:
     async with node("src") as src, node("engine") as engine:
         region, _ = await publish(src, 2)
-        # Without a lease the records name no file (and carry no transport keys).
-        assert (await src.client.peer_regions([region])).files == {}
+        # Without a lease the records name no segment (and carry no transport keys).
+        assert (await src.client.peer_regions([region])).adverts == {}
         lease = await src.client.acquire_lease("m", 1)
         rec = await src.client.peer_regions([region], lease.lease_id, "m", 1)
         rec.verify(SECRET)
         assert await engine.pulls.shm_refusal(rec) is None
+        advert = PeerInfo.decode(rec.adverts["shm"])
+        assert [r.region_id for r in advert.regions] == [region]  # what the lease reads
+
+        def changed(**fields: object) -> PeerRegions:
+            listed = msgspec.structs.replace(advert.regions[0], **fields)
+            shm = msgspec.structs.replace(advert, regions=(listed,)).signed(SECRET)
+            return msgspec.structs.replace(rec, adverts={**rec.adverts, "shm": shm.encode()})
+
         # A segment of that name that is another file (another /dev/shm, say).
-        dev, ino = rec.files[region]
-        other = msgspec.structs.replace(rec, files={region: (dev, ino + 1)})
+        name, dev, ino = SegmentKey.decode(advert.regions[0].key)
+        other = changed(key=SegmentKey(name, dev, ino + 1).encode())
         assert "another file" in str(await engine.pulls.shm_refusal(other))
         # A record stating another size than the segment's.
-        shrunk = msgspec.structs.replace(rec.regions[0], nbytes=NBYTES // 2)
-        assert "expected 2048" in str(
-            await engine.pulls.shm_refusal(msgspec.structs.replace(rec, regions=[shrunk]))
-        )
-        # A record with no file identity at all is not trusted either.
-        bare = PeerRegions(
-            rec.node_id, rec.incarnation, rec.transport, rec.regions, rec.advert, rec.boot_id
-        )
-        assert "names no file" in str(await engine.pulls.shm_refusal(bare))
+        assert "expected 2048" in str(await engine.pulls.shm_refusal(changed(size=NBYTES // 2)))
+        # Records with no same-host advertisement are not trusted either.
+        bare = msgspec.structs.replace(rec, adverts={})
+        assert "no same-host advertisement" in str(await engine.pulls.shm_refusal(bare))
 
 
 async def test_a_same_host_pull_keeps_the_peers_mappings_between_pulls() -> None:

@@ -26,7 +26,6 @@ from refitd.wire import (
 )
 from transports.interface import PeerInfo
 from transports.local import pack_strided
-from transports.shm import segment_key
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -48,15 +47,12 @@ def peer(
     scope: dict[int, list[tuple[int, int]]],
     lease: str = LEASE,
     adverts: dict[str, bytes] | None = None,
-    files: dict[int, tuple[int, int]] | None = None,
 ) -> PeerRegions:
     return PeerRegions(
         "src",
         7,
         "auto",
         regions,
-        boot_id="boot",
-        files=files or {},
         lease_id=lease,
         scope=scope,
         adverts=adverts or {},
@@ -138,40 +134,16 @@ def test_staged_offsets_are_checked_like_descriptors() -> None:
 
 
 def test_merging_the_staging_record_keeps_the_first_records_and_adds_its_own() -> None:
-    a = peer([region(1, 128)], {1: [(0, 128)]}, adverts={"tcp": b"t"}, files={1: (1, 2)})
-    b = peer(
-        [region(1, 999), region(40, 32)],
-        {40: [(0, 32)]},
-        adverts={"ucx": b"u"},
-        files={40: (1, 3)},
-    )
+    a = peer([region(1, 128)], {1: [(0, 128)]}, adverts={"tcp": b"t", "shm": b"s1"})
+    b = peer([region(1, 999), region(40, 32)], {40: [(0, 32)]}, adverts={"ucx": b"u", "shm": b"s2"})
     m = pullcore.merge_peer(a, b)
     assert [(r.region_id, r.nbytes) for r in m.regions] == [(1, 128), (40, 32)]
     assert m.scope == {1: [(0, 128)], 40: [(0, 32)]}
-    assert m.files == {1: (1, 2), 40: (1, 3)}
-    assert m.adverts == {"tcp": b"t", "ucx": b"u"}
+    # The staging record's same-host advertisement is the newer one (it lists both).
+    assert m.adverts == {"tcp": b"t", "ucx": b"u", "shm": b"s2"}
 
 
 # ---------------------------------------------------------------- path choice
-
-
-def test_the_shm_record_names_each_segment_and_its_file_and_verifies() -> None:
-    src = peer([region(1, 128, "a"), region(2, 64, "b")], {}, files={1: (5, 6), 2: (5, 7)})
-    rec = pullcore.shm_record(src, SECRET)
-    rec.verify(SECRET)
-    assert rec.scheme == "shm" and rec.address == b"boot:7"
-    assert [(r.region_id, r.size, r.key) for r in rec.regions] == [
-        (1, 128, segment_key("a", 5, 6)),
-        (2, 64, segment_key("b", 5, 7)),
-    ]
-    with pytest.raises(Exception, match="MAC"):
-        rec.verify(b"x" * 32)
-
-
-def test_a_region_without_a_file_cannot_be_read_through_shm() -> None:
-    src = peer([region(1, 128, "a")], {}, files={})
-    with pytest.raises(TransportError, match="names no file for segment 'a'"):
-        pullcore.shm_record(src, SECRET)
 
 
 def test_only_auto_and_shm_modes_try_shm_for_another_daemon() -> None:
@@ -202,6 +174,10 @@ def test_a_forced_scheme_the_peer_does_not_serve_is_refused() -> None:
         choose_remote("ucx", ["ucx"], tcp_only, "x")
     with pytest.raises(TransportError, match="advertises no data plane"):
         choose_remote("auto", ["tcp"], peer([], {}), "x")
+    # Its same-host advertisement is no path to another host.
+    shm_only = peer([], {}, adverts={"shm": advert("shm")})
+    with pytest.raises(TransportError, match="advertises no data plane"):
+        choose_remote("auto", ["tcp"], shm_only, "x")
 
 
 # ---------------------------------------------------------------- pacing

@@ -15,7 +15,7 @@ import numpy.typing as npt
 import pytest
 
 from refitd.errors import TransportError
-from transports.interface import PeerInfo, ReadRefused
+from transports.interface import LeaseScope, PeerInfo, ReadRefused
 from transports.local import copy_addresses
 from transports.segments import SHM_DIR, SharedSegment
 from transports.shm import ShmTransport
@@ -63,6 +63,54 @@ def _record(source_info: PeerInfo, keep: set[int]) -> PeerInfo:
     """``source_info`` listing only the regions in ``keep``, signed again."""
     regions = tuple(r for r in source_info.regions if r.region_id in keep)
     return msgspec.structs.replace(source_info, regions=regions).signed(SECRET)
+
+
+@contextlib.asynccontextmanager
+async def _two_regions(sizes: tuple[int, int]) -> AsyncIterator[tuple[ShmTransport, ShmTransport]]:
+    """A started puller with region 9 (4096 bytes), and a started source of this
+    host's life 7 with regions 1 and 2 of ``sizes`` bytes, filled with 1 and 2."""
+    with contextlib.ExitStack() as stack:
+        segs = [stack.enter_context(SharedSegment.create(n, f"r{i}")) for i, n in enumerate(sizes)]
+        dst = stack.enter_context(SharedSegment.create(4096, "dst"))
+        async with (
+            ShmTransport(secret=SECRET) as puller,
+            ShmTransport(secret=SECRET, incarnation=7) as source,
+        ):
+            for rid, seg in enumerate(segs, start=1):
+                seg.numpy()[:] = rid
+                await source.register(rid, seg)
+            await puller.register(9, dst)
+            yield puller, source
+
+
+async def test_a_credential_lists_the_scoped_regions_as_the_advertisement_names_them() -> None:
+    """A reader's record is made by its ``shm`` transport from the source's signed
+    advertisement and the lease scope: the scope's regions only, as advertised."""
+    async with _two_regions((4096, 2048)) as (puller, source):
+        advert = source.advertise()
+        assert advert.address.endswith(b":7")  # the source's life, not its pid
+        cred = puller.credential(advert, LeaseScope("lease", {2: [(0, 2048)]}))
+        cred.verify(SECRET)
+        assert cred.regions == tuple(r for r in advert.regions if r.region_id == 2)
+        assert cred.address == advert.address
+        async with await puller.connect(cred) as peer:
+            await peer.get([(9, 0, 2, 0, 2048)])
+            assert (puller.regions[9].segment.numpy()[:2048] == 2).all()
+            with pytest.raises(ReadRefused):  # region 1 is not in the lease's scope
+                await peer.get([(9, 0, 1, 0, 16)])
+
+
+async def test_a_region_the_advertisement_does_not_name_has_no_credential() -> None:
+    """A source advertises only what a lease may read (``advertise(only)``): a scope
+    naming any other region (or one without a segment here) is refused, naming it."""
+    async with _two_regions((4096, 4096)) as (puller, source):
+        advert = source.advertise(only=[1])
+        assert [r.region_id for r in advert.regions] == [1]
+        with pytest.raises(TransportError, match=r"region\(s\) \[2\] .* do not map here"):
+            puller.credential(advert, LeaseScope("lease", {1: [], 2: []}))
+        tcp_advert = msgspec.structs.replace(advert, scheme="tcp")
+        with pytest.raises(Exception, match=r"advertisement .* is for scheme 'tcp'"):
+            puller.credential(tcp_advert, LeaseScope("lease", {1: []}))
 
 
 async def test_an_update_keeps_the_mappings_of_unchanged_regions_and_maps_only_new_ones() -> None:
