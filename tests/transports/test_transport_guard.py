@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from transports.interface import PullFailed
-from transports.local import CopyFault, copy_addresses, pack_strided
+from transports.local import CopyFault, copy_addresses, copy_batch_guarded, pack_strided
 from transports.segments import SHM_DIR, SharedSegment
 from transports.shm import ShmTransport
 
@@ -69,6 +69,32 @@ async def test_a_copy_from_a_shrunk_segment_is_a_copy_fault_not_a_bus_error(thre
             pool=None,
         )
         assert np.array_equal(dst.numpy()[:4096], good)
+
+
+def test_scattered_pieces_copy_up_to_the_first_past_a_cut_and_that_one_is_named() -> None:
+    # The guarded loop asks for the next piece's lines before copying the current
+    # one: a hint at a cut page must not fault, and the fault must name the piece
+    # that touched it, with every piece before it copied.
+    piece, pieces, kept = 4096, 64, 16
+    with (
+        SharedSegment.create(piece * pieces, "src") as src,
+        SharedSegment.create(piece * pieces, "dst") as dst,
+    ):
+        order = np.random.default_rng(3).permutation(kept)
+        # Shuffled pieces inside the kept head, then the one past the cut, then more.
+        rows = np.concatenate([order, [kept + 5], np.arange(kept, kept + 3)])
+        want = np.random.default_rng(4).integers(0, 255, piece * kept, dtype=np.uint8)
+        src.numpy()[: piece * kept] = want
+        dst.numpy()[:] = 0
+        _shrink(src, piece * kept)
+        d = (dst.address + np.arange(len(rows)) * piece).astype(np.int64)
+        s = (src.address + rows * piece).astype(np.int64)
+        with pytest.raises(CopyFault, match="source") as err:
+            copy_batch_guarded(d, s, np.full(len(rows), piece, dtype=np.int64))
+        assert err.value.src == src.address + (kept + 5) * piece
+        assert err.value.dst == dst.address + kept * piece
+        got = dst.numpy()[: piece * kept].reshape(kept, piece)
+        assert np.array_equal(got, want.reshape(kept, piece)[order])
 
 
 async def test_a_read_into_a_shrunk_destination_fails_with_its_suspect_ranges() -> None:

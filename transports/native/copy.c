@@ -84,6 +84,23 @@ int rfx_guard_install(void)
     return rc;
 }
 
+/* Ask for the first lines of the next copy while this one runs. Scattered small
+ * copies (shuffled 4 KiB pieces) each start on a page the hardware prefetcher has
+ * not seen, so every copy would begin with a cache and TLB miss; hinting the next
+ * one overlaps that wait with the current copy. A prefetch never faults, so an
+ * address past a shrunk file is harmless here. Measured on the 2-core development
+ * machine, 30 alternating pairs: 12-22% less time for shuffled 4 KiB pieces, none
+ * lost at 1 MiB. rfx_copy_batch (the benches' plain memcpy baseline) has none. */
+static inline void rfx_prefetch_next(int64_t dst, int64_t src)
+{
+    const char *s = (const char *)(intptr_t)src;
+    const char *d = (const char *)(intptr_t)dst;
+    __builtin_prefetch(s, 0, 0);
+    __builtin_prefetch(s + 64, 0, 0);
+    __builtin_prefetch(d, 1, 0);
+    __builtin_prefetch(d + 64, 1, 0);
+}
+
 /* Copy like rfx_copy_batch. Returns -1 when every copy completed; else the index of
  * the copy a bus error stopped (copies before it completed, it and those after are
  * undefined), with the faulting address in *fault_at. Returns -2 when the handler
@@ -100,8 +117,11 @@ int64_t rfx_copy_batch_guarded(int64_t n, const int64_t *dst, const int64_t *src
         return i;
     }
     rfx_guard = &jb;
-    for (; i < n; i++)
+    for (; i < n; i++) {
+        if (i + 1 < n)
+            rfx_prefetch_next(dst[i + 1], src[i + 1]);
         memcpy((void *)(intptr_t)dst[i], (const void *)(intptr_t)src[i], (size_t)len[i]);
+    }
     rfx_guard = NULL;
     return -1;
 }
