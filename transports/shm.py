@@ -305,12 +305,15 @@ class ShmTransport(LocalTransport):
         signed with the deployment secret. A mapping is whole, so the byte ranges are
         the daemon's to check before any read. A region the advertisement does not
         name (no segment here: it is not host memory, or its name is gone) is
-        refused (:class:`TransportError`): there is no same-host path to it."""
+        refused (:class:`TransportError`): there is no same-host path to it. An
+        advertisement whose MAC does not verify is refused (:class:`ProtocolError`):
+        the credential is signed here, so it must list only what the source signed."""
         if advert.scheme != self.scheme:
             raise ProtocolError(
                 f"{self.scheme} credential refused: the advertisement of {advert.peer_id!r} "
                 f"is for scheme {advert.scheme!r}"
             )
+        advert.verify(self.secret)
         listed = {r.region_id: r for r in advert.regions}
         missing = sorted(set(scope.ranges) - set(listed))
         if missing:
