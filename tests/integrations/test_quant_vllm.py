@@ -14,7 +14,6 @@ tokens and logprobs.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,17 +21,14 @@ from typing import Any
 
 import pytest
 import torch
+from support.vllm_world import fresh_serving, refit_engine, vllm_daemon
 from vllm_models import (
     LLAMA,
     greedy_logprobs,
     hf_model,
-    llm_kwargs,
     loader_format_mismatches,
     run_fsdp_trainer,
     same_tensors,
-    start_daemon,
-    stop_engine,
-    vllm_env,
 )
 
 from refitd.integrations.quant import (
@@ -67,31 +63,17 @@ def write_quantized(path: Path, state: dict[str, torch.Tensor]) -> Path:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    from vllm import LLM
-
-    root = tmp_path_factory.mktemp("quant")
-    daemon, url = start_daemon(root)
-    mp = pytest.MonkeyPatch()
-    vllm_env(mp, tmp_path_factory, url)
-    # The truths first: one in-process engine at a time (vLLM's parallel state is per
-    # process), so the fresh loads run before the refitted engine starts.
-    truths = {
-        seed: fresh_load(write_quantized(root / f"truth{seed}", bf16_state(seed)))
-        for seed in TRUTH_SEEDS
-    }
-    write_quantized(root / "engine", bf16_state(1))
-    llm = LLM(
-        model=str(root / "engine"), weight_transfer_config={"backend": "refitd"}, **llm_kwargs()
-    )
-    try:
-        yield World(root, url, llm, truths)
-    finally:
-        stop_engine(llm)
-        del llm
-        gc.collect()
-        daemon.terminate()
-        daemon.wait(30)
-        mp.undo()
+    with vllm_daemon(tmp_path_factory, "quant") as url:
+        root = tmp_path_factory.mktemp("models")
+        # The truths first: one in-process engine at a time (vLLM's parallel state is
+        # per process), so the fresh loads run before the refitted engine starts.
+        truths = {
+            seed: fresh_load(write_quantized(root / f"truth{seed}", bf16_state(seed)))
+            for seed in TRUTH_SEEDS
+        }
+        write_quantized(root / "engine", bf16_state(1))
+        with refit_engine(root / "engine") as llm:
+            yield World(root, url, llm, truths)
 
 
 # ---------------------------------------------------------------- what an engine serves
@@ -138,15 +120,9 @@ def differences(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
 
 def fresh_load(checkpoint: Path) -> tuple[dict[str, Any], Any]:
     """What a fresh ``LLM`` loaded from ``checkpoint`` serves."""
-    from vllm import LLM
-
-    fresh = LLM(model=str(checkpoint), **llm_kwargs())
-    try:
-        return fresh.collective_rpc(served_state)[0], greedy_logprobs(fresh)
-    finally:
-        stop_engine(fresh)
-        del fresh
-        gc.collect()
+    return fresh_serving(
+        checkpoint, lambda fresh: (fresh.collective_rpc(served_state)[0], greedy_logprobs(fresh))
+    )
 
 
 def stats(llm: Any) -> dict[str, Any]:

@@ -10,7 +10,6 @@ trainer's weights from disk, and a fresh ``LLM`` loaded from them.
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,18 +19,15 @@ from typing import Any
 
 import pytest
 import torch
+from support.vllm_world import fresh_serving, running, vllm_daemon
 from vllm_models import (
     LLAMA,
     greedy,
     live_params,
-    llm_kwargs,
     loader_format_mismatches,
     readme_blocks,
     run_fsdp_trainer,
     same_tensors,
-    start_daemon,
-    stop_engine,
-    vllm_env,
     write_model,
 )
 
@@ -52,37 +48,21 @@ TRUTH_SEED = 2
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    root = tmp_path_factory.mktemp("vllm")
-    daemon, url = start_daemon(root)
-    mp = pytest.MonkeyPatch()
-    vllm_env(mp, tmp_path_factory, url)
-    # The truth first: one in-process engine at a time (vLLM's parallel state is per
-    # process), so the fresh load runs before the refitted engine starts.
-    write_model(root / "truth", LLAMA, seed=TRUTH_SEED)
-    from vllm import LLM
-
-    fresh = LLM(model=str(root / "truth"), **llm_kwargs())
-    try:
-        truth = (fresh.collective_rpc(live_params)[0], greedy(fresh))
-    finally:
-        stop_engine(fresh)
-        del fresh
-        gc.collect()
-    write_model(root / "engine", LLAMA, seed=1)
-    # The engine is started by the README's own snippet.
-    engine_block, _ = readme_blocks("## vLLM backend (`refitd.integrations.vllm`)")
-    ns: dict[str, Any] = {"model_dir": str(root / "engine")}
-    exec(engine_block, ns)
-    llm = ns.pop("llm")
-    try:
-        yield World(root, url, llm, truth)
-    finally:
-        stop_engine(llm)
-        del llm
-        gc.collect()
-        daemon.terminate()
-        daemon.wait(30)
-        mp.undo()
+    with vllm_daemon(tmp_path_factory, "vllm") as url:
+        root = tmp_path_factory.mktemp("models")
+        # The truth first: one in-process engine at a time (vLLM's parallel state is
+        # per process), so the fresh load runs before the refitted engine starts.
+        write_model(root / "truth", LLAMA, seed=TRUTH_SEED)
+        truth = fresh_serving(
+            root / "truth", lambda fresh: (fresh.collective_rpc(live_params)[0], greedy(fresh))
+        )
+        write_model(root / "engine", LLAMA, seed=1)
+        # The engine is started by the README's own snippet.
+        engine_block, _ = readme_blocks("## vLLM backend (`refitd.integrations.vllm`)")
+        ns: dict[str, Any] = {"model_dir": str(root / "engine")}
+        exec(engine_block, ns)
+        with running(ns.pop("llm")) as llm:
+            yield World(root, url, llm, truth)
 
 
 def stats(llm: Any) -> dict[str, Any]:
@@ -159,6 +139,11 @@ def test_a_new_trainer_layout_replans_and_still_refits_exactly(world: World) -> 
     assert mismatches(world.llm, world.root / "single") == []
 
 
+def last_version(llm: Any) -> int | None:
+    """The version the engine's last refit installed (None: none yet)."""
+    return stats(llm)["version"] if stats_or_none(llm) else None
+
+
 def stats_or_none(llm: Any) -> bool:
     from refitd.integrations.vllm.worker import refit_stats
 
@@ -193,7 +178,7 @@ def test_a_trainer_rank_killed_mid_update_leaves_the_engine_serving_its_previous
     world: World,
 ) -> None:
     serving = greedy(world.llm)
-    version = stats(world.llm)["version"]
+    version = last_version(world.llm)  # None: this worker's first test (xdist loadscope)
     outcomes: list[str] = []
 
     def on_event(message: Any) -> Any:
@@ -212,7 +197,7 @@ def test_a_trainer_rank_killed_mid_update_leaves_the_engine_serving_its_previous
     assert codes[1] == 9
     [outcome] = outcomes
     assert outcome.startswith("engine update_weights failed"), outcome
-    assert greedy(world.llm) == serving and stats(world.llm)["version"] == version
+    assert greedy(world.llm) == serving and last_version(world.llm) == version
     # The engine is not wedged: the next complete version refits.
     world.llm.start_weight_update()
     world.llm.finish_weight_update()

@@ -10,45 +10,23 @@ processing run inside each delta (rolled back with it). docs/delta.md.
 
 from __future__ import annotations
 
-import gc
-import json
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from support.vllm_world import fresh_serving, refit_engine, vllm_daemon
 from vllm_models import (
     LLAMA,
     greedy_logprobs,
     hf_model,
-    llm_kwargs,
     param_digests,
     save_model,
-    stop_engine,
-    vllm_env,
 )
 
 pytestmark = pytest.mark.timeout(600)
 
 CONFIG = {**LLAMA, "tie_word_embeddings": True}
-
-
-def start_delta_daemon(root: Path) -> tuple[subprocess.Popen[str], str]:
-    from refitd.client.spawn import serve_command
-
-    secret = root / "secret"
-    secret.write_text(os.urandom(32).hex())
-    secret.chmod(0o600)
-    argv = serve_command("--port", "0", "--secret-file", str(secret), "--grace", "2")
-    proc = subprocess.Popen(
-        [*argv, "--set", "logging.level=warning", "--set", "pulls.deltas=true"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    return proc, json.loads(proc.stdout.readline())["url"]
 
 
 def stepped(state: dict[str, torch.Tensor], frac: float, seed: int) -> dict[str, torch.Tensor]:
@@ -65,23 +43,13 @@ def stepped(state: dict[str, torch.Tensor], frac: float, seed: int) -> dict[str,
 
 @pytest.fixture(scope="module")
 def daemon_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    daemon, url = start_delta_daemon(tmp_path_factory.mktemp("delta"))
-    mp = pytest.MonkeyPatch()
-    vllm_env(mp, tmp_path_factory, url)
-    try:
+    with vllm_daemon(tmp_path_factory, "delta", "pulls.deltas=true") as url:
         yield url
-    finally:
-        gc.collect()
-        daemon.terminate()
-        daemon.wait(30)
-        mp.undo()
 
 
 def test_a_tied_llama_refitted_by_deltas_serves_what_a_fresh_load_serves(
     daemon_url: str, tmp_path: Path
 ) -> None:
-    from vllm import LLM
-
     from refitd.integrations.sources import TensorSource
     from refitd.integrations.vllm.trainer import (
         LLMSyncClient,
@@ -96,39 +64,29 @@ def test_a_tied_llama_refitted_by_deltas_serves_what_a_fresh_load_serves(
     c = stepped(b, 0.02, 2)
     save_model(tmp_path / "a", CONFIG, a)
     save_model(tmp_path / "c", CONFIG, c)
-    fresh = LLM(model=str(tmp_path / "c"), **llm_kwargs())
-    try:
-        truth_tokens = greedy_logprobs(fresh)
-        [truth_params] = fresh.collective_rpc(param_digests)
-    finally:
-        stop_engine(fresh)
-        del fresh
-        gc.collect()
-    llm = LLM(
-        model=str(tmp_path / "a"), weight_transfer_config={"backend": "refitd"}, **llm_kwargs()
+    truth_tokens, [truth_params] = fresh_serving(
+        tmp_path / "c", lambda fresh: (greedy_logprobs(fresh), fresh.collective_rpc(param_digests))
     )
-    tensors = {n: t.clone() for n, t in a.items()}
-    info = RefitdTrainerInitInfo(
-        rank=0, model="delta-llama", url=daemon_url, buffers=2, worker={"delta": True}
-    )
-    trainer = RefitdTrainerEngine.trainer_init(
-        info, client=LLMSyncClient(llm), source=TensorSource(tensors)
-    )
-    try:
-        assert greedy_logprobs(llm) != truth_tokens, "A must serve otherwise than C"
-        kinds = []
-        for state in (a, b, c):
-            for name, t in tensors.items():
-                t.copy_(state[name])
-            trainer.send_weights()
-            [stats] = llm.collective_rpc(refit_stats)
-            kinds.append((stats["kind"], stats["reason"]))
-        assert [k for k, _ in kinds] == ["full", "delta", "delta"], kinds
-        [params] = llm.collective_rpc(param_digests)
-        assert [n for n in truth_params if params.get(n) != truth_params[n]] == []
-        assert greedy_logprobs(llm) == truth_tokens
-    finally:
-        trainer.shutdown()
-        stop_engine(llm)
-        del llm
-        gc.collect()
+    with refit_engine(tmp_path / "a") as llm:
+        tensors = {n: t.clone() for n, t in a.items()}
+        info = RefitdTrainerInitInfo(
+            rank=0, model="delta-llama", url=daemon_url, buffers=2, worker={"delta": True}
+        )
+        trainer = RefitdTrainerEngine.trainer_init(
+            info, client=LLMSyncClient(llm), source=TensorSource(tensors)
+        )
+        try:
+            assert greedy_logprobs(llm) != truth_tokens, "A must serve otherwise than C"
+            kinds = []
+            for state in (a, b, c):
+                for name, t in tensors.items():
+                    t.copy_(state[name])
+                trainer.send_weights()
+                [stats] = llm.collective_rpc(refit_stats)
+                kinds.append((stats["kind"], stats["reason"]))
+            assert [k for k, _ in kinds] == ["full", "delta", "delta"], kinds
+            [params] = llm.collective_rpc(param_digests)
+            assert [n for n in truth_params if params.get(n) != truth_params[n]] == []
+            assert greedy_logprobs(llm) == truth_tokens
+        finally:
+            trainer.shutdown()

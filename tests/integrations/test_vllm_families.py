@@ -17,13 +17,13 @@ families spread over the test workers.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
+from support.vllm_world import fresh_serving, refit_engine, vllm_daemon
 from vllm_models import (
     DEEPSEEK_V2,
     DEEPSEEK_V3,
@@ -42,13 +42,9 @@ from vllm_models import (
     QWEN3_TIED,
     greedy_logprobs,
     hf_model,
-    llm_kwargs,
     param_digests,
     per_expert,
     save_model,
-    start_daemon,
-    stop_engine,
-    vllm_env,
 )
 
 pytestmark = pytest.mark.timeout(900)
@@ -141,25 +137,14 @@ class Engine:
 
 @pytest.fixture(scope="module")
 def daemon_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    root = tmp_path_factory.mktemp("families")
-    daemon, url = start_daemon(root)
-    mp = pytest.MonkeyPatch()
-    vllm_env(mp, tmp_path_factory, url)
-    try:
+    with vllm_daemon(tmp_path_factory, "families") as url:
         yield url
-    finally:
-        gc.collect()
-        daemon.terminate()
-        daemon.wait(30)
-        mp.undo()
 
 
 @pytest.fixture(scope="module", params=FAMILIES, ids=[f.name for f in FAMILIES])
 def engine(
     request: pytest.FixtureRequest, daemon_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
-    from vllm import LLM
-
     from refitd.integrations.sources import TensorSource
     from refitd.integrations.vllm.trainer import (
         LLMSyncClient,
@@ -173,29 +158,20 @@ def engine(
     b = checkpoint_state(family, 12, retie=True)
     save_model(root / "a", family.config, a)
     save_model(root / "b", family.config, b)
-    fresh = LLM(model=str(root / "a"), **llm_kwargs())
-    try:
-        truth_a = served(fresh)
-    finally:
-        stop_engine(fresh)
-        del fresh
-        gc.collect()
-    llm = LLM(model=str(root / "b"), weight_transfer_config={"backend": "refitd"}, **llm_kwargs())
-    truth_b = served(llm)
-    assert truth_a[0] != truth_b[0], "A and B must serve differently, or nothing is tested"
-    tensors = {n: t.clone() for n, t in a.items()}
-    info = RefitdTrainerInitInfo(rank=0, model=family.name, url=daemon_url)
-    trainer = RefitdTrainerEngine.trainer_init(
-        info, client=LLMSyncClient(llm), source=TensorSource(tensors)
-    )
-    after_init = served(llm)
-    try:
-        yield Engine(family, llm, trainer, tensors, [a, b], [truth_a, truth_b], after_init)
-    finally:
-        trainer.shutdown()
-        stop_engine(llm)
-        del llm
-        gc.collect()
+    truth_a = fresh_serving(root / "a", served)
+    with refit_engine(root / "b") as llm:
+        truth_b = served(llm)
+        assert truth_a[0] != truth_b[0], "A and B must serve differently, or nothing is tested"
+        tensors = {n: t.clone() for n, t in a.items()}
+        info = RefitdTrainerInitInfo(rank=0, model=family.name, url=daemon_url)
+        trainer = RefitdTrainerEngine.trainer_init(
+            info, client=LLMSyncClient(llm), source=TensorSource(tensors)
+        )
+        after_init = served(llm)
+        try:
+            yield Engine(family, llm, trainer, tensors, [a, b], [truth_a, truth_b], after_init)
+        finally:
+            trainer.shutdown()
 
 
 def test_starting_the_transfer_engine_leaves_what_the_engine_serves_unchanged(

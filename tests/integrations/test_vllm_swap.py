@@ -12,7 +12,6 @@ top logprobs, every parameter), and the next refits are exact both ways round.
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from support.daemons import (
     serving_daemons,
 )
 from support.engines import mismatched, zeroed_engine
+from support.vllm_world import fresh_serving, refit_engine, vllm_environment
 
 from refitd.bench.refit import capture_for, publish_layout
 from refitd.client.http import RefitClient
@@ -147,16 +147,7 @@ SEEDS = (2, 3)
 
 @pytest.fixture(scope="module")
 def swap_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwapWorld]:
-    from vllm import LLM
-    from vllm_models import (
-        LLAMA,
-        greedy_logprobs,
-        live_params,
-        llm_kwargs,
-        stop_engine,
-        vllm_env,
-        write_model,
-    )
+    from vllm_models import LLAMA, write_model
 
     root = tmp_path_factory.mktemp("swap")
     clock = FakeClock(1000.0)
@@ -165,33 +156,15 @@ def swap_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwapWorld]:
     def daemon() -> Daemon:
         return Daemon(daemon_config(node_id="swap"), clock=clock, copier=copier)
 
-    with served_in_a_thread(daemon) as url:
-        mp = pytest.MonkeyPatch()
-        vllm_env(mp, tmp_path_factory, url)
+    with served_in_a_thread(daemon) as url, vllm_environment(tmp_path_factory, url):
         truth: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}
         weights: dict[int, dict[str, torch.Tensor]] = {}
         for seed in SEEDS:  # one in-process engine at a time: the fresh loads first
             weights[seed] = write_model(root / f"truth{seed}", LLAMA, seed=seed)
-            fresh = LLM(model=str(root / f"truth{seed}"), **llm_kwargs())
-            try:
-                truth[seed] = (greedy_logprobs(fresh), fresh.collective_rpc(live_params)[0])
-            finally:
-                stop_engine(fresh)
-                del fresh
-                gc.collect()
+            truth[seed] = fresh_serving(root / f"truth{seed}", served)
         write_model(root / "engine", LLAMA, seed=1)
-        llm = LLM(
-            model=str(root / "engine"),
-            weight_transfer_config={"backend": "refitd"},
-            **llm_kwargs(),
-        )
-        try:
+        with refit_engine(root / "engine") as llm:
             yield SwapWorld(url, llm, copier, truth, weights)
-        finally:
-            stop_engine(llm)
-            del llm
-            gc.collect()
-            mp.undo()
 
 
 def served(llm: Any) -> tuple[Any, dict[str, torch.Tensor]]:

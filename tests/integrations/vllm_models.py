@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from support.docs import python_blocks
+from support.vllm_world import stop_engine, vllm_env
 
 from refitd.bench.vllm import LLM_CPU_KWARGS, greedy, llama_config, start_daemon
 
@@ -298,74 +299,6 @@ def write_model(path: Path, config: dict[str, Any], seed: int) -> dict[str, torc
     state = {k: v.detach().clone() for k, v in hf_model(config, seed).state_dict().items()}
     save_model(path, config, state)
     return state
-
-
-AMX_OFF = Path(__file__).resolve().parent / "amx_off"
-"""A folder whose ``sitecustomize`` reports AMX absent to torch (see its docstring)."""
-
-
-def vllm_env(mp: Any, temp: Any, url: str) -> None:
-    """Offline vLLM, and the daemon at ``url``, set through the monkeypatch ``mp`` so
-    nothing leaks into other tests' environment.
-
-    - vLLM's cache is one per test worker, under the run's base temporary directory
-      (``temp``, pytest's ``tmp_path_factory``): every test of a worker shares what
-      vLLM learnt inspecting an architecture (seconds a model class), and no two
-      workers write one cache.
-    - The engine runs in the test's own process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-      a mode vLLM supports): the same engine core, worker and refitd backend, without
-      the two spawned interpreters that made an engine cost 35-50 s to start here
-      instead of 2-4 s. A test about that boundary sets
-      ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` itself (``test_vllm_serve``, ``test_vllm_tp2``).
-    - AMX is reported absent, in this process and in every process started from here
-      on (vLLM's engine core and workers): its kernels make the workers die at random
-      with SIGILL on the test machines. Any worker death still fails the test; nothing
-      retries.
-
-    Engines in this process would otherwise step on each other, as vLLM keeps some
-    state once per process:
-    - the environment, frozen once an engine core has started: unfrozen here, so a
-      later test's settings are read afresh;
-    - the collector's permanent generation, where an engine core moves every object
-      alive when it starts: left alone, so an engine dropped is freed;
-    - the parallel groups, which an engine core destroys when it shuts down: a test
-      ends each engine with :func:`stop_engine`, not by dropping it (a dropped one
-      shuts down at whatever later collection frees it, under the engine serving
-      then).
-
-    And vLLM inspects each model architecture it has not cached in a fresh
-    interpreter, so that the process serving never initializes CUDA: 11-12 s an
-    architecture here, paid by every test worker for each family it meets. With no
-    CUDA device there is nothing to protect, and the inspection runs in this process
-    (it imports the model's module, which the engine imports anyway)."""
-    import vllm.envs
-    import vllm.v1.engine.core
-    from vllm.model_executor.models import registry
-
-    vllm.envs.disable_envs_cache()
-    mp.setattr(vllm.v1.engine.core, "freeze_gc_heap", lambda: None)
-    if not torch.cuda.is_available():
-        mp.setattr(registry, "_run_in_subprocess", lambda fn: fn())
-    mp.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
-    path = os.environ.get("PYTHONPATH", "")
-    mp.setenv("PYTHONPATH", os.pathsep.join([str(AMX_OFF), *filter(None, [path])]))
-    for key, value in {
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_CACHE_ROOT": str(temp.getbasetemp() / "vllm-cache"),
-        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "REFITD_URL": url,  # the engine's workers find their daemon here
-    }.items():
-        mp.setenv(key, value)
-
-
-def stop_engine(llm: Any) -> None:
-    """Shut ``llm``'s engine down now (once: a second call, or the collection that
-    frees it later, does nothing). In the test's process, it destroys vLLM's parallel
-    groups then, before the next engine makes its own."""
-    llm.llm_engine.engine_core.shutdown()
 
 
 def llm_kwargs() -> dict[str, Any]:
