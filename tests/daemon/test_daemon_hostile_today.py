@@ -1,0 +1,154 @@
+"""Long polls that end when their client goes, attacked by a hostile tenant (issue 36's
+standard: fail closed).
+
+A long poll whose client disconnects is cancelled (``waits.long_poll``). Only the
+wait may end with it: the pull a ``/wait`` waits for runs on to its end, byte-exact,
+and one tenant can neither wait on (so neither cancel the wait of) another's pull,
+nor end another tenant's waits by dropping its own.
+
+Real daemon on 127.0.0.1:0 with two token tenants, real HTTP, real shared memory;
+the pull is held mid-copy by :class:`~support.daemons.GatedCopier` (the daemon's own
+copy engine behind a gate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+from support.daemons import GatedCopier, daemon_config, served, token_file
+
+from refitd.client.http import RefitClient
+from refitd.config import ServerConfig
+from refitd.daemon.node import Daemon
+from refitd.daemon.waits import MAX_WAIT_S, WAITS, Waits
+from refitd.wire import (
+    DescriptorTable,
+    ManifestIn,
+    PullRequest,
+    PullState,
+    ShardEntry,
+    TensorEntry,
+)
+from transports.segments import SharedSegment
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKENS = {"a": "token-of-a", "b": "token-of-b"}
+NBYTES = 4096
+SAFETY_S = MAX_WAIT_S / 2
+"""Safety net: what a test waits for must happen well before any wait times out."""
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    async with asyncio.timeout(SAFETY_S):
+        while not condition():  # noqa: ASYNC110 (state of the daemon, no event to await)
+            await asyncio.sleep(0.05)
+
+
+@dataclass
+class Tenants:
+    url: str
+    a: RefitClient
+    b: RefitClient
+    waits: Waits
+    copier: GatedCopier
+    dst: SharedSegment
+    pull_id: str
+
+    def wait_url(self, timeout_s: float = MAX_WAIT_S) -> str:
+        return f"{self.url}/v1/pulls/{self.pull_id}/wait?timeout={timeout_s:g}"
+
+
+def headers(who: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKENS[who]}", "Accept": "application/json"}
+
+
+@pytest.fixture
+async def tenants(tmp_path: Path) -> AsyncIterator[Tenants]:
+    """a publishes version 1 of ``am`` (bytes 0x5A) and submits a pull of it into a
+    region of its own, held mid-copy at the gate; b is another tenant."""
+    copier = GatedCopier()
+    daemon = Daemon(daemon_config(node_id="hostile-today", transport="shm"), copier=copier)
+    access = ServerConfig(port=0, token_file=token_file(tmp_path, TOKENS))
+    async with (
+        served(daemon, access=access) as s,
+        RefitClient(s.url, token=TOKENS["a"]) as a,
+        RefitClient(s.url, token=TOKENS["b"]) as b,
+    ):
+        src = await a.create_region(NBYTES, label="src")
+        SharedSegment.attach(src.handle, NBYTES).numpy()[:] = 0x5A
+        shard = ShardEntry((0,), (NBYTES,), src.region_id, 0)
+        await a.publish(ManifestIn("am", 1, 0, 1, [TensorEntry("w", (NBYTES,), "uint8", [shard])]))
+        out = await a.create_region(NBYTES, label="dst")
+        dst = SharedSegment.attach(out.handle, NBYTES)
+        lease = await a.acquire_lease("am", 1)
+        rows = np.array([[src.region_id, 0, out.region_id, 0, NBYTES]], dtype=np.int64)
+        job = await a.submit_pull(PullRequest("am", 1, lease.lease_id, DescriptorTable.pack(rows)))
+        async with asyncio.timeout(SAFETY_S):
+            await copier.entered.wait()  # the pull is mid-copy
+        yield Tenants(s.url, a, b, s.app[WAITS], copier, dst, job.pull_id)
+        copier.gate.set()
+
+
+async def test_a_pull_whose_waiter_disconnects_runs_on_to_its_end_byte_exact(
+    tenants: Tenants,
+) -> None:
+    """a waits for its pull in a long poll and drops the connection mid-copy: the wait
+    ends and gives its place back, the pull does not: it is still running, and once
+    the copy goes on it ends DONE with every byte."""
+    t = tenants
+    dropped = aiohttp.ClientSession()
+    poll = asyncio.ensure_future(dropped.get(t.wait_url(), headers=headers("a")))
+    await until(lambda: t.waits.open("a") == 1)
+    poll.cancel()
+    await asyncio.gather(poll, return_exceptions=True)
+    await dropped.close()
+    await until(lambda: t.waits.open("a") == 0)
+
+    assert (await t.a.pull_status(t.pull_id)).state is PullState.RUNNING
+    t.copier.gate.set()
+    async with asyncio.timeout(SAFETY_S):
+        done = await t.a.wait_pull(t.pull_id)
+    assert done.state is PullState.DONE
+    assert (t.dst.numpy() == 0x5A).all()
+
+
+async def test_another_tenant_can_neither_wait_on_a_pull_nor_end_its_owners_wait(
+    tenants: Tenants,
+) -> None:
+    """b asks to wait on a's pull (refused, 4xx, holding no place), then opens long
+    polls of its own and drops them all: a's wait on its pull is still held, the pull
+    still runs, and a's wait is answered DONE when the copy goes on."""
+    t = tenants
+    async with aiohttp.ClientSession() as http:
+        async with http.get(t.wait_url(), headers=headers("b")) as r:
+            assert r.status in (403, 404), await r.text()
+            assert "error" in await r.json(content_type=None)
+    assert t.waits.open("b") == 0
+
+    owners = asyncio.ensure_future(t.a.wait_pull(t.pull_id, interval_s=MAX_WAIT_S))
+    await until(lambda: t.waits.open("a") == 1)
+    dropped = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    ready = f"{t.url}/v1/sources/am/versions/2/ready?timeout={MAX_WAIT_S:g}"
+    polls = [asyncio.ensure_future(dropped.get(ready, headers=headers("b"))) for _ in range(8)]
+    await until(lambda: t.waits.open("b") == len(polls))
+    for p in polls:
+        p.cancel()
+    await asyncio.gather(*polls, return_exceptions=True)
+    await dropped.close()
+    await until(lambda: t.waits.open("b") == 0)
+
+    assert not owners.done()
+    assert t.waits.open("a") == 1
+    assert (await t.a.pull_status(t.pull_id)).state is PullState.RUNNING
+    t.copier.gate.set()
+    async with asyncio.timeout(SAFETY_S):
+        done = await owners
+    assert done.state is PullState.DONE
+    assert (t.dst.numpy() == 0x5A).all()
