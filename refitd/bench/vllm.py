@@ -17,11 +17,17 @@ the refit are bit-identical to those after the reload of the same weights, and
 greedy generation gives the same tokens. The first refit plans; later ones replay
 the compiled plan. The model's size is a preset (default ``600mb``: 608 MB of bf16;
 ``--tiny``: the tests' 2.8 MiB Llama, for CI). The last line has ``refit_s``,
-``reload_s`` (medians over the updates after the first), ``speedup``, where the refit
-time goes (medians too: the trainer's ``publish_s`` and ``ready_s``, ``handshake_s``
-for vLLM's three calls beyond the worker's own refit, the worker's ``manifest_s``,
-``plan_s``, ``pull_s``, ``install_s`` and ``process_s`` (vLLM's post-load processing),
-and ``bytes_moved`` per rank), ``wire_ratio`` (bytes pulled per refit over the
+``reload_s`` (medians over the updates after the first), ``speedup``, and the same net
+of vLLM's own post-load processing, which a fresh load pays too: ``net_speedup`` =
+(``reload_s`` - ``process_s``) / (``refit_s`` - ``process_s``) and ``weights_gbps`` =
+bytes moved / (``refit_s`` - ``process_s``). Then where the refit time goes (medians
+too; they add up to ``refit_s``): the trainer's ``publish_s`` and ``ready_s``,
+``handshake_s`` for vLLM's three calls beyond the worker's own refit (the lease's
+release among them), the worker's ``manifest_s`` (the lease and the manifest),
+``plan_s``, ``pull_s``, ``install_s`` (staging: the copy from scratch into the
+parameters; swap: carrying unpulled bytes over and the swap itself), ``process_s``
+(vLLM's post-load processing) and ``other_s`` (the trainer's own calls around
+them), and ``bytes_moved`` per rank; ``wire_ratio`` (bytes pulled per refit over the
 model's bf16 bytes) and ``verified``.
 
 ``--quant int8``: the engine serves a compressed-tensors W8A8 checkpoint; the trainer
@@ -93,10 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--updates", type=int, default=4, help="updates to time (default 4)")
     parser.add_argument(
         "--mode",
-        choices=("staging", "direct"),
-        default="staging",
-        help="the worker's refit mode (default staging: a failed pull installs nothing; "
-        "direct: pulls land in the destinations, no staging copy)",
+        choices=("swap", "staging", "direct"),
+        default="swap",
+        help="the worker's refit mode (default swap: pulls land once in a second copy of the "
+        "destinations, swapped in when whole; staging: pulls land in scratch, copied in "
+        "after; both install nothing on a failed pull; direct: pulls land in the "
+        "destinations, a failed one leaves them half written)",
     )
     parser.add_argument(
         "--quant",
@@ -192,9 +200,9 @@ def greedy(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def start_daemon(root: Path) -> tuple[subprocess.Popen[str], str]:
-    """A real ``refitd serve`` on 127.0.0.1:0 (secret file under ``root``):
-    the process and its URL."""
+def start_daemon(root: Path, *settings: str) -> tuple[subprocess.Popen[str], str]:
+    """A real ``refitd serve`` on 127.0.0.1:0 (secret file under ``root``; ``settings``
+    more ``--set`` overrides, e.g. ``"pulls.deltas=true"``): the process and its URL."""
     from refitd.client.spawn import serve_command
 
     secret = root / "secret"
@@ -202,7 +210,9 @@ def start_daemon(root: Path) -> tuple[subprocess.Popen[str], str]:
     secret.chmod(0o600)
     argv = serve_command("--port", "0", "--secret-file", str(secret), "--grace", "2")
     proc = subprocess.Popen(
-        [*argv, "--set", "logging.level=warning"], stdout=subprocess.PIPE, text=True
+        [*argv, *(a for kv in ("logging.level=warning", *settings) for a in ("--set", kv))],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     return proc, json.loads(proc.stdout.readline())["url"]
@@ -324,6 +334,7 @@ def _bench(
                     "pull_s": stats["pull_s"],
                     "install_s": stats["install_s"],
                     "process_s": stats["process_s"],
+                    "other_s": refit[-1] - last["publish_s"] - last["ready_s"] - last["engine_s"],
                     "bytes_moved": stats["bytes"],
                 }
             )
@@ -354,9 +365,13 @@ def _bench(
         else f"{k}={statistics.median(p[k] for p in warm):.4f}"
         for k in warm[0]
     )
+    process = statistics.median(p["process_s"] for p in warm)
+    moved = statistics.median(p["bytes_moved"] for p in warm)
     print(
-        f"refit_s={warm_refit:.4f} reload_s={warm_reload:.4f} "
-        f"speedup={warm_reload / warm_refit:.2f} first_refit_s={refit[0]:.4f} "
+        f"mode={args.mode} refit_s={warm_refit:.4f} reload_s={warm_reload:.4f} "
+        f"speedup={warm_reload / warm_refit:.2f} "
+        f"net_speedup={(warm_reload - process) / (warm_refit - process):.2f} "
+        f"weights_gbps={moved / (warm_refit - process) / 1e9:.2f} first_refit_s={refit[0]:.4f} "
         f"{breakdown} bytes={nbytes} wire_ratio={stats['bytes'] / nbytes:.3f}{extra} "
         f"verified={int(verified)}"
     )
