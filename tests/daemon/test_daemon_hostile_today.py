@@ -126,10 +126,12 @@ async def test_another_tenant_can_neither_wait_on_a_pull_nor_end_its_owners_wait
     polls of its own and drops them all: a's wait on its pull is still held, the pull
     still runs, and a's wait is answered DONE when the copy goes on."""
     t = tenants
-    async with aiohttp.ClientSession() as http:
-        async with http.get(t.wait_url(), headers=headers("b")) as r:
-            assert r.status in (403, 404), await r.text()
-            assert "error" in await r.json(content_type=None)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.get(t.wait_url(), headers=headers("b")) as r,
+    ):
+        assert r.status in (403, 404), await r.text()
+        assert "error" in await r.json(content_type=None)
     assert t.waits.open("b") == 0
 
     owners = asyncio.ensure_future(t.a.wait_pull(t.pull_id, interval_s=MAX_WAIT_S))
