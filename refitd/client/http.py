@@ -9,11 +9,14 @@ reset) become :class:`TransportError` raised ``from`` aiohttp's exception.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable
 from types import TracebackType
 from typing import Self, TypeVar
 
 from refitd.client.session import ApiSession, error_from_body
+from refitd.errors import RefitError
 from refitd.wire import (
     ClusterVersion,
     DaemonRecord,
@@ -268,9 +271,17 @@ class RefitClient(ApiSession):
     async def pull(
         self, req: PullRequest, *, on_progress: Callable[[PullProgress], None] | None = None
     ) -> PullProgress:
-        """Submit and wait; returns the result or raises what refused or failed it."""
+        """Submit and wait; returns the result or raises what refused or failed it. A
+        wait cancelled (its caller gave up: a refit interrupted) cancels the pull at the
+        daemon first, which answers once it ended: a pull nobody waits for any more
+        must not write the caller's memory later, after its next refit made it live."""
         started = await self.submit_pull(req)
-        return await self.wait_pull(started.pull_id, on_progress=on_progress)
+        try:
+            return await self.wait_pull(started.pull_id, on_progress=on_progress)
+        except asyncio.CancelledError:
+            with contextlib.suppress(RefitError):  # ended already, or the daemon is gone
+                await asyncio.shield(self.cancel_pull(started.pull_id))
+            raise
 
     # ------------------------------------------------------------ expert pools
 

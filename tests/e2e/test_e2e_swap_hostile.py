@@ -1,0 +1,183 @@
+"""Swap mode attacked (issue 36's standard: fail closed): a refit interrupted between
+its pull and its rebind, and another tenant's hands on the engine's second segment.
+
+Swap mode pulls into the engine's second segment (the shadow) and rebinds the
+parameters to it only once the pull is DONE (:mod:`refitd.client.swap`). That is
+exact only while nothing else writes the shadow: a pull of an interrupted refit
+that runs on at the daemon would land the version it was reading in memory the
+next refit has since made live.
+
+The toy engine with two daemons in this process; the pull of the refit the test
+interrupts is held mid-copy by a copy engine that holds only the first copy after
+it is armed (the one fake: a real copy cannot be made to pause at a chosen point).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+import torch
+from support.daemons import daemon_config, served, serving_daemons, token_file
+from support.engines import mismatched, zeroed_engine
+
+from refitd.bench.refit import capture_for, publish_layout
+from refitd.client.http import RefitClient
+from refitd.client.receiver import DaemonReceiver
+from refitd.config import ServerConfig
+from refitd.daemon.node import Daemon
+from refitd.errors import AccessDenied, ConflictError
+from refitd.testing.engines import EngineParallel, ToyEngine, dense_toy_config
+from refitd.testing.layouts import fsdp_dim0, full_state
+from refitd.wire import DescriptorTable, PullRequest, PullState
+from transports.local import copy_addresses
+
+pytestmark = pytest.mark.timeout(300)
+
+SECRET = b"s" * 32
+SAFETY_S = 120.0
+"""Safety net for what the test waits on (a held copy, a pull's end)."""
+TERMINAL = {PullState.DONE, PullState.FAILED, PullState.CANCELLED}
+
+
+class HeldOnce:
+    """The daemon's same-host copy engine, copying for real; once ``armed``, the next
+    copy waits for ``gate`` first (``entered`` is set then); every other copy runs
+    at once."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.entered = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def copy(
+        self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
+    ) -> None:
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            await self.gate.wait()
+        await copy_addresses(dst, src, nbytes, threads=1, pool=None)
+
+
+async def test_a_refit_interrupted_mid_pull_leaves_no_pull_to_write_the_engine_after_the_next_refit() -> (
+    None
+):
+    """refit(2) is cancelled while its pull is held mid-copy; refit(3) then swaps
+    version 3 in. The interrupted refit's pull must not run on: released, it would
+    write version 2's bytes into the segment the parameters now read. The engine
+    holds version 3 bit for bit after every pull has ended."""
+    held = HeldOnce()
+    a = Daemon(daemon_config(node_id="a"), secret=SECRET)
+    b = Daemon(daemon_config(node_id="b"), secret=SECRET, copier=held)
+    async with serving_daemons(a, b) as (ca, cb):
+        cfg = dense_toy_config()
+        states = {1: full_state(cfg), 2: full_state(cfg, seed=3), 3: full_state(cfg, seed=5)}
+        pubs: list[Any] = []
+
+        async def publish(version: int) -> None:
+            pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, states[version]), version))
+
+        await publish(1)
+        par = EngineParallel(2, 1)
+        engine = zeroed_engine(cfg, par)
+        r = DaemonReceiver(
+            local=cb,
+            source=ca,
+            model="m",
+            engine=engine,
+            twin=lambda: ToyEngine(cfg, par),
+            capture=capture_for(fsdp_dim0(cfg, 2, states[1])),
+            lease_ttl_s=30.0,
+            mode="swap",
+        )
+        try:
+            await r.refit(1)
+            assert mismatched(engine, cfg, par, states[1]) == []
+            await publish(2)
+            held.armed = True
+            interrupted = asyncio.create_task(r.refit(2))
+            async with asyncio.timeout(SAFETY_S):
+                await held.entered.wait()  # its pull is mid-copy, into the shadow
+            interrupted.cancel()
+            await asyncio.gather(interrupted, return_exceptions=True)
+            assert mismatched(engine, cfg, par, states[1]) == []  # nothing swapped in
+
+            await publish(3)
+            await r.refit(3)
+            assert mismatched(engine, cfg, par, states[3]) == []
+            held.gate.set()  # what was left of the interrupted refit goes on, if anything
+            async with asyncio.timeout(SAFETY_S):
+                while any(p.state not in TERMINAL for p in await cb.pulls()):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            assert mismatched(engine, cfg, par, states[3]) == []  # v3, bit for bit
+        finally:
+            held.gate.set()
+            await r.close()
+            for p in pubs:
+                await p.close()
+
+
+async def test_another_tenant_cannot_write_or_attach_an_engines_swap_segment(
+    tmp_path: Path,
+) -> None:
+    """An engine in swap mode (tenant a) holds two segments. Tenant b, with a lease on
+    the same version, names a's shadow region as a pull destination (refused, 403)
+    and attaches a's shadow segment by name (refused, 409: the memory is held): no
+    byte of either segment changes, and a's next refit is exact."""
+    tokens = {"a": "token-of-a", "b": "token-of-b"}
+    access = ServerConfig(port=0, token_file=token_file(tmp_path, tokens))
+    async with (
+        served(access=access, node_id="swap-tenants", transport="shm") as s,
+        RefitClient(s.url, token=tokens["a"]) as ca,
+        RefitClient(s.url, token=tokens["b"]) as cb,
+    ):
+        cfg = dense_toy_config()
+        states = {1: full_state(cfg), 2: full_state(cfg, seed=3)}
+        pubs: list[Any] = []
+        for v in (1,):
+            pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, states[v]), v))
+        par = EngineParallel(2, 1)
+        engine = zeroed_engine(cfg, par)
+        r = DaemonReceiver(
+            local=ca,
+            source=ca,
+            model="m",
+            engine=engine,
+            twin=lambda: ToyEngine(cfg, par),
+            capture=capture_for(fsdp_dim0(cfg, 2, states[1])),
+            lease_ttl_s=30.0,
+            mode="swap",
+        )
+        try:
+            await r.refit(1)
+            regions = {x.label: x for x in await ca.regions()}
+            shadow, served_seg = regions["shadow"], regions["engine"]
+            before = [p.detach().clone() for p in engine.parameters()]
+
+            theirs = await cb.create_region(shadow.nbytes, label="b-src")
+            lease = await cb.acquire_lease("m", 1)
+            src = next(x for x in regions.values() if x.label not in ("shadow", "engine"))
+            for dst in (shadow, served_seg):
+                rows = np.array([[src.region_id, 0, dst.region_id, 0, 64]], dtype=np.int64)
+                with pytest.raises(AccessDenied):
+                    await cb.submit_pull(
+                        PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows))
+                    )
+            for seg in (shadow, served_seg):
+                with pytest.raises(ConflictError, match="already holds"):
+                    await cb.attach_region(seg.handle, seg.nbytes, label="theirs")
+            assert all(torch.equal(x, p) for x, p in zip(before, engine.parameters(), strict=True))
+            await cb.delete_region(theirs.region_id)
+
+            pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, states[2]), 2))
+            await r.refit(2)
+            assert mismatched(engine, cfg, par, states[2]) == []
+        finally:
+            await r.close()
+            for p in pubs:
+                await p.close()
