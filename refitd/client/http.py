@@ -272,15 +272,17 @@ class RefitClient(ApiSession):
         self, req: PullRequest, *, on_progress: Callable[[PullProgress], None] | None = None
     ) -> PullProgress:
         """Submit and wait; returns the result or raises what refused or failed it. A
-        wait cancelled (its caller gave up: a refit interrupted) cancels the pull at the
-        daemon first, which answers once it ended: a pull nobody waits for any more
-        must not write the caller's memory later, after its next refit made it live."""
+        wait that ends before the pull did (cancelled: a refit interrupted; or
+        ``on_progress`` raised, the connection broke) cancels the pull at the daemon
+        first, which answers once it ended: a pull nobody waits for any more must not
+        write the caller's memory later, after its next refit made it live."""
         started = await self.submit_pull(req)
         try:
             return await self.wait_pull(started.pull_id, on_progress=on_progress)
-        except asyncio.CancelledError:
-            with contextlib.suppress(RefitError):  # ended already, or the daemon is gone
-                await asyncio.shield(self.cancel_pull(started.pull_id))
+        except BaseException as exc:
+            if getattr(exc, "progress", None) is None:  # not the pull's own end
+                with contextlib.suppress(RefitError):  # ended already, or the daemon gone
+                    await asyncio.shield(self.cancel_pull(started.pull_id))
             raise
 
     # ------------------------------------------------------------ expert pools

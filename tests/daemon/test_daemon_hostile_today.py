@@ -154,3 +154,34 @@ async def test_another_tenant_can_neither_wait_on_a_pull_nor_end_its_owners_wait
         done = await owners
     assert done.state is PullState.DONE
     assert (t.dst.numpy() == 0x5A).all()
+
+
+async def test_a_client_pull_whose_wait_ends_before_the_pull_cancels_it_at_the_daemon(
+    tenants: Tenants,
+) -> None:
+    """a's ``pull`` stops waiting while its pull is held mid-copy (its progress
+    callback raises): the client cancels the pull at the daemon before it re-raises,
+    so it writes nothing later; a's other pull, still waited for, runs on to DONE."""
+    t = tenants
+    out = await t.a.create_region(NBYTES, label="dst2")
+    second = SharedSegment.attach(out.handle, NBYTES)
+    second.numpy()[:] = 0xA5
+    src = next(r for r in await t.a.regions() if r.label == "src")
+    lease = await t.a.acquire_lease("am", 1)
+    rows = np.array([[src.region_id, 0, out.region_id, 0, NBYTES]], dtype=np.int64)
+
+    def gave_up(_: object) -> None:
+        raise RuntimeError("the caller stopped waiting")
+
+    with pytest.raises(RuntimeError, match="stopped waiting"):
+        await t.a.pull(
+            PullRequest("am", 1, lease.lease_id, DescriptorTable.pack(rows)), on_progress=gave_up
+        )
+    states = {p.pull_id: p.state for p in await t.a.pulls()}
+    assert states.pop(t.pull_id) is PullState.RUNNING
+    assert list(states.values()) == [PullState.CANCELLED]
+    t.copier.gate.set()
+    async with asyncio.timeout(SAFETY_S):
+        done = await t.a.wait_pull(t.pull_id)
+    assert done.state is PullState.DONE
+    assert (second.numpy() == 0xA5).all()  # the cancelled pull wrote nothing
