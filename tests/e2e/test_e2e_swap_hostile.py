@@ -15,6 +15,7 @@ it is armed (the one fake: a real copy cannot be made to pause at a chosen point
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
 from refitd.config import ServerConfig
 from refitd.daemon.node import Daemon
-from refitd.errors import AccessDenied, ConflictError
+from refitd.errors import AccessDenied, ConflictError, RefitError
 from refitd.testing.engines import EngineParallel, ToyEngine, dense_toy_config
 from refitd.testing.layouts import fsdp_dim0, full_state
 from refitd.wire import DescriptorTable, PullRequest, PullState
@@ -178,6 +179,64 @@ async def test_another_tenant_cannot_write_or_attach_an_engines_swap_segment(
             await r.refit(2)
             assert mismatched(engine, cfg, par, states[2]) == []
         finally:
+            await r.close()
+            for p in pubs:
+                await p.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="DaemonReceiver runs two refits at once: both land in the one shadow segment, "
+    "and the later swap rebinds to a segment holding neither version whole",
+)
+async def test_two_refits_at_once_on_one_swap_receiver_leave_the_engine_on_one_whole_version() -> (
+    None
+):
+    """refit(2) is held mid-copy while refit(3) runs to its end on the same receiver;
+    then refit(2)'s copy goes on. Whatever each call reports, the engine must end on
+    one whole version, the one the last refit that succeeded reported (a refit refused
+    while another runs would do)."""
+    held = HeldOnce()
+    a = Daemon(daemon_config(node_id="a"), secret=SECRET)
+    b = Daemon(daemon_config(node_id="b"), secret=SECRET, copier=held)
+    async with serving_daemons(a, b) as (ca, cb):
+        cfg = dense_toy_config()
+        states = {1: full_state(cfg), 2: full_state(cfg, seed=3), 3: full_state(cfg, seed=5)}
+        pubs: list[Any] = []
+        pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, states[1]), 1))
+        par = EngineParallel(2, 1)
+        engine = zeroed_engine(cfg, par)
+        r = DaemonReceiver(
+            local=cb,
+            source=ca,
+            model="m",
+            engine=engine,
+            twin=lambda: ToyEngine(cfg, par),
+            capture=capture_for(fsdp_dim0(cfg, 2, states[1])),
+            lease_ttl_s=30.0,
+            mode="swap",
+        )
+        try:
+            await r.refit(1)
+            pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, states[2]), 2))
+            held.armed = True
+            first = asyncio.create_task(r.refit(2))
+            async with asyncio.timeout(SAFETY_S):
+                await held.entered.wait()
+            pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, states[3]), 3))
+            ended: list[int] = []
+            with contextlib.suppress(RefitError):
+                await r.refit(3)
+                ended.append(3)
+            held.gate.set()
+            with contextlib.suppress(RefitError):
+                async with asyncio.timeout(SAFETY_S):
+                    await first
+                ended.append(2)
+            assert ended, "one of the two refits succeeds"
+            assert mismatched(engine, cfg, par, states[ended[-1]]) == []
+        finally:
+            held.gate.set()
             await r.close()
             for p in pubs:
                 await p.close()
