@@ -1,14 +1,18 @@
-"""Long polls that end when their client goes, attacked by a hostile tenant (issue 36's
-standard: fail closed).
+"""Today's surfaces of the daemon, attacked by a hostile tenant (issue 36's standard:
+fail closed).
 
-A long poll whose client disconnects is cancelled (``waits.long_poll``). Only the
+Long polls: one whose client disconnects is cancelled (``waits.long_poll``). Only the
 wait may end with it: the pull a ``/wait`` waits for runs on to its end, byte-exact,
 and one tenant can neither wait on (so neither cancel the wait of) another's pull,
-nor end another tenant's waits by dropping its own.
+nor end another tenant's waits by dropping its own. A client that stops waiting for
+its own pull cancels it at the daemon, so it writes nothing later.
 
-Real daemon on 127.0.0.1:0 with two token tenants, real HTTP, real shared memory;
-the pull is held mid-copy by :class:`~support.daemons.GatedCopier` (the daemon's own
-copy engine behind a gate).
+The lease-scoped same-host record: the reader maps a source's segment whole, and
+reads of it stay inside what the lease's version publishes.
+
+Real daemons on 127.0.0.1:0 (two token tenants where tenants matter), real HTTP,
+real shared memory; a pull is held mid-copy by :class:`~support.daemons.GatedCopier`
+(the daemon's own copy engine behind a gate).
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 import pytest
-from support.daemons import GatedCopier, daemon_config, served, token_file
+from support.daemons import GatedCopier, daemon_config, served, serving_daemons, token_file
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
 from refitd.daemon.node import Daemon
 from refitd.daemon.waits import MAX_WAIT_S, WAITS, Waits
+from refitd.errors import AccessDenied
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
@@ -185,3 +190,39 @@ async def test_a_client_pull_whose_wait_ends_before_the_pull_cancels_it_at_the_d
         done = await t.a.wait_pull(t.pull_id)
     assert done.state is PullState.DONE
     assert (second.numpy() == 0xA5).all()  # the cancelled pull wrote nothing
+
+
+async def test_a_same_host_pull_never_reads_the_part_of_a_mapped_region_its_version_does_not_publish() -> (
+    None
+):
+    """A reader's daemon maps a same-host source's segment whole (``shm``), but the
+    version publishes only its first half: a pull of a byte of the other half, under
+    a live lease on that version, is refused (403) before any byte moves, and the
+    first half's bytes still arrive."""
+    secret = b"k" * 32
+    src_d = Daemon(daemon_config(node_id="src"), secret=secret)
+    dst_d = Daemon(daemon_config(node_id="dst"), secret=secret)
+    async with serving_daemons(src_d, dst_d) as (cs, cd):
+        info = await cs.create_region(2 * NBYTES, label="half")
+        seg = SharedSegment.attach(info.handle, info.nbytes)
+        seg.numpy()[:NBYTES] = 0x11
+        seg.numpy()[NBYTES:] = 0x99  # in the segment, in no version
+        shard = ShardEntry((0,), (NBYTES,), info.region_id, 0)
+        await cs.publish(ManifestIn("h", 1, 0, 1, [TensorEntry("w", (NBYTES,), "uint8", [shard])]))
+        lease = await cs.acquire_lease("h", 1)
+        out = await cd.create_region(NBYTES, label="dst")
+        dst = SharedSegment.attach(out.handle, NBYTES)
+        dst.numpy()[:] = 0xA5
+
+        def req(offset: int) -> PullRequest:
+            rows = np.array([[info.region_id, offset, out.region_id, 0, 8]], dtype=np.int64)
+            return PullRequest("h", 1, lease.lease_id, DescriptorTable.pack(rows), [], cs.base_url)
+
+        with pytest.raises(AccessDenied):
+            await cd.submit_pull(req(NBYTES))
+        with pytest.raises(AccessDenied):
+            await cd.submit_pull(req(NBYTES - 4))  # straddles the edge
+        assert (dst.numpy() == 0xA5).all()
+        assert (await cd.pull(req(0))).state is PullState.DONE
+        assert (dst.numpy()[:8] == 0x11).all()
+        assert dst_d.seen_paths["src"][0] == "shm"  # read through the whole mapping
