@@ -226,3 +226,33 @@ async def test_a_same_host_pull_never_reads_the_part_of_a_mapped_region_its_vers
         assert (await cd.pull(req(0))).state is PullState.DONE
         assert (dst.numpy()[:8] == 0x11).all()
         assert dst_d.seen_paths["src"][0] == "shm"  # read through the whole mapping
+
+
+async def test_a_non_reader_is_refused_a_version_and_its_manifest_alike_whether_it_exists(
+    tmp_path: Path,
+) -> None:
+    """With ``[models] readers`` naming a alone for ``rm``, b asks for v1 (READY), v9
+    (never published) and ``latest``: its state and its manifest, as JSON and as
+    msgpack. Every answer is the same 403 in the error shape, so b learns neither the
+    bytes' layout nor which versions exist; a reads v1."""
+    access = ServerConfig(port=0, token_file=token_file(tmp_path, TOKENS))
+    async with (
+        served(access=access, node_id="readers", transport="shm", readers=("rm=a",)) as s,
+        RefitClient(s.url, token=TOKENS["a"]) as a,
+    ):
+        src = await a.create_region(NBYTES, label="rm")
+        shard = ShardEntry((0,), (NBYTES,), src.region_id, 0)
+        await a.publish(ManifestIn("rm", 1, 0, 1, [TensorEntry("w", (NBYTES,), "uint8", [shard])]))
+        answers = set()
+        async with aiohttp.ClientSession() as http:
+            for version in ("1", "9", "latest"):
+                for tail in ("", "/manifest"):
+                    for accept in ("application/json", "application/msgpack"):
+                        url = f"{s.url}/v1/sources/rm/versions/{version}{tail}"
+                        h = {**headers("b"), "Accept": accept}
+                        async with http.get(url, headers=h) as r:
+                            body = await r.read()
+                            answers.add((r.status, b"AccessDenied" in body))
+        assert answers == {(403, True)}
+        assert (await a.version("rm", 1)).state.value == "ready"
+        assert (await a.manifest("rm", 1)).tensors[0].name == "w"
