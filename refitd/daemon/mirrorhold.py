@@ -15,8 +15,6 @@ failed mirror's incomplete bytes is refused, never answered.
 
 from __future__ import annotations
 
-import threading
-import time
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
@@ -57,12 +55,12 @@ class _Region:
 
 class FillingMirrors(Completion):
     """The data plane's view of this daemon's mirrors still filling (a
-    :class:`~transports.tcp.held.Completion`). Its methods :meth:`pending` and
-    :meth:`wait` run in the data server's threads; :meth:`add`, :meth:`remove` and
-    :meth:`changed` in the daemon's loop."""
+    :class:`~transports.tcp.held.Completion`, which does the waiting). Its
+    :meth:`why_held` runs in the data server's threads; :meth:`add`, :meth:`remove`
+    and :meth:`changed` in the daemon's loop."""
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        super().__init__()
         # region id here -> its chunks; replaced whole, never changed in place, so a
         # server thread always reads one consistent table
         self._regions: dict[int, _Region] = {}
@@ -80,48 +78,15 @@ class FillingMirrors(Completion):
         self._regions = {k: v for k, v in self._regions.items() if v.mirror is not m}
         self.changed()
 
-    def changed(self) -> None:
-        """Chunks completed, or a mirror failed: the held reads look again."""
-        with self._cond:
-            self._cond.notify_all()
-
-    def pending(
+    def why_held(
         self,
-        region: npt.NDArray[np.int64],
-        offset: npt.NDArray[np.int64],
-        nbytes: npt.NDArray[np.int64],
-    ) -> bool:
-        return self._why_held(self._regions, region, offset, nbytes) is not None
-
-    def wait(
-        self,
-        region: npt.NDArray[np.int64],
-        offset: npt.NDArray[np.int64],
-        nbytes: npt.NDArray[np.int64],
-        timeout_s: float,
-    ) -> str | None:
-        deadline = time.monotonic() + timeout_s
-        with self._cond:
-            while True:
-                why = self._why_held(self._regions, region, offset, nbytes)
-                if why is None:
-                    return None
-                if why:  # its mirror failed: it never completes
-                    return why
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return f"the bytes it reads were still filling {timeout_s:g} s later"
-                self._cond.wait(left)
-
-    @staticmethod
-    def _why_held(
-        table: dict[int, _Region],
         region: npt.NDArray[np.int64],
         offset: npt.NDArray[np.int64],
         nbytes: npt.NDArray[np.int64],
     ) -> str | None:
         """None when every byte read is complete (or of no mirror filling); "" when
         some are still filling; why, when their mirror failed."""
+        table = self._regions
         if not table:
             return None
         held: str | None = None

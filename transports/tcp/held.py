@@ -19,7 +19,8 @@ one read at most). A held read blocks only its own connection's thread.
 from __future__ import annotations
 
 import threading
-from typing import Protocol
+import time
+from abc import ABC, abstractmethod
 
 import numpy as np
 import numpy.typing as npt
@@ -35,9 +36,32 @@ MAX_HELD_PER_ADDRESS = 64
 as one peer daemon's lanes (``data_plane.lanes`` is at most 64)."""
 
 
-class Completion(Protocol):
+class Completion(ABC):
     """Which bytes of the served regions are complete: what a data server waits on
-    before it answers a read of bytes still filling (a relay's mirror)."""
+    before it answers a read of bytes still filling (a relay's mirror).
+
+    A subclass says, in :meth:`why_held`, where the bytes of some reads stand; this
+    class answers the data server from that alone (:meth:`pending`, :meth:`wait`), so
+    every kind of completion waits the same way. Whoever completes bytes, or fails
+    them, calls :meth:`changed` so the held reads look again."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+
+    @abstractmethod
+    def why_held(
+        self,
+        region: npt.NDArray[np.int64],
+        offset: npt.NDArray[np.int64],
+        nbytes: npt.NDArray[np.int64],
+    ) -> str | None:
+        """None when every byte of these reads is complete; "" when some are still
+        filling; why, when they never will be (their fill failed). Quick: no waiting."""
+
+    def changed(self) -> None:
+        """Bytes completed, or a fill failed: the held reads look again."""
+        with self._cond:
+            self._cond.notify_all()
 
     def pending(
         self,
@@ -46,7 +70,7 @@ class Completion(Protocol):
         nbytes: npt.NDArray[np.int64],
     ) -> bool:
         """Whether any byte of these reads is not complete yet (quick: no waiting)."""
-        ...
+        return self.why_held(region, offset, nbytes) is not None
 
     def wait(
         self,
@@ -57,7 +81,18 @@ class Completion(Protocol):
     ) -> str | None:
         """Block the calling thread until every byte of these reads is complete: None
         then, or why they never will be (their fill failed, or ``timeout_s`` passed)."""
-        ...
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                why = self.why_held(region, offset, nbytes)
+                if why is None:
+                    return None
+                if why:  # the fill failed: it never completes
+                    return why
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return f"the bytes it reads were still filling {timeout_s:g} s later"
+                self._cond.wait(left)
 
 
 class Holds:
