@@ -31,6 +31,7 @@ __all__ = [
     "batch_as_rows",
     "coalesce",
     "merge_ranges",
+    "read_spans",
     "rows_as_batch",
     "split_pieces",
     "split_shares",
@@ -270,6 +271,23 @@ def split_pieces(batch: ReadBatch, piece: int) -> ReadBatch:
     out["local_offset"] += step
     out["remote_offset"] += step
     out["nbytes"] = np.minimum(piece, np.repeat(n, counts) - step)
+    return out
+
+
+def read_spans(
+    sizes: npt.NDArray[np.int64], max_reads: int, max_bytes: int
+) -> list[tuple[int, int]]:
+    """``[lo, hi)`` spans of reads (``sizes`` in bytes, in order), each at most
+    ``max_reads`` reads and about ``max_bytes`` bytes (a larger single read is its own
+    span): how a data plane cuts a batch into requests."""
+    out: list[tuple[int, int]] = []
+    lo, n = 0, len(sizes)
+    while lo < n:
+        csum = np.cumsum(sizes[lo : lo + max_reads])
+        k = int(np.searchsorted(csum, max_bytes, side="right"))
+        hi = lo + max(1, min(k, max_reads))
+        out.append((lo, hi))
+        lo = hi
     return out
 
 

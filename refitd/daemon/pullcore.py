@@ -29,7 +29,7 @@ from refitd.wire import (
     RegionKind,
     StagedPack,
 )
-from transports.batch import ReadBatch, rows_as_batch, split_pieces, suspect_ranges
+from transports.batch import ReadBatch, read_spans, rows_as_batch, split_pieces, suspect_ranges
 
 __all__ = [
     "PACE",
@@ -322,16 +322,8 @@ def direct_reads(
 
 def spans(sizes: np.ndarray, max_reads: int, max_bytes: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` spans of reads with at most ``max_reads`` reads and about
-    ``max_bytes`` bytes each (a larger single read is its own span)."""
-    out: list[tuple[int, int]] = []
-    lo, n = 0, len(sizes)
-    while lo < n:
-        csum = np.cumsum(sizes[lo : lo + max_reads])
-        k = int(np.searchsorted(csum, max_bytes, side="right"))
-        hi = lo + max(1, min(k, max_reads))
-        out.append((lo, hi))
-        lo = hi
-    return out
+    ``max_bytes`` bytes each: the data planes' :func:`~transports.batch.read_spans`."""
+    return read_spans(sizes, max_reads, max_bytes)
 
 
 # ---------------------------------------------------------------- outcomes

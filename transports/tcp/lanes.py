@@ -29,6 +29,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from ..batch import read_spans
 from ..interface import PeerInfo
 from ..local import CopyFault, copy_batch_guarded
 from .frames import (
@@ -438,12 +439,4 @@ def _recv_scatter(sock: socket.socket, bufs: list[memoryview]) -> None:
 def request_spans(sizes: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
     """``[lo, hi)`` spans of pieces: ≤ ``MAX_READS`` pieces and about
     ``REQUEST_BYTES`` bytes each (a larger single piece is its own span)."""
-    spans: list[tuple[int, int]] = []
-    lo, n = 0, len(sizes)
-    while lo < n:
-        csum = np.cumsum(sizes[lo : lo + MAX_READS])
-        k = int(np.searchsorted(csum, REQUEST_BYTES, side="right"))
-        hi = lo + max(1, min(k, MAX_READS))
-        spans.append((lo, hi))
-        lo = hi
-    return spans
+    return read_spans(sizes, MAX_READS, REQUEST_BYTES)
