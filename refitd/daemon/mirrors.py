@@ -288,7 +288,7 @@ class Mirrors:
         # counted (from before any region is made, so two mirrors preparing at once
         # see each other) against the host's mirror budget; retired, then idle ones go first.
         need = sum(r.nbytes for r in peer.regions)
-        if not await make_room(d, self.by_key, need, self.budget, m):
+        if not await make_room(d, self.by_key, need, self.budget, m, self.filling.remove):
             m.error = (
                 f"cannot mirror {m.model!r} version {m.version}: its {need} bytes do not fit "
                 f"the host's mirror budget ({self.held_bytes()} of {self.budget} bytes held, "

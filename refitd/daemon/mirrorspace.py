@@ -48,11 +48,12 @@ def held_bytes(mirrors: Iterable[Mirror]) -> int:
 async def release(
     d: Daemon,
     by_key: dict[tuple[str, str, int], Mirror],
-    gone: Callable[[Mirror], None] | None = None,
+    gone: Callable[[Mirror], None],
 ) -> list[int]:
     """Delete the regions of every mirror whose version is retired here (or that
     failed) and is no longer leased, and tell ``gone`` of each mirror left with no
-    region; returns the region ids freed."""
+    region (whoever else keeps it, e.g. the table of reads held on it, forgets it);
+    returns the region ids freed."""
     freed: list[int] = []
     for key, m in list(by_key.items()):
         if not m.finished:
@@ -74,25 +75,30 @@ async def release(
             m.regions = {k: v for k, v in m.regions.items() if v is not r}
         if not m.regions:
             del by_key[key]
-            if gone is not None:
-                gone(m)
+            gone(m)
     if freed:
         log.info("released mirror regions %s", freed)
     return freed
 
 
 async def make_room(
-    d: Daemon, by_key: dict[tuple[str, str, int], Mirror], need: int, budget: int, new: Mirror
+    d: Daemon,
+    by_key: dict[tuple[str, str, int], Mirror],
+    need: int,
+    budget: int,
+    new: Mirror,
+    gone: Callable[[Mirror], None],
 ) -> bool:
     """Whether ``need`` more bytes fit ``budget`` (``new``, the mirror asking, not
-    counted), after releasing retired mirrors and evicting idle complete ones."""
+    counted), after releasing retired mirrors and evicting idle complete ones (each
+    released one told to ``gone``, as :func:`release` does)."""
 
     def fits() -> bool:
         return held_bytes(x for x in by_key.values() if x is not new) + need <= budget
 
     if fits():
         return True
-    await release(d, by_key)
+    await release(d, by_key, gone)
     idle = sorted(
         (
             x
@@ -108,5 +114,5 @@ async def make_room(
             continue  # leased while an earlier one was released
         log.info("evicting the idle mirror of %r version %d to make room", x.model, x.version)
         d.registry.retire(x.model, x.version)  # no lease on it from now on
-        await release(d, by_key)
+        await release(d, by_key, gone)
     return fits()
