@@ -15,7 +15,7 @@ import msgspec
 import pytest
 from aiohttp import web
 from support.daemons import FakeClock, GatedCopier, daemon_config, serving_daemons
-from support.hostile import Env, hostile_daemon, rows, toy_manifest
+from support.hostile import Env, rows, toy_manifest
 
 from refitd.client.http import RefitClient
 from refitd.config import LimitsConfig
@@ -37,12 +37,6 @@ from refitd.wire import (
 from transports.segments import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-async def env() -> AsyncIterator[Env]:
-    async with hostile_daemon() as e:
-        yield e
 
 
 def _symlink(p: Path) -> None:
@@ -282,6 +276,12 @@ def _wide_manifest(region: int, tensors: int, shards: int, last_region: int) -> 
     )
 
 
+async def _publish_raw(http: aiohttp.ClientSession, url: str, raw: bytes) -> int:
+    """POST the msgpack manifest ``raw`` to the daemon at ``url``: its status."""
+    async with http.post(url + "/v1/sources", data=raw, headers={"Content-Type": MSGPACK}) as r:
+        return r.status
+
+
 async def test_a_tensor_of_rank_past_the_wire_limit_is_refused_with_400(env: Env) -> None:
     rank = MAX_RANK + 1
     m = {
@@ -326,14 +326,7 @@ async def test_health_is_answered_while_a_maximum_size_manifest_is_checked() -> 
         src = await c.create_region(1 << 20)
         raw = _wide_manifest(src.region_id, 16, MAX_TENSOR_SHARDS, 999_999)
         async with aiohttp.ClientSession() as http:
-
-            async def publish() -> int:
-                async with http.post(
-                    c.base_url + "/v1/sources", data=raw, headers={"Content-Type": MSGPACK}
-                ) as r:
-                    return r.status
-
-            big = asyncio.ensure_future(publish())
+            big = asyncio.ensure_future(_publish_raw(http, c.base_url, raw))
             while not d.manifests_checking and not big.done():
                 await c.health()  # the body is still on its way
             assert d.manifests_checking == 1, "the daemon never reported the manifest checked"
@@ -376,14 +369,7 @@ async def test_at_most_two_manifests_are_decoded_and_checked_at_once() -> None:
         src = await c.create_region(1 << 20)
         raw = _wide_manifest(src.region_id, 2, MAX_TENSOR_SHARDS, 999_999)
         async with aiohttp.ClientSession() as http:
-
-            async def publish() -> int:
-                async with http.post(
-                    c.base_url + "/v1/sources", data=raw, headers={"Content-Type": MSGPACK}
-                ) as r:
-                    return r.status
-
-            sent = [asyncio.ensure_future(publish()) for _ in range(4)]
+            sent = [asyncio.ensure_future(_publish_raw(http, c.base_url, raw)) for _ in range(4)]
             most = 0
             while not all(s.done() for s in sent):
                 await c.health()

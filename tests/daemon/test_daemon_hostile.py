@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,6 @@ from support.daemons import daemon_config, served, token_file
 from support.hostile import (
     W_BYTES,
     Env,
-    hostile_daemon,
     pull_body,
     rows,
     toy_manifest,
@@ -47,12 +45,6 @@ from refitd.wire import (
 from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-async def env() -> AsyncIterator[Env]:
-    async with hostile_daemon() as e:
-        yield e
 
 
 # ---------------------------------------------------------------- malformed bodies

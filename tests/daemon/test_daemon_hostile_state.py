@@ -8,7 +8,6 @@ fixture, ``support.hostile``, when each test ends).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -16,7 +15,6 @@ import pytest
 from support.hostile import (
     W_BYTES,
     Env,
-    hostile_daemon,
     pull_body,
     rows,
 )
@@ -25,12 +23,6 @@ pytestmark = pytest.mark.timeout(60)
 
 LEASES = "/v1/leases"
 PULLS = "/v1/pulls"
-
-
-@pytest.fixture
-async def env() -> AsyncIterator[Env]:
-    async with hostile_daemon() as e:
-        yield e
 
 
 # ---------------------------------------------------------------- manifests

@@ -19,18 +19,15 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 from support.daemons import GatedCopier, daemon_config, serving_daemons
+from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon
 from refitd.errors import RefitError, TransportError
 from refitd.wire import (
-    DescriptorTable,
-    ManifestIn,
     PackSpec,
     PullRequest,
     PullState,
-    ShardEntry,
-    TensorEntry,
 )
 from transports.segments import SHM_DIR, SharedSegment
 
@@ -38,15 +35,6 @@ pytestmark = pytest.mark.timeout(120)
 
 NBYTES = 1 << 20
 """Bytes of each tenant's tensor: one page past the first is what a shrink cuts."""
-
-
-def _manifest(model: str, region: int) -> ManifestIn:
-    shard = ShardEntry((0,), (NBYTES,), region, 0)
-    return ManifestIn(model, 1, 0, 1, [TensorEntry("w", (NBYTES,), "uint8", [shard])])
-
-
-def _rows(src: int, dst: int) -> DescriptorTable:
-    return DescriptorTable(np.array([[src, 0, dst, 0, NBYTES]], dtype="<i8").tobytes())
 
 
 class Tenant:
@@ -62,12 +50,12 @@ class Tenant:
     async def setup(self) -> Tenant:
         self.src_id = (await self.c.attach_region(self.src.name, NBYTES)).region_id
         self.dst_id = (await self.c.attach_region(self.dst.name, NBYTES)).region_id
-        await self.c.publish(_manifest(self.model, self.src_id))
+        await publish_tensor(self.c, self.model, 1, self.src_id, NBYTES)
         self.lease = (await self.c.acquire_lease(self.model, 1, ttl_s=600)).lease_id
         return self
 
     def request(self) -> PullRequest:
-        return PullRequest(self.model, 1, self.lease, _rows(self.src_id, self.dst_id))
+        return pull_rows(self.model, 1, self.lease, (self.src_id, 0, self.dst_id, 0, NBYTES))
 
     async def pull_is_byte_exact(self) -> None:
         self.dst.numpy()[:] = 0
