@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +22,9 @@ import msgspec
 import numpy as np
 import pytest
 from support.daemons import daemon_config
+from support.mirrorhosts import TokenedHosts, tokened_hosts
 
-from refitd.client.http import RefitClient
-from refitd.config import ServerConfig
-from refitd.daemon.auth import check_startup, setup_auth
 from refitd.daemon.node import Daemon
-from refitd.daemon.process import listening
 from refitd.errors import AccessDenied
 from refitd.wire import DescriptorTable, ManifestIn, PullRequest, ShardEntry, TensorEntry
 from refitd.wire import routes as api
@@ -43,36 +39,17 @@ NBYTES = 1 << 20
 READERS = ("m=a", "m=peer")
 
 
-@dataclass
-class Hosts:
-    source_url: str
-    mirror_url: str
-    sc: RefitClient  # the mirror host's daemon's token at the source: a reader of m
-    mc: RefitClient  # tenant a at the mirror host
-
-
 @contextlib.asynccontextmanager
-async def hosts(tmp: Path) -> AsyncIterator[Hosts]:
-    tokens = tmp / "tokens"
-    tokens.write_text("a token-of-a\nb token-of-b\npeer token-of-peer\n")
-    tokens.chmod(0o600)
+async def hosts(tmp: Path) -> AsyncIterator[TokenedHosts]:
     common: dict[str, Any] = {"transport": "tcp", "readers": READERS}
     sopts = daemon_config(node_id="trainer", **common)
     mopts = daemon_config(node_id="host-a", policy="always", **common)
     src, mirror = Daemon(sopts, secret=SECRET), Daemon(mopts, secret=SECRET)
-    policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
-    auth = [lambda app: setup_auth(app, policy)]
-    async with (
-        listening(src, setup=auth) as (_, src_url),
-        listening(mirror, setup=auth, token="token-of-peer") as (_, url),
-        RefitClient(src_url, token="token-of-peer") as sc,
-        RefitClient(url, token="token-of-a") as mc,
-    ):
-        mirror.peers.replace("test", [src_url])
-        yield Hosts(src_url, url, sc, mc)
+    async with tokened_hosts(tmp, src, mirror) as h:
+        yield h
 
 
-async def mirrored(h: Hosts) -> str:
+async def mirrored(h: TokenedHosts) -> str:
     """v1 of ``m`` published at the source and pulled through the mirror host (which
     mirrors it); the source lease the pull read under."""
     info = await h.sc.create_region(NBYTES, label="src")

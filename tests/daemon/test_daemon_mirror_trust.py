@@ -20,12 +20,11 @@ import aiohttp
 import numpy as np
 import pytest
 from support.daemons import GatedCopier, daemon_config, serving_daemons
+from support.mirrorhosts import tokened_hosts
 
 from refitd.client.http import RefitClient
-from refitd.config import ServerConfig
-from refitd.daemon.auth import TokenBook, check_startup, setup_auth
+from refitd.daemon.auth import TokenBook
 from refitd.daemon.node import Daemon
-from refitd.daemon.process import listening
 from refitd.errors import AccessDenied, ConfigError, NotFoundError, RefitError
 from refitd.wire import (
     DescriptorTable,
@@ -72,10 +71,10 @@ async def hosts(
     source_readers: tuple[str, ...] = (),
     **mirror_options: object,
 ) -> AsyncIterator[Hosts]:
-    """The two daemons. With ``tokens`` (a token file: tenants ``a`` and ``b``, and
-    ``peer``, the token the mirror host's daemon presents to the source) both daemons
-    authenticate their clients: ``sc`` is ``peer`` at the source, ``mc`` is ``a`` at
-    the mirror host; ``source_readers`` are the source's ``[models] readers``."""
+    """The two daemons. With ``tokens`` (a folder for their token file) both daemons
+    authenticate their clients (`support.mirrorhosts.tokened_hosts`): ``sc`` is
+    ``peer`` at the source, ``mc`` is ``a`` at the mirror host; ``source_readers`` are
+    the source's ``[models] readers``."""
     copier = GatedCopier() if gated else None
     if copier is not None:
         copier.gate.set()  # open until a test closes it
@@ -87,23 +86,8 @@ async def hosts(
         async with serving_daemons(src, mirror) as (sc, mc):
             yield Hosts(src, mirror, sc, mc, copier)
         return
-    policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
-    auth = [lambda app: setup_auth(app, policy)]
-    async with (
-        listening(src, setup=auth) as (_, src_url),
-        listening(mirror, setup=auth, token="token-of-peer") as (_, url),
-        RefitClient(src_url, token="token-of-peer") as sc,
-        RefitClient(url, token="token-of-a") as mc,
-    ):
-        mirror.peers.replace("test", [src_url])
-        yield Hosts(src, mirror, sc, mc, copier)
-
-
-def token_file(tmp: Path) -> Path:
-    path = tmp / "tokens"
-    path.write_text("a token-of-a\nb token-of-b\npeer token-of-peer\n")
-    path.chmod(0o600)
-    return path
+    async with tokened_hosts(tokens, src, mirror) as t:
+        yield Hosts(src, mirror, t.sc, t.mc, copier)
 
 
 async def publish(c: RefitClient, version: int = 1) -> int:
@@ -181,7 +165,7 @@ async def test_a_pull_whose_lease_ended_while_the_mirror_filled_is_refused_befor
 async def test_a_tenant_that_owns_nothing_can_neither_publish_into_drain_nor_retire_a_mirrored_model(
     tmp_path: Path,
 ) -> None:
-    async with hosts(tokens=token_file(tmp_path)) as h:
+    async with hosts(tokens=tmp_path) as h:
         region = await publish(h.sc)
         lease = await h.sc.acquire_lease(MODEL, 1, 60.0)
         req, _ = await pull_request(h, region, lease.lease_id)
@@ -208,7 +192,7 @@ async def test_a_tenant_that_owns_nothing_can_neither_publish_into_drain_nor_ret
 async def test_a_model_a_local_tenant_owns_is_not_mirrored_into_and_the_pull_reads_its_source(
     tmp_path: Path,
 ) -> None:
-    async with hosts(tokens=token_file(tmp_path)) as h:
+    async with hosts(tokens=tmp_path) as h:
         region = await publish(h.sc, 3)
         async with RefitClient(h.mc.base_url, token="token-of-b") as b:
             own = await b.create_region(NBYTES, label="b")
@@ -284,7 +268,7 @@ async def test_a_tenant_the_source_refuses_cannot_read_the_mirrored_version_on_t
     tmp_path: Path,
 ) -> None:
     readers = ("m=a", "m=peer")  # b may not read m at the source, nor its listing here
-    async with hosts(tokens=token_file(tmp_path), source_readers=readers, readers=readers) as h:
+    async with hosts(tokens=tmp_path, source_readers=readers, readers=readers) as h:
         region = await publish(h.sc)
         async with RefitClient(h.sc.base_url, token="token-of-a") as a_at_source:
             lease = await a_at_source.acquire_lease(MODEL, 1, 60.0)
@@ -310,7 +294,7 @@ async def test_a_tenant_never_leases_a_mirrored_version_on_its_host_even_under_a
 ) -> None:
     """A host's own tenants read a mirrored version only through their daemon's rules
     (a pull naming the source, served from the mirror): no lease on the copy itself."""
-    async with hosts(tokens=token_file(tmp_path), source_readers=("m=a", "m=b", "m=peer")) as h:
+    async with hosts(tokens=tmp_path, source_readers=("m=a", "m=b", "m=peer")) as h:
         region = await publish(h.sc)
         at_source = await h.sc.acquire_lease(MODEL, 1, 60.0)
         req, _ = await pull_request(h, region, at_source.lease_id)
@@ -347,7 +331,7 @@ async def test_a_tenant_never_leases_a_mirrored_version_on_its_host_even_under_a
 async def test_a_peer_daemon_leases_a_mirror_only_under_a_live_lease_at_its_source(
     tmp_path: Path,
 ) -> None:
-    async with hosts(tokens=token_file(tmp_path), source_readers=("m=a", "m=peer")) as h:
+    async with hosts(tokens=tmp_path, source_readers=("m=a", "m=peer")) as h:
         region = await publish(h.sc)
         at_source = await h.sc.acquire_lease(MODEL, 1, 60.0)
         req, _ = await pull_request(h, region, at_source.lease_id)
