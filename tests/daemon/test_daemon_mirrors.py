@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import aiohttp
 import numpy as np
@@ -54,6 +55,38 @@ async def daemon(secret_file: str, name: str, *extra: str) -> AsyncIterator[Spaw
         yield d
 
 
+MIRROR = ("--set", "mirrors.policy=always")
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A source and two mirror hosts, each a daemon of its own, and a client of each."""
+
+    t: SpawnedDaemon
+    a: SpawnedDaemon
+    b: SpawnedDaemon
+    tc: RefitClient
+    ac: RefitClient
+    bc: RefitClient
+
+
+@contextlib.asynccontextmanager
+async def chain(
+    secret_file: str, *b_extra: str, a_timeout_s: float = 300.0
+) -> AsyncIterator[Chain]:
+    """``trainer`` and mirror hosts ``host-a`` and ``host-b`` (``b_extra``: more
+    arguments of the second); ``a_timeout_s`` is the client of ``host-a``'s."""
+    async with (
+        daemon(secret_file, "trainer") as t,
+        daemon(secret_file, "host-a", *MIRROR) as a,
+        daemon(secret_file, "host-b", *MIRROR, *b_extra) as b,
+        RefitClient(t.url) as tc,
+        RefitClient(a.url, timeout_s=a_timeout_s) as ac,
+        RefitClient(b.url) as bc,
+    ):
+        yield Chain(t, a, b, tc, ac, bc)
+
+
 async def publish(c: RefitClient, version: int) -> None:
     """Version ``version`` of one uint8 tensor in a new region of the source."""
     region = await c.create_region(NBYTES, label=f"src-{version}")
@@ -95,15 +128,8 @@ async def state(c: RefitClient, version: int) -> MirrorState:
 async def test_two_replicas_on_a_host_share_one_mirror_that_a_second_host_relays(
     secret_file: str,
 ) -> None:
-    mirror = ("--set", "mirrors.policy=always")
-    async with (
-        daemon(secret_file, "trainer") as t,
-        daemon(secret_file, "host-a", *mirror) as a,
-        daemon(secret_file, "host-b", *mirror) as b,
-        RefitClient(t.url) as tc,
-        RefitClient(a.url) as ac,
-        RefitClient(b.url) as bc,
-    ):
+    async with chain(secret_file) as h:
+        t, a, tc, ac, bc = h.t, h.a, h.tc, h.ac, h.bc
         await publish(tc, 1)
         paths = await asyncio.gather(refit(ac, tc, 1), refit(ac, tc, 1))
         assert paths == ["shm", "shm"]  # both replicas read the host's mirror
@@ -120,10 +146,9 @@ async def test_a_pull_without_a_live_lease_at_the_source_is_refused_by_a_complet
     """The engine's lease at the source is what entitles it to the version: a mirror
     served pulls without checking it, so any local tenant could read a version the
     source would refuse it (or make the daemon mirror one) with a made-up lease id."""
-    mirror = ("--set", "mirrors.policy=always")
     async with (
         daemon(secret_file, "trainer") as t,
-        daemon(secret_file, "host-a", *mirror) as a,
+        daemon(secret_file, "host-a", *MIRROR) as a,
         RefitClient(t.url) as tc,
         RefitClient(a.url) as ac,
     ):
@@ -180,16 +205,9 @@ async def test_the_shared_policy_mirrors_once_a_second_lease_reads_the_version(
 async def test_a_relay_that_stops_or_dies_is_replaced_by_another_holder_and_the_bytes_are_exact(
     secret_file: str, fault: str
 ) -> None:
-    mirror = ("--set", "mirrors.policy=always")
     fast = ("--set", "data_plane.pull_timeout_s=3")
-    async with (
-        daemon(secret_file, "trainer") as t,
-        daemon(secret_file, "host-a", *mirror) as a,
-        daemon(secret_file, "host-b", *mirror, *fast) as b,
-        RefitClient(t.url) as tc,
-        RefitClient(a.url, timeout_s=10) as ac,
-        RefitClient(b.url) as bc,
-    ):
+    async with chain(secret_file, *fast, a_timeout_s=10) as h:
+        t, a, tc, ac, bc = h.t, h.a, h.tc, h.ac, h.bc
         await publish(tc, 1)
         assert await refit(ac, tc, 1) == "shm"
         os.kill(a.pid, getattr(signal, fault))
@@ -217,16 +235,8 @@ async def test_mirror_fills_and_relays_show_in_the_pulls_list_and_the_metrics(
     """A mirror's fill from the source and a relay's from its upstream move through the
     pull path's one byte loop: each is a pull of its daemon, listed and counted by the
     path it took, like an engine's."""
-    mirror = ("--set", "mirrors.policy=always")
-    async with (
-        daemon(secret_file, "trainer") as t,
-        daemon(secret_file, "host-a", *mirror) as a,
-        daemon(secret_file, "host-b", *mirror) as b,
-        RefitClient(t.url) as tc,
-        RefitClient(a.url) as ac,
-        RefitClient(b.url) as bc,
-        aiohttp.ClientSession() as http,
-    ):
+    async with chain(secret_file) as h, aiohttp.ClientSession() as http:
+        a, b, tc, ac, bc = h.a, h.b, h.tc, h.ac, h.bc
         await publish(tc, 1)
         assert await refit(ac, tc, 1) == "shm"
         assert await refit(bc, tc, 1) == "shm"
