@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
-from support.daemons import daemon_config, serving_daemons
+from support.daemons import Served, daemon_config, serving_daemons
 from support.daemons import served as serve
 from support.devices import HostDeviceEngine, HostDeviceMemory
 
@@ -46,6 +46,18 @@ async def served() -> AsyncIterator[tuple[Daemon, RefitClient]]:
     d = Daemon(daemon_config(node_id="devices", transport="shm"))
     async with listening(d) as (_, url), RefitClient(url) as c:
         yield d, c
+
+
+@contextlib.asynccontextmanager
+async def two_hosts() -> AsyncIterator[tuple[Served, Served]]:
+    """A daemon as if on another host (``far``: another boot id) and the engine's
+    (``near``), trusting each other over ``tcp``."""
+    opts: dict[str, object] = dict(transport="tcp", allow=("http://127.0.0.1:*",))
+    secret = b"one-deployment-secret-0123456789"
+    far = Daemon(daemon_config(node_id="far", **opts), secret=secret, boot_id="another-host")
+    near = Daemon(daemon_config(node_id="engine", **opts), secret=secret)
+    async with serve(far) as f, serve(near) as n:
+        yield f, n
 
 
 async def device_region(
@@ -175,11 +187,8 @@ async def test_a_peer_daemons_gpu_region_is_refused_on_the_shm_only_path() -> No
 
 async def test_a_peer_daemons_gpu_region_is_read_through_its_staging_over_tcp() -> None:
     far_engine, near_engine = HostDeviceEngine(), HostDeviceEngine()
-    opts: dict[str, object] = dict(transport="tcp", allow=("http://127.0.0.1:*",))
-    secret = b"one-deployment-secret-0123456789"
-    far = Daemon(daemon_config(node_id="far", **opts), secret=secret, boot_id="another-host")
-    near = Daemon(daemon_config(node_id="engine", **opts), secret=secret)
-    async with serve(far) as f, serve(near) as n:
+    async with two_hosts() as (f, n):
+        far, near = f.daemon, n.daemon
         src, src_memory = await device_region(far, far_engine, "weights")
         data = np.random.default_rng(11).integers(0, 256, N, dtype=np.uint8)
         src_memory.write(0, data.tobytes())
@@ -221,13 +230,9 @@ async def test_status_counts_the_gpu_regions_apart_from_host_ones() -> None:
 
 async def test_over_tcp_device_bound_reads_are_staged_through_host_memory_and_land() -> None:
     engine = HostDeviceEngine()
-    opts: dict[str, object] = dict(transport="tcp", allow=("http://127.0.0.1:*",))
-    secret = b"one-deployment-secret-0123456789"
-    far = Daemon(daemon_config(node_id="far", **opts), secret=secret, boot_id="another-host")
-    near = Daemon(daemon_config(node_id="engine", **opts), secret=secret)
-    async with serve(far) as f, serve(near) as n:
+    async with two_hosts() as (f, n):
         src, data, lease = await host_source(f.client, "m")
-        dst, memory = await device_region(near, engine, "engine")
+        dst, memory = await device_region(n.daemon, engine, "engine")
         host_dst = await n.client.create_region(N, label="host-dst")
         rows, perm = shuffled(src.region_id, dst.region_id)
         rows[::2, 2] = host_dst.region_id  # half the pieces to host memory, unstaged
@@ -246,13 +251,9 @@ async def test_over_tcp_device_bound_reads_are_staged_through_host_memory_and_la
 
 async def test_a_device_error_in_a_staged_pull_fails_it_and_its_staging_goes() -> None:
     engine = HostDeviceEngine()
-    opts: dict[str, object] = dict(transport="tcp", allow=("http://127.0.0.1:*",))
-    secret = b"one-deployment-secret-0123456789"
-    far = Daemon(daemon_config(node_id="far", **opts), secret=secret, boot_id="another-host")
-    near = Daemon(daemon_config(node_id="engine", **opts), secret=secret)
-    async with serve(far) as f, serve(near) as n:
+    async with two_hosts() as (f, n):
         src, _, lease = await host_source(f.client, "m")
-        dst, _ = await device_region(near, engine, "engine")
+        dst, _ = await device_region(n.daemon, engine, "engine")
         rows, _ = shuffled(src.region_id, dst.region_id)
         engine.fail_next(at_read=2)
         req = PullRequest("m", 1, lease, DescriptorTable.pack(rows), [], f.url)
