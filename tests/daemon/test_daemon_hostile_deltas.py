@@ -23,7 +23,7 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
-from support.daemons import daemon_config, served, token_file
+from support.daemons import Served, daemon_config, served, token_file
 
 from refitd.client.http import RefitClient
 from refitd.config import LimitsConfig, ServerConfig
@@ -59,15 +59,40 @@ def manifest(version: int, region: int) -> ManifestIn:
 
 
 @contextlib.asynccontextmanager
-async def two_versions(tmp: Path, **options: Any) -> AsyncIterator[Tenants]:
-    """``a`` publishes v1 and v2 of ``am`` in two regions; v2's delta is ready."""
+async def tenants(
+    tmp: Path, node_id: str, **options: Any
+) -> AsyncIterator[tuple[Served, RefitClient, RefitClient]]:
+    """A daemon that requires a token (``TOKENS``: tenants a and b), served for the
+    block: it, and a client of a and one of b."""
     tokens = token_file(tmp, TOKENS)
-    d = Daemon(daemon_config(node_id="hostile-deltas", deltas=True, **options))
+    d = Daemon(daemon_config(node_id=node_id, **options))
     async with (
         served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
         RefitClient(s.url, token=TOKENS["a"]) as a,
         RefitClient(s.url, token=TOKENS["b"]) as b,
     ):
+        yield s, a, b
+
+
+async def refused_alike_to_b(url: str, paths: list[str]) -> None:
+    """b's GET of each of ``paths`` is the same 403 in the error shape, naming ``am``:
+    the answers tell b nothing of which versions exist."""
+    headers = {"Authorization": f"Bearer {TOKENS['b']}", "Accept": "application/json"}
+    answers = []
+    async with aiohttp.ClientSession() as http:
+        for path in paths:
+            async with http.get(url + path, headers=headers) as r:
+                answers.append((r.status, await r.json(content_type=None)))
+    for status, res in answers:
+        refused(status, res, 403, "'am'")
+    assert answers[0] == answers[1], answers
+
+
+@contextlib.asynccontextmanager
+async def two_versions(tmp: Path, **options: Any) -> AsyncIterator[Tenants]:
+    """``a`` publishes v1 and v2 of ``am`` in two regions; v2's delta is ready."""
+    async with tenants(tmp, "hostile-deltas", deltas=True, **options) as (s, a, b):
+        d = s.daemon
         v1 = np.random.default_rng(1).integers(0, 1 << 16, ELEMS, dtype=np.uint16)
         v2 = v1.copy()
         v2[np.random.default_rng(2).choice(ELEMS, CHANGED, replace=False)] += 1
@@ -224,11 +249,8 @@ async def test_one_principal_holds_a_bounded_number_of_long_polls_and_others_sti
     READY, and so are b's held ones."""
     from refitd.daemon.waits import MAX_WAITS_PER_PRINCIPAL
 
-    tokens = token_file(tmp_path, TOKENS)
-    d = Daemon(daemon_config(node_id="hostile-waits"))
     async with (
-        served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
-        RefitClient(s.url, token=TOKENS["a"]) as a,
+        tenants(tmp_path, "hostile-waits") as (s, a, _),
         aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http,
     ):
         region = (await a.create_region(REGION, label="am")).region_id
@@ -268,25 +290,12 @@ async def test_a_ready_long_poll_on_a_model_one_may_not_read_is_refused_alike_wh
     """``[models] readers`` lists only a for ``am``: b's ``/ready`` and ``/delta`` on
     ``am`` are 403 before any wait, and say the same for a version that exists and one
     that does not, so they tell b nothing of a's versions."""
-    tokens = token_file(tmp_path, TOKENS)
-    d = Daemon(daemon_config(node_id="hostile-readers", readers=("am=a",)))
-    async with (
-        served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
-        RefitClient(s.url, token=TOKENS["a"]) as a,
-        aiohttp.ClientSession() as http,
-    ):
+    async with tenants(tmp_path, "hostile-readers", readers=("am=a",)) as (s, a, _):
         region = (await a.create_region(REGION, label="am")).region_id
         await a.publish(manifest(1, region))
-        headers = {"Authorization": f"Bearer {TOKENS['b']}", "Accept": "application/json"}
         for tail in ("ready?timeout=60", "delta?wait=60"):
-            answers = []
-            for version in (1, 7):
-                path = f"/v1/sources/am/versions/{version}/{tail}"
-                async with http.get(s.url + path, headers=headers) as r:
-                    answers.append((r.status, await r.json(content_type=None)))
-            for status, res in answers:
-                refused(status, res, 403, "'am'")
-            assert answers[0] == answers[1], answers
+            paths = [f"/v1/sources/am/versions/{version}/{tail}" for version in (1, 7)]
+            await refused_alike_to_b(s.url, paths)
 
 
 async def test_concurrent_peer_packs_stage_no_more_regions_than_the_principals_cap(
@@ -327,14 +336,9 @@ async def computing(tmp: Path) -> AsyncIterator[tuple[Tenants, threading.Event]]
     event it yields. b then leases v2 and asks for its delta as a receiver would."""
     from refitd.daemon.deltaroutes import DELTAS
 
-    tokens = token_file(tmp, TOKENS)
-    d = Daemon(daemon_config(node_id="hostile-computing", deltas=True))
     gate = threading.Event()
-    async with (
-        served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
-        RefitClient(s.url, token=TOKENS["a"]) as a,
-        RefitClient(s.url, token=TOKENS["b"]) as b,
-    ):
+    async with tenants(tmp, "hostile-computing", deltas=True) as (s, a, b):
+        d = s.daemon
         book = s.app[DELTAS]
         regions, segs = [], []
         try:
@@ -500,17 +504,10 @@ async def test_the_cluster_routes_tell_a_non_reader_nothing_of_a_models_versions
     """``[models] readers`` lists only a for ``am``: which daemons hold a version of it,
     and the long poll for its next one, are refused to b (403) before any wait, alike
     whether the version exists or not."""
-    tokens = token_file(tmp_path, TOKENS)
-    d = Daemon(daemon_config(node_id="hostile-cluster", readers=("am=a",)))
-    async with (
-        served(d, access=ServerConfig(port=0, token_file=tokens)) as s,
-        RefitClient(s.url, token=TOKENS["a"]) as a,
-        aiohttp.ClientSession() as http,
-    ):
+    async with tenants(tmp_path, "hostile-cluster", readers=("am=a",)) as (s, a, _):
         region = (await a.create_region(REGION, label="am")).region_id
         await a.publish(manifest(1, region))
         assert (await a.cluster_version("am", 1)).version == 1  # a, a reader, sees it
-        headers = {"Authorization": f"Bearer {TOKENS['b']}", "Accept": "application/json"}
         for paths in (
             ["/v1/cluster/sources/am/versions/1", "/v1/cluster/sources/am/versions/7"],
             [
@@ -518,10 +515,4 @@ async def test_the_cluster_routes_tell_a_non_reader_nothing_of_a_models_versions
                 "/v1/cluster/sources/am/next?after=5&timeout=60",
             ],
         ):
-            answers = []
-            for path in paths:
-                async with http.get(s.url + path, headers=headers) as r:
-                    answers.append((r.status, await r.json(content_type=None)))
-            for status, res in answers:
-                refused(status, res, 403, "'am'")
-            assert answers[0] == answers[1], answers
+            await refused_alike_to_b(s.url, paths)
