@@ -10,6 +10,8 @@ lease's end while it is held.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,49 +79,59 @@ async def close(r: DaemonReceiver, toy: Toy) -> None:
         await p.close()
 
 
-async def test_a_lease_expiring_mid_pull_fails_the_refit_and_installs_nothing() -> None:
+@dataclass(frozen=True)
+class HeldRefit:
+    """A refit whose lease at the trainer's daemon ended while its copy was held."""
+
+    refit: asyncio.Task[Any]  # the refit, let go after the lease ended: await it
+    receiver: DaemonReceiver
+    toy: Toy
+    engine: ToyEngine
+    engine_client: RefitClient  # a client of the engine's daemon
+
+
+@contextlib.asynccontextmanager
+async def lease_ended_mid_copy(
+    par: EngineParallel, mode: str, make_engine: Callable[[ModelConfig, EngineParallel], ToyEngine]
+) -> AsyncIterator[HeldRefit]:
+    """Two daemons; the dense toy published at the first; a refit of it into the
+    engine (``make_engine``) through the second, under a 30 s lease, held mid-copy
+    while the first daemon's clock passes the lease's end, then let go."""
     clock, gated = FakeClock(50.0), GatedCopier()
     a = Daemon(daemon_config(node_id="a"), secret=SECRET, clock=clock)
     b = Daemon(daemon_config(node_id="b"), secret=SECRET, copier=gated)
     async with serving_daemons(a, b) as (ca, cb):
         toy = await publish_dense(ca, "m", 2)
-        par = EngineParallel(2, 0)
-        engine = zeroed_engine(toy.cfg, par)
-        r = receiver(cb, ca, "m", toy, par, engine, lease_ttl_s=30.0, mode="staging")
+        engine = make_engine(toy.cfg, par)
+        r = receiver(cb, ca, "m", toy, par, engine, lease_ttl_s=30.0, mode=mode)
         refit = asyncio.create_task(r.refit())
         await gated.entered.wait()
         clock.now += 31.0  # the lease ends while the copy is held
         gated.gate.set()
+        yield HeldRefit(refit, r, toy, engine, cb)
+        await close(r, toy)
+
+
+async def test_a_lease_expiring_mid_pull_fails_the_refit_and_installs_nothing() -> None:
+    par = EngineParallel(2, 0)
+    async with lease_ended_mid_copy(par, "staging", zeroed_engine) as h:
         with pytest.raises(ConflictError, match="expired"):
-            await refit
-        assert all(not p.any() for p in engine.parameters())
-        [pull] = await cb.pulls()
+            await h.refit
+        assert all(not p.any() for p in h.engine.parameters())
+        [pull] = await h.engine_client.pulls()
         assert pull.state is PullState.FAILED and pull.suspect
         # The same receiver succeeds once the trainer serves a live lease again.
-        stats = await r.refit()
+        stats = await h.receiver.refit()
         assert stats.replayed
-        assert mismatched(engine, toy.cfg, par, toy.state) == []
-        await close(r, toy)
+        assert mismatched(h.engine, h.toy.cfg, par, h.toy.state) == []
 
 
 async def test_in_direct_mode_a_failed_pull_names_the_suspect_parameters() -> None:
-    clock, gated = FakeClock(50.0), GatedCopier()
-    a = Daemon(daemon_config(node_id="a"), secret=SECRET, clock=clock)
-    b = Daemon(daemon_config(node_id="b"), secret=SECRET, copier=gated)
-    async with serving_daemons(a, b) as (ca, cb):
-        toy = await publish_dense(ca, "m", 2)
-        par = EngineParallel(2, 1)
-        engine = ToyEngine(toy.cfg, par)
-        r = receiver(cb, ca, "m", toy, par, engine, lease_ttl_s=30.0, mode="direct")
-        refit = asyncio.create_task(r.refit())
-        await gated.entered.wait()
-        clock.now += 31.0
-        gated.gate.set()
+    async with lease_ended_mid_copy(EngineParallel(2, 1), "direct", ToyEngine) as h:
         with pytest.raises(
             ConflictError, match=r"parameters now suspect.*model\.embed_tokens\.weight"
         ):
-            await refit
-        await close(r, toy)
+            await h.refit
 
 
 async def test_one_daemon_can_serve_both_the_trainer_and_the_engine() -> None:
