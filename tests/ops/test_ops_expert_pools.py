@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.daemons import served
-from support.ops import serving_wired
+from support.ops import serving_tenants, serving_wired
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
@@ -326,14 +326,8 @@ async def test_pool_gauges_appear_in_metrics_fed_from_the_pool() -> None:
 
 
 async def test_a_token_holder_may_not_drive_another_principals_pool(tmp_path: Any) -> None:
-    tokens = tmp_path / "tokens"
-    tokens.write_text("engine e-secret\nother o-secret\n")
-    tokens.chmod(0o600)
-    async with (
-        serving_wired(token_file=str(tokens)) as daemon,
-        RefitClient(daemon.url, token="e-secret") as engine,
-        RefitClient(daemon.url, token="o-secret") as other,
-    ):
+    async with serving_tenants(tmp_path, {"engine": "e-secret", "other": "o-secret"}) as (_, c):
+        engine, other = c["engine"], c["other"]
         info = await engine.create_pool("moe", layers=1, experts=2, slots=2, row_bytes=[8])
         assert info.owner == "engine"
         with pytest.raises(AccessDenied, match="other may not write expert pool 'moe'"):

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import msgspec
 import pytest
-from support.ops import serving_wired
+from support.ops import serving_tenants, serving_wired
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.spawn import serve_command
@@ -178,15 +178,12 @@ async def test_on_the_daemon_a_token_holder_touches_only_its_own_regions(tmp_pat
     from refitd.client.http import RefitClient
     from refitd.errors import RefitError
 
-    tokens = tmp_path / "tokens"
-    tokens.write_text("trainer t-secret\nengine e-secret\n")
-    tokens.chmod(0o600)
+    tenants = {"trainer": "t-secret", "engine": "e-secret"}
     async with (
-        serving_wired(token_file=str(tokens)) as daemon,
-        RefitClient(daemon.url, token="t-secret") as trainer,
-        RefitClient(daemon.url, token="e-secret") as engine,
+        serving_tenants(tmp_path, tenants) as (daemon, c),
         RefitClient(daemon.url) as anonymous,
     ):
+        trainer, engine = c["trainer"], c["engine"]
         src = await trainer.create_region(4096)
         assert src.owner == "trainer"
         dst = await engine.create_region(4096)

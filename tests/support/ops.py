@@ -1,6 +1,7 @@
 """Helpers of the ops tests: a daemon wired as ``refitd serve`` wires it (with the
 operator service: auth, metrics, the API document), started the one way
-(:func:`serving_wired`); a test's own small aiohttp app served on loopback
+(:func:`serving_wired`), and with tenants' tokens (:func:`serving_tenants`); a test's
+own small aiohttp app served on loopback
 (:func:`serving`); and the ``refitd`` command run as a child process."""
 
 from __future__ import annotations
@@ -9,18 +10,19 @@ import asyncio
 import contextlib
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from refitd.client.http import RefitClient
 from refitd.config import load_config
 from refitd.daemon.auth import check_startup
 from refitd.daemon.sdnotify import Notifier
 from refitd.daemon.service import Service
 from refitd.errors import ConflictError, NotFoundError, RefitError
-from support.daemons import Served, served
+from support.daemons import Served, served, token_file
 
 STATUS = {ConflictError: 409, NotFoundError: 404}
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,3 +86,20 @@ async def serving_wired(**server: Any) -> AsyncIterator[Served]:
     service = Service(config, check_startup(config.server), Notifier({}))
     async with served(setup=[service.setup]) as daemon:
         yield daemon
+
+
+@contextlib.asynccontextmanager
+async def serving_tenants(
+    directory: Path, tokens: Mapping[str, str]
+) -> AsyncIterator[tuple[Served, dict[str, RefitClient]]]:
+    """:func:`serving_wired` requiring ``tokens`` (principal -> bearer token, their
+    token file written in ``directory``); yields it and a client of each principal."""
+    async with (
+        serving_wired(token_file=token_file(directory, tokens)) as daemon,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        clients = {
+            name: await stack.enter_async_context(RefitClient(daemon.url, token=token))
+            for name, token in tokens.items()
+        }
+        yield daemon, clients
