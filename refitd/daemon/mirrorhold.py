@@ -78,13 +78,17 @@ class FillingMirrors(Completion):
         self._regions = {k: v for k, v in self._regions.items() if v.mirror is not m}
         self.changed()
 
-    def why_held(self, reads: np.ndarray) -> str | None:
+    def why_held(
+        self,
+        region: npt.NDArray[np.int64],
+        offset: npt.NDArray[np.int64],
+        nbytes: npt.NDArray[np.int64],
+    ) -> str | None:
         """None when every byte read is complete (or of no mirror filling); "" when
         some are still filling; why, when their mirror failed."""
         table = self._regions
         if not table:
             return None
-        region, offset, nbytes = reads["region"], reads["offset"], reads["nbytes"]
         held: str | None = None
         for rid in np.unique(region).tolist():
             r = table.get(int(rid))

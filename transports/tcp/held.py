@@ -23,6 +23,7 @@ import time
 from abc import ABC, abstractmethod
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["HOLD_S", "MAX_HELD_PER_ADDRESS", "Completion", "Holds"]
 
@@ -48,27 +49,42 @@ class Completion(ABC):
         self._cond = threading.Condition()
 
     @abstractmethod
-    def why_held(self, rows: np.ndarray) -> str | None:
-        """None when every byte of ``rows`` (``READ_ROW``s: region, offset, nbytes) is
-        complete; "" when some are still filling; why, when they never will be (their
-        fill failed). Quick: no waiting."""
+    def why_held(
+        self,
+        region: npt.NDArray[np.int64],
+        offset: npt.NDArray[np.int64],
+        nbytes: npt.NDArray[np.int64],
+    ) -> str | None:
+        """None when every byte of these reads is complete; "" when some are still
+        filling; why, when they never will be (their fill failed). Quick: no waiting."""
 
     def changed(self) -> None:
         """Bytes completed, or a fill failed: the held reads look again."""
         with self._cond:
             self._cond.notify_all()
 
-    def pending(self, rows: np.ndarray) -> bool:
+    def pending(
+        self,
+        region: npt.NDArray[np.int64],
+        offset: npt.NDArray[np.int64],
+        nbytes: npt.NDArray[np.int64],
+    ) -> bool:
         """Whether any byte of these reads is not complete yet (quick: no waiting)."""
-        return self.why_held(rows) is not None
+        return self.why_held(region, offset, nbytes) is not None
 
-    def wait(self, rows: np.ndarray, timeout_s: float) -> str | None:
+    def wait(
+        self,
+        region: npt.NDArray[np.int64],
+        offset: npt.NDArray[np.int64],
+        nbytes: npt.NDArray[np.int64],
+        timeout_s: float,
+    ) -> str | None:
         """Block the calling thread until every byte of these reads is complete: None
         then, or why they never will be (their fill failed, or ``timeout_s`` passed)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while True:
-                why = self.why_held(rows)
+                why = self.why_held(region, offset, nbytes)
                 if why is None:
                     return None
                 if why:  # the fill failed: it never completes
@@ -94,7 +110,7 @@ class Holds:
     def pending(self, rows: np.ndarray) -> bool:
         """Whether ``rows`` (``READ_ROW``s) read any byte not complete yet."""
         c = self.completion
-        return c is not None and c.pending(rows)
+        return c is not None and c.pending(rows["region"], rows["offset"], rows["nbytes"])
 
     def wait(self, rows: np.ndarray, key: str) -> str | None:
         """Hold ``rows``, read by the peer at address ``key``, until their bytes are
@@ -111,7 +127,7 @@ class Holds:
                 )
             self._by_address[key] = held + 1
         try:
-            why = c.wait(rows, self.hold_s)
+            why = c.wait(rows["region"], rows["offset"], rows["nbytes"], self.hold_s)
         finally:
             with self._lock:
                 left = self._by_address[key] - 1
