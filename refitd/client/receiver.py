@@ -14,13 +14,12 @@
    (strict by default; ``allow_unwritten=`` names those meant to keep their values);
 4. submit one pull to the local daemon (descriptors + pack specs, the lease) and
    wait, reporting progress;
-5. install: in ``"staging"`` mode the pull lands in a scratch mirror of the
-   parameters and is copied into them only after the pull succeeded (a failed pull
-   installs nothing); in ``"direct"`` mode it lands in the parameters (zero-copy)
-   and a failure names the suspect parameters; in ``"swap"`` mode it lands in a
-   second copy of the parameters' memory, which they are rebound to only after the
-   pull succeeded (:mod:`refitd.client.swap`: one copy, and a failed pull installs
-   nothing). Full pulls are replayed from scratch into the parameters in every mode;
+5. install: ``"staging"`` lands the pull in a scratch mirror of the parameters,
+   copied into them only after it succeeded; ``"swap"`` lands it in a second copy
+   of their memory, which they are rebound to only after it succeeded (one copy,
+   :mod:`refitd.client.swap`); in both a failed pull installs nothing. ``"direct"``
+   lands it in the parameters, and a failure names the suspect ones. Full pulls are
+   replayed from scratch into the parameters in every mode;
 6. release the lease.
 
 The engine's parameters are moved once into memory registered with the local
@@ -47,7 +46,7 @@ from refitd.client.http import RefitClient
 from refitd.client.install import CompiledPull, install_unpacked, one_device, overlapping_params
 from refitd.client.leases import LeaseKeeper
 from refitd.client.publisher import ALIGN, torch_dtype
-from refitd.client.swap import EngineViews, unpulled
+from refitd.client.swap import EngineViews, OneRefit, unpulled
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
@@ -140,8 +139,8 @@ class DaemonReceiver:
         self.max_segments_per_copy = max_segments_per_copy
         self.allow_unwritten = frozenset(allow_unwritten)
         self._compiled: CompiledPull | None = None
-        # The planner's receiver for the last capture (one capture per manifest
-        # structure), and the destinations it was warmed for.
+        self._one = OneRefit(model)  # a second refit at once is refused (409)
+        # the planner's receiver for the last capture, and the destinations it warmed
         self._reshard: ReshardReceiver | None = None
         self._dest: DestLayout = {}
         self._params: dict[str, torch.nn.Parameter] = dict(engine.named_parameters())
@@ -247,8 +246,7 @@ class DaemonReceiver:
                 with contextlib.suppress(TransportError):
                     await self.local.delete_region(region.region_id)
             if seg is not None:
-                # Parameters keep views of the engine segment: unlink the name, leave
-                # the mapping to them.
+                # parameters keep views of it: unlink the name, leave them the mapping
                 seg.unlink()
         self._scratch_region = self._engine_region = self._shadow_region = None
         # GPU parameters keep their views of the engine allocation (freed with the last).
@@ -403,29 +401,31 @@ class DaemonReceiver:
         *,
         on_progress: Callable[[PullProgress], None] | None = None,
     ) -> RefitStats:
-        """Refit the engine to ``version`` (the newest READY one by default)."""
+        """Refit the engine to ``version`` (the newest READY one by default); refused
+        (409) while another refit runs on this receiver."""
         t0 = time.perf_counter()
-        await self._place_engine()
-        if version is None:
-            version = (await self.source.version(self.model, "latest")).version
-        lease = await self.source.acquire_lease(
-            self.model, version, self.lease_ttl_s, holder="receiver"
-        )
-        # Renewed in the background for as long as the refit runs, so a long pull of
-        # a healthy version outlives the TTL; a lease that lapses anyway stays lapsed.
-        keeper = self.lease_keeper = LeaseKeeper(self.source, lease, self.lease_ttl_s)
-        try:
-            async with keeper:
-                return await self._refit_leased(version, lease.lease_id, t0, on_progress)
-        except RefitError as exc:
-            if keeper.error is not None:
-                exc.add_note(f"renewing lease {lease.lease_id!r} was refused: {keeper.error}")
-            raise
-        finally:
-            self.lease_keeper = None
-            # A source daemon already gone (or restarted) took the lease with it.
-            with contextlib.suppress(TransportError, NotFoundError):
-                await self.source.release_lease(lease.lease_id)
+        with self._one.refit(version):
+            await self._place_engine()
+            if version is None:
+                version = (await self.source.version(self.model, "latest")).version
+            lease = await self.source.acquire_lease(
+                self.model, version, self.lease_ttl_s, holder="receiver"
+            )
+            # Renewed in the background while the refit runs, so a long pull of a
+            # healthy version outlives the TTL; a lease that lapses anyway stays lapsed.
+            keeper = self.lease_keeper = LeaseKeeper(self.source, lease, self.lease_ttl_s)
+            try:
+                async with keeper:
+                    return await self._refit_leased(version, lease.lease_id, t0, on_progress)
+            except RefitError as exc:
+                if keeper.error is not None:
+                    exc.add_note(f"renewing lease {lease.lease_id!r} was refused: {keeper.error}")
+                raise
+            finally:
+                self.lease_keeper = None
+                # A source daemon already gone (or restarted) took the lease with it.
+                with contextlib.suppress(TransportError, NotFoundError):
+                    await self.source.release_lease(lease.lease_id)
 
     async def _refit_leased(
         self,

@@ -15,7 +15,6 @@ it is armed (the one fake: a real copy cannot be made to pause at a chosen point
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +30,7 @@ from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
 from refitd.config import ServerConfig
 from refitd.daemon.node import Daemon
-from refitd.errors import AccessDenied, ConflictError, RefitError
+from refitd.errors import AccessDenied, ConflictError
 from refitd.testing.engines import EngineParallel, ToyEngine, dense_toy_config
 from refitd.testing.layouts import fsdp_dim0, full_state
 from refitd.wire import DescriptorTable, PullRequest, PullState
@@ -184,18 +183,14 @@ async def test_another_tenant_cannot_write_or_attach_an_engines_swap_segment(
                 await p.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="DaemonReceiver runs two refits at once: both land in the one shadow segment, "
-    "and the later swap rebinds to a segment holding neither version whole",
-)
 async def test_two_refits_at_once_on_one_swap_receiver_leave_the_engine_on_one_whole_version() -> (
     None
 ):
-    """refit(2) is held mid-copy while refit(3) runs to its end on the same receiver;
-    then refit(2)'s copy goes on. Whatever each call reports, the engine must end on
-    one whole version, the one the last refit that succeeded reported (a refit refused
-    while another runs would do)."""
+    """refit(2) is held mid-copy while refit(3) is asked of the same receiver. Before
+    the fix both reported success and the engine was left on neither version whole
+    (both landed in the one shadow). Now refit(3) is refused (409, naming the refit
+    that runs) before it does anything; refit(2) ends exact, and refit(3) asked
+    again afterwards succeeds."""
     held = HeldOnce()
     a = Daemon(daemon_config(node_id="a"), secret=SECRET)
     b = Daemon(daemon_config(node_id="b"), secret=SECRET, copier=held)
@@ -224,17 +219,14 @@ async def test_two_refits_at_once_on_one_swap_receiver_leave_the_engine_on_one_w
             async with asyncio.timeout(SAFETY_S):
                 await held.entered.wait()
             pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, states[3]), 3))
-            ended: list[int] = []
-            with contextlib.suppress(RefitError):
+            with pytest.raises(ConflictError, match="a refit to version 2 still runs"):
                 await r.refit(3)
-                ended.append(3)
             held.gate.set()
-            with contextlib.suppress(RefitError):
-                async with asyncio.timeout(SAFETY_S):
-                    await first
-                ended.append(2)
-            assert ended, "one of the two refits succeeds"
-            assert mismatched(engine, cfg, par, states[ended[-1]]) == []
+            async with asyncio.timeout(SAFETY_S):
+                assert (await first).version == 2
+            assert mismatched(engine, cfg, par, states[2]) == []
+            assert (await r.refit(3)).version == 3
+            assert mismatched(engine, cfg, par, states[3]) == []
         finally:
             held.gate.set()
             await r.close()
