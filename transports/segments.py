@@ -175,22 +175,33 @@ class SharedSegment:
         huge-page advice applies to the pages made (``fallocate`` would make them
         small on a ``huge=advise`` mount). ``OSError(ENOSPC)`` when the filesystem
         cannot: populating reports it as an error, where a write would fault."""
-        assert self._mmap is not None
-        try:
-            self._mmap.madvise(MADV_POPULATE_WRITE)
+        if self.populate():
             return
-        except OSError as exc:
-            if exc.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
-                raise OSError(
-                    errno.ENOSPC, f"{SHM_DIR} cannot back the {self._size} bytes of {self._name}"
-                ) from None
-            if exc.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14, fall back
-                raise
         fd = os.open(SHM_DIR / self._name, os.O_RDWR | os.O_NOFOLLOW)
         try:
             os.posix_fallocate(fd, 0, self._size)
         finally:
             os.close(fd)
+
+    def populate(self) -> bool:
+        """Map every page of the segment into this process now, for writing, backing
+        any the file does not have yet: the first copy into it then takes no page
+        fault (one a page otherwise, in the process that maps it, even when its
+        creator wrote every page). ``OSError(ENOSPC)`` when the filesystem cannot back
+        a page; False on a kernel before 5.14 (nothing done: pages fault in on first
+        touch)."""
+        assert self._mmap is not None
+        try:
+            self._mmap.madvise(MADV_POPULATE_WRITE)
+        except OSError as exc:
+            if exc.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
+                raise OSError(
+                    errno.ENOSPC, f"{SHM_DIR} cannot back the {self._size} bytes of {self._name}"
+                ) from None
+            if exc.errno != errno.EINVAL:  # EINVAL: a kernel before 5.14
+                raise
+            return False
+        return True
 
     @classmethod
     def attach(cls, name: str, size: int | None = None) -> SharedSegment:

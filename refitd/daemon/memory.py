@@ -11,9 +11,10 @@ memory's kind, identity, owner proof and engine, never the wire kind.
 
 from __future__ import annotations
 
+import asyncio
 import os
 
-from refitd.errors import PlanError
+from refitd.errors import InsufficientStorage, PlanError
 from refitd.wire import RegionKind
 from transports.interface import MappedMemory
 from transports.segments import SHM_DIR, SharedSegment
@@ -24,6 +25,7 @@ __all__ = [
     "byte_view",
     "check_shm_capacity",
     "free_shm_bytes",
+    "map_whole",
     "proves_owner",
     "refuse_created_gpu_memory",
 ]
@@ -104,3 +106,18 @@ def attach_memory(kind: RegionKind, handle: str, nbytes: int) -> MappedMemory:
     from transports.cuda import CudaIpcMemory
 
     return CudaIpcMemory.open(handle, nbytes)
+
+
+async def map_whole(memory: MappedMemory, what: str) -> None:
+    """Map every page of a client's segment into the daemon now, off the event loop
+    (:meth:`SharedSegment.populate`), once when it is attached: the first pull into
+    it then takes no page fault, where it took one a page (the writes of the
+    creator map its pages only in the creator). GPU memory has nothing to map.
+    :class:`InsufficientStorage` (507) when the filesystem cannot back a page of a
+    sparse segment: refused now, not a bus error in the middle of a pull."""
+    if not isinstance(memory, SharedSegment):
+        return
+    try:
+        await asyncio.to_thread(memory.populate)
+    except OSError as exc:
+        raise InsufficientStorage(f"{what} refused: {exc.strerror or exc}") from None

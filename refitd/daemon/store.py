@@ -37,6 +37,7 @@ from refitd.daemon.memory import (
     byte_view,
     check_shm_capacity,
     free_shm_bytes,
+    map_whole,
     proves_owner,
     refuse_created_gpu_memory,
 )
@@ -309,6 +310,11 @@ class RegionStore:
                 f"{seg.owner_uid}, not to the caller's uid {uid}; a client attaches only "
                 "segments it made"
             )
+        try:
+            await map_whole(seg, f"attaching segment {req.handle!r}")
+        except BaseException:
+            seg.close()
+            raise
         return await self.record_attached(seg, req)
 
     async def record_attached(self, memory: MappedMemory, req: RegionAttach) -> RegionInfo:
