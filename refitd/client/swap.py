@@ -38,6 +38,7 @@ import torch
 
 from refitd.client.install import CompiledPull
 from refitd.errors import ConflictError
+from transports.batch import merge_ranges
 from transports.segments import SharedSegment
 
 __all__ = ["EngineViews", "OneRefit", "unpulled", "unwritten_ranges"]
@@ -82,14 +83,9 @@ def unwritten_ranges(
     """The parts of ``spans`` (``(offset, nbytes)``: each parameter's bytes) that no
     range of ``written`` covers, as sorted ``(offset, nbytes)``: what swap mode
     carries over from the serving segment. Pure: offsets and sizes in bytes."""
-    cover = sorted((o, o + n) for o, n in written if n > 0)
-    merged: list[list[int]] = []
-    for lo, hi in cover:
-        if merged and lo <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], hi)
-        else:
-            merged.append([lo, hi])
-    starts = np.array([m[0] for m in merged], dtype=np.int64)
+    rows = np.array(list(written), dtype=np.int64).reshape(-1, 2)
+    merged = [(r.offset, r.offset + r.nbytes) for r in merge_ranges(0 * rows[:, 0], *rows.T)]
+    starts = np.array([lo for lo, _ in merged], dtype=np.int64)
     out: list[tuple[int, int]] = []
     for off, n in sorted(spans):
         at, end = off, off + n
