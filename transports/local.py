@@ -45,6 +45,7 @@ __all__ = [
     "Gather",
     "LocalTransport",
     "copy_addresses",
+    "copy_threads",
     "copy_view",
     "pack_strided",
     "strided_runs_of",
@@ -260,6 +261,12 @@ class Gather:
     itemsize: int
 
 
+def copy_threads() -> int:
+    """Threads a transport copies a batch on unless told: one per core, at most four
+    (past four, one process's copies are bound by memory bandwidth, not cores)."""
+    return min(4, os.cpu_count() or 1)
+
+
 class LocalTransport(InProcessTransport):
     scheme = "local"
 
@@ -273,7 +280,7 @@ class LocalTransport(InProcessTransport):
         copier: Copier | None = None,
     ) -> None:
         super().__init__(secret=secret, peer_id=peer_id)
-        self.threads = threads or min(4, os.cpu_count() or 1)
+        self.threads = threads or copy_threads()
         self.inline_bytes = inline_bytes
         self.copier = copier
         self._pool: ThreadPoolExecutor | None = None

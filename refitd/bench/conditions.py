@@ -10,21 +10,26 @@
 - :class:`SegmentMemcpy` is the memcpy baseline on the same kind of memory a refit
   copies: two shared-memory segments (tmpfs, the page size the host gives
   ``/dev/shm``), backed and mapped once, copied by the same native loop a pull ends
-  in. An anonymous numpy buffer gets transparent huge pages where a tmpfs segment
-  may not, so a baseline on it measures another page size than the refit's.
+  in, on as many threads as the daemon's copier uses. An anonymous numpy buffer
+  gets transparent huge pages where a tmpfs segment may not, so a baseline on it
+  measures another page size than the refit's; a one-thread baseline against a
+  copy on two threads measures whether the second core happened to be free.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["Faults", "SegmentMemcpy", "cpu_waited_us", "faults"]
 
@@ -71,17 +76,19 @@ def cpu_waited_us() -> int | None:
 
 
 class SegmentMemcpy:
-    """A single-thread memcpy between two shared segments of ``nbytes`` (≥ 1) bytes,
-    created (every page backed and mapped) once and reused: :meth:`gbps` copies
-    ``total`` bytes, the whole segment at a time, and returns GB/s (10^9 bytes/s).
-    Page faults during the copy are counted in :attr:`faults_taken` (0 expected:
-    the pages were mapped at creation)."""
+    """A memcpy on ``threads`` threads between two shared segments of ``nbytes`` (≥ 1)
+    bytes, created (every page backed and mapped) once and reused: :meth:`gbps`
+    copies ``total`` bytes, the whole segment at a time (each thread its own
+    contiguous share), and returns GB/s (10^9 bytes/s). Page faults during the copy
+    are counted in :attr:`faults_taken` (0 expected: the pages were mapped at
+    creation)."""
 
-    def __init__(self, nbytes: int = 256 << 20) -> None:
+    def __init__(self, nbytes: int = 256 << 20, threads: int = 1) -> None:
         from transports.native import copy_lib
         from transports.segments import SharedSegment
 
         self.nbytes = nbytes
+        self.threads = max(1, min(threads, nbytes))
         self._src = SharedSegment.create(nbytes, "bench-memcpy-src")
         try:
             self._dst = SharedSegment.create(nbytes, "bench-memcpy-dst")
@@ -90,22 +97,35 @@ class SegmentMemcpy:
             raise
         self._src.numpy()[:] = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
         self._lib = copy_lib()
-        self._args = [np.array([x], dtype=np.int64) for x in (0, 0, nbytes)]
-        self._args[0][0], self._args[1][0] = self._dst.address, self._src.address
+        cuts = np.linspace(0, nbytes, self.threads + 1).astype(np.int64)
+        # one (dst, src, nbytes) triple of one-element arrays per thread's share
+        self._args = [
+            [
+                np.array([x], dtype=np.int64)
+                for x in (self._dst.address + a, self._src.address + a, b - a)
+            ]
+            for a, b in itertools.pairwise(cuts.tolist())
+        ]
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="bench-memcpy")
         self.faults_taken = Faults()
+
+    def _copy(self, share: list[npt.NDArray[np.int64]], reps: int) -> None:
+        d, s, n = (ctypes.c_void_p(a.ctypes.data) for a in share)
+        for _ in range(reps):
+            self._lib.rfx_copy_batch(1, d, s, n)
 
     def gbps(self, total: int) -> float:
         reps = max(1, -(-total // self.nbytes))
-        d, s, n = (ctypes.c_void_p(a.ctypes.data) for a in self._args)
         before = faults()
         t = time.perf_counter()
-        for _ in range(reps):
-            self._lib.rfx_copy_batch(1, d, s, n)
+        for done in [self._pool.submit(self._copy, share, reps) for share in self._args]:
+            done.result()
         seconds = time.perf_counter() - t
         self.faults_taken = self.faults_taken + (faults() - before)
         return reps * self.nbytes / seconds / 1e9
 
     def close(self) -> None:
+        self._pool.shutdown()
         self._src.close()
         self._dst.close()
 

@@ -249,7 +249,10 @@ async def refit_flow(
     result = FlowResult(cfg, model_bytes(cfg), transport=transport)
     # The baseline copies between two shared segments mapped once: the memory kind,
     # page size and warm mappings a replayed pull copies between (see conditions).
-    baseline = SegmentMemcpy(min(256 << 20, max(model_bytes(cfg), 1 << 20)))
+    from transports.local import copy_threads
+
+    # On as many threads as the engine daemon's copier, which a replayed pull ends in.
+    baseline = SegmentMemcpy(min(256 << 20, max(model_bytes(cfg), 1 << 20)), copy_threads())
     before = baseline.gbps(model_bytes(cfg))
     model = "synthetic"
     with baseline, tempfile.TemporaryDirectory() as tmp:
@@ -523,8 +526,11 @@ def run(args: argparse.Namespace) -> int:
         )
     console.print(table)
     fields = report(res)
+    from transports.local import copy_threads
+
     console.print(
-        f"memcpy (1 thread, between two shared segments mapped once) measured before and "
+        f"memcpy ({copy_threads()} threads as the daemon's copier, between two shared "
+        f"segments mapped once) measured before and "
         f"after each version's pull; best of the run "
         f"{res.memcpy_gbps:.2f} GB/s; "
         f"100k-tensor manifest fetched and merged in {res.manifest_100k_s:.3f} s"

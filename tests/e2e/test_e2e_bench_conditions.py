@@ -7,6 +7,7 @@ import mmap
 import os
 
 import numpy as np
+import pytest
 
 from refitd.bench.conditions import SegmentMemcpy, faults
 
@@ -26,8 +27,11 @@ def test_a_process_that_is_gone_has_no_faults() -> None:
     assert faults(2**22 + 1).minor == 0
 
 
-def test_the_segment_memcpy_copies_every_byte_and_reports_bandwidth() -> None:
-    with SegmentMemcpy(1 << 20) as m:
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_segment_memcpy_copies_every_byte_and_reports_bandwidth(threads: int) -> None:
+    """On any number of threads (each its own share, the last share the odd bytes'),
+    every byte of the segment is copied."""
+    with SegmentMemcpy((1 << 20) + 7, threads=threads) as m:
         m._dst.numpy()[:] = 0
         assert m.gbps(3 << 20) > 0
         assert np.array_equal(m._dst.numpy(), m._src.numpy())
