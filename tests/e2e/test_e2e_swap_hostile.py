@@ -15,24 +15,21 @@ it is armed (the one fake: a real copy cannot be made to pause at a chosen point
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
 from support.daemons import daemon_config, served, serving_daemons, token_file
-from support.engines import mismatched, zeroed_engine
+from support.engines import SwapEngine, swap_engine
 
-from refitd.bench.refit import capture_for, publish_layout
 from refitd.client.http import RefitClient
-from refitd.client.receiver import DaemonReceiver
 from refitd.config import ServerConfig
 from refitd.daemon.node import Daemon
 from refitd.errors import AccessDenied, ConflictError
-from refitd.testing.engines import EngineParallel, ToyEngine, dense_toy_config
-from refitd.testing.layouts import fsdp_dim0, full_state
 from refitd.wire import DescriptorTable, PullRequest, PullState
 from transports.local import copy_addresses
 
@@ -64,6 +61,24 @@ class HeldOnce:
         await copy_addresses(dst, src, nbytes, threads=1, pool=None)
 
 
+@contextlib.asynccontextmanager
+async def swap_engine_holding_a_copy() -> AsyncIterator[tuple[HeldOnce, SwapEngine, RefitClient]]:
+    """Two daemons in this process, the engine's (b) copying through a
+    :class:`HeldOnce`, and a swap engine on b refitted to version 1 published at a:
+    yields the copier, the engine and b's client. The held copy is let go when the
+    block ends, however it ends, so no pull is left waiting at the gate."""
+    held = HeldOnce()
+    a = Daemon(daemon_config(node_id="a"), secret=SECRET)
+    b = Daemon(daemon_config(node_id="b"), secret=SECRET, copier=held)
+    async with serving_daemons(a, b) as (ca, cb), swap_engine(cb, ca) as toy:
+        await toy.publish(1)
+        try:
+            await toy.receiver.refit(1)
+            yield held, toy, cb
+        finally:
+            held.gate.set()
+
+
 async def test_a_refit_interrupted_mid_pull_leaves_no_pull_to_write_the_engine_after_the_next_refit() -> (
     None
 ):
@@ -71,55 +86,25 @@ async def test_a_refit_interrupted_mid_pull_leaves_no_pull_to_write_the_engine_a
     version 3 in. The interrupted refit's pull must not run on: released, it would
     write version 2's bytes into the segment the parameters now read. The engine
     holds version 3 bit for bit after every pull has ended."""
-    held = HeldOnce()
-    a = Daemon(daemon_config(node_id="a"), secret=SECRET)
-    b = Daemon(daemon_config(node_id="b"), secret=SECRET, copier=held)
-    async with serving_daemons(a, b) as (ca, cb):
-        cfg = dense_toy_config()
-        states = {1: full_state(cfg), 2: full_state(cfg, seed=3), 3: full_state(cfg, seed=5)}
-        pubs: list[Any] = []
+    async with swap_engine_holding_a_copy() as (held, toy, cb):
+        assert toy.mismatched(1) == []
+        await toy.publish(2)
+        held.armed = True
+        interrupted = asyncio.create_task(toy.receiver.refit(2))
+        async with asyncio.timeout(SAFETY_S):
+            await held.entered.wait()  # its pull is mid-copy, into the shadow
+        interrupted.cancel()
+        await asyncio.gather(interrupted, return_exceptions=True)
+        assert toy.mismatched(1) == []  # nothing swapped in
 
-        async def publish(version: int) -> None:
-            pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, states[version]), version))
-
-        await publish(1)
-        par = EngineParallel(2, 1)
-        engine = zeroed_engine(cfg, par)
-        r = DaemonReceiver(
-            local=cb,
-            source=ca,
-            model="m",
-            engine=engine,
-            twin=lambda: ToyEngine(cfg, par),
-            capture=capture_for(fsdp_dim0(cfg, 2, states[1])),
-            lease_ttl_s=30.0,
-            mode="swap",
-        )
-        try:
-            await r.refit(1)
-            assert mismatched(engine, cfg, par, states[1]) == []
-            await publish(2)
-            held.armed = True
-            interrupted = asyncio.create_task(r.refit(2))
-            async with asyncio.timeout(SAFETY_S):
-                await held.entered.wait()  # its pull is mid-copy, into the shadow
-            interrupted.cancel()
-            await asyncio.gather(interrupted, return_exceptions=True)
-            assert mismatched(engine, cfg, par, states[1]) == []  # nothing swapped in
-
-            await publish(3)
-            await r.refit(3)
-            assert mismatched(engine, cfg, par, states[3]) == []
-            held.gate.set()  # what was left of the interrupted refit goes on, if anything
-            async with asyncio.timeout(SAFETY_S):
-                while any(p.state not in TERMINAL for p in await cb.pulls()):  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
-            assert mismatched(engine, cfg, par, states[3]) == []  # v3, bit for bit
-        finally:
-            held.gate.set()
-            await r.close()
-            for p in pubs:
-                await p.close()
+        await toy.publish(3)
+        await toy.receiver.refit(3)
+        assert toy.mismatched(3) == []
+        held.gate.set()  # what was left of the interrupted refit goes on, if anything
+        async with asyncio.timeout(SAFETY_S):
+            while any(p.state not in TERMINAL for p in await cb.pulls()):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert toy.mismatched(3) == []  # v3, bit for bit
 
 
 async def test_another_tenant_cannot_write_or_attach_an_engines_swap_segment(
@@ -135,52 +120,32 @@ async def test_another_tenant_cannot_write_or_attach_an_engines_swap_segment(
         served(access=access, node_id="swap-tenants", transport="shm") as s,
         RefitClient(s.url, token=tokens["a"]) as ca,
         RefitClient(s.url, token=tokens["b"]) as cb,
+        swap_engine(ca, ca) as toy,
     ):
-        cfg = dense_toy_config()
-        states = {1: full_state(cfg), 2: full_state(cfg, seed=3)}
-        pubs: list[Any] = []
-        for v in (1,):
-            pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, states[v]), v))
-        par = EngineParallel(2, 1)
-        engine = zeroed_engine(cfg, par)
-        r = DaemonReceiver(
-            local=ca,
-            source=ca,
-            model="m",
-            engine=engine,
-            twin=lambda: ToyEngine(cfg, par),
-            capture=capture_for(fsdp_dim0(cfg, 2, states[1])),
-            lease_ttl_s=30.0,
-            mode="swap",
-        )
-        try:
-            await r.refit(1)
-            regions = {x.label: x for x in await ca.regions()}
-            shadow, served_seg = regions["shadow"], regions["engine"]
-            before = [p.detach().clone() for p in engine.parameters()]
+        await toy.publish(1)
+        await toy.receiver.refit(1)
+        regions = {x.label: x for x in await ca.regions()}
+        shadow, served_seg = regions["shadow"], regions["engine"]
+        before = [p.detach().clone() for p in toy.engine.parameters()]
 
-            theirs = await cb.create_region(shadow.nbytes, label="b-src")
-            lease = await cb.acquire_lease("m", 1)
-            src = next(x for x in regions.values() if x.label not in ("shadow", "engine"))
-            for dst in (shadow, served_seg):
-                rows = np.array([[src.region_id, 0, dst.region_id, 0, 64]], dtype=np.int64)
-                with pytest.raises(AccessDenied):
-                    await cb.submit_pull(
-                        PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows))
-                    )
-            for seg in (shadow, served_seg):
-                with pytest.raises(ConflictError, match="already holds"):
-                    await cb.attach_region(seg.handle, seg.nbytes, label="theirs")
-            assert all(torch.equal(x, p) for x, p in zip(before, engine.parameters(), strict=True))
-            await cb.delete_region(theirs.region_id)
+        theirs = await cb.create_region(shadow.nbytes, label="b-src")
+        lease = await cb.acquire_lease("m", 1)
+        src = next(x for x in regions.values() if x.label not in ("shadow", "engine"))
+        for dst in (shadow, served_seg):
+            rows = np.array([[src.region_id, 0, dst.region_id, 0, 64]], dtype=np.int64)
+            with pytest.raises(AccessDenied):
+                await cb.submit_pull(
+                    PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows))
+                )
+        for seg in (shadow, served_seg):
+            with pytest.raises(ConflictError, match="already holds"):
+                await cb.attach_region(seg.handle, seg.nbytes, label="theirs")
+        assert all(torch.equal(x, p) for x, p in zip(before, toy.engine.parameters(), strict=True))
+        await cb.delete_region(theirs.region_id)
 
-            pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, states[2]), 2))
-            await r.refit(2)
-            assert mismatched(engine, cfg, par, states[2]) == []
-        finally:
-            await r.close()
-            for p in pubs:
-                await p.close()
+        await toy.publish(2)
+        await toy.receiver.refit(2)
+        assert toy.mismatched(2) == []
 
 
 async def test_two_refits_at_once_on_one_swap_receiver_leave_the_engine_on_one_whole_version() -> (
@@ -191,44 +156,18 @@ async def test_two_refits_at_once_on_one_swap_receiver_leave_the_engine_on_one_w
     (both landed in the one shadow). Now refit(3) is refused (409, naming the refit
     that runs) before it does anything; refit(2) ends exact, and refit(3) asked
     again afterwards succeeds."""
-    held = HeldOnce()
-    a = Daemon(daemon_config(node_id="a"), secret=SECRET)
-    b = Daemon(daemon_config(node_id="b"), secret=SECRET, copier=held)
-    async with serving_daemons(a, b) as (ca, cb):
-        cfg = dense_toy_config()
-        states = {1: full_state(cfg), 2: full_state(cfg, seed=3), 3: full_state(cfg, seed=5)}
-        pubs: list[Any] = []
-        pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, states[1]), 1))
-        par = EngineParallel(2, 1)
-        engine = zeroed_engine(cfg, par)
-        r = DaemonReceiver(
-            local=cb,
-            source=ca,
-            model="m",
-            engine=engine,
-            twin=lambda: ToyEngine(cfg, par),
-            capture=capture_for(fsdp_dim0(cfg, 2, states[1])),
-            lease_ttl_s=30.0,
-            mode="swap",
-        )
-        try:
-            await r.refit(1)
-            pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, states[2]), 2))
-            held.armed = True
-            first = asyncio.create_task(r.refit(2))
-            async with asyncio.timeout(SAFETY_S):
-                await held.entered.wait()
-            pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, states[3]), 3))
-            with pytest.raises(ConflictError, match="a refit to version 2 still runs"):
-                await r.refit(3)
-            held.gate.set()
-            async with asyncio.timeout(SAFETY_S):
-                assert (await first).version == 2
-            assert mismatched(engine, cfg, par, states[2]) == []
-            assert (await r.refit(3)).version == 3
-            assert mismatched(engine, cfg, par, states[3]) == []
-        finally:
-            held.gate.set()
-            await r.close()
-            for p in pubs:
-                await p.close()
+    async with swap_engine_holding_a_copy() as (held, toy, _):
+        await toy.publish(2)
+        held.armed = True
+        first = asyncio.create_task(toy.receiver.refit(2))
+        async with asyncio.timeout(SAFETY_S):
+            await held.entered.wait()
+        await toy.publish(3)
+        with pytest.raises(ConflictError, match="a refit to version 2 still runs"):
+            await toy.receiver.refit(3)
+        held.gate.set()
+        async with asyncio.timeout(SAFETY_S):
+            assert (await first).version == 2
+        assert toy.mismatched(2) == []
+        assert (await toy.receiver.refit(3)).version == 3
+        assert toy.mismatched(3) == []

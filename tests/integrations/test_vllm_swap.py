@@ -28,17 +28,13 @@ from support.daemons import (
     served_in_a_thread,
     serving_daemons,
 )
-from support.engines import mismatched, zeroed_engine
+from support.engines import swap_engine
 from support.vllm_world import fresh_serving, refit_engine, vllm_environment
 
-from refitd.bench.refit import capture_for, publish_layout
 from refitd.client.http import RefitClient
-from refitd.client.receiver import DaemonReceiver
 from refitd.client.swap import unwritten_ranges
 from refitd.daemon.node import Daemon
 from refitd.errors import ConflictError
-from refitd.testing.engines import EngineParallel, ToyEngine, dense_toy_config
-from refitd.testing.layouts import fsdp_dim0, full_state
 from refitd.wire import PullState
 from transports.local import copy_addresses
 
@@ -59,34 +55,15 @@ async def test_on_the_toy_engine_a_pull_failing_after_its_bytes_landed_installs_
     clock, gated = FakeClock(50.0), GatedCopier()
     a = Daemon(daemon_config(node_id="a"), secret=SECRET, clock=clock)
     b = Daemon(daemon_config(node_id="b"), secret=SECRET, copier=gated)
-    async with serving_daemons(a, b) as (ca, cb):
-        cfg = dense_toy_config()
-        states = {1: full_state(cfg), 2: full_state(cfg, seed=3)}
-        pubs: list[Any] = []
-
-        async def publish(version: int, state: dict[str, torch.Tensor]) -> None:
-            pubs.extend(await publish_layout(ca, "m", fsdp_dim0(cfg, 2, state), version))
-
-        await publish(1, states[1])
-        par = EngineParallel(2, 1)
-        engine = zeroed_engine(cfg, par)
-        r = DaemonReceiver(
-            local=cb,
-            source=ca,
-            model="m",
-            engine=engine,
-            twin=lambda: ToyEngine(cfg, par),
-            capture=capture_for(fsdp_dim0(cfg, 2, states[1])),
-            lease_ttl_s=30.0,
-            mode="swap",
-        )
+    async with serving_daemons(a, b) as (ca, cb), swap_engine(cb, ca) as toy:
+        await toy.publish(1)
         gated.gate.set()
-        await r.refit(1)
-        assert mismatched(engine, cfg, par, states[1]) == []
-        await publish(2, states[2])
+        await toy.receiver.refit(1)
+        assert toy.mismatched(1) == []
+        await toy.publish(2)
         gated.gate.clear()
         gated.entered.clear()
-        refit = asyncio.create_task(r.refit(2))
+        refit = asyncio.create_task(toy.receiver.refit(2))
         await gated.entered.wait()
         clock.now += 31.0  # v2's bytes are copied, then its lease is found ended
         gated.gate.set()
@@ -94,16 +71,13 @@ async def test_on_the_toy_engine_a_pull_failing_after_its_bytes_landed_installs_
             await refit
         *_, failed = await cb.pulls()
         assert failed.state is PullState.FAILED and failed.bytes_done > 0 and failed.suspect
-        assert mismatched(engine, cfg, par, states[1]) == []  # v1, bit for bit
+        assert toy.mismatched(1) == []  # v1, bit for bit
         # The next refits swap whole versions in, into each segment in turn.
-        assert (await r.refit(2)).replayed
-        assert mismatched(engine, cfg, par, states[2]) == []
-        await publish(3, states[1])
-        await r.refit(3)  # new source regions: the plan is rebound, not replayed
-        assert mismatched(engine, cfg, par, states[1]) == []
-        await r.close()
-        for p in pubs:
-            await p.close()
+        assert (await toy.receiver.refit(2)).replayed
+        assert toy.mismatched(2) == []
+        await toy.publish(3, like=1)
+        await toy.receiver.refit(3)  # new source regions: the plan is rebound, not replayed
+        assert toy.mismatched(3) == []
 
 
 class LeaseEndingCopier:
