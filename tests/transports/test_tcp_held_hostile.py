@@ -12,7 +12,7 @@ only the daemon's uid and root) is pinned in ``tests/transports/test_tcp_admissi
 
 Real ``tcp`` transports on loopback, a real :class:`~refitd.daemon.mirror.Mirror`
 whose chunks the test completes, and the daemon's own
-:class:`~refitd.daemon.mirrorhold.FillingMirrors`.
+:class:`~refitd.daemon.mirrorhold.FillingMirrors` (:func:`support.heldreads.held_reads`).
 """
 
 from __future__ import annotations
@@ -20,28 +20,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-import msgspec
-import numpy as np
 import pytest
+from support.heldreads import MIB, SERVED, HeldReads, chunk_read, held_reads
 
-from refitd.daemon.mirror import Mirror, cut_chunks
-from refitd.daemon.mirrorhold import FillingMirrors
-from refitd.wire import RegionInfo, RegionKind
-from transports.interface import PeerInfo, PullFailed
+from transports.interface import PullFailed
 from transports.segments import SharedSegment
-from transports.tcp import TcpPeer, TcpTransport
-from transports.tcp.frames import scope_key
 from transports.tcp.held import MAX_HELD_PER_ADDRESS
 
 pytestmark = pytest.mark.timeout(180)
 
-SECRET = b"held-hostile-secret-0123456789abcdef"
-MIB = 1 << 20
 SIZE = 2 * MIB  # two chunks of 1 MiB
-SOURCE_REGION, SERVED, LOCAL = 7, 1, 2
-LEASE = "lease-h"
 SAFETY_S = 60.0
 """How long a test waits for reads to be held (or answered) before it fails."""
 LONG_HOLD_S = 600.0
@@ -49,70 +38,22 @@ LONG_HOLD_S = 600.0
 by its hold running out."""
 
 
-@dataclass
-class Source:
-    transport: TcpTransport
-    puller: TcpTransport
-    mirror: Mirror
-    filling: FillingMirrors
-    src: SharedSegment
-    dst: SharedSegment
-
-    def complete(self, chunk: int, fill: int) -> None:
-        """Write chunk ``chunk``'s bytes, then mark it complete (as a fill does)."""
-        self.src.numpy()[chunk * MIB : (chunk + 1) * MIB] = fill
-        self.mirror.mark(np.array([chunk]))
-        self.filling.changed()
-
-    async def held(self, n: int) -> None:
-        async with asyncio.timeout(SAFETY_S):
-            while self.transport.server.holds.held < n:  # noqa: ASYNC110 (a thread's count)
-                await asyncio.sleep(0.01)
-
-    async def peer(self) -> TcpPeer:
-        """A new connection (one lane) under a grant of the whole region."""
-        return await self.puller.connect(grant(self.transport.advertise(), [(0, SIZE)]))
-
-
-def grant(info: PeerInfo, extents: list[tuple[int, int]]) -> PeerInfo:
-    regions = tuple(msgspec.structs.replace(r, key=scope_key(LEASE, extents)) for r in info.regions)
-    return msgspec.structs.replace(info, regions=regions, mac=b"").signed(SECRET)
-
-
-def chunk_read(chunk: int) -> list[tuple[int, int, int, int, int]]:
-    return [(LOCAL, chunk * MIB, SERVED, chunk * MIB, MIB)]
-
-
 @pytest.fixture
-async def source() -> AsyncIterator[Source]:
-    m = Mirror("http://source", "m", 1)
-    m.regions = {SOURCE_REGION: RegionInfo(SERVED, RegionKind.SHM, "", SIZE, 0)}
-    m.chunks = cut_chunks({SOURCE_REGION: [(0, SIZE)]}, MIB)
-    m.done = np.zeros(len(m.chunks), dtype=bool)
-    f = FillingMirrors()
-    f.add(m)
-    with SharedSegment.create(SIZE, "src") as src, SharedSegment.create(SIZE, "dst") as dst:
-        async with (
-            TcpTransport(
-                secret=SECRET, authorize={LEASE}.__contains__, require_lease=True
-            ) as served,
-            TcpTransport(secret=SECRET, lanes=1) as puller,
-        ):
-            served.hold_reads(f)
-            served.server.holds.hold_s = LONG_HOLD_S
-            await served.register(SERVED, src)
-            await puller.register(LOCAL, dst)
-            yield Source(served, puller, m, f, src, dst)
+async def source() -> AsyncIterator[HeldReads]:
+    """The data server, holding a read for :data:`LONG_HOLD_S` at most, and a puller
+    whose every connection is one lane."""
+    async with held_reads(SIZE, lanes=1, hold_s=LONG_HOLD_S, safety_s=SAFETY_S) as reads:
+        yield reads
 
 
 async def test_one_peer_holds_at_most_the_bound_whatever_number_of_connections_it_opens(
-    source: Source,
+    source: HeldReads,
 ) -> None:
     """A peer opens one connection more than the per-address bound and sends a read of
     a chunk still filling on each: the bound's worth are held, the one past it is
     refused at once, naming the bound; once the chunk completes every held read gets
     its bytes, and nothing stays held."""
-    peers = [await source.peer() for _ in range(MAX_HELD_PER_ADDRESS + 1)]
+    peers = [await source.connect() for _ in range(MAX_HELD_PER_ADDRESS + 1)]
     try:
         reads = [asyncio.ensure_future(p.get(chunk_read(1))) for p in peers[:-1]]
         await source.held(MAX_HELD_PER_ADDRESS)
@@ -123,7 +64,7 @@ async def test_one_peer_holds_at_most_the_bound_whatever_number_of_connections_i
         async with asyncio.timeout(SAFETY_S):
             await asyncio.gather(*reads)
         assert (source.dst.numpy()[MIB:] == 0x3C).all()
-        assert source.transport.server.holds.held == 0
+        assert source.server.server.holds.held == 0
     finally:
         for p in peers:
             with contextlib.suppress(Exception):
@@ -131,16 +72,16 @@ async def test_one_peer_holds_at_most_the_bound_whatever_number_of_connections_i
 
 
 async def test_a_read_held_while_its_region_is_deleted_is_refused_when_its_chunk_completes(
-    source: Source,
+    source: HeldReads,
 ) -> None:
     """The mirror's region is deleted here while a read of it waits (its mirror
     released): the read is refused by the check after the hold, not sent from memory
     the server no longer serves."""
     source.dst.numpy()[:] = 0xA5
-    peer = await source.peer()
+    peer = await source.connect()
     read = asyncio.ensure_future(peer.get(chunk_read(0)))
     await source.held(1)
-    await source.transport.deregister(SERVED)
+    await source.server.deregister(SERVED)
     source.complete(0, 0x42)
     with pytest.raises(PullFailed, match="refused by the source"):
         async with asyncio.timeout(SAFETY_S):
@@ -149,23 +90,23 @@ async def test_a_read_held_while_its_region_is_deleted_is_refused_when_its_chunk
 
 
 async def test_a_read_held_while_its_region_id_is_given_to_other_memory_gets_none_of_its_bytes(
-    source: Source,
+    source: HeldReads,
 ) -> None:
     """The region id a held read names is registered again over another segment (the
     memory a new version, or another tenant's region, could be) while it waits: the
     grant names the old registration's generation, so the read is refused after the
     hold, and not a byte of the new memory reaches the reader."""
     source.dst.numpy()[:] = 0xA5
-    peer = await source.peer()
+    peer = await source.connect()
     read = asyncio.ensure_future(peer.get(chunk_read(1)))
     await source.held(1)
     with SharedSegment.create(SIZE, "other") as other:
         other.numpy()[:] = 0xEE  # another version's (or tenant's) bytes
-        await source.transport.deregister(SERVED)
-        await source.transport.register(SERVED, other)
+        await source.server.deregister(SERVED)
+        await source.server.register(SERVED, other)
         source.complete(1, 0x42)
         with pytest.raises(PullFailed, match="refused by the source"):
             async with asyncio.timeout(SAFETY_S):
                 await read
         assert (source.dst.numpy() == 0xA5).all()
-        await source.transport.deregister(SERVED)
+        await source.server.deregister(SERVED)
