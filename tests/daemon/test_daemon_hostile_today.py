@@ -18,42 +18,25 @@ real shared memory; a pull is held mid-copy by :class:`~support.daemons.GatedCop
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import numpy as np
 import pytest
-from support.daemons import GatedCopier, daemon_config, served, serving_daemons, token_file
+from support.daemons import GatedCopier, daemon_config, serving_daemons
+from support.tenants import SAFETY_S, headers, publish_bytes, pull_request, two_tenants, until
 
 from refitd.client.http import RefitClient
-from refitd.config import ServerConfig
 from refitd.daemon.node import Daemon
 from refitd.daemon.waits import MAX_WAIT_S, WAITS, Waits
 from refitd.errors import AccessDenied
-from refitd.wire import (
-    DescriptorTable,
-    ManifestIn,
-    PullRequest,
-    PullState,
-    ShardEntry,
-    TensorEntry,
-)
+from refitd.wire import PullRequest, PullState
 from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
 
-TOKENS = {"a": "token-of-a", "b": "token-of-b"}
 NBYTES = 4096
-SAFETY_S = MAX_WAIT_S / 2
-"""Safety net: what a test waits for must happen well before any wait times out."""
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    async with asyncio.timeout(SAFETY_S):
-        while not condition():  # noqa: ASYNC110 (state of the daemon, no event to await)
-            await asyncio.sleep(0.05)
 
 
 @dataclass
@@ -70,34 +53,25 @@ class Tenants:
         return f"{self.url}/v1/pulls/{self.pull_id}/wait?timeout={timeout_s:g}"
 
 
-def headers(who: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {TOKENS[who]}", "Accept": "application/json"}
-
-
 @pytest.fixture
 async def tenants(tmp_path: Path) -> AsyncIterator[Tenants]:
     """a publishes version 1 of ``am`` (bytes 0x5A) and submits a pull of it into a
     region of its own, held mid-copy at the gate; b is another tenant."""
     copier = GatedCopier()
     daemon = Daemon(daemon_config(node_id="hostile-today", transport="shm"), copier=copier)
-    access = ServerConfig(port=0, token_file=token_file(tmp_path, TOKENS))
-    async with (
-        served(daemon, access=access) as s,
-        RefitClient(s.url, token=TOKENS["a"]) as a,
-        RefitClient(s.url, token=TOKENS["b"]) as b,
-    ):
+    async with two_tenants(tmp_path, daemon) as t:
+        a = t.a
         src = await a.create_region(NBYTES, label="src")
         SharedSegment.attach(src.handle, NBYTES).numpy()[:] = 0x5A
-        shard = ShardEntry((0,), (NBYTES,), src.region_id, 0)
-        await a.publish(ManifestIn("am", 1, 0, 1, [TensorEntry("w", (NBYTES,), "uint8", [shard])]))
+        await publish_bytes(a, "am", 1, src.region_id, NBYTES)
         out = await a.create_region(NBYTES, label="dst")
         dst = SharedSegment.attach(out.handle, NBYTES)
         lease = await a.acquire_lease("am", 1)
-        rows = np.array([[src.region_id, 0, out.region_id, 0, NBYTES]], dtype=np.int64)
-        job = await a.submit_pull(PullRequest("am", 1, lease.lease_id, DescriptorTable.pack(rows)))
+        rows = [(src.region_id, 0, out.region_id, 0, NBYTES)]
+        job = await a.submit_pull(pull_request(lease, rows))
         async with asyncio.timeout(SAFETY_S):
             await copier.entered.wait()  # the pull is mid-copy
-        yield Tenants(s.url, a, b, s.app[WAITS], copier, dst, job.pull_id)
+        yield Tenants(t.served.url, a, t.b, t.served.app[WAITS], copier, dst, job.pull_id)
         copier.gate.set()
 
 
@@ -173,15 +147,13 @@ async def test_a_client_pull_whose_wait_ends_before_the_pull_cancels_it_at_the_d
     second.numpy()[:] = 0xA5
     src = next(r for r in await t.a.regions() if r.label == "src")
     lease = await t.a.acquire_lease("am", 1)
-    rows = np.array([[src.region_id, 0, out.region_id, 0, NBYTES]], dtype=np.int64)
+    rows = [(src.region_id, 0, out.region_id, 0, NBYTES)]
 
     def gave_up(_: object) -> None:
         raise RuntimeError("the caller stopped waiting")
 
     with pytest.raises(RuntimeError, match="stopped waiting"):
-        await t.a.pull(
-            PullRequest("am", 1, lease.lease_id, DescriptorTable.pack(rows)), on_progress=gave_up
-        )
+        await t.a.pull(pull_request(lease, rows), on_progress=gave_up)
     states = {p.pull_id: p.state for p in await t.a.pulls()}
     assert states.pop(t.pull_id) is PullState.RUNNING
     assert list(states.values()) == [PullState.CANCELLED]
@@ -207,16 +179,14 @@ async def test_a_same_host_pull_never_reads_the_part_of_a_mapped_region_its_vers
         seg = SharedSegment.attach(info.handle, info.nbytes)
         seg.numpy()[:NBYTES] = 0x11
         seg.numpy()[NBYTES:] = 0x99  # in the segment, in no version
-        shard = ShardEntry((0,), (NBYTES,), info.region_id, 0)
-        await cs.publish(ManifestIn("h", 1, 0, 1, [TensorEntry("w", (NBYTES,), "uint8", [shard])]))
+        await publish_bytes(cs, "h", 1, info.region_id, NBYTES)
         lease = await cs.acquire_lease("h", 1)
         out = await cd.create_region(NBYTES, label="dst")
         dst = SharedSegment.attach(out.handle, NBYTES)
         dst.numpy()[:] = 0xA5
 
         def req(offset: int) -> PullRequest:
-            rows = np.array([[info.region_id, offset, out.region_id, 0, 8]], dtype=np.int64)
-            return PullRequest("h", 1, lease.lease_id, DescriptorTable.pack(rows), [], cs.base_url)
+            return pull_request(lease, [(info.region_id, offset, out.region_id, 0, 8)], cs.base_url)
 
         with pytest.raises(AccessDenied):
             await cd.submit_pull(req(NBYTES))
@@ -235,20 +205,16 @@ async def test_a_non_reader_is_refused_a_version_and_its_manifest_alike_whether_
     (never published) and ``latest``: its state and its manifest, as JSON and as
     msgpack. Every answer is the same 403 in the error shape, so b learns neither the
     bytes' layout nor which versions exist; a reads v1."""
-    access = ServerConfig(port=0, token_file=token_file(tmp_path, TOKENS))
-    async with (
-        served(access=access, node_id="readers", transport="shm", readers=("rm=a",)) as s,
-        RefitClient(s.url, token=TOKENS["a"]) as a,
-    ):
+    async with two_tenants(tmp_path, node_id="readers", transport="shm", readers=("rm=a",)) as t:
+        a = t.a
         src = await a.create_region(NBYTES, label="rm")
-        shard = ShardEntry((0,), (NBYTES,), src.region_id, 0)
-        await a.publish(ManifestIn("rm", 1, 0, 1, [TensorEntry("w", (NBYTES,), "uint8", [shard])]))
+        await publish_bytes(a, "rm", 1, src.region_id, NBYTES)
         answers = set()
         async with aiohttp.ClientSession() as http:
             for version in ("1", "9", "latest"):
                 for tail in ("", "/manifest"):
                     for accept in ("application/json", "application/msgpack"):
-                        url = f"{s.url}/v1/sources/rm/versions/{version}{tail}"
+                        url = f"{t.served.url}/v1/sources/rm/versions/{version}{tail}"
                         h = {**headers("b"), "Accept": accept}
                         async with http.get(url, headers=h) as r:
                             body = await r.read()

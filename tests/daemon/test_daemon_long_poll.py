@@ -15,19 +15,12 @@ import numpy as np
 import pytest
 from aiohttp import web
 from support.daemons import GatedCopier, daemon_config, served
+from support.tenants import pull_request
 
 from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon
 from refitd.errors import NotFoundError
-from refitd.wire import (
-    DescriptorTable,
-    ManifestIn,
-    PullRequest,
-    PullState,
-    ShardEntry,
-    TensorEntry,
-    VersionState,
-)
+from refitd.wire import ManifestIn, PullState, ShardEntry, TensorEntry, VersionState
 from refitd.wire import routes as api
 from transports.segments import SharedSegment
 
@@ -107,10 +100,7 @@ async def test_waiting_for_a_pull_is_one_request_answered_when_it_ends(env: Coun
     try:
         dst = (await c.attach_region(dst_seg.name, 64, label="dst")).region_id
         lease = await c.acquire_lease("m", 1)
-        rows = np.array([[src, 0, dst, 0, 64]], dtype=np.int64)
-        started = await c.submit_pull(
-            PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows))
-        )
+        started = await c.submit_pull(pull_request(lease, [(src, 0, dst, 0, 64)]))
         waiting = asyncio.create_task(c.wait_pull(started.pull_id))
         assert env.copier is not None
         await env.copier.entered.wait()  # the pull is mid-copy, held at the gate

@@ -11,31 +11,18 @@ engine restarts finds its own waits refused (429) until then.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
-from support.daemons import served, token_file
+from support.tenants import headers, two_tenants, until
 
-from refitd.client.http import RefitClient
-from refitd.config import ServerConfig
 from refitd.daemon.waits import MAX_WAIT_S, MAX_WAITS_PER_PRINCIPAL, WAITS
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
 pytestmark = pytest.mark.timeout(120)
 
-TOKENS = {"a": "token-of-a", "b": "token-of-b"}
 ELEMS = 1024
-GIVEN_BACK_S = MAX_WAIT_S / 2
-"""Safety net: the places must be back well before any wait could have timed out."""
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    """Return once ``condition()`` holds; fail after :data:`GIVEN_BACK_S`."""
-    async with asyncio.timeout(GIVEN_BACK_S):
-        while not condition():  # noqa: ASYNC110 (state of the daemon, no event to await)
-            await asyncio.sleep(0.05)
 
 
 async def test_long_polls_dropped_by_their_client_give_their_places_back(
@@ -45,21 +32,17 @@ async def test_long_polls_dropped_by_their_client_give_their_places_back(
     every connection. The daemon counts none of them soon after (long before a wait's
     own timeout), b's next long poll is held again (not 429), and a's version still
     becomes READY and answers it."""
-    access = ServerConfig(port=0, token_file=token_file(tmp_path, TOKENS))
-    async with (
-        served(access=access, node_id="dropped-polls") as s,
-        RefitClient(s.url, token=TOKENS["a"]) as a,
-    ):
+    async with two_tenants(tmp_path, node_id="dropped-polls") as t:
+        a = t.a
         region = (await a.create_region(4 * ELEMS, label="am")).region_id
         slot = [TensorEntry("w", (ELEMS,), "bfloat16", [ShardEntry((0,), (ELEMS,), region, 0)])]
         await a.publish(ManifestIn("am", 1, 0, 2, slot))  # one slot of two: pending
-        url = s.url + f"/v1/sources/am/versions/1/ready?timeout={MAX_WAIT_S:g}"
-        headers = {"Authorization": f"Bearer {TOKENS['b']}", "Accept": "application/json"}
-        waits = s.app[WAITS]
+        url = t.served.url + f"/v1/sources/am/versions/1/ready?timeout={MAX_WAIT_S:g}"
+        waits = t.served.app[WAITS]
 
         dropped = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         polls = [
-            asyncio.ensure_future(dropped.get(url, headers=headers))
+            asyncio.ensure_future(dropped.get(url, headers=headers("b")))
             for _ in range(MAX_WAITS_PER_PRINCIPAL)
         ]
         await until(lambda: waits.open("b") == MAX_WAITS_PER_PRINCIPAL)
@@ -71,7 +54,7 @@ async def test_long_polls_dropped_by_their_client_give_their_places_back(
         await until(lambda: waits.open("b") == 0)
 
         async with aiohttp.ClientSession() as http:
-            again = asyncio.ensure_future(http.get(url, headers=headers))
+            again = asyncio.ensure_future(http.get(url, headers=headers("b")))
             await until(lambda: waits.open("b") == 1 or again.done())
             assert not again.done(), (await again).status  # held, not refused
             await a.publish(ManifestIn("am", 1, 1, 2, slot))  # the last slot: READY

@@ -23,14 +23,13 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
-from support.daemons import daemon_config, served, serving_daemons, token_file
-from support.engines import SwapEngine, swap_engine
+from support.daemons import daemon_config
+from support.engines import SwapEngine, serving_swap_engine, swap_engine
+from support.tenants import pull_request, two_tenants
 
-from refitd.client.http import RefitClient
-from refitd.config import ServerConfig
 from refitd.daemon.node import Daemon
 from refitd.errors import AccessDenied, ConflictError
-from refitd.wire import DescriptorTable, PullRequest, PullState
+from refitd.wire import PullState
 from transports.local import copy_addresses
 
 pytestmark = pytest.mark.timeout(300)
@@ -62,19 +61,19 @@ class HeldOnce:
 
 
 @contextlib.asynccontextmanager
-async def swap_engine_holding_a_copy() -> AsyncIterator[tuple[HeldOnce, SwapEngine, RefitClient]]:
+async def swap_engine_holding_a_copy() -> AsyncIterator[tuple[HeldOnce, SwapEngine]]:
     """Two daemons in this process, the engine's (b) copying through a
     :class:`HeldOnce`, and a swap engine on b refitted to version 1 published at a:
-    yields the copier, the engine and b's client. The held copy is let go when the
+    yields the copier and the engine. The held copy is let go when the
     block ends, however it ends, so no pull is left waiting at the gate."""
     held = HeldOnce()
     a = Daemon(daemon_config(node_id="a"), secret=SECRET)
     b = Daemon(daemon_config(node_id="b"), secret=SECRET, copier=held)
-    async with serving_daemons(a, b) as (ca, cb), swap_engine(cb, ca) as toy:
+    async with serving_swap_engine(b, a) as toy:
         await toy.publish(1)
         try:
             await toy.receiver.refit(1)
-            yield held, toy, cb
+            yield held, toy
         finally:
             held.gate.set()
 
@@ -86,7 +85,7 @@ async def test_a_refit_interrupted_mid_pull_leaves_no_pull_to_write_the_engine_a
     version 3 in. The interrupted refit's pull must not run on: released, it would
     write version 2's bytes into the segment the parameters now read. The engine
     holds version 3 bit for bit after every pull has ended."""
-    async with swap_engine_holding_a_copy() as (held, toy, cb):
+    async with swap_engine_holding_a_copy() as (held, toy):
         assert toy.mismatched(1) == []
         await toy.publish(2)
         held.armed = True
@@ -102,7 +101,7 @@ async def test_a_refit_interrupted_mid_pull_leaves_no_pull_to_write_the_engine_a
         assert toy.mismatched(3) == []
         held.gate.set()  # what was left of the interrupted refit goes on, if anything
         async with asyncio.timeout(SAFETY_S):
-            while any(p.state not in TERMINAL for p in await cb.pulls()):  # noqa: ASYNC110
+            while any(p.state not in TERMINAL for p in await toy.local.pulls()):  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
         assert toy.mismatched(3) == []  # v3, bit for bit
 
@@ -114,14 +113,11 @@ async def test_another_tenant_cannot_write_or_attach_an_engines_swap_segment(
     the same version, names a's shadow region as a pull destination (refused, 403)
     and attaches a's shadow segment by name (refused, 409: the memory is held): no
     byte of either segment changes, and a's next refit is exact."""
-    tokens = {"a": "token-of-a", "b": "token-of-b"}
-    access = ServerConfig(port=0, token_file=token_file(tmp_path, tokens))
     async with (
-        served(access=access, node_id="swap-tenants", transport="shm") as s,
-        RefitClient(s.url, token=tokens["a"]) as ca,
-        RefitClient(s.url, token=tokens["b"]) as cb,
-        swap_engine(ca, ca) as toy,
+        two_tenants(tmp_path, node_id="swap-tenants", transport="shm") as t,
+        swap_engine(t.a, t.a) as toy,
     ):
+        ca, cb = t.a, t.b
         await toy.publish(1)
         await toy.receiver.refit(1)
         regions = {x.label: x for x in await ca.regions()}
@@ -132,11 +128,9 @@ async def test_another_tenant_cannot_write_or_attach_an_engines_swap_segment(
         lease = await cb.acquire_lease("m", 1)
         src = next(x for x in regions.values() if x.label not in ("shadow", "engine"))
         for dst in (shadow, served_seg):
-            rows = np.array([[src.region_id, 0, dst.region_id, 0, 64]], dtype=np.int64)
+            rows = [(src.region_id, 0, dst.region_id, 0, 64)]
             with pytest.raises(AccessDenied):
-                await cb.submit_pull(
-                    PullRequest("m", 1, lease.lease_id, DescriptorTable.pack(rows))
-                )
+                await cb.submit_pull(pull_request(lease, rows))
         for seg in (shadow, served_seg):
             with pytest.raises(ConflictError, match="already holds"):
                 await cb.attach_region(seg.handle, seg.nbytes, label="theirs")
@@ -156,7 +150,7 @@ async def test_two_refits_at_once_on_one_swap_receiver_leave_the_engine_on_one_w
     (both landed in the one shadow). Now refit(3) is refused (409, naming the refit
     that runs) before it does anything; refit(2) ends exact, and refit(3) asked
     again afterwards succeeds."""
-    async with swap_engine_holding_a_copy() as (held, toy, _):
+    async with swap_engine_holding_a_copy() as (held, toy):
         await toy.publish(2)
         held.armed = True
         first = asyncio.create_task(toy.receiver.refit(2))

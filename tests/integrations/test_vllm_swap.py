@@ -21,14 +21,8 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 import torch
-from support.daemons import (
-    FakeClock,
-    GatedCopier,
-    daemon_config,
-    served_in_a_thread,
-    serving_daemons,
-)
-from support.engines import swap_engine
+from support.daemons import FakeClock, GatedCopier, daemon_config, served_in_a_thread
+from support.engines import serving_swap_engine
 from support.vllm_world import fresh_serving, refit_engine, vllm_environment
 
 from refitd.client.http import RefitClient
@@ -55,7 +49,7 @@ async def test_on_the_toy_engine_a_pull_failing_after_its_bytes_landed_installs_
     clock, gated = FakeClock(50.0), GatedCopier()
     a = Daemon(daemon_config(node_id="a"), secret=SECRET, clock=clock)
     b = Daemon(daemon_config(node_id="b"), secret=SECRET, copier=gated)
-    async with serving_daemons(a, b) as (ca, cb), swap_engine(cb, ca) as toy:
+    async with serving_swap_engine(b, a) as toy:
         await toy.publish(1)
         gated.gate.set()
         await toy.receiver.refit(1)
@@ -69,7 +63,7 @@ async def test_on_the_toy_engine_a_pull_failing_after_its_bytes_landed_installs_
         gated.gate.set()
         with pytest.raises(ConflictError, match="expired"):
             await refit
-        *_, failed = await cb.pulls()
+        *_, failed = await toy.local.pulls()
         assert failed.state is PullState.FAILED and failed.bytes_done > 0 and failed.suspect
         assert toy.mismatched(1) == []  # v1, bit for bit
         # The next refits swap whole versions in, into each segment in turn.

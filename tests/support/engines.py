@@ -1,5 +1,6 @@
 """Toy-engine helpers shared by the refit tests: a zeroed engine, a bit-exact check,
-and a toy engine refitted in swap mode (:func:`swap_engine`)."""
+and a toy engine refitted in swap mode (:func:`swap_engine`, or
+:func:`serving_swap_engine` with its two daemons served in this process)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import torch
 from refitd.bench.refit import capture_for, publish_layout
 from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
+from refitd.daemon.node import Daemon
 from refitd.testing.engines import EngineParallel, ModelConfig, ToyEngine, dense_toy_config
 from refitd.testing.layouts import fsdp_dim0, full_state
+from support.daemons import serving_daemons
 
 SWAP_SEEDS: dict[int, int | None] = {1: None, 2: 3, 3: 5}
 """Version -> the seed of the checkpoint :meth:`SwapEngine.publish` publishes as it
@@ -68,6 +71,11 @@ class SwapEngine:
         self.publishers += await publish_layout(self.source, self.model, layout, version)
         self.published[version] = state
 
+    @property
+    def local(self) -> RefitClient:
+        """The client of the engine's own daemon (the one its pulls run at)."""
+        return self.receiver.local
+
     def mismatched(self, version: int) -> list[str]:
         """The engine's parameters that differ, bit for bit, from what its loader makes
         of the checkpoint published as ``version`` (empty: the engine holds it)."""
@@ -100,3 +108,15 @@ async def swap_engine(
         await receiver.close()
         for p in toy.publishers:
             await p.close()
+
+
+@contextlib.asynccontextmanager
+async def serving_swap_engine(local: Daemon, source: Daemon) -> AsyncIterator[SwapEngine]:
+    """:func:`swap_engine` with its daemons served in this process for the block
+    (:func:`~support.daemons.serving_daemons`: each trusts the other): the engine's
+    at ``local``, the versions published at ``source``."""
+    async with (
+        serving_daemons(source, local) as (at_source, at_local),
+        swap_engine(at_local, at_source) as toy,
+    ):
+        yield toy
