@@ -45,8 +45,9 @@ import torch
 from refitd.client.http import RefitClient
 from refitd.client.install import CompiledPull, install_unpacked, one_device, overlapping_params
 from refitd.client.leases import LeaseKeeper
+from refitd.client.onerefit import OneRefit
 from refitd.client.publisher import ALIGN, torch_dtype
-from refitd.client.swap import EngineViews, OneRefit, unpulled
+from refitd.client.swap import EngineViews, unpulled
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
@@ -307,8 +308,7 @@ class DaemonReceiver:
             strict=self.strict,
             allow_unwritten=self.allow_unwritten,
         )
-        # Every destination the engine would load from a checkpoint must be written:
-        # its parameters and persistent buffers.
+        # Must be written: every parameter and persistent buffer a checkpoint load writes.
         dest = destinations_of(twin)
         try:
             reshard.warm(sources, dest)

@@ -25,23 +25,22 @@ parameters do not swap: there the receiver refits in staging mode.
 
 Two refits at once on one engine would land in the one shadow, and the later swap
 would rebind the parameters to a segment holding neither version whole while both
-reported success; a receiver runs one refit at a time (:class:`OneRefit`).
+reported success; a receiver runs one refit at a time
+(:class:`~refitd.client.onerefit.OneRefit`).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 
 from refitd.client.install import CompiledPull
-from refitd.errors import ConflictError
 from transports.batch import merge_ranges
 from transports.segments import SharedSegment
 
-__all__ = ["EngineViews", "OneRefit", "unpulled", "unwritten_ranges"]
+__all__ = ["EngineViews", "unpulled", "unwritten_ranges"]
 
 
 class EngineViews:
@@ -116,28 +115,3 @@ def unpulled(
     written += [(p.dst_offset, p.nbytes) for p in comp.packs if p.dst_region == comp.engine_id]
     spans = [(off, params[n].numel() * params[n].element_size()) for n, off in offsets.items()]
     return unwritten_ranges(spans, written)
-
-
-class OneRefit:
-    """One refit at a time on one engine: a second, started while the first runs, is
-    refused (409) before it does anything. Two at once would write the same
-    destinations (in swap mode the same second segment), and the engine would end on
-    neither version whole, while both reported success."""
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.running = ""  # the version the running refit asked for, "" when none
-
-    @contextlib.contextmanager
-    def refit(self, version: int | None) -> Iterator[None]:
-        asked = "its newest version" if version is None else f"version {version}"
-        if self.running:
-            raise ConflictError(
-                f"refit of {self.model!r} to {asked} refused: a refit to {self.running} "
-                "still runs on this engine; refit one version at a time"
-            )
-        self.running = asked
-        try:
-            yield
-        finally:
-            self.running = ""
