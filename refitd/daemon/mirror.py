@@ -85,6 +85,8 @@ class Mirror:
     nbytes: int = 0
     task: asyncio.Task[None] | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # regions exist
+    #: its chunks are cut (``chunks``, ``done``): set before its regions are made
+    planned: asyncio.Event = field(default_factory=asyncio.Event)
     _tick: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

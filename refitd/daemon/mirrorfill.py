@@ -105,17 +105,20 @@ class Filler:
         src: RemoteSource,
         lease_id: str,
         joined: asyncio.Task[str],
-        records: PeerRegions,
+        prepared: asyncio.Task[PeerRegions | None],
     ) -> None:
         """Fill every chunk, from the holder the source assigns (first ``joined``, the
         answer to this mirror's first join), failing over (a relay that failed, stopped
         answering or was slow leaves the book; the chunks already here stay).
-        ``records`` are the source's, under ``lease_id``, read first if it is the
-        source that is assigned."""
+
+        ``prepared`` makes the mirror's regions and gives the source's records under
+        ``lease_id`` (None: this daemon does not mirror it, and nothing is read). It
+        runs while this starts: a relay's lease, feed and data path are opened while
+        the regions are made, so the first read goes out as soon as they exist."""
         exclude: list[str] = []
         slow_checks = MAX_SLOW_SWITCHES
-        first: PeerRegions | None = records
-        while not m.done.all():
+        sourced = False  # the source was tried: later tries fetch its records afresh
+        while not m.tried or not m.done.all():
             upstream = await joined if not m.tried else await self.assign(src, m, exclude)
             m.upstream = upstream
             m.tried.append(upstream or m.source)
@@ -124,10 +127,10 @@ class Filler:
                     async with asyncio.TaskGroup() as tg:
                         watch = tg.create_task(self._watch(m, src, upstream, slow_checks > 0))
                         if upstream:
-                            await self._from_relay(m, upstream, lease_id)
-                        else:
-                            await self._from_source(m, src, lease_id, first)
-                        first = None  # records of a later try are fetched afresh
+                            await self._from_relay(m, upstream, lease_id, prepared)
+                        elif (peer := await made(prepared)) is not None:
+                            tried, sourced = sourced, True
+                            await self._from_source(m, src, lease_id, None if tried else peer)
                         watch.cancel()
             except Reassigned as exc:
                 log.info("%s", exc)
@@ -142,6 +145,8 @@ class Filler:
                     raise TransportError(m.error) from exc
                 log.warning("relay %s failed, reading the rest elsewhere: %s", upstream, what)
                 exclude.append(upstream)
+            if await made(prepared) is None:
+                return  # not mirrored here (``m.error`` says why): nothing to read
 
     async def assign(self, src: RemoteSource, m: Mirror, exclude: list[str]) -> str:
         """The holder to read from, as the source's holder book assigns it ("" the
@@ -174,6 +179,7 @@ class Filler:
         by its children, so it is counted once per child) in ``SLOW_REPORTS``
         reports in a row. A mirror that itself left the book (another found it slow)
         and is put back by a report keeps reading from its upstream."""
+        await m.ready.wait()  # a rate counts from when the regions exist
         loop = asyncio.get_running_loop()
         began = loop.time()
         samples = [(began, m.done_bytes())]
@@ -236,11 +242,19 @@ class Filler:
             if path == SHM_SCHEME:  # a transport's connection is shared: it stays open
                 await conn.close()
 
-    async def _from_relay(self, m: Mirror, url: str, source_lease: str) -> None:
+    async def _from_relay(
+        self,
+        m: Mirror,
+        url: str,
+        source_lease: str,
+        prepared: asyncio.Task[PeerRegions | None],
+    ) -> None:
         """Read the chunks this mirror lacks from ``url``'s mirror, each as soon as it
         is complete there (its feed says so, with records that let us read it), until
         every chunk is here. Its lease there is a peer daemon's, granted under this
-        mirror's live lease at the source, ``source_lease``."""
+        mirror's live lease at the source, ``source_lease``. The lease, the feed and
+        the data path are opened while ``prepared`` makes this mirror's regions; the
+        reads wait for them (none when it gives None)."""
         relay = self._remote(url)
         c = relay.client
         timeout = self.d.config.data_plane.pull_timeout_s
@@ -248,6 +262,7 @@ class Filler:
         ask = MirrorLease.fresh(m.model, m.version, source_lease, self.d.node_id, LEASE_TTL_S)
         async with asyncio.timeout(deadline):  # a stopped relay answers nothing
             grant = await c.send(api.MIRROR_LEASE, ask.signed(self.d.secret))
+        await m.planned.wait()  # its chunks are cut (before its regions are made)
         feed = Feed(self, m, relay, grant.lease_id)
         try:
             async with LeaseKeeper(c, grant, LEASE_TTL_S):  # re-checked at the source
@@ -258,6 +273,8 @@ class Filler:
                         if feed.conn is None:  # it failed first: its error ends the group
                             await follower
                             raise TransportError("its feed ended before its first frame")
+                        if await made(prepared) is None:
+                            return  # not mirrored here: nothing to read
                         todo = np.flatnonzero(~m.done)
                         await fill_chunks(
                             m, self.pulls, feed.conn, feed.path, todo, holder=url,
@@ -369,6 +386,26 @@ class Feed:
             if self.error is not None:
                 raise TransportError(f"its feed ended: {describe(self.error)}")
             await self._tick.wait()
+
+
+async def made(prepared: asyncio.Task[PeerRegions | None]) -> PeerRegions | None:
+    """What ``prepared`` gave: the source's records once the mirror's regions exist,
+    None when it does not mirror the version or failed (its failure is the mirror's,
+    reported by whoever runs it, :meth:`Mirrors._run`). Waiting for it never cancels
+    it."""
+    try:
+        return await asyncio.shield(prepared)
+    except asyncio.CancelledError:
+        if prepared.cancelled() and not _cancelling():
+            return None
+        raise
+    except Exception:
+        return None
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _no_rows() -> np.ndarray:

@@ -59,7 +59,7 @@ from refitd.daemon.mirrorfill import LEASE_TTL_S, Filler, describe
 from refitd.daemon.mirrorhold import FillingMirrors, HoldsReads
 from refitd.daemon.mirrorleases import OWNER, MirrorLeases
 from refitd.daemon.mirrorread import MirroredSource
-from refitd.daemon.mirrorspace import half_of_shm, held_bytes, make_room, release
+from refitd.daemon.mirrorspace import half_of_shm, held_bytes, make_room, release, take_over
 from refitd.daemon.sources import Redirect, RemoteSource
 from refitd.daemon.trust import Extents
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
@@ -235,9 +235,17 @@ class Mirrors:
             grant = await client.acquire_lease(m.model, m.version, LEASE_TTL_S)
             lease_id = grant.lease_id
             async with LeaseKeeper(client, grant, LEASE_TTL_S):
-                records = await self._prepare(m, src, lease_id)
-                if records is not None:
-                    await self.filler.fill(m, src, lease_id, joined, records)
+                # The regions are made while the filler opens its upstream (a relay's
+                # lease, feed and data path): its first read goes out once they exist.
+                prepared = asyncio.create_task(self._prepare(m, src, lease_id))
+                filling = asyncio.create_task(self.filler.fill(m, src, lease_id, joined, prepared))
+                try:
+                    if await prepared is not None:
+                        await filling
+                finally:
+                    for t in (filling, prepared):
+                        t.cancel()
+                    await asyncio.gather(filling, prepared, return_exceptions=True)
             m.completed_at = time.time()
             self.filling.remove(m)  # complete: no read of it is held any more
             log.info(
@@ -284,11 +292,19 @@ class Mirrors:
         ids = sorted({s.region for t in manifest.tensors for s in t.shards})
         probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
         peer = await src.regions(ids, probe)
+        m.chunks = cut_chunks({int(k): v for k, v in peer.scope.items()})  # chunk_bytes
+        m.done = np.zeros(len(m.chunks), dtype=bool)
+        m.planned.set()  # a relay's lease and feed go on while the regions are made
         # What the daemon makes on its own behalf is bounded: the mirror's bytes are
         # counted (from before any region is made, so two mirrors preparing at once
         # see each other) against the host's mirror budget; retired, then idle ones go first.
         need = sum(r.nbytes for r in peer.regions)
-        if not await make_room(d, self.by_key, need, self.budget, m, self.filling.remove):
+        taken = take_over(
+            d, self.by_key, m, {r.region_id: r.nbytes for r in peer.regions}, self.filling.remove
+        )
+        if taken:  # those bytes were in the budget already: now they are this mirror's
+            m.nbytes = need
+        elif not await make_room(d, self.by_key, need, self.budget, m, self.filling.remove):
             m.error = (
                 f"cannot mirror {m.model!r} version {m.version}: its {need} bytes do not fit "
                 f"the host's mirror budget ({self.held_bytes()} of {self.budget} bytes held, "
@@ -305,13 +321,19 @@ class Mirrors:
                 f"cannot mirror {m.model!r} version {m.version}: {exc}; its pulls read the source"
             )
             log.warning("%s", m.error)
+            m.nbytes = 0
+            for r in taken.values():  # retired and unleased: nothing protects them
+                with contextlib.suppress(RefitError):
+                    await d.delete_region(r.region_id)
             return None
         m.nbytes = need
         try:
+            m.regions.update(taken)
             for r in peer.regions:
-                m.regions[r.region_id] = await d.create_region(
-                    RegionCreate(r.nbytes, owner=OWNER, label="mirror")  # names no model
-                )
+                if r.region_id not in m.regions:
+                    m.regions[r.region_id] = await d.create_region(
+                        RegionCreate(r.nbytes, owner=OWNER, label="mirror")  # names no model
+                    )
             tensors = [
                 TensorEntry(
                     t.name,
@@ -324,8 +346,6 @@ class Mirrors:
                 )
                 for t in manifest.tensors
             ]
-            m.chunks = cut_chunks({int(k): v for k, v in peer.scope.items()})  # chunk_bytes
-            m.done = np.zeros(len(m.chunks), dtype=bool)
             self._hold_reads(m)  # before any lease on it exists
             d.registry.publish(ManifestIn(m.model, m.version, 0, 1, tensors))
         except BaseException:

@@ -9,10 +9,19 @@ complete mirrors nobody leases, least recently completed first: such a mirror is
 cache entry (its version is retired here first, so no lease can be taken on it
 again; its later pulls read their source). A version that still does not fit is not
 mirrored.
+
+A new version of a model takes over the regions of the mirror of the version before
+it (:func:`take_over`) when nothing reads that one any more and its regions have the
+new version's sizes: a refit loop then makes its mirror's memory once, not once per
+step (making it backs every byte: 64 MiB took 0.1-0.2 s on a loaded 2-core host, a
+16 GiB model seconds), and its regions stay registered with every data plane. The
+bytes left in them are never read: a mirror serves a chunk only once its own read
+filled it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -20,13 +29,13 @@ from typing import TYPE_CHECKING
 
 from refitd.daemon.mirror import Mirror
 from refitd.errors import NotFoundError, RefitError
-from refitd.wire import VersionState
+from refitd.wire import RegionInfo, VersionState
 from transports.segments import SHM_DIR
 
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
 
-__all__ = ["half_of_shm", "held_bytes", "make_room", "release"]
+__all__ = ["half_of_shm", "held_bytes", "make_room", "release", "take_over"]
 
 log = logging.getLogger("refitd.mirrors")
 
@@ -79,6 +88,55 @@ async def release(
     if freed:
         log.info("released mirror regions %s", freed)
     return freed
+
+
+def take_over(
+    d: Daemon,
+    by_key: dict[tuple[str, str, int], Mirror],
+    new: Mirror,
+    sizes: dict[int, int],
+    gone: Callable[[Mirror], None],
+) -> dict[int, RegionInfo]:
+    """The regions of an earlier mirror of ``new``'s model and source, one per source
+    region of ``sizes`` (source region id -> bytes), taken over for ``new``; empty
+    when no earlier mirror can give them. A mirror gives its regions only when it is
+    finished (complete or failed), no lease on its version is live here, no running
+    pull reads or writes them, and their sizes are exactly those wanted. Its version
+    is retired first (no lease can be taken on it again), it leaves ``by_key`` and is
+    told to ``gone``. Synchronous: nothing can lease it between the checks and the
+    retirement."""
+    want = sorted(sizes.items(), key=lambda kv: (kv[1], kv[0]))
+    for key, old in sorted(by_key.items(), key=lambda kv: -kv[1].version):
+        if old is new or (old.source, old.model) != (new.source, new.model):
+            continue
+        if old.version >= new.version or not old.finished or not old.regions:
+            continue
+        if d.registry.active_leases(old.model, old.version):
+            continue
+        if any(d.store.busy(r.region_id) for r in old.regions.values()):
+            continue
+        have = sorted(old.regions.items(), key=lambda kv: (kv[1].nbytes, kv[0]))
+        if [n for _, n in want] != [r.nbytes for _, r in have]:
+            continue
+        # Same source region ids where the sizes allow (a trainer that publishes
+        # every version from the same regions), else paired by size.
+        same = {
+            s: old.regions[s] for s, n in want if s in old.regions and old.regions[s].nbytes == n
+        }
+        rest = iter(r for s, r in have if r not in same.values())
+        taken = {s: same[s] if s in same else next(rest) for s, _ in want}
+        with contextlib.suppress(NotFoundError):
+            d.registry.retire(old.model, old.version)
+        del by_key[key]
+        old.regions = {}
+        old.nbytes = 0
+        gone(old)
+        log.info(
+            "mirror of %r version %d takes over the regions of version %d: %s",
+            new.model, new.version, old.version, sorted(r.region_id for r in taken.values()),
+        )  # fmt: skip
+        return taken
+    return {}
 
 
 async def make_room(

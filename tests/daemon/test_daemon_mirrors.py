@@ -19,7 +19,7 @@ import pytest
 
 from refitd.client.http import RefitClient
 from refitd.client.spawn import SpawnedDaemon, spawn_daemon
-from refitd.errors import ConflictError
+from refitd.errors import ConflictError, NotFoundError
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
@@ -252,3 +252,28 @@ async def test_mirror_fills_and_relays_show_in_the_pulls_list_and_the_metrics(
             async with http.get(f"{url}/metrics") as resp:
                 scrape = await resp.text()
             assert _counter(scrape, "refitd_pulled_bytes_total{", 'transport="tcp"') == NBYTES
+
+
+async def test_the_next_version_is_mirrored_into_the_regions_of_the_one_before_it(
+    secret_file: str,
+) -> None:
+    """A refit loop: version 2 of the model, laid out as version 1, is mirrored on
+    both hosts (one reading the other) into the regions version 1's mirrors held,
+    none made anew, and every replica of version 2 is exact: bytes of version 1
+    left in those regions are never read. Version 1's mirrors are gone."""
+    async with chain(secret_file) as h:
+        await publish(h.tc, 1)
+        assert await refit(h.ac, h.tc, 1) == "shm"
+        assert await refit(h.bc, h.tc, 1) == "shm"
+        before = {c: (await state(c, 1)).regions for c in (h.ac, h.bc)}
+        await publish(h.tc, 2)
+        assert await asyncio.gather(refit(h.ac, h.tc, 2), refit(h.bc, h.tc, 2)) == ["shm"] * 2
+        for c in (h.ac, h.bc):
+            now = await state(c, 2)
+            assert now.complete
+            assert set(now.regions.values()) == set(before[c].values())
+            with pytest.raises(NotFoundError):
+                await state(c, 1)
+            assert {r.region_id for r in await c.regions() if r.label == "mirror"} == set(
+                now.regions.values()
+            )
