@@ -196,16 +196,18 @@ async def fanout(
             cases.append(await _link(trainer, engines[0], nbytes))
             tw, ew = workers[0], workers[1:]
             # Untimed: every process imports what it needs and opens its connections
-            # (the first pull of a fresh worker and daemon costs seconds here).
+            # (the first pull of a fresh worker and daemon costs seconds here), and
+            # every host holds a mirror of a version of the model's size, as in a refit
+            # loop after its first step (the next version's mirror takes its regions).
             version = 1
-            await tw.call("publish", url=src.url, version=version, nbytes=MIB)
+            await tw.call("publish", url=src.url, version=version, nbytes=nbytes)
             for i, w in enumerate(ew):
                 for d in (direct[i], mirrored[i]):
-                    await w.call("prepare", local=d.url, count=1, nbytes=MIB)
+                    await w.call("prepare", local=d.url, count=1, nbytes=nbytes)
                     warm = await w.call(
-                        "replicas", local=d.url, source=src.url, version=1, count=1, nbytes=MIB
+                        "replicas", local=d.url, source=src.url, version=1, count=1, nbytes=nbytes
                     )
-                    check = await w.call("verify", version=1, nbytes=MIB)
+                    check = await w.call("verify", version=1, nbytes=nbytes)
                     assert warm.get("ok") and check.get("verified"), (warm, check)
             for n in ns:
                 for mode, daemons in (("direct", direct), ("mirrored", mirrored)):
