@@ -37,6 +37,8 @@ pytestmark = pytest.mark.timeout(180)
 NBYTES = 24 << 20  # six chunks
 MODEL = "m"
 TRUST = "peers.allow=http://127.0.0.1:*"
+SAFETY_S = 60.0
+"""Safety net for what a test waits on (a lease released at a relay)."""
 
 
 def pattern(n: int, version: int) -> np.ndarray:
@@ -277,3 +279,21 @@ async def test_the_next_version_is_mirrored_into_the_regions_of_the_one_before_i
             assert {r.region_id for r in await c.regions() if r.label == "mirror"} == set(
                 now.regions.values()
             )
+
+
+async def test_a_host_that_cannot_hold_the_mirror_leaves_no_lease_at_its_relay_and_reads_the_source(
+    secret_file: str,
+) -> None:
+    """Host b's mirror opens its relay (host a) while its regions are made; its budget
+    then refuses the version. Its pull reads the source, exact; nothing of b is left
+    at a: no lease on a's mirror stays live, and a later host reads a as before."""
+    async with chain(secret_file, "--set", "mirrors.max_bytes=1") as h:
+        await publish(h.tc, 1)
+        assert await refit(h.ac, h.tc, 1) == "shm"
+        assert await refit(h.bc, h.tc, 1) == "tcp"  # b has no room: it reads the source
+        with pytest.raises(NotFoundError):
+            await state(h.bc, 1)
+        async with asyncio.timeout(SAFETY_S):
+            while (await h.ac.versions(MODEL))[-1].leases:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        assert await refit(h.ac, h.tc, 1) == "shm"
