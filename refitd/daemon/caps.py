@@ -50,6 +50,10 @@ class Cap:
         """Count ``object_id`` against ``principal`` (after :meth:`admit` let it in)."""
         self._held.setdefault(principal, {})[object_id] = None
 
+    def discard(self, principal: str, object_id: str) -> None:
+        """Stop counting ``object_id`` (a place held while its object was made)."""
+        self._held.get(principal, {}).pop(object_id, None)
+
     def held(self, principal: str, alive: Callable[[str], bool]) -> int:
         """How many live ids ``principal`` holds (sweeps the dead ones)."""
         held = self._held.get(principal, {})
@@ -87,6 +91,9 @@ class ByteCap:
     def add(self, principal: str, object_id: str, nbytes: int) -> None:
         if self.limit > 0:
             self._held.setdefault(principal, {})[object_id] = nbytes
+
+    def discard(self, principal: str, object_id: str) -> None:
+        self._held.get(principal, {}).pop(object_id, None)
 
 
 class Caps:

@@ -377,10 +377,10 @@ class ExpertPools(PullListener):
         store = self.daemon.store
         if principal is not None:
             rows = spec.layers * spec.experts + spec.slots
-            store.admit(principal, 2, sum(spec.row_bytes) * rows)
-            pool = await self.create(spec, owner)
-            for made in (pool.host, pool.slot_region):
-                store.charge(principal, store.regions.get(made.region_id))
+            with store.holding(principal, 2, sum(spec.row_bytes) * rows):
+                pool = await self.create(spec, owner)
+                for made in (pool.host, pool.slot_region):
+                    store.charge(principal, store.regions.get(made.region_id))
             return pool
         if spec.name in self._pools:
             raise ConflictError(f"expert pool {spec.name!r} refused: a pool of that name exists")

@@ -48,8 +48,6 @@ class StagingPool:
         #: at its start); a reader that never releases one cannot keep it past its lease
         #: (see _reclaim), and the lease reads only the bytes packed for it
         self._held: dict[int, tuple[str, int]] = {}
-        #: per principal: admission to its caps, one staging region at a time
-        self._admitting: dict[str, asyncio.Lock] = {}
         # A free staging region holds memory for nobody: no principal's cap counts it.
         store.idle = lambda region_id: region_id in self._ids and region_id not in self._held
 
@@ -167,10 +165,10 @@ class StagingPool:
 
     async def take_for(self, principal: str, nbytes: int, owner: str) -> RegionInfo:
         """:meth:`_take`, as memory ``principal`` holds: admitted by its region and byte
-        caps (429) and counted against it before another of its requests is admitted.
-        Else many at once would all pass the caps before any was counted."""
-        async with self._admitting.setdefault(principal, asyncio.Lock()):
-            self.store.admit(principal, 1, nbytes)
+        caps (429), its place held under them while the region is made
+        (:meth:`RegionStore.holding`). Else many at once would all pass the caps before
+        any was counted."""
+        with self.store.holding(principal, 1, nbytes):
             return self.store.charge(principal, await self._take(nbytes, owner))
 
     async def _discard(self, region_id: int) -> None:

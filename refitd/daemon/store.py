@@ -59,6 +59,27 @@ __all__ = ["RegionStore", "RegionTable"]
 
 log = logging.getLogger("refitd.daemon")
 
+MAKING = "making-"
+"""Prefix of the caps places held by regions being made (see ``create_region``)."""
+
+
+async def _made_off_loop(nbytes: int, label: str) -> SharedSegment:
+    """A new segment of ``nbytes``, every byte backed, made in a worker thread:
+    backing a large one takes seconds (a page at a time), and the event loop serves
+    every other request meanwhile. A caller cancelled while it is made does not leave
+    it behind: it is unlinked when the thread is done."""
+    made = asyncio.get_running_loop().run_in_executor(None, SharedSegment.create, nbytes, label)
+    try:
+        return await asyncio.shield(made)
+    except asyncio.CancelledError:
+        made.add_done_callback(_close_made)
+        raise
+
+
+def _close_made(made: asyncio.Future[SharedSegment]) -> None:
+    if not made.cancelled() and made.exception() is None:
+        made.result().close()  # its owner: unmapped and unlinked
+
 
 def _check_holder_uid(req: RegionAttach, uid: int) -> None:
     """Refuse memory that proves no owner unless it comes with its ``holder``, a live
@@ -146,6 +167,9 @@ class RegionStore:
         #: id: one memory is one region, so every rule keyed on a region id holds for
         #: that memory (see :meth:`_record`)
         self._memory: dict[tuple[str | int, ...], int] = {}
+        #: caps places held by regions being made (see :meth:`create_region`)
+        self._making: set[str] = set()
+        self._places = itertools.count()
         #: regions a running pull of this daemon reads or writes (see :meth:`using`)
         self._busy: collections.Counter[int] = collections.Counter()
         #: regions a running pull writes, with the ids of those pulls (see :meth:`writing`)
@@ -223,6 +247,8 @@ class RegionStore:
         return region_id in self.regions and not self.idle(region_id)
 
     def _alive(self, region_id: str) -> bool:
+        if region_id.startswith(MAKING):
+            return region_id in self._making
         return self.holds_memory(int(region_id))
 
     def admit(self, principal: str, regions: int = 1, nbytes: int = 0) -> None:
@@ -231,6 +257,28 @@ class RegionStore:
         self.caps.regions.admit(principal, self._alive, regions)
         if nbytes:
             self.caps.bytes.admit(principal, self._alive, nbytes)
+
+    @contextlib.contextmanager
+    def holding(self, principal: str, regions: int, nbytes: int = 0) -> Iterator[None]:
+        """:meth:`admit` ``principal`` for ``regions`` more regions and ``nbytes`` more
+        bytes, and hold their places under its caps for the block: making the memory
+        waits (off the event loop), and a request of the same principal meanwhile is
+        admitted against these places, not past them. The block charges
+        what it made; the places end with it."""
+        self.admit(principal, regions, nbytes)
+        places = [f"{MAKING}{next(self._places)}" for _ in range(regions)]
+        self._making.update(places)
+        for p in places:
+            self.caps.regions.add(principal, p)
+        if places and nbytes:
+            self.caps.bytes.add(principal, places[0], nbytes)
+        try:
+            yield
+        finally:
+            self._making.difference_update(places)
+            for p in places:
+                self.caps.regions.discard(principal, p)
+                self.caps.bytes.discard(principal, p)
 
     def charge(self, principal: str, info: RegionInfo, *, memory: bool = True) -> RegionInfo:
         """Count region ``info`` against ``principal`` (after :meth:`admit`), and its
@@ -247,15 +295,15 @@ class RegionStore:
         ``principal`` (admitted by its region and byte caps, and counted), else the
         daemon's own."""
         if principal is not None:
-            self.admit(principal, 1, req.nbytes)
-            return self.charge(principal, await self.create_region(req))
+            with self.holding(principal, 1, req.nbytes):
+                return self.charge(principal, await self.create_region(req))
         if req.kind is not RegionKind.SHM:
             refuse_created_gpu_memory()
         check_shm_capacity(req.nbytes, f"region of {req.nbytes} bytes")
         try:  # a size the kernel cannot map is the client's mistake, not a server error
             # Every byte is reserved now: a full /dev/shm refuses here (507), never
             # later as a bus error in the middle of a pull.
-            seg = SharedSegment.create(req.nbytes, req.label or "region")
+            seg = await _made_off_loop(req.nbytes, req.label or "region")
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise InsufficientStorage(
@@ -289,9 +337,8 @@ class RegionStore:
         ``principal``: the caller, admitted by its region cap and counted (the memory
         is the client's, so not its byte cap)."""
         if principal is not None:
-            self.admit(principal)
-            info = await self.attach_region(req, uid, via)
-            return self.charge(principal, info, memory=False)
+            with self.holding(principal, 1):
+                return self.charge(principal, await self.attach_region(req, uid, via), memory=False)
         if not proves_owner(req.kind):
             # Decided before the memory is opened: opening maps it into the daemon.
             if via == "token":

@@ -5,7 +5,10 @@ in between, on a real daemon with real shared memory."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -25,8 +28,12 @@ from refitd.wire import (
     TensorEntry,
     VersionState,
 )
+from transports.segments import SHM_DIR, SharedSegment
 
 pytestmark = pytest.mark.timeout(60)
+
+SAFETY_S = 30.0
+"""Safety net for what a test waits on (a region being made)."""
 
 ALICE = Principal("alice", "token")
 BOB = Principal("bob", "token")
@@ -151,3 +158,75 @@ async def test_a_daemon_built_without_a_config_runs_as_the_default_config() -> N
     asked = msgspec.structs.replace(helper.pulls, deltas=False)
     server = msgspec.structs.replace(helper.server, port=Config().server.port)
     assert msgspec.structs.replace(helper, pulls=asked, server=server) == Config()
+
+
+class SlowKernel:
+    """``SharedSegment.create`` as the kernel makes it, except that a segment labelled
+    ``held`` waits for ``go`` first (``entered`` is set then): backing a large region
+    takes seconds, and the one fake here holds it at a chosen point instead."""
+
+    def __init__(self, real: Callable[..., SharedSegment]) -> None:
+        self.real = real
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def __call__(self, size: int, label: str = "", **kw: Any) -> SharedSegment:
+        if label == "held":
+            self.entered.set()
+            self.go.wait(SAFETY_S)
+        return self.real(size, label, **kw)
+
+
+@pytest.fixture
+def slow_kernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[SlowKernel]:
+    kernel = SlowKernel(SharedSegment.create)
+    monkeypatch.setattr(SharedSegment, "create", kernel)
+    try:
+        yield kernel
+    finally:
+        kernel.go.set()
+
+
+async def test_a_region_being_made_holds_its_place_under_the_caps_and_the_loop_serves_on(
+    daemon: Daemon, slow_kernel: SlowKernel
+) -> None:
+    """While alice's first region is made (off the event loop), other work is done:
+    bob's region is made and alice's second; alice's third is refused (429), because
+    the region still being made counts. Before, two requests made at once both passed
+    a cap that had room for one."""
+    first = asyncio.create_task(
+        daemon.create_region(RegionCreate(4096, owner="alice", label="held"), "alice")
+    )
+    assert await asyncio.to_thread(slow_kernel.entered.wait, SAFETY_S)
+    await daemon.create_region(RegionCreate(4096, owner="bob"), "bob")
+    await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    with pytest.raises(QuotaExceeded, match="max_regions_per_principal = 2"):
+        await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    assert not first.done()
+    slow_kernel.go.set()
+    async with asyncio.timeout(SAFETY_S):
+        made = await first
+    owners = sorted(r.owner for r in daemon.store.regions)
+    assert made.label == "held" and owners == ["alice", "alice", "bob"]
+
+
+async def test_a_region_whose_request_is_cancelled_while_it_is_made_leaves_no_memory(
+    daemon: Daemon, slow_kernel: SlowKernel
+) -> None:
+    """The request is cancelled while the segment is made; once made, it is unlinked,
+    no region records it, and its place under alice's caps is free again."""
+    before = {p.name for p in SHM_DIR.iterdir()}
+    task = asyncio.create_task(
+        daemon.create_region(RegionCreate(4096, owner="alice", label="held"), "alice")
+    )
+    assert await asyncio.to_thread(slow_kernel.entered.wait, SAFETY_S)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    slow_kernel.go.set()
+    async with asyncio.timeout(SAFETY_S):
+        while {p.name for p in SHM_DIR.iterdir()} - before:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    assert list(daemon.store.regions) == []
+    for _ in range(2):
+        await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
