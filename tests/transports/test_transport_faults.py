@@ -27,7 +27,7 @@ from transports.checks import LOCAL, Pair, open_pair, shuffled_batch
 from transports.interface import PeerInfo, PeerLost, TransportClosed
 from transports.segments import SharedSegment
 from transports.servepeer import REGION_ID, pattern
-from transports.ucx import UcxPeer, UcxTransport
+from transports.ucx import UcxPeer, UcxTransport, supervisor
 from transports.ucx.supervisor import SERVING, START_ATTEMPTS, STOP_LIMIT_S, Child, start_child
 
 SECRET = b"fault-test-secret-0123456789"
@@ -231,12 +231,17 @@ def crashing_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int) -> 
     counter = tmp_path / "start-crashes"
     counter.write_text(str(n))
     monkeypatch.setenv("REFITD_TEST_START_CRASHES", str(counter))
+    children_see_support(monkeypatch)
+    yield counter
+
+
+def children_see_support(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Child processes import the test children of ``tests/support``."""
     support = Path(__file__).resolve().parents[1]  # where `support` is a package
     monkeypatch.setenv(
         "PYTHONPATH",
         os.pathsep.join(filter(None, [str(support), os.environ.get("PYTHONPATH", "")])),
     )
-    yield counter
 
 
 async def _exited(child: Child, code: int) -> None:
@@ -271,3 +276,40 @@ async def test_a_ucx_child_that_dies_at_every_start_is_refused_naming_the_frame_
     text = str(refused.value)
     assert "failed to start: Fatal Python error: Segmentation fault" in text
     assert "string_at" in text and "SIGSEGV" in text and f"after {START_ATTEMPTS} tries" in text
+
+
+async def test_a_ucx_child_whose_output_has_a_line_past_the_limit_is_read_on_and_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, the daemon stopped reading a child's output at its first line over
+    64 KiB: the child then blocked on a full pipe and never said hello. Now the long
+    line is logged cut short, reading goes on, and the child starts."""
+    with odd_child(tmp_path, monkeypatch, "chatty"):
+        child = await start_child(1, SERVING, "", _exited, module="support.odd_ucx_worker")
+        try:
+            assert child.address and child.proc.returncode is None
+        finally:
+            await child.stop(STOP_LIMIT_S)
+    assert "[cut short]" in caplog.text and "chatty: done" in caplog.text
+
+
+async def test_a_ucx_child_that_says_no_hello_is_refused_naming_the_wait_not_a_signal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child silent past the hello bound is killed by the daemon; the refusal says
+    that (before, it named the SIGKILL, which reads as the kernel's out-of-memory
+    killer), and it is not started again."""
+    monkeypatch.setattr(supervisor, "HELLO_S", 1.0)
+    with odd_child(tmp_path, monkeypatch, "silent"), pytest.raises(TransportError) as refused:
+        await start_child(1, SERVING, "", _exited, module="support.odd_ucx_worker")
+    text = str(refused.value)
+    assert "no hello within 1 s" in text and "SIGKILL" not in text
+    assert "tries" not in text  # one start: a silent child is not a crash to retry
+
+
+@contextlib.contextmanager
+def odd_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> Iterator[None]:
+    """The next starts of `support.odd_ucx_worker` misbehave as ``mode`` says."""
+    monkeypatch.setenv("REFITD_TEST_CHILD", mode)
+    children_see_support(monkeypatch)
+    yield

@@ -12,6 +12,7 @@ from PyPI has no verbs: between hosts it is tcp.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -74,8 +75,14 @@ async def ucx_transports(timeout_s: float = 20.0) -> list[str]:
             stderr=asyncio.subprocess.DEVNULL,
             env=env,
         )
+    except OSError:
+        return []
+    try:
         async with asyncio.timeout(timeout_s):
             out, _ = await proc.communicate()
-    except (OSError, TimeoutError):
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()  # stuck: it is not left running behind the daemon
+        await proc.wait()
         return []
     return parse_ucx_info(out.decode(errors="replace"))

@@ -47,6 +47,10 @@ SERVING = "serving"
 STOP_LIMIT_S = 10.0
 """Seconds a child gets to stop when asked, and again to exit, before it is killed."""
 
+HELLO_S = 60.0
+"""Seconds a new child gets to say hello (its UCX context made) before it is killed
+and its start fails, saying so."""
+
 
 class ChildTimedOut(TransportError):
     """A child gave up a batch at its deadline (and is exiting)."""
@@ -72,9 +76,20 @@ class Output:
         self.task = asyncio.create_task(self._drain(stream), name=f"ucx-output-{pid}")
 
     async def _drain(self, stream: asyncio.StreamReader | None) -> None:
+        """Read until the child closes its output, a line at a time; a line longer
+        than the stream's limit is logged cut short, and reading goes on (a child
+        whose pipe nobody reads blocks on its next write)."""
         if stream is None:
             return
-        while line := await stream.readline():
+        while True:
+            try:
+                line = await stream.readuntil(b"\n")
+            except asyncio.IncompleteReadError as exc:
+                line = exc.partial  # its last words, with no newline: then the end
+            except asyncio.LimitOverrunError as exc:
+                line = await stream.readexactly(exc.consumed) + b" [cut short]"
+            if not line:
+                return
             text = line.decode(errors="replace").rstrip()
             if text:
                 self.lines.append(text)
@@ -263,7 +278,7 @@ async def _spawn(
     output = Output(proc.stdout, proc.pid)
     reader, writer = await asyncio.open_unix_connection(sock=parent)
     try:
-        async with asyncio.timeout(60):
+        async with asyncio.timeout(HELLO_S):
             hello = msgspec.msgpack.decode(await _read_frame(reader), type=Reply)
     except (asyncio.IncompleteReadError, TimeoutError) as exc:
         writer.close()
@@ -275,8 +290,13 @@ async def _spawn(
                 proc.kill()
         code = await proc.wait()
         cause = await output.cause()
-        what = f"ucx data-plane process failed to start: {cause or describe(code)}" + (
-            f" ({describe(code)})" if cause else ""
+        if isinstance(exc, TimeoutError):  # its SIGKILL was ours: say so, not the signal
+            cause = cause or f"it said no hello within {HELLO_S:g} s and was killed"
+            code_said = f"no hello within {HELLO_S:g} s: killed"
+        else:
+            code_said = describe(code)
+        what = f"ucx data-plane process failed to start: {cause or code_said}" + (
+            f" ({code_said})" if cause else ""
         )
         signalled = code < 0 and not isinstance(exc, TimeoutError)
         raise (_DiedAtStart if signalled else TransportError)(what) from exc
