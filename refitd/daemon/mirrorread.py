@@ -52,10 +52,9 @@ __all__ = [
     "piece_s",
 ]
 
-BATCH_CHUNKS = 1
-"""Chunks per read handed to the data plane at once: one, so each chunk is complete
-(and a downstream relay's read of it answered) as soon as its own bytes landed; the
-data plane spreads a chunk over its lanes (``transports.tcp.lane_share``)."""
+BATCH_CHUNKS = 2
+"""Chunks per read handed to the data plane at once: small, so a downstream relay
+sees chunks complete soon after they land."""
 
 FILL_IN_FLIGHT_BYTES = 16 << 20
 """Bytes a fill keeps in flight (in batches of ``BATCH_CHUNKS`` chunks): enough to

@@ -34,7 +34,7 @@ from transports.interface import (
 )
 from transports.segments import SHM_DIR, SharedSegment
 from transports.servepeer import REGION_ID, pattern
-from transports.tcp import TcpPeer, TcpTransport, lane_share, parse_address, scoped_grant
+from transports.tcp import TcpPeer, TcpTransport, parse_address, scoped_grant
 from transports.tcp.frames import (
     CHALLENGE,
     HEADER,
@@ -47,7 +47,6 @@ from transports.tcp.frames import (
     client_proof,
     scope_key,
 )
-from transports.tcp.lanes import BIG, REQUEST_BYTES
 from transports.tcp.serve import recv_exact
 
 pytestmark = pytest.mark.timeout(120)
@@ -436,14 +435,3 @@ def test_a_scoped_grant_keys_each_region_to_its_lease_ranges_and_refuses_one_not
     assert ScopeKey.decode(grant.regions[0].key) == ScopeKey("lease-1", [(10, 20)])
     with pytest.raises(TransportError, match="region 3 of 'src' is not in its tcp advertisement"):
         scoped_grant(advert, "lease-1", {3: [(0, 1)]}, SECRET)
-
-
-def test_a_small_batch_is_spread_over_every_lane_and_a_large_one_in_whole_requests() -> None:
-    """A mirror's chunk (1 MiB) over four lanes goes as four requests of 256 KiB, one
-    a lane, so it lands in its own time on the link, not four times that; a large
-    batch keeps whole requests; pieces never go below the size moved with no copy."""
-    assert lane_share(1 << 20, 4) == 256 << 10
-    assert lane_share(64 << 20, 4) == REQUEST_BYTES
-    assert lane_share(8 << 10, 4) == BIG
-    assert lane_share((1 << 20) + 1, 4) % 4096 == 0
-    assert lane_share(1 << 20, 1) == 1 << 20

@@ -121,18 +121,6 @@ class TcpOptions(TransportOptions):
 
 SLICE = 1 << 20
 """A read longer than this (bytes) is cut into pieces spread over the lanes."""
-
-
-def lane_share(total: int, lanes: int) -> int:
-    """The most bytes one request of a batch of ``total`` bytes asks for over ``lanes``
-    lanes: ``REQUEST_BYTES``, or less for a small batch, so that every lane carries a
-    share of it (whole pages, at least ``BIG``: smaller pieces are gathered through a
-    buffer). Its pieces are at most this, and at most ``SLICE``."""
-    share = -(-total // max(1, lanes))
-    share = -(-share // 4096) * 4096
-    return max(BIG, min(REQUEST_BYTES, share))
-
-
 KEEP_GRANTS = 64
 """Grants a connection remembers for requests still queued (newest first)."""
 BACKSTOP_S = 5.0
@@ -284,12 +272,7 @@ class TcpPeer(Peer):
         live = coalesce(reads)
         if len(live) == 0:
             return
-        # A batch smaller than the lanes' share of ``SLICE`` each is spread over every
-        # lane too: it then lands in the time of its bytes on the link, not of the
-        # lane that would carry it alone (a relay serves a chunk only once all of it
-        # is here, so a chunk spread over four lanes reaches the next host 4x sooner).
-        share = lane_share(int(live["nbytes"].sum()), len(self.lanes))
-        pieces = split_pieces(live, min(SLICE, share))
+        pieces = split_pieces(live, SLICE)
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + self.owner.pull_timeout
         futures: list[asyncio.Future[None]] = []
@@ -300,7 +283,7 @@ class TcpPeer(Peer):
         parts = [
             group[lo:hi]
             for group in (pieces[~small], pieces[small])
-            for lo, hi in request_spans(group["nbytes"], share)
+            for lo, hi in request_spans(group["nbytes"])
         ]
         for part in parts:
             rows = np.empty(len(part), READ_ROW)

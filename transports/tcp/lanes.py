@@ -436,9 +436,7 @@ def _recv_scatter(sock: socket.socket, bufs: list[memoryview]) -> None:
                 n = 0
 
 
-def request_spans(
-    sizes: npt.NDArray[np.int64], max_bytes: int = REQUEST_BYTES
-) -> list[tuple[int, int]]:
-    """``[lo, hi)`` spans of pieces: ≤ ``MAX_READS`` pieces and about ``max_bytes``
-    (at most ``REQUEST_BYTES``) bytes each (a larger single piece is its own span)."""
-    return read_spans(sizes, MAX_READS, min(max_bytes, REQUEST_BYTES))
+def request_spans(sizes: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` spans of pieces: ≤ ``MAX_READS`` pieces and about
+    ``REQUEST_BYTES`` bytes each (a larger single piece is its own span)."""
+    return read_spans(sizes, MAX_READS, REQUEST_BYTES)
