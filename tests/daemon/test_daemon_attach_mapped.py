@@ -10,19 +10,24 @@ the pull writes into pages already mapped.
 
 from __future__ import annotations
 
-import errno
+import os
 import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from support.daemons import served
 from support.toy import publish_tensor, pull_rows
 
-from refitd.errors import InsufficientStorage
 from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
 
+CHILD_S = 90.0
+"""Safety net for the child that attaches on a small shared-memory filesystem."""
 NBYTES = 64 << 20
 PAGES = NBYTES // 4096
 
@@ -54,21 +59,55 @@ async def test_the_first_pull_into_an_attached_segment_takes_no_fault_a_page() -
             assert taken < PAGES // 4, f"{taken} page faults pulling {PAGES} pages"
 
 
-async def test_a_sparse_segment_the_filesystem_cannot_back_is_refused_at_attach(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Mapping a sparse segment backs its pages; when the filesystem cannot (ENOSPC,
-    made by the kernel's call refusing), the attach is refused (507, naming the
-    segment) and the daemon holds no region of it, instead of a bus error later in
-    the middle of a pull."""
+SPARSE_CHILD = """
+import asyncio
+from support.daemons import served
+from refitd.errors import InsufficientStorage
+from transports.segments import SharedSegment
 
-    def full(self: SharedSegment) -> bool:
-        raise OSError(errno.ENOSPC, "no space to back the segment")
-
+async def main() -> None:
     async with served(transport="shm") as s:
-        with SharedSegment.create(1 << 20, "sparse", reserve=False) as seg:
-            monkeypatch.setattr(SharedSegment, "populate", full)
-            with pytest.raises(InsufficientStorage, match=seg.name):
-                await s.client.attach_region(seg.name, 1 << 20, label="sparse")
-            monkeypatch.undo()
-            assert [r for r in await s.client.regions() if r.label == "sparse"] == []
+        with SharedSegment.create(8 << 20, "sparse", reserve=False) as seg:
+            try:
+                await s.client.attach_region(seg.name, 8 << 20, label="sparse")
+            except InsufficientStorage as exc:
+                assert seg.name in str(exc), exc
+                held = [r for r in await s.client.regions() if r.label == "sparse"]
+                print("refused" if held == [] else f"held {held}")
+            else:
+                print("attached")
+
+asyncio.run(main())
+"""
+
+
+def test_a_sparse_segment_the_filesystem_cannot_back_is_refused_at_attach() -> None:
+    """A client's sparse 8 MiB segment on a 2 MiB shared-memory filesystem (a private
+    mount namespace, so the kernel itself refuses the pages): mapping it at attach
+    fails, the attach is refused (507, naming the segment) and the daemon holds no
+    region of it, instead of a bus error later in the middle of a pull."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) for a mount namespace of its own")
+    tests = Path(__file__).resolve().parents[1]
+    script = 'mount -t tmpfs -o size=2m tmpfs /dev/shm && exec "$0" -c "$1"'
+    done = subprocess.run(
+        [
+            "unshare",
+            "-m",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            sys.executable,
+            SPARSE_CHILD,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=CHILD_S,
+        env=dict(
+            os.environ, PYTHONPATH=os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])
+        ),
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["refused"], (done.stdout, done.stderr[-2000:])
