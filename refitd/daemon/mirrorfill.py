@@ -34,10 +34,12 @@ from refitd.daemon.sources import RemoteSource
 from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import DescriptorTable, PeerRegions, PullRequest
 from refitd.wire import routes as api
+from refitd.wire.leases import LeaseGrant
 from refitd.wire.mirrors import MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorLease
 
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
+    from refitd.daemon.peerclient import PeerClient
     from refitd.daemon.pulls import PullManager
 
 __all__ = ["LEASE_TTL_S", "Filler", "Reassigned", "SlowRelay", "describe"]
@@ -98,6 +100,8 @@ class Filler:
         self.self_url = self_url
         self._remote = remote
         self.landed = landed
+        #: releases of leases granted after their mirror stopped waiting for them
+        self._late: set[asyncio.Task[None]] = set()
 
     async def fill(
         self,
@@ -259,10 +263,18 @@ class Filler:
         c = relay.client
         timeout = self.d.config.data_plane.pull_timeout_s
         deadline = answer_s(timeout)
-        ask = MirrorLease.fresh(m.model, m.version, source_lease, self.d.node_id, LEASE_TTL_S)
-        async with asyncio.timeout(deadline):  # a stopped relay answers nothing
-            grant = await c.send(api.MIRROR_LEASE, ask.signed(self.d.secret))
         await m.planned.wait()  # its chunks are cut (before its regions are made)
+        ask = MirrorLease.fresh(m.model, m.version, source_lease, self.d.node_id, LEASE_TTL_S)
+        asking = asyncio.ensure_future(c.send(api.MIRROR_LEASE, ask.signed(self.d.secret)))
+        try:
+            async with asyncio.timeout(deadline):  # a stopped relay answers nothing
+                grant = await asyncio.shield(asking)
+        except (asyncio.CancelledError, TimeoutError):
+            # Stopped waiting (this mirror cannot be made here after all, or the relay
+            # is slow): a lease the relay grants after that is released, not left to
+            # run out its TTL there.
+            asking.add_done_callback(lambda f: self._release_late(c, f))
+            raise
         feed = Feed(self, m, relay, grant.lease_id)
         try:
             async with LeaseKeeper(c, grant, LEASE_TTL_S):  # re-checked at the source
@@ -293,6 +305,22 @@ class Filler:
             with contextlib.suppress(RefitError, TimeoutError):
                 async with asyncio.timeout(deadline):
                     await c.release_lease(grant.lease_id)
+
+    def _release_late(self, c: PeerClient, asked: asyncio.Future[LeaseGrant]) -> None:
+        """Release the lease ``asked`` was granted, if it was (in a task of its own,
+        bounded by a relay's answer time)."""
+        if asked.cancelled() or asked.exception() is not None:
+            return
+        lease_id = asked.result().lease_id
+
+        async def release() -> None:
+            with contextlib.suppress(RefitError, TimeoutError):
+                async with asyncio.timeout(answer_s(self.d.config.data_plane.pull_timeout_s)):
+                    await c.release_lease(lease_id)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
 
 
 class Feed:
