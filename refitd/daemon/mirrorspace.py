@@ -13,8 +13,9 @@ mirrored.
 A new version of a model takes over the regions of the mirror of the version before
 it (:func:`take_over`) when nothing reads that one any more and its regions have the
 new version's sizes: a refit loop then makes its mirror's memory once, not once per
-step (making it backs every byte: 64 MiB took 0.1-0.2 s on a loaded 2-core host, a
-16 GiB model seconds), and its regions stay registered with every data plane. The
+step (making it backs every byte, a page at a time: 64 MiB took 0.08-0.23 s on a
+loaded 2-core host, and the time grows with the bytes), and
+its regions stay registered with every data plane. The
 bytes left in them are never read: a mirror serves a chunk only once its own read
 filled it.
 """

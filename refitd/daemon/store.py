@@ -65,8 +65,9 @@ MAKING = "making-"
 
 async def _made_off_loop(nbytes: int, label: str) -> SharedSegment:
     """A new segment of ``nbytes``, every byte backed, made in a worker thread:
-    backing a large one takes seconds (a page at a time), and the event loop serves
-    every other request meanwhile. A caller cancelled while it is made does not leave
+    backing one takes time in proportion to its bytes (a page at a time: 64 MiB
+    took 0.1-0.23 s on a loaded 2-core host), and the event loop serves every other
+    request meanwhile. A caller cancelled while it is made does not leave
     it behind: it is unlinked when the thread is done."""
     made = asyncio.get_running_loop().run_in_executor(None, SharedSegment.create, nbytes, label)
     try:

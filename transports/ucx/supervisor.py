@@ -228,7 +228,7 @@ async def start_child(
     on_exit: Callable[[Child, int], Awaitable[None]],
     module: str = WORKER,
 ) -> Child:
-    """Spawn a child with ``lanes`` UCX contexts and wait (60 s at most) for its hello.
+    """Spawn a child with ``lanes`` UCX contexts and wait (``HELLO_S`` at most) for its hello.
 
     Its replies are routed to their requests until its reply stream ends; then its
     exit status is awaited and ``on_exit(child, status)`` is called (from the reply
