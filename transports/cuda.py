@@ -15,16 +15,24 @@ NOTE: never run on a GPU yet; its first run is ``tests/gpu/run-on-device.sh``.
   and is refused by the driver, named.
 - **Open** (the daemon, :meth:`CudaIpcMemory.open`): the handle opened on the
   device of that UUID (``cuIpcOpenMemHandle``, lazy peer access), once per
-  allocation in this process; its size must be exactly what the client stated. The
+  allocation in this process; it must hold at least the bytes the client stated
+  (the importer may see it rounded up to the driver's granularity), and the region
+  is the bytes stated. The
   handle is a bearer capability: the memory proves no owner (``owner_uid`` None),
   so who may register it is decided before it is opened (docs/trust.md, "GPU
   memory"). Its public name is a digest, never the handle.
-- **Copies** (:class:`CudaEngine`, one per device): GPU to GPU and host to/from GPU
-  with unified addressing (``cuMemcpyAsync`` on the engine's stream), each host
-  region registered once (``cuMemHostRegister``: page-locked copies at PCIe rate
-  instead of the pageable 1/6) and unregistered before it is unmapped; small pieces
-  GPU to GPU gathered by one indexed copy on the device (PyTorch's kernels, loaded
-  only then) instead of one call each. A CUDA error raises
+- **Copies** (:class:`CudaEngine`, one per device, a `transports.devcopy`
+  engine): GPU to GPU and host to/from GPU with unified addressing
+  (``cuMemcpyAsync`` on a stream of the engine's, each batch on its own and fenced
+  before it returns, error or not). Host memory is registered
+  (``cuMemHostRegister``: page-locked copies at PCIe rate instead of the pageable
+  1/6) through the process's pin table (`transports.pins`), dropped when its
+  mapping goes; host memory not registered is never handed to the driver (a bounce
+  buffer and the guarded memcpy). Small pieces GPU to GPU *within this device* are
+  gathered by one indexed copy on the engine's stream (PyTorch's kernels, loaded
+  only then) instead of one call each; another device's memory is read with peer
+  access enabled once. Every driver call made in a caller's thread pushes the
+  device's context and pops it after. A CUDA error raises
   :class:`~transports.memory.DeviceFault` naming the call and the error: it fails
   the batch that met it. (A "sticky" error, such as an illegal address, poisons the
   context: every later GPU copy of the process fails, named, until it restarts.)
@@ -32,12 +40,11 @@ NOTE: never run on a GPU yet; its first run is ``tests/gpu/run-on-device.sh``.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ctypes
 import hashlib
-import mmap
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -46,13 +53,22 @@ import numpy.typing as npt
 
 from refitd.errors import ConflictError, ProtocolError
 
-from .cudadriver import CudaError, IpcHandle, device_count, driver, missing
-from .memory import HOST, CopyEngine, DeviceMemory, add_engine
+from .cudacopies import (
+    CU_MEMORYTYPE_UNIFIED,
+    GATHER_UNIT,
+    SMALL_PIECE,
+    gather_units,
+    on_one_device,
+    strided_runs,
+)
+from .cudacopies import Memcpy2D as _Memcpy2D
+from .cudacopies import Span as _Span
+from .cudadriver import CudaError, IpcHandle, _Driver, device_count, driver, missing
+from .devcopy import DeviceEngine
+from .memory import HOST, DeviceMemory, add_engine
 
 if TYPE_CHECKING:
-    import torch
-
-    from .interface import MappedMemory
+    pass
 
 __all__ = [
     "KIND",
@@ -61,10 +77,12 @@ __all__ = [
     "CudaIpcMemory",
     "DeviceAllocation",
     "Exported",
+    "check_opened_size",
     "device_count",
     "export_allocation",
     "gather_units",
     "missing",
+    "on_one_device",
     "strided_runs",
 ]
 
@@ -72,16 +90,12 @@ KIND = "cuda"
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 CU_STREAM_NON_BLOCKING = 1
 CU_MEMHOSTREGISTER_PORTABLE = 1
+CU_MEMHOSTALLOC_PORTABLE = 1
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
-CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
+CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
 
 _u64 = ctypes.c_uint64
 _vp = ctypes.c_void_p
-
-SMALL_PIECE = 64 << 10
-"""Bytes: GPU-to-GPU reads up to this size are gathered by one indexed device copy."""
-GATHER_UNIT = 8
-"""Bytes per element of the indexed gather: a read's offsets and size must be multiples."""
 
 # ---------------------------------------------------------------- export (client side)
 
@@ -98,38 +112,51 @@ class Exported:
     ordinal: int
 
 
-def export_allocation(pointer: int) -> Exported:
-    """The allocation holding device address ``pointer`` (a tensor's ``data_ptr()``),
+def export_allocation(pointer: int, ordinal: int | None = None) -> Exported:
+    """The allocation holding device address ``pointer`` (a tensor's ``data_ptr()``)
+    on device ``ordinal`` (the tensor's ``device.index``; None: asked of the driver),
     exported once for a daemon to open. Raises :class:`CudaError` (named) for memory
-    without an IPC handle (PyTorch's expandable segments, host memory)."""
+    without an IPC handle (PyTorch's expandable segments, host memory) or on another
+    device than ``ordinal``. The calling thread's current context is left as it was."""
     drv = driver()
+    if ordinal is None:
+        ordinal = _device_of(drv, pointer)
+    with drv.current(ordinal):
+        on = _device_of(drv, pointer)
+        if on != ordinal:
+            raise CudaError(f"device address {pointer:#x} is on GPU {on}, not on GPU {ordinal}")
+        base, size = _u64(0), ctypes.c_size_t(0)
+        rc = drv.fn("cuMemGetAddressRange_v2", "cuMemGetAddressRange")(
+            ctypes.byref(base), ctypes.byref(size), _u64(pointer)
+        )
+        drv.check(rc, f"cuMemGetAddressRange({pointer:#x})")
+        h = IpcHandle()
+        drv.check(
+            drv.lib.cuIpcGetMemHandle(ctypes.byref(h), base),
+            f"cuIpcGetMemHandle(allocation at {base.value:#x}; expandable segments have none)",
+        )
+    text = f"{drv.uuid(ordinal)}:{bytes(h.reserved).hex()}"
+    return Exported(text, int(base.value), int(size.value), ordinal)
+
+
+def _device_of(drv: _Driver, pointer: int) -> int:
+    """The device ordinal of device address ``pointer``; asked with device 0's
+    context pushed where the thread has none current (and popped after)."""
     ordinal = ctypes.c_int(-1)
 
-    def device_of() -> int:
+    def ask() -> int:
         return int(
             drv.lib.cuPointerGetAttribute(
                 ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, _u64(pointer)
             )
         )
 
-    rc = device_of()
-    if rc != 0:  # a thread with no current context yet: the first device's, then ask again
-        drv.use(0)
-        rc = device_of()
+    rc = ask()
+    if rc != 0:
+        with drv.current(0):
+            rc = ask()
     drv.check(rc, f"cuPointerGetAttribute(device of {pointer:#x})")
-    drv.use(ordinal.value)
-    base, size = _u64(0), ctypes.c_size_t(0)
-    rc = drv.fn("cuMemGetAddressRange_v2", "cuMemGetAddressRange")(
-        ctypes.byref(base), ctypes.byref(size), _u64(pointer)
-    )
-    drv.check(rc, f"cuMemGetAddressRange({pointer:#x})")
-    h = IpcHandle()
-    drv.check(
-        drv.lib.cuIpcGetMemHandle(ctypes.byref(h), base),
-        f"cuIpcGetMemHandle(allocation at {base.value:#x}; expandable segments have none)",
-    )
-    text = f"{drv.uuid(ordinal.value)}:{bytes(h.reserved).hex()}"
-    return Exported(text, int(base.value), int(size.value), ordinal.value)
+    return ordinal.value
 
 
 def parse_handle(text: str) -> tuple[str, bytes]:
@@ -157,9 +184,9 @@ class DeviceAllocation:
 
     def __init__(self, ordinal: int, nbytes: int) -> None:
         drv = driver()
-        drv.use(ordinal)
         ptr = _u64(0)
-        rc = drv.fn("cuMemAlloc_v2", "cuMemAlloc")(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
+        with drv.current(ordinal):
+            rc = drv.fn("cuMemAlloc_v2", "cuMemAlloc")(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
         drv.check(rc, f"cuMemAlloc({nbytes} bytes on GPU {ordinal})")
         self.ordinal = ordinal
         self.nbytes = nbytes
@@ -174,24 +201,53 @@ class DeviceAllocation:
 
     def export(self) -> Exported:
         """The allocation's handle for a daemon (see :func:`export_allocation`)."""
-        return export_allocation(self.pointer)
+        return export_allocation(self.pointer, self.ordinal)
 
     def __del__(self) -> None:
+        # Any thread the collector runs in: pushed and popped, its context stays.
         pointer, self.pointer = getattr(self, "pointer", 0), 0
         if pointer:
             drv = driver()
-            with contextlib.suppress(CudaError):
-                drv.use(self.ordinal)
+            with contextlib.suppress(CudaError), drv.current(self.ordinal):
                 drv.fn("cuMemFree_v2", "cuMemFree")(_u64(pointer))
 
 
 # ---------------------------------------------------------------- open (daemon side)
 
-#: allocations opened in this process: handle bytes -> [device address, users]. The
-#: driver maps one allocation once per context, so a second registration of the same
-#: handle shares the mapping (and the store then refuses it as memory it holds).
-_OPENED: dict[bytes, list[int]] = {}
+
+@dataclass
+class _Opened:
+    """An allocation opened in this process: where, how large (as the driver maps
+    it here), on which device, and by how many regions."""
+
+    address: int
+    size: int
+    ordinal: int
+    users: int = 0
+
+
+#: allocations opened in this process, by handle bytes. The driver maps one
+#: allocation once per context, so a second registration of the same handle shares
+#: the mapping (and the store then refuses it as memory it holds).
+_OPENED: dict[bytes, _Opened] = {}
 _OPEN_LOCK = threading.Lock()
+
+
+def opened_ranges() -> list[tuple[int, int, int]]:
+    """``(address, bytes, device ordinal)`` of every allocation opened here."""
+    with _OPEN_LOCK:
+        return [(o.address, o.size, o.ordinal) for o in _OPENED.values()]
+
+
+def check_opened_size(opened: int, requested: int) -> None:
+    """An opened allocation of ``opened`` bytes may be a region of ``requested``
+    bytes: at least that many (the importer may see the allocation rounded up to the
+    driver's granularity); ProtocolError, named, where it holds fewer."""
+    if opened < requested:
+        raise ProtocolError(
+            f"cuda_ipc region refused: the allocation holds {opened} bytes, fewer than "
+            f"the {requested} stated; register the whole allocation"
+        )
 
 
 class CudaIpcMemory(DeviceMemory):
@@ -210,39 +266,38 @@ class CudaIpcMemory(DeviceMemory):
 
     @classmethod
     def open(cls, handle: str, nbytes: int) -> CudaIpcMemory:
-        """Open ``handle`` (:func:`export_allocation`'s text); the allocation must be
-        exactly ``nbytes`` bytes. A device not on this host, a handle the driver
-        refuses, or another size are refused, named, and nothing stays open."""
+        """Open ``handle`` (:func:`export_allocation`'s text) as a region of ``nbytes``
+        bytes; the allocation must hold at least that many. A device not on this
+        host, a handle the driver refuses, or a smaller allocation are refused,
+        named, and nothing stays open. Blocking (the driver's first use initialises
+        it): the daemon calls it off its event loop."""
         uuid, raw = parse_handle(handle)
         drv = driver()
         ordinal = drv.ordinal_of(uuid)
-        drv.use(ordinal)
-        with _OPEN_LOCK:
-            entry = _OPENED.get(raw)
-            if entry is None:
-                ptr = _u64(0)
-                h = IpcHandle.from_buffer_copy(raw)
-                rc = drv.fn("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle")(
-                    ctypes.byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        with drv.current(ordinal):
+            with _OPEN_LOCK:
+                entry = _OPENED.get(raw)
+                if entry is None:
+                    ptr = _u64(0)
+                    h = IpcHandle.from_buffer_copy(raw)
+                    rc = drv.fn("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle")(
+                        ctypes.byref(ptr), h, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+                    )
+                    drv.check(rc, f"cuIpcOpenMemHandle(GPU {uuid})")
+                    entry = _OPENED[raw] = _Opened(int(ptr.value), 0, ordinal)
+                entry.users += 1
+            mem = cls(uuid, raw, ordinal, entry.address, nbytes)
+            try:
+                base, size = _u64(0), ctypes.c_size_t(0)
+                rc = drv.fn("cuMemGetAddressRange_v2", "cuMemGetAddressRange")(
+                    ctypes.byref(base), ctypes.byref(size), _u64(entry.address)
                 )
-                drv.check(rc, f"cuIpcOpenMemHandle(GPU {uuid})")
-                entry = _OPENED[raw] = [int(ptr.value), 0]
-            entry[1] += 1
-        mem = cls(uuid, raw, ordinal, entry[0], nbytes)
-        try:
-            base, size = _u64(0), ctypes.c_size_t(0)
-            rc = drv.fn("cuMemGetAddressRange_v2", "cuMemGetAddressRange")(
-                ctypes.byref(base), ctypes.byref(size), _u64(entry[0])
-            )
-            drv.check(rc, "cuMemGetAddressRange(opened allocation)")
-            if size.value != nbytes:
-                raise ProtocolError(
-                    f"cuda_ipc region refused: the allocation holds {size.value} bytes, "
-                    f"expected {nbytes}; register the whole allocation"
-                )
-        except BaseException:
-            mem.close()
-            raise
+                drv.check(rc, "cuMemGetAddressRange(opened allocation)")
+                entry.size = int(size.value)
+                check_opened_size(entry.size, nbytes)
+            except BaseException:
+                mem.close()
+                raise
         return mem
 
     @property
@@ -293,13 +348,12 @@ class CudaIpcMemory(DeviceMemory):
             entry = _OPENED.get(self._raw)
             if entry is None:
                 return
-            entry[1] -= 1
-            if entry[1] > 0:
+            entry.users -= 1
+            if entry.users > 0:
                 return
             del _OPENED[self._raw]
         drv = driver()
-        with contextlib.suppress(CudaError):
-            drv.use(self._ordinal)
+        with contextlib.suppress(CudaError), drv.current(self._ordinal):
             drv.check(drv.lib.cuIpcCloseMemHandle(_u64(self._address)), "cuIpcCloseMemHandle")
 
     def __repr__(self) -> str:
@@ -313,263 +367,207 @@ def _addr(buf: bytearray) -> int:
 # ---------------------------------------------------------------- copies
 
 
-class CudaEngine(CopyEngine):
-    """Copies to and from one GPU's memory on a stream of its own; one per device
-    per process (:meth:`for_device`), made when the first allocation is opened."""
+class _HostRegistrar:
+    """``cuMemHostRegister``/``cuMemHostUnregister`` for the pin table
+    (`transports.pins`), portable (every context of the process sees it), each call
+    with device ``ordinal``'s context pushed: an unregister may come from any thread
+    (a mapping's close)."""
+
+    def __init__(self, drv: _Driver, ordinal: int) -> None:
+        self._drv = drv
+        self._ordinal = ordinal
+
+    def register(self, address: int, nbytes: int) -> int:
+        with self._drv.current(self._ordinal):
+            return self._drv.fn("cuMemHostRegister_v2", "cuMemHostRegister")(
+                _vp(address), ctypes.c_size_t(nbytes), CU_MEMHOSTREGISTER_PORTABLE
+            )
+
+    def unregister(self, address: int) -> int:
+        with self._drv.current(self._ordinal):
+            return int(self._drv.lib.cuMemHostUnregister(_vp(address)))
+
+    def describe(self, rc: int) -> str:
+        return self._drv.error(rc)
+
+
+class CudaEngine(DeviceEngine):
+    """Copies to and from one GPU's memory, each batch on a stream of the engine's
+    (`transports.devcopy`); one per device per process (:meth:`for_device`), made
+    when the first allocation is opened (off the event loop)."""
 
     kind: ClassVar[str] = KIND
     _by_device: ClassVar[dict[int, CudaEngine]] = {}
+    _making: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, ordinal: int) -> None:
+        drv = driver()
+        super().__init__(_HostRegistrar(drv, ordinal))
         self.ordinal = ordinal
-        self._drv = driver()
-        self._drv.use(ordinal)
-        s = _vp()
-        self._drv.check(
-            self._drv.lib.cuStreamCreate(ctypes.byref(s), CU_STREAM_NON_BLOCKING), "cuStreamCreate"
-        )
-        self._stream = s
-        self._lock = asyncio.Lock()
-        #: host memory registered with the driver (page-locked): base address -> bytes
-        self.pinned: dict[int, int] = {}
+        self._drv = drv
+        self._peers: set[int] = set()  # devices whose memory this one reads directly
+        self._peer_lock = threading.Lock()
+        drv.context(ordinal)  # the device's primary context is made here, once
 
     @classmethod
     def for_device(cls, ordinal: int) -> CudaEngine:
-        engine = cls._by_device.get(ordinal)
-        if engine is None:
-            engine = cls._by_device[ordinal] = cls(ordinal)
-            add_engine(engine)
-        return engine
+        """The engine of device ``ordinal`` (made once, whichever thread asks first)."""
+        with cls._making:
+            engine = cls._by_device.get(ordinal)
+            if engine is None:
+                engine = cls._by_device[ordinal] = cls(ordinal)
+                add_engine(engine)
+            return engine
 
     def moves(self, dst_kind: str, src_kind: str) -> bool:
         return {dst_kind, src_kind} <= {KIND, HOST} and KIND in (dst_kind, src_kind)
 
-    # -- host registration
+    # -- the driver's part (`transports.devcopy`)
 
-    def pin(self, memory: MappedMemory) -> None:
-        """Register host ``memory`` with the driver once (in this thread's context):
-        later copies to and from it run page-locked. A region the driver will not
-        register is copied pageable (slower, never wrong)."""
-        if memory.address in self.pinned:
-            return
-        # Whole pages: a mapping is page-granular, and its size (exact bytes) need not be.
-        pages = -(-memory.size // mmap.PAGESIZE) * mmap.PAGESIZE
-        rc = self._drv.fn("cuMemHostRegister_v2", "cuMemHostRegister")(
-            _vp(memory.address), ctypes.c_size_t(pages), CU_MEMHOSTREGISTER_PORTABLE
+    def _current(self) -> AbstractContextManager[None]:
+        return self._drv.current(self.ordinal)
+
+    def _new_stream(self) -> Any:
+        s = _vp()
+        self._drv.check(
+            self._drv.lib.cuStreamCreate(ctypes.byref(s), CU_STREAM_NON_BLOCKING), "cuStreamCreate"
         )
-        if rc in (0, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED):
-            self.pinned[memory.address] = memory.size
+        return s
 
-    def forget_host(self, address: int) -> None:
-        if self.pinned.pop(address, None) is not None:
-            self._drv.use(self.ordinal)
-            self._drv.check(self._drv.lib.cuMemHostUnregister(_vp(address)), "cuMemHostUnregister")
+    def _new_bounce(self, nbytes: int) -> int:
+        p = _vp()
+        rc = self._drv.fn("cuMemHostAlloc")(
+            ctypes.byref(p), ctypes.c_size_t(nbytes), CU_MEMHOSTALLOC_PORTABLE
+        )
+        self._drv.check(rc, f"cuMemHostAlloc({nbytes} bytes of bounce buffer)")
+        return int(p.value or 0)
 
-    # -- copying
+    def _sync(self, stream: Any) -> None:
+        self._drv.check(self._drv.lib.cuStreamSynchronize(stream), "cuStreamSynchronize")
 
     def copy_now(self, dst: int, src: int, nbytes: int) -> None:
-        """One synchronous copy in this thread (unified addresses)."""
-        self._drv.use(self.ordinal)
-        self._drv.check(
-            self._drv.lib.cuMemcpyAsync(
-                _u64(dst), _u64(src), ctypes.c_size_t(nbytes), self._stream
-            ),
-            "cuMemcpyAsync",
-        )
-        self._drv.check(self._drv.lib.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
-
-    async def copy(
-        self,
-        dst: npt.NDArray[np.int64],
-        src: npt.NDArray[np.int64],
-        nbytes: npt.NDArray[np.int64],
-        host: list[MappedMemory],
-    ) -> None:
-        async with self._lock:  # one batch on the stream at a time
-            work = asyncio.ensure_future(
-                asyncio.to_thread(self._copy_batch, dst.copy(), src.copy(), nbytes.copy(), host)
-            )
+        """One synchronous copy in this thread (unified addresses; checks only: a
+        host side is this process's own buffer, not a client's)."""
+        with self._current():
+            lane = self._take_lane()
             try:
-                await asyncio.shield(work)
-            except asyncio.CancelledError:
-                # A copy on the device cannot be recalled: the caller may free the
-                # memory the moment it returns, so wait for the batch, then cancel.
-                while not work.done():
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await asyncio.shield(work)
-                raise
+                rc = self._drv.lib.cuMemcpyAsync(
+                    _u64(dst), _u64(src), ctypes.c_size_t(nbytes), lane.stream
+                )
+                self._drv.check(rc, "cuMemcpyAsync")
+            finally:
+                try:
+                    self._sync(lane.stream)
+                finally:
+                    self._give_lane(lane)
 
-    def _copy_batch(
+    def _issue(
         self,
+        stream: Any,
         dst: npt.NDArray[np.int64],
         src: npt.NDArray[np.int64],
         nbytes: npt.NDArray[np.int64],
-        host: list[MappedMemory],
     ) -> None:
         """Regular runs of reads (a strided block read row by row) as one 2-D copy
-        each; then small GPU-to-GPU reads as one indexed gather; the rest one
-        ``cuMemcpyAsync`` each; all on the engine's stream, synchronised."""
-        self._drv.use(self.ordinal)
-        for m in host:
-            self.pin(m)
+        each; then small reads within this device as one indexed gather; the rest
+        one ``cuMemcpyAsync`` each; all queued on ``stream``."""
+        ranges = opened_ranges()
+        self._reach(dst, src, nbytes, ranges)
         left = np.ones(len(dst), dtype=bool)
         for start, count, dpitch, spitch in strided_runs(dst, src, nbytes):
             self._copy_2d(
-                int(dst[start]), int(src[start]), int(nbytes[start]), count, dpitch, spitch, start
+                stream,
+                (int(dst[start]), int(src[start]), int(nbytes[start])),
+                (count, dpitch, spitch),
+                start,
             )
             left[start : start + count] = False
-        on_host = np.zeros(len(dst), dtype=bool)
-        for m in host:
-            lo, hi = m.address, m.address + m.size
-            on_host |= ((lo <= dst) & (dst < hi)) | ((lo <= src) & (src < hi))
+        mine = [(a, n) for a, n, o in ranges if o == self.ordinal]
         aligned = ((dst | src | nbytes) % GATHER_UNIT) == 0
-        small = left & ~on_host & aligned & (nbytes <= SMALL_PIECE)
+        small = left & aligned & (nbytes <= SMALL_PIECE)
+        # Only where both ends are this device's memory: a span reaching into another
+        # device's (or host) memory is an illegal address, and that error is sticky.
+        small &= on_one_device(dst, nbytes, mine) & on_one_device(src, nbytes, mine)
         if int(small.sum()) <= 1:
             small[:] = False
         copy = self._drv.lib.cuMemcpyAsync
         for i in np.flatnonzero(left & ~small).tolist():
-            rc = copy(
-                _u64(int(dst[i])), _u64(int(src[i])), ctypes.c_size_t(int(nbytes[i])), self._stream
-            )
+            rc = copy(_u64(int(dst[i])), _u64(int(src[i])), ctypes.c_size_t(int(nbytes[i])), stream)
             if rc != 0:
                 self._drv.check(rc, f"cuMemcpyAsync of read #{i}", i)
         if small.any():
-            self._gather(dst[small], src[small], nbytes[small])
-        self._drv.check(self._drv.lib.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+            self._gather(stream, dst[small], src[small], nbytes[small])
+
+    def _reach(
+        self,
+        dst: npt.NDArray[np.int64],
+        src: npt.NDArray[np.int64],
+        nbytes: npt.NDArray[np.int64],
+        ranges: list[tuple[int, int, int]],
+    ) -> None:
+        """Enable peer access from this device to every other device whose opened
+        memory the reads touch (once each), so the copies go device to device
+        instead of through host memory. A pair the hardware cannot connect is left
+        to the driver, which then stages (slower, never wrong)."""
+        others = {o for _, _, o in ranges if o != self.ordinal and o not in self._peers}
+        for other in sorted(others):
+            theirs = [(a, n) for a, n, o in ranges if o == other]
+            if not (
+                on_one_device(dst, nbytes, theirs).any() or on_one_device(src, nbytes, theirs).any()
+            ):
+                continue
+            with self._peer_lock:
+                if other in self._peers:
+                    continue
+                can, dev, peer = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+                self._drv.check(
+                    self._drv.lib.cuDeviceGet(ctypes.byref(dev), self.ordinal), "cuDeviceGet"
+                )
+                self._drv.check(self._drv.lib.cuDeviceGet(ctypes.byref(peer), other), "cuDeviceGet")
+                self._drv.check(
+                    self._drv.lib.cuDeviceCanAccessPeer(ctypes.byref(can), dev, peer),
+                    "cuDeviceCanAccessPeer",
+                )
+                if can.value:
+                    rc = self._drv.lib.cuCtxEnablePeerAccess(_vp(self._drv.context(other)), 0)
+                    if rc not in (0, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+                        self._drv.check(rc, f"cuCtxEnablePeerAccess(GPU {self.ordinal} -> {other})")
+                self._peers.add(other)
 
     def _copy_2d(
-        self, dst: int, src: int, width: int, height: int, dpitch: int, spitch: int, first: int
+        self, stream: Any, read: tuple[int, int, int], run: tuple[int, int, int], first: int
     ) -> None:
         """``height`` rows of ``width`` bytes, ``spitch`` apart at ``src`` and ``dpitch``
-        apart at ``dst`` (unified addresses), as one copy on the stream."""
+        apart at ``dst`` (unified addresses), as one copy on ``stream``."""
+        dst, src, width = read
+        height, dpitch, spitch = run
         c = _Memcpy2D()
         c.srcMemoryType = c.dstMemoryType = CU_MEMORYTYPE_UNIFIED
         c.srcDevice, c.srcPitch = src, spitch
         c.dstDevice, c.dstPitch = dst, dpitch
         c.WidthInBytes, c.Height = width, height
-        rc = self._drv.fn("cuMemcpy2DAsync_v2", "cuMemcpy2DAsync")(ctypes.byref(c), self._stream)
+        rc = self._drv.fn("cuMemcpy2DAsync_v2", "cuMemcpy2DAsync")(ctypes.byref(c), stream)
         self._drv.check(rc, f"cuMemcpy2DAsync of reads #{first}..#{first + height - 1}", first)
 
     def _gather(
-        self, dst: npt.NDArray[np.int64], src: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]
+        self,
+        stream: Any,
+        dst: npt.NDArray[np.int64],
+        src: npt.NDArray[np.int64],
+        nbytes: npt.NDArray[np.int64],
     ) -> None:
-        """Small GPU-to-GPU reads as one indexed copy (:func:`gather_units`) over the
-        device address space they span."""
+        """Small reads within this device as one indexed copy (:func:`gather_units`)
+        over the device address space they span, queued on ``stream`` (the batch's
+        own: ordered with its other copies and fenced with them)."""
         import torch
 
         try:
-            with torch.cuda.device(self.ordinal):
+            dev = torch.device("cuda", self.ordinal)
+            on = torch.cuda.ExternalStream(int(stream.value or 0), device=dev)  # type: ignore[no-untyped-call]
+            with torch.cuda.device(self.ordinal), torch.cuda.stream(on):
                 lo = int(min(dst.min(), src.min()))
                 hi = int(max((dst + nbytes).max(), (src + nbytes).max()))
-                space = torch.as_tensor(_Span(lo, (hi - lo) // GATHER_UNIT), device="cuda")
+                space = torch.as_tensor(_Span(lo, (hi - lo) // GATHER_UNIT), device=dev)
                 gather_units(space, lo, dst, src, nbytes)
-                torch.cuda.current_stream().synchronize()
         except RuntimeError as exc:  # PyTorch reports CUDA errors as RuntimeError
             raise CudaError(f"indexed GPU gather of {len(dst)} reads failed: {exc}") from exc
-
-
-def gather_units(
-    space: torch.Tensor,
-    base: int,
-    dst: npt.NDArray[np.int64],
-    src: npt.NDArray[np.int64],
-    nbytes: npt.NDArray[np.int64],
-) -> None:
-    """Copy ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]`` (every one a
-    multiple of :data:`GATHER_UNIT`, inside ``space``: int64 units of memory starting
-    at address ``base``; reads validated, destinations disjoint) with one indexed copy
-    on ``space``'s device. The indices are built there from one start and one count
-    per read, so a 4 KiB read costs 24 bytes of upload, not a call of its own."""
-    import torch
-
-    dev = space.device
-    counts = torch.from_numpy(nbytes // GATHER_UNIT).to(dev)
-    d0 = torch.from_numpy((dst - base) // GATHER_UNIT).to(dev)
-    s0 = torch.from_numpy((src - base) // GATHER_UNIT).to(dev)
-    total = int(nbytes.sum()) // GATHER_UNIT
-    first = torch.cumsum(counts, 0) - counts
-    step = torch.arange(total, device=dev) - torch.repeat_interleave(
-        first, counts, output_size=total
-    )
-    di = torch.repeat_interleave(d0, counts, output_size=total) + step
-    si = torch.repeat_interleave(s0, counts, output_size=total) + step
-    space[di] = space[si]
-
-
-CU_MEMORYTYPE_UNIFIED = 4
-MAX_PITCH = (1 << 31) - 1
-"""Bytes: the widest row pitch a 2-D copy is given (the driver's limit is of this order)."""
-MIN_RUN = 4
-"""Reads: a regular run shorter than this is copied read by read."""
-
-
-class _Memcpy2D(ctypes.Structure):
-    """``CUDA_MEMCPY2D`` of the driver API (cuda.h), field for field."""
-
-    _fields_ = [
-        ("srcXInBytes", ctypes.c_size_t),
-        ("srcY", ctypes.c_size_t),
-        ("srcMemoryType", ctypes.c_int),
-        ("srcHost", ctypes.c_void_p),
-        ("srcDevice", ctypes.c_uint64),
-        ("srcArray", ctypes.c_void_p),
-        ("srcPitch", ctypes.c_size_t),
-        ("dstXInBytes", ctypes.c_size_t),
-        ("dstY", ctypes.c_size_t),
-        ("dstMemoryType", ctypes.c_int),
-        ("dstHost", ctypes.c_void_p),
-        ("dstDevice", ctypes.c_uint64),
-        ("dstArray", ctypes.c_void_p),
-        ("dstPitch", ctypes.c_size_t),
-        ("WidthInBytes", ctypes.c_size_t),
-        ("Height", ctypes.c_size_t),
-    ]
-
-
-def strided_runs(
-    dst: npt.NDArray[np.int64],
-    src: npt.NDArray[np.int64],
-    nbytes: npt.NDArray[np.int64],
-    min_count: int = MIN_RUN,
-) -> list[tuple[int, int, int, int]]:
-    """Runs of consecutive reads that are one 2-D copy: ``(first read, count, dst
-    pitch, src pitch)``, every read of a run ``nbytes`` long, each ``dst pitch``
-    after the last at the destination and ``src pitch`` at the source, both pitches
-    at least the width (rows do not overlap) and at most :data:`MAX_PITCH`. A pack
-    spec read directly (a strided block, row by row) is one run. Runs shorter than
-    ``min_count`` are not listed."""
-    d, s, b = dst.tolist(), src.tolist(), nbytes.tolist()
-    n, runs, i = len(d), [], 0
-    while i < n:
-        end = i + 1
-        if end < n and b[end] == b[i] and b[i] > 0:
-            dp, sp = d[end] - d[i], s[end] - s[i]
-            if b[i] <= dp <= MAX_PITCH and b[i] <= sp <= MAX_PITCH:
-                end += 1
-                while (
-                    end < n
-                    and b[end] == b[i]
-                    and d[end] - d[end - 1] == dp
-                    and s[end] - s[end - 1] == sp
-                ):
-                    end += 1
-                if end - i >= min_count:
-                    runs.append((i, end - i, dp, sp))
-                    i = end
-                    continue
-        i += 1
-    return runs
-
-
-class _Span:
-    """``count`` int64 units of device memory at ``base``, as PyTorch imports it
-    (``__cuda_array_interface__``): no copy, no ownership."""
-
-    def __init__(self, base: int, count: int) -> None:
-        self.__cuda_array_interface__: dict[str, Any] = {
-            "shape": (count,),
-            "typestr": "<i8",
-            "data": (base, False),
-            "version": 3,
-            "strides": None,
-        }

@@ -3,16 +3,19 @@
 ``libcuda.so.1`` is what every host with an NVIDIA driver has, so refitd needs no
 CUDA toolkit and no Python CUDA package. Nothing runs at import: :func:`missing`
 loads the driver and lists devices (no context), and a device's primary context
-(the one PyTorch uses) is retained and made current only by :meth:`_Driver.use`.
+(the one PyTorch uses) is retained only when first used, and made current only
+for the block of :meth:`_Driver.current` (pushed, then popped: a caller's thread
+keeps its own context).
 
 NOTE: never run on a GPU yet; its first run is ``tests/gpu/run-on-device.sh``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import cache
 
 from refitd.errors import NotFoundError
@@ -97,9 +100,9 @@ class _Driver:
                 return i
         raise NotFoundError(f"GPU {uuid} is not a device of this host")
 
-    def use(self, ordinal: int) -> None:
-        """Make device ``ordinal``'s primary context (the one PyTorch uses) current
-        in this thread, retaining it the first time: the context is created here."""
+    def context(self, ordinal: int) -> int:
+        """Device ``ordinal``'s primary context (the one PyTorch uses), retained the
+        first time it is asked for (that is when it is created)."""
         with self._lock:
             ctx = self._contexts.get(ordinal)
             if ctx is None:
@@ -111,7 +114,27 @@ class _Driver:
                     "cuDevicePrimaryCtxRetain",
                 )
                 ctx = self._contexts[ordinal] = int(c.value or 0)
-        self.check(self.lib.cuCtxSetCurrent(_vp(ctx)), "cuCtxSetCurrent")
+            return ctx
+
+    @contextlib.contextmanager
+    def current(self, ordinal: int) -> Iterator[None]:
+        """Device ``ordinal``'s primary context current in this thread for the block,
+        and the thread's own context (or none) current again after it: pushed and
+        popped, never set, so a caller's thread (a trainer's, the garbage
+        collector's) keeps the context it had."""
+        ctx = self.context(ordinal)
+        self.check(self.fn("cuCtxPushCurrent_v2", "cuCtxPushCurrent")(_vp(ctx)), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            out = _vp()
+            self.fn("cuCtxPopCurrent_v2", "cuCtxPopCurrent")(ctypes.byref(out))
+
+    def current_context(self) -> int:
+        """The context current in this thread (0: none)."""
+        c = _vp()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(c)), "cuCtxGetCurrent")
+        return int(c.value or 0)
 
 
 @cache

@@ -38,6 +38,8 @@ import numpy.typing as npt
 
 from refitd.errors import TransportError
 
+from .pins import PINS
+
 __all__ = [
     "HOST",
     "CopyEngine",
@@ -195,7 +197,10 @@ def add_engine(engine: CopyEngine) -> None:
 
 
 def forget_host(address: int) -> None:
-    """Tell every engine that the host memory at ``address`` goes away."""
+    """The host memory mapped at ``address`` goes away (called before it is
+    unmapped): its registration with a device driver is dropped
+    (`transports.pins`), and every engine is told."""
+    PINS.forget(address)
     for e in _ENGINES:
         with contextlib.suppress(TransportError):
             e.forget_host(address)

@@ -43,6 +43,8 @@ import numpy.typing as npt
 
 from refitd.errors import ConflictError, NotFoundError, ProtocolError
 
+from .memory import forget_host
+
 if TYPE_CHECKING:
     import torch
 
@@ -319,6 +321,9 @@ class SharedSegment:
         if self._base is None:
             return
         self._base = None
+        # Before the unmap: a driver registration that outlived it would leave the
+        # pages locked and the range translated to them (transports.pins).
+        forget_host(self._address)
         if self.owner:
             self.unlink()
         assert self._mmap is not None
