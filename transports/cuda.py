@@ -56,7 +56,7 @@ from refitd.errors import ConflictError, ProtocolError
 from .cudacopies import (
     CU_MEMORYTYPE_UNIFIED,
     GATHER_UNIT,
-    SMALL_PIECE,
+    gather_mask,
     gather_units,
     on_one_device,
     strided_runs,
@@ -483,13 +483,7 @@ class CudaEngine(DeviceEngine):
             )
             left[start : start + count] = False
         mine = [(a, n) for a, n, o in ranges if o == self.ordinal]
-        aligned = ((dst | src | nbytes) % GATHER_UNIT) == 0
-        small = left & aligned & (nbytes <= SMALL_PIECE)
-        # Only where both ends are this device's memory: a span reaching into another
-        # device's (or host) memory is an illegal address, and that error is sticky.
-        small &= on_one_device(dst, nbytes, mine) & on_one_device(src, nbytes, mine)
-        if int(small.sum()) <= 1:
-            small[:] = False
+        small = gather_mask(dst, src, nbytes, left, mine)
         copy = self._drv.lib.cuMemcpyAsync
         for i in np.flatnonzero(left & ~small).tolist():
             rc = copy(_u64(int(dst[i])), _u64(int(src[i])), ctypes.c_size_t(int(nbytes[i])), stream)

@@ -23,6 +23,7 @@ __all__ = [
     "SMALL_PIECE",
     "Memcpy2D",
     "Span",
+    "gather_mask",
     "gather_units",
     "on_one_device",
     "strided_runs",
@@ -52,6 +53,28 @@ def on_one_device(
         found & (addresses >= base) & (addresses + nbytes <= base + size)
     )
     return inside
+
+
+def gather_mask(
+    dst: npt.NDArray[np.int64],
+    src: npt.NDArray[np.int64],
+    nbytes: npt.NDArray[np.int64],
+    left: npt.NDArray[np.bool_],
+    mine: list[tuple[int, int]],
+) -> npt.NDArray[np.bool_]:
+    """Which reads of a batch one indexed gather copies: of those ``left`` (not in a
+    2-D run), the small (at most :data:`SMALL_PIECE`), :data:`GATHER_UNIT`-aligned
+    ones whose two ends both lie in memory of the engine's own device (``mine``:
+    its allocations, ``(base, bytes)``); none unless at least two are. The gather
+    indexes one span of device memory from its lowest to its highest address: a
+    span reaching into another device's memory (or host memory) is an illegal
+    address, and that error is sticky (every later copy of the process fails)."""
+    aligned = ((dst | src | nbytes) % GATHER_UNIT) == 0
+    small: npt.NDArray[np.bool_] = left & aligned & (nbytes <= SMALL_PIECE)
+    small &= on_one_device(dst, nbytes, mine) & on_one_device(src, nbytes, mine)
+    if int(small.sum()) <= 1:
+        small[:] = False
+    return small
 
 
 def gather_units(
