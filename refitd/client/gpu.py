@@ -61,7 +61,8 @@ async def attach_tensor(
     per allocation: a second registration of the same memory is refused (409)."""
     from transports.cuda import export_allocation
 
-    exported = export_allocation(tensor.data_ptr())
+    # The tensor's own device: the driver is asked in its context, pushed and popped.
+    exported = export_allocation(tensor.data_ptr(), tensor.device.index)
     info = await client.attach_region(
         exported.handle, exported.size, kind=RegionKind.CUDA_IPC, label=label, owner=owner
     )
