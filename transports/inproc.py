@@ -30,7 +30,7 @@ from .interface import (
     Transport,
     TransportClosed,
 )
-from .memory import HOST, DeviceFault, copy_by_kind, forget_host
+from .memory import DeviceFault, copy_by_kind
 
 # token -> live in-process transport; weak so a dropped transport disappears.
 _LIVE: weakref.WeakValueDictionary[str, InProcessTransport] = weakref.WeakValueDictionary()
@@ -144,8 +144,8 @@ class InProcessTransport(Transport):
         region = self._regions.pop(region_id, None)
         if region is None:
             raise NotFoundError(f"deregistering region {region_id} refused: not registered")
-        if region.segment.kind == HOST:
-            forget_host(region.segment.address)  # an engine may have registered it
+        # A device driver's registration of host memory belongs to its mapping, not to
+        # a region: it goes when the mapping is closed (transports.pins), off the loop.
 
     def registers(self, memory: MappedMemory) -> bool:
         """Every kind: reads in this process go through the memory's own engine

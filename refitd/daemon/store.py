@@ -82,6 +82,27 @@ def _close_made(made: asyncio.Future[SharedSegment]) -> None:
         made.result().close()  # its owner: unmapped and unlinked
 
 
+async def _opened_off_loop(req: RegionAttach) -> MappedMemory:
+    """The memory a client names, opened in a worker thread: a GPU allocation's
+    first opening loads and initialises the CUDA driver, retains a context and
+    opens the IPC handle (``cuInit``, ``cuIpcOpenMemHandle``: a blocking call each,
+    0.15 s for the first handle on the measured GPU machine). A caller cancelled
+    meanwhile leaves nothing open: it is closed when the thread is done."""
+    opened = asyncio.get_running_loop().run_in_executor(
+        None, attach_memory, req.kind, req.handle, req.nbytes
+    )
+    try:
+        return await asyncio.shield(opened)
+    except asyncio.CancelledError:
+        opened.add_done_callback(_close_opened)
+        raise
+
+
+def _close_opened(opened: asyncio.Future[MappedMemory]) -> None:
+    if not opened.cancelled() and opened.exception() is None:
+        opened.result().close()
+
+
 def _check_holder_uid(req: RegionAttach, uid: int) -> None:
     """Refuse memory that proves no owner unless it comes with its ``holder``, a live
     process of the caller's kernel-named ``uid``: the region then lives exactly as
@@ -350,7 +371,7 @@ class RegionStore:
                 )
             if uid is not None:
                 _check_holder_uid(req, uid)
-        seg = attach_memory(req.kind, req.handle, req.nbytes)
+        seg = await _opened_off_loop(req)
         if seg.owner_uid is not None and uid is not None and seg.owner_uid != uid:
             seg.close()
             raise AccessDenied(
@@ -407,7 +428,9 @@ class RegionStore:
         seg = self.segments.pop(region_id)
         if self._memory.get(seg.identity) == region_id:
             del self._memory[seg.identity]
-        seg.close()
+        # Off the loop: a host mapping's close unregisters it from a device driver
+        # first (cuMemHostUnregister), a GPU region's closes its IPC mapping.
+        await asyncio.shield(asyncio.to_thread(seg.close))
         return info
 
     def view(self, region_id: int) -> memoryview:

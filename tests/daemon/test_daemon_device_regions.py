@@ -261,3 +261,27 @@ async def test_a_device_error_in_a_staged_pull_fails_it_and_its_staging_goes() -
             await n.client.pull(req)
         assert {r for r, _, _ in failed.value.progress.suspect} == {dst.region_id}  # type: ignore[attr-defined]
         assert "device-staging" not in [r.label for r in await n.client.regions()]
+
+
+async def test_deleting_a_region_a_device_copied_unregisters_it_off_the_event_loop() -> None:
+    import threading
+
+    from support.devices import DRIVER
+
+    from transports.pins import PINS
+
+    engine = HostDeviceEngine()
+    async with served() as (d, c):
+        src, memory = await device_region(d, engine, "weights")
+        memory.write(0, bytes(range(256)) * (N // 256))
+        await publish(c, "dev", src.region_id)
+        lease = (await c.acquire_lease("dev", 1, 600.0)).lease_id
+        dst = await c.create_region(N, label="dst")
+        rows = np.array([(src.region_id, 0, dst.region_id, 0, N)], dtype=np.int64)
+        await c.pull(request("dev", lease, rows))
+        address = d.store.segments[dst.region_id].address
+        assert address in PINS.pinned(), "the destination was not registered"
+        await c.delete_region(dst.region_id)
+        assert address not in PINS.pinned() and address not in DRIVER.registered
+        (thread,) = [t for call, a, t in DRIVER.calls if call == "unregister" and a == address]
+        assert thread != threading.get_ident(), "the driver's unregister ran on the event loop"
