@@ -6,7 +6,10 @@ pull over them whose destinations include device memory reads through a
 :class:`StagedPeer`: each batch's device-bound reads land first in a host staging
 region of this daemon (a few slots, each at most :data:`SLOT_BYTES`), and the
 same-host data plane then copies them on through the device's engine (host to GPU,
-page-locked: the engine registers the staging region once). With the pull's
+page-locked). The staging regions are kept between pulls (:class:`StagingRegions`):
+making one backs every byte, and the engine's first copy registers it with the
+driver, both in proportion to its size; a pull takes one already made and
+registered, and gives it back when it ends. With the pull's
 batches in flight two at a time, one batch's copy to the device overlaps the next
 one's network read, so the link, not the staging, sets the pace.
 
@@ -18,7 +21,7 @@ the source side needs).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -26,13 +29,61 @@ import numpy.typing as npt
 from transports.batch import ReadBatch, as_read_batch
 from transports.interface import Peer, PeerInfo
 
-__all__ = ["SLOTS", "SLOT_BYTES", "StagedPeer"]
+__all__ = ["KEEP", "SLOTS", "SLOT_BYTES", "StagedPeer", "StagingRegions"]
 
 SLOT_BYTES = 64 << 20
 """Bytes of one staging slot: a batch's device-bound reads go through it in parts of
 at most this much (a read is at most the path's piece, 32 MiB, so it always fits)."""
 SLOTS = 2
 """Staging slots: one per batch a pull has in flight (`refitd.daemon.pulls.IN_FLIGHT`)."""
+KEEP = 1
+"""Staging regions kept idle between pulls (each ``SLOTS * SLOT_BYTES`` bytes); pulls
+running at once beyond it make their own, dropped when they end."""
+
+
+class StagingRegions:
+    """The daemon's host staging regions for device-bound reads, kept between pulls.
+
+    ``make`` creates one (a daemon-owned region; its id), ``exists`` says whether a
+    region id is still one of the daemon's, ``drop`` deletes one. :meth:`take` hands
+    out an idle region (made, backed and registered by an earlier pull) or a new
+    one; :meth:`give` keeps up to ``keep`` idle and drops the rest."""
+
+    def __init__(
+        self,
+        make: Callable[[], Awaitable[int]],
+        exists: Callable[[int], bool],
+        drop: Callable[[int], Awaitable[None]],
+        keep: int = KEEP,
+    ) -> None:
+        self._make = make
+        self._exists = exists
+        self._drop = drop
+        self._keep = keep
+        self._idle: list[int] = []
+        #: staging regions made since the daemon started (a reused one is not counted)
+        self.made = 0
+
+    async def take(self) -> int:
+        while self._idle:
+            rid = self._idle.pop()
+            if self._exists(rid):  # it may have been deleted meanwhile
+                return rid
+        rid = await self._make()
+        self.made += 1
+        return rid
+
+    async def give(self, region_id: int) -> None:
+        if not self._exists(region_id):
+            return
+        if len(self._idle) < self._keep:
+            self._idle.append(region_id)
+            return
+        await self._drop(region_id)
+
+    @property
+    def idle(self) -> list[int]:
+        return list(self._idle)
 
 
 class StagedPeer(Peer):

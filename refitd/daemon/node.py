@@ -52,6 +52,7 @@ from refitd.wire import (
 )
 from refitd.wire.mirrors import HolderJoin
 from transports.local import Copier
+from transports.pins import PINS
 from transports.segments import cleanup_stale, huge_page_mode
 from transports.shm import ShmTransport
 from transports.shm import boot_id as host_boot_id
@@ -111,6 +112,8 @@ class Daemon:
         self.incarnation = time.time_ns()
         self.clock = clock
         self.limits: LimitsConfig = config.limits
+        # The host memory locked for GPU copies is the process's (transports.pins).
+        PINS.limit(config.data_plane.max_pinned_bytes)
         self.registry = Registry(
             self.node_id, self.incarnation, clock, pending_ttl_s=self.limits.pending_ttl_s
         )

@@ -39,7 +39,7 @@ import numpy as np
 from aiohttp import web
 
 from refitd.daemon import pullcore
-from refitd.daemon.devstaging import SLOT_BYTES, SLOTS, StagedPeer
+from refitd.daemon.devstaging import SLOT_BYTES, SLOTS, StagedPeer, StagingRegions
 from refitd.daemon.listeners import Caller, PullListener, anyone
 from refitd.daemon.move import IN_FLIGHT, move
 from refitd.daemon.node import Daemon
@@ -107,7 +107,7 @@ class PullJob:
     #: memory only): its bytes go through those kinds' copy engines, and it says so
     devices: str = ""
     #: over a host-memory data plane, the connection staging its device-bound reads
-    #: (:mod:`refitd.daemon.devstaging`); its staging region goes when the pull ends
+    #: (:mod:`refitd.daemon.devstaging`); its staging region is given back when the pull ends
     device_staging: StagedPeer | None = None
 
     def progress(self, n_desc: int, n_bytes: int) -> None:
@@ -166,6 +166,10 @@ class PullManager:
         #: host mirrors' hook (:mod:`refitd.daemon.mirrors`): a pull from a remote
         #: source rewritten to read this daemon's mirror of the version, or None
         self.redirect: Callable[[PullRequest, str], Awaitable[Redirect | None]] | None = None
+        #: host staging regions of device-bound reads, kept between pulls
+        self.staging_regions = StagingRegions(
+            self._make_staging, lambda rid: rid in self.store.segments, self._drop_staging
+        )
 
     def listen(self, listener: PullListener) -> None:
         """Tell ``listener`` of every pull submitted from now on (after the others)."""
@@ -368,8 +372,7 @@ class PullManager:
             if job.device_staging is not None:
                 await job.device_staging.close()
                 with contextlib.suppress(RefitError):
-                    rid = job.device_staging.staging
-                    await self.store.drop(rid, self.store.regions.get(rid))
+                    await self.staging_regions.give(job.device_staging.staging)
             job.pins.close()
             self.store.reap_soon()  # an exited client's region this pull held may go now
             if staged is not None:
@@ -471,13 +474,21 @@ class PullManager:
 
     async def _staged(self, conn: Peer, rows: np.ndarray) -> StagedPeer:
         """``conn`` (a host-memory data plane's) with the reads into this daemon's
-        device memory staged through a host region made for this pull."""
+        device memory staged through a host staging region (one kept from an earlier
+        pull where one is idle)."""
         targets = [int(r) for r in np.unique(rows[:, 2]).tolist()]
         devices = [r for r in targets if self.store.device_kinds([r])]
+        staging = await self.staging_regions.take()
+        return StagedPeer(conn, self.plane.shm.loopback(), staging, devices)
+
+    async def _make_staging(self) -> int:
         info = await self.store.create_region(
             RegionCreate(SLOTS * SLOT_BYTES, label="device-staging")
         )
-        return StagedPeer(conn, self.plane.shm.loopback(), info.region_id, devices)
+        return info.region_id
+
+    async def _drop_staging(self, region_id: int) -> None:
+        await self.store.drop(region_id, self.store.regions.get(region_id))
 
     async def _move(
         self,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from support.daemons import Served, daemon_config, serving_daemons
 from support.daemons import served as serve
-from support.devices import HostDeviceEngine, HostDeviceMemory
+from support.devices import DRIVER, HostDeviceEngine, HostDeviceMemory
 
 from refitd.client.http import RefitClient
 from refitd.daemon.node import Daemon
@@ -228,7 +228,9 @@ async def test_status_counts_the_gpu_regions_apart_from_host_ones() -> None:
         assert (got["regions"], got["gpu_regions"], got["gpu_region_bytes"]) == (2, 1, N)
 
 
-async def test_over_tcp_device_bound_reads_are_staged_through_host_memory_and_land() -> None:
+async def test_over_tcp_device_bound_reads_are_staged_through_one_kept_host_region_and_land() -> (
+    None
+):
     engine = HostDeviceEngine()
     async with two_hosts() as (f, n):
         src, data, lease = await host_source(f.client, "m")
@@ -237,6 +239,7 @@ async def test_over_tcp_device_bound_reads_are_staged_through_host_memory_and_la
         rows, perm = shuffled(src.region_id, dst.region_id)
         rows[::2, 2] = host_dst.region_id  # half the pieces to host memory, unstaged
         req = PullRequest("m", 1, lease, DescriptorTable.pack(rows), [], f.url)
+        calls = len(DRIVER.calls)
         done = await n.client.pull(req)
         assert done.path == "tcp+hostdev"
         got = np.frombuffer(memory.read(0, N), np.uint8).reshape(-1, PIECE)
@@ -245,11 +248,16 @@ async def test_over_tcp_device_bound_reads_are_staged_through_host_memory_and_la
         with SharedSegment.attach(host_dst.handle, N) as seg:
             assert np.array_equal(seg.numpy().reshape(-1, PIECE)[::2], want[::2])
         assert engine.batches >= 1, "the device-bound pieces did not go through the engine"
-        labels = [r.label for r in await n.client.regions()]
-        assert "device-staging" not in labels, "the pull's staging region outlived it"
+        (staging,) = [r for r in await n.client.regions() if r.label == "device-staging"]
+        # Kept for the next pull, which takes it as it is: made, backed and registered
+        # with the driver once, not once per pull.
+        await n.client.pull(req)
+        assert [r for r in await n.client.regions() if r.label == "device-staging"] == [staging]
+        address = n.daemon.store.segments[staging.region_id].address
+        assert [a for c, a, _ in DRIVER.calls[calls:] if c == "register"].count(address) == 1
 
 
-async def test_a_device_error_in_a_staged_pull_fails_it_and_its_staging_goes() -> None:
+async def test_a_device_error_in_a_staged_pull_fails_it_and_its_staging_serves_the_next() -> None:
     engine = HostDeviceEngine()
     async with two_hosts() as (f, n):
         src, _, lease = await host_source(f.client, "m")
@@ -260,13 +268,14 @@ async def test_a_device_error_in_a_staged_pull_fails_it_and_its_staging_goes() -
         with pytest.raises(RefitError, match="HOSTDEV_ERROR") as failed:
             await n.client.pull(req)
         assert {r for r, _, _ in failed.value.progress.suspect} == {dst.region_id}  # type: ignore[attr-defined]
-        assert "device-staging" not in [r.label for r in await n.client.regions()]
+        # Its staging region is given back whole: the next pull takes it and lands.
+        (staging,) = [r for r in await n.client.regions() if r.label == "device-staging"]
+        await n.client.pull(req)
+        assert [r for r in await n.client.regions() if r.label == "device-staging"] == [staging]
 
 
 async def test_deleting_a_region_a_device_copied_unregisters_it_off_the_event_loop() -> None:
     import threading
-
-    from support.devices import DRIVER
 
     from transports.pins import PINS
 
@@ -285,3 +294,24 @@ async def test_deleting_a_region_a_device_copied_unregisters_it_off_the_event_lo
         assert address not in PINS.pinned() and address not in DRIVER.registered
         (thread,) = [t for call, a, t in DRIVER.calls if call == "unregister" and a == address]
         assert thread != threading.get_ident(), "the driver's unregister ran on the event loop"
+
+
+async def test_a_daemon_locks_no_host_memory_past_its_pinned_cap_and_still_lands_the_bytes() -> (
+    None
+):
+    from transports.pins import PINS
+
+    engine = HostDeviceEngine()
+    d = Daemon(daemon_config(node_id="capped", transport="shm", max_pinned_bytes=0))
+    try:
+        async with listening(d) as (_, url), RefitClient(url) as c:
+            src, data, lease = await host_source(c, "m")
+            dst, memory = await device_region(d, engine, "engine")
+            rows, perm = shuffled(src.region_id, dst.region_id)
+            await c.pull(request("m", lease, rows))
+            got = np.frombuffer(memory.read(0, N), np.uint8).reshape(-1, PIECE)
+            assert np.array_equal(got, data.reshape(-1, PIECE)[perm])
+            assert engine.pinned == [] and engine.bounced_bytes == N
+            assert d.store.segments[src.region_id].address not in PINS.pinned()
+    finally:
+        PINS.limit(None)  # the table is the process's: the next test's default
