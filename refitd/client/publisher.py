@@ -13,6 +13,7 @@ before rewriting tensors for a new version on the same memory, call
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -72,6 +73,8 @@ class Publisher:
         self._views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
         #: GPU allocations registered for :meth:`place`: base address -> (region, size)
         self._gpu: dict[int, tuple[RegionInfo, int]] = {}
+        #: devices of the tensors placed, fenced before each publish
+        self._gpu_devices: set[int] = set()
 
     async def __aenter__(self) -> Self:
         return self
@@ -170,6 +173,7 @@ class Publisher:
                 f"{t.shape} {t.dtype}"
             )
         region, at = await self._gpu_region(value)
+        self._gpu_devices.add(value.device.index if value.device.index is not None else 0)
         shard = ShardEntry(offset, tuple(value.shape), region.region_id, at)
         t.shards = [s for s in t.shards if tuple(s.offset) != tuple(offset)] + [shard]
 
@@ -210,8 +214,17 @@ class Publisher:
 
     async def publish(self, version: int) -> VersionInfo:
         """Publish this slot's manifest for ``version``. Refused (ConflictError) while
-        the version is leased."""
+        the version is leased. Tensors placed on a GPU are fenced first: every kernel
+        queued on their devices so far (the optimizer's writes into them) has run
+        before the daemon may read them, which it does on streams of its own, in
+        another process, ordered after nothing of this one's."""
+        if self._gpu_devices:
+            await asyncio.to_thread(self._fence_devices)
         return await self.client.publish(self.manifest(version))
+
+    def _fence_devices(self) -> None:
+        for ordinal in sorted(self._gpu_devices):
+            torch.cuda.synchronize(ordinal)
 
     async def wait_drain(self, version: int, timeout_s: float = 60.0) -> VersionInfo:
         """Retire ``version`` (no new leases) and wait until no reader holds one
@@ -221,6 +234,7 @@ class Publisher:
     async def close(self) -> None:
         """Unmap our views of the regions (the daemon keeps and later frees them)."""
         self._views.clear()
+        self._gpu_devices.clear()
         self._gpu.clear()  # the GPU regions stay with the daemon, as the others do
         for r in self._regions:
             r.seg.close()

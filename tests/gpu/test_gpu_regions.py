@@ -190,6 +190,32 @@ async def test_pulls_between_gpu_and_host_regions_land_byte_exact(
     assert torch.equal(got, want), f"{src_kind} -> {dst_kind} 4 KiB pieces landed wrong bytes"
 
 
+async def test_a_placed_tensor_is_published_only_once_the_writes_queued_into_it_ran(
+    node: tuple[SpawnedDaemon, RefitClient],
+) -> None:
+    import torch
+
+    from refitd.client.publisher import Publisher
+    from transports.segments import SharedSegment
+
+    _, c = node
+    t = torch.zeros(NBYTES, dtype=torch.uint8, device="cuda:0")
+    torch.cuda.synchronize()
+    pub = Publisher(c, "fenced")
+    await pub.place("w", t)
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued first
+    t.fill_(7)  # the optimizer's write, still queued when publish is called
+    await pub.publish(1)
+    (shard,) = pub.manifest(1).tensors[0].shards
+    lease = (await c.acquire_lease("fenced", 1, 600.0)).lease_id
+    dst = await c.create_region(NBYTES, label="dst")
+    await _pull(
+        c, "fenced", lease, np.array([(shard.region, shard.byte_offset, dst.region_id, 0, NBYTES)])
+    )
+    with SharedSegment.attach(dst.handle, NBYTES) as seg:
+        assert (seg.numpy() == 7).all(), "the daemon read the tensor before its write ran"
+
+
 async def test_the_gpu_regions_of_a_process_that_dies_are_released(
     node: tuple[SpawnedDaemon, RefitClient],
 ) -> None:
