@@ -7,10 +7,13 @@
 # There (the checkout and .device-pack/ sent along):
 #   source .device-pack/setup.sh && tests/gpu/run-on-device.sh [bench gpu options]
 #
-# RUN=tests or RUN=bench runs only one half (each fits a 10-minute command on its own).
+# Three parts: tests (tests/gpu, 240 s at most), bench (`refitd bench gpu`, 300 s at most),
+# offload (`refitd bench offload --device cuda`, 180 s at most). RUN names the parts to run,
+# comma-separated (default: all three); all three do not fit one 10-minute command, so run
+# RUN=tests, then RUN=bench,offload.
 # Results land in $OUT (else ./gpu-results): gpu.txt (nvidia-smi -L), pytest.txt, bench.txt,
-# bench.json. The last lines printed are the tests' summary, the bench's key=value line and
-# both exit statuses; the script exits non-zero when either failed.
+# bench.json, offload.txt. The last lines printed are each part's summary line and exit
+# status; the script exits non-zero when any part run failed.
 # Written without a GPU: its first run on one is the first run of everything it runs.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -52,17 +55,23 @@ cd "$work" || exit 2
 python3 -c 'import refitd, torch; print("refitd", refitd.__file__, "torch", torch.__version__, "cuda", torch.cuda.is_available())' | tee "$out/env.txt"
 nvidia-smi -L > "$out/gpu.txt" 2>&1 || true
 
-tests=0 bench=0
-if [ "${RUN:-all}" != bench ]; then
+runs() { case ",${RUN:-tests,bench,offload}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
+tests=0 bench=0 offload=0
+if runs tests; then
   timeout 240 python3 -m pytest -c "$repo/pyproject.toml" --rootdir "$repo" -p no:cacheprovider \
     -q -rs "$repo/tests/gpu" 2>&1 | tee "$out/pytest.txt"
   tests=${PIPESTATUS[0]}
 fi
-if [ "${RUN:-all}" != tests ]; then
+if runs bench; then
   timeout 300 python3 -m refitd.cli bench gpu --json "$out/bench.json" "$@" 2>&1 | tee "$out/bench.txt"
   bench=${PIPESTATUS[0]}
 fi
+if runs offload; then
+  timeout 180 python3 -m refitd.cli bench offload --device cuda 2>&1 | tee "$out/offload.txt"
+  offload=${PIPESTATUS[0]}
+fi
 echo "== for the closing note"
-[ -f "$out/pytest.txt" ] && echo "gpu tests: $(tail -n 1 "$out/pytest.txt") (exit $tests)"
-[ -f "$out/bench.txt" ] && echo "refitd bench gpu: $(tail -n 1 "$out/bench.txt") (exit $bench)"
-[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ]
+[ -f "$out/pytest.txt" ] && runs tests && echo "gpu tests: $(tail -n 1 "$out/pytest.txt") (exit $tests)"
+[ -f "$out/bench.txt" ] && runs bench && echo "refitd bench gpu: $(tail -n 1 "$out/bench.txt") (exit $bench)"
+[ -f "$out/offload.txt" ] && runs offload && echo "refitd bench offload --device cuda: $(tail -n 1 "$out/offload.txt") (exit $offload)"
+[ "$tests" -eq 0 ] && [ "$bench" -eq 0 ] && [ "$offload" -eq 0 ]
