@@ -6,8 +6,10 @@ Every copy runs on a dedicated copy stream, so it overlaps compute on the caller
 stream:
 
 - ``write_slot`` issues one ``cudaMemcpyAsync`` (``Tensor.copy_(non_blocking=True)``)
-  per row; host rows should be page-locked (``pin_memory`` or ``cudaHostRegister``),
-  or the driver stages the copy and it blocks the host;
+  per row. Host rows should be page-locked (``pin_memory`` or ``cudaHostRegister``):
+  a pageable row would make that copy silently synchronous (the driver stages it and
+  the host waits), so one is first copied into page-locked memory of PyTorch's
+  caching host allocator, and counted (:attr:`CudaSlotMemory.pageable_rows`);
 - ``flush`` records an event after a synchronous plan's copies and waits for it, so
   the executor marks slots occupied only once their bytes have landed;
 - ``write_slots_async`` (a prefetch) records an event per plan and returns it as the
@@ -15,8 +17,10 @@ stream:
   ``ExpertSlots`` waits on that fence before a step may read any of the plan's slots.
 
 Two orderings make slot reuse safe. Before a plan's copies are issued, the copy
-stream waits for the work queued so far on the compute stream, so a copy never
-overwrites a slot an earlier kernel still reads. After them, nothing reads the new
+stream waits for the work queued so far on every stream that reads slots: the
+calling thread's current stream, and each stream declared with
+:meth:`CudaSlotMemory.read_on` (a model reading slots on a side stream must declare
+it), so a copy never overwrites a slot an earlier kernel still reads. After them, nothing reads the new
 bytes before their fence: the executor only hands out a slot once ``flush`` returned
 or the fence completed.
 
@@ -123,6 +127,10 @@ class CudaSlotMemory(SlotDevice):
             for w in geometry.row_bytes
         ]
         self._stream = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
+        #: streams other than the current one that read slots (see :meth:`read_on`)
+        self._readers: list[torch.cuda.Stream] = []
+        #: host rows that were pageable, copied into page-locked memory first
+        self.pageable_rows = 0
         self._plan_sources: list[torch.Tensor] = []
         self._plan_start: torch.cuda.Event | None = None
         # (start, end, asynchronous) per plan, until read; then summed into _seconds.
@@ -134,6 +142,13 @@ class CudaSlotMemory(SlotDevice):
     def bank(self, bank: int) -> torch.Tensor:
         """Bank ``bank``'s slots, ``[slots, row_bytes]`` ``uint8`` on the GPU."""
         return self._banks[bank]
+
+    def read_on(self, stream: torch.cuda.Stream) -> None:
+        """Declare that kernels on ``stream`` (not the calling thread's current one)
+        read slots: every later plan's copies wait for the work queued on it, as they
+        wait for the current stream's."""
+        if all(stream != s for s in self._readers):
+            self._readers.append(stream)
 
     def copy_seconds(self) -> float:
         """GPU seconds the copy stream spent on slot copies (completed plans)."""
@@ -176,6 +191,12 @@ class CudaSlotMemory(SlotDevice):
                 f"bank {bank} row is {host.numel()} bytes, not {self._row_bytes[bank]}"
             )
         try:
+            if not host.is_pinned():
+                # A pageable source makes the "non-blocking" copy synchronous; the
+                # caching host allocator's page-locked block is kept until the copy
+                # stream's event says the copy ran.
+                host = host.pin_memory()
+                self.pageable_rows += 1
             with torch.cuda.stream(self._stream):
                 self._banks[bank][dst_slot].copy_(host, non_blocking=True)
         except RuntimeError as e:
@@ -222,6 +243,8 @@ class CudaSlotMemory(SlotDevice):
     def _order_after_compute(self) -> None:
         try:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            for reader in self._readers:
+                self._stream.wait_stream(reader)
             start = _event()
             start.record(self._stream)
         except RuntimeError as e:
