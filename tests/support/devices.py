@@ -134,6 +134,9 @@ class HostDeviceEngine(DeviceEngine):
         self.streams: list[_Stream] = []  #: every stream it made
         self._bounces: list[mmap.mmap] = []
         self._fail: int | None = None
+        self._gate: threading.Event | None = None
+        self.waiting = 0  #: batches whose fence is held (see :meth:`hold`)
+        self._held = threading.Condition()
         self._batch = threading.local()
         add_engine(self)  # as a device kind's module does: told when host memory goes
 
@@ -208,7 +211,26 @@ class HostDeviceEngine(DeviceEngine):
                     )
             stream.pending.append((d, s, n))
 
+    def hold(self) -> threading.Event:
+        """Every batch's fence waits, from now on, until the event returned is set
+        (a device still busy with them): batches in flight stay in flight."""
+        self._gate = threading.Event()
+        return self._gate
+
+    def wait_held(self, count: int, timeout: float = 30.0) -> bool:
+        """Block until ``count`` batches wait at their held fence (False: timed out)."""
+        with self._held:
+            return self._held.wait_for(lambda: self.waiting >= count, timeout)
+
     def _sync(self, stream: Any) -> None:
+        gate = self._gate
+        if gate is not None and stream.pending:
+            with self._held:
+                self.waiting += 1
+                self._held.notify_all()
+            gate.wait(60)
+            with self._held:
+                self.waiting -= 1
         queued, stream.pending = stream.pending, []
         if not queued:
             return

@@ -195,6 +195,31 @@ def test_one_engine_serves_batches_of_two_event_loops_at_once() -> None:
         dev.close()
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
+async def test_batches_overlap_on_the_engines_lanes_each_fenced_on_its_own(lanes: int) -> None:
+    engine = HostDeviceEngine(lanes=lanes)
+    dev = HostDeviceMemory(2 * N, engine)
+    try:
+        with SharedSegment.create(N, "src") as seg:
+            seg.numpy()[:] = 4
+            gate = engine.hold()  # the device is busy: no fence completes yet
+
+            def batch(i: int) -> asyncio.Task[None]:
+                one = [np.array([x], np.int64) for x in (dev.address + i * N, seg.address, N)]
+                return asyncio.ensure_future(engine.copy(*one, [seg]))
+
+            first, second = batch(0), batch(1)
+            assert await asyncio.to_thread(engine.wait_held, lanes), "no batch reached its fence"
+            # Both batches in flight at once with two lanes; the second waits for a
+            # lane with one (where CUDA's engine ran one batch per device at a time).
+            assert engine.waiting == lanes and len(engine.streams) == lanes
+            gate.set()
+            await asyncio.gather(first, second)
+            assert dev.read(0, 2 * N) == b"\x04" * (2 * N)
+    finally:
+        dev.close()
+
+
 @pytest.mark.parametrize("capacity", [1, 7, 4096, 1 << 20])
 def test_bounce_loads_cover_every_byte_once_within_the_buffer(capacity: int) -> None:
     nbytes = np.random.default_rng(capacity).integers(0, 20000, 40).astype(np.int64)
