@@ -92,6 +92,7 @@ CU_STREAM_NON_BLOCKING = 1
 CU_MEMHOSTREGISTER_PORTABLE = 1
 CU_MEMHOSTALLOC_PORTABLE = 1
 CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
 CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
 
 _u64 = ctypes.c_uint64
@@ -116,8 +117,9 @@ def export_allocation(pointer: int, ordinal: int | None = None) -> Exported:
     """The allocation holding device address ``pointer`` (a tensor's ``data_ptr()``)
     on device ``ordinal`` (the tensor's ``device.index``; None: asked of the driver),
     exported once for a daemon to open. Raises :class:`CudaError` (named) for memory
-    without an IPC handle (PyTorch's expandable segments, host memory) or on another
-    device than ``ordinal``. The calling thread's current context is left as it was."""
+    without an IPC handle (PyTorch's expandable segments and vLLM's sleep-mode pool,
+    both mapped with ``cuMemCreate``; host memory) or on another device than
+    ``ordinal``. The calling thread's current context is left as it was."""
     drv = driver()
     if ordinal is None:
         ordinal = _device_of(drv, pointer)
@@ -125,6 +127,17 @@ def export_allocation(pointer: int, ordinal: int | None = None) -> Exported:
         on = _device_of(drv, pointer)
         if on != ordinal:
             raise CudaError(f"device address {pointer:#x} is on GPU {on}, not on GPU {ordinal}")
+        capable = ctypes.c_uint(1)
+        rc = drv.lib.cuPointerGetAttribute(
+            ctypes.byref(capable), CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, _u64(pointer)
+        )
+        if rc == 0 and not capable.value:
+            raise CudaError(
+                f"device address {pointer:#x} refused: its memory has no CUDA IPC handle "
+                "(mapped with cuMemCreate: PyTorch's expandable segments, vLLM's sleep-mode "
+                "pool); register a tensor of a plain cudaMalloc allocation (device_buffer "
+                "makes one, or run without expandable_segments / sleep mode)"
+            )
         base, size = _u64(0), ctypes.c_size_t(0)
         rc = drv.fn("cuMemGetAddressRange_v2", "cuMemGetAddressRange")(
             ctypes.byref(base), ctypes.byref(size), _u64(pointer)

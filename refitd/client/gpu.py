@@ -48,9 +48,20 @@ class CompiledInstall(Protocol):
     def full_pulls(self) -> list[tuple[int, FullPull]]: ...
 
 
-__all__ = ["attach_tensor", "device_buffer", "install_on_device"]
+__all__ = ["attach_tensor", "device_buffer", "held_allocations", "install_on_device"]
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+#: storages of the tensors whose allocations are registered, by allocation base: a
+#: caching-allocator segment is given back to the driver (``empty_cache``) only once
+#: no block of it is live, so holding one keeps the daemon's mapping of it valid
+_HELD: dict[int, torch.UntypedStorage] = {}
+
+
+def held_allocations() -> int:
+    """GPU allocations this process registered and keeps allocated for the daemon."""
+    return len(_HELD)
 
 
 async def attach_tensor(
@@ -58,7 +69,12 @@ async def attach_tensor(
 ) -> tuple[RegionInfo, int]:
     """Register the whole GPU allocation holding ``tensor`` with the daemon of
     ``client``; return its region and the tensor's byte offset in it. Call it once
-    per allocation: a second registration of the same memory is refused (409)."""
+    per allocation: a second registration of the same memory is refused (409).
+    The tensor's storage is held for the life of this process, so PyTorch's caching
+    allocator never frees the allocation under the daemon (``empty_cache`` releases
+    a segment only when no block of it is live), as PyTorch's own CUDA IPC does.
+    Memory without an IPC handle (expandable segments, vLLM's sleep-mode pool) is
+    refused, named."""
     from transports.cuda import export_allocation
 
     # The tensor's own device: the driver is asked in its context, pushed and popped.
@@ -66,6 +82,7 @@ async def attach_tensor(
     info = await client.attach_region(
         exported.handle, exported.size, kind=RegionKind.CUDA_IPC, label=label, owner=owner
     )
+    _HELD[exported.base] = tensor.untyped_storage()
     return info, tensor.data_ptr() - exported.base
 
 

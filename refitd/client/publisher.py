@@ -75,6 +75,8 @@ class Publisher:
         self._gpu: dict[int, tuple[RegionInfo, int]] = {}
         #: devices of the tensors placed, fenced before each publish
         self._gpu_devices: set[int] = set()
+        #: the tensors placed, by (name, offset): kept allocated while published
+        self._placed: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
     async def __aenter__(self) -> Self:
         return self
@@ -173,6 +175,9 @@ class Publisher:
                 f"{t.shape} {t.dtype}"
             )
         region, at = await self._gpu_region(value)
+        # Held while published: freed, its block could be handed to another tensor
+        # that the daemon's next pull of this name would then write into.
+        self._placed[(name, tuple(offset))] = value
         self._gpu_devices.add(value.device.index if value.device.index is not None else 0)
         shard = ShardEntry(offset, tuple(value.shape), region.region_id, at)
         t.shards = [s for s in t.shards if tuple(s.offset) != tuple(offset)] + [shard]
@@ -235,6 +240,7 @@ class Publisher:
         """Unmap our views of the regions (the daemon keeps and later frees them)."""
         self._views.clear()
         self._gpu_devices.clear()
+        self._placed.clear()
         self._gpu.clear()  # the GPU regions stay with the daemon, as the others do
         for r in self._regions:
             r.seg.close()

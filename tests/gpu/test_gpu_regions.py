@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -118,6 +119,45 @@ async def test_an_allocation_is_registered_once_and_a_second_id_for_it_is_refuse
     assert offset >= 4096 and region.nbytes >= NBYTES
     with pytest.raises(ConflictError, match="already holds"):
         await attach_tensor(c, t, label="again")
+
+
+async def test_a_registered_allocation_outlives_its_tensor_and_empty_cache(
+    node: tuple[SpawnedDaemon, RefitClient],
+) -> None:
+    import torch
+
+    from refitd.client.gpu import attach_tensor, held_allocations
+
+    _, c = node
+    torch.cuda.empty_cache()
+    t = torch.full((NBYTES,), 5, dtype=torch.uint8, device="cuda")
+    region, at = await attach_tensor(c, t, label="held")
+    held = held_allocations()
+    del t
+    torch.cuda.empty_cache()  # would give the segment back were no block of it live
+    assert torch.cuda.memory_reserved() >= NBYTES, "the registered segment was freed"
+    assert held_allocations() == held >= 1
+    lease = await _publish(c, "held", region, NBYTES)
+    dst = await c.create_region(NBYTES, label="dst")
+    await _pull(c, "held", lease, np.array([(region.region_id, at, dst.region_id, 0, NBYTES)]))
+
+
+def test_memory_mapped_with_cumemcreate_is_refused_naming_why(gpu: None) -> None:
+    # The allocator's setting is read once per process: a child of its own runs it.
+    child = (
+        "import torch\n"
+        "from transports.cuda import CudaError, export_allocation\n"
+        "t = torch.zeros(1 << 20, dtype=torch.uint8, device='cuda')\n"
+        "try:\n"
+        "    export_allocation(t.data_ptr(), 0)\n"
+        "except CudaError as e:\n"
+        "    assert 'expandable segments' in str(e), e\n"
+        "    print('refused')\n"
+    )
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    done = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "refused"
 
 
 async def test_a_gpu_handle_is_refused_past_its_allocation_and_taken_within_it(
