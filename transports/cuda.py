@@ -7,7 +7,7 @@ is opened or exported (:func:`missing` only asks whether it could be).
 
 NOTE: never run on a GPU yet; its first run is ``tests/gpu/run-on-device.sh``.
 
-- **Export** (the client, :func:`export_allocation`): the whole allocation around a
+- **Export** (the client, `transports.cudaexport`): the whole allocation around a
   device pointer (``cuMemGetAddressRange``), its IPC handle (``cuIpcGetMemHandle``)
   and its device's UUID, as the text ``<uuid hex>:<handle hex>``. Registered once
   per allocation: a caching-allocator segment holds many tensors, each one an
@@ -54,8 +54,11 @@ import numpy.typing as npt
 from refitd.errors import ConflictError, ProtocolError
 
 from .cudacopies import (
+    BATCH_MAX,
+    CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
     CU_MEMORYTYPE_UNIFIED,
     GATHER_UNIT,
+    MemcpyAttributes,
     gather_mask,
     gather_units,
     on_one_device,
@@ -64,6 +67,7 @@ from .cudacopies import (
 from .cudacopies import Memcpy2D as _Memcpy2D
 from .cudacopies import Span as _Span
 from .cudadriver import CudaError, IpcHandle, _Driver, device_count, driver, missing
+from .cudaexport import DeviceAllocation, Exported, export_allocation, parse_handle
 from .devcopy import DeviceEngine
 from .memory import HOST, DeviceMemory, add_engine
 
@@ -91,139 +95,10 @@ CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 CU_STREAM_NON_BLOCKING = 1
 CU_MEMHOSTREGISTER_PORTABLE = 1
 CU_MEMHOSTALLOC_PORTABLE = 1
-CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
-CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
 CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
 
 _u64 = ctypes.c_uint64
 _vp = ctypes.c_void_p
-
-# ---------------------------------------------------------------- export (client side)
-
-
-@dataclass(frozen=True)
-class Exported:
-    """A whole allocation as its owner registers it: ``handle`` is the text a daemon
-    opens (``<device uuid hex>:<IPC handle hex>``; a capability, keep it private),
-    ``base`` its device address here, ``size`` its bytes, ``ordinal`` its device."""
-
-    handle: str
-    base: int
-    size: int
-    ordinal: int
-
-
-def export_allocation(pointer: int, ordinal: int | None = None) -> Exported:
-    """The allocation holding device address ``pointer`` (a tensor's ``data_ptr()``)
-    on device ``ordinal`` (the tensor's ``device.index``; None: asked of the driver),
-    exported once for a daemon to open. Raises :class:`CudaError` (named) for memory
-    without an IPC handle (PyTorch's expandable segments and vLLM's sleep-mode pool,
-    both mapped with ``cuMemCreate``; host memory) or on another device than
-    ``ordinal``. The calling thread's current context is left as it was."""
-    drv = driver()
-    if ordinal is None:
-        ordinal = _device_of(drv, pointer)
-    with drv.current(ordinal):
-        on = _device_of(drv, pointer)
-        if on != ordinal:
-            raise CudaError(f"device address {pointer:#x} is on GPU {on}, not on GPU {ordinal}")
-        capable = ctypes.c_uint(1)
-        rc = drv.lib.cuPointerGetAttribute(
-            ctypes.byref(capable), CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, _u64(pointer)
-        )
-        if rc == 0 and not capable.value:
-            raise CudaError(
-                f"device address {pointer:#x} refused: its memory has no CUDA IPC handle "
-                "(mapped with cuMemCreate: PyTorch's expandable segments, vLLM's sleep-mode "
-                "pool); register a tensor of a plain cudaMalloc allocation (device_buffer "
-                "makes one, or run without expandable_segments / sleep mode)"
-            )
-        base, size = _u64(0), ctypes.c_size_t(0)
-        rc = drv.fn("cuMemGetAddressRange_v2", "cuMemGetAddressRange")(
-            ctypes.byref(base), ctypes.byref(size), _u64(pointer)
-        )
-        drv.check(rc, f"cuMemGetAddressRange({pointer:#x})")
-        h = IpcHandle()
-        drv.check(
-            drv.lib.cuIpcGetMemHandle(ctypes.byref(h), base),
-            f"cuIpcGetMemHandle(allocation at {base.value:#x}; expandable segments have none)",
-        )
-    text = f"{drv.uuid(ordinal)}:{bytes(h.reserved).hex()}"
-    return Exported(text, int(base.value), int(size.value), ordinal)
-
-
-def _device_of(drv: _Driver, pointer: int) -> int:
-    """The device ordinal of device address ``pointer``; asked with device 0's
-    context pushed where the thread has none current (and popped after)."""
-    ordinal = ctypes.c_int(-1)
-
-    def ask() -> int:
-        return int(
-            drv.lib.cuPointerGetAttribute(
-                ctypes.byref(ordinal), CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, _u64(pointer)
-            )
-        )
-
-    rc = ask()
-    if rc != 0:
-        with drv.current(0):
-            rc = ask()
-    drv.check(rc, f"cuPointerGetAttribute(device of {pointer:#x})")
-    return ordinal.value
-
-
-def parse_handle(text: str) -> tuple[str, bytes]:
-    """``(device uuid hex, 64 handle bytes)`` of an exported handle, or ProtocolError."""
-    uuid, _, hexed = text.partition(":")
-    try:
-        raw = bytes.fromhex(hexed)
-        int(uuid, 16)
-    except ValueError:
-        raw = b""
-    if len(uuid) != 32 or len(raw) != 64:
-        raise ProtocolError(
-            "cuda_ipc handle refused: expected '<32 hex of the device UUID>:<128 hex of "
-            "the IPC handle>' (refitd.client's export_allocation makes it)"
-        )
-    return uuid, raw
-
-
-class DeviceAllocation:
-    """``nbytes`` of GPU memory refitd allocates itself (``cuMemAlloc``): one whole
-    allocation, so its region is exactly it (no neighbour of the caching allocator
-    inside). PyTorch imports it without a copy (``torch.as_tensor(a, device=...)``,
-    through ``__cuda_array_interface__``) and holds this object while any view of it
-    lives; the memory is freed when the last one goes."""
-
-    def __init__(self, ordinal: int, nbytes: int) -> None:
-        drv = driver()
-        ptr = _u64(0)
-        with drv.current(ordinal):
-            rc = drv.fn("cuMemAlloc_v2", "cuMemAlloc")(ctypes.byref(ptr), ctypes.c_size_t(nbytes))
-        drv.check(rc, f"cuMemAlloc({nbytes} bytes on GPU {ordinal})")
-        self.ordinal = ordinal
-        self.nbytes = nbytes
-        self.pointer = int(ptr.value)
-        self.__cuda_array_interface__: dict[str, Any] = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (self.pointer, False),
-            "version": 3,
-            "strides": None,
-        }
-
-    def export(self) -> Exported:
-        """The allocation's handle for a daemon (see :func:`export_allocation`)."""
-        return export_allocation(self.pointer, self.ordinal)
-
-    def __del__(self) -> None:
-        # Any thread the collector runs in: pushed and popped, its context stays.
-        pointer, self.pointer = getattr(self, "pointer", 0), 0
-        if pointer:
-            drv = driver()
-            with contextlib.suppress(CudaError), drv.current(self.ordinal):
-                drv.fn("cuMemFree_v2", "cuMemFree")(_u64(pointer))
-
 
 # ---------------------------------------------------------------- open (daemon side)
 
@@ -482,8 +357,11 @@ class CudaEngine(DeviceEngine):
         nbytes: npt.NDArray[np.int64],
     ) -> None:
         """Regular runs of reads (a strided block read row by row) as one 2-D copy
-        each; then small reads within this device as one indexed gather; the rest
-        one ``cuMemcpyAsync`` each; all queued on ``stream``."""
+        each; the rest as one batched copy of the driver (``cuMemcpyBatchAsync``,
+        CUDA 12.8+: one call for thousands of reads, every pair of kinds, no kernel
+        and no PyTorch in the daemon); where the driver has none, small reads
+        within this device as one indexed gather and the others one
+        ``cuMemcpyAsync`` each. All queued on ``stream``."""
         ranges = opened_ranges()
         self._reach(dst, src, nbytes, ranges)
         left = np.ones(len(dst), dtype=bool)
@@ -495,6 +373,11 @@ class CudaEngine(DeviceEngine):
                 start,
             )
             left[start : start + count] = False
+        rest = np.flatnonzero(left)
+        batched = self._drv.batch_copy()
+        if batched is not None and len(rest) > 1:
+            self._copy_batched(batched, stream, dst, src, nbytes, rest)
+            return
         mine = [(a, n) for a, n, o in ranges if o == self.ordinal]
         small = gather_mask(dst, src, nbytes, left, mine)
         copy = self._drv.lib.cuMemcpyAsync
@@ -504,6 +387,41 @@ class CudaEngine(DeviceEngine):
                 self._drv.check(rc, f"cuMemcpyAsync of read #{i}", i)
         if small.any():
             self._gather(stream, dst[small], src[small], nbytes[small])
+
+    def _copy_batched(
+        self,
+        batched: Any,
+        stream: Any,
+        dst: npt.NDArray[np.int64],
+        src: npt.NDArray[np.int64],
+        nbytes: npt.NDArray[np.int64],
+        k: npt.NDArray[np.intp],
+    ) -> None:
+        """Reads ``k`` as batched copies on ``stream`` (:data:`BATCH_MAX` a call),
+        the source read in stream order; a refusal names the read the driver gives."""
+        attrs = MemcpyAttributes(srcAccessOrder=CU_MEMCPY_SRC_ACCESS_ORDER_STREAM)
+        first = ctypes.c_size_t(0)
+        for lo in range(0, len(k), BATCH_MAX):
+            part = k[lo : lo + BATCH_MAX]
+            d = np.ascontiguousarray(dst[part], dtype=np.uint64)
+            s = np.ascontiguousarray(src[part], dtype=np.uint64)
+            n = np.ascontiguousarray(nbytes[part], dtype=np.uint64)
+            failed = ctypes.c_size_t(len(part))
+            rc = batched(
+                d.ctypes.data_as(_vp),
+                s.ctypes.data_as(_vp),
+                n.ctypes.data_as(_vp),
+                ctypes.c_size_t(len(part)),
+                ctypes.byref(attrs),
+                ctypes.byref(first),
+                ctypes.c_size_t(1),
+                ctypes.byref(failed),
+                stream,
+            )
+            if rc != 0:
+                i = int(part[failed.value]) if failed.value < len(part) else -1
+                where = f"read #{i}" if i >= 0 else f"reads #{int(part[0])}.."
+                self._drv.check(rc, f"cuMemcpyBatchAsync of {where}", i)
 
     def _reach(
         self,

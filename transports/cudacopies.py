@@ -16,12 +16,15 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "BATCH_MAX",
+    "CU_MEMCPY_SRC_ACCESS_ORDER_STREAM",
     "CU_MEMORYTYPE_UNIFIED",
     "GATHER_UNIT",
     "MAX_PITCH",
     "MIN_RUN",
     "SMALL_PIECE",
     "Memcpy2D",
+    "MemcpyAttributes",
     "Span",
     "gather_mask",
     "gather_units",
@@ -110,6 +113,27 @@ MAX_PITCH = (1 << 31) - 1
 """Bytes: the widest row pitch a 2-D copy is given (the driver's limit is of this order)."""
 MIN_RUN = 4
 """Reads: a regular run shorter than this is copied read by read."""
+
+
+BATCH_MAX = 1 << 16
+"""Reads per ``cuMemcpyBatchAsync`` call (a batch is cut into calls of at most this)."""
+CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
+"""The source is read in stream order (after the work queued before the copy)."""
+
+
+class MemcpyAttributes(ctypes.Structure):
+    """``CUmemcpyAttributes`` of the driver API (cuda.h, CUDA 12.8+): the source's
+    access order, a location hint for each side (``CUmemLocation``: type, id; zero:
+    none) and flags."""
+
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHintType", ctypes.c_int),
+        ("srcLocHintId", ctypes.c_int),
+        ("dstLocHintType", ctypes.c_int),
+        ("dstLocHintId", ctypes.c_int),
+        ("flags", ctypes.c_uint),
+    ]
 
 
 class Memcpy2D(ctypes.Structure):

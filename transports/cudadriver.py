@@ -81,6 +81,17 @@ class _Driver:
         if rc != 0:
             raise CudaError(f"{what} failed: {self.error(rc)}", rc, index)
 
+    def batch_copy(self) -> Callable[..., int] | None:
+        """``cuMemcpyBatchAsync`` in its CUDA 12.8 form (with the failed index; the
+        driver keeps that symbol when a ``_v2`` without it is added), or None where
+        the driver is older."""
+        if not hasattr(self, "_batch"):
+            f = getattr(self.lib, "cuMemcpyBatchAsync", None)
+            if f is not None:
+                f.restype = ctypes.c_int
+            self._batch: Callable[..., int] | None = f
+        return self._batch
+
     def count(self) -> int:
         n = ctypes.c_int(0)
         self.check(self.lib.cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")

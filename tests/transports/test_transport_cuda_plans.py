@@ -73,3 +73,16 @@ def test_an_opened_allocation_rounded_up_by_the_driver_is_the_region_stated() ->
 def test_an_opened_allocation_smaller_than_stated_is_refused_naming_both_sizes() -> None:
     with pytest.raises(ProtocolError, match=r"holds 4096 bytes, fewer than the 8192 stated"):
         check_opened_size(4096, 8192)
+
+
+def test_the_batched_copy_attributes_have_the_drivers_layout() -> None:
+    import ctypes
+
+    from transports.cudacopies import MemcpyAttributes
+
+    # CUmemcpyAttributes (cuda.h, 12.8+): an enum, two CUmemLocation {type, id}, flags.
+    assert ctypes.sizeof(MemcpyAttributes) == 24
+    offsets = {
+        name: getattr(MemcpyAttributes, name).offset for name, _ in MemcpyAttributes._fields_
+    }
+    assert (offsets["srcLocHintType"], offsets["dstLocHintType"], offsets["flags"]) == (4, 12, 20)
