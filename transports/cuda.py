@@ -286,6 +286,8 @@ class CudaEngine(DeviceEngine):
 
     kind: ClassVar[str] = KIND
     _by_device: ClassVar[dict[int, CudaEngine]] = {}
+    #: use the driver's batched copy where it has one (False: the older path)
+    batched: bool = True
     _making: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, ordinal: int) -> None:
@@ -374,7 +376,7 @@ class CudaEngine(DeviceEngine):
             )
             left[start : start + count] = False
         rest = np.flatnonzero(left)
-        batched = self._drv.batch_copy()
+        batched = self._drv.batch_copy() if self.batched else None
         if batched is not None and len(rest) > 1:
             self._copy_batched(batched, stream, dst, src, nbytes, rest)
             return

@@ -207,3 +207,31 @@ def test_batches_of_two_event_loops_share_one_gpu_engine(engine: Any, device: An
     finally:
         for s in segs:
             s.close()
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_shuffled_small_pieces_land_exact_through_either_copy_path(
+    engine: Any, device: Any, batched: bool
+) -> None:
+    from transports.cudadriver import driver
+
+    if batched and driver().batch_copy() is None:
+        pytest.skip("this driver has no cuMemcpyBatchAsync (CUDA 12.8+)")
+    engine.batched = batched
+    try:
+        n = N // 2 // 4096
+        perm = np.random.default_rng(21).permutation(n).astype(np.int64)
+        with SharedSegment.create(N // 2, "pieces") as seg:
+            data = _fill(seg, 22)
+            # host -> GPU (first half), then GPU -> GPU (into the second half)
+            lo, hi = device.pointer, device.pointer + N // 2
+            size = np.full(n, 4096, np.int64)
+            asyncio.run(
+                engine.copy(lo + perm * 4096, seg.address + np.arange(n) * 4096, size, [seg])
+            )
+            asyncio.run(engine.copy(hi + np.arange(n) * 4096, lo + perm * 4096, size, []))
+        got = _read(device, N)
+        assert np.array_equal(got[: N // 2].reshape(n, 4096)[perm], data.reshape(n, 4096))
+        assert np.array_equal(got[N // 2 :], data)
+    finally:
+        engine.batched = True
