@@ -220,9 +220,11 @@ async def test_batches_overlap_on_the_engines_lanes_each_fenced_on_its_own(lanes
         dev.close()
 
 
-@pytest.mark.parametrize("capacity", [1, 7, 4096, 1 << 20])
-def test_bounce_loads_cover_every_byte_once_within_the_buffer(capacity: int) -> None:
-    nbytes = np.random.default_rng(capacity).integers(0, 20000, 40).astype(np.int64)
+@pytest.mark.parametrize(
+    ("capacity", "longest"), [(1, 50), (7, 2000), (4096, 20000), (1 << 20, 20000)]
+)
+def test_bounce_loads_cover_every_byte_once_within_the_buffer(capacity: int, longest: int) -> None:
+    nbytes = np.random.default_rng(capacity).integers(0, longest, 40).astype(np.int64)
     seen = np.zeros(int(nbytes.sum()), dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(nbytes)[:-1]])
     for load in bounce_chunks(nbytes, capacity):
