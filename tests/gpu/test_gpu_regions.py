@@ -141,6 +141,10 @@ async def test_a_registered_allocation_outlives_its_tensor_and_empty_cache(
     lease = await _publish(c, "held", region, NBYTES)
     dst = await c.create_region(NBYTES, label="dst")
     await _pull(c, "held", lease, np.array([(region.region_id, at, dst.region_id, 0, NBYTES)]))
+    from transports.segments import SharedSegment
+
+    with SharedSegment.attach(dst.handle, NBYTES) as seg:
+        assert (seg.numpy() == 5).all(), "the allocation's bytes changed after empty_cache"
 
 
 def test_memory_mapped_with_cumemcreate_is_refused_naming_why(gpu: None) -> None:
