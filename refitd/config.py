@@ -139,12 +139,7 @@ class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     lanes: Annotated[int, msgspec.Meta(ge=1, le=64, description="lanes (1..64)")] = 4
     #: Port of the ``tcp`` data server (on ``server.host``); 0: any free one (peers learn it).
     tcp_port: Port = 0
-    #: Bytes of host memory the daemon may lock (page-locked, registered with the GPU
-    #: driver) for GPU copies: each host region a GPU copy touches is registered whole
-    #: while under this, and copied through a few small locked buffers of its own past
-    #: it (slower, never wrong). Locked pages cannot be swapped or reclaimed. Absent:
-    #: a quarter of the host's physical memory.
-    max_pinned_bytes: Bytes | None = None
+    max_pinned_bytes: Bytes | None = None  # host bytes locked for GPU copies (docs/gpu.md)
 
 
 class MirrorsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
