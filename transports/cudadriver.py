@@ -16,7 +16,6 @@ import contextlib
 import ctypes
 import threading
 from collections.abc import Callable, Iterator
-from functools import cache
 
 from refitd.errors import NotFoundError
 
@@ -148,9 +147,17 @@ class _Driver:
         return int(c.value or 0)
 
 
-@cache
+_MADE: list[_Driver] = []
+_MAKING = threading.Lock()
+
+
 def driver() -> _Driver:
-    return _Driver()
+    """The process's one driver, loaded and initialised by the first caller (any
+    thread: the daemon opens GPU memory in worker threads, several at once)."""
+    with _MAKING:
+        if not _MADE:
+            _MADE.append(_Driver())
+        return _MADE[0]
 
 
 def missing() -> str | None:
