@@ -7,7 +7,7 @@
 # There (the checkout and .device-pack/ sent along):
 #   source .device-pack/setup.sh && tests/gpu/run-on-device.sh [bench gpu options]
 #
-# Three parts: tests (tests/gpu, 240 s at most), bench (`refitd bench gpu`, 300 s at most),
+# Three parts: tests (tests/gpu, 360 s at most), bench (`refitd bench gpu`, 300 s at most),
 # offload (`refitd bench offload --device cuda`, 180 s at most). RUN names the parts to run,
 # comma-separated (default: all three); all three do not fit one 10-minute command, so run
 # RUN=tests, then RUN=bench,offload.
@@ -58,7 +58,7 @@ nvidia-smi -L > "$out/gpu.txt" 2>&1 || true
 runs() { case ",${RUN:-tests,bench,offload}," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 tests=0 bench=0 offload=0
 if runs tests; then
-  timeout 240 python3 -m pytest -c "$repo/pyproject.toml" --rootdir "$repo" -p no:cacheprovider \
+  timeout 360 python3 -m pytest -c "$repo/pyproject.toml" --rootdir "$repo" -p no:cacheprovider \
     -q -rs "$repo/tests/gpu" 2>&1 | tee "$out/pytest.txt"
   tests=${PIPESTATUS[0]}
 fi
