@@ -41,6 +41,22 @@ def _sources(manifest: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> dict[s
     return out
 
 
+def _copy(c: Any) -> str:
+    """A recorded copy by its fields (a cast chain only where there is one: the
+    planner before issue 48 had none)."""
+    fields = (
+        c.src_name,
+        c.op_chain,
+        c.param_name,
+        c.dest_offset,
+        c.dest_shape,
+        c.dest_stride,
+        str(c.dest_dtype),
+    )
+    casts = getattr(c, "casts", ())
+    return repr((*fields, tuple(str(d) for d in casts)) if casts else fields)
+
+
 def plan_signature(
     vllm_config: Any, manifest: list[tuple[str, torch.dtype, tuple[int, ...]]]
 ) -> dict[str, Any]:
@@ -72,12 +88,14 @@ def plan_signature(
             (
                 fp.src_name,
                 [(s.session, s.src_addr, s.dst_byte, s.nbytes) for s in fp.segments],
-                [repr(c) for c in fp.copies],
+                [_copy(c) for c in fp.copies],
             )
             for fp in plan.full_pulls
         ],
         "packs": [repr(p) for p in plan.packs],
-        "fills": sorted(repr(f) for f in capture.fills),
+        "fills": sorted(
+            repr((f.param_name, f.dest_offset, f.dest_shape, f.dest_stride)) for f in capture.fills
+        ),
         "fallback": sorted(plan.fallback),
         "unsupported": sorted(capture.unsupported),
     }
