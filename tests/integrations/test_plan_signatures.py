@@ -30,7 +30,7 @@ def test_every_family_that_refitted_before_plans_the_same_segments_and_wire_byte
     recorded = json.loads(RECORDED.read_text())
     root = tmp_path_factory.mktemp("signatures")
     cache = tmp_path_factory.getbasetemp() / "vllm-cache"
-    folders = write_families(root, sorted({name.split('@')[0] for name in recorded}))
+    folders = write_families(root, sorted({name.split("@")[0] for name in recorded}))
     got = signatures(folders, cache)
     got.update(signatures([f for f in folders if f.name in TP2_FAMILIES], cache, tp=2))
     assert sorted(got) == sorted(recorded)
