@@ -69,11 +69,12 @@ class CaptureRecorder:
         self.current: str | None = None
         self.owners: StorageOwners | None = None
 
-    def owner_name(self, dest: torch.Tensor) -> str | None:
-        """The destination ``dest`` belongs to (by its storage), or ``None``."""
+    def owner_name(self, dest: torch.Tensor, refresh: bool = True) -> str | None:
+        """The destination ``dest`` belongs to (by its storage), or ``None``
+        (``refresh``: as :meth:`~refitd.reshard.owners.StorageOwners.owner_of`)."""
         if self.owners is None:
             return self.current
-        owner = self.owners.owner_of(dest, self.current)
+        owner = self.owners.owner_of(dest, self.current, refresh)
         return None if owner is None else owner.name
 
 
@@ -290,10 +291,11 @@ def _device_move(lazy: LazyBase, func: Any, args: tuple[Any, ...], kwargs: dict[
     (:meth:`LazyBase.cast`) where a dtype is named."""
     dtypes = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.dtype)]
     dtypes += [a.dtype for a in args if isinstance(a, torch.Tensor)]
-    if func is torch.Tensor.type and (not dtypes or len(args) + len(kwargs) != 1):
-        # type() with no argument returns a string, type("torch.FloatTensor") a
-        # cast named by a string: neither is a movement op on a placeholder.
-        raise lazy.refuse("type() without a torch.dtype")
+    if func is torch.Tensor.type and not dtypes:
+        # type() names the tensor type (a string): metadata, as torch answers it; a
+        # type given by name reaches __torch_dispatch__ and is refused there.
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(lazy, *args, **kwargs)
     if func in (torch.Tensor.to, torch.Tensor.type) and dtypes:
         if len(set(dtypes)) > 1:
             raise lazy.refuse(f"to() names several dtypes {dtypes}")
@@ -520,8 +522,10 @@ class FillRecorder(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _FILLS and args:
             dest = args[0]
+            # No refresh on a miss: loaders fill temporaries often, and a fill missed
+            # fails closed (its destination is then reported unwritten).
             name = (
-                self.recorder.owner_name(dest)
+                self.recorder.owner_name(dest, refresh=False)
                 if isinstance(dest, torch.Tensor)
                 and not isinstance(dest, LazyBase)
                 and dest.device == _META

@@ -79,15 +79,21 @@ class StorageOwners:
             table.setdefault(_storage_key(owner.tensor), []).append(owner)
         self._table = table
 
-    def owner_of(self, dest: torch.Tensor, hint: str | None = None) -> Owner | None:
+    def owner_of(
+        self, dest: torch.Tensor, hint: str | None = None, refresh: bool = True
+    ) -> Owner | None:
         """The destination ``dest`` (a view being written) belongs to, or ``None``.
 
         When several destinations share the storage, the one whose elements hold
         every element of ``dest`` is its owner (``hint``, the parameter whose loader
         is running, first if it is one of them); ``None`` if no single one does.
+        ``refresh``: look the model's destinations up again before answering
+        ``None`` for a storage not seen.
         """
         key = _storage_key(dest)
         candidates = self._table.get(key)
+        if candidates is None and not refresh:
+            return None
         if candidates is None:
             self._refresh()
             candidates = self._table.get(key)

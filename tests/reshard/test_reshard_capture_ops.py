@@ -333,3 +333,7 @@ def test_copy_returns_the_destination_so_chained_loader_code_keeps_working() -> 
 
     _capture((2, 3), (2, 3), load)
     assert seen == [torch.Size([2, 3])]
+
+
+def test_type_without_a_dtype_answers_the_type_name_as_torch_does() -> None:
+    assert _lazy((2,)).type() == torch.empty(2, device="meta").type()
