@@ -185,7 +185,9 @@ def _offline(cache: str) -> None:
         registry._run_in_subprocess = lambda fn: fn()
 
 
-def _rank_main(rank: int, world: int, port: int, folders: list[str], cache: str, out: Any) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, folders: list[str], cache: str, out: Any, job: int
+) -> None:
     from vllm.config import set_current_vllm_config
 
     try:
@@ -198,39 +200,39 @@ def _rank_main(rank: int, world: int, port: int, folders: list[str], cache: str,
             with set_current_vllm_config(vc):
                 _init_parallel(rank, world, port, first=i == 0)
                 sigs[Path(folder).name] = plan_signature(vc, _manifest(Path(folder)))
-        out.put((rank, sigs))
+        out.put((job, rank, sigs))
     except BaseException as exc:  # the parent reports it; a silent child would hang it
         import traceback
 
-        out.put((rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        out.put((job, rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise
 
 
-def signatures(folders: list[Path], cache: Path, tp: int = 1) -> dict[str, dict[str, Any]]:
-    """``{folder name (+ '@tp<t>r<rank>' when tp > 1): signature}`` for checkpoint folders,
-    each captured and planned for every TP rank in a fresh process per rank."""
+def signatures(jobs: list[tuple[list[Path], int]], cache: Path) -> dict[str, dict[str, Any]]:
+    """``{folder name (+ '@tp<t>r<rank>' when tp > 1): signature}`` for each job
+    ``(checkpoint folders, tp)``: every folder captured and planned for every TP rank,
+    in a fresh process per rank. The jobs' processes run side by side."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(
-            target=_rank_main,
-            args=(r, tp, port, [str(f) for f in folders], str(cache), queue),
-        )
-        for r in range(tp)
-    ]
+    procs = []
+    for job, (folders, tp) in enumerate(jobs):
+        port = _free_port()
+        names = [str(f) for f in folders]
+        for r in range(tp):
+            args = (r, tp, port, names, str(cache), queue, job)
+            procs.append(ctx.Process(target=_rank_main, args=args))
     for p in procs:
         p.start()
-    got = dict(queue.get(timeout=600) for _ in procs)
+    got = [queue.get(timeout=600) for _ in procs]
     for p in procs:
         p.join(60)
-    for rank, sigs in got.items():
+    out: dict[str, dict[str, Any]] = {}
+    for job, rank, sigs in sorted(got, key=lambda g: (g[0], g[1])):
+        tp = jobs[job][1]
         if isinstance(sigs, str):
             raise RuntimeError(f"rank {rank} of {tp} failed: {sigs}")
-    out: dict[str, dict[str, Any]] = {}
-    for rank, sigs in sorted(got.items()):
         for name, sig in sigs.items():
             out[name if tp == 1 else f"{name}@tp{tp}r{rank}"] = sig
     return out
@@ -258,9 +260,8 @@ def main(out: str, root: str) -> None:
     """Record every family's signature, TP 1 and (for ``TP2_FAMILIES``) TP 2, into ``out``."""
     base = Path(root)
     folders = write_families(base / "models")
-    sigs = signatures(folders, base / "vllm-cache")
     tp2 = [f for f in folders if f.name in TP2_FAMILIES]
-    sigs.update(signatures(tp2, base / "vllm-cache", tp=2))
+    sigs = signatures([(folders, 1), (tp2, 2)], base / "vllm-cache")
     Path(out).write_text(json.dumps(sigs, indent=1, sort_keys=True) + "\n")
 
 

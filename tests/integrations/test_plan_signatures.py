@@ -31,8 +31,8 @@ def test_every_family_that_refitted_before_plans_the_same_segments_and_wire_byte
     root = tmp_path_factory.mktemp("signatures")
     cache = tmp_path_factory.getbasetemp() / "vllm-cache"
     folders = write_families(root, sorted({name.split("@")[0] for name in recorded}))
-    got = signatures(folders, cache)
-    got.update(signatures([f for f in folders if f.name in TP2_FAMILIES], cache, tp=2))
+    tp2 = [f for f in folders if f.name in TP2_FAMILIES]
+    got = signatures([(folders, 1), (tp2, 2)], cache)
     assert sorted(got) == sorted(recorded)
     changed = {
         name: (recorded[name], got[name]) for name in recorded if got[name] != recorded[name]
