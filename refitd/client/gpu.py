@@ -130,8 +130,22 @@ def install_on_device(
     for at, fp in comp.full_pulls:
         full = scratch[at : at + fp.staging_nbytes].view(fp.dtype).reshape(fp.global_shape)
         for copy in fp.copies:
-            value = torch.broadcast_to(replay_ops(full, copy.op_chain), copy.dest_shape)
+            value = replay_ops(full, copy.op_chain)
+            for dtype in copy.casts:  # the loader's .to() casts, in its order
+                value = value.to(dtype)
+            value = torch.broadcast_to(value, copy.dest_shape)
             if value.numel() == 0:
+                continue
+            if value.dtype != copy.dest_dtype:
+                # the loader's copy_ converts into its parameter's dtype
+                typed = params[copy.param_name].data
+                dst = torch.as_strided(
+                    typed,
+                    copy.dest_shape,
+                    copy.dest_stride,
+                    typed.storage_offset() + copy.dest_offset,
+                )
+                dst.copy_(value)
                 continue
             as_int = _INT_OF_SIZE[fp.elsize]
             param = params[copy.param_name].data.view(as_int)

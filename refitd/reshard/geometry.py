@@ -14,12 +14,17 @@ Contracts:
   pass raises :class:`UnsupportedReshard`, its records are discarded, the cause is
   logged at WARNING, and every weight is retried on its own so a refusal is
   attributed to the sources that caused it and to no other.
-* **Attribution.** Each parameter's ``weight_loader`` (or ``default_weight_loader``
-  for parameters without one) is wrapped for the capture so a ``copy_`` knows its
-  parameter; the wrappers pass every argument through (loaders are often called by
-  keyword) and are removed on every exit, including an unexpected exception, which
-  propagates. A ``copy_`` outside any wrapped loader is counted in
-  ``CaptureResult.unattributed`` and not recorded.
+* **Attribution by memory.** A ``copy_`` (or a constant ``fill_``/``zero_``) is
+  the write of the parameter or persistent buffer whose storage it lands in
+  (:mod:`refitd.reshard.owners`), whichever code made it: a ``weight_loader``, or
+  ``load_weights`` writing ``param.data`` itself (gpt-oss). A ``copy_`` into memory
+  no parameter or buffer owns is counted in ``CaptureResult.unattributed``, said in
+  ``unowned``, and not recorded. Each parameter's ``weight_loader`` (or
+  ``default_weight_loader`` for parameters without one) is also wrapped for the
+  capture, naming the parameter whose loader runs, which picks the owner among
+  destinations that share one storage; the wrappers pass every argument through
+  (loaders are often called by keyword) and are removed on every exit, including
+  an unexpected exception, which propagates.
 * **Fail closed.** Anything outside the allow-list marks its sources unsupported
   with the cause; a capture never records an approximate copy.
 """
@@ -35,6 +40,7 @@ import torch
 
 import refitd.reshard.lazy_concat  # noqa: F401  (registers cat/stack support)
 from refitd.reshard.lazy import CaptureRecorder, FillRecorder, LazyBase, LazyWeight
+from refitd.reshard.owners import StorageOwners
 from refitd.reshard.types import (
     CaptureResult,
     OpChain,
@@ -87,9 +93,10 @@ def convert_source_weights(
     keeps its source name; every placeholder derived from the manifest shares one
     recorder, as :func:`capture_weights` requires. Refused with
     :class:`UnsupportedReshard`: an output that is not derived from a source (a
-    synthesized tensor), and any op outside the allow-list inside ``convert`` (a
-    dtype cast, arithmetic), which cannot be attributed to one source because the
-    conversion runs as one call.
+    synthesized tensor), and any op outside the allow-list inside ``convert``
+    (arithmetic, a cast to a non-floating dtype), which cannot be attributed to one
+    source because the conversion runs as one call. A cast between floating dtypes
+    is carried in the placeholder's cast chain, replayed at install.
     """
     lazies = build_lazy_weights(manifest)
     if convert is None:
@@ -144,9 +151,11 @@ def capture_weights(
     if recorder is None:
         return result
     first_copy, first_unattributed = len(recorder.copies), recorder.unattributed
-    first_fill = len(recorder.fills)
+    first_fill, first_unowned = len(recorder.fills), len(recorder.unowned)
+    zeroed, owners = set(recorder.zeroed), recorder.owners
     saved = _install_stamps(model, recorder, default_weight_loader)
-    fills = FillRecorder(recorder, dict(model.named_parameters()))
+    recorder.owners = StorageOwners(model)
+    fills = FillRecorder(recorder)
     try:
         try:
             with fills:
@@ -156,7 +165,9 @@ def capture_weights(
             # the loader reached before it; only the per-source pass is trusted.
             del recorder.copies[first_copy:]
             del recorder.fills[first_fill:]
+            del recorder.unowned[first_unowned:]
             recorder.unattributed = first_unattributed
+            recorder.zeroed = set(zeroed)
             recorder.current = None
             logger.warning(
                 "reshard capture: bulk load_weights refused (%s); retrying %d weights one "
@@ -168,13 +179,17 @@ def capture_weights(
                 _capture_one_by_one(model, items, recorder, result)
     finally:
         _restore_stamps(saved)
+        recorder.owners = owners
     result.copies = recorder.copies[first_copy:]
     result.fills = recorder.fills[first_fill:]
-    del recorder.fills[first_fill:]
+    result.unowned = recorder.unowned[first_unowned:]
     result.unattributed = recorder.unattributed - first_unattributed
     # Leave the recorder as found, so placeholders can serve another capture.
     del recorder.copies[first_copy:]
+    del recorder.fills[first_fill:]
+    del recorder.unowned[first_unowned:]
     recorder.unattributed = first_unattributed
+    recorder.zeroed = zeroed
     _log_summary(result)
     return result
 

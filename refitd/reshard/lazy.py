@@ -22,6 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch.utils._pytree import tree_leaves
 
+from refitd.reshard.owners import StorageOwners
 from refitd.reshard.replay import MULTI_OUTPUT_OPS, REPLAYABLE_OPS, validate_op
 from refitd.reshard.types import (
     CASTABLE,
@@ -48,19 +49,33 @@ _ALLOWED_HINT = "allowed: " + ", ".join(sorted(REPLAYABLE_OPS)) + ", cat, stack 
 class CaptureRecorder:
     """Mutable state one capture shares between every placeholder it built.
 
-    ``current`` is the full name of the parameter whose stamped loader is running
-    (``None`` outside any loader); ``copies`` and ``unattributed`` accumulate what
-    the ``copy_`` sinks saw, ``fills`` the constant writes loaders made
-    (:class:`FillRecorder`).
+    ``owners`` finds the destination a write lands in by its storage (set by the
+    capture; without it a write is its running loader's, ``current``). ``current``
+    is the full name of the parameter whose stamped loader is running (``None``
+    outside any loader). ``copies`` and ``unattributed`` accumulate what the
+    ``copy_`` sinks saw (``unowned`` says what each unattributed write was),
+    ``fills`` the constant writes loaders made (:class:`FillRecorder`), ``zeroed``
+    the sources a loader zeroed in place (their later copies write zeros).
     """
 
-    __slots__ = ("copies", "current", "fills", "unattributed")
+    __slots__ = ("copies", "current", "fills", "owners", "unattributed", "unowned", "zeroed")
 
     def __init__(self) -> None:
         self.copies: list[RecordedCopy] = []
         self.fills: list[RecordedFill] = []
         self.unattributed = 0
+        self.unowned: list[str] = []
+        self.zeroed: set[str] = set()
         self.current: str | None = None
+        self.owners: StorageOwners | None = None
+
+    def owner_name(self, dest: torch.Tensor, refresh: bool = True) -> str | None:
+        """The destination ``dest`` belongs to (by its storage), or ``None``
+        (``refresh``: as :meth:`~refitd.reshard.owners.StorageOwners.owner_of`)."""
+        if self.owners is None:
+            return self.current
+        owner = self.owners.owner_of(dest, self.current, refresh)
+        return None if owner is None else owner.name
 
 
 def _method_names() -> dict[Callable[..., Any], str]:
@@ -95,8 +110,15 @@ _DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
 _IDENTITY: frozenset[Callable[..., Any]] = frozenset({torch.Tensor.detach, torch.detach})
 # Device moves keep every element and its position; only a dtype change is a cast.
 _MOVES: frozenset[Callable[..., Any]] = frozenset(
-    {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda}
+    {torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda, torch.Tensor.type}
 )
+_CAST_METHODS: dict[Callable[..., Any], torch.dtype] = {
+    torch.Tensor.float: torch.float32,
+    torch.Tensor.double: torch.float64,
+    torch.Tensor.half: torch.float16,
+    torch.Tensor.bfloat16: torch.bfloat16,
+}
+_ZERO = torch.Tensor.zero_
 _AS_SHAPE_OF: dict[Callable[..., Any], str] = {
     torch.Tensor.view_as: "view",
     torch.Tensor.reshape_as: "reshape",
@@ -153,8 +175,37 @@ class LazyBase(torch.Tensor):
     def _apply(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError
 
-    def _record_into(self, dest: torch.Tensor) -> None:
+    def _record_into(self, dest: torch.Tensor, param_name: str) -> None:
         raise NotImplementedError
+
+    def cast(self, dtype: torch.dtype) -> LazyBase:
+        """``self.to(dtype)``: the same elements, converted as the loader converts.
+
+        Recorded as a step of the placeholder's cast chain, replayed at install on
+        the pulled source in the source's dtype (``transfer_plan``); only casts
+        between floating dtypes (:data:`~refitd.reshard.types.CASTABLE`) are.
+        """
+        if dtype == self.dtype:
+            return self
+        if not castable(self.dtype, dtype):
+            raise self.refuse(
+                f"to() casts {self.dtype} to {dtype}; only casts between "
+                f"{', '.join(sorted(str(d) for d in CASTABLE))} are replayed at install"
+            )
+        return self._cast(dtype)
+
+    def _cast(self, dtype: torch.dtype) -> LazyBase:
+        raise NotImplementedError
+
+    def zero_source(self) -> LazyBase:
+        """``source.zero_()`` in place: the loader's later copies of it write zeros.
+
+        gpt-oss's loader zeroes the down-projection bias it reads on every TP rank
+        but the first, then copies it in: a constant write, recorded as a fill. Only
+        a whole, uncast source may be zeroed (part of one would leave the rest
+        readable and the zeroed part not).
+        """
+        raise self.refuse("zero_() of part of a source (a view, a cast or a concatenation)")
 
     def refuse(self, cause: str, hint: str = "") -> UnsupportedReshard:
         """An :class:`UnsupportedReshard`: ``cause``, then this placeholder, then ``hint``.
@@ -197,6 +248,10 @@ class LazyBase(torch.Tensor):
             return args[0]  # same elements, same placement: nothing to record
         if func in _MOVES and args and isinstance(args[0], LazyBase):
             return _device_move(args[0], func, args[1:], kwargs)
+        if func in _CAST_METHODS and args and isinstance(args[0], LazyBase):
+            return args[0].cast(_CAST_METHODS[func])
+        if func is _ZERO and args and isinstance(args[0], LazyBase):
+            return args[0].zero_source()
         if func is _ITEM and args and isinstance(args[0], LazyBase):
             raise args[0].refuse(
                 "item() turns the weight into a Python number (e.g. fill_(w.item()) for a "
@@ -232,11 +287,19 @@ class LazyBase(torch.Tensor):
 
 
 def _device_move(lazy: LazyBase, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``.to(...)``/``.cpu()``/``.cuda()``: the placeholder itself unless the dtype changes."""
+    """``.to(...)``/``.type(...)``/``.cpu()``/``.cuda()``: the placeholder itself, cast
+    (:meth:`LazyBase.cast`) where a dtype is named."""
     dtypes = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.dtype)]
     dtypes += [a.dtype for a in args if isinstance(a, torch.Tensor)]
-    if func is torch.Tensor.to and any(d != lazy.dtype for d in dtypes):
-        raise lazy.refuse(f"to() casts {lazy.dtype} to {dtypes[0]}")
+    if func is torch.Tensor.type and not dtypes:
+        # type() names the tensor type (a string): metadata, as torch answers it; a
+        # type given by name reaches __torch_dispatch__ and is refused there.
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(lazy, *args, **kwargs)
+    if func in (torch.Tensor.to, torch.Tensor.type) and dtypes:
+        if len(set(dtypes)) > 1:
+            raise lazy.refuse(f"to() names several dtypes {dtypes}")
+        return lazy.cast(dtypes[0])
     return lazy
 
 
@@ -286,10 +349,14 @@ def _sink(dest: Any, src: LazyBase) -> None:
             f"between {', '.join(sorted(str(d) for d in CASTABLE))} are replayed at install"
         )
     recorder = src._recorder
-    if recorder.current is None:
+    name = recorder.owner_name(dest)
+    if name is None:
         recorder.unattributed += 1
+        recorder.unowned.append(
+            f"{src.describe()!r} into a {tuple(dest.shape)} {dest.dtype} tensor"
+        )
         return
-    src._record_into(dest)
+    src._record_into(dest, name)
 
 
 def _concat(stack: bool, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -322,6 +389,9 @@ class LazyWeight(LazyBase):
 
     _name: str
     _ops: OpChain
+    _casts: tuple[torch.dtype, ...]
+    """The dtypes the loader converted the source through, in order (the last is
+    this placeholder's dtype); empty while it has the source's dtype."""
 
     @staticmethod
     def __new__(
@@ -341,10 +411,12 @@ class LazyWeight(LazyBase):
         t._ops = tuple(ops)
         t._recorder = recorder if recorder is not None else CaptureRecorder()
         t._meta = meta
+        t._casts = ()
         return t
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
-        return f"LazyWeight({self._name!r}, shape={tuple(self.shape)}, ops={self._ops!r})"
+        casts = f", casts={self._casts!r}" if self._casts else ""
+        return f"LazyWeight({self._name!r}, shape={tuple(self.shape)}, ops={self._ops!r}{casts})"
 
     def source_names(self) -> list[str]:
         return [self._name]
@@ -353,10 +425,27 @@ class LazyWeight(LazyBase):
         return self._name
 
     def _detail(self) -> str:
-        return f"chain={self._ops!r}"
+        casts = f", casts={tuple(str(d) for d in self._casts)}" if self._casts else ""
+        return f"chain={self._ops!r}{casts}"
 
     def _child(self, meta: torch.Tensor, ops: OpChain) -> LazyWeight:
-        return LazyWeight(self._name, meta.shape, meta.dtype, "meta", ops, self._recorder, meta)
+        child = LazyWeight(self._name, meta.shape, meta.dtype, "meta", ops, self._recorder, meta)
+        child._casts = self._casts
+        return child
+
+    def _cast(self, dtype: torch.dtype) -> LazyBase:
+        meta = torch.empty_strided(
+            self._meta.shape, self._meta.stride(), dtype=dtype, device="meta"
+        )
+        child = self._child(meta, self._ops)
+        child._casts = (*self._casts, dtype)
+        return child
+
+    def zero_source(self) -> LazyBase:
+        if self._ops or self._casts:
+            return super().zero_source()
+        self._recorder.zeroed.add(self._name)
+        return self
 
     def _apply(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if name == "__getitem__":
@@ -382,18 +471,29 @@ class LazyWeight(LazyBase):
             )
         raise self.refuse(f"{name} returned a {type(result).__name__}, not a view")
 
-    def _record_into(self, dest: torch.Tensor) -> None:
+    def _record_into(self, dest: torch.Tensor, param_name: str) -> None:
         recorder = self._recorder
-        assert recorder.current is not None  # _sink checked attribution
+        if self._name in recorder.zeroed:
+            # The loader zeroed this source before copying it: zeros, from no pull.
+            recorder.fills.append(
+                RecordedFill(
+                    param_name,
+                    int(dest.storage_offset()),
+                    tuple(int(n) for n in dest.shape),
+                    tuple(int(n) for n in dest.stride()),
+                )
+            )
+            return
         recorder.copies.append(
             RecordedCopy(
                 src_name=self._name,
                 op_chain=self._ops,
-                param_name=recorder.current,
+                param_name=param_name,
                 dest_offset=int(dest.storage_offset()),
                 dest_shape=tuple(dest.shape),
                 dest_stride=tuple(dest.stride()),
                 dest_dtype=dest.dtype,
+                casts=self._casts,
             )
         )
 
@@ -402,14 +502,15 @@ _FILLS = {torch.Tensor.fill_: "fill_", torch.Tensor.zero_: "zero_"}
 
 
 class FillRecorder(torch.overrides.TorchFunctionMode):
-    """While active, ``fill_``/``zero_`` on a meta tensor inside a stamped loader is
-    recorded as a constant write into that loader's parameter (its geometry as the
-    view reports it). Elsewhere, and on real tensors, torch behaves as usual."""
+    """While active, ``fill_``/``zero_`` on a tensor that lies in a destination's
+    storage (:attr:`CaptureRecorder.owners`; without owners, inside a stamped
+    loader and in its parameter) is recorded as a constant write into that
+    destination, with the geometry the view reports. Elsewhere, and on
+    placeholders, torch behaves as usual."""
 
-    def __init__(self, recorder: CaptureRecorder, params: dict[str, torch.Tensor]) -> None:
+    def __init__(self, recorder: CaptureRecorder) -> None:
         super().__init__()
         self.recorder = recorder
-        self.params = params
 
     def __torch_function__(
         self,
@@ -419,18 +520,18 @@ class FillRecorder(torch.overrides.TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        name = self.recorder.current
-        if func in _FILLS and name is not None and args:
+        if func in _FILLS and args:
             dest = args[0]
-            param = self.params.get(name)
-            if (
-                isinstance(dest, torch.Tensor)
+            # No refresh on a miss: loaders fill temporaries often, and a fill missed
+            # fails closed (its destination is then reported unwritten).
+            name = (
+                self.recorder.owner_name(dest, refresh=False)
+                if isinstance(dest, torch.Tensor)
                 and not isinstance(dest, LazyBase)
                 and dest.device == _META
-                and param is not None
-                and dest.dtype == param.dtype
-                and dest.untyped_storage().nbytes() == param.untyped_storage().nbytes()
-            ):
+                else None
+            )
+            if name is not None:
                 self.recorder.fills.append(
                     RecordedFill(
                         name,

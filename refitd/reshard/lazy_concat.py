@@ -111,9 +111,17 @@ class LazyConcat(LazyBase):
     def _detail(self) -> str:
         return f"{len(self._pieces)} pieces"
 
-    def _record_into(self, dest: torch.Tensor) -> None:
+    def _record_into(self, dest: torch.Tensor, param_name: str) -> None:
         for piece, offset in zip(self._pieces, self._offsets, strict=True):
-            piece._record_into(dest.narrow(self._dim, offset, piece.shape[self._dim]))
+            piece._record_into(dest.narrow(self._dim, offset, piece.shape[self._dim]), param_name)
+
+    def _cast(self, dtype: torch.dtype) -> LazyBase:
+        # A conversion is elementwise: each piece converts its own elements.
+        pieces = [p.cast(dtype) for p in self._pieces]
+        meta = torch.empty_strided(
+            self._meta.shape, self._meta.stride(), dtype=dtype, device="meta"
+        )
+        return LazyConcat(pieces, self._dim, meta)
 
     # -- movement ops ------------------------------------------------------------
 

@@ -45,13 +45,17 @@ _replay_ops = replay_ops
 
 def refuse_unsafe(capture: CaptureResult, plan: TransferPlan | None = None) -> None:
     """Raise :class:`UnsupportedReshard` if ``capture``/``plan`` cannot be served whole:
-    a write no loader owns, or a source the capture (without ``plan``) or the plan
+    a write into memory no destination owns (named), or a source the capture (without ``plan``) or the plan
     (with it: also sources missing from the manifest) cannot serve exactly."""
     if capture.unattributed:
+        shown = "; ".join(capture.unowned[:5])
+        more = len(capture.unowned) - 5
         raise UnsupportedReshard(
-            f"refit refused before any transfer: {capture.unattributed} copy_ write(s) fired "
-            f"outside every parameter loader, so refitd cannot tell which parameter they fill "
-            f"(pass the engine's default_weight_loader to capture)"
+            f"refit refused before any transfer: {capture.unattributed} copy_ write(s) landed "
+            f"in memory that belongs to no parameter or persistent buffer of the model (a "
+            f"temporary the loader copies on, or a tensor of its own), so refitd cannot tell "
+            f"which destination they fill: {shown or 'not recorded'}"
+            f"{f'; ... {more} more' if more > 0 else ''}"
         )
     if plan is None:
         fallback, reasons = capture.unsupported, capture.unsupported_reasons

@@ -28,6 +28,7 @@ Units: ``*_elem`` and run arrays are in elements; ``addr``, ``*_byte`` and
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -407,9 +408,18 @@ def plan_pull(
 def check_cast(copy: RecordedCopy, src_dtype: torch.dtype, bounded: bool) -> None:
     """A copy that converts dtype is planned as a full pull (the source's rows staged
     in its own dtype, converted at install by the loader's ``copy_``): refuse one
-    whose conversion is not replayable, or whose source cannot be staged."""
+    whose conversion is not replayable, or whose source cannot be staged. The
+    loader's own casts (``copy.casts``, from ``.to()`` and the like) are replayed
+    in order before the ``copy_``'s."""
     if not castable(src_dtype, copy.dest_dtype):
         check_dtype(copy, src_dtype)
+    steps = [src_dtype, *copy.casts, copy.dest_dtype]
+    for a, b in itertools.pairwise(steps):
+        if a != b and not castable(a, b):
+            raise UnsupportedReshard(
+                f"copy of {copy.src_name!r} ({src_dtype}) into {copy.param_name!r} "
+                f"({copy.dest_dtype}) converts {a} to {b} on the way, which is not replayable"
+            )
     if not bounded:
         raise UnsupportedReshard(
             f"copy of {copy.src_name!r} ({src_dtype}) into {copy.param_name!r} "
@@ -425,6 +435,11 @@ def write_through_pointer(ptr: int, copy: RecordedCopy, value: torch.Tensor) -> 
     """Copy ``value`` (broadcast to ``copy.dest_shape``) into the strided destination
     of ``copy`` (elements of ``copy.dest_dtype``) inside the storage that starts at
     ``ptr`` (bytes)."""
+    for dtype in copy.casts:
+        # The loader's own conversions (``.to()``, ``.float()``...), in its order: a
+        # conversion is elementwise, so converting the replayed view equals
+        # converting before the movement ops, bit for bit.
+        value = value.to(dtype)
     value = torch.broadcast_to(value, copy.dest_shape)
     if value.numel() == 0:
         return

@@ -384,7 +384,7 @@ def _plan_source(
     bounded = all(is_dim0_block(shape, s) for s in info.shards)
     out = []
     for copy in copies:
-        cast = copy.dest_dtype != info.dtype
+        cast = copy.dest_dtype != info.dtype or bool(copy.casts)
         if cast:
             check_cast(copy, info.dtype, bounded)
         shard, storage, dst, nbytes = split_runs(copy_runs(copy, shape), table, info.elsize)

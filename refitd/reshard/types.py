@@ -81,7 +81,10 @@ class RecordedCopy:
 
     ``dest_offset``, ``dest_shape`` and ``dest_stride`` are in *elements* of the
     destination parameter's storage, exactly as ``Tensor.storage_offset()``,
-    ``.shape`` and ``.stride()`` reported them on the meta twin.
+    ``.shape`` and ``.stride()`` reported them on the meta twin. ``casts`` are the
+    dtypes the loader converted the view through before the ``copy_`` (``.to()``,
+    ``.float()``...), in order; the install replays them, then the ``copy_``'s own
+    conversion into ``dest_dtype``.
     """
 
     src_name: str
@@ -91,6 +94,7 @@ class RecordedCopy:
     dest_shape: tuple[int, ...]
     dest_stride: tuple[int, ...]
     dest_dtype: torch.dtype
+    casts: tuple[torch.dtype, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,9 +119,10 @@ class CaptureResult:
 
     ``unsupported`` lists source names (in manifest order) whose loader path could
     not be recorded exactly; ``unsupported_reasons`` maps each to its cause.
-    ``unattributed`` counts ``copy_`` sinks that fired outside any stamped loader,
-    i.e. writes refitd could not tie to a parameter. ``fills`` are the constant
-    writes loaders made into their own parameter.
+    ``unattributed`` counts ``copy_`` sinks whose destination lies in memory that
+    belongs to no parameter or persistent buffer, i.e. writes refitd cannot tie
+    to a destination; ``unowned`` says what each was (source and destination).
+    ``fills`` are the constant writes loaders made into a destination.
     """
 
     copies: list[RecordedCopy] = field(default_factory=list)
@@ -125,6 +130,7 @@ class CaptureResult:
     unattributed: int = 0
     unsupported_reasons: dict[str, str] = field(default_factory=dict)
     fills: list[RecordedFill] = field(default_factory=list)
+    unowned: list[str] = field(default_factory=list)
 
 
 # A cause message ends with the source it was raised for (" on lazy 'name' ...");

@@ -29,10 +29,12 @@ from vllm_models import (
     DEEPSEEK_V3,
     GEMMA2,
     GEMMA3,
+    GPT_OSS,
     GRANITE,
     GRANITE_MOE,
     KIMI_K2,
     LLAMA,
+    MINIMAX_M2,
     MIXTRAL,
     OLMOE,
     PHI3,
@@ -82,6 +84,11 @@ FAMILIES = [
     # install), YaRN rope.
     Family("deepseek-v3-mla", DEEPSEEK_V3),
     Family("kimi-k2-mla", KIMI_K2),  # DeepSeek-V3's architecture, many experts
+    # Its load_weights copies experts (interleaved gate/up, biases) and the attention
+    # sinks into the parameters itself; alternating sliding-window layers.
+    Family("gpt-oss", GPT_OSS),
+    # Its routing bias's loader converts with .to(float32) before copy_.
+    Family("minimax-m2-to-cast", MINIMAX_M2),
 ]
 
 

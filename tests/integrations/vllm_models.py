@@ -18,7 +18,9 @@ from support.vllm_world import stop_engine, vllm_env
 from refitd.bench.vllm import LLM_CPU_KWARGS, greedy, llama_config, start_daemon
 
 __all__ = [
+    "GPT_OSS",
     "LLAMA",
+    "MINIMAX_M2",
     "QWEN3_MOE",
     "greedy",
     "hf_model",
@@ -209,6 +211,46 @@ KIMI_K2 = {
 }
 
 
+GPT_OSS = {
+    **LLAMA,
+    "architectures": ["GptOssForCausalLM"],
+    "model_type": "gpt_oss",  # bf16 experts: interleaved gate/up with biases, sinks
+    "intermediate_size": 64,  # gate_up [E, H, 2I] = [4, 256, 128]: no square to confuse
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "sliding_window": 4,  # shorter than the prompts and their 8 tokens: it matters
+    "layer_types": ["sliding_attention", "full_attention"],  # alternating
+    "attention_bias": True,
+    "swiglu_limit": 7.0,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 128,
+        "rope_theta": 150000.0,
+    },
+}
+
+MINIMAX_M2 = {
+    **LLAMA,
+    "architectures": ["MiniMaxM2ForCausalLM"],
+    "model_type": "minimax_m2",  # its fp32 routing bias is loaded with .to(float32)
+    "intermediate_size": 128,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "use_routing_bias": True,
+    # MiniMax-M2 ships sigmoid routing, which vLLM's CPU router refuses outside grouped
+    # top-k (cpu_router.py: `assert self.scoring_func == "softmax"`); softmax routing
+    # serves on CPU. The bias is still loaded, refitted and compared bit for bit.
+    "scoring_func": "softmax",
+    "rotary_dim": 32,  # partial rotary: half of each head
+    "use_qk_norm": True,
+    "qk_norm_type": "per_layer",
+}
+
+
 def hf_model(config: dict[str, Any], seed: int) -> torch.nn.Module:
     """The Hugging Face model for ``config`` with random bf16 weights from ``seed``."""
     import transformers
@@ -234,6 +276,7 @@ EXPERT_NAMES = {
     "deepseek_v2": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "olmoe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "minimax_m2": ("block_sparse_moe", "w1", "w3", "w2"),
 }
 """Families whose checkpoints (as on the hub, and as vLLM's loaders read them) hold
 one tensor per expert: the MoE block's name and the gate, up and down names."""

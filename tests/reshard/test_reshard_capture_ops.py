@@ -166,7 +166,7 @@ def test_a_placeholder_view_reports_the_strides_a_real_view_would_have() -> None
     ("view", "cause"),
     [
         (lambda x: x * 2, "aten.mul"),
-        (lambda x: x.to(torch.bfloat16), "casts"),
+        (lambda x: x.to(torch.int32), "casts"),
         (lambda x: x.view(torch.int32), "reinterprets dtype"),
         (lambda x: x[torch.tensor([0, 2])], "advanced indexing"),
         (lambda x: x[[0, 2]], "advanced indexing"),
@@ -221,9 +221,30 @@ def test_device_moves_and_detach_are_the_placeholder_itself(same: View) -> None:
     assert same(x) is x
 
 
-def test_a_cast_spelled_as_to_is_refused_even_with_a_device() -> None:
-    with pytest.raises(UnsupportedReshard, match=r"casts torch\.float32 to torch\.float16"):
-        _lazy((3, 4)).to("cpu", torch.float16)
+def test_an_integer_cast_spelled_as_to_is_refused_even_with_a_device() -> None:
+    with pytest.raises(UnsupportedReshard, match=r"casts torch\.float32 to torch\.int32"):
+        _lazy((3, 4)).to("cpu", torch.int32)
+
+
+@pytest.mark.parametrize(
+    "cast",
+    [
+        lambda x: x.to("cpu", torch.float16),
+        lambda x: x.to(dtype=torch.float16),
+        lambda x: x.half(),
+        lambda x: x.type(torch.float16),
+        lambda x: x.to(torch.empty(1, dtype=torch.float16)),
+    ],
+    ids=["to_device_dtype", "to_dtype_kw", "half", "type", "to_tensor"],
+)
+def test_a_floating_cast_in_any_spelling_is_carried_in_the_placeholders_cast_chain(
+    cast: View,
+) -> None:
+    got = cast(_lazy((3, 4)).narrow(0, 1, 2))
+    assert got.dtype == torch.float16 and tuple(got.shape) == (2, 4)
+    assert got._casts == (torch.float16,) and got._ops == (("narrow", (0, 1, 2), ()),)
+    assert got.float()._casts == (torch.float16, torch.float32)
+    assert got.to(torch.float16) is got  # no conversion, nothing recorded
 
 
 def test_item_is_refused_with_the_reason() -> None:
@@ -312,3 +333,7 @@ def test_copy_returns_the_destination_so_chained_loader_code_keeps_working() -> 
 
     _capture((2, 3), (2, 3), load)
     assert seen == [torch.Size([2, 3])]
+
+
+def test_type_without_a_dtype_answers_the_type_name_as_torch_does() -> None:
+    assert _lazy((2,)).type() == torch.empty(2, device="meta").type()

@@ -159,3 +159,133 @@ def test_a_cast_copy_is_refused_by_a_byte_plan() -> None:
     copy = RecordedCopy("w", (), "p", 0, (4,), (1,), torch.float32)
     with pytest.raises(UnsupportedReshard, match="converts dtype"):
         plan_pull(copy, (4,), torch.bfloat16, 2, [Shard((0,), (4,), "s", 0, 2)])
+
+
+# -- casts a loader makes itself: .to(), .float(), .bfloat16() ------------------------
+
+CASTS = {
+    "to": lambda x, d: x.to(d),
+    "to_kw": lambda x, d: x.to(dtype=d),
+    "method": lambda x, d: {
+        torch.float32: x.float,
+        torch.bfloat16: x.bfloat16,
+        torch.float16: x.half,
+        torch.float64: x.double,
+    }[d](),
+}
+MOVES = {
+    "narrow": lambda x: x.narrow(0, x.shape[0] // 2, x.shape[0] - x.shape[0] // 2),
+    "t": lambda x: x.t(),
+    "flip_rows": lambda x: x[:, ::2],
+    "contiguous": lambda x: x.contiguous(),
+}
+
+
+class ChainLoader(torch.nn.Module):
+    """One parameter of ``dtype`` loaded by ``param.data.copy_(chain(w))``, where the
+    chain interleaves movement ops with casts (MiniMax-M2's gate bias loader is the
+    shortest: ``copy_(w.to(torch.float32))``)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, chain: list[Any]) -> None:
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+        self.chain = chain
+
+    def load_weights(self, weights: Any) -> None:
+        for _, w in weights:
+            for step in self.chain:
+                w = step(w)
+            self.p.data.copy_(w)
+
+
+def _chain_shape(shape: tuple[int, int], names: list[str]) -> tuple[int, ...]:
+    x = torch.empty(shape, device="meta")
+    for n in names:
+        x = MOVES[n](x)
+    return tuple(x.shape)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    src_dtype=st.sampled_from(FLOATS),
+    dest_dtype=st.sampled_from(FLOATS),
+    steps=st.lists(
+        st.one_of(
+            st.tuples(st.just("cast"), st.sampled_from(sorted(CASTS)), st.sampled_from(FLOATS)),
+            st.tuples(st.just("move"), st.sampled_from(sorted(MOVES)), st.just(None)),
+        ),
+        min_size=1,
+        max_size=5,
+    ),
+    rows=st.integers(2, 6),
+    cols=st.integers(2, 5),
+    cuts=st.lists(st.integers(0, 6), max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_a_loader_chain_with_casts_is_replayed_bit_for_bit_as_the_loader_leaves_it(
+    src_dtype: torch.dtype,
+    dest_dtype: torch.dtype,
+    steps: list[tuple[str, str, Any]],
+    rows: int,
+    cols: int,
+    cuts: list[int],
+    seed: int,
+) -> None:
+    chain = [
+        (lambda x, f=CASTS[name], d=dt: f(x, d)) if kind == "cast" else MOVES[name]
+        for kind, name, dt in steps
+    ]
+    shape = _chain_shape((rows, cols), [name for kind, name, _ in steps if kind == "move"])
+    w = _values((rows, cols), src_dtype, seed)
+    truth = ChainLoader(shape, dest_dtype, chain)
+    truth.load_weights([("w", w)])
+
+    with torch.device("meta"):
+        twin = ChainLoader(shape, dest_dtype, chain)
+    captured = capture_geometry(twin, [("w", src_dtype, (rows, cols))])
+    assert captured.unsupported == [] and captured.unattributed == 0
+    (copy,) = captured.copies
+    keep: list[torch.Tensor] = []
+    plan = plan_transfer(captured, {"w": _publish(w, [c for c in cuts if c < rows], keep)})
+    converts = copy.casts != () or src_dtype != dest_dtype
+    assert (
+        (plan.segments == [] and len(plan.full_pulls) == 1) if converts else plan.full_pulls == []
+    )
+    got = ChainLoader(shape, dest_dtype, chain)
+    execute_transfer(plan, lambda n: got.p.data_ptr(), InMemoryReadExecutor())
+    assert torch.equal(got.p.view(-1).view(torch.uint8), truth.p.view(-1).view(torch.uint8))
+
+
+def test_a_cast_of_a_concatenation_casts_every_piece() -> None:
+    a, b = _values((2, 3), torch.bfloat16, 1), _values((3, 3), torch.bfloat16, 2)
+
+    class CatLoader(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(5, 3), requires_grad=False)
+
+        def load_weights(self, weights: Any) -> None:
+            ws = dict(weights)
+            self.p.data.copy_(torch.cat([ws["a"], ws["b"]]).float().t().t())
+
+    truth = CatLoader()
+    truth.load_weights([("a", a), ("b", b)])
+    with torch.device("meta"):
+        twin = CatLoader()
+    captured = capture_geometry(
+        twin, [("a", torch.bfloat16, (2, 3)), ("b", torch.bfloat16, (3, 3))]
+    )
+    assert [c.casts for c in captured.copies] == [(torch.float32,)] * 2
+    keep: list[torch.Tensor] = []
+    plan = plan_transfer(captured, {"a": _publish(a, [], keep), "b": _publish(b, [1], keep)})
+    got = CatLoader()
+    execute_transfer(plan, lambda n: got.p.data_ptr(), InMemoryReadExecutor())
+    assert torch.equal(got.p, truth.p)
+
+
+def test_an_integer_cast_in_a_loader_chain_is_refused_naming_it() -> None:
+    with torch.device("meta"):
+        twin = ChainLoader((2, 3), torch.float32, [lambda x: x.to(torch.int32)])
+    captured = capture_geometry(twin, [("w", torch.bfloat16, (2, 3))])
+    assert captured.unsupported == ["w"]
+    assert "casts torch.bfloat16 to torch.int32" in captured.unsupported_reasons["w"]

@@ -85,9 +85,14 @@ def test_a_synthesized_tensor_is_refused() -> None:
         convert_source_weights(convert, ENTRIES)
 
 
-def test_a_dtype_cast_is_refused() -> None:
+def test_an_integer_cast_is_refused() -> None:
     with pytest.raises(UnsupportedReshard, match="casts"):
-        convert_source_weights(lambda sd: {"a": sd["router.weight"].to(torch.float32)}, ENTRIES)
+        convert_source_weights(lambda sd: {"a": sd["router.weight"].to(torch.int32)}, ENTRIES)
+
+
+def test_a_floating_cast_is_carried_to_the_loader_as_a_cast_chain() -> None:
+    weights = convert_source_weights(lambda sd: {"a": sd["router.weight"].float()}, ENTRIES)
+    assert isinstance(weights["a"], LazyWeight) and weights["a"]._casts == (torch.float32,)
 
 
 def test_a_same_dtype_to_is_a_no_op_and_accepted() -> None:

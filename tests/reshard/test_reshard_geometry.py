@@ -213,7 +213,8 @@ def test_a_clean_capture_calls_load_weights_once_and_restores_every_loader() -> 
 
 
 class EarlyWritesThenFails(TinyEngine):
-    """The refused weight first writes twice (attributed, then not), then fails."""
+    """The refused weight first writes twice (into a parameter, then into a temporary
+    no parameter owns), then fails."""
 
     def __init__(self) -> None:
         super().__init__(with_multiply=True)
@@ -222,7 +223,7 @@ class EarlyWritesThenFails(TinyEngine):
         for name, w in weights:
             if name == "scaled":
                 self.norm.weight_loader(self.norm, w[0])  # type: ignore[operator]
-                self.norm.data.copy_(w[1])  # outside any loader: unattributed
+                torch.empty_like(self.norm).copy_(w[1])  # unowned memory: unattributed
             super().load_weights([(name, w)])
 
 
@@ -356,11 +357,12 @@ class NoLoaderEngine(torch.nn.Module):
             getattr(params[name], "weight_loader", plain_loader)(params[name], w)
 
 
-def test_a_parameter_loaded_by_the_engines_default_loader_is_unattributed_unless_named() -> None:
+def test_a_parameter_loaded_without_a_weight_loader_is_attributed_by_its_memory() -> None:
     entries = [("norm", F32, (4,))]
 
-    missed = capture_geometry(meta_engine(NoLoaderEngine), entries)
-    assert missed.copies == [] and missed.unattributed == 1
+    found = capture_geometry(meta_engine(NoLoaderEngine), entries)
+    assert [(c.src_name, c.param_name, c.op_chain) for c in found.copies] == [("norm", "norm", ())]
+    assert found.unattributed == 0
 
     model = meta_engine(NoLoaderEngine)
     got = capture_geometry(model, entries, default_weight_loader=plain_loader)

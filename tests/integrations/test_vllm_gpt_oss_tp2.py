@@ -1,0 +1,99 @@
+"""gpt-oss refits exactly on two tensor-parallel ranks (issue 48).
+
+vLLM's gpt-oss ``load_weights`` writes the experts (gate and up interleaved in one
+``[E, H, 2I]`` tensor, each rank taking its columns and transposing them), their
+biases and the attention sinks (each rank its heads) into the parameters itself,
+outside every ``weight_loader``; on every rank but the first it zeroes the
+down-projection bias it reads before copying it in. ``test_vllm_families`` judges
+the TP 1 engine. Here a TP 2 engine (a worker process per rank) refits to what a
+fresh TP 2 load of the same weights serves: greedy tokens, the top logprobs at every
+step, and every parameter of every rank, first update and replay.
+
+A module of its own: its engines must not share a test process with another
+in-process engine (vLLM's parallel state is one per process).
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_vllm_families import Family, checkpoint_state
+from vllm_models import GPT_OSS, greedy_logprobs, llm_kwargs, param_digests, save_model, stop_engine
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def served(llm: Any) -> tuple[Any, list[dict[str, str]]]:
+    """Tokens and top logprobs, and every rank's parameter digests."""
+    return greedy_logprobs(llm), llm.collective_rpc(param_digests)
+
+
+def test_a_tp2_gpt_oss_engine_refits_to_what_a_fresh_tp2_load_serves_first_update_and_replay(
+    vllm_daemon_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # one core per rank
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # a worker process per rank
+    from vllm import LLM
+
+    from refitd.integrations.sources import TensorSource
+    from refitd.integrations.vllm.trainer import (
+        LLMSyncClient,
+        RefitdTrainerEngine,
+        RefitdTrainerInitInfo,
+    )
+    from refitd.integrations.vllm.worker import refit_stats
+
+    family = Family("gpt-oss-tp2", GPT_OSS)
+    a = checkpoint_state(family, 11, retie=False)
+    b = checkpoint_state(family, 12, retie=True)
+    save_model(tmp_path / "a", family.config, a)
+    save_model(tmp_path / "b", family.config, b)
+    # One sequence a step: with worker processes two prompts share a step in some
+    # generations and not in others (see test_vllm_mla); one a step serves one answer.
+    tp2 = {
+        "tensor_parallel_size": 2,
+        "distributed_executor_backend": "mp",
+        "max_num_seqs": 1,
+        **llm_kwargs(),
+    }
+    fresh = LLM(model=str(tmp_path / "a"), **tp2)
+    try:
+        truth_a = served(fresh)
+    finally:
+        stop_engine(fresh)
+        del fresh
+        gc.collect()
+    llm = LLM(model=str(tmp_path / "b"), weight_transfer_config={"backend": "refitd"}, **tp2)
+    try:
+        truth_b = served(llm)
+        assert truth_a[0] != truth_b[0], "A and B must serve differently, or nothing is tested"
+        tensors = {n: t.clone() for n, t in a.items()}
+        info = RefitdTrainerInitInfo(rank=0, model=family.name, url=vllm_daemon_url)
+        trainer = RefitdTrainerEngine.trainer_init(
+            info, client=LLMSyncClient(llm), source=TensorSource(tensors)
+        )
+        try:
+            assert served(llm) == truth_b  # the init changed nothing served
+            for i, (weights, truth) in enumerate([(a, truth_a), (b, truth_b)]):
+                for name, t in tensors.items():
+                    t.copy_(weights[name])
+                trainer.send_weights()
+                ranks = llm.collective_rpc(refit_stats)
+                assert [r["replayed"] for r in ranks] == [i == 1, i == 1]
+                # Each rank pulls its own heads, columns and sinks, not the model.
+                total = sum(t.numel() * t.element_size() for t in a.values())
+                assert all(0 < r["bytes"] < total for r in ranks)
+                tokens, params = served(llm)
+                for rank, (got, want) in enumerate(zip(params, truth[1], strict=True)):
+                    assert sorted(got) == sorted(want)
+                    assert [n for n in want if got[n] != want[n]] == [], f"rank {rank}"
+                assert tokens == truth[0], f"update {i}"
+        finally:
+            trainer.shutdown()
+    finally:
+        stop_engine(llm)
+        del llm
+        gc.collect()
