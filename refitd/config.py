@@ -219,6 +219,11 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_pulls_per_principal: Count = 256
     #: Shards one published manifest may list, over all its tensors (400 past it).
     max_manifest_shards: Count = 1 << 20
+    #: Contiguous runs one request's plan may make (its descriptors, and each pack
+    #: spec's runs counted from its shape and strides before any is listed): a pull,
+    #: a peer pack or a delta pack past it is refused (413). A path that lists a
+    #: plan run by run holds about 40 bytes a run while it serves the request.
+    max_plan_runs: Count = 1 << 22
     #: A version still pending (slots missing) this many seconds after its first slot
     #: was published expires: it is forgotten and its memory freed.
     pending_ttl_s: Annotated[float, msgspec.Meta(gt=0, description="seconds (number > 0)")] = 3600.0

@@ -30,6 +30,7 @@ from refitd.daemon.drain import LeaseDrain
 from refitd.daemon.owners import ModelOwners
 from refitd.daemon.paths import peer_paths
 from refitd.daemon.peers import PeerPolicy
+from refitd.daemon.plancheck import check_runs
 from refitd.daemon.plane import TransportSet
 from refitd.daemon.registry import PENDING_MANIFESTS, Lease, Registry, check_manifest_bounds
 from refitd.daemon.staging import STAGING_POOL, StagingPool
@@ -454,6 +455,7 @@ class Daemon:
         """Gather specs into a staging region for ``lease`` (:meth:`StagingPool.pack`),
         reading only what :meth:`version_scope` allows, within the caps of the lease's
         principal (else ``principal``'s)."""
+        check_runs(0, specs, self.config.limits.max_plan_runs, "pack")
         return await self.staging.pack(specs, lease, self.version_scope(lease), principal)
 
     async def pack_leased(self, req: PackRequest, principal: str | None = None) -> StagedPack:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refitd.daemon.paths import AUTO, SHM_SCHEME, TCP_SCHEME
-from refitd.daemon.plancheck import validate_descriptors, validate_plan
+from refitd.daemon.plancheck import runs_of, validate_descriptors, validate_plan
 from refitd.daemon.trust import check_pack_reads, check_reads
 from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import (
@@ -283,6 +283,8 @@ def direct_reads(
     when a block's runs are shorter than ``min_run`` bytes or there would be more
     than ``max_rows`` rows: the source then packs, as asked. The specs are checked
     already (:func:`check_plan`): every run lies inside its spec's checked span."""
+    if sum(max(1, runs_of(p)) for p in specs) > max_rows:  # counted before any is listed
+        return None
     out: list[np.ndarray] = []
     last: list[np.ndarray] = []
     total = 0

@@ -44,6 +44,7 @@ from refitd.daemon.listeners import Caller, PullListener, anyone
 from refitd.daemon.move import IN_FLIGHT, move
 from refitd.daemon.node import Daemon
 from refitd.daemon.paths import SHM_SCHEME, adverts, choose_remote, lease_scope
+from refitd.daemon.plancheck import check_runs
 from refitd.daemon.sources import Filling, LocalSource, Redirect, RemoteSource, Source
 from refitd.daemon.trust import check_writes
 from refitd.errors import NotFoundError, RefitError, TransportError
@@ -154,6 +155,7 @@ class PullManager:
         self.plane = daemon.plane
         self.peers = daemon.peers
         self.mode = daemon.mode
+        self.max_plan_runs = daemon.config.limits.max_plan_runs
         #: per peer node, the path the last pull from it took and why (the daemon's)
         self.seen_paths = daemon.seen_paths
         self._connect = connect
@@ -211,6 +213,7 @@ class PullManager:
         src = src or self.source_for(req.source)
         await src.check_lease(req.lease_id, req.model, req.version)
         rows = req.descriptors.rows()
+        check_runs(len(rows), req.pack_specs, self.max_plan_runs, "pull")
         src_ids = pullcore.source_ids(rows, req.pack_specs)
         peer = await src.regions(src_ids, req) if src_ids else None
         pullcore.check_plan(rows, req, peer, self.store.regions.sizes())
