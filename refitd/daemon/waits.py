@@ -1,6 +1,7 @@
 """Long polls: how long one request may wait, and how many one principal holds open.
 
-A long poll (``/ready``, a pull's ``/wait``, a delta record's ``wait``, a drain) holds
+A long poll (``/ready``, a pull's ``/wait``, a delta record's ``wait``, a mirror's
+state with ``after=``, a drain) holds
 its request, its connection (a file descriptor) and a task of the daemon until it is
 answered. Without a bound on how many one principal holds at once, one tenant opening
 thousands of them would spend the daemon's descriptors, and the other tenants' next

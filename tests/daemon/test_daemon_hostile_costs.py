@@ -10,6 +10,7 @@ v2 of one bfloat16 tensor, so the daemon holds v2's delta against v1), ``b`` rea
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,10 +21,17 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
-from support.tenants import TOKENS, two_tenants
+from support.daemons import daemon_config, served, token_file
+from support.mirrorhosts import TOKENS as MIRROR_TOKENS
+from support.tenants import TOKENS, headers, two_tenants, until
 
 from refitd.client.http import RefitClient
+from refitd.config import ServerConfig
+from refitd.daemon.mirror import Mirror
+from refitd.daemon.mirrorhandlers import MIRRORS
 from refitd.daemon.node import Daemon
+from refitd.daemon.waits import MAX_WAIT_S, MAX_WAITS_PER_PRINCIPAL, WAITS
+from refitd.errors import ConflictError
 from refitd.wire import (
     DeltaPackRequest,
     DescriptorTable,
@@ -33,6 +41,8 @@ from refitd.wire import (
     ShardEntry,
     TensorEntry,
 )
+from refitd.wire import routes as api
+from refitd.wire.mirrors import MirrorLease
 from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
@@ -156,3 +166,69 @@ async def test_a_delta_pack_spec_whose_strides_and_shape_differ_in_length_is_a_4
         status, res = await post(env, "/v1/deltas/pack", req)
         refused(status, res, 400, "pack spec 0", "strides")
         assert env.daemon.staging.packed_for(lease) == {}
+
+
+async def test_a_relay_whose_upstream_mirror_is_not_made_in_time_gets_a_named_refusal(
+    tmp_path: Path,
+) -> None:
+    """A downstream relay asks the mirror host for a lease on a mirror whose regions
+    are not made within the wait (its fill has not got that far: the mirror is put in
+    the host's store as its first step puts it, and goes no further). The answer is a
+    409 naming the mirror, which the relay treats as any failed holder; it was a bare
+    500 from the wait's ``TimeoutError``."""
+    secret = b"hostile-costs-secret-0123456789ab"
+    access = ServerConfig(port=0, token_file=token_file(tmp_path, MIRROR_TOKENS))
+    source = Daemon(daemon_config(node_id="source", transport="tcp"), secret=secret)
+    host = Daemon(daemon_config(node_id="host", transport="tcp", policy="always"), secret=secret)
+    async with (
+        served(source, access=access) as s,
+        served(host, access=access, token=MIRROR_TOKENS["peer"]) as h,
+        RefitClient(s.url, token=MIRROR_TOKENS["peer"]) as at_source,
+        RefitClient(h.url, token=MIRROR_TOKENS["a"]) as a,
+    ):
+        host.peers.replace("test", [s.url])
+        info = await at_source.create_region(NBYTES, label="w")
+        await at_source.publish(manifest(1, info.region_id))
+        lease = await at_source.acquire_lease("am", 1, 600.0)
+        h.app[MIRRORS].by_key[(s.url, "am", 1)] = Mirror(s.url, "am", 1)
+        ask = MirrorLease.fresh("am", 1, lease.lease_id, "relay-b", 60.0).signed(secret)
+        with pytest.raises(ConflictError, match="has not made its regions"):
+            await a._send(api.MIRROR_LEASE, ask)
+
+
+# ---------------------------------------------------------------- class 6: a wait outside the cap
+
+
+async def test_mirror_state_long_polls_count_against_the_cap_and_give_their_places_back(
+    tmp_path: Path,
+) -> None:
+    """``GET /v1/mirrors/{model}/{version}?after=`` on a mirror still filling is a long
+    poll: tenant a holds at most the cap open (the one past it is 429 naming the cap,
+    holding nothing), and each dropped by its client gives its place back; b's long
+    polls are its own. Before, none was counted, and a dropped one waited out its
+    timeout."""
+    async with two_tenants(tmp_path, node_id="hostile-costs-mirror") as t:
+        m = Mirror("http://127.0.0.1:9", "am", 1)
+        m.chunks = np.array([[1, 0, NBYTES]], dtype=np.int64)
+        m.done = np.zeros(1, dtype=bool)
+        t.served.app[MIRRORS].by_key[(m.source, "am", 1)] = m
+        waits = t.served.app[WAITS]
+        url = f"{t.served.url}/v1/mirrors/am/1?after=0&timeout={MAX_WAIT_S:g}"
+        dropped = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        polls = [
+            asyncio.ensure_future(dropped.get(url, headers=headers("a")))
+            for _ in range(MAX_WAITS_PER_PRINCIPAL)
+        ]
+        await until(lambda: waits.open("a") == MAX_WAITS_PER_PRINCIPAL)
+        async with aiohttp.ClientSession() as http, http.get(url, headers=headers("a")) as r:
+            refused(r.status, await r.json(content_type=None), 429, "long polls")
+        async with aiohttp.ClientSession() as http:
+            b = asyncio.ensure_future(http.get(url, headers=headers("b")))
+            await until(lambda: waits.open("b") == 1)
+            b.cancel()
+            await asyncio.gather(b, return_exceptions=True)
+        for poll in polls:
+            poll.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
+        await dropped.close()
+        await until(lambda: waits.open("a") == 0 and waits.open("b") == 0)
