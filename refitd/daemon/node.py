@@ -115,6 +115,8 @@ class Daemon:
         self.registry = Registry(
             self.node_id, self.incarnation, clock, pending_ttl_s=self.limits.pending_ttl_s
         )
+        #: the timer that expires pending versions (:meth:`_expire_pending_later`)
+        self._pending_timer: asyncio.TimerHandle | None = None
         #: published manifests being decoded and checked now (off the event loop), and
         #: how many may be at once (the others wait before their body is read)
         self.manifests_checking = 0
@@ -240,6 +242,9 @@ class Daemon:
 
     async def close(self) -> None:
         self.ready = False
+        if self._pending_timer is not None:
+            self._pending_timer.cancel()
+            self._pending_timer = None
         self.store.holders.close()
         await self.plane.close()
         self.store.close()
@@ -362,9 +367,28 @@ class Daemon:
         # stay in memory until the version is ready or expires).
         cap = self.limits.max_manifest_shards * PENDING_MANIFESTS
         info = self.registry.publish(m, principal.name, cap)
+        self._expire_pending_later()
         self.models.claim(principal, m.model)
         self.lease_changed()
         return info
+
+    def _expire_pending_later(self) -> None:
+        """Set the one timer that forgets pending versions at their TTL (its manifests'
+        memory with them), whether or not anything else happens on the daemon: at the
+        oldest pending version's deadline, then at each next one's."""
+        if self._pending_timer is not None:
+            return
+        left = self.registry.next_pending_s()
+        if left is None:
+            return
+
+        def fire() -> None:
+            self._pending_timer = None
+            self.registry.expire_pending()
+            self._expire_pending_later()
+
+        # A little past the deadline: the registry's clock, not the loop's, decides.
+        self._pending_timer = asyncio.get_running_loop().call_later(left + 0.01, fire)
 
     def holds_memory(self, region_id: int) -> bool:
         """Whether ``region_id`` holds memory for a principal now

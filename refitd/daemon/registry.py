@@ -269,6 +269,13 @@ class Registry:
             out.append((model, version))
         return out
 
+    def next_pending_s(self) -> float | None:
+        """Seconds from now until the oldest pending version's TTL runs out (0 when it
+        has), or None when none is pending: when :meth:`expire_pending` has work."""
+        if not self._pending:
+            return None
+        return max(0.0, self._pending[0][0] - self._clock())
+
     def _forget_retired(self, v: _Version) -> None:
         """Let go of the manifests of ``v`` once it is retired and no live lease holds
         it: nothing can read it again (leases are taken on READY versions only), and
@@ -336,6 +343,9 @@ class Registry:
     # ------------------------------------------------------------ reading
 
     def _get(self, model: str, version: int) -> _Version:
+        # A version past its TTL is gone for every reader, whether or not its timer
+        # (the daemon's, :meth:`next_pending_s`) has fired yet.
+        self.expire_pending()
         v = self._versions.get((model, version))
         if v is None:
             raise NotFoundError(f"no version {version} of model {model!r}")

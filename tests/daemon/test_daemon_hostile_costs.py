@@ -21,7 +21,7 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
-from support.daemons import daemon_config, served, token_file
+from support.daemons import FakeClock, daemon_config, served, token_file
 from support.mirrorhosts import TOKENS as MIRROR_TOKENS
 from support.tenants import TOKENS, headers, two_tenants, until
 
@@ -31,7 +31,7 @@ from refitd.daemon.mirror import Mirror
 from refitd.daemon.mirrorhandlers import MIRRORS
 from refitd.daemon.node import Daemon
 from refitd.daemon.waits import MAX_WAIT_S, MAX_WAITS_PER_PRINCIPAL, WAITS
-from refitd.errors import ConflictError
+from refitd.errors import ConflictError, NotFoundError
 from refitd.wire import (
     DeltaPackRequest,
     DescriptorTable,
@@ -232,3 +232,42 @@ async def test_mirror_state_long_polls_count_against_the_cap_and_give_their_plac
         await asyncio.gather(*polls, return_exceptions=True)
         await dropped.close()
         await until(lambda: waits.open("a") == 0 and waits.open("b") == 0)
+
+
+# ---------------------------------------------------------------- class 8: expiry on a clock
+
+
+async def test_a_pending_version_is_forgotten_at_its_ttl_with_no_other_request(
+    tmp_path: Path,
+) -> None:
+    """a publishes slot 0 of 2 and nothing else happens on the daemon: at its TTL the
+    version and its manifest are gone (the daemon holds none of its shards, a's
+    charge ends), by the daemon's own timer. Before, they stayed until some request
+    looked."""
+    async with two_tenants(tmp_path, node_id="hostile-costs-ttl", pending_ttl_s=0.5) as t:
+        info = await t.a.create_region(NBYTES, label="v1")
+        await t.a.publish(ManifestIn("am", 1, 0, 2, manifest(1, info.region_id).tensors))
+        registry = t.served.daemon.registry
+        assert registry.held_shards() == 1
+        await until(lambda: registry.held_shards() == 0 and registry.next_pending_s() is None)
+        with pytest.raises(NotFoundError):
+            await t.b.version("am", 1)
+
+
+async def test_a_pending_version_past_its_ttl_is_neither_listed_nor_read_before_its_timer(
+    tmp_path: Path,
+) -> None:
+    """On the daemon's clock, past the TTL and before its timer fires (the clock is
+    the test's): the version is gone for every reader, its state and its manifest
+    alike. Before, it was readable as pending until another publish."""
+    clock = FakeClock()
+    opts = daemon_config(node_id="hostile-costs-ttl-clock", pending_ttl_s=60.0)
+    async with two_tenants(tmp_path, Daemon(opts, clock=clock)) as t:
+        info = await t.a.create_region(NBYTES, label="v1")
+        await t.a.publish(ManifestIn("am", 1, 0, 2, manifest(1, info.region_id).tensors))
+        assert (await t.a.version("am", 1)).state == "pending"
+        clock.now += 61.0
+        with pytest.raises(NotFoundError):
+            await t.a.version("am", 1)
+        with pytest.raises(NotFoundError):
+            await t.a.manifest("am", 1)
