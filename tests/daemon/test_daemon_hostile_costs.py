@@ -31,7 +31,7 @@ from refitd.daemon.mirror import Mirror
 from refitd.daemon.mirrorhandlers import MIRRORS
 from refitd.daemon.node import Daemon
 from refitd.daemon.waits import MAX_WAIT_S, MAX_WAITS_PER_PRINCIPAL, WAITS
-from refitd.errors import ConflictError, NotFoundError
+from refitd.errors import ConflictError, NotFoundError, ProtocolError
 from refitd.wire import (
     DeltaPackRequest,
     DescriptorTable,
@@ -271,3 +271,26 @@ async def test_a_pending_version_past_its_ttl_is_neither_listed_nor_read_before_
             await t.a.version("am", 1)
         with pytest.raises(NotFoundError):
             await t.a.manifest("am", 1)
+
+
+# ---------------------------------------------------------------- class 5: memory backed for a client
+
+
+async def test_a_sparse_segment_is_refused_at_attach_and_the_daemon_backs_none_of_it(
+    tmp_path: Path,
+) -> None:
+    """a attaches a 64 MiB segment it made sparse (no byte backed): refused, 400
+    naming it, no region held, and the file still has no byte backed. Before, the
+    daemon mapped every page for writing and so backed all 64 MiB itself, past any
+    cap of a's."""
+    size = 64 << 20
+    async with two_tenants(tmp_path, node_id="hostile-costs-sparse") as t:
+        with SharedSegment.create(size, "sparse", reserve=False) as seg:
+            with pytest.raises(ProtocolError, match="sparse") as refusal:
+                await t.a.attach_region(seg.name, size, label="sparse")
+            assert seg.name in str(refusal.value)
+            assert [r for r in await t.a.regions() if r.label == "sparse"] == []
+            assert seg.backed_bytes() == 0
+            seg.numpy()[:] = 1  # backed whole by its maker: attached as before
+            info = await t.a.attach_region(seg.name, size, label="backed")
+            await t.a.delete_region(info.region_id)
