@@ -219,6 +219,12 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_pulls_per_principal: Count = 256
     #: Shards one published manifest may list, over all its tensors (400 past it).
     max_manifest_shards: Count = 1 << 20
+    #: Bytes of daemon memory the manifests one principal published may hold at once
+    #: (pending, READY, or retired while leased), charged per shard and tensor each
+    #: lists (docs/trust.md; 429 past it, before the manifest is read).
+    max_manifest_bytes_per_principal: PositiveBytes = 1 << 30
+    #: Models one principal may publish into, for the daemon's life (429 past it).
+    max_models_per_principal: Count = 1024
     #: Contiguous runs one request's plan may make (its descriptors, and each pack
     #: spec's runs counted from its shape and strides before any is listed): a pull,
     #: a peer pack or a delta pack past it is refused (413). A path that lists a

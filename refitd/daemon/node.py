@@ -32,11 +32,11 @@ from refitd.daemon.paths import peer_paths
 from refitd.daemon.peers import PeerPolicy
 from refitd.daemon.plancheck import check_runs
 from refitd.daemon.plane import TransportSet
-from refitd.daemon.registry import PENDING_MANIFESTS, Lease, Registry, check_manifest_bounds
+from refitd.daemon.registry import Lease, Registry, check_manifest_bounds
 from refitd.daemon.staging import STAGING_POOL, StagingPool
 from refitd.daemon.store import RegionStore
 from refitd.daemon.trust import Extents
-from refitd.errors import AccessDenied, ConflictError, RefitError, TransportError
+from refitd.errors import AccessDenied, ConflictError, QuotaExceeded, RefitError, TransportError
 from refitd.wire import (
     GcReport,
     LeaseGrant,
@@ -350,6 +350,15 @@ class Daemon:
         else (409, :meth:`check_publishable`); the registry takes the slot, charged to
         its publisher while its version is pending; the principal becomes the model's
         owner if nobody was; drain waiters wake."""
+        # At its cap already: refused before its body is read or decoded.
+        cap = self.limits.max_manifest_bytes_per_principal
+        held = self.registry.manifest_bytes(principal.name)
+        if held >= cap:
+            raise QuotaExceeded(
+                f"publishing refused: {principal.name}'s manifests hold {held} bytes of the "
+                f"daemon's memory, its cap (limits.max_manifest_bytes_per_principal = {cap}); "
+                "retire versions nobody reads (drain with retire=1) or let pending ones expire"
+            )
         async with self.manifest_checks:
             self.manifests_checking += 1
             try:
@@ -363,9 +372,9 @@ class Daemon:
         for rid in region_ids:
             principal.check_owns(self.store.regions.get(rid).owner, "publish from", f"region {rid}")
         self.check_publishable(region_ids)
-        # A slot of a version left pending is charged to its publisher (its manifests
-        # stay in memory until the version is ready or expires).
-        cap = self.limits.max_manifest_shards * PENDING_MANIFESTS
+        # Charged to its publisher while the daemon holds it (pending, READY, or
+        # retired while leased), in bytes of the daemon's memory.
+        self.models.admit(principal, self.limits.max_models_per_principal, m.model)
         info = self.registry.publish(m, principal.name, cap)
         self._expire_pending_later()
         self.models.claim(principal, m.model)

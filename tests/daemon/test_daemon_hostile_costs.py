@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
+import tracemalloc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +32,9 @@ from refitd.config import ServerConfig
 from refitd.daemon.mirror import Mirror
 from refitd.daemon.mirrorhandlers import MIRRORS
 from refitd.daemon.node import Daemon
+from refitd.daemon.registry import MANIFEST_SHARD_BYTES, MANIFEST_TENSOR_BYTES, Registry
 from refitd.daemon.waits import MAX_WAIT_S, MAX_WAITS_PER_PRINCIPAL, WAITS
-from refitd.errors import ConflictError, NotFoundError, ProtocolError
+from refitd.errors import ConflictError, NotFoundError, ProtocolError, QuotaExceeded
 from refitd.wire import (
     DeltaPackRequest,
     DescriptorTable,
@@ -294,3 +297,87 @@ async def test_a_sparse_segment_is_refused_at_attach_and_the_daemon_backs_none_o
             seg.numpy()[:] = 1  # backed whole by its maker: attached as before
             info = await t.a.attach_region(seg.name, size, label="backed")
             await t.a.delete_region(info.region_id)
+
+
+# ---------------------------------------------------------------- class 4: memory no cap counted
+
+ONE_MANIFEST = MANIFEST_SHARD_BYTES + MANIFEST_TENSOR_BYTES + len("w")
+"""What :func:`manifest` is charged (one tensor ``w`` of one shard)."""
+
+
+async def test_ready_manifests_are_charged_to_their_publisher_until_retired(
+    tmp_path: Path,
+) -> None:
+    """a publishes a READY version into each of three models, its cap's worth: the
+    fourth is refused (429 naming the setting), b is not affected, and once a retires
+    one version nobody reads, it publishes again. Before, only pending manifests were
+    charged: READY ones were held, uncounted, for as long as nobody republished."""
+    cap = 3 * ONE_MANIFEST
+    async with two_tenants(
+        tmp_path, node_id="hostile-costs-ready", max_manifest_bytes_per_principal=cap
+    ) as t:
+        info = await t.a.create_region(NBYTES, label="w")
+        for model in ("m0", "m1", "m2"):
+            await t.a.publish(msgspec.structs.replace(manifest(1, info.region_id), model=model))
+        registry = t.served.daemon.registry
+        assert registry.manifest_bytes("a") == cap
+        with pytest.raises(QuotaExceeded, match="max_manifest_bytes_per_principal"):
+            await t.a.publish(msgspec.structs.replace(manifest(1, info.region_id), model="m3"))
+        theirs = await t.b.create_region(NBYTES, label="w")
+        await t.b.publish(msgspec.structs.replace(manifest(1, theirs.region_id), model="b0"))
+        await t.a.wait_drain("m0", 1, 30.0, retire=True)
+        assert registry.manifest_bytes("a") == 2 * ONE_MANIFEST
+        await t.a.publish(msgspec.structs.replace(manifest(1, info.region_id), model="m3"))
+
+
+async def test_the_models_one_principal_publishes_into_are_capped(tmp_path: Path) -> None:
+    """Each model keeps its records in the daemon for its life: a publishes into its
+    cap of models, the next new model is refused (429 naming the setting), a new
+    version of one of its models is not, and b has a cap of its own. Before, a
+    principal made models without bound."""
+    async with two_tenants(
+        tmp_path, node_id="hostile-costs-models", max_models_per_principal=4
+    ) as t:
+        info = await t.a.create_region(NBYTES, label="w")
+        for i in range(4):
+            await t.a.publish(msgspec.structs.replace(manifest(1, info.region_id), model=f"m{i}"))
+        with pytest.raises(QuotaExceeded, match="max_models_per_principal"):
+            await t.a.publish(msgspec.structs.replace(manifest(1, info.region_id), model="m4"))
+        await t.a.publish(msgspec.structs.replace(manifest(2, info.region_id), model="m0"))
+        theirs = await t.b.create_region(NBYTES, label="w")
+        await t.b.publish(msgspec.structs.replace(manifest(1, theirs.region_id), model="b0"))
+
+
+@pytest.mark.parametrize(("tensors", "per_tensor"), [(20_000, 1), (20, 1000)])
+def test_a_manifests_charge_covers_what_the_daemon_holds_for_it(
+    tensors: int, per_tensor: int
+) -> None:
+    """The memory a READY manifest keeps in the registry (decoded, merged, encoded for
+    readers, its read scope), measured, is at most its charge and at least a quarter
+    of it: the charge is what the daemon holds, not a guess far off either way."""
+    ts = [
+        TensorEntry(
+            f"model.layers.{i}.mlp.experts.w13_weight",
+            (per_tensor * 16,),
+            "bfloat16",
+            [ShardEntry((j * 16,), (16,), 1, (i * per_tensor + j) * 32) for j in range(per_tensor)],
+        )
+        for i in range(tensors)
+    ]
+    body = msgspec.msgpack.encode(ManifestIn("m", 1, 0, 1, ts))
+    del ts
+    gc.collect()
+    tracemalloc.start()
+    try:
+        m = msgspec.msgpack.decode(body, type=ManifestIn)
+        registry = Registry("n", 1)
+        registry.publish(m, "a")
+        registry.merged("m", 1)
+        registry.merged_bytes("m", 1)
+        registry.scope("m", 1)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    charged = registry.manifest_bytes("a")
+    print(f"manifest of {tensors} x {per_tensor} shards: held {held} B, charged {charged} B")
+    assert charged / 4 <= held <= charged
