@@ -225,6 +225,9 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_manifest_bytes_per_principal: PositiveBytes = 1 << 30
     #: Models one principal may publish into, for the daemon's life (429 past it).
     max_models_per_principal: Count = 1024
+    #: Ended pulls of one principal whose results stay queryable (the oldest go
+    #: first); each keeps its result, not its plan (at most 1,024 suspect ranges).
+    max_ended_pulls_per_principal: Count = 256
     #: Contiguous runs one request's plan may make (its descriptors, and each pack
     #: spec's runs counted from its shape and strides before any is listed): a pull,
     #: a peer pack or a delta pack past it is refused (413). A path that lists a

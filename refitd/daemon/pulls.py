@@ -27,6 +27,7 @@ Order of a pull, and why:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -71,8 +72,6 @@ __all__ = [
     "Source",
 ]
 
-KEEP_FINISHED = 1024
-"""Ended pulls whose results stay queryable (the oldest are forgotten first)."""
 
 SHUTTING_DOWN = "daemon shutting down"
 """The reason a pull still running when the daemon stops is cancelled with."""
@@ -156,6 +155,10 @@ class PullManager:
         self.peers = daemon.peers
         self.mode = daemon.mode
         self.max_plan_runs = daemon.config.limits.max_plan_runs
+        #: ended pulls each principal's results stay queryable for (oldest go first)
+        self.keep_ended = daemon.config.limits.max_ended_pulls_per_principal
+        #: per principal, its ended pulls still kept, oldest first
+        self._ended: dict[str, collections.deque[str]] = {}
         #: per peer node, the path the last pull from it took and why (the daemon's)
         self.seen_paths = daemon.seen_paths
         self._connect = connect
@@ -241,7 +244,6 @@ class PullManager:
         job.pins.enter_context(self.store.using(dst_ids | local))
         job.pins.enter_context(self.store.writing(dst_ids, job.pull_id))
         self.jobs[job.pull_id] = job
-        self._forget_old()
         task = asyncio.create_task(self._run(job, src, rows, peer))
         job.task = task
         self._tasks.add(task)
@@ -250,11 +252,18 @@ class PullManager:
             listener.started(job)
         return job
 
-    def _forget_old(self) -> None:
-        """Keep the records of at most ``KEEP_FINISHED`` ended pulls (oldest go first)."""
-        ended = [k for k, j in self.jobs.items() if j.finished.is_set()]
-        for k in ended[: max(0, len(ended) - KEEP_FINISHED)]:
-            del self.jobs[k]
+    def _keep_ended(self, job: PullJob) -> None:
+        """``job`` ended: keep its result, not its plan (the request's descriptor table
+        and pack specs go; its suspect ranges are kept to at most
+        :data:`~refitd.daemon.pullcore.SUSPECT_KEPT`, widened), among the last
+        ``limits.max_ended_pulls_per_principal`` of its owner's: one principal's pulls
+        never push out another's results."""
+        job.req = msgspec.structs.replace(job.req, descriptors=DescriptorTable(b""), pack_specs=[])
+        job.suspect = pullcore.widened(job.suspect, pullcore.SUSPECT_KEPT)
+        kept = self._ended.setdefault(job.owner, collections.deque())
+        kept.append(job.pull_id)
+        while len(kept) > self.keep_ended:
+            self.jobs.pop(kept.popleft(), None)
 
     def get(self, pull_id: str) -> PullJob:
         job = self.jobs.get(pull_id)
@@ -380,6 +389,7 @@ class PullManager:
                     await asyncio.shield(src.drop(staged.region.region_id, req.lease_id))
             for listener in self.listeners:
                 listener.ended(job)
+            self._keep_ended(job)
             job.finished.set()
 
     # ------------------------------------------------------------ path choice
@@ -518,7 +528,6 @@ class PullManager:
         job = PullJob(f"p{next(self._seq)}", req, nbytes, rows.shape[0])
         job.path, job.owner, job.state = path, owner, PullState.RUNNING
         self.jobs[job.pull_id] = job
-        self._forget_old()
         for listener in self.listeners:
             listener.started(job)
         try:
@@ -538,6 +547,7 @@ class PullManager:
             job.ended = time.perf_counter()
             for listener in self.listeners:
                 listener.ended(job)
+            self._keep_ended(job)
             job.finished.set()
 
 

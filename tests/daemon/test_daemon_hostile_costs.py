@@ -23,15 +23,17 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
-from support.daemons import FakeClock, daemon_config, served, token_file
+from support.daemons import FakeClock, GatedCopier, daemon_config, served, token_file
 from support.mirrorhosts import TOKENS as MIRROR_TOKENS
-from support.tenants import TOKENS, headers, two_tenants, until
+from support.tenants import SAFETY_S, TOKENS, headers, pull_request, two_tenants, until
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
 from refitd.daemon.mirror import Mirror
 from refitd.daemon.mirrorhandlers import MIRRORS
 from refitd.daemon.node import Daemon
+from refitd.daemon.pullcore import SUSPECT_KEPT
+from refitd.daemon.pulls import PULLS
 from refitd.daemon.registry import MANIFEST_SHARD_BYTES, MANIFEST_TENSOR_BYTES, Registry
 from refitd.daemon.waits import MAX_WAIT_S, MAX_WAITS_PER_PRINCIPAL, WAITS
 from refitd.errors import ConflictError, NotFoundError, ProtocolError, QuotaExceeded
@@ -41,6 +43,7 @@ from refitd.wire import (
     ManifestIn,
     PackSpec,
     PullRequest,
+    PullState,
     ShardEntry,
     TensorEntry,
 )
@@ -381,3 +384,59 @@ def test_a_manifests_charge_covers_what_the_daemon_holds_for_it(
     charged = registry.manifest_bytes("a")
     print(f"manifest of {tensors} x {per_tensor} shards: held {held} B, charged {charged} B")
     assert charged / 4 <= held <= charged
+
+
+async def test_one_tenants_ended_pulls_never_push_out_anothers_results(tmp_path: Path) -> None:
+    """b's pull ends; a then ends more pulls than its cap keeps: b's result is still
+    there, and a keeps its newest (its oldest are forgotten, 404). Before, the last
+    1,024 ended pulls daemon-wide were kept, so a's pulls pushed b's out."""
+    async with two_tenants(
+        tmp_path, node_id="hostile-costs-ended", max_ended_pulls_per_principal=4
+    ) as t:
+        info = await t.a.create_region(NBYTES, label="w")
+        await t.a.publish(manifest(1, info.region_id))
+        ids = {}
+        for who, client in (("b", t.b), ("a", t.a)):
+            dst = await client.create_region(NBYTES, label="dst")
+            lease = await client.acquire_lease("am", 1, 600.0)
+            rows = [(info.region_id, 0, dst.region_id, 0, NBYTES)]
+            n = 1 if who == "b" else 10
+            ids[who] = [(await client.pull(pull_request(lease, rows))).pull_id for _ in range(n)]
+        assert (await t.b.pull_status(ids["b"][0])).state is PullState.DONE
+        for old in ids["a"][:6]:
+            with pytest.raises(NotFoundError):
+                await t.a.pull_status(old)
+        for kept in ids["a"][6:]:
+            assert (await t.a.pull_status(kept)).state is PullState.DONE
+
+
+async def test_an_ended_pull_keeps_its_result_not_its_plan(tmp_path: Path) -> None:
+    """a submits a pull of 5,000 separate one-byte reads and cancels it mid-copy:
+    every read is suspect. Its record keeps no descriptor table, and at most 1,024
+    suspect ranges, which still cover every byte it may have written. Before, an
+    ended pull kept its whole request and a range per read."""
+    copier = GatedCopier()
+    daemon = Daemon(daemon_config(node_id="hostile-costs-plan", transport="shm"), copier=copier)
+    async with two_tenants(tmp_path, daemon) as t:
+        n = 5000
+        src = await t.a.create_region(2 * n, label="src")
+        t_ = TensorEntry("w", (2 * n,), "uint8", [ShardEntry((0,), (2 * n,), src.region_id, 0)])
+        await t.a.publish(ManifestIn("am", 1, 0, 1, [t_]))
+        dst = await t.a.create_region(2 * n, label="dst")
+        lease = await t.a.acquire_lease("am", 1, 600.0)
+        rows = [(src.region_id, 2 * i, dst.region_id, 2 * i, 1) for i in range(n)]
+        job = await t.a.submit_pull(pull_request(lease, rows))
+        async with asyncio.timeout(SAFETY_S):
+            await copier.entered.wait()
+        ended = await t.a.cancel_pull(job.pull_id)
+        copier.gate.set()
+        assert ended.state is PullState.CANCELLED
+        record = t.served.app[PULLS].jobs[job.pull_id]
+        assert len(record.req.descriptors) == 0 and record.req.pack_specs == []
+        suspect = (await t.a.pull_status(job.pull_id)).suspect
+        assert 0 < len(suspect) <= SUSPECT_KEPT
+        covered = np.zeros(2 * n, dtype=bool)
+        for region, offset, nbytes in suspect:
+            assert region == dst.region_id
+            covered[offset : offset + nbytes] = True
+        assert covered[0::2].all()
