@@ -228,6 +228,10 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: Ended pulls of one principal whose results stay queryable (the oldest go
     #: first); each keeps its result, not its plan (at most 1,024 suspect ranges).
     max_ended_pulls_per_principal: Count = 256
+    #: Bytes of daemon memory the bookkeeping of one principal's expert pools may
+    #: keep (64 a layer's expert, 192 a slot, 384 a layer; besides their regions;
+    #: 429 past it, before a region is made).
+    max_pool_bookkeeping_bytes_per_principal: PositiveBytes = 256 * _MiB
     #: Contiguous runs one request's plan may make (its descriptors, and each pack
     #: spec's runs counted from its shape and strides before any is listed): a pull,
     #: a peer pack or a delta pack past it is refused (413). A path that lists a

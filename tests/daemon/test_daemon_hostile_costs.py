@@ -32,6 +32,7 @@ from refitd.config import ServerConfig
 from refitd.daemon.mirror import Mirror
 from refitd.daemon.mirrorhandlers import MIRRORS
 from refitd.daemon.node import Daemon
+from refitd.daemon.pools import POOL_KEY_BYTES, POOL_LAYER_BYTES, POOL_SLOT_BYTES
 from refitd.daemon.pullcore import SUSPECT_KEPT
 from refitd.daemon.pulls import PULLS
 from refitd.daemon.registry import MANIFEST_SHARD_BYTES, MANIFEST_TENSOR_BYTES, Registry
@@ -440,3 +441,47 @@ async def test_an_ended_pull_keeps_its_result_not_its_plan(tmp_path: Path) -> No
             assert region == dst.region_id
             covered[offset : offset + nbytes] = True
         assert covered[0::2].all()
+
+
+# ---------------------------------------------------------------- class 3: quadratic in a count
+
+
+async def test_an_expert_pool_of_many_layers_keeps_nothing_quadratic_in_them(
+    tmp_path: Path,
+) -> None:
+    """A pool of 12,000 layers of one one-byte expert (12 KB of regions): the daemon's
+    memory while it makes the pool stays within its charge. Before, its eviction
+    policy built a 12,000 x 12,000 table of float64 (1.15 GB) in a Python loop on the
+    event loop."""
+    layers = 12_000
+    async with two_tenants(tmp_path, node_id="hostile-costs-pool") as t:
+        gc.collect()
+        tracemalloc.start()
+        try:
+            await t.a.create_pool("wide", layers=layers, experts=1, slots=1, row_bytes=[1])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        charge = POOL_KEY_BYTES * layers + POOL_SLOT_BYTES + POOL_LAYER_BYTES * layers
+        print(f"pool of {layers} layers: peak {peak} B traced, charged {charge} B")
+        assert peak <= 4 * charge + (4 << 20)
+
+
+async def test_an_expert_pools_bookkeeping_is_charged_to_its_creator(tmp_path: Path) -> None:
+    """Each pool's per-expert, per-slot and per-layer bookkeeping counts against its
+    creator's cap: a's pool past it is refused (429 naming the setting) before any
+    region is made, a pool within it is made, b's cap is its own, and deleting a's
+    pool gives its bytes back. Before, those lists were counted by no cap."""
+    geometry: dict[str, Any] = {"layers": 64, "experts": 64, "slots": 64, "row_bytes": [8]}
+    keep = POOL_KEY_BYTES * 64 * 64 + POOL_SLOT_BYTES * 64 + POOL_LAYER_BYTES * 64
+    async with two_tenants(
+        tmp_path, node_id="hostile-costs-pools", max_pool_bookkeeping_bytes_per_principal=keep
+    ) as t:
+        await t.a.create_pool("a0", **geometry)
+        regions = len(await t.a.regions())
+        with pytest.raises(QuotaExceeded, match="max_pool_bookkeeping_bytes_per_principal"):
+            await t.a.create_pool("a1", **geometry)
+        assert len(await t.a.regions()) == regions
+        await t.b.create_pool("b0", **geometry)
+        await t.a.delete_pool("a0")
+        await t.a.create_pool("a1", **geometry)
