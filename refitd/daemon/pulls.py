@@ -194,6 +194,8 @@ class PullManager:
         :class:`ConflictError` for a stale/unleased version, :class:`ProtocolError`
         naming the first out-of-bounds descriptor or pack spec.
         """
+        # What the plan expands into is bounded before anything reads or maps it.
+        check_runs(len(req.descriptors), req.pack_specs, self.max_plan_runs, "pull")
         for listener in self.listeners:
             listener.admit(req, caller)
         # A host mirror may serve the pull instead of its remote source: admitted as
@@ -216,7 +218,6 @@ class PullManager:
         src = src or self.source_for(req.source)
         await src.check_lease(req.lease_id, req.model, req.version)
         rows = req.descriptors.rows()
-        check_runs(len(rows), req.pack_specs, self.max_plan_runs, "pull")
         src_ids = pullcore.source_ids(rows, req.pack_specs)
         peer = await src.regions(src_ids, req) if src_ids else None
         pullcore.check_plan(rows, req, peer, self.store.regions.sizes())
