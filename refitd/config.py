@@ -232,6 +232,9 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: keep (64 a layer's expert, 192 a slot, 384 a layer; besides their regions;
     #: 429 past it, before a region is made).
     max_pool_bookkeeping_bytes_per_principal: PositiveBytes = 256 * _MiB
+    #: Long polls one principal may hold open at once (429 past it): each holds a
+    #: connection, a descriptor and a task of the daemon until answered.
+    max_long_polls_per_principal: Count = 64
     #: Contiguous runs one request's plan may make (its descriptors, and each pack
     #: spec's runs counted from its shape and strides before any is listed): a pull,
     #: a peer pack or a delta pack past it is refused (413). A path that lists a
