@@ -30,7 +30,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from refitd.daemon.manifestcheck import DTYPE_SIZES, check_manifest_bounds, element_count
+from refitd.daemon.manifestcheck import (
+    DTYPE_SIZES,
+    check_manifest_bounds,
+    element_count,
+    manifest_cost,
+)
 from refitd.daemon.trust import Extents, merge_extents
 from refitd.errors import ConflictError, NotFoundError, ProtocolError, QuotaExceeded
 from refitd.wire import (
@@ -46,8 +51,6 @@ from refitd.wire import (
 
 __all__ = [
     "DTYPE_SIZES",
-    "MANIFEST_SHARD_BYTES",
-    "MANIFEST_TENSOR_BYTES",
     "PENDING_TTL_S",
     "Lease",
     "Registry",
@@ -56,24 +59,6 @@ __all__ = [
 
 PENDING_TTL_S = 3600.0
 """Default seconds a version may stay pending (``limits.pending_ttl_s``)."""
-
-MANIFEST_SHARD_BYTES = 256
-"""Bytes of daemon memory a manifest is charged per shard it lists: its decoded
-entry, its merged manifest's and its read scope's (measured about 215 to 235 bytes a
-shard, ``tests/daemon/test_daemon_hostile_costs.py``)."""
-MANIFEST_TENSOR_BYTES = 512
-"""Bytes a manifest is charged per tensor it lists, with its name's length (measured
-about 330 bytes a tensor besides its shards)."""
-
-
-def manifest_cost(m: ManifestIn) -> int:
-    """Bytes of daemon memory manifest ``m`` is charged while the daemon holds it
-    (:data:`MANIFEST_SHARD_BYTES` a shard, :data:`MANIFEST_TENSOR_BYTES` and its name
-    a tensor): what ``limits.max_manifest_bytes_per_principal`` counts."""
-    shards = sum(len(t.shards) for t in m.tensors)
-    names = sum(len(t.name) for t in m.tensors)
-    return MANIFEST_SHARD_BYTES * shards + MANIFEST_TENSOR_BYTES * len(m.tensors) + names
-
 
 #: one line per version state change: pending (first slot), ready, retired
 log = logging.getLogger("refitd.sources")
@@ -103,9 +88,8 @@ class _Version:
     merged_bytes: bytes | None = None
     scope: dict[int, Extents] | None = None
     region_ids: frozenset[int] | None = None
-    #: bytes of manifests (:func:`manifest_cost`) its slots hold, by the principal
-    #: that published them, until the manifests are let go (expired, or retired and
-    #: unleased)
+    #: bytes of manifests its slots hold (:func:`manifest_cost`), by publisher, until
+    #: they are let go (expired, or retired and unleased)
     charged: dict[str, int] = field(default_factory=dict)
     #: the slots it published, once its manifests were let go (retired, unleased)
     published: tuple[int, ...] = ()
@@ -205,9 +189,8 @@ class Registry:
                     f"{owner or 'this principal'}'s manifests hold {held} bytes of the "
                     f"daemon's memory, and this one's {cost} would pass its cap "
                     f"(limits.max_manifest_bytes_per_principal = {max_manifest_bytes}); "
-                    "retire versions nobody reads (drain with retire=1), publish the "
-                    "pending versions' other slots or wait for them to expire "
-                    "(limits.pending_ttl_s)"
+                    "retire versions nobody reads (drain with retire=1), or complete "
+                    "pending ones or wait for them to expire (limits.pending_ttl_s)"
                 )
         created = v is None
         if v is None:

@@ -29,13 +29,14 @@ from support.tenants import SAFETY_S, TOKENS, headers, pull_request, two_tenants
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
+from refitd.daemon.manifestcheck import MANIFEST_SHARD_BYTES, MANIFEST_TENSOR_BYTES
 from refitd.daemon.mirror import Mirror
 from refitd.daemon.mirrorhandlers import MIRRORS
 from refitd.daemon.node import Daemon
 from refitd.daemon.pools import POOL_KEY_BYTES, POOL_LAYER_BYTES, POOL_SLOT_BYTES
 from refitd.daemon.pullcore import SUSPECT_KEPT
 from refitd.daemon.pulls import PULLS
-from refitd.daemon.registry import MANIFEST_SHARD_BYTES, MANIFEST_TENSOR_BYTES, Registry
+from refitd.daemon.registry import Registry
 from refitd.daemon.waits import MAX_WAIT_S, MAX_WAITS_PER_PRINCIPAL, WAITS
 from refitd.errors import ConflictError, NotFoundError, ProtocolError, QuotaExceeded
 from refitd.wire import (

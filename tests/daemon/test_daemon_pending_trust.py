@@ -22,9 +22,10 @@ from support.daemons import FakeClock, daemon_config
 from refitd.client.http import RefitClient
 from refitd.config import LimitsConfig, ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
+from refitd.daemon.manifestcheck import MANIFEST_SHARD_BYTES, MANIFEST_TENSOR_BYTES
 from refitd.daemon.node import Daemon
 from refitd.daemon.process import listening
-from refitd.daemon.registry import MANIFEST_SHARD_BYTES, MANIFEST_TENSOR_BYTES, Registry
+from refitd.daemon.registry import Registry
 from refitd.errors import QuotaExceeded
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
