@@ -73,6 +73,9 @@ __all__ = [
 ]
 
 
+OFF_LOOP_ROWS = 16_384
+"""A plan of more descriptors and pack specs than this is checked off the event loop."""
+
 SHUTTING_DOWN = "daemon shutting down"
 """The reason a pull still running when the daemon stops is cancelled with."""
 
@@ -220,7 +223,13 @@ class PullManager:
         rows = req.descriptors.rows()
         src_ids = pullcore.source_ids(rows, req.pack_specs)
         peer = await src.regions(src_ids, req) if src_ids else None
-        pullcore.check_plan(rows, req, peer, self.store.regions.sizes())
+        sizes = self.store.regions.sizes()
+        if len(rows) + len(req.pack_specs) > OFF_LOOP_ROWS:
+            # Vectorised, but a plan at limits.max_plan_runs still takes the loop for
+            # over 100 ms: checked in a worker thread (numpy lets go of the GIL).
+            await asyncio.to_thread(pullcore.check_plan, rows, req, peer, sizes)
+        else:
+            pullcore.check_plan(rows, req, peer, sizes)
         path, conn = await self.choose_path(src, peer)
         gpu = pullcore.peer_devices(peer) if peer is not None else []
         if gpu:  # the source copies them into host staging; they are read from there
