@@ -235,6 +235,9 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: keep (64 a layer's expert, 192 a slot, 384 a layer; besides their regions;
     #: 429 past it, before a region is made).
     max_pool_bookkeeping_bytes_per_principal: PositiveBytes = 256 * _MiB
+    #: Bytes of daemon memory the plans of one principal's running pulls may keep
+    #: (256 a run, counted at submit; 429 past it).
+    max_plan_bytes_per_principal: PositiveBytes = 1 << 30
     #: Long polls one principal may hold open at once (429 past it): each holds a
     #: connection, a descriptor and a task of the daemon until answered.
     max_long_polls_per_principal: Count = 64

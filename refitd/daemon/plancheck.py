@@ -111,19 +111,21 @@ def plan_runs(specs: list[PackSpec], what: str) -> int:
     return total
 
 
-def check_runs(n_rows: int, specs: list[PackSpec], limit: int, what: str) -> None:
+def check_runs(n_rows: int, specs: list[PackSpec], limit: int, what: str) -> int:
     """Refuse (413, nothing expanded) a plan of ``n_rows`` descriptors and ``specs``
     whose runs together exceed ``limit`` (``limits.max_plan_runs``): the most a path
     that expands it run by run may list for one request, counted before any list is
     built. A spec of a few bytes (a stride-0 block, say) otherwise expands into one
-    run per element, hundreds of times the request's and its version's bytes."""
+    run per element, hundreds of times the request's and its version's bytes.
+    Returns the runs."""
     runs = n_rows + plan_runs(specs, what)
-    if runs > limit:
-        raise RequestTooLarge(
-            f"{what} refused: its {n_rows} descriptors and {len(specs)} pack specs make "
-            f"{runs} contiguous runs, more than limits.max_plan_runs = {limit}; a plan "
-            "reads its bytes in longer runs (or in several requests)"
-        )
+    if runs <= limit:
+        return runs
+    raise RequestTooLarge(
+        f"{what} refused: its {n_rows} descriptors and {len(specs)} pack specs make "
+        f"{runs} contiguous runs, more than limits.max_plan_runs = {limit}; a plan "
+        "reads its bytes in longer runs (or in several requests)"
+    )
 
 
 def _pack_name(i: int, p: PackSpec) -> str:

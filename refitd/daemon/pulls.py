@@ -40,6 +40,7 @@ import numpy as np
 from aiohttp import web
 
 from refitd.daemon import pullcore
+from refitd.daemon.caps import Charges
 from refitd.daemon.devstaging import SLOT_BYTES, SLOTS, StagedPeer
 from refitd.daemon.listeners import Caller, PullListener, anyone
 from refitd.daemon.move import IN_FLIGHT, move
@@ -59,6 +60,7 @@ from refitd.wire import (
     RegionCreate,
     StagedPack,
 )
+from transports.batch import ReadBatch
 from transports.interface import Peer, PeerInfo
 
 __all__ = [
@@ -72,6 +74,10 @@ __all__ = [
     "Source",
 ]
 
+
+PLAN_RUN_BYTES = 256
+"""Daemon memory a running pull's plan is charged per run (its rows, their checks and
+their batches: measured up to about 240 bytes a descriptor at their peak)."""
 
 OFF_LOOP_ROWS = 16_384
 """A plan of more descriptors and pack specs than this is checked off the event loop."""
@@ -109,6 +115,8 @@ class PullJob:
     #: the device kinds of memory its regions here are made of ("cuda"; "" for host
     #: memory only): its bytes go through those kinds' copy engines, and it says so
     devices: str = ""
+    #: bytes of its principal's plan charge it gives back when it ends
+    plan_bytes: int = 0
     #: over a host-memory data plane, the connection staging its device-bound reads
     #: (:mod:`refitd.daemon.devstaging`); its staging region goes when the pull ends
     device_staging: StagedPeer | None = None
@@ -158,6 +166,12 @@ class PullManager:
         self.peers = daemon.peers
         self.mode = daemon.mode
         self.max_plan_runs = daemon.config.limits.max_plan_runs
+        #: per principal, the bytes its running pulls' plans are charged
+        self.plans = Charges(
+            "running pulls",
+            "max_plan_bytes_per_principal",
+            daemon.config.limits.max_plan_bytes_per_principal,
+        )
         #: ended pulls each principal's results stay queryable for (oldest go first)
         self.keep_ended = daemon.config.limits.max_ended_pulls_per_principal
         #: per principal, its ended pulls still kept, oldest first
@@ -197,17 +211,28 @@ class PullManager:
         :class:`ConflictError` for a stale/unleased version, :class:`ProtocolError`
         naming the first out-of-bounds descriptor or pack spec.
         """
-        # What the plan expands into is bounded before anything reads or maps it.
-        check_runs(len(req.descriptors), req.pack_specs, self.max_plan_runs, "pull")
+        # What the plan expands into is bounded before anything reads or maps it, and
+        # charged to its principal until the pull ends.
+        runs = check_runs(len(req.descriptors), req.pack_specs, self.max_plan_runs, "pull")
+        cost = PLAN_RUN_BYTES * runs
+        self.plans.take(caller.name, cost, f"pull of {runs} runs")
+        try:
+            return await self._admitted(req, caller, cost)
+        except BaseException:
+            self.plans.give_back(caller.name, cost)
+            raise
+
+    async def _admitted(self, req: PullRequest, caller: Caller, cost: int) -> PullJob:
+        """:meth:`submit` once its plan is charged (``cost`` bytes)."""
         for listener in self.listeners:
             listener.admit(req, caller)
         # A host mirror may serve the pull instead of its remote source: admitted as
         # asked (the destinations are the same), then read from the mirror over shm.
         mirrored = await self.redirect(req, caller.name) if self.redirect is not None else None
         if mirrored is None:
-            return await self._submit(req, caller)
+            return await self._submit(req, caller, None, cost)
         try:
-            job = await self._submit(mirrored.req, caller, mirrored.source)
+            job = await self._submit(mirrored.req, caller, mirrored.source, cost)
         except BaseException:
             mirrored.release()
             raise
@@ -215,9 +240,12 @@ class PullManager:
         job.task.add_done_callback(lambda _: mirrored.release())
         return job
 
-    async def _submit(self, req: PullRequest, caller: Caller, src: Source | None = None) -> PullJob:
+    async def _submit(
+        self, req: PullRequest, caller: Caller, src: Source | None = None, cost: int = 0
+    ) -> PullJob:
         """:meth:`submit` once admitted: ``req`` is read from ``src`` (default: its own
-        source)."""
+        source); the job gives back ``cost`` bytes of its principal's plan charge
+        when it ends."""
         src = src or self.source_for(req.source)
         await src.check_lease(req.lease_id, req.model, req.version)
         rows = req.descriptors.rows()
@@ -248,7 +276,7 @@ class PullManager:
             if conn is not None:
                 await conn.close()
             raise
-        job.path, job.conn, job.owner = path, conn, caller.name
+        job.path, job.conn, job.owner, job.plan_bytes = path, conn, caller.name, cost
         local = set(src_ids) if isinstance(src, LocalSource) else set()
         job.devices = "+".join(self.store.device_kinds(dst_ids | local))
         job.pins.enter_context(self.store.using(dst_ids | local))
@@ -269,6 +297,8 @@ class PullManager:
         ``limits.max_ended_pulls_per_principal`` of its owner's: one principal's pulls
         never push out another's results."""
         job.req = msgspec.structs.replace(job.req, descriptors=DescriptorTable(b""), pack_specs=[])
+        self.plans.give_back(job.owner, job.plan_bytes)
+        job.plan_bytes = 0
         job.suspect = pullcore.widened(job.suspect, pullcore.SUSPECT_KEPT)
         kept = self._ended.setdefault(job.owner, collections.deque())
         kept.append(job.pull_id)
@@ -519,10 +549,14 @@ class PullManager:
             await move(job, conn, reads, ends, spans, ready=ready)
             return
         pace = pullcore.pace_for(job.path)
-        reads, ends = pullcore.cut(rows, pace, done)
-        await move(
-            job, conn, reads, ends, pullcore.spans(reads["nbytes"], pace.reads, pace.max_bytes)
-        )
+
+        def plan() -> tuple[ReadBatch, np.ndarray, list[tuple[int, int]]]:
+            reads, ends = pullcore.cut(rows, pace, done)
+            return reads, ends, pullcore.spans(reads["nbytes"], pace.reads, pace.max_bytes)
+
+        # Cutting a large plan into batches is numpy work of over 100 ms: off the loop.
+        reads, ends, spans = await asyncio.to_thread(plan) if len(rows) > OFF_LOOP_ROWS else plan()
+        await move(job, conn, reads, ends, spans)
 
     # ------------------------------------------------------------ reads outside a pull
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from refitd.daemon.manifestcheck import manifest_cost
 from refitd.daemon.mirror import Mirror
 from refitd.daemon.mirrorhandlers import MIRRORS
 from refitd.daemon.pools import bookkeeping_bytes
+from refitd.daemon.pulls import PLAN_RUN_BYTES
 from refitd.daemon.waits import WAITS
 from refitd.wire import (
     DeltaPackRequest,
@@ -54,7 +56,8 @@ answers, the daemon's own per-request objects."""
 MAX_STALL_S = 0.100
 """The longest the daemon's loop may serve nothing else, s."""
 RUN_BYTES = 40
-"""What the cost model charges a run of a plan listed run by run, bytes."""
+"""What the cost model charges a run of a plan listed run by run, bytes (a pull's
+runs are charged ``PLAN_RUN_BYTES`` while it runs: its rows, checks and batches)."""
 
 ELEMS = 1 << 20
 """bfloat16 elements of model ``am`` (2 MiB a version)."""
@@ -117,7 +120,7 @@ async def pull_of_many_descriptors(env: Env) -> tuple[int, list[int]]:
         PullRequest("am", 2, env.lease, DescriptorTable.pack(rows), [], "")
     )
     status = await post(env, "b", "/v1/pulls", body)
-    return len(body) + RUN_BYTES * ROWS, [status]
+    return len(body) + PLAN_RUN_BYTES * ROWS, [status]
 
 
 def stride_zero(dst: int) -> PackSpec:
@@ -129,7 +132,7 @@ async def pull_of_a_stride_zero_spec(env: Env) -> tuple[int, list[int]]:
     status = await post(
         env, "b", "/v1/pulls", PullRequest("am", 2, env.lease, DescriptorTable(b""), [spec], "")
     )
-    return RUN_BYTES * RUNS, [status]
+    return PLAN_RUN_BYTES * RUNS, [status]
 
 
 async def peer_pack_of_a_stride_zero_spec(env: Env) -> tuple[int, list[int]]:
@@ -272,6 +275,18 @@ async def attacked(tmp: Path) -> Any:
 async def test_every_route_costs_the_daemon_at_most_four_times_its_charge_and_never_stalls_its_loop(
     tmp_path: Path,
 ) -> None:
+    # The test process holds what no daemon does (other tests' objects, the tenants'
+    # clients): kept out of the collector's full passes, which would otherwise count
+    # as the daemon's stalls.
+    gc.collect()
+    gc.freeze()
+    try:
+        await attack_every_route(tmp_path)
+    finally:
+        gc.unfreeze()
+
+
+async def attack_every_route(tmp_path: Path) -> None:
     async with attacked(tmp_path) as env:
         lines, over = [], []
         for name, attack in ATTACKS:

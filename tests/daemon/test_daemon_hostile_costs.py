@@ -35,7 +35,7 @@ from refitd.daemon.mirrorhandlers import MIRRORS
 from refitd.daemon.node import Daemon
 from refitd.daemon.pools import POOL_KEY_BYTES, POOL_LAYER_BYTES, POOL_SLOT_BYTES
 from refitd.daemon.pullcore import SUSPECT_KEPT
-from refitd.daemon.pulls import PULLS
+from refitd.daemon.pulls import PLAN_RUN_BYTES, PULLS
 from refitd.daemon.registry import Registry
 from refitd.daemon.waits import MAX_WAIT_S, MAX_WAITS_PER_PRINCIPAL, WAITS
 from refitd.errors import ConflictError, NotFoundError, ProtocolError, QuotaExceeded
@@ -486,3 +486,40 @@ async def test_an_expert_pools_bookkeeping_is_charged_to_its_creator(tmp_path: P
         await t.b.create_pool("b0", **geometry)
         await t.a.delete_pool("a0")
         await t.a.create_pool("a1", **geometry)
+
+
+async def test_the_plans_of_a_principals_running_pulls_are_charged_until_they_end(
+    tmp_path: Path,
+) -> None:
+    """a's pull of 1,000 descriptors is held mid-copy: its plan is charged (256 bytes
+    a run) against a cap of 1,500 runs' worth, so a's next pull of 1,000 is refused
+    (429 naming the setting) before anything is read, b's is not, and once a's first
+    pull ends, a pulls again. Before, running pulls' plans were counted by no cap,
+    only by their number."""
+    copier = GatedCopier()
+    cap = PLAN_RUN_BYTES * 1500
+    opts = daemon_config(
+        node_id="hostile-costs-plans", transport="shm", max_plan_bytes_per_principal=cap
+    )
+    async with two_tenants(tmp_path, Daemon(opts, copier=copier)) as t:
+        src = await t.a.create_region(4096, label="src")
+        shard = ShardEntry((0,), (4096,), src.region_id, 0)
+        await t.a.publish(ManifestIn("am", 1, 0, 1, [TensorEntry("w", (4096,), "uint8", [shard])]))
+        rows = {}
+        for who, client in (("a", t.a), ("b", t.b)):
+            dst = await client.create_region(4096, label="dst")
+            lease = await client.acquire_lease("am", 1, 600.0)
+            rows[who] = pull_request(
+                lease, [(src.region_id, 2 * i, dst.region_id, 2 * i, 1) for i in range(1000)]
+            )
+        first = await t.a.submit_pull(rows["a"])
+        async with asyncio.timeout(SAFETY_S):
+            await copier.entered.wait()
+        with pytest.raises(QuotaExceeded, match="max_plan_bytes_per_principal"):
+            await t.a.submit_pull(rows["a"])
+        theirs = await t.b.submit_pull(rows["b"])
+        copier.gate.set()
+        async with asyncio.timeout(SAFETY_S):
+            assert (await t.a.wait_pull(first.pull_id)).state is PullState.DONE
+            assert (await t.b.wait_pull(theirs.pull_id)).state is PullState.DONE
+        assert (await t.a.pull(rows["a"])).state is PullState.DONE
