@@ -348,7 +348,7 @@ class Daemon:
         principal's (403: else it would expose another principal's bytes to its
         leases, and pin them against their writes), and none rewritten by anything
         else (409, :meth:`check_publishable`); the registry takes the slot, charged to
-        its publisher while its version is pending; the principal becomes the model's
+        its publisher while the daemon holds it; the principal becomes the model's
         owner if nobody was; drain waiters wake."""
         # At its cap already: refused before its body is read or decoded.
         cap = self.limits.max_manifest_bytes_per_principal
@@ -393,7 +393,9 @@ class Daemon:
 
         def fire() -> None:
             self._pending_timer = None
-            self.registry.expire_pending()
+            if self.registry.expire_pending():
+                self.store.reap_soon()  # an exited client's regions it pinned may go
+                self.lease_changed()
             self._expire_pending_later()
 
         # A little past the deadline: the registry's clock, not the loop's, decides.
