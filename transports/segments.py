@@ -113,6 +113,9 @@ class SharedSegment:
             #: name (or hard link) it was opened by
             self.file_identity: tuple[int, int] = (st.st_dev, st.st_ino)
             self.file_uid: int = st.st_uid  #: the uid that owns the file mapped
+            #: bytes of the file backed by memory when it was mapped (``st_blocks``):
+            #: less than ``size`` for a sparse file, whose holes a write would back
+            self.backed_at_map: int = st.st_blocks * 512
             self._mmap: mmap.mmap | None = mmap.mmap(
                 fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE
             )
@@ -184,6 +187,17 @@ class SharedSegment:
             os.posix_fallocate(fd, 0, self._size)
         finally:
             os.close(fd)
+
+    def backed_bytes(self) -> int | None:
+        """Bytes of this segment's file backed by memory now (``st_blocks``), or None
+        when its name no longer names the file mapped (unlinked or replaced)."""
+        try:
+            st = os.stat(SHM_DIR / self._name, follow_symlinks=False)
+        except OSError:
+            return None
+        if (st.st_dev, st.st_ino) != self.file_identity:
+            return None
+        return int(st.st_blocks) * 512
 
     def populate(self) -> bool:
         """Map every page of the segment into this process now, for writing, backing

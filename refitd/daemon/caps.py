@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from refitd.errors import QuotaExceeded
 
-__all__ = ["ByteCap", "Cap", "Caps"]
+__all__ = ["ByteCap", "Cap", "Caps", "Charges"]
 
 
 @dataclass
@@ -94,6 +94,39 @@ class ByteCap:
 
     def discard(self, principal: str, object_id: str) -> None:
         self._held.get(principal, {}).pop(object_id, None)
+
+
+@dataclass
+class Charges:
+    """Bytes of daemon memory charged to each principal for objects that live a while
+    (``what`` names them), at most ``limit`` (setting ``key``) each: admitted and
+    added at once, before the work starts (429 past it), given back when they end."""
+
+    what: str
+    key: str
+    limit: int
+    _held: dict[str, int] = field(default_factory=dict)
+
+    def take(self, principal: str, nbytes: int, asked: str) -> None:
+        """Charge ``nbytes`` to ``principal`` for ``asked`` (the refusal names it)."""
+        held = self._held.get(principal, 0)
+        if held + nbytes > self.limit:
+            raise QuotaExceeded(
+                f"{asked} refused: it keeps {nbytes} bytes of the daemon's memory, and "
+                f"{principal}'s {self.what} keep {held}, past its cap (limits.{self.key} = "
+                f"{self.limit})"
+            )
+        self._held[principal] = held + nbytes
+
+    def give_back(self, principal: str, nbytes: int) -> None:
+        left = self._held.get(principal, 0) - nbytes
+        if left > 0:
+            self._held[principal] = left
+        else:
+            self._held.pop(principal, None)
+
+    def held(self, principal: str) -> int:
+        return self._held.get(principal, 0)
 
 
 class Caps:

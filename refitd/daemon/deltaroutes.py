@@ -9,6 +9,7 @@ from refitd.daemon.auth import principal_of
 from refitd.daemon.deltas import DeltaBook
 from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
 from refitd.daemon.node import Daemon
+from refitd.daemon.plancheck import check_runs
 from refitd.daemon.waits import MAX_WAIT_S, WAITS, long_poll
 from refitd.wire import DeltaPackRequest
 from refitd.wire import routes as api
@@ -40,6 +41,9 @@ async def delta_pack(request: web.Request) -> web.Response:
     packed blocks: the staging region counts against the lease's principal."""
     d = request.app[DAEMON]
     req = await body(request, DeltaPackRequest)
+    # What the plan expands into is bounded before anything reads or lists it.
+    what = f"delta pack of {req.model!r} v{req.version}"
+    check_runs(len(req.descriptors), req.pack_specs, d.config.limits.max_plan_runs, what)
     lease = d.registry.check(req.lease_id, req.model, req.version)
     who = lease.owner or principal_of(request).name  # whose memory the staging is
     d.store.admit(who, 1)  # at its cap already: refused before any work

@@ -375,7 +375,8 @@ def create_app(
         client_max_size=d.config.server.max_request_bytes,
     )
     app[DAEMON] = d
-    app[WAITS] = Waits()  # long polls held open, per principal
+    # long polls held open, per principal
+    app[WAITS] = Waits(d.config.limits.max_long_polls_per_principal)
 
     clients: dict[str, PeerClient] = {}
 

@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from refitd.errors import NotFoundError, ProtocolError
 from refitd.wire import ManifestIn
 
-__all__ = ["DTYPE_SIZES", "check_manifest_bounds", "element_count"]
+__all__ = [
+    "DTYPE_SIZES",
+    "MANIFEST_SHARD_BYTES",
+    "MANIFEST_TENSOR_BYTES",
+    "check_manifest_bounds",
+    "element_count",
+    "manifest_cost",
+]
 
 # Byte size per element of every dtype a manifest may name (torch spelling).
 DTYPE_SIZES: dict[str, int] = {
@@ -80,3 +87,21 @@ def check_manifest_bounds(m: ManifestIn, region_sizes: Mapping[int, int]) -> Non
                     f"tensor {t.name!r} shard {i}: bytes [{s.byte_offset}, {end}) overrun region "
                     f"{s.region} of {rsize} bytes"
                 )
+
+
+MANIFEST_SHARD_BYTES = 256
+"""Bytes of daemon memory a manifest is charged per shard it lists: its decoded
+entry, its merged manifest's and its read scope's (measured about 215 to 235 bytes a
+shard, ``tests/daemon/test_daemon_hostile_costs.py``)."""
+MANIFEST_TENSOR_BYTES = 512
+"""Bytes a manifest is charged per tensor it lists, with its name's length (measured
+about 330 bytes a tensor besides its shards)."""
+
+
+def manifest_cost(m: ManifestIn) -> int:
+    """Bytes of daemon memory manifest ``m`` is charged while the daemon holds it
+    (:data:`MANIFEST_SHARD_BYTES` a shard, :data:`MANIFEST_TENSOR_BYTES` and its name
+    a tensor): what ``limits.max_manifest_bytes_per_principal`` counts."""
+    shards = sum(len(t.shards) for t in m.tensors)
+    names = sum(len(t.name) for t in m.tensors)
+    return MANIFEST_SHARD_BYTES * shards + MANIFEST_TENSOR_BYTES * len(m.tensors) + names

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from refitd.errors import InsufficientStorage, PlanError
+from refitd.errors import InsufficientStorage, PlanError, ProtocolError
 from refitd.wire import RegionKind
 from transports.interface import MappedMemory
 from transports.segments import SHM_DIR, SharedSegment
@@ -28,6 +28,7 @@ __all__ = [
     "map_whole",
     "proves_owner",
     "refuse_created_gpu_memory",
+    "refuse_sparse",
 ]
 
 
@@ -117,7 +118,28 @@ async def map_whole(memory: MappedMemory, what: str) -> None:
     sparse segment: refused now, not a bus error in the middle of a pull."""
     if not isinstance(memory, SharedSegment):
         return
+    # Mapping a hole for writing backs it: the daemon, not the client, would make
+    # (and its memory cgroup pay for) every byte of a sparse segment, however far
+    # past the client's caps. A client's segment is backed whole by its creator
+    # (``SharedSegment.create`` does it), so a sparse one is refused before a page
+    # is mapped, and one made sparse while it was mapped is refused after.
+    refuse_sparse(memory, memory.backed_at_map, what)
     try:
         await asyncio.to_thread(memory.populate)
     except OSError as exc:
         raise InsufficientStorage(f"{what} refused: {exc.strerror or exc}") from None
+    now = memory.backed_bytes()
+    if now is not None and now > memory.backed_at_map:
+        refuse_sparse(memory, memory.backed_at_map, what)
+
+
+def refuse_sparse(memory: SharedSegment, backed: int, what: str) -> None:
+    """Refuse (400) ``memory`` if only ``backed`` of its bytes were backed (a sparse
+    file: the daemon would back the rest)."""
+    if backed < memory.size:
+        raise ProtocolError(
+            f"{what} refused: segment {memory.name!r} is sparse ({backed} of its "
+            f"{memory.size} bytes backed by memory), and the daemon does not back a "
+            "client's memory for it; back every byte when making it (SharedSegment.create "
+            "does)"
+        )

@@ -13,6 +13,7 @@ from refitd.daemon.mirrorfeed import serve_feed
 from refitd.daemon.mirrors import Mirrors
 from refitd.daemon.node import Daemon
 from refitd.daemon.pulls import PullManager
+from refitd.daemon.waits import MAX_WAIT_S, long_poll
 from refitd.errors import ProtocolError, RequestTooLarge
 from refitd.wire import routes as api
 from refitd.wire.mirrors import MAX_JOIN_BYTES, HolderJoin, MirrorLease
@@ -48,23 +49,27 @@ async def join_holders(request: web.Request) -> web.Response:
 @routes.handles(api.MIRROR_STATE)
 async def mirror_state(request: web.Request) -> web.Response:
     """A mirror's progress; with ``after=N`` it answers once more than ``N`` chunks
-    are complete, the mirror ended, or ``timeout`` seconds passed."""
+    are complete, the mirror ended, or ``timeout`` seconds passed (at most
+    :data:`MAX_WAIT_S`). A wait is a long poll of its caller: counted against the
+    per-principal cap (429 past it) and ended when its client goes."""
     version = query_int(request, "version")
     after = query_int(request, "after") if "after" in request.query else -1
-    timeout_s = min(query_float(request, "timeout", 0.0), 60.0)
+    timeout_s = min(query_float(request, "timeout", 0.0), MAX_WAIT_S)
     mirrors, model = request.app[MIRRORS], request.match_info["model"]
     # Who may see it first: whether a version is mirrored is the model's readers' only.
     mirrors.leases.check_state_reader(
         principal_of(request), model, version, request.query.get("lease", "")
     )
     m = mirrors.find(model, version)
-    deadline = time.monotonic() + timeout_s
-    while int(m.done.sum()) <= after and not m.finished:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        await m.changed(left)
-    return reply(request, request.app[MIRRORS].state(m))
+    if int(m.done.sum()) <= after and not m.finished and timeout_s > 0:
+        async with long_poll(request, f"waiting for the mirror of {model!r} v{version}"):
+            deadline = time.monotonic() + timeout_s
+            while int(m.done.sum()) <= after and not m.finished:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                await m.changed(left)
+    return reply(request, mirrors.state(m))
 
 
 @routes.handles(api.MIRROR_FEED)

@@ -103,8 +103,14 @@ class MirrorLeases:
         left = await self._left_at_source(m.source, req.source_lease, req.model, req.version)
         # A mirror joins its source's book while it makes its regions: a relay told to
         # read it may ask first, and waits for them (a failed one is refused below).
-        async with asyncio.timeout(READY_WAIT_S):
-            await m.ready.wait()
+        try:
+            async with asyncio.timeout(READY_WAIT_S):
+                await m.ready.wait()
+        except TimeoutError:
+            raise ConflictError(
+                f"{req._what()} refused: this daemon's mirror of it has not made its regions "
+                f"after {READY_WAIT_S:g} s; read from another holder"
+            ) from None
         grant = self.d.registry.acquire(
             req.model, req.version, min(req.ttl_s, left), f"relay {req.node_id}", owner=OWNER
         )

@@ -179,17 +179,23 @@ class Mirrors:
         lease = self.d.registry.acquire(req.model, req.version, LEASE_TTL_S, owner=owner)
         local = {s: r.region_id for s, r in m.regions.items()}
         rows = req.descriptors.rows().copy()
-        try:
-            rows[:, 0] = [local[int(s)] for s in rows[:, 0]]
-            specs = [
-                msgspec.structs.replace(p, src_region=local[p.src_region]) for p in req.pack_specs
-            ]
-        except KeyError as exc:
+        # Mapped in one vectorised pass: a Python loop per row held the event loop
+        # for about a second at a request's size bound.
+        keys = np.array(sorted(local), dtype=np.int64)
+        at = np.minimum(np.searchsorted(keys, rows[:, 0]), max(len(keys) - 1, 0))
+        unknown = [int(x) for x in rows[:, 0][keys[at] != rows[:, 0]][:1]] if len(keys) else []
+        if len(keys) == 0 and len(rows):
+            unknown = [int(rows[0, 0])]
+        unknown += [p.src_region for p in req.pack_specs if p.src_region not in local][:1]
+        if unknown:
             self.d.registry.release(lease.lease_id)
             raise ConflictError(
-                f"pull refused: source region {exc.args[0]} is not part of {req.model!r} "
+                f"pull refused: source region {unknown[0]} is not part of {req.model!r} "
                 f"version {req.version}; nothing was transferred"
-            ) from None
+            )
+        if len(rows):
+            rows[:, 0] = np.array([local[int(k)] for k in keys], dtype=np.int64)[at]
+        specs = [msgspec.structs.replace(p, src_region=local[p.src_region]) for p in req.pack_specs]
         out = PullRequest(
             req.model, req.version, lease.lease_id, DescriptorTable.pack(rows), specs, ""
         )

@@ -30,12 +30,13 @@ from refitd.daemon.drain import LeaseDrain
 from refitd.daemon.owners import ModelOwners
 from refitd.daemon.paths import peer_paths
 from refitd.daemon.peers import PeerPolicy
+from refitd.daemon.plancheck import check_runs
 from refitd.daemon.plane import TransportSet
-from refitd.daemon.registry import PENDING_MANIFESTS, Lease, Registry, check_manifest_bounds
+from refitd.daemon.registry import Lease, Registry, check_manifest_bounds
 from refitd.daemon.staging import STAGING_POOL, StagingPool
 from refitd.daemon.store import RegionStore
 from refitd.daemon.trust import Extents
-from refitd.errors import AccessDenied, ConflictError, RefitError, TransportError
+from refitd.errors import AccessDenied, ConflictError, QuotaExceeded, RefitError, TransportError
 from refitd.wire import (
     GcReport,
     LeaseGrant,
@@ -117,6 +118,8 @@ class Daemon:
         self.registry = Registry(
             self.node_id, self.incarnation, clock, pending_ttl_s=self.limits.pending_ttl_s
         )
+        #: the timer that expires pending versions (:meth:`_expire_pending_later`)
+        self._pending_timer: asyncio.TimerHandle | None = None
         #: published manifests being decoded and checked now (off the event loop), and
         #: how many may be at once (the others wait before their body is read)
         self.manifests_checking = 0
@@ -242,6 +245,9 @@ class Daemon:
 
     async def close(self) -> None:
         self.ready = False
+        if self._pending_timer is not None:
+            self._pending_timer.cancel()
+            self._pending_timer = None
         self.store.holders.close()
         await self.plane.close()
         self.store.close()
@@ -345,8 +351,17 @@ class Daemon:
         principal's (403: else it would expose another principal's bytes to its
         leases, and pin them against their writes), and none rewritten by anything
         else (409, :meth:`check_publishable`); the registry takes the slot, charged to
-        its publisher while its version is pending; the principal becomes the model's
+        its publisher while the daemon holds it; the principal becomes the model's
         owner if nobody was; drain waiters wake."""
+        # At its cap already: refused before its body is read or decoded.
+        cap = self.limits.max_manifest_bytes_per_principal
+        held = self.registry.manifest_bytes(principal.name)
+        if held >= cap:
+            raise QuotaExceeded(
+                f"publishing refused: {principal.name}'s manifests hold {held} bytes of the "
+                f"daemon's memory, its cap (limits.max_manifest_bytes_per_principal = {cap}); "
+                "retire versions nobody reads (drain with retire=1) or let pending ones expire"
+            )
         async with self.manifest_checks:
             self.manifests_checking += 1
             try:
@@ -360,13 +375,34 @@ class Daemon:
         for rid in region_ids:
             principal.check_owns(self.store.regions.get(rid).owner, "publish from", f"region {rid}")
         self.check_publishable(region_ids)
-        # A slot of a version left pending is charged to its publisher (its manifests
-        # stay in memory until the version is ready or expires).
-        cap = self.limits.max_manifest_shards * PENDING_MANIFESTS
+        # Charged to its publisher while the daemon holds it (pending, READY, or
+        # retired while leased), in bytes of the daemon's memory.
+        self.models.admit(principal, self.limits.max_models_per_principal, m.model)
         info = self.registry.publish(m, principal.name, cap)
+        self._expire_pending_later()
         self.models.claim(principal, m.model)
         self.lease_changed()
         return info
+
+    def _expire_pending_later(self) -> None:
+        """Set the one timer that forgets pending versions at their TTL (its manifests'
+        memory with them), whether or not anything else happens on the daemon: at the
+        oldest pending version's deadline, then at each next one's."""
+        if self._pending_timer is not None:
+            return
+        left = self.registry.next_pending_s()
+        if left is None:
+            return
+
+        def fire() -> None:
+            self._pending_timer = None
+            if self.registry.expire_pending():
+                self.store.reap_soon()  # an exited client's regions it pinned may go
+                self.lease_changed()
+            self._expire_pending_later()
+
+        # A little past the deadline: the registry's clock, not the loop's, decides.
+        self._pending_timer = asyncio.get_running_loop().call_later(left + 0.01, fire)
 
     def holds_memory(self, region_id: int) -> bool:
         """Whether ``region_id`` holds memory for a principal now
@@ -457,6 +493,7 @@ class Daemon:
         """Gather specs into a staging region for ``lease`` (:meth:`StagingPool.pack`),
         reading only what :meth:`version_scope` allows, within the caps of the lease's
         principal (else ``principal``'s)."""
+        check_runs(0, specs, self.config.limits.max_plan_runs, "pack")
         return await self.staging.pack(specs, lease, self.version_scope(lease), principal)
 
     async def pack_leased(self, req: PackRequest, principal: str | None = None) -> StagedPack:

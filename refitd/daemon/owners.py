@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 from refitd.config import parse_model_table
 from refitd.daemon.auth import Principal
-from refitd.errors import AccessDenied, ConflictError
+from refitd.errors import AccessDenied, ConflictError, QuotaExceeded
 
 __all__ = ["ModelOwners", "parse_model_table"]
 
@@ -32,6 +32,9 @@ class ModelOwners:
         self._readers = parse_model_table(readers, "models.readers")
         self._first: dict[str, str] = {}  # model -> its first publisher (unlisted models)
         self._held: set[str] = set()  # models the daemon holds as host mirrors
+        #: principal -> the models it published into that the config does not list:
+        #: each keeps records in the daemon for its life, so they are counted
+        self._models_of: dict[str, set[str]] = {}
 
     def owners(self, model: str) -> frozenset[str]:
         """The principals that own ``model`` (empty: nobody yet, the next publisher will)."""
@@ -54,9 +57,26 @@ class ModelOwners:
                 "model's owners publish, drain and retire its versions"
             )
 
+    def admit(self, who: Principal, limit: int, model: str) -> None:
+        """Refuse (:class:`QuotaExceeded`, 429) a publish by ``who`` into ``model``, a
+        model it has not published into, once it has published into ``limit``
+        (``limits.max_models_per_principal``); models the config lists are not
+        counted (the config bounds them)."""
+        if model in self._configured:
+            return
+        mine = self._models_of.get(who.name, set())
+        if model not in mine and len(mine) >= limit:
+            raise QuotaExceeded(
+                f"publishing into model {model!r} refused: {who.name} has published into "
+                f"{len(mine)} models, its cap (limits.max_models_per_principal = {limit}); "
+                "each keeps its records in the daemon"
+            )
+
     def claim(self, who: Principal, model: str) -> None:
         """Record ``who`` as the owner of ``model`` if nobody owns it yet (called
-        after its first publish succeeded)."""
+        after its first publish succeeded), and count the model as one of ``who``'s."""
+        if model not in self._configured:
+            self._models_of.setdefault(who.name, set()).add(model)
         if who.authenticated and not self.owners(model):
             self._first[model] = who.name
 

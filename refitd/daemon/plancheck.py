@@ -11,17 +11,25 @@ the refusal names the *first* offending descriptor or pack spec by index.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
 
 from refitd.daemon.trust import pack_span
-from refitd.errors import ProtocolError
+from refitd.errors import ProtocolError, RequestTooLarge
 from refitd.wire import DescriptorTable, PackSpec
 from transports.batch import rows_as_batch, validate_batch
 from transports.interface import ReadRefused
 
-__all__ = ["pack_rows", "validate_descriptors", "validate_plan"]
+__all__ = [
+    "check_runs",
+    "pack_rows",
+    "plan_runs",
+    "runs_of",
+    "validate_descriptors",
+    "validate_plan",
+]
 
 
 #: the daemon's words for each check of :func:`transports.batch.validate_batch`
@@ -72,6 +80,52 @@ def pack_rows(specs: list[PackSpec]) -> tuple[np.ndarray, np.ndarray]:
         rows[i] = row
         spans[i] = hi - lo
     return rows, spans
+
+
+def runs_of(p: PackSpec) -> int:
+    """How many contiguous runs spec ``p``'s elements make in packed order, counted
+    from its shape and strides in O(rank), never by listing them: the size of the
+    table any path that expands a spec run by run (a pull's direct reads, a device
+    pack, a delta's stream) would build. Shape and strides must agree in length."""
+    if any(n == 0 for n in p.shape):
+        return 0
+    dims = [(n, st) for n, st in zip(p.shape, p.strides, strict=True) if n != 1]
+    run = 1  # elements in one run: the trailing dims that are dense
+    while dims and dims[-1][1] == run:
+        run *= dims.pop()[0]
+    return math.prod(n for n, _ in dims)
+
+
+def plan_runs(specs: list[PackSpec], what: str) -> int:
+    """The runs of every spec together (:func:`runs_of`); refuses (400) the first spec
+    whose shape and strides differ in length or whose shape has a negative extent,
+    naming it and ``what`` was asked."""
+    total = 0
+    for i, p in enumerate(specs):
+        if len(p.shape) != len(p.strides) or any(s < 0 for s in p.shape):
+            raise ProtocolError(
+                f"{what} refused: {_pack_name(i, p)} has shape {p.shape} and strides "
+                f"{p.strides}, which disagree; nothing was transferred"
+            )
+        total += runs_of(p)
+    return total
+
+
+def check_runs(n_rows: int, specs: list[PackSpec], limit: int, what: str) -> int:
+    """Refuse (413, nothing expanded) a plan of ``n_rows`` descriptors and ``specs``
+    whose runs together exceed ``limit`` (``limits.max_plan_runs``): the most a path
+    that expands it run by run may list for one request, counted before any list is
+    built. A spec of a few bytes (a stride-0 block, say) otherwise expands into one
+    run per element, hundreds of times the request's and its version's bytes.
+    Returns the runs."""
+    runs = n_rows + plan_runs(specs, what)
+    if runs <= limit:
+        return runs
+    raise RequestTooLarge(
+        f"{what} refused: its {n_rows} descriptors and {len(specs)} pack specs make "
+        f"{runs} contiguous runs, more than limits.max_plan_runs = {limit}; a plan "
+        "reads its bytes in longer runs (or in several requests)"
+    )
 
 
 def _pack_name(i: int, p: PackSpec) -> str:

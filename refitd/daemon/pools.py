@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 import msgspec
@@ -52,6 +52,7 @@ from refitd.errors import (
     NotFoundError,
     PlanError,
     ProtocolError,
+    QuotaExceeded,
     TransportError,
 )
 from refitd.experts import (
@@ -338,6 +339,23 @@ class ExpertPool:
         )
 
 
+POOL_KEY_BYTES = 64
+"""Daemon memory a pool's bookkeeping takes per expert row (``layers x experts``):
+the planner's and its policy's per-expert lists (measured about 40 bytes)."""
+POOL_SLOT_BYTES = 192
+"""... per slot (the planner's, policy's and executor's per-slot lists; about 120)."""
+POOL_LAYER_BYTES = 384
+"""... per layer (per-layer lists, heaps and vectors; about 280)."""
+
+
+def bookkeeping_bytes(spec: PoolCreate) -> int:
+    """Bytes of daemon memory (besides its two regions) the pool ``spec`` describes
+    keeps for its life: what ``limits.max_pool_bookkeeping_bytes_per_principal``
+    counts, computed from the geometry before anything is built."""
+    keys = spec.layers * spec.experts
+    return POOL_KEY_BYTES * keys + POOL_SLOT_BYTES * spec.slots + POOL_LAYER_BYTES * spec.layers
+
+
 def _residency(spec: PoolCreate) -> BankResidency:
     if not spec.residency:
         if spec.cpu_layers:
@@ -358,6 +376,8 @@ class ExpertPools(PullListener):
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
         self._pools: dict[str, ExpertPool] = {}
+        #: per principal, the bookkeeping bytes of each pool it holds or is making
+        self._bookkeeping: dict[str, dict[str, int]] = {}
 
     def all(self) -> list[ExpertPool]:
         return list(self._pools.values())
@@ -377,10 +397,12 @@ class ExpertPools(PullListener):
         store = self.daemon.store
         if principal is not None:
             rows = spec.layers * spec.experts + spec.slots
-            with store.holding(principal, 2, sum(spec.row_bytes) * rows):
-                pool = await self.create(spec, owner)
-                for made in (pool.host, pool.slot_region):
-                    store.charge(principal, store.regions.get(made.region_id))
+            with self._holding_bookkeeping(principal, spec):
+                with store.holding(principal, 2, sum(spec.row_bytes) * rows):
+                    pool = await self.create(spec, owner)
+                    for made in (pool.host, pool.slot_region):
+                        store.charge(principal, store.regions.get(made.region_id))
+                self._bookkeeping[principal][spec.name] = bookkeeping_bytes(spec)
             return pool
         if spec.name in self._pools:
             raise ConflictError(f"expert pool {spec.name!r} refused: a pool of that name exists")
@@ -415,7 +437,9 @@ class ExpertPools(PullListener):
             await self._drop(host.region_id)
             raise
         try:
-            pool = ExpertPool(spec, owner, host, slots, d)
+            # Its per-expert, per-slot and per-layer lists, built off the event loop
+            # (bounded in bytes by the caller's admission).
+            pool = await asyncio.to_thread(ExpertPool, spec, owner, host, slots, d)
         except BaseException:
             await self._drop(host.region_id)
             await self._drop(slots.region_id)
@@ -428,6 +452,29 @@ class ExpertPools(PullListener):
         self._pools[spec.name] = pool
         return pool
 
+    @contextlib.contextmanager
+    def _holding_bookkeeping(self, principal: str, spec: PoolCreate) -> Iterator[None]:
+        """Admit ``spec``'s bookkeeping (:func:`bookkeeping_bytes`) to ``principal``'s
+        cap (429 past it, before anything is made) and hold its place for the block;
+        a pool not made by the end gives it back."""
+        cap = self.daemon.config.limits.max_pool_bookkeeping_bytes_per_principal
+        cost = bookkeeping_bytes(spec)
+        held = self._bookkeeping.setdefault(principal, {})
+        total = sum(held.values())
+        if total + cost > cap:
+            raise QuotaExceeded(
+                f"expert pool {spec.name!r} refused: its {spec.layers} layers of "
+                f"{spec.experts} experts and {spec.slots} slots keep {cost} bytes of the "
+                f"daemon's memory, and {principal}'s pools keep {total} already, past its "
+                f"cap (limits.max_pool_bookkeeping_bytes_per_principal = {cap})"
+            )
+        place = f"\0making {spec.name}"  # no pool name holds a NUL
+        held[place] = cost
+        try:
+            yield
+        finally:
+            held.pop(place, None)
+
     async def delete(self, name: str) -> PoolInfo:
         pool = self.get(name)
         async with pool.lock:
@@ -435,6 +482,8 @@ class ExpertPools(PullListener):
             info = pool.info()
             pool.deleted = True
             self._pools.pop(name, None)
+            for held in self._bookkeeping.values():
+                held.pop(name, None)
             for rid in (pool.host.region_id, pool.slot_region.region_id):
                 with contextlib.suppress(NotFoundError):
                     await self._drop(rid)

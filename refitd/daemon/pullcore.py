@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refitd.daemon.paths import AUTO, SHM_SCHEME, TCP_SCHEME
-from refitd.daemon.plancheck import validate_descriptors, validate_plan
+from refitd.daemon.plancheck import runs_of, validate_descriptors, validate_plan
 from refitd.daemon.trust import check_pack_reads, check_reads
 from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import (
@@ -58,6 +58,7 @@ __all__ = [
     "suspect",
     "total_bytes",
     "tries_shm",
+    "widened",
 ]
 
 
@@ -283,6 +284,8 @@ def direct_reads(
     when a block's runs are shorter than ``min_run`` bytes or there would be more
     than ``max_rows`` rows: the source then packs, as asked. The specs are checked
     already (:func:`check_plan`): every run lies inside its spec's checked span."""
+    if sum(max(1, runs_of(p)) for p in specs) > max_rows:  # counted before any is listed
+        return None
     out: list[np.ndarray] = []
     last: list[np.ndarray] = []
     total = 0
@@ -335,6 +338,34 @@ def suspect(rows: np.ndarray) -> list[tuple[int, int, int]]:
     Once bytes may have moved, every one of them is suspect: a data plane that
     failed mid-batch cannot say which reads landed."""
     return [(r.region, r.offset, r.nbytes) for r in suspect_ranges(rows_as_batch(rows))]
+
+
+SUSPECT_KEPT = 1024
+"""Suspect ranges an ended pull's record keeps at most: past it, the nearest ranges
+of a region are joined (the gap between them reported suspect too)."""
+
+
+def widened(ranges: list[tuple[int, int, int]], limit: int) -> list[tuple[int, int, int]]:
+    """Sorted, merged ``(region, offset, nbytes)`` ranges joined across their smallest
+    gaps (within a region) until at most ``limit`` remain, or one a region: a record
+    of bounded size that still names every byte that may have been written (a wider
+    suspect range is safe: its bytes are reinstalled, never trusted)."""
+    if len(ranges) <= limit:
+        return ranges
+    a = np.array(ranges, dtype=np.int64)
+    region, start, end = a[:, 0], a[:, 1], a[:, 1] + a[:, 2]
+    gap = np.where(region[1:] == region[:-1], start[1:] - end[:-1], np.iinfo(np.int64).max)
+    joinable = int((region[1:] == region[:-1]).sum())
+    k = min(len(ranges) - limit, joinable)
+    join = np.zeros(len(gap), dtype=bool)
+    if k > 0:
+        join[np.argpartition(gap, k - 1)[:k]] = True
+    first = np.flatnonzero(~np.concatenate(([False], join)))
+    last = np.append(first[1:], len(a)) - 1
+    return [
+        (int(region[f]), int(start[f]), int(end[e] - start[f]))
+        for f, e in zip(first.tolist(), last.tolist(), strict=True)
+    ]
 
 
 def source_name(url: str, peer: PeerRegions | None) -> str:

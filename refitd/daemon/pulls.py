@@ -27,6 +27,7 @@ Order of a pull, and why:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -39,11 +40,13 @@ import numpy as np
 from aiohttp import web
 
 from refitd.daemon import pullcore
+from refitd.daemon.caps import Charges
 from refitd.daemon.devstaging import SLOT_BYTES, SLOTS, StagedPeer, StagingRegions
 from refitd.daemon.listeners import Caller, PullListener, anyone
 from refitd.daemon.move import IN_FLIGHT, move
 from refitd.daemon.node import Daemon
 from refitd.daemon.paths import SHM_SCHEME, adverts, choose_remote, lease_scope
+from refitd.daemon.plancheck import check_runs
 from refitd.daemon.sources import Filling, LocalSource, Redirect, RemoteSource, Source
 from refitd.daemon.trust import check_writes
 from refitd.errors import NotFoundError, RefitError, TransportError
@@ -57,6 +60,7 @@ from refitd.wire import (
     RegionCreate,
     StagedPack,
 )
+from transports.batch import ReadBatch
 from transports.interface import Peer, PeerInfo
 
 __all__ = [
@@ -70,8 +74,13 @@ __all__ = [
     "Source",
 ]
 
-KEEP_FINISHED = 1024
-"""Ended pulls whose results stay queryable (the oldest are forgotten first)."""
+
+PLAN_RUN_BYTES = 256
+"""Daemon memory a running pull's plan is charged per run (its rows, their checks and
+their batches: measured up to about 240 bytes a descriptor at their peak)."""
+
+OFF_LOOP_ROWS = 16_384
+"""A plan of more descriptors and pack specs than this is checked off the event loop."""
 
 SHUTTING_DOWN = "daemon shutting down"
 """The reason a pull still running when the daemon stops is cancelled with."""
@@ -106,6 +115,8 @@ class PullJob:
     #: the device kinds of memory its regions here are made of ("cuda"; "" for host
     #: memory only): its bytes go through those kinds' copy engines, and it says so
     devices: str = ""
+    #: bytes of its principal's plan charge it gives back when it ends
+    plan_bytes: int = 0
     #: over a host-memory data plane, the connection staging its device-bound reads
     #: (:mod:`refitd.daemon.devstaging`); its staging region is given back when the pull ends
     device_staging: StagedPeer | None = None
@@ -154,6 +165,17 @@ class PullManager:
         self.plane = daemon.plane
         self.peers = daemon.peers
         self.mode = daemon.mode
+        self.max_plan_runs = daemon.config.limits.max_plan_runs
+        #: per principal, the bytes its running pulls' plans are charged
+        self.plans = Charges(
+            "running pulls",
+            "max_plan_bytes_per_principal",
+            daemon.config.limits.max_plan_bytes_per_principal,
+        )
+        #: ended pulls each principal's results stay queryable for (oldest go first)
+        self.keep_ended = daemon.config.limits.max_ended_pulls_per_principal
+        #: per principal, its ended pulls still kept, oldest first
+        self._ended: dict[str, collections.deque[str]] = {}
         #: per peer node, the path the last pull from it took and why (the daemon's)
         self.seen_paths = daemon.seen_paths
         self._connect = connect
@@ -193,15 +215,28 @@ class PullManager:
         :class:`ConflictError` for a stale/unleased version, :class:`ProtocolError`
         naming the first out-of-bounds descriptor or pack spec.
         """
+        # What the plan expands into is bounded before anything reads or maps it, and
+        # charged to its principal until the pull ends.
+        runs = check_runs(len(req.descriptors), req.pack_specs, self.max_plan_runs, "pull")
+        cost = PLAN_RUN_BYTES * runs
+        self.plans.take(caller.name, cost, f"pull of {runs} runs")
+        try:
+            return await self._admitted(req, caller, cost)
+        except BaseException:
+            self.plans.give_back(caller.name, cost)
+            raise
+
+    async def _admitted(self, req: PullRequest, caller: Caller, cost: int) -> PullJob:
+        """:meth:`submit` once its plan is charged (``cost`` bytes)."""
         for listener in self.listeners:
             listener.admit(req, caller)
         # A host mirror may serve the pull instead of its remote source: admitted as
         # asked (the destinations are the same), then read from the mirror over shm.
         mirrored = await self.redirect(req, caller.name) if self.redirect is not None else None
         if mirrored is None:
-            return await self._submit(req, caller)
+            return await self._submit(req, caller, None, cost)
         try:
-            job = await self._submit(mirrored.req, caller, mirrored.source)
+            job = await self._submit(mirrored.req, caller, mirrored.source, cost)
         except BaseException:
             mirrored.release()
             raise
@@ -209,15 +244,24 @@ class PullManager:
         job.task.add_done_callback(lambda _: mirrored.release())
         return job
 
-    async def _submit(self, req: PullRequest, caller: Caller, src: Source | None = None) -> PullJob:
+    async def _submit(
+        self, req: PullRequest, caller: Caller, src: Source | None = None, cost: int = 0
+    ) -> PullJob:
         """:meth:`submit` once admitted: ``req`` is read from ``src`` (default: its own
-        source)."""
+        source); the job gives back ``cost`` bytes of its principal's plan charge
+        when it ends."""
         src = src or self.source_for(req.source)
         await src.check_lease(req.lease_id, req.model, req.version)
         rows = req.descriptors.rows()
         src_ids = pullcore.source_ids(rows, req.pack_specs)
         peer = await src.regions(src_ids, req) if src_ids else None
-        pullcore.check_plan(rows, req, peer, self.store.regions.sizes())
+        sizes = self.store.regions.sizes()
+        if len(rows) + len(req.pack_specs) > OFF_LOOP_ROWS:
+            # Vectorised, but a plan at limits.max_plan_runs still takes the loop for
+            # over 100 ms: checked in a worker thread (numpy lets go of the GIL).
+            await asyncio.to_thread(pullcore.check_plan, rows, req, peer, sizes)
+        else:
+            pullcore.check_plan(rows, req, peer, sizes)
         path, conn = await self.choose_path(src, peer)
         gpu = pullcore.peer_devices(peer) if peer is not None else []
         if gpu:  # the source copies them into host staging; they are read from there
@@ -236,13 +280,12 @@ class PullManager:
             if conn is not None:
                 await conn.close()
             raise
-        job.path, job.conn, job.owner = path, conn, caller.name
+        job.path, job.conn, job.owner, job.plan_bytes = path, conn, caller.name, cost
         local = set(src_ids) if isinstance(src, LocalSource) else set()
         job.devices = "+".join(self.store.device_kinds(dst_ids | local))
         job.pins.enter_context(self.store.using(dst_ids | local))
         job.pins.enter_context(self.store.writing(dst_ids, job.pull_id))
         self.jobs[job.pull_id] = job
-        self._forget_old()
         task = asyncio.create_task(self._run(job, src, rows, peer))
         job.task = task
         self._tasks.add(task)
@@ -251,11 +294,20 @@ class PullManager:
             listener.started(job)
         return job
 
-    def _forget_old(self) -> None:
-        """Keep the records of at most ``KEEP_FINISHED`` ended pulls (oldest go first)."""
-        ended = [k for k, j in self.jobs.items() if j.finished.is_set()]
-        for k in ended[: max(0, len(ended) - KEEP_FINISHED)]:
-            del self.jobs[k]
+    def _keep_ended(self, job: PullJob) -> None:
+        """``job`` ended: keep its result, not its plan (the request's descriptor table
+        and pack specs go; its suspect ranges are kept to at most
+        :data:`~refitd.daemon.pullcore.SUSPECT_KEPT`, widened), among the last
+        ``limits.max_ended_pulls_per_principal`` of its owner's: one principal's pulls
+        never push out another's results."""
+        job.req = msgspec.structs.replace(job.req, descriptors=DescriptorTable(b""), pack_specs=[])
+        self.plans.give_back(job.owner, job.plan_bytes)
+        job.plan_bytes = 0
+        job.suspect = pullcore.widened(job.suspect, pullcore.SUSPECT_KEPT)
+        kept = self._ended.setdefault(job.owner, collections.deque())
+        kept.append(job.pull_id)
+        while len(kept) > self.keep_ended:
+            self.jobs.pop(kept.popleft(), None)
 
     def get(self, pull_id: str) -> PullJob:
         job = self.jobs.get(pull_id)
@@ -380,6 +432,7 @@ class PullManager:
                     await asyncio.shield(src.drop(staged.region.region_id, req.lease_id))
             for listener in self.listeners:
                 listener.ended(job)
+            self._keep_ended(job)
             job.finished.set()
 
     # ------------------------------------------------------------ path choice
@@ -507,10 +560,14 @@ class PullManager:
             await move(job, conn, reads, ends, spans, ready=ready)
             return
         pace = pullcore.pace_for(job.path)
-        reads, ends = pullcore.cut(rows, pace, done)
-        await move(
-            job, conn, reads, ends, pullcore.spans(reads["nbytes"], pace.reads, pace.max_bytes)
-        )
+
+        def plan() -> tuple[ReadBatch, np.ndarray, list[tuple[int, int]]]:
+            reads, ends = pullcore.cut(rows, pace, done)
+            return reads, ends, pullcore.spans(reads["nbytes"], pace.reads, pace.max_bytes)
+
+        # Cutting a large plan into batches is numpy work of over 100 ms: off the loop.
+        reads, ends, spans = await asyncio.to_thread(plan) if len(rows) > OFF_LOOP_ROWS else plan()
+        await move(job, conn, reads, ends, spans)
 
     # ------------------------------------------------------------ reads outside a pull
 
@@ -526,7 +583,6 @@ class PullManager:
         job = PullJob(f"p{next(self._seq)}", req, nbytes, rows.shape[0])
         job.path, job.owner, job.state = path, owner, PullState.RUNNING
         self.jobs[job.pull_id] = job
-        self._forget_old()
         for listener in self.listeners:
             listener.started(job)
         try:
@@ -546,6 +602,7 @@ class PullManager:
             job.ended = time.perf_counter()
             for listener in self.listeners:
                 listener.ended(job)
+            self._keep_ended(job)
             job.finished.set()
 
 

@@ -30,7 +30,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from refitd.daemon.manifestcheck import DTYPE_SIZES, check_manifest_bounds, element_count
+from refitd.daemon.manifestcheck import (
+    DTYPE_SIZES,
+    check_manifest_bounds,
+    element_count,
+    manifest_cost,
+)
 from refitd.daemon.trust import Extents, merge_extents
 from refitd.errors import ConflictError, NotFoundError, ProtocolError, QuotaExceeded
 from refitd.wire import (
@@ -46,7 +51,6 @@ from refitd.wire import (
 
 __all__ = [
     "DTYPE_SIZES",
-    "PENDING_MANIFESTS",
     "PENDING_TTL_S",
     "Lease",
     "Registry",
@@ -55,12 +59,6 @@ __all__ = [
 
 PENDING_TTL_S = 3600.0
 """Default seconds a version may stay pending (``limits.pending_ttl_s``)."""
-
-PENDING_MANIFESTS = 8
-"""Manifests' worth of shards (``limits.max_manifest_shards`` each) the slots one
-principal published into versions still pending may list at once: the daemon holds
-those manifests (about 15 times their encoded size) until the version is ready or
-expires, so they are charged to whoever made it hold them."""
 
 #: one line per version state change: pending (first slot), ready, retired
 log = logging.getLogger("refitd.sources")
@@ -90,7 +88,8 @@ class _Version:
     merged_bytes: bytes | None = None
     scope: dict[int, Extents] | None = None
     region_ids: frozenset[int] | None = None
-    #: while pending: shards its slots list, by the principal that published them
+    #: bytes of manifests its slots hold (:func:`manifest_cost`), by publisher, until
+    #: they are let go (expired, or retired and unleased)
     charged: dict[str, int] = field(default_factory=dict)
     #: the slots it published, once its manifests were let go (retired, unleased)
     published: tuple[int, ...] = ()
@@ -123,8 +122,8 @@ class Registry:
         self.pending_ttl_s = pending_ttl_s
         #: (deadline, model, version) of pending versions, oldest first (one TTL for all)
         self._pending: collections.deque[tuple[float, str, int]] = collections.deque()
-        #: principal -> shards listed by its slots of versions still pending
-        self._pending_shards: collections.Counter[str] = collections.Counter()
+        #: principal -> bytes of the manifests its slots make the registry hold
+        self._manifest_bytes: collections.Counter[str] = collections.Counter()
         #: per model, the highest version number that ever became READY
         self._newest_ready: dict[str, int] = {}
         self._seq = itertools.count(1)
@@ -137,7 +136,7 @@ class Registry:
     # ------------------------------------------------------------ publishing
 
     def publish(
-        self, m: ManifestIn, owner: str = "", max_pending_shards: int | None = None
+        self, m: ManifestIn, owner: str = "", max_manifest_bytes: int | None = None
     ) -> VersionInfo:
         """Record one slot's manifest; returns the version's state after it.
 
@@ -150,10 +149,11 @@ class Registry:
         :class:`ProtocolError` if ``slot`` is out of range. Publishing a pending
         slot again with identical content is a no-op.
 
-        A slot that leaves the version pending is charged to ``owner`` (its shards);
+        A slot is charged to ``owner`` (:func:`manifest_cost`, bytes) while the
+        registry holds its manifest, pending, READY, or retired while leased;
         :class:`QuotaExceeded` (nothing recorded) when that would take ``owner`` past
-        ``max_pending_shards`` shards pending (None: no cap). The charge ends when the
-        version becomes READY or expires.
+        ``max_manifest_bytes`` (None: no cap). The charge ends when the version
+        expires, or is retired and no live lease holds it.
         """
         key = (m.model, m.version)
         self.expire_pending()
@@ -175,22 +175,23 @@ class Registry:
                 "already became ready, and a model's versions only move forward; publish "
                 f"a version above {newest}"
             )
-        shards = sum(len(t.shards) for t in m.tensors)
-        stays_pending = (0 if v is None else len(v.slots)) + 1 < m.expected_slots
+        cost = manifest_cost(m)
         if (
-            stays_pending
-            and max_pending_shards is not None
+            max_manifest_bytes is not None
             and not (v is not None and m.slot in v.slots)
-            and self._pending_shards[owner] + shards > max_pending_shards
+            and self._manifest_bytes[owner] + cost > max_manifest_bytes
         ):
-            raise QuotaExceeded(
-                f"publishing slot {m.slot} of {m.model!r} version {m.version} refused: "
-                f"{owner or 'this principal'} already has {self._pending_shards[owner]} "
-                f"shards in versions still pending, and these {shards} would pass its cap "
-                f"of {max_pending_shards} ({PENDING_MANIFESTS} times "
-                "limits.max_manifest_shards); publish the versions' other slots, or wait "
-                "for them to expire (limits.pending_ttl_s)"
-            )
+            self._drop_expired()  # a retired version's leases may have run out since
+            held = self._manifest_bytes[owner]
+            if held + cost > max_manifest_bytes:
+                raise QuotaExceeded(
+                    f"publishing slot {m.slot} of {m.model!r} version {m.version} refused: "
+                    f"{owner or 'this principal'}'s manifests hold {held} bytes of the "
+                    f"daemon's memory, and this one's {cost} would pass its cap "
+                    f"(limits.max_manifest_bytes_per_principal = {max_manifest_bytes}); "
+                    "retire versions nobody reads (drain with retire=1), or complete "
+                    "pending ones or wait for them to expire (limits.pending_ttl_s)"
+                )
         created = v is None
         if v is None:
             v = _Version(m.model, m.version, m.expected_slots)
@@ -211,11 +212,9 @@ class Registry:
         self._check_agreement(v, m)
         v.slots[m.slot] = m
         v.merged = v.merged_bytes = v.scope = v.region_ids = None
-        if len(v.slots) < v.expected_slots:
-            v.charged[owner] = v.charged.get(owner, 0) + shards
-            self._pending_shards[owner] += shards
+        v.charged[owner] = v.charged.get(owner, 0) + cost
+        self._manifest_bytes[owner] += cost
         if len(v.slots) == v.expected_slots:
-            self._uncharge(v)
             v.state = VersionState.READY
             self._newest_ready[m.model] = m.version
             log.info("%r version %d: ready (%d slots)", m.model, m.version, v.expected_slots)
@@ -269,6 +268,13 @@ class Registry:
             out.append((model, version))
         return out
 
+    def next_pending_s(self) -> float | None:
+        """Seconds from now until the oldest pending version's TTL runs out (0 when it
+        has), or None when none is pending: when :meth:`expire_pending` has work."""
+        if not self._pending:
+            return None
+        return max(0.0, self._pending[0][0] - self._clock())
+
     def _forget_retired(self, v: _Version) -> None:
         """Let go of the manifests of ``v`` once it is retired and no live lease holds
         it: nothing can read it again (leases are taken on READY versions only), and
@@ -281,6 +287,7 @@ class Registry:
         v.published = tuple(sorted(v.slots))
         v.slots = {}
         v.merged = v.merged_bytes = v.scope = v.region_ids = None
+        self._uncharge(v)
 
     def held_shards(self) -> int:
         """Shards listed by every manifest the registry holds (what its memory scales
@@ -292,12 +299,20 @@ class Registry:
             for t in m.tensors
         )
 
+    def manifest_bytes(self, owner: str) -> int:
+        """Bytes of manifests ``owner``'s slots make the registry hold now (after
+        letting go of what expired versions and leases held)."""
+        self.expire_pending()
+        self._drop_expired()
+        return self._manifest_bytes[owner]
+
     def _uncharge(self, v: _Version) -> None:
-        """``v`` is pending no more: its publishers' shards stop counting."""
+        """``v``'s manifests are let go: its publishers' charges for them end."""
         for owner, n in v.charged.items():
-            self._pending_shards[owner] -= n
-            if self._pending_shards[owner] <= 0:
-                del self._pending_shards[owner]
+            self._manifest_bytes[owner] -= n
+            if self._manifest_bytes[owner] <= 0:
+                del self._manifest_bytes[owner]
+        v.charged = {}
         v.charged.clear()
 
     @staticmethod
@@ -329,13 +344,15 @@ class Registry:
             log.info("%r version %d: retired (by its publisher, to rewrite it)", model, version)
         v.state = VersionState.RETIRED
         v.merged = v.merged_bytes = None
-        self._uncharge(v)  # a pending version retired: its publisher's charge ends
-        self._forget_retired(v)
+        self._forget_retired(v)  # its charge ends with its manifests
         return self._info(v)
 
     # ------------------------------------------------------------ reading
 
     def _get(self, model: str, version: int) -> _Version:
+        # A version past its TTL is gone for every reader, whether or not its timer
+        # (the daemon's, :meth:`next_pending_s`) has fired yet.
+        self.expire_pending()
         v = self._versions.get((model, version))
         if v is None:
             raise NotFoundError(f"no version {version} of model {model!r}")

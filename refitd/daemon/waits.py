@@ -1,6 +1,7 @@
 """Long polls: how long one request may wait, and how many one principal holds open.
 
-A long poll (``/ready``, a pull's ``/wait``, a delta record's ``wait``, a drain) holds
+A long poll (``/ready``, a pull's ``/wait``, a delta record's ``wait``, a mirror's
+state with ``after=``, a drain) holds
 its request, its connection (a file descriptor) and a task of the daemon until it is
 answered. Without a bound on how many one principal holds at once, one tenant opening
 thousands of them would spend the daemon's descriptors, and the other tenants' next
@@ -28,8 +29,9 @@ MAX_WAIT_S = 60.0
 client waiting longer asks again."""
 
 MAX_WAITS_PER_PRINCIPAL = 64
-"""Long polls one principal holds open at once (429 past it). An engine waits for
-one pull per rank, a trainer for one version: far fewer."""
+"""Long polls one principal holds open at once by default (429 past it;
+``limits.max_long_polls_per_principal``). An engine waits for one pull per rank, a
+trainer for one version: far fewer."""
 
 GONE_CHECK_S = 0.5
 """How often a long poll looks whether its client is still connected, s. aiohttp
@@ -57,7 +59,8 @@ class Waits:
         if n >= self.limit:
             raise QuotaExceeded(
                 f"{what} refused: principal {principal!r} already holds {n} long polls open, "
-                f"the most one principal may ({self.limit}); wait for one to be answered"
+                f"the most one principal may (limits.max_long_polls_per_principal = "
+                f"{self.limit}); wait for one to be answered"
             )
         self._open[principal] = n + 1
         try:

@@ -60,7 +60,10 @@ class HitDensityPolicy(ExpectedReusePolicy):
     ) -> None:
         super().__init__(alpha=alpha, stickiness=stickiness, shift_alpha=shift_alpha)
         self._low: F64 = np.zeros(0)
-        self._neg_log_d: list[F64] = []
+        #: ``-log d`` of the layer ``k + 1`` visits after the current one, ``k`` in
+        #: ``range(L)``: any layer's row is this vector rotated (one ``L``-vector,
+        #: where a table of every row took ``8 L**2`` bytes and an ``L``-step loop)
+        self._neg_log_step: F64 = np.zeros(0)
         # ``low + -log d`` for the step in progress, kept between victim searches of
         # one step (a step's misses, then a prefetch) and dropped when ``low`` moves.
         self._score: F64 | None = None
@@ -69,9 +72,7 @@ class HitDensityPolicy(ExpectedReusePolicy):
         super().reset(pool, slots)
         n = self._layers
         self._low = np.full(n, math.inf)
-        # Row c: -log d of every layer m while layer c is being placed.
-        m = np.arange(n)
-        self._neg_log_d = [-np.log((m - c - 1) % n + 1.0) for c in range(n)]
+        self._neg_log_step = -np.log(np.arange(1, n + 1, dtype=np.float64))
         self._score = None
 
     def begin_step(self, step: int, layer: int) -> None:
@@ -115,10 +116,10 @@ class HitDensityPolicy(ExpectedReusePolicy):
         # ``on_step`` must record the layer afresh.
         self._bound_key = -math.inf
         low, decay = self._low, self._decay
-        neg_log_d = self._neg_log_d[self._current]
         score = self._score
         if score is None:
-            score = self._score = low + neg_log_d
+            # -log d of every layer m while layer c is placed: d = (m - c - 1) % L + 1.
+            score = self._score = low + np.roll(self._neg_log_step, self._current + 1)
         heaps = self._heaps
         # Each layer's least entry, taken off its heap when the layer's loose bound was
         # tightened. Nothing a search reads changes until it returns, so a layer that
@@ -148,7 +149,8 @@ class HitDensityPolicy(ExpectedReusePolicy):
                 if found is not None:
                     held[layer] = found
                 low[layer] = exact
-                score[layer] = exact + neg_log_d[layer]
+                base = self._neg_log_step
+                score[layer] = exact + base[(layer - self._current - 1) % len(base)]
                 continue
             break
         for m, entry in held.items():

@@ -1,9 +1,9 @@
 """What a pending version makes the daemon hold is counted and ends on time.
 
-A version waiting for its other slots holds its manifests in the daemon's memory; the
-shards those manifests list are charged to the principal that published them (at
-most ``PENDING_MANIFESTS`` manifests' worth, ``limits.max_manifest_shards`` each,
-429 past it), and a version pending past ``limits.pending_ttl_s`` stops protecting
+A version waiting for its other slots holds its manifests in the daemon's memory;
+those manifests are charged to the principal that published them, in bytes
+(``limits.max_manifest_bytes_per_principal``, 429 past it; issue 47 charges READY
+manifests too), and a version pending past ``limits.pending_ttl_s`` stops protecting
 its regions at once, not at the next unrelated publish.
 
 A real daemon in this process on 127.0.0.1:0 with two tokens and a settable clock
@@ -22,15 +22,19 @@ from support.daemons import FakeClock, daemon_config
 from refitd.client.http import RefitClient
 from refitd.config import LimitsConfig, ServerConfig
 from refitd.daemon.auth import check_startup, setup_auth
+from refitd.daemon.manifestcheck import MANIFEST_SHARD_BYTES, MANIFEST_TENSOR_BYTES
 from refitd.daemon.node import Daemon
 from refitd.daemon.process import listening
-from refitd.daemon.registry import PENDING_MANIFESTS, Registry
+from refitd.daemon.registry import Registry
 from refitd.errors import QuotaExceeded
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
 pytestmark = pytest.mark.timeout(60)
 
 SHARDS = 4  # limits.max_manifest_shards in these tests
+PENDING_MANIFESTS = 8
+"""Manifests of :func:`slot0` one principal's cap holds in these tests."""
+SLOT0_BYTES = SHARDS * MANIFEST_SHARD_BYTES + MANIFEST_TENSOR_BYTES + len("w")
 
 
 @contextlib.asynccontextmanager
@@ -41,7 +45,11 @@ async def tenants(
     tokens.write_text("a token-of-a\nb token-of-b\n")
     tokens.chmod(0o600)
     policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
-    limits = LimitsConfig(max_manifest_shards=SHARDS, pending_ttl_s=ttl_s)
+    limits = LimitsConfig(
+        max_manifest_shards=SHARDS,
+        pending_ttl_s=ttl_s,
+        max_manifest_bytes_per_principal=PENDING_MANIFESTS * SLOT0_BYTES,
+    )
     opts = daemon_config(node_id="pending", transport="shm", limits=limits)
     async with (
         listening(Daemon(opts, clock=clock), setup=[lambda app: setup_auth(app, policy)]) as (

@@ -17,6 +17,9 @@ Units are in the key names: ``*_bytes`` are bytes, ``*_s`` are seconds.
 
 The daemon calls ``load_config(path, os.environ, overrides)`` once at start-up and
 passes the frozen :class:`Config` around; nothing re-reads the file.
+
+Modules: this one (the schema and its loading) and ``values`` (the values the
+config names, parsed one way for every layer: peer URLs, model tables, token files).
 """
 
 from __future__ import annotations
@@ -27,13 +30,13 @@ import re
 import tomllib
 import types
 import typing
-import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import msgspec
 
+from refitd.config.values import ANY_PORT, normalize_peer, parse_model_table, read_token
 from refitd.errors import ConfigError, ProtocolError
 
 __all__ = [
@@ -220,6 +223,30 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_pulls_per_principal: Count = 256
     #: Shards one published manifest may list, over all its tensors (400 past it).
     max_manifest_shards: Count = 1 << 20
+    #: Bytes of daemon memory the manifests one principal published may hold at once
+    #: (pending, READY, or retired while leased), charged per shard and tensor each
+    #: lists (docs/trust.md; 429 past it, before the manifest is read).
+    max_manifest_bytes_per_principal: PositiveBytes = 1 << 30
+    #: Models one principal may publish into, for the daemon's life (429 past it).
+    max_models_per_principal: Count = 1024
+    #: Ended pulls of one principal whose results stay queryable (the oldest go
+    #: first); each keeps its result, not its plan (at most 1,024 suspect ranges).
+    max_ended_pulls_per_principal: Count = 256
+    #: Bytes of daemon memory the bookkeeping of one principal's expert pools may
+    #: keep (64 a layer's expert, 192 a slot, 384 a layer; besides their regions;
+    #: 429 past it, before a region is made).
+    max_pool_bookkeeping_bytes_per_principal: PositiveBytes = 256 * _MiB
+    #: Bytes of daemon memory the plans of one principal's running pulls may keep
+    #: (256 a run, counted at submit; 429 past it).
+    max_plan_bytes_per_principal: PositiveBytes = 1 << 30
+    #: Long polls one principal may hold open at once (429 past it): each holds a
+    #: connection, a descriptor and a task of the daemon until answered.
+    max_long_polls_per_principal: Count = 64
+    #: Contiguous runs one request's plan may make (its descriptors, and each pack
+    #: spec's runs counted from its shape and strides before any is listed): a pull,
+    #: a peer pack or a delta pack past it is refused (413). A path that lists a
+    #: plan run by run holds about 40 bytes a run while it serves the request.
+    max_plan_runs: Count = 1 << 22
     #: A version still pending (slots missing) this many seconds after its first slot
     #: was published expires: it is forgotten and its memory freed.
     pending_ttl_s: Annotated[float, msgspec.Meta(gt=0, description="seconds (number > 0)")] = 3600.0
@@ -311,83 +338,6 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-# The values the config names, parsed here so that every layer above (the daemon, the
-# client, ops) reads them one way: peer URLs, ``MODEL=PRINCIPAL`` tables, token files.
-
-#: A peer pattern's port that matches every port of its host (``[peers] allow``).
-ANY_PORT = "*"
-_DEFAULT_PORTS = {"http": 80, "https": 443}
-
-
-def normalize_peer(url: str, *, pattern: bool = False) -> str:
-    """The canonical spelling of peer base URL ``url``; :class:`ProtocolError` naming
-    what is wrong when it is not an ``http(s)://host[:port][/path]`` URL. With
-    ``pattern`` the port may be ``*`` (kept as ``*``)."""
-    text = url.strip()
-    wild = False
-    if pattern:
-        head, sep, rest = text.partition("://")
-        netloc, slash, path = rest.partition("/")
-        if sep and netloc.endswith(":" + ANY_PORT):
-            wild = True
-            text = f"{head}://{netloc[: -len(ANY_PORT) - 1]}{slash}{path}"
-    try:
-        parts = urllib.parse.urlsplit(text)
-        port = parts.port
-    except ValueError as exc:
-        raise ProtocolError(f"peer URL {url!r} refused: {exc}") from None
-    scheme = parts.scheme.lower()
-    if scheme not in _DEFAULT_PORTS:
-        raise ProtocolError(
-            f"peer URL {url!r} refused: scheme {parts.scheme or '(none)'!r} is not http or "
-            "https; a source is the base URL of a refitd daemon"
-        )
-    if not parts.hostname:
-        raise ProtocolError(f"peer URL {url!r} refused: it names no host")
-    if parts.username is not None or parts.password is not None:
-        raise ProtocolError(f"peer URL {url!r} refused: user info is not allowed in a peer URL")
-    if parts.query or parts.fragment:
-        raise ProtocolError(f"peer URL {url!r} refused: a peer URL has no query or fragment")
-    host = parts.hostname.lower()
-    if ":" in host:
-        host = f"[{host}]"
-    path = parts.path.rstrip("/")
-    if wild:
-        if port is not None:
-            raise ProtocolError(f"peer URL {url!r} refused: two ports")
-        return f"{scheme}://{host}:{ANY_PORT}{path}"
-    return f"{scheme}://{host}:{port if port is not None else _DEFAULT_PORTS[scheme]}{path}"
-
-
-def parse_model_table(entries: Iterable[str], key: str) -> dict[str, frozenset[str]]:
-    """``MODEL=PRINCIPAL`` entries as model -> principals; refuses a malformed entry
-    (:class:`ConfigError` naming ``key``)."""
-    out: dict[str, set[str]] = {}
-    for entry in entries:
-        model, sep, who = (part.strip() for part in entry.partition("="))
-        if not sep or not model or not who:
-            raise ConfigError(
-                f"{key} entry {entry!r} refused: expected MODEL=PRINCIPAL, e.g. "
-                "'llama=trainer' (a token's name) or 'llama=uid:1000' (a Unix-socket uid)"
-            )
-        out.setdefault(model, set()).add(who)
-    return {m: frozenset(w) for m, w in out.items()}
-
-
-def read_token(path: str | os.PathLike[str]) -> str:
-    """The first token in a token file (``NAME TOKEN`` or ``TOKEN`` lines), for clients
-    and for a daemon reading from a peer; refuses an unreadable or empty file."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ConfigError(f"token file {path} cannot be read ({exc.strerror})") from None
-    for raw in text.splitlines():
-        parts = raw.split("#", 1)[0].split()
-        if parts:
-            return parts[-1]
-    raise ConfigError(f"token file {path} holds no token; expected a line 'NAME TOKEN' or 'TOKEN'")
 
 
 def _sections() -> dict[str, type[_Section]]:

@@ -1,0 +1,309 @@
+"""The cost harness (issue 47): per route, what a tenant's worst inputs within its
+caps cost the daemon, against what the cost model charges for them.
+
+A real daemon (``support.costs``: its own loop in a thread, two token tenants) is
+attacked route by route: pulls (a descriptor table at a body's size, a pack spec at
+``limits.max_plan_runs``), a peer pack and a delta pack (stride-0 specs at that
+bound), a publish (a manifest at ``limits.max_manifest_shards``), an expert pool of
+many layers, a sparse segment attached, and a principal's whole allowance of long
+polls (``/ready`` and a host mirror's state). Each attack runs twice: once for the
+daemon's longest loop stall, once (allocations traced) for its memory. The test
+prints one line per route and holds every route to: memory at most 4 times the
+charge plus :data:`SLACK`, a stall of at most :data:`MAX_STALL_S`, and no answer a
+bare 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import numpy as np
+import pytest
+from support.costs import TOKENS, InThread, daemon_in_a_thread, traced_peak
+
+from refitd.client.http import RefitClient
+from refitd.daemon.manifestcheck import manifest_cost
+from refitd.daemon.mirror import Mirror
+from refitd.daemon.mirrorhandlers import MIRRORS
+from refitd.daemon.pools import bookkeeping_bytes
+from refitd.daemon.pulls import PLAN_RUN_BYTES
+from refitd.daemon.waits import WAITS
+from refitd.wire import (
+    DeltaPackRequest,
+    DescriptorTable,
+    ManifestIn,
+    PackSpec,
+    PoolCreate,
+    PullRequest,
+    ShardEntry,
+    TensorEntry,
+)
+from transports.segments import SharedSegment
+
+pytestmark = pytest.mark.timeout(300)
+
+SLACK = 16 << 20
+"""What any request may cost beyond its charge, bytes: buffers of connections and
+answers, the daemon's own per-request objects."""
+MAX_STALL_S = 0.100
+"""The longest the daemon's loop may serve nothing else, s."""
+RUN_BYTES = 40
+"""What the cost model charges a run of a plan listed run by run, bytes (a pull's
+runs are charged ``PLAN_RUN_BYTES`` while it runs: its rows, checks and batches)."""
+
+ELEMS = 1 << 20
+"""bfloat16 elements of model ``am`` (2 MiB a version)."""
+RUNS = 1 << 19
+"""``limits.max_plan_runs`` of the daemon under attack."""
+ROWS = RUNS
+"""Descriptors of the largest pull: its runs at ``limits.max_plan_runs`` (21 MB of body)."""
+SHARDS = 100_000
+"""``limits.max_manifest_shards`` of the daemon under attack."""
+POLLS = 64
+
+
+@dataclass
+class Env:
+    d: InThread
+    plain: InThread  # a daemon without deltas: publishes are attacked there
+    url: str
+    a: RefitClient
+    b: RefitClient
+    v2: int  # the region of version 2 of ``am``
+    dst: int  # b's destination region (2 MiB)
+    lease: str  # b's lease on v2
+    base_digest: str
+    n: int = 0  # attacks made: names each one's new objects
+    plain_region: int = 0  # a's region at the daemon without deltas
+
+
+async def post(env: Env, who: str, path: str, value: Any, url: str = "") -> int:
+    """``POST path`` of ``value`` (msgpack) as ``who``: its status. A pull accepted
+    (202) is waited for: what it costs while it runs counts too."""
+    headers = {
+        "Authorization": f"Bearer {TOKENS[who]}",
+        "Content-Type": "application/msgpack",
+        "Accept": "application/json",
+    }
+    body = value if isinstance(value, bytes) else msgspec.msgpack.encode(value)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post((url or env.url) + path, data=body, headers=headers) as r,
+    ):
+        answer = await r.json(content_type=None)
+        status = r.status
+    if path == "/v1/pulls" and status == 202:
+        client = env.a if who == "a" else env.b
+        await client.wait_pull(answer["pull_id"])
+    return status
+
+
+# ---------------------------------------------------------------- the attacks
+# Each makes one worst request (or set of requests) and returns (charge, statuses).
+
+Attack = Callable[[Env], Awaitable[tuple[int, list[int]]]]
+
+
+async def pull_of_many_descriptors(env: Env) -> tuple[int, list[int]]:
+    rows = np.zeros((ROWS, 5), dtype=np.int64)
+    rows[:, 0], rows[:, 2], rows[:, 4] = env.v2, env.dst, 1
+    rows[:, 1] = rows[:, 3] = np.arange(ROWS) * 2
+    body = msgspec.msgpack.encode(
+        PullRequest("am", 2, env.lease, DescriptorTable.pack(rows), [], "")
+    )
+    status = await post(env, "b", "/v1/pulls", body)
+    return len(body) + PLAN_RUN_BYTES * ROWS, [status]
+
+
+def stride_zero(dst: int) -> PackSpec:
+    return PackSpec(0, 0, (RUNS,), (0,), 2, dst, 0)
+
+
+async def pull_of_a_stride_zero_spec(env: Env) -> tuple[int, list[int]]:
+    spec = msgspec.structs.replace(stride_zero(env.dst), src_region=env.v2)
+    status = await post(
+        env, "b", "/v1/pulls", PullRequest("am", 2, env.lease, DescriptorTable(b""), [spec], "")
+    )
+    return PLAN_RUN_BYTES * RUNS, [status]
+
+
+async def peer_pack_of_a_stride_zero_spec(env: Env) -> tuple[int, list[int]]:
+    spec = msgspec.structs.replace(stride_zero(0), src_region=env.v2)
+    req = {"model": "am", "version": 2, "lease_id": env.lease, "specs": [spec]}
+    status = await post(env, "b", "/v1/peer/pack", req)
+    return RUN_BYTES * RUNS, [status]
+
+
+async def delta_pack_of_a_stride_zero_spec(env: Env) -> tuple[int, list[int]]:
+    spec = msgspec.structs.replace(stride_zero(0), src_region=env.v2)
+    req = DeltaPackRequest("am", 2, env.lease, 1, env.base_digest, DescriptorTable(b""), [spec])
+    status = await post(env, "b", "/v1/deltas/pack", req)
+    # The staged delta is built in the daemon's memory before it is copied to its
+    # region: charged as the region's bytes (at most the stream's, 2 B a run).
+    return RUN_BYTES * RUNS + 2 * RUNS, [status]
+
+
+async def publish_of_the_largest_manifest(env: Env) -> tuple[int, list[int]]:
+    env.n += 1
+    half = SHARDS // 2  # a tensor lists at most 65,536 shards (a wire limit)
+    tensors = [
+        TensorEntry(
+            f"w{t}",
+            (half,),
+            "bfloat16",
+            [ShardEntry((i,), (1,), env.plain_region, 2 * (t * half + i)) for i in range(half)],
+        )
+        for t in range(2)
+    ]
+    m = ManifestIn(f"big{env.n}", 1, 0, 1, tensors)
+    body = msgspec.msgpack.encode(m)
+    status = await post(env, "a", "/v1/sources", body, env.plain.served.url)
+    return manifest_cost(m) + len(body), [status]
+
+
+async def pool_of_many_layers(env: Env) -> tuple[int, list[int]]:
+    env.n += 1
+    spec = PoolCreate(name=f"wide{env.n}", layers=20_000, experts=4, slots=4, row_bytes=[1])
+    status = await post(env, "a", "/v1/experts", spec)
+    await env.a.delete_pool(spec.name)
+    return bookkeeping_bytes(spec), [status]
+
+
+async def attach_of_a_sparse_segment(env: Env) -> tuple[int, list[int]]:
+    size = 256 << 20
+    with SharedSegment.create(size, "sparse", reserve=False) as seg:
+        req = {"handle": seg.name, "nbytes": size, "label": "sparse"}
+        status = await post(env, "a", "/v1/regions/attach", req)
+    return 0, [status]
+
+
+async def held_long_polls(env: Env, path: str) -> list[int]:
+    """``POLLS`` long polls of b on ``path`` held at once, then dropped."""
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    headers = {"Authorization": f"Bearer {TOKENS['b']}", "Accept": "application/json"}
+    polls = [asyncio.ensure_future(http.get(env.url + path, headers=headers)) for _ in range(POLLS)]
+    try:
+        async with asyncio.timeout(30.0):
+            while env.d.call(lambda: env.d.served.app[WAITS].open("b")) < POLLS:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+    finally:
+        for p in polls:
+            p.cancel()
+        await asyncio.gather(*polls, return_exceptions=True)
+        await http.close()
+    async with asyncio.timeout(30.0):
+        while env.d.call(lambda: env.d.served.app[WAITS].open("b")):  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+    return []
+
+
+async def ready_long_polls(env: Env) -> tuple[int, list[int]]:
+    return 0, await held_long_polls(env, "/v1/sources/am/versions/99/ready?timeout=60")
+
+
+async def mirror_state_long_polls(env: Env) -> tuple[int, list[int]]:
+    return 0, await held_long_polls(env, "/v1/mirrors/am/7?after=0&timeout=60")
+
+
+ATTACKS: list[tuple[str, Attack]] = [
+    ("pull: descriptors at max_plan_runs", pull_of_many_descriptors),
+    ("pull: stride-0 spec at max_plan_runs", pull_of_a_stride_zero_spec),
+    ("peer pack: stride-0 spec at max_plan_runs", peer_pack_of_a_stride_zero_spec),
+    ("delta pack: stride-0 spec at max_plan_runs", delta_pack_of_a_stride_zero_spec),
+    ("publish: manifest at max_manifest_shards", publish_of_the_largest_manifest),
+    ("pool: 20,000 layers", pool_of_many_layers),
+    ("attach: 256 MiB sparse segment", attach_of_a_sparse_segment),
+    ("long polls: 64 /ready", ready_long_polls),
+    ("long polls: 64 mirror states", mirror_state_long_polls),
+]
+
+
+@contextlib.asynccontextmanager
+async def attacked(tmp: Path) -> Any:
+    settings: dict[str, Any] = {
+        "node_id": "cost-harness",
+        "transport": "shm",
+        "deltas": True,
+        "max_plan_runs": RUNS,
+        "max_manifest_shards": SHARDS,
+    }
+    plain = {k: v for k, v in settings.items() if k != "deltas"}
+    with daemon_in_a_thread(tmp, **settings) as d, daemon_in_a_thread(tmp, **plain) as p:
+        url = d.served.url
+        async with (
+            RefitClient(url, token=TOKENS["a"]) as a,
+            RefitClient(url, token=TOKENS["b"]) as b,
+        ):
+            nbytes = 2 * ELEMS
+            v1 = np.random.default_rng(1).integers(0, 1 << 16, ELEMS, dtype=np.uint16)
+            v2 = v1.copy()
+            v2[::97] += 1
+            region = 0
+            for version, words in ((1, v1), (2, v2)):
+                info = await a.create_region(nbytes, label=f"v{version}")
+                with SharedSegment.attach(info.handle, nbytes) as seg:
+                    seg.numpy(np.uint16)[:] = words
+                shard = ShardEntry((0,), (ELEMS,), info.region_id, 0)
+                t = TensorEntry("w", (ELEMS,), "bfloat16", [shard])
+                await a.publish(ManifestIn("am", version, 0, 1, [t]))
+                region = info.region_id
+            rec = await a.delta_info("am", 2, wait_s=60.0)
+            assert rec.state == "ready", rec
+            lease = await b.acquire_lease("am", 2, 3600.0)
+            dst = await b.create_region(nbytes, label="dst")
+            mirror = Mirror("http://127.0.0.1:9", "am", 7)
+            mirror.chunks = np.array([[region, 0, nbytes]], dtype=np.int64)
+            mirror.done = np.zeros(1, dtype=bool)
+            d.call(
+                lambda: d.served.app[MIRRORS].by_key.__setitem__((mirror.source, "am", 7), mirror)
+            )
+            async with RefitClient(p.served.url, token=TOKENS["a"]) as pa:
+                info = await pa.create_region(nbytes, label="w")
+            env = Env(d, p, url, a, b, region, dst.region_id, lease.lease_id, rec.base_digest)
+            env.plain_region = info.region_id
+            yield env
+
+
+async def test_every_route_costs_the_daemon_at_most_four_times_its_charge_and_never_stalls_its_loop(
+    tmp_path: Path,
+) -> None:
+    # The test process holds what no daemon does (other tests' objects, the tenants'
+    # clients): kept out of the collector's full passes, which would otherwise count
+    # as the daemon's stalls.
+    gc.collect()
+    gc.freeze()
+    try:
+        await attack_every_route(tmp_path)
+    finally:
+        gc.unfreeze()
+
+
+async def attack_every_route(tmp_path: Path) -> None:
+    async with attacked(tmp_path) as env:
+        lines, over = [], []
+        for name, attack in ATTACKS:
+            for d in (env.d, env.plain):
+                d.call(d.stall.reset)
+            _, statuses = await attack(env)
+            stall = max(d.call(lambda d=d: d.stall.longest) for d in (env.d, env.plain))
+            with traced_peak() as peak:
+                charge, more = await attack(env)
+            held = peak[0]
+            statuses += more
+            bound = 4 * charge + SLACK
+            lines.append(
+                f"{name:44s} charge {charge / 2**20:8.2f} MiB  held {held / 2**20:8.2f} MiB "
+                f"(bound {bound / 2**20:8.2f})  stall {stall * 1e3:6.1f} ms  answers {sorted(set(statuses))}"
+            )
+            if held > bound or stall > MAX_STALL_S or 500 in statuses:
+                over.append(name)
+        print("\n" + "\n".join(lines))
+        assert over == [], over

@@ -1,0 +1,148 @@
+"""The cost harness (issue 47): a real daemon attacked, route by route, by a tenant
+sending the worst inputs its caps allow, and what each attack cost the daemon.
+
+:func:`daemon_in_a_thread` serves a daemon with two token tenants (``a``, ``b``) on
+an event loop of its own, in a thread of this process, so what it holds and how
+long its loop runs without a break are measured apart from the tenants' clients:
+
+- **memory**: the peak of Python's traced allocations (numpy's included) over an
+  attack, less what was traced before it (:func:`traced_peak`). The bodies a client
+  sends are built before, so what is left is the daemon's (and the few buffers of
+  the client's answers). Shared-memory regions are not heap: the region caps count
+  them.
+- **loop stall**: the most CPU time the daemon's loop thread spends between two
+  wake-ups of a 2 ms ticker on that loop (:class:`LoopStall`): the longest the loop
+  served nothing else. It is read from the loop thread's own CPU clock, so another
+  process's load on the host (a busy CI machine) does not count; only the daemon's
+  own work does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import threading
+import time
+import tracemalloc
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from refitd.config import ServerConfig
+from refitd.daemon.node import Daemon
+from support.daemons import Served, daemon_config, served, token_file
+
+__all__ = ["TOKENS", "InThread", "LoopStall", "daemon_in_a_thread", "traced_peak"]
+
+TOKENS = {"a": "token-of-a", "b": "token-of-b"}
+TICK_S = 0.002
+
+
+class LoopStall:
+    """On the daemon's loop: the most loop-thread CPU time between two ticks, s."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+
+    def reset(self) -> None:
+        self.longest = 0.0
+
+    async def _tick(self) -> None:
+        last = time.thread_time()
+        while True:
+            await asyncio.sleep(TICK_S)
+            now = time.thread_time()
+            self.longest = max(self.longest, now - last)
+            last = now
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+@dataclass
+class InThread:
+    """The daemon served in its thread: its served app and URL, its loop, and the
+    loop's stall meter."""
+
+    served: Served
+    loop: asyncio.AbstractEventLoop
+    stall: LoopStall
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the daemon's loop (its state is the loop's), answered here."""
+
+        async def run() -> Any:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30.0)
+
+    async def on_loop(self, coro: Callable[[], Awaitable[Any]]) -> Any:
+        """Await ``coro()`` on the daemon's loop from the test's loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro(), self.loop))
+
+
+@contextlib.contextmanager
+def daemon_in_a_thread(
+    tmp: Path, daemon: Callable[[], Daemon] | None = None, **settings: Any
+) -> Iterator[InThread]:
+    """A daemon (``daemon()``, else one of ``daemon_config(**settings)``) requiring the
+    tokens of :data:`TOKENS`, served by a loop of its own in a thread for the block."""
+    access = ServerConfig(port=0, token_file=token_file(tmp, TOKENS))
+    box: list[InThread] = []
+    up = threading.Event()
+    failed: list[BaseException] = []
+    done: list[asyncio.Event] = []
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        done.append(stop)
+        d = daemon() if daemon is not None else Daemon(daemon_config(**settings))
+        async with served(d, access=access) as s:
+            stall = LoopStall()
+            stall.start()
+            box.append(InThread(s, asyncio.get_running_loop(), stall))
+            up.set()
+            await stop.wait()
+            stall.stop()
+
+    def run() -> None:
+        try:
+            asyncio.run(main())
+        except BaseException as exc:  # reported by the test's thread
+            failed.append(exc)
+            up.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    up.wait(30.0)
+    if failed:
+        raise failed[0]
+    assert box, "the daemon did not start"
+    try:
+        yield box[0]
+    finally:
+        box[0].loop.call_soon_threadsafe(done[0].set)
+        thread.join(30.0)
+
+
+@contextlib.contextmanager
+def traced_peak() -> Iterator[list[int]]:
+    """Trace allocations for the block; the list it yields holds, after it, the peak
+    traced over the block less what was traced at its start (bytes)."""
+    out: list[int] = []
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    try:
+        yield out
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        out.append(max(0, peak - base))
