@@ -261,6 +261,10 @@ PARTS = ("manifest", "plan", "check", "stage", "pull", "place", "write", "digest
 """A delta's seconds, in order (:class:`~refitd.client.deltarefit.DeltaStats`)."""
 
 
+STAGES = ("check", "stage", "place", "write", "digest")
+"""The delta's own stages, each printed as GB/s of model bytes."""
+
+
 class Report:
     """The table, a line per version, and the totals' last lines."""
 
@@ -305,6 +309,14 @@ class Report:
         tr = t["dt"] / t["ft"] if t["ft"] else math.nan
         shares = " ".join(f"{k}_s={x:.3f}" for k, x in zip(PARTS, self.parts, strict=True))
         print(f"delta_s={t['dt']:.3f} full_s={t['ft']:.3f} {shares}")
+        # Each stage's speed in model bytes: what a full refit of the same versions
+        # moved, over the stage's seconds (target: >= 2 GB/s each).
+        speeds = " ".join(
+            f"{k}_GBps={t['fwire'] / x / 1e9:.1f}" if x > 0 else f"{k}_GBps=inf"
+            for k, x in zip(PARTS, self.parts, strict=True)
+            if k in STAGES
+        )
+        print(speeds)
         path = ",".join(sorted(self.paths))
         print(
             f"changed_fraction={cf:.4f} wire_ratio={wr:.4f} delta_time_ratio={tr:.3f} "

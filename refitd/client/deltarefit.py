@@ -41,9 +41,10 @@ import torch
 
 from refitd.client.install import CompiledPull
 from refitd.client.receiver import DaemonReceiver, RefitStats
+from refitd.delta import native
 from refitd.delta.diff import unit_dtype
 from refitd.delta.digest import EngineDigest
-from refitd.delta.stream import decode, decode_values, landing, layout, pieces_of
+from refitd.delta.stream import decode, decode_values, landing, layout
 from refitd.delta.undo import UndoLog
 from refitd.errors import ConflictError, NotFoundError, RefitError
 from refitd.wire import DeltaPackRequest, DeltaStaged, DescriptorTable, PullProgress, PullRequest
@@ -361,7 +362,6 @@ class DeltaReceiver(DaemonReceiver):
                 f"delta of v{staged.base_version}+1 refused: its page counts sum to "
                 f"{int(counts.sum())}, not the {staged.changed} positions it carries"
             )
-        k = decode(counts, low)
         pieces = np.concatenate(
             [
                 comp.rows[:, 2:5],
@@ -380,7 +380,8 @@ class DeltaReceiver(DaemonReceiver):
         limit = self._engine_region.nbytes if self.mode == "staging" else 0
         scat_of, fp_of = self._areas(comp, pieces, scratch_id)
         if self._direct(comp, pieces, scat_of, fp_of, engine_id, scratch_id, limit):
-            return self._apply_direct(pieces, k, diff, exceptions, undo, parts, t0, unit)
+            return self._apply_direct(pieces, counts, low, diff, exceptions, undo, parts, t0)
+        k = decode(counts, low)
         piece, region, off = landing(pieces, k, unit)
         # Where each unit lands in the engine's memory (-1: in a scratch area).
         eng = np.where((region == engine_id) | ((region == scratch_id) & (off < limit)), off, -1)
@@ -417,7 +418,7 @@ class DeltaReceiver(DaemonReceiver):
         t1 = time.perf_counter()
         before = undo.write(engine_u, idx, vals, prev)
         t2 = time.perf_counter()
-        self._base.engine.update(idx * unit, before, vals)  # type: ignore[arg-type]
+        self._base.engine.update_units(idx, before, vals)  # type: ignore[arg-type]
         t3 = time.perf_counter()
         if len(dirty):
             assert scratch_u is not None
@@ -451,35 +452,35 @@ class DeltaReceiver(DaemonReceiver):
     def _apply_direct(
         self,
         pieces: I64,
-        k: I64,
+        counts: npt.NDArray[np.uint8],
+        low: npt.NDArray[np.uint8],
         diff: npt.NDArray[np.int8],
         exceptions: npt.NDArray[np.unsignedinteger],
         undo: UndoLog,
         parts: list[float],
         t0: float,
-        unit: int,
     ) -> int:
         """:meth:`_apply` where every piece lands whole in the engine (:meth:`_direct`):
-        each unit's engine index is its piece's origin plus its stream index, and the
-        units are written in stream order, ascending within each piece."""
+        each unit's engine index is its piece's origin plus its stream index. Decoded,
+        placed, written and digested natively, one pass each over the changes
+        (:mod:`refitd.delta.native`; the general path below is its reference)."""
+        unit = exceptions.dtype.itemsize
         assert self._base is not None
-        piece = pieces_of(pieces, k, unit)
-        units = pieces[:, 2] // unit
-        origin = pieces[:, 1] // unit - (np.cumsum(units) - units)  # engine unit of stream unit 0
-        idx = origin[piece]
-        idx += k
-        engine_u = self._engine_bytes().view(unit_dtype(unit))
-        old = engine_u[idx]
-        values = decode_values(old, diff, exceptions)
+        engine = self._engine_bytes()
+        try:
+            idx, old, values = native.place(counts, low, diff, exceptions, pieces, engine, unit)
+        except ValueError as err:
+            raise ConflictError(f"delta of v{self._base.version}+1 refused: {err}") from None
         t1 = time.perf_counter()
-        undo.write(engine_u, idx, values, old)
+        undo.record(engine.view(unit_dtype(unit)), idx, old)
+        native.scatter(engine, idx, values)
         t2 = time.perf_counter()
-        self._base.engine.update(idx * unit, old, values)
+        self._base.engine.update_units(idx, old, values)
         t3 = time.perf_counter()
         parts[0] += t1 - t0
         parts[1] += t2 - t1
         parts[2] += t3 - t2
-        return len(k)
+        return len(idx)
 
     @staticmethod
     def _areas(comp: CompiledPull, pieces: I64, scratch_id: int) -> tuple[I64, I64]:

@@ -44,16 +44,9 @@ from refitd.daemon.node import Daemon
 from refitd.daemon.registry import Lease
 from refitd.daemon.trust import check_unchecked_reads
 from refitd.daemon.waits import MAX_WAIT_S, Waits
+from refitd.delta import native
 from refitd.delta.diff import CHUNK, LANES, compare_chunk, lanes_of, unit_of
-from refitd.delta.stream import (
-    ChangeIndex,
-    changed_pairs,
-    encode,
-    encode_values,
-    layout,
-    reads_of,
-    select,
-)
+from refitd.delta.stream import ChangeIndex, reads_of
 from refitd.errors import (
     ConflictError,
     ProtocolError,
@@ -558,20 +551,9 @@ def _payload(
 ) -> tuple[U8, tuple[int, ...]]:
     """The staged delta of the stream ``rows`` + ``specs``, given a version's changed
     units (``index``, ``values``): its bytes and (pages, changed, exceptions, stream
-    units)."""
-    reads = reads_of(rows, specs)
+    units), selected and encoded natively in one pass over the changes
+    (:func:`refitd.delta.native.stage`; its reference: ``staged_reference``)."""
     try:
-        k, at = select(index, reads, unit)
+        return native.stage(index, values, reads_of(rows, specs), unit)
     except ValueError as err:
         raise ProtocolError(f"delta refused: {err}") from err
-    stream_units = int(reads[:, 2].sum()) // unit if len(reads) else 0
-    counts, low = encode(k, stream_units)
-    old, new = changed_pairs(values, at, unit)
-    diff, exc = encode_values(old, new)
-    lay = layout(len(counts), len(k), len(exc), unit)
-    out = np.zeros(max(lay.nbytes, 64), np.uint8)
-    out[lay.counts : lay.counts + counts.nbytes] = counts
-    out[lay.low : lay.low + low.nbytes] = low
-    out[lay.diff : lay.diff + diff.nbytes] = diff.view(np.uint8)
-    out[lay.exceptions : lay.exceptions + exc.nbytes] = exc.view(np.uint8)
-    return out, (len(counts), len(k), len(exc), stream_units)

@@ -50,6 +50,7 @@ __all__ = [
     "pieces_of",
     "reads_of",
     "select",
+    "staged_reference",
 ]
 
 PAGE = 255
@@ -255,3 +256,25 @@ def landing(pieces: I64, k: I64, unit: int) -> tuple[I64, I64, I64]:
     off = origin[piece]
     off += k * unit
     return piece, np.ascontiguousarray(pieces[:, 0])[piece], off
+
+
+def staged_reference(
+    unit: int, index: ChangeIndex, values: npt.NDArray[np.uint8], reads: I64
+) -> tuple[npt.NDArray[np.uint8], tuple[int, int, int, int]]:
+    """The staged delta of the stream ``reads`` (:func:`reads_of`) given a version's
+    changed units (``index``; ``values`` each one's old then new unit), in numpy: its
+    bytes and (pages, changed, exceptions, stream units). The reference the source's
+    native staging (:func:`refitd.delta.native.stage`) is tested against.
+    ``ValueError`` for a read that does not start and end on a unit."""
+    k, at = select(index, reads, unit)
+    stream_units = int(reads[:, 2].sum()) // unit if len(reads) else 0
+    counts, low = encode(k, stream_units)
+    old, new = changed_pairs(values, at, unit)
+    diff, exc = encode_values(old, new)
+    lay = layout(len(counts), len(k), len(exc), unit)
+    out = np.zeros(max(lay.nbytes, 64), np.uint8)
+    out[lay.counts : lay.counts + counts.nbytes] = counts
+    out[lay.low : lay.low + low.nbytes] = low
+    out[lay.diff : lay.diff + diff.nbytes] = diff.view(np.uint8)
+    out[lay.exceptions : lay.exceptions + exc.nbytes] = exc.view(np.uint8)
+    return out, (len(counts), len(k), len(exc), stream_units)

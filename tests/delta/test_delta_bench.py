@@ -24,5 +24,7 @@ def test_bench_delta_refits_every_version_both_ways_and_verifies_them_equal() ->
     assert keys["path"] == "shm"
     changed, wire = float(keys["changed_fraction"]), float(keys["wire_ratio"])
     assert 0 < changed < 1 and 0 < wire < 1, keys
-    parts = dict(kv.split("=") for kv in out[-2].split())
-    assert {"delta_s", "full_s", "stage_s", "pull_s", "digest_s"} <= parts.keys(), out[-2]
+    parts = dict(kv.split("=") for kv in out[-3].split())
+    assert {"delta_s", "full_s", "stage_s", "pull_s", "digest_s"} <= parts.keys(), out[-3]
+    speeds = dict(kv.split("=") for kv in out[-2].split())
+    assert {"stage_GBps", "place_GBps", "digest_GBps"} <= speeds.keys(), out[-2]
