@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import math
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -45,7 +45,19 @@ from refitd.daemon.registry import Lease
 from refitd.daemon.trust import check_unchecked_reads
 from refitd.daemon.waits import MAX_WAIT_S, Waits
 from refitd.delta import native
-from refitd.delta.diff import CHUNK, LANES, compare_chunk, lanes_of, unit_of
+from refitd.delta.compare import (
+    JobResult,
+    Table,
+    block_hash,
+    check_bounds,
+    digest,
+    itemsize_of,
+    jobs_of,
+    pair_with,
+    run_job,
+    table_of,
+)
+from refitd.delta.diff import LANES, unit_of
 from refitd.delta.stream import ChangeIndex, reads_of
 from refitd.errors import (
     ConflictError,
@@ -61,14 +73,11 @@ from refitd.wire import (
     PackSpec,
     VersionState,
 )
-from transports.local import copy_view
+from transports.local import copy_batch_guarded
 
 __all__ = ["DeltaBook"]
 
 log = logging.getLogger("refitd.deltas")
-
-JOB_BYTES = 8 * CHUNK
-"""Bytes of one comparison job handed to a worker thread."""
 
 HOLD_S = 3600.0
 """The lease the book holds on a model's newest version, the next version's base,
@@ -86,17 +95,7 @@ memory that grows with the request, not with the version."""
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
-_JobResult = tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], I64, U8]
-
-
-@dataclass
-class _Block:
-    key: tuple[str, tuple[int, ...], tuple[int, ...], str]  # name, offset, shape, dtype
-    region: int
-    at: int
-    nbytes: int
-    base_region: int = -1
-    base_at: int = -1
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -106,7 +105,8 @@ class _Hold:
 
     version: int
     lease_id: str
-    blocks: list[_Block]
+    #: its block table, built in a worker thread (:func:`refitd.delta.compare.table_of`)
+    table: asyncio.Future[Table]
     busy: int = 0  # comparisons reading it now
     yielded: bool = False  # drained, or no longer the newest: released once not busy
     released: bool = False
@@ -166,12 +166,18 @@ class _Record:
         )
 
 
-def _digest(blocks: list[_Block], lanes: list[npt.NDArray[np.uint64]]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for b, ln in zip(blocks, lanes, strict=True):
-        h.update(repr(b.key).encode())
-        h.update(ln.tobytes())
-    return h.hexdigest()
+@dataclass
+class _Run:
+    """What a comparison found: each block's hash (new side, base side), the two
+    digests, and the changes (unless ``over`` the budget)."""
+
+    hash_new: U8
+    hash_old: U8
+    digest_new: str = ""
+    digest_old: str = ""
+    over: bool = False
+    index: ChangeIndex = field(default_factory=lambda: ChangeIndex.of({}))
+    values: U8 = field(default_factory=lambda: np.zeros(0, np.uint8))
 
 
 class DeltaBook:
@@ -211,8 +217,13 @@ class DeltaBook:
             return
         self._forget(model)
         rec = self._records[(model, version)] = _Record(model, version)
-        blocks = self._blocks(model, version)
-        hold = _Hold(version, reg.acquire(model, version, HOLD_S, "delta-base").lease_id, blocks)
+        # A step per shard: in a worker thread, not on the loop (a version may have
+        # tens of thousands of tiny shards).
+        merged = reg.merged(model, version)
+        table = asyncio.get_running_loop().run_in_executor(
+            self._pool, table_of, merged, itemsize_of
+        )
+        hold = _Hold(version, reg.acquire(model, version, HOLD_S, "delta-base").lease_id, table)
         base = self._holds.get(model)
         self._holds[model] = hold
         hold.busy += 1
@@ -274,47 +285,34 @@ class DeltaBook:
 
     # ------------------------------------------------------------ comparing
 
-    def _blocks(self, model: str, version: int) -> list[_Block]:
-        m = self.daemon.registry.merged(model, version)
-        out = []
-        for t in m.tensors:
-            size = _itemsize(t.dtype)
-            for s in t.shards:
-                n = math.prod(s.shape) * size
-                out.append(
-                    _Block(
-                        (t.name, tuple(s.offset), tuple(s.shape), t.dtype),
-                        s.region,
-                        s.byte_offset,
-                        n,
-                    )
-                )
-        return out
-
     async def _compute(self, rec: _Record, hold: _Hold, base: _Hold | None) -> None:
         t0 = time.perf_counter()
         reg = self.daemon.registry
-        blocks = hold.blocks
         try:
-            rec.unit = unit_of(_itemsize(b.key[3]) for b in blocks)
-            regions = {b.region for b in blocks}
-            if self.daemon.store.device_kinds(regions):
+            table = await hold.table
+            rec.unit = unit_of(table.itemsizes)
+            if self.daemon.store.device_kinds(set(np.unique(table.region).tolist())):
                 raise ConflictError(
                     "published in GPU memory: deltas are compared in host memory only"
                 )
             why = "no earlier version held to compare with"
+            twins: tuple[I64, I64] | str | None = None
             if base is not None:
-                why = self._pair(blocks, base.blocks)
-                why = f"v{base.version} is laid out otherwise ({why})" if why else ""
+                twins = await self._in_pool(pair_with, table, await base.table)
+                why = (
+                    f"v{base.version} is laid out otherwise ({twins})"
+                    if isinstance(twins, str)
+                    else ""
+                )
                 if not why and not reg.is_live(base.lease_id):
                     why = f"the hold on v{base.version} expired"
             if why:  # the version's digest only: a full refit of it records it
-                lanes, _ = await self._run(blocks, rec.unit, pair=False)
-                rec.digest = _digest(blocks, [ln[0] for ln in lanes])
+                run = await self._run(table, rec.unit, None)
+                rec.digest = run.digest_new
                 rec.state, rec.reason = DeltaState.NONE, why
             else:
-                assert base is not None
-                await self._compare(rec, blocks, base.version)
+                assert base is not None and isinstance(twins, tuple)
+                await self._compare(rec, table, twins, base.version)
                 if not reg.is_live(base.lease_id):  # its memory may have changed meanwhile
                     rec.drop_changes()
                     rec.state = DeltaState.NONE
@@ -341,94 +339,108 @@ class DeltaBook:
                 rec.seconds,
             )
 
-    @staticmethod
-    def _pair(blocks: list[_Block], base: list[_Block]) -> str:
-        """Pair each block with the same block of the base; why not, or ``""``."""
-        where = {b.key: b for b in base}
-        for b in blocks:
-            o = where.get(b.key)
-            if o is None:
-                return f"block {b.key[0]!r} at {b.key[1]} shape {b.key[2]} {b.key[3]} has no match"
-            b.base_region, b.base_at = o.region, o.at
-        return ""
+    async def _in_pool(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _compare(self, rec: _Record, blocks: list[_Block], base: int) -> None:
+    async def _compare(self, rec: _Record, table: Table, twins: tuple[I64, I64], base: int) -> None:
         left = max(0, self.max_bytes - self.held_bytes())
-        results, over = await self._run(blocks, rec.unit, pair=True, budget=left)
-        new_lanes = [r[0] for r in results]
-        old_lanes = [r[1] for r in results]
+        run = await self._run(table, rec.unit, twins, budget=left)
         rec.base = base
-        rec.digest = _digest(blocks, new_lanes)
-        rec.base_digest = _digest(blocks, old_lanes)
+        rec.digest, rec.base_digest = run.digest_new, run.digest_old
         known = self._records.get((rec.model, base))
         if known is not None and known.digest and known.digest != rec.base_digest:
             raise ConflictError(
                 f"base v{base}'s bytes changed since it was published (digest "
                 f"{known.digest} then, {rec.base_digest} now): a READY version was rewritten"
             )
-        if over:
+        if run.over:
             rec.state = DeltaState.NONE
             rec.reason = (
                 f"its changes would hold more than the {left} bytes left of the daemon "
                 f"memory delta records may hold ([pulls] delta_max_bytes = {self.max_bytes})"
             )
             return
-        # Blocks in (region, offset) order: each block's changes ascend, blocks do not
-        # overlap, so each region's offsets ascend with no sort of the changes.
-        order = sorted(range(len(blocks)), key=lambda i: (blocks[i].region, blocks[i].at))
-        per_region: dict[int, list[I64]] = {}
-        for i in order:
-            per_region.setdefault(blocks[i].region, []).append(results[i][2] + blocks[i].at)
-        rec.index = ChangeIndex.of({r: np.concatenate(o) for r, o in per_region.items()})
-        rec.values = np.concatenate([results[i][3] for i in order]) if order else rec.values
-        rec.compared = sum(b.nbytes for b in blocks)
+        rec.index, rec.values = run.index, run.values
+        rec.compared = table.total
         rec.state = DeltaState.READY
 
     async def _run(
-        self, blocks: list[_Block], unit: int, *, pair: bool, budget: int | None = None
-    ) -> tuple[list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], I64, U8]], bool]:
-        """Per block: (new lanes, old lanes, changed offsets in the block, old and new
-        bytes of each), computed by the pool in jobs of ``JOB_BYTES``; without ``pair``
-        the lanes only. With ``budget``, the changes are kept only while they hold at
-        most that many bytes: past it (the flag returned) none are, the lanes still are
-        taken, and no more than the jobs in flight is ever held."""
-        loop = asyncio.get_running_loop()
-        view = self.daemon.view
-        jobs = []
-        for i, b in enumerate(blocks):
-            for lo in range(0, max(b.nbytes, 1), JOB_BYTES):
-                hi = min(b.nbytes, lo + JOB_BYTES)
-                new = view(b.region)[b.at + lo : b.at + hi]
-                old = view(b.base_region)[b.base_at + lo : b.base_at + hi] if pair else None
-                fut = loop.run_in_executor(self._pool, _job, new, old, unit)
-                jobs.append(_tagged(i, lo, fut))
-        lanes_n = [np.zeros(LANES, np.uint64) for _ in blocks]
-        lanes_o = [np.zeros(LANES, np.uint64) for _ in blocks]
-        kept_parts: list[dict[int, tuple[I64, U8]]] = [{} for _ in blocks]
-        kept, over = 0, False
+        self,
+        table: Table,
+        unit: int,
+        twins: tuple[I64, I64] | None,
+        budget: int | None = None,
+    ) -> _Run:
+        """Compare ``table``'s blocks with their ``twins`` in the base (None: the
+        version's lanes only), job by job in the pool: at most two jobs per thread in
+        flight, so the loop holds a handful of futures whatever the block count. With
+        ``budget``, the changes are kept only while they hold at most that many bytes:
+        past it (``over``) none are, the digests still are taken."""
+        views = {}
+        for r in np.unique(table.region).tolist() + (
+            np.unique(twins[0]).tolist() if twins is not None else []
+        ):
+            views[int(r)] = self.daemon.view(int(r))
+        sizes = {r: len(v) for r, v in views.items()}
+        address = {r: _address(v) for r, v in views.items()}
+        what = "comparison refused"
+        await self._in_pool(check_bounds, table, sizes, what)
+        if twins is not None:
+            await self._in_pool(_check_twins, table, twins, sizes, what)
+        jobs = await self._in_pool(jobs_of, table)
+        out = _Run(
+            np.zeros((len(table.keys), 16), np.uint8), np.zeros((len(table.keys), 16), np.uint8)
+        )
+        partial: dict[int, tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]] = {}
+        kept: list[JobResult] = []
+        held = 0
+        window = 2 * self.threads
+        pending: set[asyncio.Future[JobResult]] = set()
+        order: dict[asyncio.Future[JobResult], int] = {}
+        results: dict[int, JobResult] = {}
+        nxt = 0
         try:
-            for done in asyncio.as_completed(jobs):
-                i, lo, (ln, lo_lanes, at, v) = await done
-                lanes_n[i] += ln
-                lanes_o[i] += lo_lanes
-                if over:
-                    continue
-                kept += at.nbytes + v.nbytes
-                self._pending += at.nbytes + v.nbytes
-                kept_parts[i][lo] = (at + lo, v)
-                if budget is not None and kept > budget:
-                    over = True
-                    kept_parts = [{} for _ in blocks]
+            while nxt < jobs.count or pending:
+                while nxt < jobs.count and len(pending) < window:
+                    fut = asyncio.get_running_loop().run_in_executor(
+                        self._pool, run_job, table, jobs, nxt, twins, address, unit,
+                        copy_batch_guarded,
+                    )  # fmt: skip
+                    pending.add(fut)
+                    order[fut] = nxt
+                    nxt += 1
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    j, res = order.pop(fut), fut.result()
+                    out.hash_new[res.whole] = res.hash_new
+                    out.hash_old[res.whole] = res.hash_old
+                    for b, ln, lo in res.partial:
+                        acc = partial.setdefault(
+                            b, (np.zeros(LANES, np.uint64), np.zeros(LANES, np.uint64))
+                        )
+                        acc[0].__iadd__(ln)
+                        acc[1].__iadd__(lo)
+                    if out.over or twins is None:
+                        continue
+                    held += res.nbytes
+                    self._pending += res.nbytes
+                    results[j] = res
+                    if budget is not None and held > budget:
+                        out.over = True
+                        results.clear()
         finally:
-            self._pending -= kept
-        empty = (np.zeros(0, np.int64), np.zeros(0, np.uint8))
-        out = []
-        for i in range(len(blocks)):
-            parts = [kept_parts[i][lo] for lo in sorted(kept_parts[i])] or [empty]
-            offs = np.concatenate([p[0] for p in parts])
-            vals = np.concatenate([p[1] for p in parts])
-            out.append((lanes_n[i], lanes_o[i], offs, vals))
-        return out, over
+            for fut in pending:
+                fut.cancel()
+            self._pending -= held
+        for b, (ln, lo) in partial.items():
+            out.hash_new[b] = np.frombuffer(block_hash(table.keys[b], ln), np.uint8)
+            out.hash_old[b] = np.frombuffer(block_hash(table.keys[b], lo), np.uint8)
+        kept = [results[j] for j in sorted(results)]
+        out.digest_new = digest(table, out.hash_new)
+        out.digest_old = digest(table, out.hash_old) if twins is not None else ""
+        if kept:
+            out.index, out.values = await self._in_pool(_assemble, kept)
+        return out
 
     def held_bytes(self) -> int:
         """Daemon memory the delta records hold now, with comparisons' kept changes."""
@@ -496,54 +508,39 @@ class DeltaBook:
         )
 
 
-async def _tagged(i: int, lo: int, fut: asyncio.Future[_JobResult]) -> tuple[int, int, _JobResult]:
-    return i, lo, await fut
-
-
 def _quarter_of_memory() -> int:
     """A quarter of the host's physical memory, bytes."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
 
 
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    dt = getattr(torch, dtype, None)
-    if not isinstance(dt, torch.dtype):
-        raise ProtocolError(f"dtype {dtype!r} is not a torch dtype")
-    return dt.itemsize
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else 0
 
 
-def _job(
-    new: memoryview, old: memoryview | None, unit: int
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], I64, U8]:
-    """One comparison job, in a worker thread: each chunk copied through the guard."""
-    n = len(new)
-    a = np.empty(min(n, CHUNK), np.uint8)
-    b = np.empty(min(n, CHUNK), np.uint8)
-    ln_new = np.zeros(LANES, np.uint64)
-    ln_old = np.zeros(LANES, np.uint64)
-    offs: list[I64] = []
-    vals: list[U8] = []
-    for lo in range(0, n, CHUNK):
-        hi = min(n, lo + CHUNK)
-        nb, na = b[: hi - lo], a[: hi - lo]
-        copy_view(nb.data, new[lo:hi])
-        ln_new += lanes_of(nb)
-        if old is None:
-            continue
-        copy_view(na.data, old[lo:hi])
-        ln_old += lanes_of(na)
-        at, o, v = compare_chunk(na, nb, unit)
-        if len(at):
-            offs.append(at + lo)
-            vals.append(np.stack([o.reshape(-1, unit), v.reshape(-1, unit)], axis=1).reshape(-1))
-    return (
-        ln_new,
-        ln_old,
-        np.concatenate(offs) if offs else np.zeros(0, np.int64),
-        np.concatenate(vals) if vals else np.zeros(0, np.uint8),
-    )
+def _check_twins(table: Table, twins: tuple[I64, I64], sizes: dict[int, int], what: str) -> None:
+    """Each block's twin in the base lies inside its region (as :func:`check_bounds`)."""
+    base = Table(table.keys, twins[0], twins[1], table.nbytes, table.itemsizes, table.by_key)
+    check_bounds(base, sizes, f"{what} (base)")
+
+
+def _assemble(kept: list[JobResult]) -> tuple[ChangeIndex, U8]:
+    """The jobs' changes as one index: jobs hold pieces in (region, offset) order, so
+    concatenated in job order each region's offsets ascend (checked: blocks that
+    overlap in a region would break it, and are then sorted)."""
+    spans: dict[int, tuple[int, int]] = {}
+    at = 0
+    for res in kept:
+        for r, c in res.per_region.items():
+            lo, _ = spans.get(r, (at, at))
+            spans[r] = (lo, at + c)
+            at += c
+    offsets = np.concatenate([r.offsets for r in kept])
+    values = np.concatenate([r.values for r in kept])
+    for lo, hi in spans.values():
+        part = offsets[lo:hi]
+        if len(part) > 1 and not bool((part[1:] > part[:-1]).all()):
+            raise ConflictError("comparison refused: two blocks of the version overlap in a region")
+    return ChangeIndex(offsets, spans), values
 
 
 def _payload(

@@ -71,6 +71,7 @@ def delta_lib() -> ctypes.CDLL:
     sig: dict[str, tuple[list[object], object]] = {
         "rfx_lanes": ([i64, p, p], None),
         "rfx_compare": ([i64, p, p, i64, p, p, p, p], i64),
+        "rfx_compare_pieces": ([i64, p, p, p, p, i64, p, p, p, p, p, p], i64),
         "rfx_encode": ([i64, p, p, p, p, p, p, i64, i64, p, i64, p, p, p], i64),
         "rfx_place": ([i64, p, p, i64, p, p, i64, i64, p, p, i64, p, i64, p, p, p], i64),
         "rfx_scatter": ([i64, p, p, i64, p], None),

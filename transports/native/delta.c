@@ -125,6 +125,38 @@ int64_t rfx_compare(int64_t n, const uint8_t *old, const uint8_t *new, int64_t u
     return c;
 }
 
+/* rfx_compare over np pieces laid end to end in `old` and `new` (piece p: len[p]
+ * bytes, a whole number of units; old NULL: lanes of `new` only). Piece p's lanes go
+ * to lanes_*[lanes_at[p] ...], its own word 0 in lane 0 (the caller gives it
+ * min(RFX_LANES, ceil(len / 8)) zeroed lanes there); its changes' offsets are
+ * dst_off[p] plus their offset in the piece, per_piece[p] how many. at and vals
+ * hold one change per unit of the pieces. Returns the changes. */
+int64_t rfx_compare_pieces(int64_t np, const int64_t *len, const int64_t *dst_off,
+                           const uint8_t *old, const uint8_t *new, int64_t unit,
+                           const int64_t *lanes_at, uint64_t *lanes_old, uint64_t *lanes_new,
+                           int64_t *at, uint8_t *vals, int64_t *per_piece)
+{
+    int64_t c = 0, pos = 0;
+    for (int64_t p = 0; p < np; p++) {
+        int64_t n = len[p];
+        rfx_lanes(n, new + pos, lanes_new + lanes_at[p]);
+        if (old == NULL) {
+            per_piece[p] = 0;
+            pos += n;
+            continue;
+        }
+        rfx_lanes(n, old + pos, lanes_old + lanes_at[p]);
+        int64_t got = rfx_compare(n, old + pos, new + pos, unit, NULL, NULL, at + c,
+                                  vals + 2 * unit * c);
+        for (int64_t j = c; j < c + got; j++)
+            at[j] += dst_off[p];
+        per_piece[p] = got;
+        c += got;
+        pos += n;
+    }
+    return c;
+}
+
 /* The source's staging of a delta (refitd.delta.stream.select, encode,
  * changed_pairs and encode_values in one pass). For each of the stream's m reads,
  * in stream order: its source offset read_off[r], its first stream unit
