@@ -50,7 +50,13 @@ from refitd.errors import ConflictError, NotFoundError, RefitError
 from refitd.wire import DeltaPackRequest, DeltaStaged, DescriptorTable, PullProgress, PullRequest
 from transports.segments import SharedSegment
 
-__all__ = ["DeltaReceiver", "DeltaStats"]
+__all__ = ["AUTO_SAME_HOST", "DeltaReceiver", "DeltaStats"]
+
+AUTO_SAME_HOST = (
+    "auto: the source is on this host (the last full pull read shared memory), "
+    "where a full refit copies at memory speed and a delta is not faster"
+)
+"""The reason ``prefer="auto"`` gives for refitting in full on the source's host."""
 
 I64 = npt.NDArray[np.int64]
 
@@ -167,6 +173,8 @@ class DeltaReceiver(DaemonReceiver):
         base = self._base
         if self._engine_seg is None:
             return "the engine's parameters are in GPU memory: deltas apply in host memory"
+        if self._auto_full():
+            return AUTO_SAME_HOST
         if base is None:
             return "no base: the engine holds no version a refit installed and checked"
         if version <= base.version:
@@ -177,11 +185,6 @@ class DeltaReceiver(DaemonReceiver):
             return "the plan has full pulls, whose staged tensors only staging mode keeps"
         if base.layout != self._layout_key(comp):
             return "the plan's destinations moved since the base was installed"
-        if self.prefer == "auto" and self._same_host:
-            return (
-                "auto: the source is on this host (the last full pull read shared memory), "
-                "where a full refit copies at memory speed and a delta is not faster"
-            )
         if self.verify_engine:
             block = base.engine.differs(self._engine_bytes(), self.verify_every)
             if block is not None:
@@ -192,6 +195,10 @@ class DeltaReceiver(DaemonReceiver):
                     "written outside a refit"
                 )
         return ""
+
+    def _auto_full(self) -> bool:
+        """``prefer="auto"`` and the last full pull read this host's shared memory."""
+        return self.prefer == "auto" and bool(self._same_host)
 
     async def _record_base(self, version: int, comp: CompiledPull, digest: str) -> None:
         if self._engine_seg is None or not digest:
@@ -243,9 +250,16 @@ class DeltaReceiver(DaemonReceiver):
     ) -> RefitStats:
         """A full refit of ``version`` has landed: record it as the next delta's base."""
         self._same_host = stats.pull.path.startswith("shm")
-        info = await self.source.delta_info(self.model, version, wait_s=30.0)
-        await self._record_base(version, comp, info.digest)
         self._since_anchor = 0
+        if self._auto_full():
+            # Every refit from this source is full: no base is recorded, so the full
+            # path pays no delta bookkeeping (no wait for the source's comparison, no
+            # read of the engine memory for its digest). A later pull over a transport
+            # (the source moved) records one again.
+            self._base = None
+        else:
+            info = await self.source.delta_info(self.model, version, wait_s=30.0)
+            await self._record_base(version, comp, info.digest)
         b = stats.pull.bytes_total
         self.last = DeltaStats(stats, "full", reason, b, b)
         return stats
