@@ -327,7 +327,10 @@ class Report:
             for k, x in zip(PARTS, self.parts, strict=True)
             if k in STAGES
         )
-        print(speeds)
+        # Wire bytes per changed value: what the deltas pulled over the units the
+        # source found changed (positions, differences, exceptions and page counts).
+        per = t["dwire"] / t["changed"] if t["changed"] else math.nan
+        print(f"{speeds} wire_B_per_change={per:.2f}")
         path = ",".join(sorted(self.paths))
         print(
             f"changed_fraction={cf:.4f} wire_ratio={wr:.4f} delta_time_ratio={tr:.3f} "

@@ -217,7 +217,11 @@ async def _main(args: argparse.Namespace) -> int:
     cf = t["changed"] / t["units"] if t["units"] else math.nan
     wr = t["dwire"] / t["fwire"] if t["fwire"] else math.nan
     share = t["apply"] / t["dt"] if t["dt"] else math.nan
-    print(f"delta_s={t['dt']:.3f} apply_s={t['apply']:.3f} plan_s={t['plan']:.3f}")
+    per = t["dwire"] / t["changed"] if t["changed"] else math.nan
+    print(
+        f"delta_s={t['dt']:.3f} apply_s={t['apply']:.3f} plan_s={t['plan']:.3f} "
+        f"wire_B_per_change={per:.2f}"
+    )
     print(
         f"experts={args.moe_layers * args.experts} tensors={len(state)} changed_fraction={cf:.4f} "
         f"wire_ratio={wr:.4f} apply_share={share:.3f} verified={int(verified)}"

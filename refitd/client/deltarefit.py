@@ -44,7 +44,7 @@ from refitd.client.receiver import DaemonReceiver, RefitStats
 from refitd.delta import native
 from refitd.delta.diff import unit_dtype
 from refitd.delta.digest import EngineDigest
-from refitd.delta.stream import decode, decode_values, landing, layout
+from refitd.delta.stream import decode, decode_values, landing, layout, unpack_nibbles
 from refitd.delta.undo import UndoLog
 from refitd.errors import ConflictError, NotFoundError, RefitError
 from refitd.wire import DeltaPackRequest, DeltaStaged, DescriptorTable, PullProgress, PullRequest
@@ -230,6 +230,7 @@ class DeltaReceiver(DaemonReceiver):
                 self._base.digest,
                 DescriptorTable.pack(comp.rows),
                 comp.packs,
+                nibbles=True,
             )
             try:
                 staged = await self.source.delta_pack(req)
@@ -366,10 +367,13 @@ class DeltaReceiver(DaemonReceiver):
         t0 = time.perf_counter()
         unit = staged.unit
         udt = unit_dtype(unit)
-        lay = layout(staged.pages, staged.changed, staged.exceptions, unit)
+        bits = staged.diff_bits
+        if bits not in (4, 8):
+            raise ConflictError(f"delta refused: {bits}-bit differences are not a format")
+        lay = layout(staged.pages, staged.changed, staged.exceptions, unit, bits)
         counts = payload[lay.counts : lay.counts + staged.pages]
         low = payload[lay.low : lay.low + staged.changed]
-        diff = payload[lay.diff : lay.diff + staged.changed].view(np.int8)
+        diff = payload[lay.diff : lay.exceptions].view(np.int8)  # bits == 4: two a byte
         exceptions = payload[lay.exceptions : lay.exceptions + unit * staged.exceptions].view(udt)
         if int(counts.sum()) != staged.changed:
             raise ConflictError(
@@ -394,8 +398,12 @@ class DeltaReceiver(DaemonReceiver):
         limit = self._engine_region.nbytes if self.mode == "staging" else 0
         scat_of, fp_of = self._areas(comp, pieces, scratch_id)
         if self._direct(comp, pieces, scat_of, fp_of, engine_id, scratch_id, limit):
-            return self._apply_direct(pieces, counts, low, diff, exceptions, undo, parts, t0)
+            return self._apply_direct(pieces, counts, low, diff, exceptions, undo, parts, t0, bits)
         k = decode(counts, low)
+        if bits == 4:
+            diff = unpack_nibbles(diff.view(np.uint8), staged.changed)
+        else:
+            diff = diff[: staged.changed]
         piece, region, off = landing(pieces, k, unit)
         # Where each unit lands in the engine's memory (-1: in a scratch area).
         eng = np.where((region == engine_id) | ((region == scratch_id) & (off < limit)), off, -1)
@@ -473,6 +481,7 @@ class DeltaReceiver(DaemonReceiver):
         undo: UndoLog,
         parts: list[float],
         t0: float,
+        bits: int,
     ) -> int:
         """:meth:`_apply` where every piece lands whole in the engine (:meth:`_direct`):
         each unit's engine index is its piece's origin plus its stream index. Decoded,
@@ -482,7 +491,9 @@ class DeltaReceiver(DaemonReceiver):
         assert self._base is not None
         engine = self._engine_bytes()
         try:
-            idx, old, values = native.place(counts, low, diff, exceptions, pieces, engine, unit)
+            idx, old, values = native.place(
+                counts, low, diff, exceptions, pieces, engine, unit, bits
+            )
         except ValueError as err:
             raise ConflictError(f"delta of v{self._base.version}+1 refused: {err}") from None
         t1 = time.perf_counter()

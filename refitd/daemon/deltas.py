@@ -496,15 +496,24 @@ class DeltaBook:
                 "each byte of its version about once"
             )
         payload, staged = await asyncio.get_running_loop().run_in_executor(
-            self._pool, _payload, rec.unit, index, values, rows, req.pack_specs
+            self._pool, _payload, rec.unit, index, values, rows, req.pack_specs, req.nibbles
         )
         # The lease may have ended while this waited: nothing is staged for no lease.
         self.daemon.registry.check(lease.lease_id, req.model, req.version)
         # Admitted to the principal's caps and counted before its next request is.
         region = await self.daemon.staging.stage(payload, lease, principal)
-        pages, changed, exceptions, units = staged
+        pages, changed, exceptions, units, bits = staged
         return DeltaStaged(
-            region, len(payload), pages, changed, exceptions, rec.unit, units, rec.base, rec.digest
+            region,
+            len(payload),
+            pages,
+            changed,
+            exceptions,
+            rec.unit,
+            units,
+            rec.base,
+            rec.digest,
+            bits,
         )
 
 
@@ -544,13 +553,13 @@ def _assemble(kept: list[JobResult]) -> tuple[ChangeIndex, U8]:
 
 
 def _payload(
-    unit: int, index: ChangeIndex, values: U8, rows: I64, specs: list[PackSpec]
+    unit: int, index: ChangeIndex, values: U8, rows: I64, specs: list[PackSpec], nibbles: bool
 ) -> tuple[U8, tuple[int, ...]]:
     """The staged delta of the stream ``rows`` + ``specs``, given a version's changed
     units (``index``, ``values``): its bytes and (pages, changed, exceptions, stream
-    units), selected and encoded natively in one pass over the changes
+    units, bits of a difference), selected and encoded natively in one pass over the changes
     (:func:`refitd.delta.native.stage`; its reference: ``staged_reference``)."""
     try:
-        return native.stage(index, values, reads_of(rows, specs), unit)
+        return native.stage(index, values, reads_of(rows, specs), unit, nibbles)
     except ValueError as err:
         raise ProtocolError(f"delta refused: {err}") from err

@@ -20,6 +20,7 @@ fifteen such steps each. The C functions run with the GIL released (ctypes).
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import numpy as np
@@ -89,14 +90,17 @@ def stream_units(reads: I64, unit: int) -> int:
 
 
 def stage(
-    index: ChangeIndex, values: U8, reads: I64, unit: int
-) -> tuple[U8, tuple[int, int, int, int]]:
+    index: ChangeIndex, values: U8, reads: I64, unit: int, nibbles: bool = False
+) -> tuple[U8, tuple[int, int, int, int, int]]:
     """The staged delta of the stream ``reads`` (``(m, 3)``: region, offset, bytes, in
     stream order) given a version's changed units (``index``; ``values`` each one's old
     then new unit): its bytes and ``(pages, changed, exceptions, stream units)``, the
     same as the reference (:func:`refitd.delta.stream.select`, :func:`encode`,
-    :func:`encode_values` laid out by :func:`layout`). ``ValueError`` for a read that
-    does not start and end on a unit."""
+    :func:`encode_values` laid out by :func:`layout`), and the bits of a difference.
+    With ``nibbles`` (the receiver decodes them) differences are 4-bit where that
+    stages fewer bytes: it does when few differences lie beyond ±7 (each then an
+    exception of a whole unit). ``ValueError`` for a read that does not start and end
+    on a unit."""
     if len(reads) and ((reads[:, 1] % unit).any() or (reads[:, 2] % unit).any()):
         raise ValueError(f"a read of the plan does not start and end on a {unit}-byte unit")
     reads = np.ascontiguousarray(reads, dtype=np.int64)
@@ -121,38 +125,52 @@ def stage(
     changed = int((hi - lo).sum())
     room = layout(pages, changed, changed, unit)  # every change an exception, at most
     out = np.empty(max(room.nbytes, 64), np.uint8)  # pages untouched stay unbacked
-    out[:pages] = 0
     offsets = np.ascontiguousarray(index.offsets, dtype=np.int64)
     values = np.ascontiguousarray(values, dtype=np.uint8)
     read_off = np.ascontiguousarray(reads[:, 1])  # kept alive across the call
-    exc = int(
-        _lib().rfx_encode(
-            m,
-            _at(read_off),
-            _at(start),
-            _at(lo),
-            _at(hi),
-            _at(offsets),
-            _at(values),
-            unit,
-            unit.bit_length() - 1,
-            _at(out),
-            pages,
-            int(out.ctypes.data) + room.low,
-            int(out.ctypes.data) + room.diff,
-            int(out.ctypes.data) + room.exceptions,
-        )
-    )
+    mid = ctypes.c_int64(0)
+
+    def encode(bits: int) -> int:
+        out[:pages] = 0
+        if bits == 4:
+            out[room.diff : room.diff + -(-changed // 2)] = 0  # nibbles are or-ed in
+        return int(
+            _lib().rfx_encode(
+                m, _at(read_off), _at(start), _at(lo), _at(hi), _at(offsets), _at(values),
+                unit, unit.bit_length() - 1, _at(out), pages,
+                int(out.ctypes.data) + room.low, int(out.ctypes.data) + room.diff,
+                int(out.ctypes.data) + room.exceptions, bits, ctypes.byref(mid),
+            )
+        )  # fmt: skip
+
+    bits = 8
+    exc = encode(bits)
+    # 4-bit differences save half a byte a change and cost a whole unit for each one
+    # beyond +-7 that 8 bits carried: chosen when that is fewer bytes.
+    if (
+        exc >= 0
+        and nibbles
+        and layout(pages, changed, exc + mid.value, unit, 4).nbytes
+        < layout(pages, changed, exc, unit, 8).nbytes
+    ):
+        bits = 4
+        exc = encode(bits)
     if exc < 0:
         raise ValueError("a change lies past the end of the plan's stream")
-    lay = layout(pages, changed, exc, unit)
+    lay = layout(pages, changed, exc, unit, bits)
+    # The exceptions sit where 8-bit differences would end: moved down when 4-bit.
+    if lay.exceptions != room.exceptions:
+        out[lay.exceptions : lay.exceptions + unit * exc] = out[
+            room.exceptions : room.exceptions + unit * exc
+        ]
+    diff_bytes = changed if bits == 8 else -(-changed // 2)
     # The gaps between the parts (64-byte alignment) are zero, as the reference's.
     out[pages : lay.low] = 0
     out[lay.low + changed : lay.diff] = 0
-    out[lay.diff + changed : lay.exceptions] = 0
+    out[lay.diff + diff_bytes : lay.exceptions] = 0
     end = max(lay.nbytes, 64)
     out[lay.exceptions + unit * exc : end] = 0
-    return out[:end], (pages, changed, exc, units)
+    return out[:end], (pages, changed, exc, units, bits)
 
 
 _PLACE_ERRORS = {
@@ -173,12 +191,17 @@ def place(
     pieces: I64,
     engine: U8,
     unit: int,
+    diff_bits: int = 8,
 ) -> tuple[I64, npt.NDArray[np.unsignedinteger], npt.NDArray[np.unsignedinteger]]:
     """Decode a staged delta whose every piece lands whole in ``engine`` (``pieces``:
     per read in stream order, ``(region, engine byte offset, bytes)``): each change's
     engine unit index, the unit there now and the unit it becomes. Nothing is
-    written. ``ValueError`` (saying what) for a payload that does not fit the plan."""
+    written. ``diff``: the difference bytes (``diff_bits`` 4: two a byte, see
+    :func:`refitd.delta.stream.pack_nibbles`). ``ValueError`` (saying what) for a
+    payload that does not fit the plan."""
     changed = len(low)
+    if len(diff) * 8 < changed * diff_bits:
+        raise ValueError(f"its differences hold fewer than the {changed} it carries")
     udt = unit_dtype(unit)
     units = pieces[:, 2] // unit
     ends = np.ascontiguousarray(np.cumsum(units), dtype=np.int64)
@@ -208,6 +231,7 @@ def place(
             _at(idx),
             _at(old),
             _at(new),
+            diff_bits,
         )
     )
     if got < 0:

@@ -47,10 +47,12 @@ __all__ = [
     "encode_values",
     "landing",
     "layout",
+    "pack_nibbles",
     "pieces_of",
     "reads_of",
     "select",
     "staged_reference",
+    "unpack_nibbles",
 ]
 
 PAGE = 255
@@ -182,14 +184,16 @@ def decode(counts: npt.NDArray[np.uint8], low: npt.NDArray[np.uint8]) -> I64:
 
 
 def encode_values(
-    old: npt.NDArray[np.unsignedinteger], new: npt.NDArray[np.unsignedinteger]
+    old: npt.NDArray[np.unsignedinteger],
+    new: npt.NDArray[np.unsignedinteger],
+    limit: int = 127,
 ) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.unsignedinteger]]:
     """New units as differences from the old ones (same unsigned dtype): a signed
-    byte each, ``ESCAPE`` for one beyond ±127, whose new unit goes to the returned
-    exceptions (in order)."""
+    byte each, ``ESCAPE`` for one beyond ±``limit`` (127; 7 for 4-bit differences),
+    whose new unit goes to the returned exceptions (in order)."""
     signed = np.dtype(f"i{old.dtype.itemsize}")
     d = (new - old).view(signed)
-    far = (d < -127) | (d > 127)
+    far = (d < -limit) | (d > limit)
     diff = np.where(far, ESCAPE, d).astype(np.int8)
     return diff, new[far]
 
@@ -223,13 +227,38 @@ def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def layout(pages: int, changed: int, exceptions: int, unit: int) -> Layout:
-    """A staged delta: page counts, offsets in page, differences (a byte each), the
-    exceptions (units), each part 64-byte aligned."""
+def layout(pages: int, changed: int, exceptions: int, unit: int, diff_bits: int = 8) -> Layout:
+    """A staged delta: page counts, offsets in page, differences (a byte each, or
+    with ``diff_bits`` 4 two a byte), the exceptions (units), each part 64-byte
+    aligned."""
     low = _up(pages)
     diff = low + _up(changed)
-    exc = diff + _up(changed)
+    exc = diff + _up(changed if diff_bits == 8 else -(-changed // 2))
     return Layout(0, low, diff, exc, exc + _up(unit * exceptions))
+
+
+NIBBLE_ESCAPE = 8
+"""The 4-bit difference that says "this value is in the exceptions"."""
+
+
+def pack_nibbles(diff: npt.NDArray[np.int8]) -> npt.NDArray[np.uint8]:
+    """Differences within ±7 (``ESCAPE`` for any other) as 4-bit ones, two a byte,
+    the first in the low nibble; an escape is :data:`NIBBLE_ESCAPE`."""
+    d = np.zeros(len(diff) + len(diff) % 2, np.uint8)
+    d[: len(diff)] = np.where(diff == ESCAPE, NIBBLE_ESCAPE, diff).astype(np.uint8)
+    np.bitwise_and(d, np.uint8(0xF), out=d)
+    out: npt.NDArray[np.uint8] = d[0::2] | (d[1::2] << np.uint8(4))
+    return out
+
+
+def unpack_nibbles(packed: npt.NDArray[np.uint8], n: int) -> npt.NDArray[np.int8]:
+    """:func:`pack_nibbles` undone: ``n`` differences as signed bytes, ``ESCAPE`` for
+    an escape."""
+    d = np.empty(2 * len(packed), np.int16)
+    d[0::2], d[1::2] = packed & 0xF, packed >> 4
+    d = d[:n]
+    out = np.where(d == NIBBLE_ESCAPE, ESCAPE, (d ^ 8) - 8).astype(np.int8)
+    return out
 
 
 def pieces_of(pieces: I64, k: I64, unit: int) -> I64:
@@ -259,7 +288,7 @@ def landing(pieces: I64, k: I64, unit: int) -> tuple[I64, I64, I64]:
 
 
 def staged_reference(
-    unit: int, index: ChangeIndex, values: npt.NDArray[np.uint8], reads: I64
+    unit: int, index: ChangeIndex, values: npt.NDArray[np.uint8], reads: I64, diff_bits: int = 8
 ) -> tuple[npt.NDArray[np.uint8], tuple[int, int, int, int]]:
     """The staged delta of the stream ``reads`` (:func:`reads_of`) given a version's
     changed units (``index``; ``values`` each one's old then new unit), in numpy: its
@@ -270,11 +299,12 @@ def staged_reference(
     stream_units = int(reads[:, 2].sum()) // unit if len(reads) else 0
     counts, low = encode(k, stream_units)
     old, new = changed_pairs(values, at, unit)
-    diff, exc = encode_values(old, new)
-    lay = layout(len(counts), len(k), len(exc), unit)
+    diff, exc = encode_values(old, new, 127 if diff_bits == 8 else 7)
+    lay = layout(len(counts), len(k), len(exc), unit, diff_bits)
     out = np.zeros(max(lay.nbytes, 64), np.uint8)
     out[lay.counts : lay.counts + counts.nbytes] = counts
     out[lay.low : lay.low + low.nbytes] = low
-    out[lay.diff : lay.diff + diff.nbytes] = diff.view(np.uint8)
+    packed = diff.view(np.uint8) if diff_bits == 8 else pack_nibbles(diff)
+    out[lay.diff : lay.diff + packed.nbytes] = packed
     out[lay.exceptions : lay.exceptions + exc.nbytes] = exc.view(np.uint8)
     return out, (len(counts), len(k), len(exc), stream_units)

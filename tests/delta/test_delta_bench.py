@@ -28,6 +28,7 @@ def test_bench_delta_refits_every_version_both_ways_and_verifies_them_equal() ->
     assert {"delta_s", "full_s", "stage_s", "pull_s", "digest_s"} <= parts.keys(), out[-3]
     speeds = dict(kv.split("=") for kv in out[-2].split())
     assert {"stage_GBps", "place_GBps", "digest_GBps"} <= speeds.keys(), out[-2]
+    assert 1 < float(speeds["wire_B_per_change"]) < 3, out[-2]
 
 
 def test_bench_delta_moe_applies_thousands_of_expert_tensors_exactly_and_prints_its_share() -> None:

@@ -22,6 +22,7 @@ from refitd.delta.stream import (
     landing,
     layout,
     staged_reference,
+    unpack_nibbles,
 )
 
 #: every dtype a plan may carry; the delta's unit is the gcd of a model's item sizes
@@ -102,10 +103,17 @@ def _stream(rng: np.random.Generator, unit: int, regions: int, size: int, reads:
     reads=st.integers(0, 10),
     frac=st.sampled_from([0.0, 0.02, 0.5, 1.0]),
     seed=st.integers(0, 2**32 - 1),
+    nibbles=st.booleans(),
 )
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=100, deadline=None)
 def test_the_native_staging_stages_the_bytes_the_reference_stages(
-    ds: list[torch.dtype], regions: int, size: int, reads: int, frac: float, seed: int
+    ds: list[torch.dtype],
+    regions: int,
+    size: int,
+    reads: int,
+    frac: float,
+    seed: int,
+    nibbles: bool,
 ) -> None:
     unit = _unit(ds)
     rng = np.random.default_rng(seed)
@@ -119,10 +127,15 @@ def test_the_native_staging_stages_the_bytes_the_reference_stages(
     index = ChangeIndex.of(per)
     values = np.concatenate(vals)
     table = _stream(rng, unit, regions, size, reads)
-    got, got_counts = native.stage(index, values, table, unit)
-    want, want_counts = staged_reference(unit, index, values, table)
-    assert got_counts == want_counts
+    got, (*got_counts, bits) = native.stage(index, values, table, unit, nibbles)
+    want, want_counts = staged_reference(unit, index, values, table, bits)
+    assert tuple(got_counts) == want_counts
     assert got.tobytes() == want.tobytes()
+    assert bits == 8 or nibbles
+    if nibbles:  # 4-bit differences are chosen only where they stage fewer bytes
+        eight, _ = staged_reference(unit, index, values, table, 8)
+        four, _ = staged_reference(unit, index, values, table, 4)
+        assert len(got) == min(len(eight), len(four)) or bits == 8
 
 
 def _plan(rng: np.random.Generator, unit: int, engine_units: int, reads: int) -> np.ndarray:
@@ -142,10 +155,11 @@ def _plan(rng: np.random.Generator, unit: int, engine_units: int, reads: int) ->
     reads=st.integers(1, 8),
     frac=st.sampled_from([0.0, 0.02, 0.5, 1.0]),
     seed=st.integers(0, 2**32 - 1),
+    bits=st.sampled_from([8, 4]),
 )
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=100, deadline=None)
 def test_native_placing_writing_and_digest_leave_what_the_reference_leaves(
-    ds: list[torch.dtype], engine_units: int, reads: int, frac: float, seed: int
+    ds: list[torch.dtype], engine_units: int, reads: int, frac: float, seed: int, bits: int
 ) -> None:
     unit = _unit(ds)
     rng = np.random.default_rng(seed)
@@ -162,13 +176,14 @@ def test_native_placing_writing_and_digest_leave_what_the_reference_leaves(
     values = np.stack([o.reshape(-1, unit), n.reshape(-1, unit)], axis=1).reshape(-1)
     reads_ = np.array([[0, 0, len(old_stream)]], dtype=np.int64)
     payload, (pages, changed, exc, _units) = staged_reference(
-        unit, ChangeIndex.of({0: at}), values, reads_
+        unit, ChangeIndex.of({0: at}), values, reads_, bits
     )
-    lay = layout(pages, changed, exc, unit)
+    lay = layout(pages, changed, exc, unit, bits)
     udt = unit_dtype(unit)
     counts = payload[:pages]
     low = payload[lay.low : lay.low + changed]
-    diff = payload[lay.diff : lay.diff + changed].view(np.int8)
+    packed = payload[lay.diff : lay.exceptions]
+    diff = packed[:changed].view(np.int8) if bits == 8 else unpack_nibbles(packed, changed)
     excs = payload[lay.exceptions : lay.exceptions + unit * exc].view(udt)
 
     ref_engine = engine.copy()
@@ -182,7 +197,9 @@ def test_native_placing_writing_and_digest_leave_what_the_reference_leaves(
     ref_digest.update(off, ref_old, ref_new)
 
     digest = EngineDigest.of(engine)
-    idx, old, new = native.place(counts, low, diff, excs, pieces, engine, unit)
+    idx, old, new = native.place(
+        counts, low, packed.view(np.int8) if bits == 4 else diff, excs, pieces, engine, unit, bits
+    )
     assert idx.tolist() == (off // unit).tolist()
     assert old.tolist() == ref_old.tolist() and new.tolist() == ref_new.tolist()
     native.scatter(engine, idx, new)

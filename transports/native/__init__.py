@@ -72,8 +72,8 @@ def delta_lib() -> ctypes.CDLL:
         "rfx_lanes": ([i64, p, p], None),
         "rfx_compare": ([i64, p, p, i64, p, p, p, p], i64),
         "rfx_compare_pieces": ([i64, p, p, p, p, i64, p, p, p, p, p, p], i64),
-        "rfx_encode": ([i64, p, p, p, p, p, p, i64, i64, p, i64, p, p, p], i64),
-        "rfx_place": ([i64, p, p, i64, p, p, i64, i64, p, p, i64, p, i64, p, p, p], i64),
+        "rfx_encode": ([i64, p, p, p, p, p, p, i64, i64, p, i64, p, p, p, i64, p], i64),
+        "rfx_place": ([i64, p, p, i64, p, p, i64, i64, p, p, i64, p, i64, p, p, p, i64], i64),
         "rfx_scatter": ([i64, p, p, i64, p], None),
         "rfx_digest_update": ([i64, p, p, p, i64, i64, i64, p], i64),
     }

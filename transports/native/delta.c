@@ -165,14 +165,18 @@ int64_t rfx_compare_pieces(int64_t np, const int64_t *len, const int64_t *dst_of
  * new unit). Writes the page counts (counts[], `pages` bytes, zeroed by the caller),
  * each change's offset in its page (low[]), its difference byte (diff[]) and, for
  * a difference beyond +-127, the new unit into exc[] (capacity: one per change).
- * Returns the number of exceptions, or -1 when a change lies past the last page
- * (the caller's stream is not the one the reads make). */
+ * With bits 4 the differences are 4-bit, two a byte (diff[] zeroed by the caller),
+ * and one beyond +-7 is escaped (nibble 8). *mid: the differences beyond +-7 but
+ * within +-127 (what 4-bit differences would escape more). Returns the number of
+ * exceptions, or -1 when a change lies past the last page (the caller's stream is
+ * not the one the reads make). */
 int64_t rfx_encode(int64_t m, const int64_t *read_off, const int64_t *read_start,
                    const int64_t *lo, const int64_t *hi, const int64_t *offsets,
                    const uint8_t *values, int64_t unit, int64_t shift, uint8_t *counts,
-                   int64_t pages, uint8_t *low, int8_t *diff, uint8_t *exc)
+                   int64_t pages, uint8_t *low, int8_t *diff, uint8_t *exc, int64_t bits,
+                   int64_t *mid)
 {
-    int64_t c = 0, e = 0;
+    int64_t c = 0, e = 0, far = bits == 4 ? 7 : 127, wide = 0;
     for (int64_t r = 0; r < m; r++) {
         int64_t base = read_start[r] - (read_off[r] >> shift);
         for (int64_t j = lo[r]; j < hi[r]; j++, c++) {
@@ -185,15 +189,20 @@ int64_t rfx_encode(int64_t m, const int64_t *read_off, const int64_t *read_start
             const uint8_t *v = values + 2 * unit * j;
             uint64_t a = rfx_load(v, unit), b = rfx_load(v + unit, unit);
             int64_t d = rfx_signed_diff(a, b, unit);
-            if (d >= -127 && d <= 127) {
-                diff[c] = (int8_t)d;
-            } else {
-                diff[c] = RFX_ESCAPE;
+            if (d < -7 || d > 7)
+                wide += d >= -127 && d <= 127; /* escapes only with 4-bit differences */
+            int escaped = d < -far || d > far;
+            if (escaped) {
                 memcpy(exc + unit * e, v + unit, (size_t)unit);
                 e++;
             }
+            if (bits == 4) /* two a byte, the first in the low nibble; 8: the escape */
+                ((uint8_t *)diff)[c >> 1] |= (uint8_t)(((escaped ? 8 : d) & 0xF) << (4 * (c & 1)));
+            else
+                diff[c] = escaped ? RFX_ESCAPE : (int8_t)d;
         }
     }
+    *mid = wide;
     return e;
 }
 
@@ -203,6 +212,7 @@ int64_t rfx_encode(int64_t m, const int64_t *read_off, const int64_t *read_start
  * diff[changed] with the escaped ones' new units in exc[nexc]. The stream's pieces:
  * ends[p] the stream unit after piece p (ascending), origin[p] the engine unit of
  * stream unit 0 for piece p (so stream unit k of piece p lands at origin[p] + k).
+ * bits: 8, a signed byte a difference; 4, two a byte (rfx_encode).
  * engine: the engine's memory, engine_units units. Writes each change's engine unit
  * index idx[], the unit it finds old[] and the unit it writes new[]. Returns the
  * changes placed, or: -1 the counts name more positions than `changed`, -2 fewer;
@@ -213,7 +223,7 @@ int64_t rfx_place(int64_t pages, const uint8_t *counts, const uint8_t *low, int6
                   const int8_t *diff, const uint8_t *exc, int64_t nexc, int64_t npieces,
                   const int64_t *ends, const int64_t *origin, int64_t unit,
                   const uint8_t *engine, int64_t engine_units, int64_t *idx, uint8_t *old,
-                  uint8_t *new)
+                  uint8_t *new, int64_t bits)
 {
     int64_t c = 0, e = 0, piece = 0, prev = -1;
     for (int64_t p = 0; p < pages; p++) {
@@ -235,13 +245,18 @@ int64_t rfx_place(int64_t pages, const uint8_t *counts, const uint8_t *low, int6
                 return -4;
             idx[c] = i;
             uint64_t a = rfx_load(engine + unit * i, unit), b;
-            if (diff[c] == RFX_ESCAPE) {
+            int64_t d = diff[c >> (bits == 4)];
+            if (bits == 4) {
+                d = (((uint8_t)d) >> (4 * (c & 1))) & 0xF;
+                d = d == 8 ? RFX_ESCAPE : (d ^ 8) - 8; /* sign-extended */
+            }
+            if (d == RFX_ESCAPE) {
                 if (e >= nexc)
                     return -6;
                 b = rfx_load(exc + unit * e, unit);
                 e++;
             } else {
-                b = a + (uint64_t)(int64_t)diff[c]; /* modular, truncated by the store */
+                b = a + (uint64_t)d; /* modular, truncated by the store */
             }
             rfx_store(old + unit * c, a, unit);
             rfx_store(new + unit * c, b, unit);
