@@ -56,9 +56,10 @@ from refitd.delta.compare import (
     pair_with,
     run_job,
     table_of,
+    translate,
 )
 from refitd.delta.diff import LANES, unit_of
-from refitd.delta.stream import ChangeIndex, reads_of
+from refitd.delta.stream import ChangeIndex, compose, reads_of
 from refitd.errors import (
     ConflictError,
     ProtocolError,
@@ -85,6 +86,10 @@ until the next one is compared with it or its publisher drains it."""
 
 KEEP_RECORDS = 8
 """Records kept per model (a retired version's without its changed units)."""
+
+MAX_CHAIN = 4
+"""An engine at most this many versions behind gets a delta composed of the records
+between (each still READY, with its changes): v -> v+k for k <= 4."""
 
 STREAM_FACTOR = 4
 """A delta pack's stream reads at most this many times its version's bytes. A plan
@@ -129,18 +134,27 @@ class _Record:
     index: ChangeIndex = field(default_factory=lambda: ChangeIndex.of({}))
     values: U8 = field(default_factory=lambda: np.zeros(0, np.uint8))
 
+    #: whether ``index`` and ``values`` hold the version's changes from its base (a
+    #: link of a composed delta, :meth:`DeltaBook._chain`), and its block table
+    linkable: bool = False
+    table: Table | None = None
+
     def drop_changes(self) -> None:
         self.index = ChangeIndex.of({})
         self.values = np.zeros(0, np.uint8)
+        self.linkable = False
+        self.table = None
 
     def retire(self) -> None:
-        """The version was retired: its changed units go, and so does its delta (an
-        empty one staged for a lease still on it would tell the engine that its base
-        is this version)."""
-        self.drop_changes()
+        """The version was retired: no delta to it is served any more (a lease still on
+        it refits in full). Its changes stay, a link of deltas to later versions, while
+        the record is among the model's newest :data:`MAX_CHAIN` (``_forget``)."""
         if self.state == DeltaState.READY:
             self.state = DeltaState.NONE
-            self.reason = f"v{self.version} was retired: its changed units were dropped"
+            self.reason = (
+                f"v{self.version} was retired: deltas to it are no longer served, its "
+                "changed units are kept only to compose deltas to later versions"
+            )
 
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -256,9 +270,12 @@ class DeltaBook:
         """Drop the changed units of retired versions; keep the newest records."""
         live = {v.version for v in self.daemon.registry.versions(model) if v.state != "retired"}
         mine = sorted(k for k in self._records if k[0] == model)
-        for key in mine:
+        for i, key in enumerate(mine):
             if key[1] not in live:
                 self._records[key].retire()
+                # The newest MAX_CHAIN - 1 before this publish stay links of a chain.
+                if i < len(mine) - (MAX_CHAIN - 1):
+                    self._records[key].drop_changes()
         for key in mine[: max(0, len(mine) - KEEP_RECORDS)]:
             del self._records[key]
 
@@ -363,6 +380,7 @@ class DeltaBook:
         rec.index, rec.values = run.index, run.values
         rec.compared = table.total
         rec.state = DeltaState.READY
+        rec.linkable, rec.table = True, table
 
     async def _run(
         self,
@@ -449,6 +467,28 @@ class DeltaBook:
 
     # ------------------------------------------------------------ staging a pull's delta
 
+    def _chain(
+        self, rec: _Record, base: int, base_digest: str
+    ) -> list[tuple[ChangeIndex, U8, Table | None]] | str:
+        """The changes from ``base`` (with ``base_digest``) to ``rec``'s version through
+        the records between them, oldest first (each READY with its changes, each
+        one's base the one before with the digest that one recorded), at most
+        :data:`MAX_CHAIN` of them; or why there is no such chain."""
+        links = [rec]
+        while links[0].base != base:
+            if len(links) >= MAX_CHAIN or links[0].base < base:
+                return f"no chain of at most {MAX_CHAIN} deltas from v{base}"
+            prev = self._records.get((rec.model, links[0].base))
+            if prev is None or not prev.linkable:
+                why = prev.reason if prev is not None else "no record"
+                return f"v{links[0].base}'s changes are gone ({why})"
+            if prev.digest != links[0].base_digest or prev.unit != rec.unit:
+                return f"v{prev.version}'s digest is not the base v{links[0].version} compared with"
+            links.insert(0, prev)
+        if links[0].base_digest != base_digest:
+            return f"v{base}'s digest here is {links[0].base_digest}"
+        return [(r.index, r.values, r.table) for r in links]
+
     async def pack(
         self, req: DeltaPackRequest, lease: Lease, principal: str, caller: str
     ) -> DeltaStaged:
@@ -479,12 +519,16 @@ class DeltaBook:
         state, reason, index, values = rec.state, rec.reason, rec.index, rec.values
         if state != DeltaState.READY:
             raise ConflictError(f"{what} refused: there is none ({reason})")
+        chain: list[tuple[ChangeIndex, U8, Table | None]] = [(index, values, rec.table)]
         if (req.base_version, req.base_digest) != (rec.base, rec.base_digest):
-            raise ConflictError(
-                f"{what} refused: it applies to v{rec.base} with digest {rec.base_digest}, "
-                f"the engine states v{req.base_version} with digest "
-                f"{req.base_digest or '(none)'}: a full refit is needed"
-            )
+            links = self._chain(rec, req.base_version, req.base_digest)
+            if isinstance(links, str):
+                raise ConflictError(
+                    f"{what} refused: it applies to v{rec.base} with digest "
+                    f"{rec.base_digest}, the engine states v{req.base_version} with digest "
+                    f"{req.base_digest or '(none)'} ({links}): a full refit is needed"
+                )
+            chain = links
         rows = req.descriptors.rows()
         scope = self.daemon.registry.scope(req.model, req.version)
         check_unchecked_reads(rows, req.pack_specs, scope, f"{req.model!r} version {req.version}")
@@ -495,6 +539,8 @@ class DeltaBook:
                 f"{STREAM_FACTOR} times the version's {rec.compared} bytes; a plan reads "
                 "each byte of its version about once"
             )
+        if len(chain) > 1:  # v -> v+k: the records' changes composed, oldest first
+            index, values = await self._in_pool(_composed, chain, rec.unit)
         payload, staged = await asyncio.get_running_loop().run_in_executor(
             self._pool, _payload, rec.unit, index, values, rows, req.pack_specs, req.nibbles
         )
@@ -520,6 +566,17 @@ class DeltaBook:
 def _quarter_of_memory() -> int:
     """A quarter of the host's physical memory, bytes."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
+
+
+def _composed(
+    chain: list[tuple[ChangeIndex, U8, Table | None]], unit: int
+) -> tuple[ChangeIndex, U8]:
+    """The chain's changes, each link's moved into the last one's layout, composed."""
+    target = chain[-1][2]
+    if target is None or any(t is None for _, _, t in chain):
+        raise ConflictError("a delta between was dropped meanwhile: a full refit is needed")
+    moved = [translate(i, v, unit, t, target) for i, v, t in chain[:-1] if t is not None]
+    return compose([*moved, (chain[-1][0], chain[-1][1])], unit)
 
 
 def _address(view: memoryview) -> int:

@@ -33,7 +33,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from refitd.delta.diff import CHUNK, LANES
+from refitd.delta.diff import CHUNK, LANES, unit_dtype
+from refitd.delta.stream import ChangeIndex
 from refitd.errors import ConflictError, ProtocolError
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "pair_with",
     "run_job",
     "table_of",
+    "translate",
 ]
 
 JOB_BYTES = 8 * CHUNK
@@ -315,3 +317,42 @@ def itemsize_of(dtype: str) -> int:
     if not isinstance(dt, torch.dtype):
         raise ProtocolError(f"dtype {dtype!r} is not a torch dtype")
     return int(dt.itemsize)
+
+
+def translate(
+    index: ChangeIndex, values: U8, unit: int, source: Table, target: Table
+) -> tuple[ChangeIndex, U8]:
+    """Changes keyed by ``source``'s layout (its regions and offsets) as changes of
+    ``target``'s: each block moved to where the block of the same key lies in
+    ``target`` (a double-buffered trainer publishes consecutive versions in different
+    regions). Refused (ConflictError) when a block has no twin or a change lies in
+    no block."""
+    twins = pair_with(target, source)  # per target block: its twin in source
+    if isinstance(twins, str):
+        raise ConflictError(f"a version between is laid out otherwise ({twins})")
+    order = np.lexsort((twins[1], twins[0]))
+    s_reg, s_at = twins[0][order], twins[1][order]
+    t_reg, t_at, n = target.region[order], target.at[order], target.nbytes[order]
+    offs, regs, keep = [], [], []
+    for r, (lo, hi) in index.spans.items():
+        o = index.offsets[lo:hi]
+        first, last = np.searchsorted(s_reg, r), np.searchsorted(s_reg, r, "right")
+        if first == last:
+            raise ConflictError(f"changes of region {r} lie in no block of the version")
+        b = first + np.searchsorted(s_at[first:last], o, "right") - 1
+        inside = (b >= first) & (o < s_at[np.maximum(b, first)] + n[np.maximum(b, first)])
+        if not bool(inside.all()):
+            raise ConflictError(f"a change of region {r} lies in no block of the version")
+        offs.append(o - s_at[b] + t_at[b])
+        regs.append(t_reg[b])
+        keep.append(np.arange(lo, hi, dtype=np.int64))
+    if not offs:
+        return ChangeIndex.of({}), np.zeros(0, np.uint8)
+    o, g, at = np.concatenate(offs), np.concatenate(regs), np.concatenate(keep)
+    by = np.lexsort((o, g))
+    o, g, at = o[by], g[by], at[by]
+    pairs = values.view(unit_dtype(unit)).reshape(-1, 2)[at]
+    per: dict[int, I64] = {}
+    for r in np.unique(g).tolist():
+        per[int(r)] = o[g == r]
+    return ChangeIndex.of(per), np.ascontiguousarray(pairs).view(np.uint8).reshape(-1)

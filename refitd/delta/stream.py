@@ -41,6 +41,7 @@ __all__ = [
     "Layout",
     "Strided",
     "changed_pairs",
+    "compose",
     "decode",
     "decode_values",
     "encode",
@@ -308,3 +309,40 @@ def staged_reference(
     out[lay.diff : lay.diff + packed.nbytes] = packed
     out[lay.exceptions : lay.exceptions + exc.nbytes] = exc.view(np.uint8)
     return out, (len(counts), len(k), len(exc), stream_units)
+
+
+def compose(
+    chain: Sequence[tuple[ChangeIndex, npt.NDArray[np.uint8]]], unit: int
+) -> tuple[ChangeIndex, npt.NDArray[np.uint8]]:
+    """The changes of consecutive deltas (oldest first: each one's changed units and
+    their old then new units) as one delta from the first's base to the last's
+    version: a unit changed by several keeps the oldest old and the newest new unit,
+    and one that came back to its old value is no change."""
+    udt = unit_dtype(unit)
+    regions = sorted({r for index, _ in chain for r in index.spans})
+    per_offsets: dict[int, I64] = {}
+    per_pairs = []
+    for r in regions:
+        offs, pairs, seq = [], [], []
+        for i, (index, values) in enumerate(chain):
+            lo, hi = index.spans.get(r, (0, 0))
+            offs.append(index.offsets[lo:hi])
+            pairs.append(values.view(udt).reshape(-1, 2)[lo:hi])
+            seq.append(np.full(hi - lo, i, np.int64))
+        o, p, q = np.concatenate(offs), np.concatenate(pairs), np.concatenate(seq)
+        order = np.lexsort((q, o))  # by offset, then oldest first
+        o, p = o[order], p[order]
+        first = np.ones(len(o), bool)
+        first[1:] = o[1:] != o[:-1]
+        last = np.ones(len(o), bool)
+        last[:-1] = o[1:] != o[:-1]
+        merged = np.stack([p[first, 0], p[last, 1]], axis=1)
+        moved = merged[:, 0] != merged[:, 1]
+        per_offsets[r] = o[first][moved]
+        per_pairs.append(merged[moved])
+    values = (
+        np.ascontiguousarray(np.concatenate(per_pairs)).view(np.uint8).reshape(-1)
+        if per_pairs
+        else np.zeros(0, np.uint8)
+    )
+    return ChangeIndex.of(per_offsets), values

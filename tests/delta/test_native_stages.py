@@ -6,6 +6,8 @@ words or whole pages (unaligned tails), differences near and far (escaped)."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,7 @@ from refitd.delta.diff import LANES, compare_chunk, lanes_of, unit_dtype, unit_o
 from refitd.delta.digest import EngineDigest
 from refitd.delta.stream import (
     ChangeIndex,
+    compose,
     decode,
     decode_values,
     landing,
@@ -256,3 +259,38 @@ def test_native_placing_refuses_a_payload_that_does_not_fit_its_plan_and_reads_o
     with pytest.raises(ValueError, match=why):
         native.place(counts, low, diff, excs, pieces, engine, unit)
     assert engine.tobytes() == before.tobytes()
+
+
+@given(
+    ds=dtypes,
+    units=st.integers(0, 600),
+    steps=st.integers(1, 4),
+    frac=st.sampled_from([0.0, 0.05, 0.5]),
+    seed=st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=60, deadline=None)
+def test_composed_deltas_over_skipped_versions_equal_the_direct_comparison(
+    ds: list[torch.dtype], units: int, steps: int, frac: float, seed: int
+) -> None:
+    """v -> v+k as the composition of k deltas is the comparison of v with v+k: units
+    changed and changed back are no change, the oldest old and newest new unit kept."""
+    unit = _unit(ds)
+    rng = np.random.default_rng(seed)
+    versions = [rng.integers(0, 256, units * unit, dtype=np.uint8)]
+    for _ in range(steps):
+        nxt = _changed(rng, versions[-1], unit, frac)
+        if len(nxt) and rng.random() < 0.5:  # some units back to an older version's
+            back = rng.random(units) < 0.3
+            nxt.view(unit_dtype(unit))[back] = versions[0].view(unit_dtype(unit))[back]
+        versions.append(nxt)
+
+    def delta(a: np.ndarray, b: np.ndarray) -> tuple[ChangeIndex, np.ndarray]:
+        at, o, n = compare_chunk(a, b, unit)
+        pairs = np.stack([o.reshape(-1, unit), n.reshape(-1, unit)], axis=1).reshape(-1)
+        return ChangeIndex.of({5: at}), pairs
+
+    chain = [delta(a, b) for a, b in itertools.pairwise(versions)]
+    index, values = compose(chain, unit)
+    want_index, want_values = delta(versions[0], versions[-1])
+    assert index.offsets.tolist() == want_index.offsets.tolist()
+    assert values.tobytes() == want_values.tobytes()
