@@ -4,23 +4,20 @@ holds, checked against that base first, applied transactionally.
 :class:`DeltaReceiver` is a :class:`~refitd.client.receiver.DaemonReceiver` whose
 refit tries a delta first:
 
-1. plan (or replay) the version's full pull exactly as a full refit does: the same
-   capture of the engine's loaders, so resharding, fused parameters, pack specs and
-   full pulls are planned as ever;
+1. plan (or replay) the version's full pull exactly as a full refit does;
 2. check the base before any byte moves: the engine holds a version refitd installed
    (``version``, the source's content digest of it), its memory still has the lane
-   digest it had then (``verify_engine``), the scratch layout the last install left
-   is this plan's, and no anchor is due. The source then stages the changed units of
-   the plan's stream only if its delta is against exactly that version and digest.
-   Any mismatch runs a full refit instead, and :attr:`DeltaReceiver.last` says why;
-3. pull the staged delta (page counts, 16-bit positions, values) into a region of
-   its own: nothing of the engine is written until every byte of it has landed;
-4. apply: each changed unit goes where the full pull would have landed it, through
-   the compiled plan's own destinations (the engine's memory, a packed block
-   scattered by its strides, or a full pull's staged tensor, replayed through its
-   op chain). Every write keeps the value it overwrote (:class:`~refitd.delta.undo.
-   UndoLog`); an error while applying, or raised by ``after_apply`` (the engine's
-   post-load processing), rolls every write back, so the engine serves its base.
+   digest it had then (``verify_engine``), the scratch layout is this plan's, and no
+   anchor is due. The source stages the changed units of the plan's stream only if
+   its delta (or a chain of them) starts at exactly that version and digest. Any
+   mismatch runs a full refit instead, and :attr:`DeltaReceiver.last` says why;
+3. pull the staged delta into a region of its own: nothing of the engine is written
+   until every byte of it has landed;
+4. apply: each changed unit goes where the full pull would have landed it (the
+   engine's memory, a packed block scattered by its strides, or a full pull's
+   staged tensor, replayed). Every write keeps the value it overwrote
+   (:class:`~refitd.delta.undo.UndoLog`); an error, or one ``after_apply`` raises,
+   rolls every write back, so the engine serves its base.
 
 After any number of deltas the parameters equal a full refit of the same version,
 bit for bit (``tests/delta``). Host-memory engines only: a GPU engine refits in full.
@@ -44,7 +41,14 @@ from refitd.client.receiver import DaemonReceiver, RefitStats
 from refitd.delta import native
 from refitd.delta.diff import unit_dtype
 from refitd.delta.digest import EngineDigest
-from refitd.delta.stream import decode, decode_values, landing, layout, unpack_nibbles
+from refitd.delta.stream import (
+    decode,
+    decode_values,
+    landing,
+    layout,
+    scattered,
+    unpack_nibbles,
+)
 from refitd.delta.undo import UndoLog
 from refitd.errors import ConflictError, NotFoundError, RefitError
 from refitd.wire import DeltaPackRequest, DeltaStaged, DescriptorTable, PullProgress, PullRequest
@@ -336,7 +340,7 @@ class DeltaReceiver(DaemonReceiver):
             "delta",
             "",
             staged.nbytes,
-            _full_bytes(comp),
+            int(comp.rows[:, 4].sum()) + sum(p.nbytes for p in comp.packs),  # full pull
             changed,
             staged.unit,
             t_check - t2,
@@ -410,7 +414,7 @@ class DeltaReceiver(DaemonReceiver):
         sid = scat_of[piece]
         hit = sid >= 0
         if hit.any():
-            eng[hit] = self._scattered(comp, sid[hit], off[hit])
+            eng[hit] = scattered(comp.scatter, self._param_off, sid[hit], off[hit])
         fid = fp_of[piece]
         scratch_writes = fid >= 0
         dirty = np.flatnonzero(np.bincount(fid[scratch_writes], minlength=len(comp.full_pulls)))
@@ -525,25 +529,6 @@ class DeltaReceiver(DaemonReceiver):
             fp_of[inside] = i
         return scat_of, fp_of
 
-    def _scattered(self, comp: CompiledPull, sid: I64, off: I64) -> I64:
-        """Engine byte offsets of scratch offsets ``off`` in scatter entries ``sid``:
-        each entry's packed (C-order) element mapped through its destination strides."""
-        nd = max(len(e[2]) for e in comp.scatter)
-        shapes = np.array([(1,) * (nd - len(e[2])) + tuple(e[2]) for e in comp.scatter])
-        strides = np.array([(0,) * (nd - len(e[3])) + tuple(e[3]) for e in comp.scatter])
-        at = np.array([e[0] for e in comp.scatter], dtype=np.int64)
-        size = np.array([e[1].itemsize for e in comp.scatter], dtype=np.int64)
-        base = np.array([self._param_off[e[4]] + e[5] for e in comp.scatter], dtype=np.int64)
-        rel = off - at[sid]
-        isz = size[sid]
-        elem, byte = rel // isz, rel % isz
-        flat = np.zeros(len(sid), dtype=np.int64)
-        for d in range(nd - 1, -1, -1):
-            n = shapes[sid, d]
-            flat += (elem % n) * strides[sid, d]
-            elem //= n
-        return np.asarray(base[sid] + flat * isz + byte, dtype=np.int64)
-
     def _overlapping(
         self, comp: CompiledPull, pieces: I64, engine_id: int, scratch_id: int, limit: int
     ) -> bool:
@@ -611,8 +596,3 @@ class DeltaReceiver(DaemonReceiver):
             self._delta_seg.close()
         self._delta_seg = self._delta_region = None
         await super().close()
-
-
-def _full_bytes(comp: CompiledPull) -> int:
-    """What the full pull of ``comp`` moves: its rows and its packed blocks."""
-    return int(comp.rows[:, 4].sum()) + sum(p.nbytes for p in comp.packs)

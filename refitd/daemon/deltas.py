@@ -48,18 +48,21 @@ from refitd.delta import native
 from refitd.delta.compare import (
     JobResult,
     Table,
+    address_of,
+    assemble,
     block_hash,
     check_bounds,
+    check_twins,
+    composed,
     digest,
     itemsize_of,
     jobs_of,
     pair_with,
     run_job,
     table_of,
-    translate,
 )
 from refitd.delta.diff import LANES, unit_of
-from refitd.delta.stream import ChangeIndex, compose, reads_of
+from refitd.delta.stream import ChangeIndex, reads_of
 from refitd.errors import (
     ConflictError,
     ProtocolError,
@@ -400,11 +403,11 @@ class DeltaBook:
         ):
             views[int(r)] = self.daemon.view(int(r))
         sizes = {r: len(v) for r, v in views.items()}
-        address = {r: _address(v) for r, v in views.items()}
+        address = {r: address_of(v) for r, v in views.items()}
         what = "comparison refused"
         await self._in_pool(check_bounds, table, sizes, what)
         if twins is not None:
-            await self._in_pool(_check_twins, table, twins, sizes, what)
+            await self._in_pool(check_twins, table, twins, sizes, what)
         jobs = await self._in_pool(jobs_of, table)
         out = _Run(
             np.zeros((len(table.keys), 16), np.uint8), np.zeros((len(table.keys), 16), np.uint8)
@@ -457,7 +460,7 @@ class DeltaBook:
         out.digest_new = digest(table, out.hash_new)
         out.digest_old = digest(table, out.hash_old) if twins is not None else ""
         if kept:
-            out.index, out.values = await self._in_pool(_assemble, kept)
+            out.index, out.values = await self._in_pool(assemble, kept)
         return out
 
     def held_bytes(self) -> int:
@@ -540,7 +543,7 @@ class DeltaBook:
                 "each byte of its version about once"
             )
         if len(chain) > 1:  # v -> v+k: the records' changes composed, oldest first
-            index, values = await self._in_pool(_composed, chain, rec.unit)
+            index, values = await self._in_pool(composed, chain, rec.unit)
         payload, staged = await asyncio.get_running_loop().run_in_executor(
             self._pool, _payload, rec.unit, index, values, rows, req.pack_specs, req.nibbles
         )
@@ -566,47 +569,6 @@ class DeltaBook:
 def _quarter_of_memory() -> int:
     """A quarter of the host's physical memory, bytes."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
-
-
-def _composed(
-    chain: list[tuple[ChangeIndex, U8, Table | None]], unit: int
-) -> tuple[ChangeIndex, U8]:
-    """The chain's changes, each link's moved into the last one's layout, composed."""
-    target = chain[-1][2]
-    if target is None or any(t is None for _, _, t in chain):
-        raise ConflictError("a delta between was dropped meanwhile: a full refit is needed")
-    moved = [translate(i, v, unit, t, target) for i, v, t in chain[:-1] if t is not None]
-    return compose([*moved, (chain[-1][0], chain[-1][1])], unit)
-
-
-def _address(view: memoryview) -> int:
-    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else 0
-
-
-def _check_twins(table: Table, twins: tuple[I64, I64], sizes: dict[int, int], what: str) -> None:
-    """Each block's twin in the base lies inside its region (as :func:`check_bounds`)."""
-    base = Table(table.keys, twins[0], twins[1], table.nbytes, table.itemsizes, table.by_key)
-    check_bounds(base, sizes, f"{what} (base)")
-
-
-def _assemble(kept: list[JobResult]) -> tuple[ChangeIndex, U8]:
-    """The jobs' changes as one index: jobs hold pieces in (region, offset) order, so
-    concatenated in job order each region's offsets ascend (checked: blocks that
-    overlap in a region would break it, and are then sorted)."""
-    spans: dict[int, tuple[int, int]] = {}
-    at = 0
-    for res in kept:
-        for r, c in res.per_region.items():
-            lo, _ = spans.get(r, (at, at))
-            spans[r] = (lo, at + c)
-            at += c
-    offsets = np.concatenate([r.offsets for r in kept])
-    values = np.concatenate([r.values for r in kept])
-    for lo, hi in spans.values():
-        part = offsets[lo:hi]
-        if len(part) > 1 and not bool((part[1:] > part[:-1]).all()):
-            raise ConflictError("comparison refused: two blocks of the version overlap in a region")
-    return ChangeIndex(offsets, spans), values
 
 
 def _payload(

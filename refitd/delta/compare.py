@@ -34,7 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from refitd.delta.diff import CHUNK, LANES, unit_dtype
-from refitd.delta.stream import ChangeIndex
+from refitd.delta.stream import ChangeIndex, compose
 from refitd.errors import ConflictError, ProtocolError
 
 __all__ = [
@@ -43,6 +43,10 @@ __all__ = [
     "JobResult",
     "Jobs",
     "Table",
+    "address_of",
+    "assemble",
+    "check_twins",
+    "composed",
     "digest",
     "jobs_of",
     "pair_with",
@@ -356,3 +360,44 @@ def translate(
     for r in np.unique(g).tolist():
         per[int(r)] = o[g == r]
     return ChangeIndex.of(per), np.ascontiguousarray(pairs).view(np.uint8).reshape(-1)
+
+
+def composed(
+    chain: list[tuple[ChangeIndex, U8, Table | None]], unit: int
+) -> tuple[ChangeIndex, U8]:
+    """The chain's changes, each link's moved into the last one's layout, composed."""
+    target = chain[-1][2]
+    if target is None or any(t is None for _, _, t in chain):
+        raise ConflictError("a delta between was dropped meanwhile: a full refit is needed")
+    moved = [translate(i, v, unit, t, target) for i, v, t in chain[:-1] if t is not None]
+    return compose([*moved, (chain[-1][0], chain[-1][1])], unit)
+
+
+def address_of(view: memoryview) -> int:
+    return int(np.frombuffer(view, np.uint8).ctypes.data) if len(view) else 0
+
+
+def check_twins(table: Table, twins: tuple[I64, I64], sizes: dict[int, int], what: str) -> None:
+    """Each block's twin in the base lies inside its region (as :func:`check_bounds`)."""
+    base = Table(table.keys, twins[0], twins[1], table.nbytes, table.itemsizes, table.by_key)
+    check_bounds(base, sizes, f"{what} (base)")
+
+
+def assemble(kept: list[JobResult]) -> tuple[ChangeIndex, U8]:
+    """The jobs' changes as one index: jobs hold pieces in (region, offset) order, so
+    concatenated in job order each region's offsets ascend (checked: blocks that
+    overlap in a region would break it, and are then sorted)."""
+    spans: dict[int, tuple[int, int]] = {}
+    at = 0
+    for res in kept:
+        for r, c in res.per_region.items():
+            lo, _ = spans.get(r, (at, at))
+            spans[r] = (lo, at + c)
+            at += c
+    offsets = np.concatenate([r.offsets for r in kept])
+    values = np.concatenate([r.values for r in kept])
+    for lo, hi in spans.values():
+        part = offsets[lo:hi]
+        if len(part) > 1 and not bool((part[1:] > part[:-1]).all()):
+            raise ConflictError("comparison refused: two blocks of the version overlap in a region")
+    return ChangeIndex(offsets, spans), values

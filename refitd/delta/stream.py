@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +51,7 @@ __all__ = [
     "pack_nibbles",
     "pieces_of",
     "reads_of",
+    "scattered",
     "select",
     "staged_reference",
     "unpack_nibbles",
@@ -346,3 +347,24 @@ def compose(
         else np.zeros(0, np.uint8)
     )
     return ChangeIndex.of(per_offsets), values
+
+
+def scattered(scatter: Sequence[Any], param_off: Mapping[str, int], sid: I64, off: I64) -> I64:
+    """Engine byte offsets of scratch offsets ``off`` in the plan's scatter entries
+    ``sid`` (each ``(scratch offset, dtype, shape, strides, parameter, byte in it)``):
+    each entry's packed (C-order) element mapped through its destination strides."""
+    nd = max(len(e[2]) for e in scatter)
+    shapes = np.array([(1,) * (nd - len(e[2])) + tuple(e[2]) for e in scatter])
+    strides = np.array([(0,) * (nd - len(e[3])) + tuple(e[3]) for e in scatter])
+    at = np.array([e[0] for e in scatter], dtype=np.int64)
+    size = np.array([e[1].itemsize for e in scatter], dtype=np.int64)
+    base = np.array([param_off[e[4]] + e[5] for e in scatter], dtype=np.int64)
+    rel = off - at[sid]
+    isz = size[sid]
+    elem, byte = rel // isz, rel % isz
+    flat = np.zeros(len(sid), dtype=np.int64)
+    for d in range(nd - 1, -1, -1):
+        n = shapes[sid, d]
+        flat += (elem % n) * strides[sid, d]
+        elem //= n
+    return np.asarray(base[sid] + flat * isz + byte, dtype=np.int64)
