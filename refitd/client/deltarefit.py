@@ -42,6 +42,7 @@ from refitd.delta import native
 from refitd.delta.diff import unit_dtype
 from refitd.delta.digest import EngineDigest
 from refitd.delta.stream import (
+    areas_of,
     decode,
     decode_values,
     landing,
@@ -92,6 +93,10 @@ class DeltaStats:
     write_s: float = 0.0
     digest_s: float = 0.0
     post_s: float = 0.0
+
+
+class _PullRefused(Exception):
+    """The delta's pull failed (its cause): the engine was not written."""
 
 
 @dataclass
@@ -241,14 +246,21 @@ class DeltaReceiver(DaemonReceiver):
             except (ConflictError, NotFoundError) as exc:
                 reason = f"the source refused the delta: {exc}"
         t3 = time.perf_counter()
-        if staged is None:
-            self._base = None  # until the full refit has landed
-            stats = await self._pull_install(
-                comp, version, lease_id, replayed, (t0, t1, t2), on_progress
-            )
-            return await self._full(version, comp, stats, reason)
-        times = (t0, t1, t2, t_check, t3)
-        return await self._delta(comp, staged, version, lease_id, replayed, times)
+        if staged is not None:
+            times = (t0, t1, t2, t_check, t3)
+            try:
+                return await self._delta(comp, staged, version, lease_id, replayed, times)
+            except _PullRefused as exc:
+                # Nothing of the engine was written: the same refit goes on in full.
+                reason = (
+                    f"the delta's pull was refused ({exc.__cause__}); a host mirror "
+                    "carries whole versions, not a source's staged delta"
+                )
+        self._base = None  # until the full refit has landed
+        stats = await self._pull_install(
+            comp, version, lease_id, replayed, (t0, t1, t2), on_progress
+        )
+        return await self._full(version, comp, stats, reason)
 
     async def _full(
         self, version: int, comp: CompiledPull, stats: RefitStats, reason: str
@@ -298,7 +310,10 @@ class DeltaReceiver(DaemonReceiver):
         row = np.array([[staged.region.region_id, 0, region, 0, staged.nbytes]], dtype=np.int64)
         src = self.source.base_url if self.source.base_url != self.local.base_url else ""
         req = PullRequest(self.model, version, lease_id, DescriptorTable.pack(row), [], src)
-        pull = await self.local.pull(req)  # a failure here wrote nothing of the engine
+        try:
+            pull = await self.local.pull(req)  # a failure here wrote nothing of the engine
+        except RefitError as exc:
+            raise _PullRefused() from exc
         t4 = time.perf_counter()
         assert self._delta_seg is not None
         payload = self._delta_seg.numpy()[: staged.nbytes].copy()
@@ -400,7 +415,7 @@ class DeltaReceiver(DaemonReceiver):
         engine_id = self._engine_region.region_id
         scratch_id = self._scratch_region.region_id if self._scratch_region is not None else -2
         limit = self._engine_region.nbytes if self.mode == "staging" else 0
-        scat_of, fp_of = self._areas(comp, pieces, scratch_id)
+        scat_of, fp_of = areas_of(comp, pieces, scratch_id)
         if self._direct(comp, pieces, scat_of, fp_of, engine_id, scratch_id, limit):
             return self._apply_direct(pieces, counts, low, diff, exceptions, undo, parts, t0, bits)
         k = decode(counts, low)
@@ -510,24 +525,6 @@ class DeltaReceiver(DaemonReceiver):
         parts[1] += t2 - t1
         parts[2] += t3 - t2
         return len(idx)
-
-    @staticmethod
-    def _areas(comp: CompiledPull, pieces: I64, scratch_id: int) -> tuple[I64, I64]:
-        """Per piece of the stream: the scatter entry it lands in (-1: none), and the
-        full pull whose staged tensor it lands in (-1: none)."""
-        n = len(pieces)
-        scat_of = np.full(n, -1, dtype=np.int64)
-        fp_of = np.full(n, -1, dtype=np.int64)
-        entry = {at: e for e, (at, *_) in enumerate(comp.scatter)}
-        nrows = len(comp.rows)
-        for j, p in enumerate(comp.packs):
-            if p.dst_region == scratch_id and p.dst_offset in entry:
-                scat_of[nrows + j] = entry[p.dst_offset]
-        in_scratch = pieces[:, 0] == scratch_id
-        for i, (at, fp) in enumerate(comp.full_pulls):
-            inside = in_scratch & (pieces[:, 1] >= at) & (pieces[:, 1] < at + fp.staging_nbytes)
-            fp_of[inside] = i
-        return scat_of, fp_of
 
     def _overlapping(
         self, comp: CompiledPull, pieces: I64, engine_id: int, scratch_id: int, limit: int

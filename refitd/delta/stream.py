@@ -40,6 +40,7 @@ __all__ = [
     "ChangeIndex",
     "Layout",
     "Strided",
+    "areas_of",
     "changed_pairs",
     "compose",
     "decode",
@@ -368,3 +369,22 @@ def scattered(scatter: Sequence[Any], param_off: Mapping[str, int], sid: I64, of
         flat += (elem % n) * strides[sid, d]
         elem //= n
     return np.asarray(base[sid] + flat * isz + byte, dtype=np.int64)
+
+
+def areas_of(comp: Any, pieces: I64, scratch_id: int) -> tuple[I64, I64]:
+    """Per piece of the stream of ``comp`` (a compiled pull: its rows, packs, scatter
+    entries and full pulls): the scatter entry it lands in (-1: none), and the full
+    pull whose staged tensor it lands in (-1: none)."""
+    n = len(pieces)
+    scat_of = np.full(n, -1, dtype=np.int64)
+    fp_of = np.full(n, -1, dtype=np.int64)
+    entry = {at: e for e, (at, *_) in enumerate(comp.scatter)}
+    nrows = len(comp.rows)
+    for j, p in enumerate(comp.packs):
+        if p.dst_region == scratch_id and p.dst_offset in entry:
+            scat_of[nrows + j] = entry[p.dst_offset]
+    in_scratch = pieces[:, 0] == scratch_id
+    for i, (at, fp) in enumerate(comp.full_pulls):
+        inside = in_scratch & (pieces[:, 1] >= at) & (pieces[:, 1] < at + fp.staging_nbytes)
+        fp_of[inside] = i
+    return scat_of, fp_of
