@@ -217,7 +217,8 @@ class Engines:
         dt = ft = 0.0
         paths = set()
         parts = [0.0] * len(PARTS)
-        notes = []
+        notes: list[str] = []
+        deltas: list[int] = []  # wire bytes of the ranks that refitted by delta
 
         async def full() -> None:
             nonlocal fwire, ft
@@ -238,6 +239,8 @@ class Engines:
                 assert d is not None
                 if d.kind != "delta":
                     notes.append(f"rank refitted in full: {d.reason}")
+                else:
+                    deltas.append(d.wire_bytes)
                 dwire += d.wire_bytes
                 st = d.refit
                 split = [st.manifest_s, st.plan_s, d.check_s, d.stage_s, st.pull_s]
@@ -260,6 +263,8 @@ class Engines:
             "parts": parts,
             "exact": exact,
             "notes": notes,
+            "delta_wire": sum(deltas),
+            "all_delta": len(deltas) == len(self.delta),
             "path": ",".join(sorted(paths)),
         }
 
@@ -281,7 +286,7 @@ class Report:
 
     def __init__(self) -> None:
         self.t: dict[str, float] = {k: 0.0 for k in ("changed", "units", "dwire", "fwire")}
-        self.t.update(dt=0.0, ft=0.0)
+        self.t.update(dt=0.0, ft=0.0, delta_wire=0.0, delta_changed=0.0)
         self.parts = [0.0] * len(PARTS)
         self.verified = True
         self.paths: set[str] = set()
@@ -299,6 +304,9 @@ class Report:
             self.t[k] += src[k]
         for k in ("dwire", "fwire", "dt", "ft"):
             self.t[k] += eng[k]
+        if eng["all_delta"]:  # bytes per changed value: versions every rank took by delta
+            self.t["delta_wire"] += eng["delta_wire"]
+            self.t["delta_changed"] += src["changed"]
         for i, x in enumerate(eng["parts"]):
             self.parts[i] += x
         frac = src["changed"] / src["units"] if src["units"] else math.nan
@@ -329,8 +337,9 @@ class Report:
         )
         # Wire bytes per changed value: what the deltas pulled over the units the
         # source found changed (positions, differences, exceptions and page counts).
-        per = t["dwire"] / t["changed"] if t["changed"] else math.nan
-        print(f"{speeds} wire_B_per_change={per:.2f}")
+        per = t["delta_wire"] / t["delta_changed"] if t["delta_changed"] else math.nan
+        shown = f"{per:.2f}" if per == per else "n/a"  # nan: no version went by delta
+        print(f"{speeds} wire_B_per_change={shown}")
         path = ",".join(sorted(self.paths))
         print(
             f"changed_fraction={cf:.4f} wire_ratio={wr:.4f} delta_time_ratio={tr:.3f} "
