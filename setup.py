@@ -1,13 +1,15 @@
-"""Builds the two C helpers of transports/native into the package.
+"""Builds the three C helpers of transports/native into the package.
 
 Metadata lives in pyproject.toml; this file only declares the extension modules:
 
 - ``transports.native._copy``: the batched memcpy of the ``local`` transport.
+- ``transports.native._delta``: the delta refit's per-change kernels (compare, encode,
+  place, digest update), one pass over the changes where numpy made a dozen.
 - ``transports.native._ucx``: the UCX RMA calls, compiled against the headers of the
   ``libucx`` wheel (a build requirement) and linked with a runpath into that wheel as
   installed next to this package (``site-packages/libucx/lib``), the way ucxx links.
 
-Both use the limited C API (abi3): one wheel serves every CPython >= 3.11. Nothing
+All use the limited C API (abi3): one wheel serves every CPython >= 3.11. Nothing
 is compiled at run time.
 """
 
@@ -35,6 +37,13 @@ def _extensions() -> list[Extension]:
             ["transports/native/copy.c"],
             define_macros=limited,
             extra_compile_args=["-O2", "-Wall"],
+            py_limited_api=True,
+        ),
+        Extension(
+            "transports.native._delta",
+            ["transports/native/delta.c"],
+            define_macros=limited,
+            extra_compile_args=["-O3", "-Wall"],
             py_limited_api=True,
         ),
         Extension(

@@ -35,6 +35,7 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench delta                         # a 1024-wide, 8-block model, 4 steps",
         "refitd bench delta --layers 2 --hidden 256 --vocab 4000   # a quick run",
         "refitd bench delta --link-gbit 1           # engines on another simulated host",
+        "refitd bench delta --moe                   # 18,432 expert tensors into fused experts",
     ),
     "experts": (
         "refitd bench experts                       # three presets, 1x/2x/4x pools",

@@ -51,6 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the delta engines' policy (DeltaReceiver(prefer=)); default delta",
     )
     parser.add_argument(
+        "--moe",
+        action="store_true",
+        help="a MoE model of 10,000s of expert tensors into fused experts "
+        "(refitd.bench.deltamoe): prints apply_share",
+    )
+    from refitd.bench.deltamoe import add_arguments as moe_arguments
+
+    moe_arguments(parser)
+    parser.add_argument(
         "--link-gbit",
         type=float,
         default=0.0,
@@ -62,6 +71,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.moe:
+        from refitd.bench.deltamoe import run as moe
+
+        return moe(args)
     if args.link_gbit:
         from refitd.bench.deltahosts import across
 

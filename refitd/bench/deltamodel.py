@@ -210,32 +210,46 @@ class Engines:
         self.full = receivers(DaemonReceiver)
 
     async def refit(self, v: int) -> dict[str, Any]:
-        """Refit every engine rank to ``v``: the full ranks first, then the delta ranks."""
+        """Refit every engine rank to ``v``, the full ranks first on even versions and
+        the delta ranks first on odd ones: neither kind always finds the source's
+        memory warm from the other."""
         dwire = fwire = 0
         dt = ft = 0.0
         paths = set()
-        for r in self.full:
-            t0 = time.perf_counter()
-            stats = await r.refit(v)
-            ft += time.perf_counter() - t0
-            fwire += stats.pull.bytes_total
-            paths.add(stats.pull.path)
         parts = [0.0] * len(PARTS)
-        notes = []
-        for r in self.delta:
-            t0 = time.perf_counter()
-            await r.refit(v)
-            dt += time.perf_counter() - t0
-            d = r.last
-            assert d is not None
-            if d.kind != "delta":
-                notes.append(f"rank refitted in full: {d.reason}")
-            dwire += d.wire_bytes
-            st = d.refit
-            split = [st.manifest_s, st.plan_s, d.check_s, d.stage_s, st.pull_s]
-            split += [d.place_s, d.write_s, d.digest_s, d.post_s]
-            for i, x in enumerate(split):
-                parts[i] += x
+        notes: list[str] = []
+        deltas: list[int] = []  # wire bytes of the ranks that refitted by delta
+
+        async def full() -> None:
+            nonlocal fwire, ft
+            for r in self.full:
+                t0 = time.perf_counter()
+                stats = await r.refit(v)
+                ft += time.perf_counter() - t0
+                fwire += stats.pull.bytes_total
+                paths.add(stats.pull.path)
+
+        async def delta() -> None:
+            nonlocal dwire, dt
+            for r in self.delta:
+                t0 = time.perf_counter()
+                await r.refit(v)
+                dt += time.perf_counter() - t0
+                d = r.last
+                assert d is not None
+                if d.kind != "delta":
+                    notes.append(f"rank refitted in full: {d.reason}")
+                else:
+                    deltas.append(d.wire_bytes)
+                dwire += d.wire_bytes
+                st = d.refit
+                split = [st.manifest_s, st.plan_s, d.check_s, d.stage_s, st.pull_s]
+                split += [d.place_s, d.write_s, d.digest_s, d.post_s]
+                for i, x in enumerate(split):
+                    parts[i] += x
+
+        for kind in (full, delta) if v % 2 == 0 else (delta, full):
+            await kind()
         exact = all(
             torch.equal(a.view(torch.int16), b.view(torch.int16))
             for d, f in zip(self.delta, self.full, strict=True)
@@ -249,6 +263,8 @@ class Engines:
             "parts": parts,
             "exact": exact,
             "notes": notes,
+            "delta_wire": sum(deltas),
+            "all_delta": len(deltas) == len(self.delta),
             "path": ",".join(sorted(paths)),
         }
 
@@ -261,12 +277,16 @@ PARTS = ("manifest", "plan", "check", "stage", "pull", "place", "write", "digest
 """A delta's seconds, in order (:class:`~refitd.client.deltarefit.DeltaStats`)."""
 
 
+STAGES = ("check", "stage", "place", "write", "digest")
+"""The delta's own stages, each printed as GB/s of model bytes."""
+
+
 class Report:
     """The table, a line per version, and the totals' last lines."""
 
     def __init__(self) -> None:
         self.t: dict[str, float] = {k: 0.0 for k in ("changed", "units", "dwire", "fwire")}
-        self.t.update(dt=0.0, ft=0.0)
+        self.t.update(dt=0.0, ft=0.0, delta_wire=0.0, delta_changed=0.0)
         self.parts = [0.0] * len(PARTS)
         self.verified = True
         self.paths: set[str] = set()
@@ -284,6 +304,9 @@ class Report:
             self.t[k] += src[k]
         for k in ("dwire", "fwire", "dt", "ft"):
             self.t[k] += eng[k]
+        if eng["all_delta"]:  # bytes per changed value: versions every rank took by delta
+            self.t["delta_wire"] += eng["delta_wire"]
+            self.t["delta_changed"] += src["changed"]
         for i, x in enumerate(eng["parts"]):
             self.parts[i] += x
         frac = src["changed"] / src["units"] if src["units"] else math.nan
@@ -305,6 +328,18 @@ class Report:
         tr = t["dt"] / t["ft"] if t["ft"] else math.nan
         shares = " ".join(f"{k}_s={x:.3f}" for k, x in zip(PARTS, self.parts, strict=True))
         print(f"delta_s={t['dt']:.3f} full_s={t['ft']:.3f} {shares}")
+        # Each stage's speed in model bytes: what a full refit of the same versions
+        # moved, over the stage's seconds (target: >= 2 GB/s each).
+        speeds = " ".join(
+            f"{k}_GBps={t['fwire'] / x / 1e9:.1f}" if x > 0 else f"{k}_GBps=n/a"
+            for k, x in zip(PARTS, self.parts, strict=True)
+            if k in STAGES
+        )
+        # Wire bytes per changed value: what the deltas pulled over the units the
+        # source found changed (positions, differences, exceptions and page counts).
+        per = t["delta_wire"] / t["delta_changed"] if t["delta_changed"] else math.nan
+        shown = f"{per:.2f}" if per == per else "n/a"  # nan: no version went by delta
+        print(f"{speeds} wire_B_per_change={shown}")
         path = ",".join(sorted(self.paths))
         print(
             f"changed_fraction={cf:.4f} wire_ratio={wr:.4f} delta_time_ratio={tr:.3f} "

@@ -4,23 +4,20 @@ holds, checked against that base first, applied transactionally.
 :class:`DeltaReceiver` is a :class:`~refitd.client.receiver.DaemonReceiver` whose
 refit tries a delta first:
 
-1. plan (or replay) the version's full pull exactly as a full refit does: the same
-   capture of the engine's loaders, so resharding, fused parameters, pack specs and
-   full pulls are planned as ever;
+1. plan (or replay) the version's full pull exactly as a full refit does;
 2. check the base before any byte moves: the engine holds a version refitd installed
    (``version``, the source's content digest of it), its memory still has the lane
-   digest it had then (``verify_engine``), the scratch layout the last install left
-   is this plan's, and no anchor is due. The source then stages the changed units of
-   the plan's stream only if its delta is against exactly that version and digest.
-   Any mismatch runs a full refit instead, and :attr:`DeltaReceiver.last` says why;
-3. pull the staged delta (page counts, 16-bit positions, values) into a region of
-   its own: nothing of the engine is written until every byte of it has landed;
-4. apply: each changed unit goes where the full pull would have landed it, through
-   the compiled plan's own destinations (the engine's memory, a packed block
-   scattered by its strides, or a full pull's staged tensor, replayed through its
-   op chain). Every write keeps the value it overwrote (:class:`~refitd.delta.undo.
-   UndoLog`); an error while applying, or raised by ``after_apply`` (the engine's
-   post-load processing), rolls every write back, so the engine serves its base.
+   digest it had then (``verify_engine``), the scratch layout is this plan's, and no
+   anchor is due. The source stages the changed units of the plan's stream only if
+   its delta (or a chain of them) starts at exactly that version and digest. Any
+   mismatch runs a full refit instead, and :attr:`DeltaReceiver.last` says why;
+3. pull the staged delta into a region of its own: nothing of the engine is written
+   until every byte of it has landed;
+4. apply: each changed unit goes where the full pull would have landed it (the
+   engine's memory, a packed block scattered by its strides, or a full pull's
+   staged tensor, replayed). Every write keeps the value it overwrote
+   (:class:`~refitd.delta.undo.UndoLog`); an error, or one ``after_apply`` raises,
+   rolls every write back, so the engine serves its base.
 
 After any number of deltas the parameters equal a full refit of the same version,
 bit for bit (``tests/delta``). Host-memory engines only: a GPU engine refits in full.
@@ -41,15 +38,30 @@ import torch
 
 from refitd.client.install import CompiledPull
 from refitd.client.receiver import DaemonReceiver, RefitStats
+from refitd.delta import native
 from refitd.delta.diff import unit_dtype
 from refitd.delta.digest import EngineDigest
-from refitd.delta.stream import decode, decode_values, landing, layout, pieces_of
+from refitd.delta.stream import (
+    areas_of,
+    decode,
+    decode_values,
+    landing,
+    layout,
+    scattered,
+    unpack_nibbles,
+)
 from refitd.delta.undo import UndoLog
 from refitd.errors import ConflictError, NotFoundError, RefitError
 from refitd.wire import DeltaPackRequest, DeltaStaged, DescriptorTable, PullProgress, PullRequest
 from transports.segments import SharedSegment
 
-__all__ = ["DeltaReceiver", "DeltaStats"]
+__all__ = ["AUTO_SAME_HOST", "DeltaReceiver", "DeltaStats"]
+
+AUTO_SAME_HOST = (
+    "auto: the source is on this host (the last full pull read shared memory), "
+    "where a full refit copies at memory speed and a delta is not faster"
+)
+"""The reason ``prefer="auto"`` gives for refitting in full on the source's host."""
 
 I64 = npt.NDArray[np.int64]
 
@@ -81,6 +93,10 @@ class DeltaStats:
     write_s: float = 0.0
     digest_s: float = 0.0
     post_s: float = 0.0
+
+
+class _PullRefused(Exception):
+    """The delta's pull failed (its cause): the engine was not written."""
 
 
 @dataclass
@@ -166,6 +182,8 @@ class DeltaReceiver(DaemonReceiver):
         base = self._base
         if self._engine_seg is None:
             return "the engine's parameters are in GPU memory: deltas apply in host memory"
+        if self._auto_full():
+            return AUTO_SAME_HOST
         if base is None:
             return "no base: the engine holds no version a refit installed and checked"
         if version <= base.version:
@@ -176,11 +194,6 @@ class DeltaReceiver(DaemonReceiver):
             return "the plan has full pulls, whose staged tensors only staging mode keeps"
         if base.layout != self._layout_key(comp):
             return "the plan's destinations moved since the base was installed"
-        if self.prefer == "auto" and self._same_host:
-            return (
-                "auto: the source is on this host (the last full pull read shared memory), "
-                "where a full refit copies at memory speed and a delta is not faster"
-            )
         if self.verify_engine:
             block = base.engine.differs(self._engine_bytes(), self.verify_every)
             if block is not None:
@@ -191,6 +204,10 @@ class DeltaReceiver(DaemonReceiver):
                     "written outside a refit"
                 )
         return ""
+
+    def _auto_full(self) -> bool:
+        """``prefer="auto"`` and the last full pull read this host's shared memory."""
+        return self.prefer == "auto" and bool(self._same_host)
 
     async def _record_base(self, version: int, comp: CompiledPull, digest: str) -> None:
         if self._engine_seg is None or not digest:
@@ -222,29 +239,44 @@ class DeltaReceiver(DaemonReceiver):
                 self._base.digest,
                 DescriptorTable.pack(comp.rows),
                 comp.packs,
+                nibbles=True,
             )
             try:
                 staged = await self.source.delta_pack(req)
             except (ConflictError, NotFoundError) as exc:
                 reason = f"the source refused the delta: {exc}"
         t3 = time.perf_counter()
-        if staged is None:
-            self._base = None  # until the full refit has landed
-            stats = await self._pull_install(
-                comp, version, lease_id, replayed, (t0, t1, t2), on_progress
-            )
-            return await self._full(version, comp, stats, reason)
-        times = (t0, t1, t2, t_check, t3)
-        return await self._delta(comp, staged, version, lease_id, replayed, times)
+        if staged is not None:
+            times = (t0, t1, t2, t_check, t3)
+            try:
+                return await self._delta(comp, staged, version, lease_id, replayed, times)
+            except _PullRefused as exc:
+                # Nothing of the engine was written: the same refit goes on in full.
+                reason = (
+                    f"the delta's pull was refused ({exc.__cause__}); a host mirror "
+                    "carries whole versions, not a source's staged delta"
+                )
+        self._base = None  # until the full refit has landed
+        stats = await self._pull_install(
+            comp, version, lease_id, replayed, (t0, t1, t2), on_progress
+        )
+        return await self._full(version, comp, stats, reason)
 
     async def _full(
         self, version: int, comp: CompiledPull, stats: RefitStats, reason: str
     ) -> RefitStats:
         """A full refit of ``version`` has landed: record it as the next delta's base."""
         self._same_host = stats.pull.path.startswith("shm")
-        info = await self.source.delta_info(self.model, version, wait_s=30.0)
-        await self._record_base(version, comp, info.digest)
         self._since_anchor = 0
+        if self._auto_full():
+            # Every refit from this source is full: no base is recorded, so the full
+            # path pays no delta bookkeeping (no wait for the source's comparison, no
+            # read of the engine memory for its digest). A later pull over a transport
+            # (the source moved) records one again.
+            self._base = None
+        else:
+            info = await self.source.delta_info(self.model, version, wait_s=30.0)
+            await self._record_base(version, comp, info.digest)
         b = stats.pull.bytes_total
         self.last = DeltaStats(stats, "full", reason, b, b)
         return stats
@@ -278,7 +310,10 @@ class DeltaReceiver(DaemonReceiver):
         row = np.array([[staged.region.region_id, 0, region, 0, staged.nbytes]], dtype=np.int64)
         src = self.source.base_url if self.source.base_url != self.local.base_url else ""
         req = PullRequest(self.model, version, lease_id, DescriptorTable.pack(row), [], src)
-        pull = await self.local.pull(req)  # a failure here wrote nothing of the engine
+        try:
+            pull = await self.local.pull(req)  # a failure here wrote nothing of the engine
+        except RefitError as exc:
+            raise _PullRefused() from exc
         t4 = time.perf_counter()
         assert self._delta_seg is not None
         payload = self._delta_seg.numpy()[: staged.nbytes].copy()
@@ -320,7 +355,7 @@ class DeltaReceiver(DaemonReceiver):
             "delta",
             "",
             staged.nbytes,
-            _full_bytes(comp),
+            int(comp.rows[:, 4].sum()) + sum(p.nbytes for p in comp.packs),  # full pull
             changed,
             staged.unit,
             t_check - t2,
@@ -351,17 +386,19 @@ class DeltaReceiver(DaemonReceiver):
         t0 = time.perf_counter()
         unit = staged.unit
         udt = unit_dtype(unit)
-        lay = layout(staged.pages, staged.changed, staged.exceptions, unit)
+        bits = staged.diff_bits
+        if bits not in (4, 8):
+            raise ConflictError(f"delta refused: {bits}-bit differences are not a format")
+        lay = layout(staged.pages, staged.changed, staged.exceptions, unit, bits)
         counts = payload[lay.counts : lay.counts + staged.pages]
         low = payload[lay.low : lay.low + staged.changed]
-        diff = payload[lay.diff : lay.diff + staged.changed].view(np.int8)
+        diff = payload[lay.diff : lay.exceptions].view(np.int8)  # bits == 4: two a byte
         exceptions = payload[lay.exceptions : lay.exceptions + unit * staged.exceptions].view(udt)
         if int(counts.sum()) != staged.changed:
             raise ConflictError(
                 f"delta of v{staged.base_version}+1 refused: its page counts sum to "
                 f"{int(counts.sum())}, not the {staged.changed} positions it carries"
             )
-        k = decode(counts, low)
         pieces = np.concatenate(
             [
                 comp.rows[:, 2:5],
@@ -378,16 +415,21 @@ class DeltaReceiver(DaemonReceiver):
         engine_id = self._engine_region.region_id
         scratch_id = self._scratch_region.region_id if self._scratch_region is not None else -2
         limit = self._engine_region.nbytes if self.mode == "staging" else 0
-        scat_of, fp_of = self._areas(comp, pieces, scratch_id)
+        scat_of, fp_of = areas_of(comp, pieces, scratch_id)
         if self._direct(comp, pieces, scat_of, fp_of, engine_id, scratch_id, limit):
-            return self._apply_direct(pieces, k, diff, exceptions, undo, parts, t0, unit)
+            return self._apply_direct(pieces, counts, low, diff, exceptions, undo, parts, t0, bits)
+        k = decode(counts, low)
+        if bits == 4:
+            diff = unpack_nibbles(diff.view(np.uint8), staged.changed)
+        else:
+            diff = diff[: staged.changed]
         piece, region, off = landing(pieces, k, unit)
         # Where each unit lands in the engine's memory (-1: in a scratch area).
         eng = np.where((region == engine_id) | ((region == scratch_id) & (off < limit)), off, -1)
         sid = scat_of[piece]
         hit = sid >= 0
         if hit.any():
-            eng[hit] = self._scattered(comp, sid[hit], off[hit])
+            eng[hit] = scattered(comp.scatter, self._param_off, sid[hit], off[hit])
         fid = fp_of[piece]
         scratch_writes = fid >= 0
         dirty = np.flatnonzero(np.bincount(fid[scratch_writes], minlength=len(comp.full_pulls)))
@@ -417,7 +459,7 @@ class DeltaReceiver(DaemonReceiver):
         t1 = time.perf_counter()
         before = undo.write(engine_u, idx, vals, prev)
         t2 = time.perf_counter()
-        self._base.engine.update(idx * unit, before, vals)  # type: ignore[arg-type]
+        self._base.engine.update_units(idx, before, vals)  # type: ignore[arg-type]
         t3 = time.perf_counter()
         if len(dirty):
             assert scratch_u is not None
@@ -451,72 +493,38 @@ class DeltaReceiver(DaemonReceiver):
     def _apply_direct(
         self,
         pieces: I64,
-        k: I64,
+        counts: npt.NDArray[np.uint8],
+        low: npt.NDArray[np.uint8],
         diff: npt.NDArray[np.int8],
         exceptions: npt.NDArray[np.unsignedinteger],
         undo: UndoLog,
         parts: list[float],
         t0: float,
-        unit: int,
+        bits: int,
     ) -> int:
         """:meth:`_apply` where every piece lands whole in the engine (:meth:`_direct`):
-        each unit's engine index is its piece's origin plus its stream index, and the
-        units are written in stream order, ascending within each piece."""
+        each unit's engine index is its piece's origin plus its stream index. Decoded,
+        placed, written and digested natively, one pass each over the changes
+        (:mod:`refitd.delta.native`; the general path below is its reference)."""
+        unit = exceptions.dtype.itemsize
         assert self._base is not None
-        piece = pieces_of(pieces, k, unit)
-        units = pieces[:, 2] // unit
-        origin = pieces[:, 1] // unit - (np.cumsum(units) - units)  # engine unit of stream unit 0
-        idx = origin[piece]
-        idx += k
-        engine_u = self._engine_bytes().view(unit_dtype(unit))
-        old = engine_u[idx]
-        values = decode_values(old, diff, exceptions)
+        engine = self._engine_bytes()
+        try:
+            idx, old, values = native.place(
+                counts, low, diff, exceptions, pieces, engine, unit, bits
+            )
+        except ValueError as err:
+            raise ConflictError(f"delta of v{self._base.version}+1 refused: {err}") from None
         t1 = time.perf_counter()
-        undo.write(engine_u, idx, values, old)
+        undo.record(engine.view(unit_dtype(unit)), idx, old)
+        native.scatter(engine, idx, values)
         t2 = time.perf_counter()
-        self._base.engine.update(idx * unit, old, values)
+        self._base.engine.update_units(idx, old, values)
         t3 = time.perf_counter()
         parts[0] += t1 - t0
         parts[1] += t2 - t1
         parts[2] += t3 - t2
-        return len(k)
-
-    @staticmethod
-    def _areas(comp: CompiledPull, pieces: I64, scratch_id: int) -> tuple[I64, I64]:
-        """Per piece of the stream: the scatter entry it lands in (-1: none), and the
-        full pull whose staged tensor it lands in (-1: none)."""
-        n = len(pieces)
-        scat_of = np.full(n, -1, dtype=np.int64)
-        fp_of = np.full(n, -1, dtype=np.int64)
-        entry = {at: e for e, (at, *_) in enumerate(comp.scatter)}
-        nrows = len(comp.rows)
-        for j, p in enumerate(comp.packs):
-            if p.dst_region == scratch_id and p.dst_offset in entry:
-                scat_of[nrows + j] = entry[p.dst_offset]
-        in_scratch = pieces[:, 0] == scratch_id
-        for i, (at, fp) in enumerate(comp.full_pulls):
-            inside = in_scratch & (pieces[:, 1] >= at) & (pieces[:, 1] < at + fp.staging_nbytes)
-            fp_of[inside] = i
-        return scat_of, fp_of
-
-    def _scattered(self, comp: CompiledPull, sid: I64, off: I64) -> I64:
-        """Engine byte offsets of scratch offsets ``off`` in scatter entries ``sid``:
-        each entry's packed (C-order) element mapped through its destination strides."""
-        nd = max(len(e[2]) for e in comp.scatter)
-        shapes = np.array([(1,) * (nd - len(e[2])) + tuple(e[2]) for e in comp.scatter])
-        strides = np.array([(0,) * (nd - len(e[3])) + tuple(e[3]) for e in comp.scatter])
-        at = np.array([e[0] for e in comp.scatter], dtype=np.int64)
-        size = np.array([e[1].itemsize for e in comp.scatter], dtype=np.int64)
-        base = np.array([self._param_off[e[4]] + e[5] for e in comp.scatter], dtype=np.int64)
-        rel = off - at[sid]
-        isz = size[sid]
-        elem, byte = rel // isz, rel % isz
-        flat = np.zeros(len(sid), dtype=np.int64)
-        for d in range(nd - 1, -1, -1):
-            n = shapes[sid, d]
-            flat += (elem % n) * strides[sid, d]
-            elem //= n
-        return np.asarray(base[sid] + flat * isz + byte, dtype=np.int64)
+        return len(idx)
 
     def _overlapping(
         self, comp: CompiledPull, pieces: I64, engine_id: int, scratch_id: int, limit: int
@@ -585,8 +593,3 @@ class DeltaReceiver(DaemonReceiver):
             self._delta_seg.close()
         self._delta_seg = self._delta_region = None
         await super().close()
-
-
-def _full_bytes(comp: CompiledPull) -> int:
-    """What the full pull of ``comp`` moves: its rows and its packed blocks."""
-    return int(comp.rows[:, 4].sum()) + sum(p.nbytes for p in comp.packs)

@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import math
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -44,16 +44,25 @@ from refitd.daemon.node import Daemon
 from refitd.daemon.registry import Lease
 from refitd.daemon.trust import check_unchecked_reads
 from refitd.daemon.waits import MAX_WAIT_S, Waits
-from refitd.delta.diff import CHUNK, LANES, compare_chunk, lanes_of, unit_of
-from refitd.delta.stream import (
-    ChangeIndex,
-    changed_pairs,
-    encode,
-    encode_values,
-    layout,
-    reads_of,
-    select,
+from refitd.delta import native
+from refitd.delta.compare import (
+    JobResult,
+    Table,
+    address_of,
+    assemble,
+    block_hash,
+    check_bounds,
+    check_twins,
+    composed,
+    digest,
+    itemsize_of,
+    jobs_of,
+    pair_with,
+    run_job,
+    table_of,
 )
+from refitd.delta.diff import LANES, unit_of
+from refitd.delta.stream import ChangeIndex, reads_of
 from refitd.errors import (
     ConflictError,
     ProtocolError,
@@ -68,14 +77,11 @@ from refitd.wire import (
     PackSpec,
     VersionState,
 )
-from transports.local import copy_view
+from transports.local import copy_batch_guarded
 
 __all__ = ["DeltaBook"]
 
 log = logging.getLogger("refitd.deltas")
-
-JOB_BYTES = 8 * CHUNK
-"""Bytes of one comparison job handed to a worker thread."""
 
 HOLD_S = 3600.0
 """The lease the book holds on a model's newest version, the next version's base,
@@ -83,6 +89,10 @@ until the next one is compared with it or its publisher drains it."""
 
 KEEP_RECORDS = 8
 """Records kept per model (a retired version's without its changed units)."""
+
+MAX_CHAIN = 4
+"""An engine at most this many versions behind gets a delta composed of the records
+between (each still READY, with its changes): v -> v+k for k <= 4."""
 
 STREAM_FACTOR = 4
 """A delta pack's stream reads at most this many times its version's bytes. A plan
@@ -93,17 +103,7 @@ memory that grows with the request, not with the version."""
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
-_JobResult = tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], I64, U8]
-
-
-@dataclass
-class _Block:
-    key: tuple[str, tuple[int, ...], tuple[int, ...], str]  # name, offset, shape, dtype
-    region: int
-    at: int
-    nbytes: int
-    base_region: int = -1
-    base_at: int = -1
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -113,7 +113,8 @@ class _Hold:
 
     version: int
     lease_id: str
-    blocks: list[_Block]
+    #: its block table, built in a worker thread (:func:`refitd.delta.compare.table_of`)
+    table: asyncio.Future[Table]
     busy: int = 0  # comparisons reading it now
     yielded: bool = False  # drained, or no longer the newest: released once not busy
     released: bool = False
@@ -136,18 +137,27 @@ class _Record:
     index: ChangeIndex = field(default_factory=lambda: ChangeIndex.of({}))
     values: U8 = field(default_factory=lambda: np.zeros(0, np.uint8))
 
+    #: whether ``index`` and ``values`` hold the version's changes from its base (a
+    #: link of a composed delta, :meth:`DeltaBook._chain`), and its block table
+    linkable: bool = False
+    table: Table | None = None
+
     def drop_changes(self) -> None:
         self.index = ChangeIndex.of({})
         self.values = np.zeros(0, np.uint8)
+        self.linkable = False
+        self.table = None
 
     def retire(self) -> None:
-        """The version was retired: its changed units go, and so does its delta (an
-        empty one staged for a lease still on it would tell the engine that its base
-        is this version)."""
-        self.drop_changes()
+        """The version was retired: no delta to it is served any more (a lease still on
+        it refits in full). Its changes stay, a link of deltas to later versions, while
+        the record is among the model's newest :data:`MAX_CHAIN` (``_forget``)."""
         if self.state == DeltaState.READY:
             self.state = DeltaState.NONE
-            self.reason = f"v{self.version} was retired: its changed units were dropped"
+            self.reason = (
+                f"v{self.version} was retired: deltas to it are no longer served, its "
+                "changed units are kept only to compose deltas to later versions"
+            )
 
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -173,12 +183,18 @@ class _Record:
         )
 
 
-def _digest(blocks: list[_Block], lanes: list[npt.NDArray[np.uint64]]) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for b, ln in zip(blocks, lanes, strict=True):
-        h.update(repr(b.key).encode())
-        h.update(ln.tobytes())
-    return h.hexdigest()
+@dataclass
+class _Run:
+    """What a comparison found: each block's hash (new side, base side), the two
+    digests, and the changes (unless ``over`` the budget)."""
+
+    hash_new: U8
+    hash_old: U8
+    digest_new: str = ""
+    digest_old: str = ""
+    over: bool = False
+    index: ChangeIndex = field(default_factory=lambda: ChangeIndex.of({}))
+    values: U8 = field(default_factory=lambda: np.zeros(0, np.uint8))
 
 
 class DeltaBook:
@@ -218,8 +234,13 @@ class DeltaBook:
             return
         self._forget(model)
         rec = self._records[(model, version)] = _Record(model, version)
-        blocks = self._blocks(model, version)
-        hold = _Hold(version, reg.acquire(model, version, HOLD_S, "delta-base").lease_id, blocks)
+        # A step per shard: in a worker thread, not on the loop (a version may have
+        # tens of thousands of tiny shards).
+        merged = reg.merged(model, version)
+        table = asyncio.get_running_loop().run_in_executor(
+            self._pool, table_of, merged, itemsize_of
+        )
+        hold = _Hold(version, reg.acquire(model, version, HOLD_S, "delta-base").lease_id, table)
         base = self._holds.get(model)
         self._holds[model] = hold
         hold.busy += 1
@@ -252,9 +273,12 @@ class DeltaBook:
         """Drop the changed units of retired versions; keep the newest records."""
         live = {v.version for v in self.daemon.registry.versions(model) if v.state != "retired"}
         mine = sorted(k for k in self._records if k[0] == model)
-        for key in mine:
+        for i, key in enumerate(mine):
             if key[1] not in live:
                 self._records[key].retire()
+                # The newest MAX_CHAIN - 1 before this publish stay links of a chain.
+                if i < len(mine) - (MAX_CHAIN - 1):
+                    self._records[key].drop_changes()
         for key in mine[: max(0, len(mine) - KEEP_RECORDS)]:
             del self._records[key]
 
@@ -281,47 +305,34 @@ class DeltaBook:
 
     # ------------------------------------------------------------ comparing
 
-    def _blocks(self, model: str, version: int) -> list[_Block]:
-        m = self.daemon.registry.merged(model, version)
-        out = []
-        for t in m.tensors:
-            size = _itemsize(t.dtype)
-            for s in t.shards:
-                n = math.prod(s.shape) * size
-                out.append(
-                    _Block(
-                        (t.name, tuple(s.offset), tuple(s.shape), t.dtype),
-                        s.region,
-                        s.byte_offset,
-                        n,
-                    )
-                )
-        return out
-
     async def _compute(self, rec: _Record, hold: _Hold, base: _Hold | None) -> None:
         t0 = time.perf_counter()
         reg = self.daemon.registry
-        blocks = hold.blocks
         try:
-            rec.unit = unit_of(_itemsize(b.key[3]) for b in blocks)
-            regions = {b.region for b in blocks}
-            if self.daemon.store.device_kinds(regions):
+            table = await hold.table
+            rec.unit = unit_of(table.itemsizes)
+            if self.daemon.store.device_kinds(set(np.unique(table.region).tolist())):
                 raise ConflictError(
                     "published in GPU memory: deltas are compared in host memory only"
                 )
             why = "no earlier version held to compare with"
+            twins: tuple[I64, I64] | str | None = None
             if base is not None:
-                why = self._pair(blocks, base.blocks)
-                why = f"v{base.version} is laid out otherwise ({why})" if why else ""
+                twins = await self._in_pool(pair_with, table, await base.table)
+                why = (
+                    f"v{base.version} is laid out otherwise ({twins})"
+                    if isinstance(twins, str)
+                    else ""
+                )
                 if not why and not reg.is_live(base.lease_id):
                     why = f"the hold on v{base.version} expired"
             if why:  # the version's digest only: a full refit of it records it
-                lanes, _ = await self._run(blocks, rec.unit, pair=False)
-                rec.digest = _digest(blocks, [ln[0] for ln in lanes])
+                run = await self._run(table, rec.unit, None)
+                rec.digest = run.digest_new
                 rec.state, rec.reason = DeltaState.NONE, why
             else:
-                assert base is not None
-                await self._compare(rec, blocks, base.version)
+                assert base is not None and isinstance(twins, tuple)
+                await self._compare(rec, table, twins, base.version)
                 if not reg.is_live(base.lease_id):  # its memory may have changed meanwhile
                     rec.drop_changes()
                     rec.state = DeltaState.NONE
@@ -348,94 +359,109 @@ class DeltaBook:
                 rec.seconds,
             )
 
-    @staticmethod
-    def _pair(blocks: list[_Block], base: list[_Block]) -> str:
-        """Pair each block with the same block of the base; why not, or ``""``."""
-        where = {b.key: b for b in base}
-        for b in blocks:
-            o = where.get(b.key)
-            if o is None:
-                return f"block {b.key[0]!r} at {b.key[1]} shape {b.key[2]} {b.key[3]} has no match"
-            b.base_region, b.base_at = o.region, o.at
-        return ""
+    async def _in_pool(self, fn: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _compare(self, rec: _Record, blocks: list[_Block], base: int) -> None:
+    async def _compare(self, rec: _Record, table: Table, twins: tuple[I64, I64], base: int) -> None:
         left = max(0, self.max_bytes - self.held_bytes())
-        results, over = await self._run(blocks, rec.unit, pair=True, budget=left)
-        new_lanes = [r[0] for r in results]
-        old_lanes = [r[1] for r in results]
+        run = await self._run(table, rec.unit, twins, budget=left)
         rec.base = base
-        rec.digest = _digest(blocks, new_lanes)
-        rec.base_digest = _digest(blocks, old_lanes)
+        rec.digest, rec.base_digest = run.digest_new, run.digest_old
         known = self._records.get((rec.model, base))
         if known is not None and known.digest and known.digest != rec.base_digest:
             raise ConflictError(
                 f"base v{base}'s bytes changed since it was published (digest "
                 f"{known.digest} then, {rec.base_digest} now): a READY version was rewritten"
             )
-        if over:
+        if run.over:
             rec.state = DeltaState.NONE
             rec.reason = (
                 f"its changes would hold more than the {left} bytes left of the daemon "
                 f"memory delta records may hold ([pulls] delta_max_bytes = {self.max_bytes})"
             )
             return
-        # Blocks in (region, offset) order: each block's changes ascend, blocks do not
-        # overlap, so each region's offsets ascend with no sort of the changes.
-        order = sorted(range(len(blocks)), key=lambda i: (blocks[i].region, blocks[i].at))
-        per_region: dict[int, list[I64]] = {}
-        for i in order:
-            per_region.setdefault(blocks[i].region, []).append(results[i][2] + blocks[i].at)
-        rec.index = ChangeIndex.of({r: np.concatenate(o) for r, o in per_region.items()})
-        rec.values = np.concatenate([results[i][3] for i in order]) if order else rec.values
-        rec.compared = sum(b.nbytes for b in blocks)
+        rec.index, rec.values = run.index, run.values
+        rec.compared = table.total
         rec.state = DeltaState.READY
+        rec.linkable, rec.table = True, table
 
     async def _run(
-        self, blocks: list[_Block], unit: int, *, pair: bool, budget: int | None = None
-    ) -> tuple[list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], I64, U8]], bool]:
-        """Per block: (new lanes, old lanes, changed offsets in the block, old and new
-        bytes of each), computed by the pool in jobs of ``JOB_BYTES``; without ``pair``
-        the lanes only. With ``budget``, the changes are kept only while they hold at
-        most that many bytes: past it (the flag returned) none are, the lanes still are
-        taken, and no more than the jobs in flight is ever held."""
-        loop = asyncio.get_running_loop()
-        view = self.daemon.view
-        jobs = []
-        for i, b in enumerate(blocks):
-            for lo in range(0, max(b.nbytes, 1), JOB_BYTES):
-                hi = min(b.nbytes, lo + JOB_BYTES)
-                new = view(b.region)[b.at + lo : b.at + hi]
-                old = view(b.base_region)[b.base_at + lo : b.base_at + hi] if pair else None
-                fut = loop.run_in_executor(self._pool, _job, new, old, unit)
-                jobs.append(_tagged(i, lo, fut))
-        lanes_n = [np.zeros(LANES, np.uint64) for _ in blocks]
-        lanes_o = [np.zeros(LANES, np.uint64) for _ in blocks]
-        kept_parts: list[dict[int, tuple[I64, U8]]] = [{} for _ in blocks]
-        kept, over = 0, False
+        self,
+        table: Table,
+        unit: int,
+        twins: tuple[I64, I64] | None,
+        budget: int | None = None,
+    ) -> _Run:
+        """Compare ``table``'s blocks with their ``twins`` in the base (None: the
+        version's lanes only), job by job in the pool: at most two jobs per thread in
+        flight, so the loop holds a handful of futures whatever the block count. With
+        ``budget``, the changes are kept only while they hold at most that many bytes:
+        past it (``over``) none are, the digests still are taken."""
+        views = {}
+        for r in np.unique(table.region).tolist() + (
+            np.unique(twins[0]).tolist() if twins is not None else []
+        ):
+            views[int(r)] = self.daemon.view(int(r))
+        sizes = {r: len(v) for r, v in views.items()}
+        address = {r: address_of(v) for r, v in views.items()}
+        what = "comparison refused"
+        await self._in_pool(check_bounds, table, sizes, what)
+        if twins is not None:
+            await self._in_pool(check_twins, table, twins, sizes, what)
+        jobs = await self._in_pool(jobs_of, table)
+        out = _Run(
+            np.zeros((len(table.keys), 16), np.uint8), np.zeros((len(table.keys), 16), np.uint8)
+        )
+        partial: dict[int, tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64]]] = {}
+        kept: list[JobResult] = []
+        held = 0
+        window = 2 * self.threads
+        pending: set[asyncio.Future[JobResult]] = set()
+        order: dict[asyncio.Future[JobResult], int] = {}
+        results: dict[int, JobResult] = {}
+        nxt = 0
         try:
-            for done in asyncio.as_completed(jobs):
-                i, lo, (ln, lo_lanes, at, v) = await done
-                lanes_n[i] += ln
-                lanes_o[i] += lo_lanes
-                if over:
-                    continue
-                kept += at.nbytes + v.nbytes
-                self._pending += at.nbytes + v.nbytes
-                kept_parts[i][lo] = (at + lo, v)
-                if budget is not None and kept > budget:
-                    over = True
-                    kept_parts = [{} for _ in blocks]
+            while nxt < jobs.count or pending:
+                while nxt < jobs.count and len(pending) < window:
+                    fut = asyncio.get_running_loop().run_in_executor(
+                        self._pool, run_job, table, jobs, nxt, twins, address, unit,
+                        copy_batch_guarded,
+                    )  # fmt: skip
+                    pending.add(fut)
+                    order[fut] = nxt
+                    nxt += 1
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    j, res = order.pop(fut), fut.result()
+                    out.hash_new[res.whole] = res.hash_new
+                    out.hash_old[res.whole] = res.hash_old
+                    for b, ln, lo in res.partial:
+                        acc = partial.setdefault(
+                            b, (np.zeros(LANES, np.uint64), np.zeros(LANES, np.uint64))
+                        )
+                        acc[0].__iadd__(ln)
+                        acc[1].__iadd__(lo)
+                    if out.over or twins is None:
+                        continue
+                    held += res.nbytes
+                    self._pending += res.nbytes
+                    results[j] = res
+                    if budget is not None and held > budget:
+                        out.over = True
+                        results.clear()
         finally:
-            self._pending -= kept
-        empty = (np.zeros(0, np.int64), np.zeros(0, np.uint8))
-        out = []
-        for i in range(len(blocks)):
-            parts = [kept_parts[i][lo] for lo in sorted(kept_parts[i])] or [empty]
-            offs = np.concatenate([p[0] for p in parts])
-            vals = np.concatenate([p[1] for p in parts])
-            out.append((lanes_n[i], lanes_o[i], offs, vals))
-        return out, over
+            for fut in pending:
+                fut.cancel()
+            self._pending -= held
+        for b, (ln, lo) in partial.items():
+            out.hash_new[b] = np.frombuffer(block_hash(table.keys[b], ln), np.uint8)
+            out.hash_old[b] = np.frombuffer(block_hash(table.keys[b], lo), np.uint8)
+        kept = [results[j] for j in sorted(results)]
+        out.digest_new = digest(table, out.hash_new)
+        out.digest_old = digest(table, out.hash_old) if twins is not None else ""
+        if kept:
+            out.index, out.values = await self._in_pool(assemble, kept)
+        return out
 
     def held_bytes(self) -> int:
         """Daemon memory the delta records hold now, with comparisons' kept changes."""
@@ -443,6 +469,28 @@ class DeltaBook:
         return held + self._pending
 
     # ------------------------------------------------------------ staging a pull's delta
+
+    def _chain(
+        self, rec: _Record, base: int, base_digest: str
+    ) -> list[tuple[ChangeIndex, U8, Table | None]] | str:
+        """The changes from ``base`` (with ``base_digest``) to ``rec``'s version through
+        the records between them, oldest first (each READY with its changes, each
+        one's base the one before with the digest that one recorded), at most
+        :data:`MAX_CHAIN` of them; or why there is no such chain."""
+        links = [rec]
+        while links[0].base != base:
+            if len(links) >= MAX_CHAIN or links[0].base < base:
+                return f"no chain of at most {MAX_CHAIN} deltas from v{base}"
+            prev = self._records.get((rec.model, links[0].base))
+            if prev is None or not prev.linkable:
+                why = prev.reason if prev is not None else "no record"
+                return f"v{links[0].base}'s changes are gone ({why})"
+            if prev.digest != links[0].base_digest or prev.unit != rec.unit:
+                return f"v{prev.version}'s digest is not the base v{links[0].version} compared with"
+            links.insert(0, prev)
+        if links[0].base_digest != base_digest:
+            return f"v{base}'s digest here is {links[0].base_digest}"
+        return [(r.index, r.values, r.table) for r in links]
 
     async def pack(
         self, req: DeltaPackRequest, lease: Lease, principal: str, caller: str
@@ -474,12 +522,16 @@ class DeltaBook:
         state, reason, index, values = rec.state, rec.reason, rec.index, rec.values
         if state != DeltaState.READY:
             raise ConflictError(f"{what} refused: there is none ({reason})")
+        chain: list[tuple[ChangeIndex, U8, Table | None]] = [(index, values, rec.table)]
         if (req.base_version, req.base_digest) != (rec.base, rec.base_digest):
-            raise ConflictError(
-                f"{what} refused: it applies to v{rec.base} with digest {rec.base_digest}, "
-                f"the engine states v{req.base_version} with digest "
-                f"{req.base_digest or '(none)'}: a full refit is needed"
-            )
+            links = self._chain(rec, req.base_version, req.base_digest)
+            if isinstance(links, str):
+                raise ConflictError(
+                    f"{what} refused: it applies to v{rec.base} with digest "
+                    f"{rec.base_digest}, the engine states v{req.base_version} with digest "
+                    f"{req.base_digest or '(none)'} ({links}): a full refit is needed"
+                )
+            chain = links
         rows = req.descriptors.rows()
         scope = self.daemon.registry.scope(req.model, req.version)
         check_unchecked_reads(rows, req.pack_specs, scope, f"{req.model!r} version {req.version}")
@@ -490,21 +542,28 @@ class DeltaBook:
                 f"{STREAM_FACTOR} times the version's {rec.compared} bytes; a plan reads "
                 "each byte of its version about once"
             )
+        if len(chain) > 1:  # v -> v+k: the records' changes composed, oldest first
+            index, values = await self._in_pool(composed, chain, rec.unit)
         payload, staged = await asyncio.get_running_loop().run_in_executor(
-            self._pool, _payload, rec.unit, index, values, rows, req.pack_specs
+            self._pool, _payload, rec.unit, index, values, rows, req.pack_specs, req.nibbles
         )
         # The lease may have ended while this waited: nothing is staged for no lease.
         self.daemon.registry.check(lease.lease_id, req.model, req.version)
         # Admitted to the principal's caps and counted before its next request is.
         region = await self.daemon.staging.stage(payload, lease, principal)
-        pages, changed, exceptions, units = staged
+        pages, changed, exceptions, units, bits = staged
         return DeltaStaged(
-            region, len(payload), pages, changed, exceptions, rec.unit, units, rec.base, rec.digest
+            region,
+            len(payload),
+            pages,
+            changed,
+            exceptions,
+            rec.unit,
+            units,
+            rec.base,
+            rec.digest,
+            bits,
         )
-
-
-async def _tagged(i: int, lo: int, fut: asyncio.Future[_JobResult]) -> tuple[int, int, _JobResult]:
-    return i, lo, await fut
 
 
 def _quarter_of_memory() -> int:
@@ -512,66 +571,14 @@ def _quarter_of_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
 
 
-def _itemsize(dtype: str) -> int:
-    import torch
-
-    dt = getattr(torch, dtype, None)
-    if not isinstance(dt, torch.dtype):
-        raise ProtocolError(f"dtype {dtype!r} is not a torch dtype")
-    return dt.itemsize
-
-
-def _job(
-    new: memoryview, old: memoryview | None, unit: int
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.uint64], I64, U8]:
-    """One comparison job, in a worker thread: each chunk copied through the guard."""
-    n = len(new)
-    a = np.empty(min(n, CHUNK), np.uint8)
-    b = np.empty(min(n, CHUNK), np.uint8)
-    ln_new = np.zeros(LANES, np.uint64)
-    ln_old = np.zeros(LANES, np.uint64)
-    offs: list[I64] = []
-    vals: list[U8] = []
-    for lo in range(0, n, CHUNK):
-        hi = min(n, lo + CHUNK)
-        nb, na = b[: hi - lo], a[: hi - lo]
-        copy_view(nb.data, new[lo:hi])
-        ln_new += lanes_of(nb)
-        if old is None:
-            continue
-        copy_view(na.data, old[lo:hi])
-        ln_old += lanes_of(na)
-        at, o, v = compare_chunk(na, nb, unit)
-        if len(at):
-            offs.append(at + lo)
-            vals.append(np.stack([o.reshape(-1, unit), v.reshape(-1, unit)], axis=1).reshape(-1))
-    return (
-        ln_new,
-        ln_old,
-        np.concatenate(offs) if offs else np.zeros(0, np.int64),
-        np.concatenate(vals) if vals else np.zeros(0, np.uint8),
-    )
-
-
 def _payload(
-    unit: int, index: ChangeIndex, values: U8, rows: I64, specs: list[PackSpec]
+    unit: int, index: ChangeIndex, values: U8, rows: I64, specs: list[PackSpec], nibbles: bool
 ) -> tuple[U8, tuple[int, ...]]:
     """The staged delta of the stream ``rows`` + ``specs``, given a version's changed
     units (``index``, ``values``): its bytes and (pages, changed, exceptions, stream
-    units)."""
-    reads = reads_of(rows, specs)
+    units, bits of a difference), selected and encoded natively in one pass over the changes
+    (:func:`refitd.delta.native.stage`; its reference: ``staged_reference``)."""
     try:
-        k, at = select(index, reads, unit)
+        return native.stage(index, values, reads_of(rows, specs), unit, nibbles)
     except ValueError as err:
         raise ProtocolError(f"delta refused: {err}") from err
-    stream_units = int(reads[:, 2].sum()) // unit if len(reads) else 0
-    counts, low = encode(k, stream_units)
-    old, new = changed_pairs(values, at, unit)
-    diff, exc = encode_values(old, new)
-    lay = layout(len(counts), len(k), len(exc), unit)
-    out = np.zeros(max(lay.nbytes, 64), np.uint8)
-    out[lay.counts : lay.counts + counts.nbytes] = counts
-    out[lay.low : lay.low + low.nbytes] = low
-    out[lay.diff : lay.diff + diff.nbytes] = diff.view(np.uint8)
-    out[lay.exceptions : lay.exceptions + exc.nbytes] = exc.view(np.uint8)
-    return out, (len(counts), len(k), len(exc), stream_units)

@@ -134,6 +134,19 @@ class EngineDigest:
         by_word = total.reshape(self.blocks, LANES, words) << shifts
         self.lanes += np.add.reduce(by_word, axis=2, dtype=np.uint64)
 
+    def update_units(
+        self,
+        idx: I64,
+        old: npt.NDArray[np.unsignedinteger],
+        new: npt.NDArray[np.unsignedinteger],
+    ) -> None:
+        """:meth:`update` for the units at unit indices ``idx`` (none twice), natively:
+        one pass over the changes (:func:`refitd.delta.native.digest_update`), the
+        same lanes as :meth:`update`, which is its reference."""
+        from refitd.delta.native import digest_update
+
+        digest_update(self.lanes, self.block, idx, old, new)
+
     def rewrite(self, lo: int, before: U8, after: U8) -> None:
         """The bytes at ``[lo, lo + len(after))`` changed from ``before`` to ``after``
         (a whole span rewritten): update each block it touches."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -40,16 +40,22 @@ __all__ = [
     "ChangeIndex",
     "Layout",
     "Strided",
+    "areas_of",
     "changed_pairs",
+    "compose",
     "decode",
     "decode_values",
     "encode",
     "encode_values",
     "landing",
     "layout",
+    "pack_nibbles",
     "pieces_of",
     "reads_of",
+    "scattered",
     "select",
+    "staged_reference",
+    "unpack_nibbles",
 ]
 
 PAGE = 255
@@ -181,14 +187,16 @@ def decode(counts: npt.NDArray[np.uint8], low: npt.NDArray[np.uint8]) -> I64:
 
 
 def encode_values(
-    old: npt.NDArray[np.unsignedinteger], new: npt.NDArray[np.unsignedinteger]
+    old: npt.NDArray[np.unsignedinteger],
+    new: npt.NDArray[np.unsignedinteger],
+    limit: int = 127,
 ) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.unsignedinteger]]:
     """New units as differences from the old ones (same unsigned dtype): a signed
-    byte each, ``ESCAPE`` for one beyond ±127, whose new unit goes to the returned
-    exceptions (in order)."""
+    byte each, ``ESCAPE`` for one beyond ±``limit`` (127; 7 for 4-bit differences),
+    whose new unit goes to the returned exceptions (in order)."""
     signed = np.dtype(f"i{old.dtype.itemsize}")
     d = (new - old).view(signed)
-    far = (d < -127) | (d > 127)
+    far = (d < -limit) | (d > limit)
     diff = np.where(far, ESCAPE, d).astype(np.int8)
     return diff, new[far]
 
@@ -222,13 +230,38 @@ def _up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def layout(pages: int, changed: int, exceptions: int, unit: int) -> Layout:
-    """A staged delta: page counts, offsets in page, differences (a byte each), the
-    exceptions (units), each part 64-byte aligned."""
+def layout(pages: int, changed: int, exceptions: int, unit: int, diff_bits: int = 8) -> Layout:
+    """A staged delta: page counts, offsets in page, differences (a byte each, or
+    with ``diff_bits`` 4 two a byte), the exceptions (units), each part 64-byte
+    aligned."""
     low = _up(pages)
     diff = low + _up(changed)
-    exc = diff + _up(changed)
+    exc = diff + _up(changed if diff_bits == 8 else -(-changed // 2))
     return Layout(0, low, diff, exc, exc + _up(unit * exceptions))
+
+
+NIBBLE_ESCAPE = 8
+"""The 4-bit difference that says "this value is in the exceptions"."""
+
+
+def pack_nibbles(diff: npt.NDArray[np.int8]) -> npt.NDArray[np.uint8]:
+    """Differences within ±7 (``ESCAPE`` for any other) as 4-bit ones, two a byte,
+    the first in the low nibble; an escape is :data:`NIBBLE_ESCAPE`."""
+    d = np.zeros(len(diff) + len(diff) % 2, np.uint8)
+    d[: len(diff)] = np.where(diff == ESCAPE, NIBBLE_ESCAPE, diff).astype(np.uint8)
+    np.bitwise_and(d, np.uint8(0xF), out=d)
+    out: npt.NDArray[np.uint8] = d[0::2] | (d[1::2] << np.uint8(4))
+    return out
+
+
+def unpack_nibbles(packed: npt.NDArray[np.uint8], n: int) -> npt.NDArray[np.int8]:
+    """:func:`pack_nibbles` undone: ``n`` differences as signed bytes, ``ESCAPE`` for
+    an escape."""
+    d = np.empty(2 * len(packed), np.int16)
+    d[0::2], d[1::2] = packed & 0xF, packed >> 4
+    d = d[:n]
+    out = np.where(d == NIBBLE_ESCAPE, ESCAPE, (d ^ 8) - 8).astype(np.int8)
+    return out
 
 
 def pieces_of(pieces: I64, k: I64, unit: int) -> I64:
@@ -255,3 +288,103 @@ def landing(pieces: I64, k: I64, unit: int) -> tuple[I64, I64, I64]:
     off = origin[piece]
     off += k * unit
     return piece, np.ascontiguousarray(pieces[:, 0])[piece], off
+
+
+def staged_reference(
+    unit: int, index: ChangeIndex, values: npt.NDArray[np.uint8], reads: I64, diff_bits: int = 8
+) -> tuple[npt.NDArray[np.uint8], tuple[int, int, int, int]]:
+    """The staged delta of the stream ``reads`` (:func:`reads_of`) given a version's
+    changed units (``index``; ``values`` each one's old then new unit), in numpy: its
+    bytes and (pages, changed, exceptions, stream units). The reference the source's
+    native staging (:func:`refitd.delta.native.stage`) is tested against.
+    ``ValueError`` for a read that does not start and end on a unit."""
+    k, at = select(index, reads, unit)
+    stream_units = int(reads[:, 2].sum()) // unit if len(reads) else 0
+    counts, low = encode(k, stream_units)
+    old, new = changed_pairs(values, at, unit)
+    diff, exc = encode_values(old, new, 127 if diff_bits == 8 else 7)
+    lay = layout(len(counts), len(k), len(exc), unit, diff_bits)
+    out = np.zeros(max(lay.nbytes, 64), np.uint8)
+    out[lay.counts : lay.counts + counts.nbytes] = counts
+    out[lay.low : lay.low + low.nbytes] = low
+    packed = diff.view(np.uint8) if diff_bits == 8 else pack_nibbles(diff)
+    out[lay.diff : lay.diff + packed.nbytes] = packed
+    out[lay.exceptions : lay.exceptions + exc.nbytes] = exc.view(np.uint8)
+    return out, (len(counts), len(k), len(exc), stream_units)
+
+
+def compose(
+    chain: Sequence[tuple[ChangeIndex, npt.NDArray[np.uint8]]], unit: int
+) -> tuple[ChangeIndex, npt.NDArray[np.uint8]]:
+    """The changes of consecutive deltas (oldest first: each one's changed units and
+    their old then new units) as one delta from the first's base to the last's
+    version: a unit changed by several keeps the oldest old and the newest new unit,
+    and one that came back to its old value is no change."""
+    udt = unit_dtype(unit)
+    regions = sorted({r for index, _ in chain for r in index.spans})
+    per_offsets: dict[int, I64] = {}
+    per_pairs = []
+    for r in regions:
+        offs, pairs, seq = [], [], []
+        for i, (index, values) in enumerate(chain):
+            lo, hi = index.spans.get(r, (0, 0))
+            offs.append(index.offsets[lo:hi])
+            pairs.append(values.view(udt).reshape(-1, 2)[lo:hi])
+            seq.append(np.full(hi - lo, i, np.int64))
+        o, p, q = np.concatenate(offs), np.concatenate(pairs), np.concatenate(seq)
+        order = np.lexsort((q, o))  # by offset, then oldest first
+        o, p = o[order], p[order]
+        first = np.ones(len(o), bool)
+        first[1:] = o[1:] != o[:-1]
+        last = np.ones(len(o), bool)
+        last[:-1] = o[1:] != o[:-1]
+        merged = np.stack([p[first, 0], p[last, 1]], axis=1)
+        moved = merged[:, 0] != merged[:, 1]
+        per_offsets[r] = o[first][moved]
+        per_pairs.append(merged[moved])
+    values = (
+        np.ascontiguousarray(np.concatenate(per_pairs)).view(np.uint8).reshape(-1)
+        if per_pairs
+        else np.zeros(0, np.uint8)
+    )
+    return ChangeIndex.of(per_offsets), values
+
+
+def scattered(scatter: Sequence[Any], param_off: Mapping[str, int], sid: I64, off: I64) -> I64:
+    """Engine byte offsets of scratch offsets ``off`` in the plan's scatter entries
+    ``sid`` (each ``(scratch offset, dtype, shape, strides, parameter, byte in it)``):
+    each entry's packed (C-order) element mapped through its destination strides."""
+    nd = max(len(e[2]) for e in scatter)
+    shapes = np.array([(1,) * (nd - len(e[2])) + tuple(e[2]) for e in scatter])
+    strides = np.array([(0,) * (nd - len(e[3])) + tuple(e[3]) for e in scatter])
+    at = np.array([e[0] for e in scatter], dtype=np.int64)
+    size = np.array([e[1].itemsize for e in scatter], dtype=np.int64)
+    base = np.array([param_off[e[4]] + e[5] for e in scatter], dtype=np.int64)
+    rel = off - at[sid]
+    isz = size[sid]
+    elem, byte = rel // isz, rel % isz
+    flat = np.zeros(len(sid), dtype=np.int64)
+    for d in range(nd - 1, -1, -1):
+        n = shapes[sid, d]
+        flat += (elem % n) * strides[sid, d]
+        elem //= n
+    return np.asarray(base[sid] + flat * isz + byte, dtype=np.int64)
+
+
+def areas_of(comp: Any, pieces: I64, scratch_id: int) -> tuple[I64, I64]:
+    """Per piece of the stream of ``comp`` (a compiled pull: its rows, packs, scatter
+    entries and full pulls): the scatter entry it lands in (-1: none), and the full
+    pull whose staged tensor it lands in (-1: none)."""
+    n = len(pieces)
+    scat_of = np.full(n, -1, dtype=np.int64)
+    fp_of = np.full(n, -1, dtype=np.int64)
+    entry = {at: e for e, (at, *_) in enumerate(comp.scatter)}
+    nrows = len(comp.rows)
+    for j, p in enumerate(comp.packs):
+        if p.dst_region == scratch_id and p.dst_offset in entry:
+            scat_of[nrows + j] = entry[p.dst_offset]
+    in_scratch = pieces[:, 0] == scratch_id
+    for i, (at, fp) in enumerate(comp.full_pulls):
+        inside = in_scratch & (pieces[:, 1] >= at) & (pieces[:, 1] < at + fp.staging_nbytes)
+        fp_of[inside] = i
+    return scat_of, fp_of

@@ -44,6 +44,16 @@ class UndoLog:
         target[index] = values
         return old
 
+    def record(
+        self,
+        target: npt.NDArray[np.generic],
+        index: npt.NDArray[np.int64],
+        old: npt.NDArray[np.generic],
+    ) -> None:
+        """Record that ``target[index]`` held ``old`` before a write the caller makes
+        next (a native scatter)."""
+        self.writes.append(_Write(target, index, old))
+
     def keep(self, target: npt.NDArray[np.generic]) -> None:
         """Record the whole of ``target`` (1-D) before something rewrites it."""
         index = np.arange(len(target), dtype=np.int64)

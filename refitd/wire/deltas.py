@@ -62,11 +62,15 @@ class DeltaPackRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     base_digest: Digest
     descriptors: DescriptorTable
     pack_specs: list[PackSpec] = []
+    #: the receiver decodes 4-bit differences (the daemon uses them where they stage
+    #: fewer bytes; ``DeltaStaged.diff_bits`` says which it staged)
+    nibbles: bool = False
 
 
 class DeltaStaged(msgspec.Struct, frozen=True):
     """A staged delta: ``nbytes`` bytes at the start of ``region`` (held for the lease):
-    ``pages`` page counts, ``changed`` offsets in page and as many differences, then
+    ``pages`` page counts, ``changed`` offsets in page and as many differences
+    (``diff_bits`` each: 8, or 4 when the request accepted ``nibbles``), then
     ``exceptions`` whole units of ``unit`` bytes (``refitd.delta.stream.layout``);
     ``stream_units`` the units of the full pull's stream; ``digest`` the version's
     content digest."""
@@ -80,3 +84,4 @@ class DeltaStaged(msgspec.Struct, frozen=True):
     stream_units: int
     base_version: int
     digest: str
+    diff_bits: int = 8

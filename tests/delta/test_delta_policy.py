@@ -75,6 +75,9 @@ async def test_auto_refits_in_full_from_a_source_on_this_host_and_by_delta_acros
             assert across.last.wire_bytes < across.last.full_bytes
             assert here.last is not None and here.last.kind == "full"
             assert here.last.reason.startswith("auto: the source is on this host")
+            # ... and its full path keeps no delta bookkeeping: no base recorded (no
+            # wait for the source's comparison, no digest read of the engine memory).
+            assert here.base_version is None
             assert always.last is not None and always.last.kind == "delta", always.last.reason
         for r in (across, here, always):
             await r.close()

@@ -1,8 +1,11 @@
-"""Two tiny C helpers, built into the package when it is built (setup.py).
+"""Three tiny C helpers, built into the package when it is built (setup.py).
 
 - ``_copy``: a batched memcpy the `local` transport calls with the GIL released,
   guarded: a bus error in it (a shared file shrunk under the mapping, a full tmpfs)
   ends that copy with an error instead of the process.
+- ``_delta``: the delta refit's per-change kernels (``refitd.delta.native``): the
+  source's comparison and encoding, the engine's placing and digest update, each
+  one pass over the changes.
 - ``_ucx``: the UCX RMA calls (mem map, rkey pack/unpack, batched GET + flush with a
   deadline) that ucxx's Python layer does not expose, built against the headers of
   the ``libucx`` wheel and linked (by soname, runpath into that wheel) to the same
@@ -25,7 +28,7 @@ from types import ModuleType
 
 from refitd.errors import ConfigError
 
-__all__ = ["copy_lib", "libucx_root", "loaded_libucp", "ucx_lib"]
+__all__ = ["copy_lib", "delta_lib", "libucx_root", "loaded_libucp", "ucx_lib"]
 
 
 def _extension(name: str) -> ModuleType:
@@ -58,6 +61,26 @@ def copy_lib() -> ctypes.CDLL:
     lib.rfx_gather_guarded.restype = ctypes.c_int64
     lib.rfx_pvr_batch.argtypes = [ctypes.c_int64, ctypes.c_int64, p, p, p]
     lib.rfx_pvr_batch.restype = ctypes.c_int
+    return lib
+
+
+@cache
+def delta_lib() -> ctypes.CDLL:
+    lib = _cdll("_delta")
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    sig: dict[str, tuple[list[object], object]] = {
+        "rfx_lanes": ([i64, p, p], None),
+        "rfx_compare": ([i64, p, p, i64, p, p, p, p], i64),
+        "rfx_compare_pieces": ([i64, p, p, p, p, i64, p, p, p, p, p, p], i64),
+        "rfx_encode": ([i64, p, p, p, p, p, p, i64, i64, p, i64, p, p, p, i64, p], i64),
+        "rfx_place": ([i64, p, p, i64, p, p, i64, i64, p, p, i64, p, i64, p, p, p, i64], i64),
+        "rfx_scatter": ([i64, p, p, i64, p], None),
+        "rfx_digest_update": ([i64, p, p, p, i64, i64, i64, p], i64),
+    }
+    for name, (args, res) in sig.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = res
     return lib
 
 
