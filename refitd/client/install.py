@@ -9,7 +9,7 @@ the one device an engine's parameters must share.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -65,7 +65,7 @@ def _to(p: PackSpec, region: int, other: int) -> PackSpec:
 def install_unpacked(
     scatter: Sequence[Scatter],
     full_pulls: Sequence[tuple[int, FullPull]],
-    params: dict[str, torch.nn.Parameter],
+    params: Mapping[str, torch.Tensor],
     scratch: npt.NDArray[np.uint8],
 ) -> None:
     """Scatter the packed blocks that land strided, and replay the full pulls (each

@@ -22,6 +22,11 @@
    replayed from scratch into the parameters in every mode;
 6. release the lease.
 
+:meth:`DaemonReceiver.stage` runs steps 1-5 of a swap-mode refit but stops before the
+swap: the new version waits, whole, in the inactive copy while the engine serves the
+old one, and :meth:`DaemonReceiver.swap_staged` later rebinds the parameters to it
+(in-flight refit, docs/vllm.md).
+
 The engine's parameters are moved once into memory registered with the local
 daemon, so pulls can land in them: a shared-memory segment for parameters in host
 memory; for parameters on a GPU, one GPU allocation on that device (they never leave
@@ -159,6 +164,9 @@ class DaemonReceiver:
         self._engine_flat: torch.Tensor | None = None
         self._scratch_flat: torch.Tensor | None = None
         self.plans = 0
+        #: stage(): the compiled pull whose bytes wait whole in the inactive copy
+        self.staged: tuple[int, CompiledPull] | None = None
+        self._hold = False  # the refit running stops before its swap (stage())
         self.lease_keeper: LeaseKeeper | None = None  # while a refit holds its lease
 
     # ------------------------------------------------------------ memory
@@ -405,7 +413,10 @@ class DaemonReceiver:
         (409) while another refit runs on this receiver."""
         t0 = time.perf_counter()
         with self._one.refit(version):
+            self.staged = None  # this refit writes the inactive copy: nothing waits there
             await self._place_engine()
+            if self._hold and self._views is None:  # GPU parameters refit in staging mode
+                raise ConflictError(f"stage of {self.model!r} refused: its engine is not swapped")
             if version is None:
                 version = (await self.source.version(self.model, "latest")).version
             lease = await self.source.acquire_lease(
@@ -416,7 +427,9 @@ class DaemonReceiver:
             keeper = self.lease_keeper = LeaseKeeper(self.source, lease, self.lease_ttl_s)
             try:
                 async with keeper:
-                    return await self._refit_leased(version, lease.lease_id, t0, on_progress)
+                    # stage() is always a full pull: the inactive copy is no delta's base
+                    leased = self._refit_leased if not self._hold else self._full_leased
+                    return await leased(version, lease.lease_id, t0, on_progress)
             except RefitError as exc:
                 if keeper.error is not None:
                     exc.add_note(f"renewing lease {lease.lease_id!r} was refused: {keeper.error}")
@@ -426,6 +439,70 @@ class DaemonReceiver:
                 # A source daemon already gone (or restarted) took the lease with it.
                 with contextlib.suppress(TransportError, NotFoundError):
                     await self.source.release_lease(lease.lease_id)
+
+    async def stage(
+        self,
+        version: int | None = None,
+        *,
+        on_progress: Callable[[PullProgress], None] | None = None,
+    ) -> RefitStats:
+        """Swap mode, host memory: pull ``version`` (a full pull, whatever refit kind
+        this receiver runs) into the inactive copy and land all of it there, writing
+        nothing the engine reads; :attr:`staged` then names it until
+        :meth:`swap_staged` swaps it in, or any other refit replaces it. A failure
+        leaves nothing staged and the engine as it was."""
+        if self.mode != "swap":
+            raise ConflictError(
+                f"stage of {self.model!r} refused: it needs swap mode on host memory "
+                f"(this receiver runs {self.mode!r}); refit instead"
+            )
+        self._hold = True
+        try:
+            return await self.refit(version, on_progress=on_progress)
+        except BaseException:
+            self.staged = None
+            raise
+        finally:
+            self._hold = False
+
+    def swap_staged(self, version: int) -> None:
+        """Rebind the parameters to the inactive copy, which holds ``version`` whole
+        (:meth:`stage`); no byte is copied. Refused, changing nothing, when it does not."""
+        held = None if self.staged is None else self.staged[0]
+        if held != version:
+            raise ConflictError(
+                f"swap of {self.model!r} to v{version} refused: the inactive copy holds "
+                f"{'nothing staged' if held is None else f'v{held}'}"
+            )
+        assert self.staged is not None
+        comp = self.staged[1]
+        self.staged = None
+        self._swap(comp)
+
+    def inactive(self) -> dict[str, torch.Tensor]:
+        """Swap mode: each parameter's view into the copy it does not read now (after
+        :meth:`stage`, the staged version's bytes)."""
+        assert self._views is not None, "stage() first: the engine is not placed in swap mode"
+        return self._views.views[1 - self._serving]
+
+    def pulled_into(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in memory refits write (the engine's segments)."""
+        at = t.data_ptr()
+        for seg in (self._engine_seg, self._shadow_seg, self._scratch_seg):
+            if seg is not None:
+                base = seg.numpy().ctypes.data
+                if base <= at < base + seg.size:
+                    return True
+        return False
+
+    async def _full_leased(
+        self,
+        version: int,
+        lease_id: str,
+        t0: float,
+        on_progress: Callable[[PullProgress], None] | None,
+    ) -> RefitStats:
+        return await DaemonReceiver._refit_leased(self, version, lease_id, t0, on_progress)
 
     async def _refit_leased(
         self,
@@ -492,6 +569,8 @@ class DaemonReceiver:
         t0, t1, t2 = times
         t3 = time.perf_counter()
         self._install(comp)
+        if self._hold:
+            self.staged = (version, comp)
         t4 = time.perf_counter()
         return RefitStats(
             version,
@@ -570,6 +649,13 @@ class DaemonReceiver:
             serving, shadow = self._engine_seg.numpy(), self._shadow_seg.numpy()
             for off, n in comp.keep:
                 shadow[off : off + n] = serving[off : off + n]
+            if self._hold:  # stage(): land the rest in the inactive copy, swap later
+                assert self._views is not None
+                inactive = self._views.views[1 - self._serving]
+                if self._scratch_seg is not None:
+                    scratch = self._scratch_seg.numpy()
+                    install_unpacked(comp.scatter, comp.full_pulls, inactive, scratch)
+                return
             self._swap(comp)
             try:
                 self._install_unpacked(comp)

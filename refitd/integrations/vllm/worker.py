@@ -38,6 +38,16 @@ destinations in place (one copy, but a failed pull leaves them half written). (B
 never holds, the attention layers' KV-cache scales, are not expected in the
 manifest unless the KV cache is quantized.) ``finish_weight_update`` processes the weights and records
 this rank's :class:`~refitd.client.receiver.RefitStats` (``last_stats``; logged).
+
+**In-flight refit** (swap mode, docs/vllm.md): ``update_weights({"phase": "prefetch",
+"version": N})`` returns at once; a background thread of the worker leases N, pulls it
+(on the daemon) into the inactive copy and runs vLLM's post-load processing ahead, into
+new storage (:mod:`refitd.integrations.vllm.prepared`), while the engine generates.
+:func:`inflight_state` (``collective_rpc``) reports each rank's prefetch;
+``{"phase": "swap", "version": N}``, sent while the engine is paused, first has every
+rank agree (a gather over the engine's ranks) and swaps only if every one holds N
+prepared: otherwise each rank refuses and all serve on the version they had.
+``{"phase": "abandon"}`` drops a finished prefetch.
 """
 
 from __future__ import annotations
@@ -47,6 +57,7 @@ import copy
 import logging
 import re
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -59,14 +70,23 @@ from vllm.distributed.weight_transfer.base import (
 
 from refitd.client.deltarefit import DeltaReceiver
 from refitd.client.receiver import DaemonReceiver, RefitStats
+from refitd.errors import ConflictError
 from refitd.integrations.vllm.postload import (
     Destination,
     Reprocessing,
     plan_reprocessing,
     storage_key,
 )
+from refitd.integrations.vllm.prepared import Prepared, prepare
 
-__all__ = ["RefitdInitInfo", "RefitdUpdateInfo", "RefitdWeightTransferEngine"]
+__all__ = [
+    "RefitdInitInfo",
+    "RefitdUpdateInfo",
+    "RefitdWeightTransferEngine",
+    "RefitdWorkerExtension",
+    "inflight_state",
+    "refit_stats",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -103,9 +123,33 @@ class RefitdInitInfo(WeightTransferInitInfo):
 
 @dataclass
 class RefitdUpdateInfo(WeightTransferUpdateInfo):
-    """One update: the published ``version`` to refit to (``None``: the newest READY)."""
+    """One update: the published ``version`` to refit to (``None``: the newest READY).
+
+    ``phase``: ``"refit"`` (the whole refit now), or an in-flight refit's step:
+    ``"prefetch"`` (start; returns at once), ``"swap"`` (all ranks or none),
+    ``"abandon"`` (drop a finished prefetch)."""
 
     version: int | None = None
+    phase: str = "refit"
+
+
+PHASES = ("refit", "prefetch", "swap", "abandon")
+
+
+@dataclass
+class _Prefetch:
+    """One rank's in-flight prefetch: ``state`` running, ready or failed."""
+
+    asked: int | None
+    started: float
+    future: Future[None] | None = None
+    state: str = "running"
+    error: str = ""
+    version: int | None = None
+    stats: RefitStats | None = None
+    prepared: Prepared | None = None
+    pulled_s: float = 0.0
+    prepare_s: float = 0.0
 
 
 class _Destinations(torch.nn.Module):
@@ -152,6 +196,11 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         self._init_info: RefitdInitInfo | None = None
         self._computed: list[str] = []
         self._pending: RefitStats | None = None
+        # Every asyncio run of the receiver happens on this one thread: a prefetch runs
+        # there while vLLM's step loop goes on, and calls never overlap on its loop.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="refitd-worker")
+        self._prefetch: _Prefetch | None = None
+        self._dest_names: dict[int, str] = {}
         self.last_stats: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
 
@@ -238,6 +287,7 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         self._reprocess = plan_reprocessing(
             self.model, planned, self.vllm_config.model_config.dtype
         )
+        self._dest_names = {id(p): n for n, p in dest.named_parameters()}
         return dest
 
     def _untie(
@@ -279,6 +329,10 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         ]
 
     def _run(self, coro: Any) -> Any:
+        """Run ``coro`` on the receiver's thread and wait for it."""
+        return self._pool.submit(self._run_here, coro).result()
+
+    def _run_here(self, coro: Any) -> Any:
         assert self._runner is not None
         return self._runner.run(coro)
 
@@ -334,14 +388,185 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         self._pending = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        info = self.parse_update_info(update_info)
+        if info.phase not in PHASES:
+            raise ValueError(f"refitd: update phase {info.phase!r} refused: one of {PHASES}")
+        if self.receiver is None:
+            raise RuntimeError("refitd: init_weight_transfer_engine was not called")
+        if info.phase == "prefetch":
+            self._start_prefetch(info.version)
+        elif info.phase == "swap":
+            self._swap(info.version)
+        elif info.phase == "abandon":
+            self._abandon()
+        else:
+            self.receive_weights(info)
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: RefitdUpdateInfo) -> None:
         if self.receiver is None:
             raise RuntimeError("refitd: init_weight_transfer_engine was not called")
+        pf = self._prefetch
+        if pf is not None and pf.state == "running":
+            raise ConflictError(
+                f"refitd: refit refused on rank {self._rank()}: a prefetch of "
+                f"{_asked(pf.asked)} still runs into the inactive copy; swap or abandon it first"
+            )
+        self._prefetch = None  # a refit writes the inactive copy: a staged version is gone
         self._pending = self._run(self.receiver.refit(update_info.version))
+
+    # ------------------------------------------------------------ in-flight refit
+
+    def _rank(self) -> int:
+        return int(getattr(self.parallel_config, "rank", 0))
+
+    def _start_prefetch(self, version: int | None) -> None:
+        """Start pulling ``version`` into the inactive copy on the receiver's thread and
+        return at once (the engine serves on)."""
+        assert self._init_info is not None
+        if self._init_info.mode != "swap":
+            raise ConflictError(
+                f"refitd: prefetch of {_asked(version)} refused: it needs mode='swap' "
+                f"(a second copy to pull into while serving), this engine runs "
+                f"{self._init_info.mode!r}"
+            )
+        if int(getattr(self.parallel_config, "data_parallel_size", 1)) > 1:
+            raise ConflictError(
+                f"refitd: prefetch of {_asked(version)} refused: data parallel engines "
+                "are not agreed on across replicas yet; refit instead"
+            )
+        pf = self._prefetch
+        if pf is not None and pf.state == "running":
+            raise ConflictError(
+                f"refitd: prefetch of {_asked(version)} refused on rank {self._rank()}: "
+                f"the prefetch of {_asked(pf.asked)} still runs"
+            )
+        pf = self._prefetch = _Prefetch(version, time.perf_counter())
+        pf.future = self._pool.submit(self._prefetch_job, pf)
+
+    def _prefetch_job(self, pf: _Prefetch) -> None:
+        """On the receiver's thread: stage the version, then prepare its processing."""
+        from vllm.config import set_current_vllm_config
+
+        assert self.receiver is not None
+        try:
+            pf.stats = self._run_here(self.receiver.stage(pf.asked))
+            pf.version = pf.stats.version
+            pf.pulled_s = time.perf_counter() - pf.started
+            t0 = time.perf_counter()
+            inactive = self.receiver.inactive()
+            names = self._dest_names
+            with set_current_vllm_config(self.vllm_config):
+                pf.prepared = prepare(
+                    self._reprocess,
+                    self.model,
+                    lambda t: inactive[names[id(t)]],
+                    self.receiver.pulled_into,
+                )
+            pf.prepare_s = time.perf_counter() - t0
+            pf.state = "ready"
+        except Exception as exc:  # any failure is this prefetch's: reported, never raised
+            self.receiver.staged = None
+            pf.error = f"{type(exc).__name__}: {exc}"
+            pf.state = "failed"
+            logger.warning("refitd: prefetch of %s failed: %s", _asked(pf.asked), pf.error)
+
+    def inflight_state(self) -> dict[str, Any]:
+        """This rank's prefetch: ``state`` none, running, ready or failed."""
+        pf = self._prefetch
+        if pf is None:
+            return {"rank": self._rank(), "state": "none", "version": None, "error": ""}
+        return {
+            "rank": self._rank(),
+            "state": pf.state,
+            "version": pf.version if pf.version is not None else pf.asked,
+            "error": pf.error,
+            "pulled_s": pf.pulled_s,
+            "prepare_s": pf.prepare_s,
+            "bytes": pf.stats.bytes if pf.stats is not None else 0,
+        }
+
+    def _why_not(self, version: int | None) -> str:
+        """Why this rank cannot swap ``version`` in ("" when it can)."""
+        pf = self._prefetch
+        if pf is None:
+            return "no prefetch"
+        if pf.state == "failed":
+            return f"its prefetch of {_asked(pf.asked)} failed ({pf.error})"
+        if pf.state == "running":
+            return f"its prefetch of {_asked(pf.asked)} still runs"
+        if version is not None and pf.version != version:
+            return f"it holds v{pf.version}, not v{version}"
+        return ""
+
+    def _agree(self, mine: str) -> list[str]:
+        """Every rank's :meth:`_why_not`, gathered over the engine's ranks (each rank
+        runs this same call: vLLM sends one update to all of them)."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return [mine]
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+        if group.world_size == 1:
+            return [mine]
+        out: list[Any] = [None] * group.world_size
+        dist.all_gather_object(out, mine, group=group.cpu_group)
+        return [str(x) for x in out]
+
+    def _swap(self, version: int | None) -> None:
+        """Swap the prefetched version in, on every rank or on none."""
+        assert self.receiver is not None
+        reasons = self._agree(self._why_not(version))
+        pf = self._prefetch
+        if any(reasons) or pf is None:
+            why = "; ".join(f"rank {r}: {w}" for r, w in enumerate(reasons) if w)
+            raise ConflictError(
+                f"refitd: swap to {_asked(version)} refused on every rank, which serve "
+                f"on the version they had: {why}"
+            )
+        assert pf.prepared is not None and pf.version is not None and pf.stats is not None
+        t0 = time.perf_counter()
+        self.receiver.swap_staged(pf.version)
+        pf.prepared.apply()
+        swap_s = time.perf_counter() - t0
+        self._prefetch = None
+        forget = getattr(self.receiver, "forget_base", None)
+        if forget is not None:
+            forget()  # the engine holds a version no delta base recorded
+        st = pf.stats
+        self.last_stats = {
+            "version": st.version,
+            "replayed": st.replayed,
+            "bytes": st.bytes,
+            "descriptors": st.descriptors,
+            "plans": self.receiver.plans,
+            "manifest_s": st.manifest_s,
+            "plan_s": st.plan_s,
+            "pull_s": st.pull_s,
+            "install_s": st.install_s,
+            "process_s": pf.prepare_s,
+            "swap_s": swap_s,
+            "total_s": pf.pulled_s + pf.prepare_s + swap_s,
+            "kind": "inflight",
+            "reason": "",
+        }
+        self.history.append(self.last_stats)
+        logger.info("refitd: in-flight refit %s", self.last_stats)
+
+    def _abandon(self) -> None:
+        pf = self._prefetch
+        if pf is not None and pf.state == "running":
+            raise ConflictError(
+                f"refitd: abandon refused on rank {self._rank()}: the prefetch of "
+                f"{_asked(pf.asked)} still runs (it cannot be stopped mid-pull); ask "
+                "again once it ended"
+            )
+        self._prefetch = None
+        if self.receiver is not None:
+            self.receiver.staged = None
 
     def finish_weight_update(self) -> None:
         stats, self._pending = self._pending, None
@@ -378,11 +603,14 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
     def shutdown(self) -> None:
         if self._runner is None:
             return
+        pf, self._prefetch = self._prefetch, None
+        if pf is not None and pf.future is not None:
+            pf.future.result()  # its pull ends (or fails) before the receiver closes
         if self.receiver is not None:
             self._run(self.receiver.close())
         for c in self._clients:
             self._run(c.close())
-        self._runner.close()
+        self._pool.submit(self._runner.close).result()
         self._runner = None
         self._init_info = None
         self.receiver = None
@@ -393,3 +621,24 @@ def refit_stats(worker: Any) -> dict[str, Any] | None:
     """``llm.collective_rpc(refit_stats)``: each worker's last refit, or ``None``."""
     engine = getattr(worker, "weight_transfer_engine", None)
     return getattr(engine, "last_stats", None)
+
+
+def inflight_state(worker: Any) -> dict[str, Any] | None:
+    """``collective_rpc(inflight_state)``: each rank's in-flight prefetch, or ``None``
+    when the worker has no refitd engine."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    state = getattr(engine, "inflight_state", None)
+    return state() if state is not None else None
+
+
+class RefitdWorkerExtension:
+    """vLLM's ``--worker-extension-cls`` for ``vllm serve``: a worker method by name,
+    so ``POST /collective_rpc {"method": "refitd_inflight_state"}`` (dev mode, as the
+    RL routes) returns every rank's prefetch (:func:`inflight_state`)."""
+
+    def refitd_inflight_state(self) -> dict[str, Any] | None:
+        return inflight_state(self)
+
+
+def _asked(version: int | None) -> str:
+    return "the newest version" if version is None else f"v{version}"
