@@ -81,6 +81,9 @@ class Recorded:
         await self.inner.resume()
         self.resumes.append(time.perf_counter())
 
+    async def set_weight_version(self, version: str) -> None:
+        await self.inner.set_weight_version(version)
+
     async def states(self) -> list[dict[str, Any]]:
         return await self.inner.states()
 
@@ -248,6 +251,7 @@ def test_streams_survive_three_in_flight_updates_and_the_engine_then_equals_a_fr
         paused, resumed = s.marks["paused"], s.marks["resumed"]
         assert any(first < paused and last > resumed for first, last, _, _ in log)
     assert world.differing(SEEDS[-1]) == []
+    assert world.loop.run(world.llm.get_weight_version()) == str(stats[-1].version)
 
 
 def test_a_prefetch_that_fails_leaves_the_engine_on_its_version_with_no_pause(

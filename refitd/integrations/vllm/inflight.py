@@ -16,8 +16,12 @@ lands, and pauses only to swap it in (docs/vllm.md).
 3. ``pause_generation(mode="keep", clear_cache=False)``: requests in flight stay
    queued with their KV cache;
 4. ``update_weights({"phase": "swap", "version": N})``: every rank agrees first and
-   swaps only if all hold N (the worker's rule), so mixed versions never serve;
-5. ``resume_generation()``, also when the swap was refused.
+   swaps only if all hold N (the worker's rule), so mixed versions never serve; then
+   the engine's version is named (``update_weight_version``, the engine core's own
+   call). vLLM's session is opened before the pause and closed after the resume (it
+   only marks the workers), so the pause holds one call to the workers;
+5. ``resume_generation()``, also when the swap was refused; then
+   ``finish_weight_update``.
 
 :class:`AsyncLLMControl` drives an in-process ``AsyncLLM``; :class:`HTTPControl` a
 ``vllm serve`` over its RL routes (``/pause``, ``/resume``, ``/start_weight_update``,
@@ -75,6 +79,9 @@ class EngineControl(Protocol):
 
     async def resume(self) -> None: ...
 
+    async def set_weight_version(self, version: str) -> None:
+        """``update_weight_version``: the name the engine tags its outputs with."""
+
     async def states(self) -> list[dict[str, Any]]:
         """Every rank's :func:`~refitd.integrations.vllm.worker.inflight_state`."""
 
@@ -106,6 +113,9 @@ class AsyncLLMControl:
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
+
+    async def set_weight_version(self, version: str) -> None:
+        await self.llm.update_weight_version(version)
 
     async def states(self) -> list[dict[str, Any]]:
         from refitd.integrations.vllm.worker import inflight_state
@@ -150,6 +160,9 @@ class HTTPControl:
 
     async def resume(self) -> None:
         await self._post("resume")
+
+    async def set_weight_version(self, version: str) -> None:
+        await self._post("update_weight_version", {"new_version": version})
 
     async def states(self) -> list[dict[str, Any]]:
         out = await self._post("collective_rpc", {"method": "refitd_inflight_state"})
@@ -210,16 +223,30 @@ async def inflight_update(
             f"the version it had: {why}",
             states,
         )
+    # vLLM's session opens before the pause (it only marks the workers), so the pause
+    # holds two calls: the swap, and the session's end with the new version's name.
+    await engine.start_weight_update()
     t1 = time.perf_counter()
-    await engine.pause()
-    t2 = time.perf_counter()
     try:
-        await _session(engine, {"phase": "swap", "version": version}, str(version))
+        await engine.pause()
+    except BaseException:
+        with contextlib.suppress(Exception):  # the session closes; the pause's error tells
+            await engine.finish_weight_update(None)
+        raise
+    t2 = time.perf_counter()
+    swapped = False
+    try:
+        # A refused swap ends vLLM's session itself (it does so on any update error).
+        await engine.update_weights({"phase": "swap", "version": version})
+        swapped = True
+        await engine.set_weight_version(str(version))  # the engine core's, no worker call
         t3 = time.perf_counter()
     finally:
         t3b = time.perf_counter()
         await engine.resume()
         t4 = time.perf_counter()
+        if swapped:
+            await engine.finish_weight_update(None)  # closes the session, after the pause
     marks = {"ready": t1, "paused": t2, "swapped": t3, "resume_asked": t3b, "resumed": t4}
     return InflightStats(
         version, t1 - t0, t2 - t1, t3b - t2, t4 - t1, t3 - t0, {"start": t0, **marks}, states

@@ -53,9 +53,12 @@ prepared: otherwise each rank refuses and all serve on the version they had.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
+import os
 import re
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -196,9 +199,14 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         self._init_info: RefitdInitInfo | None = None
         self._computed: list[str] = []
         self._pending: RefitStats | None = None
-        # Every asyncio run of the receiver happens on this one thread: a prefetch runs
-        # there while vLLM's step loop goes on, and calls never overlap on its loop.
+        # The receiver's asyncio runs happen off vLLM's thread: a whole refit on
+        # ``_pool`` (waited for), a prefetch on ``_background`` (not waited for, at the
+        # lowest CPU priority so the engine's steps come first); one at a time (the lock).
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="refitd-worker")
+        self._background = ThreadPoolExecutor(
+            1, thread_name_prefix="refitd-prefetch", initializer=_background_priority
+        )
+        self._runs = threading.Lock()
         self._prefetch: _Prefetch | None = None
         self._dest_names: dict[int, str] = {}
         self.last_stats: dict[str, Any] | None = None
@@ -334,7 +342,8 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
 
     def _run_here(self, coro: Any) -> Any:
         assert self._runner is not None
-        return self._runner.run(coro)
+        with self._runs:
+            return self._runner.run(coro)
 
     def init_transfer_engine(self, init_info: RefitdInitInfo) -> None:
         from refitd.integrations.connect import daemon_client
@@ -443,7 +452,7 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
                 f"the prefetch of {_asked(pf.asked)} still runs"
             )
         pf = self._prefetch = _Prefetch(version, time.perf_counter())
-        pf.future = self._pool.submit(self._prefetch_job, pf)
+        pf.future = self._background.submit(self._prefetch_job, pf)
 
     def _prefetch_job(self, pf: _Prefetch) -> None:
         """On the receiver's thread: stage the version, then prepare its processing."""
@@ -638,6 +647,14 @@ class RefitdWorkerExtension:
 
     def refitd_inflight_state(self) -> dict[str, Any] | None:
         return inflight_state(self)
+
+
+def _background_priority() -> None:
+    """The prefetch thread, and the OpenMP team its processing starts (threads inherit
+    it), at the lowest CPU priority: on a busy host the engine's steps come first, and
+    the prefetch takes what they leave (Linux sets it per thread)."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _asked(version: int | None) -> str:
