@@ -7,7 +7,9 @@ own loaders, and against vLLM's own reload of the same weights from disk.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from vllm_models import (
@@ -69,3 +71,75 @@ def test_each_tp_rank_pulls_only_its_own_shard_and_the_engine_matches_a_reload_f
     finally:
         stop_engine(llm)
         del llm  # a failure's traceback must not keep the TP workers alive
+
+
+def _session(llm: Any, update_info: Any) -> None:
+    """One vLLM weight-update session carrying ``update_info`` (a dict for every rank,
+    or a list with one per rank)."""
+    llm.start_weight_update()
+    llm.update_weights({"update_info": update_info})
+    llm.finish_weight_update()
+
+
+def test_when_one_tp_rank_cannot_prefetch_no_rank_swaps_and_both_serve_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, vllm_daemon_url: str
+) -> None:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    from vllm import LLM
+
+    from refitd.integrations.sources import TensorSource
+    from refitd.integrations.vllm.trainer import RefitdTrainerEngine, RefitdTrainerInitInfo
+    from refitd.integrations.vllm.worker import inflight_state
+
+    write_model(tmp_path / "engine", LLAMA, seed=1)
+    state = write_model(tmp_path / "trainer", LLAMA, seed=2)
+    llm = LLM(
+        model=str(tmp_path / "engine"),
+        weight_transfer_config={"backend": "refitd"},
+        tensor_parallel_size=2,
+        distributed_executor_backend="mp",
+        **llm_kwargs(),
+    )
+    trainer = RefitdTrainerEngine(
+        RefitdTrainerInitInfo(rank=0, model="tp2-inflight", url=vllm_daemon_url),
+        client=None,
+        source=TensorSource(state),
+        is_sender=True,
+    )
+
+    def settled(llm: Any) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + 120
+        while True:
+            states: list[dict[str, Any]] = llm.collective_rpc(inflight_state)
+            if all(s["state"] != "running" for s in states):
+                return states
+            assert time.monotonic() < deadline, states
+            time.sleep(0.05)  # the state is asked: vLLM offers nothing to wait on
+
+    try:
+        llm.init_weight_transfer_engine({"init_info": {"model": "tp2-inflight"}})
+        before = (llm.collective_rpc(served_digest), greedy(llm))
+        version = trainer.publish_ready()
+        # Rank 1 is asked for a version never published: its prefetch fails.
+        _session(llm, [{"phase": "prefetch", "version": v} for v in (version, version + 50)])
+        assert [s["state"] for s in settled(llm)] == ["ready", "failed"]
+        with pytest.raises(Exception, match=r"refused on every rank.*rank 1: its prefetch"):
+            _session(llm, {"phase": "swap", "version": version})
+        # Rank 0 refused quietly (see the worker): its session is still open; closing
+        # it is refused by rank 1 alone, whose session the refusal ended.
+        with pytest.raises(Exception, match="without a matching start"):
+            llm.finish_weight_update()
+        assert (llm.collective_rpc(served_digest), greedy(llm)) == before  # N-1 on both
+        _session(llm, {"phase": "abandon"})
+        _session(llm, {"phase": "prefetch", "version": version})
+        assert [s["state"] for s in settled(llm)] == ["ready", "ready"]
+        _session(llm, {"phase": "swap", "version": version})
+        swapped = (llm.collective_rpc(served_digest), greedy(llm))
+        assert swapped != before
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(tmp_path / "trainer")})
+        assert (llm.collective_rpc(served_digest), greedy(llm)) == swapped
+    finally:
+        trainer.shutdown()
+        stop_engine(llm)
+        del llm

@@ -247,6 +247,9 @@ async def inflight_update(
         t4 = time.perf_counter()
         if swapped:
             await engine.finish_weight_update(None)  # closes the session, after the pause
+        else:  # a refused swap leaves the session open on every rank but the last
+            with contextlib.suppress(Exception):
+                await engine.finish_weight_update(None)
     marks = {"ready": t1, "paused": t2, "swapped": t3, "resume_asked": t3b, "resumed": t4}
     return InflightStats(
         version, t1 - t0, t2 - t1, t3b - t2, t4 - t1, t3 - t0, {"start": t0, **marks}, states

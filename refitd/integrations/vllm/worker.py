@@ -53,14 +53,12 @@ prepared: otherwise each rank refuses and all serve on the version they had.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import copy
 import logging
-import os
 import re
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -80,7 +78,15 @@ from refitd.integrations.vllm.postload import (
     plan_reprocessing,
     storage_key,
 )
-from refitd.integrations.vllm.prepared import Prepared, prepare
+from refitd.integrations.vllm.prefetching import (
+    PHASES,
+    InflightWorker,
+    Prefetch,
+    RefitdWorkerExtension,
+    asked,
+    inflight_state,
+    new_background,
+)
 
 __all__ = [
     "RefitdInitInfo",
@@ -136,25 +142,6 @@ class RefitdUpdateInfo(WeightTransferUpdateInfo):
     phase: str = "refit"
 
 
-PHASES = ("refit", "prefetch", "swap", "abandon")
-
-
-@dataclass
-class _Prefetch:
-    """One rank's in-flight prefetch: ``state`` running, ready or failed."""
-
-    asked: int | None
-    started: float
-    future: Future[None] | None = None
-    state: str = "running"
-    error: str = ""
-    version: int | None = None
-    stats: RefitStats | None = None
-    prepared: Prepared | None = None
-    pulled_s: float = 0.0
-    prepare_s: float = 0.0
-
-
 class _Destinations(torch.nn.Module):
     """A module tree whose parameters are the refit's destinations, by full name."""
 
@@ -182,7 +169,9 @@ def _fresh_config(vllm_config: Any) -> Any:
     return vc
 
 
-class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpdateInfo]):
+class RefitdWeightTransferEngine(
+    InflightWorker, WeightTransferEngine[RefitdInitInfo, RefitdUpdateInfo]
+):
     """refitd as a vLLM weight-transfer backend (``backend="refitd"``)."""
 
     init_info_cls = RefitdInitInfo
@@ -203,11 +192,9 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         # ``_pool`` (waited for), a prefetch on ``_background`` (not waited for, at the
         # lowest CPU priority so the engine's steps come first); one at a time (the lock).
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="refitd-worker")
-        self._background = ThreadPoolExecutor(
-            1, thread_name_prefix="refitd-prefetch", initializer=_background_priority
-        )
+        self._background = new_background()
         self._runs = threading.Lock()
-        self._prefetch: _Prefetch | None = None
+        self._prefetch: Prefetch | None = None
         self._dest_names: dict[int, str] = {}
         self.last_stats: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
@@ -420,162 +407,10 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         if pf is not None and pf.state == "running":
             raise ConflictError(
                 f"refitd: refit refused on rank {self._rank()}: a prefetch of "
-                f"{_asked(pf.asked)} still runs into the inactive copy; swap or abandon it first"
+                f"{asked(pf.asked)} still runs into the inactive copy; swap or abandon it first"
             )
         self._prefetch = None  # a refit writes the inactive copy: a staged version is gone
         self._pending = self._run(self.receiver.refit(update_info.version))
-
-    # ------------------------------------------------------------ in-flight refit
-
-    def _rank(self) -> int:
-        return int(getattr(self.parallel_config, "rank", 0))
-
-    def _start_prefetch(self, version: int | None) -> None:
-        """Start pulling ``version`` into the inactive copy on the receiver's thread and
-        return at once (the engine serves on)."""
-        assert self._init_info is not None
-        if self._init_info.mode != "swap":
-            raise ConflictError(
-                f"refitd: prefetch of {_asked(version)} refused: it needs mode='swap' "
-                f"(a second copy to pull into while serving), this engine runs "
-                f"{self._init_info.mode!r}"
-            )
-        if int(getattr(self.parallel_config, "data_parallel_size", 1)) > 1:
-            raise ConflictError(
-                f"refitd: prefetch of {_asked(version)} refused: data parallel engines "
-                "are not agreed on across replicas yet; refit instead"
-            )
-        pf = self._prefetch
-        if pf is not None and pf.state == "running":
-            raise ConflictError(
-                f"refitd: prefetch of {_asked(version)} refused on rank {self._rank()}: "
-                f"the prefetch of {_asked(pf.asked)} still runs"
-            )
-        pf = self._prefetch = _Prefetch(version, time.perf_counter())
-        pf.future = self._background.submit(self._prefetch_job, pf)
-
-    def _prefetch_job(self, pf: _Prefetch) -> None:
-        """On the receiver's thread: stage the version, then prepare its processing."""
-        from vllm.config import set_current_vllm_config
-
-        assert self.receiver is not None
-        try:
-            pf.stats = self._run_here(self.receiver.stage(pf.asked))
-            pf.version = pf.stats.version
-            pf.pulled_s = time.perf_counter() - pf.started
-            t0 = time.perf_counter()
-            inactive = self.receiver.inactive()
-            names = self._dest_names
-            with set_current_vllm_config(self.vllm_config):
-                pf.prepared = prepare(
-                    self._reprocess,
-                    self.model,
-                    lambda t: inactive[names[id(t)]],
-                    self.receiver.pulled_into,
-                )
-            pf.prepare_s = time.perf_counter() - t0
-            pf.state = "ready"
-        except Exception as exc:  # any failure is this prefetch's: reported, never raised
-            self.receiver.staged = None
-            pf.error = f"{type(exc).__name__}: {exc}"
-            pf.state = "failed"
-            logger.warning("refitd: prefetch of %s failed: %s", _asked(pf.asked), pf.error)
-
-    def inflight_state(self) -> dict[str, Any]:
-        """This rank's prefetch: ``state`` none, running, ready or failed."""
-        pf = self._prefetch
-        if pf is None:
-            return {"rank": self._rank(), "state": "none", "version": None, "error": ""}
-        return {
-            "rank": self._rank(),
-            "state": pf.state,
-            "version": pf.version if pf.version is not None else pf.asked,
-            "error": pf.error,
-            "pulled_s": pf.pulled_s,
-            "prepare_s": pf.prepare_s,
-            "bytes": pf.stats.bytes if pf.stats is not None else 0,
-        }
-
-    def _why_not(self, version: int | None) -> str:
-        """Why this rank cannot swap ``version`` in ("" when it can)."""
-        pf = self._prefetch
-        if pf is None:
-            return "no prefetch"
-        if pf.state == "failed":
-            return f"its prefetch of {_asked(pf.asked)} failed ({pf.error})"
-        if pf.state == "running":
-            return f"its prefetch of {_asked(pf.asked)} still runs"
-        if version is not None and pf.version != version:
-            return f"it holds v{pf.version}, not v{version}"
-        return ""
-
-    def _agree(self, mine: str) -> list[str]:
-        """Every rank's :meth:`_why_not`, gathered over the engine's ranks (each rank
-        runs this same call: vLLM sends one update to all of them)."""
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            return [mine]
-        from vllm.distributed.parallel_state import get_world_group
-
-        group = get_world_group()
-        if group.world_size == 1:
-            return [mine]
-        out: list[Any] = [None] * group.world_size
-        dist.all_gather_object(out, mine, group=group.cpu_group)
-        return [str(x) for x in out]
-
-    def _swap(self, version: int | None) -> None:
-        """Swap the prefetched version in, on every rank or on none."""
-        assert self.receiver is not None
-        reasons = self._agree(self._why_not(version))
-        pf = self._prefetch
-        if any(reasons) or pf is None:
-            why = "; ".join(f"rank {r}: {w}" for r, w in enumerate(reasons) if w)
-            raise ConflictError(
-                f"refitd: swap to {_asked(version)} refused on every rank, which serve "
-                f"on the version they had: {why}"
-            )
-        assert pf.prepared is not None and pf.version is not None and pf.stats is not None
-        t0 = time.perf_counter()
-        self.receiver.swap_staged(pf.version)
-        pf.prepared.apply()
-        swap_s = time.perf_counter() - t0
-        self._prefetch = None
-        forget = getattr(self.receiver, "forget_base", None)
-        if forget is not None:
-            forget()  # the engine holds a version no delta base recorded
-        st = pf.stats
-        self.last_stats = {
-            "version": st.version,
-            "replayed": st.replayed,
-            "bytes": st.bytes,
-            "descriptors": st.descriptors,
-            "plans": self.receiver.plans,
-            "manifest_s": st.manifest_s,
-            "plan_s": st.plan_s,
-            "pull_s": st.pull_s,
-            "install_s": st.install_s,
-            "process_s": pf.prepare_s,
-            "swap_s": swap_s,
-            "total_s": pf.pulled_s + pf.prepare_s + swap_s,
-            "kind": "inflight",
-            "reason": "",
-        }
-        self.history.append(self.last_stats)
-        logger.info("refitd: in-flight refit %s", self.last_stats)
-
-    def _abandon(self) -> None:
-        pf = self._prefetch
-        if pf is not None and pf.state == "running":
-            raise ConflictError(
-                f"refitd: abandon refused on rank {self._rank()}: the prefetch of "
-                f"{_asked(pf.asked)} still runs (it cannot be stopped mid-pull); ask "
-                "again once it ended"
-            )
-        self._prefetch = None
-        if self.receiver is not None:
-            self.receiver.staged = None
 
     def finish_weight_update(self) -> None:
         stats, self._pending = self._pending, None
@@ -630,32 +465,3 @@ def refit_stats(worker: Any) -> dict[str, Any] | None:
     """``llm.collective_rpc(refit_stats)``: each worker's last refit, or ``None``."""
     engine = getattr(worker, "weight_transfer_engine", None)
     return getattr(engine, "last_stats", None)
-
-
-def inflight_state(worker: Any) -> dict[str, Any] | None:
-    """``collective_rpc(inflight_state)``: each rank's in-flight prefetch, or ``None``
-    when the worker has no refitd engine."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    state = getattr(engine, "inflight_state", None)
-    return state() if state is not None else None
-
-
-class RefitdWorkerExtension:
-    """vLLM's ``--worker-extension-cls`` for ``vllm serve``: a worker method by name,
-    so ``POST /collective_rpc {"method": "refitd_inflight_state"}`` (dev mode, as the
-    RL routes) returns every rank's prefetch (:func:`inflight_state`)."""
-
-    def refitd_inflight_state(self) -> dict[str, Any] | None:
-        return inflight_state(self)
-
-
-def _background_priority() -> None:
-    """The prefetch thread, and the OpenMP team its processing starts (threads inherit
-    it), at the lowest CPU priority: on a busy host the engine's steps come first, and
-    the prefetch takes what they leave (Linux sets it per thread)."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
-def _asked(version: int | None) -> str:
-    return "the newest version" if version is None else f"v{version}"
