@@ -22,10 +22,8 @@
    replayed from scratch into the parameters in every mode;
 6. release the lease.
 
-:meth:`DaemonReceiver.stage` runs steps 1-5 of a swap-mode refit but stops before the
-swap: the new version waits, whole, in the inactive copy while the engine serves the
-old one, and :meth:`DaemonReceiver.swap_staged` later rebinds the parameters to it
-(in-flight refit, docs/vllm.md).
+:meth:`~refitd.client.staged.Staging.stage` stops a swap-mode refit before its swap
+(in-flight refit, :mod:`refitd.client.staged`).
 
 The engine's parameters are moved once into memory registered with the local
 daemon, so pulls can land in them: a shared-memory segment for parameters in host
@@ -40,7 +38,6 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
@@ -48,10 +45,18 @@ import numpy as np
 import torch
 
 from refitd.client.http import RefitClient
-from refitd.client.install import CompiledPull, install_unpacked, one_device, overlapping_params
+from refitd.client.install import (
+    CompiledPull,
+    RefitStats,
+    install_unpacked,
+    naming_suspects,
+    one_device,
+    overlapping_params,
+)
 from refitd.client.leases import LeaseKeeper
 from refitd.client.onerefit import OneRefit
 from refitd.client.publisher import ALIGN, torch_dtype
+from refitd.client.staged import Staging
 from refitd.client.swap import EngineViews, unpulled
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
@@ -83,30 +88,11 @@ Capture = Callable[
 """``capture(meta_twin, manifest) -> CaptureResult``: runs the engine's loaders."""
 
 
-@dataclass(frozen=True)
-class RefitStats:
-    """One refit: ``replayed`` when the compiled plan was reused (no planning)."""
-
-    version: int
-    replayed: bool
-    bytes: int
-    descriptors: int
-    pack_specs: int
-    scattered: int  # pack specs whose bytes land strided, scattered at install
-    full_pulls: int
-    manifest_s: float
-    plan_s: float
-    pull_s: float
-    install_s: float
-    total_s: float
-    pull: PullProgress
-
-
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-class DaemonReceiver:
+class DaemonReceiver(Staging):
     """Refits ``engine`` (a real model) from ``model`` published at ``source_url``.
 
     ``twin`` builds the engine's meta twin (same class, same parallel layout, on
@@ -164,8 +150,7 @@ class DaemonReceiver:
         self._engine_flat: torch.Tensor | None = None
         self._scratch_flat: torch.Tensor | None = None
         self.plans = 0
-        #: stage(): the compiled pull whose bytes wait whole in the inactive copy
-        self.staged: tuple[int, CompiledPull] | None = None
+        self.staged: tuple[int, CompiledPull] | None = None  # stage(): what waits, whole
         self._hold = False  # the refit running stops before its swap (stage())
         self.lease_keeper: LeaseKeeper | None = None  # while a refit holds its lease
 
@@ -440,70 +425,6 @@ class DaemonReceiver:
                 with contextlib.suppress(TransportError, NotFoundError):
                     await self.source.release_lease(lease.lease_id)
 
-    async def stage(
-        self,
-        version: int | None = None,
-        *,
-        on_progress: Callable[[PullProgress], None] | None = None,
-    ) -> RefitStats:
-        """Swap mode, host memory: pull ``version`` (a full pull, whatever refit kind
-        this receiver runs) into the inactive copy and land all of it there, writing
-        nothing the engine reads; :attr:`staged` then names it until
-        :meth:`swap_staged` swaps it in, or any other refit replaces it. A failure
-        leaves nothing staged and the engine as it was."""
-        if self.mode != "swap":
-            raise ConflictError(
-                f"stage of {self.model!r} refused: it needs swap mode on host memory "
-                f"(this receiver runs {self.mode!r}); refit instead"
-            )
-        self._hold = True
-        try:
-            return await self.refit(version, on_progress=on_progress)
-        except BaseException:
-            self.staged = None
-            raise
-        finally:
-            self._hold = False
-
-    def swap_staged(self, version: int) -> None:
-        """Rebind the parameters to the inactive copy, which holds ``version`` whole
-        (:meth:`stage`); no byte is copied. Refused, changing nothing, when it does not."""
-        held = None if self.staged is None else self.staged[0]
-        if held != version:
-            raise ConflictError(
-                f"swap of {self.model!r} to v{version} refused: the inactive copy holds "
-                f"{'nothing staged' if held is None else f'v{held}'}"
-            )
-        assert self.staged is not None
-        comp = self.staged[1]
-        self.staged = None
-        self._swap(comp)
-
-    def inactive(self) -> dict[str, torch.Tensor]:
-        """Swap mode: each parameter's view into the copy it does not read now (after
-        :meth:`stage`, the staged version's bytes)."""
-        assert self._views is not None, "stage() first: the engine is not placed in swap mode"
-        return self._views.views[1 - self._serving]
-
-    def pulled_into(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` lives in memory refits write (the engine's segments)."""
-        at = t.data_ptr()
-        for seg in (self._engine_seg, self._shadow_seg, self._scratch_seg):
-            if seg is not None:
-                base = seg.numpy().ctypes.data
-                if base <= at < base + seg.size:
-                    return True
-        return False
-
-    async def _full_leased(
-        self,
-        version: int,
-        lease_id: str,
-        t0: float,
-        on_progress: Callable[[PullProgress], None] | None,
-    ) -> RefitStats:
-        return await DaemonReceiver._refit_leased(self, version, lease_id, t0, on_progress)
-
     async def _refit_leased(
         self,
         version: int,
@@ -516,6 +437,8 @@ class DaemonReceiver:
         return await self._pull_install(
             comp, version, lease_id, replayed, (t0, t1, t2), on_progress
         )
+
+    _full_leased = _refit_leased  # stage()'s: a subclass's own kind of refit is not used
 
     async def _prepare(self, version: int) -> tuple[CompiledPull, bool, tuple[float, float]]:
         """``version``'s compiled (or replayed) pull, whether it was replayed, and the
@@ -625,16 +548,7 @@ class DaemonReceiver:
             return exc
         engine = self._engine_region.region_id
         ranges = [(o, n) for r, o, n in progress.suspect if r == engine]
-        names = overlapping_params(ranges, self._params, self._param_off)
-        if not names:
-            return exc
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        err = type(exc)(
-            f"{exc}; engine parameters now suspect (serve none of them until a refit "
-            f"succeeds): {shown}"
-        )
-        err.progress = progress  # type: ignore[attr-defined]
-        return err
+        return naming_suspects(exc, overlapping_params(ranges, self._params, self._param_off))
 
     def _install(self, comp: CompiledPull) -> None:
         """Land what the pull wrote in scratch into the parameters (swap mode: swap
