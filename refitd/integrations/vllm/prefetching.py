@@ -118,6 +118,7 @@ class InflightWorker:
         from vllm.config import set_current_vllm_config
 
         assert self.receiver is not None
+        _background_priority(int(getattr(self._init_info, "prefetch_nice", 19)))
         try:
             pf.stats = self._run_here(self.receiver.stage(pf.asked))
             pf.version = pf.stats.version
@@ -272,12 +273,15 @@ class RefitdWorkerExtension:
         return inflight_state(self)
 
 
-def _background_priority() -> None:
+def _background_priority(nice: int = 19) -> None:
     """The prefetch thread, and the OpenMP team its processing starts (threads inherit
-    it), at the lowest CPU priority: on a busy host the engine's steps come first, and
-    the prefetch takes what they leave (Linux sets it per thread)."""
+    it), at CPU priority ``nice`` (Linux sets it per thread; raising it back needs the
+    privilege to, else it stays). 19, the lowest, by default: on a busy host the
+    engine's steps come first and the prefetch takes what they leave; but the thread
+    holds Python's GIL at times, and one descheduled while holding it holds the
+    engine's step loop up too (docs/vllm.md)."""
     with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
 def asked(version: int | None) -> str:

@@ -116,7 +116,8 @@ class RefitdInitInfo(WeightTransferInitInfo):
     they are (strict by default); ``mode`` how a pull lands (the module docstring);
     ``delta`` refits by delta when the engine holds
     the version before (docs/delta.md), a full refit every ``anchor_every`` updates;
-    ``delta="auto"`` only when the source daemon is on another host.
+    ``delta="auto"`` only when the source daemon is on another host;
+    ``prefetch_nice`` the CPU priority of an in-flight prefetch's thread (docs/vllm.md).
     """
 
     model: str = "policy"
@@ -128,6 +129,7 @@ class RefitdInitInfo(WeightTransferInitInfo):
     allow_unwritten: list[str] = field(default_factory=list)
     delta: bool | Literal["auto"] = False
     anchor_every: int = 0
+    prefetch_nice: int = 19
 
 
 @dataclass
