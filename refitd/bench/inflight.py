@@ -63,6 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quiet-s", type=float, default=4.0, help="the no-prefetch window, seconds (default 4)"
     )
+    parser.add_argument(
+        "--prefetch-nice",
+        type=int,
+        default=19,
+        help="CPU priority of the workers' prefetch thread (default 19, the lowest)",
+    )
 
 
 def _pct(values: list[float], p: float) -> float:
@@ -195,7 +201,9 @@ async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], ur
     stop, load = asyncio.Event(), _Load()
     stats = []
     try:
-        await control.init_weight_transfer_engine({"model": "inflight", "mode": "swap"})
+        await control.init_weight_transfer_engine(
+            {"model": "inflight", "mode": "swap", "prefetch_nice": args.prefetch_nice}
+        )
         streams = asyncio.create_task(_streams(llm, args.streams, stop, load))
         # One update before the clock: the first plans (captures the loaders on a meta
         # twin); every later one replays the compiled plan.
@@ -279,6 +287,7 @@ async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], ur
         f"stall_p99_s={_pct(stalls, 0.99):.4f} "
         f"refit_s={statistics.median(s.refit_s for s in stats):.4f} "
         f"tokens_ratio_during={during / during_s / quiet_rate:.3f} aborted={aborted} "
+        f"prefetch_nice={args.prefetch_nice} "
         f"verified={int(verified)} quiet_tokens_per_s={quiet_rate:.1f} "
         f"quiet_gap_s={quiet_gap:.4f} prefetch_p50_s="
         f"{statistics.median(s.prefetch_s for s in stats):.4f} requests={len(load.ended)}"
