@@ -73,6 +73,11 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench refit --transport ucx         # force every read through UCX",
         "refitd bench refit --gib 4 --versions 5",
     ),
+    "inflight": (
+        "refitd bench inflight                      # a 608 MB Llama, 8 streams, 10 updates",
+        "refitd bench inflight --preset tiny --updates 3   # a quick run",
+        "refitd bench inflight --prefetch-nice 0    # the prefetch at the engine's priority",
+    ),
     "vllm": (
         "refitd bench vllm                          # a 608 MB Llama, 4 updates",
         "refitd bench vllm --tiny                   # the tests' 2.8 MiB Llama (CI)",
@@ -118,6 +123,10 @@ BENCHES: dict[str, tuple[str, str]] = {
     "refit": (
         "refitd.bench.refit",
         "refit a ≥ 2 GiB model TP2 → TP4 through two daemons, vs memcpy",
+    ),
+    "inflight": (
+        "refitd.bench.inflight",
+        "refit a serving vLLM engine in flight under streaming load: the pause is the swap",
     ),
     "vllm": (
         "refitd.bench.vllm",

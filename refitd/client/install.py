@@ -9,7 +9,7 @@ the one device an engine's parameters must share.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,13 +18,21 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from refitd.errors import ConflictError
-from refitd.wire import PackSpec
+from refitd.errors import ConflictError, RefitError
+from refitd.wire import PackSpec, PullProgress
 
 if TYPE_CHECKING:
     from refitd.reshard.transfer_plan import FullPull
 
-__all__ = ["CompiledPull", "Scatter", "install_unpacked", "one_device", "overlapping_params"]
+__all__ = [
+    "CompiledPull",
+    "RefitStats",
+    "Scatter",
+    "install_unpacked",
+    "naming_suspects",
+    "one_device",
+    "overlapping_params",
+]
 
 Scatter = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str, int]
 """A packed block in scratch that lands strided: (scratch offset, dtype, shape, the
@@ -58,6 +66,25 @@ class CompiledPull:
         self.engine_id = region
 
 
+@dataclass(frozen=True)
+class RefitStats:
+    """One refit: ``replayed`` when the compiled plan was reused (no planning)."""
+
+    version: int
+    replayed: bool
+    bytes: int
+    descriptors: int
+    pack_specs: int
+    scattered: int  # pack specs whose bytes land strided, scattered at install
+    full_pulls: int
+    manifest_s: float
+    plan_s: float
+    pull_s: float
+    install_s: float
+    total_s: float
+    pull: PullProgress
+
+
 def _to(p: PackSpec, region: int, other: int) -> PackSpec:
     return msgspec.structs.replace(p, dst_region=other) if p.dst_region == region else p
 
@@ -65,7 +92,7 @@ def _to(p: PackSpec, region: int, other: int) -> PackSpec:
 def install_unpacked(
     scatter: Sequence[Scatter],
     full_pulls: Sequence[tuple[int, FullPull]],
-    params: dict[str, torch.nn.Parameter],
+    params: Mapping[str, torch.Tensor],
     scratch: npt.NDArray[np.uint8],
 ) -> None:
     """Scatter the packed blocks that land strided, and replay the full pulls (each
@@ -119,3 +146,16 @@ def one_device(params: dict[str, torch.nn.Parameter]) -> torch.device:
             "parameters share one device (one receiver per device)"
         )
     return next(iter(devices), torch.device("cpu"))
+
+
+def naming_suspects(exc: RefitError, names: Sequence[str]) -> RefitError:
+    """``exc`` (a failed direct pull) with the parameters it may have written named
+    (``names``; ``exc`` itself when there are none), its progress kept."""
+    if not names:
+        return exc
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    err = type(exc)(
+        f"{exc}; engine parameters now suspect (serve none of them until a refit succeeds): {shown}"
+    )
+    err.progress = getattr(exc, "progress", None)  # type: ignore[attr-defined]
+    return err

@@ -22,6 +22,9 @@
    replayed from scratch into the parameters in every mode;
 6. release the lease.
 
+:meth:`~refitd.client.staged.Staging.stage` stops a swap-mode refit before its swap
+(in-flight refit, :mod:`refitd.client.staged`).
+
 The engine's parameters are moved once into memory registered with the local
 daemon, so pulls can land in them: a shared-memory segment for parameters in host
 memory; for parameters on a GPU, one GPU allocation on that device (they never leave
@@ -35,7 +38,6 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
@@ -43,10 +45,18 @@ import numpy as np
 import torch
 
 from refitd.client.http import RefitClient
-from refitd.client.install import CompiledPull, install_unpacked, one_device, overlapping_params
+from refitd.client.install import (
+    CompiledPull,
+    RefitStats,
+    install_unpacked,
+    naming_suspects,
+    one_device,
+    overlapping_params,
+)
 from refitd.client.leases import LeaseKeeper
 from refitd.client.onerefit import OneRefit
 from refitd.client.publisher import ALIGN, torch_dtype
+from refitd.client.staged import Staging
 from refitd.client.swap import EngineViews, unpulled
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
@@ -78,30 +88,11 @@ Capture = Callable[
 """``capture(meta_twin, manifest) -> CaptureResult``: runs the engine's loaders."""
 
 
-@dataclass(frozen=True)
-class RefitStats:
-    """One refit: ``replayed`` when the compiled plan was reused (no planning)."""
-
-    version: int
-    replayed: bool
-    bytes: int
-    descriptors: int
-    pack_specs: int
-    scattered: int  # pack specs whose bytes land strided, scattered at install
-    full_pulls: int
-    manifest_s: float
-    plan_s: float
-    pull_s: float
-    install_s: float
-    total_s: float
-    pull: PullProgress
-
-
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-class DaemonReceiver:
+class DaemonReceiver(Staging):
     """Refits ``engine`` (a real model) from ``model`` published at ``source_url``.
 
     ``twin`` builds the engine's meta twin (same class, same parallel layout, on
@@ -159,6 +150,8 @@ class DaemonReceiver:
         self._engine_flat: torch.Tensor | None = None
         self._scratch_flat: torch.Tensor | None = None
         self.plans = 0
+        self.staged: tuple[int, CompiledPull] | None = None  # stage(): what waits, whole
+        self._hold = False  # the refit running stops before its swap (stage())
         self.lease_keeper: LeaseKeeper | None = None  # while a refit holds its lease
 
     # ------------------------------------------------------------ memory
@@ -405,7 +398,10 @@ class DaemonReceiver:
         (409) while another refit runs on this receiver."""
         t0 = time.perf_counter()
         with self._one.refit(version):
+            self.staged = None  # this refit writes the inactive copy: nothing waits there
             await self._place_engine()
+            if self._hold and self._views is None:  # GPU parameters refit in staging mode
+                raise ConflictError(f"stage of {self.model!r} refused: its engine is not swapped")
             if version is None:
                 version = (await self.source.version(self.model, "latest")).version
             lease = await self.source.acquire_lease(
@@ -416,7 +412,9 @@ class DaemonReceiver:
             keeper = self.lease_keeper = LeaseKeeper(self.source, lease, self.lease_ttl_s)
             try:
                 async with keeper:
-                    return await self._refit_leased(version, lease.lease_id, t0, on_progress)
+                    # stage() is always a full pull: the inactive copy is no delta's base
+                    leased = self._refit_leased if not self._hold else self._full_leased
+                    return await leased(version, lease.lease_id, t0, on_progress)
             except RefitError as exc:
                 if keeper.error is not None:
                     exc.add_note(f"renewing lease {lease.lease_id!r} was refused: {keeper.error}")
@@ -439,6 +437,8 @@ class DaemonReceiver:
         return await self._pull_install(
             comp, version, lease_id, replayed, (t0, t1, t2), on_progress
         )
+
+    _full_leased = _refit_leased  # stage()'s: a subclass's own kind of refit is not used
 
     async def _prepare(self, version: int) -> tuple[CompiledPull, bool, tuple[float, float]]:
         """``version``'s compiled (or replayed) pull, whether it was replayed, and the
@@ -492,6 +492,8 @@ class DaemonReceiver:
         t0, t1, t2 = times
         t3 = time.perf_counter()
         self._install(comp)
+        if self._hold:
+            self.staged = (version, comp)
         t4 = time.perf_counter()
         return RefitStats(
             version,
@@ -546,16 +548,7 @@ class DaemonReceiver:
             return exc
         engine = self._engine_region.region_id
         ranges = [(o, n) for r, o, n in progress.suspect if r == engine]
-        names = overlapping_params(ranges, self._params, self._param_off)
-        if not names:
-            return exc
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        err = type(exc)(
-            f"{exc}; engine parameters now suspect (serve none of them until a refit "
-            f"succeeds): {shown}"
-        )
-        err.progress = progress  # type: ignore[attr-defined]
-        return err
+        return naming_suspects(exc, overlapping_params(ranges, self._params, self._param_off))
 
     def _install(self, comp: CompiledPull) -> None:
         """Land what the pull wrote in scratch into the parameters (swap mode: swap
@@ -570,6 +563,13 @@ class DaemonReceiver:
             serving, shadow = self._engine_seg.numpy(), self._shadow_seg.numpy()
             for off, n in comp.keep:
                 shadow[off : off + n] = serving[off : off + n]
+            if self._hold:  # stage(): land the rest in the inactive copy, swap later
+                assert self._views is not None
+                inactive = self._views.views[1 - self._serving]
+                if self._scratch_seg is not None:
+                    scratch = self._scratch_seg.numpy()
+                    install_unpacked(comp.scatter, comp.full_pulls, inactive, scratch)
+                return
             self._swap(comp)
             try:
                 self._install_unpacked(comp)

@@ -14,6 +14,9 @@ Modules:
 - `worker`: the worker side: a ``WeightTransferEngine`` refitting through the daemon
 - `trainer`: the trainer side: publish local shards, drive vLLM's handshake
 - `postload`: vLLM's post-load processing, re-run after a refit
+- `prefetching`: in-flight refit, the worker side: prefetch while serving, swap all or none
+- `prepared`: post-load processing run ahead of the swap, into new storage
+- `inflight`: in-flight refit, the trainer side: the driver, for ``AsyncLLM`` and ``vllm serve``
 """
 
 from __future__ import annotations

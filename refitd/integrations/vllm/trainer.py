@@ -136,6 +136,14 @@ class RefitdTrainerEngine(TrainerWeightTransferEngine[RefitdTrainerInitInfo]):
         self.version = version
         return version
 
+    def publish_ready(self, version: int | None = None) -> int:
+        """Publish this rank's shards as ``version`` (default: the next one) and return
+        it once every rank's slot is in (READY): what an in-flight refit
+        (:mod:`refitd.integrations.vllm.inflight`) then prefetches."""
+        version = self.publish(version)
+        self._run(self._wait_ready(version))
+        return version
+
     def send_weights(self, version: int | None = None) -> None:
         t0 = time.perf_counter()
         version = self.publish(version)

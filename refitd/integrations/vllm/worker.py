@@ -38,6 +38,16 @@ destinations in place (one copy, but a failed pull leaves them half written). (B
 never holds, the attention layers' KV-cache scales, are not expected in the
 manifest unless the KV cache is quantized.) ``finish_weight_update`` processes the weights and records
 this rank's :class:`~refitd.client.receiver.RefitStats` (``last_stats``; logged).
+
+**In-flight refit** (swap mode, docs/vllm.md): ``update_weights({"phase": "prefetch",
+"version": N})`` returns at once; a background thread of the worker leases N, pulls it
+(on the daemon) into the inactive copy and runs vLLM's post-load processing ahead, into
+new storage (:mod:`refitd.integrations.vllm.prepared`), while the engine generates.
+:func:`inflight_state` (``collective_rpc``) reports each rank's prefetch;
+``{"phase": "swap", "version": N}``, sent while the engine is paused, first has every
+rank agree (a gather over the engine's ranks) and swaps only if every one holds N
+prepared: otherwise each rank refuses and all serve on the version they had.
+``{"phase": "abandon"}`` drops a finished prefetch.
 """
 
 from __future__ import annotations
@@ -46,7 +56,9 @@ import asyncio
 import copy
 import logging
 import re
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -59,14 +71,31 @@ from vllm.distributed.weight_transfer.base import (
 
 from refitd.client.deltarefit import DeltaReceiver
 from refitd.client.receiver import DaemonReceiver, RefitStats
+from refitd.errors import ConflictError
 from refitd.integrations.vllm.postload import (
     Destination,
     Reprocessing,
     plan_reprocessing,
     storage_key,
 )
+from refitd.integrations.vllm.prefetching import (
+    PHASES,
+    InflightWorker,
+    Prefetch,
+    RefitdWorkerExtension,
+    asked,
+    inflight_state,
+    new_background,
+)
 
-__all__ = ["RefitdInitInfo", "RefitdUpdateInfo", "RefitdWeightTransferEngine"]
+__all__ = [
+    "RefitdInitInfo",
+    "RefitdUpdateInfo",
+    "RefitdWeightTransferEngine",
+    "RefitdWorkerExtension",
+    "inflight_state",
+    "refit_stats",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +116,8 @@ class RefitdInitInfo(WeightTransferInitInfo):
     they are (strict by default); ``mode`` how a pull lands (the module docstring);
     ``delta`` refits by delta when the engine holds
     the version before (docs/delta.md), a full refit every ``anchor_every`` updates;
-    ``delta="auto"`` only when the source daemon is on another host.
+    ``delta="auto"`` only when the source daemon is on another host;
+    ``prefetch_nice`` the CPU priority of an in-flight prefetch's thread (docs/vllm.md).
     """
 
     model: str = "policy"
@@ -99,13 +129,19 @@ class RefitdInitInfo(WeightTransferInitInfo):
     allow_unwritten: list[str] = field(default_factory=list)
     delta: bool | Literal["auto"] = False
     anchor_every: int = 0
+    prefetch_nice: int = 19
 
 
 @dataclass
 class RefitdUpdateInfo(WeightTransferUpdateInfo):
-    """One update: the published ``version`` to refit to (``None``: the newest READY)."""
+    """One update: the published ``version`` to refit to (``None``: the newest READY).
+
+    ``phase``: ``"refit"`` (the whole refit now), or an in-flight refit's step:
+    ``"prefetch"`` (start; returns at once), ``"swap"`` (all ranks or none),
+    ``"abandon"`` (drop a finished prefetch)."""
 
     version: int | None = None
+    phase: str = "refit"
 
 
 class _Destinations(torch.nn.Module):
@@ -135,7 +171,9 @@ def _fresh_config(vllm_config: Any) -> Any:
     return vc
 
 
-class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpdateInfo]):
+class RefitdWeightTransferEngine(
+    InflightWorker, WeightTransferEngine[RefitdInitInfo, RefitdUpdateInfo]
+):
     """refitd as a vLLM weight-transfer backend (``backend="refitd"``)."""
 
     init_info_cls = RefitdInitInfo
@@ -152,6 +190,14 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         self._init_info: RefitdInitInfo | None = None
         self._computed: list[str] = []
         self._pending: RefitStats | None = None
+        # The receiver's asyncio runs happen off vLLM's thread: a whole refit on
+        # ``_pool`` (waited for), a prefetch on ``_background`` (not waited for, at the
+        # lowest CPU priority so the engine's steps come first); one at a time (the lock).
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="refitd-worker")
+        self._background = new_background()
+        self._runs = threading.Lock()
+        self._prefetch: Prefetch | None = None
+        self._dest_names: dict[int, str] = {}
         self.last_stats: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
 
@@ -238,6 +284,7 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         self._reprocess = plan_reprocessing(
             self.model, planned, self.vllm_config.model_config.dtype
         )
+        self._dest_names = {id(p): n for n, p in dest.named_parameters()}
         return dest
 
     def _untie(
@@ -279,8 +326,13 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         ]
 
     def _run(self, coro: Any) -> Any:
+        """Run ``coro`` on the receiver's thread and wait for it."""
+        return self._pool.submit(self._run_here, coro).result()
+
+    def _run_here(self, coro: Any) -> Any:
         assert self._runner is not None
-        return self._runner.run(coro)
+        with self._runs:
+            return self._runner.run(coro)
 
     def init_transfer_engine(self, init_info: RefitdInitInfo) -> None:
         from refitd.integrations.connect import daemon_client
@@ -334,13 +386,32 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
         self._pending = None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
+        info = self.parse_update_info(update_info)
+        if info.phase not in PHASES:
+            raise ValueError(f"refitd: update phase {info.phase!r} refused: one of {PHASES}")
+        if self.receiver is None:
+            raise RuntimeError("refitd: init_weight_transfer_engine was not called")
+        if info.phase == "prefetch":
+            self._start_prefetch(info.version)
+        elif info.phase == "swap":
+            self._swap(info.version)
+        elif info.phase == "abandon":
+            self._abandon()
+        else:
+            self.receive_weights(info)
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
 
     def receive_weights(self, update_info: RefitdUpdateInfo) -> None:
         if self.receiver is None:
             raise RuntimeError("refitd: init_weight_transfer_engine was not called")
+        pf = self._prefetch
+        if pf is not None and pf.state == "running":
+            raise ConflictError(
+                f"refitd: refit refused on rank {self._rank()}: a prefetch of "
+                f"{asked(pf.asked)} still runs into the inactive copy; swap or abandon it first"
+            )
+        self._prefetch = None  # a refit writes the inactive copy: a staged version is gone
         self._pending = self._run(self.receiver.refit(update_info.version))
 
     def finish_weight_update(self) -> None:
@@ -378,11 +449,14 @@ class RefitdWeightTransferEngine(WeightTransferEngine[RefitdInitInfo, RefitdUpda
     def shutdown(self) -> None:
         if self._runner is None:
             return
+        pf, self._prefetch = self._prefetch, None
+        if pf is not None and pf.future is not None:
+            pf.future.result()  # its pull ends (or fails) before the receiver closes
         if self.receiver is not None:
             self._run(self.receiver.close())
         for c in self._clients:
             self._run(c.close())
-        self._runner.close()
+        self._pool.submit(self._runner.close).result()
         self._runner = None
         self._init_info = None
         self.receiver = None
