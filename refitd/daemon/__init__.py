@@ -18,6 +18,7 @@ Modules:
 - `plancheck`: the bounds check every pull passes first
 - `pullcore`: the pure core of a pull: validation, path choice, pacing, outcomes
 - `pulls`: pulls: the awaits around the pull core (sources, data plane, progress)
+- `pulljob`: one pull's record (progress, ending, what it holds while it runs)
 - `listeners`: what listens to a pull: the write rule, the pull cap
 - `peerclient`: the daemon's client of its peer daemons (the calls a pull makes, and
   those a host mirror makes)

@@ -33,7 +33,6 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -47,14 +46,13 @@ from refitd.daemon.move import IN_FLIGHT, move
 from refitd.daemon.node import Daemon
 from refitd.daemon.paths import SHM_SCHEME, adverts, choose_remote, lease_scope
 from refitd.daemon.plancheck import check_runs
+from refitd.daemon.pulljob import PullJob
 from refitd.daemon.sources import Filling, LocalSource, Redirect, RemoteSource, Source
 from refitd.daemon.trust import check_writes
 from refitd.errors import NotFoundError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
-    ErrorBody,
     PeerRegions,
-    PullProgress,
     PullRequest,
     PullState,
     RegionCreate,
@@ -86,62 +84,6 @@ SHUTTING_DOWN = "daemon shutting down"
 """The reason a pull still running when the daemon stops is cancelled with."""
 
 log = logging.getLogger("refitd.pulls")
-
-
-@dataclass
-class PullJob:
-    pull_id: str
-    req: PullRequest
-    bytes_total: int
-    descriptors_total: int
-    state: PullState = PullState.PENDING
-    bytes_done: int = 0
-    descriptors_done: int = 0
-    started: float = field(default_factory=time.perf_counter)
-    ended: float | None = None
-    error: ErrorBody | None = None
-    suspect: list[tuple[int, int, int]] = field(default_factory=list)
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
-    path: str = ""  # "shm" or the transport's scheme: decided at submit
-    #: the same-host connection chosen at submit (None: the transport's, made later)
-    conn: Peer | None = None
-    cancel_reason: str = ""
-    fail_reason: str = ""  # set when the source left the registry: FAILED, not CANCELLED
-    #: regions of this daemon the pull reads or writes, kept from deletion until it ends
-    pins: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-    #: the principal that submitted it: only they see, wait for and cancel it
-    owner: str = ""
-    #: the device kinds of memory its regions here are made of ("cuda"; "" for host
-    #: memory only): its bytes go through those kinds' copy engines, and it says so
-    devices: str = ""
-    #: bytes of its principal's plan charge it gives back when it ends
-    plan_bytes: int = 0
-    #: over a host-memory data plane, the connection staging its device-bound reads
-    #: (:mod:`refitd.daemon.devstaging`); its staging region is given back when the pull ends
-    device_staging: StagedPeer | None = None
-
-    def progress(self, n_desc: int, n_bytes: int) -> None:
-        self.descriptors_done += n_desc
-        self.bytes_done += n_bytes
-
-    def snapshot(self) -> PullProgress:
-        end = self.ended if self.ended is not None else time.perf_counter()
-        secs = end - self.started
-        rate = self.bytes_done / secs / 1e9 if secs > 0 else 0.0
-        return PullProgress(
-            self.pull_id,
-            self.state,
-            self.bytes_total,
-            self.bytes_done,
-            self.descriptors_total,
-            self.descriptors_done,
-            secs,
-            rate,
-            self.error,
-            self.suspect,
-            f"{self.path}+{self.devices}" if self.devices else self.path,
-        )
 
 
 class PullManager:
