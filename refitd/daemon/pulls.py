@@ -320,6 +320,9 @@ class PullManager:
             elif req.pack_specs:
                 if filling is not None:  # the source packs only complete bytes
                     await filling.complete()
+                    # Every byte is there now, and the staged rows read the staging
+                    # region, which is no chunk of the mirror: nothing is gated.
+                    filling = None
                 staged = await src.pack(req.model, req.version, req.lease_id, req.pack_specs)
                 extra = pullcore.staged_rows(staged, req.pack_specs)
                 sp = await src.regions([staged.region.region_id], req)

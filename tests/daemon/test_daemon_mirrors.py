@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
+import msgspec
 import numpy as np
 import pytest
 
@@ -23,6 +24,7 @@ from refitd.errors import ConflictError, NotFoundError
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
+    PackSpec,
     PullRequest,
     PullState,
     ShardEntry,
@@ -34,7 +36,7 @@ from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(180)
 
-NBYTES = 24 << 20  # six chunks
+NBYTES = 24 << 20  # 24 chunks of 1 MiB (mirror.chunk_bytes)
 MODEL = "m"
 TRUST = "peers.allow=http://127.0.0.1:*"
 SAFETY_S = 60.0
@@ -297,3 +299,51 @@ async def test_a_host_that_cannot_hold_the_mirror_leaves_no_lease_at_its_relay_a
             while (await h.ac.versions(MODEL))[-1].leases:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
         assert await refit(h.ac, h.tc, 1) == "shm"
+
+
+async def test_strided_reads_of_a_mirror_still_filling_are_exact_packed_or_read_directly(
+    secret_file: str,
+) -> None:
+    """A pull's pack specs served from a mirror still filling: one of 64-byte runs
+    (packed by this daemon from the mirror, then read from its staging region, no
+    chunk of the mirror) and one of 512-byte runs (read straight from the mirror's
+    chunks), each across a chunk's edge. Both land exactly as the source holds them.
+    Found under issue 46: the packed one failed with "a read lies outside every
+    chunk of the mirror it reads"."""
+    async with (
+        daemon(secret_file, "trainer") as t,
+        daemon(secret_file, "host-a", *MIRROR) as a,
+        RefitClient(t.url) as tc,
+        RefitClient(a.url) as ac,
+    ):
+        await publish(tc, 1)
+        lease = await tc.acquire_lease(MODEL, 1, 60.0)
+        src = (await tc.manifest(MODEL, 1)).tensors[0].shards[0].region
+        edge = 1 << 20  # the first chunk's end (24 MiB cut in 1 MiB chunks)
+        short = PackSpec(src, edge - 4096, (128, 64), (128, 1), 1, 0, 0)
+        long = PackSpec(src, 3 * edge - 8192, (64, 512), (1024, 1), 1, 0, 8192)
+        dst = await ac.create_region(8192 + 64 * 512, label="engine")
+        specs = [msgspec.structs.replace(s, dst_region=dst.region_id) for s in (short, long)]
+        req = PullRequest(
+            MODEL, 1, lease.lease_id, DescriptorTable.pack(_no_rows()), specs, tc.base_url
+        )
+        done = await ac.pull(req)
+        assert done.path == "shm"  # read from the mirror
+        whole = pattern(NBYTES, 1)
+        want = np.concatenate(
+            [
+                np.lib.stride_tricks.as_strided(whole[s.src_offset :], s.shape, s.strides).ravel()
+                for s in specs
+            ]
+        )
+        seg = SharedSegment.attach(dst.handle, dst.nbytes)
+        try:
+            assert np.array_equal(seg.numpy()[: want.size], want)
+        finally:
+            seg.close()
+        assert (await state(ac, 1)).tried == [t.url]
+        await tc.release_lease(lease.lease_id)
+
+
+def _no_rows() -> np.ndarray:
+    return np.zeros((0, 5), dtype=np.int64)
