@@ -194,7 +194,8 @@ def chunk_reads(
     sorted, tiling what the rows read) and ordered as the chunks are: returns the cut
     rows, per row how many descriptors it ends (a row's last piece ends it, counted
     as ``done`` says, default 1), and per row the index of the chunk it reads.
-    :class:`ProtocolError` for a row outside every chunk (nothing to wait for)."""
+    :class:`ProtocolError` for a row with bytes outside every chunk (nothing to
+    wait for); a row of no bytes goes with the chunk nearest it, wherever it is."""
     n = rows.shape[0]
     if n == 0:
         empty = np.zeros(0, dtype=np.int64)
@@ -205,16 +206,26 @@ def chunk_reads(
     stop = start + rows[:, 4]
     first = np.searchsorted(keys, start, side="right") - 1
     last = np.searchsorted(keys, np.maximum(start, stop - 1), side="right") - 1
+    # A read of no bytes needs no chunk (a lease's scope lets it through anywhere in
+    # its region, even in a gap between shards): it goes with the nearest one.
+    empty = rows[:, 4] == 0
+    first = np.where(empty, np.clip(first, 0, max(len(keys) - 1, 0)), first)
+    last = np.where(empty, first, last)
     count = np.maximum(1, last - first + 1)
     which = np.repeat(np.arange(n), count)
     base = np.cumsum(count) - count
     k = first[which] + (np.arange(int(count.sum())) - base[which])
     if bool((k < 0).any()) or bool((k >= len(keys)).any()):
         raise ProtocolError("a read lies outside every chunk of the mirror it reads")
-    lo = np.maximum(start[which], keys[k])
-    hi = np.minimum(stop[which], stops[k])
-    if bool((hi < lo).any()) or bool((lo < keys[k]).any()):
+    lo = np.where(empty[which], start[which], np.maximum(start[which], keys[k]))
+    hi = np.where(empty[which], start[which], np.minimum(stop[which], stops[k]))
+    outside = (hi < lo) | (lo < keys[k]) | (hi > stops[k])
+    if bool((outside & ~empty[which]).any()):
         raise ProtocolError("a read lies outside every chunk of the mirror it reads")
+    # Fail closed: a read over a gap between two chunks would skip the gap's bytes
+    # (a lease's scope check refuses one before this, as no extent spans a gap).
+    if not np.array_equal(np.add.reduceat(hi - lo, base), rows[:, 4]):
+        raise ProtocolError("a read spans bytes between two chunks of the mirror it reads")
     shift = lo - start[which]
     out = np.empty((len(k), 5), dtype=np.int64)
     out[:, 0] = rows[which, 0]

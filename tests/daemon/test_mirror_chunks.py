@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from refitd.daemon.mirror import (
     CHUNK_BYTES,
@@ -61,3 +63,60 @@ def test_a_read_outside_every_chunk_is_refused() -> None:
     chunks = cut_chunks({7: [(MIB, 2 * MIB)]}, MIB)
     with pytest.raises(ProtocolError):
         chunk_reads(np.array([[7, 0, 1, 0, 100]], dtype=np.int64), chunks)
+    # across the gap between two extents: its bytes in the gap are no chunk's
+    chunks = cut_chunks({7: [(0, MIB), (2 * MIB, 3 * MIB)]}, MIB)
+    with pytest.raises(ProtocolError):
+        chunk_reads(np.array([[7, MIB - 10, 1, 0, MIB + 20]], dtype=np.int64), chunks)
+
+
+REGION = 256
+"""Bytes of each region in the property below (chunks of 16 bytes)."""
+
+
+@st.composite
+def scoped_reads(draw: st.DrawFn) -> tuple[dict[int, list[tuple[int, int]]], np.ndarray]:
+    """A version's scope (up to three regions, extents with gaps between, a region
+    possibly with none) and reads a lease on it may make: each inside one extent, or
+    of no bytes anywhere in its region (a scope check lets those through)."""
+    scope: dict[int, list[tuple[int, int]]] = {}
+    for rid in draw(st.sets(st.integers(1, 9), min_size=1, max_size=3)):
+        edges = sorted(draw(st.sets(st.integers(0, REGION), max_size=6)))
+        scope[rid] = [(a, b) for a, b in zip(edges[::2], edges[1::2], strict=False) if a < b]
+    extents = [(r, a, b) for r, ext in scope.items() for a, b in ext]
+    rows = []
+    for _ in range(draw(st.integers(1, 12))):
+        if extents and draw(st.booleans()):
+            r, a, b = draw(st.sampled_from(extents))
+            off = draw(st.integers(a, b - 1))
+            n = draw(st.integers(1, b - off))
+        else:
+            r, off, n = draw(st.sampled_from(sorted(scope))), draw(st.integers(0, REGION)), 0
+        rows.append([r, off, 0, 0, n])
+    out = np.array(rows, dtype=np.int64)
+    out[:, 3] = np.cumsum(out[:, 4]) - out[:, 4]  # destinations do not overlap
+    return scope, out
+
+
+@settings(max_examples=300, deadline=None)
+@given(scoped_reads())
+def test_every_read_a_lease_may_make_is_cut_into_chunks_and_lands_where_it_would(
+    case: tuple[dict[int, list[tuple[int, int]]], np.ndarray],
+) -> None:
+    scope, rows = case
+    chunks = cut_chunks(scope, 16)
+    if not len(chunks):
+        return  # a version of no bytes: nothing to mirror
+    out, ends, k = chunk_reads(rows, chunks)
+    assert list(k) == sorted(k) and ends.sum() == len(rows)
+    for (src, off, _, _, n), ki in zip(out.tolist(), k.tolist(), strict=True):
+        cs, co, cn = chunks[ki].tolist()
+        assert n == 0 or (src == cs and co <= off and off + n <= co + cn)
+    memory = {r: np.arange(REGION, dtype=np.uint8) + np.uint8(r) for r in scope}
+
+    def land(reads: np.ndarray) -> np.ndarray:
+        dst = np.zeros(12 * REGION, dtype=np.uint8)
+        for src, off, _, doff, n in reads.tolist():
+            dst[doff : doff + n] = memory[src][off : off + n]
+        return dst
+
+    assert np.array_equal(land(out), land(rows))
