@@ -21,6 +21,9 @@ The last line:
 - ``refit_s``: median, from the prefetch's start to the swap's end;
 - ``tokens_ratio_during``: tokens/s while a prefetch runs ÷ tokens/s in the quiet window;
 - ``aborted``: requests aborted or errored;
+- ``stall_pull_p99_s``, ``stall_prepare_p99_s``: as ``stall_p99_s``, for the gaps
+  that end while rank 0 pulled, or prepared processing (by the worker's own marks);
+  ``quiet_gap_max_s``: the quiet window's longest gap, what the host makes unrefitted;
 - ``verified``: 1 when, after the last swap, every parameter equals a fresh load of the
   last version bit for bit, and new requests' tokens and logprobs equal a fresh
   engine's.
@@ -160,6 +163,15 @@ def engine_kwargs(tp: int) -> dict[str, Any]:
     return {**LLM_CPU_KWARGS, "tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
 
 
+def _phases(s: Any) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The pull's window and processing's, by rank 0's marks (the prefetch's start
+    when the worker names none): a token gap is put down to the phase it ends in."""
+    r = s.ranks[0]
+    start = r.get("started_at", s.marks["start"])
+    pulled = start + r["pulled_s"]
+    return (s.marks["start"], pulled), (pulled, s.marks["ready"])
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -248,11 +260,12 @@ async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], ur
                 f"{s.pause_total_s * 1e3:6.1f} ms",
                 flush=True,
             )
-            in_prefetch = max(load.gaps(s.marks["start"], s.marks["ready"]), default=0.0)
+            pull, prep = _phases(s)
             around = max(load.gaps(s.marks["ready"], s.marks["resumed"] + 0.2), default=0.0)
             print(
-                f"  longest token gap: while prefetching {in_prefetch * 1e3:.1f} ms, around "
-                f"the pause {around * 1e3:.1f} ms",
+                f"  longest token gap: while pulling {max(load.gaps(*pull), default=0.0) * 1e3:.1f}"
+                f" ms, while preparing {max(load.gaps(*prep), default=0.0) * 1e3:.1f} ms, "
+                f"around the pause {around * 1e3:.1f} ms",
                 flush=True,
             )
             await asyncio.sleep(0.3)  # tokens after the resume, before the next publish
@@ -308,6 +321,8 @@ async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], ur
         max(load.gaps(s.marks["start"], s.marks["resumed"] + 0.2), default=0.0) - quiet_gap
         for s in stats
     ]
+    in_pull = [max(load.gaps(*_phases(s)[0]), default=0.0) - quiet_gap for s in stats]
+    in_prep = [max(load.gaps(*_phases(s)[1]), default=0.0) - quiet_gap for s in stats]
     aborted = load.errors + sum(1 for e in load.ended if e != "length")
     swaps = [s.swap_s for s in stats]
     print(
@@ -319,6 +334,8 @@ async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], ur
         f"prefetch_nice={args.prefetch_nice} tp={args.tp} "
         f"verified={int(verified)} quiet_tokens_per_s={quiet_rate:.1f} "
         f"quiet_gap_s={quiet_gap:.4f} prefetch_p50_s="
-        f"{statistics.median(s.prefetch_s for s in stats):.4f} requests={len(load.ended)}"
+        f"{statistics.median(s.prefetch_s for s in stats):.4f} requests={len(load.ended)} "
+        f"stall_pull_p99_s={_pct(in_pull, 0.99):.4f} stall_prepare_p99_s={_pct(in_prep, 0.99):.4f} "
+        f"quiet_gap_max_s={max(load.gaps(q0, q1)):.4f}"
     )
     return 0 if verified and not aborted else 1
