@@ -77,6 +77,7 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench inflight                      # a 608 MB Llama, 8 streams, 10 updates",
         "refitd bench inflight --preset tiny --updates 3   # a quick run",
         "refitd bench inflight --prefetch-nice 0    # the prefetch at the engine's priority",
+        "refitd bench inflight --preset tiny --tp 2 --updates 3   # two TP ranks, toy size",
     ),
     "vllm": (
         "refitd bench vllm                          # a 608 MB Llama, 4 updates",

@@ -8,6 +8,7 @@ the worker pulls it into its inactive copy and prepares vLLM's post-load process
 while the engine generates, then the engine pauses (``mode="keep"``,
 ``clear_cache=False``) only for the swap. Before the first update the same streams run
 for ``--quiet-s`` seconds with no prefetch: the baseline of ``tokens_ratio_during``.
+``--tp`` runs the engine (and the fresh one that verifies) at that many TP ranks.
 
 The last line:
 
@@ -20,6 +21,9 @@ The last line:
 - ``refit_s``: median, from the prefetch's start to the swap's end;
 - ``tokens_ratio_during``: tokens/s while a prefetch runs ÷ tokens/s in the quiet window;
 - ``aborted``: requests aborted or errored;
+- ``stall_pull_p99_s``, ``stall_prepare_p99_s``: as ``stall_p99_s``, for the gaps
+  that end while rank 0 pulled, or prepared processing (by the worker's own marks);
+  ``quiet_gap_max_s``: the quiet window's longest gap, what the host makes unrefitted;
 - ``verified``: 1 when, after the last swap, every parameter equals a fresh load of the
   last version bit for bit, and new requests' tokens and logprobs equal a fresh
   engine's.
@@ -68,6 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=19,
         help="CPU priority of the workers' prefetch thread (default 19, the lowest)",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks, a worker process each (default 1; the fresh engine "
+        "that verifies runs at the same TP)",
     )
 
 
@@ -140,6 +151,27 @@ async def _greedy_logprobs(llm: Any) -> list[Any]:
     return out
 
 
+def engine_kwargs(tp: int) -> dict[str, Any]:
+    """``LLM``/``AsyncEngineArgs`` settings at ``tp`` ranks; for ``tp > 1`` each rank's
+    OpenMP team is bound to cores of its own (``VLLM_CPU_OMP_THREADS_BIND``, unless
+    set), this process's cores dealt out in turn."""
+    if tp == 1:
+        return dict(LLM_CPU_KWARGS)
+    cores = sorted(os.sched_getaffinity(0))
+    per = [cores[r::tp] or [cores[r % len(cores)]] for r in range(tp)]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, c)) for c in per))
+    return {**LLM_CPU_KWARGS, "tensor_parallel_size": tp, "distributed_executor_backend": "mp"}
+
+
+def _phases(s: Any) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The pull's window and processing's, by rank 0's marks (the prefetch's start
+    when the worker names none): a token gap is put down to the phase it ends in."""
+    r = s.ranks[0]
+    start = r.get("started_at", s.marks["start"])
+    pulled = start + r["pulled_s"]
+    return (s.marks["start"], pulled), (pulled, s.marks["ready"])
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -167,7 +199,8 @@ def run(args: argparse.Namespace) -> int:
             os.environ["REFITD_URL"] = url
             print(
                 f"refitd bench inflight: Llama hidden {cfg['hidden_size']}, "
-                f"{cfg['num_hidden_layers']} layers: {nbytes / 2**20:.1f} MiB bf16; AsyncLLM TP1 "
+                f"{cfg['num_hidden_layers']} layers: {nbytes / 2**20:.1f} MiB bf16; AsyncLLM "
+                f"TP{args.tp} "
                 f"on CPU; {args.streams} streams; {args.updates} in-flight updates",
                 flush=True,
             )
@@ -190,7 +223,9 @@ async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], ur
     from refitd.integrations.vllm.trainer import RefitdTrainerEngine, RefitdTrainerInitInfo
 
     eargs = AsyncEngineArgs(
-        model=str(root / "engine"), weight_transfer_config={"backend": "refitd"}, **LLM_CPU_KWARGS
+        model=str(root / "engine"),
+        weight_transfer_config={"backend": "refitd"},
+        **engine_kwargs(args.tp),
     )
     llm = AsyncLLM.from_engine_args(eargs)
     control = AsyncLLMControl(llm)
@@ -225,17 +260,18 @@ async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], ur
                 f"{s.pause_total_s * 1e3:6.1f} ms",
                 flush=True,
             )
-            in_prefetch = max(load.gaps(s.marks["start"], s.marks["ready"]), default=0.0)
+            pull, prep = _phases(s)
             around = max(load.gaps(s.marks["ready"], s.marks["resumed"] + 0.2), default=0.0)
             print(
-                f"  longest token gap: while prefetching {in_prefetch * 1e3:.1f} ms, around "
-                f"the pause {around * 1e3:.1f} ms",
+                f"  longest token gap: while pulling {max(load.gaps(*pull), default=0.0) * 1e3:.1f}"
+                f" ms, while preparing {max(load.gaps(*prep), default=0.0) * 1e3:.1f} ms, "
+                f"around the pause {around * 1e3:.1f} ms",
                 flush=True,
             )
             await asyncio.sleep(0.3)  # tokens after the resume, before the next publish
         stop.set()
         await streams
-        digest = (await llm.collective_rpc(served_digest))[0]
+        digest = await llm.collective_rpc(served_digest)  # every rank's shard
         served = await _greedy_logprobs(llm)
     finally:
         stop.set()
@@ -244,7 +280,7 @@ async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], ur
         del llm
         gc.collect()
     save_file(state, str(root / "last" / "model.safetensors"))
-    fresh = LLM(model=str(root / "last"), **LLM_CPU_KWARGS)
+    fresh = LLM(model=str(root / "last"), **engine_kwargs(args.tp))
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -259,12 +295,18 @@ async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], ur
                 [sorted((t, lp.logprob) for t, lp in s.items()) for s in c.logprobs],
             )
         )
-    truth_digest = fresh.collective_rpc(served_digest)[0]
+    truth_digest = fresh.collective_rpc(served_digest)
+    fresh.llm_engine.engine_core.shutdown()  # its worker processes end before the report
     del fresh
     gc.collect()
     verified = digest == truth_digest and served == truth_tokens
     if not verified:
-        names = sorted(n for n in truth_digest if digest.get(n) != truth_digest[n])
+        names = sorted(
+            f"rank {r}: {n}"
+            for r, (got, want) in enumerate(zip(digest, truth_digest, strict=True))
+            for n in want
+            if got.get(n) != want[n]
+        )
         print(
             f"differ from a fresh load: parameters {names[:6]} ({len(names)}), tokens or "
             f"logprobs: {served != truth_tokens}",
@@ -279,6 +321,8 @@ async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], ur
         max(load.gaps(s.marks["start"], s.marks["resumed"] + 0.2), default=0.0) - quiet_gap
         for s in stats
     ]
+    in_pull = [max(load.gaps(*_phases(s)[0]), default=0.0) - quiet_gap for s in stats]
+    in_prep = [max(load.gaps(*_phases(s)[1]), default=0.0) - quiet_gap for s in stats]
     aborted = load.errors + sum(1 for e in load.ended if e != "length")
     swaps = [s.swap_s for s in stats]
     print(
@@ -287,9 +331,11 @@ async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], ur
         f"stall_p99_s={_pct(stalls, 0.99):.4f} "
         f"refit_s={statistics.median(s.refit_s for s in stats):.4f} "
         f"tokens_ratio_during={during / during_s / quiet_rate:.3f} aborted={aborted} "
-        f"prefetch_nice={args.prefetch_nice} "
+        f"prefetch_nice={args.prefetch_nice} tp={args.tp} "
         f"verified={int(verified)} quiet_tokens_per_s={quiet_rate:.1f} "
         f"quiet_gap_s={quiet_gap:.4f} prefetch_p50_s="
-        f"{statistics.median(s.prefetch_s for s in stats):.4f} requests={len(load.ended)}"
+        f"{statistics.median(s.prefetch_s for s in stats):.4f} requests={len(load.ended)} "
+        f"stall_pull_p99_s={_pct(in_pull, 0.99):.4f} stall_prepare_p99_s={_pct(in_prep, 0.99):.4f} "
+        f"quiet_gap_max_s={max(load.gaps(q0, q1)):.4f}"
     )
     return 0 if verified and not aborted else 1

@@ -97,6 +97,7 @@ class World:
     state: dict[str, torch.Tensor]
     weights: dict[int, dict[str, torch.Tensor]]
     truth: dict[int, tuple[Any, dict[str, torch.Tensor]]]
+    url: str
 
     def publish(self, seed: int) -> int:
         """Publish ``seed``'s checkpoint as the next version (READY on return)."""
@@ -168,7 +169,8 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 
     root = tmp_path_factory.mktemp("inflight")
     mp = pytest.MonkeyPatch()
-    with vllm_daemon(tmp_path_factory, "inflight-daemon", mp=mp) as url:
+    # Deltas on: the delta test's trainer double-buffers; the others publish one buffer.
+    with vllm_daemon(tmp_path_factory, "inflight-daemon", "pulls.deltas=true", mp=mp) as url:
         weights = {s: write_model(root / f"truth{s}", LLAMA, seed=s) for s in SEEDS}
         truth = {s: fresh_serving(root / f"truth{s}", _served) for s in SEEDS}
         write_model(root / "engine", LLAMA, seed=1)
@@ -194,7 +196,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         control = Recorded(AsyncLLMControl(llm))
         try:
             loop.run(control.init_weight_transfer_engine({"model": "inflight", "mode": "swap"}))
-            yield World(loop, llm, control, trainer, state, weights, truth)
+            yield World(loop, llm, control, trainer, state, weights, truth, url)
         finally:
             trainer.shutdown()
             llm.shutdown()
@@ -322,3 +324,71 @@ def test_a_swap_whose_preparation_fails_is_refused_before_the_pause(world: World
     assert world.differing(SEEDS[1]) == []
     world.update(SEEDS[2])
     assert world.differing(SEEDS[2]) == []
+
+
+def stepped(state: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """``state`` with 2 % of every tensor's values moved by one ulp: a delta's worth."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        t = t.clone()
+        bits = t.view(torch.int16).reshape(-1)
+        bits[torch.rand(bits.numel(), generator=g) < 0.02] += 1
+        out[name] = t
+    return out
+
+
+def test_with_delta_refit_an_in_flight_swap_is_exact_and_the_next_refit_is_full_then_deltas(
+    world: World,
+) -> None:
+    """A worker started with ``delta=True``: a full refit, then a delta (to a checkpoint
+    the module knows), then an in-flight update, which pulls in full into the inactive
+    copy; the refit after it finds no base (the swap made the other copy live) and runs
+    full, and the one after is a delta again. Each equals a fresh load bit for bit."""
+    from refitd.integrations.sources import TensorSource
+    from refitd.integrations.vllm.inflight import _session
+    from refitd.integrations.vllm.trainer import RefitdTrainerEngine, RefitdTrainerInitInfo
+    from refitd.integrations.vllm.worker import refit_stats
+
+    s2, s3, s4 = SEEDS
+    state = {n: t.clone() for n, t in world.weights[s2].items()}
+    trainer = RefitdTrainerEngine(
+        RefitdTrainerInitInfo(rank=0, model="inflight-delta", url=world.url, buffers=2),
+        client=None,
+        source=TensorSource(state),
+        is_sender=True,
+    )
+    control = world.control
+
+    def publish(weights: dict[str, torch.Tensor]) -> int:
+        for n, t in weights.items():
+            state[n].copy_(t)
+        version: int = trainer.publish_ready()
+        return version
+
+    def refit(weights: dict[str, torch.Tensor]) -> tuple[str, str]:
+        """A synchronous refit (vLLM's step loop held for it): its kind and reason."""
+        world.loop.run(_session(control, {"version": publish(weights)}, None))
+        [stats] = world.loop.run(world.llm.collective_rpc(refit_stats))
+        return stats["kind"], stats["reason"]
+
+    init = {"model": "inflight-delta", "mode": "swap", "delta": True}
+    try:
+        world.loop.run(control.init_weight_transfer_engine(init))
+        assert refit(stepped(world.weights[s2], 7))[0] == "full"  # no base yet
+        assert refit(world.weights[s2]) == ("delta", "")
+        assert world.differing(s2) == []
+        stats = world.loop.run(inflight_update(control, publish(world.weights[s3])))
+        [after] = world.loop.run(world.llm.collective_rpc(refit_stats))
+        assert after["kind"] == "inflight" and after["version"] == stats.version
+        assert world.differing(s3) == []
+        kind, reason = refit(world.weights[s4])
+        assert kind == "full" and reason.startswith("no base"), (kind, reason)
+        assert world.differing(s4) == []
+        assert refit(stepped(world.weights[s4], 8))[0] == "delta"
+        assert refit(world.weights[s4]) == ("delta", "")
+        assert world.differing(s4) == []
+    finally:
+        trainer.shutdown()
+        # The module's other tests refit without delta, from the module's trainer.
+        world.loop.run(control.init_weight_transfer_engine({"model": "inflight", "mode": "swap"}))

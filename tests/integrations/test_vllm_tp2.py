@@ -150,3 +150,84 @@ def test_when_one_tp_rank_cannot_prefetch_no_rank_swaps_and_both_serve_on(
         assert (llm.collective_rpc(served_digest), greedy(llm)) == swapped
     finally:
         trainer.shutdown()
+
+
+class ServingLLMControl:
+    """:class:`~refitd.integrations.vllm.inflight.EngineControl` over the module's
+    synchronous ``LLM``, which generates only inside its own calls: between them it is
+    paused already, so pause and resume do nothing. Every state poll (the driver polls
+    while the workers prefetch) first serves one request, so requests run while the
+    version lands; each one's end goes to ``served``."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+        self.served: list[str] = []
+        self.pauses = 0
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    async def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
+
+    async def pause(self) -> None:
+        self.pauses += 1
+
+    async def resume(self) -> None:
+        pass
+
+    async def set_weight_version(self, version: str) -> None:
+        self.llm.update_weight_version(version)
+
+    async def states(self) -> list[dict[str, Any]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        from refitd.integrations.vllm.worker import inflight_state
+
+        params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, detokenize=False)
+        prompt = TokensPrompt(prompt_token_ids=[5, 17, 33 + len(self.served) % 50])
+        [out] = self.llm.generate([prompt], params, use_tqdm=False)
+        self.served.append(f"{out.outputs[0].finish_reason} {len(out.outputs[0].token_ids)}")
+        return list(self.llm.collective_rpc(inflight_state))
+
+
+def test_the_in_flight_driver_updates_both_tp_ranks_while_requests_run_equal_to_a_reload(
+    tmp_path: Path, tp2: TP2
+) -> None:
+    import asyncio
+
+    from refitd.integrations.sources import TensorSource
+    from refitd.integrations.vllm.inflight import inflight_update
+    from refitd.integrations.vllm.trainer import RefitdTrainerEngine, RefitdTrainerInitInfo
+
+    llm = tp2.llm
+    control = ServingLLMControl(llm)
+    trainer = RefitdTrainerEngine(
+        RefitdTrainerInitInfo(rank=0, model="tp2-driver", url=tp2.url),
+        client=None,
+        source=TensorSource(write_model(tmp_path / "trainer", LLAMA, seed=4)),
+        is_sender=True,
+    )
+    try:
+        asyncio.run(control.init_weight_transfer_engine({"model": "tp2-driver"}))
+        before = (llm.collective_rpc(served_digest), greedy(llm))
+        stats = asyncio.run(inflight_update(control, trainer.publish_ready()))
+    finally:
+        trainer.shutdown()
+    assert [s["state"] for s in stats.ranks] == ["ready", "ready"]
+    assert control.pauses == 1
+    # The requests served while the version landed all ran to their length (none
+    # aborted); at least the one the driver's first poll served.
+    assert control.served and set(control.served) == {"length 4"}
+    assert llm.get_weight_version() == str(stats.version)
+    swapped = (llm.collective_rpc(served_digest), greedy(llm))
+    assert swapped != before
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(tmp_path / "trainer")})
+    assert (llm.collective_rpc(served_digest), greedy(llm)) == swapped  # verified

@@ -153,6 +153,9 @@ class InflightWorker:
             "error": pf.error,
             "pulled_s": pf.pulled_s,
             "prepare_s": pf.prepare_s,
+            # perf_counter marks (CLOCK_MONOTONIC on Linux: comparable across the
+            # host's processes), so a bench can tell the pull's window from processing's
+            "started_at": pf.started,
             "bytes": pf.stats.bytes if pf.stats is not None else 0,
         }
 
