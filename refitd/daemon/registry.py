@@ -33,20 +33,17 @@ import msgspec
 from refitd.daemon.manifestcheck import (
     DTYPE_SIZES,
     check_manifest_bounds,
-    element_count,
     manifest_cost,
 )
-from refitd.daemon.trust import Extents, merge_extents
+from refitd.daemon.merging import merge_slots, scope_of
+from refitd.daemon.trust import Extents
 from refitd.errors import ConflictError, NotFoundError, ProtocolError, QuotaExceeded
 from refitd.wire import (
     LeaseGrant,
     ManifestIn,
     MergedManifest,
-    ShardEntry,
-    TensorEntry,
     VersionInfo,
     VersionState,
-    gc_paused,
 )
 
 __all__ = [
@@ -417,15 +414,7 @@ class Registry:
         never changes."""
         v = self._get(model, version)
         if v.scope is None:
-            ranges: list[tuple[int, int, int]] = []
-            for m in v.slots.values():
-                for t in m.tensors:
-                    size = DTYPE_SIZES.get(t.dtype, 1)
-                    for s in t.shards:
-                        ranges.append(
-                            (s.region, s.byte_offset, s.byte_offset + element_count(s.shape) * size)
-                        )
-            v.scope = merge_extents(ranges)
+            v.scope = scope_of(v.slots)
         return v.scope
 
     def latest_ready(self, model: str) -> int:
@@ -463,7 +452,7 @@ class Registry:
         """The READY version's tensors with replicated blocks listed once (cached)."""
         v = self._require_ready(model, version)
         if v.merged is None:
-            v.merged = self._merge(v)
+            v.merged = merge_slots(v.slots, v.model, v.version, self.node_id, self.incarnation)
         return v.merged
 
     def merged_bytes(self, model: str, version: int) -> bytes:
@@ -472,38 +461,6 @@ class Registry:
         if v.merged_bytes is None:
             v.merged_bytes = msgspec.msgpack.encode(self.merged(model, version))
         return v.merged_bytes
-
-    def _merge(self, v: _Version) -> MergedManifest:
-        # Slots are visited lowest first and the first copy of a block wins, so the
-        # merge is deterministic; a tensor one slot publishes with distinct blocks is
-        # reused as is (no new objects for the common case).
-        first: dict[str, TensorEntry] = {}
-        extra: dict[str, list[ShardEntry]] = {}
-        with gc_paused():
-            for slot in sorted(v.slots):
-                for t in v.slots[slot].tensors:
-                    seen = first.get(t.name)
-                    if seen is None:
-                        first[t.name] = t
-                    else:
-                        extra.setdefault(t.name, []).extend(t.shards)
-            tensors: list[TensorEntry] = []
-            for name, t in first.items():
-                more = extra.get(name)
-                if more is None and len(t.shards) <= 1:
-                    tensors.append(t)
-                    continue
-                blocks: dict[tuple[tuple[int, ...], tuple[int, ...]], ShardEntry] = {}
-                for s in t.shards:
-                    blocks.setdefault((s.offset, s.shape), s)
-                for s in more or ():
-                    # A replica is the same block at the same global offset.
-                    blocks.setdefault((s.offset, s.shape), s)
-                if more is None and len(blocks) == len(t.shards):
-                    tensors.append(t)
-                else:
-                    tensors.append(TensorEntry(name, t.shape, t.dtype, list(blocks.values())))
-        return MergedManifest(v.model, v.version, self.node_id, self.incarnation, tensors)
 
     # ------------------------------------------------------------ leases
 
