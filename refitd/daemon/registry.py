@@ -48,6 +48,7 @@ from refitd.wire import (
 
 __all__ = [
     "DTYPE_SIZES",
+    "KEEP_RETIRED",
     "PENDING_TTL_S",
     "Lease",
     "Registry",
@@ -56,6 +57,14 @@ __all__ = [
 
 PENDING_TTL_S = 3600.0
 """Default seconds a version may stay pending (``limits.pending_ttl_s``)."""
+
+KEEP_RETIRED = 8
+"""Records of retired, unleased versions kept per model (number, state, the slots it
+published), the last let go: a reader, a drain or a trainer asking after a version
+just replaced is told it was retired. Older ones are forgotten (404), so a daemon
+publishing a version per step keeps a bounded number of records whatever its uptime.
+A leased version's record stays while the lease does; a model's newest READY number
+is kept apart (versions only move forward)."""
 
 #: one line per version state change: pending (first slot), ready, retired
 log = logging.getLogger("refitd.sources")
@@ -123,6 +132,9 @@ class Registry:
         self._manifest_bytes: collections.Counter[str] = collections.Counter()
         #: per model, the highest version number that ever became READY
         self._newest_ready: dict[str, int] = {}
+        #: per model, its retired versions whose manifests were let go, in that order:
+        #: past :data:`KEEP_RETIRED`, the oldest records are forgotten
+        self._let_go: dict[str, collections.deque[int]] = {}
         self._seq = itertools.count(1)
         #: Whether a version this daemon holds only some slots of has all its slots
         #: published across the cluster (set by the daemon when a cluster registry
@@ -215,7 +227,7 @@ class Registry:
             v.state = VersionState.READY
             self._newest_ready[m.model] = m.version
             log.info("%r version %d: ready (%d slots)", m.model, m.version, v.expected_slots)
-            for (model, version), other in self._versions.items():
+            for (model, version), other in list(self._versions.items()):
                 if model == m.model and version < m.version:
                     if other.state is not VersionState.RETIRED:
                         log.info(
@@ -276,7 +288,8 @@ class Registry:
         """Let go of the manifests of ``v`` once it is retired and no live lease holds
         it: nothing can read it again (leases are taken on READY versions only), and
         a daemon publishing a version per step must not grow without bound. Its
-        record stays (number, state, the slots it published)."""
+        record stays (number, state, the slots it published) among the model's last
+        :data:`KEEP_RETIRED` let go."""
         if v.state is not VersionState.RETIRED or not v.slots:
             return
         if self.active_leases(v.model, v.version):
@@ -285,6 +298,12 @@ class Registry:
         v.slots = {}
         v.merged = v.merged_bytes = v.scope = v.region_ids = None
         self._uncharge(v)
+        let_go = self._let_go.setdefault(v.model, collections.deque())
+        let_go.append(v.version)
+        while len(let_go) > KEEP_RETIRED:
+            old = self._versions.get((v.model, let_go.popleft()))
+            if old is not None and old.state is VersionState.RETIRED and not old.slots:
+                del self._versions[(old.model, old.version)]
 
     def held_shards(self) -> int:
         """Shards listed by every manifest the registry holds (what its memory scales
