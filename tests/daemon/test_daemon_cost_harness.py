@@ -34,6 +34,7 @@ from refitd.client.http import RefitClient
 from refitd.daemon.deltaroutes import DELTAS
 from refitd.daemon.manifestcheck import manifest_cost
 from refitd.daemon.mirror import Mirror
+from refitd.daemon.mirrorbook import MAX_HOLDERS
 from refitd.daemon.mirrorhandlers import MIRRORS
 from refitd.daemon.pools import bookkeeping_bytes
 from refitd.daemon.pulls import PLAN_RUN_BYTES
@@ -42,6 +43,7 @@ from refitd.delta.compare import comparison_bytes
 from refitd.wire import (
     DeltaPackRequest,
     DescriptorTable,
+    HolderJoin,
     ManifestIn,
     PackSpec,
     PoolCreate,
@@ -49,6 +51,7 @@ from refitd.wire import (
     ShardEntry,
     TensorEntry,
 )
+from refitd.wire.mirrors import MAX_EXCLUDE
 from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(300)
@@ -200,14 +203,18 @@ async def attach_of_a_sparse_segment(env: Env) -> tuple[int, list[int]]:
     return 0, [status]
 
 
-async def held_long_polls(env: Env, path: str) -> list[int]:
-    """``POLLS`` long polls of b on ``path`` held at once, then dropped."""
+async def held_long_polls(env: Env, path: str, who: str = "b", method: str = "GET") -> list[int]:
+    """``POLLS`` long polls of ``who`` on ``path`` held at once, then dropped: each
+    must give back its place within the wait below."""
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    headers = {"Authorization": f"Bearer {TOKENS['b']}", "Accept": "application/json"}
-    polls = [asyncio.ensure_future(http.get(env.url + path, headers=headers)) for _ in range(POLLS)]
+    headers = {"Authorization": f"Bearer {TOKENS[who]}", "Accept": "application/json"}
+    polls = [
+        asyncio.ensure_future(http.request(method, env.url + path, headers=headers))
+        for _ in range(POLLS)
+    ]
     try:
         async with asyncio.timeout(30.0):
-            while env.d.call(lambda: env.d.served.app[WAITS].open("b")) < POLLS:  # noqa: ASYNC110
+            while env.d.call(lambda: env.d.served.app[WAITS].open(who)) < POLLS:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
     finally:
         for p in polls:
@@ -215,7 +222,7 @@ async def held_long_polls(env: Env, path: str) -> list[int]:
         await asyncio.gather(*polls, return_exceptions=True)
         await http.close()
     async with asyncio.timeout(30.0):
-        while env.d.call(lambda: env.d.served.app[WAITS].open("b")):  # noqa: ASYNC110
+        while env.d.call(lambda: env.d.served.app[WAITS].open(who)):  # noqa: ASYNC110
             await asyncio.sleep(0.02)
     return []
 
@@ -228,6 +235,31 @@ async def mirror_state_long_polls(env: Env) -> tuple[int, list[int]]:
     return 0, await held_long_polls(env, "/v1/mirrors/am/7?after=0&timeout=60")
 
 
+async def cluster_next_long_polls(env: Env) -> tuple[int, list[int]]:
+    return 0, await held_long_polls(env, "/v1/cluster/sources/am/next?after=99&timeout=60")
+
+
+async def drain_long_polls(env: Env) -> tuple[int, list[int]]:
+    # b's lease holds v2: each drain of its owner waits, for as long as it asks.
+    path = "/v1/sources/am/versions/2/drain?timeout=3600"
+    return 0, await held_long_polls(env, path, who="a", method="POST")
+
+
+async def holder_book_joins(env: Env) -> tuple[int, list[int]]:
+    """A peer daemon's worst joins (signed, every field at its bound) past the book's
+    holders, and a tenant's unsigned one."""
+    secret = env.d.served.daemon.secret
+    exclude = [f"http://127.0.0.1:{20_000 + k}" for k in range(MAX_EXCLUDE)]
+    joins = [
+        HolderJoin("am", 2, f"http://127.0.0.1:{10_000 + i}", f"n{i}", exclude, 1e12)
+        for i in range(MAX_HOLDERS + 8)
+    ]
+    statuses = [await post(env, "a", "/v1/mirrors/holders", j.signed(secret)) for j in joins]
+    statuses.append(await post(env, "a", "/v1/mirrors/holders", joins[0]))
+    assert statuses[-1] == 403, statuses[-1]
+    return 0, statuses
+
+
 ATTACKS: list[tuple[str, Attack]] = [
     ("pull: descriptors at max_plan_runs", pull_of_many_descriptors),
     ("pull: stride-0 spec at max_plan_runs", pull_of_a_stride_zero_spec),
@@ -238,6 +270,9 @@ ATTACKS: list[tuple[str, Attack]] = [
     ("attach: 256 MiB sparse segment", attach_of_a_sparse_segment),
     ("long polls: 64 /ready", ready_long_polls),
     ("long polls: 64 mirror states", mirror_state_long_polls),
+    ("long polls: 64 cluster next", cluster_next_long_polls),
+    ("holder book: 72 signed joins at the bounds", holder_book_joins),
+    ("long polls: 64 drains (last: it yields v2)", drain_long_polls),
 ]
 
 
@@ -249,6 +284,7 @@ async def attacked(tmp: Path) -> Any:
         "deltas": True,
         "max_plan_runs": RUNS,
         "max_manifest_shards": SHARDS,
+        "allow": ("http://127.0.0.1:*",),  # the peers that join the holder book
     }
     with daemon_in_a_thread(tmp, **settings) as d:
         url = d.served.url
