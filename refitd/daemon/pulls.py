@@ -323,7 +323,9 @@ class PullManager:
                 if filling is not None:  # the source packs only complete bytes
                     await filling.complete()
                 staged = await src.pack(req.model, req.version, req.lease_id, req.pack_specs)
-                extra = pullcore.staged_rows(staged, req.pack_specs)
+                rows_of = functools.partial(pullcore.staged_rows, staged, req.pack_specs)
+                many = len(req.pack_specs) > OFF_LOOP_ROWS  # a Python step a spec
+                extra = await asyncio.to_thread(rows_of) if many else rows_of()
                 sp = await src.regions([staged.region.region_id], req)
                 pullcore.check_staged(extra, sp, req, self.store.regions.sizes())
                 peer = sp if peer is None else pullcore.merge_peer(peer, sp)

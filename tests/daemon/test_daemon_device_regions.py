@@ -322,11 +322,13 @@ async def test_a_daemon_locks_no_host_memory_past_its_pinned_cap_and_still_lands
         PINS.limit(None)  # the table is the process's: the next test's default
 
 
-async def test_a_pull_of_many_reads_of_a_peers_gpu_region_is_restaged_off_the_event_loop() -> None:
+async def test_a_pull_of_many_reads_of_a_peers_gpu_region_is_planned_and_packed_off_the_loop() -> (
+    None
+):
     # One 8-byte read a row of a peer's GPU region: the source stages each as a pack
-    # spec of its own, which the pull makes a Python step a row. Measured over the
-    # submit only (both daemons share this loop; the far one's staging is not the
-    # near one's submit), from the loop thread's own CPU time.
+    # spec of its own, a Python step a row where the pull makes it, where the source
+    # checks and packs it and where the pull reads it back. Both daemons share this
+    # loop: the longest stall of either, from the loop thread's own CPU time.
     far_engine = HostDeviceEngine()
     async with two_hosts() as (f, n):
         src, src_memory = await device_region(f.daemon, far_engine, "weights")
@@ -346,9 +348,9 @@ async def test_a_pull_of_many_reads_of_a_peers_gpu_region_is_restaged_off_the_ev
         stall.start()
         try:
             started = await n.client.submit_pull(req)
+            done = await n.client.wait_pull(started.pull_id)
         finally:
             stall.stop()
-        done = await n.client.wait_pull(started.pull_id)
         assert done.state == "done", done
         with SharedSegment.attach(dst.handle, N) as seg:
             assert np.array_equal(seg.numpy().reshape(-1, 8), data.reshape(-1, 8)[perm])
