@@ -224,6 +224,9 @@ def copy_view(dst: memoryview, src: bytes | bytearray | memoryview) -> None:
         raise CopyFault(int(d[0]), int(s[0]), n, at.value)
 
 
+OFF_LOOP_BLOCKS = 16_384
+"""A device pack of more blocks than this lists its runs in a worker thread."""
+
 _ZEROS = bytes(1 << 20)
 
 
@@ -323,9 +326,14 @@ class LocalTransport(InProcessTransport):
                     pack_strided(src, b.src_offset, b.shape, b.strides, b.itemsize, dst, at)
 
         await asyncio.to_thread(work)
-        device = [
-            (b, at) for b, at in zip(blocks, offsets, strict=True) if b.src_region in on_device
-        ]
+
+        def picked() -> list[tuple[Gather, int]]:
+            return [
+                (b, at) for b, at in zip(blocks, offsets, strict=True) if b.src_region in on_device
+            ]
+
+        many = len(blocks) > OFF_LOOP_BLOCKS  # a Python step a block: off the loop
+        device = await asyncio.to_thread(picked) if many else picked()
         if device:
             await self._pack_on_device(device, dst_region)
 
@@ -333,21 +341,38 @@ class LocalTransport(InProcessTransport):
         """Device blocks into host region ``dst_region``: each contiguous run of each
         block copied by the device's engine to where the CPU gather would put it."""
         regions = self.regions
-        dst_ids, src_ids, dst_at, src_at, sizes = [], [], [], [], []
-        for b, at in blocks:
-            runs, run_bytes = strided_runs_of(b)
-            n = len(runs)
-            src_ids.append(np.full(n, b.src_region, dtype=np.int64))
-            dst_ids.append(np.full(n, dst_region, dtype=np.int64))
-            src_at.append(regions[b.src_region].segment.address + b.src_offset + runs * b.itemsize)
-            dst_at.append(regions[dst_region].segment.address + at + np.arange(n) * run_bytes)
-            sizes.append(np.full(n, run_bytes, dtype=np.int64))
+        address = {
+            r: regions[r].segment.address for r in {dst_region, *(b.src_region for b, _ in blocks)}
+        }
+
+        def listed() -> tuple[np.ndarray, ...]:
+            dst_ids, src_ids, dst_at, src_at, sizes = [], [], [], [], []
+            for b, at in blocks:
+                runs, run_bytes = strided_runs_of(b)
+                n = len(runs)
+                src_ids.append(np.full(n, b.src_region, dtype=np.int64))
+                dst_ids.append(np.full(n, dst_region, dtype=np.int64))
+                src_at.append(address[b.src_region] + b.src_offset + runs * b.itemsize)
+                dst_at.append(address[dst_region] + at + np.arange(n) * run_bytes)
+                sizes.append(np.full(n, run_bytes, dtype=np.int64))
+            return (
+                np.concatenate(dst_at).astype(np.int64),
+                np.concatenate(src_at).astype(np.int64),
+                np.concatenate(sizes),
+                np.concatenate(dst_ids),
+                np.concatenate(src_ids),
+            )
+
+        # A Python step a block: many are listed in a worker thread, off the loop.
+        dst_at, src_at, sizes, dst_ids, src_ids = (
+            await asyncio.to_thread(listed) if len(blocks) > OFF_LOOP_BLOCKS else listed()
+        )
         await copy_by_kind(
-            np.concatenate(dst_at).astype(np.int64),
-            np.concatenate(src_at).astype(np.int64),
-            np.concatenate(sizes),
-            np.concatenate(dst_ids),
-            np.concatenate(src_ids),
+            dst_at,
+            src_at,
+            sizes,
+            dst_ids,
+            src_ids,
             {k: r.segment for k, r in regions.items()},
             {k: r.segment for k, r in regions.items()},
             self.copy,

@@ -210,6 +210,27 @@ def is_host(memory: MappedMemory) -> bool:
     return memory.kind == HOST
 
 
+def _region_pairs(
+    dst_ids: npt.NDArray[np.int64], src_ids: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.intp]]:
+    """The distinct (destination, source) region pairs of a batch's reads, sorted, and
+    each read's pair. Region ids are small counters: a pair is one int64 key, so this
+    is one sort of integers (``np.unique(axis=0)`` sorts rows as bytes: 1.9 s for
+    131,072 reads, on the event loop)."""
+    if len(dst_ids) == 0:
+        return np.zeros((0, 2), np.int64), np.zeros(0, np.intp)
+    lo = int(min(dst_ids.min(), src_ids.min()))
+    span = int(src_ids.max()) - lo + 1
+    if lo < 0 or (int(dst_ids.max()) + 1) * span >= 1 << 62:
+        pairs, inverse = np.unique(
+            np.stack([dst_ids, src_ids], axis=1), axis=0, return_inverse=True
+        )
+        return pairs.astype(np.int64), inverse.reshape(-1)
+    keys, inverse = np.unique(dst_ids * span + (src_ids - lo), return_inverse=True)
+    pairs = np.stack([keys // span, keys % span + lo], axis=1).astype(np.int64)
+    return pairs, inverse.reshape(-1)
+
+
 async def copy_by_kind(
     dst: npt.NDArray[np.int64],
     src: npt.NDArray[np.int64],
@@ -232,7 +253,7 @@ async def copy_by_kind(
     ):
         await host_copy(dst, src, nbytes)
         return
-    pairs, inverse = np.unique(np.stack([dst_ids, src_ids], axis=1), axis=0, return_inverse=True)
+    pairs, inverse = _region_pairs(dst_ids, src_ids)
     route = np.empty(len(pairs), dtype=np.int64)  # per region pair: engine slot, -1 memcpy
     chosen: list[CopyEngine] = []
     for j, (d, s) in enumerate(pairs.tolist()):

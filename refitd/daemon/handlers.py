@@ -215,11 +215,18 @@ async def drain(request: web.Request) -> web.Response:
     what = "retire a version of" if retire else "drain a version of"
     request.app[DAEMON].models.check_owner(principal_of(request), model, what)
     timeout = query_float(request, "timeout", 60.0)
-    with request.app[WAITS].held(principal_of(request).name, f"draining {model!r} v{version}"):
-        request.app[DELTAS].yield_base(model, version)  # its memory is about to be rewritten
-        info = await request.app[DAEMON].wait_drain(model, version, timeout, retire)
-    if retire:
-        await announce(request.app, model)
+    waited = False
+    try:
+        # A long poll: counted, and ended (its place given back) once its client goes.
+        # Its changes (the base let go, the version retired) are made before its
+        # first await, so a drain its client left still retires what it asked to.
+        async with long_poll(request, f"draining {model!r} v{version}"):
+            waited = True
+            request.app[DELTAS].yield_base(model, version)  # its memory is to be rewritten
+            info = await request.app[DAEMON].wait_drain(model, version, timeout, retire)
+    finally:
+        if retire and waited:
+            await announce(request.app, model)
     return reply(request, info)
 
 

@@ -69,10 +69,12 @@ async def release(
         if not m.finished:
             continue
         try:
-            info = d.registry.version(m.model, m.version)
+            retired = d.registry.version(m.model, m.version).state is VersionState.RETIRED
         except NotFoundError:
-            continue
-        if info.state is not VersionState.RETIRED and not m.error:
+            # Its record was forgotten (retired, unleased, among a model's older
+            # records: registry.KEEP_RETIRED): nothing can lease it again.
+            retired = True
+        if not retired and not m.error:
             continue
         if d.registry.active_leases(m.model, m.version):
             continue

@@ -33,7 +33,7 @@ from refitd.daemon.peers import PeerPolicy
 from refitd.daemon.plancheck import check_runs
 from refitd.daemon.plane import TransportSet
 from refitd.daemon.registry import Lease, Registry, check_manifest_bounds
-from refitd.daemon.staging import STAGING_POOL, StagingPool
+from refitd.daemon.staging import OFF_LOOP_SPECS, STAGING_POOL, StagingPool
 from refitd.daemon.store import RegionStore
 from refitd.daemon.trust import Extents
 from refitd.errors import AccessDenied, ConflictError, QuotaExceeded, RefitError, TransportError
@@ -493,7 +493,11 @@ class Daemon:
         """Gather specs into a staging region for ``lease`` (:meth:`StagingPool.pack`),
         reading only what :meth:`version_scope` allows, within the caps of the lease's
         principal (else ``principal``'s)."""
-        check_runs(0, specs, self.config.limits.max_plan_runs, "pack")
+        limit = self.config.limits.max_plan_runs
+        if len(specs) > OFF_LOOP_SPECS:  # a Python step a spec: off the loop
+            await asyncio.to_thread(check_runs, 0, specs, limit, "pack")
+        else:
+            check_runs(0, specs, limit, "pack")
         return await self.staging.pack(specs, lease, self.version_scope(lease), principal)
 
     async def pack_leased(self, req: PackRequest, principal: str | None = None) -> StagedPack:

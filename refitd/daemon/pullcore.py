@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from refitd.daemon.paths import AUTO, SHM_SCHEME, TCP_SCHEME
@@ -46,6 +47,7 @@ __all__ = [
     "merge_peer",
     "pace_for",
     "peer_devices",
+    "placed",
     "refuse_peer_devices",
     "scope_check",
     "shm_refused",
@@ -199,6 +201,18 @@ def staged_by_source(
         for r in rows[from_gpu]
     ]
     return rows[~from_gpu], [*specs, *moved]
+
+
+def placed(
+    rows: np.ndarray, req: PullRequest, devices: list[int]
+) -> tuple[np.ndarray, PullRequest, int, set[int]]:
+    """``req`` (its descriptor ``rows``) as it is run: the rows reading ``devices``
+    staged by the source (:func:`staged_by_source`; none: as it is), with the bytes it
+    moves and its destination regions."""
+    if devices:
+        rows, specs = staged_by_source(rows, req.pack_specs, devices)
+        req = msgspec.structs.replace(req, descriptors=DescriptorTable.pack(rows), pack_specs=specs)
+    return rows, req, total_bytes(rows, req.pack_specs), dst_ids(rows, req.pack_specs)
 
 
 def tries_shm(mode: str) -> bool:

@@ -33,24 +33,22 @@ import msgspec
 from refitd.daemon.manifestcheck import (
     DTYPE_SIZES,
     check_manifest_bounds,
-    element_count,
     manifest_cost,
 )
-from refitd.daemon.trust import Extents, merge_extents
+from refitd.daemon.merging import merge_slots, scope_of
+from refitd.daemon.trust import Extents
 from refitd.errors import ConflictError, NotFoundError, ProtocolError, QuotaExceeded
 from refitd.wire import (
     LeaseGrant,
     ManifestIn,
     MergedManifest,
-    ShardEntry,
-    TensorEntry,
     VersionInfo,
     VersionState,
-    gc_paused,
 )
 
 __all__ = [
     "DTYPE_SIZES",
+    "KEEP_RETIRED",
     "PENDING_TTL_S",
     "Lease",
     "Registry",
@@ -59,6 +57,14 @@ __all__ = [
 
 PENDING_TTL_S = 3600.0
 """Default seconds a version may stay pending (``limits.pending_ttl_s``)."""
+
+KEEP_RETIRED = 8
+"""Records of retired, unleased versions kept per model (number, state, the slots it
+published), the last let go: a reader, a drain or a trainer asking after a version
+just replaced is told it was retired. Older ones are forgotten (404), so a daemon
+publishing a version per step keeps a bounded number of records whatever its uptime.
+A leased version's record stays while the lease does; a model's newest READY number
+is kept apart (versions only move forward)."""
 
 #: one line per version state change: pending (first slot), ready, retired
 log = logging.getLogger("refitd.sources")
@@ -126,6 +132,9 @@ class Registry:
         self._manifest_bytes: collections.Counter[str] = collections.Counter()
         #: per model, the highest version number that ever became READY
         self._newest_ready: dict[str, int] = {}
+        #: per model, its retired versions whose manifests were let go, in that order:
+        #: past :data:`KEEP_RETIRED`, the oldest records are forgotten
+        self._let_go: dict[str, collections.deque[int]] = {}
         self._seq = itertools.count(1)
         #: Whether a version this daemon holds only some slots of has all its slots
         #: published across the cluster (set by the daemon when a cluster registry
@@ -218,7 +227,7 @@ class Registry:
             v.state = VersionState.READY
             self._newest_ready[m.model] = m.version
             log.info("%r version %d: ready (%d slots)", m.model, m.version, v.expected_slots)
-            for (model, version), other in self._versions.items():
+            for (model, version), other in list(self._versions.items()):
                 if model == m.model and version < m.version:
                     if other.state is not VersionState.RETIRED:
                         log.info(
@@ -279,7 +288,8 @@ class Registry:
         """Let go of the manifests of ``v`` once it is retired and no live lease holds
         it: nothing can read it again (leases are taken on READY versions only), and
         a daemon publishing a version per step must not grow without bound. Its
-        record stays (number, state, the slots it published)."""
+        record stays (number, state, the slots it published) among the model's last
+        :data:`KEEP_RETIRED` let go."""
         if v.state is not VersionState.RETIRED or not v.slots:
             return
         if self.active_leases(v.model, v.version):
@@ -288,6 +298,12 @@ class Registry:
         v.slots = {}
         v.merged = v.merged_bytes = v.scope = v.region_ids = None
         self._uncharge(v)
+        let_go = self._let_go.setdefault(v.model, collections.deque())
+        let_go.append(v.version)
+        while len(let_go) > KEEP_RETIRED:
+            old = self._versions.get((v.model, let_go.popleft()))
+            if old is not None and old.state is VersionState.RETIRED and not old.slots:
+                del self._versions[(old.model, old.version)]
 
     def held_shards(self) -> int:
         """Shards listed by every manifest the registry holds (what its memory scales
@@ -417,15 +433,7 @@ class Registry:
         never changes."""
         v = self._get(model, version)
         if v.scope is None:
-            ranges: list[tuple[int, int, int]] = []
-            for m in v.slots.values():
-                for t in m.tensors:
-                    size = DTYPE_SIZES.get(t.dtype, 1)
-                    for s in t.shards:
-                        ranges.append(
-                            (s.region, s.byte_offset, s.byte_offset + element_count(s.shape) * size)
-                        )
-            v.scope = merge_extents(ranges)
+            v.scope = scope_of(v.slots)
         return v.scope
 
     def latest_ready(self, model: str) -> int:
@@ -463,7 +471,7 @@ class Registry:
         """The READY version's tensors with replicated blocks listed once (cached)."""
         v = self._require_ready(model, version)
         if v.merged is None:
-            v.merged = self._merge(v)
+            v.merged = merge_slots(v.slots, v.model, v.version, self.node_id, self.incarnation)
         return v.merged
 
     def merged_bytes(self, model: str, version: int) -> bytes:
@@ -472,38 +480,6 @@ class Registry:
         if v.merged_bytes is None:
             v.merged_bytes = msgspec.msgpack.encode(self.merged(model, version))
         return v.merged_bytes
-
-    def _merge(self, v: _Version) -> MergedManifest:
-        # Slots are visited lowest first and the first copy of a block wins, so the
-        # merge is deterministic; a tensor one slot publishes with distinct blocks is
-        # reused as is (no new objects for the common case).
-        first: dict[str, TensorEntry] = {}
-        extra: dict[str, list[ShardEntry]] = {}
-        with gc_paused():
-            for slot in sorted(v.slots):
-                for t in v.slots[slot].tensors:
-                    seen = first.get(t.name)
-                    if seen is None:
-                        first[t.name] = t
-                    else:
-                        extra.setdefault(t.name, []).extend(t.shards)
-            tensors: list[TensorEntry] = []
-            for name, t in first.items():
-                more = extra.get(name)
-                if more is None and len(t.shards) <= 1:
-                    tensors.append(t)
-                    continue
-                blocks: dict[tuple[tuple[int, ...], tuple[int, ...]], ShardEntry] = {}
-                for s in t.shards:
-                    blocks.setdefault((s.offset, s.shape), s)
-                for s in more or ():
-                    # A replica is the same block at the same global offset.
-                    blocks.setdefault((s.offset, s.shape), s)
-                if more is None and len(blocks) == len(t.shards):
-                    tensors.append(t)
-                else:
-                    tensors.append(TensorEntry(name, t.shape, t.dtype, list(blocks.values())))
-        return MergedManifest(v.model, v.version, self.node_id, self.incarnation, tensors)
 
     # ------------------------------------------------------------ leases
 

@@ -25,6 +25,9 @@ from refitd.errors import AccessDenied, ConflictError, ProtocolError, TransportE
 from refitd.wire import PackSpec, RegionCreate, RegionInfo, StagedPack
 from transports.local import CopyFault, Gather, LocalTransport, copy_view
 
+OFF_LOOP_SPECS = 16_384
+"""A pack of more specs than this is checked in a worker thread (``pulls.OFF_LOOP_ROWS``)."""
+
 __all__ = ["STAGING_POOL", "StagingPool"]
 
 STAGING_POOL = 4
@@ -97,26 +100,36 @@ class StagingPool:
             raise ProtocolError("pack refused: the request names no pack spec, nothing to pack")
         store = self.store
         sizes = store.regions.sizes()
-        offsets: list[int] = []
-        total = 0
-        for p in specs:
-            offsets.append(total)
-            total += p.nbytes
-        staging_sizes = {p.dst_region: total for p in specs}
-        validate_plan(
-            np.zeros((0, 5), dtype=np.int64),
-            [msgspec.structs.replace(p, dst_offset=o) for p, o in zip(specs, offsets, strict=True)],
-            sizes,
-            staging_sizes,
-        )
         what = f"{lease.model!r} version {lease.version} (lease {lease.lease_id!r})"
-        check_pack_reads(specs, scope, what)
+
+        def checked() -> tuple[list[int], int, list[Gather]]:
+            offsets: list[int] = []
+            total = 0
+            for p in specs:
+                offsets.append(total)
+                total += p.nbytes
+            staging_sizes = {p.dst_region: total for p in specs}
+            placed = [
+                msgspec.structs.replace(p, dst_offset=o)
+                for p, o in zip(specs, offsets, strict=True)
+            ]
+            validate_plan(np.zeros((0, 5), dtype=np.int64), placed, sizes, staging_sizes)
+            check_pack_reads(specs, scope, what)
+            gathers = [
+                Gather(p.src_region, p.src_offset, p.shape, p.strides, p.itemsize) for p in specs
+            ]
+            return offsets, total, gathers
+
+        # A Python step a spec (a pull of a peer's GPU memory sends one a read): many
+        # are checked in a worker thread, off the loop.
+        offsets, total, blocks = (
+            await asyncio.to_thread(checked) if len(specs) > OFF_LOOP_SPECS else checked()
+        )
         if principal is None:
             region = await self._take(total, lease.owner)
         else:
             region = await self.take_for(lease.owner or principal, total, lease.owner)
         self._held[region.region_id] = (lease.lease_id, total)
-        blocks = [Gather(p.src_region, p.src_offset, p.shape, p.strides, p.itemsize) for p in specs]
         try:
             # A reused region still holds what it was packed with for another lease:
             # what this pack does not overwrite is zeroed, so no byte of it survives.

@@ -46,6 +46,7 @@ __all__ = [
     "address_of",
     "assemble",
     "check_twins",
+    "comparison_bytes",
     "composed",
     "digest",
     "jobs_of",
@@ -63,6 +64,18 @@ PIECE_COST = 4096
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
+
+
+def comparison_bytes(threads: int, blocks: int, unit: int = 1) -> int:
+    """Daemon memory one comparison of ``blocks`` blocks holds besides the changes it
+    keeps (those count against ``[pulls] delta_max_bytes``): per job in flight (at most
+    two a thread, :meth:`~refitd.daemon.deltas.DeltaBook._run`) its two chunks copied
+    and one chunk's changes found (an int64 offset and old and new bytes a unit of
+    ``unit`` bytes; 1, the worst, unless known), and 32 B a block (its two hashes)."""
+    job = 2 * CHUNK + (CHUNK // unit) * (8 + 2 * unit)
+    return 2 * threads * job + 32 * blocks
+
+
 U64 = npt.NDArray[np.uint64]
 Key = tuple[str, tuple[int, ...], tuple[int, ...], str]
 

@@ -4,8 +4,9 @@ caps cost the daemon, against what the cost model charges for them.
 A real daemon (``support.costs``: its own loop in a thread, two token tenants) is
 attacked route by route: pulls (a descriptor table at a body's size, a pack spec at
 ``limits.max_plan_runs``), a peer pack and a delta pack (stride-0 specs at that
-bound), a publish (a manifest at ``limits.max_manifest_shards``), an expert pool of
-many layers, a sparse segment attached, and a principal's whole allowance of long
+bound), a publish at ``[pulls] deltas`` (two versions of a model of
+``limits.max_manifest_shards`` tiny shards, the second compared with the first, its
+base), an expert pool of many layers, a sparse segment attached, and a principal's whole allowance of long
 polls (``/ready`` and a host mirror's state). Each attack runs twice: once for the
 daemon's longest loop stall, once (allocations traced) for its memory. The test
 prints one line per route and holds every route to: memory at most 4 times the
@@ -30,15 +31,19 @@ import pytest
 from support.costs import TOKENS, InThread, daemon_in_a_thread, traced_peak
 
 from refitd.client.http import RefitClient
+from refitd.daemon.deltaroutes import DELTAS
 from refitd.daemon.manifestcheck import manifest_cost
 from refitd.daemon.mirror import Mirror
+from refitd.daemon.mirrorbook import MAX_HOLDERS
 from refitd.daemon.mirrorhandlers import MIRRORS
 from refitd.daemon.pools import bookkeeping_bytes
 from refitd.daemon.pulls import PLAN_RUN_BYTES
 from refitd.daemon.waits import WAITS
+from refitd.delta.compare import comparison_bytes
 from refitd.wire import (
     DeltaPackRequest,
     DescriptorTable,
+    HolderJoin,
     ManifestIn,
     PackSpec,
     PoolCreate,
@@ -46,6 +51,7 @@ from refitd.wire import (
     ShardEntry,
     TensorEntry,
 )
+from refitd.wire.mirrors import MAX_EXCLUDE
 from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(300)
@@ -73,7 +79,6 @@ POLLS = 64
 @dataclass
 class Env:
     d: InThread
-    plain: InThread  # a daemon without deltas: publishes are attacked there
     url: str
     a: RefitClient
     b: RefitClient
@@ -81,8 +86,9 @@ class Env:
     dst: int  # b's destination region (2 MiB)
     lease: str  # b's lease on v2
     base_digest: str
+    tiny: int  # a's region of one bfloat16 element a shard (``SHARDS`` of them)
+    threads: int  # the delta comparison's threads
     n: int = 0  # attacks made: names each one's new objects
-    plain_region: int = 0  # a's region at the daemon without deltas
 
 
 async def post(env: Env, who: str, path: str, value: Any, url: str = "") -> int:
@@ -151,22 +157,34 @@ async def delta_pack_of_a_stride_zero_spec(env: Env) -> tuple[int, list[int]]:
     return RUN_BYTES * RUNS + 2 * RUNS, [status]
 
 
-async def publish_of_the_largest_manifest(env: Env) -> tuple[int, list[int]]:
-    env.n += 1
+def tiny_shards(region: int) -> list[TensorEntry]:
+    """A manifest's tensors at ``limits.max_manifest_shards``: one-element shards."""
     half = SHARDS // 2  # a tensor lists at most 65,536 shards (a wire limit)
-    tensors = [
+    return [
         TensorEntry(
             f"w{t}",
             (half,),
             "bfloat16",
-            [ShardEntry((i,), (1,), env.plain_region, 2 * (t * half + i)) for i in range(half)],
+            [ShardEntry((i,), (1,), region, 2 * (t * half + i)) for i in range(half)],
         )
         for t in range(2)
     ]
-    m = ManifestIn(f"big{env.n}", 1, 0, 1, tensors)
-    body = msgspec.msgpack.encode(m)
-    status = await post(env, "a", "/v1/sources", body, env.plain.served.url)
-    return manifest_cost(m) + len(body), [status]
+
+
+async def publish_of_the_largest_manifest_compared(env: Env) -> tuple[int, list[int]]:
+    """Two versions of a model of tiny shards at ``deltas = true``: the second is
+    compared with the first (READY, its base) block by block."""
+    env.n += 1
+    tensors = tiny_shards(env.tiny)
+    charge, statuses = 0, []
+    for version in (1, 2):
+        m = ManifestIn(f"big{env.n}", version, 0, 1, tensors)
+        body = msgspec.msgpack.encode(m)
+        statuses.append(await post(env, "a", "/v1/sources", body))
+        charge += manifest_cost(m) + len(body)
+    rec = await env.a.delta_info(f"big{env.n}", 2, wait_s=60.0)
+    assert rec.state == "ready" and rec.base_version == 1, rec
+    return charge + comparison_bytes(env.threads, SHARDS), statuses
 
 
 async def pool_of_many_layers(env: Env) -> tuple[int, list[int]]:
@@ -185,14 +203,18 @@ async def attach_of_a_sparse_segment(env: Env) -> tuple[int, list[int]]:
     return 0, [status]
 
 
-async def held_long_polls(env: Env, path: str) -> list[int]:
-    """``POLLS`` long polls of b on ``path`` held at once, then dropped."""
+async def held_long_polls(env: Env, path: str, who: str = "b", method: str = "GET") -> list[int]:
+    """``POLLS`` long polls of ``who`` on ``path`` held at once, then dropped: each
+    must give back its place within the wait below."""
     http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-    headers = {"Authorization": f"Bearer {TOKENS['b']}", "Accept": "application/json"}
-    polls = [asyncio.ensure_future(http.get(env.url + path, headers=headers)) for _ in range(POLLS)]
+    headers = {"Authorization": f"Bearer {TOKENS[who]}", "Accept": "application/json"}
+    polls = [
+        asyncio.ensure_future(http.request(method, env.url + path, headers=headers))
+        for _ in range(POLLS)
+    ]
     try:
         async with asyncio.timeout(30.0):
-            while env.d.call(lambda: env.d.served.app[WAITS].open("b")) < POLLS:  # noqa: ASYNC110
+            while env.d.call(lambda: env.d.served.app[WAITS].open(who)) < POLLS:  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
     finally:
         for p in polls:
@@ -200,7 +222,7 @@ async def held_long_polls(env: Env, path: str) -> list[int]:
         await asyncio.gather(*polls, return_exceptions=True)
         await http.close()
     async with asyncio.timeout(30.0):
-        while env.d.call(lambda: env.d.served.app[WAITS].open("b")):  # noqa: ASYNC110
+        while env.d.call(lambda: env.d.served.app[WAITS].open(who)):  # noqa: ASYNC110
             await asyncio.sleep(0.02)
     return []
 
@@ -213,16 +235,44 @@ async def mirror_state_long_polls(env: Env) -> tuple[int, list[int]]:
     return 0, await held_long_polls(env, "/v1/mirrors/am/7?after=0&timeout=60")
 
 
+async def cluster_next_long_polls(env: Env) -> tuple[int, list[int]]:
+    return 0, await held_long_polls(env, "/v1/cluster/sources/am/next?after=99&timeout=60")
+
+
+async def drain_long_polls(env: Env) -> tuple[int, list[int]]:
+    # b's lease holds v2: each drain of its owner waits, for as long as it asks.
+    path = "/v1/sources/am/versions/2/drain?timeout=3600"
+    return 0, await held_long_polls(env, path, who="a", method="POST")
+
+
+async def holder_book_joins(env: Env) -> tuple[int, list[int]]:
+    """A peer daemon's worst joins (signed, every field at its bound) past the book's
+    holders, and a tenant's unsigned one."""
+    secret = env.d.served.daemon.secret
+    exclude = [f"http://127.0.0.1:{20_000 + k}" for k in range(MAX_EXCLUDE)]
+    joins = [
+        HolderJoin("am", 2, f"http://127.0.0.1:{10_000 + i}", f"n{i}", exclude, 1e12)
+        for i in range(MAX_HOLDERS + 8)
+    ]
+    statuses = [await post(env, "a", "/v1/mirrors/holders", j.signed(secret)) for j in joins]
+    statuses.append(await post(env, "a", "/v1/mirrors/holders", joins[0]))
+    assert statuses[-1] == 403, statuses[-1]
+    return 0, statuses
+
+
 ATTACKS: list[tuple[str, Attack]] = [
     ("pull: descriptors at max_plan_runs", pull_of_many_descriptors),
     ("pull: stride-0 spec at max_plan_runs", pull_of_a_stride_zero_spec),
     ("peer pack: stride-0 spec at max_plan_runs", peer_pack_of_a_stride_zero_spec),
     ("delta pack: stride-0 spec at max_plan_runs", delta_pack_of_a_stride_zero_spec),
-    ("publish: manifest at max_manifest_shards", publish_of_the_largest_manifest),
+    ("publish: max_manifest_shards, compared", publish_of_the_largest_manifest_compared),
     ("pool: 20,000 layers", pool_of_many_layers),
     ("attach: 256 MiB sparse segment", attach_of_a_sparse_segment),
     ("long polls: 64 /ready", ready_long_polls),
     ("long polls: 64 mirror states", mirror_state_long_polls),
+    ("long polls: 64 cluster next", cluster_next_long_polls),
+    ("holder book: 72 signed joins at the bounds", holder_book_joins),
+    ("long polls: 64 drains (last: it yields v2)", drain_long_polls),
 ]
 
 
@@ -234,9 +284,9 @@ async def attacked(tmp: Path) -> Any:
         "deltas": True,
         "max_plan_runs": RUNS,
         "max_manifest_shards": SHARDS,
+        "allow": ("http://127.0.0.1:*",),  # the peers that join the holder book
     }
-    plain = {k: v for k, v in settings.items() if k != "deltas"}
-    with daemon_in_a_thread(tmp, **settings) as d, daemon_in_a_thread(tmp, **plain) as p:
+    with daemon_in_a_thread(tmp, **settings) as d:
         url = d.served.url
         async with (
             RefitClient(url, token=TOKENS["a"]) as a,
@@ -265,11 +315,12 @@ async def attacked(tmp: Path) -> Any:
             d.call(
                 lambda: d.served.app[MIRRORS].by_key.__setitem__((mirror.source, "am", 7), mirror)
             )
-            async with RefitClient(p.served.url, token=TOKENS["a"]) as pa:
-                info = await pa.create_region(nbytes, label="w")
-            env = Env(d, p, url, a, b, region, dst.region_id, lease.lease_id, rec.base_digest)
-            env.plain_region = info.region_id
-            yield env
+            tiny = await a.create_region(2 * SHARDS, label="tiny")
+            threads = d.call(lambda: d.served.app[DELTAS].threads)
+            yield Env(
+                d, url, a, b, region, dst.region_id, lease.lease_id, rec.base_digest,
+                tiny.region_id, threads,
+            )  # fmt: skip
 
 
 async def test_every_route_costs_the_daemon_at_most_four_times_its_charge_and_never_stalls_its_loop(
@@ -290,10 +341,9 @@ async def attack_every_route(tmp_path: Path) -> None:
     async with attacked(tmp_path) as env:
         lines, over = [], []
         for name, attack in ATTACKS:
-            for d in (env.d, env.plain):
-                d.call(d.stall.reset)
+            env.d.call(env.d.stall.reset)
             _, statuses = await attack(env)
-            stall = max(d.call(lambda d=d: d.stall.longest) for d in (env.d, env.plain))
+            stall = env.d.call(lambda: env.d.stall.longest)
             with traced_peak() as peak:
                 charge, more = await attack(env)
             held = peak[0]

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+from support.costs import LoopStall
 from support.daemons import Served, daemon_config, serving_daemons
 from support.daemons import served as serve
 from support.devices import DRIVER, HostDeviceEngine, HostDeviceMemory
@@ -38,6 +39,8 @@ from transports.segments import SharedSegment
 pytestmark = pytest.mark.timeout(60)
 
 N = 1 << 20
+MAX_STALL_S = 0.100
+"""The longest a daemon's loop may serve nothing else, s (the cost harness's)."""
 PIECE = 4096
 
 
@@ -317,3 +320,38 @@ async def test_a_daemon_locks_no_host_memory_past_its_pinned_cap_and_still_lands
             assert d.store.segments[src.region_id].address not in PINS.pinned()
     finally:
         PINS.limit(None)  # the table is the process's: the next test's default
+
+
+async def test_a_pull_of_many_reads_of_a_peers_gpu_region_is_planned_and_packed_off_the_loop() -> (
+    None
+):
+    # One 8-byte read a row of a peer's GPU region: the source stages each as a pack
+    # spec of its own, a Python step a row where the pull makes it, where the source
+    # checks and packs it and where the pull reads it back. Both daemons share this
+    # loop: the longest stall of either, from the loop thread's own CPU time.
+    far_engine = HostDeviceEngine()
+    async with two_hosts() as (f, n):
+        src, src_memory = await device_region(f.daemon, far_engine, "weights")
+        data = np.random.default_rng(13).integers(0, 256, N, dtype=np.uint8)
+        src_memory.write(0, data.tobytes())
+        await publish(f.client, "gpu", src.region_id)
+        lease = (await f.client.acquire_lease("gpu", 1, 600.0)).lease_id
+        dst = await n.client.create_region(N, label="host-dst")
+        reads = N // 8
+        perm = np.random.default_rng(5).permutation(reads)
+        rows = np.stack(
+            [np.full(reads, src.region_id), perm * 8, np.full(reads, dst.region_id),
+             np.arange(reads) * 8, np.full(reads, 8)], axis=1,
+        ).astype(np.int64)  # fmt: skip
+        req = PullRequest("gpu", 1, lease, DescriptorTable.pack(rows), [], f.url)
+        stall = LoopStall()
+        stall.start()
+        try:
+            started = await n.client.submit_pull(req)
+            done = await n.client.wait_pull(started.pull_id)
+        finally:
+            stall.stop()
+        assert done.state == "done", done
+        with SharedSegment.attach(dst.handle, N) as seg:
+            assert np.array_equal(seg.numpy().reshape(-1, 8), data.reshape(-1, 8)[perm])
+        assert stall.longest <= MAX_STALL_S, f"the loop served nothing else for {stall.longest} s"

@@ -25,7 +25,15 @@ import numpy as np
 import pytest
 from support.daemons import FakeClock, GatedCopier, daemon_config, served, token_file
 from support.mirrorhosts import TOKENS as MIRROR_TOKENS
-from support.tenants import SAFETY_S, TOKENS, headers, pull_request, two_tenants, until
+from support.tenants import (
+    SAFETY_S,
+    TOKENS,
+    headers,
+    publish_bytes,
+    pull_request,
+    two_tenants,
+    until,
+)
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
@@ -48,6 +56,7 @@ from refitd.wire import (
     PullState,
     ShardEntry,
     TensorEntry,
+    VersionState,
 )
 from refitd.wire import routes as api
 from refitd.wire.mirrors import MirrorLease
@@ -240,6 +249,28 @@ async def test_mirror_state_long_polls_count_against_the_cap_and_give_their_plac
         await asyncio.gather(*polls, return_exceptions=True)
         await dropped.close()
         await until(lambda: waits.open("a") == 0 and waits.open("b") == 0)
+
+
+async def test_a_drain_its_client_left_gives_its_place_back_and_its_retire_stays(
+    tmp_path: Path,
+) -> None:
+    """A drain waits for the version's leases for the timeout it asks (an hour
+    here): a long poll of the model's owner. Dropped by its client, it gives its
+    place back as the other long polls do; what it asked (``retire=1``) stays done.
+    Before, it held its place (a connection, a task) until its own timeout."""
+    async with two_tenants(tmp_path, node_id="hostile-costs-drain") as t:
+        region = await t.a.create_region(NBYTES, label="w")
+        await publish_bytes(t.a, "am", 1, region.region_id, NBYTES)
+        await t.b.acquire_lease("am", 1, 3600.0)  # the drain waits for it
+        waits = t.served.app[WAITS]
+        url = f"{t.served.url}/v1/sources/am/versions/1/drain?retire=1&timeout=3600"
+        async with aiohttp.ClientSession() as http:
+            drain = asyncio.ensure_future(http.post(url, headers=headers("a")))
+            await until(lambda: waits.open("a") == 1)
+            drain.cancel()
+            await asyncio.gather(drain, return_exceptions=True)
+        await until(lambda: waits.open("a") == 0)
+        assert (await t.a.version("am", 1)).state is VersionState.RETIRED
 
 
 # ---------------------------------------------------------------- class 8: expiry on a clock

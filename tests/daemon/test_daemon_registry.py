@@ -7,7 +7,7 @@ import pytest
 from support.daemons import FakeClock
 
 from refitd.daemon.plancheck import validate_descriptors, validate_plan
-from refitd.daemon.registry import Registry, check_manifest_bounds
+from refitd.daemon.registry import KEEP_RETIRED, Registry, check_manifest_bounds
 from refitd.errors import ConflictError, NotFoundError, ProtocolError
 from refitd.wire import (
     DescriptorTable,
@@ -249,3 +249,37 @@ def test_a_retired_version_refuses_new_leases_while_held_ones_stay_valid(reg):
         r.acquire("toy", 1, 10.0)
     assert r.check(held.lease_id, "toy", 1).lease_id == held.lease_id
     assert r.next_expiry("toy", 1) == pytest.approx(10.0)
+
+
+def test_a_model_published_a_version_a_step_keeps_a_bounded_number_of_retired_records(reg):
+    r, _ = reg
+    for v in range(1, 201):
+        r.publish(manifest(v, 0, slots=1))
+    states = [(x.version, x.state) for x in r.versions("toy")]
+    # The newest READY, and the last KEEP_RETIRED retired ones, still answered.
+    assert states == [(v, VersionState.RETIRED) for v in range(192, 200)] + [
+        (200, VersionState.READY)
+    ]
+    with pytest.raises(NotFoundError):
+        r.version("toy", 1)
+    # Forgotten records do not reopen old numbers: versions still only move forward.
+    with pytest.raises(ConflictError, match="only move forward"):
+        r.publish(manifest(1, 0, slots=1))
+
+
+def test_a_leased_retired_version_keeps_its_record_until_the_lease_ends(reg):
+    r, _ = reg
+    r.publish(manifest(1, 0, slots=1))
+    lease = r.acquire("toy", 1, 10.0)
+    for v in range(2, 2 + 3 * KEEP_RETIRED):
+        r.publish(manifest(v, 0, slots=1))
+    assert r.version("toy", 1).state is VersionState.RETIRED
+    assert r.check(lease.lease_id, "toy", 1).version == 1
+    assert r.scope("toy", 1), "its scope (what the lease may read) went with its record"
+    r.release(lease.lease_id)
+    # Let go last: now among the records kept, forgotten once KEEP_RETIRED more go.
+    assert r.version("toy", 1).state is VersionState.RETIRED
+    for v in range(2 + 3 * KEEP_RETIRED, 2 + 4 * KEEP_RETIRED):
+        r.publish(manifest(v, 0, slots=1))
+    with pytest.raises(NotFoundError):
+        r.version("toy", 1)

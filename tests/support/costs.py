@@ -46,24 +46,31 @@ class LoopStall:
     def __init__(self) -> None:
         self.longest = 0.0
         self._task: asyncio.Task[None] | None = None
+        self._last: float | None = None
+        self._thread = threading.current_thread()
 
     def start(self) -> None:
+        self._thread = threading.current_thread()
         self._task = asyncio.get_running_loop().create_task(self._tick())
 
     def reset(self) -> None:
         self.longest = 0.0
 
     async def _tick(self) -> None:
-        last = time.thread_time()
+        self._last = time.thread_time()
         while True:
             await asyncio.sleep(TICK_S)
             now = time.thread_time()
-            self.longest = max(self.longest, now - last)
-            last = now
+            self.longest = max(self.longest, now - self._last)
+            self._last = now
 
     def stop(self) -> None:
+        """Stop ticking; on the loop's thread, the time since the last tick counts too
+        (a stall just before ``stop`` whose tick has not run yet)."""
         if self._task is not None:
             self._task.cancel()
+            if self._last is not None and threading.current_thread() is self._thread:
+                self.longest = max(self.longest, time.thread_time() - self._last)
 
 
 @dataclass

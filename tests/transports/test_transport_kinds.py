@@ -230,3 +230,18 @@ def test_the_2d_copy_descriptor_has_the_drivers_layout() -> None:
     offsets = {name: getattr(_Memcpy2D, name).offset for name, _ in _Memcpy2D._fields_}
     assert (offsets["srcDevice"], offsets["srcPitch"], offsets["dstMemoryType"]) == (32, 48, 72)
     assert (offsets["dstDevice"], offsets["WidthInBytes"], offsets["Height"]) == (88, 112, 120)
+
+
+def test_a_batchs_region_pairs_are_those_of_a_row_wise_unique_for_any_ids() -> None:
+    from transports.memory import _region_pairs
+
+    rng = np.random.default_rng(3)
+    for lo, hi in ((0, 4), (5, 10_000), (-3, 3), (0, 1)):
+        dst = rng.integers(lo, hi, 4096).astype(np.int64)
+        src = rng.integers(lo, hi, 4096).astype(np.int64)
+        pairs, inverse = _region_pairs(dst, src)
+        want, where = np.unique(np.stack([dst, src], axis=1), axis=0, return_inverse=True)
+        assert np.array_equal(pairs, want) and np.array_equal(inverse, where.reshape(-1))
+    big = np.array([1 << 40, 0], np.int64)
+    pairs, inverse = _region_pairs(big, big[::-1].copy())
+    assert pairs.tolist() == [[0, 1 << 40], [1 << 40, 0]] and inverse.tolist() == [1, 0]
