@@ -240,15 +240,19 @@ def signatures(jobs: list[tuple[list[Path], int]], cache: Path) -> dict[str, dic
 
 def write_families(root: Path, names: list[str] | None = None) -> list[Path]:
     """The first checkpoint (A) of every family of ``test_vllm_families`` (or those
-    ``names``), one folder each under ``root``, as the family tests write it."""
+    ``names``), one folder each under ``root``, as the family tests write it: the same
+    names, dtypes and shapes, in zeros. A plan reads no value, so the Hugging Face
+    model is built on the meta device, not initialised (the test's slowest part)."""
     from test_vllm_families import FAMILIES, checkpoint_state
     from vllm_models import save_model
 
     out = []
     for family in FAMILIES:
         if names is None or family.name in names:
-            state = checkpoint_state(family, 11, retie=False)
-            out.append(save_model(root / family.name, family.config, state))
+            with torch.device("meta"):
+                state = checkpoint_state(family, 11, retie=False)
+            zeros = {n: torch.zeros(t.shape, dtype=t.dtype) for n, t in state.items()}
+            out.append(save_model(root / family.name, family.config, zeros))
     return out
 
 

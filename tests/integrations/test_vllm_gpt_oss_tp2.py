@@ -9,6 +9,12 @@ the TP 1 engine. Here a TP 2 engine (a worker process per rank) refits to what a
 fresh TP 2 load of the same weights serves: greedy tokens, the top logprobs at every
 step, and every parameter of every rank, first update and replay.
 
+Two engines, because vLLM's in-place ``reload_weights`` is no truth for this family:
+measured at TP 2, an engine loaded with A and reloaded from B keeps A's attention
+sinks, experts and expert biases on both ranks (the parameters ``load_weights`` writes
+outside a ``weight_loader``, which the layer-wise reload does not replay) and serves
+other tokens than a fresh load of B.
+
 A module of its own: its engines must not share a test process with another
 in-process engine (vLLM's parallel state is one per process).
 """
