@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from refitd.delta.diff import LANES, unit_dtype
-from refitd.delta.stream import PAGE, ChangeIndex, layout
+from refitd.delta.stream import PAGE, ChangeIndex, layout, read_spans
 
 __all__ = ["compare", "digest_update", "lanes", "place", "scatter", "stage", "stream_units"]
 
@@ -101,25 +101,10 @@ def stage(
     stages fewer bytes: it does when few differences lie beyond ±7 (each then an
     exception of a whole unit). ``ValueError`` for a read that does not start and end
     on a unit."""
-    if len(reads) and ((reads[:, 1] % unit).any() or (reads[:, 2] % unit).any()):
-        raise ValueError(f"a read of the plan does not start and end on a {unit}-byte unit")
     reads = np.ascontiguousarray(reads, dtype=np.int64)
-    m = len(reads)
-    start = np.zeros(m, dtype=np.int64)
-    if m > 1:
-        np.cumsum(reads[:-1, 2] // unit, out=start[1:])
-    lo = np.zeros(m, dtype=np.int64)
-    hi = np.zeros(m, dtype=np.int64)
-    # Per region: each read's first and last change by binary search (O(reads log
-    # changes)); the changes themselves are walked once, natively.
-    for region in np.unique(reads[:, 0]).tolist() if m else []:
-        span = index.spans.get(int(region))
-        if span is None or span[0] == span[1]:
-            continue
-        mask = reads[:, 0] == region
-        offs = index.offsets[span[0] : span[1]]
-        lo[mask] = span[0] + np.searchsorted(offs, reads[mask, 1])
-        hi[mask] = span[0] + np.searchsorted(offs, reads[mask, 1] + reads[mask, 2])
+    # Each read's first and last change by binary search; the changes themselves are
+    # walked once, natively.
+    start, lo, hi = read_spans(index, reads, unit)
     units = stream_units(reads, unit)
     pages = -(-units // PAGE)
     changed = int((hi - lo).sum())
@@ -136,7 +121,7 @@ def stage(
             out[room.diff : room.diff + -(-changed // 2)] = 0  # nibbles are or-ed in
         return int(
             _lib().rfx_encode(
-                m, _at(read_off), _at(start), _at(lo), _at(hi), _at(offsets), _at(values),
+                len(reads), _at(read_off), _at(start), _at(lo), _at(hi), _at(offsets), _at(values),
                 unit, unit.bit_length() - 1, _at(out), pages,
                 int(out.ctypes.data) + room.low, int(out.ctypes.data) + room.diff,
                 int(out.ctypes.data) + room.exceptions, bits, ctypes.byref(mid),

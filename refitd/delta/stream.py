@@ -128,11 +128,11 @@ class ChangeIndex:
         return ChangeIndex(flat.astype(np.int64, copy=False), spans)
 
 
-def select(index: ChangeIndex, reads: I64, unit: int) -> tuple[I64, I64]:
-    """The changed units the stream ``reads`` covers: ``(k, at)``, ``k`` each one's
-    stream index (units, ascending: reads are in stream order, and each read's
-    changes ascend) and ``at`` its position in ``index.offsets``. Every read starts
-    and ends on a unit (refused with ``ValueError`` otherwise)."""
+def read_spans(index: ChangeIndex, reads: I64, unit: int) -> tuple[I64, I64, I64]:
+    """Per read of the stream ``reads``: its first unit in the stream, and its first
+    and past-last change in ``index.offsets`` (binary search per region: O(reads log
+    changes)). Every read starts and ends on a unit (refused with ``ValueError``
+    otherwise)."""
     if len(reads) and ((reads[:, 1] % unit).any() or (reads[:, 2] % unit).any()):
         raise ValueError(f"a read of the plan does not start and end on a {unit}-byte unit")
     starts = np.zeros(len(reads), dtype=np.int64)
@@ -148,6 +148,15 @@ def select(index: ChangeIndex, reads: I64, unit: int) -> tuple[I64, I64]:
         offs = index.offsets[span[0] : span[1]]
         lo[mask] = span[0] + np.searchsorted(offs, reads[mask, 1])
         hi[mask] = span[0] + np.searchsorted(offs, reads[mask, 1] + reads[mask, 2])
+    return starts, lo, hi
+
+
+def select(index: ChangeIndex, reads: I64, unit: int) -> tuple[I64, I64]:
+    """The changed units the stream ``reads`` covers: ``(k, at)``, ``k`` each one's
+    stream index (units, ascending: reads are in stream order, and each read's
+    changes ascend) and ``at`` its position in ``index.offsets``. Every read starts
+    and ends on a unit (refused with ``ValueError`` otherwise)."""
+    starts, lo, hi = read_spans(index, reads, unit)
     counts = hi - lo
     total = int(counts.sum())
     # One repeat per result: each read's shift, then the running position added.
