@@ -74,6 +74,9 @@ class Mirror:
     model: str
     version: int
     regions: dict[int, RegionInfo] = field(default_factory=dict)
+    #: the source region ids of the version, known once its chunks are cut (``planned``);
+    #: ``regions`` has them all only once ``ready`` (they are made one by one)
+    layout: frozenset[int] = frozenset()
     chunks: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), dtype=np.int64))
     done: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     upstream: str = ""

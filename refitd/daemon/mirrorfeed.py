@@ -49,12 +49,15 @@ KiB)."""
 
 def _frame(m: Mirror, d: Daemon, lease_id: str) -> MirrorFeed:
     records = None  # the lease is checked every frame: 409 once it ended
-    if m.regions:
+    # Its regions are named once they are all made (they are made one by one): a
+    # frame never names part of the layout.
+    made = m.ready.is_set() and not m.error
+    if made and m.regions:
         ids = [r.region_id for r in m.regions.values()]
         records = d.leased_regions(ids, lease_id, m.model, m.version)
     else:
         d.check_lease(lease_id, m.model, m.version)
-    regions = {s: r.region_id for s, r in m.regions.items()}
+    regions = {s: r.region_id for s, r in m.regions.items()} if made else {}
     return MirrorFeed(
         len(m.done), int(m.done.sum()), m.complete, m.error, m.source, regions, records
     )

@@ -359,8 +359,17 @@ class Feed:
             ):
                 if frame.error:
                     raise TransportError(f"its mirror failed: {frame.error}")
-                if frame.source.rstrip("/") != m.source or set(frame.regions) != set(m.regions):
-                    raise TransportError("its mirror is of another source or layout")
+                # Checked against the layout planned here, not the regions made so
+                # far (the feed is read while they are made); a frame from a relay
+                # still making its own names none.
+                if frame.source.rstrip("/") != m.source or (
+                    frame.regions and set(frame.regions) != m.layout
+                ):
+                    raise TransportError(
+                        f"its mirror is of another source or layout: source "
+                        f"{frame.source}, regions {sorted(frame.regions)}; this mirror's "
+                        f"{m.source}, regions {sorted(m.layout)}"
+                    )
                 rec = frame.records
                 if rec is None:
                     continue

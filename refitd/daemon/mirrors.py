@@ -300,6 +300,7 @@ class Mirrors:
         peer = await src.regions(ids, probe)
         m.chunks = cut_chunks({int(k): v for k, v in peer.scope.items()})  # chunk_bytes
         m.done = np.zeros(len(m.chunks), dtype=bool)
+        m.layout = frozenset(r.region_id for r in peer.regions)
         m.planned.set()  # a relay's lease and feed go on while the regions are made
         # What the daemon makes on its own behalf is bounded: the mirror's bytes are
         # counted (from before any region is made, so two mirrors preparing at once

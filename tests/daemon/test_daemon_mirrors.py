@@ -17,9 +17,12 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
+from support.daemons import daemon_config, serving_daemons
 
 from refitd.client.http import RefitClient
 from refitd.client.spawn import SpawnedDaemon, spawn_daemon
+from refitd.config import MirrorsConfig
+from refitd.daemon.node import Daemon
 from refitd.errors import ConflictError, NotFoundError
 from refitd.wire import (
     DescriptorTable,
@@ -27,6 +30,8 @@ from refitd.wire import (
     PackSpec,
     PullRequest,
     PullState,
+    RegionCreate,
+    RegionInfo,
     ShardEntry,
     TensorEntry,
 )
@@ -347,3 +352,111 @@ async def test_strided_reads_of_a_mirror_still_filling_are_exact_packed_or_read_
 
 def _no_rows() -> np.ndarray:
     return np.zeros((0, 5), dtype=np.int64)
+
+
+def _slow_mirror_regions(d: Daemon, delay_s: float) -> None:
+    """Hold back each region ``d`` makes for a mirror by ``delay_s`` (a host whose
+    shared memory is slow to make: the real part, late, as a loaded machine has it)."""
+    make = d.create_region
+
+    async def slowly(req: RegionCreate, principal: str | None = None) -> RegionInfo:
+        if req.label == "mirror":
+            await asyncio.sleep(delay_s)
+        return await make(req, principal)
+
+    d.create_region = slowly  # type: ignore[method-assign]
+
+
+async def _publish_halves(c: RefitClient, version: int) -> None:
+    """Version ``version`` of one uint8 tensor whose two halves lie in two regions of
+    the source (so a mirror of it makes two regions, one after the other)."""
+    half = NBYTES // 2
+    data = pattern(NBYTES, version)
+    shards = []
+    for k in range(2):
+        region = await c.create_region(half, label=f"src-{version}-{k}")
+        seg = SharedSegment.attach(region.handle, half)
+        seg.numpy()[:] = data[k * half : (k + 1) * half]
+        seg.close()
+        shards.append(ShardEntry((k * half,), (half,), region.region_id, 0))
+    await c.publish(
+        ManifestIn(MODEL, version, 0, 1, [TensorEntry("blob", (NBYTES,), "uint8", shards)])
+    )
+
+
+async def _refit_halves(local: RefitClient, source: RefitClient, version: int) -> None:
+    """:func:`refit` of a version :func:`_publish_halves` published."""
+    lease = await source.acquire_lease(MODEL, version, 60.0)
+    manifest = await source.manifest(MODEL, version)
+    dst = await local.create_region(NBYTES, label="engine")
+    try:
+        half = NBYTES // 2
+        rows = np.array(
+            [
+                [s.region, 0, dst.region_id, k * half, half]
+                for k, s in enumerate(manifest.tensors[0].shards)
+            ],
+            dtype=np.int64,
+        )
+        req = PullRequest(
+            MODEL, version, lease.lease_id, DescriptorTable.pack(rows), [], source.base_url
+        )
+        assert (await local.pull(req)).path == "shm"  # through this host's mirror
+        seg = SharedSegment.attach(dst.handle, NBYTES)
+        try:
+            assert np.array_equal(seg.numpy(), pattern(NBYTES, version))
+        finally:
+            seg.close()
+    finally:
+        await source.release_lease(lease.lease_id)
+        await local.delete_region(dst.region_id)
+
+
+async def _until_some_regions_made(c: RefitClient) -> None:
+    """Return once ``c``'s daemon has made a region of its mirror of version 1 (and
+    not yet all of them: it is not complete)."""
+    deadline = asyncio.get_running_loop().time() + SAFETY_S
+    while asyncio.get_running_loop().time() < deadline:
+        with contextlib.suppress(NotFoundError):
+            st = await state(c, 1)
+            assert not st.complete, "the relay made its regions before the test looked"
+            if st.regions:
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no region of the mirror made in {SAFETY_S} s")
+
+
+@pytest.mark.parametrize("slow", ["downstream", "relay"])
+async def test_a_relays_feed_read_while_either_side_still_makes_its_regions_is_read_exactly(
+    slow: str,
+) -> None:
+    """A downstream mirror opens its relay's lease and feed while it makes its own
+    regions, and a relay may be joined while it still makes its own. Here one side's
+    region creation is held back (a second per region, two regions): ``downstream``,
+    the relay's first frame lands before ``host-b`` made any region; ``relay``,
+    ``host-b`` joins ``host-a`` while ``host-a`` made one region of two. Either way
+    ``host-b`` reads ``host-a``, not the source: a relay's frame is checked against
+    the layout planned here, not the part of it made so far (CI once saw a relay left
+    for "another source or layout", the ``downstream`` race)."""
+    secret = os.urandom(32)
+
+    def node(name: str, *, mirrored: bool) -> Daemon:
+        policy = "always" if mirrored else "never"
+        cfg = daemon_config(node_id=name, transport="tcp", mirrors=MirrorsConfig(policy=policy))
+        return Daemon(cfg, secret=secret)
+
+    t = node("trainer", mirrored=False)
+    a, b = node("host-a", mirrored=True), node("host-b", mirrored=True)
+    _slow_mirror_regions(b if slow == "downstream" else a, 1.0)
+    async with serving_daemons(t, a, b) as (tc, ac, bc):
+        await _publish_halves(tc, 1)
+        first = asyncio.create_task(_refit_halves(ac, tc, 1))
+        if slow == "relay":  # host-b joins while host-a makes its regions
+            await _until_some_regions_made(ac)
+        else:
+            await first
+        await _refit_halves(bc, tc, 1)
+        await first
+        sb = await state(bc, 1)
+        assert sb.complete
+        assert sb.tried == [ac.base_url.rstrip("/")]  # host a's mirror, not the trainer
