@@ -74,6 +74,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU priority of the workers' prefetch thread (default 19, the lowest)",
     )
     parser.add_argument(
+        "--prefetch-threads",
+        type=int,
+        default=0,
+        help="OpenMP threads of the prefetch's processing (default 0: the engine's own count)",
+    )
+    parser.add_argument(
+        "--prefetch-duty",
+        type=float,
+        default=1.0,
+        help="share of the wall time the prefetch's processing works (default 1: no rests)",
+    )
+    parser.add_argument(
         "--tp",
         type=int,
         default=1,
@@ -237,7 +249,13 @@ async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], ur
     stats = []
     try:
         await control.init_weight_transfer_engine(
-            {"model": "inflight", "mode": "swap", "prefetch_nice": args.prefetch_nice}
+            {
+                "model": "inflight",
+                "mode": "swap",
+                "prefetch_nice": args.prefetch_nice,
+                "prefetch_threads": args.prefetch_threads,
+                "prefetch_duty": args.prefetch_duty,
+            }
         )
         streams = asyncio.create_task(_streams(llm, args.streams, stop, load))
         # One update before the clock: the first plans (captures the loaders on a meta
@@ -331,7 +349,8 @@ async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], ur
         f"stall_p99_s={_pct(stalls, 0.99):.4f} "
         f"refit_s={statistics.median(s.refit_s for s in stats):.4f} "
         f"tokens_ratio_during={during / during_s / quiet_rate:.3f} aborted={aborted} "
-        f"prefetch_nice={args.prefetch_nice} tp={args.tp} "
+        f"prefetch_nice={args.prefetch_nice} prefetch_threads={args.prefetch_threads} "
+        f"prefetch_duty={args.prefetch_duty} tp={args.tp} "
         f"verified={int(verified)} quiet_tokens_per_s={quiet_rate:.1f} "
         f"quiet_gap_s={quiet_gap:.4f} prefetch_p50_s="
         f"{statistics.median(s.prefetch_s for s in stats):.4f} requests={len(load.ended)} "

@@ -195,7 +195,10 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         )
         control = Recorded(AsyncLLMControl(llm))
         try:
-            loop.run(control.init_weight_transfer_engine({"model": "inflight", "mode": "swap"}))
+            # The prefetch's processing on one OpenMP thread, resting half the time:
+            # every in-flight test below runs the paced path, and is exact through it.
+            init = {"model": "inflight", "mode": "swap", "prefetch_threads": 1}
+            loop.run(control.init_weight_transfer_engine({**init, "prefetch_duty": 0.5}))
             yield World(loop, llm, control, trainer, state, weights, truth, url)
         finally:
             trainer.shutdown()
@@ -392,3 +395,31 @@ def test_with_delta_refit_an_in_flight_swap_is_exact_and_the_next_refit_is_full_
         trainer.shutdown()
         # The module's other tests refit without delta, from the module's trainer.
         world.loop.run(control.init_weight_transfer_engine({"model": "inflight", "mode": "swap"}))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "why"),
+    [
+        ("prefetch_duty", 0.0, r"prefetch_duty 0.0: expected a share in \(0, 1\]"),
+        ("prefetch_duty", 1.5, r"prefetch_duty 1.5: expected a share in \(0, 1\]"),
+        ("prefetch_threads", -1, r"prefetch_threads -1: expected 0 or more"),
+    ],
+)
+def test_a_prefetch_pacing_out_of_range_is_refused_naming_it(
+    key: str, value: float, why: str
+) -> None:
+    from refitd.integrations.vllm.worker import RefitdInitInfo
+
+    with pytest.raises(ValueError, match=why):
+        RefitdInitInfo(**{key: value})
+
+
+def test_a_paced_prefetch_rests_its_duty_share_after_each_module_and_an_unpaced_one_never() -> None:
+    from refitd.integrations.vllm.prefetching import _pacer
+
+    assert _pacer(1.0) is None
+    pace = _pacer(0.25)
+    assert pace is not None
+    began = time.perf_counter()
+    pace(0.02)  # a module that took 20 ms: rest 60 ms, so the work is a quarter
+    assert time.perf_counter() - began >= 0.06

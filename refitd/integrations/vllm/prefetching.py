@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -118,7 +119,12 @@ class InflightWorker:
         from vllm.config import set_current_vllm_config
 
         assert self.receiver is not None
-        _background_priority(int(getattr(self._init_info, "prefetch_nice", 19)))
+        info = self._init_info
+        _background_priority(int(getattr(info, "prefetch_nice", 19)))
+        threads = int(getattr(info, "prefetch_threads", 0))
+        if threads:  # OpenMP's thread count is the calling thread's: the engine keeps its own
+            torch.set_num_threads(threads)
+        pace = _pacer(float(getattr(info, "prefetch_duty", 1.0)))
         try:
             pf.stats = self._run_here(self.receiver.stage(pf.asked))
             pf.version = pf.stats.version
@@ -132,6 +138,7 @@ class InflightWorker:
                     self.model,
                     lambda t: inactive[names[id(t)]],
                     self.receiver.pulled_into,
+                    pace,
                 )
             pf.prepare_s = time.perf_counter() - t0
             pf.state = "ready"
@@ -285,6 +292,17 @@ def _background_priority(nice: int = 19) -> None:
     engine's step loop up too (docs/vllm.md)."""
     with contextlib.suppress(OSError, AttributeError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+
+
+def _pacer(duty: float) -> Callable[[float], None] | None:
+    """What the prefetch's processing calls after each module, with the seconds that
+    module took: a rest that keeps its work to ``duty`` of the wall time (None at 1:
+    it never rests). The engine's steps then meet it on a core only that share of
+    the time, however long the processing as a whole."""
+    if duty >= 1.0:
+        return None
+    rest = 1.0 / duty - 1.0
+    return lambda took: time.sleep(took * rest)
 
 
 def asked(version: int | None) -> str:

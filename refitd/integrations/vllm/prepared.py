@@ -29,6 +29,7 @@ in-flight refit is refused before any pause.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,14 +115,17 @@ def prepare(
     model: torch.nn.Module,
     staged: Callable[[torch.Tensor], torch.Tensor],
     pulled: Callable[[torch.Tensor], bool],
+    pace: Callable[[float], None] | None = None,
 ) -> Prepared:
     """Run ``plan``'s processing ahead, on twins (module docstring). ``staged(t)`` is
     the inactive copy's view of the loader-format tensor ``t`` a step names (the new
-    version's bytes); ``pulled(t)`` whether ``t`` lives in memory a later pull writes."""
+    version's bytes); ``pulled(t)`` whether ``t`` lives in memory a later pull writes;
+    ``pace(s)``, when given, is called after each step with the seconds it took."""
     from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 
     twins: list[_Twin] = []
     for step in (*plan.owners, *plan.readers):
+        began = time.perf_counter()
         twin = _twin_of(step.module)
         for leaf, t in step.loaded.items():
             _bind(twin, leaf, staged(t))
@@ -144,6 +148,8 @@ def prepare(
                 else:
                     tensors[k] = own
         twins.append(_Twin(step.name, step.module, twin))
+        if pace is not None:
+            pace(time.perf_counter() - began)
     prepared_ids = {id(t.live) for t in twins}
     shared = {
         storage_key(x) for m in model.modules() if id(m) not in prepared_ids for x in _tensors(m)

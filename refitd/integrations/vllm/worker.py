@@ -117,7 +117,10 @@ class RefitdInitInfo(WeightTransferInitInfo):
     ``delta`` refits by delta when the engine holds
     the version before (docs/delta.md), a full refit every ``anchor_every`` updates;
     ``delta="auto"`` only when the source daemon is on another host;
-    ``prefetch_nice`` the CPU priority of an in-flight prefetch's thread (docs/vllm.md).
+    ``prefetch_nice`` the CPU priority of an in-flight prefetch's thread,
+    ``prefetch_threads`` the OpenMP threads its processing runs on (0: the engine's
+    own count), ``prefetch_duty`` the share of wall time it works while processing
+    (it rests between modules the rest; 1: never rests) (docs/vllm.md).
     """
 
     model: str = "policy"
@@ -130,6 +133,14 @@ class RefitdInitInfo(WeightTransferInitInfo):
     delta: bool | Literal["auto"] = False
     anchor_every: int = 0
     prefetch_nice: int = 19
+    prefetch_threads: int = 0
+    prefetch_duty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.prefetch_threads < 0:
+            raise ValueError(f"prefetch_threads {self.prefetch_threads}: expected 0 or more")
+        if not 0.0 < self.prefetch_duty <= 1.0:
+            raise ValueError(f"prefetch_duty {self.prefetch_duty}: expected a share in (0, 1]")
 
 
 @dataclass
