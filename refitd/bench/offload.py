@@ -207,6 +207,16 @@ def _decode(
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        print(
+            f"refitd bench offload: it builds a Qwen3-MoE model with transformers, which "
+            f"this install lacks ({exc}); install the extra: pip install 'refitd[offload]'",
+            file=sys.stderr,
+        )
+        return 2
+
     from refitd.experts.prediction import with_predictions
     from refitd.experts.traces import ModelShape, preset_config, routing_model
     from refitd.integrations.offload import moe_blocks, offload_experts

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -46,3 +48,14 @@ def test_the_offload_bench_on_a_gpu_that_is_not_there_exits_2_naming_why(
 ) -> None:
     assert main(["bench", "offload", "--device", "cuda"]) == 2
     assert "sees no CUDA device" in capsys.readouterr().err
+
+
+def test_the_offload_bench_without_transformers_exits_2_naming_the_extra_that_brings_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A plain install has no transformers: an import of it then fails as here.
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    assert main(["bench", "offload", *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'refitd[offload]'" in err
+    assert "Traceback" not in err
