@@ -238,13 +238,9 @@ async def acquire(request: web.Request) -> web.Response:
     req: LeaseRequest = await body(request)
     d, who = request.app[DAEMON], principal_of(request)
     d.models.check_read(who, req.model, "lease")
-    # A host mirror's version: leased only under a live lease at its source as well,
-    # and for no longer than that lease has left.
-    leases = request.app[MIRRORS].leases
-    cap = await leases.admit(req)
-    ttl = req.ttl_s if cap is None else cap
-    grant = d.acquire(req.model, req.version, ttl, req.holder, who.name)
-    leases.bind(grant.lease_id, req)
+    # A host mirror's version is leased by peer daemons only (MirrorLeases.grant).
+    request.app[MIRRORS].leases.admit(req)
+    grant = d.acquire(req.model, req.version, req.ttl_s, req.holder, who.name)
     return reply(request, grant)
 
 

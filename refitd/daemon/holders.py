@@ -6,7 +6,7 @@ that tag against the process it sees under that pid (same start time, so not a
 reused pid, and not a process of another pid namespace), opens a pidfd on it and
 watches it on the event loop. When the process exits — however it dies, ``os._exit``
 and SIGKILL included — :class:`Holders` reports the tag once, and the daemon
-releases that client's regions (:meth:`refitd.daemon.node.Daemon.reap`).
+releases that client's regions (:meth:`refitd.daemon.store.RegionStore.reap`).
 
 A tag that does not match a visible process is not watched: such a region lives
 until it is deleted (the client is in another pid namespace, or already gone).

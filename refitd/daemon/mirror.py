@@ -120,10 +120,6 @@ class Mirror:
             async with asyncio.timeout(timeout_s):
                 await tick.wait()
 
-    async def wait_finished(self) -> None:
-        while not self.finished:
-            await self.changed(3600.0)
-
     async def wait_chunks(self, idx: np.ndarray) -> None:
         """Return once every chunk of ``idx`` is complete; :class:`TransportError`
         naming the mirror's error once it failed (they never will be)."""

@@ -77,20 +77,17 @@ class MirrorLeases:
             raise AccessDenied(f"{refusal}; {lease!r} is not one") from None
         return grant.expires_in_s
 
-    async def admit(self, req: LeaseRequest) -> float | None:
-        """None for a model this daemon does not hold as a mirror (nothing to check
-        here); a version held as a mirror is refused (403): a tenant leases it at its
-        source, and only a peer daemon leases the copy (:meth:`grant`)."""
+    def admit(self, req: LeaseRequest) -> None:
+        """Refuse (403) a tenant's lease on a version this daemon holds as a mirror: a
+        tenant leases it at its source, and only a peer daemon leases the copy
+        (:meth:`grant`). Nothing to check for any other model."""
         if not self.d.models.held(req.model):
-            return None
+            return
         raise AccessDenied(
             f"lease on {req.model!r} version {req.version} refused: this daemon holds that "
             "model as a host mirror, which only peer daemons lease; lease it at its source "
             "and pull it through this daemon, which serves the pull from its mirror"
         )
-
-    def bind(self, lease_id: str, req: LeaseRequest) -> None:
-        """Nothing: an ordinary lease is never on a mirrored version (:meth:`admit`)."""
 
     async def grant(self, req: MirrorLease, secret: bytes) -> LeaseGrant:
         """A lease of the peer daemon ``req.node_id`` on this daemon's mirror of

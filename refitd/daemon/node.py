@@ -293,24 +293,9 @@ class Daemon:
     def view(self, region_id: int) -> memoryview:
         return self.store.view(region_id)
 
-    def reap_soon(self) -> None:
-        """Release exited clients' regions in a task (no-op when there are none)."""
-        self.store.reap_soon()
-
-    async def reap(self, dry_run: bool = False) -> list[RegionInfo]:
-        return await self.store.reap(dry_run)
-
     async def gc(self, dry_run: bool = False) -> GcReport:
         """``POST /v1/gc``: free exited clients' regions and stale segments."""
         return await self.store.gc(dry_run)
-
-    def using(self, region_ids: Iterable[int]) -> contextlib.AbstractContextManager[None]:
-        return self.store.using(region_ids)
-
-    def writing(
-        self, region_ids: Iterable[int], pull_id: str
-    ) -> contextlib.AbstractContextManager[None]:
-        return self.store.writing(region_ids, pull_id)
 
     def check_publishable(self, region_ids: Iterable[int]) -> None:
         """Refuse (:class:`ConflictError`, 409, naming what holds it) publishing a
@@ -403,11 +388,6 @@ class Daemon:
 
         # A little past the deadline: the registry's clock, not the loop's, decides.
         self._pending_timer = asyncio.get_running_loop().call_later(left + 0.01, fire)
-
-    def holds_memory(self, region_id: int) -> bool:
-        """Whether ``region_id`` holds memory for a principal now
-        (:meth:`RegionStore.holds_memory`). What the region cap counts."""
-        return self.store.holds_memory(region_id)
 
     # ------------------------------------------------------------ peer records
 

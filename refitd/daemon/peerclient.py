@@ -29,7 +29,7 @@ from refitd.wire import (
     StagedPack,
 )
 from refitd.wire import routes as api
-from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
+from refitd.wire.mirrors import HolderAssign, HolderJoin
 
 __all__ = ["PeerClient"]
 
@@ -93,14 +93,3 @@ class PeerClient(ApiSession):
         """Join the holder pipeline of a version the peer is the source of; answers
         the holder to read from."""
         return await self.send(api.MIRROR_HOLDERS, join)
-
-    async def mirror_state(
-        self, model: str, version: int, after: int, timeout_s: float, lease_id: str = ""
-    ) -> MirrorState:
-        """The peer's mirror of ``model`` ``version``, once more than ``after`` chunks
-        are complete there, it ended, or ``timeout_s`` passed; asked under a lease on
-        it there (``lease_id``), or as a principal that may read the model there."""
-        params = {"after": str(after), "timeout": str(timeout_s)}
-        if lease_id:
-            params["lease"] = lease_id
-        return await self.send(api.MIRROR_STATE, params=params, model=model, version=version)

@@ -21,7 +21,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -185,7 +185,7 @@ def _print_ready(record: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def run(args: argparse.Namespace, *, extra: Iterable[Any] = ()) -> int:
+def run(args: argparse.Namespace) -> int:
     import uvloop
 
     from refitd.config import load_config, parse_overrides, read_token

@@ -71,7 +71,6 @@ from refitd.wire.pulls import (
 from refitd.wire.records import (
     ClusterVersion,
     DaemonRecord,
-    PeerRecord,
     PeerRegions,
     SourceRecord,
 )
@@ -135,7 +134,6 @@ __all__ = [
     "NodeInfo",
     "PackRequest",
     "PackSpec",
-    "PeerRecord",
     "PeerRegions",
     "PoolCreate",
     "PoolInfo",

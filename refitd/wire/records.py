@@ -14,7 +14,6 @@ from refitd.wire.versions import VersionState
 __all__ = [
     "ClusterVersion",
     "DaemonRecord",
-    "PeerRecord",
     "PeerRegions",
     "SourceRecord",
 ]
@@ -63,17 +62,6 @@ class ClusterVersion(msgspec.Struct, frozen=True):
     expected_slots: int
     complete: bool
     holders: list[SourceRecord]
-
-
-class PeerRecord(msgspec.Struct, frozen=True):
-    """What one daemon tells another about a region it may read: only ever exchanged
-    daemon to daemon. ``transport_key`` is the transport's advertised (packed) record,
-    opaque here; for the shared-memory path it is the segment name."""
-
-    node_id: str
-    incarnation: int
-    region: RegionInfo
-    transport_key: bytes = b""
 
 
 class PeerRegions(Signed, frozen=True):
