@@ -11,6 +11,7 @@ Packages and modules:
 - `errors`: the exception tree, drawn once
 - `demo`: ``refitd demo``: the main job end to end, verified bit for bit
 - `reshard/`: pure planning of resharded pulls: capture → plan → compile → execute
+- `delta/`: delta refit, the pure part: what changed, where it lands, undoable writes
 - `experts/`: pure MoE expert-slot residency: cache, policies, residency, executor
 - `daemon/`: the daemon: aiohttp control plane, regions, versions, pulls, data plane
 - `client/`: the Python client: RefitClient, Publisher, DaemonReceiver

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import re
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -342,3 +343,29 @@ def test_imports_in_functions_count_and_type_checking_ones_count_apart() -> None
     tree = ast.parse(source)
     typed = set().union(*(_targets(n, me, modules) for n in _imports(tree, types=True)))
     assert typed == {"refitd.wire", "refitd.errors", "refitd.config"}
+
+
+def _named_modules(package: Path) -> list[str]:
+    """The modules and subpackages directly in ``package`` (a folder)."""
+    mods = [p.stem for p in package.glob("*.py") if p.name != "__init__.py"]
+    mods += [p.name for p in package.iterdir() if (p / "__init__.py").is_file()]
+    return sorted(mods)
+
+
+def _packages() -> list[Path]:
+    return sorted(p.parent for name in PACKAGES for p in (ROOT / name).rglob("__init__.py"))
+
+
+@pytest.mark.parametrize("package", _packages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_package_docstring_lists_each_of_its_modules(package: Path) -> None:
+    """A newcomer opens a package's ``__init__`` to learn what each module is for: the
+    docstring names every module and subpackage (`` `name` ``, `` `name/` `` or
+    ``:mod:`~pkg.name```), so one added without a line there fails here."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    dotted = ".".join(package.relative_to(ROOT).parts)
+    missing = [
+        m
+        for m in _named_modules(package)
+        if not re.search(rf"`(~?{re.escape(dotted)}\.)?{re.escape(m)}/?`", doc)
+    ]
+    assert not missing, f"{dotted}'s docstring does not name {missing}"

@@ -17,4 +17,11 @@ Modules:
 - `vllm`: ``bench vllm``: refit a vLLM engine vs reloading it from disk
 - `inflight`: ``bench inflight``: a serving vLLM engine refitted in flight under load
 - `delta`: ``bench delta``: refit by delta vs full refit of a model trained in bf16
+- `deltamodel`: the parts of bench delta that run on one host or across a link
+- `deltahosts`: ``bench delta --link-gbit R``: the delta bench across a slower link
+- `deltamoe`: ``bench delta --moe``: a MoE model with ten thousands of expert tensors
+- `fanout`: ``bench fanout``: many replicas on many hosts, direct pulls vs host mirrors
+- `gpu`: ``bench gpu``: GPU memory through the daemon, each ratio against its baseline
+- `hfexact`: Hugging Face models refitted through the daemon serve what fresh ones do
+- `conditions`: the conditions a bench measures under, so its ratios compare alike
 """

@@ -12,6 +12,12 @@ Modules:
 - `sync`: `SyncRefitClient`: a small blocking face of it
 - `publisher`: `Publisher`: the trainer side, place tensors and publish versions
 - `receiver`: `DaemonReceiver`: the engine side, a thin adapter over `ReshardReceiver`
+- `install`: landing a finished pull in the engine's parameters
+- `swap`: swap mode: one copy per refit, nothing installed when a pull fails
+- `staged`: swap mode's inactive copy staged while the engine serves, swapped later
+- `onerefit`: `OneRefit`: one refit at a time on one engine
+- `deltarefit`: delta refit, the engine side: pull only what changed since its base
+- `gpu`: GPU memory registered with the node's daemon, once per allocation
 - `multihost`: `ClusterReceiver`: refit from a version spread over several hosts
 - `leases`: `LeaseKeeper`: keep a lease alive while a long operation runs
 - `spawn`: start a ``refitd serve`` child and learn its address

@@ -19,12 +19,27 @@ Modules:
 - `pullcore`: the pure core of a pull: validation, path choice, pacing, outcomes
 - `pulls`: pulls: the awaits around the pull core (sources, data plane, progress)
 - `pulljob`: one pull's record (progress, ending, what it holds while it runs)
+- `sources`: where a pull reads from: this daemon's regions or a peer's, by lease
+- `move`: the one byte loop of a daemon
+- `devstaging`: device destinations over a host-only data plane, staged through host memory
+- `manifestcheck`: a published manifest checked against its tensors and regions
+- `merging`: what a version's published slots make, as pure functions of its manifests
+- `waits`: long polls: how long one may wait, how many one principal holds open
 - `listeners`: what listens to a pull: the write rule, the pull cap
 - `peerclient`: the daemon's client of its peer daemons (the calls a pull makes, and
   those a host mirror makes)
 - `mirror`: one host mirror's chunks and the source's holder book (pure)
 - `mirrors`: host mirrors and relay: policy, fill, relay, failover, release
 - `mirrorhandlers`: the mirrors' routes, and `setup_mirrors` that installs their hooks
+- `mirrorbook`: a source's holder book: who holds each version, who reads from whom
+- `mirrorfill`: filling a host mirror from the holder the book assigns, failing over
+- `mirrorfeed`: a mirror's feed: its complete chunks, pushed downstream as they land
+- `mirrorread`: reading a mirror's chunks from a holder, and a holder's deadlines
+- `mirrorhold`: which bytes of the mirrors still filling are complete, for the data plane
+- `mirrorleases`: leases on a mirror's version: for peer daemons only, under the source's
+- `mirrorspace`: the memory the mirrors take, and making room
+- `deltas`: deltas at the source: each READY version compared with its base, staged
+- `deltaroutes`: the HTTP side of delta refit: a version's delta record, its packs
 - `paths`: which data path reads each peer: the one place that decides
 - `peers`: which peer daemons this daemon may contact
 - `memory`: region memory: shared-memory segments

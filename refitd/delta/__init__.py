@@ -5,6 +5,12 @@ the daemon (:mod:`refitd.daemon.deltas`) and the receiver
 
 - :mod:`~refitd.delta.diff`: bytewise comparison of two blocks in chunks, and the
   lane digest (position-keyed sums of 64-bit words, updated in O(changed));
+- :mod:`~refitd.delta.digest`: the engine's digest of its own memory, kept up to date
+  by every refit's writes;
+- :mod:`~refitd.delta.compare`: the source's comparison of a version with its base,
+  grouped by bytes;
+- :mod:`~refitd.delta.native`: the per-change stages in native code
+  (``transports.native._delta``);
 - :mod:`~refitd.delta.stream`: the byte stream a pull's reads make (rows, then each
   pack spec in its packed order), the changed units inside it, their compact
   positions (page counts + 16-bit offsets) and the staged payload's layout;

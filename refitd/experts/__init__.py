@@ -19,6 +19,7 @@ Modules:
 - `residency`: host residency of each layer's expert rows
 - `slots`: the slot executor: apply the cache's plans to a pool of slots
 - `device`: where slot bytes live: pool geometry, `SlotDevice`, the host device
+- `cuda`: expert slots in GPU memory: the CUDA `SlotDevice`
 - `inflight`: asynchronous slot copies: fences and the copier thread
 - `faults`: the slot executor's refusals and failures, one class per case
 - `traces`: routing traces: which experts each token routes to

@@ -15,6 +15,7 @@ Modules:
 - `cost`: the per-copy cost model: segments, a pack spec, or a full pull
 - `transfer_plan`: a whole capture → a costed transfer plan
 - `coverage`: which destinations a capture leaves unwritten
+- `owners`: which destination a loader's write lands in, by the memory it lands in
 - `compile`: plans lowered to arrays, bound to a signature
 - `reads`: read descriptors, packed reads, `ReadExecutor` and its reference
 - `receiver`: `ReshardReceiver`: fail-closed policy, plan once, replay

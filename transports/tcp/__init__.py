@@ -37,6 +37,7 @@ Modules:
 - `serve`: the source side: a data server that sends from the mapping
 - `frames`: the wire: frames, the handshake, grants and scope checks
 - `held`: reads of bytes still filling, held by the data server until complete
+- `admission`: who the data server lets start a handshake, and how many at once
 """
 
 from __future__ import annotations
