@@ -9,11 +9,14 @@ the TP 1 engine. Here a TP 2 engine (a worker process per rank) refits to what a
 fresh TP 2 load of the same weights serves: greedy tokens, the top logprobs at every
 step, and every parameter of every rank, first update and replay.
 
-Two engines, because vLLM's in-place ``reload_weights`` is no truth for this family:
-measured at TP 2, an engine loaded with A and reloaded from B keeps A's attention
-sinks, experts and expert biases on both ranks (the parameters ``load_weights`` writes
-outside a ``weight_loader``, which the layer-wise reload does not replay) and serves
-other tokens than a fresh load of B.
+One engine, loaded fresh from B: what it serves then, and every parameter of every
+rank, is the truth. vLLM's in-place ``reload_weights`` is no truth for this family
+(measured at TP 2, an engine loaded with A and reloaded from B keeps A's attention
+sinks, experts and expert biases: the parameters ``load_weights`` writes outside a
+``weight_loader``, which the layer-wise reload does not replay), so nothing is
+reloaded: the engine's parameters are overwritten with noise, and it refits to B (the
+first update), to A (a replay, which must serve otherwise) and, noise again, to B (a
+replay). B's two refits must rebuild every parameter from the refit's bytes alone.
 
 A module of its own: its engines must not share a test process with another
 in-process engine (vLLM's parallel state is one per process).
@@ -27,7 +30,15 @@ from typing import Any
 
 import pytest
 from test_vllm_families import Family, checkpoint_state
-from vllm_models import GPT_OSS, greedy_logprobs, llm_kwargs, param_digests, save_model, stop_engine
+from vllm_models import (
+    GPT_OSS,
+    greedy_logprobs,
+    llm_kwargs,
+    param_digests,
+    poison_weights,
+    save_model,
+    stop_engine,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -55,7 +66,6 @@ def test_a_tp2_gpt_oss_engine_refits_to_what_a_fresh_tp2_load_serves_first_updat
     family = Family("gpt-oss-tp2", GPT_OSS)
     a = checkpoint_state(family, 11, retie=False)
     b = checkpoint_state(family, 12, retie=True)
-    save_model(tmp_path / "a", family.config, a)
     save_model(tmp_path / "b", family.config, b)
     # One sequence a step: with worker processes two prompts share a step in some
     # generations and not in others (see test_vllm_mla); one a step serves one answer.
@@ -65,38 +75,37 @@ def test_a_tp2_gpt_oss_engine_refits_to_what_a_fresh_tp2_load_serves_first_updat
         "max_num_seqs": 1,
         **llm_kwargs(),
     }
-    fresh = LLM(model=str(tmp_path / "a"), **tp2)
-    try:
-        truth_a = served(fresh)
-    finally:
-        stop_engine(fresh)
-        del fresh
-        gc.collect()
     llm = LLM(model=str(tmp_path / "b"), weight_transfer_config={"backend": "refitd"}, **tp2)
     try:
         truth_b = served(llm)
-        assert truth_a[0] != truth_b[0], "A and B must serve differently, or nothing is tested"
-        tensors = {n: t.clone() for n, t in a.items()}
+        tensors = {n: t.clone() for n, t in b.items()}
         info = RefitdTrainerInitInfo(rank=0, model=family.name, url=vllm_daemon_url)
         trainer = RefitdTrainerEngine.trainer_init(
             info, client=LLMSyncClient(llm), source=TensorSource(tensors)
         )
         try:
             assert served(llm) == truth_b  # the init changed nothing served
-            for i, (weights, truth) in enumerate([(a, truth_a), (b, truth_b)]):
+            for i, weights in enumerate([b, a, b]):
+                if weights is b:  # noise: B's refit must write every byte it serves
+                    assert all(n > 0 for n in llm.collective_rpc(poison_weights))
+                    noisy = llm.collective_rpc(param_digests)
+                    assert all(got != want for got, want in zip(noisy, truth_b[1], strict=True))
                 for name, t in tensors.items():
                     t.copy_(weights[name])
                 trainer.send_weights()
                 ranks = llm.collective_rpc(refit_stats)
-                assert [r["replayed"] for r in ranks] == [i == 1, i == 1]
+                assert [r["replayed"] for r in ranks] == [i > 0, i > 0]
                 # Each rank pulls its own heads, columns and sinks, not the model.
-                total = sum(t.numel() * t.element_size() for t in a.values())
+                total = sum(t.numel() * t.element_size() for t in b.values())
                 assert all(0 < r["bytes"] < total for r in ranks)
                 tokens, params = served(llm)
-                for rank, (got, want) in enumerate(zip(params, truth[1], strict=True)):
+                if weights is not b:  # A serves otherwise, or the replays test nothing
+                    assert tokens != truth_b[0]
+                    continue
+                for rank, (got, want) in enumerate(zip(params, truth_b[1], strict=True)):
                     assert sorted(got) == sorted(want)
                     assert [n for n in want if got[n] != want[n]] == [], f"rank {rank}"
-                assert tokens == truth[0], f"update {i}"
+                assert tokens == truth_b[0], f"update {i}"
         finally:
             trainer.shutdown()
     finally:

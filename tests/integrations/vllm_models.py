@@ -27,6 +27,7 @@ __all__ = [
     "live_params",
     "llm_kwargs",
     "loader_format_mismatches",
+    "poison_weights",
     "readme_blocks",
     "run_fsdp_trainer",
     "same_tensors",
@@ -570,6 +571,26 @@ def greedy_logprobs(llm: Any) -> list[tuple[list[int], list[list[tuple[int, floa
         ]
         out.append((list(c.token_ids), steps))
     return out
+
+
+def poison_weights(worker: Any) -> int:
+    """Run in a vLLM worker: overwrite every parameter with noise (integers with ones),
+    so that what it serves after a refit comes from the refit's bytes alone: a
+    parameter the refit leaves unwritten, or writes from the wrong place, stays
+    noise. Returns how many it overwrote."""
+    g = torch.Generator().manual_seed(1234)
+    n = 0
+    model = worker.model_runner.get_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.numel():
+                continue
+            if p.dtype.is_floating_point:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype))
+            else:
+                p.fill_(1)
+            n += 1
+    return n
 
 
 def param_digests(worker: Any) -> dict[str, str]:
