@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from refitd.errors import NotFoundError, ProtocolError
-from refitd.wire import ManifestIn
+from refitd.wire import DTYPE_SIZES, ManifestIn
 
 __all__ = [
     "DTYPE_SIZES",
@@ -21,22 +21,6 @@ __all__ = [
     "element_count",
     "manifest_cost",
 ]
-
-# Byte size per element of every dtype a manifest may name (torch spelling).
-DTYPE_SIZES: dict[str, int] = {
-    "float64": 8,
-    "float32": 4,
-    "float16": 2,
-    "bfloat16": 2,
-    "float8_e4m3fn": 1,
-    "float8_e5m2": 1,
-    "int64": 8,
-    "int32": 4,
-    "int16": 2,
-    "int8": 1,
-    "uint8": 1,
-    "bool": 1,
-}
 
 
 def element_count(xs: tuple[int, ...]) -> int:

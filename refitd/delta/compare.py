@@ -28,7 +28,7 @@ import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -36,6 +36,7 @@ import numpy.typing as npt
 from refitd.delta.diff import CHUNK, LANES, unit_dtype
 from refitd.delta.stream import ChangeIndex, compose
 from refitd.errors import ConflictError, ProtocolError
+from refitd.wire.versions import DTYPE_SIZES
 
 __all__ = [
     "JOB_BYTES",
@@ -327,13 +328,12 @@ def digest(table: Table, hashes: U8) -> str:
 
 
 def itemsize_of(dtype: str) -> int:
-    """A torch dtype's item size by name; refused (ProtocolError) for another name."""
-    import torch
-
-    dt: Any = getattr(torch, dtype, None)
-    if not isinstance(dt, torch.dtype):
-        raise ProtocolError(f"dtype {dtype!r} is not a torch dtype")
-    return int(dt.itemsize)
+    """A manifest dtype's item size by name (:data:`refitd.wire.DTYPE_SIZES`, so the
+    daemon never imports torch for it); refused (ProtocolError) for another name."""
+    size = DTYPE_SIZES.get(dtype)
+    if size is None:
+        raise ProtocolError(f"dtype {dtype!r} is not a dtype a manifest may name")
+    return size
 
 
 def translate(

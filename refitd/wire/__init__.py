@@ -89,6 +89,7 @@ from refitd.wire.status import (
     status_of,
 )
 from refitd.wire.versions import (
+    DTYPE_SIZES,
     ManifestHead,
     ManifestIn,
     MergedManifest,
@@ -100,6 +101,7 @@ from refitd.wire.versions import (
 
 __all__ = [
     "API_PREFIX",
+    "DTYPE_SIZES",
     "ERROR_OF_STATUS",
     "MAX_LEASE_TTL_S",
     "MAX_MANIFEST_TENSORS",

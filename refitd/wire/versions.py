@@ -21,6 +21,7 @@ from refitd.wire.fields import (
 )
 
 __all__ = [
+    "DTYPE_SIZES",
     "ManifestHead",
     "ManifestIn",
     "MergedManifest",
@@ -29,6 +30,23 @@ __all__ = [
     "VersionInfo",
     "VersionState",
 ]
+
+#: Byte size per element of every dtype a manifest may name (torch spelling): the
+#: daemon sizes tensors by it without importing torch.
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+}
 
 
 class ShardEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
