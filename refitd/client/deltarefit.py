@@ -516,26 +516,23 @@ class DeltaReceiver(DaemonReceiver):
     ) -> int:
         """:meth:`_apply` where every piece lands whole in the engine (:meth:`_direct`):
         each unit's engine index is its piece's origin plus its stream index. Decoded,
-        placed, written and digested natively, one pass each over the changes
-        (:mod:`refitd.delta.native`; the general path below is its reference)."""
+        written and digested natively in one pass over the changes, each unit's cache
+        line read and written once (:func:`refitd.delta.native.place_write`; the
+        general path above, and ``place``, ``scatter`` and ``digest_update``, are its
+        reference). Its seconds count as placing."""
         unit = exceptions.dtype.itemsize
         assert self._base is not None
         engine = self._engine_bytes()
+        digest = self._base.engine
         try:
-            idx, old, values = native.place(
-                counts, low, diff, exceptions, pieces, engine, unit, bits
-            )
+            idx, old = native.place_write(
+                counts, low, diff, exceptions, pieces, engine, unit, bits, digest.lanes,
+                digest.block,
+            )  # fmt: skip
         except ValueError as err:
             raise ConflictError(f"delta of v{self._base.version}+1 refused: {err}") from None
-        t1 = time.perf_counter()
         undo.record(engine.view(unit_dtype(unit)), idx, old)
-        native.scatter(engine, idx, values)
-        t2 = time.perf_counter()
-        self._base.engine.update_units(idx, old, values)
-        t3 = time.perf_counter()
-        parts[0] += t1 - t0
-        parts[1] += t2 - t1
-        parts[2] += t3 - t2
+        parts[0] += time.perf_counter() - t0
         return len(idx)
 
     def _overlapping(
