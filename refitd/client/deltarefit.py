@@ -30,13 +30,14 @@ import contextlib
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from refitd.client.deltastats import AUTO_SAME_HOST, OVERLAPPED, WHERE, DeltaStats
 from refitd.client.deltastream import Encoded, open_stream
 from refitd.client.install import CompiledPull
 from refitd.client.receiver import DaemonReceiver, RefitStats
@@ -65,55 +66,7 @@ from refitd.wire import (
 
 __all__ = ["AUTO_SAME_HOST", "OVERLAPPED", "WHERE", "DeltaReceiver", "DeltaStats"]
 
-AUTO_SAME_HOST = (
-    "auto: the source is on this host (the last full pull read shared memory), "
-    "where a full refit copies at memory speed and a delta is not faster"
-)
-"""The reason ``prefer="auto"`` gives for refitting in full on the source's host."""
-
 I64 = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True)
-class DeltaStats:
-    """How one refit went: ``kind`` says which ran, ``reason`` why a full one did;
-    ``wire_bytes`` what it pulled, ``full_bytes`` what a full refit of it pulls;
-    ``changed`` the units applied (``unit`` bytes each).
-
-    A delta's seconds: ``check_s`` the engine's base check (its digest window),
-    ``stage_s`` the source's seconds (waiting for its comparison, encoding every
-    chunk), ``refit.pull_s`` the stream (its request until its last chunk came),
-    ``apply_s`` its first chunk's arrival until the end; inside these, overlapping
-    the stream: ``place_s`` decoding and placing each unit, ``write_s`` the writes
-    with their undo record, ``digest_s`` the engine digest's update; ``post_s``
-    ``after_apply``.
-
-    ``where``: the wall time cut into parts that add up (:data:`WHERE`), and the
-    source's parts spent inside them (:data:`OVERLAPPED`)."""
-
-    refit: RefitStats
-    kind: Literal["delta", "full"]
-    reason: str
-    wire_bytes: int
-    full_bytes: int
-    changed: int = 0
-    unit: int = 0
-    check_s: float = 0.0
-    apply_s: float = 0.0
-    undo_bytes: int = 0
-    stage_s: float = 0.0
-    place_s: float = 0.0
-    write_s: float = 0.0
-    digest_s: float = 0.0
-    post_s: float = 0.0
-    where: dict[str, float] = field(default_factory=dict)
-
-
-WHERE = ("lease", "manifest", "plan", "check", "first", "stream", "tail", "post")
-"""The keys of :attr:`DeltaStats.where` that add up to a delta's wall time, in order."""
-
-OVERLAPPED = ("src_wait", "src_encode")
-"""Keys of :attr:`DeltaStats.where` spent inside ``first`` and ``stream``."""
 
 
 @dataclass
@@ -212,16 +165,25 @@ class DeltaReceiver(DaemonReceiver):
             return "the plan has full pulls, whose staged tensors only staging mode keeps"
         if base.layout != self._layout_key(comp):
             return "the plan's destinations moved since the base was installed"
-        if self.verify_engine:
-            block = base.engine.differs(self._engine_bytes(), self.verify_every)
-            if block is not None:
-                at = block * base.engine.block
-                return (
-                    f"the engine's memory differs from v{base.version} as refitd installed "
-                    f"it (digest mismatch in bytes {at}..{at + base.engine.block}): it was "
-                    "written outside a refit"
-                )
         return ""
+
+    def _written(self) -> tuple[str, float]:
+        """With ``verify_engine``: why the engine memory is not the base refits left
+        (``""``: its digest window matches), and the check's seconds. Run in a worker
+        thread while the delta's request is on its way; nothing of the delta is
+        placed before it says ``""`` (:meth:`_delta`)."""
+        t = time.perf_counter()
+        base = self._base
+        assert base is not None
+        block = base.engine.differs(self._engine_bytes(), self.verify_every)
+        if block is None:
+            return "", time.perf_counter() - t
+        at = block * base.engine.block
+        return (
+            f"the engine's memory differs from v{base.version} as refitd installed "
+            f"it (digest mismatch in bytes {at}..{at + base.engine.block}): it was "
+            "written outside a refit"
+        ), time.perf_counter() - t
 
     def _auto_full(self) -> bool:
         """``prefer="auto"`` and the last full pull read this host's shared memory."""
@@ -250,6 +212,8 @@ class DeltaReceiver(DaemonReceiver):
             times = (t0, leased, t1, t2, time.perf_counter())
             try:
                 return await self._delta(comp, version, lease_id, replayed, times)
+            except _Written as exc:  # found before anything of the delta was placed
+                reason = str(exc)
             except (ConflictError, NotFoundError) as exc:
                 if self._streamed:
                     raise  # a chunk refused after its head: every unit was put back
@@ -317,6 +281,11 @@ class DeltaReceiver(DaemonReceiver):
         loop = asyncio.get_running_loop()
         placing: asyncio.Future[int] | None = None
         self._streamed = False
+        # The engine's base check reads its digest window while the request crosses
+        # and the source selects: as strong as before it (every chunk waits for it),
+        # off the critical path.
+        checking = loop.run_in_executor(None, self._written) if self.verify_engine else None
+        check_s = 0.0
         try:
             async with open_stream(self.source, req, nbytes) as (head, chunks):
                 self._streamed = True  # refusals before this one refit in full
@@ -325,6 +294,9 @@ class DeltaReceiver(DaemonReceiver):
                     clock[0] = clock[0] or clock[1]
                     clock[2] += chunk.encode_s
                     wire += chunk.nbytes
+                    if checking is not None:
+                        check_s = await _checked(checking)
+                        checking = None
                     if placing is not None:
                         changed += await placing
                     enc = Encoded.of(chunk, head)
@@ -333,11 +305,16 @@ class DeltaReceiver(DaemonReceiver):
                     )
                 if placing is not None:
                     changed += await placing
+            if checking is not None:  # a stream of no chunks: its base is checked too
+                check_s = await _checked(checking)
             t_post = time.perf_counter()
             if self.after_apply is not None:
                 self.after_apply()
         except BaseException:
             # Every write put back: the engine holds its base, bit for bit, still.
+            if checking is not None:
+                with contextlib.suppress(BaseException):
+                    await checking  # it reads the engine: done before anything moves on
             if placing is not None and not placing.done():
                 with contextlib.suppress(BaseException):
                     await placing
@@ -357,9 +334,10 @@ class DeltaReceiver(DaemonReceiver):
         )  # fmt: skip
         where = dict(zip(WHERE, (leased - t0, t1 - leased, t2 - t1, t_check - t2), strict=False))
         where.update(first=first - t_check, src_wait=head.wait_s, src_encode=clock[2])
+        where.update(engine_check=check_s)
         where.update(stream=last - first, tail=t_post - last, post=t5 - t_post)
         self.last = DeltaStats(
-            stats, "delta", "", wire, full, changed, head.unit, t_check - t2, t5 - first,
+            stats, "delta", "", wire, full, changed, head.unit, check_s, t5 - first,
             undo.nbytes, head.wait_s + clock[2], parts[0], parts[1], parts[2], t5 - t_post, where,
         )  # fmt: skip
         return stats
@@ -591,3 +569,17 @@ class DeltaReceiver(DaemonReceiver):
                 )
         for lo, view, before in spans:
             self._base.engine.rewrite(lo, before, view)
+
+
+class _Written(Exception):
+    """The engine's base check found memory written outside a refit (its message):
+    nothing of the delta was placed, and the refit goes on in full."""
+
+
+async def _checked(checking: asyncio.Future[tuple[str, float]]) -> float:
+    """The base check's seconds, once it found the engine as refits left it; else
+    :class:`_Written`."""
+    why, secs = await checking
+    if why:
+        raise _Written(why)
+    return secs
