@@ -209,7 +209,8 @@ class Engines:
                 for rank in range(tp)
             ]
 
-        self.delta = receivers(DeltaReceiver, prefer=prefer)
+        chunk = int(getattr(args, "chunk_mib", 16) * 2**20)
+        self.delta = receivers(DeltaReceiver, prefer=prefer, chunk_bytes=chunk)
         self.full = receivers(DaemonReceiver)
 
     async def refit(self, v: int) -> dict[str, Any]:
