@@ -325,7 +325,7 @@ class DeltaReceiver(DaemonReceiver):
         self._base = _Base(version, head.digest, self._base.engine, self._base.layout)
         self._since_anchor += 1
         full = int(comp.rows[:, 4].sum()) + sum(p.nbytes for p in comp.packs)
-        first, last = clock[0] or t5, clock[1] or t5
+        first, last = clock[0] or t_post, clock[1] or t_post  # no chunks: none came
         n = head.chunks
         pull = PullProgress("delta-stream", PullState.DONE, wire, wire, n, n, last - first, 0.0)
         stats = RefitStats(
