@@ -317,7 +317,7 @@ class DeltaBook:
             why = "no earlier version held to compare with"
             twins: tuple[I64, I64] | str | None = None
             if base is not None:
-                twins = await self._in_pool(pair_with, table, await base.table)
+                twins = await self.in_pool(pair_with, table, await base.table)
                 why = (
                     f"v{base.version} is laid out otherwise ({twins})"
                     if isinstance(twins, str)
@@ -360,9 +360,6 @@ class DeltaBook:
 
     async def in_pool(self, fn: Callable[..., _T], *args: Any) -> _T:
         """``fn(*args)`` in the comparison's thread pool."""
-        return await self._in_pool(fn, *args)
-
-    async def _in_pool(self, fn: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _compare(self, rec: _Record, table: Table, twins: tuple[I64, I64], base: int) -> None:
@@ -408,10 +405,10 @@ class DeltaBook:
         sizes = {r: len(v) for r, v in views.items()}
         address = {r: address_of(v) for r, v in views.items()}
         what = "comparison refused"
-        await self._in_pool(check_bounds, table, sizes, what)
+        await self.in_pool(check_bounds, table, sizes, what)
         if twins is not None:
-            await self._in_pool(check_twins, table, twins, sizes, what)
-        jobs = await self._in_pool(jobs_of, table)
+            await self.in_pool(check_twins, table, twins, sizes, what)
+        jobs = await self.in_pool(jobs_of, table)
         out = _Run(
             np.zeros((len(table.keys), 16), np.uint8), np.zeros((len(table.keys), 16), np.uint8)
         )
@@ -463,7 +460,7 @@ class DeltaBook:
         out.digest_new = digest(table, out.hash_new)
         out.digest_old = digest(table, out.hash_old) if twins is not None else ""
         if kept:
-            out.index, out.values = await self._in_pool(assemble, kept)
+            out.index, out.values = await self.in_pool(assemble, kept)
         return out
 
     def held_bytes(self) -> int:
@@ -582,8 +579,8 @@ class DeltaBook:
                 "each byte of its version about once"
             )
         if len(chain) > 1:  # v -> v+k: the records' changes composed, oldest first
-            index, values = await self._in_pool(composed, chain, rec.unit)
-        reads = await self._in_pool(reads_of, rows, req.pack_specs)
+            index, values = await self.in_pool(composed, chain, rec.unit)
+        reads = await self.in_pool(reads_of, rows, req.pack_specs)
         if len(reads) and ((reads[:, 1] % rec.unit).any() or (reads[:, 2] % rec.unit).any()):
             raise ProtocolError(
                 f"{what} refused: a read of the plan does not start and end on a "
