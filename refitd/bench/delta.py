@@ -45,6 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence (default 64)")
     parser.add_argument(
+        "--chunk-mib",
+        type=float,
+        default=16.0,
+        help="stream bytes per chunk of a streamed delta, MiB (DeltaReceiver(chunk_bytes=))",
+    )
+    parser.add_argument(
         "--prefer",
         choices=("delta", "auto"),
         default="delta",

@@ -21,7 +21,7 @@ from typing import Any
 
 __all__ = ["across"]
 
-_ARGS = ("hidden", "layers", "vocab", "steps", "lr", "batch", "seq", "prefer")
+_ARGS = ("hidden", "layers", "vocab", "steps", "lr", "batch", "seq", "prefer", "chunk_mib")
 
 
 def across(args: argparse.Namespace) -> int:

@@ -12,6 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from refitd.client.deltarefit import OVERLAPPED
+from refitd.client.deltarefit import WHERE as DELTA_WHERE
+
 MODEL = "delta-bench"
 
 
@@ -206,7 +209,8 @@ class Engines:
                 for rank in range(tp)
             ]
 
-        self.delta = receivers(DeltaReceiver, prefer=prefer)
+        chunk = int(getattr(args, "chunk_mib", 16) * 2**20)
+        self.delta = receivers(DeltaReceiver, prefer=prefer, chunk_bytes=chunk)
         self.full = receivers(DaemonReceiver)
 
     async def refit(self, v: int) -> dict[str, Any]:
@@ -217,6 +221,7 @@ class Engines:
         dt = ft = 0.0
         paths = set()
         parts = [0.0] * len(PARTS)
+        where = dict.fromkeys(WHERE, 0.0)
         notes: list[str] = []
         deltas: list[int] = []  # wire bytes of the ranks that refitted by delta
 
@@ -234,13 +239,17 @@ class Engines:
             for r in self.delta:
                 t0 = time.perf_counter()
                 await r.refit(v)
-                dt += time.perf_counter() - t0
+                wall = time.perf_counter() - t0
+                dt += wall
                 d = r.last
                 assert d is not None
                 if d.kind != "delta":
                     notes.append(f"rank refitted in full: {d.reason}")
                 else:
                     deltas.append(d.wire_bytes)
+                    for k, x in d.where.items():
+                        where[k] += x
+                    where["release"] += wall - sum(d.where[k] for k in DELTA_WHERE)
                 dwire += d.wire_bytes
                 st = d.refit
                 split = [st.manifest_s, st.plan_s, d.check_s, d.stage_s, st.pull_s]
@@ -261,6 +270,7 @@ class Engines:
             "dt": dt,
             "ft": ft,
             "parts": parts,
+            "where": where,
             "exact": exact,
             "notes": notes,
             "delta_wire": sum(deltas),
@@ -272,6 +282,17 @@ class Engines:
         for r in self.delta + self.full:
             await r.close()
 
+
+WHERE = (*DELTA_WHERE, "release", *OVERLAPPED)
+"""A delta's wall time cut finer (:attr:`~refitd.client.deltarefit.DeltaStats.where`):
+the lease, the manifest, the plan, the engine's check, ``first`` (the stream's request
+until its first chunk has come: the upload, the source's selection and its first
+chunk's encoding and crossing), ``stream`` (the first chunk until the last has come,
+each placed while the next crossed), ``tail`` (placing the last chunk),
+``post`` (``after_apply``), and ``release`` (what is left of the bench's clock: the
+lease's release). These add up to the delta's seconds; ``src_wait`` (the source's
+wait for its comparison) and ``src_encode`` (its encoding of every chunk) are spent
+inside ``first`` and ``stream``."""
 
 PARTS = ("manifest", "plan", "check", "stage", "pull", "place", "write", "digest", "post")
 """A delta's seconds, in order (:class:`~refitd.client.deltarefit.DeltaStats`)."""
@@ -288,6 +309,7 @@ class Report:
         self.t: dict[str, float] = {k: 0.0 for k in ("changed", "units", "dwire", "fwire")}
         self.t.update(dt=0.0, ft=0.0, delta_wire=0.0, delta_changed=0.0)
         self.parts = [0.0] * len(PARTS)
+        self.where = dict.fromkeys(WHERE, 0.0)
         self.verified = True
         self.paths: set[str] = set()
         print(
@@ -309,6 +331,8 @@ class Report:
             self.t["delta_changed"] += src["changed"]
         for i, x in enumerate(eng["parts"]):
             self.parts[i] += x
+        for k, x in eng["where"].items():
+            self.where[k] += x
         frac = src["changed"] / src["units"] if src["units"] else math.nan
         print(
             f"{v:>3} {src['loss']:>7.3f} {frac:>9.4%} {src['compare_s']:>9.3f} "
@@ -320,6 +344,7 @@ class Report:
             "source staging {:.3f}, pull {:.3f}, place {:.3f}, write+undo {:.3f}, "
             "digest {:.3f}, post-load {:.3f}".format(*eng["parts"])
         )
+        print(f"      where: {_where(eng['where'])}")
 
     def end(self, link: str = "") -> int:
         t = self.t
@@ -327,6 +352,7 @@ class Report:
         wr = t["dwire"] / t["fwire"] if t["fwire"] else math.nan
         tr = t["dt"] / t["ft"] if t["ft"] else math.nan
         shares = " ".join(f"{k}_s={x:.3f}" for k, x in zip(PARTS, self.parts, strict=True))
+        print(f"where: {_where(self.where)}")
         print(f"delta_s={t['dt']:.3f} full_s={t['ft']:.3f} {shares}")
         # Each stage's speed in model bytes: what a full refit of the same versions
         # moved, over the stage's seconds (target: >= 2 GB/s each).
@@ -346,3 +372,8 @@ class Report:
             f"{link}path={path} verified={int(self.verified)}"
         )
         return 0 if self.verified else 1
+
+
+def _where(where: dict[str, float]) -> str:
+    """A delta's wall time by :data:`WHERE` key, seconds summed over its ranks."""
+    return " ".join(f"{k}_s={x:.3f}" for k, x in where.items())

@@ -25,6 +25,7 @@ bit for bit (``tests/delta``). Host-memory engines only: a GPU engine refits in 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import time
@@ -36,6 +37,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from refitd.client.deltastats import AUTO_SAME_HOST, OVERLAPPED, WHERE, DeltaStats
+from refitd.client.deltastream import Encoded, open_stream
 from refitd.client.install import CompiledPull
 from refitd.client.receiver import DaemonReceiver, RefitStats
 from refitd.delta import native
@@ -43,6 +46,7 @@ from refitd.delta.diff import unit_dtype
 from refitd.delta.digest import EngineDigest
 from refitd.delta.stream import (
     areas_of,
+    cut,
     decode,
     decode_values,
     landing,
@@ -51,52 +55,18 @@ from refitd.delta.stream import (
     unpack_nibbles,
 )
 from refitd.delta.undo import UndoLog
-from refitd.errors import ConflictError, NotFoundError, RefitError
-from refitd.wire import DeltaPackRequest, DeltaStaged, DescriptorTable, PullProgress, PullRequest
-from transports.segments import SharedSegment
-
-__all__ = ["AUTO_SAME_HOST", "DeltaReceiver", "DeltaStats"]
-
-AUTO_SAME_HOST = (
-    "auto: the source is on this host (the last full pull read shared memory), "
-    "where a full refit copies at memory speed and a delta is not faster"
+from refitd.errors import ConflictError, NotFoundError
+from refitd.wire import (
+    CHUNK_BYTES,
+    DeltaStreamRequest,
+    DescriptorTable,
+    PullProgress,
+    PullState,
 )
-"""The reason ``prefer="auto"`` gives for refitting in full on the source's host."""
+
+__all__ = ["AUTO_SAME_HOST", "OVERLAPPED", "WHERE", "DeltaReceiver", "DeltaStats"]
 
 I64 = npt.NDArray[np.int64]
-
-
-@dataclass(frozen=True)
-class DeltaStats:
-    """How one refit went: ``kind`` says which ran, ``reason`` why a full one did;
-    ``wire_bytes`` what it pulled, ``full_bytes`` what a full refit of it pulls;
-    ``changed`` the units applied (``unit`` bytes each).
-
-    A delta's seconds, in order: ``check_s`` the engine's base check (its digest
-    window), ``stage_s`` the source selecting and staging the changes (its
-    request), the pull (``refit.pull_s``), then ``apply_s``: ``place_s`` decoding
-    and placing each unit, ``write_s`` the writes with their undo record,
-    ``digest_s`` the engine digest's update, ``post_s`` ``after_apply``."""
-
-    refit: RefitStats
-    kind: Literal["delta", "full"]
-    reason: str
-    wire_bytes: int
-    full_bytes: int
-    changed: int = 0
-    unit: int = 0
-    check_s: float = 0.0
-    apply_s: float = 0.0
-    undo_bytes: int = 0
-    stage_s: float = 0.0
-    place_s: float = 0.0
-    write_s: float = 0.0
-    digest_s: float = 0.0
-    post_s: float = 0.0
-
-
-class _PullRefused(Exception):
-    """The delta's pull failed (its cause): the engine was not written."""
 
 
 @dataclass
@@ -134,6 +104,7 @@ class DeltaReceiver(DaemonReceiver):
         verify_every: int = 4,
         prefer: Literal["delta", "auto"] = "delta",
         after_apply: Callable[[], None] | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
         **kw: Any,
     ) -> None:
         super().__init__(**kw)
@@ -150,8 +121,8 @@ class DeltaReceiver(DaemonReceiver):
         self.last: DeltaStats | None = None
         self._base: _Base | None = None
         self._since_anchor = 0
-        self._delta_seg: SharedSegment | None = None
-        self._delta_region: int | None = None
+        self.chunk_bytes = chunk_bytes
+        self._pieces_of: tuple[CompiledPull, tuple[I64, I64, I64, bool, I64]] | None = None
         self._overlap_for: CompiledPull | None = None
         self._overlap = True
 
@@ -194,16 +165,25 @@ class DeltaReceiver(DaemonReceiver):
             return "the plan has full pulls, whose staged tensors only staging mode keeps"
         if base.layout != self._layout_key(comp):
             return "the plan's destinations moved since the base was installed"
-        if self.verify_engine:
-            block = base.engine.differs(self._engine_bytes(), self.verify_every)
-            if block is not None:
-                at = block * base.engine.block
-                return (
-                    f"the engine's memory differs from v{base.version} as refitd installed "
-                    f"it (digest mismatch in bytes {at}..{at + base.engine.block}): it was "
-                    "written outside a refit"
-                )
         return ""
+
+    def _written(self) -> tuple[str, float]:
+        """With ``verify_engine``: why the engine memory is not the base refits left
+        (``""``: its digest window matches), and the check's seconds. Run in a worker
+        thread while the delta's request is on its way; nothing of the delta is
+        placed before it says ``""`` (:meth:`_delta`)."""
+        t = time.perf_counter()
+        base = self._base
+        assert base is not None
+        block = base.engine.differs(self._engine_bytes(), self.verify_every)
+        if block is None:
+            return "", time.perf_counter() - t
+        at = block * base.engine.block
+        return (
+            f"the engine's memory differs from v{base.version} as refitd installed "
+            f"it (digest mismatch in bytes {at}..{at + base.engine.block}): it was "
+            "written outside a refit"
+        ), time.perf_counter() - t
 
     def _auto_full(self) -> bool:
         """``prefer="auto"`` and the last full pull read this host's shared memory."""
@@ -225,37 +205,19 @@ class DeltaReceiver(DaemonReceiver):
         t0: float,
         on_progress: Callable[[PullProgress], None] | None,
     ) -> RefitStats:
+        leased = time.perf_counter()
         comp, replayed, (t1, t2) = await self._prepare(version)
         reason = self._why_full(version, comp)
-        t_check = time.perf_counter()
-        staged: DeltaStaged | None = None
         if not reason:
-            assert self._base is not None
-            req = DeltaPackRequest(
-                self.model,
-                version,
-                lease_id,
-                self._base.version,
-                self._base.digest,
-                DescriptorTable.pack(comp.rows),
-                comp.packs,
-                nibbles=True,
-            )
+            times = (t0, leased, t1, t2, time.perf_counter())
             try:
-                staged = await self.source.delta_pack(req)
+                return await self._delta(comp, version, lease_id, replayed, times)
+            except _Written as exc:  # found before anything of the delta was placed
+                reason = str(exc)
             except (ConflictError, NotFoundError) as exc:
+                if self._streamed:
+                    raise  # a chunk refused after its head: every unit was put back
                 reason = f"the source refused the delta: {exc}"
-        t3 = time.perf_counter()
-        if staged is not None:
-            times = (t0, t1, t2, t_check, t3)
-            try:
-                return await self._delta(comp, staged, version, lease_id, replayed, times)
-            except _PullRefused as exc:
-                # Nothing of the engine was written: the same refit goes on in full.
-                reason = (
-                    f"the delta's pull was refused ({exc.__cause__}); a host mirror "
-                    "carries whole versions, not a source's staged delta"
-                )
         self._base = None  # until the full refit has landed
         stats = await self._pull_install(
             comp, version, lease_id, replayed, (t0, t1, t2), on_progress
@@ -281,124 +243,115 @@ class DeltaReceiver(DaemonReceiver):
         self.last = DeltaStats(stats, "full", reason, b, b)
         return stats
 
-    async def _delta_landing(self, nbytes: int) -> int:
-        """This receiver's region for staged deltas, of at least ``nbytes`` bytes."""
-        if self._delta_seg is not None and self._delta_seg.size >= nbytes:
-            assert self._delta_region is not None
-            return self._delta_region
-        if self._delta_region is not None and self._delta_seg is not None:
-            await self.local.delete_region(self._delta_region)
-            self._delta_seg.close()
-        self._delta_seg = SharedSegment.create(max(nbytes, 1 << 16), "delta")
-        info = await self.local.attach_region(
-            self._delta_seg.name, self._delta_seg.size, label="delta"
-        )
-        self._delta_region = info.region_id
-        return info.region_id
-
     async def _delta(
         self,
         comp: CompiledPull,
-        staged: DeltaStaged,
         version: int,
         lease_id: str,
         replayed: bool,
         times: tuple[float, float, float, float, float],
     ) -> RefitStats:
-        t0, t1, t2, t_check, t3 = times
-        region = await self._delta_landing(staged.nbytes)
-        row = np.array([[staged.region.region_id, 0, region, 0, staged.nbytes]], dtype=np.int64)
-        src = self.source.base_url if self.source.base_url != self.local.base_url else ""
-        req = PullRequest(self.model, version, lease_id, DescriptorTable.pack(row), [], src)
-        try:
-            pull = await self.local.pull(req)  # a failure here wrote nothing of the engine
-        except RefitError as exc:
-            raise _PullRefused() from exc
-        t4 = time.perf_counter()
-        assert self._delta_seg is not None
-        payload = self._delta_seg.numpy()[: staged.nbytes].copy()
+        """Stream the delta from the base and apply it chunk by chunk as chunks come:
+        chunk k is placed (in a worker thread, the GIL released in the native stages)
+        while chunk k+1 crosses. Anything that fails puts every placed unit back and
+        raises: a stream that broke or a chunk the source failed as
+        :class:`~refitd.client.deltastream.StreamBroken`, naming the chunk. The engine
+        then holds its base, bit for bit, and the next refit may try a delta again."""
+        t0, leased, t1, t2, t_check = times
+        assert self._base is not None and self._engine_region is not None
+        pieces, _scat, _fp, direct, _ends = self._pieces(comp)
+        nbytes = int(pieces[:, 2].sum())
+        req = DeltaStreamRequest(
+            self.model,
+            version,
+            lease_id,
+            self._base.version,
+            self._base.digest,
+            DescriptorTable.pack(comp.rows),
+            comp.packs,
+            nibbles=True,
+            # A plan that scatters or replays full pulls is decoded whole: one chunk.
+            chunk_bytes=self.chunk_bytes if direct else max(nbytes, 1 << 16),
+        )
         undo = UndoLog()
-        assert self._base is not None
         kept = self._base.engine.copy()
         parts = [0.0, 0.0, 0.0]
+        changed = wire = 0
+        clock = [0.0, 0.0, 0.0]  # first chunk came, last chunk came, source's encode
+        loop = asyncio.get_running_loop()
+        placing: asyncio.Future[int] | None = None
+        self._streamed = False
+        # The engine's base check reads its digest window while the request crosses
+        # and the source selects: as strong as before it (every chunk waits for it),
+        # off the critical path.
+        checking = loop.run_in_executor(None, self._written) if self.verify_engine else None
+        check_s = 0.0
         try:
-            changed = self._apply(comp, staged, payload, undo, parts)
+            async with open_stream(self.source, req, nbytes) as (head, chunks):
+                self._streamed = True  # refusals before this one refit in full
+                async for chunk, payload in chunks:
+                    clock[1] = time.perf_counter()
+                    clock[0] = clock[0] or clock[1]
+                    clock[2] += chunk.encode_s
+                    wire += chunk.nbytes
+                    if checking is not None:
+                        check_s = await _checked(checking)
+                        checking = None
+                    if placing is not None:
+                        changed += await placing
+                    enc = Encoded.of(chunk, head)
+                    placing = loop.run_in_executor(
+                        None, self._apply, comp, enc, payload, undo, parts
+                    )
+                if placing is not None:
+                    changed += await placing
+            if checking is not None:  # a stream of no chunks: its base is checked too
+                check_s = await _checked(checking)
             t_post = time.perf_counter()
             if self.after_apply is not None:
                 self.after_apply()
         except BaseException:
             # Every write put back: the engine holds its base, bit for bit, still.
+            if checking is not None:
+                with contextlib.suppress(BaseException):
+                    await checking  # it reads the engine: done before anything moves on
+            if placing is not None and not placing.done():
+                with contextlib.suppress(BaseException):
+                    await placing
             undo.rollback()
             self._base.engine = kept
             raise
         t5 = time.perf_counter()
-        assert self._base is not None
-        self._base = _Base(version, staged.digest, self._base.engine, self._base.layout)
+        self._base = _Base(version, head.digest, self._base.engine, self._base.layout)
         self._since_anchor += 1
+        full = int(comp.rows[:, 4].sum()) + sum(p.nbytes for p in comp.packs)
+        first, last = clock[0] or t_post, clock[1] or t_post  # no chunks: none came
+        n = head.chunks
+        pull = PullProgress("delta-stream", PullState.DONE, wire, wire, n, n, last - first, 0.0)
         stats = RefitStats(
-            version,
-            replayed,
-            staged.nbytes,
-            1,
-            0,
-            0,
-            0,
-            t1 - t0,
-            t2 - t1,
-            t4 - t3,
-            t5 - t4,
-            t5 - t0,
-            pull,
-        )
+            version, replayed, wire, 1, 0, 0, 0, t1 - t0, t2 - t1, last - t_check, t5 - last,
+            t5 - t0, pull,
+        )  # fmt: skip
+        where = dict(zip(WHERE, (leased - t0, t1 - leased, t2 - t1, t_check - t2), strict=False))
+        where.update(first=first - t_check, src_wait=head.wait_s, src_encode=clock[2])
+        where.update(engine_check=check_s)
+        where.update(stream=last - first, tail=t_post - last, post=t5 - t_post)
         self.last = DeltaStats(
-            stats,
-            "delta",
-            "",
-            staged.nbytes,
-            int(comp.rows[:, 4].sum()) + sum(p.nbytes for p in comp.packs),  # full pull
-            changed,
-            staged.unit,
-            t_check - t2,
-            t5 - t4,
-            undo.nbytes,
-            t3 - t_check,
-            parts[0],
-            parts[1],
-            parts[2],
-            t5 - t_post,
-        )
+            stats, "delta", "", wire, full, changed, head.unit, check_s, t5 - first,
+            undo.nbytes, head.wait_s + clock[2], parts[0], parts[1], parts[2], t5 - t_post, where,
+        )  # fmt: skip
         return stats
 
     # ------------------------------------------------------------ applying
 
-    def _apply(
-        self,
-        comp: CompiledPull,
-        staged: DeltaStaged,
-        payload: npt.NDArray[np.uint8],
-        undo: UndoLog,
-        parts: list[float],
-    ) -> int:
-        """Write the staged delta where the full pull would have landed each unit (see
-        the module docstring); every write recorded in ``undo``. Returns units written;
-        adds the seconds of placing, writing and the digest's update to ``parts``."""
-        assert self._engine_region is not None and self._base is not None
-        t0 = time.perf_counter()
-        unit = staged.unit
-        udt = unit_dtype(unit)
-        bits = staged.diff_bits
-        if bits not in (4, 8):
-            raise ConflictError(f"delta refused: {bits}-bit differences are not a format")
-        lay = layout(staged.pages, staged.changed, staged.exceptions, unit, bits)
-        counts = payload[lay.counts : lay.counts + staged.pages]
-        low = payload[lay.low : lay.low + staged.changed]
-        diff = payload[lay.diff : lay.exceptions].view(np.int8)  # bits == 4: two a byte
-        exceptions = payload[lay.exceptions : lay.exceptions + unit * staged.exceptions].view(udt)
-        if int(counts.sum()) != staged.changed:
-            raise ConflictError(
-                f"delta of v{staged.base_version}+1 refused: its page counts sum to "
-                f"{int(counts.sum())}, not the {staged.changed} positions it carries"
-            )
+    def _pieces(self, comp: CompiledPull) -> tuple[I64, I64, I64, bool, I64]:
+        """The plan's stream as landing pieces ``(region, offset, bytes)``, each
+        piece's scattered block and full pull (-1: none), whether every piece lands
+        whole in the engine (:meth:`_direct`), and the pieces' cumulative bytes;
+        once per compiled plan."""
+        if self._pieces_of is not None and self._pieces_of[0] is comp:
+            return self._pieces_of[1]
+        assert self._engine_region is not None
         pieces = np.concatenate(
             [
                 comp.rows[:, 2:5],
@@ -407,22 +360,59 @@ class DeltaReceiver(DaemonReceiver):
                 ).reshape(-1, 3),
             ]
         )
-        if int(pieces[:, 2].sum()) // unit != staged.stream_units:
-            raise ConflictError(
-                f"delta refused: the source staged it for a stream of {staged.stream_units} "
-                f"units, this plan's is {int(pieces[:, 2].sum()) // unit}"
-            )
         engine_id = self._engine_region.region_id
         scratch_id = self._scratch_region.region_id if self._scratch_region is not None else -2
         limit = self._engine_region.nbytes if self.mode == "staging" else 0
         scat_of, fp_of = areas_of(comp, pieces, scratch_id)
-        if self._direct(comp, pieces, scat_of, fp_of, engine_id, scratch_id, limit):
-            return self._apply_direct(pieces, counts, low, diff, exceptions, undo, parts, t0, bits)
+        direct = self._direct(comp, pieces, scat_of, fp_of, engine_id, scratch_id, limit)
+        self._pieces_of = (comp, (pieces, scat_of, fp_of, direct, np.cumsum(pieces[:, 2])))
+        return self._pieces_of[1]
+
+    def _apply(
+        self,
+        comp: CompiledPull,
+        enc: Encoded,
+        payload: npt.NDArray[np.uint8],
+        undo: UndoLog,
+        parts: list[float],
+    ) -> int:
+        """Write a chunk of the delta (units ``enc.first`` on of the plan's stream)
+        where the full pull would have landed each unit (see the module docstring);
+        every write recorded in ``undo``. Returns units written; adds the seconds of
+        placing, writing and the digest's update to ``parts``."""
+        assert self._engine_region is not None and self._base is not None
+        t0 = time.perf_counter()
+        unit = enc.unit
+        udt = unit_dtype(unit)
+        bits = enc.diff_bits
+        what = f"delta of v{enc.base_version}+ refused: chunk {enc.index}"
+        if bits not in (4, 8):
+            raise ConflictError(f"{what}: {bits}-bit differences are not a format")
+        lay = layout(enc.pages, enc.changed, enc.exceptions, unit, bits)
+        if len(payload) < lay.exceptions + unit * enc.exceptions:
+            raise ConflictError(f"{what}: {len(payload)} bytes do not hold what it says")
+        counts = payload[lay.counts : lay.counts + enc.pages]
+        low = payload[lay.low : lay.low + enc.changed]
+        diff = payload[lay.diff : lay.exceptions].view(np.int8)  # bits == 4: two a byte
+        exceptions = payload[lay.exceptions : lay.exceptions + unit * enc.exceptions].view(udt)
+        if int(counts.sum()) != enc.changed:
+            raise ConflictError(
+                f"{what}: its page counts sum to {int(counts.sum())}, not the "
+                f"{enc.changed} positions it carries"
+            )
+        pieces, scat_of, fp_of, direct, ends = self._pieces(comp)
+        part = cut(pieces, enc.first * unit, (enc.first + enc.units) * unit, ends)
+        if direct:
+            return self._apply_direct(part, counts, low, diff, exceptions, undo, parts, t0, bits)
+        if (enc.first, enc.units) != (0, int(pieces[:, 2].sum()) // unit):
+            raise ConflictError(f"{what}: a plan that scatters is applied in one chunk")
+        engine_id = self._engine_region.region_id
+        scratch_id = self._scratch_region.region_id if self._scratch_region is not None else -2
+        limit = self._engine_region.nbytes if self.mode == "staging" else 0
         k = decode(counts, low)
-        if bits == 4:
-            diff = unpack_nibbles(diff.view(np.uint8), staged.changed)
-        else:
-            diff = diff[: staged.changed]
+        diff = (
+            unpack_nibbles(diff.view(np.uint8), enc.changed) if bits == 4 else diff[: enc.changed]
+        )
         piece, region, off = landing(pieces, k, unit)
         # Where each unit lands in the engine's memory (-1: in a scratch area).
         eng = np.where((region == engine_id) | ((region == scratch_id) & (off < limit)), off, -1)
@@ -504,26 +494,23 @@ class DeltaReceiver(DaemonReceiver):
     ) -> int:
         """:meth:`_apply` where every piece lands whole in the engine (:meth:`_direct`):
         each unit's engine index is its piece's origin plus its stream index. Decoded,
-        placed, written and digested natively, one pass each over the changes
-        (:mod:`refitd.delta.native`; the general path below is its reference)."""
+        written and digested natively in one pass over the changes, each unit's cache
+        line read and written once (:func:`refitd.delta.native.place_write`; the
+        general path above, and ``place``, ``scatter`` and ``digest_update``, are its
+        reference). Its seconds count as placing."""
         unit = exceptions.dtype.itemsize
         assert self._base is not None
         engine = self._engine_bytes()
+        digest = self._base.engine
         try:
-            idx, old, values = native.place(
-                counts, low, diff, exceptions, pieces, engine, unit, bits
-            )
+            idx, old = native.place_write(
+                counts, low, diff, exceptions, pieces, engine, unit, bits, digest.lanes,
+                digest.block,
+            )  # fmt: skip
         except ValueError as err:
             raise ConflictError(f"delta of v{self._base.version}+1 refused: {err}") from None
-        t1 = time.perf_counter()
         undo.record(engine.view(unit_dtype(unit)), idx, old)
-        native.scatter(engine, idx, values)
-        t2 = time.perf_counter()
-        self._base.engine.update_units(idx, old, values)
-        t3 = time.perf_counter()
-        parts[0] += t1 - t0
-        parts[1] += t2 - t1
-        parts[2] += t3 - t2
+        parts[0] += time.perf_counter() - t0
         return len(idx)
 
     def _overlapping(
@@ -583,13 +570,16 @@ class DeltaReceiver(DaemonReceiver):
         for lo, view, before in spans:
             self._base.engine.rewrite(lo, before, view)
 
-    async def close(self) -> None:
-        """Delete the delta region too (see :meth:`DaemonReceiver.close`)."""
-        if self._delta_region is not None:
-            with contextlib.suppress(RefitError):
-                await self.local.delete_region(self._delta_region)
-        if self._delta_seg is not None:
-            self._delta_seg.unlink()
-            self._delta_seg.close()
-        self._delta_seg = self._delta_region = None
-        await super().close()
+
+class _Written(Exception):
+    """The engine's base check found memory written outside a refit (its message):
+    nothing of the delta was placed, and the refit goes on in full."""
+
+
+async def _checked(checking: asyncio.Future[tuple[str, float]]) -> float:
+    """The base check's seconds, once it found the engine as refits left it; else
+    :class:`_Written`."""
+    why, secs = await checking
+    if why:
+        raise _Written(why)
+    return secs

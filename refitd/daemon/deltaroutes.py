@@ -3,15 +3,17 @@ and the staging of a planned pull's changed units under its lease."""
 
 from __future__ import annotations
 
+import msgspec
 from aiohttp import web
 
 from refitd.daemon.auth import principal_of
 from refitd.daemon.deltas import DeltaBook
+from refitd.daemon.deltastream import stream
 from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
 from refitd.daemon.node import Daemon
 from refitd.daemon.plancheck import check_runs
 from refitd.daemon.waits import MAX_WAIT_S, WAITS, long_poll
-from refitd.wire import DeltaPackRequest
+from refitd.wire import MSGPACK, DeltaPackRequest, DeltaStreamRequest
 from refitd.wire import routes as api
 
 __all__ = ["DELTAS", "routes", "setup_deltas"]
@@ -49,6 +51,35 @@ async def delta_pack(request: web.Request) -> web.Response:
     d.store.admit(who, 1)  # at its cap already: refused before any work
     caller = principal_of(request).name
     return reply(request, await request.app[DELTAS].pack(req, lease, who, caller), 201)
+
+
+@routes.handles(api.DELTA_STREAM)
+async def delta_stream(request: web.Request) -> web.StreamResponse:
+    """A planned pull's changed units under its lease, as ``delta_pack`` selects them,
+    streamed chunk by chunk as they are encoded, not staged (docs/delta.md). Every
+    refusal comes before the head; a chunk that fails ends the stream with a frame
+    saying why."""
+    d = request.app[DAEMON]
+    req = await body(request, DeltaStreamRequest)
+    what = f"delta stream of {req.model!r} v{req.version}"
+    check_runs(len(req.descriptors), req.pack_specs, d.config.limits.max_plan_runs, what)
+    lease = d.registry.check(req.lease_id, req.model, req.version)
+    caller = principal_of(request).name
+    head, chunks = await stream(request.app[DELTAS], req, lease, caller)
+    resp = web.StreamResponse(headers={"Content-Type": MSGPACK})
+    await resp.prepare(request)
+    await resp.write(_frame(head))
+    async for chunk, payload in chunks:
+        # While this chunk crosses, the next one is encoded in the pool.
+        await resp.write(_frame(chunk))
+        await resp.write(payload.data)
+    await resp.write_eof()
+    return resp
+
+
+def _frame(value: msgspec.Struct) -> bytes:
+    data = msgspec.msgpack.encode(value)
+    return len(data).to_bytes(4, "big") + data
 
 
 def setup_deltas(app: web.Application, daemon: Daemon) -> DeltaBook:

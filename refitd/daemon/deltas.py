@@ -74,7 +74,6 @@ from refitd.wire import (
     DeltaPackRequest,
     DeltaStaged,
     DeltaState,
-    PackSpec,
     VersionState,
 )
 from transports.local import copy_batch_guarded
@@ -318,7 +317,7 @@ class DeltaBook:
             why = "no earlier version held to compare with"
             twins: tuple[I64, I64] | str | None = None
             if base is not None:
-                twins = await self._in_pool(pair_with, table, await base.table)
+                twins = await self.in_pool(pair_with, table, await base.table)
                 why = (
                     f"v{base.version} is laid out otherwise ({twins})"
                     if isinstance(twins, str)
@@ -359,7 +358,8 @@ class DeltaBook:
                 rec.seconds,
             )
 
-    async def _in_pool(self, fn: Callable[..., _T], *args: Any) -> _T:
+    async def in_pool(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` in the comparison's thread pool."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _compare(self, rec: _Record, table: Table, twins: tuple[I64, I64], base: int) -> None:
@@ -405,10 +405,10 @@ class DeltaBook:
         sizes = {r: len(v) for r, v in views.items()}
         address = {r: address_of(v) for r, v in views.items()}
         what = "comparison refused"
-        await self._in_pool(check_bounds, table, sizes, what)
+        await self.in_pool(check_bounds, table, sizes, what)
         if twins is not None:
-            await self._in_pool(check_twins, table, twins, sizes, what)
-        jobs = await self._in_pool(jobs_of, table)
+            await self.in_pool(check_twins, table, twins, sizes, what)
+        jobs = await self.in_pool(jobs_of, table)
         out = _Run(
             np.zeros((len(table.keys), 16), np.uint8), np.zeros((len(table.keys), 16), np.uint8)
         )
@@ -460,7 +460,7 @@ class DeltaBook:
         out.digest_new = digest(table, out.hash_new)
         out.digest_old = digest(table, out.hash_old) if twins is not None else ""
         if kept:
-            out.index, out.values = await self._in_pool(assemble, kept)
+            out.index, out.values = await self.in_pool(assemble, kept)
         return out
 
     def held_bytes(self) -> int:
@@ -503,6 +503,42 @@ class DeltaBook:
         the version against exactly the base ``req`` states (409); a read outside the
         version's shards (403); a stream longer than :data:`STREAM_FACTOR` times the
         version (413)."""
+        t0 = time.perf_counter()
+        rec, index, values, reads = await self.selection(req, caller)
+        t1 = time.perf_counter()
+        payload, staged = await asyncio.get_running_loop().run_in_executor(
+            self._pool, payload_of, rec.unit, index, values, reads, req.nibbles
+        )
+        t2 = time.perf_counter()
+        # The lease may have ended while this waited: nothing is staged for no lease.
+        self.daemon.registry.check(lease.lease_id, req.model, req.version)
+        # Admitted to the principal's caps and counted before its next request is.
+        region = await self.daemon.staging.stage(payload, lease, principal)
+        t3 = time.perf_counter()
+        pages, changed, exceptions, units, bits = staged
+        return DeltaStaged(
+            region,
+            len(payload),
+            pages,
+            changed,
+            exceptions,
+            rec.unit,
+            units,
+            rec.base,
+            rec.digest,
+            bits,
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+        )
+
+    async def selection(
+        self, req: DeltaPackRequest, caller: str
+    ) -> tuple[_Record, ChangeIndex, U8, I64]:
+        """(:meth:`pack`'s, and a streamed delta's: :mod:`refitd.daemon.deltastream`.)
+        The record of ``req``'s version, its changes from the base ``req`` states
+        (composed along a chain where that base is older) and the plan's stream as
+        reads, every check of :meth:`pack` passed."""
         what = f"delta of {req.model!r} v{req.version}"
         rec = self._records.get((req.model, req.version))
         if rec is None:
@@ -543,27 +579,14 @@ class DeltaBook:
                 "each byte of its version about once"
             )
         if len(chain) > 1:  # v -> v+k: the records' changes composed, oldest first
-            index, values = await self._in_pool(composed, chain, rec.unit)
-        payload, staged = await asyncio.get_running_loop().run_in_executor(
-            self._pool, _payload, rec.unit, index, values, rows, req.pack_specs, req.nibbles
-        )
-        # The lease may have ended while this waited: nothing is staged for no lease.
-        self.daemon.registry.check(lease.lease_id, req.model, req.version)
-        # Admitted to the principal's caps and counted before its next request is.
-        region = await self.daemon.staging.stage(payload, lease, principal)
-        pages, changed, exceptions, units, bits = staged
-        return DeltaStaged(
-            region,
-            len(payload),
-            pages,
-            changed,
-            exceptions,
-            rec.unit,
-            units,
-            rec.base,
-            rec.digest,
-            bits,
-        )
+            index, values = await self.in_pool(composed, chain, rec.unit)
+        reads = await self.in_pool(reads_of, rows, req.pack_specs)
+        if len(reads) and ((reads[:, 1] % rec.unit).any() or (reads[:, 2] % rec.unit).any()):
+            raise ProtocolError(
+                f"{what} refused: a read of the plan does not start and end on a "
+                f"{rec.unit}-byte unit"
+            )
+        return rec, index, values, reads
 
 
 def _quarter_of_memory() -> int:
@@ -571,14 +594,14 @@ def _quarter_of_memory() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
 
 
-def _payload(
-    unit: int, index: ChangeIndex, values: U8, rows: I64, specs: list[PackSpec], nibbles: bool
+def payload_of(
+    unit: int, index: ChangeIndex, values: U8, reads: I64, nibbles: bool
 ) -> tuple[U8, tuple[int, ...]]:
-    """The staged delta of the stream ``rows`` + ``specs``, given a version's changed
+    """The staged delta of the stream ``reads`` (:func:`reads_of`), given a version's changed
     units (``index``, ``values``): its bytes and (pages, changed, exceptions, stream
     units, bits of a difference), selected and encoded natively in one pass over the changes
     (:func:`refitd.delta.native.stage`; its reference: ``staged_reference``)."""
     try:
-        return native.stage(index, values, reads_of(rows, specs), unit, nibbles)
+        return native.stage(index, values, reads, unit, nibbles)
     except ValueError as err:
         raise ProtocolError(f"delta refused: {err}") from err

@@ -29,7 +29,16 @@ import numpy.typing as npt
 from refitd.delta.diff import LANES, unit_dtype
 from refitd.delta.stream import PAGE, ChangeIndex, layout, read_spans
 
-__all__ = ["compare", "digest_update", "lanes", "place", "scatter", "stage", "stream_units"]
+__all__ = [
+    "compare",
+    "digest_update",
+    "lanes",
+    "place",
+    "place_write",
+    "scatter",
+    "stage",
+    "stream_units",
+]
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -128,17 +137,19 @@ def stage(
             )
         )  # fmt: skip
 
-    bits = 8
-    exc = encode(bits)
     # 4-bit differences save half a byte a change and cost a whole unit for each one
-    # beyond +-7 that 8 bits carried: chosen when that is fewer bytes.
+    # beyond +-7 that 8 bits carried: chosen when that is fewer bytes. Encoded 4-bit
+    # first where the receiver takes them (``mid`` counts what 8 bits would carry
+    # unescaped), so the usual case is one pass over the changes, not two.
+    bits = 4 if nibbles else 8
+    exc = encode(bits)
     if (
         exc >= 0
-        and nibbles
-        and layout(pages, changed, exc + mid.value, unit, 4).nbytes
-        < layout(pages, changed, exc, unit, 8).nbytes
+        and bits == 4
+        and layout(pages, changed, exc, unit, 4).nbytes
+        >= layout(pages, changed, exc - mid.value, unit, 8).nbytes
     ):
-        bits = 4
+        bits = 8
         exc = encode(bits)
     if exc < 0:
         raise ValueError("a change lies past the end of the plan's stream")
@@ -168,6 +179,38 @@ _PLACE_ERRORS = {
 }
 
 
+def _place_args(
+    counts: U8,
+    low: U8,
+    diff: npt.NDArray[np.int8],
+    exceptions: npt.NDArray[np.unsignedinteger],
+    pieces: I64,
+    unit: int,
+    diff_bits: int,
+) -> list[Any]:
+    """The arrays :func:`place` and :func:`place_write` hand the kernel, contiguous,
+    after checking the differences hold the changes."""
+    changed = len(low)
+    if len(diff) * 8 < changed * diff_bits:
+        raise ValueError(f"its differences hold fewer than the {changed} it carries")
+    units = pieces[:, 2] // unit
+    ends = np.ascontiguousarray(np.cumsum(units), dtype=np.int64)
+    origin = np.ascontiguousarray(pieces[:, 1] // unit - (ends - units), dtype=np.int64)
+    return [
+        np.ascontiguousarray(counts),
+        np.ascontiguousarray(low),
+        np.ascontiguousarray(diff),
+        np.ascontiguousarray(exceptions),
+        ends,
+        origin,
+    ]
+
+
+def _placed(got: int, changed: int, exceptions: int) -> None:
+    if got < 0:
+        raise ValueError(_PLACE_ERRORS[got].format(changed=changed, exceptions=exceptions))
+
+
 def place(
     counts: U8,
     low: U8,
@@ -184,45 +227,58 @@ def place(
     written. ``diff``: the difference bytes (``diff_bits`` 4: two a byte, see
     :func:`refitd.delta.stream.pack_nibbles`). ``ValueError`` (saying what) for a
     payload that does not fit the plan."""
+    # Each held by a name across the call: the kernel reads their addresses.
+    c, lo, d, exc, ends, origin = _place_args(
+        counts, low, diff, exceptions, pieces, unit, diff_bits
+    )
     changed = len(low)
-    if len(diff) * 8 < changed * diff_bits:
-        raise ValueError(f"its differences hold fewer than the {changed} it carries")
     udt = unit_dtype(unit)
-    units = pieces[:, 2] // unit
-    ends = np.ascontiguousarray(np.cumsum(units), dtype=np.int64)
-    origin = np.ascontiguousarray(pieces[:, 1] // unit - (ends - units), dtype=np.int64)
     idx = np.empty(changed, np.int64)
     old = np.empty(changed, udt)
     new = np.empty(changed, udt)
-    # Each held by a name across the call: the kernel reads their addresses.
-    exceptions = np.ascontiguousarray(exceptions)
-    counts, low = np.ascontiguousarray(counts), np.ascontiguousarray(low)
-    diff = np.ascontiguousarray(diff)
-    got = int(
-        _lib().rfx_place(
-            len(counts),
-            _at(counts),
-            _at(low),
-            changed,
-            _at(diff),
-            _at(exceptions),
-            len(exceptions),
-            len(pieces),
-            _at(ends),
-            _at(origin),
-            unit,
-            _at(engine),
-            len(engine) // unit,
-            _at(idx),
-            _at(old),
-            _at(new),
-            diff_bits,
-        )
-    )
-    if got < 0:
-        why = _PLACE_ERRORS[got].format(changed=changed, exceptions=len(exceptions))
-        raise ValueError(why)
+    got = _lib().rfx_place(
+        len(c), _at(c), _at(lo), changed, _at(d), _at(exc), len(exc), len(pieces),
+        _at(ends), _at(origin), unit, _at(engine), len(engine) // unit,
+        _at(idx), _at(old), _at(new), diff_bits,
+    )  # fmt: skip
+    _placed(int(got), changed, len(exc))
     return idx, old, new
+
+
+def place_write(
+    counts: U8,
+    low: U8,
+    diff: npt.NDArray[np.int8],
+    exceptions: npt.NDArray[np.unsignedinteger],
+    pieces: I64,
+    engine: U8,
+    unit: int,
+    diff_bits: int,
+    lanes_: U64,
+    block: int,
+) -> tuple[I64, npt.NDArray[np.unsignedinteger]]:
+    """:func:`place`, :func:`scatter` and :func:`digest_update` in one pass over the
+    changes (and so over the engine memory): each change decoded, the unit it finds
+    kept, the new unit written into ``engine`` and the digest's per-block lanes
+    ``lanes_`` (blocks of ``block`` bytes) updated. Returns each change's engine unit
+    index and the unit it found: the undo record. ``ValueError`` (saying what) for a
+    payload that does not fit the plan, with nothing written: every unit written
+    before the fault was found is put back, and every lane."""
+    c, lo, d, exc, ends, origin = _place_args(
+        counts, low, diff, exceptions, pieces, unit, diff_bits
+    )
+    changed = len(low)
+    idx = np.empty(changed, np.int64)
+    old = np.empty(changed, unit_dtype(unit))
+    if not (lanes_.flags.c_contiguous and lanes_.dtype == np.uint64):
+        raise ValueError("place refused: the digest's lanes are not contiguous uint64")
+    got = _lib().rfx_place_write(
+        len(c), _at(c), _at(lo), changed, _at(d), _at(exc), len(exc), len(pieces),
+        _at(ends), _at(origin), unit, _at(engine), len(engine) // unit,
+        _at(idx), _at(old), diff_bits, _at(lanes_), block.bit_length() - 1, len(lanes_),
+    )  # fmt: skip
+    _placed(int(got), changed, len(exc))
+    return idx, old
 
 
 def scatter(engine: U8, idx: I64, new: npt.NDArray[np.unsignedinteger]) -> None:

@@ -36,13 +36,16 @@ from refitd.delta.diff import unit_dtype
 
 __all__ = [
     "ESCAPE",
+    "MAX_CHUNKS",
     "PAGE",
     "ChangeIndex",
     "Layout",
     "Strided",
     "areas_of",
     "changed_pairs",
+    "chunking",
     "compose",
+    "cut",
     "decode",
     "decode_values",
     "encode",
@@ -107,6 +110,38 @@ def reads_of(rows: npt.NDArray[np.int64], specs: Sequence[Strided]) -> I64:
         part[:, 0], part[:, 1], part[:, 2] = p.src_region, starts, run
         parts.append(part)
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+MAX_CHUNKS = 1024
+"""The most chunks a streamed delta is cut into (:func:`chunking`)."""
+
+
+def chunking(units: int, chunk_bytes: int, unit: int) -> tuple[int, int]:
+    """How a stream of ``units`` units of ``unit`` bytes is cut for a streamed delta
+    asked in chunks of ``chunk_bytes``: ``(units per chunk, chunks)``, the chunks
+    made larger where there would be more than :data:`MAX_CHUNKS` (each costs the
+    source a search of the plan's reads). Source and engine both cut by this."""
+    per = max(chunk_bytes // unit, -(-units // MAX_CHUNKS), 1)
+    return per, -(-units // per)
+
+
+def cut(spans: I64, lo: int, hi: int, ends: I64 | None = None) -> I64:
+    """The part of a stream from its byte ``lo`` to ``hi`` as spans: ``spans`` is the
+    stream, ``(m, 3)`` int64 rows of ``(region, offset, bytes)`` in stream order (a
+    source's reads, or an engine's landing pieces), each trimmed to the part and
+    those of no bytes there left out. The source cuts its reads and the engine its
+    pieces with this one function, so a chunk of a streamed delta names the same
+    stream units on both sides."""
+    ends = np.cumsum(spans[:, 2])
+    starts = ends - spans[:, 2]
+    i = int(np.searchsorted(ends, lo, side="right"))
+    j = int(np.searchsorted(starts, hi, side="left"))
+    part = np.array(spans[i:j], dtype=np.int64).reshape(-1, 3)
+    head = np.maximum(lo - starts[i:j], 0)
+    tail = np.maximum(ends[i:j] - hi, 0)
+    part[:, 1] += head
+    part[:, 2] -= head + tail
+    return part[part[:, 2] > 0]
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,16 @@ Units: every ``*_offset``, ``nbytes`` and ``byte_offset`` is in **bytes**; every
 
 from __future__ import annotations
 
-from refitd.wire.deltas import DeltaInfo, DeltaPackRequest, DeltaStaged, DeltaState
+from refitd.wire.deltas import (
+    CHUNK_BYTES,
+    DeltaChunk,
+    DeltaInfo,
+    DeltaPackRequest,
+    DeltaStaged,
+    DeltaState,
+    DeltaStreamHead,
+    DeltaStreamRequest,
+)
 from refitd.wire.fields import (
     API_PREFIX,
     MAX_MANIFEST_TENSORS,
@@ -101,6 +110,7 @@ from refitd.wire.versions import (
 
 __all__ = [
     "API_PREFIX",
+    "CHUNK_BYTES",
     "DTYPE_SIZES",
     "ERROR_OF_STATUS",
     "MAX_LEASE_TTL_S",
@@ -112,10 +122,13 @@ __all__ = [
     "STATUS_OF",
     "ClusterVersion",
     "DaemonRecord",
+    "DeltaChunk",
     "DeltaInfo",
     "DeltaPackRequest",
     "DeltaStaged",
     "DeltaState",
+    "DeltaStreamHead",
+    "DeltaStreamRequest",
     "DescriptorTable",
     "EnsureRequest",
     "EnsureResult",

@@ -16,7 +16,16 @@ from refitd.wire.fields import Int64, Name, NonNeg
 from refitd.wire.pulls import DescriptorTable, PackSpec
 from refitd.wire.regions import RegionInfo
 
-__all__ = ["DeltaInfo", "DeltaPackRequest", "DeltaStaged", "DeltaState"]
+__all__ = [
+    "CHUNK_BYTES",
+    "DeltaChunk",
+    "DeltaInfo",
+    "DeltaPackRequest",
+    "DeltaStaged",
+    "DeltaState",
+    "DeltaStreamHead",
+    "DeltaStreamRequest",
+]
 
 Digest = Annotated[str, msgspec.Meta(max_length=64)]
 
@@ -73,7 +82,9 @@ class DeltaStaged(msgspec.Struct, frozen=True):
     (``diff_bits`` each: 8, or 4 when the request accepted ``nibbles``), then
     ``exceptions`` whole units of ``unit`` bytes (``refitd.delta.stream.layout``);
     ``stream_units`` the units of the full pull's stream; ``digest`` the version's
-    content digest."""
+    content digest. The source's seconds for it: ``wait_s`` waiting for the
+    version's comparison, ``encode_s`` selecting and encoding the changes (composing
+    a chain's first), ``copy_s`` taking the staging region and copying them in."""
 
     region: RegionInfo
     nbytes: int
@@ -85,3 +96,55 @@ class DeltaStaged(msgspec.Struct, frozen=True):
     base_version: int
     digest: str
     diff_bits: int = 8
+    wait_s: float = 0.0
+    encode_s: float = 0.0
+    copy_s: float = 0.0
+
+
+CHUNK_BYTES = 16 << 20
+"""Stream bytes per chunk of a streamed delta, by default (``DeltaStreamRequest``)."""
+
+
+class DeltaStreamRequest(DeltaPackRequest, frozen=True, forbid_unknown_fields=True):
+    """:class:`DeltaPackRequest`, answered as a stream (``POST /v1/deltas/stream``):
+    the plan's stream is cut into chunks of ``chunk_bytes`` stream bytes (the last
+    shorter; larger where there would be more than 1,024 chunks), and each chunk's changed units are encoded on their own and sent as
+    soon as they are, while the next chunk is encoded. Nothing is staged."""
+
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=1 << 12, le=1 << 40)] = CHUNK_BYTES
+
+
+class DeltaStreamHead(msgspec.Struct, frozen=True):
+    """The first frame of a streamed delta: ``chunks`` chunks of ``chunk_units``
+    units of ``unit`` bytes (the last one shorter) follow, of a stream of
+    ``stream_units``; the delta leads from ``base_version`` to the version whose
+    content digest is ``digest``. ``wait_s``: the source's wait for its comparison.
+
+    Every frame is a 4-byte big-endian length and that much msgpack; a chunk's
+    frame (:class:`DeltaChunk`) is followed by its ``nbytes`` payload bytes."""
+
+    unit: int
+    stream_units: int
+    chunks: int
+    chunk_units: int
+    base_version: int
+    digest: str
+    wait_s: float = 0.0
+
+
+class DeltaChunk(msgspec.Struct, frozen=True):
+    """Chunk ``index`` of a streamed delta: the changed units of stream units
+    ``[index * chunk_units, ...)``, encoded as a staged delta of that part of the
+    stream alone (:class:`DeltaStaged`'s layout: ``pages``, ``changed``,
+    ``exceptions``, ``diff_bits``) in the ``nbytes`` bytes after the frame.
+    ``error``: the source failed this chunk (then no payload follows, and no
+    chunk after it). ``encode_s``: the source's seconds encoding it."""
+
+    index: int
+    nbytes: int = 0
+    pages: int = 0
+    changed: int = 0
+    exceptions: int = 0
+    diff_bits: int = 8
+    encode_s: float = 0.0
+    error: str = ""

@@ -21,7 +21,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
-from refitd.wire.deltas import DeltaInfo, DeltaPackRequest, DeltaStaged
+from refitd.wire.deltas import (
+    DeltaInfo,
+    DeltaPackRequest,
+    DeltaStaged,
+    DeltaStreamHead,
+    DeltaStreamRequest,
+)
 from refitd.wire.fields import API_PREFIX, MSGPACK
 from refitd.wire.leases import LeaseGrant, LeaseRequest
 from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorFeed, MirrorLease, MirrorState
@@ -250,6 +256,19 @@ DELTA_PACK = _r(
     201,
     _BOTH,
     tag="deltas",
+)
+DELTA_STREAM = _r(
+    "POST",
+    "/deltas/stream",
+    DeltaStreamHead,
+    "The changed units of a planned pull against a checked base, streamed chunk by "
+    "chunk as they are encoded: length-prefixed msgpack frames, each chunk's payload "
+    "after its frame",
+    DeltaStreamRequest,
+    200,
+    _BOTH,
+    tag="deltas",
+    response_media=MSGPACK,
 )
 
 # ---------------------------------------------------------------- daemon to daemon

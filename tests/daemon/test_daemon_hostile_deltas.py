@@ -28,7 +28,14 @@ from support.daemons import Served, daemon_config, served, token_file
 from refitd.client.http import RefitClient
 from refitd.config import LimitsConfig, ServerConfig
 from refitd.daemon.node import Daemon
-from refitd.wire import DeltaPackRequest, DescriptorTable, ManifestIn, ShardEntry, TensorEntry
+from refitd.wire import (
+    DeltaPackRequest,
+    DeltaStreamRequest,
+    DescriptorTable,
+    ManifestIn,
+    ShardEntry,
+    TensorEntry,
+)
 from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,18 +124,27 @@ def table(*rows: tuple[int, int, int, int, int]) -> DescriptorTable:
     return DescriptorTable(np.array(rows, dtype="<i8").reshape(-1, 5).tobytes())
 
 
-async def pack_raw(t: Tenants, token: str, req: DeltaPackRequest) -> tuple[int, Any]:
-    """``POST /v1/deltas/pack`` as ``token``: the status and the decoded answer."""
+async def pack_raw(
+    t: Tenants, token: str, req: DeltaPackRequest, route: str = "pack"
+) -> tuple[int, Any]:
+    """``POST /v1/deltas/{route}`` as ``token`` (``stream``: the same request,
+    streamed): the status and the decoded answer."""
     import msgspec
 
+    if route == "stream":
+        req = DeltaStreamRequest(**msgspec.structs.asdict(req))
     headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/msgpack"}
     async with (
         aiohttp.ClientSession() as http,
         http.post(
-            t.url + "/v1/deltas/pack", data=msgspec.msgpack.encode(req), headers=headers
+            f"{t.url}/v1/deltas/{route}", data=msgspec.msgpack.encode(req), headers=headers
         ) as r,
     ):
         return r.status, await r.json(content_type=None)
+
+
+#: a delta is selected under the same checks whether it is staged or streamed
+ROUTES = pytest.mark.parametrize("route", ["pack", "stream"])
 
 
 def refused(status: int, res: Any, status_is: int, *named: str) -> None:
@@ -170,8 +186,9 @@ async def test_the_whole_delta_of_a_version_is_staged_for_a_readers_lease(
         assert list(staged_for(t, lease)) == [staged.region.region_id]
 
 
+@ROUTES
 async def test_a_delta_whose_changes_were_dropped_at_retirement_is_refused_not_staged_empty(
-    tmp_path: Path,
+    tmp_path: Path, route: str
 ) -> None:
     """A newer version retires v2 and the daemon drops v2's changed units; a lease on
     v2 taken before still lives. Staging "no changes" for it would tell the engine that
@@ -183,14 +200,17 @@ async def test_a_delta_whose_changes_were_dropped_at_retirement_is_refused_not_s
         t.segs[0].numpy(np.uint16)[:ELEMS] += 3
         await t.a.publish(manifest(3, t.regions[0]))
         assert (await t.a.version("am", 2)).state == "retired"
-        status, res = await pack_raw(t, TOKENS["b"], req)
+        status, res = await pack_raw(t, TOKENS["b"], req, route)
         refused(status, res, 409, "v2", "retired")
         assert staged_for(t, lease) == {}
         info = await t.b.delta_info("am", 2)
         assert info.state == "none" and "retired" in info.reason, info
 
 
-async def test_a_delta_pack_reads_only_the_bytes_of_its_leases_version(tmp_path: Path) -> None:
+@ROUTES
+async def test_a_delta_pack_reads_only_the_bytes_of_its_leases_version(
+    tmp_path: Path, route: str
+) -> None:
     """A read past the version's shards (in one of its regions) or past any region's
     end is refused, 403, before anything is selected or staged: a delta is served
     under the lease's scope, as every read is."""
@@ -202,12 +222,15 @@ async def test_a_delta_pack_reads_only_the_bytes_of_its_leases_version(tmp_path:
             (r2, -2, 0, 0, 2),  # before its start
         ):
             lease, req = await b_lease_and_request(t, descriptors=table(row))
-            status, res = await pack_raw(t, TOKENS["b"], req)
+            status, res = await pack_raw(t, TOKENS["b"], req, route)
             refused(status, res, 403, "descriptor 0", f"region {r2}")
             assert staged_for(t, lease) == {}
 
 
-async def test_a_delta_packs_stream_is_bounded_by_the_version_it_reads(tmp_path: Path) -> None:
+@ROUTES
+async def test_a_delta_packs_stream_is_bounded_by_the_version_it_reads(
+    tmp_path: Path, route: str
+) -> None:
     """A plan that reads the same changed bytes over and over would make the daemon
     select and stage each change again per read: memory without bound for one
     request. A stream longer than a few times the version's bytes is refused, 413."""
@@ -215,7 +238,7 @@ async def test_a_delta_packs_stream_is_bounded_by_the_version_it_reads(tmp_path:
         r2 = t.regions[1]
         rows = [(r2, 0, 0, 0, NBYTES)] * 20_000
         lease, req = await b_lease_and_request(t, descriptors=table(*rows))
-        status, res = await pack_raw(t, TOKENS["b"], req)
+        status, res = await pack_raw(t, TOKENS["b"], req, route)
         refused(status, res, 413, "stream", f"{20_000 * NBYTES} bytes")
         assert staged_for(t, lease) == {}
 

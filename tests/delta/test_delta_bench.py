@@ -26,6 +26,9 @@ def test_bench_delta_refits_every_version_both_ways_and_verifies_them_equal() ->
     assert 0 < changed < 1 and 0 < wire < 1, keys
     parts = dict(kv.split("=") for kv in out[-3].split())
     assert {"delta_s", "full_s", "stage_s", "pull_s", "digest_s"} <= parts.keys(), out[-3]
+    # Where the deltas' wall time went, in parts that add up (the source's inside them).
+    where = dict(kv.split("=") for kv in out[-4].removeprefix("where: ").split())
+    assert {"plan_s", "first_s", "stream_s", "tail_s", "src_encode_s"} <= where.keys(), out[-4]
     speeds = dict(kv.split("=") for kv in out[-2].split())
     assert {"stage_GBps", "place_GBps", "digest_GBps"} <= speeds.keys(), out[-2]
     assert 1 < float(speeds["wire_B_per_change"]) < 3, out[-2]

@@ -199,6 +199,16 @@ def test_native_placing_writing_and_digest_leave_what_the_reference_leaves(
     ref_u[off // unit] = ref_new
     ref_digest.update(off, ref_old, ref_new)
 
+    # Placed, written and digested in one pass: the same bytes, lanes and undo record.
+    fused, fused_digest = engine.copy(), EngineDigest.of(engine)
+    d8 = packed.view(np.int8) if bits == 4 else diff
+    f_idx, f_old = native.place_write(
+        counts, low, d8, excs, pieces, fused, unit, bits, fused_digest.lanes, fused_digest.block
+    )
+    assert f_idx.tolist() == (off // unit).tolist() and f_old.tolist() == ref_old.tolist()
+    assert fused.tobytes() == ref_engine.tobytes()
+    assert np.array_equal(fused_digest.lanes, ref_digest.lanes)
+
     digest = EngineDigest.of(engine)
     idx, old, new = native.place(
         counts, low, packed.view(np.int8) if bits == 4 else diff, excs, pieces, engine, unit, bits
@@ -258,6 +268,15 @@ def test_native_placing_refuses_a_payload_that_does_not_fit_its_plan_and_reads_o
     before = engine.copy()
     with pytest.raises(ValueError, match=why):
         native.place(counts, low, diff, excs, pieces, engine, unit)
+    # The one-pass placing finds the fault after writing units before it: every one
+    # of them, and every lane, is put back.
+    digest = EngineDigest.of(engine)
+    lanes = digest.lanes.copy()
+    with pytest.raises(ValueError, match=why):
+        native.place_write(
+            counts, low, diff, excs, pieces, engine, unit, 8, digest.lanes, digest.block
+        )
+    assert np.array_equal(digest.lanes, lanes)
     assert engine.tobytes() == before.tobytes()
 
 

@@ -74,6 +74,10 @@ def delta_lib() -> ctypes.CDLL:
         "rfx_compare_pieces": ([i64, p, p, p, p, i64, p, p, p, p, p, p], i64),
         "rfx_encode": ([i64, p, p, p, p, p, p, i64, i64, p, i64, p, p, p, i64, p], i64),
         "rfx_place": ([i64, p, p, i64, p, p, i64, i64, p, p, i64, p, i64, p, p, p, i64], i64),
+        "rfx_place_write": (
+            [i64, p, p, i64, p, p, i64, i64, p, p, i64, p, i64, p, p, i64, p, i64, i64],
+            i64,
+        ),
         "rfx_scatter": ([i64, p, p, i64, p], None),
         "rfx_digest_update": ([i64, p, p, p, i64, i64, i64, p], i64),
     }

@@ -214,35 +214,52 @@ int64_t rfx_encode(int64_t m, const int64_t *read_off, const int64_t *read_start
  * stream unit 0 for piece p (so stream unit k of piece p lands at origin[p] + k).
  * bits: 8, a signed byte a difference; 4, two a byte (rfx_encode).
  * engine: the engine's memory, engine_units units. Writes each change's engine unit
- * index idx[], the unit it finds old[] and the unit it writes new[]. Returns the
- * changes placed, or: -1 the counts name more positions than `changed`, -2 fewer;
- * -3 a position past the stream's end; -4 a position lands outside the engine;
- * -5 positions not strictly ascending (or an offset in page >= 255); -6 the escapes
- * are not `nexc`. Nothing of the engine is written. */
-int64_t rfx_place(int64_t pages, const uint8_t *counts, const uint8_t *low, int64_t changed,
-                  const int8_t *diff, const uint8_t *exc, int64_t nexc, int64_t npieces,
-                  const int64_t *ends, const int64_t *origin, int64_t unit,
-                  const uint8_t *engine, int64_t engine_units, int64_t *idx, uint8_t *old,
-                  uint8_t *new, int64_t bits)
+ * index idx[] and the unit it finds old[]; then either
+ * - with `new` (rfx_place): the unit it becomes into new[], nothing of the engine
+ *   written;
+ * - with `lanes` (rfx_place_write): the unit written into the engine at once and the
+ *   engine digest's per-block lanes (blocks of 1 << block_shift bytes, `blocks` of
+ *   them; rfx_digest_update) updated from it, while its cache line is at hand: the
+ *   engine memory is walked once, not three times. On a bad input every unit written
+ *   and every lane updated is put back, last first, before returning.
+ * Returns the changes placed, or: -1 the counts name more positions than `changed`,
+ * -2 fewer; -3 a position past the stream's end; -4 a position lands outside the
+ * engine (or its digest); -5 positions not strictly ascending (or an offset in page
+ * >= 255); -6 the escapes are not `nexc`. */
+static inline int64_t rfx_place_core(int64_t pages, const uint8_t *counts, const uint8_t *low,
+                                     int64_t changed, const int8_t *diff, const uint8_t *exc,
+                                     int64_t nexc, int64_t npieces, const int64_t *ends,
+                                     const int64_t *origin, int64_t unit, uint8_t *engine,
+                                     int64_t engine_units, int64_t *idx, uint8_t *old,
+                                     uint8_t *new, int64_t bits, uint64_t *lanes,
+                                     int64_t block_shift, int64_t blocks)
 {
-    int64_t c = 0, e = 0, piece = 0, prev = -1;
-    for (int64_t p = 0; p < pages; p++) {
+    int64_t c = 0, e = 0, piece = 0, prev = -1, rc = 0;
+    for (int64_t p = 0; p < pages && !rc; p++) {
         int64_t n = counts[p];
-        if (c + n > changed)
-            return -1;
+        if (c + n > changed) {
+            rc = -1;
+            break;
+        }
         for (int64_t q = 0; q < n; q++, c++) {
             int64_t l = low[c];
             int64_t k = p * RFX_PAGE + l;
-            if (l >= RFX_PAGE || k <= prev)
-                return -5;
+            if (l >= RFX_PAGE || k <= prev) {
+                rc = -5;
+                break;
+            }
             prev = k;
             while (piece < npieces && ends[piece] <= k)
                 piece++;
-            if (piece >= npieces)
-                return -3;
+            if (piece >= npieces) {
+                rc = -3;
+                break;
+            }
             int64_t i = origin[piece] + k;
-            if (i < 0 || i >= engine_units)
-                return -4;
+            if (i < 0 || i >= engine_units || (lanes && ((i * unit) >> block_shift) >= blocks)) {
+                rc = -4;
+                break;
+            }
             idx[c] = i;
             uint64_t a = rfx_load(engine + unit * i, unit), b;
             int64_t d = diff[c >> (bits == 4)];
@@ -251,22 +268,69 @@ int64_t rfx_place(int64_t pages, const uint8_t *counts, const uint8_t *low, int6
                 d = d == 8 ? RFX_ESCAPE : (d ^ 8) - 8; /* sign-extended */
             }
             if (d == RFX_ESCAPE) {
-                if (e >= nexc)
-                    return -6;
+                if (e >= nexc) {
+                    rc = -6;
+                    break;
+                }
                 b = rfx_load(exc + unit * e, unit);
                 e++;
             } else {
                 b = a + (uint64_t)d; /* modular, truncated by the store */
             }
             rfx_store(old + unit * c, a, unit);
-            rfx_store(new + unit * c, b, unit);
+            if (new) {
+                rfx_store(new + unit * c, b, unit);
+            } else {
+                rfx_store(engine + unit * i, b, unit);
+                b = rfx_load(engine + unit * i, unit); /* as stored: truncated */
+                int64_t at = i * unit;
+                int64_t lane = ((at >> block_shift) * RFX_LANES) + ((at >> 3) & (RFX_LANES - 1));
+                lanes[lane] += (b - a) << (8 * (at & 7));
+            }
         }
     }
-    if (c != changed)
-        return -2;
-    if (e != nexc)
-        return -6;
-    return c;
+    if (!rc && c != changed)
+        rc = -2;
+    if (!rc && e != nexc)
+        rc = -6;
+    if (!rc)
+        return c;
+    if (!new) /* put back what was written, last first */
+        for (int64_t j = c - 1; j >= 0; j--) {
+            int64_t at = idx[j] * unit;
+            uint64_t a = rfx_load(old + unit * j, unit), b = rfx_load(engine + at, unit);
+            rfx_store(engine + at, a, unit);
+            int64_t lane = ((at >> block_shift) * RFX_LANES) + ((at >> 3) & (RFX_LANES - 1));
+            lanes[lane] -= (b - a) << (8 * (at & 7));
+        }
+    return rc;
+}
+
+/* rfx_place_core decoding only: idx[], old[] and new[] of every change, nothing
+ * written. */
+int64_t rfx_place(int64_t pages, const uint8_t *counts, const uint8_t *low, int64_t changed,
+                  const int8_t *diff, const uint8_t *exc, int64_t nexc, int64_t npieces,
+                  const int64_t *ends, const int64_t *origin, int64_t unit,
+                  const uint8_t *engine, int64_t engine_units, int64_t *idx, uint8_t *old,
+                  uint8_t *new, int64_t bits)
+{
+    return rfx_place_core(pages, counts, low, changed, diff, exc, nexc, npieces, ends, origin,
+                          unit, (uint8_t *)engine, engine_units, idx, old, new, bits, NULL, 0,
+                          0);
+}
+
+/* rfx_place_core placing, writing and digesting in one pass: idx[] and old[] of every
+ * change (the undo record), the engine written and its lanes updated. */
+int64_t rfx_place_write(int64_t pages, const uint8_t *counts, const uint8_t *low,
+                        int64_t changed, const int8_t *diff, const uint8_t *exc, int64_t nexc,
+                        int64_t npieces, const int64_t *ends, const int64_t *origin,
+                        int64_t unit, uint8_t *engine, int64_t engine_units, int64_t *idx,
+                        uint8_t *old, int64_t bits, uint64_t *lanes, int64_t block_shift,
+                        int64_t blocks)
+{
+    return rfx_place_core(pages, counts, low, changed, diff, exc, nexc, npieces, ends, origin,
+                          unit, engine, engine_units, idx, old, NULL, bits, lanes, block_shift,
+                          blocks);
 }
 
 /* Write the units new[n] at engine unit indices idx[n] (the caller validated each,
