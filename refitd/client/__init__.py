@@ -17,6 +17,8 @@ Modules:
 - `staged`: swap mode's inactive copy staged while the engine serves, swapped later
 - `onerefit`: `OneRefit`: one refit at a time on one engine
 - `deltarefit`: delta refit, the engine side: pull only what changed since its base
+- `deltastream`: a streamed delta, the engine side: ``POST /v1/deltas/stream`` read frame by frame
+- `deltastats`: what a delta refit reports
 - `gpu`: GPU memory registered with the node's daemon, once per allocation
 - `multihost`: `ClusterReceiver`: refit from a version spread over several hosts
 - `leases`: `LeaseKeeper`: keep a lease alive while a long operation runs

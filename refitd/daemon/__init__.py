@@ -40,6 +40,7 @@ Modules:
 - `mirrorspace`: the memory the mirrors take, and making room
 - `deltas`: deltas at the source: each READY version compared with its base, staged
 - `deltaroutes`: the HTTP side of delta refit: a version's delta record, its packs
+- `deltastream`: a streamed delta, the source side: ``POST /v1/deltas/stream``
 - `paths`: which data path reads each peer: the one place that decides
 - `peers`: which peer daemons this daemon may contact
 - `memory`: region memory: shared-memory segments

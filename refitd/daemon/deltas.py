@@ -507,7 +507,7 @@ class DeltaBook:
         rec, index, values, reads = await self.selection(req, caller)
         t1 = time.perf_counter()
         payload, staged = await asyncio.get_running_loop().run_in_executor(
-            self._pool, payload_of, rec.unit, index, values, reads, req.nibbles
+            self._pool, native.payload_of, rec.unit, index, values, reads, req.nibbles
         )
         t2 = time.perf_counter()
         # The lease may have ended while this waited: nothing is staged for no lease.
@@ -592,16 +592,3 @@ class DeltaBook:
 def _quarter_of_memory() -> int:
     """A quarter of the host's physical memory, bytes."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 4
-
-
-def payload_of(
-    unit: int, index: ChangeIndex, values: U8, reads: I64, nibbles: bool
-) -> tuple[U8, tuple[int, ...]]:
-    """The staged delta of the stream ``reads`` (:func:`reads_of`), given a version's changed
-    units (``index``, ``values``): its bytes and (pages, changed, exceptions, stream
-    units, bits of a difference), selected and encoded natively in one pass over the changes
-    (:func:`refitd.delta.native.stage`; its reference: ``staged_reference``)."""
-    try:
-        return native.stage(index, values, reads, unit, nibbles)
-    except ValueError as err:
-        raise ProtocolError(f"delta refused: {err}") from err

@@ -19,9 +19,10 @@ from collections.abc import AsyncIterator
 import numpy as np
 import numpy.typing as npt
 
-from refitd.daemon.deltas import DeltaBook, payload_of
+from refitd.daemon.deltas import DeltaBook
 from refitd.daemon.registry import Lease
 from refitd.delta import native
+from refitd.delta.native import payload_of
 from refitd.delta.stream import chunking, cut
 from refitd.errors import RefitError
 from refitd.wire import DeltaChunk, DeltaStreamHead, DeltaStreamRequest

@@ -28,11 +28,13 @@ import numpy.typing as npt
 
 from refitd.delta.diff import LANES, unit_dtype
 from refitd.delta.stream import PAGE, ChangeIndex, layout, read_spans
+from refitd.errors import ProtocolError
 
 __all__ = [
     "compare",
     "digest_update",
     "lanes",
+    "payload_of",
     "place",
     "place_write",
     "scatter",
@@ -315,3 +317,18 @@ def digest_update(
     )
     if rc != 0:
         raise ValueError("digest update refused: a unit lies outside the digested memory")
+
+
+def payload_of(
+    unit: int, index: ChangeIndex, values: U8, reads: I64, nibbles: bool
+) -> tuple[U8, tuple[int, ...]]:
+    """The staged delta of the stream ``reads``
+    (:func:`refitd.delta.stream.reads_of`), given a version's changed units
+    (``index``, ``values``): its bytes and (pages, changed, exceptions, stream units,
+    bits of a difference), selected and encoded natively in one pass over the changes
+    (:func:`stage`; its reference: ``staged_reference``); ProtocolError, naming why,
+    for a stream :func:`stage` refuses."""
+    try:
+        return stage(index, values, reads, unit, nibbles)
+    except ValueError as err:
+        raise ProtocolError(f"delta refused: {err}") from err
