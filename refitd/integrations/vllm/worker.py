@@ -94,6 +94,8 @@ __all__ = [
     "RefitdWeightTransferEngine",
     "RefitdWorkerExtension",
     "inflight_state",
+    "lora_stats",
+    "refit_lora",
     "refit_stats",
 ]
 
@@ -130,6 +132,8 @@ class RefitdInitInfo(WeightTransferInitInfo):
     delta: bool | Literal["auto"] = False
     anchor_every: int = 0
     prefetch_nice: int = 19
+    #: False: only LoRA adapters are refitted (no base-model destinations are set up)
+    base: bool = True
 
 
 @dataclass
@@ -142,6 +146,8 @@ class RefitdUpdateInfo(WeightTransferUpdateInfo):
 
     version: int | None = None
     phase: str = "refit"
+    #: ``phase="lora"``: the adapter (:func:`refitd.integrations.lora.lora_update`)
+    lora: dict[str, Any] | None = None
 
 
 class _Destinations(torch.nn.Module):
@@ -199,6 +205,8 @@ class RefitdWeightTransferEngine(
         self._prefetch: Prefetch | None = None
         self._dest_names: dict[int, str] = {}
         self.last_stats: dict[str, Any] | None = None
+        self._lora: Any = None
+        self.last_lora: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------ set-up
@@ -354,6 +362,10 @@ class RefitdWeightTransferEngine(
             raise ValueError(
                 f"refitd mode must be 'swap', 'staging' or 'direct', not {init_info.mode!r}"
             )
+        self._lora = None
+        if not init_info.base:
+            logger.info("refitd: worker connected to %s for LoRA adapters", local.base_url)
+            return
         engine = self._destinations()
         kind: Any = DaemonReceiver
         extra: dict[str, Any] = {}
@@ -387,6 +399,12 @@ class RefitdWeightTransferEngine(
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         info = self.parse_update_info(update_info)
+        if info.phase == "lora":
+            raise ValueError(
+                "refitd: a LoRA adapter is not refitted inside a weight update: vLLM's "
+                "finish_weight_update drops every adapter; use "
+                "collective_rpc(refitd.integrations.vllm.worker.refit_lora, args=(info,))"
+            )
         if info.phase not in PHASES:
             raise ValueError(f"refitd: update phase {info.phase!r} refused: one of {PHASES}")
         if self.receiver is None:
@@ -401,6 +419,36 @@ class RefitdWeightTransferEngine(
             self.receive_weights(info)
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
+
+    def _lora_refit(self, info: RefitdUpdateInfo) -> None:
+        """Refit one LoRA adapter (:mod:`refitd.integrations.vllm.lora`): pull, then
+        land it in a free slot and move the adapter there."""
+        from refitd.integrations.vllm.lora import LoraSlots
+
+        if self._runner is None or self._init_info is None:
+            raise RuntimeError("refitd: init_weight_transfer_engine was not called")
+        if info.lora is None:
+            raise ValueError(
+                "refitd: phase 'lora' needs the adapter: 'lora': {name, id, model, config}"
+            )
+        if self._lora is None:
+            self._lora = LoraSlots(self.model, self.vllm_config)
+        local, source = self._clients[0], self._clients[-1]
+        ttl = self._init_info.lease_ttl_s
+        pulled = self._run(self._lora.refit(info.lora, info.version, local, source, ttl))
+        stats = pulled["stats"]
+        installed = self._lora.install(pulled["name"], stats.version)
+        self.last_lora = {
+            "adapter": pulled["name"],
+            "version": stats.version,
+            "replayed": stats.replayed,
+            "bytes": stats.bytes,
+            "pull_s": stats.pull_s,
+            "plan_s": stats.plan_s,
+            **installed,
+            "total_s": time.perf_counter() - pulled["t0"],
+        }
+        logger.info("refitd: LoRA refit %s", self.last_lora)
 
     def receive_weights(self, update_info: RefitdUpdateInfo) -> None:
         if self.receiver is None:
@@ -454,6 +502,10 @@ class RefitdWeightTransferEngine(
             pf.future.result()  # its pull ends (or fails) before the receiver closes
         if self.receiver is not None:
             self._run(self.receiver.close())
+        if self._lora is not None:
+            for adapter in self._lora.adapters.values():
+                self._run(adapter.receiver.close())
+            self._lora = None
         for c in self._clients:
             self._run(c.close())
         self._pool.submit(self._runner.close).result()
@@ -461,6 +513,24 @@ class RefitdWeightTransferEngine(
         self._init_info = None
         self.receiver = None
         self._clients = []
+
+
+def refit_lora(worker: Any, update_info: dict[str, Any]) -> dict[str, Any]:
+    """``llm.collective_rpc(refit_lora, args=(lora_update(...),))``: refit one LoRA
+    adapter on this worker (:mod:`refitd.integrations.vllm.lora`); its stats. Outside
+    vLLM's weight-update session, whose ``finish_weight_update`` drops every adapter."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    if not isinstance(engine, RefitdWeightTransferEngine):
+        raise RuntimeError("refitd: the engine's weight-transfer backend is not refitd")
+    engine._lora_refit(engine.parse_update_info(update_info))
+    assert engine.last_lora is not None
+    return engine.last_lora
+
+
+def lora_stats(worker: Any) -> dict[str, Any] | None:
+    """``llm.collective_rpc(lora_stats)``: each worker's last LoRA refit, or ``None``."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return getattr(engine, "last_lora", None)
 
 
 def refit_stats(worker: Any) -> dict[str, Any] | None:

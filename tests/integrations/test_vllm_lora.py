@@ -1,0 +1,233 @@
+"""LoRA adapter refit into a serving vLLM engine (docs/vllm.md, "LoRA adapters").
+
+One engine (a tiny Llama, ``enable_lora=True``, CPU) serves all these tests. A
+trainer publishes a PEFT adapter as versions of a refitd model of its own; the
+engine refits it with no disk, into a free slot, and then serves exactly what vLLM
+serves with the same adapter loaded from disk in PEFT format (tokens and top
+logprobs), after the first update and after a replay. An adapter update refused
+before any byte moves leaves the adapter serving what it served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support.vllm_world import cpu_llm, running, vllm_daemon
+from vllm_models import LLAMA, write_model
+
+from refitd.integrations.lora import LoraConfig, LoraPublisher, lora_update, save_peft
+
+pytestmark = pytest.mark.timeout(600)
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIG = LoraConfig(r=8, lora_alpha=20, target_modules=TARGETS)  # scaling 2.5: B is rounded
+ADAPTER, ADAPTER_ID, MODEL = "policy", 7, "policy-lora"
+
+
+def peft_state(seed: int, r: int = 8, extra: str = "") -> dict[str, torch.Tensor]:
+    """A PEFT adapter of the tests' Llama: every linear layer, rank ``r``, bf16."""
+    h, kv, inter = LLAMA["hidden_size"], LLAMA["num_key_value_heads"] * 64, 2 * LLAMA["hidden_size"]
+    dims = {
+        "self_attn.q_proj": (h, h),
+        "self_attn.k_proj": (h, kv),
+        "self_attn.v_proj": (h, kv),
+        "self_attn.o_proj": (h, h),
+        "mlp.gate_proj": (h, inter),
+        "mlp.up_proj": (h, inter),
+        "mlp.down_proj": (inter, h),
+    }
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(LLAMA["num_hidden_layers"]):
+        for module, (n_in, n_out) in dims.items():
+            p = f"base_model.model.model.layers.{layer}.{module}"
+            out[f"{p}.lora_A.weight"] = (torch.randn(r, n_in, generator=g) * 0.2).bfloat16()
+            out[f"{p}.lora_B.weight"] = (torch.randn(n_out, r, generator=g) * 0.2).bfloat16()
+    if extra:
+        out[f"base_model.model.{extra}.lora_A.weight"] = torch.zeros(r, h).bfloat16()
+        out[f"base_model.model.{extra}.lora_B.weight"] = torch.zeros(h, r).bfloat16()
+    return out
+
+
+@dataclass
+class World:
+    root: Path
+    llm: Any
+    runner: asyncio.Runner
+    publisher: LoraPublisher
+    disk_ids: Iterator[int]
+
+    def publish(self, state: dict[str, torch.Tensor], version: int, config: LoraConfig) -> None:
+        self.publisher.config = config
+        self.runner.run(self.publisher.publish(state, version))
+
+    def refit(self, version: int, config: LoraConfig = CONFIG) -> dict[str, Any]:
+        from refitd.integrations.vllm.worker import refit_lora
+
+        info = lora_update(ADAPTER, ADAPTER_ID, MODEL, version, config)
+        [stats] = self.llm.collective_rpc(refit_lora, args=(info,))
+        # Cached prefixes of this adapter were computed with the old version.
+        assert self.llm.reset_prefix_cache()
+        return dict(stats)
+
+    def from_disk(self, state: dict[str, torch.Tensor], tag: str) -> Any:
+        """What vLLM serves with ``state`` loaded from disk in PEFT format (the adapter
+        is removed after, so its slot is free again)."""
+        from vllm.lora.request import LoRARequest
+
+        path = save_peft(self.root / tag, state, CONFIG)
+        request = LoRARequest(f"disk-{tag}", next(self.disk_ids), str(path))
+        try:
+            return served(self.llm, request)
+        finally:
+            self.llm.llm_engine.remove_lora(request.lora_int_id)
+
+
+def served(llm: Any, lora: Any) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
+    """Greedy tokens and every step's top-3 logprobs for two prompts, one at a time
+    (no batch shared with another adapter)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, detokenize=False)
+    out = []
+    for ids in ([5, 17, 33, 99, 200], [7, 300, 42]):
+        [o] = llm.generate(
+            [TokensPrompt(prompt_token_ids=ids)], params, lora_request=lora, use_tqdm=False
+        )
+        c = o.outputs[0]
+        steps = [sorted((int(t), float(lp.logprob)) for t, lp in s.items()) for s in c.logprobs]
+        out.append((list(c.token_ids), steps))
+    return out
+
+
+def refitted() -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(ADAPTER, ADAPTER_ID, f"refitd:{MODEL}")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    from refitd.integrations.connect import daemon_client
+
+    with vllm_daemon(tmp_path_factory, "lora") as url:
+        root = tmp_path_factory.mktemp("lora")
+        write_model(root / "base", LLAMA, seed=1)
+        llm = cpu_llm(
+            root / "base",
+            enable_lora=True,
+            max_loras=4,
+            max_lora_rank=16,
+            weight_transfer_config={"backend": "refitd"},
+        )
+        with running(llm), asyncio.Runner() as runner:
+            llm.init_weight_transfer_engine({"init_info": {"model": MODEL, "base": False}})
+            client = daemon_client(url, "")
+            publisher = LoraPublisher(client, MODEL, CONFIG)
+            try:
+                yield World(root, llm, runner, publisher, iter(range(100, 200)))
+            finally:
+                runner.run(publisher.close())
+                runner.run(client.close())
+
+
+def test_a_refitted_adapter_serves_what_vllm_serves_from_disk_after_an_update_and_a_replay(
+    world: World,
+) -> None:
+    base = served(world.llm, None)
+    v1, v2 = peft_state(1), peft_state(2)
+    world.publish(v1, 1, CONFIG)
+    first = world.refit(1)
+    assert (first["version"], first["replayed"], first["old_slot"]) == (1, False, None)
+    got = served(world.llm, refitted())
+    assert got != base  # the adapter changes what is served
+    assert got == world.from_disk(v1, "v1")
+
+    world.publish(v2, 2, CONFIG)
+    second = world.refit(2)
+    assert second["replayed"] and second["old_slot"] == first["slot"] != second["slot"]
+    got2 = served(world.llm, refitted())
+    assert got2 != got
+    assert got2 == world.from_disk(v2, "v2")
+    assert served(world.llm, None) == base  # the base model serves as before
+
+    # An fp32 adapter (a new layout: planned again) is cast to the engine's LoRA dtype
+    # before vLLM scales it, at install as on disk.
+    v3 = {k: t.float() * 1.5 for k, t in peft_state(3).items()}
+    world.publish(v3, 3, CONFIG)
+    third = world.refit(3)
+    assert not third["replayed"] and third["old_slot"] == second["slot"]
+    assert served(world.llm, refitted()) == world.from_disk(v3, "v3")
+
+
+@pytest.mark.parametrize(
+    ("state", "config", "why"),
+    [
+        (peft_state(3, r=32), LoraConfig(32, 64, TARGETS), "greater than max_lora_rank 16"),
+        (peft_state(3, extra="model.norm"), CONFIG, "no LoRA layer for .*model.norm"),
+    ],
+    ids=["rank-over-max", "unsupported-module"],
+)
+def test_an_adapter_update_refused_before_any_byte_moves_leaves_the_old_version_serving(
+    world: World, state: dict[str, torch.Tensor], config: LoraConfig, why: str
+) -> None:
+    if lora_stats_or_none(world.llm) is None:
+        world.publish(peft_state(1), 1, CONFIG)
+        world.refit(1)
+    before = served(world.llm, refitted())
+    version = (world.publisher.shards.version or 0) + 1
+    world.publish(state, version, config)
+    with pytest.raises(Exception, match=why):
+        world.refit(version, config)
+    assert served(world.llm, refitted()) == before
+    # and the next update lands as if nothing had been refused
+    good = peft_state(4)
+    world.publish(good, version + 1, CONFIG)
+    world.refit(version + 1)
+    assert served(world.llm, refitted()) == world.from_disk(good, f"v{version + 1}")
+
+
+def lora_stats_or_none(llm: Any) -> dict[str, Any] | None:
+    from refitd.integrations.vllm.worker import lora_stats as stats
+
+    [only] = llm.collective_rpc(stats)
+    return None if only is None else dict(only)
+
+
+def test_with_no_free_slot_an_update_is_refused_and_every_adapter_serves_on_unchanged(
+    world: World,
+) -> None:
+    from vllm.lora.request import LoRARequest
+
+    if lora_stats_or_none(world.llm) is None:
+        world.publish(peft_state(1), 1, CONFIG)
+        world.refit(1)
+    # Every other slot holds an adapter vLLM loaded from disk.
+    others = [
+        LoRARequest(
+            f"other-{i}",
+            next(world.disk_ids),
+            str(save_peft(world.root / f"o{i}", peft_state(10 + i), CONFIG)),
+        )
+        for i in range(3)
+    ]
+    before = {r.lora_name: served(world.llm, r) for r in [refitted(), *others]}
+    version = (world.publisher.shards.version or 0) + 1
+    world.publish(peft_state(5), version, CONFIG)
+    with pytest.raises(Exception, match="no free LoRA slot"):
+        world.refit(version)
+    assert {r.lora_name: served(world.llm, r) for r in [refitted(), *others]} == before
+    # One slot freed: the update lands, and the other adapters serve as they did.
+    world.llm.llm_engine.remove_lora(others[0].lora_int_id)
+    world.refit(version)
+    assert served(world.llm, refitted()) == world.from_disk(peft_state(5), f"v{version}")
+    for r in others[1:]:
+        assert served(world.llm, r) == before[r.lora_name]
+        world.llm.llm_engine.remove_lora(r.lora_int_id)
