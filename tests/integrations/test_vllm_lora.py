@@ -58,6 +58,7 @@ def peft_state(seed: int, r: int = 8, extra: str = "") -> dict[str, torch.Tensor
 @dataclass
 class World:
     root: Path
+    url: str
     llm: Any
     runner: asyncio.Runner
     publisher: LoraPublisher
@@ -128,11 +129,12 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
             weight_transfer_config={"backend": "refitd"},
         )
         with running(llm), asyncio.Runner() as runner:
-            llm.init_weight_transfer_engine({"init_info": {"model": MODEL, "base": False}})
+            # the base model's refits too (the trainer engine's init info: kept as is)
+            llm.init_weight_transfer_engine({"init_info": {"model": "base"}})
             client = daemon_client(url, "")
             publisher = LoraPublisher(client, MODEL, CONFIG)
             try:
-                yield World(root, llm, runner, publisher, iter(range(100, 200)))
+                yield World(root, url, llm, runner, publisher, iter(range(100, 200)))
             finally:
                 runner.run(publisher.close())
                 runner.run(client.close())
@@ -231,3 +233,35 @@ def test_with_no_free_slot_an_update_is_refused_and_every_adapter_serves_on_unch
     for r in others[1:]:
         assert served(world.llm, r) == before[r.lora_name]
         world.llm.llm_engine.remove_lora(r.lora_int_id)
+
+
+def test_a_base_refit_of_a_lora_engine_serves_what_vllm_reloads_and_adapters_refit_after_it(
+    world: World,
+) -> None:
+    from refitd.integrations.sources import TensorSource
+    from refitd.integrations.vllm.trainer import (
+        LLMSyncClient,
+        RefitdTrainerEngine,
+        RefitdTrainerInitInfo,
+    )
+
+    before = served(world.llm, None)
+    state = write_model(world.root / "base2", LLAMA, seed=2)
+    info = RefitdTrainerInitInfo(rank=0, model="base", url=world.url)
+    trainer = RefitdTrainerEngine.trainer_init(
+        info, client=LLMSyncClient(world.llm), source=TensorSource(state)
+    )
+    try:
+        trainer.send_weights()
+    finally:
+        trainer.shutdown()
+    after = served(world.llm, None)
+    assert after != before
+    world.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(world.root / "base2")})
+    assert served(world.llm, None) == after  # vLLM's own reload of the same weights
+    # vLLM drops every adapter after a base update; the next adapter update lands anew.
+    version = (world.publisher.shards.version or 0) + 1
+    world.publish(peft_state(6), version, CONFIG)
+    stats = world.refit(version)
+    assert stats["old_slot"] is None
+    assert served(world.llm, refitted()) == world.from_disk(peft_state(6), f"v{version}")

@@ -292,7 +292,9 @@ class LoraSlots:
                 )
             return have
         taken = {a.adapter_id for a in self.adapters.values()}
-        if adapter_id in taken or adapter_id in self.manager.list_adapters():
+        held = self.manager.list_adapters().get(adapter_id)
+        # an id this worker registered for the same adapter before a re-init is its own
+        if adapter_id in taken or (held is not None and getattr(held, "refitd", None) != name):
             raise AdapterRefused(f"adapter {name!r} refused: id {adapter_id} is already in use")
         layers = _slot_layers(self.manager)
         dest = torch.nn.Module()
@@ -389,7 +391,9 @@ class LoraSlots:
             rank = max(
                 (int(r.shape[-2]) for r in state.regions if names[r.param][1] == "a"), default=1
             )
-            mgr._registered_adapters[state.adapter_id] = LoRAModel(state.adapter_id, rank, {})
+            held = LoRAModel(state.adapter_id, rank, {})
+            held.refitd = name  # type: ignore[attr-defined]  # whose it is (a re-init)
+            mgr._registered_adapters[state.adapter_id] = held
             mgr._registered_adapters.pin(state.adapter_id)
         slots[free] = state.adapter_id
         if old is not None:

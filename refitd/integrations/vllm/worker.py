@@ -262,6 +262,15 @@ class RefitdWeightTransferEngine(
             module = owners.get(prefix)
             if module is None:
                 raise RuntimeError(f"refitd: the live model has no module {prefix!r} for {name!r}")
+            if (
+                leaf not in module._parameters
+                and leaf not in module._buffers
+                and isinstance(module._modules.get("base_layer"), torch.nn.Module)
+            ):
+                # With enable_lora vLLM wraps the layer (``weight`` is then a property
+                # of the wrapper): the parameter, and its processing, are the base layer's.
+                prefix = f"{prefix}.base_layer"
+                module = owners[prefix]
             p = module._parameters.get(leaf)
             if p is not None and p.numel() and storage_key(p) in claimed:
                 p = self._untie(module, prefix, leaf, p, claimed[storage_key(p)])
