@@ -392,7 +392,7 @@ class LoraSlots:
                 (int(r.shape[-2]) for r in state.regions if names[r.param][1] == "a"), default=1
             )
             held = LoRAModel(state.adapter_id, rank, {})
-            held.refitd = name  # type: ignore[attr-defined]  # whose it is (a re-init)
+            held.refitd = name  # whose it is (a re-init keeps it)
             mgr._registered_adapters[state.adapter_id] = held
             mgr._registered_adapters.pin(state.adapter_id)
         slots[free] = state.adapter_id
