@@ -77,12 +77,14 @@ class World:
         assert self.llm.reset_prefix_cache()
         return dict(stats)
 
-    def from_disk(self, state: dict[str, torch.Tensor], tag: str) -> Any:
+    def from_disk(
+        self, state: dict[str, torch.Tensor], tag: str, config: LoraConfig = CONFIG
+    ) -> Any:
         """What vLLM serves with ``state`` loaded from disk in PEFT format (the adapter
         is removed after, so its slot is free again)."""
         from vllm.lora.request import LoRARequest
 
-        path = save_peft(self.root / tag, state, CONFIG)
+        path = save_peft(self.root / tag, state, config)
         request = LoRARequest(f"disk-{tag}", next(self.disk_ids), str(path))
         try:
             return served(self.llm, request)
@@ -124,7 +126,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         llm = cpu_llm(
             root / "base",
             enable_lora=True,
-            max_loras=4,
+            max_loras=3,  # the refitted adapter, its spare slot, one from disk
             max_lora_rank=16,
             weight_transfer_config={"backend": "refitd"},
         )
@@ -212,13 +214,16 @@ def test_with_no_free_slot_an_update_is_refused_and_every_adapter_serves_on_unch
         world.publish(peft_state(1), 1, CONFIG)
         world.refit(1)
     # Every other slot holds an adapter vLLM loaded from disk.
+    from refitd.integrations.vllm.lora import adapter_slots
+
+    [slots] = world.llm.collective_rpc(adapter_slots)
     others = [
         LoRARequest(
             f"other-{i}",
             next(world.disk_ids),
             str(save_peft(world.root / f"o{i}", peft_state(10 + i), CONFIG)),
         )
-        for i in range(3)
+        for i in range(slots["slots"].count(None))
     ]
     before = {r.lora_name: served(world.llm, r) for r in [refitted(), *others]}
     version = (world.publisher.shards.version or 0) + 1
@@ -265,3 +270,28 @@ def test_a_base_refit_of_a_lora_engine_serves_what_vllm_reloads_and_adapters_ref
     stats = world.refit(version)
     assert stats["old_slot"] is None
     assert served(world.llm, refitted()) == world.from_disk(peft_state(6), f"v{version}")
+
+
+def test_the_documented_lora_snippet_refits_an_adapter_that_serves_as_vllm_from_disk(
+    world: World,
+) -> None:
+    from support.docs import python_blocks
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
+
+    (block,) = python_blocks("## LoRA adapters (`refitd.integrations.lora`)", "docs/vllm.md")
+    adapter = {k: t for k, t in peft_state(7).items() if ".self_attn." in k}
+    ns: dict[str, Any] = {
+        "llm": world.llm,
+        "adapter": adapter,
+        "prompts": [TokensPrompt(prompt_token_ids=[5, 17, 33])],
+        "params": SamplingParams(max_tokens=4, temperature=0, detokenize=False),
+    }
+    exec(block, ns)
+    try:
+        assert ns["stats"]["version"] == 1 and ns["served"][0].outputs[0].token_ids
+        doc = LoRARequest("doc", 11, "refitd:doc-lora")
+        assert served(world.llm, doc) == world.from_disk(adapter, "doc", ns["config"])
+    finally:
+        world.llm.llm_engine.remove_lora(11)  # its slot is free again for the other tests

@@ -67,6 +67,13 @@ class Region:
     stride: tuple[int, ...]
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _place(root: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
     *path, leaf = name.split(".")
     mod = root
@@ -374,18 +381,26 @@ class LoraSlots:
         layers = _slot_layers(mgr)
         params = dict(state.dest.named_parameters())
         names = slot_names(layers)
+        covered: dict[str, int] = {}
+        for r in state.regions:
+            covered[r.param] = covered.get(r.param, 0) + _numel(r.shape)
         with torch.no_grad():
-            for layer in layers.values():
-                for t in (*layer.lora_a_stacked, *layer.lora_b_stacked):
-                    t[free].zero_()
+            for pname, (layer, ab, k) in names.items():
+                slot = getattr(layers[layer], f"lora_{ab}_stacked")[k][free]
+                if covered.get(pname, 0) != slot.numel():  # captured writes never overlap
+                    slot.zero_()  # the padding past the rank, as vLLM's reset_lora leaves it
             for r in state.regions:
                 layer, ab, k = names[r.param]
                 slot = getattr(layers[layer], f"lora_{ab}_stacked")[k][free : free + 1]
                 into = slot.as_strided(r.shape, r.stride, slot.storage_offset() + r.offset)
-                into.copy_(params[r.param].as_strided(r.shape, r.stride, r.offset))
+                pulled = params[r.param].as_strided(r.shape, r.stride, r.offset)
                 scale = state.scales.get(r.src, 1.0)
                 if ab == "b" and scale != 1:
-                    into *= scale  # vLLM's optimize(): lora_b *= scaling, in its dtype
+                    # vLLM's optimize(): lora_b *= scaling, in the LoRA dtype (the same
+                    # product as the in-place multiply, written once)
+                    torch.mul(pulled, scale, out=into)
+                else:
+                    into.copy_(pulled)
         # The switch: the new slot is whole before the id moves to it.
         if state.adapter_id not in mgr._registered_adapters:
             rank = max(
