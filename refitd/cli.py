@@ -83,6 +83,7 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench lora                          # a rank-16 adapter on the 608 MB Llama, K = 5",
         "refitd bench lora --tiny                   # the tests' 2.8 MiB Llama (CI)",
         "refitd bench lora --rank 64 --updates 8",
+        "refitd bench lora --tiny --tp 2            # two TP ranks, each pulling its part",
     ),
     "vllm": (
         "refitd bench vllm                          # a 608 MB Llama, 4 updates",

@@ -23,7 +23,8 @@ The last line has ``lora_refit_s`` (median), ``full_refit_s`` (median),
 ``lora_time_ratio`` (``lora_refit_s`` ÷ ``full_refit_s``), ``disk_s`` (median) and
 ``disk_ratio`` (``lora_refit_s`` ÷ ``disk_s``), ``first_lora_refit_s`` (the planned
 one), ``lora_pull_s`` and ``lora_install_s`` (the worker's, medians),
-``adapter_bytes`` and ``verified``.
+``adapter_bytes`` and ``verified``. ``--tp 2``: a worker process per rank, each
+pulling only its part of the adapter (the slowest rank's times are shown).
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--full", type=int, default=3, help="full refits of the base model (default 3)"
+    )
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks, a worker process each (default 1)"
     )
 
 
@@ -155,7 +159,8 @@ def _bench(
     from vllm import LLM
     from vllm.lora.request import LoRARequest
 
-    from refitd.bench.vllm import LLM_CPU_KWARGS, _draw
+    from refitd.bench.inflight import engine_kwargs
+    from refitd.bench.vllm import _draw
     from refitd.integrations.connect import daemon_client
     from refitd.integrations.lora import LoraConfig, LoraPublisher, lora_update, save_peft
     from refitd.integrations.sources import TensorSource
@@ -171,7 +176,7 @@ def _bench(
     print(
         f"refitd bench lora: Llama hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} "
         f"layers: {nbytes / 2**20:.1f} MiB bf16; a rank {args.rank} adapter on every linear "
-        f"layer: {abytes / 2**20:.2f} MiB; vLLM TP1 on CPU; {args.full} full refits, then "
+        f"layer: {abytes / 2**20:.2f} MiB; vLLM TP{args.tp} on CPU; {args.full} full refits, then "
         f"{args.updates} adapter updates through refitd and through disk",
         flush=True,
     )
@@ -181,7 +186,7 @@ def _bench(
         enable_lora=True,
         max_loras=3,  # the refitted adapter, its spare slot, the disk-loaded one
         max_lora_rank=args.rank,
-        **LLM_CPU_KWARGS,
+        **engine_kwargs(args.tp),
     )
     info = RefitdTrainerInitInfo(rank=0, model="bench", url=url, adopt=True)
     trainer = RefitdTrainerEngine.trainer_init(
@@ -214,9 +219,10 @@ def _bench(
             t0 = time.perf_counter()
             runner.run(publisher.publish(adapter, update + 1))
             t1 = time.perf_counter()
-            [stats] = llm.collective_rpc(
+            ranks = llm.collective_rpc(
                 refit_lora, args=(lora_update("bench", 1, "bench-lora", update + 1, config),)
             )
+            stats = max(ranks, key=lambda r: r["total_s"])  # the slowest rank's
             t2 = time.perf_counter()
             llm.reset_prefix_cache()
             runner.run(publisher.shards.retire())  # no reader left: training may write it
@@ -245,7 +251,7 @@ def _bench(
                 f"{stats['publish_s'] * 1e3:.2f}, rpc {stats['rpc_s'] * 1e3:.2f} (worker "
                 f"{stats['total_s'] * 1e3:.2f}: pull {stats['pull_s'] * 1e3:.2f}, install "
                 f"{stats['install_s'] * 1e3:.2f}), reset and retire {stats['reset_s'] * 1e3:.2f} ms, "
-                f"slot {stats['old_slot']} -> {stats['slot']})  disk {disk[-1] * 1e3:7.2f} ms  "
+                f"slot {stats['old_slot']} -> {stats['slot']}, {stats['bytes']} bytes a rank)  disk {disk[-1] * 1e3:7.2f} ms  "
                 f"same tokens and logprobs as from disk: {same}",
                 flush=True,
             )
