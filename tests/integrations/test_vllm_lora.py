@@ -93,17 +93,15 @@ class World:
 
 
 def served(llm: Any, lora: Any) -> list[tuple[list[int], list[list[tuple[int, float]]]]]:
-    """Greedy tokens and every step's top-3 logprobs for two prompts, one at a time
-    (no batch shared with another adapter)."""
+    """Greedy tokens and every step's top-3 logprobs for two prompts, in one batch of
+    this adapter's requests alone (each comparison batches the same way)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=3, detokenize=False)
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in ([5, 17, 33, 99, 200], [7, 300, 42])]
     out = []
-    for ids in ([5, 17, 33, 99, 200], [7, 300, 42]):
-        [o] = llm.generate(
-            [TokensPrompt(prompt_token_ids=ids)], params, lora_request=lora, use_tqdm=False
-        )
+    for o in llm.generate(prompts, params, lora_request=lora, use_tqdm=False):
         c = o.outputs[0]
         steps = [sorted((int(t), float(lp.logprob)) for t, lp in s.items()) for s in c.logprobs]
         out.append((list(c.token_ids), steps))
@@ -176,8 +174,9 @@ def test_a_refitted_adapter_serves_what_vllm_serves_from_disk_after_an_update_an
     [
         (peft_state(3, r=32), LoraConfig(32, 64, TARGETS), "greater than max_lora_rank 16"),
         (peft_state(3, extra="model.norm"), CONFIG, "no LoRA layer for .*model.norm"),
+        (peft_state(3, extra="lm_head"), CONFIG, "LogitsProcessorWithLoRA.* does not plan"),
     ],
-    ids=["rank-over-max", "unsupported-module"],
+    ids=["rank-over-max", "unsupported-module", "layer-without-slots"],
 )
 def test_an_adapter_update_refused_before_any_byte_moves_leaves_the_old_version_serving(
     world: World, state: dict[str, torch.Tensor], config: LoraConfig, why: str

@@ -232,7 +232,10 @@ class LoraSlots:
             if PEFT_KEY.match(src) is None:
                 raise AdapterRefused(f"adapter {name!r} refused: {src!r} is not a LoRA weight")
             module, _ = parse_fine_tuned_lora_name(src)
-            if module.rsplit(".", 1)[-1] not in expected:
+            # vLLM's disk loader's rule: an expert's module by its "experts.N.proj" suffix
+            at = module.find(".experts")
+            key = module[at + 1 :] if at >= 0 else module.rsplit(".", 1)[-1]
+            if key not in expected:
                 unexpected.append(module)
         if unexpected:
             raise AdapterRefused(
@@ -264,6 +267,15 @@ class LoraSlots:
             out.append(Region(c.param_name, c.src_name, c.dest_offset, c.dest_shape, c.dest_stride))
         landed = {r.src for r in out}
         lost = [s for s in sources if s not in landed]
+        other = {n: type(m).__name__ for n, m in self.manager.modules.items() if n not in layers}
+        held = sorted(
+            {other[n] for s in lost for n in other if s.startswith(f"base_model.model.{n}.")}
+        )
+        if held:  # vLLM has a LoRA layer for them, of a kind with no lora_a/b_stacked slots
+            raise AdapterRefused(
+                f"adapter {name!r} refused: {lost[:3]} ({len(lost)} tensors) are for vLLM's "
+                f"{held} LoRA layers, whose slots refitd does not plan yet"
+            )
         if lost:
             raise AdapterRefused(
                 f"adapter {name!r} refused: {lost[:3]} ({len(lost)} tensors) land in no LoRA slot"
