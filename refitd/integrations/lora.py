@@ -23,14 +23,22 @@ from typing import Any
 import torch
 
 from refitd.errors import PlanError
-from refitd.integrations.sources import ShardPublisher, TensorSource
+from refitd.integrations.sources import (
+    LocalShard,
+    NameMap,
+    ShardPublisher,
+    ShardSource,
+    TensorSource,
+)
 
 __all__ = [
     "AdapterRefused",
     "LoraConfig",
     "LoraPublisher",
+    "check_peft_shapes",
     "check_peft_state",
     "lora_update",
+    "peft_names",
     "save_peft",
 ]
 
@@ -70,36 +78,69 @@ class LoraConfig:
 
 def check_peft_state(name: str, state: dict[str, torch.Tensor], config: LoraConfig) -> None:
     """Refuse (:class:`AdapterRefused`) a state dict that is not a whole PEFT LoRA
-    adapter of ``config``: a key that is no ``lora_A``/``lora_B`` weight, a module with
-    only one of the pair, or a pair whose ranks disagree with each other."""
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in state.items():
-        m = PEFT_KEY.match(key)
-        if m is None:
-            raise AdapterRefused(
-                f"adapter {name!r}: {key!r} is not a PEFT LoRA weight "
-                "('<module>.lora_A.weight' or '<module>.lora_B.weight')"
-            )
-        if t.dim() != 2:
-            raise AdapterRefused(f"adapter {name!r}: {key!r} has shape {tuple(t.shape)}, not 2-D")
-        pairs.setdefault(m["module"], {})[m["ab"]] = t
+    adapter of ``config`` (:func:`check_peft_shapes`)."""
+    check_peft_shapes(name, {k: tuple(t.shape) for k, t in state.items()}, config)
+
+
+def check_peft_name(name: str, key: str) -> re.Match[str]:
+    """``key``'s PEFT parts, or :class:`AdapterRefused` naming it."""
+    m = PEFT_KEY.match(key)
+    if m is None:
+        raise AdapterRefused(
+            f"adapter {name!r}: {key!r} is not a PEFT LoRA weight "
+            "('<module>.lora_A.weight' or '<module>.lora_B.weight')"
+        )
+    return m
+
+
+def check_peft_shapes(
+    name: str, shapes: dict[str, tuple[int, ...]], config: LoraConfig | None = None
+) -> None:
+    """Refuse (:class:`AdapterRefused`) tensors (full name -> global shape) that are not
+    a whole PEFT LoRA adapter: a key that is no ``lora_A``/``lora_B`` weight, a tensor
+    that is not 2-D, a module with only one of the pair, a pair whose ranks disagree,
+    or (with ``config`` and no rank pattern) a rank other than ``r``. The trainer checks
+    a whole state dict; the engine checks every version's merged manifest."""
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
+        m = check_peft_name(name, key)
+        if len(shape) != 2:
+            raise AdapterRefused(f"adapter {name!r}: {key!r} has shape {shape}, not 2-D")
+        pairs.setdefault(m["module"], {})[m["ab"]] = shape
     if not pairs:
         raise AdapterRefused(f"adapter {name!r}: no LoRA weights")
     for module, ab in pairs.items():
         if set(ab) != {"A", "B"}:
             raise AdapterRefused(f"adapter {name!r}: {module!r} has lora_{''.join(ab)} only")
-        if ab["A"].shape[0] != ab["B"].shape[1]:
+        if ab["A"][0] != ab["B"][1]:
             raise AdapterRefused(
-                f"adapter {name!r}: {module!r} lora_A {tuple(ab['A'].shape)} and lora_B "
-                f"{tuple(ab['B'].shape)} disagree on the rank"
+                f"adapter {name!r}: {module!r} lora_A {ab['A']} and lora_B {ab['B']} "
+                "disagree on the rank"
             )
-    if not config.rank_pattern:
-        off = sorted(m for m, ab in pairs.items() if ab["A"].shape[0] != config.r)
+    if config is not None and not config.rank_pattern:
+        off = sorted(m for m, ab in pairs.items() if ab["A"][0] != config.r)
         if off:
             raise AdapterRefused(
                 f"adapter {name!r}: rank r={config.r} but {off[0]!r} has rank "
-                f"{pairs[off[0]]['A'].shape[0]} ({len(off)} modules differ)"
+                f"{pairs[off[0]]['A'][0]} ({len(off)} modules differ)"
             )
+
+
+def peft_names(adapter: str = "default", prefix: str = "base_model.model.") -> NameMap:
+    """A ``name_map`` from a PEFT model's parameter names to its saved names
+    (``...q_proj.lora_A.default.weight`` -> ``base_model.model....q_proj.lora_A.weight``,
+    the prefix added where missing), leaving out every parameter that is not a LoRA
+    weight of ``adapter`` (the frozen base model's), for FSDP2-sharded adapters:
+    ``LoraPublisher.publish(FSDPSource(peft_model, name_map=peft_names()), N)``."""
+    part = f".{adapter}."
+
+    def mapped(trainer_name: str) -> str | None:
+        name = trainer_name.replace(part, ".")
+        if name == trainer_name or PEFT_KEY.match(name) is None:
+            return None
+        return name if name.startswith(prefix) else prefix + name
+
+    return mapped
 
 
 def save_peft(path: Path, state: dict[str, torch.Tensor], config: LoraConfig) -> Path:
@@ -133,14 +174,35 @@ class LoraPublisher:
         self.config = config
         self.shards = ShardPublisher(daemon, model, rank, world_size, adopt=adopt)
 
-    async def publish(self, state: dict[str, torch.Tensor], version: int) -> int:
-        """Publish ``state`` (checked: :func:`check_peft_state`) as ``version``."""
-        check_peft_state(self.model, state, self.config)
-        await self.shards.publish(TensorSource(state), version)
+    async def publish(self, source: dict[str, torch.Tensor] | ShardSource, version: int) -> int:
+        """Publish this rank's part of the adapter as ``version``: a whole PEFT state
+        dict (checked whole: :func:`check_peft_state`), or a shard source such as
+        ``FSDPSource(peft_model, name_map=peft_names())`` for FSDP2-sharded adapter
+        parameters, each rank publishing its own rows with no gather (the names are
+        checked here; the pairs and ranks by the engine, on the merged manifest)."""
+        if isinstance(source, dict):
+            check_peft_state(self.model, source, self.config)
+            source = TensorSource(source)
+        else:
+            shards = list(source.shards())
+            for s in shards:
+                check_peft_name(self.model, s.name)
+            source = _Listed(shards)
+        await self.shards.publish(source, version)
         return version
 
     async def close(self) -> None:
         await self.shards.close()
+
+
+class _Listed:
+    """Shards already listed (a source's ``shards()`` runs once per round)."""
+
+    def __init__(self, shards: list[LocalShard]) -> None:
+        self._shards = shards
+
+    def shards(self) -> list[LocalShard]:
+        return self._shards
 
 
 def lora_update(

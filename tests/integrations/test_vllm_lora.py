@@ -11,6 +11,8 @@ before any byte moves leaves the adapter serving what it served.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.lora_ranks import TARGETS, fsdp_adapter_rank, peft_state
 from support.vllm_world import cpu_llm, running, vllm_daemon
 from vllm_models import LLAMA, write_model
 
@@ -25,34 +28,8 @@ from refitd.integrations.lora import LoraConfig, LoraPublisher, lora_update, sav
 
 pytestmark = pytest.mark.timeout(600)
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG = LoraConfig(r=8, lora_alpha=20, target_modules=TARGETS)  # scaling 2.5: B is rounded
 ADAPTER, ADAPTER_ID, MODEL = "policy", 7, "policy-lora"
-
-
-def peft_state(seed: int, r: int = 8, extra: str = "") -> dict[str, torch.Tensor]:
-    """A PEFT adapter of the tests' Llama: every linear layer, rank ``r``, bf16."""
-    h, kv, inter = LLAMA["hidden_size"], LLAMA["num_key_value_heads"] * 64, 2 * LLAMA["hidden_size"]
-    dims = {
-        "self_attn.q_proj": (h, h),
-        "self_attn.k_proj": (h, kv),
-        "self_attn.v_proj": (h, kv),
-        "self_attn.o_proj": (h, h),
-        "mlp.gate_proj": (h, inter),
-        "mlp.up_proj": (h, inter),
-        "mlp.down_proj": (inter, h),
-    }
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for layer in range(LLAMA["num_hidden_layers"]):
-        for module, (n_in, n_out) in dims.items():
-            p = f"base_model.model.model.layers.{layer}.{module}"
-            out[f"{p}.lora_A.weight"] = (torch.randn(r, n_in, generator=g) * 0.2).bfloat16()
-            out[f"{p}.lora_B.weight"] = (torch.randn(n_out, r, generator=g) * 0.2).bfloat16()
-    if extra:
-        out[f"base_model.model.{extra}.lora_A.weight"] = torch.zeros(r, h).bfloat16()
-        out[f"base_model.model.{extra}.lora_B.weight"] = torch.zeros(h, r).bfloat16()
-    return out
 
 
 @dataclass
@@ -294,3 +271,36 @@ def test_the_documented_lora_snippet_refits_an_adapter_that_serves_as_vllm_from_
         assert served(world.llm, doc) == world.from_disk(adapter, "doc", ns["config"])
     finally:
         world.llm.llm_engine.remove_lora(11)  # its slot is free again for the other tests
+
+
+def test_fsdp2_sharded_adapter_parameters_refit_the_engine_as_vllm_serves_them_from_disk(
+    world: World,
+) -> None:
+    from vllm.lora.request import LoRARequest
+
+    from refitd.integrations.vllm.worker import refit_lora
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Event()
+    procs = [
+        ctx.Process(target=fsdp_adapter_rank, args=(r, port, world.url, CONFIG, 8, queue, done))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        assert sorted(queue.get(timeout=120) for _ in procs) == [0, 1]
+        info = lora_update("fsdp", 12, "fsdp-lora", 1, CONFIG)
+        [stats] = world.llm.collective_rpc(refit_lora, args=(info,))
+        fsdp = LoRARequest("fsdp", 12, "refitd:fsdp-lora")
+        assert served(world.llm, fsdp) == world.from_disk(peft_state(8), "fsdp")
+        assert stats["bytes"] == sum(t.numel() * 2 for t in peft_state(8).values())
+    finally:
+        done.set()
+        for p in procs:
+            p.join(60)
+        world.llm.llm_engine.remove_lora(12)  # its slot is free again for the other tests
+    assert [p.exitcode for p in procs] == [0, 0]

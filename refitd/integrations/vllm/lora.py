@@ -226,6 +226,10 @@ class LoraSlots:
         with no LoRA layer in this engine."""
         from vllm.lora.utils import parse_fine_tuned_lora_name
 
+        from refitd.integrations.lora import check_peft_shapes
+
+        # the whole adapter, as the ranks published it (FSDP2 shards included)
+        check_peft_shapes(name, {src: tuple(shape) for src, _dtype, shape in manifest})
         expected = self.expected_modules()
         unexpected = []
         for src, _dtype, _shape in manifest:
