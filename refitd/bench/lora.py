@@ -12,7 +12,8 @@ real ``refitd serve`` daemon. In one run:
 - **adapter refit**: ``--updates`` K (5, at least 5) new versions of a rank ``--rank``
   (16) PEFT adapter on every linear layer (q, k, v, o, gate, up, down), each
   published by :class:`~refitd.integrations.lora.LoraPublisher` and refitted by
-  ``collective_rpc(refit_lora)``; one more before them plans. Timed from the
+  ``refit_adapter`` (``collective_rpc(refit_lora)``; at TP > 1 a pull, then an
+  install); one more before them plans. Timed from the
   publish to the refitted adapter serving (the prefix cache reset included);
 - **disk**: the same adapter saved in PEFT format (``save_peft``) and loaded by vLLM
   (``add_lora`` of a ``LoRARequest`` with its path), each update.
@@ -164,12 +165,12 @@ def _bench(
     from refitd.integrations.connect import daemon_client
     from refitd.integrations.lora import LoraConfig, LoraPublisher, lora_update, save_peft
     from refitd.integrations.sources import TensorSource
+    from refitd.integrations.vllm.lora import refit_adapter
     from refitd.integrations.vllm.trainer import (
         LLMSyncClient,
         RefitdTrainerEngine,
         RefitdTrainerInitInfo,
     )
-    from refitd.integrations.vllm.worker import refit_lora
 
     config = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS)
     abytes = sum(t.numel() * t.element_size() for t in _adapter(cfg, args.rank, 0).values())
@@ -219,9 +220,8 @@ def _bench(
             t0 = time.perf_counter()
             runner.run(publisher.publish(adapter, update + 1))
             t1 = time.perf_counter()
-            ranks = llm.collective_rpc(
-                refit_lora, args=(lora_update("bench", 1, "bench-lora", update + 1, config),)
-            )
+            update_info = lora_update("bench", 1, "bench-lora", update + 1, config)
+            ranks = refit_adapter(llm, update_info, reset_prefix_cache=False)
             stats = max(ranks, key=lambda r: r["total_s"])  # the slowest rank's
             t2 = time.perf_counter()
             llm.reset_prefix_cache()

@@ -46,12 +46,10 @@ class World:
         self.runner.run(self.publisher.publish(state, version))
 
     def refit(self, version: int, config: LoraConfig = CONFIG) -> dict[str, Any]:
-        from refitd.integrations.vllm.worker import refit_lora
+        from refitd.integrations.vllm.lora import refit_adapter
 
         info = lora_update(ADAPTER, ADAPTER_ID, MODEL, version, config)
-        [stats] = self.llm.collective_rpc(refit_lora, args=(info,))
-        # Cached prefixes of this adapter were computed with the old version.
-        assert self.llm.reset_prefix_cache()
+        [stats] = refit_adapter(self.llm, info)  # and the prefix cache reset
         return dict(stats)
 
     def from_disk(
@@ -304,3 +302,19 @@ def test_fsdp2_sharded_adapter_parameters_refit_the_engine_as_vllm_serves_them_f
             p.join(60)
         world.llm.llm_engine.remove_lora(12)  # its slot is free again for the other tests
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_an_install_with_no_pull_of_that_version_is_refused_and_the_adapter_serves_on(
+    world: World,
+) -> None:
+    from refitd.integrations.vllm.worker import refit_lora
+
+    if lora_stats_or_none(world.llm) is None:
+        world.publish(peft_state(1), 1, CONFIG)
+        world.refit(1)
+    before = served(world.llm, refitted())
+    info = lora_update(ADAPTER, ADAPTER_ID, MODEL, 99, CONFIG)
+    info["lora"]["step"] = "install"  # the second half of a TP > 1 refit, alone
+    with pytest.raises(Exception, match="install of v99 refused on rank 0: this rank holds no"):
+        world.llm.collective_rpc(refit_lora, args=(info,))
+    assert served(world.llm, refitted()) == before

@@ -50,7 +50,7 @@ import torch
 from refitd.integrations.lora import PEFT_KEY, AdapterRefused
 from refitd.reshard.types import CaptureResult, UnsupportedReshard
 
-__all__ = ["AdapterRefit", "LoraSlots", "adapter_slots"]
+__all__ = ["AdapterRefit", "LoraSlots", "adapter_slots", "refit_adapter"]
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +177,27 @@ def adapter_slots(worker: Any) -> dict[str, Any]:
     if manager is None:
         return {}
     return {"slots": list(manager.lora_index_to_id)}
+
+
+def refit_adapter(llm: Any, info: dict[str, Any], *, reset_prefix_cache: bool = True) -> list[Any]:
+    """Refit one adapter on every rank of the in-process ``llm`` (``info``:
+    :func:`~refitd.integrations.lora.lora_update`); each rank's stats. At TP > 1 every
+    rank pulls first, then every rank installs (a second call), so a pull that fails
+    or is refused on any rank leaves every rank serving the old version. Then the
+    prefix cache is reset (no request reuses blocks of the old version), unless
+    ``reset_prefix_cache=False``."""
+    from refitd.integrations.vllm.worker import refit_lora
+
+    ranks = int(llm.llm_engine.vllm_config.parallel_config.world_size)
+    if ranks == 1:
+        stats = llm.collective_rpc(refit_lora, args=(info,))
+    else:
+        steps = [{**info, "lora": {**info["lora"], "step": step}} for step in ("pull", "install")]
+        llm.collective_rpc(refit_lora, args=(steps[0],))
+        stats = llm.collective_rpc(refit_lora, args=(steps[1],))
+    if reset_prefix_cache:
+        llm.reset_prefix_cache()
+    return list(stats)
 
 
 class LoraSlots:

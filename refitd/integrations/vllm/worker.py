@@ -206,6 +206,7 @@ class RefitdWeightTransferEngine(
         self._dest_names: dict[int, str] = {}
         self.last_stats: dict[str, Any] | None = None
         self._lora: Any = None
+        self._lora_pulled: dict[str, dict[str, Any]] = {}  # pulled, not yet installed
         self.last_lora: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
 
@@ -431,7 +432,11 @@ class RefitdWeightTransferEngine(
 
     def _lora_refit(self, info: RefitdUpdateInfo) -> None:
         """Refit one LoRA adapter (:mod:`refitd.integrations.vllm.lora`): pull, then
-        land it in a free slot and move the adapter there."""
+        land it in a free slot and move the adapter there. ``info.lora["step"]``:
+        ``"all"`` (default), or ``"pull"`` then ``"install"`` as two calls, so that at
+        TP > 1 no rank installs before every rank has pulled
+        (:func:`~refitd.integrations.vllm.lora.refit_adapter`)."""
+        from refitd.integrations.lora import AdapterRefused
         from refitd.integrations.vllm.lora import LoraSlots
 
         if self._runner is None or self._init_info is None:
@@ -440,22 +445,42 @@ class RefitdWeightTransferEngine(
             raise ValueError(
                 "refitd: phase 'lora' needs the adapter: 'lora': {name, id, model, config}"
             )
+        step, name = str(info.lora.get("step", "all")), str(info.lora["name"])
+        if step not in ("all", "pull", "install"):
+            raise ValueError(f"refitd: LoRA step {step!r} refused: 'all', 'pull' or 'install'")
         if self._lora is None:
             self._lora = LoraSlots(self.model, self.vllm_config)
-        local, source = self._clients[0], self._clients[-1]
-        ttl = self._init_info.lease_ttl_s
-        pulled = self._run(self._lora.refit(info.lora, info.version, local, source, ttl))
+        if step == "install":
+            pulled = self._lora_pulled.pop(name, None)
+            want = info.version
+            if pulled is None or (want is not None and pulled["stats"].version != want):
+                raise AdapterRefused(
+                    f"adapter {name!r}: install of {'the pulled version' if want is None else f'v{want}'} "
+                    f"refused on rank {self._rank()}: this rank holds no such pull"
+                )
+        else:
+            self._lora_pulled.pop(name, None)  # a new pull rewrites the buffers
+            local, source = self._clients[0], self._clients[-1]
+            ttl = self._init_info.lease_ttl_s
+            pulled = self._run(self._lora.refit(info.lora, info.version, local, source, ttl))
         stats = pulled["stats"]
-        installed = self._lora.install(pulled["name"], stats.version)
         self.last_lora = {
-            "adapter": pulled["name"],
+            "adapter": name,
             "version": stats.version,
             "replayed": stats.replayed,
             "bytes": stats.bytes,
             "pull_s": stats.pull_s,
             "plan_s": stats.plan_s,
+            "pulled_s": time.perf_counter() - pulled["t0"],
+        }
+        if step == "pull":
+            self._lora_pulled[name] = pulled
+            return
+        t0 = time.perf_counter()
+        installed = self._lora.install(name, stats.version)
+        self.last_lora |= {
             **installed,
-            "total_s": time.perf_counter() - pulled["t0"],
+            "total_s": self.last_lora["pulled_s"] + time.perf_counter() - t0,
         }
         logger.info("refitd: LoRA refit %s", self.last_lora)
 
