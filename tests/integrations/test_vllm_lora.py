@@ -45,6 +45,9 @@ class World:
         self.publisher.config = config
         self.runner.run(self.publisher.publish(state, version))
 
+    def next_version(self) -> int:
+        return (self.publisher.shards.version or 0) + 1
+
     def refit(self, version: int, config: LoraConfig = CONFIG) -> dict[str, Any]:
         from refitd.integrations.vllm.lora import refit_adapter
 
@@ -120,28 +123,29 @@ def test_a_refitted_adapter_serves_what_vllm_serves_from_disk_after_an_update_an
 ) -> None:
     base = served(world.llm, None)
     v1, v2 = peft_state(1), peft_state(2)
-    world.publish(v1, 1, CONFIG)
-    first = world.refit(1)
-    assert (first["version"], first["replayed"], first["old_slot"]) == (1, False, None)
+    n = world.next_version()
+    world.publish(v1, n, CONFIG)
+    first = world.refit(n)
+    assert first["version"] == n
     got = served(world.llm, refitted())
     assert got != base  # the adapter changes what is served
-    assert got == world.from_disk(v1, "v1")
+    assert got == world.from_disk(v1, f"v{n}")
 
-    world.publish(v2, 2, CONFIG)
-    second = world.refit(2)
+    world.publish(v2, n + 1, CONFIG)
+    second = world.refit(n + 1)
     assert second["replayed"] and second["old_slot"] == first["slot"] != second["slot"]
     got2 = served(world.llm, refitted())
     assert got2 != got
-    assert got2 == world.from_disk(v2, "v2")
+    assert got2 == world.from_disk(v2, f"v{n + 1}")
     assert served(world.llm, None) == base  # the base model serves as before
 
     # An fp32 adapter (a new layout: planned again) is cast to the engine's LoRA dtype
     # before vLLM scales it, at install as on disk.
     v3 = {k: t.float() * 1.5 for k, t in peft_state(3).items()}
-    world.publish(v3, 3, CONFIG)
-    third = world.refit(3)
+    world.publish(v3, n + 2, CONFIG)
+    third = world.refit(n + 2)
     assert not third["replayed"] and third["old_slot"] == second["slot"]
-    assert served(world.llm, refitted()) == world.from_disk(v3, "v3")
+    assert served(world.llm, refitted()) == world.from_disk(v3, f"v{n + 2}")
 
 
 @pytest.mark.parametrize(
@@ -157,10 +161,10 @@ def test_an_adapter_update_refused_before_any_byte_moves_leaves_the_old_version_
     world: World, state: dict[str, torch.Tensor], config: LoraConfig, why: str
 ) -> None:
     if lora_stats_or_none(world.llm) is None:
-        world.publish(peft_state(1), 1, CONFIG)
-        world.refit(1)
+        world.publish(peft_state(1), world.next_version(), CONFIG)
+        world.refit(world.publisher.shards.version or 0)
     before = served(world.llm, refitted())
-    version = (world.publisher.shards.version or 0) + 1
+    version = world.next_version()
     world.publish(state, version, config)
     with pytest.raises(Exception, match=why):
         world.refit(version, config)
@@ -185,8 +189,8 @@ def test_with_no_free_slot_an_update_is_refused_and_every_adapter_serves_on_unch
     from vllm.lora.request import LoRARequest
 
     if lora_stats_or_none(world.llm) is None:
-        world.publish(peft_state(1), 1, CONFIG)
-        world.refit(1)
+        world.publish(peft_state(1), world.next_version(), CONFIG)
+        world.refit(world.publisher.shards.version or 0)
     # Every other slot holds an adapter vLLM loaded from disk.
     from refitd.integrations.vllm.lora import adapter_slots
 
@@ -200,7 +204,7 @@ def test_with_no_free_slot_an_update_is_refused_and_every_adapter_serves_on_unch
         for i in range(slots["slots"].count(None))
     ]
     before = {r.lora_name: served(world.llm, r) for r in [refitted(), *others]}
-    version = (world.publisher.shards.version or 0) + 1
+    version = world.next_version()
     world.publish(peft_state(5), version, CONFIG)
     with pytest.raises(Exception, match="no free LoRA slot"):
         world.refit(version)
@@ -239,7 +243,7 @@ def test_a_base_refit_of_a_lora_engine_serves_what_vllm_reloads_and_adapters_ref
     world.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(world.root / "base2")})
     assert served(world.llm, None) == after  # vLLM's own reload of the same weights
     # vLLM drops every adapter after a base update; the next adapter update lands anew.
-    version = (world.publisher.shards.version or 0) + 1
+    version = world.next_version()
     world.publish(peft_state(6), version, CONFIG)
     stats = world.refit(version)
     assert stats["old_slot"] is None
@@ -310,8 +314,8 @@ def test_an_install_with_no_pull_of_that_version_is_refused_and_the_adapter_serv
     from refitd.integrations.vllm.worker import refit_lora
 
     if lora_stats_or_none(world.llm) is None:
-        world.publish(peft_state(1), 1, CONFIG)
-        world.refit(1)
+        world.publish(peft_state(1), world.next_version(), CONFIG)
+        world.refit(world.publisher.shards.version or 0)
     before = served(world.llm, refitted())
     info = lora_update(ADAPTER, ADAPTER_ID, MODEL, 99, CONFIG)
     info["lora"]["step"] = "install"  # the second half of a TP > 1 refit, alone
