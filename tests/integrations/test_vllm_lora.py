@@ -148,14 +148,21 @@ def test_a_refitted_adapter_serves_what_vllm_serves_from_disk_after_an_update_an
     assert served(world.llm, refitted()) == world.from_disk(v3, f"v{n + 2}")
 
 
+def narrowed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with one A a column short of its layer's input features."""
+    key = "base_model.model.model.layers.1.self_attn.o_proj.lora_A.weight"
+    return {**state, key: state[key][:, :-1].contiguous()}
+
+
 @pytest.mark.parametrize(
     ("state", "config", "why"),
     [
         (peft_state(3, r=32), LoraConfig(32, 64, TARGETS), "greater than max_lora_rank 16"),
         (peft_state(3, extra="model.norm"), CONFIG, "no LoRA layer for .*model.norm"),
         (peft_state(3, extra="lm_head"), CONFIG, "LogitsProcessorWithLoRA.* does not plan"),
+        (narrowed(peft_state(3)), CONFIG, "fills 255 of the 256 input features"),
     ],
-    ids=["rank-over-max", "unsupported-module", "layer-without-slots"],
+    ids=["rank-over-max", "unsupported-module", "layer-without-slots", "shape-mismatch"],
 )
 def test_an_adapter_update_refused_before_any_byte_moves_leaves_the_old_version_serving(
     world: World, state: dict[str, torch.Tensor], config: LoraConfig, why: str
