@@ -79,6 +79,12 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench inflight --prefetch-nice 0    # the prefetch at the engine's priority",
         "refitd bench inflight --preset tiny --tp 2 --updates 3   # two TP ranks, toy size",
     ),
+    "lora": (
+        "refitd bench lora                          # a rank-16 adapter on the 608 MB Llama, K = 5",
+        "refitd bench lora --tiny                   # the tests' 2.8 MiB Llama (CI)",
+        "refitd bench lora --rank 64 --updates 8",
+        "refitd bench lora --tiny --tp 2            # two TP ranks, each pulling its part",
+    ),
     "vllm": (
         "refitd bench vllm                          # a 608 MB Llama, 4 updates",
         "refitd bench vllm --tiny                   # the tests' 2.8 MiB Llama (CI)",
@@ -128,6 +134,11 @@ BENCHES: dict[str, tuple[str, str]] = {
     "inflight": (
         "refitd.bench.inflight",
         "refit a serving vLLM engine in flight under streaming load: the pause is the swap",
+    ),
+    "lora": (
+        "refitd.bench.lora",
+        "refit a LoRA adapter in a serving vLLM engine vs a full refit and vs vLLM loading "
+        "it from disk (CPU)",
     ),
     "vllm": (
         "refitd.bench.vllm",

@@ -15,6 +15,7 @@ Modules:
 - `hostwork`: a trainer or engine process on a simulated host (JSON lines on stdin)
 - `simhosts`: simulated hosts: network + mount namespaces on one machine
 - `vllm`: ``bench vllm``: refit a vLLM engine vs reloading it from disk
+- `lora`: ``bench lora``: refit a LoRA adapter in a serving vLLM engine vs full refit and disk
 - `inflight`: ``bench inflight``: a serving vLLM engine refitted in flight under load
 - `delta`: ``bench delta``: refit by delta vs full refit of a model trained in bf16
 - `deltamodel`: the parts of bench delta that run on one host or across a link

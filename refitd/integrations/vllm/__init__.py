@@ -17,6 +17,7 @@ Modules:
 - `prefetching`: in-flight refit, the worker side: prefetch while serving, swap all or none
 - `prepared`: post-load processing run ahead of the swap, into new storage
 - `inflight`: in-flight refit, the trainer side: the driver, for ``AsyncLLM`` and ``vllm serve``
+- `lora`: LoRA adapter refit, the worker side: planned by capture, landed in a free slot
 """
 
 from __future__ import annotations

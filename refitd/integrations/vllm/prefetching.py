@@ -282,6 +282,13 @@ class RefitdWorkerExtension:
     def refitd_inflight_state(self) -> dict[str, Any] | None:
         return inflight_state(self)
 
+    def refitd_refit_lora(self, update_info: dict[str, Any]) -> dict[str, Any]:
+        """``POST /collective_rpc {"method": "refitd_refit_lora", "args": [info]}``:
+        refit one LoRA adapter (:func:`refitd.integrations.vllm.lora.refit_lora`)."""
+        from refitd.integrations.vllm.lora import refit_lora
+
+        return refit_lora(self, update_info)
+
 
 def _background_priority(nice: int = 19) -> None:
     """The prefetch thread, and the OpenMP team its processing starts (threads inherit

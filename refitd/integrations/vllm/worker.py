@@ -72,6 +72,7 @@ from vllm.distributed.weight_transfer.base import (
 from refitd.client.deltarefit import DeltaReceiver
 from refitd.client.receiver import DaemonReceiver, RefitStats
 from refitd.errors import ConflictError
+from refitd.integrations.vllm.lora import refit_lora
 from refitd.integrations.vllm.postload import (
     Destination,
     Reprocessing,
@@ -94,6 +95,8 @@ __all__ = [
     "RefitdWeightTransferEngine",
     "RefitdWorkerExtension",
     "inflight_state",
+    "lora_stats",
+    "refit_lora",
     "refit_stats",
 ]
 
@@ -135,6 +138,8 @@ class RefitdInitInfo(WeightTransferInitInfo):
     prefetch_nice: int = 19
     prefetch_threads: int = 0
     prefetch_duty: float = 1.0
+    #: False: only LoRA adapters are refitted (no base-model destinations are set up)
+    base: bool = True
 
     def __post_init__(self) -> None:
         if self.prefetch_threads < 0:
@@ -153,6 +158,8 @@ class RefitdUpdateInfo(WeightTransferUpdateInfo):
 
     version: int | None = None
     phase: str = "refit"
+    #: ``phase="lora"``: the adapter (:func:`refitd.integrations.lora.lora_update`)
+    lora: dict[str, Any] | None = None
 
 
 class _Destinations(torch.nn.Module):
@@ -210,6 +217,9 @@ class RefitdWeightTransferEngine(
         self._prefetch: Prefetch | None = None
         self._dest_names: dict[int, str] = {}
         self.last_stats: dict[str, Any] | None = None
+        self._lora: Any = None
+        self._lora_pulled: dict[str, dict[str, Any]] = {}  # pulled, not yet installed
+        self.last_lora: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
 
     # ------------------------------------------------------------ set-up
@@ -265,6 +275,15 @@ class RefitdWeightTransferEngine(
             module = owners.get(prefix)
             if module is None:
                 raise RuntimeError(f"refitd: the live model has no module {prefix!r} for {name!r}")
+            if (
+                leaf not in module._parameters
+                and leaf not in module._buffers
+                and isinstance(module._modules.get("base_layer"), torch.nn.Module)
+            ):
+                # With enable_lora vLLM wraps the layer (``weight`` is then a property
+                # of the wrapper): the parameter, and its processing, are the base layer's.
+                prefix = f"{prefix}.base_layer"
+                module = owners[prefix]
             p = module._parameters.get(leaf)
             if p is not None and p.numel() and storage_key(p) in claimed:
                 p = self._untie(module, prefix, leaf, p, claimed[storage_key(p)])
@@ -365,6 +384,10 @@ class RefitdWeightTransferEngine(
             raise ValueError(
                 f"refitd mode must be 'swap', 'staging' or 'direct', not {init_info.mode!r}"
             )
+        self._lora = None
+        if not init_info.base:
+            logger.info("refitd: worker connected to %s for LoRA adapters", local.base_url)
+            return
         engine = self._destinations()
         kind: Any = DaemonReceiver
         extra: dict[str, Any] = {}
@@ -398,6 +421,12 @@ class RefitdWeightTransferEngine(
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         info = self.parse_update_info(update_info)
+        if info.phase == "lora":
+            raise ValueError(
+                "refitd: a LoRA adapter is not refitted inside a weight update: vLLM's "
+                "finish_weight_update drops every adapter; use "
+                "collective_rpc(refitd.integrations.vllm.worker.refit_lora, args=(info,))"
+            )
         if info.phase not in PHASES:
             raise ValueError(f"refitd: update phase {info.phase!r} refused: one of {PHASES}")
         if self.receiver is None:
@@ -412,6 +441,60 @@ class RefitdWeightTransferEngine(
             self.receive_weights(info)
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
+
+    def _lora_refit(self, info: RefitdUpdateInfo) -> None:
+        """Refit one LoRA adapter (:mod:`refitd.integrations.vllm.lora`): pull, then
+        land it in a free slot and move the adapter there. ``info.lora["step"]``:
+        ``"all"`` (default), or ``"pull"`` then ``"install"`` as two calls, so that at
+        TP > 1 no rank installs before every rank has pulled
+        (:func:`~refitd.integrations.vllm.lora.refit_adapter`)."""
+        from refitd.integrations.lora import AdapterRefused
+        from refitd.integrations.vllm.lora import LoraSlots
+
+        if self._runner is None or self._init_info is None:
+            raise RuntimeError("refitd: init_weight_transfer_engine was not called")
+        if info.lora is None:
+            raise ValueError(
+                "refitd: phase 'lora' needs the adapter: 'lora': {name, id, model, config}"
+            )
+        step, name = str(info.lora.get("step", "all")), str(info.lora["name"])
+        if step not in ("all", "pull", "install"):
+            raise ValueError(f"refitd: LoRA step {step!r} refused: 'all', 'pull' or 'install'")
+        if self._lora is None:
+            self._lora = LoraSlots(self.model, self.vllm_config)
+        if step == "install":
+            pulled = self._lora_pulled.pop(name, None)
+            want = info.version
+            if pulled is None or (want is not None and pulled["stats"].version != want):
+                raise AdapterRefused(
+                    f"adapter {name!r}: install of {'the pulled version' if want is None else f'v{want}'} "
+                    f"refused on rank {self._rank()}: this rank holds no such pull"
+                )
+        else:
+            self._lora_pulled.pop(name, None)  # a new pull rewrites the buffers
+            local, source = self._clients[0], self._clients[-1]
+            ttl = self._init_info.lease_ttl_s
+            pulled = self._run(self._lora.refit(info.lora, info.version, local, source, ttl))
+        stats = pulled["stats"]
+        self.last_lora = {
+            "adapter": name,
+            "version": stats.version,
+            "replayed": stats.replayed,
+            "bytes": stats.bytes,
+            "pull_s": stats.pull_s,
+            "plan_s": stats.plan_s,
+            "pulled_s": time.perf_counter() - pulled["t0"],
+        }
+        if step == "pull":
+            self._lora_pulled[name] = pulled
+            return
+        t0 = time.perf_counter()
+        installed = self._lora.install(name, stats.version)
+        self.last_lora |= {
+            **installed,
+            "total_s": self.last_lora["pulled_s"] + time.perf_counter() - t0,
+        }
+        logger.info("refitd: LoRA refit %s", self.last_lora)
 
     def receive_weights(self, update_info: RefitdUpdateInfo) -> None:
         if self.receiver is None:
@@ -465,6 +548,10 @@ class RefitdWeightTransferEngine(
             pf.future.result()  # its pull ends (or fails) before the receiver closes
         if self.receiver is not None:
             self._run(self.receiver.close())
+        if self._lora is not None:
+            for adapter in self._lora.adapters.values():
+                self._run(adapter.receiver.close())
+            self._lora = None
         for c in self._clients:
             self._run(c.close())
         self._pool.submit(self._runner.close).result()
@@ -472,6 +559,12 @@ class RefitdWeightTransferEngine(
         self._init_info = None
         self.receiver = None
         self._clients = []
+
+
+def lora_stats(worker: Any) -> dict[str, Any] | None:
+    """``llm.collective_rpc(lora_stats)``: each worker's last LoRA refit, or ``None``."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return getattr(engine, "last_lora", None)
 
 
 def refit_stats(worker: Any) -> dict[str, Any] | None:
