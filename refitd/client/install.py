@@ -18,13 +18,16 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from refitd.client.publisher import torch_dtype
 from refitd.errors import ConflictError, RefitError
 from refitd.wire import PackSpec, PullProgress
 
 if TYPE_CHECKING:
-    from refitd.reshard.transfer_plan import FullPull
+    from refitd.reshard.transfer_plan import FullPull, SourceInfo
+    from refitd.wire import MergedManifest
 
 __all__ = [
+    "SPAN",
     "CompiledPull",
     "RefitStats",
     "Scatter",
@@ -32,6 +35,7 @@ __all__ = [
     "naming_suspects",
     "one_device",
     "overlapping_params",
+    "sources_of",
 ]
 
 Scatter = tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str, int]
@@ -159,3 +163,31 @@ def naming_suspects(exc: RefitError, names: Sequence[str]) -> RefitError:
     )
     err.progress = getattr(exc, "progress", None)  # type: ignore[attr-defined]
     return err
+
+
+SPAN = 1 << 40
+"""Synthetic address space per source region: the planner sees region r's byte b as
+``r * SPAN + b``, so every planned address splits back into (region, offset)."""
+
+
+def sources_of(m: MergedManifest) -> dict[str, SourceInfo]:
+    """The manifest as the planner's sources: one session per source region, and
+    region ``r``'s byte ``b`` at synthetic address ``r * SPAN + b``."""
+    from refitd.reshard.slice_plan import Shard
+    from refitd.reshard.transfer_plan import SourceInfo
+
+    sources: dict[str, SourceInfo] = {}
+    for t in m.tensors:
+        dt = torch_dtype(t.dtype)
+        shards = [
+            Shard(
+                tuple(s.offset),
+                tuple(s.shape),
+                f"r{s.region}",
+                s.region * SPAN + s.byte_offset,
+                dt.itemsize,
+            )
+            for s in t.shards
+        ]
+        sources[t.name] = SourceInfo(tuple(t.shape), dt, dt.itemsize, shards)
+    return sources

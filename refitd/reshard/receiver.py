@@ -39,6 +39,10 @@ from refitd.reshard.types import CaptureResult, UnsupportedReshard, summarize_un
 
 __all__ = ["ReshardReceiver", "_replay_ops", "execute_bound", "refuse_unsafe"]
 
+KEEP_PLANS = 4
+"""Compiled plans a receiver keeps (the current one and the last three): a
+double-buffered trainer's two sets of memory each replay their own plan."""
+
 _replay_ops = replay_ops
 """Local replay of an op chain (ModelExpress's receiver exposes it under this name)."""
 
@@ -78,7 +82,10 @@ class ReshardReceiver:
 
     ``max_segments_per_copy`` and ``pack_specs`` are passed to
     :func:`~refitd.reshard.transfer_plan.plan_transfer`. ``replans`` counts plans
-    made (a warm refit with an unchanged signature makes none). ``allow_unwritten``
+    made (a warm refit with an unchanged signature makes none). It keeps its last
+    ``keep_plans`` compiled plans and replays whichever one's signature the sources
+    match, so a trainer publishing from two sets of memory in turn (double
+    buffering: two sets of sessions) plans twice, not once a version. ``allow_unwritten``
     names destinations the capture may leave untouched (strict by default: none).
     """
 
@@ -89,7 +96,10 @@ class ReshardReceiver:
     allow_unwritten: Collection[str] = ()
     compiled: CompiledPlan | None = None
     replans: int = 0
+    keep_plans: int = KEEP_PLANS
     _options: tuple[object, ...] = field(default=(), init=False)
+    #: plans compiled before ``compiled``, newest first (at most ``keep_plans - 1``)
+    _earlier: list[CompiledPlan] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         self._options = (self.max_segments_per_copy, self.pack_specs)
@@ -111,8 +121,24 @@ class ReshardReceiver:
         refuse_unwritten(self.capture, dest_layout, self.allow_unwritten)
         plan = self.prepare(sources)
         self.replans += 1
+        if self.compiled is not None:
+            self._earlier.insert(0, self.compiled)
+            del self._earlier[max(0, self.keep_plans - 1) :]
         self.compiled = compile_plan(plan, sources, dest_layout, self._options)
         return self.compiled
+
+    def recall(self, sources: Mapping[str, SourceInfo], dest_layout: DestLayout) -> bool:
+        """Make an earlier plan whose signature ``sources`` match the current one (True),
+        the plan it replaces kept in its place: a trainer that double-buffers
+        publishes from two sets of memory in turn, each its own sessions, and each
+        keeps its plan."""
+        for k, plan in enumerate(self._earlier):
+            if plan.mismatch(sources, dest_layout) is None:
+                assert self.compiled is not None
+                self._earlier[k] = self.compiled
+                self.compiled = plan
+                return True
+        return False
 
     def refit(
         self,
@@ -143,6 +169,8 @@ class ReshardReceiver:
             if self.compiled is None
             else self.compiled.mismatch(sources, dest_layout)
         )
+        if why is not None and self.recall(sources, dest_layout):
+            why = None
         if why is not None:
             if self.strict:
                 raise SignatureMismatch(

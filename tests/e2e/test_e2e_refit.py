@@ -333,3 +333,37 @@ async def test_a_packed_block_for_a_strided_destination_is_scattered_on_arrival(
     await r.close()
     for p in pubs:
         await p.close()
+
+
+async def test_a_double_buffered_trainer_is_planned_once_per_buffer_then_replayed(
+    pair: Pair,
+) -> None:
+    """A trainer that double-buffers publishes odd versions from one set of memory and
+    even ones from another (each its own regions: the planner's sessions). The engine
+    plans each set once and replays both from then on (it kept one plan, and planned
+    every version again), every version bit exact."""
+    cfg = dense_toy_config()
+    model = "double-buffered"
+    buffers: list[list[Any] | None] = [None, None]
+    par = engine_par(cfg, 2, 0)
+    eng = zeroed_engine(cfg, par)
+    r: DaemonReceiver | None = None
+    for version in range(1, 6):
+        state = full_state(cfg, seed=version)
+        pub = fsdp_dim0(cfg, 2, state)
+        which = (version - 1) % 2
+        if buffers[which] is not None:  # that buffer's last version: readers first
+            await buffers[which][0].wait_drain(version - 2)  # type: ignore[index]
+        buffers[which] = await publish_layout(pair.trainer, model, pub, version, buffers[which])
+        if r is None:
+            r = receiver(pair, model, cfg, par, pub, eng)
+        stats = await r.refit()
+        assert stats.version == version
+        assert stats.replayed is (version > 2), version  # each buffer planned once
+        assert r.plans == min(version, 2)
+        assert mismatched(eng, cfg, par, state) == []
+    assert r is not None
+    await r.close()
+    for pubs in buffers:
+        for p in pubs or []:
+            await p.close()

@@ -94,6 +94,26 @@ def test_refits_plan_once_and_replay_while_the_signature_holds(kit: Any) -> None
     assert recv.replans == 2 and torch.equal(param, full[:, 4:12])
 
 
+def test_two_layouts_in_turn_are_planned_once_each_and_a_fifth_is_the_oldest_forgotten(
+    kit: Any,
+) -> None:
+    param = torch.zeros(32, 8)
+    dest = dest_layout_of({"p": param})
+    recv = _receiver(kit, param)
+    for version in range(6):  # a double-buffered trainer: two shard layouts in turn
+        pub, full = _world(kit, 1 + version, blocks=(4, 2)[version % 2])
+        recv.refit(pub.sources, lambda n: param.data_ptr(), CountingTransport(), dest)
+        assert torch.equal(param, full[:, 4:12])
+    assert recv.replans == 2
+    for blocks in (1, 8, 16, 32):  # four more layouts: the first two leave the cache
+        pub, full = _world(kit, 100 + blocks, blocks=blocks)
+        recv.refit(pub.sources, lambda n: param.data_ptr(), CountingTransport(), dest)
+    assert recv.replans == 6
+    pub, full = _world(kit, 7, blocks=4)
+    recv.refit(pub.sources, lambda n: param.data_ptr(), CountingTransport(), dest)
+    assert recv.replans == 7 and torch.equal(param, full[:, 4:12])
+
+
 def test_a_strict_receiver_replays_only_the_signature_it_was_warmed_on(kit: Any) -> None:
     param = torch.zeros(32, 8)
     dest = dest_layout_of({"p": param})
