@@ -209,6 +209,7 @@ class DaemonReceiver(Staging):
     async def _scratch(self, nbytes: int) -> RegionInfo:
         if self._scratch_region is not None and self._scratch_region.nbytes >= nbytes:
             return self._scratch_region
+        self._lowered.clear()  # their rows name the scratch region replaced here
         if self._engine_flat is not None:  # GPU parameters: GPU scratch, installs stay on it
             from refitd.client.gpu import device_buffer
 
@@ -497,6 +498,8 @@ class DaemonReceiver(Staging):
         replayed = self._compiled is not None and self._compiled.signature == sig
         if not replayed and sig in self._lowered:  # an earlier placement (double buffering)
             self._compiled, replayed = self._lowered[sig], True
+            if self._engine_region is not None:  # swaps since moved the serving copy
+                self._compiled.retarget(self._engine_region.region_id)
         if not replayed:
             # Not the exact placement of last time: rebind the compiled plan if only
             # addresses moved (no planning), else capture and plan again (a new

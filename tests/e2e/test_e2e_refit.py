@@ -367,3 +367,39 @@ async def test_a_double_buffered_trainer_is_planned_once_per_buffer_then_replaye
     for pubs in buffers:
         for p in pubs or []:
             await p.close()
+
+
+async def test_pulls_kept_for_a_buffer_are_lowered_again_once_the_scratch_they_name_is_replaced(
+    pair: Pair,
+) -> None:
+    """A double-buffered trainer under a descriptor budget small enough that the engine
+    gathers through a scratch region. When the receiver replaces that region (a plan
+    needing a larger one does), the pulls it kept for the buffers name the region
+    gone: they are lowered again, and the next versions are bit exact (a kept pull
+    that still named it failed the third version)."""
+    cfg = moe_toy_config()
+    model = "buffers-and-scratch"
+    buffers: list[list[Any] | None] = [None, None]
+    par = engine_par(cfg, 2, 0)
+    eng = zeroed_engine(cfg, par)
+    r: DaemonReceiver | None = None
+    for version in range(1, 5):
+        state = full_state(cfg, seed=version)
+        pub = fsdp_dim0(cfg, 2, state)
+        which = (version - 1) % 2
+        if buffers[which] is not None:
+            await buffers[which][0].wait_drain(version - 2)  # type: ignore[index]
+        buffers[which] = await publish_layout(pair.trainer, model, pub, version, buffers[which])
+        if r is None:
+            r = receiver(pair, model, cfg, par, pub, eng, max_segments_per_copy=2)
+        await r.refit()
+        assert mismatched(eng, cfg, par, state) == []
+        if version == 2:  # as a plan needing more scratch would: a new, larger region
+            old = r._scratch_region
+            assert old is not None
+            assert (await r._scratch(2 * old.nbytes)).region_id != old.region_id
+    assert r is not None
+    await r.close()
+    for pubs in buffers:
+        for p in pubs or []:
+            await p.close()
