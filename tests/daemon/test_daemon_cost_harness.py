@@ -42,6 +42,7 @@ from refitd.daemon.waits import WAITS
 from refitd.delta.compare import comparison_bytes
 from refitd.wire import (
     DeltaPackRequest,
+    DeltaStreamRequest,
     DescriptorTable,
     HolderJoin,
     ManifestIn,
@@ -104,8 +105,11 @@ async def post(env: Env, who: str, path: str, value: Any, url: str = "") -> int:
         aiohttp.ClientSession() as http,
         http.post((url or env.url) + path, data=body, headers=headers) as r,
     ):
-        answer = await r.json(content_type=None)
         status = r.status
+        if path.endswith("/stream") and status == 200:  # frames: read to the end
+            await r.read()
+            return status
+        answer = await r.json(content_type=None)
     if path == "/v1/pulls" and status == 202:
         client = env.a if who == "a" else env.b
         await client.wait_pull(answer["pull_id"])
@@ -154,6 +158,17 @@ async def delta_pack_of_a_stride_zero_spec(env: Env) -> tuple[int, list[int]]:
     status = await post(env, "b", "/v1/deltas/pack", req)
     # The staged delta is built in the daemon's memory before it is copied to its
     # region: charged as the region's bytes (at most the stream's, 2 B a run).
+    return RUN_BYTES * RUNS + 2 * RUNS, [status]
+
+
+async def delta_stream_of_a_stride_zero_spec(env: Env) -> tuple[int, list[int]]:
+    spec = msgspec.structs.replace(stride_zero(0), src_region=env.v2)
+    req = DeltaStreamRequest(
+        "am", 2, env.lease, 1, env.base_digest, DescriptorTable(b""), [spec], chunk_bytes=1 << 12
+    )
+    status = await post(env, "b", "/v1/deltas/stream", req)
+    # Charged as the delta pack is: the selection of the stream's runs, and a chunk's
+    # encoded bytes at a time (at most the stream's, 2 B a run).
     return RUN_BYTES * RUNS + 2 * RUNS, [status]
 
 
@@ -265,6 +280,7 @@ ATTACKS: list[tuple[str, Attack]] = [
     ("pull: stride-0 spec at max_plan_runs", pull_of_a_stride_zero_spec),
     ("peer pack: stride-0 spec at max_plan_runs", peer_pack_of_a_stride_zero_spec),
     ("delta pack: stride-0 spec at max_plan_runs", delta_pack_of_a_stride_zero_spec),
+    ("delta stream: stride-0 spec at max_plan_runs", delta_stream_of_a_stride_zero_spec),
     ("publish: max_manifest_shards, compared", publish_of_the_largest_manifest_compared),
     ("pool: 20,000 layers", pool_of_many_layers),
     ("attach: 256 MiB sparse segment", attach_of_a_sparse_segment),
