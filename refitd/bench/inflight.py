@@ -49,7 +49,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from refitd.bench.vllm import LLM_CPU_KWARGS, PRESETS, _draw, _shapes, llama_config, start_daemon
+from refitd.bench.vllm import (
+    LLM_CPU_KWARGS,
+    PRESETS,
+    _draw,
+    _shapes,
+    beside_a_daemon,
+    llama_config,
+    offline,
+)
 
 __all__ = ["add_arguments", "run"]
 
@@ -189,13 +197,7 @@ def run(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="refitd-bench-inflight-") as tmp:
         root = Path(tmp)
-        os.environ.update(
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            VLLM_CACHE_ROOT=str(root / "cache"),
-            VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-        )
+        offline(root)
         cfg = llama_config(*PRESETS[args.preset])
         state = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in _shapes(cfg).items()}
         for d in ("engine", "last"):
@@ -206,21 +208,13 @@ def run(args: argparse.Namespace) -> int:
 
         save_file(state, str(root / "engine" / "model.safetensors"))
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        daemon, url = start_daemon(root)
-        try:
-            os.environ["REFITD_URL"] = url
-            print(
-                f"refitd bench inflight: Llama hidden {cfg['hidden_size']}, "
-                f"{cfg['num_hidden_layers']} layers: {nbytes / 2**20:.1f} MiB bf16; AsyncLLM "
-                f"TP{args.tp} "
-                f"on CPU; {args.streams} streams; {args.updates} in-flight updates",
-                flush=True,
-            )
-            return asyncio.run(_bench(args, root, state, url))
-        finally:
-            gc.collect()
-            daemon.terminate()
-            daemon.wait(30)
+        print(
+            f"refitd bench inflight: Llama hidden {cfg['hidden_size']}, "
+            f"{cfg['num_hidden_layers']} layers: {nbytes / 2**20:.1f} MiB bf16; AsyncLLM "
+            f"TP{args.tp} on CPU; {args.streams} streams; {args.updates} in-flight updates",
+            flush=True,
+        )
+        return beside_a_daemon(root, lambda url: asyncio.run(_bench(args, root, state, url)))
 
 
 async def _bench(args: argparse.Namespace, root: Path, state: dict[str, Any], url: str) -> int:

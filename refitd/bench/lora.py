@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -115,20 +114,21 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from refitd.bench.vllm import _draw, _shapes, llama_config, model_size, start_daemon
+    from refitd.bench.vllm import (
+        _draw,
+        _shapes,
+        beside_a_daemon,
+        llama_config,
+        model_size,
+        offline,
+    )
 
     if args.updates < 5:
         raise SystemExit("refitd bench lora: --updates must be at least 5")
     args.quant = None  # model_size reads it
     with tempfile.TemporaryDirectory(prefix="refitd-bench-lora-") as tmp:
         root = Path(tmp)
-        os.environ.update(
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            VLLM_CACHE_ROOT=str(root / "cache"),
-            VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-        )
+        offline(root)
         cfg = llama_config(*model_size(args))
         state = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in _shapes(cfg).items()}
         engine_dir = root / "engine"
@@ -137,14 +137,9 @@ def run(args: argparse.Namespace) -> int:
         _draw(state, 0)
         save_file(state, str(engine_dir / "model.safetensors"))
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
-        daemon, url = start_daemon(root)
-        try:
-            os.environ["REFITD_URL"] = url
-            return _bench(args, cfg, state, engine_dir, root, nbytes, url)
-        finally:
-            gc.collect()
-            daemon.terminate()
-            daemon.wait(30)
+        return beside_a_daemon(
+            root, lambda url: _bench(args, cfg, state, engine_dir, root, nbytes, url)
+        )
 
 
 def _bench(

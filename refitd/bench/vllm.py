@@ -52,14 +52,17 @@ import statistics
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 __all__ = [
     "LLM_CPU_KWARGS",
     "add_arguments",
+    "beside_a_daemon",
     "greedy",
     "llama_config",
+    "offline",
     "run",
     "served_digest",
     "start_daemon",
@@ -200,6 +203,32 @@ def greedy(llm: Any) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+def offline(root: Path) -> None:
+    """The environment every vLLM bench runs in: offline (no hub, no usage stats), its
+    compile cache under ``root``, and the serialization ``collective_rpc`` of our
+    functions needs."""
+    os.environ.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        VLLM_CACHE_ROOT=str(root / "cache"),
+        VLLM_ALLOW_INSECURE_SERIALIZATION="1",
+    )
+
+
+def beside_a_daemon(root: Path, bench: Callable[[str], int]) -> int:
+    """``bench(url)`` with a :func:`start_daemon` beside it (``REFITD_URL`` its URL),
+    stopped after, whatever ``bench`` did."""
+    daemon, url = start_daemon(root)
+    try:
+        os.environ["REFITD_URL"] = url
+        return bench(url)
+    finally:
+        gc.collect()
+        daemon.terminate()
+        daemon.wait(30)
+
+
 def start_daemon(root: Path, *settings: str) -> tuple[subprocess.Popen[str], str]:
     """A real ``refitd serve`` on 127.0.0.1:0 (secret file under ``root``; ``settings``
     more ``--set`` overrides, e.g. ``"pulls.deltas=true"``): the process and its URL."""
@@ -224,13 +253,7 @@ def run(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="refitd-bench-vllm-") as tmp:
         root = Path(tmp)
-        os.environ.update(
-            HF_HUB_OFFLINE="1",
-            TRANSFORMERS_OFFLINE="1",
-            VLLM_NO_USAGE_STATS="1",
-            VLLM_CACHE_ROOT=str(root / "cache"),
-            VLLM_ALLOW_INSECURE_SERIALIZATION="1",
-        )
+        offline(root)
         cfg = llama_config(*model_size(args))
         state = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in _shapes(cfg).items()}
         engine_dir, disk = root / "engine", root / "trainer"
@@ -244,14 +267,9 @@ def run(args: argparse.Namespace) -> int:
         )
         nbytes = sum(t.numel() * t.element_size() for t in state.values())
 
-        daemon, url = start_daemon(root)
-        try:
-            os.environ["REFITD_URL"] = url
-            return _bench(args, cfg, state, engine_dir, disk, nbytes, url, quant)
-        finally:
-            gc.collect()
-            daemon.terminate()
-            daemon.wait(30)
+        return beside_a_daemon(
+            root, lambda url: _bench(args, cfg, state, engine_dir, disk, nbytes, url, quant)
+        )
 
 
 def _bench(
