@@ -132,7 +132,8 @@ def cut(spans: I64, lo: int, hi: int, ends: I64 | None = None) -> I64:
     those of no bytes there left out. The source cuts its reads and the engine its
     pieces with this one function, so a chunk of a streamed delta names the same
     stream units on both sides."""
-    ends = np.cumsum(spans[:, 2])
+    if ends is None:  # the caller cutting many parts passes it once
+        ends = np.cumsum(spans[:, 2])
     starts = ends - spans[:, 2]
     i = int(np.searchsorted(ends, lo, side="right"))
     j = int(np.searchsorted(starts, hi, side="left"))
