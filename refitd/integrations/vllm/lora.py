@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from refitd.integrations.lora import PEFT_KEY, AdapterRefused
+from refitd.integrations.vllm.prepared import place_parameter
 from refitd.reshard.types import CaptureResult, UnsupportedReshard
 
 __all__ = ["AdapterRefit", "LoraSlots", "adapter_slots", "refit_adapter", "refit_lora"]
@@ -72,18 +73,6 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def _place(root: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
-    *path, leaf = name.split(".")
-    mod = root
-    for part in path:
-        child = mod._modules.get(part)
-        if child is None:
-            child = torch.nn.Module()
-            mod.add_module(part, child)
-        mod = child
-    mod.register_parameter(leaf, param)
 
 
 def _slot_layers(manager: Any) -> dict[str, Any]:
@@ -118,7 +107,7 @@ class _SlotTwin(torch.nn.Module):
         for pname, (layer, ab, k) in slot_names(self._layers).items():
             t = getattr(self._layers[layer], f"lora_{ab}_stacked")[k]
             meta = torch.empty((1, *t.shape[1:]), dtype=t.dtype, device="meta")
-            _place(self, pname, torch.nn.Parameter(meta, requires_grad=False))
+            place_parameter(self, pname, torch.nn.Parameter(meta, requires_grad=False))
 
     def load_weights(self, weights: Any) -> set[str]:
         from vllm.lora.lora_model import LoRAModel
@@ -347,7 +336,7 @@ class LoraSlots:
                     f"adapter {name!r} refused: {layer}'s lora_{ab}_stacked[{k}] is not contiguous"
                 )
             buf = torch.zeros((1, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            _place(dest, pname, torch.nn.Parameter(buf, requires_grad=False))
+            place_parameter(dest, pname, torch.nn.Parameter(buf, requires_grad=False))
         state = AdapterRefit(name, adapter_id, model, None, dest)
 
         def twin() -> torch.nn.Module:

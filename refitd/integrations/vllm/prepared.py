@@ -38,7 +38,7 @@ import torch
 
 from refitd.integrations.vllm.postload import Reprocessing, storage_key
 
-__all__ = ["Prepared", "prepare"]
+__all__ = ["Prepared", "place_parameter", "prepare"]
 
 _TABLES = ("_parameters", "_buffers", "_modules")
 
@@ -104,6 +104,20 @@ def _bind(module: torch.nn.Module, leaf: str, t: torch.Tensor) -> None:
         if old is not None:
             p.__dict__.update(old.__dict__)  # weight_loader & co
         module._parameters[leaf] = p
+
+
+def place_parameter(root: torch.nn.Module, name: str, param: torch.nn.Parameter) -> None:
+    """Register ``param`` under its full dotted ``name`` in ``root``, making the plain
+    modules on the way: a tree whose parameters are a refit's destinations by name."""
+    *path, leaf = name.split(".")
+    mod = root
+    for part in path:
+        child = mod._modules.get(part)
+        if child is None:
+            child = torch.nn.Module()
+            mod.add_module(part, child)
+        mod = child
+    mod.register_parameter(leaf, param)
 
 
 def _own(t: torch.Tensor, pulled: Callable[[torch.Tensor], bool]) -> torch.Tensor:

@@ -88,6 +88,7 @@ from refitd.integrations.vllm.prefetching import (
     inflight_state,
     new_background,
 )
+from refitd.integrations.vllm.prepared import place_parameter
 
 __all__ = [
     "RefitdInitInfo",
@@ -166,15 +167,7 @@ class _Destinations(torch.nn.Module):
     """A module tree whose parameters are the refit's destinations, by full name."""
 
     def place(self, name: str, param: torch.nn.Parameter) -> None:
-        *path, leaf = name.split(".")
-        mod: torch.nn.Module = self
-        for part in path:
-            child = mod._modules.get(part)
-            if child is None:
-                child = torch.nn.Module()
-                mod.add_module(part, child)
-            mod = child
-        mod.register_parameter(leaf, param)
+        place_parameter(self, name, param)
 
 
 def _fresh_config(vllm_config: Any) -> Any:
