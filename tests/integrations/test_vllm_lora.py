@@ -45,6 +45,16 @@ class World:
         self.publisher.config = config
         self.runner.run(self.publisher.publish(state, version))
 
+    def pull_ids(self) -> set[str]:
+        """The pulls the engine's daemon reports (running and recently ended)."""
+        from refitd.client.http import RefitClient
+
+        async def ask() -> set[str]:
+            async with RefitClient(self.url) as c:
+                return {p.pull_id for p in await c.pulls()}
+
+        return self.runner.run(ask())
+
     def next_version(self) -> int:
         return (self.publisher.shards.version or 0) + 1
 
@@ -173,13 +183,16 @@ def test_an_adapter_update_refused_before_any_byte_moves_leaves_the_old_version_
     before = served(world.llm, refitted())
     version = world.next_version()
     world.publish(state, version, config)
+    pulls = world.pull_ids()
     with pytest.raises(Exception, match=why):
         world.refit(version, config)
+    assert world.pull_ids() <= pulls  # no pull was submitted: no byte moved
     assert served(world.llm, refitted()) == before
     # and the next update lands as if nothing had been refused
     good = peft_state(4)
     world.publish(good, version + 1, CONFIG)
     world.refit(version + 1)
+    assert world.pull_ids() - pulls, "an update that lands is a pull the daemon reports"
     assert served(world.llm, refitted()) == world.from_disk(good, f"v{version + 1}")
 
 
