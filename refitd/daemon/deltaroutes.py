@@ -65,15 +65,18 @@ async def delta_stream(request: web.Request) -> web.StreamResponse:
     check_runs(len(req.descriptors), req.pack_specs, d.config.limits.max_plan_runs, what)
     lease = d.registry.check(req.lease_id, req.model, req.version)
     caller = principal_of(request).name
-    head, chunks = await stream(request.app[DELTAS], req, lease, caller)
-    resp = web.StreamResponse(headers={"Content-Type": MSGPACK})
-    await resp.prepare(request)
-    await resp.write(_frame(head))
-    async for chunk, payload in chunks:
-        # While this chunk crosses, the next one is encoded in the pool.
-        await resp.write(_frame(chunk))
-        await resp.write(payload.data)
-    await resp.write_eof()
+    # Open as long as its reader reads, holding its selection and two encoded chunks:
+    # counted against the principal's long polls, as a wait is.
+    with request.app[WAITS].held(caller, what):
+        head, chunks = await stream(request.app[DELTAS], req, lease, caller)
+        resp = web.StreamResponse(headers={"Content-Type": MSGPACK})
+        await resp.prepare(request)
+        await resp.write(_frame(head))
+        async for chunk, payload in chunks:
+            # While this chunk crosses, the next one is encoded in the pool.
+            await resp.write(_frame(chunk))
+            await resp.write(payload.data)
+        await resp.write_eof()
     return resp
 
 

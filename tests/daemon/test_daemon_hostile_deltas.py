@@ -140,6 +140,8 @@ async def pack_raw(
             f"{t.url}/v1/deltas/{route}", data=msgspec.msgpack.encode(req), headers=headers
         ) as r,
     ):
+        if route == "stream" and r.status == 200:  # frames, not JSON: read to the end
+            return r.status, await r.read()
         return r.status, await r.json(content_type=None)
 
 
@@ -411,6 +413,43 @@ async def test_delta_packs_waiting_for_a_comparison_count_as_long_polls(tmp_path
         assert len(waited) == MAX_WAITS_PER_PRINCIPAL
         for status, res in waited:  # the base it stated is not v2's: refused after waiting
             refused(status, res, 409, "digest")
+
+
+async def test_a_delta_stream_counts_as_one_of_its_principals_long_polls(tmp_path: Path) -> None:
+    """A streamed delta stays open as long as its reader reads, holding its selection
+    and two encoded chunks: b, already holding its one allowed long poll (a ``/ready``
+    on a pending version), has its stream refused (429, naming the cap) before any
+    selection; once the poll is answered the cap no longer refuses it."""
+    limits = LimitsConfig(max_long_polls_per_principal=1)
+    async with two_versions(tmp_path, limits=limits) as t:
+        _, req = await b_lease_and_request(t)
+        region = (await t.a.create_region(REGION, label="v3")).region_id
+        pending = msgspec.structs.replace(manifest(3, region), expected_slots=2)
+        await t.a.publish(pending)  # one slot of two: pending
+        url = f"{t.url}/v1/sources/am/versions/3/ready?timeout=60"
+        headers = {"Authorization": f"Bearer {TOKENS['b']}", "Accept": "application/json"}
+        async with aiohttp.ClientSession() as http:
+
+            async def ready() -> int:
+                async with http.get(url, headers=headers) as r:
+                    return r.status
+
+            poll = asyncio.ensure_future(ready())
+            for _ in range(1200):  # until the daemon counts b's poll (a safety net: 60 s)
+                if poll.done():  # it came while a stream held b's one place: again
+                    assert poll.result() == 429, poll.result()
+                    poll = asyncio.ensure_future(ready())
+                await asyncio.sleep(0.05)
+                status, res = await pack_raw(t, TOKENS["b"], req, "stream")
+                if status == 429:
+                    break
+            assert not poll.done(), poll.result()
+            refused(status, res, 429, "'b'", "long polls", "max_long_polls_per_principal")
+            await t.a.publish(msgspec.structs.replace(pending, slot=1))
+            assert await poll == 200
+        # The place is given back (v3 READY now answers the stream on its own terms).
+        status, _ = await pack_raw(t, TOKENS["b"], req, "stream")
+        assert status != 429
 
 
 async def test_a_delta_pack_whose_lease_ended_while_it_waited_stages_nothing(
