@@ -87,6 +87,9 @@ class Mirror:
     #: bytes of memory the mirror's regions take (counted from before they are made)
     nbytes: int = 0
     task: asyncio.Task[None] | None = None
+    #: chunks read from each holder (its URL), and chunks asked again of another
+    reads: dict[str, int] = field(default_factory=dict)
+    reasked: int = 0
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # regions exist
     #: its chunks are cut (``chunks``, ``done``): set before its regions are made
     planned: asyncio.Event = field(default_factory=asyncio.Event)
@@ -154,6 +157,8 @@ class Mirror:
             self.nbytes,
             held_bytes,
             budget_bytes,
+            dict(self.reads),
+            self.reasked,
         )
 
 

@@ -147,3 +147,8 @@ class MirrorState(msgspec.Struct, frozen=True):
     nbytes: int = 0
     held_bytes: int = 0
     budget_bytes: int = 0
+    #: chunks this mirror read from each holder (its URL; the source's included)
+    reads: dict[str, int] = {}
+    #: chunks asked of another holder after the one they were asked of failed, stopped
+    #: answering or was slow
+    reasked: int = 0
