@@ -1,130 +1,233 @@
-"""A source's holder book: who holds each version it is the source of, and who reads
-from whom. Pure state, no I/O; :mod:`refitd.daemon.mirrorhandlers` serves it.
+"""A source's holder book: who holds each version it is the source of, and which
+holder each chunk of it is read from first. Pure state, no I/O;
+:mod:`refitd.daemon.mirrorhandlers` serves it.
 
-The holders of a version form a tree rooted at the source. The source chooses each
-joiner's parent (its *upstream*) from the holders it knows:
+Every host's mirror reads each chunk from *some* holder: the source, or another
+host's mirror, still filling or complete. The book decides who brings each chunk
+onto the hosts first: it **deals** the version's chunks to its *seeders*, chunk ``c``
+to ``seeders[c % len(seeders)]``. A seeder reads its own chunks from the source;
+every other holder reads them from that seeder (a read of a chunk the seeder does
+not hold yet waits there until it does, :mod:`refitd.daemon.mirrorhold`). So:
 
-- the source itself has one child: its link carries each byte of a version about
-  once, whatever the number of hosts;
-- a holder has ``degree`` children at most: 1 while the version has at most
-  ``CHAIN_HOLDERS`` holders (a chain: every link sends at its full rate, and each hop
-  adds about one chunk's time), ``TREE_DEGREE`` past them (a tree: the depth, and so
-  the hops a byte waits for and the holders a failure reaches, grows with the
-  logarithm of the number of hosts, not with it);
-- among the holders with a free slot, the shallowest, then the fastest (the rate
-  each reported, bytes/s), then the earliest to join;
-- a holder is never given one of its own descendants (a cycle would wait forever).
+- the source sends each chunk about once, to its seeder, whatever the number of
+  hosts (``uplink_ratio`` about 1);
+- a host's downlink is fed by every seeder's uplink at once, not by one upstream: a
+  host that fell behind catches up, and one slow host slows only itself;
+- every seeder's uplink carries its share, ``1 / len(seeders)`` of the version, to
+  each other holder: the load is spread evenly, with no relay whose stall reaches
+  every host below it.
 
-A joiner that failed to read from a holder, or found it slow (under half the rate
-its peers report), names it in ``exclude``: that holder leaves the book (no later
-joiner is sent to it) and the joiner gets another parent; the source is the last
-resort. Each holder reports its rate as it fills (a join again, with ``rate``), and
-the answer gives every holder's: a mirror compares its own with its peers'.
+Why a deal and not a map of who holds what (a bitmap per holder, BitTorrent's way):
+with a deal, every holder knows where each chunk will be before any byte moves, and
+asks for it at once; the seeder's data server answers the moment the chunk lands
+there. A bitmap is news of the past: a reader waits for it (a report, a round trip)
+before each read, and two readers that see the same missing chunk both take it from
+the source. The bitmaps each holder reports (``have``) are kept for what they are
+good for: when a seeder fails, the chunks it was dealt are dealt again to a holder
+that already holds them complete, else spread over the other seeders.
+
+When the deal is made. A refit loop's fleet is the same from one version to the
+next: the book deals a version once every holder of the model's version before it
+has joined, or ``DEAL_GRACE_S`` after the first join, whichever comes first (with
+no version before, at the first join). Seeders are the holders joined by then,
+less the ones that filled the version before under ``SLOW_FRACTION`` of their
+peers' median rate (a host whose own link is slow reads every chunk, and brings
+none first). A holder that joins after the deal is a reader only.
+
+A joiner that failed to read from a holder, found it slow, or got wrong bytes from
+it names it in ``exclude``: that holder leaves the book, and its chunks are dealt
+again. The source is the holder of last resort: a chunk with no seeder left is read
+from the source by whoever lacks it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
-from refitd.wire.mirrors import HolderAssign, HolderJoin
+import numpy as np
 
-__all__ = ["CHAIN_HOLDERS", "MAX_HOLDERS", "TREE_DEGREE", "HolderBook"]
+from refitd.wire.mirrors import FROM_SOURCE, MAX_DEAL_CHUNKS, HolderAssign, HolderJoin
+
+__all__ = ["DEAL_GRACE_S", "MAX_HOLDERS", "SLOW_FRACTION", "HolderBook"]
 
 MAX_HOLDERS = 64
-"""Holders the book keeps per version: a joiner past them is told an upstream but not
-recorded, so the book, and each answer, stay bounded."""
+"""Holders the book keeps per version: a joiner past them reads from the seeders
+but is not recorded, so the book, and each answer, stay bounded."""
 
-CHAIN_HOLDERS = 4
-"""Up to this many holders, each holder has one child (a chain)."""
+DEAL_GRACE_S = 0.05
+"""How long after a version's first join the book waits for the holders of the
+version before it to join, s (a refit loop's hosts start each version together)."""
 
-TREE_DEGREE = 2
-"""Children a holder has at most once a version has more than ``CHAIN_HOLDERS``."""
+SLOW_FRACTION = 0.5
+"""A holder that filled the version before under this fraction of its peers' median
+rate is dealt no chunks of the next one."""
 
 
 @dataclass
 class _Holder:
-    parent: str  # "" the source
     rate: float = 0.0  # bytes/s it last reported filling at
+    final: bool = False  # ``rate`` is its whole fill's (its last report)
+    have: np.ndarray | None = None  # the chunks it last reported complete
+
+
+@dataclass
+class _Version:
+    chunks: int
+    first_join: float
+    #: the holders of the version before that were not slow: the deal waits for them
+    expected: frozenset[str]
+    slow: frozenset[str]
+    holders: dict[str, _Holder] = field(default_factory=dict)
+    seeders: list[str] = field(default_factory=list)
+    deal: np.ndarray | None = None  # per chunk, an index into ``seeders`` or FROM_SOURCE
+    dealt: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class HolderBook:
-    """Per version this daemon is the source of, its holders and their parents.
-    Bounded: ``MAX_HOLDERS`` per version, and only versions the caller checked exist
-    here (older ones of a model forgotten)."""
+    """Per version this daemon is the source of, its holders and its deal. Bounded:
+    ``MAX_HOLDERS`` per version, two versions per model (the newest and the one
+    before it, whose holders the next deal waits for)."""
 
     def __init__(self) -> None:
-        self._books: dict[tuple[str, int], dict[str, _Holder]] = {}
+        self._books: dict[tuple[str, int], _Version] = {}
 
-    def join(self, j: HolderJoin) -> HolderAssign:
-        """Record ``j.url`` (once), with its reported rate, and answer its upstream: the
-        parent it was given before, unless it excludes that one now; else a new one
-        (see the module docstring). Holders ``j`` excludes leave the book."""
-        for key in [k for k in self._books if k[0] == j.model and k[1] < j.version]:
-            del self._books[key]
-        book = self._books.setdefault((j.model, j.version), {})
-        failed = set(j.exclude) - {j.url}
-        for url in failed:
-            book.pop(url, None)
-        me = book.get(j.url)
+    def join(self, j: HolderJoin, chunks: int, now: float) -> HolderAssign:
+        """Record ``j.url`` (once) with what it reports, drop the holders it
+        excludes (their chunks dealt again), deal the version if it is due, and
+        answer the deal as it stands (empty while not dealt: :meth:`wait_dealt`).
+        ``chunks`` is the number of chunks the version is cut into here."""
+        v = self._version(j.model, j.version, chunks, now)
+        me = v.holders.get(j.url)
+        if me is None and len(v.holders) < MAX_HOLDERS:
+            me = v.holders[j.url] = _Holder()
         if me is not None:
-            if j.rate:
-                me.rate = j.rate
-            if me.parent and (me.parent in failed or me.parent not in book):
-                me.parent = self._choose(book, j.url)
-            return self._answer(book, me.parent)
-        parent = self._choose(book, j.url)
-        if len(book) < MAX_HOLDERS:
-            book[j.url] = _Holder(parent, j.rate)
-        return self._answer(book, parent)
+            if j.rate and not me.final:
+                me.rate, me.final = j.rate, j.done
+            if j.have:
+                me.have = _unpack(j.have, v.chunks)
+        for url in set(j.exclude) - {j.url}:
+            self._drop(v, url, j.url)
+        if v.deal is None and (v.expected <= set(v.holders) or not v.expected):
+            self._deal(v)
+        return self._answer(v)
+
+    def due(self, model: str, version: int, now: float) -> float:
+        """Seconds until the deal of ``model`` ``version`` is due (0: dealt, or due)."""
+        v = self._books.get((model, version))
+        if v is None or v.deal is not None:
+            return 0.0
+        return max(0.0, v.first_join + DEAL_GRACE_S - now)
+
+    async def wait_dealt(self, model: str, version: int, now: float) -> HolderAssign:
+        """The answer once ``model`` ``version`` is dealt: at once, when every
+        expected holder joined, else at ``DEAL_GRACE_S`` after its first join."""
+        v = self._books[(model, version)]
+        if v.deal is None:
+            try:
+                async with asyncio.timeout(self.due(model, version, now)):
+                    await v.dealt.wait()
+            except TimeoutError:
+                pass
+            if v.deal is None:
+                self._deal(v)
+        return self._answer(v)
 
     def holders(self, model: str, version: int) -> list[str]:
         """The holders of ``model`` ``version``, in the order they joined."""
-        return list(self._books.get((model, version), {}))
+        v = self._books.get((model, version))
+        return [] if v is None else list(v.holders)
 
-    def parent(self, model: str, version: int, url: str) -> str | None:
-        """The upstream ``url`` was given ("" the source), None if not in the book."""
-        h = self._books.get((model, version), {}).get(url)
-        return None if h is None else h.parent
+    def seeders(self, model: str, version: int) -> list[str]:
+        """The holders dealt chunks of ``model`` ``version``, in deal order."""
+        v = self._books.get((model, version))
+        return [] if v is None else list(v.seeders)
+
+    # ------------------------------------------------------------ inside
+
+    def _version(self, model: str, version: int, chunks: int, now: float) -> _Version:
+        v = self._books.get((model, version))
+        if v is not None:
+            return v
+        older = sorted(k for k in self._books if k[0] == model and k[1] < version)
+        expected: frozenset[str] = frozenset()
+        slow: frozenset[str] = frozenset()
+        if older:
+            before = self._books[older[-1]]
+            rates = [h.rate for h in before.holders.values() if h.rate > 0]
+            median = float(np.median(rates)) if rates else 0.0
+            slow = frozenset(
+                u for u, h in before.holders.items() if 0 < h.rate < SLOW_FRACTION * median
+            )
+            expected = frozenset(before.holders) - slow
+        for key in older[:-1]:  # the newest older one is kept: the next deal waits for it
+            del self._books[key]
+        if older:
+            self._books[older[-1]].dealt.set()  # nothing waits on it any more
+        v = self._books[(model, version)] = _Version(
+            min(chunks, MAX_DEAL_CHUNKS), now, expected, slow
+        )
+        return v
+
+    def _deal(self, v: _Version) -> None:
+        """Deal every chunk round robin over the holders joined now, less the slow."""
+        seeders = [u for u in v.holders if u not in v.slow] or list(v.holders)
+        v.seeders = seeders[: FROM_SOURCE - 1]
+        n = len(v.seeders)
+        if n == 0 or v.chunks == 0:
+            v.deal = np.full(v.chunks, FROM_SOURCE, dtype=np.uint8)
+        else:
+            v.deal = (np.arange(v.chunks) % n).astype(np.uint8)
+        v.dealt.set()
+
+    def _drop(self, v: _Version, url: str, by: str) -> None:
+        """``url`` leaves the book (``by`` failed to read from it); the chunks it was
+        dealt go to a holder that reported them complete, else round robin to the
+        other seeders (``by`` among them), else to the source."""
+        v.holders.pop(url, None)
+        if v.deal is None or url not in v.seeders:
+            return
+        gone = v.seeders.index(url)
+        mine = np.flatnonzero(v.deal == gone)
+        live = [s for s in v.seeders if s in v.holders and s != url]
+        if by in v.holders and by not in live and len(v.seeders) < FROM_SOURCE - 1:
+            live.append(by)
+        for s in live:
+            if s not in v.seeders:
+                v.seeders.append(s)
+        index = {s: i for i, s in enumerate(v.seeders)}
+        rest = np.ones(len(mine), dtype=bool)
+        for u, h in v.holders.items():  # a holder that has a chunk complete serves it
+            if h.have is None or not (rest & h.have[mine]).any():
+                continue
+            if u not in index:
+                if len(v.seeders) >= FROM_SOURCE - 1:
+                    continue
+                v.seeders.append(u)
+                index[u] = len(v.seeders) - 1
+            has = rest & h.have[mine]
+            v.deal[mine[has]] = index[u]
+            rest &= ~has
+        left = mine[rest]
+        if live:
+            v.deal[left] = np.array([index[s] for s in live], dtype=np.uint8)[
+                np.arange(len(left)) % len(live)
+            ]
+        else:
+            v.deal[left] = FROM_SOURCE
+        v.seeders[gone] = ""  # its index is never dealt again
 
     @staticmethod
-    def _answer(book: dict[str, _Holder], upstream: str) -> HolderAssign:
-        rates = {u: h.rate for u, h in book.items()}
-        return HolderAssign(upstream, list(book), rates, {u: h.parent for u, h in book.items()})
-
-    @staticmethod
-    def _choose(book: dict[str, _Holder], joiner: str) -> str:
-        """The parent of ``joiner``: see the module docstring."""
-        degree = 1 if len(book | {joiner: _Holder("")}) <= CHAIN_HOLDERS else TREE_DEGREE
-        children: dict[str, int] = {}
-        for url, h in book.items():
-            if url != joiner:
-                children[h.parent] = children.get(h.parent, 0) + 1
-        if children.get("", 0) < 1:
-            return ""
-        below = _descendants(book, joiner)
-        order = {url: i for i, url in enumerate(book)}
-        free = [u for u in book if u != joiner and u not in below and children.get(u, 0) < degree]
-        if not free:
-            return ""  # every holder's slots are taken: the source, as the last resort
-        return min(free, key=lambda u: (_depth(book, u), -book[u].rate, order[u]))
+    def _answer(v: _Version) -> HolderAssign:
+        deal = b"" if v.deal is None else v.deal.tobytes()
+        rates = {u: h.rate for u, h in v.holders.items()}
+        return HolderAssign(list(v.seeders), deal, list(v.holders), rates)
 
 
-def _depth(book: dict[str, _Holder], url: str) -> int:
-    """Hops from the source to ``url`` (a parent no longer in the book ends the walk)."""
-    depth, seen = 0, set()
-    while url and url in book and url not in seen:
-        seen.add(url)
-        depth += 1
-        url = book[url].parent
-    return depth
-
-
-def _descendants(book: dict[str, _Holder], url: str) -> set[str]:
-    """Every holder that reads from ``url``, directly or through others."""
-    out: set[str] = set()
-    frontier = {url}
-    while frontier:
-        nxt = {u for u, h in book.items() if h.parent in frontier and u not in out}
-        out |= nxt
-        frontier = nxt
-    return out
+def _unpack(have: bytes, chunks: int) -> np.ndarray | None:
+    """A reported bitmap of complete chunks (``np.packbits`` order), or None if it
+    does not fit the version's chunks."""
+    bits = np.unpackbits(np.frombuffer(have, dtype=np.uint8))
+    if len(bits) < chunks or bits[chunks:].any():
+        return None
+    return bits[:chunks].astype(bool)

@@ -1,15 +1,14 @@
-"""Filling a host mirror: from the holder the source's book assigns, failing over.
+"""Reading a host mirror's chunks from one holder: the source, or another host's
+mirror (a relay), with the leases, feed and data path that takes.
 
-A mirror reads the chunks it lacks from its upstream, the holder the source's holder
-book (:mod:`refitd.daemon.mirrorbook`) gives it: the source itself, or an upstream
-relay whose feed (:mod:`refitd.daemon.mirrorfeed`) says which chunks it serves now.
-Every read is a job of the daemon's one byte loop (:func:`refitd.daemon.mirrorread.fill_chunks`).
-
-While it reads, the mirror reports its rate to the book (:meth:`Filler._watch`); it
-leaves an upstream relay that fails, stops answering, or sends under half its peers'
-rate (:class:`SlowRelay`), and the book gives it another; the chunks already here
-stay, so the version is never restarted. The source is the last holder: if it fails,
-the mirror fails, naming every holder it tried.
+:class:`Filler` runs a mirror's fill (:class:`~refitd.daemon.mirrorswarm.Swarm`
+reads from every holder the source's book deals chunks to at once); its
+:meth:`Filler.from_source` and :meth:`Filler.from_relay` read one holder's share.
+A relay is read under a peer daemon's lease of its own registry, its feed
+(:mod:`refitd.daemon.mirrorfeed`) saying which chunks it serves now; over ``tcp`` the
+reads go out ahead and its data server answers each once its chunk is complete
+there. Every read is a job of the daemon's one byte loop
+(:func:`refitd.daemon.mirrorread.fill_chunks`).
 """
 
 from __future__ import annotations
@@ -28,57 +27,27 @@ from refitd.daemon.mirror import Mirror, covered
 from refitd.daemon.mirrorfeed import HEARTBEAT_S, follow
 from refitd.daemon.mirrorleases import OWNER
 from refitd.daemon.mirrorread import Regranted, answer_s, fill_chunks
+from refitd.daemon.mirrorswarm import Swarm, report_done
 from refitd.daemon.move import one_error
 from refitd.daemon.paths import SHM_SCHEME, TCP_SCHEME
 from refitd.daemon.sources import RemoteSource
 from refitd.errors import ProtocolError, RefitError, TransportError
-from refitd.wire import DescriptorTable, PeerRegions, PullRequest
+from refitd.wire import PeerRegions
 from refitd.wire import routes as api
 from refitd.wire.leases import LeaseGrant
-from refitd.wire.mirrors import MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorLease
+from refitd.wire.mirrors import MAX_DEAL_CHUNKS, MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorLease
 
 if TYPE_CHECKING:
     from refitd.daemon.node import Daemon
     from refitd.daemon.peerclient import PeerClient
     from refitd.daemon.pulls import PullManager
 
-__all__ = ["LEASE_TTL_S", "Filler", "Reassigned", "SlowRelay", "describe"]
+__all__ = ["LEASE_TTL_S", "Filler", "describe"]
 
 log = logging.getLogger("refitd.mirrors")
 
 LEASE_TTL_S = 120.0
 """TTL of the leases a mirror holds while it fills (renewed at a third of it), s."""
-
-REPORT_S = 0.5
-"""How often a filling mirror reports its rate to the source's holder book, s."""
-
-RATE_WINDOW_S = 1.0
-"""A mirror's rate is the bytes it completed over about the last this many seconds."""
-
-SLOW_AFTER_S = 1.0
-"""A relay is judged slow only after it was read from this long, s."""
-
-SLOW_FRACTION = 0.5
-"""A relay sending under this fraction of its peers' rate (their median) is slow."""
-
-SLOW_REPORTS = 2
-"""Reports in a row (a second) a relay must be slow in before it is left: a host
-that a busy core held up for a moment is not slow."""
-
-MAX_SLOW_SWITCHES = 1
-"""Relays one mirror leaves for being slow: a host whose own link is slow finds every
-upstream slow, and must not walk the whole book."""
-
-
-class Reassigned(TransportError):
-    """The source's book gave this mirror another upstream (its own left the book)."""
-
-
-class SlowRelay(TransportError):
-    """An upstream relay sends under ``SLOW_FRACTION`` of its peers' rate."""
-
-
-log = logging.getLogger("refitd.mirrors")
 
 
 class Filler:
@@ -108,136 +77,72 @@ class Filler:
         m: Mirror,
         src: RemoteSource,
         lease_id: str,
-        joined: asyncio.Task[str],
+        joined: asyncio.Task[HolderAssign | None],
         prepared: asyncio.Task[PeerRegions | None],
     ) -> None:
-        """Fill every chunk, from the holder the source assigns (first ``joined``, the
-        answer to this mirror's first join), failing over (a relay that failed, stopped
-        answering or was slow leaves the book; the chunks already here stay).
+        """Fill every chunk from the holders the source's book deals them to (first
+        ``joined``, the answer to this mirror's first join), all at once, failing over
+        (:class:`~refitd.daemon.mirrorswarm.Swarm`); the chunks already here stay.
 
         ``prepared`` makes the mirror's regions and gives the source's records under
         ``lease_id`` (None: this daemon does not mirror it, and nothing is read). It
-        runs while this starts: a relay's lease, feed and data path are opened while
-        the regions are made, so the first read goes out as soon as they exist."""
-        exclude: list[str] = []
-        slow_checks = MAX_SLOW_SWITCHES
-        sourced = False  # the source was tried: later tries fetch its records afresh
-        while not m.tried or not m.done.all():
-            upstream = await joined if not m.tried else await self.assign(src, m, exclude)
-            m.upstream = upstream
-            m.tried.append(upstream or m.source)
-            try:
-                with one_error():
-                    async with asyncio.TaskGroup() as tg:
-                        watch = tg.create_task(self._watch(m, src, upstream, slow_checks > 0))
-                        if upstream:
-                            await self._from_relay(m, upstream, lease_id, prepared)
-                        elif (peer := await made(prepared)) is not None:
-                            tried, sourced = sourced, True
-                            await self._from_source(m, src, lease_id, None if tried else peer)
-                        watch.cancel()
-            except Reassigned as exc:
-                log.info("%s", exc)
-            except (RefitError, OSError, TimeoutError) as exc:
-                slow_checks -= isinstance(exc, SlowRelay)
-                what = f"{upstream or m.source}: {describe(exc)}"
-                if not upstream:
-                    m.error = (
-                        f"mirror of {m.model!r} version {m.version} failed; holders tried, in "
-                        f"order: {', '.join(m.tried)}; the source failed last: {what}"
-                    )
-                    raise TransportError(m.error) from exc
-                log.warning("relay %s failed, reading the rest elsewhere: %s", upstream, what)
-                exclude.append(upstream)
-            if await made(prepared) is None:
-                return  # not mirrored here (``m.error`` says why): nothing to read
-
-    async def assign(self, src: RemoteSource, m: Mirror, exclude: list[str]) -> str:
-        """The holder to read from, as the source's holder book assigns it ("" the
-        source). A source that runs no holder book is read directly."""
+        runs while this starts: each holder's lease, feed and data path are opened
+        while the regions are made, so the first reads go out as soon as they exist."""
+        began = asyncio.get_running_loop().time()
         try:
-            a = await self._join(src, m, exclude, 0.0)
+            await Swarm(self, m, src, lease_id, prepared).run(await joined)
+        except (RefitError, OSError, TimeoutError) as exc:
+            m.error = (
+                f"mirror of {m.model!r} version {m.version} failed; holders read from, in "
+                f"order: {', '.join(m.tried)}; the source failed: {describe(exc)}"
+            )
+            raise TransportError(m.error) from exc
+        if await made(prepared) is not None:
+            await report_done(self, src, m, asyncio.get_running_loop().time() - began)
+
+    async def assign(self, src: RemoteSource, m: Mirror, exclude: list[str]) -> HolderAssign | None:
+        """The source's holder book's deal of ``m``'s version (None: read the source
+        for every chunk: it runs no holder book, or this daemon has no URL)."""
+        try:
+            return await self.join(src, m, exclude, 0.0)
         except RefitError as exc:
             log.info("no holder book at %s (%s): reading it directly", m.source, exc)
-            return ""
-        return "" if a is None else a.upstream.rstrip("/")
+            return None
 
-    async def _join(
-        self, src: RemoteSource, m: Mirror, exclude: list[str], rate: float
+    async def join(
+        self, src: RemoteSource, m: Mirror, exclude: list[str], rate: float, done: bool = False
     ) -> HolderAssign | None:
-        """Join (or report ``rate``, bytes/s, to) the source's holder book; None when
-        this daemon has no URL to be read at."""
+        """Join (or report ``rate``, bytes/s, and the chunks complete here to) the
+        source's holder book; None when this daemon has no URL to be read at."""
         me = self.self_url()
         if not me:
             return None
-        join = HolderJoin(m.model, m.version, me, self.d.node_id, exclude[-MAX_EXCLUDE:], rate)
+        have = np.packbits(m.done).tobytes() if m.planned.is_set() else b""
+        join = HolderJoin(
+            m.model, m.version, me, self.d.node_id, exclude[-MAX_EXCLUDE:], rate, done,
+            have[: MAX_DEAL_CHUNKS // 8],
+        )  # fmt: skip
         async with asyncio.timeout(answer_s(self.d.config.data_plane.pull_timeout_s)):
             return await src.client.join_holders(join.signed(self.d.secret))
 
-    async def _watch(self, m: Mirror, src: RemoteSource, upstream: str, judge: bool) -> None:
-        """While this mirror reads from ``upstream`` ("" the source): every
-        ``REPORT_S`` report its rate to the source's book, and raise
-        :class:`Reassigned` when its upstream left the book (another mirror found it
-        failed or slow) and the book gives it another, or (``judge``) :class:`SlowRelay` when a relay sends it under
-        ``SLOW_FRACTION`` of its peers' rate (their median; a relay's rate is shared
-        by its children, so it is counted once per child) in ``SLOW_REPORTS``
-        reports in a row. A mirror that itself left the book (another found it slow)
-        and is put back by a report keeps reading from its upstream."""
-        await m.ready.wait()  # a rate counts from when the regions exist
-        loop = asyncio.get_running_loop()
-        began = loop.time()
-        samples = [(began, m.done_bytes())]
-        me = self.self_url().rstrip("/")
-        slow_reports = 0
-        while True:
-            await asyncio.sleep(REPORT_S)  # a timer: how often the source hears of us
-            now, got = loop.time(), m.done_bytes()
-            samples.append((now, got))
-            while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW_S:
-                samples.pop(0)
-            rate = (got - samples[0][1]) / max(1e-6, now - samples[0][0])
-            try:
-                a = await self._join(src, m, [], rate)
-            except (RefitError, TimeoutError):
-                continue  # the book is advice: reading goes on
-            if a is None:
-                return
-            held = {u.rstrip("/") for u in a.holders}
-            if upstream and upstream not in held and a.upstream.rstrip("/") != upstream:
-                raise Reassigned(
-                    f"mirror of {m.model!r} version {m.version}: the source moved it from "
-                    f"{upstream or m.source} to {a.upstream or m.source}"
-                )
-            if not (judge and upstream) or now - began < SLOW_AFTER_S:
-                continue
-            share = max(1, sum(1 for p in a.parents.values() if p.rstrip("/") == upstream))
-            peers = sorted(
-                r for u, r in a.rates.items() if u.rstrip("/") not in (me, upstream) and r > 0
-            )
-            slow_reports = (
-                slow_reports + 1
-                if peers and rate * share < SLOW_FRACTION * peers[len(peers) // 2]
-                else 0
-            )
-            if slow_reports >= SLOW_REPORTS:
-                raise SlowRelay(
-                    f"it sends {rate * 8 / 1e6:.0f} Mbit/s, under {SLOW_FRACTION} of its "
-                    f"peers' {peers[len(peers) // 2] * 8 / 1e6:.0f} Mbit/s"
-                )
-
-    async def _from_source(
-        self, m: Mirror, src: RemoteSource, lease_id: str, peer: PeerRegions | None
+    async def from_source(
+        self,
+        m: Mirror,
+        src: RemoteSource,
+        lease_id: str,
+        prepared: asyncio.Task[PeerRegions | None],
+        todo: np.ndarray,
     ) -> None:
-        """Read every chunk this mirror lacks from the source, under the mirror's own
-        lease there (its records, ``peer`` or fetched now, give the whole version)."""
-        probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
+        """Read chunks ``todo`` of ``m`` from the source, under the mirror's own lease
+        there (the records it was prepared with give the whole version)."""
+        peer = await made(prepared)
+        if peer is None:
+            return  # not mirrored here: nothing to read
         wait = self.d.config.data_plane.pull_timeout_s
         async with asyncio.timeout(wait):
-            if peer is None:
-                peer = await src.regions(sorted(m.regions), probe)
             path, conn = await self.pulls.open_path(src, peer)
         try:
-            todo = np.flatnonzero(~m.done & covered(m.chunks, peer.scope))
+            todo = todo[~m.done[todo] & covered(m.chunks[todo], peer.scope)]
             await fill_chunks(
                 m, self.pulls, conn, path, todo, holder=m.source, lease_id=lease_id,
                 owner=OWNER, their=None, pull_timeout_s=wait, landed=self.landed,
@@ -246,16 +151,17 @@ class Filler:
             if path == SHM_SCHEME:  # a transport's connection is shared: it stays open
                 await conn.close()
 
-    async def _from_relay(
+    async def from_relay(
         self,
         m: Mirror,
         url: str,
         source_lease: str,
         prepared: asyncio.Task[PeerRegions | None],
+        todo: np.ndarray,
     ) -> None:
-        """Read the chunks this mirror lacks from ``url``'s mirror, each as soon as it
-        is complete there (its feed says so, with records that let us read it), until
-        every chunk is here. Its lease there is a peer daemon's, granted under this
+        """Read chunks ``todo`` of ``m`` from ``url``'s mirror, each as soon as it is
+        complete there (over ``tcp`` the read waits there for it; else its feed says
+        so, with records that let us read it). Its lease there is a peer daemon's, granted under this
         mirror's live lease at the source, ``source_lease``. The lease, the feed and
         the data path are opened while ``prepared`` makes this mirror's regions; the
         reads wait for them (none when it gives None)."""
@@ -287,7 +193,7 @@ class Filler:
                             raise TransportError("its feed ended before its first frame")
                         if await made(prepared) is None:
                             return  # not mirrored here: nothing to read
-                        todo = np.flatnonzero(~m.done)
+                        todo = todo[~m.done[todo]]
                         await fill_chunks(
                             m, self.pulls, feed.conn, feed.path, todo, holder=url,
                             lease_id=grant.lease_id, owner=OWNER, their=feed.their,

@@ -27,8 +27,9 @@ routes = RouteTable()
 
 @routes.handles(api.MIRROR_HOLDERS)
 async def join_holders(request: web.Request) -> web.Response:
-    """A mirror of a version this daemon is the source of joins its pipeline; answers
-    the holder it reads from. Only a peer daemon joins (the join is signed with the
+    """A mirror of a version this daemon is the source of joins its holder book (or
+    reports its rate and its complete chunks); answers the version's deal
+    (:mod:`refitd.daemon.mirrorbook`), waiting at most ``DEAL_GRACE_S`` for it. Only a peer daemon joins (the join is signed with the
     deployment secret, 403 otherwise), in a body of at most ``MAX_JOIN_BYTES`` (413,
     refused before it is read) whose fields are bounded (400)."""
     if request.content_length is None or request.content_length > MAX_JOIN_BYTES:
@@ -42,8 +43,13 @@ async def join_holders(request: web.Request) -> web.Response:
             f"{MAX_JOIN_BYTES} bytes, with its length stated"
         )
     j = await body(request, HolderJoin)
-    request.app[DAEMON].check_holder_join(j)
-    return reply(request, request.app[MIRRORS].book.join(j))
+    d, book = request.app[DAEMON], request.app[MIRRORS].book
+    d.check_holder_join(j)
+    now = time.monotonic()
+    a = book.join(j, request.app[MIRRORS].chunk_count(j.model, j.version), now)
+    if not a.deal:  # the version's holders are still joining: at most DEAL_GRACE_S
+        a = await book.wait_dealt(j.model, j.version, now)
+    return reply(request, a)
 
 
 @routes.handles(api.MIRROR_STATE)

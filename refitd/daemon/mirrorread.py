@@ -148,6 +148,7 @@ async def fill_chunks(
 
     def mark(lo: int, hi: int) -> None:
         m.mark(todo[lo:hi])  # only now: after the read returned
+        m.reads[holder] = m.reads.get(holder, 0) + hi - lo
         landed()
 
     with pulls.tracked(req, owner, path, int(c[:, 2].sum()), holder) as job:

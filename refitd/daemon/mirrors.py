@@ -112,6 +112,7 @@ class Mirrors:
         self.policy = policy
         self.self_url = self_url
         self.book = HolderBook()
+        self._chunk_counts: dict[tuple[str, int], int] = {}
         #: the lease rules of this daemon's mirrors (granted under a source lease)
         self.leases = MirrorLeases(daemon, self.find, self._remote)
         self.budget = (
@@ -396,6 +397,16 @@ class Mirrors:
             return scope
         done = m.done_extents()
         return {rid: done.get(rid, []) for rid in scope}
+
+    def chunk_count(self, model: str, version: int) -> int:
+        """How many chunks a mirror cuts ``model`` ``version`` of this daemon into
+        (:func:`cut_chunks` of its whole scope, as every mirror of it cuts it)."""
+        key = (model, version)
+        if key not in self._chunk_counts:
+            if len(self._chunk_counts) >= 256:
+                self._chunk_counts.pop(next(iter(self._chunk_counts)))
+            self._chunk_counts[key] = len(cut_chunks(self.d.registry.scope(model, version)))
+        return self._chunk_counts[key]
 
     def held_bytes(self) -> int:
         """Bytes every mirror of this daemon holds, or is about to make."""

@@ -15,6 +15,8 @@ from refitd.wire.leases import MAX_LEASE_TTL_S
 from refitd.wire.records import PeerRegions
 
 __all__ = [
+    "FROM_SOURCE",
+    "MAX_DEAL_CHUNKS",
     "MAX_EXCLUDE",
     "MAX_JOIN_BYTES",
     "MIRROR_LEASE_FRESH_S",
@@ -29,6 +31,11 @@ MAX_EXCLUDE = 64
 """Failed holders one join may name at most."""
 MAX_JOIN_BYTES = 64 << 10
 """Bytes of a join's body at most (refused from its headers past it)."""
+MAX_DEAL_CHUNKS = 1 << 16
+"""Chunks of a version the holder book deals at most (a chunk is at most 16 MiB:
+1 TiB); the chunks past them are read from the source."""
+FROM_SOURCE = 255
+"""A chunk's entry in a deal that says: read it from the source."""
 
 PeerUrl = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
@@ -49,6 +56,10 @@ class HolderJoin(Signed, frozen=True, forbid_unknown_fields=True):
     )
     #: bytes/s the joiner fills at now (0: not reading yet); a join again reports it
     rate: Annotated[float, msgspec.Meta(ge=0, le=1e15)] = 0.0
+    #: ``rate`` is the joiner's whole fill's: its mirror is complete (its last report)
+    done: bool = False
+    #: the chunks the joiner holds complete, one bit each (``numpy.packbits`` order)
+    have: Annotated[bytes, msgspec.Meta(max_length=MAX_DEAL_CHUNKS // 8)] = b""
     mac: bytes = b""
 
     def _what(self) -> str:
@@ -114,15 +125,19 @@ class MirrorFeed(msgspec.Struct, frozen=True):
 
 
 class HolderAssign(msgspec.Struct, frozen=True):
-    """The holder a joining mirror reads from (``""``: the source itself), every holder
-    the source knows of the version, in the order they joined, and the rate each
-    last reported filling at (bytes/s)."""
+    """The source's holder book's answer to a join: the version's deal and holders.
 
-    upstream: str
+    ``deal`` has one byte per chunk: the index in ``seeders`` of the holder that
+    brings the chunk onto the hosts (reads it from the source; every other holder
+    reads it from there), or :data:`FROM_SOURCE` (read from the source). Empty while
+    the version is not dealt yet. ``holders`` are every holder the source knows of the
+    version, in the order they joined, and ``rates`` what each last reported filling
+    at (bytes/s). A seeder that left the book is ``""`` in ``seeders``."""
+
+    seeders: list[str]
+    deal: bytes
     holders: list[str]
     rates: dict[str, float] = {}
-    #: each holder's upstream ("" the source)
-    parents: dict[str, str] = {}
 
 
 class MirrorState(msgspec.Struct, frozen=True):

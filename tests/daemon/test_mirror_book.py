@@ -1,72 +1,162 @@
-"""The source's holder book chooses who reads from whom: pure, no daemon."""
+"""The source's holder book deals each chunk of a version to a seeder: pure, no daemon."""
 
 from __future__ import annotations
 
-from refitd.daemon.mirrorbook import CHAIN_HOLDERS, TREE_DEGREE, HolderBook
-from refitd.wire.mirrors import HolderJoin
+import asyncio
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from refitd.daemon.mirror import Mirror
+from refitd.daemon.mirrorbook import DEAL_GRACE_S, MAX_HOLDERS, HolderBook
+from refitd.daemon.mirrorswarm import holders_of
+from refitd.wire.mirrors import FROM_SOURCE, HolderAssign, HolderJoin
+
+CHUNKS = 64
 
 
-def join(book: HolderBook, url: str, exclude: list[str] | None = None, rate: float = 0.0) -> str:
-    return book.join(HolderJoin("m", 1, url, "n", exclude or [], rate)).upstream
+def join(
+    book: HolderBook,
+    url: str,
+    version: int = 1,
+    exclude: list[str] | None = None,
+    rate: float = 0.0,
+    done: bool = False,
+    have: np.ndarray | None = None,
+    now: float = 0.0,
+) -> HolderAssign:
+    bits = b"" if have is None else np.packbits(have).tobytes()
+    j = HolderJoin("m", version, url, "n", exclude or [], rate, done, bits)
+    return book.join(j, CHUNKS, now)
 
 
-def parents(book: HolderBook) -> dict[str, str]:
-    return {u: book.parent("m", 1, u) or "" for u in book.holders("m", 1)}
+def dealt_to(a: HolderAssign) -> list[str]:
+    """Per chunk, the seeder a deal names ("" the source)."""
+    return [
+        "" if d == FROM_SOURCE else a.seeders[d] for d in np.frombuffer(a.deal, dtype=np.uint8)
+    ]
 
 
-def test_up_to_four_holders_form_a_chain_from_the_source() -> None:
+def test_the_first_version_is_dealt_at_its_first_join_to_that_holder() -> None:
+    a = join(HolderBook(), "h1")
+    assert a.seeders == ["h1"] and set(dealt_to(a)) == {"h1"}
+
+
+def test_the_next_version_is_dealt_over_the_holders_of_the_one_before_once_they_joined() -> None:
     book = HolderBook()
-    ups = [join(book, f"h{i}") for i in range(1, CHAIN_HOLDERS + 1)]
-    assert ups == ["", "h1", "h2", "h3"]
+    for h in ("h1", "h2", "h3", "h4"):
+        join(book, h)
+    for h in ("h1", "h2", "h3"):
+        assert join(book, h, version=2).deal == b""  # h4 has not joined yet: not dealt
+    a = join(book, "h4", version=2)
+    per = {h: dealt_to(a).count(h) for h in ("h1", "h2", "h3", "h4")}
+    assert per == {h: CHUNKS // 4 for h in per}  # an even share each
+    # consecutive chunks go to different seeders: every uplink is busy at once
+    assert all(x != y for x, y in zip(dealt_to(a), dealt_to(a)[1:], strict=False))
 
 
-def test_past_four_holders_the_source_builds_a_tree_of_degree_two_and_sends_once() -> None:
+def test_a_holder_that_joins_after_the_deal_reads_only_and_the_deal_never_moves() -> None:
     book = HolderBook()
-    for i in range(1, 17):
-        join(book, f"h{i}")
-    tree = parents(book)
-    children: dict[str, int] = {}
-    for parent in tree.values():
-        children[parent] = children.get(parent, 0) + 1
-    assert children[""] == 1  # the source's link carries the version once
-    assert max(children.values()) == TREE_DEGREE
-    assert sum(1 for n in children.values() if n >= 2) >= 2  # a tree, not a chain
-
-    def depth(u: str) -> int:
-        return 0 if not u else 1 + depth(tree[u])
-
-    assert max(depth(u) for u in tree) < 16 - 4  # shallower than a chain of 16
+    a = join(book, "h1")
+    b = join(book, "h2")
+    assert b.deal == a.deal and b.seeders == ["h1"] and b.holders == ["h1", "h2"]
 
 
-def test_a_joiner_keeps_its_upstream_until_it_excludes_it() -> None:
+async def test_the_deal_is_made_after_the_grace_when_a_holder_of_the_version_before_never_joins() -> (
+    None
+):
     book = HolderBook()
     join(book, "h1")
-    assert join(book, "h2") == "h1"
-    assert join(book, "h2", rate=5e7) == "h1"  # a rate report changes nothing
-    assert join(book, "h2", ["h1"]) == ""  # h1 left the book: the source
-    assert "h1" not in book.holders("m", 1)
-    assert join(book, "h3") == "h2"
+    join(book, "gone")
+    assert join(book, "h1", version=2, now=10.0).deal == b""
+    assert book.due("m", 2, 10.0) == pytest.approx(DEAL_GRACE_S)
+    a = await book.wait_dealt("m", 2, 10.0)
+    assert a.seeders == ["h1"] and set(dealt_to(a)) == {"h1"}
 
 
-def test_a_holder_is_never_given_one_of_its_descendants() -> None:
+def test_a_host_that_filled_the_version_before_slowly_is_dealt_nothing() -> None:
     book = HolderBook()
-    for i in range(1, 6):
+    for h, rate in (("h1", 1e8), ("h2", 1e8), ("slow", 2e7)):
+        join(book, h, rate=rate, done=True)
+    join(book, "h1", version=2)
+    a = join(book, "h2", version=2)  # every holder expected (the slow one is not) joined
+    assert a.deal and a.seeders == ["h1", "h2"]
+    assert "slow" not in dealt_to(a)
+
+
+def test_a_failed_seeders_chunks_go_to_a_holder_that_holds_them_else_to_the_others() -> None:
+    book = HolderBook()
+    for h in ("h1", "h2", "h3"):
+        join(book, h)
+    for h in ("h1", "h2", "h3"):
+        join(book, h, version=2)
+    before = dealt_to(join(book, "h1", version=2))
+    have = np.zeros(CHUNKS, dtype=bool)
+    theirs = [i for i, s in enumerate(before) if s == "h3"]
+    have[theirs[:5]] = True  # h2 read five of h3's chunks from it already
+    join(book, "h2", version=2, have=have)
+    a = join(book, "h1", version=2, exclude=["h3"])
+    after = dealt_to(a)
+    assert "h3" not in a.holders and "h3" not in after
+    assert [after[i] for i in theirs[:5]] == ["h2"] * 5  # the holder that has them
+    rest = [after[i] for i in theirs[5:]]
+    assert set(rest) == {"h1", "h2"} and abs(rest.count("h1") - rest.count("h2")) <= 1
+    # chunks dealt to the others do not move
+    assert all(after[i] == s for i, s in enumerate(before) if s != "h3")
+
+
+def test_with_no_seeder_left_a_chunk_is_read_from_the_source_by_whoever_lacks_it() -> None:
+    book = HolderBook()
+    join(book, "h1")
+    a = join(book, "h2", exclude=["h1"])  # h2 read only; h1 failed
+    assert set(dealt_to(a)) == {"h2"}  # h2 brings them now, from the source
+
+
+def test_the_book_keeps_a_bounded_number_of_holders_and_versions() -> None:
+    book = HolderBook()
+    for i in range(MAX_HOLDERS + 10):
         join(book, f"h{i}")
-    tree = parents(book)
-    below = {u for u in tree if tree[u] == "h1"}
-    # h1's own upstream fails: it is given another, never one that reads from it
-    new = join(book, "h1", [tree["h1"]] if tree["h1"] else ["h0"])
-    seen, u = set(), new
-    while u:
-        assert u != "h1" and u not in seen
-        seen.add(u)
-        u = book.parent("m", 1, u) or ""
-    assert new not in below
+    assert len(book.holders("m", 1)) == MAX_HOLDERS
+    for v in range(2, 10):
+        join(book, "h0", version=v, now=100.0 * v)
+    assert book.holders("m", 1) == [] and book.holders("m", 8) == ["h0"]
 
 
-def test_the_answer_carries_every_holders_rate_and_upstream() -> None:
-    book = HolderBook()
-    book.join(HolderJoin("m", 1, "h1", "n", [], 1e8))
-    a = book.join(HolderJoin("m", 1, "h2", "n", [], 2e7))
-    assert a.rates == {"h1": 1e8, "h2": 2e7}
-    assert a.parents == {"h1": "", "h2": "h1"}
+@settings(max_examples=200, deadline=None)
+@given(
+    seeders=st.lists(st.sampled_from(["me", "a", "b", "c", ""]), min_size=1, max_size=5),
+    listed=st.sets(st.sampled_from(["me", "a", "b", "c"])),
+    excluded=st.sets(st.sampled_from(["a", "b", "c"])),
+    deal=st.lists(st.integers(0, 255), min_size=8, max_size=8),
+)
+def test_a_mirror_reads_each_chunk_from_its_seeder_only_when_that_holder_can_serve_it(
+    seeders: list[str], listed: set[str], excluded: set[str], deal: list[int]
+) -> None:
+    m = Mirror("src", "m", 1, chunks=np.zeros((8, 3), dtype=np.int64))
+    a = HolderAssign(seeders, bytes(deal), sorted(listed))
+    got = holders_of(m, a, "me", excluded)
+    for d, h in zip(deal, got, strict=True):
+        s = seeders[d] if d < len(seeders) else ""
+        ok = s and s != "me" and s in listed and s not in excluded
+        assert h == (s if ok else "")
+
+
+def test_a_deal_that_cuts_the_version_otherwise_is_not_followed() -> None:
+    m = Mirror("src", "m", 1, chunks=np.zeros((8, 3), dtype=np.int64))
+    assert holders_of(m, HolderAssign(["a"], bytes(4), ["a"]), "me", set()) == [""] * 8
+
+
+def test_waiting_for_a_deal_ends_when_the_last_expected_holder_joins() -> None:
+    async def run() -> HolderAssign:
+        book = HolderBook()
+        join(book, "h1")
+        join(book, "h2")
+        join(book, "h1", version=2)
+        waiting = asyncio.ensure_future(book.wait_dealt("m", 2, 0.0))
+        await asyncio.sleep(0)
+        join(book, "h2", version=2)
+        return await asyncio.wait_for(waiting, DEAL_GRACE_S * 100)
+
+    assert asyncio.run(run()).seeders == ["h1", "h2"]

@@ -1,0 +1,305 @@
+"""Filling a host mirror from every holder at once, as the source's book deals it.
+
+The source's holder book (:mod:`refitd.daemon.mirrorbook`) deals each chunk of a
+version to a seeder. A mirror reads the chunks dealt to itself from the source, and
+the chunks dealt to each other seeder from that seeder, all at once: one reader per
+holder (:meth:`Filler.from_source`, :meth:`Filler.from_relay`), so the host's
+downlink is fed by every seeder's uplink.
+
+What goes wrong, and what is done (:class:`Swarm`):
+
+- a holder that fails, stops answering (its reads and its feed have deadlines) or
+  whose mirror failed: its reader ends with that error; the mirror names it to the
+  book (``exclude``), which deals its chunks again, and reads the chunks it still
+  lacks of that holder from where the new deal says. The chunks already here stay;
+  the other readers go on;
+- a holder that sends under ``SLOW_FRACTION`` of the other holders' median rate, for
+  ``SLOW_REPORTS`` reports in a row after ``SLOW_AFTER_S``: left the same way (at
+  most ``MAX_SLOW_SWITCHES`` per mirror: a host whose own link is slow finds every
+  holder slow and must not walk the book);
+- a holder another mirror had the book drop: this mirror's report hears of it, and
+  reads that holder's chunks from where the new deal says;
+- the source fails: the mirror fails, naming every holder it read from.
+
+A chunk is marked complete only once the read that filled it returned; its count is
+``Mirror.reads`` of its holder, and a chunk asked again of another holder after its
+own failed or was slow is counted in ``Mirror.reasked``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from refitd.daemon.mirror import Mirror
+from refitd.errors import RefitError, TransportError
+from refitd.wire import PeerRegions
+from refitd.wire.mirrors import FROM_SOURCE, HolderAssign
+
+if TYPE_CHECKING:
+    from refitd.daemon.mirrorfill import Filler
+    from refitd.daemon.sources import RemoteSource
+
+__all__ = [
+    "MAX_SLOW_SWITCHES",
+    "REPORT_S",
+    "SLOW_AFTER_S",
+    "SLOW_FRACTION",
+    "SLOW_REPORTS",
+    "SlowRelay",
+    "Swarm",
+    "holders_of",
+]
+
+log = logging.getLogger("refitd.mirrors")
+
+REPORT_S = 0.5
+"""How often a filling mirror reports its rate and its complete chunks to the
+source's holder book, s."""
+
+RATE_WINDOW_S = 1.0
+"""A rate is the bytes completed over about the last this many seconds."""
+
+SLOW_AFTER_S = 1.0
+"""A holder is judged slow only after it was read from this long, s."""
+
+SLOW_FRACTION = 0.5
+"""A holder sending under this fraction of the other holders' median rate is slow."""
+
+SLOW_REPORTS = 2
+"""Reports in a row (a second) a holder must be slow in before it is left: a host
+that a busy core held up for a moment is not slow."""
+
+MAX_SLOW_SWITCHES = 1
+"""Holders one mirror leaves for being slow."""
+
+
+class SlowRelay(TransportError):
+    """A holder sends under ``SLOW_FRACTION`` of the other holders' rate."""
+
+    def __init__(self, url: str, why: str) -> None:
+        super().__init__(why)
+        self.url = url
+
+
+class _Dropped(Exception):
+    """The book no longer lists holders this mirror reads from: ``answer`` is its deal."""
+
+    def __init__(self, answer: HolderAssign) -> None:
+        super().__init__("holders left the book")
+        self.answer = answer
+
+
+def holders_of(m: Mirror, a: HolderAssign | None, me: str, excluded: set[str]) -> list[str]:
+    """Per chunk of ``m``, the holder to read it from as the deal ``a`` says (``""``:
+    the source): its seeder, unless that is this mirror (``me``), left the book or
+    was excluded here. Everything from the source without a deal, or with one that
+    does not cut the version as this mirror does."""
+    n = len(m.chunks)
+    if a is None or len(a.deal) != n:
+        if a is not None and a.deal:
+            log.warning(
+                "the holder book dealt %d chunks of %r version %d, this mirror cut %d: "
+                "reading the source",
+                len(a.deal), m.model, m.version, n,
+            )  # fmt: skip
+        return [""] * n
+    names = [s.rstrip("/") for s in a.seeders]
+    listed = {h.rstrip("/") for h in a.holders}
+    usable = [s if s and s != me and s in listed and s not in excluded else "" for s in names]
+    table = np.array([*usable, ""] if usable else [""], dtype=object)
+    idx = np.frombuffer(a.deal, dtype=np.uint8).astype(np.int64)
+    idx = np.where((idx == FROM_SOURCE) | (idx >= len(usable)), len(table) - 1, idx)
+    return list(table[idx])
+
+
+class Swarm:
+    """One mirror's fill: a reader per holder, re-planned when one fails."""
+
+    def __init__(
+        self,
+        filler: Filler,
+        m: Mirror,
+        src: RemoteSource,
+        lease_id: str,
+        prepared: asyncio.Task[PeerRegions | None],
+    ) -> None:
+        self.f = filler
+        self.m = m
+        self.src = src
+        self.lease_id = lease_id
+        self.prepared = prepared
+        self.me = filler.self_url().rstrip("/")
+        self.excluded: set[str] = set()
+        self.slow_left = MAX_SLOW_SWITCHES
+        #: chunks a running reader is reading
+        self.busy = np.zeros(len(m.chunks), dtype=bool)
+        self.readers: dict[asyncio.Task[None], tuple[str, np.ndarray]] = {}
+        self.started: dict[str, float] = {}
+
+    async def run(self, answer: HolderAssign | None) -> None:
+        m = self.m
+        watch: asyncio.Task[None] | None = None
+        try:
+            while True:
+                self._start(holders_of(m, answer, self.me, self.excluded))
+                if not self.readers:
+                    if bool(m.done.all()):
+                        return
+                    raise TransportError("no holder left to read the missing chunks from")
+                if watch is None or watch.done():
+                    watch = asyncio.create_task(self._watch(answer))
+                finished, _ = await asyncio.wait(
+                    [*self.readers, watch], return_when=asyncio.FIRST_COMPLETED
+                )
+                new: HolderAssign | None = None
+                for t in finished:
+                    if t is watch:
+                        new = await self._heard(t) or new
+                        watch = None
+                        continue
+                    url, todo = self.readers.pop(t)
+                    self.busy[todo] = False
+                    exc = t.exception()
+                    if exc is None:
+                        continue
+                    if not url:
+                        raise exc
+                    new = await self._leave(url, todo, exc) or new
+                if new is not None:
+                    answer = new
+        finally:
+            for t in [*self.readers, *([watch] if watch is not None else [])]:
+                t.cancel()
+            await asyncio.gather(*self.readers, *([watch] if watch else []), return_exceptions=True)
+            self.readers.clear()
+
+    def _start(self, holders: list[str]) -> None:
+        """A reader for each holder of the chunks not complete and not being read."""
+        m = self.m
+        todo = np.flatnonzero(~m.done & ~self.busy)
+        by: dict[str, list[int]] = {}
+        for i in todo.tolist():
+            by.setdefault(holders[i], []).append(i)
+        for url, chunks in sorted(by.items(), key=lambda kv: kv[0] != ""):
+            idx = np.array(chunks, dtype=np.int64)
+            self.busy[idx] = True
+            name = url or m.source
+            if name not in m.tried:
+                m.tried.append(name)
+            m.upstream = url
+            coro = (
+                self.f.from_relay(m, url, self.lease_id, self.prepared, idx)
+                if url
+                else self.f.from_source(m, self.src, self.lease_id, self.prepared, idx)
+            )
+            self.readers[asyncio.create_task(coro)] = (url, idx)
+            self.started.setdefault(url, asyncio.get_running_loop().time())
+
+    async def _leave(self, url: str, todo: np.ndarray, exc: BaseException) -> HolderAssign | None:
+        """``url`` failed (``exc``): name it to the book, and the new deal."""
+        from refitd.daemon.mirrorfill import describe
+
+        left = int((~self.m.done[todo]).sum())
+        self.m.reasked += left
+        log.warning(
+            "holder %s failed, reading its %d chunks left elsewhere: %s", url, left, describe(exc)
+        )
+        self.excluded.add(url)
+        return await self._ask()
+
+    async def _heard(self, watch: asyncio.Task[None]) -> HolderAssign | None:
+        """What the watch ended with: a holder found slow (left), or holders the book
+        dropped (their readers stopped; their chunks read where the deal says)."""
+        exc = watch.exception()
+        if isinstance(exc, SlowRelay):
+            self.slow_left -= 1
+            for t, (url, _) in list(self.readers.items()):
+                if url == exc.url:
+                    t.cancel()
+            await self._stopped(lambda url: url == exc.url)
+            return await self._leave(exc.url, np.zeros(0, dtype=np.int64), exc)
+        if isinstance(exc, _Dropped):
+            listed = {h.rstrip("/") for h in exc.answer.holders}
+            await self._stopped(lambda url: bool(url) and url not in listed)
+            return exc.answer
+        if exc is not None:
+            raise exc
+        return None
+
+    async def _stopped(self, which: object) -> None:
+        """Cancel the readers of the holders ``which(url)`` selects; their chunks not
+        complete are counted as asked again."""
+        assert callable(which)
+        gone = {t: v for t, v in self.readers.items() if which(v[0])}
+        for t in gone:
+            t.cancel()
+        await asyncio.gather(*gone, return_exceptions=True)
+        for t, (_, todo) in gone.items():
+            del self.readers[t]
+            self.busy[todo] = False
+            self.m.reasked += int((~self.m.done[todo]).sum())
+
+    async def _ask(self) -> HolderAssign | None:
+        try:
+            return await self.f.join(self.src, self.m, sorted(self.excluded), 0.0)
+        except (RefitError, TimeoutError) as exc:
+            log.info("the holder book at %s did not answer (%s)", self.m.source, exc)
+            return None
+
+    async def _watch(self, answer: HolderAssign | None) -> None:
+        """Every ``REPORT_S``: report this mirror's rate and complete chunks to the
+        book; end with :class:`_Dropped` when a holder read from here left the book,
+        or :class:`SlowRelay` when one is slow (see the module docstring)."""
+        m = self.m
+        await m.ready.wait()
+        loop = asyncio.get_running_loop()
+        size = int(m.chunks[:, 2].max(initial=1))
+        samples = [(loop.time(), m.done_bytes(), dict(m.reads))]
+        slow: dict[str, int] = {}
+        while True:
+            await asyncio.sleep(REPORT_S)
+            now, got = loop.time(), m.done_bytes()
+            samples.append((now, got, dict(m.reads)))
+            while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW_S:
+                samples.pop(0)
+            t0, b0, r0 = samples[0]
+            span = max(1e-6, now - t0)
+            try:
+                a = await self.f.join(self.src, m, [], (got - b0) / span)
+            except (RefitError, TimeoutError):
+                continue  # the book is advice: reading goes on
+            if a is None:
+                return
+            reading = {u for u, _ in self.readers.values() if u}
+            listed = {h.rstrip("/") for h in a.holders}
+            if reading - listed:
+                raise _Dropped(a)
+            if self.slow_left <= 0:
+                continue
+            rates = {
+                u: (m.reads.get(u, 0) - r0.get(u, 0)) * size / span
+                for u in reading
+                if now - self.started.get(u, now) >= SLOW_AFTER_S
+            }
+            for u, rate in rates.items():
+                others = sorted(r for v, r in rates.items() if v != u)
+                median = others[len(others) // 2] if others else 0.0
+                slow[u] = slow.get(u, 0) + 1 if rate < SLOW_FRACTION * median else 0
+                if slow[u] >= SLOW_REPORTS:
+                    raise SlowRelay(
+                        u,
+                        f"it sends {rate * 8 / 1e6:.0f} Mbit/s, under {SLOW_FRACTION} of the "
+                        f"other holders' {median * 8 / 1e6:.0f} Mbit/s",
+                    )
+
+
+async def report_done(filler: Filler, src: RemoteSource, m: Mirror, seconds: float) -> None:
+    """Tell the book this mirror is complete, with its whole fill's rate: the next
+    version's deal leaves out a host that filled slowly. Best effort."""
+    with contextlib.suppress(RefitError, TimeoutError):
+        await filler.join(src, m, [], m.done_bytes() / max(seconds, 1e-6), done=True)
