@@ -136,13 +136,21 @@ class Swarm:
         self.me = filler.self_url().rstrip("/")
         self.excluded: set[str] = set()
         self.slow_left = MAX_SLOW_SWITCHES
-        #: chunks a running reader is reading
-        self.busy = np.zeros(len(m.chunks), dtype=bool)
+        #: chunks a running reader is reading (sized once the chunks are cut)
+        self.busy = np.zeros(0, dtype=bool)
         self.readers: dict[asyncio.Task[None], tuple[str, np.ndarray]] = {}
         self.started: dict[str, float] = {}
 
     async def run(self, answer: HolderAssign | None) -> None:
         m = self.m
+        planned = asyncio.ensure_future(m.planned.wait())
+        try:
+            await asyncio.wait([planned, self.prepared], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            planned.cancel()
+        if not m.planned.is_set():
+            return  # not mirrored here (``m.error`` says why), or it failed: nothing to read
+        self.busy = np.zeros(len(m.chunks), dtype=bool)
         watch: asyncio.Task[None] | None = None
         try:
             while True:

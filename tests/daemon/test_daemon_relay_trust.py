@@ -133,16 +133,18 @@ async def test_the_book_keeps_a_bounded_number_of_holders_per_version() -> None:
 
 async def test_a_holder_a_joiner_reports_failed_is_no_longer_handed_out() -> None:
     async with source() as (base, _):
-        await post(base, msgspec.msgpack.encode(join("http://127.0.0.1:2")))
+        status, got = await post(base, msgspec.msgpack.encode(join("http://127.0.0.1:2")))
+        first = msgspec.convert(got, HolderAssign)
+        assert status == 200 and first.seeders == ["http://127.0.0.1:2"] and first.deal
         status, got = await post(
             base, msgspec.msgpack.encode(join("http://127.0.0.1:3", ["http://127.0.0.1:2"]))
         )
         assert status == 200
-        assert msgspec.convert(got, HolderAssign).upstream == ""
         status, got = await post(base, msgspec.msgpack.encode(join("http://127.0.0.1:4")))
         a = msgspec.convert(got, HolderAssign)
         assert "http://127.0.0.1:2" not in a.holders
-        assert a.upstream == "http://127.0.0.1:3"
+        named = {a.seeders[d] for d in a.deal}
+        assert named == {"http://127.0.0.1:3"}  # the failed one's chunks: the joiner's now
 
 
 # ---------------------------------------------------------------- a holder that does not answer
