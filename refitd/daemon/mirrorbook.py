@@ -29,7 +29,7 @@ that already holds them complete, else spread over the other seeders.
 When the deal is made. A refit loop's fleet is the same from one version to the
 next: the book deals a version once every holder of the model's version before it
 has joined, or ``DEAL_GRACE_S`` after the first join, whichever comes first (with
-no version before, at the first join). Seeders are the holders joined by then,
+no version before, at ``DEAL_GRACE_S``: the hosts that start together seed together). Seeders are the holders joined by then,
 less the ones that filled the version before under ``SLOW_FRACTION`` of their
 peers' median rate (a host whose own link is slow reads every chunk, and brings
 none first). A holder that joins after the deal is a reader only.
@@ -108,7 +108,7 @@ class HolderBook:
                 me.have = _unpack(j.have, v.chunks)
         for url in set(j.exclude) - {j.url}:
             self._drop(v, url, j.url)
-        if v.deal is None and (v.expected <= set(v.holders) or not v.expected):
+        if v.deal is None and v.expected and v.expected <= set(v.holders):
             self._deal(v)
         return self._answer(v)
 

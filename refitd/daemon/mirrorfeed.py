@@ -72,21 +72,24 @@ async def serve_feed(
     resp = web.StreamResponse(headers={"Content-Type": MSGPACK})
     await resp.prepare(request)
     frame: MirrorFeed | None = first
-    while frame is not None:
-        data = msgspec.msgpack.encode(frame)
-        await resp.write(len(data).to_bytes(4, "big") + data)
-        if frame.complete or frame.error:
-            break
-        seen = frame.chunks_done
-        loop = asyncio.get_running_loop()
-        until = loop.time() + HEARTBEAT_S
-        while int(m.done.sum()) == seen and not m.finished and loop.time() < until:
-            await m.changed(until - loop.time())
-        try:
-            frame = _frame(m, d, lease_id)
-        except (ConflictError, NotFoundError):
-            frame = None  # the lease ended: no more records under it
-    await resp.write_eof()
+    try:
+        while frame is not None:
+            data = msgspec.msgpack.encode(frame)
+            await resp.write(len(data).to_bytes(4, "big") + data)
+            if frame.complete or frame.error:
+                break
+            seen = frame.chunks_done
+            loop = asyncio.get_running_loop()
+            until = loop.time() + HEARTBEAT_S
+            while int(m.done.sum()) == seen and not m.finished and loop.time() < until:
+                await m.changed(until - loop.time())
+            try:
+                frame = _frame(m, d, lease_id)
+            except (ConflictError, NotFoundError):
+                frame = None  # the lease ended: no more records under it
+        await resp.write_eof()
+    except ConnectionResetError:
+        pass  # its reader has what it came for (its holder's share of the chunks) and left
     return resp
 
 

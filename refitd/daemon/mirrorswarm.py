@@ -206,7 +206,11 @@ class Swarm:
                 else self.f.from_source(m, self.src, self.lease_id, self.prepared, idx)
             )
             self.readers[asyncio.create_task(coro)] = (url, idx)
-            self.started.setdefault(url, asyncio.get_running_loop().time())
+            self.started.setdefault(url or m.source, asyncio.get_running_loop().time())
+
+    def starts(self) -> set[str]:
+        """The holders read from now (``""``: the source)."""
+        return {u for u, _ in self.readers.values()}
 
     async def _leave(self, url: str, todo: np.ndarray, exc: BaseException) -> HolderAssign | None:
         """``url`` failed (``exc``): name it to the book, and the new deal."""
@@ -291,10 +295,12 @@ class Swarm:
                 continue
             rates = {
                 u: (m.reads.get(u, 0) - r0.get(u, 0)) * size / span
-                for u in reading
+                for u in reading | ({m.source} if "" in self.starts() else set())
                 if now - self.started.get(u, now) >= SLOW_AFTER_S
             }
             for u, rate in rates.items():
+                if u == m.source:
+                    continue  # the source is the reference, never left
                 others = sorted(r for v, r in rates.items() if v != u)
                 median = others[len(others) // 2] if others else 0.0
                 slow[u] = slow.get(u, 0) + 1 if rate < SLOW_FRACTION * median else 0

@@ -39,15 +39,23 @@ def dealt_to(a: HolderAssign) -> list[str]:
     ]
 
 
-def test_the_first_version_is_dealt_at_its_first_join_to_that_holder() -> None:
-    a = join(HolderBook(), "h1")
-    assert a.seeders == ["h1"] and set(dealt_to(a)) == {"h1"}
+async def test_the_first_version_is_dealt_to_the_holders_that_join_within_the_grace() -> None:
+    book = HolderBook()
+    assert join(book, "h1").deal == b"" and join(book, "h2").deal == b""
+    a = await book.wait_dealt("m", 1, 0.0)
+    assert a.seeders == ["h1", "h2"] and set(dealt_to(a)) == {"h1", "h2"}
+
+
+def first(book: HolderBook, *urls: str, version: int = 1) -> HolderAssign:
+    """``urls`` join ``version`` (its first), and its deal once made."""
+    for u in urls:
+        join(book, u, version=version)
+    return asyncio.run(book.wait_dealt("m", version, 0.0))
 
 
 def test_the_next_version_is_dealt_over_the_holders_of_the_one_before_once_they_joined() -> None:
     book = HolderBook()
-    for h in ("h1", "h2", "h3", "h4"):
-        join(book, h)
+    first(book, "h1", "h2", "h3", "h4")
     for h in ("h1", "h2", "h3"):
         assert join(book, h, version=2).deal == b""  # h4 has not joined yet: not dealt
     a = join(book, "h4", version=2)
@@ -59,25 +67,25 @@ def test_the_next_version_is_dealt_over_the_holders_of_the_one_before_once_they_
 
 def test_a_holder_that_joins_after_the_deal_reads_only_and_the_deal_never_moves() -> None:
     book = HolderBook()
-    a = join(book, "h1")
+    a = first(book, "h1")
     b = join(book, "h2")
     assert b.deal == a.deal and b.seeders == ["h1"] and b.holders == ["h1", "h2"]
 
 
-async def test_the_deal_is_made_after_the_grace_when_a_holder_of_the_version_before_never_joins() -> (
+def test_the_deal_is_made_after_the_grace_when_a_holder_of_the_version_before_never_joins() -> (
     None
 ):
     book = HolderBook()
-    join(book, "h1")
-    join(book, "gone")
+    first(book, "h1", "gone")
     assert join(book, "h1", version=2, now=10.0).deal == b""
     assert book.due("m", 2, 10.0) == pytest.approx(DEAL_GRACE_S)
-    a = await book.wait_dealt("m", 2, 10.0)
+    a = asyncio.run(book.wait_dealt("m", 2, 10.0))
     assert a.seeders == ["h1"] and set(dealt_to(a)) == {"h1"}
 
 
 def test_a_host_that_filled_the_version_before_slowly_is_dealt_nothing() -> None:
     book = HolderBook()
+    first(book, "h1", "h2", "slow")
     for h, rate in (("h1", 1e8), ("h2", 1e8), ("slow", 2e7)):
         join(book, h, rate=rate, done=True)
     join(book, "h1", version=2)
@@ -88,8 +96,7 @@ def test_a_host_that_filled_the_version_before_slowly_is_dealt_nothing() -> None
 
 def test_a_failed_seeders_chunks_go_to_a_holder_that_holds_them_else_to_the_others() -> None:
     book = HolderBook()
-    for h in ("h1", "h2", "h3"):
-        join(book, h)
+    first(book, "h1", "h2", "h3")
     for h in ("h1", "h2", "h3"):
         join(book, h, version=2)
     before = dealt_to(join(book, "h1", version=2))
@@ -109,15 +116,14 @@ def test_a_failed_seeders_chunks_go_to_a_holder_that_holds_them_else_to_the_othe
 
 def test_with_no_seeder_left_a_chunk_is_read_from_the_source_by_whoever_lacks_it() -> None:
     book = HolderBook()
-    join(book, "h1")
+    first(book, "h1")
     a = join(book, "h2", exclude=["h1"])  # h2 read only; h1 failed
     assert set(dealt_to(a)) == {"h2"}  # h2 brings them now, from the source
 
 
 def test_the_book_keeps_a_bounded_number_of_holders_and_versions() -> None:
     book = HolderBook()
-    for i in range(MAX_HOLDERS + 10):
-        join(book, f"h{i}")
+    first(book, *(f"h{i}" for i in range(MAX_HOLDERS + 10)))
     assert len(book.holders("m", 1)) == MAX_HOLDERS
     for v in range(2, 10):
         join(book, "h0", version=v, now=100.0 * v)
@@ -153,6 +159,7 @@ def test_waiting_for_a_deal_ends_when_the_last_expected_holder_joins() -> None:
         book = HolderBook()
         join(book, "h1")
         join(book, "h2")
+        await book.wait_dealt("m", 1, 0.0)
         join(book, "h1", version=2)
         waiting = asyncio.ensure_future(book.wait_dealt("m", 2, 0.0))
         await asyncio.sleep(0)
