@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -177,7 +178,8 @@ class Swarm:
                         continue
                     if not url:
                         raise exc
-                    new = await self._leave(url, todo, exc) or new
+                    left = int((~m.done[todo]).sum())
+                    new = await self._leave(url, left, exc) or new
                 if new is not None:
                     answer = new
         finally:
@@ -208,15 +210,11 @@ class Swarm:
             self.readers[asyncio.create_task(coro)] = (url, idx)
             self.started.setdefault(url or m.source, asyncio.get_running_loop().time())
 
-    def starts(self) -> set[str]:
-        """The holders read from now (``""``: the source)."""
-        return {u for u, _ in self.readers.values()}
-
-    async def _leave(self, url: str, todo: np.ndarray, exc: BaseException) -> HolderAssign | None:
-        """``url`` failed (``exc``): name it to the book, and the new deal."""
+    async def _leave(self, url: str, left: int, exc: BaseException) -> HolderAssign | None:
+        """``url`` failed (``exc``) with ``left`` chunks of its share not here: name
+        it to the book, and read them where its new deal says."""
         from refitd.daemon.mirrorfill import describe
 
-        left = int((~self.m.done[todo]).sum())
         self.m.reasked += left
         log.warning(
             "holder %s failed, reading its %d chunks left elsewhere: %s", url, left, describe(exc)
@@ -230,31 +228,29 @@ class Swarm:
         exc = watch.exception()
         if isinstance(exc, SlowRelay):
             self.slow_left -= 1
-            for t, (url, _) in list(self.readers.items()):
-                if url == exc.url:
-                    t.cancel()
-            await self._stopped(lambda url: url == exc.url)
-            return await self._leave(exc.url, np.zeros(0, dtype=np.int64), exc)
+            left = await self._stopped(lambda url: url == exc.url)
+            return await self._leave(exc.url, left, exc)
         if isinstance(exc, _Dropped):
             listed = {h.rstrip("/") for h in exc.answer.holders}
-            await self._stopped(lambda url: bool(url) and url not in listed)
+            self.m.reasked += await self._stopped(lambda url: bool(url) and url not in listed)
             return exc.answer
         if exc is not None:
             raise exc
         return None
 
-    async def _stopped(self, which: object) -> None:
-        """Cancel the readers of the holders ``which(url)`` selects; their chunks not
-        complete are counted as asked again."""
-        assert callable(which)
+    async def _stopped(self, which: Callable[[str], bool]) -> int:
+        """Cancel the readers of the holders ``which(url)`` selects; the number of
+        their chunks not complete (read again elsewhere)."""
         gone = {t: v for t, v in self.readers.items() if which(v[0])}
         for t in gone:
             t.cancel()
         await asyncio.gather(*gone, return_exceptions=True)
+        left = 0
         for t, (_, todo) in gone.items():
             del self.readers[t]
             self.busy[todo] = False
-            self.m.reasked += int((~self.m.done[todo]).sum())
+            left += int((~self.m.done[todo]).sum())
+        return left
 
     async def _ask(self) -> HolderAssign | None:
         try:
@@ -273,6 +269,7 @@ class Swarm:
         size = int(m.chunks[:, 2].max(initial=1))
         samples = [(loop.time(), m.done_bytes(), dict(m.reads))]
         slow: dict[str, int] = {}
+        peak: dict[str, float] = {}  # each holder's best rate to this mirror
         while True:
             await asyncio.sleep(REPORT_S)
             now, got = loop.time(), m.done_bytes()
@@ -291,24 +288,30 @@ class Swarm:
             listed = {h.rstrip("/") for h in a.holders}
             if reading - listed:
                 raise _Dropped(a)
+            # judged: the holders with chunks still to send here (one whose share is
+            # all here sends nothing more, and is not slow for it)
+            reading = {u for u, todo in self.readers.values() if u and not m.done[todo].all()}
             if self.slow_left <= 0:
                 continue
-            rates = {
-                u: (m.reads.get(u, 0) - r0.get(u, 0)) * size / span
-                for u in reading | ({m.source} if "" in self.starts() else set())
-                if now - self.started.get(u, now) >= SLOW_AFTER_S
-            }
-            for u, rate in rates.items():
-                if u == m.source:
-                    continue  # the source is the reference, never left
-                others = sorted(r for v, r in rates.items() if v != u)
+            window = {u: (n - r0.get(u, 0)) * size / span for u, n in m.reads.items()}
+            for u, r in window.items():
+                peak[u] = max(peak.get(u, 0.0), r)
+            peers = sorted(r for u, r in a.rates.items() if u.rstrip("/") != self.me and r > 0)
+            if peers and (got - b0) / span < SLOW_FRACTION * peers[len(peers) // 2]:
+                slow.clear()  # this host is the slow one: every holder is slow to it
+                continue
+            for u in reading:
+                if now - self.started.get(u, now) < SLOW_AFTER_S:
+                    continue
+                others = sorted(r for v, r in peak.items() if v != u)
                 median = others[len(others) // 2] if others else 0.0
+                rate = window.get(u, 0.0)
                 slow[u] = slow.get(u, 0) + 1 if rate < SLOW_FRACTION * median else 0
                 if slow[u] >= SLOW_REPORTS:
                     raise SlowRelay(
                         u,
                         f"it sends {rate * 8 / 1e6:.0f} Mbit/s, under {SLOW_FRACTION} of the "
-                        f"other holders' {median * 8 / 1e6:.0f} Mbit/s",
+                        f"other holders' {median * 8 / 1e6:.0f} Mbit/s (their best, read here)",
                     )
 
 

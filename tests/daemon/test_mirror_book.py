@@ -34,9 +34,7 @@ def join(
 
 def dealt_to(a: HolderAssign) -> list[str]:
     """Per chunk, the seeder a deal names ("" the source)."""
-    return [
-        "" if d == FROM_SOURCE else a.seeders[d] for d in np.frombuffer(a.deal, dtype=np.uint8)
-    ]
+    return ["" if d == FROM_SOURCE else a.seeders[d] for d in np.frombuffer(a.deal, dtype=np.uint8)]
 
 
 async def test_the_first_version_is_dealt_to_the_holders_that_join_within_the_grace() -> None:
@@ -72,9 +70,7 @@ def test_a_holder_that_joins_after_the_deal_reads_only_and_the_deal_never_moves(
     assert b.deal == a.deal and b.seeders == ["h1"] and b.holders == ["h1", "h2"]
 
 
-def test_the_deal_is_made_after_the_grace_when_a_holder_of_the_version_before_never_joins() -> (
-    None
-):
+def test_the_deal_is_made_after_the_grace_when_a_holder_of_the_version_before_never_joins() -> None:
     book = HolderBook()
     first(book, "h1", "gone")
     assert join(book, "h1", version=2, now=10.0).deal == b""

@@ -118,41 +118,43 @@ async def test_a_replica_reads_its_hosts_mirror_while_the_mirror_still_fills(
         assert seen_early, "the replica read nothing before its host's mirror was complete"
 
 
-async def test_a_slow_relay_is_left_for_another_holder_and_the_host_behind_it_is_exact(
+async def test_a_slow_host_is_left_by_the_others_and_the_next_version_is_dealt_without_it(
     tmp_path: Path,
 ) -> None:
-    """Three engine hosts in a chain behind the trainer: ``fast``, then ``slow`` (its
-    link a fifth of the others'), then ``behind``, which the source's book puts
-    behind ``slow``. ``behind`` finds ``slow`` sending under half its peers' rate,
-    leaves it, and completes from another holder; nothing is read twice from the
-    trainer (the version is not restarted)."""
-    nbytes = 64 * MIB
-    async with cluster_of(tmp_path, "trainer", "fast", "slow", "behind") as (cluster, hosts):
-        t, a, r, b = hosts
-        for h, gbit in ((t, 0.5), (a, 0.5), (r, 0.1), (b, 0.5)):
+    """Three engine hosts start each version together; ``slow``'s link is a tenth of
+    the others'. In the first version every host seeds a third; the fast ones find
+    ``slow`` sending under half the other holders' rate and read its chunks elsewhere.
+    The book then deals the next version to the fast hosts only: they read nothing
+    from ``slow``, the trainer sends each version about once, and every host ends
+    exact, ``slow`` included."""
+    nbytes = 32 * MIB
+    async with cluster_of(tmp_path, "trainer", "fast1", "fast2", "slow") as (cluster, hosts):
+        t, a, b, r = hosts
+        for h, gbit in ((t, 0.5), (a, 0.5), (b, 0.5), (r, 0.05)):
             await shape_both(cluster.net, h, gbit)
         mirror = ("--set", "mirrors.policy=always")
         src = await cluster.daemon(t, "trainer")
-        da, dr, db = [await cluster.daemon(h, h.name, *mirror) for h in (a, r, b)]
-        tw, aw, rw, bw = [await _worker(cluster, h) for h in hosts]
-        assert (await tw.call("publish", url=src.url, version=1, nbytes=nbytes))["ok"]
-        common = {"source": src.url, "version": 1, "count": 1, "nbytes": nbytes}
-        for w, d in ((aw, da), (rw, dr), (bw, db)):
-            assert (await w.call("prepare", local=d.url, count=1, nbytes=nbytes))["ok"]
-        sent = await tx_bytes(t)
-        assert (await aw.call("replicas", local=da.url, **common))["ok"]  # fast holds it
-        slow = asyncio.create_task(rw.call("replicas", local=dr.url, **common))
-        try:
-            await _until_mirror_has_chunks(tw, dr.url)  # slow joined behind fast
-            got = await bw.call("replicas", local=db.url, **common)
-            assert got["ok"], got
-            assert (await bw.call("verify", version=1, nbytes=nbytes))["verified"]
-            st = await tw.call("mirror", url=db.url, version=1)
-            assert st["complete"]
-            assert st["tried"] == [dr.url, da.url]  # slow, then fast: not the trainer again
-            assert (await tx_bytes(t) - sent) / nbytes < 1.5  # the trainer sent it once
-        finally:
-            slow.cancel()
+        ds = [await cluster.daemon(h, h.name, *mirror) for h in (a, b, r)]
+        tw, *ws = [await _worker(cluster, h) for h in hosts]
+        for version in (1, 2):
+            assert (await tw.call("publish", url=src.url, version=version, nbytes=nbytes))["ok"]
+            for w, d in zip(ws, ds, strict=True):
+                assert (await w.call("prepare", local=d.url, count=1, nbytes=nbytes))["ok"]
+            sent = await tx_bytes(t)
+            common = {"source": src.url, "version": version, "count": 1, "nbytes": nbytes}
+            got = await asyncio.gather(
+                *(w.call("replicas", local=d.url, **common) for w, d in zip(ws, ds, strict=True))
+            )
+            assert all(g["ok"] for g in got), got
+            for w in ws:
+                assert (await w.call("verify", version=version, nbytes=nbytes))["verified"]
+            assert (await tx_bytes(t) - sent) / nbytes < 1.5  # about once from the trainer
+            states = [await tw.call("mirror", url=d.url, version=version) for d in ds]
+            assert all(st["complete"] for st in states)
+        slow_url = ds[2].url.rstrip("/")
+        for st in states[:2]:  # the second version: the fast hosts never read slow
+            assert slow_url not in {u.rstrip("/") for u in st["reads"]}, st["reads"]
+            assert sum(st["reads"].values()) == st["chunks_total"]
 
 
 async def _until_mirror_has_chunks(worker: object, url: str, timeout_s: float = 60.0) -> None:
