@@ -262,7 +262,8 @@ class Fleet:
             )
             for i, w in enumerate(ew)
         ]
-        note, last = "", dict[str, Any]()  # the killed host's mirror as last seen
+        note = ""
+        last: dict[str, Any] = {}  # the killed host's mirror as last seen
         try:
             if k >= 0:
                 note, last = await self._kill_at_half(daemons[k], v, calls[k], t)
