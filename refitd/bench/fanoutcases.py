@@ -432,14 +432,14 @@ async def open_fleet(
 
 
 async def fanout(
-    workdir: Path, nbytes: int, gbit: float, max_hosts: int, replicas: int, faults: int = 0
+    workdir: Path, nbytes: int, gbit: float, max_hosts: int, replicas: int, faults_at: int = 0
 ) -> list[Case]:
     """Every case on one fleet: one model over one link, then direct and mirrored per
-    ``N`` of :func:`sizes`; then, when ``faults`` is one of those ``N`` (2 or more),
+    ``N`` of :func:`sizes`; then, when ``faults_at`` is one of those ``N`` (2 or more),
     the straggler, kill and restarted cases at that ``N``."""
     ns = sizes(max_hosts)
-    if faults and (faults < 2 or faults not in ns):
-        raise ValueError(f"faults at N = {faults}: it must be one of {ns[1:]}")
+    if faults_at and (faults_at < 2 or faults_at not in ns):
+        raise ValueError(f"faults at N = {faults_at}: it must be one of {ns[1:]}")
     cases: list[Case] = []
     async with open_fleet(workdir, nbytes, gbit, ns[-1], replicas) as fleet:
         cases.append(await _link(fleet.trainer, fleet.engines[0], nbytes))
@@ -447,8 +447,8 @@ async def fanout(
         for n in ns:
             cases.append(await fleet.direct_case(n))
             cases.append(await fleet.mirrored_case(n))
-        if faults:
-            plain = next(c for c in cases if (c.n, c.mode) == (faults, "mirrored"))
+        if faults_at:
+            plain = next(c for c in cases if (c.n, c.mode) == (faults_at, "mirrored"))
             cases += await fleet.fault_cases(plain)
     return cases
 
