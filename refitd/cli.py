@@ -45,8 +45,8 @@ BENCH_EXAMPLES: dict[str, tuple[str, ...]] = {
         "refitd bench experts --prefetch            # lookahead prefetch vs Belady on demand",
     ),
     "fanout": (
-        "refitd bench fanout                        # 64 MiB, 1 Gbit/s links, N = 1, 2, 4 hosts",
-        "refitd bench fanout --mib 16 --hosts 2     # a quick run",
+        "refitd bench fanout                        # 64 MiB, 1 Gbit/s, N = 1, 2, 4 (+ straggler, kill)",
+        "refitd bench fanout --mib 16 --hosts 2     # a quick run (no straggler, no kill)",
         "refitd bench fanout --hosts 8              # N = 8 too",
     ),
     "gpu": (
@@ -109,8 +109,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     ),
     "fanout": (
         "refitd.bench.fanout",
-        "replicas on many simulated hosts over shaped links: direct pulls vs host mirrors "
-        "with relay",
+        "replicas on many simulated hosts over shaped links: direct pulls vs host mirrors, "
+        "with a slow host and a killed one",
     ),
     "gpu": (
         "refitd.bench.gpu",

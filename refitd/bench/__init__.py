@@ -22,6 +22,8 @@ Modules:
 - `deltahosts`: ``bench delta --link-gbit R``: the delta bench across a slower link
 - `deltamoe`: ``bench delta --moe``: a MoE model with ten thousands of expert tensors
 - `fanout`: ``bench fanout``: many replicas on many hosts, direct pulls vs host mirrors
+- `fanoutcases`: the cases of bench fanout on one fleet of hosts: straggler, kill, restart
+- `fanoutwork`: the process bench fanout runs on each simulated host (JSON lines on stdin)
 - `gpu`: ``bench gpu``: GPU memory through the daemon, each ratio against its baseline
 - `hfexact`: Hugging Face models refitted through the daemon serve what fresh ones do
 - `conditions`: the conditions a bench measures under, so its ratios compare alike

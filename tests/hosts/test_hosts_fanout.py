@@ -1,6 +1,7 @@
 """Many replicas across simulated hosts with shaped links: ``refitd bench fanout`` on a
-tiny model; a replica reading its host's mirror while it fills; a relay killed,
-stopped or slow mid-transfer while the host behind it reads through it."""
+tiny model, and its straggler, kill and restart cases at N = 3; a replica reading its
+host's mirror while it fills; a relay killed, stopped or slow mid-transfer while the
+host behind it reads through it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 from support.hosts import cluster_of, needs_hosts, tx_bytes
 
-from refitd.bench.fanout import MIB, _worker, fanout, shape_both, summary
+from refitd.bench.fanout import summary
+from refitd.bench.fanoutcases import MIB, fanout, faults, shape_both, start_worker
 
 pytestmark = [needs_hosts, pytest.mark.timeout(400)]
 
@@ -42,6 +44,32 @@ async def test_the_fanout_bench_sends_the_model_once_from_the_trainer_and_every_
     assert float(line["mirrored_n1_ratio"]) > 0
 
 
+async def test_the_fanout_benchs_straggler_and_kill_leave_the_others_exact_and_a_restarted_host_refits(
+    tmp_path: Path,
+) -> None:
+    """At N = 3 engine hosts: one host's link at a quarter of the others' (every replica,
+    its own included, exact), one host's mirrored daemon SIGKILLed mid-version (the
+    other two exact), then started again (its replicas refit the next version
+    exactly); the last line has the ratios of both against the plain case."""
+    cases = await faults(tmp_path, 16 * MIB, 0.25, n=3, replicas=1)
+    by = {c.mode: c for c in cases}
+    assert sorted(by) == ["kill", "mirrored", "restarted", "straggler"]
+    assert all(c.n == 3 and len(c.hosts) == 3 for c in cases)
+    assert all(h.exact for h in by["straggler"].hosts)  # the straggler's replicas too
+    kill = by["kill"]
+    assert kill.faulted and kill.faulted != by["straggler"].faulted
+    assert all(h.exact for h in kill.hosts if h.name != kill.faulted)
+    restarted = by["restarted"]
+    assert restarted.faulted == kill.faulted
+    assert all(h.exact for h in restarted.hosts)  # the restarted host's included
+    assert all(c.verified for c in cases)
+    line = summary(cases)
+    assert {"straggler_ratio_3", "kill_ratio_3", "restarted_refit", "verified"} <= set(line)
+    assert line["restarted_refit"] == "1"
+    assert line["verified"] == "1"
+    assert float(line["straggler_ratio_3"]) > 0 and float(line["kill_ratio_3"]) > 0
+
+
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 async def test_a_relay_killed_or_stopped_mid_transfer_is_replaced_and_the_host_behind_it_is_exact(
     tmp_path: Path, fault: str
@@ -55,7 +83,7 @@ async def test_a_relay_killed_or_stopped_mid_transfer_is_replaced_and_the_host_b
         src = await cluster.daemon(t, "trainer")
         da = await cluster.daemon(a, "relay", *mirror)
         db = await cluster.daemon(b, "behind", *mirror, "--set", "data_plane.pull_timeout_s=3")
-        tw, aw, bw = [await _worker(cluster, h) for h in hosts]
+        tw, aw, bw = [await start_worker(cluster, h) for h in hosts]
         assert (await tw.call("publish", url=src.url, version=1, nbytes=nbytes))["ok"]
         common = {"source": src.url, "version": 1, "count": 1, "nbytes": nbytes}
         for w, d in ((aw, da), (bw, db)):
@@ -92,7 +120,7 @@ async def test_a_replica_reads_its_hosts_mirror_while_the_mirror_still_fills(
             await shape_both(cluster.net, h, 0.2)
         src = await cluster.daemon(t, "trainer")
         de = await cluster.daemon(e, "engine", "--set", "mirrors.policy=always")
-        tw, ew = [await _worker(cluster, h) for h in hosts]
+        tw, ew = [await start_worker(cluster, h) for h in hosts]
         assert (await tw.call("publish", url=src.url, version=1, nbytes=nbytes))["ok"]
         assert (await ew.call("prepare", local=de.url, count=1, nbytes=nbytes))["ok"]
         common = {"source": src.url, "version": 1, "count": 1, "nbytes": nbytes}
@@ -135,7 +163,7 @@ async def test_a_slow_host_is_left_by_the_others_and_the_next_version_is_dealt_w
         mirror = ("--set", "mirrors.policy=always")
         src = await cluster.daemon(t, "trainer")
         ds = [await cluster.daemon(h, h.name, *mirror) for h in (a, b, r)]
-        tw, *ws = [await _worker(cluster, h) for h in hosts]
+        tw, *ws = [await start_worker(cluster, h) for h in hosts]
         for version in (1, 2):
             assert (await tw.call("publish", url=src.url, version=version, nbytes=nbytes))["ok"]
             for w, d in zip(ws, ds, strict=True):
