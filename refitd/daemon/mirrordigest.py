@@ -263,10 +263,10 @@ class SourceDigests:
     before it starts): only a caller holding a live lease on the version here asks
     (409 otherwise, 403 with none named); a model's digests are computed only for its
     newest :data:`KEEP_VERSIONS` versions, and kept only for those (at most
-    ``KEEP_VERSIONS`` per model, about 16 bytes per MiB of each); a version retired
-    with no live lease left loses its digests at the next request for its model (no
-    lease can be taken on it again); one computation runs at a time on the daemon,
-    on at most ``max_threads`` cores."""
+    ``KEEP_VERSIONS`` per model, 16 bytes a chunk); a version retired with no live
+    lease left (none can be taken on it again) loses its digests when another version
+    of its model is first asked for; one computation runs at a time on the daemon, on
+    at most ``max_threads`` cores."""
 
     def __init__(
         self, daemon: Daemon, keep: int = KEEP_VERSIONS, max_threads: int = SOURCE_THREADS
@@ -297,10 +297,12 @@ class SourceDigests:
                 f"{what} refused: this daemon holds {model!r} as a host mirror, not as its "
                 "source; a chunk's digest is asked of the source, whose bytes define it"
             )
-        self._forget(model)
         key = (model, version)
         task = self._kept.get(key)
         if task is None:
+            # Swept when a version is first asked for (each new version is), not on
+            # every request: a request of kept digests costs no scan of the registry.
+            self._forget(model)
             newest = self._newest(model)
             if version not in newest:
                 raise ConflictError(

@@ -201,29 +201,29 @@ async def test_digests_are_kept_for_a_models_newest_versions_and_dropped_once_a_
 ):
     async with source() as (s, peer):
         digests = s.app[DIGESTS]
-        await publish(s.client, 1)
-        on_1 = await s.client.acquire_lease(MODEL, 1, 600.0)
-        await peer.chunk_digests(MODEL, 1, on_1.lease_id)
-        await publish(s.client, 2)
+        leases = {}
+        for n in (1, 2):
+            await publish(s.client, n)
+            leases[n] = (await s.client.acquire_lease(MODEL, n, 600.0)).lease_id
+            await peer.chunk_digests(MODEL, n, leases[n])
+        assert digests.kept() == [(MODEL, 1), (MODEL, 2)]  # 1 is retired, still leased
         v3 = await publish(s.client, 3)
-        on_3 = await s.client.acquire_lease(MODEL, 3, 600.0)
-        assert (await peer.chunk_digests(MODEL, 3, on_3.lease_id)).digests == v3.expected()
+        leases[3] = (await s.client.acquire_lease(MODEL, 3, 600.0)).lease_id
+        await s.client.release_lease(leases[1])  # nobody can ask for version 1 again
+        assert (await peer.chunk_digests(MODEL, 3, leases[3])).digests == v3.expected()
+        assert digests.kept() == [(MODEL, 2), (MODEL, 3)]
         for n in range(4, 4 + KEEP_VERSIONS):
             await publish(s.client, n)
         newest = 3 + KEEP_VERSIONS
         on_newest = await s.client.acquire_lease(MODEL, newest, 600.0)
         await peer.chunk_digests(MODEL, newest, on_newest.lease_id)
-        # version 1 left the window of the newest versions: forgotten, and refused
-        # (never computed again), though its lease is live
+        # versions 2 and 3 left the window of the newest versions: forgotten, and
+        # refused (never computed again), though their leases are live
         assert digests.kept() == [(MODEL, newest)]
-        with pytest.raises(ConflictError, match=f"newest {KEEP_VERSIONS} versions"):
-            await peer.chunk_digests(MODEL, 1, on_1.lease_id)
-        # version 3, retired and no longer leased, is dropped at the next request
-        on_3b = await s.client.acquire_lease(MODEL, newest, 600.0)
-        await s.client.release_lease(on_3.lease_id)
-        await peer.chunk_digests(MODEL, newest, on_3b.lease_id)
-        assert digests.kept() == [(MODEL, newest)]
-        assert digests.computed == 3  # versions 1, 3 and the newest, each once
+        for n in (2, 3):
+            with pytest.raises(ConflictError, match=f"newest {KEEP_VERSIONS} versions"):
+                await peer.chunk_digests(MODEL, n, leases[n])
+        assert digests.computed == 4  # versions 1, 2, 3 and the newest, each once
 
 
 # ---------------------------------------------------------------- a mirror's check
