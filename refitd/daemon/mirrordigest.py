@@ -101,7 +101,7 @@ def _check_rows(views: Mapping[int, memoryview], rows: npt.NDArray[np.int64]) ->
     known = (keys[at] == rows[:, 0]) if len(keys) else np.zeros(len(rows), dtype=bool)
     limit = np.where(known, sizes[at] if len(keys) else 0, 0)
     off, n = rows[:, 1], rows[:, 2]
-    bad = ~known | (off < 0) | (n < 0) | (off + n > limit)
+    bad = ~known | (off < 0) | (n < 0) | (n > limit - off)
     if bool(bad.any()):
         i = int(np.argmax(bad))
         rid, o, k = (int(x) for x in rows[i])
