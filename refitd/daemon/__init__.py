@@ -38,6 +38,8 @@ Modules:
 - `mirrorhold`: which bytes of the mirrors still filling are complete, for the data plane
 - `mirrorleases`: leases on a mirror's version: for peer daemons only, under the source's
 - `mirrorspace`: the memory the mirrors take, and making room
+- `mirrordigest`: chunk digests: the source's (computed once per version), a mirror's check
+- `digestroutes`: the HTTP side of chunk digests at a version's source
 - `deltas`: deltas at the source: each READY version compared with its base, staged
 - `deltaroutes`: the HTTP side of delta refit: a version's delta record, its packs
 - `deltastream`: a streamed delta, the source side: ``POST /v1/deltas/stream``

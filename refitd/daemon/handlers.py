@@ -24,6 +24,7 @@ from aiohttp import web
 from refitd.cluster import registry_from_config
 from refitd.daemon.auth import Principal, check_owner, owner_for, principal_of, sees_region
 from refitd.daemon.deltaroutes import DELTAS, setup_deltas
+from refitd.daemon.digestroutes import setup_digests
 from refitd.daemon.httpio import (
     DAEMON,
     RouteTable,
@@ -410,6 +411,7 @@ def create_app(
     app[PULLS] = pulls
     setup_mirrors(app, d, pulls, d.config.mirrors.policy)  # host mirrors and relay (issue 25)
     setup_deltas(app, d)  # delta refit (issue 37)
+    setup_digests(app, d)  # chunk digests at a version's source (issue 45)
     cluster.on_gone(
         lambda rec: pulls.fail_source(
             rec.url,

@@ -29,6 +29,7 @@ from refitd.wire import (
     StagedPack,
 )
 from refitd.wire import routes as api
+from refitd.wire.digests import ChunkDigests
 from refitd.wire.mirrors import HolderAssign, HolderJoin
 
 __all__ = ["PeerClient"]
@@ -93,3 +94,10 @@ class PeerClient(ApiSession):
         """Join the holder pipeline of a version the peer is the source of; answers
         the holder to read from."""
         return await self.send(api.MIRROR_HOLDERS, join)
+
+    async def chunk_digests(self, model: str, version: int, lease_id: str) -> ChunkDigests:
+        """The digest of each chunk of ``model`` ``version`` (the peer is its source),
+        under ``lease_id``, a live lease on it there: what a mirror checks the chunks
+        it read from another holder against (:func:`refitd.daemon.mirrordigest.verify`)."""
+        params = {"lease": lease_id}
+        return await self.send(api.MIRROR_DIGESTS, params=params, model=model, version=version)

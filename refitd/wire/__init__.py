@@ -19,6 +19,7 @@ PullRequest``):
 - :mod:`~refitd.wire.pools`: MoE expert slot pools;
 - :mod:`~refitd.wire.records`: the records daemons sign for each other;
 - :mod:`~refitd.wire.mirrors`: host mirrors and relay, daemon to daemon;
+- :mod:`~refitd.wire.digests`: a version's chunk digests, as its source computed them;
 - :mod:`~refitd.wire.deltas`: delta records and staged deltas (delta refit);
 - :mod:`~refitd.wire.routes`: the route table: every operation's method, path and
   bodies, from which the daemon's routes, the OpenAPI document and the client's
@@ -40,6 +41,7 @@ from refitd.wire.deltas import (
     DeltaStreamHead,
     DeltaStreamRequest,
 )
+from refitd.wire.digests import ChunkDigests
 from refitd.wire.fields import (
     API_PREFIX,
     MAX_MANIFEST_TENSORS,
@@ -120,6 +122,7 @@ __all__ = [
     "MAX_TENSOR_SHARDS",
     "MSGPACK",
     "STATUS_OF",
+    "ChunkDigests",
     "ClusterVersion",
     "DaemonRecord",
     "DeltaChunk",

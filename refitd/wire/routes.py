@@ -28,6 +28,7 @@ from refitd.wire.deltas import (
     DeltaStreamHead,
     DeltaStreamRequest,
 )
+from refitd.wire.digests import ChunkDigests
 from refitd.wire.fields import API_PREFIX, MSGPACK
 from refitd.wire.leases import LeaseGrant, LeaseRequest
 from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorFeed, MirrorLease, MirrorState
@@ -400,6 +401,15 @@ MIRROR_FEED = _r(
     tag="mirrors",
     query={"lease": str},
     response_media=MSGPACK,
+)
+MIRROR_DIGESTS = _r(
+    "GET",
+    "/mirrors/{model}/{version}/digests",
+    ChunkDigests,
+    "The digest of each chunk of a version this daemon is the source of, under a lease on "
+    "it: a mirror checks the chunks it read from another holder against them",
+    tag="mirrors",
+    query={"lease": str},
 )
 MIRROR_LEASE = _r(
     "POST",
