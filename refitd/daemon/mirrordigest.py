@@ -42,7 +42,7 @@ import numpy.typing as npt
 
 from refitd.daemon.mirror import chunk_bytes, cut_chunks
 from refitd.daemon.trust import Extents
-from refitd.errors import AccessDenied, ConflictError, NotFoundError, ProtocolError
+from refitd.errors import AccessDenied, ConflictError, NotFoundError, ProtocolError, RefitError
 from refitd.wire import VersionState
 from refitd.wire.digests import DIGEST_BYTES, ChunkDigests
 
@@ -292,6 +292,18 @@ class SourceDigests:
             self.d.registry.check(lease_id, model, version)
         except ConflictError as exc:
             raise ConflictError(f"{what} refused: {exc}") from None
+        return await asyncio.shield(self._task(model, version, what))
+
+    def prepare(self, model: str, version: int) -> None:
+        """Start computing the digests of ``model`` ``version`` now, if they are to
+        be (a peer daemon joined its holder book: its mirror will ask for them once it
+        reads a chunk from another holder). A refusal waits for the request it is
+        the answer to."""
+        with contextlib.suppress(RefitError):
+            _ = self._task(model, version, f"chunk digests of {model!r} version {version}")
+
+    def _task(self, model: str, version: int, what: str) -> asyncio.Task[ChunkDigests]:
+        """The computation of ``model`` ``version``'s digests, started if new."""
         if self.d.models.held(model):
             raise ConflictError(
                 f"{what} refused: this daemon holds {model!r} as a host mirror, not as its "
@@ -316,7 +328,7 @@ class SourceDigests:
             task.add_done_callback(_retrieved)
             self._kept[key] = task
             self.computed += 1
-        return await asyncio.shield(task)
+        return task
 
     def kept(self) -> list[tuple[str, int]]:
         """The ``(model, version)`` whose digests are kept (or being computed), sorted."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -158,10 +158,12 @@ class Filler:
         source_lease: str,
         prepared: asyncio.Task[PeerRegions | None],
         todo: np.ndarray,
+        check: Callable[[np.ndarray], Awaitable[None]],
     ) -> None:
         """Read chunks ``todo`` of ``m`` from ``url``'s mirror, each as soon as it is
         complete there (over ``tcp`` the read waits there for it; else its feed says
-        so, with records that let us read it). Its lease there is a peer daemon's, granted under this
+        so, with records that let us read it); ``check(chunks)`` checks each batch's
+        bytes before its chunks are marked complete (their digests at the source). Its lease there is a peer daemon's, granted under this
         mirror's live lease at the source, ``source_lease``. The lease, the feed and
         the data path are opened while ``prepared`` makes this mirror's regions; the
         reads wait for them (none when it gives None)."""
@@ -198,10 +200,10 @@ class Filler:
                             m, self.pulls, feed.conn, feed.path, todo, holder=url,
                             lease_id=grant.lease_id, owner=OWNER, their=feed.their,
                             pull_timeout_s=timeout, landed=self.landed,
-                            ready=None if feed.ahead else feed.ready,
+                            ready=None if feed.ahead else feed.ready, check=check,
                         )  # fmt: skip
                         follower.cancel()
-        except asyncio.CancelledError:
+        except BaseException:
             if feed.conn is not None:  # left for another holder: no late byte lands
                 feed.conn.cut()
             raise

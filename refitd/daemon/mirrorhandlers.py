@@ -8,6 +8,7 @@ import time
 from aiohttp import web
 
 from refitd.daemon.auth import principal_of
+from refitd.daemon.digestroutes import DIGESTS
 from refitd.daemon.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
 from refitd.daemon.mirrorfeed import serve_feed
 from refitd.daemon.mirrors import Mirrors
@@ -45,6 +46,8 @@ async def join_holders(request: web.Request) -> web.Response:
     j = await body(request, HolderJoin)
     d, book = request.app[DAEMON], request.app[MIRRORS].book
     d.check_holder_join(j)
+    if (digests := request.app.get(DIGESTS)) is not None:
+        digests.prepare(j.model, j.version)  # the joiner checks what other holders send
     now = time.monotonic()
     a = book.join(j, request.app[MIRRORS].chunk_count(j.model, j.version), now)
     if not a.deal:  # the version's holders are still joining: at most DEAL_GRACE_S

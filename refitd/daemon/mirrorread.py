@@ -121,13 +121,15 @@ async def fill_chunks(
     pull_timeout_s: float,
     ready: Callable[[np.ndarray], Awaitable[None]] | None = None,
     landed: Callable[[], None] = lambda: None,
+    check: Callable[[np.ndarray], Awaitable[None]] | None = None,
 ) -> None:
     """Read chunks ``todo`` of ``m`` (in that order) from the holder at ``holder``
     through ``conn`` (on ``path``), ``BATCH_CHUNKS`` a batch, as one job of
     ``owner`` in ``pulls``. ``their`` maps source region ids to the holder's (None:
     the holder is the source, which has the whole pull deadline; a relay has a
     piece's). ``ready(chunks)`` returns once the holder serves those chunks;
-    ``landed()`` is called after chunks were marked complete."""
+    ``check(chunks)`` checks their bytes once read (raising fails the fill, nothing
+    marked); ``landed()`` is called after chunks were marked complete."""
     local = {s: r.region_id for s, r in m.regions.items()}
     c = m.chunks[todo]
     rows = np.empty((len(todo), 5), dtype=np.int64)
@@ -145,6 +147,10 @@ async def fill_chunks(
     async def gate(lo: int, hi: int) -> None:
         assert ready is not None
         await ready(todo[lo:hi])
+
+    async def checked(lo: int, hi: int) -> None:
+        assert check is not None
+        await check(todo[lo:hi])
 
     def mark(lo: int, hi: int) -> None:
         m.mark(todo[lo:hi])  # only now: after the read returned
@@ -165,6 +171,7 @@ async def fill_chunks(
             landed=mark,
             deadline_s=deadline,
             late=None if their is None else conn.cut,
+            check=None if check is None else checked,
         )
 
 

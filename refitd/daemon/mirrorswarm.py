@@ -37,8 +37,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from refitd.daemon.mirror import Mirror
+from refitd.daemon.mirrordigest import verify_mirror
 from refitd.errors import RefitError, TransportError
-from refitd.wire import PeerRegions
+from refitd.wire import ChunkDigests, PeerRegions
 from refitd.wire.mirrors import FROM_SOURCE, HolderAssign
 
 if TYPE_CHECKING:
@@ -53,6 +54,7 @@ __all__ = [
     "SLOW_REPORTS",
     "SlowRelay",
     "Swarm",
+    "WrongBytes",
     "holders_of",
 ]
 
@@ -85,6 +87,10 @@ class SlowRelay(TransportError):
     def __init__(self, url: str, why: str) -> None:
         super().__init__(why)
         self.url = url
+
+
+class WrongBytes(TransportError):
+    """Chunks read from a holder differ from their digests at the source."""
 
 
 class _Dropped(Exception):
@@ -140,6 +146,8 @@ class Swarm:
         #: chunks a running reader is reading (sized once the chunks are cut)
         self.busy = np.zeros(0, dtype=bool)
         self.readers: dict[asyncio.Task[None], tuple[str, np.ndarray]] = {}
+        #: the chunks' digests at the source, fetched once a holder is read
+        self.digests: asyncio.Future[ChunkDigests] | None = None
         self.started: dict[str, float] = {}
 
     async def run(self, answer: HolderAssign | None) -> None:
@@ -187,6 +195,23 @@ class Swarm:
                 t.cancel()
             await asyncio.gather(*self.readers, *([watch] if watch else []), return_exceptions=True)
             self.readers.clear()
+            if self.digests is not None:
+                self.digests.cancel()
+
+    async def check(self, idx: np.ndarray) -> None:
+        """Raise :class:`WrongBytes` unless chunks ``idx`` here (read from a holder
+        that is not the source, not marked complete yet) match their digests at the
+        source. Digests the source will not give fail the read the same way: a
+        holder's bytes are never taken unchecked."""
+        m = self.m
+        assert self.digests is not None  # started with the first holder's reader
+        expected = await asyncio.shield(self.digests)
+        bad = await verify_mirror(self.f.d, m, expected, idx)
+        if len(bad):
+            raise WrongBytes(
+                f"{len(bad)} chunk(s) read from it differ from their digests at the "
+                f"source (chunks {bad[:8].tolist()}); nothing of them was marked complete"
+            )
 
     def _start(self, holders: list[str]) -> None:
         """A reader for each holder of the chunks not complete and not being read."""
@@ -198,12 +223,17 @@ class Swarm:
         for url, chunks in sorted(by.items(), key=lambda kv: kv[0] != ""):
             idx = np.array(chunks, dtype=np.int64)
             self.busy[idx] = True
+            if url and self.digests is None:  # fetched while the first chunks cross
+                self.digests = asyncio.ensure_future(
+                    self.src.client.chunk_digests(m.model, m.version, self.lease_id)
+                )
+                self.digests.add_done_callback(_seen)
             name = url or m.source
             if name not in m.tried:
                 m.tried.append(name)
             m.upstream = url
             coro = (
-                self.f.from_relay(m, url, self.lease_id, self.prepared, idx)
+                self.f.from_relay(m, url, self.lease_id, self.prepared, idx, self.check)
                 if url
                 else self.f.from_source(m, self.src, self.lease_id, self.prepared, idx)
             )
@@ -313,6 +343,12 @@ class Swarm:
                         f"it sends {rate * 8 / 1e6:.0f} Mbit/s, under {SLOW_FRACTION} of the "
                         f"other holders' {median * 8 / 1e6:.0f} Mbit/s (their best, read here)",
                     )
+
+
+def _seen(f: asyncio.Future[ChunkDigests]) -> None:
+    """A digest fetch's failure is its readers' (each raises it), not an unseen one."""
+    if not f.cancelled():
+        f.exception()
 
 
 async def report_done(filler: Filler, src: RemoteSource, m: Mirror, seconds: float) -> None:

@@ -14,8 +14,10 @@ batch moves, the next is validated and posted. Per span, in order:
 2. the batch is read, within ``deadline_s(nbytes)`` if given (a relay's deadline; on
    a miss ``late()`` cuts the connection so no late byte lands, and the
    :class:`TimeoutError` fails the move);
-3. the job's progress counts it, then ``landed(lo, hi)`` (a mirror marks its
-   chunks complete: only now, after the read returned).
+3. ``check(lo, hi)`` (optional) checks what landed (a mirror reading another
+   holder checks each chunk's digest; an error fails the move);
+4. the job's progress counts it, then ``landed(lo, hi)`` (a mirror marks its
+   chunks complete: only now, after the read returned and was checked).
 
 The first error of any batch ends the move, raised as itself (:func:`one_error`),
 after the other batches were cancelled.
@@ -94,6 +96,7 @@ async def move(
     landed: Callable[[int, int], None] | None = None,
     deadline_s: Callable[[int], float] | None = None,
     late: Callable[[], None] | None = None,
+    check: Callable[[int, int], Awaitable[None]] | None = None,
 ) -> None:
     """Read ``reads`` (validated against the source's records) through ``conn``, span
     by span (``[lo, hi)`` of ``reads``), as the module docstring says. ``ends[i]`` is
@@ -114,6 +117,8 @@ async def move(
                     if late is not None:
                         late()
                     raise
+            if check is not None:
+                await check(lo, hi)
             job.progress(int(ends[lo:hi].sum()), nbytes)
             if landed is not None:
                 landed(lo, hi)
