@@ -30,9 +30,11 @@ When the deal is made. A refit loop's fleet is the same from one version to the
 next: the book deals a version once every holder of the model's version before it
 has joined, or ``DEAL_GRACE_S`` after the first join, whichever comes first (with
 no version before, at ``DEAL_GRACE_S``: the hosts that start together seed together). Seeders are the holders joined by then,
-less the ones that filled the version before under ``SLOW_FRACTION`` of their
-peers' median rate (a host whose own link is slow reads every chunk, and brings
-none first). A holder that joins after the deal is a reader only.
+less the ones another holder left in the version before (failed, stopped, slow or
+sent wrong bytes) and the ones that filled it under ``SLOW_FRACTION`` of their
+peers' median rate: a host whose own link is slow reads every chunk, and brings
+none first; one that was killed seeds again from the version after the one it
+rejoined in. A holder that joins after the deal is a reader only.
 
 A joiner that failed to read from a holder, found it slow, or got wrong bytes from
 it names it in ``exclude``: that holder leaves the book, and its chunks are dealt
@@ -79,6 +81,8 @@ class _Version:
     expected: frozenset[str]
     slow: frozenset[str]
     holders: dict[str, _Holder] = field(default_factory=dict)
+    #: holders another holder failed to read from, or found slow, in this version
+    dropped: set[str] = field(default_factory=set)
     seeders: list[str] = field(default_factory=list)
     deal: np.ndarray | None = None  # per chunk, an index into ``seeders`` or FROM_SOURCE
     dealt: asyncio.Event = field(default_factory=asyncio.Event)
@@ -158,7 +162,7 @@ class HolderBook:
             median = float(np.median(rates)) if rates else 0.0
             slow = frozenset(
                 u for u, h in before.holders.items() if 0 < h.rate < SLOW_FRACTION * median
-            )
+            ) | frozenset(before.dropped)
             expected = frozenset(before.holders) - slow
         for key in older[:-1]:  # the newest older one is kept: the next deal waits for it
             del self._books[key]
@@ -185,6 +189,8 @@ class HolderBook:
         dealt go to a holder that reported them complete, else round robin to the
         other seeders (``by`` among them), else to the source."""
         v.holders.pop(url, None)
+        if len(v.dropped) < MAX_HOLDERS:
+            v.dropped.add(url)
         if v.deal is None or url not in v.seeders:
             return
         gone = v.seeders.index(url)

@@ -460,3 +460,30 @@ async def test_a_relays_feed_read_while_either_side_still_makes_its_regions_is_r
         sb = await state(bc, 1)
         assert sb.complete
         assert sb.tried == [ac.base_url.rstrip("/")]  # host a's mirror, not the trainer
+
+
+async def test_a_holder_that_serves_wrong_bytes_is_caught_by_the_digest_and_read_elsewhere(
+    secret_file: str,
+) -> None:
+    """``host-a`` holds the version (the book dealt it every chunk); one byte of its
+    mirror's chunk 5 is then altered in its shared memory. ``host-b`` reads from it:
+    the chunk's digest at the source catches it before the chunk is marked complete,
+    ``host-b`` leaves ``host-a`` and reads what it lacks from the source, and its
+    engine's bytes are exact (they would hold the altered byte without the check)."""
+    async with chain(secret_file) as h:
+        await publish(h.tc, 1)
+        assert await refit(h.ac, h.tc, 1) == "shm"
+        sa = await state(h.ac, 1)
+        assert sa.complete
+        [rid] = sa.regions.values()
+        [region] = [r for r in await h.ac.regions() if r.region_id == rid]
+        seg = SharedSegment.attach(region.handle, NBYTES)
+        try:
+            seg.numpy()[5 * (1 << 20) + 17] ^= 0x5A
+        finally:
+            seg.close()
+        assert await refit(h.bc, h.tc, 1) == "shm"  # exact: checked inside
+        sb = await state(h.bc, 1)
+        assert sb.complete and sb.reasked >= 1
+        assert [u.rstrip("/") for u in sb.tried] == [h.a.url.rstrip("/"), h.t.url.rstrip("/")]
+        assert sb.reads.get(h.t.url.rstrip("/"), 0) >= 1  # the rest came from the source

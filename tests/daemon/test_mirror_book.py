@@ -163,3 +163,17 @@ def test_waiting_for_a_deal_ends_when_the_last_expected_holder_joins() -> None:
         return await asyncio.wait_for(waiting, DEAL_GRACE_S * 100)
 
     assert asyncio.run(run()).seeders == ["h1", "h2"]
+
+
+def test_a_holder_left_by_another_in_one_version_is_dealt_nothing_of_the_next() -> None:
+    book = HolderBook()
+    first(book, "h1", "h2", "h3")
+    join(book, "h1", exclude=["h3"])  # h1 found h3 slow (or failed, or wrong)
+    join(book, "h3")  # h3 rejoins the version it was left in: a reader now
+    for h in ("h1", "h2"):
+        join(book, h, version=2)
+    a = join(book, "h3", version=2)
+    assert a.seeders == ["h1", "h2"] and "h3" not in dealt_to(a) and "h3" in a.holders
+    for h in ("h1", "h2", "h3"):
+        join(book, h, version=3)
+    assert "h3" in dealt_to(asyncio.run(book.wait_dealt("m", 3, 0.0)))  # back the next
