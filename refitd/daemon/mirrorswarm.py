@@ -299,7 +299,7 @@ class Swarm:
         size = int(m.chunks[:, 2].max(initial=1))
         samples = [(loop.time(), m.done_bytes(), dict(m.reads))]
         slow: dict[str, int] = {}
-        peak: dict[str, float] = {}  # each holder's best rate to this mirror
+        last: dict[str, float] = {}  # each holder's last rate while it sent here
         while True:
             await asyncio.sleep(REPORT_S)
             now, got = loop.time(), m.done_bytes()
@@ -320,12 +320,14 @@ class Swarm:
                 raise _Dropped(a)
             # judged: the holders with chunks still to send here (one whose share is
             # all here sends nothing more, and is not slow for it)
-            reading = {u for u, todo in self.readers.values() if u and not m.done[todo].all()}
+            busy = {u for u, todo in self.readers.values() if not m.done[todo].all()}
+            reading = busy - {""}
             if self.slow_left <= 0:
                 continue
             window = {u: (n - r0.get(u, 0)) * size / span for u, n in m.reads.items()}
             for u, r in window.items():
-                peak[u] = max(peak.get(u, 0.0), r)
+                if u in reading or (u == m.source and "" in busy):
+                    last[u] = r  # a holder's rate while it had chunks to send here
             peers = sorted(r for u, r in a.rates.items() if u.rstrip("/") != self.me and r > 0)
             if peers and (got - b0) / span < SLOW_FRACTION * peers[len(peers) // 2]:
                 slow.clear()  # this host is the slow one: every holder is slow to it
@@ -333,7 +335,7 @@ class Swarm:
             for u in reading:
                 if now - self.started.get(u, now) < SLOW_AFTER_S:
                     continue
-                others = sorted(r for v, r in peak.items() if v != u)
+                others = sorted(r for v, r in last.items() if v != u)
                 median = others[len(others) // 2] if others else 0.0
                 rate = window.get(u, 0.0)
                 slow[u] = slow.get(u, 0) + 1 if rate < SLOW_FRACTION * median else 0
@@ -341,7 +343,7 @@ class Swarm:
                     raise SlowRelay(
                         u,
                         f"it sends {rate * 8 / 1e6:.0f} Mbit/s, under {SLOW_FRACTION} of the "
-                        f"other holders' {median * 8 / 1e6:.0f} Mbit/s (their best, read here)",
+                        f"other holders' {median * 8 / 1e6:.0f} Mbit/s (here, while they sent)",
                     )
 
 
