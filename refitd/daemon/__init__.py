@@ -31,8 +31,9 @@ Modules:
 - `mirror`: one host mirror's chunks and the source's holder book (pure)
 - `mirrors`: host mirrors and relay: policy, fill, relay, failover, release
 - `mirrorhandlers`: the mirrors' routes, and `setup_mirrors` that installs their hooks
-- `mirrorbook`: a source's holder book: who holds each version, who reads from whom
-- `mirrorfill`: filling a host mirror from the holder the book assigns, failing over
+- `mirrorbook`: a source's holder book: who holds each version, and its deal of chunks
+- `mirrorfill`: reading a host mirror's chunks from one holder (the source, or a relay)
+- `mirrorswarm`: filling a host mirror from every holder at once, as the book deals it
 - `mirrorfeed`: a mirror's feed: its complete chunks, pushed downstream as they land
 - `mirrorread`: reading a mirror's chunks from a holder, and a holder's deadlines
 - `mirrorhold`: which bytes of the mirrors still filling are complete, for the data plane

@@ -38,6 +38,7 @@ import numpy as np
 
 from refitd.daemon.mirror import Mirror
 from refitd.daemon.mirrordigest import verify_mirror
+from refitd.daemon.mirrorread import BATCH_CHUNKS
 from refitd.errors import RefitError, TransportError
 from refitd.wire import ChunkDigests, PeerRegions
 from refitd.wire.mirrors import FROM_SOURCE, HolderAssign
@@ -52,6 +53,7 @@ __all__ = [
     "SLOW_AFTER_S",
     "SLOW_FRACTION",
     "SLOW_REPORTS",
+    "LateHolder",
     "SlowRelay",
     "Swarm",
     "WrongBytes",
@@ -80,6 +82,18 @@ that a busy core held up for a moment is not slow."""
 MAX_SLOW_SWITCHES = 1
 """Holders one mirror leaves for being slow."""
 
+LATE_FLOOR_S = 1.0
+"""A holder with chunks still to send here that sent none for this long is late,
+whatever its rate (a stopped holder answers nothing, and a busy core may hold a
+healthy one up for a moment), s."""
+
+LATE_BATCHES = 8
+"""A holder is late after this many batches' time at the rate it sent here
+(``LATE_FLOOR_S`` at least) with no chunk landing from it."""
+
+TICK_S = 0.1
+"""How often a filling mirror looks for late holders, s."""
+
 
 class SlowRelay(TransportError):
     """A holder sends under ``SLOW_FRACTION`` of the other holders' rate."""
@@ -91,6 +105,14 @@ class SlowRelay(TransportError):
 
 class WrongBytes(TransportError):
     """Chunks read from a holder differ from their digests at the source."""
+
+
+class LateHolder(TransportError):
+    """A holder with chunks to send here sent none within its deadline."""
+
+    def __init__(self, url: str, why: str) -> None:
+        super().__init__(why)
+        self.url = url
 
 
 class _Dropped(Exception):
@@ -256,8 +278,8 @@ class Swarm:
         """What the watch ended with: a holder found slow (left), or holders the book
         dropped (their readers stopped; their chunks read where the deal says)."""
         exc = watch.exception()
-        if isinstance(exc, SlowRelay):
-            self.slow_left -= 1
+        if isinstance(exc, SlowRelay | LateHolder):
+            self.slow_left -= isinstance(exc, SlowRelay)
             left = await self._stopped(lambda url: url == exc.url)
             return await self._leave(exc.url, left, exc)
         if isinstance(exc, _Dropped):
@@ -289,6 +311,28 @@ class Swarm:
             log.info("the holder book at %s did not answer (%s)", self.m.source, exc)
             return None
 
+    def _late(
+        self, now: float, seen: dict[str, tuple[float, int]], rate: dict[str, float], size: int
+    ) -> None:
+        """Raise :class:`LateHolder` for a holder with chunks still to send here from
+        which none landed for ``LATE_BATCHES`` batches' time at its rate here
+        (``LATE_FLOOR_S`` at least): its reads are asked of others."""
+        m = self.m
+        for u, todo in self.readers.values():
+            if not u or m.done[todo].all():
+                continue
+            count = m.reads.get(u, 0)
+            since, before = seen.get(u, (self.started.get(u, now), -1))
+            if count != before:
+                seen[u] = (now, count)
+                continue
+            r = rate.get(u, 0.0)
+            limit = max(LATE_FLOOR_S, LATE_BATCHES * BATCH_CHUNKS * size / r if r > 0 else 0.0)
+            if now - since > limit:
+                raise LateHolder(
+                    u, f"no chunk came from it for {now - since:.1f} s (its limit {limit:.1f} s)"
+                )
+
     async def _watch(self, answer: HolderAssign | None) -> None:
         """Every ``REPORT_S``: report this mirror's rate and complete chunks to the
         book; end with :class:`_Dropped` when a holder read from here left the book,
@@ -300,8 +344,14 @@ class Swarm:
         samples = [(loop.time(), m.done_bytes(), dict(m.reads))]
         slow: dict[str, int] = {}
         last: dict[str, float] = {}  # each holder's last rate while it sent here
+        seen: dict[str, tuple[float, int]] = {}  # when a holder's count here last grew
+        reported = loop.time()
         while True:
-            await asyncio.sleep(REPORT_S)
+            await asyncio.sleep(TICK_S)
+            self._late(loop.time(), seen, last, size)
+            if loop.time() - reported < REPORT_S:
+                continue
+            reported = loop.time()
             now, got = loop.time(), m.done_bytes()
             samples.append((now, got, dict(m.reads)))
             while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW_S:
