@@ -30,11 +30,11 @@ When the deal is made. A refit loop's fleet is the same from one version to the
 next: the book deals a version once every holder of the model's version before it
 has joined, or ``DEAL_GRACE_S`` after the first join, whichever comes first (with
 no version before, at ``DEAL_GRACE_S``: the hosts that start together seed together). Seeders are the holders joined by then,
-less the ones another holder left in the version before (failed, stopped, slow or
-sent wrong bytes) and the ones that filled it under ``SLOW_FRACTION`` of their
+less the ones another holder found slow or sending wrong bytes in the version
+before (``shun``) and the ones that filled it under ``SLOW_FRACTION`` of their
 peers' median rate: a host whose own link is slow reads every chunk, and brings
-none first; one that was killed seeds again from the version after the one it
-rejoined in. A holder that joins after the deal is a reader only.
+none first. A holder left for failing or being late (a busy core, a restart) seeds
+again in the next version it joins in time. A holder that joins after the deal is a reader only.
 
 A joiner that failed to read from a holder, found it slow, or got wrong bytes from
 it names it in ``exclude``: that holder leaves the book, and its chunks are dealt
@@ -81,7 +81,7 @@ class _Version:
     expected: frozenset[str]
     slow: frozenset[str]
     holders: dict[str, _Holder] = field(default_factory=dict)
-    #: holders another holder failed to read from, or found slow, in this version
+    #: holders another holder found slow, or sending wrong bytes, in this version
     dropped: set[str] = field(default_factory=set)
     seeders: list[str] = field(default_factory=list)
     deal: np.ndarray | None = None  # per chunk, an index into ``seeders`` or FROM_SOURCE
@@ -112,6 +112,9 @@ class HolderBook:
                 me.have = _unpack(j.have, v.chunks)
         for url in set(j.exclude) - {j.url}:
             self._drop(v, url, j.url)
+        for url in set(j.shun) & set(j.exclude) - {j.url}:
+            if len(v.dropped) < MAX_HOLDERS:
+                v.dropped.add(url)
         if v.deal is None and v.expected and v.expected <= set(v.holders):
             self._deal(v)
         return self._answer(v)
@@ -189,8 +192,6 @@ class HolderBook:
         dealt go to a holder that reported them complete, else round robin to the
         other seeders (``by`` among them), else to the source."""
         v.holders.pop(url, None)
-        if len(v.dropped) < MAX_HOLDERS:
-            v.dropped.add(url)
         if v.deal is None or url not in v.seeders:
             return
         gone = v.seeders.index(url)

@@ -110,17 +110,25 @@ class Filler:
             return None
 
     async def join(
-        self, src: RemoteSource, m: Mirror, exclude: list[str], rate: float, done: bool = False
+        self,
+        src: RemoteSource,
+        m: Mirror,
+        exclude: list[str],
+        rate: float,
+        done: bool = False,
+        shun: list[str] | None = None,
     ) -> HolderAssign | None:
         """Join (or report ``rate``, bytes/s, and the chunks complete here to) the
-        source's holder book; None when this daemon has no URL to be read at."""
+        source's holder book, naming the holders it left (``exclude``; ``shun``:
+        those of them found slow or sending wrong bytes); None when this daemon has
+        no URL to be read at."""
         me = self.self_url()
         if not me:
             return None
         have = np.packbits(m.done).tobytes() if m.planned.is_set() else b""
         join = HolderJoin(
             m.model, m.version, me, self.d.node_id, exclude[-MAX_EXCLUDE:], rate, done,
-            have[: MAX_DEAL_CHUNKS // 8],
+            have[: MAX_DEAL_CHUNKS // 8], (shun or [])[-MAX_EXCLUDE:],
         )  # fmt: skip
         async with asyncio.timeout(answer_s(self.d.config.data_plane.pull_timeout_s)):
             return await src.client.join_holders(join.signed(self.d.secret))

@@ -82,7 +82,7 @@ that a busy core held up for a moment is not slow."""
 MAX_SLOW_SWITCHES = 1
 """Holders one mirror leaves for being slow."""
 
-LATE_FLOOR_S = 1.0
+LATE_FLOOR_S = 2.0
 """A holder with chunks still to send here that sent none for this long is late,
 whatever its rate (a stopped holder answers nothing, and a busy core may hold a
 healthy one up for a moment), s."""
@@ -164,6 +164,8 @@ class Swarm:
         self.prepared = prepared
         self.me = filler.self_url().rstrip("/")
         self.excluded: set[str] = set()
+        #: of them, the ones found slow or sending wrong bytes
+        self.shunned: set[str] = set()
         self.slow_left = MAX_SLOW_SWITCHES
         #: chunks a running reader is reading (sized once the chunks are cut)
         self.busy = np.zeros(0, dtype=bool)
@@ -272,6 +274,8 @@ class Swarm:
             "holder %s failed, reading its %d chunks left elsewhere: %s", url, left, describe(exc)
         )
         self.excluded.add(url)
+        if isinstance(exc, SlowRelay | WrongBytes):
+            self.shunned.add(url)
         return await self._ask()
 
     async def _heard(self, watch: asyncio.Task[None]) -> HolderAssign | None:
@@ -306,7 +310,9 @@ class Swarm:
 
     async def _ask(self) -> HolderAssign | None:
         try:
-            return await self.f.join(self.src, self.m, sorted(self.excluded), 0.0)
+            return await self.f.join(
+                self.src, self.m, sorted(self.excluded), 0.0, shun=sorted(self.shunned)
+            )
         except (RefitError, TimeoutError) as exc:
             log.info("the holder book at %s did not answer (%s)", self.m.source, exc)
             return None

@@ -60,6 +60,11 @@ class HolderJoin(Signed, frozen=True, forbid_unknown_fields=True):
     done: bool = False
     #: the chunks the joiner holds complete, one bit each (``numpy.packbits`` order)
     have: Annotated[bytes, msgspec.Meta(max_length=MAX_DEAL_CHUNKS // 8)] = b""
+    #: of ``exclude``, the holders it found slow or sending wrong bytes (not only
+    #: failed or late): the book deals them nothing of the next version
+    shun: Annotated[list[PeerUrl], msgspec.Meta(max_length=MAX_EXCLUDE)] = msgspec.field(
+        default_factory=list
+    )
     mac: bytes = b""
 
     def _what(self) -> str:

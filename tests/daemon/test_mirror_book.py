@@ -26,9 +26,10 @@ def join(
     done: bool = False,
     have: np.ndarray | None = None,
     now: float = 0.0,
+    shun: list[str] | None = None,
 ) -> HolderAssign:
     bits = b"" if have is None else np.packbits(have).tobytes()
-    j = HolderJoin("m", version, url, "n", exclude or [], rate, done, bits)
+    j = HolderJoin("m", version, url, "n", exclude or [], rate, done, bits, shun or [])
     return book.join(j, CHUNKS, now)
 
 
@@ -165,15 +166,17 @@ def test_waiting_for_a_deal_ends_when_the_last_expected_holder_joins() -> None:
     assert asyncio.run(run()).seeders == ["h1", "h2"]
 
 
-def test_a_holder_left_by_another_in_one_version_is_dealt_nothing_of_the_next() -> None:
+def test_a_holder_found_slow_in_one_version_is_dealt_nothing_of_the_next() -> None:
     book = HolderBook()
-    first(book, "h1", "h2", "h3")
-    join(book, "h1", exclude=["h3"])  # h1 found h3 slow (or failed, or wrong)
+    first(book, "h1", "h2", "h3", "h4")
+    join(book, "h1", exclude=["h3"], shun=["h3"])  # h1 found h3 slow (or wrong)
+    join(book, "h2", exclude=["h4"])  # h2 found h4 failed, or late: not shunned
     join(book, "h3")  # h3 rejoins the version it was left in: a reader now
-    for h in ("h1", "h2"):
+    join(book, "h4")
+    for h in ("h1", "h2", "h4"):
         join(book, h, version=2)
     a = join(book, "h3", version=2)
-    assert a.seeders == ["h1", "h2"] and "h3" not in dealt_to(a) and "h3" in a.holders
-    for h in ("h1", "h2", "h3"):
+    assert a.seeders == ["h1", "h2", "h4"] and "h3" not in dealt_to(a) and "h3" in a.holders
+    for h in ("h1", "h2", "h3", "h4"):
         join(book, h, version=3)
     assert "h3" in dealt_to(asyncio.run(book.wait_dealt("m", 3, 0.0)))  # back the next
