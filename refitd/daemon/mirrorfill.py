@@ -26,7 +26,7 @@ from refitd.client.leases import LeaseKeeper
 from refitd.daemon.mirror import Mirror, covered
 from refitd.daemon.mirrorfeed import HEARTBEAT_S, follow
 from refitd.daemon.mirrorleases import OWNER
-from refitd.daemon.mirrorread import Regranted, answer_s, fill_chunks
+from refitd.daemon.mirrorread import FILL_IN_FLIGHT_BYTES, Regranted, answer_s, fill_chunks
 from refitd.daemon.mirrorswarm import Swarm, report_done
 from refitd.daemon.move import one_error
 from refitd.daemon.paths import SHM_SCHEME, TCP_SCHEME
@@ -140,9 +140,11 @@ class Filler:
         lease_id: str,
         prepared: asyncio.Task[PeerRegions | None],
         todo: np.ndarray,
+        in_flight_bytes: int = FILL_IN_FLIGHT_BYTES,
     ) -> None:
         """Read chunks ``todo`` of ``m`` from the source, under the mirror's own lease
-        there (the records it was prepared with give the whole version)."""
+        there (the records it was prepared with give the whole version), with at most
+        ``in_flight_bytes`` asked at once."""
         peer = await made(prepared)
         if peer is None:
             return  # not mirrored here: nothing to read
@@ -154,6 +156,7 @@ class Filler:
             await fill_chunks(
                 m, self.pulls, conn, path, todo, holder=m.source, lease_id=lease_id,
                 owner=OWNER, their=None, pull_timeout_s=wait, landed=self.landed,
+                in_flight_bytes=in_flight_bytes,
             )  # fmt: skip
         finally:
             if path == SHM_SCHEME:  # a transport's connection is shared: it stays open

@@ -122,6 +122,7 @@ async def fill_chunks(
     ready: Callable[[np.ndarray], Awaitable[None]] | None = None,
     landed: Callable[[], None] = lambda: None,
     check: Callable[[np.ndarray], Awaitable[None]] | None = None,
+    in_flight_bytes: int = FILL_IN_FLIGHT_BYTES,
 ) -> None:
     """Read chunks ``todo`` of ``m`` (in that order) from the holder at ``holder``
     through ``conn`` (on ``path``), ``BATCH_CHUNKS`` a batch, as one job of
@@ -164,9 +165,7 @@ async def fill_chunks(
             rows_as_batch(rows),
             np.ones(len(todo), dtype=np.int64),
             spans,
-            in_flight=max(
-                2, FILL_IN_FLIGHT_BYTES // max(1, BATCH_CHUNKS * int(c[:, 2].max(initial=1)))
-            ),
+            in_flight=max(1, in_flight_bytes // max(1, BATCH_CHUNKS * int(c[:, 2].max(initial=1)))),
             ready=gate if ready is not None else None,
             landed=mark,
             deadline_s=deadline,

@@ -38,7 +38,7 @@ import numpy as np
 
 from refitd.daemon.mirror import Mirror
 from refitd.daemon.mirrordigest import verify_mirror
-from refitd.daemon.mirrorread import BATCH_CHUNKS
+from refitd.daemon.mirrorread import BATCH_CHUNKS, FILL_IN_FLIGHT_BYTES
 from refitd.errors import RefitError, TransportError
 from refitd.wire import ChunkDigests, PeerRegions
 from refitd.wire.mirrors import FROM_SOURCE, HolderAssign
@@ -90,6 +90,9 @@ healthy one up for a moment), s."""
 LATE_BATCHES = 8
 """A holder is late after this many batches' time at the rate it sent here
 (``LATE_FLOOR_S`` at least) with no chunk landing from it."""
+
+SEED_IN_FLIGHT_CHUNKS = 4
+"""Chunks a seeder asks of the source at once (see :meth:`Swarm._source_window`)."""
 
 TICK_S = 0.1
 """How often a filling mirror looks for late holders, s."""
@@ -173,6 +176,8 @@ class Swarm:
         #: the chunks' digests at the source, fetched once a holder is read
         self.digests: asyncio.Future[ChunkDigests] | None = None
         self.started: dict[str, float] = {}
+        #: seeders the deal names (the source's reads are paced when more than one)
+        self.seeders = 0
 
     async def run(self, answer: HolderAssign | None) -> None:
         m = self.m
@@ -187,6 +192,7 @@ class Swarm:
         watch: asyncio.Task[None] | None = None
         try:
             while True:
+                self.seeders = sum(1 for s in answer.seeders if s) if answer else 0
                 self._start(holders_of(m, answer, self.me, self.excluded))
                 if not self.readers:
                     if bool(m.done.all()):
@@ -237,6 +243,15 @@ class Swarm:
                 f"source (chunks {bad[:8].tolist()}); nothing of them was marked complete"
             )
 
+    def _source_window(self, holders: list[str]) -> int:
+        """Bytes a read of the source keeps in flight. Alone, the pull's window keeps
+        the link busy. Seeding (other holders read this mirror's share from it): one
+        chunk's worth per lane, so the chunks land here one after another, each
+        forwarded as it lands, rather than a window's worth at once at the end."""
+        seeding = any(h for h in holders) or self.seeders > 1
+        size = int(self.m.chunks[:, 2].max(initial=1))
+        return SEED_IN_FLIGHT_CHUNKS * size if seeding else FILL_IN_FLIGHT_BYTES
+
     def _start(self, holders: list[str]) -> None:
         """A reader for each holder of the chunks not complete and not being read."""
         m = self.m
@@ -259,7 +274,9 @@ class Swarm:
             coro = (
                 self.f.from_relay(m, url, self.lease_id, self.prepared, idx, self.check)
                 if url
-                else self.f.from_source(m, self.src, self.lease_id, self.prepared, idx)
+                else self.f.from_source(
+                    m, self.src, self.lease_id, self.prepared, idx, self._source_window(holders)
+                )
             )
             self.readers[asyncio.create_task(coro)] = (url, idx)
             self.started.setdefault(url or m.source, asyncio.get_running_loop().time())
