@@ -34,6 +34,7 @@ Modules:
 - `mirrorbook`: a source's holder book: who holds each version, and its deal of chunks
 - `mirrorfill`: reading a host mirror's chunks from one holder (the source, or a relay)
 - `mirrorswarm`: filling a host mirror from every holder at once, as the book deals it
+- `mirrorjudge`: which holders a filling mirror leaves, as slow or late (pure)
 - `mirrorfeed`: a mirror's feed: its complete chunks, pushed downstream as they land
 - `mirrorread`: reading a mirror's chunks from a holder, and a holder's deadlines
 - `mirrorhold`: which bytes of the mirrors still filling are complete, for the data plane

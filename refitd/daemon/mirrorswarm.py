@@ -13,10 +13,10 @@ What goes wrong, and what is done (:class:`Swarm`):
   book (``exclude``), which deals its chunks again, and reads the chunks it still
   lacks of that holder from where the new deal says. The chunks already here stay;
   the other readers go on;
-- a holder that sends under ``SLOW_FRACTION`` of the other holders' median rate, for
-  ``SLOW_REPORTS`` reports in a row after ``SLOW_AFTER_S``: left the same way (at
-  most ``MAX_SLOW_SWITCHES`` per mirror: a host whose own link is slow finds every
-  holder slow and must not walk the book);
+- a holder that is late or slow (:mod:`refitd.daemon.mirrorjudge` says which) or
+  sends chunks that differ from their digests at the source (:class:`WrongBytes`):
+  left the same way, and named to the book as one not to deal the next version to
+  (``shun``, slow or wrong bytes only);
 - a holder another mirror had the book drop: this mirror's report hears of it, and
   reads that holder's chunks from where the new deal says;
 - the source fails: the mirror fails, naming every holder it read from.
@@ -38,6 +38,7 @@ import numpy as np
 
 from refitd.daemon.mirror import Mirror
 from refitd.daemon.mirrordigest import verify_mirror
+from refitd.daemon.mirrorjudge import Judge, LateHolder, SlowRelay
 from refitd.daemon.mirrorread import BATCH_CHUNKS, FILL_IN_FLIGHT_BYTES
 from refitd.errors import RefitError, TransportError
 from refitd.wire import ChunkDigests, PeerRegions
@@ -48,11 +49,9 @@ if TYPE_CHECKING:
     from refitd.daemon.sources import RemoteSource
 
 __all__ = [
-    "MAX_SLOW_SWITCHES",
     "REPORT_S",
-    "SLOW_AFTER_S",
-    "SLOW_FRACTION",
-    "SLOW_REPORTS",
+    "SEED_IN_FLIGHT_CHUNKS",
+    "TICK_S",
     "LateHolder",
     "SlowRelay",
     "Swarm",
@@ -66,31 +65,6 @@ REPORT_S = 0.5
 """How often a filling mirror reports its rate and its complete chunks to the
 source's holder book, s."""
 
-RATE_WINDOW_S = 1.0
-"""A rate is the bytes completed over about the last this many seconds."""
-
-SLOW_AFTER_S = 1.0
-"""A holder is judged slow only after it was read from this long, s."""
-
-SLOW_FRACTION = 0.5
-"""A holder sending under this fraction of the other holders' median rate is slow."""
-
-SLOW_REPORTS = 2
-"""Reports in a row (a second) a holder must be slow in before it is left: a host
-that a busy core held up for a moment is not slow."""
-
-MAX_SLOW_SWITCHES = 1
-"""Holders one mirror leaves for being slow."""
-
-LATE_FLOOR_S = 2.0
-"""A holder with chunks still to send here that sent none for this long is late,
-whatever its rate (a stopped holder answers nothing, and a busy core may hold a
-healthy one up for a moment), s."""
-
-LATE_BATCHES = 8
-"""A holder is late after this many batches' time at the rate it sent here
-(``LATE_FLOOR_S`` at least) with no chunk landing from it."""
-
 SEED_IN_FLIGHT_CHUNKS = 4
 """Chunks a seeder asks of the source at once (see :meth:`Swarm._source_window`)."""
 
@@ -98,24 +72,8 @@ TICK_S = 0.1
 """How often a filling mirror looks for late holders, s."""
 
 
-class SlowRelay(TransportError):
-    """A holder sends under ``SLOW_FRACTION`` of the other holders' rate."""
-
-    def __init__(self, url: str, why: str) -> None:
-        super().__init__(why)
-        self.url = url
-
-
 class WrongBytes(TransportError):
     """Chunks read from a holder differ from their digests at the source."""
-
-
-class LateHolder(TransportError):
-    """A holder with chunks to send here sent none within its deadline."""
-
-    def __init__(self, url: str, why: str) -> None:
-        super().__init__(why)
-        self.url = url
 
 
 class _Dropped(Exception):
@@ -167,15 +125,14 @@ class Swarm:
         self.prepared = prepared
         self.me = filler.self_url().rstrip("/")
         self.excluded: set[str] = set()
+        self.judge = Judge(m.source, BATCH_CHUNKS << 20)  # sized once the chunks are cut
         #: of them, the ones found slow or sending wrong bytes
         self.shunned: set[str] = set()
-        self.slow_left = MAX_SLOW_SWITCHES
         #: chunks a running reader is reading (sized once the chunks are cut)
         self.busy = np.zeros(0, dtype=bool)
         self.readers: dict[asyncio.Task[None], tuple[str, np.ndarray]] = {}
         #: the chunks' digests at the source, fetched once a holder is read
         self.digests: asyncio.Future[ChunkDigests] | None = None
-        self.started: dict[str, float] = {}
         #: seeders the deal names (the source's reads are paced when more than one)
         self.seeders = 0
 
@@ -189,6 +146,7 @@ class Swarm:
         if not m.planned.is_set():
             return  # not mirrored here (``m.error`` says why), or it failed: nothing to read
         self.busy = np.zeros(len(m.chunks), dtype=bool)
+        self.judge = Judge(m.source, BATCH_CHUNKS * int(m.chunks[:, 2].max(initial=1)))
         watch: asyncio.Task[None] | None = None
         try:
             while True:
@@ -279,7 +237,7 @@ class Swarm:
                 )
             )
             self.readers[asyncio.create_task(coro)] = (url, idx)
-            self.started.setdefault(url or m.source, asyncio.get_running_loop().time())
+            self.judge.reading(url or m.source, asyncio.get_running_loop().time())
 
     async def _leave(self, url: str, left: int, exc: BaseException) -> HolderAssign | None:
         """``url`` failed (``exc``) with ``left`` chunks of its share not here: name
@@ -300,7 +258,6 @@ class Swarm:
         dropped (their readers stopped; their chunks read where the deal says)."""
         exc = watch.exception()
         if isinstance(exc, SlowRelay | LateHolder):
-            self.slow_left -= isinstance(exc, SlowRelay)
             left = await self._stopped(lambda url: url == exc.url)
             return await self._leave(exc.url, left, exc)
         if isinstance(exc, _Dropped):
@@ -334,90 +291,44 @@ class Swarm:
             log.info("the holder book at %s did not answer (%s)", self.m.source, exc)
             return None
 
-    def _late(
-        self, now: float, seen: dict[str, tuple[float, int]], rate: dict[str, float], size: int
-    ) -> None:
-        """Raise :class:`LateHolder` for a holder with chunks still to send here from
-        which none landed for ``LATE_BATCHES`` batches' time at its rate here
-        (``LATE_FLOOR_S`` at least): its reads are asked of others."""
-        m = self.m
-        for u, todo in self.readers.values():
-            if not u or m.done[todo].all():
-                continue
-            count = m.reads.get(u, 0)
-            since, before = seen.get(u, (self.started.get(u, now), -1))
-            if count != before:
-                seen[u] = (now, count)
-                continue
-            r = rate.get(u, 0.0)
-            limit = max(LATE_FLOOR_S, LATE_BATCHES * BATCH_CHUNKS * size / r if r > 0 else 0.0)
-            if now - since > limit:
-                raise LateHolder(
-                    u, f"no chunk came from it for {now - since:.1f} s (its limit {limit:.1f} s)"
-                )
-
     async def _watch(self, answer: HolderAssign | None) -> None:
-        """Every ``REPORT_S``: report this mirror's rate and complete chunks to the
-        book; end with :class:`_Dropped` when a holder read from here left the book,
-        or :class:`SlowRelay` when one is slow (see the module docstring)."""
+        """Every ``TICK_S``, look for a late holder; every ``REPORT_S``, report this
+        mirror's rate and complete chunks to the book. End with :class:`_Dropped`
+        when a holder read from here left the book, or with the verdict of
+        :class:`~refitd.daemon.mirrorjudge.Judge` (late, slow) on one."""
         m = self.m
         await m.ready.wait()
         loop = asyncio.get_running_loop()
-        size = int(m.chunks[:, 2].max(initial=1))
-        samples = [(loop.time(), m.done_bytes(), dict(m.reads))]
-        slow: dict[str, int] = {}
-        last: dict[str, float] = {}  # each holder's last rate while it sent here
-        seen: dict[str, tuple[float, int]] = {}  # when a holder's count here last grew
+        judge = self.judge
+        judge.report(loop.time(), m.done_bytes(), m.reads)
         reported = loop.time()
         while True:
             await asyncio.sleep(TICK_S)
-            self._late(loop.time(), seen, last, size)
+            pending = self._pending()
+            if (late := judge.late(loop.time(), m.reads, pending)) is not None:
+                raise late
             if loop.time() - reported < REPORT_S:
                 continue
-            reported = loop.time()
-            now, got = loop.time(), m.done_bytes()
-            samples.append((now, got, dict(m.reads)))
-            while len(samples) > 2 and now - samples[1][0] >= RATE_WINDOW_S:
-                samples.pop(0)
-            t0, b0, r0 = samples[0]
-            span = max(1e-6, now - t0)
+            now = reported = loop.time()
+            rate = judge.report(now, m.done_bytes(), m.reads)
             try:
-                a = await self.f.join(self.src, m, [], (got - b0) / span)
+                a = await self.f.join(self.src, m, [], rate)
             except (RefitError, TimeoutError):
                 continue  # the book is advice: reading goes on
             if a is None:
                 return
-            reading = {u for u, _ in self.readers.values() if u}
             listed = {h.rstrip("/") for h in a.holders}
-            if reading - listed:
+            if {u for u, _ in self.readers.values() if u} - listed:
                 raise _Dropped(a)
-            # judged: the holders with chunks still to send here (one whose share is
-            # all here sends nothing more, and is not slow for it)
-            busy = {u for u, todo in self.readers.values() if not m.done[todo].all()}
-            reading = busy - {""}
-            if self.slow_left <= 0:
-                continue
-            window = {u: (n - r0.get(u, 0)) * size / span for u, n in m.reads.items()}
-            for u, r in window.items():
-                if u in reading or (u == m.source and "" in busy):
-                    last[u] = r  # a holder's rate while it had chunks to send here
-            peers = sorted(r for u, r in a.rates.items() if u.rstrip("/") != self.me and r > 0)
-            if peers and (got - b0) / span < SLOW_FRACTION * peers[len(peers) // 2]:
-                slow.clear()  # this host is the slow one: every holder is slow to it
-                continue
-            for u in reading:
-                if now - self.started.get(u, now) < SLOW_AFTER_S:
-                    continue
-                others = sorted(r for v, r in last.items() if v != u)
-                median = others[len(others) // 2] if others else 0.0
-                rate = window.get(u, 0.0)
-                slow[u] = slow.get(u, 0) + 1 if rate < SLOW_FRACTION * median else 0
-                if slow[u] >= SLOW_REPORTS:
-                    raise SlowRelay(
-                        u,
-                        f"it sends {rate * 8 / 1e6:.0f} Mbit/s, under {SLOW_FRACTION} of the "
-                        f"other holders' {median * 8 / 1e6:.0f} Mbit/s (here, while they sent)",
-                    )
+            peers = [r for u, r in a.rates.items() if u.rstrip("/") != self.me]
+            size = int(m.chunks[:, 2].max(initial=1))
+            if (slow := judge.slow_one(now, size, self._pending(), peers)) is not None:
+                raise slow
+
+    def _pending(self) -> set[str]:
+        """The holders with chunks still to send here (the source by its URL)."""
+        m = self.m
+        return {u or m.source for u, todo in self.readers.values() if not m.done[todo].all()}
 
 
 def _seen(f: asyncio.Future[ChunkDigests]) -> None:
