@@ -19,6 +19,7 @@ Modules:
 - `pullcore`: the pure core of a pull: validation, path choice, pacing, outcomes
 - `pulls`: pulls: the awaits around the pull core (sources, data plane, progress)
 - `pulljob`: one pull's record (progress, ending, what it holds while it runs)
+- `pullstate`: a pull's life as a state machine: `step(state, event)`, pure
 - `sources`: where a pull reads from: this daemon's regions or a peer's, by lease
 - `move`: the one byte loop of a daemon
 - `devstaging`: device destinations over a host-only data plane, staged through host memory

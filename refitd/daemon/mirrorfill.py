@@ -25,6 +25,7 @@ import numpy as np
 from refitd.client.leases import LeaseKeeper
 from refitd.daemon.mirror import Mirror, covered
 from refitd.daemon.mirrorfeed import HEARTBEAT_S, follow
+from refitd.daemon.mirrorjudge import describe
 from refitd.daemon.mirrorleases import OWNER
 from refitd.daemon.mirrorread import FILL_IN_FLIGHT_BYTES, Regranted, answer_s, fill_chunks
 from refitd.daemon.mirrorswarm import Swarm, report_done
@@ -366,9 +367,3 @@ def _cancelling() -> bool:
 
 def _no_rows() -> np.ndarray:
     return np.zeros((0, 5), dtype=np.int64)
-
-
-def describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "no answer within its deadline (stopped or partitioned)"
-    return f"{type(exc).__name__}: {exc}"

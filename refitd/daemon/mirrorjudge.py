@@ -37,6 +37,7 @@ __all__ = [
     "Judge",
     "LateHolder",
     "SlowRelay",
+    "describe",
 ]
 
 RATE_WINDOW_S = 1.0
@@ -164,3 +165,10 @@ class Judge:
                     f"holders' {median * 8 / 1e6:.0f} Mbit/s (here, while they sent)",
                 )
         return None
+
+
+def describe(exc: BaseException) -> str:
+    """How a holder's failure is named in logs and errors."""
+    if isinstance(exc, TimeoutError):
+        return "no answer within its deadline (stopped or partitioned)"
+    return f"{type(exc).__name__}: {exc}"

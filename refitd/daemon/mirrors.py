@@ -55,8 +55,9 @@ import numpy as np
 
 from refitd.client.leases import LeaseKeeper
 from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, cut_chunks
-from refitd.daemon.mirrorfill import LEASE_TTL_S, Filler, describe
+from refitd.daemon.mirrorfill import LEASE_TTL_S, Filler
 from refitd.daemon.mirrorhold import FillingMirrors, HoldsReads
+from refitd.daemon.mirrorjudge import describe
 from refitd.daemon.mirrorleases import OWNER, MirrorLeases
 from refitd.daemon.mirrorread import MirroredSource
 from refitd.daemon.mirrorspace import half_of_shm, held_bytes, make_room, release, take_over

@@ -3,7 +3,7 @@
 The source's holder book (:mod:`refitd.daemon.mirrorbook`) deals each chunk of a
 version to a seeder. A mirror reads the chunks dealt to itself from the source, and
 the chunks dealt to each other seeder from that seeder, all at once: one reader per
-holder (:meth:`Filler.from_source`, :meth:`Filler.from_relay`), so the host's
+holder (:meth:`Holders.from_source`, :meth:`Holders.from_relay`), so the host's
 downlink is fed by every seeder's uplink.
 
 What goes wrong, and what is done (:class:`Swarm`):
@@ -31,21 +31,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from refitd.daemon.mirror import Mirror
 from refitd.daemon.mirrordigest import verify_mirror
-from refitd.daemon.mirrorjudge import Judge, LateHolder, SlowRelay
+from refitd.daemon.mirrorjudge import Judge, LateHolder, SlowRelay, describe
 from refitd.daemon.mirrorread import BATCH_CHUNKS, FILL_IN_FLIGHT_BYTES
 from refitd.errors import RefitError, TransportError
 from refitd.wire import ChunkDigests, PeerRegions
 from refitd.wire.mirrors import FROM_SOURCE, HolderAssign
 
 if TYPE_CHECKING:
-    from refitd.daemon.mirrorfill import Filler
+    from refitd.daemon.node import Daemon
     from refitd.daemon.sources import RemoteSource
 
 __all__ = [
@@ -70,6 +70,46 @@ SEED_IN_FLIGHT_CHUNKS = 4
 
 TICK_S = 0.1
 """How often a filling mirror looks for late holders, s."""
+
+
+class Holders(Protocol):
+    """What a swarm fill uses of the daemon's mirror filler
+    (:class:`refitd.daemon.mirrorfill.Filler`): read one holder's share, and talk
+    to the source's holder book."""
+
+    d: Daemon
+
+    def self_url(self) -> str: ...
+
+    async def from_source(
+        self,
+        m: Mirror,
+        src: RemoteSource,
+        lease_id: str,
+        prepared: asyncio.Task[PeerRegions | None],
+        todo: np.ndarray,
+        in_flight_bytes: int = ...,
+    ) -> None: ...
+
+    async def from_relay(
+        self,
+        m: Mirror,
+        url: str,
+        source_lease: str,
+        prepared: asyncio.Task[PeerRegions | None],
+        todo: np.ndarray,
+        check: Callable[[np.ndarray], Awaitable[None]],
+    ) -> None: ...
+
+    async def join(
+        self,
+        src: RemoteSource,
+        m: Mirror,
+        exclude: list[str],
+        rate: float,
+        done: bool = False,
+        shun: list[str] | None = None,
+    ) -> HolderAssign | None: ...
 
 
 class WrongBytes(TransportError):
@@ -112,7 +152,7 @@ class Swarm:
 
     def __init__(
         self,
-        filler: Filler,
+        filler: Holders,
         m: Mirror,
         src: RemoteSource,
         lease_id: str,
@@ -242,8 +282,6 @@ class Swarm:
     async def _leave(self, url: str, left: int, exc: BaseException) -> HolderAssign | None:
         """``url`` failed (``exc``) with ``left`` chunks of its share not here: name
         it to the book, and read them where its new deal says."""
-        from refitd.daemon.mirrorfill import describe
-
         self.m.reasked += left
         log.warning(
             "holder %s failed, reading its %d chunks left elsewhere: %s", url, left, describe(exc)
@@ -337,7 +375,7 @@ def _seen(f: asyncio.Future[ChunkDigests]) -> None:
         f.exception()
 
 
-async def report_done(filler: Filler, src: RemoteSource, m: Mirror, seconds: float) -> None:
+async def report_done(filler: Holders, src: RemoteSource, m: Mirror, seconds: float) -> None:
     """Tell the book this mirror is complete, with its whole fill's rate: the next
     version's deal leaves out a host that filled slowly. Best effort."""
     with contextlib.suppress(RefitError, TimeoutError):

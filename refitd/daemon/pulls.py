@@ -48,6 +48,7 @@ from refitd.daemon.node import Daemon
 from refitd.daemon.paths import SHM_SCHEME, adverts, choose_remote, lease_scope
 from refitd.daemon.plancheck import check_runs
 from refitd.daemon.pulljob import PullJob
+from refitd.daemon.pullstate import Cancel, Event, Fail, Finish, Gone, Move, Pull, Start, step
 from refitd.daemon.sources import Filling, LocalSource, Redirect, RemoteSource, Source
 from refitd.daemon.trust import check_writes
 from refitd.errors import NotFoundError, RefitError, TransportError
@@ -55,7 +56,6 @@ from refitd.wire import (
     DescriptorTable,
     PeerRegions,
     PullRequest,
-    PullState,
     RegionCreate,
     StagedPack,
 )
@@ -301,11 +301,9 @@ class PullManager:
         self, job: PullJob, src: Source, rows: np.ndarray, peer: PeerRegions | None
     ) -> None:
         req = job.req
-        job.state = PullState.RUNNING
+        pull = self._step(job, Pull(job.pull_id), Start())
         staged: StagedPack | None = None
         all_rows, done = rows, None
-        # Once bytes may have moved, every destination range of the pull is suspect.
-        moving = False
         filling = src.filling if isinstance(src, LocalSource) else None
         try:
             # Over shm the reader maps the source's memory: it gathers strided blocks
@@ -337,35 +335,28 @@ class PullManager:
                     job.pins.enter_context(self.store.using([staged.region.region_id]))
                 elif job.conn is not None:  # the staging segment joins the connection
                     await job.conn.update(self.shm_credential(peer))
-            moving = True
+            pull = self._step(job, pull, Move())  # from now on its ranges may be suspect
             if all_rows.shape[0] and peer is not None:
                 conn = job.conn or await self._transport_peer(peer, job.path)
                 if job.devices and job.conn is None:
                     conn = job.device_staging = await self._staged(conn, all_rows)
                 await self._move(job, conn, all_rows, done, filling)
             await src.check_lease(req.lease_id, req.model, req.version)
-            job.state = PullState.DONE
+            pull = self._step(job, pull, Finish(), all_rows)
         except asyncio.CancelledError as exc:
-            if job.fail_reason:
-                job.state = PullState.FAILED
-                where = pullcore.source_name(req.source, peer)
-                job.error = pullcore.source_gone(job.pull_id, where, job.fail_reason)
-                job.suspect = pullcore.suspect(all_rows) if moving else []
+            where = pullcore.source_name(req.source, peer)
+            if job.fail_reason:  # its source left: FAILED, not CANCELLED
+                pull = self._step(job, pull, Gone(job.fail_reason, where), all_rows)
                 return
             # The reason travels on the job (set by whoever cancelled) and, where the
             # cancel reached us directly, in the CancelledError's message.
             reason = job.cancel_reason or (str(exc.args[0]) if exc.args else "") or "cancelled"
-            job.state = PullState.CANCELLED
-            job.error = pullcore.cancelled(job.pull_id, reason)
-            job.suspect = pullcore.suspect(all_rows) if moving else []
+            pull = self._step(job, pull, Cancel(reason), all_rows)
         except Exception as exc:
             # Any error fails the pull: one that escaped here unhandled would end the
             # task with the job still RUNNING and every waiter polling it forever.
-            job.state = PullState.FAILED
-            job.error = pullcore.failed(job.pull_id, pullcore.source_name(req.source, peer), exc)
-            job.suspect = pullcore.suspect(all_rows) if moving else []
-            if not isinstance(exc, RefitError):
-                log.error("pull %s failed unexpectedly", job.pull_id, exc_info=exc)
+            where = pullcore.source_name(req.source, peer)
+            pull = self._step(job, pull, Fail(exc, where), all_rows)
         finally:
             job.ended = time.perf_counter()
             if job.conn is not None:
@@ -518,6 +509,22 @@ class PullManager:
         reads, ends, spans = await asyncio.to_thread(plan) if len(rows) > OFF_LOOP_ROWS else plan()
         await move(job, conn, reads, ends, spans)
 
+    # ------------------------------------------------------------ its state
+
+    @staticmethod
+    def _step(job: PullJob, pull: Pull, ev: Event, rows: np.ndarray | None = None) -> Pull:
+        """``pull`` after ``ev`` (:func:`refitd.daemon.pullstate.step`), done to
+        ``job``: its state, and as it ends its error and (``rows``: what it read)
+        its suspect ranges."""
+        pull, todo = step(pull, ev)
+        job.state = pull.state
+        for end in todo:
+            job.error = end.error
+            job.suspect = pullcore.suspect(rows) if end.suspect and rows is not None else []
+            if not end.expected and isinstance(ev, Fail):
+                log.error("pull %s failed unexpectedly", job.pull_id, exc_info=ev.error)
+        return pull
+
     # ------------------------------------------------------------ reads outside a pull
 
     @contextlib.contextmanager
@@ -530,22 +537,19 @@ class PullManager:
         or FAILED / CANCELLED naming what ended it. ``req`` is what it reads."""
         rows = req.descriptors.rows()
         job = PullJob(f"p{next(self._seq)}", req, nbytes, rows.shape[0])
-        job.path, job.owner, job.state = path, owner, PullState.RUNNING
+        job.path, job.owner = path, owner
+        pull = self._step(job, Pull(job.pull_id), Start())
         self.jobs[job.pull_id] = job
         for listener in self.listeners:
             listener.started(job)
         try:
             yield job
-            job.state = PullState.DONE
+            self._step(job, pull, Finish())
         except asyncio.CancelledError as exc:
-            job.state = PullState.CANCELLED
-            job.error = pullcore.cancelled(
-                job.pull_id, str(exc.args[0]) if exc.args else "cancelled"
-            )
+            self._step(job, pull, Cancel(str(exc.args[0]) if exc.args else "cancelled"))
             raise
         except Exception as exc:
-            job.state = PullState.FAILED
-            job.error = pullcore.failed(job.pull_id, source or "its source", exc)
+            self._step(job, pull, Fail(exc, source or "its source"))
             raise
         finally:
             job.ended = time.perf_counter()
