@@ -188,6 +188,7 @@ class Swarm:
         self.busy = np.zeros(len(m.chunks), dtype=bool)
         self.judge = Judge(m.source, BATCH_CHUNKS * int(m.chunks[:, 2].max(initial=1)))
         watch: asyncio.Task[None] | None = None
+        watching = True  # a watch that ended on its own (no book to report to) is not redone
         try:
             while True:
                 self.seeders = sum(1 for s in answer.seeders if s) if answer else 0
@@ -196,14 +197,16 @@ class Swarm:
                     if bool(m.done.all()):
                         return
                     raise TransportError("no holder left to read the missing chunks from")
-                if watch is None or watch.done():
+                if watching and (watch is None or watch.done()):
                     watch = asyncio.create_task(self._watch(answer))
                 finished, _ = await asyncio.wait(
-                    [*self.readers, watch], return_when=asyncio.FIRST_COMPLETED
+                    [*self.readers, *([watch] if watch is not None else [])],
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
                 new: HolderAssign | None = None
                 for t in finished:
                     if t is watch:
+                        watching = t.exception() is not None
                         new = await self._heard(t) or new
                         watch = None
                         continue
