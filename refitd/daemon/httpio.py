@@ -152,13 +152,28 @@ async def body(request: web.Request, type_: type[T] | None = None) -> T:
             raise RuntimeError(f"{request.method} {request.path}: no request type declared")
         type_ = route.request
     raw = await request.read()
+    as_msgpack = request.content_type == MSGPACK
     try:
-        with gc_paused():
-            if request.content_type == MSGPACK:
-                return msgspec.msgpack.decode(raw, type=type_)
-            return msgspec.json.decode(raw, type=type_)
+        decoded: T
+        if len(raw) > OFF_LOOP_BODY_BYTES:  # thousands of structs: decoded beside the loop
+            decoded = await asyncio.to_thread(_decode, raw, type_, as_msgpack)
+        else:
+            decoded = _decode(raw, type_, as_msgpack)
+        return decoded
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(f"{request.method} {request.path}: body refused: {exc}") from exc
+
+
+OFF_LOOP_BODY_BYTES = 256 << 10
+"""A request body past this many bytes is decoded in a worker thread, not on the
+event loop (a pack request of 128k specs took 0.07-0.1 s of the loop's time)."""
+
+
+def _decode(raw: bytes, type_: type[T], as_msgpack: bool) -> T:
+    with gc_paused():
+        if as_msgpack:
+            return msgspec.msgpack.decode(raw, type=type_)
+        return msgspec.json.decode(raw, type=type_)
 
 
 async def manifest_body(request: web.Request, raw: bytes, max_shards: int) -> ManifestIn:

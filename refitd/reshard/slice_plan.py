@@ -448,7 +448,10 @@ def write_through_pointer(ptr: int, copy: RecordedCopy, value: torch.Tensor) -> 
         # the bits are the ones a fresh load leaves.
         value = torch.empty(value.shape, dtype=copy.dest_dtype).copy_(value)
     elsize = copy.dest_dtype.itemsize
-    flat = value.contiguous().reshape(-1).view(_INT_OF_SIZE[elsize]).view(torch.uint8)
+    flat = value.contiguous().reshape(-1)
+    if flat.stride(-1) != 1:  # one element counts as contiguous whatever its stride
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    flat = flat.view(_INT_OF_SIZE[elsize]).view(torch.uint8)
     src = flat.reshape(*copy.dest_shape, elsize).numpy()
     span = (
         copy.dest_offset

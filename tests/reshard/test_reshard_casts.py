@@ -289,3 +289,17 @@ def test_an_integer_cast_in_a_loader_chain_is_refused_naming_it() -> None:
     captured = capture_geometry(twin, [("w", torch.bfloat16, (2, 3))])
     assert captured.unsupported == ["w"]
     assert "casts torch.bfloat16 to torch.int32" in captured.unsupported_reasons["w"]
+
+
+def test_a_one_element_view_with_a_stride_is_written_as_its_value() -> None:
+    """A replayed value of one element may keep any stride (it counts as contiguous);
+    its bytes are written all the same. Found by Hypothesis in CI: 'self.stride(-1)
+    must be 1 to view Short as Byte'."""
+    from refitd.reshard.slice_plan import write_through_pointer
+
+    dest = torch.zeros(4, dtype=torch.int16)
+    copy = RecordedCopy("w", (), "p", 2, (1,), (1,), torch.int16)
+    value = torch.tensor([7, 9], dtype=torch.int16)[::2]  # one element, stride 2
+    assert value.stride() == (2,) and value.is_contiguous()
+    write_through_pointer(dest.data_ptr(), copy, value)
+    assert dest.tolist() == [0, 0, 7, 0]

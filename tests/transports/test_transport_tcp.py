@@ -16,6 +16,7 @@ import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -322,6 +323,7 @@ async def test_a_killed_source_fails_the_pull_in_flight_with_peer_lost_and_suspe
         await peer.get(batch)
         assert landed(dst, 3, batch)
         os.kill(proc.pid, signal.SIGSTOP)  # the pull is surely in flight when it dies
+        await _until_stopped(proc.pid)  # a busy machine may take a while to stop it
         task = asyncio.create_task(peer.get(batch))
         await asyncio.sleep(0.3)
         os.kill(proc.pid, signal.SIGKILL)
@@ -330,6 +332,21 @@ async def test_a_killed_source_fails_the_pull_in_flight_with_peer_lost_and_suspe
         # noticed as a broken connection, not at the (120 s) deadline
         assert "broke mid-read" in str(err.value), str(err.value)
         assert repr(info.peer_id) in str(err.value)
+
+
+def _state(pid: int) -> str:
+    """Process ``pid``'s state letter in ``/proc`` (a read of no disk)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+async def _until_stopped(pid: int, safety_s: float = 30.0) -> None:
+    """Return once process ``pid`` is stopped (its state in ``/proc`` is ``T``)."""
+    deadline = time.monotonic() + safety_s  # a safety net, not a measure
+    while time.monotonic() < deadline:
+        if _state(pid) in ("T", "t"):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within {safety_s} s")
 
 
 async def test_a_restarted_source_is_detected_by_its_new_incarnation_and_a_new_record_reconnects() -> (
