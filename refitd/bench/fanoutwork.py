@@ -14,9 +14,6 @@ or failed. The ops are :class:`Worker`'s methods of the same name: ``publish``,
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
-import sys
 import time
 from typing import Any
 
@@ -177,50 +174,12 @@ class Worker:
             await c.__aexit__(None, None, None)
 
 
-async def _serve() -> None:
-    from refitd.errors import RefitError
-
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    worker = Worker()
-    try:
-        while line := await reader.readline():
-            req = json.loads(line)
-            op = req.get("op")
-            if op == "quit":
-                break
-            ops = {
-                "publish": worker.publish,
-                "prepare": worker.prepare,
-                "replicas": worker.replicas,
-                "verify": worker.verify,
-                "forget": worker.forget,
-                "mirror": worker.mirror,
-                "pulls": worker.pulls,
-            }
-            handler = ops.get(op or "")
-            out: dict[str, Any]
-            if handler is None:
-                out = {"ok": False, "error": "ProtocolError", "detail": op}
-            else:
-                try:
-                    out = await handler(req)
-                except RefitError as exc:
-                    out = {"ok": False, "error": type(exc).__name__, "detail": str(exc)}
-            sys.stdout.write(json.dumps(out) + "\n")
-            sys.stdout.flush()
-    finally:
-        with contextlib.suppress(RefitError):
-            await worker.close()
-
-
 def main() -> int:
-    import uvloop
+    from refitd.bench.simhosts import serve_worker
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve())
-    return 0
+    return serve_worker(
+        Worker(), ("publish", "prepare", "replicas", "verify", "forget", "mirror", "pulls")
+    )
 
 
 if __name__ == "__main__":

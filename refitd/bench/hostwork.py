@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
-import sys
 import time
 from typing import Any
 
@@ -259,35 +257,12 @@ class Worker:
             await c.__aexit__(None, None, None)
 
 
-async def _serve() -> None:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    worker = Worker()
-    try:
-        while line := await reader.readline():
-            req = json.loads(line)
-            op = req.get("op")
-            if op == "quit":
-                break
-            ops = ("publish", "refit", "refit_start", "refit_wait", "pulls", "source", "pull_bytes")
-            handler = getattr(worker, op, None) if op in ops else None
-            if handler is None:
-                out: dict[str, Any] = {"ok": False, "error": "ProtocolError", "detail": op}
-            else:
-                out = await handler(req)
-            sys.stdout.write(json.dumps(out) + "\n")
-            sys.stdout.flush()
-    finally:
-        await worker.close()
-
-
 def main() -> int:
-    import uvloop
+    from refitd.bench.simhosts import serve_worker
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(_serve())
-    return 0
+    return serve_worker(
+        Worker(), ("publish", "refit", "refit_start", "refit_wait", "pulls", "source", "pull_bytes")
+    )
 
 
 if __name__ == "__main__":

@@ -29,9 +29,10 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from refitd.client.spawn import SpawnedDaemon
@@ -267,6 +268,48 @@ class HostWorker:
             except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
+
+
+def serve_worker(worker: Any, ops: tuple[str, ...]) -> int:
+    """Run ``worker`` as the process a :class:`HostWorker` talks to: one JSON request
+    a line on stdin, its answer a line on stdout, ``op`` naming one of ``worker``'s
+    methods in ``ops`` (another is answered ``ProtocolError``; a refusal a method
+    raises is answered as its class and detail), until ``quit`` or end of input; then
+    ``worker.close()``."""
+    import json
+
+    import uvloop
+
+    from refitd.errors import RefitError
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+        try:
+            while line := await reader.readline():
+                req = json.loads(line)
+                op = req.get("op")
+                if op == "quit":
+                    break
+                handler = getattr(worker, op, None) if op in ops else None
+                out: dict[str, Any]
+                if handler is None:
+                    out = {"ok": False, "error": "ProtocolError", "detail": op}
+                else:
+                    try:
+                        out = await handler(req)
+                    except RefitError as exc:
+                        out = {"ok": False, "error": type(exc).__name__, "detail": str(exc)}
+                sys.stdout.write(json.dumps(out) + "\n")
+                sys.stdout.flush()
+        finally:
+            with contextlib.suppress(RefitError):
+                await worker.close()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(serve())
+    return 0
 
 
 @dataclass
