@@ -12,10 +12,12 @@ holder to leave and why:
   like a stopped host);
 - **slow**: after ``SLOW_AFTER_S`` of reading from it, a holder sending under
   ``SLOW_FRACTION`` of the median rate the other holders sent here while they had
-  chunks to send, in ``SLOW_REPORTS`` reports in a row. A mirror that is itself
-  under ``SLOW_FRACTION`` of its peers' median rate judges nobody (a host whose own
-  link is slow finds every holder slow), and at most ``MAX_SLOW_SWITCHES`` holders
-  are left as slow.
+  chunks to send, in ``SLOW_REPORTS`` reports in a row; at most
+  ``MAX_SLOW_SWITCHES`` holders are left as slow.
+
+A mirror that is itself under ``SLOW_FRACTION`` of its peers' median rate (the
+book's) judges nobody slow or late: a host whose own link is slow finds every holder
+slow, and every holder's chunks late behind its own link.
 
 The source is never judged: it is the reference, and the holder of last resort.
 """
@@ -99,6 +101,9 @@ class Judge:
     seen: dict[str, tuple[float, int]] = field(default_factory=dict)
     #: when each holder was first read from
     started: dict[str, float] = field(default_factory=dict)
+    #: this mirror filled under ``SLOW_FRACTION`` of its peers' median rate at its
+    #: last report: it judges no holder slow or late
+    behind: bool = False
 
     def reading(self, holder: str, now: float) -> None:
         """A reader of ``holder`` started at ``now`` (its first one counts)."""
@@ -106,7 +111,11 @@ class Judge:
 
     def late(self, now: float, reads: dict[str, int], pending: set[str]) -> LateHolder | None:
         """The first holder of ``pending`` (holders with chunks still to send here)
-        that is late at ``now``, given ``reads`` (chunks each holder sent here)."""
+        that is late at ``now``, given ``reads`` (chunks each holder sent here). None
+        while this mirror is the slow one (its last report): its own link keeps
+        every holder's chunks waiting."""
+        if self.behind:
+            return None
         for u in sorted(pending - {self.source}):
             count = reads.get(u, 0)
             since, before = self.seen.get(u, (self.started.get(u, now), 0))
@@ -147,7 +156,8 @@ class Judge:
                 self.last[u] = r
         mine = (got - b0) / span
         ranked = sorted(r for r in peers if r > 0)
-        if ranked and mine < SLOW_FRACTION * ranked[len(ranked) // 2]:
+        self.behind = bool(ranked) and mine < SLOW_FRACTION * ranked[len(ranked) // 2]
+        if self.behind:
             self.slow.clear()  # this host is the slow one: every holder is slow to it
             return None
         for u in sorted(pending - {self.source}):

@@ -6,7 +6,7 @@ from refitd.daemon.mirrorjudge import (
     LATE_BATCHES,
     LATE_FLOOR_S,
     MAX_SLOW_SWITCHES,
-    SLOW_REPORTS,
+    SLOW_AFTER_S,
     Judge,
 )
 
@@ -42,8 +42,10 @@ def started(*holders: str) -> Judge:
 def test_a_holder_sending_under_half_the_others_is_left_after_two_reports_in_a_row() -> None:
     judge = started(SRC, "a", "b", "slow")
     slow = fill(judge, {SRC: 40, "a": 40, "b": 40, "slow": 10}, 3.0, [1e8, 1e8])
-    assert slow == ["slow"]  # once: a mirror leaves one holder as slow at most
-    assert MAX_SLOW_SWITCHES == 1 and SLOW_REPORTS == 2
+    assert slow == ["slow"] * MAX_SLOW_SWITCHES  # then no more: it left its quota
+    # one slow report (at SLOW_AFTER_S) is not enough: SLOW_REPORTS in a row are
+    judge = started(SRC, "a", "b", "slow")
+    assert fill(judge, {SRC: 40, "a": 40, "b": 40, "slow": 10}, SLOW_AFTER_S, [1e8]) == []
 
 
 def test_holders_at_about_the_same_rate_are_never_slow() -> None:
@@ -55,6 +57,17 @@ def test_a_mirror_that_is_itself_the_slow_one_judges_nobody() -> None:
     judge = started(SRC, "a", "b")
     # its own rate (about 10 MB/s in all) is under half its peers' (the book's)
     assert fill(judge, {SRC: 4, "a": 4, "b": 1}, 5.0, [1e8, 1e8, 1e8]) == []
+
+
+def test_a_mirror_that_is_itself_the_slow_one_finds_no_holder_late() -> None:
+    """A host whose own link is slow waits on every holder: none of them is late for
+    that (a slow host leaving fast holders read their chunks from the trainer again)."""
+    judge = started(SRC, "a", "waiting")
+    fill(judge, {SRC: 4, "a": 2, "waiting": 0}, 1.0, [1e8, 1e8])  # it is the slow one
+    assert judge.late(LATE_FLOOR_S * 3, {"a": 1, "waiting": 0}, {"a", "waiting"}) is None
+    fill(judge, {SRC: 40, "a": 40, "waiting": 0}, 1.0, [1e8])  # it is not any more
+    verdict = judge.late(LATE_FLOOR_S * 3, {"a": 1, "waiting": 0}, {"a", "waiting"})
+    assert verdict is not None and verdict.url == "waiting"
 
 
 def test_the_source_is_never_left() -> None:
