@@ -30,6 +30,7 @@ __all__ = [
     "HolderBook",
     "Mirror",
     "chunk_bytes",
+    "chunk_count",
     "chunk_reads",
     "covered",
     "cut_chunks",
@@ -174,6 +175,12 @@ def cut_chunks(scope: dict[int, Extents], chunk: int | None = None) -> np.ndarra
             for off in range(start, end, chunk):
                 rows.append((rid, off, min(chunk, end - off)))
     return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def chunk_count(scope: dict[int, Extents]) -> int:
+    """How many rows :func:`cut_chunks` cuts ``scope`` into, counted, not cut."""
+    chunk = chunk_bytes(sum(e - s for ext in scope.values() for s, e in ext))
+    return sum(-(-(e - s) // chunk) for ext in scope.values() for s, e in ext)
 
 
 def covered(rows: np.ndarray, scope: dict[int, Extents]) -> np.ndarray:

@@ -175,8 +175,9 @@ class Filler:
         """Read chunks ``todo`` of ``m`` from ``url``'s mirror, each as soon as it is
         complete there (over ``tcp`` the read waits there for it; else its feed says
         so, with records that let us read it); ``check(chunks)`` checks each batch's
-        bytes before its chunks are marked complete (their digests at the source). Its lease there is a peer daemon's, granted under this
-        mirror's live lease at the source, ``source_lease``. The lease, the feed and
+        bytes before its chunks are marked complete (their digests at the source).
+        Its lease there is a peer daemon's, granted under this mirror's live lease at
+        the source, ``source_lease``. The lease, the feed and
         the data path are opened while ``prepared`` makes this mirror's regions; the
         reads wait for them (none when it gives None)."""
         relay = self._remote(url)

@@ -54,7 +54,7 @@ import msgspec
 import numpy as np
 
 from refitd.client.leases import LeaseKeeper
-from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, cut_chunks
+from refitd.daemon.mirror import CHUNK_BYTES, HolderBook, Mirror, chunk_count, cut_chunks
 from refitd.daemon.mirrorfill import LEASE_TTL_S, Filler
 from refitd.daemon.mirrorhold import FillingMirrors, HoldsReads
 from refitd.daemon.mirrorjudge import describe
@@ -113,7 +113,6 @@ class Mirrors:
         self.policy = policy
         self.self_url = self_url
         self.book = HolderBook()
-        self._chunk_counts: dict[tuple[str, int], int] = {}
         #: the lease rules of this daemon's mirrors (granted under a source lease)
         self.leases = MirrorLeases(daemon, self.find, self._remote)
         self.budget = (
@@ -401,13 +400,9 @@ class Mirrors:
 
     def chunk_count(self, model: str, version: int) -> int:
         """How many chunks a mirror cuts ``model`` ``version`` of this daemon into
-        (:func:`cut_chunks` of its whole scope, as every mirror of it cuts it)."""
-        key = (model, version)
-        if key not in self._chunk_counts:
-            if len(self._chunk_counts) >= 256:
-                self._chunk_counts.pop(next(iter(self._chunk_counts)))
-            self._chunk_counts[key] = len(cut_chunks(self.d.registry.scope(model, version)))
-        return self._chunk_counts[key]
+        (as every mirror of it cuts its whole scope): counted per byte range of the
+        registry's cached scope, no chunk made."""
+        return chunk_count(self.d.registry.scope(model, version))
 
     def held_bytes(self) -> int:
         """Bytes every mirror of this daemon holds, or is about to make."""

@@ -12,6 +12,7 @@ from refitd.daemon.mirror import (
     CHUNKS_PER_VERSION,
     MAX_CHUNK_BYTES,
     chunk_bytes,
+    chunk_count,
     chunk_reads,
     cut_chunks,
 )
@@ -120,3 +121,24 @@ def test_every_read_a_lease_may_make_is_cut_into_chunks_and_lands_where_it_would
         return dst
 
     assert np.array_equal(land(out), land(rows))
+
+
+@given(
+    st.dictionaries(
+        st.integers(0, 8),
+        st.lists(st.tuples(st.integers(0, 8 << 20), st.integers(1, 48 << 20)), max_size=3),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_the_chunk_count_the_holder_book_deals_is_the_number_of_chunks_a_mirror_cuts(
+    gaps: dict[int, list[tuple[int, int]]],
+) -> None:
+    scope: dict[int, list[tuple[int, int]]] = {}
+    for rid, runs in gaps.items():
+        pos, ext = 0, []
+        for gap, n in runs:
+            ext.append((pos + gap, pos + gap + n))
+            pos += gap + n
+        scope[rid] = ext
+    assert chunk_count(scope) == len(cut_chunks(scope))
