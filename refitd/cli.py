@@ -15,7 +15,7 @@ from collections.abc import Sequence
 # name -> (module, one-line help). Add a line here to add a subcommand.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("refitd.demo", "run the main job end to end on loopback and verify it"),
-    "serve": ("refitd.daemon.process", "run the refitd daemon: HTTP API v1 and the data plane"),
+    "serve": ("refitd.daemon.app.process", "run the refitd daemon: HTTP API v1 and the data plane"),
     "status": ("refitd.ops.status", "show whether the daemon is up and ready, and what it holds"),
     "regions": ("refitd.ops.regions", "list the daemon's memory regions"),
     "sources": ("refitd.ops.sources", "list published model versions, their state and leases"),

@@ -299,14 +299,14 @@ def test_the_list_of_oversized_modules_only_shrinks() -> None:
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
-        ("import refitd.daemon.auth", {"refitd.daemon.auth"}),
-        ("import refitd.daemon.auth.nothing", {"refitd.daemon.auth"}),
-        ("from refitd.daemon import auth", {"refitd.daemon.auth"}),
+        ("import refitd.daemon.access.auth", {"refitd.daemon.access.auth"}),
+        ("import refitd.daemon.access.auth.nothing", {"refitd.daemon.access.auth"}),
+        ("from refitd.daemon.access import auth", {"refitd.daemon.access.auth"}),
         ("from refitd.daemon import create_daemon_app", {"refitd.daemon"}),
-        ("from . import auth", {"refitd.daemon.auth"}),
-        ("from .auth import read_token", {"refitd.daemon.auth"}),
-        ("from .. import errors", {"refitd.errors"}),
-        ("from ..cluster import etcd", {"refitd.cluster.etcd"}),
+        ("from . import auth", {"refitd.daemon.access.auth"}),
+        ("from .auth import read_token", {"refitd.daemon.access.auth"}),
+        ("from ... import errors", {"refitd.errors"}),
+        ("from ...cluster import etcd", {"refitd.cluster.etcd"}),
         ("import numpy", set()),
     ],
 )
@@ -314,7 +314,7 @@ def test_an_import_in_a_module_is_resolved_to_the_module_it_names(
     source: str, expected: set[str]
 ) -> None:
     modules = _modules()
-    me = modules["refitd.daemon.handlers"]
+    me = modules["refitd.daemon.access.trust"]
     (node,) = list(_imports(ast.parse(source)))
     assert _targets(node, me, modules) == expected
 
@@ -337,7 +337,7 @@ def test_imports_in_functions_count_and_type_checking_ones_count_apart() -> None
         "    import refitd.config\n"
     )
     modules = _modules()
-    me = modules["refitd.daemon.handlers"]
+    me = modules["refitd.daemon.app.handlers"]
     found = set().union(*(_targets(n, me, modules) for n in _imports(ast.parse(source))))
     assert found == {"refitd.errors", "refitd.config"}
     tree = ast.parse(source)

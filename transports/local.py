@@ -157,7 +157,7 @@ def pack_strided(
     """Gather the strided block (``strides`` in elements) into ``dst`` contiguously.
 
     Returns the bytes written. Bounds must have been checked by
-    the caller (a daemon: :func:`refitd.daemon.plancheck.validate_plan`). The gather is the native one, under
+    the caller (a daemon: :func:`refitd.daemon.pull.plancheck.validate_plan`). The gather is the native one, under
     the bus-error guard: a source segment its owner shrank under the mapping raises
     :class:`CopyFault` (``dst`` undefined), never a fatal signal.
     """

@@ -92,8 +92,8 @@ async def _main(args: argparse.Namespace) -> int:
     from refitd.bench.deltamodel import Engines, Report, Trainer
     from refitd.client.http import RefitClient
     from refitd.config import load_config
-    from refitd.daemon.node import Daemon
-    from refitd.daemon.process import listening
+    from refitd.daemon.app.node import Daemon
+    from refitd.daemon.app.process import listening
 
     config = load_config(None, {}, {"server.port": 0, "pulls.deltas": True})
     async with (

@@ -132,8 +132,8 @@ async def _main(args: argparse.Namespace) -> int:
     from refitd.client.http import RefitClient
     from refitd.client.receiver import DaemonReceiver
     from refitd.config import load_config
-    from refitd.daemon.node import Daemon
-    from refitd.daemon.process import listening
+    from refitd.daemon.app.node import Daemon
+    from refitd.daemon.app.process import listening
     from refitd.reshard.geometry import capture_geometry
 
     shape = (args.moe_layers, args.experts, args.moe_hidden, args.moe_inter)

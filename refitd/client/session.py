@@ -1,6 +1,6 @@
 """One HTTP session to one daemon's API v1: :class:`ApiSession`, the base of both the
 public :class:`~refitd.client.http.RefitClient` and the daemon's own client of its
-peers (:class:`refitd.daemon.peerclient.PeerClient`).
+peers (:class:`refitd.daemon.pull.peerclient.PeerClient`).
 
 What both need, written once:
 

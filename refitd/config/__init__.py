@@ -146,7 +146,7 @@ class DataPlaneConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
 
 class MirrorsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Host mirrors and relay (see :mod:`refitd.daemon.mirrors` and docs/fanout.md)."""
+    """Host mirrors and relay (see :mod:`refitd.daemon.mirror.mirrors` and docs/fanout.md)."""
 
     #: When this daemon holds one copy of a remote version for its local engines (and
     #: relays it to other hosts): ``never`` (every pull reads its source), ``always``
@@ -176,7 +176,7 @@ class PeersConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
 
 class ModelsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Who owns each model and who may read it (see ``refitd.daemon.owners``)."""
+    """Who owns each model and who may read it (see ``refitd.daemon.access.owners``)."""
 
     #: ``MODEL=PRINCIPAL`` entries: a model listed here belongs to those principals
     #: (token names, ``uid:<n>``) only: they publish, drain and retire its versions.

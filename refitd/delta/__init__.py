@@ -1,6 +1,6 @@
 """Delta refit, the pure part: what changed between two versions, where each changed
 unit of a planned pull lands, and writes that can be undone. No I/O, no ``await``;
-the daemon (:mod:`refitd.daemon.deltas`) and the receiver
+the daemon (:mod:`refitd.daemon.delta.source`) and the receiver
 (:mod:`refitd.client.deltarefit`) call it. The mechanism: ``docs/delta.md``.
 
 - :mod:`~refitd.delta.diff`: bytewise comparison of two blocks in chunks, and the

@@ -70,7 +70,7 @@ U8 = npt.NDArray[np.uint8]
 def comparison_bytes(threads: int, blocks: int, unit: int = 1) -> int:
     """Daemon memory one comparison of ``blocks`` blocks holds besides the changes it
     keeps (those count against ``[pulls] delta_max_bytes``): per job in flight (at most
-    two a thread, :meth:`~refitd.daemon.deltas.DeltaBook._run`) its two chunks copied
+    two a thread, :meth:`~refitd.daemon.delta.source.DeltaBook._run`) its two chunks copied
     and one chunk's changes found (an int64 offset and old and new bytes a unit of
     ``unit`` bytes; 1, the worst, unless known), and 32 B a block (its two hashes)."""
     job = 2 * CHUNK + (CHUNK // unit) * (8 + 2 * unit)

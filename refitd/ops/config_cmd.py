@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from refitd.config import load_config, parse_overrides
-    from refitd.daemon.auth import check_startup
+    from refitd.daemon.access.auth import check_startup
     from refitd.errors import ConfigError
 
     try:

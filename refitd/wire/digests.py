@@ -7,9 +7,9 @@ of that chunk, asks another holder for the chunks that do not match, and drops t
 holder. The source answers ``GET /v1/mirrors/{model}/{version}/digests?lease=`` with a
 :class:`ChunkDigests` under a live lease on that version there.
 
-The chunks are those :func:`refitd.daemon.mirror.cut_chunks` cuts from the whole
+The chunks are those :func:`refitd.daemon.mirror.chunks.cut_chunks` cuts from the whole
 scope of the version at the source (every byte range its shards occupy), with
-:func:`refitd.daemon.mirror.chunk_bytes` of the scope's bytes: the cut every mirror of
+:func:`refitd.daemon.mirror.chunks.chunk_bytes` of the scope's bytes: the cut every mirror of
 the version makes, so digest ``i`` is the one of the mirror's chunk ``i``.
 """
 

@@ -1,4 +1,4 @@
-"""Host mirrors and relay, daemon to daemon (see :mod:`refitd.daemon.mirrors`)."""
+"""Host mirrors and relay, daemon to daemon (see :mod:`refitd.daemon.mirror.mirrors`)."""
 
 from __future__ import annotations
 

@@ -4,9 +4,9 @@ Each :class:`Route` is one operation: its method, its path template, the Struct 
 request body decodes to, the type its response encodes and a one-line summary. The
 three places that need the routes read them from here (as starlette's routing does):
 
-- the daemon registers a handler per route (``refitd.daemon.httpio.handles``), and a
+- the daemon registers a handler per route (``refitd.daemon.app.httpio.handles``), and a
   test holds the app's routes and :data:`ROUTES` equal;
-- the OpenAPI document (``refitd.daemon.openapi``) describes each route from its
+- the OpenAPI document (``refitd.daemon.app.openapi``) describes each route from its
   entry here;
 - the client (``refitd.client.http``) calls a route by its constant, so a path is
   never spelled twice, and decodes the answer as the route's ``response``.

@@ -22,7 +22,7 @@ from refitd.client.http import RefitClient
 from refitd.client.spawn import spawn_daemon
 from refitd.cluster.directory import daemon_key, source_key
 from refitd.config import RegistryConfig
-from refitd.daemon.node import Daemon
+from refitd.daemon.app.node import Daemon
 from refitd.errors import NotFoundError, ProtocolError, TransportError
 from refitd.wire import (
     DaemonRecord,

@@ -19,7 +19,7 @@ from support.engines import mismatched, zeroed_engine
 from refitd.bench.refit import capture_for
 from refitd.client.deltarefit import DeltaReceiver
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon
+from refitd.daemon.app.node import Daemon
 from refitd.testing.engines import EngineParallel, ModelConfig, ToyEngine, dense_toy_config
 from refitd.testing.layouts import full_state, megatron_tp_ep
 

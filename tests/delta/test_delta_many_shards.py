@@ -19,7 +19,7 @@ import pytest
 from support.daemons import daemon_config, served
 
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon
+from refitd.daemon.app.node import Daemon
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 from transports.segments import SHM_DIR, SharedSegment
 

@@ -11,7 +11,7 @@ from support.engines import mismatched, zeroed_engine
 
 from refitd.bench.refit import capture_for
 from refitd.client.deltarefit import DeltaReceiver
-from refitd.daemon.deltas import MAX_CHAIN
+from refitd.daemon.delta.source import MAX_CHAIN
 from refitd.testing.engines import EngineParallel, ToyEngine, dense_toy_config
 from refitd.testing.layouts import full_state, megatron_tp_ep
 

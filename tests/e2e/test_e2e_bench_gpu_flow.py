@@ -10,8 +10,8 @@ from support.daemons import daemon_config
 
 from refitd.bench.gpu import GpuResult, pulls, refit
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon
-from refitd.daemon.process import listening
+from refitd.daemon.app.node import Daemon
+from refitd.daemon.app.process import listening
 
 pytestmark = pytest.mark.timeout(300)
 

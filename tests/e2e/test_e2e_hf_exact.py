@@ -9,8 +9,8 @@ import torch
 from support.daemons import daemon_config
 
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon
-from refitd.daemon.process import listening
+from refitd.daemon.app.node import Daemon
+from refitd.daemon.app.process import listening
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -23,7 +23,7 @@ from support.engines import mismatched, zeroed_engine
 from refitd.bench.refit import capture_for, publish_layout
 from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
-from refitd.daemon.node import Daemon
+from refitd.daemon.app.node import Daemon
 from refitd.errors import ConflictError
 from refitd.reshard.types import IncompleteRefit
 from refitd.testing.engines import EngineParallel, ModelConfig, ToyEngine, dense_toy_config

@@ -13,8 +13,8 @@ from support.daemons import daemon_config
 
 from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
-from refitd.daemon.node import Daemon
-from refitd.daemon.process import listening
+from refitd.daemon.app.node import Daemon
+from refitd.daemon.app.process import listening
 from refitd.errors import ConflictError
 
 pytestmark = pytest.mark.timeout(60)

@@ -27,7 +27,7 @@ from support.daemons import daemon_config
 from support.engines import SwapEngine, serving_swap_engine, swap_engine
 from support.tenants import pull_request, two_tenants
 
-from refitd.daemon.node import Daemon
+from refitd.daemon.app.node import Daemon
 from refitd.errors import AccessDenied, ConflictError
 from refitd.wire import PullState
 from transports.local import copy_addresses

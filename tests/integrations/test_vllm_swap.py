@@ -27,7 +27,7 @@ from support.vllm_world import fresh_serving, refit_engine, vllm_environment
 
 from refitd.client.http import RefitClient
 from refitd.client.swap import unwritten_ranges
-from refitd.daemon.node import Daemon
+from refitd.daemon.app.node import Daemon
 from refitd.errors import ConflictError
 from refitd.wire import PullState
 from transports.local import copy_addresses

@@ -17,7 +17,7 @@ from aiohttp import web
 from support.ops import error_middleware, serving
 
 from refitd.config import ServerConfig
-from refitd.daemon.auth import (
+from refitd.daemon.access.auth import (
     TokenBook,
     check_owner,
     check_startup,
@@ -25,7 +25,7 @@ from refitd.daemon.auth import (
     principal_of,
     setup_auth,
 )
-from refitd.daemon.metrics import setup_metrics
+from refitd.daemon.app.metrics import setup_metrics
 from refitd.errors import ConfigError
 
 NOBODY = 65534

@@ -12,7 +12,7 @@ from support.ops import serving, serving_wired
 
 from refitd import errors
 from refitd.client.http import RefitClient, error_from_body
-from refitd.daemon.handlers import error_middleware
+from refitd.daemon.app.handlers import error_middleware
 from refitd.errors import (
     AccessDenied,
     AccessError,

@@ -20,7 +20,7 @@ from support.ops import serving_tenants, serving_wired
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
-from refitd.daemon.poolmemory import touched_rows
+from refitd.daemon.experts.memory import touched_rows
 from refitd.errors import AccessDenied, ConflictError, NotFoundError, PlanError, ProtocolError
 from refitd.wire import (
     PoolInfo,

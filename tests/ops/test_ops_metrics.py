@@ -7,7 +7,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 from support.ops import error_middleware, serving
 
-from refitd.daemon.metrics import METRICS_KEY, Metrics, PoolStats, StateSnapshot, setup_metrics
+from refitd.daemon.app.metrics import METRICS_KEY, Metrics, PoolStats, StateSnapshot, setup_metrics
 from refitd.errors import ConflictError
 
 

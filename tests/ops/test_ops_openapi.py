@@ -9,8 +9,8 @@ import msgspec
 from aiohttp import web
 from support.ops import error_middleware, serving
 
-from refitd.daemon.metrics import setup_metrics
-from refitd.daemon.openapi import (
+from refitd.daemon.app.metrics import setup_metrics
+from refitd.daemon.app.openapi import (
     OPENAPI_PATH,
     Operation,
     documented_paths,

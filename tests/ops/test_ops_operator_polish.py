@@ -17,7 +17,7 @@ from support.docs import python_blocks
 from support.ops import refitd
 
 from refitd.client.http import RefitClient
-from refitd.daemon.registry import Registry
+from refitd.daemon.state.registry import Registry
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 from transports.segments import SharedSegment
 

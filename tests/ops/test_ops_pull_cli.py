@@ -15,7 +15,7 @@ from support.ops import refitd
 
 from refitd.cli import _build_parser
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon
+from refitd.daemon.app.node import Daemon
 from refitd.wire import ManifestIn, RegionInfo, ShardEntry, TensorEntry
 from transports.segments import SharedSegment
 

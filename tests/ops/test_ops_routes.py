@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from support.ops import serving_wired
 
-from refitd.daemon.openapi import OPENAPI_PATH, documented_paths, route_table
+from refitd.daemon.app.openapi import OPENAPI_PATH, documented_paths, route_table
 from refitd.wire import routes as api
 
 

@@ -17,8 +17,8 @@ from support.ops import serving_tenants, serving_wired
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.spawn import serve_command
-from refitd.daemon.openapi import OPENAPI_PATH, documented_paths, route_table
-from refitd.daemon.service import daemon_operations
+from refitd.daemon.app.openapi import OPENAPI_PATH, documented_paths, route_table
+from refitd.daemon.app.service import daemon_operations
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
 ROOT = Path(__file__).resolve().parents[2]

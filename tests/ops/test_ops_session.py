@@ -18,7 +18,7 @@ from support.ops import serving
 
 from refitd.client.http import RefitClient
 from refitd.client.session import ApiSession
-from refitd.daemon.peerclient import PeerClient
+from refitd.daemon.pull.peerclient import PeerClient
 from refitd.errors import ConflictError, ProtocolError, QuotaExceeded, RefitError, TransportError
 from refitd.wire import routes as api
 

@@ -16,7 +16,7 @@ from support.ops import serving_wired
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config
-from refitd.daemon.auth import check_startup
+from refitd.daemon.access.auth import check_startup
 from refitd.errors import ConfigError, ProtocolError
 from transports.segments import GROUP_ENV, SHM_DIR, SharedSegment
 

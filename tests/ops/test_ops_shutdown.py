@@ -14,9 +14,9 @@ from support.daemons import GatedCopier, daemon_config
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
-from refitd.daemon.handlers import PULLS
-from refitd.daemon.node import Daemon
-from refitd.daemon.process import serve
+from refitd.daemon.app.handlers import PULLS
+from refitd.daemon.app.node import Daemon
+from refitd.daemon.app.process import serve
 from refitd.wire import (
     PullState,
 )

@@ -10,8 +10,8 @@ import sys
 import pytest
 from support.daemons import daemon_config, serving_daemons
 
-from refitd.daemon.node import Daemon
-from refitd.daemon.paths import has_rdma
+from refitd.daemon.app.node import Daemon
+from refitd.daemon.pull.paths import has_rdma
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from refitd.daemon.sdnotify import Notifier
+from refitd.daemon.app.sdnotify import Notifier
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "refitd.service"

@@ -10,7 +10,7 @@ import sys
 import pytest
 from support.daemons import daemon_config, serving_daemons
 
-from refitd.daemon.node import Daemon
+from refitd.daemon.app.node import Daemon
 from refitd.ops.status import describe_ucx
 from transports.ucx.info import parse_ucx_info
 

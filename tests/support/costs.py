@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from refitd.config import ServerConfig
-from refitd.daemon.node import Daemon
+from refitd.daemon.app.node import Daemon
 from support.daemons import Served, daemon_config, served, token_file
 
 __all__ = ["TOKENS", "InThread", "LoopStall", "daemon_in_a_thread", "traced_peak"]

@@ -6,7 +6,7 @@ it: :func:`daemon_config` builds one from the defaults and a few keys
 runs it. One way to start a daemon in the test's own process: :func:`served` (one daemon,
 with its app, URL and a client), :func:`serving_daemons` (several that trust each
 other) and, for a synchronous test, :func:`served_in_a_thread`. Each serves a real
-daemon on 127.0.0.1:0 through :func:`refitd.daemon.process.listening`, as
+daemon on 127.0.0.1:0 through :func:`refitd.daemon.app.process.listening`, as
 ``refitd serve`` does, with its ordered shutdown; an in-process daemon starts in a
 few milliseconds (docs/testing.md). A test that needs the process boundary (its
 exit, its signals, a crash) starts ``refitd serve`` through
@@ -34,9 +34,9 @@ from aiohttp import web
 
 from refitd.client.http import RefitClient
 from refitd.config import Config, ServerConfig, load_config
-from refitd.daemon.auth import check_startup, setup_auth
-from refitd.daemon.node import Daemon
-from refitd.daemon.process import listening
+from refitd.daemon.access.auth import check_startup, setup_auth
+from refitd.daemon.app.node import Daemon
+from refitd.daemon.app.process import listening
 from transports.local import copy_addresses
 
 

@@ -14,7 +14,7 @@ import torch
 from refitd.bench.refit import capture_for, publish_layout
 from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
-from refitd.daemon.node import Daemon
+from refitd.daemon.app.node import Daemon
 from refitd.testing.engines import EngineParallel, ModelConfig, ToyEngine, dense_toy_config
 from refitd.testing.layouts import fsdp_dim0, full_state
 from support.daemons import serving_daemons

@@ -1,12 +1,12 @@
 """A ``tcp`` data server holding reads of a mirror still filling, and a puller that
 reads from it: what the held-read tests (``transports.tcp.held``,
-:mod:`refitd.daemon.mirrorhold`) set up.
+:mod:`refitd.daemon.mirror.hold`) set up.
 
 Real ``tcp`` transports on loopback. The source serves a region that a real
-:class:`~refitd.daemon.mirror.Mirror` is "filling", cut in chunks of 1 MiB: the test
+:class:`~refitd.daemon.mirror.chunks.Mirror` is "filling", cut in chunks of 1 MiB: the test
 writes a chunk's bytes, then marks it complete (:meth:`HeldReads.complete`), as a fill
 does after its read returned; the daemon's own
-:class:`~refitd.daemon.mirrorhold.FillingMirrors` tells the data server which bytes
+:class:`~refitd.daemon.mirror.hold.FillingMirrors` tells the data server which bytes
 are complete.
 """
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from refitd.daemon.mirror import Mirror, cut_chunks
-from refitd.daemon.mirrorhold import FillingMirrors
+from refitd.daemon.mirror.chunks import Mirror, cut_chunks
+from refitd.daemon.mirror.hold import FillingMirrors
 from refitd.wire import RegionInfo, RegionKind
 from transports.interface import PeerInfo
 from transports.segments import SharedSegment

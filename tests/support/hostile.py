@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 from refitd.client.http import RefitClient
-from refitd.daemon.node import Daemon
+from refitd.daemon.app.node import Daemon
 from refitd.wire import (
     MSGPACK,
     DescriptorTable,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
-from refitd.daemon.node import Daemon
+from refitd.daemon.app.node import Daemon
 from support.daemons import served, token_file
 
 __all__ = ["TOKENS", "TokenedHosts", "tokened_hosts"]

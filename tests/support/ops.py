@@ -18,9 +18,9 @@ from aiohttp import web
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config
-from refitd.daemon.auth import check_startup
-from refitd.daemon.sdnotify import Notifier
-from refitd.daemon.service import Service
+from refitd.daemon.access.auth import check_startup
+from refitd.daemon.app.sdnotify import Notifier
+from refitd.daemon.app.service import Service
 from refitd.errors import ConflictError, NotFoundError, RefitError
 from support.daemons import Served, served, token_file
 

@@ -20,8 +20,8 @@ import numpy as np
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
-from refitd.daemon.node import Daemon
-from refitd.daemon.waits import MAX_WAIT_S
+from refitd.daemon.app.node import Daemon
+from refitd.daemon.app.waits import MAX_WAIT_S
 from refitd.wire import DescriptorTable, ManifestIn, PullRequest, ShardEntry, TensorEntry
 from refitd.wire.leases import LeaseGrant
 from support.daemons import Served, served, token_file

@@ -10,9 +10,9 @@ memory other than what its grant named when it was checked.
 Who can reach the data server at all (only trusted peers' hosts, and of this host
 only the daemon's uid and root) is pinned in ``tests/transports/test_tcp_admission.py``.
 
-Real ``tcp`` transports on loopback, a real :class:`~refitd.daemon.mirror.Mirror`
+Real ``tcp`` transports on loopback, a real :class:`~refitd.daemon.mirror.chunks.Mirror`
 whose chunks the test completes, and the daemon's own
-:class:`~refitd.daemon.mirrorhold.FillingMirrors` (:func:`support.heldreads.held_reads`).
+:class:`~refitd.daemon.mirror.hold.FillingMirrors` (:func:`support.heldreads.held_reads`).
 """
 
 from __future__ import annotations

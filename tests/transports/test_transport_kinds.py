@@ -171,7 +171,7 @@ def test_transports_that_read_only_host_memory_do_not_register_device_memory() -
 
 def test_a_host_only_daemon_and_client_never_load_cuda() -> None:
     code = (
-        "import sys, pathlib, refitd.daemon.service, refitd.daemon.node, transports.shm\n"
+        "import sys, pathlib, refitd.daemon.app.service, refitd.daemon.app.node, transports.shm\n"
         "assert not [m for m in sys.modules if m == 'transports.cuda' or "
         "m.startswith(('cuda.bindings', 'cupy', 'torch'))], 'the daemon imported CUDA'\n"
         "import refitd.client, refitd.client.receiver\n"

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refitd.daemon.trust import merge_extents
+from refitd.daemon.access.trust import merge_extents
 from transports.batch import merge_ranges
 from transports.interface import ByteRange
 

@@ -1,0 +1,18 @@
+"""The daemon's shell: its process, its ``Daemon``, the HTTP edge and the routes that are
+not a room's own.
+
+Modules:
+
+- `handlers`: the API v1 handlers, and `create_app` that assembles them
+- `httpio`: the HTTP edge handlers share: app keys, body decoding, replies
+- `membership`: the daemon's membership in the cluster registry: registering, announcing
+  its versions, the ``/v1/cluster`` routes
+- `metrics`: Prometheus metrics, ``GET /metrics``
+- `node`: `Daemon`: one daemon's life: identity, data planes, start/stop, peer records
+- `openapi`: the OpenAPI 3.1 document, generated from the live router
+- `process`: ``refitd serve``: one daemon process, its loop, listeners and ordered
+  shutdown on SIGTERM/SIGINT
+- `sdnotify`: systemd's notify protocol
+- `service`: the daemon as an operated service: config, access, metrics, API
+- `waits`: long polls: how long one may wait, how many one principal holds open
+"""

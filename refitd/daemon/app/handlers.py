@@ -1,0 +1,446 @@
+"""The handlers of API v1, and :func:`create_app`, the aiohttp application they make.
+
+:func:`create_app` builds the app around one :class:`~refitd.daemon.app.node.Daemon`.
+Operators' pieces (auth, metrics, size limits, OpenAPI) plug in through
+``middlewares``, ``cleanup_ctx`` and ``setup`` callbacks, so the app is assembled
+in one place. Every RefitError maps to one status code in :func:`error_middleware`
+and comes back as ``{"error": <class name>, "detail": <message>}``.
+
+Bodies are msgpack (``application/msgpack``) or JSON, chosen by ``Content-Type``;
+responses follow ``Accept`` (msgpack when asked for, JSON otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from refitd.cluster import registry_from_config
+from refitd.daemon.access.auth import Principal, check_owner, owner_for, principal_of, sees_region
+from refitd.daemon.app.httpio import (
+    DAEMON,
+    RouteTable,
+    body,
+    error_middleware,
+    manifest_body,
+    query_flag,
+    query_float,
+    query_has,
+    query_int,
+    query_str,
+    reply,
+    wants_msgpack,
+)
+from refitd.daemon.app.membership import CLUSTER, REGISTRY_ORIGIN, announce
+from refitd.daemon.app.membership import routes as cluster_routes
+from refitd.daemon.app.metrics import METRICS_KEY, PullMetrics
+from refitd.daemon.app.node import Daemon
+from refitd.daemon.app.waits import MAX_WAIT_S, WAITS, Waits, long_poll
+from refitd.daemon.delta.routes import DELTAS, setup_deltas
+from refitd.daemon.experts.pools import POOLS, ExpertPools, close_pools
+from refitd.daemon.experts.routes import routes as expert_routes
+from refitd.daemon.mirror.digestroutes import setup_digests
+from refitd.daemon.mirror.routes import MIRRORS, setup_mirrors
+from refitd.daemon.pull.listeners import Caller, PullCap, WriteRule
+from refitd.daemon.pull.peerclient import PeerClient
+from refitd.daemon.pull.pulls import PULLS, PullJob, PullManager, RemoteSource, Source
+from refitd.errors import ProtocolError, TransportError
+from refitd.wire import (
+    MAX_LEASE_TTL_S,
+    MSGPACK,
+    STATUS_OF,
+    LeaseRequest,
+    ManifestIn,
+    PackRequest,
+    PullRequest,
+    RegionAttach,
+    RegionCreate,
+)
+from refitd.wire import routes as api
+
+__all__ = [
+    "DAEMON",
+    "PULLS",
+    "STATUS_OF",
+    "create_app",
+    "error_middleware",
+    "routes",
+]
+
+routes = RouteTable()
+
+
+@routes.handles(api.HEALTH)
+async def health(request: web.Request) -> web.Response:
+    return reply(request, {"status": "ok"})
+
+
+@routes.handles(api.READY)
+async def ready(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    if not d.ready:
+        raise TransportError("not ready: the data plane is not up")
+    return reply(request, {"status": "ready", "transport": d.mode})
+
+
+@routes.handles(api.NODE)
+async def node(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    await d.probe_ucx()  # asked once, here unless the start needed it
+    return reply(request, d.info())
+
+
+# ---------------------------------------------------------------- regions
+
+
+@routes.handles(api.CREATE_REGION)
+async def create_region(request: web.Request) -> web.Response:
+    req: RegionCreate = await body(request)
+    req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
+    info = await request.app[DAEMON].create_region(req, principal_of(request).name)
+    return reply(request, info)
+
+
+@routes.handles(api.ATTACH_REGION)
+async def attach_region(request: web.Request) -> web.Response:
+    req: RegionAttach = await body(request)
+    req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
+    caller = principal_of(request)  # a uid the kernel named attaches only its own files
+    uid = caller.uid if caller.via == "unix" and not caller.admin else None
+    info = await request.app[DAEMON].store.attach_region(req, uid, caller.via, caller.name)
+    return reply(request, info)
+
+
+@routes.handles(api.LIST_REGIONS)
+async def list_regions(request: web.Request) -> web.Response:
+    return reply(request, [sees_region(request, r) for r in request.app[DAEMON].store.regions])
+
+
+@routes.handles(api.GET_REGION)
+async def get_region(request: web.Request) -> web.Response:
+    info = request.app[DAEMON].store.regions.get(query_int(request, "region_id"))
+    return reply(request, sees_region(request, info))
+
+
+@routes.handles(api.DELETE_REGION)
+async def delete_region(request: web.Request) -> web.Response:
+    rid = query_int(request, "region_id")
+    check_owner(
+        request, request.app[DAEMON].store.regions.get(rid).owner, "delete", f"region {rid}"
+    )
+    request.app[POOLS].check_deletable(rid)  # an expert pool's region goes with its pool
+    return reply(request, await request.app[DAEMON].delete_region(rid))
+
+
+# ---------------------------------------------------------------- sources
+
+
+@routes.handles(api.GC)
+async def gc(request: web.Request) -> web.Response:
+    """Free regions of exited clients and stale segments; ``dry_run=1`` only lists them."""
+    report = await request.app[DAEMON].gc(dry_run=query_flag(request, "dry_run"))
+    regions = [sees_region(request, r) for r in report.regions]
+    return reply(request, msgspec.structs.replace(report, regions=regions))
+
+
+@routes.handles(api.PUBLISH)
+async def publish(request: web.Request) -> web.Response:
+    async def read(max_shards: int) -> ManifestIn:
+        # Decoded off the event loop (:func:`manifest_body`): other requests are
+        # answered meanwhile.
+        return await manifest_body(request, await request.read(), max_shards)
+
+    info = await request.app[DAEMON].publish(read, principal_of(request))
+    request.app[DELTAS].published(info.model, info.version)  # compared with its base once READY
+    await announce(request.app, info.model)
+    return reply(request, info)
+
+
+@routes.handles(api.ALL_VERSIONS)
+async def list_sources(request: web.Request) -> web.Response:
+    return reply(request, request.app[DAEMON].versions(principal_of(request)))
+
+
+@routes.handles(api.MODEL_VERSIONS)
+async def list_versions(request: web.Request) -> web.Response:
+    model = request.match_info["model"]
+    return reply(request, request.app[DAEMON].versions(principal_of(request), model))
+
+
+def _asked(request: web.Request) -> tuple[Principal, str, int | None]:
+    """Who asks for which version of which model (None: ``latest``)."""
+    latest = request.match_info["version"] == "latest"
+    version = None if latest else query_int(request, "version")
+    return principal_of(request), request.match_info["model"], version
+
+
+def _version(request: web.Request) -> tuple[str, int]:
+    who, model, version = _asked(request)
+    return model, request.app[DAEMON].readable(who, model, version)
+
+
+@routes.handles(api.GET_VERSION)
+async def get_version(request: web.Request) -> web.Response:
+    return reply(request, request.app[DAEMON].version(*_asked(request)))
+
+
+@routes.handles(api.MANIFEST)
+async def get_manifest(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    if wants_msgpack(request):
+        # Encoded once per version and cached: a 100k-tensor manifest is served as is.
+        return web.Response(body=d.manifest_bytes(*_asked(request)), content_type=MSGPACK)
+    return reply(request, d.manifest(*_asked(request)))
+
+
+@routes.handles(api.WAIT_READY)
+async def wait_ready(request: web.Request) -> web.Response:
+    """Answer once the version is READY, or after ``timeout`` seconds with its state."""
+    model, version = _version(request)
+    timeout = min(query_float(request, "timeout", 30.0), MAX_WAIT_S)
+    async with long_poll(request, f"waiting for {model!r} v{version}"):
+        return reply(request, await request.app[DAEMON].wait_ready(model, version, timeout))
+
+
+@routes.handles(api.DRAIN)
+async def drain(request: web.Request) -> web.Response:
+    """Wait for the version's leases to drain; ``retire=1`` first refuses new ones."""
+    model, version = _version(request)
+    retire = query_flag(request, "retire")
+    what = "retire a version of" if retire else "drain a version of"
+    request.app[DAEMON].models.check_owner(principal_of(request), model, what)
+    timeout = query_float(request, "timeout", 60.0)
+    waited = False
+    try:
+        # A long poll: counted, and ended (its place given back) once its client goes.
+        # Its changes (the base let go, the version retired) are made before its
+        # first await, so a drain its client left still retires what it asked to.
+        async with long_poll(request, f"draining {model!r} v{version}"):
+            waited = True
+            request.app[DELTAS].yield_base(model, version)  # its memory is to be rewritten
+            info = await request.app[DAEMON].wait_drain(model, version, timeout, retire)
+    finally:
+        if retire and waited:
+            await announce(request.app, model)
+    return reply(request, info)
+
+
+# ---------------------------------------------------------------- leases
+
+
+@routes.handles(api.ACQUIRE_LEASE)
+async def acquire(request: web.Request) -> web.Response:
+    req: LeaseRequest = await body(request)
+    d, who = request.app[DAEMON], principal_of(request)
+    d.models.check_read(who, req.model, "lease")
+    # A host mirror's version is leased by peer daemons only (MirrorLeases.grant).
+    request.app[MIRRORS].leases.admit(req)
+    grant = d.acquire(req.model, req.version, req.ttl_s, req.holder, who.name)
+    return reply(request, grant)
+
+
+@routes.handles(api.CHECK_LEASE)
+async def check_lease(request: web.Request) -> web.Response:
+    model, version = query_str(request, "model"), query_int(request, "version")
+    lease_id = request.match_info["lease_id"]
+    return reply(request, request.app[DAEMON].check_lease(lease_id, model, version))
+
+
+@routes.handles(api.RENEW_LEASE)
+async def renew(request: web.Request) -> web.Response:
+    reg = request.app[DAEMON].registry
+    ttl = query_float(request, "ttl", 30.0, positive=True, most=MAX_LEASE_TTL_S)  # as on acquire
+    lease_id = request.match_info["lease_id"]
+    ttl = await request.app[MIRRORS].leases.renewal(lease_id, ttl)  # a mirror's: re-checked
+    return reply(request, reg.renew(lease_id, ttl))
+
+
+@routes.handles(api.RELEASE_LEASE)
+async def release(request: web.Request) -> web.Response:
+    request.app[DAEMON].release(request.match_info["lease_id"])
+    return reply(request, None)
+
+
+# ---------------------------------------------------------------- pulls
+
+
+def caller_of(request: web.Request) -> Caller:
+    """The principal submitting a pull, and how to refuse them another's object."""
+    return Caller(principal_of(request).name, functools.partial(check_owner, request))
+
+
+@routes.handles(api.SUBMIT_PULL)
+async def submit_pull(request: web.Request) -> web.Response:
+    req: PullRequest = await body(request)
+    job = await request.app[PULLS].submit(req, caller_of(request))
+    return reply(request, job.snapshot())
+
+
+@routes.handles(api.LIST_PULLS)
+async def list_pulls(request: web.Request) -> web.Response:
+    """The caller's own pulls (every pull for root, or without authentication)."""
+    who = principal_of(request)
+    jobs = list(request.app[PULLS].jobs.values())
+    if who.authenticated and not who.admin:
+        jobs = [j for j in jobs if j.owner == who.name]
+    return reply(request, [j.snapshot() for j in jobs])
+
+
+def _own_pull(request: web.Request, action: str) -> PullJob:
+    pull_id = request.match_info["pull_id"]
+    job = request.app[PULLS].get(pull_id)
+    check_owner(request, job.owner, action, f"pull {pull_id}")
+    return job
+
+
+@routes.handles(api.GET_PULL)
+async def pull_status(request: web.Request) -> web.Response:
+    return reply(request, _own_pull(request, "read").snapshot())
+
+
+@routes.handles(api.WAIT_PULL)
+async def pull_wait(request: web.Request) -> web.Response:
+    """Answer when the pull ends, or after ``timeout`` seconds (at most a minute) with
+    its progress."""
+    job = _own_pull(request, "wait for")
+    timeout = min(query_float(request, "timeout", 30.0), MAX_WAIT_S)
+    async with long_poll(request, f"waiting for pull {job.pull_id}"):
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await job.finished.wait()
+    return reply(request, job.snapshot())
+
+
+@routes.handles(api.CANCEL_PULL)
+async def cancel_pull(request: web.Request) -> web.Response:
+    job = await request.app[PULLS].cancel(_own_pull(request, "cancel").pull_id)
+    return reply(request, job.snapshot())
+
+
+# ---------------------------------------------------------------- daemon to daemon
+
+
+@routes.handles(api.PEER_REGIONS)
+async def peer_regions(request: web.Request) -> web.Response:
+    raw = query_str(request, "ids") if query_has(request, "ids") else None
+    try:
+        ids = None if raw is None else [int(x) for x in raw.split(",") if x]
+    except ValueError:  # a malformed id is the caller's mistake, not a server error
+        raise ProtocolError(f"ids must be comma-separated integers, got {raw!r}") from None
+    d = request.app[DAEMON]
+    if query_has(request, "lease"):  # records for a pull: only what that lease may read
+        lease_id, model = query_str(request, "lease"), query_str(request, "model")
+        return reply(request, d.leased_regions(ids, lease_id, model, query_int(request, "version")))
+    return reply(request, d.peer_regions(ids))
+
+
+@routes.handles(api.PEER_PACK)
+async def peer_pack(request: web.Request) -> web.Response:
+    req: PackRequest = await body(request)
+    # A staging region is memory its lease's principal holds (its caps count it).
+    return reply(request, await request.app[DAEMON].pack_leased(req, principal_of(request).name))
+
+
+@routes.handles(api.PEER_DROP)
+async def peer_drop(request: web.Request) -> web.Response:
+    d = request.app[DAEMON]
+    await d.release_staging(query_int(request, "region_id"), query_str(request, "lease"))
+    return reply(request, None)
+
+
+# ---------------------------------------------------------------- assembly
+
+CleanupCtx = Callable[[web.Application], AsyncIterator[None]]
+
+
+def create_app(
+    d: Daemon,
+    *,
+    middlewares: Iterable[Any] = (),
+    cleanup_ctx: Iterable[CleanupCtx] = (),
+    setup: Iterable[Callable[[web.Application], None]] = (),
+    token: str | None = None,
+) -> web.Application:
+    """The app around daemon ``d``, as ``d.config`` says (its body limit, cluster
+    registry and mirror policy).
+
+    Order: the error middleware wraps every other middleware so their refusals map
+    too; the daemon's data plane starts (cleanup_ctx) before the site accepts, and
+    running pulls are cancelled before the data plane closes.
+    """
+    app = web.Application(
+        middlewares=[error_middleware, *middlewares],
+        client_max_size=d.config.server.max_request_bytes,
+    )
+    app[DAEMON] = d
+    # long polls held open, per principal
+    app[WAITS] = Waits(d.config.limits.max_long_polls_per_principal)
+
+    clients: dict[str, PeerClient] = {}
+
+    cluster = registry_from_config(d.config.registry, d.secret)
+    app[CLUSTER] = cluster
+
+    if cluster.kind == "etcd":
+        # The registry is one origin of the peer allow-list: every registered daemon
+        # whose record verifies is trusted, for as long as it stays registered.
+        cluster.on_change(
+            lambda: d.peers.replace(REGISTRY_ORIGIN, [r.url for r in cluster.daemons()])
+        )
+        # A trainer split over hosts: each daemon holds some slots of a version.
+        d.registry.complete_elsewhere = lambda model, version: cluster.complete(
+            model, version, d.node_id
+        )
+
+    def connect(url: str) -> Source:
+        c = clients.get(url)
+        if c is None:
+            c = clients[url] = PeerClient(url, token=token)
+        return RemoteSource(c, d.secret)
+
+    pulls = PullManager(d, connect)
+    # Each pull is admitted by the write rule, then the pull cap, in this order.
+    pulls.listen(WriteRule(d.store.regions, d.registry, d.staging))
+    pulls.listen(PullCap(d.caps, pulls.running))
+    app[PULLS] = pulls
+    setup_mirrors(app, d, pulls, d.config.mirrors.policy)  # host mirrors and relay (issue 25)
+    setup_deltas(app, d)  # delta refit (issue 37)
+    setup_digests(app, d)  # chunk digests at a version's source (issue 45)
+    cluster.on_gone(
+        lambda rec: pulls.fail_source(
+            rec.url,
+            f"source daemon {rec.node_id!r} at {rec.url} left the cluster registry (no "
+            "keepalive within its lease TTL, or it stopped): its host is down or the daemon died",
+        )
+    )
+
+    async def daemon_ctx(app: web.Application) -> AsyncIterator[None]:
+        await d.start()
+        try:
+            yield
+        finally:
+            await pulls.close()
+            await cluster.close()
+            for c in clients.values():
+                await c.close()
+            await d.close()
+
+    app.cleanup_ctx.append(daemon_ctx)
+    app.cleanup_ctx.extend(cleanup_ctx)
+    app.add_routes(routes)
+    app[POOLS] = pools = ExpertPools(d)
+    pulls.listen(pools)  # the experts a pull rewrites leave their slots
+    # Pulls by outcome, bytes by the path each took, once the app has metrics.
+    pulls.listen(PullMetrics(lambda: app.get(METRICS_KEY)))
+    app.on_shutdown.append(close_pools)  # before cleanup closes the regions
+    app.add_routes(expert_routes)
+    app.add_routes(cluster_routes)
+    for fn in setup:
+        fn(app)
+    return app

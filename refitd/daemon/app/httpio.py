@@ -1,0 +1,326 @@
+"""The HTTP edge every handler module shares: app keys, body decoding, replies, and
+the one middleware where refusals become HTTP statuses.
+
+Handler modules (:mod:`refitd.daemon.app.handlers`, :mod:`refitd.daemon.experts.routes`) import
+this module, never each other's internals, so the app assembles them without an
+import cycle.
+
+A handler's route (:mod:`refitd.wire.routes`) says what the edge does with it: the
+body is decoded as the route's ``request`` (:func:`body`), the answer goes out with
+the route's ``status`` (:func:`reply`), and every declared query parameter present
+is checked against its declared type before the handler runs (400 otherwise). A
+handler reads only the query parameters its route declares (a read of another is a
+bug, refused loudly, and ``tests/daemon/app/test_daemon_query_declared.py`` finds it
+before it runs), so the OpenAPI document and the fuzz suite see every one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar, get_args
+
+import msgspec
+from aiohttp import web
+
+from refitd.daemon.app.node import Daemon
+from refitd.errors import ProtocolError, RefitError
+from refitd.wire import (
+    MSGPACK,
+    ErrorBody,
+    ManifestHead,
+    ManifestIn,
+    TensorEntry,
+    gc_paused,
+    status_of,
+)
+from refitd.wire.routes import ROUTES, Flag, Route
+
+__all__ = [
+    "DAEMON",
+    "Handler",
+    "RouteTable",
+    "body",
+    "error_middleware",
+    "manifest_body",
+    "query_flag",
+    "query_float",
+    "query_has",
+    "query_int",
+    "query_str",
+    "reply",
+    "route_of",
+    "wants_msgpack",
+]
+
+T = TypeVar("T")
+
+DAEMON: web.AppKey[Daemon] = web.AppKey("daemon", Daemon)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+H = TypeVar("H", bound=Handler)
+
+
+class RouteTable(web.RouteTableDef):
+    """A handler module's routes, each bound to its entry in :mod:`refitd.wire.routes`
+    (the one place a method and path are written)."""
+
+    def handles(self, route: Route[Any]) -> Callable[[H], H]:
+        """Register the decorated handler for ``route``; where the route declares query
+        parameters, those present are checked against their types first."""
+
+        def register(handler: H) -> H:
+            if not route.query:
+                self.route(route.method, route.path)(handler)
+                return handler
+
+            @functools.wraps(handler)
+            async def checked(request: web.Request) -> web.StreamResponse:
+                _check_query(request, route)
+                return await handler(request)
+
+            self.route(route.method, route.path)(checked)
+            return handler
+
+        return register
+
+
+_ROUTE_OF = {(r.method, r.path): r for r in ROUTES}
+_FLAGS: frozenset[str] = frozenset(get_args(Flag))
+
+
+def route_of(request: web.Request) -> Route[Any] | None:
+    """The route table's entry for the route ``request`` matched (None: a route
+    outside the table, as in a test's own app)."""
+    info = request.match_info.route
+    resource = info.resource
+    if resource is None:
+        return None
+    method = "GET" if info.method == "HEAD" else info.method
+    return _ROUTE_OF.get((method, resource.canonical))
+
+
+def _check_query(request: web.Request, route: Route[Any]) -> None:
+    """Refuse (400) a declared query parameter whose value is not of its type."""
+    for name, tp in route.query.items():
+        if name not in request.query:
+            continue
+        if tp is int:
+            query_int(request, name)
+        elif tp is float:
+            query_float(request, name, 0.0)
+        elif tp is Flag:
+            query_flag(request, name)
+
+
+def _declared(request: web.Request, name: str) -> None:
+    route = route_of(request)
+    if route is not None and name not in route.query and name not in route.params:
+        raise RuntimeError(
+            f"{route.method} {route.path} reads {name!r}, which its entry in "
+            "refitd.wire.routes does not declare (declare it there, so the OpenAPI "
+            "document and its clients know it)"
+        )
+
+
+def wants_msgpack(request: web.Request) -> bool:
+    return MSGPACK in request.headers.get("Accept", "")
+
+
+def reply(request: web.Request, value: Any, status: int | None = None) -> web.Response:
+    """Encode ``value`` (a Struct, list, dict or None) as the client asked, with
+    ``status``, by default the one the route declares for success."""
+    if status is None:
+        route = route_of(request)
+        status = route.status if route is not None else 200
+    if wants_msgpack(request):
+        return web.Response(body=msgspec.msgpack.encode(value), status=status, content_type=MSGPACK)
+    return web.Response(
+        body=msgspec.json.encode(value), status=status, content_type="application/json"
+    )
+
+
+async def body(request: web.Request, type_: type[T] | None = None) -> T:
+    """Decode and validate the request body (msgpack or JSON) as the ``request`` type
+    its route declares (``type_``: for a route outside the table)."""
+    if type_ is None:
+        route = route_of(request)
+        if route is None or route.request is None:
+            raise RuntimeError(f"{request.method} {request.path}: no request type declared")
+        type_ = route.request
+    raw = await request.read()
+    as_msgpack = request.content_type == MSGPACK
+    try:
+        decoded: T
+        if len(raw) > OFF_LOOP_BODY_BYTES:  # thousands of structs: decoded beside the loop
+            decoded = await asyncio.to_thread(_decode, raw, type_, as_msgpack)
+        else:
+            decoded = _decode(raw, type_, as_msgpack)
+        return decoded
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"{request.method} {request.path}: body refused: {exc}") from exc
+
+
+OFF_LOOP_BODY_BYTES = 256 << 10
+"""A request body past this many bytes is decoded in a worker thread, not on the
+event loop (a pack request of 128k specs took 0.07-0.1 s of the loop's time)."""
+
+
+def _decode(raw: bytes, type_: type[T], as_msgpack: bool) -> T:
+    with gc_paused():
+        if as_msgpack:
+            return msgspec.msgpack.decode(raw, type=type_)
+        return msgspec.json.decode(raw, type=type_)
+
+
+async def manifest_body(request: web.Request, raw: bytes, max_shards: int) -> ManifestIn:
+    """Decode ``raw``, the body of ``request``: a published manifest, decoded off the
+    event loop one tensor at a time. Refused (400) when it lists more than
+    ``max_shards`` shards over all its tensors (``limits.max_manifest_shards``). A
+    tensor's rank and shard count are bounded by the wire types (a msgpack body past
+    them is refused from its headers)."""
+    what = f"{request.method} {request.path}"
+    as_msgpack = request.content_type == MSGPACK
+    return await asyncio.to_thread(_decode_manifest, raw, as_msgpack, max_shards, what)
+
+
+#: encoded tensor bytes decoded in one call: long enough to cost little per call,
+#: short enough that the event loop waits a few milliseconds at most for the thread
+DECODE_BATCH_BYTES = 1 << 20
+
+
+def _decode_manifest(raw: bytes, as_msgpack: bool, max_shards: int, what: str) -> ManifestIn:
+    # Tensors are decoded a batch (about DECODE_BATCH_BYTES) per call: between calls
+    # this thread lets the event loop run (one call holds the interpreter throughout).
+    decode: Callable[..., Any] = msgspec.msgpack.decode if as_msgpack else msgspec.json.decode
+    tensors: list[TensorEntry] = []
+    shards = 0
+
+    def flush(batch: list[msgspec.Raw]) -> None:
+        nonlocal shards
+        if as_msgpack:
+            n = len(batch)
+            head = bytes([0x90 | n]) if n < 16 else b"\xdd" + n.to_bytes(4, "big")
+            data = head + b"".join(bytes(r) for r in batch)
+        else:
+            data = b"[" + b",".join(bytes(r) for r in batch) + b"]"
+        try:
+            with gc_paused():
+                got: list[TensorEntry] = decode(data, type=list[TensorEntry])
+        except msgspec.ValidationError as exc:
+            # The batch's paths start at `$[k]`: name the field in the whole body.
+            base = len(tensors)
+            where = re.sub(
+                r"`\$\[(\d+)\]",
+                lambda m: f"`$.tensors[{base + int(m.group(1))}]",
+                str(exc),
+            )
+            raise msgspec.ValidationError(where) from exc
+        for t in got:
+            shards += len(t.shards)
+            if shards > max_shards:
+                raise ProtocolError(
+                    f"{what}: manifest refused: more than {max_shards} shards by tensor "
+                    f"#{len(tensors)} ({t.name!r}); the cap is limits.max_manifest_shards"
+                )
+            tensors.append(t)
+
+    try:
+        with gc_paused():
+            head: ManifestHead = decode(raw, type=ManifestHead)
+        batch: list[msgspec.Raw] = []
+        size = 0
+        for t in head.tensors:
+            batch.append(t)
+            size += len(t)
+            if size >= DECODE_BATCH_BYTES:
+                flush(batch)
+                batch, size = [], 0
+        if batch:
+            flush(batch)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ProtocolError(f"{what}: body refused: {exc}") from exc
+    return ManifestIn(head.model, head.version, head.slot, head.expected_slots, tensors)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The one place refusals become HTTP: RefitError tree -> status + ErrorBody."""
+    try:
+        return await handler(request)
+    except RefitError as exc:
+        return reply(request, ErrorBody(type(exc).__name__, str(exc)), status_of(exc))
+    except web.HTTPRequestEntityTooLarge as exc:
+        return reply(
+            request, ErrorBody("RequestTooLarge", f"request body too large: {exc.text}"), 413
+        )
+    except web.HTTPException as exc:
+        if exc.status < 400 or exc.content_type in (MSGPACK, "application/json"):
+            raise  # a redirect, or a refusal already in our error shape
+        # aiohttp's own refusals (no such route, method not allowed) in our error shape.
+        name = "NotFoundError" if exc.status == 404 else "ProtocolError"
+        detail = f"{request.method} {request.path}: {exc.reason}"
+        return reply(request, ErrorBody(name, detail), exc.status)
+
+
+def query_int(request: web.Request, name: str) -> int:
+    """An integer path or query parameter (400 when it is not one)."""
+    _declared(request, name)
+    raw = request.match_info.get(name) or request.query.get(name, "")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ProtocolError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def query_float(
+    request: web.Request,
+    name: str,
+    default: float,
+    *,
+    positive: bool = False,
+    most: float = math.inf,
+) -> float:
+    """A duration in seconds from the query: finite, ``>= 0`` (``> 0`` if ``positive``)
+    and at most ``most``. NaN and infinities are refused: a NaN deadline never
+    compares as passed, so a lease renewed with one would never expire and a wait on
+    one would never end."""
+    _declared(request, name)
+    raw = request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0 and value <= most and (value > 0 or not positive)):
+        bound = f"{'>' if positive else '>='} 0" + (f" and <= {most:g}" if most < math.inf else "")
+        raise ProtocolError(
+            f"query parameter {name} must be a finite number of seconds {bound}, got {raw!r}"
+        )
+    return value
+
+
+def query_str(request: web.Request, name: str, default: str = "") -> str:
+    """A text query parameter (``default`` when absent)."""
+    _declared(request, name)
+    return request.query.get(name, default)
+
+
+def query_flag(request: web.Request, name: str) -> bool:
+    """A yes/no query parameter: ``1``/``true`` or ``0``/``false`` (absent: no);
+    anything else is refused (400) rather than read as no."""
+    _declared(request, name)
+    raw = request.query.get(name, "0")
+    if raw not in _FLAGS:
+        raise ProtocolError(f"query parameter {name} must be one of 0, 1, false, true; got {raw!r}")
+    return raw in ("1", "true")
+
+
+def query_has(request: web.Request, name: str) -> bool:
+    """Whether the query names ``name`` (a declared parameter)."""
+    _declared(request, name)
+    return name in request.query

@@ -1,0 +1,565 @@
+"""One daemon's life: identity, the data planes, start and stop, peer records.
+
+:class:`Daemon` is what the HTTP handlers call. It composes the parts that each
+hold one idea: the region store (:mod:`refitd.daemon.state.store`: regions, their
+segments keyed by memory, pins, reaping), the staging pool
+(:mod:`refitd.daemon.state.staging`: source-side packing for a lease), lease drains
+(:mod:`refitd.daemon.state.drain`), the version registry (:mod:`refitd.daemon.state.registry`)
+and the data planes (:mod:`refitd.daemon.state.plane`). What is left here is what
+crosses them: the rules a region's deletion or publication must pass, and the
+signed region records a peer daemon reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+import msgspec
+
+from refitd.config import Config, LimitsConfig
+from refitd.daemon.access.auth import Principal
+from refitd.daemon.access.caps import Caps
+from refitd.daemon.access.owners import ModelOwners
+from refitd.daemon.access.peers import PeerPolicy
+from refitd.daemon.access.trust import Extents
+from refitd.daemon.pull.paths import peer_paths
+from refitd.daemon.pull.plancheck import check_runs
+from refitd.daemon.state.drain import LeaseDrain
+from refitd.daemon.state.plane import TransportSet
+from refitd.daemon.state.registry import Lease, Registry, check_manifest_bounds
+from refitd.daemon.state.staging import OFF_LOOP_SPECS, STAGING_POOL, StagingPool
+from refitd.daemon.state.store import RegionStore
+from refitd.errors import AccessDenied, ConflictError, QuotaExceeded, RefitError, TransportError
+from refitd.wire import (
+    GcReport,
+    LeaseGrant,
+    ManifestIn,
+    MergedManifest,
+    NodeInfo,
+    PackRequest,
+    PackSpec,
+    PeerRegions,
+    RegionCreate,
+    RegionInfo,
+    StagedPack,
+    VersionInfo,
+)
+from refitd.wire.mirrors import HolderJoin
+from transports.local import Copier
+from transports.pins import PINS
+from transports.segments import cleanup_stale, huge_page_mode
+from transports.shm import ShmTransport
+from transports.shm import boot_id as host_boot_id
+
+__all__ = [
+    "AUTO",
+    "SHM_SCHEME",
+    "STAGING_POOL",
+    "Daemon",
+]
+
+log = logging.getLogger("refitd.daemon")
+
+MANIFEST_CHECKS = 2
+"""Published manifests decoded and checked at once; more wait their turn."""
+
+SHM_SCHEME = "shm"
+"""The built-in same-host data plane: map the peer daemon's segments by name."""
+
+AUTO = "auto"
+"""The default data-plane mode: per source peer the same-host shared-memory path
+whenever that peer is proven to share this host's memory, else UCX where both ends
+have RDMA, else ``tcp`` (see :mod:`refitd.daemon.pull.paths`)."""
+
+UCX_SCHEME = "ucx"
+"""UCX: ``auto`` starts it beside ``tcp`` where this host's UCX offers RDMA."""
+
+
+class Daemon:
+    """One daemon, run as ``config`` says (the defaults without one), with what no
+    configuration file holds: ``secret`` (≥ 16 bytes; a random one when None)
+    authenticates peer records between the daemons of one deployment; ``boot_id``
+    empty means this kernel's, another value makes the daemon claim another host
+    (tests of the cross-host choice on one machine). ``clock`` and ``copier`` are
+    the registry's clock and the same-host copy engine (tests inject their own).
+
+    ``config.data_plane.transport`` is the data-plane mode: ``"auto"`` (per source
+    peer the same-host shared-memory path when the peer is proven to be on this host
+    with attachable segments, else UCX where both ends have RDMA, else ``tcp``; see
+    :mod:`refitd.daemon.pull.paths`), ``"shm"`` (only the shared-memory path; a peer on
+    another host is refused) or a scheme of ``transports.interface``."""
+
+    def __init__(
+        self,
+        config: Config | None = None,
+        *,
+        secret: bytes | None = None,
+        boot_id: str = "",
+        clock: Callable[[], float] = time.monotonic,
+        copier: Copier | None = None,
+    ) -> None:
+        self.config = config = config if config is not None else Config()
+        self.secret = secret if secret is not None else secrets.token_bytes(32)
+        #: the data-plane mode (``[data_plane] transport``)
+        self.mode = config.data_plane.transport
+        self.node_id = config.server.node_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.incarnation = time.time_ns()
+        self.clock = clock
+        self.limits: LimitsConfig = config.limits
+        # The host memory locked for GPU copies is the process's (transports.pins).
+        PINS.limit(config.data_plane.max_pinned_bytes)
+        self.registry = Registry(
+            self.node_id, self.incarnation, clock, pending_ttl_s=self.limits.pending_ttl_s
+        )
+        #: the timer that expires pending versions (:meth:`_expire_pending_later`)
+        self._pending_timer: asyncio.TimerHandle | None = None
+        #: published manifests being decoded and checked now (off the event loop), and
+        #: how many may be at once (the others wait before their body is read)
+        self.manifests_checking = 0
+        self.manifest_checks = asyncio.Semaphore(MANIFEST_CHECKS)
+        #: per-principal caps on leases, regions and pulls (``[limits]``): the region
+        #: store and the staging pool admit regions and bytes, :meth:`acquire` leases
+        self.caps = Caps(
+            self.limits.max_leases_per_principal,
+            self.limits.max_regions_per_principal,
+            self.limits.max_pulls_per_principal,
+            self.limits.max_region_bytes_per_principal,
+        )
+        #: the one decision which source URLs may be contacted (config, then registry)
+        self.peers = PeerPolicy(config.peers.allow)
+        #: per peer node, the path the last pull from it took and why
+        self.seen_paths: dict[str, tuple[str, str]] = {}
+        self.boot_id = boot_id or host_boot_id()
+        #: the data planes: the same-host one in every mode (``copier``: its copy
+        #: engine), and the transports :meth:`start` brings up
+        self.plane = TransportSet(
+            ShmTransport(
+                secret=self.secret,
+                peer_id=self.node_id,
+                copier=copier,
+                boot_id=self.boot_id,
+                incarnation=self.incarnation,
+            )
+        )
+        self.store = RegionStore(self.incarnation, self.plane, self.registry, self.caps)
+        self.staging = StagingPool(self.store, self.registry, self.plane.shm)
+        self.drain = LeaseDrain(self.registry, clock)
+        self.ready = False
+        self.ucx_transports: list[str] = []  # what the loaded UCX can use (ucx_info -d)
+        self._ucx_probed = False  # whether ucx_transports is ucx_info's answer yet
+        self._ucx_probe = asyncio.Lock()  # held while ucx_info runs
+        #: who owns each model, and who may read it (``[models]``)
+        self.models = ModelOwners(config.models.owners, config.models.readers)
+        #: stale segments of earlier lives (this daemon's or its clients') removed at start
+        self.removed_at_start: list[str] = []
+        #: host mirrors' hook (:mod:`refitd.daemon.mirror.mirrors`): what a lease on a version
+        #: may read of a mirror still filling (only complete chunks are served)
+        self.scope_limit: Callable[[str, int, dict[int, Extents]], dict[int, Extents]] | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Bring up the data plane; the daemon reports ready only after this.
+
+        Every mode but ``shm`` starts a transport (``auto`` starts UCX where it offers
+        RDMA); a transport that cannot start stops the daemon's start with
+        :class:`TransportError`. UCX is asked what it can use (:meth:`probe_ucx`) only
+        where it may start: ``auto`` on a host with an RDMA device (first: the answer
+        decides), and ``ucx`` (while UCX starts, which it does not decide).
+        First, shared-memory segments whose creator process is gone — left by an
+        earlier life of this daemon, or by clients that crashed — are unlinked."""
+        self.removed_at_start = await asyncio.to_thread(cleanup_stale)
+        if self.removed_at_start:
+            log.info("removed %d stale segment(s) at start", len(self.removed_at_start))
+        await self.plane.shm.start()
+        mode = self.mode
+        from refitd.daemon.pull.paths import rdma_devices, transport_schemes
+
+        if mode == AUTO and rdma_devices():
+            await self.probe_ucx()  # its answer decides whether UCX starts
+        # ``ucx`` starts UCX whatever ucx_info says: ask it while UCX starts.
+        probing = asyncio.create_task(self.probe_ucx()) if mode == UCX_SCHEME else None
+        try:
+            await self._start_transports(transport_schemes(mode, self.ucx_transports))
+            if probing is not None:
+                await probing
+        finally:
+            if probing is not None and not probing.done():
+                probing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await probing
+        self.ready = True
+
+    async def _start_transports(self, schemes: list[str]) -> None:
+        """Start each transport of ``schemes`` and add it to the data plane, in order."""
+        from refitd.daemon.pull.paths import transport_options
+        from transports.interface import create_transport
+
+        for scheme in schemes:
+            c = self.config
+            options = transport_options(
+                scheme,
+                secret=self.secret,
+                node_id=self.node_id,
+                pull_timeout_s=c.data_plane.pull_timeout_s,
+                lanes=c.data_plane.lanes,
+                host=c.server.host,
+                tcp_port=c.data_plane.tcp_port,
+                advertise_url=c.registry.advertise_url,
+                trusted=self.peers.trusted,
+                is_live=self.registry.is_live,
+                incarnation=self.incarnation,
+            )
+            t = create_transport(scheme, options)
+            try:
+                await t.start()
+            except RefitError as exc:
+                auto = self.mode == AUTO
+                hint = " (--transport shm runs without it, same host only)" if auto else ""
+                raise TransportError(
+                    f"data plane {scheme!r} did not start, so the daemon will not report "
+                    f"ready: {exc}{hint}"
+                ) from exc
+            self.plane.add(scheme, t)
+
+    async def probe_ucx(self) -> list[str]:
+        """What this host's UCX can use (``ucx_info -d``, about 0.4 s), asked once, in
+        the modes that may run UCX (``auto``, ``ucx``): at start where UCX may start,
+        else when ``/v1/node`` first asks. Empty in other modes."""
+        if self.mode not in (AUTO, UCX_SCHEME):
+            return []
+        async with self._ucx_probe:  # a second asker waits for the first one's answer
+            if not self._ucx_probed:
+                from transports.ucx.info import ucx_transports
+
+                self.ucx_transports = await ucx_transports()
+                self._ucx_probed = True
+        return self.ucx_transports
+
+    async def close(self) -> None:
+        self.ready = False
+        if self._pending_timer is not None:
+            self._pending_timer.cancel()
+            self._pending_timer = None
+        self.store.holders.close()
+        await self.plane.close()
+        self.store.close()
+
+    def info(self) -> NodeInfo:
+        worker: dict[str, str] = {}
+        if self.plane.primary is not None:
+            advert = self.plane.primary.advertise()
+            worker = {"scheme": advert.scheme, "peer_id": advert.peer_id}
+        return NodeInfo(
+            self.node_id,
+            self.incarnation,
+            self.mode,
+            worker,
+            shm_huge_pages=huge_page_mode(),
+            ucx_transports=self.ucx_transports,
+            paths=peer_paths(
+                self.mode, self.plane.by_scheme, self.peers.trusted(), self.seen_paths
+            ),
+        )
+
+    # ------------------------------------------------------------ regions
+
+    async def create_region(self, req: RegionCreate, principal: str | None = None) -> RegionInfo:
+        """A new daemon-owned segment of exactly ``req.nbytes`` bytes (≥ 1), within
+        ``principal``'s caps (:meth:`RegionStore.create_region`)."""
+        return await self.store.create_region(req, principal)
+
+    async def delete_region(self, region_id: int) -> RegionInfo:
+        """Forget a region (``DELETE /v1/regions/{id}``). Refused (409) while a READY,
+        pending or leased version publishes from it (a retired version included, while
+        leased), while a running pull of this daemon reads or writes it (its mapping
+        is never unmapped under a copy), and (403) for a staging region, which only
+        the daemon itself frees."""
+        self.store.regions.get(region_id)
+        if region_id in self.staging:
+            raise AccessDenied(
+                f"region {region_id} refused deletion: it is a staging region of this "
+                "daemon, freed by the lease that packed it or when that lease ends"
+            )
+        return await self.store.delete(region_id)
+
+    def view(self, region_id: int) -> memoryview:
+        return self.store.view(region_id)
+
+    async def gc(self, dry_run: bool = False) -> GcReport:
+        """``POST /v1/gc``: free exited clients' regions and stale segments."""
+        return await self.store.gc(dry_run)
+
+    def check_publishable(self, region_ids: Iterable[int]) -> None:
+        """Refuse (:class:`ConflictError`, 409, naming what holds it) publishing a
+        version from a region whose bytes something other than its publisher changes:
+        a staging region (the daemon repacks it for other leases), an expert pool's
+        region (``ensure`` rewrites its slots, pulls its host rows), or a region a
+        running pull writes (its bytes would change after the version is READY)."""
+        for rid in sorted(set(region_ids)):
+            why = ""
+            if rid in self.staging:
+                why = "it is a staging region of this daemon, which repacks it for other leases"
+            elif rid in self.store.pool_regions:
+                why = (
+                    f"it is a region of expert pool {self.store.pool_regions[rid]!r}, whose ensure "
+                    "and pulls rewrite it"
+                )
+            elif writers := self.store.writers(rid):
+                why = (
+                    f"running pull(s) {', '.join(writers)} write it; wait for them to end or "
+                    "cancel them"
+                )
+            if why:
+                raise ConflictError(
+                    f"publishing from region {rid} refused: {why}; a version's bytes never "
+                    "change once published"
+                )
+
+    async def publish(
+        self, read: Callable[[int], Awaitable[ManifestIn]], principal: Principal
+    ) -> VersionInfo:
+        """Publish one slot's manifest for ``principal``; ``read(max_shards)`` decodes
+        it from the request (refused past ``limits.max_manifest_shards`` shards).
+
+        The steps, in order: the manifest is read and checked against the regions'
+        bounds off the event loop, a few at a time (each holds its body and decoded
+        objects, hundreds of MB at the limits, and a worker thread); the model must be
+        the principal's to publish into, and every region it publishes from the
+        principal's (403: else it would expose another principal's bytes to its
+        leases, and pin them against their writes), and none rewritten by anything
+        else (409, :meth:`check_publishable`); the registry takes the slot, charged to
+        its publisher while the daemon holds it; the principal becomes the model's
+        owner if nobody was; drain waiters wake."""
+        # At its cap already: refused before its body is read or decoded.
+        cap = self.limits.max_manifest_bytes_per_principal
+        held = self.registry.manifest_bytes(principal.name)
+        if held >= cap:
+            raise QuotaExceeded(
+                f"publishing refused: {principal.name}'s manifests hold {held} bytes of the "
+                f"daemon's memory, its cap (limits.max_manifest_bytes_per_principal = {cap}); "
+                "retire versions nobody reads (drain with retire=1) or let pending ones expire"
+            )
+        async with self.manifest_checks:
+            self.manifests_checking += 1
+            try:
+                m = await read(self.limits.max_manifest_shards)
+                await asyncio.to_thread(check_manifest_bounds, m, self.store.regions.sizes())
+            finally:
+                self.manifests_checking -= 1
+        # After the awaits: what is checked from here on runs without a break.
+        self.models.check_owner(principal, m.model, "publish into")
+        region_ids = sorted({s.region for t in m.tensors for s in t.shards})
+        for rid in region_ids:
+            principal.check_owns(self.store.regions.get(rid).owner, "publish from", f"region {rid}")
+        self.check_publishable(region_ids)
+        # Charged to its publisher while the daemon holds it (pending, READY, or
+        # retired while leased), in bytes of the daemon's memory.
+        self.models.admit(principal, self.limits.max_models_per_principal, m.model)
+        info = self.registry.publish(m, principal.name, cap)
+        self._expire_pending_later()
+        self.models.claim(principal, m.model)
+        self.lease_changed()
+        return info
+
+    def _expire_pending_later(self) -> None:
+        """Set the one timer that forgets pending versions at their TTL (its manifests'
+        memory with them), whether or not anything else happens on the daemon: at the
+        oldest pending version's deadline, then at each next one's."""
+        if self._pending_timer is not None:
+            return
+        left = self.registry.next_pending_s()
+        if left is None:
+            return
+
+        def fire() -> None:
+            self._pending_timer = None
+            if self.registry.expire_pending():
+                self.store.reap_soon()  # an exited client's regions it pinned may go
+                self.lease_changed()
+            self._expire_pending_later()
+
+        # A little past the deadline: the registry's clock, not the loop's, decides.
+        self._pending_timer = asyncio.get_running_loop().call_later(left + 0.01, fire)
+
+    # ------------------------------------------------------------ peer records
+
+    def version_scope(self, lease: Lease) -> dict[int, Extents]:
+        """What ``lease`` may read of its version's own regions now: the shard ranges,
+        and of a mirror still filling only its complete chunks. Reads over the data
+        plane and source-side packs are both checked against it."""
+        scope = dict(self.registry.scope(lease.model, lease.version))
+        if self.scope_limit is not None:  # a mirror still filling: its complete chunks
+            scope = self.scope_limit(lease.model, lease.version, scope)
+        return scope
+
+    def lease_scope(self, lease: Lease) -> dict[int, Extents]:
+        """What ``lease`` may read here: :meth:`version_scope`, and in each staging
+        region packed for that very lease the bytes packed for it (not the rest of a
+        reused region)."""
+        scope = self.version_scope(lease)
+        scope.update(self.staging.packed_for(lease.lease_id))
+        return scope
+
+    def peer_regions(self, ids: list[int] | None = None, lease: Lease | None = None) -> PeerRegions:
+        """Signed records of ``ids`` (all regions if ``None``) for a peer daemon.
+
+        Under ``lease`` (a live one, checked by the caller) only regions that lease may
+        read are given, each with the byte ranges it may read (``scope``); any other
+        id is refused (:class:`AccessDenied`). Without a lease the records carry no
+        scope, no transport keys and no file identities: enough to list regions,
+        nothing to read them with."""
+        scope: dict[int, Extents] = {}
+        allowed: dict[int, Extents] = {}
+        if lease is not None:
+            allowed = self.lease_scope(lease)
+            if ids is None:
+                ids = sorted(allowed)
+            outside = [i for i in ids if i not in allowed]
+            if outside:
+                raise AccessDenied(
+                    f"region(s) {outside} refused: not part of {lease.model!r} version "
+                    f"{lease.version} read under lease {lease.lease_id!r}; a lease reads only "
+                    "its version's shards and staging packed for it"
+                )
+            scope = {i: allowed[i] for i in ids}
+        regions = self.store.regions
+        infos = list(regions) if ids is None else [regions.get(i) for i in ids]
+        # The holder process is nobody's business but the region's owner; the segment
+        # name only a reader under a lease needs (a same-host daemon maps it by name).
+        infos = [
+            msgspec.structs.replace(r, holder="", handle=r.handle if lease is not None else "")
+            for r in infos
+        ]
+        advert = b""
+        adverts: dict[str, bytes] = {}
+        if lease is not None:
+            adverts = self.plane.adverts()
+            advert = next(iter(adverts.values()), b"")
+            # The same-host path's: every region the lease may read and no other (a
+            # staging record asked for later lists the version's regions too).
+            adverts[SHM_SCHEME] = self.plane.shm.advertise(sorted(allowed)).encode()
+        rec = PeerRegions(
+            self.node_id,
+            self.incarnation,
+            self.mode,
+            infos,
+            advert,
+            lease_id=lease.lease_id if lease is not None else "",
+            scope=scope,
+            adverts=adverts,
+        )
+        return rec.signed(self.secret)
+
+    def leased_regions(
+        self, ids: list[int] | None, lease_id: str, model: str, version: int
+    ) -> PeerRegions:
+        """:meth:`peer_regions` for a pull under ``lease_id`` (409 for a lease not live
+        on ``(model, version)``)."""
+        return self.peer_regions(ids, self.registry.check(lease_id, model, version))
+
+    # ------------------------------------------------------------ packing and leases
+
+    async def pack(
+        self, specs: list[PackSpec], lease: Lease, principal: str | None = None
+    ) -> StagedPack:
+        """Gather specs into a staging region for ``lease`` (:meth:`StagingPool.pack`),
+        reading only what :meth:`version_scope` allows, within the caps of the lease's
+        principal (else ``principal``'s)."""
+        limit = self.config.limits.max_plan_runs
+        if len(specs) > OFF_LOOP_SPECS:  # a Python step a spec: off the loop
+            await asyncio.to_thread(check_runs, 0, specs, limit, "pack")
+        else:
+            check_runs(0, specs, limit, "pack")
+        return await self.staging.pack(specs, lease, self.version_scope(lease), principal)
+
+    async def pack_leased(self, req: PackRequest, principal: str | None = None) -> StagedPack:
+        """:meth:`pack` under ``req``'s lease (409 for one not live on its version)."""
+        lease = self.registry.check(req.lease_id, req.model, req.version)
+        return await self.pack(req.specs, lease, principal)
+
+    def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
+        """The live lease ``lease_id`` on ``(model, version)`` with its seconds left
+        (409 for one not live on that version)."""
+        lease = self.registry.check(lease_id, model, version)
+        left = lease.expires_at - self.clock()
+        return LeaseGrant(lease.lease_id, lease.model, lease.version, left)
+
+    def versions(self, who: Principal, model: str | None = None) -> list[VersionInfo]:
+        """The versions ``who`` may read: of every model it reads, or of ``model``
+        (403 for one it may not read)."""
+        if model is None:
+            return [v for v in self.registry.versions() if self.models.may_read(who, v.model)]
+        self.models.check_read(who, model, "list the versions of")
+        return self.registry.versions(model)
+
+    def readable(self, who: Principal, model: str, version: int | None) -> int:
+        """The version of ``model`` that ``who`` reads: ``version``, or (None, "latest")
+        the model's READY one (404 when none); 403 for a model it may not read, whether
+        the version exists or not."""
+        self.models.check_read(who, model, "read")
+        return self.registry.latest_ready(model) if version is None else version
+
+    def version(self, who: Principal, model: str, version: int | None) -> VersionInfo:
+        """The state of the version ``who`` reads (:meth:`readable`; 404 when unknown)."""
+        return self.registry.version(model, self.readable(who, model, version))
+
+    def manifest(self, who: Principal, model: str, version: int | None) -> MergedManifest:
+        """The READY manifest of the version ``who`` reads (:meth:`readable`)."""
+        return self.registry.merged(model, self.readable(who, model, version))
+
+    def manifest_bytes(self, who: Principal, model: str, version: int | None) -> bytes:
+        """:meth:`manifest` as msgpack, encoded once per version."""
+        return self.registry.merged_bytes(model, self.readable(who, model, version))
+
+    def check_holder_join(self, join: HolderJoin) -> None:
+        """Admit a peer daemon's join to the holder book of a version here: the join
+        must be signed with the deployment secret (403), name a version this daemon
+        holds (404), and come from a daemon this one trusts (403): the book hands its
+        URL to readers."""
+        join.verify(self.secret)
+        self.registry.version(join.model, join.version)
+        self.peers.check(join.url)
+
+    def release(self, lease_id: str) -> None:
+        """End a lease, and wake the drains and reaps its end may free."""
+        self.registry.release(lease_id)
+        self.lease_changed()
+
+    def acquire(
+        self, model: str, version: int, ttl_s: float, holder: str, principal: str
+    ) -> LeaseGrant:
+        """Lease a READY version for ``principal``, within its lease cap (429 past
+        ``limits.max_leases_per_principal``)."""
+        self.caps.leases.admit(principal, self.registry.is_live)
+        grant = self.registry.acquire(model, version, ttl_s, holder, owner=principal)
+        self.caps.leases.add(principal, grant.lease_id)
+        return grant
+
+    async def release_staging(self, region_id: int, lease_id: str) -> None:
+        """Return a staging region to the pool (:meth:`StagingPool.release`)."""
+        await self.staging.release(region_id, lease_id)
+
+    def lease_changed(self) -> None:
+        """Wake every drain waiter (a lease was released or a version changed), and
+        release exited clients' regions that this may have freed."""
+        self.drain.changed()
+        self.store.reap_soon()
+
+    async def wait_drain(
+        self, model: str, version: int, timeout_s: float, retire: bool = False
+    ) -> VersionInfo:
+        """Return once no live lease remains on the version (:meth:`LeaseDrain.wait`)."""
+        return await self.drain.wait(model, version, timeout_s, retire)
+
+    async def wait_ready(self, model: str, version: int, timeout_s: float) -> VersionInfo:
+        """Return once the version is READY, or after ``timeout_s`` with its state
+        (:meth:`LeaseDrain.ready`)."""
+        return await self.drain.ready(model, version, timeout_s)

@@ -1,0 +1,9 @@
+"""Delta refit at the source: each version compared with its base, and the routes that
+serve it.
+
+Modules:
+
+- `routes`: the HTTP side of delta refit: a version's delta record, its packs
+- `source`: deltas at the source: each READY version compared with its base, staged
+- `stream`: a streamed delta, the source side: ``POST /v1/deltas/stream``
+"""

@@ -1,0 +1,97 @@
+"""The HTTP side of delta refit (:mod:`refitd.daemon.delta.source`): a version's delta record
+and the staging of a planned pull's changed units under its lease."""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from refitd.daemon.access.auth import principal_of
+from refitd.daemon.app.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
+from refitd.daemon.app.node import Daemon
+from refitd.daemon.app.waits import MAX_WAIT_S, WAITS, long_poll
+from refitd.daemon.delta.source import DeltaBook
+from refitd.daemon.delta.stream import stream
+from refitd.daemon.pull.plancheck import check_runs
+from refitd.wire import MSGPACK, DeltaPackRequest, DeltaStreamRequest
+from refitd.wire import routes as api
+
+__all__ = ["DELTAS", "routes", "setup_deltas"]
+
+DELTAS: web.AppKey[DeltaBook] = web.AppKey("deltas", DeltaBook)
+routes = RouteTable()
+
+
+@routes.handles(api.DELTA_INFO)
+async def delta_info(request: web.Request) -> web.Response:
+    """A version's delta record; ``wait=S`` waits up to S seconds (at most 60) for a
+    comparison still running."""
+    d = request.app[DAEMON]
+    model = request.match_info["model"]
+    d.models.check_read(principal_of(request), model, "read")
+    version = query_int(request, "version")
+    wait_s = min(query_float(request, "wait", 0.0), MAX_WAIT_S)
+    if not wait_s:
+        return reply(request, await request.app[DELTAS].info(model, version))
+    async with long_poll(request, f"waiting for {model!r} v{version}"):
+        return reply(request, await request.app[DELTAS].info(model, version, wait_s))
+
+
+@routes.handles(api.DELTA_PACK)
+async def delta_pack(request: web.Request) -> web.Response:
+    """Stage a planned pull's changed units under its lease, as ``/v1/peer/pack`` stages
+    packed blocks: the staging region counts against the lease's principal."""
+    d = request.app[DAEMON]
+    req = await body(request, DeltaPackRequest)
+    # What the plan expands into is bounded before anything reads or lists it.
+    what = f"delta pack of {req.model!r} v{req.version}"
+    check_runs(len(req.descriptors), req.pack_specs, d.config.limits.max_plan_runs, what)
+    lease = d.registry.check(req.lease_id, req.model, req.version)
+    who = lease.owner or principal_of(request).name  # whose memory the staging is
+    d.store.admit(who, 1)  # at its cap already: refused before any work
+    caller = principal_of(request).name
+    return reply(request, await request.app[DELTAS].pack(req, lease, who, caller), 201)
+
+
+@routes.handles(api.DELTA_STREAM)
+async def delta_stream(request: web.Request) -> web.StreamResponse:
+    """A planned pull's changed units under its lease, as ``delta_pack`` selects them,
+    streamed chunk by chunk as they are encoded, not staged (docs/delta.md). Every
+    refusal comes before the head; a chunk that fails ends the stream with a frame
+    saying why."""
+    d = request.app[DAEMON]
+    req = await body(request, DeltaStreamRequest)
+    what = f"delta stream of {req.model!r} v{req.version}"
+    check_runs(len(req.descriptors), req.pack_specs, d.config.limits.max_plan_runs, what)
+    lease = d.registry.check(req.lease_id, req.model, req.version)
+    caller = principal_of(request).name
+    # Open as long as its reader reads, holding its selection and two encoded chunks:
+    # counted against the principal's long polls, as a wait is.
+    with request.app[WAITS].held(caller, what):
+        head, chunks = await stream(request.app[DELTAS], req, lease, caller)
+        resp = web.StreamResponse(headers={"Content-Type": MSGPACK})
+        await resp.prepare(request)
+        await resp.write(_frame(head))
+        async for chunk, payload in chunks:
+            # While this chunk crosses, the next one is encoded in the pool.
+            await resp.write(_frame(chunk))
+            await resp.write(payload.data)
+        await resp.write_eof()
+    return resp
+
+
+def _frame(value: msgspec.Struct) -> bytes:
+    data = msgspec.msgpack.encode(value)
+    return len(data).to_bytes(4, "big") + data
+
+
+def setup_deltas(app: web.Application, daemon: Daemon) -> DeltaBook:
+    """Install the daemon's :class:`DeltaBook` and its routes on ``app``."""
+    book = app[DELTAS] = DeltaBook(daemon, daemon.config.pulls.deltas, waits=app[WAITS])
+
+    async def close(_: web.Application) -> None:
+        await book.close()
+
+    app.on_shutdown.append(close)
+    app.add_routes(routes)
+    return book

@@ -1,0 +1,77 @@
+"""A streamed delta, the source side (``POST /v1/deltas/stream``, docs/delta.md).
+
+The changes a :class:`~refitd.daemon.delta.source.DeltaBook` selects for a planned pull,
+not staged in a region for the engine's daemon to pull: the plan's stream is cut
+into chunks (:func:`refitd.delta.stream.chunking`, :func:`~refitd.delta.stream.cut`),
+each chunk's changes encoded on their own in the book's thread pool and written to
+the answer as soon as they are, while the next chunk is encoded. The engine places
+each chunk while the next one crosses, so the source's encoding, the wire and the
+engine's placing overlap instead of following one another, and a delta costs one
+request: no staging region, no pull, no copy out of a landing region.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import numpy.typing as npt
+
+from refitd.daemon.delta.source import DeltaBook
+from refitd.daemon.state.registry import Lease
+from refitd.delta import native
+from refitd.delta.native import payload_of
+from refitd.delta.stream import chunking, cut
+from refitd.errors import RefitError
+from refitd.wire import DeltaChunk, DeltaStreamHead, DeltaStreamRequest
+
+__all__ = ["stream"]
+
+U8 = npt.NDArray[np.uint8]
+_NONE: U8 = np.zeros(0, np.uint8)  # the payload of a chunk that failed
+
+
+async def stream(
+    book: DeltaBook, req: DeltaStreamRequest, lease: Lease, caller: str
+) -> tuple[DeltaStreamHead, AsyncIterator[tuple[DeltaChunk, U8]]]:
+    """The delta :meth:`DeltaBook.pack` would stage for ``req``, not staged: its head,
+    and its chunks as they are encoded (each of ``req.chunk_bytes`` stream bytes,
+    encoded on its own in the pool while the one before is sent). Refused before the
+    head as :meth:`DeltaBook.pack` is; a chunk that fails, or a lease that ended,
+    ends the chunks with a chunk whose ``error`` says why."""
+    t0 = time.perf_counter()
+    rec, index, values, reads = await book.selection(req, caller)
+    unit = rec.unit
+    units = native.stream_units(reads, unit)
+    per, n = chunking(units, req.chunk_bytes, unit)
+    ends = np.cumsum(reads[:, 2])
+    head = DeltaStreamHead(unit, units, n, per, rec.base, rec.digest, time.perf_counter() - t0)
+
+    def encode(k: int) -> tuple[U8, tuple[int, ...], float]:
+        t = time.perf_counter()
+        part = cut(reads, k * per * unit, min((k + 1) * per, units) * unit, ends)
+        payload, staged = payload_of(unit, index, values, part, req.nibbles)
+        return payload, staged, time.perf_counter() - t
+
+    async def chunks() -> AsyncIterator[tuple[DeltaChunk, U8]]:
+        nxt = asyncio.ensure_future(book.in_pool(encode, 0)) if n else None
+        try:
+            for k in range(n):
+                assert nxt is not None
+                try:
+                    payload, staged, secs = await nxt
+                    # The next chunk is encoded while this one is written and crosses.
+                    nxt = asyncio.ensure_future(book.in_pool(encode, k + 1)) if k + 1 < n else None
+                    book.daemon.registry.check(lease.lease_id, req.model, req.version)
+                except RefitError as exc:
+                    yield DeltaChunk(k, error=str(exc)), _NONE
+                    return
+                pages, changed, exceptions, _units, bits = staged
+                yield DeltaChunk(k, len(payload), pages, changed, exceptions, bits, secs), payload
+        finally:
+            if nxt is not None:  # the reader went away: no chunk is encoded for no one
+                nxt.cancel()
+
+    return head, chunks()

@@ -1,0 +1,103 @@
+"""Which bytes of this daemon's mirrors still filling are complete, for its data plane.
+
+A downstream relay reads its upstream's mirror ahead of it over ``tcp``: it asks for
+chunks not complete there yet, and the upstream's data server holds each such read
+until its chunk is complete (`transports.tcp.held`), so a chunk goes on to the next
+host as soon as it lands, with no round trip after it. What the data server asks is
+:class:`FillingMirrors`: keyed on the memory (this daemon's region ids of each mirror
+still filling), a chunk complete only once :meth:`~refitd.daemon.mirror.chunks.Mirror.mark`
+marked it (after the read that filled it returned).
+
+A mirror stays here from before its version is published (no lease, so no read, before
+it) until it is complete, or, failed, until its regions are deleted: a read of a
+failed mirror's incomplete bytes is refused, never answered.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from transports.tcp.held import Completion
+
+if TYPE_CHECKING:
+    from refitd.daemon.mirror.chunks import Mirror
+
+__all__ = ["FillingMirrors", "HoldsReads"]
+
+
+@runtime_checkable
+class HoldsReads(Protocol):
+    """A transport whose data server can hold a read until its bytes are complete."""
+
+    def hold_reads(self, completion: Completion | None) -> None: ...
+
+
+class _Region:
+    """One region of a mirror still filling: its chunks in offset order."""
+
+    def __init__(self, m: Mirror, source_region: int) -> None:
+        rows = np.flatnonzero(m.chunks[:, 0] == source_region)
+        rows = rows[np.argsort(m.chunks[rows, 1], kind="stable")]
+        self.mirror = m
+        self.chunks = rows  # the mirror's chunk indexes
+        self.starts = m.chunks[rows, 1]
+        self.ends = self.starts + m.chunks[rows, 2]
+
+    def pending(self, offset: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]) -> bool:
+        lo = np.searchsorted(self.ends, offset, side="right")
+        hi = np.searchsorted(self.starts, offset + nbytes, side="left")
+        done = self.mirror.done
+        return any(not bool(done[self.chunks[a:b]].all()) for a, b in zip(lo, hi, strict=True))
+
+
+class FillingMirrors(Completion):
+    """The data plane's view of this daemon's mirrors still filling (a
+    :class:`~transports.tcp.held.Completion`, which does the waiting). Its
+    :meth:`why_held` runs in the data server's threads; :meth:`add`, :meth:`remove`
+    and :meth:`changed` in the daemon's loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # region id here -> its chunks; replaced whole, never changed in place, so a
+        # server thread always reads one consistent table
+        self._regions: dict[int, _Region] = {}
+
+    def add(self, m: Mirror) -> None:
+        """``m``'s regions are filling from now on (before its version is published)."""
+        table = dict(self._regions)
+        for s, r in m.regions.items():
+            table[r.region_id] = _Region(m, s)
+        self._regions = table
+        self.changed()
+
+    def remove(self, m: Mirror) -> None:
+        """``m`` is complete, or its regions are gone: nothing of it is held any more."""
+        self._regions = {k: v for k, v in self._regions.items() if v.mirror is not m}
+        self.changed()
+
+    def why_held(
+        self,
+        region: npt.NDArray[np.int64],
+        offset: npt.NDArray[np.int64],
+        nbytes: npt.NDArray[np.int64],
+    ) -> str | None:
+        """None when every byte read is complete (or of no mirror filling); "" when
+        some are still filling; why, when their mirror failed."""
+        table = self._regions
+        if not table:
+            return None
+        held: str | None = None
+        for rid in np.unique(region).tolist():
+            r = table.get(int(rid))
+            if r is None:
+                continue
+            m = r.mirror
+            if m.error:
+                return f"its mirror of {m.model!r} version {m.version} failed: {m.error}"
+            rows = region == rid
+            if r.pending(offset[rows], nbytes[rows]):
+                held = ""
+        return held

@@ -1,0 +1,443 @@
+"""Host mirrors and relay: each version crosses each host's link about once.
+
+A *mirror* is one daemon's copy of a version a remote source daemon (the trainer's)
+holds: every byte range a lease on it may read, pulled once over the network into
+regions this daemon owns, and published in this daemon's own registry under the same
+model and version. The local engines' pulls from that source are then served from
+the mirror over ``shm`` (:meth:`Mirrors.redirect`), however many replicas read it.
+
+Relay. A mirror is itself a *holder*: it joins the source's holder book
+(``POST /v1/mirrors/holders`` at the source), which answers with the holder it reads
+from (:mod:`refitd.daemon.mirror.book`): the source has one child, so its link
+carries each byte about once per version, whatever the number of hosts; the holders
+form a chain up to four hosts and a tree of degree two past them. A downstream
+mirror reads from its upstream under a lease of the upstream's own registry (a peer
+daemon's, :class:`~refitd.daemon.mirror.leases.MirrorLeases`), through the upstream's
+data plane and its signed, lease-scoped records, like any pull; and it reads only *complete*
+chunks: while a mirror fills, the scope its records give a lease is cut down to the
+chunks it holds in full (:meth:`Mirrors.limit_scope`), so the data server refuses
+any byte of an incomplete chunk. A downstream learns of new chunks from its
+upstream's feed (:mod:`refitd.daemon.mirror.feed`): one request, a frame of new
+records each time chunks complete there, no round trip per chunk.
+
+Local reads. An engine's pull served from a mirror starts once the mirror's regions
+exist, not once it is complete: it reads each piece as soon as its chunk is
+(:class:`~refitd.daemon.mirror.read.MirrorGate`), under the same lease rules.
+
+Fail-closed. A chunk is marked complete only once the read that filled it returned
+without error; a read that failed leaves its chunks incomplete. When an upstream
+relay dies, stops answering (its reads and its feed have deadlines) or fails, the
+mirror asks the source for another holder, excluding the ones that failed, and reads
+the chunks it still lacks from there (the source itself last). If even the source
+fails, the mirror fails, naming every holder it tried, and so do the local pulls
+reading it (their ranges suspect: nothing is installed from them). A complete mirror
+never changes.
+
+Policy (``[mirrors] policy``): ``never`` (default: every pull reads its source),
+``always`` (the first pull of a remote version makes the mirror), ``shared`` (a
+mirror once two or more distinct leases on the same remote version pull through
+this daemon; from then on the later versions of that model are mirrored from their
+first pull). Release: a mirror goes once its version is retired here (a newer
+version of the model was mirrored) and no lease on it is live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from refitd.client.leases import LeaseKeeper
+from refitd.daemon.access.trust import Extents
+from refitd.daemon.mirror.chunks import CHUNK_BYTES, HolderBook, Mirror, chunk_count, cut_chunks
+from refitd.daemon.mirror.fill import LEASE_TTL_S, Filler
+from refitd.daemon.mirror.hold import FillingMirrors, HoldsReads
+from refitd.daemon.mirror.judge import describe
+from refitd.daemon.mirror.leases import OWNER, MirrorLeases
+from refitd.daemon.mirror.read import MirroredSource
+from refitd.daemon.mirror.space import half_of_shm, held_bytes, make_room, release, take_over
+from refitd.daemon.pull.sources import Redirect, RemoteSource
+from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
+from refitd.wire import (
+    DescriptorTable,
+    ManifestIn,
+    PeerRegions,
+    PullRequest,
+    RegionCreate,
+    ShardEntry,
+    TensorEntry,
+)
+from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
+
+if TYPE_CHECKING:
+    from refitd.daemon.app.node import Daemon
+    from refitd.daemon.pull.pulls import PullManager
+
+__all__ = [
+    "CHUNK_BYTES",
+    "POLICIES",
+    "HolderAssign",
+    "HolderBook",
+    "HolderJoin",
+    "Mirror",
+    "MirrorState",
+    "Mirrors",
+    "Redirect",
+]
+
+log = logging.getLogger("refitd.mirrors")
+
+POLICIES = ("never", "always", "shared")
+"""``[mirrors] policy`` values (see the module docstring)."""
+
+
+# ---------------------------------------------------------------- the store
+
+
+class Mirrors:
+    """Every mirror of one daemon, its policy, and (as a source) its holder book."""
+
+    def __init__(
+        self, daemon: Daemon, pulls: PullManager, policy: str, self_url: Callable[[], str]
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"mirror policy {policy!r}: expected one of {POLICIES}")
+        self.pulls = pulls
+        self.d = daemon
+        self.policy = policy
+        self.self_url = self_url
+        self.book = HolderBook()
+        #: the lease rules of this daemon's mirrors (granted under a source lease)
+        self.leases = MirrorLeases(daemon, self.find, self._remote)
+        self.budget = (
+            daemon.config.mirrors.max_bytes
+            if daemon.config.mirrors.max_bytes is not None
+            else half_of_shm()
+        )
+        self.by_key: dict[tuple[str, str, int], Mirror] = {}
+        #: (source, model, version) -> distinct leases seen pulling it (``shared``)
+        self._readers: dict[tuple[str, str, int], set[str]] = {}
+        #: (source, model) seen with two or more readers of one version
+        self._shared: set[tuple[str, str]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: what the data plane holds a downstream's read ahead of a chunk on
+        self.filling = FillingMirrors()
+        self.filler = Filler(daemon, pulls, self_url, self._remote, self.filling.changed)
+
+    # ------------------------------------------------------------ policy
+
+    def wants(self, req: PullRequest) -> bool:
+        """Whether ``req`` (from a remote source) should read through a mirror."""
+        if not req.source or self.policy == "never":
+            return False
+        key = (req.source.rstrip("/"), req.model, req.version)
+        if self.policy == "always" or key in self.by_key:
+            return True
+        seen = self._readers.setdefault(key, set())
+        seen.add(req.lease_id)
+        if len(self._readers) > 256:  # bounded: forget the oldest versions seen
+            self._readers.pop(next(iter(self._readers)))
+        if len(seen) >= 2:
+            self._shared.add(key[:2])
+        return key[:2] in self._shared
+
+    # ------------------------------------------------------------ local reads
+
+    async def redirect(self, req: PullRequest, owner: str) -> Redirect | None:
+        """``req`` rewritten to read this daemon's mirror of its version (made first if
+        needed), under a lease of this daemon; None when the policy says to read the
+        source directly, or the version cannot be mirrored here (an older version
+        than one this daemon already holds of the model). The pull starts as soon as
+        the mirror's regions exist, and reads each piece once its chunk is complete.
+
+        Raises :class:`TransportError` naming every holder tried when the mirror
+        failed before the pull began: the pull fails before any byte moved."""
+        if not req.source or self.policy == "never":
+            return None
+        # The engine's lease at the source is what entitles it to the version: checked
+        # there first, as for a direct pull, so a mirror never serves a version the
+        # source would refuse this caller, and a made-up lease neither reads a mirror
+        # nor counts toward the shared policy (ConflictError, nothing moved). The pull
+        # checks it again at submit and after its last byte (MirroredSource).
+        remote = self._remote(req.source)
+        await remote.check_lease(req.lease_id, req.model, req.version)
+        if not self.wants(req):
+            return None
+        m = await self.mirror(req.source.rstrip("/"), req.model, req.version)
+        if m is None:
+            return None
+        if m.error:
+            raise TransportError(
+                f"pull of {req.model!r} version {req.version} refused: this host's mirror of "
+                f"it failed, nothing was read from it: {m.error}"
+            )
+        lease = self.d.registry.acquire(req.model, req.version, LEASE_TTL_S, owner=owner)
+        local = {s: r.region_id for s, r in m.regions.items()}
+        rows = req.descriptors.rows().copy()
+        # Mapped in one vectorised pass: a Python loop per row held the event loop
+        # for about a second at a request's size bound.
+        keys = np.array(sorted(local), dtype=np.int64)
+        at = np.minimum(np.searchsorted(keys, rows[:, 0]), max(len(keys) - 1, 0))
+        unknown = [int(x) for x in rows[:, 0][keys[at] != rows[:, 0]][:1]] if len(keys) else []
+        if len(keys) == 0 and len(rows):
+            unknown = [int(rows[0, 0])]
+        unknown += [p.src_region for p in req.pack_specs if p.src_region not in local][:1]
+        if unknown:
+            self.d.registry.release(lease.lease_id)
+            raise ConflictError(
+                f"pull refused: source region {unknown[0]} is not part of {req.model!r} "
+                f"version {req.version}; nothing was transferred"
+            )
+        if len(rows):
+            rows[:, 0] = np.array([local[int(k)] for k in keys], dtype=np.int64)[at]
+        specs = [msgspec.structs.replace(p, src_region=local[p.src_region]) for p in req.pack_specs]
+        out = PullRequest(
+            req.model, req.version, lease.lease_id, DescriptorTable.pack(rows), specs, ""
+        )
+
+        def release() -> None:
+            with contextlib.suppress(RefitError):
+                self.d.registry.release(lease.lease_id)
+            self.d.lease_changed()
+            self._spawn(self.sweep())
+
+        return Redirect(out, release, MirroredSource(self.d, remote, req, m))
+
+    # ------------------------------------------------------------ making one
+
+    async def mirror(self, source: str, model: str, version: int) -> Mirror | None:
+        """The mirror of ``model`` ``version`` of ``source``: started now if new (its
+        regions made and published here before this returns), None if this daemon
+        cannot hold it."""
+        key = (source, model, version)
+        m = self.by_key.get(key)
+        if m is None:
+            m = self.by_key[key] = Mirror(source, model, version)
+            task = asyncio.create_task(self._run(m))
+            m.task = task
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        await m.ready.wait()
+        if m.error and not m.regions:
+            self.by_key.pop(key, None)
+            if m.error.startswith("cannot mirror"):
+                return None
+        return m
+
+    async def _run(self, m: Mirror) -> None:
+        src = self._remote(m.source)
+        client = src.client
+        lease_id = ""
+        # Join the source's holder book now, while the lease, the records and the
+        # regions are made: its round trip to a busy source is then off the path to
+        # the first byte (a relay's lease on this mirror waits for its regions).
+        joined = asyncio.create_task(self.filler.assign(src, m, []))
+        try:
+            grant = await client.acquire_lease(m.model, m.version, LEASE_TTL_S)
+            lease_id = grant.lease_id
+            async with LeaseKeeper(client, grant, LEASE_TTL_S):
+                # The regions are made while the filler opens its upstream (a relay's
+                # lease, feed and data path): its first read goes out once they exist.
+                prepared = asyncio.create_task(self._prepare(m, src, lease_id))
+                filling = asyncio.create_task(self.filler.fill(m, src, lease_id, joined, prepared))
+                try:
+                    if await prepared is not None:
+                        await filling
+                finally:
+                    for t in (filling, prepared):
+                        t.cancel()
+                    await asyncio.gather(filling, prepared, return_exceptions=True)
+            m.completed_at = time.time()
+            self.filling.remove(m)  # complete: no read of it is held any more
+            log.info(
+                "mirror of %r version %d from %s complete in %.2f s (read from %s)",
+                m.model,
+                m.version,
+                m.source,
+                m.completed_at - m.began_at,
+                ", then ".join(m.tried),
+            )
+        except asyncio.CancelledError:
+            m.error = m.error or "cancelled: the daemon is stopping"
+            raise
+        except Exception as exc:  # every failure ends the mirror, named; never a hang
+            m.error = m.error or describe(exc)
+            if m.regions:  # published here: no lease may be granted on it any more
+                with contextlib.suppress(RefitError):
+                    self.d.registry.retire(m.model, m.version)
+            if not isinstance(exc, RefitError):
+                log.error("mirror of %r version %d failed", m.model, m.version, exc_info=exc)
+        finally:
+            joined.cancel()  # done by now unless the mirror failed first
+            m.ready.set()
+            m.notify()
+            self.filling.changed()  # a failed mirror's held reads are refused now
+            if lease_id:
+                with contextlib.suppress(RefitError):
+                    await asyncio.shield(client.release_lease(lease_id))
+
+    async def _prepare(self, m: Mirror, src: RemoteSource, lease_id: str) -> PeerRegions | None:
+        """Make the mirror's regions, one per source region of the version, and publish
+        the version here over them (so relays can lease it); the source's records of
+        them under ``lease_id``, or None when this daemon cannot mirror it (``m.error``
+        says why)."""
+        d = self.d
+        newest = {v.version for v in d.registry.versions(m.model)}
+        if newest and max(newest) >= m.version:
+            m.error = (
+                f"cannot mirror {m.model!r} version {m.version}: this daemon already holds "
+                f"version {max(newest)} of it"
+            )
+            return None
+        manifest = await src.client.manifest(m.model, m.version)
+        ids = sorted({s.region for t in manifest.tensors for s in t.shards})
+        probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
+        peer = await src.regions(ids, probe)
+        m.chunks = cut_chunks({int(k): v for k, v in peer.scope.items()})  # chunk_bytes
+        m.done = np.zeros(len(m.chunks), dtype=bool)
+        m.layout = frozenset(r.region_id for r in peer.regions)
+        m.planned.set()  # a relay's lease and feed go on while the regions are made
+        # What the daemon makes on its own behalf is bounded: the mirror's bytes are
+        # counted (from before any region is made, so two mirrors preparing at once
+        # see each other) against the host's mirror budget; retired, then idle ones go first.
+        need = sum(r.nbytes for r in peer.regions)
+        taken = take_over(
+            d, self.by_key, m, {r.region_id: r.nbytes for r in peer.regions}, self.filling.remove
+        )
+        if taken:  # those bytes were in the budget already: now they are this mirror's
+            m.nbytes = need
+        elif not await make_room(d, self.by_key, need, self.budget, m, self.filling.remove):
+            m.error = (
+                f"cannot mirror {m.model!r} version {m.version}: its {need} bytes do not fit "
+                f"the host's mirror budget ({self.held_bytes()} of {self.budget} bytes held, "
+                "[mirrors] max_bytes); its pulls read the source"
+            )
+            log.warning("%s", m.error)
+            return None
+        # The mirrored model is the daemon's on this host, as the version is the
+        # source's owners' there: no tenant publishes into, drains or retires it.
+        try:
+            d.models.hold(m.model, OWNER)
+        except ConflictError as exc:
+            m.error = (
+                f"cannot mirror {m.model!r} version {m.version}: {exc}; its pulls read the source"
+            )
+            log.warning("%s", m.error)
+            m.nbytes = 0
+            for r in taken.values():  # retired and unleased: nothing protects them
+                with contextlib.suppress(RefitError):
+                    await d.delete_region(r.region_id)
+            return None
+        m.nbytes = need
+        try:
+            m.regions.update(taken)
+            for r in peer.regions:
+                if r.region_id not in m.regions:
+                    m.regions[r.region_id] = await d.create_region(
+                        RegionCreate(r.nbytes, owner=OWNER, label="mirror")  # names no model
+                    )
+            tensors = [
+                TensorEntry(
+                    t.name,
+                    t.shape,
+                    t.dtype,
+                    [
+                        ShardEntry(s.offset, s.shape, m.regions[s.region].region_id, s.byte_offset)
+                        for s in t.shards
+                    ],
+                )
+                for t in manifest.tensors
+            ]
+            self._hold_reads(m)  # before any lease on it exists
+            d.registry.publish(ManifestIn(m.model, m.version, 0, 1, tensors))
+        except BaseException:
+            self.filling.remove(m)
+            for r in m.regions.values():
+                with contextlib.suppress(RefitError):
+                    await d.delete_region(r.region_id)
+            m.regions.clear()
+            m.nbytes = 0
+            raise
+        m.ready.set()
+        self._spawn(self.sweep())
+        return peer
+
+    def _hold_reads(self, m: Mirror) -> None:
+        """Reads of ``m``'s chunks not complete yet are held by every data plane that
+        can hold them (``tcp``), and refused by the rest (their scope)."""
+        self.filling.add(m)
+        for t in self.d.plane.by_scheme.values():
+            if isinstance(t, HoldsReads):
+                t.hold_reads(self.filling)
+
+    def _remote(self, url: str) -> RemoteSource:
+        """The trusted peer daemon at ``url`` (refused, 400, if this daemon does not
+        trust it)."""
+        src = self.pulls.source_for(url)
+        assert isinstance(src, RemoteSource)  # a non-empty URL is always a peer
+        return src
+
+    # ------------------------------------------------------------ serving
+
+    def limit_scope(
+        self, model: str, version: int, scope: dict[int, Extents]
+    ) -> dict[int, Extents]:
+        """What a lease on ``model`` ``version`` may read here: for a mirror still
+        filling, only its complete chunks (every region still listed)."""
+        m = next(
+            (x for x in self.by_key.values() if (x.model, x.version) == (model, version)), None
+        )
+        if m is None or m.complete or not m.regions:
+            return scope
+        done = m.done_extents()
+        return {rid: done.get(rid, []) for rid in scope}
+
+    def chunk_count(self, model: str, version: int) -> int:
+        """How many chunks a mirror cuts ``model`` ``version`` of this daemon into
+        (as every mirror of it cuts its whole scope): counted per byte range of the
+        registry's cached scope, no chunk made."""
+        return chunk_count(self.d.registry.scope(model, version))
+
+    def held_bytes(self) -> int:
+        """Bytes every mirror of this daemon holds, or is about to make."""
+        return held_bytes(self.by_key.values())
+
+    def state(self, m: Mirror) -> MirrorState:
+        return m.state(self.held_bytes(), self.budget)
+
+    def find(self, model: str, version: int) -> Mirror:
+        for m in self.by_key.values():
+            if (m.model, m.version) == (model, version):
+                return m
+        raise NotFoundError(f"no mirror of {model!r} version {version} on this daemon")
+
+    # ------------------------------------------------------------ release
+
+    async def sweep(self) -> list[int]:
+        """Delete the regions of every mirror whose version is retired here and no
+        longer leased; returns the region ids freed."""
+        return await release(self.d, self.by_key, self.filling.remove)
+
+    def _spawn(self, coro: Awaitable[object]) -> None:
+        async def run() -> None:
+            await coro
+
+        task = asyncio.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _no_rows() -> np.ndarray:
+    return np.zeros((0, 5), dtype=np.int64)

@@ -1,0 +1,73 @@
+"""A pull's record: what it reads, how far it got, how it ended and what it holds
+while it runs (its pins, its staging connection, its plan charge). The
+:class:`~refitd.daemon.pull.pulls.PullManager` makes and runs them; ``/v1/pulls`` shows their
+:meth:`PullJob.snapshot`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from refitd.daemon.pull.devstaging import StagedPeer
+from refitd.wire import ErrorBody, PullProgress, PullRequest, PullState
+from transports.interface import Peer
+
+__all__ = ["PullJob"]
+
+
+@dataclass
+class PullJob:
+    pull_id: str
+    req: PullRequest
+    bytes_total: int
+    descriptors_total: int
+    state: PullState = PullState.PENDING
+    bytes_done: int = 0
+    descriptors_done: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    ended: float | None = None
+    error: ErrorBody | None = None
+    suspect: list[tuple[int, int, int]] = field(default_factory=list)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+    path: str = ""  # "shm" or the transport's scheme: decided at submit
+    #: the same-host connection chosen at submit (None: the transport's, made later)
+    conn: Peer | None = None
+    cancel_reason: str = ""
+    fail_reason: str = ""  # set when the source left the registry: FAILED, not CANCELLED
+    #: regions of this daemon the pull reads or writes, kept from deletion until it ends
+    pins: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    #: the principal that submitted it: only they see, wait for and cancel it
+    owner: str = ""
+    #: the device kinds of memory its regions here are made of ("cuda"; "" for host
+    #: memory only): its bytes go through those kinds' copy engines, and it says so
+    devices: str = ""
+    #: bytes of its principal's plan charge it gives back when it ends
+    plan_bytes: int = 0
+    #: over a host-memory data plane, the connection staging its device-bound reads
+    #: (:mod:`refitd.daemon.pull.devstaging`); its staging region is given back when the pull ends
+    device_staging: StagedPeer | None = None
+
+    def progress(self, n_desc: int, n_bytes: int) -> None:
+        self.descriptors_done += n_desc
+        self.bytes_done += n_bytes
+
+    def snapshot(self) -> PullProgress:
+        end = self.ended if self.ended is not None else time.perf_counter()
+        secs = end - self.started
+        rate = self.bytes_done / secs / 1e9 if secs > 0 else 0.0
+        return PullProgress(
+            self.pull_id,
+            self.state,
+            self.bytes_total,
+            self.bytes_done,
+            self.descriptors_total,
+            self.descriptors_done,
+            secs,
+            rate,
+            self.error,
+            self.suspect,
+            f"{self.path}+{self.devices}" if self.devices else self.path,
+        )

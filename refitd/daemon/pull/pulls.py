@@ -1,0 +1,563 @@
+"""Pulls: validate a whole plan, then move its bytes, reporting progress.
+
+Order of a pull, and why:
+
+1. the lease is checked at the source (a stale or unleased read is a 409, before
+   anything else);
+2. the source's region records are fetched (from this daemon, or from the peer
+   daemon over HTTP, MAC-verified) and every descriptor and pack spec is checked
+   against them and against this daemon's own records: the first bad one is named
+   in a 400 and nothing moves;
+3. pack specs are executed by the source daemon into a staging region it owns, and
+   each is read back with one descriptor;
+4. the bytes move along the path chosen at submit (see :meth:`PullManager.choose_path`),
+   through one :class:`~transports.interface.Peer` and the daemon's one byte loop
+   (:func:`refitd.daemon.pull.move.move`: pieces, batches, progress, errors) whatever the
+   path: ``shm`` when the source is
+   this daemon (a loopback connection of the daemon's ``shm`` transport) or a daemon
+   the ``shm`` transport connects to (same kernel boot id, and every segment it
+   names maps to the very file its signed record states, at the exact size it
+   states); the transport (``ucx``) otherwise. ``--transport shm`` or ``ucx``
+   forces one path;
+5. the lease is checked again: if it expired while bytes moved, the pull FAILS and
+   every destination range it wrote is reported suspect, so the receiver installs
+   nothing from it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import itertools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+
+import msgspec
+import numpy as np
+from aiohttp import web
+
+from refitd.daemon.access.caps import Charges
+from refitd.daemon.access.trust import check_writes
+from refitd.daemon.app.node import Daemon
+from refitd.daemon.pull import core as pullcore
+from refitd.daemon.pull.devstaging import SLOT_BYTES, SLOTS, StagedPeer, StagingRegions
+from refitd.daemon.pull.job import PullJob
+from refitd.daemon.pull.listeners import Caller, PullListener, anyone
+from refitd.daemon.pull.machine import Cancel, Event, Fail, Finish, Gone, Move, Pull, Start, step
+from refitd.daemon.pull.move import IN_FLIGHT, move
+from refitd.daemon.pull.paths import SHM_SCHEME, adverts, choose_remote, lease_scope
+from refitd.daemon.pull.plancheck import check_runs
+from refitd.daemon.pull.sources import Filling, LocalSource, Redirect, RemoteSource, Source
+from refitd.errors import NotFoundError, RefitError, TransportError
+from refitd.wire import (
+    DescriptorTable,
+    PeerRegions,
+    PullRequest,
+    RegionCreate,
+    StagedPack,
+)
+from transports.batch import ReadBatch
+from transports.interface import Peer, PeerInfo
+
+__all__ = [
+    "IN_FLIGHT",
+    "PULLS",
+    "Filling",
+    "LocalSource",
+    "PullJob",
+    "PullManager",
+    "RemoteSource",
+    "Source",
+]
+
+
+PLAN_RUN_BYTES = 256
+"""Daemon memory a running pull's plan is charged per run (its rows, their checks and
+their batches: measured up to about 240 bytes a descriptor at their peak)."""
+
+OFF_LOOP_ROWS = 16_384
+"""A plan of more descriptors and pack specs than this is checked off the event loop."""
+
+SHUTTING_DOWN = "daemon shutting down"
+"""The reason a pull still running when the daemon stops is cancelled with."""
+
+log = logging.getLogger("refitd.pulls")
+
+
+class PullManager:
+    """Every pull of one daemon. Tasks are tracked and cancelled on :meth:`close`.
+
+    It holds the daemon's parts a pull needs, not the daemon: the region store
+    (destination sizes, pins), the registry and staging pool (the write rule), the
+    data planes and the peer policy; ``connect`` makes the source for a peer URL.
+    ``listeners`` are told of every pull (:mod:`refitd.daemon.pull.listeners`)."""
+
+    def __init__(
+        self,
+        daemon: Daemon,
+        connect: Callable[[str], Source],
+        listeners: Iterable[PullListener] = (),
+    ) -> None:
+        self._local = LocalSource(daemon)
+        self.store = daemon.store
+        self.registry = daemon.registry
+        self.staging = daemon.staging
+        self.plane = daemon.plane
+        self.peers = daemon.peers
+        self.mode = daemon.mode
+        self.max_plan_runs = daemon.config.limits.max_plan_runs
+        #: per principal, the bytes its running pulls' plans are charged
+        self.plans = Charges(
+            "running pulls",
+            "max_plan_bytes_per_principal",
+            daemon.config.limits.max_plan_bytes_per_principal,
+        )
+        #: ended pulls each principal's results stay queryable for (oldest go first)
+        self.keep_ended = daemon.config.limits.max_ended_pulls_per_principal
+        #: per principal, its ended pulls still kept, oldest first
+        self._ended: dict[str, collections.deque[str]] = {}
+        #: per peer node, the path the last pull from it took and why (the daemon's)
+        self.seen_paths = daemon.seen_paths
+        self._connect = connect
+        self.listeners: list[PullListener] = list(listeners)
+        self.jobs: dict[str, PullJob] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._seq = itertools.count(1)
+        #: the transport's connection per source daemon life (node id, incarnation)
+        self._peers: dict[tuple[str, int, str], Peer] = {}
+        #: host mirrors' hook (:mod:`refitd.daemon.mirror.mirrors`): a pull from a remote
+        #: source rewritten to read this daemon's mirror of the version, or None
+        self.redirect: Callable[[PullRequest, str], Awaitable[Redirect | None]] | None = None
+        #: host staging regions of device-bound reads, kept between pulls
+        self.staging_regions = StagingRegions(
+            self._make_staging, lambda rid: rid in self.store.segments, self._drop_staging
+        )
+
+    def listen(self, listener: PullListener) -> None:
+        """Tell ``listener`` of every pull submitted from now on (after the others)."""
+        self.listeners.append(listener)
+
+    def running(self, pull_id: str) -> bool:
+        """Whether the pull ``pull_id`` is known here and has not ended."""
+        job = self.jobs.get(pull_id)
+        return job is not None and not job.finished.is_set()
+
+    def source_for(self, url: str) -> Source:
+        """This daemon for ``""``; else the peer at ``url`` if this daemon trusts it
+        (:class:`ProtocolError`, 400, before any connection opens, if not)."""
+        return self._local if not url else self._connect(self.peers.check(url))
+
+    async def submit(self, req: PullRequest, caller: Caller = anyone) -> PullJob:
+        """Check lease and every descriptor, then start moving bytes in a task, as a
+        pull of ``caller``.
+
+        Raises (nothing moved) whatever a listener refuses with first, then
+        :class:`ConflictError` for a stale/unleased version, :class:`ProtocolError`
+        naming the first out-of-bounds descriptor or pack spec.
+        """
+        # What the plan expands into is bounded before anything reads or maps it, and
+        # charged to its principal until the pull ends.
+        runs = check_runs(len(req.descriptors), req.pack_specs, self.max_plan_runs, "pull")
+        cost = PLAN_RUN_BYTES * runs
+        self.plans.take(caller.name, cost, f"pull of {runs} runs")
+        try:
+            return await self._admitted(req, caller, cost)
+        except BaseException:
+            self.plans.give_back(caller.name, cost)
+            raise
+
+    async def _admitted(self, req: PullRequest, caller: Caller, cost: int) -> PullJob:
+        """:meth:`submit` once its plan is charged (``cost`` bytes)."""
+        for listener in self.listeners:
+            listener.admit(req, caller)
+        # A host mirror may serve the pull instead of its remote source: admitted as
+        # asked (the destinations are the same), then read from the mirror over shm.
+        mirrored = await self.redirect(req, caller.name) if self.redirect is not None else None
+        if mirrored is None:
+            return await self._submit(req, caller, None, cost)
+        try:
+            job = await self._submit(mirrored.req, caller, mirrored.source, cost)
+        except BaseException:
+            mirrored.release()
+            raise
+        assert job.task is not None
+        job.task.add_done_callback(lambda _: mirrored.release())
+        return job
+
+    async def _submit(
+        self, req: PullRequest, caller: Caller, src: Source | None = None, cost: int = 0
+    ) -> PullJob:
+        """:meth:`submit` once admitted: ``req`` is read from ``src`` (default: its own
+        source); the job gives back ``cost`` bytes of its principal's plan charge
+        when it ends."""
+        src = src or self.source_for(req.source)
+        await src.check_lease(req.lease_id, req.model, req.version)
+        rows = req.descriptors.rows()
+        src_ids = pullcore.source_ids(rows, req.pack_specs)
+        peer = await src.regions(src_ids, req) if src_ids else None
+        sizes = self.store.regions.sizes()
+        if len(rows) + len(req.pack_specs) > OFF_LOOP_ROWS:
+            # Vectorised, but a plan at limits.max_plan_runs still takes the loop for
+            # over 100 ms: checked in a worker thread (numpy lets go of the GIL).
+            await asyncio.to_thread(pullcore.check_plan, rows, req, peer, sizes)
+        else:
+            pullcore.check_plan(rows, req, peer, sizes)
+        path, conn = await self.choose_path(src, peer)
+        gpu = pullcore.peer_devices(peer) if peer is not None else []
+        # The source copies its GPU rows into host staging, read from there: a pack
+        # spec made in Python a row (1.5 us each), and the specs summed and listed
+        # likewise, so a large plan's are made in a worker thread (a 131,072-row
+        # pull of GPU memory took the loop for 0.2 s).
+        placed = functools.partial(pullcore.placed, rows, req, gpu)
+        rows, req, total, dst_ids = (
+            await asyncio.to_thread(placed) if len(rows) > OFF_LOOP_ROWS else placed()
+        )
+        job = PullJob(f"p{next(self._seq)}", req, total, rows.shape[0] + len(req.pack_specs))
+        # The write rule again, after the awaits above: a version published meanwhile
+        # from a destination must not be written (from here on, none can be).
+        try:
+            check_writes(dst_ids, self.registry.protected_regions(), self.staging.ids)
+        except RefitError:
+            if conn is not None:
+                await conn.close()
+            raise
+        job.path, job.conn, job.owner, job.plan_bytes = path, conn, caller.name, cost
+        local = set(src_ids) if isinstance(src, LocalSource) else set()
+        job.devices = "+".join(self.store.device_kinds(dst_ids | local))
+        job.pins.enter_context(self.store.using(dst_ids | local))
+        job.pins.enter_context(self.store.writing(dst_ids, job.pull_id))
+        self.jobs[job.pull_id] = job
+        task = asyncio.create_task(self._run(job, src, rows, peer))
+        job.task = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        for listener in self.listeners:
+            listener.started(job)
+        return job
+
+    def _keep_ended(self, job: PullJob) -> None:
+        """``job`` ended: keep its result, not its plan (the request's descriptor table
+        and pack specs go; its suspect ranges are kept to at most
+        :data:`~refitd.daemon.pull.core.SUSPECT_KEPT`, widened), among the last
+        ``limits.max_ended_pulls_per_principal`` of its owner's: one principal's pulls
+        never push out another's results."""
+        job.req = msgspec.structs.replace(job.req, descriptors=DescriptorTable(b""), pack_specs=[])
+        self.plans.give_back(job.owner, job.plan_bytes)
+        job.plan_bytes = 0
+        job.suspect = pullcore.widened(job.suspect, pullcore.SUSPECT_KEPT)
+        kept = self._ended.setdefault(job.owner, collections.deque())
+        kept.append(job.pull_id)
+        while len(kept) > self.keep_ended:
+            self.jobs.pop(kept.popleft(), None)
+
+    def get(self, pull_id: str) -> PullJob:
+        job = self.jobs.get(pull_id)
+        if job is None:
+            raise NotFoundError(f"pull {pull_id!r} is unknown on this daemon")
+        return job
+
+    async def cancel(self, pull_id: str, reason: str = "cancelled by request") -> PullJob:
+        """Cancel a running pull; its result names ``reason``. Returns once it ended."""
+        job = self.get(pull_id)
+        if job.task is not None and not job.task.done():
+            job.cancel_reason = reason
+            job.task.cancel(reason)
+            with contextlib.suppress(asyncio.CancelledError):
+                await job.finished.wait()
+        return job
+
+    def fail_source(self, url: str, reason: str) -> list[str]:
+        """Fail every running pull that reads from the daemon at ``url`` (it left
+        the cluster registry): each ends FAILED with ``reason``, its written ranges
+        reported suspect. Returns the ids of the pulls failed."""
+        url = url.rstrip("/")
+        failed = []
+        for job in self.jobs.values():
+            if job.req.source.rstrip("/") != url or job.task is None or job.task.done():
+                continue
+            job.fail_reason = reason
+            job.task.cancel(reason)
+            failed.append(job.pull_id)
+        return failed
+
+    async def cancel_all(self, reason: str = SHUTTING_DOWN) -> None:
+        """Cancel every running pull with ``reason`` and wait until each has ended."""
+        running = [j for j in self.jobs.values() if j.task is not None and not j.task.done()]
+        for job in running:
+            job.cancel_reason = reason
+            assert job.task is not None
+            job.task.cancel(reason)
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Cancel every running pull (the daemon is stopping) and wait for them."""
+        await self.cancel_all(SHUTTING_DOWN)
+
+    async def _run(
+        self, job: PullJob, src: Source, rows: np.ndarray, peer: PeerRegions | None
+    ) -> None:
+        req = job.req
+        pull = self._step(job, Pull(job.pull_id), Start())
+        staged: StagedPack | None = None
+        all_rows, done = rows, None
+        filling = src.filling if isinstance(src, LocalSource) else None
+        try:
+            # Over shm the reader maps the source's memory: it gathers strided blocks
+            # itself, straight into their destinations (one copy, not pack then read).
+            # Expanding them is numpy work on up to 2M rows: off the event loop.
+            direct = (
+                await asyncio.to_thread(pullcore.direct_reads, req.pack_specs)
+                if req.pack_specs and job.path == SHM_SCHEME
+                else None
+            )
+            if direct is not None:
+                all_rows = np.concatenate([rows, direct[0]])
+                done = np.concatenate([np.ones(len(rows), dtype=np.int64), direct[1]])
+            elif req.pack_specs:
+                if filling is not None:  # the source packs only complete bytes
+                    await filling.complete()
+                    # Every byte is there now, and the staged rows read the staging
+                    # region, which is no chunk of the mirror: nothing is gated.
+                    filling = None
+                staged = await src.pack(req.model, req.version, req.lease_id, req.pack_specs)
+                rows_of = functools.partial(pullcore.staged_rows, staged, req.pack_specs)
+                many = len(req.pack_specs) > OFF_LOOP_ROWS  # a Python step a spec
+                extra = await asyncio.to_thread(rows_of) if many else rows_of()
+                sp = await src.regions([staged.region.region_id], req)
+                pullcore.check_staged(extra, sp, req, self.store.regions.sizes())
+                peer = sp if peer is None else pullcore.merge_peer(peer, sp)
+                all_rows = np.concatenate([rows, extra])
+                if isinstance(src, LocalSource):
+                    job.pins.enter_context(self.store.using([staged.region.region_id]))
+                elif job.conn is not None:  # the staging segment joins the connection
+                    await job.conn.update(self.shm_credential(peer))
+            pull = self._step(job, pull, Move())  # from now on its ranges may be suspect
+            if all_rows.shape[0] and peer is not None:
+                conn = job.conn or await self._transport_peer(peer, job.path)
+                if job.devices and job.conn is None:
+                    conn = job.device_staging = await self._staged(conn, all_rows)
+                await self._move(job, conn, all_rows, done, filling)
+            await src.check_lease(req.lease_id, req.model, req.version)
+            pull = self._step(job, pull, Finish(), all_rows)
+        except asyncio.CancelledError as exc:
+            where = pullcore.source_name(req.source, peer)
+            if job.fail_reason:  # its source left: FAILED, not CANCELLED
+                pull = self._step(job, pull, Gone(job.fail_reason, where), all_rows)
+                return
+            # The reason travels on the job (set by whoever cancelled) and, where the
+            # cancel reached us directly, in the CancelledError's message.
+            reason = job.cancel_reason or (str(exc.args[0]) if exc.args else "") or "cancelled"
+            pull = self._step(job, pull, Cancel(reason), all_rows)
+        except Exception as exc:
+            # Any error fails the pull: one that escaped here unhandled would end the
+            # task with the job still RUNNING and every waiter polling it forever.
+            where = pullcore.source_name(req.source, peer)
+            pull = self._step(job, pull, Fail(exc, where), all_rows)
+        finally:
+            job.ended = time.perf_counter()
+            if job.conn is not None:
+                await job.conn.close()  # lets go of its mappings: none is read any more
+            if job.device_staging is not None:
+                await job.device_staging.close()
+                with contextlib.suppress(RefitError):
+                    await self.staging_regions.give(job.device_staging.staging)
+            job.pins.close()
+            self.store.reap_soon()  # an exited client's region this pull held may go now
+            if staged is not None:
+                with contextlib.suppress(RefitError):
+                    await asyncio.shield(src.drop(staged.region.region_id, req.lease_id))
+            for listener in self.listeners:
+                listener.ended(job)
+            self._keep_ended(job)
+            job.finished.set()
+
+    # ------------------------------------------------------------ path choice
+
+    async def choose_path(self, src: Source, peer: PeerRegions | None) -> tuple[str, Peer | None]:
+        """The path a pull from ``src`` takes, decided before any byte moves, and for
+        ``shm`` the connection it reads through.
+
+        ``shm`` for this daemon (a loopback connection of its ``shm`` transport, in
+        any mode); in mode ``auto`` or ``shm``, ``shm`` when the ``shm`` transport
+        connects to the peer (:meth:`shm_refusal` says why not otherwise); else (mode
+        ``auto`` or a scheme) the transport's scheme, when the peer advertises that
+        transport (connected when bytes first move).
+        Raises :class:`TransportError` (nothing moved) when no path fits.
+        """
+        if isinstance(src, LocalSource):
+            return SHM_SCHEME, self.plane.shm.loopback()
+        if peer is None:
+            return "none", None  # nothing to read
+        pullcore.refuse_peer_devices(peer, self.mode)
+        why_not_shm = pullcore.forced(self.mode)
+        if pullcore.peer_devices(peer):
+            why_not_shm = "its GPU regions are read through its staging"
+        elif pullcore.tries_shm(self.mode):
+            try:
+                conn = await self.plane.shm.connect(self.shm_credential(peer))
+                self.seen_paths[peer.node_id] = (SHM_SCHEME, "proven on this host")
+                return SHM_SCHEME, conn
+            except (RefitError, OSError) as exc:
+                why_not_shm = pullcore.shm_refused(self.mode, peer.node_id, str(exc))
+        scheme, why = choose_remote(self.mode, list(self.plane.by_scheme), peer, why_not_shm)
+        self.seen_paths[peer.node_id] = (scheme, why)
+        log.info("pull from %s over %s: %s", peer.node_id, scheme, why)
+        return scheme, None
+
+    async def open_path(self, src: Source, peer: PeerRegions) -> tuple[str, Peer]:
+        """The path a pull from ``src`` (its records ``peer``) would take, and a
+        connection on it, for reads made outside a pull (a host mirror's). A ``shm``
+        connection is the caller's to close; a transport's is shared, and stays open."""
+        path, conn = await self.choose_path(src, peer)
+        if conn is None:
+            conn = await self._transport_peer(peer, path)
+        return path, conn
+
+    async def regrant(self, peer: PeerRegions, scheme: str) -> Peer:
+        """The ``scheme`` transport's connection to ``peer`` under a grant made from
+        these (newer) records: for reads outside a pull whose scope grows (a relay's
+        feed)."""
+        return await self._transport_peer(peer, scheme)
+
+    async def shm_refusal(self, peer: PeerRegions) -> str | None:
+        """Why the ``shm`` transport does not connect to ``peer``, or None when it does:
+        the peer's boot id equals ours and every region it listed maps (by name) to
+        the very file its signed record names, at exactly the size it states."""
+        try:
+            conn = await self.plane.shm.connect(self.shm_credential(peer))
+        except (RefitError, OSError) as exc:
+            return str(exc)
+        await conn.close()
+        return None
+
+    def shm_credential(self, peer: PeerRegions) -> PeerInfo:
+        """The record the ``shm`` transport reads ``peer`` through: made by that
+        transport from the peer's same-host advertisement and the lease scope
+        (:meth:`transports.shm.ShmTransport.credential`); refused for records given
+        without a lease, which carry none."""
+        advert = peer.adverts.get(SHM_SCHEME)
+        if not advert:
+            raise TransportError(
+                f"the records of {peer.node_id!r} carry no same-host advertisement (records "
+                "are given one only under a lease)"
+            )
+        return self.plane.shm.credential(PeerInfo.decode(advert), lease_scope(peer))
+
+    async def _transport_peer(self, peer: PeerRegions, scheme: str) -> Peer:
+        """The ``scheme`` transport's connection to ``peer``: made once per source
+        daemon life, and read by the pull under the credential the transport makes
+        from the peer's signed advertisement and the pull's lease scope
+        (:func:`~refitd.daemon.pull.paths.lease_scope`)."""
+        transport = self.plane.by_scheme[scheme]  # choose_path picked a transport it runs
+        info = transport.credential(adverts(peer)[scheme], lease_scope(peer))
+        key = (peer.node_id, peer.incarnation, scheme)
+        for old in [k for k in self._peers if k[0] == peer.node_id and k[1] != peer.incarnation]:
+            await self._peers.pop(old).close()  # an earlier life of that daemon
+        conn = self._peers.get(key)
+        if conn is None:
+            conn = await transport.connect(info)
+            self._peers[key] = conn
+        return await conn.scoped(info)
+
+    # ------------------------------------------------------------ moving bytes
+
+    async def _staged(self, conn: Peer, rows: np.ndarray) -> StagedPeer:
+        """``conn`` (a host-memory data plane's) with the reads into this daemon's
+        device memory staged through a host staging region (one kept from an earlier
+        pull where one is idle)."""
+        targets = [int(r) for r in np.unique(rows[:, 2]).tolist()]
+        devices = [r for r in targets if self.store.device_kinds([r])]
+        staging = await self.staging_regions.take()
+        return StagedPeer(conn, self.plane.shm.loopback(), staging, devices)
+
+    async def _make_staging(self) -> int:
+        info = await self.store.create_region(
+            RegionCreate(SLOTS * SLOT_BYTES, label="device-staging")
+        )
+        return info.region_id
+
+    async def _drop_staging(self, region_id: int) -> None:
+        await self.store.drop(region_id, self.store.regions.get(region_id))
+
+    async def _move(
+        self,
+        job: PullJob,
+        conn: Peer,
+        rows: np.ndarray,
+        done: np.ndarray | None = None,
+        filling: Filling | None = None,
+    ) -> None:
+        """Read wire ``rows`` (validated) through ``conn`` with the daemon's byte loop:
+        long reads cut into pieces and sent in batches (the path's
+        :class:`~refitd.daemon.pull.core.Pace`); from a source still ``filling``, in
+        the order it fills, each batch once its bytes are complete."""
+        if filling is not None:
+            reads, ends, spans, ready = filling.gated(rows, done)
+            await move(job, conn, reads, ends, spans, ready=ready)
+            return
+        pace = pullcore.pace_for(job.path)
+
+        def plan() -> tuple[ReadBatch, np.ndarray, list[tuple[int, int]]]:
+            reads, ends = pullcore.cut(rows, pace, done)
+            return reads, ends, pullcore.spans(reads["nbytes"], pace.reads, pace.max_bytes)
+
+        # Cutting a large plan into batches is numpy work of over 100 ms: off the loop.
+        reads, ends, spans = await asyncio.to_thread(plan) if len(rows) > OFF_LOOP_ROWS else plan()
+        await move(job, conn, reads, ends, spans)
+
+    # ------------------------------------------------------------ its state
+
+    @staticmethod
+    def _step(job: PullJob, pull: Pull, ev: Event, rows: np.ndarray | None = None) -> Pull:
+        """``pull`` after ``ev`` (:func:`refitd.daemon.pull.machine.step`), done to
+        ``job``: its state, and as it ends its error and (``rows``: what it read)
+        its suspect ranges."""
+        pull, todo = step(pull, ev)
+        job.state = pull.state
+        for end in todo:
+            job.error = end.error
+            job.suspect = pullcore.suspect(rows) if end.suspect and rows is not None else []
+            if not end.expected and isinstance(ev, Fail):
+                log.error("pull %s failed unexpectedly", job.pull_id, exc_info=ev.error)
+        return pull
+
+    # ------------------------------------------------------------ reads outside a pull
+
+    @contextlib.contextmanager
+    def tracked(
+        self, req: PullRequest, owner: str, path: str, nbytes: int, source: str = ""
+    ) -> Iterator[PullJob]:
+        """A job for bytes the daemon reads on its own behalf (a host mirror filling
+        from ``source``): listed in ``/v1/pulls`` to its ``owner`` (and to root), told
+        to every listener (so ``/metrics`` counts them) and ended with the block: DONE,
+        or FAILED / CANCELLED naming what ended it. ``req`` is what it reads."""
+        rows = req.descriptors.rows()
+        job = PullJob(f"p{next(self._seq)}", req, nbytes, rows.shape[0])
+        job.path, job.owner = path, owner
+        pull = self._step(job, Pull(job.pull_id), Start())
+        self.jobs[job.pull_id] = job
+        for listener in self.listeners:
+            listener.started(job)
+        try:
+            yield job
+            self._step(job, pull, Finish())
+        except asyncio.CancelledError as exc:
+            self._step(job, pull, Cancel(str(exc.args[0]) if exc.args else "cancelled"))
+            raise
+        except Exception as exc:
+            self._step(job, pull, Fail(exc, source or "its source"))
+            raise
+        finally:
+            job.ended = time.perf_counter()
+            for listener in self.listeners:
+                listener.ended(job)
+            self._keep_ended(job)
+            job.finished.set()
+
+
+PULLS: web.AppKey[PullManager] = web.AppKey("pulls", PullManager)
+"""The app's :class:`PullManager`."""

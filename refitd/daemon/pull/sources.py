@@ -1,0 +1,111 @@
+"""Where a pull reads from, seen from the daemon that pulls: this daemon
+(:class:`LocalSource`), a peer daemon (:class:`RemoteSource`), and a source whose
+bytes are still arriving (:class:`Filling`, a host mirror filling)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from refitd.daemon.pull.peerclient import PeerClient
+from refitd.wire import PackRequest, PackSpec, PeerRegions, PullRequest, StagedPack
+from transports.batch import ReadBatch
+
+if TYPE_CHECKING:
+    from refitd.daemon.app.node import Daemon
+
+__all__ = ["Filling", "Gated", "LocalSource", "Redirect", "RemoteSource", "Source"]
+
+Gated = tuple[ReadBatch, np.ndarray, list[tuple[int, int]], Callable[[int, int], Awaitable[None]]]
+"""A pull's reads of a source still filling: reads, descriptors each ends, spans,
+and ``ready(lo, hi)``, which returns once the reads of a span may be made."""
+
+
+class Filling(Protocol):
+    """A source whose bytes are still arriving (a host mirror filling): a pull reads
+    each of its pieces as soon as that piece is complete, never before."""
+
+    def gated(self, rows: np.ndarray, done: np.ndarray | None) -> Gated:
+        """Wire ``rows`` (``done``: see :func:`~refitd.daemon.pull.core.cut`) as reads
+        in the order the source fills, and the wait before each span."""
+        ...
+
+    async def complete(self) -> None:
+        """Return once every byte is there (raise if it never will be)."""
+        ...
+
+
+class Source(Protocol):
+    """The daemon a pull reads from, seen from the daemon that pulls."""
+
+    async def check_lease(self, lease_id: str, model: str, version: int) -> None: ...
+    async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
+        """Signed records of ``ids``, scoped to what ``req``'s lease may read."""
+        ...
+
+    async def pack(
+        self, model: str, version: int, lease_id: str, specs: list[PackSpec]
+    ) -> StagedPack: ...
+    async def drop(self, region_id: int, lease_id: str) -> None: ...
+
+
+class LocalSource:
+    """This daemon as the source of its own pulls. ``filling``: the bytes it reads
+    are still arriving (a host mirror's, :mod:`refitd.daemon.mirror.read`)."""
+
+    filling: Filling | None = None
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    async def check_lease(self, lease_id: str, model: str, version: int) -> None:
+        self.daemon.registry.check(lease_id, model, version)
+
+    async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
+        return self.daemon.leased_regions(ids, req.lease_id, req.model, req.version)
+
+    async def pack(
+        self, model: str, version: int, lease_id: str, specs: list[PackSpec]
+    ) -> StagedPack:
+        return await self.daemon.pack_leased(PackRequest(model, version, lease_id, specs))
+
+    async def drop(self, region_id: int, lease_id: str) -> None:
+        await self.daemon.staging.release(region_id, lease_id)
+
+
+class RemoteSource:
+    """A peer daemon, reached through this daemon's :class:`PeerClient`; its region
+    records are verified with the deployment ``secret``."""
+
+    def __init__(self, client: PeerClient, secret: bytes) -> None:
+        self.client = client
+        self.secret = secret
+
+    async def check_lease(self, lease_id: str, model: str, version: int) -> None:
+        await self.client.check_lease(lease_id, model, version)
+
+    async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
+        rec = await self.client.regions(ids, req.lease_id, req.model, req.version)
+        rec.verify(self.secret)
+        return rec
+
+    async def pack(
+        self, model: str, version: int, lease_id: str, specs: list[PackSpec]
+    ) -> StagedPack:
+        return await self.client.pack(model, version, lease_id, specs)
+
+    async def drop(self, region_id: int, lease_id: str) -> None:
+        await self.client.drop(region_id, lease_id)
+
+
+@dataclass
+class Redirect:
+    """A pull rewritten to read this daemon's mirror (from ``source``), and how to let
+    go of it."""
+
+    req: PullRequest
+    release: Callable[[], None]
+    source: Source

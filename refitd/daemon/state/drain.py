@@ -1,0 +1,80 @@
+"""Waiting for a version's leases to drain, or for a version to become READY, on
+events, never by polling."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from refitd.daemon.state.registry import Registry
+from refitd.errors import ConflictError, NotFoundError
+from refitd.wire import VersionInfo, VersionState
+
+__all__ = ["LeaseDrain"]
+
+
+class LeaseDrain:
+    """Drain waiters on the leases of ``registry``, woken by :meth:`changed` (a lease
+    was released or a version changed) and by the next expiry deadline (``clock``);
+    waiters for a version to become READY (:meth:`ready`), woken by the same event."""
+
+    def __init__(self, registry: Registry, clock: Callable[[], float]) -> None:
+        self.registry = registry
+        self.clock = clock
+        self._changed = asyncio.Event()
+
+    def changed(self) -> None:
+        """Wake every drain waiter: the lease set may have shrunk."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait(
+        self, model: str, version: int, timeout_s: float, retire: bool = False
+    ) -> VersionInfo:
+        """Return once no live lease remains on the version (released or expired).
+
+        With ``retire`` the version first stops accepting new leases (a publisher
+        about to rewrite its memory must ask for that). Waits on release events and
+        on the next expiry deadline, never by polling. :class:`ConflictError` if
+        leases remain after ``timeout_s`` seconds.
+        """
+        self.registry.version(model, version)  # NotFound for an unknown version
+        if retire:
+            self.registry.retire(model, version)
+        deadline = self.clock() + timeout_s
+        while (nxt := self.registry.next_expiry(model, version)) is not None:
+            left = deadline - self.clock()
+            if left <= 0:
+                n = len(self.registry.active_leases(model, version))
+                raise ConflictError(
+                    f"{model!r} version {version} still holds {n} lease(s) after {timeout_s}s"
+                )
+            event = self._changed
+            try:
+                async with asyncio.timeout(min(nxt, left) + 1e-3):
+                    await event.wait()
+            except TimeoutError:
+                pass  # an expiry deadline passed: re-read the lease set
+        return self.registry.version(model, version)
+
+    async def ready(self, model: str, version: int, timeout_s: float) -> VersionInfo:
+        """Return once ``model`` ``version`` is no longer pending (READY, or retired),
+        woken by each publish; after ``timeout_s`` seconds, its state then (still
+        pending). :class:`NotFoundError` when by then no slot of it was published."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            event = self._changed
+            try:
+                info: VersionInfo | None = self.registry.version(model, version)
+            except NotFoundError:
+                info = None
+            if info is not None and info.state is not VersionState.PENDING:
+                return info
+            left = deadline - loop.time()
+            if left <= 0:
+                return info if info is not None else self.registry.version(model, version)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await event.wait()

@@ -1,0 +1,59 @@
+"""The daemon's data planes as one set: the same-host ``shm`` transport and the rest.
+
+Every region is registered with every data plane the daemon runs, once (its whole
+segment), and deregistered from each when it goes: :class:`TransportSet` is the one
+object the region store tells. Which schemes start, and which one reads each peer,
+is decided in :mod:`refitd.daemon.pull.paths`.
+"""
+
+from __future__ import annotations
+
+from transports.interface import MappedMemory, Transport
+from transports.shm import ShmTransport
+
+__all__ = ["TransportSet"]
+
+
+class TransportSet:
+    """The same-host ``shm`` transport (in every mode: pulls from this daemon itself
+    and from peers proven to share this host's memory) and the transports started by
+    scheme, the first one the primary (what ``/v1/node`` advertises)."""
+
+    def __init__(self, shm: ShmTransport) -> None:
+        self.shm = shm
+        #: every transport started, by scheme, in start order (the first: the primary)
+        self.by_scheme: dict[str, Transport] = {}
+
+    @property
+    def primary(self) -> Transport | None:
+        return next(iter(self.by_scheme.values()), None)
+
+    def add(self, scheme: str, transport: Transport) -> None:
+        """A started transport joins the set."""
+        self.by_scheme[scheme] = transport
+
+    async def register(self, region_id: int, segment: MappedMemory) -> None:
+        """Make a region readable through every data plane that registers its kind
+        of memory (its whole allocation): host memory through all of them, device
+        memory through the same-host one only (`Transport.registers`)."""
+        for t in self.by_scheme.values():
+            if t.registers(segment):
+                await t.register(region_id, segment)
+        await self.shm.register(region_id, segment)
+
+    async def deregister(self, region_id: int) -> None:
+        for t in self.by_scheme.values():
+            if region_id in t.regions:
+                await t.deregister(region_id)
+        await self.shm.deregister(region_id)
+
+    def adverts(self) -> dict[str, bytes]:
+        """Each transport's encoded advertisement (its signed record), by scheme."""
+        return {s: t.advertise().encode() for s, t in self.by_scheme.items()}
+
+    async def close(self) -> None:
+        """Close every transport, then the ``shm`` one; the set is empty after."""
+        for t in self.by_scheme.values():
+            await t.close()
+        self.by_scheme.clear()
+        await self.shm.close()

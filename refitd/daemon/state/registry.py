@@ -1,0 +1,575 @@
+"""The daemon's pure state about sources: manifests, versions and leases.
+
+No I/O and no awaiting here: the HTTP layer calls these methods and turns the
+exceptions into status codes. Time comes from an injectable ``clock`` (seconds,
+monotonic) so lease expiry is tested without sleeping.
+
+Rules this class enforces:
+
+- a version is READY when every slot in ``range(expected_slots)`` has published;
+  when a version becomes READY, older versions of the same model are RETIRED;
+- a lease may be acquired only on a READY version (or, across hosts, on a PENDING
+  one whose missing slots the cluster registry says other daemons hold); renewing or checking an expired
+  or unknown lease is a :class:`ConflictError` (the reader's view is stale);
+- publishing over a version that holds live leases is refused (:class:`ConflictError`):
+  readers may be mid-pull, and a rewrite would tear what they read;
+- the merged manifest of a READY version lists each distinct block of a tensor once,
+  however many slots hold a replica of it.
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from refitd.daemon.access.trust import Extents
+from refitd.daemon.state.manifestcheck import (
+    DTYPE_SIZES,
+    check_manifest_bounds,
+    manifest_cost,
+)
+from refitd.daemon.state.merging import merge_slots, scope_of
+from refitd.errors import ConflictError, NotFoundError, ProtocolError, QuotaExceeded
+from refitd.wire import (
+    LeaseGrant,
+    ManifestIn,
+    MergedManifest,
+    VersionInfo,
+    VersionState,
+)
+
+__all__ = [
+    "DTYPE_SIZES",
+    "KEEP_RETIRED",
+    "PENDING_TTL_S",
+    "Lease",
+    "Registry",
+    "check_manifest_bounds",
+]
+
+PENDING_TTL_S = 3600.0
+"""Default seconds a version may stay pending (``limits.pending_ttl_s``)."""
+
+KEEP_RETIRED = 8
+"""Records of retired, unleased versions kept per model (number, state, the slots it
+published), the last let go: a reader, a drain or a trainer asking after a version
+just replaced is told it was retired. Older ones are forgotten (404), so a daemon
+publishing a version per step keeps a bounded number of records whatever its uptime.
+A leased version's record stays while the lease does; a model's newest READY number
+is kept apart (versions only move forward)."""
+
+#: one line per version state change: pending (first slot), ready, retired
+log = logging.getLogger("refitd.sources")
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    model: str
+    version: int
+    expires_at: float
+    holder: str = ""
+    #: the principal that acquired it: staging regions packed for it are theirs
+    owner: str = ""
+
+
+@dataclass
+class _Version:
+    model: str
+    version: int
+    expected_slots: int
+    slots: dict[int, ManifestIn] = field(default_factory=dict)
+    state: VersionState = VersionState.PENDING
+    merged: MergedManifest | None = None
+    merged_bytes: bytes | None = None
+    scope: dict[int, Extents] | None = None
+    region_ids: frozenset[int] | None = None
+    #: bytes of manifests its slots hold (:func:`manifest_cost`), by publisher, until
+    #: they are let go (expired, or retired and unleased)
+    charged: dict[str, int] = field(default_factory=dict)
+    #: the slots it published, once its manifests were let go (retired, unleased)
+    published: tuple[int, ...] = ()
+
+
+class Registry:
+    """Manifests, versions and leases for every model this daemon serves.
+
+    ``node_id``/``incarnation`` are stamped into merged manifests so readers know which
+    daemon (and which incarnation of it) holds the regions.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        incarnation: int,
+        clock: Clock = time.monotonic,
+        *,
+        pending_ttl_s: float = PENDING_TTL_S,
+    ) -> None:
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self._clock = clock
+        self._versions: dict[tuple[str, int], _Version] = {}
+        self._leases: dict[str, Lease] = {}
+        #: (expiry, lease id) of every lease, soonest first; an entry whose lease was
+        #: renewed (a later expiry) or released is skipped when it surfaces
+        self._expiries: list[tuple[float, str]] = []
+        #: how long a version may stay pending, s (``limits.pending_ttl_s``)
+        self.pending_ttl_s = pending_ttl_s
+        #: (deadline, model, version) of pending versions, oldest first (one TTL for all)
+        self._pending: collections.deque[tuple[float, str, int]] = collections.deque()
+        #: principal -> bytes of the manifests its slots make the registry hold
+        self._manifest_bytes: collections.Counter[str] = collections.Counter()
+        #: per model, the highest version number that ever became READY
+        self._newest_ready: dict[str, int] = {}
+        #: per model, its retired versions whose manifests were let go, in that order:
+        #: past :data:`KEEP_RETIRED`, the oldest records are forgotten
+        self._let_go: dict[str, collections.deque[int]] = {}
+        self._seq = itertools.count(1)
+        #: Whether a version this daemon holds only some slots of has all its slots
+        #: published across the cluster (set by the daemon when a cluster registry
+        #: tells it); such a PENDING version is served like a READY one, for the
+        #: slots held here. Default: never (one host).
+        self.complete_elsewhere: Callable[[str, int], bool] = lambda model, version: False
+
+    # ------------------------------------------------------------ publishing
+
+    def publish(
+        self, m: ManifestIn, owner: str = "", max_manifest_bytes: int | None = None
+    ) -> VersionInfo:
+        """Record one slot's manifest; returns the version's state after it.
+
+        Versions are immutable once READY and only move forward. Refused with
+        :class:`ConflictError` (nothing recorded) if the version is READY or retired,
+        if its number is not above the model's newest version that became READY
+        (:meth:`latest_ready` of a model never goes down), if the slot was already
+        published with other content, or if the slot disagrees with slots already
+        published on ``expected_slots`` or on a tensor's shape or dtype;
+        :class:`ProtocolError` if ``slot`` is out of range. Publishing a pending
+        slot again with identical content is a no-op.
+
+        A slot is charged to ``owner`` (:func:`manifest_cost`, bytes) while the
+        registry holds its manifest, pending, READY, or retired while leased;
+        :class:`QuotaExceeded` (nothing recorded) when that would take ``owner`` past
+        ``max_manifest_bytes`` (None: no cap). The charge ends when the version
+        expires, or is retired and no live lease holds it.
+        """
+        key = (m.model, m.version)
+        self.expire_pending()
+        if m.slot >= m.expected_slots:
+            raise ProtocolError(
+                f"slot {m.slot} is outside range({m.expected_slots}) of expected slots"
+            )
+        v = self._versions.get(key)
+        if v is not None and v.state is not VersionState.PENDING:
+            raise ConflictError(
+                f"publishing slot {m.slot} of {m.model!r} version {m.version} refused: the "
+                f"version is {v.state.value}, and a version never changes once ready; "
+                "publish a new version number"
+            )
+        newest = self._newest_ready.get(m.model)
+        if v is None and newest is not None and m.version <= newest:
+            raise ConflictError(
+                f"publishing {m.model!r} version {m.version} refused: version {newest} "
+                "already became ready, and a model's versions only move forward; publish "
+                f"a version above {newest}"
+            )
+        cost = manifest_cost(m)
+        if (
+            max_manifest_bytes is not None
+            and not (v is not None and m.slot in v.slots)
+            and self._manifest_bytes[owner] + cost > max_manifest_bytes
+        ):
+            self._drop_expired()  # a retired version's leases may have run out since
+            held = self._manifest_bytes[owner]
+            if held + cost > max_manifest_bytes:
+                raise QuotaExceeded(
+                    f"publishing slot {m.slot} of {m.model!r} version {m.version} refused: "
+                    f"{owner or 'this principal'}'s manifests hold {held} bytes of the "
+                    f"daemon's memory, and this one's {cost} would pass its cap "
+                    f"(limits.max_manifest_bytes_per_principal = {max_manifest_bytes}); "
+                    "retire versions nobody reads (drain with retire=1), or complete "
+                    "pending ones or wait for them to expire (limits.pending_ttl_s)"
+                )
+        created = v is None
+        if v is None:
+            v = _Version(m.model, m.version, m.expected_slots)
+            self._versions[key] = v
+            self._pending.append((self._clock() + self.pending_ttl_s, m.model, m.version))
+        elif m.slot in v.slots:
+            if v.slots[m.slot] == m:
+                return self._info(v)
+            raise ConflictError(
+                f"slot {m.slot} of {m.model!r} version {m.version} is already published "
+                "with other content; a slot is published once"
+            )
+        elif v.expected_slots != m.expected_slots:
+            raise ConflictError(
+                f"{m.model!r} version {m.version}: slot {m.slot} expects {m.expected_slots} "
+                f"slots, earlier slots said {v.expected_slots}"
+            )
+        self._check_agreement(v, m)
+        v.slots[m.slot] = m
+        v.merged = v.merged_bytes = v.scope = v.region_ids = None
+        v.charged[owner] = v.charged.get(owner, 0) + cost
+        self._manifest_bytes[owner] += cost
+        if len(v.slots) == v.expected_slots:
+            v.state = VersionState.READY
+            self._newest_ready[m.model] = m.version
+            log.info("%r version %d: ready (%d slots)", m.model, m.version, v.expected_slots)
+            for (model, version), other in list(self._versions.items()):
+                if model == m.model and version < m.version:
+                    if other.state is not VersionState.RETIRED:
+                        log.info(
+                            "%r version %d: retired (version %d is ready)",
+                            model,
+                            version,
+                            m.version,
+                        )
+                    other.state = VersionState.RETIRED
+                    other.merged = other.merged_bytes = None
+                    self._forget_retired(other)
+        elif created:
+            log.info(
+                "%r version %d: pending (slot %d of %d published)",
+                m.model,
+                m.version,
+                m.slot,
+                v.expected_slots,
+            )
+        return self._info(v)
+
+    def expire_pending(self) -> list[tuple[str, int]]:
+        """Forget every version still pending ``pending_ttl_s`` after its first slot
+        (its manifests' memory goes with it; a lease on it was never possible). A
+        version whose other slots are held by other daemons of the cluster stays.
+        Returns the ``(model, version)`` expired. O(1) amortised: one queue, oldest
+        first."""
+        now = self._clock()
+        out: list[tuple[str, int]] = []
+        while self._pending and self._pending[0][0] <= now:
+            _, model, version = self._pending.popleft()
+            v = self._versions.get((model, version))
+            if v is None or v.state is not VersionState.PENDING:
+                continue
+            if self.complete_elsewhere(model, version):
+                continue
+            del self._versions[(model, version)]
+            self._uncharge(v)
+            log.info(
+                "%r version %d: expired (pending %gs with slots %s of %d published)",
+                model,
+                version,
+                self.pending_ttl_s,
+                sorted(v.slots),
+                v.expected_slots,
+            )
+            out.append((model, version))
+        return out
+
+    def next_pending_s(self) -> float | None:
+        """Seconds from now until the oldest pending version's TTL runs out (0 when it
+        has), or None when none is pending: when :meth:`expire_pending` has work."""
+        if not self._pending:
+            return None
+        return max(0.0, self._pending[0][0] - self._clock())
+
+    def _forget_retired(self, v: _Version) -> None:
+        """Let go of the manifests of ``v`` once it is retired and no live lease holds
+        it: nothing can read it again (leases are taken on READY versions only), and
+        a daemon publishing a version per step must not grow without bound. Its
+        record stays (number, state, the slots it published) among the model's last
+        :data:`KEEP_RETIRED` let go."""
+        if v.state is not VersionState.RETIRED or not v.slots:
+            return
+        if self.active_leases(v.model, v.version):
+            return
+        v.published = tuple(sorted(v.slots))
+        v.slots = {}
+        v.merged = v.merged_bytes = v.scope = v.region_ids = None
+        self._uncharge(v)
+        let_go = self._let_go.setdefault(v.model, collections.deque())
+        let_go.append(v.version)
+        while len(let_go) > KEEP_RETIRED:
+            old = self._versions.get((v.model, let_go.popleft()))
+            if old is not None and old.state is VersionState.RETIRED and not old.slots:
+                del self._versions[(old.model, old.version)]
+
+    def held_shards(self) -> int:
+        """Shards listed by every manifest the registry holds (what its memory scales
+        with)."""
+        return sum(
+            len(t.shards)
+            for v in self._versions.values()
+            for m in v.slots.values()
+            for t in m.tensors
+        )
+
+    def manifest_bytes(self, owner: str) -> int:
+        """Bytes of manifests ``owner``'s slots make the registry hold now (after
+        letting go of what expired versions and leases held)."""
+        self.expire_pending()
+        self._drop_expired()
+        return self._manifest_bytes[owner]
+
+    def _uncharge(self, v: _Version) -> None:
+        """``v``'s manifests are let go: its publishers' charges for them end."""
+        for owner, n in v.charged.items():
+            self._manifest_bytes[owner] -= n
+            if self._manifest_bytes[owner] <= 0:
+                del self._manifest_bytes[owner]
+        v.charged = {}
+        v.charged.clear()
+
+    @staticmethod
+    def _check_agreement(v: _Version, m: ManifestIn) -> None:
+        known: dict[str, tuple[tuple[int, ...], str]] = {}
+        for slot, other in v.slots.items():
+            if slot == m.slot:
+                continue
+            for t in other.tensors:
+                known.setdefault(t.name, (t.shape, t.dtype))
+        for t in m.tensors:
+            seen = known.get(t.name)
+            if seen is not None and seen != (t.shape, t.dtype):
+                raise ConflictError(
+                    f"tensor {t.name!r}: slot {m.slot} publishes shape {t.shape} {t.dtype}, "
+                    f"other slots published {seen[0]} {seen[1]}"
+                )
+
+    def retire(self, model: str, version: int) -> VersionInfo:
+        """Stop serving a version before its publisher mutates the memory behind it.
+
+        New leases (and so new reads) are refused from now on; leases already held
+        stay valid until released or expired, which is what a drain waits for.
+        Without this a reader could lease the version between the drain and the
+        rewrite and read torn bytes.
+        """
+        v = self._get(model, version)
+        if v.state is not VersionState.RETIRED:
+            log.info("%r version %d: retired (by its publisher, to rewrite it)", model, version)
+        v.state = VersionState.RETIRED
+        v.merged = v.merged_bytes = None
+        self._forget_retired(v)  # its charge ends with its manifests
+        return self._info(v)
+
+    # ------------------------------------------------------------ reading
+
+    def _get(self, model: str, version: int) -> _Version:
+        # A version past its TTL is gone for every reader, whether or not its timer
+        # (the daemon's, :meth:`next_pending_s`) has fired yet.
+        self.expire_pending()
+        v = self._versions.get((model, version))
+        if v is None:
+            raise NotFoundError(f"no version {version} of model {model!r}")
+        return v
+
+    def _info(self, v: _Version) -> VersionInfo:
+        return VersionInfo(
+            model=v.model,
+            version=v.version,
+            state=v.state,
+            published_slots=sorted(v.slots) if v.slots else list(v.published),
+            expected_slots=v.expected_slots,
+            leases=len(self.active_leases(v.model, v.version)),
+        )
+
+    def versions(self, model: str | None = None) -> list[VersionInfo]:
+        """Every known version (of ``model``, if given), oldest first."""
+        self.expire_pending()
+        return [
+            self._info(v)
+            for (mdl, _), v in sorted(self._versions.items())
+            if model is None or mdl == model
+        ]
+
+    def version(self, model: str, version: int) -> VersionInfo:
+        return self._info(self._get(model, version))
+
+    def regions_of(self, model: str, version: int) -> set[int]:
+        """Every region id any slot of the version lists a shard in (cached: asked on
+        every pull and delete, and a version's slots change only while pending)."""
+        v = self._get(model, version)
+        if v.region_ids is None:
+            v.region_ids = frozenset(
+                s.region for m in v.slots.values() for t in m.tensors for s in t.shards
+            )
+        return set(v.region_ids)
+
+    def protected_regions(self) -> dict[int, tuple[str, int, str]]:
+        """Region id -> ``(model, version, why)`` of one version that publishes from it
+        and whose bytes must not change: READY, pending (being published) or leased
+        (a retired version stays protected while a lease on it is live). Neither a
+        pull nor a delete may touch these regions. A version pending past its TTL is
+        forgotten first (expiry must not wait for an unrelated publish)."""
+        self.expire_pending()
+        now = self._clock()
+        leased = {(x.model, x.version) for x in self._leases.values() if x.expires_at > now}
+        out: dict[int, tuple[str, int, str]] = {}
+        for key, v in sorted(self._versions.items()):
+            if key in leased:
+                why = f"leased ({v.state.value})"
+            elif v.state is VersionState.RETIRED:
+                continue
+            else:
+                why = v.state.value
+            for r in self.regions_of(*key):
+                out.setdefault(r, (key[0], key[1], why))
+        return out
+
+    def scope(self, model: str, version: int) -> dict[int, Extents]:
+        """Region id -> the byte ranges the version's shards occupy (every slot's,
+        merged): what a lease on it may read. Cached; a version that may be leased
+        never changes."""
+        v = self._get(model, version)
+        if v.scope is None:
+            v.scope = scope_of(v.slots)
+        return v.scope
+
+    def latest_ready(self, model: str) -> int:
+        """``latest``: the model's READY version, :class:`NotFoundError` if none.
+
+        A model has at most one READY version: a version becoming READY retires every
+        older one, and versions only move forward, so ``latest`` never goes back to
+        an older version. After ``drain?retire=1`` of that version there is no latest
+        until a newer version becomes READY."""
+        ready = [
+            ver
+            for (mdl, ver), v in self._versions.items()
+            if mdl == model and v.state is VersionState.READY
+        ]
+        if not ready:
+            raise NotFoundError(f"model {model!r} has no READY version")
+        return max(ready)
+
+    def _require_ready(self, model: str, version: int) -> _Version:
+        v = self._get(model, version)
+        if v.state is VersionState.PENDING and self.complete_elsewhere(model, version):
+            return v  # the other slots are held by other daemons of the cluster
+        if v.state is not VersionState.READY:
+            raise ConflictError(
+                f"{model!r} version {version} is {v.state.value}, not ready: "
+                + (
+                    f"published slots {sorted(v.slots)} of {v.expected_slots}"
+                    if v.state is VersionState.PENDING
+                    else "a newer version replaced it"
+                )
+            )
+        return v
+
+    def merged(self, model: str, version: int) -> MergedManifest:
+        """The READY version's tensors with replicated blocks listed once (cached)."""
+        v = self._require_ready(model, version)
+        if v.merged is None:
+            v.merged = merge_slots(v.slots, v.model, v.version, self.node_id, self.incarnation)
+        return v.merged
+
+    def merged_bytes(self, model: str, version: int) -> bytes:
+        """:meth:`merged` encoded as msgpack once, so repeated fetches cost no encoding."""
+        v = self._require_ready(model, version)
+        if v.merged_bytes is None:
+            v.merged_bytes = msgspec.msgpack.encode(self.merged(model, version))
+        return v.merged_bytes
+
+    # ------------------------------------------------------------ leases
+
+    def active_leases(self, model: str, version: int) -> list[Lease]:
+        now = self._clock()
+        return [
+            lease
+            for lease in self._leases.values()
+            if lease.model == model and lease.version == version and lease.expires_at > now
+        ]
+
+    def next_expiry(self, model: str, version: int) -> float | None:
+        """Seconds from now until the next live lease on the version expires, or ``None``."""
+        live = self.active_leases(model, version)
+        if not live:
+            return None
+        return max(0.0, min(lease.expires_at for lease in live) - self._clock())
+
+    def acquire(
+        self, model: str, version: int, ttl_s: float, holder: str = "", owner: str = ""
+    ) -> LeaseGrant:
+        """Lease a READY version for ``ttl_s`` seconds, for principal ``owner``."""
+        self._require_ready(model, version)
+        self._drop_expired()
+        lease_id = f"l{next(self._seq)}-{secrets.token_hex(6)}"
+        lease = Lease(lease_id, model, version, self._clock() + ttl_s, holder, owner)
+        self._leases[lease_id] = lease
+        heapq.heappush(self._expiries, (lease.expires_at, lease_id))
+        return LeaseGrant(lease_id, model, version, ttl_s)
+
+    def renew(self, lease_id: str, ttl_s: float) -> LeaseGrant:
+        """Extend a live lease to ``ttl_s`` from now; an expired one cannot be revived."""
+        lease = self._live(lease_id)
+        lease.expires_at = self._clock() + ttl_s
+        heapq.heappush(self._expiries, (lease.expires_at, lease_id))
+        self._drop_expired()  # also bounds the heap a long run of renewals grows
+        return LeaseGrant(lease_id, lease.model, lease.version, ttl_s)
+
+    def release(self, lease_id: str) -> None:
+        """Drop a lease, live or expired. :class:`NotFoundError` (404) for an id this
+        daemon never granted or no longer holds (released, or swept after expiry)."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            raise NotFoundError(
+                f"releasing lease {lease_id!r} refused: no such lease (never granted, already "
+                "released, or expired and dropped)"
+            )
+        self._lease_ended(lease)
+
+    def check(self, lease_id: str, model: str, version: int) -> Lease:
+        """The live lease ``lease_id`` on exactly ``(model, version)``, else ConflictError."""
+        lease = self._live(lease_id)
+        if (lease.model, lease.version) != (model, version):
+            raise ConflictError(
+                f"lease {lease_id!r} is on {lease.model!r} version {lease.version}, not "
+                f"{model!r} version {version}"
+            )
+        return lease
+
+    def is_live(self, lease_id: str) -> bool:
+        """Whether ``lease_id`` is held and unexpired (any model and version)."""
+        lease = self._leases.get(lease_id)
+        return lease is not None and lease.expires_at > self._clock()
+
+    def _live(self, lease_id: str) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise ConflictError(f"lease {lease_id!r} is unknown or was released")
+        if lease.expires_at <= self._clock():
+            raise ConflictError(f"lease {lease_id!r} on {lease.model!r} v{lease.version} expired")
+        return lease
+
+    def _lease_ended(self, lease: Lease) -> None:
+        v = self._versions.get((lease.model, lease.version))
+        if v is not None:
+            self._forget_retired(v)
+
+    def _drop_expired(self) -> None:
+        """Drop the leases expired by now, soonest first from the expiry heap: no scan
+        of every lease (acquire stays O(log n) as leases accumulate). An entry left
+        by a renew or a release is dropped when it surfaces; the heap is rebuilt when
+        such entries outnumber the leases, so it stays O(leases)."""
+        now = self._clock()
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            _, lease_id = heapq.heappop(heap)
+            lease = self._leases.get(lease_id)
+            if lease is not None and lease.expires_at <= now:
+                del self._leases[lease_id]
+                self._lease_ended(lease)
+        if len(heap) > 2 * len(self._leases) + 64:
+            self._expiries = [(x.expires_at, k) for k, x in self._leases.items()]
+            heapq.heapify(self._expiries)

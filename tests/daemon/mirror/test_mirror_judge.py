@@ -1,0 +1,105 @@
+"""Which holders a filling mirror leaves as slow or late: pure, no daemon."""
+
+from __future__ import annotations
+
+from refitd.daemon.mirror.judge import (
+    LATE_BATCHES,
+    LATE_FLOOR_S,
+    MAX_SLOW_SWITCHES,
+    SLOW_AFTER_S,
+    Judge,
+)
+
+MIB = 1 << 20
+SRC = "http://trainer"
+
+
+def fill(judge: Judge, per_s: dict[str, int], seconds: float, peers: list[float]) -> list[str]:
+    """Report every 0.5 s for ``seconds``, each holder sending ``per_s`` chunks (1 MiB)
+    a second, all of them with chunks still to send; the holders judged slow."""
+    reads: dict[str, int] = dict.fromkeys(per_s, 0)
+    got, t, slow = 0, 0.0, []
+    judge.report(t, got, reads)
+    while t < seconds:
+        t += 0.5
+        for u, n in per_s.items():
+            reads[u] += n // 2
+            got += n // 2 * MIB
+        judge.report(t, got, reads)
+        verdict = judge.slow_one(t, MIB, set(per_s), peers)
+        if verdict is not None:
+            slow.append(verdict.url)
+    return slow
+
+
+def started(*holders: str) -> Judge:
+    judge = Judge(SRC, 2 * MIB)
+    for h in holders:
+        judge.reading(h, 0.0)
+    return judge
+
+
+def test_a_holder_sending_under_half_the_others_is_left_after_two_reports_in_a_row() -> None:
+    judge = started(SRC, "a", "b", "slow")
+    slow = fill(judge, {SRC: 40, "a": 40, "b": 40, "slow": 10}, 3.0, [1e8, 1e8])
+    assert slow == ["slow"] * MAX_SLOW_SWITCHES  # then no more: it left its quota
+    # one slow report (at SLOW_AFTER_S) is not enough: SLOW_REPORTS in a row are
+    judge = started(SRC, "a", "b", "slow")
+    assert fill(judge, {SRC: 40, "a": 40, "b": 40, "slow": 10}, SLOW_AFTER_S, [1e8]) == []
+
+
+def test_holders_at_about_the_same_rate_are_never_slow() -> None:
+    judge = started(SRC, "a", "b", "c")
+    assert fill(judge, {SRC: 40, "a": 36, "b": 44, "c": 30}, 5.0, [1e8]) == []
+
+
+def test_a_mirror_that_is_itself_the_slow_one_judges_nobody() -> None:
+    judge = started(SRC, "a", "b")
+    # its own rate (about 10 MB/s in all) is under half its peers' (the book's)
+    assert fill(judge, {SRC: 4, "a": 4, "b": 1}, 5.0, [1e8, 1e8, 1e8]) == []
+
+
+def test_a_mirror_that_is_itself_the_slow_one_finds_no_holder_late() -> None:
+    """A host whose own link is slow waits on every holder: none of them is late for
+    that (a slow host leaving fast holders read their chunks from the trainer again)."""
+    judge = started(SRC, "a", "waiting")
+    fill(judge, {SRC: 4, "a": 2, "waiting": 0}, 1.0, [1e8, 1e8])  # it is the slow one
+    assert judge.late(LATE_FLOOR_S * 3, {"a": 1, "waiting": 0}, {"a", "waiting"}) is None
+    fill(judge, {SRC: 40, "a": 40, "waiting": 0}, 1.0, [1e8])  # it is not any more
+    verdict = judge.late(LATE_FLOOR_S * 3, {"a": 1, "waiting": 0}, {"a", "waiting"})
+    assert verdict is not None and verdict.url == "waiting"
+
+
+def test_the_source_is_never_left() -> None:
+    judge = started(SRC, "a", "b")
+    assert fill(judge, {SRC: 2, "a": 40, "b": 40}, 5.0, [1e8]) == []
+
+
+def test_a_holder_that_sends_nothing_is_late_after_the_floor_and_not_before() -> None:
+    judge = started("a", "stopped")
+    reads = {"a": 0, "stopped": 0}
+    t = 0.0
+    while t < LATE_FLOOR_S - 0.2:
+        t += 0.1
+        reads["a"] += 1
+        assert judge.late(t, reads, {"a", "stopped"}) is None
+    t = LATE_FLOOR_S + 0.1
+    reads["a"] += 1
+    verdict = judge.late(t, reads, {"a", "stopped"})
+    assert verdict is not None and verdict.url == "stopped"
+
+
+def test_a_holder_with_nothing_left_to_send_is_never_late() -> None:
+    judge = started("done")
+    assert judge.late(LATE_FLOOR_S * 10, {"done": 5}, set()) is None
+
+
+def test_a_slow_holders_deadline_grows_with_its_batches_time_at_its_rate() -> None:
+    judge = started(SRC, "a")
+    rate = 1 * MIB  # what it sent here: 1 MiB/s, so a 2 MiB batch takes 2 s
+    judge.last["a"] = rate
+    limit = LATE_BATCHES * 2 * MIB / rate
+    assert limit > LATE_FLOOR_S
+    judge.late(0.0, {"a": 3}, {"a"})  # it sent its third chunk at 0
+    assert judge.late(limit - 0.5, {"a": 3}, {"a"}) is None
+    assert judge.late(limit + 0.5, {"a": 3}, {"a"}) is not None
