@@ -71,6 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         help="trainer and engines on two simulated hosts, links shaped to this many Gbit/s",
     )
+    parser.add_argument(
+        "--mirror",
+        action="store_true",
+        help="with --link-gbit: the engines' daemon keeps a host mirror of every version "
+        '([mirrors] policy = "always"): full refits read it, deltas still stream from the '
+        "source",
+    )
 
 
 # ---------------------------------------------------------------- the run
@@ -85,6 +92,9 @@ def run(args: argparse.Namespace) -> int:
         from refitd.bench.deltahosts import across
 
         return across(args)
+    if args.mirror:
+        print("refitd bench delta --mirror: a host mirror needs another host: add --link-gbit")
+        return 2
     return asyncio.run(_main(args))
 
 

@@ -69,11 +69,14 @@ async def _across(args: argparse.Namespace) -> int:
                     return out
 
                 src = await cluster.daemon(a, "trainer-host", "--set", "pulls.deltas=true")
-                dst = await cluster.daemon(b, "engine-host")
+                mirrored = ("--set", "mirrors.policy=always") if args.mirror else ()
+                dst = await cluster.daemon(b, "engine-host", *mirrored)
                 trainer, engines = await role(a), await role(b)
                 opened = await call(trainer, "open", args=sent, url=src.url)
+                behind = ", the engines' daemon mirroring every version" if args.mirror else ""
                 print(
-                    f"{opened['describe']}; link {args.link_gbit:g} Gbit/s, trainer and engines on two hosts"
+                    f"{opened['describe']}; link {args.link_gbit:g} Gbit/s, trainer and engines "
+                    f"on two hosts{behind}"
                 )
                 await call(engines, "open", args=sent, local=dst.url, source=src.url)
                 await call(trainer, "version", v=1)

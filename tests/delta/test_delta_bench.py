@@ -46,3 +46,12 @@ def test_bench_delta_moe_applies_thousands_of_expert_tensors_exactly_and_prints_
     assert int(keys["tensors"]) == 4 * 64 * 3
     assert 0 < float(keys["apply_share"]) < 1 and 0 < float(keys["wire_ratio"]) < 1, keys
     assert not [line for line in out if "refitted in full" in line], out
+
+
+def test_bench_delta_refuses_a_mirror_without_another_host() -> None:
+    refitd = Path(sys.executable).with_name("refitd")
+    out = subprocess.run(
+        [str(refitd), "bench", "delta", "--steps", "1", "--mirror"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.returncode == 2 and "add --link-gbit" in out.stdout, out.stdout + out.stderr
