@@ -87,6 +87,7 @@ class EngineMemory:
         self.local = local
         self.params = params
         self.offsets: dict[str, int] = {}
+        self.device = torch.device("cpu")  # the parameters' one device, once placed
         self.engine: Area | None = None
         self.scratch: Area | None = None
         #: swap mode: the second copy of the engine area, and both copies' views
@@ -96,7 +97,8 @@ class EngineMemory:
 
     @property
     def on_device(self) -> bool:
-        """Whether the parameters are in GPU memory (placed, not on the host)."""
+        """Whether the parameters are in device memory (placed, not in a shared
+        segment): a GPU's, where no swap or delta goes."""
         return self.engine is not None and self.engine.seg is None
 
     async def place(self, swap: bool) -> bool:
@@ -113,22 +115,20 @@ class EngineMemory:
             offsets[name] = at
             at = align(at + p.numel() * p.element_size())
         self.offsets = offsets
-        device = one_device(self.params)
-        if device.type == "cpu":
-            self.engine = await _host_area(self.local, at, "engine")
-        else:
-            self.engine = await _device_area(self.local, at, device, "engine")
+        device = self.device = one_device(self.params)
+        self.engine = await self.allocate(at, "engine")
         for name, p in self.params.items():
             n = p.numel()
             if n:
                 view = self.engine.view(p.dtype, offsets[name], n).view(p.shape)
                 view.copy_(p.data)
                 p.data = view
-        if device.type != "cpu":
+        if device.type == "cuda":
             torch.cuda.synchronize(device)
+        if self.on_device:
             return False
         if swap:
-            self.shadow = await _host_area(self.local, self.engine.flat.numel(), "shadow")
+            self.shadow = await self.allocate(self.engine.flat.numel(), "shadow")
             self.shadow.bytes()[:] = self.engine.bytes()
             assert self.engine.seg is not None and self.shadow.seg is not None
             self.views = EngineViews(self.params, offsets, (self.engine.seg, self.shadow.seg))
@@ -148,13 +148,16 @@ class EngineMemory:
             if old.seg is not None:
                 old.flat = old.flat[:0].clone()  # no view left: the segment unmaps now
                 old.seg.close()
-        if self.on_device:
-            self.scratch = await _device_area(
-                self.local, nbytes, self.engine.flat.device, "scratch"
-            )
-        else:
-            self.scratch = await _host_area(self.local, nbytes, "scratch")
+        self.scratch = await self.allocate(nbytes, "scratch")
         return self.scratch.region
+
+    async def allocate(self, nbytes: int, label: str) -> Area:
+        """``nbytes`` of memory on the parameters' device, registered with the local
+        daemon: a shared segment for host memory, one allocation on a GPU
+        (:func:`refitd.client.gpu.device_buffer`)."""
+        if self.device.type == "cpu":
+            return await _host_area(self.local, nbytes, label)
+        return await _device_area(self.local, nbytes, self.device, label)
 
     def swap(self) -> int:
         """Swap mode: the parameters read the other copy, now the engine area; the one
