@@ -15,7 +15,8 @@ refit tries a delta first:
    until every byte of it has landed;
 4. apply: each changed unit goes where the full pull would have landed it (the
    engine's memory, a packed block scattered by its strides, or a full pull's
-   staged tensor, replayed). Every write keeps the value it overwrote
+   staged tensor, replayed by the one install; the pure algebra is
+   :mod:`refitd.delta.apply`). Every write keeps the value it overwrote
    (:class:`~refitd.delta.undo.UndoLog`); an error, or one ``after_apply`` raises,
    rolls every write back, so the engine serves its base.
 
