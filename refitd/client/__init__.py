@@ -11,8 +11,11 @@ Modules:
 - `session`: `ApiSession`: the one HTTP session under it and the daemon's peer client
 - `sync`: `SyncRefitClient`: a small blocking face of it
 - `publisher`: `Publisher`: the trainer side, place tensors and publish versions
-- `receiver`: `DaemonReceiver`: the engine side, a thin adapter over `ReshardReceiver`
-- `install`: landing a finished pull in the engine's parameters
+- `receiver`: `DaemonReceiver`: the engine side, the refit: lease, plan or replay, pull, install
+- `engine`: `EngineMemory`: the engine's parameters moved into regions the daemon writes
+  (host or GPU), its scratch and swap mode's shadow
+- `lowering`: a bound plan turned into the daemon rows and pack specs of a pull
+- `install`: the one install: a finished pull landed in the parameters, host or GPU alike
 - `swap`: swap mode: one copy per refit, nothing installed when a pull fails
 - `staged`: swap mode's inactive copy staged while the engine serves, swapped later
 - `onerefit`: `OneRefit`: one refit at a time on one engine

@@ -15,7 +15,8 @@ refit tries a delta first:
    until every byte of it has landed;
 4. apply: each changed unit goes where the full pull would have landed it (the
    engine's memory, a packed block scattered by its strides, or a full pull's
-   staged tensor, replayed). Every write keeps the value it overwrote
+   staged tensor, replayed by the one install; the pure algebra is
+   :mod:`refitd.delta.apply`). Every write keeps the value it overwrote
    (:class:`~refitd.delta.undo.UndoLog`); an error, or one ``after_apply`` raises,
    rolls every write back, so the engine serves its base.
 
@@ -35,25 +36,13 @@ from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
-import torch
 
 from refitd.client.deltastats import AUTO_SAME_HOST, OVERLAPPED, WHERE, DeltaStats
 from refitd.client.deltastream import Encoded, open_stream
-from refitd.client.install import CompiledPull
+from refitd.client.install import CompiledPull, replay_full_pulls
 from refitd.client.receiver import DaemonReceiver, RefitStats
-from refitd.delta import native
-from refitd.delta.diff import unit_dtype
+from refitd.delta.apply import Landing, Target, apply_chunk
 from refitd.delta.digest import EngineDigest
-from refitd.delta.stream import (
-    areas_of,
-    cut,
-    decode,
-    decode_values,
-    landing,
-    layout,
-    scattered,
-    unpack_nibbles,
-)
 from refitd.delta.undo import UndoLog
 from refitd.errors import ConflictError, NotFoundError
 from refitd.wire import (
@@ -65,8 +54,6 @@ from refitd.wire import (
 )
 
 __all__ = ["AUTO_SAME_HOST", "OVERLAPPED", "WHERE", "DeltaReceiver", "DeltaStats"]
-
-I64 = npt.NDArray[np.int64]
 
 
 @dataclass
@@ -122,9 +109,8 @@ class DeltaReceiver(DaemonReceiver):
         self._base: _Base | None = None
         self._since_anchor = 0
         self.chunk_bytes = chunk_bytes
-        self._pieces_of: tuple[CompiledPull, tuple[I64, I64, I64, bool, I64]] | None = None
-        self._overlap_for: CompiledPull | None = None
-        self._overlap = True
+        #: where the last plan's stream lands, for that plan in those regions
+        self._landing: tuple[CompiledPull, int, int, Landing] | None = None
 
     # ------------------------------------------------------------ the base
 
@@ -138,12 +124,12 @@ class DeltaReceiver(DaemonReceiver):
         self._base = None
 
     def _engine_bytes(self) -> npt.NDArray[np.uint8]:
-        assert self._engine_seg is not None
-        return self._engine_seg.numpy()
+        assert self.memory.engine is not None
+        return self.memory.engine.bytes()
 
     def _layout_key(self, comp: CompiledPull) -> bytes:
         h = hashlib.blake2b(digest_size=16)
-        scratch = self._scratch_region.region_id if self._scratch_region is not None else -1
+        scratch = self.memory.scratch.region.region_id if self.memory.scratch is not None else -1
         h.update(repr((self.mode, scratch, [s[0] for s in comp.scatter])).encode())
         h.update(repr([(at, fp.staging_nbytes) for at, fp in comp.full_pulls]).encode())
         return h.digest()
@@ -151,7 +137,7 @@ class DeltaReceiver(DaemonReceiver):
     def _why_full(self, version: int, comp: CompiledPull) -> str:
         """Why this refit cannot be a delta (``""``: it can, as far as the engine knows)."""
         base = self._base
-        if self._engine_seg is None:
+        if self.memory.engine is None or self.memory.on_device:
             return "the engine's parameters are in GPU memory: deltas apply in host memory"
         if self._auto_full():
             return AUTO_SAME_HOST
@@ -190,7 +176,7 @@ class DeltaReceiver(DaemonReceiver):
         return self.prefer == "auto" and bool(self._same_host)
 
     async def _record_base(self, version: int, comp: CompiledPull, digest: str) -> None:
-        if self._engine_seg is None or not digest:
+        if self.memory.engine is None or self.memory.on_device or not digest:
             self._base = None
             return
         engine = EngineDigest.of(self._engine_bytes())
@@ -258,9 +244,9 @@ class DeltaReceiver(DaemonReceiver):
         :class:`~refitd.client.deltastream.StreamBroken`, naming the chunk. The engine
         then holds its base, bit for bit, and the next refit may try a delta again."""
         t0, leased, t1, t2, t_check = times
-        assert self._base is not None and self._engine_region is not None
-        pieces, _scat, _fp, direct, _ends = self._pieces(comp)
-        nbytes = int(pieces[:, 2].sum())
+        assert self._base is not None and self.memory.engine is not None
+        at = self._landing_of(comp)
+        nbytes = int(at.pieces[:, 2].sum())
         req = DeltaStreamRequest(
             self.model,
             version,
@@ -271,10 +257,11 @@ class DeltaReceiver(DaemonReceiver):
             comp.packs,
             nibbles=True,
             # A plan that scatters or replays full pulls is decoded whole: one chunk.
-            chunk_bytes=self.chunk_bytes if direct else max(nbytes, 1 << 16),
+            chunk_bytes=self.chunk_bytes if at.direct else max(nbytes, 1 << 16),
         )
         undo = UndoLog()
         kept = self._base.engine.copy()
+        target = self._target(comp)
         parts = [0.0, 0.0, 0.0]
         changed = wire = 0
         clock = [0.0, 0.0, 0.0]  # first chunk came, last chunk came, source's encode
@@ -301,7 +288,7 @@ class DeltaReceiver(DaemonReceiver):
                         changed += await placing
                     enc = Encoded.of(chunk, head)
                     placing = loop.run_in_executor(
-                        None, self._apply, comp, enc, payload, undo, parts
+                        None, apply_chunk, at, comp, enc, payload, target, undo, parts
                     )
                 if placing is not None:
                     changed += await placing
@@ -344,231 +331,49 @@ class DeltaReceiver(DaemonReceiver):
 
     # ------------------------------------------------------------ applying
 
-    def _pieces(self, comp: CompiledPull) -> tuple[I64, I64, I64, bool, I64]:
-        """The plan's stream as landing pieces ``(region, offset, bytes)``, each
-        piece's scattered block and full pull (-1: none), whether every piece lands
-        whole in the engine (:meth:`_direct`), and the pieces' cumulative bytes;
-        once per compiled plan."""
-        if self._pieces_of is not None and self._pieces_of[0] is comp:
-            return self._pieces_of[1]
-        assert self._engine_region is not None
-        pieces = np.concatenate(
-            [
-                comp.rows[:, 2:5],
-                np.array(
-                    [(p.dst_region, p.dst_offset, p.nbytes) for p in comp.packs], dtype=np.int64
-                ).reshape(-1, 3),
-            ]
+    def _landing_of(self, comp: CompiledPull) -> Landing:
+        """Where the stream of ``comp`` lands (:class:`~refitd.delta.apply.Landing`),
+        worked out once per plan and regions."""
+        memory = self.memory
+        assert memory.engine is not None
+        engine_id = memory.engine.region.region_id
+        scratch_id = memory.scratch.region.region_id if memory.scratch is not None else -2
+        cached = self._landing
+        if cached is not None and cached[:3] == (comp, engine_id, scratch_id):
+            return cached[3]
+        limit = memory.engine.region.nbytes if self.mode == "staging" else 0
+        at = Landing.of(comp, engine_id, scratch_id, limit, self._spans())
+        self._landing = (comp, engine_id, scratch_id, at)
+        return at
+
+    def _spans(self) -> dict[str, tuple[int, int]]:
+        """Each parameter's ``(byte offset, nbytes)`` in the engine region."""
+        return {
+            name: (off, self._params[name].numel() * self._params[name].element_size())
+            for name, off in self.memory.offsets.items()
+        }
+
+    def _target(self, comp: CompiledPull) -> Target:
+        """The engine memory a delta of ``comp`` writes (:class:`~refitd.delta.apply.Target`):
+        a full pull it patches is replayed by the one install
+        (:func:`~refitd.client.install.replay_full_pulls`)."""
+        memory = self.memory
+        assert memory.engine is not None and self._base is not None
+        scratch = memory.scratch
+
+        def replay(dirty: list[int]) -> None:
+            assert scratch is not None
+            chosen = [comp.full_pulls[i] for i in dirty]
+            replay_full_pulls(chosen, self._params, scratch.flat)
+
+        return Target(
+            memory.engine.bytes(),
+            scratch.bytes() if scratch is not None else None,
+            self._base.engine,
+            self._spans(),
+            self._base.version,
+            replay,
         )
-        engine_id = self._engine_region.region_id
-        scratch_id = self._scratch_region.region_id if self._scratch_region is not None else -2
-        limit = self._engine_region.nbytes if self.mode == "staging" else 0
-        scat_of, fp_of = areas_of(comp, pieces, scratch_id)
-        direct = self._direct(comp, pieces, scat_of, fp_of, engine_id, scratch_id, limit)
-        self._pieces_of = (comp, (pieces, scat_of, fp_of, direct, np.cumsum(pieces[:, 2])))
-        return self._pieces_of[1]
-
-    def _apply(
-        self,
-        comp: CompiledPull,
-        enc: Encoded,
-        payload: npt.NDArray[np.uint8],
-        undo: UndoLog,
-        parts: list[float],
-    ) -> int:
-        """Write a chunk of the delta (units ``enc.first`` on of the plan's stream)
-        where the full pull would have landed each unit (see the module docstring);
-        every write recorded in ``undo``. Returns units written; adds the seconds of
-        placing, writing and the digest's update to ``parts``."""
-        assert self._engine_region is not None and self._base is not None
-        t0 = time.perf_counter()
-        unit = enc.unit
-        udt = unit_dtype(unit)
-        bits = enc.diff_bits
-        what = f"delta of v{enc.base_version}+ refused: chunk {enc.index}"
-        if bits not in (4, 8):
-            raise ConflictError(f"{what}: {bits}-bit differences are not a format")
-        lay = layout(enc.pages, enc.changed, enc.exceptions, unit, bits)
-        if len(payload) < lay.exceptions + unit * enc.exceptions:
-            raise ConflictError(f"{what}: {len(payload)} bytes do not hold what it says")
-        counts = payload[lay.counts : lay.counts + enc.pages]
-        low = payload[lay.low : lay.low + enc.changed]
-        diff = payload[lay.diff : lay.exceptions].view(np.int8)  # bits == 4: two a byte
-        exceptions = payload[lay.exceptions : lay.exceptions + unit * enc.exceptions].view(udt)
-        if int(counts.sum()) != enc.changed:
-            raise ConflictError(
-                f"{what}: its page counts sum to {int(counts.sum())}, not the "
-                f"{enc.changed} positions it carries"
-            )
-        pieces, scat_of, fp_of, direct, ends = self._pieces(comp)
-        part = cut(pieces, enc.first * unit, (enc.first + enc.units) * unit, ends)
-        if direct:
-            return self._apply_direct(part, counts, low, diff, exceptions, undo, parts, t0, bits)
-        if (enc.first, enc.units) != (0, int(pieces[:, 2].sum()) // unit):
-            raise ConflictError(f"{what}: a plan that scatters is applied in one chunk")
-        engine_id = self._engine_region.region_id
-        scratch_id = self._scratch_region.region_id if self._scratch_region is not None else -2
-        limit = self._engine_region.nbytes if self.mode == "staging" else 0
-        k = decode(counts, low)
-        diff = (
-            unpack_nibbles(diff.view(np.uint8), enc.changed) if bits == 4 else diff[: enc.changed]
-        )
-        piece, region, off = landing(pieces, k, unit)
-        # Where each unit lands in the engine's memory (-1: in a scratch area).
-        eng = np.where((region == engine_id) | ((region == scratch_id) & (off < limit)), off, -1)
-        sid = scat_of[piece]
-        hit = sid >= 0
-        if hit.any():
-            eng[hit] = scattered(comp.scatter, self._param_off, sid[hit], off[hit])
-        fid = fp_of[piece]
-        scratch_writes = fid >= 0
-        dirty = np.flatnonzero(np.bincount(fid[scratch_writes], minlength=len(comp.full_pulls)))
-        unplaced = (eng < 0) & ~scratch_writes
-        if unplaced.any():
-            bad = int(np.flatnonzero(unplaced)[0])
-            raise ConflictError(
-                f"delta refused: stream unit {int(k[bad])} lands in region {int(region[bad])} "
-                f"at {int(off[bad])}, outside the engine and this plan's scratch areas"
-            )
-        engine_u = self._engine_bytes().view(udt)
-        at_eng = eng >= 0
-        # Each value is sent as its difference from the base's unit where it lands.
-        scratch_u = self._scratch_seg.numpy().view(udt) if self._scratch_seg is not None else None
-        old = np.empty(len(k), dtype=udt)
-        old[at_eng] = engine_u[eng[at_eng] // unit]
-        if scratch_writes.any():
-            assert scratch_u is not None
-            old[scratch_writes] = scratch_u[off[scratch_writes] // unit]
-        values = decode_values(old, diff, exceptions)
-        idx = eng[at_eng] // unit
-        vals, prev = values[at_eng], old[at_eng]
-        if self._overlapping(comp, pieces, engine_id, scratch_id, limit):
-            # A unit written twice keeps its last value, as the full pull's later read would.
-            last = len(idx) - 1 - np.unique(idx[::-1], return_index=True)[1]
-            idx, vals, prev = idx[last], vals[last], prev[last]
-        t1 = time.perf_counter()
-        before = undo.write(engine_u, idx, vals, prev)
-        t2 = time.perf_counter()
-        self._base.engine.update_units(idx, before, vals)  # type: ignore[arg-type]
-        t3 = time.perf_counter()
-        if len(dirty):
-            assert scratch_u is not None
-            undo.write(scratch_u, off[scratch_writes] // unit, values[scratch_writes])
-            self._replay(comp, dirty.tolist(), undo, unit)
-        t4 = time.perf_counter()
-        parts[0] += t1 - t0
-        parts[1] += (t2 - t1) + (t4 - t3)  # a replay's digest update counts as writing
-        parts[2] += t3 - t2
-        return len(k)
-
-    def _direct(
-        self,
-        comp: CompiledPull,
-        pieces: I64,
-        scat_of: I64,
-        fp_of: I64,
-        engine_id: int,
-        scratch_id: int,
-        limit: int,
-    ) -> bool:
-        """Whether every piece of the stream lands whole in the engine's own memory
-        (no scattered block, no full pull, no two destinations overlapping)."""
-        if (scat_of >= 0).any() or (fp_of >= 0).any():
-            return False
-        mirrored = (pieces[:, 0] == scratch_id) & (pieces[:, 1] + pieces[:, 2] <= limit)
-        if not ((pieces[:, 0] == engine_id) | mirrored).all():
-            return False
-        return not self._overlapping(comp, pieces, engine_id, scratch_id, limit)
-
-    def _apply_direct(
-        self,
-        pieces: I64,
-        counts: npt.NDArray[np.uint8],
-        low: npt.NDArray[np.uint8],
-        diff: npt.NDArray[np.int8],
-        exceptions: npt.NDArray[np.unsignedinteger],
-        undo: UndoLog,
-        parts: list[float],
-        t0: float,
-        bits: int,
-    ) -> int:
-        """:meth:`_apply` where every piece lands whole in the engine (:meth:`_direct`):
-        each unit's engine index is its piece's origin plus its stream index. Decoded,
-        written and digested natively in one pass over the changes, each unit's cache
-        line read and written once (:func:`refitd.delta.native.place_write`; the
-        general path above, and ``place``, ``scatter`` and ``digest_update``, are its
-        reference). Its seconds count as placing."""
-        unit = exceptions.dtype.itemsize
-        assert self._base is not None
-        engine = self._engine_bytes()
-        digest = self._base.engine
-        try:
-            idx, old = native.place_write(
-                counts, low, diff, exceptions, pieces, engine, unit, bits, digest.lanes,
-                digest.block,
-            )  # fmt: skip
-        except ValueError as err:
-            raise ConflictError(f"delta of v{self._base.version}+1 refused: {err}") from None
-        undo.record(engine.view(unit_dtype(unit)), idx, old)
-        parts[0] += time.perf_counter() - t0
-        return len(idx)
-
-    def _overlapping(
-        self, comp: CompiledPull, pieces: I64, engine_id: int, scratch_id: int, limit: int
-    ) -> bool:
-        """Whether two destinations of the plan may write the same engine byte (then
-        a unit landed twice keeps its last value); decided once per compiled plan."""
-        if comp is self._overlap_for:
-            return self._overlap
-        direct = (pieces[:, 0] == engine_id) | (
-            (pieces[:, 0] == scratch_id) & (pieces[:, 1] < limit)
-        )
-        spans = [pieces[direct, 1], pieces[direct, 1] + pieces[direct, 2]]
-        lo, hi = list(spans[0].tolist()), list(spans[1].tolist())
-        for _at, dt, shape, strides, name, dst_byte in comp.scatter:
-            start = self._param_off[name] + dst_byte
-            reach = sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
-            lo.append(start)
-            hi.append(start + (reach + 1) * dt.itemsize)
-        for _at, fp in comp.full_pulls:
-            for c in fp.copies:
-                p = self._params[c.param_name]
-                lo.append(self._param_off[c.param_name])
-                hi.append(lo[-1] + p.numel() * p.element_size())
-        order = np.argsort(np.array(lo, dtype=np.int64), kind="stable")
-        a, b = np.array(lo, dtype=np.int64)[order], np.array(hi, dtype=np.int64)[order]
-        self._overlap = bool(len(a) > 1 and (a[1:] < np.maximum.accumulate(b)[:-1]).any())
-        self._overlap_for = comp
-        return self._overlap
-
-    def _replay(self, comp: CompiledPull, dirty: list[int], undo: UndoLog, unit: int) -> None:
-        """Replay the full pulls ``dirty`` (patched in scratch) into the parameters,
-        each destination parameter recorded whole first; the digest follows."""
-        from refitd.reshard.replay import replay_ops
-        from refitd.reshard.transfer_plan import write_through_pointer
-
-        assert self._scratch_seg is not None and self._base is not None
-        engine = self._engine_bytes()
-        scratch = self._scratch_seg.numpy()
-        names = sorted({c.param_name for i in dirty for c in comp.full_pulls[i][1].copies})
-        spans = []
-        for name in names:
-            p = self._params[name]
-            lo = self._param_off[name]
-            hi = lo + p.numel() * p.element_size()
-            view = engine[lo:hi]
-            spans.append((lo, view, view.copy()))
-            undo.keep(view)
-        for i in dirty:
-            at, fp = comp.full_pulls[i]
-            full = torch.frombuffer(scratch[at : at + fp.staging_nbytes].data, dtype=torch.uint8)
-            full = full.view(fp.dtype).reshape(fp.global_shape)
-            for copy in fp.copies:
-                write_through_pointer(
-                    self._params[copy.param_name].data_ptr(), copy, replay_ops(full, copy.op_chain)
-                )
-        for lo, view, before in spans:
-            self._base.engine.rewrite(lo, before, view)
 
 
 class _Written(Exception):

@@ -8,7 +8,8 @@ region is deleted or this process exits). Two ways to get one:
   PyTorch's caching allocator, holding many tensors: the tensor is an offset in it);
 - :func:`device_buffer`: a fresh allocation refitd makes, exactly ``nbytes`` (what
   the engine side moves its parameters into, see
-  :class:`~refitd.client.receiver.DaemonReceiver`).
+  :class:`~refitd.client.engine.EngineMemory`; what it lands there goes through the
+  one install of host and GPU memory, :func:`refitd.client.install.install`).
 
 The daemon takes a GPU region only over its Unix socket, from this process (its
 ``holder``), or from the unauthenticated loopback of a single-user daemon; never from
@@ -20,38 +21,12 @@ NOTE: never run on a GPU yet (tests/gpu/run-on-device.sh is its first run).
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Protocol
-
 import torch
 
 from refitd.client.http import RefitClient
 from refitd.wire import RegionInfo, RegionKind
 
-if TYPE_CHECKING:
-    from refitd.reshard.transfer_plan import FullPull
-
-
-class CompiledInstall(Protocol):
-    """What an install reads of a receiver's compiled plan: the coalesced staged byte
-    ranges (offset, nbytes), the strided blocks to scatter (scratch offset, dtype,
-    shape, strides, parameter, byte offset in it) and the full pulls to replay (at
-    their scratch offsets)."""
-
-    @property
-    def install(self) -> list[tuple[int, int]]: ...
-    @property
-    def scatter(
-        self,
-    ) -> list[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str, int]]: ...
-    @property
-    def full_pulls(self) -> list[tuple[int, FullPull]]: ...
-
-
-__all__ = ["attach_tensor", "device_buffer", "held_allocations", "install_on_device"]
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
+__all__ = ["attach_tensor", "device_buffer", "held_allocations"]
 
 #: storages of the tensors whose allocations are registered, by allocation base: a
 #: caching-allocator segment is given back to the driver (``empty_cache``) only once
@@ -102,55 +77,3 @@ async def device_buffer(
         exported.handle, exported.size, kind=RegionKind.CUDA_IPC, label=label
     )
     return flat, info
-
-
-def install_on_device(
-    comp: CompiledInstall,
-    params: dict[str, torch.nn.Parameter],
-    engine: torch.Tensor,
-    scratch: torch.Tensor | None,
-) -> None:
-    """A receiver's install for GPU parameters (the host one's three steps with the
-    device's own copies: scratch and parameters are on it), done before returning:
-    staged bytes copied into the engine allocation, strided blocks scattered into
-    their parameters, full pulls replayed and written through each parameter."""
-    from refitd.reshard.replay import replay_ops
-
-    scratch = scratch if scratch is not None else engine[:0]
-    for off, n in comp.install:
-        engine[off : off + n].copy_(scratch[off : off + n])
-    for at, dt, shape, dst_strides, name, dst_byte in comp.scatter:
-        n = math.prod(shape)
-        packed = scratch[at : at + n * dt.itemsize].view(dt).view(shape)
-        p = params[name]
-        dst = p.data.as_strided(
-            shape, dst_strides, p.data.storage_offset() + dst_byte // dt.itemsize
-        )
-        dst.copy_(packed)
-    for at, fp in comp.full_pulls:
-        full = scratch[at : at + fp.staging_nbytes].view(fp.dtype).reshape(fp.global_shape)
-        for copy in fp.copies:
-            value = replay_ops(full, copy.op_chain)
-            for dtype in copy.casts:  # the loader's .to() casts, in its order
-                value = value.to(dtype)
-            value = torch.broadcast_to(value, copy.dest_shape)
-            if value.numel() == 0:
-                continue
-            if value.dtype != copy.dest_dtype:
-                # the loader's copy_ converts into its parameter's dtype
-                typed = params[copy.param_name].data
-                dst = torch.as_strided(
-                    typed,
-                    copy.dest_shape,
-                    copy.dest_stride,
-                    typed.storage_offset() + copy.dest_offset,
-                )
-                dst.copy_(value)
-                continue
-            as_int = _INT_OF_SIZE[fp.elsize]
-            param = params[copy.param_name].data.view(as_int)
-            dst = torch.as_strided(
-                param, copy.dest_shape, copy.dest_stride, param.storage_offset() + copy.dest_offset
-            )
-            dst.copy_(value.contiguous().view(as_int))
-    torch.cuda.synchronize(engine.device)

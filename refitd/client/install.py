@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import numpy as np
@@ -24,17 +24,22 @@ from refitd.wire import PackSpec, PullProgress
 
 if TYPE_CHECKING:
     from refitd.reshard.transfer_plan import FullPull, SourceInfo
+    from refitd.reshard.types import RecordedCopy
     from refitd.wire import MergedManifest
 
 __all__ = [
     "SPAN",
     "CompiledPull",
+    "Landed",
     "RefitStats",
     "Scatter",
-    "install_unpacked",
+    "copy_ranges",
+    "install",
     "naming_suspects",
     "one_device",
     "overlapping_params",
+    "replay_full_pulls",
+    "scatter_blocks",
     "sources_of",
 ]
 
@@ -93,33 +98,104 @@ def _to(p: PackSpec, region: int, other: int) -> PackSpec:
     return msgspec.structs.replace(p, dst_region=other) if p.dst_region == region else p
 
 
-def install_unpacked(
-    scatter: Sequence[Scatter],
-    full_pulls: Sequence[tuple[int, FullPull]],
+def install(
+    comp: Landed,
     params: Mapping[str, torch.Tensor],
-    scratch: npt.NDArray[np.uint8],
+    engine: torch.Tensor,
+    scratch: torch.Tensor | None,
 ) -> None:
-    """Scatter the packed blocks that land strided, and replay the full pulls (each
-    at its scratch offset), from ``scratch`` into ``params``."""
-    from refitd.reshard.replay import replay_ops
-    from refitd.reshard.transfer_plan import write_through_pointer
+    """Land a finished pull in ``params``, from host or GPU memory alike (``engine``
+    and ``scratch``: flat ``uint8`` tensors over the engine region and the scratch
+    one, on the parameters' device; ``scratch`` None: none is placed): the staged
+    byte ranges copied into the engine region, the packed blocks that land strided
+    scattered, the full pulls replayed (:func:`replay_full_pulls`). On a GPU the
+    copies are done before it returns."""
+    scratch = scratch if scratch is not None else engine[:0]
+    copy_ranges(engine, scratch, comp.install)
+    scatter_blocks(comp.scatter, params, scratch)
+    replay_full_pulls(comp.full_pulls, params, scratch)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
 
+
+def copy_ranges(dst: torch.Tensor, src: torch.Tensor, ranges: Sequence[tuple[int, int]]) -> None:
+    """``dst[off : off + n] = src[off : off + n]`` for each ``(off, n)`` of ``ranges``
+    (bytes: ``dst`` and ``src`` flat ``uint8`` tensors of one layout)."""
+    for off, n in ranges:
+        dst[off : off + n].copy_(src[off : off + n])
+
+
+def scatter_blocks(
+    scatter: Sequence[Scatter], params: Mapping[str, torch.Tensor], scratch: torch.Tensor
+) -> None:
+    """Scatter each packed block (contiguous at its scratch offset of ``scratch``, a
+    flat ``uint8`` tensor) through its destination strides into its parameter."""
     for at, dt, shape, dst_strides, name, dst_byte in scatter:
         n = math.prod(shape)
-        packed = torch.frombuffer(scratch[at : at + n * dt.itemsize].data, dtype=dt).view(shape)
+        packed = scratch[at : at + n * dt.itemsize].view(dt).view(shape)
         p = params[name]
         dst = p.data.as_strided(
             shape, dst_strides, p.data.storage_offset() + dst_byte // dt.itemsize
         )
         dst.copy_(packed)
+
+
+def replay_full_pulls(
+    full_pulls: Sequence[tuple[int, FullPull]],
+    params: Mapping[str, torch.Tensor],
+    scratch: torch.Tensor,
+) -> None:
+    """Replay each full pull (its source tensor staged whole at its scratch offset of
+    ``scratch``, a flat ``uint8`` tensor) through each copy's op chain and casts, and
+    write it through the copy's destination strides into its parameter: what the
+    engine's loader would have written, bit for bit (a dtype conversion is the
+    loader's own ``copy_``)."""
+    from refitd.reshard.replay import replay_ops
+
     for at, fp in full_pulls:
-        size = fp.staging_nbytes
-        full = torch.frombuffer(scratch[at : at + size].data, dtype=torch.uint8)
-        full = full.view(fp.dtype).reshape(fp.global_shape)
+        full = scratch[at : at + fp.staging_nbytes].view(fp.dtype).reshape(fp.global_shape)
         for copy in fp.copies:
-            write_through_pointer(
-                params[copy.param_name].data_ptr(), copy, replay_ops(full, copy.op_chain)
-            )
+            value = replay_ops(full, copy.op_chain)
+            for dtype in copy.casts:  # the loader's .to() casts, in its order
+                value = value.to(dtype)
+            value = torch.broadcast_to(value, copy.dest_shape)
+            if value.numel() == 0:
+                continue
+            dst = _destination(params[copy.param_name].data, copy)
+            if value.dtype != copy.dest_dtype:
+                dst.copy_(value)  # the loader's copy_ converts into its parameter's dtype
+                continue
+            # The same dtype: its bits moved as integers of its size (no float
+            # canonicalisation of NaN payloads on the way).
+            as_int = _INT_OF_SIZE[copy.dest_dtype.itemsize]
+            dst.view(as_int).copy_(value.contiguous().view(as_int))
+
+
+def _destination(param: torch.Tensor, copy: RecordedCopy) -> torch.Tensor:
+    """The strided destination of ``copy`` in ``param``'s memory: elements of
+    ``copy.dest_dtype`` counted from the parameter's first byte."""
+    size = copy.dest_dtype.itemsize
+    start = param.storage_offset() * param.element_size()
+    dst = torch.empty(0, dtype=copy.dest_dtype, device=param.device)
+    return dst.set_(
+        param.untyped_storage(), start // size + copy.dest_offset, copy.dest_shape, copy.dest_stride
+    )
+
+
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class Landed(Protocol):
+    """What an install reads of a compiled pull: the coalesced staged byte ranges
+    ``(offset, nbytes)``, the strided blocks to scatter and the full pulls to replay
+    (at their scratch offsets)."""
+
+    @property
+    def install(self) -> list[tuple[int, int]]: ...
+    @property
+    def scatter(self) -> list[Scatter]: ...
+    @property
+    def full_pulls(self) -> list[tuple[int, FullPull]]: ...
 
 
 def overlapping_params(

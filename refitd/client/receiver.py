@@ -29,54 +29,48 @@ The engine's parameters are moved once into memory registered with the local
 daemon, so pulls can land in them: a shared-memory segment for parameters in host
 memory; for parameters on a GPU, one GPU allocation on that device (they never leave
 it, and the staging scratch is GPU memory too), read and written by the daemon
-through its CUDA IPC handle (:mod:`refitd.client.gpu`; never run on a GPU yet).
+through its CUDA IPC handle (:mod:`refitd.client.engine`, :mod:`refitd.client.gpu`;
+never run on a GPU yet). A bound plan becomes the pull's rows in
+:mod:`refitd.client.lowering`; one install lands a pull in host and GPU memory alike
+(:func:`refitd.client.install.install`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Literal
 
-import msgspec
-import numpy as np
 import torch
 
+from refitd.client import lowering
+from refitd.client.engine import EngineMemory
 from refitd.client.http import RefitClient
 from refitd.client.install import (
-    SPAN,
     CompiledPull,
     RefitStats,
-    install_unpacked,
     naming_suspects,
-    one_device,
     overlapping_params,
     sources_of,
 )
 from refitd.client.leases import LeaseKeeper
 from refitd.client.onerefit import OneRefit
-from refitd.client.publisher import ALIGN
 from refitd.client.staged import Staging
-from refitd.client.swap import EngineViews, unpulled
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.reshard.receiver import KEEP_PLANS
 from refitd.wire import (
     DescriptorTable,
     MergedManifest,
-    PackSpec,
     PullProgress,
     PullRequest,
     RegionInfo,
 )
-from transports.batch import merge_ranges
-from transports.segments import SharedSegment
 
 if TYPE_CHECKING:
     from refitd.reshard.compile import BoundPlan, DestLayout
     from refitd.reshard.receiver import ReshardReceiver
-    from refitd.reshard.transfer_plan import FullPull, SourceInfo
+    from refitd.reshard.transfer_plan import SourceInfo
     from refitd.reshard.types import CaptureResult
 
 __all__ = ["Capture", "DaemonReceiver", "RefitStats"]
@@ -85,10 +79,6 @@ Capture = Callable[
     [torch.nn.Module, list[tuple[str, torch.dtype, tuple[int, ...]]]], "CaptureResult"
 ]
 """``capture(meta_twin, manifest) -> CaptureResult``: runs the engine's loaders."""
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 class DaemonReceiver(Staging):
@@ -136,19 +126,8 @@ class DaemonReceiver(Staging):
         self._reshard: ReshardReceiver | None = None
         self._dest: DestLayout = {}
         self._params: dict[str, torch.nn.Parameter] = dict(engine.named_parameters())
-        self._param_off: dict[str, int] = {}
-        self._engine_seg: SharedSegment | None = None
-        self._engine_region: RegionInfo | None = None
-        self._scratch_seg: SharedSegment | None = None
-        #: swap mode: the second copy of the engine segment, and both segments' views
-        self._shadow_seg: SharedSegment | None = None
-        self._shadow_region: RegionInfo | None = None
-        self._views: EngineViews | None = None
-        self._serving = 0  # which of the views' segments the parameters read
-        self._scratch_region: RegionInfo | None = None
-        #: GPU parameters: the engine allocation and the scratch one, flat uint8 tensors
-        self._engine_flat: torch.Tensor | None = None
-        self._scratch_flat: torch.Tensor | None = None
+        #: where pulls land: the engine's memory, its scratch and swap mode's shadow
+        self.memory = EngineMemory(local, self._params)
         self.plans = 0
         self.staged: tuple[int, CompiledPull] | None = None  # stage(): what waits, whole
         self._hold = False  # the refit running stops before its swap (stage())
@@ -157,111 +136,27 @@ class DaemonReceiver(Staging):
     # ------------------------------------------------------------ memory
 
     async def _place_engine(self) -> None:
-        """Move every parameter into one region the local daemon writes: a shared
-        segment for host parameters, one GPU allocation on their device for GPU ones
-        (every parameter stays on its device)."""
-        if self._engine_region is not None:
-            return
-        at = 0
-        for name, p in self._params.items():
-            self._param_off[name] = at
-            at = _align(at + p.numel() * p.element_size())
-        device = one_device(self._params)
-        if device.type != "cpu":
-            if self.mode == "swap":  # a CUDA graph holds the parameters' addresses
-                self.mode = "staging"
-            await self._place_engine_on(device, at)
-            return
-        seg = SharedSegment.create(max(at, 1), "engine")
-        for name, p in self._params.items():
-            n = p.numel()
-            view = seg.torch(p.dtype, self._param_off[name], n).view(p.shape) if n else p.data
-            view.copy_(p.data)
-            p.data = view
-        self._engine_seg = seg
-        self._engine_region = await self.local.attach_region(seg.name, seg.size, label="engine")
-        if self.mode == "swap":
-            shadow = SharedSegment.create(seg.size, "shadow")
-            shadow.numpy()[:] = seg.numpy()
-            self._shadow_seg = shadow
-            self._shadow_region = await self.local.attach_region(
-                shadow.name, shadow.size, label="shadow"
-            )
-            self._views = EngineViews(self._params, self._param_off, (seg, shadow))
-
-    async def _place_engine_on(self, device: torch.device, nbytes: int) -> None:
-        """GPU parameters: moved, on their device, into one allocation refitd makes
-        and registers once (``p.data`` becomes a view of it, as for host memory)."""
-        from refitd.client.gpu import device_buffer
-
-        flat, region = await device_buffer(self.local, nbytes, device, label="engine")
-        for name, p in self._params.items():
-            n = p.numel()
-            if n:
-                at = self._param_off[name]
-                view = flat[at : at + n * p.element_size()].view(p.dtype).view(p.shape)
-                view.copy_(p.data)
-                p.data = view
-        torch.cuda.synchronize(device)
-        self._engine_flat = flat
-        self._engine_region = region
+        """Move the parameters into memory the local daemon writes, once
+        (:meth:`~refitd.client.engine.EngineMemory.place`); GPU parameters refit in
+        staging mode."""
+        if not await self.memory.place(swap=self.mode == "swap") and self.mode == "swap":
+            self.mode = "staging"
 
     async def _scratch(self, nbytes: int) -> RegionInfo:
-        if self._scratch_region is not None and self._scratch_region.nbytes >= nbytes:
-            return self._scratch_region
-        self._lowered.clear()  # their rows name the scratch region replaced here
-        if self._engine_flat is not None:  # GPU parameters: GPU scratch, installs stay on it
-            from refitd.client.gpu import device_buffer
-
-            if self._scratch_region is not None:
-                await self.local.delete_region(self._scratch_region.region_id)
-            self._scratch_region = None
-            self._scratch_flat = None
-            self._scratch_flat, self._scratch_region = await device_buffer(
-                self.local, nbytes, self._engine_flat.device, label="scratch"
-            )
-            return self._scratch_region
-        if self._scratch_region is not None and self._scratch_seg is not None:
-            await self.local.delete_region(self._scratch_region.region_id)
-            self._scratch_seg.close()
-        self._scratch_seg = SharedSegment.create(max(nbytes, 1), "scratch")
-        self._scratch_region = await self.local.attach_region(
-            self._scratch_seg.name, self._scratch_seg.size, label="scratch"
-        )
-        return self._scratch_region
+        """A scratch region of at least ``nbytes``: the one placed, or a new one (the
+        pulls lowered for the old one are dropped: their rows name it)."""
+        if self.memory.fits(nbytes):
+            assert self.memory.scratch is not None
+            return self.memory.scratch.region
+        self._lowered.clear()
+        return await self.memory.new_scratch(nbytes)
 
     async def close(self) -> None:
-        for region, seg in (
-            (self._scratch_region, self._scratch_seg),
-            (self._shadow_region, self._shadow_seg),
-            (self._engine_region, self._engine_seg),
-        ):
-            if region is not None:
-                # A daemon already gone took its record with it.
-                with contextlib.suppress(TransportError):
-                    await self.local.delete_region(region.region_id)
-            if seg is not None:
-                # parameters keep views of it: unlink the name, leave them the mapping
-                seg.unlink()
-        self._scratch_region = self._engine_region = self._shadow_region = None
-        # GPU parameters keep their views of the engine allocation (freed with the last).
-        self._scratch_flat = None
+        await self.memory.close()
 
     # ------------------------------------------------------------ planning
 
-    @staticmethod
-    def signature(m: MergedManifest, engine_layout: bytes) -> bytes:
-        """What a compiled plan is bound to: the source daemon incarnation, every
-        tensor's shape/dtype/shards (regions and byte offsets), and the engine layout."""
-        h = hashlib.blake2b(digest_size=16)
-        h.update(f"{m.node_id}/{m.incarnation}".encode())
-        h.update(msgspec.msgpack.encode(m.tensors))
-        h.update(engine_layout)
-        return h.digest()
-
-    def _engine_layout(self) -> bytes:
-        return repr([(n, tuple(p.shape), str(p.dtype)) for n, p in self._params.items()]).encode()
-
+    signature = staticmethod(lowering.signature)
     sources_of = staticmethod(sources_of)
 
     def _plan(self, m: MergedManifest, sources: dict[str, SourceInfo]) -> ReshardReceiver:
@@ -293,78 +188,34 @@ class DaemonReceiver(Staging):
         return reshard
 
     async def _lower(self, bound: BoundPlan, planned_bytes: int, signature: bytes) -> CompiledPull:
-        """Turn a bound plan into daemon rows: every read one int64 row of
-        ``(src region, src offset, dst region, dst offset, nbytes)``."""
-        assert self._engine_region is not None
-        staging = self.mode == "staging"
-        # Scratch layout: [mirror of the engine segment, staging mode only][packed
-        # blocks that land strided][full-pull buffers].
-        cursor = self._engine_region.nbytes if staging else 0
-        scatter: list[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...], str, int]] = []
-        pack_dst: list[int] = []
-        for p, d in zip(bound.packs, bound.pack_dst.tolist(), strict=True):
-            if p.dst_strides is None:
-                pack_dst.append(d)
-                continue
-            dt = self._params[p.param_name].dtype
-            strides = tuple(st // p.elsize for st in p.dst_strides)
-            scatter.append((cursor, dt, p.shape, strides, p.param_name, p.dst_byte))
-            pack_dst.append(-SPAN + cursor)
-            cursor = _align(cursor + p.nbytes)
-        full: list[tuple[int, FullPull]] = []
-        fp_rows: list[tuple[int, int, int]] = []
-        for fp in bound.full_pulls:
-            full.append((cursor, fp))
-            fp_rows += [(s.src_addr, -SPAN + cursor + s.dst_byte, s.nbytes) for s in fp.segments]
-            cursor = _align(cursor + fp.staging_nbytes)
-        scratch = await self._scratch(cursor)
-        src = np.concatenate([bound.src, np.array([r[0] for r in fp_rows], dtype=np.int64)])
-        dst = np.concatenate([bound.dst, np.array([r[1] for r in fp_rows], dtype=np.int64)])
-        nb = np.concatenate([bound.nbytes, np.array([r[2] for r in fp_rows], dtype=np.int64)])
-        rows = np.stack([src // SPAN, src % SPAN, dst // SPAN, dst % SPAN, nb], axis=1)
-        # Destination region -1 stands for the scratch region (see _param_addr).
-        rows[rows[:, 2] == -1, 2] = scratch.region_id
-        pdst = np.array(pack_dst, dtype=np.int64)
-        packs = [
-            PackSpec(
-                int(a // SPAN),
-                int(a % SPAN),
-                p.shape,
-                tuple(st // p.elsize for st in p.src_strides),
-                p.elsize,
-                scratch.region_id if d // SPAN == -1 else int(d // SPAN),
-                int(d % SPAN),
-            )
-            for p, a, d in zip(bound.packs, bound.pack_src.tolist(), pdst.tolist(), strict=True)
-        ]
-        install: list[tuple[int, int]] = []
-        if staging:
-            limit = self._engine_region.nbytes
-            mirror = [
-                (int(r[3]), int(r[4])) for r in rows if r[2] == scratch.region_id and r[3] < limit
-            ]
-            mirror += [
-                (p.dst_offset, p.nbytes)
-                for p in packs
-                if p.dst_region == scratch.region_id and p.dst_offset < limit
-            ]
-            staged = np.array(mirror, dtype=np.int64).reshape(-1, 2)
-            merged = merge_ranges(np.zeros(len(staged), np.int64), staged[:, 0], staged[:, 1])
-            install = [(r.offset, r.nbytes) for r in merged]
-        comp = CompiledPull(signature, rows, packs, scatter, full, install)
-        comp.bytes = planned_bytes
-        comp.engine_id = self._engine_region.region_id
-        if self.mode == "swap":
-            comp.keep = unpulled(comp, self._params, self._param_off)
-        return comp
+        """Turn a bound plan into daemon rows (:func:`~refitd.client.lowering.lower`),
+        in a scratch region large enough for it."""
+        engine = self.memory.engine
+        assert engine is not None
+        lay = lowering.scratch_layout(
+            bound, self._params, engine.region.nbytes, self.mode == "staging"
+        )
+        scratch = await self._scratch(lay.nbytes)
+        return lowering.lower(
+            bound,
+            lay,
+            scratch_id=scratch.region_id,
+            engine_id=engine.region.region_id,
+            engine_nbytes=engine.region.nbytes,
+            mode=self.mode,
+            params=self._params,
+            offsets=self.memory.offsets,
+            planned_bytes=planned_bytes,
+            sig=signature,
+        )
 
     def _param_addr(self, name: str) -> int:
-        """Where a parameter's bytes land, as a synthetic address: in the engine
-        region (direct mode) or in scratch, written ``-SPAN + offset`` (staging)."""
-        assert self._engine_region is not None
-        if self.mode == "staging":
-            return -SPAN + self._param_off[name]
-        return self._engine_region.region_id * SPAN + self._param_off[name]
+        """Where a parameter's bytes land (:func:`~refitd.client.lowering.param_addr`)."""
+        engine = self.memory.engine
+        assert engine is not None
+        return lowering.param_addr(
+            name, self.mode == "staging", engine.region.region_id, self.memory.offsets
+        )
 
     # ------------------------------------------------------------ refit
 
@@ -380,7 +231,7 @@ class DaemonReceiver(Staging):
         with self._one.refit(version):
             self.staged = None  # this refit writes the inactive copy: nothing waits there
             await self._place_engine()
-            if self._hold and self._views is None:  # GPU parameters refit in staging mode
+            if self._hold and self.memory.views is None:  # GPU parameters refit in staging mode
                 raise ConflictError(f"stage of {self.model!r} refused: its engine is not swapped")
             if version is None:
                 version = (await self.source.version(self.model, "latest")).version
@@ -440,8 +291,8 @@ class DaemonReceiver(Staging):
         """Pull ``comp`` under ``lease_id`` and install it (:meth:`_install_timed`)."""
         rows, packs = comp.rows, comp.packs
         if self.mode == "swap":  # land in the shadow; the engine serves on meanwhile
-            assert self._shadow_region is not None
-            rows, packs = comp.landing_in(self._shadow_region.region_id)
+            assert self.memory.shadow is not None
+            rows, packs = comp.landing_in(self.memory.shadow.region.region_id)
         req = PullRequest(
             self.model,
             version,
@@ -494,12 +345,12 @@ class DaemonReceiver(Staging):
     async def _compiled_for(self, m: MergedManifest, version: int) -> tuple[CompiledPull, bool]:
         """The compiled pull for manifest ``m``, and whether it was replayed (the
         manifest's placement is exactly the last refit's: no planning at all)."""
-        sig = self.signature(m, self._engine_layout())
+        sig = self.signature(m, lowering.engine_layout(self._params))
         replayed = self._compiled is not None and self._compiled.signature == sig
         if not replayed and sig in self._lowered:  # an earlier placement (double buffering)
             self._compiled, replayed = self._lowered[sig], True
-            if self._engine_region is not None:  # swaps since moved the serving copy
-                self._compiled.retarget(self._engine_region.region_id)
+            if self.memory.engine is not None:  # swaps since moved the serving copy
+                self._compiled.retarget(self.memory.engine.region.region_id)
         if not replayed:
             # Not the exact placement of last time: rebind the compiled plan if only
             # addresses moved (no planning), else capture and plan again (a new
@@ -531,57 +382,19 @@ class DaemonReceiver(Staging):
     def _name_suspects(self, exc: RefitError) -> RefitError:
         """In direct mode a failed pull may have written parameters: say which."""
         progress = getattr(exc, "progress", None)
-        if self.mode != "direct" or progress is None or self._engine_region is None:
+        if self.mode != "direct" or progress is None or self.memory.engine is None:
             return exc
-        engine = self._engine_region.region_id
+        engine = self.memory.engine.region.region_id
         ranges = [(o, n) for r, o, n in progress.suspect if r == engine]
-        return naming_suspects(exc, overlapping_params(ranges, self._params, self._param_off))
+        return naming_suspects(exc, overlapping_params(ranges, self._params, self.memory.offsets))
 
     def _install(self, comp: CompiledPull) -> None:
-        """Land what the pull wrote in scratch into the parameters (swap mode: swap
-        the segments first, and swap back if landing the rest fails)."""
-        if self._engine_flat is not None:
-            from refitd.client.gpu import install_on_device
-
-            install_on_device(comp, self._params, self._engine_flat, self._scratch_flat)
-            return
-        if self.mode == "swap":
-            assert self._engine_seg is not None and self._shadow_seg is not None
-            serving, shadow = self._engine_seg.numpy(), self._shadow_seg.numpy()
-            for off, n in comp.keep:
-                shadow[off : off + n] = serving[off : off + n]
-            if self._hold:  # stage(): land the rest in the inactive copy, swap later
-                assert self._views is not None
-                inactive = self._views.views[1 - self._serving]
-                if self._scratch_seg is not None:
-                    scratch = self._scratch_seg.numpy()
-                    install_unpacked(comp.scatter, comp.full_pulls, inactive, scratch)
-                return
-            self._swap(comp)
-            try:
-                self._install_unpacked(comp)
-            except BaseException:
-                self._swap(comp)  # the previous version's segment, untouched: serve it
-                raise
-            return
-        assert self._engine_seg is not None
-        engine = self._engine_seg.numpy()
-        scratch = self._scratch_seg.numpy() if self._scratch_seg is not None else engine[:0]
-        for off, n in comp.install:
-            engine[off : off + n] = scratch[off : off + n]
-        self._install_unpacked(comp)
+        """Land what the pull wrote into the parameters, host or GPU memory alike
+        (:meth:`~refitd.client.engine.EngineMemory.install`; swap mode: swap the
+        copies first, and swap back if landing the rest fails)."""
+        self.memory.install(comp, swap=self.mode == "swap", hold=self._hold)
 
     def _swap(self, comp: CompiledPull) -> None:
-        """Swap mode: the parameters read the other segment, now the engine region (as
+        """Swap mode: the parameters read the other copy, now the engine region (as
         ``comp`` names it); the one they read until now is the next pull's shadow."""
-        assert self._views is not None and self._engine_region is not None
-        assert self._shadow_region is not None
-        self._serving = 1 - self._serving
-        self._views.bind(self._serving)
-        self._engine_seg, self._shadow_seg = self._shadow_seg, self._engine_seg
-        self._engine_region, self._shadow_region = self._shadow_region, self._engine_region
-        comp.retarget(self._engine_region.region_id)
-
-    def _install_unpacked(self, comp: CompiledPull) -> None:  # scatter, full pulls
-        if self._scratch_seg is not None:
-            install_unpacked(comp.scatter, comp.full_pulls, self._params, self._scratch_seg.numpy())
+        comp.retarget(self.memory.swap())

@@ -20,9 +20,8 @@ from refitd.errors import ConflictError
 from refitd.wire import PullProgress
 
 if TYPE_CHECKING:
+    from refitd.client.engine import EngineMemory
     from refitd.client.install import CompiledPull, RefitStats
-    from refitd.client.swap import EngineViews
-    from transports.segments import SharedSegment
 
 __all__ = ["Staging"]
 
@@ -36,11 +35,7 @@ class Staging:
     #: the compiled pull whose bytes wait whole in the inactive copy, and its version
     staged: tuple[int, CompiledPull] | None
     _hold: bool  # the refit running stops before its swap (stage())
-    _views: EngineViews | None
-    _serving: int
-    _engine_seg: SharedSegment | None
-    _shadow_seg: SharedSegment | None
-    _scratch_seg: SharedSegment | None
+    memory: EngineMemory
 
     async def refit(
         self,
@@ -98,15 +93,16 @@ class Staging:
     def inactive(self) -> dict[str, torch.Tensor]:
         """Swap mode: each parameter's view into the copy it does not read now (after
         :meth:`stage`, the staged version's bytes)."""
-        assert self._views is not None, "stage() first: the engine is not placed in swap mode"
-        return self._views.views[1 - self._serving]
+        views = self.memory.views
+        assert views is not None, "stage() first: the engine is not placed in swap mode"
+        return views.views[1 - self.memory.serving]
 
     def pulled_into(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in memory refits write (the engine's segments)."""
         at = t.data_ptr()
-        for seg in (self._engine_seg, self._shadow_seg, self._scratch_seg):
-            if seg is not None:
-                base = seg.numpy().ctypes.data
-                if base <= at < base + seg.size:
+        for area in (self.memory.engine, self.memory.shadow, self.memory.scratch):
+            if area is not None and area.seg is not None:
+                base = area.seg.numpy().ctypes.data
+                if base <= at < base + area.seg.size:
                     return True
         return False

@@ -395,8 +395,8 @@ async def test_pulls_kept_for_a_buffer_are_lowered_again_once_the_scratch_they_n
         await r.refit()
         assert mismatched(eng, cfg, par, state) == []
         if version == 2:  # as a plan needing more scratch would: a new, larger region
-            old = r._scratch_region
-            assert old is not None
+            assert r.memory.scratch is not None
+            old = r.memory.scratch.region
             assert (await r._scratch(2 * old.nbytes)).region_id != old.region_id
     assert r is not None
     await r.close()

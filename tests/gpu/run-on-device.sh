@@ -7,7 +7,7 @@
 # There (the checkout and .device-pack/ sent along):
 #   source .device-pack/setup.sh && tests/gpu/run-on-device.sh [bench gpu options]
 #
-# Three parts: tests (tests/gpu, 360 s at most), bench (`refitd bench gpu`, 300 s at most),
+# Three parts: tests (tests/gpu and the one install on the GPU, 360 s at most), bench (`refitd bench gpu`, 300 s at most),
 # offload (`refitd bench offload --device cuda`, 180 s at most). RUN names the parts to run,
 # comma-separated (default: all three); all three do not fit one 10-minute command, so run
 # RUN=tests, then RUN=bench,offload.
@@ -59,7 +59,7 @@ runs() { case ",${RUN:-tests,bench,offload}," in *",$1,"*) return 0 ;; *) return
 tests=0 bench=0 offload=0
 if runs tests; then
   timeout 360 python3 -m pytest -c "$repo/pyproject.toml" --rootdir "$repo" -p no:cacheprovider \
-    -q -rs "$repo/tests/gpu" 2>&1 | tee "$out/pytest.txt"
+    -q -rs "$repo/tests/gpu" "$repo/tests/client/test_client_install.py" 2>&1 | tee "$out/pytest.txt"
   tests=${PIPESTATUS[0]}
 fi
 if runs bench; then

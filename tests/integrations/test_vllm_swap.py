@@ -26,7 +26,6 @@ from support.engines import serving_swap_engine
 from support.vllm_world import fresh_serving, refit_engine, vllm_environment
 
 from refitd.client.http import RefitClient
-from refitd.client.swap import unwritten_ranges
 from refitd.daemon.app.node import Daemon
 from refitd.errors import ConflictError
 from refitd.wire import PullState
@@ -35,14 +34,6 @@ from transports.local import copy_addresses
 pytestmark = pytest.mark.timeout(600)
 
 SECRET = b"s" * 32
-
-
-def test_the_bytes_a_swap_carries_over_are_exactly_those_no_pull_writes() -> None:
-    spans = [(0, 100), (128, 64), (256, 16)]
-    written = [(10, 20), (25, 30), (128, 64), (0, 5), (260, 4)]
-    assert unwritten_ranges(spans, written) == [(5, 5), (55, 45), (256, 4), (264, 8)]
-    assert unwritten_ranges(spans, [(0, 1000)]) == []
-    assert unwritten_ranges(spans, []) == spans
 
 
 async def test_on_the_toy_engine_a_pull_failing_after_its_bytes_landed_installs_nothing() -> None:

@@ -119,8 +119,8 @@ async def test_receivers_see_a_clear_error_while_the_source_restarts_then_refit_
                 assert mismatched(engines[i], cfg, par[i], stamped(base, 1)) == []
             old = await source.manifest(MODEL, 1)
             old_regions = {sh.region for t in old.tensors for sh in t.shards}
-            dst = receivers[0]._engine_region
-            assert dst is not None
+            assert receivers[0].memory.engine is not None
+            dst = receivers[0].memory.engine.region
             if how == "kill":
                 os.kill(a1.pid, signal.SIGKILL)
             # (on "term", leaving the block stops it with SIGTERM)

@@ -1,8 +1,9 @@
 """Where an engine's parameters live decides where refitd puts them; CPU checks.
 
 GPU parameters stay on their GPU (tests/gpu/test_gpu_regions.py, on a GPU); host
-parameters keep the shared-segment path (the rest of tests/e2e). Here: an engine
-whose parameters are spread over devices is refused before anything is registered.
+parameters keep the shared-segment path (tests/e2e). Here: an engine whose
+parameters are spread over devices is refused before anything is registered
+(:class:`~refitd.client.engine.EngineMemory`), and a host tensor is not placed.
 """
 
 from __future__ import annotations
