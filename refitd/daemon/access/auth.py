@@ -21,7 +21,8 @@ Policy (``[server]`` in the config):
   whoever created it; :func:`check_owner` refuses reading, writing or deleting
   another principal's region (403), and an object that belongs to nobody (owner
   ``""``). Root on the Unix socket may act on any. :func:`sees_region` hides a
-  region's segment name and holder from everyone but its owner.
+  region's segment name and holder from everyone but its owner. Who sees what is
+  one rule, :meth:`Principal.sees`: every check, listing and scrape asks it.
 - **Size.** A request body over ``max_request_bytes`` is refused with 413 and a
   JSON body naming the limit, before the body is read.
 
@@ -93,11 +94,19 @@ class Principal:
         """Root on the Unix socket may act on any region."""
         return self.via == "unix" and self.uid == 0
 
+    def sees(self, *owners: str) -> bool:
+        """The one access rule: whether this principal sees (and may act on) an object
+        that any of ``owners`` owns. Without authentication every client is the one
+        principal ``loopback`` and sees everything; root on the Unix socket sees
+        everything; an authenticated principal sees only what it owns. An object
+        without an owner (``""``) belongs to nobody an authenticated principal could
+        be."""
+        return not self.authenticated or self.admin or self.name in owners
+
     def refusal(self, owner: str, action: str, what: str) -> str | None:
         """Why this principal may not ``action`` (a verb) ``what`` (an object named
-        for the refusal) that ``owner`` owns, or None when it may. An object without
-        an owner (``""``) belongs to nobody an authenticated principal could be."""
-        if not self.authenticated or self.admin or owner == self.name:
+        for the refusal) that ``owner`` owns, or None when it may (:meth:`sees`)."""
+        if self.sees(owner):
             return None
         whose = f"it belongs to {owner}" if owner else "it belongs to no principal"
         return f"{self.name} may not {action} {what}: {whose}"
@@ -355,7 +364,7 @@ def owner_for(request: web.Request, requested: str = "") -> str:
     who = principal_of(request)
     if not who.authenticated:
         return requested
-    if requested and requested != who.name and not who.admin:
+    if requested and not who.sees(requested):
         raise _forbidden(request, f"{who.name} may not create a region owned by {requested!r}")
     return requested if requested and who.admin else who.name
 
@@ -376,8 +385,7 @@ def sees_region(request: web.Request, info: RegionInfo) -> RegionInfo:
     """``info`` as ``request``'s principal may see it: a region's segment name and
     holder process are its owner's (and root's) to know; anyone else gets the record
     without them (the name is what maps the memory, the holder who keeps it)."""
-    who = principal_of(request)
-    if not who.authenticated or who.admin or info.owner == who.name:
+    if principal_of(request).sees(info.owner):
         return info
     return msgspec.structs.replace(info, handle="", holder="")
 
