@@ -5,7 +5,8 @@ offsets and sizes are in bytes, relative to the start of the region. A batch is 
 numpy structured array of ``READ_DTYPE`` (so a daemon passes 100k reads without a
 Python object per read). Every rule about a batch is written here once, on that
 layout, and every transport goes through it: conversion (`as_read_batch`, the wire's
-rows), bounds and overlap (`validate_batch`), merging (`coalesce`), cutting
+rows), bounds (`within`, the one range containment refitd has) and overlap
+(`validate_batch`), merging (`coalesce`), cutting
 (`split_shares`, `split_pieces`) and the ranges a failed batch leaves undefined
 (`suspect_ranges`, through `merge_ranges`, the one range merge refitd has).
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +38,7 @@ __all__ = [
     "split_shares",
     "suspect_ranges",
     "validate_batch",
+    "within",
 ]
 
 
@@ -111,6 +113,26 @@ def as_read_batch(batch: ReadBatch | npt.NDArray[np.int64] | Iterable[Sequence[i
     return np.array(rows, dtype=READ_DTYPE).reshape(-1)
 
 
+@overload
+def within(offset: int, nbytes: int, size: int) -> bool: ...
+@overload
+def within(
+    offset: npt.NDArray[np.int64],
+    nbytes: npt.NDArray[np.int64] | int,
+    size: npt.NDArray[np.int64] | int,
+) -> npt.NDArray[np.bool_]: ...
+def within(offset: object, nbytes: object, size: object) -> object:
+    """Whether the byte range ``[offset, offset + nbytes)`` lies inside ``[0, size)``:
+    ``offset >= 0``, ``nbytes >= 0`` and ``offset <= size - nbytes`` (no sum, so no
+    int64 overflows). A zero-byte range anywhere in ``[0, size]`` is inside; nothing
+    is inside a negative size. Elementwise over numpy arrays (a mask), a ``bool`` for
+    ints. The one range containment refitd has: every bound of a read, a shard, a
+    digest row and a view asks it."""
+    o, n, s = cast(Any, offset), cast(Any, nbytes), cast(Any, size)
+    inside = (o >= 0) & (n >= 0) & (o <= s - n)
+    return bool(inside) if isinstance(inside, bool | np.bool_) else inside
+
+
 def _sizes_of(
     ids: npt.NDArray[np.int64], table: dict[int, int]
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
@@ -133,9 +155,8 @@ def validate_batch(
     """Refuse the whole batch, naming the first bad read, unless every read is in bounds.
 
     A read is in bounds when both region ids are registered (the table maps region
-    id -> size in bytes), ``offset >= 0``, ``nbytes >= 0`` and ``offset + nbytes <=
-    size`` on both sides (checked as ``offset <= size - nbytes`` so no sum can
-    overflow). A zero-byte read is allowed anywhere in ``[0, size]``. Destination
+    id -> size in bytes) and each side's range is :func:`within` its region. A
+    zero-byte read is allowed anywhere in ``[0, size]``. Destination
     ranges of one batch must not overlap: overlapping writes would race.
 
     ``remote_nbytes`` (one length per read, bytes), when given, is the length of the
@@ -166,12 +187,12 @@ def validate_batch(
         ("negative", ro < 0, lambda i: "negative remote offset"),
         (
             "remote_range",
-            ro > rsize - rn,
+            ~within(ro, rn, rsize),
             lambda i: f"remote range ends past the region's {int(rsize[i])} bytes",
         ),
         (
             "local_range",
-            lo > lsize - n,
+            ~within(lo, n, lsize),
             lambda i: f"local range ends past the region's {int(lsize[i])} bytes",
         ),
     ]

@@ -6,6 +6,7 @@ registered memory with one-sided reads (the peer's control logic takes no part).
     Transport                   one per daemon; an async context manager
     ├── register(id, segment)   -> LocalRegion: registered once, whole allocation
     ├── advertise()             -> PeerInfo: signed record a peer connects with
+    ├── capabilities            -> Capabilities: what it can do (asked, never its scheme)
     └── connect(PeerInfo)       -> Peer: an async context manager
                                    └── await get(batch)  # region-relative reads
 
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AdvertisedRegion",
     "ByteRange",
+    "Capabilities",
     "LeaseScope",
     "LocalRegion",
     "MappedMemory",
@@ -249,6 +251,30 @@ class LeaseScope:
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a transport can do: its users ask this, never its scheme's name.
+
+    ``rdma``: its reads are one-sided RDMA (chosen over a transport without it where
+    both ends run both). ``holds_reads``: its source's data server holds a read of
+    bytes not complete there yet until they are (``hold_reads``), so a reader may
+    ask ahead of them. ``reads_strided``: a reader maps the source's memory and
+    gathers strided blocks itself, straight into their destinations (no packing at
+    the source). ``shares_connections``: one connection per peer life serves every
+    reader (each scoped to its grant, :meth:`Peer.scoped`); False: each reader's
+    connection is its own, widened in place, and closed by that reader.
+    ``piece`` (bytes): a read longer than this is cut into pieces of it, so several
+    are in flight; ``batch_reads``: the most reads handed to :meth:`Peer.get` at once.
+    """
+
+    rdma: bool = False
+    holds_reads: bool = False
+    reads_strided: bool = False
+    shares_connections: bool = True
+    piece: int = 32 << 20
+    batch_reads: int = 2048
+
+
+@dataclass(frozen=True)
 class TransportOptions:
     """What every transport is built with (:meth:`Transport.from_options`):
     ``secret`` (≥ 16 bytes) and ``peer_id`` as for :class:`Transport`;
@@ -270,6 +296,8 @@ class Transport(ABC):
     """
 
     scheme: ClassVar[str]
+    #: what it can do (:class:`Capabilities`); the defaults unless it says more
+    capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init__(self, *, secret: bytes, peer_id: str = "") -> None:
         if len(secret) < 16:

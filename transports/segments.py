@@ -43,6 +43,7 @@ import numpy.typing as npt
 
 from refitd.errors import ConflictError, NotFoundError, ProtocolError
 
+from .batch import within
 from .memory import forget_host
 
 if TYPE_CHECKING:
@@ -306,13 +307,13 @@ class SharedSegment:
         if self._base is None:
             raise ConflictError(f"shared segment {self._name!r} is closed")
         dt = np.dtype(dtype)
-        if offset < 0 or offset > self._size:
+        if not within(offset, 0, self._size):
             raise ProtocolError(
                 f"view of {self._name!r} refused: byte offset {offset} outside [0, {self._size}]"
             )
         if count < 0:
             count = (self._size - offset) // dt.itemsize
-        if offset + count * dt.itemsize > self._size:
+        if not within(offset, count * dt.itemsize, self._size):
             raise ProtocolError(
                 f"view of {self._name!r} refused: {count} x {dt.itemsize} bytes at offset {offset} "
                 f"end past its {self._size} bytes"

@@ -51,6 +51,7 @@ from refitd.errors import ProtocolError, RefitError, TransportError
 from .batch import ReadBatch, as_read_batch, suspect_ranges, validate_batch
 from .interface import (
     AdvertisedRegion,
+    Capabilities,
     LeaseScope,
     LocalRegion,
     MappedMemory,
@@ -255,6 +256,15 @@ class ShmTransport(LocalTransport):
     (its copy engine)."""
 
     scheme = "shm"
+    #: A reader maps the peer's segments, so it gathers strided blocks itself, and its
+    #: connection (its mappings) is its own. A batch is one parallel memcpy that cuts
+    #: its bytes into per-thread shares itself, so reads are not cut (on the test host
+    #: a 1 GiB read cut into 32 MiB pieces moved at about 70% of the speed of the whole
+    #: read) and batches are large: each costs a validation and two thread hand-offs,
+    #: which on a busy host wait for a core.
+    capabilities = Capabilities(
+        reads_strided=True, shares_connections=False, piece=1 << 62, batch_reads=8192
+    )
 
     def __init__(
         self,

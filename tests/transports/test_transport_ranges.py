@@ -1,17 +1,26 @@
 """``merge_ranges``: the one range merge (suspect ranges, a lease's readable extents,
-a receiver's staged bytes), checked against the bytes the ranges cover."""
+a receiver's staged bytes), checked against the bytes the ranges cover; and
+``within``: the one range containment, checked against exact arithmetic and held by
+every bound that asks it."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refitd.daemon.access.trust import merge_extents
-from transports.batch import merge_ranges
+from refitd.daemon.mirror.digest import digest_rows
+from refitd.daemon.state.manifestcheck import check_manifest_bounds
+from refitd.errors import ProtocolError
+from refitd.wire import ManifestIn, ShardEntry, TensorEntry
+from transports.batch import merge_ranges, rows_as_batch, validate_batch, within
 from transports.interface import ByteRange
+from transports.segments import SharedSegment
 
 _range = st.tuples(st.integers(0, 3), st.integers(0, 200), st.integers(-5, 60))
 
@@ -43,3 +52,75 @@ def test_a_leases_extents_are_the_merged_ranges_as_start_end_pairs() -> None:
     assert merge_extents([(7, 0, 4), (7, 4, 9), (7, 20, 30), (3, 5, 5), (2, 8, 1)]) == {
         7: [(0, 9), (20, 30)]
     }
+
+
+# ---------------------------------------------------------------- containment
+
+_I64 = st.integers(-(2**63), 2**63 - 1)
+
+
+def _inside(offset: int, nbytes: int, size: int) -> bool:
+    """The rule in exact arithmetic: the reference the one function is held to."""
+    return offset >= 0 and nbytes >= 0 and offset + nbytes <= size
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(_I64, _I64, st.integers(0, 2**63 - 1)), min_size=1, max_size=20))
+def test_within_is_exact_containment_with_no_int64_overflow(
+    ranges: list[tuple[int, int, int]],
+) -> None:
+    o, n, s = (np.array([r[i] for r in ranges], np.int64) for i in range(3))
+    assert within(o, n, s).tolist() == [_inside(*r) for r in ranges]
+    assert [within(*r) for r in ranges] == [_inside(*r) for r in ranges]
+
+
+SIZE = 8
+CASES = [
+    (0, 0), (0, SIZE), (SIZE, 0), (SIZE - 1, 1),  # inside, to the very end
+    (SIZE - 1, 2), (SIZE + 1, 0), (0, SIZE + 1), (-1, 1),  # one byte out
+    (2**62, 2**62),  # whose end overflows int64
+]  # fmt: skip
+
+
+def _batch_remote(offset: int, nbytes: int) -> None:
+    # wire rows: (source region, offset, destination region, offset, nbytes)
+    batch = rows_as_batch(np.array([[1, offset, 2, 0, nbytes]], np.int64))
+    validate_batch(batch, {2: 2**62}, {1: SIZE})
+
+
+def _batch_local(offset: int, nbytes: int) -> None:
+    batch = rows_as_batch(np.array([[1, 0, 2, offset, nbytes]], np.int64))
+    validate_batch(batch, {2: SIZE}, {1: 2**62})
+
+
+def _digest_row(offset: int, nbytes: int) -> None:
+    digest_rows({1: memoryview(bytearray(SIZE))}, np.array([[1, offset, nbytes]], np.int64))
+
+
+def _manifest_shard(offset: int, nbytes: int) -> None:
+    shard = ShardEntry((0,), (nbytes,), 1, offset)
+    tensor = TensorEntry("w", (nbytes,), "uint8", [shard])
+    check_manifest_bounds(ManifestIn("m", 1, 0, 1, [tensor]), {1: SIZE})
+
+
+def _segment_view(offset: int, nbytes: int) -> None:
+    with SharedSegment.create(SIZE, "ranges") as seg:
+        seg.numpy(np.uint8, offset, nbytes)
+
+
+@pytest.mark.parametrize(
+    "check",
+    [_batch_remote, _batch_local, _digest_row, _manifest_shard, _segment_view],
+    ids=lambda f: f.__name__.strip("_"),
+)
+@pytest.mark.parametrize(("offset", "nbytes"), CASES)
+def test_every_bound_refuses_exactly_the_ranges_outside_their_region(
+    check: Callable[[int, int], None], offset: int, nbytes: int
+) -> None:
+    """A read's two sides, a digest row, a published shard and a segment view: each
+    refuses a range iff it leaves its region (:func:`transports.batch.within`)."""
+    if _inside(offset, nbytes, SIZE):
+        check(offset, nbytes)
+    else:
+        with pytest.raises(ProtocolError):
+            check(offset, nbytes)

@@ -59,6 +59,7 @@ from refitd.errors import NotFoundError, ProtocolError, TransportError
 from ..batch import ReadBatch, as_read_batch, coalesce, split_pieces, suspect_ranges, validate_batch
 from ..interface import (
     AdvertisedRegion,
+    Capabilities,
     LeaseScope,
     LocalRegion,
     MappedMemory,
@@ -399,6 +400,9 @@ class TcpTransport(Transport):
     `transports.tcp.serve` (the defaults are its constants)."""
 
     scheme = "tcp"
+    #: its data server holds a read of bytes not complete yet (:meth:`hold_reads`);
+    #: a batch may hold many small reads: they are gathered into requests over lanes
+    capabilities = Capabilities(holds_reads=True, batch_reads=16384)
 
     def __init__(
         self,

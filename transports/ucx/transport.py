@@ -68,6 +68,7 @@ from refitd.errors import NotFoundError, ProtocolError, TransportError
 from ..batch import ReadBatch, as_read_batch, suspect_ranges, validate_batch
 from ..interface import (
     AdvertisedRegion,
+    Capabilities,
     LocalRegion,
     MappedMemory,
     Peer,
@@ -150,6 +151,8 @@ class UcxTransport(Transport):
     other work a second lane gains nothing, so set 1 there."""
 
     scheme = "ucx"
+    #: 32 MiB pieces, so one large region keeps both batches busy
+    capabilities = Capabilities(rdma=True)
 
     def __init__(
         self,

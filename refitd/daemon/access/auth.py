@@ -21,13 +21,14 @@ Policy (``[server]`` in the config):
   whoever created it; :func:`check_owner` refuses reading, writing or deleting
   another principal's region (403), and an object that belongs to nobody (owner
   ``""``). Root on the Unix socket may act on any. :func:`sees_region` hides a
-  region's segment name and holder from everyone but its owner.
+  region's segment name and holder from everyone but its owner. Who sees what is
+  one rule, :meth:`Principal.sees`: every check, listing and scrape asks it.
 - **Size.** A request body over ``max_request_bytes`` is refused with 413 and a
   JSON body naming the limit, before the body is read.
 
-Refusals are JSON ``{"error": ..., "detail": ...}`` like every other error, with
-``error`` one of ``Unauthenticated`` (401), ``AccessDenied`` (403) or
-``RequestTooLarge`` (413).
+Refusals are ``{"error": ..., "detail": ...}`` like every other error (made in
+:mod:`refitd.daemon.app.refusals`), with ``error`` one of ``Unauthenticated`` (401),
+``AccessDenied`` (403) or ``RequestTooLarge`` (413).
 
 Integration: ``policy = check_startup(config.server)`` before binding, then
 ``setup_auth(app, policy)`` in the app factory; handlers that create a region record
@@ -52,6 +53,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from refitd.config import ServerConfig, is_loopback_host, resolve_group
+from refitd.daemon.app.refusals import forbidden, refused, too_large
 from refitd.errors import AccessDenied, ConfigError
 from refitd.wire import RegionInfo
 from refitd.wire import routes as api
@@ -93,11 +95,19 @@ class Principal:
         """Root on the Unix socket may act on any region."""
         return self.via == "unix" and self.uid == 0
 
+    def sees(self, *owners: str) -> bool:
+        """The one access rule: whether this principal sees (and may act on) an object
+        that any of ``owners`` owns. Without authentication every client is the one
+        principal ``loopback`` and sees everything; root on the Unix socket sees
+        everything; an authenticated principal sees only what it owns. An object
+        without an owner (``""``) belongs to nobody an authenticated principal could
+        be."""
+        return not self.authenticated or self.admin or self.name in owners
+
     def refusal(self, owner: str, action: str, what: str) -> str | None:
         """Why this principal may not ``action`` (a verb) ``what`` (an object named
-        for the refusal) that ``owner`` owns, or None when it may. An object without
-        an owner (``""``) belongs to nobody an authenticated principal could be."""
-        if not self.authenticated or self.admin or owner == self.name:
+        for the refusal) that ``owner`` owns, or None when it may (:meth:`sees`)."""
+        if self.sees(owner):
             return None
         whose = f"it belongs to {owner}" if owner else "it belongs to no principal"
         return f"{self.name} may not {action} {what}: {whose}"
@@ -228,29 +238,11 @@ def peer_uid(request: web.BaseRequest) -> int | None:
     return int(uid)
 
 
-MSGPACK = "application/msgpack"
-
-
-def _encode(request: web.BaseRequest, error: str, detail: str) -> tuple[bytes, str]:
-    """The ``{error, detail}`` body, in msgpack when the client asks for it (as the
-    daemon's own replies do), JSON otherwise."""
-    if MSGPACK in request.headers.get("Accept", ""):
-        return msgspec.msgpack.encode({"error": error, "detail": detail}), MSGPACK
-    return msgspec.json.encode({"error": error, "detail": detail}), "application/json"
-
-
-def _refusal(
-    request: web.BaseRequest, status: int, error: str, detail: str, **headers: str
-) -> web.Response:
-    body, content_type = _encode(request, error, detail)
-    return web.Response(status=status, body=body, content_type=content_type, headers=headers)
-
-
 def _identify(request: web.Request, policy: AccessPolicy) -> Principal | web.Response:
     uid = peer_uid(request)
     if uid is not None:
         if not policy.admits_uid(uid):
-            return _refusal(
+            return refused(
                 request,
                 403,
                 "AccessDenied",
@@ -259,7 +251,7 @@ def _identify(request: web.Request, policy: AccessPolicy) -> Principal | web.Res
             )
         return Principal(f"uid:{uid}", "unix", uid)
     if policy.tokens is None and policy.unix_socket:
-        return _refusal(
+        return refused(
             request,
             403,
             "AccessDenied",
@@ -272,14 +264,14 @@ def _identify(request: web.Request, policy: AccessPolicy) -> Principal | web.Res
     if policy.tokens is None:
         # check_startup guaranteed a loopback bind; the peer check guards a proxy.
         if request.remote is None or not is_loopback_host(request.remote):
-            return _refusal(
+            return refused(
                 request, 403, "AccessDenied", f"peer {request.remote} is not on loopback"
             )
         return LOOPBACK
     scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
     name = policy.tokens.lookup(presented.strip()) if scheme.lower() == "bearer" else None
     if name is None:
-        return _refusal(
+        return refused(
             request,
             401,
             "Unauthenticated",
@@ -290,17 +282,6 @@ def _identify(request: web.Request, policy: AccessPolicy) -> Principal | web.Res
     return Principal(name, "token")
 
 
-def _too_large(request: web.Request, limit: int, size: int | None) -> web.Response:
-    what = f"a body of {size} bytes" if size is not None else "a larger body"
-    return _refusal(
-        request,
-        413,
-        "RequestTooLarge",
-        f"{request.method} {request.path} sent {what}; this daemon accepts at most "
-        f"{limit} bytes (server.max_request_bytes)",
-    )
-
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -309,7 +290,7 @@ def _middleware(policy: AccessPolicy) -> Middleware:
     async def access(request: web.Request, handler: Handler) -> web.StreamResponse:
         limit = policy.max_request_bytes
         if request.content_length is not None and request.content_length > limit:
-            return _too_large(request, limit, request.content_length)
+            return too_large(request, limit, request.content_length)
         if request.path not in PUBLIC_PATHS:
             who = _identify(request, policy)
             if isinstance(who, web.Response):
@@ -321,8 +302,8 @@ def _middleware(policy: AccessPolicy) -> Middleware:
             limited[PRINCIPAL_KEY] = request[PRINCIPAL_KEY]
         try:
             return await handler(limited)
-        except web.HTTPRequestEntityTooLarge:
-            return _too_large(request, limit, None)
+        except web.HTTPRequestEntityTooLarge:  # without the error middleware inside
+            return too_large(request, limit)
 
     return access
 
@@ -355,8 +336,8 @@ def owner_for(request: web.Request, requested: str = "") -> str:
     who = principal_of(request)
     if not who.authenticated:
         return requested
-    if requested and requested != who.name and not who.admin:
-        raise _forbidden(request, f"{who.name} may not create a region owned by {requested!r}")
+    if requested and not who.sees(requested):
+        raise forbidden(request, f"{who.name} may not create a region owned by {requested!r}")
     return requested if requested and who.admin else who.name
 
 
@@ -369,23 +350,13 @@ def check_owner(request: web.Request, owner: str, action: str, what: str) -> Non
     """
     why = principal_of(request).refusal(owner, action, what)
     if why is not None:
-        raise _forbidden(request, why)
+        raise forbidden(request, why)
 
 
 def sees_region(request: web.Request, info: RegionInfo) -> RegionInfo:
     """``info`` as ``request``'s principal may see it: a region's segment name and
     holder process are its owner's (and root's) to know; anyone else gets the record
     without them (the name is what maps the memory, the holder who keeps it)."""
-    who = principal_of(request)
-    if not who.authenticated or who.admin or info.owner == who.name:
+    if principal_of(request).sees(info.owner):
         return info
     return msgspec.structs.replace(info, handle="", holder="")
-
-
-def _forbidden(request: web.Request, detail: str) -> web.HTTPForbidden:
-    body, content_type = _encode(request, "AccessDenied", detail)
-    refusal = web.HTTPForbidden()
-    # Set after construction: aiohttp deprecates body= on its HTTP exceptions.
-    refusal.body = body
-    refusal.content_type = content_type
-    return refusal

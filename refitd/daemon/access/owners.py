@@ -47,10 +47,8 @@ class ModelOwners:
         """Refuse (:class:`AccessDenied`, 403) ``action`` on ``model`` by a principal
         that does not own it. A model nobody owns yet passes (its first publisher
         becomes its owner, see :meth:`claim`), unless the config lists its owners."""
-        if not who.authenticated or who.admin:
-            return
         owners = self.owners(model)
-        if owners and who.name not in owners:
+        if owners and not who.sees(*owners):
             named = ", ".join(sorted(owners))
             raise AccessDenied(
                 f"{who.name} may not {action} model {model!r}: it belongs to {named}; only a "
@@ -108,9 +106,7 @@ class ModelOwners:
         holds as a host mirror is leased only under a live lease at its source as well:
         :meth:`refitd.daemon.mirror.mirrors.Mirrors.admit_lease`.)"""
         readers = self._readers.get(model)
-        if readers is None or not who.authenticated or who.admin:
-            return True
-        return who.name in readers or who.name in self.owners(model)
+        return readers is None or who.sees(*readers, *self.owners(model))
 
     def check_read(self, who: Principal, model: str, action: str) -> None:
         """Refuse (:class:`AccessDenied`, 403) ``action`` by a principal that is not

@@ -12,6 +12,7 @@ Modules:
 - `openapi`: the OpenAPI 3.1 document, generated from the live router
 - `process`: ``refitd serve``: one daemon process, its loop, listeners and ordered
   shutdown on SIGTERM/SIGINT
+- `refusals`: refusals as HTTP: the one ``{"error", "detail"}`` body, and the one 413
 - `sdnotify`: systemd's notify protocol
 - `service`: the daemon as an operated service: config, access, metrics, API
 - `waits`: long polls: how long one may wait, how many one principal holds open

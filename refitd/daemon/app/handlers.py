@@ -286,9 +286,7 @@ async def submit_pull(request: web.Request) -> web.Response:
 async def list_pulls(request: web.Request) -> web.Response:
     """The caller's own pulls (every pull for root, or without authentication)."""
     who = principal_of(request)
-    jobs = list(request.app[PULLS].jobs.values())
-    if who.authenticated and not who.admin:
-        jobs = [j for j in jobs if j.owner == who.name]
+    jobs = [j for j in request.app[PULLS].jobs.values() if who.sees(j.owner)]
     return reply(request, [j.snapshot() for j in jobs])
 
 

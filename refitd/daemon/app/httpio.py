@@ -27,10 +27,10 @@ import msgspec
 from aiohttp import web
 
 from refitd.daemon.app.node import Daemon
+from refitd.daemon.app.refusals import refused, too_large
 from refitd.errors import ProtocolError, RefitError
 from refitd.wire import (
     MSGPACK,
-    ErrorBody,
     ManifestHead,
     ManifestIn,
     TensorEntry,
@@ -248,22 +248,20 @@ def _decode_manifest(raw: bytes, as_msgpack: bool, max_shards: int, what: str) -
 
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The one place refusals become HTTP: RefitError tree -> status + ErrorBody."""
+    """The one place raised refusals become HTTP: RefitError tree -> status, and the
+    body :mod:`refitd.daemon.app.refusals` makes of every refusal."""
     try:
         return await handler(request)
     except RefitError as exc:
-        return reply(request, ErrorBody(type(exc).__name__, str(exc)), status_of(exc))
-    except web.HTTPRequestEntityTooLarge as exc:
-        return reply(
-            request, ErrorBody("RequestTooLarge", f"request body too large: {exc.text}"), 413
-        )
+        return refused(request, status_of(exc), type(exc).__name__, str(exc))
+    except web.HTTPRequestEntityTooLarge:
+        return too_large(request, request.client_max_size)
     except web.HTTPException as exc:
         if exc.status < 400 or exc.content_type in (MSGPACK, "application/json"):
             raise  # a redirect, or a refusal already in our error shape
         # aiohttp's own refusals (no such route, method not allowed) in our error shape.
         name = "NotFoundError" if exc.status == 404 else "ProtocolError"
-        detail = f"{request.method} {request.path}: {exc.reason}"
-        return reply(request, ErrorBody(name, detail), exc.status)
+        return refused(request, exc.status, name, f"{request.method} {request.path}: {exc.reason}")
 
 
 def query_int(request: web.Request, name: str) -> int:

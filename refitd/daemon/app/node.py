@@ -29,7 +29,7 @@ from refitd.daemon.access.caps import Caps
 from refitd.daemon.access.owners import ModelOwners
 from refitd.daemon.access.peers import PeerPolicy
 from refitd.daemon.access.trust import Extents
-from refitd.daemon.pull.paths import peer_paths
+from refitd.daemon.pull.paths import AUTO, peer_paths, probes_ucx
 from refitd.daemon.pull.plancheck import check_runs
 from refitd.daemon.state.drain import LeaseDrain
 from refitd.daemon.state.plane import TransportSet
@@ -60,7 +60,6 @@ from transports.shm import boot_id as host_boot_id
 
 __all__ = [
     "AUTO",
-    "SHM_SCHEME",
     "STAGING_POOL",
     "Daemon",
 ]
@@ -69,17 +68,6 @@ log = logging.getLogger("refitd.daemon")
 
 MANIFEST_CHECKS = 2
 """Published manifests decoded and checked at once; more wait their turn."""
-
-SHM_SCHEME = "shm"
-"""The built-in same-host data plane: map the peer daemon's segments by name."""
-
-AUTO = "auto"
-"""The default data-plane mode: per source peer the same-host shared-memory path
-whenever that peer is proven to share this host's memory, else UCX where both ends
-have RDMA, else ``tcp`` (see :mod:`refitd.daemon.pull.paths`)."""
-
-UCX_SCHEME = "ucx"
-"""UCX: ``auto`` starts it beside ``tcp`` where this host's UCX offers RDMA."""
 
 
 class Daemon:
@@ -185,7 +173,8 @@ class Daemon:
         if mode == AUTO and rdma_devices():
             await self.probe_ucx()  # its answer decides whether UCX starts
         # ``ucx`` starts UCX whatever ucx_info says: ask it while UCX starts.
-        probing = asyncio.create_task(self.probe_ucx()) if mode == UCX_SCHEME else None
+        forced = probes_ucx(mode) and mode != AUTO
+        probing = asyncio.create_task(self.probe_ucx()) if forced else None
         try:
             await self._start_transports(transport_schemes(mode, self.ucx_transports))
             if probing is not None:
@@ -233,7 +222,7 @@ class Daemon:
         """What this host's UCX can use (``ucx_info -d``, about 0.4 s), asked once, in
         the modes that may run UCX (``auto``, ``ucx``): at start where UCX may start,
         else when ``/v1/node`` first asks. Empty in other modes."""
-        if self.mode not in (AUTO, UCX_SCHEME):
+        if not probes_ucx(self.mode):
             return []
         async with self._ucx_probe:  # a second asker waits for the first one's answer
             if not self._ucx_probed:
@@ -265,7 +254,10 @@ class Daemon:
             shm_huge_pages=huge_page_mode(),
             ucx_transports=self.ucx_transports,
             paths=peer_paths(
-                self.mode, self.plane.by_scheme, self.peers.trusted(), self.seen_paths
+                self.mode,
+                {s: t.capabilities for s, t in self.plane.by_scheme.items()},
+                self.peers.trusted(),
+                self.seen_paths,
             ),
         )
 
@@ -445,7 +437,7 @@ class Daemon:
             advert = next(iter(adverts.values()), b"")
             # The same-host path's: every region the lease may read and no other (a
             # staging record asked for later lists the version's regions too).
-            adverts[SHM_SCHEME] = self.plane.shm.advertise(sorted(allowed)).encode()
+            adverts[self.plane.shm.scheme] = self.plane.shm.advertise(sorted(allowed)).encode()
         rec = PeerRegions(
             self.node_id,
             self.incarnation,

@@ -102,8 +102,8 @@ def _snapshot(app: web.Application) -> StateSnapshot:
     who = principal_of(scrape) if scrape is not None else None
 
     def scraper_sees(owner: str) -> bool:
-        # as the API's listings decide: every object for root or without authentication
-        return who is None or not who.authenticated or who.admin or who.name == owner
+        # as the API's listings decide (a scrape outside a request: the daemon's own)
+        return who is None or who.sees(owner)
 
     from refitd.daemon.experts.pools import POOLS
 

@@ -41,9 +41,7 @@ async def create_pool(request: web.Request) -> web.Response:
 async def list_pools(request: web.Request) -> web.Response:
     """The caller's own pools (every pool for root, or without authentication)."""
     who = principal_of(request)
-    pools = request.app[POOLS].all()
-    if who.authenticated and not who.admin:
-        pools = [p for p in pools if p.owner == who.name]
+    pools = [p for p in request.app[POOLS].all() if who.sees(p.owner)]
     return reply(request, [pool.info() for pool in pools])
 
 

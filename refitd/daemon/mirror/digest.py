@@ -45,6 +45,7 @@ from refitd.daemon.mirror.chunks import chunk_bytes, cut_chunks
 from refitd.errors import AccessDenied, ConflictError, NotFoundError, ProtocolError, RefitError
 from refitd.wire import VersionState
 from refitd.wire.digests import DIGEST_BYTES, ChunkDigests
+from transports.batch import within
 
 if TYPE_CHECKING:
     from refitd.daemon.app.node import Daemon
@@ -101,7 +102,7 @@ def _check_rows(views: Mapping[int, memoryview], rows: npt.NDArray[np.int64]) ->
     known = (keys[at] == rows[:, 0]) if len(keys) else np.zeros(len(rows), dtype=bool)
     limit = np.where(known, sizes[at] if len(keys) else 0, 0)
     off, n = rows[:, 1], rows[:, 2]
-    bad = ~known | (off < 0) | (n < 0) | (n > limit - off)
+    bad = ~known | ~within(off, n, limit)
     if bool(bad.any()):
         i = int(np.argmax(bad))
         rid, o, k = (int(x) for x in rows[i])

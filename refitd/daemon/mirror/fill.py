@@ -7,7 +7,7 @@ reads from every holder the source's book deals chunks to at once); its
 A relay is read under a peer daemon's lease of its own registry, its feed
 (:mod:`refitd.daemon.mirror.feed`) saying which chunks it serves now; over ``tcp`` the
 reads go out ahead and its data server answers each once its chunk is complete
-there. Every read is a job of the daemon's one byte loop
+there (a transport that holds reads, :class:`~transports.interface.Capabilities`). Every read is a job of the daemon's one byte loop
 (:func:`refitd.daemon.mirror.read.fill_chunks`).
 """
 
@@ -30,7 +30,6 @@ from refitd.daemon.mirror.leases import OWNER
 from refitd.daemon.mirror.read import FILL_IN_FLIGHT_BYTES, Regranted, answer_s, fill_chunks
 from refitd.daemon.mirror.swarm import Swarm, report_done
 from refitd.daemon.pull.move import one_error
-from refitd.daemon.pull.paths import SHM_SCHEME, TCP_SCHEME
 from refitd.daemon.pull.sources import RemoteSource
 from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import PeerRegions
@@ -160,7 +159,7 @@ class Filler:
                 in_flight_bytes=in_flight_bytes,
             )  # fmt: skip
         finally:
-            if path == SHM_SCHEME:  # a transport's connection is shared: it stays open
+            if self.pulls.owns(path):  # a shared connection stays open
                 await conn.close()
 
     async def from_relay(
@@ -221,7 +220,7 @@ class Filler:
                 feed.conn.cut()
             raise
         finally:
-            if feed.conn is not None and feed.path == SHM_SCHEME:
+            if feed.conn is not None and self.pulls.owns(feed.path):
                 await feed.conn.close()
             with contextlib.suppress(RefitError, TimeoutError):
                 async with asyncio.timeout(deadline):
@@ -308,16 +307,14 @@ class Feed:
         if self.conn is None:
             self.their = dict(regions)
             self.path, conn = await pulls.open_path(self.relay, rec)
-            if self.path == TCP_SCHEME:  # its data server holds reads until complete
-                conn = await pulls.regrant(self._whole(rec), self.path)
+            if pulls.plane.caps(self.path).holds_reads:  # held there until complete
+                conn = await pulls.regrant(self._whole(rec), self.path, conn)
                 self.ahead = True
             self.conn = Regranted(conn)
         elif self.ahead:
             pass  # the grant is the whole version already
-        elif self.path == SHM_SCHEME:
-            await self.conn.update(pulls.shm_credential(rec))
         else:
-            self.conn.swap(await pulls.regrant(rec, self.path))
+            self.conn.swap(await pulls.regrant(rec, self.path, self.conn.current))
         back = {v: k for k, v in self.their.items()}
         scope = {back[int(k)]: v for k, v in rec.scope.items() if int(k) in back}
         self.served |= covered(self.m.chunks, scope)

@@ -30,7 +30,6 @@ import numpy.typing as npt
 from refitd.daemon.mirror.chunks import Mirror, chunk_reads
 from refitd.daemon.pull import core as pullcore
 from refitd.daemon.pull.move import move
-from refitd.daemon.pull.paths import SHM_SCHEME
 from refitd.daemon.pull.pulls import PullManager
 from refitd.daemon.pull.sources import Gated, LocalSource, RemoteSource
 from refitd.wire import DescriptorTable, PeerRegions, PullRequest
@@ -182,7 +181,7 @@ class MirrorGate:
     def __init__(self, m: Mirror) -> None:
         self.m = m
 
-    def gated(self, rows: np.ndarray, done: np.ndarray | None) -> Gated:
+    def gated(self, rows: np.ndarray, done: np.ndarray | None, batch_reads: int) -> Gated:
         m = self.m
         local = {s: r.region_id for s, r in m.regions.items()}
         chunks = m.chunks.copy()
@@ -193,7 +192,7 @@ class MirrorGate:
         order = np.argsort(fill, kind="stable")
         cut_rows, ends, fill = cut_rows[order], ends[order], fill[order]
         per_span = BATCH_CHUNKS * int(m.chunks[:, 2].max(initial=1))
-        spans = pullcore.spans(cut_rows[:, 4], pullcore.pace_for(SHM_SCHEME).reads, per_span)
+        spans = pullcore.spans(cut_rows[:, 4], batch_reads, per_span)
 
         async def ready(lo: int, hi: int) -> None:
             await m.wait_chunks(np.unique(fill[lo:hi]))

@@ -18,7 +18,7 @@ import msgspec
 import numpy as np
 
 from refitd.daemon.access.trust import check_pack_reads, check_reads
-from refitd.daemon.pull.paths import AUTO, SHM_SCHEME, TCP_SCHEME
+from refitd.daemon.pull.paths import AUTO, SHM_ONLY
 from refitd.daemon.pull.plancheck import runs_of, validate_descriptors, validate_plan
 from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import (
@@ -31,9 +31,10 @@ from refitd.wire import (
     StagedPack,
 )
 from transports.batch import ReadBatch, read_spans, rows_as_batch, split_pieces, suspect_ranges
+from transports.interface import Capabilities
 
 __all__ = [
-    "PACE",
+    "BATCH_BYTES",
     "TRANSPORT_PACE",
     "Pace",
     "cancelled",
@@ -160,7 +161,7 @@ def shm_refused(mode: str, node_id: str, refusal: str) -> str:
     ``shm`` transport did not connect), for the remote choice to name. Raises
     :class:`TransportError` (nothing moved) when ``mode`` is ``shm``: no other path
     is allowed."""
-    if mode == SHM_SCHEME:
+    if mode == SHM_ONLY:
         raise TransportError(
             f"pull from {node_id!r} refused before any byte moved: this daemon "
             "runs the shared-memory path only (--transport shm), and that path is "
@@ -180,7 +181,7 @@ def refuse_peer_devices(peer: PeerRegions, mode: str) -> None:
     GPU regions on the ``shm``-only path: it maps a peer's segments by name, and a
     GPU allocation has none. Other paths read them through the source's staging."""
     gpu = peer_devices(peer)
-    if gpu and mode == SHM_SCHEME:
+    if gpu and mode == SHM_ONLY:
         raise TransportError(
             f"pull from {peer.node_id!r} refused before any byte moved: its region(s) "
             f"{gpu} are GPU memory, which only the daemon holding them reads, and this "
@@ -217,7 +218,7 @@ def placed(
 
 def tries_shm(mode: str) -> bool:
     """Whether a daemon in ``mode`` tries the ``shm`` path for another daemon first."""
-    return mode in (AUTO, SHM_SCHEME)
+    return mode in (AUTO, SHM_ONLY)
 
 
 def forced(mode: str) -> str:
@@ -241,24 +242,20 @@ class Pace:
     max_bytes: int
 
 
-TRANSPORT_PACE = Pace(piece=32 << 20, reads=2048, max_bytes=256 << 20)
-"""The transport's (UCX): 32 MiB reads, so one large region keeps both batches busy."""
-
-PACE = {
-    SHM_SCHEME: Pace(piece=1 << 62, reads=8192, max_bytes=256 << 20),
-    TCP_SCHEME: Pace(piece=32 << 20, reads=16384, max_bytes=256 << 20),
-}
-"""Per path, where it differs from ``TRANSPORT_PACE``. A same-host batch is one
-parallel memcpy that cuts its bytes into per-thread shares itself, so reads are not
-cut (on the test host a 1 GiB read cut into 32 MiB pieces moved at about 70% of the
-speed of the whole read) and batches are large: each costs a validation and two
-thread hand-offs, which on a busy host wait for a core. Over ``tcp`` a batch may
-hold many small reads: the transport gathers them into requests over its lanes."""
+BATCH_BYTES = 256 << 20
+"""About the most bytes of one batch handed to a data plane, whatever the path."""
 
 
-def pace_for(path: str) -> Pace:
-    """The :class:`Pace` of ``path`` (a scheme)."""
-    return PACE.get(path, TRANSPORT_PACE)
+def pace_for(caps: Capabilities) -> Pace:
+    """The :class:`Pace` of a path whose transport can do ``caps``: its pieces and
+    reads a batch (:class:`~transports.interface.Capabilities`), batches of about
+    :data:`BATCH_BYTES`."""
+    return Pace(piece=caps.piece, reads=caps.batch_reads, max_bytes=BATCH_BYTES)
+
+
+TRANSPORT_PACE = pace_for(Capabilities())
+"""A transport's that says nothing of its pace (UCX's): 32 MiB reads, so one large
+region keeps both batches busy."""
 
 
 def cut(

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from refitd.daemon.pull.devstaging import StagedPeer
 from refitd.wire import ErrorBody, PullProgress, PullRequest, PullState
-from transports.interface import Peer
+from transports.interface import Capabilities, Peer
 
 __all__ = ["PullJob"]
 
@@ -33,6 +33,8 @@ class PullJob:
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     path: str = ""  # "shm" or the transport's scheme: decided at submit
+    #: what the transport of its path can do (how its reads are cut and batched)
+    caps: Capabilities = field(default_factory=Capabilities)
     #: the same-host connection chosen at submit (None: the transport's, made later)
     conn: Peer | None = None
     cancel_reason: str = ""

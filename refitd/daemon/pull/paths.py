@@ -1,4 +1,7 @@
-"""Which data path a daemon runs, and which one reads each peer: the one place that decides.
+"""Which data path a daemon runs, and which one reads each peer: the one place that decides,
+and the one module of the daemon that names a scheme (a mode of the config, what
+``auto`` starts, a key of a peer's advertisements). Everywhere else the daemon asks a
+transport what it can do (:class:`~transports.interface.Capabilities`).
 
 Modes (``data_plane.transport``):
 
@@ -6,8 +9,8 @@ Modes (``data_plane.transport``):
   TCP); UCX as well only when the UCX this host loads offers an RDMA transport
   (``ucx_info -d`` lists ``rc_verbs``, ``rc_mlx5``, ``dc_mlx5``, ...). Per source
   peer: ``shm`` when the peer is proven to share this host's memory (same kernel
-  boot, every segment the very file its record names); else ``ucx`` when both ends
-  run UCX (both have RDMA); else ``tcp``.
+  boot, every segment the very file its record names); else a transport with RDMA
+  (``ucx``) when both ends run it; else the first other transport both run (``tcp``).
 - ``shm``: the same-host path only.
 - ``tcp`` or ``ucx`` (or any registered scheme): every other-host peer through it
   (a same-host peer still reads through ``shm`` in ``auto`` only).
@@ -27,21 +30,25 @@ import os
 import socket
 import time
 import urllib.parse
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from refitd.errors import TransportError
 from refitd.wire import PeerRegions, RegionKind
-from transports.interface import LeaseScope, PeerInfo, TransportOptions
+from transports.interface import Capabilities, LeaseScope, PeerInfo, TransportOptions
 from transports.tcp import TcpOptions
 
 __all__ = [
     "AUTO",
+    "SHM_ONLY",
+    "SHM_SCHEME",
     "TCP_SCHEME",
     "UCX_SCHEME",
+    "advert_of",
     "choose_remote",
     "has_rdma",
     "lease_scope",
     "peer_paths",
+    "probes_ucx",
     "rdma_devices",
     "transport_options",
     "transport_schemes",
@@ -51,8 +58,19 @@ AUTO = "auto"
 RESOLVE_TTL_S = 60.0
 """How long the tcp data server's admission keeps the trusted peers' resolved addresses."""
 SHM_SCHEME = "shm"
+"""The same-host transport's scheme: the key of its advertisement in a peer's records."""
+SHM_ONLY = SHM_SCHEME
+"""The mode that runs the same-host path only (a peer on another host is refused)."""
 TCP_SCHEME = "tcp"
+"""What ``auto`` always starts; the one transport built with a data server's options."""
 UCX_SCHEME = "ucx"
+"""What ``auto`` starts beside ``tcp`` where this host's UCX offers RDMA."""
+
+
+def probes_ucx(mode: str) -> bool:
+    """Whether a daemon in ``mode`` may run UCX, and so asks what this host's UCX can
+    use (``auto``, ``ucx``)."""
+    return mode in (AUTO, UCX_SCHEME)
 
 
 def has_rdma(ucx_transports: list[str]) -> bool:
@@ -77,7 +95,7 @@ def rdma_devices(root: str = "/sys/class/infiniband") -> list[str]:
 
 def transport_schemes(mode: str, ucx_transports: list[str]) -> list[str]:
     """The transports a daemon in ``mode`` starts, the first one its primary."""
-    if mode == SHM_SCHEME:
+    if mode == SHM_ONLY:
         return []
     if mode == AUTO:
         return [TCP_SCHEME, *([UCX_SCHEME] if has_rdma(ucx_transports) else [])]
@@ -161,6 +179,24 @@ def transport_options(
     )
 
 
+def advert_of(peer: PeerRegions, scheme: str) -> PeerInfo:
+    """``peer``'s advertisement of its ``scheme`` transport (the one a reader's
+    credential is made from); :class:`TransportError` when its records carry none
+    (records are given one only under a lease)."""
+    raw = peer.adverts.get(scheme)
+    if raw:
+        return PeerInfo.decode(raw)
+    if peer.advert:
+        info = PeerInfo.decode(peer.advert)
+        if info.scheme == scheme:
+            return info
+    what = "same-host" if scheme == SHM_SCHEME else scheme
+    raise TransportError(
+        f"the records of {peer.node_id!r} carry no {what} advertisement (records are "
+        "given one only under a lease)"
+    )
+
+
 def adverts(peer: PeerRegions) -> dict[str, PeerInfo]:
     """The data planes ``peer`` serves other hosts, by scheme (from its signed records;
     its same-host ``shm`` advertisement is the ``shm`` transport's to read)."""
@@ -172,11 +208,12 @@ def adverts(peer: PeerRegions) -> dict[str, PeerInfo]:
 
 
 def choose_remote(
-    mode: str, mine: Collection[str], peer: PeerRegions, why_not_shm: str
+    mode: str, mine: Mapping[str, Capabilities], peer: PeerRegions, why_not_shm: str
 ) -> tuple[str, str]:
     """``(scheme, why)``: the transport a pull from other-host ``peer`` reads through,
-    for a daemon in ``mode`` running the transports ``mine`` (schemes, in start
-    order). :class:`TransportError` (nothing moved) when none fits."""
+    for a daemon in ``mode`` running the transports ``mine`` (their capabilities by
+    scheme, in start order): in ``auto`` one with RDMA where both ends run it, else
+    the first both run. :class:`TransportError` (nothing moved) when none fits."""
     if not mine:
         raise TransportError(f"pull from {peer.node_id!r} refused: this daemon runs no transport")
     theirs = adverts(peer)
@@ -187,10 +224,12 @@ def choose_remote(
             f"because {why_not_shm}"
         )
     if mode == AUTO:
-        if UCX_SCHEME in mine and UCX_SCHEME in theirs:
-            return UCX_SCHEME, f"both ends run UCX with RDMA; not shm because {why_not_shm}"
-        if TCP_SCHEME in mine and TCP_SCHEME in theirs:
-            return TCP_SCHEME, (
+        both = [s for s in mine if s in theirs]
+        rdma = [s for s in both if mine[s].rdma]
+        if rdma:
+            return rdma[0], f"both ends run {rdma[0]} with RDMA; not shm because {why_not_shm}"
+        if both:
+            return both[0], (
                 "no RDMA between the two (UCX over tcp has no one-sided read); not shm "
                 f"because {why_not_shm}"
             )
@@ -216,19 +255,24 @@ def lease_scope(peer: PeerRegions) -> LeaseScope:
 
 
 def peer_paths(
-    mode: str, schemes: Collection[str], trusted: Iterable[str], seen: dict[str, tuple[str, str]]
+    mode: str,
+    mine: Mapping[str, Capabilities],
+    trusted: Iterable[str],
+    seen: dict[str, tuple[str, str]],
 ) -> dict[str, str]:
     """For ``refitd status``: per known peer (``trusted`` URLs, and peers pulls read
     from), the path a pull from it takes (``seen``: decided by a pull) or would
-    take, and why, for a daemon in ``mode`` running the transports ``schemes``."""
+    take, and why, for a daemon in ``mode`` running the transports ``mine`` (their
+    capabilities by scheme, in start order)."""
     out = {node: f"{path}: {why}" for node, (path, why) in seen.items()}
-    if mode == SHM_SCHEME:
+    if mode == SHM_ONLY:
         default = "shm: this daemon runs the same-host path only"
     elif mode == AUTO:
-        remote = UCX_SCHEME if UCX_SCHEME in schemes else TCP_SCHEME
+        rdma = [s for s, caps in mine.items() if caps.rdma]
+        remote = (rdma or list(mine) or [TCP_SCHEME])[0]
         why = (
             "this host's UCX offers RDMA (if the peer's does too)"
-            if remote == UCX_SCHEME
+            if rdma
             else "this host's UCX offers no RDMA"
         )
         default = f"shm if proven on this host at pull time, else {remote}: {why}"

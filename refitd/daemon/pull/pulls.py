@@ -48,7 +48,7 @@ from refitd.daemon.pull.job import PullJob
 from refitd.daemon.pull.listeners import Caller, PullListener, anyone
 from refitd.daemon.pull.machine import Cancel, Event, Fail, Finish, Gone, Move, Pull, Start, step
 from refitd.daemon.pull.move import IN_FLIGHT, move
-from refitd.daemon.pull.paths import SHM_SCHEME, adverts, choose_remote, lease_scope
+from refitd.daemon.pull.paths import advert_of, choose_remote, lease_scope
 from refitd.daemon.pull.plancheck import check_runs
 from refitd.daemon.pull.sources import Filling, LocalSource, Redirect, RemoteSource, Source
 from refitd.errors import NotFoundError, RefitError, TransportError
@@ -60,7 +60,7 @@ from refitd.wire import (
     StagedPack,
 )
 from transports.batch import ReadBatch
-from transports.interface import Peer, PeerInfo
+from transports.interface import Peer, PeerInfo, Transport
 
 __all__ = [
     "IN_FLIGHT",
@@ -225,7 +225,8 @@ class PullManager:
                 await conn.close()
             raise
         job.path, job.conn, job.owner, job.plan_bytes = path, conn, caller.name, cost
-        local = set(src_ids) if isinstance(src, LocalSource) else set()
+        job.caps = self.plane.caps(path)
+        local = src.own(src_ids)
         job.devices = "+".join(self.store.device_kinds(dst_ids | local))
         job.pins.enter_context(self.store.using(dst_ids | local))
         job.pins.enter_context(self.store.writing(dst_ids, job.pull_id))
@@ -304,14 +305,14 @@ class PullManager:
         pull = self._step(job, Pull(job.pull_id), Start())
         staged: StagedPack | None = None
         all_rows, done = rows, None
-        filling = src.filling if isinstance(src, LocalSource) else None
+        filling = src.filling
         try:
-            # Over shm the reader maps the source's memory: it gathers strided blocks
+            # A reader that maps the source's memory (shm) gathers strided blocks
             # itself, straight into their destinations (one copy, not pack then read).
             # Expanding them is numpy work on up to 2M rows: off the event loop.
             direct = (
                 await asyncio.to_thread(pullcore.direct_reads, req.pack_specs)
-                if req.pack_specs and job.path == SHM_SCHEME
+                if req.pack_specs and job.caps.reads_strided
                 else None
             )
             if direct is not None:
@@ -331,8 +332,9 @@ class PullManager:
                 pullcore.check_staged(extra, sp, req, self.store.regions.sizes())
                 peer = sp if peer is None else pullcore.merge_peer(peer, sp)
                 all_rows = np.concatenate([rows, extra])
-                if isinstance(src, LocalSource):
-                    job.pins.enter_context(self.store.using([staged.region.region_id]))
+                here = src.own([staged.region.region_id])
+                if here:
+                    job.pins.enter_context(self.store.using(here))
                 elif job.conn is not None:  # the staging segment joins the connection
                     await job.conn.update(self.shm_credential(peer))
             pull = self._step(job, pull, Move())  # from now on its ranges may be suspect
@@ -381,15 +383,18 @@ class PullManager:
         """The path a pull from ``src`` takes, decided before any byte moves, and for
         ``shm`` the connection it reads through.
 
-        ``shm`` for this daemon (a loopback connection of its ``shm`` transport, in
-        any mode); in mode ``auto`` or ``shm``, ``shm`` when the ``shm`` transport
-        connects to the peer (:meth:`shm_refusal` says why not otherwise); else (mode
-        ``auto`` or a scheme) the transport's scheme, when the peer advertises that
-        transport (connected when bytes first move).
+        ``shm`` for a source read where it is (:meth:`Source.loopback`: this daemon, a
+        loopback connection of its ``shm`` transport, in any mode); in mode ``auto``
+        or ``shm``, ``shm`` when the ``shm`` transport connects to the peer
+        (:meth:`shm_refusal` says why not otherwise); else (mode ``auto`` or a
+        scheme) the transport's scheme, when the peer advertises that transport
+        (connected when bytes first move).
         Raises :class:`TransportError` (nothing moved) when no path fits.
         """
-        if isinstance(src, LocalSource):
-            return SHM_SCHEME, self.plane.shm.loopback()
+        shm = self.plane.shm.scheme
+        here = src.loopback()
+        if here is not None:
+            return shm, here
         if peer is None:
             return "none", None  # nothing to read
         pullcore.refuse_peer_devices(peer, self.mode)
@@ -399,29 +404,52 @@ class PullManager:
         elif pullcore.tries_shm(self.mode):
             try:
                 conn = await self.plane.shm.connect(self.shm_credential(peer))
-                self.seen_paths[peer.node_id] = (SHM_SCHEME, "proven on this host")
-                return SHM_SCHEME, conn
+                self.seen_paths[peer.node_id] = (shm, "proven on this host")
+                return shm, conn
             except (RefitError, OSError) as exc:
                 why_not_shm = pullcore.shm_refused(self.mode, peer.node_id, str(exc))
-        scheme, why = choose_remote(self.mode, list(self.plane.by_scheme), peer, why_not_shm)
+        mine = {s: t.capabilities for s, t in self.plane.by_scheme.items()}
+        scheme, why = choose_remote(self.mode, mine, peer, why_not_shm)
         self.seen_paths[peer.node_id] = (scheme, why)
         log.info("pull from %s over %s: %s", peer.node_id, scheme, why)
         return scheme, None
 
     async def open_path(self, src: Source, peer: PeerRegions) -> tuple[str, Peer]:
         """The path a pull from ``src`` (its records ``peer``) would take, and a
-        connection on it, for reads made outside a pull (a host mirror's). A ``shm``
-        connection is the caller's to close; a transport's is shared, and stays open."""
+        connection on it, for reads made outside a pull (a host mirror's). A
+        connection of a path that does not share them (``shm``) is the caller's to
+        close; a shared one stays open (:meth:`owns`)."""
         path, conn = await self.choose_path(src, peer)
         if conn is None:
             conn = await self._transport_peer(peer, path)
         return path, conn
 
-    async def regrant(self, peer: PeerRegions, scheme: str) -> Peer:
-        """The ``scheme`` transport's connection to ``peer`` under a grant made from
-        these (newer) records: for reads outside a pull whose scope grows (a relay's
-        feed)."""
-        return await self._transport_peer(peer, scheme)
+    def owns(self, path: str) -> bool:
+        """Whether a connection :meth:`open_path` gave on ``path`` is its reader's own
+        (to close when done), not one shared by every reader of its peer."""
+        return not self.plane.caps(path).shares_connections
+
+    async def regrant(self, peer: PeerRegions, path: str, conn: Peer) -> Peer:
+        """A connection on ``path`` reading ``peer`` under a grant made from these
+        (newer) records, for reads outside a pull whose scope grows (a relay's feed):
+        ``conn`` itself, widened in place, where it is its reader's own (:meth:`owns`);
+        else the transport's shared connection, scoped to them."""
+        if self.owns(path):
+            return await conn.scoped(self._credential(peer, path))
+        return await self._transport_peer(peer, path)
+
+    def _credential(self, peer: PeerRegions, path: str) -> PeerInfo:
+        """The record the transport of ``path`` reads ``peer`` through: made by that
+        transport from the peer's advertisement of it and the lease scope
+        (:meth:`transports.interface.Transport.credential`)."""
+        transport = self._transport(path)
+        return transport.credential(advert_of(peer, transport.scheme), lease_scope(peer))
+
+    def _transport(self, path: str) -> Transport:
+        transport = self.plane.on(path)
+        if transport is None:  # choose_path picks only a transport this daemon runs
+            raise TransportError(f"this daemon runs no transport {path!r}")
+        return transport
 
     async def shm_refusal(self, peer: PeerRegions) -> str | None:
         """Why the ``shm`` transport does not connect to ``peer``, or None when it does:
@@ -439,21 +467,15 @@ class PullManager:
         transport from the peer's same-host advertisement and the lease scope
         (:meth:`transports.shm.ShmTransport.credential`); refused for records given
         without a lease, which carry none."""
-        advert = peer.adverts.get(SHM_SCHEME)
-        if not advert:
-            raise TransportError(
-                f"the records of {peer.node_id!r} carry no same-host advertisement (records "
-                "are given one only under a lease)"
-            )
-        return self.plane.shm.credential(PeerInfo.decode(advert), lease_scope(peer))
+        return self._credential(peer, self.plane.shm.scheme)
 
     async def _transport_peer(self, peer: PeerRegions, scheme: str) -> Peer:
         """The ``scheme`` transport's connection to ``peer``: made once per source
         daemon life, and read by the pull under the credential the transport makes
         from the peer's signed advertisement and the pull's lease scope
         (:func:`~refitd.daemon.pull.paths.lease_scope`)."""
-        transport = self.plane.by_scheme[scheme]  # choose_path picked a transport it runs
-        info = transport.credential(adverts(peer)[scheme], lease_scope(peer))
+        transport = self._transport(scheme)
+        info = self._credential(peer, scheme)
         key = (peer.node_id, peer.incarnation, scheme)
         for old in [k for k in self._peers if k[0] == peer.node_id and k[1] != peer.incarnation]:
             await self._peers.pop(old).close()  # an earlier life of that daemon
@@ -495,11 +517,11 @@ class PullManager:
         long reads cut into pieces and sent in batches (the path's
         :class:`~refitd.daemon.pull.core.Pace`); from a source still ``filling``, in
         the order it fills, each batch once its bytes are complete."""
+        pace = pullcore.pace_for(job.caps)
         if filling is not None:
-            reads, ends, spans, ready = filling.gated(rows, done)
+            reads, ends, spans, ready = filling.gated(rows, done, pace.reads)
             await move(job, conn, reads, ends, spans, ready=ready)
             return
-        pace = pullcore.pace_for(job.path)
 
         def plan() -> tuple[ReadBatch, np.ndarray, list[tuple[int, int]]]:
             reads, ends = pullcore.cut(rows, pace, done)

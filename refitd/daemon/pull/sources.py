@@ -1,6 +1,9 @@
 """Where a pull reads from, seen from the daemon that pulls: this daemon
 (:class:`LocalSource`), a peer daemon (:class:`RemoteSource`), and a source whose
-bytes are still arriving (:class:`Filling`, a host mirror filling)."""
+bytes are still arriving (:class:`Filling`, a host mirror filling).
+
+A pull asks its source what it can do (:meth:`Source.loopback`, :meth:`Source.own`,
+:attr:`Source.filling`), never which class it is."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import numpy as np
 from refitd.daemon.pull.peerclient import PeerClient
 from refitd.wire import PackRequest, PackSpec, PeerRegions, PullRequest, StagedPack
 from transports.batch import ReadBatch
+from transports.interface import Peer
 
 if TYPE_CHECKING:
     from refitd.daemon.app.node import Daemon
@@ -28,9 +32,10 @@ class Filling(Protocol):
     """A source whose bytes are still arriving (a host mirror filling): a pull reads
     each of its pieces as soon as that piece is complete, never before."""
 
-    def gated(self, rows: np.ndarray, done: np.ndarray | None) -> Gated:
+    def gated(self, rows: np.ndarray, done: np.ndarray | None, batch_reads: int) -> Gated:
         """Wire ``rows`` (``done``: see :func:`~refitd.daemon.pull.core.cut`) as reads
-        in the order the source fills, and the wait before each span."""
+        in the order the source fills, in spans of at most ``batch_reads`` reads (the
+        path's), and the wait before each span."""
         ...
 
     async def complete(self) -> None:
@@ -40,6 +45,19 @@ class Filling(Protocol):
 
 class Source(Protocol):
     """The daemon a pull reads from, seen from the daemon that pulls."""
+
+    #: its bytes are still arriving (a host mirror filling): read as they complete
+    filling: Filling | None
+
+    def loopback(self) -> Peer | None:
+        """A connection reading this source's regions where they are, in this daemon
+        (its own memory), or None: it is read over the path chosen for its peer."""
+        ...
+
+    def own(self, ids: list[int]) -> set[int]:
+        """Of region ``ids`` of this source, those that are this daemon's own regions
+        (kept from going while a pull reads them)."""
+        ...
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> None: ...
     async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
@@ -61,6 +79,12 @@ class LocalSource:
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
 
+    def loopback(self) -> Peer:
+        return self.daemon.plane.shm.loopback()
+
+    def own(self, ids: list[int]) -> set[int]:
+        return set(ids)
+
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
         self.daemon.registry.check(lease_id, model, version)
 
@@ -80,9 +104,17 @@ class RemoteSource:
     """A peer daemon, reached through this daemon's :class:`PeerClient`; its region
     records are verified with the deployment ``secret``."""
 
+    filling: Filling | None = None
+
     def __init__(self, client: PeerClient, secret: bytes) -> None:
         self.client = client
         self.secret = secret
+
+    def loopback(self) -> None:
+        return None
+
+    def own(self, ids: list[int]) -> set[int]:
+        return set()
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
         await self.client.check_lease(lease_id, model, version)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 from refitd.errors import NotFoundError, ProtocolError
 from refitd.wire import DTYPE_SIZES, ManifestIn
+from transports.batch import within
 
 __all__ = [
     "DTYPE_SIZES",
@@ -57,7 +58,7 @@ def check_manifest_bounds(m: ManifestIn, region_sizes: Mapping[int, int]) -> Non
                     f"match the tensor's rank {len(t.shape)}"
                 )
             for d, (o, n, g) in enumerate(zip(s.offset, s.shape, t.shape, strict=True)):
-                if o < 0 or n < 0 or o + n > g:
+                if not within(o, n, g):
                     raise ProtocolError(
                         f"tensor {t.name!r} shard {i}: dim {d} covers [{o}, {o + n}) outside "
                         f"the global extent {g}"
@@ -65,8 +66,9 @@ def check_manifest_bounds(m: ManifestIn, region_sizes: Mapping[int, int]) -> Non
             rsize = region_sizes.get(s.region)
             if rsize is None:
                 raise NotFoundError(f"tensor {t.name!r} shard {i}: unknown region {s.region}")
-            end = s.byte_offset + element_count(s.shape) * size
-            if end > rsize:
+            nbytes = element_count(s.shape) * size
+            if not within(s.byte_offset, nbytes, rsize):
+                end = s.byte_offset + nbytes
                 raise ProtocolError(
                     f"tensor {t.name!r} shard {i}: bytes [{s.byte_offset}, {end}) overrun region "
                     f"{s.region} of {rsize} bytes"

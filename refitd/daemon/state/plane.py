@@ -8,7 +8,7 @@ is decided in :mod:`refitd.daemon.pull.paths`.
 
 from __future__ import annotations
 
-from transports.interface import MappedMemory, Transport
+from transports.interface import Capabilities, MappedMemory, Transport
 from transports.shm import ShmTransport
 
 __all__ = ["TransportSet"]
@@ -27,6 +27,18 @@ class TransportSet:
     @property
     def primary(self) -> Transport | None:
         return next(iter(self.by_scheme.values()), None)
+
+    def on(self, path: str) -> Transport | None:
+        """The transport a pull's ``path`` (its scheme, as ``/v1/pulls`` shows it)
+        reads through: the same-host one or one started; None for none."""
+        if path == self.shm.scheme:
+            return self.shm
+        return self.by_scheme.get(path)
+
+    def caps(self, path: str) -> Capabilities:
+        """What the transport of ``path`` can do (a path without one: the defaults)."""
+        t = self.on(path)
+        return t.capabilities if t is not None else Capabilities()
 
     def add(self, scheme: str, transport: Transport) -> None:
         """A started transport joins the set."""

@@ -335,9 +335,17 @@ class LyingSource:
     """A source daemon that packs honestly but reports forged staging offsets: a
     fault a real daemon cannot produce, as an implementation of :class:`Source`."""
 
+    filling = None
+
     def __init__(self, inner: LocalSource, offsets: list[int]) -> None:
         self.inner = inner
         self.offsets = offsets
+
+    def loopback(self) -> None:
+        return None  # another daemon: read over the path chosen for it
+
+    def own(self, ids: list[int]) -> set[int]:
+        return set()
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
         await self.inner.check_lease(lease_id, model, version)

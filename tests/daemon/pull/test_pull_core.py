@@ -24,13 +24,16 @@ from refitd.wire import (
     RegionKind,
     StagedPack,
 )
-from transports.interface import PeerInfo
+from transports.interface import Capabilities, PeerInfo, transport_class
 from transports.local import pack_strided
 
 pytestmark = pytest.mark.timeout(30)
 
 SECRET = b"c" * 32
 LEASE = "lease-1"
+
+TCP = transport_class("tcp").capabilities
+UCX = transport_class("ucx").capabilities
 
 
 def region(rid: int, nbytes: int, handle: str = "") -> RegionInfo:
@@ -159,25 +162,40 @@ def test_a_refused_shm_path_is_the_end_in_shm_mode_and_a_reason_in_auto() -> Non
 
 def test_auto_prefers_ucx_when_both_ends_run_it_else_tcp() -> None:
     both = peer([], {}, adverts={"tcp": advert("tcp"), "ucx": advert("ucx")})
-    assert choose_remote("auto", ["tcp", "ucx"], both, "x")[0] == "ucx"
-    assert choose_remote("auto", ["tcp"], both, "x")[0] == "tcp"
+    assert choose_remote("auto", {"tcp": TCP, "ucx": UCX}, both, "x")[0] == "ucx"
+    assert choose_remote("auto", {"tcp": TCP}, both, "x")[0] == "tcp"
     scheme, why = choose_remote(
-        "auto", ["tcp", "ucx"], peer([], {}, adverts={"tcp": advert("tcp")}), "far"
+        "auto", {"tcp": TCP, "ucx": UCX}, peer([], {}, adverts={"tcp": advert("tcp")}), "far"
     )
     assert scheme == "tcp" and "not shm because far" in why
 
 
+def test_auto_prefers_rdma_by_what_a_transport_can_do_not_by_its_name() -> None:
+    # A deployment's own transport (an entry point) with RDMA is preferred as UCX is;
+    # UCX without it is not: the choice asks the transports, never their names.
+    both = peer([], {}, adverts={"tcp": advert("tcp"), "verbs": advert("verbs")})
+    mine = {"tcp": TCP, "verbs": Capabilities(rdma=True)}
+    scheme, why = choose_remote("auto", mine, both, "x")
+    assert scheme == "verbs" and "both ends run verbs with RDMA" in why
+    ucx = peer([], {}, adverts={"tcp": advert("tcp"), "ucx": advert("ucx")})
+    plain = {"tcp": TCP, "ucx": Capabilities()}
+    assert choose_remote("auto", plain, ucx, "x")[0] == "tcp"
+
+
 def test_a_forced_scheme_the_peer_does_not_serve_is_refused() -> None:
     tcp_only = peer([], {}, adverts={"tcp": advert("tcp")})
-    assert choose_remote("tcp", ["tcp"], tcp_only, "x") == ("tcp", "forced (--transport tcp)")
+    assert choose_remote("tcp", {"tcp": TCP}, tcp_only, "x") == (
+        "tcp",
+        "forced (--transport tcp)",
+    )
     with pytest.raises(TransportError, match="it serves tcp, this daemon ucx"):
-        choose_remote("ucx", ["ucx"], tcp_only, "x")
+        choose_remote("ucx", {"ucx": UCX}, tcp_only, "x")
     with pytest.raises(TransportError, match="advertises no data plane"):
-        choose_remote("auto", ["tcp"], peer([], {}), "x")
+        choose_remote("auto", {"tcp": TCP}, peer([], {}), "x")
     # Its same-host advertisement is no path to another host.
     shm_only = peer([], {}, adverts={"shm": advert("shm")})
     with pytest.raises(TransportError, match="advertises no data plane"):
-        choose_remote("auto", ["tcp"], shm_only, "x")
+        choose_remote("auto", {"tcp": TCP}, shm_only, "x")
 
 
 # ---------------------------------------------------------------- pacing
@@ -194,9 +212,16 @@ def test_a_read_longer_than_a_piece_is_cut_and_done_only_at_its_last_piece() -> 
 
 def test_shm_reads_are_not_cut() -> None:
     rows = np.array([[1, 0, 2, 0, 1 << 40]], dtype=np.int64)
-    reads, ends = pullcore.cut(rows, pullcore.pace_for("shm"))
+    reads, ends = pullcore.cut(rows, pullcore.pace_for(transport_class("shm").capabilities))
     assert reads["nbytes"].tolist() == [1 << 40] and ends.tolist() == [1]
-    assert pullcore.pace_for("ucx") == pullcore.TRANSPORT_PACE
+    assert pullcore.pace_for(UCX) == pullcore.TRANSPORT_PACE
+
+
+def test_a_path_is_paced_as_its_transport_says() -> None:
+    caps = Capabilities(piece=4, batch_reads=3)
+    pace = pullcore.pace_for(caps)
+    assert (pace.piece, pace.reads) == (4, 3)
+    assert pullcore.pace_for(TCP).reads == 16384  # many small reads a batch over tcp
 
 
 def test_spans_hold_at_most_their_reads_and_about_their_bytes_and_cover_every_read() -> None:
