@@ -1,7 +1,7 @@
 """MoE expert residency, pure: the cache (planner), eviction policies, host residency,
 the slot executor, and routing traces.
 
-No I/O happens here except ``traces.read_trace_file``, the one function that reads a
+No I/O happens here except ``tracefile.read_trace_file``, the one function that reads a
 recorded routing trace. The daemon hosts these pools; the decode hot path can run the
 same classes in-process.
 
@@ -22,7 +22,8 @@ Modules:
 - `cuda`: expert slots in GPU memory: the CUDA `SlotDevice`
 - `inflight`: asynchronous slot copies: fences and the copier thread
 - `faults`: the slot executor's refusals and failures, one class per case
-- `traces`: routing traces: which experts each token routes to
+- `traces`: routing traces: which experts each token routes to, and the generator
+- `tracefile`: recorded routing traces: the JSON-lines format, parsed and read
 """
 
 from __future__ import annotations
