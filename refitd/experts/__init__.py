@@ -21,6 +21,7 @@ Modules:
 - `device`: where slot bytes live: pool geometry, `SlotDevice`, the host device
 - `cuda`: expert slots in GPU memory: the CUDA `SlotDevice`
 - `inflight`: asynchronous slot copies: fences and the copier thread
+- `flights`: the executor's slots in flight: the plan each waits on, landed on its fence
 - `faults`: the slot executor's refusals and failures, one class per case
 - `traces`: routing traces: which experts each token routes to, and the generator
 - `tracefile`: recorded routing traces: the JSON-lines format, parsed and read
