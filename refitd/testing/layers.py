@@ -47,7 +47,6 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "default_weight_loader",
-    "divide",
 ]
 
 VOCAB_PADDING = 64
@@ -87,7 +86,7 @@ class EngineParallel:
         return replace(self, tp_rank=tp_rank)
 
 
-def divide(total: int, parts: int, what: str) -> int:
+def _divide(total: int, parts: int, what: str) -> int:
     if total % parts:
         raise ConfigError(f"{what} of {total} cannot be split evenly over {parts} ranks")
     return total // parts
@@ -121,7 +120,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, n_in: int, n_out: int, tp_size: int, tp_rank: int, dtype: torch.dtype):
         super().__init__()
         self.tp_rank = tp_rank
-        self.weight = _param(divide(n_out, tp_size, "output rows"), n_in, dtype=dtype)
+        self.weight = _param(_divide(n_out, tp_size, "output rows"), n_in, dtype=dtype)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -135,7 +134,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, n_in: int, n_out: int, tp_size: int, tp_rank: int, dtype: torch.dtype):
         super().__init__()
         self.tp_rank = tp_rank
-        self.weight = _param(n_out, divide(n_in, tp_size, "input columns"), dtype=dtype)
+        self.weight = _param(n_out, _divide(n_in, tp_size, "input columns"), dtype=dtype)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor) -> None:
@@ -154,7 +153,7 @@ class MergedColumnParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.tp_rank = tp_rank
-        self.local_sizes = [divide(s, tp_size, "merged output rows") for s in sizes]
+        self.local_sizes = [_divide(s, tp_size, "merged output rows") for s in sizes]
         self.weight = _param(sum(self.local_sizes), n_in, dtype=dtype)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
@@ -175,11 +174,11 @@ class QKVParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank = rank
         self.head_dim = head_dim
-        self.q_heads = divide(heads, tp, "query heads")
+        self.q_heads = _divide(heads, tp, "query heads")
         if tp >= kv_heads:
-            self.kv_heads, self.kv_replicas = 1, divide(tp, kv_heads, "ranks per KV head")
+            self.kv_heads, self.kv_replicas = 1, _divide(tp, kv_heads, "ranks per KV head")
         else:
-            self.kv_heads, self.kv_replicas = divide(kv_heads, tp, "KV heads"), 1
+            self.kv_heads, self.kv_replicas = _divide(kv_heads, tp, "KV heads"), 1
         rows = (self.q_heads + 2 * self.kv_heads) * head_dim
         self.weight = _param(rows, hidden, dtype=dtype)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -203,7 +202,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.vocab = vocab
         padded = -(-vocab // VOCAB_PADDING) * VOCAB_PADDING
-        self.rows = divide(padded, tp, "padded vocabulary")
+        self.rows = _divide(padded, tp, "padded vocabulary")
         self.start = rank * self.rows
         self.weight = _param(self.rows, hidden, dtype=dtype)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -237,10 +236,10 @@ class FusedMoE(nn.Module):
         self, experts: int, hidden: int, inter: int, par: EngineParallel, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        self.local = divide(experts, par.ep_size, "experts")
+        self.local = _divide(experts, par.ep_size, "experts")
         self.first = par.ep_rank * self.local
         self.tp_rank = par.moe_tp_rank
-        self.inter = divide(inter, par.moe_tp_size, "MoE intermediate rows")
+        self.inter = _divide(inter, par.moe_tp_size, "MoE intermediate rows")
         self.w13_weight = _param(self.local, 2 * self.inter, hidden, dtype=dtype)
         self.w2_weight = _param(self.local, hidden, self.inter, dtype=dtype)
         self.w13_weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
@@ -284,7 +283,7 @@ class MLAKVB(nn.Module):
         self, heads: int, nope: int, v: int, lora: int, tp: int, rank: int, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        self.rank, self.heads = rank, divide(heads, tp, "attention heads")
+        self.rank, self.heads = rank, _divide(heads, tp, "attention heads")
         self.all_heads = heads
         self.nope, self.v, self.lora = nope, v, lora
         self.weight = _param(self.heads * (self.nope + self.v), self.lora, dtype=dtype)
