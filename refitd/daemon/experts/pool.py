@@ -41,11 +41,7 @@ import numpy as np
 
 from refitd.daemon.app.node import Daemon
 from refitd.daemon.experts.memory import RegionExpertRows, RegionSlotMemory, touched_rows
-from refitd.errors import (
-    PlanError,
-    ProtocolError,
-    TransportError,
-)
+from refitd.errors import PlanError, ProtocolError, TransportError
 from refitd.experts import (
     BankResidency,
     CopyPlan,

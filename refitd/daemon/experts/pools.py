@@ -35,13 +35,7 @@ from refitd.errors import (
     PlanError,
     QuotaExceeded,
 )
-from refitd.wire import (
-    PoolCreate,
-    PoolInfo,
-    PoolStats,
-    PullRequest,
-    RegionCreate,
-)
+from refitd.wire import PoolCreate, PoolInfo, PoolStats, PullRequest, RegionCreate
 
 __all__ = [
     "POOLS",
