@@ -3,6 +3,8 @@
 Modules:
 
 - `refit`: ``bench refit`` and the demo flow: trainer → two daemons → engine refit
+- `trainer`: the trainer side of bench refit and the e2e tests: a layout published, its
+  capture, the trainer process
 - `synthetic`: the synthetic model bench refit moves, and its bit-exact check
 - `transport`: ``bench transport``: 256 MiB pulls through each transport vs memcpy
 - `plan`: ``bench plan``: plan a DeepSeek-V3-shaped refit for two trainer layouts

@@ -327,7 +327,7 @@ def _run_bound(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from refitd.experts.traces import read_trace_file
+    from refitd.experts.tracefile import read_trace_file
 
     if getattr(args, "prefetch", False):
         from refitd.bench.prefetch import run_prefetch

@@ -318,8 +318,8 @@ async def refit(
     import asyncio
     import functools
 
-    from refitd.bench.refit import capture_for, publish_layout
     from refitd.bench.synthetic import SyntheticState, synthetic_config
+    from refitd.bench.trainer import capture_for, publish_layout
     from refitd.client.receiver import DaemonReceiver
     from refitd.testing.engines import EngineParallel, ToyEngine
     from refitd.testing.layouts import megatron_tp_ep

@@ -77,8 +77,8 @@ class Worker:
         return c
 
     async def publish(self, req: dict[str, Any]) -> dict[str, Any]:
-        from refitd.bench.refit import publish_layout
         from refitd.bench.synthetic import SyntheticState
+        from refitd.bench.trainer import publish_layout
 
         client = await self.client(req["url"], req["token"])
         model, version, world = req["model"], int(req["version"]), int(req["world"])
@@ -97,8 +97,8 @@ class Worker:
         return {"ok": True, "bytes": nbytes}
 
     async def refit(self, req: dict[str, Any]) -> dict[str, Any]:
-        from refitd.bench.refit import capture_for
         from refitd.bench.synthetic import verify_ranks
+        from refitd.bench.trainer import capture_for
         from refitd.client.multihost import ClusterReceiver
         from refitd.client.receiver import DaemonReceiver
         from refitd.errors import RefitError

@@ -229,7 +229,8 @@ def run_prefetch(args: argparse.Namespace, expert_banks: dict[str, tuple[int, ..
     from refitd.bench.expertcases import pool_sizes, preset_models, time_ensure
     from refitd.experts import BeladyPolicy, LruPolicy
     from refitd.experts.prediction import RECALLS, with_predictions
-    from refitd.experts.traces import RoutingTrace, read_trace_file
+    from refitd.experts.tracefile import read_trace_file
+    from refitd.experts.traces import RoutingTrace
 
     started = time.perf_counter()
     recalls = _recalls(args.recalls)

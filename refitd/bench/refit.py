@@ -1,20 +1,15 @@
 """``refitd bench refit`` and the daemon demo: trainer → two daemons → engine refit.
 
-Shared pieces used by the end-to-end tests too:
-
-- :func:`publish_layout` publishes a trainer layout from :mod:`refitd.testing.layouts`
-  (every rank one publisher slot) through a :class:`~refitd.client.Publisher`;
-- :func:`capture_for` returns the capture callable a receiver needs for a layout
-  (through the layout's ``convert`` when it has one).
-
-The model it moves, and the bit-exact check, are :mod:`refitd.bench.synthetic`'s.
+The trainer side (publishing a layout, the capture for it, the trainer process) is
+:mod:`refitd.bench.trainer`; :func:`publish_layout` and :func:`capture_for`, which
+the end-to-end tests use too, are importable from here as well. The model it moves,
+and the bit-exact check, are :mod:`refitd.bench.synthetic`'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -23,119 +18,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from refitd.bench.conditions import Faults, SegmentMemcpy, cpu_waited_us, faults
-from refitd.bench.synthetic import SyntheticState, model_bytes, synthetic_config, verify_ranks
+from refitd.bench.synthetic import model_bytes, synthetic_config, verify_ranks
+from refitd.bench.trainer import capture_for, publish_layout
 
 if TYPE_CHECKING:
-    import torch
-
     from refitd.client.http import RefitClient
-    from refitd.testing.layouts import Published
 
 __all__ = ["add_arguments", "capture_for", "publish_layout", "refit_flow", "run", "run_demo"]
-
-
-async def publish_layout(
-    client: RefitClient,
-    model: str,
-    published: Published,
-    version: int,
-    publishers: list[Any] | None = None,
-    slots: list[int] | None = None,
-) -> list[Any]:
-    """Publish every rank of ``published`` (or only ranks ``slots``: a trainer split
-    over hosts publishes each host's ranks to its own daemon) as one slot of
-    ``version``; returns the publishers, by slot (None for a slot not published
-    here). Pass the publishers of an earlier version (same layout) to rewrite
-    their memory in place, so the manifest's placement is unchanged and a receiver
-    replays its compiled plan; wait for that version's leases to drain first."""
-    from refitd.client.publisher import Publisher
-
-    sessions = sorted(published.buffers, key=lambda s: int(s[len(published.layout) :]))
-    pubs: list[Any] = list(publishers or [])
-    pubs += [None] * (len(sessions) - len(pubs))
-    for slot in range(len(sessions)) if slots is None else slots:
-        session = sessions[slot]
-        buf = published.buffers[session]
-        if pubs[slot] is None:
-            pubs[slot] = Publisher(client, model, slot, len(sessions))
-            await pubs[slot].reserve(buf.numel() + 64 * (len(published.sources) + 1), label=session)
-        pub = pubs[slot]
-        base = buf.data_ptr()
-        for name, info in published.sources.items():
-            for sh in info.shards:
-                if sh.session != session:
-                    continue
-                n = math.prod(sh.shape) * info.elsize
-                at = sh.addr - base
-                block = buf[at : at + n].view(info.dtype).view(sh.shape)
-                pub.put(name, block, tuple(info.global_shape), tuple(sh.shard_offset))
-        await pub.publish(version)
-    return pubs
-
-
-def capture_for(published: Published) -> Callable[[torch.nn.Module, list[Any]], Any]:
-    """The receiver's capture callable for a trainer layout."""
-    from refitd.reshard.geometry import capture_geometry, capture_weights, convert_source_weights
-    from refitd.testing.engines import default_weight_loader
-
-    convert = published.convert
-
-    def capture(twin: torch.nn.Module, manifest: list[Any]) -> Any:
-        if convert is None:
-            return capture_geometry(twin, manifest, default_weight_loader)
-        return capture_weights(
-            twin, convert_source_weights(convert, manifest), default_weight_loader
-        )
-
-    return capture
-
-
-# ---------------------------------------------------------------- the trainer process
-
-
-def _trainer_main(argv: list[str]) -> int:
-    """Child process: publish versions of the synthetic model on command.
-
-    Reads ``publish V`` lines on stdin, answers ``published V BYTES`` on stdout once
-    version V is READY at the daemon; ``quit`` ends it.
-    """
-    import asyncio
-    import gc
-
-    import uvloop
-
-    from refitd.client.http import RefitClient
-    from refitd.testing.layouts import megatron_tp_ep
-
-    url, model, gib, tp = argv[0], argv[1], float(argv[2]), int(argv[3])
-    cfg = synthetic_config(gib)
-
-    async def main() -> None:
-        loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader()
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-        pubs: list[Any] = []
-        async with RefitClient(url) as client:
-            while line := (await reader.readline()).decode().split():
-                if line[0] == "quit":
-                    break
-                version = int(line[1])
-                if pubs:
-                    # Readers of the previous version must be done before we overwrite.
-                    await pubs[0].wait_drain(version - 1)
-                published = megatron_tp_ep(cfg, tp, 1, SyntheticState(cfg, version))
-                pubs = await publish_layout(client, model, published, version, pubs)
-                nbytes = published.published_bytes
-                del published
-                gc.collect()
-                sys.stdout.write(f"published {version} {nbytes}\n")
-                sys.stdout.flush()
-            for p in pubs:
-                await p.close()
-
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(main())
-    return 0
 
 
 # ---------------------------------------------------------------- the engine side
@@ -271,8 +160,7 @@ async def refit_flow(
             trainer = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "refitd.bench.refit",
-                "--trainer",
+                "refitd.bench.trainer",
                 a.url,
                 model,
                 str(gib),
@@ -584,7 +472,5 @@ def run_demo(gib: float = 1.0, versions: int = 2, transport: str = "auto") -> in
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--trainer":
-        sys.exit(_trainer_main(sys.argv[2:]))
     if len(sys.argv) > 1 and sys.argv[1] == "--demo":
         sys.exit(run_demo())

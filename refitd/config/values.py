@@ -1,9 +1,11 @@
 """The values the configuration names, parsed one way for every layer that reads them
-(the daemon, the client, ops): peer URLs, ``MODEL=PRINCIPAL`` tables, token files.
+(the daemon, the client, ops): peer URLs, ``MODEL=PRINCIPAL`` tables, token files,
+loopback hosts, groups.
 :mod:`refitd.config` re-exports them."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import urllib.parse
 from collections.abc import Iterable
@@ -11,7 +13,14 @@ from pathlib import Path
 
 from refitd.errors import ConfigError, ProtocolError
 
-__all__ = ["ANY_PORT", "normalize_peer", "parse_model_table", "read_token"]
+__all__ = [
+    "ANY_PORT",
+    "is_loopback_host",
+    "normalize_peer",
+    "parse_model_table",
+    "read_token",
+    "resolve_group",
+]
 
 #: A peer pattern's port that matches every port of its host (``[peers] allow``).
 ANY_PORT = "*"
@@ -85,3 +94,28 @@ def read_token(path: str | os.PathLike[str]) -> str:
         if parts:
             return parts[-1]
     raise ConfigError(f"token file {path} holds no token; expected a line 'NAME TOKEN' or 'TOKEN'")
+
+
+def resolve_group(group: str) -> int:
+    """The gid of ``server.shm_group`` (a name or a number) on this host."""
+    import grp
+
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(
+            f"server.shm_group {group!r} names no group on this host; expected an "
+            "existing group name or a numeric gid (e.g. the 'refitd' group of the unit)"
+        ) from None
+
+
+def is_loopback_host(host: str) -> bool:
+    """True when ``host`` names only this machine (``localhost``, 127/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

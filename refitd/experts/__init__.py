@@ -1,7 +1,7 @@
 """MoE expert residency, pure: the cache (planner), eviction policies, host residency,
 the slot executor, and routing traces.
 
-No I/O happens here except ``traces.read_trace_file``, the one function that reads a
+No I/O happens here except ``tracefile.read_trace_file``, the one function that reads a
 recorded routing trace. The daemon hosts these pools; the decode hot path can run the
 same classes in-process.
 
@@ -21,8 +21,10 @@ Modules:
 - `device`: where slot bytes live: pool geometry, `SlotDevice`, the host device
 - `cuda`: expert slots in GPU memory: the CUDA `SlotDevice`
 - `inflight`: asynchronous slot copies: fences and the copier thread
+- `flights`: the executor's slots in flight: the plan each waits on, landed on its fence
 - `faults`: the slot executor's refusals and failures, one class per case
-- `traces`: routing traces: which experts each token routes to
+- `traces`: routing traces: which experts each token routes to, and the generator
+- `tracefile`: recorded routing traces: the JSON-lines format, parsed and read
 """
 
 from __future__ import annotations

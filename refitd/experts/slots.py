@@ -25,7 +25,8 @@ Prefetch plans are issued asynchronously (``prefetch_copy_plan``): their slots a
 a step that uses one waits on its fence (``wait_for``, ``apply_ensure``) instead of
 copying it again. A failed asynchronous copy leaves exactly the slots of its plan
 unknown. Any write into a slot with a copy still pending waits for that copy first,
-so a late landing can never overwrite a newer expert.
+so a late landing can never overwrite a newer expert (the bookkeeping of slots in
+flight: :mod:`refitd.experts.flights`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from refitd.errors import TransportError
 from refitd.experts.cache import CopyPlan, EnsurePlan, ExpertId, GatherPlan
 from refitd.experts.device import (
     Bytes,
@@ -58,7 +58,7 @@ from refitd.experts.faults import (
     SlotWrittenTwice,
     UnknownGatherSource,
 )
-from refitd.experts.inflight import CopyFence
+from refitd.experts.flights import Flights
 from refitd.experts.residency import BankResidency, CopyRoute, ResidencyError
 
 __all__ = [
@@ -128,18 +128,6 @@ class SlotStats:
         return self.host_bytes / self.plans if self.plans else 0.0
 
 
-class _Flight:
-    """One asynchronous plan: its fence, and per slot the expert it brings (``None``
-    once the slot was invalidated or rewritten meanwhile)."""
-
-    __slots__ = ("experts", "fence", "slots")
-
-    def __init__(self, fence: CopyFence, slots: tuple[int, ...], experts: list[ExpertId]) -> None:
-        self.fence = fence
-        self.slots = slots
-        self.experts: list[ExpertId | None] = list(experts)
-
-
 # -- the executor -------------------------------------------------------------------
 
 
@@ -167,9 +155,8 @@ class ExpertSlots:
         self._residency = BankResidency.all_pinned(geometry.num_layers)
         self._plans = self._warm = 0
         self._host_rows = self._host_bytes = self._dev_rows = self._dev_bytes = 0
-        self._pf_plans = self._pf_rows = self._pf_bytes = self._waits = self._pf_failed = 0
-        self._flight: dict[int, _Flight] = {}
-        self._failed: list[int] = []
+        self._pf_plans = self._pf_rows = self._pf_bytes = 0
+        self._flights = Flights()
         if residency is not None:
             self.set_residency(residency)
 
@@ -201,14 +188,15 @@ class ExpertSlots:
             self._pf_plans,
             self._pf_rows,
             self._pf_bytes,
-            self._waits,
-            self._pf_failed,
+            self._flights.waits,
+            self._flights.failed_plans,
         )
 
     def reset_stats(self) -> None:
         self._plans = self._warm = 0
         self._host_rows = self._host_bytes = self._dev_rows = self._dev_bytes = 0
-        self._pf_plans = self._pf_rows = self._pf_bytes = self._waits = self._pf_failed = 0
+        self._pf_plans = self._pf_rows = self._pf_bytes = 0
+        self._flights.waits = self._flights.failed_plans = 0
 
     def occupant(self, slot: int) -> ExpertId | None:
         """The expert the device holds in ``slot`` as far as the pool knows; ``None``
@@ -218,14 +206,11 @@ class ExpertSlots:
 
     def in_flight(self, slot: int) -> ExpertId | None:
         """The expert an asynchronous copy is bringing into ``slot``, or ``None``."""
-        flight = self._flight.get(slot)
-        if flight is None:
-            return None
-        return flight.experts[flight.slots.index(slot)]
+        return self._flights.expert(slot)
 
     def in_flight_slots(self) -> tuple[int, ...]:
         """Slots with an asynchronous copy not yet known to have landed, ascending."""
-        return tuple(sorted(self._flight))
+        return self._flights.slots()
 
     def occupied(self) -> int:
         return sum(o is not None for o in self._occupant)
@@ -235,12 +220,10 @@ class ExpertSlots:
         A copy in flight into it still completes, but no longer names an occupant."""
         if 0 <= slot < len(self._occupant):
             self._occupant[slot] = None
-            flight = self._flight.get(slot)
-            if flight is not None:
-                flight.experts[flight.slots.index(slot)] = None
+            self._flights.unname(slot)
 
     def invalidate_all(self) -> None:
-        self._drain()
+        self._flights.drain(self._occupant)
         self._occupant = [None] * self._geometry.slots
 
     def resize(self, slots: int) -> None:
@@ -249,7 +232,7 @@ class ExpertSlots:
         if slots <= 0:
             raise DegenerateGeometry(f"a pool of {slots} slots could hold no expert")
         g = self._geometry
-        self._drain()
+        self._flights.drain(self._occupant)
         self._geometry = SlotGeometry(g.num_layers, slots, g.row_bytes)
         self._occupant = [None] * slots
 
@@ -272,7 +255,7 @@ class ExpertSlots:
         uses that a prefetch still has in flight (never copying those again). A warm
         step whose prefetches have landed moves nothing and waits on nothing."""
         applied = self.apply_copy_plan(layer, plan.copy, rows, device)
-        waited = self.wait_for(plan.slots) if self._flight else 0
+        waited = self.wait_for(plan.slots) if self._flights else 0
         if waited:
             return Applied(applied.rows, applied.bytes, applied.warm, waited)
         return applied
@@ -303,9 +286,7 @@ class ExpertSlots:
         except SlotDeviceError as e:
             self._forget(dst)
             raise DeviceFlushFault(dst, f"device refused to issue the copies: {e}") from e
-        flight = _Flight(fence, tuple(dst), [ExpertId(layer, r) for r in src])
-        for slot in dst:
-            self._flight[slot] = flight
+        self._flights.issue(fence, dst, [ExpertId(layer, r) for r in src])
         n_bytes = sum(_nbytes(buf) for _, _, buf in writes)
         self._host_rows += len(writes)
         self._host_bytes += n_bytes
@@ -321,78 +302,13 @@ class ExpertSlots:
         ``DeviceFlushFault`` naming them, after every other named fence completed:
         forget those slots in the cache.
         """
-        flights: list[_Flight] = []
-        table = self._flight
-        for slot in slots:
-            if slot is not None:
-                f = table.get(slot)
-                if f is not None and f not in flights:
-                    flights.append(f)
-        failed: list[int] = []
-        detail = ""
-        for f in flights:
-            self._waits += 1
-            error, lost = self._land(f)
-            if error is not None:
-                failed += lost
-                detail = str(error)
-        if failed:
-            raise DeviceFlushFault(sorted(failed), f"an asynchronous copy failed: {detail}")
-        return len(flights)
+        return self._flights.wait_for(slots, self._occupant)
 
     def poll(self) -> tuple[int, ...]:
         """Complete, without blocking, every asynchronous plan whose fence is done.
         Returns the slots left unknown by failed plans since the last call
         (ascending): forget them in the cache."""
-        done = {id(f): f for f in self._flight.values() if f.fence.done()}
-        for f in done.values():
-            _, lost = self._land(f)
-            self._failed += lost
-        out, self._failed = tuple(sorted(set(self._failed))), []
-        return out
-
-    def _land(self, flight: _Flight) -> tuple[TransportError | None, list[int]]:
-        """Wait for one plan's fence and record its outcome on the slots that still
-        expect it; return the error and the slots it left unknown."""
-        error: TransportError | None = None
-        try:
-            flight.fence.wait()
-        except TransportError as e:
-            error = e
-            self._pf_failed += 1
-        lost: list[int] = []
-        table = self._flight
-        for slot, who in zip(flight.slots, flight.experts):
-            if table.get(slot) is flight:
-                del table[slot]
-                if error is None:
-                    self._occupant[slot] = who
-                else:
-                    self._occupant[slot] = None
-                    if who is not None:
-                        lost.append(slot)
-        return error, lost
-
-    def _quiesce(self, slots: Sequence[int]) -> None:
-        """Before rewriting ``slots``, let any copy still pending into them land, so
-        it cannot overwrite the new bytes. A failure there costs the failed plan's
-        other slots (kept for ``poll``); the rewritten ones are being replaced."""
-        table = self._flight
-        if not table:
-            return
-        rewritten = set(slots)
-        for slot in slots:
-            f = table.get(slot)
-            if f is not None:
-                _, lost = self._land(f)
-                self._failed += [s for s in lost if s not in rewritten]
-
-    def _drain(self) -> None:
-        """Let every pending copy land; outcomes no longer matter (residency is being
-        dropped)."""
-        for f in list({id(f): f for f in self._flight.values()}.values()):
-            self._land(f)
-        self._failed = []
+        return self._flights.poll(self._occupant)
 
     def _validate(
         self, layer: int, plan: CopyPlan, whole_layer: bool, rows: ExpertRows
@@ -460,9 +376,9 @@ class ExpertSlots:
         for s in src:
             if not 0 <= s < n:
                 raise SlotOutOfRange(s, n)
-        if self._flight:
+        if self._flights:
             self.wait_for(src)  # a source still in flight is gathered once it lands
-            self._quiesce(dst)
+            self._flights.quiesce(dst, self._occupant)
         for s in src:
             if self._occupant[s] is None:
                 raise UnknownGatherSource(s)
@@ -492,7 +408,7 @@ class ExpertSlots:
     def _begin(self, dst: Sequence[int], route: CopyRoute, device: SlotDevice) -> None:
         """Before a non-empty plan writes ``dst``: let copies still pending into them
         land, then tell the device how the plan's copies must be carried out."""
-        self._quiesce(dst)
+        self._flights.quiesce(dst, self._occupant)
         try:
             device.begin_plan(route)
         except SlotDeviceError as e:
@@ -511,9 +427,7 @@ class ExpertSlots:
     def _forget(self, slots: Sequence[int]) -> None:
         # A slot whose async copy is being given up: its flight no longer names it.
         for s in slots:
-            f = self._flight.get(s)
-            if f is not None:
-                f.experts[f.slots.index(s)] = None
+            self._flights.unname(s)
         for s in slots:
             self._occupant[s] = None
 

@@ -6,7 +6,9 @@ code written against it ports by changing the import prefix.
 Modules:
 
 - `types`: value types shared by every stage (``RecordedCopy``, ``CaptureResult`` …)
-- `lazy`: zero-storage placeholders that record how a loader carves a source
+- `lazy`: zero-storage placeholders that record how a loader carves a source: their
+  common base (interception, sinks, refusals) and the capture's recorders
+- `lazy_weight`: `LazyWeight`: the placeholder of one source, and its views
 - `lazy_concat`: ``torch.cat``/``torch.stack`` of placeholders, as per-piece copies
 - `geometry`: capture of the engine's loaders on placeholders
 - `replay`: local replay of recorded movement-op chains

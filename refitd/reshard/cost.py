@@ -11,23 +11,32 @@ moved in the time it takes to post, track and complete one extra read: about 1 Â
 of a ~16 GB/s path, i.e. 16 KiB. ``PACK_COST_BYTES`` adds the same again for each
 pack spec, for the source-side gather that has to run before the read.
 
-This module only *fits* pack specs; :mod:`refitd.reshard.transfer_plan` applies
-the choice.
+This module fits pack specs and chooses each copy's option (:func:`choose`);
+:mod:`refitd.reshard.transfer_plan` assembles the choices into a plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
+from refitd.reshard.slice_plan import Pieces, Shard
+from refitd.reshard.types import RecordedCopy
+
 __all__ = [
     "DESCRIPTOR_COST_BYTES",
     "PACK_COST_BYTES",
+    "Choice",
     "PackFit",
+    "choose",
     "fit_pack",
     "fit_progression",
+    "full_cost",
+    "full_pull_rows",
 ]
 
 IntArray = npt.NDArray[np.int64]
@@ -120,3 +129,101 @@ def fit_pack(addr: IntArray, dst: IntArray, nbytes: IntArray, elsize: int) -> Pa
     return PackFit(
         int(addr[0]), int(dst[0]), full_shape, src_strides, None if contiguous else dst_strides
     )
+
+
+@dataclass
+class Choice:
+    """One copy's option: ``kind`` ``exact``, ``pack`` or ``full``; its exact
+    (coalesced) and raw pieces; for ``pack``, the fitted packs with their session
+    code (``exact`` then holds the pieces no pack covers)."""
+
+    copy: RecordedCopy
+    kind: str
+    exact: Pieces
+    raw: Pieces
+    packs: list[tuple[PackFit, int]] = field(default_factory=list)
+
+
+def _groups(codes: IntArray) -> list[IntArray]:
+    """Indices of each distinct code, groups in first-seen order."""
+    _, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
+    order = np.argsort(first, kind="stable")
+    return [np.flatnonzero(inverse == g) for g in order]
+
+
+def full_pull_rows(raw: Pieces, shards: Sequence[Shard], elsize: int) -> dict[int, tuple[int, int]]:
+    """Bounding shard-local row range ``[r0, r1)`` per touched shard (``raw``'s
+    shards index ``shards``; ``elsize`` bytes an element)."""
+    rows: dict[int, tuple[int, int]] = {}
+    for k in np.unique(raw.shard).tolist():
+        shard = shards[k]
+        row_bytes = math.prod(shard.shape[1:]) * elsize
+        sel = raw.shard == k
+        rel = raw.addr[sel] - shard.addr
+        r0 = int(rel.min()) // row_bytes
+        r1 = -(-int((rel + raw.nbytes[sel]).max()) // row_bytes)
+        rows[k] = (r0, r1)
+    return rows
+
+
+def full_cost(raw: Pieces, shards: Sequence[Shard], elsize: int) -> tuple[int, int]:
+    """A full pull's wire bytes and descriptors (one per touched shard)."""
+    rows = full_pull_rows(raw, shards, elsize)
+    wire = sum((r1 - r0) * math.prod(shards[k].shape[1:]) * elsize for k, (r0, r1) in rows.items())
+    return wire, len(rows)
+
+
+def choose(
+    copy: RecordedCopy,
+    raw: Pieces,
+    exact: Pieces,
+    shards: Sequence[Shard],
+    elsize: int,
+    bounded: bool,
+    budget: int,
+    pack_specs: bool,
+    costs: tuple[int, int],
+) -> Choice:
+    """The option for one copy (the module docstring): exact when its ``exact``
+    pieces fit ``budget`` descriptors, else the cheapest within budget of exact, a
+    pack spec per session (with ``pack_specs``) and, for a ``bounded`` (dim-0
+    blocked) source, a full pull; ``costs`` prices a descriptor and a pack spec."""
+    descriptor_cost, pack_cost = costs
+    n_exact = len(exact)
+    if n_exact <= budget:
+        return Choice(copy, "exact", exact, raw)
+    total = exact.total()
+    options: list[tuple[bool, int, int, Choice]] = [
+        (False, total + descriptor_cost * n_exact, 0, Choice(copy, "exact", exact, raw))
+    ]
+    if pack_specs:
+        keep: list[IntArray] = []
+        packs: list[tuple[PackFit, int]] = []
+        for g in _groups(exact.session):
+            fit = fit_pack(exact.addr[g], exact.dst[g], exact.nbytes[g], elsize)
+            if fit is not None:
+                packs.append((fit, int(exact.session[g[0]])))
+                continue
+            # One session may hold several unrelated buffers: try each shard alone.
+            for sub in _groups(exact.shard[g]):
+                h = g[sub]
+                fit = fit_pack(exact.addr[h], exact.dst[h], exact.nbytes[h], elsize)
+                if fit is None:
+                    keep.append(h)
+                else:
+                    packs.append((fit, int(exact.session[h[0]])))
+        n = sum(len(g) for g in keep) + len(packs)
+        cost = total + descriptor_cost * n + pack_cost * len(packs)
+        rest = (
+            exact.take(np.sort(np.concatenate(keep))) if keep else exact.take(np.zeros(0, np.int64))
+        )
+        options.append((n <= budget, cost, 1, Choice(copy, "pack", rest, raw, packs)))
+    if bounded:
+        wire, n = full_cost(raw, shards, elsize)
+        options.append(
+            (n <= budget, wire + descriptor_cost * n, 2, Choice(copy, "full", exact, raw))
+        )
+    if not pack_specs and bounded:
+        return options[-1][3]
+    within = [o for o in options if o[0]]
+    return min(within or options, key=lambda o: (o[1], o[2]))[3]

@@ -1,7 +1,7 @@
 """Geometry capture: which view of which source each destination parameter reads.
 
 The engine's own ``load_weights`` runs once on a meta twin of the engine model,
-fed zero-storage :class:`~refitd.reshard.lazy.LazyWeight` placeholders instead of
+fed zero-storage :class:`~refitd.reshard.lazy_weight.LazyWeight` placeholders instead of
 source tensors. The placeholders record the movement ops the loaders apply and,
 at each ``copy_``, where the result lands (offset, shape, stride in *elements* of
 the destination). No byte moves. ``slice_plan`` later resolves each recorded chain
@@ -39,7 +39,8 @@ from typing import Any
 import torch
 
 import refitd.reshard.lazy_concat  # noqa: F401  (registers cat/stack support)
-from refitd.reshard.lazy import CaptureRecorder, FillRecorder, LazyBase, LazyWeight
+from refitd.reshard.lazy import CaptureRecorder, FillRecorder, LazyBase
+from refitd.reshard.lazy_weight import LazyWeight
 from refitd.reshard.owners import StorageOwners
 from refitd.reshard.types import (
     CaptureResult,

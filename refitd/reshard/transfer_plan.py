@@ -33,7 +33,14 @@ import torch
 
 from refitd.errors import PlanError, TransportError
 from refitd.reshard.chunks import chunk_table, is_dim0_block
-from refitd.reshard.cost import DESCRIPTOR_COST_BYTES, PACK_COST_BYTES, PackFit, fit_pack
+from refitd.reshard.cost import (
+    DESCRIPTOR_COST_BYTES,
+    PACK_COST_BYTES,
+    Choice,
+    choose,
+    full_cost,
+    full_pull_rows,
+)
 from refitd.reshard.reads import PackedRead, ReadDescriptor, ReadExecutor
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.slice_plan import (
@@ -197,96 +204,6 @@ class TransferPlan:
         return self.bytes_planned() - self.exact_bytes
 
 
-@dataclass
-class _Choice:
-    copy: RecordedCopy
-    kind: str
-    exact: Pieces
-    raw: Pieces
-    packs: list[tuple[PackFit, int]] = field(default_factory=list)  # (fit, session code)
-
-
-def _groups(codes: IntArray) -> list[IntArray]:
-    """Indices of each distinct code, groups in first-seen order."""
-    _, first, inverse = np.unique(codes, return_index=True, return_inverse=True)
-    order = np.argsort(first, kind="stable")
-    return [np.flatnonzero(inverse == g) for g in order]
-
-
-def _full_pull_rows(raw: Pieces, info: SourceInfo) -> dict[int, tuple[int, int]]:
-    """Bounding shard-local row range ``[r0, r1)`` per touched shard."""
-    rows: dict[int, tuple[int, int]] = {}
-    for k in np.unique(raw.shard).tolist():
-        shard = info.shards[k]
-        row_bytes = math.prod(shard.shape[1:]) * info.elsize
-        sel = raw.shard == k
-        rel = raw.addr[sel] - shard.addr
-        r0 = int(rel.min()) // row_bytes
-        r1 = -(-int((rel + raw.nbytes[sel]).max()) // row_bytes)
-        rows[k] = (r0, r1)
-    return rows
-
-
-def _full_cost(raw: Pieces, info: SourceInfo) -> tuple[int, int]:
-    rows = _full_pull_rows(raw, info)
-    wire = sum(
-        (r1 - r0) * math.prod(info.shards[k].shape[1:]) * info.elsize
-        for k, (r0, r1) in rows.items()
-    )
-    return wire, len(rows)
-
-
-def _choose(
-    copy: RecordedCopy,
-    raw: Pieces,
-    exact: Pieces,
-    info: SourceInfo,
-    bounded: bool,
-    budget: int,
-    pack_specs: bool,
-    costs: tuple[int, int],
-) -> _Choice:
-    descriptor_cost, pack_cost = costs
-    n_exact = len(exact)
-    if n_exact <= budget:
-        return _Choice(copy, "exact", exact, raw)
-    total = exact.total()
-    options: list[tuple[bool, int, int, _Choice]] = [
-        (False, total + descriptor_cost * n_exact, 0, _Choice(copy, "exact", exact, raw))
-    ]
-    if pack_specs:
-        keep: list[IntArray] = []
-        packs: list[tuple[PackFit, int]] = []
-        for g in _groups(exact.session):
-            fit = fit_pack(exact.addr[g], exact.dst[g], exact.nbytes[g], info.elsize)
-            if fit is not None:
-                packs.append((fit, int(exact.session[g[0]])))
-                continue
-            # One session may hold several unrelated buffers: try each shard alone.
-            for sub in _groups(exact.shard[g]):
-                h = g[sub]
-                fit = fit_pack(exact.addr[h], exact.dst[h], exact.nbytes[h], info.elsize)
-                if fit is None:
-                    keep.append(h)
-                else:
-                    packs.append((fit, int(exact.session[h[0]])))
-        n = sum(len(g) for g in keep) + len(packs)
-        cost = total + descriptor_cost * n + pack_cost * len(packs)
-        rest = (
-            exact.take(np.sort(np.concatenate(keep))) if keep else exact.take(np.zeros(0, np.int64))
-        )
-        options.append((n <= budget, cost, 1, _Choice(copy, "pack", rest, raw, packs)))
-    if bounded:
-        wire, n = _full_cost(raw, info)
-        options.append(
-            (n <= budget, wire + descriptor_cost * n, 2, _Choice(copy, "full", exact, raw))
-        )
-    if not pack_specs and bounded:
-        return options[-1][3]
-    within = [o for o in options if o[0]]
-    return min(within or options, key=lambda o: (o[1], o[2]))[3]
-
-
 def _param_keyed(p: Pieces, param: IntArray, n_sessions: int) -> Pieces:
     # Coalescing must never join reads into different parameters.
     return Pieces(p.shard, param * n_sessions + p.session, p.addr, p.dst, p.nbytes)
@@ -331,7 +248,7 @@ def plan_transfer(
     sessions: dict[str, int] = {}
     params: dict[str, int] = {}
     loads: dict[str, int] = {}
-    chosen: list[tuple[str, SourceInfo, list[_Choice]]] = []
+    chosen: list[tuple[str, SourceInfo, list[Choice]]] = []
     for name, copies in by_source.items():
         if name in plan.fallback_reasons or name in plan.fallback:
             continue
@@ -375,7 +292,7 @@ def _plan_source(
     pack_specs: bool,
     costs: tuple[int, int],
     plan: TransferPlan,
-) -> list[_Choice]:
+) -> list[Choice]:
     shape = tuple(int(n) for n in info.global_shape)
     table = chunk_table(shape, info.shards, info.elsize, loads)
     codes = np.array(
@@ -392,9 +309,11 @@ def _plan_source(
         exact = coalesce(raw)
         choice = (
             # Bytes cannot convert themselves: stage the source, convert at install.
-            _Choice(copy, "full", exact, raw)
+            Choice(copy, "full", exact, raw)
             if cast
-            else _choose(copy, raw, exact, info, bounded, budget, pack_specs, costs)
+            else choose(
+                copy, raw, exact, info.shards, info.elsize, bounded, budget, pack_specs, costs
+            )
         )
         if len(exact) > budget and not bounded and name not in plan.unbounded_sources:
             plan.unbounded_sources.append(name)
@@ -404,7 +323,7 @@ def _plan_source(
 
 def _assemble(
     plan: TransferPlan,
-    chosen: list[tuple[str, SourceInfo, list[_Choice]]],
+    chosen: list[tuple[str, SourceInfo, list[Choice]]],
     sessions: dict[str, int],
     params: dict[str, int],
 ) -> None:
@@ -424,7 +343,7 @@ def _assemble(
             if c.kind == "full":
                 full_raw.append(c.raw)
                 full_copies.append(c.copy)
-                n_desc = _full_cost(c.raw, info)[1]
+                n_desc = full_cost(c.raw, info.shards, info.elsize)[1]
             else:
                 exact_parts.append((code, c.exact))
                 n_desc = len(c.exact) + len(c.packs)
@@ -471,7 +390,7 @@ def _full_pull(
     names: list[str],
     sessions: dict[str, int],
 ) -> FullPull:
-    rows = _full_pull_rows(raw, info)
+    rows = full_pull_rows(raw, info.shards, info.elsize)
     ks = sorted(
         rows, key=lambda k: info.shards[k].shard_offset[0] + rows[k][0] if info.global_shape else 0
     )

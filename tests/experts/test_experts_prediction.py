@@ -10,10 +10,10 @@ import pytest
 
 from refitd.errors import ConfigError
 from refitd.experts.prediction import RECALLS, with_predictions
+from refitd.experts.tracefile import parse_trace_lines
 from refitd.experts.traces import (
     DECODE,
     RoutingModel,
-    parse_trace_lines,
     preset_config,
     routing_model,
 )
@@ -101,7 +101,7 @@ def test_predictions_round_trip_through_a_recorded_file(
     tmp_path: Path,
     qwen_model: RoutingModel,
 ) -> None:
-    from refitd.experts.traces import read_trace_file
+    from refitd.experts.tracefile import read_trace_file
 
     trace = with_predictions(qwen_model, 0.9)
     path = tmp_path / "recorded.jsonl"

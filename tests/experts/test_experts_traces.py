@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 
 from refitd.errors import ConfigError
+from refitd.experts.tracefile import parse_trace_lines, read_trace_file
 from refitd.experts.traces import (
     PRESETS,
     ModelShape,
     TraceConfig,
     generate_trace,
-    parse_trace_lines,
     preset_config,
-    read_trace_file,
     routing_model,
 )
 

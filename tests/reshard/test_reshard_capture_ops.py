@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from refitd.reshard.geometry import build_lazy_weights, capture_weights
-from refitd.reshard.lazy import LazyWeight
+from refitd.reshard.lazy_weight import LazyWeight
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.types import OpChain, UnsupportedReshard
 

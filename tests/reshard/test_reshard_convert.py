@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from refitd.reshard.geometry import convert_source_weights
-from refitd.reshard.lazy import LazyBase, LazyWeight
+from refitd.reshard.lazy import LazyBase
 from refitd.reshard.lazy_concat import LazyConcat
+from refitd.reshard.lazy_weight import LazyWeight
 from refitd.reshard.types import UnsupportedReshard
 
 BF16 = torch.bfloat16

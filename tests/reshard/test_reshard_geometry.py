@@ -552,8 +552,9 @@ def test_the_capture_modules_export_exactly_names_they_define() -> None:
     import refitd.reshard.geometry as geometry
     import refitd.reshard.lazy as lazy
     import refitd.reshard.lazy_concat as lazy_concat
+    import refitd.reshard.lazy_weight as lazy_weight
     import refitd.reshard.replay as replay
 
-    for module in (geometry, lazy, lazy_concat, replay):
+    for module in (geometry, lazy, lazy_concat, lazy_weight, replay):
         assert sorted(module.__all__) == sorted(set(module.__all__))
         assert all(hasattr(module, name) for name in module.__all__), module.__name__

@@ -64,7 +64,7 @@ How each rule is enforced
 - *reads*: :func:`check_reads` and :func:`check_pack_reads` against the lease's
   scope, on the pulling daemon (descriptors, pack specs) and on the source daemon
   (pack specs, in :meth:`Daemon.pack`); staged offsets are validated as descriptors;
-  a delta pack's plan by :func:`check_unchecked_reads` (:mod:`refitd.daemon.delta.source`);
+  a delta pack's plan by :func:`check_unchecked_reads` (:mod:`refitd.daemon.delta.selection`);
 - *records*: :meth:`Daemon.peer_regions` gives records only under a live lease;
 - *versions*: :meth:`Registry.publish` refuses a READY or retired version and a
   version number that does not move the model forward; ``POST /v1/sources``

@@ -4,6 +4,7 @@ serve it.
 Modules:
 
 - `routes`: the HTTP side of delta refit: a version's delta record, its packs
-- `source`: deltas at the source: each READY version compared with its base, staged
+- `source`: deltas at the source: each READY version compared with its base, its record
+- `selection`: a planned pull's delta: selected from the records, checked, staged
 - `stream`: a streamed delta, the source side: ``POST /v1/deltas/stream``
 """

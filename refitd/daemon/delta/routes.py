@@ -1,5 +1,6 @@
 """The HTTP side of delta refit (:mod:`refitd.daemon.delta.source`): a version's delta record
-and the staging of a planned pull's changed units under its lease."""
+and the staging of a planned pull's changed units under its lease
+(:mod:`refitd.daemon.delta.selection`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from refitd.daemon.access.auth import principal_of
 from refitd.daemon.app.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
 from refitd.daemon.app.node import Daemon
 from refitd.daemon.app.waits import MAX_WAIT_S, WAITS, long_poll
+from refitd.daemon.delta.selection import pack_delta
 from refitd.daemon.delta.source import DeltaBook
 from refitd.daemon.delta.stream import stream
 from refitd.daemon.pull.plancheck import check_runs
@@ -50,7 +52,7 @@ async def delta_pack(request: web.Request) -> web.Response:
     who = lease.owner or principal_of(request).name  # whose memory the staging is
     d.store.admit(who, 1)  # at its cap already: refused before any work
     caller = principal_of(request).name
-    return reply(request, await request.app[DELTAS].pack(req, lease, who, caller), 201)
+    return reply(request, await pack_delta(request.app[DELTAS], req, lease, who, caller), 201)
 
 
 @routes.handles(api.DELTA_STREAM)

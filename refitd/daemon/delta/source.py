@@ -1,5 +1,5 @@
 """Deltas at the source: each READY version compared, bytewise, with the version
-before it, and the changed units of a receiver's planned pull staged for its lease.
+before it, and the record of its changed units kept for the receivers that ask.
 
 When a version becomes READY, :class:`DeltaBook` compares each of its blocks with the
 same block (tensor, offset, shape, dtype) of the newest earlier READY version of the
@@ -13,16 +13,10 @@ digested. The book keeps, per version, the byte offsets (int64) and new bytes of
 changed units, ``(8 + unit)`` bytes a change, and the lane digests of the version and
 its base. A version's record goes with the version (retired or gone).
 
-:meth:`DeltaBook.pack` serves ``POST /v1/deltas/pack``: for a lease on the version,
-the receiver's full plan, and the base the receiver states (version and digest),
-the changed units inside the plan's stream, staged for the lease
-(:meth:`~refitd.daemon.state.staging.StagingPool.stage`); the receiver reads them with one
-descriptor of an ordinary pull. Refused before anything is staged: a base that is not
-exactly the delta's, or a version whose changes were dropped when it was retired (409);
-a read outside the lease's version (403, as a pull's); a stream longer than
-:data:`STREAM_FACTOR` times the version (413). The staging region is admitted and
-counted against the lease's principal (429 past its caps). The mechanism and its
-costs: ``docs/delta.md``; the rules: ``docs/trust.md``.
+The book serves a planned pull's changes from these records: staged for its lease
+(``POST /v1/deltas/pack``) or streamed (``POST /v1/deltas/stream``), selected and
+checked by :mod:`refitd.daemon.delta.selection`. The mechanism and its costs:
+``docs/delta.md``; the rules: ``docs/trust.md``.
 """
 
 from __future__ import annotations
@@ -40,11 +34,8 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from refitd.daemon.access.trust import check_unchecked_reads
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.waits import MAX_WAIT_S, Waits
-from refitd.daemon.state.registry import Lease
-from refitd.delta import native
+from refitd.daemon.app.waits import Waits
 from refitd.delta.compare import (
     JobResult,
     Table,
@@ -53,7 +44,6 @@ from refitd.delta.compare import (
     block_hash,
     check_bounds,
     check_twins,
-    composed,
     digest,
     itemsize_of,
     jobs_of,
@@ -62,23 +52,19 @@ from refitd.delta.compare import (
     table_of,
 )
 from refitd.delta.diff import LANES, unit_of
-from refitd.delta.stream import ChangeIndex, reads_of
+from refitd.delta.stream import ChangeIndex
 from refitd.errors import (
     ConflictError,
-    ProtocolError,
     RefitError,
-    RequestTooLarge,
 )
 from refitd.wire import (
     DeltaInfo,
-    DeltaPackRequest,
-    DeltaStaged,
     DeltaState,
     VersionState,
 )
 from transports.local import copy_batch_guarded
 
-__all__ = ["DeltaBook"]
+__all__ = ["KEEP_RECORDS", "MAX_CHAIN", "DeltaBook", "DeltaRecord"]
 
 log = logging.getLogger("refitd.deltas")
 
@@ -92,12 +78,6 @@ KEEP_RECORDS = 8
 MAX_CHAIN = 4
 """An engine at most this many versions behind gets a delta composed of the records
 between (each still READY, with its changes): v -> v+k for k <= 4."""
-
-STREAM_FACTOR = 4
-"""A delta pack's stream reads at most this many times its version's bytes. A plan
-reads each byte of the version about once (a tied or replicated tensor a few times);
-a longer stream only makes the daemon select and stage the same changes again, in
-memory that grows with the request, not with the version."""
 
 
 I64 = npt.NDArray[np.int64]
@@ -120,7 +100,7 @@ class _Hold:
 
 
 @dataclass
-class _Record:
+class DeltaRecord:
     model: str
     version: int
     state: DeltaState = DeltaState.COMPUTING
@@ -217,7 +197,7 @@ class DeltaBook:
         self._holds: dict[str, _Hold] = {}
         self.threads = threads or max(1, min(4, os.cpu_count() or 1))
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="refitd-delta")
-        self._records: dict[tuple[str, int], _Record] = {}
+        self._records: dict[tuple[str, int], DeltaRecord] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------ records
@@ -232,7 +212,7 @@ class DeltaBook:
         if reg.version(model, version).state != VersionState.READY:
             return
         self._forget(model)
-        rec = self._records[(model, version)] = _Record(model, version)
+        rec = self._records[(model, version)] = DeltaRecord(model, version)
         # A step per shard: in a worker thread, not on the loop (a version may have
         # tens of thousands of tiny shards).
         merged = reg.merged(model, version)
@@ -304,7 +284,7 @@ class DeltaBook:
 
     # ------------------------------------------------------------ comparing
 
-    async def _compute(self, rec: _Record, hold: _Hold, base: _Hold | None) -> None:
+    async def _compute(self, rec: DeltaRecord, hold: _Hold, base: _Hold | None) -> None:
         t0 = time.perf_counter()
         reg = self.daemon.registry
         try:
@@ -362,7 +342,9 @@ class DeltaBook:
         """``fn(*args)`` in the comparison's thread pool."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _compare(self, rec: _Record, table: Table, twins: tuple[I64, I64], base: int) -> None:
+    async def _compare(
+        self, rec: DeltaRecord, table: Table, twins: tuple[I64, I64], base: int
+    ) -> None:
         left = max(0, self.max_bytes - self.held_bytes())
         run = await self._run(table, rec.unit, twins, budget=left)
         rec.base = base
@@ -463,130 +445,14 @@ class DeltaBook:
             out.index, out.values = await self.in_pool(assemble, kept)
         return out
 
+    def record(self, model: str, version: int) -> DeltaRecord | None:
+        """The delta record of ``model`` ``version``, if the book keeps one."""
+        return self._records.get((model, version))
+
     def held_bytes(self) -> int:
         """Daemon memory the delta records hold now, with comparisons' kept changes."""
         held = sum(r.index.offsets.nbytes + r.values.nbytes for r in self._records.values())
         return held + self._pending
-
-    # ------------------------------------------------------------ staging a pull's delta
-
-    def _chain(
-        self, rec: _Record, base: int, base_digest: str
-    ) -> list[tuple[ChangeIndex, U8, Table | None]] | str:
-        """The changes from ``base`` (with ``base_digest``) to ``rec``'s version through
-        the records between them, oldest first (each READY with its changes, each
-        one's base the one before with the digest that one recorded), at most
-        :data:`MAX_CHAIN` of them; or why there is no such chain."""
-        links = [rec]
-        while links[0].base != base:
-            if len(links) >= MAX_CHAIN or links[0].base < base:
-                return f"no chain of at most {MAX_CHAIN} deltas from v{base}"
-            prev = self._records.get((rec.model, links[0].base))
-            if prev is None or not prev.linkable:
-                why = prev.reason if prev is not None else "no record"
-                return f"v{links[0].base}'s changes are gone ({why})"
-            if prev.digest != links[0].base_digest or prev.unit != rec.unit:
-                return f"v{prev.version}'s digest is not the base v{links[0].version} compared with"
-            links.insert(0, prev)
-        if links[0].base_digest != base_digest:
-            return f"v{base}'s digest here is {links[0].base_digest}"
-        return [(r.index, r.values, r.table) for r in links]
-
-    async def pack(
-        self, req: DeltaPackRequest, lease: Lease, principal: str, caller: str
-    ) -> DeltaStaged:
-        """Stage the changed units of ``req``'s planned stream for ``lease`` (live, on
-        the version), as memory ``principal`` holds: admitted by its region and byte
-        caps (429) and counted against it. A wait for the version's comparison is a
-        long poll of ``caller`` (429 past its cap; 409 after a minute). Refused,
-        nothing staged: without a delta of
-        the version against exactly the base ``req`` states (409); a read outside the
-        version's shards (403); a stream longer than :data:`STREAM_FACTOR` times the
-        version (413)."""
-        t0 = time.perf_counter()
-        rec, index, values, reads = await self.selection(req, caller)
-        t1 = time.perf_counter()
-        payload, staged = await asyncio.get_running_loop().run_in_executor(
-            self._pool, native.payload_of, rec.unit, index, values, reads, req.nibbles
-        )
-        t2 = time.perf_counter()
-        # The lease may have ended while this waited: nothing is staged for no lease.
-        self.daemon.registry.check(lease.lease_id, req.model, req.version)
-        # Admitted to the principal's caps and counted before its next request is.
-        region = await self.daemon.staging.stage(payload, lease, principal)
-        t3 = time.perf_counter()
-        pages, changed, exceptions, units, bits = staged
-        return DeltaStaged(
-            region,
-            len(payload),
-            pages,
-            changed,
-            exceptions,
-            rec.unit,
-            units,
-            rec.base,
-            rec.digest,
-            bits,
-            t1 - t0,
-            t2 - t1,
-            t3 - t2,
-        )
-
-    async def selection(
-        self, req: DeltaPackRequest, caller: str
-    ) -> tuple[_Record, ChangeIndex, U8, I64]:
-        """(:meth:`pack`'s, and a streamed delta's: :mod:`refitd.daemon.delta.stream`.)
-        The record of ``req``'s version, its changes from the base ``req`` states
-        (composed along a chain where that base is older) and the plan's stream as
-        reads, every check of :meth:`pack` passed."""
-        what = f"delta of {req.model!r} v{req.version}"
-        rec = self._records.get((req.model, req.version))
-        if rec is None:
-            raise ConflictError(f"{what} refused: this daemon holds no delta record of it")
-        if not rec.done.is_set():  # its comparison runs: a long poll, bounded as one
-            with self.waits.held(caller, f"{what}, waiting for its comparison"):
-                try:
-                    async with asyncio.timeout(MAX_WAIT_S):
-                        await rec.done.wait()
-                except TimeoutError:
-                    raise ConflictError(
-                        f"{what} refused: its comparison still runs after {MAX_WAIT_S:g} s; "
-                        "refit in full"
-                    ) from None
-        # One consistent view: a newer version may retire this one (and drop its
-        # changes) while the selection below runs in a worker thread.
-        state, reason, index, values = rec.state, rec.reason, rec.index, rec.values
-        if state != DeltaState.READY:
-            raise ConflictError(f"{what} refused: there is none ({reason})")
-        chain: list[tuple[ChangeIndex, U8, Table | None]] = [(index, values, rec.table)]
-        if (req.base_version, req.base_digest) != (rec.base, rec.base_digest):
-            links = self._chain(rec, req.base_version, req.base_digest)
-            if isinstance(links, str):
-                raise ConflictError(
-                    f"{what} refused: it applies to v{rec.base} with digest "
-                    f"{rec.base_digest}, the engine states v{req.base_version} with digest "
-                    f"{req.base_digest or '(none)'} ({links}): a full refit is needed"
-                )
-            chain = links
-        rows = req.descriptors.rows()
-        scope = self.daemon.registry.scope(req.model, req.version)
-        check_unchecked_reads(rows, req.pack_specs, scope, f"{req.model!r} version {req.version}")
-        stream = int(rows[:, 4].sum()) + sum(p.nbytes for p in req.pack_specs)
-        if stream > STREAM_FACTOR * rec.compared:
-            raise RequestTooLarge(
-                f"{what} refused: the plan's stream reads {stream} bytes, more than "
-                f"{STREAM_FACTOR} times the version's {rec.compared} bytes; a plan reads "
-                "each byte of its version about once"
-            )
-        if len(chain) > 1:  # v -> v+k: the records' changes composed, oldest first
-            index, values = await self.in_pool(composed, chain, rec.unit)
-        reads = await self.in_pool(reads_of, rows, req.pack_specs)
-        if len(reads) and ((reads[:, 1] % rec.unit).any() or (reads[:, 2] % rec.unit).any()):
-            raise ProtocolError(
-                f"{what} refused: a read of the plan does not start and end on a "
-                f"{rec.unit}-byte unit"
-            )
-        return rec, index, values, reads
 
 
 def _quarter_of_memory() -> int:

@@ -1,10 +1,11 @@
 """A streamed delta, the source side (``POST /v1/deltas/stream``, docs/delta.md).
 
-The changes a :class:`~refitd.daemon.delta.source.DeltaBook` selects for a planned pull,
-not staged in a region for the engine's daemon to pull: the plan's stream is cut
-into chunks (:func:`refitd.delta.stream.chunking`, :func:`~refitd.delta.stream.cut`),
-each chunk's changes encoded on their own in the book's thread pool and written to
-the answer as soon as they are, while the next chunk is encoded. The engine places
+The changes a :class:`~refitd.daemon.delta.source.DeltaBook` keeps for a planned pull
+(:func:`~refitd.daemon.delta.selection.select_delta`), not staged in a region for the
+engine's daemon to pull: the plan's stream is cut into chunks
+(:func:`refitd.delta.stream.chunking`, :func:`~refitd.delta.stream.cut`), each
+chunk's changes encoded on their own in the book's thread pool and written to the
+answer as soon as they are, while the next chunk is encoded. The engine places
 each chunk while the next one crosses, so the source's encoding, the wire and the
 engine's placing overlap instead of following one another, and a delta costs one
 request: no staging region, no pull, no copy out of a landing region.
@@ -19,6 +20,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import numpy.typing as npt
 
+from refitd.daemon.delta.selection import select_delta
 from refitd.daemon.delta.source import DeltaBook
 from refitd.daemon.state.registry import Lease
 from refitd.delta import native
@@ -36,13 +38,14 @@ _NONE: U8 = np.zeros(0, np.uint8)  # the payload of a chunk that failed
 async def stream(
     book: DeltaBook, req: DeltaStreamRequest, lease: Lease, caller: str
 ) -> tuple[DeltaStreamHead, AsyncIterator[tuple[DeltaChunk, U8]]]:
-    """The delta :meth:`DeltaBook.pack` would stage for ``req``, not staged: its head,
-    and its chunks as they are encoded (each of ``req.chunk_bytes`` stream bytes,
-    encoded on its own in the pool while the one before is sent). Refused before the
-    head as :meth:`DeltaBook.pack` is; a chunk that fails, or a lease that ended,
-    ends the chunks with a chunk whose ``error`` says why."""
+    """The delta :func:`~refitd.daemon.delta.selection.pack_delta` would stage for
+    ``req``, not staged: its head, and its chunks as they are encoded (each of
+    ``req.chunk_bytes`` stream bytes, encoded on its own in the pool while the one
+    before is sent). Refused before the head as ``pack_delta`` is; a chunk that
+    fails, or a lease that ended, ends the chunks with a chunk whose ``error`` says
+    why."""
     t0 = time.perf_counter()
-    rec, index, values, reads = await book.selection(req, caller)
+    rec, index, values, reads = await select_delta(book, req, caller)
     unit = rec.unit
     units = native.stream_units(reads, unit)
     per, n = chunking(units, req.chunk_bytes, unit)

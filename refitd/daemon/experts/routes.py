@@ -13,7 +13,8 @@ from aiohttp import web
 
 from refitd.daemon.access.auth import check_owner, owner_for, principal_of
 from refitd.daemon.app.httpio import DAEMON, RouteTable, body, reply
-from refitd.daemon.experts.pools import POOLS, ExpertPool
+from refitd.daemon.experts.pool import ExpertPool
+from refitd.daemon.experts.pools import POOLS
 from refitd.errors import ConflictError, NotFoundError
 from refitd.wire import (
     EnsureRequest,

@@ -12,6 +12,7 @@ imported only when vLLM first asks for them.
 Modules:
 
 - `worker`: the worker side: a ``WeightTransferEngine`` refitting through the daemon
+- `destinations`: the worker's destinations in the loader format: in place, or buffers
 - `trainer`: the trainer side: publish local shards, drive vLLM's handshake
 - `postload`: vLLM's post-load processing, re-run after a refit
 - `prefetching`: in-flight refit, the worker side: prefetch while serving, swap all or none
