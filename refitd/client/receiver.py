@@ -64,6 +64,7 @@ from refitd.errors import ConflictError, NotFoundError, RefitError, TransportErr
 from refitd.reshard.receiver import KEEP_PLANS
 from refitd.wire import (
     DescriptorTable,
+    LeaseGrant,
     MergedManifest,
     PackSpec,
     PullProgress,
@@ -153,6 +154,8 @@ class DaemonReceiver(Staging):
         self.staged: tuple[int, CompiledPull] | None = None  # stage(): what waits, whole
         self._hold = False  # the refit running stops before its swap (stage())
         self.lease_keeper: LeaseKeeper | None = None  # while a refit holds its lease
+        #: the running refit's lease, as the source granted it (its records, manifest)
+        self._lease: LeaseGrant | None = None
 
     # ------------------------------------------------------------ memory
 
@@ -384,8 +387,10 @@ class DaemonReceiver(Staging):
                 raise ConflictError(f"stage of {self.model!r} refused: its engine is not swapped")
             if version is None:
                 version = (await self.source.version(self.model, "latest")).version
-            lease = await self.source.acquire_lease(
-                self.model, version, self.lease_ttl_s, holder="receiver"
+            # The grant brings the manifest and the source's signed records (with its
+            # credentials), which the pull presents: no round trip for either.
+            lease = self._lease = await self.source.acquire_lease(
+                self.model, version, self.lease_ttl_s, holder="receiver", manifest=True
             )
             # Renewed in the background while the refit runs, so a long pull of a
             # healthy version outlives the TTL; a lease that lapses anyway stays lapsed.
@@ -400,7 +405,7 @@ class DaemonReceiver(Staging):
                     exc.add_note(f"renewing lease {lease.lease_id!r} was refused: {keeper.error}")
                 raise
             finally:
-                self.lease_keeper = None
+                self.lease_keeper = self._lease = None
                 # A source daemon already gone (or restarted) took the lease with it.
                 with contextlib.suppress(TransportError, NotFoundError):
                     await self.source.release_lease(lease.lease_id)
@@ -423,7 +428,12 @@ class DaemonReceiver(Staging):
     async def _prepare(self, version: int) -> tuple[CompiledPull, bool, tuple[float, float]]:
         """``version``'s compiled (or replayed) pull, whether it was replayed, and the
         clock after fetching its manifest and after the plan."""
-        m = await self.source.manifest(self.model, version)
+        lease = self._lease
+        m = (
+            lease.manifest
+            if lease is not None and lease.manifest is not None and lease.version == version
+            else await self.source.manifest(self.model, version)
+        )
         t1 = time.perf_counter()
         comp, replayed = await self._compiled_for(m, version)
         return comp, replayed, (t1, time.perf_counter())
@@ -449,6 +459,7 @@ class DaemonReceiver(Staging):
             DescriptorTable.pack(rows),
             packs,
             self.source.base_url if self.source.base_url != self.local.base_url else "",
+            self._lease.records if self._lease is not None else None,
         )
         try:
             result = await self.local.pull(req, on_progress=on_progress)

@@ -194,10 +194,17 @@ class PullManager:
         source); the job gives back ``cost`` bytes of its principal's plan charge
         when it ends."""
         src = src or self.source_for(req.source)
-        await src.check_lease(req.lease_id, req.model, req.version)
+        # The records the source granted the lease, presented with the pull: neither
+        # they nor the lease are asked for again before the path is known.
+        granted = src.granted(req)
+        if granted is None:
+            await src.check_lease(req.lease_id, req.model, req.version)
         rows = req.descriptors.rows()
         src_ids = pullcore.source_ids(rows, req.pack_specs)
-        peer = await src.regions(src_ids, req) if src_ids else None
+        if granted is not None:
+            peer: PeerRegions | None = granted
+        else:
+            peer = await src.regions(src_ids, req) if src_ids else None
         sizes = self.store.regions.sizes()
         if len(rows) + len(req.pack_specs) > OFF_LOOP_ROWS:
             # Vectorised, but a plan at limits.max_plan_runs still takes the loop for
@@ -206,6 +213,16 @@ class PullManager:
         else:
             pullcore.check_plan(rows, req, peer, sizes)
         path, conn = await self.choose_path(src, peer)
+        if granted is not None and not self._lease_checked_by(path):
+            # Only a data server that checks the lease before every read refuses a
+            # grant of a lease released or expired since; on any other path the lease
+            # is checked here, before any byte moves.
+            try:
+                await src.check_lease(req.lease_id, req.model, req.version)
+            except BaseException:
+                if conn is not None:
+                    await conn.close()
+                raise
         gpu = pullcore.peer_devices(peer) if peer is not None else []
         # The source copies its GPU rows into host staging, read from there: a pack
         # spec made in Python a row (1.5 us each), and the specs summed and listed
@@ -244,7 +261,9 @@ class PullManager:
         :data:`~refitd.daemon.pull.core.SUSPECT_KEPT`, widened), among the last
         ``limits.max_ended_pulls_per_principal`` of its owner's: one principal's pulls
         never push out another's results."""
-        job.req = msgspec.structs.replace(job.req, descriptors=DescriptorTable(b""), pack_specs=[])
+        job.req = msgspec.structs.replace(
+            job.req, descriptors=DescriptorTable(b""), pack_specs=[], grant=None
+        )
         self.plans.give_back(job.owner, job.plan_bytes)
         job.plan_bytes = 0
         job.suspect = pullcore.widened(job.suspect, pullcore.SUSPECT_KEPT)
@@ -408,6 +427,12 @@ class PullManager:
         log.info("pull from %s over %s: %s", peer.node_id, scheme, why)
         return scheme, None
 
+    def _lease_checked_by(self, path: str) -> bool:
+        """Whether the data plane of ``path`` checks the lease at the source before
+        every read (:attr:`transports.interface.Transport.checks_lease`)."""
+        transport = self.plane.by_scheme.get(path)
+        return transport is not None and transport.checks_lease
+
     async def open_path(self, src: Source, peer: PeerRegions) -> tuple[str, Peer]:
         """The path a pull from ``src`` (its records ``peer``) would take, and a
         connection on it, for reads made outside a pull (a host mirror's). A ``shm``
@@ -418,9 +443,8 @@ class PullManager:
         return path, conn
 
     async def regrant(self, peer: PeerRegions, scheme: str) -> Peer:
-        """The ``scheme`` transport's connection to ``peer`` under a grant made from
-        these (newer) records: for reads outside a pull whose scope grows (a relay's
-        feed)."""
+        """The ``scheme`` transport's connection to ``peer`` under the grant in these
+        (newer) records: for reads outside a pull whose scope grows (a relay's feed)."""
         return await self._transport_peer(peer, scheme)
 
     async def shm_refusal(self, peer: PeerRegions) -> str | None:
@@ -449,11 +473,11 @@ class PullManager:
 
     async def _transport_peer(self, peer: PeerRegions, scheme: str) -> Peer:
         """The ``scheme`` transport's connection to ``peer``: made once per source
-        daemon life, and read by the pull under the credential the transport makes
-        from the peer's signed advertisement and the pull's lease scope
-        (:func:`~refitd.daemon.pull.paths.lease_scope`)."""
+        daemon life, and read by the pull under the credential the source granted its
+        lease (in ``peer``'s signed records, :meth:`Daemon.peer_regions`), as given:
+        this daemon never makes one."""
         transport = self.plane.by_scheme[scheme]  # choose_path picked a transport it runs
-        info = transport.credential(adverts(peer)[scheme], lease_scope(peer))
+        info = adverts(peer)[scheme]
         key = (peer.node_id, peer.incarnation, scheme)
         for old in [k for k in self._peers if k[0] == peer.node_id and k[1] != peer.incarnation]:
             await self._peers.pop(old).close()  # an earlier life of that daemon

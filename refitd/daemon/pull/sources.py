@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from refitd.daemon.pull.peerclient import PeerClient
+from refitd.errors import AccessDenied
 from refitd.wire import PackRequest, PackSpec, PeerRegions, PullRequest, StagedPack
 from transports.batch import ReadBatch
 
@@ -41,6 +42,11 @@ class Filling(Protocol):
 class Source(Protocol):
     """The daemon a pull reads from, seen from the daemon that pulls."""
 
+    def granted(self, req: PullRequest) -> PeerRegions | None:
+        """The records ``req`` presents that this source granted its lease (verified),
+        or None where there are none to use (then :meth:`regions` asks for them)."""
+        ...
+
     async def check_lease(self, lease_id: str, model: str, version: int) -> None: ...
     async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
         """Signed records of ``ids``, scoped to what ``req``'s lease may read."""
@@ -60,6 +66,9 @@ class LocalSource:
 
     def __init__(self, daemon: Daemon) -> None:
         self.daemon = daemon
+
+    def granted(self, req: PullRequest) -> PeerRegions | None:
+        return None  # this daemon's own records cost no round trip
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
         self.daemon.registry.check(lease_id, model, version)
@@ -83,6 +92,21 @@ class RemoteSource:
     def __init__(self, client: PeerClient, secret: bytes) -> None:
         self.client = client
         self.secret = secret
+
+    def granted(self, req: PullRequest) -> PeerRegions | None:
+        """``req.grant``, once its MAC verifies (:class:`ProtocolError` if it does not:
+        altered, or made outside this deployment) and it was granted ``req``'s very
+        lease (:class:`AccessDenied` if not); None when ``req`` presents none."""
+        rec = req.grant
+        if rec is None:
+            return None
+        rec.verify(self.secret)
+        if not rec.lease_id or rec.lease_id != req.lease_id:
+            raise AccessDenied(
+                f"pull refused: the grant it presents is of lease {rec.lease_id!r}, not of "
+                f"its lease {req.lease_id!r}; a pull reads only with its own lease's grant"
+            )
+        return rec
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
         await self.client.check_lease(lease_id, model, version)
