@@ -55,12 +55,12 @@ from refitd.client.install import (
     overlapping_params,
     sources_of,
 )
-from refitd.client.leases import LeaseKeeper
+from refitd.client.leases import LeaseKeeper, held_lease
 from refitd.client.onerefit import OneRefit
 from refitd.client.publisher import ALIGN
 from refitd.client.staged import Staging
 from refitd.client.swap import EngineViews, unpulled
-from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
+from refitd.errors import ConflictError, RefitError, TransportError
 from refitd.reshard.receiver import KEEP_PLANS
 from refitd.wire import (
     DescriptorTable,
@@ -388,27 +388,27 @@ class DaemonReceiver(Staging):
             if version is None:
                 version = (await self.source.version(self.model, "latest")).version
             # The grant brings the manifest and the source's signed records (with its
-            # credentials), which the pull presents: no round trip for either.
-            lease = self._lease = await self.source.acquire_lease(
+            # credentials), which the pull presents: no round trip for either. It is
+            # renewed in the background while the refit runs, so a long pull of a
+            # healthy version outlives the TTL; a lease that lapses anyway stays lapsed.
+            acquiring = self.source.acquire_lease(
                 self.model, version, self.lease_ttl_s, holder="receiver", manifest=True
             )
-            # Renewed in the background while the refit runs, so a long pull of a
-            # healthy version outlives the TTL; a lease that lapses anyway stays lapsed.
-            keeper = self.lease_keeper = LeaseKeeper(self.source, lease, self.lease_ttl_s)
             try:
-                async with keeper:
+                async with held_lease(self.source, acquiring, self.lease_ttl_s) as keeper:
+                    self.lease_keeper, lease = keeper, keeper.granted
+                    self._lease = lease
                     # stage() is always a full pull: the inactive copy is no delta's base
                     leased = self._refit_leased if not self._hold else self._full_leased
                     return await leased(version, lease.lease_id, t0, on_progress)
             except RefitError as exc:
-                if keeper.error is not None:
-                    exc.add_note(f"renewing lease {lease.lease_id!r} was refused: {keeper.error}")
+                kept = self.lease_keeper
+                if kept is not None and kept.error is not None:
+                    held = kept.granted.lease_id
+                    exc.add_note(f"renewing lease {held!r} was refused: {kept.error}")
                 raise
             finally:
                 self.lease_keeper = self._lease = None
-                # A source daemon already gone (or restarted) took the lease with it.
-                with contextlib.suppress(TransportError, NotFoundError):
-                    await self.source.release_lease(lease.lease_id)
 
     async def _refit_leased(
         self,

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from refitd.client.leases import LeaseKeeper
+from refitd.client.leases import held_lease
 from refitd.daemon.access.trust import Extents
 from refitd.daemon.mirror.chunks import CHUNK_BYTES, HolderBook, Mirror, chunk_count, cut_chunks
 from refitd.daemon.mirror.fill import LEASE_TTL_S, Filler
@@ -238,20 +238,21 @@ class Mirrors:
     async def _run(self, m: Mirror) -> None:
         src = self._remote(m.source)
         client = src.client
-        lease_id = ""
         # Join the source's holder book now, while the lease, the records and the
         # regions are made: its round trip to a busy source is then off the path to
         # the first byte (a relay's lease on this mirror waits for its regions).
         joined = asyncio.create_task(self.filler.assign(src, m, []))
         try:
-            # The grant brings the version's manifest and the source's records of it.
-            grant = await client.acquire_lease(m.model, m.version, LEASE_TTL_S, manifest=True)
-            lease_id = grant.lease_id
-            async with LeaseKeeper(client, grant, LEASE_TTL_S):
+            # The grant brings the version's manifest and the source's records of it;
+            # the lease is held until the mirror is complete or failed.
+            acquiring = client.acquire_lease(m.model, m.version, LEASE_TTL_S, manifest=True)
+            async with held_lease(client, acquiring, LEASE_TTL_S) as kept:
+                grant = kept.granted
                 # The regions are made while the filler opens its upstream (a relay's
                 # lease, feed and data path): its first read goes out once they exist.
                 prepared = asyncio.create_task(self._prepare(m, src, grant))
-                filling = asyncio.create_task(self.filler.fill(m, src, lease_id, joined, prepared))
+                fill = self.filler.fill(m, src, grant.lease_id, joined, prepared)
+                filling = asyncio.create_task(fill)
                 try:
                     if await prepared is not None:
                         await filling
@@ -284,9 +285,6 @@ class Mirrors:
             m.ready.set()
             m.notify()
             self.filling.changed()  # a failed mirror's held reads are refused now
-            if lease_id:
-                with contextlib.suppress(RefitError):
-                    await asyncio.shield(client.release_lease(lease_id))
 
     async def _prepare(self, m: Mirror, src: RemoteSource, grant: LeaseGrant) -> PeerRegions | None:
         """Make the mirror's regions, one per source region of the version, and publish
