@@ -301,16 +301,8 @@ class Mirrors:
             return None
         manifest = grant.manifest or await src.client.manifest(m.model, m.version)
         ids = sorted({s.region for t in manifest.tensors for s in t.shards})
-        probe = PullRequest(
-            m.model,
-            m.version,
-            grant.lease_id,
-            DescriptorTable.pack(_no_rows()),
-            [],
-            "",
-            grant.records,
-        )
-        given = src.granted(probe)
+        probe = PullRequest(m.model, m.version, grant.lease_id, DescriptorTable.pack(_no_rows()))
+        given = src.answered(grant.records) if grant.records is not None else None
         if given is not None and sorted(r.region_id for r in given.regions) == ids:
             peer = given
         else:

@@ -43,6 +43,9 @@ class PeerClient(ApiSession):
     ``token`` where peers require one (``PeerClient(url, token=...)``, as an
     :class:`ApiSession`). :meth:`close` when done."""
 
+    #: the node id the peer's own signed records gave, once any did ("" before)
+    node_id: str = ""
+
     async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
         """ConflictError unless ``lease_id`` is live on exactly ``(model, version)``."""
         params = {"model": model, "version": str(version)}

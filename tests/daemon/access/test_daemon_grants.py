@@ -81,6 +81,16 @@ async def published(c: RefitClient, model: str, fill: int) -> int:
     return info.region_id
 
 
+async def acquainted(h: Hosts, region: int) -> None:
+    """One pull of ``ma`` (published in ``region``) by the engine's daemon: from then
+    on it knows the source's node id, and reads with grants the source made."""
+    lease = await h.a.acquire_lease("ma", 1)
+    async with destination(h) as (dst, seg):
+        res = await h.engine.pull(presenting(lease, (region, 0, dst, 0, NBYTES), url=h.source_url))
+        assert res.state is PullState.DONE and (seg.numpy() == 7).all()
+    await h.a.release_lease(lease.lease_id)
+
+
 @contextlib.asynccontextmanager
 async def destination(h: Hosts) -> AsyncIterator[tuple[int, SharedSegment]]:
     """A zeroed region of the engine's daemon, and its segment."""
@@ -161,6 +171,7 @@ async def test_a_grant_presented_after_its_lease_was_released_reads_nothing(
 ) -> None:
     async with two_hosts(tmp_path) as h:
         region = await published(h.a, "ma", 7)
+        await acquainted(h, region)
         lease = await h.a.acquire_lease("ma", 1)
         await h.a.release_lease(lease.lease_id)
         async with destination(h) as (dst, seg):
@@ -178,6 +189,7 @@ async def test_a_released_grant_on_a_path_without_lease_checks_is_refused_before
     # no data server checks, so the daemon checks the lease at the source first.
     async with two_hosts(tmp_path, engine_boot="host-a") as h:
         region = await published(h.a, "ma", 7)
+        await acquainted(h, region)
         lease = await h.a.acquire_lease("ma", 1)
         await h.a.release_lease(lease.lease_id)
         async with destination(h) as (dst, seg):
@@ -186,7 +198,7 @@ async def test_a_released_grant_on_a_path_without_lease_checks_is_refused_before
                     presenting(lease, (region, 0, dst, 0, NBYTES), url=h.source_url)
                 )
             assert not seg.numpy().any()
-            assert await h.engine.pulls() == []
+            assert [p.pull_id for p in await h.engine.pulls()] == ["p1"]  # acquainted's
 
 
 async def test_one_leases_grant_is_refused_under_another_lease(tmp_path: Path) -> None:
@@ -203,7 +215,7 @@ async def test_one_leases_grant_is_refused_under_another_lease(tmp_path: Path) -
 
 async def test_one_tenants_grant_reads_no_region_of_another_tenant(tmp_path: Path) -> None:
     async with two_hosts(tmp_path) as h:
-        await published(h.a, "ma", 7)
+        await acquainted(h, await published(h.a, "ma", 7))
         theirs = await published(h.b, "mb", 9)
         lease = await h.a.acquire_lease("ma", 1)
         assert lease.records is not None and theirs not in lease.records.scope
@@ -213,4 +225,29 @@ async def test_one_tenants_grant_reads_no_region_of_another_tenant(tmp_path: Pat
                     presenting(lease, (theirs, 0, dst, 0, NBYTES), url=h.source_url)
                 )
             assert not seg.numpy().any()
-            assert await h.engine.pulls() == []
+            assert [p.pull_id for p in await h.engine.pulls()] == ["p1"]  # acquainted's
+
+
+async def test_a_grant_of_another_daemon_is_not_read_with_its_source_is_asked(
+    tmp_path: Path,
+) -> None:
+    # Records a third daemon signed, presented for a pull from the source: the engine's
+    # daemon reads nothing with them, and the source refuses the lease it never made.
+    other = Daemon(
+        daemon_config(node_id="other", allow=("http://127.0.0.1:*",)),
+        secret=SECRET,
+        boot_id="host-c",
+    )
+    async with two_hosts(tmp_path) as h, served(other) as o:
+        region = await published(h.a, "ma", 7)
+        await acquainted(h, region)
+        theirs = await published(o.client, "ma", 9)
+        lease = await o.client.acquire_lease("ma", 1)
+        assert lease.records is not None and lease.records.node_id == "other"
+        async with destination(h) as (dst, seg):
+            with pytest.raises(ConflictError, match=lease.lease_id):
+                await h.engine.pull(
+                    presenting(lease, (theirs, 0, dst, 0, NBYTES), url=h.source_url)
+                )
+            assert not seg.numpy().any()
+            assert [p.pull_id for p in await h.engine.pulls()] == ["p1"]  # acquainted's
