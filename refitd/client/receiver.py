@@ -396,11 +396,10 @@ class DaemonReceiver(Staging):
             )
             try:
                 async with held_lease(self.source, acquiring, self.lease_ttl_s) as keeper:
-                    self.lease_keeper, lease = keeper, keeper.granted
-                    self._lease = lease
+                    self.lease_keeper, self._lease = keeper, keeper.granted
                     # stage() is always a full pull: the inactive copy is no delta's base
                     leased = self._refit_leased if not self._hold else self._full_leased
-                    return await leased(version, lease.lease_id, t0, on_progress)
+                    return await leased(version, keeper.granted.lease_id, t0, on_progress)
             except RefitError as exc:
                 kept = self.lease_keeper
                 if kept is not None and kept.error is not None:
@@ -452,14 +451,16 @@ class DaemonReceiver(Staging):
         if self.mode == "swap":  # land in the shadow; the engine serves on meanwhile
             assert self._shadow_region is not None
             rows, packs = comp.landing_in(self._shadow_region.region_id)
+        remote = self.source.base_url != self.local.base_url
+        grant = self._lease.records if self._lease is not None and remote else None
         req = PullRequest(
             self.model,
             version,
             lease_id,
             DescriptorTable.pack(rows),
             packs,
-            self.source.base_url if self.source.base_url != self.local.base_url else "",
-            self._lease.records if self._lease is not None else None,
+            self.source.base_url if remote else "",
+            grant,  # the source's records and credentials: presented, not asked for
         )
         try:
             result = await self.local.pull(req, on_progress=on_progress)
