@@ -61,10 +61,6 @@ class TransportSet:
                 await t.deregister(region_id)
         await self.shm.deregister(region_id)
 
-    def adverts(self) -> dict[str, bytes]:
-        """Each transport's encoded advertisement (its signed record), by scheme."""
-        return {s: t.advertise().encode() for s, t in self.by_scheme.items()}
-
     def grants(self, lease_id: str, scope: Scope, held: Scope) -> dict[str, bytes]:
         """Each transport's credential for a reader under ``lease_id``, encoded, by
         scheme: made and signed here, at the source (:meth:`Transport.grant`), over
