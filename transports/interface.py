@@ -217,7 +217,7 @@ class Peer(ABC):
 
     async def scoped(self, info: PeerInfo) -> Peer:
         """A connection whose reads are checked against ``info``: a newer record, or
-        the credential :meth:`Transport.credential` made for one lease, of the same
+        the credential the source made for one lease (:meth:`Transport.grant`), of the same
         peer life. By default this connection, brought up to ``info`` (a connection
         made from ``info`` is returned as it is); a transport that checks each read
         against its own grant (``tcp``) returns a view over the same links."""
@@ -348,12 +348,26 @@ class Transport(ABC):
     async def connect(self, info: PeerInfo) -> Peer:
         """Connect to a peer from its record; `UnauthenticatedPeer` if the MAC fails."""
 
+    @property
+    def checks_lease(self) -> bool:
+        """Whether this transport's data server checks, before every read, that the
+        lease of the grant it was given is live (``tcp``, as every daemon runs it): a
+        grant of a lease released or expired since is refused its first read."""
+        return False
+
+    def grant(self, scope: LeaseScope) -> PeerInfo:
+        """The credential a reader of this transport's memory connects with
+        (:meth:`connect`, :meth:`Peer.scoped`) to read what ``scope`` grants: made here,
+        at the source, and signed by it; a reader presents it as it was given, and never
+        makes one. By default the advertisement itself (the reading daemon checks each
+        read against the source's signed records); a transport whose data server checks
+        each read against the grant (``tcp``) makes a lease-scoped one."""
+        return self.advertise()
+
     def credential(self, advert: PeerInfo, scope: LeaseScope) -> PeerInfo:
-        """The record a reader connects with (:meth:`connect`, :meth:`Peer.scoped`) to
-        read what ``scope`` grants from the peer that signed ``advert``. By default the
-        advertisement itself (the daemon checks the lease before any read); a transport
-        whose source checks each read against a signed grant (``tcp``) makes it here,
-        and ``shm`` lists only the scope's regions, as advertised."""
+        """The record a reader's same-host transport (``shm``) connects with: the
+        regions of ``scope`` that the source's signed advertisement ``advert`` names,
+        never more. By default the advertisement itself."""
         return advert
 
     async def wait_ready(self) -> None:

@@ -45,6 +45,7 @@ from refitd.delta.apply import Landing, Target, apply_chunk
 from refitd.delta.digest import EngineDigest
 from refitd.delta.undo import UndoLog
 from refitd.errors import ConflictError, NotFoundError
+from refitd.reshard.receiver import KEEP_PLANS
 from refitd.wire import (
     CHUNK_BYTES,
     DeltaStreamRequest,
@@ -111,6 +112,8 @@ class DeltaReceiver(DaemonReceiver):
         self.chunk_bytes = chunk_bytes
         #: where the last plan's stream lands, for that plan in those regions
         self._landing: tuple[CompiledPull, int, int, Landing] | None = None
+        #: per plan signature, the name the source keeps that plan under
+        self._plan_names: dict[bytes, str] = {}
 
     # ------------------------------------------------------------ the base
 
@@ -247,6 +250,8 @@ class DeltaReceiver(DaemonReceiver):
         assert self._base is not None and self.memory.engine is not None
         at = self._landing_of(comp)
         nbytes = int(at.pieces[:, 2].sum())
+        # The source keeps the plan sent last time (its head named it): named, not sent.
+        named = self._plan_names.pop(comp.signature, "")
         req = DeltaStreamRequest(
             self.model,
             version,
@@ -274,8 +279,11 @@ class DeltaReceiver(DaemonReceiver):
         checking = loop.run_in_executor(None, self._written) if self.verify_engine else None
         check_s = 0.0
         try:
-            async with open_stream(self.source, req, nbytes) as (head, chunks):
+            async with open_stream(self.source, req, nbytes, named) as (head, chunks):
                 self._streamed = True  # refusals before this one refit in full
+                while len(self._plan_names) >= KEEP_PLANS:
+                    del self._plan_names[next(iter(self._plan_names))]
+                self._plan_names[comp.signature] = head.plan  # "" from an older source
                 async for chunk, payload in chunks:
                     clock[1] = time.perf_counter()
                     clock[0] = clock[0] or clock[1]

@@ -25,7 +25,13 @@ import numpy.typing as npt
 from refitd.client.session import ApiSession, refusal
 from refitd.delta.stream import PAGE, chunking
 from refitd.errors import ProtocolError, RefitError
-from refitd.wire import MSGPACK, DeltaChunk, DeltaStreamHead, DeltaStreamRequest
+from refitd.wire import (
+    MSGPACK,
+    DeltaChunk,
+    DeltaStreamHead,
+    DeltaStreamRequest,
+    DescriptorTable,
+)
 from refitd.wire import routes as api
 
 __all__ = ["MAX_FRAME_BYTES", "Encoded", "StreamBroken", "chunk_bound", "open_stream"]
@@ -66,24 +72,31 @@ class _Frames:
 
 @contextlib.asynccontextmanager
 async def open_stream(
-    client: ApiSession, req: DeltaStreamRequest, nbytes: int
+    client: ApiSession, req: DeltaStreamRequest, nbytes: int, plan: str = ""
 ) -> AsyncIterator[tuple[DeltaStreamHead, AsyncIterator[tuple[DeltaChunk, npt.NDArray[np.uint8]]]]]:
     """The head of the delta ``req`` asks for and its chunks, each with its payload,
-    for an engine whose plan streams ``nbytes`` bytes. A refusal
-    before the head raises the daemon's error by its class (409: no delta from that
-    base); a head that does not describe that stream, in chunks of
+    for an engine whose plan streams ``nbytes`` bytes. With ``plan``, the name the
+    source answered ``req``'s plan with before, the request names it instead of
+    sending the plan, and sends it only if the source no longer keeps it (404). A
+    refusal before the head raises the daemon's error by its class (409: no delta
+    from that base); a head that does not describe that stream, in chunks of
     ``req.chunk_bytes``, a :class:`ProtocolError`; a chunk out of order, too large,
     failed at the source or cut short, :class:`StreamBroken`."""
     path = api.DELTA_STREAM.url()
     url = f"{client.base_url}{path}"
-    data = msgspec.msgpack.encode(req)
+    named = msgspec.structs.replace(req, descriptors=DescriptorTable(b""), pack_specs=[], plan=plan)
+
+    def post(body: DeltaStreamRequest) -> Any:
+        data = msgspec.msgpack.encode(body)
+        headers = {"Content-Type": MSGPACK}
+        return client.open().post(url, data=data, headers=headers, allow_redirects=False)
+
     try:
-        async with client.open().post(
-            url,
-            data=data,
-            headers={"Content-Type": MSGPACK},
-            allow_redirects=False,
-        ) as resp:
+        async with contextlib.AsyncExitStack() as stack:
+            resp = await stack.enter_async_context(post(named if plan else req))
+            if resp.status == 404 and plan:  # not kept there any more: send it
+                await stack.aclose()
+                resp = await stack.enter_async_context(post(req))
             if resp.status != 200:
                 raise refusal(resp.status, await resp.read(), f"POST {path}: HTTP {resp.status}")
             frames = _Frames(resp, url)

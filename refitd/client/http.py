@@ -212,9 +212,19 @@ class RefitClient(ApiSession):
     # ------------------------------------------------------------ leases
 
     async def acquire_lease(
-        self, model: str, version: int, ttl_s: float = 30.0, holder: str = ""
+        self,
+        model: str,
+        version: int,
+        ttl_s: float = 30.0,
+        holder: str = "",
+        *,
+        manifest: bool = False,
     ) -> LeaseGrant:
-        return await self.send(api.ACQUIRE_LEASE, LeaseRequest(model, version, ttl_s, holder))
+        """Lease ``model`` ``version``: the grant carries the daemon's signed records of
+        what the lease reads (a pull from that daemon presents them as ``grant``), and
+        with ``manifest`` the version's merged manifest."""
+        req = LeaseRequest(model, version, ttl_s, holder, manifest=manifest)
+        return await self.send(api.ACQUIRE_LEASE, req)
 
     async def renew_lease(self, lease_id: str, ttl_s: float = 30.0) -> LeaseGrant:
         return await self.send(api.RENEW_LEASE, params={"ttl": str(ttl_s)}, lease_id=lease_id)

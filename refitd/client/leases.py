@@ -1,4 +1,5 @@
-"""Keeping a lease alive while a long operation runs: :class:`LeaseKeeper`.
+"""Holding a lease while a long operation runs: :func:`held_lease` acquires it, keeps
+it alive (:class:`LeaseKeeper`) and releases it, the one keeper of every holder.
 
 A lease has a TTL so that a reader that died cannot hold a version forever. A
 healthy reader whose pull outlasts the TTL must therefore renew it, or its own pull
@@ -16,19 +17,47 @@ anything with ``renew_lease`` (:class:`Renews`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
 from types import TracebackType
 from typing import Protocol, Self
 
 from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import LeaseGrant
 
-__all__ = ["LeaseKeeper", "Renews"]
+__all__ = ["LeaseKeeper", "Releases", "Renews", "held_lease"]
 
 
 class Renews(Protocol):
     """Who a lease is renewed through: the daemon that granted it, as a client sees it."""
 
     async def renew_lease(self, lease_id: str, ttl_s: float) -> LeaseGrant: ...
+
+
+class Releases(Renews, Protocol):
+    """Who a lease is renewed and released through."""
+
+    async def release_lease(self, lease_id: str) -> None: ...
+
+
+@contextlib.asynccontextmanager
+async def held_lease(
+    client: Releases, acquiring: Awaitable[LeaseGrant], ttl_s: float | None = None
+) -> AsyncIterator[LeaseKeeper]:
+    """The lease ``acquiring`` grants (a call of ``client``'s ``acquire_lease``), kept
+    alive by a :class:`LeaseKeeper` (renewed for ``ttl_s``, default its own TTL) while
+    the block runs, and released when it ends, however it ends. A release that fails
+    is let be, never the block's error: a daemon unreachable or restarted, or a lease
+    gone already (expired and dropped), holds it no more, and any other lease runs out
+    at its TTL. Yields the keeper (:attr:`LeaseKeeper.granted`: the grant as the
+    daemon answered it)."""
+    grant = await acquiring
+    try:
+        async with LeaseKeeper(client, grant, ttl_s) as keeper:
+            yield keeper
+    finally:
+        with contextlib.suppress(RefitError):
+            await asyncio.shield(client.release_lease(grant.lease_id))
 
 
 RENEW_FRACTION = 1 / 3
@@ -58,6 +87,8 @@ class LeaseKeeper:
     ) -> None:
         self.client = client
         self.lease = lease
+        #: the grant as acquired (its records and manifest; renewals carry neither)
+        self.granted = lease
         self.ttl_s = lease.expires_in_s if ttl_s is None else ttl_s
         self.every_s = self.ttl_s * RENEW_FRACTION if every_s is None else every_s
         if not 0 < self.every_s < self.ttl_s:

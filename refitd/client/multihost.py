@@ -28,9 +28,9 @@ from typing import Any
 import msgspec
 
 from refitd.client.http import RefitClient
-from refitd.client.leases import LeaseKeeper
+from refitd.client.leases import held_lease
 from refitd.client.receiver import DaemonReceiver, RefitStats
-from refitd.errors import ConflictError, NotFoundError, PlanError, RefitError, TransportError
+from refitd.errors import ConflictError, NotFoundError, PlanError, RefitError
 from refitd.wire import (
     DescriptorTable,
     LeaseGrant,
@@ -143,22 +143,17 @@ class ClusterReceiver(DaemonReceiver):
             )
         holders = found.holders
         clients = [await self._client(h.url) for h in holders]
-        leases: list[tuple[RefitClient, LeaseGrant]] = []
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                for c in clients:
-                    lease = await c.acquire_lease(
-                        self.model, found.version, self.lease_ttl_s, holder="receiver"
-                    )
-                    leases.append((c, lease))
-                    await stack.enter_async_context(LeaseKeeper(c, lease, self.lease_ttl_s))
-                return await self._refit_holders(
-                    found.version, holders, clients, [g for _, g in leases], t0, on_progress
+        async with contextlib.AsyncExitStack() as stack:
+            leases: list[LeaseGrant] = []
+            for c in clients:  # each held until the refit ends, then released
+                acquiring = c.acquire_lease(
+                    self.model, found.version, self.lease_ttl_s, holder="receiver"
                 )
-        finally:
-            for c, lease in leases:
-                with contextlib.suppress(TransportError):  # a holder already gone
-                    await c.release_lease(lease.lease_id)
+                held = held_lease(c, acquiring, self.lease_ttl_s)
+                leases.append((await stack.enter_async_context(held)).granted)
+            return await self._refit_holders(
+                found.version, holders, clients, leases, t0, on_progress
+            )
 
     async def _refit_holders(
         self,

@@ -37,7 +37,6 @@ never run on a GPU yet). A bound plan becomes the pull's rows in
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Literal
@@ -54,13 +53,14 @@ from refitd.client.install import (
     overlapping_params,
     sources_of,
 )
-from refitd.client.leases import LeaseKeeper
+from refitd.client.leases import LeaseKeeper, held_lease
 from refitd.client.onerefit import OneRefit
 from refitd.client.staged import Staging
-from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
+from refitd.errors import ConflictError, RefitError
 from refitd.reshard.receiver import KEEP_PLANS
 from refitd.wire import (
     DescriptorTable,
+    LeaseGrant,
     MergedManifest,
     PullProgress,
     PullRequest,
@@ -132,6 +132,8 @@ class DaemonReceiver(Staging):
         self.staged: tuple[int, CompiledPull] | None = None  # stage(): what waits, whole
         self._hold = False  # the refit running stops before its swap (stage())
         self.lease_keeper: LeaseKeeper | None = None  # while a refit holds its lease
+        #: the running refit's lease, as the source granted it (its records, manifest)
+        self._lease: LeaseGrant | None = None
 
     # ------------------------------------------------------------ memory
 
@@ -235,26 +237,27 @@ class DaemonReceiver(Staging):
                 raise ConflictError(f"stage of {self.model!r} refused: its engine is not swapped")
             if version is None:
                 version = (await self.source.version(self.model, "latest")).version
-            lease = await self.source.acquire_lease(
-                self.model, version, self.lease_ttl_s, holder="receiver"
-            )
-            # Renewed in the background while the refit runs, so a long pull of a
+            # The grant brings the manifest and the source's signed records (with its
+            # credentials), which the pull presents: no round trip for either. It is
+            # renewed in the background while the refit runs, so a long pull of a
             # healthy version outlives the TTL; a lease that lapses anyway stays lapsed.
-            keeper = self.lease_keeper = LeaseKeeper(self.source, lease, self.lease_ttl_s)
+            acquiring = self.source.acquire_lease(
+                self.model, version, self.lease_ttl_s, holder="receiver", manifest=True
+            )
             try:
-                async with keeper:
+                async with held_lease(self.source, acquiring, self.lease_ttl_s) as keeper:
+                    self.lease_keeper, self._lease = keeper, keeper.granted
                     # stage() is always a full pull: the inactive copy is no delta's base
                     leased = self._refit_leased if not self._hold else self._full_leased
-                    return await leased(version, lease.lease_id, t0, on_progress)
+                    return await leased(version, keeper.granted.lease_id, t0, on_progress)
             except RefitError as exc:
-                if keeper.error is not None:
-                    exc.add_note(f"renewing lease {lease.lease_id!r} was refused: {keeper.error}")
+                kept = self.lease_keeper
+                if kept is not None and kept.error is not None:
+                    held = kept.granted.lease_id
+                    exc.add_note(f"renewing lease {held!r} was refused: {kept.error}")
                 raise
             finally:
-                self.lease_keeper = None
-                # A source daemon already gone (or restarted) took the lease with it.
-                with contextlib.suppress(TransportError, NotFoundError):
-                    await self.source.release_lease(lease.lease_id)
+                self.lease_keeper = self._lease = None
 
     async def _refit_leased(
         self,
@@ -274,7 +277,12 @@ class DaemonReceiver(Staging):
     async def _prepare(self, version: int) -> tuple[CompiledPull, bool, tuple[float, float]]:
         """``version``'s compiled (or replayed) pull, whether it was replayed, and the
         clock after fetching its manifest and after the plan."""
-        m = await self.source.manifest(self.model, version)
+        lease = self._lease
+        m = (
+            lease.manifest
+            if lease is not None and lease.manifest is not None and lease.version == version
+            else await self.source.manifest(self.model, version)
+        )
         t1 = time.perf_counter()
         comp, replayed = await self._compiled_for(m, version)
         return comp, replayed, (t1, time.perf_counter())
@@ -293,13 +301,16 @@ class DaemonReceiver(Staging):
         if self.mode == "swap":  # land in the shadow; the engine serves on meanwhile
             assert self.memory.shadow is not None
             rows, packs = comp.landing_in(self.memory.shadow.region.region_id)
+        remote = self.source.base_url != self.local.base_url
+        grant = self._lease.records if self._lease is not None and remote else None
         req = PullRequest(
             self.model,
             version,
             lease_id,
             DescriptorTable.pack(rows),
             packs,
-            self.source.base_url if self.source.base_url != self.local.base_url else "",
+            self.source.base_url if remote else "",
+            grant,  # the source's records and credentials: presented, not asked for
         )
         try:
             result = await self.local.pull(req, on_progress=on_progress)

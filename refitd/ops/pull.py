@@ -111,7 +111,7 @@ async def pull(client: Any, spec: PullFile, args: argparse.Namespace) -> int:
     import numpy as np
 
     from refitd.client.http import RefitClient
-    from refitd.client.leases import LeaseKeeper
+    from refitd.client.leases import held_lease
     from refitd.ops.pulls import follow
     from refitd.wire import DescriptorTable, PackSpec, PullRequest
 
@@ -129,11 +129,11 @@ async def pull(client: Any, spec: PullFile, args: argparse.Namespace) -> int:
             version = (await source.version(spec.model, "latest")).version
         lease_id = spec.lease_id
         if not lease_id:
-            grant = await source.acquire_lease(spec.model, version, args.lease_ttl, "refitd pull")
-            lease_id = grant.lease_id
-            stack.push_async_callback(_release, source, lease_id)
-            # Kept alive until the pull ends (renewals stop before the release).
-            await stack.enter_async_context(LeaseKeeper(source, grant, args.lease_ttl))
+            # Kept alive until the pull ends, then released (one the source dropped
+            # already, expired or restarted, is not an error of the pull).
+            acquiring = source.acquire_lease(spec.model, version, args.lease_ttl, "refitd pull")
+            held = held_lease(source, acquiring, args.lease_ttl)
+            lease_id = (await stack.enter_async_context(held)).granted.lease_id
         req = PullRequest(
             spec.model, version, lease_id, DescriptorTable.pack(rows), packs, spec.source
         )
@@ -161,12 +161,3 @@ def run(args: argparse.Namespace) -> int:
         return await pull(client, spec, args)
 
     return run_command(args, body)
-
-
-async def _release(source: Any, lease_id: str) -> None:
-    """Release the lease taken for this pull; one the source already dropped (expired,
-    or the source restarted) is not an error of the pull."""
-    from refitd.errors import NotFoundError
-
-    with contextlib.suppress(NotFoundError):
-        await source.release_lease(lease_id)

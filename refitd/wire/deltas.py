@@ -74,6 +74,9 @@ class DeltaPackRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: the receiver decodes 4-bit differences (the daemon uses them where they stage
     #: fewer bytes; ``DeltaStaged.diff_bits`` says which it staged)
     nibbles: bool = False
+    #: a plan this principal sent before, by the name the source answered it with
+    #: (``DeltaStreamHead.plan``), sent instead of ``descriptors`` and ``pack_specs``
+    plan: Digest = ""
 
 
 class DeltaStaged(msgspec.Struct, frozen=True):
@@ -130,6 +133,9 @@ class DeltaStreamHead(msgspec.Struct, frozen=True):
     base_version: int
     digest: str
     wait_s: float = 0.0
+    #: the name the source keeps the request's plan under: a later request may send
+    #: it instead of the plan (``DeltaPackRequest.plan``)
+    plan: str = ""
 
 
 class DeltaChunk(msgspec.Struct, frozen=True):

@@ -16,6 +16,7 @@ import numpy as np
 
 from refitd.errors import ProtocolError
 from refitd.wire.fields import Int64, Name, NonNeg, Positive, Url
+from refitd.wire.records import PeerRegions
 from refitd.wire.regions import RegionInfo
 from refitd.wire.status import ErrorBody
 
@@ -86,7 +87,11 @@ class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Move bytes into this daemon's regions from ``source`` (a peer daemon's base URL,
     or ``""`` for this daemon itself), reading version ``version`` of ``model`` under
     ``lease_id`` (held at the source). Nothing moves until every descriptor and pack
-    spec has been checked against both daemons' region records."""
+    spec has been checked against both daemons' region records.
+
+    ``grant`` is what the source answered that lease with (``LeaseGrant.records``):
+    its signed records and credentials, which the pulling daemon reads with as given
+    (MAC-verified, of this very lease) instead of asking the source for them again."""
 
     model: Name
     version: NonNeg
@@ -94,6 +99,7 @@ class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     descriptors: DescriptorTable
     pack_specs: list[PackSpec] = []
     source: Url = ""
+    grant: PeerRegions | None = None
 
 
 class PullState(enum.StrEnum):

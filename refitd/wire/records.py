@@ -68,12 +68,14 @@ class PeerRegions(Signed, frozen=True):
     """Region records one daemon sends another, MAC'd with the deployment secret.
     (A msgspec Struct: its ``{}`` defaults are copied per instance, never shared.)
 
-    ``transport`` is the sender's data-plane mode and ``advert`` its transport's own
-    signed advertisement (empty when it runs no transport, i.e. ``shm``). Under a
-    lease, ``adverts`` also holds the sender's ``shm`` advertisement of the regions
-    that lease may read (boot id, each segment's name and file): a reader uses the
-    shared-memory path only when its own boot id matches and the file it maps by
-    name is that very file (:meth:`transports.shm.ShmTransport.credential`)."""
+    ``transport`` is the sender's data-plane mode. Records are given for reading only
+    under a lease: ``adverts`` then holds, per data plane the sender serves, the
+    credential it grants that lease (``tcp``: a grant keyed to the lease's byte
+    ranges), which a reader connects with as given (``advert`` is the first of them;
+    both empty without a lease), and the sender's ``shm`` advertisement of the
+    regions that lease may read (boot id, each segment's name and file): a reader
+    uses the shared-memory path only when its own boot id matches and the file it
+    maps by name is that very file (:meth:`transports.shm.ShmTransport.credential`)."""
 
     node_id: str
     incarnation: int
@@ -84,8 +86,8 @@ class PeerRegions(Signed, frozen=True):
     #: the byte ranges ``[start, end)`` that lease may read: a reader reads nothing else
     lease_id: str = ""
     scope: dict[int, list[tuple[int, int]]] = {}  # noqa: RUF012
-    #: every data plane the sender serves, by scheme: its signed advertisement
-    #: (``advert`` is the first of them), so the reader picks the path
+    #: every data plane the sender serves, by scheme: the credential it grants the
+    #: lease there (``advert`` is the first of them), so the reader picks the path
     adverts: dict[str, bytes] = {}  # noqa: RUF012
     mac: bytes = b""
 

@@ -580,10 +580,16 @@ class TcpTransport(Transport):
         except (ValueError, msgspec.MsgspecError) as exc:
             raise ProtocolError(f"record of {info.peer_id!r} refused: {exc}") from None
 
-    def credential(self, advert: PeerInfo, scope: LeaseScope) -> PeerInfo:
-        """The lease's grant (:func:`scoped_grant`): the source's data server reads
-        nothing outside ``scope``."""
-        return scoped_grant(advert, scope.lease_id, scope.ranges, self.secret)
+    @property
+    def checks_lease(self) -> bool:
+        """Run with ``require_lease`` and ``authorize``, as a daemon runs it."""
+        return self.require_lease and self.authorize is not None
+
+    def grant(self, scope: LeaseScope) -> PeerInfo:
+        """The lease's grant, made by this source (:func:`scoped_grant` of its own
+        advertisement): its data server reads nothing outside ``scope``, and nothing
+        at all once the lease is no longer live (``authorize``)."""
+        return scoped_grant(self.advertise(), scope.lease_id, scope.ranges, self.secret)
 
     async def connect(self, info: PeerInfo) -> TcpPeer:
         if self.closed:

@@ -383,20 +383,23 @@ class Daemon:
 
     # ------------------------------------------------------------ peer records
 
-    def version_scope(self, lease: Lease) -> dict[int, Extents]:
+    def version_scope(self, lease: Lease, held: bool = False) -> dict[int, Extents]:
         """What ``lease`` may read of its version's own regions now: the shard ranges,
-        and of a mirror still filling only its complete chunks. Reads over the data
-        plane and source-side packs are both checked against it."""
+        and of a mirror still filling only its complete chunks, unless ``held``: read
+        through a data plane whose server holds each read of a chunk still filling
+        until it is complete (it then answers only complete bytes). The one rule of
+        "only complete chunks are read", applied where this daemon signs what a lease
+        reads: its records, the grants it makes, and the packs it makes."""
         scope = dict(self.registry.scope(lease.model, lease.version))
-        if self.scope_limit is not None:  # a mirror still filling: its complete chunks
+        if self.scope_limit is not None and not held:  # a mirror still filling
             scope = self.scope_limit(lease.model, lease.version, scope)
         return scope
 
-    def lease_scope(self, lease: Lease) -> dict[int, Extents]:
+    def lease_scope(self, lease: Lease, held: bool = False) -> dict[int, Extents]:
         """What ``lease`` may read here: :meth:`version_scope`, and in each staging
         region packed for that very lease the bytes packed for it (not the rest of a
         reused region)."""
-        scope = self.version_scope(lease)
+        scope = self.version_scope(lease, held)
         scope.update(self.staging.packed_for(lease.lease_id))
         return scope
 
@@ -405,9 +408,12 @@ class Daemon:
 
         Under ``lease`` (a live one, checked by the caller) only regions that lease may
         read are given, each with the byte ranges it may read (``scope``); any other
-        id is refused (:class:`AccessDenied`). Without a lease the records carry no
-        scope, no transport keys and no file identities: enough to list regions,
-        nothing to read them with."""
+        id is refused (:class:`AccessDenied`). ``adverts`` then holds, per data plane,
+        the credential this daemon grants that lease (:meth:`TransportSet.grants`,
+        over everything the lease may read here, whichever ids were asked): a reader
+        connects with it as given, and never makes one. Without a lease the records
+        carry no scope, no credential and no file identities: enough to list
+        regions, nothing to read them with."""
         scope: dict[int, Extents] = {}
         allowed: dict[int, Extents] = {}
         if lease is not None:
@@ -433,7 +439,8 @@ class Daemon:
         advert = b""
         adverts: dict[str, bytes] = {}
         if lease is not None:
-            adverts = self.plane.adverts()
+            held = self.lease_scope(lease, held=True)
+            adverts = self.plane.grants(lease.lease_id, allowed, held)
             advert = next(iter(adverts.values()), b"")
             # The same-host path's: every region the lease may read and no other (a
             # staging record asked for later lists the version's regions too).
@@ -526,14 +533,24 @@ class Daemon:
         self.lease_changed()
 
     def acquire(
-        self, model: str, version: int, ttl_s: float, holder: str, principal: str
+        self,
+        model: str,
+        version: int,
+        ttl_s: float,
+        holder: str,
+        principal: str,
+        manifest: bool = False,
     ) -> LeaseGrant:
         """Lease a READY version for ``principal``, within its lease cap (429 past
-        ``limits.max_leases_per_principal``)."""
+        ``limits.max_leases_per_principal``). The grant carries this daemon's signed
+        records of what the lease may read, with its credential on each data plane
+        (:meth:`peer_regions`), and with ``manifest`` the version's merged manifest."""
         self.caps.leases.admit(principal, self.registry.is_live)
         grant = self.registry.acquire(model, version, ttl_s, holder, owner=principal)
         self.caps.leases.add(principal, grant.lease_id)
-        return grant
+        records = self.peer_regions(None, self.registry.check(grant.lease_id, model, version))
+        merged = self.registry.merged(model, version) if manifest else None
+        return msgspec.structs.replace(grant, records=records, manifest=merged)
 
     async def release_staging(self, region_id: int, lease_id: str) -> None:
         """Return a staging region to the pool (:meth:`StagingPool.release`)."""

@@ -3,6 +3,7 @@ serve it.
 
 Modules:
 
+- `plans`: the plans a source keeps for its delta readers (a warm refit names its plan)
 - `routes`: the HTTP side of delta refit: a version's delta record, its packs
 - `source`: deltas at the source: each READY version compared with its base, its record
 - `selection`: a planned pull's delta: selected from the records, checked, staged

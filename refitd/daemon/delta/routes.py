@@ -11,6 +11,7 @@ from refitd.daemon.access.auth import principal_of
 from refitd.daemon.app.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
 from refitd.daemon.app.node import Daemon
 from refitd.daemon.app.waits import MAX_WAIT_S, WAITS, long_poll
+from refitd.daemon.delta.plans import Plans
 from refitd.daemon.delta.selection import pack_delta
 from refitd.daemon.delta.source import DeltaBook
 from refitd.daemon.delta.stream import stream
@@ -21,6 +22,7 @@ from refitd.wire import routes as api
 __all__ = ["DELTAS", "routes", "setup_deltas"]
 
 DELTAS: web.AppKey[DeltaBook] = web.AppKey("deltas", DeltaBook)
+DELTA_PLANS: web.AppKey[Plans] = web.AppKey("delta_plans", Plans)
 routes = RouteTable()
 
 
@@ -52,6 +54,7 @@ async def delta_pack(request: web.Request) -> web.Response:
     who = lease.owner or principal_of(request).name  # whose memory the staging is
     d.store.admit(who, 1)  # at its cap already: refused before any work
     caller = principal_of(request).name
+    req, _ = await request.app[DELTA_PLANS].resolve(req, caller)
     return reply(request, await pack_delta(request.app[DELTAS], req, lease, who, caller), 201)
 
 
@@ -67,10 +70,13 @@ async def delta_stream(request: web.Request) -> web.StreamResponse:
     check_runs(len(req.descriptors), req.pack_specs, d.config.limits.max_plan_runs, what)
     lease = d.registry.check(req.lease_id, req.model, req.version)
     caller = principal_of(request).name
+    # A warm refit names the plan it sent before (kept for its principal).
+    req, plan = await request.app[DELTA_PLANS].resolve(req, caller)
     # Open as long as its reader reads, holding its selection and two encoded chunks:
     # counted against the principal's long polls, as a wait is.
     with request.app[WAITS].held(caller, what):
         head, chunks = await stream(request.app[DELTAS], req, lease, caller)
+        head = msgspec.structs.replace(head, plan=plan)
         resp = web.StreamResponse(headers={"Content-Type": MSGPACK})
         await resp.prepare(request)
         await resp.write(_frame(head))
@@ -90,6 +96,7 @@ def _frame(value: msgspec.Struct) -> bytes:
 def setup_deltas(app: web.Application, daemon: Daemon) -> DeltaBook:
     """Install the daemon's :class:`DeltaBook` and its routes on ``app``."""
     book = app[DELTAS] = DeltaBook(daemon, daemon.config.pulls.deltas, waits=app[WAITS])
+    app[DELTA_PLANS] = Plans()
 
     async def close(_: web.Application) -> None:
         await book.close()

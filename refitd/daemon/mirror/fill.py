@@ -19,7 +19,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-import msgspec
 import numpy as np
 
 from refitd.client.leases import LeaseKeeper
@@ -248,8 +247,8 @@ class Feed:
     which chunks it serves now (``served``), through which connection (its grant
     widened with each frame's records), and how its regions map to the source's.
 
-    Over ``tcp`` the grant is the whole version from the first frame on (``ahead``):
-    the upstream's data server holds a read of a chunk not complete there until it is
+    Over ``tcp`` the upstream grants the whole version from the first frame on
+    (``ahead``): its data server holds a read of a chunk not complete there until it is
     (:mod:`refitd.daemon.mirror.hold`), so the reads go out ahead of the chunks and
     each is answered as soon as its chunk lands upstream; the frames then only say the
     upstream still answers, or that its mirror failed."""
@@ -307,9 +306,9 @@ class Feed:
         if self.conn is None:
             self.their = dict(regions)
             self.path, conn = await pulls.open_path(self.relay, rec)
-            if pulls.plane.caps(self.path).holds_reads:  # held there until complete
-                conn = await pulls.regrant(self._whole(rec), self.path, conn)
-                self.ahead = True
+            # Its data server holds reads until complete, and the relay granted the
+            # whole version on it (Daemon.version_scope): read ahead of its chunks.
+            self.ahead = pulls.plane.caps(self.path).holds_reads
             self.conn = Regranted(conn)
         elif self.ahead:
             pass  # the grant is the whole version already
@@ -320,15 +319,6 @@ class Feed:
         self.served |= covered(self.m.chunks, scope)
         self.started.set()
         self._wake()
-
-    def _whole(self, rec: PeerRegions) -> PeerRegions:
-        """``rec`` (verified) with the whole version's scope: every chunk of the mirror,
-        in the upstream's region ids. The grant a downstream reads ahead under; the
-        upstream's data server still answers only complete bytes."""
-        ranges: dict[int, list[tuple[int, int]]] = {}
-        for s, o, n in self.m.chunks.tolist():
-            ranges.setdefault(self.their[s], []).append((o, o + n))
-        return msgspec.structs.replace(rec, scope={k: ranges.get(k, []) for k in rec.scope})
 
     def _wake(self) -> None:
         tick, self._tick = self._tick, asyncio.Event()

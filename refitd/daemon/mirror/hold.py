@@ -15,7 +15,7 @@ failed mirror's incomplete bytes is refused, never answered.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -25,14 +25,7 @@ from transports.tcp.held import Completion
 if TYPE_CHECKING:
     from refitd.daemon.mirror.chunks import Mirror
 
-__all__ = ["FillingMirrors", "HoldsReads"]
-
-
-@runtime_checkable
-class HoldsReads(Protocol):
-    """A transport whose data server can hold a read until its bytes are complete."""
-
-    def hold_reads(self, completion: Completion | None) -> None: ...
+__all__ = ["FillingMirrors"]
 
 
 class _Region:

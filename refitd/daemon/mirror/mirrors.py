@@ -53,19 +53,21 @@ from typing import TYPE_CHECKING
 import msgspec
 import numpy as np
 
-from refitd.client.leases import LeaseKeeper
+from refitd.client.leases import held_lease
 from refitd.daemon.access.trust import Extents
 from refitd.daemon.mirror.chunks import CHUNK_BYTES, HolderBook, Mirror, chunk_count, cut_chunks
 from refitd.daemon.mirror.fill import LEASE_TTL_S, Filler
-from refitd.daemon.mirror.hold import FillingMirrors, HoldsReads
+from refitd.daemon.mirror.hold import FillingMirrors
 from refitd.daemon.mirror.judge import describe
 from refitd.daemon.mirror.leases import OWNER, MirrorLeases
 from refitd.daemon.mirror.read import MirroredSource
 from refitd.daemon.mirror.space import half_of_shm, held_bytes, make_room, release, take_over
 from refitd.daemon.pull.sources import Redirect, RemoteSource
+from refitd.daemon.state.plane import HoldsReads
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
+    LeaseGrant,
     ManifestIn,
     PeerRegions,
     PullRequest,
@@ -163,10 +165,13 @@ class Mirrors:
         # The engine's lease at the source is what entitles it to the version: checked
         # there first, as for a direct pull, so a mirror never serves a version the
         # source would refuse this caller, and a made-up lease neither reads a mirror
-        # nor counts toward the shared policy (ConflictError, nothing moved). The pull
-        # checks it again at submit and after its last byte (MirroredSource).
+        # nor counts toward the shared policy (ConflictError, nothing moved). A pull that
+        # presents the records the source granted that very lease (MAC-verified) shows
+        # it without a round trip. The pull checks it again at submit and after its
+        # last byte (MirroredSource).
         remote = self._remote(req.source)
-        await remote.check_lease(req.lease_id, req.model, req.version)
+        if remote.granted(req) is None:
+            await remote.check_lease(req.lease_id, req.model, req.version)
         if not self.wants(req):
             return None
         m = await self.mirror(req.source.rstrip("/"), req.model, req.version)
@@ -233,19 +238,21 @@ class Mirrors:
     async def _run(self, m: Mirror) -> None:
         src = self._remote(m.source)
         client = src.client
-        lease_id = ""
         # Join the source's holder book now, while the lease, the records and the
         # regions are made: its round trip to a busy source is then off the path to
         # the first byte (a relay's lease on this mirror waits for its regions).
         joined = asyncio.create_task(self.filler.assign(src, m, []))
         try:
-            grant = await client.acquire_lease(m.model, m.version, LEASE_TTL_S)
-            lease_id = grant.lease_id
-            async with LeaseKeeper(client, grant, LEASE_TTL_S):
+            # The grant brings the version's manifest and the source's records of it;
+            # the lease is held until the mirror is complete or failed.
+            acquiring = client.acquire_lease(m.model, m.version, LEASE_TTL_S, manifest=True)
+            async with held_lease(client, acquiring, LEASE_TTL_S) as kept:
+                grant = kept.granted
                 # The regions are made while the filler opens its upstream (a relay's
                 # lease, feed and data path): its first read goes out once they exist.
-                prepared = asyncio.create_task(self._prepare(m, src, lease_id))
-                filling = asyncio.create_task(self.filler.fill(m, src, lease_id, joined, prepared))
+                prepared = asyncio.create_task(self._prepare(m, src, grant))
+                fill = self.filler.fill(m, src, grant.lease_id, joined, prepared)
+                filling = asyncio.create_task(fill)
                 try:
                     if await prepared is not None:
                         await filling
@@ -278,15 +285,12 @@ class Mirrors:
             m.ready.set()
             m.notify()
             self.filling.changed()  # a failed mirror's held reads are refused now
-            if lease_id:
-                with contextlib.suppress(RefitError):
-                    await asyncio.shield(client.release_lease(lease_id))
 
-    async def _prepare(self, m: Mirror, src: RemoteSource, lease_id: str) -> PeerRegions | None:
+    async def _prepare(self, m: Mirror, src: RemoteSource, grant: LeaseGrant) -> PeerRegions | None:
         """Make the mirror's regions, one per source region of the version, and publish
         the version here over them (so relays can lease it); the source's records of
-        them under ``lease_id``, or None when this daemon cannot mirror it (``m.error``
-        says why)."""
+        them under the lease ``grant`` (as it granted them, else asked for), or None
+        when this daemon cannot mirror it (``m.error`` says why)."""
         d = self.d
         newest = {v.version for v in d.registry.versions(m.model)}
         if newest and max(newest) >= m.version:
@@ -295,10 +299,14 @@ class Mirrors:
                 f"version {max(newest)} of it"
             )
             return None
-        manifest = await src.client.manifest(m.model, m.version)
+        manifest = grant.manifest or await src.client.manifest(m.model, m.version)
         ids = sorted({s.region for t in manifest.tensors for s in t.shards})
-        probe = PullRequest(m.model, m.version, lease_id, DescriptorTable.pack(_no_rows()), [], "")
-        peer = await src.regions(ids, probe)
+        probe = PullRequest(m.model, m.version, grant.lease_id, DescriptorTable.pack(_no_rows()))
+        given = src.answered(grant.records) if grant.records is not None else None
+        if given is not None and sorted(r.region_id for r in given.regions) == ids:
+            peer = given
+        else:
+            peer = await src.regions(ids, probe)
         m.chunks = cut_chunks({int(k): v for k, v in peer.scope.items()})  # chunk_bytes
         m.done = np.zeros(len(m.chunks), dtype=bool)
         m.layout = frozenset(r.region_id for r in peer.regions)

@@ -15,9 +15,9 @@ Modes (``data_plane.transport``):
 - ``tcp`` or ``ucx`` (or any registered scheme): every other-host peer through it
   (a same-host peer still reads through ``shm`` in ``auto`` only).
 
-The ``tcp`` transport of a daemon serves only lease-scoped grants
-(`TcpTransport.credential` from :func:`lease_scope`: the source's signed, lease-scoped
-region records), checks the lease is live at the source before every read, and
+The ``tcp`` transport of a daemon serves only lease-scoped grants (the source makes
+them, `TcpTransport.grant`, and hands them out in its signed, lease-scoped region
+records), checks the lease is live at the source before every read, and
 answers only hosts of its trusted peers (``[peers] allow`` or the registry) or,
 on this host's loopback, the daemon's own uid and root (`transports.tcp.admission`).
 """
@@ -242,10 +242,10 @@ def choose_remote(
 
 
 def lease_scope(peer: PeerRegions) -> LeaseScope:
-    """What a pull's lease lets it read from ``peer``, for the transport to make its
-    credential from (:meth:`transports.interface.Transport.credential`): ``peer``'s
-    host regions, each limited to the byte ranges of the lease scope. GPU memory is
-    never granted: it is read through the source's staging."""
+    """What a pull's lease lets it read from ``peer``, for the same-host transport to
+    map (:meth:`transports.shm.ShmTransport.credential`): ``peer``'s host regions, each
+    limited to the byte ranges of the lease scope. GPU memory is never granted: it is
+    read through the source's staging."""
     ranges = {
         r.region_id: peer.scope.get(r.region_id, [])
         for r in peer.regions

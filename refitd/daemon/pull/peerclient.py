@@ -43,6 +43,9 @@ class PeerClient(ApiSession):
     ``token`` where peers require one (``PeerClient(url, token=...)``, as an
     :class:`ApiSession`). :meth:`close` when done."""
 
+    #: the node id the peer's own signed records gave, once any did ("" before)
+    node_id: str = ""
+
     async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
         """ConflictError unless ``lease_id`` is live on exactly ``(model, version)``."""
         params = {"model": model, "version": str(version)}
@@ -74,11 +77,19 @@ class PeerClient(ApiSession):
     # ------------------------------------------------------------ a host mirror's calls
 
     async def acquire_lease(
-        self, model: str, version: int, ttl_s: float, source_lease: str = ""
+        self,
+        model: str,
+        version: int,
+        ttl_s: float,
+        source_lease: str = "",
+        *,
+        manifest: bool = False,
     ) -> LeaseGrant:
         """Lease ``model`` ``version`` (READY there) for ``ttl_s`` seconds; a host
-        mirror's version under ``source_lease``, a live lease on it at its source."""
-        req = LeaseRequest(model, version, ttl_s, source_lease=source_lease)
+        mirror's version under ``source_lease``, a live lease on it at its source. The
+        grant carries the peer's signed records of what the lease reads, and with
+        ``manifest`` the version's merged manifest."""
+        req = LeaseRequest(model, version, ttl_s, source_lease=source_lease, manifest=manifest)
         return await self.send(api.ACQUIRE_LEASE, req)
 
     async def renew_lease(self, lease_id: str, ttl_s: float) -> LeaseGrant:

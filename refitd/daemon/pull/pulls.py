@@ -48,7 +48,7 @@ from refitd.daemon.pull.job import PullJob
 from refitd.daemon.pull.listeners import Caller, PullListener, anyone
 from refitd.daemon.pull.machine import Cancel, Event, Fail, Finish, Gone, Move, Pull, Start, step
 from refitd.daemon.pull.move import IN_FLIGHT, move
-from refitd.daemon.pull.paths import advert_of, choose_remote, lease_scope
+from refitd.daemon.pull.paths import advert_of, adverts, choose_remote, lease_scope
 from refitd.daemon.pull.plancheck import check_runs
 from refitd.daemon.pull.sources import Filling, LocalSource, Redirect, RemoteSource, Source
 from refitd.errors import NotFoundError, RefitError, TransportError
@@ -194,10 +194,17 @@ class PullManager:
         source); the job gives back ``cost`` bytes of its principal's plan charge
         when it ends."""
         src = src or self.source_for(req.source)
-        await src.check_lease(req.lease_id, req.model, req.version)
+        # The records the source granted the lease, presented with the pull: neither
+        # they nor the lease are asked for again before the path is known.
+        granted = src.granted(req)
+        if granted is None:
+            await src.check_lease(req.lease_id, req.model, req.version)
         rows = req.descriptors.rows()
         src_ids = pullcore.source_ids(rows, req.pack_specs)
-        peer = await src.regions(src_ids, req) if src_ids else None
+        if granted is not None:
+            peer: PeerRegions | None = granted
+        else:
+            peer = await src.regions(src_ids, req) if src_ids else None
         sizes = self.store.regions.sizes()
         if len(rows) + len(req.pack_specs) > OFF_LOOP_ROWS:
             # Vectorised, but a plan at limits.max_plan_runs still takes the loop for
@@ -206,6 +213,16 @@ class PullManager:
         else:
             pullcore.check_plan(rows, req, peer, sizes)
         path, conn = await self.choose_path(src, peer)
+        if granted is not None and not self._lease_checked_by(path):
+            # Only a data server that checks the lease before every read refuses a
+            # grant of a lease released or expired since; on any other path the lease
+            # is checked here, before any byte moves.
+            try:
+                await src.check_lease(req.lease_id, req.model, req.version)
+            except BaseException:
+                if conn is not None:
+                    await conn.close()
+                raise
         gpu = pullcore.peer_devices(peer) if peer is not None else []
         # The source copies its GPU rows into host staging, read from there: a pack
         # spec made in Python a row (1.5 us each), and the specs summed and listed
@@ -245,7 +262,9 @@ class PullManager:
         :data:`~refitd.daemon.pull.core.SUSPECT_KEPT`, widened), among the last
         ``limits.max_ended_pulls_per_principal`` of its owner's: one principal's pulls
         never push out another's results."""
-        job.req = msgspec.structs.replace(job.req, descriptors=DescriptorTable(b""), pack_specs=[])
+        job.req = msgspec.structs.replace(
+            job.req, descriptors=DescriptorTable(b""), pack_specs=[], grant=None
+        )
         self.plans.give_back(job.owner, job.plan_bytes)
         job.plan_bytes = 0
         job.suspect = pullcore.widened(job.suspect, pullcore.SUSPECT_KEPT)
@@ -414,6 +433,12 @@ class PullManager:
         log.info("pull from %s over %s: %s", peer.node_id, scheme, why)
         return scheme, None
 
+    def _lease_checked_by(self, path: str) -> bool:
+        """Whether the data plane of ``path`` checks the lease at the source before
+        every read (:attr:`transports.interface.Transport.checks_lease`)."""
+        transport = self.plane.by_scheme.get(path)
+        return transport is not None and transport.checks_lease
+
     async def open_path(self, src: Source, peer: PeerRegions) -> tuple[str, Peer]:
         """The path a pull from ``src`` (its records ``peer``) would take, and a
         connection on it, for reads made outside a pull (a host mirror's). A
@@ -439,11 +464,15 @@ class PullManager:
         return await self._transport_peer(peer, path)
 
     def _credential(self, peer: PeerRegions, path: str) -> PeerInfo:
-        """The record the transport of ``path`` reads ``peer`` through: made by that
-        transport from the peer's advertisement of it and the lease scope
-        (:meth:`transports.interface.Transport.credential`)."""
+        """The record the transport of ``path`` reads ``peer`` through: the credential
+        the source granted the lease on it, in ``peer``'s signed records, as given
+        (this daemon never makes one); for the same-host transport, the one it makes
+        from the source's signed advertisement, narrowed to the lease scope
+        (:meth:`transports.shm.ShmTransport.credential`)."""
         transport = self._transport(path)
-        return transport.credential(advert_of(peer, transport.scheme), lease_scope(peer))
+        if transport is self.plane.shm:
+            return transport.credential(advert_of(peer, transport.scheme), lease_scope(peer))
+        return adverts(peer)[transport.scheme]
 
     def _transport(self, path: str) -> Transport:
         transport = self.plane.on(path)
@@ -471,9 +500,9 @@ class PullManager:
 
     async def _transport_peer(self, peer: PeerRegions, scheme: str) -> Peer:
         """The ``scheme`` transport's connection to ``peer``: made once per source
-        daemon life, and read by the pull under the credential the transport makes
-        from the peer's signed advertisement and the pull's lease scope
-        (:func:`~refitd.daemon.pull.paths.lease_scope`)."""
+        daemon life, and read by the pull under the credential the source granted its
+        lease (in ``peer``'s signed records, :meth:`Daemon.peer_regions`), as given:
+        this daemon never makes one (:meth:`_credential`)."""
         transport = self._transport(scheme)
         info = self._credential(peer, scheme)
         key = (peer.node_id, peer.incarnation, scheme)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from refitd.daemon.pull.peerclient import PeerClient
+from refitd.errors import AccessDenied
 from refitd.wire import PackRequest, PackSpec, PeerRegions, PullRequest, StagedPack
 from transports.batch import ReadBatch
 from transports.interface import Peer
@@ -59,6 +60,11 @@ class Source(Protocol):
         (kept from going while a pull reads them)."""
         ...
 
+    def granted(self, req: PullRequest) -> PeerRegions | None:
+        """The records ``req`` presents that this source granted its lease (verified),
+        or None where there are none to use (then :meth:`regions` asks for them)."""
+        ...
+
     async def check_lease(self, lease_id: str, model: str, version: int) -> None: ...
     async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
         """Signed records of ``ids``, scoped to what ``req``'s lease may read."""
@@ -84,6 +90,9 @@ class LocalSource:
 
     def own(self, ids: list[int]) -> set[int]:
         return set(ids)
+
+    def granted(self, req: PullRequest) -> PeerRegions | None:
+        return None  # this daemon's own records cost no round trip
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
         self.daemon.registry.check(lease_id, model, version)
@@ -116,13 +125,35 @@ class RemoteSource:
     def own(self, ids: list[int]) -> set[int]:
         return set()
 
+    def granted(self, req: PullRequest) -> PeerRegions | None:
+        """``req.grant``, once its MAC verifies (:class:`ProtocolError` if it does not:
+        altered, or made outside this deployment) and it was granted ``req``'s very
+        lease (:class:`AccessDenied` if not); None when ``req`` presents none, or
+        records of a daemon other than the one this source's own records came from
+        (or before any did): then they are asked of this source itself."""
+        rec = req.grant
+        if rec is None:
+            return None
+        rec.verify(self.secret)
+        if not rec.lease_id or rec.lease_id != req.lease_id:
+            raise AccessDenied(
+                f"pull refused: the grant it presents is of lease {rec.lease_id!r}, not of "
+                f"its lease {req.lease_id!r}; a pull reads only with its own lease's grant"
+            )
+        return rec if rec.node_id == self.client.node_id else None
+
+    def answered(self, rec: PeerRegions) -> PeerRegions:
+        """Records this source answered one of this daemon's own requests with,
+        verified: from now on they name the daemon at its URL (:meth:`granted`)."""
+        rec.verify(self.secret)
+        self.client.node_id = rec.node_id
+        return rec
+
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
         await self.client.check_lease(lease_id, model, version)
 
     async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
-        rec = await self.client.regions(ids, req.lease_id, req.model, req.version)
-        rec.verify(self.secret)
-        return rec
+        return self.answered(await self.client.regions(ids, req.lease_id, req.model, req.version))
 
     async def pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]

@@ -8,10 +8,24 @@ is decided in :mod:`refitd.daemon.pull.paths`.
 
 from __future__ import annotations
 
-from transports.interface import Capabilities, MappedMemory, Transport
-from transports.shm import ShmTransport
+from collections.abc import Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
-__all__ = ["TransportSet"]
+from transports.interface import Capabilities, LeaseScope, MappedMemory, Transport
+from transports.shm import ShmTransport
+from transports.tcp.held import Completion
+
+__all__ = ["HoldsReads", "TransportSet"]
+
+Scope = Mapping[int, Sequence[tuple[int, int]]]
+"""Per region id, the ``[start, end)`` byte ranges a lease reads."""
+
+
+@runtime_checkable
+class HoldsReads(Protocol):
+    """A transport whose data server can hold a read until its bytes are complete."""
+
+    def hold_reads(self, completion: Completion | None) -> None: ...
 
 
 class TransportSet:
@@ -59,9 +73,18 @@ class TransportSet:
                 await t.deregister(region_id)
         await self.shm.deregister(region_id)
 
-    def adverts(self) -> dict[str, bytes]:
-        """Each transport's encoded advertisement (its signed record), by scheme."""
-        return {s: t.advertise().encode() for s, t in self.by_scheme.items()}
+    def grants(self, lease_id: str, scope: Scope, held: Scope) -> dict[str, bytes]:
+        """Each transport's credential for a reader under ``lease_id``, encoded, by
+        scheme: made and signed here, at the source (:meth:`Transport.grant`), over
+        the regions it serves of ``scope``; of ``held`` for a transport whose data
+        server holds a read of bytes still filling until they are complete
+        (its capabilities say it holds reads)."""
+        out = {}
+        for s, t in self.by_scheme.items():
+            extents = held if t.capabilities.holds_reads else scope
+            ranges = {rid: list(r) for rid, r in extents.items() if rid in t.regions}
+            out[s] = t.grant(LeaseScope(lease_id, ranges)).encode()
+        return out
 
     async def close(self) -> None:
         """Close every transport, then the ``shm`` one; the set is empty after."""

@@ -347,6 +347,9 @@ class LyingSource:
     def own(self, ids: list[int]) -> set[int]:
         return set()
 
+    def granted(self, req: PullRequest) -> PeerRegions | None:
+        return self.inner.granted(req)
+
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
         await self.inner.check_lease(lease_id, model, version)
 

@@ -1,0 +1,95 @@
+"""The plans a source keeps for its delta readers, so a warm delta refit names its
+plan instead of uploading it.
+
+An engine's delta request carries its whole compiled plan (every descriptor and pack
+spec); a refit repeats every step with the same geometry, so the source keeps the
+plans each principal sent last (every rank of its engines, each double-buffered
+placement), under the digest of their bytes, and answers that digest in the
+stream's head. The next request names it (``plan``) with no descriptors; one the
+source no longer keeps (a daemon restarted, the plan pushed out) is refused (404,
+nothing read), and the engine sends its plan again.
+
+What is kept is the principal's own and bounded per principal, in plans
+(:data:`KEEP_PER_PRINCIPAL`) and in bytes (:data:`KEEP_BYTES_PER_PRINCIPAL`, the
+oldest pushed out first; a plan larger than that is not kept, and is sent each
+time). A plan is found only under the principal that sent it, and every request is
+checked against its lease's scope as a sent plan is (:meth:`DeltaBook.selection`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+from typing import TypeVar
+
+import msgspec
+
+from refitd.errors import NotFoundError, ProtocolError
+from refitd.wire import DeltaPackRequest, DescriptorTable, PackSpec
+
+__all__ = ["KEEP_PER_PRINCIPAL", "Plans", "plan_digest"]
+
+KEEP_PER_PRINCIPAL = 64
+"""Plans kept per principal: each engine rank's, for each of a double-buffering
+trainer's two placements."""
+KEEP_BYTES_PER_PRINCIPAL = 256 << 20
+"""Bytes of plans kept per principal (four requests at ``server.max_request_bytes``)."""
+OFF_LOOP_BYTES = 1 << 20
+"""A plan of more descriptor bytes than this is digested off the event loop."""
+
+R = TypeVar("R", bound=DeltaPackRequest)
+
+
+def plan_digest(descriptors: DescriptorTable, specs: list[PackSpec]) -> str:
+    """The name of a plan: a digest of its descriptor table and pack specs."""
+    h = hashlib.blake2b(descriptors.table, digest_size=16)
+    h.update(msgspec.msgpack.encode(specs))
+    return h.hexdigest()
+
+
+class Plans:
+    """The plans each principal sent with a delta request, by their digest."""
+
+    def __init__(
+        self, keep: int = KEEP_PER_PRINCIPAL, keep_bytes: int = KEEP_BYTES_PER_PRINCIPAL
+    ) -> None:
+        self.keep, self.keep_bytes = keep, keep_bytes
+        self._kept: dict[str, collections.OrderedDict[str, tuple[DescriptorTable, list[PackSpec]]]]
+        self._kept = {}
+
+    async def resolve(self, req: R, principal: str) -> tuple[R, str]:
+        """``req`` with its plan, and the plan's digest: a request that sends its plan
+        keeps it (under ``principal``); one that names a plan with no descriptors gets
+        the plan ``principal`` sent under that name (404 when not kept here; 400 for a
+        request that names one and sends one too)."""
+        kept = self._kept.setdefault(principal, collections.OrderedDict())
+        if not req.plan:
+            if len(req.descriptors.table) > OFF_LOOP_BYTES:
+                name = await asyncio.to_thread(plan_digest, req.descriptors, req.pack_specs)
+            else:
+                name = plan_digest(req.descriptors, req.pack_specs)
+            kept[name] = (req.descriptors, req.pack_specs)
+            kept.move_to_end(name)
+            while len(kept) > self.keep or sum(_size(p) for p in kept.values()) > self.keep_bytes:
+                kept.popitem(last=False)
+            return req, name if name in kept else ""
+        if len(req.descriptors) or req.pack_specs:
+            raise ProtocolError(
+                f"delta request refused: it names plan {req.plan!r} and sends a plan too; "
+                "send one or the other"
+            )
+        plan = kept.get(req.plan)
+        if plan is None:
+            raise NotFoundError(
+                f"delta request refused: plan {req.plan!r} is not kept on this daemon (it "
+                "restarted, or the plan was pushed out); send the plan itself"
+            )
+        kept.move_to_end(req.plan)
+        descriptors, specs = plan
+        return msgspec.structs.replace(req, descriptors=descriptors, pack_specs=specs), req.plan
+
+
+def _size(plan: tuple[DescriptorTable, list[PackSpec]]) -> int:
+    """The bytes a kept plan holds (about: a pack spec counted at 128)."""
+    return len(plan[0].table) + 128 * len(plan[1])
