@@ -12,4 +12,5 @@ Modules:
 - `registry`: the pure state about sources: manifests, versions, leases
 - `staging`: staging regions: source-side packing for a reader's lease
 - `store`: the region store: regions, their segments keyed by memory, pins, reaping
+- `versions`: version and lease records, and reading a version: regions, scope, merged manifest
 """
