@@ -21,20 +21,26 @@ until its handshake succeeded:
   and a new connection is admitted only while one is free.
 
 :class:`Admission` holds the counts; the data server (`transports.tcp.serve`) asks it
-and tells it when a handshake ends.
+and tells it when a handshake ends. A connection refused with a reason is closed by
+:class:`Refuser`, which lets the client read that reason first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
+import selectors
 import socket
 import struct
 import threading
+import time
 from collections import Counter
 from collections.abc import Collection
 
-__all__ = ["Admission", "address_key", "default_loopback_uids", "local_peer_uid"]
+from .frames import refusal
+
+__all__ = ["Admission", "Refuser", "address_key", "default_loopback_uids", "local_peer_uid"]
 
 
 def default_loopback_uids() -> frozenset[int]:
@@ -176,3 +182,87 @@ class Admission:
     def pending(self) -> int:
         with self._lock:
             return sum(self._pending.values())
+
+
+class Refuser:
+    """Closes refused connections gracefully, from one thread: the REFUSAL is sent, the
+    write side shut, and what the client still sends (its HELLO) read and dropped until
+    it closes or ``LINGER_S`` passes; closing with its HELLO unread would reset the
+    connection, and the client could lose the reason. At most ``MAX_LINGERING`` at
+    once: past that a refused connection is closed at once."""
+
+    LINGER_S = 2.0
+    MAX_LINGERING = 128
+
+    def __init__(self) -> None:
+        self._selector = selectors.DefaultSelector()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        self._until: dict[socket.socket, float] = {}
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tcp-data-refuser", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def refuse(self, conn: socket.socket, why: str) -> None:
+        """Answer ``conn`` with a REFUSAL saying ``why``; never waits on it."""
+        with contextlib.suppress(OSError):
+            conn.setblocking(False)
+            conn.send(refusal(why))
+            conn.shutdown(socket.SHUT_WR)
+        with self._lock:
+            if self._closed or len(self._until) >= self.MAX_LINGERING:
+                conn.close()
+                return
+            self._until[conn] = time.monotonic() + self.LINGER_S
+            self._selector.register(conn, selectors.EVENT_READ)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                for conn in [c for c, t in self._until.items() if t <= now]:
+                    self._drop(conn)
+                wait = min(self._until.values(), default=now + 1.0) - now
+            for key, _ in self._selector.select(max(wait, 0.01)):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                if sock is self._wake_r:
+                    with contextlib.suppress(OSError):
+                        sock.recv(4096)
+                    continue
+                try:
+                    data = sock.recv(4096)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    with self._lock:
+                        self._drop(sock)
+
+    def _drop(self, conn: socket.socket) -> None:
+        if self._until.pop(conn, None) is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn)
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for conn in list(self._until):
+                self._drop(conn)
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+        if self._thread.is_alive():
+            self._thread.join(5)
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()

@@ -39,7 +39,6 @@ import contextlib
 import hmac
 import logging
 import os
-import selectors
 import socket
 import struct
 import threading
@@ -55,7 +54,7 @@ from refitd.errors import ProtocolError
 
 from ..interface import PeerInfo
 from ..local import CopyFault, copy_batch_guarded
-from .admission import Admission, address_key
+from .admission import Admission, Refuser, address_key
 from .frames import (
     CHALLENGE,
     HEADER,
@@ -70,7 +69,6 @@ from .frames import (
     Kind,
     check_scope,
     client_proof,
-    refusal,
     server_proof,
 )
 from .held import HOLD_S, Completion, Holds
@@ -163,90 +161,6 @@ def send_all(sock: socket.socket, bufs: list[memoryview | bytes]) -> None:
             i += 1
 
 
-class _Refuser:
-    """Closes refused connections gracefully, from one thread: the REFUSAL is sent, the
-    write side shut, and what the client still sends (its HELLO) read and dropped until
-    it closes or ``LINGER_S`` passes; closing with its HELLO unread would reset the
-    connection, and the client could lose the reason. At most ``MAX_LINGERING`` at
-    once: past that a refused connection is closed at once."""
-
-    LINGER_S = 2.0
-    MAX_LINGERING = 128
-
-    def __init__(self) -> None:
-        self._selector = selectors.DefaultSelector()
-        self._lock = threading.Lock()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._selector.register(self._wake_r, selectors.EVENT_READ)
-        self._until: dict[socket.socket, float] = {}
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="tcp-data-refuser", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def refuse(self, conn: socket.socket, why: str) -> None:
-        """Answer ``conn`` with a REFUSAL saying ``why``; never waits on it."""
-        with contextlib.suppress(OSError):
-            conn.setblocking(False)
-            conn.send(refusal(why))
-            conn.shutdown(socket.SHUT_WR)
-        with self._lock:
-            if self._closed or len(self._until) >= self.MAX_LINGERING:
-                conn.close()
-                return
-            self._until[conn] = time.monotonic() + self.LINGER_S
-            self._selector.register(conn, selectors.EVENT_READ)
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"\0")
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                for conn in [c for c, t in self._until.items() if t <= now]:
-                    self._drop(conn)
-                wait = min(self._until.values(), default=now + 1.0) - now
-            for key, _ in self._selector.select(max(wait, 0.01)):
-                sock = key.fileobj
-                assert isinstance(sock, socket.socket)
-                if sock is self._wake_r:
-                    with contextlib.suppress(OSError):
-                        sock.recv(4096)
-                    continue
-                try:
-                    data = sock.recv(4096)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    data = b""
-                if not data:
-                    with self._lock:
-                        self._drop(sock)
-
-    def _drop(self, conn: socket.socket) -> None:
-        if self._until.pop(conn, None) is not None:
-            with contextlib.suppress(KeyError, ValueError):
-                self._selector.unregister(conn)
-            conn.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            for conn in list(self._until):
-                self._drop(conn)
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"\0")
-        if self._thread.is_alive():
-            self._thread.join(5)
-        self._selector.close()
-        self._wake_r.close()
-        self._wake_w.close()
-
-
 GATHER_PIECE = 64 << 10
 """Pieces under this size (bytes) are gathered into a buffer and sent in one call."""
 GATHER_BYTES = 4 << 20
@@ -318,7 +232,7 @@ class DataServer:
         self._sock = socket.create_server((host, port), family=family, backlog=128)
         self.address: tuple[str, int] = self._sock.getsockname()[:2]
         self._conns: set[socket.socket] = set()
-        self._refuser = _Refuser()
+        self._refuser = Refuser()
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(

@@ -2,8 +2,9 @@
 
 Modules:
 
-- `transport`: `UcxTransport` and `UcxPeer`, the owner side (never loads UCX): which
+- `transport`: `UcxTransport`, the owner side (never loads UCX): which
   children exist, validation, deadlines, what a child's death costs.
+- `pulling`: the owner's pulling side: `UcxPeer`, and one pulling child per peer.
 - `supervisor`: one child process: start it, send it requests with a bound, stop it.
 - `protocol`: the msgpack frames between the owner and a child.
 - `worker`: the child itself (``python -m transports.ucx.worker``): UCX contexts,
@@ -13,6 +14,7 @@ Modules:
 
 from __future__ import annotations
 
-from .transport import BACKSTOP_S, UcxPeer, UcxTransport
+from .pulling import BACKSTOP_S, UcxPeer
+from .transport import UcxTransport
 
 __all__ = ["BACKSTOP_S", "UcxPeer", "UcxTransport"]

@@ -22,9 +22,9 @@ from typing import Protocol
 from refitd.daemon.access.caps import Caps
 from refitd.daemon.access.trust import check_writes
 from refitd.daemon.pull.core import dst_ids
+from refitd.daemon.state.records import RegionTable
 from refitd.daemon.state.registry import Registry
 from refitd.daemon.state.staging import StagingPool
-from refitd.daemon.state.store import RegionTable
 from refitd.wire import PullRequest, PullState
 
 __all__ = ["Caller", "Job", "PullCap", "PullListener", "WriteRule", "anyone"]

@@ -8,7 +8,9 @@ Modules:
 - `memory`: region memory: shared-memory segments
 - `merging`: what a version's published slots make, as pure functions of its manifests
 - `plane`: the daemon's data planes as one set every region registers with
+- `records`: region records by id
 - `registry`: the pure state about sources: manifests, versions, leases
 - `staging`: staging regions: source-side packing for a reader's lease
 - `store`: the region store: regions, their segments keyed by memory, pins, reaping
+- `versions`: version and lease records, and reading a version: regions, scope, merged manifest
 """

@@ -26,22 +26,17 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-import msgspec
-
-from refitd.daemon.access.trust import Extents
 from refitd.daemon.state.manifestcheck import (
     DTYPE_SIZES,
     check_manifest_bounds,
     manifest_cost,
 )
-from refitd.daemon.state.merging import merge_slots, scope_of
+from refitd.daemon.state.versions import Clock, Lease, Version, VersionReads
 from refitd.errors import ConflictError, NotFoundError, ProtocolError, QuotaExceeded
 from refitd.wire import (
     LeaseGrant,
     ManifestIn,
-    MergedManifest,
     VersionInfo,
     VersionState,
 )
@@ -69,39 +64,8 @@ is kept apart (versions only move forward)."""
 #: one line per version state change: pending (first slot), ready, retired
 log = logging.getLogger("refitd.sources")
 
-Clock = Callable[[], float]
 
-
-@dataclass
-class Lease:
-    lease_id: str
-    model: str
-    version: int
-    expires_at: float
-    holder: str = ""
-    #: the principal that acquired it: staging regions packed for it are theirs
-    owner: str = ""
-
-
-@dataclass
-class _Version:
-    model: str
-    version: int
-    expected_slots: int
-    slots: dict[int, ManifestIn] = field(default_factory=dict)
-    state: VersionState = VersionState.PENDING
-    merged: MergedManifest | None = None
-    merged_bytes: bytes | None = None
-    scope: dict[int, Extents] | None = None
-    region_ids: frozenset[int] | None = None
-    #: bytes of manifests its slots hold (:func:`manifest_cost`), by publisher, until
-    #: they are let go (expired, or retired and unleased)
-    charged: dict[str, int] = field(default_factory=dict)
-    #: the slots it published, once its manifests were let go (retired, unleased)
-    published: tuple[int, ...] = ()
-
-
-class Registry:
+class Registry(VersionReads):
     """Manifests, versions and leases for every model this daemon serves.
 
     ``node_id``/``incarnation`` are stamped into merged manifests so readers know which
@@ -119,7 +83,7 @@ class Registry:
         self.node_id = node_id
         self.incarnation = incarnation
         self._clock = clock
-        self._versions: dict[tuple[str, int], _Version] = {}
+        self._versions: dict[tuple[str, int], Version] = {}
         self._leases: dict[str, Lease] = {}
         #: (expiry, lease id) of every lease, soonest first; an entry whose lease was
         #: renewed (a later expiry) or released is skipped when it surfaces
@@ -203,7 +167,7 @@ class Registry:
                 )
         created = v is None
         if v is None:
-            v = _Version(m.model, m.version, m.expected_slots)
+            v = Version(m.model, m.version, m.expected_slots)
             self._versions[key] = v
             self._pending.append((self._clock() + self.pending_ttl_s, m.model, m.version))
         elif m.slot in v.slots:
@@ -284,7 +248,7 @@ class Registry:
             return None
         return max(0.0, self._pending[0][0] - self._clock())
 
-    def _forget_retired(self, v: _Version) -> None:
+    def _forget_retired(self, v: Version) -> None:
         """Let go of the manifests of ``v`` once it is retired and no live lease holds
         it: nothing can read it again (leases are taken on READY versions only), and
         a daemon publishing a version per step must not grow without bound. Its
@@ -322,7 +286,7 @@ class Registry:
         self._drop_expired()
         return self._manifest_bytes[owner]
 
-    def _uncharge(self, v: _Version) -> None:
+    def _uncharge(self, v: Version) -> None:
         """``v``'s manifests are let go: its publishers' charges for them end."""
         for owner, n in v.charged.items():
             self._manifest_bytes[owner] -= n
@@ -332,7 +296,7 @@ class Registry:
         v.charged.clear()
 
     @staticmethod
-    def _check_agreement(v: _Version, m: ManifestIn) -> None:
+    def _check_agreement(v: Version, m: ManifestIn) -> None:
         known: dict[str, tuple[tuple[int, ...], str]] = {}
         for slot, other in v.slots.items():
             if slot == m.slot:
@@ -362,124 +326,6 @@ class Registry:
         v.merged = v.merged_bytes = None
         self._forget_retired(v)  # its charge ends with its manifests
         return self._info(v)
-
-    # ------------------------------------------------------------ reading
-
-    def _get(self, model: str, version: int) -> _Version:
-        # A version past its TTL is gone for every reader, whether or not its timer
-        # (the daemon's, :meth:`next_pending_s`) has fired yet.
-        self.expire_pending()
-        v = self._versions.get((model, version))
-        if v is None:
-            raise NotFoundError(f"no version {version} of model {model!r}")
-        return v
-
-    def _info(self, v: _Version) -> VersionInfo:
-        return VersionInfo(
-            model=v.model,
-            version=v.version,
-            state=v.state,
-            published_slots=sorted(v.slots) if v.slots else list(v.published),
-            expected_slots=v.expected_slots,
-            leases=len(self.active_leases(v.model, v.version)),
-        )
-
-    def versions(self, model: str | None = None) -> list[VersionInfo]:
-        """Every known version (of ``model``, if given), oldest first."""
-        self.expire_pending()
-        return [
-            self._info(v)
-            for (mdl, _), v in sorted(self._versions.items())
-            if model is None or mdl == model
-        ]
-
-    def version(self, model: str, version: int) -> VersionInfo:
-        return self._info(self._get(model, version))
-
-    def regions_of(self, model: str, version: int) -> set[int]:
-        """Every region id any slot of the version lists a shard in (cached: asked on
-        every pull and delete, and a version's slots change only while pending)."""
-        v = self._get(model, version)
-        if v.region_ids is None:
-            v.region_ids = frozenset(
-                s.region for m in v.slots.values() for t in m.tensors for s in t.shards
-            )
-        return set(v.region_ids)
-
-    def protected_regions(self) -> dict[int, tuple[str, int, str]]:
-        """Region id -> ``(model, version, why)`` of one version that publishes from it
-        and whose bytes must not change: READY, pending (being published) or leased
-        (a retired version stays protected while a lease on it is live). Neither a
-        pull nor a delete may touch these regions. A version pending past its TTL is
-        forgotten first (expiry must not wait for an unrelated publish)."""
-        self.expire_pending()
-        now = self._clock()
-        leased = {(x.model, x.version) for x in self._leases.values() if x.expires_at > now}
-        out: dict[int, tuple[str, int, str]] = {}
-        for key, v in sorted(self._versions.items()):
-            if key in leased:
-                why = f"leased ({v.state.value})"
-            elif v.state is VersionState.RETIRED:
-                continue
-            else:
-                why = v.state.value
-            for r in self.regions_of(*key):
-                out.setdefault(r, (key[0], key[1], why))
-        return out
-
-    def scope(self, model: str, version: int) -> dict[int, Extents]:
-        """Region id -> the byte ranges the version's shards occupy (every slot's,
-        merged): what a lease on it may read. Cached; a version that may be leased
-        never changes."""
-        v = self._get(model, version)
-        if v.scope is None:
-            v.scope = scope_of(v.slots)
-        return v.scope
-
-    def latest_ready(self, model: str) -> int:
-        """``latest``: the model's READY version, :class:`NotFoundError` if none.
-
-        A model has at most one READY version: a version becoming READY retires every
-        older one, and versions only move forward, so ``latest`` never goes back to
-        an older version. After ``drain?retire=1`` of that version there is no latest
-        until a newer version becomes READY."""
-        ready = [
-            ver
-            for (mdl, ver), v in self._versions.items()
-            if mdl == model and v.state is VersionState.READY
-        ]
-        if not ready:
-            raise NotFoundError(f"model {model!r} has no READY version")
-        return max(ready)
-
-    def _require_ready(self, model: str, version: int) -> _Version:
-        v = self._get(model, version)
-        if v.state is VersionState.PENDING and self.complete_elsewhere(model, version):
-            return v  # the other slots are held by other daemons of the cluster
-        if v.state is not VersionState.READY:
-            raise ConflictError(
-                f"{model!r} version {version} is {v.state.value}, not ready: "
-                + (
-                    f"published slots {sorted(v.slots)} of {v.expected_slots}"
-                    if v.state is VersionState.PENDING
-                    else "a newer version replaced it"
-                )
-            )
-        return v
-
-    def merged(self, model: str, version: int) -> MergedManifest:
-        """The READY version's tensors with replicated blocks listed once (cached)."""
-        v = self._require_ready(model, version)
-        if v.merged is None:
-            v.merged = merge_slots(v.slots, v.model, v.version, self.node_id, self.incarnation)
-        return v.merged
-
-    def merged_bytes(self, model: str, version: int) -> bytes:
-        """:meth:`merged` encoded as msgpack once, so repeated fetches cost no encoding."""
-        v = self._require_ready(model, version)
-        if v.merged_bytes is None:
-            v.merged_bytes = msgspec.msgpack.encode(self.merged(model, version))
-        return v.merged_bytes
 
     # ------------------------------------------------------------ leases
 

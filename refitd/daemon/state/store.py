@@ -42,20 +42,19 @@ from refitd.daemon.state.memory import (
     refuse_created_gpu_memory,
 )
 from refitd.daemon.state.plane import TransportSet
+from refitd.daemon.state.records import RegionTable
 from refitd.daemon.state.registry import Registry
 from refitd.errors import (
     AccessDenied,
     ConflictError,
     InsufficientStorage,
-    NotFoundError,
     PlanError,
-    ProtocolError,
 )
 from refitd.wire import GcReport, RegionAttach, RegionCreate, RegionInfo, RegionKind
 from transports.interface import MappedMemory
 from transports.segments import SHM_DIR, cleanup_stale, creator_tag, is_stale, stale_segments
 
-__all__ = ["RegionStore", "RegionTable"]
+__all__ = ["RegionStore"]
 
 log = logging.getLogger("refitd.daemon")
 
@@ -118,47 +117,6 @@ def _check_holder_uid(req: RegionAttach, uid: int) -> None:
             f"caller's uid {uid} (the process whose allocation it is); got "
             f"{req.holder or 'none'!r}"
         )
-
-
-class RegionTable:
-    """Region records by id. Ids are never reused within one daemon incarnation."""
-
-    def __init__(self, incarnation: int) -> None:
-        self.incarnation = incarnation
-        self._records: dict[int, RegionInfo] = {}
-        self._seq = itertools.count(1)
-
-    def new_id(self) -> int:
-        return next(self._seq)
-
-    def add(self, info: RegionInfo) -> RegionInfo:
-        if info.region_id in self._records:
-            raise ProtocolError(f"region id {info.region_id!r} is already recorded")
-        self._records[info.region_id] = info
-        return info
-
-    def get(self, region_id: int) -> RegionInfo:
-        info = self._records.get(region_id)
-        if info is None:
-            raise NotFoundError(f"region {region_id!r} is not recorded on this daemon")
-        return info
-
-    def remove(self, region_id: int) -> RegionInfo:
-        info = self.get(region_id)
-        del self._records[region_id]
-        return info
-
-    def sizes(self) -> dict[int, int]:
-        return {k: v.nbytes for k, v in self._records.items()}
-
-    def __iter__(self) -> Iterator[RegionInfo]:
-        return iter(list(self._records.values()))
-
-    def __len__(self) -> int:
-        return len(self._records)
-
-    def __contains__(self, region_id: object) -> bool:
-        return region_id in self._records
 
 
 class RegionStore:

@@ -1,0 +1,260 @@
+"""The ``ucx`` owner's pulling side: connections to peers, and a pulling child per peer.
+
+:class:`UcxPeer` is one connection (`Transport.connect`); its reads go to the
+pulling child of its peer id, started when first needed, connected to the peer, and
+stopped when no connection uses it or, idle, to make room above
+``max_peer_children``. :class:`PeerPulls` is that half of
+:class:`~transports.ucx.transport.UcxTransport` (mixed in; the serving child, the
+regions and the requests to a child stay there). See `transports.ucx.transport` for
+the processes and why there are several.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from refitd.errors import ProtocolError, TransportError
+
+from ..batch import ReadBatch, as_read_batch, suspect_ranges, validate_batch
+from ..interface import (
+    Peer,
+    PeerInfo,
+    PeerLost,
+    PullFailed,
+    ReadRefused,
+    Transport,
+    TransportClosed,
+)
+from .protocol import Connect, Disconnect, Get, Reply, Request
+from .supervisor import Child, ChildTimedOut
+
+__all__ = ["BACKSTOP_S", "PeerPulls", "UcxPeer"]
+
+log = logging.getLogger("refitd.dataplane")
+BACKSTOP_S = 5.0
+"""Seconds past a batch's deadline after which the owner kills a child that has not
+answered (the child's own deadline should have ended the batch before)."""
+
+
+class UcxPeer(Peer):
+    def __init__(self, owner: PeerPulls, handle: int, info: PeerInfo) -> None:
+        self.owner = owner
+        self.handle = handle
+        self.info = info
+        self._sizes = {r.region_id: r.size for r in info.regions}
+        self._closed = False
+
+    @property
+    def key(self) -> str:
+        """Which pulling child serves this connection: one per peer id."""
+        return self.info.peer_id or f"#{self.handle}"
+
+    @property
+    def pid(self) -> int | None:
+        """Process id of the child pulling from this peer (None until one is started)."""
+        c = self.owner._pullers.get(self.key)
+        return c.proc.pid if c is not None and not c.dead else None
+
+    async def update(self, info: PeerInfo) -> None:
+        info.verify(self.owner.secret)  # before any key reaches UCX
+        if info.peer_id != self.info.peer_id:
+            raise ProtocolError(
+                f"update refused: the record is for peer {info.peer_id!r}, this connection "
+                f"is to {self.info.peer_id!r}"
+            )
+        self.info = info
+        self._sizes = {r.region_id: r.size for r in info.regions}
+        c = self.owner._pullers.get(self.key)
+        if c is not None:
+            c.connected.discard(self.handle)  # connect again (new keys) before the next get
+
+    async def get(self, batch: ReadBatch | npt.NDArray[np.int64] | Iterable[Sequence[int]]) -> None:
+        if self._closed:
+            raise TransportClosed(f"get refused: connection to {self.info.peer_id!r} is closed")
+        reads = as_read_batch(batch)
+        validate_batch(reads, self.owner.local_sizes(), self._sizes)
+        if not (reads["nbytes"] > 0).any():
+            return
+        await self.owner._pull(self, reads)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        await self.owner._close_peer(self)
+
+
+class PeerPulls(Transport):
+    """Connections to peers and their pulling children (mixed into
+    :class:`~transports.ucx.transport.UcxTransport`, whose state it reads)."""
+
+    pull_timeout: float
+    request_timeout: float
+    lanes: int
+    max_peer_children: int
+    _closed: bool
+    _pullers: dict[str, Child]
+    _puller_locks: dict[str, asyncio.Lock]
+    _peers: dict[int, UcxPeer]
+    _handles: itertools.count[int]
+
+    if TYPE_CHECKING:
+
+        async def _ready(self) -> Child: ...
+
+        async def _start_child(self, lanes: int, role: str, peer_id: str = "") -> Child: ...
+
+        async def _stop_child(self, c: Child) -> None: ...
+
+        async def _call_in(
+            self,
+            c: Child,
+            body: Request,
+            batch: ReadBatch | None = None,
+            *,
+            peer_id: str = "",
+            limit: float | None = None,
+        ) -> Reply: ...
+
+        async def _map_in(self, c: Child, reads: ReadBatch) -> None: ...
+
+    async def connect(self, info: PeerInfo) -> Peer:
+        await self._ready()
+        info.verify(self.secret)  # a forged record never reaches ucp_ep_rkey_unpack
+        if info.scheme != self.scheme:
+            raise ProtocolError(
+                f"connect refused: record is for scheme {info.scheme!r}, not {self.scheme!r}"
+            )
+        peer = UcxPeer(self, next(self._handles), info)
+        try:
+            await self._puller(peer)  # a peer that cannot be connected fails here
+        except TimeoutError:
+            raise TransportError(
+                f"connecting to {info.peer_id!r} timed out after {self.request_timeout} s: its "
+                "data-plane process was stopped"
+            ) from None
+        self._peers[peer.handle] = peer
+        return peer
+
+    async def _puller(self, peer: UcxPeer) -> Child:
+        """The live pulling child of ``peer`` (started if needed), connected to it."""
+        if self._closed:
+            raise TransportClosed("ucx transport is closed")
+        lock = self._puller_locks.setdefault(peer.key, asyncio.Lock())
+        async with lock:
+            c = self._pullers.get(peer.key)
+            if c is None or c.dead:
+                await self._make_room()
+                c = await self._start_child(self.lanes, peer.key, peer.info.peer_id)
+                if self._closed:
+                    await self._stop_child(c)
+                    raise TransportClosed("ucx transport is closed")
+                self._pullers[peer.key] = c
+            if peer.handle not in c.connected:
+                await self._call_in(c, Connect(peer.handle, peer.info.address, peer.info.regions))
+                c.connected.add(peer.handle)
+            c.last_used = time.monotonic()
+            return c
+
+    async def _make_room(self) -> None:
+        """Stop least recently used idle pulling children until one more fits."""
+        live = [c for c in self._pullers.values() if not c.dead]
+        idle = sorted((c for c in live if not c.pending), key=lambda c: c.last_used)
+        excess = len(live) + 1 - self.max_peer_children
+        for c in idle[: max(0, excess)]:
+            if self._pullers.get(c.role) is c:
+                del self._pullers[c.role]
+            log.info(
+                "stopping the idle data-plane process pulling from %r (more than %d peers)",
+                c.peer_id,
+                self.max_peer_children,
+            )
+            await self._stop_child(c)
+
+    async def _close_peer(self, peer: UcxPeer) -> None:
+        self._peers.pop(peer.handle, None)
+        c = self._pullers.get(peer.key)
+        if c is None:
+            return
+        was_connected = peer.handle in c.connected
+        c.connected.discard(peer.handle)
+        if any(p.key == peer.key for p in self._peers.values()):
+            if was_connected and not c.dead:  # another connection still uses the child
+                with contextlib.suppress(TransportError, TimeoutError):
+                    await self._call_in(c, Disconnect(peer.handle))
+            return
+        if self._pullers.get(peer.key) is c:
+            del self._pullers[peer.key]
+        await self._stop_child(c)
+
+    async def _prepare(self, peer: UcxPeer, reads: ReadBatch) -> Child:
+        """The peer's pulling child, connected, with the batch's destinations mapped.
+
+        Nothing is read here, so a child found dead on the way (killed, or ended after
+        a timeout, before its death was noticed) is replaced once and it is tried again."""
+        for attempt in range(2):
+            try:
+                c = await self._puller(peer)
+                await self._map_in(c, reads)
+                return c
+            except (TransportClosed, ProtocolError):
+                raise
+            except TransportError:
+                current = self._pullers.get(peer.key)
+                if attempt or (current is not None and not current.dead):
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _pull(self, peer: UcxPeer, reads: ReadBatch) -> None:
+        who = peer.info.peer_id
+        try:
+            c = await self._prepare(peer, reads)
+        except TimeoutError:
+            raise PullFailed(
+                f"pull from {who!r} failed: its data-plane process did not answer within "
+                f"{self.request_timeout} s and was stopped",
+                suspect_ranges(reads),
+            ) from None
+        except (TransportClosed, ProtocolError):
+            raise
+        except TransportError as exc:
+            raise PullFailed(f"pull from {who!r} failed: {exc}", suspect_ranges(reads)) from exc
+        deadline = time.monotonic_ns() + int(self.pull_timeout * 1e9)
+        try:
+            await self._call_in(
+                c,
+                Get(peer.handle, reads.tobytes(), deadline),
+                batch=reads,
+                peer_id=who,
+                limit=self.pull_timeout + BACKSTOP_S,
+            )
+        except ChildTimedOut as exc:
+            raise PeerLost(
+                f"pull from {who!r} timed out after {self.pull_timeout} s ({exc}): the data-plane "
+                "process reading from it was stopped; pulls from other peers were not affected",
+                suspect_ranges(reads),
+            ) from None
+        except TimeoutError:
+            raise PeerLost(
+                f"pull from {who!r} timed out after {self.pull_timeout} s, and the data-plane "
+                f"process reading from it did not give up within {BACKSTOP_S} s more: it was "
+                "killed; pulls from other peers were not affected",
+                suspect_ranges(reads),
+            ) from None
+        except ProtocolError as exc:
+            raise ReadRefused(0, tuple(int(v) for v in reads[0].tolist()), str(exc)) from exc  # type: ignore[arg-type]
+        except PullFailed:
+            raise
+        except TransportError as exc:
+            raise PullFailed(f"pull from {who!r} failed: {exc}", suspect_ranges(reads)) from exc
+        finally:
+            c.last_used = time.monotonic()
