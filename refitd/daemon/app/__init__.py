@@ -5,6 +5,8 @@ Modules:
 
 - `handlers`: the API v1 handlers, and `create_app` that assembles them
 - `httpio`: the HTTP edge handlers share: app keys, body decoding, replies
+- `leasing`: what a lease reads on a daemon (its scope, the signed records a peer
+  reads under it, packs) and a lease's life: `Daemon`'s base
 - `membership`: the daemon's membership in the cluster registry: registering, announcing
   its versions, the ``/v1/cluster`` routes
 - `metrics`: Prometheus metrics, ``GET /metrics``

@@ -3,6 +3,8 @@ from and the one byte loop.
 
 Modules:
 
+- `connections`: a pull's path and connections: which data plane reads each source,
+  the connection and credential it reads through
 - `core`: the pure core of a pull: validation, path choice, pacing, outcomes
 - `devstaging`: device destinations over a host-only data plane, staged through host
   memory

@@ -1,0 +1,206 @@
+"""What a lease reads on a daemon, and a lease's life: its scope, the signed region
+records a peer daemon reads under it, the packs made for it, and acquiring, checking
+and releasing it, with the drains its end wakes.
+
+:class:`Leasing` is a base of :class:`~refitd.daemon.app.node.Daemon`: the one rule
+of "a lease reads only its version's shards and the staging packed for it", applied
+where this daemon signs what a lease reads (its records, its grants, its packs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import msgspec
+
+from refitd.config import Config
+from refitd.daemon.access.caps import Caps
+from refitd.daemon.access.trust import Extents
+from refitd.daemon.pull.plancheck import check_runs
+from refitd.daemon.state.drain import LeaseDrain
+from refitd.daemon.state.plane import TransportSet
+from refitd.daemon.state.registry import Lease, Registry
+from refitd.daemon.state.staging import OFF_LOOP_SPECS, StagingPool
+from refitd.daemon.state.store import RegionStore
+from refitd.errors import AccessDenied
+from refitd.wire import LeaseGrant, PackRequest, PackSpec, PeerRegions, StagedPack, VersionInfo
+
+__all__ = ["Leasing"]
+
+
+class Leasing:
+    """The leases of :class:`~refitd.daemon.app.node.Daemon` (its base), over the
+    daemon's registry, store, staging pool, data planes and caps."""
+
+    config: Config
+    secret: bytes
+    node_id: str
+    incarnation: int
+    mode: str
+    clock: Callable[[], float]
+    caps: Caps
+    registry: Registry
+    store: RegionStore
+    staging: StagingPool
+    plane: TransportSet
+    drain: LeaseDrain
+    #: host mirrors' hook (:mod:`refitd.daemon.mirror.mirrors`): what a lease on a version
+    #: may read of a mirror still filling (only complete chunks are served)
+    scope_limit: Callable[[str, int, dict[int, Extents]], dict[int, Extents]] | None
+
+    # ------------------------------------------------------------ peer records
+
+    def version_scope(self, lease: Lease, held: bool = False) -> dict[int, Extents]:
+        """What ``lease`` may read of its version's own regions now: the shard ranges,
+        and of a mirror still filling only its complete chunks, unless ``held``: read
+        through a data plane whose server holds each read of a chunk still filling
+        until it is complete (it then answers only complete bytes). The one rule of
+        "only complete chunks are read", applied where this daemon signs what a lease
+        reads: its records, the grants it makes, and the packs it makes."""
+        scope = dict(self.registry.scope(lease.model, lease.version))
+        if self.scope_limit is not None and not held:  # a mirror still filling
+            scope = self.scope_limit(lease.model, lease.version, scope)
+        return scope
+
+    def lease_scope(self, lease: Lease, held: bool = False) -> dict[int, Extents]:
+        """What ``lease`` may read here: :meth:`version_scope`, and in each staging
+        region packed for that very lease the bytes packed for it (not the rest of a
+        reused region)."""
+        scope = self.version_scope(lease, held)
+        scope.update(self.staging.packed_for(lease.lease_id))
+        return scope
+
+    def peer_regions(self, ids: list[int] | None = None, lease: Lease | None = None) -> PeerRegions:
+        """Signed records of ``ids`` (all regions if ``None``) for a peer daemon.
+
+        Under ``lease`` (a live one, checked by the caller) only regions that lease may
+        read are given, each with the byte ranges it may read (``scope``); any other
+        id is refused (:class:`AccessDenied`). ``adverts`` then holds, per data plane,
+        the credential this daemon grants that lease (:meth:`TransportSet.grants`,
+        over everything the lease may read here, whichever ids were asked): a reader
+        connects with it as given, and never makes one. Without a lease the records
+        carry no scope, no credential and no file identities: enough to list
+        regions, nothing to read them with."""
+        scope: dict[int, Extents] = {}
+        allowed: dict[int, Extents] = {}
+        if lease is not None:
+            allowed = self.lease_scope(lease)
+            if ids is None:
+                ids = sorted(allowed)
+            outside = [i for i in ids if i not in allowed]
+            if outside:
+                raise AccessDenied(
+                    f"region(s) {outside} refused: not part of {lease.model!r} version "
+                    f"{lease.version} read under lease {lease.lease_id!r}; a lease reads only "
+                    "its version's shards and staging packed for it"
+                )
+            scope = {i: allowed[i] for i in ids}
+        regions = self.store.regions
+        infos = list(regions) if ids is None else [regions.get(i) for i in ids]
+        # The holder process is nobody's business but the region's owner; the segment
+        # name only a reader under a lease needs (a same-host daemon maps it by name).
+        infos = [
+            msgspec.structs.replace(r, holder="", handle=r.handle if lease is not None else "")
+            for r in infos
+        ]
+        advert = b""
+        adverts: dict[str, bytes] = {}
+        if lease is not None:
+            held = self.lease_scope(lease, held=True)
+            adverts = self.plane.grants(lease.lease_id, allowed, held)
+            advert = next(iter(adverts.values()), b"")
+            # The same-host path's: every region the lease may read and no other (a
+            # staging record asked for later lists the version's regions too).
+            adverts[self.plane.shm.scheme] = self.plane.shm.advertise(sorted(allowed)).encode()
+        rec = PeerRegions(
+            self.node_id,
+            self.incarnation,
+            self.mode,
+            infos,
+            advert,
+            lease_id=lease.lease_id if lease is not None else "",
+            scope=scope,
+            adverts=adverts,
+        )
+        return rec.signed(self.secret)
+
+    def leased_regions(
+        self, ids: list[int] | None, lease_id: str, model: str, version: int
+    ) -> PeerRegions:
+        """:meth:`peer_regions` for a pull under ``lease_id`` (409 for a lease not live
+        on ``(model, version)``)."""
+        return self.peer_regions(ids, self.registry.check(lease_id, model, version))
+
+    # ------------------------------------------------------------ packing and leases
+
+    async def pack(
+        self, specs: list[PackSpec], lease: Lease, principal: str | None = None
+    ) -> StagedPack:
+        """Gather specs into a staging region for ``lease`` (:meth:`StagingPool.pack`),
+        reading only what :meth:`version_scope` allows, within the caps of the lease's
+        principal (else ``principal``'s)."""
+        limit = self.config.limits.max_plan_runs
+        if len(specs) > OFF_LOOP_SPECS:  # a Python step a spec: off the loop
+            await asyncio.to_thread(check_runs, 0, specs, limit, "pack")
+        else:
+            check_runs(0, specs, limit, "pack")
+        return await self.staging.pack(specs, lease, self.version_scope(lease), principal)
+
+    async def pack_leased(self, req: PackRequest, principal: str | None = None) -> StagedPack:
+        """:meth:`pack` under ``req``'s lease (409 for one not live on its version)."""
+        lease = self.registry.check(req.lease_id, req.model, req.version)
+        return await self.pack(req.specs, lease, principal)
+
+    def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
+        """The live lease ``lease_id`` on ``(model, version)`` with its seconds left
+        (409 for one not live on that version)."""
+        lease = self.registry.check(lease_id, model, version)
+        left = lease.expires_at - self.clock()
+        return LeaseGrant(lease.lease_id, lease.model, lease.version, left)
+
+    def release(self, lease_id: str) -> None:
+        """End a lease, and wake the drains and reaps its end may free."""
+        self.registry.release(lease_id)
+        self.lease_changed()
+
+    def acquire(
+        self,
+        model: str,
+        version: int,
+        ttl_s: float,
+        holder: str,
+        principal: str,
+        manifest: bool = False,
+    ) -> LeaseGrant:
+        """Lease a READY version for ``principal``, within its lease cap (429 past
+        ``limits.max_leases_per_principal``). The grant carries this daemon's signed
+        records of what the lease may read, with its credential on each data plane
+        (:meth:`peer_regions`), and with ``manifest`` the version's merged manifest."""
+        self.caps.leases.admit(principal, self.registry.is_live)
+        grant = self.registry.acquire(model, version, ttl_s, holder, owner=principal)
+        self.caps.leases.add(principal, grant.lease_id)
+        records = self.peer_regions(None, self.registry.check(grant.lease_id, model, version))
+        merged = self.registry.merged(model, version) if manifest else None
+        return msgspec.structs.replace(grant, records=records, manifest=merged)
+
+    async def release_staging(self, region_id: int, lease_id: str) -> None:
+        """Return a staging region to the pool (:meth:`StagingPool.release`)."""
+        await self.staging.release(region_id, lease_id)
+
+    def lease_changed(self) -> None:
+        """Wake every drain waiter (a lease was released or a version changed), and
+        release exited clients' regions that this may have freed."""
+        self.drain.changed()
+        self.store.reap_soon()
+
+    async def wait_drain(
+        self, model: str, version: int, timeout_s: float, retire: bool = False
+    ) -> VersionInfo:
+        """Return once no live lease remains on the version (:meth:`LeaseDrain.wait`)."""
+        return await self.drain.wait(model, version, timeout_s, retire)
+
+    async def wait_ready(self, model: str, version: int, timeout_s: float) -> VersionInfo:
+        """Return once the version is READY, or after ``timeout_s`` with its state
+        (:meth:`LeaseDrain.ready`)."""
+        return await self.drain.ready(model, version, timeout_s)
