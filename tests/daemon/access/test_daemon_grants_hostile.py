@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 from support.daemons import daemon_config, served, token_file
 from support.toy import publish_tensor, pull_rows
@@ -24,10 +25,11 @@ from support.toy import publish_tensor, pull_rows
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.delta.plans import Plans
+from refitd.daemon.delta.plans import Plans, plan_digest
 from refitd.daemon.pull.plancheck import check_runs
-from refitd.errors import AccessDenied, ProtocolError, RefitError
+from refitd.errors import AccessDenied, NotFoundError, ProtocolError, RefitError
 from refitd.wire import (
+    DeltaPackRequest,
     DeltaStreamRequest,
     DescriptorTable,
     LeaseGrant,
@@ -229,3 +231,64 @@ async def test_a_plan_of_long_pack_spec_shapes_is_not_kept_past_the_byte_budget(
     assert len(msgspec.msgpack.encode(req)) > budget  # more than the budget on the wire too
     _, name = await plans.resolve(req, "a")
     assert name == ""  # not kept: larger than the principal's budget
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="RemoteSource.granted matches a grant to its source by node_id alone, never "
+    "incarnation: a grant of another life of the node is read as given, from that "
+    "life's data plane (its bytes land in the destination before the pull is refused)",
+)
+async def test_a_grant_of_another_life_of_the_source_is_not_read_as_this_ones(
+    tmp_path: Path,
+) -> None:
+    # Two lives of node "src" (as across a restart; here both up at once, so the
+    # earlier life's data server still answers): the engine's daemon knows the later
+    # one, and a grant the earlier one made is presented for a pull from the later.
+    access = ServerConfig(port=0, token_file=token_file(tmp_path, TOKENS))
+    old = Daemon(
+        daemon_config(node_id="src", allow=("http://127.0.0.1:*",)), secret=SECRET, boot_id="host-a"
+    )
+    async with (
+        two_hosts(tmp_path) as h,
+        served(old, access=access) as o,
+        RefitClient(o.url, token=TOKENS["a"]) as a_old,
+    ):
+        assert old.incarnation != h.source.incarnation
+        region = await published(h.a, "ma", 7)
+        await acquainted(h, region)
+        stale = await published(a_old, "ma", 5)
+        lease = await a_old.acquire_lease("ma", 1)
+        assert lease.records is not None and lease.records.node_id == "src"
+        async with destination(h) as (dst, seg):
+            # the source named (the later life) does not know the lease: the pull is
+            # refused, but only after the earlier life's bytes were written
+            with pytest.raises(RefitError, match=lease.lease_id):
+                await h.engine.pull(presenting(lease, (stale, 0, dst, 0, NBYTES), url=h.source_url))
+            assert not seg.numpy().any()
+
+
+async def test_a_tenant_naming_another_tenants_plan_at_the_source_gets_nothing(
+    tmp_path: Path,
+) -> None:
+    # a sends its delta plan once (kept under a, whatever the delta answers); b, with
+    # a live lease of its own, names it by its digest: not found, nothing read.
+    async with two_hosts(tmp_path) as h:
+        region = await published(h.a, "ma", 7)
+        await published(h.b, "mb", 9)
+        rows = DescriptorTable.pack(np.array([[region, 0, 1, 0, NBYTES]], dtype=np.int64))
+        mine = await h.a.acquire_lease("ma", 1)
+        sent = DeltaPackRequest("ma", 1, mine.lease_id, 0, "0" * 32, rows)
+        name = plan_digest(rows, [])
+        with contextlib.suppress(RefitError):  # no delta of v1: the plan is kept anyway
+            await h.a.delta_pack(sent)
+        own = msgspec.structs.replace(sent, descriptors=DescriptorTable(b""), plan=name)
+        with pytest.raises(RefitError) as kept:
+            await h.a.delta_pack(own)
+        assert not isinstance(kept.value, NotFoundError)  # a's own name is found
+        lease = await h.b.acquire_lease("mb", 1)
+        named = DeltaPackRequest(
+            "mb", 1, lease.lease_id, 0, "0" * 32, DescriptorTable(b""), plan=name
+        )
+        with pytest.raises(NotFoundError, match="not kept on this daemon"):
+            await h.b.delta_pack(named)
