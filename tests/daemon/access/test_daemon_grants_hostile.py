@@ -221,7 +221,10 @@ async def test_a_grant_replayed_after_the_version_is_retired_reads_nothing(
 )
 async def test_a_plan_of_long_pack_spec_shapes_is_not_kept_past_the_byte_budget() -> None:
     # A spec of shape (1,)*N makes one run (check_runs admits it), but its decoded
-    # shape and strides hold ~16 N bytes of pointers alone.
+    # shape and strides hold ~16 N bytes of pointers alone. Over HTTP the routes run
+    # check_runs and then Plans.resolve, so such a plan is kept there likewise: a
+    # 64 MiB request (server.max_request_bytes) of one-byte ones decodes to ~512 MiB
+    # of tuples counted as 128 bytes, 64 of them per principal (KEEP_PER_PRINCIPAL).
     n = 200_000
     spec = PackSpec(1, 0, (1,) * n, (1,) * n, 1, 9, 0)
     assert check_runs(0, [spec], 1 << 22, "delta stream") == 1
