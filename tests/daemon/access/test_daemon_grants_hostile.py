@@ -12,6 +12,7 @@ each is "another host" to the other.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,7 +232,8 @@ async def test_a_plan_of_long_pack_spec_shapes_is_not_kept_past_the_byte_budget(
     budget = 1 << 20
     plans = Plans(keep_bytes=budget)
     req = DeltaStreamRequest("m", 2, "l1", 1, "d" * 32, DescriptorTable(b""), [spec])
-    assert len(msgspec.msgpack.encode(req)) > budget  # more than the budget on the wire too
+    held = sys.getsizeof(spec.shape) + sys.getsizeof(spec.strides)
+    assert held > budget  # what the kept plan holds, decoded (~2 bytes a dimension on the wire)
     _, name = await plans.resolve(req, "a")
     assert name == ""  # not kept: larger than the principal's budget
 
