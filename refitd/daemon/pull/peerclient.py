@@ -43,8 +43,11 @@ class PeerClient(ApiSession):
     ``token`` where peers require one (``PeerClient(url, token=...)``, as an
     :class:`ApiSession`). :meth:`close` when done."""
 
-    #: the node id the peer's own signed records gave, once any did ("" before)
+    #: the node id and life the peer's own signed records gave, once any did ("" and
+    #: -1 before): a grant of another daemon, or of another life of this one, is not
+    #: read with (:meth:`~refitd.daemon.pull.sources.RemoteSource.granted`)
     node_id: str = ""
+    incarnation: int = -1
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
         """ConflictError unless ``lease_id`` is live on exactly ``(model, version)``."""

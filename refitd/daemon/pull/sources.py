@@ -129,8 +129,11 @@ class RemoteSource:
         """``req.grant``, once its MAC verifies (:class:`ProtocolError` if it does not:
         altered, or made outside this deployment) and it was granted ``req``'s very
         lease (:class:`AccessDenied` if not); None when ``req`` presents none, or
-        records of a daemon other than the one this source's own records came from
-        (or before any did): then they are asked of this source itself."""
+        records of a daemon, or of a life of it, other than the one this source's own
+        records came from (or before any did): then they are asked of this source
+        itself. A grant names the data server it is read at, so one of an earlier life
+        (a daemon of the same node id started again elsewhere) would read that life's
+        bytes, and close this daemon's connection to the live one."""
         rec = req.grant
         if rec is None:
             return None
@@ -140,13 +143,14 @@ class RemoteSource:
                 f"pull refused: the grant it presents is of lease {rec.lease_id!r}, not of "
                 f"its lease {req.lease_id!r}; a pull reads only with its own lease's grant"
             )
-        return rec if rec.node_id == self.client.node_id else None
+        mine = (self.client.node_id, self.client.incarnation)
+        return rec if (rec.node_id, rec.incarnation) == mine else None
 
     def answered(self, rec: PeerRegions) -> PeerRegions:
         """Records this source answered one of this daemon's own requests with,
         verified: from now on they name the daemon at its URL (:meth:`granted`)."""
         rec.verify(self.secret)
-        self.client.node_id = rec.node_id
+        self.client.node_id, self.client.incarnation = rec.node_id, rec.incarnation
         return rec
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:

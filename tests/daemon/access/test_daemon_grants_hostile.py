@@ -1,8 +1,10 @@
 """A hostile tenant against "the lease grant is the credential" (issue 50): with a
 valid token of its own, never the deployment secret, it presents grants that are
 garbled, stretched past their lease, put under another tenant's model, or replayed,
-and crams the source's plan cache. Each attack is refused (or, where a test is
-marked ``xfail``, is a hole that still stands).
+and crams the source's plan cache. Each attack is refused. Two got through when
+they were first written, and fail without their fixes: a grant of another life of the
+source (read from that life's data server), and pack specs of very long shapes (kept
+past the plan cache's byte budget).
 
 Real daemons in this process on 127.0.0.1:0 with real HTTP and the real ``tcp``
 data plane, as in :mod:`test_daemon_grants`: each daemon has its own boot id, so
@@ -215,11 +217,6 @@ async def test_a_grant_replayed_after_the_version_is_retired_reads_nothing(
             assert not seg.numpy().any()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Plans._size counts a pack spec at 128 bytes whatever its shape/strides length: "
-    "a plan of a few specs with very long shape tuples is kept far past keep_bytes",
-)
 async def test_a_plan_of_long_pack_spec_shapes_is_not_kept_past_the_byte_budget() -> None:
     # A spec of shape (1,)*N makes one run (check_runs admits it), but its decoded
     # shape and strides hold ~16 N bytes of pointers alone. Over HTTP the routes run
@@ -238,12 +235,6 @@ async def test_a_plan_of_long_pack_spec_shapes_is_not_kept_past_the_byte_budget(
     assert name == ""  # not kept: larger than the principal's budget
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="RemoteSource.granted matches a grant to its source by node_id alone, never "
-    "incarnation: a grant of another life of the node is read as given, from that "
-    "life's data plane (its bytes land in the destination before the pull is refused)",
-)
 async def test_a_grant_of_another_life_of_the_source_is_not_read_as_this_ones(
     tmp_path: Path,
 ) -> None:
