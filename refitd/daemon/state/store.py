@@ -480,10 +480,10 @@ class RegionStore:
             stale = not info.daemon_owned and (
                 creator_tag(info.handle) in self._exited or is_stale(info.handle)
             )
-            await self.drop(rid, info)
-            if stale:
+            if stale:  # its name first: once the region is gone, so is its file
                 with contextlib.suppress(OSError):
                     (SHM_DIR / info.handle).unlink()
+            await self.drop(rid, info)
         return out
 
     async def gc(self, dry_run: bool = False) -> GcReport:
