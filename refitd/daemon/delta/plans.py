@@ -55,8 +55,12 @@ class Plans:
         self, keep: int = KEEP_PER_PRINCIPAL, keep_bytes: int = KEEP_BYTES_PER_PRINCIPAL
     ) -> None:
         self.keep, self.keep_bytes = keep, keep_bytes
-        self._kept: dict[str, collections.OrderedDict[str, tuple[DescriptorTable, list[PackSpec]]]]
+        #: per principal, its plans by name, each with its size (:func:`_size`)
+        self._kept: dict[
+            str, collections.OrderedDict[str, tuple[DescriptorTable, list[PackSpec], int]]
+        ]
         self._kept = {}
+        self._bytes: dict[str, int] = {}  # per principal, the sum of its kept plans' sizes
 
     async def resolve(self, req: R, principal: str) -> tuple[R, str]:
         """``req`` with its plan, and the plan's digest: a request that sends its plan
@@ -65,14 +69,17 @@ class Plans:
         request that names one and sends one too)."""
         kept = self._kept.setdefault(principal, collections.OrderedDict())
         if not req.plan:
-            if len(req.descriptors.table) > OFF_LOOP_BYTES:
+            size = _size(req.descriptors, req.pack_specs)
+            if size > OFF_LOOP_BYTES:  # its specs' dimensions count, not only its table
                 name = await asyncio.to_thread(plan_digest, req.descriptors, req.pack_specs)
             else:
                 name = plan_digest(req.descriptors, req.pack_specs)
-            kept[name] = (req.descriptors, req.pack_specs)
-            kept.move_to_end(name)
-            while len(kept) > self.keep or sum(_size(p) for p in kept.values()) > self.keep_bytes:
-                kept.popitem(last=False)
+            old = kept.pop(name, None)
+            total = self._bytes.get(principal, 0) - (old[2] if old else 0) + size
+            kept[name] = (req.descriptors, req.pack_specs, size)
+            while len(kept) > self.keep or total > self.keep_bytes:
+                total -= kept.popitem(last=False)[1][2]
+            self._bytes[principal] = total
             return req, name if name in kept else ""
         if len(req.descriptors) or req.pack_specs:
             raise ProtocolError(
@@ -86,13 +93,13 @@ class Plans:
                 "restarted, or the plan was pushed out); send the plan itself"
             )
         kept.move_to_end(req.plan)
-        descriptors, specs = plan
+        descriptors, specs, _ = plan
         return msgspec.structs.replace(req, descriptors=descriptors, pack_specs=specs), req.plan
 
 
-def _size(plan: tuple[DescriptorTable, list[PackSpec]]) -> int:
+def _size(descriptors: DescriptorTable, specs: list[PackSpec]) -> int:
     """The bytes a kept plan holds, about: its descriptor table, and each pack spec at
     64 bytes and 8 a dimension of its shape and of its strides (a spec of a million
-    dimensions is one run to the bounds check, and 16 MB here)."""
-    specs = sum(64 + 8 * (len(s.shape) + len(s.strides)) for s in plan[1])
-    return len(plan[0].table) + specs
+    dimensions is one run to the bounds check, and 16 MB here). Counted once, when the
+    plan is sent; the principal's total is kept beside its plans."""
+    return len(descriptors.table) + sum(64 + 8 * (len(s.shape) + len(s.strides)) for s in specs)
