@@ -21,7 +21,6 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from refitd.cluster import registry_from_config
 from refitd.daemon.access.auth import Principal, check_owner, owner_for, principal_of, sees_region
 from refitd.daemon.app.httpio import (
     DAEMON,
@@ -382,7 +381,9 @@ def create_app(
 
     clients: dict[str, PeerClient] = {}
 
-    cluster = registry_from_config(d.config.registry, d.secret)
+    # The daemon's: its version registry asks it which versions are complete across
+    # hosts (a trainer split over hosts: each daemon holds some slots of a version).
+    cluster = d.cluster
     app[CLUSTER] = cluster
 
     if cluster.kind == "etcd":
@@ -390,10 +391,6 @@ def create_app(
         # whose record verifies is trusted, for as long as it stays registered.
         cluster.on_change(
             lambda: d.peers.replace(REGISTRY_ORIGIN, [r.url for r in cluster.daemons()])
-        )
-        # A trainer split over hosts: each daemon holds some slots of a version.
-        d.registry.complete_elsewhere = lambda model, version: cluster.complete(
-            model, version, d.node_id
         )
 
     def connect(url: str) -> Source:
@@ -432,7 +429,9 @@ def create_app(
     app.cleanup_ctx.append(daemon_ctx)
     app.cleanup_ctx.extend(cleanup_ctx)
     app.add_routes(routes)
-    app[POOLS] = pools = ExpertPools(d)
+    app[POOLS] = pools = ExpertPools(
+        d.store, d.config.limits.max_pool_bookkeeping_bytes_per_principal
+    )
     pulls.listen(pools)  # the experts a pull rewrites leave their slots
     # Pulls by outcome, bytes by the path each took, once the app has metrics.
     pulls.listen(PullMetrics(lambda: app.get(METRICS_KEY)))

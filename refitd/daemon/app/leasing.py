@@ -190,9 +190,9 @@ class Leasing:
 
     def lease_changed(self) -> None:
         """Wake every drain waiter (a lease was released or a version changed), and
-        release exited clients' regions that this may have freed."""
+        release exited clients' regions that this may have freed (the drain's
+        ``freed``: :meth:`LeaseDrain.changed`)."""
         self.drain.changed()
-        self.store.reap_soon()
 
     async def wait_drain(
         self, model: str, version: int, timeout_s: float, retire: bool = False

@@ -22,6 +22,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
+from refitd.cluster import registry_from_config
 from refitd.config import Config, LimitsConfig
 from refitd.daemon.access.auth import Principal
 from refitd.daemon.access.caps import Caps
@@ -97,8 +98,16 @@ class Daemon(Leasing):
         self.limits: LimitsConfig = config.limits
         # The host memory locked for GPU copies is the process's (transports.pins).
         PINS.limit(config.data_plane.max_pinned_bytes)
+        #: the cluster registry (``[registry]``): which daemons exist, and where each
+        #: version's slots live; the app starts and closes it
+        self.cluster = registry_from_config(config.registry, self.secret)
         self.registry = Registry(
-            self.node_id, self.incarnation, clock, pending_ttl_s=self.limits.pending_ttl_s
+            self.node_id,
+            self.incarnation,
+            clock,
+            pending_ttl_s=self.limits.pending_ttl_s,
+            # A trainer split over hosts: each daemon holds some slots of a version.
+            complete_elsewhere=self._complete_elsewhere if self.cluster.kind == "etcd" else None,
         )
         #: the timer that expires pending versions (:meth:`_expire_pending_later`)
         self._pending_timer: asyncio.TimerHandle | None = None
@@ -132,7 +141,8 @@ class Daemon(Leasing):
         )
         self.store = RegionStore(self.incarnation, self.plane, self.registry, self.caps)
         self.staging = StagingPool(self.store, self.registry, self.plane.shm)
-        self.drain = LeaseDrain(self.registry, clock)
+        # A lease's end or a version's change wakes the drains and the store's reaper.
+        self.drain = LeaseDrain(self.registry, clock, self.store.reap_soon)
         self.ready = False
         self.ucx_transports: list[str] = []  # what the loaded UCX can use (ucx_info -d)
         self._ucx_probed = False  # whether ucx_transports is ucx_info's answer yet
@@ -144,6 +154,11 @@ class Daemon(Leasing):
         #: host mirrors' hook (:mod:`refitd.daemon.mirror.mirrors`): what a lease on a version
         #: may read of a mirror still filling (only complete chunks are served)
         self.scope_limit: Callable[[str, int, dict[int, Extents]], dict[int, Extents]] | None = None
+
+    def _complete_elsewhere(self, model: str, version: int) -> bool:
+        """Whether the cluster registry says ``model`` ``version`` has all its slots
+        published across the daemons that hold it, this one among them."""
+        return self.cluster.complete(model, version, self.node_id)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -95,7 +95,15 @@ def _frame(value: msgspec.Struct) -> bytes:
 
 def setup_deltas(app: web.Application, daemon: Daemon) -> DeltaBook:
     """Install the daemon's :class:`DeltaBook` and its routes on ``app``."""
-    book = app[DELTAS] = DeltaBook(daemon, daemon.config.pulls.deltas, waits=app[WAITS])
+    book = app[DELTAS] = DeltaBook(
+        daemon.registry,
+        daemon.store,
+        daemon.staging,
+        daemon.drain,
+        max_bytes=daemon.config.pulls.delta_max_bytes,
+        enabled=daemon.config.pulls.deltas,
+        waits=app[WAITS],
+    )
     app[DELTA_PLANS] = Plans()
 
     async def close(_: web.Application) -> None:

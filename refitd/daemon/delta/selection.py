@@ -88,9 +88,9 @@ async def pack_delta(
     )
     t2 = time.perf_counter()
     # The lease may have ended while this waited: nothing is staged for no lease.
-    book.daemon.registry.check(lease.lease_id, req.model, req.version)
+    book.registry.check(lease.lease_id, req.model, req.version)
     # Admitted to the principal's caps and counted before its next request is.
-    region = await book.daemon.staging.stage(payload, lease, principal)
+    region = await book.staging.stage(payload, lease, principal)
     t3 = time.perf_counter()
     pages, changed, exceptions, units, bits = staged
     return DeltaStaged(
@@ -147,7 +147,7 @@ async def select_delta(
             )
         chain = links
     rows = req.descriptors.rows()
-    scope = book.daemon.registry.scope(req.model, req.version)
+    scope = book.registry.scope(req.model, req.version)
     check_unchecked_reads(rows, req.pack_specs, scope, f"{req.model!r} version {req.version}")
     stream = int(rows[:, 4].sum()) + sum(p.nbytes for p in req.pack_specs)
     if stream > STREAM_FACTOR * rec.compared:

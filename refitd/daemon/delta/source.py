@@ -34,8 +34,11 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from refitd.daemon.app.node import Daemon
 from refitd.daemon.app.waits import Waits
+from refitd.daemon.state.drain import LeaseDrain
+from refitd.daemon.state.registry import Registry
+from refitd.daemon.state.staging import StagingPool
+from refitd.daemon.state.store import RegionStore
 from refitd.delta.compare import (
     JobResult,
     Table,
@@ -177,20 +180,34 @@ class _Run:
 
 
 class DeltaBook:
-    """The delta records of one daemon's versions, and the pool that compares them."""
+    """The delta records of one daemon's versions, and the pool that compares them,
+    built with the parts it uses: the version ``registry`` (versions, their merged
+    manifests, the book's hold leases), the region ``store`` (the bytes compared),
+    the ``staging`` pool (a delta staged for a lease) and the lease ``drain``, told
+    when the book lets go of a hold (a publisher's drain may be waiting for it).
+    ``max_bytes``: what the records may hold together (``[pulls] delta_max_bytes``;
+    0: a quarter of the host's memory)."""
 
     def __init__(
         self,
-        daemon: Daemon,
+        registry: Registry,
+        store: RegionStore,
+        staging: StagingPool,
+        drain: LeaseDrain,
+        *,
+        max_bytes: int = 0,
         enabled: bool = True,
         threads: int | None = None,
         waits: Waits | None = None,
     ) -> None:
-        self.daemon = daemon
+        self.registry = registry
+        self.store = store
+        self.staging = staging
+        self.drain = drain
         #: the long polls each principal holds open (a pack waiting for a comparison)
         self.waits = waits if waits is not None else Waits()
         #: what the records may hold together, bytes (``[pulls] delta_max_bytes``)
-        self.max_bytes = daemon.config.pulls.delta_max_bytes or _quarter_of_memory()
+        self.max_bytes = max_bytes or _quarter_of_memory()
         self._pending = 0  # changes kept by comparisons still running, bytes
         #: whether versions are held and compared at all (``[pulls] deltas``)
         self.enabled = enabled
@@ -206,7 +223,7 @@ class DeltaBook:
         """A slot of ``version`` was published: once the version is READY, hold it (the
         next version's base) and compare it with the version held before (in the
         background)."""
-        reg = self.daemon.registry
+        reg = self.registry
         if not self.enabled or (model, version) in self._records:
             return
         if reg.version(model, version).state != VersionState.READY:
@@ -245,12 +262,12 @@ class DeltaBook:
             return
         hold.released = True
         with contextlib.suppress(RefitError):
-            self.daemon.registry.release(hold.lease_id)
-        self.daemon.lease_changed()
+            self.registry.release(hold.lease_id)
+        self.drain.changed()
 
     def _forget(self, model: str) -> None:
         """Drop the changed units of retired versions; keep the newest records."""
-        live = {v.version for v in self.daemon.registry.versions(model) if v.state != "retired"}
+        live = {v.version for v in self.registry.versions(model) if v.state != "retired"}
         mine = sorted(k for k in self._records if k[0] == model)
         for i, key in enumerate(mine):
             if key[1] not in live:
@@ -264,7 +281,7 @@ class DeltaBook:
     async def info(self, model: str, version: int, wait_s: float = 0.0) -> DeltaInfo:
         """``version``'s record (after up to ``wait_s`` seconds for its comparison);
         404 for a version this daemon does not hold."""
-        self.daemon.registry.version(model, version)
+        self.registry.version(model, version)
         rec = self._records.get((model, version))
         if rec is None:
             why = "no delta record of this version" if self.enabled else "deltas are off here"
@@ -286,11 +303,11 @@ class DeltaBook:
 
     async def _compute(self, rec: DeltaRecord, hold: _Hold, base: _Hold | None) -> None:
         t0 = time.perf_counter()
-        reg = self.daemon.registry
+        reg = self.registry
         try:
             table = await hold.table
             rec.unit = unit_of(table.itemsizes)
-            if self.daemon.store.device_kinds(set(np.unique(table.region).tolist())):
+            if self.store.device_kinds(set(np.unique(table.region).tolist())):
                 raise ConflictError(
                     "published in GPU memory: deltas are compared in host memory only"
                 )
@@ -383,7 +400,7 @@ class DeltaBook:
         for r in np.unique(table.region).tolist() + (
             np.unique(twins[0]).tolist() if twins is not None else []
         ):
-            views[int(r)] = self.daemon.view(int(r))
+            views[int(r)] = self.store.view(int(r))
         sizes = {r: len(v) for r, v in views.items()}
         address = {r: address_of(v) for r, v in views.items()}
         what = "comparison refused"

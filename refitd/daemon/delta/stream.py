@@ -67,7 +67,7 @@ async def stream(
                     payload, staged, secs = await nxt
                     # The next chunk is encoded while this one is written and crosses.
                     nxt = asyncio.ensure_future(book.in_pool(encode, k + 1)) if k + 1 < n else None
-                    book.daemon.registry.check(lease.lease_id, req.model, req.version)
+                    book.registry.check(lease.lease_id, req.model, req.version)
                 except RefitError as exc:
                     yield DeltaChunk(k, error=str(exc)), _NONE
                     return

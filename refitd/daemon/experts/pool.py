@@ -39,7 +39,6 @@ from typing import TypeVar
 import msgspec
 import numpy as np
 
-from refitd.daemon.app.node import Daemon
 from refitd.daemon.experts.memory import RegionExpertRows, RegionSlotMemory, touched_rows
 from refitd.errors import PlanError, ProtocolError, TransportError
 from refitd.experts import (
@@ -83,10 +82,16 @@ class ExpertPool:
 
     Every operation that reads or changes residency runs under ``lock``; writes
     noted by :meth:`note_rewrite` (from outside the lock) are applied first.
+    ``view(region_id)`` maps its two regions' bytes (the region store's view).
     """
 
     def __init__(
-        self, spec: PoolCreate, owner: str, host: RegionInfo, slots: RegionInfo, daemon: Daemon
+        self,
+        spec: PoolCreate,
+        owner: str,
+        host: RegionInfo,
+        slots: RegionInfo,
+        view: Callable[[int], memoryview],
     ) -> None:
         self.spec, self.owner = spec, owner
         self.host, self.slot_region = host, slots
@@ -96,9 +101,9 @@ class ExpertPool:
             SlotGeometry(spec.layers, spec.slots, tuple(spec.row_bytes)), residency
         )
         self.rows = RegionExpertRows(
-            daemon.view(host.region_id), spec.experts, spec.layers, spec.row_bytes
+            view(host.region_id), spec.experts, spec.layers, spec.row_bytes
         )
-        self.device = RegionSlotMemory(daemon.view(slots.region_id), spec.slots, spec.row_bytes)
+        self.device = RegionSlotMemory(view(slots.region_id), spec.slots, spec.row_bytes)
         self.lock = asyncio.Lock()
         self.stale = 0
         #: Set once deleted: a request that was waiting for the lock is refused.

@@ -22,11 +22,11 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from aiohttp import web
 
-from refitd.daemon.app.node import Daemon
 from refitd.daemon.experts.pool import ExpertPool, residency_of
 from refitd.daemon.pull.core import dst_ids
 from refitd.daemon.pull.listeners import Caller, Job, PullListener
 from refitd.daemon.state.memory import check_shm_capacity
+from refitd.daemon.state.store import RegionStore
 from refitd.errors import (
     AccessDenied,
     ConfigError,
@@ -64,10 +64,15 @@ def bookkeeping_bytes(spec: PoolCreate) -> int:
 class ExpertPools(PullListener):
     """The daemon's pools by name, and which regions they hold. A listener on the
     daemon's pulls: the experts a pull rewrites leave their slots when it is
-    accepted and again when it ends (see the module's staleness)."""
+    accepted and again when it ends (see the module's staleness).
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    Built with the region ``store`` its pools' regions are made, charged, viewed
+    and deleted in, and ``max_bookkeeping`` (bytes a principal's pools may keep,
+    ``limits.max_pool_bookkeeping_bytes_per_principal``)."""
+
+    def __init__(self, store: RegionStore, max_bookkeeping: int) -> None:
+        self.store = store
+        self.max_bookkeeping = max_bookkeeping
         self._pools: dict[str, ExpertPool] = {}
         #: per principal, the bookkeeping bytes of each pool it holds or is making
         self._bookkeeping: dict[str, dict[str, int]] = {}
@@ -87,7 +92,7 @@ class ExpertPools(PullListener):
         """Check the geometry, then create both regions and the pool; on any refusal
         nothing is left behind. A pool's two regions are the memory of ``principal``
         (its creator): admitted by its region and byte caps first (429), and counted."""
-        store = self.daemon.store
+        store = self.store
         if principal is not None:
             rows = spec.layers * spec.experts + spec.slots
             with self._holding_bookkeeping(principal, spec):
@@ -114,15 +119,14 @@ class ExpertPools(PullListener):
         except ConfigError as exc:  # InconsistentResidency: a PlanError as well
             raise PlanError(f"expert pool {spec.name!r} refused: {exc}") from None
         del residency  # checked here so no region is created for a refused pool
-        d = self.daemon
-        host = await d.create_region(
+        host = await store.create_region(
             RegionCreate(
                 expert_bytes * spec.layers * spec.experts, owner=owner, label="experts-host"
             )
         )
         store.pool_regions[host.region_id] = spec.name  # never a version's memory (see publish)
         try:
-            slots = await d.create_region(
+            slots = await store.create_region(
                 RegionCreate(expert_bytes * spec.slots, owner=owner, label="experts-slots")
             )
             store.pool_regions[slots.region_id] = spec.name
@@ -132,7 +136,7 @@ class ExpertPools(PullListener):
         try:
             # Its per-expert, per-slot and per-layer lists, built off the event loop
             # (bounded in bytes by the caller's admission).
-            pool = await asyncio.to_thread(ExpertPool, spec, owner, host, slots, d)
+            pool = await asyncio.to_thread(ExpertPool, spec, owner, host, slots, store.view)
         except BaseException:
             await self._drop(host.region_id)
             await self._drop(slots.region_id)
@@ -150,7 +154,7 @@ class ExpertPools(PullListener):
         """Admit ``spec``'s bookkeeping (:func:`bookkeeping_bytes`) to ``principal``'s
         cap (429 past it, before anything is made) and hold its place for the block;
         a pool not made by the end gives it back."""
-        cap = self.daemon.config.limits.max_pool_bookkeeping_bytes_per_principal
+        cap = self.max_bookkeeping
         cost = bookkeeping_bytes(spec)
         held = self._bookkeeping.setdefault(principal, {})
         total = sum(held.values())
@@ -183,9 +187,10 @@ class ExpertPools(PullListener):
         return info
 
     async def _drop(self, region_id: int) -> None:
-        """Delete one of a pool's regions (it stops being a pool region first)."""
-        self.daemon.store.pool_regions.pop(region_id, None)
-        await self.daemon.delete_region(region_id)
+        """Delete one of a pool's regions (it stops being a pool region first; never
+        a staging region, so the store's rules are all a delete of it passes)."""
+        self.store.pool_regions.pop(region_id, None)
+        await self.store.delete(region_id)
 
     def holding(self, region_id: int) -> ExpertPool | None:
         """The pool whose host or slot region is ``region_id``, if any."""

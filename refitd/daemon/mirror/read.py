@@ -217,7 +217,9 @@ class MirroredSource(LocalSource):
     def __init__(
         self, daemon: Daemon, remote: RemoteSource, engine: PullRequest, m: Mirror
     ) -> None:
-        super().__init__(daemon)
+        super().__init__(
+            daemon.plane, daemon.registry, daemon.staging, daemon.leased_regions, daemon.pack_leased
+        )
         self.remote = remote
         self.engine = engine
         self.filling = None if m.complete else MirrorGate(m)
@@ -231,6 +233,6 @@ class MirroredSource(LocalSource):
         rec = await super().regions(ids, req)
         if self.filling is None:
             return rec
-        whole = self.daemon.registry.scope(req.model, req.version)
+        whole = self.registry.scope(req.model, req.version)
         scope = {i: whole.get(i, ext) for i, ext in rec.scope.items()}  # staging: as given
         return msgspec.structs.replace(rec, scope=scope)

@@ -102,7 +102,9 @@ class PullManager(PullPaths):
         connect: Callable[[str], Source],
         listeners: Iterable[PullListener] = (),
     ) -> None:
-        self._local = LocalSource(daemon)
+        self._local = LocalSource(
+            daemon.plane, daemon.registry, daemon.staging, daemon.leased_regions, daemon.pack_leased
+        )
         self.store = daemon.store
         self.registry = daemon.registry
         self.staging = daemon.staging

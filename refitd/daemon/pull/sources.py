@@ -9,24 +9,42 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from refitd.daemon.pull.peerclient import PeerClient
+from refitd.daemon.state.plane import TransportSet
+from refitd.daemon.state.registry import Registry
+from refitd.daemon.state.staging import StagingPool
 from refitd.errors import AccessDenied
 from refitd.wire import PackRequest, PackSpec, PeerRegions, PullRequest, StagedPack
 from transports.batch import ReadBatch
 from transports.interface import Peer
 
-if TYPE_CHECKING:
-    from refitd.daemon.app.node import Daemon
-
-__all__ = ["Filling", "Gated", "LocalSource", "Redirect", "RemoteSource", "Source"]
+__all__ = [
+    "Filling",
+    "Gated",
+    "LeasedPack",
+    "LeasedRecords",
+    "LocalSource",
+    "Redirect",
+    "RemoteSource",
+    "Source",
+]
 
 Gated = tuple[ReadBatch, np.ndarray, list[tuple[int, int]], Callable[[int, int], Awaitable[None]]]
 """A pull's reads of a source still filling: reads, descriptors each ends, spans,
 and ``ready(lo, hi)``, which returns once the reads of a span may be made."""
+
+LeasedRecords = Callable[[list[int] | None, str, str, int], PeerRegions]
+"""``(ids, lease_id, model, version)``: this daemon's signed records of region ``ids``
+for a pull under that lease (409 for a lease not live on the version), scoped to what
+it may read: :meth:`~refitd.daemon.app.leasing.Leasing.leased_regions`."""
+
+LeasedPack = Callable[[PackRequest], Awaitable[StagedPack]]
+"""This daemon packing a request's specs into staging for its lease (409 for a lease
+not live on its version): :meth:`~refitd.daemon.app.leasing.Leasing.pack_leased`."""
 
 
 class Filling(Protocol):
@@ -77,16 +95,32 @@ class Source(Protocol):
 
 
 class LocalSource:
-    """This daemon as the source of its own pulls. ``filling``: the bytes it reads
-    are still arriving (a host mirror's, :mod:`refitd.daemon.mirror.read`)."""
+    """This daemon as the source of its own pulls, built with the parts it reads:
+    the data planes (``plane``: its same-host loopback), the version ``registry``
+    (lease checks), the ``staging`` pool (a pack's region given back), and what a
+    lease is given here (``records`` and ``pack``, whose rule, "a lease reads only
+    its version's shards and the staging packed for it", is the leasing's, one for
+    this daemon's own pulls and its peers'). ``filling``: the bytes it reads are
+    still arriving (a host mirror's, :mod:`refitd.daemon.mirror.read`)."""
 
     filling: Filling | None = None
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(
+        self,
+        plane: TransportSet,
+        registry: Registry,
+        staging: StagingPool,
+        records: LeasedRecords,
+        pack: LeasedPack,
+    ) -> None:
+        self.plane = plane
+        self.registry = registry
+        self.staging = staging
+        self._records = records
+        self._pack = pack
 
     def loopback(self) -> Peer:
-        return self.daemon.plane.shm.loopback()
+        return self.plane.shm.loopback()
 
     def own(self, ids: list[int]) -> set[int]:
         return set(ids)
@@ -95,18 +129,18 @@ class LocalSource:
         return None  # this daemon's own records cost no round trip
 
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
-        self.daemon.registry.check(lease_id, model, version)
+        self.registry.check(lease_id, model, version)
 
     async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
-        return self.daemon.leased_regions(ids, req.lease_id, req.model, req.version)
+        return self._records(ids, req.lease_id, req.model, req.version)
 
     async def pack(
         self, model: str, version: int, lease_id: str, specs: list[PackSpec]
     ) -> StagedPack:
-        return await self.daemon.pack_leased(PackRequest(model, version, lease_id, specs))
+        return await self._pack(PackRequest(model, version, lease_id, specs))
 
     async def drop(self, region_id: int, lease_id: str) -> None:
-        await self.daemon.staging.release(region_id, lease_id)
+        await self.staging.release(region_id, lease_id)
 
 
 class RemoteSource:

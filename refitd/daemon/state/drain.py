@@ -17,17 +17,31 @@ __all__ = ["LeaseDrain"]
 class LeaseDrain:
     """Drain waiters on the leases of ``registry``, woken by :meth:`changed` (a lease
     was released or a version changed) and by the next expiry deadline (``clock``);
-    waiters for a version to become READY (:meth:`ready`), woken by the same event."""
+    waiters for a version to become READY (:meth:`ready`), woken by the same event.
 
-    def __init__(self, registry: Registry, clock: Callable[[], float]) -> None:
+    ``freed``, given at construction, is told of the same event: what else waits for
+    leases and versions to let go of memory (the region store's reaper, an exited
+    client's regions a lease or version pinned). One call, :meth:`changed`, is then
+    what any part that ends a lease or changes a version makes, whichever part it is
+    (the daemon's leasing, the delta book's hold on a base)."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        clock: Callable[[], float],
+        freed: Callable[[], None] | None = None,
+    ) -> None:
         self.registry = registry
         self.clock = clock
+        self._freed = freed
         self._changed = asyncio.Event()
 
     def changed(self) -> None:
-        """Wake every drain waiter: the lease set may have shrunk."""
+        """Wake every drain waiter, and ``freed``: the lease set may have shrunk."""
         self._changed.set()
         self._changed = asyncio.Event()
+        if self._freed is not None:
+            self._freed()
 
     async def wait(
         self, model: str, version: int, timeout_s: float, retire: bool = False

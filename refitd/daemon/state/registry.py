@@ -70,6 +70,14 @@ class Registry(VersionReads):
 
     ``node_id``/``incarnation`` are stamped into merged manifests so readers know which
     daemon (and which incarnation of it) holds the regions.
+
+    ``complete_elsewhere(model, version)``: whether a version this daemon holds only
+    some slots of has all its slots published across the cluster (the cluster
+    registry's answer, given at construction by the daemon that has one); such a
+    PENDING version is leased like a READY one, for the slots held here, and does
+    not expire. None: never (one host). A question the registry asks at the moment
+    it decides (a lease, an expiry), not an event: the cluster's directory holds the
+    answer, and a copy pushed here could be stale when asked.
     """
 
     def __init__(
@@ -79,6 +87,7 @@ class Registry(VersionReads):
         clock: Clock = time.monotonic,
         *,
         pending_ttl_s: float = PENDING_TTL_S,
+        complete_elsewhere: Callable[[str, int], bool] | None = None,
     ) -> None:
         self.node_id = node_id
         self.incarnation = incarnation
@@ -100,11 +109,12 @@ class Registry(VersionReads):
         #: past :data:`KEEP_RETIRED`, the oldest records are forgotten
         self._let_go: dict[str, collections.deque[int]] = {}
         self._seq = itertools.count(1)
-        #: Whether a version this daemon holds only some slots of has all its slots
-        #: published across the cluster (set by the daemon when a cluster registry
-        #: tells it); such a PENDING version is served like a READY one, for the
-        #: slots held here. Default: never (one host).
-        self.complete_elsewhere: Callable[[str, int], bool] = lambda model, version: False
+        self._elsewhere = complete_elsewhere
+
+    def complete_elsewhere(self, model: str, version: int) -> bool:
+        """Whether ``model`` ``version`` has all its slots published across the
+        cluster (see the class; False on one host)."""
+        return self._elsewhere is not None and self._elsewhere(model, version)
 
     # ------------------------------------------------------------ publishing
 

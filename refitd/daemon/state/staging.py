@@ -46,13 +46,13 @@ class StagingPool:
         #: ids of the staging regions this daemon made: a client may label its own
         #: region "staging", so the label alone must not admit it to the pool
         self._ids: set[int] = set()
+        #: the free staging regions, oldest first: each holds memory for nobody (no
+        #: principal's cap counts it), which :meth:`_park` tells the store
         self._free: list[int] = []
         #: staging regions handed to a reader -> (the lease it packed under, bytes packed
         #: at its start); a reader that never releases one cannot keep it past its lease
         #: (see _reclaim), and the lease reads only the bytes packed for it
         self._held: dict[int, tuple[str, int]] = {}
-        # A free staging region holds memory for nobody: no principal's cap counts it.
-        store.idle = lambda region_id: region_id in self._ids and region_id not in self._held
 
     @property
     def ids(self) -> frozenset[int]:
@@ -188,7 +188,7 @@ class StagingPool:
         """Forget a staging region whose memory can no longer be trusted (shrunk)."""
         self._held.pop(region_id, None)
         if region_id in self._free:
-            self._free.remove(region_id)
+            self._unpark(region_id)
         self._ids.discard(region_id)
         regions = self.store.regions
         if region_id in regions and not self.store.busy(region_id):
@@ -203,7 +203,7 @@ class StagingPool:
         fits = [r for r in self._free if regions.get(r).nbytes >= nbytes and not self.store.busy(r)]
         if fits:
             best = min(fits, key=lambda r: regions.get(r).nbytes)
-            self._free.remove(best)
+            self._unpark(best)
             info = msgspec.structs.replace(regions.get(best), owner=owner)
             regions.remove(best)
             return regions.add(info)
@@ -251,11 +251,23 @@ class StagingPool:
         self._held.pop(region_id, None)
         if region_id in self._free:
             return
-        self._free.append(region_id)
+        self._park(region_id)
         while len(self._free) > STAGING_POOL:
-            gone = self._free.pop(0)
+            gone = self._free[0]
             if self.store.busy(gone):  # still read by a pull of this daemon: keep it
-                self._free.append(gone)
+                self._free.append(self._free.pop(0))
                 break
+            self._unpark(gone)
             self._ids.discard(gone)
             await self.store.drop(gone, self.store.regions.get(gone))
+
+    def _park(self, region_id: int) -> None:
+        """Put a staging region in the pool: it holds memory for nobody now."""
+        self._free.append(region_id)
+        self.store.set_idle(region_id, True)
+
+    def _unpark(self, region_id: int) -> None:
+        """Take a staging region out of the pool: it holds memory for a lease again
+        (or is about to go)."""
+        self._free.remove(region_id)
+        self.store.set_idle(region_id, False)

@@ -27,7 +27,7 @@ import errno
 import itertools
 import logging
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from refitd.daemon.access.caps import Caps
 from refitd.daemon.state.holders import Holders
@@ -134,9 +134,8 @@ class RegionStore:
         self.incarnation = incarnation
         #: per-principal caps (``[limits]``); the region and byte caps are admitted here
         self.caps = caps or Caps(0, 0, 0)
-        #: whether a region holds memory for nobody now (a free staging region, which
-        #: waits in its pool for anyone): set by the staging pool
-        self.idle: Callable[[int], bool] = lambda region_id: False
+        #: regions holding memory for nobody now (free staging: :meth:`set_idle`)
+        self._idle: set[int] = set()
         self.plane = plane
         self.registry = registry
         self.regions = RegionTable(incarnation)
@@ -224,7 +223,14 @@ class RegionStore:
     def holds_memory(self, region_id: int) -> bool:
         """Whether ``region_id`` holds memory for a principal now: a region that
         exists and is not idle (a free staging region). What the region cap counts."""
-        return region_id in self.regions and not self.idle(region_id)
+        return region_id in self.regions and region_id not in self._idle
+
+    def set_idle(self, region_id: int, idle: bool) -> None:
+        """Mark ``region_id`` as holding memory for nobody (``idle``: a free staging
+        region waiting in its pool) or for its principal again. The staging pool, built
+        with this store, tells it; the store keeps the fact its cap admissions ask
+        (never a predicate another part assigns). A dropped region is forgotten."""
+        (self._idle.add if idle else self._idle.discard)(region_id)
 
     def _alive(self, region_id: str) -> bool:
         if region_id.startswith(MAKING):
@@ -380,6 +386,7 @@ class RegionStore:
             )
         self.regions.remove(region_id)
         self._orphans.discard(region_id)
+        self._idle.discard(region_id)
         if info.holder:
             self._held.get(info.holder, set()).discard(region_id)
         await self.plane.deregister(region_id)

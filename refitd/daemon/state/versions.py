@@ -63,9 +63,10 @@ class VersionReads:
     _clock: Clock
     _versions: dict[tuple[str, int], Version]
     _leases: dict[str, Lease]
-    complete_elsewhere: Callable[[str, int], bool]
 
     if TYPE_CHECKING:
+
+        def complete_elsewhere(self, model: str, version: int) -> bool: ...
 
         def expire_pending(self) -> list[tuple[str, int]]: ...
 

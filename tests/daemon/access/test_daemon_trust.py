@@ -211,6 +211,11 @@ def _req(t: Two, *table: list[int], specs: list[PackSpec] | None = None) -> Pull
     return PullRequest("a", 1, t.lease, DescriptorTable(rows(*table)), specs or [])
 
 
+def _local(d: Daemon) -> LocalSource:
+    """Daemon ``d`` as the source of its own pulls, built with the parts it reads."""
+    return LocalSource(d.plane, d.registry, d.staging, d.leased_regions, d.pack_leased)
+
+
 async def test_a_pull_under_one_models_lease_never_writes_into_another_models_ready_region() -> (
     None
 ):
@@ -373,7 +378,7 @@ async def test_staged_offsets_a_source_sends_are_checked_like_descriptors_and_no
     async with two_models() as t:
         liar = "http://liar.invalid:1"
         t.daemon.peers.trust(liar)
-        pulls = PullManager(t.daemon, lambda _: LyingSource(LocalSource(t.daemon), [offset]))
+        pulls = PullManager(t.daemon, lambda _: LyingSource(_local(t.daemon), [offset]))
         spec = PackSpec(t.a, 0, (4, 2), (8, 1), 4, t.dst, 0)
         job = await pulls.submit(msgspec.structs.replace(_req(t, specs=[spec]), source=liar))
         await job.finished.wait()
@@ -428,7 +433,7 @@ async def test_listeners_are_told_of_a_pull_in_order_and_may_refuse_it_before_an
 ):
     async with two_models() as t:
         recorder = Recorder(refuse=t.b)
-        pulls = PullManager(t.daemon, lambda _: LocalSource(t.daemon), [recorder])
+        pulls = PullManager(t.daemon, lambda _: _local(t.daemon), [recorder])
         with pytest.raises(AccessDenied, match="may not write region"):
             await pulls.submit(_req(t, [t.a, 0, t.b, 0, 8]), Caller("alice"))
         assert recorder.told == [] and pulls.jobs == {}
