@@ -100,6 +100,28 @@ async def test_a_staging_pack_counts_against_the_leases_principal(daemon: Daemon
         await daemon.pack([spec], lease, "bob")
 
 
+async def test_a_staging_region_back_in_its_pool_counts_against_nobody_until_packed_again(
+    daemon: Daemon,
+) -> None:
+    src = await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    await daemon.publish(reader(manifest(src.region_id)), ALICE)
+    grant = daemon.acquire("m", 1, 30.0, "", "alice")
+    lease = daemon.registry.check(grant.lease_id, "m", 1)
+    spec = PackSpec(src.region_id, 0, (64,), (1,), 1, 0, 0)
+    staged = await daemon.pack([spec], lease, "alice")
+    rid = staged.region.region_id
+    assert daemon.store.holds_memory(rid)
+    with pytest.raises(QuotaExceeded, match="max_regions_per_principal = 2"):
+        await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    await daemon.release_staging(rid, grant.lease_id)  # back in the pool: nobody's
+    assert not daemon.store.holds_memory(rid)
+    third = await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    await daemon.delete_region(third.region_id)
+    again = await daemon.pack([spec], lease, "alice")
+    assert again.region.region_id == rid  # the pool's region, held for the lease again
+    assert daemon.store.holds_memory(rid)
+
+
 async def test_publish_refuses_a_region_of_another_principal_and_publishes_ones_own(
     daemon: Daemon,
 ) -> None:

@@ -283,3 +283,32 @@ def test_a_leased_retired_version_keeps_its_record_until_the_lease_ends(reg):
         r.publish(manifest(v, 0, slots=1))
     with pytest.raises(NotFoundError):
         r.version("toy", 1)
+
+
+def test_a_pending_version_the_cluster_completes_elsewhere_is_leased_and_never_expires() -> None:
+    clock = FakeClock(100.0)
+    asked: list[tuple[str, int]] = []
+
+    def elsewhere(model: str, version: int) -> bool:
+        asked.append((model, version))
+        return version == 1  # the cluster holds version 1's other slot, not version 2's
+
+    r = Registry("node", 1, clock, pending_ttl_s=60, complete_elsewhere=elsewhere)
+    r.publish(manifest(1, 0))
+    r.publish(manifest(2, 0))
+    grant = r.acquire("toy", 1, 10.0)  # served for the slot held here
+    assert r.check(grant.lease_id, "toy", 1).version == 1
+    with pytest.raises(ConflictError, match="pending"):
+        r.acquire("toy", 2, 10.0)
+    clock.now += 61
+    assert r.expire_pending() == [("toy", 2)]  # only the one nobody completes
+    assert r.version("toy", 1).state is VersionState.PENDING
+    assert ("toy", 1) in asked
+
+
+def test_a_registry_built_without_a_cluster_never_completes_a_version_elsewhere(reg) -> None:
+    r, _ = reg
+    r.publish(manifest(1, 0))
+    assert not r.complete_elsewhere("toy", 1)
+    with pytest.raises(ConflictError, match="pending"):
+        r.acquire("toy", 1, 10.0)
