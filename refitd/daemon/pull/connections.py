@@ -15,13 +15,13 @@ import logging
 import numpy as np
 
 from refitd.daemon.pull import core as pullcore
-from refitd.daemon.pull.devstaging import StagedPeer, StagingRegions
+from refitd.daemon.pull.devstaging import SLOT_BYTES, SLOTS, StagedPeer, StagingRegions
 from refitd.daemon.pull.paths import advert_of, adverts, choose_remote, lease_scope
 from refitd.daemon.pull.sources import Source
 from refitd.daemon.state.plane import TransportSet
 from refitd.daemon.state.store import RegionStore
 from refitd.errors import RefitError, TransportError
-from refitd.wire import PeerRegions
+from refitd.wire import PeerRegions, RegionCreate
 from transports.interface import Peer, PeerInfo, Transport
 
 __all__ = ["PullPaths"]
@@ -30,18 +30,31 @@ log = logging.getLogger("refitd.pulls")
 
 
 class PullPaths:
-    """The path choice and connections of :class:`~refitd.daemon.pull.pulls.PullManager`
-    (its base): over its data planes ``plane`` in its data-plane ``mode``, noting in
-    ``seen_paths`` the path each peer was last read over and why."""
+    """The path choice and connections of one daemon's pulls, a part of its
+    :class:`~refitd.daemon.pull.pulls.PullManager` built with the owners it uses:
+    the data planes ``plane`` in the data-plane ``mode``, the region ``store`` (what
+    a pull writes into; the host staging of device-bound reads is made there), and
+    ``seen_paths``, the daemon's note of the path each peer was last read over and
+    why."""
 
-    plane: TransportSet
-    mode: str
-    store: RegionStore
-    staging_regions: StagingRegions
-    #: per peer node, the path the last pull from it took and why (the daemon's)
-    seen_paths: dict[str, tuple[str, str]]
-    #: the transport's connection per source daemon life (node id, incarnation)
-    _peers: dict[tuple[str, int, str], Peer]
+    def __init__(
+        self,
+        plane: TransportSet,
+        mode: str,
+        store: RegionStore,
+        seen_paths: dict[str, tuple[str, str]],
+    ) -> None:
+        self.plane = plane
+        self.mode = mode
+        self.store = store
+        #: per peer node, the path the last pull from it took and why (the daemon's)
+        self.seen_paths = seen_paths
+        #: the transport's connection per source daemon life (node id, incarnation)
+        self._peers: dict[tuple[str, int, str], Peer] = {}
+        #: host staging regions of device-bound reads, kept between pulls
+        self.staging_regions = StagingRegions(
+            self._make_staging, lambda rid: rid in store.segments, self._drop_staging
+        )
 
     async def choose_path(self, src: Source, peer: PeerRegions | None) -> tuple[str, Peer | None]:
         """The path a pull from ``src`` takes, decided before any byte moves, and for
@@ -78,7 +91,7 @@ class PullPaths:
         log.info("pull from %s over %s: %s", peer.node_id, scheme, why)
         return scheme, None
 
-    def _lease_checked_by(self, path: str) -> bool:
+    def lease_checked_by(self, path: str) -> bool:
         """Whether the data plane of ``path`` checks the lease at the source before
         every read (:attr:`transports.interface.Transport.checks_lease`)."""
         transport = self.plane.by_scheme.get(path)
@@ -91,7 +104,7 @@ class PullPaths:
         close; a shared one stays open (:meth:`owns`)."""
         path, conn = await self.choose_path(src, peer)
         if conn is None:
-            conn = await self._transport_peer(peer, path)
+            conn = await self.transport_peer(peer, path)
         return path, conn
 
     def owns(self, path: str) -> bool:
@@ -106,7 +119,7 @@ class PullPaths:
         else the transport's shared connection, scoped to them."""
         if self.owns(path):
             return await conn.scoped(self._credential(peer, path))
-        return await self._transport_peer(peer, path)
+        return await self.transport_peer(peer, path)
 
     def _credential(self, peer: PeerRegions, path: str) -> PeerInfo:
         """The record the transport of ``path`` reads ``peer`` through: the credential
@@ -143,7 +156,7 @@ class PullPaths:
         without a lease, which carry none."""
         return self._credential(peer, self.plane.shm.scheme)
 
-    async def _transport_peer(self, peer: PeerRegions, scheme: str) -> Peer:
+    async def transport_peer(self, peer: PeerRegions, scheme: str) -> Peer:
         """The ``scheme`` transport's connection to ``peer``: made once per source
         daemon life, and read by the pull under the credential the source granted its
         lease (in ``peer``'s signed records, :meth:`Daemon.peer_regions`), as given:
@@ -159,7 +172,7 @@ class PullPaths:
             self._peers[key] = conn
         return await conn.scoped(info)
 
-    async def _staged(self, conn: Peer, rows: np.ndarray) -> StagedPeer:
+    async def staged(self, conn: Peer, rows: np.ndarray) -> StagedPeer:
         """``conn`` (a host-memory data plane's) with the reads into this daemon's
         device memory staged through a host staging region (one kept from an earlier
         pull where one is idle)."""
@@ -167,3 +180,12 @@ class PullPaths:
         devices = [r for r in targets if self.store.device_kinds([r])]
         staging = await self.staging_regions.take()
         return StagedPeer(conn, self.plane.shm.loopback(), staging, devices)
+
+    async def _make_staging(self) -> int:
+        info = await self.store.create_region(
+            RegionCreate(SLOTS * SLOT_BYTES, label="device-staging")
+        )
+        return info.region_id
+
+    async def _drop_staging(self, region_id: int) -> None:
+        await self.store.drop(region_id, self.store.regions.get(region_id))

@@ -10,7 +10,7 @@ Order of a pull, and why:
    in a 400 and nothing moves;
 3. pack specs are executed by the source daemon into a staging region it owns, and
    each is read back with one descriptor;
-4. the bytes move along the path chosen at submit (see :meth:`PullManager.choose_path`),
+4. the bytes move along the path chosen at submit (see :meth:`PullPaths.choose_path`),
    through one :class:`~transports.interface.Peer` and the daemon's one byte loop
    (:func:`refitd.daemon.pull.move.move`: pieces, batches, progress, errors) whatever the
    path: ``shm`` when the source is
@@ -44,7 +44,6 @@ from refitd.daemon.access.trust import check_writes
 from refitd.daemon.app.node import Daemon
 from refitd.daemon.pull import core as pullcore
 from refitd.daemon.pull.connections import PullPaths
-from refitd.daemon.pull.devstaging import SLOT_BYTES, SLOTS, StagingRegions
 from refitd.daemon.pull.job import PullJob
 from refitd.daemon.pull.listeners import Caller, PullListener, anyone
 from refitd.daemon.pull.machine import Cancel, Event, Fail, Finish, Gone, Move, Pull, Start, step
@@ -56,7 +55,6 @@ from refitd.wire import (
     DescriptorTable,
     PeerRegions,
     PullRequest,
-    RegionCreate,
     StagedPack,
 )
 from transports.batch import ReadBatch
@@ -87,13 +85,14 @@ SHUTTING_DOWN = "daemon shutting down"
 log = logging.getLogger("refitd.pulls")
 
 
-class PullManager(PullPaths):
+class PullManager:
     """Every pull of one daemon. Tasks are tracked and cancelled on :meth:`close`.
 
     It holds the daemon's parts a pull needs, not the daemon: the region store
     (destination sizes, pins), the registry and staging pool (the write rule), the
     data planes and the peer policy; ``connect`` makes the source for a peer URL.
-    Its path choice and connections are its base's (:mod:`refitd.daemon.pull.connections`).
+    Its path choice and connections are a part of it, ``paths``, built with the
+    owners they use (:class:`~refitd.daemon.pull.connections.PullPaths`).
     ``listeners`` are told of every pull (:mod:`refitd.daemon.pull.listeners`)."""
 
     def __init__(
@@ -110,7 +109,8 @@ class PullManager(PullPaths):
         self.staging = daemon.staging
         self.plane = daemon.plane
         self.peers = daemon.peers
-        self.mode = daemon.mode
+        #: the path each pull takes and the connections it reads through
+        self.paths = PullPaths(daemon.plane, daemon.mode, daemon.store, daemon.seen_paths)
         self.max_plan_runs = daemon.config.limits.max_plan_runs
         #: per principal, the bytes its running pulls' plans are charged
         self.plans = Charges(
@@ -122,22 +122,27 @@ class PullManager(PullPaths):
         self.keep_ended = daemon.config.limits.max_ended_pulls_per_principal
         #: per principal, its ended pulls still kept, oldest first
         self._ended: dict[str, collections.deque[str]] = {}
-        #: per peer node, the path the last pull from it took and why (the daemon's)
-        self.seen_paths = daemon.seen_paths
         self._connect = connect
         self.listeners: list[PullListener] = list(listeners)
         self.jobs: dict[str, PullJob] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._seq = itertools.count(1)
-        #: the transport's connection per source daemon life (node id, incarnation)
-        self._peers: dict[tuple[str, int, str], Peer] = {}
         #: host mirrors' hook (:mod:`refitd.daemon.mirror.mirrors`): a pull from a remote
         #: source rewritten to read this daemon's mirror of the version, or None
         self.redirect: Callable[[PullRequest, str], Awaitable[Redirect | None]] | None = None
-        #: host staging regions of device-bound reads, kept between pulls
-        self.staging_regions = StagingRegions(
-            self._make_staging, lambda rid: rid in self.store.segments, self._drop_staging
-        )
+
+    # Reads outside a pull (a host mirror's, a relay's feed) open through ``paths``.
+    async def open_path(self, src: Source, peer: PeerRegions) -> tuple[str, Peer]:
+        """:meth:`PullPaths.open_path`."""
+        return await self.paths.open_path(src, peer)
+
+    def owns(self, path: str) -> bool:
+        """:meth:`PullPaths.owns`."""
+        return self.paths.owns(path)
+
+    async def regrant(self, peer: PeerRegions, path: str, conn: Peer) -> Peer:
+        """:meth:`PullPaths.regrant`."""
+        return await self.paths.regrant(peer, path, conn)
 
     def listen(self, listener: PullListener) -> None:
         """Tell ``listener`` of every pull submitted from now on (after the others)."""
@@ -215,8 +220,8 @@ class PullManager(PullPaths):
             await asyncio.to_thread(pullcore.check_plan, rows, req, peer, sizes)
         else:
             pullcore.check_plan(rows, req, peer, sizes)
-        path, conn = await self.choose_path(src, peer)
-        if granted is not None and not self._lease_checked_by(path):
+        path, conn = await self.paths.choose_path(src, peer)
+        if granted is not None and not self.paths.lease_checked_by(path):
             # Only a data server that checks the lease before every read refuses a
             # grant of a lease released or expired since; on any other path the lease
             # is checked here, before any byte moves.
@@ -358,12 +363,12 @@ class PullManager(PullPaths):
                 if here:
                     job.pins.enter_context(self.store.using(here))
                 elif job.conn is not None:  # the staging segment joins the connection
-                    await job.conn.update(self.shm_credential(peer))
+                    await job.conn.update(self.paths.shm_credential(peer))
             pull = self._step(job, pull, Move())  # from now on its ranges may be suspect
             if all_rows.shape[0] and peer is not None:
-                conn = job.conn or await self._transport_peer(peer, job.path)
+                conn = job.conn or await self.paths.transport_peer(peer, job.path)
                 if job.devices and job.conn is None:
-                    conn = job.device_staging = await self._staged(conn, all_rows)
+                    conn = job.device_staging = await self.paths.staged(conn, all_rows)
                 await self._move(job, conn, all_rows, done, filling)
             await src.check_lease(req.lease_id, req.model, req.version)
             pull = self._step(job, pull, Finish(), all_rows)
@@ -388,7 +393,7 @@ class PullManager(PullPaths):
             if job.device_staging is not None:
                 await job.device_staging.close()
                 with contextlib.suppress(RefitError):
-                    await self.staging_regions.give(job.device_staging.staging)
+                    await self.paths.staging_regions.give(job.device_staging.staging)
             job.pins.close()
             self.store.reap_soon()  # an exited client's region this pull held may go now
             if staged is not None:
@@ -400,15 +405,6 @@ class PullManager(PullPaths):
             job.finished.set()
 
     # ------------------------------------------------------------ moving bytes
-
-    async def _make_staging(self) -> int:
-        info = await self.store.create_region(
-            RegionCreate(SLOTS * SLOT_BYTES, label="device-staging")
-        )
-        return info.region_id
-
-    async def _drop_staging(self, region_id: int) -> None:
-        await self.store.drop(region_id, self.store.regions.get(region_id))
 
     async def _move(
         self,

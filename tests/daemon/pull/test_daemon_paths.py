@@ -197,7 +197,7 @@ async def test_a_same_host_record_is_trusted_only_for_the_very_file_and_size_it_
         lease = await src.client.acquire_lease("m", 1)
         rec = await src.client.peer_regions([region], lease.lease_id, "m", 1)
         rec.verify(SECRET)
-        assert await engine.pulls.shm_refusal(rec) is None
+        assert await engine.pulls.paths.shm_refusal(rec) is None
         advert = PeerInfo.decode(rec.adverts["shm"])
         assert [r.region_id for r in advert.regions] == [region]  # what the lease reads
 
@@ -209,12 +209,14 @@ async def test_a_same_host_record_is_trusted_only_for_the_very_file_and_size_it_
         # A segment of that name that is another file (another /dev/shm, say).
         name, dev, ino = SegmentKey.decode(advert.regions[0].key)
         other = changed(key=SegmentKey(name, dev, ino + 1).encode())
-        assert "another file" in str(await engine.pulls.shm_refusal(other))
+        assert "another file" in str(await engine.pulls.paths.shm_refusal(other))
         # A record stating another size than the segment's.
-        assert "expected 2048" in str(await engine.pulls.shm_refusal(changed(size=NBYTES // 2)))
+        assert "expected 2048" in str(
+            await engine.pulls.paths.shm_refusal(changed(size=NBYTES // 2))
+        )
         # Records with no same-host advertisement are not trusted either.
         bare = msgspec.structs.replace(rec, adverts={})
-        assert "no same-host advertisement" in str(await engine.pulls.shm_refusal(bare))
+        assert "no same-host advertisement" in str(await engine.pulls.paths.shm_refusal(bare))
 
 
 async def test_a_same_host_pull_keeps_the_peers_mappings_between_pulls() -> None:
