@@ -33,7 +33,8 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 import msgspec
 import numpy as np
@@ -69,6 +70,7 @@ __all__ = [
     "LocalSource",
     "PullJob",
     "PullManager",
+    "Redirector",
     "RemoteSource",
     "Source",
 ]
@@ -87,6 +89,15 @@ SHUTTING_DOWN = "daemon shutting down"
 log = logging.getLogger("refitd.pulls")
 
 
+class Redirector(Protocol):
+    """Host mirrors as a pull manager asks them (:class:`refitd.daemon.mirror.mirrors.Mirrors`):
+    a pull of ``owner`` rewritten to read a mirror here, filled through ``pulls``; or None."""
+
+    async def redirect(
+        self, req: PullRequest, owner: str, pulls: PullManager
+    ) -> Redirect | None: ...
+
+
 class PullManager(PullPaths):
     """Every pull of one daemon. Tasks are tracked and cancelled on :meth:`close`.
 
@@ -94,13 +105,15 @@ class PullManager(PullPaths):
     (destination sizes, pins), the registry and staging pool (the write rule), the
     data planes and the peer policy; ``connect`` makes the source for a peer URL.
     Its path choice and connections are its base's (:mod:`refitd.daemon.pull.connections`).
-    ``listeners`` are told of every pull (:mod:`refitd.daemon.pull.listeners`)."""
+    ``listeners`` are told of every pull (:mod:`refitd.daemon.pull.listeners`); ``mirrors``
+    may serve a pull of a remote source from a host mirror here (:class:`Redirector`)."""
 
     def __init__(
         self,
         daemon: Daemon,
         connect: Callable[[str], Source],
         listeners: Iterable[PullListener] = (),
+        mirrors: Redirector | None = None,
     ) -> None:
         self._local = LocalSource(daemon)
         self.store = daemon.store
@@ -129,9 +142,8 @@ class PullManager(PullPaths):
         self._seq = itertools.count(1)
         #: the transport's connection per source daemon life (node id, incarnation)
         self._peers: dict[tuple[str, int, str], Peer] = {}
-        #: host mirrors' hook (:mod:`refitd.daemon.mirror.mirrors`): a pull from a remote
-        #: source rewritten to read this daemon's mirror of the version, or None
-        self.redirect: Callable[[PullRequest, str], Awaitable[Redirect | None]] | None = None
+        #: the host mirrors (:mod:`refitd.daemon.mirror.mirrors`), given at construction
+        self.mirrors = mirrors
         #: host staging regions of device-bound reads, kept between pulls
         self.staging_regions = StagingRegions(
             self._make_staging, lambda rid: rid in self.store.segments, self._drop_staging
@@ -176,7 +188,7 @@ class PullManager(PullPaths):
             listener.admit(req, caller)
         # A host mirror may serve the pull instead of its remote source: admitted as
         # asked (the destinations are the same), then read from the mirror over shm.
-        mirrored = await self.redirect(req, caller.name) if self.redirect is not None else None
+        mirrored = await self.mirrors.redirect(req, caller.name, self) if self.mirrors else None
         if mirrored is None:
             return await self._submit(req, caller, None, cost)
         try:
