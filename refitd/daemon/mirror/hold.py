@@ -90,19 +90,15 @@ class FillingMirrors(Completion):
         shard ranges): of a mirror still filling (or failed, until its regions go),
         only its complete chunks, every region still listed; ``scope`` itself for
         any other version, and for a mirror complete already."""
-        table = self._regions
-        m = next(
-            (
-                r.mirror
-                for r in table.values()
-                if (r.mirror.model, r.mirror.version) == (model, version)
-            ),
-            None,
-        )
-        if m is None or m.complete or not m.regions:
-            return scope
-        done = m.done_extents()
-        return {rid: done.get(rid, []) for rid in scope}
+        for r in self._regions.values():
+            m = r.mirror
+            if (m.model, m.version) != (model, version):
+                continue
+            if m.complete or not m.regions:
+                return scope
+            done = m.done_extents()
+            return {rid: done.get(rid, []) for rid in scope}
+        return scope
 
     def why_held(
         self,

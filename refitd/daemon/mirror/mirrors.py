@@ -16,8 +16,8 @@ daemon's, :class:`~refitd.daemon.mirror.leases.MirrorLeases`), through the upstr
 data plane and its signed, lease-scoped records, like any pull; and it reads only *complete*
 chunks: while a mirror fills, the scope its records give a lease is cut down to the
 chunks it holds in full (:meth:`~refitd.daemon.mirror.hold.FillingMirrors.limit_scope`),
-so the data server refuses any byte of an incomplete chunk. A downstream learns of new chunks from its
-upstream's feed (:mod:`refitd.daemon.mirror.feed`): one request, a frame of new
+so the data server refuses any byte of an incomplete chunk. A downstream learns of new
+chunks from its upstream's feed (:mod:`refitd.daemon.mirror.feed`): one request, a frame of new
 records each time chunks complete there, no round trip per chunk.
 
 Local reads. An engine's pull served from a mirror starts once the mirror's regions
@@ -53,10 +53,12 @@ mirrors, and neither gets a hook set on it after it is built:
 - the pull manager is built with the mirrors (its ``mirrors``, a
   :class:`~refitd.daemon.pull.pulls.Redirector`) and asks :meth:`Mirrors.redirect`
   of each pull of a remote source. The mirrors fill through the byte loop of the
-  manager that asks (a fill is a pull of that manager), lent with each call: the
-  manager needs the mirrors and a fill needs the manager, so one of the two must get
-  the other after it is built, and a call argument is the one way of doing so that
-  leaves no attribute to set and no half-built object.
+  manager that asks (a fill is a pull of that manager), lent with each call. The
+  manager needs the mirrors and a fill needs the manager, so one of the two meets the
+  other only after it is built; a call argument does that with no attribute set from
+  outside, no half-built object and no factory, and the mirrors keep no manager.
+  (Why not an event: a redirect answers the pull, it does not just follow it, so it is
+  a question asked of one owner, not news told to whoever listens.)
 """
 
 from __future__ import annotations
@@ -200,10 +202,10 @@ class Mirrors:
     async def redirect(self, req: PullRequest, owner: str, pulls: PullManager) -> Redirect | None:
         """``req`` rewritten to read this daemon's mirror of its version (made first if
         needed, filled through ``pulls``: its manager's byte loop), under a lease of
-        this daemon; None when the policy says to read the
-        source directly, or the version cannot be mirrored here (an older version
-        than one this daemon already holds of the model). The pull starts as soon as
-        the mirror's regions exist, and reads each piece once its chunk is complete.
+        this daemon; None when the policy says to read the source directly, or the
+        version cannot be mirrored here (an older version than one this daemon
+        already holds of the model). The pull starts as soon as the mirror's regions
+        exist, and reads each piece once its chunk is complete.
 
         Raises :class:`TransportError` naming every holder tried when the mirror
         failed before the pull began: the pull fails before any byte moved."""

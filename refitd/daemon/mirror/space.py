@@ -63,9 +63,9 @@ async def release(
     gone: Callable[[Mirror], None],
 ) -> list[int]:
     """Delete the regions (in ``store``) of every mirror whose version is retired in
-    ``registry`` (or that failed) and is no longer leased, and tell ``gone`` of each mirror left with no
-    region (whoever else keeps it, e.g. the table of reads held on it, forgets it);
-    returns the region ids freed."""
+    ``registry`` (or that failed) and is no longer leased, and tell ``gone`` of each
+    mirror left with no region (whoever else keeps it, e.g. the table of reads held on
+    it, forgets it); returns the region ids freed."""
     freed: list[int] = []
     for key, m in list(by_key.items()):
         if not m.finished:
@@ -107,9 +107,9 @@ def take_over(
     region of ``sizes`` (source region id -> bytes), taken over for ``new``; empty
     when no earlier mirror can give them. A mirror gives its regions only when it is
     finished (complete or failed), no lease on its version is live in ``registry``, no
-    running pull reads or writes them (``store``), and their sizes are exactly those wanted. Its version
-    is retired first (no lease can be taken on it again), it leaves ``by_key`` and is
-    told to ``gone``. Synchronous: nothing can lease it between the checks and the
+    running pull reads or writes them (``store``), and their sizes are exactly those
+    wanted. Its version is retired first (no lease can be taken on it again), it leaves
+    ``by_key`` and is told to ``gone``. Synchronous: nothing can lease it between the checks and the
     retirement."""
     want = sorted(sizes.items(), key=lambda kv: (kv[1], kv[0]))
     for key, old in sorted(by_key.items(), key=lambda kv: -kv[1].version):
