@@ -48,7 +48,7 @@ from refitd.daemon.mirror.digestroutes import setup_digests
 from refitd.daemon.mirror.routes import MIRRORS, setup_mirrors
 from refitd.daemon.pull.listeners import Caller, PullCap, WriteRule
 from refitd.daemon.pull.peerclient import PeerClient
-from refitd.daemon.pull.pulls import PULLS, PullJob, PullManager, RemoteSource, Source
+from refitd.daemon.pull.pulls import PULLS, PullJob, PullManager, RemoteSource
 from refitd.errors import ProtocolError, TransportError
 from refitd.wire import (
     MAX_LEASE_TTL_S,
@@ -393,18 +393,20 @@ def create_app(
             lambda: d.peers.replace(REGISTRY_ORIGIN, [r.url for r in cluster.daemons()])
         )
 
-    def connect(url: str) -> Source:
+    def connect(url: str) -> RemoteSource:
         c = clients.get(url)
         if c is None:
             c = clients[url] = PeerClient(url, token=token)
         return RemoteSource(c, d.secret)
 
-    pulls = PullManager(d, connect)
+    # Host mirrors and relay (issue 25): built first, so the pull manager is built
+    # with them (it asks them of each pull; they fill through the manager that asks).
+    mirrors = setup_mirrors(app, d, connect)
+    pulls = PullManager(d, connect, mirrors=mirrors)
     # Each pull is admitted by the write rule, then the pull cap, in this order.
     pulls.listen(WriteRule(d.store.regions, d.registry, d.staging))
     pulls.listen(PullCap(d.caps, pulls.running))
     app[PULLS] = pulls
-    setup_mirrors(app, d, pulls, d.config.mirrors.policy)  # host mirrors and relay (issue 25)
     setup_deltas(app, d)  # delta refit (issue 37)
     setup_digests(app, d)  # chunk digests at a version's source (issue 45)
     cluster.on_gone(

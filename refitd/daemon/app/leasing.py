@@ -17,6 +17,7 @@ import msgspec
 from refitd.config import Config
 from refitd.daemon.access.caps import Caps
 from refitd.daemon.access.trust import Extents
+from refitd.daemon.mirror.hold import FillingMirrors
 from refitd.daemon.pull.plancheck import check_runs
 from refitd.daemon.state.drain import LeaseDrain
 from refitd.daemon.state.plane import TransportSet
@@ -45,9 +46,9 @@ class Leasing:
     staging: StagingPool
     plane: TransportSet
     drain: LeaseDrain
-    #: host mirrors' hook (:mod:`refitd.daemon.mirror.mirrors`): what a lease on a version
-    #: may read of a mirror still filling (only complete chunks are served)
-    scope_limit: Callable[[str, int, dict[int, Extents]], dict[int, Extents]] | None
+    #: the host mirrors still filling (:mod:`refitd.daemon.mirror.hold`): what a lease
+    #: on a version may read of one (only its complete chunks)
+    filling: FillingMirrors
 
     # ------------------------------------------------------------ peer records
 
@@ -59,8 +60,8 @@ class Leasing:
         "only complete chunks are read", applied where this daemon signs what a lease
         reads: its records, the grants it makes, and the packs it makes."""
         scope = dict(self.registry.scope(lease.model, lease.version))
-        if self.scope_limit is not None and not held:  # a mirror still filling
-            scope = self.scope_limit(lease.model, lease.version, scope)
+        if not held:  # of a mirror still filling, only its complete chunks
+            scope = self.filling.limit_scope(lease.model, lease.version, scope)
         return scope
 
     def lease_scope(self, lease: Lease, held: bool = False) -> dict[int, Extents]:

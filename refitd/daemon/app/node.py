@@ -4,8 +4,9 @@
 hold one idea: the region store (:mod:`refitd.daemon.state.store`: regions, their
 segments keyed by memory, pins, reaping), the staging pool
 (:mod:`refitd.daemon.state.staging`: source-side packing for a lease), lease drains
-(:mod:`refitd.daemon.state.drain`), the version registry (:mod:`refitd.daemon.state.registry`)
-and the data planes (:mod:`refitd.daemon.state.plane`). What is left here is what
+(:mod:`refitd.daemon.state.drain`), the version registry (:mod:`refitd.daemon.state.registry`),
+the data planes (:mod:`refitd.daemon.state.plane`) and which bytes of the host mirrors
+still filling are complete (:mod:`refitd.daemon.mirror.hold`). What is left here is what
 crosses them: the rules a region's deletion or publication must pass; what a lease
 reads (the signed region records a peer daemon reads, packs) and a lease's life are
 its base's (:mod:`refitd.daemon.app.leasing`).
@@ -28,8 +29,8 @@ from refitd.daemon.access.auth import Principal
 from refitd.daemon.access.caps import Caps
 from refitd.daemon.access.owners import ModelOwners
 from refitd.daemon.access.peers import PeerPolicy
-from refitd.daemon.access.trust import Extents
 from refitd.daemon.app.leasing import Leasing
+from refitd.daemon.mirror.hold import FillingMirrors
 from refitd.daemon.pull.paths import AUTO, peer_paths, probes_ucx
 from refitd.daemon.state.drain import LeaseDrain
 from refitd.daemon.state.plane import TransportSet
@@ -151,9 +152,11 @@ class Daemon(Leasing):
         self.models = ModelOwners(config.models.owners, config.models.readers)
         #: stale segments of earlier lives (this daemon's or its clients') removed at start
         self.removed_at_start: list[str] = []
-        #: host mirrors' hook (:mod:`refitd.daemon.mirror.mirrors`): what a lease on a version
-        #: may read of a mirror still filling (only complete chunks are served)
-        self.scope_limit: Callable[[str, int, dict[int, Extents]], dict[int, Extents]] | None = None
+        #: which bytes of the host mirrors still filling are complete
+        #: (:mod:`refitd.daemon.mirror.hold`): the mirrors are built with it and change
+        #: it, the data plane holds reads on it, and a lease reads of such a mirror only
+        #: its complete chunks (:meth:`version_scope`)
+        self.filling = FillingMirrors()
 
     def _complete_elsewhere(self, model: str, version: int) -> bool:
         """Whether the cluster registry says ``model`` ``version`` has all its slots

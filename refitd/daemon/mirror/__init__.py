@@ -9,12 +9,13 @@ Modules:
 - `digestroutes`: the HTTP side of chunk digests at a version's source
 - `feed`: a mirror's feed: its complete chunks, pushed downstream as they land
 - `fill`: reading a host mirror's chunks from one holder (the source, or a relay)
-- `hold`: which bytes of the mirrors still filling are complete, for the data plane
+- `hold`: which bytes of the mirrors still filling are complete, for the data plane and
+  the records
 - `judge`: which holders a filling mirror leaves, as slow or late (pure)
 - `leases`: leases on a mirror's version: for peer daemons only, under the source's
 - `mirrors`: host mirrors and relay: policy, fill, relay, failover, release
 - `read`: reading a mirror's chunks from a holder, and a holder's deadlines
-- `routes`: the mirrors' routes, and `setup_mirrors` that installs their hooks
+- `routes`: the mirrors' routes, and `setup_mirrors` that builds and installs their store
 - `space`: the memory the mirrors take, and making room
 - `swarm`: filling a host mirror from every holder at once, as the book deals it
 """

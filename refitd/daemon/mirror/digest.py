@@ -48,8 +48,10 @@ from refitd.wire.digests import DIGEST_BYTES, ChunkDigests
 from transports.batch import within
 
 if TYPE_CHECKING:
-    from refitd.daemon.app.node import Daemon
+    from refitd.daemon.access.owners import ModelOwners
     from refitd.daemon.mirror.chunks import Mirror
+    from refitd.daemon.state.registry import Registry
+    from refitd.daemon.state.store import RegionStore
 
 __all__ = [
     "DIGEST_BYTES",
@@ -239,15 +241,19 @@ async def verify(
 
 
 async def verify_mirror(
-    d: Daemon, m: Mirror, expected: ChunkDigests, idx: npt.ArrayLike, max_threads: int = 1
+    store: RegionStore,
+    m: Mirror,
+    expected: ChunkDigests,
+    idx: npt.ArrayLike,
+    max_threads: int = 1,
 ) -> npt.NDArray[np.int64]:
-    """:func:`verify` of chunks ``idx`` of mirror ``m`` of daemon ``d``, in its own
-    regions, which stay mapped meanwhile (``d.store.using``: none is deleted while it
+    """:func:`verify` of chunks ``idx`` of mirror ``m``, in its own regions of
+    ``store``, which stay mapped meanwhile (``store.using``: none is deleted while it
     hashes). The chunks must be in regions ``m`` made already."""
     local = {s: r.region_id for s, r in m.regions.items()}
     ids = sorted(local.values())
-    with d.store.using(ids):
-        views = {rid: d.view(rid) for rid in ids}
+    with store.using(ids):
+        views = {rid: store.view(rid) for rid in ids}
         return await verify(views, m.chunks, local, expected, idx, max_threads)
 
 
@@ -267,12 +273,23 @@ class SourceDigests:
     ``KEEP_VERSIONS`` per model, 16 bytes a chunk); a version retired with no live
     lease left (none can be taken on it again) loses its digests when another version
     of its model is first asked for; one computation runs at a time on the daemon, on
-    at most ``max_threads`` cores."""
+    at most ``max_threads`` cores.
+
+    Built with the daemon's ``registry`` (the leases, versions and scopes asked of),
+    region ``store`` (the bytes hashed) and model owners (``models``: the models it
+    holds as mirrors, whose digests are their source's to give)."""
 
     def __init__(
-        self, daemon: Daemon, keep: int = KEEP_VERSIONS, max_threads: int = SOURCE_THREADS
+        self,
+        registry: Registry,
+        store: RegionStore,
+        models: ModelOwners,
+        keep: int = KEEP_VERSIONS,
+        max_threads: int = SOURCE_THREADS,
     ) -> None:
-        self.d = daemon
+        self.registry = registry
+        self.store = store
+        self.models = models
         self.keep = keep
         self.max_threads = max_threads
         self._kept: dict[tuple[str, int], asyncio.Task[ChunkDigests]] = {}
@@ -290,7 +307,7 @@ class SourceDigests:
                 "source (?lease=)"
             )
         try:
-            self.d.registry.check(lease_id, model, version)
+            self.registry.check(lease_id, model, version)
         except ConflictError as exc:
             raise ConflictError(f"{what} refused: {exc}") from None
         return await asyncio.shield(self._task(model, version, what))
@@ -305,7 +322,7 @@ class SourceDigests:
 
     def _task(self, model: str, version: int, what: str) -> asyncio.Task[ChunkDigests]:
         """The computation of ``model`` ``version``'s digests, started if new."""
-        if self.d.models.held(model):
+        if self.models.held(model):
             raise ConflictError(
                 f"{what} refused: this daemon holds {model!r} as a host mirror, not as its "
                 "source; a chunk's digest is asked of the source, whose bytes define it"
@@ -324,7 +341,7 @@ class SourceDigests:
                     "read its chunks from the source itself"
                 )
             # Read now, under the lease just checked: a version's scope never changes.
-            scope = self.d.registry.scope(model, version)
+            scope = self.registry.scope(model, version)
             task = asyncio.create_task(self._compute(what, scope))
             task.add_done_callback(_retrieved)
             self._kept[key] = task
@@ -337,9 +354,7 @@ class SourceDigests:
 
     def _newest(self, model: str) -> set[int]:
         ever_ready = [
-            v.version
-            for v in self.d.registry.versions(model)
-            if v.state is not VersionState.PENDING
+            v.version for v in self.registry.versions(model) if v.state is not VersionState.PENDING
         ]
         return set(sorted(ever_ready)[-self.keep :])
 
@@ -352,7 +367,7 @@ class SourceDigests:
         newest = self._newest(model)
         for key in mine:
             try:
-                info = self.d.registry.version(*key)
+                info = self.registry.version(*key)
                 gone = info.state is VersionState.RETIRED and info.leases == 0
             except NotFoundError:
                 gone = True
@@ -364,15 +379,15 @@ class SourceDigests:
             total = sum(end - start for ext in scope.values() for start, end in ext)
             size = chunk_bytes(total)
             ids = sorted(scope)
-            kinds = self.d.store.device_kinds(ids)
+            kinds = self.store.device_kinds(ids)
             if kinds:
                 raise ConflictError(
                     f"{what} refused: the version's regions include {', '.join(kinds)} "
                     "memory, and digests are made of host memory only (as a mirror reads "
                     "only host memory of a remote source)"
                 )
-            with self.d.store.using(ids):  # none is deleted (and unmapped) meanwhile
-                views = {rid: self.d.view(rid) for rid in ids}
+            with self.store.using(ids):  # none is deleted (and unmapped) meanwhile
+                views = {rid: self.store.view(rid) for rid in ids}
 
                 def work(stop: threading.Event) -> tuple[int, bytes]:
                     rows = cut_chunks(dict(scope), size)

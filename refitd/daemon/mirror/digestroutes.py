@@ -28,9 +28,10 @@ async def chunk_digests(request: web.Request) -> web.Response:
 
 
 def setup_digests(app: web.Application, d: Daemon) -> SourceDigests:
-    """Install daemon ``d``'s digest cache and its route on ``app``; its computations
-    are cancelled at shutdown, before the regions they read are unmapped."""
-    digests = SourceDigests(d)
+    """Install daemon ``d``'s digest cache (built with the parts of ``d`` it reads) and
+    its route on ``app``; its computations are cancelled at shutdown, before the
+    regions they read are unmapped."""
+    digests = SourceDigests(d.registry, d.store, d.models)
     app[DIGESTS] = digests
     app.add_routes(routes)
 

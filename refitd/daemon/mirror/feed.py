@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import aiohttp
 import msgspec
@@ -27,16 +27,15 @@ from aiohttp import web
 
 from refitd.client.session import refusal
 from refitd.errors import ConflictError, NotFoundError, ProtocolError, RefitError, TransportError
-from refitd.wire import MSGPACK
+from refitd.wire import MSGPACK, LeaseGrant, PeerRegions
 from refitd.wire import routes as api
 from refitd.wire.mirrors import MirrorFeed
 
 if TYPE_CHECKING:
-    from refitd.daemon.app.node import Daemon
     from refitd.daemon.mirror.chunks import Mirror
     from refitd.daemon.pull.peerclient import PeerClient
 
-__all__ = ["HEARTBEAT_S", "MAX_FRAME_BYTES", "follow", "serve_feed"]
+__all__ = ["HEARTBEAT_S", "MAX_FRAME_BYTES", "LeasedRecords", "follow", "serve_feed"]
 
 HEARTBEAT_S = 2.0
 """Seconds between two frames when no chunk completed (a frame says the upstream
@@ -47,7 +46,22 @@ MAX_FRAME_BYTES = 16 << 20
 KiB)."""
 
 
-def _frame(m: Mirror, d: Daemon, lease_id: str) -> MirrorFeed:
+class LeasedRecords(Protocol):
+    """What a feed asks of its daemon's lease rules each frame
+    (:class:`~refitd.daemon.app.node.Daemon` is one): nothing else of it."""
+
+    def leased_regions(
+        self, ids: list[int] | None, lease_id: str, model: str, version: int
+    ) -> PeerRegions:
+        """Signed records of ``ids`` read under ``lease_id`` (409: not live on the version)."""
+        ...
+
+    def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
+        """The live lease ``lease_id`` on the version (409 otherwise)."""
+        ...
+
+
+def _frame(m: Mirror, d: LeasedRecords, lease_id: str) -> MirrorFeed:
     records = None  # the lease is checked every frame: 409 once it ended
     # Its regions are named once they are all made (they are made one by one): a
     # frame never names part of the layout.
@@ -64,10 +78,11 @@ def _frame(m: Mirror, d: Daemon, lease_id: str) -> MirrorFeed:
 
 
 async def serve_feed(
-    request: web.Request, m: Mirror, d: Daemon, lease_id: str
+    request: web.Request, m: Mirror, d: LeasedRecords, lease_id: str
 ) -> web.StreamResponse:
     """Answer the feed of mirror ``m`` under ``lease_id`` (409 before the stream starts
-    when it is not a live lease on its version here)."""
+    when it is not a live lease on its version here), with the records and lease
+    checks of ``d``, the daemon's lease rules."""
     first = _frame(m, d, lease_id)
     resp = web.StreamResponse(headers={"Content-Type": MSGPACK})
     await resp.prepare(request)

@@ -37,9 +37,9 @@ from refitd.wire.leases import LeaseGrant
 from refitd.wire.mirrors import MAX_DEAL_CHUNKS, MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorLease
 
 if TYPE_CHECKING:
-    from refitd.daemon.app.node import Daemon
     from refitd.daemon.pull.peerclient import PeerClient
     from refitd.daemon.pull.pulls import PullManager
+    from refitd.daemon.state.store import RegionStore
 
 __all__ = ["LEASE_TTL_S", "Filler", "describe"]
 
@@ -50,21 +50,32 @@ LEASE_TTL_S = 120.0
 
 
 class Filler:
-    """Fills the mirrors of daemon ``d``: ``pulls`` moves their bytes, ``self_url()``
-    is the URL other daemons read this one at ("" none: the source is read directly),
+    """Fills a daemon's mirrors: ``pulls`` moves their bytes (its byte loop, paths and
+    list of pulls), ``store`` holds the regions they land in (checked against their
+    digests there); ``node_id`` and ``secret`` name and sign this daemon to the
+    holders (its joins and lease requests), ``pull_timeout_s`` bounds a read of the
+    source (and, cut to a relay's answer time, of a relay). ``self_url()`` is the URL
+    other daemons read this one at ("" none: the source is read directly),
     ``remote(url)`` the trusted peer daemon at ``url``; ``landed()`` is called after
     chunks were marked complete (reads held for them are answered)."""
 
     def __init__(
         self,
-        d: Daemon,
         pulls: PullManager,
+        *,
+        node_id: str,
+        secret: bytes,
+        pull_timeout_s: float,
+        store: RegionStore,
         self_url: Callable[[], str],
         remote: Callable[[str], RemoteSource],
         landed: Callable[[], None] = lambda: None,
     ) -> None:
-        self.d = d
         self.pulls = pulls
+        self.node_id = node_id
+        self.secret = secret
+        self.pull_timeout_s = pull_timeout_s
+        self.store = store
         self.self_url = self_url
         self._remote = remote
         self.landed = landed
@@ -126,11 +137,11 @@ class Filler:
             return None
         have = np.packbits(m.done).tobytes() if m.planned.is_set() else b""
         join = HolderJoin(
-            m.model, m.version, me, self.d.node_id, exclude[-MAX_EXCLUDE:], rate, done,
+            m.model, m.version, me, self.node_id, exclude[-MAX_EXCLUDE:], rate, done,
             have[: MAX_DEAL_CHUNKS // 8], (shun or [])[-MAX_EXCLUDE:],
         )  # fmt: skip
-        async with asyncio.timeout(answer_s(self.d.config.data_plane.pull_timeout_s)):
-            return await src.client.join_holders(join.signed(self.d.secret))
+        async with asyncio.timeout(answer_s(self.pull_timeout_s)):
+            return await src.client.join_holders(join.signed(self.secret))
 
     async def from_source(
         self,
@@ -147,7 +158,7 @@ class Filler:
         peer = await made(prepared)
         if peer is None:
             return  # not mirrored here: nothing to read
-        wait = self.d.config.data_plane.pull_timeout_s
+        wait = self.pull_timeout_s
         async with asyncio.timeout(wait):
             path, conn = await self.pulls.open_path(src, peer)
         try:
@@ -180,11 +191,11 @@ class Filler:
         reads wait for them (none when it gives None)."""
         relay = self._remote(url)
         c = relay.client
-        timeout = self.d.config.data_plane.pull_timeout_s
+        timeout = self.pull_timeout_s
         deadline = answer_s(timeout)
         await m.planned.wait()  # its chunks are cut (before its regions are made)
-        ask = MirrorLease.fresh(m.model, m.version, source_lease, self.d.node_id, LEASE_TTL_S)
-        asking = asyncio.ensure_future(c.send(api.MIRROR_LEASE, ask.signed(self.d.secret)))
+        ask = MirrorLease.fresh(m.model, m.version, source_lease, self.node_id, LEASE_TTL_S)
+        asking = asyncio.ensure_future(c.send(api.MIRROR_LEASE, ask.signed(self.secret)))
         try:
             async with asyncio.timeout(deadline):  # a stopped relay answers nothing
                 grant = await asyncio.shield(asking)
@@ -234,7 +245,7 @@ class Filler:
 
         async def release() -> None:
             with contextlib.suppress(RefitError, TimeoutError):
-                async with asyncio.timeout(answer_s(self.d.config.data_plane.pull_timeout_s)):
+                async with asyncio.timeout(answer_s(self.pull_timeout_s)):
                     await c.release_lease(lease_id)
 
         task = asyncio.get_running_loop().create_task(release())

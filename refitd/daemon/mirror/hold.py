@@ -1,4 +1,5 @@
-"""Which bytes of this daemon's mirrors still filling are complete, for its data plane.
+"""Which bytes of this daemon's mirrors still filling are complete, for its data plane
+and for the records it signs.
 
 A downstream relay reads its upstream's mirror ahead of it over ``tcp``: it asks for
 chunks not complete there yet, and the upstream's data server holds each such read
@@ -7,6 +8,16 @@ host as soon as it lands, with no round trip after it. What the data server asks
 :class:`FillingMirrors`: keyed on the memory (this daemon's region ids of each mirror
 still filling), a chunk complete only once :meth:`~refitd.daemon.mirror.chunks.Mirror.mark`
 marked it (after the read that filled it returned).
+
+The records this daemon signs for a lease (its grants, its feed's frames, the packs it
+makes) ask the same table what a lease on a mirror still filling may read:
+:meth:`FillingMirrors.limit_scope`, only its complete chunks. So the one rule of "only
+complete chunks are read" has one owner, whichever path reads them. The table is one of
+the daemon's parts (:class:`~refitd.daemon.app.node.Daemon` makes it, its lease rules
+read it); the host mirrors (:class:`~refitd.daemon.mirror.mirrors.Mirrors`) are built
+with it and are the only ones that change it (:meth:`~FillingMirrors.add`,
+:meth:`~FillingMirrors.remove`, :meth:`~FillingMirrors.changed`): no hook is set on the
+daemon after it is built.
 
 A mirror stays here from before its version is published (no lease, so no read, before
 it) until it is complete, or, failed, until its regions are deleted: a read of a
@@ -23,6 +34,7 @@ import numpy.typing as npt
 from transports.tcp.held import Completion
 
 if TYPE_CHECKING:
+    from refitd.daemon.access.trust import Extents
     from refitd.daemon.mirror.chunks import Mirror
 
 __all__ = ["FillingMirrors"]
@@ -70,6 +82,23 @@ class FillingMirrors(Completion):
         """``m`` is complete, or its regions are gone: nothing of it is held any more."""
         self._regions = {k: v for k, v in self._regions.items() if v.mirror is not m}
         self.changed()
+
+    def limit_scope(
+        self, model: str, version: int, scope: dict[int, Extents]
+    ) -> dict[int, Extents]:
+        """What a lease on ``model`` ``version`` may read of ``scope`` (its version's
+        shard ranges): of a mirror still filling (or failed, until its regions go),
+        only its complete chunks, every region still listed; ``scope`` itself for
+        any other version, and for a mirror complete already."""
+        for r in self._regions.values():
+            m = r.mirror
+            if (m.model, m.version) != (model, version):
+                continue
+            if m.complete or not m.regions:
+                return scope
+            done = m.done_extents()
+            return {rid: done.get(rid, []) for rid in scope}
+        return scope
 
     def why_held(
         self,

@@ -32,9 +32,10 @@ from refitd.wire.mirrors import MIRROR_LEASE_FRESH_S, MirrorLease
 
 if TYPE_CHECKING:
     from refitd.daemon.access.auth import Principal
-    from refitd.daemon.app.node import Daemon
+    from refitd.daemon.access.owners import ModelOwners
     from refitd.daemon.mirror.chunks import Mirror
     from refitd.daemon.pull.sources import RemoteSource
+    from refitd.daemon.state.registry import Registry
 
 __all__ = ["OWNER", "READY_WAIT_S", "MirrorLeases"]
 
@@ -46,16 +47,20 @@ READY_WAIT_S = 10.0
 
 
 class MirrorLeases:
-    """The lease rules of one daemon's mirrors. ``find(model, version)`` is the mirror
-    (NotFoundError otherwise), ``remote(url)`` the trusted source daemon at ``url``."""
+    """The lease rules of one daemon's mirrors, over its ``registry`` (the leases) and
+    its model owners (``models``: which models it holds as mirrors, who reads them).
+    ``find(model, version)`` is the mirror (NotFoundError otherwise), ``remote(url)``
+    the trusted source daemon at ``url``."""
 
     def __init__(
         self,
-        daemon: Daemon,
+        registry: Registry,
+        models: ModelOwners,
         find: Callable[[str, int], Mirror],
         remote: Callable[[str], RemoteSource],
     ) -> None:
-        self.d = daemon
+        self.registry = registry
+        self.models = models
         self.find = find
         self.remote = remote
         #: local lease id -> (source URL, source lease id, model, version)
@@ -81,7 +86,7 @@ class MirrorLeases:
         """Refuse (403) a tenant's lease on a version this daemon holds as a mirror: a
         tenant leases it at its source, and only a peer daemon leases the copy
         (:meth:`grant`). Nothing to check for any other model."""
-        if not self.d.models.held(req.model):
+        if not self.models.held(req.model):
             return
         raise AccessDenied(
             f"lease on {req.model!r} version {req.version} refused: this daemon holds that "
@@ -108,11 +113,11 @@ class MirrorLeases:
                 f"{req._what()} refused: this daemon's mirror of it has not made its regions "
                 f"after {READY_WAIT_S:g} s; read from another holder"
             ) from None
-        grant = self.d.registry.acquire(
+        grant = self.registry.acquire(
             req.model, req.version, min(req.ttl_s, left), f"relay {req.node_id}", owner=OWNER
         )
         if len(self.bound) >= 1024:
-            for gone in [k for k in self.bound if not self.d.registry.is_live(k)]:
+            for gone in [k for k in self.bound if not self.registry.is_live(k)]:
                 del self.bound[gone]
         self.bound[grant.lease_id] = (m.source, req.source_lease, req.model, req.version)
         return grant
@@ -145,8 +150,8 @@ class MirrorLeases:
             left = await self._left_at_source(*b)
         except AccessDenied:
             self.bound.pop(lease_id, None)
-            if self.d.registry.is_live(lease_id):
-                self.d.registry.release(lease_id)
+            if self.registry.is_live(lease_id):
+                self.registry.release(lease_id)
             raise
         return min(ttl_s, left)
 
@@ -157,8 +162,8 @@ class MirrorLeases:
         is the same whether or not there is one."""
         if lease_id:
             try:
-                self.d.registry.check(lease_id, model, version)
+                self.registry.check(lease_id, model, version)
                 return
             except (ConflictError, NotFoundError):
                 pass
-        self.d.models.check_read(who, model, "see the mirror of")
+        self.models.check_read(who, model, "see the mirror of")

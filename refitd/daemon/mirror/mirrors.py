@@ -15,9 +15,9 @@ mirror reads from its upstream under a lease of the upstream's own registry (a p
 daemon's, :class:`~refitd.daemon.mirror.leases.MirrorLeases`), through the upstream's
 data plane and its signed, lease-scoped records, like any pull; and it reads only *complete*
 chunks: while a mirror fills, the scope its records give a lease is cut down to the
-chunks it holds in full (:meth:`Mirrors.limit_scope`), so the data server refuses
-any byte of an incomplete chunk. A downstream learns of new chunks from its
-upstream's feed (:mod:`refitd.daemon.mirror.feed`): one request, a frame of new
+chunks it holds in full (:meth:`~refitd.daemon.mirror.hold.FillingMirrors.limit_scope`),
+so the data server refuses any byte of an incomplete chunk. A downstream learns of new
+chunks from its upstream's feed (:mod:`refitd.daemon.mirror.feed`): one request, a frame of new
 records each time chunks complete there, no round trip per chunk.
 
 Local reads. An engine's pull served from a mirror starts once the mirror's regions
@@ -39,6 +39,26 @@ mirror once two or more distinct leases on the same remote version pull through
 this daemon; from then on the later versions of that model are mirrored from their
 first pull). Release: a mirror goes once its version is retired here (a newer
 version of the model was mirrored) and no lease on it is live.
+
+Wiring. :class:`Mirrors` is built with the owners it uses, never the whole daemon:
+the registry, the region store, the model owners, the data planes, the node's
+identity, its ``[mirrors]`` section, and the daemon's table of mirrors still filling
+(:class:`~refitd.daemon.mirror.hold.FillingMirrors`). Two other parts consult the
+mirrors, and neither gets a hook set on it after it is built:
+
+- the daemon's lease rules ask the table of mirrors still filling what a lease may
+  read (:meth:`~refitd.daemon.mirror.hold.FillingMirrors.limit_scope`): the daemon
+  makes that table and the mirrors are built with it, so the one rule of "only complete
+  chunks are read" has one owner, read by the data plane and the records alike;
+- the pull manager is built with the mirrors (its ``mirrors``, a
+  :class:`~refitd.daemon.pull.pulls.Redirector`) and asks :meth:`Mirrors.redirect`
+  of each pull of a remote source. The mirrors fill through the byte loop of the
+  manager that asks (a fill is a pull of that manager), lent with each call. The
+  manager needs the mirrors and a fill needs the manager, so one of the two meets the
+  other only after it is built; a call argument does that with no attribute set from
+  outside, no half-built object and no factory, and the mirrors keep no manager.
+  (Why not an event: a redirect answers the pull, it does not just follow it, so it is
+  a question asked of one owner, not news told to whoever listens.)
 """
 
 from __future__ import annotations
@@ -54,7 +74,6 @@ import msgspec
 import numpy as np
 
 from refitd.client.leases import held_lease
-from refitd.daemon.access.trust import Extents
 from refitd.daemon.mirror.chunks import CHUNK_BYTES, HolderBook, Mirror, chunk_count, cut_chunks
 from refitd.daemon.mirror.fill import LEASE_TTL_S, Filler
 from refitd.daemon.mirror.hold import FillingMirrors
@@ -78,8 +97,12 @@ from refitd.wire import (
 from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
 
 if TYPE_CHECKING:
-    from refitd.daemon.app.node import Daemon
+    from refitd.config import MirrorsConfig
+    from refitd.daemon.access.owners import ModelOwners
     from refitd.daemon.pull.pulls import PullManager
+    from refitd.daemon.state.plane import TransportSet
+    from refitd.daemon.state.registry import Registry
+    from refitd.daemon.state.store import RegionStore
 
 __all__ = [
     "CHUNK_BYTES",
@@ -103,34 +126,59 @@ POLICIES = ("never", "always", "shared")
 
 
 class Mirrors:
-    """Every mirror of one daemon, its policy, and (as a source) its holder book."""
+    """Every mirror of one daemon, its policy, and (as a source) its holder book.
+
+    Built with what it uses (see the module docstring): ``config`` (``[mirrors]``),
+    the daemon's ``registry``, region ``store``, model owners (``models``), data
+    planes (``plane``) and table of mirrors still filling (``filling``, which it
+    alone changes); ``remote(url)`` is the trusted peer daemon at ``url`` (400 for
+    one this daemon does not trust), ``self_url()`` the URL other daemons read this
+    one at; ``node_id`` and ``secret`` sign what it asks of its peers, and
+    ``pull_timeout_s`` bounds a fill's reads (``[data_plane]``). ``lease_changed()``
+    is called once a lease it took here ends (drains wake, freed regions go)."""
 
     def __init__(
-        self, daemon: Daemon, pulls: PullManager, policy: str, self_url: Callable[[], str]
+        self,
+        config: MirrorsConfig,
+        *,
+        registry: Registry,
+        store: RegionStore,
+        models: ModelOwners,
+        plane: TransportSet,
+        filling: FillingMirrors,
+        remote: Callable[[str], RemoteSource],
+        self_url: Callable[[], str],
+        node_id: str,
+        secret: bytes,
+        pull_timeout_s: float,
+        lease_changed: Callable[[], None],
     ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"mirror policy {policy!r}: expected one of {POLICIES}")
-        self.pulls = pulls
-        self.d = daemon
-        self.policy = policy
+        if config.policy not in POLICIES:
+            raise ValueError(f"mirror policy {config.policy!r}: expected one of {POLICIES}")
+        self.policy = config.policy
+        self.registry = registry
+        self.store = store
+        self.models = models
+        self.plane = plane
+        self._remote = remote
         self.self_url = self_url
+        self.node_id = node_id
+        self.secret = secret
+        self.pull_timeout_s = pull_timeout_s
+        self.lease_changed = lease_changed
         self.book = HolderBook()
         #: the lease rules of this daemon's mirrors (granted under a source lease)
-        self.leases = MirrorLeases(daemon, self.find, self._remote)
-        self.budget = (
-            daemon.config.mirrors.max_bytes
-            if daemon.config.mirrors.max_bytes is not None
-            else half_of_shm()
-        )
+        self.leases = MirrorLeases(registry, models, self.find, remote)
+        self.budget = config.max_bytes if config.max_bytes is not None else half_of_shm()
         self.by_key: dict[tuple[str, str, int], Mirror] = {}
         #: (source, model, version) -> distinct leases seen pulling it (``shared``)
         self._readers: dict[tuple[str, str, int], set[str]] = {}
         #: (source, model) seen with two or more readers of one version
         self._shared: set[tuple[str, str]] = set()
         self._tasks: set[asyncio.Task[None]] = set()
-        #: what the data plane holds a downstream's read ahead of a chunk on
-        self.filling = FillingMirrors()
-        self.filler = Filler(daemon, pulls, self_url, self._remote, self.filling.changed)
+        #: what the data plane holds a downstream's read ahead of a chunk on, and what
+        #: the daemon's records let a lease read of a mirror still filling
+        self.filling = filling
 
     # ------------------------------------------------------------ policy
 
@@ -151,12 +199,13 @@ class Mirrors:
 
     # ------------------------------------------------------------ local reads
 
-    async def redirect(self, req: PullRequest, owner: str) -> Redirect | None:
+    async def redirect(self, req: PullRequest, owner: str, pulls: PullManager) -> Redirect | None:
         """``req`` rewritten to read this daemon's mirror of its version (made first if
-        needed), under a lease of this daemon; None when the policy says to read the
-        source directly, or the version cannot be mirrored here (an older version
-        than one this daemon already holds of the model). The pull starts as soon as
-        the mirror's regions exist, and reads each piece once its chunk is complete.
+        needed, filled through ``pulls``: its manager's byte loop), under a lease of
+        this daemon; None when the policy says to read the source directly, or the
+        version cannot be mirrored here (an older version than one this daemon
+        already holds of the model). The pull starts as soon as the mirror's regions
+        exist, and reads each piece once its chunk is complete.
 
         Raises :class:`TransportError` naming every holder tried when the mirror
         failed before the pull began: the pull fails before any byte moved."""
@@ -174,7 +223,7 @@ class Mirrors:
             await remote.check_lease(req.lease_id, req.model, req.version)
         if not self.wants(req):
             return None
-        m = await self.mirror(req.source.rstrip("/"), req.model, req.version)
+        m = await self.mirror(req.source.rstrip("/"), req.model, req.version, pulls)
         if m is None:
             return None
         if m.error:
@@ -182,7 +231,7 @@ class Mirrors:
                 f"pull of {req.model!r} version {req.version} refused: this host's mirror of "
                 f"it failed, nothing was read from it: {m.error}"
             )
-        lease = self.d.registry.acquire(req.model, req.version, LEASE_TTL_S, owner=owner)
+        lease = self.registry.acquire(req.model, req.version, LEASE_TTL_S, owner=owner)
         local = {s: r.region_id for s, r in m.regions.items()}
         rows = req.descriptors.rows().copy()
         # Mapped in one vectorised pass: a Python loop per row held the event loop
@@ -194,7 +243,7 @@ class Mirrors:
             unknown = [int(rows[0, 0])]
         unknown += [p.src_region for p in req.pack_specs if p.src_region not in local][:1]
         if unknown:
-            self.d.registry.release(lease.lease_id)
+            self.registry.release(lease.lease_id)
             raise ConflictError(
                 f"pull refused: source region {unknown[0]} is not part of {req.model!r} "
                 f"version {req.version}; nothing was transferred"
@@ -208,23 +257,26 @@ class Mirrors:
 
         def release() -> None:
             with contextlib.suppress(RefitError):
-                self.d.registry.release(lease.lease_id)
-            self.d.lease_changed()
+                self.registry.release(lease.lease_id)
+            self.lease_changed()
             self._spawn(self.sweep())
 
-        return Redirect(out, release, MirroredSource(self.d, remote, req, m))
+        source = MirroredSource(pulls.source_for(""), self.registry, remote, req, m)
+        return Redirect(out, release, source)
 
     # ------------------------------------------------------------ making one
 
-    async def mirror(self, source: str, model: str, version: int) -> Mirror | None:
+    async def mirror(
+        self, source: str, model: str, version: int, pulls: PullManager
+    ) -> Mirror | None:
         """The mirror of ``model`` ``version`` of ``source``: started now if new (its
-        regions made and published here before this returns), None if this daemon
-        cannot hold it."""
+        regions made and published here before this returns, its bytes read through
+        ``pulls``), None if this daemon cannot hold it."""
         key = (source, model, version)
         m = self.by_key.get(key)
         if m is None:
             m = self.by_key[key] = Mirror(source, model, version)
-            task = asyncio.create_task(self._run(m))
+            task = asyncio.create_task(self._run(m, self._filler(pulls)))
             m.task = task
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -235,13 +287,26 @@ class Mirrors:
                 return None
         return m
 
-    async def _run(self, m: Mirror) -> None:
+    def _filler(self, pulls: PullManager) -> Filler:
+        """What fills a mirror through ``pulls``' byte loop."""
+        return Filler(
+            pulls,
+            node_id=self.node_id,
+            secret=self.secret,
+            pull_timeout_s=self.pull_timeout_s,
+            store=self.store,
+            self_url=self.self_url,
+            remote=self._remote,
+            landed=self.filling.changed,
+        )
+
+    async def _run(self, m: Mirror, filler: Filler) -> None:
         src = self._remote(m.source)
         client = src.client
         # Join the source's holder book now, while the lease, the records and the
         # regions are made: its round trip to a busy source is then off the path to
         # the first byte (a relay's lease on this mirror waits for its regions).
-        joined = asyncio.create_task(self.filler.assign(src, m, []))
+        joined = asyncio.create_task(filler.assign(src, m, []))
         try:
             # The grant brings the version's manifest and the source's records of it;
             # the lease is held until the mirror is complete or failed.
@@ -251,7 +316,7 @@ class Mirrors:
                 # The regions are made while the filler opens its upstream (a relay's
                 # lease, feed and data path): its first read goes out once they exist.
                 prepared = asyncio.create_task(self._prepare(m, src, grant))
-                fill = self.filler.fill(m, src, grant.lease_id, joined, prepared)
+                fill = filler.fill(m, src, grant.lease_id, joined, prepared)
                 filling = asyncio.create_task(fill)
                 try:
                     if await prepared is not None:
@@ -277,7 +342,7 @@ class Mirrors:
             m.error = m.error or describe(exc)
             if m.regions:  # published here: no lease may be granted on it any more
                 with contextlib.suppress(RefitError):
-                    self.d.registry.retire(m.model, m.version)
+                    self.registry.retire(m.model, m.version)
             if not isinstance(exc, RefitError):
                 log.error("mirror of %r version %d failed", m.model, m.version, exc_info=exc)
         finally:
@@ -291,8 +356,8 @@ class Mirrors:
         the version here over them (so relays can lease it); the source's records of
         them under the lease ``grant`` (as it granted them, else asked for), or None
         when this daemon cannot mirror it (``m.error`` says why)."""
-        d = self.d
-        newest = {v.version for v in d.registry.versions(m.model)}
+        registry, store = self.registry, self.store
+        newest = {v.version for v in registry.versions(m.model)}
         if newest and max(newest) >= m.version:
             m.error = (
                 f"cannot mirror {m.model!r} version {m.version}: this daemon already holds "
@@ -315,12 +380,13 @@ class Mirrors:
         # counted (from before any region is made, so two mirrors preparing at once
         # see each other) against the host's mirror budget; retired, then idle ones go first.
         need = sum(r.nbytes for r in peer.regions)
-        taken = take_over(
-            d, self.by_key, m, {r.region_id: r.nbytes for r in peer.regions}, self.filling.remove
-        )
+        sizes = {r.region_id: r.nbytes for r in peer.regions}
+        taken = take_over(registry, store, self.by_key, m, sizes, self.filling.remove)
         if taken:  # those bytes were in the budget already: now they are this mirror's
             m.nbytes = need
-        elif not await make_room(d, self.by_key, need, self.budget, m, self.filling.remove):
+        elif not await make_room(
+            registry, store, self.by_key, need, self.budget, m, self.filling.remove
+        ):
             m.error = (
                 f"cannot mirror {m.model!r} version {m.version}: its {need} bytes do not fit "
                 f"the host's mirror budget ({self.held_bytes()} of {self.budget} bytes held, "
@@ -331,7 +397,7 @@ class Mirrors:
         # The mirrored model is the daemon's on this host, as the version is the
         # source's owners' there: no tenant publishes into, drains or retires it.
         try:
-            d.models.hold(m.model, OWNER)
+            self.models.hold(m.model, OWNER)
         except ConflictError as exc:
             m.error = (
                 f"cannot mirror {m.model!r} version {m.version}: {exc}; its pulls read the source"
@@ -340,14 +406,14 @@ class Mirrors:
             m.nbytes = 0
             for r in taken.values():  # retired and unleased: nothing protects them
                 with contextlib.suppress(RefitError):
-                    await d.delete_region(r.region_id)
+                    await store.delete(r.region_id)
             return None
         m.nbytes = need
         try:
             m.regions.update(taken)
             for r in peer.regions:
                 if r.region_id not in m.regions:
-                    m.regions[r.region_id] = await d.create_region(
+                    m.regions[r.region_id] = await store.create_region(
                         RegionCreate(r.nbytes, owner=OWNER, label="mirror")  # names no model
                     )
             tensors = [
@@ -363,12 +429,12 @@ class Mirrors:
                 for t in manifest.tensors
             ]
             self._hold_reads(m)  # before any lease on it exists
-            d.registry.publish(ManifestIn(m.model, m.version, 0, 1, tensors))
+            registry.publish(ManifestIn(m.model, m.version, 0, 1, tensors))
         except BaseException:
             self.filling.remove(m)
             for r in m.regions.values():
                 with contextlib.suppress(RefitError):
-                    await d.delete_region(r.region_id)
+                    await store.delete(r.region_id)
             m.regions.clear()
             m.nbytes = 0
             raise
@@ -380,37 +446,17 @@ class Mirrors:
         """Reads of ``m``'s chunks not complete yet are held by every data plane that
         can hold them (``tcp``), and refused by the rest (their scope)."""
         self.filling.add(m)
-        for t in self.d.plane.by_scheme.values():
+        for t in self.plane.by_scheme.values():
             if isinstance(t, HoldsReads):
                 t.hold_reads(self.filling)
 
-    def _remote(self, url: str) -> RemoteSource:
-        """The trusted peer daemon at ``url`` (refused, 400, if this daemon does not
-        trust it)."""
-        src = self.pulls.source_for(url)
-        assert isinstance(src, RemoteSource)  # a non-empty URL is always a peer
-        return src
-
     # ------------------------------------------------------------ serving
-
-    def limit_scope(
-        self, model: str, version: int, scope: dict[int, Extents]
-    ) -> dict[int, Extents]:
-        """What a lease on ``model`` ``version`` may read here: for a mirror still
-        filling, only its complete chunks (every region still listed)."""
-        m = next(
-            (x for x in self.by_key.values() if (x.model, x.version) == (model, version)), None
-        )
-        if m is None or m.complete or not m.regions:
-            return scope
-        done = m.done_extents()
-        return {rid: done.get(rid, []) for rid in scope}
 
     def chunk_count(self, model: str, version: int) -> int:
         """How many chunks a mirror cuts ``model`` ``version`` of this daemon into
         (as every mirror of it cuts its whole scope): counted per byte range of the
         registry's cached scope, no chunk made."""
-        return chunk_count(self.d.registry.scope(model, version))
+        return chunk_count(self.registry.scope(model, version))
 
     def held_bytes(self) -> int:
         """Bytes every mirror of this daemon holds, or is about to make."""
@@ -430,7 +476,7 @@ class Mirrors:
     async def sweep(self) -> list[int]:
         """Delete the regions of every mirror whose version is retired here and no
         longer leased; returns the region ids freed."""
-        return await release(self.d, self.by_key, self.filling.remove)
+        return await release(self.registry, self.store, self.by_key, self.filling.remove)
 
     def _spawn(self, coro: Awaitable[object]) -> None:
         async def run() -> None:

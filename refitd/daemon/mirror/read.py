@@ -31,13 +31,13 @@ from refitd.daemon.mirror.chunks import Mirror, chunk_reads
 from refitd.daemon.pull import core as pullcore
 from refitd.daemon.pull.move import move
 from refitd.daemon.pull.pulls import PullManager
-from refitd.daemon.pull.sources import Gated, LocalSource, RemoteSource
-from refitd.wire import DescriptorTable, PeerRegions, PullRequest
+from refitd.daemon.pull.sources import Filling, Gated, RemoteSource, Source
+from refitd.wire import DescriptorTable, PackSpec, PeerRegions, PullRequest, StagedPack
 from transports.batch import ReadBatch, rows_as_batch
 from transports.interface import Peer, PeerInfo
 
 if TYPE_CHECKING:
-    from refitd.daemon.app.node import Daemon
+    from refitd.daemon.state.registry import Registry
 
 __all__ = [
     "BATCH_CHUNKS",
@@ -203,36 +203,61 @@ class MirrorGate:
         await self.m.wait_chunks(np.arange(len(self.m.chunks)))
 
 
-class MirroredSource(LocalSource):
+class MirroredSource:
     """This daemon's mirror as the source of a pull an engine asked of a remote source:
-    read here, under this daemon's lease, and bound by the engine's own lease at the
+    read here (``local``: this daemon as the source of its own pulls), under this
+    daemon's lease, and bound by the engine's own lease at the
     remote source as a direct pull is. Every lease check of the pull (at submit, and
     after its last byte, before it may end ``done``) checks both, so a pull served from
     a mirror fails when the engine's lease ended at the source, as a direct one does.
 
     While the mirror fills, the pull is checked against the whole version's scope (what
-    its lease will read) and reads each piece once its chunk is complete
-    (``filling``); the data server still serves other daemons only complete chunks."""
+    its lease will read, from ``registry``) and reads each piece once its chunk is
+    complete (``filling``); the data server still serves other daemons only complete
+    chunks."""
+
+    filling: Filling | None
 
     def __init__(
-        self, daemon: Daemon, remote: RemoteSource, engine: PullRequest, m: Mirror
+        self,
+        local: Source,
+        registry: Registry,
+        remote: RemoteSource,
+        engine: PullRequest,
+        m: Mirror,
     ) -> None:
-        super().__init__(
-            daemon.plane, daemon.registry, daemon.staging, daemon.leased_regions, daemon.pack_leased
-        )
+        self.local = local
+        self.registry = registry
         self.remote = remote
         self.engine = engine
         self.filling = None if m.complete else MirrorGate(m)
 
+    def loopback(self) -> Peer | None:
+        return self.local.loopback()
+
+    def own(self, ids: list[int]) -> set[int]:
+        return self.local.own(ids)
+
+    def granted(self, req: PullRequest) -> PeerRegions | None:
+        return self.local.granted(req)
+
     async def check_lease(self, lease_id: str, model: str, version: int) -> None:
-        await super().check_lease(lease_id, model, version)
+        await self.local.check_lease(lease_id, model, version)
         e = self.engine
         await self.remote.check_lease(e.lease_id, e.model, e.version)
 
     async def regions(self, ids: list[int], req: PullRequest) -> PeerRegions:
-        rec = await super().regions(ids, req)
+        rec = await self.local.regions(ids, req)
         if self.filling is None:
             return rec
         whole = self.registry.scope(req.model, req.version)
         scope = {i: whole.get(i, ext) for i, ext in rec.scope.items()}  # staging: as given
         return msgspec.structs.replace(rec, scope=scope)
+
+    async def pack(
+        self, model: str, version: int, lease_id: str, specs: list[PackSpec]
+    ) -> StagedPack:
+        return await self.local.pack(model, version, lease_id, specs)
+
+    async def drop(self, region_id: int, lease_id: str) -> None:
+        await self.local.drop(region_id, lease_id)

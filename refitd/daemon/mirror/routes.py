@@ -1,9 +1,12 @@
 """The HTTP side of host mirrors and relay: the holder book's and a mirror's routes,
-and :func:`setup_mirrors`, which installs the store and its hooks on the app."""
+and :func:`setup_mirrors`, which builds the store from the daemon's parts and installs
+it and its routes on the app (the pull manager is then built with it: see
+:mod:`refitd.daemon.mirror.mirrors`, Wiring)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -14,7 +17,7 @@ from refitd.daemon.app.waits import MAX_WAIT_S, long_poll
 from refitd.daemon.mirror.digestroutes import DIGESTS
 from refitd.daemon.mirror.feed import serve_feed
 from refitd.daemon.mirror.mirrors import Mirrors
-from refitd.daemon.pull.pulls import PullManager
+from refitd.daemon.pull.sources import RemoteSource
 from refitd.errors import ProtocolError, RequestTooLarge
 from refitd.wire import routes as api
 from refitd.wire.mirrors import MAX_JOIN_BYTES, HolderJoin, MirrorLease
@@ -107,20 +110,40 @@ async def mirror_lease(request: web.Request) -> web.Response:
     return reply(request, grant, 201)
 
 
-def setup_mirrors(app: web.Application, d: Daemon, pulls: PullManager, policy: str) -> Mirrors:
-    """Install the mirror store of daemon ``d`` and its routes on ``app``; the pull
-    manager (``redirect``) and the daemon (``scope_limit``) consult it through their
-    hooks."""
+def setup_mirrors(
+    app: web.Application, d: Daemon, connect: Callable[[str], RemoteSource]
+) -> Mirrors:
+    """Install the mirror store of daemon ``d`` (built with the parts of ``d`` it uses,
+    as ``d.config`` says) and its routes on ``app``; ``connect(url)`` is the peer
+    daemon at ``url`` (a URL this daemon trusts). Build the pull manager with the
+    store it returns (its ``mirrors``); the daemon's lease rules read the table of
+    mirrors still filling (``d.filling``) that the store is built with. Nothing is
+    set on ``d`` or on a pull manager."""
     from refitd.daemon.app.membership import CLUSTER
 
     def self_url() -> str:
         me = app[CLUSTER].me
         return me.url if me is not None else ""
 
-    mirrors = Mirrors(d, pulls, policy, self_url)
+    def remote(url: str) -> RemoteSource:
+        """The trusted peer daemon at ``url`` (refused, 400, if ``d`` does not trust it)."""
+        return connect(d.peers.check(url))
+
+    mirrors = Mirrors(
+        d.config.mirrors,
+        registry=d.registry,
+        store=d.store,
+        models=d.models,
+        plane=d.plane,
+        filling=d.filling,
+        remote=remote,
+        self_url=self_url,
+        node_id=d.node_id,
+        secret=d.secret,
+        pull_timeout_s=d.config.data_plane.pull_timeout_s,
+        lease_changed=d.lease_changed,
+    )
     app[MIRRORS] = mirrors
-    pulls.redirect = mirrors.redirect
-    d.scope_limit = mirrors.limit_scope
     app.add_routes(routes)
 
     async def close(app: web.Application) -> None:

@@ -34,7 +34,8 @@ from refitd.wire import RegionInfo, VersionState
 from transports.segments import SHM_DIR
 
 if TYPE_CHECKING:
-    from refitd.daemon.app.node import Daemon
+    from refitd.daemon.state.registry import Registry
+    from refitd.daemon.state.store import RegionStore
 
 __all__ = ["half_of_shm", "held_bytes", "make_room", "release", "take_over"]
 
@@ -56,31 +57,32 @@ def held_bytes(mirrors: Iterable[Mirror]) -> int:
 
 
 async def release(
-    d: Daemon,
+    registry: Registry,
+    store: RegionStore,
     by_key: dict[tuple[str, str, int], Mirror],
     gone: Callable[[Mirror], None],
 ) -> list[int]:
-    """Delete the regions of every mirror whose version is retired here (or that
-    failed) and is no longer leased, and tell ``gone`` of each mirror left with no
-    region (whoever else keeps it, e.g. the table of reads held on it, forgets it);
-    returns the region ids freed."""
+    """Delete the regions (in ``store``) of every mirror whose version is retired in
+    ``registry`` (or that failed) and is no longer leased, and tell ``gone`` of each
+    mirror left with no region (whoever else keeps it, e.g. the table of reads held on
+    it, forgets it); returns the region ids freed."""
     freed: list[int] = []
     for key, m in list(by_key.items()):
         if not m.finished:
             continue
         try:
-            retired = d.registry.version(m.model, m.version).state is VersionState.RETIRED
+            retired = registry.version(m.model, m.version).state is VersionState.RETIRED
         except NotFoundError:
             # Its record was forgotten (retired, unleased, among a model's older
             # records: registry.KEEP_RETIRED): nothing can lease it again.
             retired = True
         if not retired and not m.error:
             continue
-        if d.registry.active_leases(m.model, m.version):
+        if registry.active_leases(m.model, m.version):
             continue
         for r in list(m.regions.values()):
             try:
-                await d.delete_region(r.region_id)
+                await store.delete(r.region_id)
             except RefitError:
                 continue  # a pull still reads it: the next sweep frees it
             freed.append(r.region_id)
@@ -94,7 +96,8 @@ async def release(
 
 
 def take_over(
-    d: Daemon,
+    registry: Registry,
+    store: RegionStore,
     by_key: dict[tuple[str, str, int], Mirror],
     new: Mirror,
     sizes: dict[int, int],
@@ -103,10 +106,10 @@ def take_over(
     """The regions of an earlier mirror of ``new``'s model and source, one per source
     region of ``sizes`` (source region id -> bytes), taken over for ``new``; empty
     when no earlier mirror can give them. A mirror gives its regions only when it is
-    finished (complete or failed), no lease on its version is live here, no running
-    pull reads or writes them, and their sizes are exactly those wanted. Its version
-    is retired first (no lease can be taken on it again), it leaves ``by_key`` and is
-    told to ``gone``. Synchronous: nothing can lease it between the checks and the
+    finished (complete or failed), no lease on its version is live in ``registry``, no
+    running pull reads or writes them (``store``), and their sizes are exactly those
+    wanted. Its version is retired first (no lease can be taken on it again), it leaves
+    ``by_key`` and is told to ``gone``. Synchronous: nothing can lease it between the checks and the
     retirement."""
     want = sorted(sizes.items(), key=lambda kv: (kv[1], kv[0]))
     for key, old in sorted(by_key.items(), key=lambda kv: -kv[1].version):
@@ -114,9 +117,9 @@ def take_over(
             continue
         if old.version >= new.version or not old.finished or not old.regions:
             continue
-        if d.registry.active_leases(old.model, old.version):
+        if registry.active_leases(old.model, old.version):
             continue
-        if any(d.store.busy(r.region_id) for r in old.regions.values()):
+        if any(store.busy(r.region_id) for r in old.regions.values()):
             continue
         have = sorted(old.regions.items(), key=lambda kv: (kv[1].nbytes, kv[0]))
         if [n for _, n in want] != [r.nbytes for _, r in have]:
@@ -129,7 +132,7 @@ def take_over(
         rest = iter(r for s, r in have if r not in same.values())
         taken = {s: same[s] if s in same else next(rest) for s, _ in want}
         with contextlib.suppress(NotFoundError):
-            d.registry.retire(old.model, old.version)
+            registry.retire(old.model, old.version)
         del by_key[key]
         old.regions = {}
         old.nbytes = 0
@@ -143,7 +146,8 @@ def take_over(
 
 
 async def make_room(
-    d: Daemon,
+    registry: Registry,
+    store: RegionStore,
     by_key: dict[tuple[str, str, int], Mirror],
     need: int,
     budget: int,
@@ -159,21 +163,21 @@ async def make_room(
 
     if fits():
         return True
-    await release(d, by_key, gone)
+    await release(registry, store, by_key, gone)
     idle = sorted(
         (
             x
             for x in by_key.values()
-            if x is not new and x.complete and not d.registry.active_leases(x.model, x.version)
+            if x is not new and x.complete and not registry.active_leases(x.model, x.version)
         ),
         key=lambda x: x.completed_at,
     )
     for x in idle:
         if fits():
             break
-        if d.registry.active_leases(x.model, x.version):
+        if registry.active_leases(x.model, x.version):
             continue  # leased while an earlier one was released
         log.info("evicting the idle mirror of %r version %d to make room", x.model, x.version)
-        d.registry.retire(x.model, x.version)  # no lease on it from now on
-        await release(d, by_key, gone)
+        registry.retire(x.model, x.version)  # no lease on it from now on
+        await release(registry, store, by_key, gone)
     return fits()

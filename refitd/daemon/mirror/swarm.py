@@ -45,8 +45,8 @@ from refitd.wire import ChunkDigests, PeerRegions
 from refitd.wire.mirrors import FROM_SOURCE, HolderAssign
 
 if TYPE_CHECKING:
-    from refitd.daemon.app.node import Daemon
     from refitd.daemon.pull.sources import RemoteSource
+    from refitd.daemon.state.store import RegionStore
 
 __all__ = [
     "REPORT_S",
@@ -75,9 +75,9 @@ TICK_S = 0.1
 class Holders(Protocol):
     """What a swarm fill uses of the daemon's mirror filler
     (:class:`refitd.daemon.mirror.fill.Filler`): read one holder's share, and talk
-    to the source's holder book."""
+    to the source's holder book; ``store`` holds the regions the chunks land in."""
 
-    d: Daemon
+    store: RegionStore
 
     def self_url(self) -> str: ...
 
@@ -237,7 +237,7 @@ class Swarm:
         m = self.m
         assert self.digests is not None  # started with the first holder's reader
         expected = await asyncio.shield(self.digests)
-        bad = await verify_mirror(self.f.d, m, expected, idx)
+        bad = await verify_mirror(self.f.store, m, expected, idx)
         if len(bad):
             raise WrongBytes(
                 f"{len(bad)} chunk(s) read from it differ from their digests at the "

@@ -33,7 +33,8 @@ import functools
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 import msgspec
 import numpy as np
@@ -67,6 +68,7 @@ __all__ = [
     "LocalSource",
     "PullJob",
     "PullManager",
+    "Redirector",
     "RemoteSource",
     "Source",
 ]
@@ -85,6 +87,15 @@ SHUTTING_DOWN = "daemon shutting down"
 log = logging.getLogger("refitd.pulls")
 
 
+class Redirector(Protocol):
+    """Host mirrors as a pull manager asks them (:class:`refitd.daemon.mirror.mirrors.Mirrors`):
+    a pull of ``owner`` rewritten to read a mirror here, filled through ``pulls``; or None."""
+
+    async def redirect(
+        self, req: PullRequest, owner: str, pulls: PullManager
+    ) -> Redirect | None: ...
+
+
 class PullManager:
     """Every pull of one daemon. Tasks are tracked and cancelled on :meth:`close`.
 
@@ -93,13 +104,15 @@ class PullManager:
     data planes and the peer policy; ``connect`` makes the source for a peer URL.
     Its path choice and connections are a part of it, ``paths``, built with the
     owners they use (:class:`~refitd.daemon.pull.connections.PullPaths`).
-    ``listeners`` are told of every pull (:mod:`refitd.daemon.pull.listeners`)."""
+    ``listeners`` are told of every pull (:mod:`refitd.daemon.pull.listeners`); ``mirrors``
+    may serve a pull of a remote source from a host mirror here (:class:`Redirector`)."""
 
     def __init__(
         self,
         daemon: Daemon,
         connect: Callable[[str], Source],
         listeners: Iterable[PullListener] = (),
+        mirrors: Redirector | None = None,
     ) -> None:
         self._local = LocalSource(
             daemon.plane, daemon.registry, daemon.staging, daemon.leased_regions, daemon.pack_leased
@@ -127,9 +140,8 @@ class PullManager:
         self.jobs: dict[str, PullJob] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._seq = itertools.count(1)
-        #: host mirrors' hook (:mod:`refitd.daemon.mirror.mirrors`): a pull from a remote
-        #: source rewritten to read this daemon's mirror of the version, or None
-        self.redirect: Callable[[PullRequest, str], Awaitable[Redirect | None]] | None = None
+        #: the host mirrors (:mod:`refitd.daemon.mirror.mirrors`), given at construction
+        self.mirrors = mirrors
 
     # Reads outside a pull (a host mirror's, a relay's feed) open through ``paths``.
     async def open_path(self, src: Source, peer: PeerRegions) -> tuple[str, Peer]:
@@ -183,7 +195,7 @@ class PullManager:
             listener.admit(req, caller)
         # A host mirror may serve the pull instead of its remote source: admitted as
         # asked (the destinations are the same), then read from the mirror over shm.
-        mirrored = await self.redirect(req, caller.name) if self.redirect is not None else None
+        mirrored = await self.mirrors.redirect(req, caller.name, self) if self.mirrors else None
         if mirrored is None:
             return await self._submit(req, caller, None, cost)
         try:

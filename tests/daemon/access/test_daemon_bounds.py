@@ -12,6 +12,7 @@ from pathlib import Path
 
 import aiohttp
 import msgspec
+import numpy as np
 import pytest
 from aiohttp import web
 from support.daemons import FakeClock, GatedCopier, daemon_config, serving_daemons
@@ -20,6 +21,7 @@ from support.hostile import Env, rows, toy_manifest
 from refitd.client.http import RefitClient
 from refitd.config import LimitsConfig
 from refitd.daemon.app.node import Daemon
+from refitd.daemon.mirror.chunks import Mirror
 from refitd.daemon.state.registry import Registry
 from refitd.errors import AccessDenied, NotFoundError, ProtocolError, QuotaExceeded
 from refitd.wire import (
@@ -31,6 +33,7 @@ from refitd.wire import (
     PackSpec,
     PullRequest,
     PullState,
+    RegionInfo,
     ShardEntry,
     TensorEntry,
 )
@@ -210,6 +213,17 @@ async def _capped(**limits: int) -> AsyncIterator[tuple[Daemon, RefitClient, Gat
     d = Daemon(opts, copier=gate)
     async with serving_daemons(d) as (c,):
         yield d, c, gate
+
+
+def _filling(d: Daemon, region: RegionInfo, complete: int) -> None:
+    """Make ``region`` (all of ``toy`` version 1) a host mirror's of ``d`` still filling,
+    its first ``complete`` bytes complete: as a mirror of that version stands midway, in
+    the daemon's table of mirrors still filling, which the mirrors alone change."""
+    m = Mirror("http://source", "toy", 1, regions={region.region_id: region})
+    rid, rest = region.region_id, region.nbytes - complete
+    m.chunks = np.array([[rid, 0, complete], [rid, complete, rest]], dtype=np.int64)
+    m.done = np.array([True, False])
+    d.filling.add(m)
 
 
 async def test_regions_past_the_principals_cap_are_refused_with_429_naming_the_cap() -> None:
@@ -429,7 +443,7 @@ async def test_a_pack_read_directly_from_a_version_still_filling_reads_only_its_
         )
         dst = await c.create_region(2048)
         lease = await c.acquire_lease("toy", 1)
-        d.scope_limit = lambda _m, _v, scope: {rid: [(0, 1024)] for rid in scope}
+        _filling(d, src, 1024)
         none = DescriptorTable(b"")
         # the first 64 columns (256-byte runs) of rows 0-1, then of all four rows
         inside = PackSpec(src.region_id, 0, (2, 64), (128, 1), 4, dst.region_id, 0)
@@ -442,8 +456,8 @@ async def test_a_pack_read_directly_from_a_version_still_filling_reads_only_its_
 
 
 async def test_a_pack_from_a_version_still_filling_reads_only_its_complete_bytes() -> None:
-    """A mirror still filling serves only its complete chunks: its daemon's scope hook
-    (``Daemon.scope_limit``, set by the mirrors) cuts what a lease may read. Reads over
+    """A mirror still filling serves only its complete chunks: its daemon's table of
+    mirrors still filling (``Daemon.filling``) cuts what a lease may read. Reads over
     the data plane obeyed it, but a source-side pack checked the version's whole shard
     ranges, so a reader could have packed (and then read) bytes not yet arrived."""
     async with _capped() as (d, c, _g):
@@ -451,7 +465,7 @@ async def test_a_pack_from_a_version_still_filling_reads_only_its_complete_bytes
         await c.publish(toy_manifest(src.region_id))
         lease = await c.acquire_lease("toy", 1)
         # as a mirror whose first 64 bytes are complete would limit it
-        d.scope_limit = lambda _m, _v, scope: {rid: [(0, 64)] for rid in scope}
+        _filling(d, src, 64)
         inside = PackSpec(src.region_id, 0, (16,), (1,), 4, 0, 0)
         outside = PackSpec(src.region_id, 64, (16,), (1,), 4, 0, 0)
         with pytest.raises(AccessDenied, match=r"bytes \[64, 128\) of region .* not part of"):

@@ -267,17 +267,17 @@ async def test_a_mirror_finds_exactly_the_chunk_whose_bytes_were_altered_in_its_
         async with peer_of(h.source.url) as peer:
             expected = await peer.chunk_digests(MODEL, 1, lease.lease_id)
         everything = np.arange(len(m.chunks))
-        assert list(await verify_mirror(h.mirror.daemon, m, expected, everything)) == []
+        assert list(await verify_mirror(h.mirror.daemon.store, m, expected, everything)) == []
         # one byte of chunk 4 (the second range's second chunk), altered in the shm
         src, off, n = (int(x) for x in m.chunks[4])
         region = m.regions[src]
         with SharedSegment.attach(region.handle) as seg:
             at = off + n - 1
             seg.numpy()[at] ^= 0x5A
-            assert list(await verify_mirror(h.mirror.daemon, m, expected, everything)) == [4]
-            assert list(await verify_mirror(h.mirror.daemon, m, expected, [3, 5])) == []
+            assert list(await verify_mirror(h.mirror.daemon.store, m, expected, everything)) == [4]
+            assert list(await verify_mirror(h.mirror.daemon.store, m, expected, [3, 5])) == []
             seg.numpy()[at] ^= 0x5A
-        assert list(await verify_mirror(h.mirror.daemon, m, expected, everything)) == []
+        assert list(await verify_mirror(h.mirror.daemon.store, m, expected, everything)) == []
 
 
 async def test_a_daemon_holding_the_version_as_a_mirror_refuses_its_digests() -> None:

@@ -48,7 +48,7 @@ async def test_making_room_frees_a_failed_mirror_and_forgets_the_reads_held_on_i
         book = {("http://source", "m", 1): failed}
 
         new = Mirror("http://source", "m", 2)
-        assert await make_room(d, book, NBYTES, NBYTES, new, filling.remove)
+        assert await make_room(d.registry, d.store, book, NBYTES, NBYTES, new, filling.remove)
 
         assert book == {}
         assert region.region_id not in {r.region_id for r in d.store.regions}
@@ -90,7 +90,9 @@ async def test_a_new_version_takes_over_the_regions_of_a_finished_unleased_mirro
         assert "went away" in (filling.wait(*one, timeout_s=0) or "")
         new = Mirror("http://source", "m", 2)
 
-        taken = take_over(d, book, new, {11: 2 * NBYTES, 10: NBYTES}, filling.remove)
+        taken = take_over(
+            d.registry, d.store, book, new, {11: 2 * NBYTES, 10: NBYTES}, filling.remove
+        )
 
         assert {k: r.region_id for k, r in taken.items()} == ids
         assert book == {} and old.regions == {} and old.nbytes == 0
@@ -130,6 +132,6 @@ async def test_a_mirror_still_read_or_unlike_the_new_version_keeps_its_regions(w
             new = Mirror("http://source", "m", 0)
         book = {("http://source", "m", 1): old}
         with pins:
-            assert take_over(d, book, new, sizes, lambda m: None) == {}
+            assert take_over(d.registry, d.store, book, new, sizes, lambda m: None) == {}
         assert book == {("http://source", "m", 1): old} and list(old.regions) == [10]
         assert d.registry.version("m", 1).state is VersionState.READY
