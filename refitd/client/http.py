@@ -53,7 +53,7 @@ from refitd.wire import (
     VersionInfo,
 )
 from refitd.wire import routes as api
-from refitd.wire.routes import FLAG
+from refitd.wire.args import FLAG
 from transports.segments import owner_tag
 
 __all__ = ["RefitClient", "error_from_body"]
