@@ -73,6 +73,7 @@ __all__ = [
     "WaitReadyArgs",
     "decode_args",
     "describe",
+    "spell",
 ]
 
 MAX_WAIT_S = 60.0
@@ -237,7 +238,14 @@ class MirrorStateArgs(MirrorReadArgs, frozen=True, kw_only=True):
     timeout: Wait = 0.0
 
 
-# ---------------------------------------------------------------- decoding
+# ---------------------------------------------------------------- spelling and decoding
+
+
+def spell(value: str | int | float | bool) -> str:
+    """A parameter's text, as the client sends it: a flag as ``0``/``1``, a number as
+    Python writes it (which :func:`decode_args` reads back)."""
+    return FLAG[value] if isinstance(value, bool) else str(value)
+
 
 _INT = re.compile(r"-?[0-9]+")
 #: every wire integer is an int64 (:mod:`refitd.wire.fields`): its ends go unsaid

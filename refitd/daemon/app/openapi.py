@@ -78,9 +78,10 @@ class Operation:
     ``request``/``response`` are msgspec types (a Struct, or e.g. ``list[Struct]``);
     None means no body. ``args`` is the Struct of its path and query parameters
     (:mod:`refitd.wire.args`): each field is listed as a parameter, with its schema,
-    bounds and default (a path parameter it does not name is a string). ``media`` lists the accepted request content types
-    (bulk descriptor bodies also come as msgpack); ``response_media`` is the content
-    type answered, e.g. ``text/plain`` for metrics.
+    bounds and default (a path parameter it does not name is a string). ``media``
+    lists the accepted request content types (bulk descriptor bodies also come as
+    msgpack); ``response_media`` is the content type answered, e.g. ``text/plain``
+    for metrics.
     """
 
     summary: str = ""
@@ -272,7 +273,9 @@ def _schema(f: msgspec.structs.FieldInfo) -> dict[str, Any]:
     if get_origin(tp) in (Union, types.UnionType):
         rest = [t for t in get_args(tp) if t is not type(None)]
         tp = functools.reduce(operator.or_, rest)
-    schema = {"enum": list(FLAG_SPELLINGS)} if tp is bool else msgspec.json.schema(tp)
+    schema: dict[str, Any] = (
+        {"enum": list(FLAG_SPELLINGS)} if tp is bool else msgspec.json.schema(tp)
+    )
     if f.default is not msgspec.NODEFAULT and f.default is not None:
         schema["default"] = FLAG[f.default] if tp is bool else f.default
     return schema

@@ -6,7 +6,8 @@ its request, its connection (a file descriptor) and a task of the daemon until i
 answered. Without a bound on how many one principal holds at once, one tenant opening
 thousands of them would spend the daemon's descriptors, and the other tenants' next
 connection (and the next segment the daemon opens) would be refused. The timeouts are
-bounded too (:data:`MAX_WAIT_S`, cut as :mod:`refitd.wire.args` decodes them), and a wait whose client has gone ends within
+bounded too (:data:`MAX_WAIT_S`: a route's ``Wait`` parameter is cut to it as
+:mod:`refitd.wire.args` decodes it), and a wait whose client has gone ends within
 :data:`GONE_CHECK_S` and gives its place back (:func:`long_poll`): a tenant that opens
 and drops long polls in a loop never holds more than it has open.
 """

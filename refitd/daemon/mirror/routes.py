@@ -60,8 +60,9 @@ async def join_holders(request: web.Request) -> web.Response:
 async def mirror_state(request: web.Request, args: MirrorStateArgs) -> web.Response:
     """A mirror's progress; with ``after=N`` it answers once more than ``N`` chunks
     are complete, the mirror ended, or ``timeout`` seconds passed (at most
-    :data:`~refitd.wire.args.MAX_WAIT_S`). A wait is a long poll of its caller: counted against the
-    per-principal cap (429 past it) and ended when its client goes."""
+    :data:`~refitd.wire.args.MAX_WAIT_S`). A wait is a long poll of its caller:
+    counted against the per-principal cap (429 past it) and ended when its client
+    goes."""
     model, version, after, timeout_s = args.model, args.version, args.after, args.timeout
     mirrors = request.app[MIRRORS]
     # Who may see it first: whether a version is mirrored is the model's readers' only.
