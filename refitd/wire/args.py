@@ -355,12 +355,10 @@ def decode_args(
             continue
         try:
             values[f.name] = _read(f.type, text)
-            continue
         except _Refused:
-            pass
-        raise ProtocolError(
-            f"{prefix}{where} parameter {f.name} must be {describe(f.type)}; got {text!r}"
-        )
+            raise ProtocolError(
+                f"{prefix}{where} parameter {f.name} must be {describe(f.type)}; got {text!r}"
+            ) from None
     try:
         return msgspec.convert(values, cls)
     except msgspec.ValidationError as exc:  # read, but off its bounds
