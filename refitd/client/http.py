@@ -53,7 +53,6 @@ from refitd.wire import (
     VersionInfo,
 )
 from refitd.wire import routes as api
-from refitd.wire.routes import FLAG
 from transports.segments import owner_tag
 
 __all__ = ["RefitClient", "error_from_body"]
@@ -138,7 +137,7 @@ class RefitClient(ApiSession):
 
     async def gc(self, *, dry_run: bool = False) -> GcReport:
         """Free regions of exited clients and stale segments (``dry_run``: only list them)."""
-        return await self.send(api.GC, params={"dry_run": FLAG[dry_run]})
+        return await self.send(api.GC, params={"dry_run": dry_run})
 
     # ------------------------------------------------------------ sources
 
@@ -162,7 +161,7 @@ class RefitClient(ApiSession):
         """``version``'s delta record (docs/delta.md), after up to ``wait_s`` seconds
         for a comparison still running."""
         return await self.send(
-            api.DELTA_INFO, params={"wait": str(wait_s)}, model=model, version=version
+            api.DELTA_INFO, params={"wait": wait_s}, model=model, version=version
         )
 
     async def delta_pack(self, req: DeltaPackRequest) -> DeltaStaged:
@@ -186,7 +185,7 @@ class RefitClient(ApiSession):
         """Wait (one request; the daemon is woken by the registry's watch) for a complete
         version of ``model`` newer than ``after``; NotFoundError after ``timeout_s``."""
         return await self.send(
-            api.CLUSTER_NEXT, params={"after": str(after), "timeout": str(timeout_s)}, model=model
+            api.CLUSTER_NEXT, params={"after": after, "timeout": timeout_s}, model=model
         )
 
     async def wait_ready(self, model: str, version: int, timeout_s: float = 30.0) -> VersionInfo:
@@ -194,7 +193,7 @@ class RefitClient(ApiSession):
         version is READY; after ``timeout_s`` (at most a minute per request) its state
         then, still PENDING. NotFoundError when no slot of it was published by then."""
         return await self.send(
-            api.WAIT_READY, params={"timeout": str(timeout_s)}, model=model, version=version
+            api.WAIT_READY, params={"timeout": timeout_s}, model=model, version=version
         )
 
     async def wait_drain(
@@ -204,7 +203,7 @@ class RefitClient(ApiSession):
         ``retire`` first stops the version accepting new leases (before a rewrite)."""
         return await self.send(
             api.DRAIN,
-            params={"timeout": str(timeout_s), "retire": FLAG[retire]},
+            params={"timeout": timeout_s, "retire": retire},
             model=model,
             version=version,
         )
@@ -227,7 +226,7 @@ class RefitClient(ApiSession):
         return await self.send(api.ACQUIRE_LEASE, req)
 
     async def renew_lease(self, lease_id: str, ttl_s: float = 30.0) -> LeaseGrant:
-        return await self.send(api.RENEW_LEASE, params={"ttl": str(ttl_s)}, lease_id=lease_id)
+        return await self.send(api.RENEW_LEASE, params={"ttl": ttl_s}, lease_id=lease_id)
 
     async def release_lease(self, lease_id: str) -> None:
         await self.send(api.RELEASE_LEASE, lease_id=lease_id)
@@ -235,7 +234,7 @@ class RefitClient(ApiSession):
     async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
         """ConflictError unless ``lease_id`` is live on exactly ``(model, version)``."""
         return await self.send(
-            api.CHECK_LEASE, params={"model": model, "version": str(version)}, lease_id=lease_id
+            api.CHECK_LEASE, params={"model": model, "version": version}, lease_id=lease_id
         )
 
     # ------------------------------------------------------------ pulls
@@ -267,7 +266,7 @@ class RefitClient(ApiSession):
         if interval_s is None:
             interval_s = 0.25 if on_progress is not None else 30.0
         while True:
-            p = await self.send(api.WAIT_PULL, params={"timeout": str(interval_s)}, pull_id=pull_id)
+            p = await self.send(api.WAIT_PULL, params={"timeout": interval_s}, pull_id=pull_id)
             if on_progress is not None:
                 on_progress(p)
             if p.state in _TERMINAL:
@@ -387,11 +386,11 @@ class RefitClient(ApiSession):
     ) -> PeerRegions:
         """Signed region records; under ``lease_id`` (on ``model`` ``version``) only the
         regions that lease may read, each with the byte ranges it may read."""
-        params: dict[str, str] = {}
+        params: dict[str, str | int] = {}
         if ids is not None:
             params["ids"] = ",".join(str(i) for i in ids)
         if lease_id:
-            params.update(lease=lease_id, model=model, version=str(version))
+            params.update(lease=lease_id, model=model, version=version)
         return await self.send(api.PEER_REGIONS, params=params or None)
 
     async def peer_pack(

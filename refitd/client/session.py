@@ -5,7 +5,8 @@ peers (:class:`refitd.daemon.pull.peerclient.PeerClient`).
 What both need, written once:
 
 - a route of :mod:`refitd.wire.routes` is called by its entry (its path filled in,
-  only the query parameters it declares), so no path and no ``/v1`` is spelled here;
+  only the query parameters its ``args`` declare, each spelled as
+  :func:`refitd.wire.args.spell` writes it), so no path and no ``/v1`` is spelled here;
 - bodies travel as msgpack, and answers decode as the route's response type;
 - a redirect is refused, never followed: a daemon that points elsewhere would send the
   token, the lease and the request to a host nobody listed;
@@ -19,6 +20,7 @@ It imports nothing of torch, so a daemon (or ``refitd status``) may import it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 import aiohttp
@@ -26,6 +28,7 @@ import msgspec
 
 from refitd import errors
 from refitd.wire import ERROR_OF_STATUS, MSGPACK, ErrorBody, gc_paused
+from refitd.wire.args import spell
 from refitd.wire.routes import Route
 
 __all__ = ["ApiSession", "error_from_body", "refusal"]
@@ -99,16 +102,18 @@ class ApiSession:
         self,
         route: Route[T],
         body: Any = None,
-        params: dict[str, str] | None = None,
+        params: Mapping[str, str | int | float | bool] | None = None,
         **path: object,
     ) -> T:
-        """Call ``route`` (its path parameters in ``path``, its query in ``params``),
-        decoding the answer as the route's response type. A query parameter the route
-        does not declare is refused here (TypeError), before anything is sent."""
+        """Call ``route`` (its path parameters in ``path``, its query in ``params``: a
+        flag as a bool, a number as a number), decoding the answer as the route's
+        response type. A query parameter the route's ``args`` do not declare is
+        refused here (TypeError), before anything is sent."""
         undeclared = sorted(set(params or ()) - set(route.query))
         if undeclared:
             raise TypeError(f"{route.method} {route.path} declares no query {undeclared}")
-        return await self.request(route.method, route.url(**path), route.response, body, params)
+        query = None if params is None else {k: spell(v) for k, v in params.items()}
+        return await self.request(route.method, route.url(**path), route.response, body, query)
 
     #: the route call and the session, as tests, tools and streaming calls name them
     _send = send

@@ -21,9 +21,14 @@ PullRequest``):
 - :mod:`~refitd.wire.mirrors`: host mirrors and relay, daemon to daemon;
 - :mod:`~refitd.wire.digests`: a version's chunk digests, as its source computed them;
 - :mod:`~refitd.wire.deltas`: delta records and staged deltas (delta refit);
-- :mod:`~refitd.wire.routes`: the route table: every operation's method, path and
-  bodies, from which the daemon's routes, the OpenAPI document and the client's
-  paths are built.
+- :mod:`~refitd.wire.args`: each route's path and query parameters, declared once as
+  a Struct (type, default, bounds), and how they are read from text;
+- :mod:`~refitd.wire.routes`: the route table: every operation's method, path,
+  parameters and bodies, from which the daemon's routes, the OpenAPI document and
+  the client's paths are built.
+
+The route table and the parameters are imported as modules (``from refitd.wire import
+routes as api``), not re-exported here.
 
 Units: every ``*_offset``, ``nbytes`` and ``byte_offset`` is in **bytes**; every
 ``shape`` and tensor ``offset`` is in **elements** of the tensor's global shape.

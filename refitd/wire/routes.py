@@ -1,15 +1,19 @@
 """The routes of HTTP API v1, declared once, as data.
 
 Each :class:`Route` is one operation: its method, its path template, the Struct its
-request body decodes to, the type its response encodes and a one-line summary. The
-three places that need the routes read them from here (as starlette's routing does):
+path and query parameters decode to (``args``, :mod:`refitd.wire.args`: each
+parameter's type, default and bounds), the Struct its request body decodes to, the
+type its response encodes and a one-line summary. The three places that need the
+routes read them from here (as starlette's routing does):
 
-- the daemon registers a handler per route (``refitd.daemon.app.httpio.handles``), and a
-  test holds the app's routes and :data:`ROUTES` equal;
-- the OpenAPI document (``refitd.daemon.app.openapi``) describes each route from its
-  entry here;
+- the daemon registers a handler per route (``refitd.daemon.app.httpio.RouteTable``),
+  which gets the route's ``args`` decoded, and a test holds the app's routes and
+  :data:`ROUTES` equal;
+- the OpenAPI document (``refitd.daemon.app.openapi``) describes each route, its
+  parameters included, from its entry here;
 - the client (``refitd.client.http``) calls a route by its constant, so a path is
-  never spelled twice, and decodes the answer as the route's ``response``.
+  never spelled twice, sends only the query parameters its ``args`` declare, and
+  decodes the answer as the route's ``response``.
 
 Path templates are the aiohttp ones (``{name}``); :meth:`Route.url` fills them in.
 """
@@ -17,10 +21,10 @@ Path templates are the aiohttp ones (``{name}``); :meth:`Route.url` fills them i
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
+from refitd.wire import args as a
 from refitd.wire.deltas import (
     DeltaInfo,
     DeltaPackRequest,
@@ -48,18 +52,12 @@ from refitd.wire.records import ClusterVersion, DaemonRecord, PeerRegions
 from refitd.wire.regions import GcReport, NodeInfo, RegionAttach, RegionCreate, RegionInfo
 from refitd.wire.versions import ManifestIn, MergedManifest, VersionInfo
 
-__all__ = ["FLAG", "JSON", "ROUTES", "Flag", "Route"]
+__all__ = ["JSON", "ROUTES", "Route"]
 
 JSON = "application/json"
 #: the request content types of bodies that may be bulky (descriptor tables, manifests)
 _BOTH = (JSON, MSGPACK)
 _PARAM = re.compile(r"\{([^}:]+)(?::[^}]*)?\}")
-
-#: A yes/no query parameter (``dry_run``, ``retire``): exactly these four spellings,
-#: anything else is refused (400), so a typo never reads as "no".
-Flag = Literal["0", "1", "false", "true"]
-#: How the client spells a flag.
-FLAG: dict[bool, Flag] = {False: "0", True: "1"}
 
 T = TypeVar("T")
 
@@ -70,7 +68,8 @@ class Route(Generic[T]):
 
     ``response`` is the type the answer decodes to (``type(None)``: no body);
     ``request`` the Struct the body decodes to (None: no body), in any of ``media``;
-    ``status`` the status of success; ``query`` the query parameters and their types.
+    ``status`` the status of success; ``args`` the Struct its path and query
+    parameters decode to (None: it has none), a field for each path parameter.
     """
 
     method: str
@@ -82,12 +81,24 @@ class Route(Generic[T]):
     media: tuple[str, ...] = (JSON,)
     response_media: str = JSON
     tag: str = ""
-    query: Mapping[str, Any] = field(default_factory=dict)
+    args: type[a.Args] | None = None
+
+    def __post_init__(self) -> None:
+        fields = () if self.args is None else self.args.__struct_fields__
+        missing = [p for p in self.params if p not in fields]
+        if missing:
+            raise TypeError(f"{self.method} {self.path}: its args declare no {missing}")
 
     @property
     def params(self) -> tuple[str, ...]:
         """The path parameters, in the order the template names them."""
         return tuple(_PARAM.findall(self.path))
+
+    @property
+    def query(self) -> tuple[str, ...]:
+        """The query parameters: the fields of ``args`` the path does not name."""
+        fields = () if self.args is None else self.args.__struct_fields__
+        return tuple(f for f in fields if f not in self.params)
 
     def url(self, **params: object) -> str:
         """The path with every parameter filled in (as ``str(value)``, unquoted, as
@@ -140,15 +151,16 @@ ATTACH_REGION = _r(
     tag="regions",
 )
 LIST_REGIONS = _r("GET", "/regions", list[RegionInfo], "List regions", tag="regions")
-GET_REGION = _r("GET", "/regions/{region_id}", RegionInfo, "One region", tag="regions")
-DELETE_REGION = _r("DELETE", "/regions/{region_id}", RegionInfo, "Delete a region", tag="regions")
+_REGION = "/regions/{region_id}"
+GET_REGION = _r("GET", _REGION, RegionInfo, "One region", tag="regions", args=a.RegionAt)
+DELETE_REGION = _r("DELETE", _REGION, RegionInfo, "Delete a region", tag="regions", args=a.RegionAt)
 GC = _r(
     "POST",
     "/gc",
     GcReport,
     "Free exited clients' regions and stale segments (dry_run=1: list)",
     tag="regions",
-    query={"dry_run": Flag},
+    args=a.GcArgs,
 )
 
 # ---------------------------------------------------------------- sources
@@ -164,11 +176,23 @@ PUBLISH = _r(
 )
 ALL_VERSIONS = _r("GET", "/sources", list[VersionInfo], "Every version", tag="sources")
 MODEL_VERSIONS = _r(
-    "GET", "/sources/{model}/versions", list[VersionInfo], "A model's versions", tag="sources"
+    "GET",
+    "/sources/{model}/versions",
+    list[VersionInfo],
+    "A model's versions",
+    tag="sources",
+    args=a.ModelAt,
 )
-GET_VERSION = _r("GET", _V, VersionInfo, "One version ('latest' = newest READY)", tag="sources")
+GET_VERSION = _r(
+    "GET", _V, VersionInfo, "One version ('latest' = newest READY)", tag="sources", args=a.VersionAt
+)
 MANIFEST = _r(
-    "GET", _V + "/manifest", MergedManifest, "A READY version's merged manifest", tag="sources"
+    "GET",
+    _V + "/manifest",
+    MergedManifest,
+    "A READY version's merged manifest",
+    tag="sources",
+    args=a.VersionAt,
 )
 WAIT_READY = _r(
     "GET",
@@ -176,7 +200,7 @@ WAIT_READY = _r(
     VersionInfo,
     "Wait until a version is READY (or no longer pending); after 'timeout', its state now",
     tag="sources",
-    query={"timeout": float},
+    args=a.WaitReadyArgs,
 )
 DRAIN = _r(
     "POST",
@@ -184,7 +208,7 @@ DRAIN = _r(
     VersionInfo,
     "Wait until no lease holds the version (retire=1: retire it first)",
     tag="sources",
-    query={"timeout": float, "retire": Flag},
+    args=a.DrainArgs,
 )
 
 # ---------------------------------------------------------------- leases
@@ -204,7 +228,7 @@ CHECK_LEASE = _r(
     LeaseGrant,
     "Check a lease",
     tag="leases",
-    query={"model": str, "version": int},
+    args=a.LeaseCheckArgs,
 )
 RENEW_LEASE = _r(
     "POST",
@@ -212,9 +236,11 @@ RENEW_LEASE = _r(
     LeaseGrant,
     "Renew a lease",
     tag="leases",
-    query={"ttl": float},
+    args=a.RenewArgs,
 )
-RELEASE_LEASE = _r("DELETE", "/leases/{lease_id}", _NONE, "Release a lease", tag="leases")
+RELEASE_LEASE = _r(
+    "DELETE", "/leases/{lease_id}", _NONE, "Release a lease", tag="leases", args=a.LeaseAt
+)
 
 # ---------------------------------------------------------------- pulls
 SUBMIT_PULL = _r(
@@ -228,16 +254,17 @@ SUBMIT_PULL = _r(
     tag="pulls",
 )
 LIST_PULLS = _r("GET", "/pulls", list[PullProgress], "Every pull", tag="pulls")
-GET_PULL = _r("GET", "/pulls/{pull_id}", PullProgress, "One pull's progress", tag="pulls")
+_PULL = "/pulls/{pull_id}"
+GET_PULL = _r("GET", _PULL, PullProgress, "One pull's progress", tag="pulls", args=a.PullAt)
 WAIT_PULL = _r(
     "GET",
-    "/pulls/{pull_id}/wait",
+    _PULL + "/wait",
     PullProgress,
     "Wait for a pull to end (or timeout)",
     tag="pulls",
-    query={"timeout": float},
+    args=a.PullWaitArgs,
 )
-CANCEL_PULL = _r("DELETE", "/pulls/{pull_id}", PullProgress, "Cancel a pull", tag="pulls")
+CANCEL_PULL = _r("DELETE", _PULL, PullProgress, "Cancel a pull", tag="pulls", args=a.PullAt)
 
 # ---------------------------------------------------------------- deltas (docs/delta.md)
 DELTA_INFO = _r(
@@ -246,7 +273,7 @@ DELTA_INFO = _r(
     DeltaInfo,
     "A version's delta record: base version, digests, changed units, size",
     tag="deltas",
-    query={"wait": float},
+    args=a.DeltaInfoArgs,
 )
 DELTA_PACK = _r(
     "POST",
@@ -279,7 +306,7 @@ PEER_REGIONS = _r(
     PeerRegions,
     "Signed region records for a peer daemon (under a lease: what it may read)",
     tag="peer",
-    query={"ids": str, "lease": str, "model": str, "version": int},
+    args=a.PeerRegionsArgs,
 )
 PEER_PACK = _r(
     "POST",
@@ -297,7 +324,7 @@ PEER_DROP = _r(
     _NONE,
     "Drop a staging region",
     tag="peer",
-    query={"lease": str},
+    args=a.PeerDropArgs,
 )
 
 # ---------------------------------------------------------------- expert pools
@@ -313,11 +340,18 @@ CREATE_POOL = _r(
     tag="experts",
 )
 LIST_POOLS = _r("GET", "/experts", list[PoolInfo], "List expert pools", tag="experts")
-GET_POOL = _r("GET", _POOL, PoolInfo, "One expert pool", tag="experts")
+GET_POOL = _r("GET", _POOL, PoolInfo, "One expert pool", tag="experts", args=a.PoolAt)
 POOL_STATS = _r(
-    "GET", _POOL + "/stats", PoolStats, "One pool's counters (as in /metrics)", tag="experts"
+    "GET",
+    _POOL + "/stats",
+    PoolStats,
+    "One pool's counters (as in /metrics)",
+    tag="experts",
+    args=a.PoolAt,
 )
-DELETE_POOL = _r("DELETE", _POOL, PoolInfo, "Delete a pool and its regions", tag="experts")
+DELETE_POOL = _r(
+    "DELETE", _POOL, PoolInfo, "Delete a pool and its regions", tag="experts", args=a.PoolAt
+)
 ENSURE = _r(
     "POST",
     _POOL + "/ensure",
@@ -327,6 +361,7 @@ ENSURE = _r(
     200,
     _BOTH,
     tag="experts",
+    args=a.PoolAt,
 )
 PREFETCH = _r(
     "POST",
@@ -337,6 +372,7 @@ PREFETCH = _r(
     200,
     _BOTH,
     tag="experts",
+    args=a.PoolAt,
 )
 INVALIDATE = _r(
     "POST",
@@ -347,6 +383,7 @@ INVALIDATE = _r(
     200,
     _BOTH,
     tag="experts",
+    args=a.PoolAt,
 )
 
 # ---------------------------------------------------------------- cluster registry
@@ -363,6 +400,7 @@ CLUSTER_VERSION = _r(
     ClusterVersion,
     "Which daemons hold a version ('latest' = newest complete)",
     tag="cluster",
+    args=a.VersionAt,
 )
 CLUSTER_NEXT = _r(
     "GET",
@@ -370,7 +408,7 @@ CLUSTER_NEXT = _r(
     ClusterVersion,
     "Wait for a complete version newer than 'after'",
     tag="cluster",
-    query={"after": int, "timeout": float},
+    args=a.ClusterNextArgs,
 )
 
 # ---------------------------------------------------------------- host mirrors and relay
@@ -390,7 +428,7 @@ MIRROR_STATE = _r(
     MirrorState,
     "A mirror's progress (waits for more than 'after' complete chunks)",
     tag="mirrors",
-    query={"after": int, "timeout": float, "lease": str},
+    args=a.MirrorStateArgs,
 )
 MIRROR_FEED = _r(
     "GET",
@@ -399,7 +437,7 @@ MIRROR_FEED = _r(
     "A mirror's complete chunks as they land: a stream of length-prefixed frames, each "
     "with records scoped to the lease",
     tag="mirrors",
-    query={"lease": str},
+    args=a.MirrorReadArgs,
     response_media=MSGPACK,
 )
 MIRROR_DIGESTS = _r(
@@ -409,7 +447,7 @@ MIRROR_DIGESTS = _r(
     "The digest of each chunk of a version this daemon is the source of, under a lease on "
     "it: a mirror checks the chunks it read from another holder against them",
     tag="mirrors",
-    query={"lease": str},
+    args=a.MirrorReadArgs,
 )
 MIRROR_LEASE = _r(
     "POST",

@@ -4,7 +4,8 @@ not a room's own.
 Modules:
 
 - `handlers`: the API v1 handlers, and `create_app` that assembles them
-- `httpio`: the HTTP edge handlers share: app keys, body decoding, replies
+- `httpio`: the HTTP edge handlers share: app keys, a route's parameters decoded into
+  its args Struct before its handler runs, body decoding, replies
 - `leasing`: what a lease reads on a daemon (its scope, the signed records a peer
   reads under it, packs) and a lease's life: `Daemon`'s base
 - `membership`: the daemon's membership in the cluster registry: registering, announcing

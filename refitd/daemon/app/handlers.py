@@ -28,11 +28,6 @@ from refitd.daemon.app.httpio import (
     body,
     error_middleware,
     manifest_body,
-    query_flag,
-    query_float,
-    query_has,
-    query_int,
-    query_str,
     reply,
     wants_msgpack,
 )
@@ -40,7 +35,7 @@ from refitd.daemon.app.membership import CLUSTER, REGISTRY_ORIGIN, announce
 from refitd.daemon.app.membership import routes as cluster_routes
 from refitd.daemon.app.metrics import METRICS_KEY, PullMetrics
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.waits import MAX_WAIT_S, WAITS, Waits, long_poll
+from refitd.daemon.app.waits import WAITS, Waits, long_poll
 from refitd.daemon.delta.routes import DELTAS, setup_deltas
 from refitd.daemon.experts.pools import POOLS, ExpertPools, close_pools
 from refitd.daemon.experts.routes import routes as expert_routes
@@ -49,9 +44,8 @@ from refitd.daemon.mirror.routes import MIRRORS, setup_mirrors
 from refitd.daemon.pull.listeners import Caller, PullCap, WriteRule
 from refitd.daemon.pull.peerclient import PeerClient
 from refitd.daemon.pull.pulls import PULLS, PullJob, PullManager, RemoteSource
-from refitd.errors import ProtocolError, TransportError
+from refitd.errors import TransportError
 from refitd.wire import (
-    MAX_LEASE_TTL_S,
     MSGPACK,
     STATUS_OF,
     LeaseRequest,
@@ -62,6 +56,21 @@ from refitd.wire import (
     RegionCreate,
 )
 from refitd.wire import routes as api
+from refitd.wire.args import (
+    DrainArgs,
+    GcArgs,
+    LeaseAt,
+    LeaseCheckArgs,
+    ModelAt,
+    PeerDropArgs,
+    PeerRegionsArgs,
+    PullAt,
+    PullWaitArgs,
+    RegionAt,
+    RenewArgs,
+    VersionAt,
+    WaitReadyArgs,
+)
 
 __all__ = [
     "DAEMON",
@@ -122,14 +131,14 @@ async def list_regions(request: web.Request) -> web.Response:
 
 
 @routes.handles(api.GET_REGION)
-async def get_region(request: web.Request) -> web.Response:
-    info = request.app[DAEMON].store.regions.get(query_int(request, "region_id"))
+async def get_region(request: web.Request, args: RegionAt) -> web.Response:
+    info = request.app[DAEMON].store.regions.get(args.region_id)
     return reply(request, sees_region(request, info))
 
 
 @routes.handles(api.DELETE_REGION)
-async def delete_region(request: web.Request) -> web.Response:
-    rid = query_int(request, "region_id")
+async def delete_region(request: web.Request, args: RegionAt) -> web.Response:
+    rid = args.region_id
     check_owner(
         request, request.app[DAEMON].store.regions.get(rid).owner, "delete", f"region {rid}"
     )
@@ -141,9 +150,9 @@ async def delete_region(request: web.Request) -> web.Response:
 
 
 @routes.handles(api.GC)
-async def gc(request: web.Request) -> web.Response:
+async def gc(request: web.Request, args: GcArgs) -> web.Response:
     """Free regions of exited clients and stale segments; ``dry_run=1`` only lists them."""
-    report = await request.app[DAEMON].gc(dry_run=query_flag(request, "dry_run"))
+    report = await request.app[DAEMON].gc(dry_run=args.dry_run)
     regions = [sees_region(request, r) for r in report.regions]
     return reply(request, msgspec.structs.replace(report, regions=regions))
 
@@ -167,54 +176,49 @@ async def list_sources(request: web.Request) -> web.Response:
 
 
 @routes.handles(api.MODEL_VERSIONS)
-async def list_versions(request: web.Request) -> web.Response:
-    model = request.match_info["model"]
-    return reply(request, request.app[DAEMON].versions(principal_of(request), model))
+async def list_versions(request: web.Request, args: ModelAt) -> web.Response:
+    return reply(request, request.app[DAEMON].versions(principal_of(request), args.model))
 
 
-def _asked(request: web.Request) -> tuple[Principal, str, int | None]:
+def _asked(request: web.Request, args: VersionAt) -> tuple[Principal, str, int | None]:
     """Who asks for which version of which model (None: ``latest``)."""
-    latest = request.match_info["version"] == "latest"
-    version = None if latest else query_int(request, "version")
-    return principal_of(request), request.match_info["model"], version
+    return principal_of(request), args.model, args.number
 
 
-def _version(request: web.Request) -> tuple[str, int]:
-    who, model, version = _asked(request)
+def _version(request: web.Request, args: VersionAt) -> tuple[str, int]:
+    who, model, version = _asked(request, args)
     return model, request.app[DAEMON].readable(who, model, version)
 
 
 @routes.handles(api.GET_VERSION)
-async def get_version(request: web.Request) -> web.Response:
-    return reply(request, request.app[DAEMON].version(*_asked(request)))
+async def get_version(request: web.Request, args: VersionAt) -> web.Response:
+    return reply(request, request.app[DAEMON].version(*_asked(request, args)))
 
 
 @routes.handles(api.MANIFEST)
-async def get_manifest(request: web.Request) -> web.Response:
+async def get_manifest(request: web.Request, args: VersionAt) -> web.Response:
     d = request.app[DAEMON]
     if wants_msgpack(request):
         # Encoded once per version and cached: a 100k-tensor manifest is served as is.
-        return web.Response(body=d.manifest_bytes(*_asked(request)), content_type=MSGPACK)
-    return reply(request, d.manifest(*_asked(request)))
+        return web.Response(body=d.manifest_bytes(*_asked(request, args)), content_type=MSGPACK)
+    return reply(request, d.manifest(*_asked(request, args)))
 
 
 @routes.handles(api.WAIT_READY)
-async def wait_ready(request: web.Request) -> web.Response:
+async def wait_ready(request: web.Request, args: WaitReadyArgs) -> web.Response:
     """Answer once the version is READY, or after ``timeout`` seconds with its state."""
-    model, version = _version(request)
-    timeout = min(query_float(request, "timeout", 30.0), MAX_WAIT_S)
+    model, version = _version(request, args)
     async with long_poll(request, f"waiting for {model!r} v{version}"):
-        return reply(request, await request.app[DAEMON].wait_ready(model, version, timeout))
+        return reply(request, await request.app[DAEMON].wait_ready(model, version, args.timeout))
 
 
 @routes.handles(api.DRAIN)
-async def drain(request: web.Request) -> web.Response:
+async def drain(request: web.Request, args: DrainArgs) -> web.Response:
     """Wait for the version's leases to drain; ``retire=1`` first refuses new ones."""
-    model, version = _version(request)
-    retire = query_flag(request, "retire")
+    model, version = _version(request, args)
+    retire, timeout = args.retire, args.timeout
     what = "retire a version of" if retire else "drain a version of"
     request.app[DAEMON].models.check_owner(principal_of(request), model, what)
-    timeout = query_float(request, "timeout", 60.0)
     waited = False
     try:
         # A long poll: counted, and ended (its place given back) once its client goes.
@@ -245,24 +249,22 @@ async def acquire(request: web.Request) -> web.Response:
 
 
 @routes.handles(api.CHECK_LEASE)
-async def check_lease(request: web.Request) -> web.Response:
-    model, version = query_str(request, "model"), query_int(request, "version")
-    lease_id = request.match_info["lease_id"]
-    return reply(request, request.app[DAEMON].check_lease(lease_id, model, version))
+async def check_lease(request: web.Request, args: LeaseCheckArgs) -> web.Response:
+    d = request.app[DAEMON]
+    return reply(request, d.check_lease(args.lease_id, args.model, args.version))
 
 
 @routes.handles(api.RENEW_LEASE)
-async def renew(request: web.Request) -> web.Response:
-    reg = request.app[DAEMON].registry
-    ttl = query_float(request, "ttl", 30.0, positive=True, most=MAX_LEASE_TTL_S)  # as on acquire
-    lease_id = request.match_info["lease_id"]
-    ttl = await request.app[MIRRORS].leases.renewal(lease_id, ttl)  # a mirror's: re-checked
+async def renew(request: web.Request, args: RenewArgs) -> web.Response:
+    reg, lease_id = request.app[DAEMON].registry, args.lease_id
+    # A mirror's lease is re-checked at its source, which may cut the ttl.
+    ttl = await request.app[MIRRORS].leases.renewal(lease_id, args.ttl)
     return reply(request, reg.renew(lease_id, ttl))
 
 
 @routes.handles(api.RELEASE_LEASE)
-async def release(request: web.Request) -> web.Response:
-    request.app[DAEMON].release(request.match_info["lease_id"])
+async def release(request: web.Request, args: LeaseAt) -> web.Response:
+    request.app[DAEMON].release(args.lease_id)
     return reply(request, None)
 
 
@@ -289,34 +291,32 @@ async def list_pulls(request: web.Request) -> web.Response:
     return reply(request, [j.snapshot() for j in jobs])
 
 
-def _own_pull(request: web.Request, action: str) -> PullJob:
-    pull_id = request.match_info["pull_id"]
+def _own_pull(request: web.Request, pull_id: str, action: str) -> PullJob:
     job = request.app[PULLS].get(pull_id)
     check_owner(request, job.owner, action, f"pull {pull_id}")
     return job
 
 
 @routes.handles(api.GET_PULL)
-async def pull_status(request: web.Request) -> web.Response:
-    return reply(request, _own_pull(request, "read").snapshot())
+async def pull_status(request: web.Request, args: PullAt) -> web.Response:
+    return reply(request, _own_pull(request, args.pull_id, "read").snapshot())
 
 
 @routes.handles(api.WAIT_PULL)
-async def pull_wait(request: web.Request) -> web.Response:
+async def pull_wait(request: web.Request, args: PullWaitArgs) -> web.Response:
     """Answer when the pull ends, or after ``timeout`` seconds (at most a minute) with
     its progress."""
-    job = _own_pull(request, "wait for")
-    timeout = min(query_float(request, "timeout", 30.0), MAX_WAIT_S)
+    job = _own_pull(request, args.pull_id, "wait for")
     async with long_poll(request, f"waiting for pull {job.pull_id}"):
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(args.timeout):
                 await job.finished.wait()
     return reply(request, job.snapshot())
 
 
 @routes.handles(api.CANCEL_PULL)
-async def cancel_pull(request: web.Request) -> web.Response:
-    job = await request.app[PULLS].cancel(_own_pull(request, "cancel").pull_id)
+async def cancel_pull(request: web.Request, args: PullAt) -> web.Response:
+    job = await request.app[PULLS].cancel(_own_pull(request, args.pull_id, "cancel").pull_id)
     return reply(request, job.snapshot())
 
 
@@ -324,16 +324,11 @@ async def cancel_pull(request: web.Request) -> web.Response:
 
 
 @routes.handles(api.PEER_REGIONS)
-async def peer_regions(request: web.Request) -> web.Response:
-    raw = query_str(request, "ids") if query_has(request, "ids") else None
-    try:
-        ids = None if raw is None else [int(x) for x in raw.split(",") if x]
-    except ValueError:  # a malformed id is the caller's mistake, not a server error
-        raise ProtocolError(f"ids must be comma-separated integers, got {raw!r}") from None
-    d = request.app[DAEMON]
-    if query_has(request, "lease"):  # records for a pull: only what that lease may read
-        lease_id, model = query_str(request, "lease"), query_str(request, "model")
-        return reply(request, d.leased_regions(ids, lease_id, model, query_int(request, "version")))
+async def peer_regions(request: web.Request, args: PeerRegionsArgs) -> web.Response:
+    ids, d = args.region_ids(), request.app[DAEMON]
+    if args.lease is not None:  # records for a pull: only what that lease may read
+        version = args.leased_version()
+        return reply(request, d.leased_regions(ids, args.lease, args.model, version))
     return reply(request, d.peer_regions(ids))
 
 
@@ -345,9 +340,8 @@ async def peer_pack(request: web.Request) -> web.Response:
 
 
 @routes.handles(api.PEER_DROP)
-async def peer_drop(request: web.Request) -> web.Response:
-    d = request.app[DAEMON]
-    await d.release_staging(query_int(request, "region_id"), query_str(request, "lease"))
+async def peer_drop(request: web.Request, args: PeerDropArgs) -> web.Response:
+    await request.app[DAEMON].release_staging(args.region_id, args.lease)
     return reply(request, None)
 
 

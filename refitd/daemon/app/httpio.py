@@ -6,22 +6,22 @@ this module, never each other's internals, so the app assembles them without an
 import cycle.
 
 A handler's route (:mod:`refitd.wire.routes`) says what the edge does with it: the
-body is decoded as the route's ``request`` (:func:`body`), the answer goes out with
-the route's ``status`` (:func:`reply`), and every declared query parameter present
-is checked against its declared type before the handler runs (400 otherwise). A
-handler reads only the query parameters its route declares (a read of another is a
-bug, refused loudly, and ``tests/daemon/app/test_daemon_query_declared.py`` finds it
-before it runs), so the OpenAPI document and the fuzz suite see every one.
+path and query are decoded into the route's ``args`` Struct before the handler runs
+(:mod:`refitd.wire.args`: each parameter's type, default and bounds, declared once;
+400 naming the parameter and its bound otherwise) and the handler gets it as its
+second argument, reading no raw parameter; the body is decoded as the route's
+``request`` (:func:`body`); the answer goes out with the route's ``status``
+(:func:`reply`). A handler of a route with no ``args`` takes the request alone.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import math
+import inspect
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, get_args
+from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
@@ -37,20 +37,17 @@ from refitd.wire import (
     gc_paused,
     status_of,
 )
-from refitd.wire.routes import ROUTES, Flag, Route
+from refitd.wire.args import Args, decode_args
+from refitd.wire.routes import ROUTES, Route
 
 __all__ = [
     "DAEMON",
     "Handler",
     "RouteTable",
+    "args_of",
     "body",
     "error_middleware",
     "manifest_body",
-    "query_flag",
-    "query_float",
-    "query_has",
-    "query_int",
-    "query_str",
     "reply",
     "route_of",
     "wants_msgpack",
@@ -61,35 +58,52 @@ T = TypeVar("T")
 DAEMON: web.AppKey[Daemon] = web.AppKey("daemon", Daemon)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-H = TypeVar("H", bound=Handler)
+#: a handler as written: ``(request)``, or ``(request, args)`` for a route with ``args``
+H = TypeVar("H", bound=Callable[..., Awaitable[web.StreamResponse]])
 
 
 class RouteTable(web.RouteTableDef):
     """A handler module's routes, each bound to its entry in :mod:`refitd.wire.routes`
-    (the one place a method and path are written)."""
+    (the one place a method, a path and its parameters are written)."""
 
     def handles(self, route: Route[Any]) -> Callable[[H], H]:
-        """Register the decorated handler for ``route``; where the route declares query
-        parameters, those present are checked against their types first."""
+        """Register the decorated handler for ``route``. Where the route has ``args``,
+        the handler is ``(request, args)`` and gets the request's path and query
+        decoded into them (400 before it runs otherwise); else it is ``(request)``."""
 
         def register(handler: H) -> H:
-            if not route.query:
+            takes = len(inspect.signature(handler).parameters)
+            if takes != (1 if route.args is None else 2):
+                raise TypeError(
+                    f"{handler.__qualname__} takes {takes} arguments; the handler of "
+                    f"{route.method} {route.path} takes (request"
+                    f"{', args' if route.args is not None else ''})"
+                )
+            if route.args is None:
                 self.route(route.method, route.path)(handler)
                 return handler
+            cls = route.args
 
             @functools.wraps(handler)
-            async def checked(request: web.Request) -> web.StreamResponse:
-                _check_query(request, route)
-                return await handler(request)
+            async def decoded(request: web.Request) -> web.StreamResponse:
+                return await handler(request, args_of(request, cls))
 
-            self.route(route.method, route.path)(checked)
+            self.route(route.method, route.path)(decoded)
             return handler
 
         return register
 
 
+A = TypeVar("A", bound=Args)
+
+
+def args_of(request: web.Request, cls: type[A]) -> A:
+    """``request``'s path and query decoded as ``cls`` (a route's ``args``); refused
+    (:class:`ProtocolError`, 400) naming a parameter off its type or bounds."""
+    return decode_args(cls, request.match_info, request.query, f"{request.method} {request.path}")
+
+
 _ROUTE_OF = {(r.method, r.path): r for r in ROUTES}
-_FLAGS: frozenset[str] = frozenset(get_args(Flag))
 
 
 def route_of(request: web.Request) -> Route[Any] | None:
@@ -101,29 +115,6 @@ def route_of(request: web.Request) -> Route[Any] | None:
         return None
     method = "GET" if info.method == "HEAD" else info.method
     return _ROUTE_OF.get((method, resource.canonical))
-
-
-def _check_query(request: web.Request, route: Route[Any]) -> None:
-    """Refuse (400) a declared query parameter whose value is not of its type."""
-    for name, tp in route.query.items():
-        if name not in request.query:
-            continue
-        if tp is int:
-            query_int(request, name)
-        elif tp is float:
-            query_float(request, name, 0.0)
-        elif tp is Flag:
-            query_flag(request, name)
-
-
-def _declared(request: web.Request, name: str) -> None:
-    route = route_of(request)
-    if route is not None and name not in route.query and name not in route.params:
-        raise RuntimeError(
-            f"{route.method} {route.path} reads {name!r}, which its entry in "
-            "refitd.wire.routes does not declare (declare it there, so the OpenAPI "
-            "document and its clients know it)"
-        )
 
 
 def wants_msgpack(request: web.Request) -> bool:
@@ -262,63 +253,3 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         # aiohttp's own refusals (no such route, method not allowed) in our error shape.
         name = "NotFoundError" if exc.status == 404 else "ProtocolError"
         return refused(request, exc.status, name, f"{request.method} {request.path}: {exc.reason}")
-
-
-def query_int(request: web.Request, name: str) -> int:
-    """An integer path or query parameter (400 when it is not one)."""
-    _declared(request, name)
-    raw = request.match_info.get(name) or request.query.get(name, "")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ProtocolError(f"{name} must be an integer, got {raw!r}") from None
-
-
-def query_float(
-    request: web.Request,
-    name: str,
-    default: float,
-    *,
-    positive: bool = False,
-    most: float = math.inf,
-) -> float:
-    """A duration in seconds from the query: finite, ``>= 0`` (``> 0`` if ``positive``)
-    and at most ``most``. NaN and infinities are refused: a NaN deadline never
-    compares as passed, so a lease renewed with one would never expire and a wait on
-    one would never end."""
-    _declared(request, name)
-    raw = request.query.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0 and value <= most and (value > 0 or not positive)):
-        bound = f"{'>' if positive else '>='} 0" + (f" and <= {most:g}" if most < math.inf else "")
-        raise ProtocolError(
-            f"query parameter {name} must be a finite number of seconds {bound}, got {raw!r}"
-        )
-    return value
-
-
-def query_str(request: web.Request, name: str, default: str = "") -> str:
-    """A text query parameter (``default`` when absent)."""
-    _declared(request, name)
-    return request.query.get(name, default)
-
-
-def query_flag(request: web.Request, name: str) -> bool:
-    """A yes/no query parameter: ``1``/``true`` or ``0``/``false`` (absent: no);
-    anything else is refused (400) rather than read as no."""
-    _declared(request, name)
-    raw = request.query.get(name, "0")
-    if raw not in _FLAGS:
-        raise ProtocolError(f"query parameter {name} must be one of 0, 1, false, true; got {raw!r}")
-    return raw in ("1", "true")
-
-
-def query_has(request: web.Request, name: str) -> bool:
-    """Whether the query names ``name`` (a declared parameter)."""
-    _declared(request, name)
-    return name in request.query

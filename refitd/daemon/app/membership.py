@@ -21,11 +21,12 @@ from aiohttp import web
 
 from refitd.cluster import ClusterRegistry
 from refitd.daemon.access.auth import principal_of
-from refitd.daemon.app.httpio import DAEMON, RouteTable, query_float, query_has, query_int, reply
-from refitd.daemon.app.waits import MAX_WAIT_S, long_poll
+from refitd.daemon.app.httpio import DAEMON, RouteTable, reply
+from refitd.daemon.app.waits import long_poll
 from refitd.errors import NotFoundError
 from refitd.wire import DaemonRecord, SourceRecord, VersionState
 from refitd.wire import routes as api
+from refitd.wire.args import ClusterNextArgs, VersionAt
 
 __all__ = [
     "CLUSTER",
@@ -85,24 +86,20 @@ async def daemons(request: web.Request) -> web.Response:
 
 
 @routes.handles(api.CLUSTER_VERSION)
-async def version(request: web.Request) -> web.Response:
-    model, v = request.match_info["model"], request.match_info["version"]
+async def version(request: web.Request, args: VersionAt) -> web.Response:
+    model = args.model
     # Which daemons hold which versions of a model is its readers' to know (403 alike
     # whether the version exists or not).
     request.app[DAEMON].models.check_read(principal_of(request), model, "see the holders of")
-    found = request.app[CLUSTER].version(
-        model, v if v == "latest" else query_int(request, "version")
-    )
+    found = request.app[CLUSTER].version(model, args.version)
     return reply(request, found)
 
 
 @routes.handles(api.CLUSTER_NEXT)
-async def next_version(request: web.Request) -> web.Response:
-    model = request.match_info["model"]
+async def next_version(request: web.Request, args: ClusterNextArgs) -> web.Response:
+    model, after, timeout = args.model, args.after, args.timeout
     who = principal_of(request)
     request.app[DAEMON].models.check_read(who, model, "wait for the versions of")
-    after = query_int(request, "after") if query_has(request, "after") else -1
-    timeout = min(query_float(request, "timeout", 30.0), MAX_WAIT_S)  # a long poll
     async with long_poll(request, f"waiting for a version of {model!r}"):
         found = await request.app[CLUSTER].wait_newer(model, after, timeout)
     if found is None:

@@ -23,16 +23,20 @@ document is built on the first ``GET /v1/openapi.json`` and cached.
 
 from __future__ import annotations
 
+import functools
+import operator
 import re
+import types
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar, Union, get_args, get_origin
 
 import msgspec
 from aiohttp import web
 
 from refitd.wire import MSGPACK, STATUS_OF, ErrorBody
 from refitd.wire import routes as api
+from refitd.wire.args import FLAG, FLAG_SPELLINGS, Args
 
 __all__ = [
     "OPENAPI_PATH",
@@ -72,9 +76,12 @@ class Operation:
     """What one route reads and writes.
 
     ``request``/``response`` are msgspec types (a Struct, or e.g. ``list[Struct]``);
-    None means no body. ``media`` lists the accepted request content types
-    (bulk descriptor bodies also come as msgpack); ``response_media`` is the content
-    type answered, e.g. ``text/plain`` for metrics.
+    None means no body. ``args`` is the Struct of its path and query parameters
+    (:mod:`refitd.wire.args`): each field is listed as a parameter, with its schema,
+    bounds and default (a path parameter it does not name is a string). ``media``
+    lists the accepted request content types (bulk descriptor bodies also come as
+    msgpack); ``response_media`` is the content type answered, e.g. ``text/plain``
+    for metrics.
     """
 
     summary: str = ""
@@ -84,7 +91,7 @@ class Operation:
     media: tuple[str, ...] = (JSON,)
     response_media: str = JSON
     tags: tuple[str, ...] = ()
-    query: Mapping[str, Any] = field(default_factory=dict)
+    args: type[Args] | None = None
 
 
 def operations_of(routes: Iterable[api.Route[Any]]) -> dict[tuple[str, str], Operation]:
@@ -98,7 +105,7 @@ def operations_of(routes: Iterable[api.Route[Any]]) -> dict[tuple[str, str], Ope
             media=r.media,
             response_media=r.response_media,
             tags=(r.tag,) if r.tag else (),
-            query=r.query,
+            args=r.args,
         )
         for r in routes
     }
@@ -191,14 +198,7 @@ def build_openapi(
         }
         if op.tags:
             entry["tags"] = list(op.tags)
-        params = [
-            {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
-            for name in _PARAM.findall(path)
-        ]
-        params += [
-            {"name": name, "in": "query", "required": False, "schema": msgspec.json.schema(tp)}
-            for name, tp in op.query.items()
-        ]
+        params = _parameters(path, op.args)
         if params:
             entry["parameters"] = params
         if op.request is not None:
@@ -241,6 +241,44 @@ def build_openapi(
         # deployments take requests without one (the empty requirement).
         "security": [{}, {"bearer": []}],
     }
+
+
+def _parameters(path: str, args: type[Args] | None) -> list[dict[str, Any]]:
+    """The path parameters of ``path``, then the query parameters of ``args``, each
+    with the schema, bounds and default its field declares."""
+    fields = {f.name: f for f in msgspec.structs.fields(args)} if args is not None else {}
+    in_path = _PARAM.findall(path)
+    params = [
+        {
+            "name": name,
+            "in": "path",
+            "required": True,
+            "schema": _schema(fields[name]) if name in fields else {"type": "string"},
+        }
+        for name in in_path
+    ]
+    params += [
+        {"name": f.name, "in": "query", "required": f.required, "schema": _schema(f)}
+        for f in fields.values()
+        if f.name not in in_path
+    ]
+    return params
+
+
+def _schema(f: msgspec.structs.FieldInfo) -> dict[str, Any]:
+    """A parameter's schema, as :mod:`refitd.wire.args` reads it from text: a flag
+    (``bool``) is one of its four spellings; an optional one (``X | None``) is its
+    ``X``, absent when not given (None is never spelled)."""
+    tp = f.type
+    if get_origin(tp) in (Union, types.UnionType):
+        rest = [t for t in get_args(tp) if t is not type(None)]
+        tp = functools.reduce(operator.or_, rest)
+    schema: dict[str, Any] = (
+        {"enum": list(FLAG_SPELLINGS)} if tp is bool else msgspec.json.schema(tp)
+    )
+    if f.default is not msgspec.NODEFAULT and f.default is not None:
+        schema["default"] = FLAG[f.default] if tp is bool else f.default
+    return schema
 
 
 def _add_links(ops: Mapping[tuple[str, str], Operation], paths: dict[str, dict[str, Any]]) -> None:

@@ -6,7 +6,8 @@ its request, its connection (a file descriptor) and a task of the daemon until i
 answered. Without a bound on how many one principal holds at once, one tenant opening
 thousands of them would spend the daemon's descriptors, and the other tenants' next
 connection (and the next segment the daemon opens) would be refused. The timeouts are
-bounded too (:data:`MAX_WAIT_S`), and a wait whose client has gone ends within
+bounded too (:data:`MAX_WAIT_S`: a route's ``Wait`` parameter is cut to it as
+:mod:`refitd.wire.args` decodes it), and a wait whose client has gone ends within
 :data:`GONE_CHECK_S` and gives its place back (:func:`long_poll`): a tenant that opens
 and drops long polls in a loop never holds more than it has open.
 """
@@ -21,12 +22,9 @@ from aiohttp import web
 
 from refitd.daemon.access.auth import principal_of
 from refitd.errors import QuotaExceeded
+from refitd.wire.args import MAX_WAIT_S  # declared with the parameters it cuts
 
 __all__ = ["GONE_CHECK_S", "MAX_WAITS_PER_PRINCIPAL", "MAX_WAIT_S", "WAITS", "Waits", "long_poll"]
-
-MAX_WAIT_S = 60.0
-"""The longest a long poll holds its request, s (a longer ``timeout`` is cut to it): a
-client waiting longer asks again."""
 
 MAX_WAITS_PER_PRINCIPAL = 64
 """Long polls one principal holds open at once by default (429 past it;

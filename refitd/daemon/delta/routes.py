@@ -8,9 +8,9 @@ import msgspec
 from aiohttp import web
 
 from refitd.daemon.access.auth import principal_of
-from refitd.daemon.app.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
+from refitd.daemon.app.httpio import DAEMON, RouteTable, body, reply
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.waits import MAX_WAIT_S, WAITS, long_poll
+from refitd.daemon.app.waits import WAITS, long_poll
 from refitd.daemon.delta.plans import Plans
 from refitd.daemon.delta.selection import pack_delta
 from refitd.daemon.delta.source import DeltaBook
@@ -18,6 +18,7 @@ from refitd.daemon.delta.stream import stream
 from refitd.daemon.pull.plancheck import check_runs
 from refitd.wire import MSGPACK, DeltaPackRequest, DeltaStreamRequest
 from refitd.wire import routes as api
+from refitd.wire.args import DeltaInfoArgs
 
 __all__ = ["DELTAS", "routes", "setup_deltas"]
 
@@ -27,14 +28,12 @@ routes = RouteTable()
 
 
 @routes.handles(api.DELTA_INFO)
-async def delta_info(request: web.Request) -> web.Response:
+async def delta_info(request: web.Request, args: DeltaInfoArgs) -> web.Response:
     """A version's delta record; ``wait=S`` waits up to S seconds (at most 60) for a
     comparison still running."""
     d = request.app[DAEMON]
-    model = request.match_info["model"]
+    model, version, wait_s = args.model, args.version, args.wait
     d.models.check_read(principal_of(request), model, "read")
-    version = query_int(request, "version")
-    wait_s = min(query_float(request, "wait", 0.0), MAX_WAIT_S)
     if not wait_s:
         return reply(request, await request.app[DELTAS].info(model, version))
     async with long_poll(request, f"waiting for {model!r} v{version}"):

@@ -23,6 +23,7 @@ from refitd.wire import (
     PrefetchRequest,
 )
 from refitd.wire import routes as api
+from refitd.wire.args import PoolAt
 
 __all__ = ["routes"]
 
@@ -46,8 +47,8 @@ async def list_pools(request: web.Request) -> web.Response:
     return reply(request, [pool.info() for pool in pools])
 
 
-def _pool(request: web.Request, action: str) -> ExpertPool:
-    pool = request.app[POOLS].get(request.match_info["pool"])
+def _pool(request: web.Request, args: PoolAt, action: str) -> ExpertPool:
+    pool = request.app[POOLS].get(args.pool)
     check_owner(request, pool.owner, action, f"expert pool {pool.name!r}")
     return pool
 
@@ -79,28 +80,28 @@ def _check_slots_unpublished(request: web.Request, pool: ExpertPool) -> None:
 
 
 @routes.handles(api.GET_POOL)
-async def get_pool(request: web.Request) -> web.Response:
-    async with _locked(_pool(request, "read")) as pool:
+async def get_pool(request: web.Request, args: PoolAt) -> web.Response:
+    async with _locked(_pool(request, args, "read")) as pool:
         return reply(request, pool.info())
 
 
 @routes.handles(api.POOL_STATS)
-async def pool_stats(request: web.Request) -> web.Response:
-    async with _locked(_pool(request, "read")) as pool:
+async def pool_stats(request: web.Request, args: PoolAt) -> web.Response:
+    async with _locked(_pool(request, args, "read")) as pool:
         return reply(request, pool.stats())
 
 
 @routes.handles(api.DELETE_POOL)
-async def delete_pool(request: web.Request) -> web.Response:
-    pool = _pool(request, "delete")
+async def delete_pool(request: web.Request, args: PoolAt) -> web.Response:
+    pool = _pool(request, args, "delete")
     return reply(request, await request.app[POOLS].delete(pool.name))
 
 
 @routes.handles(api.ENSURE)
-async def ensure(request: web.Request) -> web.Response:
+async def ensure(request: web.Request, args: PoolAt) -> web.Response:
     """Plan with the expert cache, copy the misses into the slot region."""
     req: EnsureRequest = await body(request)
-    async with _locked(_pool(request, "write")) as pool:
+    async with _locked(_pool(request, args, "write")) as pool:
         _check_slots_unpublished(request, pool)
         planned, nbytes = pool.plan(req)
         # A warm step (nothing to copy) runs too: the executor checks the layer's
@@ -110,10 +111,10 @@ async def ensure(request: web.Request) -> web.Response:
 
 
 @routes.handles(api.PREFETCH)
-async def prefetch(request: web.Request) -> web.Response:
+async def prefetch(request: web.Request, args: PoolAt) -> web.Response:
     """Plan a prediction of a layer's next step; its copies land in the background."""
     req: PrefetchRequest = await body(request)
-    async with _locked(_pool(request, "write")) as pool:
+    async with _locked(_pool(request, args, "write")) as pool:
         _check_slots_unpublished(request, pool)
         # Its own copies start in the background, but a slot it reuses may still be
         # receiving an earlier one.
@@ -122,8 +123,8 @@ async def prefetch(request: web.Request) -> web.Response:
 
 
 @routes.handles(api.INVALIDATE)
-async def invalidate(request: web.Request) -> web.Response:
+async def invalidate(request: web.Request, args: PoolAt) -> web.Response:
     """Drop the slots of experts whose host rows were rewritten."""
     req: InvalidateRequest = await body(request)
-    async with _locked(_pool(request, "write")) as pool:
+    async with _locked(_pool(request, args, "write")) as pool:
         return reply(request, pool.invalidate(req))

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from refitd.daemon.app.httpio import RouteTable, query_int, query_str, reply
+from refitd.daemon.app.httpio import RouteTable, reply
 from refitd.daemon.app.node import Daemon
 from refitd.daemon.mirror.digest import SourceDigests
 from refitd.wire import routes as api
+from refitd.wire.args import MirrorReadArgs
 
 __all__ = ["DIGESTS", "routes", "setup_digests"]
 
@@ -18,13 +19,12 @@ routes = RouteTable()
 
 
 @routes.handles(api.MIRROR_DIGESTS)
-async def chunk_digests(request: web.Request) -> web.Response:
+async def chunk_digests(request: web.Request, args: MirrorReadArgs) -> web.Response:
     """The digest of each chunk of a version this daemon is the source of, for a
     caller holding a live lease on it here (403 with no lease named, 409 for one not
     live on that version, or a version this daemon holds as a mirror)."""
-    version = query_int(request, "version")
-    model, lease_id = request.match_info["model"], query_str(request, "lease")
-    return reply(request, await request.app[DIGESTS].get(model, version, lease_id))
+    digests = request.app[DIGESTS]
+    return reply(request, await digests.get(args.model, args.version, args.lease))
 
 
 def setup_digests(app: web.Application, d: Daemon) -> SourceDigests:

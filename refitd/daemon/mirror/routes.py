@@ -11,15 +11,16 @@ from collections.abc import Callable
 from aiohttp import web
 
 from refitd.daemon.access.auth import principal_of
-from refitd.daemon.app.httpio import DAEMON, RouteTable, body, query_float, query_int, reply
+from refitd.daemon.app.httpio import DAEMON, RouteTable, body, reply
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.waits import MAX_WAIT_S, long_poll
+from refitd.daemon.app.waits import long_poll
 from refitd.daemon.mirror.digestroutes import DIGESTS
 from refitd.daemon.mirror.feed import serve_feed
 from refitd.daemon.mirror.mirrors import Mirrors
 from refitd.daemon.pull.sources import RemoteSource
 from refitd.errors import ProtocolError, RequestTooLarge
 from refitd.wire import routes as api
+from refitd.wire.args import MirrorReadArgs, MirrorStateArgs
 from refitd.wire.mirrors import MAX_JOIN_BYTES, HolderJoin, MirrorLease
 
 __all__ = ["MIRRORS", "routes", "setup_mirrors"]
@@ -59,19 +60,16 @@ async def join_holders(request: web.Request) -> web.Response:
 
 
 @routes.handles(api.MIRROR_STATE)
-async def mirror_state(request: web.Request) -> web.Response:
+async def mirror_state(request: web.Request, args: MirrorStateArgs) -> web.Response:
     """A mirror's progress; with ``after=N`` it answers once more than ``N`` chunks
     are complete, the mirror ended, or ``timeout`` seconds passed (at most
-    :data:`MAX_WAIT_S`). A wait is a long poll of its caller: counted against the
-    per-principal cap (429 past it) and ended when its client goes."""
-    version = query_int(request, "version")
-    after = query_int(request, "after") if "after" in request.query else -1
-    timeout_s = min(query_float(request, "timeout", 0.0), MAX_WAIT_S)
-    mirrors, model = request.app[MIRRORS], request.match_info["model"]
+    :data:`~refitd.wire.args.MAX_WAIT_S`). A wait is a long poll of its caller:
+    counted against the per-principal cap (429 past it) and ended when its client
+    goes."""
+    model, version, after, timeout_s = args.model, args.version, args.after, args.timeout
+    mirrors = request.app[MIRRORS]
     # Who may see it first: whether a version is mirrored is the model's readers' only.
-    mirrors.leases.check_state_reader(
-        principal_of(request), model, version, request.query.get("lease", "")
-    )
+    mirrors.leases.check_state_reader(principal_of(request), model, version, args.lease)
     m = mirrors.find(model, version)
     if int(m.done.sum()) <= after and not m.finished and timeout_s > 0:
         async with long_poll(request, f"waiting for the mirror of {model!r} v{version}"):
@@ -85,14 +83,13 @@ async def mirror_state(request: web.Request) -> web.Response:
 
 
 @routes.handles(api.MIRROR_FEED)
-async def mirror_feed(request: web.Request) -> web.StreamResponse:
+async def mirror_feed(request: web.Request, args: MirrorReadArgs) -> web.StreamResponse:
     """A mirror's complete chunks as they land, under a lease on its version here
     (:mod:`refitd.daemon.mirror.feed`)."""
-    version = query_int(request, "version")
-    lease_id = request.query.get("lease", "")
+    model, version, lease_id = args.model, args.version, args.lease
     if not lease_id:
         raise ProtocolError(f"GET {request.path} refused: the feed is read under a lease (?lease=)")
-    model, d = request.match_info["model"], request.app[DAEMON]
+    d = request.app[DAEMON]
     # The lease first (409 for one not live on this version): whether a version is
     # mirrored is told only to a holder of a lease on it.
     d.check_lease(lease_id, model, version)
