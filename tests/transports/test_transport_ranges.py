@@ -100,9 +100,7 @@ def test_within_spans_is_exact_containment_in_one_of_the_spans_with_no_int64_ove
     spans = list(zip(starts.tolist(), sizes.tolist(), strict=True))
     o, n = (np.array([r[i] for r in ranges], np.int64) for i in range(2))
     k, inside = within_spans(o, n, starts, sizes)
-    assert inside.tolist() == [
-        any(_inside(off - s, nb, z) for s, z in spans) for off, nb in ranges
-    ]
+    assert inside.tolist() == [any(_inside(off - s, nb, z) for s, z in spans) for off, nb in ranges]
     assert k.tolist() == [max((i for i, (s, _) in enumerate(spans) if s <= off), default=-1)
                           for off, _ in ranges]  # fmt: skip
     # the spans are non-empty, sorted and apart
@@ -163,8 +161,15 @@ def _delta_block(offset: int, nbytes: int) -> None:
 
 @pytest.mark.parametrize(
     "check",
-    [_batch_remote, _batch_local, _digest_row, _manifest_shard, _segment_view, _tcp_grant,
-     _delta_block],  # fmt: skip
+    [
+        _batch_remote,
+        _batch_local,
+        _digest_row,
+        _manifest_shard,
+        _segment_view,
+        _tcp_grant,
+        _delta_block,
+    ],
     ids=lambda f: f.__name__.strip("_"),
 )
 @pytest.mark.parametrize(("offset", "nbytes"), CASES)
