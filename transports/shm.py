@@ -42,8 +42,7 @@ import contextlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -73,7 +72,8 @@ from .interface import (
 )
 from .local import CopyFault, LocalTransport
 from .memory import HOST, DeviceFault, copy_by_kind
-from .segments import SHM_DIR, SharedSegment
+from .segments import SharedSegment
+from .shmkeys import SegmentKey, boot_id, check_grant, file_id, same_file, segment_key
 
 __all__ = [
     "MAX_MAPPINGS",
@@ -86,68 +86,11 @@ __all__ = [
     "segment_key",
 ]
 
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
 MAX_MAPPINGS = 256
 """Peer segments kept mapped while no peer uses them (least recently used go first)."""
 
 FileKey = tuple[str, int, int, int]
 """A mapping's identity: segment name, ``st_dev``, ``st_ino``, exact size in bytes."""
-
-
-def boot_id() -> str:
-    """This kernel's boot id ("" where the kernel does not expose it)."""
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""
-
-
-def file_id(name: str) -> tuple[int, int]:
-    """``(st_dev, st_ino)`` of segment ``name``: under one kernel boot it names exactly
-    one file, so a record of it proves which memory a name maps."""
-    st = os.stat(SHM_DIR / name)
-    return st.st_dev, st.st_ino
-
-
-def same_file(name: str, want: tuple[int, ...]) -> None:
-    """Refuse (:class:`TransportError`) unless segment ``name`` here is the file
-    ``(st_dev, st_ino)`` = ``want``."""
-    try:
-        got = file_id(name)
-    except FileNotFoundError:
-        raise TransportError(f"segment {name!r} does not exist on this host") from None
-    if got != want:
-        raise TransportError(
-            f"segment {name!r} here is another file than the peer's (a separate /dev/shm)"
-        )
-
-
-class SegmentKey(NamedTuple):
-    """The key a same-host record gives a region: its segment's ``name`` and file
-    (``dev``, ``ino``), which a reader maps by name and checks is that very file; in a
-    lease's grant (:meth:`ShmTransport.grant`) also the ``lease`` and the
-    ``[start, end)`` byte ranges of the region it may read (``extents``; None: the
-    whole region, as an advertisement gives it)."""
-
-    name: str
-    dev: int
-    ino: int
-    lease: str = ""
-    extents: list[tuple[int, int]] | None = None
-
-    def encode(self) -> bytes:
-        whole = self.extents is None and not self.lease
-        return msgspec.msgpack.encode(tuple(self[:3]) if whole else tuple(self))
-
-    @classmethod
-    def decode(cls, raw: bytes) -> SegmentKey:
-        return msgspec.msgpack.decode(raw, type=cls)
-
-
-def segment_key(name: str, dev: int, ino: int) -> bytes:
-    """The encoded :class:`SegmentKey` of a region's segment."""
-    return SegmentKey(name, dev, ino).encode()
 
 
 @dataclass
@@ -252,13 +195,17 @@ class ShmPeer(Peer):
     def _check_spans(self, reads: ReadBatch, rids: list[int]) -> None:
         """Refuse the batch (:class:`ReadRefused`, naming the first read) unless every
         read of a region its grant limits lies in that region's granted ranges
-        (:func:`~transports.batch.within_spans`, every read of a region at once)."""
+        (:func:`~transports.batch.within_spans`, every read of a region at once). A
+        read of no bytes (in bounds: checked before) reads nothing, and passes, as
+        the daemon's own scope check lets it."""
         for rid in rids:
             spans = self._spans.get(rid)
             if spans is None:
                 continue  # the whole region (an advertisement's)
             rows = np.flatnonzero(reads["remote_region"] == rid)
-            _, inside = within_spans(reads["remote_offset"][rows], reads["nbytes"][rows], *spans)
+            nbytes = reads["nbytes"][rows]
+            _, inside = within_spans(reads["remote_offset"][rows], nbytes, *spans)
+            inside |= nbytes == 0
             if not inside.all():
                 i = int(rows[np.flatnonzero(~inside)[0]])
                 lr, lo, rr, ro, n = (int(v) for v in reads[i].tolist())
@@ -392,38 +339,9 @@ class ShmTransport(LocalTransport):
 
     def check_grant(self, grant: PeerInfo, scope: LeaseScope) -> None:
         """Refuse ``grant`` unless it is a source's same-host grant for ``scope``'s
-        lease naming every region of ``scope``: it is what a reader connects with,
-        as given, for that lease's reads (this checks it; it makes and signs
-        nothing). A record of another scheme, or whose MAC does not verify, is
-        refused (:class:`ProtocolError`), as is a grant of another lease, or a record
-        that names none (an advertisement); a region of ``scope`` it does not name (no
-        segment there: not host memory, or its name is gone) is refused
-        (:class:`TransportError`): there is no same-host path to it."""
-        if grant.scheme != self.scheme:
-            raise ProtocolError(
-                f"{self.scheme} grant refused: the record of {grant.peer_id!r} is for scheme "
-                f"{grant.scheme!r}"
-            )
-        grant.verify(self.secret)
-        listed = {r.region_id: r for r in grant.regions}
-        for r in grant.regions:
-            try:
-                lease = SegmentKey.decode(r.key).lease
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise ProtocolError(
-                    f"{self.scheme} grant of {grant.peer_id!r} refused: region {r.region_id}: {exc}"
-                ) from None
-            if lease != scope.lease_id:
-                raise ProtocolError(
-                    f"{self.scheme} grant of {grant.peer_id!r} refused: region {r.region_id} is "
-                    f"granted to lease {lease!r}, not {scope.lease_id!r}"
-                )
-        missing = sorted(set(scope.ranges) - set(listed))
-        if missing:
-            raise TransportError(
-                f"region(s) {missing} of {grant.peer_id!r} do not map here: its same-host "
-                "grant names no segment for them"
-            )
+        lease naming every region of ``scope`` (:func:`transports.shmkeys.check_grant`):
+        a reader connects with it as given; this checks it, and makes nothing."""
+        check_grant(grant, scope, self.secret, self.scheme)
 
     async def connect(self, info: PeerInfo) -> ShmPeer:
         self._check_record(info)

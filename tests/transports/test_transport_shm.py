@@ -113,6 +113,7 @@ async def test_a_grant_lists_the_scoped_regions_keyed_to_the_lease_and_reads_onl
                 with pytest.raises(ReadRefused, match="outside what lease 'lease' was granted"):
                     await peer.get([(9, 0, 2, 0, 16), (9, 16, 2, *outside)])
             assert not dst.any()  # a refused batch reads nothing, not even its good reads
+            await peer.get([(9, 0, 2, 1200, 0)])  # no byte: the daemon's rule, too
 
 
 async def test_a_grant_names_only_regions_mapped_here_and_a_reader_refuses_one_short_of_its_scope() -> (
