@@ -140,37 +140,34 @@ def within_spans(
     offset: npt.NDArray[np.int64],
     nbytes: npt.NDArray[np.int64] | int,
     starts: npt.NDArray[np.int64],
-    sizes: npt.NDArray[np.int64],
+    ends: npt.NDArray[np.int64],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
     """:func:`within` over spans: for each byte range ``[offset, offset + nbytes)``,
-    the index of the span it lies in, if any (the last span starting at or before
-    ``offset``; -1 where none does), and whether it lies inside that span (a mask:
-    :func:`within`, relative to the span's start). Span ``k`` is
-    ``[starts[k], starts[k] + sizes[k])``, bytes; ``starts`` ascend, are ≥ 0, and
+    the index of the span it would lie in (the last span starting at or before
+    ``offset``; -1 where none does), and whether it lies inside that span (a mask).
+    Span ``k`` is ``[starts[k], ends[k])``, bytes; ``starts`` ascend, are ≥ 0, and
     spans do not overlap (:func:`spans_of` makes them so). Vectorised: one search and
     one mask, no Python step a range (the ``tcp`` data server runs it on every read)."""
-    offset = np.asarray(offset, dtype=np.int64)
     k = np.searchsorted(starts, offset, side="right") - 1
     if len(starts) == 0:
-        return k, np.zeros(offset.shape, dtype=bool)
-    found = k >= 0
-    at = np.maximum(k, 0)
-    # Where no span starts at or before it, the range is measured from itself (no
-    # difference computed, so none overflows), and refused by ``found``.
-    base = np.where(found, starts[at], offset)
-    return k, found & within(offset - base, nbytes, sizes[at])
+        return k, np.zeros(np.shape(offset), dtype=bool)
+    # The range starts in span k (it starts at or after the span does), so it lies
+    # inside it iff it is within [0, the span's end).
+    inside = within(offset, nbytes, ends[np.maximum(k, 0)])
+    inside &= k >= 0
+    return k, inside
 
 
 def spans_of(
     extents: Sequence[tuple[int, int]],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     """``[start, end)`` byte extents of one region, merged (:func:`merge_ranges`):
-    the starts and sizes of sorted, disjoint spans, as :func:`within_spans` reads
+    the starts and ends of sorted, disjoint spans, as :func:`within_spans` reads
     them."""
     spans = np.array(extents, dtype=np.int64).reshape(-1, 2)
     runs = merge_ranges(np.zeros(len(spans), np.int64), spans[:, 0], spans[:, 1] - spans[:, 0])
     starts = np.array([r.offset for r in runs], dtype=np.int64)
-    return starts, np.array([r.nbytes for r in runs], dtype=np.int64)
+    return starts, starts + np.array([r.nbytes for r in runs], dtype=np.int64)
 
 
 def _sizes_of(

@@ -111,7 +111,7 @@ class ShmPeer(Peer):
         self._closed = False
         self._remote: dict[int, AdvertisedRegion] = {}
         self._held: dict[int, FileKey] = {}
-        #: per region of a lease's grant, its readable spans (starts, sizes: bytes)
+        #: per region of a lease's grant, its readable spans (starts, ends: bytes)
         self._spans: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
         #: the lease of the grant it reads under ("" for an advertisement)
         self.lease = ""

@@ -357,8 +357,10 @@ def translate(
         first, last = np.searchsorted(s_reg, r), np.searchsorted(s_reg, r, "right")
         if first == last:
             raise ConflictError(f"changes of region {r} lie in no block of the version")
-        # A change is at a unit's first byte: it lies in a block when that byte does.
-        k, inside = within_spans(o, 1, s_at[first:last], n[first:last])
+        # A change is at a unit's first byte: it lies in a block when that byte does
+        # (the blocks' ends do not overflow: each was bounded by its region).
+        at = s_at[first:last]
+        k, inside = within_spans(o, 1, at, at + n[first:last])
         b = first + k
         if not bool(inside.all()):
             raise ConflictError(f"a change of region {r} lies in no block of the version")

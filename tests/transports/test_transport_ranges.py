@@ -83,7 +83,7 @@ def test_within_is_exact_containment_with_no_int64_overflow(
     assert [within(*r) for r in ranges] == [_inside(*r) for r in ranges]
 
 
-_extent = st.tuples(st.integers(0, 2**62), st.integers(0, 2**62))
+_extent = st.tuples(st.integers(0, 2**63 - 1), st.integers(0, 2**63 - 1))
 
 
 @settings(max_examples=500, deadline=None)
@@ -96,16 +96,19 @@ def test_within_spans_is_exact_containment_in_one_of_the_spans_with_no_int64_ove
 ) -> None:
     """A range lies in a region's readable spans iff one span holds it whole, in exact
     arithmetic; the span named is the last starting at or before the range."""
-    starts, sizes = spans_of(extents)
-    spans = list(zip(starts.tolist(), sizes.tolist(), strict=True))
+    starts, ends = spans_of(extents)
+    spans = list(zip(starts.tolist(), ends.tolist(), strict=True))
     o, n = (np.array([r[i] for r in ranges], np.int64) for i in range(2))
-    k, inside = within_spans(o, n, starts, sizes)
-    assert inside.tolist() == [any(_inside(off - s, nb, z) for s, z in spans) for off, nb in ranges]
-    assert k.tolist() == [max((i for i, (s, _) in enumerate(spans) if s <= off), default=-1)
-                          for off, _ in ranges]  # fmt: skip
+    k, inside = within_spans(o, n, starts, ends)
+    assert inside.tolist() == [
+        any(s <= off and _inside(off, nb, e) for s, e in spans) for off, nb in ranges
+    ]
+    assert k.tolist() == [
+        max((i for i, (s, _) in enumerate(spans) if s <= off), default=-1) for off, _ in ranges
+    ]
     # the spans are non-empty, sorted and apart
-    assert all(z > 0 for z in sizes.tolist())
-    assert all(a + z < b for (a, z), (b, _) in itertools.pairwise(spans))
+    assert all(a < b for a, b in spans)
+    assert all(b < c for (_, b), (c, _) in itertools.pairwise(spans))
 
 
 SIZE = 8

@@ -148,8 +148,8 @@ def scope_key(lease_id: str, extents: Sequence[tuple[int, int]]) -> bytes:
 
 class Grant:
     """A verified record, as the data server checks reads against it: per region its
-    generation, size and readable spans (merged, sorted: their ``starts`` and
-    ``lengths``, bytes); the lease ("" for none)."""
+    generation, size and readable ranges (merged, sorted: their ``starts`` and
+    ``ends``, bytes); the lease ("" for none)."""
 
     def __init__(self, info: PeerInfo) -> None:
         self.info = info
@@ -157,7 +157,7 @@ class Grant:
         self.generations: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         self.starts: dict[int, npt.NDArray[np.int64]] = {}
-        self.lengths: dict[int, npt.NDArray[np.int64]] = {}
+        self.ends: dict[int, npt.NDArray[np.int64]] = {}
         leases: set[str] = set()
         for r in info.regions:
             self.generations[r.region_id] = r.generation
@@ -167,7 +167,7 @@ class Grant:
                 leases.add(lease)
             else:  # no scope: the whole region
                 extents = [(0, r.size)]
-            self.starts[r.region_id], self.lengths[r.region_id] = spans_of(extents)
+            self.starts[r.region_id], self.ends[r.region_id] = spans_of(extents)
         if len(leases) > 1:
             raise ValueError(f"a grant names {len(leases)} leases; one record, one lease")
         self.lease = leases.pop() if leases else ""
@@ -200,7 +200,7 @@ def check_scope(
                 f"region {rid} is not registered here as the record states (deregistered or "
                 "registered again since)"
             )
-        _, inside = within_spans(offset[rows], nbytes[rows], grant.starts[rid], grant.lengths[rid])
+        _, inside = within_spans(offset[rows], nbytes[rows], grant.starts[rid], grant.ends[rid])
         if not inside.all():
             i = int(rows[np.flatnonzero(~inside)[0]])
             return i, (
