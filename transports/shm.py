@@ -149,7 +149,7 @@ class ShmPeer(Peer):
                     "one grant, one lease"
                 )
             lease = leases.pop() if leases else self.lease  # no region: no lease said
-            if lease and self.lease and lease != self.lease:
+            if self.lease and lease != self.lease:  # nor a whole-region advertisement
                 raise ProtocolError(
                     f"update of peer {info.peer_id!r} refused: the grant is of lease {lease!r}, "
                     f"the connection reads under lease {self.lease!r}"

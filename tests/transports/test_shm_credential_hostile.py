@@ -99,8 +99,9 @@ def test_a_reader_has_no_way_to_make_a_same_host_credential() -> None:
 
 async def test_one_leases_grant_is_refused_for_another_leases_reads() -> None:
     """A grant of lease ``a`` is not checked as lease ``b``'s, and a connection made
-    with one takes no update of the other's (before, a same-host record named no
-    lease, so any lease's advertisement served)."""
+    with one takes no update of the other's, nor of the source's whole-region
+    advertisement (before, a same-host record named no lease, so any lease's
+    advertisement served)."""
     async with _two_regions() as (puller, source):
         a = source.grant(LeaseScope("a", {SCOPED: [(0, SIZE)]}))
         b = source.grant(LeaseScope("b", {SCOPED: [(0, SIZE)], OTHER: [(0, SIZE)]}))
@@ -109,6 +110,8 @@ async def test_one_leases_grant_is_refused_for_another_leases_reads() -> None:
         async with await puller.connect(a) as peer:
             with pytest.raises(ProtocolError, match=r"grant is of lease 'b'.* lease 'a'"):
                 await peer.update(b)
+            with pytest.raises(ProtocolError, match=r"grant is of lease ''.* lease 'a'"):
+                await peer.update(source.advertise())  # nor widened to whole regions
             with pytest.raises(ProtocolError, match="remote region 2 is not in"):
                 await peer.get([(LOCAL, 0, OTHER, 0, SIZE)])
             await peer.get([(LOCAL, 0, SCOPED, 0, SIZE)])
