@@ -18,6 +18,8 @@ Modules:
 - `local`: the ``local`` transport: a parallel memcpy in this process
 - `inproc`: machinery shared by the two same-process transports
 - `shm`: the ``shm`` transport: a same-host peer's segments, mapped here
+- `shmkeys`: what a same-host record names (a segment's file, the boot id), and
+  a lease's grant of it checked at the reader
 - `tcp/`: the ``tcp`` transport: refitd's own lanes of plain TCP
 - `ucx/`: the ``ucx`` transport: UCX GETs from supervised child processes
 - `native/`: the C helpers: batched memcpy, UCX RMA calls

@@ -5,7 +5,8 @@ offsets and sizes are in bytes, relative to the start of the region. A batch is 
 numpy structured array of ``READ_DTYPE`` (so a daemon passes 100k reads without a
 Python object per read). Every rule about a batch is written here once, on that
 layout, and every transport goes through it: conversion (`as_read_batch`, the wire's
-rows), bounds (`within`, the one range containment refitd has) and overlap
+rows), bounds (`within`, the one range containment refitd has, and `within_spans`,
+the same over a region's readable spans) and overlap
 (`validate_batch`), merging (`coalesce`), cutting
 (`split_shares`, `split_pieces`) and the ranges a failed batch leaves undefined
 (`suspect_ranges`, through `merge_ranges`, the one range merge refitd has).
@@ -34,11 +35,13 @@ __all__ = [
     "merge_ranges",
     "read_spans",
     "rows_as_batch",
+    "spans_of",
     "split_pieces",
     "split_shares",
     "suspect_ranges",
     "validate_batch",
     "within",
+    "within_spans",
 ]
 
 
@@ -131,6 +134,40 @@ def within(offset: object, nbytes: object, size: object) -> object:
     o, n, s = cast(Any, offset), cast(Any, nbytes), cast(Any, size)
     inside = (o >= 0) & (n >= 0) & (o <= s - n)
     return bool(inside) if isinstance(inside, bool | np.bool_) else inside
+
+
+def within_spans(
+    offset: npt.NDArray[np.int64],
+    nbytes: npt.NDArray[np.int64] | int,
+    starts: npt.NDArray[np.int64],
+    ends: npt.NDArray[np.int64],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+    """:func:`within` over spans: for each byte range ``[offset, offset + nbytes)``,
+    the index of the span it would lie in (the last span starting at or before
+    ``offset``; -1 where none does), and whether it lies inside that span (a mask).
+    Span ``k`` is ``[starts[k], ends[k])``, bytes; ``starts`` ascend, are ≥ 0, and
+    spans do not overlap (:func:`spans_of` makes them so). Vectorised: one search and
+    one mask, no Python step a range (the ``tcp`` data server runs it on every read)."""
+    k = np.searchsorted(starts, offset, side="right") - 1
+    if len(starts) == 0:
+        return k, np.zeros(np.shape(offset), dtype=bool)
+    # The range starts in span k (it starts at or after the span does), so it lies
+    # inside it iff it is within [0, the span's end).
+    inside = within(offset, nbytes, ends[np.maximum(k, 0)])
+    inside &= k >= 0
+    return k, inside
+
+
+def spans_of(
+    extents: Sequence[tuple[int, int]],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """``[start, end)`` byte extents of one region, merged (:func:`merge_ranges`):
+    the starts and ends of sorted, disjoint spans, as :func:`within_spans` reads
+    them."""
+    spans = np.array(extents, dtype=np.int64).reshape(-1, 2)
+    runs = merge_ranges(np.zeros(len(spans), np.int64), spans[:, 0], spans[:, 1] - spans[:, 0])
+    starts = np.array([r.offset for r in runs], dtype=np.int64)
+    return starts, starts + np.array([r.nbytes for r in runs], dtype=np.int64)
 
 
 def _sizes_of(

@@ -361,14 +361,9 @@ class Transport(ABC):
         at the source, and signed by it; a reader presents it as it was given, and never
         makes one. By default the advertisement itself (the reading daemon checks each
         read against the source's signed records); a transport whose data server checks
-        each read against the grant (``tcp``) makes a lease-scoped one."""
+        each read against the grant (``tcp``), or whose reader maps the source's memory
+        (``shm``: its connection checks each read), makes a lease-scoped one."""
         return self.advertise()
-
-    def credential(self, advert: PeerInfo, scope: LeaseScope) -> PeerInfo:
-        """The record a reader's same-host transport (``shm``) connects with: the
-        regions of ``scope`` that the source's signed advertisement ``advert`` names,
-        never more. By default the advertisement itself."""
-        return advert
 
     async def wait_ready(self) -> None:
         """Return once the data plane can serve (a restarting one finishes restarting)."""

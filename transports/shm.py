@@ -25,9 +25,12 @@ holds is never unmapped.
 ``PeerInfo.address`` is ``<boot id>:<tag>`` (the tag tells peers of one host apart:
 the life it was given, a daemon's incarnation, else the serving process's pid); each
 region's ``key`` is a :class:`SegmentKey`: the msgpack of ``(segment name, st_dev,
-st_ino)``. A source may advertise only some regions (:meth:`ShmTransport.advertise`:
-a daemon, those a reader's lease may read); a reader connects with the record
-:meth:`ShmTransport.credential` makes of that advertisement and its lease scope.
+st_ino)``, and in a lease's grant also the lease and the ``[start, end)`` byte ranges
+of the region that lease may read. A source hands a reader the grant it makes
+itself (:meth:`ShmTransport.grant`: the lease's regions, each limited to its ranges,
+signed); the reader connects with it as given (:meth:`ShmTransport.check_grant`
+checks it is the one for the pull's lease, and makes nothing), and its connection
+refuses a read outside those ranges (``ReadRefused``) though the mapping is whole.
 :meth:`ShmTransport.loopback` reads between this transport's own regions (a
 daemon's pull from itself).
 """
@@ -39,8 +42,7 @@ import contextlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -48,7 +50,15 @@ import numpy.typing as npt
 
 from refitd.errors import ProtocolError, RefitError, TransportError
 
-from .batch import ReadBatch, as_read_batch, suspect_ranges, validate_batch
+from .batch import (
+    ReadBatch,
+    ReadRefused,
+    as_read_batch,
+    spans_of,
+    suspect_ranges,
+    validate_batch,
+    within_spans,
+)
 from .interface import (
     AdvertisedRegion,
     Capabilities,
@@ -62,7 +72,8 @@ from .interface import (
 )
 from .local import CopyFault, LocalTransport
 from .memory import HOST, DeviceFault, copy_by_kind
-from .segments import SHM_DIR, SharedSegment
+from .segments import SharedSegment
+from .shmkeys import SegmentKey, boot_id, check_grant, file_id, same_file, segment_key
 
 __all__ = [
     "MAX_MAPPINGS",
@@ -75,62 +86,11 @@ __all__ = [
     "segment_key",
 ]
 
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
-
 MAX_MAPPINGS = 256
 """Peer segments kept mapped while no peer uses them (least recently used go first)."""
 
 FileKey = tuple[str, int, int, int]
 """A mapping's identity: segment name, ``st_dev``, ``st_ino``, exact size in bytes."""
-
-
-def boot_id() -> str:
-    """This kernel's boot id ("" where the kernel does not expose it)."""
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""
-
-
-def file_id(name: str) -> tuple[int, int]:
-    """``(st_dev, st_ino)`` of segment ``name``: under one kernel boot it names exactly
-    one file, so a record of it proves which memory a name maps."""
-    st = os.stat(SHM_DIR / name)
-    return st.st_dev, st.st_ino
-
-
-def same_file(name: str, want: tuple[int, ...]) -> None:
-    """Refuse (:class:`TransportError`) unless segment ``name`` here is the file
-    ``(st_dev, st_ino)`` = ``want``."""
-    try:
-        got = file_id(name)
-    except FileNotFoundError:
-        raise TransportError(f"segment {name!r} does not exist on this host") from None
-    if got != want:
-        raise TransportError(
-            f"segment {name!r} here is another file than the peer's (a separate /dev/shm)"
-        )
-
-
-class SegmentKey(NamedTuple):
-    """The key a same-host record gives a region: its segment's ``name`` and file
-    (``dev``, ``ino``), which a reader maps by name and checks is that very file."""
-
-    name: str
-    dev: int
-    ino: int
-
-    def encode(self) -> bytes:
-        return msgspec.msgpack.encode(tuple(self))
-
-    @classmethod
-    def decode(cls, raw: bytes) -> SegmentKey:
-        return cls(*msgspec.msgpack.decode(raw, type=tuple[str, int, int]))
-
-
-def segment_key(name: str, dev: int, ino: int) -> bytes:
-    """The encoded :class:`SegmentKey` of a region's segment."""
-    return SegmentKey(name, dev, ino).encode()
 
 
 @dataclass
@@ -141,7 +101,9 @@ class _Mapping:
 
 class ShmPeer(Peer):
     """A connection to a same-host peer: its listed segments, mapped here and held
-    (never unmapped) until the peer closes or an update stops listing them."""
+    (never unmapped) until the peer closes or an update stops listing them. Under a
+    lease's grant it reads only the byte ranges the grant gives each region, and takes
+    updates of that lease only."""
 
     def __init__(self, owner: ShmTransport, info: PeerInfo) -> None:
         self.owner = owner
@@ -149,6 +111,10 @@ class ShmPeer(Peer):
         self._closed = False
         self._remote: dict[int, AdvertisedRegion] = {}
         self._held: dict[int, FileKey] = {}
+        #: per region of a lease's grant, its readable spans (starts, ends: bytes)
+        self._spans: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
+        #: the lease of the grant it reads under ("" for an advertisement)
+        self.lease = ""
         self._accept(info)
 
     def _accept(self, info: PeerInfo) -> None:
@@ -156,15 +122,20 @@ class ShmPeer(Peer):
         ones held before (an unchanged one is held twice a moment, so it stays).
         On any refusal nothing changes and the error names the region."""
         keys: dict[int, FileKey] = {}
+        spans: dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]] = {}
+        leases: set[str] = set()
         try:
             for r in info.regions:
                 try:
-                    name, dev, ino = SegmentKey.decode(r.key)
+                    seg = SegmentKey.decode(r.key)
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     raise ProtocolError(
                         f"peer record of {info.peer_id!r} refused: region {r.region_id}: {exc}"
                     ) from None
-                key = (name, dev, ino, r.size)
+                leases.add(seg.lease)
+                if seg.extents is not None:
+                    spans[r.region_id] = spans_of(seg.extents)
+                key = (seg.name, seg.dev, seg.ino, r.size)
                 try:
                     self.owner._hold(key)
                 except (RefitError, OSError) as exc:
@@ -172,11 +143,23 @@ class ShmPeer(Peer):
                         f"region {r.region_id} of {info.peer_id!r} does not map here: {exc}"
                     ) from None
                 keys[r.region_id] = key
+            if len(leases) > 1:
+                raise ProtocolError(
+                    f"peer record of {info.peer_id!r} refused: it names {len(leases)} leases; "
+                    "one grant, one lease"
+                )
+            lease = leases.pop() if leases else self.lease  # no region: no lease said
+            if self.lease and lease != self.lease:  # nor a whole-region advertisement
+                raise ProtocolError(
+                    f"update of peer {info.peer_id!r} refused: the grant is of lease {lease!r}, "
+                    f"the connection reads under lease {self.lease!r}"
+                )
         except BaseException:
             self.owner._let_go(keys.values())
             raise
         old, self._held = self._held, keys
         self._remote = {r.region_id: r for r in info.regions}
+        self._spans, self.lease = spans, lease
         self.owner._let_go(old.values())
 
     async def update(self, info: PeerInfo) -> None:
@@ -200,6 +183,7 @@ class ShmPeer(Peer):
         # An update may stop listing a region while this read is in flight: the read
         # holds its own mappings so none is unmapped under the copy.
         rids = [int(r) for r in np.unique(reads["remote_region"]).tolist()]
+        self._check_spans(reads, rids)
         keys = [self._held[r] for r in rids]
         self.owner._hold_mapped(keys)
         try:
@@ -207,6 +191,31 @@ class ShmPeer(Peer):
             await self.owner.copy_reads(reads, mapped)
         finally:
             self.owner._let_go(keys)
+
+    def _check_spans(self, reads: ReadBatch, rids: list[int]) -> None:
+        """Refuse the batch (:class:`ReadRefused`, naming the first read) unless every
+        read of a region its grant limits lies in that region's granted ranges
+        (:func:`~transports.batch.within_spans`, every read of a region at once). A
+        read of no bytes (in bounds: checked before) reads nothing, and passes, as
+        the daemon's own scope check lets it."""
+        for rid in rids:
+            spans = self._spans.get(rid)
+            if spans is None:
+                continue  # the whole region (an advertisement's)
+            rows = np.flatnonzero(reads["remote_region"] == rid)
+            nbytes = reads["nbytes"][rows]
+            _, inside = within_spans(reads["remote_offset"][rows], nbytes, *spans)
+            inside |= nbytes == 0
+            if not inside.all():
+                i = int(rows[np.flatnonzero(~inside)[0]])
+                lr, lo, rr, ro, n = (int(v) for v in reads[i].tolist())
+                raise ReadRefused(
+                    i,
+                    (lr, lo, rr, ro, n),
+                    f"remote region {rr} bytes [{ro}, {ro + n}) are outside what lease "
+                    f"{self.lease!r} was granted",
+                    check="grant",
+                )
 
     async def close(self) -> None:
         if self._closed:
@@ -297,42 +306,42 @@ class ShmTransport(LocalTransport):
         self._regions[region_id] = LocalRegion(region_id, segment, info)
         return self._regions[region_id]
 
-    def advertise(self, only: Iterable[int] | None = None) -> PeerInfo:
-        """This transport's signed record: every region with a segment name here (of
-        ``only``, when given: a daemon names what one reader's lease may read, so a
-        reader learns no other segment's name)."""
-        listed = self._regions if only is None else {i: self._regions.get(i) for i in only}
+    def advertise(self) -> PeerInfo:
+        """This transport's signed record: every region with a segment name here, each
+        whole (what a lease may read of them is its grant's, :meth:`grant`)."""
+        return self._record(r.info for r in self._regions.values() if r.info.key)
+
+    def _record(self, regions: Iterable[AdvertisedRegion]) -> PeerInfo:
         return PeerInfo(
             scheme=self.scheme,
             peer_id=self.peer_id,
             address=f"{self.boot_id or boot_id()}:{self.incarnation}".encode(),
-            regions=tuple(r.info for r in listed.values() if r is not None and r.info.key),
+            regions=tuple(regions),
         ).signed(self.secret)
 
-    def credential(self, advert: PeerInfo, scope: LeaseScope) -> PeerInfo:
-        """The record a reader connects with: the regions ``scope`` grants, as the
-        same-host advertisement ``advert`` names them (segment, file, exact size),
-        signed with the deployment secret. A mapping is whole, so the byte ranges are
-        the daemon's to check before any read. A region the advertisement does not
-        name (no segment here: it is not host memory, or its name is gone) is
-        refused (:class:`TransportError`): there is no same-host path to it. An
-        advertisement whose MAC does not verify is refused (:class:`ProtocolError`):
-        the credential is signed here, so it must list only what the source signed."""
-        if advert.scheme != self.scheme:
-            raise ProtocolError(
-                f"{self.scheme} credential refused: the advertisement of {advert.peer_id!r} "
-                f"is for scheme {advert.scheme!r}"
-            )
-        advert.verify(self.secret)
-        listed = {r.region_id: r for r in advert.regions}
-        missing = sorted(set(scope.ranges) - set(listed))
-        if missing:
-            raise TransportError(
-                f"region(s) {missing} of {advert.peer_id!r} do not map here: its same-host "
-                "advertisement names no segment for them"
-            )
-        regions = tuple(listed[rid] for rid in scope.ranges)
-        return PeerInfo(self.scheme, advert.peer_id, advert.address, regions).signed(self.secret)
+    def grant(self, scope: LeaseScope) -> PeerInfo:
+        """The lease's grant, made by this source and signed by it: the regions of
+        ``scope`` with a segment here (host memory whose name is not gone: there is
+        no same-host path to another), in id order, each keyed to the lease and
+        limited to its ``[start, end)`` byte ranges (a :class:`SegmentKey`). A reader
+        presents it as given; its connection maps each segment whole, and reads
+        nothing outside those ranges (:class:`ShmPeer`)."""
+        regions = []
+        for rid in sorted(scope.ranges):
+            region = self._regions.get(rid)
+            if region is None or not region.info.key:
+                continue
+            seg = SegmentKey.decode(region.info.key)
+            extents = [(int(a), int(b)) for a, b in scope.ranges[rid]]
+            key = seg._replace(lease=scope.lease_id, extents=extents).encode()
+            regions.append(msgspec.structs.replace(region.info, key=key))
+        return self._record(regions)
+
+    def check_grant(self, grant: PeerInfo, scope: LeaseScope) -> None:
+        """Refuse ``grant`` unless it is a source's same-host grant for ``scope``'s
+        lease naming every region of ``scope`` (:func:`transports.shmkeys.check_grant`):
+        a reader connects with it as given; this checks it, and makes nothing."""
+        check_grant(grant, scope, self.secret, self.scheme)
 
     async def connect(self, info: PeerInfo) -> ShmPeer:
         self._check_record(info)

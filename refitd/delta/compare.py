@@ -37,6 +37,7 @@ from refitd.delta.diff import CHUNK, LANES, unit_dtype
 from refitd.delta.stream import ChangeIndex, compose
 from refitd.errors import ConflictError, ProtocolError
 from refitd.wire.versions import DTYPE_SIZES
+from transports.batch import within, within_spans
 
 __all__ = [
     "JOB_BYTES",
@@ -160,7 +161,7 @@ def pair_with(table: Table, base: Table) -> tuple[I64, I64] | str:
 def check_bounds(table: Table, sizes: Mapping[int, int], what: str) -> None:
     """Every block lies inside its region (``sizes``: region bytes); else refused."""
     size = np.array([sizes.get(int(r), -1) for r in table.region.tolist()], dtype=np.int64)
-    bad = np.flatnonzero((size < 0) | (table.at < 0) | (table.at + table.nbytes > size))
+    bad = np.flatnonzero(~within(table.at, table.nbytes, size))  # nothing is inside size -1
     if len(bad):
         i = int(bad[0])
         raise ConflictError(
@@ -356,8 +357,11 @@ def translate(
         first, last = np.searchsorted(s_reg, r), np.searchsorted(s_reg, r, "right")
         if first == last:
             raise ConflictError(f"changes of region {r} lie in no block of the version")
-        b = first + np.searchsorted(s_at[first:last], o, "right") - 1
-        inside = (b >= first) & (o < s_at[np.maximum(b, first)] + n[np.maximum(b, first)])
+        # A change is at a unit's first byte: it lies in a block when that byte does
+        # (the blocks' ends do not overflow: each was bounded by its region).
+        at = s_at[first:last]
+        k, inside = within_spans(o, 1, at, at + n[first:last])
+        b = first + k
         if not bool(inside.all()):
             raise ConflictError(f"a change of region {r} lies in no block of the version")
         offs.append(o - s_at[b] + t_at[b])

@@ -72,10 +72,11 @@ class PeerRegions(Signed, frozen=True):
     under a lease: ``adverts`` then holds, per data plane the sender serves, the
     credential it grants that lease (``tcp``: a grant keyed to the lease's byte
     ranges), which a reader connects with as given (``advert`` is the first of them;
-    both empty without a lease), and the sender's ``shm`` advertisement of the
-    regions that lease may read (boot id, each segment's name and file): a reader
-    uses the shared-memory path only when its own boot id matches and the file it
-    maps by name is that very file (:meth:`transports.shm.ShmTransport.credential`)."""
+    both empty without a lease), and the sender's ``shm`` grant of the regions that
+    lease may read (boot id, each segment's name and file, keyed to the lease and its
+    byte ranges: :meth:`transports.shm.ShmTransport.grant`): a reader uses the
+    shared-memory path only when its own boot id matches and the file it maps by
+    name is that very file."""
 
     node_id: str
     incarnation: int

@@ -16,11 +16,20 @@ from hypothesis import strategies as st
 from refitd.daemon.access.trust import merge_extents
 from refitd.daemon.mirror.digest import digest_rows
 from refitd.daemon.state.manifestcheck import check_manifest_bounds
-from refitd.errors import ProtocolError
+from refitd.delta.compare import Table, check_bounds
+from refitd.errors import ConflictError, ProtocolError
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
-from transports.batch import merge_ranges, rows_as_batch, validate_batch, within
-from transports.interface import ByteRange
+from transports.batch import (
+    merge_ranges,
+    rows_as_batch,
+    spans_of,
+    validate_batch,
+    within,
+    within_spans,
+)
+from transports.interface import AdvertisedRegion, ByteRange, PeerInfo
 from transports.segments import SharedSegment
+from transports.tcp.frames import Grant, check_scope
 
 _range = st.tuples(st.integers(0, 3), st.integers(0, 200), st.integers(-5, 60))
 
@@ -74,6 +83,34 @@ def test_within_is_exact_containment_with_no_int64_overflow(
     assert [within(*r) for r in ranges] == [_inside(*r) for r in ranges]
 
 
+_extent = st.tuples(st.integers(0, 2**63 - 1), st.integers(0, 2**63 - 1))
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(_extent.map(lambda e: (min(e), max(e))), max_size=8),
+    st.lists(st.tuples(_I64, _I64), min_size=1, max_size=20),
+)
+def test_within_spans_is_exact_containment_in_one_of_the_spans_with_no_int64_overflow(
+    extents: list[tuple[int, int]], ranges: list[tuple[int, int]]
+) -> None:
+    """A range lies in a region's readable spans iff one span holds it whole, in exact
+    arithmetic; the span named is the last starting at or before the range."""
+    starts, ends = spans_of(extents)
+    spans = list(zip(starts.tolist(), ends.tolist(), strict=True))
+    o, n = (np.array([r[i] for r in ranges], np.int64) for i in range(2))
+    k, inside = within_spans(o, n, starts, ends)
+    assert inside.tolist() == [
+        any(s <= off and _inside(off, nb, e) for s, e in spans) for off, nb in ranges
+    ]
+    assert k.tolist() == [
+        max((i for i, (s, _) in enumerate(spans) if s <= off), default=-1) for off, _ in ranges
+    ]
+    # the spans are non-empty, sorted and apart
+    assert all(a < b for a, b in spans)
+    assert all(b < c for (_, b), (c, _) in itertools.pairwise(spans))
+
+
 SIZE = 8
 CASES = [
     (0, 0), (0, SIZE), (SIZE, 0), (SIZE - 1, 1),  # inside, to the very end
@@ -108,16 +145,42 @@ def _segment_view(offset: int, nbytes: int) -> None:
         seg.numpy(np.uint8, offset, nbytes)
 
 
+def _tcp_grant(offset: int, nbytes: int) -> None:
+    # a grant of the whole region (one span), as the tcp data server checks a read
+    record = PeerInfo("tcp", "src", b"", (AdvertisedRegion(1, 3, 0, SIZE),))
+    one = np.array([1], np.int64), np.array([offset], np.int64), np.array([nbytes], np.int64)
+    if check_scope(Grant(record), *one, {1: 3}, {1: SIZE}) is not None:
+        raise ProtocolError("outside the grant")
+
+
+def _delta_block(offset: int, nbytes: int) -> None:
+    table = Table([("w", (0,), (nbytes,), "uint8")], *(np.array([v], np.int64) for v in
+                  (1, offset, nbytes)), frozenset({1}), np.zeros(1, np.int64))  # fmt: skip
+    try:
+        check_bounds(table, {1: SIZE}, "compare")
+    except ConflictError as exc:
+        raise ProtocolError(str(exc)) from exc
+
+
 @pytest.mark.parametrize(
     "check",
-    [_batch_remote, _batch_local, _digest_row, _manifest_shard, _segment_view],
+    [
+        _batch_remote,
+        _batch_local,
+        _digest_row,
+        _manifest_shard,
+        _segment_view,
+        _tcp_grant,
+        _delta_block,
+    ],
     ids=lambda f: f.__name__.strip("_"),
 )
 @pytest.mark.parametrize(("offset", "nbytes"), CASES)
 def test_every_bound_refuses_exactly_the_ranges_outside_their_region(
     check: Callable[[int, int], None], offset: int, nbytes: int
 ) -> None:
-    """A read's two sides, a digest row, a published shard and a segment view: each
+    """A read's two sides, a digest row, a published shard, a segment view, a read the
+    tcp data server checks against its grant and a block a delta compares: each
     refuses a range iff it leaves its region (:func:`transports.batch.within`)."""
     if _inside(offset, nbytes, SIZE):
         check(offset, nbytes)

@@ -14,11 +14,11 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from refitd.errors import TransportError
+from refitd.errors import ProtocolError, TransportError
 from transports.interface import LeaseScope, PeerInfo, ReadRefused
 from transports.local import copy_addresses
 from transports.segments import SHM_DIR, SharedSegment
-from transports.shm import ShmTransport
+from transports.shm import SegmentKey, ShmTransport
 
 SECRET = b"samehost-secret-0123456789"
 
@@ -83,34 +83,57 @@ async def _two_regions(sizes: tuple[int, int]) -> AsyncIterator[tuple[ShmTranspo
             yield puller, source
 
 
-async def test_a_credential_lists_the_scoped_regions_as_the_advertisement_names_them() -> None:
-    """A reader's record is made by its ``shm`` transport from the source's signed
-    advertisement and the lease scope: the scope's regions only, as advertised."""
+async def test_a_grant_lists_the_scoped_regions_keyed_to_the_lease_and_reads_only_their_ranges() -> (
+    None
+):
+    """The source makes a lease's grant itself: the scope's regions as it registered
+    them, each keyed to the lease and its byte ranges, signed. A connection made with
+    it maps the region whole but reads nothing outside those ranges (before, a
+    same-host record named whole regions, and the ranges were the daemon's alone)."""
     async with _two_regions((4096, 2048)) as (puller, source):
         advert = source.advertise()
         assert advert.address.endswith(b":7")  # the source's life, not its pid
-        cred = puller.credential(advert, LeaseScope("lease", {2: [(0, 2048)]}))
-        cred.verify(SECRET)
-        assert cred.regions == tuple(r for r in advert.regions if r.region_id == 2)
-        assert cred.address == advert.address
-        async with await puller.connect(cred) as peer:
-            await peer.get([(9, 0, 2, 0, 2048)])
-            assert (puller.regions[9].segment.numpy()[:2048] == 2).all()
-            with pytest.raises(ReadRefused):  # region 1 is not in the lease's scope
-                await peer.get([(9, 0, 1, 0, 16)])
+        grant = source.grant(LeaseScope("lease", {2: [(0, 1024), (1536, 2048)]}))
+        grant.verify(SECRET)
+        (listed,) = grant.regions
+        (whole,) = (r for r in advert.regions if r.region_id == 2)
+        assert (listed.region_id, listed.generation, listed.size) == (2, whole.generation, 2048)
+        key = SegmentKey.decode(listed.key)
+        assert key[:3] == SegmentKey.decode(whole.key)[:3]  # the very file advertised
+        assert (key.lease, key.extents) == ("lease", [(0, 1024), (1536, 2048)])
+        assert grant.address == advert.address
+        async with await puller.connect(grant) as peer:
+            await peer.get([(9, 0, 2, 0, 1024), (9, 1536, 2, 1536, 512)])
+            dst = puller.regions[9].segment.numpy()
+            assert (dst[:1024] == 2).all() and (dst[1536:2048] == 2).all()
+            with pytest.raises(ReadRefused, match="remote region 1 is not in"):
+                await peer.get([(9, 0, 1, 0, 16)])  # region 1 is not in the lease's scope
+            dst[:] = 0
+            for outside in ((1023, 2), (1024, 512), (1535, 2)):
+                with pytest.raises(ReadRefused, match="outside what lease 'lease' was granted"):
+                    await peer.get([(9, 0, 2, 0, 16), (9, 16, 2, *outside)])
+            assert not dst.any()  # a refused batch reads nothing, not even its good reads
+            await peer.get([(9, 0, 2, 1200, 0)])  # no byte: the daemon's rule, too
 
 
-async def test_a_region_the_advertisement_does_not_name_has_no_credential() -> None:
-    """A source advertises only what a lease may read (``advertise(only)``): a scope
-    naming any other region (or one without a segment here) is refused, naming it."""
+async def test_a_grant_names_only_regions_mapped_here_and_a_reader_refuses_one_short_of_its_scope() -> (
+    None
+):
+    """A region with no segment here (not registered, or no host memory) is in no
+    grant; a reader checks the grant it is given names every region its pull reads
+    (``check_grant``: it makes nothing), refusing, naming them, one that does not."""
     async with _two_regions((4096, 4096)) as (puller, source):
-        advert = source.advertise(only=[1])
-        assert [r.region_id for r in advert.regions] == [1]
+        grant = source.grant(LeaseScope("lease", {1: [(0, 4096)], 5: [(0, 16)]}))
+        assert [r.region_id for r in grant.regions] == [1]
+        puller.check_grant(grant, LeaseScope("lease", {1: [(0, 4096)]}))
         with pytest.raises(TransportError, match=r"region\(s\) \[2\] .* do not map here"):
-            puller.credential(advert, LeaseScope("lease", {1: [], 2: []}))
-        tcp_advert = msgspec.structs.replace(advert, scheme="tcp")
-        with pytest.raises(Exception, match=r"advertisement .* is for scheme 'tcp'"):
-            puller.credential(tcp_advert, LeaseScope("lease", {1: []}))
+            puller.check_grant(grant, LeaseScope("lease", {1: [], 2: []}))
+        tcp_grant = msgspec.structs.replace(grant, scheme="tcp")
+        with pytest.raises(ProtocolError, match=r"record of .* is for scheme 'tcp'"):
+            puller.check_grant(tcp_grant, LeaseScope("lease", {1: []}))
+        # the advertisement is no lease's grant
+        with pytest.raises(ProtocolError, match="granted to lease '', not 'lease'"):
+            puller.check_grant(source.advertise(), LeaseScope("lease", {1: []}))
 
 
 async def test_an_update_keeps_the_mappings_of_unchanged_regions_and_maps_only_new_ones() -> None:

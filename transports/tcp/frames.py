@@ -50,7 +50,7 @@ import numpy.typing as npt
 
 from refitd.errors import TransportError
 
-from ..batch import merge_ranges
+from ..batch import spans_of, within_spans
 from ..interface import PeerInfo
 
 __all__ = [
@@ -148,7 +148,8 @@ def scope_key(lease_id: str, extents: Sequence[tuple[int, int]]) -> bytes:
 
 class Grant:
     """A verified record, as the data server checks reads against it: per region its
-    generation, size and readable ranges (merged, sorted); the lease ("" for none)."""
+    generation, size and readable ranges (merged, sorted: their ``starts`` and
+    ``ends``, bytes); the lease ("" for none)."""
 
     def __init__(self, info: PeerInfo) -> None:
         self.info = info
@@ -166,23 +167,12 @@ class Grant:
                 leases.add(lease)
             else:  # no scope: the whole region
                 extents = [(0, r.size)]
-            s, e = _merged(extents)
-            self.starts[r.region_id], self.ends[r.region_id] = s, e
+            self.starts[r.region_id], self.ends[r.region_id] = spans_of(extents)
         if len(leases) > 1:
             raise ValueError(f"a grant names {len(leases)} leases; one record, one lease")
         self.lease = leases.pop() if leases else ""
         #: whether every region carries a scope (a lease's grant)
         self.scoped = all(r.key for r in info.regions) and bool(info.regions)
-
-
-def _merged(
-    extents: Sequence[tuple[int, int]],
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """``[start, end)`` extents of one region, merged: sorted disjoint starts, ends."""
-    spans = np.array(extents, dtype=np.int64).reshape(-1, 2)
-    runs = merge_ranges(np.zeros(len(spans), np.int64), spans[:, 0], spans[:, 1] - spans[:, 0])
-    starts = np.array([r.offset for r in runs], dtype=np.int64)
-    return starts, starts + np.array([r.nbytes for r in runs], dtype=np.int64)
 
 
 def check_scope(
@@ -195,7 +185,9 @@ def check_scope(
 ) -> tuple[int, str] | None:
     """``(index, why)`` of the first read outside ``grant`` (or of a region whose
     registration, ``generations``/``sizes`` here, is not the one the grant names), or
-    None when every read may be served. Zero-byte reads are checked like any."""
+    None when every read may be served. Zero-byte reads are checked like any. Whether
+    a read lies in the grant's spans is :func:`transports.batch.within_spans`, over
+    every read of a region at once."""
     if (nbytes < 0).any() or (offset < 0).any():
         i = int(np.flatnonzero((nbytes < 0) | (offset < 0))[0])
         return i, "a negative offset or length"
@@ -208,14 +200,11 @@ def check_scope(
                 f"region {rid} is not registered here as the record states (deregistered or "
                 "registered again since)"
             )
-        o, n = offset[rows], nbytes[rows]
-        starts, ends = grant.starts[rid], grant.ends[rid]
-        k = np.searchsorted(starts, o, side="right") - 1
-        inside = (k >= 0) & (o <= ends[np.maximum(k, 0)] - n)
+        _, inside = within_spans(offset[rows], nbytes[rows], grant.starts[rid], grant.ends[rid])
         if not inside.all():
             i = int(rows[np.flatnonzero(~inside)[0]])
             return i, (
-                f"region {rid} bytes [{int(offset[i])}, {int(offset[i] + nbytes[i])}) are "
+                f"region {rid} bytes [{int(offset[i])}, {int(offset[i]) + int(nbytes[i])}) are "
                 "outside what the record's lease may read"
             )
     return None

@@ -26,6 +26,7 @@ from refitd.daemon.state.staging import OFF_LOOP_SPECS, StagingPool
 from refitd.daemon.state.store import RegionStore
 from refitd.errors import AccessDenied
 from refitd.wire import LeaseGrant, PackRequest, PackSpec, PeerRegions, StagedPack, VersionInfo
+from transports.interface import LeaseScope
 
 __all__ = ["Leasing"]
 
@@ -111,9 +112,11 @@ class Leasing:
             held = self.lease_scope(lease, held=True)
             adverts = self.plane.grants(lease.lease_id, allowed, held)
             advert = next(iter(adverts.values()), b"")
-            # The same-host path's: every region the lease may read and no other (a
-            # staging record asked for later lists the version's regions too).
-            adverts[self.plane.shm.scheme] = self.plane.shm.advertise(sorted(allowed)).encode()
+            # The same-host path's, made here too: every region the lease may read, each
+            # limited to its ranges, and no other (a staging record asked for later
+            # lists the version's regions too).
+            shm = self.plane.shm
+            adverts[shm.scheme] = shm.grant(LeaseScope(lease.lease_id, allowed)).encode()
         rec = PeerRegions(
             self.node_id,
             self.incarnation,

@@ -124,12 +124,11 @@ class PullPaths:
     def _credential(self, peer: PeerRegions, path: str) -> PeerInfo:
         """The record the transport of ``path`` reads ``peer`` through: the credential
         the source granted the lease on it, in ``peer``'s signed records, as given
-        (this daemon never makes one); for the same-host transport, the one it makes
-        from the source's signed advertisement, narrowed to the lease scope
-        (:meth:`transports.shm.ShmTransport.credential`)."""
+        (this daemon never makes one); for the same-host transport, checked first to
+        be the grant of ``peer``'s lease (:meth:`shm_credential`)."""
         transport = self._transport(path)
         if transport is self.plane.shm:
-            return transport.credential(advert_of(peer, transport.scheme), lease_scope(peer))
+            return self.shm_credential(peer)
         return adverts(peer)[transport.scheme]
 
     def _transport(self, path: str) -> Transport:
@@ -150,11 +149,14 @@ class PullPaths:
         return None
 
     def shm_credential(self, peer: PeerRegions) -> PeerInfo:
-        """The record the ``shm`` transport reads ``peer`` through: made by that
-        transport from the peer's same-host advertisement and the lease scope
-        (:meth:`transports.shm.ShmTransport.credential`); refused for records given
-        without a lease, which carry none."""
-        return self._credential(peer, self.plane.shm.scheme)
+        """The record the ``shm`` transport reads ``peer`` through: the grant the source
+        made for the lease of ``peer``'s records (:meth:`transports.shm.ShmTransport.grant`),
+        as given, once that transport checked it names that lease and every host region
+        the pull may read (:meth:`transports.shm.ShmTransport.check_grant`); refused
+        for records given without a lease, which carry none."""
+        grant = advert_of(peer, self.plane.shm.scheme)
+        self.plane.shm.check_grant(grant, lease_scope(peer))
+        return grant
 
     async def transport_peer(self, peer: PeerRegions, scheme: str) -> Peer:
         """The ``scheme`` transport's connection to ``peer``: made once per source

@@ -180,9 +180,9 @@ def transport_options(
 
 
 def advert_of(peer: PeerRegions, scheme: str) -> PeerInfo:
-    """``peer``'s advertisement of its ``scheme`` transport (the one a reader's
-    credential is made from); :class:`TransportError` when its records carry none
-    (records are given one only under a lease)."""
+    """``peer``'s grant on its ``scheme`` transport, as its signed records carry it;
+    :class:`TransportError` when they carry none (records are given one only under a
+    lease)."""
     raw = peer.adverts.get(scheme)
     if raw:
         return PeerInfo.decode(raw)
@@ -242,10 +242,10 @@ def choose_remote(
 
 
 def lease_scope(peer: PeerRegions) -> LeaseScope:
-    """What a pull's lease lets it read from ``peer``, for the same-host transport to
-    map (:meth:`transports.shm.ShmTransport.credential`): ``peer``'s host regions, each
-    limited to the byte ranges of the lease scope. GPU memory is never granted: it is
-    read through the source's staging."""
+    """What a pull's lease lets it read from ``peer``, which the source's same-host
+    grant must name (:meth:`transports.shm.ShmTransport.check_grant`): ``peer``'s host
+    regions, each limited to the byte ranges of the lease scope. GPU memory is never
+    granted: it is read through the source's staging."""
     ranges = {
         r.region_id: peer.scope.get(r.region_id, [])
         for r in peer.regions

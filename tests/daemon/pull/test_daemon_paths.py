@@ -207,8 +207,8 @@ async def test_a_same_host_record_is_trusted_only_for_the_very_file_and_size_it_
             return msgspec.structs.replace(rec, adverts={**rec.adverts, "shm": shm.encode()})
 
         # A segment of that name that is another file (another /dev/shm, say).
-        name, dev, ino = SegmentKey.decode(advert.regions[0].key)
-        other = changed(key=SegmentKey(name, dev, ino + 1).encode())
+        key = SegmentKey.decode(advert.regions[0].key)
+        other = changed(key=key._replace(ino=key.ino + 1).encode())
         assert "another file" in str(await engine.pulls.paths.shm_refusal(other))
         # A record stating another size than the segment's.
         assert "expected 2048" in str(
