@@ -58,7 +58,7 @@ from refitd.signing import Signed
 # Defined below this module (the batch algebra, the memory kinds), which import
 # nothing of it back; re-exported here, where a transport's author looks for them.
 from .batch import ByteRange, ReadBatch, ReadRefused
-from .memory import MappedMemory
+from .memory import MappedMemory, is_host
 
 if TYPE_CHECKING:
     import numpy as np
@@ -334,7 +334,7 @@ class Transport(ABC):
         """Whether this transport registers (and reads) memory of ``memory``'s kind
         (`transports.memory`): host memory only, unless a transport says more. A
         region it does not register is one it has no path to."""
-        return memory.kind == "host"
+        return is_host(memory)
 
     @property
     @abstractmethod

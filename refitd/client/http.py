@@ -33,6 +33,7 @@ from refitd.wire import (
     LeaseGrant,
     LeaseRequest,
     ManifestIn,
+    MemoryKind,
     MergedManifest,
     NodeInfo,
     PackSpec,
@@ -48,7 +49,6 @@ from refitd.wire import (
     RegionAttach,
     RegionCreate,
     RegionInfo,
-    RegionKind,
     StagedPack,
     VersionInfo,
 )
@@ -111,7 +111,7 @@ class RefitClient(ApiSession):
     # ------------------------------------------------------------ regions
 
     async def create_region(
-        self, nbytes: int, *, label: str = "", owner: str = "", kind: RegionKind = RegionKind.SHM
+        self, nbytes: int, *, label: str = "", owner: str = "", kind: MemoryKind = MemoryKind.HOST
     ) -> RegionInfo:
         """A daemon-owned region, released by the daemon when this process exits."""
         req = RegionCreate(nbytes, kind, owner, label, holder=_holder())
@@ -124,7 +124,7 @@ class RefitClient(ApiSession):
         *,
         label: str = "",
         owner: str = "",
-        kind: RegionKind = RegionKind.SHM,
+        kind: MemoryKind = MemoryKind.HOST,
     ) -> RegionInfo:
         """Attach this process's segment; the daemon releases it when this process exits."""
         req = RegionAttach(handle, nbytes, kind, owner, label, holder=_holder())
