@@ -63,8 +63,9 @@ T = TypeVar("T")
 _TERMINAL = {PullState.DONE, PullState.FAILED, PullState.CANCELLED}
 
 
-def _holder() -> str:
-    """This process as a region holder (``<pid>.<start>``), or "" where /proc cannot say."""
+def _this_process() -> str:
+    """This process as the one a region lives with (``<pid>.<start>``, a ``ProcessTag``;
+    sent as the request's ``holder``), or "" where /proc cannot say."""
     tag = owner_tag()
     return tag if tag.replace(".", "").isdigit() else ""
 
@@ -114,7 +115,7 @@ class RefitClient(ApiSession):
         self, nbytes: int, *, label: str = "", owner: str = "", kind: MemoryKind = MemoryKind.HOST
     ) -> RegionInfo:
         """A daemon-owned region, released by the daemon when this process exits."""
-        req = RegionCreate(nbytes, kind, owner, label, holder=_holder())
+        req = RegionCreate(nbytes, kind, owner, label, holder=_this_process())
         return await self.send(api.CREATE_REGION, req)
 
     async def attach_region(
@@ -127,7 +128,7 @@ class RefitClient(ApiSession):
         kind: MemoryKind = MemoryKind.HOST,
     ) -> RegionInfo:
         """Attach this process's segment; the daemon releases it when this process exits."""
-        req = RegionAttach(handle, nbytes, kind, owner, label, holder=_holder())
+        req = RegionAttach(handle, nbytes, kind, owner, label, holder=_this_process())
         return await self.send(api.ATTACH_REGION, req)
 
     async def regions(self) -> list[RegionInfo]:

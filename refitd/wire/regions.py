@@ -11,7 +11,7 @@ from typing import Literal
 import msgspec
 
 from refitd.memory_kinds import MemoryKind
-from refitd.wire.fields import HolderTag, Label, Name, NonNeg
+from refitd.wire.fields import Label, Name, NonNeg, ProcessTag
 
 __all__ = [
     "GcReport",
@@ -36,7 +36,8 @@ class NodeInfo(msgspec.Struct, frozen=True):
     incarnation: int
     transport: str
     worker_info: dict[str, str] = {}
-    version: str = "1"
+    #: the HTTP API version this daemon speaks (``/v1``)
+    api_version: str = "1"
     shm_huge_pages: str = ""
     #: ``transport/device`` pairs the daemon's UCX can use here (``ucx_info -d``),
     #: e.g. ``tcp/eth0``, ``rc_mlx5/mlx5_0:1``; empty without a UCX data plane.
@@ -56,7 +57,7 @@ class RegionCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: the client process the region lives with, as ``<pid>.<start time>``
     #: (``transports.segments.owner_tag``; "" for none): when that process exits the
     #: daemon releases the region. The client library sends its own.
-    holder: HolderTag = ""
+    holder: ProcessTag = ""
 
 
 class RegionAttach(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -72,7 +73,7 @@ class RegionAttach(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: the client process the region lives with, as ``<pid>.<start time>``
     #: (``transports.segments.owner_tag``; "" for none): when that process exits the
     #: daemon releases the region. The client library sends its own.
-    holder: HolderTag = ""
+    holder: ProcessTag = ""
 
 
 class RegionInfo(msgspec.Struct, frozen=True):
