@@ -30,7 +30,7 @@ from refitd.wire import (
     HostResidencyName,
     InvalidateRequest,
     InvalidateResult,
-    LeaseGrant,
+    LeaseInfo,
     LeaseRequest,
     ManifestIn,
     MemoryKind,
@@ -220,20 +220,20 @@ class RefitClient(ApiSession):
         holder: str = "",
         *,
         manifest: bool = False,
-    ) -> LeaseGrant:
+    ) -> LeaseInfo:
         """Lease ``model`` ``version``: the grant carries the daemon's signed records of
         what the lease reads (a pull from that daemon presents them as ``grant``), and
         with ``manifest`` the version's merged manifest."""
         req = LeaseRequest(model, version, ttl_s, holder, manifest=manifest)
         return await self.send(api.ACQUIRE_LEASE, req)
 
-    async def renew_lease(self, lease_id: str, ttl_s: float = 30.0) -> LeaseGrant:
+    async def renew_lease(self, lease_id: str, ttl_s: float = 30.0) -> LeaseInfo:
         return await self.send(api.RENEW_LEASE, params={"ttl": str(ttl_s)}, lease_id=lease_id)
 
     async def release_lease(self, lease_id: str) -> None:
         await self.send(api.RELEASE_LEASE, lease_id=lease_id)
 
-    async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
+    async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseInfo:
         """ConflictError unless ``lease_id`` is live on exactly ``(model, version)``."""
         return await self.send(
             api.CHECK_LEASE, params={"model": model, "version": str(version)}, lease_id=lease_id

@@ -60,7 +60,7 @@ from refitd.errors import ConflictError, RefitError
 from refitd.reshard.receiver import KEEP_PLANS
 from refitd.wire import (
     DescriptorTable,
-    LeaseGrant,
+    LeaseInfo,
     MergedManifest,
     PullProgress,
     PullRequest,
@@ -133,7 +133,7 @@ class DaemonReceiver(Staging):
         self._hold = False  # the refit running stops before its swap (stage())
         self.lease_keeper: LeaseKeeper | None = None  # while a refit holds its lease
         #: the running refit's lease, as the source granted it (its records, manifest)
-        self._lease: LeaseGrant | None = None
+        self._lease: LeaseInfo | None = None
 
     # ------------------------------------------------------------ memory
 

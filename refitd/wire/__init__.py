@@ -56,6 +56,7 @@ from refitd.wire.fields import (
 from refitd.wire.leases import (
     MAX_LEASE_TTL_S,
     LeaseGrant,
+    LeaseInfo,
     LeaseRequest,
 )
 from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
@@ -145,6 +146,7 @@ __all__ = [
     "InvalidateRequest",
     "InvalidateResult",
     "LeaseGrant",
+    "LeaseInfo",
     "LeaseRequest",
     "ManifestHead",
     "ManifestIn",
