@@ -9,6 +9,8 @@ Packages and modules:
   route table
 - `signing`: the one signing scheme: records MAC'd with the deployment secret
 - `errors`: the exception tree, drawn once
+- `memory_kinds`: the kinds of memory a region is made of (``host``, ``cuda``), one
+  spelling for the wire and the transports
 - `demo`: ``refitd demo``: the main job end to end, verified bit for bit
 - `reshard/`: pure planning of resharded pulls: capture → plan → compile → execute
 - `delta/`: delta refit, the pure part: what changed, where it lands, undoable writes

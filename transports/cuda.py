@@ -52,6 +52,7 @@ import numpy as np
 import numpy.typing as npt
 
 from refitd.errors import ConflictError, ProtocolError
+from refitd.memory_kinds import MemoryKind
 
 from .cudacopies import (
     BATCH_MAX,
@@ -69,13 +70,12 @@ from .cudacopies import Span as _Span
 from .cudadriver import CudaError, IpcHandle, _Driver, device_count, driver, missing
 from .cudaexport import DeviceAllocation, Exported, export_allocation, parse_handle
 from .devcopy import DeviceEngine
-from .memory import HOST, DeviceMemory, add_engine
+from .memory import DeviceMemory, add_engine
 
 if TYPE_CHECKING:
     pass
 
 __all__ = [
-    "KIND",
     "CudaEngine",
     "CudaError",
     "CudaIpcMemory",
@@ -90,7 +90,6 @@ __all__ = [
     "strided_runs",
 ]
 
-KIND = "cuda"
 CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
 CU_STREAM_NON_BLOCKING = 1
 CU_MEMHOSTREGISTER_PORTABLE = 1
@@ -133,7 +132,7 @@ def check_opened_size(opened: int, requested: int) -> None:
     driver's granularity); ProtocolError, named, where it holds fewer."""
     if opened < requested:
         raise ProtocolError(
-            f"cuda_ipc region refused: the allocation holds {opened} bytes, fewer than "
+            f"cuda region refused: the allocation holds {opened} bytes, fewer than "
             f"the {requested} stated; register the whole allocation"
         )
 
@@ -141,7 +140,7 @@ def check_opened_size(opened: int, requested: int) -> None:
 class CudaIpcMemory(DeviceMemory):
     """A GPU allocation of another process, opened here from its IPC handle."""
 
-    kind: ClassVar[str] = KIND
+    kind: ClassVar[MemoryKind] = MemoryKind.CUDA
 
     def __init__(self, uuid: str, raw: bytes, ordinal: int, address: int, size: int) -> None:
         self._uuid = uuid
@@ -207,7 +206,7 @@ class CudaIpcMemory(DeviceMemory):
     def identity(self) -> tuple[str | int, ...]:
         """``("cuda", device uuid, device address here)``: one allocation is opened at
         one address per process, however many handles name it."""
-        return (KIND, self._uuid, self._address)
+        return (MemoryKind.CUDA, self._uuid, self._address)
 
     @property
     def owner_uid(self) -> int | None:
@@ -284,7 +283,7 @@ class CudaEngine(DeviceEngine):
     (`transports.devcopy`); one per device per process (:meth:`for_device`), made
     when the first allocation is opened (off the event loop)."""
 
-    kind: ClassVar[str] = KIND
+    kind: ClassVar[MemoryKind] = MemoryKind.CUDA
     _by_device: ClassVar[dict[int, CudaEngine]] = {}
     #: use the driver's batched copy where it has one (False: the older path)
     batched: bool = True
@@ -309,8 +308,9 @@ class CudaEngine(DeviceEngine):
                 add_engine(engine)
             return engine
 
-    def moves(self, dst_kind: str, src_kind: str) -> bool:
-        return {dst_kind, src_kind} <= {KIND, HOST} and KIND in (dst_kind, src_kind)
+    def moves(self, dst_kind: MemoryKind, src_kind: MemoryKind) -> bool:
+        kinds = {self.kind, MemoryKind.HOST}
+        return {dst_kind, src_kind} <= kinds and self.kind in (dst_kind, src_kind)
 
     # -- the driver's part (`transports.devcopy`)
 

@@ -110,7 +110,7 @@ def parse_handle(text: str) -> tuple[str, bytes]:
         raw = b""
     if len(uuid) != 32 or len(raw) != 64:
         raise ProtocolError(
-            "cuda_ipc handle refused: expected '<32 hex of the device UUID>:<128 hex of "
+            "CUDA IPC handle refused: expected '<32 hex of the device UUID>:<128 hex of "
             "the IPC handle>' (refitd.client's export_allocation makes it)"
         )
     return uuid, raw

@@ -58,7 +58,7 @@ from refitd.signing import Signed
 # Defined below this module (the batch algebra, the memory kinds), which import
 # nothing of it back; re-exported here, where a transport's author looks for them.
 from .batch import ByteRange, ReadBatch, ReadRefused
-from .memory import MappedMemory
+from .memory import MappedMemory, is_host
 
 if TYPE_CHECKING:
     import numpy as np
@@ -76,6 +76,7 @@ __all__ = [
     "PeerLost",
     "PullFailed",
     "ReadRefused",
+    "Scope",
     "Transport",
     "TransportClosed",
     "TransportOptions",
@@ -240,14 +241,20 @@ class Peer(ABC):
         await self.close()
 
 
+Scope = Mapping[int, Sequence[tuple[int, int]]]
+"""A lease's scope: region id -> the byte ranges ``[start, end)`` it may read there
+(sorted, disjoint). Spelled once: the daemon's checks and every transport's grant
+take this type; on the wire it is ``PeerRegions.scope``, the same map made concrete."""
+
+
 @dataclass(frozen=True)
 class LeaseScope:
-    """What one lease lets a reader read from a peer: ``ranges`` maps a host region
-    id to its ``[start, end)`` byte ranges; ``lease_id`` names the lease (the source
-    frees what it granted when the lease ends)."""
+    """What one lease lets a reader read from a peer: ``ranges`` (a :data:`Scope`)
+    maps a host region id to its ``[start, end)`` byte ranges; ``lease_id`` names the
+    lease (the source frees what it granted when the lease ends)."""
 
     lease_id: str
-    ranges: Mapping[int, Sequence[tuple[int, int]]]
+    ranges: Scope
 
 
 @dataclass(frozen=True)
@@ -334,7 +341,7 @@ class Transport(ABC):
         """Whether this transport registers (and reads) memory of ``memory``'s kind
         (`transports.memory`): host memory only, unless a transport says more. A
         region it does not register is one it has no path to."""
-        return memory.kind == "host"
+        return is_host(memory)
 
     @property
     @abstractmethod

@@ -32,10 +32,11 @@ import numpy as np
 import numpy.typing as npt
 
 from refitd.errors import PlanError, TransportError
+from refitd.memory_kinds import MemoryKind
 
 from .batch import split_shares
 from .inproc import InProcessTransport
-from .memory import HOST, copy_by_kind
+from .memory import copy_by_kind
 from .native import copy_lib
 
 __all__ = [
@@ -311,7 +312,9 @@ class LocalTransport(InProcessTransport):
         memory is gathered by its engine instead (its contiguous runs copied into
         place, `transports.memory.copy_by_kind`): its bytes never pass the CPU."""
         on_device = {
-            b.src_region for b in blocks if self._regions[b.src_region].segment.kind != HOST
+            b.src_region
+            for b in blocks
+            if self._regions[b.src_region].segment.kind != MemoryKind.HOST
         }
         views = {
             r: self._view(r) for r in {dst_region, *(b.src_region for b in blocks)} - on_device
@@ -383,7 +386,7 @@ class LocalTransport(InProcessTransport):
         if region is None:
             raise TransportError(f"region {region_id} is not registered with this transport")
         seg = region.segment
-        if seg.kind != HOST:
+        if seg.kind != MemoryKind.HOST:
             # A strided pack walks the bytes with the CPU: device memory is read
             # directly (one read per contiguous run), never packed here.
             raise TransportError(

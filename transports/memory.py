@@ -4,8 +4,9 @@ A region is registered once, as a whole allocation, and every rule on it is keye
 the memory behind it. The memory is one of a few *kinds*::
 
     MappedMemory                            what a transport registers
-    ├── kind        HOST ("host": a /dev/shm segment mapped here) or a device kind
-    │               ("cuda": a GPU allocation opened from its owner's IPC handle)
+    ├── kind        a MemoryKind (`refitd.memory_kinds`, the wire's region kind too):
+    │               HOST ("host": a /dev/shm segment mapped here) or a device kind
+    │               (CUDA, "cuda": a GPU allocation opened from its owner's IPC handle)
     ├── identity    one memory, one value, however many names or handles reach it:
     │               ("host", st_dev, st_ino); ("cuda", device uuid, base address here)
     ├── owner_uid   the uid the memory itself proves it belongs to (a segment's file
@@ -37,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from refitd.errors import TransportError
+from refitd.memory_kinds import MemoryKind
 
 from .pins import PINS
 
@@ -72,7 +74,7 @@ class MappedMemory(Protocol):
     @property
     def address(self) -> int: ...
     @property
-    def kind(self) -> str: ...
+    def kind(self) -> MemoryKind: ...
     @property
     def identity(self) -> tuple[str | int, ...]: ...
     @property
@@ -82,8 +84,8 @@ class MappedMemory(Protocol):
     def close(self) -> None: ...
 
 
-HOST = "host"
-"""The kind of a shared-memory segment mapped in this process."""
+HOST = MemoryKind.HOST
+"""The kind of a shared-memory segment mapped in this process (``MemoryKind.HOST``)."""
 
 HostCopy = Callable[
     [npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]], Awaitable[None]
@@ -114,10 +116,10 @@ class CopyEngine(ABC):
     and lives as long as the process.
     """
 
-    kind: ClassVar[str]
+    kind: ClassVar[MemoryKind]
 
     @abstractmethod
-    def moves(self, dst_kind: str, src_kind: str) -> bool:
+    def moves(self, dst_kind: MemoryKind, src_kind: MemoryKind) -> bool:
         """Whether this engine copies into ``dst_kind`` memory from ``src_kind``."""
 
     @abstractmethod
@@ -144,7 +146,7 @@ class DeviceMemory(ABC):
     ``write`` move bytes between it and this process's host memory through its
     engine, synchronously (checks and benchmarks; pulls use :meth:`CopyEngine.copy`)."""
 
-    kind: ClassVar[str]
+    kind: ClassVar[MemoryKind]
 
     @property
     @abstractmethod

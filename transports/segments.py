@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from refitd.errors import ConflictError, NotFoundError, ProtocolError
+from refitd.memory_kinds import MemoryKind
 
 from .batch import within
 from .memory import forget_host
@@ -265,13 +266,13 @@ class SharedSegment:
     # -- properties (the memory kind's, `transports.memory`)
 
     #: host memory: copied by a transport's own guarded memcpy, no device engine
-    kind = "host"
+    kind = MemoryKind.HOST
     engine = None
 
     @property
     def identity(self) -> tuple[str | int, ...]:
         """``("host", st_dev, st_ino)``: the file mapped, whatever name opened it."""
-        return ("host", *self.file_identity)
+        return (MemoryKind.HOST, *self.file_identity)
 
     @property
     def owner_uid(self) -> int | None:

@@ -8,8 +8,9 @@ it):
   parameters move into a shared segment; GPU ones into one allocation on their device
   (they never leave it), which the daemon reads and writes through its CUDA IPC
   handle (:mod:`refitd.client.gpu`; never run on a GPU yet);
-- the *scratch* area, on the same device: staging mode's mirror of the engine, the
-  packed blocks that land strided and the full pulls' staged tensors;
+- the *scratch* area, on the same device: staging mode's *image* of the engine (its
+  first bytes, laid out as the engine area), the packed blocks that land strided and
+  the full pulls' staged tensors;
 - swap mode's *shadow* (host memory only): a second engine segment of the same
   layout, which the parameters are rebound to after a pull (:mod:`refitd.client.swap`).
 

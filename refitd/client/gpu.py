@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from refitd.client.http import RefitClient
-from refitd.wire import RegionInfo, RegionKind
+from refitd.wire import MemoryKind, RegionInfo
 
 __all__ = ["attach_tensor", "device_buffer", "held_allocations"]
 
@@ -55,7 +55,7 @@ async def attach_tensor(
     # The tensor's own device: the driver is asked in its context, pushed and popped.
     exported = export_allocation(tensor.data_ptr(), tensor.device.index)
     info = await client.attach_region(
-        exported.handle, exported.size, kind=RegionKind.CUDA_IPC, label=label, owner=owner
+        exported.handle, exported.size, kind=MemoryKind.CUDA, label=label, owner=owner
     )
     _HELD[exported.base] = tensor.untyped_storage()
     return info, tensor.data_ptr() - exported.base
@@ -74,6 +74,6 @@ async def device_buffer(
     flat = torch.as_tensor(allocation, device=torch.device("cuda", ordinal))
     exported = allocation.export()
     info = await client.attach_region(
-        exported.handle, exported.size, kind=RegionKind.CUDA_IPC, label=label
+        exported.handle, exported.size, kind=MemoryKind.CUDA, label=label
     )
     return flat, info

@@ -30,9 +30,10 @@ from refitd.wire import (
     HostResidencyName,
     InvalidateRequest,
     InvalidateResult,
-    LeaseGrant,
+    LeaseInfo,
     LeaseRequest,
     ManifestIn,
+    MemoryKind,
     MergedManifest,
     NodeInfo,
     PackSpec,
@@ -48,7 +49,6 @@ from refitd.wire import (
     RegionAttach,
     RegionCreate,
     RegionInfo,
-    RegionKind,
     StagedPack,
     VersionInfo,
 )
@@ -62,8 +62,9 @@ T = TypeVar("T")
 _TERMINAL = {PullState.DONE, PullState.FAILED, PullState.CANCELLED}
 
 
-def _holder() -> str:
-    """This process as a region holder (``<pid>.<start>``), or "" where /proc cannot say."""
+def _this_process() -> str:
+    """This process as the one a region lives with (``<pid>.<start>``, a ``ProcessTag``;
+    sent as the request's ``holder``), or "" where /proc cannot say."""
     tag = owner_tag()
     return tag if tag.replace(".", "").isdigit() else ""
 
@@ -110,10 +111,10 @@ class RefitClient(ApiSession):
     # ------------------------------------------------------------ regions
 
     async def create_region(
-        self, nbytes: int, *, label: str = "", owner: str = "", kind: RegionKind = RegionKind.SHM
+        self, nbytes: int, *, label: str = "", owner: str = "", kind: MemoryKind = MemoryKind.HOST
     ) -> RegionInfo:
         """A daemon-owned region, released by the daemon when this process exits."""
-        req = RegionCreate(nbytes, kind, owner, label, holder=_holder())
+        req = RegionCreate(nbytes, kind, owner, label, holder=_this_process())
         return await self.send(api.CREATE_REGION, req)
 
     async def attach_region(
@@ -123,10 +124,10 @@ class RefitClient(ApiSession):
         *,
         label: str = "",
         owner: str = "",
-        kind: RegionKind = RegionKind.SHM,
+        kind: MemoryKind = MemoryKind.HOST,
     ) -> RegionInfo:
         """Attach this process's segment; the daemon releases it when this process exits."""
-        req = RegionAttach(handle, nbytes, kind, owner, label, holder=_holder())
+        req = RegionAttach(handle, nbytes, kind, owner, label, holder=_this_process())
         return await self.send(api.ATTACH_REGION, req)
 
     async def regions(self) -> list[RegionInfo]:
@@ -218,20 +219,20 @@ class RefitClient(ApiSession):
         holder: str = "",
         *,
         manifest: bool = False,
-    ) -> LeaseGrant:
+    ) -> LeaseInfo:
         """Lease ``model`` ``version``: the grant carries the daemon's signed records of
         what the lease reads (a pull from that daemon presents them as ``grant``), and
         with ``manifest`` the version's merged manifest."""
         req = LeaseRequest(model, version, ttl_s, holder, manifest=manifest)
         return await self.send(api.ACQUIRE_LEASE, req)
 
-    async def renew_lease(self, lease_id: str, ttl_s: float = 30.0) -> LeaseGrant:
+    async def renew_lease(self, lease_id: str, ttl_s: float = 30.0) -> LeaseInfo:
         return await self.send(api.RENEW_LEASE, params={"ttl": ttl_s}, lease_id=lease_id)
 
     async def release_lease(self, lease_id: str) -> None:
         await self.send(api.RELEASE_LEASE, lease_id=lease_id)
 
-    async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
+    async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseInfo:
         """ConflictError unless ``lease_id`` is live on exactly ``(model, version)``."""
         return await self.send(
             api.CHECK_LEASE, params={"model": model, "version": version}, lease_id=lease_id

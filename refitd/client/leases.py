@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Protocol, Self
 
 from refitd.errors import ProtocolError, RefitError, TransportError
-from refitd.wire import LeaseGrant
+from refitd.wire import LeaseInfo
 
 __all__ = ["LeaseKeeper", "Releases", "Renews", "held_lease"]
 
@@ -31,7 +31,7 @@ __all__ = ["LeaseKeeper", "Releases", "Renews", "held_lease"]
 class Renews(Protocol):
     """Who a lease is renewed through: the daemon that granted it, as a client sees it."""
 
-    async def renew_lease(self, lease_id: str, ttl_s: float) -> LeaseGrant: ...
+    async def renew_lease(self, lease_id: str, ttl_s: float) -> LeaseInfo: ...
 
 
 class Releases(Renews, Protocol):
@@ -42,7 +42,7 @@ class Releases(Renews, Protocol):
 
 @contextlib.asynccontextmanager
 async def held_lease(
-    client: Releases, acquiring: Awaitable[LeaseGrant], ttl_s: float | None = None
+    client: Releases, acquiring: Awaitable[LeaseInfo], ttl_s: float | None = None
 ) -> AsyncIterator[LeaseKeeper]:
     """The lease ``acquiring`` grants (a call of ``client``'s ``acquire_lease``), kept
     alive by a :class:`LeaseKeeper` (renewed for ``ttl_s``, default its own TTL) while
@@ -81,7 +81,7 @@ class LeaseKeeper:
     def __init__(
         self,
         client: Renews,
-        lease: LeaseGrant,
+        lease: LeaseInfo,
         ttl_s: float | None = None,
         every_s: float | None = None,
     ) -> None:

@@ -10,7 +10,7 @@ Addresses are synthetic (:data:`~refitd.client.install.SPAN` per region): the pl
 sees a parameter's bytes at :func:`param_addr`, and scratch as region -1 (``-SPAN +
 offset``), which :func:`lower` names by the scratch region placed.
 
-Scratch layout: [mirror of the engine region, staging mode only][packed blocks that
+Scratch layout: [image of the engine region, staging mode only][packed blocks that
 land strided][full pulls' staged tensors], each block aligned.
 """
 
@@ -78,8 +78,8 @@ class ScratchLayout:
 def scratch_layout(
     bound: BoundPlan, params: dict[str, torch.nn.Parameter], engine_nbytes: int, staging: bool
 ) -> ScratchLayout:
-    """The scratch ``bound`` needs, for an engine region of ``engine_nbytes`` (mirrored
-    at its start in ``staging`` mode)."""
+    """The scratch ``bound`` needs, for an engine region of ``engine_nbytes`` (its
+    image at scratch's start in ``staging`` mode)."""
     cursor = engine_nbytes if staging else 0
     scatter: list[Scatter] = []
     pack_dst: list[int] = []
@@ -117,7 +117,7 @@ def lower(
     """``bound`` as daemon rows and pack specs, scratch laid out as ``lay`` in the
     region ``scratch_id``, the engine region ``engine_id`` of ``engine_nbytes``: the
     compiled pull a refit replays while its signature ``sig`` holds. Staging mode
-    also lists the scratch mirror's byte ranges to install (coalesced), swap mode the
+    also lists the byte ranges of scratch's engine image to install (coalesced), swap mode the
     engine's bytes no read writes (carried over at each swap)."""
     fp_rows = lay.fp_rows
     src = np.concatenate([bound.src, np.array([r[0] for r in fp_rows], dtype=np.int64)])
@@ -139,7 +139,7 @@ def lower(
         )
         for p, a, d in zip(bound.packs, bound.pack_src.tolist(), pdst.tolist(), strict=True)
     ]
-    install = _mirrored(rows, packs, scratch_id, engine_nbytes) if mode == "staging" else []
+    install = _image_ranges(rows, packs, scratch_id, engine_nbytes) if mode == "staging" else []
     comp = CompiledPull(sig, rows, packs, lay.scatter, lay.full, install)
     comp.bytes = planned_bytes
     comp.engine_id = engine_id
@@ -148,17 +148,17 @@ def lower(
     return comp
 
 
-def _mirrored(
+def _image_ranges(
     rows: npt.NDArray[np.int64], packs: list[PackSpec], scratch_id: int, limit: int
 ) -> list[tuple[int, int]]:
-    """Staging mode: the byte ranges of scratch's engine mirror (its first ``limit``
+    """Staging mode: the byte ranges of scratch's engine image (its first ``limit``
     bytes) that reads write, coalesced: what an install copies into the engine."""
-    mirror = [(int(r[3]), int(r[4])) for r in rows if r[2] == scratch_id and r[3] < limit]
-    mirror += [
+    image = [(int(r[3]), int(r[4])) for r in rows if r[2] == scratch_id and r[3] < limit]
+    image += [
         (p.dst_offset, p.nbytes)
         for p in packs
         if p.dst_region == scratch_id and p.dst_offset < limit
     ]
-    staged = np.array(mirror, dtype=np.int64).reshape(-1, 2)
+    staged = np.array(image, dtype=np.int64).reshape(-1, 2)
     merged = merge_ranges(np.zeros(len(staged), np.int64), staged[:, 0], staged[:, 1])
     return [(r.offset, r.nbytes) for r in merged]

@@ -33,7 +33,7 @@ from refitd.client.receiver import DaemonReceiver, RefitStats
 from refitd.errors import ConflictError, NotFoundError, PlanError, RefitError
 from refitd.wire import (
     DescriptorTable,
-    LeaseGrant,
+    LeaseInfo,
     MergedManifest,
     PullProgress,
     PullRequest,
@@ -144,7 +144,7 @@ class ClusterReceiver(DaemonReceiver):
         holders = found.holders
         clients = [await self._client(h.url) for h in holders]
         async with contextlib.AsyncExitStack() as stack:
-            leases: list[LeaseGrant] = []
+            leases: list[LeaseInfo] = []
             for c in clients:  # each held until the refit ends, then released
                 acquiring = c.acquire_lease(
                     self.model, found.version, self.lease_ttl_s, holder="receiver"
@@ -160,7 +160,7 @@ class ClusterReceiver(DaemonReceiver):
         version: int,
         holders: list[SourceRecord],
         clients: list[RefitClient],
-        leases: list[LeaseGrant],
+        leases: list[LeaseInfo],
         t0: float,
         on_progress: Callable[[PullProgress], None] | None,
     ) -> RefitStats:

@@ -14,7 +14,7 @@
    (strict by default; ``allow_unwritten=`` names those meant to keep their values);
 4. submit one pull to the local daemon (descriptors + pack specs, the lease) and
    wait, reporting progress;
-5. install: ``"staging"`` lands the pull in a scratch mirror of the parameters,
+5. install: ``"staging"`` lands the pull in scratch's image of the parameters,
    copied into them only after it succeeded; ``"swap"`` lands it in a second copy
    of their memory, which they are rebound to only after it succeeded (one copy,
    :mod:`refitd.client.swap`); in both a failed pull installs nothing. ``"direct"``
@@ -60,7 +60,7 @@ from refitd.errors import ConflictError, RefitError
 from refitd.reshard.receiver import KEEP_PLANS
 from refitd.wire import (
     DescriptorTable,
-    LeaseGrant,
+    LeaseInfo,
     MergedManifest,
     PullProgress,
     PullRequest,
@@ -133,7 +133,7 @@ class DaemonReceiver(Staging):
         self._hold = False  # the refit running stops before its swap (stage())
         self.lease_keeper: LeaseKeeper | None = None  # while a refit holds its lease
         #: the running refit's lease, as the source granted it (its records, manifest)
-        self._lease: LeaseGrant | None = None
+        self._lease: LeaseInfo | None = None
 
     # ------------------------------------------------------------ memory
 

@@ -12,7 +12,7 @@ the same size and layout, the *shadow*, registered once and reused by every refi
    the engine serves the previous version's bytes exactly.
 
 What it costs: one more engine-sized segment of host memory (staging mode's scratch
-mirror is the same size, so against staging nothing more), and the swap itself
+image is the same size, so against staging nothing more), and the swap itself
 (microseconds a parameter). Bytes of the engine the pull does not write (parameters
 ``allow_unwritten`` names, or written only through the install's scatter) are copied
 from the serving segment into the shadow after the pull and before the swap, so they

@@ -14,7 +14,7 @@ from typing import Any, Self, TypeVar
 
 from refitd.client.http import RefitClient
 from refitd.wire import (
-    LeaseGrant,
+    LeaseInfo,
     ManifestIn,
     MergedManifest,
     NodeInfo,
@@ -86,7 +86,7 @@ class SyncRefitClient:
     ) -> VersionInfo:
         return self._run(self._client.wait_drain, model, version, timeout_s, retire=retire)
 
-    def acquire_lease(self, model: str, version: int, ttl_s: float = 30.0) -> LeaseGrant:
+    def acquire_lease(self, model: str, version: int, ttl_s: float = 30.0) -> LeaseInfo:
         return self._run(self._client.acquire_lease, model, version, ttl_s)
 
     def release_lease(self, lease_id: str) -> None:

@@ -7,7 +7,7 @@ Pure (numpy, no I/O, no ``await``): the receiver
 (:mod:`refitd.delta.stream`) lands in
 
 - the engine's own memory (a read landing in the engine region, or in staging
-  mode's scratch mirror of it);
+  mode's image of it in scratch);
 - a packed block that the install scatters through its destination strides: the
   unit is written where the scatter would put it;
 - a full pull's staged tensor, kept in scratch (staging mode): the unit is patched
@@ -127,7 +127,7 @@ class Landing:
     direct: bool
     engine_id: int
     scratch_id: int
-    limit: int  # scratch's first ``limit`` bytes mirror the engine (staging mode)
+    limit: int  # scratch's first ``limit`` bytes: the engine's image (staging mode)
 
     @staticmethod
     def of(
@@ -138,17 +138,17 @@ class Landing:
         spans: Mapping[str, tuple[int, int]],
     ) -> Landing:
         """The landing of ``plan`` in the engine region ``engine_id`` and the scratch
-        region ``scratch_id`` (-2: none), whose first ``limit`` bytes mirror the
-        engine; ``spans``: each parameter's ``(byte offset, nbytes)`` in the engine."""
+        region ``scratch_id`` (-2: none), whose first ``limit`` bytes are the
+        engine's image; ``spans``: each parameter's ``(byte offset, nbytes)`` in the engine."""
         packs = [(p.dst_region, p.dst_offset, p.nbytes) for p in plan.packs]
         pieces = np.concatenate([plan.rows[:, 2:5], np.array(packs, dtype=np.int64).reshape(-1, 3)])
         scat_of, fp_of = areas_of(plan, pieces, scratch_id)
         overlap = _overlapping(plan, pieces, engine_id, scratch_id, limit, spans)
-        mirrored = (pieces[:, 0] == scratch_id) & (pieces[:, 1] + pieces[:, 2] <= limit)
+        in_image = (pieces[:, 0] == scratch_id) & (pieces[:, 1] + pieces[:, 2] <= limit)
         direct = (
             not (scat_of >= 0).any()
             and not (fp_of >= 0).any()
-            and bool(((pieces[:, 0] == engine_id) | mirrored).all())
+            and bool(((pieces[:, 0] == engine_id) | in_image).all())
             and not overlap
         )
         ends = np.cumsum(pieces[:, 2])

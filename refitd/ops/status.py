@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from refitd.ops.console import add_client_arguments, human_bytes, print_json, run_command
-from refitd.wire import RegionKind
+from refitd.wire import MemoryKind
 
 __all__ = ["add_arguments", "run"]
 
@@ -57,8 +57,8 @@ async def gather(client: Any) -> dict[str, Any]:
         "regions": len(regions),
         "region_bytes": sum(r.nbytes for r in regions),
         # GPU allocations the daemon opened (docs/gpu.md): copied by its CUDA engine
-        "gpu_regions": sum(r.kind is RegionKind.CUDA_IPC for r in regions),
-        "gpu_region_bytes": sum(r.nbytes for r in regions if r.kind is RegionKind.CUDA_IPC),
+        "gpu_regions": sum(r.kind is MemoryKind.CUDA for r in regions),
+        "gpu_region_bytes": sum(r.nbytes for r in regions if r.kind is MemoryKind.CUDA),
         "versions": by_state,
         "leases": sum(v.leases for v in versions),
         "pulls": pull_states,

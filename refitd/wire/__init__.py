@@ -4,15 +4,16 @@ Every request and response body the daemon accepts or returns is a msgspec Struc
 here. Handlers decode with these types (so validation is the decode), the client
 encodes with them, and the OpenAPI document is generated from them. The daemon
 (:mod:`refitd.daemon`) and the client (:mod:`refitd.client`) both import this
-package and nothing of each other: it imports only :mod:`refitd.errors` and
-:mod:`refitd.signing`.
+package and nothing of each other: it imports only :mod:`refitd.errors`,
+:mod:`refitd.signing` and :mod:`refitd.memory_kinds`.
 
 One module per idea, every public name re-exported here (``from refitd.wire import
 PullRequest``):
 
 - :mod:`~refitd.wire.fields`: bounded field types, body limits, the content type;
 - :mod:`~refitd.wire.status`: :class:`ErrorBody` and the error <-> HTTP status map;
-- :mod:`~refitd.wire.regions`: a daemon's identity and its regions;
+- :mod:`~refitd.wire.regions`: a daemon's identity and its regions (a region's kind
+  is :class:`~refitd.memory_kinds.MemoryKind`, re-exported here);
 - :mod:`~refitd.wire.versions`: manifests and versions;
 - :mod:`~refitd.wire.leases`: leases on a version;
 - :mod:`~refitd.wire.pulls`: pulls, their descriptors and pack specs;
@@ -36,6 +37,7 @@ Units: every ``*_offset``, ``nbytes`` and ``byte_offset`` is in **bytes**; every
 
 from __future__ import annotations
 
+from refitd.memory_kinds import MemoryKind
 from refitd.wire.deltas import (
     CHUNK_BYTES,
     DeltaChunk,
@@ -59,6 +61,7 @@ from refitd.wire.fields import (
 from refitd.wire.leases import (
     MAX_LEASE_TTL_S,
     LeaseGrant,
+    LeaseInfo,
     LeaseRequest,
 )
 from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorState
@@ -96,7 +99,6 @@ from refitd.wire.regions import (
     RegionAttach,
     RegionCreate,
     RegionInfo,
-    RegionKind,
 )
 from refitd.wire.status import (
     ERROR_OF_STATUS,
@@ -149,9 +151,11 @@ __all__ = [
     "InvalidateRequest",
     "InvalidateResult",
     "LeaseGrant",
+    "LeaseInfo",
     "LeaseRequest",
     "ManifestHead",
     "ManifestIn",
+    "MemoryKind",
     "MergedManifest",
     "MirrorState",
     "NodeInfo",
@@ -169,7 +173,6 @@ __all__ = [
     "RegionAttach",
     "RegionCreate",
     "RegionInfo",
-    "RegionKind",
     "ShardEntry",
     "SourceRecord",
     "StagedPack",

@@ -23,12 +23,12 @@ __all__ = [
     "MAX_TENSOR_SHARDS",
     "MSGPACK",
     "DtypeName",
-    "HolderTag",
     "Int64",
     "Label",
     "Name",
     "NonNeg",
     "Positive",
+    "ProcessTag",
     "Shape",
     "SlotCount",
     "TensorName",
@@ -47,7 +47,8 @@ Int64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=INT64_MAX)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
 Positive = Annotated[int, msgspec.Meta(gt=0, le=INT64_MAX)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
-HolderTag = Annotated[str, msgspec.Meta(max_length=48, pattern=r"^([0-9]{1,10}\.[0-9]{1,20})?$")]
+#: a client process, as ``<pid>.<start time>`` (``transports.segments.owner_tag``), or ""
+ProcessTag = Annotated[str, msgspec.Meta(max_length=48, pattern=r"^([0-9]{1,10}\.[0-9]{1,20})?$")]
 #: free-text fields of a request (owner, label, holder): bounded, may be empty
 Label = Annotated[str, msgspec.Meta(max_length=256)]
 #: a tensor's name in a manifest (module paths of real models stay far below this)

@@ -11,7 +11,7 @@ from refitd.wire.fields import Label, Name, NonNeg
 from refitd.wire.records import PeerRegions
 from refitd.wire.versions import MergedManifest
 
-__all__ = ["MAX_LEASE_TTL_S", "LeaseGrant", "LeaseRequest"]
+__all__ = ["MAX_LEASE_TTL_S", "LeaseGrant", "LeaseInfo", "LeaseRequest"]
 
 #: the longest lease (acquired or renewed) a daemon grants, in seconds
 MAX_LEASE_TTL_S = 3600.0
@@ -29,7 +29,7 @@ class LeaseRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     manifest: bool = False
 
 
-class LeaseGrant(msgspec.Struct, frozen=True):
+class LeaseInfo(msgspec.Struct, frozen=True):
     """A lease on one version; ``expires_in_s`` is relative to when the daemon answered.
 
     As ``POST /v1/leases`` answers it, ``records`` are the daemon's signed records of
@@ -45,3 +45,9 @@ class LeaseGrant(msgspec.Struct, frozen=True):
     expires_in_s: float
     records: PeerRegions | None = None
     manifest: MergedManifest | None = None
+
+
+LeaseGrant = LeaseInfo
+"""The old name of :class:`LeaseInfo`, kept while daemon modules still use it (a
+*grant* is a transport's credential: docs/glossary.md, "Renames in flight"). New code
+says ``LeaseInfo``."""

@@ -89,7 +89,7 @@ class PullRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``lease_id`` (held at the source). Nothing moves until every descriptor and pack
     spec has been checked against both daemons' region records.
 
-    ``grant`` is what the source answered that lease with (``LeaseGrant.records``):
+    ``grant`` is what the source answered that lease with (``LeaseInfo.records``):
     its signed records and credentials, which the pulling daemon reads with as given
     (MAC-verified, of this very lease) instead of asking the source for them again."""
 

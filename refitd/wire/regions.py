@@ -1,14 +1,17 @@
 """A daemon's identity (:class:`NodeInfo`) and its regions: creating or attaching
-one, the daemon's record of it, and what garbage collection freed."""
+one, the daemon's record of it, and what garbage collection freed.
+
+A region's ``kind`` is a :class:`~refitd.memory_kinds.MemoryKind` (``host``, ``cuda``),
+the same values the transports compare: one spelling from the wire to the copy."""
 
 from __future__ import annotations
 
-import enum
 from typing import Literal
 
 import msgspec
 
-from refitd.wire.fields import HolderTag, Label, Name, NonNeg
+from refitd.memory_kinds import MemoryKind
+from refitd.wire.fields import Label, Name, NonNeg, ProcessTag
 
 __all__ = [
     "GcReport",
@@ -17,7 +20,6 @@ __all__ = [
     "RegionAttach",
     "RegionCreate",
     "RegionInfo",
-    "RegionKind",
 ]
 
 Health = Literal["ok"]
@@ -34,7 +36,8 @@ class NodeInfo(msgspec.Struct, frozen=True):
     incarnation: int
     transport: str
     worker_info: dict[str, str] = {}
-    version: str = "1"
+    #: the HTTP API version this daemon speaks (``/v1``)
+    api_version: str = "1"
     shm_huge_pages: str = ""
     #: ``transport/device`` pairs the daemon's UCX can use here (``ucx_info -d``),
     #: e.g. ``tcp/eth0``, ``rc_mlx5/mlx5_0:1``; empty without a UCX data plane.
@@ -44,37 +47,33 @@ class NodeInfo(msgspec.Struct, frozen=True):
     paths: dict[str, str] = {}
 
 
-class RegionKind(enum.StrEnum):
-    SHM = "shm"
-    CUDA_IPC = "cuda_ipc"
-
-
 class RegionCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Ask the daemon to create (own) a region of ``nbytes`` for a client."""
 
     nbytes: NonNeg
-    kind: RegionKind = RegionKind.SHM
+    kind: MemoryKind = MemoryKind.HOST
     owner: Label = ""
     label: Label = ""
     #: the client process the region lives with, as ``<pid>.<start time>``
     #: (``transports.segments.owner_tag``; "" for none): when that process exits the
     #: daemon releases the region. The client library sends its own.
-    holder: HolderTag = ""
+    holder: ProcessTag = ""
 
 
 class RegionAttach(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Ask the daemon to attach a region a client created: for ``shm`` ``handle`` is the
-    segment name; for ``cuda_ipc`` it is the hex IPC handle (refused without a GPU)."""
+    """Ask the daemon to attach a region a client created: for ``host`` memory
+    ``handle`` is the segment's name; for ``cuda`` it is the hex CUDA IPC handle
+    (refused without a GPU)."""
 
     handle: Name
     nbytes: NonNeg
-    kind: RegionKind = RegionKind.SHM
+    kind: MemoryKind = MemoryKind.HOST
     owner: Label = ""
     label: Label = ""
     #: the client process the region lives with, as ``<pid>.<start time>``
     #: (``transports.segments.owner_tag``; "" for none): when that process exits the
     #: daemon releases the region. The client library sends its own.
-    holder: HolderTag = ""
+    holder: ProcessTag = ""
 
 
 class RegionInfo(msgspec.Struct, frozen=True):
@@ -84,7 +83,7 @@ class RegionInfo(msgspec.Struct, frozen=True):
     registered under with the daemon's transport."""
 
     region_id: int
-    kind: RegionKind
+    kind: MemoryKind
     handle: str
     nbytes: int
     incarnation: int

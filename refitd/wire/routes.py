@@ -34,7 +34,7 @@ from refitd.wire.deltas import (
 )
 from refitd.wire.digests import ChunkDigests
 from refitd.wire.fields import API_PREFIX, MSGPACK
-from refitd.wire.leases import LeaseGrant, LeaseRequest
+from refitd.wire.leases import LeaseInfo, LeaseRequest
 from refitd.wire.mirrors import HolderAssign, HolderJoin, MirrorFeed, MirrorLease, MirrorState
 from refitd.wire.pools import (
     EnsureRequest,
@@ -215,7 +215,7 @@ DRAIN = _r(
 ACQUIRE_LEASE = _r(
     "POST",
     "/leases",
-    LeaseGrant,
+    LeaseInfo,
     "Lease a READY version",
     LeaseRequest,
     201,
@@ -225,7 +225,7 @@ ACQUIRE_LEASE = _r(
 CHECK_LEASE = _r(
     "GET",
     "/leases/{lease_id}",
-    LeaseGrant,
+    LeaseInfo,
     "Check a lease",
     tag="leases",
     args=a.LeaseCheckArgs,
@@ -233,7 +233,7 @@ CHECK_LEASE = _r(
 RENEW_LEASE = _r(
     "POST",
     "/leases/{lease_id}/renew",
-    LeaseGrant,
+    LeaseInfo,
     "Renew a lease",
     tag="leases",
     args=a.RenewArgs,
@@ -452,7 +452,7 @@ MIRROR_DIGESTS = _r(
 MIRROR_LEASE = _r(
     "POST",
     "/mirrors/leases",
-    LeaseGrant,
+    LeaseInfo,
     "A peer daemon leases a mirrored version under its lease at the source",
     MirrorLease,
     201,

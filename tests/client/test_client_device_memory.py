@@ -29,7 +29,7 @@ from refitd.client.receiver import DaemonReceiver
 from refitd.daemon.app.node import Daemon
 from refitd.testing.engines import EngineParallel, ToyEngine, moe_toy_config
 from refitd.testing.layouts import full_state, megatron_tp_ep
-from refitd.wire import RegionAttach, RegionKind
+from refitd.wire import MemoryKind, RegionAttach
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,7 +48,7 @@ class HostDevEngineMemory(EngineMemory):
     async def allocate(self, nbytes: int, label: str) -> Area:
         memory = HostDeviceMemory(max(nbytes, 1), self.device_engine)
         self.kept.append(memory)
-        req = RegionAttach(memory.name, memory.size, RegionKind.CUDA_IPC, label=label)
+        req = RegionAttach(memory.name, memory.size, MemoryKind.CUDA, label=label)
         region = await self.daemon.store.record_attached(memory.opened_again(), req)
         raw = (ctypes.c_ubyte * memory.size).from_address(memory.address)
         return Area(region, torch.from_numpy(np.ctypeslib.as_array(raw)))
@@ -92,7 +92,7 @@ async def test_an_engine_in_device_memory_refits_each_version_exactly_on_the_dev
             assert r.memory.on_device and r.memory.shadow is None
             assert r.mode == ("staging" if mode == "swap" else mode)
             kinds = {x.kind for x in await c.regions() if x.label in ("engine", "scratch")}
-            assert kinds == {RegionKind.CUDA_IPC}
+            assert kinds == {MemoryKind.CUDA}
         finally:
             await r.close()
             for p in pubs:

@@ -104,7 +104,7 @@ def test_staged_ranges_scattered_blocks_and_full_pulls_land_where_each_belongs(
     b = engine[64:80].view(torch.bfloat16)
     c = engine[128:152].view(torch.float32).view(2, 3)
     params = {"a": a, "b": b, "c": c}
-    # Scratch: the engine's mirror, a packed block for ``a`` (lands transposed), and
+    # Scratch: the engine's image, a packed block for ``a`` (lands transposed), and
     # a bf16 (3, 2) source staged whole for ``c`` (replayed transposed, converted).
     scratch = torch.zeros(320, dtype=torch.uint8, device=device)
     b_new = torch.arange(8, dtype=torch.bfloat16) / 3

@@ -80,7 +80,7 @@ def full_pull(
     plan: Plan, src: np.ndarray, spans: dict[str, tuple[int, int]], limit: int = 0
 ) -> Engine:
     """The byte model of the full pull of ``src`` by ``plan`` (staging mode: scratch's
-    first ``limit`` bytes mirror the engine, installed into it)."""
+    first ``limit`` bytes are the engine's image, installed into it)."""
     mem = Engine(np.zeros(256, np.uint8), np.zeros(256, np.uint8), spans)
     regions = {ENGINE: mem.engine, SCRATCH: mem.scratch}
     for s_region, s_off, d_region, d_off, n in plan.rows.tolist():
@@ -187,9 +187,9 @@ def test_the_general_path_leaves_what_the_native_one_pass_leaves(seed: int, frac
     assert np.array_equal(digest.lanes, EngineDigest.of(general.engine).lanes)
 
 
-def test_reads_into_staging_scratchs_mirror_of_the_engine_land_in_the_engine() -> None:
+def test_reads_into_staging_scratchs_image_of_the_engine_land_in_the_engine() -> None:
     old, new = _versions(3, 0.5)
-    # Staging mode: scratch's first 128 bytes mirror the engine's.
+    # Staging mode: scratch's first 128 bytes are the engine's image.
     plan = Plan(_rows((0, SCRATCH, 0, 64), (64, ENGINE, 64, 64)))
     mem, _undo, _digest, landing = applied(plan, old, new, NO_PARAMS, limit=128)
     assert landing.direct

@@ -25,9 +25,9 @@ from refitd.errors import ConflictError, ProtocolError
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
+    MemoryKind,
     PullRequest,
     RegionInfo,
-    RegionKind,
     ShardEntry,
     TensorEntry,
 )
@@ -101,7 +101,7 @@ async def test_the_daemon_opens_cuda_only_once_a_gpu_region_exists(
     await c.create_region(4096)  # host regions make no CUDA context
     assert "libcuda" not in _maps(d.pid)
     _, region = await device_buffer(c, NBYTES, torch.device("cuda", 0), label="g")
-    assert region.kind is RegionKind.CUDA_IPC and region.nbytes >= NBYTES
+    assert region.kind is MemoryKind.CUDA and region.nbytes >= NBYTES
     assert "libcuda" in _maps(d.pid)
     assert ":" not in region.handle.removeprefix("cuda:").split(":", 1)[1]  # a digest only
 
@@ -176,9 +176,9 @@ async def test_a_gpu_handle_is_refused_past_its_allocation_and_taken_within_it(
     t = torch.zeros(NBYTES, dtype=torch.uint8, device="cuda")
     ex = export_allocation(t.data_ptr(), t.device.index)
     with pytest.raises(ProtocolError, match="fewer than"):
-        await c.attach_region(ex.handle, ex.size + 1, kind=RegionKind.CUDA_IPC)
+        await c.attach_region(ex.handle, ex.size + 1, kind=MemoryKind.CUDA)
     # The importer may see the allocation rounded up: a region of the bytes stated.
-    region = await c.attach_region(ex.handle, ex.size - 512, kind=RegionKind.CUDA_IPC)
+    region = await c.attach_region(ex.handle, ex.size - 512, kind=MemoryKind.CUDA)
     assert region.nbytes == ex.size - 512
 
 
@@ -363,7 +363,7 @@ async def test_a_trainer_publishes_gpu_tensors_in_place_and_a_gpu_engine_refits_
             block = trainer[sh.addr - base : sh.addr - base + n].view(info.dtype).view(sh.shape)
             await pub.place(name, block, tuple(info.global_shape), tuple(sh.shard_offset))
     await pub.publish(1)
-    assert len([r for r in await c.regions() if r.kind is RegionKind.CUDA_IPC]) == 1
+    assert len([r for r in await c.regions() if r.kind is MemoryKind.CUDA]) == 1
     ranks = []
     for rank in range(2):
         par = EngineParallel(2, rank)
@@ -402,7 +402,7 @@ async def test_a_gpu_source_with_adopt_is_published_in_place_one_region_per_allo
     sp = ShardPublisher(c, "mg", adopt=True)
     await sp.publish(source, 1)
     assert sp.copied_bytes == 0, "a GPU block was copied instead of published in place"
-    assert [r.kind for r in await c.regions()] == [RegionKind.CUDA_IPC]  # one allocation
+    assert [r.kind for r in await c.regions()] == [MemoryKind.CUDA]  # one allocation
     m = await c.manifest("mg", 1)
     lease = (await c.acquire_lease("mg", 1, 600.0)).lease_id
     flat, dst = await device_buffer(c, t.numel() * 4, dev, label="dst")

@@ -79,8 +79,8 @@ async def test_state_gauges_are_read_from_the_bound_snapshot_at_scrape_time() ->
     state = {"leases": 1}
     app[METRICS_KEY].bind_state(
         lambda: StateSnapshot(
-            regions={"shm": 3},
-            registered_bytes={"shm": 3 << 20},
+            regions={"host": 3},
+            registered_bytes={"host": 3 << 20},
             versions={"ready": 1, "pending": 2},
             leases=state["leases"],
             pools=[PoolStats(pool="moe", layers=2, slots=8, occupied_slots=5, hits=10, misses=4)],
@@ -90,8 +90,8 @@ async def test_state_gauges_are_read_from_the_bound_snapshot_at_scrape_time() ->
         first = await scrape(session, base)
         state["leases"] = 4
         second = await scrape(session, base)
-    assert first[("refitd_regions", (("kind", "shm"),))] == 3
-    assert first[("refitd_registered_bytes", (("kind", "shm"),))] == 3 << 20
+    assert first[("refitd_regions", (("kind", "host"),))] == 3
+    assert first[("refitd_registered_bytes", (("kind", "host"),))] == 3 << 20
     assert first[("refitd_versions", (("state", "pending"),))] == 2
     assert first[("refitd_leases", ())] == 1
     assert second[("refitd_leases", ())] == 4

@@ -19,14 +19,14 @@ from refitd.daemon.app.openapi import (
     setup_openapi,
 )
 from refitd.errors import NotFoundError
-from refitd.wire import LeaseGrant, LeaseRequest, PullProgress, PullRequest, RegionInfo
+from refitd.wire import LeaseInfo, LeaseRequest, PullProgress, PullRequest, RegionInfo
 
 
-@operation(summary="Grant a lease", request=LeaseRequest, response=LeaseGrant, tags=("leases",))
+@operation(summary="Grant a lease", request=LeaseRequest, response=LeaseInfo, tags=("leases",))
 async def grant(request: web.Request) -> web.Response:
     body = msgspec.json.decode(await request.read(), type=LeaseRequest)
     return web.Response(
-        body=msgspec.json.encode(LeaseGrant("l1", body.model, body.version, 30.0)),
+        body=msgspec.json.encode(LeaseInfo("l1", body.model, body.version, 30.0)),
         content_type="application/json",
     )
 

@@ -136,8 +136,8 @@ async def test_the_wired_daemon_reports_its_state_in_metrics() -> None:
             assert resp.status == 404
         async with s.get(f"{daemon.url}/metrics") as resp:
             text = await resp.text()
-    assert 'refitd_regions{kind="shm"} 1.0' in text
-    assert 'refitd_registered_bytes{kind="shm"} 4096.0' in text
+    assert 'refitd_regions{kind="host"} 1.0' in text
+    assert 'refitd_registered_bytes{kind="host"} 4096.0' in text
     assert 'refitd_versions{state="ready"} 1.0' in text
     assert "refitd_leases 1.0" in text
     assert 'refitd_refusals_total{reason="NotFoundError"} 1.0' in text

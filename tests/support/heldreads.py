@@ -22,7 +22,7 @@ import numpy as np
 
 from refitd.daemon.mirror.chunks import Mirror, cut_chunks
 from refitd.daemon.mirror.hold import FillingMirrors
-from refitd.wire import RegionInfo, RegionKind
+from refitd.wire import MemoryKind, RegionInfo
 from transports.interface import PeerInfo
 from transports.segments import SharedSegment
 from transports.tcp import TcpPeer, TcpTransport
@@ -98,7 +98,7 @@ async def held_reads(
     transport's default). ``safety_s`` bounds :meth:`HeldReads.held`."""
     live = {LEASE}
     m = Mirror("http://source", "m", 1)
-    m.regions = {SOURCE_REGION: RegionInfo(SERVED, RegionKind.SHM, "", size, 0)}
+    m.regions = {SOURCE_REGION: RegionInfo(SERVED, MemoryKind.HOST, "", size, 0)}
     m.chunks = cut_chunks({SOURCE_REGION: [(0, size)]}, MIB)
     m.done = np.zeros(len(m.chunks), dtype=bool)
     f = FillingMirrors()

@@ -23,7 +23,7 @@ from refitd.config import ServerConfig
 from refitd.daemon.app.node import Daemon
 from refitd.daemon.app.waits import MAX_WAIT_S
 from refitd.wire import DescriptorTable, ManifestIn, PullRequest, ShardEntry, TensorEntry
-from refitd.wire.leases import LeaseGrant
+from refitd.wire.leases import LeaseInfo
 from support.daemons import Served, served, token_file
 
 __all__ = [
@@ -92,7 +92,7 @@ async def publish_bytes(
 
 
 def pull_request(
-    lease: LeaseGrant, rows: Sequence[tuple[int, int, int, int, int]], source: str = ""
+    lease: LeaseInfo, rows: Sequence[tuple[int, int, int, int, int]], source: str = ""
 ) -> PullRequest:
     """A pull under ``lease`` of its version, of the descriptor ``rows`` (``(src region,
     src offset, dst region, dst offset, nbytes)``), from the daemon at ``source``

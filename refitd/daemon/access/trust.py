@@ -84,6 +84,7 @@ import numpy as np
 from refitd.errors import AccessDenied, ConflictError
 from refitd.wire import PackSpec
 from transports.batch import merge_ranges
+from transports.interface import Scope
 
 __all__ = [
     "Extents",
@@ -98,9 +99,6 @@ __all__ = [
 
 Extents = list[tuple[int, int]]
 """Sorted, disjoint, non-adjacent byte ranges ``[start, end)`` of one region."""
-
-Scope = Mapping[int, Extents]
-"""Region id -> the byte ranges a lease may read in it."""
 
 
 def merge_extents(ranges: Iterable[tuple[int, int, int]]) -> dict[int, Extents]:

@@ -25,7 +25,7 @@ from refitd.daemon.state.registry import Lease, Registry
 from refitd.daemon.state.staging import OFF_LOOP_SPECS, StagingPool
 from refitd.daemon.state.store import RegionStore
 from refitd.errors import AccessDenied
-from refitd.wire import LeaseGrant, PackRequest, PackSpec, PeerRegions, StagedPack, VersionInfo
+from refitd.wire import LeaseInfo, PackRequest, PackSpec, PeerRegions, StagedPack, VersionInfo
 from transports.interface import LeaseScope
 
 __all__ = ["Leasing"]
@@ -156,12 +156,12 @@ class Leasing:
         lease = self.registry.check(req.lease_id, req.model, req.version)
         return await self.pack(req.specs, lease, principal)
 
-    def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
+    def check_lease(self, lease_id: str, model: str, version: int) -> LeaseInfo:
         """The live lease ``lease_id`` on ``(model, version)`` with its seconds left
         (409 for one not live on that version)."""
         lease = self.registry.check(lease_id, model, version)
         left = lease.expires_at - self.clock()
-        return LeaseGrant(lease.lease_id, lease.model, lease.version, left)
+        return LeaseInfo(lease.lease_id, lease.model, lease.version, left)
 
     def release(self, lease_id: str) -> None:
         """End a lease, and wake the drains and reaps its end may free."""
@@ -176,7 +176,7 @@ class Leasing:
         holder: str,
         principal: str,
         manifest: bool = False,
-    ) -> LeaseGrant:
+    ) -> LeaseInfo:
         """Lease a READY version for ``principal``, within its lease cap (429 past
         ``limits.max_leases_per_principal``). The grant carries this daemon's signed
         records of what the lease may read, with its credential on each data plane

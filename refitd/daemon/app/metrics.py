@@ -77,9 +77,9 @@ PULL_SECONDS_BUCKETS = (
 class StateSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     """The daemon's state at one instant, for the gauges. Bytes are bytes."""
 
-    #: region kind (``"shm"``, ``"cuda_ipc"``, ...) -> number of regions
+    #: memory kind (``"host"``, ``"cuda"``: a ``MemoryKind``) -> number of regions
     regions: dict[str, int] = {}
-    #: region kind -> bytes registered with the data plane
+    #: memory kind -> bytes registered with the data plane
     registered_bytes: dict[str, int] = {}
     #: version state (``"pending"``, ``"ready"``, ``"retired"``) -> number of versions
     versions: dict[str, int] = {}
@@ -114,7 +114,7 @@ class _StateCollector:
         yield regions
         registered = GaugeMetricFamily(
             "refitd_registered_bytes",
-            "Bytes of region memory registered with the data plane, by region kind.",
+            "Bytes of region memory registered with the data plane, by memory kind.",
             labels=["kind"],
         )
         for kind, n in sorted(snap.registered_bytes.items()):

@@ -24,10 +24,10 @@ from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
     ErrorBody,
+    MemoryKind,
     PackSpec,
     PeerRegions,
     PullRequest,
-    RegionKind,
     StagedPack,
 )
 from transports.batch import ReadBatch, read_spans, rows_as_batch, split_pieces, suspect_ranges
@@ -173,7 +173,7 @@ def shm_refused(mode: str, node_id: str, refusal: str) -> str:
 def peer_devices(peer: PeerRegions) -> list[int]:
     """The regions of ``peer``'s records that are GPU memory (no data plane reads them
     as they are: the source stages them, see :func:`staged_by_source`)."""
-    return [r.region_id for r in peer.regions if r.kind is not RegionKind.SHM]
+    return [r.region_id for r in peer.regions if r.kind is not MemoryKind.HOST]
 
 
 def refuse_peer_devices(peer: PeerRegions, mode: str) -> None:

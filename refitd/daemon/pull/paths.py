@@ -33,7 +33,7 @@ import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
 
 from refitd.errors import TransportError
-from refitd.wire import PeerRegions, RegionKind
+from refitd.wire import MemoryKind, PeerRegions
 from transports.interface import Capabilities, LeaseScope, PeerInfo, TransportOptions
 from transports.tcp import TcpOptions
 
@@ -249,7 +249,7 @@ def lease_scope(peer: PeerRegions) -> LeaseScope:
     ranges = {
         r.region_id: peer.scope.get(r.region_id, [])
         for r in peer.regions
-        if r.kind is RegionKind.SHM
+        if r.kind is MemoryKind.HOST
     }
     return LeaseScope(peer.lease_id, ranges)
 

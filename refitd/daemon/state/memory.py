@@ -1,12 +1,12 @@
-"""The daemon's handle on region memory, by kind: the one place a wire kind becomes memory.
+"""The daemon's handle on region memory, by kind: the one place a request's kind becomes memory.
 
-A region is one of two kinds of memory (`transports.memory`): a shared-memory
-segment (``shm``, host memory from ``transports.segments``: the transports layer
-owns naming, permissions and crash cleanup) or a GPU allocation (``cuda_ipc``,
+A region is one of two kinds of memory (`refitd.memory_kinds`, `transports.memory`):
+a shared-memory segment (``host``, from ``transports.segments``: the transports
+layer owns naming, permissions and crash cleanup) or a GPU allocation (``cuda``,
 opened from its owner's CUDA IPC handle by ``transports.cuda``, imported only
 here and only when such a region is attached: a daemon without one never loads a
 CUDA library or makes a CUDA context). Everything after this module reads the
-memory's kind, identity, owner proof and engine, never the wire kind.
+memory's kind, identity, owner proof and engine, never the request's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import asyncio
 import os
 
 from refitd.errors import InsufficientStorage, PlanError, ProtocolError
-from refitd.wire import RegionKind
+from refitd.memory_kinds import MemoryKind
 from transports.interface import MappedMemory
 from transports.segments import SHM_DIR, SharedSegment
 
@@ -77,32 +77,30 @@ def refuse_created_gpu_memory() -> None:
     why = cuda_missing()
     if why is not None:
         raise PlanError(
-            f"cuda_ipc region refused: this daemon's host has no CUDA device ({why}); "
-            "use kind='shm'"
+            f"cuda region refused: this daemon's host has no CUDA device ({why}); use kind='host'"
         )
     raise PlanError(
-        "cuda_ipc region refused: the daemon allocates no GPU memory; register your own "
+        "cuda region refused: the daemon allocates no GPU memory; register your own "
         "allocation with attach_region (refitd.client.gpu.attach_tensor does it)"
     )
 
 
-def proves_owner(kind: RegionKind) -> bool:
+def proves_owner(kind: MemoryKind) -> bool:
     """Whether memory of ``kind`` proves its owner itself (a segment's file has an
     owner uid); a GPU allocation's IPC handle is a bearer capability and proves none,
     so who may register it is decided before it is opened (docs/trust.md)."""
-    return kind is RegionKind.SHM
+    return kind is MemoryKind.HOST
 
 
-def attach_memory(kind: RegionKind, handle: str, nbytes: int) -> MappedMemory:
-    """Open the memory a client names: its segment (``shm``) or its GPU allocation
-    (``cuda_ipc``, exactly ``nbytes`` bytes, refused where this host has no CUDA)."""
-    if kind is RegionKind.SHM:
+def attach_memory(kind: MemoryKind, handle: str, nbytes: int) -> MappedMemory:
+    """Open the memory a client names: its segment (``host``) or its GPU allocation
+    (``cuda``, exactly ``nbytes`` bytes, refused where this host has no CUDA)."""
+    if kind is MemoryKind.HOST:
         return SharedSegment.attach(handle, nbytes)
     why = cuda_missing()
     if why is not None:
         raise PlanError(
-            f"cuda_ipc region refused: this daemon's host has no CUDA device ({why}); "
-            "use kind='shm'"
+            f"cuda region refused: this daemon's host has no CUDA device ({why}); use kind='host'"
         )
     from transports.cuda import CudaIpcMemory
 

@@ -8,17 +8,13 @@ is decided in :mod:`refitd.daemon.pull.paths`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
-from transports.interface import Capabilities, LeaseScope, MappedMemory, Transport
+from transports.interface import Capabilities, LeaseScope, MappedMemory, Scope, Transport
 from transports.shm import ShmTransport
 from transports.tcp.held import Completion
 
 __all__ = ["HoldsReads", "TransportSet"]
-
-Scope = Mapping[int, Sequence[tuple[int, int]]]
-"""Per region id, the ``[start, end)`` byte ranges a lease reads."""
 
 
 @runtime_checkable

@@ -50,7 +50,8 @@ from refitd.errors import (
     InsufficientStorage,
     PlanError,
 )
-from refitd.wire import GcReport, RegionAttach, RegionCreate, RegionInfo, RegionKind
+from refitd.memory_kinds import MemoryKind
+from refitd.wire import GcReport, RegionAttach, RegionCreate, RegionInfo
 from transports.interface import MappedMemory
 from transports.segments import SHM_DIR, cleanup_stale, creator_tag, is_stale, stale_segments
 
@@ -167,7 +168,7 @@ class RegionStore:
     async def _record(
         self,
         seg: MappedMemory,
-        kind: RegionKind,
+        kind: MemoryKind,
         owner: str,
         label: str,
         daemon_owned: bool,
@@ -180,7 +181,7 @@ class RegionStore:
                 seg.close()  # unmap what attach mapped; the file is not ours to unlink
             what = (
                 f"device {ident[1]}, inode {ident[2]}"
-                if ident[0] == "host"
+                if ident[0] == MemoryKind.HOST
                 else f"{ident[0]} allocation of device {ident[1]}"
             )
             raise ConflictError(
@@ -201,7 +202,7 @@ class RegionStore:
         self,
         rid: int,
         seg: MappedMemory,
-        kind: RegionKind,
+        kind: MemoryKind,
         owner: str,
         label: str,
         daemon_owned: bool,
@@ -283,7 +284,7 @@ class RegionStore:
         if principal is not None:
             with self.holding(principal, 1, req.nbytes):
                 return self.charge(principal, await self.create_region(req))
-        if req.kind is not RegionKind.SHM:
+        if req.kind is not MemoryKind.HOST:
             refuse_created_gpu_memory()
         check_shm_capacity(req.nbytes, f"region of {req.nbytes} bytes")
         try:  # a size the kernel cannot map is the client's mistake, not a server error
@@ -360,7 +361,7 @@ class RegionStore:
     def device_kinds(self, region_ids: Iterable[int]) -> list[str]:
         """The device kinds (not host memory) the listed regions are made of, sorted."""
         kinds = {self.segments[r].kind for r in region_ids if r in self.segments}
-        return sorted(kinds - {"host"})
+        return sorted(kinds - {MemoryKind.HOST})
 
     async def delete(self, region_id: int) -> RegionInfo:
         """Forget a region, refused (409) while a READY, pending or leased version

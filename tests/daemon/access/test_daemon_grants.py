@@ -28,7 +28,7 @@ from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
 from refitd.daemon.app.node import Daemon
 from refitd.errors import AccessDenied, ConflictError, ProtocolError, RefitError
-from refitd.wire import LeaseGrant, PullRequest, PullState
+from refitd.wire import LeaseInfo, PullRequest, PullState
 from transports.interface import PeerInfo
 from transports.segments import SharedSegment
 from transports.tcp import scoped_grant
@@ -100,7 +100,7 @@ async def destination(h: Hosts) -> AsyncIterator[tuple[int, SharedSegment]]:
         yield info.region_id, seg
 
 
-def presenting(lease: LeaseGrant, *rows: tuple[int, int, int, int, int], url: str) -> PullRequest:
+def presenting(lease: LeaseInfo, *rows: tuple[int, int, int, int, int], url: str) -> PullRequest:
     """A pull of ``rows`` from the daemon at ``url`` under ``lease``, presenting its grant."""
     req = pull_rows(lease.model, lease.version, lease.lease_id, *rows, source=url)
     return msgspec.structs.replace(req, grant=lease.records)

@@ -35,7 +35,7 @@ from refitd.wire import (
     DeltaPackRequest,
     DeltaStreamRequest,
     DescriptorTable,
-    LeaseGrant,
+    LeaseInfo,
     PackSpec,
     PullRequest,
     PullState,
@@ -96,7 +96,7 @@ async def destination(h: Hosts) -> AsyncIterator[tuple[int, SharedSegment]]:
         yield info.region_id, seg
 
 
-def presenting(lease: LeaseGrant, *rows: tuple[int, int, int, int, int], url: str) -> PullRequest:
+def presenting(lease: LeaseInfo, *rows: tuple[int, int, int, int, int], url: str) -> PullRequest:
     req = pull_rows(lease.model, lease.version, lease.lease_id, *rows, source=url)
     return msgspec.structs.replace(req, grant=lease.records)
 

@@ -12,10 +12,10 @@ from refitd.errors import ProtocolError
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
+    MemoryKind,
     PeerRegions,
     PullRequest,
     RegionInfo,
-    RegionKind,
     ShardEntry,
     TensorEntry,
 )
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def test_a_region_record_altered_after_signing_is_refused() -> None:
-    region = RegionInfo(1, RegionKind.SHM, "refitd.x", 4096, 7)
+    region = RegionInfo(1, MemoryKind.HOST, "refitd.x", 4096, 7)
     rec = PeerRegions("a", 7, "shm", [region]).signed(b"k" * 32)
     rec.verify(b"k" * 32)
     grown = msgspec.structs.replace(region, nbytes=1 << 30)

@@ -19,10 +19,10 @@ from refitd.errors import ConflictError, NotFoundError, PlanError, ProtocolError
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
+    MemoryKind,
     PackSpec,
     PullRequest,
     PullState,
-    RegionKind,
     ShardEntry,
     TensorEntry,
     VersionState,
@@ -124,9 +124,9 @@ async def test_a_region_is_created_listed_and_deleted(env: Env) -> None:
         await env.client.delete_region(info.region_id)
 
 
-async def test_a_cuda_ipc_region_is_refused_on_a_host_without_a_gpu(env: Env) -> None:
+async def test_a_cuda_region_is_refused_on_a_host_without_a_gpu(env: Env) -> None:
     with pytest.raises(PlanError, match="no CUDA device"):
-        await env.client.create_region(64, kind=RegionKind.CUDA_IPC)
+        await env.client.create_region(64, kind=MemoryKind.CUDA)
 
 
 async def test_attaching_a_segment_of_the_wrong_size_is_refused(env: Env) -> None:

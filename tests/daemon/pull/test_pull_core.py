@@ -17,11 +17,11 @@ from refitd.daemon.pull.paths import choose_remote
 from refitd.errors import AccessDenied, ConflictError, ProtocolError, TransportError
 from refitd.wire import (
     DescriptorTable,
+    MemoryKind,
     PackSpec,
     PeerRegions,
     PullRequest,
     RegionInfo,
-    RegionKind,
     StagedPack,
 )
 from transports.interface import Capabilities, PeerInfo, transport_class
@@ -37,7 +37,7 @@ UCX = transport_class("ucx").capabilities
 
 
 def region(rid: int, nbytes: int, handle: str = "") -> RegionInfo:
-    return RegionInfo(rid, RegionKind.SHM, handle or f"seg{rid}", nbytes, 7)
+    return RegionInfo(rid, MemoryKind.HOST, handle or f"seg{rid}", nbytes, 7)
 
 
 def request(rows: list[list[int]], specs: list[PackSpec] | None = None) -> PullRequest:

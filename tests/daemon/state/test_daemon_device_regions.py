@@ -26,11 +26,11 @@ from refitd.errors import ConflictError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
     ManifestIn,
+    MemoryKind,
     PackSpec,
     PullRequest,
     RegionAttach,
     RegionInfo,
-    RegionKind,
     ShardEntry,
     TensorEntry,
 )
@@ -68,7 +68,7 @@ async def device_region(
 ) -> tuple[RegionInfo, HostDeviceMemory]:
     """A device region of ``N`` bytes, recorded as an opened GPU allocation is."""
     memory = HostDeviceMemory(N, engine)
-    req = RegionAttach(memory.name, N, RegionKind.CUDA_IPC, label=label)
+    req = RegionAttach(memory.name, N, MemoryKind.CUDA, label=label)
     return await d.store.record_attached(memory, req), memory
 
 
@@ -143,7 +143,7 @@ async def test_device_memory_is_one_region_and_its_deletion_lets_go_of_it() -> N
         again = memory.opened_again()
         with pytest.raises(ConflictError, match=f"already holds as region {dst.region_id}"):
             await d.store.record_attached(
-                again, RegionAttach(memory.name, N, RegionKind.CUDA_IPC, label="again")
+                again, RegionAttach(memory.name, N, MemoryKind.CUDA, label="again")
             )
         assert again.closed, "the refused second opening was not let go"
         assert not memory.closed, "refusing a second id closed the first region's memory"

@@ -23,7 +23,7 @@ from refitd.daemon.app.node import Daemon
 from refitd.daemon.app.process import listening
 from refitd.daemon.state.memory import byte_view
 from refitd.errors import AccessDenied, PlanError, ProtocolError
-from refitd.wire import RegionKind
+from refitd.wire import MemoryKind
 from transports.cuda import missing, parse_handle
 
 pytestmark = pytest.mark.timeout(60)
@@ -55,7 +55,7 @@ async def test_a_tokens_tenant_cannot_register_gpu_memory_whose_handle_proves_no
 ) -> None:
     async with daemon(tmp_path, tokens=True) as (d, a):
         with pytest.raises(AccessDenied, match="Unix socket"):
-            await a.attach_region(HANDLE, 1 << 20, kind=RegionKind.CUDA_IPC)
+            await a.attach_region(HANDLE, 1 << 20, kind=MemoryKind.CUDA)
         assert len(d.store.regions) == 0
 
 
@@ -65,9 +65,9 @@ async def test_attaching_gpu_memory_on_a_host_without_cuda_is_refused_naming_why
 ) -> None:
     async with daemon(tmp_path, tokens=False) as (d, c):
         with pytest.raises(PlanError, match="no CUDA device"):
-            await c.attach_region(HANDLE, 1 << 20, kind=RegionKind.CUDA_IPC)
+            await c.attach_region(HANDLE, 1 << 20, kind=MemoryKind.CUDA)
         with pytest.raises(PlanError, match="no CUDA device"):
-            await c.create_region(1 << 20, kind=RegionKind.CUDA_IPC)
+            await c.create_region(1 << 20, kind=MemoryKind.CUDA)
         assert len(d.store.regions) == 0
         # The host path is untouched by the refusal.
         info = await c.create_region(4096)
@@ -77,7 +77,7 @@ async def test_attaching_gpu_memory_on_a_host_without_cuda_is_refused_naming_why
 def test_a_malformed_gpu_handle_is_refused_before_the_driver_sees_it() -> None:
     assert parse_handle(HANDLE) == ("ab" * 16, bytes.fromhex("cd" * 64))
     for bad in ("", "ab" * 16, "zz" * 16 + ":" + "cd" * 64, "ab" * 16 + ":" + "cd" * 63):
-        with pytest.raises(ProtocolError, match="cuda_ipc handle refused"):
+        with pytest.raises(ProtocolError, match="CUDA IPC handle refused"):
             parse_handle(bad)
 
 
@@ -109,14 +109,12 @@ async def test_on_the_unix_socket_gpu_memory_needs_a_holder_of_the_callers_uid(
     from transports.segments import owner_tag
 
     async with daemon(tmp_path, tokens=False) as (d, _):
-        mine = RegionAttach(HANDLE, 1 << 20, RegionKind.CUDA_IPC, holder=owner_tag())
+        mine = RegionAttach(HANDLE, 1 << 20, MemoryKind.CUDA, holder=owner_tag())
         other_uid = os.getuid() + 1
         with pytest.raises(AccessDenied, match=f"live process of the caller's uid {other_uid}"):
             await d.store.attach_region(mine, other_uid, "unix")
         with pytest.raises(AccessDenied, match="must name its holder"):
-            await d.store.attach_region(
-                RegionAttach(HANDLE, 1 << 20, RegionKind.CUDA_IPC), 0, "unix"
-            )
+            await d.store.attach_region(RegionAttach(HANDLE, 1 << 20, MemoryKind.CUDA), 0, "unix")
         # The caller's own process passes the owner check; this host then has no CUDA.
         with pytest.raises(PlanError, match="no CUDA device"):
             await d.store.attach_region(mine, os.getuid(), "unix")
@@ -128,11 +126,11 @@ async def test_no_refusal_of_gpu_memory_quotes_its_handle(tmp_path: Path) -> Non
     refusals: list[str] = []
     async with daemon(tmp_path, tokens=True) as (_, a):
         with pytest.raises(AccessDenied) as token:
-            await a.attach_region(HANDLE, 1 << 20, kind=RegionKind.CUDA_IPC)
+            await a.attach_region(HANDLE, 1 << 20, kind=MemoryKind.CUDA)
         refusals.append(str(token.value))
     async with daemon(tmp_path, tokens=False) as (_, c):
         for handle in (HANDLE, HANDLE[:-2]):  # well formed, and malformed
             with pytest.raises((PlanError, ProtocolError)) as refused:
-                await c.attach_region(handle, 1 << 20, kind=RegionKind.CUDA_IPC)
+                await c.attach_region(handle, 1 << 20, kind=MemoryKind.CUDA)
             refusals.append(str(refused.value))
     assert refusals and not [r for r in refusals if secret[:32] in r], refusals
