@@ -5,7 +5,7 @@ the memory behind it. The memory is one of a few *kinds*::
 
     MappedMemory                            what a transport registers
     ├── kind        a MemoryKind (`refitd.memory_kinds`, the wire's region kind too):
-    │               HOST ("host": a /dev/shm segment mapped here) or a device kind
+    │               MemoryKind.HOST (a /dev/shm segment mapped here) or a device kind
     │               (CUDA, "cuda": a GPU allocation opened from its owner's IPC handle)
     ├── identity    one memory, one value, however many names or handles reach it:
     │               ("host", st_dev, st_ino); ("cuda", device uuid, base address here)
@@ -43,7 +43,6 @@ from refitd.memory_kinds import MemoryKind
 from .pins import PINS
 
 __all__ = [
-    "HOST",
     "CopyEngine",
     "DeviceFault",
     "DeviceMemory",
@@ -83,9 +82,6 @@ class MappedMemory(Protocol):
     def engine(self) -> CopyEngine | None: ...
     def close(self) -> None: ...
 
-
-HOST = MemoryKind.HOST
-"""The kind of a shared-memory segment mapped in this process (``MemoryKind.HOST``)."""
 
 HostCopy = Callable[
     [npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]], Awaitable[None]
@@ -209,7 +205,7 @@ def forget_host(address: int) -> None:
 
 
 def is_host(memory: MappedMemory) -> bool:
-    return memory.kind == HOST
+    return memory.kind == MemoryKind.HOST
 
 
 def _region_pairs(

@@ -49,6 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 from refitd.errors import ProtocolError, RefitError, TransportError
+from refitd.memory_kinds import MemoryKind
 
 from .batch import (
     ReadBatch,
@@ -71,7 +72,7 @@ from .interface import (
     TransportClosed,
 )
 from .local import CopyFault, LocalTransport
-from .memory import HOST, DeviceFault, copy_by_kind
+from .memory import DeviceFault, copy_by_kind
 from .segments import SharedSegment
 from .shmkeys import SegmentKey, boot_id, check_grant, file_id, same_file, segment_key
 
@@ -297,7 +298,7 @@ class ShmTransport(LocalTransport):
     async def register(self, region_id: int, segment: MappedMemory) -> LocalRegion:
         region = await super().register(region_id, segment)
         key = b""  # a name already unlinked, or device memory: never advertised here
-        if segment.kind == HOST:
+        if segment.kind == MemoryKind.HOST:
             with contextlib.suppress(OSError):
                 key = segment_key(segment.name, *file_id(segment.name))
         info = AdvertisedRegion(

@@ -60,7 +60,6 @@ from refitd.wire.fields import (
 )
 from refitd.wire.leases import (
     MAX_LEASE_TTL_S,
-    LeaseGrant,
     LeaseInfo,
     LeaseRequest,
 )
@@ -150,7 +149,6 @@ __all__ = [
     "HostResidencyName",
     "InvalidateRequest",
     "InvalidateResult",
-    "LeaseGrant",
     "LeaseInfo",
     "LeaseRequest",
     "ManifestHead",

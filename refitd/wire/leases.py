@@ -11,7 +11,7 @@ from refitd.wire.fields import Label, Name, NonNeg
 from refitd.wire.records import PeerRegions
 from refitd.wire.versions import MergedManifest
 
-__all__ = ["MAX_LEASE_TTL_S", "LeaseGrant", "LeaseInfo", "LeaseRequest"]
+__all__ = ["MAX_LEASE_TTL_S", "LeaseInfo", "LeaseRequest"]
 
 #: the longest lease (acquired or renewed) a daemon grants, in seconds
 MAX_LEASE_TTL_S = 3600.0
@@ -45,9 +45,3 @@ class LeaseInfo(msgspec.Struct, frozen=True):
     expires_in_s: float
     records: PeerRegions | None = None
     manifest: MergedManifest | None = None
-
-
-LeaseGrant = LeaseInfo
-"""The old name of :class:`LeaseInfo`, kept while daemon modules still use it (a
-*grant* is a transport's credential: docs/glossary.md, "Renames in flight"). New code
-says ``LeaseInfo``."""

@@ -36,9 +36,10 @@ from typing import Any, ClassVar
 import numpy as np
 import numpy.typing as npt
 
+from refitd.memory_kinds import MemoryKind
 from transports.devcopy import DeviceEngine
 from transports.local import CopyFault, copy_batch_guarded
-from transports.memory import HOST, DeviceFault, DeviceMemory, add_engine
+from transports.memory import DeviceFault, DeviceMemory, add_engine
 from transports.pins import ALREADY_REGISTERED
 
 __all__ = [
@@ -146,7 +147,10 @@ class HostDeviceEngine(DeviceEngine):
         return sum(len(s.pending) for s in self.streams)
 
     def moves(self, dst_kind: str, src_kind: str) -> bool:
-        return {dst_kind, src_kind} <= {self.kind, HOST} and self.kind in (dst_kind, src_kind)
+        return {dst_kind, src_kind} <= {self.kind, MemoryKind.HOST} and self.kind in (
+            dst_kind,
+            src_kind,
+        )
 
     def fail_next(self, at_read: int = 0) -> None:
         """The next batch fails at its read ``at_read`` (earlier reads land)."""

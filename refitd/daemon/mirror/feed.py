@@ -27,7 +27,7 @@ from aiohttp import web
 
 from refitd.client.session import refusal
 from refitd.errors import ConflictError, NotFoundError, ProtocolError, RefitError, TransportError
-from refitd.wire import MSGPACK, LeaseGrant, PeerRegions
+from refitd.wire import MSGPACK, LeaseInfo, PeerRegions
 from refitd.wire import routes as api
 from refitd.wire.mirrors import MirrorFeed
 
@@ -56,7 +56,7 @@ class LeasedRecords(Protocol):
         """Signed records of ``ids`` read under ``lease_id`` (409: not live on the version)."""
         ...
 
-    def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
+    def check_lease(self, lease_id: str, model: str, version: int) -> LeaseInfo:
         """The live lease ``lease_id`` on the version (409 otherwise)."""
         ...
 

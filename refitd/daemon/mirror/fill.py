@@ -33,7 +33,7 @@ from refitd.daemon.pull.sources import RemoteSource
 from refitd.errors import ProtocolError, RefitError, TransportError
 from refitd.wire import PeerRegions
 from refitd.wire import routes as api
-from refitd.wire.leases import LeaseGrant
+from refitd.wire.leases import LeaseInfo
 from refitd.wire.mirrors import MAX_DEAL_CHUNKS, MAX_EXCLUDE, HolderAssign, HolderJoin, MirrorLease
 
 if TYPE_CHECKING:
@@ -236,7 +236,7 @@ class Filler:
                 async with asyncio.timeout(deadline):
                     await c.release_lease(grant.lease_id)
 
-    def _release_late(self, c: PeerClient, asked: asyncio.Future[LeaseGrant]) -> None:
+    def _release_late(self, c: PeerClient, asked: asyncio.Future[LeaseInfo]) -> None:
         """Release the lease ``asked`` was granted, if it was (in a task of its own,
         bounded by a relay's answer time)."""
         if asked.cancelled() or asked.exception() is not None:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from refitd.errors import AccessDenied, ConflictError, NotFoundError
-from refitd.wire import LeaseGrant, LeaseRequest
+from refitd.wire import LeaseInfo, LeaseRequest
 from refitd.wire.mirrors import MIRROR_LEASE_FRESH_S, MirrorLease
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class MirrorLeases:
             "and pull it through this daemon, which serves the pull from its mirror"
         )
 
-    async def grant(self, req: MirrorLease, secret: bytes) -> LeaseGrant:
+    async def grant(self, req: MirrorLease, secret: bytes) -> LeaseInfo:
         """A lease of the peer daemon ``req.node_id`` on this daemon's mirror of
         ``req.model`` ``req.version``: only with the deployment secret (403), under a
         live lease on it at the source (403), for no longer than that lease has left;

@@ -86,7 +86,7 @@ from refitd.daemon.state.plane import HoldsReads
 from refitd.errors import ConflictError, NotFoundError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
-    LeaseGrant,
+    LeaseInfo,
     ManifestIn,
     PeerRegions,
     PullRequest,
@@ -351,7 +351,7 @@ class Mirrors:
             m.notify()
             self.filling.changed()  # a failed mirror's held reads are refused now
 
-    async def _prepare(self, m: Mirror, src: RemoteSource, grant: LeaseGrant) -> PeerRegions | None:
+    async def _prepare(self, m: Mirror, src: RemoteSource, grant: LeaseInfo) -> PeerRegions | None:
         """Make the mirror's regions, one per source region of the version, and publish
         the version here over them (so relays can lease it); the source's records of
         them under the lease ``grant`` (as it granted them, else asked for), or None

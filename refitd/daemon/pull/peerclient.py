@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from refitd.client.session import ApiSession, refusal
 from refitd.wire import (
-    LeaseGrant,
+    LeaseInfo,
     LeaseRequest,
     MergedManifest,
     PackRequest,
@@ -49,7 +49,7 @@ class PeerClient(ApiSession):
     node_id: str = ""
     incarnation: int = -1
 
-    async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseGrant:
+    async def check_lease(self, lease_id: str, model: str, version: int) -> LeaseInfo:
         """ConflictError unless ``lease_id`` is live on exactly ``(model, version)``."""
         params = {"model": model, "version": str(version)}
         return await self.send(api.CHECK_LEASE, params=params, lease_id=lease_id)
@@ -87,7 +87,7 @@ class PeerClient(ApiSession):
         source_lease: str = "",
         *,
         manifest: bool = False,
-    ) -> LeaseGrant:
+    ) -> LeaseInfo:
         """Lease ``model`` ``version`` (READY there) for ``ttl_s`` seconds; a host
         mirror's version under ``source_lease``, a live lease on it at its source. The
         grant carries the peer's signed records of what the lease reads, and with
@@ -95,7 +95,7 @@ class PeerClient(ApiSession):
         req = LeaseRequest(model, version, ttl_s, source_lease=source_lease, manifest=manifest)
         return await self.send(api.ACQUIRE_LEASE, req)
 
-    async def renew_lease(self, lease_id: str, ttl_s: float) -> LeaseGrant:
+    async def renew_lease(self, lease_id: str, ttl_s: float) -> LeaseInfo:
         return await self.send(api.RENEW_LEASE, params={"ttl": str(ttl_s)}, lease_id=lease_id)
 
     async def release_lease(self, lease_id: str) -> None:

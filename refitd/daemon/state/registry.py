@@ -35,7 +35,7 @@ from refitd.daemon.state.manifestcheck import (
 from refitd.daemon.state.versions import Clock, Lease, Version, VersionReads
 from refitd.errors import ConflictError, NotFoundError, ProtocolError, QuotaExceeded
 from refitd.wire import (
-    LeaseGrant,
+    LeaseInfo,
     ManifestIn,
     VersionInfo,
     VersionState,
@@ -356,7 +356,7 @@ class Registry(VersionReads):
 
     def acquire(
         self, model: str, version: int, ttl_s: float, holder: str = "", owner: str = ""
-    ) -> LeaseGrant:
+    ) -> LeaseInfo:
         """Lease a READY version for ``ttl_s`` seconds, for principal ``owner``."""
         self._require_ready(model, version)
         self._drop_expired()
@@ -364,15 +364,15 @@ class Registry(VersionReads):
         lease = Lease(lease_id, model, version, self._clock() + ttl_s, holder, owner)
         self._leases[lease_id] = lease
         heapq.heappush(self._expiries, (lease.expires_at, lease_id))
-        return LeaseGrant(lease_id, model, version, ttl_s)
+        return LeaseInfo(lease_id, model, version, ttl_s)
 
-    def renew(self, lease_id: str, ttl_s: float) -> LeaseGrant:
+    def renew(self, lease_id: str, ttl_s: float) -> LeaseInfo:
         """Extend a live lease to ``ttl_s`` from now; an expired one cannot be revived."""
         lease = self._live(lease_id)
         lease.expires_at = self._clock() + ttl_s
         heapq.heappush(self._expiries, (lease.expires_at, lease_id))
         self._drop_expired()  # also bounds the heap a long run of renewals grows
-        return LeaseGrant(lease_id, lease.model, lease.version, ttl_s)
+        return LeaseInfo(lease_id, lease.model, lease.version, ttl_s)
 
     def release(self, lease_id: str) -> None:
         """Drop a lease, live or expired. :class:`NotFoundError` (404) for an id this

@@ -27,7 +27,7 @@ from refitd.daemon.app.handlers import PULLS
 from refitd.daemon.app.node import Daemon
 from refitd.daemon.pull.pulls import PullManager
 from refitd.errors import AccessDenied, ProtocolError
-from refitd.wire import LeaseGrant, PeerRegions, PullRequest, PullState
+from refitd.wire import LeaseInfo, PeerRegions, PullRequest, PullState
 from transports.interface import LeaseScope, PeerInfo, UnauthenticatedPeer
 from transports.segments import SharedSegment
 from transports.shm import SegmentKey
@@ -68,7 +68,7 @@ async def published(c: RefitClient, model: str, fill: int, nbytes: int = NBYTES)
     return info.region_id
 
 
-def presenting(lease: LeaseGrant, *rows: tuple[int, int, int, int, int], url: str) -> PullRequest:
+def presenting(lease: LeaseInfo, *rows: tuple[int, int, int, int, int], url: str) -> PullRequest:
     req = pull_rows(lease.model, lease.version, lease.lease_id, *rows, source=url)
     return msgspec.structs.replace(req, grant=lease.records)
 

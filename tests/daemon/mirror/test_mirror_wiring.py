@@ -20,7 +20,7 @@ from refitd.daemon.mirror.chunks import Mirror
 from refitd.daemon.mirror.hold import FillingMirrors
 from refitd.daemon.mirror.routes import MIRRORS
 from refitd.daemon.pull.pulls import PULLS
-from refitd.wire import RegionInfo, RegionKind
+from refitd.wire import MemoryKind, RegionInfo
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,7 +33,7 @@ def _mirror(version: int = 1) -> Mirror:
     """A mirror of ``m`` ``version`` over local region 7 (256 bytes, source region 3),
     cut into two chunks of 128 bytes, none complete."""
     m = Mirror("http://source", "m", version)
-    m.regions = {3: RegionInfo(7, RegionKind.SHM, "", 256, 0)}
+    m.regions = {3: RegionInfo(7, MemoryKind.HOST, "", 256, 0)}
     m.chunks = np.array([[3, 0, 128], [3, 128, 128]], dtype=np.int64)
     m.done = np.zeros(2, dtype=bool)
     return m
