@@ -44,12 +44,7 @@ from refitd.daemon.state.memory import (
 from refitd.daemon.state.plane import TransportSet
 from refitd.daemon.state.records import RegionTable
 from refitd.daemon.state.registry import Registry
-from refitd.errors import (
-    AccessDenied,
-    ConflictError,
-    InsufficientStorage,
-    PlanError,
-)
+from refitd.errors import AccessDenied, ConflictError, InsufficientStorage, PlanError
 from refitd.memory_kinds import MemoryKind
 from refitd.wire import GcReport, RegionAttach, RegionCreate, RegionInfo
 from transports.interface import MappedMemory

@@ -98,7 +98,7 @@ async def test_a_same_host_pull_reads_with_the_shm_grant_the_source_made_for_its
         key = SegmentKey.decode(grant.regions[0].key)
         assert (key.lease, key.extents) == (lease.lease_id, [(0, NBYTES // 2)])
         # ... which the pulling daemon reads with as given
-        assert h.pulls.shm_credential(rec) == grant
+        assert h.pulls.paths.shm_credential(rec) == grant
         seg = SharedSegment.create(NBYTES, "dst")
         with seg:
             dst = (await h.engine.attach_region(seg.name, NBYTES)).region_id
@@ -126,7 +126,7 @@ async def test_a_same_host_grant_a_reader_widened_is_refused_before_anything_is_
             forged = msgspec.structs.replace(grant, regions=(region_rec,))
             for bad in (forged, forged.signed(b"a-reader-is-not-the-source-0123")):
                 with pytest.raises(UnauthenticatedPeer):
-                    h.pulls.shm_credential(with_shm(rec, bad))
+                    h.pulls.paths.shm_credential(with_shm(rec, bad))
                 # presented with the pull, the records' own MAC refuses it first
                 swapped = msgspec.structs.replace(lease, records=with_shm(rec, bad))
                 with pytest.raises(ProtocolError, match="MAC does not verify"):
@@ -154,5 +154,5 @@ async def test_one_leases_same_host_grant_is_not_read_with_under_another_lease()
         # credential (before, a same-host record named no lease: any lease's served)
         mixed = with_shm(second.records, shm_grant(first.records))
         with pytest.raises(ProtocolError, match=f"granted to lease '{first.lease_id}'"):
-            h.pulls.shm_credential(mixed)
+            h.pulls.paths.shm_credential(mixed)
         assert h.pulls.plane.shm.mapped == 0
