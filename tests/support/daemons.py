@@ -18,7 +18,7 @@ crash) starts ``refitd serve`` through :func:`refitd.client.spawn.spawn_daemon`.
 A server that is not a daemon (a peer that records what it is sent, a proxy that
 breaks a stream, a miniature app of one product part) is served by
 :func:`serving_app`. No other test module builds an aiohttp runner or site, or calls
-``listening`` (``tests/support/test_one_way_to_serve.py`` checks it).
+``listening`` (``tests/test_one_way_to_start.py`` checks it).
 
 The fakes, a settable clock and a gated copier, implement the daemon's own
 interfaces (the ``clock`` callable and :class:`transports.local.Copier`);
@@ -43,6 +43,7 @@ from aiohttp import web
 from refitd.client.http import RefitClient
 from refitd.config import Config, ServerConfig, load_config
 from refitd.daemon.access.auth import check_startup, setup_auth
+from refitd.daemon.app.handlers import DAEMON
 from refitd.daemon.app.node import Daemon
 from refitd.daemon.app.process import listening
 from refitd.daemon.app.sdnotify import Notifier
@@ -220,7 +221,12 @@ async def serving_daemons(*daemons: Daemon, **options: Any) -> AsyncIterator[lis
 async def serving_app(app: web.Application, unix_path: str | None = None) -> AsyncIterator[str]:
     """Serve ``app``, a server that is not a daemon (a recording peer, a proxy, a
     miniature of one product part), on 127.0.0.1:0 (and the Unix socket
-    ``unix_path`` if given) for the block; yields its base URL."""
+    ``unix_path`` if given) for the block; yields its base URL.
+
+    A daemon's app (``create_app``'s) is refused: a daemon starts through
+    :func:`served`, with the ordered shutdown and the set-up ``refitd serve`` gives it."""
+    if DAEMON in app:
+        raise TypeError("serving_app serves a test's own app, not a daemon's: use served()")
     runner = web.AppRunner(app)
     await runner.setup()
     try:
