@@ -32,7 +32,7 @@ async def plain(request: web.Request) -> web.Response:
     return web.Response(status=404, text="not in our error shape")
 
 
-def make_app() -> web.Application:
+def small_app() -> web.Application:
     app = web.Application(middlewares=[error_middleware])
     app.router.add_get("/v1/regions/{region_id}", ok)
     app.router.add_post("/v1/stale", stale)
@@ -49,7 +49,7 @@ async def scrape(session: aiohttp.ClientSession, base: str) -> dict:  # type: ig
 
 
 async def test_pulls_are_counted_by_transport_outcome_and_latency() -> None:
-    app = make_app()
+    app = small_app()
     app[METRICS_KEY].pull_finished(transport="ucx", outcome="done", nbytes=4096, seconds=0.003)
     app[METRICS_KEY].pull_finished(transport="ucx", outcome="done", nbytes=1024, seconds=0.2)
     app[METRICS_KEY].pull_finished(transport="ucx", outcome="failed", nbytes=0, seconds=1.5)
@@ -64,7 +64,7 @@ async def test_pulls_are_counted_by_transport_outcome_and_latency() -> None:
 
 
 async def test_error_responses_count_as_refusals_by_error_class() -> None:
-    app = make_app()
+    app = small_app()
     async with serving_app(app) as base, aiohttp.ClientSession() as session:
         async with session.post(f"{base}/v1/stale") as resp:
             assert resp.status == 409
@@ -86,7 +86,7 @@ async def test_error_responses_count_as_refusals_by_error_class() -> None:
 
 
 async def test_state_gauges_are_read_from_the_bound_snapshot_at_scrape_time() -> None:
-    app = make_app()
+    app = small_app()
     state = {"leases": 1}
     app[METRICS_KEY].bind_state(
         lambda: StateSnapshot(

@@ -212,9 +212,15 @@ async def serving_daemons(*daemons: Daemon, **options: Any) -> AsyncIterator[lis
     would), so any of them may read from any other."""
     async with contextlib.AsyncExitStack() as stack:
         each = [await stack.enter_async_context(served(d, **options)) for d in daemons]
-        for s in each:
-            s.daemon.peers.replace("test", [o.url for o in each if o is not s])
+        trusting_each_other(*each)
         yield [s.client for s in each]
+
+
+def trusting_each_other(*each: Served) -> None:
+    """Each daemon served trusts every other as a peer (as ``[peers] allow`` listing
+    them would), so any of them may read from any other."""
+    for s in each:
+        s.daemon.peers.replace("test", [o.url for o in each if o is not s])
 
 
 @contextlib.asynccontextmanager
