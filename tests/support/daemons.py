@@ -120,6 +120,8 @@ async def served(
     the API document, the shared-memory group); ``setup`` are more ``create_app``
     setup hooks (after those); ``token`` is the bearer token this daemon sends to
     its peers."""
+    if daemon is not None and settings:
+        raise TypeError(f"served: settings {sorted(settings)} are for a new daemon, not one given")
     d = daemon if daemon is not None else Daemon(daemon_config(**settings))
     hooks = list(setup)
     if wired:
