@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.daemons import daemon_config
+from support.daemons import daemon_config, served
 
 from refitd.client.http import RefitClient
 from refitd.client.receiver import DaemonReceiver
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.process import listening
 from refitd.errors import ConflictError
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,7 +31,8 @@ async def test_an_engine_with_parameters_on_two_devices_is_refused_before_anythi
     None
 ):
     d = Daemon(daemon_config(node_id="split", transport="shm"))
-    async with listening(d) as (_, url), RefitClient(url) as c:
+    async with served(d) as s:
+        c = s.client
         r = DaemonReceiver(
             local=c, source=c, model="m", engine=Split(), twin=Split, capture=lambda m, s: None
         )

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import msgspec
 import pytest
 from aiohttp import web
-from support.ops import serving
+from support.daemons import serving_app
 
 from refitd.client.http import RefitClient
 from refitd.client.session import ApiSession
@@ -51,7 +51,7 @@ async def _serve_one(
 ) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", handler)
-    async with serving(app) as url:
+    async with serving_app(app) as url:
         yield url
 
 

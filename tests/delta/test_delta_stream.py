@@ -23,7 +23,7 @@ import torch
 from aiohttp import web
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from support.daemons import served
+from support.daemons import served, serving_app
 from support.deltas import Change, DoubleBuffered, changed
 from support.engines import mismatched, zeroed_engine
 
@@ -178,15 +178,10 @@ async def proxy(upstream: str, broken: list[bool]) -> AsyncIterator[str]:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", forward)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     try:
-        yield f"http://127.0.0.1:{port}"
+        async with serving_app(app) as url:
+            yield url
     finally:
-        await runner.cleanup()
         await session.close()
 
 

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.daemons import daemon_config
+from support.daemons import daemon_config, served
 
 from refitd.bench.gpu import GpuResult, pulls, refit
-from refitd.client.http import RefitClient
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.process import listening
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -20,7 +18,8 @@ async def test_the_gpu_benchmarks_pulls_and_refits_verify_every_byte_on_host_mem
     cpu = torch.device("cpu")
     res = GpuResult()
     d = Daemon(daemon_config(node_id="bench-flow", transport="shm"))
-    async with listening(d) as (_, url), RefitClient(url) as c:
+    async with served(d) as s:
+        c = s.client
         await pulls(c, res, 4 << 20, 512, cpu)
         from_memory = await refit(c, 0.01, 2, True, res, cpu)  # its "GPU" buffers: segments
         from_host = await refit(c, 0.01, 2, False, res, cpu)

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.daemons import daemon_config
+from support.daemons import daemon_config, served
 
-from refitd.client.http import RefitClient
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.process import listening
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,7 +19,8 @@ async def test_hugging_face_models_refitted_from_tp2_serve_what_fresh_ones_do() 
 
     lines: list[str] = []
     d = Daemon(daemon_config(node_id="hf", transport="shm"))
-    async with listening(d) as (_, url), RefitClient(url) as c:
+    async with served(d) as s:
+        c = s.client
         assert await engine_exact(c, torch.device("cpu"), lines.append), lines
     assert len(lines) == 4 and all("same tokens and logits=True" in line for line in lines)
     assert "replayed" in lines[1] and "replayed" in lines[3]

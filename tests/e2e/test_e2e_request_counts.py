@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from aiohttp import web
-from support.daemons import daemon_config, served
+from support.daemons import daemon_config, served, trusting_each_other
 from support.deltas import Change, DoubleBuffered, changed
 from support.engines import SwapEngine, mismatched, swap_engine, zeroed_engine
 from support.toy import publish_tensor, pull_rows
@@ -99,8 +99,7 @@ async def two_hosts(requests: Requests) -> AsyncIterator[SwapEngine]:
         served(a, setup=[requests.counting("source")]) as sa,
         served(b, setup=[requests.counting("engine's")]) as sb,
     ):
-        sa.daemon.peers.replace("test", [sb.url])
-        sb.daemon.peers.replace("test", [sa.url])
+        trusting_each_other(sa, sb)
         async with swap_engine(sb.client, sa.client) as toy:
             yield toy
 
@@ -156,8 +155,7 @@ async def test_a_warm_cross_host_delta_refit_makes_at_most_five_http_requests() 
         served(a, setup=[requests.counting("source")]) as sa,
         served(b, setup=[requests.counting("engine's")]) as sb,
     ):
-        sa.daemon.peers.replace("test", [sb.url])
-        sb.daemon.peers.replace("test", [sa.url])
+        trusting_each_other(sa, sb)
         trainer = DoubleBuffered(sa.client, "m", lambda st: megatron_tp_ep(cfg, 2, 1, st))
         states = {1: full_state(cfg, seed=1)}
         pub = await trainer.publish(1, states[1])
@@ -212,8 +210,7 @@ async def test_a_pull_served_from_a_host_mirror_makes_at_most_six_http_requests(
         served(a, setup=[requests.counting("source")]) as sa,
         served(b, setup=[requests.counting("engine's")]) as sb,
     ):
-        sa.daemon.peers.replace("test", [sb.url])
-        sb.daemon.peers.replace("test", [sa.url])
+        trusting_each_other(sa, sb)
         nbytes = 4 << 20
         region = await sa.client.create_region(nbytes, label="w")
         with SharedSegment.attach(region.handle, nbytes) as seg:

@@ -140,7 +140,11 @@ def swap_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SwapWorld]:
     def daemon() -> Daemon:
         return Daemon(daemon_config(node_id="swap"), clock=clock, copier=copier)
 
-    with served_in_a_thread(daemon) as url, vllm_environment(tmp_path_factory, url):
+    with (
+        served_in_a_thread(daemon) as in_a_thread,
+        vllm_environment(tmp_path_factory, in_a_thread.url),
+    ):
+        url = in_a_thread.url
         truth: dict[int, tuple[Any, dict[str, torch.Tensor]]] = {}
         weights: dict[int, dict[str, torch.Tensor]] = {}
         for seed in SEEDS:  # one in-process engine at a time: the fresh loads first

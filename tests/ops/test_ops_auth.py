@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from support.ops import error_middleware, serving
+from support.daemons import serving_app
 
 from refitd.config import ServerConfig
 from refitd.daemon.access.auth import (
@@ -25,6 +25,7 @@ from refitd.daemon.access.auth import (
     principal_of,
     setup_auth,
 )
+from refitd.daemon.app.handlers import error_middleware
 from refitd.daemon.app.metrics import setup_metrics
 from refitd.errors import ConfigError
 
@@ -38,8 +39,9 @@ def token_file(tmp_path: Path, text: str, mode: int = 0o600) -> str:
     return str(path)
 
 
-def make_app(server: ServerConfig) -> web.Application:
-    """A miniature daemon: regions created, read and deleted with ownership checks."""
+def small_app(server: ServerConfig) -> web.Application:
+    """A small app of the access parts (not a daemon): regions created, read and
+    deleted with ownership checks, served by ``serving_app``."""
     owners: dict[str, str] = {}
 
     async def whoami(request: web.Request) -> web.Response:
@@ -73,7 +75,7 @@ def make_app(server: ServerConfig) -> web.Application:
 
 async def test_loopback_clients_are_served_without_credentials_by_default() -> None:
     async with (
-        serving(make_app(ServerConfig(port=0))) as base,
+        serving_app(small_app(ServerConfig(port=0))) as base,
         aiohttp.ClientSession() as s,
         s.get(f"{base}/v1/whoami") as resp,
     ):
@@ -110,7 +112,7 @@ async def test_with_tokens_a_request_without_a_valid_bearer_token_gets_401(
     tmp_path: Path,
 ) -> None:
     server = ServerConfig(port=0, token_file=token_file(tmp_path, "alice s3cret\n"))
-    async with serving(make_app(server)) as base, aiohttp.ClientSession() as s:
+    async with serving_app(small_app(server)) as base, aiohttp.ClientSession() as s:
         async with s.get(f"{base}/v1/whoami") as resp:
             assert resp.status == 401
             assert resp.headers["WWW-Authenticate"].startswith("Bearer")
@@ -136,7 +138,7 @@ async def test_a_client_can_delete_only_the_regions_it_owns(tmp_path: Path) -> N
     server = ServerConfig(port=0, token_file=token_file(tmp_path, "alice a1\nbob b2\n"))
     alice = {"Authorization": "Bearer a1"}
     bob = {"Authorization": "Bearer b2"}
-    async with serving(make_app(server)) as base, aiohttp.ClientSession() as s:
+    async with serving_app(small_app(server)) as base, aiohttp.ClientSession() as s:
         async with s.post(f"{base}/v1/regions", json={}, headers=alice) as resp:
             created = await resp.json()
         assert created["owner"] == "alice"
@@ -159,8 +161,8 @@ async def test_a_client_can_delete_only_the_regions_it_owns(tmp_path: Path) -> N
 
 
 async def test_a_declared_content_length_over_the_limit_gets_413_before_the_body_is_read() -> None:
-    app = make_app(ServerConfig(port=0, max_request_bytes=1000))
-    async with serving(app) as base, aiohttp.ClientSession() as s:
+    app = small_app(ServerConfig(port=0, max_request_bytes=1000))
+    async with serving_app(app) as base, aiohttp.ClientSession() as s:
         async with s.post(f"{base}/v1/echo", data=b"x" * 1000) as resp:
             assert resp.status == 200
             assert await resp.json() == {"nbytes": 1000}
@@ -177,9 +179,9 @@ async def test_a_chunked_body_over_the_limit_gets_413_as_it_is_read() -> None:
         for _ in range(5):
             yield b"y" * 512
 
-    app = make_app(ServerConfig(port=0, max_request_bytes=1000))
+    app = small_app(ServerConfig(port=0, max_request_bytes=1000))
     async with (
-        serving(app) as base,
+        serving_app(app) as base,
         aiohttp.ClientSession() as s,
         s.post(f"{base}/v1/echo", data=chunks()) as resp,
     ):
@@ -199,7 +201,7 @@ def shared_dir() -> Iterator[Path]:
 
 async def test_the_unix_socket_identifies_the_peer_by_uid(shared_dir: Path) -> None:
     sock = str(shared_dir / "refitd.sock")
-    async with serving(make_app(ServerConfig(port=0)), unix_path=sock):
+    async with serving_app(small_app(ServerConfig(port=0)), unix_path=sock):
         conn = aiohttp.UnixConnector(path=sock)
         async with (
             aiohttp.ClientSession(connector=conn) as s,
@@ -233,7 +235,7 @@ async def run_as(uid: int, sock: str) -> str:
 
 async def test_a_uid_not_admitted_on_the_unix_socket_gets_403(shared_dir: Path) -> None:
     sock = str(shared_dir / "refitd.sock")
-    async with serving(make_app(ServerConfig(port=0)), unix_path=sock):
+    async with serving_app(small_app(ServerConfig(port=0)), unix_path=sock):
         os.chmod(sock, 0o777)
         reply = await run_as(NOBODY, sock)
     assert reply.startswith("HTTP/1.0 403")
@@ -242,8 +244,8 @@ async def test_a_uid_not_admitted_on_the_unix_socket_gets_403(shared_dir: Path) 
 
 async def test_an_allowed_uid_is_admitted_on_the_unix_socket(shared_dir: Path) -> None:
     sock = str(shared_dir / "refitd.sock")
-    app = make_app(ServerConfig(port=0, allowed_uids=(NOBODY,)))
-    async with serving(app, unix_path=sock):
+    app = small_app(ServerConfig(port=0, allowed_uids=(NOBODY,)))
+    async with serving_app(app, unix_path=sock):
         os.chmod(sock, 0o777)
         reply = await run_as(NOBODY, sock)
     assert reply.startswith("HTTP/1.0 200")

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from support.daemons import served
-from support.ops import serving, serving_wired
+from support.daemons import served, serving_app
 
 from refitd import errors
 from refitd.client.http import RefitClient, error_from_body
+from refitd.config import ServerConfig
 from refitd.daemon.app.handlers import error_middleware
 from refitd.errors import (
     AccessDenied,
@@ -33,7 +33,7 @@ def tokens(tmp_path: Path) -> str:
 
 
 async def test_the_client_raises_unauthenticated_without_a_valid_token(tokens: str) -> None:
-    async with serving_wired(token_file=tokens) as daemon:
+    async with served(wired=True, access=ServerConfig(port=0, token_file=tokens)) as daemon:
         for token in (None, "wrong"):
             async with RefitClient(daemon.url, token=token) as c:
                 with pytest.raises(Unauthenticated, match="needs 'Authorization: Bearer"):
@@ -42,7 +42,7 @@ async def test_the_client_raises_unauthenticated_without_a_valid_token(tokens: s
 
 async def test_the_client_raises_access_denied_on_another_principals_region(tokens: str) -> None:
     async with (
-        serving_wired(token_file=tokens) as daemon,
+        served(wired=True, access=ServerConfig(port=0, token_file=tokens)) as daemon,
         RefitClient(daemon.url, token="t-secret") as trainer,
         RefitClient(daemon.url, token="e-secret") as engine,
     ):
@@ -54,7 +54,10 @@ async def test_the_client_raises_access_denied_on_another_principals_region(toke
 
 
 async def test_the_client_raises_request_too_large_for_a_body_over_the_limit() -> None:
-    async with serving_wired(max_request_bytes=1024) as daemon, RefitClient(daemon.url) as c:
+    async with (
+        served(wired=True, access=ServerConfig(port=0, max_request_bytes=1024)) as daemon,
+        RefitClient(daemon.url) as c,
+    ):
         with pytest.raises(RequestTooLarge, match="at most 1024 bytes") as refused:
             await c.create_region(64, label="x" * 4096)
     assert isinstance(refused.value, ProtocolError)  # a malformed request, to a catch-all
@@ -75,7 +78,7 @@ async def test_the_error_middleware_maps_access_errors_to_401_and_403() -> None:
 
     app = web.Application(middlewares=[error_middleware])
     app.router.add_get("/v1/raise/{code}", raising)
-    async with serving(app) as base, RefitClient(base) as c:
+    async with serving_app(app) as base, RefitClient(base) as c:
         for code, cls in (
             ("401", Unauthenticated),
             ("403", AccessDenied),

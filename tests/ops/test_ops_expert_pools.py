@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.daemons import served
-from support.ops import serving_tenants, serving_wired
+from support.ops import serving_tenants
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.http import RefitClient
@@ -311,7 +311,7 @@ async def test_pool_requests_that_cannot_be_served_are_refused_by_name(
 
 
 async def test_pool_gauges_appear_in_metrics_fed_from_the_pool() -> None:
-    async with serving_wired() as daemon, RefitClient(daemon.url) as c, pool(c):
+    async with served(wired=True) as daemon, RefitClient(daemon.url) as c, pool(c):
         await c.ensure("moe", 0, [0, 1])
         await c.ensure("moe", 0, [0, 1])
         await c.invalidate("moe", layers=[0])

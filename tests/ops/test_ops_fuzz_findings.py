@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from support.ops import serving_wired
+from support.daemons import served
 
 from refitd.wire import MAX_SLOTS
 
@@ -53,7 +53,7 @@ async def post(base: str, path: str, body: dict[str, Any]) -> tuple[int, dict[st
 async def test_a_request_body_with_an_unknown_field_is_refused_naming_it(
     path: str, body: dict[str, Any]
 ) -> None:
-    async with serving_wired() as daemon:
+    async with served(wired=True) as daemon:
         status, reply = await post(daemon.url, path, body)
     assert status == 400, reply
     assert reply["error"] == "ProtocolError" and "unknown field `colour`" in reply["detail"]
@@ -61,7 +61,7 @@ async def test_a_request_body_with_an_unknown_field_is_refused_naming_it(
 
 async def test_expected_slots_past_the_bound_is_refused_naming_the_field() -> None:
     body = {"model": "m", "version": 1, "slot": 0, "expected_slots": MAX_SLOTS + 1, "tensors": []}
-    async with serving_wired() as daemon:
+    async with served(wired=True) as daemon:
         status, reply = await post(daemon.url, "/v1/sources", body)
         assert status == 400 and "$.expected_slots" in reply["detail"], reply
         body["expected_slots"] = MAX_SLOTS
@@ -81,7 +81,7 @@ async def test_expected_slots_past_the_bound_is_refused_naming_the_field() -> No
 async def test_an_overlong_name_or_label_is_refused_naming_the_field(
     path: str, body: dict[str, Any], field: str
 ) -> None:
-    async with serving_wired() as daemon:
+    async with served(wired=True) as daemon:
         status, reply = await post(daemon.url, path, body)
     assert status == 400, reply
     assert field in reply["detail"] and "length" in reply["detail"], reply
@@ -96,14 +96,14 @@ async def test_a_field_refused_past_the_first_decode_batch_is_named_by_its_index
     tensors: list[list[Any]] = [[f"t{i}", [1], "uint8", []] for i in range(n - 1)]
     tensors.append(["t" * 1025, [1], "uint8", []])
     body = {"model": "m", "version": 1, "slot": 0, "expected_slots": 1, "tensors": tensors}
-    async with serving_wired() as daemon:
+    async with served(wired=True) as daemon:
         status, reply = await post(daemon.url, "/v1/sources", body)
     assert status == 400, reply
     assert f"$.tensors[{n - 1}][0]" in reply["detail"], reply
 
 
 async def test_releasing_a_lease_the_daemon_does_not_hold_is_404_and_a_held_one_200() -> None:
-    async with serving_wired() as daemon, aiohttp.ClientSession() as s:
+    async with served(wired=True) as daemon, aiohttp.ClientSession() as s:
         async with s.delete(daemon.url + "/v1/leases/no-such-lease") as r:
             assert r.status == 404
             body = await r.json()
@@ -122,7 +122,7 @@ async def test_releasing_a_lease_the_daemon_does_not_hold_is_404_and_a_held_one_
 async def test_a_segment_handle_that_is_no_file_name_is_refused_not_a_server_error(
     handle: str,
 ) -> None:
-    async with serving_wired() as daemon, aiohttp.ClientSession() as s:
+    async with served(wired=True) as daemon, aiohttp.ClientSession() as s:
         data = json.dumps({"handle": handle, "nbytes": 64}).encode()  # \u escapes
         headers = {"Content-Type": "application/json"}
         async with s.post(daemon.url + "/v1/regions/attach", data=data, headers=headers) as r:
@@ -136,7 +136,7 @@ async def test_a_segment_handle_that_is_no_file_name_is_refused_not_a_server_err
 
 async def test_the_api_document_links_each_creating_post_to_the_operations_on_its_result() -> None:
     async with (
-        serving_wired() as daemon,
+        served(wired=True) as daemon,
         aiohttp.ClientSession() as s,
         s.get(daemon.url + "/v1/openapi.json") as r,
     ):

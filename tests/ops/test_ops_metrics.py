@@ -5,8 +5,9 @@ from __future__ import annotations
 import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
-from support.ops import error_middleware, serving
+from support.daemons import serving_app
 
+from refitd.daemon.app.handlers import error_middleware
 from refitd.daemon.app.metrics import METRICS_KEY, Metrics, PoolStats, StateSnapshot, setup_metrics
 from refitd.errors import ConflictError
 
@@ -27,10 +28,15 @@ async def stale(request: web.Request) -> web.Response:
     raise ConflictError("version 3 of m was retired while you read it")
 
 
-def make_app() -> web.Application:
+async def plain(request: web.Request) -> web.Response:
+    return web.Response(status=404, text="not in our error shape")
+
+
+def small_app() -> web.Application:
     app = web.Application(middlewares=[error_middleware])
     app.router.add_get("/v1/regions/{region_id}", ok)
     app.router.add_post("/v1/stale", stale)
+    app.router.add_get("/v1/plain", plain)
     setup_metrics(app)
     return app
 
@@ -43,11 +49,11 @@ async def scrape(session: aiohttp.ClientSession, base: str) -> dict:  # type: ig
 
 
 async def test_pulls_are_counted_by_transport_outcome_and_latency() -> None:
-    app = make_app()
+    app = small_app()
     app[METRICS_KEY].pull_finished(transport="ucx", outcome="done", nbytes=4096, seconds=0.003)
     app[METRICS_KEY].pull_finished(transport="ucx", outcome="done", nbytes=1024, seconds=0.2)
     app[METRICS_KEY].pull_finished(transport="ucx", outcome="failed", nbytes=0, seconds=1.5)
-    async with serving(app) as base, aiohttp.ClientSession() as session:
+    async with serving_app(app) as base, aiohttp.ClientSession() as session:
         got = await scrape(session, base)
     assert got[("refitd_pulled_bytes_total", (("transport", "ucx"),))] == 5120
     assert got[("refitd_pulls_total", (("outcome", "done"),))] == 2
@@ -58,16 +64,21 @@ async def test_pulls_are_counted_by_transport_outcome_and_latency() -> None:
 
 
 async def test_error_responses_count_as_refusals_by_error_class() -> None:
-    app = make_app()
-    async with serving(app) as base, aiohttp.ClientSession() as session:
+    app = small_app()
+    async with serving_app(app) as base, aiohttp.ClientSession() as session:
         async with session.post(f"{base}/v1/stale") as resp:
             assert resp.status == 409
         async with session.get(f"{base}/v1/regions/r7") as resp:
             assert resp.status == 200
         async with session.get(f"{base}/nope") as resp:
             assert resp.status == 404
+        async with session.get(f"{base}/v1/plain") as resp:
+            assert resp.status == 404
         got = await scrape(session, base)
     assert got[("refitd_refusals_total", (("reason", "ConflictError"),))] == 1
+    # No route: the daemon's error middleware refuses it in its shape, as NotFoundError.
+    assert got[("refitd_refusals_total", (("reason", "NotFoundError"),))] == 1
+    # A refusal not in the error shape is counted by its status.
     assert got[("refitd_refusals_total", (("reason", "http_404"),))] == 1
     # Route templates, not concrete ids, label requests.
     key = (("method", "GET"), ("route", "/v1/regions/{region_id}"), ("status", "200"))
@@ -75,7 +86,7 @@ async def test_error_responses_count_as_refusals_by_error_class() -> None:
 
 
 async def test_state_gauges_are_read_from_the_bound_snapshot_at_scrape_time() -> None:
-    app = make_app()
+    app = small_app()
     state = {"leases": 1}
     app[METRICS_KEY].bind_state(
         lambda: StateSnapshot(
@@ -86,7 +97,7 @@ async def test_state_gauges_are_read_from_the_bound_snapshot_at_scrape_time() ->
             pools=[PoolStats(pool="moe", layers=2, slots=8, occupied_slots=5, hits=10, misses=4)],
         )
     )
-    async with serving(app) as base, aiohttp.ClientSession() as session:
+    async with serving_app(app) as base, aiohttp.ClientSession() as session:
         first = await scrape(session, base)
         state["leases"] = 4
         second = await scrape(session, base)

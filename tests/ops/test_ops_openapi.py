@@ -7,8 +7,9 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiohttp import web
-from support.ops import error_middleware, serving
+from support.daemons import serving_app
 
+from refitd.daemon.app.handlers import error_middleware
 from refitd.daemon.app.metrics import setup_metrics
 from refitd.daemon.app.openapi import (
     OPENAPI_PATH,
@@ -44,7 +45,7 @@ async def post_pull(request: web.Request) -> web.Response:
     raise NotFoundError("no such lease")
 
 
-def make_app() -> web.Application:
+def small_app() -> web.Application:
     app = web.Application(middlewares=[error_middleware])
     app.router.add_post("/v1/leases", grant)
     app.router.add_get("/v1/regions", list_regions)
@@ -91,8 +92,8 @@ def refs(node: Any) -> set[str]:
 
 
 async def test_every_route_is_in_the_document_and_every_documented_route_exists() -> None:
-    app = make_app()
-    async with serving(app) as base:
+    app = small_app()
+    async with serving_app(app) as base:
         doc = await fetch(base)
         listed = set(documented_paths(doc))
         assert listed == set(route_table(app))
@@ -109,7 +110,7 @@ async def test_every_route_is_in_the_document_and_every_documented_route_exists(
 
 
 async def test_bodies_are_the_msgspec_schemas_the_handlers_decode_with() -> None:
-    async with serving(make_app()) as base:
+    async with serving_app(small_app()) as base:
         doc = await fetch(base)
     schemas = doc["components"]["schemas"]
     lease = doc["paths"]["/v1/leases"]["post"]
@@ -131,7 +132,7 @@ async def test_bodies_are_the_msgspec_schemas_the_handlers_decode_with() -> None
 
 
 async def test_path_parameters_and_error_bodies_are_declared() -> None:
-    async with serving(make_app()) as base:
+    async with serving_app(small_app()) as base:
         doc = await fetch(base)
     get_pull_op = doc["paths"]["/v1/pulls/{pull_id}"]["get"]
     assert get_pull_op["parameters"] == [
@@ -149,6 +150,6 @@ async def test_an_undeclared_route_is_listed_with_its_docstring_summary() -> Non
     app = web.Application()
     app.router.add_get("/v1/regions", list_regions)
     setup_openapi(app)
-    async with serving(app) as base:
+    async with serving_app(app) as base:
         doc = await fetch(base)
     assert doc["paths"]["/v1/regions"]["get"]["summary"] == "List regions."

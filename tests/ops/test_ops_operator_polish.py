@@ -7,7 +7,6 @@ import json
 import logging
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +16,7 @@ from support.docs import python_blocks
 from support.ops import refitd
 
 from refitd.client.http import RefitClient
+from refitd.client.spawn import serve_command
 from refitd.daemon.state.registry import Registry
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 from transports.segments import SharedSegment
@@ -47,7 +47,7 @@ def test_each_version_state_change_is_logged_once(caplog: pytest.LogCaptureFixtu
 
 def test_a_daemon_stopped_with_sigterm_logs_stopped_as_its_last_line(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "refitd.cli", "serve", "--port", "0", "--transport", "shm"],
+        serve_command("--port", "0", "--transport", "shm"),
         cwd=tmp_path,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

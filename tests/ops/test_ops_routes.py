@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
-from support.ops import serving_wired
+from support.daemons import served
 
 from refitd.daemon.app.openapi import OPENAPI_PATH, documented_paths, route_table
 from refitd.wire import routes as api
@@ -18,15 +18,15 @@ def _table() -> set[tuple[str, str]]:
 
 async def test_the_daemon_serves_and_documents_exactly_the_routes_of_the_table() -> None:
     async with (
-        serving_wired() as daemon,
+        served(wired=True) as daemon,
         aiohttp.ClientSession() as s,
         s.get(daemon.url + OPENAPI_PATH) as resp,
     ):
         assert resp.status == 200
         doc = await resp.json()
-    served = set(route_table(daemon.app))
-    assert served == _table(), (
-        f"served only: {sorted(served - _table())}; table only: {sorted(_table() - served)}"
+    routes = set(route_table(daemon.app))
+    assert routes == _table(), (
+        f"served only: {sorted(routes - _table())}; table only: {sorted(_table() - routes)}"
     )
     assert set(documented_paths(doc)) == _table()
     for route in api.ROUTES:

@@ -13,10 +13,12 @@ from pathlib import Path
 import aiohttp
 import msgspec
 import pytest
-from support.ops import serving_tenants, serving_wired
+from support.daemons import served
+from support.ops import serving_tenants
 from support.toy import publish_tensor, pull_rows
 
 from refitd.client.spawn import serve_command
+from refitd.config import ServerConfig
 from refitd.daemon.app.openapi import OPENAPI_PATH, documented_paths, route_table
 from refitd.daemon.app.service import daemon_operations
 from refitd.wire import ManifestIn, ShardEntry, TensorEntry
@@ -98,7 +100,7 @@ async def test_serve_logs_json_lines_when_asked(tmp_path: Path) -> None:
 
 
 async def test_every_daemon_route_is_documented_and_every_documented_route_exists() -> None:
-    async with serving_wired() as daemon, aiohttp.ClientSession() as s:
+    async with served(wired=True) as daemon, aiohttp.ClientSession() as s:
         async with s.get(daemon.url + OPENAPI_PATH) as resp:
             assert resp.status == 200
             doc = await resp.json()
@@ -123,7 +125,7 @@ async def test_every_daemon_route_is_documented_and_every_documented_route_exist
 
 
 async def test_the_wired_daemon_reports_its_state_in_metrics() -> None:
-    async with serving_wired() as daemon, aiohttp.ClientSession() as s:
+    async with served(wired=True) as daemon, aiohttp.ClientSession() as s:
         async with s.post(f"{daemon.url}/v1/regions", json={"nbytes": 4096}) as resp:
             region = await resp.json()
         shard = ShardEntry((0,), (1024,), region["region_id"], 0)
@@ -145,7 +147,7 @@ async def test_the_wired_daemon_reports_its_state_in_metrics() -> None:
 
 async def test_the_wired_daemon_refuses_an_oversized_body_with_413() -> None:
     async with (
-        serving_wired(max_request_bytes=1024) as daemon,
+        served(wired=True, access=ServerConfig(port=0, max_request_bytes=1024)) as daemon,
         aiohttp.ClientSession() as s,
         s.post(f"{daemon.url}/v1/regions", data=b"{" + b" " * 2048 + b"}") as resp,
     ):
@@ -158,7 +160,7 @@ async def test_the_wired_daemon_refuses_an_oversized_body_with_413() -> None:
 async def test_a_completed_pull_is_counted_with_its_bytes_and_latency() -> None:
     from refitd.client.http import RefitClient
 
-    async with serving_wired() as daemon, RefitClient(daemon.url) as c:
+    async with served(wired=True) as daemon, RefitClient(daemon.url) as c:
         src = await c.create_region(4096, label="src")
         dst = await c.create_region(4096, label="dst")
         await publish_tensor(c, "m", 1, src.region_id, 4096, "float32")

@@ -12,10 +12,10 @@ import stat
 from collections.abc import Callable, Iterator
 
 import pytest
-from support.ops import serving_wired
+from support.daemons import served
 
 from refitd.client.http import RefitClient
-from refitd.config import load_config
+from refitd.config import ServerConfig, load_config
 from refitd.daemon.access.auth import check_startup
 from refitd.errors import ConfigError, ProtocolError
 from transports.segments import GROUP_ENV, SHM_DIR, SharedSegment
@@ -64,7 +64,7 @@ def mode_and_group(name: str) -> tuple[int, int]:
 
 
 async def test_without_a_group_the_daemons_regions_stay_0600() -> None:
-    async with serving_wired() as daemon, RefitClient(daemon.url) as c:
+    async with served(wired=True) as daemon, RefitClient(daemon.url) as c:
         region = await c.create_region(4096)
         assert mode_and_group(region.handle)[0] == 0o600
     assert os.environ.get(GROUP_ENV) is None
@@ -72,7 +72,10 @@ async def test_without_a_group_the_daemons_regions_stay_0600() -> None:
 
 @needs_root
 async def test_a_process_of_another_uid_in_the_group_maps_and_writes_the_daemons_region() -> None:
-    async with serving_wired(shm_group=str(GROUP)) as daemon, RefitClient(daemon.url) as c:
+    async with (
+        served(wired=True, access=ServerConfig(port=0, shm_group=str(GROUP))) as daemon,
+        RefitClient(daemon.url) as c,
+    ):
         region = await c.create_region(4096, label="weights")
         assert mode_and_group(region.handle) == (0o660, GROUP)
 
@@ -90,7 +93,10 @@ async def test_a_process_of_another_uid_in_the_group_maps_and_writes_the_daemons
 @needs_root
 async def test_the_daemon_attaches_a_group_segment_another_uid_created() -> None:
     names: list[str] = []
-    async with serving_wired(shm_group=str(GROUP)) as daemon, RefitClient(daemon.url) as c:
+    async with (
+        served(wired=True, access=ServerConfig(port=0, shm_group=str(GROUP))) as daemon,
+        RefitClient(daemon.url) as c,
+    ):
         read, write = os.pipe()
 
         def create_engine_segment() -> None:
@@ -115,7 +121,10 @@ async def test_the_daemon_attaches_a_group_segment_another_uid_created() -> None
 
 @needs_root
 async def test_a_uid_outside_the_group_is_refused_naming_the_setting() -> None:
-    async with serving_wired(shm_group=str(GROUP)) as daemon, RefitClient(daemon.url) as c:
+    async with (
+        served(wired=True, access=ServerConfig(port=0, shm_group=str(GROUP))) as daemon,
+        RefitClient(daemon.url) as c,
+    ):
         region = await c.create_region(4096)
 
         def attach() -> None:

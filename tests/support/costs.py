@@ -25,14 +25,14 @@ import gc
 import threading
 import time
 import tracemalloc
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from refitd.config import ServerConfig
 from refitd.daemon.app.node import Daemon
-from support.daemons import Served, daemon_config, served, token_file
+from support.daemons import InAThread, served_in_a_thread, token_file
 
 __all__ = ["TOKENS", "InThread", "LoopStall", "daemon_in_a_thread", "traced_peak"]
 
@@ -73,26 +73,12 @@ class LoopStall:
                 self.longest = max(self.longest, time.thread_time() - self._last)
 
 
-@dataclass
-class InThread:
-    """The daemon served in its thread: its served app and URL, its loop, and the
+@dataclass(frozen=True)
+class InThread(InAThread):
+    """The daemon served in its thread (:class:`~support.daemons.InAThread`), and its
     loop's stall meter."""
 
-    served: Served
-    loop: asyncio.AbstractEventLoop
     stall: LoopStall
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """``fn()`` on the daemon's loop (its state is the loop's), answered here."""
-
-        async def run() -> Any:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30.0)
-
-    async def on_loop(self, coro: Callable[[], Awaitable[Any]]) -> Any:
-        """Await ``coro()`` on the daemon's loop from the test's loop."""
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro(), self.loop))
 
 
 @contextlib.contextmanager
@@ -100,43 +86,16 @@ def daemon_in_a_thread(
     tmp: Path, daemon: Callable[[], Daemon] | None = None, **settings: Any
 ) -> Iterator[InThread]:
     """A daemon (``daemon()``, else one of ``daemon_config(**settings)``) requiring the
-    tokens of :data:`TOKENS`, served by a loop of its own in a thread for the block."""
+    tokens of :data:`TOKENS`, served by a loop of its own in a thread for the block
+    (:func:`~support.daemons.served_in_a_thread`), its stall meter ticking on it."""
     access = ServerConfig(port=0, token_file=token_file(tmp, TOKENS))
-    box: list[InThread] = []
-    up = threading.Event()
-    failed: list[BaseException] = []
-    done: list[asyncio.Event] = []
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        done.append(stop)
-        d = daemon() if daemon is not None else Daemon(daemon_config(**settings))
-        async with served(d, access=access) as s:
-            stall = LoopStall()
-            stall.start()
-            box.append(InThread(s, asyncio.get_running_loop(), stall))
-            up.set()
-            await stop.wait()
-            stall.stop()
-
-    def run() -> None:
+    with served_in_a_thread(daemon, access=access, **settings) as t:
+        stall = LoopStall()
+        t.call(stall.start)  # on the daemon's loop, which it meters
         try:
-            asyncio.run(main())
-        except BaseException as exc:  # reported by the test's thread
-            failed.append(exc)
-            up.set()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    up.wait(30.0)
-    if failed:
-        raise failed[0]
-    assert box, "the daemon did not start"
-    try:
-        yield box[0]
-    finally:
-        box[0].loop.call_soon_threadsafe(done[0].set)
-        thread.join(30.0)
+            yield InThread(t.served, t.loop, stall)
+        finally:
+            t.call(stall.stop)
 
 
 @contextlib.contextmanager

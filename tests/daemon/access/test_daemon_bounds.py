@@ -15,7 +15,7 @@ import msgspec
 import numpy as np
 import pytest
 from aiohttp import web
-from support.daemons import FakeClock, GatedCopier, daemon_config, serving_daemons
+from support.daemons import FakeClock, GatedCopier, daemon_config, serving_app, serving_daemons
 from support.hostile import Env, rows, toy_manifest
 
 from refitd.client.http import RefitClient
@@ -106,15 +106,8 @@ async def test_the_peer_client_never_follows_a_redirect_and_names_the_peer() -> 
 async def _serve(route: web.RouteDef) -> AsyncIterator[str]:
     app = web.Application()
     app.add_routes([route])
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving_app(app) as url:
+        yield url
 
 
 # ---------------------------------------------------------------- leases: O(1) amortised

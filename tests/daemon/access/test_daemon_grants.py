@@ -7,103 +7,36 @@ read, with the credential the source itself made for each of its data planes (th
 is gone). A pull presents them (``PullRequest.grant``); the pulling daemon verifies
 them and reads with them as given, never making one of its own.
 
-Real daemons in this process, real HTTP and the real ``tcp`` data plane: each daemon
-is given its own boot id, so each is "another host" to the other (the one thing two
-daemons on one machine cannot otherwise be made to show).
+Real daemons in this process, real HTTP and the real ``tcp`` data plane
+(:mod:`support.granthosts`): each daemon is given its own boot id, so each is
+"another host" to the other (the one thing two daemons on one machine cannot
+otherwise be made to show).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import pytest
-from support.daemons import daemon_config, served, token_file
-from support.toy import publish_tensor, pull_rows
+from support.daemons import served
+from support.granthosts import (
+    NBYTES,
+    SECRET,
+    acquainted,
+    destination,
+    host_daemon,
+    presenting,
+    published,
+    two_hosts,
+)
 
-from refitd.client.http import RefitClient
-from refitd.config import ServerConfig
-from refitd.daemon.app.node import Daemon
 from refitd.errors import AccessDenied, ConflictError, ProtocolError, RefitError
-from refitd.wire import LeaseInfo, PullRequest, PullState
+from refitd.wire import PullState
 from transports.interface import PeerInfo
-from transports.segments import SharedSegment
 from transports.tcp import scoped_grant
 
 pytestmark = pytest.mark.timeout(60)
-
-SECRET = b"g" * 32
-NBYTES = 4096
-TOKENS = {"a": "token-of-a", "b": "token-of-b", "daemons": "token-of-daemons"}
-
-
-@dataclass
-class Hosts:
-    """A source daemon with two token tenants (``a``, ``b``) and the engine's daemon on
-    another host, which reads from it under the ``daemons`` token."""
-
-    source: Daemon
-    a: RefitClient
-    b: RefitClient
-    engine: RefitClient
-    source_url: str
-
-
-@contextlib.asynccontextmanager
-async def two_hosts(tmp: Path, engine_boot: str = "host-b") -> AsyncIterator[Hosts]:
-    access = ServerConfig(port=0, token_file=token_file(tmp, TOKENS))
-    src = Daemon(
-        daemon_config(node_id="src", allow=("http://127.0.0.1:*",)), secret=SECRET, boot_id="host-a"
-    )
-    eng = Daemon(
-        daemon_config(node_id="eng", allow=("http://127.0.0.1:*",)),
-        secret=SECRET,
-        boot_id=engine_boot,
-    )
-    async with (
-        served(src, access=access) as s,
-        served(eng, token=TOKENS["daemons"]) as e,
-        RefitClient(s.url, token=TOKENS["a"]) as a,
-        RefitClient(s.url, token=TOKENS["b"]) as b,
-    ):
-        yield Hosts(src, a, b, e.client, s.url)
-
-
-async def published(c: RefitClient, model: str, fill: int) -> int:
-    """``model`` v1 published by ``c``'s tenant: NBYTES bytes of ``fill``; its region."""
-    info = await c.create_region(NBYTES, label=model)
-    with SharedSegment.attach(info.handle, info.nbytes) as seg:
-        seg.numpy()[:] = fill
-    await publish_tensor(c, model, 1, info.region_id, NBYTES)
-    return info.region_id
-
-
-async def acquainted(h: Hosts, region: int) -> None:
-    """One pull of ``ma`` (published in ``region``) by the engine's daemon: from then
-    on it knows the source's node id, and reads with grants the source made."""
-    lease = await h.a.acquire_lease("ma", 1)
-    async with destination(h) as (dst, seg):
-        res = await h.engine.pull(presenting(lease, (region, 0, dst, 0, NBYTES), url=h.source_url))
-        assert res.state is PullState.DONE and (seg.numpy() == 7).all()
-    await h.a.release_lease(lease.lease_id)
-
-
-@contextlib.asynccontextmanager
-async def destination(h: Hosts) -> AsyncIterator[tuple[int, SharedSegment]]:
-    """A zeroed region of the engine's daemon, and its segment."""
-    seg = SharedSegment.create(NBYTES, "dst")
-    with seg:
-        info = await h.engine.attach_region(seg.name, NBYTES)
-        yield info.region_id, seg
-
-
-def presenting(lease: LeaseInfo, *rows: tuple[int, int, int, int, int], url: str) -> PullRequest:
-    """A pull of ``rows`` from the daemon at ``url`` under ``lease``, presenting its grant."""
-    req = pull_rows(lease.model, lease.version, lease.lease_id, *rows, source=url)
-    return msgspec.structs.replace(req, grant=lease.records)
 
 
 async def test_the_lease_answer_carries_the_sources_own_tcp_grant_scoped_to_the_lease(
@@ -233,11 +166,7 @@ async def test_a_grant_of_another_daemon_is_not_read_with_its_source_is_asked(
 ) -> None:
     # Records a third daemon signed, presented for a pull from the source: the engine's
     # daemon reads nothing with them, and the source refuses the lease it never made.
-    other = Daemon(
-        daemon_config(node_id="other", allow=("http://127.0.0.1:*",)),
-        secret=SECRET,
-        boot_id="host-c",
-    )
+    other = host_daemon("other", "host-c")
     async with two_hosts(tmp_path) as h, served(other) as o:
         region = await published(h.a, "ma", 7)
         await acquainted(h, region)

@@ -7,27 +7,34 @@ source (read from that life's data server), and pack specs of very long shapes (
 past the plan cache's byte budget).
 
 Real daemons in this process on 127.0.0.1:0 with real HTTP and the real ``tcp``
-data plane, as in :mod:`test_daemon_grants`: each daemon has its own boot id, so
-each is "another host" to the other.
+data plane, as in :mod:`test_daemon_grants` (:mod:`support.granthosts`): each daemon
+has its own boot id, so each is "another host" to the other.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import numpy as np
 import pytest
-from support.daemons import daemon_config, served, token_file
-from support.toy import publish_tensor, pull_rows
+from support.daemons import served
+from support.granthosts import (
+    NBYTES,
+    TOKENS,
+    acquainted,
+    destination,
+    host_daemon,
+    presenting,
+    published,
+    tenants_access,
+    two_hosts,
+)
+from support.toy import publish_tensor
 
 from refitd.client.http import RefitClient
-from refitd.config import ServerConfig
-from refitd.daemon.app.node import Daemon
 from refitd.daemon.delta.plans import Plans, plan_digest
 from refitd.daemon.pull.plancheck import check_runs
 from refitd.errors import AccessDenied, NotFoundError, ProtocolError, RefitError
@@ -35,79 +42,12 @@ from refitd.wire import (
     DeltaPackRequest,
     DeltaStreamRequest,
     DescriptorTable,
-    LeaseInfo,
     PackSpec,
-    PullRequest,
     PullState,
 )
 from transports.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(60)
-
-SECRET = b"g" * 32
-NBYTES = 4096
-TOKENS = {"a": "token-of-a", "b": "token-of-b", "daemons": "token-of-daemons"}
-
-
-@dataclass
-class Hosts:
-    source: Daemon
-    a: RefitClient
-    b: RefitClient
-    engine: RefitClient
-    source_url: str
-
-
-@contextlib.asynccontextmanager
-async def two_hosts(tmp: Path) -> AsyncIterator[Hosts]:
-    """A source with token tenants ``a`` and ``b``, and an engine's daemon on another
-    host reading from it under the ``daemons`` token."""
-    access = ServerConfig(port=0, token_file=token_file(tmp, TOKENS))
-    src = Daemon(
-        daemon_config(node_id="src", allow=("http://127.0.0.1:*",)), secret=SECRET, boot_id="host-a"
-    )
-    eng = Daemon(
-        daemon_config(node_id="eng", allow=("http://127.0.0.1:*",)), secret=SECRET, boot_id="host-b"
-    )
-    async with (
-        served(src, access=access) as s,
-        served(eng, token=TOKENS["daemons"]) as e,
-        RefitClient(s.url, token=TOKENS["a"]) as a,
-        RefitClient(s.url, token=TOKENS["b"]) as b,
-    ):
-        yield Hosts(src, a, b, e.client, s.url)
-
-
-async def published(c: RefitClient, model: str, fill: int, size: int = NBYTES) -> int:
-    """``model`` v1 published by ``c``'s tenant: the first NBYTES bytes of a region of
-    ``size`` bytes, all ``fill``; its region."""
-    info = await c.create_region(size, label=model)
-    with SharedSegment.attach(info.handle, info.nbytes) as seg:
-        seg.numpy()[:] = fill
-    await publish_tensor(c, model, 1, info.region_id, NBYTES)
-    return info.region_id
-
-
-@contextlib.asynccontextmanager
-async def destination(h: Hosts) -> AsyncIterator[tuple[int, SharedSegment]]:
-    seg = SharedSegment.create(NBYTES, "dst")
-    with seg:
-        info = await h.engine.attach_region(seg.name, NBYTES)
-        yield info.region_id, seg
-
-
-def presenting(lease: LeaseInfo, *rows: tuple[int, int, int, int, int], url: str) -> PullRequest:
-    req = pull_rows(lease.model, lease.version, lease.lease_id, *rows, source=url)
-    return msgspec.structs.replace(req, grant=lease.records)
-
-
-async def acquainted(h: Hosts, region: int) -> None:
-    """One honest pull, so the engine's daemon knows the source and reads with grants."""
-    lease = await h.a.acquire_lease("ma", 1)
-    async with destination(h) as (dst, seg):
-        res = await h.engine.pull(presenting(lease, (region, 0, dst, 0, NBYTES), url=h.source_url))
-        assert res.state is PullState.DONE and (seg.numpy() == 7).all()
-    await h.a.release_lease(lease.lease_id)
 
 
 async def test_garbled_grants_are_refused_and_the_daemon_still_serves_honest_pulls(
@@ -241,13 +181,10 @@ async def test_a_grant_of_another_life_of_the_source_is_not_read_as_this_ones(
     # Two lives of node "src" (as across a restart; here both up at once, so the
     # earlier life's data server still answers): the engine's daemon knows the later
     # one, and a grant the earlier one made is presented for a pull from the later.
-    access = ServerConfig(port=0, token_file=token_file(tmp_path, TOKENS))
-    old = Daemon(
-        daemon_config(node_id="src", allow=("http://127.0.0.1:*",)), secret=SECRET, boot_id="host-a"
-    )
+    old = host_daemon("src", "host-a")
     async with (
         two_hosts(tmp_path) as h,
-        served(old, access=access) as o,
+        served(old, access=tenants_access(tmp_path)) as o,
         RefitClient(o.url, token=TOKENS["a"]) as a_old,
     ):
         assert old.incarnation != h.source.incarnation

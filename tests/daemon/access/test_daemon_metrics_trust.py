@@ -1,8 +1,8 @@
 """``/metrics`` tells a tenant no more than the API does: another tenant's expert-pool
 names, which ``GET /v1/experts`` hides, are not in the scrape either.
 
-A real daemon in this process on 127.0.0.1:0 with two tokens, its metrics and access
-control installed as ``refitd serve`` installs them.
+A real daemon in this process on 127.0.0.1:0 with two tokens, wired as ``refitd
+serve`` wires it (its metrics and access control among the rest).
 """
 
 from __future__ import annotations
@@ -11,15 +11,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from support.daemons import daemon_config
+from support.daemons import daemon_config, served, token_file
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
-from refitd.daemon.access.auth import check_startup, setup_auth
-from refitd.daemon.app.metrics import setup_metrics
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.process import listening
-from refitd.daemon.app.service import _snapshot
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,24 +28,15 @@ async def scrape(url: str, token: str) -> str:
 
 
 async def test_a_scrape_shows_only_the_scrapers_own_expert_pools(tmp_path: Path) -> None:
-    tokens = tmp_path / "tokens"
-    tokens.write_text("a token-of-a\nb token-of-b\n")
-    tokens.chmod(0o600)
-    policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
+    tokens = token_file(tmp_path, {"a": "token-of-a", "b": "token-of-b"})
+    access = ServerConfig(port=0, token_file=tokens)
     opts = daemon_config(node_id="metrics", transport="shm", max_bytes=1 << 30)
-
-    def setup(app: object) -> None:
-        from aiohttp import web
-
-        assert isinstance(app, web.Application)
-        setup_metrics(app).bind_state(lambda: _snapshot(app))
-        setup_auth(app, policy)
-
     async with (
-        listening(Daemon(opts), setup=[setup]) as (_, url),
-        RefitClient(url, token="token-of-a") as a,
-        RefitClient(url, token="token-of-b") as b,
+        served(Daemon(opts), access=access, wired=True) as s,
+        RefitClient(s.url, token="token-of-a") as a,
+        RefitClient(s.url, token="token-of-b") as b,
     ):
+        url = s.url
         await a.create_pool("pool-of-a", layers=1, experts=2, slots=2, row_bytes=[16])
         await b.create_pool("pool-of-b", layers=1, experts=2, slots=2, row_bytes=[16])
         seen_by_b = await scrape(url, "token-of-b")

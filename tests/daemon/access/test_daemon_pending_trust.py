@@ -17,13 +17,11 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from support.daemons import FakeClock, daemon_config
+from support.daemons import FakeClock, daemon_config, served, token_file
 
 from refitd.client.http import RefitClient
 from refitd.config import LimitsConfig, ServerConfig
-from refitd.daemon.access.auth import check_startup, setup_auth
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.process import listening
 from refitd.daemon.state.manifestcheck import MANIFEST_SHARD_BYTES, MANIFEST_TENSOR_BYTES
 from refitd.daemon.state.registry import Registry
 from refitd.errors import QuotaExceeded
@@ -31,6 +29,7 @@ from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
 pytestmark = pytest.mark.timeout(60)
 
+TOKENS = {"a": "token-of-a", "b": "token-of-b"}
 SHARDS = 4  # limits.max_manifest_shards in these tests
 PENDING_MANIFESTS = 8
 """Manifests of :func:`slot0` one principal's cap holds in these tests."""
@@ -41,10 +40,7 @@ SLOT0_BYTES = SHARDS * MANIFEST_SHARD_BYTES + MANIFEST_TENSOR_BYTES + len("w")
 async def tenants(
     tmp: Path, clock: FakeClock, ttl_s: float = 3600.0
 ) -> AsyncIterator[tuple[RefitClient, RefitClient]]:
-    tokens = tmp / "tokens"
-    tokens.write_text("a token-of-a\nb token-of-b\n")
-    tokens.chmod(0o600)
-    policy = check_startup(ServerConfig(port=0, token_file=str(tokens)))
+    access = ServerConfig(port=0, token_file=token_file(tmp, TOKENS))
     limits = LimitsConfig(
         max_manifest_shards=SHARDS,
         pending_ttl_s=ttl_s,
@@ -52,12 +48,9 @@ async def tenants(
     )
     opts = daemon_config(node_id="pending", transport="shm", limits=limits)
     async with (
-        listening(Daemon(opts, clock=clock), setup=[lambda app: setup_auth(app, policy)]) as (
-            _,
-            url,
-        ),
-        RefitClient(url, token="token-of-a") as a,
-        RefitClient(url, token="token-of-b") as b,
+        served(Daemon(opts, clock=clock), access=access) as s,
+        RefitClient(s.url, token=TOKENS["a"]) as a,
+        RefitClient(s.url, token=TOKENS["b"]) as b,
     ):
         yield a, b
 

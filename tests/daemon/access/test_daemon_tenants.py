@@ -154,7 +154,7 @@ class TwoTenants(RuleBasedStateMachine):
         access = ServerConfig(port=0, token_file=self.tokens)
         self.url = self.running.enter_context(
             served_in_a_thread(lambda: Daemon(opts), access=access)
-        )
+        ).url
         self.t = {n: Tenant(n, Http(self.url, TOKENS[n]), f"{n}-model") for n in ("a", "b")}
         #: every pull the daemon accepted, by tenant
         self.pulls_of: dict[str, set[str]] = {"a": set(), "b": set()}

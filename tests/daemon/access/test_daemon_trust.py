@@ -12,14 +12,13 @@ import msgspec
 import numpy as np
 import pytest
 from aiohttp import web
-from support.daemons import GatedCopier, daemon_config, serving_daemons
+from support.daemons import GatedCopier, daemon_config, served, serving_app, serving_daemons
 from support.hostile import W_BYTES, rows, toy_manifest
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config
 from refitd.daemon.access.peers import PeerPolicy, normalize_peer
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.process import listening
 from refitd.daemon.pull.listeners import Caller, PullListener
 from refitd.daemon.pull.pulls import LocalSource, PullJob, PullManager
 from refitd.errors import AccessDenied, ConfigError, ConflictError, ProtocolError
@@ -52,15 +51,8 @@ async def recording_server() -> AsyncIterator[tuple[str, list[web.Request]]]:
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", anything)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}", seen
-    finally:
-        await runner.cleanup()
+    async with serving_app(app) as url:
+        yield url, seen
 
 
 @contextlib.asynccontextmanager
@@ -68,10 +60,8 @@ async def token_daemon(*peers: str) -> AsyncIterator[tuple[Daemon, RefitClient, 
     """A daemon that presents ``PEER_TOKEN`` to the peers it reads from, with 'toy' v1
     published and leased; yields (daemon, client, src region, dst region, lease)."""
     d = Daemon(daemon_config(node_id="trusting", transport="shm", allow=peers))
-    async with (
-        listening(d, token=PEER_TOKEN) as (_, url),
-        RefitClient(url) as c,
-    ):
+    async with served(d, token=PEER_TOKEN) as s:
+        c = s.client
         src = await c.create_region(W_BYTES, label="w")
         dst = await c.create_region(W_BYTES, label="dst")
         await c.publish(toy_manifest(src.region_id))
@@ -179,7 +169,8 @@ def _manifest(model: str, region: int, version: int = 1) -> ManifestIn:
 @contextlib.asynccontextmanager
 async def two_models(**kw: object) -> AsyncIterator[Two]:
     d = Daemon(daemon_config(node_id="two", transport="shm"), **kw)  # type: ignore[arg-type]
-    async with listening(d) as (_, url), RefitClient(url) as c:
+    async with served(d) as s:
+        c, url = s.client, s.url
         regions = {}
         for i, model in enumerate("ab"):
             info = await c.create_region(2 * W_BYTES, label=model)

@@ -29,8 +29,6 @@ from support.daemons import daemon_config, served
 from refitd.client.http import RefitClient
 from refitd.daemon.app.handlers import create_app
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.openapi import setup_openapi
-from refitd.daemon.app.service import daemon_operations
 from refitd.errors import ProtocolError
 from refitd.wire import routes as api
 from refitd.wire.args import fields_of
@@ -194,8 +192,7 @@ BOUNDED = [r for r in api.ROUTES if r.args is not None and _cases(r)]
 @pytest.fixture
 async def client() -> AsyncIterator[RefitClient]:
     daemon = Daemon(daemon_config(node_id="t", transport="shm"))
-    document = lambda app: setup_openapi(app, daemon_operations())  # noqa: E731
-    async with served(daemon, setup=[document]) as s:
+    async with served(daemon, wired=True) as s:  # with the API document
         yield s.client
 
 

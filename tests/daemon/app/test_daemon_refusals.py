@@ -18,7 +18,8 @@ import aiohttp
 import msgspec
 import pytest
 from support.daemons import served, token_file
-from support.ops import serving_wired
+
+from refitd.config import ServerConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -54,7 +55,9 @@ async def test_every_refusal_has_one_shape_in_the_encoding_asked_for(
 ) -> None:
     tokens = token_file(tmp_path, {"a": "token-of-a", "b": "token-of-b"})
     async with (
-        serving_wired(token_file=tokens, max_request_bytes=LIMIT) as d,
+        served(
+            wired=True, access=ServerConfig(port=0, token_file=tokens, max_request_bytes=LIMIT)
+        ) as d,
         aiohttp.ClientSession() as s,
     ):
         url = d.url

@@ -22,12 +22,11 @@ import aiohttp
 import msgspec
 import numpy as np
 import pytest
-from support.daemons import daemon_config
+from support.daemons import daemon_config, served
 
 from refitd.client.http import RefitClient
 from refitd.client.spawn import spawn_daemon
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.process import listening
 from refitd.daemon.mirror.chunks import MAX_HOLDERS
 from refitd.wire import MSGPACK, ManifestIn, ShardEntry, TensorEntry
 from refitd.wire.mirrors import HolderAssign, HolderJoin
@@ -44,10 +43,8 @@ async def source() -> AsyncIterator[tuple[str, RefitClient]]:
     """A daemon holding READY version 1 of ``MODEL``, trusting every daemon on
     127.0.0.1 (any port) as a peer."""
     opts = daemon_config(node_id="source", transport="shm", allow=("http://127.0.0.1:*",))
-    async with (
-        listening(Daemon(opts, secret=SECRET)) as (_, url),
-        RefitClient(url) as c,
-    ):
+    async with served(Daemon(opts, secret=SECRET)) as s:
+        url, c = s.url, s.client
         info = await c.create_region(4096, label="w")
         t = TensorEntry("w", (4096,), "uint8", [ShardEntry((0,), (4096,), info.region_id, 0)])
         await c.publish(ManifestIn(MODEL, 1, 0, 1, [t]))

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.daemons import Served, daemon_config, served
+from support.daemons import Served, daemon_config, served, trusting_each_other
 
 from refitd.client.http import RefitClient
 from refitd.daemon.app.node import Daemon
@@ -241,8 +241,7 @@ async def hosts() -> AsyncIterator[Hosts]:
     src = Daemon(daemon_config(node_id="trainer", transport="tcp"), secret=SECRET)
     mopts = daemon_config(node_id="host-a", transport="tcp", policy="always")
     async with served(src) as s, served(Daemon(mopts, secret=SECRET)) as m:
-        m.daemon.peers.replace("test", [s.url])
-        s.daemon.peers.replace("test", [m.url])
+        trusting_each_other(s, m)
         yield Hosts(s, m)
 
 

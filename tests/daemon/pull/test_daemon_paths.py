@@ -21,11 +21,8 @@ from support.daemons import GatedCopier, daemon_config, served
 
 from refitd.client.http import RefitClient
 from refitd.config import load_config
-from refitd.daemon.access.auth import check_startup
 from refitd.daemon.app.handlers import PULLS
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.sdnotify import Notifier
-from refitd.daemon.app.service import Service
 from refitd.daemon.pull.paths import has_rdma, transport_schemes
 from refitd.daemon.pull.pulls import PullManager
 from refitd.errors import TransportError
@@ -69,11 +66,7 @@ async def node(
     d = Daemon(
         daemon_config(node_id=name, **options), secret=SECRET, boot_id=boot_id, copier=copier
     )
-    setup = []
-    if metrics:
-        config = load_config(env={}, overrides={})
-        setup.append(Service(config, check_startup(config.server), Notifier({})).setup)
-    async with served(d, setup=setup) as s:
+    async with served(d, wired=metrics) as s:
         yield Node(d, s.client, s.url, s.app[PULLS])
 
 

@@ -21,7 +21,6 @@ from support.devices import DRIVER, HostDeviceEngine, HostDeviceMemory
 
 from refitd.client.http import RefitClient
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.process import listening
 from refitd.errors import ConflictError, RefitError, TransportError
 from refitd.wire import (
     DescriptorTable,
@@ -47,8 +46,8 @@ PIECE = 4096
 @contextlib.asynccontextmanager
 async def served() -> AsyncIterator[tuple[Daemon, RefitClient]]:
     d = Daemon(daemon_config(node_id="devices", transport="shm"))
-    async with listening(d) as (_, url), RefitClient(url) as c:
-        yield d, c
+    async with serve(d) as s:
+        yield d, s.client
 
 
 @contextlib.asynccontextmanager
@@ -309,7 +308,8 @@ async def test_a_daemon_locks_no_host_memory_past_its_pinned_cap_and_still_lands
     engine = HostDeviceEngine()
     d = Daemon(daemon_config(node_id="capped", transport="shm", max_pinned_bytes=0))
     try:
-        async with listening(d) as (_, url), RefitClient(url) as c:
+        async with serve(d) as s:
+            c = s.client
             src, data, lease = await host_source(c, "m")
             dst, memory = await device_region(d, engine, "engine")
             rows, perm = shuffled(src.region_id, dst.region_id)

@@ -13,14 +13,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from support.daemons import daemon_config
+from support.daemons import daemon_config, served, token_file
 from support.devices import HostDeviceEngine, HostDeviceMemory
 
 from refitd.client.http import RefitClient
 from refitd.config import ServerConfig
-from refitd.daemon.access.auth import check_startup, setup_auth
 from refitd.daemon.app.node import Daemon
-from refitd.daemon.app.process import listening
 from refitd.daemon.state.memory import byte_view
 from refitd.errors import AccessDenied, PlanError, ProtocolError
 from refitd.wire import MemoryKind
@@ -35,17 +33,13 @@ HANDLE = "ab" * 16 + ":" + "cd" * 64  # well formed: a device UUID and a 64-byte
 
 @contextlib.asynccontextmanager
 async def daemon(tmp: Path, tokens: bool) -> AsyncIterator[tuple[Daemon, RefitClient]]:
-    setup = []
-    if tokens:
-        book = tmp / "tokens"
-        book.write_text("a token-of-a\n")
-        book.chmod(0o600)
-        policy = check_startup(ServerConfig(port=0, token_file=str(book)))
-        setup = [lambda app: setup_auth(app, policy)]
+    access = (
+        ServerConfig(port=0, token_file=token_file(tmp, {"a": "token-of-a"})) if tokens else None
+    )
     d = Daemon(daemon_config(node_id="gpu-edge", transport="shm"))
     async with (
-        listening(d, setup=setup) as (_, url),
-        RefitClient(url, token="token-of-a" if tokens else None) as c,
+        served(d, access=access) as s,
+        RefitClient(s.url, token="token-of-a" if tokens else None) as c,
     ):
         yield d, c
 
