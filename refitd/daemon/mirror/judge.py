@@ -9,7 +9,8 @@ holder to leave and why:
 - **late**: a holder with chunks still to send here from which none landed for
   ``LATE_BATCHES`` batches' time at the rate it sent here, ``LATE_FLOOR_S`` at
   least (a stopped holder answers nothing; the floor keeps a busy core from looking
-  like a stopped host);
+  like a stopped host), counted from when this mirror could first take its chunks
+  (:meth:`Judge.receiving`: its regions made), not from when its reader started;
 - **slow**: after ``SLOW_AFTER_S`` of reading from it, a holder sending under
   ``SLOW_FRACTION`` of the median rate the other holders sent here while they had
   chunks to send, in ``SLOW_REPORTS`` reports in a row; at most
@@ -99,8 +100,11 @@ class Judge:
     last: dict[str, float] = field(default_factory=dict)
     #: when each holder's count here last grew, and that count
     seen: dict[str, tuple[float, int]] = field(default_factory=dict)
-    #: when each holder was first read from
+    #: when each holder was first read from, or when this mirror could first take
+    #: chunks (its regions made) if later
     started: dict[str, float] = field(default_factory=dict)
+    #: when this mirror could first take chunks (None: not yet known)
+    receiving_at: float | None = None
     #: this mirror filled under ``SLOW_FRACTION`` of its peers' median rate at its
     #: last report: it judges no holder slow or late
     behind: bool = False
@@ -108,6 +112,17 @@ class Judge:
     def reading(self, holder: str, now: float) -> None:
         """A reader of ``holder`` started at ``now`` (its first one counts)."""
         self.started.setdefault(holder, now)
+
+    def receiving(self, now: float) -> None:
+        """This mirror can take chunks from ``now`` on (its regions are made). No
+        chunk lands here before that, so a holder's time until then is not its own:
+        a reader started while the regions were made is judged from ``now`` (a host
+        slow to make its shared memory, as a busy one is, does not find its holders
+        late for waiting on it). Only the first call counts."""
+        if self.receiving_at is not None:
+            return
+        self.receiving_at = now
+        self.started = {u: max(t, now) for u, t in self.started.items()}
 
     def late(self, now: float, reads: dict[str, int], pending: set[str]) -> LateHolder | None:
         """The first holder of ``pending`` (holders with chunks still to send here)

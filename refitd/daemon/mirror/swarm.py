@@ -341,6 +341,7 @@ class Swarm:
         await m.ready.wait()
         loop = asyncio.get_running_loop()
         judge = self.judge
+        judge.receiving(loop.time())  # no chunk landed before: the holders waited on us
         judge.report(loop.time(), m.done_bytes(), m.reads)
         reported = loop.time()
         while True:

@@ -103,3 +103,15 @@ def test_a_slow_holders_deadline_grows_with_its_batches_time_at_its_rate() -> No
     judge.late(0.0, {"a": 3}, {"a"})  # it sent its third chunk at 0
     assert judge.late(limit - 0.5, {"a": 3}, {"a"}) is None
     assert judge.late(limit + 0.5, {"a": 3}, {"a"}) is not None
+
+
+def test_a_holders_lateness_counts_from_when_this_mirror_could_take_its_chunks() -> None:
+    """A reader starts while this mirror still makes its regions (slow on a busy
+    host): no chunk can land before they exist, so the holder is judged from then."""
+    judge = started("waited-on")  # its reader started at 0
+    made = LATE_FLOOR_S + 1.0  # this mirror's regions took longer than the floor
+    judge.receiving(made)
+    assert judge.late(made + LATE_FLOOR_S - 0.1, {"waited-on": 0}, {"waited-on"}) is None
+    judge.receiving(made + 5.0)  # a later watch: the first call counts
+    verdict = judge.late(made + LATE_FLOOR_S + 0.1, {"waited-on": 0}, {"waited-on"})
+    assert verdict is not None and verdict.url == "waited-on"
