@@ -128,7 +128,7 @@ async def _main(args: argparse.Namespace) -> int:
         spread = (max(runs) - min(runs)) / gbps
         flag = "" if ok else "  VERIFY FAILED"
         print(
-            f"{name:<10} {piece:>7} {lay:<10} {reads:>7} {posted:>7} {gbps:>7.2f} {ratio:>9.2f} {spread:>7.2f}{flag}"
+            f"{name:<10} {piece:>7} {lay:<10} {reads:>7} {posted:>7} {figures(gbps):>7} {figures(ratio):>9} {spread:>7.2f}{flag}"
         )
 
     async with contextlib.AsyncExitStack() as stack:
@@ -237,9 +237,9 @@ async def _main(args: argparse.Namespace) -> int:
                 if (scheme, name, lay) in results:
                     suffix = "" if lay == "contiguous" else "_shuffled"
                     g = results[(scheme, name, lay)]
-                    kv[f"{scheme}_{name}{suffix}_gbps"] = f"{g:.2f}"
-                    kv[f"{scheme}_{name}{suffix}_ratio"] = (
-                        f"{g / results[('memcpy', name, lay)]:.2f}"
+                    kv[f"{scheme}_{name}{suffix}_gbps"] = figures(g)
+                    kv[f"{scheme}_{name}{suffix}_ratio"] = figures(
+                        g / results[("memcpy", name, lay)]
                     )
                     if scheme == "ucx" and ("cma", name, lay) in results:
                         kv[f"ucx_{name}{suffix}_of_cma"] = f"{g / results[('cma', name, lay)]:.2f}"
@@ -249,6 +249,13 @@ async def _main(args: argparse.Namespace) -> int:
     kv["verified"] = "1" if verified else "0"
     print(" ".join(f"{k}={v}" for k, v in kv.items()))
     return 0 if verified else 1
+
+
+def figures(x: float) -> str:
+    """``x`` with two decimals, or two significant figures where two decimals would
+    print a measured rate as ``0.00`` (a slow transport on a busy host): a rate the
+    bench measured is never reported as none."""
+    return f"{x:.2f}" if x == 0 or abs(x) >= 0.1 else f"{x:.2g}"
 
 
 async def _stop(proc: asyncio.subprocess.Process) -> None:

@@ -1,5 +1,6 @@
 """``refitd bench transport`` end to end, small: its rows report the median of the
-runs with their spread, and its last line carries every key, verified."""
+runs with their spread, and its last line carries every key, verified. A rate it
+measured is printed nonzero however slow the host made it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from refitd.bench.transport import figures
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,3 +37,11 @@ def test_bench_transport_prints_medians_with_their_spread_and_verifies_every_byt
     keys = dict(kv.split("=") for kv in out[-1].split())
     assert keys["verified"] == "1"
     assert {"memcpy_gbps", "tcp_4KiB_shuffled_gbps", "local_1MiB_ratio"} <= keys.keys()
+
+
+def test_a_measured_rate_too_small_for_two_decimals_is_printed_nonzero() -> None:
+    """A slow transport on a busy host (tcp at 4 KiB pieces) reaches a few thousandths
+    of memcpy: its row and key say so, never ``0.00``."""
+    assert figures(1.0) == "1.00" and figures(12.345) == "12.35" and figures(0.0) == "0.00"
+    for tiny in (0.004, 0.0996, 3e-6):
+        assert float(figures(tiny)) == pytest.approx(tiny, rel=0.05)
