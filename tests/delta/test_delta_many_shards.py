@@ -4,19 +4,22 @@ The comparison of such a version with its base must not stop the daemon's event
 loop: its block table, its jobs (grouped by bytes, not one per shard) and the
 assembly of its changes are built off the loop. The loop's longest stall is
 measured inside the daemon's own process, while the daemon publishes and compares,
-and a concurrent request is answered while the comparison runs. The delta it makes
+as the most CPU time the loop's thread spends between two ticks of a ticker on it
+(:class:`support.costs.LoopStall`): the daemon's own work on its loop, which other
+processes' load on a busy host does not inflate. A concurrent request is answered
+while the comparison runs. The delta it makes
 is still exact: the changed units it counts are the ones the trainer changed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 
 import numpy as np
 import pytest
+from support.costs import LoopStall
 from support.daemons import daemon_config, served
+from support.settled import settled_delta
 
 from refitd.client.http import RefitClient
 from refitd.daemon.app.node import Daemon
@@ -32,8 +35,8 @@ ELEMS = 4
 CHANGED_EVERY = 7
 """One shard in this many has its first element changed in v2."""
 STALL_BOUND_S = 0.5
-"""The longest the loop may stall: generous for a loaded 2-core machine, far under
-the seconds a job, lane arrays and a task per shard took on the loop."""
+"""The most loop-thread CPU time between two ticks, s: far under the seconds a job,
+lane arrays and a task per shard took on the loop."""
 
 
 def manifest_of(version: int, region: int, count: int = SHARDS) -> ManifestIn:
@@ -43,29 +46,6 @@ def manifest_of(version: int, region: int, count: int = SHARDS) -> ManifestIn:
         shard = ShardEntry((0,), (ELEMS,), region, 2 * ELEMS * i)
         tensors.append(TensorEntry(f"t{i}", (ELEMS,), "bfloat16", [shard]))
     return ManifestIn("tiny", version, 0, 1, tensors)
-
-
-class StallMeter:
-    """The event loop's longest stall: a task that sleeps 5 ms at a time and keeps the
-    largest lateness of its wake-ups."""
-
-    def __init__(self) -> None:
-        self.longest = 0.0
-        self._task: asyncio.Task[None] | None = None
-
-    async def _run(self) -> None:
-        while True:
-            t = time.perf_counter()
-            await asyncio.sleep(0.005)
-            self.longest = max(self.longest, time.perf_counter() - t - 0.005)
-
-    def __enter__(self) -> StallMeter:
-        self._task = asyncio.get_running_loop().create_task(self._run())
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._task is not None
-        self._task.cancel()
 
 
 async def test_a_delta_comparison_of_forty_thousand_tiny_shards_never_stalls_the_loop() -> None:
@@ -86,14 +66,18 @@ async def test_a_delta_comparison_of_forty_thousand_tiny_shards_never_stalls_the
             # The manifests are encoded here, before the meter runs: the client's cost.
             bodies = [manifest_of(v, r) for v, r in ((1, regions[0]), (2, regions[1]))]
             await c.publish(bodies[0])
-            assert (await c.delta_info("tiny", 1, wait_s=120.0)).state == "none"
+            assert (await settled_delta(c, "tiny", 1)).state == "none"
             answered_while_comparing = 0
-            with StallMeter() as meter:
+            meter = LoopStall()
+            meter.start()  # on this loop, the daemon's
+            try:
                 await c.publish(bodies[1])
                 while (await c.delta_info("tiny", 2)).state == "computing":
                     await c.version("tiny", 2)  # another request, answered meanwhile
                     answered_while_comparing += 1
-                rec = await c.delta_info("tiny", 2, wait_s=120.0)
+                rec = await settled_delta(c, "tiny", 2)
+            finally:
+                meter.stop()
             assert rec.state == "ready", rec
             assert rec.changed == -(-SHARDS // CHANGED_EVERY), rec
             assert meter.longest < STALL_BOUND_S, (
@@ -126,10 +110,10 @@ async def test_a_base_shrunk_by_its_owner_fails_the_comparison_not_the_daemon() 
                 regions.append((info.region_id, info.handle))
             count = SHARDS // 8
             await c.publish(manifest_of(1, regions[0][0], count))
-            await c.delta_info("tiny", 1, wait_s=60.0)
+            await settled_delta(c, "tiny", 1)
             os.truncate(SHM_DIR / regions[0][1], 0)  # v1, the base, loses its pages
             await c.publish(manifest_of(2, regions[1][0], count))
-            rec = await c.delta_info("tiny", 2, wait_s=60.0)
+            rec = await settled_delta(c, "tiny", 2)
             assert rec.state == "none" and "comparison refused" in rec.reason, rec
             assert (await c.version("tiny", 2)).state == "ready"
         finally:

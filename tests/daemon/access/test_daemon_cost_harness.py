@@ -29,6 +29,7 @@ import msgspec
 import numpy as np
 import pytest
 from support.costs import TOKENS, InThread, daemon_in_a_thread, traced_peak
+from support.settled import settled_delta
 
 from refitd.client.http import RefitClient
 from refitd.daemon.app.waits import WAITS
@@ -197,7 +198,7 @@ async def publish_of_the_largest_manifest_compared(env: Env) -> tuple[int, list[
         body = msgspec.msgpack.encode(m)
         statuses.append(await post(env, "a", "/v1/sources", body))
         charge += manifest_cost(m) + len(body)
-    rec = await env.a.delta_info(f"big{env.n}", 2, wait_s=60.0)
+    rec = await settled_delta(env.a, f"big{env.n}", 2)
     assert rec.state == "ready" and rec.base_version == 1, rec
     return charge + comparison_bytes(env.threads, SHARDS), statuses
 
@@ -321,7 +322,7 @@ async def attacked(tmp: Path) -> Any:
                 t = TensorEntry("w", (ELEMS,), "bfloat16", [shard])
                 await a.publish(ManifestIn("am", version, 0, 1, [t]))
                 region = info.region_id
-            rec = await a.delta_info("am", 2, wait_s=60.0)
+            rec = await settled_delta(a, "am", 2)
             assert rec.state == "ready", rec
             lease = await b.acquire_lease("am", 2, 3600.0)
             dst = await b.create_region(nbytes, label="dst")
