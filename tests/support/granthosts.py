@@ -8,7 +8,9 @@ share the deployment secret :data:`SECRET`. Each daemon is given its own boot id
 daemons on one machine cannot otherwise be made to show. The rest are the steps
 those tests share: a version published (:func:`published`), a zeroed destination
 at the engine's daemon (:func:`destination`), a pull presenting a lease's grant
-(:func:`presenting`) and one honest pull first (:func:`acquainted`).
+(:func:`presenting`) and one honest pull first (:func:`acquainted`), and a bare HTTP
+session to the source as a tenant, for requests spelled by hand (:func:`raw_session`,
+:func:`status_of`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import msgspec
 
 from refitd.client.http import RefitClient
@@ -38,6 +41,8 @@ __all__ = [
     "host_daemon",
     "presenting",
     "published",
+    "raw_session",
+    "status_of",
     "tenants_access",
     "two_hosts",
 ]
@@ -123,3 +128,19 @@ async def acquainted(h: Hosts, region: int) -> None:
         res = await h.engine.pull(presenting(lease, (region, 0, dst, 0, NBYTES), url=h.source_url))
         assert res.state is PullState.DONE and (seg.numpy() == 7).all()
     await h.a.release_lease(lease.lease_id)
+
+
+@contextlib.asynccontextmanager
+async def raw_session(h: Hosts, who: str = "a") -> AsyncIterator[aiohttp.ClientSession]:
+    """A bare HTTP session to the source as tenant ``who`` (its bearer token sent, each
+    parameter spelled as the test writes it, not as the client would)."""
+    headers = {"Authorization": f"Bearer {TOKENS[who]}"}
+    async with aiohttp.ClientSession(h.source_url, headers=headers) as session:
+        yield session
+
+
+async def status_of(session: aiohttp.ClientSession, method: str, url: str) -> int:
+    """The HTTP status of ``method url`` in ``session`` (its body read and dropped)."""
+    async with session.request(method, url) as resp:
+        await resp.read()
+        return resp.status
