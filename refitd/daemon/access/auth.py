@@ -31,9 +31,10 @@ Refusals are ``{"error": ..., "detail": ...}`` like every other error (made in
 ``AccessDenied`` (403) or ``RequestTooLarge`` (413).
 
 Integration: ``policy = check_startup(config.server)`` before binding, then
-``setup_auth(app, policy)`` in the app factory; handlers that create a region record
-``owner_for(request, body.owner)`` and handlers that touch one call
-``check_owner(request, region.owner, "delete", region.region_id)``.
+``setup_auth(app, policy)`` in the app factory; the part that creates a region records
+the owner :meth:`Principal.owner_of` gives, and the parts that touch one refuse
+another's with :meth:`Principal.check_owns` (handlers with only a request at hand:
+``owner_for(request, body.owner)``, ``check_owner(request, owner, action, what)``).
 """
 
 from __future__ import annotations
@@ -111,6 +112,17 @@ class Principal:
             return None
         whose = f"it belongs to {owner}" if owner else "it belongs to no principal"
         return f"{self.name} may not {action} {what}: {whose}"
+
+    def owner_of(self, requested: str = "") -> str:
+        """The owner to record for a region (or pool) this principal creates, asking
+        for ``requested``: an authenticated principal owns what it creates, whatever
+        it asks (root may name another); asking for someone else is refused
+        (:class:`AccessDenied`, 403). An unauthenticated loopback client names itself."""
+        if not self.authenticated:
+            return requested
+        if requested and not self.sees(requested):
+            raise AccessDenied(f"{self.name} may not create a region owned by {requested!r}")
+        return requested if requested and self.admin else self.name
 
     def check_owns(self, owner: str, action: str, what: str) -> None:
         """Refuse (:class:`AccessDenied`, 403) :meth:`refusal`'s cases."""
@@ -328,17 +340,8 @@ def principal_of(request: web.Request) -> Principal:
 
 
 def owner_for(request: web.Request, requested: str = "") -> str:
-    """The owner to record for a region ``request`` creates.
-
-    Authenticated principals own what they create, whatever they ask; asking for
-    someone else is refused. Unauthenticated loopback clients name themselves.
-    """
-    who = principal_of(request)
-    if not who.authenticated:
-        return requested
-    if requested and not who.sees(requested):
-        raise forbidden(request, f"{who.name} may not create a region owned by {requested!r}")
-    return requested if requested and who.admin else who.name
+    """The owner to record for a region ``request`` creates (:meth:`Principal.owner_of`)."""
+    return principal_of(request).owner_of(requested)
 
 
 def check_owner(request: web.Request, owner: str, action: str, what: str) -> None:

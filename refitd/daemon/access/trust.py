@@ -63,13 +63,13 @@ How each rule is enforced
   and :meth:`ExpertPools.admit <refitd.daemon.experts.pools.ExpertPools.admit>` (slot regions);
 - *reads*: :func:`check_reads` and :func:`check_pack_reads` against the lease's
   scope, on the pulling daemon (descriptors, pack specs) and on the source daemon
-  (pack specs, in :meth:`Daemon.pack`); staged offsets are validated as descriptors;
+  (pack specs, in :meth:`Leases.pack`); staged offsets are validated as descriptors;
   a delta pack's plan by :func:`check_unchecked_reads` (:mod:`refitd.daemon.delta.selection`);
-- *records*: :meth:`Daemon.peer_regions` gives records only under a live lease;
+- *records*: :meth:`Leases.peer_regions` gives records only under a live lease;
 - *versions*: :meth:`Registry.publish` refuses a READY or retired version and a
   version number that does not move the model forward; ``POST /v1/sources``
   checks the owner of every region a manifest publishes from;
-- *deletes*: :meth:`Daemon.delete_region` and :meth:`Daemon.release_staging`;
+- *deletes*: :meth:`Daemon.delete_region` and :meth:`Leases.release_staging`;
 - *peers*: :meth:`PeerPolicy.check` before a connection to a source opens.
 
 Every refusal names what was refused and why, and happens before any byte moves.

@@ -7,11 +7,12 @@ Modules:
 - `httpio`: the HTTP edge handlers share: app keys, a route's parameters decoded into
   its args Struct before its handler runs, body decoding, replies
 - `leasing`: what a lease reads on a daemon (its scope, the signed records a peer
-  reads under it, packs) and a lease's life: `Daemon`'s base
+  reads under it, packs) and a lease's life: `Leases`, a part of `Daemon`
 - `membership`: the daemon's membership in the cluster registry: registering, announcing
   its versions, the ``/v1/cluster`` routes
 - `metrics`: Prometheus metrics, ``GET /metrics``
-- `node`: `Daemon`: one daemon's life: identity, data planes, start/stop, peer records
+- `node`: `Daemon`: one daemon's life: identity, data planes, start/stop, the rules a
+  region's creation, deletion or publication passes
 - `openapi`: the OpenAPI 3.1 document, generated from the live router
 - `process`: ``refitd serve``: one daemon process, its loop, listeners and ordered
   shutdown on SIGTERM/SIGINT

@@ -21,7 +21,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from refitd.daemon.access.auth import Principal, check_owner, owner_for, principal_of, sees_region
+from refitd.daemon.access.auth import Principal, check_owner, principal_of, sees_region
 from refitd.daemon.app.httpio import (
     DAEMON,
     RouteTable,
@@ -110,19 +110,13 @@ async def node(request: web.Request) -> web.Response:
 @routes.handles(api.CREATE_REGION)
 async def create_region(request: web.Request) -> web.Response:
     req: RegionCreate = await body(request)
-    req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
-    info = await request.app[DAEMON].create_region(req, principal_of(request).name)
-    return reply(request, info)
+    return reply(request, await request.app[DAEMON].create_region(req, principal_of(request)))
 
 
 @routes.handles(api.ATTACH_REGION)
 async def attach_region(request: web.Request) -> web.Response:
     req: RegionAttach = await body(request)
-    req = msgspec.structs.replace(req, owner=owner_for(request, req.owner))  # auth: who owns it
-    caller = principal_of(request)  # a uid the kernel named attaches only its own files
-    uid = caller.uid if caller.via == "unix" and not caller.admin else None
-    info = await request.app[DAEMON].store.attach_region(req, uid, caller.via, caller.name)
-    return reply(request, info)
+    return reply(request, await request.app[DAEMON].attach_region(req, principal_of(request)))
 
 
 @routes.handles(api.LIST_REGIONS)
@@ -138,12 +132,8 @@ async def get_region(request: web.Request, args: RegionAt) -> web.Response:
 
 @routes.handles(api.DELETE_REGION)
 async def delete_region(request: web.Request, args: RegionAt) -> web.Response:
-    rid = args.region_id
-    check_owner(
-        request, request.app[DAEMON].store.regions.get(rid).owner, "delete", f"region {rid}"
-    )
-    request.app[POOLS].check_deletable(rid)  # an expert pool's region goes with its pool
-    return reply(request, await request.app[DAEMON].delete_region(rid))
+    info = await request.app[DAEMON].delete_region(args.region_id, principal_of(request))
+    return reply(request, info)
 
 
 # ---------------------------------------------------------------- sources
@@ -209,7 +199,9 @@ async def wait_ready(request: web.Request, args: WaitReadyArgs) -> web.Response:
     """Answer once the version is READY, or after ``timeout`` seconds with its state."""
     model, version = _version(request, args)
     async with long_poll(request, f"waiting for {model!r} v{version}"):
-        return reply(request, await request.app[DAEMON].wait_ready(model, version, args.timeout))
+        return reply(
+            request, await request.app[DAEMON].leases.wait_ready(model, version, args.timeout)
+        )
 
 
 @routes.handles(api.DRAIN)
@@ -227,7 +219,7 @@ async def drain(request: web.Request, args: DrainArgs) -> web.Response:
         async with long_poll(request, f"draining {model!r} v{version}"):
             waited = True
             request.app[DELTAS].yield_base(model, version)  # its memory is to be rewritten
-            info = await request.app[DAEMON].wait_drain(model, version, timeout, retire)
+            info = await request.app[DAEMON].leases.wait_drain(model, version, timeout, retire)
     finally:
         if retire and waited:
             await announce(request.app, model)
@@ -240,31 +232,24 @@ async def drain(request: web.Request, args: DrainArgs) -> web.Response:
 @routes.handles(api.ACQUIRE_LEASE)
 async def acquire(request: web.Request) -> web.Response:
     req: LeaseRequest = await body(request)
-    d, who = request.app[DAEMON], principal_of(request)
-    d.models.check_read(who, req.model, "lease")
-    # A host mirror's version is leased by peer daemons only (MirrorLeases.grant).
-    request.app[MIRRORS].leases.admit(req)
-    grant = d.acquire(req.model, req.version, req.ttl_s, req.holder, who.name, req.manifest)
-    return reply(request, grant)
+    return reply(request, request.app[DAEMON].leases.lease(req, principal_of(request)))
 
 
 @routes.handles(api.CHECK_LEASE)
 async def check_lease(request: web.Request, args: LeaseCheckArgs) -> web.Response:
     d = request.app[DAEMON]
-    return reply(request, d.check_lease(args.lease_id, args.model, args.version))
+    return reply(request, d.leases.check(args.lease_id, args.model, args.version))
 
 
 @routes.handles(api.RENEW_LEASE)
 async def renew(request: web.Request, args: RenewArgs) -> web.Response:
-    reg, lease_id = request.app[DAEMON].registry, args.lease_id
     # A mirror's lease is re-checked at its source, which may cut the ttl.
-    ttl = await request.app[MIRRORS].leases.renewal(lease_id, args.ttl)
-    return reply(request, reg.renew(lease_id, ttl))
+    return reply(request, await request.app[MIRRORS].leases.renew(args.lease_id, args.ttl))
 
 
 @routes.handles(api.RELEASE_LEASE)
 async def release(request: web.Request, args: LeaseAt) -> web.Response:
-    request.app[DAEMON].release(args.lease_id)
+    request.app[DAEMON].leases.release(args.lease_id)
     return reply(request, None)
 
 
@@ -328,20 +313,22 @@ async def peer_regions(request: web.Request, args: PeerRegionsArgs) -> web.Respo
     ids, d = args.region_ids(), request.app[DAEMON]
     if args.lease is not None:  # records for a pull: only what that lease may read
         version = args.leased_version()
-        return reply(request, d.leased_regions(ids, args.lease, args.model, version))
-    return reply(request, d.peer_regions(ids))
+        return reply(request, d.leases.leased_regions(ids, args.lease, args.model, version))
+    return reply(request, d.leases.peer_regions(ids))
 
 
 @routes.handles(api.PEER_PACK)
 async def peer_pack(request: web.Request) -> web.Response:
     req: PackRequest = await body(request)
     # A staging region is memory its lease's principal holds (its caps count it).
-    return reply(request, await request.app[DAEMON].pack_leased(req, principal_of(request).name))
+    return reply(
+        request, await request.app[DAEMON].leases.pack_leased(req, principal_of(request).name)
+    )
 
 
 @routes.handles(api.PEER_DROP)
 async def peer_drop(request: web.Request, args: PeerDropArgs) -> web.Response:
-    await request.app[DAEMON].release_staging(args.region_id, args.lease)
+    await request.app[DAEMON].leases.release_staging(args.region_id, args.lease)
     return reply(request, None)
 
 

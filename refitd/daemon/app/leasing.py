@@ -2,9 +2,10 @@
 records a peer daemon reads under it, the packs made for it, and acquiring, checking
 and releasing it, with the drains its end wakes.
 
-:class:`Leasing` is a base of :class:`~refitd.daemon.app.node.Daemon`: the one rule
-of "a lease reads only its version's shards and the staging packed for it", applied
-where this daemon signs what a lease reads (its records, its grants, its packs).
+:class:`Leases` is a part of :class:`~refitd.daemon.app.node.Daemon` (its ``leases``),
+built with the owners it uses: the one rule of "a lease reads only its version's
+shards and the staging packed for it", applied where this daemon signs what a lease
+reads (its records, its grants, its packs).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from refitd.config import Config
+from refitd.daemon.access.auth import Principal
 from refitd.daemon.access.caps import Caps
+from refitd.daemon.access.owners import ModelOwners
 from refitd.daemon.access.trust import Extents
 from refitd.daemon.mirror.hold import FillingMirrors
 from refitd.daemon.pull.plancheck import check_runs
@@ -25,31 +27,61 @@ from refitd.daemon.state.registry import Lease, Registry
 from refitd.daemon.state.staging import OFF_LOOP_SPECS, StagingPool
 from refitd.daemon.state.store import RegionStore
 from refitd.errors import AccessDenied
-from refitd.wire import LeaseInfo, PackRequest, PackSpec, PeerRegions, StagedPack, VersionInfo
+from refitd.wire import (
+    LeaseInfo,
+    LeaseRequest,
+    PackRequest,
+    PackSpec,
+    PeerRegions,
+    StagedPack,
+    VersionInfo,
+)
 from transports.interface import LeaseScope
 
-__all__ = ["Leasing"]
+__all__ = ["Leases"]
 
 
-class Leasing:
-    """The leases of :class:`~refitd.daemon.app.node.Daemon` (its base), over the
-    daemon's registry, store, staging pool, data planes and caps."""
+class Leases:
+    """The leases of one daemon, over its registry, region store, staging pool, data
+    planes, lease drains, per-principal caps, model owners (``models``: who reads a
+    model, which it holds as a host mirror) and the table of host mirrors still
+    filling (``filling``: what a lease on a version may read of one, only its
+    complete chunks). Its records are signed with the deployment ``secret``, as daemon
+    ``node_id`` in its ``incarnation`` and data-plane ``mode``; ``clock`` is the registry's;
+    ``max_plan_runs`` bounds a pack's specs (``limits.max_plan_runs``)."""
 
-    config: Config
-    secret: bytes
-    node_id: str
-    incarnation: int
-    mode: str
-    clock: Callable[[], float]
-    caps: Caps
-    registry: Registry
-    store: RegionStore
-    staging: StagingPool
-    plane: TransportSet
-    drain: LeaseDrain
-    #: the host mirrors still filling (:mod:`refitd.daemon.mirror.hold`): what a lease
-    #: on a version may read of one (only its complete chunks)
-    filling: FillingMirrors
+    def __init__(
+        self,
+        *,
+        secret: bytes,
+        node_id: str,
+        incarnation: int,
+        mode: str,
+        registry: Registry,
+        store: RegionStore,
+        staging: StagingPool,
+        plane: TransportSet,
+        drain: LeaseDrain,
+        caps: Caps,
+        models: ModelOwners,
+        filling: FillingMirrors,
+        clock: Callable[[], float],
+        max_plan_runs: int,
+    ) -> None:
+        self.secret = secret
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self.mode = mode
+        self.registry = registry
+        self.store = store
+        self.staging = staging
+        self.plane = plane
+        self.drain = drain
+        self.caps = caps
+        self.models = models
+        self.filling = filling
+        self.clock = clock
+        self.max_plan_runs = max_plan_runs
 
     # ------------------------------------------------------------ peer records
 
@@ -144,7 +176,7 @@ class Leasing:
         """Gather specs into a staging region for ``lease`` (:meth:`StagingPool.pack`),
         reading only what :meth:`version_scope` allows, within the caps of the lease's
         principal (else ``principal``'s)."""
-        limit = self.config.limits.max_plan_runs
+        limit = self.max_plan_runs
         if len(specs) > OFF_LOOP_SPECS:  # a Python step a spec: off the loop
             await asyncio.to_thread(check_runs, 0, specs, limit, "pack")
         else:
@@ -156,7 +188,7 @@ class Leasing:
         lease = self.registry.check(req.lease_id, req.model, req.version)
         return await self.pack(req.specs, lease, principal)
 
-    def check_lease(self, lease_id: str, model: str, version: int) -> LeaseInfo:
+    def check(self, lease_id: str, model: str, version: int) -> LeaseInfo:
         """The live lease ``lease_id`` on ``(model, version)`` with its seconds left
         (409 for one not live on that version)."""
         lease = self.registry.check(lease_id, model, version)
@@ -166,7 +198,7 @@ class Leasing:
     def release(self, lease_id: str) -> None:
         """End a lease, and wake the drains and reaps its end may free."""
         self.registry.release(lease_id)
-        self.lease_changed()
+        self.changed()
 
     def acquire(
         self,
@@ -188,11 +220,25 @@ class Leasing:
         merged = self.registry.merged(model, version) if manifest else None
         return msgspec.structs.replace(grant, records=records, manifest=merged)
 
+    def lease(self, req: LeaseRequest, who: Principal) -> LeaseInfo:
+        """``POST /v1/leases`` for ``who``: 403 for a model it may not read, and for a
+        version this daemon holds as a host mirror (a tenant leases it at its source;
+        only a peer daemon leases the copy, :meth:`MirrorLeases.grant`); else
+        :meth:`acquire`."""
+        self.models.check_read(who, req.model, "lease")
+        if self.models.held(req.model):
+            raise AccessDenied(
+                f"lease on {req.model!r} version {req.version} refused: this daemon holds "
+                "that model as a host mirror, which only peer daemons lease; lease it at its "
+                "source and pull it through this daemon, which serves the pull from its mirror"
+            )
+        return self.acquire(req.model, req.version, req.ttl_s, req.holder, who.name, req.manifest)
+
     async def release_staging(self, region_id: int, lease_id: str) -> None:
         """Return a staging region to the pool (:meth:`StagingPool.release`)."""
         await self.staging.release(region_id, lease_id)
 
-    def lease_changed(self) -> None:
+    def changed(self) -> None:
         """Wake every drain waiter (a lease was released or a version changed), and
         release exited clients' regions that this may have freed (the drain's
         ``freed``: :meth:`LeaseDrain.changed`)."""

@@ -7,9 +7,9 @@ segments keyed by memory, pins, reaping), the staging pool
 (:mod:`refitd.daemon.state.drain`), the version registry (:mod:`refitd.daemon.state.registry`),
 the data planes (:mod:`refitd.daemon.state.plane`) and which bytes of the host mirrors
 still filling are complete (:mod:`refitd.daemon.mirror.hold`). What is left here is what
-crosses them: the rules a region's deletion or publication must pass; what a lease
+crosses them: the rules a region's deletion or publication must pass. What a lease
 reads (the signed region records a peer daemon reads, packs) and a lease's life are
-its base's (:mod:`refitd.daemon.app.leasing`).
+its part ``leases`` (:mod:`refitd.daemon.app.leasing`), built with the owners it uses.
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
+import msgspec
+
 from refitd.cluster import registry_from_config
 from refitd.config import Config, LimitsConfig
 from refitd.daemon.access.auth import Principal
 from refitd.daemon.access.caps import Caps
 from refitd.daemon.access.owners import ModelOwners
 from refitd.daemon.access.peers import PeerPolicy
-from refitd.daemon.app.leasing import Leasing
+from refitd.daemon.app.leasing import Leases
 from refitd.daemon.mirror.hold import FillingMirrors
 from refitd.daemon.pull.paths import AUTO, peer_paths, probes_ucx
 from refitd.daemon.state.drain import LeaseDrain
@@ -43,6 +45,7 @@ from refitd.wire import (
     ManifestIn,
     MergedManifest,
     NodeInfo,
+    RegionAttach,
     RegionCreate,
     RegionInfo,
     VersionInfo,
@@ -66,7 +69,7 @@ MANIFEST_CHECKS = 2
 """Published manifests decoded and checked at once; more wait their turn."""
 
 
-class Daemon(Leasing):
+class Daemon:
     """One daemon, run as ``config`` says (the defaults without one), with what no
     configuration file holds: ``secret`` (≥ 16 bytes; a random one when None)
     authenticates peer records between the daemons of one deployment; ``boot_id``
@@ -117,7 +120,7 @@ class Daemon(Leasing):
         self.manifests_checking = 0
         self.manifest_checks = asyncio.Semaphore(MANIFEST_CHECKS)
         #: per-principal caps on leases, regions and pulls (``[limits]``): the region
-        #: store and the staging pool admit regions and bytes, :meth:`acquire` leases
+        #: store and the staging pool admit regions and bytes, :meth:`Leases.acquire` leases
         self.caps = Caps(
             self.limits.max_leases_per_principal,
             self.limits.max_regions_per_principal,
@@ -155,8 +158,25 @@ class Daemon(Leasing):
         #: which bytes of the host mirrors still filling are complete
         #: (:mod:`refitd.daemon.mirror.hold`): the mirrors are built with it and change
         #: it, the data plane holds reads on it, and a lease reads of such a mirror only
-        #: its complete chunks (:meth:`version_scope`)
+        #: its complete chunks (:meth:`Leases.version_scope`)
         self.filling = FillingMirrors()
+        #: the leases: what each reads here, and their life (:mod:`refitd.daemon.app.leasing`)
+        self.leases = Leases(
+            secret=self.secret,
+            node_id=self.node_id,
+            incarnation=self.incarnation,
+            mode=self.mode,
+            registry=self.registry,
+            store=self.store,
+            staging=self.staging,
+            plane=self.plane,
+            drain=self.drain,
+            caps=self.caps,
+            models=self.models,
+            filling=self.filling,
+            clock=clock,
+            max_plan_runs=self.limits.max_plan_runs,
+        )
 
     def _complete_elsewhere(self, model: str, version: int) -> bool:
         """Whether the cluster registry says ``model`` ``version`` has all its slots
@@ -275,18 +295,35 @@ class Daemon(Leasing):
 
     # ------------------------------------------------------------ regions
 
-    async def create_region(self, req: RegionCreate, principal: str | None = None) -> RegionInfo:
-        """A new daemon-owned segment of exactly ``req.nbytes`` bytes (≥ 1), within
+    async def create_region(self, req: RegionCreate, principal: Principal) -> RegionInfo:
+        """A new daemon-owned segment of exactly ``req.nbytes`` bytes (≥ 1), owned as
+        :meth:`Principal.owner_of` decides (403 for asking for another's) and within
         ``principal``'s caps (:meth:`RegionStore.create_region`)."""
-        return await self.store.create_region(req, principal)
+        req = msgspec.structs.replace(req, owner=principal.owner_of(req.owner))
+        return await self.store.create_region(req, principal.name)
 
-    async def delete_region(self, region_id: int) -> RegionInfo:
-        """Forget a region (``DELETE /v1/regions/{id}``). Refused (409) while a READY,
-        pending or leased version publishes from it (a retired version included, while
-        leased), while a running pull of this daemon reads or writes it (its mapping
-        is never unmapped under a copy), and (403) for a staging region, which only
-        the daemon itself frees."""
-        self.store.regions.get(region_id)
+    async def attach_region(self, req: RegionAttach, principal: Principal) -> RegionInfo:
+        """Map memory ``principal`` made (:meth:`RegionStore.attach_region`), owned as
+        :meth:`Principal.owner_of` decides; a uid the kernel named (the Unix socket,
+        not root) attaches only its own files."""
+        req = msgspec.structs.replace(req, owner=principal.owner_of(req.owner))
+        uid = principal.uid if principal.via == "unix" and not principal.admin else None
+        return await self.store.attach_region(req, uid, principal.via, principal.name)
+
+    async def delete_region(self, region_id: int, principal: Principal) -> RegionInfo:
+        """Forget a region for ``principal`` (``DELETE /v1/regions/{id}``). Refused
+        (403) for a region of another principal, (409) for an expert pool's region
+        (it goes with its pool), (409) while a READY, pending or leased version
+        publishes from it (a retired version included, while leased), while a running
+        pull of this daemon reads or writes it (its mapping is never unmapped under a
+        copy), and (403) for a staging region, which only the daemon itself frees."""
+        owner = self.store.regions.get(region_id).owner
+        principal.check_owns(owner, "delete", f"region {region_id}")
+        if (pool := self.store.pool_regions.get(region_id)) is not None:
+            raise ConflictError(
+                f"region {region_id} refused deletion: expert pool {pool!r} holds it; "
+                "delete the pool instead"
+            )
         if region_id in self.staging:
             raise AccessDenied(
                 f"region {region_id} refused deletion: it is a staging region of this "
@@ -370,7 +407,7 @@ class Daemon(Leasing):
         info = self.registry.publish(m, principal.name, cap)
         self._expire_pending_later()
         self.models.claim(principal, m.model)
-        self.lease_changed()
+        self.leases.changed()
         return info
 
     def _expire_pending_later(self) -> None:
@@ -387,7 +424,7 @@ class Daemon(Leasing):
             self._pending_timer = None
             if self.registry.expire_pending():
                 self.store.reap_soon()  # an exited client's regions it pinned may go
-                self.lease_changed()
+                self.leases.changed()
             self._expire_pending_later()
 
         # A little past the deadline: the registry's clock, not the loop's, decides.

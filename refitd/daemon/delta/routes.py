@@ -12,7 +12,7 @@ from refitd.daemon.app.httpio import DAEMON, RouteTable, body, reply
 from refitd.daemon.app.node import Daemon
 from refitd.daemon.app.waits import WAITS, long_poll
 from refitd.daemon.delta.plans import Plans
-from refitd.daemon.delta.selection import pack_delta
+from refitd.daemon.delta.selection import pack_request
 from refitd.daemon.delta.source import DeltaBook
 from refitd.daemon.delta.stream import stream
 from refitd.daemon.pull.plancheck import check_runs
@@ -44,17 +44,9 @@ async def delta_info(request: web.Request, args: DeltaInfoArgs) -> web.Response:
 async def delta_pack(request: web.Request) -> web.Response:
     """Stage a planned pull's changed units under its lease, as ``/v1/peer/pack`` stages
     packed blocks: the staging region counts against the lease's principal."""
-    d = request.app[DAEMON]
     req = await body(request, DeltaPackRequest)
-    # What the plan expands into is bounded before anything reads or lists it.
-    what = f"delta pack of {req.model!r} v{req.version}"
-    check_runs(len(req.descriptors), req.pack_specs, d.config.limits.max_plan_runs, what)
-    lease = d.registry.check(req.lease_id, req.model, req.version)
-    who = lease.owner or principal_of(request).name  # whose memory the staging is
-    d.store.admit(who, 1)  # at its cap already: refused before any work
-    caller = principal_of(request).name
-    req, _ = await request.app[DELTA_PLANS].resolve(req, caller)
-    return reply(request, await pack_delta(request.app[DELTAS], req, lease, who, caller), 201)
+    staged = await pack_request(request.app[DELTAS], req, principal_of(request).name)
+    return reply(request, staged, 201)
 
 
 @routes.handles(api.DELTA_STREAM)
@@ -102,8 +94,9 @@ def setup_deltas(app: web.Application, daemon: Daemon) -> DeltaBook:
         max_bytes=daemon.config.pulls.delta_max_bytes,
         enabled=daemon.config.pulls.deltas,
         waits=app[WAITS],
+        max_plan_runs=daemon.config.limits.max_plan_runs,
     )
-    app[DELTA_PLANS] = Plans()
+    app[DELTA_PLANS] = book.plans
 
     async def close(_: web.Application) -> None:
         await book.close()

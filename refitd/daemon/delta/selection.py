@@ -27,6 +27,7 @@ import numpy.typing as npt
 from refitd.daemon.access.trust import check_unchecked_reads
 from refitd.daemon.app.waits import MAX_WAIT_S
 from refitd.daemon.delta.source import MAX_CHAIN, DeltaBook, DeltaRecord
+from refitd.daemon.pull.plancheck import check_runs
 from refitd.daemon.state.registry import Lease
 from refitd.delta import native
 from refitd.delta.compare import Table, composed
@@ -34,7 +35,7 @@ from refitd.delta.stream import ChangeIndex, reads_of
 from refitd.errors import ConflictError, ProtocolError, RequestTooLarge
 from refitd.wire import DeltaPackRequest, DeltaStaged, DeltaState
 
-__all__ = ["STREAM_FACTOR", "pack_delta", "select_delta"]
+__all__ = ["STREAM_FACTOR", "pack_delta", "pack_request", "select_delta"]
 
 STREAM_FACTOR = 4
 """A delta pack's stream reads at most this many times its version's bytes. A plan
@@ -67,6 +68,21 @@ def _chain(
     if links[0].base_digest != base_digest:
         return f"v{base}'s digest here is {links[0].base_digest}"
     return [(r.index, r.values, r.table) for r in links]
+
+
+async def pack_request(book: DeltaBook, req: DeltaPackRequest, caller: str) -> DeltaStaged:
+    """``POST /v1/delta/pack`` for principal ``caller``: ``req``'s plan bounded before
+    anything reads or lists it (``max_plan_runs``), under its lease (409 for one not
+    live on the version), as memory the lease's principal holds (else ``caller``'s:
+    429 at its cap already, before any work), the plan ``req`` names resolved
+    (:meth:`Plans.resolve`), then :func:`pack_delta`."""
+    what = f"delta pack of {req.model!r} v{req.version}"
+    check_runs(len(req.descriptors), req.pack_specs, book.max_plan_runs, what)
+    lease = book.registry.check(req.lease_id, req.model, req.version)
+    who = lease.owner or caller  # whose memory the staging is
+    book.store.admit(who, 1)
+    req, _ = await book.plans.resolve(req, caller)
+    return await pack_delta(book, req, lease, who, caller)
 
 
 async def pack_delta(

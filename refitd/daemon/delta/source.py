@@ -34,7 +34,9 @@ from typing import Any, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from refitd.config import LimitsConfig
 from refitd.daemon.app.waits import Waits
+from refitd.daemon.delta.plans import Plans
 from refitd.daemon.state.drain import LeaseDrain
 from refitd.daemon.state.registry import Registry
 from refitd.daemon.state.staging import StagingPool
@@ -186,7 +188,8 @@ class DeltaBook:
     the ``staging`` pool (a delta staged for a lease) and the lease ``drain``, told
     when the book lets go of a hold (a publisher's drain may be waiting for it).
     ``max_bytes``: what the records may hold together (``[pulls] delta_max_bytes``;
-    0: a quarter of the host's memory)."""
+    0: a quarter of the host's memory); ``max_plan_runs``: the runs a delta request's
+    plan may expand into (``limits.max_plan_runs``)."""
 
     def __init__(
         self,
@@ -199,8 +202,12 @@ class DeltaBook:
         enabled: bool = True,
         threads: int | None = None,
         waits: Waits | None = None,
+        max_plan_runs: int = LimitsConfig().max_plan_runs,
     ) -> None:
         self.registry = registry
+        self.max_plan_runs = max_plan_runs
+        #: the plans kept for delta readers (:mod:`refitd.daemon.delta.plans`)
+        self.plans = Plans()
         self.store = store
         self.staging = staging
         self.drain = drain

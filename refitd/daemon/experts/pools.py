@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 from aiohttp import web
 
+from refitd.daemon.access.auth import Principal
 from refitd.daemon.experts.pool import ExpertPool, residency_of
 from refitd.daemon.pull.core import dst_ids
 from refitd.daemon.pull.listeners import Caller, Job, PullListener
@@ -79,6 +80,11 @@ class ExpertPools(PullListener):
 
     def all(self) -> list[ExpertPool]:
         return list(self._pools.values())
+
+    def seen_by(self, who: Principal) -> list[PoolInfo]:
+        """The pools ``who`` sees (:meth:`Principal.sees`): its own, every pool for
+        root or without authentication."""
+        return [p.info() for p in self._pools.values() if who.sees(p.owner)]
 
     def get(self, name: str) -> ExpertPool:
         pool = self._pools.get(name)
@@ -198,15 +204,6 @@ class ExpertPools(PullListener):
             if region_id in (pool.host.region_id, pool.slot_region.region_id):
                 return pool
         return None
-
-    def check_deletable(self, region_id: int) -> None:
-        """Refuse deleting a region a pool holds: the pool would copy from freed memory."""
-        pool = self.holding(region_id)
-        if pool is not None:
-            raise ConflictError(
-                f"region {region_id} refused deletion: expert pool {pool.name!r} holds it; "
-                "delete the pool instead"
-            )
 
     def note_writes(self, req: PullRequest) -> None:
         """Mark every pool whose host region ``req`` writes (descriptors and packed

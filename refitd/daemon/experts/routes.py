@@ -42,9 +42,7 @@ async def create_pool(request: web.Request) -> web.Response:
 @routes.handles(api.LIST_POOLS)
 async def list_pools(request: web.Request) -> web.Response:
     """The caller's own pools (every pool for root, or without authentication)."""
-    who = principal_of(request)
-    pools = [p for p in request.app[POOLS].all() if who.sees(p.owner)]
-    return reply(request, [pool.info() for pool in pools])
+    return reply(request, request.app[POOLS].seen_by(principal_of(request)))
 
 
 def _pool(request: web.Request, args: PoolAt, action: str) -> ExpertPool:

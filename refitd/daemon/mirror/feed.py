@@ -48,7 +48,7 @@ KiB)."""
 
 class LeasedRecords(Protocol):
     """What a feed asks of its daemon's lease rules each frame
-    (:class:`~refitd.daemon.app.node.Daemon` is one): nothing else of it."""
+    (:class:`~refitd.daemon.app.leasing.Leases` is one): nothing else of it."""
 
     def leased_regions(
         self, ids: list[int] | None, lease_id: str, model: str, version: int
@@ -56,7 +56,7 @@ class LeasedRecords(Protocol):
         """Signed records of ``ids`` read under ``lease_id`` (409: not live on the version)."""
         ...
 
-    def check_lease(self, lease_id: str, model: str, version: int) -> LeaseInfo:
+    def check(self, lease_id: str, model: str, version: int) -> LeaseInfo:
         """The live lease ``lease_id`` on the version (409 otherwise)."""
         ...
 
@@ -70,7 +70,7 @@ def _frame(m: Mirror, d: LeasedRecords, lease_id: str) -> MirrorFeed:
         ids = [r.region_id for r in m.regions.values()]
         records = d.leased_regions(ids, lease_id, m.model, m.version)
     else:
-        d.check_lease(lease_id, m.model, m.version)
+        d.check(lease_id, m.model, m.version)
     regions = {s: r.region_id for s, r in m.regions.items()} if made else {}
     return MirrorFeed(
         len(m.done), int(m.done.sum()), m.complete, m.error, m.source, regions, records

@@ -318,7 +318,7 @@ class Feed:
             self.their = dict(regions)
             self.path, conn = await pulls.open_path(self.relay, rec)
             # Its data server holds reads until complete, and the relay granted the
-            # whole version on it (Daemon.version_scope): read ahead of its chunks.
+            # whole version on it (Leases.version_scope): read ahead of its chunks.
             self.ahead = pulls.plane.caps(self.path).holds_reads
             self.conn = Regranted(conn)
         elif self.ahead:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from refitd.errors import AccessDenied, ConflictError, NotFoundError
-from refitd.wire import LeaseInfo, LeaseRequest
+from refitd.wire import LeaseInfo
 from refitd.wire.mirrors import MIRROR_LEASE_FRESH_S, MirrorLease
 
 if TYPE_CHECKING:
@@ -81,18 +81,6 @@ class MirrorLeases:
         except (ConflictError, NotFoundError):
             raise AccessDenied(f"{refusal}; {lease!r} is not one") from None
         return grant.expires_in_s
-
-    def admit(self, req: LeaseRequest) -> None:
-        """Refuse (403) a tenant's lease on a version this daemon holds as a mirror: a
-        tenant leases it at its source, and only a peer daemon leases the copy
-        (:meth:`grant`). Nothing to check for any other model."""
-        if not self.models.held(req.model):
-            return
-        raise AccessDenied(
-            f"lease on {req.model!r} version {req.version} refused: this daemon holds that "
-            "model as a host mirror, which only peer daemons lease; lease it at its source "
-            "and pull it through this daemon, which serves the pull from its mirror"
-        )
 
     async def grant(self, req: MirrorLease, secret: bytes) -> LeaseInfo:
         """A lease of the peer daemon ``req.node_id`` on this daemon's mirror of
@@ -154,6 +142,11 @@ class MirrorLeases:
                 self.registry.release(lease_id)
             raise
         return min(ttl_s, left)
+
+    async def renew(self, lease_id: str, ttl_s: float) -> LeaseInfo:
+        """Renew ``lease_id`` here (:meth:`Registry.renew`) for ``ttl_s`` seconds, or
+        for a mirror's lease as long as its source lease allows (:meth:`renewal`)."""
+        return self.registry.renew(lease_id, await self.renewal(lease_id, ttl_s))
 
     def check_state_reader(self, who: Principal, model: str, version: int, lease_id: str) -> None:
         """Refuse (403) the state of the mirror of ``model`` ``version`` to a caller that

@@ -92,9 +92,9 @@ async def mirror_feed(request: web.Request, args: MirrorReadArgs) -> web.StreamR
     d = request.app[DAEMON]
     # The lease first (409 for one not live on this version): whether a version is
     # mirrored is told only to a holder of a lease on it.
-    d.check_lease(lease_id, model, version)
+    d.leases.check(lease_id, model, version)
     m = request.app[MIRRORS].find(model, version)
-    return await serve_feed(request, m, d, lease_id)
+    return await serve_feed(request, m, d.leases, lease_id)
 
 
 @routes.handles(api.MIRROR_LEASE)
@@ -138,7 +138,7 @@ def setup_mirrors(
         node_id=d.node_id,
         secret=d.secret,
         pull_timeout_s=d.config.data_plane.pull_timeout_s,
-        lease_changed=d.lease_changed,
+        lease_changed=d.leases.changed,
     )
     app[MIRRORS] = mirrors
     app.add_routes(routes)

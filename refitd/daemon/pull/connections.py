@@ -161,7 +161,7 @@ class PullPaths:
     async def transport_peer(self, peer: PeerRegions, scheme: str) -> Peer:
         """The ``scheme`` transport's connection to ``peer``: made once per source
         daemon life, and read by the pull under the credential the source granted its
-        lease (in ``peer``'s signed records, :meth:`Daemon.peer_regions`), as given:
+        lease (in ``peer``'s signed records, :meth:`Leases.peer_regions`), as given:
         this daemon never makes one (:meth:`_credential`)."""
         transport = self._transport(scheme)
         info = self._credential(peer, scheme)

@@ -114,8 +114,9 @@ class PullManager:
         listeners: Iterable[PullListener] = (),
         mirrors: Redirector | None = None,
     ) -> None:
+        leases = daemon.leases
         self._local = LocalSource(
-            daemon.plane, daemon.registry, daemon.staging, daemon.leased_regions, daemon.pack_leased
+            daemon.plane, daemon.registry, daemon.staging, leases.leased_regions, leases.pack_leased
         )
         self.store = daemon.store
         self.registry = daemon.registry

@@ -40,11 +40,11 @@ and ``ready(lo, hi)``, which returns once the reads of a span may be made."""
 LeasedRecords = Callable[[list[int] | None, str, str, int], PeerRegions]
 """``(ids, lease_id, model, version)``: this daemon's signed records of region ``ids``
 for a pull under that lease (409 for a lease not live on the version), scoped to what
-it may read: :meth:`~refitd.daemon.app.leasing.Leasing.leased_regions`."""
+it may read: :meth:`~refitd.daemon.app.leasing.Leases.leased_regions`."""
 
 LeasedPack = Callable[[PackRequest], Awaitable[StagedPack]]
 """This daemon packing a request's specs into staging for its lease (409 for a lease
-not live on its version): :meth:`~refitd.daemon.app.leasing.Leasing.pack_leased`."""
+not live on its version): :meth:`~refitd.daemon.app.leasing.Leases.pack_leased`."""
 
 
 class Filling(Protocol):

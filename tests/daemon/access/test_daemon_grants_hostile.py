@@ -73,7 +73,7 @@ async def test_garbled_grants_are_refused_and_the_daemon_still_serves_honest_pul
                 with pytest.raises(ProtocolError, match="MAC does not verify"):
                     await h.engine.pull(msgspec.structs.replace(req, grant=bad))
             # a grant under no lease at all (as records given without one are)
-            unleased = h.source.peer_regions([region])
+            unleased = h.source.leases.peer_regions([region])
             req = presenting(lease, (region, 0, dst, 0, NBYTES), url=h.source_url)
             with pytest.raises(AccessDenied, match="its own lease's grant"):
                 await h.engine.pull(msgspec.structs.replace(req, grant=unleased))

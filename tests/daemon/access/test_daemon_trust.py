@@ -204,7 +204,9 @@ def _req(t: Two, *table: list[int], specs: list[PackSpec] | None = None) -> Pull
 
 def _local(d: Daemon) -> LocalSource:
     """Daemon ``d`` as the source of its own pulls, built with the parts it reads."""
-    return LocalSource(d.plane, d.registry, d.staging, d.leased_regions, d.pack_leased)
+    return LocalSource(
+        d.plane, d.registry, d.staging, d.leases.leased_regions, d.leases.pack_leased
+    )
 
 
 async def test_a_pull_under_one_models_lease_never_writes_into_another_models_ready_region() -> (

@@ -67,57 +67,57 @@ def reader(m: ManifestIn) -> Callable[[int], Awaitable[ManifestIn]]:
 
 async def test_the_region_store_refuses_a_region_past_the_principals_cap(daemon: Daemon) -> None:
     for _ in range(2):
-        await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+        await daemon.create_region(RegionCreate(4096, owner="alice"), ALICE)
     with pytest.raises(QuotaExceeded, match="max_regions_per_principal = 2"):
-        await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+        await daemon.create_region(RegionCreate(4096, owner="alice"), ALICE)
     # Another principal, and the daemon's own regions, are not counted against alice.
-    await daemon.create_region(RegionCreate(4096, owner="bob"), "bob")
-    await daemon.create_region(RegionCreate(4096))
+    await daemon.create_region(RegionCreate(4096, owner="bob"), BOB)
+    await daemon.store.create_region(RegionCreate(4096))
     assert len(daemon.store.regions) == 4
 
 
 async def test_the_region_store_refuses_bytes_past_the_principals_cap_and_frees_them_on_delete(
     daemon: Daemon,
 ) -> None:
-    big = await daemon.create_region(RegionCreate(768 << 10, owner="alice"), "alice")
+    big = await daemon.create_region(RegionCreate(768 << 10, owner="alice"), ALICE)
     with pytest.raises(QuotaExceeded, match="max_region_bytes_per_principal"):
-        await daemon.create_region(RegionCreate(512 << 10, owner="alice"), "alice")
-    await daemon.delete_region(big.region_id)
-    await daemon.create_region(RegionCreate(512 << 10, owner="alice"), "alice")
+        await daemon.create_region(RegionCreate(512 << 10, owner="alice"), ALICE)
+    await daemon.delete_region(big.region_id, ALICE)
+    await daemon.create_region(RegionCreate(512 << 10, owner="alice"), ALICE)
 
 
 async def test_a_staging_pack_counts_against_the_leases_principal(daemon: Daemon) -> None:
-    src = await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    src = await daemon.create_region(RegionCreate(4096, owner="alice"), ALICE)
     daemon.store.view(src.region_id)[:64] = np.arange(64, dtype=np.uint8).tobytes()
     await daemon.publish(reader(manifest(src.region_id)), ALICE)
-    grant = daemon.acquire("m", 1, 30.0, "", "alice")
+    grant = daemon.leases.acquire("m", 1, 30.0, "", "alice")
     lease = daemon.registry.check(grant.lease_id, "m", 1)
     spec = PackSpec(src.region_id, 0, (64,), (1,), 1, 0, 0)
     # Alice holds one region; the pack makes her second, whoever asks for it.
-    staged = await daemon.pack([spec], lease, "bob")
+    staged = await daemon.leases.pack([spec], lease, "bob")
     assert bytes(daemon.store.view(staged.region.region_id)[:64]) == bytes(range(64))
     with pytest.raises(QuotaExceeded, match="principal 'alice'"):
-        await daemon.pack([spec], lease, "bob")
+        await daemon.leases.pack([spec], lease, "bob")
 
 
 async def test_a_staging_region_back_in_its_pool_counts_against_nobody_until_packed_again(
     daemon: Daemon,
 ) -> None:
-    src = await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    src = await daemon.create_region(RegionCreate(4096, owner="alice"), ALICE)
     await daemon.publish(reader(manifest(src.region_id)), ALICE)
-    grant = daemon.acquire("m", 1, 30.0, "", "alice")
+    grant = daemon.leases.acquire("m", 1, 30.0, "", "alice")
     lease = daemon.registry.check(grant.lease_id, "m", 1)
     spec = PackSpec(src.region_id, 0, (64,), (1,), 1, 0, 0)
-    staged = await daemon.pack([spec], lease, "alice")
+    staged = await daemon.leases.pack([spec], lease, "alice")
     rid = staged.region.region_id
     assert daemon.store.holds_memory(rid)
     with pytest.raises(QuotaExceeded, match="max_regions_per_principal = 2"):
-        await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
-    await daemon.release_staging(rid, grant.lease_id)  # back in the pool: nobody's
+        await daemon.create_region(RegionCreate(4096, owner="alice"), ALICE)
+    await daemon.leases.release_staging(rid, grant.lease_id)  # back in the pool: nobody's
     assert not daemon.store.holds_memory(rid)
-    third = await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
-    await daemon.delete_region(third.region_id)
-    again = await daemon.pack([spec], lease, "alice")
+    third = await daemon.create_region(RegionCreate(4096, owner="alice"), ALICE)
+    await daemon.delete_region(third.region_id, ALICE)
+    again = await daemon.leases.pack([spec], lease, "alice")
     assert again.region.region_id == rid  # the pool's region, held for the lease again
     assert daemon.store.holds_memory(rid)
 
@@ -125,24 +125,24 @@ async def test_a_staging_region_back_in_its_pool_counts_against_nobody_until_pac
 async def test_publish_refuses_a_region_of_another_principal_and_publishes_ones_own(
     daemon: Daemon,
 ) -> None:
-    bobs = await daemon.create_region(RegionCreate(4096, owner="bob"), "bob")
+    bobs = await daemon.create_region(RegionCreate(4096, owner="bob"), BOB)
     with pytest.raises(AccessDenied, match="alice may not publish from region"):
         await daemon.publish(reader(manifest(bobs.region_id)), ALICE)
     assert daemon.registry.versions() == []
     info = await daemon.publish(reader(manifest(bobs.region_id)), BOB)
     assert info.state is VersionState.READY
     # The first publisher owns the model now: another principal may not publish into it.
-    alices = await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    alices = await daemon.create_region(RegionCreate(4096, owner="alice"), ALICE)
     with pytest.raises(AccessDenied):
         await daemon.publish(reader(manifest(alices.region_id, version=2)), ALICE)
 
 
 async def test_publish_refuses_a_staging_region(daemon: Daemon) -> None:
-    src = await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    src = await daemon.create_region(RegionCreate(4096, owner="alice"), ALICE)
     await daemon.publish(reader(manifest(src.region_id)), ALICE)
-    grant = daemon.acquire("m", 1, 30.0, "", "alice")
+    grant = daemon.leases.acquire("m", 1, 30.0, "", "alice")
     lease = daemon.registry.check(grant.lease_id, "m", 1)
-    staged = await daemon.pack([PackSpec(src.region_id, 0, (64,), (1,), 1, 0, 0)], lease)
+    staged = await daemon.leases.pack([PackSpec(src.region_id, 0, (64,), (1,), 1, 0, 0)], lease)
     with pytest.raises(ConflictError, match="staging region"):
         await daemon.publish(reader(manifest(staged.region.region_id, version=2)), ALICE)
 
@@ -155,13 +155,13 @@ async def test_the_lease_cap_is_the_daemons_acquire() -> None:
     )
     await d.start()
     try:
-        region = await d.create_region(RegionCreate(4096, owner="alice"), "alice")
+        region = await d.create_region(RegionCreate(4096, owner="alice"), ALICE)
         await d.publish(reader(manifest(region.region_id)), ALICE)
-        first = d.acquire("m", 1, 30.0, "", "alice")
+        first = d.leases.acquire("m", 1, 30.0, "", "alice")
         with pytest.raises(QuotaExceeded, match="max_leases_per_principal"):
-            d.acquire("m", 1, 30.0, "", "alice")
+            d.leases.acquire("m", 1, 30.0, "", "alice")
         d.registry.release(first.lease_id)
-        d.acquire("m", 1, 30.0, "", "alice")
+        d.leases.acquire("m", 1, 30.0, "", "alice")
     finally:
         await d.close()
 
@@ -217,13 +217,13 @@ async def test_a_region_being_made_holds_its_place_under_the_caps_and_the_loop_s
     the region still being made counts. Before, two requests made at once both passed
     a cap that had room for one."""
     first = asyncio.create_task(
-        daemon.create_region(RegionCreate(4096, owner="alice", label="held"), "alice")
+        daemon.create_region(RegionCreate(4096, owner="alice", label="held"), ALICE)
     )
     assert await asyncio.to_thread(slow_kernel.entered.wait, SAFETY_S)
-    await daemon.create_region(RegionCreate(4096, owner="bob"), "bob")
-    await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+    await daemon.create_region(RegionCreate(4096, owner="bob"), BOB)
+    await daemon.create_region(RegionCreate(4096, owner="alice"), ALICE)
     with pytest.raises(QuotaExceeded, match="max_regions_per_principal = 2"):
-        await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+        await daemon.create_region(RegionCreate(4096, owner="alice"), ALICE)
     assert not first.done()
     slow_kernel.go.set()
     async with asyncio.timeout(SAFETY_S):
@@ -239,7 +239,7 @@ async def test_a_region_whose_request_is_cancelled_while_it_is_made_leaves_no_me
     no region records it, and its place under alice's caps is free again."""
     before = {p.name for p in SHM_DIR.iterdir()}
     task = asyncio.create_task(
-        daemon.create_region(RegionCreate(4096, owner="alice", label="held"), "alice")
+        daemon.create_region(RegionCreate(4096, owner="alice", label="held"), ALICE)
     )
     assert await asyncio.to_thread(slow_kernel.entered.wait, SAFETY_S)
     task.cancel()
@@ -251,4 +251,4 @@ async def test_a_region_whose_request_is_cancelled_while_it_is_made_leaves_no_me
             await asyncio.sleep(0.01)
     assert list(daemon.store.regions) == []
     for _ in range(2):
-        await daemon.create_region(RegionCreate(4096, owner="alice"), "alice")
+        await daemon.create_region(RegionCreate(4096, owner="alice"), ALICE)

@@ -33,7 +33,7 @@ async def test_making_room_frees_a_failed_mirror_and_forgets_the_reads_held_on_i
     held or refused in its name any more."""
     async with served() as s:
         d = s.daemon
-        region = await d.create_region(RegionCreate(NBYTES, label="mirror"))
+        region = await d.store.create_region(RegionCreate(NBYTES, label="mirror"))
         shard = ShardEntry((0,), (NBYTES,), region.region_id, 0)
         d.registry.publish(
             ManifestIn("m", 1, 0, 1, [TensorEntry("w", (NBYTES,), "uint8", [shard])])
@@ -60,7 +60,7 @@ async def _finished_mirror(d: Daemon, version: int, sizes: list[int]) -> Mirror:
     """A complete mirror of ``version`` of model ``m`` published over regions of
     ``sizes`` (source region ids 10, 11, ...)."""
     regions = {
-        10 + i: await d.create_region(RegionCreate(n, owner=OWNER, label="mirror"))
+        10 + i: await d.store.create_region(RegionCreate(n, owner=OWNER, label="mirror"))
         for i, n in enumerate(sizes)
     }
     shards = [ShardEntry((0,), (r.nbytes,), r.region_id, 0) for r in regions.values()]
