@@ -64,7 +64,7 @@ _TERMINAL = {PullState.DONE, PullState.FAILED, PullState.CANCELLED}
 
 def _this_process() -> str:
     """This process as the one a region lives with (``<pid>.<start>``, a ``ProcessTag``;
-    sent as the request's ``holder``), or "" where /proc cannot say."""
+    sent as the request's ``process``), or "" where /proc cannot say."""
     tag = owner_tag()
     return tag if tag.replace(".", "").isdigit() else ""
 
@@ -114,7 +114,7 @@ class RefitClient(ApiSession):
         self, nbytes: int, *, label: str = "", owner: str = "", kind: MemoryKind = MemoryKind.HOST
     ) -> RegionInfo:
         """A daemon-owned region, released by the daemon when this process exits."""
-        req = RegionCreate(nbytes, kind, owner, label, holder=_this_process())
+        req = RegionCreate(nbytes, kind, owner, label, process=_this_process())
         return await self.send(api.CREATE_REGION, req)
 
     async def attach_region(
@@ -127,7 +127,7 @@ class RefitClient(ApiSession):
         kind: MemoryKind = MemoryKind.HOST,
     ) -> RegionInfo:
         """Attach this process's segment; the daemon releases it when this process exits."""
-        req = RegionAttach(handle, nbytes, kind, owner, label, holder=_this_process())
+        req = RegionAttach(handle, nbytes, kind, owner, label, process=_this_process())
         return await self.send(api.ATTACH_REGION, req)
 
     async def regions(self) -> list[RegionInfo]:

@@ -100,10 +100,10 @@ class Leasing:
             scope = {i: allowed[i] for i in ids}
         regions = self.store.regions
         infos = list(regions) if ids is None else [regions.get(i) for i in ids]
-        # The holder process is nobody's business but the region's owner; the segment
+        # The client process is nobody's business but the region's owner; the segment
         # name only a reader under a lease needs (a same-host daemon maps it by name).
         infos = [
-            msgspec.structs.replace(r, holder="", handle=r.handle if lease is not None else "")
+            msgspec.structs.replace(r, process="", handle=r.handle if lease is not None else "")
             for r in infos
         ]
         advert = b""
