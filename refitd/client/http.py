@@ -216,14 +216,14 @@ class RefitClient(ApiSession):
         model: str,
         version: int,
         ttl_s: float = 30.0,
-        holder: str = "",
+        label: str = "",
         *,
         manifest: bool = False,
     ) -> LeaseInfo:
         """Lease ``model`` ``version``: the grant carries the daemon's signed records of
         what the lease reads (a pull from that daemon presents them as ``grant``), and
         with ``manifest`` the version's merged manifest."""
-        req = LeaseRequest(model, version, ttl_s, holder, manifest=manifest)
+        req = LeaseRequest(model, version, ttl_s, label, manifest=manifest)
         return await self.send(api.ACQUIRE_LEASE, req)
 
     async def renew_lease(self, lease_id: str, ttl_s: float = 30.0) -> LeaseInfo:

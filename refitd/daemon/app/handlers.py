@@ -244,7 +244,7 @@ async def acquire(request: web.Request) -> web.Response:
     d.models.check_read(who, req.model, "lease")
     # A host mirror's version is leased by peer daemons only (MirrorLeases.grant).
     request.app[MIRRORS].leases.admit(req)
-    grant = d.acquire(req.model, req.version, req.ttl_s, req.holder, who.name, req.manifest)
+    grant = d.acquire(req.model, req.version, req.ttl_s, req.label, who.name, req.manifest)
     return reply(request, grant)
 
 

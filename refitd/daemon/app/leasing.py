@@ -173,7 +173,7 @@ class Leasing:
         model: str,
         version: int,
         ttl_s: float,
-        holder: str,
+        label: str,
         principal: str,
         manifest: bool = False,
     ) -> LeaseInfo:
@@ -182,7 +182,7 @@ class Leasing:
         records of what the lease may read, with its credential on each data plane
         (:meth:`peer_regions`), and with ``manifest`` the version's merged manifest."""
         self.caps.leases.admit(principal, self.registry.is_live)
-        grant = self.registry.acquire(model, version, ttl_s, holder, owner=principal)
+        grant = self.registry.acquire(model, version, ttl_s, label, owner=principal)
         self.caps.leases.add(principal, grant.lease_id)
         records = self.peer_regions(None, self.registry.check(grant.lease_id, model, version))
         merged = self.registry.merged(model, version) if manifest else None

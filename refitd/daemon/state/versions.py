@@ -31,7 +31,7 @@ class Lease:
     model: str
     version: int
     expires_at: float
-    holder: str = ""
+    label: str = ""
     #: the principal that acquired it: staging regions packed for it are theirs
     owner: str = ""
 

@@ -3,7 +3,8 @@
 The region requests' ``holder`` is now ``process``: a client of an older build that
 still sends ``holder`` gets a 400 (``ProtocolError``) naming that field, and nothing is
 made. Silently dropping it would make a region that no process is bound to, one that
-outlives its client (``RegionCreate``/``RegionAttach`` forbid unknown fields).
+outlives its client (``RegionCreate``/``RegionAttach`` forbid unknown fields). A lease
+request's ``holder`` is now ``label`` and is refused the same way (``LeaseRequest``).
 """
 
 from __future__ import annotations
@@ -46,3 +47,11 @@ async def test_a_region_made_with_its_process_is_bound_to_it(daemon: Served) -> 
     status, made = await _post(f"{daemon.url}/v1/regions", {"nbytes": 4096, "process": tag})
     assert status == 201 and made["process"] == tag, made
     assert tag in daemon.daemon.store.processes.watching()
+
+
+async def test_a_lease_request_naming_its_reader_holder_is_refused(daemon: Served) -> None:
+    body = {"model": "m", "version": 1, "holder": "receiver"}
+    status, answer = await _post(f"{daemon.url}/v1/leases", body)
+    # 400 for the field, not 404 for the version this daemon has never heard of
+    assert status == 400 and answer["error"] == "ProtocolError", answer
+    assert "holder" in answer["detail"], answer
