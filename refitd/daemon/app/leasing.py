@@ -26,7 +26,7 @@ from refitd.daemon.state.staging import OFF_LOOP_SPECS, StagingPool
 from refitd.daemon.state.store import RegionStore
 from refitd.errors import AccessDenied
 from refitd.wire import LeaseInfo, PackRequest, PackSpec, PeerRegions, StagedPack, VersionInfo
-from transports.interface import LeaseScope
+from transports.interface import LeaseScope, Scope
 
 __all__ = ["Leasing"]
 
@@ -53,23 +53,23 @@ class Leasing:
 
     # ------------------------------------------------------------ peer records
 
-    def version_scope(self, lease: Lease, held: bool = False) -> dict[int, Extents]:
+    def version_scope(self, lease: Lease, held: bool = False) -> Scope:
         """What ``lease`` may read of its version's own regions now: the shard ranges,
         and of a mirror still filling only its complete chunks, unless ``held``: read
         through a data plane whose server holds each read of a chunk still filling
         until it is complete (it then answers only complete bytes). The one rule of
         "only complete chunks are read", applied where this daemon signs what a lease
         reads: its records, the grants it makes, and the packs it makes."""
-        scope = dict(self.registry.scope(lease.model, lease.version))
+        scope = self.registry.scope(lease.model, lease.version)
         if not held:  # of a mirror still filling, only its complete chunks
             scope = self.filling.limit_scope(lease.model, lease.version, scope)
         return scope
 
-    def lease_scope(self, lease: Lease, held: bool = False) -> dict[int, Extents]:
+    def lease_scope(self, lease: Lease, held: bool = False) -> Scope:
         """What ``lease`` may read here: :meth:`version_scope`, and in each staging
         region packed for that very lease the bytes packed for it (not the rest of a
         reused region)."""
-        scope = self.version_scope(lease, held)
+        scope = dict(self.version_scope(lease, held))
         scope.update(self.staging.packed_for(lease.lease_id))
         return scope
 
@@ -84,8 +84,8 @@ class Leasing:
         connects with it as given, and never makes one. Without a lease the records
         carry no scope, no credential and no file identities: enough to list
         regions, nothing to read them with."""
-        scope: dict[int, Extents] = {}
-        allowed: dict[int, Extents] = {}
+        scope: dict[int, Extents] = {}  # the wire's concrete lists
+        allowed: Scope = {}
         if lease is not None:
             allowed = self.lease_scope(lease)
             if ids is None:
@@ -97,7 +97,7 @@ class Leasing:
                     f"{lease.version} read under lease {lease.lease_id!r}; a lease reads only "
                     "its version's shards and staging packed for it"
                 )
-            scope = {i: allowed[i] for i in ids}
+            scope = {i: list(allowed[i]) for i in ids}
         regions = self.store.regions
         infos = list(regions) if ids is None else [regions.get(i) for i in ids]
         # The client process is nobody's business but the region's owner; the segment

@@ -34,8 +34,8 @@ import numpy.typing as npt
 from transports.tcp.held import Completion
 
 if TYPE_CHECKING:
-    from refitd.daemon.access.trust import Extents
     from refitd.daemon.mirror.chunks import Mirror
+    from transports.interface import Scope
 
 __all__ = ["FillingMirrors"]
 
@@ -83,9 +83,7 @@ class FillingMirrors(Completion):
         self._regions = {k: v for k, v in self._regions.items() if v.mirror is not m}
         self.changed()
 
-    def limit_scope(
-        self, model: str, version: int, scope: dict[int, Extents]
-    ) -> dict[int, Extents]:
+    def limit_scope(self, model: str, version: int, scope: Scope) -> Scope:
         """What a lease on ``model`` ``version`` may read of ``scope`` (its version's
         shard ranges): of a mirror still filling (or failed, until its regions go),
         only its complete chunks, every region still listed; ``scope`` itself for
