@@ -126,13 +126,14 @@ def within(
 ) -> npt.NDArray[np.bool_]: ...
 def within(offset: object, nbytes: object, size: object) -> object:
     """Whether the byte range ``[offset, offset + nbytes)`` lies inside ``[0, size)``:
-    ``offset >= 0``, ``nbytes >= 0`` and ``offset <= size - nbytes`` (no sum, so no
-    int64 overflows). A zero-byte range anywhere in ``[0, size]`` is inside; nothing
-    is inside a negative size. Elementwise over numpy arrays (a mask), a ``bool`` for
+    ``offset >= 0``, ``nbytes >= 0``, ``size >= 0`` and ``offset <= size - nbytes``
+    (no sum, and with both non-negative no difference wraps int64 either: a size
+    near ``-2**63`` is not made huge). A zero-byte range anywhere in ``[0, size]`` is
+    inside; nothing is inside a negative size. Elementwise over numpy arrays (a mask), a ``bool`` for
     ints. The one range containment refitd has: every bound of a read, a shard, a
     digest row and a view asks it."""
     o, n, s = cast(Any, offset), cast(Any, nbytes), cast(Any, size)
-    inside = (o >= 0) & (n >= 0) & (o <= s - n)
+    inside = (o >= 0) & (n >= 0) & (s >= 0) & (o <= s - n)
     return bool(inside) if isinstance(inside, bool | np.bool_) else inside
 
 

@@ -200,7 +200,7 @@ async def _publish_bytes(client: RefitClient, region: int, nbytes: int, version:
     await client.publish(
         ManifestIn(MODEL, version, 0, 1, [TensorEntry("bytes", (nbytes,), "uint8", [shard])])
     )
-    lease = await client.acquire_lease(MODEL, version, 600.0, holder="bench-gpu")
+    lease = await client.acquire_lease(MODEL, version, 600.0, label="bench-gpu")
     return lease.lease_id
 
 

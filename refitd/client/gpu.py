@@ -12,7 +12,7 @@ region is deleted or this process exits). Two ways to get one:
   one install of host and GPU memory, :func:`refitd.client.install.install`).
 
 The daemon takes a GPU region only over its Unix socket, from this process (its
-``holder``), or from the unauthenticated loopback of a single-user daemon; never from
+``process``), or from the unauthenticated loopback of a single-user daemon; never from
 a token's tenant (docs/trust.md, "GPU memory"). Nothing here runs on a machine
 without a GPU, and this module is imported only where a tensor is on one.
 

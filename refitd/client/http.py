@@ -64,7 +64,7 @@ _TERMINAL = {PullState.DONE, PullState.FAILED, PullState.CANCELLED}
 
 def _this_process() -> str:
     """This process as the one a region lives with (``<pid>.<start>``, a ``ProcessTag``;
-    sent as the request's ``holder``), or "" where /proc cannot say."""
+    sent as the request's ``process``), or "" where /proc cannot say."""
     tag = owner_tag()
     return tag if tag.replace(".", "").isdigit() else ""
 
@@ -114,7 +114,7 @@ class RefitClient(ApiSession):
         self, nbytes: int, *, label: str = "", owner: str = "", kind: MemoryKind = MemoryKind.HOST
     ) -> RegionInfo:
         """A daemon-owned region, released by the daemon when this process exits."""
-        req = RegionCreate(nbytes, kind, owner, label, holder=_this_process())
+        req = RegionCreate(nbytes, kind, owner, label, process=_this_process())
         return await self.send(api.CREATE_REGION, req)
 
     async def attach_region(
@@ -127,7 +127,7 @@ class RefitClient(ApiSession):
         kind: MemoryKind = MemoryKind.HOST,
     ) -> RegionInfo:
         """Attach this process's segment; the daemon releases it when this process exits."""
-        req = RegionAttach(handle, nbytes, kind, owner, label, holder=_this_process())
+        req = RegionAttach(handle, nbytes, kind, owner, label, process=_this_process())
         return await self.send(api.ATTACH_REGION, req)
 
     async def regions(self) -> list[RegionInfo]:
@@ -216,14 +216,14 @@ class RefitClient(ApiSession):
         model: str,
         version: int,
         ttl_s: float = 30.0,
-        holder: str = "",
+        label: str = "",
         *,
         manifest: bool = False,
     ) -> LeaseInfo:
         """Lease ``model`` ``version``: the grant carries the daemon's signed records of
         what the lease reads (a pull from that daemon presents them as ``grant``), and
         with ``manifest`` the version's merged manifest."""
-        req = LeaseRequest(model, version, ttl_s, holder, manifest=manifest)
+        req = LeaseRequest(model, version, ttl_s, label, manifest=manifest)
         return await self.send(api.ACQUIRE_LEASE, req)
 
     async def renew_lease(self, lease_id: str, ttl_s: float = 30.0) -> LeaseInfo:

@@ -147,7 +147,7 @@ class ClusterReceiver(DaemonReceiver):
             leases: list[LeaseInfo] = []
             for c in clients:  # each held until the refit ends, then released
                 acquiring = c.acquire_lease(
-                    self.model, found.version, self.lease_ttl_s, holder="receiver"
+                    self.model, found.version, self.lease_ttl_s, label="receiver"
                 )
                 held = held_lease(c, acquiring, self.lease_ttl_s)
                 leases.append((await stack.enter_async_context(held)).granted)

@@ -242,7 +242,7 @@ class DaemonReceiver(Staging):
             # renewed in the background while the refit runs, so a long pull of a
             # healthy version outlives the TTL; a lease that lapses anyway stays lapsed.
             acquiring = self.source.acquire_lease(
-                self.model, version, self.lease_ttl_s, holder="receiver", manifest=True
+                self.model, version, self.lease_ttl_s, label="receiver", manifest=True
             )
             try:
                 async with held_lease(self.source, acquiring, self.lease_ttl_s) as keeper:

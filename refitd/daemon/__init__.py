@@ -7,7 +7,7 @@ Rooms (each package's docstring lists its modules):
   handlers, OpenAPI, long polls, metrics, systemd and cluster membership
 - `access/`: who may talk to the daemon (tokens, principals), who owns and may read a
   model, per-principal caps, which peers may be contacted
-- `state/`: regions, their memory and holders, versions, manifests, leases, staging
+- `state/`: regions, their memory and processes, versions, manifests, leases, staging
 - `pull/`: a pull from its bounds check to its ending: the pure core and state machine,
   sources, paths, the byte loop, the peer client
 - `mirror/`: host mirrors: chunks, the holder book, fill and swarm, the judge, digests,

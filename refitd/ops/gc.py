@@ -39,7 +39,7 @@ def _show(report: GcReport) -> None:
             ("size", lambda r: human_bytes(r.nbytes)),
             ("owner", lambda r: r.owner or "-"),
             ("label", lambda r: r.label or "-"),
-            ("exited client", lambda r: r.holder or "-"),
+            ("exited client", lambda r: r.process or "-"),
             ("handle", lambda r: r.handle),
         ],
         report.regions,

@@ -49,7 +49,7 @@ Positive = Annotated[int, msgspec.Meta(gt=0, le=INT64_MAX)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 #: a client process, as ``<pid>.<start time>`` (``transports.segments.owner_tag``), or ""
 ProcessTag = Annotated[str, msgspec.Meta(max_length=48, pattern=r"^([0-9]{1,10}\.[0-9]{1,20})?$")]
-#: free-text fields of a request (owner, label, holder): bounded, may be empty
+#: free-text fields of a request (owner, label): bounded, may be empty
 Label = Annotated[str, msgspec.Meta(max_length=256)]
 #: a tensor's name in a manifest (module paths of real models stay far below this)
 TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]

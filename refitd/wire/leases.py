@@ -21,7 +21,8 @@ class LeaseRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: Name
     version: NonNeg
     ttl_s: Annotated[float, msgspec.Meta(gt=0, le=MAX_LEASE_TTL_S)] = 30.0
-    holder: Label = ""
+    #: free text naming the reader: kept with the lease, never checked
+    label: Label = ""
     #: for a version the daemon holds as a host mirror: a live lease on it at its
     #: source, which is what entitles the caller to it (the source's readers rule)
     source_lease: Label = ""

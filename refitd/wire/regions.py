@@ -57,7 +57,7 @@ class RegionCreate(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: the client process the region lives with, as ``<pid>.<start time>``
     #: (``transports.segments.owner_tag``; "" for none): when that process exits the
     #: daemon releases the region. The client library sends its own.
-    holder: ProcessTag = ""
+    process: ProcessTag = ""
 
 
 class RegionAttach(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -73,7 +73,7 @@ class RegionAttach(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     #: the client process the region lives with, as ``<pid>.<start time>``
     #: (``transports.segments.owner_tag``; "" for none): when that process exits the
     #: daemon releases the region. The client library sends its own.
-    holder: ProcessTag = ""
+    process: ProcessTag = ""
 
 
 class RegionInfo(msgspec.Struct, frozen=True):
@@ -91,12 +91,12 @@ class RegionInfo(msgspec.Struct, frozen=True):
     label: str = ""
     daemon_owned: bool = False
     #: the client process whose exit releases this region (``<pid>.<start>``, "" none)
-    holder: str = ""
+    process: str = ""
 
 
 class GcReport(msgspec.Struct, frozen=True):
     """What ``POST /v1/gc`` freed (or, with ``dry_run``, would free): regions whose
-    holder process exited and that no version, lease or running pull still needs,
+    process exited and that no version, lease or running pull still needs,
     and shared-memory segments of this user whose creator process is gone."""
 
     dry_run: bool

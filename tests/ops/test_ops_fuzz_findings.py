@@ -75,7 +75,7 @@ async def test_expected_slots_past_the_bound_is_refused_naming_the_field() -> No
         ("/v1/sources", {"model": "m", "version": 1, "slot": 0, "expected_slots": 1, "tensors": [["t" * 1025, [1], "uint8", []]]}, "$.tensors[0][0]"),
         ("/v1/sources", {"model": "m", "version": 1, "slot": 0, "expected_slots": 1, "tensors": [["t", [1], "u" * 33, []]]}, "$.tensors[0][2]"),
         ("/v1/regions", {"nbytes": 64, "label": "l" * 257}, "$.label"),
-        ("/v1/leases", {"model": "m", "version": 1, "holder": "h" * 257}, "$.holder"),
+        ("/v1/leases", {"model": "m", "version": 1, "label": "h" * 257}, "$.label"),
     ],
 )  # fmt: skip
 async def test_an_overlong_name_or_label_is_refused_naming_the_field(

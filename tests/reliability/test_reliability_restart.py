@@ -112,7 +112,7 @@ async def test_receivers_see_a_clear_error_while_the_source_restarts_then_refit_
 
         async with spawn_daemon(**opts, node_id="source", extra_args=source_args) as a1:
             pubs1 = await publish_layout(source, MODEL, pub1, 1)
-            lease = await source.acquire_lease(MODEL, 1, 60.0, holder="test")
+            lease = await source.acquire_lease(MODEL, 1, 60.0, label="test")
             loops = [asyncio.create_task(keep_refitting(i)) for i in range(RECEIVERS)]
             await all_installed(1)
             for i in range(RECEIVERS):

@@ -41,7 +41,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import msgspec
@@ -51,7 +51,7 @@ import numpy.typing as npt
 from refitd.errors import TransportError
 
 from ..batch import spans_of, within_spans
-from ..interface import PeerInfo
+from ..interface import PeerInfo, Scope
 
 __all__ = [
     "CHALLENGE",
@@ -213,7 +213,7 @@ def check_scope(
 def scoped_grant(
     advert: PeerInfo,
     lease_id: str,
-    scope: Mapping[int, Sequence[tuple[int, int]]],
+    scope: Scope,
     secret: bytes,
 ) -> PeerInfo:
     """The credential a reader connects to a ``tcp`` source with: the regions of

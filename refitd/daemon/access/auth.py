@@ -21,7 +21,7 @@ Policy (``[server]`` in the config):
   whoever created it; :func:`check_owner` refuses reading, writing or deleting
   another principal's region (403), and an object that belongs to nobody (owner
   ``""``). Root on the Unix socket may act on any. :func:`sees_region` hides a
-  region's segment name and holder from everyone but its owner. Who sees what is
+  region's segment name and process from everyone but its owner. Who sees what is
   one rule, :meth:`Principal.sees`: every check, listing and scrape asks it.
 - **Size.** A request body over ``max_request_bytes`` is refused with 413 and a
   JSON body naming the limit, before the body is read.
@@ -358,8 +358,8 @@ def check_owner(request: web.Request, owner: str, action: str, what: str) -> Non
 
 def sees_region(request: web.Request, info: RegionInfo) -> RegionInfo:
     """``info`` as ``request``'s principal may see it: a region's segment name and
-    holder process are its owner's (and root's) to know; anyone else gets the record
-    without them (the name is what maps the memory, the holder who keeps it)."""
+    process are its owner's (and root's) to know; anyone else gets the record
+    without them (the name is what maps the memory, the process who keeps it)."""
     if principal_of(request).sees(info.owner):
         return info
-    return msgspec.structs.replace(info, handle="", holder="")
+    return msgspec.structs.replace(info, handle="", process="")

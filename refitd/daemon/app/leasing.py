@@ -36,7 +36,7 @@ from refitd.wire import (
     StagedPack,
     VersionInfo,
 )
-from transports.interface import LeaseScope
+from transports.interface import LeaseScope, Scope
 
 __all__ = ["Leases"]
 
@@ -85,23 +85,23 @@ class Leases:
 
     # ------------------------------------------------------------ peer records
 
-    def version_scope(self, lease: Lease, held: bool = False) -> dict[int, Extents]:
+    def version_scope(self, lease: Lease, held: bool = False) -> Scope:
         """What ``lease`` may read of its version's own regions now: the shard ranges,
         and of a mirror still filling only its complete chunks, unless ``held``: read
         through a data plane whose server holds each read of a chunk still filling
         until it is complete (it then answers only complete bytes). The one rule of
         "only complete chunks are read", applied where this daemon signs what a lease
         reads: its records, the grants it makes, and the packs it makes."""
-        scope = dict(self.registry.scope(lease.model, lease.version))
+        scope = self.registry.scope(lease.model, lease.version)
         if not held:  # of a mirror still filling, only its complete chunks
             scope = self.filling.limit_scope(lease.model, lease.version, scope)
         return scope
 
-    def lease_scope(self, lease: Lease, held: bool = False) -> dict[int, Extents]:
+    def lease_scope(self, lease: Lease, held: bool = False) -> Scope:
         """What ``lease`` may read here: :meth:`version_scope`, and in each staging
         region packed for that very lease the bytes packed for it (not the rest of a
         reused region)."""
-        scope = self.version_scope(lease, held)
+        scope = dict(self.version_scope(lease, held))
         scope.update(self.staging.packed_for(lease.lease_id))
         return scope
 
@@ -116,8 +116,8 @@ class Leases:
         connects with it as given, and never makes one. Without a lease the records
         carry no scope, no credential and no file identities: enough to list
         regions, nothing to read them with."""
-        scope: dict[int, Extents] = {}
-        allowed: dict[int, Extents] = {}
+        scope: dict[int, Extents] = {}  # the wire's concrete lists
+        allowed: Scope = {}
         if lease is not None:
             allowed = self.lease_scope(lease)
             if ids is None:
@@ -129,13 +129,13 @@ class Leases:
                     f"{lease.version} read under lease {lease.lease_id!r}; a lease reads only "
                     "its version's shards and staging packed for it"
                 )
-            scope = {i: allowed[i] for i in ids}
+            scope = {i: list(allowed[i]) for i in ids}
         regions = self.store.regions
         infos = list(regions) if ids is None else [regions.get(i) for i in ids]
-        # The holder process is nobody's business but the region's owner; the segment
+        # The client process is nobody's business but the region's owner; the segment
         # name only a reader under a lease needs (a same-host daemon maps it by name).
         infos = [
-            msgspec.structs.replace(r, holder="", handle=r.handle if lease is not None else "")
+            msgspec.structs.replace(r, process="", handle=r.handle if lease is not None else "")
             for r in infos
         ]
         advert = b""
@@ -205,7 +205,7 @@ class Leases:
         model: str,
         version: int,
         ttl_s: float,
-        holder: str,
+        label: str,
         principal: str,
         manifest: bool = False,
     ) -> LeaseInfo:
@@ -214,7 +214,7 @@ class Leases:
         records of what the lease may read, with its credential on each data plane
         (:meth:`peer_regions`), and with ``manifest`` the version's merged manifest."""
         self.caps.leases.admit(principal, self.registry.is_live)
-        grant = self.registry.acquire(model, version, ttl_s, holder, owner=principal)
+        grant = self.registry.acquire(model, version, ttl_s, label, owner=principal)
         self.caps.leases.add(principal, grant.lease_id)
         records = self.peer_regions(None, self.registry.check(grant.lease_id, model, version))
         merged = self.registry.merged(model, version) if manifest else None
@@ -232,7 +232,7 @@ class Leases:
                 "that model as a host mirror, which only peer daemons lease; lease it at its "
                 "source and pull it through this daemon, which serves the pull from its mirror"
             )
-        return self.acquire(req.model, req.version, req.ttl_s, req.holder, who.name, req.manifest)
+        return self.acquire(req.model, req.version, req.ttl_s, req.label, who.name, req.manifest)
 
     async def release_staging(self, region_id: int, lease_id: str) -> None:
         """Return a staging region to the pool (:meth:`StagingPool.release`)."""

@@ -269,7 +269,7 @@ class Daemon:
         if self._pending_timer is not None:
             self._pending_timer.cancel()
             self._pending_timer = None
-        self.store.holders.close()
+        self.store.processes.close()
         await self.plane.close()
         self.store.close()
 

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from refitd.daemon.access.trust import Extents, merge_extents
+from refitd.daemon.access.trust import merge_extents
 from refitd.daemon.mirror.book import MAX_HOLDERS, HolderBook
 from refitd.errors import ProtocolError, TransportError
 from refitd.wire import RegionInfo
 from refitd.wire.mirrors import MirrorState
+from transports.interface import Scope
 
 __all__ = [
     "CHUNKS_PER_VERSION",
@@ -135,7 +136,7 @@ class Mirror:
                 )
             await self.changed(3600.0)
 
-    def done_extents(self) -> dict[int, Extents]:
+    def done_extents(self) -> Scope:
         """Local region id -> the byte ranges of complete chunks."""
         rows = self.chunks[self.done]
         local = {src: r.region_id for src, r in self.regions.items()}
@@ -163,7 +164,7 @@ class Mirror:
         )
 
 
-def cut_chunks(scope: dict[int, Extents], chunk: int | None = None) -> np.ndarray:
+def cut_chunks(scope: Scope, chunk: int | None = None) -> np.ndarray:
     """``(region, offset, nbytes)`` rows covering every range of ``scope``, each at most
     ``chunk`` bytes (default: :func:`chunk_bytes` of the scope's bytes), in region
     then offset order."""
@@ -177,13 +178,13 @@ def cut_chunks(scope: dict[int, Extents], chunk: int | None = None) -> np.ndarra
     return np.array(rows, dtype=np.int64).reshape(-1, 3)
 
 
-def chunk_count(scope: dict[int, Extents]) -> int:
+def chunk_count(scope: Scope) -> int:
     """How many rows :func:`cut_chunks` cuts ``scope`` into, counted, not cut."""
     chunk = chunk_bytes(sum(e - s for ext in scope.values() for s, e in ext))
     return sum(-(-(e - s) // chunk) for ext in scope.values() for s, e in ext)
 
 
-def covered(rows: np.ndarray, scope: dict[int, Extents]) -> np.ndarray:
+def covered(rows: np.ndarray, scope: Scope) -> np.ndarray:
     """Which ``(region, offset, nbytes)`` rows lie wholly inside one range of ``scope``."""
     ok = np.zeros(len(rows), dtype=bool)
     for i, (rid, off, n) in enumerate(rows.tolist()):

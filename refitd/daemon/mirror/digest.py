@@ -40,12 +40,12 @@ import blake3
 import numpy as np
 import numpy.typing as npt
 
-from refitd.daemon.access.trust import Extents
 from refitd.daemon.mirror.chunks import chunk_bytes, cut_chunks
 from refitd.errors import AccessDenied, ConflictError, NotFoundError, ProtocolError, RefitError
 from refitd.wire import VersionState
 from refitd.wire.digests import DIGEST_BYTES, ChunkDigests
 from transports.batch import within
+from transports.interface import Scope
 
 if TYPE_CHECKING:
     from refitd.daemon.access.owners import ModelOwners
@@ -374,7 +374,7 @@ class SourceDigests:
             if gone or key[1] not in newest:
                 del self._kept[key]  # a computation still running ends on its own
 
-    async def _compute(self, what: str, scope: Mapping[int, Extents]) -> ChunkDigests:
+    async def _compute(self, what: str, scope: Scope) -> ChunkDigests:
         async with self._one:
             total = sum(end - start for ext in scope.values() for start, end in ext)
             size = chunk_bytes(total)

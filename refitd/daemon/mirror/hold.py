@@ -31,11 +31,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from refitd.wire.fields import INT64_MAX
+from transports.batch import within_spans
 from transports.tcp.held import Completion
 
 if TYPE_CHECKING:
-    from refitd.daemon.access.trust import Extents
     from refitd.daemon.mirror.chunks import Mirror
+    from transports.interface import Scope
 
 __all__ = ["FillingMirrors"]
 
@@ -52,10 +54,18 @@ class _Region:
         self.ends = self.starts + m.chunks[rows, 2]
 
     def pending(self, offset: npt.NDArray[np.int64], nbytes: npt.NDArray[np.int64]) -> bool:
-        lo = np.searchsorted(self.ends, offset, side="right")
-        hi = np.searchsorted(self.starts, offset + nbytes, side="left")
-        done = self.mirror.done
-        return any(not bool(done[self.chunks[a:b]].all()) for a, b in zip(lo, hi, strict=True))
+        """Whether any read ``[offset, offset + nbytes)`` shares a byte with a chunk not
+        complete yet (a zero-byte read: lies strictly inside one). Asked as the one
+        range rule (:func:`transports.batch.within_spans`): a read is clear iff it lies
+        in one gap between the chunks still filling. The gaps are ``[0, the first such
+        chunk)``, those between two of them (zero bytes wide where they touch, so a
+        zero-byte read there is clear) and ``[the last one's end, 2**63 - 1)``. A read
+        at a negative offset, of a negative size or past ``2**63 - 1`` lies in none: it
+        is pending, never complete (its grant refuses it before it could be held)."""
+        todo = ~self.mirror.done[self.chunks]
+        starts = np.concatenate(([0], self.ends[todo])).astype(np.int64)
+        ends = np.concatenate((self.starts[todo], [INT64_MAX])).astype(np.int64)
+        return not bool(within_spans(offset, nbytes, starts, ends)[1].all())
 
 
 class FillingMirrors(Completion):
@@ -83,9 +93,7 @@ class FillingMirrors(Completion):
         self._regions = {k: v for k, v in self._regions.items() if v.mirror is not m}
         self.changed()
 
-    def limit_scope(
-        self, model: str, version: int, scope: dict[int, Extents]
-    ) -> dict[int, Extents]:
+    def limit_scope(self, model: str, version: int, scope: Scope) -> Scope:
         """What a lease on ``model`` ``version`` may read of ``scope`` (its version's
         shard ranges): of a mirror still filling (or failed, until its regions go),
         only its complete chunks, every region still listed; ``scope`` itself for

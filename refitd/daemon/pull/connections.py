@@ -15,7 +15,7 @@ import logging
 import numpy as np
 
 from refitd.daemon.pull import core as pullcore
-from refitd.daemon.pull.devstaging import SLOT_BYTES, SLOTS, StagedPeer, StagingRegions
+from refitd.daemon.pull.devstaging import BUFFER_BYTES, BUFFERS, StagedPeer, StagingRegions
 from refitd.daemon.pull.paths import advert_of, adverts, choose_remote, lease_scope
 from refitd.daemon.pull.sources import Source
 from refitd.daemon.state.plane import TransportSet
@@ -185,7 +185,7 @@ class PullPaths:
 
     async def _make_staging(self) -> int:
         info = await self.store.create_region(
-            RegionCreate(SLOTS * SLOT_BYTES, label="device-staging")
+            RegionCreate(BUFFERS * BUFFER_BYTES, label="device-staging")
         )
         return info.region_id
 

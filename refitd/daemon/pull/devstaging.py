@@ -4,7 +4,7 @@ The ``tcp`` and UCX data planes read a peer's bytes into regions of this daemon
 that are host memory; they never register a GPU region (`Transport.registers`). A
 pull over them whose destinations include device memory reads through a
 :class:`StagedPeer`: each batch's device-bound reads land first in a host staging
-region of this daemon (a few slots, each at most :data:`SLOT_BYTES`), and the
+region of this daemon (a few buffers, each at most :data:`BUFFER_BYTES`), and the
 same-host data plane then copies them on through the device's engine (host to GPU,
 page-locked). The staging regions are kept between pulls (:class:`StagingRegions`):
 making one backs every byte, and the engine's first copy registers it with the
@@ -29,15 +29,15 @@ import numpy.typing as npt
 from transports.batch import ReadBatch, as_read_batch
 from transports.interface import Peer, PeerInfo
 
-__all__ = ["KEEP", "SLOTS", "SLOT_BYTES", "StagedPeer", "StagingRegions"]
+__all__ = ["BUFFERS", "BUFFER_BYTES", "KEEP", "StagedPeer", "StagingRegions"]
 
-SLOT_BYTES = 64 << 20
-"""Bytes of one staging slot: a batch's device-bound reads go through it in parts of
+BUFFER_BYTES = 64 << 20
+"""Bytes of one staging buffer: a batch's device-bound reads go through it in parts of
 at most this much (a read is at most the path's piece, 32 MiB, so it always fits)."""
-SLOTS = 2
-"""Staging slots: one per batch a pull has in flight (`refitd.daemon.pull.pulls.IN_FLIGHT`)."""
+BUFFERS = 2
+"""Staging buffers: one per batch a pull has in flight (`refitd.daemon.pull.pulls.IN_FLIGHT`)."""
 KEEP = 1
-"""Staging regions kept idle between pulls (each ``SLOTS * SLOT_BYTES`` bytes); pulls
+"""Staging regions kept idle between pulls (each ``BUFFERS * BUFFER_BYTES`` bytes); pulls
 running at once beyond it make their own, dropped when they end."""
 
 
@@ -89,7 +89,7 @@ class StagingRegions:
 class StagedPeer(Peer):
     """``inner`` (a connection of a host-memory data plane) with the reads into
     ``devices`` (region ids of device memory here) staged through host region
-    ``staging`` (``SLOTS * SLOT_BYTES`` bytes, registered with ``inner``'s data plane
+    ``staging`` (``BUFFERS * BUFFER_BYTES`` bytes, registered with ``inner``'s data plane
     and the same-host one) and copied on by ``loopback`` (the same-host data plane's
     connection to this daemon's own regions)."""
 
@@ -100,8 +100,8 @@ class StagedPeer(Peer):
         self.staging = staging
         self.devices = np.array(sorted(set(devices)), dtype=np.int64)
         self._free: asyncio.Queue[int] = asyncio.Queue()
-        for slot in range(SLOTS):
-            self._free.put_nowait(slot)
+        for buffer in range(BUFFERS):
+            self._free.put_nowait(buffer)
         #: bytes that went through staging (the path's report)
         self.staged_bytes = 0
 
@@ -113,10 +113,10 @@ class StagedPeer(Peer):
             return
         direct = reads[~to_device]
         device = reads[to_device]
-        slot = await self._free.get()
+        buffer = await self._free.get()
         try:
-            base = slot * SLOT_BYTES
-            for part in _parts(device["nbytes"], SLOT_BYTES):
+            base = buffer * BUFFER_BYTES
+            for part in _parts(device["nbytes"], BUFFER_BYTES):
                 chunk = device[part]
                 at = base + np.concatenate([[0], np.cumsum(chunk["nbytes"])[:-1]]).astype(np.int64)
                 into = chunk.copy()
@@ -129,7 +129,7 @@ class StagedPeer(Peer):
                 await self.loopback.get(back)
                 self.staged_bytes += int(chunk["nbytes"].sum())
         finally:
-            self._free.put_nowait(slot)
+            self._free.put_nowait(buffer)
 
     async def update(self, info: PeerInfo) -> None:
         await self.inner.update(info)

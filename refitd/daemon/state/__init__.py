@@ -3,7 +3,7 @@
 Modules:
 
 - `drain`: waiting for a version's leases to drain
-- `holders`: client processes regions live with, watched with pidfds
+- `processes`: client processes regions live with, watched with pidfds
 - `manifestcheck`: a published manifest checked against its tensors and regions
 - `memory`: region memory: shared-memory segments
 - `merging`: what a version's published slots make, as pure functions of its manifests

@@ -355,13 +355,13 @@ class Registry(VersionReads):
         return max(0.0, min(lease.expires_at for lease in live) - self._clock())
 
     def acquire(
-        self, model: str, version: int, ttl_s: float, holder: str = "", owner: str = ""
+        self, model: str, version: int, ttl_s: float, label: str = "", owner: str = ""
     ) -> LeaseInfo:
         """Lease a READY version for ``ttl_s`` seconds, for principal ``owner``."""
         self._require_ready(model, version)
         self._drop_expired()
         lease_id = f"l{next(self._seq)}-{secrets.token_hex(6)}"
-        lease = Lease(lease_id, model, version, self._clock() + ttl_s, holder, owner)
+        lease = Lease(lease_id, model, version, self._clock() + ttl_s, label, owner)
         self._leases[lease_id] = lease
         heapq.heappush(self._expiries, (lease.expires_at, lease_id))
         return LeaseInfo(lease_id, model, version, ttl_s)

@@ -17,12 +17,13 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from refitd.daemon.access.trust import Extents, check_pack_reads
+from refitd.daemon.access.trust import check_pack_reads
 from refitd.daemon.pull.plancheck import validate_plan
 from refitd.daemon.state.registry import Lease, Registry
 from refitd.daemon.state.store import RegionStore
 from refitd.errors import AccessDenied, ConflictError, ProtocolError, TransportError
 from refitd.wire import PackSpec, RegionCreate, RegionInfo, StagedPack
+from transports.interface import Scope
 from transports.local import CopyFault, Gather, LocalTransport, copy_view
 
 OFF_LOOP_SPECS = 16_384
@@ -66,7 +67,7 @@ class StagingPool:
         """Whether staging region ``region_id`` is held for a lease now (not free)."""
         return region_id in self._held
 
-    def packed_for(self, lease_id: str) -> dict[int, Extents]:
+    def packed_for(self, lease_id: str) -> Scope:
         """The staging regions packed for ``lease_id``, each with the bytes packed for
         it (not the rest of a reused region)."""
         regions = self.store.regions
@@ -80,7 +81,7 @@ class StagingPool:
         self,
         specs: list[PackSpec],
         lease: Lease,
-        scope: dict[int, Extents],
+        scope: Scope,
         principal: str | None = None,
     ) -> StagedPack:
         """Gather each spec's strided block into one new daemon-owned staging region.

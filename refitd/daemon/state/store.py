@@ -9,7 +9,7 @@ refused. Each region is registered with every data plane of the daemon's
 A region is pinned while a running pull reads or writes it (:meth:`RegionStore.using`;
 it is never unmapped under a copy) and marked while a pull writes it
 (:meth:`RegionStore.writing`; no version is published from it meanwhile). A region
-created or attached with a ``holder`` lives with that client process: once it exits,
+created or attached with a ``process`` lives with that client process: once it exits,
 its regions are released as soon as nothing needs them any more (:meth:`RegionStore.reap`).
 
 The store also admits regions against their principal's caps (``[limits]``
@@ -30,7 +30,6 @@ import os
 from collections.abc import Iterable, Iterator
 
 from refitd.daemon.access.caps import Caps
-from refitd.daemon.state.holders import Holders
 from refitd.daemon.state.memory import (
     SharedSegment,
     attach_memory,
@@ -42,6 +41,7 @@ from refitd.daemon.state.memory import (
     refuse_created_gpu_memory,
 )
 from refitd.daemon.state.plane import TransportSet
+from refitd.daemon.state.processes import ProcessWatch
 from refitd.daemon.state.records import RegionTable
 from refitd.daemon.state.registry import Registry
 from refitd.errors import AccessDenied, ConflictError, InsufficientStorage, PlanError
@@ -98,20 +98,20 @@ def _close_opened(opened: asyncio.Future[MappedMemory]) -> None:
         opened.result().close()
 
 
-def _check_holder_uid(req: RegionAttach, uid: int) -> None:
-    """Refuse memory that proves no owner unless it comes with its ``holder``, a live
+def _check_process_uid(req: RegionAttach, uid: int) -> None:
+    """Refuse memory that proves no owner unless it comes with its ``process``, a live
     process of the caller's kernel-named ``uid``: the region then lives exactly as
     long as that process, and no caller registers it for another user's process."""
-    pid = req.holder.partition(".")[0]
+    pid = req.process.partition(".")[0]
     try:
-        holder_uid = os.stat(f"/proc/{pid}").st_uid if pid else None
+        process_uid = os.stat(f"/proc/{pid}").st_uid if pid else None
     except OSError:
-        holder_uid = None
-    if holder_uid != uid:
+        process_uid = None
+    if process_uid != uid:
         raise AccessDenied(
-            f"{req.kind} region refused: it must name its holder, a live process of the "
+            f"{req.kind} region refused: it must name its process, one live and of the "
             f"caller's uid {uid} (the process whose allocation it is); got "
-            f"{req.holder or 'none'!r}"
+            f"{req.process or 'none'!r}"
         )
 
 
@@ -152,10 +152,10 @@ class RegionStore:
         #: regions an expert pool holds -> the pool's name (set by the pools)
         self.pool_regions: dict[int, str] = {}
         #: client processes regions live with, and regions whose client exited
-        self.holders = Holders(self._holder_exited)
-        self._held: dict[str, set[int]] = {}
+        self.processes = ProcessWatch(self._process_exited)
+        self._by_process: dict[str, set[int]] = {}
         self._orphans: set[int] = set()
-        self._exited: set[str] = set()  # holder tags seen exiting (maybe not yet reaped)
+        self._exited: set[str] = set()  # process tags seen exiting (maybe not yet reaped)
         self._reaping: asyncio.Task[list[RegionInfo]] | None = None
 
     # ------------------------------------------------------------ records
@@ -167,7 +167,7 @@ class RegionStore:
         owner: str,
         label: str,
         daemon_owned: bool,
-        holder: str = "",
+        process: str = "",
     ) -> RegionInfo:
         ident = seg.identity
         same = self._memory.get(ident)
@@ -187,7 +187,7 @@ class RegionStore:
         rid = self.regions.new_id()
         self._memory[ident] = rid
         try:
-            return await self._record_new(rid, seg, kind, owner, label, daemon_owned, holder)
+            return await self._record_new(rid, seg, kind, owner, label, daemon_owned, process)
         except BaseException:
             if rid not in self.regions:
                 self._memory.pop(ident, None)
@@ -201,15 +201,15 @@ class RegionStore:
         owner: str,
         label: str,
         daemon_owned: bool,
-        holder: str,
+        process: str,
     ) -> RegionInfo:
-        if holder and not self.holders.watch(holder):
-            holder = ""  # not a process visible here: the region lives until deleted
+        if process and not self.processes.watch(process):
+            process = ""  # not a process visible here: the region lives until deleted
         info = RegionInfo(
-            rid, kind, seg.name, seg.size, self.incarnation, owner, label, daemon_owned, holder
+            rid, kind, seg.name, seg.size, self.incarnation, owner, label, daemon_owned, process
         )
-        if holder:
-            self._held.setdefault(holder, set()).add(rid)
+        if process:
+            self._by_process.setdefault(process, set()).add(rid)
         await self.plane.register(rid, seg)
         self.segments[rid] = seg
         return self.regions.add(info)
@@ -296,7 +296,7 @@ class RegionStore:
         except OverflowError as exc:
             raise PlanError(f"region of {req.nbytes} bytes refused: {exc}") from None
         return await self._record(
-            seg, req.kind, req.owner, req.label, daemon_owned=True, holder=req.holder
+            seg, req.kind, req.owner, req.label, daemon_owned=True, process=req.process
         )
 
     async def attach_region(
@@ -314,7 +314,7 @@ class RegionStore:
         map them on that caller's behalf. Memory that proves no owner (a GPU
         allocation's IPC handle is a bearer capability) is taken only where the
         caller's identity stands in for it: ``via`` the Unix socket, from a
-        ``holder`` process of the caller's uid, or from the unauthenticated loopback
+        ``process`` of the caller's uid, or from the unauthenticated loopback
         of a single-user daemon; never from a token's tenant (docs/trust.md).
         ``principal``: the caller, admitted by its region cap and counted (the memory
         is the client's, so not its byte cap)."""
@@ -330,7 +330,7 @@ class RegionStore:
                     "names the caller's uid), not from a token's tenant"
                 )
             if uid is not None:
-                _check_holder_uid(req, uid)
+                _check_process_uid(req, uid)
         seg = await _opened_off_loop(req)
         if seg.owner_uid is not None and uid is not None and seg.owner_uid != uid:
             seg.close()
@@ -350,7 +350,7 @@ class RegionStore:
         """Record memory a client made, opened by :meth:`attach_region` (whose checks
         it has passed) as a region; on refusal the memory is let go."""
         return await self._record(
-            memory, req.kind, req.owner, req.label, daemon_owned=False, holder=req.holder
+            memory, req.kind, req.owner, req.label, daemon_owned=False, process=req.process
         )
 
     def device_kinds(self, region_ids: Iterable[int]) -> list[str]:
@@ -383,8 +383,8 @@ class RegionStore:
         self.regions.remove(region_id)
         self._orphans.discard(region_id)
         self._idle.discard(region_id)
-        if info.holder:
-            self._held.get(info.holder, set()).discard(region_id)
+        if info.process:
+            self._by_process.get(info.process, set()).discard(region_id)
         await self.plane.deregister(region_id)
         seg = self.segments.pop(region_id)
         if self._memory.get(seg.identity) == region_id:
@@ -451,9 +451,9 @@ class RegionStore:
 
     # ------------------------------------------------------------ client death
 
-    def _holder_exited(self, tag: str) -> None:
+    def _process_exited(self, tag: str) -> None:
         self._exited.add(tag)
-        self._orphans |= self._held.pop(tag, set())
+        self._orphans |= self._by_process.pop(tag, set())
         log.info("client %s exited: releasing its regions %s", tag, sorted(self._orphans))
         self.reap_soon()
 
@@ -463,7 +463,7 @@ class RegionStore:
             self._reaping = asyncio.get_running_loop().create_task(self.reap())
 
     async def reap(self, dry_run: bool = False) -> list[RegionInfo]:
-        """Release (``dry_run``: only list) every region whose holder process exited
+        """Release (``dry_run``: only list) every region whose process exited
         and that nothing still needs: no READY, pending or leased version publishes
         from it and no running pull reads or writes it. Those still needed stay
         orphans and are released by a later call, once they are free; a client's

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from refitd.daemon.access.trust import Extents
 from refitd.daemon.state.merging import merge_slots, scope_of
 from refitd.errors import ConflictError, NotFoundError
 from refitd.wire import ManifestIn, MergedManifest, VersionInfo, VersionState
+from transports.interface import Scope
 
 __all__ = ["Clock", "Lease", "Version", "VersionReads"]
 
@@ -31,7 +31,7 @@ class Lease:
     model: str
     version: int
     expires_at: float
-    holder: str = ""
+    label: str = ""
     #: the principal that acquired it: staging regions packed for it are theirs
     owner: str = ""
 
@@ -45,7 +45,7 @@ class Version:
     state: VersionState = VersionState.PENDING
     merged: MergedManifest | None = None
     merged_bytes: bytes | None = None
-    scope: dict[int, Extents] | None = None
+    scope: Scope | None = None
     region_ids: frozenset[int] | None = None
     #: bytes of manifests its slots hold (:func:`manifest_cost`), by publisher, until
     #: they are let go (expired, or retired and unleased)
@@ -134,7 +134,7 @@ class VersionReads:
                 out.setdefault(r, (key[0], key[1], why))
         return out
 
-    def scope(self, model: str, version: int) -> dict[int, Extents]:
+    def scope(self, model: str, version: int) -> Scope:
         """Region id -> the byte ranges the version's shards occupy (every slot's,
         merged): what a lease on it may read. Cached; a version that may be leased
         never changes."""

@@ -137,7 +137,7 @@ async def test_without_tokens_a_ready_version_is_not_rewritten_through_an_alias(
         assert (seg == 7).all(), "a READY version's bytes changed"
 
 
-async def test_a_regions_segment_name_and_holder_are_shown_only_to_its_owner(
+async def test_a_regions_segment_name_and_process_are_shown_only_to_its_owner(
     tmp_path: Path,
 ) -> None:
     async with two_tenants(tmp_path) as t:
@@ -146,9 +146,9 @@ async def test_a_regions_segment_name_and_holder_are_shown_only_to_its_owner(
         seen_by_a = {r.region_id: r for r in await t.a.regions()}
         seen_by_b = {r.region_id: r for r in await t.b.regions()}
         assert seen_by_a[mine.region_id].handle == mine.handle
-        assert seen_by_a[mine.region_id].holder  # the client library names its process
+        assert seen_by_a[mine.region_id].process  # the client library names its process
         assert seen_by_b[mine.region_id].handle == ""
-        assert seen_by_b[mine.region_id].holder == ""
+        assert seen_by_b[mine.region_id].process == ""
         async with aiohttp.ClientSession() as http:
             headers = {"Authorization": "Bearer token-of-b", "Accept": "application/json"}
             async with http.get(f"{t.url}/v1/regions/{mine.region_id}", headers=headers) as r:

@@ -1,6 +1,6 @@
 """Who sees what is one rule, :meth:`Principal.sees`: every route that names one
 tenant's object refuses another tenant (403 ``AccessDenied``), a region's record
-excepted (answered without the segment name and holder that reach its memory), and
+excepted (answered without the segment name and process that reach its memory), and
 every listing shows a tenant its own objects only.
 
 The routes are read from the route table (:mod:`refitd.wire.routes`): a route added
@@ -39,7 +39,7 @@ OWNED = ("region_id", "pull_id", "pool")
 
 SHOWN = {api.GET_REGION.path}
 """Routes that answer another tenant too, with less: a region's record is public, the
-segment name and holder that reach its memory are not."""
+segment name and process that reach its memory are not."""
 
 NOT_BY_OWNER = {api.PEER_DROP.path: "a staging region is its lease's to drop (the lease rule)"}
 """Routes naming an owned object whose rule is another one."""
@@ -129,7 +129,7 @@ async def test_another_tenant_is_refused_every_route_naming_a_tenants_object(
         status, res = await o.b.call(route.method, path, BODIES.get(route.path))
         if route.method == "GET" and route.path in SHOWN:
             assert status == 200, res
-            assert res["owner"] == "a" and res["handle"] == "" and res["holder"] == "", res
+            assert res["owner"] == "a" and res["handle"] == "" and res["process"] == "", res
         else:
             assert status == 403, (status, res)
             assert res["error"] == "AccessDenied" and "b may not" in res["detail"], res
@@ -149,7 +149,7 @@ def test_every_route_naming_an_owned_object_is_checked() -> None:
 async def test_every_listing_shows_a_tenant_its_own_objects_only(tmp_path: Path) -> None:
     async with a_owns_everything(tmp_path) as o:
         regions = await o.b.ok("GET", "/v1/regions")
-        assert regions and all(r["handle"] == "" and r["holder"] == "" for r in regions)
+        assert regions and all(r["handle"] == "" and r["process"] == "" for r in regions)
         assert await o.b.ok("GET", "/v1/pulls") == []
         assert await o.b.ok("GET", "/v1/experts") == []
         mine = await o.a.ok("GET", "/v1/regions")

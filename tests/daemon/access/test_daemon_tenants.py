@@ -389,7 +389,7 @@ class TwoTenants(RuleBasedStateMachine):
         me = self.t[who]
         for r in me.http.ok("GET", "/regions"):
             if r["owner"] != who:
-                assert r["handle"] == "" and r["holder"] == "", r
+                assert r["handle"] == "" and r["process"] == "", r
 
     @invariant()
     def each_tenants_version_1_stays_its_models_ready_latest(self) -> None:

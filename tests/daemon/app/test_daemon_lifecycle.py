@@ -41,7 +41,7 @@ async def main(url, publish):
             await c.publish(ManifestIn(publish, 1, 0, 1, [TensorEntry("w", (64,), "uint8", [shard])]))
         out = {"made": made.region_id, "made_handle": made.handle,
                "attached": attached.region_id, "own_segment": seg.name,
-               "holder": made.holder}
+               "process": made.process}
     sys.stdout.write(json.dumps(out) + "\\n")
     sys.stdout.flush()
     os._exit(0)  # a crash: nothing is closed, released or unlinked
@@ -80,7 +80,7 @@ async def test_a_client_that_dies_has_its_regions_released_and_its_segments_unli
 ) -> None:
     _, c, url = served
     got = await crashing_client(url)
-    assert got["holder"].startswith(f"{got['holder'].split('.')[0]}.")  # the client's tag
+    assert got["process"].startswith(f"{got['process'].split('.')[0]}.")  # the client's tag
     assert await gone(c, got["made"], got["attached"])
     assert not (SHM_DIR / got["made_handle"]).exists()
     assert not (SHM_DIR / got["own_segment"]).exists()

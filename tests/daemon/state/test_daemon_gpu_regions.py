@@ -93,7 +93,7 @@ def test_a_handle_with_zero_bytes_reaches_the_driver_whole() -> None:
 
 
 @no_gpu
-async def test_on_the_unix_socket_gpu_memory_needs_a_holder_of_the_callers_uid(
+async def test_on_the_unix_socket_gpu_memory_needs_a_process_of_the_callers_uid(
     tmp_path: Path,
 ) -> None:
     # The handler passes the kernel-named uid; here the daemon is called as it would.
@@ -103,11 +103,11 @@ async def test_on_the_unix_socket_gpu_memory_needs_a_holder_of_the_callers_uid(
     from transports.segments import owner_tag
 
     async with daemon(tmp_path, tokens=False) as (d, _):
-        mine = RegionAttach(HANDLE, 1 << 20, MemoryKind.CUDA, holder=owner_tag())
+        mine = RegionAttach(HANDLE, 1 << 20, MemoryKind.CUDA, process=owner_tag())
         other_uid = os.getuid() + 1
-        with pytest.raises(AccessDenied, match=f"live process of the caller's uid {other_uid}"):
+        with pytest.raises(AccessDenied, match=f"live and of the caller's uid {other_uid}"):
             await d.store.attach_region(mine, other_uid, "unix")
-        with pytest.raises(AccessDenied, match="must name its holder"):
+        with pytest.raises(AccessDenied, match="must name its process"):
             await d.store.attach_region(RegionAttach(HANDLE, 1 << 20, MemoryKind.CUDA), 0, "unix")
         # The caller's own process passes the owner check; this host then has no CUDA.
         with pytest.raises(PlanError, match="no CUDA device"):

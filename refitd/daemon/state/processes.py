@@ -1,11 +1,11 @@
 """Client processes the daemon's regions live with: watched with pidfds.
 
-A client names itself when it creates or attaches a region (``holder``, its
+A client names itself when it creates or attaches a region (``process``, its
 ``<pid>.<start time>`` tag from :func:`transports.segments.owner_tag`). The daemon checks
 that tag against the process it sees under that pid (same start time, so not a
 reused pid, and not a process of another pid namespace), opens a pidfd on it and
 watches it on the event loop. When the process exits — however it dies, ``os._exit``
-and SIGKILL included — :class:`Holders` reports the tag once, and the daemon
+and SIGKILL included — :class:`ProcessWatch` reports the tag once, and the daemon
 releases that client's regions (:meth:`refitd.daemon.state.store.RegionStore.reap`).
 
 A tag that does not match a visible process is not watched: such a region lives
@@ -21,10 +21,10 @@ from collections.abc import Callable
 
 from transports.segments import owner_tag
 
-__all__ = ["Holders"]
+__all__ = ["ProcessWatch"]
 
 
-class Holders:
+class ProcessWatch:
     """Watch client processes; ``on_exit(tag)`` runs once when a watched one exits."""
 
     def __init__(self, on_exit: Callable[[str], None]) -> None:
