@@ -199,10 +199,10 @@ class PeerRegionsArgs(Args, frozen=True, kw_only=True):
         """``ids`` as integers (None: absent, every region)."""
         if self.ids is None:
             return None
-        try:
-            return [int(x) for x in self.ids.split(",") if x]
-        except ValueError:  # a malformed id is the caller's mistake, not a server error
-            raise ProtocolError(f"ids must be comma-separated integers, got {self.ids!r}") from None
+        ids = [x for x in self.ids.split(",") if x]
+        if not all(_INT.fullmatch(x) for x in ids):  # the one spelling of an integer
+            raise ProtocolError(f"ids must be comma-separated integers, got {self.ids!r}")
+        return [int(x) for x in ids]
 
     def leased_version(self) -> int:
         """The version a lease's records are asked for (refused when not given)."""
@@ -247,7 +247,11 @@ def spell(value: str | int | float | bool) -> str:
     return FLAG[value] if isinstance(value, bool) else str(value)
 
 
-_INT = re.compile(r"-?[0-9]+")
+#: An integer as the client writes one: ASCII digits, an optional minus, at most 20
+#: digits (past int64 either way, so its bounds refuse it; ``int`` refuses over 4300).
+_INT = re.compile(r"-?[0-9]{1,20}")
+#: A finite decimal number: ASCII digits, no blanks, underscores or other digits.
+_FLOAT = re.compile(r"-?([0-9]{1,400}(\.[0-9]{0,400})?|\.[0-9]{1,400})([eE][-+]?[0-9]{1,4})?")
 #: every wire integer is an int64 (:mod:`refitd.wire.fields`): its ends go unsaid
 _INT64_ENDS = (-(2**63), INT64_MAX)
 
@@ -265,10 +269,9 @@ def _read(t: mi.Type, text: str) -> Any:
             raise _Refused
         return int(text)
     if isinstance(t, mi.FloatType):
-        try:
-            value = float(text)
-        except ValueError:
-            raise _Refused from None
+        if not _FLOAT.fullmatch(text):
+            raise _Refused
+        value = float(text)
         if not math.isfinite(value):
             raise _Refused
         return value

@@ -3,9 +3,9 @@ the edge (:mod:`refitd.wire.args`) and the one memory kind (:class:`MemoryKind`)
 spellings of integers, floats and flags, a parameter given twice or in the path and
 the query at once, path parameters with encoded slashes, and old kind spellings.
 
-Each test is one attack. An attack refused passes; one that gets through is marked
-``xfail(strict=True)`` with the hole in its reason, so it fails once the hole is
-closed (then the mark goes). Real daemons on 127.0.0.1:0, real HTTP, spelled by hand
+Each test is one attack, and each is refused. Three got through when they were
+written (a 4301-digit integer answered 500; region ids and floats read Unicode
+digits, signs, blanks and underscores) and were fixed in :mod:`refitd.wire.args`. Real daemons on 127.0.0.1:0, real HTTP, spelled by hand
 (a bare aiohttp session, not the client, which spells each parameter one way).
 """
 
@@ -29,12 +29,6 @@ pytestmark = pytest.mark.timeout(60)
 # ---------------------------------------------------------------- the args at the edge
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: an int parameter of more than 4300 digits matches _INT, and int() "
-    "raises ValueError (Python's digit limit), which _read (refitd/wire/args.py:266) "
-    "does not turn into _Refused: 500, not 400",
-)
 async def test_an_integer_parameter_of_thousands_of_digits_is_refused_as_the_callers_mistake(
     tmp_path: Path,
 ) -> None:
@@ -58,12 +52,6 @@ async def test_integer_parameters_spelled_other_ways_are_refused(tmp_path: Path)
         assert await status_of(s, "GET", "/v1/sources/ma/versions/1") == 200
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: PeerRegionsArgs.region_ids (refitd/wire/args.py:203) reads each id "
-    "with int(), which takes Unicode digits, a sign, blanks and underscores: the one "
-    "spelling of an integer the module promises is not kept for ids",
-)
 async def test_region_ids_of_peer_records_spelled_other_ways_are_refused(tmp_path: Path) -> None:
     # ``ids`` is a comma-separated list the route reads itself (not an args field).
     async with two_hosts(tmp_path) as h, raw_session(h) as s:
@@ -86,12 +74,6 @@ async def test_float_parameters_spelled_other_ways_are_refused(tmp_path: Path) -
             assert got == 400, text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: _read (refitd/wire/args.py:269) reads a float parameter with float(), "
-    "which takes Unicode digits, underscores and surrounding blanks, not only 'a finite "
-    "decimal number' as the module says",
-)
 async def test_float_parameters_in_unicode_digits_or_underscores_are_refused(
     tmp_path: Path,
 ) -> None:
