@@ -7,6 +7,12 @@ packed for: released by that lease's reader (it returns to a small pool, pages
 already faulted in) or reclaimed once the lease is gone (deleted, never reused: a
 reader whose lease ended may still be reading it). A lease reads only the bytes
 packed for it (:meth:`StagingPool.packed_for`), never the rest of a reused region.
+
+A pooled region is reused only for the lease it was last packed for. The records a
+lease was answered with name the region (its tcp registration, its shm segment)
+and stay valid while the lease lives, so a region handed to another lease would be
+readable through them: the bytes packed for another tenant, through a grant kept
+past its release. Once its lease ends, a pooled region is deleted.
 """
 
 from __future__ import annotations
@@ -50,6 +56,9 @@ class StagingPool:
         #: the free staging regions, oldest first: each holds memory for nobody (no
         #: principal's cap counts it), which :meth:`_park` tells the store
         self._free: list[int] = []
+        #: each free staging region -> the lease it was last packed for, the only
+        #: lease it is reused for (that lease's records name it)
+        self._last: dict[int, str] = {}
         #: staging regions handed to a reader -> (the lease it packed under, bytes packed
         #: at its start); a reader that never releases one cannot keep it past its lease
         #: (see _reclaim), and the lease reads only the bytes packed for it
@@ -127,9 +136,9 @@ class StagingPool:
             await asyncio.to_thread(checked) if len(specs) > OFF_LOOP_SPECS else checked()
         )
         if principal is None:
-            region = await self._take(total, lease.owner)
+            region = await self._take(total, lease)
         else:
-            region = await self.take_for(lease.owner or principal, total, lease.owner)
+            region = await self.take_for(lease.owner or principal, total, lease)
         self._held[region.region_id] = (lease.lease_id, total)
         try:
             # A reused region still holds what it was packed with for another lease:
@@ -163,9 +172,9 @@ class StagingPool:
         if not n:
             raise ProtocolError("stage refused: nothing to stage")
         if principal is None:
-            region = await self._take(n, lease.owner)
+            region = await self._take(n, lease)
         else:
-            region = await self.take_for(principal, n, lease.owner)
+            region = await self.take_for(principal, n, lease)
         self._held[region.region_id] = (lease.lease_id, n)
         try:
             await asyncio.to_thread(copy_view, self.store.view(region.region_id)[:n], payload.data)
@@ -177,13 +186,13 @@ class StagingPool:
             ) from exc
         return region
 
-    async def take_for(self, principal: str, nbytes: int, owner: str) -> RegionInfo:
+    async def take_for(self, principal: str, nbytes: int, lease: Lease) -> RegionInfo:
         """:meth:`_take`, as memory ``principal`` holds: admitted by its region and byte
         caps (429), its place held under them while the region is made
         (:meth:`RegionStore.holding`). Else many at once would all pass the caps before
         any was counted."""
         with self.store.holding(principal, 1, nbytes):
-            return self.store.charge(principal, await self._take(nbytes, owner))
+            return self.store.charge(principal, await self._take(nbytes, lease))
 
     async def _discard(self, region_id: int) -> None:
         """Forget a staging region whose memory can no longer be trusted (shrunk)."""
@@ -195,13 +204,20 @@ class StagingPool:
         if region_id in regions and not self.store.busy(region_id):
             await self.store.drop(region_id, regions.get(region_id))
 
-    async def _take(self, nbytes: int, owner: str) -> RegionInfo:
-        """A staging region of at least ``nbytes`` bytes, owned by ``owner`` (the
-        principal of the lease it is packed for): a free one from the pool (its pages
-        are already faulted in, here and in readers that mapped it), else a new one."""
+    async def _take(self, nbytes: int, lease: Lease) -> RegionInfo:
+        """A staging region of at least ``nbytes`` bytes for ``lease``, owned by its
+        principal: a free one from the pool last packed for this very lease (its pages
+        are already faulted in, here and in the reader that mapped it), else a new one."""
         await self._reclaim()
+        owner = lease.owner
         regions = self.store.regions
-        fits = [r for r in self._free if regions.get(r).nbytes >= nbytes and not self.store.busy(r)]
+        fits = [
+            r
+            for r in self._free
+            if self._last.get(r) == lease.lease_id
+            and regions.get(r).nbytes >= nbytes
+            and not self.store.busy(r)
+        ]
         if fits:
             best = min(fits, key=lambda r: regions.get(r).nbytes)
             self._unpark(best)
@@ -213,15 +229,21 @@ class StagingPool:
         return region
 
     async def _reclaim(self) -> None:
-        """Delete every held staging region whose lease was released or expired, so
-        readers that never call release cannot grow the daemon's memory. Deleted, not
-        reused: a reader whose lease ended may still be reading it (its pull fails,
-        but the bytes it read land), and must never read what is packed there next.
-        One that a pull of this daemon still reads waits for a later call."""
+        """Delete every staging region, held or pooled, whose lease was released or
+        expired, so readers that never call release cannot grow the daemon's memory.
+        Deleted, not reused: a reader whose lease ended may still be reading it (its
+        pull fails, but the bytes it read land), and must never read what is packed
+        there next. One that a pull of this daemon still reads waits for a later call."""
         for region_id, (lease_id, _) in list(self._held.items()):
             if self.registry.is_live(lease_id) or self.store.busy(region_id):
                 continue
             del self._held[region_id]
+            self._ids.discard(region_id)
+            await self.store.drop(region_id, self.store.regions.get(region_id))
+        for region_id, lease_id in list(self._last.items()):
+            if self.registry.is_live(lease_id) or self.store.busy(region_id):
+                continue
+            self._unpark(region_id)
             self._ids.discard(region_id)
             await self.store.drop(region_id, self.store.regions.get(region_id))
 
@@ -249,10 +271,10 @@ class StagingPool:
     async def _to_pool(self, region_id: int) -> None:
         """Return a staging region to the pool; the pool keeps at most
         ``STAGING_POOL`` regions and deletes the rest."""
-        self._held.pop(region_id, None)
+        held = self._held.pop(region_id, None)
         if region_id in self._free:
             return
-        self._park(region_id)
+        self._park(region_id, held[0] if held is not None else "")
         while len(self._free) > STAGING_POOL:
             gone = self._free[0]
             if self.store.busy(gone):  # still read by a pull of this daemon: keep it
@@ -262,13 +284,16 @@ class StagingPool:
             self._ids.discard(gone)
             await self.store.drop(gone, self.store.regions.get(gone))
 
-    def _park(self, region_id: int) -> None:
-        """Put a staging region in the pool: it holds memory for nobody now."""
+    def _park(self, region_id: int, lease_id: str) -> None:
+        """Put a staging region in the pool, for reuse by ``lease_id`` only: it holds
+        memory for nobody now."""
         self._free.append(region_id)
+        self._last[region_id] = lease_id
         self.store.set_idle(region_id, True)
 
     def _unpark(self, region_id: int) -> None:
         """Take a staging region out of the pool: it holds memory for a lease again
         (or is about to go)."""
         self._free.remove(region_id)
+        self._last.pop(region_id, None)
         self.store.set_idle(region_id, False)

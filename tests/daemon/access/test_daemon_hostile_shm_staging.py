@@ -2,9 +2,12 @@
 source makes for a lease (and, beside it, the ``tcp`` one), and against the staging
 pool's count of who holds its regions.
 
-Each test is one attack. An attack refused passes; one that gets through is marked
-``xfail(strict=True)`` with the hole in its reason, so it fails once the hole is
-closed (then the mark goes).
+Each test is one attack, and each is refused. Two got through when they were
+written, both from a staging region handed back and pooled: it was reused for
+another lease as the same region, so records kept past its release read another
+tenant's repack (over shm and tcp), and it stayed charged to its first tenant. A
+pooled region is now reused only for the lease it was last packed for
+(:mod:`refitd.daemon.state.staging`).
 
 Real daemons in this process on 127.0.0.1:0 (:mod:`support.granthosts`), real HTTP,
 real shared memory: the engine's daemon is given the source's boot id, so it reads
@@ -49,16 +52,6 @@ SAME_HOST = "host-a"
 """The source's boot id: an engine's daemon given it reads the source over ``shm``."""
 
 
-STAGED_GRANT_OUTLIVES_RELEASE = (
-    "hole: a staging region handed back (DELETE /v1/peer/staging) while its lease "
-    "lives is pooled and reused for another lease as the same region (same id, data "
-    "plane generation, segment name, dev, ino: refitd/daemon/state/staging.py _take); "
-    "the records and grants made for the first lease (leasing.peer_regions) still "
-    "verify, the lease is still live, and neither the tcp data server (grant scope) nor "
-    "the shm connection (SegmentKey extents) asks what is packed for it now"
-)
-
-
 def whole(region: int) -> PackSpec:
     """A pack spec of the first NBYTES bytes of ``region``, one byte a row."""
     return PackSpec(region, 0, (NBYTES,), (1,), 1, 0, 0)
@@ -71,13 +64,13 @@ def shm_grant(rec: PeerRegions) -> PeerInfo:
 # ---------------------------------------------------------------- the shm grant
 
 
-@pytest.mark.xfail(strict=True, reason=STAGED_GRANT_OUTLIVES_RELEASE)
 async def test_a_staging_grant_kept_past_its_release_reads_nothing_packed_for_another_tenant(
     tmp_path: Path,
 ) -> None:
     # a packs its own model into staging and asks the records of that staging region
     # under its lease (the grant scopes it to the bytes packed for that lease); it
-    # hands the region back, keeps the records, and b's pack reuses the region. a's
+    # hands the region back, keeps the records, and b packs (before the fix, into the
+    # very region: the pool reused it for b's lease). a's
     # lease is still live, so the records still verify: over shm, nothing but the
     # grant in them limits what the engine's daemon maps.
     async with two_hosts(tmp_path, engine_boot=SAME_HOST) as h:
@@ -92,7 +85,7 @@ async def test_a_staging_grant_kept_past_its_release_reads_nothing_packed_for_an
         await h.a.peer_drop(staging, lease.lease_id)
         b_lease = await h.b.acquire_lease("mb", 1)
         b_staged = await h.b.peer_pack("mb", 1, b_lease.lease_id, [whole(theirs)])
-        assert b_staged.region.region_id == staging  # the pool handed b the same region
+        assert b_staged.region.region_id != staging  # pooled for a's lease alone
         async with destination(h) as (dst, seg):
             req = presenting(lease, (staging, 0, dst, 0, NBYTES), url=h.source_url)
             with contextlib.suppress(RefitError):
@@ -101,7 +94,6 @@ async def test_a_staging_grant_kept_past_its_release_reads_nothing_packed_for_an
             assert not (seg.numpy() == 9).any(), "a read b's packed bytes"
 
 
-@pytest.mark.xfail(strict=True, reason=STAGED_GRANT_OUTLIVES_RELEASE)
 async def test_a_staging_grant_kept_past_its_release_is_refused_by_the_tcp_data_server(
     tmp_path: Path,
 ) -> None:
@@ -117,7 +109,7 @@ async def test_a_staging_grant_kept_past_its_release_is_refused_by_the_tcp_data_
         await h.a.peer_drop(staging, lease.lease_id)
         b_lease = await h.b.acquire_lease("mb", 1)
         b_staged = await h.b.peer_pack("mb", 1, b_lease.lease_id, [whole(theirs)])
-        assert b_staged.region.region_id == staging
+        assert b_staged.region.region_id != staging
         async with destination(h) as (dst, seg):
             req = presenting(lease, (staging, 0, dst, 0, NBYTES), url=h.source_url)
             with contextlib.suppress(RefitError):
@@ -324,20 +316,13 @@ async def test_a_same_host_grant_of_a_version_still_filling_reads_none_of_its_in
 # ---------------------------------------------------------------- staging counted
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: a pooled staging region reused for another principal stays in the "
-    "first's region (and byte) cap: StagingPool._take/take_for charge the new principal "
-    "(RegionStore.charge) without discarding the id from the old one's Cap._held, and "
-    "Cap.admit sweeps only ids not alive (RegionStore._alive: holds_memory), which the "
-    "reused region is: b's staging counts against a (a cross-tenant denial of a's cap)",
-)
 async def test_a_staging_region_handed_back_and_reused_by_another_tenant_is_not_charged_to_the_first(
     tmp_path: Path,
 ) -> None:
     # a may hold two regions: its published one and one staging region. It hands the
-    # staging region back (pooled: it holds memory for nobody) and b's pack reuses
-    # it. a holds one region now, so it may make one more.
+    # staging region back (pooled: it holds memory for nobody) and b packs (before the
+    # fix, into that region, which stayed charged to a too). a holds one region now,
+    # so it may make one more.
     allow = ("http://127.0.0.1:*",)
     src = Daemon(
         daemon_config(node_id="src", allow=allow, max_regions_per_principal=2),
@@ -358,9 +343,32 @@ async def test_a_staging_region_handed_back_and_reused_by_another_tenant_is_not_
         await a.peer_drop(staging, lease.lease_id)
         assert not src.store.holds_memory(staging)  # pooled: nobody's
         b_lease = await b.acquire_lease("mb", 1)
-        reused = await b.peer_pack("mb", 1, b_lease.lease_id, [whole(theirs)])
-        assert reused.region.region_id == staging and src.store.holds_memory(staging)
+        packed = await b.peer_pack("mb", 1, b_lease.lease_id, [whole(theirs)])
+        assert packed.region.region_id != staging and not src.store.holds_memory(staging)
         await a.create_region(NBYTES)  # a holds its version's region alone
+
+
+async def test_a_staging_region_handed_back_is_reused_by_its_own_lease_only(
+    tmp_path: Path,
+) -> None:
+    # The pool still serves the lease that packed a region (its pages faulted in);
+    # another tenant's lease gets a region of its own, and a lease's end deletes it.
+    async with two_hosts(tmp_path) as h:
+        region = await published(h.a, "ma", 7)
+        theirs = await published(h.b, "mb", 9)
+        lease = await h.a.acquire_lease("ma", 1)
+        staging = (await h.a.peer_pack("ma", 1, lease.lease_id, [whole(region)])).region.region_id
+        await h.a.peer_drop(staging, lease.lease_id)
+        b_lease = await h.b.acquire_lease("mb", 1)
+        other = (await h.b.peer_pack("mb", 1, b_lease.lease_id, [whole(theirs)])).region.region_id
+        assert other != staging
+        again = (await h.a.peer_pack("ma", 1, lease.lease_id, [whole(region)])).region.region_id
+        assert again == staging
+        await h.a.peer_drop(staging, lease.lease_id)
+        await h.a.release_lease(lease.lease_id)
+        await h.b.peer_drop(other, b_lease.lease_id)  # any take reclaims ended leases'
+        await h.b.peer_pack("mb", 1, b_lease.lease_id, [whole(theirs)])
+        assert staging not in h.source.store.regions
 
 
 async def test_another_tenant_cannot_hand_back_a_staging_region_a_lease_still_reads(
