@@ -107,15 +107,21 @@ def check_grant(grant: PeerInfo, scope: LeaseScope, secret: bytes, scheme: str =
     listed = {r.region_id: r for r in grant.regions}
     for r in grant.regions:
         try:
-            lease = SegmentKey.decode(r.key).lease
+            key = SegmentKey.decode(r.key)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(
                 f"{scheme} grant of {grant.peer_id!r} refused: region {r.region_id}: {exc}"
             ) from None
+        lease = key.lease
         if lease != scope.lease_id:
             raise ProtocolError(
                 f"{scheme} grant of {grant.peer_id!r} refused: region {r.region_id} is "
                 f"granted to lease {lease!r}, not {scope.lease_id!r}"
+            )
+        if key.extents is None:  # a lease's key without ranges would map the whole region
+            raise ProtocolError(
+                f"{scheme} grant of {grant.peer_id!r} refused: region {r.region_id} names "
+                "no byte ranges (a grant states what its lease may read)"
             )
     missing = sorted(set(scope.ranges) - set(listed))
     if missing:

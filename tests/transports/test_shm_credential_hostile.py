@@ -145,3 +145,14 @@ async def test_a_grant_from_another_kernel_boot_maps_nothing() -> None:
                 with pytest.raises(TransportError, match="another kernel"):
                     await puller.connect(far.grant(HALF))
         assert puller.mapped == 0
+
+
+async def test_a_signed_grant_naming_its_lease_but_no_byte_ranges_is_refused() -> None:
+    """A key with the lease and no ranges would map the whole region: even signed
+    with the deployment secret (a source's bug, or a peer holding the secret), it is
+    refused before anything is mapped, not read as the whole region."""
+    async with _two_regions() as (puller, source):
+        whole = _keyed(source.grant(HALF), extents=None).signed(SECRET)
+        with pytest.raises(ProtocolError, match="names no byte ranges"):
+            puller.check_grant(whole, HALF)
+        assert puller.mapped == 0
