@@ -235,12 +235,18 @@ class StagingPool:
         pull fails, but the bytes it read land), and must never read what is packed
         there next. One that a pull of this daemon still reads waits for a later call."""
         for region_id, (lease_id, _) in list(self._held.items()):
+            if self._held.get(region_id, ("",))[0] != lease_id:
+                continue  # reclaimed or handed back beside this one's awaits
             if self.registry.is_live(lease_id) or self.store.busy(region_id):
                 continue
             del self._held[region_id]
             self._ids.discard(region_id)
             await self.store.drop(region_id, self.store.regions.get(region_id))
         for region_id, lease_id in list(self._last.items()):
+            # Checked again at each step: a take or drop beside this one's awaits may
+            # have taken the region out of the pool since the list was made.
+            if self._last.get(region_id) != lease_id or region_id not in self._free:
+                continue
             if self.registry.is_live(lease_id) or self.store.busy(region_id):
                 continue
             self._unpark(region_id)

@@ -16,6 +16,7 @@ the source's segments over ``shm`` with the grant in the lease's records.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from pathlib import Path
 
@@ -402,3 +403,28 @@ async def test_another_tenant_cannot_hand_back_a_staging_region_a_lease_still_re
         assert not pool.is_held(staging) and not store.holds_memory(staging)
         with pytest.raises(RefitError):
             await h.a.peer_regions([staging], lease.lease_id, "ma", 1)
+
+
+async def test_packs_at_once_after_a_lease_ended_delete_its_pooled_regions_once(
+    tmp_path: Path,
+) -> None:
+    # Each pack first deletes the pooled regions of ended leases, with awaits between:
+    # packs at once must not delete one region twice (a pack answered 500, and a
+    # TP 2 engine's refit failed, while the lease-only pool was being written).
+    async with two_hosts(tmp_path) as h:
+        region = await published(h.a, "ma", 7)
+        lease = await h.a.acquire_lease("ma", 1)
+        first = await asyncio.gather(
+            *(h.a.peer_pack("ma", 1, lease.lease_id, [whole(region)]) for _ in range(4))
+        )
+        for staged in first:
+            await h.a.peer_drop(staged.region.region_id, lease.lease_id)
+        await h.a.release_lease(lease.lease_id)
+        again = await h.a.acquire_lease("ma", 1)
+        packs = await asyncio.gather(
+            *(h.a.peer_pack("ma", 1, again.lease_id, [whole(region)]) for _ in range(4))
+        )
+        ids = {p.region.region_id for p in packs}
+        pooled = {s.region.region_id for s in first}
+        assert len(ids) == 4 and not ids & pooled
+        assert not pooled & {r.region_id for r in h.source.store.regions}

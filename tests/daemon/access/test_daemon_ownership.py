@@ -296,15 +296,23 @@ async def test_a_staging_region_is_its_leases_and_a_lease_reads_only_the_bytes_p
         await t.a.peer_drop(sid, a_lease.lease_id)  # back to the pool, holding a's bytes
         b_src = await ready_model(t.b, "bm", fill=3)
         b_lease = await t.b.acquire_lease("bm", 1, ttl_s=600)
-        small = await t.b.peer_pack(
+        theirs = await t.b.peer_pack(
             "bm", 1, b_lease.lease_id, [PackSpec(b_src, 0, (16,), (1,), 1, 0, 0)]
         )
+        assert theirs.region.region_id != sid  # pooled for a's lease alone
+        rec = await t.b.peer_regions([theirs.region.region_id], b_lease.lease_id, "bm", 1)
+        assert rec.scope[theirs.region.region_id] == [(0, 16)]
+        # a's own lease packs 16 bytes again: the pool's region, its tail zeroed.
+        d.store.segments[a_src].numpy(np.uint8)[:16] = 3
+        small = await t.a.peer_pack(
+            "am", 1, a_lease.lease_id, [PackSpec(a_src, 0, (16,), (1,), 1, 0, 0)]
+        )
         assert small.region.region_id == sid  # reused
-        assert small.region.owner == "b"
-        rec = await t.b.peer_regions([sid], b_lease.lease_id, "bm", 1)
+        assert small.region.owner == "a"
+        rec = await t.a.peer_regions([sid], a_lease.lease_id, "am", 1)
         assert rec.scope[sid] == [(0, 16)]
         view = d.store.segments[sid].numpy(np.uint8)
-        assert (view[:16] == 3).all() and not view[16:].any(), "a's bytes survived the reuse"
+        assert (view[:16] == 3).all() and not view[16:].any(), "the first pack survived the reuse"
 
 
 async def test_over_tcp_a_daemon_with_a_unix_socket_and_no_tokens_serves_only_public_paths(
