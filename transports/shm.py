@@ -127,12 +127,7 @@ class ShmPeer(Peer):
         leases: set[str] = set()
         try:
             for r in info.regions:
-                try:
-                    seg = SegmentKey.decode(r.key)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    raise ProtocolError(
-                        f"peer record of {info.peer_id!r} refused: region {r.region_id}: {exc}"
-                    ) from None
+                seg = SegmentKey.of(r, f"peer record of {info.peer_id!r}")
                 leases.add(seg.lease)
                 if seg.extents is not None:
                     spans[r.region_id] = spans_of(seg.extents)

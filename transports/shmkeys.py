@@ -18,7 +18,7 @@ import msgspec
 
 from refitd.errors import ProtocolError, TransportError
 
-from .interface import LeaseScope, PeerInfo
+from .interface import AdvertisedRegion, LeaseScope, PeerInfo
 from .segments import SHM_DIR
 
 __all__ = [
@@ -83,6 +83,15 @@ class SegmentKey(NamedTuple):
     def decode(cls, raw: bytes) -> SegmentKey:
         return msgspec.msgpack.decode(raw, type=cls)
 
+    @classmethod
+    def of(cls, region: AdvertisedRegion, what: str) -> SegmentKey:
+        """The key of ``region`` in a record, or :class:`ProtocolError` naming ``what``
+        (whose record) and the region when it does not decode."""
+        try:
+            return cls.decode(region.key)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"{what} refused: region {region.region_id}: {exc}") from None
+
 
 def segment_key(name: str, dev: int, ino: int) -> bytes:
     """The encoded :class:`SegmentKey` of a region's segment."""
@@ -106,12 +115,7 @@ def check_grant(grant: PeerInfo, scope: LeaseScope, secret: bytes, scheme: str =
     grant.verify(secret)
     listed = {r.region_id: r for r in grant.regions}
     for r in grant.regions:
-        try:
-            key = SegmentKey.decode(r.key)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise ProtocolError(
-                f"{scheme} grant of {grant.peer_id!r} refused: region {r.region_id}: {exc}"
-            ) from None
+        key = SegmentKey.of(r, f"{scheme} grant of {grant.peer_id!r}")
         lease = key.lease
         if lease != scope.lease_id:
             raise ProtocolError(

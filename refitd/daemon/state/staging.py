@@ -53,12 +53,11 @@ class StagingPool:
         #: ids of the staging regions this daemon made: a client may label its own
         #: region "staging", so the label alone must not admit it to the pool
         self._ids: set[int] = set()
-        #: the free staging regions, oldest first: each holds memory for nobody (no
-        #: principal's cap counts it), which :meth:`_park` tells the store
-        self._free: list[int] = []
-        #: each free staging region -> the lease it was last packed for, the only
-        #: lease it is reused for (that lease's records name it)
-        self._last: dict[int, str] = {}
+        #: the free staging regions, oldest first, each -> the lease it was last packed
+        #: for, the only lease it is reused for (that lease's records name it); each
+        #: holds memory for nobody (no principal's cap counts it), which :meth:`_park`
+        #: tells the store
+        self._free: dict[int, str] = {}
         #: staging regions handed to a reader -> (the lease it packed under, bytes packed
         #: at its start); a reader that never releases one cannot keep it past its lease
         #: (see _reclaim), and the lease reads only the bytes packed for it
@@ -214,7 +213,7 @@ class StagingPool:
         fits = [
             r
             for r in self._free
-            if self._last.get(r) == lease.lease_id
+            if self._free[r] == lease.lease_id
             and regions.get(r).nbytes >= nbytes
             and not self.store.busy(r)
         ]
@@ -242,10 +241,10 @@ class StagingPool:
             del self._held[region_id]
             self._ids.discard(region_id)
             await self.store.drop(region_id, self.store.regions.get(region_id))
-        for region_id, lease_id in list(self._last.items()):
+        for region_id, lease_id in list(self._free.items()):
             # Checked again at each step: a take or drop beside this one's awaits may
             # have taken the region out of the pool since the list was made.
-            if self._last.get(region_id) != lease_id or region_id not in self._free:
+            if self._free.get(region_id) != lease_id:
                 continue
             if self.registry.is_live(lease_id) or self.store.busy(region_id):
                 continue
@@ -282,9 +281,9 @@ class StagingPool:
             return
         self._park(region_id, held[0] if held is not None else "")
         while len(self._free) > STAGING_POOL:
-            gone = self._free[0]
+            gone = next(iter(self._free))
             if self.store.busy(gone):  # still read by a pull of this daemon: keep it
-                self._free.append(self._free.pop(0))
+                self._free[gone] = self._free.pop(gone)  # to the back
                 break
             self._unpark(gone)
             self._ids.discard(gone)
@@ -293,13 +292,11 @@ class StagingPool:
     def _park(self, region_id: int, lease_id: str) -> None:
         """Put a staging region in the pool, for reuse by ``lease_id`` only: it holds
         memory for nobody now."""
-        self._free.append(region_id)
-        self._last[region_id] = lease_id
+        self._free[region_id] = lease_id
         self.store.set_idle(region_id, True)
 
     def _unpark(self, region_id: int) -> None:
         """Take a staging region out of the pool: it holds memory for a lease again
         (or is about to go)."""
-        self._free.remove(region_id)
-        self._last.pop(region_id, None)
+        del self._free[region_id]
         self.store.set_idle(region_id, False)
