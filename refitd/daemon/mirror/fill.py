@@ -180,11 +180,14 @@ class Filler:
         prepared: asyncio.Task[PeerRegions | None],
         todo: np.ndarray,
         check: Callable[[np.ndarray], Awaitable[None]],
+        progressed: Callable[[], None],
     ) -> None:
         """Read chunks ``todo`` of ``m`` from ``url``'s mirror, each as soon as it is
         complete there (over ``tcp`` the read waits there for it; else its feed says
         so, with records that let us read it); ``check(chunks)`` checks each batch's
-        bytes before its chunks are marked complete (their digests at the source).
+        bytes before its chunks are marked complete (their digests at the source);
+        ``progressed()`` is called whenever the relay's feed says its own fill moved
+        on (its regions made, more of its chunks complete).
         Its lease there is a peer daemon's, granted under this mirror's live lease at
         the source, ``source_lease``. The lease, the feed and
         the data path are opened while ``prepared`` makes this mirror's regions; the
@@ -205,7 +208,7 @@ class Filler:
             # run out its TTL there.
             asking.add_done_callback(lambda f: self._release_late(c, f))
             raise
-        feed = Feed(self, m, relay, grant.lease_id)
+        feed = Feed(self, m, relay, grant.lease_id, progressed)
         try:
             async with LeaseKeeper(c, grant, LEASE_TTL_S):  # re-checked at the source
                 with one_error():
@@ -264,8 +267,16 @@ class Feed:
     each is answered as soon as its chunk lands upstream; the frames then only say the
     upstream still answers, or that its mirror failed."""
 
-    def __init__(self, filler: Filler, m: Mirror, relay: RemoteSource, lease_id: str) -> None:
+    def __init__(
+        self,
+        filler: Filler,
+        m: Mirror,
+        relay: RemoteSource,
+        lease_id: str,
+        progressed: Callable[[], None],
+    ) -> None:
         self.filler = filler
+        self.progressed = progressed
         self.m = m
         self.relay = relay
         self.lease_id = lease_id
@@ -283,6 +294,7 @@ class Feed:
         """Read the feed until the upstream's mirror is complete (or this task is
         cancelled); a frame late, a failed mirror, a broken stream fail it."""
         m = self.m
+        made, done = False, 0
         try:
             async for frame in follow(
                 self.relay.client, m.model, m.version, self.lease_id, frame_s
@@ -300,6 +312,10 @@ class Feed:
                         f"{frame.source}, regions {sorted(frame.regions)}; this mirror's "
                         f"{m.source}, regions {sorted(m.layout)}"
                     )
+                if (frame.regions and not made) or min(frame.chunks_done, len(m.chunks)) > done:
+                    self.progressed()  # its own fill moved on: not late for what it lacked
+                made = made or bool(frame.regions)
+                done = max(done, min(frame.chunks_done, len(m.chunks)))
                 rec = frame.records
                 if rec is None:
                     continue

@@ -10,7 +10,11 @@ holder to leave and why:
   ``LATE_BATCHES`` batches' time at the rate it sent here, ``LATE_FLOOR_S`` at
   least (a stopped holder answers nothing; the floor keeps a busy core from looking
   like a stopped host), counted from when this mirror could first take its chunks
-  (:meth:`Judge.receiving`: its regions made), not from when its reader started;
+  (:meth:`Judge.receiving`: its regions made), not from when its reader started,
+  and again from each time a relay's own fill moved on (:meth:`Judge.progressed`:
+  a relay still filling from upstream is not late for chunks it does not hold yet).
+  A relay whose feed has not yet named its regions made is still making them: it is
+  late only after ``LATE_MAKING_S``;
 - **slow**: after ``SLOW_AFTER_S`` of reading from it, a holder sending under
   ``SLOW_FRACTION`` of the median rate the other holders sent here while they had
   chunks to send, in ``SLOW_REPORTS`` reports in a row; at most
@@ -32,6 +36,7 @@ from refitd.errors import TransportError
 __all__ = [
     "LATE_BATCHES",
     "LATE_FLOOR_S",
+    "LATE_MAKING_S",
     "MAX_SLOW_SWITCHES",
     "RATE_WINDOW_S",
     "SLOW_AFTER_S",
@@ -65,6 +70,11 @@ whatever its rate, s."""
 
 LATE_BATCHES = 8
 """A holder is late after this many batches' time at the rate it sent here."""
+
+LATE_MAKING_S = 15.0
+"""A relay whose feed has not named its regions made this long after this mirror
+could take chunks is late, s: making shared memory takes a busy host seconds, not
+this long (its feed's heartbeats only say its daemon answers)."""
 
 
 class SlowRelay(TransportError):
@@ -105,13 +115,20 @@ class Judge:
     started: dict[str, float] = field(default_factory=dict)
     #: when this mirror could first take chunks (None: not yet known)
     receiving_at: float | None = None
+    #: holders that are relays (mirrors of other hosts), and of them the ones whose
+    #: feed named their regions made
+    relays: set[str] = field(default_factory=set)
+    made: set[str] = field(default_factory=set)
     #: this mirror filled under ``SLOW_FRACTION`` of its peers' median rate at its
     #: last report: it judges no holder slow or late
     behind: bool = False
 
-    def reading(self, holder: str, now: float) -> None:
-        """A reader of ``holder`` started at ``now`` (its first one counts)."""
+    def reading(self, holder: str, now: float, *, relay: bool = False) -> None:
+        """A reader of ``holder`` started at ``now`` (its first one counts); a
+        ``relay`` is another host's mirror, which may still make its regions."""
         self.started.setdefault(holder, now)
+        if relay:
+            self.relays.add(holder)
 
     def receiving(self, now: float) -> None:
         """This mirror can take chunks from ``now`` on (its regions are made). No
@@ -123,6 +140,18 @@ class Judge:
             return
         self.receiving_at = now
         self.started = {u: max(t, now) for u, t in self.started.items()}
+        self.seen = {u: (max(t, now), n) for u, (t, n) in self.seen.items()}
+
+    def progressed(self, holder: str, now: float) -> None:
+        """``holder``, a relay, moved on at ``now`` in its own fill (its feed named its
+        regions made, or more of its chunks complete): the chunks it still owes here
+        may be ones it did not hold until now, so its lateness counts from ``now``
+        (from when this mirror can take chunks, if later). A relay whose own fill stops
+        moving is judged as any holder, from its last move."""
+        self.made.add(holder)
+        since = max(now, self.receiving_at if self.receiving_at is not None else now)
+        _, count = self.seen.get(holder, (since, 0))
+        self.seen[holder] = (since, count)
 
     def late(self, now: float, reads: dict[str, int], pending: set[str]) -> LateHolder | None:
         """The first holder of ``pending`` (holders with chunks still to send here)
@@ -139,6 +168,8 @@ class Judge:
                 continue
             r = self.last.get(u, 0.0)
             limit = max(LATE_FLOOR_S, LATE_BATCHES * self.batch_bytes / r if r > 0 else 0.0)
+            if u in self.relays and u not in self.made:
+                limit = max(limit, LATE_MAKING_S)  # still making its regions
             if now - since > limit:
                 return LateHolder(
                     u, f"no chunk came from it for {now - since:.1f} s (its limit {limit:.1f} s)"

@@ -99,6 +99,7 @@ class Holders(Protocol):
         prepared: asyncio.Task[PeerRegions | None],
         todo: np.ndarray,
         check: Callable[[np.ndarray], Awaitable[None]],
+        progressed: Callable[[], None],
     ) -> None: ...
 
     async def join(
@@ -273,14 +274,21 @@ class Swarm:
                 m.tried.append(name)
             m.upstream = url
             coro = (
-                self.f.from_relay(m, url, self.lease_id, self.prepared, idx, self.check)
+                self.f.from_relay(
+                    m, url, self.lease_id, self.prepared, idx, self.check, self._moved(url)
+                )
                 if url
                 else self.f.from_source(
                     m, self.src, self.lease_id, self.prepared, idx, self._source_window(holders)
                 )
             )
             self.readers[asyncio.create_task(coro)] = (url, idx)
-            self.judge.reading(url or m.source, asyncio.get_running_loop().time())
+            self.judge.reading(url or m.source, asyncio.get_running_loop().time(), relay=bool(url))
+
+    def _moved(self, url: str) -> Callable[[], None]:
+        """What relay ``url``'s feed calls when the relay's own fill moved on."""
+        loop = asyncio.get_running_loop()
+        return lambda: self.judge.progressed(url, loop.time())
 
     async def _leave(self, url: str, left: int, exc: BaseException) -> HolderAssign | None:
         """``url`` failed (``exc``) with ``left`` chunks of its share not here: name

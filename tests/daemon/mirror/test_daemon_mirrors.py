@@ -23,6 +23,7 @@ from refitd.client.http import RefitClient
 from refitd.client.spawn import SpawnedDaemon, spawn_daemon
 from refitd.config import MirrorsConfig
 from refitd.daemon.app.node import Daemon
+from refitd.daemon.mirror.judge import LATE_FLOOR_S
 from refitd.errors import ConflictError, NotFoundError
 from refitd.wire import (
     DescriptorTable,
@@ -357,14 +358,14 @@ def _no_rows() -> np.ndarray:
 def _slow_mirror_regions(d: Daemon, delay_s: float) -> None:
     """Hold back each region ``d`` makes for a mirror by ``delay_s`` (a host whose
     shared memory is slow to make: the real part, late, as a loaded machine has it)."""
-    make = d.create_region
+    make = d.store.create_region  # what the mirrors make their regions with
 
     async def slowly(req: RegionCreate, principal: str | None = None) -> RegionInfo:
         if req.label == "mirror":
             await asyncio.sleep(delay_s)
         return await make(req, principal)
 
-    d.create_region = slowly  # type: ignore[method-assign]
+    d.store.create_region = slowly  # type: ignore[method-assign]
 
 
 async def _publish_halves(c: RefitClient, version: int) -> None:
@@ -437,7 +438,10 @@ async def test_a_relays_feed_read_while_either_side_still_makes_its_regions_is_r
     ``host-b`` joins ``host-a`` while ``host-a`` made one region of two. Either way
     ``host-b`` reads ``host-a``, not the source: a relay's frame is checked against
     the layout planned here, not the part of it made so far (CI once saw a relay left
-    for "another source or layout", the ``downstream`` race)."""
+    for "another source or layout", the ``downstream`` race). In ``relay``, ``host-a``'s
+    second region alone takes longer than a holder's late floor: ``host-b`` must not
+    find ``host-a`` late for chunks it does not hold yet (CI saw ``host-b`` leave it
+    for the trainer)."""
     secret = os.urandom(32)
 
     def node(name: str, *, mirrored: bool) -> Daemon:
@@ -447,7 +451,10 @@ async def test_a_relays_feed_read_while_either_side_still_makes_its_regions_is_r
 
     t = node("trainer", mirrored=False)
     a, b = node("host-a", mirrored=True), node("host-b", mirrored=True)
-    _slow_mirror_regions(b if slow == "downstream" else a, 1.0)
+    if slow == "downstream":
+        _slow_mirror_regions(b, 1.0)
+    else:
+        _slow_mirror_regions(a, LATE_FLOOR_S + 0.5)
     async with serving_daemons(t, a, b) as (tc, ac, bc):
         await _publish_halves(tc, 1)
         first = asyncio.create_task(_refit_halves(ac, tc, 1))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from refitd.daemon.mirror.judge import (
     LATE_BATCHES,
     LATE_FLOOR_S,
+    LATE_MAKING_S,
     MAX_SLOW_SWITCHES,
     SLOW_AFTER_S,
     Judge,
@@ -32,10 +33,10 @@ def fill(judge: Judge, per_s: dict[str, int], seconds: float, peers: list[float]
     return slow
 
 
-def started(*holders: str) -> Judge:
+def started(*holders: str, relay: bool = False) -> Judge:
     judge = Judge(SRC, 2 * MIB)
     for h in holders:
-        judge.reading(h, 0.0)
+        judge.reading(h, 0.0, relay=relay)
     return judge
 
 
@@ -115,3 +116,52 @@ def test_a_holders_lateness_counts_from_when_this_mirror_could_take_its_chunks()
     judge.receiving(made + 5.0)  # a later watch: the first call counts
     verdict = judge.late(made + LATE_FLOOR_S + 0.1, {"waited-on": 0}, {"waited-on"})
     assert verdict is not None and verdict.url == "waited-on"
+
+
+def test_a_relay_whose_own_fill_moves_on_is_not_late_for_chunks_it_did_not_hold() -> None:
+    """A relay still making its regions, then filling them from upstream, owes chunks
+    here it does not hold yet: each move of its own fill restarts its clock (CI saw a
+    relay left for the trainer while it still made its regions). Once its fill stops
+    moving, it is judged from its last move."""
+    judge = started("relay", relay=True)
+    judge.receiving(0.0)
+    judge.progressed("relay", LATE_FLOOR_S - 0.5)  # its regions made
+    judge.progressed("relay", 2 * LATE_FLOOR_S - 1.0)  # its first chunks complete there
+    assert judge.late(3 * LATE_FLOOR_S - 1.1, {"relay": 0}, {"relay"}) is None
+    verdict = judge.late(3 * LATE_FLOOR_S - 0.9, {"relay": 0}, {"relay"})
+    assert verdict is not None and verdict.url == "relay"
+
+
+def test_a_relays_move_heard_before_this_mirror_could_take_chunks_counts_from_then() -> None:
+    judge = started("relay", relay=True)
+    judge.progressed("relay", 0.5)  # its feed moved while this mirror made its regions
+    made = LATE_FLOOR_S + 1.0
+    judge.receiving(made)
+    assert judge.late(made + LATE_FLOOR_S - 0.1, {"relay": 0}, {"relay"}) is None
+    assert judge.late(made + LATE_FLOOR_S + 0.1, {"relay": 0}, {"relay"}) is not None
+
+
+def test_a_relays_chunks_that_landed_here_are_kept_when_its_fill_moves() -> None:
+    judge = started("relay", relay=True)
+    judge.progressed("relay", 0.0)  # its regions made
+    judge.receiving(0.0)
+    assert judge.late(0.5, {"relay": 3}, {"relay"}) is None  # three chunks landed at 0.5
+    judge.progressed("relay", 1.0)
+    # the count stays 3: nothing new landed, so its clock runs from its move at 1.0
+    assert judge.late(1.0 + LATE_FLOOR_S - 0.1, {"relay": 3}, {"relay"}) is None
+    assert judge.late(1.0 + LATE_FLOOR_S + 0.1, {"relay": 3}, {"relay"}) is not None
+
+
+def test_a_relay_still_making_its_regions_is_late_only_after_the_making_limit() -> None:
+    """A relay whose feed has not named its regions made holds no chunk yet (CI saw a
+    relay left for the trainer while it made its regions); one that never makes them
+    is left after ``LATE_MAKING_S``. A holder that is not a relay has no such grace."""
+    judge = Judge(SRC, 2 * MIB)
+    judge.reading("relay", 0.0, relay=True)
+    judge.reading("source-like", 0.0)
+    judge.receiving(0.0)
+    verdict = judge.late(LATE_FLOOR_S + 0.1, {}, {"relay", "source-like"})
+    assert verdict is not None and verdict.url == "source-like"
+    assert judge.late(LATE_MAKING_S - 0.1, {}, {"relay"}) is None
+    verdict = judge.late(LATE_MAKING_S + 0.1, {}, {"relay"})
+    assert verdict is not None and verdict.url == "relay"
