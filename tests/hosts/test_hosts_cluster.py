@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from support.etcd import needs_etcd
-from support.hosts import cluster_of, needs_hosts, tx_bytes
+from support.hosts import cluster_of, needs_hosts, sent_over, tx_bytes
 
 from refitd.cluster.etcdserver import run_etcd
 
@@ -64,7 +64,7 @@ async def test_a_trainer_over_two_hosts_refits_an_engine_on_a_third_and_survives
         d2cm = cluster.daemon_cm(h2, "trainer-2", *reg, transport=mode)
         d2 = await d2cm.__aenter__()
         dg = await cluster.daemon(hg, "engine", *reg, transport=mode)
-        w1, w2, engine = [await cluster.worker(h) for h in (h1, h2, hg)]
+        w1, w2, engine, watcher = [await cluster.worker(h) for h in (h1, h2, hg, hg)]
 
         async def publish(version: int, w2_: object, d2_: object) -> None:
             outs = await asyncio.gather(
@@ -97,14 +97,26 @@ async def test_a_trainer_over_two_hosts_refits_an_engine_on_a_third_and_survives
             sent = await tx_bytes(h2)
             assert (await engine.call("refit_start", local=dg.url, tp=2, version=3,
                                       previous=2, **COMMON))["ok"]  # fmt: skip
+            # The engine worker answers the refit when it ends; meanwhile a second
+            # worker on the engine's host asks its daemon for the pulls.
+            outcome = asyncio.ensure_future(engine.call("refit_wait"))
             # Mid-transfer: trainer-2 has sent over 1 MiB of its ~5 MiB share (control
-            # messages are a few KiB), so its reads are under way.
-            async with asyncio.timeout(120):
-                while await tx_bytes(h2) - sent < 1 << 20:
-                    pass
-            pulls_seen = (await engine.call("pulls", local=dg.url))["pulls"]
+            # messages are a few KiB), so its reads are under way. A refit that ended
+            # before that (failed early, or pulled nothing over trainer-2's link) fails
+            # here with its outcome, not as a timeout.
+            try:
+                async with asyncio.timeout(120):
+                    crossed = await sent_over(h2, sent, 1 << 20, outcome)
+            except TimeoutError:
+                crossed = False
+            pulls_seen = (await watcher.call("pulls", local=dg.url))["pulls"]
+            assert crossed, (
+                f"1 MiB never left trainer-2 ({await tx_bytes(h2) - sent} B did); the v3 "
+                f"refit: {outcome.result() if outcome.done() else 'still running'}; "
+                f"the engine's pulls: {pulls_seen}"
+            )
             os.kill(d2.pid, signal.SIGKILL)
-            failed = await engine.call("refit_wait")
+            failed = await outcome
             assert failed["ok"] is False, (failed, pulls_seen)
             assert "'trainer-2'" in str(failed["detail"]), failed
             assert failed["unchanged"] is True  # nothing of v3 was installed

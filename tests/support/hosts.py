@@ -18,7 +18,7 @@ import pytest
 
 from refitd.bench.simhosts import Cluster, SimHost, SimNet, missing
 
-__all__ = ["MISSING", "cluster_of", "needs_hosts", "tx_bytes"]
+__all__ = ["MISSING", "cluster_of", "needs_hosts", "sent_over", "tx_bytes"]
 
 MISSING = missing()
 
@@ -43,3 +43,17 @@ async def tx_bytes(host: SimHost) -> int:
     )
     out, _ = await proc.communicate()
     return int(out)
+
+
+async def sent_over(
+    host: SimHost, since: int, nbytes: int, unless: asyncio.Future[object], poll_s: float = 0.05
+) -> bool:
+    """Wait until ``host`` has sent over ``nbytes`` on its link past its counter
+    ``since`` (True), or until ``unless`` is done first (False): a transfer that ended
+    or failed before that many bytes crossed is seen at once, not as a timeout. The
+    counter is read every ``poll_s`` s, not back to back (each read is a process)."""
+    while not unless.done():
+        if await tx_bytes(host) - since > nbytes:
+            return True
+        await asyncio.wait({unless}, timeout=poll_s)
+    return False

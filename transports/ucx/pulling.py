@@ -3,7 +3,8 @@
 :class:`UcxPeer` is one connection (`Transport.connect`); its reads go to the
 pulling child of its peer id, started when first needed, connected to the peer, and
 stopped when no connection uses it or, idle, to make room above
-``max_peer_children``. :class:`PeerPulls` is that half of
+``max_peer_children``. Pulls sharing it each read under their own lease's record
+(:class:`ScopedUcxPeer`, :meth:`UcxPeer.scoped`). :class:`PeerPulls` is that half of
 :class:`~transports.ucx.transport.UcxTransport` (mixed in; the serving child, the
 regions and the requests to a child stay there). See `transports.ucx.transport` for
 the processes and why there are several.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import time
@@ -37,7 +39,7 @@ from ..interface import (
 from .protocol import Connect, Disconnect, Get, Reply, Request
 from .supervisor import Child, ChildTimedOut
 
-__all__ = ["BACKSTOP_S", "PeerPulls", "UcxPeer"]
+__all__ = ["BACKSTOP_S", "PeerPulls", "ScopedUcxPeer", "UcxPeer"]
 
 log = logging.getLogger("refitd.dataplane")
 BACKSTOP_S = 5.0
@@ -46,17 +48,34 @@ answered (the child's own deadline should have ended the batch before)."""
 
 
 class UcxPeer(Peer):
+    """One connection to a peer. Its pulling child is connected with every region
+    any record given to it listed (:meth:`update`, :meth:`scoped`), the newest
+    generation of each; each read is checked against the one record it is made
+    under: this connection's own, or a :class:`ScopedUcxPeer`'s."""
+
     def __init__(self, owner: PeerPulls, handle: int, info: PeerInfo) -> None:
         self.owner = owner
         self.handle = handle
         self.info = info
         self._sizes = {r.region_id: r.size for r in info.regions}
+        #: what the pulling child is (to be) connected with: region id -> record
+        self.regions = {r.region_id: r for r in info.regions}
         self._closed = False
+        life = hashlib.blake2b(info.address, digest_size=6).hexdigest()
+        self._key = f"{info.peer_id}@{life}" if info.peer_id else f"#{handle}"
 
     @property
     def key(self) -> str:
-        """Which pulling child serves this connection: one per peer id."""
-        return self.info.peer_id or f"#{self.handle}"
+        """Which pulling child serves this connection: one per life of a peer (its peer
+        id and the worker address it was first connected at, as given to
+        :meth:`PeerPulls.connect`).
+
+        Never one child for two lives: the connection to a peer's earlier life is
+        closed once it is gone, and in a child still shared with the new life that
+        means closing UCX endpoints to a dead peer, which can block the child (and
+        every read queued behind it) until it is killed. Alone in its child, the
+        earlier life's connection is closed by stopping the child."""
+        return self._key
 
     @property
     def pid(self) -> int | None:
@@ -64,24 +83,66 @@ class UcxPeer(Peer):
         c = self.owner._pullers.get(self.key)
         return c.proc.pid if c is not None and not c.dead else None
 
-    async def update(self, info: PeerInfo) -> None:
+    def _check_record(self, info: PeerInfo) -> None:
         info.verify(self.owner.secret)  # before any key reaches UCX
         if info.peer_id != self.info.peer_id:
             raise ProtocolError(
                 f"update refused: the record is for peer {info.peer_id!r}, this connection "
                 f"is to {self.info.peer_id!r}"
             )
+
+    async def update(self, info: PeerInfo) -> None:
+        self._check_record(info)
         self.info = info
         self._sizes = {r.region_id: r.size for r in info.regions}
+        self._cover(info)
+
+    async def scoped(self, info: PeerInfo) -> Peer:
+        """A view of this connection whose reads are checked against ``info`` alone.
+
+        Concurrent pulls from one peer share this connection, each under the record
+        its own lease was given; a record fetched earlier lists fewer regions (not the
+        staging packed for a later lease), so one pull's record must never replace
+        another's: each view keeps its own, and the child is connected with both."""
+        if info is self.info:
+            return self
+        self._check_record(info)
+        self._cover(info)
+        return ScopedUcxPeer(self, info)
+
+    def _cover(self, info: PeerInfo) -> None:
+        """Connect the child (before the next read) with ``info``'s regions too.
+
+        A record from another serving process of the peer (another worker address:
+        it restarted, and the old keys are void) replaces every region; otherwise each
+        region keeps the newest generation any record gave it."""
+        if info.address != self.info.address:
+            self.info = info
+            self.regions = {}
+        merged = dict(self.regions)
+        for r in info.regions:
+            old = merged.get(r.region_id)
+            if old is None or r.generation > old.generation:
+                merged[r.region_id] = r
+        if merged == self.regions:
+            return
+        self.regions = merged
         c = self.owner._pullers.get(self.key)
         if c is not None:
             c.connected.discard(self.handle)  # connect again (new keys) before the next get
 
     async def get(self, batch: ReadBatch | npt.NDArray[np.int64] | Iterable[Sequence[int]]) -> None:
+        await self._get_under(self._sizes, batch)
+
+    async def _get_under(
+        self,
+        sizes: dict[int, int],
+        batch: ReadBatch | npt.NDArray[np.int64] | Iterable[Sequence[int]],
+    ) -> None:
         if self._closed:
             raise TransportClosed(f"get refused: connection to {self.info.peer_id!r} is closed")
         reads = as_read_batch(batch)
-        validate_batch(reads, self.owner.local_sizes(), self._sizes)
+        validate_batch(reads, self.owner.local_sizes(), sizes)
         if not (reads["nbytes"] > 0).any():
             return
         await self.owner._pull(self, reads)
@@ -91,6 +152,31 @@ class UcxPeer(Peer):
             return
         self._closed = True
         await self.owner._close_peer(self)
+
+
+class ScopedUcxPeer(Peer):
+    """:meth:`UcxPeer.scoped`: the connection's reads, checked against ``info`` (one
+    lease's record of the peer). Closing it leaves the connection open."""
+
+    def __init__(self, conn: UcxPeer, info: PeerInfo) -> None:
+        self.conn = conn
+        self.info = info
+        self._sizes = {r.region_id: r.size for r in info.regions}
+
+    async def get(self, batch: ReadBatch | npt.NDArray[np.int64] | Iterable[Sequence[int]]) -> None:
+        await self.conn._get_under(self._sizes, batch)
+
+    async def update(self, info: PeerInfo) -> None:
+        self.conn._check_record(info)
+        self.conn._cover(info)
+        self.info = info
+        self._sizes = {r.region_id: r.size for r in info.regions}
+
+    async def scoped(self, info: PeerInfo) -> Peer:
+        return await self.conn.scoped(info)
+
+    async def close(self) -> None:
+        return None
 
 
 class PeerPulls(Transport):
@@ -159,9 +245,12 @@ class PeerPulls(Transport):
                     await self._stop_child(c)
                     raise TransportClosed("ucx transport is closed")
                 self._pullers[peer.key] = c
-            if peer.handle not in c.connected:
-                await self._call_in(c, Connect(peer.handle, peer.info.address, peer.info.regions))
-                c.connected.add(peer.handle)
+            while peer.handle not in c.connected:
+                address, regions = peer.info.address, dict(peer.regions)
+                await self._call_in(c, Connect(peer.handle, address, tuple(regions.values())))
+                # A record given meanwhile (another pull's scope) connects again.
+                if (address, regions) == (peer.info.address, peer.regions):
+                    c.connected.add(peer.handle)
             c.last_used = time.monotonic()
             return c
 

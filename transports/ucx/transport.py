@@ -16,8 +16,12 @@ Processes, and why there are several (isolation):
   registered in it again (new keys, new generations: re-advertise after `incarnation`
   changes, `on_restart` is called). A serving child that cannot start
   ``max_restarts`` times in a row closes the transport.
-- **One pulling child per connected peer** (per ``peer_id``; connections to the
-  same peer id share it). `UcxPeer.get` posts there, and nowhere else. A peer that
+- **One pulling child per connected peer** (per ``peer_id`` and life of it:
+  connections to the same serving process of a peer share it, a peer restarted under
+  the same id gets a new one, so closing the old life's connection stops its child
+  rather than closing endpoints to a dead peer where the new life's reads queue).
+  Pulls sharing a connection each read under their own lease's record
+  (`UcxPeer.scoped`). `UcxPeer.get` posts there, and nowhere else. A peer that
   hangs (its process stopped, its host unreachable) stalls only the child that reads
   from it, and on the ``cma`` path a peer that dies mid-read aborts only that child.
   Either way only the pulls in flight on that child fail (`PeerLost`, naming the
