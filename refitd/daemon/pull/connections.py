@@ -10,6 +10,7 @@ relay's feed) open through it; the pure decision is :mod:`refitd.daemon.pull.pat
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import numpy as np
@@ -51,6 +52,8 @@ class PullPaths:
         self.seen_paths = seen_paths
         #: the transport's connection per source daemon life (node id, incarnation)
         self._peers: dict[tuple[str, int, str], Peer] = {}
+        #: one opener at a time per peer node (see :meth:`transport_peer`)
+        self._opening: dict[str, asyncio.Lock] = {}
         #: host staging regions of device-bound reads, kept between pulls
         self.staging_regions = StagingRegions(
             self._make_staging, lambda rid: rid in store.segments, self._drop_staging
@@ -166,12 +169,16 @@ class PullPaths:
         transport = self._transport(scheme)
         info = self._credential(peer, scheme)
         key = (peer.node_id, peer.incarnation, scheme)
-        for old in [k for k in self._peers if k[0] == peer.node_id and k[1] != peer.incarnation]:
-            await self._peers.pop(old).close()  # an earlier life of that daemon
-        conn = self._peers.get(key)
-        if conn is None:
-            conn = await transport.connect(info)
-            self._peers[key] = conn
+        # Pulls that find no connection at once wait for the first one's: each
+        # opening its own would leave all but one unkept, so never closed.
+        async with self._opening.setdefault(peer.node_id, asyncio.Lock()):
+            earlier = [k for k in self._peers if k[0] == key[0] and k[1] != key[1]]
+            for old in earlier:
+                await self._peers.pop(old).close()  # an earlier life of that daemon
+            conn = self._peers.get(key)
+            if conn is None:
+                conn = await transport.connect(info)
+                self._peers[key] = conn
         return await conn.scoped(info)
 
     async def staged(self, conn: Peer, rows: np.ndarray) -> StagedPeer:

@@ -8,6 +8,7 @@ host: the one thing two daemons on one machine cannot otherwise be made to show.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator
@@ -281,6 +282,22 @@ async def test_same_host_pulls_under_two_leases_from_one_peer_at_once_both_land(
                 res = await engine.client.wait_pull(started.pull_id)
                 assert res.state is PullState.DONE, res.error
             assert (seg_m.numpy() == 1).all() and (seg_n.numpy() == 2).all()
+
+
+async def test_pulls_that_find_no_connection_to_a_peer_at_once_open_one_and_share_it() -> None:
+    """Two pulls from one peer, both asking for its shared connection before either
+    has it, get the same one: the second waits for the first's instead of opening
+    its own (which nothing kept, so nothing closed: its sockets, and over UCX its
+    child's endpoints to the peer, outlived the peer's life)."""
+    async with node("src", transport="tcp") as src, node("engine", transport="tcp") as engine:
+        await publish(src, 5)
+        lease = await src.client.acquire_lease("m", 1)
+        peer = src.daemon.leases.leased_regions(None, lease.lease_id, "m", 1)
+        paths = engine.pulls.paths
+        tcp = engine.daemon.plane.by_scheme["tcp"]
+        assert isinstance(tcp, TcpTransport)
+        await asyncio.gather(*(paths.transport_peer(peer, "tcp") for _ in range(3)))
+        assert len(tcp._peers) == 1, "a second connection to one peer life was opened"
 
 
 async def test_data_plane_lanes_and_port_configure_the_tcp_data_server() -> None:
