@@ -118,8 +118,8 @@ def _compile_and_replay(
     started = time.perf_counter()
     compiled.bind(published.sources, params.__getitem__, dest)
     replay_cached_s = time.perf_counter() - started
-    if len(bound.src) != len(plan.segments):
-        raise PlanError("compiled replay lost segments")
+    if len(bound.src) != len(plan.reads):
+        raise PlanError("compiled replay lost reads")
     return compile_s, replay_s, replay_cached_s
 
 

@@ -66,7 +66,7 @@ def param_addr(name: str, staging: bool, engine_id: int, offsets: dict[str, int]
 class ScratchLayout:
     """Where a bound plan's blocks sit in scratch (module docstring): ``nbytes`` in
     all, the packed blocks that land strided, each pack's destination (synthetic),
-    the full pulls at their offsets and their segments' rows ``(src, dst, nbytes)``."""
+    the full pulls at their offsets and their reads' rows ``(src, dst, nbytes)``."""
 
     nbytes: int
     scatter: list[Scatter]
@@ -96,7 +96,7 @@ def scratch_layout(
     fp_rows: list[tuple[int, int, int]] = []
     for fp in bound.full_pulls:
         full.append((cursor, fp))
-        fp_rows += [(s.src_addr, -SPAN + cursor + s.dst_byte, s.nbytes) for s in fp.segments]
+        fp_rows += [(s.src_addr, -SPAN + cursor + s.dst_byte, s.nbytes) for s in fp.reads]
         cursor = align(cursor + fp.staging_nbytes)
     return ScratchLayout(cursor, scatter, pack_dst, full, fp_rows)
 

@@ -105,7 +105,7 @@ class DaemonReceiver(Staging):
         mode: Literal["staging", "direct", "swap"] = "staging",
         lease_ttl_s: float = 60.0,
         strict: bool = False,
-        max_segments_per_copy: int = 64,
+        max_reads_per_copy: int = 64,
         allow_unwritten: Iterable[str] = (),
     ) -> None:
         self.local = local
@@ -117,7 +117,7 @@ class DaemonReceiver(Staging):
         self.mode = mode
         self.lease_ttl_s = lease_ttl_s
         self.strict = strict
-        self.max_segments_per_copy = max_segments_per_copy
+        self.max_reads_per_copy = max_reads_per_copy
         self.allow_unwritten = frozenset(allow_unwritten)
         self._compiled: CompiledPull | None = None
         self._lowered: dict[bytes, CompiledPull] = {}  # by signature, the newest KEEP_PLANS
@@ -174,7 +174,7 @@ class DaemonReceiver(Staging):
             twin = self.twin()
         reshard = ReshardReceiver(
             self.capture(twin, manifest),
-            max_segments_per_copy=self.max_segments_per_copy,
+            max_reads_per_copy=self.max_reads_per_copy,
             strict=self.strict,
             allow_unwritten=self.allow_unwritten,
         )

@@ -1,7 +1,7 @@
 """Compiled plans: a plan lowered to flat arrays, bound to the signature it was warmed on.
 
 A refit repeats every step with the same geometry, so planning runs once. The plan
-is lowered to numpy arrays (one row per exact segment; pack specs and full pulls
+is lowered to numpy arrays (one row per exact read; pack specs and full pulls
 alongside) and bound to a :class:`PlanSignature`:
 
 - the *manifest structure*: every source's name, global shape, dtype, element size
@@ -30,7 +30,7 @@ import torch
 
 from refitd.errors import PlanError, TransportError
 from refitd.reshard.reads import PackedRead, ReadDescriptor, ReadExecutor
-from refitd.reshard.slice_plan import Segment
+from refitd.reshard.slice_plan import Read
 from refitd.reshard.transfer_plan import FullPull, PackPlan, SourceInfo, TransferPlan, run_full_pull
 
 __all__ = [
@@ -90,7 +90,7 @@ class BoundPlan:
 
     ``src``/``dst`` are absolute byte addresses, ``nbytes`` bytes, ``session`` an
     index into ``sessions``. ``pack_src``/``pack_dst`` are the rebased pack specs'
-    addresses; ``full_pulls`` carry rebased segments.
+    addresses; ``full_pulls`` carry rebased reads.
     """
 
     sessions: tuple[str, ...]
@@ -148,9 +148,9 @@ class ManifestLayout:
 class CompiledPlan:
     """A :class:`TransferPlan` lowered to arrays and bound to its signature.
 
-    ``seg_*`` hold one row per exact segment (session and parameter as codes into
+    ``read_*`` hold one row per exact read (session and parameter as codes into
     ``sessions``/``params``, byte addresses and offsets), ``pack_*`` one row per pack
-    spec, ``fp_session`` the session codes of each full pull's segments;
+    spec, ``fp_session`` the session codes of each full pull's reads;
     ``ref_session``/``ref_addr`` every read shard's session code and compile-time
     address, in :class:`ManifestLayout` order.
     """
@@ -160,11 +160,11 @@ class CompiledPlan:
     plan: TransferPlan
     sessions: tuple[str, ...]
     params: tuple[str, ...]
-    seg_session: IntArray
-    seg_src: IntArray
-    seg_param: IntArray
-    seg_dst: IntArray
-    seg_nbytes: IntArray
+    read_session: IntArray
+    read_src: IntArray
+    read_param: IntArray
+    read_dst: IntArray
+    read_nbytes: IntArray
     pack_session: IntArray
     pack_src: IntArray
     pack_param: IntArray
@@ -258,19 +258,19 @@ class CompiledPlan:
         fps = tuple(
             replace(
                 fp,
-                segments=[
+                reads=[
                     replace(s, src_addr=s.src_addr + int(shift[c]))
-                    for s, c in zip(fp.segments, codes.tolist(), strict=True)
+                    for s, c in zip(fp.reads, codes.tolist(), strict=True)
                 ],
             )
             for fp, codes in zip(self.plan.full_pulls, self.fp_session, strict=True)
         )
         return BoundPlan(
             self.sessions,
-            self.seg_session,
-            self.seg_src + shift[self.seg_session],
-            ptrs[self.seg_param] + self.seg_dst,
-            self.seg_nbytes,
+            self.read_session,
+            self.read_src + shift[self.read_session],
+            ptrs[self.read_param] + self.read_dst,
+            self.read_nbytes,
             tuple(self.plan.packs),
             self.pack_src + shift[self.pack_session],
             ptrs[self.pack_param] + self.pack_dst,
@@ -311,7 +311,7 @@ def compile_plan(
         )
     sessions: dict[str, int] = {}
     params: dict[str, int] = {}
-    segs: list[Segment] = plan.segments
+    reads: list[Read] = plan.reads
     planned = set(plan.planned_sources)
     ref = tuple(n for n in sources if n in planned)
     infos = [sources[n] for n in ref]
@@ -326,18 +326,16 @@ def compile_plan(
         plan=plan,
         sessions=(),
         params=(),
-        seg_session=_codes([s.session for s in segs], sessions),
-        seg_src=np.array([s.src_addr for s in segs], dtype=np.int64),
-        seg_param=_codes([s.param_name for s in segs], params),
-        seg_dst=np.array([s.dst_byte for s in segs], dtype=np.int64),
-        seg_nbytes=np.array([s.nbytes for s in segs], dtype=np.int64),
+        read_session=_codes([s.session for s in reads], sessions),
+        read_src=np.array([s.src_addr for s in reads], dtype=np.int64),
+        read_param=_codes([s.param_name for s in reads], params),
+        read_dst=np.array([s.dst_byte for s in reads], dtype=np.int64),
+        read_nbytes=np.array([s.nbytes for s in reads], dtype=np.int64),
         pack_session=_codes([p.session for p in plan.packs], sessions),
         pack_src=np.array([p.src_addr for p in plan.packs], dtype=np.int64),
         pack_param=_codes([p.param_name for p in plan.packs], params),
         pack_dst=np.array([p.dst_byte for p in plan.packs], dtype=np.int64),
-        fp_session=tuple(
-            _codes([s.session for s in fp.segments], sessions) for fp in plan.full_pulls
-        ),
+        fp_session=tuple(_codes([s.session for s in fp.reads], sessions) for fp in plan.full_pulls),
         ref_session=ref_session,
         ref_addr=np.array([s.addr for s in shards], dtype=np.int64),
     )
@@ -367,7 +365,7 @@ def execute_bound(
         "bytes": int(bound.nbytes.sum())
         + sum(p.nbytes for p in bound.packs)
         + sum(fp.nbytes() for fp in bound.full_pulls),
-        "segments": int(bound.nbytes.size),
+        "reads": int(bound.nbytes.size),
         "packs": len(bound.packs),
         "full_pulls": len(bound.full_pulls),
         "fallback": [],

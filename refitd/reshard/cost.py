@@ -1,6 +1,6 @@
-"""The per-copy cost model: exact segments, a pack spec, or a bounding-rows pull.
+"""The per-copy cost model: exact reads, a pack spec, or a bounding-rows pull.
 
-A copy whose exact segments fit the descriptor budget is always pulled exactly (no
+A copy whose exact reads fit the descriptor budget is always pulled exactly (no
 extra wire bytes, nothing to replay). Otherwise the cheapest option within budget
 wins, by
 

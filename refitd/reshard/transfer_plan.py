@@ -1,10 +1,10 @@
 """Plan every recorded copy of a capture against published sources, and execute it.
 
-:func:`plan_transfer` resolves each copy to exact, coalesced segments
+:func:`plan_transfer` resolves each copy to exact, coalesced reads
 (:mod:`refitd.reshard.slice_plan`), then applies the cost model
 (:mod:`refitd.reshard.cost`) under a per-copy descriptor budget:
 
-- exact segments when they fit the budget;
+- exact reads when they fit the budget;
 - otherwise the cheapest of a *pack spec* per session (a strided source region the
   source packs contiguous: one descriptor, no extra bytes) and a *full pull* of the
   bounding row range of every touched shard into a staging buffer, followed by
@@ -45,7 +45,7 @@ from refitd.reshard.reads import PackedRead, ReadDescriptor, ReadExecutor
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.slice_plan import (
     Pieces,
-    Segment,
+    Read,
     Shard,
     check_cast,
     coalesce,
@@ -113,7 +113,7 @@ class FullPull:
     """Pull the bounding rows of a source's shards into staging, then replay.
 
     The staging buffer is laid out as the full tensor (``staging_nbytes`` bytes,
-    row-major ``global_shape`` of ``dtype``); each segment's ``dst_byte`` is a byte
+    row-major ``global_shape`` of ``dtype``); each read's ``dst_byte`` is a byte
     offset into it and its ``param_name`` is the source's name. ``copies`` are
     replayed on the staging tensor with ``replay_ops`` into their parameters.
     """
@@ -122,7 +122,7 @@ class FullPull:
     global_shape: tuple[int, ...]
     dtype: torch.dtype
     elsize: int
-    segments: list[Segment]
+    reads: list[Read]
     copies: list[RecordedCopy]
 
     @property
@@ -130,7 +130,7 @@ class FullPull:
         return math.prod(self.global_shape) * self.elsize
 
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.segments)
+        return sum(s.nbytes for s in self.reads)
 
 
 @dataclass(frozen=True)
@@ -163,15 +163,15 @@ class PackPlan:
 
 @dataclass
 class TransferPlan:
-    """What to read for one capture: exact segments, pack specs and full pulls.
+    """What to read for one capture: exact reads, pack specs and full pulls.
 
     ``exact_bytes``/``exact_descriptor_count`` describe the all-exact plan (every
-    copy as exact coalesced segments); the accessors compare the chosen plan to it.
+    copy as exact coalesced reads); the accessors compare the chosen plan to it.
     ``max_descriptors_per_copy`` is the largest descriptor count any one copy got;
     ``choices`` counts copies per option; ``planned_sources`` names the sources read.
     """
 
-    segments: list[Segment] = field(default_factory=list)
+    reads: list[Read] = field(default_factory=list)
     full_pulls: list[FullPull] = field(default_factory=list)
     packs: list[PackPlan] = field(default_factory=list)
     unbounded_sources: list[str] = field(default_factory=list)
@@ -186,16 +186,14 @@ class TransferPlan:
     def bytes_planned(self) -> int:
         """Bytes that cross the wire."""
         return (
-            sum(s.nbytes for s in self.segments)
+            sum(s.nbytes for s in self.reads)
             + sum(fp.nbytes() for fp in self.full_pulls)
             + sum(p.nbytes for p in self.packs)
         )
 
     def descriptor_count(self) -> int:
-        """Reads posted: segments, full-pull segments and pack specs (one each)."""
-        return (
-            len(self.segments) + sum(len(fp.segments) for fp in self.full_pulls) + len(self.packs)
-        )
+        """Reads posted: exact reads, full-pull reads and pack specs (one each)."""
+        return len(self.reads) + sum(len(fp.reads) for fp in self.full_pulls) + len(self.packs)
 
     def descriptor_savings(self) -> int:
         return self.exact_descriptor_count - self.descriptor_count()
@@ -226,7 +224,7 @@ def _merge_exact(parts: list[tuple[int, Pieces]], n_sessions: int) -> tuple[Piec
 def plan_transfer(
     capture: CaptureResult,
     sources: Mapping[str, SourceInfo],
-    max_segments_per_copy: int = 64,
+    max_reads_per_copy: int = 64,
     *,
     pack_specs: bool = True,
     descriptor_cost_bytes: int = DESCRIPTOR_COST_BYTES,
@@ -234,7 +232,7 @@ def plan_transfer(
 ) -> TransferPlan:
     """Plan every copy of ``capture`` against ``sources`` (see the module docstring).
 
-    ``max_segments_per_copy`` is the descriptor budget per recorded copy;
+    ``max_reads_per_copy`` is the descriptor budget per recorded copy;
     ``descriptor_cost_bytes``/``pack_cost_bytes`` price a descriptor and a pack spec
     in wire bytes (:mod:`refitd.reshard.cost`). Replicas
     are assigned so no byte is read twice and reads spread across sessions.
@@ -268,7 +266,7 @@ def plan_transfer(
                         copies,
                         sessions,
                         loads,
-                        max_segments_per_copy,
+                        max_reads_per_copy,
                         pack_specs,
                         (descriptor_cost_bytes, pack_cost_bytes),
                         plan,
@@ -368,8 +366,8 @@ def _assemble(
             )
     param_names = sorted(params, key=params.__getitem__)
     merged, param_of = _merge_exact(exact_parts, n_sessions)
-    plan.segments = [
-        Segment(names[s], a, d, n, param_names[p])
+    plan.reads = [
+        Read(names[s], a, d, n, param_names[p])
         for s, a, d, n, p in zip(
             merged.session.tolist(),
             merged.addr.tolist(),
@@ -411,22 +409,22 @@ def _full_pull(
         )
     arr = np.array(parts, dtype=np.int64).reshape(-1, 5)
     p = coalesce(Pieces(arr[:, 4], arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]))
-    segments = [
-        Segment(names[s], a, d, n, src_name)
+    reads = [
+        Read(names[s], a, d, n, src_name)
         for s, a, d, n in zip(
             p.session.tolist(), p.addr.tolist(), p.dst.tolist(), p.nbytes.tolist(), strict=True
         )
     ]
-    return FullPull(src_name, tuple(info.global_shape), info.dtype, info.elsize, segments, copies)
+    return FullPull(src_name, tuple(info.global_shape), info.dtype, info.elsize, reads, copies)
 
 
 def exact_descriptors(
     plan: TransferPlan, resolve_param_ptr: Callable[[str], int]
 ) -> list[ReadDescriptor]:
-    """The plan's exact segments as absolute reads into the parameters, in plan order."""
+    """The plan's exact reads as absolute descriptors into the parameters, in plan order."""
     ptrs: dict[str, int] = {}
     out = []
-    for s in plan.segments:
+    for s in plan.reads:
         base = ptrs.get(s.param_name)
         if base is None:
             base = ptrs[s.param_name] = resolve_param_ptr(s.param_name)
@@ -443,7 +441,7 @@ def run_full_pull(
     staging = torch.empty(fp.staging_nbytes, dtype=torch.uint8)
     base = staging.data_ptr()
     transport.read(
-        [ReadDescriptor(s.session, s.src_addr, base + s.dst_byte, s.nbytes) for s in fp.segments]
+        [ReadDescriptor(s.session, s.src_addr, base + s.dst_byte, s.nbytes) for s in fp.reads]
     )
     full = staging.view(fp.dtype).reshape(fp.global_shape)
     for copy in fp.copies:
@@ -457,7 +455,7 @@ def execute_transfer(
 ) -> dict[str, Any]:
     """Move every planned byte through ``transport``; return what moved.
 
-    Exact segments go in one ``read`` call (exactly :func:`exact_descriptors`);
+    Exact reads go in one ``read`` call (exactly :func:`exact_descriptors`);
     pack specs need a transport with ``read_packed``; full pulls land in staging
     and are replayed. ``fallback`` is reported, never acted on: refusing a plan
     with unsupported sources is the receiver's policy.
@@ -489,7 +487,7 @@ def execute_transfer(
         run_full_pull(fp, resolve_param_ptr, transport)
     return {
         "bytes": plan.bytes_planned(),
-        "segments": len(descriptors),
+        "reads": len(descriptors),
         "packs": len(plan.packs),
         "full_pulls": len(plan.full_pulls),
         "descriptors": plan.descriptor_count(),

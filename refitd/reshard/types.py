@@ -3,7 +3,7 @@
 A *source* is one full trainer tensor (by name, in its global shape). Capture
 records, for every destination parameter, which view of which source the engine's
 loader copied and where the copy landed; the later stages turn those records into
-byte segments. Everything here is plain data: no I/O, no torch storage.
+contiguous reads. Everything here is plain data: no I/O, no torch storage.
 
 Op chains use ModelExpress's encoding so plans port between the two projects: a
 chain is a tuple of ``(method_name, args, frozen_kwargs)`` applied left to right to

@@ -77,7 +77,7 @@ async def test_an_engine_in_device_memory_refits_each_version_exactly_on_the_dev
             twin=lambda: ToyEngine(CFG, PAR),
             capture=capture_for(layout_of(full_state(CFG, seed=1))),
             mode=mode,  # type: ignore[arg-type]
-            max_segments_per_copy=2,
+            max_reads_per_copy=2,
         )
         r.memory = HostDevEngineMemory(d, c, r._params)
         pubs = []
@@ -111,7 +111,7 @@ async def test_a_delta_receiver_in_device_memory_refits_in_full_and_says_why() -
             engine=engine,
             twin=lambda: ToyEngine(CFG, PAR),
             capture=capture_for(layout_of(full_state(CFG, seed=1))),
-            max_segments_per_copy=2,
+            max_reads_per_copy=2,
         )
         r.memory = HostDevEngineMemory(d, c, r._params)
         pubs = []

@@ -177,7 +177,7 @@ def _setup(kind: str, client: Any) -> tuple[Any, dict[str, torch.Tensor], Any, A
             engine=ColumnSwap(),
             twin=ColumnSwap,
             capture=lambda twin, manifest: capture_geometry(twin, manifest, default_weight_loader),
-            max_segments_per_copy=1,
+            max_reads_per_copy=1,
             allow_unwritten=["w"],
         )
         return ColumnTrainer(client, "m"), state, kw, columns_ok
@@ -190,7 +190,7 @@ def _setup(kind: str, client: Any) -> tuple[Any, dict[str, torch.Tensor], Any, A
         engine=zeroed_engine(cfg, par),
         twin=lambda: ToyEngine(cfg, par),
         capture=capture_for(megatron_tp_ep(cfg, 2, ep, state)),
-        max_segments_per_copy=2,  # pack specs and full pulls as well as rows
+        max_reads_per_copy=2,  # pack specs and full pulls as well as rows
     )
     return trainer, state, kw, lambda eng, st_: mismatched(eng, cfg, par, st_) == []
 

@@ -112,7 +112,7 @@ def test_a_casting_loader_is_replayed_bit_for_bit_as_the_loader_casts(
     plan = plan_transfer(captured, sources)
     cast = src_dtype != dest_dtype
     # A conversion never rides a byte copy: it is staged in the source's dtype.
-    assert (plan.segments == [] and len(plan.full_pulls) == 2) if cast else plan.full_pulls == []
+    assert (plan.reads == [] and len(plan.full_pulls) == 2) if cast else plan.full_pulls == []
     got = Router(rows, cols, dest_dtype)
     params = dict(got.named_parameters())
     execute_transfer(plan, lambda n: params[n].data_ptr(), InMemoryReadExecutor())
@@ -138,7 +138,7 @@ def test_a_casting_copy_whose_source_is_not_in_row_blocks_is_refused_naming_it()
         ],
     )
     plan = plan_transfer(CaptureResult(copies=[copy]), {"w": source})
-    assert plan.segments == [] and plan.full_pulls == []
+    assert plan.reads == [] and plan.full_pulls == []
     (reason,) = [r for n, r in plan.fallback_reasons.items() if n == "w"]
     assert "converts dtype" in reason and "'gate'" in reason
 
@@ -248,9 +248,7 @@ def test_a_loader_chain_with_casts_is_replayed_bit_for_bit_as_the_loader_leaves_
     keep: list[torch.Tensor] = []
     plan = plan_transfer(captured, {"w": _publish(w, [c for c in cuts if c < rows], keep)})
     converts = copy.casts != () or src_dtype != dest_dtype
-    assert (
-        (plan.segments == [] and len(plan.full_pulls) == 1) if converts else plan.full_pulls == []
-    )
+    assert (plan.reads == [] and len(plan.full_pulls) == 1) if converts else plan.full_pulls == []
     got = ChainLoader(shape, dest_dtype, chain)
     execute_transfer(plan, lambda n: got.p.data_ptr(), InMemoryReadExecutor())
     assert torch.equal(got.p.view(-1).view(torch.uint8), truth.p.view(-1).view(torch.uint8))

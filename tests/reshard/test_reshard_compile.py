@@ -119,7 +119,7 @@ def test_shards_that_moved_apart_within_a_session_are_refused(kit: Any) -> None:
     params = {"pa": torch.zeros(64, 64), "pb": torch.zeros(8, 64)}
     cap = CaptureResult(copies=[kit.copy_record("a", (), "pa", params["pa"])])
     plan = plan_transfer(cap, pub1.sources)
-    assert len(plan.segments) == 1
+    assert len(plan.reads) == 1
     compiled = compile_plan(plan, pub1.sources, dest_layout_of(params))
     # ... then republished with the same boxes and session, in separate buffers.
     pub2, _ = _setup(kit, packed=False, sessions=["t"] * 4)
