@@ -18,7 +18,7 @@
    copied into them only after it succeeded; ``"swap"`` lands it in a second copy
    of their memory, which they are rebound to only after it succeeded (one copy,
    :mod:`refitd.client.swap`); in both a failed pull installs nothing. ``"direct"``
-   lands it in the parameters, and a failure names the suspect ones. Full pulls are
+   lands it in the parameters, and a failure names the suspect ones. Full reads are
    replayed from scratch into the parameters in every mode;
 6. release the lease.
 
@@ -247,7 +247,7 @@ class DaemonReceiver(Staging):
             try:
                 async with held_lease(self.source, acquiring, self.lease_ttl_s) as keeper:
                     self.lease_keeper, self._lease = keeper, keeper.granted
-                    # stage() is always a full pull: the inactive copy is no delta's base
+                    # stage() always refits in full: the inactive copy is no delta's base
                     leased = self._refit_leased if not self._hold else self._full_leased
                     return await leased(version, keeper.granted.lease_id, t0, on_progress)
             except RefitError as exc:
@@ -344,7 +344,7 @@ class DaemonReceiver(Staging):
             comp.rows.shape[0] + len(comp.packs),
             len(comp.packs),
             len(comp.scatter),
-            len(comp.full_pulls),
+            len(comp.full_reads),
             t1 - t0,
             t2 - t1,
             t3 - t2,

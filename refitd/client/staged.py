@@ -57,7 +57,7 @@ class Staging:
         *,
         on_progress: Callable[[PullProgress], None] | None = None,
     ) -> RefitStats:
-        """Swap mode, host memory: pull ``version`` (a full pull, whatever refit kind
+        """Swap mode, host memory: pull ``version`` (in full, whatever refit kind
         this receiver runs) into the inactive copy and land all of it there, writing
         nothing the engine reads; :attr:`staged` then names it until
         :meth:`swap_staged` swaps it in, or any other refit replaces it. A failure

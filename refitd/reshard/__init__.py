@@ -14,7 +14,7 @@ Modules:
 - `replay`: local replay of recorded movement-op chains
 - `chunks`: where each element of a full tensor can be read from: a shard's chunks
 - `slice_plan`: one recorded copy → exact, coalesced reads
-- `cost`: the per-copy cost model: exact reads, a pack spec, or a full pull
+- `cost`: the per-copy cost model: exact reads, a pack spec, or a full read
 - `transfer_plan`: a whole capture → a costed transfer plan
 - `coverage`: which destinations a capture leaves unwritten
 - `owners`: which destination a loader's write lands in, by the memory it lands in
@@ -45,7 +45,7 @@ from refitd.reshard.receiver import ReshardReceiver
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.slice_plan import Read, Shard, plan_pull
 from refitd.reshard.transfer_plan import (
-    FullPull,
+    FullRead,
     PackPlan,
     SourceInfo,
     TransferPlan,
@@ -66,7 +66,7 @@ __all__ = [
     "BoundPlan",
     "CaptureResult",
     "CompiledPlan",
-    "FullPull",
+    "FullRead",
     "InMemoryReadExecutor",
     "LazyWeight",
     "OpChain",

@@ -1,7 +1,7 @@
 """Compiled plans: a plan lowered to flat arrays, bound to the signature it was warmed on.
 
 A refit repeats every step with the same geometry, so planning runs once. The plan
-is lowered to numpy arrays (one row per exact read; pack specs and full pulls
+is lowered to numpy arrays (one row per exact read; pack specs and full reads
 alongside) and bound to a :class:`PlanSignature`:
 
 - the *manifest structure*: every source's name, global shape, dtype, element size
@@ -31,7 +31,7 @@ import torch
 from refitd.errors import PlanError, TransportError
 from refitd.reshard.reads import PackedRead, ReadDescriptor, ReadExecutor
 from refitd.reshard.slice_plan import Read
-from refitd.reshard.transfer_plan import FullPull, PackPlan, SourceInfo, TransferPlan, run_full_pull
+from refitd.reshard.transfer_plan import FullRead, PackPlan, SourceInfo, TransferPlan, run_full_read
 
 __all__ = [
     "BoundPlan",
@@ -90,7 +90,7 @@ class BoundPlan:
 
     ``src``/``dst`` are absolute byte addresses, ``nbytes`` bytes, ``session`` an
     index into ``sessions``. ``pack_src``/``pack_dst`` are the rebased pack specs'
-    addresses; ``full_pulls`` carry rebased reads.
+    addresses; ``full_reads`` carry rebased reads.
     """
 
     sessions: tuple[str, ...]
@@ -101,7 +101,7 @@ class BoundPlan:
     packs: tuple[PackPlan, ...]
     pack_src: IntArray
     pack_dst: IntArray
-    full_pulls: tuple[FullPull, ...]
+    full_reads: tuple[FullRead, ...]
 
     def descriptors(self) -> list[ReadDescriptor]:
         names = self.sessions
@@ -150,7 +150,7 @@ class CompiledPlan:
 
     ``read_*`` hold one row per exact read (session and parameter as codes into
     ``sessions``/``params``, byte addresses and offsets), ``pack_*`` one row per pack
-    spec, ``fp_session`` the session codes of each full pull's reads;
+    spec, ``fr_session`` the session codes of each full read's reads;
     ``ref_session``/``ref_addr`` every read shard's session code and compile-time
     address, in :class:`ManifestLayout` order.
     """
@@ -169,7 +169,7 @@ class CompiledPlan:
     pack_src: IntArray
     pack_param: IntArray
     pack_dst: IntArray
-    fp_session: tuple[IntArray, ...]
+    fr_session: tuple[IntArray, ...]
     ref_session: IntArray
     ref_addr: IntArray
 
@@ -255,15 +255,15 @@ class CompiledPlan:
         ptrs = np.array([resolve_param_ptr(p) for p in self.params], dtype=np.int64)
         if not ptrs.size:
             ptrs = np.zeros(1, dtype=np.int64)
-        fps = tuple(
+        frs = tuple(
             replace(
-                fp,
+                fr,
                 reads=[
                     replace(s, src_addr=s.src_addr + int(shift[c]))
-                    for s, c in zip(fp.reads, codes.tolist(), strict=True)
+                    for s, c in zip(fr.reads, codes.tolist(), strict=True)
                 ],
             )
-            for fp, codes in zip(self.plan.full_pulls, self.fp_session, strict=True)
+            for fr, codes in zip(self.plan.full_reads, self.fr_session, strict=True)
         )
         return BoundPlan(
             self.sessions,
@@ -274,7 +274,7 @@ class CompiledPlan:
             tuple(self.plan.packs),
             self.pack_src + shift[self.pack_session],
             ptrs[self.pack_param] + self.pack_dst,
-            fps,
+            frs,
         )
 
     def replay(
@@ -335,7 +335,7 @@ def compile_plan(
         pack_src=np.array([p.src_addr for p in plan.packs], dtype=np.int64),
         pack_param=_codes([p.param_name for p in plan.packs], params),
         pack_dst=np.array([p.dst_byte for p in plan.packs], dtype=np.int64),
-        fp_session=tuple(_codes([s.session for s in fp.reads], sessions) for fp in plan.full_pulls),
+        fr_session=tuple(_codes([s.session for s in fr.reads], sessions) for fr in plan.full_reads),
         ref_session=ref_session,
         ref_addr=np.array([s.addr for s in shards], dtype=np.int64),
     )
@@ -349,7 +349,7 @@ def compile_plan(
 def execute_bound(
     bound: BoundPlan, resolve_param_ptr: Callable[[str], int], transport: ReadExecutor
 ) -> dict[str, Any]:
-    """Post a bound plan's reads; full pulls are fetched to staging and replayed."""
+    """Post a bound plan's reads; full reads are fetched to staging and replayed."""
     transport.read(bound.descriptors())
     if bound.packs:
         read_packed = getattr(transport, "read_packed", None)
@@ -359,14 +359,14 @@ def execute_bound(
                 f"cannot pack; plan with pack_specs=False for this transport"
             )
         read_packed(bound.packed_reads())
-    for fp in bound.full_pulls:
-        run_full_pull(fp, resolve_param_ptr, transport)
+    for fr in bound.full_reads:
+        run_full_read(fr, resolve_param_ptr, transport)
     return {
         "bytes": int(bound.nbytes.sum())
         + sum(p.nbytes for p in bound.packs)
-        + sum(fp.nbytes() for fp in bound.full_pulls),
+        + sum(fr.nbytes() for fr in bound.full_reads),
         "reads": int(bound.nbytes.size),
         "packs": len(bound.packs),
-        "full_pulls": len(bound.full_pulls),
+        "full_reads": len(bound.full_reads),
         "fallback": [],
     }

@@ -406,7 +406,7 @@ def plan_pull(
 
 
 def check_cast(copy: RecordedCopy, src_dtype: torch.dtype, bounded: bool) -> None:
-    """A copy that converts dtype is planned as a full pull (the source's rows staged
+    """A copy that converts dtype is planned as a full read (the source's rows staged
     in its own dtype, converted at install by the loader's ``copy_``): refuse one
     whose conversion is not replayable, or whose source cannot be staged. The
     loader's own casts (``copy.casts``, from ``.to()`` and the like) are replayed

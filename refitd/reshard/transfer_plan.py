@@ -6,13 +6,13 @@
 
 - exact reads when they fit the budget;
 - otherwise the cheapest of a *pack spec* per session (a strided source region the
-  source packs contiguous: one descriptor, no extra bytes) and a *full pull* of the
+  source packs contiguous: one descriptor, no extra bytes) and a *full read* of the
   bounding row range of every touched shard into a staging buffer, followed by
   local replay of the op chain (only for sources published as dim-0 blocks;
   others are reported in ``unbounded_sources``).
 
 With ``pack_specs=False`` the planner behaves like ModelExpress: over-budget copies
-of dim-0-blocked sources are full-pulled, others keep their exact descriptors.
+of dim-0-blocked sources get a full read, others keep their exact descriptors.
 
 Sources unsupported at capture, missing from ``sources`` or unplannable land in
 ``fallback``: nothing is planned or fetched for them, and a receiver must refuse
@@ -39,7 +39,7 @@ from refitd.reshard.cost import (
     Choice,
     choose,
     full_cost,
-    full_pull_rows,
+    full_read_rows,
 )
 from refitd.reshard.reads import PackedRead, ReadDescriptor, ReadExecutor
 from refitd.reshard.replay import replay_ops
@@ -56,7 +56,7 @@ from refitd.reshard.slice_plan import (
 from refitd.reshard.types import CaptureResult, RecordedCopy, UnsupportedReshard
 
 __all__ = [
-    "FullPull",
+    "FullRead",
     "PackPlan",
     "SourceInfo",
     "TransferPlan",
@@ -109,8 +109,8 @@ class SourceInfo:
 
 
 @dataclass(frozen=True)
-class FullPull:
-    """Pull the bounding rows of a source's shards into staging, then replay.
+class FullRead:
+    """Read the bounding rows of a source's shards into staging, then replay.
 
     The staging buffer is laid out as the full tensor (``staging_nbytes`` bytes,
     row-major ``global_shape`` of ``dtype``); each read's ``dst_byte`` is a byte
@@ -163,7 +163,7 @@ class PackPlan:
 
 @dataclass
 class TransferPlan:
-    """What to read for one capture: exact reads, pack specs and full pulls.
+    """What to read for one capture: exact reads, pack specs and full reads.
 
     ``exact_bytes``/``exact_descriptor_count`` describe the all-exact plan (every
     copy as exact coalesced reads); the accessors compare the chosen plan to it.
@@ -172,7 +172,7 @@ class TransferPlan:
     """
 
     reads: list[Read] = field(default_factory=list)
-    full_pulls: list[FullPull] = field(default_factory=list)
+    full_reads: list[FullRead] = field(default_factory=list)
     packs: list[PackPlan] = field(default_factory=list)
     unbounded_sources: list[str] = field(default_factory=list)
     fallback: list[str] = field(default_factory=list)
@@ -187,13 +187,13 @@ class TransferPlan:
         """Bytes that cross the wire."""
         return (
             sum(s.nbytes for s in self.reads)
-            + sum(fp.nbytes() for fp in self.full_pulls)
+            + sum(fr.nbytes() for fr in self.full_reads)
             + sum(p.nbytes for p in self.packs)
         )
 
     def descriptor_count(self) -> int:
-        """Reads posted: exact reads, full-pull reads and pack specs (one each)."""
-        return len(self.reads) + sum(len(fp.reads) for fp in self.full_pulls) + len(self.packs)
+        """Reads posted: exact reads, the reads of full reads, and pack specs (one each)."""
+        return len(self.reads) + sum(len(fr.reads) for fr in self.full_reads) + len(self.packs)
 
     def descriptor_savings(self) -> int:
         return self.exact_descriptor_count - self.descriptor_count()
@@ -361,8 +361,8 @@ def _assemble(
                 )
             plan.max_descriptors_per_copy = max(plan.max_descriptors_per_copy, n_desc)
         if full_copies:
-            plan.full_pulls.append(
-                _full_pull(src_name, info, Pieces.concat(full_raw), full_copies, names, sessions)
+            plan.full_reads.append(
+                _full_read(src_name, info, Pieces.concat(full_raw), full_copies, names, sessions)
             )
     param_names = sorted(params, key=params.__getitem__)
     merged, param_of = _merge_exact(exact_parts, n_sessions)
@@ -380,15 +380,15 @@ def _assemble(
     plan.exact_descriptor_count = len(_merge_exact(all_parts, n_sessions)[0])
 
 
-def _full_pull(
+def _full_read(
     src_name: str,
     info: SourceInfo,
     raw: Pieces,
     copies: list[RecordedCopy],
     names: list[str],
     sessions: dict[str, int],
-) -> FullPull:
-    rows = full_pull_rows(raw, info.shards, info.elsize)
+) -> FullRead:
+    rows = full_read_rows(raw, info.shards, info.elsize)
     ks = sorted(
         rows, key=lambda k: info.shards[k].shard_offset[0] + rows[k][0] if info.global_shape else 0
     )
@@ -415,7 +415,7 @@ def _full_pull(
             p.session.tolist(), p.addr.tolist(), p.dst.tolist(), p.nbytes.tolist(), strict=True
         )
     ]
-    return FullPull(src_name, tuple(info.global_shape), info.dtype, info.elsize, reads, copies)
+    return FullRead(src_name, tuple(info.global_shape), info.dtype, info.elsize, reads, copies)
 
 
 def exact_descriptors(
@@ -432,19 +432,19 @@ def exact_descriptors(
     return out
 
 
-def run_full_pull(
-    fp: FullPull, resolve_param_ptr: Callable[[str], int], transport: ReadExecutor
+def run_full_read(
+    fr: FullRead, resolve_param_ptr: Callable[[str], int], transport: ReadExecutor
 ) -> None:
-    """Fetch ``fp`` into a fresh staging buffer and replay its copies locally."""
+    """Fetch ``fr`` into a fresh staging buffer and replay its copies locally."""
     # empty, not zeros: pages of rows outside the bounding ranges are never touched,
     # so a large tensor costs memory only for the rows actually pulled.
-    staging = torch.empty(fp.staging_nbytes, dtype=torch.uint8)
+    staging = torch.empty(fr.staging_nbytes, dtype=torch.uint8)
     base = staging.data_ptr()
     transport.read(
-        [ReadDescriptor(s.session, s.src_addr, base + s.dst_byte, s.nbytes) for s in fp.reads]
+        [ReadDescriptor(s.session, s.src_addr, base + s.dst_byte, s.nbytes) for s in fr.reads]
     )
-    full = staging.view(fp.dtype).reshape(fp.global_shape)
-    for copy in fp.copies:
+    full = staging.view(fr.dtype).reshape(fr.global_shape)
+    for copy in fr.copies:
         write_through_pointer(
             resolve_param_ptr(copy.param_name), copy, replay_ops(full, copy.op_chain)
         )
@@ -456,7 +456,7 @@ def execute_transfer(
     """Move every planned byte through ``transport``; return what moved.
 
     Exact reads go in one ``read`` call (exactly :func:`exact_descriptors`);
-    pack specs need a transport with ``read_packed``; full pulls land in staging
+    pack specs need a transport with ``read_packed``; full reads land in staging
     and are replayed. ``fallback`` is reported, never acted on: refusing a plan
     with unsupported sources is the receiver's policy.
     """
@@ -483,13 +483,13 @@ def execute_transfer(
                 for p in plan.packs
             ]
         )
-    for fp in plan.full_pulls:
-        run_full_pull(fp, resolve_param_ptr, transport)
+    for fr in plan.full_reads:
+        run_full_read(fr, resolve_param_ptr, transport)
     return {
         "bytes": plan.bytes_planned(),
         "reads": len(descriptors),
         "packs": len(plan.packs),
-        "full_pulls": len(plan.full_pulls),
+        "full_reads": len(plan.full_reads),
         "descriptors": plan.descriptor_count(),
         "fallback": list(plan.fallback),
     }

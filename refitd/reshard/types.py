@@ -65,7 +65,7 @@ class IncompleteRefit(UnsupportedReshard):
 
 CASTABLE = frozenset({torch.bfloat16, torch.float16, torch.float32, torch.float64})
 """Floating dtypes a loader's ``copy_`` may convert between. Such a copy is planned
-as a full pull in the source's dtype and converted at install by the same
+as a full read in the source's dtype and converted at install by the same
 ``copy_`` the loader runs, so the destination holds exactly what a fresh load
 would (a narrowing cast rounds as the loader's does, no more, no less)."""
 

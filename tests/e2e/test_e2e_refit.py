@@ -107,7 +107,7 @@ async def test_every_engine_rank_refits_bit_exact_and_the_next_version_replays_t
     state1 = full_state(cfg)
     pub1 = make(cfg, state1)
     pubs = await publish_layout(pair.trainer, model, pub1, 1)
-    # A small descriptor budget makes the planner use pack specs and full pulls too.
+    # A small descriptor budget makes the planner use pack specs and full reads too.
     budget = 2 if kind == "moe" else 64
     receivers = []
     for rank in range(tp):
@@ -308,7 +308,7 @@ async def test_a_packed_block_for_a_strided_destination_is_scattered_on_arrival(
     for slot in (0, 1):
         pub = Publisher(pair.trainer, model, slot, 2)
         await pub.reserve(1024)
-        # Column blocks (not dim-0 rows), so a full pull of bounding rows is no option.
+        # Column blocks (not dim-0 rows), so a full read of bounding rows is no option.
         pub.put("w", full[:, slot * 4 : slot * 4 + 4].clone(), (16, 8), (0, slot * 4))
         await pub.publish(1)
         pubs.append(pub)

@@ -1,6 +1,6 @@
 """What refitd plans for a family's engine, as a signature two versions of the code can
 compare: the capture of vLLM's own loaders on a meta twin, planned against one fixed
-publication, reduced to every read, full pull, pack spec and fill it makes.
+publication, reduced to every read, full read, pack spec and fill it makes.
 
 Runs without an engine: a ``VllmConfig`` of the family's checkpoint folder, vLLM's
 parallel groups set up for one process (gloo) or ``tp`` processes, the model class
@@ -88,19 +88,20 @@ def plan_signature(
     capture = capture_geometry(twin, manifest, default_weight_loader)
     plan = plan_transfer(capture, _sources(manifest))
     reads = _either(plan, "reads", "segments")
+    full_reads = _either(plan, "full_reads", "full_pulls")
     # The digests were recorded over these item names: they stay as they were.
     items = {
         "segments": [(s.session, s.src_addr, s.dst_byte, s.nbytes, s.param_name) for s in reads],
         "full_pulls": [
             (
-                fp.src_name,
+                fr.src_name,
                 [
                     (s.session, s.src_addr, s.dst_byte, s.nbytes)
-                    for s in _either(fp, "reads", "segments")
+                    for s in _either(fr, "reads", "segments")
                 ],
-                [_copy(c) for c in fp.copies],
+                [_copy(c) for c in fr.copies],
             )
-            for fp in plan.full_pulls
+            for fr in full_reads
         ],
         "packs": [repr(p) for p in plan.packs],
         "fills": sorted(
@@ -112,7 +113,7 @@ def plan_signature(
     digest = hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()
     return {
         "reads": len(reads),
-        "full_pulls": len(plan.full_pulls),
+        "full_reads": len(full_reads),
         "packs": len(plan.packs),
         "fills": len(capture.fills),
         "copies": len(capture.copies),

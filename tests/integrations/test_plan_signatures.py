@@ -4,7 +4,7 @@ a family that refitted before it.
 ``plan_signatures_before_issue48.json`` holds, for every family of
 ``test_vllm_families`` at TP 1 and three of them at TP 2 (each rank), what the
 planner of the commit before issue 48 planned for the family's first checkpoint:
-counts, wire bytes and a digest of every read, full pull, pack spec and fill. It
+counts, wire bytes and a digest of every read, full read, pack spec and fill. It
 was written by ``python tests/integrations/plan_signatures.py OUT ROOT`` on that
 commit. The same module runs here on today's code; every recorded family must plan
 exactly what it planned then. (A deliberate planner change rewrites the file the same

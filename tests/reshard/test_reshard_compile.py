@@ -66,7 +66,7 @@ def test_a_republished_version_replays_rebased_and_bit_exact(kit: Any) -> None:
     params = _params()
     dest = dest_layout_of(params)
     plan = plan_transfer(_capture(kit, params), pub1.sources, 8)
-    assert plan.packs or plan.full_pulls  # the compiled form must carry both kinds
+    assert plan.packs or plan.full_reads  # the compiled form must carry both kinds
     compiled = compile_plan(plan, pub1.sources, dest)
     # Next version: same structure, new buffers elsewhere, new values.
     pub2, full2 = _setup(kit, base=500_000)

@@ -146,12 +146,12 @@ def test_a_strided_column_slice_lands_row_by_row() -> None:
     assert torch.equal(got["row"].detach(), truth(srcs)["row"])
 
 
-def test_over_budget_copy_is_full_pulled_and_replayed_in_modelexpress_mode() -> None:
+def test_over_budget_copy_is_read_whole_and_replayed_in_modelexpress_mode() -> None:
     srcs = full_sources()
     cap = capture(only={"row"})
     row = srcs["row"]
     plan = plan_transfer(cap, publish_whole({"row": row}), max_reads_per_copy=1, pack_specs=False)
-    assert plan.reads == [] and len(plan.full_pulls) == 1
+    assert plan.reads == [] and len(plan.full_reads) == 1
     assert plan.exact_descriptor_count == 4
     assert plan.descriptor_count() == 1
     assert plan.descriptor_savings() == 3
@@ -159,15 +159,15 @@ def test_over_budget_copy_is_full_pulled_and_replayed_in_modelexpress_mode() -> 
     assert plan.extra_wire_bytes() == row.numel() * EL - plan.exact_bytes
 
     # Replay by hand, as a receiver would: fetch into staging, replay, copy.
-    full_pull = plan.full_pulls[0]
+    full_read = plan.full_reads[0]
     staging = torch.zeros_like(row)
     InMemoryReadExecutor().read(
         [
             ReadDescriptor(s.session, s.src_addr, staging.data_ptr() + s.dst_byte, s.nbytes)
-            for s in full_pull.reads
+            for s in full_read.reads
         ]
     )
-    (copy,) = full_pull.copies
+    (copy,) = full_read.copies
     out = torch.zeros(4, 4)
     out.as_strided(copy.dest_shape, copy.dest_stride, copy.dest_offset).copy_(
         _replay_ops(staging, copy.op_chain)
@@ -191,7 +191,7 @@ def test_a_source_not_in_dim0_blocks_keeps_exact_descriptors() -> None:
     plan = plan_transfer(
         CaptureResult(copies=[copy]), {"w": source}, max_reads_per_copy=1, pack_specs=False
     )
-    assert plan.full_pulls == []
+    assert plan.full_reads == []
     assert plan.unbounded_sources == ["w"]
     assert len(plan.reads) == 4
     assert plan.descriptor_savings() == 0 and plan.extra_wire_bytes() == 0
@@ -309,7 +309,7 @@ def test_an_over_budget_strided_slice_of_a_large_tensor_becomes_one_pack_per_ses
     plan, _, _ = _plan_one(
         kit, full, kit.dim_blocks((512, 512), 0, 4), [("narrow", (1, 0, 256), ())], param, 8
     )
-    assert plan.choices["pack"] == 1 and plan.reads == [] and plan.full_pulls == []
+    assert plan.choices["pack"] == 1 and plan.reads == [] and plan.full_reads == []
     assert len(plan.packs) == 4 and all(p.dst_strides is None for p in plan.packs)
     assert [p.shape for p in plan.packs] == [(128, 256)] * 4
     assert plan.bytes_planned() == plan.exact_bytes == 512 * 256 * EL
@@ -360,10 +360,10 @@ def test_an_irregular_over_budget_copy_pulls_only_its_bounding_rows(kit: Any) ->
     ]
     plan, copy, _ = _plan_one(kit, full, kit.dim_blocks((64, 64), 0, 4), chain, param, 4)
     assert plan.choices["full"] == 1 and plan.packs == []
-    (fp,) = plan.full_pulls
+    (fr,) = plan.full_reads
     row = 64 * EL
     # Rows 20..27 of the shard holding rows 16..31: half the shard, not all of it.
-    assert [(s.dst_byte, s.nbytes) for s in fp.reads] == [(20 * row, 8 * row)]
+    assert [(s.dst_byte, s.nbytes) for s in fr.reads] == [(20 * row, 8 * row)]
     assert plan.exact_bytes == 13 * EL
     assert plan.extra_wire_bytes() == 8 * row - 13 * EL
     kit.reconstruct(plan, {"p": param})
@@ -372,7 +372,7 @@ def test_an_irregular_over_budget_copy_pulls_only_its_bounding_rows(kit: Any) ->
     assert torch.equal(param, want)
 
 
-def test_a_small_over_budget_copy_prefers_the_full_pull_when_packing_costs_more(kit: Any) -> None:
+def test_a_small_over_budget_copy_prefers_the_full_read_when_packing_costs_more(kit: Any) -> None:
     full = kit.distinct((64, 64))
     param = torch.zeros(64, 32)
     plan, _, _ = _plan_one(

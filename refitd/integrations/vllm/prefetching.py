@@ -6,7 +6,7 @@ through vLLM's own ``update_weights`` (docs/vllm.md):
 
 - ``prefetch``: returns at once; the worker's prefetch thread (lowest CPU priority)
   runs :meth:`DaemonReceiver.stage <refitd.client.receiver.DaemonReceiver.stage>` (a
-  full pull into swap mode's inactive copy, on the daemon) and then
+  full refit into swap mode's inactive copy, on the daemon) and then
   :func:`~refitd.integrations.vllm.prepared.prepare` (vLLM's post-load processing on
   module twins, into new storage), while vLLM's step loop goes on;
 - ``swap``: every rank gathers every rank's answer over vLLM's world group; only if
