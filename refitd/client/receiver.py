@@ -22,8 +22,8 @@
    replayed from scratch into the parameters in every mode;
 6. release the lease.
 
-:meth:`~refitd.client.staged.Staging.stage` stops a swap-mode refit before its swap
-(in-flight refit, :mod:`refitd.client.staged`).
+:meth:`~refitd.client.prefetch.Prefetch.prefetch` stops a swap-mode refit before its
+swap (in-flight refit, :mod:`refitd.client.prefetch`).
 
 The engine's parameters are moved once into memory registered with the local
 daemon, so pulls can land in them: a shared-memory segment for parameters in host
@@ -55,7 +55,7 @@ from refitd.client.install import (
 )
 from refitd.client.leases import LeaseKeeper, held_lease
 from refitd.client.onerefit import OneRefit
-from refitd.client.staged import Staging
+from refitd.client.prefetch import Prefetch
 from refitd.errors import ConflictError, RefitError
 from refitd.reshard.receiver import KEEP_PLANS
 from refitd.wire import (
@@ -81,7 +81,7 @@ Capture = Callable[
 """``capture(meta_twin, manifest) -> CaptureResult``: runs the engine's loaders."""
 
 
-class DaemonReceiver(Staging):
+class DaemonReceiver(Prefetch):
     """Refits ``engine`` (a real model) from ``model`` published at ``source_url``.
 
     ``twin`` builds the engine's meta twin (same class, same parallel layout, on
@@ -129,8 +129,8 @@ class DaemonReceiver(Staging):
         #: where pulls land: the engine's memory, its scratch and swap mode's shadow
         self.memory = EngineMemory(local, self._params)
         self.plans = 0
-        self.staged: tuple[int, CompiledPull] | None = None  # stage(): what waits, whole
-        self._hold = False  # the refit running stops before its swap (stage())
+        self.prefetched: tuple[int, CompiledPull] | None = None  # prefetch(): what waits, whole
+        self._hold = False  # the refit running stops before its swap (prefetch())
         self.lease_keeper: LeaseKeeper | None = None  # while a refit holds its lease
         #: the running refit's lease, as the source granted it (its records, manifest)
         self._lease: LeaseInfo | None = None
@@ -231,10 +231,12 @@ class DaemonReceiver(Staging):
         (409) while another refit runs on this receiver."""
         t0 = time.perf_counter()
         with self._one.refit(version):
-            self.staged = None  # this refit writes the inactive copy: nothing waits there
+            self.prefetched = None  # this refit writes the inactive copy: nothing waits there
             await self._place_engine()
             if self._hold and self.memory.views is None:  # GPU parameters refit in staging mode
-                raise ConflictError(f"stage of {self.model!r} refused: its engine is not swapped")
+                raise ConflictError(
+                    f"prefetch of {self.model!r} refused: its engine is not swapped"
+                )
             if version is None:
                 version = (await self.source.version(self.model, "latest")).version
             # The grant brings the manifest and the source's signed records (with its
@@ -247,7 +249,7 @@ class DaemonReceiver(Staging):
             try:
                 async with held_lease(self.source, acquiring, self.lease_ttl_s) as keeper:
                     self.lease_keeper, self._lease = keeper, keeper.granted
-                    # stage() always refits in full: the inactive copy is no delta's base
+                    # prefetch() always refits in full: the inactive copy is no delta's base
                     leased = self._refit_leased if not self._hold else self._full_leased
                     return await leased(version, keeper.granted.lease_id, t0, on_progress)
             except RefitError as exc:
@@ -272,7 +274,7 @@ class DaemonReceiver(Staging):
             comp, version, lease_id, replayed, (t0, t1, t2), on_progress
         )
 
-    _full_leased = _refit_leased  # stage()'s: a subclass's own kind of refit is not used
+    _full_leased = _refit_leased  # prefetch()'s: a subclass's own kind of refit is not used
 
     async def _prepare(self, version: int) -> tuple[CompiledPull, bool, tuple[float, float]]:
         """``version``'s compiled (or replayed) pull, whether it was replayed, and the
@@ -335,7 +337,7 @@ class DaemonReceiver(Staging):
         t3 = time.perf_counter()
         self._install(comp)
         if self._hold:
-            self.staged = (version, comp)
+            self.prefetched = (version, comp)
         t4 = time.perf_counter()
         return RefitStats(
             version,
