@@ -71,7 +71,7 @@ class LayoutResult:
     wire_bytes: int
     descriptors: int
     max_desc_per_copy: int
-    full_pulls: int
+    full_reads: int
     packs: int
     fallback: int
 
@@ -118,8 +118,8 @@ def _compile_and_replay(
     started = time.perf_counter()
     compiled.bind(published.sources, params.__getitem__, dest)
     replay_cached_s = time.perf_counter() - started
-    if len(bound.src) != len(plan.segments):
-        raise PlanError("compiled replay lost segments")
+    if len(bound.src) != len(plan.reads):
+        raise PlanError("compiled replay lost reads")
     return compile_s, replay_s, replay_cached_s
 
 
@@ -165,7 +165,7 @@ def _measure(layout: str, cfg: Any, engine_rank: int, unfuse: str) -> LayoutResu
         wire_bytes=plan.bytes_planned(),
         descriptors=plan.descriptor_count(),
         max_desc_per_copy=plan.max_descriptors_per_copy,
-        full_pulls=len(plan.full_pulls),
+        full_reads=len(plan.full_reads),
         packs=len(plan.packs),
         fallback=len(plan.fallback) + len(capture.unsupported),
     )
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
          [_flag(r.max_desc_per_copy <= TARGET_DESC_PER_COPY, str(r.max_desc_per_copy))
           for r in results],
          f"≤ {TARGET_DESC_PER_COPY}"),
-        ("full pulls / pack specs", [f"{r.full_pulls} / {r.packs}" for r in results], ""),
+        ("full reads / pack specs", [f"{r.full_reads} / {r.packs}" for r in results], ""),
         ("unsupported sources", [_flag(r.fallback == 0, str(r.fallback)) for r in results], "0"),
     ]  # fmt: skip
     for label, values, target in rows:

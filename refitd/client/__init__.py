@@ -17,7 +17,7 @@ Modules:
 - `lowering`: a bound plan turned into the daemon rows and pack specs of a pull
 - `install`: the one install: a finished pull landed in the parameters, host or GPU alike
 - `swap`: swap mode: one copy per refit, nothing installed when a pull fails
-- `staged`: swap mode's inactive copy staged while the engine serves, swapped later
+- `prefetch`: swap mode's inactive copy prefetched while the engine serves, swapped later
 - `onerefit`: `OneRefit`: one refit at a time on one engine
 - `deltarefit`: delta refit, the engine side: pull only what changed since its base
 - `deltastream`: a streamed delta, the engine side: ``POST /v1/deltas/stream`` read frame by frame

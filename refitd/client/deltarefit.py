@@ -4,7 +4,7 @@ holds, checked against that base first, applied transactionally.
 :class:`DeltaReceiver` is a :class:`~refitd.client.receiver.DaemonReceiver` whose
 refit tries a delta first:
 
-1. plan (or replay) the version's full pull exactly as a full refit does;
+1. plan (or replay) the version's pull exactly as a full refit does;
 2. check the base before any byte moves: the engine holds a version refitd installed
    (``version``, the source's content digest of it), its memory still has the lane
    digest it had then (``verify_engine``), the scratch layout is this plan's, and no
@@ -13,8 +13,8 @@ refit tries a delta first:
    mismatch runs a full refit instead, and :attr:`DeltaReceiver.last` says why;
 3. pull the staged delta into a region of its own: nothing of the engine is written
    until every byte of it has landed;
-4. apply: each changed unit goes where the full pull would have landed it (the
-   engine's memory, a packed block scattered by its strides, or a full pull's
+4. apply: each changed unit goes where a full refit would have landed it (the
+   engine's memory, a packed block scattered by its strides, or a full read's
    staged tensor, replayed by the one install; the pure algebra is
    :mod:`refitd.delta.apply`). Every write keeps the value it overwrote
    (:class:`~refitd.delta.undo.UndoLog`); an error, or one ``after_apply`` raises,
@@ -39,7 +39,7 @@ import numpy.typing as npt
 
 from refitd.client.deltastats import AUTO_SAME_HOST, OVERLAPPED, WHERE, DeltaStats
 from refitd.client.deltastream import Encoded, open_stream
-from refitd.client.install import CompiledPull, replay_full_pulls
+from refitd.client.install import CompiledPull, replay_full_reads
 from refitd.client.receiver import DaemonReceiver, RefitStats
 from refitd.delta.apply import Landing, Target, apply_chunk
 from refitd.delta.digest import EngineDigest
@@ -75,13 +75,13 @@ class DeltaReceiver(DaemonReceiver):
     ``verify_every``-th delta after the write at the latest (1: before the next
     delta, one whole read each time; :mod:`refitd.delta.digest`);
     ``prefer``: ``"delta"`` tries a delta whenever the base allows, ``"auto"`` only
-    when the source is across a link (the last full pull did not read this host's
+    when the source is across a link (the last full refit did not read this host's
     shared memory): on one host a full refit copies at memory speed and a delta's
     scattered writes are not faster; ``after_apply``: called once a delta is
     written (the engine's post-load processing), a raise rolls it back. Other
     arguments are
-    :class:`DaemonReceiver`'s; only ``"staging"`` mode keeps the full pulls' staged
-    tensors a delta patches, so deltas need it or no full pull in the plan.
+    :class:`DaemonReceiver`'s; only ``"staging"`` mode keeps the full reads' staged
+    tensors a delta patches, so deltas need it or no full read in the plan.
     """
 
     def __init__(
@@ -104,7 +104,7 @@ class DeltaReceiver(DaemonReceiver):
         self.verify_engine = verify_engine
         self.verify_every = verify_every
         self.prefer = prefer
-        self._same_host: bool | None = None  # the last full pull read shared memory
+        self._same_host: bool | None = None  # the last full refit read shared memory
         self.after_apply = after_apply
         self.last: DeltaStats | None = None
         self._base: _Base | None = None
@@ -134,7 +134,7 @@ class DeltaReceiver(DaemonReceiver):
         h = hashlib.blake2b(digest_size=16)
         scratch = self.memory.scratch.region.region_id if self.memory.scratch is not None else -1
         h.update(repr((self.mode, scratch, [s[0] for s in comp.scatter])).encode())
-        h.update(repr([(at, fp.staging_nbytes) for at, fp in comp.full_pulls]).encode())
+        h.update(repr([(at, fr.staging_nbytes) for at, fr in comp.full_reads]).encode())
         return h.digest()
 
     def _why_full(self, version: int, comp: CompiledPull) -> str:
@@ -150,8 +150,8 @@ class DeltaReceiver(DaemonReceiver):
             return f"v{version} is not newer than the engine's v{base.version}"
         if self.anchor_every and self._since_anchor + 1 >= self.anchor_every:
             return f"anchor: a full refit every {self.anchor_every} versions"
-        if comp.full_pulls and self.mode != "staging":
-            return "the plan has full pulls, whose staged tensors only staging mode keeps"
+        if comp.full_reads and self.mode != "staging":
+            return "the plan has full reads, whose staged tensors only staging mode keeps"
         if base.layout != self._layout_key(comp):
             return "the plan's destinations moved since the base was installed"
         return ""
@@ -175,7 +175,7 @@ class DeltaReceiver(DaemonReceiver):
         ), time.perf_counter() - t
 
     def _auto_full(self) -> bool:
-        """``prefer="auto"`` and the last full pull read this host's shared memory."""
+        """``prefer="auto"`` and the last full refit read this host's shared memory."""
         return self.prefer == "auto" and bool(self._same_host)
 
     async def _record_base(self, version: int, comp: CompiledPull, digest: str) -> None:
@@ -261,7 +261,7 @@ class DeltaReceiver(DaemonReceiver):
             DescriptorTable.pack(comp.rows),
             comp.packs,
             nibbles=True,
-            # A plan that scatters or replays full pulls is decoded whole: one chunk.
+            # A plan that scatters or replays full reads is decoded whole: one chunk.
             chunk_bytes=self.chunk_bytes if at.direct else max(nbytes, 1 << 16),
         )
         undo = UndoLog()
@@ -363,16 +363,16 @@ class DeltaReceiver(DaemonReceiver):
 
     def _target(self, comp: CompiledPull) -> Target:
         """The engine memory a delta of ``comp`` writes (:class:`~refitd.delta.apply.Target`):
-        a full pull it patches is replayed by the one install
-        (:func:`~refitd.client.install.replay_full_pulls`)."""
+        a full read it patches is replayed by the one install
+        (:func:`~refitd.client.install.replay_full_reads`)."""
         memory = self.memory
         assert memory.engine is not None and self._base is not None
         scratch = memory.scratch
 
         def replay(dirty: list[int]) -> None:
             assert scratch is not None
-            chosen = [comp.full_pulls[i] for i in dirty]
-            replay_full_pulls(chosen, self._params, scratch.flat)
+            chosen = [comp.full_reads[i] for i in dirty]
+            replay_full_reads(chosen, self._params, scratch.flat)
 
         return Target(
             memory.engine.bytes(),

@@ -11,7 +11,7 @@ from refitd.client.receiver import RefitStats
 __all__ = ["AUTO_SAME_HOST", "OVERLAPPED", "WHERE", "DeltaStats"]
 
 AUTO_SAME_HOST = (
-    "auto: the source is on this host (the last full pull read shared memory), "
+    "auto: the source is on this host (the last full refit read shared memory), "
     "where a full refit copies at memory speed and a delta is not faster"
 )
 """The reason ``prefer="auto"`` gives for refitting in full on the source's host."""

@@ -10,7 +10,7 @@ it):
   handle (:mod:`refitd.client.gpu`; never run on a GPU yet);
 - the *scratch* area, on the same device: staging mode's *image* of the engine (its
   first bytes, laid out as the engine area), the packed blocks that land strided and
-  the full pulls' staged tensors;
+  the full reads' staged tensors;
 - swap mode's *shadow* (host memory only): a second engine segment of the same
   layout, which the parameters are rebound to after a pull (:mod:`refitd.client.swap`).
 

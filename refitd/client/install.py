@@ -1,7 +1,7 @@
 """Landing a finished pull in the engine's parameters, after the copy the daemon made.
 
 Pure of I/O: what :class:`~refitd.client.receiver.DaemonReceiver` does with the bytes
-once its pull is DONE (the packed blocks that land strided, the full pulls replayed
+once its pull is DONE (the packed blocks that land strided, the full reads replayed
 through their op chains), which parameters a failed direct pull may have written, and
 the one device an engine's parameters must share.
 """
@@ -23,7 +23,7 @@ from refitd.errors import ConflictError, RefitError
 from refitd.wire import PackSpec, PullProgress
 
 if TYPE_CHECKING:
-    from refitd.reshard.transfer_plan import FullPull, SourceInfo
+    from refitd.reshard.transfer_plan import FullRead, SourceInfo
     from refitd.reshard.types import RecordedCopy
     from refitd.wire import MergedManifest
 
@@ -38,7 +38,7 @@ __all__ = [
     "naming_suspects",
     "one_device",
     "overlapping_params",
-    "replay_full_pulls",
+    "replay_full_reads",
     "scatter_blocks",
     "sources_of",
 ]
@@ -56,7 +56,7 @@ class CompiledPull:
     rows: npt.NDArray[np.int64]  # (n, 5): src_region, src_off, dst_region, dst_off, nbytes
     packs: list[PackSpec]
     scatter: list[Scatter]
-    full_pulls: list[tuple[int, FullPull]]  # (scratch offset, the full pull)
+    full_reads: list[tuple[int, FullRead]]  # (scratch offset, the full read)
     install: list[tuple[int, int]] = field(default_factory=list)  # coalesced (offset, nbytes)
     bytes: int = 0
     engine_id: int = -1  # the engine region the rows and packs name (swap: the serving one)
@@ -85,7 +85,7 @@ class RefitStats:
     descriptors: int
     pack_specs: int
     scattered: int  # pack specs whose bytes land strided, scattered at install
-    full_pulls: int
+    full_reads: int
     manifest_s: float
     plan_s: float
     pull_s: float
@@ -108,12 +108,12 @@ def install(
     and ``scratch``: flat ``uint8`` tensors over the engine region and the scratch
     one, on the parameters' device; ``scratch`` None: none is placed): the staged
     byte ranges copied into the engine region, the packed blocks that land strided
-    scattered, the full pulls replayed (:func:`replay_full_pulls`). On a GPU the
+    scattered, the full reads replayed (:func:`replay_full_reads`). On a GPU the
     copies are done before it returns."""
     scratch = scratch if scratch is not None else engine[:0]
     copy_ranges(engine, scratch, comp.install)
     scatter_blocks(comp.scatter, params, scratch)
-    replay_full_pulls(comp.full_pulls, params, scratch)
+    replay_full_reads(comp.full_reads, params, scratch)
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
 
@@ -140,21 +140,21 @@ def scatter_blocks(
         dst.copy_(packed)
 
 
-def replay_full_pulls(
-    full_pulls: Sequence[tuple[int, FullPull]],
+def replay_full_reads(
+    full_reads: Sequence[tuple[int, FullRead]],
     params: Mapping[str, torch.Tensor],
     scratch: torch.Tensor,
 ) -> None:
-    """Replay each full pull (its source tensor staged whole at its scratch offset of
+    """Replay each full read (its source tensor staged whole at its scratch offset of
     ``scratch``, a flat ``uint8`` tensor) through each copy's op chain and casts, and
     write it through the copy's destination strides into its parameter: what the
     engine's loader would have written, bit for bit (a dtype conversion is the
     loader's own ``copy_``)."""
     from refitd.reshard.replay import replay_ops
 
-    for at, fp in full_pulls:
-        full = scratch[at : at + fp.staging_nbytes].view(fp.dtype).reshape(fp.global_shape)
-        for copy in fp.copies:
+    for at, fr in full_reads:
+        full = scratch[at : at + fr.staging_nbytes].view(fr.dtype).reshape(fr.global_shape)
+        for copy in fr.copies:
             value = replay_ops(full, copy.op_chain)
             for dtype in copy.casts:  # the loader's .to() casts, in its order
                 value = value.to(dtype)
@@ -187,7 +187,7 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 class Landed(Protocol):
     """What an install reads of a compiled pull: the coalesced staged byte ranges
-    ``(offset, nbytes)``, the strided blocks to scatter and the full pulls to replay
+    ``(offset, nbytes)``, the strided blocks to scatter and the full reads to replay
     (at their scratch offsets)."""
 
     @property
@@ -195,7 +195,7 @@ class Landed(Protocol):
     @property
     def scatter(self) -> list[Scatter]: ...
     @property
-    def full_pulls(self) -> list[tuple[int, FullPull]]: ...
+    def full_reads(self) -> list[tuple[int, FullRead]]: ...
 
 
 def overlapping_params(

@@ -11,7 +11,7 @@ sees a parameter's bytes at :func:`param_addr`, and scratch as region -1 (``-SPA
 offset``), which :func:`lower` names by the scratch region placed.
 
 Scratch layout: [image of the engine region, staging mode only][packed blocks that
-land strided][full pulls' staged tensors], each block aligned.
+land strided][full reads' staged tensors], each block aligned.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from transports.batch import merge_ranges
 
 if TYPE_CHECKING:
     from refitd.reshard.compile import BoundPlan
-    from refitd.reshard.transfer_plan import FullPull
+    from refitd.reshard.transfer_plan import FullRead
 
 __all__ = ["ScratchLayout", "engine_layout", "lower", "param_addr", "scratch_layout", "signature"]
 
@@ -66,13 +66,13 @@ def param_addr(name: str, staging: bool, engine_id: int, offsets: dict[str, int]
 class ScratchLayout:
     """Where a bound plan's blocks sit in scratch (module docstring): ``nbytes`` in
     all, the packed blocks that land strided, each pack's destination (synthetic),
-    the full pulls at their offsets and their segments' rows ``(src, dst, nbytes)``."""
+    the full reads at their offsets and their reads' rows ``(src, dst, nbytes)``."""
 
     nbytes: int
     scatter: list[Scatter]
     pack_dst: list[int]
-    full: list[tuple[int, FullPull]]
-    fp_rows: list[tuple[int, int, int]]
+    full: list[tuple[int, FullRead]]
+    fr_rows: list[tuple[int, int, int]]
 
 
 def scratch_layout(
@@ -92,13 +92,13 @@ def scratch_layout(
         scatter.append((cursor, dt, p.shape, strides, p.param_name, p.dst_byte))
         pack_dst.append(-SPAN + cursor)
         cursor = align(cursor + p.nbytes)
-    full: list[tuple[int, FullPull]] = []
-    fp_rows: list[tuple[int, int, int]] = []
-    for fp in bound.full_pulls:
-        full.append((cursor, fp))
-        fp_rows += [(s.src_addr, -SPAN + cursor + s.dst_byte, s.nbytes) for s in fp.segments]
-        cursor = align(cursor + fp.staging_nbytes)
-    return ScratchLayout(cursor, scatter, pack_dst, full, fp_rows)
+    full: list[tuple[int, FullRead]] = []
+    fr_rows: list[tuple[int, int, int]] = []
+    for fr in bound.full_reads:
+        full.append((cursor, fr))
+        fr_rows += [(s.src_addr, -SPAN + cursor + s.dst_byte, s.nbytes) for s in fr.reads]
+        cursor = align(cursor + fr.staging_nbytes)
+    return ScratchLayout(cursor, scatter, pack_dst, full, fr_rows)
 
 
 def lower(
@@ -119,10 +119,10 @@ def lower(
     compiled pull a refit replays while its signature ``sig`` holds. Staging mode
     also lists the byte ranges of scratch's engine image to install (coalesced), swap mode the
     engine's bytes no read writes (carried over at each swap)."""
-    fp_rows = lay.fp_rows
-    src = np.concatenate([bound.src, np.array([r[0] for r in fp_rows], dtype=np.int64)])
-    dst = np.concatenate([bound.dst, np.array([r[1] for r in fp_rows], dtype=np.int64)])
-    nb = np.concatenate([bound.nbytes, np.array([r[2] for r in fp_rows], dtype=np.int64)])
+    fr_rows = lay.fr_rows
+    src = np.concatenate([bound.src, np.array([r[0] for r in fr_rows], dtype=np.int64)])
+    dst = np.concatenate([bound.dst, np.array([r[1] for r in fr_rows], dtype=np.int64)])
+    nb = np.concatenate([bound.nbytes, np.array([r[2] for r in fr_rows], dtype=np.int64)])
     rows = np.stack([src // SPAN, src % SPAN, dst // SPAN, dst % SPAN, nb], axis=1)
     # Destination region -1 stands for the scratch region (see param_addr).
     rows[rows[:, 2] == -1, 2] = scratch_id

@@ -18,12 +18,12 @@
    copied into them only after it succeeded; ``"swap"`` lands it in a second copy
    of their memory, which they are rebound to only after it succeeded (one copy,
    :mod:`refitd.client.swap`); in both a failed pull installs nothing. ``"direct"``
-   lands it in the parameters, and a failure names the suspect ones. Full pulls are
+   lands it in the parameters, and a failure names the suspect ones. Full reads are
    replayed from scratch into the parameters in every mode;
 6. release the lease.
 
-:meth:`~refitd.client.staged.Staging.stage` stops a swap-mode refit before its swap
-(in-flight refit, :mod:`refitd.client.staged`).
+:meth:`~refitd.client.prefetch.Prefetch.prefetch` stops a swap-mode refit before its
+swap (in-flight refit, :mod:`refitd.client.prefetch`).
 
 The engine's parameters are moved once into memory registered with the local
 daemon, so pulls can land in them: a shared-memory segment for parameters in host
@@ -55,7 +55,7 @@ from refitd.client.install import (
 )
 from refitd.client.leases import LeaseKeeper, held_lease
 from refitd.client.onerefit import OneRefit
-from refitd.client.staged import Staging
+from refitd.client.prefetch import Prefetch
 from refitd.errors import ConflictError, RefitError
 from refitd.reshard.receiver import KEEP_PLANS
 from refitd.wire import (
@@ -81,7 +81,7 @@ Capture = Callable[
 """``capture(meta_twin, manifest) -> CaptureResult``: runs the engine's loaders."""
 
 
-class DaemonReceiver(Staging):
+class DaemonReceiver(Prefetch):
     """Refits ``engine`` (a real model) from ``model`` published at ``source_url``.
 
     ``twin`` builds the engine's meta twin (same class, same parallel layout, on
@@ -105,7 +105,7 @@ class DaemonReceiver(Staging):
         mode: Literal["staging", "direct", "swap"] = "staging",
         lease_ttl_s: float = 60.0,
         strict: bool = False,
-        max_segments_per_copy: int = 64,
+        max_reads_per_copy: int = 64,
         allow_unwritten: Iterable[str] = (),
     ) -> None:
         self.local = local
@@ -117,7 +117,7 @@ class DaemonReceiver(Staging):
         self.mode = mode
         self.lease_ttl_s = lease_ttl_s
         self.strict = strict
-        self.max_segments_per_copy = max_segments_per_copy
+        self.max_reads_per_copy = max_reads_per_copy
         self.allow_unwritten = frozenset(allow_unwritten)
         self._compiled: CompiledPull | None = None
         self._lowered: dict[bytes, CompiledPull] = {}  # by signature, the newest KEEP_PLANS
@@ -129,8 +129,8 @@ class DaemonReceiver(Staging):
         #: where pulls land: the engine's memory, its scratch and swap mode's shadow
         self.memory = EngineMemory(local, self._params)
         self.plans = 0
-        self.staged: tuple[int, CompiledPull] | None = None  # stage(): what waits, whole
-        self._hold = False  # the refit running stops before its swap (stage())
+        self.prefetched: tuple[int, CompiledPull] | None = None  # prefetch(): what waits, whole
+        self._hold = False  # the refit running stops before its swap (prefetch())
         self.lease_keeper: LeaseKeeper | None = None  # while a refit holds its lease
         #: the running refit's lease, as the source granted it (its records, manifest)
         self._lease: LeaseInfo | None = None
@@ -174,7 +174,7 @@ class DaemonReceiver(Staging):
             twin = self.twin()
         reshard = ReshardReceiver(
             self.capture(twin, manifest),
-            max_segments_per_copy=self.max_segments_per_copy,
+            max_reads_per_copy=self.max_reads_per_copy,
             strict=self.strict,
             allow_unwritten=self.allow_unwritten,
         )
@@ -231,10 +231,12 @@ class DaemonReceiver(Staging):
         (409) while another refit runs on this receiver."""
         t0 = time.perf_counter()
         with self._one.refit(version):
-            self.staged = None  # this refit writes the inactive copy: nothing waits there
+            self.prefetched = None  # this refit writes the inactive copy: nothing waits there
             await self._place_engine()
             if self._hold and self.memory.views is None:  # GPU parameters refit in staging mode
-                raise ConflictError(f"stage of {self.model!r} refused: its engine is not swapped")
+                raise ConflictError(
+                    f"prefetch of {self.model!r} refused: its engine is not swapped"
+                )
             if version is None:
                 version = (await self.source.version(self.model, "latest")).version
             # The grant brings the manifest and the source's signed records (with its
@@ -247,7 +249,7 @@ class DaemonReceiver(Staging):
             try:
                 async with held_lease(self.source, acquiring, self.lease_ttl_s) as keeper:
                     self.lease_keeper, self._lease = keeper, keeper.granted
-                    # stage() is always a full pull: the inactive copy is no delta's base
+                    # prefetch() always refits in full: the inactive copy is no delta's base
                     leased = self._refit_leased if not self._hold else self._full_leased
                     return await leased(version, keeper.granted.lease_id, t0, on_progress)
             except RefitError as exc:
@@ -272,7 +274,7 @@ class DaemonReceiver(Staging):
             comp, version, lease_id, replayed, (t0, t1, t2), on_progress
         )
 
-    _full_leased = _refit_leased  # stage()'s: a subclass's own kind of refit is not used
+    _full_leased = _refit_leased  # prefetch()'s: a subclass's own kind of refit is not used
 
     async def _prepare(self, version: int) -> tuple[CompiledPull, bool, tuple[float, float]]:
         """``version``'s compiled (or replayed) pull, whether it was replayed, and the
@@ -335,7 +337,7 @@ class DaemonReceiver(Staging):
         t3 = time.perf_counter()
         self._install(comp)
         if self._hold:
-            self.staged = (version, comp)
+            self.prefetched = (version, comp)
         t4 = time.perf_counter()
         return RefitStats(
             version,
@@ -344,7 +346,7 @@ class DaemonReceiver(Staging):
             comp.rows.shape[0] + len(comp.packs),
             len(comp.packs),
             len(comp.scatter),
-            len(comp.full_pulls),
+            len(comp.full_reads),
             t1 - t0,
             t2 - t1,
             t3 - t2,

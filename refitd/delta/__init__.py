@@ -15,8 +15,8 @@ the receiver (:mod:`refitd.client.deltarefit`) call it. The mechanism: ``docs/de
   pack spec in its packed order), the changed units inside it, their compact
   positions (page counts + 16-bit offsets) and the staged payload's layout;
 - :mod:`~refitd.delta.apply`: the engine's apply: each changed unit of a chunk written
-  where the full pull would have landed it (the engine's memory, a scattered block,
-  a full pull's staged tensor), every write undoable;
+  where a full refit would have landed it (the engine's memory, a scattered block,
+  a full read's staged tensor), every write undoable;
 - :mod:`~refitd.delta.undo`: unit writes that keep what they overwrote, rolled back
   in reverse order.
 """

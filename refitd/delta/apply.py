@@ -1,4 +1,4 @@
-"""Applying a delta at the engine: each changed unit written where the full pull would
+"""Applying a delta at the engine: each changed unit written where a full refit would
 have landed it, every write kept in an undo record.
 
 Pure (numpy, no I/O, no ``await``): the receiver
@@ -10,11 +10,11 @@ Pure (numpy, no I/O, no ``await``): the receiver
   mode's image of it in scratch);
 - a packed block that the install scatters through its destination strides: the
   unit is written where the scatter would put it;
-- a full pull's staged tensor, kept in scratch (staging mode): the unit is patched
-  there and the full pull replayed into its parameters (:attr:`Target.replay`, the
-  receiver's install of full pulls), each destination parameter kept whole first.
+- a full read's staged tensor, kept in scratch (staging mode): the unit is patched
+  there and the full read replayed into its parameters (:attr:`Target.replay`, the
+  receiver's install of full reads), each destination parameter kept whole first.
 
-Where every read lands whole in the engine (no scattered block, no full pull, no
+Where every read lands whole in the engine (no scattered block, no full read, no
 two destinations overlapping: :attr:`Landing.direct`), a unit's place is its read's
 origin plus its stream index, and the native stage decodes, writes and digests in
 one pass (:func:`refitd.delta.native.place_write`); the general path is its
@@ -83,7 +83,7 @@ class Plan(Protocol):
     """A compiled pull as the apply reads it: its rows ``(src region, src offset, dst
     region, dst offset, nbytes)``, pack specs (``dst_region``, ``dst_offset``,
     ``nbytes``), scatter entries ``(scratch offset, dtype, shape, strides in elements,
-    parameter, byte in it)`` and full pulls ``(scratch offset, full pull)``."""
+    parameter, byte in it)`` and full reads ``(scratch offset, full read)``."""
 
     @property
     def rows(self) -> I64: ...
@@ -92,7 +92,7 @@ class Plan(Protocol):
     @property
     def scatter(self) -> Sequence[Any]: ...
     @property
-    def full_pulls(self) -> Sequence[tuple[int, Any]]: ...
+    def full_reads(self) -> Sequence[tuple[int, Any]]: ...
 
 
 @dataclass
@@ -100,7 +100,7 @@ class Target:
     """The engine memory a delta writes: the engine region's bytes, the scratch
     region's (None: none placed), the engine's digest (kept up to date by every
     write), each parameter's ``(byte offset, nbytes)`` in the engine region, the
-    base version (named in refusals), and ``replay``: writes the full pulls of
+    base version (named in refusals), and ``replay``: writes the full reads of
     the given indices from scratch into their parameters."""
 
     engine: U8
@@ -115,13 +115,13 @@ class Target:
 class Landing:
     """Where a compiled pull's stream lands, worked out once per plan: its pieces
     ``(region, offset, bytes)`` in stream order (rows, then packs), each piece's
-    scatter entry and full pull (-1: none), the pieces' cumulative bytes, whether
+    scatter entry and full read (-1: none), the pieces' cumulative bytes, whether
     two destinations may write one engine byte, and whether every piece lands whole
     in the engine (the native one-pass path)."""
 
     pieces: I64
     scat_of: I64
-    fp_of: I64
+    fr_of: I64
     ends: I64
     overlapping: bool
     direct: bool
@@ -142,17 +142,17 @@ class Landing:
         engine's image; ``spans``: each parameter's ``(byte offset, nbytes)`` in the engine."""
         packs = [(p.dst_region, p.dst_offset, p.nbytes) for p in plan.packs]
         pieces = np.concatenate([plan.rows[:, 2:5], np.array(packs, dtype=np.int64).reshape(-1, 3)])
-        scat_of, fp_of = areas_of(plan, pieces, scratch_id)
+        scat_of, fr_of = areas_of(plan, pieces, scratch_id)
         overlap = _overlapping(plan, pieces, engine_id, scratch_id, limit, spans)
         in_image = (pieces[:, 0] == scratch_id) & (pieces[:, 1] + pieces[:, 2] <= limit)
         direct = (
             not (scat_of >= 0).any()
-            and not (fp_of >= 0).any()
+            and not (fr_of >= 0).any()
             and bool(((pieces[:, 0] == engine_id) | in_image).all())
             and not overlap
         )
         ends = np.cumsum(pieces[:, 2])
-        return Landing(pieces, scat_of, fp_of, ends, overlap, direct, engine_id, scratch_id, limit)
+        return Landing(pieces, scat_of, fr_of, ends, overlap, direct, engine_id, scratch_id, limit)
 
 
 def apply_chunk(
@@ -164,7 +164,7 @@ def apply_chunk(
     undo: UndoLog,
     parts: list[float],
 ) -> int:
-    """Write ``chunk`` of the delta (its ``payload``) where the full pull of ``plan``
+    """Write ``chunk`` of the delta (its ``payload``) where a full refit by ``plan``
     would have landed each unit (module docstring), every write recorded in ``undo``
     and the digest kept up to date. Returns the units written; adds the seconds of
     placing, writing and the digest's update to ``parts``. A chunk that does not fit
@@ -207,9 +207,9 @@ def apply_chunk(
     if hit.any():
         offsets = {name: lo for name, (lo, _n) in target.spans.items()}
         eng[hit] = scattered(plan.scatter, offsets, sid[hit], off[hit])
-    fid = at.fp_of[piece]
+    fid = at.fr_of[piece]
     scratch_writes = fid >= 0
-    dirty = np.flatnonzero(np.bincount(fid[scratch_writes], minlength=len(plan.full_pulls)))
+    dirty = np.flatnonzero(np.bincount(fid[scratch_writes], minlength=len(plan.full_reads)))
     unplaced = (eng < 0) & ~scratch_writes
     if unplaced.any():
         bad = int(np.flatnonzero(unplaced)[0])
@@ -230,7 +230,7 @@ def apply_chunk(
     idx = eng[at_eng] // unit
     vals, prev = values[at_eng], old[at_eng]
     if at.overlapping:
-        # A unit written twice keeps its last value, as the full pull's later read would.
+        # A unit written twice keeps its last value, as a full refit's later read would.
         last = len(idx) - 1 - np.unique(idx[::-1], return_index=True)[1]
         idx, vals, prev = idx[last], vals[last], prev[last]
     t1 = time.perf_counter()
@@ -301,8 +301,8 @@ def _overlapping(
         reach = sum((n - 1) * st for n, st in zip(shape, strides, strict=True))
         lo.append(start)
         hi.append(start + (reach + 1) * dt.itemsize)
-    for _at, fp in plan.full_pulls:
-        for c in fp.copies:
+    for _at, fr in plan.full_reads:
+        for c in fr.copies:
             off, nbytes = spans[c.param_name]
             lo.append(off)
             hi.append(off + nbytes)
@@ -312,11 +312,11 @@ def _overlapping(
 
 
 def _replay(plan: Plan, dirty: list[int], target: Target, undo: UndoLog) -> None:
-    """Replay the full pulls ``dirty`` (patched in scratch) into the parameters
+    """Replay the full reads ``dirty`` (patched in scratch) into the parameters
     (:attr:`Target.replay`), each destination parameter recorded whole first; the
     digest follows."""
     engine = target.engine
-    names = sorted({c.param_name for i in dirty for c in plan.full_pulls[i][1].copies})
+    names = sorted({c.param_name for i in dirty for c in plan.full_reads[i][1].copies})
     kept = []
     for name in names:
         lo, nbytes = target.spans[name]

@@ -3,13 +3,13 @@
 A full refit's pull is a list of reads: descriptor rows ``(src_region, src_offset,
 dst_region, dst_offset, nbytes)``, then pack specs (a strided block the source packs
 contiguous). Laid end to end in that order, each pack spec in the C order of its
-shape, they make the pull's *stream*: the bytes the full pull would move, in the
+shape, they make the pull's *stream*: the bytes a full refit would move, in the
 order they land. Source and receiver both derive it from the same compiled plan, so
 a changed unit is named by one integer, its index in the stream (in units):
 
 - the source turns the plan's reads into source byte ranges (:func:`reads_of`) and
   finds the changed units inside them (:func:`select`);
-- the receiver turns a stream index back into where the full pull would have landed
+- the receiver turns a stream index back into where a full refit would have landed
   it (:func:`landing`).
 
 Positions travel compactly (:func:`encode`): the stream is cut into pages of
@@ -20,7 +20,7 @@ step of a few ulps), else an escape and the whole new unit in a list of
 exceptions. The receiver adds each difference to the unit its base holds there,
 which the base check has proven to be the source's old unit. At ``c`` changed
 units of a bf16 stream of ``n`` units that is about ``2c + n/255`` bytes against
-the full pull's ``2n``.
+a full refit's ``2n``.
 """
 
 from __future__ import annotations
@@ -321,7 +321,7 @@ def pieces_of(pieces: I64, k: I64, unit: int) -> I64:
 
 
 def landing(pieces: I64, k: I64, unit: int) -> tuple[I64, I64, I64]:
-    """Where the full pull would have landed the stream units ``k`` (ascending): ``(piece,
+    """Where a full refit would have landed the stream units ``k`` (ascending): ``(piece,
     region, offset)``. ``pieces`` is ``(m, 3)``: per read of the receiver's plan in
     stream order (each descriptor row, then each pack spec), its destination region,
     destination offset and bytes; each lands contiguous."""
@@ -418,18 +418,18 @@ def scattered(scatter: Sequence[Any], param_off: Mapping[str, int], sid: I64, of
 
 def areas_of(comp: Any, pieces: I64, scratch_id: int) -> tuple[I64, I64]:
     """Per piece of the stream of ``comp`` (a compiled pull: its rows, packs, scatter
-    entries and full pulls): the scatter entry it lands in (-1: none), and the full
-    pull whose staged tensor it lands in (-1: none)."""
+    entries and full reads): the scatter entry it lands in (-1: none), and the full
+    read whose staged tensor it lands in (-1: none)."""
     n = len(pieces)
     scat_of = np.full(n, -1, dtype=np.int64)
-    fp_of = np.full(n, -1, dtype=np.int64)
+    fr_of = np.full(n, -1, dtype=np.int64)
     entry = {at: e for e, (at, *_) in enumerate(comp.scatter)}
     nrows = len(comp.rows)
     for j, p in enumerate(comp.packs):
         if p.dst_region == scratch_id and p.dst_offset in entry:
             scat_of[nrows + j] = entry[p.dst_offset]
     in_scratch = pieces[:, 0] == scratch_id
-    for i, (at, fp) in enumerate(comp.full_pulls):
-        inside = in_scratch & (pieces[:, 1] >= at) & (pieces[:, 1] < at + fp.staging_nbytes)
-        fp_of[inside] = i
-    return scat_of, fp_of
+    for i, (at, fr) in enumerate(comp.full_reads):
+        inside = in_scratch & (pieces[:, 1] >= at) & (pieces[:, 1] < at + fr.staging_nbytes)
+        fr_of[inside] = i
+    return scat_of, fr_of

@@ -13,8 +13,8 @@ Modules:
 - `geometry`: capture of the engine's loaders on placeholders
 - `replay`: local replay of recorded movement-op chains
 - `chunks`: where each element of a full tensor can be read from: a shard's chunks
-- `slice_plan`: one recorded copy → exact, coalesced byte segments
-- `cost`: the per-copy cost model: segments, a pack spec, or a full pull
+- `slice_plan`: one recorded copy → exact, coalesced reads
+- `cost`: the per-copy cost model: exact reads, a pack spec, or a full read
 - `transfer_plan`: a whole capture → a costed transfer plan
 - `coverage`: which destinations a capture leaves unwritten
 - `owners`: which destination a loader's write lands in, by the memory it lands in
@@ -43,9 +43,9 @@ from refitd.reshard.geometry import (
 from refitd.reshard.reads import InMemoryReadExecutor, PackedRead, ReadDescriptor
 from refitd.reshard.receiver import ReshardReceiver
 from refitd.reshard.replay import replay_ops
-from refitd.reshard.slice_plan import Segment, Shard, plan_pull
+from refitd.reshard.slice_plan import Read, Shard, plan_pull
 from refitd.reshard.transfer_plan import (
-    FullPull,
+    FullRead,
     PackPlan,
     SourceInfo,
     TransferPlan,
@@ -66,7 +66,7 @@ __all__ = [
     "BoundPlan",
     "CaptureResult",
     "CompiledPlan",
-    "FullPull",
+    "FullRead",
     "InMemoryReadExecutor",
     "LazyWeight",
     "OpChain",
@@ -74,10 +74,10 @@ __all__ = [
     "PackPlan",
     "PackedRead",
     "PlanSignature",
+    "Read",
     "ReadDescriptor",
     "RecordedCopy",
     "ReshardReceiver",
-    "Segment",
     "Shard",
     "SignatureMismatch",
     "SourceInfo",

@@ -1,7 +1,7 @@
 """Compiled plans: a plan lowered to flat arrays, bound to the signature it was warmed on.
 
 A refit repeats every step with the same geometry, so planning runs once. The plan
-is lowered to numpy arrays (one row per exact segment; pack specs and full pulls
+is lowered to numpy arrays (one row per exact read; pack specs and full reads
 alongside) and bound to a :class:`PlanSignature`:
 
 - the *manifest structure*: every source's name, global shape, dtype, element size
@@ -30,8 +30,8 @@ import torch
 
 from refitd.errors import PlanError, TransportError
 from refitd.reshard.reads import PackedRead, ReadDescriptor, ReadExecutor
-from refitd.reshard.slice_plan import Segment
-from refitd.reshard.transfer_plan import FullPull, PackPlan, SourceInfo, TransferPlan, run_full_pull
+from refitd.reshard.slice_plan import Read
+from refitd.reshard.transfer_plan import FullRead, PackPlan, SourceInfo, TransferPlan, run_full_read
 
 __all__ = [
     "BoundPlan",
@@ -90,7 +90,7 @@ class BoundPlan:
 
     ``src``/``dst`` are absolute byte addresses, ``nbytes`` bytes, ``session`` an
     index into ``sessions``. ``pack_src``/``pack_dst`` are the rebased pack specs'
-    addresses; ``full_pulls`` carry rebased segments.
+    addresses; ``full_reads`` carry rebased reads.
     """
 
     sessions: tuple[str, ...]
@@ -101,7 +101,7 @@ class BoundPlan:
     packs: tuple[PackPlan, ...]
     pack_src: IntArray
     pack_dst: IntArray
-    full_pulls: tuple[FullPull, ...]
+    full_reads: tuple[FullRead, ...]
 
     def descriptors(self) -> list[ReadDescriptor]:
         names = self.sessions
@@ -148,9 +148,9 @@ class ManifestLayout:
 class CompiledPlan:
     """A :class:`TransferPlan` lowered to arrays and bound to its signature.
 
-    ``seg_*`` hold one row per exact segment (session and parameter as codes into
+    ``read_*`` hold one row per exact read (session and parameter as codes into
     ``sessions``/``params``, byte addresses and offsets), ``pack_*`` one row per pack
-    spec, ``fp_session`` the session codes of each full pull's segments;
+    spec, ``fr_session`` the session codes of each full read's reads;
     ``ref_session``/``ref_addr`` every read shard's session code and compile-time
     address, in :class:`ManifestLayout` order.
     """
@@ -160,16 +160,16 @@ class CompiledPlan:
     plan: TransferPlan
     sessions: tuple[str, ...]
     params: tuple[str, ...]
-    seg_session: IntArray
-    seg_src: IntArray
-    seg_param: IntArray
-    seg_dst: IntArray
-    seg_nbytes: IntArray
+    read_session: IntArray
+    read_src: IntArray
+    read_param: IntArray
+    read_dst: IntArray
+    read_nbytes: IntArray
     pack_session: IntArray
     pack_src: IntArray
     pack_param: IntArray
     pack_dst: IntArray
-    fp_session: tuple[IntArray, ...]
+    fr_session: tuple[IntArray, ...]
     ref_session: IntArray
     ref_addr: IntArray
 
@@ -255,26 +255,26 @@ class CompiledPlan:
         ptrs = np.array([resolve_param_ptr(p) for p in self.params], dtype=np.int64)
         if not ptrs.size:
             ptrs = np.zeros(1, dtype=np.int64)
-        fps = tuple(
+        frs = tuple(
             replace(
-                fp,
-                segments=[
+                fr,
+                reads=[
                     replace(s, src_addr=s.src_addr + int(shift[c]))
-                    for s, c in zip(fp.segments, codes.tolist(), strict=True)
+                    for s, c in zip(fr.reads, codes.tolist(), strict=True)
                 ],
             )
-            for fp, codes in zip(self.plan.full_pulls, self.fp_session, strict=True)
+            for fr, codes in zip(self.plan.full_reads, self.fr_session, strict=True)
         )
         return BoundPlan(
             self.sessions,
-            self.seg_session,
-            self.seg_src + shift[self.seg_session],
-            ptrs[self.seg_param] + self.seg_dst,
-            self.seg_nbytes,
+            self.read_session,
+            self.read_src + shift[self.read_session],
+            ptrs[self.read_param] + self.read_dst,
+            self.read_nbytes,
             tuple(self.plan.packs),
             self.pack_src + shift[self.pack_session],
             ptrs[self.pack_param] + self.pack_dst,
-            fps,
+            frs,
         )
 
     def replay(
@@ -311,7 +311,7 @@ def compile_plan(
         )
     sessions: dict[str, int] = {}
     params: dict[str, int] = {}
-    segs: list[Segment] = plan.segments
+    reads: list[Read] = plan.reads
     planned = set(plan.planned_sources)
     ref = tuple(n for n in sources if n in planned)
     infos = [sources[n] for n in ref]
@@ -326,18 +326,16 @@ def compile_plan(
         plan=plan,
         sessions=(),
         params=(),
-        seg_session=_codes([s.session for s in segs], sessions),
-        seg_src=np.array([s.src_addr for s in segs], dtype=np.int64),
-        seg_param=_codes([s.param_name for s in segs], params),
-        seg_dst=np.array([s.dst_byte for s in segs], dtype=np.int64),
-        seg_nbytes=np.array([s.nbytes for s in segs], dtype=np.int64),
+        read_session=_codes([s.session for s in reads], sessions),
+        read_src=np.array([s.src_addr for s in reads], dtype=np.int64),
+        read_param=_codes([s.param_name for s in reads], params),
+        read_dst=np.array([s.dst_byte for s in reads], dtype=np.int64),
+        read_nbytes=np.array([s.nbytes for s in reads], dtype=np.int64),
         pack_session=_codes([p.session for p in plan.packs], sessions),
         pack_src=np.array([p.src_addr for p in plan.packs], dtype=np.int64),
         pack_param=_codes([p.param_name for p in plan.packs], params),
         pack_dst=np.array([p.dst_byte for p in plan.packs], dtype=np.int64),
-        fp_session=tuple(
-            _codes([s.session for s in fp.segments], sessions) for fp in plan.full_pulls
-        ),
+        fr_session=tuple(_codes([s.session for s in fr.reads], sessions) for fr in plan.full_reads),
         ref_session=ref_session,
         ref_addr=np.array([s.addr for s in shards], dtype=np.int64),
     )
@@ -351,7 +349,7 @@ def compile_plan(
 def execute_bound(
     bound: BoundPlan, resolve_param_ptr: Callable[[str], int], transport: ReadExecutor
 ) -> dict[str, Any]:
-    """Post a bound plan's reads; full pulls are fetched to staging and replayed."""
+    """Post a bound plan's reads; full reads are fetched to staging and replayed."""
     transport.read(bound.descriptors())
     if bound.packs:
         read_packed = getattr(transport, "read_packed", None)
@@ -361,14 +359,14 @@ def execute_bound(
                 f"cannot pack; plan with pack_specs=False for this transport"
             )
         read_packed(bound.packed_reads())
-    for fp in bound.full_pulls:
-        run_full_pull(fp, resolve_param_ptr, transport)
+    for fr in bound.full_reads:
+        run_full_read(fr, resolve_param_ptr, transport)
     return {
         "bytes": int(bound.nbytes.sum())
         + sum(p.nbytes for p in bound.packs)
-        + sum(fp.nbytes() for fp in bound.full_pulls),
-        "segments": int(bound.nbytes.size),
+        + sum(fr.nbytes() for fr in bound.full_reads),
+        "reads": int(bound.nbytes.size),
         "packs": len(bound.packs),
-        "full_pulls": len(bound.full_pulls),
+        "full_reads": len(bound.full_reads),
         "fallback": [],
     }

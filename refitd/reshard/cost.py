@@ -1,6 +1,6 @@
-"""The per-copy cost model: exact segments, a pack spec, or a bounding-rows pull.
+"""The per-copy cost model: exact reads, a pack spec, or a bounding-rows pull.
 
-A copy whose exact segments fit the descriptor budget is always pulled exactly (no
+A copy whose exact reads fit the descriptor budget is always pulled exactly (no
 extra wire bytes, nothing to replay). Otherwise the cheapest option within budget
 wins, by
 
@@ -36,7 +36,7 @@ __all__ = [
     "fit_pack",
     "fit_progression",
     "full_cost",
-    "full_pull_rows",
+    "full_read_rows",
 ]
 
 IntArray = npt.NDArray[np.int64]
@@ -151,7 +151,7 @@ def _groups(codes: IntArray) -> list[IntArray]:
     return [np.flatnonzero(inverse == g) for g in order]
 
 
-def full_pull_rows(raw: Pieces, shards: Sequence[Shard], elsize: int) -> dict[int, tuple[int, int]]:
+def full_read_rows(raw: Pieces, shards: Sequence[Shard], elsize: int) -> dict[int, tuple[int, int]]:
     """Bounding shard-local row range ``[r0, r1)`` per touched shard (``raw``'s
     shards index ``shards``; ``elsize`` bytes an element)."""
     rows: dict[int, tuple[int, int]] = {}
@@ -167,8 +167,8 @@ def full_pull_rows(raw: Pieces, shards: Sequence[Shard], elsize: int) -> dict[in
 
 
 def full_cost(raw: Pieces, shards: Sequence[Shard], elsize: int) -> tuple[int, int]:
-    """A full pull's wire bytes and descriptors (one per touched shard)."""
-    rows = full_pull_rows(raw, shards, elsize)
+    """A full read's wire bytes and descriptors (one per touched shard)."""
+    rows = full_read_rows(raw, shards, elsize)
     wire = sum((r1 - r0) * math.prod(shards[k].shape[1:]) * elsize for k, (r0, r1) in rows.items())
     return wire, len(rows)
 
@@ -187,7 +187,7 @@ def choose(
     """The option for one copy (the module docstring): exact when its ``exact``
     pieces fit ``budget`` descriptors, else the cheapest within budget of exact, a
     pack spec per session (with ``pack_specs``) and, for a ``bounded`` (dim-0
-    blocked) source, a full pull; ``costs`` prices a descriptor and a pack spec."""
+    blocked) source, a full read; ``costs`` prices a descriptor and a pack spec."""
     descriptor_cost, pack_cost = costs
     n_exact = len(exact)
     if n_exact <= budget:

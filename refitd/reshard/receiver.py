@@ -80,7 +80,7 @@ def refuse_unsafe(capture: CaptureResult, plan: TransferPlan | None = None) -> N
 class ReshardReceiver:
     """Plan, compile and execute refits of one captured engine.
 
-    ``max_segments_per_copy`` and ``pack_specs`` are passed to
+    ``max_reads_per_copy`` and ``pack_specs`` are passed to
     :func:`~refitd.reshard.transfer_plan.plan_transfer`. ``replans`` counts plans
     made (a warm refit with an unchanged signature makes none). It keeps its last
     ``keep_plans`` compiled plans and replays whichever one's signature the sources
@@ -90,7 +90,7 @@ class ReshardReceiver:
     """
 
     capture: CaptureResult
-    max_segments_per_copy: int = 64
+    max_reads_per_copy: int = 64
     pack_specs: bool = True
     strict: bool = False
     allow_unwritten: Collection[str] = ()
@@ -102,13 +102,13 @@ class ReshardReceiver:
     _earlier: list[CompiledPlan] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
-        self._options = (self.max_segments_per_copy, self.pack_specs)
+        self._options = (self.max_reads_per_copy, self.pack_specs)
 
     def prepare(self, sources: Mapping[str, SourceInfo]) -> TransferPlan:
         """Plan against ``sources``; refuse (before any transfer) if unsafe."""
         refuse_unsafe(self.capture)
         plan = plan_transfer(
-            self.capture, sources, self.max_segments_per_copy, pack_specs=self.pack_specs
+            self.capture, sources, self.max_reads_per_copy, pack_specs=self.pack_specs
         )
         refuse_unsafe(self.capture, plan)
         return plan

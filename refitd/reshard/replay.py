@@ -5,7 +5,7 @@ source tensor as an :data:`~refitd.reshard.types.OpChain`. Replaying that chain 
 the real source (or on a meta tensor, or on a tensor of element indices) yields
 exactly what the loader would have copied. The planner uses replay on index
 tensors to resolve a chain to source elements; the receiver uses it on pulled
-bytes when a plan chooses a full pull plus local replay.
+bytes when a plan chooses a full read plus local replay.
 
 Only pure movement ops are replayable: every element of the result is one element
 of the input, unchanged. Anything else is refused, so a chain can never smuggle

@@ -1,4 +1,4 @@
-"""Resolve one recorded copy to the exact source bytes it reads, as byte segments.
+"""Resolve one recorded copy to the exact source bytes it reads, as contiguous reads.
 
 A :class:`~refitd.reshard.types.RecordedCopy` says: the engine's loader applied an
 op chain to a full source tensor and copied the result into a (possibly strided)
@@ -43,8 +43,8 @@ from refitd.reshard.types import OpChain, RecordedCopy, UnsupportedReshard, cast
 
 __all__ = [
     "Pieces",
+    "Read",
     "Runs",
-    "Segment",
     "Shard",
     "check_cast",
     "check_dtype",
@@ -80,7 +80,7 @@ class Shard:
 
 
 @dataclass(frozen=True)
-class Segment:
+class Read:
     """One contiguous read: ``nbytes`` from ``src_addr`` of ``session`` to byte
     ``dst_byte`` of parameter ``param_name``'s storage (or of a staging buffer)."""
 
@@ -386,10 +386,10 @@ def plan_pull(
     src_dtype: torch.dtype,
     elsize: int,
     shards: list[Shard],
-) -> list[Segment]:
-    """Exact, coalesced byte segments that reproduce ``copy`` from ``shards``.
+) -> list[Read]:
+    """Exact, coalesced reads that reproduce ``copy`` from ``shards``.
 
-    Each segment reads only bytes the copy needs; where replicas overlap, each
+    Each read takes only bytes the copy needs; where replicas overlap, each
     region is read from exactly one of them. Destination offsets are bytes into the
     parameter's storage.
     """
@@ -400,13 +400,13 @@ def plan_pull(
     codes = np.array([names.index(s.session) for s in shards], dtype=np.int64)
     p = pieces_for(copy_runs(copy, shape), table, shards, codes, elsize)
     return [
-        Segment(names[int(c)], int(a), int(d), int(n), copy.param_name)
+        Read(names[int(c)], int(a), int(d), int(n), copy.param_name)
         for c, a, d, n in zip(p.session, p.addr, p.dst, p.nbytes, strict=True)
     ]
 
 
 def check_cast(copy: RecordedCopy, src_dtype: torch.dtype, bounded: bool) -> None:
-    """A copy that converts dtype is planned as a full pull (the source's rows staged
+    """A copy that converts dtype is planned as a full read (the source's rows staged
     in its own dtype, converted at install by the loader's ``copy_``): refuse one
     whose conversion is not replayable, or whose source cannot be staged. The
     loader's own casts (``copy.casts``, from ``.to()`` and the like) are replayed

@@ -1,18 +1,18 @@
 """Plan every recorded copy of a capture against published sources, and execute it.
 
-:func:`plan_transfer` resolves each copy to exact, coalesced segments
+:func:`plan_transfer` resolves each copy to exact, coalesced reads
 (:mod:`refitd.reshard.slice_plan`), then applies the cost model
 (:mod:`refitd.reshard.cost`) under a per-copy descriptor budget:
 
-- exact segments when they fit the budget;
+- exact reads when they fit the budget;
 - otherwise the cheapest of a *pack spec* per session (a strided source region the
-  source packs contiguous: one descriptor, no extra bytes) and a *full pull* of the
+  source packs contiguous: one descriptor, no extra bytes) and a *full read* of the
   bounding row range of every touched shard into a staging buffer, followed by
   local replay of the op chain (only for sources published as dim-0 blocks;
   others are reported in ``unbounded_sources``).
 
 With ``pack_specs=False`` the planner behaves like ModelExpress: over-budget copies
-of dim-0-blocked sources are full-pulled, others keep their exact descriptors.
+of dim-0-blocked sources get a full read, others keep their exact descriptors.
 
 Sources unsupported at capture, missing from ``sources`` or unplannable land in
 ``fallback``: nothing is planned or fetched for them, and a receiver must refuse
@@ -39,13 +39,13 @@ from refitd.reshard.cost import (
     Choice,
     choose,
     full_cost,
-    full_pull_rows,
+    full_read_rows,
 )
 from refitd.reshard.reads import PackedRead, ReadDescriptor, ReadExecutor
 from refitd.reshard.replay import replay_ops
 from refitd.reshard.slice_plan import (
     Pieces,
-    Segment,
+    Read,
     Shard,
     check_cast,
     coalesce,
@@ -56,7 +56,7 @@ from refitd.reshard.slice_plan import (
 from refitd.reshard.types import CaptureResult, RecordedCopy, UnsupportedReshard
 
 __all__ = [
-    "FullPull",
+    "FullRead",
     "PackPlan",
     "SourceInfo",
     "TransferPlan",
@@ -109,11 +109,11 @@ class SourceInfo:
 
 
 @dataclass(frozen=True)
-class FullPull:
-    """Pull the bounding rows of a source's shards into staging, then replay.
+class FullRead:
+    """Read the bounding rows of a source's shards into staging, then replay.
 
     The staging buffer is laid out as the full tensor (``staging_nbytes`` bytes,
-    row-major ``global_shape`` of ``dtype``); each segment's ``dst_byte`` is a byte
+    row-major ``global_shape`` of ``dtype``); each read's ``dst_byte`` is a byte
     offset into it and its ``param_name`` is the source's name. ``copies`` are
     replayed on the staging tensor with ``replay_ops`` into their parameters.
     """
@@ -122,7 +122,7 @@ class FullPull:
     global_shape: tuple[int, ...]
     dtype: torch.dtype
     elsize: int
-    segments: list[Segment]
+    reads: list[Read]
     copies: list[RecordedCopy]
 
     @property
@@ -130,7 +130,7 @@ class FullPull:
         return math.prod(self.global_shape) * self.elsize
 
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.segments)
+        return sum(s.nbytes for s in self.reads)
 
 
 @dataclass(frozen=True)
@@ -163,16 +163,16 @@ class PackPlan:
 
 @dataclass
 class TransferPlan:
-    """What to read for one capture: exact segments, pack specs and full pulls.
+    """What to read for one capture: exact reads, pack specs and full reads.
 
     ``exact_bytes``/``exact_descriptor_count`` describe the all-exact plan (every
-    copy as exact coalesced segments); the accessors compare the chosen plan to it.
+    copy as exact coalesced reads); the accessors compare the chosen plan to it.
     ``max_descriptors_per_copy`` is the largest descriptor count any one copy got;
     ``choices`` counts copies per option; ``planned_sources`` names the sources read.
     """
 
-    segments: list[Segment] = field(default_factory=list)
-    full_pulls: list[FullPull] = field(default_factory=list)
+    reads: list[Read] = field(default_factory=list)
+    full_reads: list[FullRead] = field(default_factory=list)
     packs: list[PackPlan] = field(default_factory=list)
     unbounded_sources: list[str] = field(default_factory=list)
     fallback: list[str] = field(default_factory=list)
@@ -186,16 +186,14 @@ class TransferPlan:
     def bytes_planned(self) -> int:
         """Bytes that cross the wire."""
         return (
-            sum(s.nbytes for s in self.segments)
-            + sum(fp.nbytes() for fp in self.full_pulls)
+            sum(s.nbytes for s in self.reads)
+            + sum(fr.nbytes() for fr in self.full_reads)
             + sum(p.nbytes for p in self.packs)
         )
 
     def descriptor_count(self) -> int:
-        """Reads posted: segments, full-pull segments and pack specs (one each)."""
-        return (
-            len(self.segments) + sum(len(fp.segments) for fp in self.full_pulls) + len(self.packs)
-        )
+        """Reads posted: exact reads, the reads of full reads, and pack specs (one each)."""
+        return len(self.reads) + sum(len(fr.reads) for fr in self.full_reads) + len(self.packs)
 
     def descriptor_savings(self) -> int:
         return self.exact_descriptor_count - self.descriptor_count()
@@ -226,7 +224,7 @@ def _merge_exact(parts: list[tuple[int, Pieces]], n_sessions: int) -> tuple[Piec
 def plan_transfer(
     capture: CaptureResult,
     sources: Mapping[str, SourceInfo],
-    max_segments_per_copy: int = 64,
+    max_reads_per_copy: int = 64,
     *,
     pack_specs: bool = True,
     descriptor_cost_bytes: int = DESCRIPTOR_COST_BYTES,
@@ -234,7 +232,7 @@ def plan_transfer(
 ) -> TransferPlan:
     """Plan every copy of ``capture`` against ``sources`` (see the module docstring).
 
-    ``max_segments_per_copy`` is the descriptor budget per recorded copy;
+    ``max_reads_per_copy`` is the descriptor budget per recorded copy;
     ``descriptor_cost_bytes``/``pack_cost_bytes`` price a descriptor and a pack spec
     in wire bytes (:mod:`refitd.reshard.cost`). Replicas
     are assigned so no byte is read twice and reads spread across sessions.
@@ -268,7 +266,7 @@ def plan_transfer(
                         copies,
                         sessions,
                         loads,
-                        max_segments_per_copy,
+                        max_reads_per_copy,
                         pack_specs,
                         (descriptor_cost_bytes, pack_cost_bytes),
                         plan,
@@ -363,13 +361,13 @@ def _assemble(
                 )
             plan.max_descriptors_per_copy = max(plan.max_descriptors_per_copy, n_desc)
         if full_copies:
-            plan.full_pulls.append(
-                _full_pull(src_name, info, Pieces.concat(full_raw), full_copies, names, sessions)
+            plan.full_reads.append(
+                _full_read(src_name, info, Pieces.concat(full_raw), full_copies, names, sessions)
             )
     param_names = sorted(params, key=params.__getitem__)
     merged, param_of = _merge_exact(exact_parts, n_sessions)
-    plan.segments = [
-        Segment(names[s], a, d, n, param_names[p])
+    plan.reads = [
+        Read(names[s], a, d, n, param_names[p])
         for s, a, d, n, p in zip(
             merged.session.tolist(),
             merged.addr.tolist(),
@@ -382,15 +380,15 @@ def _assemble(
     plan.exact_descriptor_count = len(_merge_exact(all_parts, n_sessions)[0])
 
 
-def _full_pull(
+def _full_read(
     src_name: str,
     info: SourceInfo,
     raw: Pieces,
     copies: list[RecordedCopy],
     names: list[str],
     sessions: dict[str, int],
-) -> FullPull:
-    rows = full_pull_rows(raw, info.shards, info.elsize)
+) -> FullRead:
+    rows = full_read_rows(raw, info.shards, info.elsize)
     ks = sorted(
         rows, key=lambda k: info.shards[k].shard_offset[0] + rows[k][0] if info.global_shape else 0
     )
@@ -411,22 +409,22 @@ def _full_pull(
         )
     arr = np.array(parts, dtype=np.int64).reshape(-1, 5)
     p = coalesce(Pieces(arr[:, 4], arr[:, 0], arr[:, 1], arr[:, 2], arr[:, 3]))
-    segments = [
-        Segment(names[s], a, d, n, src_name)
+    reads = [
+        Read(names[s], a, d, n, src_name)
         for s, a, d, n in zip(
             p.session.tolist(), p.addr.tolist(), p.dst.tolist(), p.nbytes.tolist(), strict=True
         )
     ]
-    return FullPull(src_name, tuple(info.global_shape), info.dtype, info.elsize, segments, copies)
+    return FullRead(src_name, tuple(info.global_shape), info.dtype, info.elsize, reads, copies)
 
 
 def exact_descriptors(
     plan: TransferPlan, resolve_param_ptr: Callable[[str], int]
 ) -> list[ReadDescriptor]:
-    """The plan's exact segments as absolute reads into the parameters, in plan order."""
+    """The plan's exact reads as absolute descriptors into the parameters, in plan order."""
     ptrs: dict[str, int] = {}
     out = []
-    for s in plan.segments:
+    for s in plan.reads:
         base = ptrs.get(s.param_name)
         if base is None:
             base = ptrs[s.param_name] = resolve_param_ptr(s.param_name)
@@ -434,19 +432,19 @@ def exact_descriptors(
     return out
 
 
-def run_full_pull(
-    fp: FullPull, resolve_param_ptr: Callable[[str], int], transport: ReadExecutor
+def run_full_read(
+    fr: FullRead, resolve_param_ptr: Callable[[str], int], transport: ReadExecutor
 ) -> None:
-    """Fetch ``fp`` into a fresh staging buffer and replay its copies locally."""
+    """Fetch ``fr`` into a fresh staging buffer and replay its copies locally."""
     # empty, not zeros: pages of rows outside the bounding ranges are never touched,
     # so a large tensor costs memory only for the rows actually pulled.
-    staging = torch.empty(fp.staging_nbytes, dtype=torch.uint8)
+    staging = torch.empty(fr.staging_nbytes, dtype=torch.uint8)
     base = staging.data_ptr()
     transport.read(
-        [ReadDescriptor(s.session, s.src_addr, base + s.dst_byte, s.nbytes) for s in fp.segments]
+        [ReadDescriptor(s.session, s.src_addr, base + s.dst_byte, s.nbytes) for s in fr.reads]
     )
-    full = staging.view(fp.dtype).reshape(fp.global_shape)
-    for copy in fp.copies:
+    full = staging.view(fr.dtype).reshape(fr.global_shape)
+    for copy in fr.copies:
         write_through_pointer(
             resolve_param_ptr(copy.param_name), copy, replay_ops(full, copy.op_chain)
         )
@@ -457,8 +455,8 @@ def execute_transfer(
 ) -> dict[str, Any]:
     """Move every planned byte through ``transport``; return what moved.
 
-    Exact segments go in one ``read`` call (exactly :func:`exact_descriptors`);
-    pack specs need a transport with ``read_packed``; full pulls land in staging
+    Exact reads go in one ``read`` call (exactly :func:`exact_descriptors`);
+    pack specs need a transport with ``read_packed``; full reads land in staging
     and are replayed. ``fallback`` is reported, never acted on: refusing a plan
     with unsupported sources is the receiver's policy.
     """
@@ -485,13 +483,13 @@ def execute_transfer(
                 for p in plan.packs
             ]
         )
-    for fp in plan.full_pulls:
-        run_full_pull(fp, resolve_param_ptr, transport)
+    for fr in plan.full_reads:
+        run_full_read(fr, resolve_param_ptr, transport)
     return {
         "bytes": plan.bytes_planned(),
-        "segments": len(descriptors),
+        "reads": len(descriptors),
         "packs": len(plan.packs),
-        "full_pulls": len(plan.full_pulls),
+        "full_reads": len(plan.full_reads),
         "descriptors": plan.descriptor_count(),
         "fallback": list(plan.fallback),
     }

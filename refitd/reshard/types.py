@@ -3,7 +3,7 @@
 A *source* is one full trainer tensor (by name, in its global shape). Capture
 records, for every destination parameter, which view of which source the engine's
 loader copied and where the copy landed; the later stages turn those records into
-byte segments. Everything here is plain data: no I/O, no torch storage.
+contiguous reads. Everything here is plain data: no I/O, no torch storage.
 
 Op chains use ModelExpress's encoding so plans port between the two projects: a
 chain is a tuple of ``(method_name, args, frozen_kwargs)`` applied left to right to
@@ -65,7 +65,7 @@ class IncompleteRefit(UnsupportedReshard):
 
 CASTABLE = frozenset({torch.bfloat16, torch.float16, torch.float32, torch.float64})
 """Floating dtypes a loader's ``copy_`` may convert between. Such a copy is planned
-as a full pull in the source's dtype and converted at install by the same
+as a full read in the source's dtype and converted at install by the same
 ``copy_`` the loader runs, so the destination holds exactly what a fresh load
 would (a narrowing cast rounds as the loader's does, no more, no less)."""
 

@@ -84,7 +84,7 @@ class DeltaStaged(msgspec.Struct, frozen=True):
     ``pages`` page counts, ``changed`` offsets in page and as many differences
     (``diff_bits`` each: 8, or 4 when the request accepted ``nibbles``), then
     ``exceptions`` whole units of ``unit`` bytes (``refitd.delta.stream.layout``);
-    ``stream_units`` the units of the full pull's stream; ``digest`` the version's
+    ``stream_units`` the units of a full refit's stream; ``digest`` the version's
     content digest. The source's seconds for it: ``wait_s`` waiting for the
     version's comparison, ``encode_s`` selecting and encoding the changes (composing
     a chain's first), ``copy_s`` taking the staging region and copying them in."""

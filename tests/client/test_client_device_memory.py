@@ -54,7 +54,7 @@ class HostDevEngineMemory(EngineMemory):
         return Area(region, torch.from_numpy(np.ctypeslib.as_array(raw)))
 
 
-CFG = moe_toy_config()  # fused experts: full pulls replayed from scratch
+CFG = moe_toy_config()  # fused experts: full reads replayed from scratch
 PAR = EngineParallel(2, 1, 1)
 
 
@@ -77,7 +77,7 @@ async def test_an_engine_in_device_memory_refits_each_version_exactly_on_the_dev
             twin=lambda: ToyEngine(CFG, PAR),
             capture=capture_for(layout_of(full_state(CFG, seed=1))),
             mode=mode,  # type: ignore[arg-type]
-            max_segments_per_copy=2,
+            max_reads_per_copy=2,
         )
         r.memory = HostDevEngineMemory(d, c, r._params)
         pubs = []
@@ -88,7 +88,7 @@ async def test_an_engine_in_device_memory_refits_each_version_exactly_on_the_dev
                 stats = await r.refit(version)
                 assert mismatched(engine, CFG, PAR, state) == []
                 assert stats.pull.path == "shm+hostdev"
-            assert stats.full_pulls > 0  # replayed from scratch in device memory
+            assert stats.full_reads > 0  # replayed from scratch in device memory
             assert r.memory.on_device and r.memory.shadow is None
             assert r.mode == ("staging" if mode == "swap" else mode)
             kinds = {x.kind for x in await c.regions() if x.label in ("engine", "scratch")}
@@ -111,7 +111,7 @@ async def test_a_delta_receiver_in_device_memory_refits_in_full_and_says_why() -
             engine=engine,
             twin=lambda: ToyEngine(CFG, PAR),
             capture=capture_for(layout_of(full_state(CFG, seed=1))),
-            max_segments_per_copy=2,
+            max_reads_per_copy=2,
         )
         r.memory = HostDevEngineMemory(d, c, r._params)
         pubs = []

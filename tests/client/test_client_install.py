@@ -2,7 +2,7 @@
 through the same code, so every case runs on each device this machine has (the CPU
 always; a GPU where one is present).
 
-A full pull's replay is checked against the reshard planner's own write through a
+A full read's replay is checked against the reshard planner's own write through a
 pointer (:func:`refitd.reshard.slice_plan.write_through_pointer`, the reference the
 host install used), the rest against the bytes placed by hand.
 """
@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from refitd.client.install import Scatter, install, replay_full_pulls
+from refitd.client.install import Scatter, install, replay_full_reads
 from refitd.reshard.slice_plan import write_through_pointer
-from refitd.reshard.transfer_plan import FullPull
+from refitd.reshard.transfer_plan import FullRead
 from refitd.reshard.types import RecordedCopy
 
 DEVICES = [
@@ -34,7 +34,7 @@ class Comp:
 
     install: list[tuple[int, int]] = field(default_factory=list)
     scatter: list[Scatter] = field(default_factory=list)
-    full_pulls: list[tuple[int, FullPull]] = field(default_factory=list)
+    full_reads: list[tuple[int, FullRead]] = field(default_factory=list)
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -75,17 +75,17 @@ COPIES = {
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(COPIES))
-def test_a_full_pull_is_replayed_bit_for_bit_as_the_planners_write_through_a_pointer(
+def test_a_full_read_is_replayed_bit_for_bit_as_the_planners_write_through_a_pointer(
     device: str, case: str
 ) -> None:
     src_dtype, shape, param_dtype, copy = COPIES[case]
     source = (torch.arange(24, dtype=torch.float32).reshape(shape) * 1.37 - 9).to(src_dtype)
-    fp = FullPull("w", shape, src_dtype, src_dtype.itemsize, [], [copy])
-    scratch = torch.zeros(64 + fp.staging_nbytes, dtype=torch.uint8, device=device)
+    fr = FullRead("w", shape, src_dtype, src_dtype.itemsize, [], [copy])
+    scratch = torch.zeros(64 + fr.staging_nbytes, dtype=torch.uint8, device=device)
     _staged(source, scratch, 64)
     param = torch.full((4, 6), -1.0, dtype=param_dtype, device=device)
 
-    replay_full_pulls([(64, fp)], {"p": param}, scratch)
+    replay_full_reads([(64, fr)], {"p": param}, scratch)
 
     want = torch.full((4, 6), -1.0, dtype=param_dtype)
     from refitd.reshard.replay import replay_ops
@@ -95,7 +95,7 @@ def test_a_full_pull_is_replayed_bit_for_bit_as_the_planners_write_through_a_poi
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_staged_ranges_scattered_blocks_and_full_pulls_land_where_each_belongs(
+def test_staged_ranges_scattered_blocks_and_full_reads_land_where_each_belongs(
     device: str,
 ) -> None:
     # The engine region: a (4, 4) float32 at 0, an (8,) bf16 at 64, a (2, 3) float32 at 128.
@@ -117,7 +117,7 @@ def test_staged_ranges_scattered_blocks_and_full_pulls_land_where_each_belongs(
     comp = Comp(
         install=[(64, 16)],
         scatter=[(192, torch.float32, (4, 4), (1, 4), "a", 0)],
-        full_pulls=[(256, FullPull("s", (3, 2), torch.bfloat16, 2, [], [copy]))],
+        full_reads=[(256, FullRead("s", (3, 2), torch.bfloat16, 2, [], [copy]))],
     )
 
     install(comp, params, engine, scratch)

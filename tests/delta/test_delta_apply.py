@@ -1,12 +1,12 @@
 """The engine's apply of a delta (:mod:`refitd.delta.apply`), pure, on plans built by
 hand: whatever a unit's destination (the engine's memory, a block scattered by its
-strides, a full pull's staged tensor, two reads landing on one byte), applying the
-delta to what the full pull of the old version left leaves what the full pull of the
+strides, a full read's staged tensor, two reads landing on one byte), applying the
+delta to what a full refit to the old version left leaves what a full refit to the
 new version leaves, the digest kept; and a rollback leaves the old one, bit for bit.
 
 The source side is the daemon's own staging (:func:`refitd.delta.native.stage`) over
-the plan's reads; the reference is a byte model of the full pull (rows landed in
-order, then each packed block scattered, then each full pull replayed).
+the plan's reads; the reference is a byte model of a full refit (rows landed in
+order, then each packed block scattered, then each full read replayed).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from refitd.delta.digest import EngineDigest
 from refitd.delta.stream import ChangeIndex, reads_of
 from refitd.delta.undo import UndoLog
 from refitd.errors import ConflictError
-from refitd.reshard.transfer_plan import FullPull
+from refitd.reshard.transfer_plan import FullRead
 from refitd.reshard.types import RecordedCopy
 from refitd.wire import PackSpec
 
@@ -41,12 +41,12 @@ class Plan:
     rows: np.ndarray
     packs: list[PackSpec] = field(default_factory=list)
     scatter: list[Any] = field(default_factory=list)
-    full_pulls: list[tuple[int, FullPull]] = field(default_factory=list)
+    full_reads: list[tuple[int, FullRead]] = field(default_factory=list)
 
 
 @dataclass
 class Engine:
-    """The engine's memory as the full pull of a version leaves it."""
+    """The engine's memory as a full refit to a version leaves it."""
 
     engine: np.ndarray
     scratch: np.ndarray
@@ -67,19 +67,19 @@ class Chunk:
 
 
 def _replay(plan: Plan, mem: Engine, dirty: list[int]) -> None:
-    """A full pull replayed from scratch: its staged tensor copied whole (its one
+    """A full read replayed from scratch: its staged tensor copied whole (its one
     copy has an empty op chain) into the parameter's bytes."""
     for i in dirty:
-        at, fp = plan.full_pulls[i]
-        (copy,) = fp.copies
+        at, fr = plan.full_reads[i]
+        (copy,) = fr.copies
         lo, n = mem.spans[copy.param_name]
-        mem.engine[lo : lo + n] = mem.scratch[at : at + fp.staging_nbytes]
+        mem.engine[lo : lo + n] = mem.scratch[at : at + fr.staging_nbytes]
 
 
-def full_pull(
+def full_refit(
     plan: Plan, src: np.ndarray, spans: dict[str, tuple[int, int]], limit: int = 0
 ) -> Engine:
-    """The byte model of the full pull of ``src`` by ``plan`` (staging mode: scratch's
+    """The byte model of a full refit to ``src`` by ``plan`` (staging mode: scratch's
     first ``limit`` bytes are the engine's image, installed into it)."""
     mem = Engine(np.zeros(256, np.uint8), np.zeros(256, np.uint8), spans)
     regions = {ENGINE: mem.engine, SCRATCH: mem.scratch}
@@ -105,7 +105,7 @@ def full_pull(
             mem.engine[lo + dst_byte :].view(np.float32), shape, tuple(s * UNIT for s in strides)
         )
         dst[...] = packed
-    _replay(plan, mem, list(range(len(plan.full_pulls))))
+    _replay(plan, mem, list(range(len(plan.full_reads))))
     return mem
 
 
@@ -129,8 +129,8 @@ def applied(
     limit: int = 0,
     direct: bool | None = None,
 ) -> tuple[Engine, UndoLog, EngineDigest, Landing]:
-    """The full pull of ``old`` with the delta to ``new`` applied over it."""
-    mem = full_pull(plan, old, spans, limit)
+    """A full refit to ``old`` with the delta to ``new`` applied over it."""
+    mem = full_refit(plan, old, spans, limit)
     landing = Landing.of(plan, ENGINE, SCRATCH, limit, spans)
     if direct is not None:
         landing = dataclasses.replace(landing, direct=direct)
@@ -170,10 +170,10 @@ def test_reads_landing_whole_in_the_engine_apply_in_one_native_pass_exactly(
     plan = Plan(ROWS_INTO_THE_ENGINE)
     mem, undo, digest, landing = applied(plan, old, new, NO_PARAMS)
     assert landing.direct
-    assert mem.engine.tobytes() == full_pull(plan, new, NO_PARAMS).engine.tobytes()
+    assert mem.engine.tobytes() == full_refit(plan, new, NO_PARAMS).engine.tobytes()
     assert np.array_equal(digest.lanes, EngineDigest.of(mem.engine).lanes)
     undo.rollback()
-    assert mem.engine.tobytes() == full_pull(plan, old, NO_PARAMS).engine.tobytes()
+    assert mem.engine.tobytes() == full_refit(plan, old, NO_PARAMS).engine.tobytes()
 
 
 @given(seed=st.integers(0, 2**32 - 1), frac=st.sampled_from([0.05, 0.5, 1.0]))
@@ -193,7 +193,7 @@ def test_reads_into_staging_scratchs_image_of_the_engine_land_in_the_engine() ->
     plan = Plan(_rows((0, SCRATCH, 0, 64), (64, ENGINE, 64, 64)))
     mem, _undo, _digest, landing = applied(plan, old, new, NO_PARAMS, limit=128)
     assert landing.direct
-    assert mem.engine.tobytes() == full_pull(plan, new, NO_PARAMS, 128).engine.tobytes()
+    assert mem.engine.tobytes() == full_refit(plan, new, NO_PARAMS, 128).engine.tobytes()
 
 
 def test_two_reads_landing_on_one_byte_leave_the_later_reads_value() -> None:
@@ -201,10 +201,10 @@ def test_two_reads_landing_on_one_byte_leave_the_later_reads_value() -> None:
     plan = Plan(_rows((0, ENGINE, 0, 64), (64, ENGINE, 32, 64)))  # bytes 32..64 twice
     mem, undo, digest, landing = applied(plan, old, new, NO_PARAMS)
     assert landing.overlapping and not landing.direct
-    assert mem.engine.tobytes() == full_pull(plan, new, NO_PARAMS).engine.tobytes()
+    assert mem.engine.tobytes() == full_refit(plan, new, NO_PARAMS).engine.tobytes()
     assert np.array_equal(digest.lanes, EngineDigest.of(mem.engine).lanes)
     undo.rollback()
-    assert mem.engine.tobytes() == full_pull(plan, old, NO_PARAMS).engine.tobytes()
+    assert mem.engine.tobytes() == full_refit(plan, old, NO_PARAMS).engine.tobytes()
 
 
 def test_a_unit_of_a_packed_block_lands_where_the_scatter_puts_it() -> None:
@@ -217,28 +217,28 @@ def test_a_unit_of_a_packed_block_lands_where_the_scatter_puts_it() -> None:
     )
     mem, undo, digest, landing = applied(plan, old, new, spans)
     assert not landing.direct and landing.scat_of.tolist() == [-1, 0]
-    assert mem.engine.tobytes() == full_pull(plan, new, spans).engine.tobytes()
+    assert mem.engine.tobytes() == full_refit(plan, new, spans).engine.tobytes()
     assert np.array_equal(digest.lanes, EngineDigest.of(mem.engine).lanes)
     undo.rollback()
-    assert mem.engine.tobytes() == full_pull(plan, old, spans).engine.tobytes()
+    assert mem.engine.tobytes() == full_refit(plan, old, spans).engine.tobytes()
 
 
-def test_a_unit_of_a_full_pulls_staged_tensor_is_patched_there_and_the_pull_replayed() -> None:
+def test_a_unit_of_a_full_reads_staged_tensor_is_patched_there_and_the_read_replayed() -> None:
     old, new = _versions(6, 0.3)
     spans = {"w": (64, 48)}  # a (12,) float32 parameter at engine byte 64
     copy = RecordedCopy("w", (), "w", 0, (12,), (1,), torch.float32)
     plan = Plan(
         _rows((0, ENGINE, 0, 64), (64, SCRATCH, 128, 48)),
-        full_pulls=[(128, FullPull("w", (12,), torch.float32, UNIT, [], [copy]))],
+        full_reads=[(128, FullRead("w", (12,), torch.float32, UNIT, [], [copy]))],
     )
     mem, undo, digest, landing = applied(plan, old, new, spans)
-    assert landing.fp_of.tolist() == [-1, 0]
-    want = full_pull(plan, new, spans)
+    assert landing.fr_of.tolist() == [-1, 0]
+    want = full_refit(plan, new, spans)
     assert mem.engine.tobytes() == want.engine.tobytes()
     assert mem.scratch.tobytes() == want.scratch.tobytes()
     assert np.array_equal(digest.lanes, EngineDigest.of(mem.engine).lanes)
     undo.rollback()
-    base = full_pull(plan, old, spans)
+    base = full_refit(plan, old, spans)
     assert mem.engine.tobytes() == base.engine.tobytes()
     assert mem.scratch.tobytes() == base.scratch.tobytes()
 
@@ -246,7 +246,7 @@ def test_a_unit_of_a_full_pulls_staged_tensor_is_patched_there_and_the_pull_repl
 def test_a_chunk_whose_page_counts_do_not_sum_to_its_positions_is_refused_writing_nothing() -> None:
     old, new = _versions(7, 0.5)
     plan = Plan(ROWS_INTO_THE_ENGINE)
-    mem = full_pull(plan, old, NO_PARAMS)
+    mem = full_refit(plan, old, NO_PARAMS)
     before = mem.engine.tobytes()
     payload, chunk = delta(plan, old, new)
     lying = dataclasses.replace(chunk, changed=chunk.changed + 1)
@@ -260,7 +260,7 @@ def test_a_chunk_whose_page_counts_do_not_sum_to_its_positions_is_refused_writin
 def test_a_unit_landing_outside_the_engine_and_the_plans_scratch_areas_is_refused() -> None:
     old, new = _versions(8, 1.0)
     plan = Plan(_rows((0, 9, 0, 64)))  # a region that is neither
-    mem = full_pull(Plan(_rows()), old, NO_PARAMS)
+    mem = full_refit(Plan(_rows()), old, NO_PARAMS)
     payload, chunk = delta(plan, old, new)
     target = Target(mem.engine, mem.scratch, EngineDigest.of(mem.engine), NO_PARAMS, 1, print)
     landing = Landing.of(plan, ENGINE, SCRATCH, 0, NO_PARAMS)

@@ -43,7 +43,7 @@ def receiver(
         engine=engine,
         twin=lambda: ToyEngine(CFG, PAR),
         capture=capture_for(layout(full_state(CFG, seed=0))),
-        max_segments_per_copy=2,
+        max_reads_per_copy=2,
         **kw,
     )
 

@@ -62,7 +62,7 @@ async def test_an_engine_behind_a_host_mirror_refits_by_delta_exactly(secret_fil
             engine=zeroed_engine(CFG, PAR),
             twin=lambda: ToyEngine(CFG, PAR),
             capture=capture_for(layout(state)),
-            max_segments_per_copy=2,
+            max_reads_per_copy=2,
         )
         await r.refit(1)
         for v in (2, 3):

@@ -38,7 +38,7 @@ def receiver(local: RefitClient, source: RefitClient, **kw: Any) -> DeltaReceive
         engine=zeroed_engine(CFG, PAR),
         twin=lambda: ToyEngine(CFG, PAR),
         capture=capture_for(layout(full_state(CFG, seed=0))),
-        max_segments_per_copy=2,
+        max_reads_per_copy=2,
         **kw,
     )
 

@@ -1,5 +1,5 @@
 """Hypothesis over change patterns: the stream arithmetic against a byte-level model
-of a full pull, and deltas through a real daemon against a full refit."""
+of a full refit, and deltas through a real daemon against a full refit."""
 
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ def pulls(draw: st.DrawFn) -> tuple[int, dict[int, np.ndarray], np.ndarray, list
     return unit, old, np.array(rows, dtype=np.int64).reshape(-1, 5), specs
 
 
-def full_pull(mem: dict[int, np.ndarray], reads: np.ndarray) -> np.ndarray:
-    """The stream's bytes, as a full pull would land them end to end."""
+def full_refit(mem: dict[int, np.ndarray], reads: np.ndarray) -> np.ndarray:
+    """The stream's bytes, as a full refit would land them end to end."""
     parts = [mem[int(r)][o : o + n] for r, o, n in reads.tolist()]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
 
@@ -106,8 +106,8 @@ def test_the_changed_units_of_a_stream_turn_the_old_pull_into_the_new_one(
     units = int(reads[:, 2].sum()) // unit if len(reads) else 0
     counts, low = encode(k, units)
     assert np.array_equal(decode(counts, low), k)
-    # Apply the delta where a full pull of the old version landed: the new pull.
-    landed = full_pull(old, reads).copy()
+    # Apply the delta where a full refit to the old version landed: the new pull.
+    landed = full_refit(old, reads).copy()
     pieces = np.array([[9, off, n] for off, n in _ends(reads)], dtype=np.int64).reshape(-1, 3)
     _, _, off = landing(pieces, k, unit)
     pick = zip(region.tolist(), at.tolist(), strict=True)
@@ -116,14 +116,15 @@ def test_the_changed_units_of_a_stream_turn_the_old_pull_into_the_new_one(
     old_u = np.array([p[0] for p in pairs], dtype=udt)
     new_u = np.array([p[1] for p in pairs], dtype=udt)
     diff, exc = encode_values(old_u, new_u)
-    # The receiver knows each old unit from where the full pull landed it.
+    # The receiver knows each old unit from where the full refit landed it.
     got = decode_values(landed.view(udt)[off // unit].copy(), diff, exc)
     assert np.array_equal(got, new_u)
     for o, v in zip(off.tolist(), got, strict=True):
         landed[o : o + unit] = np.array([v], dtype=udt).view(np.uint8)
-    assert np.array_equal(landed, full_pull(new, reads))
+    assert np.array_equal(landed, full_refit(new, reads))
     changed_units = np.count_nonzero(
-        full_pull(old, reads).view(unit_dtype(unit)) != full_pull(new, reads).view(unit_dtype(unit))
+        full_refit(old, reads).view(unit_dtype(unit))
+        != full_refit(new, reads).view(unit_dtype(unit))
     )
     assert len(k) == changed_units
 
@@ -147,7 +148,7 @@ CHANGES = st.one_of(
 KINDS = ["dense", "moe", "columns"]
 """``dense``: a Llama-shaped model, Megatron TP 2 into an engine rank of TP 4 (rows and
 pack specs); ``moe``: a DeepSeek-shaped one, TP 2 x EP 2 into TP 4 x EP 2 (fused
-experts, full pulls replayed from scratch, destinations that overlap); ``columns``:
+experts, full reads replayed from scratch, destinations that overlap); ``columns``:
 column blocks packed into strided destinations (scattered on arrival)."""
 
 
@@ -177,7 +178,7 @@ def _setup(kind: str, client: Any) -> tuple[Any, dict[str, torch.Tensor], Any, A
             engine=ColumnSwap(),
             twin=ColumnSwap,
             capture=lambda twin, manifest: capture_geometry(twin, manifest, default_weight_loader),
-            max_segments_per_copy=1,
+            max_reads_per_copy=1,
             allow_unwritten=["w"],
         )
         return ColumnTrainer(client, "m"), state, kw, columns_ok
@@ -190,7 +191,7 @@ def _setup(kind: str, client: Any) -> tuple[Any, dict[str, torch.Tensor], Any, A
         engine=zeroed_engine(cfg, par),
         twin=lambda: ToyEngine(cfg, par),
         capture=capture_for(megatron_tp_ep(cfg, 2, ep, state)),
-        max_segments_per_copy=2,  # pack specs and full pulls as well as rows
+        max_reads_per_copy=2,  # pack specs and full reads as well as rows
     )
     return trainer, state, kw, lambda eng, st_: mismatched(eng, cfg, par, st_) == []
 
@@ -203,7 +204,7 @@ async def _deltas(changes: list[Change], kind: str) -> None:
         first = await r.refit(1)
         # Each kind takes the path it is here for.
         assert kind != "columns" or first.scattered >= 1
-        assert kind != "moe" or first.full_pulls >= 1
+        assert kind != "moe" or first.full_reads >= 1
         for v, change in enumerate(changes, start=2):
             state = changed(state, change)
             await trainer.publish(v, state)

@@ -35,7 +35,7 @@ async def test_a_sequence_of_deltas_leaves_each_rank_equal_to_a_full_refit() -> 
                 engine=eng,
                 twin=lambda par=par: ToyEngine(cfg, par),
                 capture=capture_for(pub),
-                max_segments_per_copy=2,
+                max_reads_per_copy=2,
             )
             await r.refit(1)
             assert r.last is not None and r.last.kind == "full"
@@ -76,7 +76,7 @@ async def test_an_engine_that_skipped_versions_gets_one_delta_composed_from_the_
             engine=eng,
             twin=lambda: ToyEngine(cfg, par),
             capture=capture_for(pub),
-            max_segments_per_copy=2,
+            max_reads_per_copy=2,
         )
         await r.refit(1)
         changes = {2: Change("some", 0.05, 2), 3: Change("some", 0.05, 3), 4: Change("all")}

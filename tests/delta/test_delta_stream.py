@@ -119,7 +119,7 @@ def receiver(source: RefitClient, local: RefitClient, **kw: Any) -> DeltaReceive
         engine=zeroed_engine(CFG, PAR),
         twin=lambda: ToyEngine(CFG, PAR),
         capture=capture_for(layout_of(full_state(CFG, seed=0))),
-        max_segments_per_copy=2,
+        max_reads_per_copy=2,
         chunk_bytes=4096,
         **kw,
     )

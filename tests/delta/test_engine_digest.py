@@ -36,7 +36,7 @@ def test_a_digest_updated_from_writes_and_rewrites_equals_one_taken_afresh(
     for _ in range(data.draw(st.integers(1, 3))):
         offsets, old, new = _writes(rng, buf, unit, data.draw(st.integers(0, 5000)))
         digest.update(offsets, old, new)
-        if len(buf):  # a whole span rewritten (a replayed full pull), at any byte
+        if len(buf):  # a whole span rewritten (a replayed full read), at any byte
             lo = data.draw(st.integers(0, len(buf) - 1))
             hi = data.draw(st.integers(lo, len(buf)))
             before = buf[lo:hi].copy()

@@ -140,9 +140,9 @@ async def test_one_daemon_can_serve_both_the_trainer_and_the_engine() -> None:
         toy = await publish_dense(c, "solo", 4)
         par = EngineParallel(2, 1)
         engine = ToyEngine(toy.cfg, par)
-        r = receiver(c, c, "solo", toy, par, engine, max_segments_per_copy=2)
+        r = receiver(c, c, "solo", toy, par, engine, max_reads_per_copy=2)
         stats = await r.refit()
-        assert stats.full_pulls + stats.pack_specs > 0
+        assert stats.full_reads + stats.pack_specs > 0
         assert mismatched(engine, toy.cfg, par, toy.state) == []
         await close(r, toy)
 

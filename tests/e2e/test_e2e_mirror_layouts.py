@@ -130,7 +130,7 @@ async def refitted(
         engine=eng,
         twin=lambda: ToyEngine(cfg, par),
         capture=capture_for(pub),
-        max_segments_per_copy=budget,
+        max_reads_per_copy=budget,
     )
     try:
         await r.refit(1)

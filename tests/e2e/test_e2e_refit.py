@@ -107,13 +107,13 @@ async def test_every_engine_rank_refits_bit_exact_and_the_next_version_replays_t
     state1 = full_state(cfg)
     pub1 = make(cfg, state1)
     pubs = await publish_layout(pair.trainer, model, pub1, 1)
-    # A small descriptor budget makes the planner use pack specs and full pulls too.
+    # A small descriptor budget makes the planner use pack specs and full reads too.
     budget = 2 if kind == "moe" else 64
     receivers = []
     for rank in range(tp):
         par = engine_par(cfg, tp, rank)
         eng = zeroed_engine(cfg, par)
-        r = receiver(pair, model, cfg, par, pub1, eng, max_segments_per_copy=budget)
+        r = receiver(pair, model, cfg, par, pub1, eng, max_reads_per_copy=budget)
         stats = await r.refit()
         assert stats.version == 1 and not stats.replayed
         assert mismatched(eng, cfg, par, state1) == []
@@ -308,7 +308,7 @@ async def test_a_packed_block_for_a_strided_destination_is_scattered_on_arrival(
     for slot in (0, 1):
         pub = Publisher(pair.trainer, model, slot, 2)
         await pub.reserve(1024)
-        # Column blocks (not dim-0 rows), so a full pull of bounding rows is no option.
+        # Column blocks (not dim-0 rows), so a full read of bounding rows is no option.
         pub.put("w", full[:, slot * 4 : slot * 4 + 4].clone(), (16, 8), (0, slot * 4))
         await pub.publish(1)
         pubs.append(pub)
@@ -321,7 +321,7 @@ async def test_a_packed_block_for_a_strided_destination_is_scattered_on_arrival(
         twin=ColumnSwap,
         capture=column_capture,
         mode=mode,  # type: ignore[arg-type]
-        max_segments_per_copy=1,
+        max_reads_per_copy=1,
         allow_unwritten=["w"],  # this engine's loader fills columns 0..3 only, by design
     )
     stats = await r.refit()
@@ -391,7 +391,7 @@ async def test_pulls_kept_for_a_buffer_are_lowered_again_once_the_scratch_they_n
             await buffers[which][0].wait_drain(version - 2)  # type: ignore[index]
         buffers[which] = await publish_layout(pair.trainer, model, pub, version, buffers[which])
         if r is None:
-            r = receiver(pair, model, cfg, par, pub, eng, max_segments_per_copy=2)
+            r = receiver(pair, model, cfg, par, pub, eng, max_reads_per_copy=2)
         await r.refit()
         assert mismatched(eng, cfg, par, state) == []
         if version == 2:  # as a plan needing more scratch would: a new, larger region

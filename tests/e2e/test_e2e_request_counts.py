@@ -168,7 +168,7 @@ async def test_a_warm_cross_host_delta_refit_makes_at_most_five_http_requests() 
             engine=eng,
             twin=lambda: ToyEngine(cfg, par),
             capture=capture_for(pub),
-            max_segments_per_copy=2,
+            max_reads_per_copy=2,
         )
         try:
             await r.refit(1)

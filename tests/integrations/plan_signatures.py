@@ -1,13 +1,15 @@
 """What refitd plans for a family's engine, as a signature two versions of the code can
 compare: the capture of vLLM's own loaders on a meta twin, planned against one fixed
-publication, reduced to every segment, full pull, pack spec and fill it makes.
+publication, reduced to every read, full read, pack spec and fill it makes.
 
 Runs without an engine: a ``VllmConfig`` of the family's checkpoint folder, vLLM's
 parallel groups set up for one process (gloo) or ``tp`` processes, the model class
 built on the meta device as the worker builds its twin, and the planner's own
 ``capture_geometry`` / ``plan_transfer``. It imports only what refitd's planner
 exported before issue 48, so the same module records the signatures of older code
-(``python plan_signatures.py OUT.json`` with that code first on ``PYTHONPATH``).
+(``python plan_signatures.py OUT.json`` with that code first on ``PYTHONPATH``); a
+plan's fields renamed since are read under either name (:func:`_either`), and the
+digest keeps the item names it was recorded under.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def _sources(manifest: list[tuple[str, torch.dtype, tuple[int, ...]]]) -> dict[s
         )
         at += max(1, torch.Size(shape).numel()) * el
     return out
+
+
+def _either(obj: Any, name: str, old: str) -> Any:
+    """``obj.name``, or ``obj.old`` on a planner from before the field was renamed."""
+    return getattr(obj, name) if hasattr(obj, name) else getattr(obj, old)
 
 
 def _copy(c: Any) -> str:
@@ -80,17 +87,21 @@ def plan_signature(
         twin = model_class(vllm_config=vllm_config, prefix="")
     capture = capture_geometry(twin, manifest, default_weight_loader)
     plan = plan_transfer(capture, _sources(manifest))
+    reads = _either(plan, "reads", "segments")
+    full_reads = _either(plan, "full_reads", "full_pulls")
+    # The digests were recorded over these item names: they stay as they were.
     items = {
-        "segments": [
-            (s.session, s.src_addr, s.dst_byte, s.nbytes, s.param_name) for s in plan.segments
-        ],
+        "segments": [(s.session, s.src_addr, s.dst_byte, s.nbytes, s.param_name) for s in reads],
         "full_pulls": [
             (
-                fp.src_name,
-                [(s.session, s.src_addr, s.dst_byte, s.nbytes) for s in fp.segments],
-                [_copy(c) for c in fp.copies],
+                fr.src_name,
+                [
+                    (s.session, s.src_addr, s.dst_byte, s.nbytes)
+                    for s in _either(fr, "reads", "segments")
+                ],
+                [_copy(c) for c in fr.copies],
             )
-            for fp in plan.full_pulls
+            for fr in full_reads
         ],
         "packs": [repr(p) for p in plan.packs],
         "fills": sorted(
@@ -101,8 +112,8 @@ def plan_signature(
     }
     digest = hashlib.sha256(json.dumps(items, sort_keys=True, default=str).encode()).hexdigest()
     return {
-        "segments": len(plan.segments),
-        "full_pulls": len(plan.full_pulls),
+        "reads": len(reads),
+        "full_reads": len(full_reads),
         "packs": len(plan.packs),
         "fills": len(capture.fills),
         "copies": len(capture.copies),

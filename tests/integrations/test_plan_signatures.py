@@ -4,7 +4,7 @@ a family that refitted before it.
 ``plan_signatures_before_issue48.json`` holds, for every family of
 ``test_vllm_families`` at TP 1 and three of them at TP 2 (each rank), what the
 planner of the commit before issue 48 planned for the family's first checkpoint:
-counts, wire bytes and a digest of every segment, full pull, pack spec and fill. It
+counts, wire bytes and a digest of every read, full read, pack spec and fill. It
 was written by ``python tests/integrations/plan_signatures.py OUT ROOT`` on that
 commit. The same module runs here on today's code; every recorded family must plan
 exactly what it planned then. (A deliberate planner change rewrites the file the same
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(600)
 RECORDED = Path(__file__).with_name("plan_signatures_before_issue48.json")
 
 
-def test_every_family_that_refitted_before_plans_the_same_segments_and_wire_bytes(
+def test_every_family_that_refitted_before_plans_the_same_reads_and_wire_bytes(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     recorded = json.loads(RECORDED.read_text())

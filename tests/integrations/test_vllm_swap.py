@@ -65,28 +65,28 @@ async def test_on_the_toy_engine_a_pull_failing_after_its_bytes_landed_installs_
         assert toy.mismatched(3) == []
 
 
-async def test_on_the_toy_engine_a_staged_version_waits_whole_until_swapped_in() -> None:
+async def test_on_the_toy_engine_a_prefetched_version_waits_whole_until_swapped_in() -> None:
     a = Daemon(daemon_config(node_id="a"), secret=SECRET)
     b = Daemon(daemon_config(node_id="b"), secret=SECRET)
     async with serving_swap_engine(b, a) as toy:
         await toy.publish(1)
         await toy.receiver.refit(1)
         await toy.publish(2)
-        await toy.receiver.stage(2)
-        assert toy.mismatched(1) == []  # staged, not served
+        await toy.receiver.prefetch(2)
+        assert toy.mismatched(1) == []  # prefetched, not served
         with pytest.raises(ConflictError, match="holds v2"):
-            toy.receiver.swap_staged(3)
-        toy.receiver.swap_staged(2)
+            toy.receiver.swap_prefetched(3)
+        toy.receiver.swap_prefetched(2)
         assert toy.mismatched(2) == []
-        with pytest.raises(ConflictError, match="nothing staged"):
-            toy.receiver.swap_staged(2)
-        # A refit after a stage replaces what waited: nothing stale is swapped in later.
+        with pytest.raises(ConflictError, match="nothing prefetched"):
+            toy.receiver.swap_prefetched(2)
+        # A refit after a prefetch replaces what waited: nothing stale is swapped in later.
         await toy.publish(3, like=1)
-        await toy.receiver.stage(3)
+        await toy.receiver.prefetch(3)
         await toy.receiver.refit(3)
-        assert toy.mismatched(3) == [] and toy.receiver.staged is None
-        with pytest.raises(ConflictError, match="nothing staged"):
-            toy.receiver.swap_staged(3)
+        assert toy.mismatched(3) == [] and toy.receiver.prefetched is None
+        with pytest.raises(ConflictError, match="nothing prefetched"):
+            toy.receiver.swap_prefetched(3)
         assert toy.mismatched(3) == []
 
 

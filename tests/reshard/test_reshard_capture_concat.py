@@ -421,7 +421,7 @@ def test_random_view_chains_of_one_source_record_exact_copies(
 def _rebuild_through_plan_pull(
     copies: list[RecordedCopy], sources: dict[str, torch.Tensor], like: torch.Tensor
 ) -> torch.Tensor:
-    """Rebuild from byte segments planned against one full shard per source."""
+    """Rebuild from reads planned against one full shard per source."""
     from refitd.reshard.slice_plan import Shard, plan_pull
 
     out = torch.zeros(like.numel(), dtype=like.dtype)
@@ -429,15 +429,15 @@ def _rebuild_through_plan_pull(
         src = sources[c.src_name]
         shard = Shard((0,) * src.dim(), tuple(src.shape), "trainer", 0, 4)
         flat = src.reshape(-1)
-        for seg in plan_pull(c, tuple(src.shape), F32, 4, [shard]):
-            d, s, n = seg.dst_byte // 4, seg.src_addr // 4, seg.nbytes // 4
+        for read in plan_pull(c, tuple(src.shape), F32, 4, [shard]):
+            d, s, n = read.dst_byte // 4, read.src_addr // 4, read.nbytes // 4
             out[d : d + n] = flat[s : s + n]
     return out.view(like.shape)
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.one_of(composites(), single_source_chains()))
-def test_captured_chains_plan_into_segments_that_rebuild_the_loader_result(
+def test_captured_chains_plan_into_reads_that_rebuild_the_loader_result(
     case: tuple[dict[str, tuple[int, ...]], Build, bool],
 ) -> None:
     shapes, build, transposed = case

@@ -2,7 +2,7 @@
 
 vLLM holds some state in fp32 while a bf16 trainer publishes it in bf16 (DeepSeek-V3's
 ``e_score_correction_bias``, routers a config keeps in fp32); its loader converts with
-``param.data.copy_(loaded)``. Such a copy is planned as a full pull of the source in
+``param.data.copy_(loaded)``. Such a copy is planned as a full read of the source in
 its own dtype and converted at install by the same ``copy_``: the parameter must hold,
 bit for bit, what the loader run on the full tensor leaves, for every pair of
 floating dtypes, through any sharding of the source. Anything else that casts stays
@@ -112,7 +112,7 @@ def test_a_casting_loader_is_replayed_bit_for_bit_as_the_loader_casts(
     plan = plan_transfer(captured, sources)
     cast = src_dtype != dest_dtype
     # A conversion never rides a byte copy: it is staged in the source's dtype.
-    assert (plan.segments == [] and len(plan.full_pulls) == 2) if cast else plan.full_pulls == []
+    assert (plan.reads == [] and len(plan.full_reads) == 2) if cast else plan.full_reads == []
     got = Router(rows, cols, dest_dtype)
     params = dict(got.named_parameters())
     execute_transfer(plan, lambda n: params[n].data_ptr(), InMemoryReadExecutor())
@@ -138,7 +138,7 @@ def test_a_casting_copy_whose_source_is_not_in_row_blocks_is_refused_naming_it()
         ],
     )
     plan = plan_transfer(CaptureResult(copies=[copy]), {"w": source})
-    assert plan.segments == [] and plan.full_pulls == []
+    assert plan.reads == [] and plan.full_reads == []
     (reason,) = [r for n, r in plan.fallback_reasons.items() if n == "w"]
     assert "converts dtype" in reason and "'gate'" in reason
 
@@ -248,9 +248,7 @@ def test_a_loader_chain_with_casts_is_replayed_bit_for_bit_as_the_loader_leaves_
     keep: list[torch.Tensor] = []
     plan = plan_transfer(captured, {"w": _publish(w, [c for c in cuts if c < rows], keep)})
     converts = copy.casts != () or src_dtype != dest_dtype
-    assert (
-        (plan.segments == [] and len(plan.full_pulls) == 1) if converts else plan.full_pulls == []
-    )
+    assert (plan.reads == [] and len(plan.full_reads) == 1) if converts else plan.full_reads == []
     got = ChainLoader(shape, dest_dtype, chain)
     execute_transfer(plan, lambda n: got.p.data_ptr(), InMemoryReadExecutor())
     assert torch.equal(got.p.view(-1).view(torch.uint8), truth.p.view(-1).view(torch.uint8))

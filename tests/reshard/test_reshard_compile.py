@@ -66,7 +66,7 @@ def test_a_republished_version_replays_rebased_and_bit_exact(kit: Any) -> None:
     params = _params()
     dest = dest_layout_of(params)
     plan = plan_transfer(_capture(kit, params), pub1.sources, 8)
-    assert plan.packs or plan.full_pulls  # the compiled form must carry both kinds
+    assert plan.packs or plan.full_reads  # the compiled form must carry both kinds
     compiled = compile_plan(plan, pub1.sources, dest)
     # Next version: same structure, new buffers elsewhere, new values.
     pub2, full2 = _setup(kit, base=500_000)
@@ -119,7 +119,7 @@ def test_shards_that_moved_apart_within_a_session_are_refused(kit: Any) -> None:
     params = {"pa": torch.zeros(64, 64), "pb": torch.zeros(8, 64)}
     cap = CaptureResult(copies=[kit.copy_record("a", (), "pa", params["pa"])])
     plan = plan_transfer(cap, pub1.sources)
-    assert len(plan.segments) == 1
+    assert len(plan.reads) == 1
     compiled = compile_plan(plan, pub1.sources, dest_layout_of(params))
     # ... then republished with the same boxes and session, in separate buffers.
     pub2, _ = _setup(kit, packed=False, sessions=["t"] * 4)

@@ -539,13 +539,11 @@ def test_a_captured_row_parallel_copy_plans_as_one_exact_run_per_row() -> None:
     row = next(c for c in result.copies if c.src_name == "row")
     shard = slice_plan.Shard(shard_offset=(0, 0), shape=(4, 8), session="s0", addr=0, elsize=4)
 
-    segments = slice_plan.plan_pull(
-        row, global_shape=(4, 8), src_dtype=F32, elsize=4, shards=[shard]
-    )
+    reads = slice_plan.plan_pull(row, global_shape=(4, 8), src_dtype=F32, elsize=4, shards=[shard])
 
-    assert sum(s.nbytes for s in segments) == 16 * 4  # the needed half of each row only
-    assert sorted(s.src_addr for s in segments) == [16, 48, 80, 112]  # columns 4..7 of rank 1
-    assert sorted(s.dst_byte for s in segments) == [0, 16, 32, 48]
+    assert sum(s.nbytes for s in reads) == 16 * 4  # the needed half of each row only
+    assert sorted(s.src_addr for s in reads) == [16, 48, 80, 112]  # columns 4..7 of rank 1
+    assert sorted(s.dst_byte for s in reads) == [0, 16, 32, 48]
 
 
 def test_the_capture_modules_export_exactly_names_they_define() -> None:

@@ -1,7 +1,7 @@
-"""plan_pull: one recorded copy → exact, coalesced byte segments.
+"""plan_pull: one recorded copy → exact, coalesced reads.
 
-Segments are executed with the reference transport into a zeroed destination and
-compared with eager torch; the segment lists themselves pin coalescing.
+Reads are executed with the reference transport into a zeroed destination and
+compared with eager torch; the read lists themselves pin coalescing.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import refitd.reshard as reshard
 from refitd.errors import PlanError
 from refitd.reshard.reads import InMemoryReadExecutor, ReadDescriptor
-from refitd.reshard.slice_plan import Segment, Shard, plan_pull
+from refitd.reshard.slice_plan import Read, Shard, plan_pull
 from refitd.reshard.transfer_plan import plan_transfer
 from refitd.reshard.types import CaptureResult, RecordedCopy, UnsupportedReshard
 
@@ -26,11 +26,11 @@ def op(name: str, *args: Any) -> tuple[str, tuple[Any, ...], tuple[()]]:
     return (name, args, ())
 
 
-def run_segments(segments: list[Segment], param: torch.Tensor) -> None:
+def run_reads(reads: list[Read], param: torch.Tensor) -> None:
     InMemoryReadExecutor().read(
         [
             ReadDescriptor(s.session, s.src_addr, param.data_ptr() + s.dst_byte, s.nbytes)
-            for s in segments
+            for s in reads
         ]
     )
 
@@ -43,17 +43,17 @@ def pull(
     param: torch.Tensor,
     dest: torch.Tensor,
     **kw: Any,
-) -> list[Segment]:
+) -> list[Read]:
     """Publish ``full`` as ``boxes``, plan ``dest.copy_(chain(full))``, run it, check it."""
     pub = kit.Published()
     info = pub.add("w", full, boxes, **kw)
     copy = kit.copy_record("w", chain, "p", dest, full.dtype)
-    segments = plan_pull(copy, info.global_shape, full.dtype, full.element_size(), info.shards)
-    run_segments(segments, param)
+    reads = plan_pull(copy, info.global_shape, full.dtype, full.element_size(), info.shards)
+    run_reads(reads, param)
     want = torch.zeros_like(param)
     kit.eager(full, copy, want)
     assert torch.equal(param, want)
-    return segments
+    return reads
 
 
 def test_the_public_names_are_exactly_the_reexports() -> None:
@@ -64,28 +64,28 @@ def test_the_public_names_are_exactly_the_reexports() -> None:
         assert getattr(reshard, name) is not None
 
 
-def test_a_column_slice_is_one_segment_per_row_and_nothing_more() -> None:
+def test_a_column_slice_is_one_read_per_row_and_nothing_more() -> None:
     copy = RecordedCopy("row", (op("narrow", 1, 0, 4),), "row", 0, (4, 4), (4, 1), F32)
     shard = Shard((0, 0), (4, 8), "s0", 0, 4)
-    segs = plan_pull(copy, (4, 8), F32, 4, [shard])
-    assert len(segs) == 4
-    assert sum(s.nbytes for s in segs) == 16 * 4
-    assert sorted(s.dst_byte for s in segs) == [0, 16, 32, 48]
-    assert [s.src_addr for s in segs] == [0, 32, 64, 96]
+    reads = plan_pull(copy, (4, 8), F32, 4, [shard])
+    assert len(reads) == 4
+    assert sum(s.nbytes for s in reads) == 16 * 4
+    assert sorted(s.dst_byte for s in reads) == [0, 16, 32, 48]
+    assert [s.src_addr for s in reads] == [0, 32, 64, 96]
 
 
-def test_a_row_block_coalesces_across_rows_into_one_segment(kit: Any) -> None:
+def test_a_row_block_coalesces_across_rows_into_one_read(kit: Any) -> None:
     param = torch.zeros(3, 5)
-    segs = pull(
+    reads = pull(
         kit, kit.distinct((8, 5)), [((0, 0), (8, 5))], [op("narrow", 0, 2, 3)], param, param
     )
-    assert [(s.dst_byte, s.nbytes) for s in segs] == [(0, 60)]
+    assert [(s.dst_byte, s.nbytes) for s in reads] == [(0, 60)]
 
 
 def test_a_dim1_shard_read_whole_coalesces_row_by_row_in_its_own_storage(kit: Any) -> None:
     # Megatron row-parallel shard (columns 4..8) feeding the engine's same split.
     param = torch.zeros(6, 4)
-    segs = pull(
+    reads = pull(
         kit,
         kit.distinct((6, 8)),
         kit.dim_blocks((6, 8), 1, 2),
@@ -93,10 +93,10 @@ def test_a_dim1_shard_read_whole_coalesces_row_by_row_in_its_own_storage(kit: An
         param,
         param,
     )
-    assert len(segs) == 1 and segs[0].nbytes == 6 * 4 * 4
+    assert len(reads) == 1 and reads[0].nbytes == 6 * 4 * 4
 
 
-def test_shards_back_to_back_in_one_buffer_read_as_one_segment(kit: Any) -> None:
+def test_shards_back_to_back_in_one_buffer_are_one_read(kit: Any) -> None:
     param = torch.zeros(8, 3)
     boxes = kit.dim_blocks((8, 3), 0, 4)
     same = pull(kit, kit.distinct((8, 3)), boxes, [], param, param, sessions=["a"] * 4, packed=True)
@@ -132,7 +132,7 @@ def test_copies_of_adjacent_sources_into_one_parameter_merge_across_copies(kit: 
         for name, (row, rows) in {"q": (0, 4), "k": (4, 2), "v": (6, 2)}.items()
     ]
     plan = plan_transfer(CaptureResult(copies=copies), sources)
-    assert len(plan.segments) == 1 and plan.exact_descriptor_count == 1
+    assert len(plan.reads) == 1 and plan.exact_descriptor_count == 1
     kit.reconstruct(plan, {"qkv": qkv})
     assert torch.equal(qkv, full)
 
@@ -140,8 +140,8 @@ def test_copies_of_adjacent_sources_into_one_parameter_merge_across_copies(kit: 
 def test_overlapping_replicas_are_each_read_once(kit: Any) -> None:
     param = torch.zeros(8, 2)
     boxes = [((0, 0), (6, 2)), ((3, 0), (5, 2))]
-    segs = pull(kit, kit.distinct((8, 2)), boxes, [], param, param)
-    assert sum(s.nbytes for s in segs) == 8 * 2 * 4
+    reads = pull(kit, kit.distinct((8, 2)), boxes, [], param, param)
+    assert sum(s.nbytes for s in reads) == 8 * 2 * 4
 
 
 @pytest.mark.parametrize(
@@ -187,15 +187,15 @@ def test_materializing_chains_plan_through_the_intermediate_index_space(kit: Any
     full = kit.distinct((heads * (a + b), r))
     chain = [op("view", heads, a + b, r), op("narrow", 1, 0, a), op("reshape", heads * a, r)]
     param = torch.zeros(heads * a, r)
-    segs = pull(kit, full, [((0, 0), (heads * (a + b), r))], chain, param, param)
-    assert len(segs) == heads  # one contiguous block per head, no element map
+    reads = pull(kit, full, [((0, 0), (heads * (a + b), r))], chain, param, param)
+    assert len(reads) == heads  # one contiguous block per head, no element map
 
 
 def test_a_transposed_copy_made_contiguous_lands_element_by_element(kit: Any) -> None:
     param = torch.zeros(12)
     chain = [op("t"), op("contiguous"), op("view", -1)]
-    segs = pull(kit, kit.distinct((3, 4)), kit.dim_blocks((3, 4), 0, 3), chain, param, param)
-    assert len(segs) == 12
+    reads = pull(kit, kit.distinct((3, 4)), kit.dim_blocks((3, 4), 0, 3), chain, param, param)
+    assert len(reads) == 12
 
 
 def test_a_slice_after_a_materializing_reshape_composes_through_the_copy(kit: Any) -> None:
@@ -221,8 +221,8 @@ def test_a_slice_after_a_materializing_reshape_reads_only_what_it_needs() -> Non
     n = 1 << 13
     chain = (op("t"), op("reshape", -1), op("narrow", 0, 1, 4))
     copy = RecordedCopy("w", chain, "p", 0, (4,), (1,), F32)
-    segs = plan_pull(copy, (n, n), F32, 4, [Shard((0, 0), (n, n), "s", 0, 4)])
-    assert [(s.src_addr, s.dst_byte, s.nbytes) for s in segs] == [
+    reads = plan_pull(copy, (n, n), F32, 4, [Shard((0, 0), (n, n), "s", 0, 4)])
+    assert [(s.src_addr, s.dst_byte, s.nbytes) for s in reads] == [
         (i * n * 4, (i - 1) * 4, 4) for i in range(1, 5)
     ]
 
@@ -239,8 +239,8 @@ def test_an_unfused_weight_reached_by_view_select_reshape_plans_as_blocks(kit: A
         op("narrow", 0, inter, 2 * inter),
     ]
     param = torch.zeros(2 * inter, hidden)
-    segs = pull(kit, full, [((0, 0), (tp * 2 * inter, hidden))], chain, param, param)
-    assert len(segs) == 2  # two ranks' gate blocks, each one contiguous read
+    reads = pull(kit, full, [((0, 0), (tp * 2 * inter, hidden))], chain, param, param)
+    assert len(reads) == 2  # two ranks' gate blocks, each one contiguous read
 
 
 def test_a_copy_needing_more_runs_than_the_limit_is_refused_before_enumerating() -> None:
@@ -278,7 +278,7 @@ def test_stacked_experts_reach_their_fused_slots_through_select_and_unbind(kit: 
         # vLLM's per-expert path: select from the stack, then unsqueeze(0).unbind(0)[0].
         chain = (op("select", 0, e), op("unsqueeze", 0), op("unbind", 0), op("__getitem__", 0))
         copy = kit.copy_record("w1", chain, "w13", w13[e, 0])
-        run_segments(plan_pull(copy, info.global_shape, F32, 4, info.shards), w13)
+        run_reads(plan_pull(copy, info.global_shape, F32, 4, info.shards), w13)
     assert torch.equal(w13[:, 0], w1)
     assert not w13[:, 1].any()
 
@@ -288,7 +288,7 @@ def test_replicated_dim1_blocks_are_read_whole_from_one_replica_each(kit: Any) -
     # its rows still coalesce, and the two blocks go to different sessions.
     boxes = kit.dim_blocks((6, 8), 1, 2)
     param = torch.zeros(6, 8)
-    segs = pull(
+    reads = pull(
         kit,
         kit.distinct((6, 8)),
         boxes + boxes,
@@ -297,5 +297,5 @@ def test_replicated_dim1_blocks_are_read_whole_from_one_replica_each(kit: Any) -
         param,
         sessions=["a0", "a1", "b0", "b1"],
     )
-    assert len({s.session for s in segs}) == 2
-    assert sum(s.nbytes for s in segs) == 6 * 8 * 4
+    assert len({s.session for s in reads}) == 2
+    assert sum(s.nbytes for s in reads) == 6 * 8 * 4

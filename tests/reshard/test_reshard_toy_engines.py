@@ -269,7 +269,7 @@ def test_stacked_expert_sources_reach_each_local_expert_through_unbind() -> None
 def test_tight_descriptor_budgets_trade_reads_for_bytes_and_still_land_exactly(
     model: str, layout: str, budget: int, packs: bool
 ) -> None:
-    # A budget of one read per copy forces pack specs, or full pulls of bounding rows
+    # A budget of one read per copy forces pack specs, or full reads of bounding rows
     # replayed locally (or, where no rows bound the shards, exact reads over budget);
     # every parameter must still equal the loader's result.
     cfg = DENSE if model == "dense" else MOE
@@ -285,6 +285,6 @@ def test_tight_descriptor_budgets_trade_reads_for_bytes_and_still_land_exactly(
         if not packs:
             assert plan.packs == []
         # Sources split on dim 1 have no bounding rows to pull whole: they stay exact.
-        traded += len(plan.packs) + len(plan.full_pulls) + len(plan.unbounded_sources)
+        traded += len(plan.packs) + len(plan.full_reads) + len(plan.unbounded_sources)
         _assert_pull_lands_exactly(plan, cfg, par, state, f"budget {budget} rank {rank}")
     assert traded > 0  # the budget really bound somewhere

@@ -134,8 +134,8 @@ def test_a_strided_column_slice_lands_row_by_row() -> None:
     srcs = full_sources()
     plan = plan_transfer(capture(only={"row"}), publish_whole({"row": srcs["row"]}))
     assert plan.fallback == []
-    # Four rows, each a 16-byte run, none adjacent in the source: four segments.
-    assert [(s.dst_byte, s.nbytes) for s in plan.segments] == [
+    # Four rows, each a 16-byte run, none adjacent in the source: four reads.
+    assert [(s.dst_byte, s.nbytes) for s in plan.reads] == [
         (0, 16),
         (16, 16),
         (32, 16),
@@ -146,14 +146,12 @@ def test_a_strided_column_slice_lands_row_by_row() -> None:
     assert torch.equal(got["row"].detach(), truth(srcs)["row"])
 
 
-def test_over_budget_copy_is_full_pulled_and_replayed_in_modelexpress_mode() -> None:
+def test_over_budget_copy_is_read_whole_and_replayed_in_modelexpress_mode() -> None:
     srcs = full_sources()
     cap = capture(only={"row"})
     row = srcs["row"]
-    plan = plan_transfer(
-        cap, publish_whole({"row": row}), max_segments_per_copy=1, pack_specs=False
-    )
-    assert plan.segments == [] and len(plan.full_pulls) == 1
+    plan = plan_transfer(cap, publish_whole({"row": row}), max_reads_per_copy=1, pack_specs=False)
+    assert plan.reads == [] and len(plan.full_reads) == 1
     assert plan.exact_descriptor_count == 4
     assert plan.descriptor_count() == 1
     assert plan.descriptor_savings() == 3
@@ -161,15 +159,15 @@ def test_over_budget_copy_is_full_pulled_and_replayed_in_modelexpress_mode() -> 
     assert plan.extra_wire_bytes() == row.numel() * EL - plan.exact_bytes
 
     # Replay by hand, as a receiver would: fetch into staging, replay, copy.
-    full_pull = plan.full_pulls[0]
+    full_read = plan.full_reads[0]
     staging = torch.zeros_like(row)
     InMemoryReadExecutor().read(
         [
             ReadDescriptor(s.session, s.src_addr, staging.data_ptr() + s.dst_byte, s.nbytes)
-            for s in full_pull.segments
+            for s in full_read.reads
         ]
     )
-    (copy,) = full_pull.copies
+    (copy,) = full_read.copies
     out = torch.zeros(4, 4)
     out.as_strided(copy.dest_shape, copy.dest_stride, copy.dest_offset).copy_(
         _replay_ops(staging, copy.op_chain)
@@ -191,11 +189,11 @@ def test_a_source_not_in_dim0_blocks_keeps_exact_descriptors() -> None:
         ],
     )
     plan = plan_transfer(
-        CaptureResult(copies=[copy]), {"w": source}, max_segments_per_copy=1, pack_specs=False
+        CaptureResult(copies=[copy]), {"w": source}, max_reads_per_copy=1, pack_specs=False
     )
-    assert plan.full_pulls == []
+    assert plan.full_reads == []
     assert plan.unbounded_sources == ["w"]
-    assert len(plan.segments) == 4
+    assert len(plan.reads) == 4
     assert plan.descriptor_savings() == 0 and plan.extra_wire_bytes() == 0
 
 
@@ -203,7 +201,7 @@ def test_an_unsupported_source_is_never_planned_nor_fetched() -> None:
     srcs = full_sources(with_bad=True)
     plan = plan_transfer(capture(with_bad=True), publish_whole(srcs))
     assert "bad" in plan.fallback
-    planned = {s.param_name for s in plan.segments}
+    planned = {s.param_name for s in plan.reads}
     assert {"col", "row", "qkv", "norm"} <= planned  # the good ones still are
     assert "bad" not in planned
     got = dict(Engine(with_bad=True).named_parameters())
@@ -221,7 +219,7 @@ def test_a_copy_of_a_source_missing_from_the_manifest_is_fallback() -> None:
     plan = plan_transfer(capture(), published)
     assert plan.fallback == ["k"]
     assert "not in the published manifest" in plan.fallback_reasons["k"]
-    assert all(s.session != "k" for s in plan.segments)
+    assert all(s.session != "k" for s in plan.reads)
 
 
 def test_exact_descriptors_are_exactly_what_execute_transfer_reads() -> None:
@@ -237,7 +235,7 @@ def test_exact_descriptors_are_exactly_what_execute_transfer_reads() -> None:
 
     stats = execute_transfer(plan, lambda n: params[n].data_ptr(), Recorder())
     assert built == recorded
-    assert stats["segments"] == len(built)
+    assert stats["reads"] == len(built)
     assert stats["bytes"] == sum(d.nbytes for d in built)
 
 
@@ -261,7 +259,7 @@ def test_a_plan_with_pack_specs_is_refused_by_a_transport_that_cannot_pack() -> 
         execute_transfer(plan, lambda n: params[n].data_ptr(), PlainReads())
 
 
-def test_segments_from_replicas_never_read_a_byte_twice_and_spread_sessions(kit: Any) -> None:
+def test_reads_from_replicas_never_read_a_byte_twice_and_spread_sessions(kit: Any) -> None:
     full = kit.distinct((8, 4))
     pub = kit.Published()
     blocks = kit.dim_blocks((8, 4), 0, 4)
@@ -270,7 +268,7 @@ def test_segments_from_replicas_never_read_a_byte_twice_and_spread_sessions(kit:
     copy = kit.copy_record("w", (), "w", param)
     plan = plan_transfer(CaptureResult(copies=[copy]), pub.sources)
     assert plan.bytes_planned() == plan.exact_bytes == 8 * 4 * EL
-    per_session = {s: sum(g.nbytes for g in plan.segments if g.session == s) for s in "ab"}
+    per_session = {s: sum(g.nbytes for g in plan.reads if g.session == s) for s in "ab"}
     assert per_session == {"a": 64, "b": 64}
     kit.reconstruct(plan, {"w": param})
     assert torch.equal(param, full)
@@ -300,7 +298,7 @@ def test_a_copy_within_budget_is_pulled_exactly(kit: Any) -> None:
         kit, full, kit.dim_blocks((64, 64), 0, 4), [("narrow", (1, 8, 8), ())], param, 64
     )
     assert plan.choices == {"exact": 1, "pack": 0, "full": 0}
-    assert len(plan.segments) == 64 and plan.extra_wire_bytes() == 0
+    assert len(plan.reads) == 64 and plan.extra_wire_bytes() == 0
 
 
 def test_an_over_budget_strided_slice_of_a_large_tensor_becomes_one_pack_per_session(
@@ -311,7 +309,7 @@ def test_an_over_budget_strided_slice_of_a_large_tensor_becomes_one_pack_per_ses
     plan, _, _ = _plan_one(
         kit, full, kit.dim_blocks((512, 512), 0, 4), [("narrow", (1, 0, 256), ())], param, 8
     )
-    assert plan.choices["pack"] == 1 and plan.segments == [] and plan.full_pulls == []
+    assert plan.choices["pack"] == 1 and plan.reads == [] and plan.full_reads == []
     assert len(plan.packs) == 4 and all(p.dst_strides is None for p in plan.packs)
     assert [p.shape for p in plan.packs] == [(128, 256)] * 4
     assert plan.bytes_planned() == plan.exact_bytes == 512 * 256 * EL
@@ -362,10 +360,10 @@ def test_an_irregular_over_budget_copy_pulls_only_its_bounding_rows(kit: Any) ->
     ]
     plan, copy, _ = _plan_one(kit, full, kit.dim_blocks((64, 64), 0, 4), chain, param, 4)
     assert plan.choices["full"] == 1 and plan.packs == []
-    (fp,) = plan.full_pulls
+    (fr,) = plan.full_reads
     row = 64 * EL
     # Rows 20..27 of the shard holding rows 16..31: half the shard, not all of it.
-    assert [(s.dst_byte, s.nbytes) for s in fp.segments] == [(20 * row, 8 * row)]
+    assert [(s.dst_byte, s.nbytes) for s in fr.reads] == [(20 * row, 8 * row)]
     assert plan.exact_bytes == 13 * EL
     assert plan.extra_wire_bytes() == 8 * row - 13 * EL
     kit.reconstruct(plan, {"p": param})
@@ -374,7 +372,7 @@ def test_an_irregular_over_budget_copy_pulls_only_its_bounding_rows(kit: Any) ->
     assert torch.equal(param, want)
 
 
-def test_a_small_over_budget_copy_prefers_the_full_pull_when_packing_costs_more(kit: Any) -> None:
+def test_a_small_over_budget_copy_prefers_the_full_read_when_packing_costs_more(kit: Any) -> None:
     full = kit.distinct((64, 64))
     param = torch.zeros(64, 32)
     plan, _, _ = _plan_one(
@@ -401,7 +399,7 @@ def test_without_pack_specs_an_unbounded_over_budget_copy_stays_exact(kit: Any) 
         pack_specs=False,
     )
     assert plan.unbounded_sources == ["w"] and plan.choices["exact"] == 1
-    assert len(plan.segments) == 16
+    assert len(plan.reads) == 16
 
 
 def test_shards_of_one_session_in_separate_buffers_pack_one_by_one(kit: Any) -> None:

@@ -87,7 +87,7 @@ class ColumnSwap(torch.nn.Module):
 @dataclass
 class ColumnTrainer:
     """Two ranks publishing ``w`` (16, 8) as column blocks, double-buffered as
-    :class:`DoubleBuffered` does (no dim-0 rows, so nothing is a full pull)."""
+    :class:`DoubleBuffered` does (no dim-0 rows, so nothing is a full read)."""
 
     client: RefitClient
     model: str

@@ -5,8 +5,8 @@
 through vLLM's own ``update_weights`` (docs/vllm.md):
 
 - ``prefetch``: returns at once; the worker's prefetch thread (lowest CPU priority)
-  runs :meth:`DaemonReceiver.stage <refitd.client.receiver.DaemonReceiver.stage>` (a
-  full pull into swap mode's inactive copy, on the daemon) and then
+  runs :meth:`DaemonReceiver.prefetch <refitd.client.receiver.DaemonReceiver.prefetch>` (a
+  full refit into swap mode's inactive copy, on the daemon) and then
   :func:`~refitd.integrations.vllm.prepared.prepare` (vLLM's post-load processing on
   module twins, into new storage), while vLLM's step loop goes on;
 - ``swap``: every rank gathers every rank's answer over vLLM's world group; only if
@@ -115,7 +115,7 @@ class InflightWorker:
         pf.future = self._background.submit(self._prefetch_job, pf)
 
     def _prefetch_job(self, pf: Prefetch) -> None:
-        """On the receiver's thread: stage the version, then prepare its processing."""
+        """On the receiver's thread: prefetch the version, then prepare its processing."""
         from vllm.config import set_current_vllm_config
 
         assert self.receiver is not None
@@ -126,7 +126,7 @@ class InflightWorker:
             torch.set_num_threads(threads)
         pace = _pacer(float(getattr(info, "prefetch_duty", 1.0)))
         try:
-            pf.stats = self._run_here(self.receiver.stage(pf.asked))
+            pf.stats = self._run_here(self.receiver.prefetch(pf.asked))
             pf.version = pf.stats.version
             pf.pulled_s = time.perf_counter() - pf.started
             t0 = time.perf_counter()
@@ -143,7 +143,7 @@ class InflightWorker:
             pf.prepare_s = time.perf_counter() - t0
             pf.state = "ready"
         except Exception as exc:  # any failure is this prefetch's: reported, never raised
-            self.receiver.staged = None
+            self.receiver.prefetched = None
             pf.error = f"{type(exc).__name__}: {exc}"
             pf.state = "failed"
             logger.warning("refitd: prefetch of %s failed: %s", asked(pf.asked), pf.error)
@@ -219,7 +219,7 @@ class InflightWorker:
             raise ConflictError(message)
         assert pf.prepared is not None and pf.version is not None and pf.stats is not None
         t0 = time.perf_counter()
-        self.receiver.swap_staged(pf.version)
+        self.receiver.swap_prefetched(pf.version)
         pf.prepared.apply()
         swap_s = time.perf_counter() - t0
         self._prefetch = None
@@ -256,7 +256,7 @@ class InflightWorker:
             )
         self._prefetch = None
         if self.receiver is not None:
-            self.receiver.staged = None
+            self.receiver.prefetched = None
 
 
 def new_background() -> ThreadPoolExecutor:

@@ -127,11 +127,11 @@ def _own(t: torch.Tensor, pulled: Callable[[torch.Tensor], bool]) -> torch.Tenso
 def prepare(
     plan: Reprocessing,
     model: torch.nn.Module,
-    staged: Callable[[torch.Tensor], torch.Tensor],
+    prefetched: Callable[[torch.Tensor], torch.Tensor],
     pulled: Callable[[torch.Tensor], bool],
     pace: Callable[[float], None] | None = None,
 ) -> Prepared:
-    """Run ``plan``'s processing ahead, on twins (module docstring). ``staged(t)`` is
+    """Run ``plan``'s processing ahead, on twins (module docstring). ``prefetched(t)`` is
     the inactive copy's view of the loader-format tensor ``t`` a step names (the new
     version's bytes); ``pulled(t)`` whether ``t`` lives in memory a later pull writes;
     ``pace(s)``, when given, is called after each step with the seconds it took."""
@@ -142,7 +142,7 @@ def prepare(
         began = time.perf_counter()
         twin = _twin_of(step.module)
         for leaf, t in step.loaded.items():
-            _bind(twin, leaf, staged(t))
+            _bind(twin, leaf, prefetched(t))
         qm: Any = twin.__dict__.get("quant_method")
         if qm is not None and (
             isinstance(qm, QuantizeMethodBase)

@@ -328,7 +328,7 @@ class RefitdWeightTransferEngine(
                 f"refitd: refit refused on rank {self._rank()}: a prefetch of "
                 f"{asked(pf.asked)} still runs into the inactive copy; swap or abandon it first"
             )
-        self._prefetch = None  # a refit writes the inactive copy: a staged version is gone
+        self._prefetch = None  # a refit writes the inactive copy: a prefetched version is gone
         self._pending = self._run(self.receiver.refit(update_info.version))
 
     def finish_weight_update(self) -> None:
