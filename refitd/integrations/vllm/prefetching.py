@@ -40,7 +40,7 @@ from refitd.integrations.vllm.prepared import Prepared, prepare
 __all__ = [
     "PHASES",
     "InflightWorker",
-    "Prefetch",
+    "RankPrefetch",
     "RefitdWorkerExtension",
     "asked",
     "inflight_state",
@@ -53,7 +53,7 @@ PHASES = ("refit", "prefetch", "swap", "abandon")
 
 
 @dataclass
-class Prefetch:
+class RankPrefetch:
     """One rank's in-flight prefetch: ``state`` running, ready or failed."""
 
     asked: int | None
@@ -79,7 +79,7 @@ class InflightWorker:
     last_stats: dict[str, Any] | None
     history: list[dict[str, Any]]
     _init_info: Any
-    _prefetch: Prefetch | None
+    _prefetch: RankPrefetch | None
     _background: ThreadPoolExecutor
     _reprocess: Reprocessing
     _dest_names: dict[int, str]
@@ -111,10 +111,10 @@ class InflightWorker:
                 f"refitd: prefetch of {asked(version)} refused on rank {self._rank()}: "
                 f"the prefetch of {asked(pf.asked)} still runs"
             )
-        pf = self._prefetch = Prefetch(version, time.perf_counter())
+        pf = self._prefetch = RankPrefetch(version, time.perf_counter())
         pf.future = self._background.submit(self._prefetch_job, pf)
 
-    def _prefetch_job(self, pf: Prefetch) -> None:
+    def _prefetch_job(self, pf: RankPrefetch) -> None:
         """On the receiver's thread: prefetch the version, then prepare its processing."""
         from vllm.config import set_current_vllm_config
 

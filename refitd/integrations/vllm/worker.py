@@ -68,7 +68,7 @@ from refitd.integrations.vllm.postload import Reprocessing
 from refitd.integrations.vllm.prefetching import (
     PHASES,
     InflightWorker,
-    Prefetch,
+    RankPrefetch,
     RefitdWorkerExtension,
     asked,
     inflight_state,
@@ -170,7 +170,7 @@ class RefitdWeightTransferEngine(
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="refitd-worker")
         self._background = new_background()
         self._runs = threading.Lock()
-        self._prefetch: Prefetch | None = None
+        self._prefetch: RankPrefetch | None = None
         self._dest_names: dict[int, str] = {}
         self.last_stats: dict[str, Any] | None = None
         self._lora: Any = None
