@@ -20,8 +20,8 @@ Policy (``[server]`` in the config):
 - **Ownership.** With an authenticated principal (token or uid) a region belongs to
   whoever created it; :func:`check_owner` refuses reading, writing or deleting
   another principal's region (403), and an object that belongs to nobody (owner
-  ``""``). Root on the Unix socket may act on any. :func:`sees_region` hides a
-  region's segment name and process from everyone but its owner. Who sees what is
+  ``""``). Root on the Unix socket may act on any. :meth:`Principal.seen_region`
+  hides a region's segment name and process from everyone but its owner. Who sees what is
   one rule, :meth:`Principal.sees`: every check, listing and scrape asks it.
 - **Size.** A request body over ``max_request_bytes`` is refused with 413 and a
   JSON body naming the limit, before the body is read.
@@ -70,7 +70,6 @@ __all__ = [
     "owner_for",
     "peer_uid",
     "principal_of",
-    "sees_region",
     "setup_auth",
 ]
 
@@ -112,6 +111,15 @@ class Principal:
             return None
         whose = f"it belongs to {owner}" if owner else "it belongs to no principal"
         return f"{self.name} may not {action} {what}: {whose}"
+
+    def seen_region(self, info: RegionInfo) -> RegionInfo:
+        """Region ``info`` as this principal may see it: a region's segment name and
+        process are its owner's (and root's) to know (:meth:`sees`); anyone else gets
+        the record without them (the name is what maps the memory, the process who
+        keeps it)."""
+        if self.sees(info.owner):
+            return info
+        return msgspec.structs.replace(info, handle="", process="")
 
     def owner_of(self, requested: str = "") -> str:
         """The owner to record for a region (or pool) this principal creates, asking
@@ -354,12 +362,3 @@ def check_owner(request: web.Request, owner: str, action: str, what: str) -> Non
     why = principal_of(request).refusal(owner, action, what)
     if why is not None:
         raise forbidden(request, why)
-
-
-def sees_region(request: web.Request, info: RegionInfo) -> RegionInfo:
-    """``info`` as ``request``'s principal may see it: a region's segment name and
-    process are its owner's (and root's) to know; anyone else gets the record
-    without them (the name is what maps the memory, the process who keeps it)."""
-    if principal_of(request).sees(info.owner):
-        return info
-    return msgspec.structs.replace(info, handle="", process="")

@@ -7,9 +7,10 @@ Modules:
 - `httpio`: the HTTP edge handlers share: app keys, a route's parameters decoded into
   its args Struct before its handler runs, body decoding, replies
 - `leasing`: what a lease reads on a daemon (its scope, the signed records a peer
-  reads under it, packs) and a lease's life: `Leases`, a part of `Daemon`
+  reads under it, packs), a lease's life and a version's drain: `Leases`, a part of
+  `Daemon`
 - `membership`: the daemon's membership in the cluster registry: registering, announcing
-  its versions, the ``/v1/cluster`` routes
+  its versions (a version listener), the ``/v1/cluster`` routes
 - `metrics`: Prometheus metrics, ``GET /metrics``
 - `node`: `Daemon`: one daemon's life: identity, data planes, start/stop, the rules a
   region's creation, deletion or publication passes

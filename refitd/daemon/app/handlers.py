@@ -1,6 +1,9 @@
 """The handlers of API v1, and :func:`create_app`, the aiohttp application they make.
 
 :func:`create_app` builds the app around one :class:`~refitd.daemon.app.node.Daemon`.
+A handler decodes its request, calls one owner and encodes the answer; what follows
+from a change is an event on its owner (:mod:`refitd.daemon.state.events`), whose
+listeners (the delta book, the cluster membership) :func:`create_app` adds, in order.
 Operators' pieces (auth, metrics, size limits, OpenAPI) plug in through
 ``middlewares``, ``cleanup_ctx`` and ``setup`` callbacks, so the app is assembled
 in one place. Every RefitError maps to one status code in :func:`error_middleware`
@@ -18,10 +21,9 @@ import functools
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
-from refitd.daemon.access.auth import Principal, check_owner, principal_of, sees_region
+from refitd.daemon.access.auth import Principal, check_owner, principal_of
 from refitd.daemon.app.httpio import (
     DAEMON,
     RouteTable,
@@ -31,23 +33,24 @@ from refitd.daemon.app.httpio import (
     reply,
     wants_msgpack,
 )
-from refitd.daemon.app.membership import CLUSTER, REGISTRY_ORIGIN, announce
+from refitd.daemon.app.membership import CLUSTER, MEMBERSHIP, REGISTRY_ORIGIN, Membership
 from refitd.daemon.app.membership import routes as cluster_routes
 from refitd.daemon.app.metrics import METRICS_KEY, PullMetrics
 from refitd.daemon.app.node import Daemon
 from refitd.daemon.app.waits import WAITS, Waits, long_poll
-from refitd.daemon.delta.routes import DELTAS, setup_deltas
+from refitd.daemon.delta.routes import setup_deltas
 from refitd.daemon.experts.pools import POOLS, ExpertPools, close_pools
 from refitd.daemon.experts.routes import routes as expert_routes
 from refitd.daemon.mirror.digestroutes import setup_digests
 from refitd.daemon.mirror.routes import MIRRORS, setup_mirrors
 from refitd.daemon.pull.listeners import Caller, PullCap, WriteRule
 from refitd.daemon.pull.peerclient import PeerClient
-from refitd.daemon.pull.pulls import PULLS, PullJob, PullManager, RemoteSource
+from refitd.daemon.pull.pulls import PULLS, PullManager, RemoteSource
 from refitd.errors import TransportError
 from refitd.wire import (
     MSGPACK,
     STATUS_OF,
+    DaemonRecord,
     LeaseRequest,
     ManifestIn,
     PackRequest,
@@ -99,9 +102,7 @@ async def ready(request: web.Request) -> web.Response:
 
 @routes.handles(api.NODE)
 async def node(request: web.Request) -> web.Response:
-    d = request.app[DAEMON]
-    await d.probe_ucx()  # asked once, here unless the start needed it
-    return reply(request, d.info())
+    return reply(request, await request.app[DAEMON].info())
 
 
 # ---------------------------------------------------------------- regions
@@ -121,13 +122,12 @@ async def attach_region(request: web.Request) -> web.Response:
 
 @routes.handles(api.LIST_REGIONS)
 async def list_regions(request: web.Request) -> web.Response:
-    return reply(request, [sees_region(request, r) for r in request.app[DAEMON].store.regions])
+    return reply(request, request.app[DAEMON].regions(principal_of(request)))
 
 
 @routes.handles(api.GET_REGION)
 async def get_region(request: web.Request, args: RegionAt) -> web.Response:
-    info = request.app[DAEMON].store.regions.get(args.region_id)
-    return reply(request, sees_region(request, info))
+    return reply(request, request.app[DAEMON].region(principal_of(request), args.region_id))
 
 
 @routes.handles(api.DELETE_REGION)
@@ -142,9 +142,7 @@ async def delete_region(request: web.Request, args: RegionAt) -> web.Response:
 @routes.handles(api.GC)
 async def gc(request: web.Request, args: GcArgs) -> web.Response:
     """Free regions of exited clients and stale segments; ``dry_run=1`` only lists them."""
-    report = await request.app[DAEMON].gc(dry_run=args.dry_run)
-    regions = [sees_region(request, r) for r in report.regions]
-    return reply(request, msgspec.structs.replace(report, regions=regions))
+    return reply(request, await request.app[DAEMON].gc(principal_of(request), args.dry_run))
 
 
 @routes.handles(api.PUBLISH)
@@ -154,10 +152,8 @@ async def publish(request: web.Request) -> web.Response:
         # answered meanwhile.
         return await manifest_body(request, await request.read(), max_shards)
 
-    info = await request.app[DAEMON].publish(read, principal_of(request))
-    request.app[DELTAS].published(info.model, info.version)  # compared with its base once READY
-    await announce(request.app, info.model)
-    return reply(request, info)
+    # Its listeners hear of it (the delta book, the cluster registry): Daemon.publish.
+    return reply(request, await request.app[DAEMON].publish(read, principal_of(request)))
 
 
 @routes.handles(api.ALL_VERSIONS)
@@ -173,11 +169,6 @@ async def list_versions(request: web.Request, args: ModelAt) -> web.Response:
 def _asked(request: web.Request, args: VersionAt) -> tuple[Principal, str, int | None]:
     """Who asks for which version of which model (None: ``latest``)."""
     return principal_of(request), args.model, args.number
-
-
-def _version(request: web.Request, args: VersionAt) -> tuple[str, int]:
-    who, model, version = _asked(request, args)
-    return model, request.app[DAEMON].readable(who, model, version)
 
 
 @routes.handles(api.GET_VERSION)
@@ -197,32 +188,20 @@ async def get_manifest(request: web.Request, args: VersionAt) -> web.Response:
 @routes.handles(api.WAIT_READY)
 async def wait_ready(request: web.Request, args: WaitReadyArgs) -> web.Response:
     """Answer once the version is READY, or after ``timeout`` seconds with its state."""
-    model, version = _version(request, args)
-    async with long_poll(request, f"waiting for {model!r} v{version}"):
-        return reply(
-            request, await request.app[DAEMON].leases.wait_ready(model, version, args.timeout)
-        )
+    held = long_poll(request, f"waiting for {args.model!r} v{args.version}")
+    info = await request.app[DAEMON].leases.wait_ready(*_asked(request, args), args.timeout, held)
+    return reply(request, info)
 
 
 @routes.handles(api.DRAIN)
 async def drain(request: web.Request, args: DrainArgs) -> web.Response:
     """Wait for the version's leases to drain; ``retire=1`` first refuses new ones."""
-    model, version = _version(request, args)
-    retire, timeout = args.retire, args.timeout
-    what = "retire a version of" if retire else "drain a version of"
-    request.app[DAEMON].models.check_owner(principal_of(request), model, what)
-    waited = False
-    try:
-        # A long poll: counted, and ended (its place given back) once its client goes.
-        # Its changes (the base let go, the version retired) are made before its
-        # first await, so a drain its client left still retires what it asked to.
-        async with long_poll(request, f"draining {model!r} v{version}"):
-            waited = True
-            request.app[DELTAS].yield_base(model, version)  # its memory is to be rewritten
-            info = await request.app[DAEMON].leases.wait_drain(model, version, timeout, retire)
-    finally:
-        if retire and waited:
-            await announce(request.app, model)
+    # A long poll: counted, and ended (its place given back) once its client goes; what
+    # the drain changes is changed before its first await (Leases.drain).
+    held = long_poll(request, f"draining {args.model!r} v{args.version}")
+    info = await request.app[DAEMON].leases.drain(
+        *_asked(request, args), args.timeout, args.retire, held
+    )
     return reply(request, info)
 
 
@@ -271,27 +250,19 @@ async def submit_pull(request: web.Request) -> web.Response:
 @routes.handles(api.LIST_PULLS)
 async def list_pulls(request: web.Request) -> web.Response:
     """The caller's own pulls (every pull for root, or without authentication)."""
-    who = principal_of(request)
-    jobs = [j for j in request.app[PULLS].jobs.values() if who.sees(j.owner)]
-    return reply(request, [j.snapshot() for j in jobs])
-
-
-def _own_pull(request: web.Request, pull_id: str, action: str) -> PullJob:
-    job = request.app[PULLS].get(pull_id)
-    check_owner(request, job.owner, action, f"pull {pull_id}")
-    return job
+    return reply(request, request.app[PULLS].seen_by(principal_of(request)))
 
 
 @routes.handles(api.GET_PULL)
 async def pull_status(request: web.Request, args: PullAt) -> web.Response:
-    return reply(request, _own_pull(request, args.pull_id, "read").snapshot())
+    return reply(request, request.app[PULLS].get(args.pull_id, caller_of(request)).snapshot())
 
 
 @routes.handles(api.WAIT_PULL)
 async def pull_wait(request: web.Request, args: PullWaitArgs) -> web.Response:
     """Answer when the pull ends, or after ``timeout`` seconds (at most a minute) with
     its progress."""
-    job = _own_pull(request, args.pull_id, "wait for")
+    job = request.app[PULLS].get(args.pull_id, caller_of(request), "wait for")
     async with long_poll(request, f"waiting for pull {job.pull_id}"):
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(args.timeout):
@@ -301,7 +272,7 @@ async def pull_wait(request: web.Request, args: PullWaitArgs) -> web.Response:
 
 @routes.handles(api.CANCEL_PULL)
 async def cancel_pull(request: web.Request, args: PullAt) -> web.Response:
-    job = await request.app[PULLS].cancel(_own_pull(request, args.pull_id, "cancel").pull_id)
+    job = await request.app[PULLS].cancel(args.pull_id, caller=caller_of(request))
     return reply(request, job.snapshot())
 
 
@@ -388,7 +359,12 @@ def create_app(
     pulls.listen(WriteRule(d.store.regions, d.registry, d.staging))
     pulls.listen(PullCap(d.caps, pulls.running))
     app[PULLS] = pulls
+    # The daemon's version listeners, told in this order: the delta book holds a
+    # version that became READY before the registry is told of it.
     setup_deltas(app, d)  # delta refit (issue 37)
+    me = DaemonRecord(d.node_id, d.config.registry.advertise_url, d.incarnation, d.mode, d.boot_id)
+    app[MEMBERSHIP] = membership = Membership(cluster, d.registry, d.models, me)
+    d.events.listen(membership)
     setup_digests(app, d)  # chunk digests at a version's source (issue 45)
     cluster.on_gone(
         lambda rec: pulls.fail_source(

@@ -1,6 +1,8 @@
 """What a lease reads on a daemon, and a lease's life: its scope, the signed region
 records a peer daemon reads under it, the packs made for it, and acquiring, checking
-and releasing it, with the drains its end wakes.
+and releasing it, with the drains its end wakes; which version a principal reads, and
+a version's drain (its publisher's, before rewriting it), told to the daemon's
+version listeners (:mod:`refitd.daemon.state.events`).
 
 :class:`Leases` is a part of :class:`~refitd.daemon.app.node.Daemon` (its ``leases``),
 built with the owners it uses: the one rule of "a lease reads only its version's
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 
 import msgspec
 
@@ -22,6 +25,7 @@ from refitd.daemon.access.trust import Extents
 from refitd.daemon.mirror.hold import FillingMirrors
 from refitd.daemon.pull.plancheck import check_runs
 from refitd.daemon.state.drain import LeaseDrain
+from refitd.daemon.state.events import VersionEvents
 from refitd.daemon.state.plane import TransportSet
 from refitd.daemon.state.registry import Lease, Registry
 from refitd.daemon.state.staging import OFF_LOOP_SPECS, StagingPool
@@ -46,7 +50,7 @@ class Leases:
     planes, lease drains, per-principal caps, model owners (``models``: who reads a
     model, which it holds as a host mirror) and the table of host mirrors still
     filling (``filling``: what a lease on a version may read of one, only its
-    complete chunks). Its records are signed with the deployment ``secret``, as daemon
+    complete chunks); ``events`` are told of each drain (:meth:`drain`). Its records are signed with the deployment ``secret``, as daemon
     ``node_id`` in its ``incarnation`` and data-plane ``mode``; ``clock`` is the registry's;
     ``max_plan_runs`` bounds a pack's specs (``limits.max_plan_runs``)."""
 
@@ -65,6 +69,7 @@ class Leases:
         caps: Caps,
         models: ModelOwners,
         filling: FillingMirrors,
+        events: VersionEvents,
         clock: Callable[[], float],
         max_plan_runs: int,
     ) -> None:
@@ -76,10 +81,11 @@ class Leases:
         self.store = store
         self.staging = staging
         self.plane = plane
-        self.drain = drain
+        self.drains = drain
         self.caps = caps
         self.models = models
         self.filling = filling
+        self.events = events
         self.clock = clock
         self.max_plan_runs = max_plan_runs
 
@@ -242,15 +248,62 @@ class Leases:
         """Wake every drain waiter (a lease was released or a version changed), and
         release exited clients' regions that this may have freed (the drain's
         ``freed``: :meth:`LeaseDrain.changed`)."""
-        self.drain.changed()
+        self.drains.changed()
 
-    async def wait_drain(
-        self, model: str, version: int, timeout_s: float, retire: bool = False
+    def readable(self, who: Principal, model: str, version: int | None) -> int:
+        """The version of ``model`` that ``who`` reads: ``version``, or (None, "latest")
+        the model's READY one (404 when none); 403 for a model it may not read, whether
+        the version exists or not."""
+        self.models.check_read(who, model, "read")
+        return self.registry.latest_ready(model) if version is None else version
+
+    async def drain(
+        self,
+        who: Principal,
+        model: str,
+        version: int | None,
+        timeout_s: float,
+        retire: bool,
+        held: AbstractAsyncContextManager[object],
     ) -> VersionInfo:
-        """Return once no live lease remains on the version (:meth:`LeaseDrain.wait`)."""
-        return await self.drain.wait(model, version, timeout_s, retire)
+        """``POST .../drain`` for ``who``, the owner of ``model`` (403 else): return once
+        no live lease remains on the version it reads (:meth:`readable`), released or
+        expired (:meth:`LeaseDrain.wait`: 409 past ``timeout_s``); with ``retire`` the
+        version first takes no new lease (its publisher is about to rewrite it).
 
-    async def wait_ready(self, model: str, version: int, timeout_s: float) -> VersionInfo:
-        """Return once the version is READY, or after ``timeout_s`` with its state
-        (:meth:`LeaseDrain.ready`)."""
-        return await self.drain.ready(model, version, timeout_s)
+        The wait is ``held`` (the request's long poll: it may refuse, and ends the wait
+        when its client leaves), entered after the checks. Inside it, before any await,
+        the listeners hear ``draining`` and the version is retired: a drain whose client
+        left still changes what it asked. Once a drain that retired the version ends,
+        however it ends, they hear ``retired``."""
+        version = self.readable(who, model, version)
+        self.models.check_owner(
+            who, model, "retire a version of" if retire else "drain a version of"
+        )
+        retired = False
+        try:
+            async with held:
+                self.registry.version(model, version)  # 404 for an unknown one: no event
+                self.events.draining(model, version)
+                if retire:
+                    self.registry.retire(model, version)
+                    retired = True
+                return await self.drains.wait(model, version, timeout_s)
+        finally:
+            if retired:
+                await self.events.retired(model, version)
+
+    async def wait_ready(
+        self,
+        who: Principal,
+        model: str,
+        version: int | None,
+        timeout_s: float,
+        held: AbstractAsyncContextManager[object],
+    ) -> VersionInfo:
+        """Return once the version ``who`` reads (:meth:`readable`) is READY, or after
+        ``timeout_s`` with its state (:meth:`LeaseDrain.ready`), the wait ``held`` as
+        :meth:`drain`'s is."""
+        version = self.readable(who, model, version)
+        async with held:
+            return await self.drains.ready(model, version, timeout_s)

@@ -8,8 +8,10 @@ segments keyed by memory, pins, reaping), the staging pool
 the data planes (:mod:`refitd.daemon.state.plane`) and which bytes of the host mirrors
 still filling are complete (:mod:`refitd.daemon.mirror.hold`). What is left here is what
 crosses them: the rules a region's deletion or publication must pass. What a lease
-reads (the signed region records a peer daemon reads, packs) and a lease's life are
-its part ``leases`` (:mod:`refitd.daemon.app.leasing`), built with the owners it uses.
+reads (the signed region records a peer daemon reads, packs), a lease's life and a
+version's drain are its part ``leases`` (:mod:`refitd.daemon.app.leasing`), built with
+the owners it uses. A publish and a drain are told to the daemon's version listeners
+(``events``, :mod:`refitd.daemon.state.events`), which the app adds as it is built.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from refitd.daemon.app.leasing import Leases
 from refitd.daemon.mirror.hold import FillingMirrors
 from refitd.daemon.pull.paths import AUTO, peer_paths, probes_ucx
 from refitd.daemon.state.drain import LeaseDrain
+from refitd.daemon.state.events import VersionEvents
 from refitd.daemon.state.plane import TransportSet
 from refitd.daemon.state.registry import Registry, check_manifest_bounds
 from refitd.daemon.state.staging import STAGING_POOL, StagingPool
@@ -160,6 +163,9 @@ class Daemon:
         #: it, the data plane holds reads on it, and a lease reads of such a mirror only
         #: its complete chunks (:meth:`Leases.version_scope`)
         self.filling = FillingMirrors()
+        #: who hears of a published slot, a drain and a retired version
+        #: (:mod:`refitd.daemon.state.events`): the app adds its parts once, as it is built
+        self.events = VersionEvents()
         #: the leases: what each reads here, and their life (:mod:`refitd.daemon.app.leasing`)
         self.leases = Leases(
             secret=self.secret,
@@ -174,6 +180,7 @@ class Daemon:
             caps=self.caps,
             models=self.models,
             filling=self.filling,
+            events=self.events,
             clock=clock,
             max_plan_runs=self.limits.max_plan_runs,
         )
@@ -273,7 +280,10 @@ class Daemon:
         await self.plane.close()
         self.store.close()
 
-    def info(self) -> NodeInfo:
+    async def info(self) -> NodeInfo:
+        """``GET /v1/node``: this daemon, its data planes and the path to each peer;
+        UCX is asked what it can use (:meth:`probe_ucx`) here unless the start did."""
+        await self.probe_ucx()
         worker: dict[str, str] = {}
         if self.plane.primary is not None:
             advert = self.plane.primary.advertise()
@@ -334,9 +344,19 @@ class Daemon:
     def view(self, region_id: int) -> memoryview:
         return self.store.view(region_id)
 
-    async def gc(self, dry_run: bool = False) -> GcReport:
-        """``POST /v1/gc``: free exited clients' regions and stale segments."""
-        return await self.store.gc(dry_run)
+    def regions(self, who: Principal) -> list[RegionInfo]:
+        """Every region, each as ``who`` sees it (:meth:`Principal.seen_region`)."""
+        return [who.seen_region(r) for r in self.store.regions]
+
+    def region(self, who: Principal, region_id: int) -> RegionInfo:
+        """Region ``region_id`` as ``who`` sees it (404 when unknown)."""
+        return who.seen_region(self.store.regions.get(region_id))
+
+    async def gc(self, who: Principal, dry_run: bool = False) -> GcReport:
+        """``POST /v1/gc``: free exited clients' regions and stale segments, the
+        regions reported as ``who`` sees them."""
+        report = await self.store.gc(dry_run)
+        return msgspec.structs.replace(report, regions=[who.seen_region(r) for r in report.regions])
 
     def check_publishable(self, region_ids: Iterable[int]) -> None:
         """Refuse (:class:`ConflictError`, 409, naming what holds it) publishing a
@@ -378,7 +398,8 @@ class Daemon:
         leases, and pin them against their writes), and none rewritten by anything
         else (409, :meth:`check_publishable`); the registry takes the slot, charged to
         its publisher while the daemon holds it; the principal becomes the model's
-        owner if nobody was; drain waiters wake."""
+        owner if nobody was; drain waiters wake; the version listeners hear of it
+        (:meth:`VersionEvents.published`: the delta book, the cluster registry)."""
         # At its cap already: refused before its body is read or decoded.
         cap = self.limits.max_manifest_bytes_per_principal
         held = self.registry.manifest_bytes(principal.name)
@@ -408,6 +429,7 @@ class Daemon:
         self._expire_pending_later()
         self.models.claim(principal, m.model)
         self.leases.changed()
+        await self.events.published(info)
         return info
 
     def _expire_pending_later(self) -> None:
@@ -440,24 +462,18 @@ class Daemon:
         self.models.check_read(who, model, "list the versions of")
         return self.registry.versions(model)
 
-    def readable(self, who: Principal, model: str, version: int | None) -> int:
-        """The version of ``model`` that ``who`` reads: ``version``, or (None, "latest")
-        the model's READY one (404 when none); 403 for a model it may not read, whether
-        the version exists or not."""
-        self.models.check_read(who, model, "read")
-        return self.registry.latest_ready(model) if version is None else version
-
     def version(self, who: Principal, model: str, version: int | None) -> VersionInfo:
-        """The state of the version ``who`` reads (:meth:`readable`; 404 when unknown)."""
-        return self.registry.version(model, self.readable(who, model, version))
+        """The state of the version ``who`` reads (:meth:`Leases.readable`; 404 when
+        unknown)."""
+        return self.registry.version(model, self.leases.readable(who, model, version))
 
     def manifest(self, who: Principal, model: str, version: int | None) -> MergedManifest:
-        """The READY manifest of the version ``who`` reads (:meth:`readable`)."""
-        return self.registry.merged(model, self.readable(who, model, version))
+        """The READY manifest of the version ``who`` reads (:meth:`Leases.readable`)."""
+        return self.registry.merged(model, self.leases.readable(who, model, version))
 
     def manifest_bytes(self, who: Principal, model: str, version: int | None) -> bytes:
         """:meth:`manifest` as msgpack, encoded once per version."""
-        return self.registry.merged_bytes(model, self.readable(who, model, version))
+        return self.registry.merged_bytes(model, self.leases.readable(who, model, version))
 
     def check_holder_join(self, join: HolderJoin) -> None:
         """Admit a peer daemon's join to the holder book of a version here: the join

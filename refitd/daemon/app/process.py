@@ -133,9 +133,9 @@ async def listening(
         if server is not None and server.sockets:
             port = server.sockets[0].getsockname()[1]
         url = f"http://{host}:{port}"
-        from refitd.daemon.app.membership import register
+        from refitd.daemon.app.membership import MEMBERSHIP
 
-        await register(app, url)  # peers learn of this daemon only once it answers
+        await app[MEMBERSHIP].register(url)  # peers learn of this daemon only once it answers
         yield app, url
         for site in sites:
             await site.stop()  # stop accepting; running pulls continue

@@ -31,13 +31,9 @@ routes = RouteTable()
 async def delta_info(request: web.Request, args: DeltaInfoArgs) -> web.Response:
     """A version's delta record; ``wait=S`` waits up to S seconds (at most 60) for a
     comparison still running."""
-    d = request.app[DAEMON]
-    model, version, wait_s = args.model, args.version, args.wait
-    d.models.check_read(principal_of(request), model, "read")
-    if not wait_s:
-        return reply(request, await request.app[DELTAS].info(model, version))
-    async with long_poll(request, f"waiting for {model!r} v{version}"):
-        return reply(request, await request.app[DELTAS].info(model, version, wait_s))
+    model, version, who = args.model, args.version, principal_of(request)
+    held = long_poll(request, f"waiting for {model!r} v{version}")
+    return reply(request, await request.app[DELTAS].info(who, model, version, args.wait, held))
 
 
 @routes.handles(api.DELTA_PACK)
@@ -85,18 +81,21 @@ def _frame(value: msgspec.Struct) -> bytes:
 
 
 def setup_deltas(app: web.Application, daemon: Daemon) -> DeltaBook:
-    """Install the daemon's :class:`DeltaBook` and its routes on ``app``."""
+    """Install the daemon's :class:`DeltaBook` and its routes on ``app``; the book
+    hears of the daemon's versions from now on (published, drained)."""
     book = app[DELTAS] = DeltaBook(
         daemon.registry,
         daemon.store,
         daemon.staging,
         daemon.drain,
+        daemon.models,
         max_bytes=daemon.config.pulls.delta_max_bytes,
         enabled=daemon.config.pulls.deltas,
         waits=app[WAITS],
         max_plan_runs=daemon.config.limits.max_plan_runs,
     )
     app[DELTA_PLANS] = book.plans
+    daemon.events.listen(book)
 
     async def close(_: web.Application) -> None:
         await book.close()

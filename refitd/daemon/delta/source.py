@@ -1,7 +1,8 @@
 """Deltas at the source: each READY version compared, bytewise, with the version
 before it, and the record of its changed units kept for the receivers that ask.
 
-When a version becomes READY, :class:`DeltaBook` compares each of its blocks with the
+When a version becomes READY, :class:`DeltaBook` (one of the daemon's version
+listeners, :mod:`refitd.daemon.state.events`) compares each of its blocks with the
 same block (tensor, offset, shape, dtype) of the newest earlier READY version of the
 model, the *base*: a trainer that double-buffers keeps that version's memory
 untouched until it retires it, and the book holds a lease on both versions while it
@@ -28,6 +29,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -35,9 +37,12 @@ import numpy as np
 import numpy.typing as npt
 
 from refitd.config import LimitsConfig
+from refitd.daemon.access.auth import Principal
+from refitd.daemon.access.owners import ModelOwners
 from refitd.daemon.app.waits import Waits
 from refitd.daemon.delta.plans import Plans
 from refitd.daemon.state.drain import LeaseDrain
+from refitd.daemon.state.events import VersionListener
 from refitd.daemon.state.registry import Registry
 from refitd.daemon.state.staging import StagingPool
 from refitd.daemon.state.store import RegionStore
@@ -58,15 +63,8 @@ from refitd.delta.compare import (
 )
 from refitd.delta.diff import LANES, unit_of
 from refitd.delta.stream import ChangeIndex
-from refitd.errors import (
-    ConflictError,
-    RefitError,
-)
-from refitd.wire import (
-    DeltaInfo,
-    DeltaState,
-    VersionState,
-)
+from refitd.errors import ConflictError, RefitError
+from refitd.wire import DeltaInfo, DeltaState, VersionInfo, VersionState
 from transports.local import copy_batch_guarded
 
 __all__ = ["KEEP_RECORDS", "MAX_CHAIN", "DeltaBook", "DeltaRecord"]
@@ -181,12 +179,13 @@ class _Run:
     values: U8 = field(default_factory=lambda: np.zeros(0, np.uint8))
 
 
-class DeltaBook:
+class DeltaBook(VersionListener):
     """The delta records of one daemon's versions, and the pool that compares them,
     built with the parts it uses: the version ``registry`` (versions, their merged
     manifests, the book's hold leases), the region ``store`` (the bytes compared),
-    the ``staging`` pool (a delta staged for a lease) and the lease ``drain``, told
-    when the book lets go of a hold (a publisher's drain may be waiting for it).
+    the ``staging`` pool (a delta staged for a lease), the lease ``drain``, told
+    when the book lets go of a hold (a publisher's drain may be waiting for it), and
+    the model ``models`` (who reads a model's delta records).
     ``max_bytes``: what the records may hold together (``[pulls] delta_max_bytes``;
     0: a quarter of the host's memory); ``max_plan_runs``: the runs a delta request's
     plan may expand into (``limits.max_plan_runs``)."""
@@ -197,6 +196,7 @@ class DeltaBook:
         store: RegionStore,
         staging: StagingPool,
         drain: LeaseDrain,
+        models: ModelOwners,
         *,
         max_bytes: int = 0,
         enabled: bool = True,
@@ -211,6 +211,7 @@ class DeltaBook:
         self.store = store
         self.staging = staging
         self.drain = drain
+        self.models = models
         #: the long polls each principal holds open (a pack waiting for a comparison)
         self.waits = waits if waits is not None else Waits()
         #: what the records may hold together, bytes (``[pulls] delta_max_bytes``)
@@ -226,14 +227,15 @@ class DeltaBook:
 
     # ------------------------------------------------------------ records
 
-    def published(self, model: str, version: int) -> None:
-        """A slot of ``version`` was published: once the version is READY, hold it (the
-        next version's base) and compare it with the version held before (in the
-        background)."""
+    async def published(self, info: VersionInfo) -> None:
+        """A slot of ``info``'s version was published: once the version is READY, hold
+        it (the next version's base) and compare it with the version held before (in
+        the background). Nothing here awaits: the hold is taken as the publish ends."""
         reg = self.registry
+        model, version = info.model, info.version
         if not self.enabled or (model, version) in self._records:
             return
-        if reg.version(model, version).state != VersionState.READY:
+        if info.state != VersionState.READY:
             return
         self._forget(model)
         rec = self._records[(model, version)] = DeltaRecord(model, version)
@@ -254,7 +256,7 @@ class DeltaBook:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def yield_base(self, model: str, version: int) -> None:
+    def draining(self, model: str, version: int) -> None:
         """``version`` is being drained (its publisher is about to rewrite its memory):
         stop holding it as a base, now, or once the comparison reading it ends."""
         hold = self._holds.get(model)
@@ -285,18 +287,28 @@ class DeltaBook:
         for key in mine[: max(0, len(mine) - KEEP_RECORDS)]:
             del self._records[key]
 
-    async def info(self, model: str, version: int, wait_s: float = 0.0) -> DeltaInfo:
-        """``version``'s record (after up to ``wait_s`` seconds for its comparison);
-        404 for a version this daemon does not hold."""
-        self.registry.version(model, version)
-        rec = self._records.get((model, version))
-        if rec is None:
-            why = "no delta record of this version" if self.enabled else "deltas are off here"
-            return DeltaInfo(model, version, DeltaState.NONE, reason=why)
-        if wait_s > 0:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait_s):
-                    await rec.done.wait()
+    async def info(
+        self,
+        who: Principal,
+        model: str,
+        version: int,
+        wait_s: float,
+        held: AbstractAsyncContextManager[object],
+    ) -> DeltaInfo:
+        """``version``'s record for a reader of ``model`` (403 else), after up to
+        ``wait_s`` seconds for its comparison (a wait is ``held``: the request's long
+        poll); 404 for a version this daemon does not hold."""
+        self.models.check_read(who, model, "read")
+        async with held if wait_s > 0 else contextlib.nullcontext():
+            self.registry.version(model, version)
+            rec = self._records.get((model, version))
+            if rec is None:
+                why = "no delta record of this version" if self.enabled else "deltas are off here"
+                return DeltaInfo(model, version, DeltaState.NONE, reason=why)
+            if wait_s > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait_s):
+                        await rec.done.wait()
         return rec.info()
 
     async def close(self) -> None:

@@ -7,14 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from refitd.daemon.pull import core as pullcore
 from refitd.daemon.pull.devstaging import StagedPeer
+from refitd.daemon.pull.machine import Event, Fail, Pull, step
 from refitd.wire import ErrorBody, PullProgress, PullRequest, PullState
 from transports.interface import Capabilities, Peer
 
 __all__ = ["PullJob"]
+
+log = logging.getLogger("refitd.pulls")
 
 
 @dataclass
@@ -55,6 +62,19 @@ class PullJob:
     def progress(self, n_desc: int, n_bytes: int) -> None:
         self.descriptors_done += n_desc
         self.bytes_done += n_bytes
+
+    def step(self, pull: Pull, ev: Event, rows: np.ndarray | None = None) -> Pull:
+        """``pull`` after ``ev`` (:func:`refitd.daemon.pull.machine.step`), done to this
+        job: its state, and as it ends its error and (``rows``: what it read) its
+        suspect ranges."""
+        pull, todo = step(pull, ev)
+        self.state = pull.state
+        for end in todo:
+            self.error = end.error
+            self.suspect = pullcore.suspect(rows) if end.suspect and rows is not None else []
+            if not end.expected and isinstance(ev, Fail):
+                log.error("pull %s failed unexpectedly", self.pull_id, exc_info=ev.error)
+        return pull
 
     def snapshot(self) -> PullProgress:
         end = self.ended if self.ended is not None else time.perf_counter()

@@ -31,7 +31,6 @@ import collections
 import contextlib
 import functools
 import itertools
-import logging
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
@@ -40,6 +39,7 @@ import msgspec
 import numpy as np
 from aiohttp import web
 
+from refitd.daemon.access.auth import Principal
 from refitd.daemon.access.caps import Charges
 from refitd.daemon.access.trust import check_writes
 from refitd.daemon.app.node import Daemon
@@ -47,7 +47,7 @@ from refitd.daemon.pull import core as pullcore
 from refitd.daemon.pull.connections import PullPaths
 from refitd.daemon.pull.job import PullJob
 from refitd.daemon.pull.listeners import Caller, PullListener, anyone
-from refitd.daemon.pull.machine import Cancel, Event, Fail, Finish, Gone, Move, Pull, Start, step
+from refitd.daemon.pull.machine import Cancel, Fail, Finish, Gone, Move, Pull, Start
 from refitd.daemon.pull.move import IN_FLIGHT, move
 from refitd.daemon.pull.plancheck import check_runs
 from refitd.daemon.pull.sources import Filling, LocalSource, Redirect, RemoteSource, Source
@@ -55,6 +55,7 @@ from refitd.errors import NotFoundError, RefitError
 from refitd.wire import (
     DescriptorTable,
     PeerRegions,
+    PullProgress,
     PullRequest,
     StagedPack,
 )
@@ -83,8 +84,6 @@ OFF_LOOP_ROWS = 16_384
 
 SHUTTING_DOWN = "daemon shutting down"
 """The reason a pull still running when the daemon stops is cancelled with."""
-
-log = logging.getLogger("refitd.pulls")
 
 
 class Redirector(Protocol):
@@ -294,15 +293,25 @@ class PullManager:
         while len(kept) > self.keep_ended:
             self.jobs.pop(kept.popleft(), None)
 
-    def get(self, pull_id: str) -> PullJob:
+    def seen_by(self, who: Principal) -> list[PullProgress]:
+        """The pulls ``who`` sees (:meth:`Principal.sees`): its own, every pull for root
+        or without authentication."""
+        return [j.snapshot() for j in self.jobs.values() if who.sees(j.owner)]
+
+    def get(self, pull_id: str, caller: Caller = anyone, action: str = "read") -> PullJob:
+        """Pull ``pull_id`` (404 when unknown), if ``caller`` may ``action`` it (403)."""
         job = self.jobs.get(pull_id)
         if job is None:
             raise NotFoundError(f"pull {pull_id!r} is unknown on this daemon")
+        caller.check_owner(job.owner, action, f"pull {pull_id}")
         return job
 
-    async def cancel(self, pull_id: str, reason: str = "cancelled by request") -> PullJob:
-        """Cancel a running pull; its result names ``reason``. Returns once it ended."""
-        job = self.get(pull_id)
+    async def cancel(
+        self, pull_id: str, reason: str = "cancelled by request", caller: Caller = anyone
+    ) -> PullJob:
+        """Cancel a running pull of ``caller`` (403 for another's); its result names
+        ``reason``. Returns once it ended."""
+        job = self.get(pull_id, caller, "cancel")
         if job.task is not None and not job.task.done():
             job.cancel_reason = reason
             job.task.cancel(reason)
@@ -342,7 +351,7 @@ class PullManager:
         self, job: PullJob, src: Source, rows: np.ndarray, peer: PeerRegions | None
     ) -> None:
         req = job.req
-        pull = self._step(job, Pull(job.pull_id), Start())
+        pull = job.step(Pull(job.pull_id), Start())
         staged: StagedPack | None = None
         all_rows, done = rows, None
         filling = src.filling
@@ -377,28 +386,28 @@ class PullManager:
                     job.pins.enter_context(self.store.using(here))
                 elif job.conn is not None:  # the staging segment joins the connection
                     await job.conn.update(self.paths.shm_credential(peer))
-            pull = self._step(job, pull, Move())  # from now on its ranges may be suspect
+            pull = job.step(pull, Move())  # from now on its ranges may be suspect
             if all_rows.shape[0] and peer is not None:
                 conn = job.conn or await self.paths.transport_peer(peer, job.path)
                 if job.devices and job.conn is None:
                     conn = job.device_staging = await self.paths.staged(conn, all_rows)
                 await self._move(job, conn, all_rows, done, filling)
             await src.check_lease(req.lease_id, req.model, req.version)
-            pull = self._step(job, pull, Finish(), all_rows)
+            pull = job.step(pull, Finish(), all_rows)
         except asyncio.CancelledError as exc:
             where = pullcore.source_name(req.source, peer)
             if job.fail_reason:  # its source left: FAILED, not CANCELLED
-                pull = self._step(job, pull, Gone(job.fail_reason, where), all_rows)
+                pull = job.step(pull, Gone(job.fail_reason, where), all_rows)
                 return
             # The reason travels on the job (set by whoever cancelled) and, where the
             # cancel reached us directly, in the CancelledError's message.
             reason = job.cancel_reason or (str(exc.args[0]) if exc.args else "") or "cancelled"
-            pull = self._step(job, pull, Cancel(reason), all_rows)
+            pull = job.step(pull, Cancel(reason), all_rows)
         except Exception as exc:
             # Any error fails the pull: one that escaped here unhandled would end the
             # task with the job still RUNNING and every waiter polling it forever.
             where = pullcore.source_name(req.source, peer)
-            pull = self._step(job, pull, Fail(exc, where), all_rows)
+            pull = job.step(pull, Fail(exc, where), all_rows)
         finally:
             job.ended = time.perf_counter()
             if job.conn is not None:
@@ -447,20 +456,6 @@ class PullManager:
 
     # ------------------------------------------------------------ its state
 
-    @staticmethod
-    def _step(job: PullJob, pull: Pull, ev: Event, rows: np.ndarray | None = None) -> Pull:
-        """``pull`` after ``ev`` (:func:`refitd.daemon.pull.machine.step`), done to
-        ``job``: its state, and as it ends its error and (``rows``: what it read)
-        its suspect ranges."""
-        pull, todo = step(pull, ev)
-        job.state = pull.state
-        for end in todo:
-            job.error = end.error
-            job.suspect = pullcore.suspect(rows) if end.suspect and rows is not None else []
-            if not end.expected and isinstance(ev, Fail):
-                log.error("pull %s failed unexpectedly", job.pull_id, exc_info=ev.error)
-        return pull
-
     # ------------------------------------------------------------ reads outside a pull
 
     @contextlib.contextmanager
@@ -474,18 +469,18 @@ class PullManager:
         rows = req.descriptors.rows()
         job = PullJob(f"p{next(self._seq)}", req, nbytes, rows.shape[0])
         job.path, job.owner = path, owner
-        pull = self._step(job, Pull(job.pull_id), Start())
+        pull = job.step(Pull(job.pull_id), Start())
         self.jobs[job.pull_id] = job
         for listener in self.listeners:
             listener.started(job)
         try:
             yield job
-            self._step(job, pull, Finish())
+            job.step(pull, Finish())
         except asyncio.CancelledError as exc:
-            self._step(job, pull, Cancel(str(exc.args[0]) if exc.args else "cancelled"))
+            job.step(pull, Cancel(str(exc.args[0]) if exc.args else "cancelled"))
             raise
         except Exception as exc:
-            self._step(job, pull, Fail(exc, source or "its source"))
+            job.step(pull, Fail(exc, source or "its source"))
             raise
         finally:
             job.ended = time.perf_counter()

@@ -3,6 +3,7 @@
 Modules:
 
 - `drain`: waiting for a version's leases to drain
+- `events`: what listens to a daemon's versions: a slot published, a drain, a retire
 - `processes`: client processes regions live with, watched with pidfds
 - `manifestcheck`: a published manifest checked against its tensors and regions
 - `memory`: region memory: shared-memory segments

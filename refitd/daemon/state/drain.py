@@ -43,19 +43,15 @@ class LeaseDrain:
         if self._freed is not None:
             self._freed()
 
-    async def wait(
-        self, model: str, version: int, timeout_s: float, retire: bool = False
-    ) -> VersionInfo:
+    async def wait(self, model: str, version: int, timeout_s: float) -> VersionInfo:
         """Return once no live lease remains on the version (released or expired).
 
-        With ``retire`` the version first stops accepting new leases (a publisher
-        about to rewrite its memory must ask for that). Waits on release events and
-        on the next expiry deadline, never by polling. :class:`ConflictError` if
-        leases remain after ``timeout_s`` seconds.
+        A publisher about to rewrite the version's memory retires it first
+        (:meth:`Registry.retire`: no new lease), as :meth:`Leases.drain` does. Waits
+        on release events and on the next expiry deadline, never by polling.
+        :class:`ConflictError` if leases remain after ``timeout_s`` seconds.
         """
         self.registry.version(model, version)  # NotFound for an unknown version
-        if retire:
-            self.registry.retire(model, version)
         deadline = self.clock() + timeout_s
         while (nxt := self.registry.next_expiry(model, version)) is not None:
             left = deadline - self.clock()
