@@ -389,7 +389,7 @@ def create_app(
     app.cleanup_ctx.extend(cleanup_ctx)
     app.add_routes(routes)
     app[POOLS] = pools = ExpertPools(
-        d.store, d.config.limits.max_pool_bookkeeping_bytes_per_principal
+        d.store, d.registry, d.config.limits.max_pool_bookkeeping_bytes_per_principal
     )
     pulls.listen(pools)  # the experts a pull rewrites leave their slots
     # Pulls by outcome, bytes by the path each took, once the app has metrics.

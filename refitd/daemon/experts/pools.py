@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import numpy as np
 from aiohttp import web
@@ -27,6 +27,7 @@ from refitd.daemon.experts.pool import ExpertPool, residency_of
 from refitd.daemon.pull.core import dst_ids
 from refitd.daemon.pull.listeners import Caller, Job, PullListener
 from refitd.daemon.state.memory import check_shm_capacity
+from refitd.daemon.state.registry import Registry
 from refitd.daemon.state.store import RegionStore
 from refitd.errors import (
     AccessDenied,
@@ -36,7 +37,19 @@ from refitd.errors import (
     PlanError,
     QuotaExceeded,
 )
-from refitd.wire import PoolCreate, PoolInfo, PoolStats, PullRequest, RegionCreate
+from refitd.wire import (
+    EnsureRequest,
+    EnsureResult,
+    InvalidateRequest,
+    InvalidateResult,
+    PoolCreate,
+    PoolInfo,
+    PoolStats,
+    PrefetchRequest,
+    PrefetchResult,
+    PullRequest,
+    RegionCreate,
+)
 
 __all__ = [
     "POOLS",
@@ -68,11 +81,17 @@ class ExpertPools(PullListener):
     accepted and again when it ends (see the module's staleness).
 
     Built with the region ``store`` its pools' regions are made, charged, viewed
-    and deleted in, and ``max_bookkeeping`` (bytes a principal's pools may keep,
-    ``limits.max_pool_bookkeeping_bytes_per_principal``)."""
+    and deleted in, the version ``registry`` (which regions a version publishes from:
+    a step never writes those), and ``max_bookkeeping`` (bytes a principal's pools may
+    keep, ``limits.max_pool_bookkeeping_bytes_per_principal``).
 
-    def __init__(self, store: RegionStore, max_bookkeeping: int) -> None:
+    A pool's operations for a principal (``info``, ``stats_of``, ``ensure``,
+    ``prefetch``, ``invalidate``, ``delete``) refuse another's pool (403), and run
+    under the pool's lock with its host-row rewrites applied (:meth:`locked`)."""
+
+    def __init__(self, store: RegionStore, registry: Registry, max_bookkeeping: int) -> None:
         self.store = store
+        self.registry = registry
         self.max_bookkeeping = max_bookkeeping
         self._pools: dict[str, ExpertPool] = {}
         #: per principal, the bookkeeping bytes of each pool it holds or is making
@@ -91,6 +110,64 @@ class ExpertPools(PullListener):
         if pool is None:
             raise NotFoundError(f"expert pool {name!r} does not exist on this daemon")
         return pool
+
+    @contextlib.asynccontextmanager
+    async def locked(self, who: Principal, name: str, action: str) -> AsyncIterator[ExpertPool]:
+        """Pool ``name`` (404) if ``who`` may ``action`` it (403), held under its lock
+        with host-row rewrites applied; 404 for a pool deleted while this waited."""
+        pool = self.get(name)
+        who.check_owns(pool.owner, action, f"expert pool {pool.name!r}")
+        async with pool.lock:
+            if pool.deleted:
+                raise NotFoundError(f"expert pool {pool.name!r} was deleted")
+            pool.apply_rewrites()
+            pool.harvest()
+            yield pool
+
+    def _check_slots_unpublished(self, pool: ExpertPool) -> None:
+        """Refuse (409) a step that would write a slot region a READY, pending or leased
+        version publishes from (publishing from a pool's region is refused, so this
+        holds the rule even for memory that became a pool's some other way)."""
+        held = self.registry.protected_regions().get(pool.slot_region.region_id)
+        if held is not None:
+            model, version, why = held
+            raise ConflictError(
+                f"expert pool {pool.name!r} refused the step: its slot region "
+                f"{pool.slot_region.region_id} holds {model!r} version {version}, which is "
+                f"{why}; a published version's bytes never change"
+            )
+
+    async def info(self, who: Principal, name: str) -> PoolInfo:
+        async with self.locked(who, name, "read") as pool:
+            return pool.info()
+
+    async def stats_of(self, who: Principal, name: str) -> PoolStats:
+        async with self.locked(who, name, "read") as pool:
+            return pool.stats()
+
+    async def ensure(self, who: Principal, name: str, req: EnsureRequest) -> EnsureResult:
+        """Plan with the expert cache, copy the misses into the slot region."""
+        async with self.locked(who, name, "write") as pool:
+            self._check_slots_unpublished(pool)
+            planned, nbytes = pool.plan(req)
+            # A warm step (nothing to copy) runs too: the executor checks the layer's
+            # route and counts it.
+            return await pool.off_loop(nbytes, pool.execute, planned)
+
+    async def prefetch(self, who: Principal, name: str, req: PrefetchRequest) -> PrefetchResult:
+        """Plan a prediction of a layer's next step; its copies land in the background."""
+        async with self.locked(who, name, "write") as pool:
+            self._check_slots_unpublished(pool)
+            # Its own copies start in the background, but a slot it reuses may still be
+            # receiving an earlier one.
+            return await pool.off_loop(0, pool.prefetch, req)
+
+    async def invalidate(
+        self, who: Principal, name: str, req: InvalidateRequest
+    ) -> InvalidateResult:
+        """Drop the slots of experts whose host rows were rewritten."""
+        async with self.locked(who, name, "write") as pool:
+            return pool.invalidate(req)
 
     async def create(
         self, spec: PoolCreate, owner: str, principal: str | None = None
@@ -178,8 +255,11 @@ class ExpertPools(PullListener):
         finally:
             held.pop(place, None)
 
-    async def delete(self, name: str) -> PoolInfo:
+    async def delete(self, who: Principal, name: str) -> PoolInfo:
+        """Delete pool ``name`` (404) for ``who`` (403 for another's), once the copies
+        in flight landed; a request waiting for its lock is then refused (404)."""
         pool = self.get(name)
+        who.check_owns(pool.owner, "delete", f"expert pool {pool.name!r}")
         async with pool.lock:
             await asyncio.to_thread(pool.close)  # no copy may land in a freed region
             info = pool.info()
