@@ -15,7 +15,7 @@ from support.engines import mismatched, zeroed_engine
 from refitd.bench.refit import capture_for
 from refitd.client.deltarefit import DeltaReceiver
 from refitd.daemon.delta.plans import Plans, plan_digest
-from refitd.daemon.delta.routes import DELTA_PLANS
+from refitd.daemon.delta.routes import DELTAS
 from refitd.errors import NotFoundError, ProtocolError
 from refitd.testing.engines import EngineParallel, ToyEngine, dense_toy_config
 from refitd.testing.layouts import full_state, megatron_tp_ep
@@ -85,7 +85,7 @@ async def test_a_rank_whose_named_plan_was_pushed_out_sends_it_and_still_gets_it
     cfg = dense_toy_config(torch.bfloat16)
 
     def keep_one(app: web.Application) -> None:
-        app[DELTA_PLANS] = Plans(keep=1)
+        app[DELTAS].plans = Plans(keep=1)
 
     async with served(deltas=True, setup=[keep_one]) as s:
         trainer = DoubleBuffered(s.client, "m", lambda st: megatron_tp_ep(cfg, 2, 1, st))

@@ -8,14 +8,12 @@ import msgspec
 from aiohttp import web
 
 from refitd.daemon.access.auth import principal_of
-from refitd.daemon.app.httpio import DAEMON, RouteTable, body, reply
+from refitd.daemon.app.httpio import RouteTable, body, reply
 from refitd.daemon.app.node import Daemon
 from refitd.daemon.app.waits import WAITS, long_poll
-from refitd.daemon.delta.plans import Plans
 from refitd.daemon.delta.selection import pack_request
 from refitd.daemon.delta.source import DeltaBook
-from refitd.daemon.delta.stream import stream
-from refitd.daemon.pull.plancheck import check_runs
+from refitd.daemon.delta.stream import opened
 from refitd.wire import MSGPACK, DeltaPackRequest, DeltaStreamRequest
 from refitd.wire import routes as api
 from refitd.wire.args import DeltaInfoArgs
@@ -23,7 +21,6 @@ from refitd.wire.args import DeltaInfoArgs
 __all__ = ["DELTAS", "routes", "setup_deltas"]
 
 DELTAS: web.AppKey[DeltaBook] = web.AppKey("deltas", DeltaBook)
-DELTA_PLANS: web.AppKey[Plans] = web.AppKey("delta_plans", Plans)
 routes = RouteTable()
 
 
@@ -51,19 +48,8 @@ async def delta_stream(request: web.Request) -> web.StreamResponse:
     streamed chunk by chunk as they are encoded, not staged (docs/delta.md). Every
     refusal comes before the head; a chunk that fails ends the stream with a frame
     saying why."""
-    d = request.app[DAEMON]
     req = await body(request, DeltaStreamRequest)
-    what = f"delta stream of {req.model!r} v{req.version}"
-    check_runs(len(req.descriptors), req.pack_specs, d.config.limits.max_plan_runs, what)
-    lease = d.registry.check(req.lease_id, req.model, req.version)
-    caller = principal_of(request).name
-    # A warm refit names the plan it sent before (kept for its principal).
-    req, plan = await request.app[DELTA_PLANS].resolve(req, caller)
-    # Open as long as its reader reads, holding its selection and two encoded chunks:
-    # counted against the principal's long polls, as a wait is.
-    with request.app[WAITS].held(caller, what):
-        head, chunks = await stream(request.app[DELTAS], req, lease, caller)
-        head = msgspec.structs.replace(head, plan=plan)
+    async with opened(request.app[DELTAS], req, principal_of(request).name) as (head, chunks):
         resp = web.StreamResponse(headers={"Content-Type": MSGPACK})
         await resp.prepare(request)
         await resp.write(_frame(head))
@@ -94,7 +80,6 @@ def setup_deltas(app: web.Application, daemon: Daemon) -> DeltaBook:
         waits=app[WAITS],
         max_plan_runs=daemon.config.limits.max_plan_runs,
     )
-    app[DELTA_PLANS] = book.plans
     daemon.events.listen(book)
 
     async def close(_: web.Application) -> None:

@@ -14,14 +14,17 @@ request: no staging region, no pull, no copy out of a landing region.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from refitd.daemon.delta.selection import select_delta
 from refitd.daemon.delta.source import DeltaBook
+from refitd.daemon.pull.plancheck import check_runs
 from refitd.daemon.state.registry import Lease
 from refitd.delta import native
 from refitd.delta.native import payload_of
@@ -29,10 +32,31 @@ from refitd.delta.stream import chunking, cut
 from refitd.errors import RefitError
 from refitd.wire import DeltaChunk, DeltaStreamHead, DeltaStreamRequest
 
-__all__ = ["stream"]
+__all__ = ["opened", "stream"]
 
 U8 = npt.NDArray[np.uint8]
 _NONE: U8 = np.zeros(0, np.uint8)  # the payload of a chunk that failed
+
+
+Stream = tuple[DeltaStreamHead, AsyncIterator[tuple[DeltaChunk, U8]]]
+
+
+@contextlib.asynccontextmanager
+async def opened(book: DeltaBook, req: DeltaStreamRequest, caller: str) -> AsyncIterator[Stream]:
+    """``POST /v1/deltas/stream`` for ``caller``, open for the block: its plan bounded
+    (400 past ``limits.max_plan_runs`` runs), its lease live on its version (409),
+    the plan a warm refit names resolved (kept for its principal, :class:`Plans`);
+    then, counted as one of ``caller``'s long polls (429 past its cap: open as long as
+    its reader reads, holding its selection and two encoded chunks), the stream's
+    head (with its plan's digest) and chunks (:func:`stream`). Every refusal comes
+    before the head."""
+    what = f"delta stream of {req.model!r} v{req.version}"
+    check_runs(len(req.descriptors), req.pack_specs, book.max_plan_runs, what)
+    lease = book.registry.check(req.lease_id, req.model, req.version)
+    req, plan = await book.plans.resolve(req, caller)
+    with book.waits.held(caller, what):
+        head, chunks = await stream(book, req, lease, caller)
+        yield msgspec.structs.replace(head, plan=plan), chunks
 
 
 async def stream(
