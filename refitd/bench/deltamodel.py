@@ -117,7 +117,7 @@ class TPEngine(nn.Module):
 
 
 async def _publish(client: Any, pubs: list[Any] | None, model: TinyLM, version: int) -> list[Any]:
-    """Every parameter as two dim-0 blocks, slot ``r`` holding block ``r``."""
+    """Every parameter as two dim-0 blocks, part ``r`` holding block ``r``."""
     from refitd.client.publisher import ALIGN, Publisher
 
     params = [(n, p.detach()) for n, p in model.named_parameters()]
@@ -126,14 +126,14 @@ async def _publish(client: Any, pubs: list[Any] | None, model: TinyLM, version: 
         half = t.shape[0] // 2
         blocks += [(0, n, t, (0,), t[:half]), (1, n, t, (half,), t[half:])]
     if pubs is None:
-        pubs = [Publisher(client, MODEL, slot, 2) for slot in range(2)]
-        for slot, pub in enumerate(pubs):
-            mine = [b[4].nbytes for b in blocks if b[0] == slot]
+        pubs = [Publisher(client, MODEL, part, 2) for part in range(2)]
+        for part, pub in enumerate(pubs):
+            mine = [b[4].nbytes for b in blocks if b[0] == part]
             room = sum(-(-n // ALIGN) * ALIGN for n in mine)
             await pub.reserve(room, label=f"bench-delta{version % 2}")
-    for slot, name, t, at, part in blocks:
+    for part, name, t, at, block in blocks:
         offset = at + (0,) * (t.dim() - 1)
-        pubs[slot].put(name, part, tuple(t.shape), offset)
+        pubs[part].put(name, block, tuple(t.shape), offset)
     for pub in pubs:
         await pub.publish(version)
     return pubs

@@ -280,7 +280,7 @@ async def _publish_gpu(
     from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
     sessions = sorted(published.buffers, key=lambda x: int(x[len(published.layout) :]))
-    for slot, session in enumerate(sessions):
+    for part, session in enumerate(sessions):
         buf = published.buffers[session]
         if session not in held:
             held[session] = await _buffer(client, buf.numel(), dev, session)
@@ -301,7 +301,7 @@ async def _publish_gpu(
                 tensors.append(
                     TensorEntry(name, tuple(info.global_shape), dtype_name(info.dtype), shards)
                 )
-        await client.publish(ManifestIn(model, version, slot, len(sessions), tensors))
+        await client.publish(ManifestIn(model, version, part, len(sessions), tensors))
 
 
 async def refit(

@@ -5,7 +5,7 @@ device (``cuda`` in ``refitd bench gpu``; ``cpu`` in the CPU suite, where the sa
 code runs):
 
 1. the trainer's weights are published as a TP2 layout (every tensor split in two
-   along dim 0 where it splits evenly, one publisher slot per half);
+   along dim 0 where it splits evenly, one publisher part per half);
 2. an engine model of the same family with other weights is refitted through the
    daemon by :class:`~refitd.client.receiver.DaemonReceiver` (staging mode), its
    parameters staying on the device;
@@ -84,13 +84,13 @@ class HFEngine(torch.nn.Module):
         return seen
 
 
-def _tp2(slot: int, state: dict[str, torch.Tensor]) -> Iterator[tuple[Any, ...]]:
-    """Slot ``slot``'s blocks of a TP2 layout: dim-0 halves, or whole on slot 0."""
+def _tp2(part: int, state: dict[str, torch.Tensor]) -> Iterator[tuple[Any, ...]]:
+    """Part ``part``'s blocks of a TP2 layout: dim-0 halves, or whole on part 0."""
     for name, t in state.items():
         if t.dim() and t.shape[0] % 2 == 0:
             h = t.shape[0] // 2
-            yield name, t[slot * h : (slot + 1) * h], (slot * h,) + (0,) * (t.dim() - 1), t.shape
-        elif slot == 0:
+            yield name, t[part * h : (part + 1) * h], (part * h,) + (0,) * (t.dim() - 1), t.shape
+        elif part == 0:
             yield name, t, (0,) * t.dim(), t.shape
 
 
@@ -143,7 +143,7 @@ async def engine_exact(
             twin=functools.partial(lambda b: HFEngine(b()), build),
             capture=capture,
         )
-        pubs = [ShardPublisher(client, model, slot, 2) for slot in range(2)]
+        pubs = [ShardPublisher(client, model, part, 2) for part in range(2)]
         try:
             for version in (1, 2):
                 if version == 2:
@@ -151,8 +151,8 @@ async def engine_exact(
                         for p in trainer.parameters():
                             p.mul_(1.0625)  # a new version, every tensor changed
                 state = {k: v.detach() for k, v in trainer.named_parameters()}
-                for slot, pub in enumerate(pubs):
-                    await pub.publish(MegatronSource(list(_tp2(slot, state))), version)
+                for part, pub in enumerate(pubs):
+                    await pub.publish(MegatronSource(list(_tp2(part, state))), version)
                 stats = await receiver.refit(version)
                 fresh = build().to(device)
                 fresh.load_state_dict(state, strict=False)  # buffers: its own, as built

@@ -10,7 +10,7 @@
    again beside two CPU-bound processes on host A (busy). ``--link-gbit R`` shapes
    both hosts' links to R Gbit/s with ``tc`` first and reports the pull ÷ R.
 2. **Discovery of 1,000 sources.** A real etcd (loopback) holding 1,000 registered
-   daemons, each with a signed source record for one slot of a 1,000-slot version;
+   daemons, each with a signed source record for one part of a 1,000-part version;
    timed: a fresh registry session (connect, lease, register, load and verify every
    record, start the watch), finding the version complete with all 1,000 holders,
    and merging their 1,000 manifests into one (synthetic manifests, built before the

@@ -6,7 +6,7 @@ on stdin is one command; each answer is one JSON line on stdout:
 
 - ``{"op": "publish", "url", "model", "gib", "layout", "world", "ranks", "version"}``
   publishes trainer ranks ``ranks`` of a ``world``-rank layout (``"fsdp"``: dim-0
-  shards, ``"megatron"``: TP) of the synthetic model as publisher slots of
+  shards, ``"megatron"``: TP) of the synthetic model as publisher parts of
   ``version`` at the daemon ``url``. A later version rewrites the same memory once
   the previous one has drained, so receivers replay their compiled plans.
   Answers ``{"ok": true, "bytes": N}``.
@@ -55,7 +55,7 @@ def pattern(n: int) -> Any:
 class Worker:
     def __init__(self) -> None:
         self.clients: dict[str, Any] = {}
-        self.publishers: dict[str, list[Any]] = {}  # model -> Publisher by slot (or None)
+        self.publishers: dict[str, list[Any]] = {}  # model -> Publisher by part (or None)
         self.published: dict[str, int] = {}  # model -> last version published here
         self.ranks: dict[str, list[Any]] = {}  # model -> [(par, engine, receiver)]
         self.cfgs: dict[float, Any] = {}
@@ -90,7 +90,7 @@ class Worker:
             await self.publishers[model][int(req["ranks"][0])].wait_drain(last)
         ranks = [int(r) for r in req["ranks"]]
         self.publishers[model] = await publish_layout(
-            client, model, published, version, self.publishers.get(model), slots=ranks
+            client, model, published, version, self.publishers.get(model), parts=ranks
         )
         nbytes = sum(published.buffers[sessions[r]].numel() for r in ranks)
         self.published[model] = version

@@ -75,19 +75,19 @@ class FlowResult:
 
 
 async def manifest_100k_seconds(client: RefitClient, n: int = 100_000) -> float:
-    """Publish a 2-slot model of ``n`` small tensors (each split over both slots, plus
-    one replicated tensor per slot) and time fetching its merged manifest once (the
+    """Publish a 2-part model of ``n`` small tensors (each split over both parts, plus
+    one replicated tensor per part) and time fetching its merged manifest once (the
     daemon merges on that first fetch)."""
     from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 
     region = await client.create_region(64, label="manifest-bench")
-    for slot in (0, 1):
+    for part in (0, 1):
         tensors = [
             TensorEntry(
                 f"layers.{i}.w",
                 (2, 2),
                 "bfloat16",
-                [ShardEntry((slot, 0), (1, 2), region.region_id, 0)],
+                [ShardEntry((part, 0), (1, 2), region.region_id, 0)],
             )
             for i in range(n)
         ]
@@ -96,7 +96,7 @@ async def manifest_100k_seconds(client: RefitClient, n: int = 100_000) -> float:
                 "replicated", (2,), "bfloat16", [ShardEntry((0,), (2,), region.region_id, 0)]
             )
         )
-        await client.publish(ManifestIn("manifest-100k", 1, slot, 2, tensors))
+        await client.publish(ManifestIn("manifest-100k", 1, part, 2, tensors))
     t = time.perf_counter()
     merged = await client.manifest("manifest-100k", 1)
     seconds = time.perf_counter() - t

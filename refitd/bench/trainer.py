@@ -2,7 +2,7 @@
 published, the capture a receiver of it runs, and the trainer process.
 
 - :func:`publish_layout` publishes a trainer layout from :mod:`refitd.testing.layouts`
-  (every rank one publisher slot) through a :class:`~refitd.client.Publisher`;
+  (every rank one publisher part) through a :class:`~refitd.client.Publisher`;
 - :func:`capture_for` returns the capture callable a receiver needs for a layout
   (through the layout's ``convert`` when it has one);
 - ``python -m refitd.bench.trainer URL MODEL GIB TP`` is the trainer process bench
@@ -34,11 +34,11 @@ async def publish_layout(
     published: Published,
     version: int,
     publishers: list[Any] | None = None,
-    slots: list[int] | None = None,
+    parts: list[int] | None = None,
 ) -> list[Any]:
-    """Publish every rank of ``published`` (or only ranks ``slots``: a trainer split
-    over hosts publishes each host's ranks to its own daemon) as one slot of
-    ``version``; returns the publishers, by slot (None for a slot not published
+    """Publish every rank of ``published`` (or only ranks ``parts``: a trainer split
+    over hosts publishes each host's ranks to its own daemon) as one part of
+    ``version``; returns the publishers, by part (None for a part not published
     here). Pass the publishers of an earlier version (same layout) to rewrite
     their memory in place, so the manifest's placement is unchanged and a receiver
     replays its compiled plan; wait for that version's leases to drain first."""
@@ -47,13 +47,13 @@ async def publish_layout(
     sessions = sorted(published.buffers, key=lambda s: int(s[len(published.layout) :]))
     pubs: list[Any] = list(publishers or [])
     pubs += [None] * (len(sessions) - len(pubs))
-    for slot in range(len(sessions)) if slots is None else slots:
-        session = sessions[slot]
+    for part in range(len(sessions)) if parts is None else parts:
+        session = sessions[part]
         buf = published.buffers[session]
-        if pubs[slot] is None:
-            pubs[slot] = Publisher(client, model, slot, len(sessions))
-            await pubs[slot].reserve(buf.numel() + 64 * (len(published.sources) + 1), label=session)
-        pub = pubs[slot]
+        if pubs[part] is None:
+            pubs[part] = Publisher(client, model, part, len(sessions))
+            await pubs[part].reserve(buf.numel() + 64 * (len(published.sources) + 1), label=session)
+        pub = pubs[part]
         base = buf.data_ptr()
         for name, info in published.sources.items():
             for sh in info.shards:

@@ -177,7 +177,7 @@ class RefitClient(ApiSession):
 
     async def cluster_version(self, model: str, version: int | str = "latest") -> ClusterVersion:
         """Which daemons hold ``model`` at ``version`` across hosts (``latest``: the
-        newest version whose slots are all published somewhere)."""
+        newest version whose parts are all published somewhere)."""
         return await self.send(api.CLUSTER_VERSION, model=model, version=version)
 
     async def next_version(
@@ -190,9 +190,9 @@ class RefitClient(ApiSession):
         )
 
     async def wait_ready(self, model: str, version: int, timeout_s: float = 30.0) -> VersionInfo:
-        """Wait (one request, answered when the daemon takes the last slot) until the
+        """Wait (one request, answered when the daemon takes the last part) until the
         version is READY; after ``timeout_s`` (at most a minute per request) its state
-        then, still PENDING. NotFoundError when no slot of it was published by then."""
+        then, still PENDING. NotFoundError when no part of it was published by then."""
         return await self.send(
             api.WAIT_READY, params={"timeout": timeout_s}, model=model, version=version
         )

@@ -1,7 +1,7 @@
 """Refit from a version spread over several hosts, found through the cluster registry.
 
 A trainer split over hosts publishes each rank's shards to its own host's daemon,
-so a version's slots live on several daemons. :class:`ClusterReceiver` asks the
+so a version's parts live on several daemons. :class:`ClusterReceiver` asks the
 engine host's daemon (``local``) where the version lives
 (``GET /v1/cluster/sources/{model}/versions/{version}``), then:
 
@@ -86,7 +86,7 @@ class ClusterReceiver(DaemonReceiver):
 
     ``local`` is this host's daemon, whose cluster registry says where versions
     live; ``token`` is presented to the holders (their bearer token). A version
-    asked for whose last slots the registry has not shown yet is waited for up to
+    asked for whose last parts the registry has not shown yet is waited for up to
     ``discovery_s`` seconds."""
 
     def __init__(
@@ -123,14 +123,14 @@ class ClusterReceiver(DaemonReceiver):
         on_progress: Callable[[PullProgress], None] | None = None,
     ) -> RefitStats:
         """Refit to ``version`` (the newest complete one by default) from every
-        daemon holding slots of it."""
+        daemon holding parts of it."""
         t0 = time.perf_counter()
         await self._place_engine()
         found = await self.local.cluster_version(
             self.model, "latest" if version is None else version
         )
         if not found.complete:
-            # Its last slots may be a watch event away: wait for the registry to say
+            # Its last parts may be a watch event away: wait for the registry to say
             # so (pushed, one request), then look again.
             with contextlib.suppress(NotFoundError):
                 await self.local.next_version(self.model, found.version - 1, self.discovery_s)
@@ -138,8 +138,8 @@ class ClusterReceiver(DaemonReceiver):
         if not found.complete:
             raise ConflictError(
                 f"{self.model!r} v{found.version} is not complete across the cluster: "
-                f"holders {[(h.node_id, h.slots) for h in found.holders]} of "
-                f"{found.expected_slots} slots"
+                f"holders {[(h.node_id, h.parts) for h in found.holders]} of "
+                f"{found.expected_parts} parts"
             )
         holders = found.holders
         clients = [await self._client(h.url) for h in holders]

@@ -1,6 +1,6 @@
 """The trainer side: place tensors in daemon regions and publish versions.
 
-A :class:`Publisher` is one publisher *slot* of a model (typically one trainer
+A :class:`Publisher` is one publisher *part* of a model (typically one trainer
 rank). It asks its daemon for shared-memory regions, maps them, and records which
 block of which full tensor sits where. Tensors can be placed zero-copy (the trainer
 writes into :meth:`Publisher.tensor` views directly) or copied in
@@ -59,15 +59,15 @@ class _Tensor:
 
 
 class Publisher:
-    """Publisher slot ``slot`` of ``expected_slots`` for ``model`` on one daemon."""
+    """Publisher part ``part`` of ``expected_parts`` for ``model`` on one daemon."""
 
     def __init__(
-        self, client: RefitClient, model: str, slot: int = 0, expected_slots: int = 1
+        self, client: RefitClient, model: str, part: int = 0, expected_parts: int = 1
     ) -> None:
         self.client = client
         self.model = model
-        self.slot = slot
-        self.expected_slots = expected_slots
+        self.part = part
+        self.expected_parts = expected_parts
         self._regions: list[_Region] = []
         self._tensors: dict[str, _Tensor] = {}
         self._views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
@@ -90,10 +90,10 @@ class Publisher:
         """Ask the daemon for a region of ``nbytes`` bytes that later placements fill."""
         info = await self.client.create_region(
             nbytes,
-            label=label or f"{self.model}.slot{self.slot}",
+            label=label or f"{self.model}.part{self.part}",
             # With a token the daemon records the token's name as owner and refuses
             # any other (a publisher under a token must still be able to reserve).
-            owner="" if self.client.authenticated else f"{self.model}/{self.slot}",
+            owner="" if self.client.authenticated else f"{self.model}/{self.part}",
         )
         self._regions.append(_Region(info, SharedSegment.attach(info.handle, info.nbytes)))
         return info
@@ -194,9 +194,9 @@ class Publisher:
         region, at = await attach_tensor(
             self.client,
             value,
-            label=f"{self.model}.slot{self.slot}.gpu{len(self._gpu)}",
+            label=f"{self.model}.part{self.part}.gpu{len(self._gpu)}",
             # as reserve(): under a token the daemon records the token's name
-            owner="" if self.client.authenticated else f"{self.model}/{self.slot}",
+            owner="" if self.client.authenticated else f"{self.model}/{self.part}",
         )
         self._gpu[ptr - at] = (region, region.nbytes)
         return region, at
@@ -215,10 +215,10 @@ class Publisher:
             TensorEntry(name, t.shape, dtype_name(t.dtype), list(t.shards))
             for name, t in self._tensors.items()
         ]
-        return ManifestIn(self.model, version, self.slot, self.expected_slots, tensors)
+        return ManifestIn(self.model, version, self.part, self.expected_parts, tensors)
 
     async def publish(self, version: int) -> VersionInfo:
-        """Publish this slot's manifest for ``version``. Refused (ConflictError) while
+        """Publish this part's manifest for ``version``. Refused (ConflictError) while
         the version is leased. Tensors placed on a GPU are fenced first: every kernel
         queued on their devices so far (the optimizer's writes into them) has run
         before the daemon may read them, which it does on streams of its own, in

@@ -1,4 +1,4 @@
-"""The cluster registry: which daemons exist, and where each version's slots live.
+"""The cluster registry: which daemons exist, and where each version's parts live.
 
 Two kinds (``[registry] kind``):
 

@@ -2,8 +2,8 @@
 
 A :class:`Directory` is fed the registry's keys and values (a snapshot, then one
 put or delete at a time from a watch) and answers from memory: which daemons are
-registered (the trusted peers), where each version's slots live, and which version
-is the newest whose slots are all READY somewhere. Every value is checked against
+registered (the trusted peers), where each version's parts live, and which version
+is the newest whose parts are all READY somewhere. Every value is checked against
 the deployment secret as it arrives; one that does not verify is refused, counted
 and never trusted.
 
@@ -171,15 +171,15 @@ class Directory:
         holders = self.holders(model, version)
         if not holders:
             raise NotFoundError(f"no registered daemon holds {model!r} version {version}")
-        expected = holders[0].expected_slots
+        expected = holders[0].expected_parts
         ready = {
             s
             for h in holders
             if h.state is VersionState.READY or h.state is VersionState.PENDING
-            for s in h.slots
+            for s in h.parts
         }
         complete = ready >= set(range(expected)) and all(
-            h.state is not VersionState.RETIRED and h.expected_slots == expected for h in holders
+            h.state is not VersionState.RETIRED and h.expected_parts == expected for h in holders
         )
         return ClusterVersion(model, version, expected, complete, holders)
 

@@ -76,7 +76,7 @@ class ClusterRegistry:
         return self.directory.version(model, int(version))
 
     def complete(self, model: str, version: int, node_id: str) -> bool:
-        """Whether ``model`` at ``version`` has all its slots published across the
+        """Whether ``model`` at ``version`` has all its parts published across the
         registered daemons, ``node_id`` among them."""
         try:
             found = self.directory.version(model, version)

@@ -208,7 +208,7 @@ class LimitsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     #: a peer pack or a delta pack past it is refused (413). A path that lists a
     #: plan run by run holds about 40 bytes a run while it serves the request.
     max_plan_runs: Count = 1 << 22
-    #: A version still pending (slots missing) this many seconds after its first slot
+    #: A version still pending (parts missing) this many seconds after its first part
     #: was published expires: it is forgotten and its memory freed.
     pending_ttl_s: Annotated[float, msgspec.Meta(gt=0, description="seconds (number > 0)")] = 3600.0
 

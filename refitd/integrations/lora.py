@@ -158,7 +158,7 @@ def save_peft(path: Path, state: dict[str, torch.Tensor], config: LoraConfig) ->
 
 class LoraPublisher:
     """Publishes one adapter's PEFT state dict as versions of refitd model ``model``,
-    this rank's slot of each (``rank`` of ``world_size`` publishing ranks)."""
+    this rank's part of each (``rank`` of ``world_size`` publishing ranks)."""
 
     def __init__(
         self,

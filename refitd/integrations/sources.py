@@ -18,7 +18,7 @@ Name conversion from trainer names to checkpoint (Hugging Face) names is pluggab
 ``name_map`` is a mapping, or a callable returning the new name or ``None`` to
 leave a tensor out.
 
-:class:`ShardPublisher` publishes a source as one publisher slot, reusing its
+:class:`ShardPublisher` publishes a source as one publisher part, reusing its
 shared memory every round. Blocks are copied once per round into that memory
 (a local copy of the rank's own bytes, no collective); with ``adopt=True`` the
 tensors a source owns (plain parameters, Megatron entries) are moved into it once,
@@ -260,7 +260,7 @@ def as_shard_source(source: Any, name_map: NameMap = None) -> ShardSource:
 
 
 class ShardPublisher:
-    """Publishes a source's shards as slot ``slot`` of ``slots`` of ``model``.
+    """Publishes a source's shards as part ``part`` of ``expected_parts`` of ``model``.
 
     The first round reserves exactly the memory the shards need; later rounds
     with the same layout (names, shapes, offsets) rewrite that memory in place,
@@ -278,8 +278,8 @@ class ShardPublisher:
         self,
         client: RefitClient,
         model: str,
-        slot: int = 0,
-        slots: int = 1,
+        part: int = 0,
+        expected_parts: int = 1,
         *,
         adopt: bool = False,
         drain_timeout_s: float = 60.0,
@@ -289,8 +289,8 @@ class ShardPublisher:
             raise ValueError(f"buffers must be 1 or 2 (1 with adopt), not {buffers}")
         self.client = client
         self.model = model
-        self.slot = slot
-        self.slots = slots
+        self.part = part
+        self.expected_parts = expected_parts
         self.adopt = adopt
         self.drain_timeout_s = drain_timeout_s
         self.publisher: Publisher | None = None
@@ -322,10 +322,10 @@ class ShardPublisher:
         if self.publisher is None or layout != self._layout:
             if self.publisher is not None:
                 await self.publisher.close()
-            self.publisher = Publisher(self.client, self.model, self.slot, self.slots)
+            self.publisher = Publisher(self.client, self.model, self.part, self.expected_parts)
             host = [s for s in shards if id(s) not in in_place]
             if host or not shards:
-                await self.publisher.reserve(reserve_bytes(host), label=f"{self.model}.{self.slot}")
+                await self.publisher.reserve(reserve_bytes(host), label=f"{self.model}.{self.part}")
             self._layout = layout
         pub = self.publisher
         copied = 0

@@ -30,7 +30,7 @@ def _show(versions: list[VersionInfo]) -> None:
             ("model", lambda v: v.model),
             ("version", lambda v: v.version),
             ("state", lambda v: v.state),
-            ("slots", lambda v: f"{len(v.published_slots)}/{v.expected_slots}"),
+            ("parts", lambda v: f"{len(v.published_parts)}/{v.expected_parts}"),
             ("leases", lambda v: v.leases),
         ],
         versions,

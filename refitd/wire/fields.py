@@ -18,8 +18,8 @@ __all__ = [
     "API_PREFIX",
     "INT64_MAX",
     "MAX_MANIFEST_TENSORS",
+    "MAX_PARTS",
     "MAX_RANK",
-    "MAX_SLOTS",
     "MAX_TENSOR_SHARDS",
     "MSGPACK",
     "DtypeName",
@@ -27,10 +27,10 @@ __all__ = [
     "Label",
     "Name",
     "NonNeg",
+    "PartCount",
     "Positive",
     "ProcessTag",
     "Shape",
-    "SlotCount",
     "TensorName",
     "Url",
     "gc_paused",
@@ -54,9 +54,9 @@ Label = Annotated[str, msgspec.Meta(max_length=256)]
 #: a tensor's name in a manifest (module paths of real models stay far below this)
 TensorName = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
 DtypeName = Annotated[str, msgspec.Meta(min_length=1, max_length=32)]
-#: the most publisher slots one version may expect (one per trainer rank)
-MAX_SLOTS = 65536
-SlotCount = Annotated[int, msgspec.Meta(gt=0, le=MAX_SLOTS)]
+#: the most publisher parts one version may expect (one per trainer rank)
+MAX_PARTS = 65536
+PartCount = Annotated[int, msgspec.Meta(gt=0, le=MAX_PARTS)]
 Url = Annotated[str, msgspec.Meta(max_length=2048)]
 #: the most dimensions a manifest's tensor may have (torch allows far fewer in practice)
 MAX_RANK = 64

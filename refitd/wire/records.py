@@ -36,7 +36,7 @@ class DaemonRecord(Signed, frozen=True):
 
 
 class SourceRecord(Signed, frozen=True):
-    """The publisher slots of one version that one daemon holds, as published to the
+    """The publisher parts of one version that one daemon holds, as published to the
     cluster registry (MAC'd like :class:`DaemonRecord`)."""
 
     node_id: Name
@@ -45,8 +45,8 @@ class SourceRecord(Signed, frozen=True):
     model: Name
     version: NonNeg
     state: VersionState
-    slots: list[NonNeg]
-    expected_slots: Positive
+    parts: list[NonNeg]
+    expected_parts: Positive
     mac: bytes = b""
 
     def _what(self) -> str:
@@ -54,12 +54,12 @@ class SourceRecord(Signed, frozen=True):
 
 
 class ClusterVersion(msgspec.Struct, frozen=True):
-    """Where a version lives across hosts: every daemon holding slots of it.
-    ``complete`` when the holders' READY slots together cover ``range(expected_slots)``."""
+    """Where a version lives across hosts: every daemon holding parts of it.
+    ``complete`` when the holders' READY parts together cover ``range(expected_parts)``."""
 
     model: str
     version: int
-    expected_slots: int
+    expected_parts: int
     complete: bool
     holders: list[SourceRecord]
 

@@ -168,7 +168,7 @@ PUBLISH = _r(
     "POST",
     "/sources",
     VersionInfo,
-    "Publish one slot's manifest",
+    "Publish one part's manifest",
     ManifestIn,
     201,
     _BOTH,

@@ -1,4 +1,4 @@
-"""Versions of a model: the manifest each publisher slot publishes (tensors and their
+"""Versions of a model: the manifest each publisher part publishes (tensors and their
 shards in regions), a version's state, and the merged manifest a receiver plans from."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from refitd.wire.fields import (
     Int64,
     Name,
     NonNeg,
+    PartCount,
     Shape,
-    SlotCount,
     TensorName,
 )
 
@@ -69,17 +69,17 @@ class TensorEntry(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 
 class ManifestIn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What one publisher slot publishes for ``(model, version)``.
+    """What one publisher part publishes for ``(model, version)``.
 
-    A version becomes READY once every slot in ``range(expected_slots)`` has published;
-    every slot of one version must agree on ``expected_slots`` and on each tensor's
+    A version becomes READY once every part in ``range(expected_parts)`` has published;
+    every part of one version must agree on ``expected_parts`` and on each tensor's
     global shape and dtype.
     """
 
     model: Name
     version: NonNeg
-    slot: NonNeg
-    expected_slots: SlotCount
+    part: NonNeg
+    expected_parts: PartCount
     tensors: Annotated[list[TensorEntry], msgspec.Meta(max_length=MAX_MANIFEST_TENSORS)]
 
 
@@ -89,8 +89,8 @@ class ManifestHead(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     model: Name
     version: NonNeg
-    slot: NonNeg
-    expected_slots: SlotCount
+    part: NonNeg
+    expected_parts: PartCount
     tensors: Annotated[list[msgspec.Raw], msgspec.Meta(max_length=MAX_MANIFEST_TENSORS)]
 
 
@@ -104,8 +104,8 @@ class VersionInfo(msgspec.Struct, frozen=True):
     model: str
     version: int
     state: VersionState
-    published_slots: list[int]
-    expected_slots: int
+    published_parts: list[int]
+    expected_parts: int
     leases: int
 
 

@@ -17,15 +17,15 @@ def daemon(node: str, incarnation: int = 1, secret: bytes = SECRET) -> tuple[str
 
 
 def source(
-    node: str, slots: list[int], version: int = 1, incarnation: int = 1
+    node: str, parts: list[int], version: int = 1, incarnation: int = 1
 ) -> tuple[str, bytes]:
     rec = SourceRecord(
-        node, f"http://{node}:7450", incarnation, "m", version, VersionState.PENDING, slots, 4
+        node, f"http://{node}:7450", incarnation, "m", version, VersionState.PENDING, parts, 4
     ).signed(SECRET)
     return source_key(P, "m", version, node), msgspec.msgpack.encode(rec)
 
 
-def test_a_version_is_complete_only_when_registered_holders_cover_every_slot() -> None:
+def test_a_version_is_complete_only_when_registered_holders_cover_every_part() -> None:
     d = Directory(P, SECRET)
     d.replace([daemon("a"), daemon("b"), source("a", [0, 1]), source("b", [2])])
     assert not d.version("m", 1).complete
@@ -33,7 +33,7 @@ def test_a_version_is_complete_only_when_registered_holders_cover_every_slot() -
     d.put(*source("b", [2, 3]))
     found = d.version("m", 1)
     assert found.complete and [h.node_id for h in found.holders] == ["a", "b"]
-    # b's registration goes: its slots go with it.
+    # b's registration goes: its parts go with it.
     change = d.delete(daemon_key(P, "b"))
     assert [r.node_id for r in change.gone] == ["b"]
     assert not d.version("m", 1).complete

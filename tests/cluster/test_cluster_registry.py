@@ -62,7 +62,7 @@ async def test_an_engine_daemon_finds_the_daemon_holding_a_version_and_every_reg
         await publish(ct, "m", 1)
         found = await ce.next_version("m", after=0, timeout_s=30)
         assert found.version == 1 and found.complete
-        assert [(h.node_id, h.url, h.slots) for h in found.holders] == [
+        assert [(h.node_id, h.url, h.parts) for h in found.holders] == [
             ("trainer", ct.base_url, [0])
         ]
         latest = await ce.cluster_version("m", "latest")

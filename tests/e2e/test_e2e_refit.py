@@ -305,11 +305,11 @@ async def test_a_packed_block_for_a_strided_destination_is_scattered_on_arrival(
     model = f"columns-{mode}"
     full = torch.arange(128, dtype=torch.float32).view(16, 8)
     pubs = []
-    for slot in (0, 1):
-        pub = Publisher(pair.trainer, model, slot, 2)
+    for part in (0, 1):
+        pub = Publisher(pair.trainer, model, part, 2)
         await pub.reserve(1024)
         # Column blocks (not dim-0 rows), so a full read of bounding rows is no option.
-        pub.put("w", full[:, slot * 4 : slot * 4 + 4].clone(), (16, 8), (0, slot * 4))
+        pub.put("w", full[:, part * 4 : part * 4 + 4].clone(), (16, 8), (0, part * 4))
         await pub.publish(1)
         pubs.append(pub)
     eng = ColumnSwap()

@@ -256,7 +256,7 @@ def test_megatron_style_column_blocks_from_two_ranks_refit_the_engine_exactly(wo
             client=client,
             source=MegatronSource(blocks(r)),
         )
-        for r in (1, 0)  # rank 0, the sender, drives the engine once both slots are in
+        for r in (1, 0)  # rank 0, the sender, drives the engine once both parts are in
     ]
     try:
         ranks[0].publish()

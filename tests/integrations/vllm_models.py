@@ -480,7 +480,7 @@ def fsdp_trainer(rank: int, world: int, port: int, job: dict[str, Any], conn: An
             if rank == 1:
                 os._exit(9)
             version = engine.publish()
-            try:  # the sender races ahead without waiting for every slot
+            try:  # the sender races ahead without waiting for every part
                 client.start_weight_update()  # type: ignore[union-attr]
                 client.update_weights({"version": version})  # type: ignore[union-attr]
                 outcome = "updated"

@@ -62,7 +62,7 @@ async def test_regions_lists_each_region_as_a_table_and_as_json(daemon: str) -> 
     assert "weights" in out and "trainer-0" in out and "4096" in out
 
 
-async def test_sources_lists_versions_with_state_and_slots(daemon: str) -> None:
+async def test_sources_lists_versions_with_state_and_parts(daemon: str) -> None:
     code, out, _ = await refitd("sources", "--url", daemon, "--json")
     assert code == 0
     (version,) = json.loads(out)

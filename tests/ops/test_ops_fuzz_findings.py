@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 from support.daemons import served
 
-from refitd.wire import MAX_SLOTS
+from refitd.wire import MAX_PARTS
 
 
 async def post(base: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -32,8 +32,8 @@ async def post(base: str, path: str, body: dict[str, Any]) -> tuple[int, dict[st
             {
                 "model": "m",
                 "version": 1,
-                "slot": 0,
-                "expected_slots": 1,
+                "part": 0,
+                "expected_parts": 1,
                 "tensors": [],
                 "colour": 1,
             },
@@ -59,21 +59,21 @@ async def test_a_request_body_with_an_unknown_field_is_refused_naming_it(
     assert reply["error"] == "ProtocolError" and "unknown field `colour`" in reply["detail"]
 
 
-async def test_expected_slots_past_the_bound_is_refused_naming_the_field() -> None:
-    body = {"model": "m", "version": 1, "slot": 0, "expected_slots": MAX_SLOTS + 1, "tensors": []}
+async def test_expected_parts_past_the_bound_is_refused_naming_the_field() -> None:
+    body = {"model": "m", "version": 1, "part": 0, "expected_parts": MAX_PARTS + 1, "tensors": []}
     async with served(wired=True) as daemon:
         status, reply = await post(daemon.url, "/v1/sources", body)
-        assert status == 400 and "$.expected_slots" in reply["detail"], reply
-        body["expected_slots"] = MAX_SLOTS
+        assert status == 400 and "$.expected_parts" in reply["detail"], reply
+        body["expected_parts"] = MAX_PARTS
         assert (await post(daemon.url, "/v1/sources", body))[0] == 201
 
 
 @pytest.mark.parametrize(
     ("path", "body", "field"),
     [
-        ("/v1/sources", {"model": "m" * 257, "version": 1, "slot": 0, "expected_slots": 1, "tensors": []}, "$.model"),
-        ("/v1/sources", {"model": "m", "version": 1, "slot": 0, "expected_slots": 1, "tensors": [["t" * 1025, [1], "uint8", []]]}, "$.tensors[0][0]"),
-        ("/v1/sources", {"model": "m", "version": 1, "slot": 0, "expected_slots": 1, "tensors": [["t", [1], "u" * 33, []]]}, "$.tensors[0][2]"),
+        ("/v1/sources", {"model": "m" * 257, "version": 1, "part": 0, "expected_parts": 1, "tensors": []}, "$.model"),
+        ("/v1/sources", {"model": "m", "version": 1, "part": 0, "expected_parts": 1, "tensors": [["t" * 1025, [1], "uint8", []]]}, "$.tensors[0][0]"),
+        ("/v1/sources", {"model": "m", "version": 1, "part": 0, "expected_parts": 1, "tensors": [["t", [1], "u" * 33, []]]}, "$.tensors[0][2]"),
         ("/v1/regions", {"nbytes": 64, "label": "l" * 257}, "$.label"),
         ("/v1/leases", {"model": "m", "version": 1, "label": "h" * 257}, "$.label"),
     ],
@@ -95,7 +95,7 @@ async def test_a_field_refused_past_the_first_decode_batch_is_named_by_its_index
     n = 40_000  # about 1.4 MB of JSON: the last tensor is in the second batch
     tensors: list[list[Any]] = [[f"t{i}", [1], "uint8", []] for i in range(n - 1)]
     tensors.append(["t" * 1025, [1], "uint8", []])
-    body = {"model": "m", "version": 1, "slot": 0, "expected_slots": 1, "tensors": tensors}
+    body = {"model": "m", "version": 1, "part": 0, "expected_parts": 1, "tensors": tensors}
     async with served(wired=True) as daemon:
         status, reply = await post(daemon.url, "/v1/sources", body)
     assert status == 400, reply
@@ -108,7 +108,7 @@ async def test_releasing_a_lease_the_daemon_does_not_hold_is_404_and_a_held_one_
             assert r.status == 404
             body = await r.json()
         assert body["error"] == "NotFoundError" and "'no-such-lease'" in body["detail"]
-        manifest = {"model": "m", "version": 1, "slot": 0, "expected_slots": 1, "tensors": []}
+        manifest = {"model": "m", "version": 1, "part": 0, "expected_parts": 1, "tensors": []}
         assert (await post(daemon.url, "/v1/sources", manifest))[0] == 201
         status, grant = await post(daemon.url, "/v1/leases", {"model": "m", "version": 1})
         assert status == 201

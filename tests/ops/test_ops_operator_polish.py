@@ -22,24 +22,24 @@ from refitd.wire import ManifestIn, ShardEntry, TensorEntry
 from transports.segments import SharedSegment
 
 
-def manifest(version: int, slot: int, slots: int) -> ManifestIn:
+def manifest(version: int, part: int, parts: int) -> ManifestIn:
     w = TensorEntry("w", (2, 3), "float32", [ShardEntry((0, 0), (2, 3), 1, 0)])
-    return ManifestIn("toy", version, slot, slots, [w])
+    return ManifestIn("toy", version, part, parts, [w])
 
 
 def test_each_version_state_change_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     r = Registry("node", 1, FakeClock(100.0))
     with caplog.at_level(logging.INFO, logger="refitd.sources"):
         r.publish(manifest(1, 0, 2))
-        r.publish(manifest(1, 0, 2))  # the same slot again: no change, no line
+        r.publish(manifest(1, 0, 2))  # the same part again: no change, no line
         r.publish(manifest(1, 1, 2))
         r.publish(manifest(2, 0, 1))
         r.retire("toy", 2)
         r.retire("toy", 2)
     assert [rec.getMessage() for rec in caplog.records] == [
-        "'toy' version 1: pending (slot 0 of 2 published)",
-        "'toy' version 1: ready (2 slots)",
-        "'toy' version 2: ready (1 slots)",
+        "'toy' version 1: pending (part 0 of 2 published)",
+        "'toy' version 1: ready (2 parts)",
+        "'toy' version 2: ready (1 parts)",
         "'toy' version 1: retired (version 2 is ready)",
         "'toy' version 2: retired (by its publisher, to rewrite it)",
     ]

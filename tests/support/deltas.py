@@ -101,12 +101,12 @@ class ColumnTrainer:
             await self.client.wait_drain(self.model, version - 2, 30.0, retire=True)
         else:
             held = []
-            for slot in (0, 1):
-                pub = Publisher(self.client, self.model, slot, 2)
+            for part in (0, 1):
+                pub = Publisher(self.client, self.model, part, 2)
                 await pub.reserve(1024)
                 held.append(pub)
             self.buffers[version % 2] = held
-        for slot, pub in enumerate(held):
-            block = state["w"][:, slot * 4 : slot * 4 + 4].contiguous()
-            pub.put("w", block, (16, 8), (0, slot * 4))
+        for part, pub in enumerate(held):
+            block = state["w"][:, part * 4 : part * 4 + 4].contiguous()
+            pub.put("w", block, (16, 8), (0, part * 4))
             await pub.publish(version)

@@ -84,12 +84,12 @@ class Env:
         return str(body["detail"])
 
 
-def toy_manifest(region: int, version: int = 1, slot: int = 0, slots: int = 1) -> ManifestIn:
+def toy_manifest(region: int, version: int = 1, part: int = 0, parts: int = 1) -> ManifestIn:
     return ManifestIn(
         "toy",
         version,
-        slot,
-        slots,
+        part,
+        parts,
         [TensorEntry("w", (4, 8), "float32", [ShardEntry((0, 0), (4, 8), region, 0)])],
     )
 

@@ -85,7 +85,7 @@ async def publish_bytes(
     client: RefitClient, model: str, version: int, region_id: int, nbytes: int
 ) -> None:
     """Publish bytes ``[0, nbytes)`` of region ``region_id`` as ``version`` of
-    ``model``: one slot, one tensor ``w`` of ``nbytes`` uint8 elements."""
+    ``model``: one part, one tensor ``w`` of ``nbytes`` uint8 elements."""
     shard = ShardEntry((0,), (nbytes,), region_id, 0)
     tensor = TensorEntry("w", (nbytes,), "uint8", [shard])
     await client.publish(ManifestIn(model, version, 0, 1, [tensor]))

@@ -23,7 +23,7 @@ Row = tuple[int, int, int, int, int]
 async def publish_tensor(
     c: RefitClient, model: str, version: int, region: int, nbytes: int, dtype: str = "uint8"
 ) -> VersionInfo:
-    """Publish ``version`` of ``model`` as one publisher slot holding one tensor
+    """Publish ``version`` of ``model`` as one publisher part holding one tensor
     ``"w"``: the first ``nbytes`` bytes of ``region``, as a 1-D ``dtype`` array."""
     count = nbytes // np.dtype(dtype).itemsize
     shard = ShardEntry((0,), (count,), region, 0)

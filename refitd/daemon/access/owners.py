@@ -3,7 +3,7 @@
 A model name is an object like a region: it has owners. They are the principals
 ``[models] owners`` names for it (``MODEL=PRINCIPAL`` entries), or, for a model the
 config does not list, the principal that first published a version of it on this
-daemon (for the daemon's life). Only an owner publishes a version or a slot of it,
+daemon (for the daemon's life). Only an owner publishes a version or a part of it,
 drains it or retires it. Its readers (who may lease it, and so read its bytes, and
 fetch its manifest) are everyone by default, or the principals ``[models] readers``
 names for it (its owners read it too).

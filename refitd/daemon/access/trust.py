@@ -40,7 +40,7 @@ expert pool's region, a region a running pull writes (:meth:`Daemon.check_publis
 What a lease grants
 -------------------
 A lease on ``(model, version)`` lets its holder read, until it expires or is
-released, exactly the byte ranges the version's shards occupy (every slot's shards,
+released, exactly the byte ranges the version's shards occupy (every part's shards,
 as published) and the staging regions packed for that same lease, nothing else. A
 lease also pins the version: while any lease on it is live its regions are neither
 written by a pull nor deleted, even if a newer version retired it.

@@ -334,7 +334,7 @@ def create_app(
     clients: dict[str, PeerClient] = {}
 
     # The daemon's: its version registry asks it which versions are complete across
-    # hosts (a trainer split over hosts: each daemon holds some slots of a version).
+    # hosts (a trainer split over hosts: each daemon holds some parts of a version).
     cluster = d.cluster
     app[CLUSTER] = cluster
 

@@ -234,7 +234,7 @@ def _decode_manifest(raw: bytes, as_msgpack: bool, max_shards: int, what: str) -
             flush(batch)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ProtocolError(f"{what}: body refused: {exc}") from exc
-    return ManifestIn(head.model, head.version, head.slot, head.expected_slots, tensors)
+    return ManifestIn(head.model, head.version, head.part, head.expected_parts, tensors)
 
 
 @web.middleware

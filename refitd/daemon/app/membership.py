@@ -89,8 +89,8 @@ class Membership(VersionListener):
                 v.model,
                 v.version,
                 v.state,
-                list(v.published_slots),
-                v.expected_slots,
+                list(v.published_parts),
+                v.expected_parts,
             )
             for v in self.registry.versions(model)
             if v.state is not VersionState.RETIRED

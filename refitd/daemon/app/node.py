@@ -106,14 +106,14 @@ class Daemon:
         # The host memory locked for GPU copies is the process's (transports.pins).
         PINS.limit(config.data_plane.max_pinned_bytes)
         #: the cluster registry (``[registry]``): which daemons exist, and where each
-        #: version's slots live; the app starts and closes it
+        #: version's parts live; the app starts and closes it
         self.cluster = registry_from_config(config.registry, self.secret)
         self.registry = Registry(
             self.node_id,
             self.incarnation,
             clock,
             pending_ttl_s=self.limits.pending_ttl_s,
-            # A trainer split over hosts: each daemon holds some slots of a version.
+            # A trainer split over hosts: each daemon holds some parts of a version.
             complete_elsewhere=self._complete_elsewhere if self.cluster.kind == "etcd" else None,
         )
         #: the timer that expires pending versions (:meth:`_expire_pending_later`)
@@ -163,7 +163,7 @@ class Daemon:
         #: it, the data plane holds reads on it, and a lease reads of such a mirror only
         #: its complete chunks (:meth:`Leases.version_scope`)
         self.filling = FillingMirrors()
-        #: who hears of a published slot, a drain and a retired version
+        #: who hears of a published part, a drain and a retired version
         #: (:mod:`refitd.daemon.state.events`): the app adds its parts once, as it is built
         self.events = VersionEvents()
         #: the leases: what each reads here, and their life (:mod:`refitd.daemon.app.leasing`)
@@ -186,7 +186,7 @@ class Daemon:
         )
 
     def _complete_elsewhere(self, model: str, version: int) -> bool:
-        """Whether the cluster registry says ``model`` ``version`` has all its slots
+        """Whether the cluster registry says ``model`` ``version`` has all its parts
         published across the daemons that hold it, this one among them."""
         return self.cluster.complete(model, version, self.node_id)
 
@@ -387,7 +387,7 @@ class Daemon:
     async def publish(
         self, read: Callable[[int], Awaitable[ManifestIn]], principal: Principal
     ) -> VersionInfo:
-        """Publish one slot's manifest for ``principal``; ``read(max_shards)`` decodes
+        """Publish one part's manifest for ``principal``; ``read(max_shards)`` decodes
         it from the request (refused past ``limits.max_manifest_shards`` shards).
 
         The steps, in order: the manifest is read and checked against the regions'
@@ -396,7 +396,7 @@ class Daemon:
         the principal's to publish into, and every region it publishes from the
         principal's (403: else it would expose another principal's bytes to its
         leases, and pin them against their writes), and none rewritten by anything
-        else (409, :meth:`check_publishable`); the registry takes the slot, charged to
+        else (409, :meth:`check_publishable`); the registry takes the part, charged to
         its publisher while the daemon holds it; the principal becomes the model's
         owner if nobody was; drain waiters wake; the version listeners hear of it
         (:meth:`VersionEvents.published`: the delta book, the cluster registry)."""

@@ -228,7 +228,7 @@ class DeltaBook(VersionListener):
     # ------------------------------------------------------------ records
 
     async def published(self, info: VersionInfo) -> None:
-        """A slot of ``info``'s version was published: once the version is READY, hold
+        """A part of ``info``'s version was published: once the version is READY, hold
         it (the next version's base) and compare it with the version held before (in
         the background). Nothing here awaits: the hold is taken as the publish ends."""
         reg = self.registry

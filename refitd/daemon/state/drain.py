@@ -71,7 +71,7 @@ class LeaseDrain:
     async def ready(self, model: str, version: int, timeout_s: float) -> VersionInfo:
         """Return once ``model`` ``version`` is no longer pending (READY, or retired),
         woken by each publish; after ``timeout_s`` seconds, its state then (still
-        pending). :class:`NotFoundError` when by then no slot of it was published."""
+        pending). :class:`NotFoundError` when by then no part of it was published."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while True:

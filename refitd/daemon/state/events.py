@@ -1,4 +1,4 @@
-"""What listens to a daemon's versions: a slot published, a version drained before its
+"""What listens to a daemon's versions: a part published, a version drained before its
 publisher rewrites it, a version retired.
 
 The daemon's publish (:meth:`refitd.daemon.app.node.Daemon.publish`) and a publisher's
@@ -7,8 +7,8 @@ that follow them (the delta book, the cluster registry's records of this daemon)
 :class:`VersionListener`\\ s of the daemon's one :class:`VersionEvents`, added once
 when the app is built, and told in the order they were added:
 
-- ``published(info)``, awaited once a slot's publish has succeeded (``info``: the
-  version's state after it; READY once its last slot is in). A refused publish tells
+- ``published(info)``, awaited once a part's publish has succeeded (``info``: the
+  version's state after it; READY once its last part is in). A refused publish tells
   nothing.
 - ``draining(model, version)``, a plain call as a drain begins, before it waits or
   retires anything: the version's memory is about to be rewritten. It does not await,
@@ -35,7 +35,7 @@ class VersionListener(Protocol):
     nothing unless a listener overrides it."""
 
     async def published(self, info: VersionInfo) -> None:
-        """A slot of ``info``'s version was published; ``info`` is its state now."""
+        """A part of ``info``'s version was published; ``info`` is its state now."""
         return None
 
     def draining(self, model: str, version: int) -> None:

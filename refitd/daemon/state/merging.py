@@ -1,6 +1,6 @@
-"""What a version's published slots make, as pure functions of its manifests: the
+"""What a version's published parts make, as pure functions of its manifests: the
 merged manifest readers fetch (each distinct block of a tensor listed once, however
-many slots hold a replica of it) and the byte ranges a lease on it may read. The
+many parts hold a replica of it) and the byte ranges a lease on it may read. The
 registry (:mod:`refitd.daemon.state.registry`) caches both per version."""
 
 from __future__ import annotations
@@ -11,22 +11,22 @@ from refitd.daemon.access.trust import Extents, merge_extents
 from refitd.daemon.state.manifestcheck import DTYPE_SIZES, element_count
 from refitd.wire import ManifestIn, MergedManifest, ShardEntry, TensorEntry, gc_paused
 
-__all__ = ["merge_slots", "scope_of"]
+__all__ = ["merge_parts", "scope_of"]
 
 
-def merge_slots(
-    slots: Mapping[int, ManifestIn], model: str, version: int, node_id: str, incarnation: int
+def merge_parts(
+    parts: Mapping[int, ManifestIn], model: str, version: int, node_id: str, incarnation: int
 ) -> MergedManifest:
-    """The merged manifest of ``model`` ``version`` published as ``slots`` (slot ->
+    """The merged manifest of ``model`` ``version`` published as ``parts`` (part ->
     its manifest) on daemon ``node_id`` (its ``incarnation``)."""
-    # Slots are visited lowest first and the first copy of a block wins, so the
-    # merge is deterministic; a tensor one slot publishes with distinct blocks is
+    # Parts are visited lowest first and the first copy of a block wins, so the
+    # merge is deterministic; a tensor one part publishes with distinct blocks is
     # reused as is (no new objects for the common case).
     first: dict[str, TensorEntry] = {}
     extra: dict[str, list[ShardEntry]] = {}
     with gc_paused():
-        for slot in sorted(slots):
-            for t in slots[slot].tensors:
+        for part in sorted(parts):
+            for t in parts[part].tensors:
                 seen = first.get(t.name)
                 if seen is None:
                     first[t.name] = t
@@ -51,10 +51,10 @@ def merge_slots(
     return MergedManifest(model, version, node_id, incarnation, tensors)
 
 
-def scope_of(slots: Mapping[int, ManifestIn]) -> dict[int, Extents]:
-    """Region id -> the byte ranges the shards of ``slots`` occupy, merged."""
+def scope_of(parts: Mapping[int, ManifestIn]) -> dict[int, Extents]:
+    """Region id -> the byte ranges the shards of ``parts`` occupy, merged."""
     ranges: list[tuple[int, int, int]] = []
-    for m in slots.values():
+    for m in parts.values():
         for t in m.tensors:
             size = DTYPE_SIZES.get(t.dtype, 1)
             for s in t.shards:

@@ -6,15 +6,15 @@ monotonic) so lease expiry is tested without sleeping.
 
 Rules this class enforces:
 
-- a version is READY when every slot in ``range(expected_slots)`` has published;
+- a version is READY when every part in ``range(expected_parts)`` has published;
   when a version becomes READY, older versions of the same model are RETIRED;
 - a lease may be acquired only on a READY version (or, across hosts, on a PENDING
-  one whose missing slots the cluster registry says other daemons hold); renewing or checking an expired
+  one whose missing parts the cluster registry says other daemons hold); renewing or checking an expired
   or unknown lease is a :class:`ConflictError` (the reader's view is stale);
 - publishing over a version that holds live leases is refused (:class:`ConflictError`):
   readers may be mid-pull, and a rewrite would tear what they read;
 - the merged manifest of a READY version lists each distinct block of a tensor once,
-  however many slots hold a replica of it.
+  however many parts hold a replica of it.
 """
 
 from __future__ import annotations
@@ -54,14 +54,14 @@ PENDING_TTL_S = 3600.0
 """Default seconds a version may stay pending (``limits.pending_ttl_s``)."""
 
 KEEP_RETIRED = 8
-"""Records of retired, unleased versions kept per model (number, state, the slots it
+"""Records of retired, unleased versions kept per model (number, state, the parts it
 published), the last let go: a reader, a drain or a trainer asking after a version
 just replaced is told it was retired. Older ones are forgotten (404), so a daemon
 publishing a version per step keeps a bounded number of records whatever its uptime.
 A leased version's record stays while the lease does; a model's newest READY number
 is kept apart (versions only move forward)."""
 
-#: one line per version state change: pending (first slot), ready, retired
+#: one line per version state change: pending (first part), ready, retired
 log = logging.getLogger("refitd.sources")
 
 
@@ -72,9 +72,9 @@ class Registry(VersionReads):
     daemon (and which incarnation of it) holds the regions.
 
     ``complete_elsewhere(model, version)``: whether a version this daemon holds only
-    some slots of has all its slots published across the cluster (the cluster
+    some parts of has all its parts published across the cluster (the cluster
     registry's answer, given at construction by the daemon that has one); such a
-    PENDING version is leased like a READY one, for the slots held here, and does
+    PENDING version is leased like a READY one, for the parts held here, and does
     not expire. None: never (one host). A question the registry asks at the moment
     it decides (a lease, an expiry), not an event: the cluster's directory holds the
     answer, and a copy pushed here could be stale when asked.
@@ -101,7 +101,7 @@ class Registry(VersionReads):
         self.pending_ttl_s = pending_ttl_s
         #: (deadline, model, version) of pending versions, oldest first (one TTL for all)
         self._pending: collections.deque[tuple[float, str, int]] = collections.deque()
-        #: principal -> bytes of the manifests its slots make the registry hold
+        #: principal -> bytes of the manifests its parts make the registry hold
         self._manifest_bytes: collections.Counter[str] = collections.Counter()
         #: per model, the highest version number that ever became READY
         self._newest_ready: dict[str, int] = {}
@@ -112,7 +112,7 @@ class Registry(VersionReads):
         self._elsewhere = complete_elsewhere
 
     def complete_elsewhere(self, model: str, version: int) -> bool:
-        """Whether ``model`` ``version`` has all its slots published across the
+        """Whether ``model`` ``version`` has all its parts published across the
         cluster (see the class; False on one host)."""
         return self._elsewhere is not None and self._elsewhere(model, version)
 
@@ -121,18 +121,18 @@ class Registry(VersionReads):
     def publish(
         self, m: ManifestIn, owner: str = "", max_manifest_bytes: int | None = None
     ) -> VersionInfo:
-        """Record one slot's manifest; returns the version's state after it.
+        """Record one part's manifest; returns the version's state after it.
 
         Versions are immutable once READY and only move forward. Refused with
         :class:`ConflictError` (nothing recorded) if the version is READY or retired,
         if its number is not above the model's newest version that became READY
-        (:meth:`latest_ready` of a model never goes down), if the slot was already
-        published with other content, or if the slot disagrees with slots already
-        published on ``expected_slots`` or on a tensor's shape or dtype;
-        :class:`ProtocolError` if ``slot`` is out of range. Publishing a pending
-        slot again with identical content is a no-op.
+        (:meth:`latest_ready` of a model never goes down), if the part was already
+        published with other content, or if the part disagrees with parts already
+        published on ``expected_parts`` or on a tensor's shape or dtype;
+        :class:`ProtocolError` if ``part`` is out of range. Publishing a pending
+        part again with identical content is a no-op.
 
-        A slot is charged to ``owner`` (:func:`manifest_cost`, bytes) while the
+        A part is charged to ``owner`` (:func:`manifest_cost`, bytes) while the
         registry holds its manifest, pending, READY, or retired while leased;
         :class:`QuotaExceeded` (nothing recorded) when that would take ``owner`` past
         ``max_manifest_bytes`` (None: no cap). The charge ends when the version
@@ -140,14 +140,14 @@ class Registry(VersionReads):
         """
         key = (m.model, m.version)
         self.expire_pending()
-        if m.slot >= m.expected_slots:
+        if m.part >= m.expected_parts:
             raise ProtocolError(
-                f"slot {m.slot} is outside range({m.expected_slots}) of expected slots"
+                f"part {m.part} is outside range({m.expected_parts}) of expected parts"
             )
         v = self._versions.get(key)
         if v is not None and v.state is not VersionState.PENDING:
             raise ConflictError(
-                f"publishing slot {m.slot} of {m.model!r} version {m.version} refused: the "
+                f"publishing part {m.part} of {m.model!r} version {m.version} refused: the "
                 f"version is {v.state.value}, and a version never changes once ready; "
                 "publish a new version number"
             )
@@ -161,14 +161,14 @@ class Registry(VersionReads):
         cost = manifest_cost(m)
         if (
             max_manifest_bytes is not None
-            and not (v is not None and m.slot in v.slots)
+            and not (v is not None and m.part in v.parts)
             and self._manifest_bytes[owner] + cost > max_manifest_bytes
         ):
             self._drop_expired()  # a retired version's leases may have run out since
             held = self._manifest_bytes[owner]
             if held + cost > max_manifest_bytes:
                 raise QuotaExceeded(
-                    f"publishing slot {m.slot} of {m.model!r} version {m.version} refused: "
+                    f"publishing part {m.part} of {m.model!r} version {m.version} refused: "
                     f"{owner or 'this principal'}'s manifests hold {held} bytes of the "
                     f"daemon's memory, and this one's {cost} would pass its cap "
                     f"(limits.max_manifest_bytes_per_principal = {max_manifest_bytes}); "
@@ -177,30 +177,30 @@ class Registry(VersionReads):
                 )
         created = v is None
         if v is None:
-            v = Version(m.model, m.version, m.expected_slots)
+            v = Version(m.model, m.version, m.expected_parts)
             self._versions[key] = v
             self._pending.append((self._clock() + self.pending_ttl_s, m.model, m.version))
-        elif m.slot in v.slots:
-            if v.slots[m.slot] == m:
+        elif m.part in v.parts:
+            if v.parts[m.part] == m:
                 return self._info(v)
             raise ConflictError(
-                f"slot {m.slot} of {m.model!r} version {m.version} is already published "
-                "with other content; a slot is published once"
+                f"part {m.part} of {m.model!r} version {m.version} is already published "
+                "with other content; a part is published once"
             )
-        elif v.expected_slots != m.expected_slots:
+        elif v.expected_parts != m.expected_parts:
             raise ConflictError(
-                f"{m.model!r} version {m.version}: slot {m.slot} expects {m.expected_slots} "
-                f"slots, earlier slots said {v.expected_slots}"
+                f"{m.model!r} version {m.version}: part {m.part} expects {m.expected_parts} "
+                f"parts, earlier parts said {v.expected_parts}"
             )
         self._check_agreement(v, m)
-        v.slots[m.slot] = m
+        v.parts[m.part] = m
         v.merged = v.merged_bytes = v.scope = v.region_ids = None
         v.charged[owner] = v.charged.get(owner, 0) + cost
         self._manifest_bytes[owner] += cost
-        if len(v.slots) == v.expected_slots:
+        if len(v.parts) == v.expected_parts:
             v.state = VersionState.READY
             self._newest_ready[m.model] = m.version
-            log.info("%r version %d: ready (%d slots)", m.model, m.version, v.expected_slots)
+            log.info("%r version %d: ready (%d parts)", m.model, m.version, v.expected_parts)
             for (model, version), other in list(self._versions.items()):
                 if model == m.model and version < m.version:
                     if other.state is not VersionState.RETIRED:
@@ -215,18 +215,18 @@ class Registry(VersionReads):
                     self._forget_retired(other)
         elif created:
             log.info(
-                "%r version %d: pending (slot %d of %d published)",
+                "%r version %d: pending (part %d of %d published)",
                 m.model,
                 m.version,
-                m.slot,
-                v.expected_slots,
+                m.part,
+                v.expected_parts,
             )
         return self._info(v)
 
     def expire_pending(self) -> list[tuple[str, int]]:
-        """Forget every version still pending ``pending_ttl_s`` after its first slot
+        """Forget every version still pending ``pending_ttl_s`` after its first part
         (its manifests' memory goes with it; a lease on it was never possible). A
-        version whose other slots are held by other daemons of the cluster stays.
+        version whose other parts are held by other daemons of the cluster stays.
         Returns the ``(model, version)`` expired. O(1) amortised: one queue, oldest
         first."""
         now = self._clock()
@@ -241,12 +241,12 @@ class Registry(VersionReads):
             del self._versions[(model, version)]
             self._uncharge(v)
             log.info(
-                "%r version %d: expired (pending %gs with slots %s of %d published)",
+                "%r version %d: expired (pending %gs with parts %s of %d published)",
                 model,
                 version,
                 self.pending_ttl_s,
-                sorted(v.slots),
-                v.expected_slots,
+                sorted(v.parts),
+                v.expected_parts,
             )
             out.append((model, version))
         return out
@@ -262,21 +262,21 @@ class Registry(VersionReads):
         """Let go of the manifests of ``v`` once it is retired and no live lease holds
         it: nothing can read it again (leases are taken on READY versions only), and
         a daemon publishing a version per step must not grow without bound. Its
-        record stays (number, state, the slots it published) among the model's last
+        record stays (number, state, the parts it published) among the model's last
         :data:`KEEP_RETIRED` let go."""
-        if v.state is not VersionState.RETIRED or not v.slots:
+        if v.state is not VersionState.RETIRED or not v.parts:
             return
         if self.active_leases(v.model, v.version):
             return
-        v.published = tuple(sorted(v.slots))
-        v.slots = {}
+        v.published = tuple(sorted(v.parts))
+        v.parts = {}
         v.merged = v.merged_bytes = v.scope = v.region_ids = None
         self._uncharge(v)
         let_go = self._let_go.setdefault(v.model, collections.deque())
         let_go.append(v.version)
         while len(let_go) > KEEP_RETIRED:
             old = self._versions.get((v.model, let_go.popleft()))
-            if old is not None and old.state is VersionState.RETIRED and not old.slots:
+            if old is not None and old.state is VersionState.RETIRED and not old.parts:
                 del self._versions[(old.model, old.version)]
 
     def held_shards(self) -> int:
@@ -285,12 +285,12 @@ class Registry(VersionReads):
         return sum(
             len(t.shards)
             for v in self._versions.values()
-            for m in v.slots.values()
+            for m in v.parts.values()
             for t in m.tensors
         )
 
     def manifest_bytes(self, owner: str) -> int:
-        """Bytes of manifests ``owner``'s slots make the registry hold now (after
+        """Bytes of manifests ``owner``'s parts make the registry hold now (after
         letting go of what expired versions and leases held)."""
         self.expire_pending()
         self._drop_expired()
@@ -308,8 +308,8 @@ class Registry(VersionReads):
     @staticmethod
     def _check_agreement(v: Version, m: ManifestIn) -> None:
         known: dict[str, tuple[tuple[int, ...], str]] = {}
-        for slot, other in v.slots.items():
-            if slot == m.slot:
+        for part, other in v.parts.items():
+            if part == m.part:
                 continue
             for t in other.tensors:
                 known.setdefault(t.name, (t.shape, t.dtype))
@@ -317,8 +317,8 @@ class Registry(VersionReads):
             seen = known.get(t.name)
             if seen is not None and seen != (t.shape, t.dtype):
                 raise ConflictError(
-                    f"tensor {t.name!r}: slot {m.slot} publishes shape {t.shape} {t.dtype}, "
-                    f"other slots published {seen[0]} {seen[1]}"
+                    f"tensor {t.name!r}: part {m.part} publishes shape {t.shape} {t.dtype}, "
+                    f"other parts published {seen[0]} {seen[1]}"
                 )
 
     def retire(self, model: str, version: int) -> VersionInfo:

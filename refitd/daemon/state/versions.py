@@ -1,6 +1,6 @@
 """A source's version and lease records, and what is read from them.
 
-:class:`Version` is one version of a model as the registry holds it (its slots'
+:class:`Version` is one version of a model as the registry holds it (its parts'
 manifests, its state, what is cached from them); :class:`Lease` is one reader's
 lease on one. :class:`VersionReads` is the reading half of
 :class:`~refitd.daemon.state.registry.Registry`: a version's info, its regions, its
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from refitd.daemon.state.merging import merge_slots, scope_of
+from refitd.daemon.state.merging import merge_parts, scope_of
 from refitd.errors import ConflictError, NotFoundError
 from refitd.wire import ManifestIn, MergedManifest, VersionInfo, VersionState
 from transports.interface import Scope
@@ -40,17 +40,17 @@ class Lease:
 class Version:
     model: str
     version: int
-    expected_slots: int
-    slots: dict[int, ManifestIn] = field(default_factory=dict)
+    expected_parts: int
+    parts: dict[int, ManifestIn] = field(default_factory=dict)
     state: VersionState = VersionState.PENDING
     merged: MergedManifest | None = None
     merged_bytes: bytes | None = None
     scope: Scope | None = None
     region_ids: frozenset[int] | None = None
-    #: bytes of manifests its slots hold (:func:`manifest_cost`), by publisher, until
+    #: bytes of manifests its parts hold (:func:`manifest_cost`), by publisher, until
     #: they are let go (expired, or retired and unleased)
     charged: dict[str, int] = field(default_factory=dict)
-    #: the slots it published, once its manifests were let go (retired, unleased)
+    #: the parts it published, once its manifests were let go (retired, unleased)
     published: tuple[int, ...] = ()
 
 
@@ -86,8 +86,8 @@ class VersionReads:
             model=v.model,
             version=v.version,
             state=v.state,
-            published_slots=sorted(v.slots) if v.slots else list(v.published),
-            expected_slots=v.expected_slots,
+            published_parts=sorted(v.parts) if v.parts else list(v.published),
+            expected_parts=v.expected_parts,
             leases=len(self.active_leases(v.model, v.version)),
         )
 
@@ -104,12 +104,12 @@ class VersionReads:
         return self._info(self._get(model, version))
 
     def regions_of(self, model: str, version: int) -> set[int]:
-        """Every region id any slot of the version lists a shard in (cached: asked on
-        every pull and delete, and a version's slots change only while pending)."""
+        """Every region id any part of the version lists a shard in (cached: asked on
+        every pull and delete, and a version's parts change only while pending)."""
         v = self._get(model, version)
         if v.region_ids is None:
             v.region_ids = frozenset(
-                s.region for m in v.slots.values() for t in m.tensors for s in t.shards
+                s.region for m in v.parts.values() for t in m.tensors for s in t.shards
             )
         return set(v.region_ids)
 
@@ -135,12 +135,12 @@ class VersionReads:
         return out
 
     def scope(self, model: str, version: int) -> Scope:
-        """Region id -> the byte ranges the version's shards occupy (every slot's,
+        """Region id -> the byte ranges the version's shards occupy (every part's,
         merged): what a lease on it may read. Cached; a version that may be leased
         never changes."""
         v = self._get(model, version)
         if v.scope is None:
-            v.scope = scope_of(v.slots)
+            v.scope = scope_of(v.parts)
         return v.scope
 
     def latest_ready(self, model: str) -> int:
@@ -162,12 +162,12 @@ class VersionReads:
     def _require_ready(self, model: str, version: int) -> Version:
         v = self._get(model, version)
         if v.state is VersionState.PENDING and self.complete_elsewhere(model, version):
-            return v  # the other slots are held by other daemons of the cluster
+            return v  # the other parts are held by other daemons of the cluster
         if v.state is not VersionState.READY:
             raise ConflictError(
                 f"{model!r} version {version} is {v.state.value}, not ready: "
                 + (
-                    f"published slots {sorted(v.slots)} of {v.expected_slots}"
+                    f"published parts {sorted(v.parts)} of {v.expected_parts}"
                     if v.state is VersionState.PENDING
                     else "a newer version replaced it"
                 )
@@ -178,7 +178,7 @@ class VersionReads:
         """The READY version's tensors with replicated blocks listed once (cached)."""
         v = self._require_ready(model, version)
         if v.merged is None:
-            v.merged = merge_slots(v.slots, v.model, v.version, self.node_id, self.incarnation)
+            v.merged = merge_parts(v.parts, v.model, v.version, self.node_id, self.incarnation)
         return v.merged
 
     def merged_bytes(self, model: str, version: int) -> bytes:

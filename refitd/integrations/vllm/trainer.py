@@ -3,8 +3,8 @@
 :class:`RefitdTrainerEngine` is vLLM's ``TrainerWeightTransferEngine`` for the
 ``refitd`` backend. Every trainer rank publishes its own shards (a
 :mod:`refitd.integrations.sources` source: FSDP2, Megatron-style blocks or plain
-tensors; no gather) as one publisher slot of the version; the sender (rank 0)
-waits until every slot is in (the version is READY), then drives the engine
+tensors; no gather) as one publisher part of the version; the sender (rank 0)
+waits until every part is in (the version is READY), then drives the engine
 through any ``VLLMWeightSyncClient``: ``start_weight_update``,
 ``update_weights({"version": N})``, ``finish_weight_update``. All ranks then meet
 at a barrier (when ``torch.distributed`` is initialized), so no rank rewrites its
@@ -101,7 +101,7 @@ class RefitdTrainerEngine(TrainerWeightTransferEngine[RefitdTrainerInitInfo]):
     async def _latest(self) -> int:
         """The highest version number the model has had, READY or retired (versions
         only move forward). A pending one is not counted: it may be another rank's
-        slot of the very version this rank is about to publish."""
+        part of the very version this rank is about to publish."""
         try:
             versions = await self.daemon.versions(self.info.model)
         except NotFoundError:
@@ -111,13 +111,13 @@ class RefitdTrainerEngine(TrainerWeightTransferEngine[RefitdTrainerInitInfo]):
 
     async def _wait_ready(self, version: int) -> None:
         """Return once ``version`` is READY: long polls of the daemon, which answers
-        the moment the last rank's slot lands."""
+        the moment the last rank's part lands."""
         deadline = time.monotonic() + self.info.ready_timeout_s
         while (left := deadline - time.monotonic()) > 0:
             try:
                 info = await self.daemon.wait_ready(self.info.model, version, left)
             except NotFoundError:
-                info = None  # no slot of it yet: asked again until the deadline
+                info = None  # no part of it yet: asked again until the deadline
                 await asyncio.sleep(min(left, 0.5))  # a timer: nothing to wait on yet
             if info is not None and info.state is VersionState.READY:
                 return
@@ -125,7 +125,7 @@ class RefitdTrainerEngine(TrainerWeightTransferEngine[RefitdTrainerInitInfo]):
                 raise TransportError(f"{self.info.model!r} v{version} was retired before READY")
         raise TransportError(
             f"{self.info.model!r} v{version} not READY after "
-            f"{self.info.ready_timeout_s:.0f}s: a trainer rank did not publish its slot"
+            f"{self.info.ready_timeout_s:.0f}s: a trainer rank did not publish its part"
         )
 
     def publish(self, version: int | None = None) -> int:
@@ -138,7 +138,7 @@ class RefitdTrainerEngine(TrainerWeightTransferEngine[RefitdTrainerInitInfo]):
 
     def publish_ready(self, version: int | None = None) -> int:
         """Publish this rank's shards as ``version`` (default: the next one) and return
-        it once every rank's slot is in (READY): what an in-flight refit
+        it once every rank's part is in (READY): what an in-flight refit
         (:mod:`refitd.integrations.vllm.inflight`) then prefetches."""
         version = self.publish(version)
         self._run(self._wait_ready(version))

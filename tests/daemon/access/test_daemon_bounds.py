@@ -174,23 +174,23 @@ def test_a_renewed_lease_outlives_its_first_expiry_and_an_expired_one_is_dropped
 def test_a_version_pending_past_its_ttl_is_forgotten_and_frees_its_regions() -> None:
     clock = FakeClock()
     reg = Registry("n", 1, clock, pending_ttl_s=60)
-    reg.publish(toy_manifest(7, version=1, slot=0, slots=2))
+    reg.publish(toy_manifest(7, version=1, part=0, parts=2))
     assert 7 in reg.protected_regions()
     clock.now += 61
     reg.publish(toy_manifest(8, version=2))  # any publish sweeps
     with pytest.raises(NotFoundError):
         reg.version("toy", 1)
     assert 7 not in reg.protected_regions()
-    # The missing slot arrives too late: it starts a new pending version, not READY.
-    assert reg.publish(toy_manifest(7, version=3, slot=1, slots=2)).state.value == "pending"
+    # The missing part arrives too late: it starts a new pending version, not READY.
+    assert reg.publish(toy_manifest(7, version=3, part=1, parts=2)).state.value == "pending"
 
 
 def test_a_pending_version_within_its_ttl_stays() -> None:
     clock = FakeClock()
     reg = Registry("n", 1, clock, pending_ttl_s=60)
-    reg.publish(toy_manifest(7, version=1, slot=0, slots=2))
+    reg.publish(toy_manifest(7, version=1, part=0, parts=2))
     clock.now += 59
-    assert reg.publish(toy_manifest(7, version=1, slot=1, slots=2)).state.value == "ready"
+    assert reg.publish(toy_manifest(7, version=1, part=1, parts=2)).state.value == "ready"
 
 
 # ---------------------------------------------------------------- per-principal caps
@@ -279,7 +279,7 @@ def _wide_manifest(region: int, tensors: int, shards: int, last_region: int) -> 
             entries[-1][2] = last_region
         out.append([f"t{k}", [shards], "uint8", entries])
     return msgspec.msgpack.encode(
-        {"model": "wide", "version": 1, "slot": 0, "expected_slots": 1, "tensors": out}
+        {"model": "wide", "version": 1, "part": 0, "expected_parts": 1, "tensors": out}
     )
 
 
@@ -294,8 +294,8 @@ async def test_a_tensor_of_rank_past_the_wire_limit_is_refused_with_400(env: Env
     m = {
         "model": "deep",
         "version": 1,
-        "slot": 0,
-        "expected_slots": 1,
+        "part": 0,
+        "expected_parts": 1,
         "tensors": [["t", [1] * rank, "uint8", [[[0] * rank, [1] * rank, env.src, 0]]]],
     }
     detail = await env.refused("POST", "/v1/sources", m, status=400)
@@ -392,7 +392,7 @@ async def test_a_manifest_of_many_tensors_publishes_whole_in_either_encoding(
     """Decoded a batch of tensors at a time: every tensor arrives, in order."""
     n = 60_000  # over 1 MiB encoded: several batches
     tensors = [[f"t{i}", [1], "uint8", [[[0], [1], env.src, i % 64]]] for i in range(n)]
-    m = {"model": f"many-{ctype[-4:]}", "version": 1, "slot": 0, "expected_slots": 1}
+    m = {"model": f"many-{ctype[-4:]}", "version": 1, "part": 0, "expected_parts": 1}
     m["tensors"] = tensors
     data = msgspec.msgpack.encode(m) if ctype == MSGPACK else msgspec.json.encode(m)
     code, body = await env.send("POST", "/v1/sources", data, ctype)

@@ -279,7 +279,7 @@ async def test_a_drain_its_client_left_gives_its_place_back_and_its_retire_stays
 async def test_a_pending_version_is_forgotten_at_its_ttl_with_no_other_request(
     tmp_path: Path,
 ) -> None:
-    """a publishes slot 0 of 2 and nothing else happens on the daemon: at its TTL the
+    """a publishes part 0 of 2 and nothing else happens on the daemon: at its TTL the
     version and its manifest are gone (the daemon holds none of its shards, a's
     charge ends), by the daemon's own timer. Before, they stayed until some request
     looked."""

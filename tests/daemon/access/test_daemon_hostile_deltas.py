@@ -280,8 +280,8 @@ async def test_one_principal_holds_a_bounded_number_of_long_polls_and_others_sti
     ):
         region = (await a.create_region(REGION, label="am")).region_id
         shard = ShardEntry((0,), (ELEMS,), region, 0)
-        slot = [TensorEntry("w", (ELEMS,), "bfloat16", [shard])]
-        await a.publish(ManifestIn("am", 1, 0, 2, slot))  # one slot of two: pending
+        part = [TensorEntry("w", (ELEMS,), "bfloat16", [shard])]
+        await a.publish(ManifestIn("am", 1, 0, 2, part))  # one part of two: pending
         url = s.url + "/v1/sources/am/versions/1/ready?timeout=60"
 
         async def wait(token: str) -> tuple[int, Any]:
@@ -300,7 +300,7 @@ async def test_one_principal_holds_a_bounded_number_of_long_polls_and_others_sti
         for status, res in refusals:
             refused(status, res, 429, "'b'", "long polls", str(MAX_WAITS_PER_PRINCIPAL))
         mine = asyncio.ensure_future(wait(TOKENS["a"]))
-        await a.publish(ManifestIn("am", 1, 1, 2, slot))  # the last slot: READY
+        await a.publish(ManifestIn("am", 1, 1, 2, part))  # the last part: READY
         status, res = await mine
         assert (status, res["state"]) == (200, "ready"), res
         answers = [p.result() if p.done() else await p for p in polls]
@@ -424,8 +424,8 @@ async def test_a_delta_stream_counts_as_one_of_its_principals_long_polls(tmp_pat
     async with two_versions(tmp_path, limits=limits) as t:
         _, req = await b_lease_and_request(t)
         region = (await t.a.create_region(REGION, label="v3")).region_id
-        pending = msgspec.structs.replace(manifest(3, region), expected_slots=2)
-        await t.a.publish(pending)  # one slot of two: pending
+        pending = msgspec.structs.replace(manifest(3, region), expected_parts=2)
+        await t.a.publish(pending)  # one part of two: pending
         url = f"{t.url}/v1/sources/am/versions/3/ready?timeout=60"
         headers = {"Authorization": f"Bearer {TOKENS['b']}", "Accept": "application/json"}
         async with aiohttp.ClientSession() as http:
@@ -445,7 +445,7 @@ async def test_a_delta_stream_counts_as_one_of_its_principals_long_polls(tmp_pat
                     break
             assert not poll.done(), poll.result()
             refused(status, res, 429, "'b'", "long polls", "max_long_polls_per_principal")
-            await t.a.publish(msgspec.structs.replace(pending, slot=1))
+            await t.a.publish(msgspec.structs.replace(pending, part=1))
             assert await poll == 200
         # The place is given back (v3 READY now answers the stream on its own terms).
         status, _ = await pack_raw(t, TOKENS["b"], req, "stream")

@@ -31,13 +31,13 @@ SOURCES = "/v1/sources"
 
 
 def manifest(
-    region: int, *tensors: list[Any], version: int = 2, slot: int = 0, slots: int = 1
+    region: int, *tensors: list[Any], version: int = 2, part: int = 0, parts: int = 1
 ) -> dict[str, Any]:
     return {
         "model": "toy",
         "version": version,
-        "slot": slot,
-        "expected_slots": slots,
+        "part": part,
+        "expected_parts": parts,
         "tensors": list(tensors),
     }
 
@@ -73,29 +73,29 @@ async def test_a_manifest_naming_one_tensor_twice_is_refused(env: Env) -> None:
     assert [v.version for v in await env.client.versions("toy")] == [1]
 
 
-async def test_a_publisher_slot_published_twice_counts_once(env: Env) -> None:
-    """A retried publish replaces its slot: it never counts as a second slot, so a
-    two-slot version stays pending until slot 1 publishes."""
+async def test_a_publisher_part_published_twice_counts_once(env: Env) -> None:
+    """A retried publish replaces its part: it never counts as a second part, so a
+    two-part version stays pending until part 1 publishes."""
     t = ["w", [4, 8], "float32", [[[0, 0], [2, 8], env.src, 0]]]
     for _ in range(2):
         code, body = await env.send(
-            "POST", SOURCES, msgspec.msgpack.encode(manifest(env.src, t, slots=2))
+            "POST", SOURCES, msgspec.msgpack.encode(manifest(env.src, t, parts=2))
         )
         assert code == 201, body
-    assert body["published_slots"] == [0] and body["state"] == "pending"
+    assert body["published_parts"] == [0] and body["state"] == "pending"
     await env.refused("GET", "/v1/sources/toy/versions/2/manifest", raw=b"", ctype=None, status=409)
 
 
 @pytest.mark.parametrize(
     "field",
     [
-        {"slot": 2, "expected_slots": 2},
-        {"expected_slots": 0},
-        {"slot": -1},
-        {"expected_slots": 2**64 - 1, "slot": 2**63},
+        {"part": 2, "expected_parts": 2},
+        {"expected_parts": 0},
+        {"part": -1},
+        {"expected_parts": 2**64 - 1, "part": 2**63},
     ],
 )
-async def test_a_slot_outside_the_expected_slots_is_refused(
+async def test_a_part_outside_the_expected_parts_is_refused(
     env: Env, field: dict[str, int]
 ) -> None:
     t = ["w", [4, 8], "float32", [[[0, 0], [4, 8], env.src, 0]]]

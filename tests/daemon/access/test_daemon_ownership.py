@@ -46,10 +46,10 @@ NBYTES = 128  # one 4x8 float32 tensor
 
 
 def manifest(
-    model: str, region: int, version: int = 1, slot: int = 0, slots: int = 1
+    model: str, region: int, version: int = 1, part: int = 0, parts: int = 1
 ) -> ManifestIn:
     shard = ShardEntry((0, 0), (4, 8), region, 0)
-    return ManifestIn(model, version, slot, slots, [TensorEntry("w", (4, 8), "float32", [shard])])
+    return ManifestIn(model, version, part, parts, [TensorEntry("w", (4, 8), "float32", [shard])])
 
 
 @dataclass
@@ -248,11 +248,11 @@ async def test_a_model_belongs_to_its_first_publisher_and_nobody_else_publishes_
         with pytest.raises(AccessDenied, match="may not publish into model 'm'"):
             await t.b.publish(manifest("m", b_region.region_id, version=2))
         assert (await t.a.version("m", "latest")).version == 1
-        # Nor fill the missing slot of the owner's pending version.
+        # Nor fill the missing part of the owner's pending version.
         a2 = await t.a.create_region(NBYTES, label="a2")
-        await t.a.publish(manifest("m", a2.region_id, version=2, slot=0, slots=2))
+        await t.a.publish(manifest("m", a2.region_id, version=2, part=0, parts=2))
         with pytest.raises(AccessDenied, match="may not publish into model 'm'"):
-            await t.b.publish(manifest("m", b_region.region_id, version=2, slot=1, slots=2))
+            await t.b.publish(manifest("m", b_region.region_id, version=2, part=1, parts=2))
         assert (await t.a.version("m", 2)).state is VersionState.PENDING
 
 

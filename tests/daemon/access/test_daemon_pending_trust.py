@@ -1,6 +1,6 @@
 """What a pending version makes the daemon hold is counted and ends on time.
 
-A version waiting for its other slots holds its manifests in the daemon's memory;
+A version waiting for its other parts holds its manifests in the daemon's memory;
 those manifests are charged to the principal that published them, in bytes
 (``limits.max_manifest_bytes_per_principal``, 429 past it; issue 47 charges READY
 manifests too), and a version pending past ``limits.pending_ttl_s`` stops protecting
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(60)
 TOKENS = {"a": "token-of-a", "b": "token-of-b"}
 SHARDS = 4  # limits.max_manifest_shards in these tests
 PENDING_MANIFESTS = 8
-"""Manifests of :func:`slot0` one principal's cap holds in these tests."""
+"""Manifests of :func:`part0` one principal's cap holds in these tests."""
 SLOT0_BYTES = SHARDS * MANIFEST_SHARD_BYTES + MANIFEST_TENSOR_BYTES + len("w")
 
 
@@ -55,8 +55,8 @@ async def tenants(
         yield a, b
 
 
-async def slot0(c: RefitClient, model: str, version: int = 1) -> int:
-    """Slot 0 of 2 of ``model`` (``SHARDS`` shards), in a new region; the version stays
+async def part0(c: RefitClient, model: str, version: int = 1) -> int:
+    """Part 0 of 2 of ``model`` (``SHARDS`` shards), in a new region; the version stays
     pending. Returns the region id."""
     info = await c.create_region(SHARDS * 64, label=model)
     shards = [ShardEntry((i * 16,), (16,), info.region_id, i * 64) for i in range(SHARDS)]
@@ -70,10 +70,10 @@ async def test_a_principals_pending_shards_are_capped_and_another_principal_is_n
 ) -> None:
     async with tenants(tmp_path, FakeClock()) as (a, b):
         for i in range(PENDING_MANIFESTS):
-            await slot0(a, f"a{i}")
+            await part0(a, f"a{i}")
         with pytest.raises(QuotaExceeded, match="pending"):
-            await slot0(a, "one-too-many")
-        await slot0(b, "b0")  # the cap is a's, not the daemon's
+            await part0(a, "one-too-many")
+        await part0(b, "b0")  # the cap is a's, not the daemon's
 
 
 async def test_a_pending_version_past_its_ttl_frees_its_region_without_another_publish(
@@ -81,7 +81,7 @@ async def test_a_pending_version_past_its_ttl_frees_its_region_without_another_p
 ) -> None:
     clock = FakeClock()
     async with tenants(tmp_path, clock, ttl_s=60.0) as (a, _):
-        region = await slot0(a, "m")
+        region = await part0(a, "m")
         clock.now += 61.0
         await a.delete_region(region)  # no longer protected: the version expired
         assert await a.all_versions() == []
@@ -93,9 +93,9 @@ async def test_an_expired_pending_version_no_longer_counts_against_its_publisher
     clock = FakeClock()
     async with tenants(tmp_path, clock, ttl_s=60.0) as (a, _):
         for i in range(PENDING_MANIFESTS):
-            await slot0(a, f"a{i}")
+            await part0(a, f"a{i}")
         clock.now += 61.0
-        await slot0(a, "after-expiry")
+        await part0(a, "after-expiry")
 
 
 # ---------------------------------------------------------------- retired versions
@@ -114,7 +114,7 @@ def ready(reg: Registry, version: int, shards: int = 64) -> None:
 def test_a_retired_version_no_lease_holds_keeps_no_manifest_in_memory() -> None:
     """A trainer publishing a version per step must not grow the daemon without bound:
     once a version is retired and unleased, nothing can read it again, and its
-    manifests go (its record stays, with the slots it published)."""
+    manifests go (its record stays, with the parts it published)."""
     reg = Registry("node", 1, FakeClock())
     ready(reg, 1)
     lease = reg.acquire("m", 1, 60.0)
@@ -124,5 +124,5 @@ def test_a_retired_version_no_lease_holds_keeps_no_manifest_in_memory() -> None:
     reg.release(lease.lease_id)
     ready(reg, 12)
     assert reg.held_shards() == 64
-    assert reg.version("m", 1).published_slots == [0]
+    assert reg.version("m", 1).published_parts == [0]
     assert [v.state.value for v in reg.versions("m")][-2:] == ["retired", "ready"]

@@ -99,7 +99,7 @@ async def a_owns_everything(tmp: Path) -> AsyncIterator[Objects]:
         src = await a.ok("POST", "/v1/regions", {"nbytes": NBYTES, "label": "src"})
         shard = [[0], [NBYTES], src["region_id"], 0]
         await a.ok("POST", "/v1/sources", {
-            "model": "m", "version": 1, "slot": 0, "expected_slots": 1,
+            "model": "m", "version": 1, "part": 0, "expected_parts": 1,
             "tensors": [["w", [NBYTES], "uint8", [shard]]],
         })  # fmt: skip
         dst = await a.ok("POST", "/v1/regions", {"nbytes": NBYTES, "label": "dst"})

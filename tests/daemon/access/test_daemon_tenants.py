@@ -96,7 +96,7 @@ class Tenant:
         self.src_seg.numpy(np.uint8)[:] = self.src_bytes
         shard = [[0], [NBYTES], self.src, 0]
         http.ok("POST", "/sources", {
-            "model": model, "version": 1, "slot": 0, "expected_slots": 1,
+            "model": model, "version": 1, "part": 0, "expected_parts": 1,
             "tensors": [["w", [NBYTES], "uint8", [shard]]],
         })  # fmt: skip
         # destination: the engine's region, zero until this tenant pulls into it
@@ -261,8 +261,8 @@ class TwoTenants(RuleBasedStateMachine):
         body = {
             "model": self.t[whose].model,
             "version": version,
-            "slot": 0,
-            "expected_slots": 1,
+            "part": 0,
+            "expected_parts": 1,
             "tensors": [["w", [8], "uint8", [shard]]],
         }
         status, res = me.http.call("POST", "/sources", body)
@@ -336,17 +336,17 @@ class TwoTenants(RuleBasedStateMachine):
         rid = choices[pick % len(choices)]
         me.published += 1
         body = {
-            "model": f"{me.model}-from-{rid}-{me.published}", "version": 1, "slot": 0,
-            "expected_slots": 1, "tensors": [["w", [8], "uint8", [[[0], [8], rid, 0]]]],
+            "model": f"{me.model}-from-{rid}-{me.published}", "version": 1, "part": 0,
+            "expected_parts": 1, "tensors": [["w", [8], "uint8", [[[0], [8], rid, 0]]]],
         }  # fmt: skip
         status, res = me.http.call("POST", "/sources", body)
         refused(status, res, f"{who} publishes from {whose}'s region {rid}")
 
-    @rule(who=st.sampled_from("ab"), version=st.sampled_from([2, 3, 99]), slots=st.integers(1, 2))
-    def publish_into_the_other_tenants_model(self, who: str, version: int, slots: int) -> None:
+    @rule(who=st.sampled_from("ab"), version=st.sampled_from([2, 3, 99]), parts=st.integers(1, 2))
+    def publish_into_the_other_tenants_model(self, who: str, version: int, parts: int) -> None:
         me, other = self.t[who], self.t["b" if who == "a" else "a"]
         body = {
-            "model": other.model, "version": version, "slot": 0, "expected_slots": slots,
+            "model": other.model, "version": version, "part": 0, "expected_parts": parts,
             "tensors": [["w", [8], "uint8", [[[0], [8], me.src, 0]]]],
         }  # fmt: skip
         status, res = me.http.call("POST", "/sources", body)
@@ -371,7 +371,7 @@ class TwoTenants(RuleBasedStateMachine):
         me.published += 1
         model = f"{me.model}-dst-{me.published}"
         body = {
-            "model": model, "version": 1, "slot": 0, "expected_slots": 1,
+            "model": model, "version": 1, "part": 0, "expected_parts": 1,
             "tensors": [["w", [8], "uint8", [[[0], [8], me.dst, 0]]]],
         }  # fmt: skip
         status, res = me.http.call("POST", "/sources", body)

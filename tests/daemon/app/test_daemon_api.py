@@ -164,26 +164,26 @@ async def test_refusals_come_back_as_json_error_and_detail(env: Env) -> None:
 
 async def test_the_merged_manifest_is_served_only_for_a_ready_version(env: Env) -> None:
     info = await env.client.create_region(128)
-    for slot in (0, 1):
+    for part in (0, 1):
         m = ManifestIn(
             "two",
             1,
-            slot,
+            part,
             2,
             [
                 TensorEntry(
                     "w",
                     (4, 8),
                     "float32",
-                    [ShardEntry((slot * 2, 0), (2, 8), info.region_id, slot * 64)],
+                    [ShardEntry((part * 2, 0), (2, 8), info.region_id, part * 64)],
                 )
             ],
         )
-        if slot == 1:
-            with pytest.raises(ConflictError, match=r"published slots \[0\] of 2"):
+        if part == 1:
+            with pytest.raises(ConflictError, match=r"published parts \[0\] of 2"):
                 await env.client.manifest("two", 1)
         assert (await env.client.publish(m)).state is (
-            VersionState.READY if slot else VersionState.PENDING
+            VersionState.READY if part else VersionState.PENDING
         )
     merged = await env.client.manifest("two", 1)
     assert merged.node_id == "t" and [s.offset for s in merged.tensors[0].shards] == [

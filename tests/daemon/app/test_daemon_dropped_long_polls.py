@@ -35,8 +35,8 @@ async def test_long_polls_dropped_by_their_client_give_their_places_back(
     async with two_tenants(tmp_path, node_id="dropped-polls") as t:
         a = t.a
         region = (await a.create_region(4 * ELEMS, label="am")).region_id
-        slot = [TensorEntry("w", (ELEMS,), "bfloat16", [ShardEntry((0,), (ELEMS,), region, 0)])]
-        await a.publish(ManifestIn("am", 1, 0, 2, slot))  # one slot of two: pending
+        part = [TensorEntry("w", (ELEMS,), "bfloat16", [ShardEntry((0,), (ELEMS,), region, 0)])]
+        await a.publish(ManifestIn("am", 1, 0, 2, part))  # one part of two: pending
         url = t.served.url + f"/v1/sources/am/versions/1/ready?timeout={MAX_WAIT_S:g}"
         waits = t.served.app[WAITS]
 
@@ -57,7 +57,7 @@ async def test_long_polls_dropped_by_their_client_give_their_places_back(
             again = asyncio.ensure_future(http.get(url, headers=headers("b")))
             await until(lambda: waits.open("b") == 1 or again.done())
             assert not again.done(), (await again).status  # held, not refused
-            await a.publish(ManifestIn("am", 1, 1, 2, slot))  # the last slot: READY
+            await a.publish(ManifestIn("am", 1, 1, 2, part))  # the last part: READY
             async with await again as r:
                 assert r.status == 200, await r.text()
                 assert (await r.json(content_type=None))["state"] == "ready"

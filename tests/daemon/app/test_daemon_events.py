@@ -55,18 +55,18 @@ async def listened() -> AsyncIterator[tuple[Served, Recorder, int]]:
         yield s, recorder, region.region_id
 
 
-def slot(
-    region: int, version: int, slot: int = 0, slots: int = 1, nbytes: int = NBYTES
+def part(
+    region: int, version: int, part: int = 0, parts: int = 1, nbytes: int = NBYTES
 ) -> ManifestIn:
     shard = ShardEntry((0,), (nbytes,), region, 0)
-    return ManifestIn("m", version, slot, slots, [TensorEntry("w", (nbytes,), "uint8", [shard])])
+    return ManifestIn("m", version, part, parts, [TensorEntry("w", (nbytes,), "uint8", [shard])])
 
 
-async def test_a_listener_hears_each_published_slot_once_in_order_with_its_versions_state() -> None:
+async def test_a_listener_hears_each_published_part_once_in_order_with_its_versions_state() -> None:
     async with listened() as (s, recorder, region):
-        await s.client.publish(slot(region, 1, 0, 2))
-        await s.client.publish(slot(region, 1, 1, 2))
-        await s.client.publish(slot(region, 2))
+        await s.client.publish(part(region, 1, 0, 2))
+        await s.client.publish(part(region, 1, 1, 2))
+        await s.client.publish(part(region, 2))
         assert recorder.heard == [
             ("published", "m", 1, VersionState.PENDING),
             ("published", "m", 1, VersionState.READY),
@@ -78,12 +78,12 @@ async def test_a_refused_publish_is_heard_by_no_listener() -> None:
     async with listened() as (s, recorder, region):
         # Refused before the registry takes it (a shard past its region's end) ...
         with pytest.raises(ProtocolError):
-            await s.client.publish(slot(region, 1, nbytes=NBYTES + 1))
+            await s.client.publish(part(region, 1, nbytes=NBYTES + 1))
         assert recorder.heard == []
-        await s.client.publish(slot(region, 1))
+        await s.client.publish(part(region, 1))
         # ... and by the registry (a READY version never changes).
         with pytest.raises(ConflictError):
-            await s.client.publish(slot(region, 1))
+            await s.client.publish(part(region, 1))
         assert recorder.heard == [("published", "m", 1, VersionState.READY)]
 
 
@@ -91,8 +91,8 @@ async def test_a_retiring_drain_is_heard_draining_then_retired_once_and_a_plain_
     None
 ):
     async with listened() as (s, recorder, region):
-        await s.client.publish(slot(region, 1))
-        await s.client.publish(slot(region, 2))
+        await s.client.publish(part(region, 1))
+        await s.client.publish(part(region, 2))
         recorder.heard.clear()
         info = await s.client.wait_drain("m", 1, timeout_s=5, retire=True)
         assert info.state is VersionState.RETIRED
@@ -107,7 +107,7 @@ async def test_a_retiring_drain_that_times_out_is_still_heard_retired_and_leaves
     drain began all the same, so the listeners hear it, and the cluster registry's
     records of this daemon no longer list it."""
     async with listened() as (s, recorder, region):
-        await s.client.publish(slot(region, 1))
+        await s.client.publish(part(region, 1))
         assert (await s.client.cluster_version("m", 1)).holders
         await s.client.acquire_lease("m", 1)
         with pytest.raises(ConflictError, match="still holds 1 lease"):
@@ -131,7 +131,7 @@ async def test_a_retiring_drain_whose_client_left_is_still_heard_retired() -> No
     retired before the drain's first await, and once the daemon ends the wait (its
     client gone) the listeners hear ``retired``, as a drain that ended by itself."""
     async with listened() as (s, recorder, region):
-        await s.client.publish(slot(region, 1))
+        await s.client.publish(part(region, 1))
         await s.client.acquire_lease("m", 1)
         url = f"{s.url}/v1/sources/m/versions/1/drain?timeout=60&retire=1"
         async with aiohttp.ClientSession() as http:

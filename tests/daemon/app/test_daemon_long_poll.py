@@ -56,32 +56,32 @@ async def env(request: pytest.FixtureRequest) -> AsyncIterator[Counted]:
         yield Counted(s.client, seen, copier)
 
 
-async def publish_slot(c: RefitClient, slot: int, slots: int = 2) -> int:
-    info = await c.create_region(64, label=f"slot{slot}")
-    SharedSegment.attach(info.handle, 64).numpy(np.uint8)[:] = slot + 1
-    shard = ShardEntry((slot * 64,), (64,), info.region_id, 0)
-    m = ManifestIn("m", 1, slot, slots, [TensorEntry(f"w{slot}", (slots * 64,), "uint8", [shard])])
+async def publish_part(c: RefitClient, part: int, parts: int = 2) -> int:
+    info = await c.create_region(64, label=f"part{part}")
+    SharedSegment.attach(info.handle, 64).numpy(np.uint8)[:] = part + 1
+    shard = ShardEntry((part * 64,), (64,), info.region_id, 0)
+    m = ManifestIn("m", 1, part, parts, [TensorEntry(f"w{part}", (parts * 64,), "uint8", [shard])])
     await c.publish(m)
     return info.region_id
 
 
-async def test_a_version_waiter_is_answered_when_the_last_slot_lands_in_one_request(
+async def test_a_version_waiter_is_answered_when_the_last_part_lands_in_one_request(
     env: Counted,
 ) -> None:
     c = env.client
-    await publish_slot(c, 0)
+    await publish_part(c, 0)
     waiting = asyncio.create_task(c.wait_ready("m", 1, timeout_s=30))
     await asyncio.sleep(0.3)
-    assert not waiting.done(), "answered while a slot was still missing"
+    assert not waiting.done(), "answered while a part was still missing"
     t0 = time.monotonic()
-    await publish_slot(c, 1)
+    await publish_part(c, 1)
     info = await asyncio.wait_for(waiting, 5)
     assert info.state is VersionState.READY and time.monotonic() - t0 < 2
     assert env.seen[f"GET {api.WAIT_READY.path}"] == 1
 
 
 async def test_a_version_waiter_that_times_out_gets_the_pending_state(env: Counted) -> None:
-    await publish_slot(env.client, 0)
+    await publish_part(env.client, 0)
     t0 = time.monotonic()
     info = await env.client.wait_ready("m", 1, timeout_s=0.3)
     assert info.state is VersionState.PENDING and 0.25 < time.monotonic() - t0 < 5
@@ -95,7 +95,7 @@ async def test_a_version_nobody_published_is_not_found_after_the_wait(env: Count
 @pytest.mark.parametrize("env", [True], indirect=True)
 async def test_waiting_for_a_pull_is_one_request_answered_when_it_ends(env: Counted) -> None:
     c = env.client
-    src = await publish_slot(c, 0, slots=1)
+    src = await publish_part(c, 0, parts=1)
     dst_seg = SharedSegment.create(64, "dst")
     try:
         dst = (await c.attach_region(dst_seg.name, 64, label="dst")).region_id

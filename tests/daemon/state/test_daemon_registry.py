@@ -19,11 +19,11 @@ from refitd.wire import (
 )
 
 
-def manifest(version: int, slot: int, slots: int = 2, rows: int = 4) -> ManifestIn:
-    # Each slot holds rows [slot*2, slot*2+2) of w, and a full replica of b.
-    w = TensorEntry("w", (rows, 3), "float32", [ShardEntry((slot * 2, 0), (2, 3), 1, 0)])
-    b = TensorEntry("b", (3,), "float32", [ShardEntry((0,), (3,), 10 + slot, 0)])
-    return ManifestIn("toy", version, slot, slots, [w, b])
+def manifest(version: int, part: int, parts: int = 2, rows: int = 4) -> ManifestIn:
+    # Each part holds rows [part*2, part*2+2) of w, and a full replica of b.
+    w = TensorEntry("w", (rows, 3), "float32", [ShardEntry((part * 2, 0), (2, 3), 1, 0)])
+    b = TensorEntry("b", (3,), "float32", [ShardEntry((0,), (3,), 10 + part, 0)])
+    return ManifestIn("toy", version, part, parts, [w, b])
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def reg() -> tuple[Registry, FakeClock]:
     return Registry("node", 1, clock), clock
 
 
-def test_a_version_is_pending_until_every_slot_published(reg):
+def test_a_version_is_pending_until_every_part_published(reg):
     r, _ = reg
     assert r.publish(manifest(1, 0)).state is VersionState.PENDING
     with pytest.raises(ConflictError, match="pending"):
@@ -46,7 +46,7 @@ def test_merged_manifest_lists_each_replicated_block_once(reg):
     r.publish(manifest(1, 1))
     merged = {t.name: t for t in r.merged("toy", 1).tensors}
     assert [s.offset for s in merged["w"].shards] == [(0, 0), (2, 0)]
-    assert [s.region for s in merged["b"].shards] == [10]  # lowest slot's replica kept
+    assert [s.region for s in merged["b"].shards] == [10]  # lowest part's replica kept
 
 
 def test_a_newer_ready_version_retires_older_ones(reg):
@@ -60,7 +60,7 @@ def test_a_newer_ready_version_retires_older_ones(reg):
         r.acquire("toy", 1, 10.0)
 
 
-def test_slots_that_disagree_on_a_tensor_shape_are_refused(reg):
+def test_parts_that_disagree_on_a_tensor_shape_are_refused(reg):
     r, _ = reg
     r.publish(manifest(1, 0, rows=4))
     with pytest.raises(ConflictError, match="'w'"):
@@ -86,33 +86,33 @@ def test_publishing_into_a_ready_version_is_refused_while_leased_and_after_the_l
 
 def test_publishing_into_a_retired_version_is_refused_so_a_model_never_has_two_ready_versions(reg):
     r, _ = reg
-    r.publish(manifest(1, 0, slots=1))
-    r.publish(manifest(2, 0, slots=1))
+    r.publish(manifest(1, 0, parts=1))
+    r.publish(manifest(2, 0, parts=1))
     assert r.version("toy", 1).state is VersionState.RETIRED
     with pytest.raises(ConflictError, match="retired"):
-        r.publish(manifest(1, 0, slots=1))
+        r.publish(manifest(1, 0, parts=1))
     r.retire("toy", 2)
     with pytest.raises(ConflictError, match="retired"):
-        r.publish(manifest(2, 0, slots=1))
+        r.publish(manifest(2, 0, parts=1))
     assert [v.state for v in r.versions("toy")] == [VersionState.RETIRED] * 2
 
 
 def test_a_models_versions_only_move_forward_and_latest_never_goes_back(reg):
     r, _ = reg
-    r.publish(manifest(5, 0, slots=1))
+    r.publish(manifest(5, 0, parts=1))
     with pytest.raises(ConflictError, match="only move forward"):
-        r.publish(manifest(3, 0, slots=1))
+        r.publish(manifest(3, 0, parts=1))
     r.retire("toy", 5)
     with pytest.raises(ConflictError, match="only move forward"):
-        r.publish(manifest(4, 0, slots=1))
-    r.publish(manifest(7, 0, slots=2))  # pending: latest is not back to anything older
+        r.publish(manifest(4, 0, parts=1))
+    r.publish(manifest(7, 0, parts=2))  # pending: latest is not back to anything older
     with pytest.raises(NotFoundError):
         r.latest_ready("toy")
-    r.publish(manifest(7, 1, slots=2))
+    r.publish(manifest(7, 1, parts=2))
     assert r.latest_ready("toy") == 7
 
 
-def test_a_pending_slot_published_again_is_a_no_op_if_identical_and_refused_if_not(reg):
+def test_a_pending_part_published_again_is_a_no_op_if_identical_and_refused_if_not(reg):
     r, _ = reg
     first = r.publish(manifest(1, 0))
     assert r.publish(manifest(1, 0)) == first
@@ -122,7 +122,7 @@ def test_a_pending_slot_published_again_is_a_no_op_if_identical_and_refused_if_n
 
 def test_a_renewed_lease_outlives_its_first_ttl_and_a_released_one_is_gone(reg):
     r, clock = reg
-    r.publish(manifest(1, 0, slots=1))
+    r.publish(manifest(1, 0, parts=1))
     g = r.acquire("toy", 1, 5.0)
     clock.now += 4.0
     r.renew(g.lease_id, 5.0)
@@ -135,7 +135,7 @@ def test_a_renewed_lease_outlives_its_first_ttl_and_a_released_one_is_gone(reg):
 
 def test_a_lease_on_one_version_does_not_authorise_another(reg):
     r, _ = reg
-    r.publish(manifest(1, 0, slots=1))
+    r.publish(manifest(1, 0, parts=1))
     g = r.acquire("toy", 1, 5.0)
     with pytest.raises(ConflictError, match="not 'toy' version 2"):
         r.check(g.lease_id, "toy", 2)
@@ -242,7 +242,7 @@ def test_a_long_transport_read_is_cut_into_pieces_covering_exactly_the_same_byte
 
 def test_a_retired_version_refuses_new_leases_while_held_ones_stay_valid(reg):
     r, _ = reg
-    r.publish(manifest(1, 0, slots=1))
+    r.publish(manifest(1, 0, parts=1))
     held = r.acquire("toy", 1, 10.0)
     assert r.retire("toy", 1).state is VersionState.RETIRED
     with pytest.raises(ConflictError, match="retired"):
@@ -254,7 +254,7 @@ def test_a_retired_version_refuses_new_leases_while_held_ones_stay_valid(reg):
 def test_a_model_published_a_version_a_step_keeps_a_bounded_number_of_retired_records(reg):
     r, _ = reg
     for v in range(1, 201):
-        r.publish(manifest(v, 0, slots=1))
+        r.publish(manifest(v, 0, parts=1))
     states = [(x.version, x.state) for x in r.versions("toy")]
     # The newest READY, and the last KEEP_RETIRED retired ones, still answered.
     assert states == [(v, VersionState.RETIRED) for v in range(192, 200)] + [
@@ -264,15 +264,15 @@ def test_a_model_published_a_version_a_step_keeps_a_bounded_number_of_retired_re
         r.version("toy", 1)
     # Forgotten records do not reopen old numbers: versions still only move forward.
     with pytest.raises(ConflictError, match="only move forward"):
-        r.publish(manifest(1, 0, slots=1))
+        r.publish(manifest(1, 0, parts=1))
 
 
 def test_a_leased_retired_version_keeps_its_record_until_the_lease_ends(reg):
     r, _ = reg
-    r.publish(manifest(1, 0, slots=1))
+    r.publish(manifest(1, 0, parts=1))
     lease = r.acquire("toy", 1, 10.0)
     for v in range(2, 2 + 3 * KEEP_RETIRED):
-        r.publish(manifest(v, 0, slots=1))
+        r.publish(manifest(v, 0, parts=1))
     assert r.version("toy", 1).state is VersionState.RETIRED
     assert r.check(lease.lease_id, "toy", 1).version == 1
     assert r.scope("toy", 1), "its scope (what the lease may read) went with its record"
@@ -280,7 +280,7 @@ def test_a_leased_retired_version_keeps_its_record_until_the_lease_ends(reg):
     # Let go last: now among the records kept, forgotten once KEEP_RETIRED more go.
     assert r.version("toy", 1).state is VersionState.RETIRED
     for v in range(2 + 3 * KEEP_RETIRED, 2 + 4 * KEEP_RETIRED):
-        r.publish(manifest(v, 0, slots=1))
+        r.publish(manifest(v, 0, parts=1))
     with pytest.raises(NotFoundError):
         r.version("toy", 1)
 
@@ -291,12 +291,12 @@ def test_a_pending_version_the_cluster_completes_elsewhere_is_leased_and_never_e
 
     def elsewhere(model: str, version: int) -> bool:
         asked.append((model, version))
-        return version == 1  # the cluster holds version 1's other slot, not version 2's
+        return version == 1  # the cluster holds version 1's other part, not version 2's
 
     r = Registry("node", 1, clock, pending_ttl_s=60, complete_elsewhere=elsewhere)
     r.publish(manifest(1, 0))
     r.publish(manifest(2, 0))
-    grant = r.acquire("toy", 1, 10.0)  # served for the slot held here
+    grant = r.acquire("toy", 1, 10.0)  # served for the part held here
     assert r.check(grant.lease_id, "toy", 1).version == 1
     with pytest.raises(ConflictError, match="pending"):
         r.acquire("toy", 2, 10.0)

@@ -5,6 +5,9 @@ still sends ``holder`` gets a 400 (``ProtocolError``) naming that field, and not
 made. Silently dropping it would make a region that no process is bound to, one that
 outlives its client (``RegionCreate``/``RegionAttach`` forbid unknown fields). A lease
 request's ``holder`` is now ``label`` and is refused the same way (``LeaseRequest``).
+A manifest's ``slot``/``expected_slots`` are now ``part``/``expected_parts`` (a
+publisher's part of a version; a slot is an expert pool's): a publish still naming
+either is refused and no version is recorded (``ManifestIn`` forbids unknown fields).
 """
 
 from __future__ import annotations
@@ -55,3 +58,25 @@ async def test_a_lease_request_naming_its_reader_holder_is_refused(daemon: Serve
     # 400 for the field, not 404 for the version this daemon has never heard of
     assert status == 400 and answer["error"] == "ProtocolError", answer
     assert "holder" in answer["detail"], answer
+
+
+@pytest.mark.parametrize(
+    ("old", "new"), [("slot", {"expected_parts": 1}), ("expected_slots", {"part": 0})]
+)
+async def test_a_publish_naming_its_part_by_the_old_slot_field_is_refused_and_records_nothing(
+    daemon: Served, old: str, new: dict[str, int]
+) -> None:
+    body: dict[str, object] = {"model": "m", "version": 1, old: 0 if old == "slot" else 1}
+    body |= new
+    body["tensors"] = []
+    status, answer = await _post(f"{daemon.url}/v1/sources", body)
+    assert status == 400 and answer["error"] == "ProtocolError", answer
+    assert old in answer["detail"], answer
+    assert await daemon.client.all_versions() == []
+
+
+async def test_a_publish_naming_its_part_and_expected_parts_is_recorded(daemon: Served) -> None:
+    body = {"model": "m", "version": 1, "part": 0, "expected_parts": 2, "tensors": []}
+    status, made = await _post(f"{daemon.url}/v1/sources", body)
+    assert status == 201 and made["published_parts"] == [0], made
+    assert made["expected_parts"] == 2 and made["state"] == "pending", made
