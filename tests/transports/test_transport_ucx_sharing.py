@@ -15,11 +15,13 @@ closing endpoints to a dead peer inside a process the new life's reads queue beh
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
 import pytest
 
+from refitd.errors import TransportError
 from transports.batch import READ_DTYPE, ReadRefused
 from transports.checks import LOCAL, REMOTE, fill, open_pair
 from transports.segments import SharedSegment
@@ -86,6 +88,47 @@ async def test_a_peer_restarted_under_its_id_is_read_by_a_new_process_and_the_ol
             with pytest.raises(ProcessLookupError):
                 os.kill(old_pid, 0)
             await new.get(read)
+            assert (dst.numpy() == 2).all()
+        finally:
+            dst.close()
+            for seg in srcs:
+                seg.close()
+
+
+async def test_a_stale_record_of_a_peers_earlier_process_does_not_repoint_the_shared_connection() -> (
+    None
+):
+    """A pull whose record was fetched before the peer's serving process restarted
+    scopes the shared connection after one with the new process's record. The
+    stale record must not point the pulling child back at the earlier process: the
+    other pull's reads, checked against its own record, would land there (reading
+    that process's bytes, or hanging on a dead one). Both processes stay up here, so
+    a read pointed wrong shows as the earlier process's bytes."""
+    secret = b"sharing-secret-0123456789abcdef"
+    async with (
+        UcxTransport(secret=secret) as puller,
+        UcxTransport(secret=secret, peer_id="trainer") as earlier,
+        UcxTransport(secret=secret, peer_id="trainer") as later,  # its restarted process
+    ):
+        dst = SharedSegment.create(SIZE, "dst")
+        srcs = [SharedSegment.create(SIZE, f"src-{i}") for i in range(2)]
+        try:
+            await puller.register(LOCAL, dst)
+            for i, (t, seg) in enumerate(zip((earlier, later), srcs, strict=True)):
+                fill(seg, i + 1)
+                await t.register(REMOTE, seg)
+            stale, fresh = earlier.advertise(), later.advertise()
+            read = np.array([(LOCAL, 0, REMOTE, 0, SIZE)], READ_DTYPE)
+            conn = await puller.connect(fresh)
+            b = await conn.scoped(fresh)
+            a = await conn.scoped(stale)  # fetched before the restart, scoped after
+            await b.get(read)
+            assert (dst.numpy() == 2).all()  # the later process's bytes, as b's record says
+            fill(dst, 0)
+            with contextlib.suppress(TransportError):
+                await a.get(read)  # its keys are void: refused, or the later process's region
+            assert not (dst.numpy() == 1).any()
+            await b.get(read)
             assert (dst.numpy() == 2).all()
         finally:
             dst.close()

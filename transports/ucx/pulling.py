@@ -28,6 +28,7 @@ from refitd.errors import ProtocolError, TransportError
 
 from ..batch import ReadBatch, as_read_batch, suspect_ranges, validate_batch
 from ..interface import (
+    AdvertisedRegion,
     Peer,
     PeerInfo,
     PeerLost,
@@ -58,7 +59,9 @@ class UcxPeer(Peer):
         self.handle = handle
         self.info = info
         self._sizes = {r.region_id: r.size for r in info.regions}
-        #: what the pulling child is (to be) connected with: region id -> record
+        #: what the pulling child is (to be) connected with: the serving process's
+        #: worker address, and region id -> record
+        self.address = info.address
         self.regions = {r.region_id: r for r in info.regions}
         self._closed = False
         life = hashlib.blake2b(info.address, digest_size=6).hexdigest()
@@ -113,11 +116,16 @@ class UcxPeer(Peer):
     def _cover(self, info: PeerInfo) -> None:
         """Connect the child (before the next read) with ``info``'s regions too.
 
-        A record from another serving process of the peer (another worker address:
-        it restarted, and the old keys are void) replaces every region; otherwise each
-        region keeps the newest generation any record gave it."""
-        if info.address != self.info.address:
-            self.info = info
+        A record from a later serving process of the peer (another worker address,
+        newer generations: it restarted, and the old keys are void) replaces every
+        region; one from an earlier process (fetched before the restart, given after)
+        changes nothing: pointing the child back there would send every sharing
+        pull's reads, each checked against its own record, to that process. Otherwise
+        each region keeps the newest generation any record gave it."""
+        if info.address != self.address:
+            if _newest(info.regions) <= _newest(self.regions.values()):
+                return  # an earlier process's record: its reads fail there, no one else's
+            self.address = info.address
             self.regions = {}
         merged = dict(self.regions)
         for r in info.regions:
@@ -152,6 +160,12 @@ class UcxPeer(Peer):
             return
         self._closed = True
         await self.owner._close_peer(self)
+
+
+def _newest(regions: Iterable[AdvertisedRegion]) -> int:
+    """The newest generation among ``regions`` (0: none): a later serving process of
+    a peer registers its regions again, under newer generations."""
+    return max((r.generation for r in regions), default=0)
 
 
 class ScopedUcxPeer(Peer):
@@ -246,10 +260,10 @@ class PeerPulls(Transport):
                     raise TransportClosed("ucx transport is closed")
                 self._pullers[peer.key] = c
             while peer.handle not in c.connected:
-                address, regions = peer.info.address, dict(peer.regions)
+                address, regions = peer.address, dict(peer.regions)
                 await self._call_in(c, Connect(peer.handle, address, tuple(regions.values())))
                 # A record given meanwhile (another pull's scope) connects again.
-                if (address, regions) == (peer.info.address, peer.regions):
+                if (address, regions) == (peer.address, peer.regions):
                     c.connected.add(peer.handle)
             c.last_used = time.monotonic()
             return c

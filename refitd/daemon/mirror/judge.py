@@ -14,7 +14,8 @@ holder to leave and why:
   and again from each time a relay's own fill moved on (:meth:`Judge.progressed`:
   a relay still filling from upstream is not late for chunks it does not hold yet).
   A relay whose feed has not yet named its regions made is still making them: it is
-  late only after ``LATE_MAKING_S``;
+  late only after ``LATE_MAKING_S``. Its feed's word is not a chunk: a relay from
+  which no chunk came for ``RELAY_QUIET_MAX_S`` is late however its fill moves;
 - **slow**: after ``SLOW_AFTER_S`` of reading from it, a holder sending under
   ``SLOW_FRACTION`` of the median rate the other holders sent here while they had
   chunks to send, in ``SLOW_REPORTS`` reports in a row; at most
@@ -39,6 +40,7 @@ __all__ = [
     "LATE_MAKING_S",
     "MAX_SLOW_SWITCHES",
     "RATE_WINDOW_S",
+    "RELAY_QUIET_MAX_S",
     "SLOW_AFTER_S",
     "SLOW_FRACTION",
     "SLOW_REPORTS",
@@ -76,6 +78,12 @@ LATE_MAKING_S = 15.0
 could take chunks is late, s: making shared memory takes a busy host seconds, not
 this long (its feed's heartbeats only say its daemon answers)."""
 
+RELAY_QUIET_MAX_S = 60.0
+"""A relay from which no chunk came here this long is late, s, however often its feed
+says its own fill moved on (:meth:`Judge.progressed`): a feed that says so without
+the relay ever sending would otherwise restart its clock once per chunk of the
+model, and hold this mirror for hours."""
+
 
 class SlowRelay(TransportError):
     """A holder sends under ``SLOW_FRACTION`` of the other holders' rate."""
@@ -110,6 +118,9 @@ class Judge:
     last: dict[str, float] = field(default_factory=dict)
     #: when each holder's count here last grew, and that count
     seen: dict[str, tuple[float, int]] = field(default_factory=dict)
+    #: when a chunk last came from each holder (or it started, or this mirror could
+    #: take chunks), whatever its feed said since (:data:`RELAY_QUIET_MAX_S`)
+    heard: dict[str, float] = field(default_factory=dict)
     #: when each holder was first read from, or when this mirror could first take
     #: chunks (its regions made) if later
     started: dict[str, float] = field(default_factory=dict)
@@ -141,6 +152,7 @@ class Judge:
         self.receiving_at = now
         self.started = {u: max(t, now) for u, t in self.started.items()}
         self.seen = {u: (max(t, now), n) for u, (t, n) in self.seen.items()}
+        self.heard = {u: max(t, now) for u, t in self.heard.items()}
 
     def progressed(self, holder: str, now: float) -> None:
         """``holder``, a relay, moved on at ``now`` in its own fill (its feed named its
@@ -165,11 +177,19 @@ class Judge:
             since, before = self.seen.get(u, (self.started.get(u, now), 0))
             if count != before:
                 self.seen[u] = (now, count)
+                self.heard[u] = now
                 continue
             r = self.last.get(u, 0.0)
             limit = max(LATE_FLOOR_S, LATE_BATCHES * self.batch_bytes / r if r > 0 else 0.0)
             if u in self.relays and u not in self.made:
                 limit = max(limit, LATE_MAKING_S)  # still making its regions
+            quiet = now - self.heard.get(u, self.started.get(u, now))
+            if u in self.relays and quiet > max(limit, RELAY_QUIET_MAX_S):
+                return LateHolder(
+                    u,
+                    f"no chunk came from it for {quiet:.1f} s, though its feed said its fill "
+                    f"moved on (a relay's limit {max(limit, RELAY_QUIET_MAX_S):.1f} s)",
+                )
             if now - since > limit:
                 return LateHolder(
                     u, f"no chunk came from it for {now - since:.1f} s (its limit {limit:.1f} s)"

@@ -7,6 +7,7 @@ from refitd.daemon.mirror.judge import (
     LATE_FLOOR_S,
     LATE_MAKING_S,
     MAX_SLOW_SWITCHES,
+    RELAY_QUIET_MAX_S,
     SLOW_AFTER_S,
     Judge,
 )
@@ -165,3 +166,31 @@ def test_a_relay_still_making_its_regions_is_late_only_after_the_making_limit() 
     assert judge.late(LATE_MAKING_S - 0.1, {}, {"relay"}) is None
     verdict = judge.late(LATE_MAKING_S + 0.1, {}, {"relay"})
     assert verdict is not None and verdict.url == "relay"
+
+
+def test_a_relay_whose_feed_says_it_moves_on_but_never_sends_is_late_after_the_quiet_cap() -> None:
+    """A hostile (or broken) relay keeps its feed alive and says one more chunk of its
+    own fill is complete just under every limit, yet sends nothing: each word restarts
+    its clock, so without a cap it would hold this mirror for a limit per chunk of the
+    model (hours). No chunk for ``RELAY_QUIET_MAX_S`` is late, whatever its feed says;
+    a chunk that lands restarts that count."""
+    judge = started("liar", relay=True)
+    judge.receiving(0.0)
+    judge.progressed("liar", 0.0)  # its regions made
+    t, verdict = 0.0, None
+    while verdict is None and t < 10 * RELAY_QUIET_MAX_S:
+        t += LATE_FLOOR_S - 0.1
+        judge.progressed("liar", t)  # one more chunk done there, it says
+        verdict = judge.late(t, {"liar": 0}, {"liar"})
+    assert verdict is not None and verdict.url == "liar"
+    assert RELAY_QUIET_MAX_S < t <= RELAY_QUIET_MAX_S + LATE_FLOOR_S
+
+    honest = started("relay", relay=True)
+    honest.receiving(0.0)
+    honest.progressed("relay", 0.0)
+    t, sent = 0.0, 0
+    while t < 3 * RELAY_QUIET_MAX_S:  # a chunk here every other move: never late
+        t += LATE_FLOOR_S - 0.1
+        honest.progressed("relay", t)
+        sent += int(t / (LATE_FLOOR_S - 0.1)) % 2
+        assert honest.late(t, {"relay": sent}, {"relay"}) is None
