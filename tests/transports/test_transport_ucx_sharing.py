@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -61,38 +62,49 @@ async def test_a_pull_scoped_after_another_does_not_shrink_what_the_other_may_re
             staged.close()
 
 
-async def test_a_peer_restarted_under_its_id_is_read_by_a_new_process_and_the_old_one_stops() -> (
-    None
-):
+@contextlib.asynccontextmanager
+async def two_lives() -> AsyncIterator[
+    tuple[UcxTransport, UcxTransport, UcxTransport, SharedSegment]
+]:
+    """A puller, and two serving processes of one peer id ("trainer": its earlier
+    life and its next), whose region ``REMOTE`` holds all 1s and all 2s; with the
+    puller's destination region ``LOCAL``."""
     secret = b"sharing-secret-0123456789abcdef"
     async with (
         UcxTransport(secret=secret) as puller,
-        UcxTransport(secret=secret, peer_id="trainer") as before,
-        UcxTransport(secret=secret, peer_id="trainer") as after,  # its next life
+        UcxTransport(secret=secret, peer_id="trainer") as earlier,
+        UcxTransport(secret=secret, peer_id="trainer") as later,
     ):
         dst = SharedSegment.create(SIZE, "dst")
         srcs = [SharedSegment.create(SIZE, f"src-{i}") for i in range(2)]
         try:
             await puller.register(LOCAL, dst)
-            for i, (t, seg) in enumerate(zip((before, after), srcs, strict=True)):
+            for i, (t, seg) in enumerate(zip((earlier, later), srcs, strict=True)):
                 fill(seg, i + 1)
                 await t.register(REMOTE, seg)
-            read = np.array([(LOCAL, 0, REMOTE, 0, SIZE)], READ_DTYPE)
-            old = await puller.connect(before.advertise())
-            await old.get(read)
-            new = await puller.connect(after.advertise())
-            assert isinstance(old, UcxPeer) and isinstance(new, UcxPeer)
-            old_pid = old.pid
-            assert old_pid is not None and new.pid != old_pid
-            await old.close()
-            with pytest.raises(ProcessLookupError):
-                os.kill(old_pid, 0)
-            await new.get(read)
-            assert (dst.numpy() == 2).all()
+            yield puller, earlier, later, dst
         finally:
             dst.close()
             for seg in srcs:
                 seg.close()
+
+
+async def test_a_peer_restarted_under_its_id_is_read_by_a_new_process_and_the_old_one_stops() -> (
+    None
+):
+    async with two_lives() as (puller, before, after, dst):
+        read = np.array([(LOCAL, 0, REMOTE, 0, SIZE)], READ_DTYPE)
+        old = await puller.connect(before.advertise())
+        await old.get(read)
+        new = await puller.connect(after.advertise())
+        assert isinstance(old, UcxPeer) and isinstance(new, UcxPeer)
+        old_pid = old.pid
+        assert old_pid is not None and new.pid != old_pid
+        await old.close()
+        with pytest.raises(ProcessLookupError):
+            os.kill(old_pid, 0)
+        await new.get(read)
+        assert (dst.numpy() == 2).all()
 
 
 async def test_a_stale_record_of_a_peers_earlier_process_does_not_repoint_the_shared_connection() -> (
@@ -104,33 +116,17 @@ async def test_a_stale_record_of_a_peers_earlier_process_does_not_repoint_the_sh
     other pull's reads, checked against its own record, would land there (reading
     that process's bytes, or hanging on a dead one). Both processes stay up here, so
     a read pointed wrong shows as the earlier process's bytes."""
-    secret = b"sharing-secret-0123456789abcdef"
-    async with (
-        UcxTransport(secret=secret) as puller,
-        UcxTransport(secret=secret, peer_id="trainer") as earlier,
-        UcxTransport(secret=secret, peer_id="trainer") as later,  # its restarted process
-    ):
-        dst = SharedSegment.create(SIZE, "dst")
-        srcs = [SharedSegment.create(SIZE, f"src-{i}") for i in range(2)]
-        try:
-            await puller.register(LOCAL, dst)
-            for i, (t, seg) in enumerate(zip((earlier, later), srcs, strict=True)):
-                fill(seg, i + 1)
-                await t.register(REMOTE, seg)
-            stale, fresh = earlier.advertise(), later.advertise()
-            read = np.array([(LOCAL, 0, REMOTE, 0, SIZE)], READ_DTYPE)
-            conn = await puller.connect(fresh)
-            b = await conn.scoped(fresh)
-            a = await conn.scoped(stale)  # fetched before the restart, scoped after
-            await b.get(read)
-            assert (dst.numpy() == 2).all()  # the later process's bytes, as b's record says
-            fill(dst, 0)
-            with contextlib.suppress(TransportError):
-                await a.get(read)  # its keys are void: refused, or the later process's region
-            assert not (dst.numpy() == 1).any()
-            await b.get(read)
-            assert (dst.numpy() == 2).all()
-        finally:
-            dst.close()
-            for seg in srcs:
-                seg.close()
+    async with two_lives() as (puller, earlier, later, dst):
+        stale, fresh = earlier.advertise(), later.advertise()
+        read = np.array([(LOCAL, 0, REMOTE, 0, SIZE)], READ_DTYPE)
+        conn = await puller.connect(fresh)
+        b = await conn.scoped(fresh)
+        a = await conn.scoped(stale)  # fetched before the restart, scoped after
+        await b.get(read)
+        assert (dst.numpy() == 2).all()  # the later process's bytes, as b's record says
+        fill(dst, 0)
+        with contextlib.suppress(TransportError):
+            await a.get(read)  # its keys are void: refused, or the later process's region
+        assert not (dst.numpy() == 1).any()
+        await b.get(read)
+        assert (dst.numpy() == 2).all()
